@@ -1,0 +1,96 @@
+#ifndef MEMRA_CORE_MODEL_PLAN_H_
+#define MEMRA_CORE_MODEL_PLAN_H_
+
+// The per-layer cache description of a model (DESIGN.md section 2), its validation and its
+// canonical fingerprint. Two plans with the same fingerprint have byte-identical session layouts.
+//
+// Thread-safety: plain values; const methods are safe to call concurrently.
+
+#include <array>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "core/formats.h"
+
+namespace memra {
+
+// What a layer keeps in the cache (the reference's `StatePlan`).
+enum class StateKind : uint8_t {
+  kNone = 0,        // no cache state of its own (e.g. an MLP-only block)
+  kKv = 1,          // full-attention K/V planes, `capacity` rows
+  kSlidingKv = 2,   // sliding-window K/V; a ring when the plan enables `swa_ring`
+  kRecurrent = 3,   // linear-attention conv + SSM state, fixed size
+  kLatent = 4,      // MLA latent rows (+ optional DSA indexer plane and pool keys)
+  kSharedKv = 5,    // attends an earlier layer's K/V (Gemma's trailing shared-KV layers)
+};
+
+// How the reference classifies a full-attention layer when choosing its default KV format.
+enum class AttentionClass : uint8_t {
+  kOrdinary = 0,
+  kGemmaGlobal = 1,
+  kGemmaWindowed = 2,
+};
+
+struct LayerPlan {
+  uint32_t index = 0;  // absolute layer index; trunk layers are 0..n-1, MTP blocks follow
+  StateKind kind = StateKind::kNone;
+
+  // kKv / kSlidingKv. K/V elements per token are head_dim * n_head_kv; for quantized formats
+  // head dims must be multiples of 32 (a 32-element block never straddles a head).
+  AttentionClass attention = AttentionClass::kOrdinary;
+  uint32_t head_dim_k = 0;
+  uint32_t head_dim_v = 0;
+  uint32_t n_head_kv = 0;
+  std::optional<KvFormats> formats;  // unset: FormatDefaults for `attention` decide
+  uint32_t window = 0;               // kSlidingKv only: attention window in tokens (> 0)
+
+  // kRecurrent: conv state is conv_width * (conv_kernel - 1) f32, SSM state state_width f32.
+  uint32_t conv_width = 0;
+  uint32_t conv_kernel = 0;
+  uint32_t state_width = 0;
+
+  // kLatent: one f32 row of `latent_width` per token; `index_width` f32 per token in the DSA
+  // indexer plane (0 = no indexer); `index_pool` tokens per pool key (required iff indexer).
+  uint32_t latent_width = 0;
+  uint32_t index_width = 0;
+  uint32_t index_pool = 0;
+
+  // kSharedKv: the earlier layer whose K/V this layer attends.
+  uint32_t shares_kv_with = 0;
+};
+
+struct ModelPlan {
+  std::string name;                   // informational; not part of the fingerprint
+  std::vector<LayerPlan> layers;      // trunk layers, index 0..n-1 in order
+  std::vector<LayerPlan> mtp_blocks;  // MTP/NextN blocks, indices n.. in order
+  // Sliding layers use the SWA ring (the reference's `swa_ring_on`); off keeps flat planes.
+  bool swa_ring = false;
+  // The reference's MEMRA_DSA_INDEX_RING: unset books INDEX_RING_WORKING_ROWS, 0 disables the
+  // tail ring, n pins its physical rows.
+  std::optional<uint32_t> index_ring_rows;
+
+  // All layers, trunk then MTP, in index order.
+  std::vector<const LayerPlan*> AllLayers() const;
+  const LayerPlan* FindLayer(uint32_t index) const;
+  uint32_t TotalLayers() const;
+};
+
+// Checks every structural rule: contiguous indices, kind-specific dims nonzero, head dims % 32
+// for quantized planes, window > 0, index_width even, pool > 0 iff indexer, shared-KV targets
+// earlier KV layers. INVALID_ARGUMENT naming the layer and the numbers.
+absl::Status ValidateModelPlan(const ModelPlan& plan);
+
+// SHA-256 over the canonical encoding (every layout-relevant field, formats resolved with
+// `defaults`, fixed field order, little-endian). Equal fingerprints <=> identical layouts.
+using PlanFingerprint = std::array<uint8_t, 32>;
+absl::StatusOr<PlanFingerprint> FingerprintModelPlan(const ModelPlan& plan,
+                                                     const FormatDefaults& defaults);
+std::string FingerprintHex(const PlanFingerprint& fingerprint);
+
+}  // namespace memra
+
+#endif  // MEMRA_CORE_MODEL_PLAN_H_
