@@ -557,6 +557,36 @@ absl::Status ApplyOverride(DaemonConfig& config, std::string_view key_view,
   return SetKey(*spec, RawValue(std::string(value)), subject, config);
 }
 
+absl::StatusOr<SplitFlags> SplitConfigFlags(int argc, const char* const* argv) {
+  SplitFlags split;
+  bool after_terminator = false;
+  for (int i = 0; i < argc; ++i) {
+    absl::string_view arg = argv[i];
+    absl::string_view flag = arg;
+    bool is_flag = i > 0 && !after_terminator &&
+                   (absl::ConsumePrefix(&flag, "--") || absl::ConsumePrefix(&flag, "-"));
+    after_terminator = after_terminator || (i > 0 && arg == "--");
+    size_t equals = flag.find('=');
+    const KeySpec* spec = is_flag ? FindKey(flag.substr(0, equals)) : nullptr;
+    if (spec == nullptr) {
+      split.rest.emplace_back(arg);
+      continue;
+    }
+    std::string key(spec->name);
+    if (equals != absl::string_view::npos) {
+      split.overrides.push_back({key, std::string(flag.substr(equals + 1))});
+    } else if (spec->syntax == Syntax::kBool) {
+      split.overrides.push_back({key, "true"});
+    } else if (i + 1 < argc) {
+      split.overrides.push_back({key, argv[++i]});
+    } else {
+      return absl::InvalidArgumentError(
+          absl::StrCat(arg, ": no value; accepted: ", Accepted(*spec)));
+    }
+  }
+  return split;
+}
+
 absl::Status ValidateConfig(const DaemonConfig& config) {
   std::string socket = config.SocketPath();
   if (socket.size() >= sizeof(sockaddr_un{}.sun_path)) {

@@ -114,6 +114,18 @@ struct ConfigOverride {
   std::string value;
 };
 
+// Command-line arguments split into configuration overrides and the rest, so every key is a flag
+// without a flag definition per key.
+struct SplitFlags {
+  std::vector<ConfigOverride> overrides;  // in command-line order
+  std::vector<std::string> rest;          // argv[0] and everything else (--config, --help, ...)
+};
+// `--<key>=<value>` and `--<key> <value>` (also with a single '-') for a configuration key become
+// overrides; a bool key may stand alone (`--watchdog` = true). Arguments after "--" are left
+// alone. Values are not checked here (ApplyOverride does); a key missing its value is
+// INVALID_ARGUMENT naming it.
+absl::StatusOr<SplitFlags> SplitConfigFlags(int argc, const char* const* argv);
+
 // The daemon's one entry point: defaults, then the file at `path` (skipped when empty), then each
 // override in order, then ValidateConfig.
 absl::StatusOr<DaemonConfig> LoadDaemonConfig(const std::string& path,

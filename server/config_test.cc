@@ -324,6 +324,25 @@ TEST(ConfigTest, EveryRenderedKeyIsAnOverride) {
   EXPECT_EQ(rebuilt, source);
 }
 
+TEST(ConfigTest, SplitConfigFlagsTakesKeysAndLeavesTheRest) {
+  const char* argv[] = {"memra-kvd", "--config=/etc/memra-kv/gpu1.conf", "--device=1",
+                        "--budget_bytes", "64GiB", "-log_level=debug", "--watchdog",
+                        "--help", "--", "--device=9"};
+  absl::StatusOr<SplitFlags> split = SplitConfigFlags(std::size(argv), argv);
+  ASSERT_THAT(split, IsOk());
+  std::vector<std::string> overrides;
+  for (const ConfigOverride& o : split->overrides) overrides.push_back(o.key + "=" + o.value);
+  EXPECT_THAT(overrides, ElementsAre("device=1", "budget_bytes=64GiB", "log_level=debug",
+                                     "watchdog=true"));
+  EXPECT_THAT(split->rest, ElementsAre("memra-kvd", "--config=/etc/memra-kv/gpu1.conf", "--help",
+                                       "--", "--device=9"));
+
+  const char* missing[] = {"memra-kvd", "--drain_grace_ms"};
+  EXPECT_THAT(SplitConfigFlags(std::size(missing), missing),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstrs("--drain_grace_ms: no value", "from 0 to 3600000")));
+}
+
 TEST(ConfigTest, ValidateRefusesSocketPathTooLongForItsDevice) {
   DaemonConfig config;
   config.socket_path = "/run/" + std::string(95, 'x') + "/{device}.sock";  // 107 bytes for device 0
