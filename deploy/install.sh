@@ -60,7 +60,7 @@ for pair in "memra-kvd:$SERVER_BIN_DIR" "memra-kvctl:$TOOLS_BIN_DIR"; do
   elif (( allow_missing )); then
     echo "install.sh: skipping $name: no executable $dir/$name (--allow-missing-binaries)"
   else
-    die "no executable $dir/$name; build it with bazel, set BIN_DIR, or pass --allow-missing-binaries"
+    die "no executable $dir/$name; build it, set BIN_DIR, or pass --allow-missing-binaries"
   fi
 done
 

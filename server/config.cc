@@ -43,8 +43,8 @@ constexpr uint64_t kPiB = uint64_t{1} << 50;
 
 // Index = enum value; BackendName/LogLevelName and the "one of" parsing share these.
 constexpr std::array<absl::string_view, 2> kBackendNames = {"host", "cuda"};
-constexpr std::array<absl::string_view, 7> kLogLevelNames = {"trace", "debug", "info",    "warn",
-                                                            "error", "critical", "off"};
+constexpr std::array<absl::string_view, 7> kLogLevelNames = {"trace", "debug",    "info", "warn",
+                                                             "error", "critical", "off"};
 
 // A value as the file or the command line wrote it, before the key's rules apply. The command
 // line gives text only, so every rule that takes a number also takes its text.
@@ -118,6 +118,8 @@ std::optional<std::string> CheckHostPort(absl::string_view address) {
 // The one table of keys, in file order. Adding a setting = a field in DaemonConfig + a row here.
 const std::vector<KeySpec>& Keys() {
   using C = DaemonConfig;
+  // One key per paragraph reads better than clang-format's one field per line.
+  // clang-format off
   static const auto* const keys = new std::vector<KeySpec>{
       {.name = "backend", .field = &C::backend, .syntax = Syntax::kChoice, .reloadable = false,
        .help = "Device backend: host (POSIX shared memory) or cuda.",
@@ -189,6 +191,7 @@ const std::vector<KeySpec>& Keys() {
       {.name = "watchdog", .field = &C::watchdog, .syntax = Syntax::kBool, .reloadable = false,
        .help = "Send systemd watchdog keep-alives when asked to (false needs WatchdogSec=0)."},
   };
+  // clang-format on
   return *keys;
 }
 
@@ -339,8 +342,9 @@ absl::StatusOr<TypedValue> Interpret(const KeySpec& spec, const RawValue& raw) {
     case Syntax::kMode: {
       if (text == nullptr) return refuse("not a string (write modes in quotes, e.g. \"0660\")");
       uint64_t mode = 0;
-      bool octal = !text->empty() && text->size() <= 4 &&
-                   std::all_of(text->begin(), text->end(), [](char c) { return c >= '0' && c <= '7'; });
+      bool octal =
+          !text->empty() && text->size() <= 4 &&
+          std::all_of(text->begin(), text->end(), [](char c) { return c >= '0' && c <= '7'; });
       if (octal) std::from_chars(text->data(), text->data() + text->size(), mode, 8);
       if (!octal || mode > 0777) return refuse("not a valid mode");
       return TypedValue(mode);
@@ -482,8 +486,7 @@ std::vector<ConfigKeyInfo> ConfigKeys() {
   return out;
 }
 
-absl::StatusOr<DaemonConfig> ParseConfig(std::string_view text_view,
-                                         std::string_view source_view) {
+absl::StatusOr<DaemonConfig> ParseConfig(std::string_view text_view, std::string_view source_view) {
   absl::string_view source_name = AsAbsl(source_view);
   toml::value root;
   try {
@@ -591,16 +594,16 @@ absl::Status ValidateConfig(const DaemonConfig& config) {
   std::string socket = config.SocketPath();
   if (socket.size() >= sizeof(sockaddr_un{}.sun_path)) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "socket_path = ", Quote(config.socket_path), " with device = ", config.device,
-        " is ", Quote(socket), " (", socket.size(), " bytes); a Unix socket path holds at most ",
+        "socket_path = ", Quote(config.socket_path), " with device = ", config.device, " is ",
+        Quote(socket), " (", socket.size(), " bytes); a Unix socket path holds at most ",
         sizeof(sockaddr_un{}.sun_path) - 1, " bytes"));
   }
   // Prefix-cache entries are counted against the admission budget (they are evicted to admit).
   if (config.backend == Backend::kHost && config.prefix_cache_budget_bytes > config.budget_bytes) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "prefix_cache_budget_bytes = ", config.prefix_cache_budget_bytes,
-        " exceeds budget_bytes = ", config.budget_bytes,
-        "; the host backend's prefix cache lives inside its budget"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("prefix_cache_budget_bytes = ", config.prefix_cache_budget_bytes,
+                     " exceeds budget_bytes = ", config.budget_bytes,
+                     "; the host backend's prefix cache lives inside its budget"));
   }
   return absl::OkStatus();
 }

@@ -26,8 +26,8 @@ enum class Backend { kHost, kCuda };
 // Same order as spdlog::level::level_enum (trace = 0 ... off = 6): static_cast converts.
 enum class LogLevel { kTrace, kDebug, kInfo, kWarn, kError, kCritical, kOff };
 
-std::string_view BackendName(Backend backend);    // "host" | "cuda"
-std::string_view LogLevelName(LogLevel level);    // "trace" ... "off"
+std::string_view BackendName(Backend backend);  // "host" | "cuda"
+std::string_view LogLevelName(LogLevel level);  // "trace" ... "off"
 
 // Every daemon setting, with its default. Key names in the file and on the command line are the
 // field names. Plain data: copy freely.

@@ -51,12 +51,10 @@ TEST(ConfigTest, KeyListIsTheDocumentedOne) {
                           "cuda_reserve_bytes", "lease_timeout_ms", "lease_grace_ms",
                           "reservation_ttl_ms", "log_level", "metrics_address", "drain_grace_ms",
                           "prefix_cache_budget_bytes", "prefix_block_tokens",
-                          "prefix_capture_on_engine_death", "prefix_verify_checksums",
-                          "watchdog"));
-  EXPECT_THAT(reloadable, ElementsAre("budget_bytes", "cuda_memory_fraction",
-                                      "cuda_reserve_bytes", "lease_timeout_ms",
-                                      "reservation_ttl_ms", "log_level", "drain_grace_ms",
-                                      "prefix_cache_budget_bytes"));
+                          "prefix_capture_on_engine_death", "prefix_verify_checksums", "watchdog"));
+  EXPECT_THAT(reloadable, ElementsAre("budget_bytes", "cuda_memory_fraction", "cuda_reserve_bytes",
+                                      "lease_timeout_ms", "reservation_ttl_ms", "log_level",
+                                      "drain_grace_ms", "prefix_cache_budget_bytes"));
 }
 
 TEST(ConfigTest, Defaults) {
@@ -215,22 +213,22 @@ INSTANTIATE_TEST_SUITE_P(
                      {"lease_timeout_ms = \"10s\"", "not a valid value"}},
         BadValueCase{"device = 1024", {"device = 1024", "out of range", "from 0 to 1023"}},
         BadValueCase{"device = 1.5", {"device = 1.5", "not a valid value", "integer"}},
-        BadValueCase{"budget_bytes = \"64GB\"",
-                     {"budget_bytes = \"64GB\"", "not a valid value", "from 1MiB to 1PiB",
-                      "KiB|MiB|GiB"}},
+        BadValueCase{
+            "budget_bytes = \"64GB\"",
+            {"budget_bytes = \"64GB\"", "not a valid value", "from 1MiB to 1PiB", "KiB|MiB|GiB"}},
         BadValueCase{"budget_bytes = 1000", {"budget_bytes = 1000", "out of range", "1MiB"}},
         BadValueCase{"budget_bytes = \"99999999999PiB\"",
                      {"budget_bytes = \"99999999999PiB\"", "not a valid value"}},
         BadValueCase{"cuda_reserve_bytes = \"2TiB\"",
                      {"cuda_reserve_bytes = \"2TiB\"", "out of range", "from 0 to 1TiB"}},
-        BadValueCase{"cuda_memory_fraction = 1.5",
-                     {"cuda_memory_fraction = 1.5", "out of range", "greater than 0 and at most 1"}},
+        BadValueCase{
+            "cuda_memory_fraction = 1.5",
+            {"cuda_memory_fraction = 1.5", "out of range", "greater than 0 and at most 1"}},
         BadValueCase{"cuda_memory_fraction = 0",
                      {"cuda_memory_fraction = 0", "out of range", "greater than 0"}},
         BadValueCase{"cuda_memory_fraction = \"most\"",
                      {"cuda_memory_fraction = \"most\"", "not a number"}},
-        BadValueCase{"cuda_memory_fraction = nan",
-                     {"cuda_memory_fraction = nan", "not a number"}},
+        BadValueCase{"cuda_memory_fraction = nan", {"cuda_memory_fraction = nan", "not a number"}},
         BadValueCase{"socket_mode = 0o660",
                      {"socket_mode = 432", "not a string", "\"0000\" to \"0777\""}},
         BadValueCase{"socket_mode = \"0668\"", {"socket_mode = \"0668\"", "not a valid mode"}},
@@ -325,15 +323,17 @@ TEST(ConfigTest, EveryRenderedKeyIsAnOverride) {
 }
 
 TEST(ConfigTest, SplitConfigFlagsTakesKeysAndLeavesTheRest) {
-  const char* argv[] = {"memra-kvd", "--config=/etc/memra-kv/gpu1.conf", "--device=1",
-                        "--budget_bytes", "64GiB", "-log_level=debug", "--watchdog",
-                        "--help", "--", "--device=9"};
+  const char* argv[] = {"memra-kvd",  "--config=/etc/memra-kv/gpu1.conf",
+                        "--device=1", "--budget_bytes",
+                        "64GiB",      "-log_level=debug",
+                        "--watchdog", "--help",
+                        "--",         "--device=9"};
   absl::StatusOr<SplitFlags> split = SplitConfigFlags(std::size(argv), argv);
   ASSERT_THAT(split, IsOk());
   std::vector<std::string> overrides;
   for (const ConfigOverride& o : split->overrides) overrides.push_back(o.key + "=" + o.value);
-  EXPECT_THAT(overrides, ElementsAre("device=1", "budget_bytes=64GiB", "log_level=debug",
-                                     "watchdog=true"));
+  EXPECT_THAT(overrides,
+              ElementsAre("device=1", "budget_bytes=64GiB", "log_level=debug", "watchdog=true"));
   EXPECT_THAT(split->rest, ElementsAre("memra-kvd", "--config=/etc/memra-kv/gpu1.conf", "--help",
                                        "--", "--device=9"));
 
@@ -357,10 +357,9 @@ TEST(ConfigTest, ValidateRefusesPrefixBudgetAboveHostBudget) {
   DaemonConfig config;
   config.budget_bytes = kGiB;
   config.prefix_cache_budget_bytes = 2 * kGiB;
-  EXPECT_THAT(ValidateConfig(config),
-              StatusIs(absl::StatusCode::kInvalidArgument,
-                       HasSubstrs("prefix_cache_budget_bytes = 2147483648",
-                                  "budget_bytes = 1073741824")));
+  EXPECT_THAT(ValidateConfig(config), StatusIs(absl::StatusCode::kInvalidArgument,
+                                               HasSubstrs("prefix_cache_budget_bytes = 2147483648",
+                                                          "budget_bytes = 1073741824")));
   config.backend = Backend::kCuda;  // the CUDA budget is only known at start-up
   EXPECT_THAT(ValidateConfig(config), IsOk());
 }
@@ -382,8 +381,9 @@ class ConfigFileTest : public ::testing::Test {
 };
 
 TEST_F(ConfigFileTest, FlagsOverrideTheFileAndValidateRunsLast) {
-  std::string path = Write("gpu0.conf", "device = 0\nbudget_bytes = \"1GiB\"\n"
-                                        "prefix_cache_budget_bytes = \"2GiB\"\n");
+  std::string path = Write("gpu0.conf",
+                           "device = 0\nbudget_bytes = \"1GiB\"\n"
+                           "prefix_cache_budget_bytes = \"2GiB\"\n");
   // The file alone is inconsistent; the flag fixes it, so validation must come after flags.
   absl::StatusOr<DaemonConfig> config =
       LoadDaemonConfig(path, {{"device", "3"}, {"budget_bytes", "4GiB"}});

@@ -41,8 +41,10 @@ absl::Status SdNotify(std::string_view state) {
   size_t length = std::strlen(target);
   if ((target[0] != '/' && target[0] != '@') || length >= sizeof(address.sun_path)) {
     return absl::InvalidArgumentError(
-        absl::StrCat("NOTIFY_SOCKET=\"", target, "\": expected an absolute path or @abstract name "
-                     "shorter than ", sizeof(address.sun_path), " bytes"));
+        absl::StrCat("NOTIFY_SOCKET=\"", target,
+                     "\": expected an absolute path or @abstract name "
+                     "shorter than ",
+                     sizeof(address.sun_path), " bytes"));
   }
   std::memcpy(address.sun_path, target, length);
   // An abstract name has no terminating NUL: its length is part of the address.
@@ -101,15 +103,15 @@ std::optional<absl::Duration> WatchdogInterval() {
 Notifier::Notifier(Sender send) : send_(send ? std::move(send) : Sender(&SdNotify)) {}
 
 absl::Status Notifier::Ready(std::string_view status) {
-  return send_(absl::StrCat("READY=1\nSTATUS=",
-                            absl::StrReplaceAll(AsAbsl(status), {{"\n", " "}})));
+  return send_(
+      absl::StrCat("READY=1\nSTATUS=", absl::StrReplaceAll(AsAbsl(status), {{"\n", " "}})));
 }
 
 absl::Status Notifier::Reloading() {
   timespec now{};
   clock_gettime(CLOCK_MONOTONIC, &now);
-  uint64_t usec = static_cast<uint64_t>(now.tv_sec) * 1'000'000 +
-                  static_cast<uint64_t>(now.tv_nsec) / 1000;
+  uint64_t usec =
+      static_cast<uint64_t>(now.tv_sec) * 1'000'000 + static_cast<uint64_t>(now.tv_nsec) / 1000;
   return send_(absl::StrCat("RELOADING=1\nMONOTONIC_USEC=", usec));
 }
 

@@ -56,10 +56,12 @@ printf 'budget_bytes = "2GiB"\n' >"$root/etc/memra-kv/gpu0.conf"
 before="$(tree "$root"; cd "$root" && find . -type f -exec sha256sum {} + | sort)"
 install_into "$root" >/dev/null || fail "second install failed"
 after="$(tree "$root"; cd "$root" && find . -type f -exec sha256sum {} + | sort)"
-[[ "$before" == "$after" ]] || fail "second install changed the tree:"$'\n'"$(diff <(echo "$before") <(echo "$after"))"
+[[ "$before" == "$after" ]] ||
+  fail "second install changed the tree:"$'\n'"$(diff <(echo "$before") <(echo "$after"))"
 
 echo "--- nothing activated under DESTDIR"
-[[ ! -e "$TEST_DIR/calls" ]] || fail "activation commands ran with DESTDIR set: $(cat "$TEST_DIR/calls")"
+[[ ! -e "$TEST_DIR/calls" ]] ||
+  fail "activation commands ran with DESTDIR set: $(cat "$TEST_DIR/calls")"
 
 echo "--- PREFIX and SYSCONFDIR follow into the unit"
 local_root="$TEST_DIR/local-root"
