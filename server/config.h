@@ -126,6 +126,10 @@ struct SplitFlags {
 // INVALID_ARGUMENT naming it.
 absl::StatusOr<SplitFlags> SplitConfigFlags(int argc, const char* const* argv);
 
+// Exit status for a configuration error (EX_CONFIG from sysexits.h). memra-kvd@.service has
+// RestartPreventExitStatus=78: a bad config is reported once, not restarted in a loop.
+inline constexpr int kConfigErrorExitCode = 78;
+
 // The daemon's one entry point: defaults, then the file at `path` (skipped when empty), then each
 // override in order, then ValidateConfig.
 absl::StatusOr<DaemonConfig> LoadDaemonConfig(const std::string& path,

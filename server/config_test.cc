@@ -440,6 +440,15 @@ TEST(ConfigTest, PlanReloadAppliesLiveKeysAndListsTheRest) {
   EXPECT_EQ(unchanged.applied, running);
 }
 
+// The unit's RestartPreventExitStatus= must name the code the daemon exits with on a bad config.
+TEST(ConfigTest, ConfigErrorExitCodeMatchesTheUnit) {
+  const char* srcdir = std::getenv("TEST_SRCDIR");
+  ASSERT_NE(srcdir, nullptr);
+  std::string unit = ReadFile(absl::StrCat(srcdir, "/memra_kv/deploy/memra-kvd@.service"));
+  EXPECT_THAT(unit, ::testing::HasSubstr(
+                        absl::StrCat("\nRestartPreventExitStatus=", kConfigErrorExitCode, "\n")));
+}
+
 TEST(ConfigTest, Names) {
   EXPECT_EQ(BackendName(Backend::kCuda), "cuda");
   EXPECT_EQ(LogLevelName(LogLevel::kCritical), "critical");
