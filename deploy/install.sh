@@ -1,0 +1,106 @@
+#!/usr/bin/env bash
+# Installs memra-kv: the binaries, the systemd template unit, sysusers.d/tmpfiles.d snippets and
+# the example config. Idempotent: running it again rewrites the same files; it never touches an
+# operator's /etc/memra-kv/gpu<N>.conf.
+#
+# Usage: deploy/install.sh [--allow-missing-binaries]
+#
+# Environment:
+#   DESTDIR     staging root (packaging, tests). When set, nothing is activated: no users are
+#               created and systemctl is never run.
+#   PREFIX      default /usr: binaries in $PREFIX/bin, unit in $PREFIX/lib/systemd/system,
+#               snippets in $PREFIX/lib/{sysusers.d,tmpfiles.d}.
+#   SYSCONFDIR  default /etc: example config in $SYSCONFDIR/memra-kv.
+#   BIN_DIR     directory holding both memra-kvd and memra-kvctl. Without it, memra-kvd comes from
+#               SERVER_BIN_DIR (default bazel-bin/server) and memra-kvctl from TOOLS_BIN_DIR
+#               (default bazel-bin/tools); those defaults are relative to the repository root.
+#
+# --allow-missing-binaries: install the rest when a binary is not built (says which); without it
+# a missing binary is an error and nothing is installed.
+set -euo pipefail
+
+usage() { sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; }
+die() { echo "install.sh: $*" >&2; exit 1; }
+
+allow_missing=0
+for arg in "$@"; do
+  case "$arg" in
+    --allow-missing-binaries) allow_missing=1 ;;
+    -h|--help) usage; exit 0 ;;
+    *) die "unknown argument '$arg' (see --help)" ;;
+  esac
+done
+
+# Not resolved through symlinks: under Bazel the deploy files are symlinks side by side.
+deploy_dir="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+repo_root="$(dirname "$deploy_dir")"
+
+DESTDIR="${DESTDIR:-}"
+PREFIX="${PREFIX:-/usr}"
+SYSCONFDIR="${SYSCONFDIR:-/etc}"
+SERVER_BIN_DIR="${BIN_DIR:-${SERVER_BIN_DIR:-$repo_root/bazel-bin/server}}"
+TOOLS_BIN_DIR="${BIN_DIR:-${TOOLS_BIN_DIR:-$repo_root/bazel-bin/tools}}"
+
+for var in PREFIX SYSCONFDIR; do
+  value="${!var}"
+  [[ "$value" == /* ]] || die "$var='$value' must be an absolute path"
+  [[ "$value" != *'|'* ]] || die "$var='$value' must not contain '|'"
+done
+
+# Check every input before writing anything, so a failure leaves no half-installed tree.
+sources=(memra-kvd@.service sysusers.d/memra-kv.conf tmpfiles.d/memra-kv.conf memra-kv.conf.example)
+for source in "${sources[@]}"; do
+  [[ -f "$deploy_dir/$source" ]] || die "missing $deploy_dir/$source"
+done
+binaries=()
+for pair in "memra-kvd:$SERVER_BIN_DIR" "memra-kvctl:$TOOLS_BIN_DIR"; do
+  name="${pair%%:*}" dir="${pair#*:}"
+  if [[ -f "$dir/$name" && -x "$dir/$name" ]]; then
+    binaries+=("$dir/$name")
+  elif (( allow_missing )); then
+    echo "install.sh: skipping $name: no executable $dir/$name (--allow-missing-binaries)"
+  else
+    die "no executable $dir/$name; build it, set BIN_DIR, or pass --allow-missing-binaries"
+  fi
+done
+
+root="$DESTDIR"
+unit_dir="$PREFIX/lib/systemd/system"
+sysusers_dir="$PREFIX/lib/sysusers.d"
+tmpfiles_dir="$PREFIX/lib/tmpfiles.d"
+
+for binary in ${binaries[@]+"${binaries[@]}"}; do
+  install -D -m 0755 "$binary" "$root$PREFIX/bin/$(basename "$binary")"
+done
+
+# The unit names /usr/bin and /etc; follow PREFIX and SYSCONFDIR when they differ.
+unit_tmp="$(mktemp)"
+trap 'rm -f "$unit_tmp"' EXIT
+sed -e "s|/usr/bin/memra-kvd|$PREFIX/bin/memra-kvd|g" \
+    -e "s|/etc/memra-kv/|$SYSCONFDIR/memra-kv/|g" \
+    "$deploy_dir/memra-kvd@.service" >"$unit_tmp"
+install -D -m 0644 "$unit_tmp" "$root$unit_dir/memra-kvd@.service"
+install -D -m 0644 "$deploy_dir/sysusers.d/memra-kv.conf" "$root$sysusers_dir/memra-kv.conf"
+install -D -m 0644 "$deploy_dir/tmpfiles.d/memra-kv.conf" "$root$tmpfiles_dir/memra-kv.conf"
+install -d -m 0755 "$root$SYSCONFDIR/memra-kv"
+install -m 0644 "$deploy_dir/memra-kv.conf.example" "$root$SYSCONFDIR/memra-kv/gpu0.conf.example"
+
+echo "install.sh: installed into ${root:-/} (PREFIX=$PREFIX, SYSCONFDIR=$SYSCONFDIR)"
+
+if [[ -n "$DESTDIR" ]]; then
+  echo "install.sh: DESTDIR is set: not creating the memra-kv user or reloading systemd"
+  exit 0
+fi
+
+systemd-sysusers "$sysusers_dir/memra-kv.conf"
+systemd-tmpfiles --create "$tmpfiles_dir/memra-kv.conf"
+if [[ -d /run/systemd/system ]]; then
+  systemctl daemon-reload
+else
+  echo "install.sh: systemd is not running here: skipped systemctl daemon-reload"
+fi
+cat <<EOF
+install.sh: next, for GPU 0:
+  cp $SYSCONFDIR/memra-kv/gpu0.conf.example $SYSCONFDIR/memra-kv/gpu0.conf   # then edit
+  systemctl enable --now memra-kvd@0
+EOF

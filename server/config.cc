@@ -1,0 +1,653 @@
+#include "server/config.h"
+
+#include <fcntl.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <array>
+#include <cerrno>
+#include <charconv>
+#include <cmath>
+#include <exception>
+#include <optional>
+#include <sstream>
+#include <type_traits>
+#include <utility>
+#include <variant>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_replace.h"
+#include "absl/strings/strip.h"
+#include "core/status_macros.h"
+
+// toml11 reports errors by throwing; every call into it stays inside ParseConfig's try block.
+#include <toml.hpp>
+
+namespace memra {
+namespace {
+
+// Debian's Abseil is built with its own absl::string_view (not std::string_view); the public API
+// takes std::string_view and converts here, once.
+absl::string_view AsAbsl(std::string_view text) { return {text.data(), text.size()}; }
+
+constexpr uint64_t kKiB = uint64_t{1} << 10;
+constexpr uint64_t kMiB = uint64_t{1} << 20;
+constexpr uint64_t kGiB = uint64_t{1} << 30;
+constexpr uint64_t kTiB = uint64_t{1} << 40;
+constexpr uint64_t kPiB = uint64_t{1} << 50;
+
+// Index = enum value; BackendName/LogLevelName and the "one of" parsing share these.
+constexpr std::array<absl::string_view, 2> kBackendNames = {"host", "cuda"};
+constexpr std::array<absl::string_view, 7> kLogLevelNames = {"trace", "debug",    "info", "warn",
+                                                             "error", "critical", "off"};
+
+// A value as the file or the command line wrote it, before the key's rules apply. The command
+// line gives text only, so every rule that takes a number also takes its text.
+using RawValue = std::variant<int64_t, double, bool, std::string>;
+// A value after the key's rules: unsigned fields and enum indices are uint64_t.
+using TypedValue = std::variant<uint64_t, double, bool, std::string>;
+
+using FieldPtr =
+    std::variant<uint64_t DaemonConfig::*, uint32_t DaemonConfig::*, double DaemonConfig::*,
+                 bool DaemonConfig::*, std::string DaemonConfig::*, Backend DaemonConfig::*,
+                 LogLevel DaemonConfig::*>;
+
+// How a key's value is written; decides parsing, rendering and the "accepted" text.
+enum class Syntax {
+  kInteger,   // decimal, in [min, max]
+  kBytes,     // decimal bytes or with a binary suffix ("64GiB"), in [min, max]
+  kMode,      // octal permission string ("0660"), at most 0777
+  kFraction,  // number in (0, 1]
+  kBool,      // true | false
+  kChoice,    // one of `choices`; the enum value is the index
+  kText,      // string checked by `check_text`
+};
+
+struct KeySpec {
+  absl::string_view name;
+  FieldPtr field;
+  Syntax syntax;
+  bool reloadable;
+  absl::string_view help;
+  uint64_t min = 0;  // kInteger, kBytes
+  uint64_t max = 0;
+  absl::Span<const absl::string_view> choices = {};  // kChoice
+  // kText: what is accepted, and the check (nullopt = fine, else the problem).
+  absl::string_view text_accepted = {};
+  std::optional<std::string> (*check_text)(absl::string_view) = nullptr;
+};
+
+std::optional<std::string> CheckSocketPath(absl::string_view path) {
+  if (!absl::StartsWith(path, "/")) return "not an absolute path";
+  return std::nullopt;
+}
+
+// Group names as useradd/groupadd accept them, or a numeric gid.
+std::optional<std::string> CheckGroup(absl::string_view group) {
+  if (group.size() > 32) return "longer than 32 characters";
+  if (absl::StartsWith(group, "-")) return "starts with '-'";
+  for (char c : group) {
+    if (!absl::ascii_isalnum(c) && c != '_' && c != '-' && c != '.') {
+      return absl::StrCat("contains '", std::string(1, c), "'");
+    }
+  }
+  return std::nullopt;
+}
+
+std::optional<std::string> CheckHostPort(absl::string_view address) {
+  if (address.empty()) return std::nullopt;  // metrics disabled
+  size_t colon = address.rfind(':');
+  if (colon == absl::string_view::npos) return "no \":port\"";
+  absl::string_view host = address.substr(0, colon);
+  absl::string_view port_text = address.substr(colon + 1);
+  if (host.empty()) return "no host before \":port\"";
+  bool bracketed = absl::StartsWith(host, "[") && absl::EndsWith(host, "]");
+  if (!bracketed && absl::StrContains(host, ':')) return "an IPv6 host must be in brackets";
+  uint32_t port;
+  if (!absl::SimpleAtoi(port_text, &port) || port == 0 || port > 65535) {
+    return absl::StrCat("port \"", port_text, "\" is not 1 to 65535");
+  }
+  return std::nullopt;
+}
+
+// The one table of keys, in file order. Adding a setting = a field in DaemonConfig + a row here.
+const std::vector<KeySpec>& Keys() {
+  using C = DaemonConfig;
+  // One key per paragraph reads better than clang-format's one field per line.
+  // clang-format off
+  static const auto* const keys = new std::vector<KeySpec>{
+      {.name = "backend", .field = &C::backend, .syntax = Syntax::kChoice, .reloadable = false,
+       .help = "Device backend: host (POSIX shared memory) or cuda.",
+       .choices = kBackendNames},
+      {.name = "device", .field = &C::device, .syntax = Syntax::kInteger, .reloadable = false,
+       .help = "GPU index this instance serves; the unit passes --device=%i.", .min = 0,
+       .max = 1023},
+      {.name = "socket_path", .field = &C::socket_path, .syntax = Syntax::kText,
+       .reloadable = false, .help = "Unix socket engines connect to.",
+       .text_accepted = "an absolute path; \"{device}\" is replaced by the GPU index",
+       .check_text = &CheckSocketPath},
+      {.name = "socket_mode", .field = &C::socket_mode, .syntax = Syntax::kMode,
+       .reloadable = false, .help = "Permission bits of the socket."},
+      {.name = "socket_group", .field = &C::socket_group, .syntax = Syntax::kText,
+       .reloadable = false,
+       .help = "Group owning the socket (one of the daemon's groups); empty = the daemon's group.",
+       .text_accepted = "a group name or gid, or empty", .check_text = &CheckGroup},
+      {.name = "shm_mode", .field = &C::shm_mode, .syntax = Syntax::kMode, .reloadable = false,
+       .help = "Permission bits of the host backend's shared-memory objects."},
+      {.name = "shm_group", .field = &C::shm_group, .syntax = Syntax::kText, .reloadable = false,
+       .help = "Group owning the shared-memory objects; empty = the daemon's group.",
+       .text_accepted = "a group name or gid, or empty", .check_text = &CheckGroup},
+      {.name = "budget_bytes", .field = &C::budget_bytes, .syntax = Syntax::kBytes,
+       .reloadable = true, .help = "Host backend: memory the daemon may hand out (bytes).",
+       .min = kMiB, .max = kPiB},
+      {.name = "cuda_memory_fraction", .field = &C::cuda_memory_fraction,
+       .syntax = Syntax::kFraction, .reloadable = true,
+       .help = "CUDA backend: fraction of the device's free memory used as the budget."},
+      {.name = "cuda_reserve_bytes", .field = &C::cuda_reserve_bytes, .syntax = Syntax::kBytes,
+       .reloadable = true,
+       .help = "CUDA backend: memory left for the driver and other processes (bytes).", .min = 0,
+       .max = kTiB},
+      {.name = "lease_timeout_ms", .field = &C::lease_timeout_ms, .syntax = Syntax::kInteger,
+       .reloadable = true,
+       .help = "Milliseconds without an engine heartbeat before its lease expires.", .min = 100,
+       .max = 3'600'000},
+      {.name = "lease_grace_ms", .field = &C::lease_grace_ms, .syntax = Syntax::kInteger,
+       .reloadable = false,
+       .help = "Milliseconds after a lease ends before its sessions are reclaimed.", .min = 0,
+       .max = 600'000},
+      {.name = "reservation_ttl_ms", .field = &C::reservation_ttl_ms, .syntax = Syntax::kInteger,
+       .reloadable = true,
+       .help = "Milliseconds an admission reservation is held without a session.", .min = 100,
+       .max = 86'400'000},
+      {.name = "log_level", .field = &C::log_level, .syntax = Syntax::kChoice, .reloadable = true,
+       .help = "Log level.", .choices = kLogLevelNames},
+      {.name = "metrics_address", .field = &C::metrics_address, .syntax = Syntax::kText,
+       .reloadable = false, .help = "Prometheus endpoint; empty disables metrics.",
+       .text_accepted = "host:port ([v6addr]:port for IPv6), or empty",
+       .check_text = &CheckHostPort},
+      {.name = "drain_grace_ms", .field = &C::drain_grace_ms, .syntax = Syntax::kInteger,
+       .reloadable = true,
+       .help = "Milliseconds live sessions may run after SIGTERM (the unit allows 45s to stop).",
+       .min = 0, .max = 3'600'000},
+      {.name = "prefix_cache_budget_bytes", .field = &C::prefix_cache_budget_bytes,
+       .syntax = Syntax::kBytes, .reloadable = true,
+       .help = "Memory for prefix-cache entries (bytes); 0 disables the prefix cache.", .min = 0,
+       .max = kPiB},
+      {.name = "prefix_block_tokens", .field = &C::prefix_block_tokens,
+       .syntax = Syntax::kInteger, .reloadable = false,
+       .help = "Tokens per prefix-cache block (the granularity of prefix matches).", .min = 1,
+       .max = 65536},
+      {.name = "prefix_capture_on_engine_death", .field = &C::prefix_capture_on_engine_death,
+       .syntax = Syntax::kBool, .reloadable = false,
+       .help = "Capture a dead engine's sessions into the prefix cache before freeing them."},
+      {.name = "prefix_verify_checksums", .field = &C::prefix_verify_checksums,
+       .syntax = Syntax::kBool, .reloadable = false,
+       .help = "Verify checksums when restoring a prefix."},
+      {.name = "watchdog", .field = &C::watchdog, .syntax = Syntax::kBool, .reloadable = false,
+       .help = "Send systemd watchdog keep-alives when asked to (false needs WatchdogSec=0)."},
+  };
+  // clang-format on
+  return *keys;
+}
+
+const KeySpec* FindKey(absl::string_view name) {
+  for (const KeySpec& spec : Keys()) {
+    if (spec.name == name) return &spec;
+  }
+  return nullptr;
+}
+
+// Levenshtein distance, for "did you mean" on unknown keys.
+size_t EditDistance(absl::string_view a, absl::string_view b) {
+  std::vector<size_t> row(b.size() + 1);
+  for (size_t j = 0; j <= b.size(); ++j) row[j] = j;
+  for (size_t i = 1; i <= a.size(); ++i) {
+    size_t diagonal = row[0];
+    row[0] = i;
+    for (size_t j = 1; j <= b.size(); ++j) {
+      size_t above = row[j];
+      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diagonal + (a[i - 1] == b[j - 1] ? 0 : 1)});
+      diagonal = above;
+    }
+  }
+  return row[b.size()];
+}
+
+std::string UnknownKeyMessage(absl::string_view name) {
+  std::string message = absl::StrCat("unknown key \"", name, "\"");
+  for (const KeySpec& spec : Keys()) {
+    if (EditDistance(name, spec.name) <= 2) {
+      absl::StrAppend(&message, " (did you mean \"", spec.name, "\"?)");
+      break;
+    }
+  }
+  return message;
+}
+
+// "8GiB" when exact, else plain bytes.
+std::string FormatBytes(uint64_t bytes) {
+  static constexpr std::pair<uint64_t, absl::string_view> kUnits[] = {
+      {kPiB, "PiB"}, {kTiB, "TiB"}, {kGiB, "GiB"}, {kMiB, "MiB"}, {kKiB, "KiB"}};
+  for (const auto& [unit, suffix] : kUnits) {
+    if (bytes != 0 && bytes % unit == 0) return absl::StrCat(bytes / unit, suffix);
+  }
+  return absl::StrCat(bytes);
+}
+
+std::string FormatMode(uint64_t mode) {
+  std::array<char, 8> digits;
+  auto [end, ec] = std::to_chars(digits.data(), digits.data() + digits.size(), mode, 8);
+  std::string text(digits.data(), end);
+  return absl::StrCat(std::string(text.size() < 4 ? 4 - text.size() : 0, '0'), text);
+}
+
+// Shortest text that reads back to the same double, always with a '.' or exponent (a TOML float).
+std::string FormatDouble(double value) {
+  std::array<char, 32> buffer;
+  auto [end, ec] = std::to_chars(buffer.data(), buffer.data() + buffer.size(), value);
+  std::string text(buffer.data(), end);
+  if (text.find_first_of(".eE") == std::string::npos) text += ".0";
+  return text;
+}
+
+// A TOML basic string.
+std::string Quote(absl::string_view text) {
+  std::string out = "\"";
+  for (char c : text) {
+    if (c == '"' || c == '\\') {
+      out += '\\';
+      out += c;
+    } else if (static_cast<unsigned char>(c) < 0x20 || c == 0x7f) {
+      absl::StrAppend(&out, "\\u00", absl::Hex(static_cast<unsigned char>(c), absl::kZeroPad2));
+    } else {
+      out += c;
+    }
+  }
+  return out + "\"";
+}
+
+std::string Accepted(const KeySpec& spec) {
+  switch (spec.syntax) {
+    case Syntax::kInteger:
+      return absl::StrCat("an integer from ", spec.min, " to ", spec.max);
+    case Syntax::kBytes:
+      return absl::StrCat("a size from ", FormatBytes(spec.min), " to ", FormatBytes(spec.max),
+                          ", in bytes or as \"<n>B|KiB|MiB|GiB|TiB|PiB\"");
+    case Syntax::kMode:
+      return "an octal mode string from \"0000\" to \"0777\"";
+    case Syntax::kFraction:
+      return "a number greater than 0 and at most 1";
+    case Syntax::kBool:
+      return "true or false";
+    case Syntax::kChoice:
+      return absl::StrCat("one of ", absl::StrJoin(spec.choices, ", "));
+    case Syntax::kText:
+      return std::string(spec.text_accepted);
+  }
+  return "";
+}
+
+std::optional<uint64_t> ParseByteText(absl::string_view text) {
+  static constexpr std::pair<absl::string_view, uint64_t> kSuffixes[] = {
+      {"PiB", kPiB}, {"TiB", kTiB}, {"GiB", kGiB}, {"MiB", kMiB}, {"KiB", kKiB}, {"B", 1}};
+  text = absl::StripAsciiWhitespace(text);
+  uint64_t unit = 1;
+  for (const auto& [suffix, multiplier] : kSuffixes) {
+    if (absl::EndsWithIgnoreCase(text, suffix)) {
+      text = absl::StripTrailingAsciiWhitespace(text.substr(0, text.size() - suffix.size()));
+      unit = multiplier;
+      break;
+    }
+  }
+  uint64_t count;
+  if (text.empty() || !absl::ascii_isdigit(text[0]) || !absl::SimpleAtoi(text, &count)) {
+    return std::nullopt;
+  }
+  uint64_t bytes;
+  if (__builtin_mul_overflow(count, unit, &bytes)) return std::nullopt;
+  return bytes;
+}
+
+// Applies the key's rules to a raw value. The error is the problem alone; the caller adds where,
+// key and value.
+absl::StatusOr<TypedValue> Interpret(const KeySpec& spec, const RawValue& raw) {
+  const std::string* text = std::get_if<std::string>(&raw);
+  auto refuse = [&](absl::string_view problem) {
+    return absl::InvalidArgumentError(absl::StrCat(problem, "; accepted: ", Accepted(spec)));
+  };
+  switch (spec.syntax) {
+    case Syntax::kInteger:
+    case Syntax::kBytes: {
+      std::optional<uint64_t> number;
+      if (const int64_t* i = std::get_if<int64_t>(&raw)) {
+        if (*i >= 0) number = static_cast<uint64_t>(*i);
+      } else if (text != nullptr) {
+        uint64_t parsed;
+        if (spec.syntax == Syntax::kBytes) {
+          number = ParseByteText(*text);
+        } else if (!text->empty() && absl::ascii_isdigit((*text)[0]) &&
+                   absl::SimpleAtoi(*text, &parsed)) {
+          number = parsed;
+        }
+      }
+      if (!number.has_value()) return refuse("not a valid value");
+      if (*number < spec.min || *number > spec.max) return refuse("out of range");
+      return TypedValue(*number);
+    }
+    case Syntax::kMode: {
+      if (text == nullptr) return refuse("not a string (write modes in quotes, e.g. \"0660\")");
+      uint64_t mode = 0;
+      bool octal =
+          !text->empty() && text->size() <= 4 &&
+          std::all_of(text->begin(), text->end(), [](char c) { return c >= '0' && c <= '7'; });
+      if (octal) std::from_chars(text->data(), text->data() + text->size(), mode, 8);
+      if (!octal || mode > 0777) return refuse("not a valid mode");
+      return TypedValue(mode);
+    }
+    case Syntax::kFraction: {
+      double value = std::nan("");
+      if (const double* d = std::get_if<double>(&raw)) value = *d;
+      if (const int64_t* i = std::get_if<int64_t>(&raw)) value = static_cast<double>(*i);
+      if (text != nullptr && !absl::SimpleAtod(*text, &value)) value = std::nan("");
+      if (std::isnan(value)) return refuse("not a number");
+      if (!(value > 0.0 && value <= 1.0)) return refuse("out of range");
+      return TypedValue(value);
+    }
+    case Syntax::kBool: {
+      if (const bool* b = std::get_if<bool>(&raw)) return TypedValue(*b);
+      if (text != nullptr && (*text == "true" || *text == "false")) {
+        return TypedValue(*text == "true");
+      }
+      return refuse("not a boolean");
+    }
+    case Syntax::kChoice: {
+      if (text != nullptr) {
+        auto it = std::find(spec.choices.begin(), spec.choices.end(), *text);
+        if (it != spec.choices.end()) {
+          return TypedValue(static_cast<uint64_t>(it - spec.choices.begin()));
+        }
+      }
+      return refuse("not a known value");
+    }
+    case Syntax::kText: {
+      if (text == nullptr) return refuse("not a string");
+      if (std::optional<std::string> problem = spec.check_text(*text)) return refuse(*problem);
+      return TypedValue(*text);
+    }
+  }
+  return absl::InternalError("unhandled syntax");
+}
+
+// Narrowing is safe: each key's range fits its field (uint32 keys have max <= UINT32_MAX, enum
+// indices are below the choice count).
+void Store(const KeySpec& spec, const TypedValue& value, DaemonConfig& config) {
+  std::visit(
+      [&](auto member) {
+        auto& field = config.*member;
+        using T = std::remove_reference_t<decltype(field)>;
+        if constexpr (std::is_same_v<T, uint64_t> || std::is_same_v<T, uint32_t> ||
+                      std::is_enum_v<T>) {
+          field = static_cast<T>(std::get<uint64_t>(value));
+        } else {
+          field = std::get<T>(value);
+        }
+      },
+      spec.field);
+}
+
+// The value's TOML text, as RenderConfig writes it.
+std::string RenderValue(const KeySpec& spec, const DaemonConfig& config) {
+  return std::visit(
+      [&](auto member) -> std::string {
+        const auto& field = config.*member;
+        using T = std::remove_cvref_t<decltype(field)>;
+        if constexpr (std::is_same_v<T, bool>) {
+          return field ? "true" : "false";
+        } else if constexpr (std::is_same_v<T, double>) {
+          return FormatDouble(field);
+        } else if constexpr (std::is_same_v<T, std::string>) {
+          return Quote(field);
+        } else if constexpr (std::is_enum_v<T>) {
+          return Quote(spec.choices[static_cast<size_t>(field)]);
+        } else if (spec.syntax == Syntax::kMode) {
+          return Quote(FormatMode(field));
+        } else if (spec.syntax == Syntax::kBytes && FormatBytes(field) != absl::StrCat(field)) {
+          return Quote(FormatBytes(field));
+        } else {
+          return absl::StrCat(field);
+        }
+      },
+      spec.field);
+}
+
+bool SameValue(const KeySpec& spec, const DaemonConfig& a, const DaemonConfig& b) {
+  return std::visit([&](auto member) { return a.*member == b.*member; }, spec.field);
+}
+
+void CopyValue(const KeySpec& spec, const DaemonConfig& from, DaemonConfig& to) {
+  std::visit([&](auto member) { to.*member = from.*member; }, spec.field);
+}
+
+// Interprets and stores one value; errors read "<subject>: <problem>; accepted: ...".
+absl::Status SetKey(const KeySpec& spec, const RawValue& raw, absl::string_view subject,
+                    DaemonConfig& config) {
+  absl::StatusOr<TypedValue> value = Interpret(spec, raw);
+  if (!value.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat(subject, ": ", value.status().message()));
+  }
+  Store(spec, *value, config);
+  return absl::OkStatus();
+}
+
+// A TOML value as RawValue and as written (for messages); nullopt for tables, arrays, dates.
+std::optional<std::pair<RawValue, std::string>> FromToml(const toml::value& value) {
+  switch (value.type()) {
+    case toml::value_t::integer:
+      return std::pair{RawValue(value.as_integer()), absl::StrCat(value.as_integer())};
+    case toml::value_t::floating:
+      return std::pair{RawValue(value.as_floating()), FormatDouble(value.as_floating())};
+    case toml::value_t::boolean:
+      return std::pair{RawValue(value.as_boolean()), value.as_boolean() ? "true" : "false"};
+    case toml::value_t::string:
+      return std::pair{RawValue(value.as_string().str), Quote(value.as_string().str)};
+    default:
+      return std::nullopt;
+  }
+}
+
+}  // namespace
+
+std::string_view BackendName(Backend backend) {
+  absl::string_view name = kBackendNames[static_cast<size_t>(backend)];
+  return {name.data(), name.size()};
+}
+
+std::string_view LogLevelName(LogLevel level) {
+  absl::string_view name = kLogLevelNames[static_cast<size_t>(level)];
+  return {name.data(), name.size()};
+}
+
+std::string DaemonConfig::SocketPath() const {
+  return absl::StrReplaceAll(socket_path, {{"{device}", absl::StrCat(device)}});
+}
+
+std::vector<ConfigKeyInfo> ConfigKeys() {
+  std::vector<ConfigKeyInfo> out;
+  for (const KeySpec& spec : Keys()) {
+    out.push_back({std::string_view(spec.name.data(), spec.name.size()),
+                   std::string_view(spec.help.data(), spec.help.size()), Accepted(spec),
+                   spec.reloadable});
+  }
+  return out;
+}
+
+absl::StatusOr<DaemonConfig> ParseConfig(std::string_view text_view, std::string_view source_view) {
+  absl::string_view source_name = AsAbsl(source_view);
+  toml::value root;
+  try {
+    std::istringstream stream{std::string(text_view)};
+    root = toml::parse(stream, std::string(source_name));
+  } catch (const std::exception& e) {
+    // toml11's message already names the file and shows the line with a caret.
+    return absl::InvalidArgumentError(absl::StrCat("cannot parse ", source_name, ": ", e.what()));
+  }
+
+  // The table is unordered: sort by line so errors come in file order.
+  std::vector<std::pair<size_t, const std::pair<const std::string, toml::value>*>> entries;
+  for (const auto& entry : root.as_table()) {
+    entries.emplace_back(entry.second.location().line(), &entry);
+  }
+  std::sort(entries.begin(), entries.end(), [](const auto& a, const auto& b) {
+    return std::tie(a.first, a.second->first) < std::tie(b.first, b.second->first);
+  });
+
+  DaemonConfig config;
+  std::vector<std::string> errors;
+  for (const auto& [line, entry] : entries) {
+    const auto& [key, value] = *entry;
+    std::string where = line > 0 ? absl::StrCat(source_name, ":", line) : std::string(source_name);
+    const KeySpec* spec = FindKey(key);
+    if (spec == nullptr) {
+      errors.push_back(absl::StrCat(where, ": ", UnknownKeyMessage(key)));
+      continue;
+    }
+    std::optional<std::pair<RawValue, std::string>> raw = FromToml(value);
+    if (!raw.has_value()) {
+      errors.push_back(absl::StrCat(where, ": ", key, " is a TOML ", toml::stringize(value.type()),
+                                    "; accepted: ", Accepted(*spec)));
+      continue;
+    }
+    absl::Status status =
+        SetKey(*spec, raw->first, absl::StrCat(where, ": ", key, " = ", raw->second), config);
+    if (!status.ok()) errors.emplace_back(status.message());
+  }
+  if (!errors.empty()) return absl::InvalidArgumentError(absl::StrJoin(errors, "\n"));
+  return config;
+}
+
+absl::StatusOr<DaemonConfig> LoadConfigFile(const std::string& path) {
+  int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return absl::ErrnoToStatus(errno, absl::StrCat("open config file ", path));
+  std::string text;
+  char buffer[4096];
+  ssize_t n;
+  while ((n = read(fd, buffer, sizeof buffer)) != 0) {
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) {
+      int error = errno;
+      close(fd);
+      return absl::ErrnoToStatus(error, absl::StrCat("read config file ", path));
+    }
+    text.append(buffer, static_cast<size_t>(n));
+  }
+  close(fd);
+  return ParseConfig(text, path);
+}
+
+absl::Status ApplyOverride(DaemonConfig& config, std::string_view key_view,
+                           std::string_view value_view) {
+  absl::string_view key = AsAbsl(key_view), value = AsAbsl(value_view);
+  std::string subject = absl::StrCat("--", key, "=", value);
+  const KeySpec* spec = FindKey(key);
+  if (spec == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat(subject, ": ", UnknownKeyMessage(key)));
+  }
+  return SetKey(*spec, RawValue(std::string(value)), subject, config);
+}
+
+absl::StatusOr<SplitFlags> SplitConfigFlags(int argc, const char* const* argv) {
+  SplitFlags split;
+  bool after_terminator = false;
+  for (int i = 0; i < argc; ++i) {
+    absl::string_view arg = argv[i];
+    absl::string_view flag = arg;
+    bool is_flag = i > 0 && !after_terminator &&
+                   (absl::ConsumePrefix(&flag, "--") || absl::ConsumePrefix(&flag, "-"));
+    after_terminator = after_terminator || (i > 0 && arg == "--");
+    size_t equals = flag.find('=');
+    const KeySpec* spec = is_flag ? FindKey(flag.substr(0, equals)) : nullptr;
+    if (spec == nullptr) {
+      split.rest.emplace_back(arg);
+      continue;
+    }
+    std::string key(spec->name);
+    if (equals != absl::string_view::npos) {
+      split.overrides.push_back({key, std::string(flag.substr(equals + 1))});
+    } else if (spec->syntax == Syntax::kBool) {
+      split.overrides.push_back({key, "true"});
+    } else if (i + 1 < argc) {
+      split.overrides.push_back({key, argv[++i]});
+    } else {
+      return absl::InvalidArgumentError(
+          absl::StrCat(arg, ": no value; accepted: ", Accepted(*spec)));
+    }
+  }
+  return split;
+}
+
+absl::Status ValidateConfig(const DaemonConfig& config) {
+  std::string socket = config.SocketPath();
+  if (socket.size() >= sizeof(sockaddr_un{}.sun_path)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "socket_path = ", Quote(config.socket_path), " with device = ", config.device, " is ",
+        Quote(socket), " (", socket.size(), " bytes); a Unix socket path holds at most ",
+        sizeof(sockaddr_un{}.sun_path) - 1, " bytes"));
+  }
+  // Prefix-cache entries are counted against the admission budget (they are evicted to admit).
+  if (config.backend == Backend::kHost && config.prefix_cache_budget_bytes > config.budget_bytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("prefix_cache_budget_bytes = ", config.prefix_cache_budget_bytes,
+                     " exceeds budget_bytes = ", config.budget_bytes,
+                     "; the host backend's prefix cache lives inside its budget"));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<DaemonConfig> LoadDaemonConfig(const std::string& path,
+                                              absl::Span<const ConfigOverride> overrides) {
+  DaemonConfig config;
+  if (!path.empty()) {
+    ASSIGN_OR_RETURN(config, LoadConfigFile(path));
+  }
+  for (const ConfigOverride& override : overrides) {
+    RETURN_IF_ERROR(ApplyOverride(config, override.key, override.value));
+  }
+  RETURN_IF_ERROR(ValidateConfig(config));
+  return config;
+}
+
+ReloadOutcome PlanReload(const DaemonConfig& running, const DaemonConfig& reread) {
+  ReloadOutcome outcome;
+  outcome.applied = running;
+  for (const KeySpec& spec : Keys()) {
+    if (SameValue(spec, running, reread)) continue;
+    if (spec.reloadable) {
+      CopyValue(spec, reread, outcome.applied);
+      outcome.applied_keys.emplace_back(spec.name);
+    } else {
+      outcome.not_reloadable_keys.emplace_back(spec.name);
+    }
+  }
+  return outcome;
+}
+
+std::string RenderConfig(const DaemonConfig& config) {
+  std::string out =
+      "# memra-kvd configuration (TOML): one file per GPU, /etc/memra-kv/gpu<N>.conf.\n"
+      "# Command-line flags with the same names override these values. Keys marked reloadable\n"
+      "# take effect on `systemctl reload memra-kvd@<N>`; the others need a restart.\n"
+      "# Every key is listed with its default (generated by RenderConfig).\n";
+  for (const KeySpec& spec : Keys()) {
+    absl::StrAppend(&out, "\n# ", spec.help, "\n# Accepted: ", Accepted(spec), ".",
+                    spec.reloadable ? " Reloadable." : "", "\n", spec.name, " = ",
+                    RenderValue(spec, config), "\n");
+  }
+  return out;
+}
+
+}  // namespace memra

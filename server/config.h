@@ -1,0 +1,158 @@
+#ifndef MEMRA_SERVER_CONFIG_H_
+#define MEMRA_SERVER_CONFIG_H_
+
+// memra-kvd's settings: one TOML file per instance (/etc/memra-kv/gpu<N>.conf), overridden by
+// command-line flags with the same key names. One table of keys (config.cc) drives file parsing,
+// overrides, rendering and reload planning, so a key cannot be accepted in one place and not
+// another. Every refusal is INVALID_ARGUMENT naming the key, the value as written and what is
+// accepted.
+//
+// Start-up:   LoadDaemonConfig(path, flags)          parse + overrides + ValidateConfig.
+// SIGHUP:     LoadDaemonConfig(path, same flags), then PlanReload(running, reread): flags still
+//             win over the file, and keys that cannot change live are reported, not applied.
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+
+namespace memra {
+
+enum class Backend { kHost, kCuda };
+// Same order as spdlog::level::level_enum (trace = 0 ... off = 6): static_cast converts.
+enum class LogLevel { kTrace, kDebug, kInfo, kWarn, kError, kCritical, kOff };
+
+std::string_view BackendName(Backend backend);  // "host" | "cuda"
+std::string_view LogLevelName(LogLevel level);  // "trace" ... "off"
+
+// Every daemon setting, with its default. Key names in the file and on the command line are the
+// field names. Plain data: copy freely.
+struct DaemonConfig {
+  // Device backend: "host" (POSIX shared memory; the default and what tests use) or "cuda".
+  Backend backend = Backend::kHost;
+  // GPU index this instance serves (the systemd instance name, %i).
+  uint32_t device = 0;
+  // Unix socket path; "{device}" is replaced by `device` (see SocketPath()). Absolute.
+  std::string socket_path = "/run/memra-kv/gpu{device}.sock";
+  // Permission bits of the socket (octal). 0660: the daemon's group may connect.
+  uint32_t socket_mode = 0660;
+  // Group owning the socket; empty = the daemon's primary group. Must be one of the daemon's
+  // groups (no CAP_CHOWN).
+  std::string socket_group;
+  // Permission bits of the host backend's shared-memory objects (octal).
+  uint32_t shm_mode = 0600;
+  // Group owning the shared-memory objects; empty = the daemon's primary group.
+  std::string shm_group;
+  // Host backend: bytes of memory the daemon may hand out (admission budget).
+  uint64_t budget_bytes = uint64_t{8} << 30;
+  // CUDA backend: fraction of the device's free memory at start-up used as the budget, (0, 1].
+  double cuda_memory_fraction = 0.9;
+  // CUDA backend: bytes left free for the driver and other processes, taken off the budget.
+  uint64_t cuda_reserve_bytes = uint64_t{1} << 30;
+  // Milliseconds without an engine heartbeat before its lease expires.
+  uint64_t lease_timeout_ms = 10000;
+  // Milliseconds after a lease ends (stream broke or expired) before its sessions are reclaimed.
+  uint64_t lease_grace_ms = 2000;
+  // Milliseconds an admission reservation is held without a session being created from it.
+  uint64_t reservation_ttl_ms = 30000;
+  LogLevel log_level = LogLevel::kInfo;
+  // Prometheus endpoint as host:port ("[v6addr]:port" for IPv6); empty disables metrics.
+  std::string metrics_address = "127.0.0.1:9464";
+  // Milliseconds live sessions may run after SIGTERM before everything is freed. The unit's
+  // TimeoutStopSec (45s) must cover it, or the daemon must extend the stop timeout.
+  uint64_t drain_grace_ms = 30000;
+  // Bytes of prefix-cache entries kept; 0 disables the prefix cache.
+  uint64_t prefix_cache_budget_bytes = 0;
+  // Tokens per prefix-cache block (the granularity of prefix matches).
+  uint32_t prefix_block_tokens = 256;
+  // Capture a dying engine's sessions into the prefix cache before freeing them.
+  bool prefix_capture_on_engine_death = true;
+  // Verify stored checksums when restoring a prefix (costs a read of the entry).
+  bool prefix_verify_checksums = true;
+  // Send systemd watchdog keep-alives when the service manager asks for them (WATCHDOG_USEC).
+  bool watchdog = true;
+
+  // socket_path with "{device}" replaced.
+  std::string SocketPath() const;
+
+  bool operator==(const DaemonConfig&) const = default;
+};
+
+// One configuration key, for help text and flag definitions.
+struct ConfigKeyInfo {
+  std::string_view name;
+  std::string_view help;  // what it sets and its unit
+  std::string accepted;   // accepted values, e.g. "100 to 3600000"
+  bool reloadable;        // SIGHUP applies it without a restart
+};
+// In file order.
+std::vector<ConfigKeyInfo> ConfigKeys();
+
+// Parses TOML text: top-level `key = value` lines only. `source_name` (usually the path) is used
+// in messages as "<source_name>:<line>". Unknown keys, wrong types and out-of-range values are
+// INVALID_ARGUMENT; all of them in the text are reported, in line order. Keys absent from the
+// text keep their defaults. Does not run ValidateConfig (overrides may still change fields).
+absl::StatusOr<DaemonConfig> ParseConfig(std::string_view text, std::string_view source_name);
+
+// Reads and parses `path`. NOT_FOUND / PERMISSION_DENIED when it cannot be read.
+absl::StatusOr<DaemonConfig> LoadConfigFile(const std::string& path);
+
+// Sets one key from command-line text, with the same validation as the file. Numbers, bools and
+// modes are given as text ("64GiB", "true", "0660"). Unknown key or bad value: INVALID_ARGUMENT.
+absl::Status ApplyOverride(DaemonConfig& config, std::string_view key, std::string_view value);
+
+// Checks between fields that no single key can check (resolved socket path length, prefix budget
+// within the host budget). INVALID_ARGUMENT naming the keys and values.
+absl::Status ValidateConfig(const DaemonConfig& config);
+
+struct ConfigOverride {
+  std::string key;
+  std::string value;
+};
+
+// Command-line arguments split into configuration overrides and the rest, so every key is a flag
+// without a flag definition per key.
+struct SplitFlags {
+  std::vector<ConfigOverride> overrides;  // in command-line order
+  std::vector<std::string> rest;          // argv[0] and everything else (--config, --help, ...)
+};
+// `--<key>=<value>` and `--<key> <value>` (also with a single '-') for a configuration key become
+// overrides; a bool key may stand alone (`--watchdog` = true). Arguments after "--" are left
+// alone. Values are not checked here (ApplyOverride does); a key missing its value is
+// INVALID_ARGUMENT naming it.
+absl::StatusOr<SplitFlags> SplitConfigFlags(int argc, const char* const* argv);
+
+// Exit status for a configuration error (EX_CONFIG from sysexits.h). memra-kvd@.service has
+// RestartPreventExitStatus=78: a bad config is reported once, not restarted in a loop.
+inline constexpr int kConfigErrorExitCode = 78;
+
+// The daemon's one entry point: defaults, then the file at `path` (skipped when empty), then each
+// override in order, then ValidateConfig.
+absl::StatusOr<DaemonConfig> LoadDaemonConfig(const std::string& path,
+                                              absl::Span<const ConfigOverride> overrides);
+
+// What a SIGHUP can do with a re-read configuration.
+struct ReloadOutcome {
+  // `running` with every reloadable key taken from the re-read configuration.
+  DaemonConfig applied;
+  // Reloadable keys whose value changed (now in `applied`), in file order.
+  std::vector<std::string> applied_keys;
+  // Keys that changed in the file but need a restart; `applied` keeps the running value. The
+  // daemon logs "could not change <key> without a restart" for each.
+  std::vector<std::string> not_reloadable_keys;
+};
+// Live-changeable: log_level, budget_bytes, cuda_memory_fraction, cuda_reserve_bytes,
+// lease_timeout_ms, reservation_ttl_ms, prefix_cache_budget_bytes, drain_grace_ms.
+ReloadOutcome PlanReload(const DaemonConfig& running, const DaemonConfig& reread);
+
+// A complete, commented configuration file that ParseConfig reads back to `config`.
+// deploy/memra-kv.conf.example is RenderConfig(DaemonConfig{}) (checked by config_test).
+std::string RenderConfig(const DaemonConfig& config);
+
+}  // namespace memra
+
+#endif  // MEMRA_SERVER_CONFIG_H_

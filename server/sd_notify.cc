@@ -1,0 +1,130 @@
+#include "server/sd_notify.h"
+
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstddef>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_replace.h"
+
+namespace memra {
+namespace {
+
+// Debian's Abseil has its own absl::string_view; convert at this file's boundary.
+absl::string_view AsAbsl(std::string_view text) { return {text.data(), text.size()}; }
+
+// Parses a decimal integer > 0 the whole of `text`, or nullopt.
+std::optional<uint64_t> PositiveInteger(const char* text) {
+  uint64_t value;
+  if (text[0] < '0' || text[0] > '9' || !absl::SimpleAtoi(text, &value) || value == 0) {
+    return std::nullopt;
+  }
+  return value;
+}
+
+}  // namespace
+
+absl::Status SdNotify(std::string_view state) {
+  const char* target = std::getenv("NOTIFY_SOCKET");
+  if (target == nullptr || target[0] == '\0') return absl::OkStatus();
+
+  sockaddr_un address{};
+  address.sun_family = AF_UNIX;
+  size_t length = std::strlen(target);
+  if ((target[0] != '/' && target[0] != '@') || length >= sizeof(address.sun_path)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("NOTIFY_SOCKET=\"", target,
+                     "\": expected an absolute path or @abstract name "
+                     "shorter than ",
+                     sizeof(address.sun_path), " bytes"));
+  }
+  std::memcpy(address.sun_path, target, length);
+  // An abstract name has no terminating NUL: its length is part of the address.
+  if (target[0] == '@') address.sun_path[0] = '\0';
+  socklen_t address_length =
+      static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + length + (target[0] == '/' ? 1 : 0));
+
+  int fd = socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return absl::ErrnoToStatus(errno, "socket(AF_UNIX, SOCK_DGRAM) for NOTIFY_SOCKET");
+  ssize_t sent;
+  do {
+    sent = sendto(fd, state.data(), state.size(), MSG_NOSIGNAL,
+                  reinterpret_cast<const sockaddr*>(&address), address_length);
+  } while (sent < 0 && errno == EINTR);
+  int error = errno;
+  close(fd);
+  if (sent < 0) {
+    return absl::ErrnoToStatus(error, absl::StrCat("sendto NOTIFY_SOCKET=", target));
+  }
+  if (static_cast<size_t>(sent) != state.size()) {
+    return absl::UnavailableError(absl::StrCat("sendto NOTIFY_SOCKET=", target, " sent ", sent,
+                                               " of ", state.size(), " bytes"));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::optional<absl::Duration>> ParseWatchdogEnv(const char* watchdog_usec,
+                                                               const char* watchdog_pid,
+                                                               pid_t self) {
+  if (watchdog_usec == nullptr) return std::nullopt;
+  std::optional<uint64_t> usec = PositiveInteger(watchdog_usec);
+  if (!usec.has_value()) {
+    return absl::InvalidArgumentError(absl::StrCat("WATCHDOG_USEC=\"", watchdog_usec,
+                                                   "\" is not a positive number of microseconds"));
+  }
+  if (watchdog_pid != nullptr) {
+    std::optional<uint64_t> pid = PositiveInteger(watchdog_pid);
+    if (!pid.has_value()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("WATCHDOG_PID=\"", watchdog_pid, "\" is not a process id"));
+    }
+    // The variables were inherited from a parent that systemd watches; not ours to answer.
+    if (*pid != static_cast<uint64_t>(self)) return std::nullopt;
+  }
+  // Half the timeout, so one late wake-up does not get the service killed.
+  return absl::Microseconds(*usec) / 2;
+}
+
+std::optional<absl::Duration> WatchdogInterval() {
+  absl::StatusOr<std::optional<absl::Duration>> interval =
+      ParseWatchdogEnv(std::getenv("WATCHDOG_USEC"), std::getenv("WATCHDOG_PID"), getpid());
+  if (!interval.ok()) return std::nullopt;
+  return *interval;
+}
+
+Notifier::Notifier(Sender send) : send_(send ? std::move(send) : Sender(&SdNotify)) {}
+
+absl::Status Notifier::Ready(std::string_view status) {
+  return send_(
+      absl::StrCat("READY=1\nSTATUS=", absl::StrReplaceAll(AsAbsl(status), {{"\n", " "}})));
+}
+
+absl::Status Notifier::Reloading() {
+  timespec now{};
+  clock_gettime(CLOCK_MONOTONIC, &now);
+  uint64_t usec =
+      static_cast<uint64_t>(now.tv_sec) * 1'000'000 + static_cast<uint64_t>(now.tv_nsec) / 1000;
+  return send_(absl::StrCat("RELOADING=1\nMONOTONIC_USEC=", usec));
+}
+
+absl::Status Notifier::Stopping() { return send_("STOPPING=1"); }
+
+absl::Status Notifier::Watchdog() { return send_("WATCHDOG=1"); }
+
+absl::Status Notifier::Status(std::string_view text) {
+  return send_(absl::StrCat("STATUS=", absl::StrReplaceAll(AsAbsl(text), {{"\n", " "}})));
+}
+
+absl::Status Notifier::ExtendTimeout(absl::Duration extra) {
+  return send_(absl::StrCat("EXTEND_TIMEOUT_USEC=", absl::ToInt64Microseconds(extra)));
+}
+
+}  // namespace memra

@@ -1,0 +1,68 @@
+#ifndef MEMRA_SERVER_SD_NOTIFY_H_
+#define MEMRA_SERVER_SD_NOTIFY_H_
+
+// The systemd notification protocol (sd_notify(3)), written out so memra-kvd does not link
+// libsystemd: one datagram of "KEY=value" lines to the socket named by $NOTIFY_SOCKET.
+//
+// The unit is Type=notify with NotifyAccess=main, so only the main process (any of its threads)
+// may notify. Thread-safe: each call opens its own socket. Reads the environment, so nothing may
+// setenv() concurrently (the daemon never does).
+
+#include <sys/types.h>
+
+#include <functional>
+#include <optional>
+#include <string_view>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+
+namespace memra {
+
+// Sends `state` as one datagram to $NOTIFY_SOCKET: an absolute path, or "@name" for an abstract
+// socket. Unset or empty variable: OK, nothing sent (not started by systemd). A malformed value is
+// INVALID_ARGUMENT; a failed send is the errno's status naming the socket.
+absl::Status SdNotify(std::string_view state);
+
+// The keep-alive period the daemon should use: half of $WATCHDOG_USEC, as sd_watchdog_enabled(3)
+// advises. nullopt when the watchdog is off, meant for another process ($WATCHDOG_PID differs from
+// getpid()), or malformed (ParseWatchdogEnv says why).
+std::optional<absl::Duration> WatchdogInterval();
+
+// WatchdogInterval's rules on explicit values (nullptr = unset), with the reason when malformed:
+// INVALID_ARGUMENT naming the variable and its value.
+absl::StatusOr<std::optional<absl::Duration>> ParseWatchdogEnv(const char* watchdog_usec,
+                                                               const char* watchdog_pid,
+                                                               pid_t self);
+
+// The daemon's notifications. Thread-safe if `send` is (SdNotify is).
+class Notifier {
+ public:
+  using Sender = std::function<absl::Status(std::string_view state)>;
+
+  // `send` defaults to SdNotify; tests and fakes pass their own.
+  explicit Notifier(Sender send = nullptr);
+
+  // "READY=1\nSTATUS=<status>": the socket is listening. Also ends a reload.
+  absl::Status Ready(std::string_view status);
+  // "RELOADING=1\nMONOTONIC_USEC=<now>": SIGHUP handling began; follow with Ready(). The
+  // timestamp is what Type=notify-reload (systemd >= 253) requires; 252 ignores it.
+  absl::Status Reloading();
+  // "STOPPING=1": draining after SIGTERM.
+  absl::Status Stopping();
+  // "WATCHDOG=1": keep-alive.
+  absl::Status Watchdog();
+  // "STATUS=<text>", shown by `systemctl status`. Newlines become spaces (they would start new
+  // assignments).
+  absl::Status Status(std::string_view text);
+  // "EXTEND_TIMEOUT_USEC=<usec>": a drain longer than the unit's TimeoutStopSec asks for more time.
+  absl::Status ExtendTimeout(absl::Duration extra);
+
+ private:
+  const Sender send_;
+};
+
+}  // namespace memra
+
+#endif  // MEMRA_SERVER_SD_NOTIFY_H_

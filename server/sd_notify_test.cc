@@ -1,0 +1,223 @@
+#include "server/sd_notify.h"
+
+#include <stdlib.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <optional>
+#include <string>
+
+#include "absl/strings/str_cat.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/status_matchers.h"
+
+namespace memra {
+namespace {
+
+using ::memra::testing::HasSubstrs;
+using ::memra::testing::IsOk;
+using ::memra::testing::StatusIs;
+using ::testing::MatchesRegex;
+using ::testing::Optional;
+
+// Sets an environment variable for one test and restores it after.
+class ScopedEnv {
+ public:
+  ScopedEnv(const char* name, const char* value) : name_(name) {
+    if (const char* old = getenv(name)) old_ = old;
+    if (value == nullptr) {
+      unsetenv(name);
+    } else {
+      setenv(name, value, 1);
+    }
+  }
+  ~ScopedEnv() {
+    if (old_.has_value()) {
+      setenv(name_, old_->c_str(), 1);
+    } else {
+      unsetenv(name_);
+    }
+  }
+
+ private:
+  const char* name_;
+  std::optional<std::string> old_;
+};
+
+// A fake service manager: a datagram socket bound where NOTIFY_SOCKET will point.
+class FakeNotifyListener {
+ public:
+  // `abstract`: bind "@memra-sd-notify-test-<pid>" instead of a path in a fresh temp dir. The
+  // temp dir is under /tmp because a sandbox's TEST_TMPDIR can be longer than sun_path allows.
+  explicit FakeNotifyListener(bool abstract) {
+    fd_ = socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+    EXPECT_GE(fd_, 0) << std::strerror(errno);
+    sockaddr_un address{};
+    address.sun_family = AF_UNIX;
+    socklen_t length;
+    if (abstract) {
+      name_ = absl::StrCat("@memra-sd-notify-test-", getpid());
+      std::memcpy(address.sun_path, name_.data(), name_.size());
+      address.sun_path[0] = '\0';
+      length = offsetof(sockaddr_un, sun_path) + name_.size();
+    } else {
+      char dir[] = "/tmp/memra-sd-notify-XXXXXX";
+      EXPECT_NE(mkdtemp(dir), nullptr) << std::strerror(errno);
+      dir_ = dir;
+      name_ = dir_ + "/notify.sock";
+      std::strcpy(address.sun_path, name_.c_str());
+      length = sizeof(address);
+    }
+    EXPECT_EQ(bind(fd_, reinterpret_cast<sockaddr*>(&address), length), 0) << std::strerror(errno);
+    // A generous bound so a broken sender fails the test instead of hanging it; never hit when
+    // the datagram was sent (it is queued before SdNotify returns).
+    timeval timeout{.tv_sec = 30, .tv_usec = 0};
+    setsockopt(fd_, SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof(timeout));
+  }
+  ~FakeNotifyListener() {
+    close(fd_);
+    if (!dir_.empty()) {
+      unlink(name_.c_str());
+      rmdir(dir_.c_str());
+    }
+  }
+
+  const std::string& name() const { return name_; }
+
+  // The next datagram, waiting for it.
+  std::string Receive() {
+    char buffer[4096];
+    ssize_t n = recv(fd_, buffer, sizeof(buffer), 0);
+    EXPECT_GE(n, 0) << std::strerror(errno);
+    return n < 0 ? "" : std::string(buffer, static_cast<size_t>(n));
+  }
+
+  // True when nothing more is queued.
+  bool Empty() {
+    char buffer[1];
+    return recv(fd_, buffer, sizeof(buffer), MSG_DONTWAIT) < 0 && errno == EAGAIN;
+  }
+
+ private:
+  int fd_ = -1;
+  std::string dir_;
+  std::string name_;
+};
+
+class SdNotifyTest : public ::testing::TestWithParam<bool> {};
+
+TEST_P(SdNotifyTest, SendsExactDatagrams) {
+  FakeNotifyListener listener(/*abstract=*/GetParam());
+  ScopedEnv env("NOTIFY_SOCKET", listener.name().c_str());
+  Notifier notifier;
+
+  ASSERT_THAT(SdNotify("READY=1"), IsOk());
+  EXPECT_EQ(listener.Receive(), "READY=1");
+  ASSERT_THAT(notifier.Ready("serving gpu0, budget 8GiB"), IsOk());
+  EXPECT_EQ(listener.Receive(), "READY=1\nSTATUS=serving gpu0, budget 8GiB");
+  ASSERT_THAT(notifier.Watchdog(), IsOk());
+  EXPECT_EQ(listener.Receive(), "WATCHDOG=1");
+  ASSERT_THAT(notifier.Status("draining\n3 sessions"), IsOk());
+  EXPECT_EQ(listener.Receive(), "STATUS=draining 3 sessions");
+  ASSERT_THAT(notifier.Reloading(), IsOk());
+  EXPECT_THAT(listener.Receive(), MatchesRegex("RELOADING=1\nMONOTONIC_USEC=[0-9]+"));
+  ASSERT_THAT(notifier.ExtendTimeout(absl::Seconds(60)), IsOk());
+  EXPECT_EQ(listener.Receive(), "EXTEND_TIMEOUT_USEC=60000000");
+  ASSERT_THAT(notifier.Stopping(), IsOk());
+  EXPECT_EQ(listener.Receive(), "STOPPING=1");
+  EXPECT_TRUE(listener.Empty());
+}
+
+INSTANTIATE_TEST_SUITE_P(PathAndAbstract, SdNotifyTest, ::testing::Bool(),
+                         [](const auto& info) { return info.param ? "Abstract" : "Path"; });
+
+TEST(SdNotifyTest, UnsetOrEmptyIsANoOp) {
+  {
+    ScopedEnv env("NOTIFY_SOCKET", nullptr);
+    EXPECT_THAT(SdNotify("READY=1"), IsOk());
+  }
+  ScopedEnv env("NOTIFY_SOCKET", "");
+  EXPECT_THAT(Notifier().Stopping(), IsOk());
+}
+
+TEST(SdNotifyTest, MalformedSocketIsInvalidArgument) {
+  {
+    ScopedEnv env("NOTIFY_SOCKET", "run/notify");
+    EXPECT_THAT(SdNotify("READY=1"), StatusIs(absl::StatusCode::kInvalidArgument,
+                                              HasSubstrs("NOTIFY_SOCKET=\"run/notify\"",
+                                                         "absolute path or @abstract name")));
+  }
+  std::string too_long = "/" + std::string(200, 'x');
+  ScopedEnv env("NOTIFY_SOCKET", too_long.c_str());
+  EXPECT_THAT(SdNotify("READY=1"),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstrs(too_long, "108 bytes")));
+}
+
+TEST(SdNotifyTest, NoListenerIsAnErrorNamingTheSocket) {
+  ScopedEnv env("NOTIFY_SOCKET", "/nonexistent-memra-dir/notify.sock");
+  EXPECT_THAT(SdNotify("READY=1"),
+              StatusIs(absl::StatusCode::kNotFound,
+                       HasSubstrs("sendto NOTIFY_SOCKET=/nonexistent-memra-dir/notify.sock")));
+}
+
+TEST(WatchdogEnvTest, HalfTheTimeoutForThisProcess) {
+  EXPECT_THAT(ParseWatchdogEnv("30000000", nullptr, 42), IsOk());
+  EXPECT_EQ(*ParseWatchdogEnv("30000000", nullptr, 42), absl::Seconds(15));
+  EXPECT_EQ(*ParseWatchdogEnv("30000000", "42", 42), absl::Seconds(15));
+  EXPECT_EQ(*ParseWatchdogEnv("3", "42", 42), absl::Nanoseconds(1500));
+}
+
+TEST(WatchdogEnvTest, OffOrForAnotherProcess) {
+  EXPECT_EQ(*ParseWatchdogEnv(nullptr, nullptr, 42), std::nullopt);
+  EXPECT_EQ(*ParseWatchdogEnv(nullptr, "42", 42), std::nullopt);
+  EXPECT_EQ(*ParseWatchdogEnv("30000000", "41", 42), std::nullopt);
+}
+
+TEST(WatchdogEnvTest, BadValuesNameTheVariable) {
+  for (const char* bad : {"", "0", "-5", "abc", "30s", "1.5", " 30"}) {
+    EXPECT_THAT(ParseWatchdogEnv(bad, nullptr, 42),
+                StatusIs(absl::StatusCode::kInvalidArgument,
+                         HasSubstrs(absl::StrCat("WATCHDOG_USEC=\"", bad, "\""),
+                                    "not a positive number of microseconds")));
+  }
+  EXPECT_THAT(ParseWatchdogEnv("30000000", "me", 42),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstrs("WATCHDOG_PID=\"me\"", "not a process id")));
+}
+
+TEST(WatchdogEnvTest, WatchdogIntervalReadsTheEnvironment) {
+  std::string self = absl::StrCat(getpid());
+  {
+    ScopedEnv usec("WATCHDOG_USEC", "20000000");
+    ScopedEnv pid("WATCHDOG_PID", self.c_str());
+    EXPECT_THAT(WatchdogInterval(), Optional(absl::Seconds(10)));
+  }
+  {
+    ScopedEnv usec("WATCHDOG_USEC", "20000000");
+    ScopedEnv pid("WATCHDOG_PID", nullptr);
+    EXPECT_THAT(WatchdogInterval(), Optional(absl::Seconds(10)));
+  }
+  {
+    ScopedEnv usec("WATCHDOG_USEC", "garbage");
+    EXPECT_EQ(WatchdogInterval(), std::nullopt);
+  }
+  ScopedEnv usec("WATCHDOG_USEC", nullptr);
+  EXPECT_EQ(WatchdogInterval(), std::nullopt);
+}
+
+TEST(NotifierTest, UsesTheGivenSender) {
+  std::string last;
+  Notifier notifier([&](std::string_view state) {
+    last = std::string(state);
+    return absl::UnavailableError("fake");
+  });
+  EXPECT_THAT(notifier.Stopping(), StatusIs(absl::StatusCode::kUnavailable, "fake"));
+  EXPECT_EQ(last, "STOPPING=1");
+}
+
+}  // namespace
+}  // namespace memra

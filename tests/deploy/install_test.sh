@@ -1,0 +1,122 @@
+#!/usr/bin/env bash
+# deploy/install.sh into temporary roots: the installed tree, file modes, idempotence, PREFIX,
+# missing binaries, that nothing is activated under DESTDIR, and that the sysusers/tmpfiles
+# snippets do what they say when systemd's tools apply them to the temporary root.
+set -euo pipefail
+source "${TEST_SRCDIR}/memra_kv/tests/deploy/lib.sh"
+
+# Spies for the activation commands: with DESTDIR set, install.sh must call none of them.
+real_sysusers="$(command -v systemd-sysusers)" || fail "systemd-sysusers not installed"
+real_tmpfiles="$(command -v systemd-tmpfiles)" || fail "systemd-tmpfiles not installed"
+mkdir -p "$TEST_DIR/spy"
+for cmd in systemctl systemd-sysusers systemd-tmpfiles; do
+  printf '#!/bin/sh\necho "%s $*" >>"%s/calls"\n' "$cmd" "$TEST_DIR" >"$TEST_DIR/spy/$cmd"
+  chmod 0755 "$TEST_DIR/spy/$cmd"
+done
+export PATH="$TEST_DIR/spy:$PATH"
+
+# "<mode> <path>" for every file and directory under $1, sorted.
+tree() { (cd "$1" && find . -mindepth 1 -printf '%m %y %p\n' | sort); }
+expect_mode() { # ROOT PATH MODE
+  [[ -f "$1/$2" ]] || fail "$2 not installed"
+  local mode
+  mode="$(stat -c %a "$1/$2")"
+  [[ "$mode" == "$3" ]] || fail "$2 has mode $mode, want $3"
+}
+
+echo "--- default PREFIX: the installed tree"
+root="$TEST_DIR/root"
+install_into "$root" >"$TEST_DIR/out" || fail "install.sh failed: $(cat "$TEST_DIR/out")"
+grep -q "DESTDIR is set: not creating" "$TEST_DIR/out" || fail "no DESTDIR notice"
+expected_files="$(printf '%s\n' \
+  ./etc/memra-kv/gpu0.conf.example \
+  ./usr/bin/memra-kvctl \
+  ./usr/bin/memra-kvd \
+  ./usr/lib/systemd/system/memra-kvd@.service \
+  ./usr/lib/sysusers.d/memra-kv.conf \
+  ./usr/lib/tmpfiles.d/memra-kv.conf)"
+actual_files="$(cd "$root" && find . -type f | sort)"
+[[ "$actual_files" == "$expected_files" ]] ||
+  fail "installed files differ: got"$'\n'"$actual_files"
+expect_mode "$root" usr/bin/memra-kvd 755
+expect_mode "$root" usr/bin/memra-kvctl 755
+cmp -s "$root/usr/bin/memra-kvd" "$TEST_DIR/fake-bin/memra-kvd" || fail "memra-kvd not copied"
+for pair in usr/lib/systemd/system/memra-kvd@.service:memra-kvd@.service \
+            usr/lib/sysusers.d/memra-kv.conf:sysusers.d/memra-kv.conf \
+            usr/lib/tmpfiles.d/memra-kv.conf:tmpfiles.d/memra-kv.conf \
+            etc/memra-kv/gpu0.conf.example:memra-kv.conf.example; do
+  installed="${pair%%:*}" source="${pair#*:}"
+  expect_mode "$root" "$installed" 644
+  # With the default PREFIX and SYSCONFDIR the unit is installed unchanged.
+  cmp -s "$root/$installed" "$DEPLOY_DIR/$source" || fail "$installed differs from deploy/$source"
+done
+
+echo "--- idempotent, and an operator's config survives"
+printf 'budget_bytes = "2GiB"\n' >"$root/etc/memra-kv/gpu0.conf"
+before="$(tree "$root"; cd "$root" && find . -type f -exec sha256sum {} + | sort)"
+install_into "$root" >/dev/null || fail "second install failed"
+after="$(tree "$root"; cd "$root" && find . -type f -exec sha256sum {} + | sort)"
+[[ "$before" == "$after" ]] ||
+  fail "second install changed the tree:"$'\n'"$(diff <(echo "$before") <(echo "$after"))"
+
+echo "--- nothing activated under DESTDIR"
+[[ ! -e "$TEST_DIR/calls" ]] ||
+  fail "activation commands ran with DESTDIR set: $(cat "$TEST_DIR/calls")"
+
+echo "--- PREFIX and SYSCONFDIR follow into the unit"
+local_root="$TEST_DIR/local-root"
+PREFIX=/usr/local SYSCONFDIR=/opt/memra/etc install_into "$local_root" >/dev/null ||
+  fail "install with PREFIX=/usr/local failed"
+unit="$local_root/usr/local/lib/systemd/system/memra-kvd@.service"
+[[ -f "$local_root/usr/local/bin/memra-kvd" ]] || fail "no /usr/local/bin/memra-kvd"
+[[ -f "$local_root/opt/memra/etc/memra-kv/gpu0.conf.example" ]] || fail "example not in SYSCONFDIR"
+grep -qx 'ExecStart=/usr/local/bin/memra-kvd --config=/opt/memra/etc/memra-kv/gpu%i.conf --device=%i' \
+  "$unit" || fail "ExecStart not rewritten: $(grep ExecStart= "$unit")"
+! grep -q '/usr/bin/memra-kvd' "$unit" || fail "unit still names /usr/bin/memra-kvd"
+
+echo "--- a missing binary stops the install before anything is written"
+mkdir -p "$TEST_DIR/empty-bin"
+missing_root="$TEST_DIR/missing-root"
+if DESTDIR="$missing_root" BIN_DIR="$TEST_DIR/empty-bin" bash "$DEPLOY_DIR/install.sh" \
+    >"$TEST_DIR/out" 2>&1; then
+  fail "install without binaries succeeded"
+fi
+grep -q "no executable $TEST_DIR/empty-bin/memra-kvd" "$TEST_DIR/out" ||
+  fail "message does not name the missing binary: $(cat "$TEST_DIR/out")"
+grep -q -- "--allow-missing-binaries" "$TEST_DIR/out" || fail "message does not name the flag"
+[[ ! -e "$missing_root" ]] || fail "a failed install wrote files: $(find "$missing_root")"
+
+echo "--- --allow-missing-binaries installs the rest and says what it skipped"
+DESTDIR="$missing_root" BIN_DIR="$TEST_DIR/empty-bin" bash "$DEPLOY_DIR/install.sh" \
+  --allow-missing-binaries >"$TEST_DIR/out" 2>&1 || fail "install failed: $(cat "$TEST_DIR/out")"
+grep -q "skipping memra-kvd: no executable" "$TEST_DIR/out" || fail "memra-kvd skip not reported"
+grep -q "skipping memra-kvctl: no executable" "$TEST_DIR/out" || fail "memra-kvctl skip not reported"
+[[ ! -e "$missing_root/usr/bin" ]] || fail "binaries installed from an empty BIN_DIR"
+[[ -f "$missing_root/usr/lib/systemd/system/memra-kvd@.service" ]] || fail "unit not installed"
+
+echo "--- bad arguments"
+if install_into "$TEST_DIR/bad" --frobnicate >"$TEST_DIR/out" 2>&1; then fail "unknown flag accepted"; fi
+grep -q "unknown argument '--frobnicate'" "$TEST_DIR/out" || fail "$(cat "$TEST_DIR/out")"
+if PREFIX=usr install_into "$TEST_DIR/bad" >"$TEST_DIR/out" 2>&1; then fail "relative PREFIX accepted"; fi
+grep -q "PREFIX='usr' must be an absolute path" "$TEST_DIR/out" || fail "$(cat "$TEST_DIR/out")"
+bash "$DEPLOY_DIR/install.sh" --help | grep -q "DESTDIR" || fail "--help does not document DESTDIR"
+
+echo "--- the snippets, applied by systemd's tools to the temporary root"
+# --root makes both tools read and write only inside the root (its own /etc/passwd).
+"$real_sysusers" --root="$root" >"$TEST_DIR/out" 2>&1 || fail "systemd-sysusers: $(cat "$TEST_DIR/out")"
+grep -q '^memra-kv:x:[0-9]*:[0-9]*:memra-kv KV-cache daemon:' "$root/etc/passwd" ||
+  fail "no memra-kv user: $(cat "$root/etc/passwd")"
+grep -q '^memra-kv:x:[0-9]*:' "$root/etc/group" || fail "no memra-kv group"
+# Re-map memra-kv to this process's own uid/gid before tmpfiles chowns to it: a sandbox's user
+# namespace (or a non-root developer) cannot chown to the system uid sysusers picked. tmpfiles
+# still has to resolve the names from the root and apply the mode.
+uid="$(id -u)" gid="$(id -g)"
+sed -i "s/^memra-kv:x:[0-9]*:[0-9]*:/memra-kv:x:$uid:$gid:/" "$root/etc/passwd"
+sed -i "s/^memra-kv:x:[0-9]*:/memra-kv:x:$gid:/" "$root/etc/group"
+"$real_tmpfiles" --root="$root" --create >"$TEST_DIR/out" 2>&1 ||
+  fail "systemd-tmpfiles: $(cat "$TEST_DIR/out")"
+[[ -d "$root/run/memra-kv" ]] || fail "tmpfiles did not create /run/memra-kv"
+owner="$(stat -c '%a %u %g' "$root/run/memra-kv")"
+[[ "$owner" == "750 $uid $gid" ]] || fail "/run/memra-kv is '$owner', want '750 $uid $gid'"
+
+echo "PASS"
