@@ -1,0 +1,95 @@
+#ifndef MEMRA_CORE_LATENT_H_
+#define MEMRA_CORE_LATENT_H_
+
+// MLA latent-plane rules (the reference's LatentKvLayer snapshot_plane / validate_restore /
+// restore_plane / truncate_index_pool_keys), expressed over plane descriptors so every rule is
+// testable without memory. Copies are described, not performed: the backend executes them.
+//
+// The three asymmetries against an ordinary K/V plane: (1) rows are unquantized f32;
+// (2) the indexer plane is a TAIL RING whose rows below pools_ready * pool are overwritten by
+// design, so a capture carries the DERIVED pool keys plus the < pool live tail rows, never the
+// plane; (3) pool keys are final once their pool's last row lands (append-only), so a capture
+// must sit at a drained boundary: pools_ready == len / pool.
+//
+// Thread-safety: pure functions over values.
+
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+
+namespace memra {
+
+// A live latent layer. Element counts are f32 elements of the planes actually allocated.
+struct LatentLayerState {
+  uint32_t layer = 0;
+  uint64_t width = 0;              // f32 per latent row
+  uint64_t len = 0;                // rows [0, len) are valid in both planes
+  uint64_t index_width = 0;        // 0 = no indexer
+  uint64_t index_ring_rows = 0;    // booked physical indexer rows when a tail ring; 0 = flat
+  uint64_t index_pool = 0;         // resident pool (0 = unknown)
+  uint64_t index_pools_ready = 0;  // pools [0, ready) of the key plane hold FINAL keys
+  uint64_t rows_elems = 0;         // latent plane size
+  uint64_t index_rows_elems = 0;   // indexer plane size (0 = not allocated)
+  uint64_t pool_keys_elems = 0;    // pool-key plane size (0 = not allocated)
+  bool operator==(const LatentLayerState&) const = default;
+};
+
+// What a captured latent layer holds (the reference's LatentPlaneSnapshot, sizes only).
+struct LatentSnapshot {
+  uint64_t width = 0;
+  uint64_t len = 0;
+  uint64_t index_width = 0;
+  uint64_t index_pool = 0;          // 0 iff no indexer
+  uint64_t index_pools_ready = 0;
+  uint64_t rows_elems = 0;          // carried latent rows
+  std::optional<uint64_t> tail_elems;  // carried live tail rows; nullopt at a pool boundary
+  std::optional<uint64_t> keys_elems;  // carried final keys; nullopt when no pool completed
+  bool operator==(const LatentSnapshot&) const = default;
+  uint64_t Bytes() const;  // the prefix-cache ledger's honest bill
+};
+
+enum class LatentPlane : uint8_t { kRows = 0, kIndexRows = 1, kPoolKeys = 2 };
+
+// One f32-element range copy between a live plane and a snapshot buffer of the same kind.
+struct LatentCopy {
+  LatentPlane plane = LatentPlane::kRows;
+  uint64_t plane_offset_elems = 0;  // offset in the live layer's plane
+  uint64_t buffer_offset_elems = 0;  // offset in the snapshot's buffer of that kind
+  uint64_t elems = 0;
+  bool operator==(const LatentCopy&) const = default;
+};
+
+struct LatentCapturePlan {
+  LatentSnapshot snapshot;
+  std::vector<LatentCopy> copies;  // live plane -> snapshot buffers
+};
+
+// Capture preconditions of snapshot_plane: len > 0, a resolved pool, pools_ready == len/pool,
+// planes large enough. FAILED_PRECONDITION with the numbers.
+absl::StatusOr<LatentCapturePlan> PlanLatentCapture(const LatentLayerState& layer);
+
+// Every shape/identity/bounds check of restore, no copies: callers validate EVERY layer before
+// the first byte moves. `max_ctx` is the destination's capacity.
+absl::Status ValidateLatentRestore(const LatentLayerState& destination,
+                                   const LatentSnapshot& snapshot, uint64_t max_ctx);
+
+struct LatentRestorePlan {
+  std::vector<LatentCopy> copies;  // snapshot buffers -> live planes
+  // The pool-key plane is zeroed before keys land: unbuilt slots never carry garbage.
+  bool zero_pool_keys = false;
+  LatentLayerState restored;  // the destination's state after the copies
+};
+absl::StatusOr<LatentRestorePlan> PlanLatentRestore(const LatentLayerState& destination,
+                                                    const LatentSnapshot& snapshot,
+                                                    uint64_t max_ctx);
+
+// Clamp pools_ready to what `len` still justifies. Call from every path that REDUCES len:
+// pools at or above len / pool were built over rows about to be overwritten.
+void TruncateIndexPoolKeys(LatentLayerState& layer, uint64_t pool);
+
+}  // namespace memra
+
+#endif  // MEMRA_CORE_LATENT_H_
