@@ -1,0 +1,234 @@
+#include "server/host_backend.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/random.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <limits>
+#include <optional>
+#include <utility>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/escaping.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
+#include "core/status_macros.h"
+#include "server/errors.h"
+#include "server/mapped_region.h"
+
+namespace memra {
+namespace {
+
+constexpr size_t kNameRandomBytes = 16;  // 128 bits: names cannot be guessed or collide
+constexpr size_t kMaxPrefixChars = 200;  // "/" + prefix + "-" + 32 hex stays under NAME_MAX
+constexpr int kMaxCreateAttempts = 4;    // EEXIST retries (only a broken random source repeats)
+
+absl::StatusOr<std::string> RandomHexSuffix() {
+  uint8_t bytes[kNameRandomBytes];
+  size_t got = 0;
+  while (got < sizeof(bytes)) {
+    const ssize_t n = getrandom(bytes + got, sizeof(bytes) - got, 0);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return PosixError("getrandom for an shm object name", errno);
+    }
+    got += static_cast<size_t>(n);
+  }
+  return absl::BytesToHexString(
+      absl::string_view(reinterpret_cast<const char*>(bytes), sizeof(bytes)));
+}
+
+absl::Status ValidateOptions(const HostBackendOptions& options) {
+  if (options.total_bytes == 0 ||
+      options.total_bytes > static_cast<uint64_t>(std::numeric_limits<off_t>::max())) {
+    return absl::InvalidArgumentError(absl::StrCat("host backend total_bytes must be in [1, ",
+                                                   std::numeric_limits<off_t>::max(), "], got ",
+                                                   options.total_bytes));
+  }
+  if ((options.mode & ~mode_t{0770}) != 0 || (options.mode & 0600) != 0600) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("host backend mode must grant the owner rw and others nothing (within 0770 "
+                     "and including 0600), got 0",
+                     absl::Hex(options.mode)));
+  }
+  const std::string& prefix = options.name_prefix;
+  const bool chars_ok = std::all_of(prefix.begin(), prefix.end(), [](char c) {
+    return absl::ascii_isalnum(static_cast<unsigned char>(c)) || c == '.' || c == '_' || c == '-';
+  });
+  if (prefix.empty() || prefix.size() > kMaxPrefixChars || !chars_ok) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("host backend name_prefix must be 1..", kMaxPrefixChars,
+                     " characters of [A-Za-z0-9._-], got \"", absl::CHexEscape(prefix), "\""));
+  }
+  return absl::OkStatus();
+}
+
+// Owns an shm object's name: unlinks it on destruction, so a half-built arena leaks nothing.
+class ShmName {
+ public:
+  explicit ShmName(std::string name) : name_(std::move(name)) {}
+  ShmName(ShmName&& other) noexcept : name_(std::exchange(other.name_, "")) {}
+  ShmName& operator=(ShmName&&) = delete;
+  ~ShmName() {
+    if (!name_.empty()) shm_unlink(name_.c_str());
+  }
+
+  const std::string& get() const { return name_; }
+
+ private:
+  std::string name_;
+};
+
+}  // namespace
+
+// One allocation. Releases its mapping (and unlinks its shm name, when exported) on destruction.
+class HostBackend::Arena {
+ public:
+  Arena(MappedRegion region, std::optional<ShmName> shm_name)
+      : region_(std::move(region)), shm_name_(std::move(shm_name)) {}
+
+  uint64_t bytes() const { return region_.size(); }
+  uint8_t* data() const { return region_.data(); }
+  // Empty for a private arena.
+  const std::optional<ShmName>& shm_name() const { return shm_name_; }
+
+ private:
+  MappedRegion region_;
+  std::optional<ShmName> shm_name_;
+};
+
+absl::StatusOr<std::unique_ptr<HostBackend>> HostBackend::Create(HostBackendOptions options) {
+  RETURN_IF_ERROR(ValidateOptions(options));
+  const long page_size = sysconf(_SC_PAGESIZE);
+  if (page_size <= 0) return PosixError("sysconf(_SC_PAGESIZE)", errno);
+  return std::unique_ptr<HostBackend>(
+      new HostBackend(std::move(options), static_cast<uint64_t>(page_size)));
+}
+
+HostBackend::HostBackend(HostBackendOptions options, uint64_t page_size)
+    : options_(std::move(options)), page_size_(page_size), arenas_("host", options_.total_bytes) {}
+
+DeviceInfo HostBackend::Info() {
+  return DeviceInfo{.name = "host shared memory",
+                    .uuid = "",
+                    .total_bytes = options_.total_bytes,
+                    .free_bytes = options_.total_bytes - arenas_.live_bytes()};
+}
+
+absl::StatusOr<std::string> HostBackend::NewObjectName() const {
+  ASSIGN_OR_RETURN(std::string suffix, options_.name_suffix_for_testing
+                                           ? options_.name_suffix_for_testing()
+                                           : RandomHexSuffix());
+  return absl::StrCat("/", options_.name_prefix, "-", suffix);
+}
+
+absl::StatusOr<std::shared_ptr<HostBackend::Arena>> HostBackend::CreateSharedArena(
+    uint64_t bytes) const {
+  // O_EXCL: never adopt an object someone else created (it could be pre-sized or pre-mapped).
+  ScopedFd fd;
+  std::optional<ShmName> name;
+  for (int attempt = 1; !name.has_value(); ++attempt) {
+    ASSIGN_OR_RETURN(std::string candidate, NewObjectName());
+    fd =
+        ScopedFd(shm_open(candidate.c_str(), O_CREAT | O_EXCL | O_RDWR | O_CLOEXEC, options_.mode));
+    if (fd.get() >= 0) {
+      name.emplace(std::move(candidate));
+    } else if (errno != EEXIST || attempt == kMaxCreateAttempts) {
+      return PosixError(absl::StrCat("shm_open ", candidate, " (attempt ", attempt, ")"), errno);
+    }
+  }
+  const std::string& object = name->get();
+  if (options_.group.has_value() &&
+      fchown(fd.get(), static_cast<uid_t>(-1), *options_.group) != 0) {
+    return PosixError(absl::StrCat("fchown ", object, " to group ", *options_.group), errno);
+  }
+  // shm_open's mode is filtered by the umask; the configured mode is the contract.
+  if (fchmod(fd.get(), options_.mode) != 0) {
+    return PosixError(absl::StrCat("fchmod ", object, " to 0", absl::Hex(options_.mode)), errno);
+  }
+  // Allocate the pages now: tmpfs would otherwise accept the size and raise SIGBUS on first
+  // touch when /dev/shm is full. Fresh pages read as zero.
+  if (const int err = posix_fallocate(fd.get(), 0, static_cast<off_t>(bytes)); err != 0) {
+    return PosixError(absl::StrCat("posix_fallocate ", bytes, " bytes for ", object), err);
+  }
+  ASSIGN_OR_RETURN(MappedRegion region, MappedRegion::MapShared(fd.get(), bytes, object));
+  return std::make_shared<Arena>(std::move(region), std::move(name));
+}
+
+absl::StatusOr<ArenaId> HostBackend::CreateArena(uint64_t bytes, ArenaVisibility visibility) {
+  ASSIGN_OR_RETURN(const uint64_t rounded, RoundedArenaBytes(bytes));
+  return arenas_.Create(rounded, [&](uint64_t size) -> absl::StatusOr<std::shared_ptr<Arena>> {
+    if (visibility == ArenaVisibility::kExported) return CreateSharedArena(size);
+    ASSIGN_OR_RETURN(MappedRegion region, MappedRegion::MapAnonymous(size));
+    return std::make_shared<Arena>(std::move(region), std::nullopt);
+  });
+}
+
+absl::StatusOr<ArenaExport> HostBackend::Export(ArenaId id) {
+  ASSIGN_OR_RETURN(std::shared_ptr<Arena> arena, arenas_.Find("Export", id));
+  if (!arena->shm_name().has_value()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "host Export: arena ", id.value, " is private (daemon-only) and is never exported"));
+  }
+  return ArenaExport{
+      .backend = "host", .handle = arena->shm_name()->get(), .bytes = arena->bytes()};
+}
+
+absl::Status HostBackend::FreeArena(ArenaId id) { return arenas_.Remove(id).status(); }
+
+absl::Status HostBackend::Memset(ArenaId id, uint64_t offset, uint8_t value, uint64_t bytes) {
+  ASSIGN_OR_RETURN(std::shared_ptr<Arena> arena, arenas_.FindRange("Memset", id, offset, bytes));
+  std::memset(arena->data() + offset, value, bytes);
+  return absl::OkStatus();
+}
+
+absl::Status HostBackend::Copy(ArenaId dst_id, uint64_t dst_offset, ArenaId src_id,
+                               uint64_t src_offset, uint64_t bytes) {
+  ASSIGN_OR_RETURN(std::shared_ptr<Arena> dst,
+                   arenas_.FindRange("Copy destination", dst_id, dst_offset, bytes));
+  ASSIGN_OR_RETURN(std::shared_ptr<Arena> src,
+                   arenas_.FindRange("Copy source", src_id, src_offset, bytes));
+  std::memmove(dst->data() + dst_offset, src->data() + src_offset, bytes);
+  return absl::OkStatus();
+}
+
+absl::Status HostBackend::WriteI32(ArenaId id, uint64_t offset, int32_t value) {
+  return CopyIn("WriteI32", id, offset,
+                absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(&value), sizeof(value)));
+}
+
+absl::StatusOr<int32_t> HostBackend::ReadI32(ArenaId id, uint64_t offset) {
+  int32_t value;
+  RETURN_IF_ERROR(CopyOut("ReadI32", id, offset,
+                          absl::MakeSpan(reinterpret_cast<uint8_t*>(&value), sizeof(value))));
+  return value;
+}
+
+absl::Status HostBackend::Write(ArenaId id, uint64_t offset, absl::Span<const uint8_t> data) {
+  return CopyIn("Write", id, offset, data);
+}
+
+absl::Status HostBackend::Read(ArenaId id, uint64_t offset, absl::Span<uint8_t> out) {
+  return CopyOut("Read", id, offset, out);
+}
+
+absl::Status HostBackend::CopyIn(absl::string_view op, ArenaId id, uint64_t offset,
+                                 absl::Span<const uint8_t> data) {
+  ASSIGN_OR_RETURN(std::shared_ptr<Arena> arena, arenas_.FindRange(op, id, offset, data.size()));
+  if (!data.empty()) std::memcpy(arena->data() + offset, data.data(), data.size());
+  return absl::OkStatus();
+}
+
+absl::Status HostBackend::CopyOut(absl::string_view op, ArenaId id, uint64_t offset,
+                                  absl::Span<uint8_t> out) {
+  ASSIGN_OR_RETURN(std::shared_ptr<Arena> arena, arenas_.FindRange(op, id, offset, out.size()));
+  if (!out.empty()) std::memcpy(out.data(), arena->data() + offset, out.size());
+  return absl::OkStatus();
+}
+
+}  // namespace memra
