@@ -1,7 +1,5 @@
 #include "server/fault_injecting_backend.h"
 
-#include <unistd.h>
-
 #include <atomic>
 #include <functional>
 #include <memory>
@@ -13,6 +11,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "server/host_backend.h"
+#include "server/test_host_backend.h"
 #include "tests/status_matchers.h"
 
 namespace memra {
@@ -28,14 +27,8 @@ using ::testing::HasSubstr;
 class FaultInjectingBackendTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    HostBackendOptions options;
-    options.total_bytes = uint64_t{16} << 20;
-    options.name_prefix =
-        absl::StrCat("memra-test-", getpid(), "-",
-                     ::testing::UnitTest::GetInstance()->current_test_info()->name());
-    absl::StatusOr<std::unique_ptr<HostBackend>> host = HostBackend::Create(options);
-    ASSERT_THAT(host, IsOk());
-    host_ = *std::move(host);
+    host_ = testing::NewTestHostBackend(testing::TestHostBackendOptions());
+    ASSERT_NE(host_, nullptr);
     faulty_ = std::make_unique<FaultInjectingBackend>(host_.get());
   }
 

@@ -17,6 +17,7 @@
 #include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "server/test_host_backend.h"
 #include "tests/status_matchers.h"
 
 namespace memra {
@@ -24,13 +25,14 @@ namespace {
 
 using ::memra::testing::HasSubstrs;
 using ::memra::testing::IsOk;
+using ::memra::testing::NewTestHostBackend;
 using ::memra::testing::StatusIs;
-using ::testing::ContainsRegex;
+using ::memra::testing::TestHostBackendOptions;
+using ::memra::testing::UniqueShmPrefix;
 using ::testing::Each;
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
 using ::testing::MatchesRegex;
-using ::testing::Ne;
 
 // tests/status_matchers.h has no value matcher yet; this is the one this file needs.
 MATCHER_P(IsOkAndHolds, expected, "is OK and holds " + ::testing::PrintToString(expected)) {
@@ -44,12 +46,6 @@ MATCHER_P(IsOkAndHolds, expected, "is OK and holds " + ::testing::PrintToString(
 
 constexpr uint64_t kMiB = uint64_t{1} << 20;
 constexpr uint64_t kMax = std::numeric_limits<uint64_t>::max();
-
-// A prefix no other test (or concurrent test process) uses.
-std::string UniquePrefix() {
-  const ::testing::TestInfo* info = ::testing::UnitTest::GetInstance()->current_test_info();
-  return absl::StrCat("memra-test-", getpid(), "-", info->name());
-}
 
 // "/dev/shm/<name without the leading slash>".
 std::string ShmPath(const std::string& handle) { return absl::StrCat("/dev/shm", handle); }
@@ -70,17 +66,9 @@ class HostBackendTest : public ::testing::Test {
  protected:
   void SetUp() override { backend_ = MakeBackend(DefaultOptions()); }
 
-  HostBackendOptions DefaultOptions() {
-    HostBackendOptions options;
-    options.total_bytes = 64 * kMiB;
-    options.name_prefix = UniquePrefix();
-    return options;
-  }
-
+  static HostBackendOptions DefaultOptions() { return TestHostBackendOptions(64 * kMiB); }
   static std::unique_ptr<HostBackend> MakeBackend(HostBackendOptions options) {
-    absl::StatusOr<std::unique_ptr<HostBackend>> backend = HostBackend::Create(std::move(options));
-    EXPECT_THAT(backend, IsOk());
-    return backend.ok() ? *std::move(backend) : nullptr;
+    return NewTestHostBackend(std::move(options));
   }
 
   ArenaId MustCreate(uint64_t bytes, ArenaVisibility visibility = ArenaVisibility::kExported) {
@@ -150,7 +138,7 @@ TEST_F(HostBackendTest, CapacityIsEnforcedWithNumbersAndChangesNothing) {
 TEST_F(HostBackendTest, ExportNamesArePrefixedAnd128RandomBits) {
   const std::string a = MustExport(MustCreate(1));
   const std::string b = MustExport(MustCreate(1));
-  const std::string pattern = absl::StrCat("/", UniquePrefix(), "-[0-9a-f]{32}");
+  const std::string pattern = absl::StrCat("/", UniqueShmPrefix(), "-[0-9a-f]{32}");
   EXPECT_THAT(a, MatchesRegex(pattern));
   EXPECT_THAT(b, MatchesRegex(pattern));
   EXPECT_NE(a, b);
@@ -233,7 +221,7 @@ TEST_F(HostBackendTest, CreationNeverAdoptsAnExistingObject) {
   // The first suffix names an object someone else already created: O_EXCL must skip it.
   const std::string taken_suffix(32, 'a');
   const std::string fresh_suffix(32, 'b');
-  const std::string taken = absl::StrCat("/", UniquePrefix(), "-", taken_suffix);
+  const std::string taken = absl::StrCat("/", UniqueShmPrefix(), "-", taken_suffix);
   const int fd = shm_open(taken.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
   ASSERT_GE(fd, 0) << std::strerror(errno);
   ASSERT_EQ(ftruncate(fd, 123), 0);
@@ -247,7 +235,7 @@ TEST_F(HostBackendTest, CreationNeverAdoptsAnExistingObject) {
     return next;
   };
   backend_ = MakeBackend(options);
-  EXPECT_EQ(MustExport(MustCreate(1)), absl::StrCat("/", UniquePrefix(), "-", fresh_suffix));
+  EXPECT_EQ(MustExport(MustCreate(1)), absl::StrCat("/", UniqueShmPrefix(), "-", fresh_suffix));
   struct stat st;
   ASSERT_EQ(stat(ShmPath(taken).c_str(), &st), 0);
   EXPECT_EQ(st.st_size, 123);  // untouched
