@@ -134,12 +134,14 @@ absl::StatusOr<std::shared_ptr<HostBackend::Arena>> HostBackend::CreateSharedAre
   std::optional<ShmName> name;
   for (int attempt = 1; !name.has_value(); ++attempt) {
     ASSIGN_OR_RETURN(std::string candidate, NewObjectName());
-    fd =
-        ScopedFd(shm_open(candidate.c_str(), O_CREAT | O_EXCL | O_RDWR | O_CLOEXEC, options_.mode));
-    if (fd.get() >= 0) {
+    const int raw_fd =
+        shm_open(candidate.c_str(), O_CREAT | O_EXCL | O_RDWR | O_CLOEXEC, options_.mode);
+    const int err = errno;
+    if (raw_fd >= 0) {
+      fd = ScopedFd(raw_fd);
       name.emplace(std::move(candidate));
-    } else if (errno != EEXIST || attempt == kMaxCreateAttempts) {
-      return PosixError(absl::StrCat("shm_open ", candidate, " (attempt ", attempt, ")"), errno);
+    } else if (err != EEXIST || attempt == kMaxCreateAttempts) {
+      return PosixError(absl::StrCat("shm_open ", candidate, " (attempt ", attempt, ")"), err);
     }
   }
   const std::string& object = name->get();
