@@ -1,8 +1,9 @@
 #include "server/cuda_backend.h"
 
-#include <cstring>
+#include <cstdint>
 #include <limits>
-#include <optional>
+#include <memory>
+#include <string>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -21,34 +22,36 @@ std::string FormatUuid(const cudaUUID_t& uuid) {
                          b[12], b[13], b[14], b[15]);
 }
 
-bool Overlaps(uint64_t a, uint64_t b, uint64_t bytes) {
-  return a < b ? b - a < bytes : a - b < bytes;
+// Frees a cudaMalloc allocation on its device.
+struct DeviceFree {
+  int device;
+  void operator()(void* data) const {
+    // cudaFree synchronizes the device; a failure here leaves nothing to recover.
+    cudaSetDevice(device);
+    cudaFree(data);
+  }
+};
+using DeviceAllocation = std::unique_ptr<void, DeviceFree>;
+
+// One cudaMalloc allocation, freed with the record (independently of the backend object).
+class CudaArena final : public ArenaRecord {
+ public:
+  CudaArena(DeviceAllocation allocation, uint64_t bytes, std::string ipc_handle)
+      : ArenaRecord(static_cast<uint8_t*>(allocation.get()), bytes, std::move(ipc_handle)),
+        allocation_(std::move(allocation)) {}
+
+ private:
+  DeviceAllocation allocation_;
+};
+
+// Whether [a, a + bytes) and [b, b + bytes) share a byte.
+bool Overlap(const uint8_t* a, const uint8_t* b, uint64_t bytes) {
+  const auto x = reinterpret_cast<uintptr_t>(a);
+  const auto y = reinterpret_cast<uintptr_t>(b);
+  return (x < y ? y - x : x - y) < bytes;
 }
 
 }  // namespace
-
-// One cudaMalloc allocation; cudaFree on destruction. `ipc_handle` is set for exported arenas.
-class CudaBackend::Arena {
- public:
-  Arena(int device, uint8_t* data, uint64_t bytes) : device_(device), data_(data), bytes_(bytes) {}
-  Arena(const Arena&) = delete;
-  Arena& operator=(const Arena&) = delete;
-  ~Arena() {
-    // cudaFree synchronizes the device; a failure here leaves nothing to recover.
-    cudaSetDevice(device_);
-    cudaFree(data_);
-  }
-
-  uint64_t bytes() const { return bytes_; }
-  uint8_t* data() const { return data_; }
-
-  std::optional<cudaIpcMemHandle_t> ipc_handle;  // set once, before the arena is shared
-
- private:
-  const int device_;
-  uint8_t* const data_;
-  const uint64_t bytes_;
-};
 
 absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(CudaBackendOptions options) {
   int count = 0;
@@ -81,15 +84,14 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(CudaBackendOpti
 }
 
 CudaBackend::CudaBackend(int device, cudaStream_t stream, std::string name, std::string uuid)
-    : device_(device),
+    : CheckedArenaBackend("cuda", std::numeric_limits<uint64_t>::max()),  // the device decides
+      device_(device),
       stream_(stream),
       name_(std::move(name)),
-      uuid_(std::move(uuid)),
-      arenas_("cuda", std::numeric_limits<uint64_t>::max()) {}
+      uuid_(std::move(uuid)) {}
 
 CudaBackend::~CudaBackend() {
-  // Every call synchronizes before returning, so the stream is idle; arenas_ (destroyed after
-  // this body) frees the remaining allocations.
+  // Every call synchronizes before returning, so the stream is idle.
   cudaSetDevice(device_);
   cudaStreamDestroy(stream_);
 }
@@ -120,60 +122,39 @@ DeviceInfo CudaBackend::Info() {
   return info;
 }
 
-absl::StatusOr<std::shared_ptr<CudaBackend::Arena>> CudaBackend::Allocate(
-    uint64_t bytes, ArenaVisibility visibility) {
+absl::StatusOr<std::shared_ptr<ArenaRecord>> CudaBackend::Allocate(uint64_t bytes,
+                                                                   ArenaVisibility visibility) {
   RETURN_IF_ERROR(SelectDevice());
   void* data = nullptr;
   if (const cudaError_t err = cudaMalloc(&data, bytes); err != cudaSuccess) {
     return CudaError(absl::StrCat("cudaMalloc ", bytes, " bytes on device ", device_), err);
   }
-  auto arena = std::make_shared<Arena>(device_, static_cast<uint8_t*>(data), bytes);
+  DeviceAllocation allocation(data, DeviceFree{device_});
   RETURN_IF_ERROR(Finish("zero-filling a new arena", cudaMemsetAsync(data, 0, bytes, stream_)));
+  std::string ipc_handle;
   if (visibility == ArenaVisibility::kExported) {
     cudaIpcMemHandle_t handle;
     if (const cudaError_t err = cudaIpcGetMemHandle(&handle, data); err != cudaSuccess) {
       return CudaError(absl::StrCat("cudaIpcGetMemHandle for ", bytes, " bytes"), err);
     }
-    arena->ipc_handle = handle;
+    ipc_handle.assign(reinterpret_cast<const char*>(&handle), sizeof(handle));
   }
-  return arena;
+  return std::make_shared<CudaArena>(std::move(allocation), bytes, std::move(ipc_handle));
 }
 
-absl::StatusOr<ArenaId> CudaBackend::CreateArena(uint64_t bytes, ArenaVisibility visibility) {
-  ASSIGN_OR_RETURN(const uint64_t rounded, RoundedArenaBytes(bytes));
-  return arenas_.Create(rounded, [&](uint64_t size) { return Allocate(size, visibility); });
-}
-
-absl::StatusOr<ArenaExport> CudaBackend::Export(ArenaId id) {
-  ASSIGN_OR_RETURN(std::shared_ptr<Arena> arena, arenas_.Find("Export", id));
-  if (!arena->ipc_handle.has_value()) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "cuda Export: arena ", id.value, " is private (daemon-only) and is never exported"));
-  }
-  return ArenaExport{.backend = "cuda",
-                     .handle = std::string(reinterpret_cast<const char*>(&*arena->ipc_handle),
-                                           sizeof(cudaIpcMemHandle_t)),
-                     .bytes = arena->bytes()};
-}
-
-absl::Status CudaBackend::FreeArena(ArenaId id) { return arenas_.Remove(id).status(); }
-
-absl::Status CudaBackend::Memset(ArenaId id, uint64_t offset, uint8_t value, uint64_t bytes) {
-  ASSIGN_OR_RETURN(std::shared_ptr<Arena> arena, arenas_.FindRange("Memset", id, offset, bytes));
+absl::Status CudaBackend::Synchronize() {
   RETURN_IF_ERROR(SelectDevice());
-  return Finish("Memset", cudaMemsetAsync(arena->data() + offset, value, bytes, stream_));
+  return Finish("Synchronize", cudaSuccess);
 }
 
-absl::Status CudaBackend::Copy(ArenaId dst_id, uint64_t dst_offset, ArenaId src_id,
-                               uint64_t src_offset, uint64_t bytes) {
-  ASSIGN_OR_RETURN(std::shared_ptr<Arena> dst,
-                   arenas_.FindRange("Copy destination", dst_id, dst_offset, bytes));
-  ASSIGN_OR_RETURN(std::shared_ptr<Arena> src,
-                   arenas_.FindRange("Copy source", src_id, src_offset, bytes));
+absl::Status CudaBackend::Fill(uint8_t* at, uint8_t value, uint64_t bytes) {
   RETURN_IF_ERROR(SelectDevice());
-  uint8_t* const to = dst->data() + dst_offset;
-  const uint8_t* const from = src->data() + src_offset;
-  if (dst_id != src_id || !Overlaps(dst_offset, src_offset, bytes)) {
+  return Finish("Memset", cudaMemsetAsync(at, value, bytes, stream_));
+}
+
+absl::Status CudaBackend::Move(uint8_t* to, const uint8_t* from, uint64_t bytes) {
+  RETURN_IF_ERROR(SelectDevice());
+  if (!Overlap(to, from, bytes)) {
     return Finish("Copy", cudaMemcpyAsync(to, from, bytes, cudaMemcpyDeviceToDevice, stream_));
   }
   // cudaMemcpy leaves overlapping ranges undefined: stage through stream-ordered scratch.
@@ -189,47 +170,16 @@ absl::Status CudaBackend::Copy(ArenaId dst_id, uint64_t dst_offset, ArenaId src_
   return Finish("Copy (overlapping, staged)", err != cudaSuccess ? err : freed);
 }
 
-absl::Status CudaBackend::WriteI32(ArenaId id, uint64_t offset, int32_t value) {
-  return CopyIn("WriteI32", id, offset,
-                absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(&value), sizeof(value)));
-}
-
-absl::StatusOr<int32_t> CudaBackend::ReadI32(ArenaId id, uint64_t offset) {
-  int32_t value;
-  RETURN_IF_ERROR(CopyOut("ReadI32", id, offset,
-                          absl::MakeSpan(reinterpret_cast<uint8_t*>(&value), sizeof(value))));
-  return value;
-}
-
-absl::Status CudaBackend::Write(ArenaId id, uint64_t offset, absl::Span<const uint8_t> data) {
-  return CopyIn("Write", id, offset, data);
-}
-
-absl::Status CudaBackend::Read(ArenaId id, uint64_t offset, absl::Span<uint8_t> out) {
-  return CopyOut("Read", id, offset, out);
-}
-
-absl::Status CudaBackend::Synchronize() {
-  RETURN_IF_ERROR(SelectDevice());
-  return Finish("Synchronize", cudaSuccess);
-}
-
-absl::Status CudaBackend::CopyIn(absl::string_view op, ArenaId id, uint64_t offset,
+absl::Status CudaBackend::Upload(absl::string_view op, uint8_t* to,
                                  absl::Span<const uint8_t> data) {
-  ASSIGN_OR_RETURN(std::shared_ptr<Arena> arena, arenas_.FindRange(op, id, offset, data.size()));
-  if (data.empty()) return absl::OkStatus();
   RETURN_IF_ERROR(SelectDevice());
-  return Finish(op, cudaMemcpyAsync(arena->data() + offset, data.data(), data.size(),
-                                    cudaMemcpyHostToDevice, stream_));
+  return Finish(op, cudaMemcpyAsync(to, data.data(), data.size(), cudaMemcpyHostToDevice, stream_));
 }
 
-absl::Status CudaBackend::CopyOut(absl::string_view op, ArenaId id, uint64_t offset,
-                                  absl::Span<uint8_t> out) {
-  ASSIGN_OR_RETURN(std::shared_ptr<Arena> arena, arenas_.FindRange(op, id, offset, out.size()));
-  if (out.empty()) return absl::OkStatus();
+absl::Status CudaBackend::Download(absl::string_view op, const uint8_t* from,
+                                   absl::Span<uint8_t> out) {
   RETURN_IF_ERROR(SelectDevice());
-  return Finish(op, cudaMemcpyAsync(out.data(), arena->data() + offset, out.size(),
-                                    cudaMemcpyDeviceToHost, stream_));
+  return Finish(op, cudaMemcpyAsync(out.data(), from, out.size(), cudaMemcpyDeviceToHost, stream_));
 }
 
 }  // namespace memra

@@ -84,23 +84,20 @@ class ShmName {
   std::string name_;
 };
 
-}  // namespace
-
 // One allocation. Releases its mapping (and unlinks its shm name, when exported) on destruction.
-class HostBackend::Arena {
+class HostArena final : public ArenaRecord {
  public:
-  Arena(MappedRegion region, std::optional<ShmName> shm_name)
-      : region_(std::move(region)), shm_name_(std::move(shm_name)) {}
-
-  uint64_t bytes() const { return region_.size(); }
-  uint8_t* data() const { return region_.data(); }
-  // Empty for a private arena.
-  const std::optional<ShmName>& shm_name() const { return shm_name_; }
+  HostArena(MappedRegion region, std::optional<ShmName> shm_name)
+      : ArenaRecord(region.data(), region.size(), shm_name ? shm_name->get() : ""),
+        region_(std::move(region)),
+        shm_name_(std::move(shm_name)) {}
 
  private:
   MappedRegion region_;
   std::optional<ShmName> shm_name_;
 };
+
+}  // namespace
 
 absl::StatusOr<std::unique_ptr<HostBackend>> HostBackend::Create(HostBackendOptions options) {
   RETURN_IF_ERROR(ValidateOptions(options));
@@ -111,13 +108,15 @@ absl::StatusOr<std::unique_ptr<HostBackend>> HostBackend::Create(HostBackendOpti
 }
 
 HostBackend::HostBackend(HostBackendOptions options, uint64_t page_size)
-    : options_(std::move(options)), page_size_(page_size), arenas_("host", options_.total_bytes) {}
+    : CheckedArenaBackend("host", options.total_bytes),
+      options_(std::move(options)),
+      page_size_(page_size) {}
 
 DeviceInfo HostBackend::Info() {
   return DeviceInfo{.name = "host shared memory",
                     .uuid = "",
                     .total_bytes = options_.total_bytes,
-                    .free_bytes = options_.total_bytes - arenas_.live_bytes()};
+                    .free_bytes = options_.total_bytes - AllocatedBytes()};
 }
 
 absl::StatusOr<std::string> HostBackend::NewObjectName() const {
@@ -127,8 +126,7 @@ absl::StatusOr<std::string> HostBackend::NewObjectName() const {
   return absl::StrCat("/", options_.name_prefix, "-", suffix);
 }
 
-absl::StatusOr<std::shared_ptr<HostBackend::Arena>> HostBackend::CreateSharedArena(
-    uint64_t bytes) const {
+absl::StatusOr<std::shared_ptr<ArenaRecord>> HostBackend::CreateSharedArena(uint64_t bytes) const {
   // O_EXCL: never adopt an object someone else created (it could be pre-sized or pre-mapped).
   ScopedFd fd;
   std::optional<ShmName> name;
@@ -159,77 +157,34 @@ absl::StatusOr<std::shared_ptr<HostBackend::Arena>> HostBackend::CreateSharedAre
     return PosixError(absl::StrCat("posix_fallocate ", bytes, " bytes for ", object), err);
   }
   ASSIGN_OR_RETURN(MappedRegion region, MappedRegion::MapShared(fd.get(), bytes, object));
-  return std::make_shared<Arena>(std::move(region), std::move(name));
+  return std::make_shared<HostArena>(std::move(region), std::move(name));
 }
 
-absl::StatusOr<ArenaId> HostBackend::CreateArena(uint64_t bytes, ArenaVisibility visibility) {
-  ASSIGN_OR_RETURN(const uint64_t rounded, RoundedArenaBytes(bytes));
-  return arenas_.Create(rounded, [&](uint64_t size) -> absl::StatusOr<std::shared_ptr<Arena>> {
-    if (visibility == ArenaVisibility::kExported) return CreateSharedArena(size);
-    ASSIGN_OR_RETURN(MappedRegion region, MappedRegion::MapAnonymous(size));
-    return std::make_shared<Arena>(std::move(region), std::nullopt);
-  });
+absl::StatusOr<std::shared_ptr<ArenaRecord>> HostBackend::Allocate(uint64_t bytes,
+                                                                   ArenaVisibility visibility) {
+  if (visibility == ArenaVisibility::kExported) return CreateSharedArena(bytes);
+  ASSIGN_OR_RETURN(MappedRegion region, MappedRegion::MapAnonymous(bytes));
+  return std::make_shared<HostArena>(std::move(region), std::nullopt);
 }
 
-absl::StatusOr<ArenaExport> HostBackend::Export(ArenaId id) {
-  ASSIGN_OR_RETURN(std::shared_ptr<Arena> arena, arenas_.Find("Export", id));
-  if (!arena->shm_name().has_value()) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "host Export: arena ", id.value, " is private (daemon-only) and is never exported"));
-  }
-  return ArenaExport{
-      .backend = "host", .handle = arena->shm_name()->get(), .bytes = arena->bytes()};
-}
-
-absl::Status HostBackend::FreeArena(ArenaId id) { return arenas_.Remove(id).status(); }
-
-absl::Status HostBackend::Memset(ArenaId id, uint64_t offset, uint8_t value, uint64_t bytes) {
-  ASSIGN_OR_RETURN(std::shared_ptr<Arena> arena, arenas_.FindRange("Memset", id, offset, bytes));
-  std::memset(arena->data() + offset, value, bytes);
+absl::Status HostBackend::Fill(uint8_t* at, uint8_t value, uint64_t bytes) {
+  std::memset(at, value, bytes);
   return absl::OkStatus();
 }
 
-absl::Status HostBackend::Copy(ArenaId dst_id, uint64_t dst_offset, ArenaId src_id,
-                               uint64_t src_offset, uint64_t bytes) {
-  ASSIGN_OR_RETURN(std::shared_ptr<Arena> dst,
-                   arenas_.FindRange("Copy destination", dst_id, dst_offset, bytes));
-  ASSIGN_OR_RETURN(std::shared_ptr<Arena> src,
-                   arenas_.FindRange("Copy source", src_id, src_offset, bytes));
-  std::memmove(dst->data() + dst_offset, src->data() + src_offset, bytes);
+absl::Status HostBackend::Move(uint8_t* to, const uint8_t* from, uint64_t bytes) {
+  std::memmove(to, from, bytes);
   return absl::OkStatus();
 }
 
-absl::Status HostBackend::WriteI32(ArenaId id, uint64_t offset, int32_t value) {
-  return CopyIn("WriteI32", id, offset,
-                absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(&value), sizeof(value)));
-}
-
-absl::StatusOr<int32_t> HostBackend::ReadI32(ArenaId id, uint64_t offset) {
-  int32_t value;
-  RETURN_IF_ERROR(CopyOut("ReadI32", id, offset,
-                          absl::MakeSpan(reinterpret_cast<uint8_t*>(&value), sizeof(value))));
-  return value;
-}
-
-absl::Status HostBackend::Write(ArenaId id, uint64_t offset, absl::Span<const uint8_t> data) {
-  return CopyIn("Write", id, offset, data);
-}
-
-absl::Status HostBackend::Read(ArenaId id, uint64_t offset, absl::Span<uint8_t> out) {
-  return CopyOut("Read", id, offset, out);
-}
-
-absl::Status HostBackend::CopyIn(absl::string_view op, ArenaId id, uint64_t offset,
-                                 absl::Span<const uint8_t> data) {
-  ASSIGN_OR_RETURN(std::shared_ptr<Arena> arena, arenas_.FindRange(op, id, offset, data.size()));
-  if (!data.empty()) std::memcpy(arena->data() + offset, data.data(), data.size());
+absl::Status HostBackend::Upload(absl::string_view, uint8_t* to, absl::Span<const uint8_t> data) {
+  std::memcpy(to, data.data(), data.size());
   return absl::OkStatus();
 }
 
-absl::Status HostBackend::CopyOut(absl::string_view op, ArenaId id, uint64_t offset,
-                                  absl::Span<uint8_t> out) {
-  ASSIGN_OR_RETURN(std::shared_ptr<Arena> arena, arenas_.FindRange(op, id, offset, out.size()));
-  if (!out.empty()) std::memcpy(out.data(), arena->data() + offset, out.size());
+absl::Status HostBackend::Download(absl::string_view, const uint8_t* from,
+                                   absl::Span<uint8_t> out) {
+  std::memcpy(out.data(), from, out.size());
   return absl::OkStatus();
 }
 

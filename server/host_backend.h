@@ -15,6 +15,7 @@
 #include "absl/status/statusor.h"
 #include "server/arena_table.h"
 #include "server/backend.h"
+#include "server/checked_arena_backend.h"
 
 namespace memra {
 
@@ -37,49 +38,33 @@ struct HostBackendOptions {
 // Thread-safe (see DeviceBackend). Data operations run outside the arena-table lock on a
 // reference to the arena's mapping. The destructor frees every remaining arena: no shm object
 // outlives the backend (crash excepted; deploy/ clears stale objects by prefix).
-class HostBackend final : public DeviceBackend {
+class HostBackend final : public CheckedArenaBackend {
  public:
   // INVALID_ARGUMENT for bad options.
   static absl::StatusOr<std::unique_ptr<HostBackend>> Create(HostBackendOptions options);
-  ~HostBackend() override = default;
 
   std::string_view Name() const override { return "host"; }
   DeviceInfo Info() override;
   uint64_t AllocationGranularity() const override { return page_size_; }
-
-  absl::StatusOr<ArenaId> CreateArena(uint64_t bytes, ArenaVisibility visibility) override;
-  absl::StatusOr<ArenaExport> Export(ArenaId arena) override;
-  absl::Status FreeArena(ArenaId arena) override;
-
-  absl::Status Memset(ArenaId arena, uint64_t offset, uint8_t value, uint64_t bytes) override;
-  absl::Status Copy(ArenaId dst, uint64_t dst_offset, ArenaId src, uint64_t src_offset,
-                    uint64_t bytes) override;
-  absl::Status WriteI32(ArenaId arena, uint64_t offset, int32_t value) override;
-  absl::StatusOr<int32_t> ReadI32(ArenaId arena, uint64_t offset) override;
-  absl::Status Write(ArenaId arena, uint64_t offset, absl::Span<const uint8_t> data) override;
-  absl::Status Read(ArenaId arena, uint64_t offset, absl::Span<uint8_t> out) override;
   absl::Status Synchronize() override { return absl::OkStatus(); }
 
-  uint64_t AllocatedBytes() const override { return arenas_.live_bytes(); }
-  size_t ArenaCount() const override { return arenas_.size(); }
-
  private:
-  class Arena;
-
   HostBackend(HostBackendOptions options, uint64_t page_size);
 
+  absl::StatusOr<std::shared_ptr<ArenaRecord>> Allocate(uint64_t bytes,
+                                                        ArenaVisibility visibility) override;
+  absl::Status Fill(uint8_t* at, uint8_t value, uint64_t bytes) override;
+  absl::Status Move(uint8_t* to, const uint8_t* from, uint64_t bytes) override;
+  absl::Status Upload(absl::string_view op, uint8_t* to, absl::Span<const uint8_t> data) override;
+  absl::Status Download(absl::string_view op, const uint8_t* from,
+                        absl::Span<uint8_t> out) override;
+
   absl::StatusOr<std::string> NewObjectName() const;
-  absl::StatusOr<std::shared_ptr<Arena>> CreateSharedArena(uint64_t bytes) const;
-  // Bounds-checked copies between caller memory and an arena; `op` names the call in errors.
-  absl::Status CopyIn(absl::string_view op, ArenaId id, uint64_t offset,
-                      absl::Span<const uint8_t> data);
-  absl::Status CopyOut(absl::string_view op, ArenaId id, uint64_t offset, absl::Span<uint8_t> out);
+  absl::StatusOr<std::shared_ptr<ArenaRecord>> CreateSharedArena(uint64_t bytes) const;
 
   // Constant after construction.
   const HostBackendOptions options_;
   const uint64_t page_size_;
-
-  ArenaTable<Arena> arenas_;  // thread-safe itself
 };
 
 }  // namespace memra
