@@ -16,6 +16,7 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/string_view.h"
 #include "core/status_macros.h"
 #include "server/errors.h"
@@ -53,8 +54,8 @@ absl::Status ValidateOptions(const HostBackendOptions& options) {
   if ((options.mode & ~mode_t{0770}) != 0 || (options.mode & 0600) != 0600) {
     return absl::InvalidArgumentError(
         absl::StrCat("host backend mode must grant the owner rw and others nothing (within 0770 "
-                     "and including 0600), got 0",
-                     absl::Hex(options.mode)));
+                     "and including 0600), got ",
+                     absl::StrFormat("%#o", options.mode)));
   }
   const std::string& prefix = options.name_prefix;
   const bool chars_ok = std::all_of(prefix.begin(), prefix.end(), [](char c) {
@@ -149,7 +150,8 @@ absl::StatusOr<std::shared_ptr<ArenaRecord>> HostBackend::CreateSharedArena(uint
   }
   // shm_open's mode is filtered by the umask; the configured mode is the contract.
   if (fchmod(fd.get(), options_.mode) != 0) {
-    return PosixError(absl::StrCat("fchmod ", object, " to 0", absl::Hex(options_.mode)), errno);
+    return PosixError(
+        absl::StrCat("fchmod ", object, " to ", absl::StrFormat("%#o", options_.mode)), errno);
   }
   // Allocate the pages now: tmpfs would otherwise accept the size and raise SIGBUS on first
   // touch when /dev/shm is full. Fresh pages read as zero.

@@ -20,7 +20,8 @@
 namespace memra {
 
 struct HostBackendOptions {
-  // Reported capacity, and the bound on the sum of live arena sizes (RESOURCE_EXHAUSTED past it).
+  // Required. Reported capacity, and the bound on the sum of live arena sizes
+  // (RESOURCE_EXHAUSTED past it).
   uint64_t total_bytes = 0;
   // Permission bits of every shm object (set with fchmod, so the umask does not apply).
   // Must include owner read/write and no bits for others: /dev/shm is world-listable, so the
@@ -37,7 +38,8 @@ struct HostBackendOptions {
 
 // Thread-safe (see DeviceBackend). Data operations run outside the arena-table lock on a
 // reference to the arena's mapping. The destructor frees every remaining arena: no shm object
-// outlives the backend (crash excepted; deploy/ clears stale objects by prefix).
+// outlives the backend. (A crashed daemon leaves "/dev/shm/<prefix>-*" behind; removing those
+// at start-up is the daemon's job, not this class's.)
 class HostBackend final : public CheckedArenaBackend {
  public:
   // INVALID_ARGUMENT for bad options.

@@ -185,11 +185,11 @@ TEST_F(HostBackendTest, BadOptionsAreRefused) {
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstrs("total_bytes", "got 0")));
   options = DefaultOptions();
   options.mode = 0604;
-  EXPECT_THAT(HostBackend::Create(options),
-              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstrs("others nothing", "0184")));
+  EXPECT_THAT(HostBackend::Create(options), StatusIs(absl::StatusCode::kInvalidArgument,
+                                                     HasSubstrs("others nothing", "got 0604")));
   options.mode = 0460;
   EXPECT_THAT(HostBackend::Create(options),
-              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstrs("owner rw", "0130")));
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstrs("owner rw", "got 0460")));
   options = DefaultOptions();
   options.name_prefix = "../etc";
   EXPECT_THAT(HostBackend::Create(options),
