@@ -5,6 +5,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cerrno>
 #include <cstdint>
 #include <cstring>
@@ -411,6 +412,27 @@ TEST_F(HostBackendTest, ConcurrentCreateUseFreeIsConsistent) {
   }
   for (std::thread& thread : threads) thread.join();
   EXPECT_EQ(backend_->AllocatedBytes(), 0u);
+  EXPECT_EQ(backend_->ArenaCount(), 0u);
+}
+
+// The contract: a data call racing FreeArena of the same arena is the caller's bug, but it must
+// stay memory-safe: it either finishes on the still-mapped arena or reports NOT_FOUND.
+TEST_F(HostBackendTest, DataCallsRacingFreeStayMemorySafe) {
+  for (int round = 0; round < 20; ++round) {
+    const ArenaId arena = MustCreate(16 * page());
+    std::atomic<bool> freed{false};
+    std::thread user([&] {
+      std::vector<uint8_t> buffer(16 * page());
+      while (!freed.load()) {
+        const absl::Status status = backend_->Read(arena, 0, absl::MakeSpan(buffer));
+        ASSERT_TRUE(status.ok() || absl::IsNotFound(status)) << status;
+        if (!status.ok()) return;
+      }
+    });
+    ASSERT_THAT(backend_->FreeArena(arena), IsOk());
+    freed.store(true);
+    user.join();
+  }
   EXPECT_EQ(backend_->ArenaCount(), 0u);
 }
 
