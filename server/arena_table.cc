@@ -1,0 +1,72 @@
+#include "server/arena_table.h"
+
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "core/status_macros.h"
+
+namespace memra {
+
+absl::StatusOr<ArenaId> ArenaTable::Create(uint64_t bytes, Allocator allocate) {
+  {
+    absl::MutexLock lock(&mu_);
+    const uint64_t in_use = reserved_bytes_ + live_bytes_;
+    if (bytes > capacity_ - in_use) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat(backend_, ": arena of ", bytes, " bytes does not fit: ", in_use, " of ",
+                       capacity_, " bytes in use, ", capacity_ - in_use, " free"));
+    }
+    reserved_bytes_ += bytes;
+  }
+  absl::StatusOr<std::shared_ptr<ArenaRecord>> arena = allocate(bytes);
+  absl::MutexLock lock(&mu_);
+  reserved_bytes_ -= bytes;
+  if (!arena.ok()) return arena.status();
+  const ArenaId id{next_id_++};
+  live_bytes_ += bytes;
+  arenas_.emplace(id, *std::move(arena));
+  return id;
+}
+
+absl::StatusOr<std::shared_ptr<ArenaRecord>> ArenaTable::Find(absl::string_view op,
+                                                              ArenaId id) const {
+  absl::MutexLock lock(&mu_);
+  auto it = arenas_.find(id);
+  if (it == arenas_.end()) {
+    return absl::NotFoundError(absl::StrCat(backend_, " ", op, ": no arena ", id.value));
+  }
+  return it->second;
+}
+
+absl::StatusOr<std::shared_ptr<ArenaRecord>> ArenaTable::FindRange(absl::string_view op, ArenaId id,
+                                                                   uint64_t offset,
+                                                                   uint64_t bytes) const {
+  ASSIGN_OR_RETURN(std::shared_ptr<ArenaRecord> arena, Find(op, id));
+  RETURN_IF_ERROR(CheckArenaRange(op, id, arena->bytes(), offset, bytes));
+  return arena;
+}
+
+absl::Status ArenaTable::Remove(ArenaId id) {
+  std::shared_ptr<ArenaRecord> arena;  // released after the lock: freeing may be slow
+  absl::MutexLock lock(&mu_);
+  auto it = arenas_.find(id);
+  if (it == arenas_.end()) {
+    return absl::NotFoundError(absl::StrCat(backend_, " FreeArena: no arena ", id.value));
+  }
+  arena = std::move(it->second);
+  arenas_.erase(it);
+  live_bytes_ -= arena->bytes();
+  return absl::OkStatus();
+}
+
+uint64_t ArenaTable::live_bytes() const {
+  absl::MutexLock lock(&mu_);
+  return live_bytes_;
+}
+
+size_t ArenaTable::size() const {
+  absl::MutexLock lock(&mu_);
+  return arenas_.size();
+}
+
+}  // namespace memra

@@ -1,0 +1,38 @@
+#include "server/backend.h"
+
+#include "absl/strings/str_cat.h"
+
+namespace memra {
+
+absl::StatusOr<uint64_t> DeviceBackend::RoundedArenaBytes(uint64_t bytes) const {
+  const absl::string_view backend(Name().data(), Name().size());
+  const uint64_t granularity = AllocationGranularity();
+  if (bytes == 0) {
+    return absl::InvalidArgumentError(absl::StrCat(backend, ": arena of 0 bytes requested"));
+  }
+  // The same rounding as core/checked_math.h's CheckedAlignUp (granularity is a power of two).
+  uint64_t bumped;
+  if (__builtin_add_overflow(bytes, granularity - 1, &bumped)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        backend, ": arena of ", bytes, " bytes overflows when rounded up to ", granularity));
+  }
+  return bumped & ~(granularity - 1);
+}
+
+absl::Status CheckArenaRange(absl::string_view op, ArenaId arena, uint64_t arena_bytes,
+                             uint64_t offset, uint64_t bytes) {
+  uint64_t end;
+  if (__builtin_add_overflow(offset, bytes, &end)) {
+    return absl::InvalidArgumentError(absl::StrCat(op, ": offset ", offset, " + ", bytes,
+                                                   " bytes overflows (arena ", arena.value, " of ",
+                                                   arena_bytes, " bytes)"));
+  }
+  if (end > arena_bytes) {
+    return absl::InvalidArgumentError(absl::StrCat(op, ": offset ", offset, " + ", bytes,
+                                                   " bytes = ", end, " exceeds arena ", arena.value,
+                                                   " of ", arena_bytes, " bytes"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace memra

@@ -1,0 +1,116 @@
+#ifndef MEMRA_SERVER_BACKEND_H_
+#define MEMRA_SERVER_BACKEND_H_
+
+// The device seam: every byte of cache memory the daemon owns is reached through a DeviceBackend
+// (the role LevelDB's Env plays for files). It generalises the reference's `KvDev` (7 ops): memory
+// comes in arenas (one allocation each, exportable to engine processes), and a plane is a
+// caller-chosen (arena, offset, bytes) sub-range of one.
+
+#include <cstddef>
+#include <cstdint>
+#include <ostream>
+#include <string>
+#include <string_view>
+#include <utility>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/types/span.h"
+
+namespace memra {
+
+// Names one arena of one backend. Ids are never reused by a backend, so a stale id is NOT_FOUND,
+// never someone else's memory. 0 is never issued.
+struct ArenaId {
+  uint64_t value = 0;
+
+  friend bool operator==(ArenaId a, ArenaId b) { return a.value == b.value; }
+  friend bool operator!=(ArenaId a, ArenaId b) { return a.value != b.value; }
+  template <typename H>
+  friend H AbslHashValue(H h, ArenaId id) {
+    return H::combine(std::move(h), id.value);
+  }
+  friend std::ostream& operator<<(std::ostream& os, ArenaId id) {
+    return os << "arena " << id.value;
+  }
+};
+
+enum class ArenaVisibility {
+  kExported,  // engines map it (session planes)
+  kPrivate,   // daemon-only, never exported (prefix-cache storage)
+};
+
+// What an engine needs to map an exported arena. `handle` is opaque to everything but the
+// matching client mapper: the host backend's shm object name, or the cuda backend's 64 raw bytes
+// of cudaIpcMemHandle_t.
+struct ArenaExport {
+  std::string backend;
+  std::string handle;
+  uint64_t bytes = 0;
+};
+
+struct DeviceInfo {
+  std::string name;
+  std::string uuid;  // may be empty
+  uint64_t total_bytes = 0;
+  uint64_t free_bytes = 0;
+};
+
+// Thread-safety: every method may be called concurrently from any thread. Operations on one
+// arena are not ordered against each other by the backend; callers order their own plane work.
+// A data operation racing FreeArena on the same arena is the caller's bug but stays memory-safe.
+//
+// Invariants every implementation keeps:
+//  (1) An arena's size is RoundedArenaBytes(requested): a multiple of AllocationGranularity().
+//      Bounds are checked against that size and Export() reports it.
+//  (2) Every offset/size is checked with overflow-checked arithmetic before any memory is
+//      touched; a refused call (non-OK status) changes nothing.
+//  (3) AllocatedBytes() is the sum of the sizes of live arenas and ArenaCount() their number;
+//      both return to zero once every arena is freed.
+//  (4) Data operations have completed (are visible to a mapping in another process) when they
+//      return OK; Synchronize() additionally waits for anything the backend ran asynchronously.
+class DeviceBackend {
+ public:
+  virtual ~DeviceBackend() = default;
+
+  // "host" or "cuda": the `backend` an ArenaExport carries and a client mapper expects.
+  virtual std::string_view Name() const = 0;
+  virtual DeviceInfo Info() = 0;
+
+  // Arena sizes are rounded up to a multiple of this (a nonzero power of two).
+  virtual uint64_t AllocationGranularity() const = 0;
+  // The bytes CreateArena(bytes, ...) takes, so admission charges exactly that.
+  // INVALID_ARGUMENT for 0 bytes or when rounding overflows.
+  absl::StatusOr<uint64_t> RoundedArenaBytes(uint64_t bytes) const;
+
+  // A zero-filled arena. RESOURCE_EXHAUSTED when the device has no room.
+  virtual absl::StatusOr<ArenaId> CreateArena(uint64_t bytes, ArenaVisibility visibility) = 0;
+  // FAILED_PRECONDITION for a private arena.
+  virtual absl::StatusOr<ArenaExport> Export(ArenaId arena) = 0;
+  // Exported arenas stop being mappable by new clients; existing client mappings stay valid
+  // until those clients unmap (host: the shm name is unlinked).
+  virtual absl::Status FreeArena(ArenaId arena) = 0;
+
+  virtual absl::Status Memset(ArenaId arena, uint64_t offset, uint8_t value, uint64_t bytes) = 0;
+  // memmove semantics: overlapping ranges of one arena are copied correctly.
+  virtual absl::Status Copy(ArenaId dst, uint64_t dst_offset, ArenaId src, uint64_t src_offset,
+                            uint64_t bytes) = 0;
+  virtual absl::Status WriteI32(ArenaId arena, uint64_t offset, int32_t value) = 0;
+  virtual absl::StatusOr<int32_t> ReadI32(ArenaId arena, uint64_t offset) = 0;
+  virtual absl::Status Write(ArenaId arena, uint64_t offset, absl::Span<const uint8_t> data) = 0;
+  virtual absl::Status Read(ArenaId arena, uint64_t offset, absl::Span<uint8_t> out) = 0;
+  virtual absl::Status Synchronize() = 0;
+
+  virtual uint64_t AllocatedBytes() const = 0;
+  virtual size_t ArenaCount() const = 0;
+};
+
+// OK when [offset, offset + bytes) lies inside an arena of `arena_bytes`; otherwise
+// INVALID_ARGUMENT naming `op`, the arena and the numbers. Overflow-checked.
+absl::Status CheckArenaRange(absl::string_view op, ArenaId arena, uint64_t arena_bytes,
+                             uint64_t offset, uint64_t bytes);
+
+}  // namespace memra
+
+#endif  // MEMRA_SERVER_BACKEND_H_

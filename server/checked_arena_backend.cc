@@ -1,0 +1,79 @@
+#include "server/checked_arena_backend.h"
+
+#include "absl/strings/str_cat.h"
+#include "core/status_macros.h"
+
+namespace memra {
+
+absl::StatusOr<ArenaId> CheckedArenaBackend::CreateArena(uint64_t bytes,
+                                                         ArenaVisibility visibility) {
+  ASSIGN_OR_RETURN(const uint64_t rounded, RoundedArenaBytes(bytes));
+  return arenas_.Create(rounded, [&](uint64_t size) { return Allocate(size, visibility); });
+}
+
+absl::StatusOr<ArenaExport> CheckedArenaBackend::Export(ArenaId id) {
+  ASSIGN_OR_RETURN(std::shared_ptr<ArenaRecord> arena, arenas_.Find("Export", id));
+  const std::string backend(Name());
+  if (!arena->exported()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        backend, " Export: arena ", id.value, " is private (daemon-only) and is never exported"));
+  }
+  return ArenaExport{.backend = backend, .handle = arena->export_handle(), .bytes = arena->bytes()};
+}
+
+absl::Status CheckedArenaBackend::FreeArena(ArenaId id) { return arenas_.Remove(id); }
+
+absl::Status CheckedArenaBackend::Memset(ArenaId id, uint64_t offset, uint8_t value,
+                                         uint64_t bytes) {
+  ASSIGN_OR_RETURN(std::shared_ptr<ArenaRecord> arena,
+                   arenas_.FindRange("Memset", id, offset, bytes));
+  return Fill(arena->data() + offset, value, bytes);
+}
+
+absl::Status CheckedArenaBackend::Copy(ArenaId dst_id, uint64_t dst_offset, ArenaId src_id,
+                                       uint64_t src_offset, uint64_t bytes) {
+  ASSIGN_OR_RETURN(std::shared_ptr<ArenaRecord> dst,
+                   arenas_.FindRange("Copy destination", dst_id, dst_offset, bytes));
+  ASSIGN_OR_RETURN(std::shared_ptr<ArenaRecord> src,
+                   arenas_.FindRange("Copy source", src_id, src_offset, bytes));
+  return Move(dst->data() + dst_offset, src->data() + src_offset, bytes);
+}
+
+absl::Status CheckedArenaBackend::WriteI32(ArenaId id, uint64_t offset, int32_t value) {
+  return WriteBytes("WriteI32", id, offset,
+                    absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(&value), sizeof(value)));
+}
+
+absl::StatusOr<int32_t> CheckedArenaBackend::ReadI32(ArenaId id, uint64_t offset) {
+  int32_t value;
+  RETURN_IF_ERROR(ReadBytes("ReadI32", id, offset,
+                            absl::MakeSpan(reinterpret_cast<uint8_t*>(&value), sizeof(value))));
+  return value;
+}
+
+absl::Status CheckedArenaBackend::Write(ArenaId id, uint64_t offset,
+                                        absl::Span<const uint8_t> data) {
+  return WriteBytes("Write", id, offset, data);
+}
+
+absl::Status CheckedArenaBackend::Read(ArenaId id, uint64_t offset, absl::Span<uint8_t> out) {
+  return ReadBytes("Read", id, offset, out);
+}
+
+absl::Status CheckedArenaBackend::WriteBytes(absl::string_view op, ArenaId id, uint64_t offset,
+                                             absl::Span<const uint8_t> data) {
+  ASSIGN_OR_RETURN(std::shared_ptr<ArenaRecord> arena,
+                   arenas_.FindRange(op, id, offset, data.size()));
+  if (data.empty()) return absl::OkStatus();
+  return Upload(op, arena->data() + offset, data);
+}
+
+absl::Status CheckedArenaBackend::ReadBytes(absl::string_view op, ArenaId id, uint64_t offset,
+                                            absl::Span<uint8_t> out) {
+  ASSIGN_OR_RETURN(std::shared_ptr<ArenaRecord> arena,
+                   arenas_.FindRange(op, id, offset, out.size()));
+  if (out.empty()) return absl::OkStatus();
+  return Download(op, arena->data() + offset, out);
+}
+
+}  // namespace memra

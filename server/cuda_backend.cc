@@ -1,0 +1,185 @@
+#include "server/cuda_backend.h"
+
+#include <cstdint>
+#include <limits>
+#include <memory>
+#include <string>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "core/status_macros.h"
+#include "server/cuda_errors.h"
+
+namespace memra {
+namespace {
+
+// nvidia-smi's form: GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx.
+std::string FormatUuid(const cudaUUID_t& uuid) {
+  const auto* b = reinterpret_cast<const unsigned char*>(uuid.bytes);
+  return absl::StrFormat("GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x",
+                         b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7], b[8], b[9], b[10], b[11],
+                         b[12], b[13], b[14], b[15]);
+}
+
+// Frees a cudaMalloc allocation on its device.
+struct DeviceFree {
+  int device;
+  void operator()(void* data) const {
+    // cudaFree synchronizes the device; a failure here leaves nothing to recover.
+    cudaSetDevice(device);
+    cudaFree(data);
+  }
+};
+using DeviceAllocation = std::unique_ptr<void, DeviceFree>;
+
+// One cudaMalloc allocation, freed with the record (independently of the backend object).
+class CudaArena final : public ArenaRecord {
+ public:
+  CudaArena(DeviceAllocation allocation, uint64_t bytes, std::string ipc_handle)
+      : ArenaRecord(static_cast<uint8_t*>(allocation.get()), bytes, std::move(ipc_handle)),
+        allocation_(std::move(allocation)) {}
+
+ private:
+  DeviceAllocation allocation_;
+};
+
+// Whether [a, a + bytes) and [b, b + bytes) share a byte.
+bool Overlap(const uint8_t* a, const uint8_t* b, uint64_t bytes) {
+  const auto x = reinterpret_cast<uintptr_t>(a);
+  const auto y = reinterpret_cast<uintptr_t>(b);
+  return (x < y ? y - x : x - y) < bytes;
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(CudaBackendOptions options) {
+  int count = 0;
+  if (const cudaError_t err = cudaGetDeviceCount(&count); err != cudaSuccess) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("no usable CUDA device: ", cudaGetErrorString(err), " (error ",
+                     static_cast<int>(err), ")"));
+  }
+  if (count == 0) {
+    return absl::FailedPreconditionError("no usable CUDA device: the runtime found 0 devices");
+  }
+  if (options.device < 0 || options.device >= count) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("CUDA device ", options.device, " out of range: ", count, " devices"));
+  }
+  if (const cudaError_t err = cudaSetDevice(options.device); err != cudaSuccess) {
+    return CudaError(absl::StrCat("cudaSetDevice ", options.device), err);
+  }
+  cudaDeviceProp prop;
+  if (const cudaError_t err = cudaGetDeviceProperties(&prop, options.device); err != cudaSuccess) {
+    return CudaError(absl::StrCat("cudaGetDeviceProperties ", options.device), err);
+  }
+  cudaStream_t stream;
+  if (const cudaError_t err = cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
+      err != cudaSuccess) {
+    return CudaError(absl::StrCat("cudaStreamCreate on device ", options.device), err);
+  }
+  return std::unique_ptr<CudaBackend>(
+      new CudaBackend(options.device, stream, prop.name, FormatUuid(prop.uuid)));
+}
+
+CudaBackend::CudaBackend(int device, cudaStream_t stream, std::string name, std::string uuid)
+    : CheckedArenaBackend("cuda", std::numeric_limits<uint64_t>::max()),  // the device decides
+      device_(device),
+      stream_(stream),
+      name_(std::move(name)),
+      uuid_(std::move(uuid)) {}
+
+CudaBackend::~CudaBackend() {
+  // Every call synchronizes before returning, so the stream is idle.
+  cudaSetDevice(device_);
+  cudaStreamDestroy(stream_);
+}
+
+absl::Status CudaBackend::SelectDevice() const {
+  if (const cudaError_t err = cudaSetDevice(device_); err != cudaSuccess) {
+    return CudaError(absl::StrCat("cudaSetDevice ", device_), err);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::Finish(absl::string_view op, cudaError_t enqueued) const {
+  if (enqueued != cudaSuccess) return CudaError(absl::StrCat(op, " on device ", device_), enqueued);
+  if (const cudaError_t err = cudaStreamSynchronize(stream_); err != cudaSuccess) {
+    return CudaError(absl::StrCat(op, ": cudaStreamSynchronize on device ", device_), err);
+  }
+  return absl::OkStatus();
+}
+
+DeviceInfo CudaBackend::Info() {
+  DeviceInfo info{.name = name_, .uuid = uuid_, .total_bytes = 0, .free_bytes = 0};
+  size_t free_bytes = 0;
+  size_t total_bytes = 0;
+  if (SelectDevice().ok() && cudaMemGetInfo(&free_bytes, &total_bytes) == cudaSuccess) {
+    info.total_bytes = total_bytes;
+    info.free_bytes = free_bytes;
+  }
+  return info;
+}
+
+absl::StatusOr<std::shared_ptr<ArenaRecord>> CudaBackend::Allocate(uint64_t bytes,
+                                                                   ArenaVisibility visibility) {
+  RETURN_IF_ERROR(SelectDevice());
+  void* data = nullptr;
+  if (const cudaError_t err = cudaMalloc(&data, bytes); err != cudaSuccess) {
+    return CudaError(absl::StrCat("cudaMalloc ", bytes, " bytes on device ", device_), err);
+  }
+  DeviceAllocation allocation(data, DeviceFree{device_});
+  RETURN_IF_ERROR(Finish("zero-filling a new arena", cudaMemsetAsync(data, 0, bytes, stream_)));
+  std::string ipc_handle;
+  if (visibility == ArenaVisibility::kExported) {
+    cudaIpcMemHandle_t handle;
+    if (const cudaError_t err = cudaIpcGetMemHandle(&handle, data); err != cudaSuccess) {
+      return CudaError(absl::StrCat("cudaIpcGetMemHandle for ", bytes, " bytes"), err);
+    }
+    ipc_handle.assign(reinterpret_cast<const char*>(&handle), sizeof(handle));
+  }
+  return std::make_shared<CudaArena>(std::move(allocation), bytes, std::move(ipc_handle));
+}
+
+absl::Status CudaBackend::Synchronize() {
+  RETURN_IF_ERROR(SelectDevice());
+  return Finish("Synchronize", cudaSuccess);
+}
+
+absl::Status CudaBackend::Fill(uint8_t* at, uint8_t value, uint64_t bytes) {
+  RETURN_IF_ERROR(SelectDevice());
+  return Finish("Memset", cudaMemsetAsync(at, value, bytes, stream_));
+}
+
+absl::Status CudaBackend::Move(uint8_t* to, const uint8_t* from, uint64_t bytes) {
+  RETURN_IF_ERROR(SelectDevice());
+  if (!Overlap(to, from, bytes)) {
+    return Finish("Copy", cudaMemcpyAsync(to, from, bytes, cudaMemcpyDeviceToDevice, stream_));
+  }
+  // cudaMemcpy leaves overlapping ranges undefined: stage through stream-ordered scratch.
+  void* scratch = nullptr;
+  if (const cudaError_t err = cudaMallocAsync(&scratch, bytes, stream_); err != cudaSuccess) {
+    return CudaError(absl::StrCat("Copy: cudaMallocAsync ", bytes, " bytes of scratch"), err);
+  }
+  cudaError_t err = cudaMemcpyAsync(scratch, from, bytes, cudaMemcpyDeviceToDevice, stream_);
+  if (err == cudaSuccess) {
+    err = cudaMemcpyAsync(to, scratch, bytes, cudaMemcpyDeviceToDevice, stream_);
+  }
+  const cudaError_t freed = cudaFreeAsync(scratch, stream_);
+  return Finish("Copy (overlapping, staged)", err != cudaSuccess ? err : freed);
+}
+
+absl::Status CudaBackend::Upload(absl::string_view op, uint8_t* to,
+                                 absl::Span<const uint8_t> data) {
+  RETURN_IF_ERROR(SelectDevice());
+  return Finish(op, cudaMemcpyAsync(to, data.data(), data.size(), cudaMemcpyHostToDevice, stream_));
+}
+
+absl::Status CudaBackend::Download(absl::string_view op, const uint8_t* from,
+                                   absl::Span<uint8_t> out) {
+  RETURN_IF_ERROR(SelectDevice());
+  return Finish(op, cudaMemcpyAsync(out.data(), from, out.size(), cudaMemcpyDeviceToHost, stream_));
+}
+
+}  // namespace memra

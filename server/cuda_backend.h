@@ -1,0 +1,72 @@
+#ifndef MEMRA_SERVER_CUDA_BACKEND_H_
+#define MEMRA_SERVER_CUDA_BACKEND_H_
+
+// Arenas in one GPU's memory: cudaMalloc regions, exported with cudaIpcGetMemHandle. Built only
+// where the CUDA toolkit is (HAS_CUDA); on a machine without a device Create() refuses.
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "server/arena_table.h"
+#include "server/backend.h"
+#include "server/checked_arena_backend.h"
+
+namespace memra {
+
+struct CudaBackendOptions {
+  int device = 0;  // CUDA runtime ordinal
+};
+
+// Thread-safe (see DeviceBackend). All device work runs on the backend's own non-blocking stream
+// and every call synchronizes that stream before returning OK, so on return the bytes are in
+// device memory for any process that maps the arena. Each call selects the device first (the
+// current device is per host thread).
+//
+// Arenas are rounded to 2 MiB so each is its own cudaMalloc allocation: an IPC handle exports a
+// whole allocation, and the engine maps exactly the arena.
+class CudaBackend final : public CheckedArenaBackend {
+ public:
+  static constexpr uint64_t kGranularity = uint64_t{2} << 20;
+
+  // FAILED_PRECONDITION "no usable CUDA device: ..." when the runtime finds no device;
+  // INVALID_ARGUMENT for an ordinal out of range.
+  static absl::StatusOr<std::unique_ptr<CudaBackend>> Create(CudaBackendOptions options);
+  // Destroys the stream; the remaining arenas are freed after it (their records cudaFree).
+  ~CudaBackend() override;
+
+  std::string_view Name() const override { return "cuda"; }
+  // total/free from cudaMemGetInfo (0/0 if the device stopped answering).
+  DeviceInfo Info() override;
+  uint64_t AllocationGranularity() const override { return kGranularity; }
+  absl::Status Synchronize() override;
+
+ private:
+  CudaBackend(int device, cudaStream_t stream, std::string name, std::string uuid);
+
+  absl::StatusOr<std::shared_ptr<ArenaRecord>> Allocate(uint64_t bytes,
+                                                        ArenaVisibility visibility) override;
+  absl::Status Fill(uint8_t* at, uint8_t value, uint64_t bytes) override;
+  absl::Status Move(uint8_t* to, const uint8_t* from, uint64_t bytes) override;
+  absl::Status Upload(absl::string_view op, uint8_t* to, absl::Span<const uint8_t> data) override;
+  absl::Status Download(absl::string_view op, const uint8_t* from,
+                        absl::Span<uint8_t> out) override;
+
+  // cudaSetDevice for the calling thread.
+  absl::Status SelectDevice() const;
+  // Checks `enqueued` (the status of an async call), then waits for the stream.
+  absl::Status Finish(absl::string_view op, cudaError_t enqueued) const;
+
+  // Constant after construction.
+  const int device_;
+  const cudaStream_t stream_;  // CUDA streams are thread-safe; every call syncs it itself
+  const std::string name_;
+  const std::string uuid_;
+};
+
+}  // namespace memra
+
+#endif  // MEMRA_SERVER_CUDA_BACKEND_H_

@@ -1,0 +1,119 @@
+#include "server/cuda_backend.h"
+
+#include <cstdint>
+#include <limits>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "server/test_cuda_backend.h"
+#include "tests/status_matchers.h"
+
+namespace memra {
+namespace {
+
+using ::memra::testing::HasSubstrs;
+using ::memra::testing::IsOk;
+using ::memra::testing::StatusIs;
+using ::testing::Each;
+using ::testing::ElementsAre;
+using ::testing::HasSubstr;
+
+constexpr uint64_t kMiB = uint64_t{1} << 20;
+
+class CudaBackendTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    backend_ = testing::NewCudaBackendOrNull();
+    if (backend_ == nullptr) GTEST_SKIP();
+  }
+
+  std::vector<uint8_t> ReadAll(ArenaId arena, uint64_t offset, uint64_t bytes) {
+    std::vector<uint8_t> out(bytes);
+    EXPECT_THAT(backend_->Read(arena, offset, absl::MakeSpan(out)), IsOk());
+    return out;
+  }
+
+  std::unique_ptr<CudaBackend> backend_;
+};
+
+TEST_F(CudaBackendTest, ReportsTheDevice) {
+  const DeviceInfo info = backend_->Info();
+  EXPECT_FALSE(info.name.empty());
+  EXPECT_THAT(info.uuid, ::testing::MatchesRegex("GPU-[0-9a-f-]{36}"));
+  EXPECT_GT(info.total_bytes, 0u);
+  EXPECT_LE(info.free_bytes, info.total_bytes);
+  EXPECT_EQ(backend_->Name(), "cuda");
+  EXPECT_EQ(backend_->AllocationGranularity(), 2 * kMiB);
+}
+
+TEST_F(CudaBackendTest, CreateExportCopyFree) {
+  absl::StatusOr<ArenaId> exported = backend_->CreateArena(3 * kMiB, ArenaVisibility::kExported);
+  absl::StatusOr<ArenaId> priv = backend_->CreateArena(1, ArenaVisibility::kPrivate);
+  ASSERT_THAT(exported, IsOk());
+  ASSERT_THAT(priv, IsOk());
+  EXPECT_EQ(backend_->AllocatedBytes(), 6 * kMiB);
+  EXPECT_EQ(backend_->ArenaCount(), 2u);
+  EXPECT_THAT(ReadAll(*exported, 4 * kMiB - 64, 64), Each(0));  // zero-filled, rounded size
+
+  absl::StatusOr<ArenaExport> info = backend_->Export(*exported);
+  ASSERT_THAT(info, IsOk());
+  EXPECT_EQ(info->backend, "cuda");
+  EXPECT_EQ(info->handle.size(), sizeof(cudaIpcMemHandle_t));
+  EXPECT_EQ(info->bytes, 4 * kMiB);
+  EXPECT_THAT(backend_->Export(*priv),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("private")));
+
+  ASSERT_THAT(backend_->Write(*exported, 10, std::vector<uint8_t>{1, 2, 3, 4, 5, 6}), IsOk());
+  ASSERT_THAT(backend_->Copy(*priv, 100, *exported, 11, 4), IsOk());
+  EXPECT_THAT(ReadAll(*priv, 99, 6), ElementsAre(0, 2, 3, 4, 5, 0));
+  ASSERT_THAT(backend_->Memset(*priv, 100, 0xEE, 2), IsOk());
+  ASSERT_THAT(backend_->WriteI32(*priv, 1001, -9), IsOk());
+  EXPECT_THAT(ReadAll(*priv, 99, 4), ElementsAre(0, 0xEE, 0xEE, 4));
+  absl::StatusOr<int32_t> value = backend_->ReadI32(*priv, 1001);
+  ASSERT_THAT(value, IsOk());
+  EXPECT_EQ(*value, -9);
+  EXPECT_THAT(backend_->Synchronize(), IsOk());
+
+  ASSERT_THAT(backend_->FreeArena(*exported), IsOk());
+  ASSERT_THAT(backend_->FreeArena(*priv), IsOk());
+  EXPECT_EQ(backend_->AllocatedBytes(), 0u);
+  EXPECT_EQ(backend_->ArenaCount(), 0u);
+  EXPECT_THAT(backend_->FreeArena(*priv), StatusIs(absl::StatusCode::kNotFound,
+                                                   HasSubstr(absl::StrCat("arena ", priv->value))));
+}
+
+TEST_F(CudaBackendTest, OverlappingCopyWithinOneArenaIsAMemmove) {
+  absl::StatusOr<ArenaId> arena = backend_->CreateArena(1, ArenaVisibility::kPrivate);
+  ASSERT_THAT(arena, IsOk());
+  std::vector<uint8_t> pattern(16);
+  for (size_t i = 0; i < pattern.size(); ++i) pattern[i] = static_cast<uint8_t>(i + 1);
+  ASSERT_THAT(backend_->Write(*arena, 0, pattern), IsOk());
+  ASSERT_THAT(backend_->Copy(*arena, 4, *arena, 0, 10), IsOk());
+  EXPECT_THAT(ReadAll(*arena, 0, 16),
+              ElementsAre(1, 2, 3, 4, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 15, 16));
+  ASSERT_THAT(backend_->Copy(*arena, 0, *arena, 4, 10), IsOk());
+  EXPECT_THAT(ReadAll(*arena, 0, 16),
+              ElementsAre(1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 7, 8, 9, 10, 15, 16));
+}
+
+TEST_F(CudaBackendTest, OutOfRangeAndOverflowAreRefusedBeforeTheDevice) {
+  absl::StatusOr<ArenaId> arena = backend_->CreateArena(1, ArenaVisibility::kPrivate);
+  ASSERT_THAT(arena, IsOk());
+  const uint64_t max = std::numeric_limits<uint64_t>::max();
+  const std::string size = absl::StrCat("arena ", arena->value, " of ", 2 * kMiB, " bytes");
+  EXPECT_THAT(backend_->Memset(*arena, 2 * kMiB - 1, 0, 2),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstrs("Memset", absl::StrCat("offset ", 2 * kMiB - 1, " + 2"), size)));
+  EXPECT_THAT(
+      backend_->Copy(*arena, 0, *arena, max, 1),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstrs("Copy source", "overflows", size)));
+  EXPECT_THAT(backend_->CreateArena(max, ArenaVisibility::kPrivate),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("overflows")));
+}
+
+}  // namespace
+}  // namespace memra

@@ -1,0 +1,193 @@
+#include "server/host_backend.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/random.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <limits>
+#include <optional>
+#include <utility>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/escaping.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/string_view.h"
+#include "core/status_macros.h"
+#include "server/errors.h"
+#include "server/mapped_region.h"
+
+namespace memra {
+namespace {
+
+constexpr size_t kNameRandomBytes = 16;  // 128 bits: names cannot be guessed or collide
+constexpr size_t kMaxPrefixChars = 200;  // "/" + prefix + "-" + 32 hex stays under NAME_MAX
+constexpr int kMaxCreateAttempts = 4;    // EEXIST retries (only a broken random source repeats)
+
+absl::StatusOr<std::string> RandomHexSuffix() {
+  uint8_t bytes[kNameRandomBytes];
+  size_t got = 0;
+  while (got < sizeof(bytes)) {
+    const ssize_t n = getrandom(bytes + got, sizeof(bytes) - got, 0);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return PosixError("getrandom for an shm object name", errno);
+    }
+    got += static_cast<size_t>(n);
+  }
+  return absl::BytesToHexString(
+      absl::string_view(reinterpret_cast<const char*>(bytes), sizeof(bytes)));
+}
+
+absl::Status ValidateOptions(const HostBackendOptions& options) {
+  if (options.total_bytes == 0 ||
+      options.total_bytes > static_cast<uint64_t>(std::numeric_limits<off_t>::max())) {
+    return absl::InvalidArgumentError(absl::StrCat("host backend total_bytes must be in [1, ",
+                                                   std::numeric_limits<off_t>::max(), "], got ",
+                                                   options.total_bytes));
+  }
+  if ((options.mode & ~mode_t{0770}) != 0 || (options.mode & 0600) != 0600) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("host backend mode must grant the owner rw and others nothing (within 0770 "
+                     "and including 0600), got ",
+                     absl::StrFormat("%#o", options.mode)));
+  }
+  const std::string& prefix = options.name_prefix;
+  const bool chars_ok = std::all_of(prefix.begin(), prefix.end(), [](char c) {
+    return absl::ascii_isalnum(static_cast<unsigned char>(c)) || c == '.' || c == '_' || c == '-';
+  });
+  if (prefix.empty() || prefix.size() > kMaxPrefixChars || !chars_ok) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("host backend name_prefix must be 1..", kMaxPrefixChars,
+                     " characters of [A-Za-z0-9._-], got \"", absl::CHexEscape(prefix), "\""));
+  }
+  return absl::OkStatus();
+}
+
+// Owns an shm object's name: unlinks it on destruction, so a half-built arena leaks nothing.
+class ShmName {
+ public:
+  explicit ShmName(std::string name) : name_(std::move(name)) {}
+  ShmName(ShmName&& other) noexcept : name_(std::exchange(other.name_, "")) {}
+  ShmName& operator=(ShmName&&) = delete;
+  ~ShmName() {
+    if (!name_.empty()) shm_unlink(name_.c_str());
+  }
+
+  const std::string& get() const { return name_; }
+
+ private:
+  std::string name_;
+};
+
+// One allocation. Releases its mapping (and unlinks its shm name, when exported) on destruction.
+class HostArena final : public ArenaRecord {
+ public:
+  HostArena(MappedRegion region, std::optional<ShmName> shm_name)
+      : ArenaRecord(region.data(), region.size(), shm_name ? shm_name->get() : ""),
+        region_(std::move(region)),
+        shm_name_(std::move(shm_name)) {}
+
+ private:
+  MappedRegion region_;
+  std::optional<ShmName> shm_name_;
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<HostBackend>> HostBackend::Create(HostBackendOptions options) {
+  RETURN_IF_ERROR(ValidateOptions(options));
+  const long page_size = sysconf(_SC_PAGESIZE);
+  if (page_size <= 0) return PosixError("sysconf(_SC_PAGESIZE)", errno);
+  return std::unique_ptr<HostBackend>(
+      new HostBackend(std::move(options), static_cast<uint64_t>(page_size)));
+}
+
+HostBackend::HostBackend(HostBackendOptions options, uint64_t page_size)
+    : CheckedArenaBackend("host", options.total_bytes),
+      options_(std::move(options)),
+      page_size_(page_size) {}
+
+DeviceInfo HostBackend::Info() {
+  return DeviceInfo{.name = "host shared memory",
+                    .uuid = "",
+                    .total_bytes = options_.total_bytes,
+                    .free_bytes = options_.total_bytes - AllocatedBytes()};
+}
+
+absl::StatusOr<std::string> HostBackend::NewObjectName() const {
+  ASSIGN_OR_RETURN(std::string suffix, options_.name_suffix_for_testing
+                                           ? options_.name_suffix_for_testing()
+                                           : RandomHexSuffix());
+  return absl::StrCat("/", options_.name_prefix, "-", suffix);
+}
+
+absl::StatusOr<std::shared_ptr<ArenaRecord>> HostBackend::CreateSharedArena(uint64_t bytes) const {
+  // O_EXCL: never adopt an object someone else created (it could be pre-sized or pre-mapped).
+  ScopedFd fd;
+  std::optional<ShmName> name;
+  for (int attempt = 1; !name.has_value(); ++attempt) {
+    ASSIGN_OR_RETURN(std::string candidate, NewObjectName());
+    const int raw_fd =
+        shm_open(candidate.c_str(), O_CREAT | O_EXCL | O_RDWR | O_CLOEXEC, options_.mode);
+    const int err = errno;
+    if (raw_fd >= 0) {
+      fd = ScopedFd(raw_fd);
+      name.emplace(std::move(candidate));
+    } else if (err != EEXIST || attempt == kMaxCreateAttempts) {
+      return PosixError(absl::StrCat("shm_open ", candidate, " (attempt ", attempt, ")"), err);
+    }
+  }
+  const std::string& object = name->get();
+  if (options_.group.has_value() &&
+      fchown(fd.get(), static_cast<uid_t>(-1), *options_.group) != 0) {
+    return PosixError(absl::StrCat("fchown ", object, " to group ", *options_.group), errno);
+  }
+  // shm_open's mode is filtered by the umask; the configured mode is the contract.
+  if (fchmod(fd.get(), options_.mode) != 0) {
+    return PosixError(
+        absl::StrCat("fchmod ", object, " to ", absl::StrFormat("%#o", options_.mode)), errno);
+  }
+  // Allocate the pages now: tmpfs would otherwise accept the size and raise SIGBUS on first
+  // touch when /dev/shm is full. Fresh pages read as zero.
+  if (const int err = posix_fallocate(fd.get(), 0, static_cast<off_t>(bytes)); err != 0) {
+    return PosixError(absl::StrCat("posix_fallocate ", bytes, " bytes for ", object), err);
+  }
+  ASSIGN_OR_RETURN(MappedRegion region, MappedRegion::MapShared(fd.get(), bytes, object));
+  return std::make_shared<HostArena>(std::move(region), std::move(name));
+}
+
+absl::StatusOr<std::shared_ptr<ArenaRecord>> HostBackend::Allocate(uint64_t bytes,
+                                                                   ArenaVisibility visibility) {
+  if (visibility == ArenaVisibility::kExported) return CreateSharedArena(bytes);
+  ASSIGN_OR_RETURN(MappedRegion region, MappedRegion::MapAnonymous(bytes));
+  return std::make_shared<HostArena>(std::move(region), std::nullopt);
+}
+
+absl::Status HostBackend::Fill(uint8_t* at, uint8_t value, uint64_t bytes) {
+  std::memset(at, value, bytes);
+  return absl::OkStatus();
+}
+
+absl::Status HostBackend::Move(uint8_t* to, const uint8_t* from, uint64_t bytes) {
+  std::memmove(to, from, bytes);
+  return absl::OkStatus();
+}
+
+absl::Status HostBackend::Upload(absl::string_view, uint8_t* to, absl::Span<const uint8_t> data) {
+  std::memcpy(to, data.data(), data.size());
+  return absl::OkStatus();
+}
+
+absl::Status HostBackend::Download(absl::string_view, const uint8_t* from,
+                                   absl::Span<uint8_t> out) {
+  std::memcpy(out.data(), from, out.size());
+  return absl::OkStatus();
+}
+
+}  // namespace memra

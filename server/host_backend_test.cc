@@ -1,0 +1,440 @@
+#include "server/host_backend.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "server/test_host_backend.h"
+#include "tests/status_matchers.h"
+
+namespace memra {
+namespace {
+
+using ::memra::testing::HasSubstrs;
+using ::memra::testing::IsOk;
+using ::memra::testing::NewTestHostBackend;
+using ::memra::testing::StatusIs;
+using ::memra::testing::TestHostBackendOptions;
+using ::memra::testing::UniqueShmPrefix;
+using ::testing::Each;
+using ::testing::ElementsAre;
+using ::testing::HasSubstr;
+using ::testing::MatchesRegex;
+
+// tests/status_matchers.h has no value matcher yet; this is the one this file needs.
+MATCHER_P(IsOkAndHolds, expected, "is OK and holds " + ::testing::PrintToString(expected)) {
+  if (!arg.ok()) {
+    *result_listener << "status is " << arg.status();
+    return false;
+  }
+  *result_listener << "holds " << ::testing::PrintToString(*arg);
+  return *arg == expected;
+}
+
+constexpr uint64_t kMiB = uint64_t{1} << 20;
+constexpr uint64_t kMax = std::numeric_limits<uint64_t>::max();
+
+// "/dev/shm/<name without the leading slash>".
+std::string ShmPath(const std::string& handle) { return absl::StrCat("/dev/shm", handle); }
+
+bool ShmExists(const std::string& handle) {
+  struct stat st;
+  return stat(ShmPath(handle).c_str(), &st) == 0;
+}
+
+std::vector<uint8_t> ReadAll(DeviceBackend& backend, ArenaId arena, uint64_t offset,
+                             uint64_t bytes) {
+  std::vector<uint8_t> out(bytes);
+  EXPECT_THAT(backend.Read(arena, offset, absl::MakeSpan(out)), IsOk());
+  return out;
+}
+
+class HostBackendTest : public ::testing::Test {
+ protected:
+  void SetUp() override { backend_ = MakeBackend(DefaultOptions()); }
+
+  static HostBackendOptions DefaultOptions() { return TestHostBackendOptions(64 * kMiB); }
+  static std::unique_ptr<HostBackend> MakeBackend(HostBackendOptions options) {
+    return NewTestHostBackend(std::move(options));
+  }
+
+  ArenaId MustCreate(uint64_t bytes, ArenaVisibility visibility = ArenaVisibility::kExported) {
+    absl::StatusOr<ArenaId> arena = backend_->CreateArena(bytes, visibility);
+    EXPECT_THAT(arena, IsOk());
+    return arena.value_or(ArenaId{});
+  }
+
+  std::string MustExport(ArenaId arena) {
+    absl::StatusOr<ArenaExport> exported = backend_->Export(arena);
+    EXPECT_THAT(exported, IsOk());
+    return exported.ok() ? exported->handle : "";
+  }
+
+  uint64_t page() const { return backend_->AllocationGranularity(); }
+
+  std::unique_ptr<HostBackend> backend_;
+};
+
+TEST_F(HostBackendTest, ArenasAreZeroFilledAndRoundedToPages) {
+  ASSERT_EQ(page() & (page() - 1), 0u);
+  EXPECT_THAT(backend_->RoundedArenaBytes(1), IsOkAndHolds(page()));
+  EXPECT_THAT(backend_->RoundedArenaBytes(page() + 1), IsOkAndHolds(2 * page()));
+
+  const ArenaId exported = MustCreate(page() + 1);
+  const ArenaId priv = MustCreate(3, ArenaVisibility::kPrivate);
+  EXPECT_NE(exported, priv);
+  EXPECT_THAT(ReadAll(*backend_, exported, 0, 2 * page()), Each(0));
+  EXPECT_THAT(ReadAll(*backend_, priv, 0, page()), Each(0));
+  EXPECT_EQ(backend_->AllocatedBytes(), 3 * page());
+  EXPECT_EQ(backend_->ArenaCount(), 2u);
+
+  absl::StatusOr<ArenaExport> info = backend_->Export(exported);
+  ASSERT_THAT(info, IsOk());
+  EXPECT_EQ(info->backend, "host");
+  EXPECT_EQ(info->bytes, 2 * page());
+}
+
+TEST_F(HostBackendTest, ZeroAndOverflowingSizesAreRefused) {
+  EXPECT_THAT(backend_->CreateArena(0, ArenaVisibility::kExported),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("arena of 0 bytes")));
+  EXPECT_THAT(backend_->CreateArena(kMax - 1, ArenaVisibility::kPrivate),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstrs(absl::StrCat(kMax - 1), "overflows when rounded up to",
+                                  absl::StrCat(page()))));
+  EXPECT_EQ(backend_->ArenaCount(), 0u);
+}
+
+TEST_F(HostBackendTest, CapacityIsEnforcedWithNumbersAndChangesNothing) {
+  HostBackendOptions options = DefaultOptions();
+  options.total_bytes = 16 * page();
+  backend_ = MakeBackend(options);
+  const ArenaId arena = MustCreate(10 * page());
+  EXPECT_THAT(backend_->CreateArena(8 * page(), ArenaVisibility::kExported),
+              StatusIs(absl::StatusCode::kResourceExhausted,
+                       HasSubstrs(absl::StrCat("arena of ", 8 * page(), " bytes does not fit"),
+                                  absl::StrCat(10 * page(), " of ", 16 * page(), " bytes in use"),
+                                  absl::StrCat(6 * page(), " free"))));
+  EXPECT_EQ(backend_->AllocatedBytes(), 10 * page());
+  EXPECT_EQ(backend_->ArenaCount(), 1u);
+  EXPECT_EQ(backend_->Info().free_bytes, 6 * page());
+  // Exactly the remainder fits.
+  EXPECT_THAT(backend_->CreateArena(6 * page(), ArenaVisibility::kPrivate), IsOk());
+  EXPECT_THAT(backend_->FreeArena(arena), IsOk());
+}
+
+TEST_F(HostBackendTest, ExportNamesArePrefixedAnd128RandomBits) {
+  const std::string a = MustExport(MustCreate(1));
+  const std::string b = MustExport(MustCreate(1));
+  const std::string pattern = absl::StrCat("/", UniqueShmPrefix(), "-[0-9a-f]{32}");
+  EXPECT_THAT(a, MatchesRegex(pattern));
+  EXPECT_THAT(b, MatchesRegex(pattern));
+  EXPECT_NE(a, b);
+  EXPECT_TRUE(ShmExists(a));
+}
+
+TEST_F(HostBackendTest, ObjectModeIsExactlyConfiguredRegardlessOfUmask) {
+  const mode_t old_umask = umask(0);
+  const std::string open_umask = MustExport(MustCreate(1));
+  umask(0077);  // would strip the group bits from shm_open's mode
+  HostBackendOptions options = DefaultOptions();
+  options.mode = 0640;
+  std::unique_ptr<HostBackend> group_readable = MakeBackend(options);
+  absl::StatusOr<ArenaId> arena = group_readable->CreateArena(1, ArenaVisibility::kExported);
+  ASSERT_THAT(arena, IsOk());
+  absl::StatusOr<ArenaExport> exported = group_readable->Export(*arena);
+  umask(old_umask);
+  ASSERT_THAT(exported, IsOk());
+
+  struct stat st;
+  ASSERT_EQ(stat(ShmPath(open_umask).c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 07777, 0600u);
+  EXPECT_EQ(st.st_uid, geteuid());
+  ASSERT_EQ(stat(ShmPath(exported->handle).c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 07777, 0640u);
+}
+
+TEST_F(HostBackendTest, ConfiguredGroupOwnsTheObject) {
+  HostBackendOptions options = DefaultOptions();
+  options.mode = 0660;
+  options.group = getegid();  // a group we may always give files to
+  backend_ = MakeBackend(options);
+  const std::string handle = MustExport(MustCreate(1));
+  struct stat st;
+  ASSERT_EQ(stat(ShmPath(handle).c_str(), &st), 0);
+  EXPECT_EQ(st.st_gid, getegid());
+  EXPECT_EQ(st.st_mode & 07777, 0660u);
+}
+
+TEST_F(HostBackendTest, BadOptionsAreRefused) {
+  HostBackendOptions options = DefaultOptions();
+  options.total_bytes = 0;
+  EXPECT_THAT(HostBackend::Create(options),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstrs("total_bytes", "got 0")));
+  options = DefaultOptions();
+  options.mode = 0604;
+  EXPECT_THAT(HostBackend::Create(options), StatusIs(absl::StatusCode::kInvalidArgument,
+                                                     HasSubstrs("others nothing", "got 0604")));
+  options.mode = 0460;
+  EXPECT_THAT(HostBackend::Create(options),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstrs("owner rw", "got 0460")));
+  options = DefaultOptions();
+  options.name_prefix = "../etc";
+  EXPECT_THAT(HostBackend::Create(options),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstrs("name_prefix", "../etc")));
+  options.name_prefix = "";
+  EXPECT_THAT(HostBackend::Create(options),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("name_prefix")));
+}
+
+TEST_F(HostBackendTest, AnotherMappingOfTheExportSeesTheSameBytes) {
+  const ArenaId arena = MustCreate(page());
+  const std::string handle = MustExport(arena);
+  const std::vector<uint8_t> message = {1, 2, 3, 4, 5};
+  ASSERT_THAT(backend_->Write(arena, 100, message), IsOk());
+
+  const int fd = shm_open(handle.c_str(), O_RDWR, 0);
+  ASSERT_GE(fd, 0) << std::strerror(errno);
+  void* mapped = mmap(nullptr, page(), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  close(fd);
+  ASSERT_NE(mapped, MAP_FAILED);
+  auto* bytes = static_cast<uint8_t*>(mapped);
+  EXPECT_EQ(std::vector<uint8_t>(bytes + 100, bytes + 105), message);
+  bytes[200] = 42;  // an engine's kernel writing
+  EXPECT_THAT(backend_->ReadI32(arena, 200), IsOkAndHolds(42));
+  munmap(mapped, page());
+}
+
+TEST_F(HostBackendTest, CreationNeverAdoptsAnExistingObject) {
+  // The first suffix names an object someone else already created: O_EXCL must skip it.
+  const std::string taken_suffix(32, 'a');
+  const std::string fresh_suffix(32, 'b');
+  const std::string taken = absl::StrCat("/", UniqueShmPrefix(), "-", taken_suffix);
+  const int fd = shm_open(taken.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+  ASSERT_GE(fd, 0) << std::strerror(errno);
+  ASSERT_EQ(ftruncate(fd, 123), 0);
+  close(fd);
+
+  std::vector<std::string> suffixes = {fresh_suffix, taken_suffix};
+  HostBackendOptions options = DefaultOptions();
+  options.name_suffix_for_testing = [&suffixes]() -> absl::StatusOr<std::string> {
+    std::string next = suffixes.back();
+    suffixes.pop_back();
+    return next;
+  };
+  backend_ = MakeBackend(options);
+  EXPECT_EQ(MustExport(MustCreate(1)), absl::StrCat("/", UniqueShmPrefix(), "-", fresh_suffix));
+  struct stat st;
+  ASSERT_EQ(stat(ShmPath(taken).c_str(), &st), 0);
+  EXPECT_EQ(st.st_size, 123);  // untouched
+
+  // A source that only ever repeats the taken name gives up, naming the attempts, and leaks
+  // nothing.
+  options.name_suffix_for_testing = [&]() -> absl::StatusOr<std::string> { return taken_suffix; };
+  backend_ = MakeBackend(options);
+  EXPECT_THAT(backend_->CreateArena(1, ArenaVisibility::kExported),
+              StatusIs(absl::StatusCode::kInternal,
+                       HasSubstrs(absl::StrCat("shm_open ", taken), "attempt 4", "File exists")));
+  EXPECT_EQ(backend_->AllocatedBytes(), 0u);
+  EXPECT_EQ(backend_->ArenaCount(), 0u);
+  shm_unlink(taken.c_str());
+}
+
+TEST_F(HostBackendTest, FreeUnlinksAndForgetsTheArena) {
+  const ArenaId arena = MustCreate(1);
+  const std::string handle = MustExport(arena);
+  ASSERT_TRUE(ShmExists(handle));
+  ASSERT_THAT(backend_->FreeArena(arena), IsOk());
+  EXPECT_FALSE(ShmExists(handle));
+  const std::string no_arena = absl::StrCat("no arena ", arena.value);
+  EXPECT_THAT(backend_->FreeArena(arena),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstrs("FreeArena", no_arena)));
+  EXPECT_THAT(backend_->Export(arena),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstrs("Export", no_arena)));
+  EXPECT_THAT(backend_->WriteI32(arena, 0, 1),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstrs("WriteI32", no_arena)));
+  // Ids are not reused: a new arena never answers to the stale id.
+  EXPECT_NE(MustCreate(1), arena);
+}
+
+TEST_F(HostBackendTest, DestructorFreesEveryArena) {
+  std::vector<std::string> handles;
+  for (int i = 0; i < 3; ++i) handles.push_back(MustExport(MustCreate(page())));
+  MustCreate(page(), ArenaVisibility::kPrivate);
+  for (const std::string& handle : handles) ASSERT_TRUE(ShmExists(handle));
+  backend_.reset();
+  for (const std::string& handle : handles) EXPECT_FALSE(ShmExists(handle)) << handle;
+}
+
+TEST_F(HostBackendTest, AccountingReturnsToZero) {
+  std::vector<ArenaId> arenas;
+  for (uint64_t pages : {1, 3, 2, 5}) {
+    arenas.push_back(MustCreate(pages * page() - 7, pages % 2 == 0 ? ArenaVisibility::kPrivate
+                                                                   : ArenaVisibility::kExported));
+  }
+  EXPECT_EQ(backend_->AllocatedBytes(), 11 * page());
+  EXPECT_EQ(backend_->ArenaCount(), 4u);
+  EXPECT_EQ(backend_->Info().free_bytes, 64 * kMiB - 11 * page());
+  for (ArenaId arena : {arenas[2], arenas[0], arenas[3], arenas[1]}) {
+    ASSERT_THAT(backend_->FreeArena(arena), IsOk());
+  }
+  EXPECT_EQ(backend_->AllocatedBytes(), 0u);
+  EXPECT_EQ(backend_->ArenaCount(), 0u);
+  const DeviceInfo info = backend_->Info();
+  EXPECT_EQ(info.total_bytes, 64 * kMiB);
+  EXPECT_EQ(info.free_bytes, 64 * kMiB);
+}
+
+TEST_F(HostBackendTest, PrivateArenasAreNeverExported) {
+  const ArenaId arena = MustCreate(page(), ArenaVisibility::kPrivate);
+  EXPECT_THAT(backend_->Export(arena),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstrs(absl::StrCat("arena ", arena.value), "private")));
+  // Still fully usable by the daemon.
+  EXPECT_THAT(backend_->WriteI32(arena, 8, -5), IsOk());
+  EXPECT_THAT(backend_->ReadI32(arena, 8), IsOkAndHolds(-5));
+}
+
+TEST_F(HostBackendTest, MemsetWriteReadAndI32) {
+  const ArenaId arena = MustCreate(page());
+  ASSERT_THAT(backend_->Memset(arena, 10, 0xAB, 4), IsOk());
+  EXPECT_THAT(ReadAll(*backend_, arena, 9, 6), ElementsAre(0, 0xAB, 0xAB, 0xAB, 0xAB, 0));
+  // Unaligned i32 mirrors are legal (memcpy, no alignment assumption).
+  ASSERT_THAT(backend_->WriteI32(arena, 33, -123456), IsOk());
+  EXPECT_THAT(backend_->ReadI32(arena, 33), IsOkAndHolds(-123456));
+  // The last four bytes of the arena are in range.
+  ASSERT_THAT(backend_->WriteI32(arena, page() - 4, 7), IsOk());
+  EXPECT_THAT(backend_->ReadI32(arena, page() - 4), IsOkAndHolds(7));
+  // Zero-length operations at the very end are in range and do nothing.
+  EXPECT_THAT(backend_->Memset(arena, page(), 1, 0), IsOk());
+  EXPECT_THAT(backend_->Write(arena, page(), {}), IsOk());
+}
+
+TEST_F(HostBackendTest, CopyBetweenArenasWithOffsetsOnBothSides) {
+  const ArenaId src = MustCreate(page());
+  const ArenaId dst = MustCreate(2 * page(), ArenaVisibility::kPrivate);
+  ASSERT_THAT(backend_->Write(src, 50, std::vector<uint8_t>{9, 8, 7, 6}), IsOk());
+  ASSERT_THAT(backend_->Copy(dst, page() + 3, src, 51, 3), IsOk());
+  EXPECT_THAT(ReadAll(*backend_, dst, page() + 2, 5), ElementsAre(0, 8, 7, 6, 0));
+}
+
+TEST_F(HostBackendTest, OverlappingCopyWithinOneArenaIsAMemmove) {
+  const ArenaId arena = MustCreate(page());
+  std::vector<uint8_t> pattern(16);
+  for (size_t i = 0; i < pattern.size(); ++i) pattern[i] = static_cast<uint8_t>(i + 1);
+  ASSERT_THAT(backend_->Write(arena, 0, pattern), IsOk());
+  // Forward (dst after src) and backward overlaps.
+  ASSERT_THAT(backend_->Copy(arena, 4, arena, 0, 10), IsOk());
+  EXPECT_THAT(ReadAll(*backend_, arena, 0, 16),
+              ElementsAre(1, 2, 3, 4, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 15, 16));
+  ASSERT_THAT(backend_->Copy(arena, 0, arena, 4, 10), IsOk());
+  EXPECT_THAT(ReadAll(*backend_, arena, 0, 16),
+              ElementsAre(1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 7, 8, 9, 10, 15, 16));
+}
+
+TEST_F(HostBackendTest, OutOfRangeCallsNameTheNumbersAndChangeNothing) {
+  const ArenaId arena = MustCreate(page());
+  const ArenaId other = MustCreate(page(), ArenaVisibility::kPrivate);
+  ASSERT_THAT(backend_->Memset(arena, 0, 0x11, page()), IsOk());
+  const std::string size = absl::StrCat("arena ", arena.value, " of ", page(), " bytes");
+  const uint64_t near_end = page() - 100;
+
+  EXPECT_THAT(backend_->Memset(arena, near_end, 0, 200),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstrs("Memset", absl::StrCat("offset ", near_end, " + 200 bytes"),
+                                  absl::StrCat(near_end + 200), size)));
+  EXPECT_THAT(
+      backend_->Copy(arena, near_end, other, 0, 101),
+      StatusIs(absl::StatusCode::kInvalidArgument,
+               HasSubstrs("Copy destination", absl::StrCat("offset ", near_end), "101", size)));
+  EXPECT_THAT(backend_->Copy(other, 0, arena, page(), 1),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstrs("Copy source", absl::StrCat("offset ", page(), " + 1"), size)));
+  EXPECT_THAT(backend_->WriteI32(arena, page() - 3, 1),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstrs("WriteI32", absl::StrCat("offset ", page() - 3, " + 4"), size)));
+  EXPECT_THAT(backend_->ReadI32(arena, page()),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstrs("ReadI32", size)));
+  std::vector<uint8_t> buffer(2);
+  EXPECT_THAT(backend_->Write(arena, page() - 1, buffer),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstrs("Write", size)));
+  EXPECT_THAT(backend_->Read(arena, page() - 1, absl::MakeSpan(buffer)),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstrs("Read", size)));
+
+  // Offsets that wrap uint64 are overflows, not small numbers.
+  EXPECT_THAT(backend_->Memset(arena, kMax - 1, 0, 4),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstrs("Memset", absl::StrCat("offset ", kMax - 1, " + 4 bytes"),
+                                  "overflows", size)));
+  EXPECT_THAT(backend_->Copy(other, 8, arena, 0, kMax),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstrs("Copy destination", absl::StrCat(kMax), "overflows")));
+  EXPECT_THAT(backend_->Copy(other, 0, arena, kMax, 1),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstrs("Copy source", absl::StrCat("offset ", kMax, " + 1"), "overflows",
+                                  size)));
+  EXPECT_THAT(backend_->WriteI32(arena, kMax - 2, 1),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstrs("WriteI32", "overflows")));
+
+  EXPECT_THAT(ReadAll(*backend_, arena, 0, page()), Each(0x11));
+  EXPECT_THAT(ReadAll(*backend_, other, 0, page()), Each(0));
+}
+
+TEST_F(HostBackendTest, ConcurrentCreateUseFreeIsConsistent) {
+  constexpr int kThreads = 4;
+  constexpr int kRounds = 50;
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([this, t] {
+      for (int round = 0; round < kRounds; ++round) {
+        absl::StatusOr<ArenaId> arena = backend_->CreateArena(
+            page(), round % 2 ? ArenaVisibility::kPrivate : ArenaVisibility::kExported);
+        ASSERT_THAT(arena, IsOk());
+        ASSERT_THAT(backend_->WriteI32(*arena, 0, t * 1000 + round), IsOk());
+        ASSERT_THAT(backend_->Copy(*arena, 4, *arena, 0, 4), IsOk());
+        ASSERT_THAT(backend_->ReadI32(*arena, 4), IsOkAndHolds(t * 1000 + round));
+        ASSERT_THAT(backend_->FreeArena(*arena), IsOk());
+      }
+    });
+  }
+  for (std::thread& thread : threads) thread.join();
+  EXPECT_EQ(backend_->AllocatedBytes(), 0u);
+  EXPECT_EQ(backend_->ArenaCount(), 0u);
+}
+
+// The contract: a data call racing FreeArena of the same arena is the caller's bug, but it must
+// stay memory-safe: it either finishes on the still-mapped arena or reports NOT_FOUND.
+TEST_F(HostBackendTest, DataCallsRacingFreeStayMemorySafe) {
+  for (int round = 0; round < 20; ++round) {
+    const ArenaId arena = MustCreate(16 * page());
+    std::atomic<bool> freed{false};
+    std::thread user([&] {
+      std::vector<uint8_t> buffer(16 * page());
+      while (!freed.load()) {
+        const absl::Status status = backend_->Read(arena, 0, absl::MakeSpan(buffer));
+        ASSERT_TRUE(status.ok() || absl::IsNotFound(status)) << status;
+        if (!status.ok()) return;
+      }
+    });
+    ASSERT_THAT(backend_->FreeArena(arena), IsOk());
+    freed.store(true);
+    user.join();
+  }
+  EXPECT_EQ(backend_->ArenaCount(), 0u);
+}
+
+}  // namespace
+}  // namespace memra

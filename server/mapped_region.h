@@ -1,0 +1,55 @@
+#ifndef MEMRA_SERVER_MAPPED_REGION_H_
+#define MEMRA_SERVER_MAPPED_REGION_H_
+
+// Owners of the two POSIX resources an arena mapping needs (shared by the host backend and the
+// client's host mapper): a file descriptor and an mmap'd range.
+
+#include <cstdint>
+#include <string_view>
+
+#include "absl/status/statusor.h"
+
+namespace memra {
+
+// Closes the descriptor on destruction. Move-only.
+class ScopedFd {
+ public:
+  explicit ScopedFd(int fd = -1) : fd_(fd) {}
+  ScopedFd(ScopedFd&& other) noexcept : fd_(other.release()) {}
+  ScopedFd& operator=(ScopedFd&& other) noexcept;
+  ~ScopedFd();
+
+  int get() const { return fd_; }
+  int release();
+
+ private:
+  int fd_;
+};
+
+// An mmap'd read-write range, unmapped on destruction. Move-only; empty after a move.
+class MappedRegion {
+ public:
+  // MAP_SHARED mapping of the first `bytes` of `fd`. REQUIRES: the object holds >= `bytes`
+  // (touching a page past its end raises SIGBUS). `what` names the object in errors.
+  static absl::StatusOr<MappedRegion> MapShared(int fd, uint64_t bytes, absl::string_view what);
+  // Zero-filled private anonymous memory.
+  static absl::StatusOr<MappedRegion> MapAnonymous(uint64_t bytes);
+
+  MappedRegion(MappedRegion&& other) noexcept;
+  MappedRegion& operator=(MappedRegion&& other) noexcept;
+  ~MappedRegion();
+
+  uint8_t* data() const { return data_; }
+  uint64_t size() const { return size_; }
+
+ private:
+  MappedRegion(uint8_t* data, uint64_t size) : data_(data), size_(size) {}
+  void Reset();
+
+  uint8_t* data_;
+  uint64_t size_;
+};
+
+}  // namespace memra
+
+#endif  // MEMRA_SERVER_MAPPED_REGION_H_
