@@ -48,8 +48,10 @@ class TransactionState {
   uint64_t staged_len() const { return staged_len_; }
   uint64_t next_generation() const { return next_generation_; }
   const std::optional<TransactionId>& active() const { return active_; }
-  // The state of a cache nothing ever touched (grow and hydration targets must be fresh).
-  bool IsFresh() const { return *this == TransactionState(); }
+  // No rows and no transaction (grow and hydration targets must be fresh). Unlike the
+  // reference, the generation counter is not part of freshness: a reset session keeps counting
+  // so a transaction from before the reset can never validate again.
+  bool IsFresh() const { return committed_len_ == 0 && staged_len_ == 0 && !active_; }
 
   absl::StatusOr<TransactionId> Begin(uint64_t cache_id);
   absl::Status Validate(const TransactionId& transaction) const;
@@ -61,8 +63,10 @@ class TransactionState {
   absl::Status PublishFinalize(const TransactionId& transaction, uint64_t target);
   // Sets both lengths and ends any active transaction. INVALID_ARGUMENT past capacity.
   absl::Status Rewind(uint64_t target, uint64_t capacity);
-  // Grow: the target continues the source's generation sequence.
-  void AdoptGeneration(uint64_t next_generation) { next_generation_ = next_generation; }
+  // Grow: the target continues the source's generation sequence (never moving backwards).
+  void AdoptGeneration(uint64_t next_generation) {
+    next_generation_ = next_generation > next_generation_ ? next_generation : next_generation_;
+  }
 
   bool operator==(const TransactionState&) const = default;
 
@@ -143,6 +147,10 @@ class KvTransactionCache {
   bool has_ring() const;
 
   absl::StatusOr<TransactionId> Begin();
+  // Continues a generation sequence (reset and grow); never moves it backwards.
+  void AdoptNextGeneration(uint64_t next_generation) {
+    state_.AdoptGeneration(next_generation);
+  }
   absl::Status ValidateTransaction(const TransactionId& transaction) const;
   absl::StatusOr<uint64_t> AppendTarget(const TransactionId& transaction, uint64_t rows) const;
   absl::StatusOr<AppendPlan> PrepareAppend(const TransactionId& transaction,
