@@ -5,14 +5,14 @@
 // through these: a wrapped size is a wrong allocation, never a crash we can afford.
 
 #include <cstdint>
-#include <string_view>
+#include "absl/strings/string_view.h"
 
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 
 namespace memra {
 
-inline absl::StatusOr<uint64_t> CheckedAdd(uint64_t a, uint64_t b, std::string_view what) {
+inline absl::StatusOr<uint64_t> CheckedAdd(uint64_t a, uint64_t b, absl::string_view what) {
   uint64_t out;
   if (__builtin_add_overflow(a, b, &out)) {
     return absl::InvalidArgumentError(absl::StrCat(what, " overflows: ", a, " + ", b));
@@ -20,7 +20,7 @@ inline absl::StatusOr<uint64_t> CheckedAdd(uint64_t a, uint64_t b, std::string_v
   return out;
 }
 
-inline absl::StatusOr<uint64_t> CheckedMul(uint64_t a, uint64_t b, std::string_view what) {
+inline absl::StatusOr<uint64_t> CheckedMul(uint64_t a, uint64_t b, absl::string_view what) {
   uint64_t out;
   if (__builtin_mul_overflow(a, b, &out)) {
     return absl::InvalidArgumentError(absl::StrCat(what, " overflows: ", a, " x ", b));
@@ -30,7 +30,7 @@ inline absl::StatusOr<uint64_t> CheckedMul(uint64_t a, uint64_t b, std::string_v
 
 // Rounds `value` up to a multiple of `alignment` (a nonzero power of two).
 inline absl::StatusOr<uint64_t> CheckedAlignUp(uint64_t value, uint64_t alignment,
-                                               std::string_view what) {
+                                               absl::string_view what) {
   uint64_t bumped;
   if (__builtin_add_overflow(value, alignment - 1, &bumped)) {
     return absl::InvalidArgumentError(
