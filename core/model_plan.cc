@@ -1,5 +1,7 @@
 #include "core/model_plan.h"
 
+#include <array>
+
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
@@ -29,11 +31,11 @@ struct LayerField {
   bool required;
 };
 
-std::vector<LayerField> LayerFields(const LayerPlan& layer) {
+std::array<LayerField, 11> LayerFields(const LayerPlan& layer) {
   const bool kv = HasKv(layer.kind);
   const bool recurrent = layer.kind == StateKind::kRecurrent;
   const bool latent = layer.kind == StateKind::kLatent;
-  return {
+  return {{
       {"head_dim_k", layer.head_dim_k, kv, kv},
       {"head_dim_v", layer.head_dim_v, kv, kv},
       {"n_head_kv", layer.n_head_kv, kv, kv},
@@ -47,7 +49,7 @@ std::vector<LayerField> LayerFields(const LayerPlan& layer) {
       {"index_pool", layer.index_pool, latent, false},
       // Layer 0 is a legal target, so "required" is checked against the index instead.
       {"shares_kv_with", layer.shares_kv_with, layer.kind == StateKind::kSharedKv, false},
-  };
+  }};
 }
 
 absl::Status ValidateKvLayer(const LayerPlan& layer) {
@@ -104,11 +106,29 @@ absl::Status ValidateSharedLayer(const LayerPlan& layer, const ModelPlan& plan) 
   return absl::OkStatus();
 }
 
-absl::Status ValidateLayer(const LayerPlan& layer, const ModelPlan& plan) {
-  if (static_cast<uint8_t>(layer.kind) > static_cast<uint8_t>(StateKind::kSharedKv)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "layer ", layer.index, ": unknown state kind ", static_cast<int>(layer.kind)));
+// Plans arrive over the wire: an enum value no name exists for is input, not a crash.
+absl::Status ValidateEnums(const LayerPlan& layer) {
+  const auto unknown = [&layer](absl::string_view what, uint8_t value) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("layer ", layer.index, ": unknown ", what, " ", static_cast<int>(value)));
+  };
+  if (layer.kind > StateKind::kSharedKv) {
+    return unknown("state kind", static_cast<uint8_t>(layer.kind));
   }
+  if (layer.attention > AttentionClass::kGemmaWindowed) {
+    return unknown("attention class", static_cast<uint8_t>(layer.attention));
+  }
+  if (layer.formats.has_value() && layer.formats->k > KFormat::kFp8) {
+    return unknown("K format", static_cast<uint8_t>(layer.formats->k));
+  }
+  if (layer.formats.has_value() && layer.formats->v > VFormat::kFp8) {
+    return unknown("V format", static_cast<uint8_t>(layer.formats->v));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ValidateLayer(const LayerPlan& layer, const ModelPlan& plan) {
+  RETURN_IF_ERROR(ValidateEnums(layer));
   for (const LayerField& field : LayerFields(layer)) {
     if (field.required && field.value == 0) {
       return LayerError(layer, absl::StrCat(field.name, " must be positive"));

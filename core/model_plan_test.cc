@@ -188,11 +188,23 @@ TEST(ModelPlanTest, SharedKvMustTargetAnEarlierKvLayer) {
   EXPECT_THAT(ValidateModelPlan(hybrid), IsOk());
 }
 
-TEST(ModelPlanTest, RefusesAnUnknownStateKind) {
-  ModelPlan plan = Llama3_8B();
-  plan.layers[0].kind = static_cast<StateKind>(9);
-  EXPECT_THAT(ValidateModelPlan(plan),
+TEST(ModelPlanTest, RefusesEnumValuesWithoutAName) {
+  ModelPlan kind = Llama3_8B();
+  kind.layers[0].kind = static_cast<StateKind>(9);
+  EXPECT_THAT(ValidateModelPlan(kind),
               StatusIs(kInvalid, HasSubstrs("layer 0", "unknown state kind 9")));
+  ModelPlan attention = Llama3_8B();
+  attention.layers[1].attention = static_cast<AttentionClass>(3);
+  EXPECT_THAT(ValidateModelPlan(attention),
+              StatusIs(kInvalid, HasSubstrs("layer 1", "unknown attention class 3")));
+  ModelPlan k_format = Llama3_8B();
+  k_format.layers[2].formats = KvFormats{static_cast<KFormat>(2), VFormat::kQ5_1};
+  EXPECT_THAT(ValidateModelPlan(k_format),
+              StatusIs(kInvalid, HasSubstrs("layer 2", "unknown K format 2")));
+  ModelPlan v_format = Llama3_8B();
+  v_format.layers[3].formats = KvFormats{KFormat::kQ8_0, static_cast<VFormat>(7)};
+  EXPECT_THAT(ValidateModelPlan(v_format),
+              StatusIs(kInvalid, HasSubstrs("layer 3", "unknown V format 7")));
 }
 
 TEST(ModelPlanTest, ExplicitFormatsWinOverClassDefaults) {

@@ -320,7 +320,7 @@ absl::StatusOr<CostBreakdown> CostOfSessionPlan(const SessionPlan& session) {
     // Both lists are in layer order and every plane's layer has a geometry entry.
     while (geometry != session.layers.end() && geometry->layer < plane.layer) ++geometry;
     if (geometry == session.layers.end() || geometry->layer != plane.layer) {
-      return absl::InternalError(
+      return absl::InvalidArgumentError(
           absl::StrCat("plane ", std::string(PlaneKindName(plane.kind)), " of layer ", plane.layer,
                        " has no layer geometry"));
     }

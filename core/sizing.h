@@ -139,7 +139,9 @@ struct CostBreakdown {
 };
 absl::StatusOr<CostBreakdown> CostOfSession(const ModelPlan& plan, const FormatDefaults& defaults,
                                             const SessionRequest& request);
-// The same, from a plan already computed (the server keeps its SessionPlan).
+// The same, from a plan already computed (the server keeps its SessionPlan). INVALID_ARGUMENT
+// for a plan PlanSession could not have produced (a plane without its layer's geometry, or
+// bytes that cannot hold its rows).
 absl::StatusOr<CostBreakdown> CostOfSessionPlan(const SessionPlan& session);
 
 }  // namespace memra

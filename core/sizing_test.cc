@@ -613,6 +613,10 @@ TEST(SizingTest, CostRefusesAPlaneWhoseBytesCannotHoldItsRows) {
   session.planes[0].bytes = 7;
   EXPECT_THAT(CostOfSessionPlan(session),
               StatusIs(kInvalid, HasSubstrs("keys of layer 0", "7 bytes", "16 rows of 1088")));
+  SessionPlan orphan = *PlanSession(Llama3_8B(), {}, Capacity(16));
+  orphan.layers.erase(orphan.layers.begin() + 4);
+  EXPECT_THAT(CostOfSessionPlan(orphan),
+              StatusIs(kInvalid, HasSubstr("plane keys of layer 4 has no layer geometry")));
 }
 
 }  // namespace
