@@ -104,9 +104,8 @@ TEST(ArenaLayoutTest, EveryRealisticSessionLaysOutWellFormed) {
   SessionRequest request;
   request.capacity = 40'000;
   request.spec_snapshot = true;
-  for (const ModelPlan& plan :
-       {test_plans::GemmaStyle(true), test_plans::DeepSeekV3Style(),
-        test_plans::GlmStyleWithIndexer(), test_plans::Qwen3NextStyle()}) {
+  for (const ModelPlan& plan : {test_plans::GemmaStyle(true), test_plans::DeepSeekV3Style(),
+                                test_plans::GlmStyleWithIndexer(), test_plans::Qwen3NextStyle()}) {
     absl::StatusOr<SessionPlan> session = PlanSession(plan, FormatDefaults{}, request);
     ASSERT_THAT(session.status(), IsOk()) << plan.name;
     absl::StatusOr<ArenaLayout> layout = LayoutArena(session->planes, 256, kTwoMiB);

@@ -31,8 +31,8 @@ TEST(FormatsTest, NamesRoundTripThroughParse) {
   }
   EXPECT_THAT(ParseKFormat("q4_0"),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstrs("q4_0", "q8_0 | fp8")));
-  EXPECT_THAT(ParseVFormat("f16"), StatusIs(absl::StatusCode::kInvalidArgument,
-                                            HasSubstrs("f16", "q5_1 | q4_0 | fp8")));
+  EXPECT_THAT(ParseVFormat("f16"),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstrs("f16", "q5_1 | q4_0 | fp8")));
 }
 
 TEST(FormatsTest, EmptyEnvironmentIsTheShippedDefault) {

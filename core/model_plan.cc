@@ -62,14 +62,13 @@ absl::Status ValidateKvLayer(const LayerPlan& layer) {
   // The reference derives the class from the state: Gemma windowed = sliding, global = full.
   const bool class_fits_kind =
       layer.attention == AttentionClass::kOrdinary ||
-      (layer.attention == AttentionClass::kGemmaWindowed) ==
-          (layer.kind == StateKind::kSlidingKv);
+      (layer.attention == AttentionClass::kGemmaWindowed) == (layer.kind == StateKind::kSlidingKv);
   if (!class_fits_kind) {
-    return LayerError(layer, absl::StrCat("attention class ",
-                                          std::string(AttentionClassName(layer.attention)),
-                                          " does not fit a ", std::string(StateKindName(layer.kind)),
-                                          " layer (gemma_windowed is sliding_kv, "
-                                          "gemma_global is kv)"));
+    return LayerError(
+        layer, absl::StrCat("attention class ", std::string(AttentionClassName(layer.attention)),
+                            " does not fit a ", std::string(StateKindName(layer.kind)),
+                            " layer (gemma_windowed is sliding_kv, "
+                            "gemma_global is kv)"));
   }
   return absl::OkStatus();
 }
@@ -141,9 +140,9 @@ absl::Status ValidateLayer(const LayerPlan& layer, const ModelPlan& plan) {
   if (!HasKv(layer.kind)) {
     if (layer.formats.has_value()) return LayerError(layer, "formats are set but unused");
     if (layer.attention != AttentionClass::kOrdinary) {
-      return LayerError(layer, absl::StrCat("attention class ",
-                                            std::string(AttentionClassName(layer.attention)),
-                                            " is set but unused"));
+      return LayerError(
+          layer, absl::StrCat("attention class ", std::string(AttentionClassName(layer.attention)),
+                              " is set but unused"));
     }
   }
   switch (layer.kind) {
@@ -182,8 +181,7 @@ class CanonicalEncoder {
 constexpr absl::string_view kFingerprintVersion = "memra.kv.model_plan.v1";
 constexpr uint8_t kNoFormat = 0xff;
 
-void EncodeLayer(const LayerPlan& layer, const FormatDefaults& defaults,
-                 CanonicalEncoder& out) {
+void EncodeLayer(const LayerPlan& layer, const FormatDefaults& defaults, CanonicalEncoder& out) {
   out.U32(layer.index);
   out.U8(static_cast<uint8_t>(layer.kind));
   out.U8(static_cast<uint8_t>(layer.attention));

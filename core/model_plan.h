@@ -92,17 +92,20 @@ KvFormats ResolveLayerFormats(const LayerPlan& layer, const FormatDefaults& defa
 // shared-KV targets earlier KV layers, Gemma classes on their own kinds (global = kKv,
 // windowed = kSlidingKv, as the reference derives them), and every field the layer's kind does
 // not use left at zero/unset (a stray `window` on a kKv layer is a mis-typed plan, and it would
-// otherwise be silently ignored). INVALID_ARGUMENT naming the layer and the numbers.
+// otherwise be silently ignored), and no enum value without a name (plans arrive over the wire).
+// INVALID_ARGUMENT naming the layer and the numbers.
 absl::Status ValidateModelPlan(const ModelPlan& plan);
 
 // SHA-256 over the canonical encoding (every layout-relevant field, formats resolved with
 // `defaults`, fixed field order, little-endian). Equal fingerprints <=> identical layouts.
+// (Plans whose token bytes agree but whose head geometry differs hash apart on purpose: their
+// K/V is not interchangeable.) Validates first (its INVALID_ARGUMENT).
 // Encoding v1: u32 length + "memra.kv.model_plan.v1"; u8 swa_ring (0 without sliding layers);
 // u32 index ring rows (unset resolved to kIndexRingWorkingRows; 0 without an indexer); u32 trunk
 // count; u32 MTP count; per layer in index order: u32 index, u8 kind, u8 attention, u8 K and u8 V
 // format (resolved; 0xff for layers without K/V), then u32 head_dim_k, head_dim_v, n_head_kv,
 // window, conv_width, conv_kernel, state_width, latent_width, index_width, index_pool,
-// shares_kv_with. `name` is not encoded. Validates first (its INVALID_ARGUMENT).
+// shares_kv_with. `name` is not encoded.
 using PlanFingerprint = std::array<uint8_t, 32>;
 absl::StatusOr<PlanFingerprint> FingerprintModelPlan(const ModelPlan& plan,
                                                      const FormatDefaults& defaults);

@@ -75,8 +75,9 @@ TEST(ModelPlanTest, RefusesZeroDimsNamingLayerAndField) {
 
   ModelPlan recurrent = Qwen3NextStyle();
   recurrent.layers[0].conv_kernel = 0;
-  EXPECT_THAT(ValidateModelPlan(recurrent),
-              StatusIs(kInvalid, HasSubstrs("layer 0 (recurrent)", "conv_kernel must be positive")));
+  EXPECT_THAT(
+      ValidateModelPlan(recurrent),
+      StatusIs(kInvalid, HasSubstrs("layer 0 (recurrent)", "conv_kernel must be positive")));
 
   ModelPlan latent = DeepSeekV3Style();
   latent.mtp_blocks[0].latent_width = 0;
@@ -106,8 +107,9 @@ TEST(ModelPlanTest, RefusesFieldsTheKindDoesNotUse) {
   ModelPlan windowed_full = Llama3_8B();
   windowed_full.layers[4].window = 4096;
   EXPECT_THAT(ValidateModelPlan(windowed_full),
-              StatusIs(kInvalid, HasSubstrs("layer 4 (kv)", "window=4096 is set but this kind "
-                                                             "does not use it")));
+              StatusIs(kInvalid, HasSubstrs("layer 4 (kv)",
+                                            "window=4096 is set but this kind "
+                                            "does not use it")));
 
   ModelPlan formatted_recurrent = Qwen3NextStyle();
   formatted_recurrent.layers[0].formats = KvFormats{};
@@ -133,9 +135,9 @@ TEST(ModelPlanTest, GemmaClassesSitOnTheKindsTheReferenceDerivesThemFrom) {
                                             "gemma_global does not fit a sliding_kv layer")));
   ModelPlan windowed_full = GemmaStyle(false);
   windowed_full.layers[5].attention = AttentionClass::kGemmaWindowed;
-  EXPECT_THAT(ValidateModelPlan(windowed_full),
-              StatusIs(kInvalid, HasSubstrs("layer 5 (kv)",
-                                            "gemma_windowed does not fit a kv layer")));
+  EXPECT_THAT(
+      ValidateModelPlan(windowed_full),
+      StatusIs(kInvalid, HasSubstrs("layer 5 (kv)", "gemma_windowed does not fit a kv layer")));
 }
 
 TEST(ModelPlanTest, RefusesMalformedIndexers) {

@@ -64,13 +64,13 @@ class PlaneWriter {
   // bytes = rows x row_bytes + extra_bytes (a tail pad, or the reference's one-element floor).
   absl::Status Add(PlaneKind kind, uint64_t rows, uint64_t row_bytes, uint64_t extra_bytes,
                    bool scales_with_context) {
-    const std::string what = absl::StrCat("layer ", layer_, " ", std::string(PlaneKindName(kind)), " bytes");
+    const std::string what =
+        absl::StrCat("layer ", layer_, " ", std::string(PlaneKindName(kind)), " bytes");
     ASSIGN_OR_RETURN(const uint64_t body, CheckedMul(rows, row_bytes, what));
     ASSIGN_OR_RETURN(const uint64_t bytes, CheckedAdd(body, extra_bytes, what));
     ASSIGN_OR_RETURN(session_.total_bytes,
                      CheckedAdd(session_.total_bytes, bytes, "session total bytes"));
-    session_.planes.push_back(PlaneSpec{layer_, kind, rows, row_bytes, bytes,
-                                        scales_with_context});
+    session_.planes.push_back(PlaneSpec{layer_, kind, rows, row_bytes, bytes, scales_with_context});
     return absl::OkStatus();
   }
   absl::Status AddMirror(PlaneKind kind) { return Add(kind, 1, kMirrorBytes, 0, false); }
@@ -88,9 +88,9 @@ class PlaneWriter {
 absl::Status RefuseUnshardedUnderTp(const LayerPlan& layer, uint32_t tp_ranks) {
   if (tp_ranks == 1) return absl::OkStatus();
   // One daemon per GPU serves one rank's shard; only K/V planes have a rank-local shape.
-  return absl::InvalidArgumentError(absl::StrCat(
-      "layer ", layer.index, ": ", std::string(StateKindName(layer.kind)),
-      " state is not sharded under tensor parallelism (tp_ranks ", tp_ranks, ")"));
+  return absl::InvalidArgumentError(
+      absl::StrCat("layer ", layer.index, ": ", std::string(StateKindName(layer.kind)),
+                   " state is not sharded under tensor parallelism (tp_ranks ", tp_ranks, ")"));
 }
 
 // Each Plan*Layer receives the geometry with layer, kind and attention filled in.
@@ -118,8 +118,7 @@ absl::Status PlanKvLayer(const LayerPlan& layer, const ModelPlan& plan,
   geometry.ring = layer.kind == StateKind::kSlidingKv && plan.swa_ring;
   // A ring's rows stop growing at its uncapped size. Below that the ring is clamped to the
   // capacity itself (the reference still addresses it with a KvRing), so its bytes DO scale.
-  const bool scales =
-      !geometry.ring || request.capacity < SwaRingRows(layer.window, UINT64_MAX);
+  const bool scales = !geometry.ring || request.capacity < SwaRingRows(layer.window, UINT64_MAX);
   geometry.physical_rows =
       geometry.ring ? SwaRingRows(layer.window, request.capacity) : request.capacity;
 
@@ -140,7 +139,9 @@ absl::Status PlanRecurrentLayer(const LayerPlan& layer, const SessionRequest& re
   PlaneWriter out(session, layer.index);
   // conv_kernel - 1 saturates as in the reference: a kernel of 1 keeps no conv history.
   const uint64_t history = layer.conv_kernel > 0 ? layer.conv_kernel - 1 : 0;
-  geometry.conv_elems = uint64_t{layer.conv_width} * history;  // < 2^64: both factors < 2^32
+  ASSIGN_OR_RETURN(
+      geometry.conv_elems,
+      CheckedMul(layer.conv_width, history, absl::StrCat("layer ", layer.index, " conv elements")));
   geometry.ssm_elems = layer.state_width;
   ASSIGN_OR_RETURN(const uint64_t conv_bytes, out.F32Bytes(geometry.conv_elems, "conv state"));
   ASSIGN_OR_RETURN(const uint64_t ssm_bytes, out.F32Bytes(geometry.ssm_elems, "ssm state"));
@@ -166,8 +167,7 @@ absl::Status PlanLatentLayer(const LayerPlan& layer, const ModelPlan& plan,
   PlaneWriter out(session, layer.index);
   RETURN_IF_ERROR(out.AddMirror(PlaneKind::kLenMirror));
   // One f32 row per token for the whole layer (MQA): no per-head planes, no V plane.
-  ASSIGN_OR_RETURN(const uint64_t latent_row_bytes,
-                   out.F32Bytes(layer.latent_width, "latent row"));
+  ASSIGN_OR_RETURN(const uint64_t latent_row_bytes, out.F32Bytes(layer.latent_width, "latent row"));
   RETURN_IF_ERROR(out.Add(PlaneKind::kLatentRows, request.capacity, latent_row_bytes, 0, true));
 
   if (layer.index_width > 0) {
@@ -179,10 +179,9 @@ absl::Status PlanLatentLayer(const LayerPlan& layer, const ModelPlan& plan,
         request.capacity);
     geometry.index_ring = ring_rows.has_value();
     geometry.index_physical_rows = ring_rows.value_or(request.capacity);
-    ASSIGN_OR_RETURN(const uint64_t index_row_bytes,
-                     out.F32Bytes(layer.index_width, "index row"));
-    RETURN_IF_ERROR(out.Add(PlaneKind::kIndexRows, geometry.index_physical_rows,
-                            index_row_bytes, 0, !geometry.index_ring));
+    ASSIGN_OR_RETURN(const uint64_t index_row_bytes, out.F32Bytes(layer.index_width, "index row"));
+    RETURN_IF_ERROR(out.Add(PlaneKind::kIndexRows, geometry.index_physical_rows, index_row_bytes, 0,
+                            !geometry.index_ring));
 
     // One key of index_head_dim = index_width / 2 f32 per whole pool. The reference allocates
     // it lazily (restore_plane: zeros(((max_ctx / pool) * d).max(1))); the daemon knows the
@@ -191,8 +190,7 @@ absl::Status PlanLatentLayer(const LayerPlan& layer, const ModelPlan& plan,
     ASSIGN_OR_RETURN(const uint64_t pool_key_bytes,
                      out.F32Bytes(layer.index_width / 2, "pool key"));
     const uint64_t one_element_floor = pools == 0 ? kF32Bytes : 0;
-    RETURN_IF_ERROR(
-        out.Add(PlaneKind::kPoolKeys, pools, pool_key_bytes, one_element_floor, true));
+    RETURN_IF_ERROR(out.Add(PlaneKind::kPoolKeys, pools, pool_key_bytes, one_element_floor, true));
   }
   session.layers.push_back(geometry);
   return absl::OkStatus();
@@ -224,8 +222,7 @@ absl::StatusOr<TpKvRankShape> TpKvRankAllocationShape(uint64_t kv_dim_k, uint64_
                      " v=", kv_dim_v, " ranks=", ranks));
   }
   if (kv_dim_k % ranks != 0 || kv_dim_v % ranks != 0) {
-    return absl::InvalidArgumentError(absl::StrCat("TP KV dimensions k=", kv_dim_k,
-                                                   " v=", kv_dim_v,
+    return absl::InvalidArgumentError(absl::StrCat("TP KV dimensions k=", kv_dim_k, " v=", kv_dim_v,
                                                    " are not divisible by TP=", ranks));
   }
   TpKvRankShape shape;
@@ -233,8 +230,7 @@ absl::StatusOr<TpKvRankShape> TpKvRankAllocationShape(uint64_t kv_dim_k, uint64_
   shape.kv_dim_v = kv_dim_v / ranks;
   if (shape.kv_dim_k % 32 != 0 || shape.kv_dim_v % 32 != 0) {
     return absl::InvalidArgumentError(absl::StrCat("TP KV local dimensions k=", shape.kv_dim_k,
-                                                   " v=", shape.kv_dim_v,
-                                                   " must be 32-aligned"));
+                                                   " v=", shape.kv_dim_v, " must be 32-aligned"));
   }
   ASSIGN_OR_RETURN(shape.k_token_bytes,
                    CheckedMul(shape.kv_dim_k / 32, KBlockBytes(formats.k), "TP KV K token bytes"));

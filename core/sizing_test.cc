@@ -408,8 +408,7 @@ TEST(SizingTest, PoolKeysAreBookedEagerlyWithTheReferencesOneElementFloor) {
   // A capacity that is not a whole number of pools books only whole pools: 4099 / 4 = 1024.
   const Sized ragged = Size(GlmStyleWithIndexer(), Capacity(4099));
   EXPECT_EQ(FindPlane(ragged.session, 0, PlaneKind::kPoolKeys)->bytes, 1024u * 512);
-  EXPECT_LE(ragged.cost.total_bytes,
-            ragged.cost.fixed_bytes + 4099 * ragged.cost.bytes_per_token);
+  EXPECT_LE(ragged.cost.total_bytes, ragged.cost.fixed_bytes + 4099 * ragged.cost.bytes_per_token);
 }
 
 // ---------------------------------------------------------------- (4) hybrid linear attention
@@ -500,9 +499,9 @@ TEST(SizingTest, TpRefusesRecurrentAndLatentStateItCannotShard) {
               StatusIs(kInvalid, ::testing::Eq("layer 0: recurrent state is not sharded under "
                                                "tensor parallelism (tp_ranks 2)")));
   request.tp_ranks = 8;
-  EXPECT_THAT(PlanSession(DeepSeekV3Style(), {}, request),
-              StatusIs(kInvalid, HasSubstrs("layer 0: latent state is not sharded",
-                                            "(tp_ranks 8)")));
+  EXPECT_THAT(
+      PlanSession(DeepSeekV3Style(), {}, request),
+      StatusIs(kInvalid, HasSubstrs("layer 0: latent state is not sharded", "(tp_ranks 8)")));
   // A range holding only the hybrid's attention layer shards: 2 x 256 / 2 = 256 local,
   // 8 blocks x 34 + 8 x 24 = 272 + 192 = 464 B/token.
   request.tp_ranks = 2;
@@ -548,8 +547,7 @@ TEST(SizingTest, RefusesLayerRangesOutsideThePlan) {
 TEST(SizingTest, RefusesZeroRanksAndInvalidPlans) {
   SessionRequest request = Capacity(8192);
   request.tp_ranks = 0;
-  EXPECT_THAT(PlanSession(Llama3_8B(), {}, request),
-              StatusIs(kInvalid, HasSubstr("tp_ranks 0")));
+  EXPECT_THAT(PlanSession(Llama3_8B(), {}, request), StatusIs(kInvalid, HasSubstr("tp_ranks 0")));
   ModelPlan bad = Llama3_8B();
   bad.layers[2].head_dim_k = 96 + 8;
   EXPECT_THAT(CostOfSession(bad, {}, Capacity(8192)),

@@ -4,7 +4,10 @@
 # Arguments: the files of //core:all_sources.
 set -euo pipefail
 
-readonly FORBIDDEN='^[[:space:]]*#[[:space:]]*include[[:space:]]*[<"]((grpc|grpcpp|google/protobuf|cuda|cublas|nccl)[^>"]*|fstream|iostream|cstdio|stdio\.h|fcntl\.h|unistd\.h|sys/[^>"]*)[>"]'
+readonly RPC_AND_DEVICE='(grpc|grpcpp|google/protobuf|cuda|cublas|nccl)[^>"]*'
+readonly IO='fstream|iostream|cstdio|stdio\.h|fcntl\.h|unistd\.h|sys/[^>"]*'
+readonly INCLUDE='^[[:space:]]*#[[:space:]]*include[[:space:]]*'
+readonly FORBIDDEN="${INCLUDE}[<\"](${RPC_AND_DEVICE}|${IO})[>\"]"
 
 # Prints the offending lines of the given files; succeeds only when there are none.
 clean() {
