@@ -65,6 +65,7 @@ void Sha256::ProcessBlock(const uint8_t* block) {
 }
 
 void Sha256::Update(std::string_view bytes) {
+  if (bytes.empty()) return;  // a default string_view's data() is null: no memcpy from it
   const auto* data = reinterpret_cast<const uint8_t*>(bytes.data());
   uint64_t remaining = bytes.size();
   message_bytes_ += remaining;

@@ -38,8 +38,10 @@ TEST(Sha256Test, IncrementalUpdatesAtEveryBoundaryMatchOneShot) {
     hasher.Update(std::string_view(message).substr(split));
     EXPECT_EQ(hasher.Finish(), whole) << "split at " << split;
   }
-  // Byte-at-a-time crosses every block edge and every padding case on the way.
+  // Byte-at-a-time crosses every block edge and every padding case on the way; empty updates
+  // (a default string_view has no data) change nothing.
   Sha256 bytewise;
+  bytewise.Update(std::string_view());
   for (char c : message) bytewise.Update(std::string_view(&c, 1));
   EXPECT_EQ(bytewise.Finish(), whole);
 }
