@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -27,6 +28,8 @@ enum class StateKind : uint8_t {
   kLatent = 4,      // MLA latent rows (+ optional DSA indexer plane and pool keys)
   kSharedKv = 5,    // attends an earlier layer's K/V (Gemma's trailing shared-KV layers)
 };
+// "none", "kv", "sliding_kv", "recurrent", "latent", "shared_kv" (used in messages).
+std::string_view StateKindName(StateKind kind);
 
 // How the reference classifies a full-attention layer when choosing its default KV format.
 enum class AttentionClass : uint8_t {
@@ -34,6 +37,7 @@ enum class AttentionClass : uint8_t {
   kGemmaGlobal = 1,
   kGemmaWindowed = 2,
 };
+std::string_view AttentionClassName(AttentionClass attention);
 
 struct LayerPlan {
   uint32_t index = 0;  // absolute layer index; trunk layers are 0..n-1, MTP blocks follow
@@ -79,13 +83,29 @@ struct ModelPlan {
   uint32_t TotalLayers() const;
 };
 
-// Checks every structural rule: contiguous indices, kind-specific dims nonzero, head dims % 32
-// for quantized planes, window > 0, index_width even, pool > 0 iff indexer, shared-KV targets
-// earlier KV layers. INVALID_ARGUMENT naming the layer and the numbers.
+// The formats a K/V layer stores: its explicit `formats`, else the default for its class.
+KvFormats ResolveLayerFormats(const LayerPlan& layer, const FormatDefaults& defaults);
+
+// Checks every structural rule: at least one layer, contiguous indices, kind-specific dims
+// nonzero, head dims % 32 for quantized planes, window > 0, index_width even, pool > 0 iff
+// indexer, an indexer pool no larger than the indexer ring (when the ring is not disabled),
+// shared-KV targets earlier KV layers, Gemma classes on their own kinds (global = kKv,
+// windowed = kSlidingKv, as the reference derives them), and every field the layer's kind does
+// not use left at zero/unset (a stray `window` on a kKv layer is a mis-typed plan, and it would
+// otherwise be silently ignored), and no enum value without a name (plans arrive over the wire).
+// INVALID_ARGUMENT naming the layer and the numbers.
 absl::Status ValidateModelPlan(const ModelPlan& plan);
 
 // SHA-256 over the canonical encoding (every layout-relevant field, formats resolved with
 // `defaults`, fixed field order, little-endian). Equal fingerprints <=> identical layouts.
+// (Plans whose token bytes agree but whose head geometry differs hash apart on purpose: their
+// K/V is not interchangeable.) Validates first (its INVALID_ARGUMENT).
+// Encoding v1: u32 length + "memra.kv.model_plan.v1"; u8 swa_ring (0 without sliding layers);
+// u32 index ring rows (unset resolved to kIndexRingWorkingRows; 0 without an indexer); u32 trunk
+// count; u32 MTP count; per layer in index order: u32 index, u8 kind, u8 attention, u8 K and u8 V
+// format (resolved; 0xff for layers without K/V), then u32 head_dim_k, head_dim_v, n_head_kv,
+// window, conv_width, conv_kernel, state_width, latent_width, index_width, index_pool,
+// shares_kv_with. `name` is not encoded.
 using PlanFingerprint = std::array<uint8_t, 32>;
 absl::StatusOr<PlanFingerprint> FingerprintModelPlan(const ModelPlan& plan,
                                                      const FormatDefaults& defaults);

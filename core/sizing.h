@@ -48,19 +48,25 @@ enum class PlaneKind : uint8_t {
   kSsmStateAlt = 6,   // f32 state_width (the ping-pong partner)
   kLatentRows = 7,    // f32 capacity x latent_width
   kIndexRows = 8,     // f32 (index ring rows or capacity) x index_width
-  kPoolKeys = 9,      // f32 max(1, capacity / pool * index_width / 2)
+  kPoolKeys = 9,      // f32 max(1, capacity / pool * index_width / 2); rows = whole pools
   kSpecConv = 10,     // spec-decode snapshot copy of kConvState
   kSpecSsm = 11,      // spec-decode snapshot copy of kSsmState
 };
 std::string_view PlaneKindName(PlaneKind kind);
 
+// Invariant: bytes == rows * row_bytes + extra, where extra is the K/V 8-byte tail pad, or 4 for
+// a pool-key plane with no whole pool (the reference's one-element floor), else 0.
 struct PlaneSpec {
   uint32_t layer = 0;
   PlaneKind kind = PlaneKind::kKeys;
-  uint64_t rows = 0;       // rows of `row_bytes` (1 for mirrors and recurrent state)
+  uint64_t rows = 0;       // rows of `row_bytes` (1 for mirrors and recurrent state; pools for
+                           // kPoolKeys, which may be 0 below one pool)
   uint64_t row_bytes = 0;  // bytes of one row (token bytes for K/V, 4 x width for f32 planes)
   uint64_t bytes = 0;      // exact allocation, tail pad included
-  // Whether `bytes` grows with the session's capacity (what admission multiplies by context).
+  // Whether `bytes` grows with the session's capacity (what admission multiplies by context):
+  // flat K/V, latent rows, a flat indexer plane, pool keys. A ring K/V plane scales only while
+  // the capacity is below its uncapped ring rows (then it is clamped to the capacity); at or
+  // above that it is fixed. A tail-ring indexer plane is fixed.
   bool scales_with_context = false;
 };
 
@@ -105,20 +111,38 @@ struct SessionPlan {
 absl::StatusOr<SessionPlan> PlanSession(const ModelPlan& plan, const FormatDefaults& defaults,
                                         const SessionRequest& request);
 
-// Coefficients derived from PlanSession (never from a second formula):
+// Coefficients derived from PlanSession (never from a second formula). Identity:
+//   total_bytes == fixed_bytes + sum over scaling planes of rows * row_bytes
+// and, when capacity is a multiple of every indexer pool (and 2 x index_width is too),
+//   total_bytes == fixed_bytes + capacity * bytes_per_token.
+// The per-class coefficients follow the reference: kv + ring == reference cache_bytes_per_token
+// minus its latent term (ring == 0 unless the plan sets swa_ring).
 struct CostBreakdown {
-  uint64_t bytes_per_token = 0;        // context-linear bytes, all classes
+  uint64_t bytes_per_token = 0;        // context-linear bytes of the planes that scale at this
+                                       // capacity, all classes (pool keys: row_bytes / pool)
   uint64_t kv_bytes_per_token = 0;     // flat full-attention K/V (reference cache_bytes_per_token
-                                       // minus the latent term)
-  uint64_t ring_bytes_per_token = 0;   // sliding K/V whose rows the ring caps
+                                       // minus the latent term, when the ring is off)
+  uint64_t ring_bytes_per_token = 0;   // sliding K/V whose rows the ring caps, whether or not
+                                       // this capacity reaches the cap
                                        // (reference cache_ring_bytes_per_token)
-  uint64_t latent_bytes_per_token = 0; // reference latent_kv_bytes_per_token_for_plan
-  uint64_t ring_row_cap = 0;           // reference cache_ring_row_cap (0 = no ring)
-  uint64_t fixed_bytes = 0;            // everything that does not scale with context
-  uint64_t total_bytes = 0;            // exact bytes at the request's capacity
+  // Reference latent_kv_bytes_per_token_for_plan: width*4 + (index_width/2)*4/pool, plus
+  // index_width*4 while the indexer plane is flat. Deliberately tighter than the reference in
+  // one case: where the default ring collapses to a flat plane (capacity <= ring rows) the
+  // reference leaves that plane to its fixed residual; we count it, since it does scale.
+  uint64_t latent_bytes_per_token = 0;
+  uint64_t ring_row_cap = 0;           // reference cache_ring_row_cap (0 = no ring); over the
+                                       // session's layers
+  uint64_t fixed_bytes = 0;            // everything that does not scale with context, tail pads
+                                       // included
+  uint64_t total_bytes = 0;            // exact bytes at the request's capacity (before arena
+                                       // alignment; see arena_layout.h for what is allocated)
 };
 absl::StatusOr<CostBreakdown> CostOfSession(const ModelPlan& plan, const FormatDefaults& defaults,
                                             const SessionRequest& request);
+// The same, from a plan already computed (the server keeps its SessionPlan). INVALID_ARGUMENT
+// for a plan PlanSession could not have produced (a plane without its layer's geometry, or
+// bytes that cannot hold its rows).
+absl::StatusOr<CostBreakdown> CostOfSessionPlan(const SessionPlan& session);
 
 }  // namespace memra
 

@@ -1,0 +1,350 @@
+#include "core/session.h"
+
+#include <algorithm>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "core/checked_math.h"
+#include "core/status_macros.h"
+
+namespace memra {
+namespace {
+
+constexpr uint64_t kF32 = sizeof(float);
+
+PlaneKind LatentPlaneKind(LatentPlane plane) {
+  switch (plane) {
+    case LatentPlane::kRows:
+      return PlaneKind::kLatentRows;
+    case LatentPlane::kIndexRows:
+      return PlaneKind::kIndexRows;
+    case LatentPlane::kPoolKeys:
+      return PlaneKind::kPoolKeys;
+  }
+  return PlaneKind::kLatentRows;
+}
+
+uint64_t PlaneBytes(const SessionPlan& plan, uint32_t layer, PlaneKind kind) {
+  for (const PlaneSpec& spec : plan.planes) {
+    if (spec.layer == layer && spec.kind == kind) return spec.bytes;
+  }
+  return 0;
+}
+
+}  // namespace
+
+SessionState::SessionState(KvTransactionCache kv, std::vector<LatentLayerState> latent,
+                           std::vector<uint32_t> recurrent_layers,
+                           std::vector<LayerGeometry> geometry, bool has_spec_buffers)
+    : kv_(std::move(kv)),
+      latent_(std::move(latent)),
+      recurrent_layers_(std::move(recurrent_layers)),
+      geometry_(std::move(geometry)),
+      has_spec_buffers_(has_spec_buffers) {}
+
+absl::StatusOr<SessionState> SessionState::Create(uint64_t cache_id, const SessionPlan& plan,
+                                                  uint64_t capacity) {
+  std::vector<KvLayerShape> shapes;
+  std::vector<LatentLayerState> latent;
+  std::vector<uint32_t> recurrent;
+  for (const LayerGeometry& layer : plan.layers) {
+    switch (layer.kind) {
+      case StateKind::kKv:
+      case StateKind::kSlidingKv:
+        shapes.push_back({layer.layer, layer.k_token_bytes, layer.v_token_bytes,
+                          layer.ring ? std::optional<uint64_t>(layer.window) : std::nullopt});
+        break;
+      case StateKind::kLatent: {
+        LatentLayerState state;
+        state.layer = layer.layer;
+        state.width = layer.latent_width;
+        state.index_width = layer.index_width;
+        state.index_ring_rows = layer.index_ring ? layer.index_physical_rows : 0;
+        // The plan carries the pool, so it is resident from creation (the reference learns it
+        // on the engine's first indexer call).
+        state.index_pool = layer.index_pool;
+        state.rows_elems = PlaneBytes(plan, layer.layer, PlaneKind::kLatentRows) / kF32;
+        state.index_rows_elems = PlaneBytes(plan, layer.layer, PlaneKind::kIndexRows) / kF32;
+        state.pool_keys_elems = PlaneBytes(plan, layer.layer, PlaneKind::kPoolKeys) / kF32;
+        latent.push_back(state);
+        break;
+      }
+      case StateKind::kRecurrent:
+        recurrent.push_back(layer.layer);
+        break;
+      case StateKind::kNone:
+      case StateKind::kSharedKv:
+        break;
+    }
+  }
+  const bool has_spec_buffers =
+      std::any_of(plan.planes.begin(), plan.planes.end(),
+                  [](const PlaneSpec& spec) { return spec.kind == PlaneKind::kSpecConv; });
+  ASSIGN_OR_RETURN(KvTransactionCache kv,
+                   KvTransactionCache::Create(cache_id, capacity, std::move(shapes)));
+  return SessionState(std::move(kv), std::move(latent), std::move(recurrent), plan.layers,
+                      has_spec_buffers);
+}
+
+const LayerGeometry* SessionState::Geometry(uint32_t layer) const {
+  for (const LayerGeometry& geometry : geometry_) {
+    if (geometry.layer == layer) return &geometry;
+  }
+  return nullptr;
+}
+
+std::vector<MirrorValue> SessionState::Mirrors() const {
+  std::vector<MirrorValue> mirrors;
+  // Lengths are bounded by capacity <= INT32_MAX (KvTransactionCache::Create), so the
+  // narrowing below is exact.
+  for (size_t i = 0; i < kv_.layer_count(); ++i) {
+    const uint32_t layer = kv_.shapes()[i].layer;
+    mirrors.push_back({{layer, PlaneKind::kLenMirror}, static_cast<int32_t>(staged_len())});
+    if (kv_.ring(i).has_value()) {
+      mirrors.push_back(
+          {{layer, PlaneKind::kBaseMirror}, static_cast<int32_t>(kv_.ring(i)->base())});
+    }
+  }
+  for (const LatentLayerState& layer : latent_) {
+    mirrors.push_back({{layer.layer, PlaneKind::kLenMirror}, static_cast<int32_t>(layer.len)});
+  }
+  return mirrors;
+}
+
+absl::Status SessionState::EnsureUsable(std::string_view what) const {
+  if (tainted_) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(absl::string_view(what.data(), what.size()),
+                     ": session was tainted by a failed operation and cannot be reused"));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<TransactionId> SessionState::ActiveTransaction(uint64_t generation) const {
+  const std::optional<TransactionId>& active = kv_.state().active();
+  if (!active.has_value() || active->generation != generation) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "stale KV transaction generation ", generation, " (active: ",
+        active.has_value() ? absl::StrCat(active->generation) : std::string("none"), ")"));
+  }
+  return *active;
+}
+
+void SessionState::SetLatentLengths(uint64_t len) {
+  for (LatentLayerState& layer : latent_) {
+    const bool grew = len > layer.len;
+    layer.len = len;
+    if (layer.index_width == 0 || layer.index_pool == 0) continue;
+    if (grew) {
+      layer.index_pools_ready = len / layer.index_pool;  // the call boundary is drained
+    } else {
+      TruncateIndexPoolKeys(layer, layer.index_pool);
+    }
+  }
+}
+
+absl::StatusOr<TransactionId> SessionState::Begin() {
+  RETURN_IF_ERROR(EnsureUsable("begin transaction"));
+  ASSIGN_OR_RETURN(TransactionId transaction, kv_.Begin());
+  pending_append_.reset();
+  return transaction;
+}
+
+absl::StatusOr<AppendPlan> SessionState::PrepareAppend(uint64_t generation, uint64_t rows) {
+  RETURN_IF_ERROR(EnsureUsable("prepare append"));
+  ASSIGN_OR_RETURN(TransactionId transaction, ActiveTransaction(generation));
+  ASSIGN_OR_RETURN(AppendPlan plan, kv_.PrepareAppend(transaction, rows));
+  pending_append_ = plan;
+  return plan;
+}
+
+absl::Status SessionState::PublishAppend(uint64_t generation) {
+  RETURN_IF_ERROR(EnsureUsable("publish append"));
+  ASSIGN_OR_RETURN(TransactionId transaction, ActiveTransaction(generation));
+  if (!pending_append_.has_value() || pending_append_->transaction != transaction) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("no prepared append for transaction generation ", generation));
+  }
+  KvTransactionCache next = kv_;
+  RETURN_IF_ERROR(next.PublishAppendRebase(*pending_append_));
+  RETURN_IF_ERROR(next.PublishAppendPlan(*pending_append_));
+  kv_ = std::move(next);
+  pending_append_.reset();
+  SetLatentLengths(staged_len());
+  return absl::OkStatus();
+}
+
+absl::StatusOr<uint64_t> SessionState::Commit(uint64_t generation, uint64_t accepted_rows) {
+  RETURN_IF_ERROR(EnsureUsable("commit"));
+  ASSIGN_OR_RETURN(TransactionId transaction, ActiveTransaction(generation));
+  ASSIGN_OR_RETURN(uint64_t target, kv_.CommitTarget(transaction, accepted_rows));
+  RETURN_IF_ERROR(kv_.PublishFinalize(transaction, target));
+  pending_append_.reset();
+  SetLatentLengths(target);
+  position_ = target;
+  return target;
+}
+
+absl::Status SessionState::Abort(uint64_t generation) {
+  return Commit(generation, 0).status();
+}
+
+bool SessionState::CanRewindTo(uint64_t target) const {
+  return target <= staged_len() && kv_.CanRewindTo(target);
+}
+
+absl::Status SessionState::Rewind(uint64_t target) {
+  RETURN_IF_ERROR(EnsureUsable("rewind"));
+  RETURN_IF_ERROR(kv_.RewindTo(target));
+  pending_append_.reset();
+  SetLatentLengths(target);
+  position_ = target;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<PlaneCopy>> SessionState::SpecSnapshot() {
+  RETURN_IF_ERROR(EnsureUsable("spec snapshot"));
+  if (!recurrent_layers_.empty() && !has_spec_buffers_) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("spec snapshot: the session was created without spec snapshot buffers (",
+                     recurrent_layers_.size(), " recurrent layers need them)"));
+  }
+  if (const std::optional<TransactionId>& active = kv_.state().active(); active.has_value()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "spec snapshot requires no active transaction (generation ", active->generation,
+        " is active at base ", active->base_len, ")"));
+  }
+  std::vector<PlaneCopy> copies;
+  for (uint32_t layer : recurrent_layers_) {
+    const LayerGeometry* geometry = Geometry(layer);
+    copies.push_back({{layer, PlaneKind::kConvState}, 0, {layer, PlaneKind::kSpecConv}, 0,
+                      geometry->conv_elems * kF32});
+    copies.push_back({{layer, PlaneKind::kSsmState}, 0, {layer, PlaneKind::kSpecSsm}, 0,
+                      geometry->ssm_elems * kF32});
+  }
+  spec_ = SpecCheckpoint{committed_len(), position_};
+  return copies;
+}
+
+absl::StatusOr<std::vector<PlaneCopy>> SessionState::SpecRollback(uint64_t accept_len) {
+  RETURN_IF_ERROR(EnsureUsable("spec rollback"));
+  if (!spec_.has_value()) {
+    return absl::FailedPreconditionError("spec rollback: no spec snapshot was taken");
+  }
+  ASSIGN_OR_RETURN(uint64_t target,
+                   CheckedAdd(spec_->committed_len, accept_len, "spec rollback target"));
+  if (target > staged_len()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "spec rollback target ", target, " (snapshot ", spec_->committed_len, " + accepted ",
+        accept_len, ") is past the staged length ", staged_len()));
+  }
+  if (!kv_.CanRewindTo(target)) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("SWA ring rewind checkpoint has been lapped; full re-prime required ",
+                     "(rollback target ", target, ")"));
+  }
+  RETURN_IF_ERROR(kv_.RewindTo(target));
+  pending_append_.reset();
+  SetLatentLengths(target);
+  // The reference's `pos`: recurrent state is back at the snapshot; the engine replays the
+  // accepted tokens through its recurrent path to reach `target`.
+  position_ = spec_->position;
+  std::vector<PlaneCopy> copies;
+  for (uint32_t layer : recurrent_layers_) {
+    const LayerGeometry* geometry = Geometry(layer);
+    copies.push_back({{layer, PlaneKind::kSpecConv}, 0, {layer, PlaneKind::kConvState}, 0,
+                      geometry->conv_elems * kF32});
+    copies.push_back({{layer, PlaneKind::kSpecSsm}, 0, {layer, PlaneKind::kSsmState}, 0,
+                      geometry->ssm_elems * kF32});
+  }
+  return copies;
+}
+
+absl::Status SessionState::Reset() {
+  RETURN_IF_ERROR(EnsureUsable("reset"));
+  const uint64_t next_generation = kv_.state().next_generation();
+  ASSIGN_OR_RETURN(KvTransactionCache fresh,
+                   KvTransactionCache::Create(kv_.cache_id(), kv_.capacity(), kv_.shapes()));
+  // Generations keep counting: a transaction from before the reset never validates again.
+  fresh.AdoptNextGeneration(next_generation);
+  kv_ = std::move(fresh);
+  for (LatentLayerState& layer : latent_) {
+    layer.len = 0;
+    layer.index_pools_ready = 0;
+  }
+  position_ = 0;
+  pending_append_.reset();
+  spec_.reset();
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<PlaneCopy>> SessionState::Grow(const SessionState& source,
+                                                          SessionState& target) {
+  RETURN_IF_ERROR(source.EnsureUsable("grow"));
+  RETURN_IF_ERROR(target.EnsureUsable("grow target"));
+  if (!target.kv_.state().IsFresh()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "grow target must be fresh, got committed/staged=", target.committed_len(), "/",
+        target.staged_len()));
+  }
+  if (source.latent_.size() != target.latent_.size() ||
+      source.recurrent_layers_ != target.recurrent_layers_) {
+    return absl::InvalidArgumentError("grow target does not hold the source's layers");
+  }
+  const uint64_t rows = source.committed_len();
+  ASSIGN_OR_RETURN(GrowPlan kv_plan, source.kv_.PrepareGrow(target.capacity(), rows));
+
+  std::vector<PlaneCopy> copies;
+  for (const LayerGrow& layer : kv_plan.layers) {
+    const KvLayerShape* shape = nullptr;
+    for (const KvLayerShape& candidate : kv_plan.shapes) {
+      if (candidate.layer == layer.layer) shape = &candidate;
+    }
+    copies.push_back({{layer.layer, PlaneKind::kKeys}, layer.source_row * shape->k_token_bytes,
+                      {layer.layer, PlaneKind::kKeys}, 0, layer.k_bytes});
+    copies.push_back({{layer.layer, PlaneKind::kValues},
+                      layer.source_row * shape->v_token_bytes,
+                      {layer.layer, PlaneKind::kValues}, 0, layer.v_bytes});
+  }
+  // Latent layers: capture from the source and restore into the target, composed plane to
+  // plane (both validated before anything changes).
+  std::vector<LatentLayerState> restored = target.latent_;
+  for (size_t i = 0; i < source.latent_.size(); ++i) {
+    const LatentLayerState& from = source.latent_[i];
+    if (from.layer != target.latent_[i].layer) {
+      return absl::InvalidArgumentError(absl::StrCat("grow target latent layer ",
+                                                     target.latent_[i].layer,
+                                                     " does not match source layer ", from.layer));
+    }
+    if (from.len == 0) continue;
+    ASSIGN_OR_RETURN(LatentCapturePlan capture, PlanLatentCapture(from));
+    ASSIGN_OR_RETURN(LatentRestorePlan restore,
+                     PlanLatentRestore(target.latent_[i], capture.snapshot, target.capacity()));
+    for (const LatentCopy& out : capture.copies) {
+      for (const LatentCopy& in : restore.copies) {
+        if (in.plane != out.plane) continue;
+        const PlaneKind kind = LatentPlaneKind(out.plane);
+        copies.push_back({{from.layer, kind}, out.plane_offset_elems * kF32,
+                          {from.layer, kind}, in.plane_offset_elems * kF32, out.elems * kF32});
+      }
+    }
+    restored[i] = restore.restored;
+  }
+  for (uint32_t layer : source.recurrent_layers_) {
+    const LayerGeometry* geometry = source.Geometry(layer);
+    copies.push_back({{layer, PlaneKind::kConvState}, 0, {layer, PlaneKind::kConvState}, 0,
+                      geometry->conv_elems * kF32});
+    copies.push_back({{layer, PlaneKind::kSsmState}, 0, {layer, PlaneKind::kSsmState}, 0,
+                      geometry->ssm_elems * kF32});
+  }
+  KvTransactionCache grown = target.kv_;
+  RETURN_IF_ERROR(grown.PublishGrow(kv_plan));
+  target.kv_ = std::move(grown);
+  target.latent_ = std::move(restored);
+  target.position_ = rows;
+  target.pending_append_.reset();
+  target.spec_.reset();
+  return copies;
+}
+
+}  // namespace memra

@@ -1,0 +1,273 @@
+#include "core/session.h"
+
+#include <algorithm>
+
+#include "gtest/gtest.h"
+#include "tests/status_matchers.h"
+
+namespace memra {
+namespace {
+
+using ::memra::testing::HasSubstrs;
+using ::memra::testing::IsOk;
+using ::memra::testing::StatusIs;
+using ::testing::Contains;
+
+// A small hybrid model with one layer of every state kind:
+//   0 flat KV (128 K/V elements per token: q8_0 4 x 34 = 136 B, q5_1 4 x 24 = 96 B),
+//   1 sliding KV, window 32, ring-backed,
+//   2 recurrent (conv 4 x 3 f32, ssm 8 f32),
+//   3 latent (width 8, DSA indexer 8 f32 per token, pool 4, a 16-row tail ring).
+ModelPlan HybridPlan() {
+  ModelPlan plan;
+  plan.name = "hybrid-test";
+  plan.swa_ring = true;
+  plan.index_ring_rows = 16;
+  LayerPlan flat;
+  flat.index = 0;
+  flat.kind = StateKind::kKv;
+  flat.head_dim_k = flat.head_dim_v = 128;
+  flat.n_head_kv = 1;
+  LayerPlan sliding = flat;
+  sliding.index = 1;
+  sliding.kind = StateKind::kSlidingKv;
+  sliding.window = 32;
+  LayerPlan recurrent;
+  recurrent.index = 2;
+  recurrent.kind = StateKind::kRecurrent;
+  recurrent.conv_width = 4;
+  recurrent.conv_kernel = 4;
+  recurrent.state_width = 8;
+  LayerPlan latent;
+  latent.index = 3;
+  latent.kind = StateKind::kLatent;
+  latent.latent_width = 8;
+  latent.index_width = 8;
+  latent.index_pool = 4;
+  plan.layers = {flat, sliding, recurrent, latent};
+  return plan;
+}
+
+SessionState MakeSession(uint64_t capacity, bool spec_snapshot = true, uint64_t cache_id = 1) {
+  SessionRequest request;
+  request.capacity = capacity;
+  request.spec_snapshot = spec_snapshot;
+  absl::StatusOr<SessionPlan> plan = PlanSession(HybridPlan(), FormatDefaults(), request);
+  EXPECT_THAT(plan, IsOk());
+  absl::StatusOr<SessionState> session = SessionState::Create(cache_id, *plan, capacity);
+  EXPECT_THAT(session, IsOk());
+  return *std::move(session);
+}
+
+// One step: begin, append `rows`, publish, commit `accepted`.
+uint64_t Step(SessionState& session, uint64_t rows, uint64_t accepted) {
+  absl::StatusOr<TransactionId> transaction = session.Begin();
+  EXPECT_THAT(transaction, IsOk());
+  EXPECT_THAT(session.PrepareAppend(transaction->generation, rows), IsOk());
+  EXPECT_THAT(session.PublishAppend(transaction->generation), IsOk());
+  absl::StatusOr<uint64_t> committed = session.Commit(transaction->generation, accepted);
+  EXPECT_THAT(committed, IsOk());
+  return *committed;
+}
+
+TEST(Session, StartsEmptyWithEveryMirrorAtZero) {
+  SessionState session = MakeSession(10'000);
+  EXPECT_EQ(session.committed_len(), 0u);
+  EXPECT_EQ(session.kv().layer_count(), 2u);
+  EXPECT_EQ(session.latent().size(), 1u);
+  EXPECT_EQ(session.recurrent_layers(), std::vector<uint32_t>{2});
+  for (const MirrorValue& mirror : session.Mirrors()) EXPECT_EQ(mirror.value, 0);
+  EXPECT_THAT(session.Mirrors(), Contains(MirrorValue{{1, PlaneKind::kBaseMirror}, 0}));
+}
+
+TEST(Session, PartialCommitMovesEveryLayerKindTogether) {
+  SessionState session = MakeSession(10'000);
+  EXPECT_EQ(Step(session, 10, 7), 7u);
+  EXPECT_EQ(session.staged_len(), 7u);
+  EXPECT_EQ(session.position(), 7u);
+  EXPECT_EQ(session.latent()[0].len, 7u);
+  EXPECT_EQ(session.latent()[0].index_pools_ready, 1u) << "pool keys for rows 8..9 were dropped";
+  EXPECT_THAT(session.Mirrors(), Contains(MirrorValue{{0, PlaneKind::kLenMirror}, 7}));
+  EXPECT_THAT(session.Mirrors(), Contains(MirrorValue{{3, PlaneKind::kLenMirror}, 7}));
+}
+
+TEST(Session, TransactionRefusalsChangeNothing) {
+  SessionState session = MakeSession(64);
+  absl::StatusOr<TransactionId> transaction = session.Begin();
+  ASSERT_THAT(transaction, IsOk());
+  EXPECT_THAT(session.PublishAppend(transaction->generation),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstrs("no prepared append for transaction generation 1")));
+  EXPECT_THAT(session.PrepareAppend(transaction->generation + 1, 1),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstrs("stale KV transaction generation 2 (active: 1)")));
+  EXPECT_THAT(session.PrepareAppend(transaction->generation, 65),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstrs("65 > 64")));
+  EXPECT_THAT(session.Commit(transaction->generation, 1),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstrs("accepts 1 rows from a 0-row transaction")));
+  EXPECT_EQ(session.staged_len(), 0u);
+  ASSERT_THAT(session.Abort(transaction->generation), IsOk());
+  EXPECT_THAT(session.Commit(transaction->generation, 0),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstrs("active: none")));
+}
+
+TEST(Session, RewindTruncatesLatentPoolKeysAndRefusesForward) {
+  SessionState session = MakeSession(10'000);
+  Step(session, 13, 13);
+  EXPECT_EQ(session.latent()[0].index_pools_ready, 3u);
+  ASSERT_THAT(session.Rewind(6), IsOk());
+  EXPECT_EQ(session.committed_len(), 6u);
+  EXPECT_EQ(session.latent()[0].len, 6u);
+  EXPECT_EQ(session.latent()[0].index_pools_ready, 1u);
+  EXPECT_THAT(session.Rewind(7),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstrs("target 7 is past the staged length 6")));
+  EXPECT_FALSE(session.CanRewindTo(7));
+}
+
+// The reference's CacheSnapshot covers two of four planes ("a known hole"): rolling back a
+// latent-bearing cache left every MLA layer at its longer len. Ours moves all four.
+TEST(Session, SpecRollbackCoversAllFourPlaneKindsClosingTheReferenceHole) {
+  SessionState session = MakeSession(10'000);
+  Step(session, 7, 7);
+  absl::StatusOr<std::vector<PlaneCopy>> snapshot = session.SpecSnapshot();
+  ASSERT_THAT(snapshot, IsOk());
+  EXPECT_EQ(*snapshot, (std::vector<PlaneCopy>{
+                           {{2, PlaneKind::kConvState}, 0, {2, PlaneKind::kSpecConv}, 0, 48},
+                           {{2, PlaneKind::kSsmState}, 0, {2, PlaneKind::kSpecSsm}, 0, 32}}));
+  // Draft + verify 5 tokens, accept all of them into the staged state, then roll back to 2.
+  Step(session, 5, 5);
+  absl::StatusOr<std::vector<PlaneCopy>> rollback = session.SpecRollback(2);
+  ASSERT_THAT(rollback, IsOk());
+  EXPECT_EQ(rollback->size(), 2u);
+  EXPECT_EQ((*rollback)[0].src, (PlaneRef{2, PlaneKind::kSpecConv}));
+  EXPECT_EQ(session.committed_len(), 9u);
+  EXPECT_EQ(session.latent()[0].len, 9u) << "the latent plane moves with the KV planes";
+  EXPECT_EQ(session.latent()[0].index_pools_ready, 2u);
+  EXPECT_EQ(session.position(), 7u) << "recurrent state is at the snapshot; 2 tokens to replay";
+  EXPECT_THAT(session.Mirrors(), Contains(MirrorValue{{3, PlaneKind::kLenMirror}, 9}));
+}
+
+TEST(Session, SpecRefusals) {
+  SessionState session = MakeSession(10'000);
+  EXPECT_THAT(session.SpecRollback(0),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstrs("no spec snapshot was taken")));
+  Step(session, 4, 4);
+  ASSERT_THAT(session.SpecSnapshot(), IsOk());
+  EXPECT_THAT(session.SpecRollback(3),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstrs("target 7 (snapshot 4 + accepted 3) is past the staged length 4")));
+  EXPECT_THAT(session.SpecRollback(UINT64_MAX),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstrs("overflows")));
+  absl::StatusOr<TransactionId> open = session.Begin();
+  ASSERT_THAT(open, IsOk());
+  EXPECT_THAT(session.SpecSnapshot(),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstrs("generation 2 is active at base 4")));
+  ASSERT_THAT(session.Abort(open->generation), IsOk());
+
+  SessionState without = MakeSession(10'000, /*spec_snapshot=*/false);
+  EXPECT_THAT(without.SpecSnapshot(),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstrs("without spec snapshot buffers (1 recurrent layers")));
+}
+
+TEST(Session, SpecRollbackRefusesALappedRingAndChangesNothing) {
+  SessionState session = MakeSession(100'000);
+  ASSERT_THAT(session.SpecSnapshot(), IsOk());
+  uint64_t len = 0;
+  for (int i = 0; i < 4; ++i) len = Step(session, 4096, 4096);
+  const std::vector<MirrorValue> before = session.Mirrors();
+  EXPECT_THAT(session.SpecRollback(0),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstrs("checkpoint has been lapped", "rollback target 0")));
+  EXPECT_EQ(session.committed_len(), len);
+  EXPECT_EQ(session.Mirrors(), before);
+}
+
+TEST(Session, TaintRefusesReuseSnapshotAndTransactions) {
+  SessionState session = MakeSession(64);
+  Step(session, 3, 3);
+  session.MarkTainted();
+  EXPECT_THAT(session.Begin(), StatusIs(absl::StatusCode::kFailedPrecondition,
+                                        HasSubstrs("begin transaction", "tainted")));
+  EXPECT_THAT(session.SpecSnapshot(),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstrs("spec snapshot")));
+  EXPECT_THAT(session.Reset(),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstrs("reset", "tainted")));
+  EXPECT_THAT(session.Rewind(1), StatusIs(absl::StatusCode::kFailedPrecondition,
+                                          HasSubstrs("rewind", "tainted")));
+  EXPECT_EQ(session.committed_len(), 3u);
+}
+
+TEST(Session, ResetEmptiesTheSessionButKeepsCountingGenerations) {
+  SessionState session = MakeSession(64);
+  Step(session, 9, 9);
+  ASSERT_THAT(session.SpecSnapshot(), IsOk());
+  absl::StatusOr<TransactionId> stale = session.Begin();
+  ASSERT_THAT(stale, IsOk());
+  ASSERT_THAT(session.Reset(), IsOk());
+  EXPECT_EQ(session.committed_len(), 0u);
+  EXPECT_EQ(session.latent()[0].len, 0u);
+  EXPECT_FALSE(session.spec_snapshot_valid());
+  for (const MirrorValue& mirror : session.Mirrors()) EXPECT_EQ(mirror.value, 0);
+  EXPECT_THAT(session.PrepareAppend(stale->generation, 1),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstrs("stale")));
+  absl::StatusOr<TransactionId> next = session.Begin();
+  ASSERT_THAT(next, IsOk());
+  EXPECT_EQ(next->generation, stale->generation + 1);
+}
+
+TEST(Session, GrowCarriesEveryPlaneKindAndTheGeneration) {
+  SessionState source = MakeSession(10'000, true, 1);
+  Step(source, 4096, 4096);
+  Step(source, 4096, 4096);
+  const uint64_t committed = Step(source, 58, 58);  // 8250, the reference's SWA grow length
+  SessionState target = MakeSession(20'000, true, 2);
+  absl::StatusOr<std::vector<PlaneCopy>> copies = SessionState::Grow(source, target);
+  ASSERT_THAT(copies, IsOk());
+  EXPECT_EQ(target.committed_len(), committed);
+  EXPECT_EQ(target.capacity(), 20'000u);
+  EXPECT_EQ(target.latent()[0].len, committed);
+  EXPECT_EQ(target.latent()[0].index_pools_ready, committed / 4);
+  EXPECT_EQ(target.Begin()->generation, 4u) << "three source transactions, then the target's";
+  // Flat K: the committed prefix; ring K: the aligned window [8224, 8250) rebased to row 0.
+  EXPECT_THAT(*copies, Contains(PlaneCopy{{0, PlaneKind::kKeys}, 0, {0, PlaneKind::kKeys}, 0,
+                                          committed * 136}));
+  EXPECT_EQ(target.kv().ring(1)->base(), (committed - 31) & ~uint64_t{31});
+  EXPECT_THAT(*copies, Contains(PlaneCopy{{2, PlaneKind::kSsmState}, 0,
+                                          {2, PlaneKind::kSsmState}, 0, 32}));
+  // Latent rows whole; the live indexer tail (8250 % 4 = 2 rows) from ring row 8248 % 16 = 8
+  // to the target's ring row 8.
+  EXPECT_THAT(*copies, Contains(PlaneCopy{{3, PlaneKind::kLatentRows}, 0,
+                                          {3, PlaneKind::kLatentRows}, 0, committed * 8 * 4}));
+  EXPECT_THAT(*copies, Contains(PlaneCopy{{3, PlaneKind::kIndexRows}, 8 * 8 * 4,
+                                          {3, PlaneKind::kIndexRows}, 8 * 8 * 4, 2 * 8 * 4}));
+  EXPECT_EQ(source.committed_len(), committed) << "the source is never changed";
+}
+
+TEST(Session, GrowRefusals) {
+  SessionState source = MakeSession(64, true, 1);
+  Step(source, 5, 5);
+  SessionState same = MakeSession(64, true, 2);
+  EXPECT_THAT(SessionState::Grow(source, same),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstrs("target capacity 64 must exceed source capacity 64")));
+  SessionState dirty = MakeSession(128, true, 3);
+  Step(dirty, 1, 1);
+  EXPECT_THAT(SessionState::Grow(source, dirty),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstrs("must be fresh")));
+  EXPECT_EQ(dirty.committed_len(), 1u);
+  absl::StatusOr<TransactionId> open = source.Begin();
+  ASSERT_THAT(open, IsOk());
+  SessionState fresh = MakeSession(128, true, 4);
+  EXPECT_THAT(SessionState::Grow(source, fresh),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstrs("refuses active transaction generation 2 at base 5")));
+  EXPECT_EQ(fresh.committed_len(), 0u);
+}
+
+}  // namespace
+}  // namespace memra
