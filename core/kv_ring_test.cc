@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "gtest/gtest.h"
+#include "tests/seeded_random.h"
 #include "tests/status_matchers.h"
 
 namespace memra {
@@ -179,13 +180,8 @@ TEST(KvRing, RefusalsNameTheirNumbers) {
 // contiguous and in bounds, the window is resident after every legal rewind, and a refused
 // operation leaves the ring unchanged.
 TEST(KvRingProperty, RandomWalksKeepViewsContiguousAndRefusalsInert) {
-  uint64_t seed = 0x9e3779b97f4a7c15ull;
-  auto next = [&seed](uint64_t bound) {
-    seed ^= seed << 13;
-    seed ^= seed >> 7;
-    seed ^= seed << 17;
-    return seed % bound;
-  };
+  ::memra::testing::SeededRandom random(0x9e3779b97f4a7c15ull);
+  auto next = [&random](uint64_t bound) { return random.Below(bound); };
   for (int trial = 0; trial < 200; ++trial) {
     const uint64_t window = 1 + next(600);
     const uint64_t rows = SwaRingRows(window, 1 << 20);

@@ -4,6 +4,7 @@
 #include <vector>
 
 #include "gtest/gtest.h"
+#include "tests/seeded_random.h"
 #include "tests/status_matchers.h"
 
 namespace memra {
@@ -369,13 +370,8 @@ TEST(KvTransactionCache, CreateRefusals) {
 // Property: random operation sequences keep committed <= staged <= capacity, keep every ring
 // window resident at the committed length, and refused operations change nothing.
 TEST(KvTransactionCacheProperty, RandomSequencesKeepInvariants) {
-  uint64_t seed = 0x243f6a8885a308d3ull;
-  auto next = [&seed](uint64_t bound) {
-    seed ^= seed << 13;
-    seed ^= seed >> 7;
-    seed ^= seed << 17;
-    return bound == 0 ? 0 : seed % bound;
-  };
+  ::memra::testing::SeededRandom random(0x243f6a8885a308d3ull);
+  auto next = [&random](uint64_t bound) { return random.Below(bound); };
   for (int trial = 0; trial < 100; ++trial) {
     const uint64_t capacity = 1000 + next(30'000);
     std::vector<KvLayerShape> shapes = {{0, 34, 24, std::nullopt},
