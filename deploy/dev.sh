@@ -129,13 +129,12 @@ cmd_test() {
   fi
   local note
   for note in "${notes[@]+"${notes[@]}"}"; do echo "${note}"; done
-  if ((status != 0 && failed == 0)); then
+  if ((passed + failed + skipped == 0)); then
+    echo "failed: no test ran (bazel test exited with status ${status})"
+  elif ((status != 0 && failed == 0)); then
     echo "failed: bazel test exited with status ${status} outside the test summary" \
       "(a build or analysis error above); counted as 1 failed"
     failed=1
-  fi
-  if ((passed + failed + skipped == 0)); then
-    echo "failed: no test ran"
   fi
   local line="${passed} passed, ${failed} failed"
   ((skipped == 0)) || line+=", ${skipped} skipped"
