@@ -1,0 +1,171 @@
+#include "server/codec.h"
+
+#include <cstring>
+#include <type_traits>
+
+#include "absl/strings/str_cat.h"
+#include "core/status_macros.h"
+
+namespace memra {
+namespace {
+
+namespace pb = ::memra::kv::v1;
+
+// Proto value = core value + 1; `last` is the largest core value.
+template <typename Core, typename Proto>
+absl::StatusOr<Core> EnumFromProto(Proto value, Core last, absl::string_view field) {
+  const int raw = static_cast<int>(value);
+  if (raw < 1 || raw > static_cast<int>(last) + 1) {
+    return absl::InvalidArgumentError(absl::StrCat(field, " is ", raw,
+                                                   ": unspecified or unknown (accepted 1 to ",
+                                                   static_cast<int>(last) + 1, ")"));
+  }
+  return static_cast<Core>(raw - 1);
+}
+
+template <typename Proto, typename Core>
+Proto EnumToProto(Core value) {
+  return static_cast<Proto>(static_cast<int>(value) + 1);
+}
+
+pb::LayerPlan LayerToProto(const LayerPlan& layer) {
+  pb::LayerPlan out;
+  out.set_index(layer.index);
+  out.set_kind(StateKindToProto(layer.kind));
+  out.set_attention(EnumToProto<pb::AttentionClass>(layer.attention));
+  out.set_head_dim_k(layer.head_dim_k);
+  out.set_head_dim_v(layer.head_dim_v);
+  out.set_n_head_kv(layer.n_head_kv);
+  if (layer.formats.has_value()) *out.mutable_formats() = KvFormatsToProto(*layer.formats);
+  out.set_window(layer.window);
+  out.set_conv_width(layer.conv_width);
+  out.set_conv_kernel(layer.conv_kernel);
+  out.set_state_width(layer.state_width);
+  out.set_latent_width(layer.latent_width);
+  out.set_index_width(layer.index_width);
+  out.set_index_pool(layer.index_pool);
+  out.set_shares_kv_with(layer.shares_kv_with);
+  return out;
+}
+
+absl::StatusOr<LayerPlan> LayerFromProto(const pb::LayerPlan& proto, absl::string_view where) {
+  LayerPlan layer;
+  layer.index = proto.index();
+  ASSIGN_OR_RETURN(layer.kind,
+                   EnumFromProto(proto.kind(), StateKind::kSharedKv, absl::StrCat(where, ".kind")));
+  // Attention class only matters for K/V layers; unspecified means ordinary.
+  if (proto.attention() != pb::ATTENTION_CLASS_UNSPECIFIED) {
+    ASSIGN_OR_RETURN(layer.attention,
+                     EnumFromProto(proto.attention(), AttentionClass::kGemmaWindowed,
+                                   absl::StrCat(where, ".attention")));
+  }
+  layer.head_dim_k = proto.head_dim_k();
+  layer.head_dim_v = proto.head_dim_v();
+  layer.n_head_kv = proto.n_head_kv();
+  if (proto.has_formats()) {
+    KvFormats formats;
+    ASSIGN_OR_RETURN(formats.k, EnumFromProto(proto.formats().k(), KFormat::kFp8,
+                                              absl::StrCat(where, ".formats.k")));
+    ASSIGN_OR_RETURN(formats.v, EnumFromProto(proto.formats().v(), VFormat::kFp8,
+                                              absl::StrCat(where, ".formats.v")));
+    layer.formats = formats;
+  }
+  layer.window = proto.window();
+  layer.conv_width = proto.conv_width();
+  layer.conv_kernel = proto.conv_kernel();
+  layer.state_width = proto.state_width();
+  layer.latent_width = proto.latent_width();
+  layer.index_width = proto.index_width();
+  layer.index_pool = proto.index_pool();
+  layer.shares_kv_with = proto.shares_kv_with();
+  return layer;
+}
+
+}  // namespace
+
+pb::StateKind StateKindToProto(StateKind kind) { return EnumToProto<pb::StateKind>(kind); }
+
+pb::KvFormats KvFormatsToProto(const KvFormats& formats) {
+  pb::KvFormats out;
+  out.set_k(EnumToProto<pb::KFormat>(formats.k));
+  out.set_v(EnumToProto<pb::VFormat>(formats.v));
+  return out;
+}
+
+pb::ModelPlan ModelPlanToProto(const ModelPlan& plan) {
+  pb::ModelPlan out;
+  out.set_name(plan.name);
+  for (const LayerPlan& layer : plan.layers) *out.add_layers() = LayerToProto(layer);
+  for (const LayerPlan& layer : plan.mtp_blocks) *out.add_mtp_blocks() = LayerToProto(layer);
+  out.set_swa_ring(plan.swa_ring);
+  if (plan.index_ring_rows.has_value()) out.set_index_ring_rows(*plan.index_ring_rows);
+  return out;
+}
+
+absl::StatusOr<ModelPlan> ModelPlanFromProto(const pb::ModelPlan& proto) {
+  ModelPlan plan;
+  plan.name = proto.name();
+  plan.layers.reserve(proto.layers_size());
+  for (int i = 0; i < proto.layers_size(); ++i) {
+    ASSIGN_OR_RETURN(LayerPlan layer,
+                     LayerFromProto(proto.layers(i), absl::StrCat("plan.layers[", i, "]")));
+    plan.layers.push_back(layer);
+  }
+  for (int i = 0; i < proto.mtp_blocks_size(); ++i) {
+    ASSIGN_OR_RETURN(LayerPlan layer,
+                     LayerFromProto(proto.mtp_blocks(i), absl::StrCat("plan.mtp_blocks[", i, "]")));
+    plan.mtp_blocks.push_back(layer);
+  }
+  plan.swa_ring = proto.swa_ring();
+  if (proto.has_index_ring_rows()) plan.index_ring_rows = proto.index_ring_rows();
+  return plan;
+}
+
+pb::PlaneKind PlaneKindToProto(PlaneKind kind) { return EnumToProto<pb::PlaneKind>(kind); }
+
+absl::StatusOr<PlaneKind> PlaneKindFromProto(pb::PlaneKind kind) {
+  return EnumFromProto(kind, PlaneKind::kSpecSsm, "plane kind");
+}
+
+pb::LayerAppendPlan LayerAppendToProto(const LayerAppend& layer) {
+  pb::LayerAppendPlan out;
+  out.set_layer(layer.layer);
+  out.set_write_row(layer.write_row);
+  if (layer.ring_append.has_value()) {
+    const RingAppend& ring = *layer.ring_append;
+    out.set_ring(true);
+    out.set_rebase(ring.kind == RingAppend::Kind::kRebase);
+    out.set_src_row(ring.src_row);
+    out.set_keep_rows(ring.keep_rows);
+    out.set_new_base(ring.new_base);
+  }
+  return out;
+}
+
+LayerAppend LayerAppendFromProto(const pb::LayerAppendPlan& proto) {
+  LayerAppend layer;
+  layer.layer = proto.layer();
+  layer.write_row = proto.write_row();
+  if (proto.ring()) {
+    layer.ring_append = proto.rebase() ? RingAppend::Rebase(proto.src_row(), proto.keep_rows(),
+                                                            proto.new_base(), proto.write_row())
+                                       : RingAppend::Contiguous(proto.write_row());
+  }
+  return layer;
+}
+
+std::string FingerprintToBytes(const PlanFingerprint& fingerprint) {
+  return std::string(reinterpret_cast<const char*>(fingerprint.data()), fingerprint.size());
+}
+
+absl::StatusOr<PlanFingerprint> FingerprintFromBytes(const std::string& bytes) {
+  PlanFingerprint fingerprint;
+  if (bytes.size() != fingerprint.size()) {
+    return absl::InvalidArgumentError(absl::StrCat("plan fingerprint is ", bytes.size(),
+                                                   " bytes; expected ", fingerprint.size()));
+  }
+  std::memcpy(fingerprint.data(), bytes.data(), fingerprint.size());
+  return fingerprint;
+}
+
+}  // namespace memra

@@ -1,0 +1,435 @@
+#include "server/daemon_session.h"
+
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "core/arena_layout.h"
+#include "core/checked_math.h"
+#include "core/status_macros.h"
+#include "server/codec.h"
+#include "spdlog/spdlog.h"
+
+namespace memra {
+namespace {
+
+namespace pb = ::memra::kv::v1;
+
+// Planes start on this boundary inside an arena (vector loads, CUDA alignment).
+constexpr uint64_t kPlaneAlignment = 256;
+
+uint32_t PlaneKey(uint32_t layer, PlaneKind kind) {
+  return (layer << 8) | static_cast<uint32_t>(kind);
+}
+uint32_t PlaneKey(const PlaneRef& ref) { return PlaneKey(ref.layer, ref.kind); }
+
+// cache_id binds core transactions to one session and layout version, daemon-wide.
+uint64_t NextCacheId() {
+  static std::atomic<uint64_t> next{1};
+  return next.fetch_add(1, std::memory_order_relaxed);
+}
+
+// Plans and allocates one layout version. Nothing stays allocated on failure.
+absl::StatusOr<SessionLayoutVersion> AllocateLayout(DeviceBackend* backend, SessionPlan plan,
+                                                    uint64_t version) {
+  SessionLayoutVersion layout;
+  layout.version = version;
+  ASSIGN_OR_RETURN(ArenaLayout placed,
+                   LayoutArena(plan.planes, kPlaneAlignment, backend->AllocationGranularity()));
+  if (placed.planes.size() != plan.planes.size()) {
+    return absl::InternalError(absl::StrCat("LayoutArena placed ", placed.planes.size(), " of ",
+                                            plan.planes.size(), " planes"));
+  }
+  layout.offsets.reserve(placed.planes.size());
+  for (const PlacedPlane& plane : placed.planes) layout.offsets.push_back(plane.offset);
+  for (size_t i = 0; i < plan.planes.size(); ++i) {
+    layout.index[PlaneKey(plan.planes[i].layer, plan.planes[i].kind)] = i;
+  }
+  layout.plan = std::move(plan);
+  ASSIGN_OR_RETURN(layout.arena, backend->CreateArena(placed.bytes, ArenaVisibility::kExported));
+  absl::StatusOr<ArenaExport> exported = backend->Export(layout.arena);
+  if (!exported.ok()) {
+    (void)backend->FreeArena(layout.arena);
+    return exported.status();
+  }
+  layout.exported = *std::move(exported);
+  return layout;
+}
+
+struct PlaneAt {
+  uint64_t offset;
+  uint64_t bytes;
+};
+
+absl::StatusOr<PlaneAt> FindPlane(const SessionLayoutVersion& layout, const PlaneRef& ref) {
+  auto it = layout.index.find(PlaneKey(ref));
+  if (it == layout.index.end()) {
+    return absl::InternalError(absl::StrCat("layout version ", layout.version, " has no ",
+                                            PlaneKindName(ref.kind).data(), " plane for layer ",
+                                            ref.layer));
+  }
+  return PlaneAt{layout.offsets[it->second], layout.plan.planes[it->second].bytes};
+}
+
+// Offset of [offset, offset + bytes) of `plane` in its arena; INTERNAL when core asked for a
+// range outside the plane (a broken invariant, but never a stray write).
+absl::StatusOr<uint64_t> RangeInPlane(const PlaneAt& plane, uint64_t offset, uint64_t bytes) {
+  ASSIGN_OR_RETURN(uint64_t end, CheckedAdd(offset, bytes, "plane copy range"));
+  if (end > plane.bytes) {
+    return absl::InternalError(absl::StrCat("plane copy [", offset, ", ", end,
+                                            ") exceeds the plane's ", plane.bytes, " bytes"));
+  }
+  return plane.offset + offset;
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<DaemonSession>> DaemonSession::Create(Params params,
+                                                                     DeviceBackend* backend) {
+  ASSIGN_OR_RETURN(SessionPlan plan, PlanSession(*params.model, params.defaults, params.request));
+  ASSIGN_OR_RETURN(SessionState state,
+                   SessionState::Create(NextCacheId(), plan, params.request.capacity));
+  ASSIGN_OR_RETURN(SessionLayoutVersion layout, AllocateLayout(backend, std::move(plan), 1));
+  std::unique_ptr<DaemonSession> session(
+      new DaemonSession(std::move(params), backend, std::move(state), std::move(layout)));
+  // The arena is zero-filled; the mirrors still get their values written once, so the
+  // invariant does not depend on what the initial values happen to be. On failure the
+  // destructor frees the arena.
+  absl::Status mirrors;
+  {
+    absl::MutexLock lock(&session->mu_);
+    mirrors = session->SyncMirrors();
+  }
+  RETURN_IF_ERROR(mirrors);
+  return session;
+}
+
+DaemonSession::DaemonSession(Params params, DeviceBackend* backend, SessionState state,
+                             SessionLayoutVersion layout)
+    : params_(std::move(params)),
+      backend_(backend),
+      state_(std::move(state)),
+      current_(std::move(layout)) {
+  absl::MutexLock lock(&mu_);
+  UpdateArenaBytes();
+}
+
+DaemonSession::~DaemonSession() { Release(); }
+
+bool DaemonSession::TokenMatches(absl::string_view token) const {
+  if (token.size() != params_.token.size()) return false;
+  unsigned char diff = 0;
+  for (size_t i = 0; i < token.size(); ++i) diff |= token[i] ^ params_.token[i];
+  return diff == 0;
+}
+
+void DaemonSession::UpdateArenaBytes() {
+  uint64_t bytes = 0;
+  if (!released_) {
+    bytes += current_.exported.bytes;
+    if (previous_.has_value()) bytes += previous_->exported.bytes;
+  }
+  arena_bytes_.store(bytes, std::memory_order_relaxed);
+}
+
+absl::Status DaemonSession::CheckLive() const {
+  if (released_) {
+    return absl::NotFoundError(absl::StrCat("session ", params_.id.value, " was released"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status DaemonSession::SyncMirrors() {
+  for (const MirrorValue& mirror : state_.Mirrors()) {
+    const uint32_t key = PlaneKey(mirror.plane);
+    auto it = written_mirrors_.find(key);
+    if (it != written_mirrors_.end() && it->second == mirror.value) continue;
+    ASSIGN_OR_RETURN(PlaneAt plane, FindPlane(current_, mirror.plane));
+    RETURN_IF_ERROR(backend_->WriteI32(current_.arena, plane.offset, mirror.value));
+    written_mirrors_[key] = mirror.value;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status DaemonSession::RunCopies(const SessionLayoutVersion& src,
+                                      const SessionLayoutVersion& dst,
+                                      const std::vector<PlaneCopy>& copies) {
+  for (const PlaneCopy& copy : copies) {
+    ASSIGN_OR_RETURN(PlaneAt from, FindPlane(src, copy.src));
+    ASSIGN_OR_RETURN(PlaneAt to, FindPlane(dst, copy.dst));
+    ASSIGN_OR_RETURN(uint64_t src_offset, RangeInPlane(from, copy.src_offset, copy.bytes));
+    ASSIGN_OR_RETURN(uint64_t dst_offset, RangeInPlane(to, copy.dst_offset, copy.bytes));
+    RETURN_IF_ERROR(backend_->Copy(dst.arena, dst_offset, src.arena, src_offset, copy.bytes));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status DaemonSession::TaintAfter(absl::string_view op, absl::Status status) {
+  if (status.ok()) return status;
+  state_.MarkTainted();
+  spdlog::error("session {}: {} changed state but its device work failed ({}); session tainted",
+                params_.id.value, std::string(op), status.ToString());
+  return status;
+}
+
+absl::Status DaemonSession::Begin(pb::BeginResponse* out) {
+  absl::MutexLock lock(&mu_);
+  RETURN_IF_ERROR(CheckLive());
+  ASSIGN_OR_RETURN(TransactionId transaction, state_.Begin());
+  out->set_generation(transaction.generation);
+  out->set_base_len(transaction.base_len);
+  return absl::OkStatus();
+}
+
+absl::Status DaemonSession::PrepareAppend(uint64_t generation, uint64_t rows,
+                                          pb::PrepareAppendResponse* out) {
+  absl::MutexLock lock(&mu_);
+  RETURN_IF_ERROR(CheckLive());
+  ASSIGN_OR_RETURN(AppendPlan plan, state_.PrepareAppend(generation, rows));
+  out->set_generation(plan.transaction.generation);
+  out->set_target(plan.target);
+  out->mutable_layers()->Reserve(static_cast<int>(plan.layers.size()));
+  for (const LayerAppend& layer : plan.layers) *out->add_layers() = LayerAppendToProto(layer);
+  return absl::OkStatus();
+}
+
+absl::Status DaemonSession::PublishAppend(uint64_t generation, pb::PublishAppendResponse* out) {
+  absl::MutexLock lock(&mu_);
+  RETURN_IF_ERROR(CheckLive());
+  RETURN_IF_ERROR(state_.PublishAppend(generation));
+  RETURN_IF_ERROR(TaintAfter("PublishAppend", SyncMirrors()));
+  out->set_staged_len(state_.staged_len());
+  return absl::OkStatus();
+}
+
+absl::Status DaemonSession::Commit(uint64_t generation, uint64_t accepted_rows,
+                                   pb::CommitResponse* out) {
+  absl::MutexLock lock(&mu_);
+  RETURN_IF_ERROR(CheckLive());
+  ASSIGN_OR_RETURN(uint64_t committed, state_.Commit(generation, accepted_rows));
+  RETURN_IF_ERROR(TaintAfter("Commit", SyncMirrors()));
+  out->set_committed_len(committed);
+  return absl::OkStatus();
+}
+
+absl::Status DaemonSession::Abort(uint64_t generation, pb::AbortResponse* out) {
+  absl::MutexLock lock(&mu_);
+  RETURN_IF_ERROR(CheckLive());
+  RETURN_IF_ERROR(state_.Abort(generation));
+  RETURN_IF_ERROR(TaintAfter("Abort", SyncMirrors()));
+  out->set_committed_len(state_.committed_len());
+  return absl::OkStatus();
+}
+
+absl::Status DaemonSession::Rewind(uint64_t target) {
+  absl::MutexLock lock(&mu_);
+  RETURN_IF_ERROR(CheckLive());
+  RETURN_IF_ERROR(state_.Rewind(target));
+  return TaintAfter("Rewind", SyncMirrors());
+}
+
+absl::StatusOr<bool> DaemonSession::CanRewind(uint64_t target) {
+  absl::MutexLock lock(&mu_);
+  RETURN_IF_ERROR(CheckLive());
+  return state_.CanRewindTo(target);
+}
+
+absl::Status DaemonSession::SpecSnapshot() {
+  absl::MutexLock lock(&mu_);
+  RETURN_IF_ERROR(CheckLive());
+  ASSIGN_OR_RETURN(std::vector<PlaneCopy> copies, state_.SpecSnapshot());
+  return TaintAfter("SpecSnapshot", RunCopies(current_, current_, copies));
+}
+
+absl::Status DaemonSession::SpecRollback(uint64_t accept_len) {
+  absl::MutexLock lock(&mu_);
+  RETURN_IF_ERROR(CheckLive());
+  ASSIGN_OR_RETURN(std::vector<PlaneCopy> copies, state_.SpecRollback(accept_len));
+  RETURN_IF_ERROR(TaintAfter("SpecRollback", RunCopies(current_, current_, copies)));
+  return TaintAfter("SpecRollback", SyncMirrors());
+}
+
+absl::Status DaemonSession::Reset() {
+  absl::MutexLock lock(&mu_);
+  RETURN_IF_ERROR(CheckLive());
+  if (previous_.has_value()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("session ", params_.id.value, ": grow to layout version ", current_.version,
+                     " is not acknowledged yet; acknowledge it before Reset"));
+  }
+  RETURN_IF_ERROR(state_.Reset());
+  return TaintAfter("Reset", SyncMirrors());
+}
+
+absl::Status DaemonSession::Taint(absl::string_view reason) {
+  absl::MutexLock lock(&mu_);
+  RETURN_IF_ERROR(CheckLive());
+  state_.MarkTainted();
+  spdlog::warn("session {} tainted by its engine: {}", params_.id.value, std::string(reason));
+  return absl::OkStatus();
+}
+
+absl::Status DaemonSession::Grow(uint64_t target_capacity, pb::GrowResponse* out) {
+  absl::MutexLock lock(&mu_);
+  RETURN_IF_ERROR(CheckLive());
+  if (previous_.has_value()) {
+    return absl::FailedPreconditionError(absl::StrCat("session ", params_.id.value,
+                                                      ": grow to layout version ", current_.version,
+                                                      " is not acknowledged yet"));
+  }
+  RETURN_IF_ERROR(state_.EnsureUsable("grow"));
+  if (target_capacity <= state_.capacity()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("session ", params_.id.value, ": grow target capacity ", target_capacity,
+                     " is not above the current capacity ", state_.capacity()));
+  }
+  SessionRequest request = params_.request;
+  request.capacity = target_capacity;
+  ASSIGN_OR_RETURN(SessionPlan plan, PlanSession(*params_.model, params_.defaults, request));
+  ASSIGN_OR_RETURN(SessionState target, SessionState::Create(NextCacheId(), plan, target_capacity));
+  ASSIGN_OR_RETURN(SessionLayoutVersion layout,
+                   AllocateLayout(backend_, std::move(plan), current_.version + 1));
+  // Until the swap below the source is untouched: a failure frees the new arena and leaves the
+  // session exactly as it was. Core validates everything before it changes `target`.
+  absl::StatusOr<std::vector<PlaneCopy>> copies = SessionState::Grow(state_, target);
+  absl::Status status = copies.ok() ? RunCopies(current_, layout, *copies) : copies.status();
+  if (!status.ok()) {
+    (void)backend_->FreeArena(layout.arena);
+    return status;
+  }
+  const uint64_t rows = state_.committed_len();
+  previous_ = std::move(current_);
+  current_ = std::move(layout);
+  state_ = std::move(target);
+  written_mirrors_.clear();
+  UpdateArenaBytes();
+  RETURN_IF_ERROR(TaintAfter("Grow", SyncMirrors()));
+  spdlog::info("session {}: grown to capacity {} (layout version {}, {} rows copied)",
+               params_.id.value, target_capacity, current_.version, rows);
+  FillLayout(current_, out->mutable_layout());
+  FillState(out->mutable_state());
+  return absl::OkStatus();
+}
+
+absl::Status DaemonSession::AcknowledgeGrow(uint64_t layout_version) {
+  absl::MutexLock lock(&mu_);
+  RETURN_IF_ERROR(CheckLive());
+  if (!previous_.has_value()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("session ", params_.id.value,
+                     ": no grow awaits acknowledgement (layout version ", current_.version, ")"));
+  }
+  if (layout_version != current_.version) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("session ", params_.id.value, ": acknowledged layout version ", layout_version,
+                     " but the grow produced version ", current_.version));
+  }
+  RETURN_IF_ERROR(backend_->FreeArena(previous_->arena));
+  previous_.reset();
+  UpdateArenaBytes();
+  return absl::OkStatus();
+}
+
+absl::Status DaemonSession::GetState(pb::SessionState* state, pb::SessionLayout* layout) {
+  absl::MutexLock lock(&mu_);
+  RETURN_IF_ERROR(CheckLive());
+  if (state != nullptr) FillState(state);
+  if (layout != nullptr) FillLayout(current_, layout);
+  return absl::OkStatus();
+}
+
+uint64_t DaemonSession::Release() {
+  absl::MutexLock lock(&mu_);
+  if (released_) return 0;
+  uint64_t freed = 0;
+  for (SessionLayoutVersion* layout : {&current_, previous_ ? &*previous_ : nullptr}) {
+    if (layout == nullptr) continue;
+    absl::Status status = backend_->FreeArena(layout->arena);
+    if (status.ok()) {
+      freed += layout->exported.bytes;
+    } else {
+      // The backend still frees everything at shutdown; accounting shows the leak meanwhile.
+      spdlog::error("session {}: freeing {} failed: {}", params_.id.value, layout->arena.value,
+                    status.ToString());
+    }
+  }
+  previous_.reset();
+  released_ = true;
+  UpdateArenaBytes();
+  return freed;
+}
+
+void DaemonSession::FillState(pb::SessionState* out) const {
+  out->set_layout_version(current_.version);
+  out->set_capacity(state_.capacity());
+  out->set_committed_len(state_.committed_len());
+  out->set_staged_len(state_.staged_len());
+  out->set_position(state_.position());
+  const auto& active = state_.kv().state().active();
+  out->set_active_generation(active.has_value() ? active->generation : 0);
+  out->set_next_generation(state_.kv().state().next_generation());
+  out->set_tainted(state_.tainted());
+  out->set_spec_snapshot_valid(state_.spec_snapshot_valid());
+  out->set_grow_pending(previous_.has_value());
+  absl::flat_hash_map<uint32_t, pb::LayerState*> by_layer;
+  auto layer_state = [&](uint32_t layer) {
+    pb::LayerState*& entry = by_layer[layer];
+    if (entry == nullptr) {
+      entry = out->add_layers();
+      entry->set_layer(layer);
+    }
+    return entry;
+  };
+  for (const MirrorValue& mirror : state_.Mirrors()) {
+    pb::LayerState* entry = layer_state(mirror.plane.layer);
+    if (mirror.plane.kind == PlaneKind::kBaseMirror) {
+      entry->set_ring(true);
+      entry->set_ring_base(static_cast<uint64_t>(mirror.value));
+    } else {
+      entry->set_length(mirror.value);
+    }
+  }
+  for (const LatentLayerState& latent : state_.latent()) {
+    layer_state(latent.layer)->set_index_pools_ready(latent.index_pools_ready);
+  }
+}
+
+void DaemonSession::FillLayout(const SessionLayoutVersion& layout, pb::SessionLayout* out) const {
+  out->set_layout_version(layout.version);
+  out->set_capacity(state_.capacity());
+  pb::Arena* arena = out->add_arenas();
+  arena->set_backend(layout.exported.backend);
+  arena->set_handle(layout.exported.handle);
+  arena->set_bytes(layout.exported.bytes);
+  absl::flat_hash_map<uint32_t, pb::LayerLayout*> by_layer;
+  for (const LayerGeometry& geometry : layout.plan.layers) {
+    pb::LayerLayout* layer = out->add_layers();
+    by_layer[geometry.layer] = layer;
+    layer->set_layer(geometry.layer);
+    layer->set_kind(StateKindToProto(geometry.kind));
+    *layer->mutable_formats() = KvFormatsToProto(geometry.formats);
+    layer->set_k_token_bytes(geometry.k_token_bytes);
+    layer->set_v_token_bytes(geometry.v_token_bytes);
+    layer->set_window(geometry.window);
+    layer->set_physical_rows(geometry.physical_rows);
+    layer->set_ring(geometry.ring);
+    layer->set_latent_width(geometry.latent_width);
+    layer->set_index_width(geometry.index_width);
+    layer->set_index_pool(geometry.index_pool);
+    layer->set_index_physical_rows(geometry.index_physical_rows);
+    layer->set_index_ring(geometry.index_ring);
+  }
+  for (size_t i = 0; i < layout.plan.planes.size(); ++i) {
+    const PlaneSpec& spec = layout.plan.planes[i];
+    auto it = by_layer.find(spec.layer);
+    if (it == by_layer.end()) continue;  // core lists planes only for layers it lists
+    pb::Plane* plane = it->second->add_planes();
+    plane->set_kind(PlaneKindToProto(spec.kind));
+    plane->set_arena(0);
+    plane->set_offset(layout.offsets[i]);
+    plane->set_bytes(spec.bytes);
+    plane->set_rows(spec.rows);
+    plane->set_row_bytes(spec.row_bytes);
+  }
+}
+
+}  // namespace memra

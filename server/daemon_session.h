@@ -1,0 +1,145 @@
+#ifndef MEMRA_SERVER_DAEMON_SESSION_H_
+#define MEMRA_SERVER_DAEMON_SESSION_H_
+
+// One session as the daemon serves it: core's SessionState (every rule), the arena its planes
+// live in, and the device work core's decisions call for (plane copies, i32 length/base mirrors).
+//
+// Thread-safety: thread-safe; every operation holds this session's own mutex for its whole
+// duration (core state change + device work), so operations on one session are serialised and
+// operations on different sessions never contend.
+//
+// Invariants: (1) the mirrors in device memory hold state_.Mirrors() after every operation that
+// returned OK; (2) if device work fails after core state changed, the session is tainted before
+// the error is returned (never silently half-applied); (3) after Release() every operation is
+// NOT_FOUND and no arena is held; (4) previous_ is set only between Grow and AcknowledgeGrow.
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
+#include "core/formats.h"
+#include "core/model_plan.h"
+#include "core/session.h"
+#include "core/sizing.h"
+#include "proto/memra/kv/v1/cache.pb.h"
+#include "server/backend.h"
+
+namespace memra {
+
+// Strong ids (never reused within a daemon's life; 0 is never issued).
+struct SessionId {
+  uint64_t value = 0;
+};
+struct EngineId {
+  uint64_t value = 0;
+  friend bool operator==(EngineId a, EngineId b) { return a.value == b.value; }
+};
+
+// Where a session's planes are: one exported arena per layout version.
+struct SessionLayoutVersion {
+  uint64_t version = 0;
+  SessionPlan plan;
+  std::vector<uint64_t> offsets;                // byte offset of plan.planes[i] in the arena
+  absl::flat_hash_map<uint32_t, size_t> index;  // PlaneKey(layer, kind) -> plan.planes index
+  ArenaId arena;
+  ArenaExport exported;
+};
+
+class DaemonSession {
+ public:
+  struct Params {
+    SessionId id;
+    EngineId owner;
+    std::string token;  // 16 random bytes
+    std::shared_ptr<const ModelPlan> model;
+    FormatDefaults defaults;
+    SessionRequest request;
+  };
+
+  // Plans the planes (core sizing), allocates and exports one arena, writes the mirrors.
+  // INVALID_ARGUMENT for a bad request; RESOURCE_EXHAUSTED when the backend has no room.
+  // Nothing stays allocated on failure.
+  static absl::StatusOr<std::unique_ptr<DaemonSession>> Create(Params params,
+                                                               DeviceBackend* backend);
+  ~DaemonSession();  // Release()
+
+  SessionId id() const { return params_.id; }
+  EngineId owner() const { return params_.owner; }
+  // Constant-time comparison (the token is a secret).
+  bool TokenMatches(absl::string_view token) const;
+  // Bytes of the arenas held now (0 after Release).
+  uint64_t arena_bytes() const { return arena_bytes_.load(std::memory_order_relaxed); }
+
+  // Transactions (core/session.h rules).
+  absl::Status Begin(memra::kv::v1::BeginResponse* out) ABSL_LOCKS_EXCLUDED(mu_);
+  absl::Status PrepareAppend(uint64_t generation, uint64_t rows,
+                             memra::kv::v1::PrepareAppendResponse* out) ABSL_LOCKS_EXCLUDED(mu_);
+  absl::Status PublishAppend(uint64_t generation, memra::kv::v1::PublishAppendResponse* out)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  absl::Status Commit(uint64_t generation, uint64_t accepted_rows,
+                      memra::kv::v1::CommitResponse* out) ABSL_LOCKS_EXCLUDED(mu_);
+  absl::Status Abort(uint64_t generation, memra::kv::v1::AbortResponse* out)
+      ABSL_LOCKS_EXCLUDED(mu_);
+
+  absl::Status Rewind(uint64_t target) ABSL_LOCKS_EXCLUDED(mu_);
+  absl::StatusOr<bool> CanRewind(uint64_t target) ABSL_LOCKS_EXCLUDED(mu_);
+  absl::Status SpecSnapshot() ABSL_LOCKS_EXCLUDED(mu_);
+  absl::Status SpecRollback(uint64_t accept_len) ABSL_LOCKS_EXCLUDED(mu_);
+  absl::Status Reset() ABSL_LOCKS_EXCLUDED(mu_);
+  absl::Status Taint(absl::string_view reason) ABSL_LOCKS_EXCLUDED(mu_);
+  // New arena of `target_capacity`, committed rows copied by the daemon, layout version + 1.
+  // The old arena stays allocated (engines may still be reading it) until AcknowledgeGrow.
+  absl::Status Grow(uint64_t target_capacity, memra::kv::v1::GrowResponse* out)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  absl::Status AcknowledgeGrow(uint64_t layout_version) ABSL_LOCKS_EXCLUDED(mu_);
+
+  absl::Status GetState(memra::kv::v1::SessionState* state, memra::kv::v1::SessionLayout* layout)
+      ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Frees every arena; later operations are NOT_FOUND. Returns the bytes freed. Idempotent.
+  uint64_t Release() ABSL_LOCKS_EXCLUDED(mu_);
+
+ private:
+  DaemonSession(Params params, DeviceBackend* backend, SessionState state,
+                SessionLayoutVersion layout);
+
+  absl::Status CheckLive() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Writes every mirror whose value differs from what was last written.
+  absl::Status SyncMirrors() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status RunCopies(const SessionLayoutVersion& src, const SessionLayoutVersion& dst,
+                         const std::vector<PlaneCopy>& copies) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Device work after a core state change failed: taint, log, return `status`.
+  absl::Status TaintAfter(absl::string_view op, absl::Status status)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void FillState(memra::kv::v1::SessionState* out) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void FillLayout(const SessionLayoutVersion& layout, memra::kv::v1::SessionLayout* out) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void UpdateArenaBytes() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  // Constant after construction.
+  const Params params_;
+  DeviceBackend* const backend_;
+
+  std::atomic<uint64_t> arena_bytes_{0};
+
+  mutable absl::Mutex mu_;
+  SessionState state_ ABSL_GUARDED_BY(mu_);
+  SessionLayoutVersion current_ ABSL_GUARDED_BY(mu_);
+  std::optional<SessionLayoutVersion> previous_ ABSL_GUARDED_BY(mu_);
+  // PlaneKey -> the value last written to that mirror in current_'s arena.
+  absl::flat_hash_map<uint32_t, int32_t> written_mirrors_ ABSL_GUARDED_BY(mu_);
+  bool released_ ABSL_GUARDED_BY(mu_) = false;
+};
+
+}  // namespace memra
+
+#endif  // MEMRA_SERVER_DAEMON_SESSION_H_

@@ -1,0 +1,17 @@
+#ifndef MEMRA_SERVER_GRPC_STATUS_H_
+#define MEMRA_SERVER_GRPC_STATUS_H_
+
+// absl::Status <-> grpc::Status: the one place each conversion happens (the daemon's replies,
+// the client library's results). The codes are the same numbers (both are google.rpc.Code).
+
+#include "absl/status/status.h"
+#include "grpcpp/support/status.h"
+
+namespace memra {
+
+grpc::Status ToGrpcStatus(const absl::Status& status);
+absl::Status FromGrpcStatus(const grpc::Status& status);
+
+}  // namespace memra
+
+#endif  // MEMRA_SERVER_GRPC_STATUS_H_
