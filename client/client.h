@@ -1,0 +1,239 @@
+#ifndef MEMRA_CLIENT_CLIENT_H_
+#define MEMRA_CLIENT_CLIENT_H_
+
+// The library an engine links to use memra-kvd: attach (the lease is kept alive on its own
+// thread), register a model plan, create sessions whose planes resolve to pointers in this
+// process, and drive every state change through typed calls returning absl::Status(Or). Every
+// unary RPC carries a deadline (ClientOptions::deadline).
+//
+// Opening an arena is expensive (a CUDA IPC open costs ~1 ms), so opens stay off the per-step
+// path: a session maps its arena once at creation (the mapper caches by handle and never
+// re-opens), Reset() makes it empty again on the same arena, and only Grow() maps a new one.
+//
+//   ASSIGN_OR_RETURN(std::unique_ptr<memra::KvClient> client,
+//                    memra::KvClient::Connect("/run/memra-kv/gpu0.sock"));
+//   RETURN_IF_ERROR(client->Attach("my-engine"));
+//   ASSIGN_OR_RETURN(memra::PlanFingerprint plan, client->RegisterPlan(model_plan));
+//   ASSIGN_OR_RETURN(std::unique_ptr<memra::Session> session,
+//                    client->CreateSession(plan, {.capacity = 8192}));
+//   ASSIGN_OR_RETURN(memra::PlaneView k0, session->Plane(0, memra::PlaneKind::kKeys));
+//   ASSIGN_OR_RETURN(memra::Transaction tx, session->Begin());
+//   ASSIGN_OR_RETURN(memra::PreparedAppend append, session->PrepareAppend(tx.generation, 4));
+//   ... kernels write 4 rows at append.layers[i].write_row (after any ring rebase copy) ...
+//   RETURN_IF_ERROR(session->PublishAppend(tx.generation).status());
+//   ASSIGN_OR_RETURN(uint64_t committed, session->Commit(tx.generation, /*accepted_rows=*/3));
+//
+// A batched engine sends one Step() for all its sessions per decode step (StepBatch).
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "client/mapper.h"
+#include "core/model_plan.h"
+#include "core/sizing.h"
+#include "core/transaction.h"
+#include "grpcpp/channel.h"
+#include "grpcpp/client_context.h"
+#include "proto/memra/kv/v1/admin.grpc.pb.h"
+#include "proto/memra/kv/v1/cache.grpc.pb.h"
+
+namespace memra {
+
+struct ClientOptions {
+  // Deadline of every unary RPC, and of Connect's wait for the socket.
+  absl::Duration deadline = absl::Seconds(10);
+  // Maps arena exports. Null: a HostArenaMapper (the host backend). An engine on the cuda
+  // backend passes a CudaArenaMapper.
+  std::shared_ptr<ArenaMapper> mapper;
+};
+
+struct SessionOptions {
+  uint64_t capacity = 0;  // context capacity, tokens
+  uint32_t layer_lo = 0;
+  std::optional<uint32_t> layer_hi;  // unset: every layer
+  uint32_t tp_ranks = 1;
+  bool spec_snapshot = false;
+};
+
+struct Transaction {
+  uint64_t generation = 0;
+  uint64_t base_len = 0;  // rows committed when it began
+};
+
+struct PreparedAppend {
+  uint64_t generation = 0;
+  uint64_t target = 0;              // staged rows after the append
+  std::vector<LayerAppend> layers;  // one per K/V layer; ring rebases to perform first
+};
+
+// One plane resolved in this process.
+struct PlaneView {
+  uint8_t* data = nullptr;
+  uint64_t bytes = 0;
+  uint64_t rows = 0;
+  uint64_t row_bytes = 0;
+};
+
+// A plane of `layer` in `layout` whose arenas are mapped at `bases` (one per layout arena).
+// NOT_FOUND when the layer has no such plane.
+absl::StatusOr<PlaneView> ResolvePlane(const memra::kv::v1::SessionLayout& layout,
+                                       const std::vector<uint8_t*>& bases, uint32_t layer,
+                                       PlaneKind kind);
+
+class KvClient;
+
+// Thread-compatible (one engine thread drives a session; calls on different sessions may run
+// concurrently). REQUIRES: the KvClient outlives its sessions.
+class Session {
+ public:
+  ~Session();  // Release(), best effort
+  Session(const Session&) = delete;
+  Session& operator=(const Session&) = delete;
+
+  uint64_t id() const { return ref_.session_id(); }
+  const memra::kv::v1::SessionRef& ref() const { return ref_; }
+  const memra::kv::v1::SessionLayout& layout() const { return layout_; }
+
+  // A plane of `layer` resolved to this process's mapping. NOT_FOUND when the layer has no such
+  // plane. Pointers stay valid until Grow() or Release().
+  absl::StatusOr<PlaneView> Plane(uint32_t layer, PlaneKind kind) const;
+  absl::StatusOr<uint8_t*> PlanePointer(uint32_t layer, PlaneKind kind) const;
+
+  absl::StatusOr<Transaction> Begin();
+  absl::StatusOr<PreparedAppend> PrepareAppend(uint64_t generation, uint64_t rows);
+  absl::StatusOr<uint64_t> PublishAppend(uint64_t generation);                   // staged rows
+  absl::StatusOr<uint64_t> Commit(uint64_t generation, uint64_t accepted_rows);  // committed
+  absl::StatusOr<uint64_t> Abort(uint64_t generation);                           // committed rows
+
+  absl::StatusOr<memra::kv::v1::SessionState> Rewind(uint64_t target);
+  absl::StatusOr<bool> CanRewind(uint64_t target);
+  absl::StatusOr<memra::kv::v1::SessionState> SpecSnapshot();
+  absl::StatusOr<memra::kv::v1::SessionState> SpecRollback(uint64_t accept_len);
+  // Empty again on the same arena: nothing is re-opened.
+  absl::StatusOr<memra::kv::v1::SessionState> Reset();
+  absl::StatusOr<memra::kv::v1::SessionState> Taint(const std::string& reason);
+  absl::StatusOr<memra::kv::v1::SessionState> State();
+
+  // Regrows to `target_capacity`: maps the new arena, acknowledges the new layout (the daemon
+  // then frees the old arena) and unmaps the old one. REQUIRES: no kernel uses old pointers.
+  absl::StatusOr<memra::kv::v1::SessionState> Grow(uint64_t target_capacity);
+
+  // Frees the session's memory in the daemon and unmaps it here. Returns the bytes freed.
+  absl::StatusOr<uint64_t> Release();
+
+ private:
+  friend class KvClient;
+  Session(KvClient* client, memra::kv::v1::SessionRef ref)
+      : client_(client), ref_(std::move(ref)) {}
+
+  // Maps every arena of `layout` (cache hits for arenas already mapped).
+  absl::Status Adopt(memra::kv::v1::SessionLayout layout);
+  void UnmapAll(const memra::kv::v1::SessionLayout& layout);
+
+  KvClient* const client_;
+  const memra::kv::v1::SessionRef ref_;
+  memra::kv::v1::SessionLayout layout_;
+  std::vector<uint8_t*> arena_bases_;  // parallel to layout_.arenas()
+  bool released_ = false;
+};
+
+// Per-step transaction calls for many sessions, sent as one Step RPC.
+class StepBatch {
+ public:
+  void Begin(const Session& session);
+  void Prepare(const Session& session, uint64_t generation, uint64_t rows);
+  void Publish(const Session& session, uint64_t generation);
+  void Commit(const Session& session, uint64_t generation, uint64_t accepted_rows);
+  void Abort(const Session& session, uint64_t generation);
+  size_t size() const { return static_cast<size_t>(request_.entries_size()); }
+  void Clear() { request_.Clear(); }
+  const memra::kv::v1::StepRequest& request() const { return request_; }
+
+ private:
+  memra::kv::v1::StepEntry* Add(const Session& session);
+  memra::kv::v1::StepRequest request_;
+};
+
+// One entry's result; which fields are set depends on the entry's operation.
+struct StepOutcome {
+  absl::Status status;
+  Transaction begun;                       // Begin
+  std::optional<PreparedAppend> prepared;  // Prepare
+  uint64_t staged_len = 0;                 // Publish
+  uint64_t committed_len = 0;              // Commit, Abort
+};
+
+// Thread-safe.
+class KvClient {
+ public:
+  // Connects to the daemon's Unix socket, waiting up to options.deadline (UNAVAILABLE).
+  static absl::StatusOr<std::unique_ptr<KvClient>> Connect(const std::string& socket_path,
+                                                           ClientOptions options = {});
+  ~KvClient();  // Detach()
+
+  // Opens the lease and starts the thread that keeps it alive (a heartbeat every third of the
+  // lease timeout). FAILED_PRECONDITION when already attached.
+  absl::Status Attach(const std::string& engine_name) ABSL_LOCKS_EXCLUDED(mu_);
+  // Ends the lease: the daemon frees this engine's sessions after its grace period.
+  void Detach() ABSL_LOCKS_EXCLUDED(mu_);
+  // False once the daemon ended the lease (or the connection broke).
+  bool lease_alive() const { return lease_alive_.load(); }
+  uint64_t engine_id() const ABSL_LOCKS_EXCLUDED(mu_);
+  // The lease timeout the daemon announced.
+  absl::Duration lease_timeout() const ABSL_LOCKS_EXCLUDED(mu_);
+
+  absl::StatusOr<PlanFingerprint> RegisterPlan(const ModelPlan& plan);
+  // REQUIRES: Attach() succeeded.
+  absl::StatusOr<std::unique_ptr<Session>> CreateSession(const PlanFingerprint& plan,
+                                                         const SessionOptions& options)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // Runs a batch; one outcome per entry, in order. The RPC's own failure is the StatusOr's.
+  absl::StatusOr<std::vector<StepOutcome>> Step(const StepBatch& batch);
+
+  // KvAdmin.GetStatus.
+  absl::StatusOr<memra::kv::v1::GetStatusResponse> GetStatus();
+
+  // Raw stubs, for callers that need a call this class does not wrap (and bad-input tests).
+  memra::kv::v1::KvCache::Stub& cache_stub() { return *cache_; }
+  memra::kv::v1::KvAdmin::Stub& admin_stub() { return *admin_; }
+  ArenaMapper& mapper() { return *options_.mapper; }
+  // A context whose deadline is options.deadline from now.
+  std::unique_ptr<grpc::ClientContext> NewContext() const;
+
+ private:
+  friend class Session;
+  KvClient(ClientOptions options, std::shared_ptr<grpc::Channel> channel);
+  void KeepLease(absl::Duration period) ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Constant after construction.
+  const ClientOptions options_;
+  const std::shared_ptr<grpc::Channel> channel_;
+  const std::unique_ptr<memra::kv::v1::KvCache::Stub> cache_;
+  const std::unique_ptr<memra::kv::v1::KvAdmin::Stub> admin_;
+
+  std::atomic<bool> lease_alive_{false};
+
+  mutable absl::Mutex mu_;
+  memra::kv::v1::EngineRef engine_ ABSL_GUARDED_BY(mu_);
+  absl::Duration lease_timeout_ ABSL_GUARDED_BY(mu_);
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  std::unique_ptr<grpc::ClientContext> attach_context_ ABSL_GUARDED_BY(mu_);
+  std::unique_ptr<
+      grpc::ClientReaderWriter<memra::kv::v1::AttachRequest, memra::kv::v1::AttachResponse>>
+      attach_stream_ ABSL_GUARDED_BY(mu_);
+  std::thread lease_thread_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace memra
+
+#endif  // MEMRA_CLIENT_CLIENT_H_
