@@ -1,0 +1,682 @@
+// memra-kvd's services over a real Unix socket: an in-process Daemon (host backend behind a
+// fault-injecting wrapper, FakeClock for leases) and the real client library. Every RPC, every
+// refusal with its code, and "a refused call changes nothing" checked by reading state back.
+
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "client/client.h"
+#include "gmock/gmock.h"
+#include "grpcpp/client_context.h"
+#include "gtest/gtest.h"
+#include "server/codec.h"
+#include "server/grpc_status.h"
+#include "tests/service/test_daemon.h"
+#include "tests/service/test_plans.h"
+#include "tests/status_matchers.h"
+
+namespace memra::testing {
+namespace {
+
+namespace pb = ::memra::kv::v1;
+using ::testing::_;
+using ::testing::ElementsAreArray;
+using ::testing::HasSubstr;
+using ::testing::SizeIs;
+
+constexpr uint64_t kCapacity = 256;
+
+MATCHER_P(IsOkAndHolds, matcher, "is OK and holds a matching value") {
+  if (!arg.ok()) {
+    *result_listener << "status is " << arg.status();
+    return false;
+  }
+  return ::testing::ExplainMatchResult(matcher, *arg, result_listener);
+}
+
+SessionOptions WithLayerLo(SessionOptions options, uint32_t layer_lo) {
+  options.layer_lo = layer_lo;
+  return options;
+}
+
+int32_t ReadMirror(const Session& session, uint32_t layer, PlaneKind kind) {
+  absl::StatusOr<uint8_t*> at = session.PlanePointer(layer, kind);
+  EXPECT_THAT(at, IsOk());
+  int32_t value = -1;
+  if (at.ok()) std::memcpy(&value, *at, sizeof(value));
+  return value;
+}
+
+pb::SessionState StateOf(Session& session) {
+  absl::StatusOr<pb::SessionState> state = session.State();
+  EXPECT_THAT(state, IsOk());
+  return state.ok() ? *state : pb::SessionState();
+}
+
+// Serialised state, for "changed nothing" comparisons.
+std::string Snapshot(Session& session) { return StateOf(session).SerializeAsString(); }
+
+// Begin, append `rows`, publish, commit `accepted`; returns the committed length.
+uint64_t AppendAndCommit(Session& session, uint64_t rows, uint64_t accepted) {
+  absl::StatusOr<Transaction> tx = session.Begin();
+  EXPECT_THAT(tx, IsOk());
+  EXPECT_THAT(session.PrepareAppend(tx->generation, rows), IsOk());
+  EXPECT_THAT(session.PublishAppend(tx->generation), IsOk());
+  absl::StatusOr<uint64_t> committed = session.Commit(tx->generation, accepted);
+  EXPECT_THAT(committed, IsOk());
+  return committed.ok() ? *committed : 0;
+}
+
+pb::SessionRef WithToken(const Session& session, std::string token) {
+  pb::SessionRef ref = session.ref();
+  ref.set_session_token(std::move(token));
+  return ref;
+}
+
+class ServiceTest : public DaemonTest {};
+
+// ---- Attach, plans ----
+
+TEST_F(ServiceTest, AttachAnnouncesEngineLeaseAndBackend) {
+  EXPECT_GT(client_->engine_id(), 0u);
+  EXPECT_EQ(client_->lease_timeout(), absl::Milliseconds(kLeaseTimeoutMs));
+  EXPECT_TRUE(client_->lease_alive());
+  absl::StatusOr<pb::GetStatusResponse> status = client_->GetStatus();
+  ASSERT_THAT(status, IsOk());
+  EXPECT_EQ(status->backend(), "host");
+  EXPECT_EQ(status->engines(), 1u);
+  EXPECT_EQ(status->plans(), 1u);
+  ASSERT_THAT(status->engine_status(), SizeIs(1));
+  EXPECT_EQ(status->engine_status(0).engine_name(), "engine-a");
+  EXPECT_TRUE(status->engine_status(0).lease_live());
+  EXPECT_THAT(client_->Attach("again"), StatusIs(absl::StatusCode::kFailedPrecondition, _));
+}
+
+TEST_F(ServiceTest, AttachMustOpenWithHello) {
+  grpc::ClientContext context;
+  auto stream = client_->cache_stub().Attach(&context);
+  pb::AttachRequest heartbeat;
+  heartbeat.mutable_heartbeat()->set_sequence(1);
+  ASSERT_TRUE(stream->Write(heartbeat));
+  stream->WritesDone();
+  pb::AttachResponse response;
+  EXPECT_FALSE(stream->Read(&response));
+  EXPECT_THAT(FromGrpcStatus(stream->Finish()),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("hello")));
+  EXPECT_EQ(daemon_->GetStatus().engines(), 1u);
+}
+
+TEST_F(ServiceTest, RegisterPlanIsIdempotentAndRefusesBadPlans) {
+  EXPECT_THAT(client_->RegisterPlan(HybridTestPlan()), IsOk());
+  EXPECT_EQ(*client_->RegisterPlan(HybridTestPlan()), plan_);
+
+  ModelPlan zero_window = HybridTestPlan();
+  zero_window.layers[kSlidingLayer].window = 0;
+  EXPECT_THAT(client_->RegisterPlan(zero_window), StatusIs(absl::StatusCode::kInvalidArgument, _));
+
+  pb::RegisterPlanRequest unspecified;
+  *unspecified.mutable_plan() = ModelPlanToProto(HybridTestPlan());
+  unspecified.mutable_plan()->mutable_layers(0)->set_kind(pb::STATE_KIND_UNSPECIFIED);
+  pb::RegisterPlanResponse response;
+  EXPECT_THAT(FromGrpcStatus(client_->cache_stub().RegisterPlan(client_->NewContext().get(),
+                                                                unspecified, &response)),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("plan.layers[0].kind")));
+  EXPECT_EQ(daemon_->GetStatus().plans(), 1u);
+}
+
+// ---- Sessions ----
+
+TEST_F(ServiceTest, CreateSessionReturnsEveryPlaneMapped) {
+  std::unique_ptr<Session> session = NewSession(*client_, kCapacity);
+  ASSERT_NE(session, nullptr);
+  const pb::SessionLayout& layout = session->layout();
+  EXPECT_EQ(layout.layout_version(), 1u);
+  EXPECT_EQ(layout.capacity(), kCapacity);
+  ASSERT_THAT(layout.arenas(), SizeIs(1));
+  EXPECT_EQ(layout.arenas(0).backend(), "host");
+  EXPECT_EQ(layout.arenas(0).bytes(), host_->AllocatedBytes());
+  ASSERT_THAT(layout.layers(), SizeIs(4));
+  for (const pb::LayerLayout& layer : layout.layers()) {
+    for (const pb::Plane& plane : layer.planes()) {
+      EXPECT_EQ(plane.offset() % 256, 0u);
+      EXPECT_LE(plane.offset() + plane.bytes(), layout.arenas(0).bytes());
+      absl::StatusOr<PlaneKind> kind = PlaneKindFromProto(plane.kind());
+      ASSERT_THAT(kind, IsOk());
+      EXPECT_THAT(session->Plane(layer.layer(), *kind), IsOk());
+    }
+  }
+  EXPECT_THAT(session->Plane(kFlatLayer, PlaneKind::kKeys)->rows, kCapacity);
+  EXPECT_THAT(session->Plane(kRecurrentLayer, PlaneKind::kKeys),
+              StatusIs(absl::StatusCode::kNotFound, _));
+  const pb::SessionState state = StateOf(*session);
+  EXPECT_EQ(state.committed_len(), 0u);
+  EXPECT_EQ(state.next_generation(), 1u);
+  EXPECT_FALSE(state.tainted());
+  EXPECT_EQ(daemon_->GetStatus().sessions(), 1u);
+  EXPECT_EQ(daemon_->GetStatus().engine_status(0).allocated_bytes(), layout.arenas(0).bytes());
+}
+
+TEST_F(ServiceTest, CreateSessionRefusalsAllocateNothing) {
+  auto create = [&](const pb::CreateSessionRequest& request) {
+    pb::CreateSessionResponse response;
+    return FromGrpcStatus(
+        client_->cache_stub().CreateSession(client_->NewContext().get(), request, &response));
+  };
+  pb::CreateSessionRequest good;
+  good.mutable_engine()->set_engine_id(client_->engine_id());
+  // The engine token is the client's secret; a bad one must be refused like a stranger's.
+  good.set_plan_fingerprint(FingerprintToBytes(plan_));
+  good.set_capacity(kCapacity);
+
+  pb::CreateSessionRequest request = good;
+  request.mutable_engine()->set_engine_token("0123456789abcdef");
+  EXPECT_THAT(create(request),
+              StatusIs(absl::StatusCode::kPermissionDenied, HasSubstr("wrong engine token")));
+  request.mutable_engine()->set_engine_id(999);
+  EXPECT_THAT(create(request), StatusIs(absl::StatusCode::kNotFound, HasSubstr("engine 999")));
+
+  EXPECT_THAT(client_->CreateSession(PlanFingerprint{}, Options(kCapacity)),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("not registered")));
+  request = good;
+  request.set_plan_fingerprint("short");
+  EXPECT_THAT(create(request), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("5 bytes")));
+  EXPECT_THAT(client_->CreateSession(plan_, Options(0)),
+              StatusIs(absl::StatusCode::kInvalidArgument, _));
+  EXPECT_THAT(client_->CreateSession(plan_, Options(uint64_t{1} << 40)),
+              StatusIs(absl::StatusCode::kInvalidArgument, _));
+  EXPECT_THAT(client_->CreateSession(plan_, WithLayerLo(Options(kCapacity), 7)),
+              StatusIs(absl::StatusCode::kInvalidArgument, _));
+  // Past the 64 MiB budget: the backend has no room.
+  EXPECT_THAT(client_->CreateSession(plan_, Options(1u << 30)),
+              StatusIs(absl::StatusCode::kResourceExhausted, _));
+
+  EXPECT_EQ(host_->ArenaCount(), 0u);
+  EXPECT_EQ(daemon_->GetStatus().sessions(), 0u);
+}
+
+TEST_F(ServiceTest, EveryCallNeedsTheSessionToken) {
+  std::unique_ptr<Session> session = NewSession(*client_, kCapacity);
+  ASSERT_NE(session, nullptr);
+  AppendAndCommit(*session, 5, 5);
+  const std::string before = Snapshot(*session);
+
+  pb::RewindRequest rewind;
+  *rewind.mutable_session() = WithToken(*session, "not-the-token");
+  rewind.set_target(0);
+  pb::SessionStateResponse state;
+  EXPECT_THAT(
+      FromGrpcStatus(client_->cache_stub().Rewind(client_->NewContext().get(), rewind, &state)),
+      StatusIs(absl::StatusCode::kPermissionDenied, HasSubstr("wrong session token")));
+  pb::SessionRequest release;
+  *release.mutable_session() = WithToken(*session, "");
+  pb::ReleaseSessionResponse released;
+  EXPECT_THAT(FromGrpcStatus(client_->cache_stub().ReleaseSession(client_->NewContext().get(),
+                                                                  release, &released)),
+              StatusIs(absl::StatusCode::kPermissionDenied, _));
+  pb::StepRequest step;
+  pb::StepEntry* entry = step.add_entries();
+  *entry->mutable_session() = WithToken(*session, "x");
+  entry->mutable_begin();
+  pb::StepResponse results;
+  ASSERT_THAT(
+      FromGrpcStatus(client_->cache_stub().Step(client_->NewContext().get(), step, &results)),
+      IsOk());
+  EXPECT_EQ(results.results(0).code(), static_cast<int>(absl::StatusCode::kPermissionDenied));
+
+  *rewind.mutable_session() = session->ref();
+  rewind.mutable_session()->set_session_id(session->id() + 1000);
+  EXPECT_THAT(
+      FromGrpcStatus(client_->cache_stub().Rewind(client_->NewContext().get(), rewind, &state)),
+      StatusIs(absl::StatusCode::kNotFound, HasSubstr("does not exist")));
+
+  EXPECT_EQ(Snapshot(*session), before);
+}
+
+TEST_F(ServiceTest, OneEngineCannotTouchAnothersSession) {
+  std::unique_ptr<KvClient> other = NewClient("engine-b");
+  ASSERT_NE(other, nullptr);
+  std::unique_ptr<Session> mine = NewSession(*client_, kCapacity);
+  ASSERT_NE(mine, nullptr);
+  // Engine B knows the id but not the token.
+  pb::SessionRequest request;
+  request.mutable_session()->set_session_id(mine->id());
+  pb::BeginResponse begun;
+  EXPECT_THAT(FromGrpcStatus(other->cache_stub().Begin(other->NewContext().get(), request, &begun)),
+              StatusIs(absl::StatusCode::kPermissionDenied, _));
+  EXPECT_EQ(StateOf(*mine).next_generation(), 1u);
+}
+
+// ---- Transactions ----
+
+TEST_F(ServiceTest, PartialCommitSetsLengthsAndMirrors) {
+  std::unique_ptr<Session> session = NewSession(*client_, kCapacity);
+  ASSERT_NE(session, nullptr);
+  absl::StatusOr<Transaction> tx = session->Begin();
+  ASSERT_THAT(tx, IsOk());
+  EXPECT_EQ(tx->generation, 1u);
+  EXPECT_EQ(tx->base_len, 0u);
+  absl::StatusOr<PreparedAppend> append = session->PrepareAppend(tx->generation, 8);
+  ASSERT_THAT(append, IsOk());
+  EXPECT_EQ(append->target, 8u);
+  ASSERT_THAT(append->layers, SizeIs(2));  // the two K/V layers
+  EXPECT_EQ(append->layers[0].layer, kFlatLayer);
+  EXPECT_EQ(append->layers[0].write_row, 0u);
+  // Nothing is published before PublishAppend.
+  EXPECT_EQ(ReadMirror(*session, kFlatLayer, PlaneKind::kLenMirror), 0);
+  EXPECT_THAT(session->PublishAppend(tx->generation), IsOkAndHolds(8u));
+  EXPECT_EQ(ReadMirror(*session, kFlatLayer, PlaneKind::kLenMirror), 8);
+  EXPECT_EQ(ReadMirror(*session, kLatentLayer, PlaneKind::kLenMirror), 8);
+  pb::SessionState staged = StateOf(*session);
+  EXPECT_EQ(staged.staged_len(), 8u);
+  EXPECT_EQ(staged.committed_len(), 0u);
+  EXPECT_EQ(staged.active_generation(), 1u);
+
+  EXPECT_THAT(session->Commit(tx->generation, 5), IsOkAndHolds(5u));
+  pb::SessionState committed = StateOf(*session);
+  EXPECT_EQ(committed.committed_len(), 5u);
+  EXPECT_EQ(committed.staged_len(), 5u);
+  EXPECT_EQ(committed.active_generation(), 0u);
+  for (uint32_t layer : {kFlatLayer, kSlidingLayer, kLatentLayer}) {
+    EXPECT_EQ(ReadMirror(*session, layer, PlaneKind::kLenMirror), 5) << "layer " << layer;
+  }
+  for (const pb::LayerState& layer : committed.layers()) EXPECT_EQ(layer.length(), 5);
+
+  absl::StatusOr<Transaction> next = session->Begin();
+  ASSERT_THAT(next, IsOk());
+  EXPECT_EQ(next->generation, 2u);
+  EXPECT_EQ(next->base_len, 5u);
+  ASSERT_THAT(session->PrepareAppend(next->generation, 3), IsOk());
+  ASSERT_THAT(session->PublishAppend(next->generation), IsOk());
+  EXPECT_THAT(session->Abort(next->generation), IsOkAndHolds(5u));
+  EXPECT_EQ(ReadMirror(*session, kFlatLayer, PlaneKind::kLenMirror), 5);
+}
+
+TEST_F(ServiceTest, TransactionRefusalsChangeNothing) {
+  std::unique_ptr<Session> session = NewSession(*client_, kCapacity);
+  ASSERT_NE(session, nullptr);
+  AppendAndCommit(*session, 4, 4);
+  absl::StatusOr<Transaction> tx = session->Begin();
+  ASSERT_THAT(tx, IsOk());
+  const std::string before = Snapshot(*session);
+
+  EXPECT_THAT(session->Begin(), StatusIs(absl::StatusCode::kFailedPrecondition, _));
+  EXPECT_THAT(session->PrepareAppend(tx->generation + 1, 1),
+              StatusIs(absl::StatusCode::kFailedPrecondition, _));
+  EXPECT_THAT(session->PrepareAppend(tx->generation, kCapacity),
+              StatusIs(absl::StatusCode::kInvalidArgument, _));
+  EXPECT_THAT(session->PrepareAppend(tx->generation, ~uint64_t{0}),
+              StatusIs(absl::StatusCode::kInvalidArgument, _));
+  EXPECT_THAT(session->PublishAppend(tx->generation),
+              StatusIs(absl::StatusCode::kFailedPrecondition, _));  // nothing prepared
+  EXPECT_THAT(session->Commit(tx->generation + 7, 0),
+              StatusIs(absl::StatusCode::kFailedPrecondition, _));
+  EXPECT_THAT(session->Abort(0), StatusIs(absl::StatusCode::kFailedPrecondition, _));
+  EXPECT_EQ(Snapshot(*session), before);
+
+  ASSERT_THAT(session->PrepareAppend(tx->generation, 2), IsOk());
+  ASSERT_THAT(session->PublishAppend(tx->generation), IsOk());
+  const std::string published = Snapshot(*session);
+  EXPECT_THAT(session->Commit(tx->generation, 3), StatusIs(absl::StatusCode::kInvalidArgument, _));
+  EXPECT_EQ(Snapshot(*session), published);
+  EXPECT_EQ(ReadMirror(*session, kFlatLayer, PlaneKind::kLenMirror), 6);
+}
+
+TEST_F(ServiceTest, StepRunsManySessionsWithIndependentResults) {
+  std::vector<std::unique_ptr<Session>> sessions;
+  for (int i = 0; i < 4; ++i) {
+    sessions.push_back(NewSession(*client_, kCapacity));
+    ASSERT_NE(sessions.back(), nullptr);
+  }
+  StepBatch batch;
+  for (const auto& session : sessions) batch.Begin(*session);
+  absl::StatusOr<std::vector<StepOutcome>> begun = client_->Step(batch);
+  ASSERT_THAT(begun, IsOk());
+  ASSERT_THAT(*begun, SizeIs(4));
+  for (const StepOutcome& outcome : *begun) {
+    ASSERT_THAT(outcome.status, IsOk());
+    EXPECT_EQ(outcome.begun.generation, 1u);
+  }
+
+  batch.Clear();
+  for (size_t i = 0; i < sessions.size(); ++i) batch.Prepare(*sessions[i], 1, i + 1);
+  batch.Prepare(*sessions[0], 99, 1);  // stale generation: refused alone
+  absl::StatusOr<std::vector<StepOutcome>> prepared = client_->Step(batch);
+  ASSERT_THAT(prepared, IsOk());
+  ASSERT_THAT(*prepared, SizeIs(5));
+  for (size_t i = 0; i < sessions.size(); ++i) {
+    ASSERT_THAT((*prepared)[i].status, IsOk());
+    EXPECT_EQ((*prepared)[i].prepared->target, i + 1);
+  }
+  EXPECT_THAT((*prepared)[4].status, StatusIs(absl::StatusCode::kFailedPrecondition, _));
+  EXPECT_FALSE((*prepared)[4].prepared.has_value());
+
+  batch.Clear();
+  for (const auto& session : sessions) batch.Publish(*session, 1);
+  ASSERT_THAT(client_->Step(batch), IsOk());
+  batch.Clear();
+  for (size_t i = 0; i < sessions.size(); ++i) batch.Commit(*sessions[i], 1, i);
+  absl::StatusOr<std::vector<StepOutcome>> committed = client_->Step(batch);
+  ASSERT_THAT(committed, IsOk());
+  for (size_t i = 0; i < sessions.size(); ++i) {
+    ASSERT_THAT((*committed)[i].status, IsOk());
+    EXPECT_EQ((*committed)[i].committed_len, i);
+    EXPECT_EQ(StateOf(*sessions[i]).committed_len(), i);
+  }
+
+  pb::StepRequest empty_op;
+  *empty_op.add_entries()->mutable_session() = sessions[0]->ref();
+  pb::StepResponse response;
+  ASSERT_THAT(
+      FromGrpcStatus(client_->cache_stub().Step(client_->NewContext().get(), empty_op, &response)),
+      IsOk());
+  EXPECT_EQ(response.results(0).code(), static_cast<int>(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(response.results(0).message(), HasSubstr("names no operation"));
+}
+
+// ---- Rewind, spec decode ----
+
+TEST_F(ServiceTest, RewindMovesLengthsAndMirrorsBackOnly) {
+  std::unique_ptr<Session> session = NewSession(*client_, kCapacity);
+  ASSERT_NE(session, nullptr);
+  AppendAndCommit(*session, 20, 20);
+  EXPECT_THAT(session->CanRewind(12), IsOkAndHolds(true));
+  EXPECT_THAT(session->CanRewind(kCapacity + 1), IsOkAndHolds(false));
+  absl::StatusOr<pb::SessionState> rewound = session->Rewind(12);
+  ASSERT_THAT(rewound, IsOk());
+  EXPECT_EQ(rewound->committed_len(), 12u);
+  EXPECT_EQ(ReadMirror(*session, kFlatLayer, PlaneKind::kLenMirror), 12);
+  EXPECT_EQ(ReadMirror(*session, kLatentLayer, PlaneKind::kLenMirror), 12);
+
+  // Forward past the staged length is hydration, never an engine rewind.
+  const std::string before = Snapshot(*session);
+  EXPECT_THAT(session->Rewind(13), StatusIs(absl::StatusCode::kInvalidArgument, _));
+  EXPECT_THAT(session->Rewind(kCapacity + 5), StatusIs(absl::StatusCode::kInvalidArgument, _));
+  EXPECT_EQ(Snapshot(*session), before);
+}
+
+TEST_F(ServiceTest, SpecRollbackRestoresRecurrentStateAndLengths) {
+  std::unique_ptr<Session> session = NewSession(*client_, kCapacity);
+  ASSERT_NE(session, nullptr);
+  AppendAndCommit(*session, 10, 10);
+  absl::StatusOr<PlaneView> conv = session->Plane(kRecurrentLayer, PlaneKind::kConvState);
+  absl::StatusOr<PlaneView> ssm = session->Plane(kRecurrentLayer, PlaneKind::kSsmState);
+  ASSERT_THAT(conv, IsOk());
+  ASSERT_THAT(ssm, IsOk());
+  std::memset(conv->data, 0x11, conv->bytes);
+  std::memset(ssm->data, 0x22, ssm->bytes);
+  absl::StatusOr<pb::SessionState> snap = session->SpecSnapshot();
+  ASSERT_THAT(snap, IsOk());
+  EXPECT_TRUE(snap->spec_snapshot_valid());
+
+  // A speculative round overwrites the state and stages 4 draft rows.
+  std::memset(conv->data, 0x77, conv->bytes);
+  std::memset(ssm->data, 0x88, ssm->bytes);
+  AppendAndCommit(*session, 4, 4);
+  absl::StatusOr<pb::SessionState> rolled = session->SpecRollback(1);
+  ASSERT_THAT(rolled, IsOk());
+  EXPECT_EQ(rolled->committed_len(), 11u);
+  EXPECT_EQ(ReadMirror(*session, kFlatLayer, PlaneKind::kLenMirror), 11);
+  EXPECT_EQ(ReadMirror(*session, kLatentLayer, PlaneKind::kLenMirror), 11);
+  EXPECT_THAT(std::vector<uint8_t>(conv->data, conv->data + conv->bytes), ::testing::Each(0x11));
+  EXPECT_THAT(std::vector<uint8_t>(ssm->data, ssm->data + ssm->bytes), ::testing::Each(0x22));
+}
+
+TEST_F(ServiceTest, SpecCallsRefusedWithoutBuffers) {
+  std::unique_ptr<Session> session = NewSession(*client_, kCapacity, /*spec_snapshot=*/false);
+  ASSERT_NE(session, nullptr);
+  AppendAndCommit(*session, 3, 3);
+  const std::string before = Snapshot(*session);
+  EXPECT_THAT(session->SpecSnapshot(), StatusIs(absl::StatusCode::kFailedPrecondition, _));
+  EXPECT_THAT(session->SpecRollback(0), StatusIs(absl::StatusCode::kFailedPrecondition, _));
+  EXPECT_EQ(Snapshot(*session), before);
+}
+
+// ---- Grow ----
+
+TEST_F(ServiceTest, GrowCopiesRowsAndAcknowledgeFreesTheOldArena) {
+  std::unique_ptr<Session> session = NewSession(*client_, kCapacity);
+  ASSERT_NE(session, nullptr);
+  absl::StatusOr<PlaneView> keys = session->Plane(kFlatLayer, PlaneKind::kKeys);
+  ASSERT_THAT(keys, IsOk());
+  for (uint64_t row = 0; row < 30; ++row) {
+    std::memset(keys->data + row * keys->row_bytes, static_cast<int>(row + 1), keys->row_bytes);
+  }
+  AppendAndCommit(*session, 30, 30);
+  const uint64_t old_bytes = host_->AllocatedBytes();
+
+  pb::GrowRequest grow;
+  *grow.mutable_session() = session->ref();
+  grow.set_target_capacity(2 * kCapacity);
+  pb::GrowResponse grown;
+  ASSERT_THAT(FromGrpcStatus(client_->cache_stub().Grow(client_->NewContext().get(), grow, &grown)),
+              IsOk());
+  EXPECT_EQ(grown.layout().layout_version(), 2u);
+  EXPECT_EQ(grown.state().committed_len(), 30u);
+  EXPECT_TRUE(grown.state().grow_pending());
+  EXPECT_EQ(host_->ArenaCount(), 2u);  // the old arena lives until acknowledged
+
+  // A second grow and a reset wait for the acknowledgement; a wrong version is refused.
+  EXPECT_THAT(FromGrpcStatus(client_->cache_stub().Grow(client_->NewContext().get(), grow, &grown)),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("not acknowledged")));
+  EXPECT_THAT(session->Reset(), StatusIs(absl::StatusCode::kFailedPrecondition, _));
+  pb::AcknowledgeGrowRequest ack;
+  *ack.mutable_session() = session->ref();
+  ack.set_layout_version(1);
+  pb::SessionStateResponse acked;
+  EXPECT_THAT(FromGrpcStatus(
+                  client_->cache_stub().AcknowledgeGrow(client_->NewContext().get(), ack, &acked)),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("version 2")));
+  ack.set_layout_version(2);
+  ASSERT_THAT(FromGrpcStatus(
+                  client_->cache_stub().AcknowledgeGrow(client_->NewContext().get(), ack, &acked)),
+              IsOk());
+  EXPECT_FALSE(acked.state().grow_pending());
+  EXPECT_EQ(host_->ArenaCount(), 1u);
+  EXPECT_NE(host_->AllocatedBytes(), old_bytes);
+  EXPECT_THAT(FromGrpcStatus(
+                  client_->cache_stub().AcknowledgeGrow(client_->NewContext().get(), ack, &acked)),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("no grow")));
+}
+
+TEST_F(ServiceTest, ClientGrowRemapsAndKeepsCommittedBytes) {
+  std::unique_ptr<Session> session = NewSession(*client_, kCapacity);
+  ASSERT_NE(session, nullptr);
+  absl::StatusOr<PlaneView> keys = session->Plane(kFlatLayer, PlaneKind::kKeys);
+  ASSERT_THAT(keys, IsOk());
+  for (uint64_t row = 0; row < 17; ++row) {
+    std::memset(keys->data + row * keys->row_bytes, static_cast<int>(row + 1), keys->row_bytes);
+  }
+  AppendAndCommit(*session, 17, 17);
+  EXPECT_THAT(session->Grow(kCapacity), StatusIs(absl::StatusCode::kInvalidArgument, _));
+  absl::StatusOr<pb::SessionState> grown = session->Grow(3 * kCapacity);
+  ASSERT_THAT(grown, IsOk());
+  EXPECT_EQ(grown->capacity(), 3 * kCapacity);
+  EXPECT_EQ(grown->layout_version(), 2u);
+  absl::StatusOr<PlaneView> moved = session->Plane(kFlatLayer, PlaneKind::kKeys);
+  ASSERT_THAT(moved, IsOk());
+  EXPECT_EQ(moved->rows, 3 * kCapacity);
+  for (uint64_t row = 0; row < 17; ++row) {
+    EXPECT_EQ(moved->data[row * moved->row_bytes], static_cast<uint8_t>(row + 1)) << row;
+  }
+  EXPECT_EQ(ReadMirror(*session, kFlatLayer, PlaneKind::kLenMirror), 17);
+  EXPECT_EQ(host_->ArenaCount(), 1u);
+  AppendAndCommit(*session, 300, 300);  // past the old capacity
+}
+
+// ---- Taint, reset, release ----
+
+TEST_F(ServiceTest, TaintedSessionRefusesWorkUntilReleased) {
+  std::unique_ptr<Session> session = NewSession(*client_, kCapacity);
+  ASSERT_NE(session, nullptr);
+  AppendAndCommit(*session, 2, 2);
+  absl::StatusOr<pb::SessionState> tainted = session->Taint("kernel fault in test");
+  ASSERT_THAT(tainted, IsOk());
+  EXPECT_TRUE(tainted->tainted());
+  const std::string before = Snapshot(*session);
+  EXPECT_THAT(session->Begin(), StatusIs(absl::StatusCode::kFailedPrecondition, _));
+  EXPECT_THAT(session->Reset(), StatusIs(absl::StatusCode::kFailedPrecondition, _));
+  EXPECT_THAT(session->SpecSnapshot(), StatusIs(absl::StatusCode::kFailedPrecondition, _));
+  EXPECT_THAT(session->Grow(2 * kCapacity), StatusIs(absl::StatusCode::kFailedPrecondition, _));
+  EXPECT_EQ(Snapshot(*session), before);
+  EXPECT_EQ(host_->ArenaCount(), 1u);
+  EXPECT_THAT(session->Release(), IsOk());
+}
+
+TEST_F(ServiceTest, ResetReusesTheMappedArena) {
+  std::unique_ptr<Session> session = NewSession(*client_, kCapacity);
+  ASSERT_NE(session, nullptr);
+  const size_t opens = client_->mapper().OpenCount();
+  const std::string handle = session->layout().arenas(0).handle();
+  AppendAndCommit(*session, 9, 9);
+  absl::StatusOr<pb::SessionState> reset = session->Reset();
+  ASSERT_THAT(reset, IsOk());
+  EXPECT_EQ(reset->committed_len(), 0u);
+  EXPECT_EQ(ReadMirror(*session, kFlatLayer, PlaneKind::kLenMirror), 0);
+  AppendAndCommit(*session, 3, 3);
+  EXPECT_EQ(client_->mapper().OpenCount(), opens);
+  EXPECT_EQ(session->layout().arenas(0).handle(), handle);
+}
+
+TEST_F(ServiceTest, ReleaseFreesTheArenaAndForgetsTheSession) {
+  std::unique_ptr<Session> session = NewSession(*client_, kCapacity);
+  ASSERT_NE(session, nullptr);
+  const uint64_t bytes = host_->AllocatedBytes();
+  const pb::SessionRef ref = session->ref();
+  EXPECT_THAT(session->Release(), IsOkAndHolds(bytes));
+  EXPECT_EQ(host_->ArenaCount(), 0u);
+  pb::GetStatusResponse status = daemon_->GetStatus();
+  EXPECT_EQ(status.sessions(), 0u);
+  EXPECT_EQ(status.allocated_bytes(), 0u);
+  pb::SessionRequest again;
+  *again.mutable_session() = ref;
+  pb::ReleaseSessionResponse response;
+  EXPECT_THAT(FromGrpcStatus(client_->cache_stub().ReleaseSession(client_->NewContext().get(),
+                                                                  again, &response)),
+              StatusIs(absl::StatusCode::kNotFound, _));
+}
+
+// ---- Leases and drain ----
+
+TEST_F(ServiceTest, SilentEngineIsReclaimedAfterTimeoutAndGrace) {
+  // A hand-driven lease: no keeper thread racing the fake clock.
+  absl::StatusOr<std::unique_ptr<KvClient>> raw = KvClient::Connect(daemon_->socket_path());
+  ASSERT_THAT(raw, IsOk());
+  grpc::ClientContext context;
+  auto stream = (*raw)->cache_stub().Attach(&context);
+  pb::AttachRequest hello;
+  hello.mutable_hello()->set_engine_name("silent");
+  ASSERT_TRUE(stream->Write(hello));
+  pb::AttachResponse attached;
+  ASSERT_TRUE(stream->Read(&attached));
+  pb::CreateSessionRequest create;
+  *create.mutable_engine() = attached.attached().engine();
+  create.set_plan_fingerprint(FingerprintToBytes(plan_));
+  create.set_capacity(kCapacity);
+  pb::CreateSessionResponse created;
+  ASSERT_THAT(FromGrpcStatus(
+                  (*raw)->cache_stub().CreateSession((*raw)->NewContext().get(), create, &created)),
+              IsOk());
+  ASSERT_EQ(host_->ArenaCount(), 1u);
+
+  // engine-a's keeper heartbeats on real time, so its lease lapses here too; it holds nothing.
+  clock_.Advance(absl::Milliseconds(kLeaseTimeoutMs + 1));
+  daemon_->CheckLeases();
+  EXPECT_EQ(host_->ArenaCount(), 1u);  // expired, but within the grace period
+  clock_.Advance(absl::Milliseconds(kLeaseGraceMs));
+  daemon_->CheckLeases();
+  EXPECT_EQ(host_->ArenaCount(), 0u);
+  pb::AttachResponse ignored;
+  EXPECT_FALSE(stream->Read(&ignored));  // the daemon cancelled the silent stream
+  EXPECT_THAT(FromGrpcStatus(stream->Finish()), StatusIs(absl::StatusCode::kCancelled, _));
+  // The session is gone for its old token holder too.
+  pb::SessionRequest begin;
+  *begin.mutable_session() = created.session();
+  pb::BeginResponse begun;
+  EXPECT_THAT(FromGrpcStatus((*raw)->cache_stub().Begin((*raw)->NewContext().get(), begin, &begun)),
+              StatusIs(absl::StatusCode::kNotFound, _));
+}
+
+TEST_F(ServiceTest, ClosedStreamFreesSessionsAfterGrace) {
+  std::unique_ptr<KvClient> engine_b = NewClient("engine-b");
+  ASSERT_NE(engine_b, nullptr);
+  std::unique_ptr<Session> session = NewSession(*engine_b, kCapacity);
+  ASSERT_NE(session, nullptr);
+  const uint64_t engine_b_id = engine_b->engine_id();
+  engine_b->Detach();  // the stream ends as if the process died
+  // The daemon notices the end of the stream on its own thread; the grace counts from there.
+  auto lease_ended = [&] {
+    const pb::GetStatusResponse status = daemon_->GetStatus();
+    for (const pb::EngineStatus& engine : status.engine_status()) {
+      if (engine.engine_id() == engine_b_id) return !engine.lease_live();
+    }
+    return false;
+  };
+  for (absl::Time deadline = absl::Now() + absl::Seconds(30);
+       !lease_ended() && absl::Now() < deadline;) {
+    absl::SleepFor(absl::Milliseconds(1));
+  }
+  ASSERT_TRUE(lease_ended());
+  daemon_->CheckLeases();
+  EXPECT_EQ(host_->ArenaCount(), 1u);
+  clock_.Advance(absl::Milliseconds(kLeaseGraceMs));
+  daemon_->CheckLeases();
+  EXPECT_EQ(host_->ArenaCount(), 0u);
+  EXPECT_EQ(daemon_->GetStatus().engines(), 1u);  // engine-a only
+  EXPECT_THAT(session->Begin(), StatusIs(absl::StatusCode::kNotFound, _));
+}
+
+TEST_F(ServiceTest, DrainRefusesNewEnginesAndSessions) {
+  std::unique_ptr<Session> live = NewSession(*client_, kCapacity);
+  ASSERT_NE(live, nullptr);
+  EXPECT_EQ(daemon_->Drain(absl::ZeroDuration()), 1u);
+  EXPECT_THAT(client_->CreateSession(plan_, Options(kCapacity)),
+              StatusIs(absl::StatusCode::kUnavailable, HasSubstr("draining")));
+  absl::StatusOr<std::unique_ptr<KvClient>> late = KvClient::Connect(daemon_->socket_path());
+  ASSERT_THAT(late, IsOk());
+  EXPECT_THAT((*late)->Attach("late"), StatusIs(absl::StatusCode::kUnavailable, _));
+  AppendAndCommit(*live, 2, 2);  // live sessions keep working while draining
+  EXPECT_TRUE(daemon_->GetStatus().draining());
+}
+
+// ---- Backend failures ----
+
+TEST_F(ServiceTest, FailedMirrorWriteTaintsInsteadOfHalfApplying) {
+  std::unique_ptr<Session> session = NewSession(*client_, kCapacity);
+  ASSERT_NE(session, nullptr);
+  absl::StatusOr<Transaction> tx = session->Begin();
+  ASSERT_THAT(tx, IsOk());
+  ASSERT_THAT(session->PrepareAppend(tx->generation, 4), IsOk());
+  ASSERT_THAT(faults_->FailNthCall(BackendOp::kWriteI32, 1, absl::InternalError("injected")),
+              IsOk());
+  EXPECT_THAT(session->PublishAppend(tx->generation),
+              StatusIs(absl::StatusCode::kInternal, HasSubstr("injected")));
+  EXPECT_TRUE(StateOf(*session).tainted());
+  EXPECT_THAT(session->Begin(), StatusIs(absl::StatusCode::kFailedPrecondition, _));
+}
+
+TEST_F(ServiceTest, FailedExportLeaksNothing) {
+  ASSERT_THAT(faults_->FailNthCall(BackendOp::kExport, 1, absl::InternalError("injected")), IsOk());
+  EXPECT_THAT(client_->CreateSession(plan_, Options(kCapacity)),
+              StatusIs(absl::StatusCode::kInternal, HasSubstr("injected")));
+  EXPECT_EQ(host_->ArenaCount(), 0u);
+  EXPECT_EQ(daemon_->GetStatus().sessions(), 0u);
+}
+
+TEST_F(ServiceTest, FailedGrowCopyLeavesTheSessionAsItWas) {
+  std::unique_ptr<Session> session = NewSession(*client_, kCapacity);
+  ASSERT_NE(session, nullptr);
+  AppendAndCommit(*session, 12, 12);
+  const std::string before = Snapshot(*session);
+  ASSERT_THAT(faults_->FailNthCall(BackendOp::kCopy, 1, absl::InternalError("injected")), IsOk());
+  EXPECT_THAT(session->Grow(2 * kCapacity),
+              StatusIs(absl::StatusCode::kInternal, HasSubstr("injected")));
+  EXPECT_EQ(Snapshot(*session), before);
+  EXPECT_EQ(host_->ArenaCount(), 1u);
+  AppendAndCommit(*session, 1, 1);
+}
+
+}  // namespace
+}  // namespace memra::testing

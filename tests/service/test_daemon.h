@@ -1,0 +1,112 @@
+#ifndef MEMRA_TESTS_SERVICE_TEST_DAEMON_H_
+#define MEMRA_TESTS_SERVICE_TEST_DAEMON_H_
+
+// An in-process memra-kvd (Daemon over a fault-injecting host backend, FakeClock) serving on a
+// real Unix socket in a fresh temporary directory, and a real KvClient attached to it.
+
+#include <stdlib.h>
+#include <unistd.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "client/client.h"
+#include "core/model_plan.h"
+#include "gtest/gtest.h"
+#include "server/clock.h"
+#include "server/daemon.h"
+#include "server/fault_injecting_backend.h"
+#include "server/host_backend.h"
+#include "server/test_host_backend.h"
+#include "tests/service/test_plans.h"
+
+namespace memra::testing {
+
+// A short directory under /tmp: Unix socket paths must stay under 108 bytes, which TEST_TMPDIR
+// does not promise.
+inline std::string MakeSocketDir() {
+  char path[] = "/tmp/memra-test-XXXXXX";
+  EXPECT_NE(mkdtemp(path), nullptr);
+  return path;
+}
+
+inline SessionOptions Options(uint64_t capacity, bool spec_snapshot = true) {
+  SessionOptions options;
+  options.capacity = capacity;
+  options.spec_snapshot = spec_snapshot;
+  return options;
+}
+
+class DaemonTest : public ::testing::Test {
+ protected:
+  static constexpr uint64_t kBudgetBytes = uint64_t{64} << 20;
+  static constexpr uint64_t kLeaseTimeoutMs = 1000;
+  static constexpr uint64_t kLeaseGraceMs = 500;
+
+  void SetUp() override {
+    dir_ = MakeSocketDir();
+    host_ = NewTestHostBackend(TestHostBackendOptions(kBudgetBytes));
+    ASSERT_NE(host_, nullptr);
+    auto faults = std::make_unique<FaultInjectingBackend>(host_.get());
+    faults_ = faults.get();
+    DaemonConfig config;
+    config.socket_path = dir_ + "/kvd.sock";
+    config.socket_mode = 0600;
+    config.budget_bytes = kBudgetBytes;
+    config.lease_timeout_ms = kLeaseTimeoutMs;
+    config.lease_grace_ms = kLeaseGraceMs;
+    absl::StatusOr<std::unique_ptr<Daemon>> daemon =
+        Daemon::Create(config, std::move(faults), &clock_);
+    ASSERT_TRUE(daemon.ok()) << daemon.status();
+    daemon_ = *std::move(daemon);
+    ASSERT_TRUE(daemon_->Start().ok());
+    client_ = NewClient("engine-a");
+    ASSERT_NE(client_, nullptr);
+    absl::StatusOr<PlanFingerprint> plan = client_->RegisterPlan(HybridTestPlan());
+    ASSERT_TRUE(plan.ok()) << plan.status();
+    plan_ = *plan;
+  }
+
+  void TearDown() override {
+    client_.reset();
+    if (daemon_ != nullptr) daemon_->Shutdown();
+    // Nothing outlives the daemon: invariant (2) of Daemon.
+    if (host_ != nullptr) {
+      EXPECT_EQ(host_->ArenaCount(), 0u);
+      EXPECT_EQ(host_->AllocatedBytes(), 0u);
+    }
+    daemon_.reset();
+    rmdir(dir_.c_str());
+  }
+
+  // A client attached as `engine_name`; null (and a failure) on error.
+  std::unique_ptr<KvClient> NewClient(const std::string& engine_name) {
+    absl::StatusOr<std::unique_ptr<KvClient>> client = KvClient::Connect(daemon_->socket_path());
+    EXPECT_TRUE(client.ok()) << client.status();
+    if (!client.ok()) return nullptr;
+    absl::Status attached = (*client)->Attach(engine_name);
+    EXPECT_TRUE(attached.ok()) << attached;
+    return attached.ok() ? *std::move(client) : nullptr;
+  }
+
+  std::unique_ptr<Session> NewSession(KvClient& client, uint64_t capacity,
+                                      bool spec_snapshot = true) {
+    absl::StatusOr<std::unique_ptr<Session>> session =
+        client.CreateSession(plan_, Options(capacity, spec_snapshot));
+    EXPECT_TRUE(session.ok()) << session.status();
+    return session.ok() ? *std::move(session) : nullptr;
+  }
+
+  std::string dir_;
+  FakeClock clock_;
+  std::unique_ptr<HostBackend> host_;
+  FaultInjectingBackend* faults_ = nullptr;  // owned by daemon_
+  std::unique_ptr<Daemon> daemon_;
+  std::unique_ptr<KvClient> client_;
+  PlanFingerprint plan_{};
+};
+
+}  // namespace memra::testing
+
+#endif  // MEMRA_TESTS_SERVICE_TEST_DAEMON_H_
