@@ -1,0 +1,271 @@
+// End to end: the real memra-kvd binary (host backend) and two separate test_engine processes.
+// Engine A runs the script (partial commits, rewinds, SWA ring wrap; K/V, latent and recurrent
+// planes written through its mappings) and holds; this test, as a third process, checks A's bytes
+// and lengths as the daemon reports them, SIGKILLs A and waits for the daemon to free all of
+// A's memory (shm object gone, accounting back to B's share alone) while B keeps working.
+// Finally SIGTERM drains the daemon, which exits 0 having freed everything.
+
+#include <signal.h>
+#include <spawn.h>
+#include <stdlib.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <fstream>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "absl/strings/escaping.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "client/client.h"
+#include "client/mapper.h"
+#include "gmock/gmock.h"
+#include "grpcpp/client_context.h"
+#include "gtest/gtest.h"
+#include "server/grpc_status.h"
+#include "tests/e2e/engine_script.h"
+#include "tests/status_matchers.h"
+
+extern char** environ;
+
+namespace memra::testing {
+namespace {
+
+namespace pb = ::memra::kv::v1;
+
+constexpr absl::Duration kPatience = absl::Seconds(60);  // bound on every wait; never reached
+constexpr uint64_t kLeaseTimeoutMs = 1000;
+constexpr uint64_t kLeaseGraceMs = 200;
+constexpr uint64_t kRingRows = 4671;  // SwaRingRows(32, 6000)
+
+std::string Runfile(const std::string& path) {
+  const char* root = getenv("TEST_SRCDIR");
+  return absl::StrCat(root != nullptr ? root : ".", "/memra_kv/", path);
+}
+
+bool Exists(const std::string& path) { return access(path.c_str(), F_OK) == 0; }
+
+pid_t Spawn(const std::vector<std::string>& args) {
+  std::vector<char*> argv;
+  for (const std::string& arg : args) argv.push_back(const_cast<char*>(arg.c_str()));
+  argv.push_back(nullptr);
+  pid_t pid = -1;
+  EXPECT_EQ(posix_spawn(&pid, argv[0], nullptr, nullptr, argv.data(), environ), 0) << args[0];
+  return pid;
+}
+
+// Exit status of `pid`, waiting at most kPatience (then -1).
+int WaitExit(pid_t pid) {
+  const absl::Time deadline = absl::Now() + kPatience;
+  while (absl::Now() < deadline) {
+    int status = 0;
+    pid_t done = waitpid(pid, &status, WNOHANG);
+    if (done == pid) return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  return -1;
+}
+
+// Polls `ready` every 10 ms until it holds or kPatience passes; false if `alive` died first.
+template <typename Ready>
+bool PollUntil(Ready ready, pid_t must_stay_alive = 0) {
+  const absl::Time deadline = absl::Now() + kPatience;
+  while (absl::Now() < deadline) {
+    if (ready()) return true;
+    if (must_stay_alive > 0 && waitpid(must_stay_alive, nullptr, WNOHANG) == must_stay_alive) {
+      return false;
+    }
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  return false;
+}
+
+std::map<std::string, std::string> ReadFacts(const std::string& path) {
+  std::map<std::string, std::string> facts;
+  std::ifstream in(path);
+  std::string line;
+  while (std::getline(in, line)) {
+    const size_t eq = line.find('=');
+    if (eq != std::string::npos) facts[line.substr(0, eq)] = line.substr(eq + 1);
+  }
+  return facts;
+}
+
+uint64_t Number(const std::map<std::string, std::string>& facts, const std::string& key) {
+  uint64_t value = 0;
+  EXPECT_TRUE(facts.count(key) && absl::SimpleAtoi(facts.at(key), &value)) << key;
+  return value;
+}
+
+const pb::EngineStatus* FindEngine(const pb::GetStatusResponse& status, const std::string& name) {
+  for (const pb::EngineStatus& engine : status.engine_status()) {
+    if (engine.engine_name() == name) return &engine;
+  }
+  return nullptr;
+}
+
+class E2eTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    char dir[] = "/tmp/memra-e2e-XXXXXX";  // short: Unix socket paths are < 108 bytes
+    ASSERT_NE(mkdtemp(dir), nullptr);
+    dir_ = dir;
+    socket_ = dir_ + "/kvd.sock";
+    daemon_ = Spawn({Runfile("server/memra-kvd"), "--socket_path=" + socket_,
+                     absl::StrCat("--lease_timeout_ms=", kLeaseTimeoutMs),
+                     absl::StrCat("--lease_grace_ms=", kLeaseGraceMs), "--budget_bytes=256MiB",
+                     "--socket_mode=0600", "--watchdog=false"});
+    ASSERT_GT(daemon_, 0);
+    ASSERT_TRUE(PollUntil([&] { return Exists(socket_); }, daemon_)) << "daemon never listened";
+    absl::StatusOr<std::unique_ptr<KvClient>> checker = KvClient::Connect(socket_);
+    ASSERT_THAT(checker, IsOk());
+    checker_ = *std::move(checker);
+  }
+
+  void TearDown() override {
+    checker_.reset();
+    for (pid_t pid : {engine_a_, engine_b_, daemon_}) {
+      if (pid > 0 && waitpid(pid, nullptr, WNOHANG) == 0) {
+        kill(pid, SIGKILL);
+        waitpid(pid, nullptr, 0);
+      }
+    }
+    for (const char* name : {"a.facts", "b.facts", "b.stop"}) unlink((dir_ + "/" + name).c_str());
+    rmdir(dir_.c_str());
+  }
+
+  pb::GetStatusResponse Status() {
+    absl::StatusOr<pb::GetStatusResponse> status = checker_->GetStatus();
+    EXPECT_THAT(status, IsOk());
+    return status.ok() ? *status : pb::GetStatusResponse();
+  }
+
+  pid_t SpawnEngine(const std::string& name, const std::vector<std::string>& extra) {
+    std::vector<std::string> args = {Runfile("tests/e2e/test_engine"), "--socket=" + socket_,
+                                     "--name=" + name,
+                                     "--out=" + dir_ + "/" + name.substr(7) + ".facts"};
+    args.insert(args.end(), extra.begin(), extra.end());
+    return Spawn(args);
+  }
+
+  std::string dir_;
+  std::string socket_;
+  pid_t daemon_ = -1;
+  pid_t engine_a_ = -1;
+  pid_t engine_b_ = -1;
+  std::unique_ptr<KvClient> checker_;
+};
+
+TEST_F(E2eTest, TwoEnginesBytesLeasesAndDrain) {
+  engine_a_ = SpawnEngine("engine-a", {});
+  engine_b_ = SpawnEngine("engine-b", {"--until=" + dir_ + "/b.stop", "--work"});
+  ASSERT_TRUE(PollUntil([&] { return Exists(dir_ + "/a.facts"); }, engine_a_));
+  ASSERT_TRUE(PollUntil([&] { return Exists(dir_ + "/b.facts"); }, engine_b_));
+
+  // A's script wrapped the ring, rewound and committed partially.
+  const auto facts = ReadFacts(dir_ + "/a.facts");
+  EXPECT_GT(Number(facts, "committed"), kRingRows);
+  EXPECT_GE(Number(facts, "rebases"), 1u);
+  EXPECT_GE(Number(facts, "rewinds"), 1u);
+
+  // The checker's view: the daemon's lengths and ring bases, and the bytes A wrote, read
+  // through a mapping of A's arena in this process.
+  pb::GetSessionStateRequest request;
+  request.mutable_session()->set_session_id(Number(facts, "session_id"));
+  request.mutable_session()->set_session_token(absl::HexStringToBytes(facts.at("session_token")));
+  request.set_include_layout(true);
+  pb::SessionStateResponse view;
+  ASSERT_THAT(FromGrpcStatus(checker_->cache_stub().GetSessionState(checker_->NewContext().get(),
+                                                                    request, &view)),
+              IsOk());
+  EXPECT_EQ(view.state().committed_len(), Number(facts, "committed"));
+  bool ring_moved = false;
+  for (const pb::LayerState& layer : view.state().layers()) ring_moved |= layer.ring_base() > 0;
+  EXPECT_TRUE(ring_moved);
+  {
+    HostArenaMapper mapper;
+    std::vector<uint8_t*> bases;
+    for (const pb::Arena& arena : view.layout().arenas()) {
+      absl::StatusOr<void*> base = mapper.Map(arena.backend(), arena.handle(), arena.bytes());
+      ASSERT_THAT(base, IsOk());
+      bases.push_back(static_cast<uint8_t*>(*base));
+    }
+    EXPECT_THAT(VerifySession(view.layout(), view.state(), LayoutPlanes(view.layout(), bases),
+                              static_cast<uint8_t>(Number(facts, "recurrent_fill"))),
+                IsOk());
+  }
+  pb::GetStatusResponse before = Status();
+  EXPECT_EQ(before.sessions(), 2u);
+  ASSERT_NE(FindEngine(before, "engine-a"), nullptr);
+  ASSERT_NE(FindEngine(before, "engine-b"), nullptr);
+  const uint64_t b_bytes = FindEngine(before, "engine-b")->allocated_bytes();
+
+  // SIGKILL A: the stream breaks, and after the grace period everything of A is gone.
+  const std::string a_shm = "/dev/shm" + facts.at("arena_handle");
+  ASSERT_TRUE(Exists(a_shm)) << a_shm;
+  const absl::Time killed = absl::Now();
+  ASSERT_EQ(kill(engine_a_, SIGKILL), 0);
+  EXPECT_EQ(WaitExit(engine_a_), 128 + SIGKILL);
+  engine_a_ = -1;
+  ASSERT_TRUE(PollUntil([&] {
+    pb::GetStatusResponse now = Status();
+    return !Exists(a_shm) && FindEngine(now, "engine-a") == nullptr && now.sessions() == 1;
+  }));
+  std::printf("engine A reclaimed %s after SIGKILL (lease timeout %llu ms)\n",
+              absl::FormatDuration(absl::Now() - killed).c_str(),
+              static_cast<unsigned long long>(kLeaseTimeoutMs));
+  pb::GetStatusResponse after = Status();
+  EXPECT_EQ(after.allocated_bytes(), b_bytes);
+  EXPECT_EQ(after.arena_count(), 1u);
+
+  // B kept working all along and still verifies; it releases its session and exits 0.
+  std::ofstream(dir_ + "/b.stop").put('\n');
+  EXPECT_EQ(WaitExit(engine_b_), 0);
+  engine_b_ = -1;
+  const auto b_facts = ReadFacts(dir_ + "/b.facts");
+  EXPECT_FALSE(Exists("/dev/shm" + b_facts.at("arena_handle")));
+  pb::GetStatusResponse empty = Status();
+  EXPECT_EQ(empty.sessions(), 0u);
+  EXPECT_EQ(empty.allocated_bytes(), 0u);
+  EXPECT_EQ(empty.arena_count(), 0u);
+
+  // SIGTERM: drain (nothing left to wait for), free everything, exit 0, socket removed.
+  checker_.reset();
+  ASSERT_EQ(kill(daemon_, SIGTERM), 0);
+  EXPECT_EQ(WaitExit(daemon_), 0);
+  daemon_ = -1;
+  EXPECT_FALSE(Exists(socket_));
+}
+
+TEST_F(E2eTest, SigtermDrainsLiveSessionsThenFreesThem) {
+  engine_b_ = SpawnEngine("engine-b", {"--until=" + dir_ + "/b.stop", "--work"});
+  ASSERT_TRUE(PollUntil([&] { return Exists(dir_ + "/b.facts"); }, engine_b_));
+  const std::string b_shm = "/dev/shm" + ReadFacts(dir_ + "/b.facts").at("arena_handle");
+  ASSERT_EQ(kill(daemon_, SIGTERM), 0);
+  // Draining: new engines are refused, the live session keeps working.
+  ASSERT_TRUE(PollUntil([&] {
+    absl::StatusOr<pb::GetStatusResponse> status = checker_->GetStatus();
+    return status.ok() && status->draining();
+  }));
+  absl::StatusOr<std::unique_ptr<KvClient>> late = KvClient::Connect(socket_);
+  ASSERT_THAT(late, IsOk());
+  EXPECT_THAT((*late)->Attach("late"), StatusIs(absl::StatusCode::kUnavailable, ::testing::_));
+  late->reset();
+  // The engine finishes and releases; the drain ends and the daemon exits 0.
+  std::ofstream(dir_ + "/b.stop").put('\n');
+  EXPECT_EQ(WaitExit(engine_b_), 0);
+  engine_b_ = -1;
+  checker_.reset();
+  EXPECT_EQ(WaitExit(daemon_), 0);
+  daemon_ = -1;
+  EXPECT_FALSE(Exists(b_shm));
+  EXPECT_FALSE(Exists(socket_));
+}
+
+}  // namespace
+}  // namespace memra::testing

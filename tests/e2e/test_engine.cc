@@ -1,0 +1,105 @@
+// A small engine process for the end-to-end test: attaches to memra-kvd with the client
+// library, creates one session of the hybrid test plan, runs the deterministic script
+// (tests/e2e/engine_script.h) writing every row through its mapped planes, verifies itself,
+// publishes what a checker needs to --out, then holds its lease:
+//   --until=FILE   hold until FILE exists, then release the session and exit 0
+//   (no --until)   hold until killed
+//   --work         while holding, keep running transactions and re-verifying
+// Exit status 0 = every call and every check succeeded.
+
+#include <unistd.h>
+
+#include <cstdio>
+#include <fstream>
+#include <string>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/status/status.h"
+#include "absl/strings/escaping.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "client/client.h"
+#include "core/status_macros.h"
+#include "tests/e2e/engine_script.h"
+#include "tests/service/test_plans.h"
+
+ABSL_FLAG(std::string, socket, "", "memra-kvd's Unix socket path");
+ABSL_FLAG(std::string, name, "test-engine", "engine name shown by the daemon");
+ABSL_FLAG(std::string, out, "", "where to write the session facts (key=value lines)");
+ABSL_FLAG(std::string, until, "", "hold until this file exists (empty: until killed)");
+ABSL_FLAG(bool, work, false, "run transactions and re-verify while holding");
+
+namespace memra::testing {
+namespace {
+
+namespace pb = ::memra::kv::v1;
+
+absl::Status Verify(Session& session, uint8_t recurrent_fill) {
+  ASSIGN_OR_RETURN(pb::SessionState state, session.State());
+  return VerifySession(
+      session.layout(), state,
+      [&](uint32_t layer, PlaneKind kind) { return session.Plane(layer, kind); }, recurrent_fill);
+}
+
+absl::Status WriteFacts(const std::string& path, const Session& session,
+                        const ScriptResult& result) {
+  const std::string partial = path + ".partial";
+  {
+    std::ofstream out(partial);
+    out << "session_id=" << session.id() << "\n"
+        << "session_token=" << absl::BytesToHexString(session.ref().session_token()) << "\n"
+        << "committed=" << result.committed << "\n"
+        << "rebases=" << result.rebases << "\n"
+        << "rewinds=" << result.rewinds << "\n"
+        << "recurrent_fill=" << static_cast<int>(result.recurrent_fill) << "\n"
+        << "arena_handle=" << session.layout().arenas(0).handle() << "\n";
+    if (!out) return absl::InternalError(absl::StrCat("cannot write ", partial));
+  }
+  // Readers never see a half-written file.
+  if (rename(partial.c_str(), path.c_str()) != 0) {
+    return absl::InternalError(absl::StrCat("cannot rename ", partial));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Run() {
+  ASSIGN_OR_RETURN(std::unique_ptr<KvClient> client,
+                   KvClient::Connect(absl::GetFlag(FLAGS_socket)));
+  RETURN_IF_ERROR(client->Attach(absl::GetFlag(FLAGS_name)));
+  ASSIGN_OR_RETURN(PlanFingerprint plan, client->RegisterPlan(HybridTestPlan()));
+  SessionOptions options;
+  options.capacity = kE2eCapacity;
+  ASSIGN_OR_RETURN(std::unique_ptr<Session> session, client->CreateSession(plan, options));
+  ASSIGN_OR_RETURN(ScriptResult result, RunScript(*session));
+  RETURN_IF_ERROR(Verify(*session, result.recurrent_fill));
+  if (!absl::GetFlag(FLAGS_out).empty()) {
+    RETURN_IF_ERROR(WriteFacts(absl::GetFlag(FLAGS_out), *session, result));
+  }
+  const std::string until = absl::GetFlag(FLAGS_until);
+  for (uint64_t round = 0; until.empty() || access(until.c_str(), F_OK) != 0; ++round) {
+    if (!client->lease_alive()) return absl::UnavailableError("the daemon ended the lease");
+    if (absl::GetFlag(FLAGS_work)) {
+      RETURN_IF_ERROR(RunIdleRound(*session, round));
+      if (round % 10 == 0) RETURN_IF_ERROR(Verify(*session, result.recurrent_fill));
+    }
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  RETURN_IF_ERROR(Verify(*session, result.recurrent_fill));
+  RETURN_IF_ERROR(session->Release().status());
+  return absl::OkStatus();
+}
+
+}  // namespace
+}  // namespace memra::testing
+
+int main(int argc, char** argv) {
+  absl::ParseCommandLine(argc, argv);
+  absl::Status status = memra::testing::Run();
+  if (!status.ok()) {
+    std::fprintf(stderr, "test_engine %s: %s\n", absl::GetFlag(FLAGS_name).c_str(),
+                 status.ToString().c_str());
+    return 1;
+  }
+  return 0;
+}
