@@ -3,8 +3,10 @@
 // refusal with its code, and "a refused call changes nothing" checked by reading state back.
 
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -676,6 +678,259 @@ TEST_F(ServiceTest, FailedGrowCopyLeavesTheSessionAsItWas) {
   EXPECT_EQ(Snapshot(*session), before);
   EXPECT_EQ(host_->ArenaCount(), 1u);
   AppendAndCommit(*session, 1, 1);
+}
+
+// ---- Bad input: every RPC, out-of-range / missing / overflowing / wrong-state arguments ----
+
+class BadInputTest : public DaemonTest {
+ protected:
+  using Call = std::function<grpc::Status(pb::KvCache::Stub&, grpc::ClientContext*)>;
+  struct Case {
+    std::string name;
+    absl::StatusCode code;
+    Call call;
+  };
+
+  void SetUp() override {
+    DaemonTest::SetUp();
+    idle_ = NewSession(*client_, kCapacity);
+    open_ = NewSession(*client_, kCapacity);
+    ASSERT_NE(idle_, nullptr);
+    ASSERT_NE(open_, nullptr);
+    AppendAndCommit(*idle_, 10, 10);
+    AppendAndCommit(*open_, 10, 10);
+    absl::StatusOr<Transaction> tx = open_->Begin();
+    ASSERT_THAT(tx, IsOk());
+    open_generation_ = tx->generation;
+  }
+
+  void TearDown() override {
+    idle_.reset();  // sessions go before the client they call through
+    open_.reset();
+    DaemonTest::TearDown();
+  }
+
+  // Everything a refusal must leave alone: both sessions' states and the backend's accounting.
+  std::string World() {
+    return absl::StrCat(Snapshot(*idle_), "|", Snapshot(*open_), "|", host_->ArenaCount(), "|",
+                        host_->AllocatedBytes(), "|", daemon_->GetStatus().sessions(), "|",
+                        daemon_->GetStatus().plans());
+  }
+
+  void Expect(const std::vector<Case>& cases) {
+    for (const Case& c : cases) {
+      const std::string before = World();
+      std::unique_ptr<grpc::ClientContext> context = client_->NewContext();
+      EXPECT_THAT(FromGrpcStatus(c.call(client_->cache_stub(), context.get())), StatusIs(c.code, _))
+          << c.name;
+      EXPECT_EQ(World(), before) << c.name << " changed something";
+    }
+  }
+
+  template <typename Request>
+  static Request On(const Session& session) {
+    Request request;
+    *request.mutable_session() = session.ref();
+    return request;
+  }
+
+  std::unique_ptr<Session> idle_;
+  std::unique_ptr<Session> open_;  // a transaction is active, nothing prepared
+  uint64_t open_generation_ = 0;
+};
+
+constexpr uint64_t kMax = ~uint64_t{0};
+
+TEST_F(BadInputTest, SessionCallsRefuseAndChangeNothing) {
+  using S = pb::KvCache::Stub;
+  using C = grpc::ClientContext;
+  pb::SessionStateResponse state;
+  pb::BeginResponse begun;
+  pb::PrepareAppendResponse prepared;
+  pb::PublishAppendResponse published;
+  pb::CommitResponse committed;
+  pb::AbortResponse aborted;
+  pb::GrowResponse grown;
+  pb::CanRewindResponse can;
+  const Session& idle = *idle_;
+  const Session& open = *open_;
+  const uint64_t g = open_generation_;
+
+  auto rewind = [&](const Session& s, uint64_t target) {
+    auto r = On<pb::RewindRequest>(s);
+    r.set_target(target);
+    return r;
+  };
+  auto prepare = [&](const Session& s, uint64_t generation, uint64_t rows) {
+    auto r = On<pb::PrepareAppendRequest>(s);
+    r.set_generation(generation);
+    r.set_rows(rows);
+    return r;
+  };
+  auto generation = [&](const Session& s, uint64_t value) {
+    auto r = On<pb::GenerationRequest>(s);
+    r.set_generation(value);
+    return r;
+  };
+  auto commit = [&](const Session& s, uint64_t value, uint64_t accepted) {
+    auto r = On<pb::CommitRequest>(s);
+    r.set_generation(value);
+    r.set_accepted_rows(accepted);
+    return r;
+  };
+  auto grow = [&](const Session& s, uint64_t capacity) {
+    auto r = On<pb::GrowRequest>(s);
+    r.set_target_capacity(capacity);
+    return r;
+  };
+  auto rollback = [&](const Session& s, uint64_t accept) {
+    auto r = On<pb::SpecRollbackRequest>(s);
+    r.set_accept_len(accept);
+    return r;
+  };
+  pb::SessionRequest missing;  // no session at all
+  pb::SessionRequest no_token;
+  no_token.mutable_session()->set_session_id(idle.id());
+  pb::AcknowledgeGrowRequest ack = On<pb::AcknowledgeGrowRequest>(idle);
+  ack.set_layout_version(2);
+  pb::TaintRequest taint;
+  *taint.mutable_session() = no_token.session();
+  pb::GetSessionStateRequest unknown;
+  unknown.mutable_session()->set_session_id(kMax);
+
+  Expect({
+      {"Begin, missing session", absl::StatusCode::kNotFound,
+       [&](S& s, C* c) { return s.Begin(c, missing, &begun); }},
+      {"Begin, no token", absl::StatusCode::kPermissionDenied,
+       [&](S& s, C* c) { return s.Begin(c, no_token, &begun); }},
+      {"Begin, transaction already active", absl::StatusCode::kFailedPrecondition,
+       [&](S& s, C* c) { return s.Begin(c, On<pb::SessionRequest>(open), &begun); }},
+      {"PrepareAppend, no transaction", absl::StatusCode::kFailedPrecondition,
+       [&](S& s, C* c) { return s.PrepareAppend(c, prepare(idle, 1, 1), &prepared); }},
+      {"PrepareAppend, stale generation", absl::StatusCode::kFailedPrecondition,
+       [&](S& s, C* c) { return s.PrepareAppend(c, prepare(open, g - 1, 1), &prepared); }},
+      {"PrepareAppend, generation overflow", absl::StatusCode::kFailedPrecondition,
+       [&](S& s, C* c) { return s.PrepareAppend(c, prepare(open, kMax, 1), &prepared); }},
+      {"PrepareAppend, past capacity", absl::StatusCode::kInvalidArgument,
+       [&](S& s, C* c) { return s.PrepareAppend(c, prepare(open, g, kCapacity - 9), &prepared); }},
+      {"PrepareAppend, rows overflow", absl::StatusCode::kInvalidArgument,
+       [&](S& s, C* c) { return s.PrepareAppend(c, prepare(open, g, kMax), &prepared); }},
+      {"PublishAppend, nothing prepared", absl::StatusCode::kFailedPrecondition,
+       [&](S& s, C* c) { return s.PublishAppend(c, generation(open, g), &published); }},
+      {"PublishAppend, no transaction", absl::StatusCode::kFailedPrecondition,
+       [&](S& s, C* c) { return s.PublishAppend(c, generation(idle, kMax), &published); }},
+      {"Commit, no transaction", absl::StatusCode::kFailedPrecondition,
+       [&](S& s, C* c) { return s.Commit(c, commit(idle, 0, 0), &committed); }},
+      {"Commit, more rows than staged", absl::StatusCode::kInvalidArgument,
+       [&](S& s, C* c) { return s.Commit(c, commit(open, g, 1), &committed); }},
+      {"Commit, rows overflow", absl::StatusCode::kInvalidArgument,
+       [&](S& s, C* c) { return s.Commit(c, commit(open, g, kMax), &committed); }},
+      {"Abort, stale generation", absl::StatusCode::kFailedPrecondition,
+       [&](S& s, C* c) { return s.Abort(c, generation(open, g + 1), &aborted); }},
+      {"Rewind, past staged", absl::StatusCode::kInvalidArgument,
+       [&](S& s, C* c) { return s.Rewind(c, rewind(idle, 11), &state); }},
+      {"Rewind, overflow", absl::StatusCode::kInvalidArgument,
+       [&](S& s, C* c) { return s.Rewind(c, rewind(idle, kMax), &state); }},
+      {"CanRewind, no token", absl::StatusCode::kPermissionDenied,
+       [&](S& s, C* c) {
+         pb::RewindRequest r;
+         *r.mutable_session() = no_token.session();
+         return s.CanRewind(c, r, &can);
+       }},
+      {"SpecSnapshot, during a transaction", absl::StatusCode::kFailedPrecondition,
+       [&](S& s, C* c) { return s.SpecSnapshot(c, On<pb::SessionRequest>(open), &state); }},
+      {"SpecRollback, no snapshot", absl::StatusCode::kFailedPrecondition,
+       [&](S& s, C* c) { return s.SpecRollback(c, rollback(idle, 0), &state); }},
+      {"SpecRollback, overflow", absl::StatusCode::kFailedPrecondition,
+       [&](S& s, C* c) { return s.SpecRollback(c, rollback(idle, kMax), &state); }},
+      {"Grow, not larger", absl::StatusCode::kInvalidArgument,
+       [&](S& s, C* c) { return s.Grow(c, grow(idle, kCapacity), &grown); }},
+      {"Grow, zero", absl::StatusCode::kInvalidArgument,
+       [&](S& s, C* c) { return s.Grow(c, grow(idle, 0), &grown); }},
+      {"Grow, past the i32 mirrors", absl::StatusCode::kInvalidArgument,
+       [&](S& s, C* c) { return s.Grow(c, grow(idle, uint64_t{1} << 40), &grown); }},
+      {"Grow, overflow", absl::StatusCode::kInvalidArgument,
+       [&](S& s, C* c) { return s.Grow(c, grow(idle, kMax), &grown); }},
+      {"Grow, during a transaction", absl::StatusCode::kFailedPrecondition,
+       [&](S& s, C* c) { return s.Grow(c, grow(open, 2 * kCapacity), &grown); }},
+      {"AcknowledgeGrow, no grow", absl::StatusCode::kFailedPrecondition,
+       [&](S& s, C* c) { return s.AcknowledgeGrow(c, ack, &state); }},
+      {"Taint, no token", absl::StatusCode::kPermissionDenied,
+       [&](S& s, C* c) { return s.Taint(c, taint, &state); }},
+      {"GetSessionState, unknown id", absl::StatusCode::kNotFound,
+       [&](S& s, C* c) { return s.GetSessionState(c, unknown, &state); }},
+      {"ResetSession, missing session", absl::StatusCode::kNotFound,
+       [&](S& s, C* c) { return s.ResetSession(c, missing, &state); }},
+  });
+}
+
+TEST_F(BadInputTest, CreateRegisterAndStepRefuseAndChangeNothing) {
+  using S = pb::KvCache::Stub;
+  using C = grpc::ClientContext;
+  // The engine token stays inside KvClient, so raw requests carry none: each case below is
+  // refused before, or because of, the missing token.
+  pb::CreateSessionRequest good;
+  good.mutable_engine()->set_engine_id(client_->engine_id());
+  good.set_plan_fingerprint(FingerprintToBytes(plan_));
+  good.set_capacity(kCapacity);
+  auto with = [&](auto edit) {
+    pb::CreateSessionRequest request = good;
+    edit(request);
+    return request;
+  };
+  pb::CreateSessionResponse created;
+  pb::RegisterPlanResponse registered;
+  pb::StepResponse stepped;
+  pb::RegisterPlanRequest empty_plan;
+  pb::RegisterPlanRequest bad_format;
+  *bad_format.mutable_plan() = ModelPlanToProto(HybridTestPlan());
+  bad_format.mutable_plan()->mutable_layers(0)->mutable_formats()->set_k(
+      static_cast<pb::KFormat>(17));
+  pb::StepRequest too_many;
+  for (int i = 0; i < 65537; ++i) *too_many.add_entries()->mutable_session() = idle_->ref();
+
+  Expect({
+      {"CreateSession, no engine token", absl::StatusCode::kPermissionDenied,
+       [&](S& s, C* c) { return s.CreateSession(c, good, &created); }},
+      {"CreateSession, missing engine", absl::StatusCode::kNotFound,
+       [&](S& s, C* c) {
+         return s.CreateSession(c, with([](auto& r) { r.clear_engine(); }), &created);
+       }},
+      {"CreateSession, missing fingerprint", absl::StatusCode::kInvalidArgument,
+       [&](S& s, C* c) {
+         return s.CreateSession(c, with([](auto& r) { r.clear_plan_fingerprint(); }), &created);
+       }},
+      {"RegisterPlan, empty plan", absl::StatusCode::kInvalidArgument,
+       [&](S& s, C* c) { return s.RegisterPlan(c, empty_plan, &registered); }},
+      {"RegisterPlan, unknown K format", absl::StatusCode::kInvalidArgument,
+       [&](S& s, C* c) { return s.RegisterPlan(c, bad_format, &registered); }},
+      {"Step, too many entries", absl::StatusCode::kInvalidArgument,
+       [&](S& s, C* c) { return s.Step(c, too_many, &stepped); }},
+  });
+  // Through the client (which holds the engine token): out-of-range session shapes.
+  for (auto [name, options] : std::vector<std::pair<std::string, SessionOptions>>{
+           {"capacity 0", Options(0)},
+           {"capacity past i32", Options(uint64_t{1} << 31)},
+           {"capacity overflow", Options(kMax)},
+           {"layer_lo past the plan", WithLayerLo(Options(kCapacity), 9)},
+       }) {
+    const std::string before = World();
+    EXPECT_THAT(client_->CreateSession(plan_, options),
+                StatusIs(absl::StatusCode::kInvalidArgument, _))
+        << name;
+    EXPECT_EQ(World(), before) << name;
+  }
+  SessionOptions hi_below_lo = Options(kCapacity);
+  hi_below_lo.layer_lo = 3;
+  hi_below_lo.layer_hi = 1;
+  SessionOptions tp = Options(kCapacity);
+  tp.tp_ranks = 3;  // 64 K elements are not divisible by 3
+  for (const SessionOptions& options : {hi_below_lo, tp}) {
+    const std::string before = World();
+    EXPECT_THAT(client_->CreateSession(plan_, options),
+                StatusIs(absl::StatusCode::kInvalidArgument, _));
+    EXPECT_EQ(World(), before);
+  }
 }
 
 }  // namespace
