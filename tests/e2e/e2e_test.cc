@@ -116,15 +116,25 @@ class E2eTest : public ::testing::Test {
     ASSERT_NE(mkdtemp(dir), nullptr);
     dir_ = dir;
     socket_ = dir_ + "/kvd.sock";
-    daemon_ = Spawn({Runfile("server/memra-kvd"), "--socket_path=" + socket_,
-                     absl::StrCat("--lease_timeout_ms=", kLeaseTimeoutMs),
-                     absl::StrCat("--lease_grace_ms=", kLeaseGraceMs), "--budget_bytes=256MiB",
-                     "--socket_mode=0600", "--watchdog=false"});
+  }
+
+  // Starts memra-kvd on socket_ with the test's lease settings, then `extra` flags.
+  void StartDaemon(const std::vector<std::string>& extra = {}) {
+    std::vector<std::string> args = {Runfile("server/memra-kvd"), "--socket_path=" + socket_,
+                                     "--budget_bytes=256MiB", "--socket_mode=0600",
+                                     "--watchdog=false"};
+    args.insert(args.end(), extra.begin(), extra.end());
+    daemon_ = Spawn(args);
     ASSERT_GT(daemon_, 0);
     ASSERT_TRUE(PollUntil([&] { return Exists(socket_); }, daemon_)) << "daemon never listened";
     absl::StatusOr<std::unique_ptr<KvClient>> checker = KvClient::Connect(socket_);
     ASSERT_THAT(checker, IsOk());
     checker_ = *std::move(checker);
+  }
+
+  static std::vector<std::string> LeaseFlags() {
+    return {absl::StrCat("--lease_timeout_ms=", kLeaseTimeoutMs),
+            absl::StrCat("--lease_grace_ms=", kLeaseGraceMs)};
   }
 
   void TearDown() override {
@@ -135,7 +145,9 @@ class E2eTest : public ::testing::Test {
         waitpid(pid, nullptr, 0);
       }
     }
-    for (const char* name : {"a.facts", "b.facts", "b.stop"}) unlink((dir_ + "/" + name).c_str());
+    for (const char* name : {"a.facts", "b.facts", "b.stop", "kvd.conf"}) {
+      unlink((dir_ + "/" + name).c_str());
+    }
     rmdir(dir_.c_str());
   }
 
@@ -162,6 +174,7 @@ class E2eTest : public ::testing::Test {
 };
 
 TEST_F(E2eTest, TwoEnginesBytesLeasesAndDrain) {
+  StartDaemon(LeaseFlags());
   engine_a_ = SpawnEngine("engine-a", {});
   engine_b_ = SpawnEngine("engine-b", {"--until=" + dir_ + "/b.stop", "--work"});
   ASSERT_TRUE(PollUntil([&] { return Exists(dir_ + "/a.facts"); }, engine_a_));
@@ -243,6 +256,7 @@ TEST_F(E2eTest, TwoEnginesBytesLeasesAndDrain) {
 }
 
 TEST_F(E2eTest, SigtermDrainsLiveSessionsThenFreesThem) {
+  StartDaemon(LeaseFlags());
   engine_b_ = SpawnEngine("engine-b", {"--until=" + dir_ + "/b.stop", "--work"});
   ASSERT_TRUE(PollUntil([&] { return Exists(dir_ + "/b.facts"); }, engine_b_));
   const std::string b_shm = "/dev/shm" + ReadFacts(dir_ + "/b.facts").at("arena_handle");
@@ -265,6 +279,51 @@ TEST_F(E2eTest, SigtermDrainsLiveSessionsThenFreesThem) {
   daemon_ = -1;
   EXPECT_FALSE(Exists(b_shm));
   EXPECT_FALSE(Exists(socket_));
+}
+
+TEST_F(E2eTest, ConfigErrorsExitWith78) {
+  EXPECT_EQ(WaitExit(Spawn({Runfile("server/memra-kvd"), "--socket_path=" + socket_,
+                            "--lease_timeout_ms=soon"})),
+            78);
+  std::ofstream(dir_ + "/kvd.conf") << "no_such_key = 1\n";
+  EXPECT_EQ(WaitExit(Spawn({Runfile("server/memra-kvd"), "--config=" + dir_ + "/kvd.conf",
+                            "--socket_path=" + socket_})),
+            78);
+  EXPECT_FALSE(Exists(socket_));
+}
+
+TEST_F(E2eTest, SighupAppliesReloadableKeysLive) {
+  const std::string config = dir_ + "/kvd.conf";
+  std::ofstream(config) << "lease_timeout_ms = 3000\nlog_level = \"info\"\n";
+  StartDaemon({"--config=" + config});
+  absl::StatusOr<std::unique_ptr<KvClient>> first = KvClient::Connect(socket_);
+  ASSERT_THAT(first, IsOk());
+  ASSERT_THAT((*first)->Attach("before-reload"), IsOk());
+  EXPECT_EQ((*first)->lease_timeout(), absl::Milliseconds(3000));
+  // lease_timeout_ms applies live; device needs a restart and is reported, not applied.
+  std::ofstream(config) << "lease_timeout_ms = 4500\nlog_level = \"debug\"\ndevice = 3\n";
+  ASSERT_EQ(kill(daemon_, SIGHUP), 0);
+  ASSERT_TRUE(PollUntil(
+      [&] {
+        absl::StatusOr<std::unique_ptr<KvClient>> next = KvClient::Connect(socket_);
+        return next.ok() && (*next)->Attach("after-reload").ok() &&
+               (*next)->lease_timeout() == absl::Milliseconds(4500);
+      },
+      daemon_));
+  // A reload that fails to parse keeps the running configuration.
+  std::ofstream(config) << "lease_timeout_ms = \"later\"\n";
+  ASSERT_EQ(kill(daemon_, SIGHUP), 0);
+  absl::SleepFor(absl::Milliseconds(100));
+  absl::StatusOr<std::unique_ptr<KvClient>> last = KvClient::Connect(socket_);
+  ASSERT_THAT(last, IsOk());
+  ASSERT_THAT((*last)->Attach("after-bad-reload"), IsOk());
+  EXPECT_EQ((*last)->lease_timeout(), absl::Milliseconds(4500));
+  first->reset();
+  last->reset();
+  checker_.reset();
+  ASSERT_EQ(kill(daemon_, SIGTERM), 0);
+  EXPECT_EQ(WaitExit(daemon_), 0);
+  daemon_ = -1;
 }
 
 }  // namespace
