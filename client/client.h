@@ -14,8 +14,10 @@
 //                    memra::KvClient::Connect("/run/memra-kv/gpu0.sock"));
 //   RETURN_IF_ERROR(client->Attach("my-engine"));
 //   ASSIGN_OR_RETURN(memra::PlanFingerprint plan, client->RegisterPlan(model_plan));
+//   memra::SessionOptions options;
+//   options.capacity = 8192;  // tokens
 //   ASSIGN_OR_RETURN(std::unique_ptr<memra::Session> session,
-//                    client->CreateSession(plan, {.capacity = 8192}));
+//                    client->CreateSession(plan, options));
 //   ASSIGN_OR_RETURN(memra::PlaneView k0, session->Plane(0, memra::PlaneKind::kKeys));
 //   ASSIGN_OR_RETURN(memra::Transaction tx, session->Begin());
 //   ASSIGN_OR_RETURN(memra::PreparedAppend append, session->PrepareAppend(tx.generation, 4));

@@ -2,6 +2,7 @@
 // fault-injecting wrapper, FakeClock for leases) and the real client library. Every RPC, every
 // refusal with its code, and "a refused call changes nothing" checked by reading state back.
 
+#include <cstdio>
 #include <cstring>
 #include <functional>
 #include <memory>
@@ -376,6 +377,49 @@ TEST_F(ServiceTest, StepRunsManySessionsWithIndependentResults) {
       IsOk());
   EXPECT_EQ(response.results(0).code(), static_cast<int>(absl::StatusCode::kInvalidArgument));
   EXPECT_THAT(response.results(0).message(), HasSubstr("names no operation"));
+}
+
+// Not a benchmark and no timing assertion: prints what one Step entry costs end to end (RPC,
+// lookup, core rules, mirror writes) so a regression to milliseconds is visible in the log.
+TEST_F(ServiceTest, StepCostPerSessionIsPrinted) {
+  constexpr int kSessions = 128;
+  constexpr int kRounds = 20;
+  std::vector<std::unique_ptr<Session>> sessions;
+  for (int i = 0; i < kSessions; ++i) {
+    sessions.push_back(NewSession(*client_, kCapacity, /*spec_snapshot=*/false));
+    ASSERT_NE(sessions.back(), nullptr);
+  }
+  StepBatch batch;
+  const absl::Time start = absl::Now();
+  for (int round = 0; round < kRounds; ++round) {
+    const uint64_t generation = round + 1;
+    for (int phase = 0; phase < 4; ++phase) {
+      batch.Clear();
+      for (const auto& session : sessions) {
+        switch (phase) {
+          case 0:
+            batch.Begin(*session);
+            break;
+          case 1:
+            batch.Prepare(*session, generation, 1);
+            break;
+          case 2:
+            batch.Publish(*session, generation);
+            break;
+          case 3:
+            batch.Commit(*session, generation, 1);
+            break;
+        }
+      }
+      absl::StatusOr<std::vector<StepOutcome>> outcomes = client_->Step(batch);
+      ASSERT_THAT(outcomes, IsOk());
+      for (const StepOutcome& outcome : *outcomes) ASSERT_THAT(outcome.status, IsOk());
+    }
+  }
+  const absl::Duration per_entry = (absl::Now() - start) / (kSessions * kRounds * 4);
+  std::printf("Step: %s per session entry (%d sessions x %d rounds x 4 calls)\n",
+              absl::FormatDuration(per_entry).c_str(), kSessions, kRounds);
+  EXPECT_EQ(StateOf(*sessions[0]).committed_len(), static_cast<uint64_t>(kRounds));
 }
 
 // ---- Rewind, spec decode ----
