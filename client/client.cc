@@ -26,6 +26,13 @@ Request ForSession(const pb::SessionRef& ref) {
   return request;
 }
 
+bool NamesArena(const pb::SessionLayout& layout, const std::string& handle) {
+  for (const pb::Arena& arena : layout.arenas()) {
+    if (arena.handle() == handle) return true;
+  }
+  return false;
+}
+
 PreparedAppend PreparedFromProto(const pb::PrepareAppendResponse& proto) {
   PreparedAppend out;
   out.generation = proto.generation();
@@ -264,10 +271,20 @@ Session::~Session() {
 absl::Status Session::Adopt(pb::SessionLayout layout) {
   std::vector<uint8_t*> bases;
   bases.reserve(layout.arenas_size());
-  for (const pb::Arena& arena : layout.arenas()) {
-    ASSIGN_OR_RETURN(void* base,
-                     client_->mapper().Map(arena.backend(), arena.handle(), arena.bytes()));
-    bases.push_back(static_cast<uint8_t*>(base));
+  for (int i = 0; i < layout.arenas_size(); ++i) {
+    const pb::Arena& arena = layout.arenas(i);
+    absl::StatusOr<void*> base =
+        client_->mapper().Map(arena.backend(), arena.handle(), arena.bytes());
+    if (!base.ok()) {
+      // Leave nothing mapped that no layout names (arenas already ours stay mapped).
+      for (int j = 0; j < i; ++j) {
+        if (!NamesArena(layout_, layout.arenas(j).handle())) {
+          (void)client_->mapper().Unmap(layout.arenas(j).handle());
+        }
+      }
+      return base.status();
+    }
+    bases.push_back(static_cast<uint8_t*>(*base));
   }
   layout_ = std::move(layout);
   arena_bases_ = std::move(bases);

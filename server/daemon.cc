@@ -381,9 +381,11 @@ Daemon::Daemon(DaemonConfig config, std::unique_ptr<DeviceBackend> backend, Cloc
 Daemon::~Daemon() { Shutdown(); }
 
 absl::Status Daemon::Start() {
-  absl::MutexLock lock(&mu_);
-  if (server_ != nullptr || shut_down_.load()) {
-    return absl::FailedPreconditionError("the daemon was already started");
+  {
+    absl::MutexLock lock(&mu_);
+    if (server_ != nullptr || shut_down_.load()) {
+      return absl::FailedPreconditionError("the daemon was already started");
+    }
   }
   RETURN_IF_ERROR(PrepareSocketPath(socket_path_));
   grpc::EnableDefaultHealthCheckService(true);
@@ -392,22 +394,30 @@ absl::Status Daemon::Start() {
   builder.AddListeningPort(absl::StrCat("unix:", socket_path_), grpc::InsecureServerCredentials());
   builder.RegisterService(cache_service_.get());
   builder.RegisterService(admin_service_.get());
-  server_ = builder.BuildAndStart();
-  if (server_ == nullptr) {
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  if (server == nullptr) {
     return absl::UnavailableError(absl::StrCat("could not listen on unix:", socket_path_,
                                                " (does the directory exist and is it writable?)"));
   }
-  absl::Status permissions = ApplySocketPermissions(start_config_, socket_path_);
-  if (!permissions.ok()) {
-    server_->Shutdown();
-    server_.reset();
+  // Calls may already be arriving: no lock is held while the server could wait for them.
+  if (absl::Status permissions = ApplySocketPermissions(start_config_, socket_path_);
+      !permissions.ok()) {
+    server->Shutdown();
     unlink(socket_path_.c_str());
     return permissions;
+  }
+  absl::Duration lease_timeout;
+  absl::Duration lease_grace;
+  {
+    absl::MutexLock lock(&mu_);
+    server_ = std::move(server);
+    lease_timeout = lease_timeout_;
+    lease_grace = lease_grace_;
   }
   lease_thread_ = std::thread([this] { LeaseLoop(); });
   spdlog::info("memra-kvd serving on unix:{} (backend {}, lease timeout {} ms, grace {} ms)",
                socket_path_, std::string(backend_->Name()),
-               absl::ToInt64Milliseconds(lease_timeout_), absl::ToInt64Milliseconds(lease_grace_));
+               absl::ToInt64Milliseconds(lease_timeout), absl::ToInt64Milliseconds(lease_grace));
   return absl::OkStatus();
 }
 

@@ -14,9 +14,12 @@
 #include "client/client.h"
 #include "gmock/gmock.h"
 #include "grpcpp/client_context.h"
+#include "grpcpp/create_channel.h"
+#include "grpcpp/security/credentials.h"
 #include "gtest/gtest.h"
 #include "server/codec.h"
 #include "server/grpc_status.h"
+#include "tests/service/health.grpc.pb.h"
 #include "tests/service/test_daemon.h"
 #include "tests/service/test_plans.h"
 #include "tests/status_matchers.h"
@@ -685,6 +688,24 @@ TEST_F(ServiceTest, DrainRefusesNewEnginesAndSessions) {
   EXPECT_THAT((*late)->Attach("late"), StatusIs(absl::StatusCode::kUnavailable, _));
   AppendAndCommit(*live, 2, 2);  // live sessions keep working while draining
   EXPECT_TRUE(daemon_->GetStatus().draining());
+}
+
+TEST_F(ServiceTest, HealthServiceTurnsNotServingOnDrain) {
+  auto channel = grpc::CreateChannel(absl::StrCat("unix:", daemon_->socket_path()),
+                                     grpc::InsecureChannelCredentials());
+  auto health = grpc::health::v1::Health::NewStub(channel);
+  auto check = [&] {
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+    grpc::health::v1::HealthCheckResponse response;
+    EXPECT_THAT(
+        FromGrpcStatus(health->Check(&context, grpc::health::v1::HealthCheckRequest(), &response)),
+        IsOk());
+    return response.status();
+  };
+  EXPECT_EQ(check(), grpc::health::v1::HealthCheckResponse::SERVING);
+  daemon_->Drain(absl::ZeroDuration());
+  EXPECT_EQ(check(), grpc::health::v1::HealthCheckResponse::NOT_SERVING);
 }
 
 // ---- Backend failures ----
