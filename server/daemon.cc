@@ -71,6 +71,12 @@ grpc::Status Reply(absl::string_view rpc, const absl::Status& status) {
 // A stale socket file (no daemon answers on it) is removed; a live one is refused.
 absl::Status PrepareSocketPath(const std::string& path) {
   struct stat st;
+  const std::string directory = path.substr(0, path.find_last_of('/'));
+  if (!directory.empty() && stat(directory.c_str(), &st) != 0) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("the socket's directory ", directory, " is not there (", strerror(errno),
+                     "); create it or pass --socket_path"));
+  }
   if (lstat(path.c_str(), &st) != 0) {
     if (errno == ENOENT) return absl::OkStatus();
     return PosixError(absl::StrCat("stat ", path), errno);

@@ -131,8 +131,8 @@ class Daemon {
   const std::string socket_path_;
   const DaemonConfig start_config_;
   const FormatDefaults format_defaults_;
-  std::unique_ptr<CacheService> cache_service_;
-  std::unique_ptr<AdminService> admin_service_;
+  const std::unique_ptr<CacheService> cache_service_;
+  const std::unique_ptr<AdminService> admin_service_;
 
   std::atomic<uint64_t> next_session_id_{1};
   std::atomic<bool> shut_down_{false};
