@@ -6,8 +6,6 @@
 // Every configuration key is also a flag (server/config.h); flags win over the file.
 // Exit status: 0 after a drain, 78 (EX_CONFIG) for a configuration error, 1 otherwise.
 
-#include <grp.h>
-
 #include <cstdio>
 #include <memory>
 #include <string>
@@ -22,10 +20,10 @@
 #include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "server/backend_factory.h"
 #include "server/clock.h"
 #include "server/config.h"
 #include "server/daemon.h"
-#include "server/host_backend.h"
 #include "server/lifecycle.h"
 #include "server/sd_notify.h"
 #include "spdlog/spdlog.h"
@@ -46,30 +44,6 @@ struct Events {
 
 void ApplyLogLevel(LogLevel level) {
   spdlog::set_level(static_cast<spdlog::level::level_enum>(level));
-}
-
-absl::StatusOr<std::unique_ptr<DeviceBackend>> MakeBackend(const DaemonConfig& config) {
-  if (config.backend != Backend::kHost) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("backend = \"", std::string(BackendName(config.backend)),
-                     "\": this memra-kvd was built with the host backend only"));
-  }
-  HostBackendOptions options;
-  options.total_bytes = config.budget_bytes;
-  options.mode = static_cast<mode_t>(config.shm_mode);
-  // One prefix per device: an operator sees whose objects they are.
-  options.name_prefix = absl::StrCat("memra-kv-gpu", config.device);
-  if (!config.shm_group.empty()) {
-    group* entry = getgrnam(config.shm_group.c_str());
-    if (entry == nullptr) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("shm_group = \"", config.shm_group, "\": no such group"));
-    }
-    options.group = entry->gr_gid;
-  }
-  absl::StatusOr<std::unique_ptr<HostBackend>> backend = HostBackend::Create(std::move(options));
-  if (!backend.ok()) return backend.status();
-  return std::unique_ptr<DeviceBackend>(*std::move(backend));
 }
 
 void PrintHelp(const char* argv0) {
