@@ -39,7 +39,7 @@ namespace {
 namespace pb = ::memra::kv::v1;
 
 constexpr absl::Duration kPatience = absl::Seconds(60);  // bound on every wait; never reached
-constexpr uint64_t kLeaseTimeoutMs = 2000;  // roomy: a loaded CI box must not expire B
+constexpr uint64_t kLeaseTimeoutMs = 2000;               // roomy: a loaded CI box must not expire B
 constexpr uint64_t kLeaseGraceMs = 200;
 constexpr uint64_t kRingRows = 4671;  // SwaRingRows(32, 6000)
 
@@ -279,6 +279,25 @@ TEST_F(E2eTest, SigtermDrainsLiveSessionsThenFreesThem) {
   daemon_ = -1;
   EXPECT_FALSE(Exists(b_shm));
   EXPECT_FALSE(Exists(socket_));
+}
+
+TEST_F(E2eTest, FrozenEngineLosesItsLeaseWhenHeartbeatsStop) {
+  StartDaemon(LeaseFlags());
+  engine_a_ = SpawnEngine("engine-a", {});
+  ASSERT_TRUE(PollUntil([&] { return Exists(dir_ + "/a.facts"); }, engine_a_));
+  const std::string a_shm = "/dev/shm" + ReadFacts(dir_ + "/a.facts").at("arena_handle");
+  // SIGSTOP keeps the connection open but stops the heartbeats: only the lease timeout can
+  // tell the daemon that this engine is gone.
+  ASSERT_EQ(kill(engine_a_, SIGSTOP), 0);
+  ASSERT_TRUE(PollUntil([&] {
+    pb::GetStatusResponse now = Status();
+    return !Exists(a_shm) && now.sessions() == 0 && now.engines() == 0;
+  }));
+  EXPECT_EQ(Status().allocated_bytes(), 0u);
+  // Thawed, the engine finds its lease gone and says so.
+  ASSERT_EQ(kill(engine_a_, SIGCONT), 0);
+  EXPECT_EQ(WaitExit(engine_a_), 1);
+  engine_a_ = -1;
 }
 
 TEST_F(E2eTest, ConfigErrorsExitWith78) {
