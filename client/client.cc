@@ -170,6 +170,9 @@ absl::StatusOr<std::unique_ptr<Session>> KvClient::CreateSession(const PlanFinge
   pb::CreateSessionRequest request;
   {
     absl::MutexLock lock(&mu_);
+    if (attach_stream_ == nullptr) {
+      return absl::FailedPreconditionError("CreateSession before Attach: sessions need a lease");
+    }
     *request.mutable_engine() = engine_;
   }
   request.set_plan_fingerprint(FingerprintToBytes(plan));

@@ -101,6 +101,10 @@ TEST_F(ServiceTest, AttachAnnouncesEngineLeaseAndBackend) {
   EXPECT_EQ(status->engine_status(0).engine_name(), "engine-a");
   EXPECT_TRUE(status->engine_status(0).lease_live());
   EXPECT_THAT(client_->Attach("again"), StatusIs(absl::StatusCode::kFailedPrecondition, _));
+  absl::StatusOr<std::unique_ptr<KvClient>> unattached = KvClient::Connect(daemon_->socket_path());
+  ASSERT_THAT(unattached, IsOk());
+  EXPECT_THAT((*unattached)->CreateSession(plan_, Options(kCapacity)),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("before Attach")));
 }
 
 TEST_F(ServiceTest, AttachMustOpenWithHello) {
