@@ -26,6 +26,11 @@
 //   ASSIGN_OR_RETURN(uint64_t committed, session->Commit(tx.generation, /*accepted_rows=*/3));
 //
 // A batched engine sends one Step() for all its sessions per decode step (StepBatch).
+//
+// Ordering: the daemon touches device memory in SpecSnapshot, SpecRollback, Grow and when it
+// writes the length/base mirrors (PublishAppend, Commit, Abort, Rewind, Reset). On the cuda
+// backend, finish (synchronize) the kernels that read or write those planes before such a call;
+// on the host backend the call order is the order.
 
 #include <atomic>
 #include <cstdint>

@@ -49,13 +49,6 @@ absl::StatusOr<std::string> RandomToken() {
   return token;
 }
 
-bool SameToken(absl::string_view a, absl::string_view b) {
-  if (a.size() != b.size()) return false;
-  unsigned char diff = 0;
-  for (size_t i = 0; i < a.size(); ++i) diff |= a[i] ^ b[i];
-  return diff == 0;
-}
-
 // The one place the daemon turns an absl::Status into its reply, logging every refusal once.
 grpc::Status Reply(absl::string_view rpc, const absl::Status& status) {
   if (!status.ok()) {
@@ -73,9 +66,9 @@ absl::Status PrepareSocketPath(const std::string& path) {
   struct stat st;
   const std::string directory = path.substr(0, path.find_last_of('/'));
   if (!directory.empty() && stat(directory.c_str(), &st) != 0) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("the socket's directory ", directory, " is not there (", strerror(errno),
-                     "); create it or pass --socket_path"));
+    return absl::FailedPreconditionError(absl::StrCat("the socket's directory ", directory,
+                                                      " is not there (", strerror(errno),
+                                                      "); create it or pass --socket_path"));
   }
   if (lstat(path.c_str(), &st) != 0) {
     if (errno == ENOENT) return absl::OkStatus();
@@ -607,7 +600,7 @@ absl::Status Daemon::CheckEngine(const pb::EngineRef& ref) const {
   if (it == engines_.end()) {
     return absl::NotFoundError(absl::StrCat("engine ", ref.engine_id(), " is not attached"));
   }
-  if (!SameToken(ref.engine_token(), it->second.token)) {
+  if (!TokensEqual(ref.engine_token(), it->second.token)) {
     return absl::PermissionDeniedError(
         absl::StrCat("wrong engine token for engine ", ref.engine_id()));
   }

@@ -115,13 +115,16 @@ DaemonSession::DaemonSession(Params params, DeviceBackend* backend, SessionState
 
 DaemonSession::~DaemonSession() { Release(); }
 
-bool DaemonSession::TokenMatches(absl::string_view token) const {
-  if (token.size() != params_.token.size()) return false;
+bool TokensEqual(absl::string_view a, absl::string_view b) {
+  if (a.size() != b.size()) return false;
   unsigned char diff = 0;
-  for (size_t i = 0; i < token.size(); ++i) diff |= token[i] ^ params_.token[i];
+  for (size_t i = 0; i < a.size(); ++i) diff |= a[i] ^ b[i];
   return diff == 0;
 }
 
+bool DaemonSession::TokenMatches(absl::string_view token) const {
+  return TokensEqual(token, params_.token);
+}
 void DaemonSession::UpdateArenaBytes() {
   uint64_t bytes = 0;
   if (!released_) {

@@ -44,6 +44,9 @@ struct EngineId {
   friend bool operator==(EngineId a, EngineId b) { return a.value == b.value; }
 };
 
+// Compares secrets in time independent of where they differ.
+bool TokensEqual(absl::string_view a, absl::string_view b);
+
 // Where a session's planes are: one exported arena per layout version.
 struct SessionLayoutVersion {
   uint64_t version = 0;
