@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "server/host_backend.h"
+#include "server/instance.h"
 
 namespace memra {
 namespace {
@@ -15,8 +16,7 @@ absl::StatusOr<std::unique_ptr<DeviceBackend>> MakeHostBackend(const DaemonConfi
   HostBackendOptions options;
   options.total_bytes = config.budget_bytes;
   options.mode = static_cast<mode_t>(config.shm_mode);
-  // One prefix per device: an operator sees whose objects they are.
-  options.name_prefix = absl::StrCat("memra-kv-gpu", config.device);
+  options.name_prefix = ShmPrefix(config);
   if (!config.shm_group.empty()) {
     group* entry = getgrnam(config.shm_group.c_str());
     if (entry == nullptr) {

@@ -13,7 +13,7 @@
 
 namespace memra {
 
-// host: a HostBackend of budget_bytes, shm objects "/memra-kv-gpu<device>-<random>" with shm_mode
+// host: a HostBackend of budget_bytes, shm objects "/<ShmPrefix(config)>-<random>" with shm_mode
 // and shm_group. cuda: a CudaBackend on `device` (FAILED_PRECONDITION without a usable device).
 // INVALID_ARGUMENT for a setting this build cannot honour (names the key).
 absl::StatusOr<std::unique_ptr<DeviceBackend>> MakeBackend(const DaemonConfig& config);

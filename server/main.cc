@@ -24,6 +24,7 @@
 #include "server/clock.h"
 #include "server/config.h"
 #include "server/daemon.h"
+#include "server/instance.h"
 #include "server/lifecycle.h"
 #include "server/sd_notify.h"
 #include "spdlog/spdlog.h"
@@ -136,6 +137,22 @@ int Run(int argc, char** argv) {
   }
   ApplyLogLevel(config->log_level);
 
+  // One daemon per socket; holding the lock makes every object under this socket's shm prefix a
+  // dead predecessor's, safe to remove before the backend creates the first new one.
+  absl::StatusOr<InstanceLock> lock = InstanceLock::Acquire(config->SocketPath());
+  if (!lock.ok()) {
+    spdlog::critical("{}", lock.status().ToString());
+    return 1;
+  }
+  if (config->backend == Backend::kHost) {
+    absl::StatusOr<size_t> removed = RemoveStaleShmObjects(ShmPrefix(*config));
+    if (!removed.ok()) {
+      spdlog::warn("stale shared-memory objects not removed: {}", removed.status().ToString());
+    } else if (*removed > 0) {
+      spdlog::warn("removed {} shared-memory objects a previous memra-kvd left in /dev/shm/{}-*",
+                   *removed, ShmPrefix(*config));
+    }
+  }
   absl::StatusOr<std::unique_ptr<DeviceBackend>> backend = MakeBackend(*config);
   if (!backend.ok()) {
     spdlog::critical("backend: {}", backend.status().ToString());

@@ -27,7 +27,9 @@
 #include "gmock/gmock.h"
 #include "grpcpp/client_context.h"
 #include "gtest/gtest.h"
+#include "server/config.h"
 #include "server/grpc_status.h"
+#include "server/instance.h"
 #include "tests/e2e/engine_script.h"
 #include "tests/status_matchers.h"
 
@@ -139,13 +141,19 @@ class E2eTest : public ::testing::Test {
 
   void TearDown() override {
     checker_.reset();
-    for (pid_t pid : {engine_a_, engine_b_, daemon_}) {
-      if (pid > 0 && waitpid(pid, nullptr, WNOHANG) == 0) {
+    for (pid_t pid : {engine_a_, engine_b_}) {
+      if (pid > 0) {
         kill(pid, SIGKILL);
         waitpid(pid, nullptr, 0);
       }
     }
-    for (const char* name : {"a.facts", "b.facts", "b.stop", "kvd.conf"}) {
+    // A daemon a test left running still gets the clean path (it frees and unlinks everything).
+    if (daemon_ > 0 && kill(daemon_, SIGTERM) == 0 && WaitExit(daemon_) < 0) {
+      kill(daemon_, SIGKILL);
+      waitpid(daemon_, nullptr, 0);
+    }
+    for (const char* name :
+         {"a.facts", "b.facts", "b.stop", "kvd.conf", "kvd.sock", "kvd.sock.lock"}) {
       unlink((dir_ + "/" + name).c_str());
     }
     rmdir(dir_.c_str());
@@ -298,6 +306,23 @@ TEST_F(E2eTest, FrozenEngineLosesItsLeaseWhenHeartbeatsStop) {
   ASSERT_EQ(kill(engine_a_, SIGCONT), 0);
   EXPECT_EQ(WaitExit(engine_a_), 1);
   engine_a_ = -1;
+}
+
+TEST_F(E2eTest, StartRemovesAPredecessorsStaleObjectsAndRefusesASecondDaemon) {
+  DaemonConfig config;
+  config.socket_path = socket_;
+  const std::string stale = absl::StrCat("/dev/shm/", ShmPrefix(config), "-", std::string(32, 'a'));
+  std::ofstream(stale).put('\n');  // what a crashed memra-kvd on this socket leaves behind
+  ASSERT_TRUE(Exists(stale));
+  StartDaemon(LeaseFlags());
+  EXPECT_FALSE(Exists(stale));
+  // A second daemon on the same socket stops at the instance lock, touching nothing.
+  EXPECT_EQ(WaitExit(Spawn({Runfile("server/memra-kvd"), "--socket_path=" + socket_})), 1);
+  EXPECT_THAT(checker_->GetStatus(), IsOk());
+  checker_.reset();
+  ASSERT_EQ(kill(daemon_, SIGTERM), 0);
+  EXPECT_EQ(WaitExit(daemon_), 0);
+  daemon_ = -1;
 }
 
 TEST_F(E2eTest, ConfigErrorsExitWith78) {
