@@ -289,6 +289,38 @@ TEST_F(E2eTest, SigtermDrainsLiveSessionsThenFreesThem) {
   EXPECT_FALSE(Exists(socket_));
 }
 
+// A drain that live sessions would hold open ends by itself after drain_grace_ms, or at once on
+// a second SIGTERM; either way every arena is freed and the daemon exits 0.
+TEST_F(E2eTest, DrainEndsAtTheGraceOrASecondSigterm) {
+  for (const bool second_sigterm : {false, true}) {
+    SCOPED_TRACE(second_sigterm ? "second SIGTERM" : "drain grace");
+    StartDaemon({second_sigterm ? "--drain_grace_ms=600000" : "--drain_grace_ms=300"});
+    engine_b_ = SpawnEngine("engine-b", {"--work"});  // never releases on its own
+    ASSERT_TRUE(PollUntil([&] { return Exists(dir_ + "/b.facts"); }, engine_b_));
+    const std::string b_shm = "/dev/shm" + ReadFacts(dir_ + "/b.facts").at("arena_handle");
+    unlink((dir_ + "/b.facts").c_str());
+    checker_.reset();
+    ASSERT_EQ(kill(daemon_, SIGTERM), 0);
+    if (second_sigterm) {
+      // Only once the first one has been taken: two queued signals may merge into one.
+      ASSERT_TRUE(PollUntil(
+          [&] {
+            absl::StatusOr<std::unique_ptr<KvClient>> probe = KvClient::Connect(socket_);
+            return probe.ok() && (*probe)->Attach("probe").code() == absl::StatusCode::kUnavailable;
+          },
+          daemon_));
+      ASSERT_EQ(kill(daemon_, SIGTERM), 0);
+    }
+    EXPECT_EQ(WaitExit(daemon_), 0);
+    daemon_ = -1;
+    EXPECT_FALSE(Exists(b_shm));
+    EXPECT_FALSE(Exists(socket_));
+    // The engine's next call fails (its lease and the daemon are gone): it exits 1.
+    EXPECT_EQ(WaitExit(engine_b_), 1);
+    engine_b_ = -1;
+  }
+}
+
 TEST_F(E2eTest, FrozenEngineLosesItsLeaseWhenHeartbeatsStop) {
   StartDaemon(LeaseFlags());
   engine_a_ = SpawnEngine("engine-a", {});
