@@ -169,6 +169,10 @@ class AdmissionLedger {
   std::optional<Reservation> FindReservation(ReservationId id) const;
   std::optional<Allocation> FindAllocation(AllocationId id) const;
 
+  // Every live entry, in id order (for listings: the admin service, memra-kvctl).
+  const std::map<ReservationId, Reservation>& reservations() const { return reservations_; }
+  const std::map<AllocationId, Allocation>& allocations() const { return allocations_; }
+
   // Identities: free() == budget() - reserved() - allocated() while usage <= budget, else 0.
   // reserved() == sum of live reservation bytes; allocated() == sum of live allocation bytes.
   uint64_t budget() const { return budget_; }

@@ -183,6 +183,9 @@ TEST(AdmissionLedgerTest, ReleaseOwnerFreesEverythingItHeld) {
   EXPECT_EQ(ledger.reservation_count(), 0u);
   EXPECT_EQ(ledger.allocation_count(), 1u);
   EXPECT_TRUE(ledger.FindAllocation(other).has_value());
+  ASSERT_EQ(ledger.allocations().size(), 1u);
+  EXPECT_EQ(ledger.allocations().begin()->first, other);
+  EXPECT_TRUE(ledger.reservations().empty());
 }
 
 TEST(AdmissionLedgerTest, IdsAreNeverReused) {

@@ -193,6 +193,25 @@ TEST(ImportHuggingFaceConfigTest, DsaIndexerPoolAndRingOptions) {
   EXPECT_EQ(Cost(flat).bytes_per_token, 150784u + 62 * 1024u);
 }
 
+TEST(ImportHuggingFaceConfigTest, IndexKpoolInTheFileWinsOverTheOption) {
+  constexpr char kGlmStyle[] = R"({"architectures": ["DeepseekV32ForCausalLM"],
+      "num_hidden_layers": 2, "kv_lora_rank": 512, "qk_rope_head_dim": 0,
+      "index_head_dim": 128, "index_kpool": 4})";
+  ImportOptions options;
+  options.index_pool = 8;
+  absl::StatusOr<ModelPlan> plan = ImportHuggingFaceConfig(kGlmStyle, options);
+  ASSERT_THAT(plan, IsOk());
+  EXPECT_EQ(plan->layers[1].latent_width, 512u);  // NoPE: no rope tail
+  EXPECT_EQ(plan->layers[1].index_pool, 4u);
+  options.index_pool = 0;
+  EXPECT_THAT(ImportHuggingFaceConfig(R"({"architectures": ["DeepseekV3ForCausalLM"],
+      "num_hidden_layers": 2, "kv_lora_rank": 512, "qk_rope_head_dim": 64,
+      "index_head_dim": 128})",
+                                      options),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstrs("index_pool: 0 (tokens per DSA pool key)")));
+}
+
 TEST(ImportHuggingFaceConfigTest, Qwen3NextHybridGeometry) {
   // Gated DeltaNet: conv 2 x 16 x 128 + 32 x 128 = 8192 channels, kernel 4, state
   // 32 x 128 x 128 = 524288 f32.
@@ -258,6 +277,17 @@ TEST(ImportHuggingFaceConfigTest, MalformedJson) {
                                              HasSubstrs("must be a JSON object, got array")));
   EXPECT_THAT(ImportText("{}"), StatusIs(absl::StatusCode::kInvalidArgument,
                                          HasSubstrs("missing required field architectures")));
+}
+
+// Every truncation of a real config is refused cleanly (no exception escapes, no crash).
+TEST(ImportHuggingFaceConfigTest, TruncatedConfigsAreRefused) {
+  const std::string text = ReadConfig("gemma-3-27b-it.json");
+  ASSERT_GT(text.size(), 100u);
+  for (size_t length = 0; length + 2 < text.size(); ++length) {
+    EXPECT_THAT(ImportText(text.substr(0, length)),
+                StatusIs(absl::StatusCode::kInvalidArgument, HasSubstrs("not valid JSON")))
+        << length;
+  }
 }
 
 TEST(ImportHuggingFaceConfigTest, UnsupportedArchitectureIsNamed) {
