@@ -207,7 +207,9 @@ inline constexpr uint64_t kPlaneAlignment = 256;
 // `granularity` = DeviceBackend::AllocationGranularity() (host: the page size; cuda: its granule).
 struct ArenaRounding {
   uint64_t alignment = kPlaneAlignment;
-  uint64_t granularity = 4096;
+  // No default on purpose: a guessed granularity would charge other bytes than the backend
+  // allocates. 0 (unset) is refused as INVALID_ARGUMENT by every query.
+  uint64_t granularity = 0;
 };
 
 struct CostReport {

@@ -433,6 +433,8 @@ TEST(SessionCostTest, InvalidRequestsAreInvalidArgument) {
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstrs("capacity 0")));
   EXPECT_THAT(SessionCost(test_plans::Llama3_8B(), defaults, AtCapacity(16), {256, 3000}),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstrs("granularity 3000")));
+  EXPECT_THAT(SessionCost(test_plans::Llama3_8B(), defaults, AtCapacity(16), ArenaRounding{}),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstrs("granularity 0")));
   EXPECT_THAT(SessionsThatFit(0, 100),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstrs("session cost of 0 bytes")));
 }
