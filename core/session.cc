@@ -260,6 +260,27 @@ absl::StatusOr<std::vector<PlaneCopy>> SessionState::SpecRollback(uint64_t accep
   return copies;
 }
 
+absl::Status SessionState::Hydrate(uint64_t logical_len,
+                                   absl::Span<const uint64_t> resident_starts) {
+  RETURN_IF_ERROR(EnsureUsable("hydrate"));
+  std::vector<uint64_t> starts(resident_starts.begin(), resident_starts.end());
+  if (starts.empty()) {
+    for (size_t i = 0; i < kv_.layer_count(); ++i) {
+      starts.push_back(kv_.ring(i).has_value()
+                           ? AlignedWindowStart(logical_len, kv_.ring(i)->window())
+                           : 0);
+    }
+  }
+  KvTransactionCache hydrated = kv_;
+  RETURN_IF_ERROR(hydrated.PublishHydration(logical_len, starts));
+  kv_ = std::move(hydrated);
+  pending_append_.reset();
+  spec_.reset();
+  SetLatentLengths(logical_len);
+  position_ = logical_len;
+  return absl::OkStatus();
+}
+
 absl::Status SessionState::Reset() {
   RETURN_IF_ERROR(EnsureUsable("reset"));
   const uint64_t next_generation = kv_.state().next_generation();

@@ -21,6 +21,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/types/span.h"
 #include "core/latent.h"
 #include "core/sizing.h"
 #include "core/transaction.h"
@@ -100,6 +101,14 @@ class SessionState {
   // Rolls back to snapshot length + accept_len; returns the copies snapshot buffers ->
   // recurrent state. Refuses (changing nothing) when a ring checkpoint was lapped.
   absl::StatusOr<std::vector<PlaneCopy>> SpecRollback(uint64_t accept_len);
+
+  // Makes a FRESH session hold `logical_len` rows the engine already wrote (e.g. reloaded from
+  // its own offload tier): each K/V layer resident from resident_starts[i] (flat layers 0; ring
+  // layers the physical row 0 of their live window); empty `resident_starts` takes, per ring
+  // layer, the aligned live window AlignedWindowStart(logical_len, window) the reference's
+  // restore_plan copies. Latent layers take logical_len with every whole pool's key final (the
+  // engine wrote them). The one way to publish rows without a transaction; refused otherwise.
+  absl::Status Hydrate(uint64_t logical_len, absl::Span<const uint64_t> resident_starts);
 
   // Back to a fresh session on the same planes (engines keep slots warm). Refused if tainted.
   absl::Status Reset();

@@ -220,6 +220,38 @@ TEST(Session, ResetEmptiesTheSessionButKeepsCountingGenerations) {
   EXPECT_EQ(next->generation, stale->generation + 1);
 }
 
+TEST(Session, HydrateFreshSessionDefaultsRingsToTheAlignedLiveWindow) {
+  SessionState session = MakeSession(10'000);
+  ASSERT_THAT(session.Hydrate(8762, {}), IsOk());
+  EXPECT_EQ(session.committed_len(), 8762u);
+  EXPECT_EQ(session.position(), 8762u);
+  EXPECT_EQ(session.kv().ring(1)->base(), (8762u - 31) & ~uint64_t{31});
+  EXPECT_EQ(session.latent()[0].len, 8762u);
+  EXPECT_EQ(session.latent()[0].index_pools_ready, 8762u / 4);
+  EXPECT_THAT(session.Mirrors(), Contains(MirrorValue{{1, PlaneKind::kLenMirror}, 8762}));
+  EXPECT_EQ(Step(session, 10, 10), 8772u) << "transactions continue from the hydrated length";
+}
+
+TEST(Session, HydrateRefusalsChangeNothing) {
+  SessionState session = MakeSession(10'000);
+  const uint64_t flat_not_at_zero[] = {1, 0};
+  EXPECT_THAT(session.Hydrate(100, flat_not_at_zero),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstrs("layer 0", "must start at absolute row zero, got 1")));
+  EXPECT_THAT(session.Hydrate(10'001, {}),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstrs("exceeds capacity 10000")));
+  const uint64_t lapped[] = {0, 0};
+  EXPECT_THAT(session.Hydrate(8762, lapped),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstrs("layer 1", "requires 8762 rows in a 4671-row ring")));
+  EXPECT_EQ(session.committed_len(), 0u);
+  EXPECT_EQ(session.latent()[0].len, 0u);
+  Step(session, 3, 3);
+  EXPECT_THAT(session.Hydrate(5, {}),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstrs("must be fresh")));
+  EXPECT_EQ(session.committed_len(), 3u);
+}
+
 TEST(Session, GrowCarriesEveryPlaneKindAndTheGeneration) {
   SessionState source = MakeSession(10'000, true, 1);
   Step(source, 4096, 4096);
