@@ -381,6 +381,17 @@ absl::StatusOr<pb::SessionState> Session::Rewind(uint64_t target) {
   return response.state();
 }
 
+absl::StatusOr<pb::SessionState> Session::Hydrate(uint64_t logical_len,
+                                                  const std::vector<uint64_t>& resident_starts) {
+  pb::HydrateRequest request = ForSession<pb::HydrateRequest>(ref_);
+  request.set_logical_len(logical_len);
+  request.mutable_resident_starts()->Add(resident_starts.begin(), resident_starts.end());
+  pb::SessionStateResponse response;
+  RETURN_IF_ERROR(
+      FromGrpcStatus(client_->cache_->Hydrate(client_->NewContext().get(), request, &response)));
+  return response.state();
+}
+
 absl::StatusOr<bool> Session::CanRewind(uint64_t target) {
   pb::RewindRequest request = ForSession<pb::RewindRequest>(ref_);
   request.set_target(target);

@@ -124,6 +124,10 @@ class Session {
 
   absl::StatusOr<memra::kv::v1::SessionState> Rewind(uint64_t target);
   absl::StatusOr<bool> CanRewind(uint64_t target);
+  // Fresh session only: publishes `logical_len` rows already written through the mapped planes.
+  // `resident_starts` per K/V layer (empty: flat 0, ring layers their aligned live window).
+  absl::StatusOr<memra::kv::v1::SessionState> Hydrate(
+      uint64_t logical_len, const std::vector<uint64_t>& resident_starts = {});
   absl::StatusOr<memra::kv::v1::SessionState> SpecSnapshot();
   absl::StatusOr<memra::kv::v1::SessionState> SpecRollback(uint64_t accept_len);
   // Empty again on the same arena: nothing is re-opened.

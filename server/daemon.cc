@@ -269,6 +269,15 @@ class Daemon::CacheService final : public pb::KvCache::Service {
                      [&](DaemonSession& session) { return session.Rewind(request->target()); });
   }
 
+  grpc::Status Hydrate(grpc::ServerContext*, const pb::HydrateRequest* request,
+                       pb::SessionStateResponse* response) override {
+    return OnSession("Hydrate", request->session(), response, [&](DaemonSession& session) {
+      return session.Hydrate(request->logical_len(),
+                             absl::Span<const uint64_t>(request->resident_starts().data(),
+                                                        request->resident_starts().size()));
+    });
+  }
+
   grpc::Status CanRewind(grpc::ServerContext*, const pb::RewindRequest* request,
                          pb::CanRewindResponse* response) override {
     absl::StatusOr<std::shared_ptr<DaemonSession>> session =

@@ -230,6 +230,14 @@ absl::Status DaemonSession::Rewind(uint64_t target) {
   return TaintAfter("Rewind", SyncMirrors());
 }
 
+absl::Status DaemonSession::Hydrate(uint64_t logical_len,
+                                    absl::Span<const uint64_t> resident_starts) {
+  absl::MutexLock lock(&mu_);
+  RETURN_IF_ERROR(CheckLive());
+  RETURN_IF_ERROR(state_.Hydrate(logical_len, resident_starts));
+  return TaintAfter("Hydrate", SyncMirrors());
+}
+
 absl::StatusOr<bool> DaemonSession::CanRewind(uint64_t target) {
   absl::MutexLock lock(&mu_);
   RETURN_IF_ERROR(CheckLive());

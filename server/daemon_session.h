@@ -24,6 +24,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/types/span.h"
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "core/formats.h"
@@ -95,6 +96,8 @@ class DaemonSession {
 
   absl::Status Rewind(uint64_t target) ABSL_LOCKS_EXCLUDED(mu_);
   absl::StatusOr<bool> CanRewind(uint64_t target) ABSL_LOCKS_EXCLUDED(mu_);
+  absl::Status Hydrate(uint64_t logical_len, absl::Span<const uint64_t> resident_starts)
+      ABSL_LOCKS_EXCLUDED(mu_);
   absl::Status SpecSnapshot() ABSL_LOCKS_EXCLUDED(mu_);
   absl::Status SpecRollback(uint64_t accept_len) ABSL_LOCKS_EXCLUDED(mu_);
   absl::Status Reset() ABSL_LOCKS_EXCLUDED(mu_);

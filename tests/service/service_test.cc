@@ -513,6 +513,36 @@ TEST_F(ServiceTest, RewindMovesLengthsAndMirrorsBackOnly) {
   EXPECT_EQ(Snapshot(*session), before);
 }
 
+TEST_F(ServiceTest, HydratePublishesWrittenRowsIntoAFreshSessionOnly) {
+  std::unique_ptr<Session> session = NewSession(*client_, kCapacity);
+  ASSERT_NE(session, nullptr);
+  const std::string fresh = Snapshot(*session);
+  EXPECT_THAT(session->Hydrate(kCapacity + 1),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("exceeds capacity 256")));
+  EXPECT_THAT(session->Hydrate(10, {1, 0}),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("must start at absolute row zero, got 1")));
+  EXPECT_THAT(session->Hydrate(10, {0}),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("names 1 resident starts for 2 layers")));
+  EXPECT_EQ(Snapshot(*session), fresh);
+
+  absl::StatusOr<pb::SessionState> hydrated = session->Hydrate(100);
+  ASSERT_THAT(hydrated, IsOk());
+  EXPECT_EQ(hydrated->committed_len(), 100u);
+  EXPECT_EQ(ReadMirror(*session, kFlatLayer, PlaneKind::kLenMirror), 100);
+  EXPECT_EQ(ReadMirror(*session, kLatentLayer, PlaneKind::kLenMirror), 100);
+  // The sliding layer keeps its aligned live window: (100 - 31) rounded down to 32 rows.
+  EXPECT_EQ(ReadMirror(*session, kSlidingLayer, PlaneKind::kBaseMirror), 64);
+
+  const std::string after = Snapshot(*session);
+  EXPECT_THAT(session->Hydrate(50),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("must be fresh")));
+  EXPECT_EQ(Snapshot(*session), after);
+  AppendAndCommit(*session, 4, 4);
+  EXPECT_EQ(ReadMirror(*session, kFlatLayer, PlaneKind::kLenMirror), 104);
+}
+
 TEST_F(ServiceTest, SpecRollbackRestoresRecurrentStateAndLengths) {
   std::unique_ptr<Session> session = NewSession(*client_, kCapacity);
   ASSERT_NE(session, nullptr);
