@@ -72,7 +72,9 @@ TEST(TransactionState, RollbackRestoresTheCommittedBoundary) {
   ASSERT_THAT(state.PublishFinalize(speculative, speculative.base_len), IsOk());
   EXPECT_EQ(state.committed_len(), 1u);
   EXPECT_EQ(state.staged_len(), 1u);
-  EXPECT_FALSE(state.Validate(speculative).ok());
+  EXPECT_THAT(state.Validate(speculative),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstrs("stale KV transaction generation 2 at base 1")));
 }
 
 // Reference: rejects_nested_stale_and_out_of_range_actions.
@@ -106,7 +108,9 @@ TEST(TransactionState, RewindResetsVisibilityAndInvalidatesAnActiveTransaction) 
   EXPECT_EQ(state.committed_len(), 1u);
   EXPECT_EQ(state.staged_len(), 1u);
   EXPECT_FALSE(state.active().has_value());
-  EXPECT_FALSE(state.Validate(transaction).ok());
+  EXPECT_THAT(state.Validate(transaction),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstrs("stale KV transaction generation 1 at base 0")));
   EXPECT_THAT(state.Rewind(9, 8), StatusIs(absl::StatusCode::kInvalidArgument,
                                            HasSubstrs("target 9 exceeds capacity 8")));
 }
