@@ -18,19 +18,12 @@
 namespace memra {
 namespace {
 
+using ::memra::testing::IsOkAndHolds;
 using ::memra::testing::HasSubstrs;
 using ::memra::testing::IsOk;
 using ::memra::testing::StatusIs;
 using ::testing::Eq;
 using ::testing::Optional;
-
-MATCHER_P(IsOkAndHolds, value_matcher, "is OK and holds a matching value") {
-  if (!arg.ok()) {
-    *result_listener << "status is " << arg.status();
-    return false;
-  }
-  return ::testing::ExplainMatchResult(value_matcher, *arg, result_listener);
-}
 
 constexpr uint64_t kGiB = uint64_t{1} << 30;
 constexpr uint64_t kMaxCapacity = std::numeric_limits<int32_t>::max();

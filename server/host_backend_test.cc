@@ -24,6 +24,7 @@
 namespace memra {
 namespace {
 
+using ::memra::testing::IsOkAndHolds;
 using ::memra::testing::HasSubstrs;
 using ::memra::testing::IsOk;
 using ::memra::testing::NewTestHostBackend;
@@ -36,15 +37,6 @@ using ::testing::HasSubstr;
 using ::testing::MatchesRegex;
 
 // tests/status_matchers.h has no value matcher yet; this is the one this file needs.
-MATCHER_P(IsOkAndHolds, expected, "is OK and holds " + ::testing::PrintToString(expected)) {
-  if (!arg.ok()) {
-    *result_listener << "status is " << arg.status();
-    return false;
-  }
-  *result_listener << "holds " << ::testing::PrintToString(*arg);
-  return *arg == expected;
-}
-
 constexpr uint64_t kMiB = uint64_t{1} << 20;
 constexpr uint64_t kMax = std::numeric_limits<uint64_t>::max();
 

@@ -27,6 +27,15 @@ MATCHER_P2(StatusIs, code, message_matcher,
                                        result_listener);
 }
 
+// For absl::StatusOr<T>: OK and the value matches `matcher` (a matcher or a plain value).
+MATCHER_P(IsOkAndHolds, matcher, "is OK and holds a matching value") {
+  if (!arg.ok()) {
+    *result_listener << "status is " << arg.status();
+    return false;
+  }
+  return ::testing::ExplainMatchResult(matcher, *arg, result_listener);
+}
+
 MATCHER(IsOk, "is OK") {
   const absl::Status& status = ::memra::testing::GetStatus(arg);
   *result_listener << "status is " << status;

@@ -30,6 +30,8 @@
 namespace memra::testing {
 namespace {
 
+using ::memra::testing::IsOkAndHolds;
+
 namespace pb = ::memra::kv::v1;
 using ::testing::_;
 using ::testing::ElementsAreArray;
@@ -37,14 +39,6 @@ using ::testing::HasSubstr;
 using ::testing::SizeIs;
 
 constexpr uint64_t kCapacity = 256;
-
-MATCHER_P(IsOkAndHolds, matcher, "is OK and holds a matching value") {
-  if (!arg.ok()) {
-    *result_listener << "status is " << arg.status();
-    return false;
-  }
-  return ::testing::ExplainMatchResult(matcher, *arg, result_listener);
-}
 
 SessionOptions WithLayerLo(SessionOptions options, uint32_t layer_lo) {
   options.layer_lo = layer_lo;
