@@ -10,8 +10,8 @@
 #include "core/status_macros.h"
 #include "grpcpp/create_channel.h"
 #include "grpcpp/security/credentials.h"
-#include "server/codec.h"
-#include "server/grpc_status.h"
+#include "common/codec.h"
+#include "common/grpc_status.h"
 
 namespace memra {
 namespace {

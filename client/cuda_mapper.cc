@@ -5,7 +5,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
-#include "server/cuda_errors.h"
+#include "common/cuda_errors.h"
 
 namespace memra {
 namespace {

@@ -10,8 +10,8 @@
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "core/status_macros.h"
-#include "server/errors.h"
-#include "server/mapped_region.h"
+#include "common/errors.h"
+#include "common/mapped_region.h"
 
 namespace memra {
 namespace {

@@ -9,7 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "core/status_macros.h"
-#include "server/cuda_errors.h"
+#include "common/cuda_errors.h"
 
 namespace memra {
 namespace {

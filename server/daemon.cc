@@ -20,9 +20,9 @@
 #include "grpcpp/server_builder.h"
 #include "proto/memra/kv/v1/admin.grpc.pb.h"
 #include "proto/memra/kv/v1/cache.grpc.pb.h"
-#include "server/codec.h"
-#include "server/errors.h"
-#include "server/grpc_status.h"
+#include "common/codec.h"
+#include "common/errors.h"
+#include "common/grpc_status.h"
 #include "spdlog/spdlog.h"
 
 namespace memra {

@@ -6,7 +6,7 @@
 #include "core/arena_layout.h"
 #include "core/checked_math.h"
 #include "core/status_macros.h"
-#include "server/codec.h"
+#include "common/codec.h"
 #include "spdlog/spdlog.h"
 
 namespace memra {

@@ -19,8 +19,8 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/string_view.h"
 #include "core/status_macros.h"
-#include "server/errors.h"
-#include "server/mapped_region.h"
+#include "common/errors.h"
+#include "common/mapped_region.h"
 
 namespace memra {
 namespace {

@@ -13,7 +13,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "server/errors.h"
+#include "common/errors.h"
 
 namespace memra {
 namespace {

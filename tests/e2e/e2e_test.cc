@@ -28,7 +28,7 @@
 #include "grpcpp/client_context.h"
 #include "gtest/gtest.h"
 #include "server/config.h"
-#include "server/grpc_status.h"
+#include "common/grpc_status.h"
 #include "server/instance.h"
 #include "tests/e2e/engine_script.h"
 #include "tests/status_matchers.h"

@@ -6,7 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "core/status_macros.h"
-#include "server/codec.h"
+#include "common/codec.h"
 #include "tests/service/test_plans.h"
 
 namespace memra::testing {

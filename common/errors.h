@@ -1,5 +1,5 @@
-#ifndef MEMRA_SERVER_ERRORS_H_
-#define MEMRA_SERVER_ERRORS_H_
+#ifndef MEMRA_COMMON_ERRORS_H_
+#define MEMRA_COMMON_ERRORS_H_
 
 // The one place an errno value becomes an absl::Status (the client's mapper uses it too).
 
@@ -16,4 +16,4 @@ absl::Status PosixError(std::string_view context, int err);
 
 }  // namespace memra
 
-#endif  // MEMRA_SERVER_ERRORS_H_
+#endif  // MEMRA_COMMON_ERRORS_H_

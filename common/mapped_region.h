@@ -1,5 +1,5 @@
-#ifndef MEMRA_SERVER_MAPPED_REGION_H_
-#define MEMRA_SERVER_MAPPED_REGION_H_
+#ifndef MEMRA_COMMON_MAPPED_REGION_H_
+#define MEMRA_COMMON_MAPPED_REGION_H_
 
 // Owners of the two POSIX resources an arena mapping needs (shared by the host backend and the
 // client's host mapper): a file descriptor and an mmap'd range.
@@ -52,4 +52,4 @@ class MappedRegion {
 
 }  // namespace memra
 
-#endif  // MEMRA_SERVER_MAPPED_REGION_H_
+#endif  // MEMRA_COMMON_MAPPED_REGION_H_

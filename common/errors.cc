@@ -1,4 +1,4 @@
-#include "server/errors.h"
+#include "common/errors.h"
 
 #include <cerrno>
 #include <cstring>

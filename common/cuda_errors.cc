@@ -1,4 +1,4 @@
-#include "server/cuda_errors.h"
+#include "common/cuda_errors.h"
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"

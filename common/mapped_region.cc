@@ -1,4 +1,4 @@
-#include "server/mapped_region.h"
+#include "common/mapped_region.h"
 
 #include <sys/mman.h>
 #include <unistd.h>
@@ -8,7 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "core/status_macros.h"
-#include "server/errors.h"
+#include "common/errors.h"
 
 namespace memra {
 namespace {

@@ -1,5 +1,5 @@
-#ifndef MEMRA_SERVER_CUDA_ERRORS_H_
-#define MEMRA_SERVER_CUDA_ERRORS_H_
+#ifndef MEMRA_COMMON_CUDA_ERRORS_H_
+#define MEMRA_COMMON_CUDA_ERRORS_H_
 
 // The one place a cudaError_t becomes an absl::Status (the client's CUDA mapper uses it too).
 
@@ -18,4 +18,4 @@ absl::Status CudaError(std::string_view context, cudaError_t err);
 
 }  // namespace memra
 
-#endif  // MEMRA_SERVER_CUDA_ERRORS_H_
+#endif  // MEMRA_COMMON_CUDA_ERRORS_H_

@@ -1,4 +1,4 @@
-#include "server/cuda_errors.h"
+#include "common/cuda_errors.h"
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"

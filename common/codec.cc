@@ -1,4 +1,4 @@
-#include "server/codec.h"
+#include "common/codec.h"
 
 #include <cstring>
 #include <type_traits>

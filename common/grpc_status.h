@@ -1,5 +1,5 @@
-#ifndef MEMRA_SERVER_GRPC_STATUS_H_
-#define MEMRA_SERVER_GRPC_STATUS_H_
+#ifndef MEMRA_COMMON_GRPC_STATUS_H_
+#define MEMRA_COMMON_GRPC_STATUS_H_
 
 // absl::Status <-> grpc::Status: the one place each conversion happens (the daemon's replies,
 // the client library's results). The codes are the same numbers (both are google.rpc.Code).
@@ -14,4 +14,4 @@ absl::Status FromGrpcStatus(const grpc::Status& status);
 
 }  // namespace memra
 
-#endif  // MEMRA_SERVER_GRPC_STATUS_H_
+#endif  // MEMRA_COMMON_GRPC_STATUS_H_

@@ -1,5 +1,5 @@
-#ifndef MEMRA_SERVER_CODEC_H_
-#define MEMRA_SERVER_CODEC_H_
+#ifndef MEMRA_COMMON_CODEC_H_
+#define MEMRA_COMMON_CODEC_H_
 
 // Conversions between core's value types and their memra.kv.v1 messages: the one place either
 // side of the wire (the daemon and the client library) turns one into the other. Proto enums
@@ -36,4 +36,4 @@ absl::StatusOr<PlanFingerprint> FingerprintFromBytes(const std::string& bytes);
 
 }  // namespace memra
 
-#endif  // MEMRA_SERVER_CODEC_H_
+#endif  // MEMRA_COMMON_CODEC_H_
