@@ -3,7 +3,7 @@
 # the example config. Idempotent: running it again rewrites the same files; it never touches an
 # operator's /etc/memra-kv/gpu<N>.conf.
 #
-# Usage: deploy/install.sh [--allow-missing-binaries]
+# Usage: bazel build //server:memra-kvd //tools:memra-kvctl && deploy/install.sh
 #
 # Environment:
 #   DESTDIR     staging root (packaging, tests). When set, nothing is activated: no users are
@@ -15,17 +15,14 @@
 #               SERVER_BIN_DIR (default bazel-bin/server) and memra-kvctl from TOOLS_BIN_DIR
 #               (default bazel-bin/tools); those defaults are relative to the repository root.
 #
-# --allow-missing-binaries: install the rest when a binary is not built (says which); without it
-# a missing binary is an error and nothing is installed.
+# Both binaries are required: a missing one is an error and nothing is installed.
 set -euo pipefail
 
 usage() { sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; }
 die() { echo "install.sh: $*" >&2; exit 1; }
 
-allow_missing=0
 for arg in "$@"; do
   case "$arg" in
-    --allow-missing-binaries) allow_missing=1 ;;
     -h|--help) usage; exit 0 ;;
     *) die "unknown argument '$arg' (see --help)" ;;
   esac
@@ -55,13 +52,10 @@ done
 binaries=()
 for pair in "memra-kvd:$SERVER_BIN_DIR" "memra-kvctl:$TOOLS_BIN_DIR"; do
   name="${pair%%:*}" dir="${pair#*:}"
-  if [[ -f "$dir/$name" && -x "$dir/$name" ]]; then
-    binaries+=("$dir/$name")
-  elif (( allow_missing )); then
-    echo "install.sh: skipping $name: no executable $dir/$name (--allow-missing-binaries)"
-  else
-    die "no executable $dir/$name; build it, set BIN_DIR, or pass --allow-missing-binaries"
-  fi
+  [[ -f "$dir/$name" && -x "$dir/$name" ]] ||
+    die "no executable $dir/$name; build both (bazel build //server:memra-kvd" \
+        "//tools:memra-kvctl) or set BIN_DIR"
+  binaries+=("$dir/$name")
 done
 
 root="$DESTDIR"
@@ -69,7 +63,7 @@ unit_dir="$PREFIX/lib/systemd/system"
 sysusers_dir="$PREFIX/lib/sysusers.d"
 tmpfiles_dir="$PREFIX/lib/tmpfiles.d"
 
-for binary in ${binaries[@]+"${binaries[@]}"}; do
+for binary in "${binaries[@]}"; do
   install -D -m 0755 "$binary" "$root$PREFIX/bin/$(basename "$binary")"
 done
 
@@ -103,4 +97,5 @@ cat <<EOF
 install.sh: next, for GPU 0:
   cp $SYSCONFDIR/memra-kv/gpu0.conf.example $SYSCONFDIR/memra-kv/gpu0.conf   # then edit
   systemctl enable --now memra-kvd@0
+  memra-kvctl --gpu=0 status
 EOF

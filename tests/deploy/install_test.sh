@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # deploy/install.sh into temporary roots: the installed tree, file modes, idempotence, PREFIX,
-# missing binaries, that nothing is activated under DESTDIR, and that the sysusers/tmpfiles
-# snippets do what they say when systemd's tools apply them to the temporary root.
+# missing binaries, the real built binaries found in bazel-bin by default, that nothing is
+# activated under DESTDIR, and that the sysusers/tmpfiles snippets do what they say when
+# systemd's tools apply them to the temporary root.
 set -euo pipefail
 source "${TEST_SRCDIR}/memra_kv/tests/deploy/lib.sh"
+REAL_KVD="${TEST_SRCDIR}/memra_kv/server/memra-kvd"
+REAL_KVCTL="${TEST_SRCDIR}/memra_kv/tools/memra-kvctl"
 
 # Spies for the activation commands: with DESTDIR set, install.sh must call none of them.
 real_sysusers="$(command -v systemd-sysusers)" || fail "systemd-sysusers not installed"
@@ -75,24 +78,44 @@ grep -qx 'ExecStart=/usr/local/bin/memra-kvd --config=/opt/memra/etc/memra-kv/gp
 ! grep -q '/usr/bin/memra-kvd' "$unit" || fail "unit still names /usr/bin/memra-kvd"
 
 echo "--- a missing binary stops the install before anything is written"
-mkdir -p "$TEST_DIR/empty-bin"
+mkdir -p "$TEST_DIR/empty-bin" "$TEST_DIR/kvd-only-bin"
+cp "$TEST_DIR/fake-bin/memra-kvd" "$TEST_DIR/kvd-only-bin/"
 missing_root="$TEST_DIR/missing-root"
-if DESTDIR="$missing_root" BIN_DIR="$TEST_DIR/empty-bin" bash "$DEPLOY_DIR/install.sh" \
-    >"$TEST_DIR/out" 2>&1; then
-  fail "install without binaries succeeded"
-fi
-grep -q "no executable $TEST_DIR/empty-bin/memra-kvd" "$TEST_DIR/out" ||
-  fail "message does not name the missing binary: $(cat "$TEST_DIR/out")"
-grep -q -- "--allow-missing-binaries" "$TEST_DIR/out" || fail "message does not name the flag"
-[[ ! -e "$missing_root" ]] || fail "a failed install wrote files: $(find "$missing_root")"
+for bin_dir in empty-bin kvd-only-bin; do
+  if DESTDIR="$missing_root" BIN_DIR="$TEST_DIR/$bin_dir" bash "$DEPLOY_DIR/install.sh" \
+      >"$TEST_DIR/out" 2>&1; then
+    fail "install from $bin_dir succeeded"
+  fi
+  missing=memra-kvd
+  [[ "$bin_dir" == kvd-only-bin ]] && missing=memra-kvctl
+  want="no executable $TEST_DIR/$bin_dir/$missing; build both"
+  want+=" (bazel build //server:memra-kvd //tools:memra-kvctl) or set BIN_DIR"
+  grep -qF "$want" "$TEST_DIR/out" || fail "message does not name the missing $missing: $(cat "$TEST_DIR/out")"
+  [[ ! -e "$missing_root" ]] || fail "a failed install wrote files: $(find "$missing_root")"
+done
 
-echo "--- --allow-missing-binaries installs the rest and says what it skipped"
-DESTDIR="$missing_root" BIN_DIR="$TEST_DIR/empty-bin" bash "$DEPLOY_DIR/install.sh" \
-  --allow-missing-binaries >"$TEST_DIR/out" 2>&1 || fail "install failed: $(cat "$TEST_DIR/out")"
-grep -q "skipping memra-kvd: no executable" "$TEST_DIR/out" || fail "memra-kvd skip not reported"
-grep -q "skipping memra-kvctl: no executable" "$TEST_DIR/out" || fail "memra-kvctl skip not reported"
-[[ ! -e "$missing_root/usr/bin" ]] || fail "binaries installed from an empty BIN_DIR"
-[[ -f "$missing_root/usr/lib/systemd/system/memra-kvd@.service" ]] || fail "unit not installed"
+echo "--- by default, the real binaries from bazel-bin/server and bazel-bin/tools"
+# A checkout's layout: deploy/ beside bazel-bin/, holding what bazel build made.
+repo="$TEST_DIR/repo"
+mkdir -p "$repo/deploy" "$repo/bazel-bin/server" "$repo/bazel-bin/tools"
+cp -RL "$DEPLOY_DIR/." "$repo/deploy/"
+cp -L "$REAL_KVD" "$repo/bazel-bin/server/memra-kvd"
+cp -L "$REAL_KVCTL" "$repo/bazel-bin/tools/memra-kvctl"
+real_root="$TEST_DIR/real-root"
+DESTDIR="$real_root" bash "$repo/deploy/install.sh" >"$TEST_DIR/out" 2>&1 ||
+  fail "install from bazel-bin failed: $(cat "$TEST_DIR/out")"
+cmp -s "$real_root/usr/bin/memra-kvd" "$REAL_KVD" || fail "memra-kvd is not the built daemon"
+cmp -s "$real_root/usr/bin/memra-kvctl" "$REAL_KVCTL" || fail "memra-kvctl is not the built CLI"
+expect_mode "$real_root" usr/bin/memra-kvctl 755
+# The installed CLI runs: it teaches, and names an absent daemon's socket with exit code 3.
+"$real_root/usr/bin/memra-kvctl" help | grep -q "^Exit codes:" || fail "installed memra-kvctl help"
+set +e
+"$real_root/usr/bin/memra-kvctl" status --socket="$TEST_DIR/absent.sock" 2>"$TEST_DIR/out"
+code=$?
+set -e
+[[ "$code" == 3 ]] || fail "memra-kvctl on an absent socket exited $code, want 3: $(cat "$TEST_DIR/out")"
+grep -q "cannot reach memra-kvd at unix:$TEST_DIR/absent.sock" "$TEST_DIR/out" ||
+  fail "$(cat "$TEST_DIR/out")"
 
 echo "--- bad arguments"
 if install_into "$TEST_DIR/bad" --frobnicate >"$TEST_DIR/out" 2>&1; then fail "unknown flag accepted"; fi
