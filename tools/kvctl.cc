@@ -28,13 +28,13 @@
 #include "absl/strings/strip.h"
 #include "common/errors.h"
 #include "common/grpc_status.h"
+#include "core/admission.h"
 #include "core/status_macros.h"
 #include "google/protobuf/util/json_util.h"
 #include "grpcpp/client_context.h"
 #include "grpcpp/create_channel.h"
 #include "grpcpp/security/credentials.h"
 #include "proto/memra/kv/v1/admin.grpc.pb.h"
-#include "proto/memra/kv/v1/cache.pb.h"
 #include "tools/text_format.h"
 
 namespace memra::kvctl {
@@ -66,7 +66,8 @@ constexpr FlagSpec kModelFlag{"--model", "FINGERPRINT",
                               "prints) or the base64 --json prints"};
 constexpr FlagSpec kHfConfigFlag{"--hf-config", "PATH",
                                  "a Hugging Face config.json on this machine (sent as text; "
-                                 "imported with default options, not registered)"};
+                                 "imported with default options, not registered: for the SWA "
+                                 "ring, import-model --swa-ring --register, then --model)"};
 constexpr FlagSpec kPlanFlag{
     "--plan", "PATH", "a ModelPlan in protobuf JSON (e.g. `import-model --json | jq .plan`)"};
 
@@ -158,10 +159,12 @@ const std::vector<CommandSpec>& Commands() {
        "formula.",
        "memra-kvctl cost --hf-config=llama-3.1-8b/config.json --context=32k",
        "cost: THE number, what admission charges and the backend allocates (arena bytes).\n"
-       "per token: bytes one more token of context adds: full-attention K/V + sliding K/V +\n"
-       "MLA latent (and indexer); sliding rows stop growing at the ring row cap. fixed: length\n"
-       "mirrors, recurrent state, ring pads, snapshots. planes = fixed + the per-token rows at\n"
-       "this context; cost rounds planes up to plane alignment and the backend's granularity."},
+       "per token: what one more token of context adds at this context. full K/V, sliding K/V\n"
+       "and latent (MLA, with its indexer): each class's bytes a token; sliding rows stop at the\n"
+       "ring's cap, and once the context passes it their bytes count in fixed. fixed: what does\n"
+       "not scale with the context (mirrors, recurrent state, pads, snapshots, full rings).\n"
+       "planes = fixed + per token x context; cost rounds planes up to plane alignment and the\n"
+       "backend's granularity."},
       {"fit", "how many sessions of a context fit now, after eviction, when empty",
        "(--model=FINGERPRINT | --hf-config=PATH | --plan=PATH) --context=TOKENS\n"
        "    [--layers=LO:HI] [--tp=N] [--spec-snapshot]",
@@ -535,36 +538,37 @@ absl::StatusOr<Connection> Connect(const Invocation& invocation) {
   return connection;
 }
 
-std::string RefusalDetails(const grpc::Status& status) {
-  pb::StatusDetails details;
-  if (status.error_details().empty() || !details.ParseFromString(status.error_details()) ||
-      !details.has_admission_refusal()) {
-    return "";
-  }
-  const pb::AdmissionRefusal& refusal = details.admission_refusal();
-  FieldList fields;
-  fields.Add("  needed", FormatBytes(refusal.needed_bytes()))
-      .Add("  free", FormatBytes(refusal.free_bytes()))
-      .Add("  evictable", FormatBytes(refusal.evictable_bytes()))
-      .Add("  budget", FormatBytes(refusal.budget_bytes()))
-      .Add("  to evict", refusal.bytes_to_evict() > 0
-                             ? FormatBytes(refusal.bytes_to_evict())
-                             : "0 B (it does not fit even after evicting the prefix cache)");
-  return fields.Render();
+// The admission numbers a RESOURCE_EXHAUSTED refusal carries (FromGrpcStatus restores them from
+// the wire's StatusDetails), one per line; "" for any other status.
+std::string RefusalDetails(const absl::Status& status) {
+  const std::optional<AdmissionRefusal> refusal = GetAdmissionRefusal(status);
+  if (!refusal.has_value()) return "";
+  return FieldList()
+      .Add("  needed", FormatBytes(refusal->needed))
+      .Add("  free", FormatBytes(refusal->free))
+      .Add("  evictable", FormatBytes(refusal->evictable))
+      .Add("  budget", FormatBytes(refusal->budget))
+      .Add("  to evict", refusal->bytes_to_evict > 0
+                             ? FormatBytes(refusal->bytes_to_evict)
+                             : "0 B (it does not fit even after evicting the prefix cache)")
+      .Render();
 }
 
 // Prints a failed call and says which exit code it is.
 int ReportCallFailure(const Invocation& invocation, absl::string_view method,
-                      const grpc::Status& status, std::ostream& err) {
-  const absl::Status absl_status = FromGrpcStatus(status);
-  const absl::StatusCode code = absl_status.code();
-  if (code == absl::StatusCode::kUnavailable || code == absl::StatusCode::kDeadlineExceeded) {
+                      const grpc::Status& grpc_status, std::ostream& err) {
+  const absl::Status status = FromGrpcStatus(grpc_status);
+  // Code and message only: ToString() would also dump the payloads.
+  const std::string reason =
+      absl::StrCat(absl::StatusCodeToString(status.code()), ": ", status.message());
+  if (status.code() == absl::StatusCode::kUnavailable ||
+      status.code() == absl::StatusCode::kDeadlineExceeded) {
     err << "memra-kvctl: memra-kvd on " << invocation.socket_path << " did not answer " << method
-        << ": " << absl_status.ToString() << "\n  " << UnreachableHint(invocation.socket_path, code)
+        << ": " << reason << "\n  " << UnreachableHint(invocation.socket_path, status.code())
         << "\n";
     return kExitUnreachable;
   }
-  err << "memra-kvctl: memra-kvd refused " << method << ": " << absl_status.ToString() << "\n"
+  err << "memra-kvctl: memra-kvd refused " << method << ": " << reason << "\n"
       << RefusalDetails(status);
   return kExitRefused;
 }
@@ -961,13 +965,17 @@ std::string RenderCost(const pb::CostResponse& cost) {
              absl::StrCat(cost.capacity(), " tokens, ", Count(cost.layers(), "layer", "layers")));
   fields.Add("cost", absl::StrCat(FormatBytes(cost.arena_bytes()),
                                   "  (admission charges and the backend allocates this)"));
-  fields.Add("per token", FormatBytes(breakdown.bytes_per_token()));
-  fields.Add("  full K/V", FormatBytes(breakdown.kv_bytes_per_token()));
-  fields.Add("  sliding K/V", FormatBytes(breakdown.ring_bytes_per_token()));
-  fields.Add("  latent", FormatBytes(breakdown.latent_bytes_per_token()));
-  fields.Add("ring row cap", breakdown.ring_row_cap() == 0
-                                 ? "none (no ring)"
-                                 : absl::StrCat(breakdown.ring_row_cap(), " rows"));
+  fields.Add("per token", absl::StrCat(FormatBytes(breakdown.bytes_per_token()),
+                                       "  (what one more token adds at this context)"));
+  // The classes are coefficients: sliding rows stop scaling at the ring's cap, and past it
+  // their bytes are in `fixed`.
+  fields.Add("full K/V", absl::StrCat(FormatBytes(breakdown.kv_bytes_per_token()), " a token"));
+  fields.Add("sliding K/V", absl::StrCat(FormatBytes(breakdown.ring_bytes_per_token()), " a token",
+                                         breakdown.ring_row_cap() == 0
+                                             ? " (no ring)"
+                                             : absl::StrCat(", up to the ring's ",
+                                                            breakdown.ring_row_cap(), " rows")));
+  fields.Add("latent", absl::StrCat(FormatBytes(breakdown.latent_bytes_per_token()), " a token"));
   fields.Add("fixed", FormatBytes(breakdown.fixed_bytes()));
   fields.Add("planes", FormatBytes(breakdown.total_plane_bytes()));
   fields.Add("granularity", FormatBytes(cost.granularity_bytes()));
@@ -980,10 +988,11 @@ std::string RenderFit(const pb::FitResponse& fit, uint64_t context) {
               absl::StrCat(fit.sessions_after_eviction()), absl::StrCat(fit.sessions_when_empty()));
   outlook.Add("total tokens", absl::StrCat(fit.total_tokens_now()), "-",
               absl::StrCat(fit.total_tokens_when_empty()));
-  return absl::StrCat(
-      Ledger("session", absl::StrCat(FormatBytes(fit.session_bytes()), " at ", context, " tokens"),
-             fit.free_bytes(), fit.evictable_bytes(), fit.budget_bytes()),
-      "\n", outlook.Render());
+  return absl::StrCat(Ledger("session",
+                             absl::StrCat(FormatBytes(fit.session_bytes()), " at ",
+                                          Count(context, "token", "tokens")),
+                             fit.free_bytes(), fit.evictable_bytes(), fit.budget_bytes()),
+                      "\n", outlook.Render());
 }
 
 std::string RenderMaxContext(const pb::MaxContextResponse& max) {

@@ -490,7 +490,7 @@ pb::CostResponse CannedCost() {
   cost.set_arena_bytes(1610612736);
   cost.set_granularity_bytes(2 << 20);
   pb::CostBreakdown& breakdown = *cost.mutable_breakdown();
-  breakdown.set_bytes_per_token(45000);
+  breakdown.set_bytes_per_token(20000);
   breakdown.set_kv_bytes_per_token(20000);
   breakdown.set_ring_bytes_per_token(25000);
   breakdown.set_latent_bytes_per_token(0);
@@ -503,18 +503,22 @@ pb::CostResponse CannedCost() {
 TEST(RenderTest, CostFitMaxContext) {
   EXPECT_EQ(
       RenderCost(CannedCost()),
-      "model          gemma-3-27b-it\n"
-      "fingerprint    000102030405060708090a0b0c0d0e0f101112131415161718191a1b1c1d1e1f\n"
-      "context        32768 tokens, 62 layers\n"
-      "cost           1.50 GiB (1610612736 B)  (admission charges and the backend allocates this)\n"
-      "per token      43.95 KiB (45000 B)\n"
-      "  full K/V     19.53 KiB (20000 B)\n"
-      "  sliding K/V  24.41 KiB (25000 B)\n"
-      "  latent       0 B\n"
-      "ring row cap   1535 rows\n"
-      "fixed          120.56 KiB (123456 B)\n"
-      "planes         1.50 GiB (1609000000 B)\n"
-      "granularity    2.00 MiB (2097152 B)\n");
+      "model        gemma-3-27b-it\n"
+      "fingerprint  000102030405060708090a0b0c0d0e0f101112131415161718191a1b1c1d1e1f\n"
+      "context      32768 tokens, 62 layers\n"
+      "cost         1.50 GiB (1610612736 B)  (admission charges and the backend allocates this)\n"
+      "per token    19.53 KiB (20000 B)  (what one more token adds at this context)\n"
+      "full K/V     19.53 KiB (20000 B) a token\n"
+      "sliding K/V  24.41 KiB (25000 B) a token, up to the ring's 1535 rows\n"
+      "latent       0 B a token\n"
+      "fixed        120.56 KiB (123456 B)\n"
+      "planes       1.50 GiB (1609000000 B)\n"
+      "granularity  2.00 MiB (2097152 B)\n");
+
+  pb::CostResponse flat = CannedCost();
+  flat.mutable_breakdown()->set_ring_row_cap(0);
+  flat.mutable_breakdown()->set_ring_bytes_per_token(0);
+  EXPECT_THAT(RenderCost(flat), HasSubstr("\nsliding K/V  0 B a token (no ring)\n"));
 
   pb::FitResponse fit;
   fit.set_session_bytes(1610612736);
