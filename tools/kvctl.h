@@ -96,8 +96,8 @@ absl::StatusOr<std::string> HelpText(absl::string_view topic);
 // Reads the files an invocation names into the request's model selector.
 absl::StatusOr<kv::v1::ModelSelector> LoadModelSelector(const Invocation& invocation);
 
-// Human output of each answer (what the command prints without --json). `invocation` supplies
-// what the answer does not repeat (the socket, the context asked about).
+// Human output of each answer (what the command prints without --json); every line ends in
+// '\n'. RenderFit takes the context asked about, which FitResponse does not repeat.
 std::string RenderStatus(const kv::v1::GetStatusResponse& status);
 std::string RenderEngines(const kv::v1::ListEnginesResponse& engines);
 std::string RenderSessions(const kv::v1::ListSessionsResponse& sessions);
