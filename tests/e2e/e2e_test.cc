@@ -31,61 +31,17 @@
 #include "common/grpc_status.h"
 #include "server/instance.h"
 #include "tests/e2e/engine_script.h"
+#include "tests/e2e/process.h"
 #include "tests/status_matchers.h"
-
-extern char** environ;
 
 namespace memra::testing {
 namespace {
 
 namespace pb = ::memra::kv::v1;
 
-constexpr absl::Duration kPatience = absl::Seconds(60);  // bound on every wait; never reached
 constexpr uint64_t kLeaseTimeoutMs = 2000;               // roomy: a loaded CI box must not expire B
 constexpr uint64_t kLeaseGraceMs = 200;
 constexpr uint64_t kRingRows = 4671;  // SwaRingRows(32, 6000)
-
-std::string Runfile(const std::string& path) {
-  const char* root = getenv("TEST_SRCDIR");
-  return absl::StrCat(root != nullptr ? root : ".", "/memra_kv/", path);
-}
-
-bool Exists(const std::string& path) { return access(path.c_str(), F_OK) == 0; }
-
-pid_t Spawn(const std::vector<std::string>& args) {
-  std::vector<char*> argv;
-  for (const std::string& arg : args) argv.push_back(const_cast<char*>(arg.c_str()));
-  argv.push_back(nullptr);
-  pid_t pid = -1;
-  EXPECT_EQ(posix_spawn(&pid, argv[0], nullptr, nullptr, argv.data(), environ), 0) << args[0];
-  return pid;
-}
-
-// Exit status of `pid`, waiting at most kPatience (then -1).
-int WaitExit(pid_t pid) {
-  const absl::Time deadline = absl::Now() + kPatience;
-  while (absl::Now() < deadline) {
-    int status = 0;
-    pid_t done = waitpid(pid, &status, WNOHANG);
-    if (done == pid) return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-    absl::SleepFor(absl::Milliseconds(10));
-  }
-  return -1;
-}
-
-// Polls `ready` every 10 ms until it holds or kPatience passes; false if `alive` died first.
-template <typename Ready>
-bool PollUntil(Ready ready, pid_t must_stay_alive = 0) {
-  const absl::Time deadline = absl::Now() + kPatience;
-  while (absl::Now() < deadline) {
-    if (ready()) return true;
-    if (must_stay_alive > 0 && waitpid(must_stay_alive, nullptr, WNOHANG) == must_stay_alive) {
-      return false;
-    }
-    absl::SleepFor(absl::Milliseconds(10));
-  }
-  return false;
-}
 
 std::map<std::string, std::string> ReadFacts(const std::string& path) {
   std::map<std::string, std::string> facts;
