@@ -165,22 +165,57 @@ absl::StatusOr<PlanFingerprint> KvClient::RegisterPlan(const ModelPlan& plan) {
   return FingerprintFromBytes(response.fingerprint());
 }
 
-absl::StatusOr<std::unique_ptr<Session>> KvClient::CreateSession(const PlanFingerprint& plan,
-                                                                 const SessionOptions& options) {
-  pb::CreateSessionRequest request;
-  {
-    absl::MutexLock lock(&mu_);
-    if (attach_stream_ == nullptr) {
-      return absl::FailedPreconditionError("CreateSession before Attach: sessions need a lease");
-    }
-    *request.mutable_engine() = engine_;
+absl::StatusOr<pb::EngineRef> KvClient::AttachedEngine(absl::string_view what) const {
+  absl::MutexLock lock(&mu_);
+  if (attach_stream_ == nullptr) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(what, " before Attach: sessions need a lease"));
   }
+  return engine_;
+}
+
+namespace {
+
+// The shape fields CreateSession and Reserve share.
+template <typename Request>
+void SetShape(const PlanFingerprint& plan, const SessionOptions& options, Request& request) {
   request.set_plan_fingerprint(FingerprintToBytes(plan));
   request.set_capacity(options.capacity);
   request.set_layer_lo(options.layer_lo);
   if (options.layer_hi.has_value()) request.set_layer_hi(*options.layer_hi);
   request.set_tp_ranks(options.tp_ranks);
   request.set_spec_snapshot(options.spec_snapshot);
+}
+
+}  // namespace
+
+absl::StatusOr<SessionReservation> KvClient::Reserve(const PlanFingerprint& plan,
+                                              const SessionOptions& options) {
+  pb::ReserveRequest request;
+  ASSIGN_OR_RETURN(*request.mutable_engine(), AttachedEngine("Reserve"));
+  SetShape(plan, options, request);
+  pb::ReserveResponse response;
+  RETURN_IF_ERROR(FromGrpcStatus(cache_->Reserve(NewContext().get(), request, &response)));
+  return SessionReservation{response.reservation_id(), response.bytes(),
+                     absl::Milliseconds(response.ttl_ms())};
+}
+
+absl::StatusOr<uint64_t> KvClient::CancelReservation(uint64_t reservation_id) {
+  pb::CancelReservationRequest request;
+  ASSIGN_OR_RETURN(*request.mutable_engine(), AttachedEngine("CancelReservation"));
+  request.set_reservation_id(reservation_id);
+  pb::CancelReservationResponse response;
+  RETURN_IF_ERROR(
+      FromGrpcStatus(cache_->CancelReservation(NewContext().get(), request, &response)));
+  return response.freed_bytes();
+}
+
+absl::StatusOr<std::unique_ptr<Session>> KvClient::CreateSession(const PlanFingerprint& plan,
+                                                                 const SessionOptions& options) {
+  pb::CreateSessionRequest request;
+  ASSIGN_OR_RETURN(*request.mutable_engine(), AttachedEngine("CreateSession"));
+  SetShape(plan, options, request);
+  request.set_reservation_id(options.reservation_id);
   pb::CreateSessionResponse response;
   RETURN_IF_ERROR(FromGrpcStatus(cache_->CreateSession(NewContext().get(), request, &response)));
   std::unique_ptr<Session> session(new Session(this, response.session()));

@@ -70,6 +70,16 @@ struct SessionOptions {
   std::optional<uint32_t> layer_hi;  // unset: every layer
   uint32_t tp_ranks = 1;
   bool spec_snapshot = false;
+  // From KvClient::Reserve for this shape (0: admit at creation). A session created from a
+  // reservation is never refused for room.
+  uint64_t reservation_id = 0;
+};
+
+// What KvClient::Reserve holds: exactly the bytes the session will take, for ttl.
+struct SessionReservation {
+  uint64_t id = 0;
+  uint64_t bytes = 0;
+  absl::Duration ttl;
 };
 
 struct Transaction {
@@ -208,6 +218,12 @@ class KvClient {
   absl::StatusOr<std::unique_ptr<Session>> CreateSession(const PlanFingerprint& plan,
                                                          const SessionOptions& options)
       ABSL_LOCKS_EXCLUDED(mu_);
+  // Admission ahead of creation: RESOURCE_EXHAUSTED carries the AdmissionRefusal numbers
+  // (core/admission.h GetAdmissionRefusal). options.reservation_id is ignored.
+  absl::StatusOr<SessionReservation> Reserve(const PlanFingerprint& plan, const SessionOptions& options)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // Returns the reservation's bytes to the budget.
+  absl::StatusOr<uint64_t> CancelReservation(uint64_t reservation_id) ABSL_LOCKS_EXCLUDED(mu_);
   // Runs a batch; one outcome per entry, in order. The RPC's own failure is the StatusOr's.
   absl::StatusOr<std::vector<StepOutcome>> Step(const StepBatch& batch);
 
@@ -225,6 +241,9 @@ class KvClient {
   friend class Session;
   KvClient(ClientOptions options, std::shared_ptr<grpc::Channel> channel);
   void KeepLease(absl::Duration period) ABSL_LOCKS_EXCLUDED(mu_);
+  // The engine's identity; FAILED_PRECONDITION before Attach (`what` names the call).
+  absl::StatusOr<memra::kv::v1::EngineRef> AttachedEngine(absl::string_view what) const
+      ABSL_LOCKS_EXCLUDED(mu_);
 
   // Constant after construction.
   const ClientOptions options_;

@@ -151,7 +151,7 @@ class PrefixCacheTest : public ::testing::Test {
     params.model = std::make_shared<const ModelPlan>(plan);
     params.request.capacity = capacity;
     absl::StatusOr<std::unique_ptr<DaemonSession>> session =
-        DaemonSession::Create(std::move(params), backend_.get());
+        DaemonSession::Create(std::move(params), backend_.get(), &session_budget_);
     EXPECT_THAT(session.status(), IsOk());
     return session.ok() ? *std::move(session) : nullptr;
   }
@@ -252,6 +252,7 @@ class PrefixCacheTest : public ::testing::Test {
   }
 
   std::unique_ptr<HostBackend> backend_;
+  DeviceBudget session_budget_{uint64_t{1} << 30, "sessions"};  // charges the test sessions
   std::unique_ptr<PrefixCache> cache_;
   uint64_t next_id_ = 1;
 };

@@ -204,11 +204,11 @@ TEST_F(ServiceTest, CreateSessionRefusalsAllocateNothing) {
   EXPECT_THAT(client_->CreateSession(plan_, WithLayerLo(Options(kCapacity), 7)),
               StatusIs(absl::StatusCode::kInvalidArgument,
                        HasSubstr("layer range [7, 4) is out of bounds for a plan of 4 layers")));
-  // Past the 64 MiB budget: the backend has no room.
+  // Past the 64 MiB budget: admission refuses before anything is allocated.
   EXPECT_THAT(client_->CreateSession(plan_, Options(1u << 30)),
               StatusIs(absl::StatusCode::kResourceExhausted,
-                       HasSubstr("host: arena of 163209306112 bytes does not fit: 0 of 67108864 "
-                                 "bytes in use, 67108864 free")));
+                       HasSubstr("needs 163209306112 bytes, 67108864 free (0 evictable) of "
+                                 "67108864 budget; eviction cannot make room")));
 
   EXPECT_EQ(host_->ArenaCount(), 0u);
   EXPECT_EQ(daemon_->GetStatus().sessions(), 0u);
