@@ -121,6 +121,16 @@ class Session {
   const memra::kv::v1::SessionRef& ref() const { return ref_; }
   const memra::kv::v1::SessionLayout& layout() const { return layout_; }
 
+  // Cross-process device ordering (cuda backend; proto DeviceOrdering). The engine creates one
+  // event with cudaEventInterprocess | cudaEventDisableTiming, sets its cudaIpcGetEventHandle
+  // here once, and records it on its stream after its last kernel on this session before each
+  // call: every later call that makes the daemon touch the session's device memory (publish,
+  // commit, abort, rewind, hydrate, reset, spec snapshot/rollback, grow, release) carries it,
+  // and the daemon waits for it first. Replies come after the daemon's own device work is
+  // complete. Empty (the default): the engine synchronizes its stream before such calls itself.
+  // Host backend: leave it empty (the daemon refuses events there).
+  void SetWaitEvent(std::string ipc_event_handle) { wait_event_ = std::move(ipc_event_handle); }
+
   // A plane of `layer` resolved to this process's mapping. NOT_FOUND when the layer has no such
   // plane. Pointers stay valid until Grow() or Release().
   absl::StatusOr<PlaneView> Plane(uint32_t layer, PlaneKind kind) const;
@@ -163,6 +173,7 @@ class Session {
 
   KvClient* const client_;
   const memra::kv::v1::SessionRef ref_;
+  std::string wait_event_;
   memra::kv::v1::SessionLayout layout_;
   std::vector<uint8_t*> arena_bases_;  // parallel to layout_.arenas()
   bool released_ = false;
@@ -171,6 +182,10 @@ class Session {
 // Per-step transaction calls for many sessions, sent as one Step RPC.
 class StepBatch {
  public:
+  // The daemon waits for this interprocess event (Session::SetWaitEvent) before any entry.
+  void SetWaitEvent(std::string ipc_event_handle) {
+    request_.mutable_ordering()->set_wait_event(std::move(ipc_event_handle));
+  }
   void Begin(const Session& session);
   void Prepare(const Session& session, uint64_t generation, uint64_t rows);
   void Publish(const Session& session, uint64_t generation);

@@ -236,6 +236,15 @@ class Daemon::CacheService final : public pb::KvCache::Service {
 
   grpc::Status ReleaseSession(grpc::ServerContext*, const pb::SessionRequest* request,
                               pb::ReleaseSessionResponse* response) override {
+    // Authenticated first: nobody makes the daemon wait on an event for a session not theirs.
+    if (absl::StatusOr<std::shared_ptr<DaemonSession>> session =
+            daemon_->FindSession(request->session());
+        !session.ok()) {
+      return Reply("ReleaseSession", session.status());
+    }
+    if (absl::Status waited = WaitForEngine(request->ordering()); !waited.ok()) {
+      return Reply("ReleaseSession", waited);
+    }
     absl::StatusOr<uint64_t> freed = daemon_->ReleaseSession(request->session());
     if (freed.ok()) response->set_freed_bytes(*freed);
     return Reply("ReleaseSession", freed.status());
@@ -243,7 +252,7 @@ class Daemon::CacheService final : public pb::KvCache::Service {
 
   grpc::Status ResetSession(grpc::ServerContext*, const pb::SessionRequest* request,
                             pb::SessionStateResponse* response) override {
-    return OnSession("ResetSession", request->session(), response,
+    return OnSession("ResetSession", request->session(), request->ordering(), response,
                      [](DaemonSession& session) { return session.Reset(); });
   }
 
@@ -263,7 +272,8 @@ class Daemon::CacheService final : public pb::KvCache::Service {
     pb::StepEntry entry;
     *entry.mutable_session() = request->session();
     entry.mutable_begin();
-    return RunOne("Begin", entry, [&](pb::StepResult& r) { *response = r.begin(); });
+    return RunOne("Begin", entry, request->ordering(),
+                  [&](pb::StepResult& r) { *response = r.begin(); });
   }
 
   grpc::Status PrepareAppend(grpc::ServerContext*, const pb::PrepareAppendRequest* request,
@@ -272,7 +282,7 @@ class Daemon::CacheService final : public pb::KvCache::Service {
     *entry.mutable_session() = request->session();
     entry.mutable_prepare()->set_generation(request->generation());
     entry.mutable_prepare()->set_rows(request->rows());
-    return RunOne("PrepareAppend", entry,
+    return RunOne("PrepareAppend", entry, pb::DeviceOrdering::default_instance(),
                   [&](pb::StepResult& r) { response->Swap(r.mutable_prepare()); });
   }
 
@@ -281,7 +291,8 @@ class Daemon::CacheService final : public pb::KvCache::Service {
     pb::StepEntry entry;
     *entry.mutable_session() = request->session();
     entry.mutable_publish()->set_generation(request->generation());
-    return RunOne("PublishAppend", entry, [&](pb::StepResult& r) { *response = r.publish(); });
+    return RunOne("PublishAppend", entry, request->ordering(),
+                  [&](pb::StepResult& r) { *response = r.publish(); });
   }
 
   grpc::Status Commit(grpc::ServerContext*, const pb::CommitRequest* request,
@@ -291,7 +302,8 @@ class Daemon::CacheService final : public pb::KvCache::Service {
     entry.mutable_commit()->set_generation(request->generation());
     entry.mutable_commit()->set_accepted_rows(request->accepted_rows());
     *entry.mutable_commit()->mutable_token_ids() = request->token_ids();
-    return RunOne("Commit", entry, [&](pb::StepResult& r) { *response = r.commit(); });
+    return RunOne("Commit", entry, request->ordering(),
+                  [&](pb::StepResult& r) { *response = r.commit(); });
   }
 
   grpc::Status Abort(grpc::ServerContext*, const pb::GenerationRequest* request,
@@ -299,7 +311,8 @@ class Daemon::CacheService final : public pb::KvCache::Service {
     pb::StepEntry entry;
     *entry.mutable_session() = request->session();
     entry.mutable_abort()->set_generation(request->generation());
-    return RunOne("Abort", entry, [&](pb::StepResult& r) { *response = r.abort(); });
+    return RunOne("Abort", entry, request->ordering(),
+                  [&](pb::StepResult& r) { *response = r.abort(); });
   }
 
   grpc::Status Step(grpc::ServerContext*, const pb::StepRequest* request,
@@ -308,6 +321,9 @@ class Daemon::CacheService final : public pb::KvCache::Service {
       return Reply("Step", absl::InvalidArgumentError(
                                absl::StrCat("Step carries ", request->entries_size(),
                                             " entries; the limit is ", kMaxStepEntries)));
+    }
+    if (absl::Status waited = WaitForEngine(request->ordering()); !waited.ok()) {
+      return Reply("Step", waited);
     }
     response->mutable_results()->Reserve(request->entries_size());
     for (const pb::StepEntry& entry : request->entries()) {
@@ -324,13 +340,14 @@ class Daemon::CacheService final : public pb::KvCache::Service {
 
   grpc::Status Rewind(grpc::ServerContext*, const pb::RewindRequest* request,
                       pb::SessionStateResponse* response) override {
-    return OnSession("Rewind", request->session(), response,
+    return OnSession("Rewind", request->session(), request->ordering(), response,
                      [&](DaemonSession& session) { return session.Rewind(request->target()); });
   }
 
   grpc::Status Hydrate(grpc::ServerContext*, const pb::HydrateRequest* request,
                        pb::SessionStateResponse* response) override {
-    return OnSession("Hydrate", request->session(), response, [&](DaemonSession& session) {
+    return OnSession("Hydrate", request->session(), request->ordering(), response,
+                     [&](DaemonSession& session) {
       return session.Hydrate(request->logical_len(),
                              absl::Span<const uint64_t>(request->resident_starts().data(),
                                                         request->resident_starts().size()));
@@ -349,13 +366,14 @@ class Daemon::CacheService final : public pb::KvCache::Service {
 
   grpc::Status SpecSnapshot(grpc::ServerContext*, const pb::SessionRequest* request,
                             pb::SessionStateResponse* response) override {
-    return OnSession("SpecSnapshot", request->session(), response,
+    return OnSession("SpecSnapshot", request->session(), request->ordering(), response,
                      [](DaemonSession& session) { return session.SpecSnapshot(); });
   }
 
   grpc::Status SpecRollback(grpc::ServerContext*, const pb::SpecRollbackRequest* request,
                             pb::SessionStateResponse* response) override {
-    return OnSession("SpecRollback", request->session(), response, [&](DaemonSession& session) {
+    return OnSession("SpecRollback", request->session(), request->ordering(), response,
+                     [&](DaemonSession& session) {
       return session.SpecRollback(request->accept_len());
     });
   }
@@ -365,19 +383,24 @@ class Daemon::CacheService final : public pb::KvCache::Service {
     absl::StatusOr<std::shared_ptr<DaemonSession>> session =
         daemon_->FindSession(request->session());
     if (!session.ok()) return Reply("Grow", session.status());
+    if (absl::Status waited = WaitForEngine(request->ordering()); !waited.ok()) {
+      return Reply("Grow", waited);
+    }
     return Reply("Grow", (*session)->Grow(request->target_capacity(), response));
   }
 
   grpc::Status AcknowledgeGrow(grpc::ServerContext*, const pb::AcknowledgeGrowRequest* request,
                                pb::SessionStateResponse* response) override {
-    return OnSession("AcknowledgeGrow", request->session(), response, [&](DaemonSession& session) {
+    return OnSession("AcknowledgeGrow", request->session(),
+                     pb::DeviceOrdering::default_instance(), response, [&](DaemonSession& session) {
       return session.AcknowledgeGrow(request->layout_version());
     });
   }
 
   grpc::Status Taint(grpc::ServerContext*, const pb::TaintRequest* request,
                      pb::SessionStateResponse* response) override {
-    return OnSession("Taint", request->session(), response,
+    return OnSession("Taint", request->session(), pb::DeviceOrdering::default_instance(),
+                     response,
                      [&](DaemonSession& session) { return session.Taint(request->reason()); });
   }
 
@@ -385,9 +408,11 @@ class Daemon::CacheService final : public pb::KvCache::Service {
   // Runs `op` on the session and answers with its state afterwards.
   template <typename Op>
   grpc::Status OnSession(absl::string_view rpc, const pb::SessionRef& ref,
-                         pb::SessionStateResponse* response, Op op) {
+                         const pb::DeviceOrdering& ordering, pb::SessionStateResponse* response,
+                         Op op) {
     absl::StatusOr<std::shared_ptr<DaemonSession>> session = daemon_->FindSession(ref);
     if (!session.ok()) return Reply(rpc, session.status());
+    if (absl::Status waited = WaitForEngine(ordering); !waited.ok()) return Reply(rpc, waited);
     absl::Status status = op(**session);
     if (status.ok()) status = (*session)->GetState(response->mutable_state(), nullptr);
     return Reply(rpc, status);
@@ -395,12 +420,25 @@ class Daemon::CacheService final : public pb::KvCache::Service {
 
   // The single-session transaction RPCs run exactly what a one-entry Step runs.
   template <typename Take>
-  grpc::Status RunOne(absl::string_view rpc, const pb::StepEntry& entry, Take take) {
+  grpc::Status RunOne(absl::string_view rpc, const pb::StepEntry& entry,
+                      const pb::DeviceOrdering& ordering, Take take) {
+    // Authenticated first: nobody makes the daemon wait on an event for a session not theirs.
+    if (absl::StatusOr<std::shared_ptr<DaemonSession>> session =
+            daemon_->FindSession(entry.session());
+        !session.ok()) {
+      return Reply(rpc, session.status());
+    }
+    if (absl::Status waited = WaitForEngine(ordering); !waited.ok()) return Reply(rpc, waited);
     pb::StepResult result;
     daemon_->RunStepEntry(entry, &result);
     const absl::Status status(static_cast<absl::StatusCode>(result.code()), result.message());
     if (status.ok()) take(result);
     return Reply(rpc, status);
+  }
+
+  // The engine's work on the memory this call touches is complete (DeviceOrdering).
+  absl::Status WaitForEngine(const pb::DeviceOrdering& ordering) {
+    return daemon_->backend().WaitForEngineEvent(ordering.wait_event());
   }
 
   Daemon* const daemon_;

@@ -723,6 +723,27 @@ TEST_F(ServiceTest, TaintedSessionRefusesWorkUntilReleased) {
   EXPECT_THAT(session->Release(), IsOk());
 }
 
+// On the host backend an engine event is refused before anything changes.
+TEST_F(ServiceTest, HostBackendRefusesEngineEventsAndChangesNothing) {
+  std::unique_ptr<Session> session = NewSession(*client_, kCapacity);
+  ASSERT_NE(session, nullptr);
+  absl::StatusOr<Transaction> txn = session->Begin();
+  ASSERT_THAT(txn, IsOk());
+  ASSERT_THAT(session->PrepareAppend(txn->generation, 3), IsOk());
+  ASSERT_THAT(session->PublishAppend(txn->generation), IsOk());
+  session->SetWaitEvent(std::string(64, '\x02'));
+  EXPECT_THAT(session->Commit(txn->generation, 3),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("64-byte interprocess event handle")));
+  StepBatch batch;
+  batch.Commit(*session, txn->generation, 3);
+  batch.SetWaitEvent(std::string(64, '\x02'));
+  EXPECT_THAT(client_->Step(batch).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("RPC order")));
+  session->SetWaitEvent("");
+  EXPECT_THAT(session->Commit(txn->generation, 3), IsOkAndHolds(3u));
+}
+
 TEST_F(ServiceTest, ResetReusesTheMappedArena) {
   std::unique_ptr<Session> session = NewSession(*client_, kCapacity);
   ASSERT_NE(session, nullptr);
