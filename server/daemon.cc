@@ -301,6 +301,7 @@ class Daemon::CacheService final : public pb::KvCache::Service {
     *entry.mutable_session() = request->session();
     entry.mutable_commit()->set_generation(request->generation());
     entry.mutable_commit()->set_accepted_rows(request->accepted_rows());
+    *entry.mutable_commit()->mutable_token_ids() = request->token_ids();
     return RunOne("Commit", entry, request->ordering(),
                   [&](pb::StepResult& r) { *response = r.commit(); });
   }
@@ -533,6 +534,26 @@ Daemon::Daemon(DaemonConfig config, std::unique_ptr<DeviceBackend> backend, Cloc
   absl::MutexLock lock(&mu_);
   lease_timeout_ = absl::Milliseconds(start_config_.lease_timeout_ms);
   lease_grace_ = absl::Milliseconds(start_config_.lease_grace_ms);
+  if (start_config_.prefix_cache_budget_bytes > 0) {
+    PrefixCacheOptions options;
+    options.budget_bytes = start_config_.prefix_cache_budget_bytes;
+    options.block_tokens = start_config_.prefix_block_tokens;
+    options.verify_checksums = start_config_.prefix_verify_checksums;
+    // The daemon's random epoch: a router tells a restarted daemon from a reconnect (0 means
+    // "any epoch" to a subscriber, so it is never used).
+    options.epoch = epoch_ == 0 ? 1 : epoch_;
+    // Storage is charged to the one admission budget; admissions evict LRU entries for room.
+    absl::StatusOr<std::unique_ptr<PrefixCache>> cache =
+        PrefixCache::Create(options, backend_.get(), budget_.get());
+    if (cache.ok()) {
+      prefix_cache_ = *std::move(cache);
+      prefix_cache_->InstallEvictor(*budget_);
+    } else {  // ValidateConfig accepted it, so this is our bug; serve without the cache
+      spdlog::error("prefix cache disabled: {}", cache.status().ToString());
+    }
+  }
+  prefix_service_ = std::make_unique<PrefixService>(
+      prefix_cache_.get(), [this](const pb::SessionRef& ref) { return FindSession(ref); });
   reservation_ttl_ = absl::Milliseconds(start_config_.reservation_ttl_ms);
 }
 
@@ -552,6 +573,7 @@ absl::Status Daemon::Start() {
   builder.AddListeningPort(absl::StrCat("unix:", socket_path_), grpc::InsecureServerCredentials());
   builder.RegisterService(cache_service_.get());
   builder.RegisterService(admin_service_.get());
+  builder.RegisterService(prefix_service_.get());
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (server == nullptr) {
     return absl::UnavailableError(absl::StrCat("could not listen on unix:", socket_path_,
@@ -633,6 +655,7 @@ void Daemon::Shutdown() {
     stop_lease_thread_ = true;
   }
   if (lease_thread_.joinable()) lease_thread_.join();
+  prefix_service_->Stop();
   std::unique_ptr<grpc::Server> server;
   {
     absl::MutexLock lock(&mu_);
@@ -771,6 +794,13 @@ void Daemon::CheckLeases() {
   }
   for (Reclaimed& entry : reclaimed) {
     uint64_t freed = 0;
+    for (auto& session : entry.sessions) {
+      CaptureBeforeRelease(*session);
+      freed += session->Release();
+    }
+    spdlog::info("engine {} (\"{}\", pid {}) reclaimed: {} sessions, {} bytes freed",
+                 entry.engine.id.value, entry.engine.name, entry.engine.pid, entry.sessions.size(),
+                 freed);
     for (auto& session : entry.sessions) freed += session->Release();
     // Its sessions' charges went with their arenas; what is left is reservations.
     const uint64_t reserved = budget_->ReleaseOwner(entry.engine.id.value);
@@ -792,6 +822,19 @@ void Daemon::ExpireReservations() {
 
 ArenaRounding Daemon::rounding() const {
   return ArenaRounding{kPlaneAlignment, backend_->AllocationGranularity()};
+}
+
+void Daemon::CaptureBeforeRelease(DaemonSession& session) {
+  if (prefix_cache_ == nullptr || !start_config_.prefix_capture_on_engine_death) return;
+  absl::StatusOr<std::optional<PrefixCaptureResult>> captured =
+      prefix_cache_->CaptureCommitted(session);
+  if (!captured.ok()) {
+    spdlog::info("session {}: committed state not kept in the prefix cache: {}",
+                 session.id().value, captured.status().ToString());
+  } else if (captured->has_value()) {
+    spdlog::info("session {}: {} committed tokens kept as prefix entry {}", session.id().value,
+                 (*captured)->boundary_tokens, (*captured)->entry.value);
+  }
 }
 
 absl::Status Daemon::CheckEngine(const pb::EngineRef& ref) const {
@@ -973,8 +1016,10 @@ void Daemon::RunStepEntry(const pb::StepEntry& entry, pb::StepResult* result) {
       status = session.PublishAppend(entry.publish().generation(), result->mutable_publish());
       break;
     case pb::StepEntry::kCommit:
-      status = session.Commit(entry.commit().generation(), entry.commit().accepted_rows(),
-                              result->mutable_commit());
+      status = session.Commit(
+          entry.commit().generation(), entry.commit().accepted_rows(), result->mutable_commit(),
+          absl::MakeConstSpan(entry.commit().token_ids().data(),
+                              static_cast<size_t>(entry.commit().token_ids().size())));
       break;
     case pb::StepEntry::kAbort:
       status = session.Abort(entry.abort().generation(), result->mutable_abort());

@@ -50,6 +50,8 @@
 #include "server/clock.h"
 #include "server/config.h"
 #include "server/daemon_session.h"
+#include "server/prefix_cache.h"
+#include "server/prefix_service.h"
 #include "server/device_budget.h"
 
 namespace memra {
@@ -171,6 +173,8 @@ class Daemon {
   absl::StatusOr<std::shared_ptr<const ModelPlan>> ResolveModel(
       const memra::kv::v1::ModelSelector& selector) const ABSL_LOCKS_EXCLUDED(mu_);
   void LeaseLoop() ABSL_LOCKS_EXCLUDED(stop_mu_);
+  // Engine death: keeps the session's committed state as a prefix entry when configured.
+  void CaptureBeforeRelease(DaemonSession& session);
 
   // Constant after construction.
   const std::unique_ptr<DeviceBackend> backend_;
@@ -206,6 +210,16 @@ class Daemon {
   absl::Mutex stop_mu_;
   bool stop_lease_thread_ ABSL_GUARDED_BY(stop_mu_) = false;
   std::thread lease_thread_;  // started by Start(), joined by Shutdown()
+
+  // Prefix cache (null when prefix_cache_budget_bytes is 0). Constant after construction;
+  // declared last so it is destroyed first (its arenas live in backend_). Its lock comes after
+  // a session's own mutex (server/prefix_cache.h).
+  std::unique_ptr<PrefixCache> prefix_cache_;
+  std::unique_ptr<PrefixService> prefix_service_;
+
+ public:
+  // Null when the prefix cache is disabled (tests, metrics).
+  PrefixCache* prefix_cache() const { return prefix_cache_.get(); }
 };
 
 }  // namespace memra

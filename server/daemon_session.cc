@@ -1,5 +1,6 @@
 #include "server/daemon_session.h"
 
+#include <algorithm>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -238,10 +239,22 @@ absl::Status DaemonSession::PublishAppend(uint64_t generation, pb::PublishAppend
 }
 
 absl::Status DaemonSession::Commit(uint64_t generation, uint64_t accepted_rows,
-                                   pb::CommitResponse* out) {
+                                   pb::CommitResponse* out, absl::Span<const int32_t> token_ids) {
   absl::MutexLock lock(&mu_);
   RETURN_IF_ERROR(CheckLive());
+  if (!token_ids.empty() && token_ids.size() != accepted_rows) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("session ", params_.id.value, ": commit carries ", token_ids.size(),
+                     " token ids for ", accepted_rows, " accepted rows (send all or none)"));
+  }
+  const uint64_t base = state_.committed_len();
   ASSIGN_OR_RETURN(uint64_t committed, state_.Commit(generation, accepted_rows));
+  if (committed_tokens_.has_value() && committed_tokens_->size() == base &&
+      token_ids.size() == committed - base) {
+    committed_tokens_->insert(committed_tokens_->end(), token_ids.begin(), token_ids.end());
+  } else {
+    committed_tokens_.reset();
+  }
   RETURN_IF_ERROR(TaintAfter("Commit", SyncMirrors()));
   out->set_committed_len(committed);
   return absl::OkStatus();
@@ -260,6 +273,7 @@ absl::Status DaemonSession::Rewind(uint64_t target) {
   absl::MutexLock lock(&mu_);
   RETURN_IF_ERROR(CheckLive());
   RETURN_IF_ERROR(state_.Rewind(target));
+  TruncateCommittedTokens();
   return TaintAfter("Rewind", SyncMirrors());
 }
 
@@ -268,6 +282,7 @@ absl::Status DaemonSession::Hydrate(uint64_t logical_len,
   absl::MutexLock lock(&mu_);
   RETURN_IF_ERROR(CheckLive());
   RETURN_IF_ERROR(state_.Hydrate(logical_len, resident_starts));
+  committed_tokens_.reset();  // the engine wrote rows the daemon never saw committed
   return TaintAfter("Hydrate", SyncMirrors());
 }
 
@@ -288,6 +303,7 @@ absl::Status DaemonSession::SpecRollback(uint64_t accept_len) {
   absl::MutexLock lock(&mu_);
   RETURN_IF_ERROR(CheckLive());
   ASSIGN_OR_RETURN(std::vector<PlaneCopy> copies, state_.SpecRollback(accept_len));
+  TruncateCommittedTokens();
   RETURN_IF_ERROR(TaintAfter("SpecRollback", RunCopies(current_, current_, copies)));
   return TaintAfter("SpecRollback", SyncMirrors());
 }
@@ -301,6 +317,7 @@ absl::Status DaemonSession::Reset() {
                      " is not acknowledged yet; acknowledge it before Reset"));
   }
   RETURN_IF_ERROR(state_.Reset());
+  committed_tokens_ = std::vector<int32_t>();
   return TaintAfter("Reset", SyncMirrors());
 }
 
@@ -408,6 +425,48 @@ uint64_t DaemonSession::Release() {
   released_ = true;
   UpdateArenaBytes();
   return freed;
+}
+
+void DaemonSession::TruncateCommittedTokens() {
+  if (!committed_tokens_.has_value()) return;
+  if (committed_tokens_->size() < state_.committed_len()) {
+    committed_tokens_.reset();  // rows whose tokens no commit reported
+  } else {
+    committed_tokens_->resize(state_.committed_len());
+  }
+}
+
+absl::Status DaemonSession::ViewLocked(LockedView view) {
+  absl::MutexLock lock(&mu_);
+  RETURN_IF_ERROR(CheckLive());
+  return view(state_, current_, committed_tokens_);
+}
+
+absl::Status DaemonSession::RestoreLocked(Restorer restore, absl::Span<const int32_t> token_ids) {
+  absl::MutexLock lock(&mu_);
+  RETURN_IF_ERROR(CheckLive());
+  if (previous_.has_value()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("session ", params_.id.value, ": grow to layout version ", current_.version,
+                     " is not acknowledged yet; acknowledge it before a restore"));
+  }
+  ASSIGN_OR_RETURN(SessionState restored, restore(state_, current_));
+  state_ = std::move(restored);
+  const uint64_t rows = std::min<uint64_t>(state_.committed_len(), token_ids.size());
+  committed_tokens_ = std::vector<int32_t>(token_ids.begin(), token_ids.begin() + rows);
+  if (rows != state_.committed_len()) committed_tokens_.reset();
+  return TaintAfter("prefix restore", SyncMirrors());
+}
+
+absl::StatusOr<uint64_t> PlaneRangeOffset(const SessionLayoutVersion& layout,
+                                          const PlaneRef& plane, uint64_t offset, uint64_t bytes) {
+  ASSIGN_OR_RETURN(PlaneAt at, FindPlane(layout, plane));
+  return RangeInPlane(at, offset, bytes);
+}
+
+uint64_t PlaneBytes(const SessionLayoutVersion& layout, const PlaneRef& plane) {
+  absl::StatusOr<PlaneAt> at = FindPlane(layout, plane);
+  return at.ok() ? at->bytes : 0;
 }
 
 void DaemonSession::FillState(pb::SessionState* out) const {

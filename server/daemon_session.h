@@ -24,6 +24,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/functional/function_ref.h"
 #include "absl/types/span.h"
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
@@ -99,8 +100,11 @@ class DaemonSession {
                              memra::kv::v1::PrepareAppendResponse* out) ABSL_LOCKS_EXCLUDED(mu_);
   absl::Status PublishAppend(uint64_t generation, memra::kv::v1::PublishAppendResponse* out)
       ABSL_LOCKS_EXCLUDED(mu_);
+  // `token_ids`: none, or exactly `accepted_rows` (the committed rows' tokens; INVALID_ARGUMENT
+  // otherwise, before anything changes).
   absl::Status Commit(uint64_t generation, uint64_t accepted_rows,
-                      memra::kv::v1::CommitResponse* out) ABSL_LOCKS_EXCLUDED(mu_);
+                      memra::kv::v1::CommitResponse* out,
+                      absl::Span<const int32_t> token_ids = {}) ABSL_LOCKS_EXCLUDED(mu_);
   absl::Status Abort(uint64_t generation, memra::kv::v1::AbortResponse* out)
       ABSL_LOCKS_EXCLUDED(mu_);
 
@@ -125,6 +129,23 @@ class DaemonSession {
   // Frees every arena; later operations are NOT_FOUND. Returns the bytes freed. Idempotent.
   uint64_t Release() ABSL_LOCKS_EXCLUDED(mu_);
 
+  // ---- Prefix cache hooks (server/prefix_cache.h holds the rules) ----
+  // `committed_tokens`: the token ids of rows [0, committed_len) as commits reported them, or
+  // nullopt when unknown (a commit without token ids, a hydration).
+  using LockedView = absl::FunctionRef<absl::Status(
+      const SessionState& state, const SessionLayoutVersion& layout,
+      const std::optional<std::vector<int32_t>>& committed_tokens)>;
+  // Runs `view` under this session's mutex (no state change interleaves with its reads).
+  absl::Status ViewLocked(LockedView view) ABSL_LOCKS_EXCLUDED(mu_);
+  // `restore` validates against the state, performs the device copies and returns the state the
+  // session adopts; then the mirrors are written and the committed tokens become
+  // token_ids[0, committed_len). Refused while a grow awaits acknowledgement; a refusal of
+  // `restore` changes nothing.
+  using Restorer = absl::FunctionRef<absl::StatusOr<SessionState>(
+      const SessionState& state, const SessionLayoutVersion& layout)>;
+  absl::Status RestoreLocked(Restorer restore, absl::Span<const int32_t> token_ids)
+      ABSL_LOCKS_EXCLUDED(mu_);
+
  private:
   DaemonSession(Params params, DeviceBackend* backend, DeviceBudget* budget, SessionState state,
                 SessionLayoutVersion layout);
@@ -144,6 +165,8 @@ class DaemonSession {
   void FillLayout(const SessionLayoutVersion& layout, memra::kv::v1::SessionLayout* out) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void UpdateArenaBytes() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // After a length moved down: committed_tokens_ follows it (unknown if it grew).
+  void TruncateCommittedTokens() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   // Constant after construction.
   const Params params_;
@@ -159,7 +182,17 @@ class DaemonSession {
   // PlaneKey -> the value last written to that mirror in current_'s arena.
   absl::flat_hash_map<uint32_t, int32_t> written_mirrors_ ABSL_GUARDED_BY(mu_);
   bool released_ ABSL_GUARDED_BY(mu_) = false;
+  // Token ids of committed rows; nullopt = unknown (see ViewLocked).
+  std::optional<std::vector<int32_t>> committed_tokens_ ABSL_GUARDED_BY(mu_) =
+      std::vector<int32_t>();
 };
+
+// Arena offset of [offset, offset + bytes) of `plane` in `layout`: INTERNAL when the layout has
+// no such plane or the range leaves it (never a stray access).
+absl::StatusOr<uint64_t> PlaneRangeOffset(const SessionLayoutVersion& layout,
+                                          const PlaneRef& plane, uint64_t offset, uint64_t bytes);
+// Bytes of `plane` in `layout` (0 when absent).
+uint64_t PlaneBytes(const SessionLayoutVersion& layout, const PlaneRef& plane);
 
 }  // namespace memra
 

@@ -67,6 +67,24 @@ inline int WaitExit(pid_t pid, absl::Duration patience = absl::Seconds(60)) {
   return -1;
 }
 
+// Bound on every wait of an e2e test; never reached when things work.
+inline constexpr absl::Duration kPatience = absl::Seconds(60);
+
+// Polls `ready` every 10 ms until it holds or kPatience passes; false if `must_stay_alive`
+// (when > 0) exited first.
+template <typename Ready>
+bool PollUntil(Ready ready, pid_t must_stay_alive = 0) {
+  const absl::Time deadline = absl::Now() + kPatience;
+  while (absl::Now() < deadline) {
+    if (ready()) return true;
+    if (must_stay_alive > 0 && waitpid(must_stay_alive, nullptr, WNOHANG) == must_stay_alive) {
+      return false;
+    }
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  return false;
+}
+
 }  // namespace memra::testing
 
 #endif  // MEMRA_TESTS_SUBPROCESS_H_

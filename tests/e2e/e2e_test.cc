@@ -39,24 +39,9 @@ namespace {
 
 namespace pb = ::memra::kv::v1;
 
-constexpr absl::Duration kPatience = absl::Seconds(60);  // bound on every wait; never reached
 constexpr uint64_t kLeaseTimeoutMs = 2000;               // roomy: a loaded CI box must not expire B
 constexpr uint64_t kLeaseGraceMs = 200;
 constexpr uint64_t kRingRows = 4671;  // SwaRingRows(32, 6000)
-
-// Polls `ready` every 10 ms until it holds or kPatience passes; false if `alive` died first.
-template <typename Ready>
-bool PollUntil(Ready ready, pid_t must_stay_alive = 0) {
-  const absl::Time deadline = absl::Now() + kPatience;
-  while (absl::Now() < deadline) {
-    if (ready()) return true;
-    if (must_stay_alive > 0 && waitpid(must_stay_alive, nullptr, WNOHANG) == must_stay_alive) {
-      return false;
-    }
-    absl::SleepFor(absl::Milliseconds(10));
-  }
-  return false;
-}
 
 std::map<std::string, std::string> ReadFacts(const std::string& path) {
   std::map<std::string, std::string> facts;

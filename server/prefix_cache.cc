@@ -1,0 +1,701 @@
+#include "server/prefix_cache.h"
+
+#include <xxhash.h>
+
+#include <algorithm>
+#include <string_view>
+#include <utility>
+
+#include "absl/container/flat_hash_set.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "core/checked_math.h"
+#include "core/sha256.h"
+#include "core/status_macros.h"
+#include "spdlog/spdlog.h"
+
+namespace memra {
+namespace {
+
+constexpr std::string_view kShapeDomain = "memra-kv/prefix-shape/v1";
+constexpr uint64_t kF32 = sizeof(float);
+
+void HashU32(Sha256& hash, uint32_t value) {
+  char bytes[4];
+  for (int i = 0; i < 4; ++i) bytes[i] = static_cast<char>((value >> (8 * i)) & 0xff);
+  hash.Update(std::string_view(bytes, sizeof(bytes)));
+}
+
+uint64_t Checksum(absl::Span<const uint8_t> bytes) {
+  return XXH3_64bits(bytes.data(), bytes.size());
+}
+
+// Appends a piece, adding its bytes to `total` (overflow-checked).
+absl::Status AddPiece(std::vector<StoredPiece>& pieces, uint64_t& total, PlaneRef plane,
+                      uint64_t plane_offset, uint64_t bytes) {
+  ASSIGN_OR_RETURN(total, CheckedAdd(total, bytes, "prefix stored bytes"));
+  pieces.push_back({plane, plane_offset, bytes});
+  return absl::OkStatus();
+}
+
+absl::StatusOr<size_t> KvLayerIndex(const SessionState& state, uint32_t layer) {
+  for (size_t i = 0; i < state.kv().layer_count(); ++i) {
+    if (state.kv().shapes()[i].layer == layer) return i;
+  }
+  return absl::InternalError(absl::StrCat("layer ", layer, " has no K/V state"));
+}
+
+absl::StatusOr<const LatentLayerState*> LatentLayer(const SessionState& state, uint32_t layer) {
+  for (const LatentLayerState& latent : state.latent()) {
+    if (latent.layer == layer) return &latent;
+  }
+  return absl::InternalError(absl::StrCat("layer ", layer, " has no latent state"));
+}
+
+absl::StatusOr<PlanFingerprint> ShapeOf(const DaemonSession& session) {
+  const DaemonSession::Params& params = session.params();
+  ASSIGN_OR_RETURN(PlanFingerprint model, FingerprintModelPlan(*params.model, params.defaults));
+  return PrefixShapeFingerprint(model, params.request);
+}
+
+bool IsFresh(const SessionState& state) {
+  if (!state.kv().state().IsFresh() || state.position() != 0) return false;
+  return std::all_of(state.latent().begin(), state.latent().end(),
+                     [](const LatentLayerState& latent) { return latent.len == 0; });
+}
+
+}  // namespace
+
+PlanFingerprint PrefixShapeFingerprint(const PlanFingerprint& model, const SessionRequest& shape) {
+  const uint32_t ranks = std::max<uint32_t>(shape.tp_ranks, 1);
+  if (shape.layer_lo == 0 && !shape.layer_hi.has_value() && ranks == 1) return model;
+  Sha256 hash;
+  hash.Update(kShapeDomain);
+  hash.Update(std::string_view(reinterpret_cast<const char*>(model.data()), model.size()));
+  HashU32(hash, shape.layer_lo);
+  HashU32(hash, shape.layer_hi.value_or(0xffffffffu));
+  HashU32(hash, ranks);
+  return hash.Finish();
+}
+
+absl::StatusOr<StoredLayout> PlanStoredLayout(const SessionPlan& plan, const SessionState& state,
+                                              uint64_t boundary, uint64_t block_rows) {
+  StoredLayout out;
+  out.block_rows = block_rows;
+  for (const LayerGeometry& layer : plan.layers) {
+    const uint32_t il = layer.layer;
+    switch (layer.kind) {
+      case StateKind::kKv:
+      case StateKind::kSlidingKv: {
+        if (!layer.ring) {
+          ASSIGN_OR_RETURN(uint64_t k, CheckedMul(block_rows, layer.k_token_bytes, "block K"));
+          ASSIGN_OR_RETURN(uint64_t v, CheckedMul(block_rows, layer.v_token_bytes, "block V"));
+          RETURN_IF_ERROR(AddPiece(out.block_pieces, out.block_bytes, {il, PlaneKind::kKeys}, 0, k));
+          RETURN_IF_ERROR(
+              AddPiece(out.block_pieces, out.block_bytes, {il, PlaneKind::kValues}, 0, v));
+          break;
+        }
+        out.position_addressed_only = false;
+        ASSIGN_OR_RETURN(size_t index, KvLayerIndex(state, il));
+        absl::StatusOr<std::pair<uint64_t, RowRange>> window =
+            state.kv().ring(index)->RestorePlan(boundary);
+        if (!window.ok()) {
+          return absl::FailedPreconditionError(absl::StrCat(
+              "layer ", il, ": the SWA window ending at ", boundary,
+              " is no longer resident (ring base ", state.kv().ring(index)->base(), ", ",
+              state.kv().ring(index)->rows(), " rows; lapped): ", window.status().message()));
+        }
+        const RowRange rows = window->second;
+        RETURN_IF_ERROR(AddPiece(out.boundary_pieces, out.boundary_bytes, {il, PlaneKind::kKeys},
+                                 rows.start * layer.k_token_bytes,
+                                 rows.size() * layer.k_token_bytes));
+        RETURN_IF_ERROR(AddPiece(out.boundary_pieces, out.boundary_bytes,
+                                 {il, PlaneKind::kValues}, rows.start * layer.v_token_bytes,
+                                 rows.size() * layer.v_token_bytes));
+        break;
+      }
+      case StateKind::kLatent: {
+        ASSIGN_OR_RETURN(uint64_t row_bytes, CheckedMul(layer.latent_width, kF32, "latent row"));
+        ASSIGN_OR_RETURN(uint64_t bytes, CheckedMul(block_rows, row_bytes, "block latent rows"));
+        RETURN_IF_ERROR(
+            AddPiece(out.block_pieces, out.block_bytes, {il, PlaneKind::kLatentRows}, 0, bytes));
+        if (layer.index_width == 0) break;
+        out.position_addressed_only = false;
+        ASSIGN_OR_RETURN(const LatentLayerState* latent, LatentLayer(state, il));
+        if (latent->len != boundary) {
+          return absl::FailedPreconditionError(absl::StrCat(
+              "layer ", il, ": the indexer's tail and pool keys exist only at the latent length ",
+              latent->len, ", not at boundary ", boundary));
+        }
+        // snapshot_plane's rules: a drained boundary (index_pools_ready == len / pool).
+        ASSIGN_OR_RETURN(LatentCapturePlan capture, PlanLatentCapture(*latent));
+        for (const LatentCopy& copy : capture.copies) {
+          if (copy.plane == LatentPlane::kRows) continue;  // stored per block
+          const PlaneKind kind =
+              copy.plane == LatentPlane::kPoolKeys ? PlaneKind::kPoolKeys : PlaneKind::kIndexRows;
+          RETURN_IF_ERROR(AddPiece(out.boundary_pieces, out.boundary_bytes, {il, kind},
+                                   copy.plane_offset_elems * kF32, copy.elems * kF32));
+        }
+        break;
+      }
+      case StateKind::kRecurrent:
+        out.position_addressed_only = false;
+        if (boundary != state.committed_len() || state.position() != state.committed_len()) {
+          return absl::FailedPreconditionError(absl::StrCat(
+              "layer ", il, ": recurrent state exists only at the position ", state.position(),
+              " (committed ", state.committed_len(), "), not at boundary ", boundary));
+        }
+        RETURN_IF_ERROR(AddPiece(out.boundary_pieces, out.boundary_bytes,
+                                 {il, PlaneKind::kConvState}, 0, layer.conv_elems * kF32));
+        RETURN_IF_ERROR(AddPiece(out.boundary_pieces, out.boundary_bytes,
+                                 {il, PlaneKind::kSsmState}, 0, layer.ssm_elems * kF32));
+        break;
+      case StateKind::kNone:
+      case StateKind::kSharedKv:
+        break;
+    }
+  }
+  if (out.block_bytes == 0) {
+    return absl::InvalidArgumentError(
+        "prefix cache: the session has no position-addressed layer (flat K/V or latent rows) "
+        "to store blocks of");
+  }
+  return out;
+}
+
+absl::StatusOr<std::unique_ptr<PrefixCache>> PrefixCache::Create(const PrefixCacheOptions& options,
+                                                                 DeviceBackend* backend,
+                                                                 DeviceBudget* budget) {
+  if (backend == nullptr) return absl::InvalidArgumentError("PrefixCache needs a backend");
+  if (options.budget_bytes == 0) {
+    return absl::InvalidArgumentError("prefix cache budget is 0 bytes (0 disables the cache)");
+  }
+  PrefixIndexOptions index_options;
+  index_options.block_tokens = options.block_tokens;
+  index_options.budget_bytes = options.budget_bytes;
+  index_options.epoch = options.epoch;
+  index_options.event_capacity = options.event_capacity;
+  ASSIGN_OR_RETURN(PrefixIndex index, PrefixIndex::Create(index_options));
+  return std::unique_ptr<PrefixCache>(new PrefixCache(options, std::move(index), backend, budget));
+}
+
+PrefixCache::PrefixCache(const PrefixCacheOptions& options, PrefixIndex index,
+                         DeviceBackend* backend, DeviceBudget* budget)
+    : options_(options), backend_(backend), budget_(budget), index_(std::move(index)) {}
+
+PrefixCache::~PrefixCache() {
+  absl::MutexLock lock(&mu_);
+  for (const auto& [handle, storage] : storage_) FreeStorage(storage);
+  storage_.clear();
+  if (budget_ != nullptr) budget_->SetEvictable(0);
+}
+
+void PrefixCache::FreeStorage(const Storage& storage) {
+  if (absl::Status freed = backend_->FreeArena(storage.arena); !freed.ok()) {
+    spdlog::error("prefix cache: freeing {} failed: {}", storage.arena.value, freed.ToString());
+  }
+  if (storage.charge.has_value()) {
+    if (absl::Status released = budget_->Release(*storage.charge); !released.ok()) {
+      spdlog::error("prefix cache: releasing its budget charge failed: {}", released.ToString());
+    }
+  }
+}
+
+void PrefixCache::FreeHandles(const std::vector<uint64_t>& handles) {
+  for (uint64_t handle : handles) {
+    auto it = storage_.find(handle);
+    if (it == storage_.end()) continue;
+    FreeStorage(it->second);
+    storage_.erase(it);
+  }
+}
+
+void PrefixCache::PublishEvictable() {
+  if (budget_ != nullptr) budget_->SetEvictable(index_.EvictableBytes());
+}
+
+absl::StatusOr<PrefixCache::Stored> PrefixCache::StorePieces(
+    const SessionLayoutVersion& layout, const std::vector<StoredPiece>& pieces,
+    uint64_t block_index, uint64_t bytes) {
+  std::vector<uint8_t> buffer(bytes);
+  uint64_t at = 0;
+  for (const StoredPiece& piece : pieces) {
+    ASSIGN_OR_RETURN(uint64_t shift, CheckedMul(block_index, piece.bytes, "block offset"));
+    ASSIGN_OR_RETURN(uint64_t offset, CheckedAdd(piece.plane_offset, shift, "block offset"));
+    ASSIGN_OR_RETURN(uint64_t in_arena,
+                     PlaneRangeOffset(layout, piece.plane, offset, piece.bytes));
+    RETURN_IF_ERROR(backend_->Read(layout.arena, in_arena,
+                                   absl::MakeSpan(buffer.data() + at, piece.bytes)));
+    at += piece.bytes;
+  }
+  Stored stored;
+  stored.ref.checksum = Checksum(buffer);
+  ASSIGN_OR_RETURN(uint64_t rounded, backend_->RoundedArenaBytes(bytes));
+  if (budget_ != nullptr) {
+    ASSIGN_OR_RETURN(stored.storage.charge,
+                     budget_->AllocateWithoutEviction(kPrefixCacheOwner, rounded));
+  }
+  absl::StatusOr<ArenaId> arena = backend_->CreateArena(bytes, ArenaVisibility::kPrivate);
+  absl::Status status = arena.status();
+  if (status.ok()) {
+    stored.storage.arena = *arena;
+    status = backend_->Write(*arena, 0, buffer);
+    if (!status.ok()) (void)backend_->FreeArena(*arena);
+  }
+  if (!status.ok()) {
+    if (stored.storage.charge.has_value()) (void)budget_->Release(*stored.storage.charge);
+    return status;
+  }
+  stored.ref.storage_handle = arena->value;
+  return stored;
+}
+
+absl::Status PrefixCache::VerifyStored(const StoredRef& ref, uint64_t bytes, EntryId entry) const {
+  std::vector<uint8_t> buffer(bytes);
+  RETURN_IF_ERROR(backend_->Read(ArenaId{ref.storage_handle}, 0, absl::MakeSpan(buffer)));
+  const uint64_t checksum = Checksum(buffer);
+  if (checksum != ref.checksum) {
+    return absl::DataLossError(absl::StrFormat(
+        "prefix entry %d: stored piece (arena %d, %d bytes) has xxHash3 %016x, captured as "
+        "%016x; the entry is dropped, never served",
+        entry.value, ref.storage_handle, bytes, checksum, ref.checksum));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<PrefixCaptureResult> PrefixCache::CaptureLocked(
+    const PlanFingerprint& shape, const SessionState& state, const SessionLayoutVersion& layout,
+    absl::Span<const int32_t> tokens, uint64_t boundary_tokens, bool allow_open_transaction) {
+  RETURN_IF_ERROR(state.EnsureUsable("prefix capture"));
+  const std::optional<TransactionId>& active = state.kv().state().active();
+  if (active.has_value() && !allow_open_transaction) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "prefix capture needs a drained session: transaction generation ", active->generation,
+        " is open (committed ", state.committed_len(), ", staged ", state.staged_len(), ")"));
+  }
+  const uint64_t block = options_.block_tokens;
+  if (boundary_tokens == 0 || boundary_tokens % block != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("prefix capture boundary ", boundary_tokens,
+                                                   " is not a positive multiple of the ", block,
+                                                   "-token block"));
+  }
+  if (boundary_tokens > state.committed_len()) {
+    return absl::InvalidArgumentError(absl::StrCat("prefix capture boundary ", boundary_tokens,
+                                                   " exceeds the committed length ",
+                                                   state.committed_len()));
+  }
+  ASSIGN_OR_RETURN(StoredLayout stored, PlanStoredLayout(layout.plan, state, boundary_tokens, block));
+  PrefixModelTraits traits;
+  traits.position_addressed_only = stored.position_addressed_only;
+  ASSIGN_OR_RETURN(traits.block_bytes, backend_->RoundedArenaBytes(stored.block_bytes));
+  if (!stored.position_addressed_only) {
+    ASSIGN_OR_RETURN(traits.boundary_bytes, backend_->RoundedArenaBytes(stored.boundary_bytes));
+  }
+  CapturePlan plan;
+  {
+    absl::MutexLock lock(&mu_);
+    ASSIGN_OR_RETURN(plan, index_.PlanCapture(shape, tokens, boundary_tokens, traits));
+  }
+  // Copies without mu_ (the session's own mutex keeps its state still).
+  std::vector<Stored> copies;
+  auto free_copies = [&] {
+    for (const Stored& copy : copies) FreeStorage(copy.storage);
+  };
+  CaptureCommit commit;
+  if (!plan.already_present) {
+    for (uint64_t i = plan.first_new_block; i < plan.chain.size(); ++i) {
+      absl::StatusOr<Stored> copy = StorePieces(layout, stored.block_pieces, i, stored.block_bytes);
+      if (!copy.ok()) {
+        free_copies();
+        return copy.status();
+      }
+      commit.new_blocks.push_back(copy->ref);
+      copies.push_back(*std::move(copy));
+    }
+    if (plan.needs_boundary_state) {
+      absl::StatusOr<Stored> copy =
+          StorePieces(layout, stored.boundary_pieces, 0, stored.boundary_bytes);
+      if (!copy.ok()) {
+        free_copies();
+        return copy.status();
+      }
+      commit.boundary = copy->ref;
+      copies.push_back(*std::move(copy));
+    }
+  }
+  absl::MutexLock lock(&mu_);
+  absl::StatusOr<CommitResult> committed =
+      index_.CommitCapture(plan, commit, tick_.fetch_add(1) + 1);
+  if (!committed.ok()) {
+    free_copies();
+    return committed.status();
+  }
+  for (const Stored& copy : copies) storage_[copy.ref.storage_handle] = copy.storage;
+  FreeHandles(committed->unused_handles);
+  FreeHandles(committed->evicted_handles);
+  position_addressed_[shape] = stored.position_addressed_only;
+  if (!committed->already_present) ++captures_;
+  PublishEvictable();
+  PrefixCaptureResult result;
+  result.entry = committed->entry;
+  result.boundary_tokens = boundary_tokens;
+  result.already_present = committed->already_present;
+  result.added_bytes = committed->added_bytes;
+  result.stored_bytes = index_.StoredBytes();
+  result.shape = shape;
+  return result;
+}
+
+absl::StatusOr<PrefixCaptureResult> PrefixCache::Capture(DaemonSession& session,
+                                                         absl::Span<const int32_t> tokens,
+                                                         uint64_t boundary_tokens) {
+  ASSIGN_OR_RETURN(PlanFingerprint shape, ShapeOf(session));
+  absl::StatusOr<PrefixCaptureResult> result = absl::InternalError("capture did not run");
+  RETURN_IF_ERROR(session.ViewLocked(
+      [&](const SessionState& state, const SessionLayoutVersion& layout,
+          const std::optional<std::vector<int32_t>>&) {
+        result = CaptureLocked(shape, state, layout, tokens, boundary_tokens,
+                               /*allow_open_transaction=*/false);
+        return result.status();
+      }));
+  return result;
+}
+
+absl::StatusOr<std::optional<PrefixCaptureResult>> PrefixCache::CaptureCommitted(
+    DaemonSession& session) {
+  ASSIGN_OR_RETURN(PlanFingerprint shape, ShapeOf(session));
+  std::optional<PrefixCaptureResult> result;
+  RETURN_IF_ERROR(session.ViewLocked(
+      [&](const SessionState& state, const SessionLayoutVersion& layout,
+          const std::optional<std::vector<int32_t>>& tokens) -> absl::Status {
+        if (!tokens.has_value() || tokens->size() != state.committed_len()) return absl::OkStatus();
+        const uint64_t block = options_.block_tokens;
+        const uint64_t committed = state.committed_len();
+        // Whether the plan keeps state per boundary (the layout at any boundary says so).
+        const bool position_addressed = std::all_of(
+            layout.plan.layers.begin(), layout.plan.layers.end(), [](const LayerGeometry& g) {
+              return !(g.ring || g.kind == StateKind::kRecurrent ||
+                       (g.kind == StateKind::kLatent && g.index_width > 0));
+            });
+        uint64_t boundary = committed / block * block;
+        if (!position_addressed) {
+          // Boundary state is only what the committed length left, and only when no staged
+          // append has moved it (rings rebased, recurrent state advanced).
+          if (committed % block != 0 || state.kv().state().active().has_value()) {
+            return absl::OkStatus();
+          }
+        }
+        if (boundary == 0) return absl::OkStatus();
+        ASSIGN_OR_RETURN(PrefixCaptureResult captured,
+                         CaptureLocked(shape, state, layout, *tokens, boundary,
+                                       /*allow_open_transaction=*/position_addressed));
+        result = captured;
+        return absl::OkStatus();
+      }));
+  if (result.has_value() && !result->already_present) {
+    absl::MutexLock lock(&mu_);
+    ++death_captures_;
+  }
+  return result;
+}
+
+LookupResult PrefixCache::LookupLocked(const PlanFingerprint& shape,
+                                       absl::Span<const int32_t> tokens) {
+  // A shape never captured has no entries: either rule finds nothing.
+  PrefixModelTraits traits;
+  auto it = position_addressed_.find(shape);
+  traits.position_addressed_only = it == position_addressed_.end() || it->second;
+  return index_.Lookup(shape, tokens, traits);
+}
+
+PrefixLookupResult PrefixCache::Lookup(const PlanFingerprint& shape,
+                                       absl::Span<const int32_t> tokens) {
+  absl::MutexLock lock(&mu_);
+  const LookupResult found = LookupLocked(shape, tokens);
+  PrefixLookupResult result;
+  result.outcome = found.outcome;
+  result.entry = found.entry;
+  result.matched_tokens = found.matched_tokens;
+  return result;
+}
+
+absl::StatusOr<PrefixRestoreResult> PrefixCache::Restore(DaemonSession& session,
+                                                         std::optional<EntryId> requested,
+                                                         absl::Span<const int32_t> tokens) {
+  ASSIGN_OR_RETURN(PlanFingerprint shape, ShapeOf(session));
+  const uint64_t block = options_.block_tokens;
+  PrefixRestoreResult result;
+  RETURN_IF_ERROR(session.RestoreLocked(
+      [&](const SessionState& state,
+          const SessionLayoutVersion& layout) -> absl::StatusOr<SessionState> {
+        RETURN_IF_ERROR(state.EnsureUsable("prefix restore"));
+        if (!IsFresh(state)) {
+          return absl::FailedPreconditionError(absl::StrCat(
+              "prefix restore needs a fresh destination: session ",
+              session.params().id.value, " has committed ", state.committed_len(), ", staged ",
+              state.staged_len(), " rows"));
+        }
+        ASSIGN_OR_RETURN(std::vector<BlockKey> keys, ChainBlockKeys(shape, tokens, block));
+        EntryView entry;
+        uint64_t matched = 0;
+        {
+          absl::MutexLock lock(&mu_);
+          std::optional<EntryId> id = requested;
+          if (!id.has_value()) {
+            id = LookupLocked(shape, tokens).entry;
+            if (!id.has_value()) {
+              return absl::NotFoundError(absl::StrCat("no stored prefix matches the ",
+                                                      tokens.size(), " token ids (",
+                                                      keys.size(), " whole blocks)"));
+            }
+          }
+          ASSIGN_OR_RETURN(entry, index_.GetEntry(*id));
+          if (entry.fingerprint != shape) {
+            return absl::InvalidArgumentError(absl::StrCat(
+                "prefix entry ", id->value, " was captured for shape ",
+                FingerprintHex(entry.fingerprint), "; session ", session.params().id.value,
+                " has shape ", FingerprintHex(shape)));
+          }
+          while (matched < entry.blocks.size() && matched < keys.size() &&
+                 entry.blocks[matched].key == keys[matched]) {
+            ++matched;
+          }
+          if (matched == 0) {
+            return absl::InvalidArgumentError(
+                absl::StrCat("the ", tokens.size(), " token ids match none of prefix entry ",
+                             id->value, "'s ", entry.blocks.size(), " blocks"));
+          }
+          if (entry.boundary.has_value() && matched < entry.blocks.size()) {
+            return absl::FailedPreconditionError(absl::StrCat(
+                "prefix entry ", id->value, " holds recurrent/SWA/indexer state only at its ",
+                entry.boundary_tokens, "-token boundary; the token ids match ", matched * block,
+                " of them"));
+          }
+          RETURN_IF_ERROR(index_.Pin(*id, tick_.fetch_add(1) + 1));
+          PublishEvictable();
+        }
+        // Pinned: nothing below can free the entry's bytes. Every path unpins.
+        auto unpin = [&] {
+          absl::MutexLock lock(&mu_);
+          (void)index_.Unpin(entry.id);
+          FreeHandles(index_.EnforceBudget().freed_handles);
+          PublishEvictable();
+        };
+        absl::StatusOr<SessionState> restored =
+            RestorePinned(session.params().id, state, layout, entry, matched);
+        unpin();
+        if (restored.ok()) {
+          absl::MutexLock lock(&mu_);
+          ++restores_;
+          tokens_restored_ += matched * block;
+          result.entry = entry.id;
+          result.restored_tokens = matched * block;
+        } else if (restored.status().code() == absl::StatusCode::kDataLoss) {
+          absl::MutexLock lock(&mu_);
+          absl::StatusOr<EvictionResult> dropped =
+              index_.DropEntry(entry.id, std::string(restored.status().message()));
+          if (dropped.ok()) FreeHandles(dropped->freed_handles);
+          PublishEvictable();
+          spdlog::error("{}", restored.status().ToString());
+        }
+        return restored;
+      },
+      tokens));
+  return result;
+}
+
+absl::StatusOr<SessionState> PrefixCache::RestorePinned(SessionId session,
+                                                        const SessionState& state,
+                                                        const SessionLayoutVersion& layout,
+                                                        const EntryView& entry,
+                                                        uint64_t matched_blocks) {
+  const uint64_t block = options_.block_tokens;
+  const uint64_t rows = matched_blocks * block;
+  // 1. Validate every layer; nothing moves yet.
+  if (rows > state.capacity()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "restoring ", rows, " tokens of prefix entry ", entry.id.value, " needs capacity ", rows,
+        "; session ", session.value, " has ", state.capacity()));
+  }
+  SessionState hydrated = state;
+  RETURN_IF_ERROR(hydrated.Hydrate(rows, {}));  // lengths, ring bases, latent pools
+  ASSIGN_OR_RETURN(StoredLayout target, PlanStoredLayout(layout.plan, hydrated, rows, block));
+  for (size_t i = 0; i < state.latent().size(); ++i) {
+    if (hydrated.latent()[i].index_width == 0) continue;
+    ASSIGN_OR_RETURN(LatentCapturePlan snapshot, PlanLatentCapture(hydrated.latent()[i]));
+    RETURN_IF_ERROR(ValidateLatentRestore(state.latent()[i], snapshot.snapshot, state.capacity()));
+  }
+  ASSIGN_OR_RETURN(uint64_t block_bytes, backend_->RoundedArenaBytes(target.block_bytes));
+  for (uint64_t i = 0; i < matched_blocks; ++i) {
+    if (entry.blocks[i].bytes != block_bytes) {
+      return absl::DataLossError(absl::StrCat(
+          "prefix entry ", entry.id.value, ": stored block ", i, " holds ", entry.blocks[i].bytes,
+          " bytes but the destination layout needs ", block_bytes, " (truncated entry)"));
+    }
+  }
+  if (entry.boundary.has_value()) {
+    ASSIGN_OR_RETURN(uint64_t boundary_bytes, backend_->RoundedArenaBytes(target.boundary_bytes));
+    if (entry.boundary_bytes != boundary_bytes) {
+      return absl::DataLossError(absl::StrCat(
+          "prefix entry ", entry.id.value, ": stored boundary state holds ",
+          entry.boundary_bytes, " bytes but the destination layout needs ", boundary_bytes,
+          " (truncated entry)"));
+    }
+  } else if (!target.position_addressed_only) {
+    return absl::DataLossError(absl::StrCat("prefix entry ", entry.id.value,
+                                            " carries no boundary state but the session's "
+                                            "plan needs ", target.boundary_bytes, " bytes of it"));
+  }
+  // 2. Verify every stored piece before the first byte lands.
+  if (options_.verify_checksums) {
+    for (uint64_t i = 0; i < matched_blocks; ++i) {
+      RETURN_IF_ERROR(VerifyStored(entry.blocks[i].stored, target.block_bytes, entry.id));
+    }
+    if (entry.boundary.has_value()) {
+      RETURN_IF_ERROR(VerifyStored(*entry.boundary, target.boundary_bytes, entry.id));
+    }
+  }
+  // 3. Copy. A device failure here leaves the session's state fresh (it adopts `hydrated` only
+  // on success); the bytes already copied are unspecified content of a fresh session.
+  auto copy_pieces = [&](const StoredRef& from, const std::vector<StoredPiece>& pieces,
+                         uint64_t block_index) -> absl::Status {
+    uint64_t at = 0;
+    for (const StoredPiece& piece : pieces) {
+      ASSIGN_OR_RETURN(uint64_t shift, CheckedMul(block_index, piece.bytes, "block offset"));
+      ASSIGN_OR_RETURN(uint64_t offset, CheckedAdd(piece.plane_offset, shift, "block offset"));
+      ASSIGN_OR_RETURN(uint64_t to, PlaneRangeOffset(layout, piece.plane, offset, piece.bytes));
+      RETURN_IF_ERROR(
+          backend_->Copy(layout.arena, to, ArenaId{from.storage_handle}, at, piece.bytes));
+      at += piece.bytes;
+    }
+    return absl::OkStatus();
+  };
+  for (uint64_t i = 0; i < matched_blocks; ++i) {
+    RETURN_IF_ERROR(copy_pieces(entry.blocks[i].stored, target.block_pieces, i));
+  }
+  if (entry.boundary.has_value()) {
+    // Unbuilt pool-key slots must read zero (PlanLatentRestore's zero_pool_keys).
+    for (const LatentLayerState& latent : hydrated.latent()) {
+      if (latent.index_width == 0) continue;
+      const PlaneRef keys{latent.layer, PlaneKind::kPoolKeys};
+      const uint64_t bytes = PlaneBytes(layout, keys);
+      ASSIGN_OR_RETURN(uint64_t at, PlaneRangeOffset(layout, keys, 0, bytes));
+      RETURN_IF_ERROR(backend_->Memset(layout.arena, at, 0, bytes));
+    }
+    RETURN_IF_ERROR(copy_pieces(*entry.boundary, target.boundary_pieces, 0));
+  }
+  return hydrated;
+}
+
+std::vector<EntryView> PrefixCache::ListEntries() const {
+  absl::MutexLock lock(&mu_);
+  std::vector<EntryView> entries;
+  for (EntryId id : index_.EntryIds()) {
+    absl::StatusOr<EntryView> view = index_.GetEntry(id);
+    if (view.ok()) entries.push_back(*std::move(view));
+  }
+  return entries;
+}
+
+absl::StatusOr<EntryView> PrefixCache::Inspect(EntryId entry) const {
+  absl::MutexLock lock(&mu_);
+  return index_.GetEntry(entry);
+}
+
+absl::StatusOr<uint64_t> PrefixCache::EvictEntry(EntryId entry) {
+  absl::MutexLock lock(&mu_);
+  ASSIGN_OR_RETURN(EvictionResult evicted, index_.EvictEntry(entry));
+  FreeHandles(evicted.freed_handles);
+  PublishEvictable();
+  return evicted.freed_bytes;
+}
+
+uint64_t PrefixCache::EvictForAdmission(uint64_t bytes) {
+  absl::MutexLock lock(&mu_);
+  const uint64_t want = std::min(bytes, index_.EvictableBytes());
+  if (want == 0) return 0;
+  absl::StatusOr<EvictionResult> evicted = index_.Evict(want);
+  if (!evicted.ok()) return 0;  // cannot happen: want <= EvictableBytes()
+  FreeHandles(evicted->freed_handles);
+  PublishEvictable();
+  spdlog::info("prefix cache: evicted {} entries ({} bytes) for an admission {} bytes short",
+               evicted->entries.size(), evicted->freed_bytes, bytes);
+  return evicted->freed_bytes;
+}
+
+void PrefixCache::InstallEvictor(DeviceBudget& budget) {
+  budget.SetEvictor([this](uint64_t bytes) { return EvictForAdmission(bytes); });
+}
+
+PrefixCacheStats PrefixCache::Stats() const {
+  absl::MutexLock lock(&mu_);
+  const PrefixIndexStats index = index_.Stats();
+  PrefixCacheStats stats;
+  stats.entries = index.entries;
+  stats.blocks = index.blocks;
+  stats.stored_bytes = index.stored_bytes;
+  stats.pinned_bytes = index.pinned_bytes;
+  stats.evictable_bytes = index_.EvictableBytes();
+  stats.budget_bytes = index_.budget_bytes();
+  stats.lookup_hits = index.lookup_hits;
+  stats.lookup_partials = index.lookup_partials;
+  stats.lookup_misses = index.lookup_misses;
+  stats.captures = captures_;
+  stats.restores = restores_;
+  stats.tokens_restored = tokens_restored_;
+  stats.evicted_entries = index.evicted_entries;
+  stats.dropped_entries = index.dropped_entries;
+  stats.death_captures = death_captures_;
+  stats.epoch = index_.epoch();
+  stats.last_sequence = index_.LastSequence();
+  stats.block_tokens = index_.block_tokens();
+  return stats;
+}
+
+EventReplay PrefixCache::EventsSince(uint64_t epoch, uint64_t last_sequence) const {
+  absl::MutexLock lock(&mu_);
+  return index_.EventsSince(epoch, last_sequence);
+}
+
+uint64_t PrefixCache::AwaitEvent(uint64_t last_sequence, absl::Duration timeout) const {
+  absl::MutexLock lock(&mu_);
+  auto newer = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return index_.LastSequence() > last_sequence;
+  };
+  mu_.AwaitWithTimeout(absl::Condition(&newer), timeout);
+  return index_.LastSequence();
+}
+
+absl::StatusOr<ArenaId> PrefixCache::StorageArena(uint64_t storage_handle) const {
+  absl::MutexLock lock(&mu_);
+  auto it = storage_.find(storage_handle);
+  if (it == storage_.end()) {
+    return absl::NotFoundError(absl::StrCat("no prefix storage handle ", storage_handle));
+  }
+  return it->second.arena;
+}
+
+absl::Status PrefixCache::CheckInvariants() const {
+  absl::MutexLock lock(&mu_);
+  RETURN_IF_ERROR(index_.CheckInvariants());
+  // (1): the handles the index references are exactly the arenas held (no capture in flight
+  // when tests call this).
+  absl::flat_hash_set<uint64_t> referenced;
+  for (EntryId id : index_.EntryIds()) {
+    ASSIGN_OR_RETURN(EntryView view, index_.GetEntry(id));
+    for (const LookupBlock& block : view.blocks) referenced.insert(block.stored.storage_handle);
+    if (view.boundary.has_value()) referenced.insert(view.boundary->storage_handle);
+  }
+  for (uint64_t handle : referenced) {
+    if (!storage_.contains(handle)) {
+      return absl::InternalError(absl::StrCat("prefix storage handle ", handle, " has no arena"));
+    }
+  }
+  if (referenced.size() != storage_.size()) {
+    return absl::InternalError(absl::StrCat("prefix cache holds ", storage_.size(),
+                                            " arenas for ", referenced.size(), " stored pieces"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace memra

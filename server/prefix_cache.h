@@ -1,0 +1,268 @@
+#ifndef MEMRA_SERVER_PREFIX_CACHE_H_
+#define MEMRA_SERVER_PREFIX_CACHE_H_
+
+// The daemon's prefix cache: core's PrefixIndex (every bookkeeping rule: keys, sharing, LRU,
+// pins, events) plus the bytes. Each stored block and boundary state lives in its own
+// daemon-private arena (ArenaVisibility::kPrivate, never exported), charged to the device budget
+// as kPrefixCacheOwner, and carries an xxHash3-64 of its bytes taken at capture.
+//
+// What is stored (StoredLayout):
+//  * per BLOCK of block_tokens rows, shared between entries: for every position-addressed layer
+//    in layer order, flat K rows then V rows, latent rows;
+//  * per BOUNDARY: for every layer in layer order, the SWA ring's aligned live window (K then V;
+//    KvRing::RestorePlan), recurrent conv then ssm state, the latent indexer's final pool keys
+//    then its live tail rows (PlanLatentCapture).
+// Restore replays the same layout into a fresh session: core decides (SessionState::Hydrate
+// sets lengths, ring bases and latent pools; ValidateLatentRestore / PlanLatentRestore place the
+// indexer state), this class only moves bytes.
+//
+// Thread-safety: thread-safe. Lock order: a session's own mutex (DaemonSession) -> mu_ ->
+// DeviceBudget's mutex. mu_ is never held while a session mutex is taken, nor across device
+// copies of a capture or restore (PlanCapture / Pin under mu_, copies without it, CommitCapture /
+// Unpin under mu_ again). EvictForAdmission is the DeviceBudget evictor: the budget calls it
+// without its own lock.
+//
+// Invariants: (1) storage_ holds exactly the handles the index references plus those of a
+// capture in flight; (2) every storage arena is charged to the budget (when one is attached)
+// exactly once, and released when freed; (3) the budget's evictable bytes equal
+// index_.EvictableBytes() after every public call returns.
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "absl/types/span.h"
+#include "core/prefix_index.h"
+#include "core/session.h"
+#include "core/sizing.h"
+#include "server/backend.h"
+#include "server/daemon_session.h"
+#include "server/device_budget.h"
+
+namespace memra {
+
+struct PrefixCacheOptions {
+  uint64_t budget_bytes = 0;     // > 0 (0 means the daemon has no prefix cache at all)
+  uint32_t block_tokens = 256;   // > 0
+  bool verify_checksums = true;  // xxHash3 check of every stored piece before a restore copies
+  uint64_t epoch = 0;            // this daemon's epoch, on entries and events
+  uint64_t event_capacity = 4096;
+};
+
+// The shape a session's entries are keyed by: the model fingerprint for an unsharded session
+// over every layer, else SHA-256 of the domain, the fingerprint, layer_lo, layer_hi (0xffffffff
+// = all) and tp_ranks (prefix.proto documents the encoding).
+PlanFingerprint PrefixShapeFingerprint(const PlanFingerprint& model, const SessionRequest& shape);
+
+// One contiguous range of one plane, in the order it sits in a stored buffer.
+struct StoredPiece {
+  PlaneRef plane;
+  uint64_t plane_offset = 0;  // bytes into the plane
+  uint64_t bytes = 0;
+};
+
+// What a session stores for one block and at one boundary (StoredLayout in the class comment).
+struct StoredLayout {
+  bool position_addressed_only = true;
+  uint64_t block_rows = 0;
+  // Block i's pieces are block_pieces with plane_offset += i * piece.bytes (rows are
+  // position-addressed: block i's rows start at i * block_rows).
+  std::vector<StoredPiece> block_pieces;
+  uint64_t block_bytes = 0;
+  std::vector<StoredPiece> boundary_pieces;  // source ranges at the capture boundary
+  uint64_t boundary_bytes = 0;
+};
+
+// The capture side: what `state` (quiescent at `boundary` rows, see Capture) stores.
+// INVALID_ARGUMENT: no position-addressed layer; FAILED_PRECONDITION: a lapped SWA window, an
+// undrained latent boundary (PlanLatentCapture's message), recurrent or indexer state asked
+// for at a boundary other than the committed length.
+absl::StatusOr<StoredLayout> PlanStoredLayout(const SessionPlan& plan, const SessionState& state,
+                                              uint64_t boundary, uint64_t block_rows);
+
+struct PrefixCaptureResult {
+  EntryId entry;
+  uint64_t boundary_tokens = 0;
+  bool already_present = false;
+  uint64_t added_bytes = 0;
+  uint64_t stored_bytes = 0;
+  PlanFingerprint shape{};
+};
+
+struct PrefixLookupResult {
+  LookupOutcome outcome = LookupOutcome::kMiss;
+  std::optional<EntryId> entry;
+  uint64_t matched_tokens = 0;
+};
+
+struct PrefixRestoreResult {
+  EntryId entry;
+  uint64_t restored_tokens = 0;
+};
+
+// Counters for metrics (monotonic unless said otherwise) and gauges of the ledger.
+// Identity: stored_bytes == pinned_bytes + evictable_bytes.
+struct PrefixCacheStats {
+  uint64_t entries = 0;
+  uint64_t blocks = 0;
+  uint64_t stored_bytes = 0;
+  uint64_t pinned_bytes = 0;
+  uint64_t evictable_bytes = 0;
+  uint64_t budget_bytes = 0;
+  uint64_t lookup_hits = 0;
+  uint64_t lookup_partials = 0;
+  uint64_t lookup_misses = 0;
+  uint64_t captures = 0;  // entries stored (an already-present boundary is not counted)
+  uint64_t restores = 0;
+  uint64_t tokens_restored = 0;
+  uint64_t evicted_entries = 0;
+  uint64_t dropped_entries = 0;
+  uint64_t death_captures = 0;
+  uint64_t epoch = 0;
+  uint64_t last_sequence = 0;
+  uint32_t block_tokens = 0;
+};
+
+class PrefixCache {
+ public:
+  // `backend` must outlive the cache; `budget` may be null (no shared admission ledger).
+  // INVALID_ARGUMENT for a zero budget or block size.
+  static absl::StatusOr<std::unique_ptr<PrefixCache>> Create(const PrefixCacheOptions& options,
+                                                             DeviceBackend* backend,
+                                                             DeviceBudget* budget);
+  ~PrefixCache();  // frees every storage arena and its budget charge
+  PrefixCache(const PrefixCache&) = delete;
+  PrefixCache& operator=(const PrefixCache&) = delete;
+
+  uint32_t block_tokens() const { return options_.block_tokens; }
+  uint64_t epoch() const { return options_.epoch; }
+
+  // Captures tokens[0, boundary_tokens) of `session`'s committed state. REQUIRES (else refused,
+  // nothing stored): session usable (not tainted), no open transaction, recurrent position ==
+  // committed length; boundary_tokens > 0, a multiple of block_tokens, <= committed length and
+  // <= tokens.size(); plans with recurrent or indexer layers: boundary == committed length.
+  absl::StatusOr<PrefixCaptureResult> Capture(DaemonSession& session,
+                                              absl::Span<const int32_t> tokens,
+                                              uint64_t boundary_tokens) ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Engine death: captures the COMMITTED state of `session` from the token ids its commits
+  // carried: the largest block boundary <= committed length for position-addressed plans (even
+  // with a transaction open: staged rows lie above it and are never read); exactly the
+  // committed length, with no transaction open, otherwise. nullopt when there is nothing to
+  // capture (tokens unknown, under one block, not at a capturable boundary).
+  absl::StatusOr<std::optional<PrefixCaptureResult>> CaptureCommitted(DaemonSession& session)
+      ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Longest restorable prefix for sessions of `shape` (PrefixShapeFingerprint).
+  PrefixLookupResult Lookup(const PlanFingerprint& shape, absl::Span<const int32_t> tokens)
+      ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Restores `entry` (nullopt: the longest match for `tokens`) into the FRESH `session`.
+  // Refusals change nothing: NOT_FOUND unknown entry / no match; INVALID_ARGUMENT another shape,
+  // tokens that match none of the entry's blocks, a capacity below the restored length (or a
+  // ring too small for the window); FAILED_PRECONDITION non-fresh or tainted destination, an
+  // entry of a boundary-state plan whose boundary the tokens do not reach. DATA_LOSS: a stored
+  // checksum mismatch; the entry is dropped (unless another restore still pins it) and the
+  // destination stays fresh.
+  absl::StatusOr<PrefixRestoreResult> Restore(DaemonSession& session,
+                                              std::optional<EntryId> entry,
+                                              absl::Span<const int32_t> tokens)
+      ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Operator calls.
+  std::vector<EntryView> ListEntries() const ABSL_LOCKS_EXCLUDED(mu_);
+  absl::StatusOr<EntryView> Inspect(EntryId entry) const ABSL_LOCKS_EXCLUDED(mu_);
+  // NOT_FOUND; FAILED_PRECONDITION while pinned. Returns the bytes freed.
+  absl::StatusOr<uint64_t> EvictEntry(EntryId entry) ABSL_LOCKS_EXCLUDED(mu_);
+  // DeviceBudget::Evictor: evicts LRU unpinned entries worth up to `bytes` (everything evictable
+  // when less is); returns the bytes freed.
+  uint64_t EvictForAdmission(uint64_t bytes) ABSL_LOCKS_EXCLUDED(mu_);
+  // Installs EvictForAdmission as `budget`'s evictor (the budget must not outlive this cache).
+  void InstallEvictor(DeviceBudget& budget);
+
+  PrefixCacheStats Stats() const ABSL_LOCKS_EXCLUDED(mu_);
+  EventReplay EventsSince(uint64_t epoch, uint64_t last_sequence) const ABSL_LOCKS_EXCLUDED(mu_);
+  // Blocks until an event after `last_sequence` exists or `timeout` passes; returns the newest
+  // sequence.
+  uint64_t AwaitEvent(uint64_t last_sequence, absl::Duration timeout) const
+      ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Test seam (corruption tests): the private arena holding an entry's block or boundary.
+  absl::StatusOr<ArenaId> StorageArena(uint64_t storage_handle) const ABSL_LOCKS_EXCLUDED(mu_);
+  absl::Status CheckInvariants() const ABSL_LOCKS_EXCLUDED(mu_);
+
+ private:
+  struct Storage {
+    ArenaId arena;
+    std::optional<AllocationId> charge;  // set when a budget is attached
+  };
+  // A capture's fresh copies (arena + checksum), freed unless the index adopts them.
+  struct Stored {
+    StoredRef ref;
+    Storage storage;
+  };
+
+  PrefixCache(const PrefixCacheOptions& options, PrefixIndex index, DeviceBackend* backend,
+              DeviceBudget* budget);
+
+  // REQUIRES the session's mutex (runs inside DaemonSession::ViewLocked).
+  absl::StatusOr<PrefixCaptureResult> CaptureLocked(const PlanFingerprint& shape,
+                                                    const SessionState& state,
+                                                    const SessionLayoutVersion& layout,
+                                                    absl::Span<const int32_t> tokens,
+                                                    uint64_t boundary_tokens,
+                                                    bool allow_open_transaction)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // Validates, verifies and copies a pinned entry's first `matched_blocks` blocks (and its
+  // boundary state) into the fresh session; returns the state it must adopt. REQUIRES the
+  // destination's mutex (inside DaemonSession::RestoreLocked).
+  absl::StatusOr<SessionState> RestorePinned(SessionId session, const SessionState& state,
+                                             const SessionLayoutVersion& layout,
+                                             const EntryView& entry, uint64_t matched_blocks)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  LookupResult LookupLocked(const PlanFingerprint& shape, absl::Span<const int32_t> tokens)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Allocates a private arena of `bytes`, gathers `pieces` (offset by `row_shift` bytes per
+  // piece multiple, see StoredLayout) from the session arena into it, and checksums it.
+  absl::StatusOr<Stored> StorePieces(const SessionLayoutVersion& layout,
+                                     const std::vector<StoredPiece>& pieces, uint64_t block_index,
+                                     uint64_t bytes) ABSL_LOCKS_EXCLUDED(mu_);
+  void FreeStorage(const Storage& storage);
+  // Frees handles the index let go of (eviction, drop, unused) and refreshes the budget's
+  // evictable bytes.
+  void FreeHandles(const std::vector<uint64_t>& handles) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void PublishEvictable() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Reads the stored piece back and compares its xxHash3 with the one taken at capture.
+  absl::Status VerifyStored(const StoredRef& ref, uint64_t bytes, EntryId entry) const;
+
+  // Constant after construction.
+  const PrefixCacheOptions options_;
+  DeviceBackend* const backend_;
+  DeviceBudget* const budget_;
+
+  std::atomic<uint64_t> tick_{0};  // LRU clock
+
+  mutable absl::Mutex mu_;
+  PrefixIndex index_ ABSL_GUARDED_BY(mu_);
+  // storage handle (== the arena id's value) -> its arena and charge.
+  absl::flat_hash_map<uint64_t, Storage> storage_ ABSL_GUARDED_BY(mu_);
+  // Per shape: whether every layer is position-addressed (what Lookup must know).
+  absl::flat_hash_map<PlanFingerprint, bool> position_addressed_ ABSL_GUARDED_BY(mu_);
+  uint64_t captures_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t restores_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t tokens_restored_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t death_captures_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+}  // namespace memra
+
+#endif  // MEMRA_SERVER_PREFIX_CACHE_H_

@@ -1,0 +1,618 @@
+#include "server/prefix_cache.h"
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "core/index_ring.h"
+#include "core/kv_ring.h"
+#include "core/model_plan.h"
+#include "core/status_macros.h"
+#include "core/test_model_plans.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "server/daemon_session.h"
+#include "server/device_budget.h"
+#include "server/test_host_backend.h"
+#include "tests/status_matchers.h"
+
+namespace memra {
+namespace {
+
+using ::memra::testing::IsOk;
+using ::memra::testing::StatusIs;
+using ::testing::HasSubstr;
+namespace tp = ::memra::test_plans;
+namespace pb = ::memra::kv::v1;
+
+constexpr uint32_t kBlock = 16;
+
+// The byte an "engine" wrote at (layer, plane, absolute row, byte). Position-addressed rows do
+// not depend on the session, so a shared prefix is the same bytes in every session; recurrent
+// state carries `seed` (the state differs with where the sequence stopped).
+uint8_t Pattern(uint32_t layer, PlaneKind kind, uint64_t row, uint64_t byte, uint64_t seed = 0) {
+  return static_cast<uint8_t>(layer * 131 + static_cast<uint32_t>(kind) * 31 + row * 7 +
+                              byte * 13 + seed * 17 + 1);
+}
+
+std::vector<int32_t> Tokens(uint64_t n, int32_t salt = 0) {
+  std::vector<int32_t> tokens;
+  for (uint64_t i = 0; i < n; ++i) tokens.push_back(static_cast<int32_t>(i * 3 + 1000 + salt));
+  return tokens;
+}
+
+ModelPlan FlatPlan() { return tp::DenseModel(2, 32, 1); }
+ModelPlan HybridPlan() {
+  ModelPlan plan;
+  plan.layers = {tp::KvLayer(0, 32, 1), tp::RecurrentLayer(1, 16, 4, 64)};
+  return plan;
+}
+ModelPlan SwaPlan() {
+  ModelPlan plan;
+  plan.swa_ring = true;
+  plan.layers = {tp::SlidingLayer(0, 32, 1, 64), tp::KvLayer(1, 32, 1)};
+  return plan;
+}
+ModelPlan LatentPlan() {
+  ModelPlan plan;
+  plan.index_ring_rows = 32;  // a tail ring: the live tail sits at a ring position
+  plan.layers = {tp::LatentLayer(0, 16, 8, 4), tp::LatentLayer(1, 16)};
+  return plan;
+}
+
+// One range of one plane an engine wrote: rows [first, end) of row_bytes at physical row
+// `physical_first`.
+struct Written {
+  PlaneRef plane;
+  uint64_t first = 0;
+  uint64_t end = 0;
+  uint64_t physical_first = 0;
+  uint64_t row_bytes = 0;
+  uint64_t seed = 0;
+};
+
+// What a session at committed length `len` holds, addressed independently of the code under
+// test: flat rows [0, len); a ring's window [from, len) at physical row - base; latent rows;
+// pool keys [0, ready) (a "row" per pool); the indexer tail at its ring position; recurrent
+// state whole. `window_from` picks the ring rows (the resident rows for a writer, the aligned
+// window for a checker).
+std::vector<Written> Content(const SessionPlan& plan, const SessionState& state, bool aligned) {
+  std::vector<Written> out;
+  const uint64_t len = state.committed_len();
+  for (const LayerGeometry& g : plan.layers) {
+    switch (g.kind) {
+      case StateKind::kKv:
+      case StateKind::kSlidingKv: {
+        uint64_t from = 0;
+        uint64_t base = 0;
+        if (g.ring) {
+          for (size_t i = 0; i < state.kv().layer_count(); ++i) {
+            if (state.kv().shapes()[i].layer == g.layer) base = state.kv().ring(i)->base();
+          }
+          from = aligned ? AlignedWindowStart(len, g.window) : base;
+        }
+        out.push_back({{g.layer, PlaneKind::kKeys}, from, len, from - base, g.k_token_bytes});
+        out.push_back({{g.layer, PlaneKind::kValues}, from, len, from - base, g.v_token_bytes});
+        break;
+      }
+      case StateKind::kLatent: {
+        out.push_back({{g.layer, PlaneKind::kLatentRows}, 0, len, 0, g.latent_width * 4});
+        if (g.index_width == 0) break;
+        const uint64_t ready = len / g.index_pool;
+        out.push_back({{g.layer, PlaneKind::kPoolKeys}, 0, ready, 0, g.index_width / 2 * 4});
+        const uint64_t tail = ready * g.index_pool;
+        const uint64_t physical =
+            IndexPlanePhysicalRow(g.index_ring ? g.index_physical_rows : 0, g.index_pool, tail)
+                .value();
+        out.push_back({{g.layer, PlaneKind::kIndexRows}, tail, len, physical, g.index_width * 4});
+        break;
+      }
+      case StateKind::kRecurrent:
+        out.push_back({{g.layer, PlaneKind::kConvState}, 0, 1, 0, g.conv_elems * 4, len});
+        out.push_back({{g.layer, PlaneKind::kSsmState}, 0, 1, 0, g.ssm_elems * 4, len});
+        break;
+      default:
+        break;
+    }
+  }
+  return out;
+}
+
+class PrefixCacheTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    backend_ = testing::NewTestHostBackend(testing::TestHostBackendOptions(uint64_t{256} << 20));
+    ASSERT_NE(backend_, nullptr);
+    cache_ = MakeCache(uint64_t{64} << 20);
+  }
+
+  std::unique_ptr<PrefixCache> MakeCache(uint64_t budget, DeviceBudget* device_budget = nullptr,
+                                         uint64_t event_capacity = 4096) {
+    PrefixCacheOptions options;
+    options.budget_bytes = budget;
+    options.block_tokens = kBlock;
+    options.epoch = 77;
+    options.event_capacity = event_capacity;
+    absl::StatusOr<std::unique_ptr<PrefixCache>> cache =
+        PrefixCache::Create(options, backend_.get(), device_budget);
+    EXPECT_THAT(cache.status(), IsOk());
+    return cache.ok() ? *std::move(cache) : nullptr;
+  }
+
+  std::unique_ptr<DaemonSession> NewSession(const ModelPlan& plan, uint64_t capacity) {
+    DaemonSession::Params params;
+    params.id = SessionId{next_id_++};
+    params.owner = EngineId{1};
+    params.token = "0123456789abcdef";
+    params.model = std::make_shared<const ModelPlan>(plan);
+    params.request.capacity = capacity;
+    absl::StatusOr<std::unique_ptr<DaemonSession>> session =
+        DaemonSession::Create(std::move(params), backend_.get(), &session_budget_);
+    EXPECT_THAT(session.status(), IsOk());
+    return session.ok() ? *std::move(session) : nullptr;
+  }
+
+  // Commits `rows` more rows (chunks the ring can take) with their token ids, then writes the
+  // pattern for everything the session holds (the engine's kernels, done after the fact).
+  void Append(DaemonSession& session, const std::vector<int32_t>& all_tokens, uint64_t rows) {
+    uint64_t done = 0;
+    while (done < rows) {
+      const uint64_t chunk = std::min<uint64_t>(rows - done, 512);
+      pb::BeginResponse begin;
+      ASSERT_THAT(session.Begin(&begin), IsOk());
+      pb::PrepareAppendResponse prepare;
+      ASSERT_THAT(session.PrepareAppend(begin.generation(), chunk, &prepare), IsOk());
+      pb::PublishAppendResponse publish;
+      ASSERT_THAT(session.PublishAppend(begin.generation(), &publish), IsOk());
+      const uint64_t at = begin.base_len();
+      pb::CommitResponse commit;
+      ASSERT_THAT(session.Commit(begin.generation(), chunk, &commit,
+                                 absl::MakeConstSpan(all_tokens).subspan(at, chunk)),
+                  IsOk());
+      done += chunk;
+    }
+    WritePattern(session);
+  }
+
+  void WritePattern(DaemonSession& session) {
+    ASSERT_THAT(session.ViewLocked([&](const SessionState& state,
+                                       const SessionLayoutVersion& layout,
+                                       const std::optional<std::vector<int32_t>>&) {
+      for (const Written& w : Content(layout.plan, state, /*aligned=*/false)) {
+        std::vector<uint8_t> row(w.row_bytes);
+        for (uint64_t r = w.first; r < w.end; ++r) {
+          for (uint64_t j = 0; j < w.row_bytes; ++j) row[j] = Pattern(w.plane.layer, w.plane.kind, r, j, w.seed);
+          const uint64_t physical = w.physical_first + (r - w.first);
+          ASSIGN_OR_RETURN(uint64_t at, PlaneRangeOffset(layout, w.plane, physical * w.row_bytes,
+                                                         w.row_bytes));
+          RETURN_IF_ERROR(backend_->Write(layout.arena, at, row));
+        }
+      }
+      return absl::OkStatus();
+    }),
+                IsOk());
+  }
+
+  // Every byte the restored length covers holds what the source wrote; `seed` is the
+  // source's committed length (its recurrent state).
+  void ExpectRestored(DaemonSession& session, uint64_t len, uint64_t seed) {
+    ASSERT_THAT(session.ViewLocked([&](const SessionState& state,
+                                       const SessionLayoutVersion& layout,
+                                       const std::optional<std::vector<int32_t>>&) {
+      EXPECT_EQ(state.committed_len(), len);
+      for (const Written& w : Content(layout.plan, state, /*aligned=*/true)) {
+        std::vector<uint8_t> row(w.row_bytes);
+        for (uint64_t r = w.first; r < w.end; ++r) {
+          const uint64_t physical = w.physical_first + (r - w.first);
+          ASSIGN_OR_RETURN(uint64_t at, PlaneRangeOffset(layout, w.plane, physical * w.row_bytes,
+                                                         w.row_bytes));
+          RETURN_IF_ERROR(backend_->Read(layout.arena, at, absl::MakeSpan(row)));
+          for (uint64_t j = 0; j < w.row_bytes; ++j) {
+            const uint64_t s = w.plane.kind == PlaneKind::kConvState ||
+                                       w.plane.kind == PlaneKind::kSsmState
+                                   ? seed
+                                   : 0;
+            if (row[j] != Pattern(w.plane.layer, w.plane.kind, r, j, s)) {
+              ADD_FAILURE() << "layer " << w.plane.layer << " " << PlaneKindName(w.plane.kind)
+                            << " row " << r << " byte " << j;
+              return absl::OkStatus();
+            }
+          }
+        }
+      }
+      return absl::OkStatus();
+    }),
+                IsOk());
+  }
+
+  // Digest of the session's whole arena: "untouched" means this does not change.
+  std::vector<uint8_t> ArenaBytes(DaemonSession& session) {
+    std::vector<uint8_t> bytes;
+    EXPECT_THAT(session.ViewLocked([&](const SessionState&, const SessionLayoutVersion& layout,
+                                       const std::optional<std::vector<int32_t>>&) {
+      bytes.resize(layout.exported.bytes);
+      return backend_->Read(layout.arena, 0, absl::MakeSpan(bytes));
+    }),
+                IsOk());
+    return bytes;
+  }
+
+  uint64_t Committed(DaemonSession& session) {
+    pb::SessionState state;
+    EXPECT_THAT(session.GetState(&state, nullptr), IsOk());
+    return state.committed_len();
+  }
+
+  PlanFingerprint Shape(const ModelPlan& plan) {
+    return FingerprintModelPlan(plan, FormatDefaults()).value();
+  }
+
+  std::unique_ptr<HostBackend> backend_;
+  DeviceBudget session_budget_{uint64_t{1} << 30, "sessions"};  // charges the test sessions
+  std::unique_ptr<PrefixCache> cache_;
+  uint64_t next_id_ = 1;
+};
+
+TEST_F(PrefixCacheTest, FlatKvCaptureLookupRestoreAnyBlockBoundary) {
+  const std::vector<int32_t> tokens = Tokens(100);
+  auto source = NewSession(FlatPlan(), 256);
+  Append(*source, tokens, 100);
+  absl::StatusOr<PrefixCaptureResult> captured = cache_->Capture(*source, tokens, 96);
+  ASSERT_THAT(captured.status(), IsOk());
+  EXPECT_EQ(captured->boundary_tokens, 96u);
+  EXPECT_FALSE(captured->already_present);
+  EXPECT_THAT(cache_->CheckInvariants(), IsOk());
+
+  PrefixLookupResult hit = cache_->Lookup(Shape(FlatPlan()), tokens);
+  EXPECT_EQ(hit.outcome, LookupOutcome::kHit);
+  EXPECT_EQ(hit.matched_tokens, 96u);
+  // Diverging in block 3: blocks 0-2 (48 tokens) are still restorable (position-addressed).
+  std::vector<int32_t> other = tokens;
+  other[50] = -1;
+  PrefixLookupResult partial = cache_->Lookup(Shape(FlatPlan()), other);
+  EXPECT_EQ(partial.outcome, LookupOutcome::kPartial);
+  EXPECT_EQ(partial.matched_tokens, 48u);
+  EXPECT_EQ(cache_->Lookup(Shape(FlatPlan()), Tokens(40, 5)).outcome, LookupOutcome::kMiss);
+
+  auto full = NewSession(FlatPlan(), 128);
+  absl::StatusOr<PrefixRestoreResult> restored = cache_->Restore(*full, captured->entry, tokens);
+  ASSERT_THAT(restored.status(), IsOk());
+  EXPECT_EQ(restored->restored_tokens, 96u);
+  ExpectRestored(*full, 96, 0);
+
+  auto shorter = NewSession(FlatPlan(), 128);
+  restored = cache_->Restore(*shorter, std::nullopt, other);
+  ASSERT_THAT(restored.status(), IsOk());
+  EXPECT_EQ(restored->restored_tokens, 48u);
+  ExpectRestored(*shorter, 48, 0);
+  const PrefixCacheStats stats = cache_->Stats();
+  EXPECT_EQ(stats.lookup_hits, 1u);
+  EXPECT_EQ(stats.lookup_partials, 2u);  // the explicit one and Restore's own
+  EXPECT_EQ(stats.lookup_misses, 1u);
+  EXPECT_EQ(stats.restores, 2u);
+  EXPECT_EQ(stats.tokens_restored, 144u);
+  EXPECT_EQ(stats.stored_bytes, stats.evictable_bytes);  // nothing pinned after restores
+}
+
+TEST_F(PrefixCacheTest, CommonPrefixBlocksAreStoredOnce) {
+  std::vector<int32_t> a = Tokens(64);
+  std::vector<int32_t> b = a;
+  for (size_t i = 32; i < 64; ++i) b[i] = -static_cast<int32_t>(i);
+  auto first = NewSession(FlatPlan(), 128);
+  auto second = NewSession(FlatPlan(), 128);
+  Append(*first, a, 64);
+  Append(*second, b, 64);
+  absl::StatusOr<PrefixCaptureResult> one = cache_->Capture(*first, a, 64);
+  ASSERT_THAT(one.status(), IsOk());
+  const uint64_t block_bytes = one->added_bytes / 4;
+  absl::StatusOr<PrefixCaptureResult> two = cache_->Capture(*second, b, 64);
+  ASSERT_THAT(two.status(), IsOk());
+  EXPECT_EQ(two->added_bytes, 2 * block_bytes);  // the system prompt's 2 blocks are shared
+  EXPECT_EQ(cache_->Stats().blocks, 6u);
+  EXPECT_EQ(cache_->Stats().stored_bytes, 6 * block_bytes);
+  EXPECT_EQ(backend_->ArenaCount(), 2u + 6u);  // two sessions + six stored blocks
+  absl::StatusOr<PrefixCaptureResult> again = cache_->Capture(*second, b, 64);
+  ASSERT_THAT(again.status(), IsOk());
+  EXPECT_TRUE(again->already_present);
+  EXPECT_EQ(again->added_bytes, 0u);
+  EXPECT_THAT(cache_->CheckInvariants(), IsOk());
+}
+
+TEST_F(PrefixCacheTest, RecurrentStateRestoresOnlyAtTheCapturedBoundary) {
+  const std::vector<int32_t> tokens = Tokens(64);
+  auto source = NewSession(HybridPlan(), 128);
+  Append(*source, tokens, 64);
+  absl::StatusOr<PrefixCaptureResult> captured = cache_->Capture(*source, tokens, 64);
+  ASSERT_THAT(captured.status(), IsOk());
+  // Recurrent state exists only at the committed length.
+  EXPECT_THAT(cache_->Capture(*source, tokens, 32).status(),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstr("recurrent state exists only at the position 64 (committed 64), "
+                                 "not at boundary 32")));
+  // A query that stops inside the entry has no boundary state to restore.
+  EXPECT_EQ(cache_->Lookup(Shape(HybridPlan()), Tokens(48)).outcome, LookupOutcome::kMiss);
+  auto short_dest = NewSession(HybridPlan(), 128);
+  const std::vector<uint8_t> before = ArenaBytes(*short_dest);
+  EXPECT_THAT(cache_->Restore(*short_dest, captured->entry, Tokens(48)).status(),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstr("only at its 64-token boundary; the token ids match 48")));
+  EXPECT_EQ(ArenaBytes(*short_dest), before);
+
+  PrefixLookupResult hit = cache_->Lookup(Shape(HybridPlan()), Tokens(70));
+  EXPECT_EQ(hit.outcome, LookupOutcome::kHit);
+  EXPECT_EQ(hit.matched_tokens, 64u);
+  auto dest = NewSession(HybridPlan(), 256);
+  ASSERT_THAT(cache_->Restore(*dest, hit.entry, Tokens(70)).status(), IsOk());
+  ExpectRestored(*dest, 64, 64);
+  pb::SessionState state;
+  ASSERT_THAT(dest->GetState(&state, nullptr), IsOk());
+  EXPECT_EQ(state.position(), 64u);
+}
+
+TEST_F(PrefixCacheTest, SwaRingAfterAWrapRestoresTheAlignedWindow) {
+  const uint64_t len = 4800;  // past the 64 + 4096 + 512 + 31 = 4703-row ring: it wrapped
+  const std::vector<int32_t> tokens = Tokens(len);
+  auto source = NewSession(SwaPlan(), 6000);
+  Append(*source, tokens, len);
+  absl::StatusOr<PrefixCaptureResult> captured = cache_->Capture(*source, tokens, len);
+  ASSERT_THAT(captured.status(), IsOk());
+  // A boundary whose window was lapped by the wrap is refused.
+  EXPECT_THAT(cache_->Capture(*source, tokens, 64).status(),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstr("layer 0: the SWA window ending at 64 is no longer resident")));
+  auto dest = NewSession(SwaPlan(), 6000);
+  ASSERT_THAT(cache_->Restore(*dest, captured->entry, tokens).status(), IsOk());
+  ExpectRestored(*dest, len, 0);
+  pb::SessionState state;
+  ASSERT_THAT(dest->GetState(&state, nullptr), IsOk());
+  ASSERT_GE(state.layers_size(), 1);
+  EXPECT_EQ(state.layers(0).ring_base(), AlignedWindowStart(len, 64));
+  // A destination too small for the restored length.
+  auto small = NewSession(SwaPlan(), 4096);
+  const std::vector<uint8_t> before = ArenaBytes(*small);
+  EXPECT_THAT(cache_->Restore(*small, captured->entry, tokens).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("needs capacity 4800; session 3 has 4096")));
+  EXPECT_EQ(ArenaBytes(*small), before);
+  EXPECT_EQ(Committed(*small), 0u);
+}
+
+TEST_F(PrefixCacheTest, LatentWithIndexerTailAndPoolKeys) {
+  const uint64_t len = 80;  // 20 pools; the 32-row tail ring has wrapped
+  const std::vector<int32_t> tokens = Tokens(len + 2);
+  auto source = NewSession(LatentPlan(), 256);
+  Append(*source, tokens, len + 2);  // 82: a two-row live tail
+  // The indexer's state exists at the latent length only.
+  EXPECT_THAT(cache_->Capture(*source, tokens, 80).status(),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstr("layer 0: the indexer's tail and pool keys exist only at the "
+                                 "latent length 82, not at boundary 80")));
+  ASSERT_THAT(source->Rewind(len), IsOk());
+  absl::StatusOr<PrefixCaptureResult> captured = cache_->Capture(*source, tokens, len);
+  ASSERT_THAT(captured.status(), IsOk());
+  auto dest = NewSession(LatentPlan(), 128);
+  ASSERT_THAT(cache_->Restore(*dest, captured->entry, tokens).status(), IsOk());
+  ExpectRestored(*dest, len, 0);
+  pb::SessionState state;
+  ASSERT_THAT(dest->GetState(&state, nullptr), IsOk());
+  EXPECT_EQ(state.layers(0).index_pools_ready(), 20u);
+}
+
+TEST_F(PrefixCacheTest, RefusalsLeaveTheDestinationUntouched) {
+  const std::vector<int32_t> tokens = Tokens(64);
+  auto source = NewSession(FlatPlan(), 128);
+  Append(*source, tokens, 64);
+  absl::StatusOr<PrefixCaptureResult> captured = cache_->Capture(*source, tokens, 64);
+  ASSERT_THAT(captured.status(), IsOk());
+
+  auto other_model = NewSession(tp::DenseModel(3, 32, 1), 128);
+  std::vector<uint8_t> before = ArenaBytes(*other_model);
+  EXPECT_THAT(cache_->Restore(*other_model, captured->entry, tokens).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr(absl::StrCat("prefix entry ", captured->entry.value,
+                                              " was captured for shape"))));
+  EXPECT_EQ(ArenaBytes(*other_model), before);
+
+  auto small = NewSession(FlatPlan(), 32);
+  before = ArenaBytes(*small);
+  EXPECT_THAT(cache_->Restore(*small, captured->entry, tokens).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("restoring 64 tokens of prefix entry 1 needs capacity 64; "
+                                 "session 3 has 32")));
+  EXPECT_EQ(ArenaBytes(*small), before);
+  EXPECT_EQ(Committed(*small), 0u);
+
+  auto used = NewSession(FlatPlan(), 128);
+  Append(*used, Tokens(16, 9), 16);
+  before = ArenaBytes(*used);
+  EXPECT_THAT(cache_->Restore(*used, captured->entry, tokens).status(),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstr("session 4 has committed 16, staged 16 rows")));
+  EXPECT_EQ(ArenaBytes(*used), before);
+
+  auto fresh = NewSession(FlatPlan(), 128);
+  EXPECT_THAT(cache_->Restore(*fresh, captured->entry, Tokens(64, 1)).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("the 64 token ids match none of prefix entry 1's 4 blocks")));
+  EXPECT_THAT(cache_->Restore(*fresh, EntryId{99}, tokens).status(),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("99")));
+  EXPECT_EQ(Committed(*fresh), 0u);
+
+  // Capture refusals: an open transaction, a boundary off the block grid or past the rows.
+  pb::BeginResponse begin;
+  ASSERT_THAT(source->Begin(&begin), IsOk());
+  EXPECT_THAT(cache_->Capture(*source, tokens, 64).status(),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstr("transaction generation 2 is open (committed 64, staged 64)")));
+  pb::AbortResponse abort;
+  ASSERT_THAT(source->Abort(begin.generation(), &abort), IsOk());
+  EXPECT_THAT(cache_->Capture(*source, tokens, 40).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("boundary 40 is not a positive multiple of the 16-token block")));
+  EXPECT_THAT(cache_->Capture(*source, Tokens(80), 80).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("boundary 80 exceeds the committed length 64")));
+  EXPECT_EQ(cache_->Stats().entries, 1u);
+  EXPECT_THAT(cache_->CheckInvariants(), IsOk());
+}
+
+TEST_F(PrefixCacheTest, CorruptBlockIsDataLossAndTheEntryIsDropped) {
+  const std::vector<int32_t> tokens = Tokens(48);
+  auto source = NewSession(FlatPlan(), 128);
+  Append(*source, tokens, 48);
+  absl::StatusOr<PrefixCaptureResult> captured = cache_->Capture(*source, tokens, 48);
+  ASSERT_THAT(captured.status(), IsOk());
+  absl::StatusOr<EntryView> view = cache_->Inspect(captured->entry);
+  ASSERT_THAT(view.status(), IsOk());
+  absl::StatusOr<ArenaId> arena = cache_->StorageArena(view->blocks[1].stored.storage_handle);
+  ASSERT_THAT(arena.status(), IsOk());
+  std::vector<uint8_t> byte(1);
+  ASSERT_THAT(backend_->Read(*arena, 7, absl::MakeSpan(byte)), IsOk());
+  byte[0] ^= 0x40;
+  ASSERT_THAT(backend_->Write(*arena, 7, byte), IsOk());
+
+  auto dest = NewSession(FlatPlan(), 128);
+  const std::vector<uint8_t> before = ArenaBytes(*dest);
+  EXPECT_THAT(cache_->Restore(*dest, captured->entry, tokens).status(),
+              StatusIs(absl::StatusCode::kDataLoss,
+                       HasSubstr(absl::StrCat("prefix entry ", captured->entry.value,
+                                              ": stored piece (arena ", arena->value))));
+  EXPECT_EQ(ArenaBytes(*dest), before);
+  EXPECT_EQ(Committed(*dest), 0u);
+  EXPECT_THAT(cache_->Inspect(captured->entry).status(),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("")));
+  const PrefixCacheStats stats = cache_->Stats();
+  EXPECT_EQ(stats.dropped_entries, 1u);
+  EXPECT_EQ(stats.stored_bytes, 0u);
+  EXPECT_EQ(backend_->ArenaCount(), 2u);  // the two sessions; every stored block freed
+  const EventReplay events = cache_->EventsSince(77, 1);
+  ASSERT_EQ(events.events.size(), 1u);
+  EXPECT_EQ(events.events[0].kind, PrefixEventKind::kDropped);
+  EXPECT_THAT(events.events[0].reason, HasSubstr("xxHash3"));
+}
+
+TEST_F(PrefixCacheTest, LruEvictionUnderTheBudget) {
+  // Learn one entry's size, then allow two and a half.
+  const std::vector<int32_t> probe = Tokens(32, 500);
+  auto s0 = NewSession(FlatPlan(), 64);
+  Append(*s0, probe, 32);
+  absl::StatusOr<PrefixCaptureResult> first = cache_->Capture(*s0, probe, 32);
+  ASSERT_THAT(first.status(), IsOk());
+  const uint64_t entry_bytes = first->added_bytes;
+  cache_ = MakeCache(entry_bytes * 5 / 2);
+  std::vector<EntryId> ids;
+  for (int i = 0; i < 3; ++i) {
+    const std::vector<int32_t> tokens = Tokens(32, 1000 * (i + 1));
+    auto session = NewSession(FlatPlan(), 64);
+    Append(*session, tokens, 32);
+    absl::StatusOr<PrefixCaptureResult> captured = cache_->Capture(*session, tokens, 32);
+    ASSERT_THAT(captured.status(), IsOk());
+    ids.push_back(captured->entry);
+  }
+  const PrefixCacheStats stats = cache_->Stats();
+  EXPECT_EQ(stats.entries, 2u);
+  EXPECT_EQ(stats.evicted_entries, 1u);
+  EXPECT_EQ(stats.stored_bytes, 2 * entry_bytes);
+  EXPECT_THAT(cache_->Inspect(ids[0]).status(), StatusIs(absl::StatusCode::kNotFound, HasSubstr("")));
+  EXPECT_THAT(cache_->EvictEntry(ids[1]), ::memra::testing::IsOkAndHolds(entry_bytes));
+  EXPECT_EQ(cache_->Stats().stored_bytes, entry_bytes);
+  EXPECT_THAT(cache_->CheckInvariants(), IsOk());
+}
+
+TEST_F(PrefixCacheTest, AdmissionEvictsThroughTheDeviceBudget) {
+  const std::vector<int32_t> tokens = Tokens(32);
+  auto session = NewSession(FlatPlan(), 64);
+  Append(*session, tokens, 32);
+  const uint64_t total = uint64_t{1} << 20;
+  DeviceBudget budget(total, "test");
+  cache_ = MakeCache(uint64_t{64} << 20, &budget);
+  cache_->InstallEvictor(budget);
+  absl::StatusOr<PrefixCaptureResult> captured = cache_->Capture(*session, tokens, 32);
+  ASSERT_THAT(captured.status(), IsOk());
+  const uint64_t stored = captured->added_bytes;
+  ASSERT_GT(stored, 0u);
+  EXPECT_EQ(budget.Snapshot().evictable(), stored);
+  EXPECT_EQ(budget.Snapshot().allocated(), stored);  // the stored block, charged once
+  // An engine needs everything: the admission evicts the prefix entry first.
+  absl::StatusOr<AllocationId> admitted = budget.Allocate(/*owner=*/1, total);
+  ASSERT_THAT(admitted.status(), IsOk());
+  EXPECT_EQ(cache_->Stats().entries, 0u);
+  EXPECT_EQ(cache_->Stats().evicted_entries, 1u);
+  EXPECT_EQ(budget.Snapshot().evictable(), 0u);
+  EXPECT_EQ(budget.Snapshot().allocated(), total);  // the block's charge was released
+  // Now the device is full: a capture is refused by the budget and stores nothing.
+  EXPECT_THAT(cache_->Capture(*session, tokens, 32).status(),
+              StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("")));
+  EXPECT_EQ(backend_->ArenaCount(), 1u);
+  EXPECT_THAT(cache_->CheckInvariants(), IsOk());
+  cache_.reset();  // before the budget it charges
+}
+
+TEST_F(PrefixCacheTest, EventsReplayAndGap) {
+  cache_ = MakeCache(uint64_t{64} << 20, nullptr, /*event_capacity=*/2);
+  std::vector<EntryId> ids;
+  for (int i = 0; i < 3; ++i) {
+    const std::vector<int32_t> tokens = Tokens(16, 100 * i);
+    auto session = NewSession(FlatPlan(), 64);
+    Append(*session, tokens, 16);
+    absl::StatusOr<PrefixCaptureResult> captured = cache_->Capture(*session, tokens, 16);
+    ASSERT_THAT(captured.status(), IsOk());
+    ids.push_back(captured->entry);
+  }
+  EventReplay replay = cache_->EventsSince(77, 1);
+  EXPECT_FALSE(replay.gap);
+  ASSERT_EQ(replay.events.size(), 2u);
+  EXPECT_EQ(replay.events[0].sequence, 2u);
+  EXPECT_EQ(replay.events[0].kind, PrefixEventKind::kStored);
+  EXPECT_EQ(replay.events[0].block_keys.size(), 1u);
+  EXPECT_EQ(replay.events[0].epoch, 77u);
+  // Sequence 1 left the 2-event buffer; another epoch is a gap too.
+  EXPECT_TRUE(cache_->EventsSince(77, 0).gap);
+  EXPECT_TRUE(cache_->EventsSince(78, 3).gap);
+  EXPECT_EQ(cache_->AwaitEvent(2, absl::ZeroDuration()), 3u);
+  ASSERT_THAT(cache_->EvictEntry(ids[2]).status(), IsOk());
+  replay = cache_->EventsSince(77, 3);
+  ASSERT_EQ(replay.events.size(), 1u);
+  EXPECT_EQ(replay.events[0].kind, PrefixEventKind::kEvicted);
+}
+
+TEST_F(PrefixCacheTest, DeathCaptureTakesCommittedRowsNeverStagedOnes) {
+  const std::vector<int32_t> tokens = Tokens(64);
+  auto session = NewSession(FlatPlan(), 128);
+  Append(*session, tokens, 40);  // 40 committed: blocks 0-1 (32 tokens) are capturable
+  pb::BeginResponse begin;
+  ASSERT_THAT(session->Begin(&begin), IsOk());
+  pb::PrepareAppendResponse prepare;
+  ASSERT_THAT(session->PrepareAppend(begin.generation(), 24, &prepare), IsOk());
+  pb::PublishAppendResponse publish;
+  ASSERT_THAT(session->PublishAppend(begin.generation(), &publish), IsOk());  // staged 64
+  absl::StatusOr<std::optional<PrefixCaptureResult>> captured = cache_->CaptureCommitted(*session);
+  ASSERT_THAT(captured.status(), IsOk());
+  ASSERT_TRUE(captured->has_value());
+  EXPECT_EQ((*captured)->boundary_tokens, 32u);
+  EXPECT_EQ(cache_->Lookup(Shape(FlatPlan()), tokens).matched_tokens, 32u);
+  EXPECT_EQ(cache_->Stats().death_captures, 1u);
+
+  // A commit without token ids makes the session's tokens unknown: nothing to capture.
+  auto unknown = NewSession(FlatPlan(), 128);
+  ASSERT_THAT(unknown->Begin(&begin), IsOk());
+  ASSERT_THAT(unknown->PrepareAppend(begin.generation(), 32, &prepare), IsOk());
+  ASSERT_THAT(unknown->PublishAppend(begin.generation(), &publish), IsOk());
+  pb::CommitResponse commit;
+  ASSERT_THAT(unknown->Commit(begin.generation(), 32, &commit), IsOk());
+  captured = cache_->CaptureCommitted(*unknown);
+  ASSERT_THAT(captured.status(), IsOk());
+  EXPECT_FALSE(captured->has_value());
+  // A mismatched token count is refused before anything changes.
+  ASSERT_THAT(unknown->Begin(&begin), IsOk());
+  EXPECT_THAT(unknown->Commit(begin.generation(), 0, &commit, tokens),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("commit carries 64 token ids for 0 accepted rows")));
+}
+
+}  // namespace
+}  // namespace memra

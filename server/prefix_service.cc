@@ -1,0 +1,249 @@
+#include "server/prefix_service.h"
+
+#include <string>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/time.h"
+#include "absl/types/span.h"
+#include "common/codec.h"
+#include "common/grpc_status.h"
+#include "core/status_macros.h"
+#include "spdlog/spdlog.h"
+
+namespace memra {
+namespace {
+
+namespace pb = ::memra::kv::v1;
+
+// How often an idle event stream looks for cancellation.
+constexpr absl::Duration kEventPoll = absl::Milliseconds(200);
+
+grpc::Status Reply(absl::string_view rpc, const absl::Status& status) {
+  if (!status.ok()) {
+    if (status.code() == absl::StatusCode::kInternal ||
+        status.code() == absl::StatusCode::kDataLoss) {
+      spdlog::error("{} failed: {}", std::string(rpc), status.ToString());
+    } else {
+      spdlog::info("{} refused: {}", std::string(rpc), status.ToString());
+    }
+  }
+  return ToGrpcStatus(status);
+}
+
+template <typename Repeated>
+absl::Span<const int32_t> Span(const Repeated& field) {
+  return absl::MakeConstSpan(field.data(), static_cast<size_t>(field.size()));
+}
+
+std::string KeyBytes(const BlockKey& key) {
+  return std::string(reinterpret_cast<const char*>(key.data()), key.size());
+}
+
+void FillEntry(const EntryView& view, bool with_keys, pb::PrefixEntry* out) {
+  out->set_entry_id(view.id.value);
+  out->set_shape_fingerprint(FingerprintToBytes(view.fingerprint));
+  out->set_boundary_tokens(view.boundary_tokens);
+  out->set_blocks(view.blocks.size());
+  uint64_t block_bytes = 0;
+  for (const LookupBlock& block : view.blocks) {
+    block_bytes += block.bytes;
+    if (with_keys) out->add_block_keys(KeyBytes(block.key));
+  }
+  out->set_block_bytes(block_bytes);
+  out->set_boundary_bytes(view.boundary_bytes);
+  out->set_epoch(view.epoch);
+  out->set_last_use_tick(view.last_use_tick);
+  out->set_pins(view.pins);
+}
+
+pb::PrefixEvent EventToProto(const PrefixEvent& event) {
+  pb::PrefixEvent out;
+  out.set_sequence(event.sequence);
+  out.set_epoch(event.epoch);
+  switch (event.kind) {
+    case PrefixEventKind::kStored:
+      out.set_kind(pb::PrefixEvent::STORED);
+      break;
+    case PrefixEventKind::kEvicted:
+      out.set_kind(pb::PrefixEvent::EVICTED);
+      break;
+    case PrefixEventKind::kDropped:
+      out.set_kind(pb::PrefixEvent::DROPPED);
+      break;
+  }
+  out.set_shape_fingerprint(FingerprintToBytes(event.fingerprint));
+  for (const BlockKey& key : event.block_keys) out.add_block_keys(KeyBytes(key));
+  if (event.boundary_key.has_value()) out.set_boundary_key(KeyBytes(*event.boundary_key));
+  out.set_reason(event.reason);
+  return out;
+}
+
+pb::PrefixEvent GapEvent(uint64_t epoch, uint64_t last_sequence) {
+  pb::PrefixEvent gap;
+  gap.set_kind(pb::PrefixEvent::GAP);
+  gap.set_epoch(epoch);
+  gap.set_sequence(last_sequence);
+  return gap;
+}
+
+}  // namespace
+
+pb::PrefixCacheStats PrefixStatsToProto(const PrefixCacheStats& stats) {
+  pb::PrefixCacheStats out;
+  out.set_entries(stats.entries);
+  out.set_blocks(stats.blocks);
+  out.set_stored_bytes(stats.stored_bytes);
+  out.set_evictable_bytes(stats.evictable_bytes);
+  out.set_pinned_bytes(stats.pinned_bytes);
+  out.set_budget_bytes(stats.budget_bytes);
+  out.set_lookup_hits(stats.lookup_hits);
+  out.set_lookup_partials(stats.lookup_partials);
+  out.set_lookup_misses(stats.lookup_misses);
+  out.set_captures(stats.captures);
+  out.set_restores(stats.restores);
+  out.set_tokens_restored(stats.tokens_restored);
+  out.set_evicted_entries(stats.evicted_entries);
+  out.set_dropped_entries(stats.dropped_entries);
+  out.set_death_captures(stats.death_captures);
+  out.set_epoch(stats.epoch);
+  out.set_last_sequence(stats.last_sequence);
+  out.set_block_tokens(stats.block_tokens);
+  return out;
+}
+
+PrefixService::PrefixService(PrefixCache* cache, SessionFinder find_session)
+    : cache_(cache), find_session_(std::move(find_session)) {}
+
+absl::Status PrefixService::Enabled() const {
+  if (cache_ == nullptr) {
+    return absl::FailedPreconditionError(
+        "the prefix cache is disabled on this daemon (prefix_cache_budget_bytes = 0)");
+  }
+  return absl::OkStatus();
+}
+
+grpc::Status PrefixService::Capture(grpc::ServerContext*, const pb::CapturePrefixRequest* request,
+                                    pb::CapturePrefixResponse* response) {
+  absl::Status status = [&]() -> absl::Status {
+    RETURN_IF_ERROR(Enabled());
+    ASSIGN_OR_RETURN(std::shared_ptr<DaemonSession> session, find_session_(request->session()));
+    ASSIGN_OR_RETURN(PrefixCaptureResult captured,
+                     cache_->Capture(*session, Span(request->token_ids()),
+                                     request->boundary_tokens()));
+    response->set_entry_id(captured.entry.value);
+    response->set_boundary_tokens(captured.boundary_tokens);
+    response->set_already_present(captured.already_present);
+    response->set_added_bytes(captured.added_bytes);
+    response->set_stored_bytes(captured.stored_bytes);
+    response->set_shape_fingerprint(FingerprintToBytes(captured.shape));
+    return absl::OkStatus();
+  }();
+  return Reply("prefix Capture", status);
+}
+
+grpc::Status PrefixService::Lookup(grpc::ServerContext*, const pb::LookupPrefixRequest* request,
+                                   pb::LookupPrefixResponse* response) {
+  absl::Status status = [&]() -> absl::Status {
+    RETURN_IF_ERROR(Enabled());
+    ASSIGN_OR_RETURN(PlanFingerprint model,
+                     FingerprintFromBytes(request->shape().plan_fingerprint()));
+    SessionRequest shape;
+    shape.layer_lo = request->shape().layer_lo();
+    if (request->shape().has_layer_hi()) shape.layer_hi = request->shape().layer_hi();
+    shape.tp_ranks = request->shape().tp_ranks();
+    const PrefixLookupResult found =
+        cache_->Lookup(PrefixShapeFingerprint(model, shape), Span(request->token_ids()));
+    switch (found.outcome) {
+      case LookupOutcome::kMiss:
+        response->set_outcome(pb::LOOKUP_OUTCOME_MISS);
+        break;
+      case LookupOutcome::kPartial:
+        response->set_outcome(pb::LOOKUP_OUTCOME_PARTIAL);
+        break;
+      case LookupOutcome::kHit:
+        response->set_outcome(pb::LOOKUP_OUTCOME_HIT);
+        break;
+    }
+    response->set_entry_id(found.entry.has_value() ? found.entry->value : 0);
+    response->set_matched_tokens(found.matched_tokens);
+    response->set_block_tokens(cache_->block_tokens());
+    return absl::OkStatus();
+  }();
+  return Reply("prefix Lookup", status);
+}
+
+grpc::Status PrefixService::Restore(grpc::ServerContext*, const pb::RestorePrefixRequest* request,
+                                    pb::RestorePrefixResponse* response) {
+  absl::Status status = [&]() -> absl::Status {
+    RETURN_IF_ERROR(Enabled());
+    ASSIGN_OR_RETURN(std::shared_ptr<DaemonSession> session, find_session_(request->session()));
+    std::optional<EntryId> entry;
+    if (request->entry_id() != 0) entry = EntryId{request->entry_id()};
+    ASSIGN_OR_RETURN(PrefixRestoreResult restored,
+                     cache_->Restore(*session, entry, Span(request->token_ids())));
+    response->set_entry_id(restored.entry.value);
+    response->set_restored_tokens(restored.restored_tokens);
+    return session->GetState(response->mutable_state(), nullptr);
+  }();
+  return Reply("prefix Restore", status);
+}
+
+grpc::Status PrefixService::SubscribeEvents(grpc::ServerContext* context,
+                                            const pb::SubscribePrefixEventsRequest* request,
+                                            grpc::ServerWriter<pb::PrefixEvent>* writer) {
+  if (absl::Status enabled = Enabled(); !enabled.ok()) return Reply("SubscribeEvents", enabled);
+  uint64_t epoch = request->epoch();
+  uint64_t last = request->last_sequence();
+  while (!context->IsCancelled() && !stopping_.load()) {
+    const EventReplay replay = cache_->EventsSince(epoch, last);
+    if (replay.gap) {
+      // Resync from here on: the subscriber lists the entries, then follows live events.
+      if (!writer->Write(GapEvent(cache_->epoch(), replay.last_sequence))) break;
+    }
+    for (const PrefixEvent& event : replay.events) {
+      if (!writer->Write(EventToProto(event))) return grpc::Status::OK;
+    }
+    epoch = cache_->epoch();
+    last = replay.last_sequence;
+    cache_->AwaitEvent(last, kEventPoll);
+  }
+  return grpc::Status::OK;
+}
+
+grpc::Status PrefixService::ListPrefixes(grpc::ServerContext*, const pb::ListPrefixesRequest*,
+                                         pb::ListPrefixesResponse* response) {
+  if (absl::Status enabled = Enabled(); !enabled.ok()) return Reply("ListPrefixes", enabled);
+  for (const EntryView& view : cache_->ListEntries()) {
+    FillEntry(view, /*with_keys=*/false, response->add_entries());
+  }
+  *response->mutable_stats() = PrefixStatsToProto(cache_->Stats());
+  return grpc::Status::OK;
+}
+
+grpc::Status PrefixService::InspectPrefix(grpc::ServerContext*,
+                                          const pb::InspectPrefixRequest* request,
+                                          pb::PrefixEntry* response) {
+  absl::Status status = [&]() -> absl::Status {
+    RETURN_IF_ERROR(Enabled());
+    ASSIGN_OR_RETURN(EntryView view, cache_->Inspect(EntryId{request->entry_id()}));
+    FillEntry(view, /*with_keys=*/true, response);
+    return absl::OkStatus();
+  }();
+  return Reply("InspectPrefix", status);
+}
+
+grpc::Status PrefixService::EvictPrefix(grpc::ServerContext*,
+                                        const pb::EvictPrefixRequest* request,
+                                        pb::EvictPrefixResponse* response) {
+  absl::Status status = [&]() -> absl::Status {
+    RETURN_IF_ERROR(Enabled());
+    ASSIGN_OR_RETURN(uint64_t freed, cache_->EvictEntry(EntryId{request->entry_id()}));
+    response->set_freed_bytes(freed);
+    *response->mutable_stats() = PrefixStatsToProto(cache_->Stats());
+    return absl::OkStatus();
+  }();
+  return Reply("EvictPrefix", status);
+}
+
+}  // namespace memra

@@ -1,0 +1,68 @@
+#ifndef MEMRA_SERVER_PREFIX_SERVICE_H_
+#define MEMRA_SERVER_PREFIX_SERVICE_H_
+
+// memra.kv.v1 KvPrefixCache over gRPC: decodes, resolves sessions, calls PrefixCache, encodes.
+// No rules here (server/prefix_cache.h has them; prefix.proto documents the contract).
+//
+// Thread-safety: thread-safe (PrefixCache and the session finder are).
+
+#include <atomic>
+#include <functional>
+#include <memory>
+
+#include "absl/status/statusor.h"
+#include "grpcpp/server_context.h"
+#include "proto/memra/kv/v1/cache.pb.h"
+#include "proto/memra/kv/v1/prefix.grpc.pb.h"
+#include "proto/memra/kv/v1/prefix.pb.h"
+#include "server/daemon_session.h"
+#include "server/prefix_cache.h"
+
+namespace memra {
+
+class PrefixService final : public memra::kv::v1::KvPrefixCache::Service {
+ public:
+  // The session a ref names: NOT_FOUND unknown id, PERMISSION_DENIED wrong token.
+  using SessionFinder = std::function<absl::StatusOr<std::shared_ptr<DaemonSession>>(
+      const memra::kv::v1::SessionRef&)>;
+
+  // `cache` null: the daemon runs without a prefix cache (every call FAILED_PRECONDITION).
+  // `cache` must outlive the service.
+  PrefixService(PrefixCache* cache, SessionFinder find_session);
+
+  // Ends open SubscribeEvents streams within one poll period (daemon shutdown).
+  void Stop() { stopping_.store(true); }
+
+  grpc::Status Capture(grpc::ServerContext*, const memra::kv::v1::CapturePrefixRequest* request,
+                       memra::kv::v1::CapturePrefixResponse* response) override;
+  grpc::Status Lookup(grpc::ServerContext*, const memra::kv::v1::LookupPrefixRequest* request,
+                      memra::kv::v1::LookupPrefixResponse* response) override;
+  grpc::Status Restore(grpc::ServerContext*, const memra::kv::v1::RestorePrefixRequest* request,
+                       memra::kv::v1::RestorePrefixResponse* response) override;
+  grpc::Status SubscribeEvents(grpc::ServerContext* context,
+                               const memra::kv::v1::SubscribePrefixEventsRequest* request,
+                               grpc::ServerWriter<memra::kv::v1::PrefixEvent>* writer) override;
+  grpc::Status ListPrefixes(grpc::ServerContext*, const memra::kv::v1::ListPrefixesRequest*,
+                            memra::kv::v1::ListPrefixesResponse* response) override;
+  grpc::Status InspectPrefix(grpc::ServerContext*,
+                             const memra::kv::v1::InspectPrefixRequest* request,
+                             memra::kv::v1::PrefixEntry* response) override;
+  grpc::Status EvictPrefix(grpc::ServerContext*, const memra::kv::v1::EvictPrefixRequest* request,
+                           memra::kv::v1::EvictPrefixResponse* response) override;
+
+ private:
+  absl::Status Enabled() const;
+
+  // Constant after construction.
+  PrefixCache* const cache_;
+  const SessionFinder find_session_;
+
+  std::atomic<bool> stopping_{false};
+};
+
+// The stats message of prefix.proto (the lead's metrics exporter reads PrefixCache::Stats()).
+memra::kv::v1::PrefixCacheStats PrefixStatsToProto(const PrefixCacheStats& stats);
+
+}  // namespace memra
+
+#endif  // MEMRA_SERVER_PREFIX_SERVICE_H_

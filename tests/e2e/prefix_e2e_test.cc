@@ -1,0 +1,122 @@
+// End to end, the prefix cache across engine processes: the real memra-kvd binary (host
+// backend) and separate prefix_engine processes. For each model kind (flat K/V, recurrent
+// hybrid, SWA ring after a wrap, latent with indexer tail and pool keys) engine A commits
+// tokens, writes known bytes into every plane and captures; engine B, another process, looks
+// the tokens up, restores into its own fresh session and checks every restored byte. Then engine
+// death: an engine that committed with token ids (and holds an open transaction with staged
+// rows) is SIGKILLed; after its lease is reclaimed a new process restores its conversation.
+
+#include <signal.h>
+#include <stdlib.h>
+#include <unistd.h>
+
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "common/grpc_status.h"
+#include "gmock/gmock.h"
+#include "grpcpp/client_context.h"
+#include "grpcpp/create_channel.h"
+#include "grpcpp/security/credentials.h"
+#include "gtest/gtest.h"
+#include "proto/memra/kv/v1/prefix.grpc.pb.h"
+#include "tests/subprocess.h"
+#include "tests/status_matchers.h"
+
+namespace memra::testing {
+namespace {
+
+namespace pb = ::memra::kv::v1;
+
+class PrefixE2eTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    char dir[] = "/tmp/memra-pfx-XXXXXX";  // short: Unix socket paths are < 108 bytes
+    ASSERT_NE(mkdtemp(dir), nullptr);
+    dir_ = dir;
+    socket_ = dir_ + "/kvd.sock";
+    daemon_ = Spawn({Runfile("server/memra-kvd"), "--socket_path=" + socket_,
+                     "--budget_bytes=512MiB", "--prefix_cache_budget_bytes=128MiB",
+                     "--prefix_block_tokens=16", "--socket_mode=0600", "--watchdog=false",
+                     "--lease_timeout_ms=2000", "--lease_grace_ms=100"});
+    ASSERT_GT(daemon_, 0);
+    ASSERT_TRUE(PollUntil([&] { return Exists(socket_); }, daemon_)) << "daemon never listened";
+    prefix_ = pb::KvPrefixCache::NewStub(grpc::CreateChannel(
+        absl::StrCat("unix:", socket_), grpc::InsecureChannelCredentials()));
+  }
+
+  void TearDown() override {
+    if (daemon_ > 0) {
+      kill(daemon_, SIGTERM);
+      EXPECT_EQ(WaitExit(daemon_), 0);
+    }
+  }
+
+  pid_t Engine(const std::string& mode, const std::string& plan, uint64_t tokens,
+               const std::string& out) {
+    return Spawn({Runfile("tests/e2e/prefix_engine"), "--socket=" + socket_, "--mode=" + mode,
+                  "--plan=" + plan, absl::StrCat("--tokens=", tokens), "--out=" + out});
+  }
+
+  pb::ListPrefixesResponse List() {
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+    pb::ListPrefixesResponse response;
+    EXPECT_THAT(FromGrpcStatus(prefix_->ListPrefixes(&context, {}, &response)), IsOk());
+    return response;
+  }
+
+  std::string dir_;
+  std::string socket_;
+  pid_t daemon_ = -1;
+  std::unique_ptr<pb::KvPrefixCache::Stub> prefix_;
+};
+
+TEST_F(PrefixE2eTest, AnotherProcessRestoresExactlyTheCapturedBytesForEveryModelKind) {
+  struct Kind {
+    std::string plan;
+    uint64_t tokens;
+  };
+  // swa: 4800 rows wrap the 64 + 4096 + 512 + 31 = 4703-row ring before the capture.
+  const std::vector<Kind> kinds = {{"flat", 96}, {"hybrid", 64}, {"swa", 4800}, {"latent", 80}};
+  uint64_t entries = 0;
+  for (const Kind& kind : kinds) {
+    SCOPED_TRACE(kind.plan);
+    const std::string captured = absl::StrCat(dir_, "/", kind.plan, ".captured");
+    EXPECT_EQ(WaitExit(Engine("capture", kind.plan, kind.tokens, captured)), 0);
+    ASSERT_TRUE(Exists(captured));
+    ++entries;
+    const std::string restored = absl::StrCat(dir_, "/", kind.plan, ".restored");
+    EXPECT_EQ(WaitExit(Engine("restore", kind.plan, kind.tokens, restored)), 0);
+    ASSERT_TRUE(Exists(restored));
+  }
+  const pb::ListPrefixesResponse listed = List();
+  EXPECT_EQ(static_cast<uint64_t>(listed.entries_size()), entries);
+  EXPECT_EQ(listed.stats().restores(), entries);
+  EXPECT_EQ(listed.stats().tokens_restored(), 96u + 64u + 4800u + 80u);
+  EXPECT_EQ(listed.stats().lookup_hits(), entries);
+  EXPECT_EQ(listed.stats().dropped_entries(), 0u);
+}
+
+TEST_F(PrefixE2eTest, AKilledEnginesCommittedConversationRestoresInANewProcess) {
+  const std::string ready = dir_ + "/hold.ready";
+  const pid_t holder = Engine("hold", "flat", 64, ready);
+  ASSERT_TRUE(PollUntil([&] { return Exists(ready); }, holder)) << "the holder never got ready";
+  EXPECT_EQ(List().entries_size(), 0);  // nothing captured while it lives
+  ASSERT_EQ(kill(holder, SIGKILL), 0);
+  EXPECT_EQ(WaitExit(holder), 128 + SIGKILL);
+  // The lease ends with the stream; after the grace the daemon keeps the committed 64 tokens.
+  ASSERT_TRUE(PollUntil([&] { return List().entries_size() == 1; }, daemon_));
+  const pb::ListPrefixesResponse listed = List();
+  EXPECT_EQ(listed.entries(0).boundary_tokens(), 64u);  // never the 16 staged rows
+  EXPECT_EQ(listed.stats().death_captures(), 1u);
+  const std::string restored = dir_ + "/death.restored";
+  EXPECT_EQ(WaitExit(Engine("restore", "flat", 64, restored)), 0);
+  EXPECT_TRUE(Exists(restored));
+}
+
+}  // namespace
+}  // namespace memra::testing

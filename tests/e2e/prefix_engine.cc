@@ -1,0 +1,302 @@
+// An engine process for the prefix-cache end-to-end test (tests/e2e/prefix_e2e_test.cc).
+// Attaches to memra-kvd, registers one of four model plans (--plan: flat, hybrid, swa, latent)
+// and, by --mode:
+//   capture  commits --tokens rows WITH their token ids, writes the deterministic pattern into
+//            every plane through its mappings, Captures the prefix, writes entry_id to --out,
+//            releases its session and exits;
+//   hold     the same rows and pattern, then opens a transaction whose staged rows hold other
+//            bytes, writes --out and holds its lease until killed (the daemon must capture the
+//            committed rows only);
+//   restore  creates a fresh session, Lookups the --tokens token ids (a HIT of all of them is
+//            required), Restores, and checks every restored byte, length and ring base.
+// Exit status 0 = every call and every check succeeded.
+
+#include <unistd.h>
+
+#include <cstdio>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "client/client.h"
+#include "common/grpc_status.h"
+#include "core/index_ring.h"
+#include "core/kv_ring.h"
+#include "core/status_macros.h"
+#include "core/test_model_plans.h"
+#include "grpcpp/client_context.h"
+#include "grpcpp/create_channel.h"
+#include "grpcpp/security/credentials.h"
+#include "proto/memra/kv/v1/prefix.grpc.pb.h"
+
+ABSL_FLAG(std::string, socket, "", "memra-kvd's Unix socket path");
+ABSL_FLAG(std::string, mode, "capture", "capture, hold or restore");
+ABSL_FLAG(std::string, plan, "flat", "flat, hybrid, swa or latent");
+ABSL_FLAG(uint64_t, tokens, 64, "committed / restored tokens (a multiple of the block)");
+ABSL_FLAG(uint64_t, capacity, 6000, "session capacity");
+ABSL_FLAG(std::string, out, "", "facts file (key=value lines)");
+
+namespace memra::testing {
+namespace {
+
+namespace pb = ::memra::kv::v1;
+namespace tp = ::memra::test_plans;
+
+absl::StatusOr<ModelPlan> PlanNamed(const std::string& name) {
+  ModelPlan plan;
+  if (name == "flat") {
+    plan = tp::DenseModel(2, 32, 1);
+  } else if (name == "hybrid") {
+    plan.layers = {tp::KvLayer(0, 32, 1), tp::RecurrentLayer(1, 16, 4, 64)};
+  } else if (name == "swa") {
+    plan.swa_ring = true;
+    plan.layers = {tp::SlidingLayer(0, 32, 1, 64), tp::KvLayer(1, 32, 1)};
+  } else if (name == "latent") {
+    plan.index_ring_rows = 32;
+    plan.layers = {tp::LatentLayer(0, 16, 8, 4), tp::LatentLayer(1, 16)};
+  } else {
+    return absl::InvalidArgumentError(absl::StrCat("unknown --plan ", name));
+  }
+  return plan;
+}
+
+std::vector<int32_t> Tokens(uint64_t n) {
+  std::vector<int32_t> tokens;
+  for (uint64_t i = 0; i < n; ++i) tokens.push_back(static_cast<int32_t>(i * 5 + 7));
+  return tokens;
+}
+
+uint8_t Pattern(uint32_t layer, PlaneKind kind, uint64_t row, uint64_t byte, uint64_t seed) {
+  return static_cast<uint8_t>(layer * 131 + static_cast<uint32_t>(kind) * 31 + row * 7 +
+                              byte * 13 + seed * 17 + 1);
+}
+
+// Applies `row_op(view, physical_row, absolute_row, seed)` to every row the session's state
+// says is live: flat K/V and latent rows [0, len); a ring layer's rows from its base (the
+// writer) or from the aligned window start (the checker, `aligned`) at physical row - base;
+// pool keys of ready pools; the indexer's live tail at its ring position; recurrent state.
+template <typename RowOp>
+absl::Status ForEachLiveRow(Session& session, const pb::SessionState& state, bool aligned,
+                            RowOp row_op) {
+  for (const pb::LayerLayout& layer : session.layout().layers()) {
+    const uint32_t il = layer.layer();
+    uint64_t len = 0;
+    uint64_t base = 0;
+    uint64_t ready = 0;
+    for (const pb::LayerState& live : state.layers()) {
+      if (live.layer() != il) continue;
+      len = live.length();
+      base = live.ring_base();
+      ready = live.index_pools_ready();
+    }
+    auto rows = [&](PlaneKind kind, uint64_t first, uint64_t end, uint64_t physical_first,
+                    uint64_t seed) -> absl::Status {
+      ASSIGN_OR_RETURN(PlaneView view, session.Plane(il, kind));
+      for (uint64_t r = first; r < end; ++r) {
+        RETURN_IF_ERROR(row_op(view, kind, il, physical_first + (r - first), r, seed));
+      }
+      return absl::OkStatus();
+    };
+    if (session.Plane(il, PlaneKind::kConvState).ok()) {
+      RETURN_IF_ERROR(rows(PlaneKind::kConvState, 0, 1, 0, state.committed_len()));
+      RETURN_IF_ERROR(rows(PlaneKind::kSsmState, 0, 1, 0, state.committed_len()));
+    } else if (session.Plane(il, PlaneKind::kLatentRows).ok()) {
+      RETURN_IF_ERROR(rows(PlaneKind::kLatentRows, 0, len, 0, 0));
+      if (layer.index_width() == 0) continue;
+      RETURN_IF_ERROR(rows(PlaneKind::kPoolKeys, 0, ready, 0, 0));
+      const uint64_t tail = ready * layer.index_pool();
+      ASSIGN_OR_RETURN(uint64_t physical,
+                       IndexPlanePhysicalRow(layer.index_ring() ? layer.index_physical_rows() : 0,
+                                             layer.index_pool(), tail));
+      RETURN_IF_ERROR(rows(PlaneKind::kIndexRows, tail, len, physical, 0));
+    } else if (session.Plane(il, PlaneKind::kKeys).ok()) {
+      const uint64_t from = layer.ring() && aligned ? AlignedWindowStart(len, layer.window())
+                                                    : (layer.ring() ? base : 0);
+      const uint64_t physical = layer.ring() ? from - base : 0;
+      RETURN_IF_ERROR(rows(PlaneKind::kKeys, from, len, physical, 0));
+      RETURN_IF_ERROR(rows(PlaneKind::kValues, from, len, physical, 0));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// Recurrent planes are one "row" of the whole plane.
+uint64_t RowBytes(const PlaneView& view, PlaneKind kind) {
+  return kind == PlaneKind::kConvState || kind == PlaneKind::kSsmState ? view.bytes
+                                                                       : view.row_bytes;
+}
+
+absl::Status WritePattern(Session& session, const pb::SessionState& state) {
+  return ForEachLiveRow(session, state, /*aligned=*/false,
+                        [](const PlaneView& view, PlaneKind kind, uint32_t layer,
+                           uint64_t physical, uint64_t row, uint64_t seed) -> absl::Status {
+                          const uint64_t bytes = RowBytes(view, kind);
+                          if ((physical + 1) * bytes > view.bytes) {
+                            return absl::InternalError(absl::StrCat("row ", physical, " outside"));
+                          }
+                          for (uint64_t j = 0; j < bytes; ++j) {
+                            view.data[physical * bytes + j] = Pattern(layer, kind, row, j, seed);
+                          }
+                          return absl::OkStatus();
+                        });
+}
+
+absl::Status CheckPattern(Session& session, const pb::SessionState& state) {
+  uint64_t checked = 0;
+  RETURN_IF_ERROR(ForEachLiveRow(
+      session, state, /*aligned=*/true,
+      [&](const PlaneView& view, PlaneKind kind, uint32_t layer, uint64_t physical, uint64_t row,
+          uint64_t seed) -> absl::Status {
+        const uint64_t bytes = RowBytes(view, kind);
+        for (uint64_t j = 0; j < bytes; ++j) {
+          if (view.data[physical * bytes + j] != Pattern(layer, kind, row, j, seed)) {
+            return absl::DataLossError(absl::StrCat("layer ", layer, " ",
+                                                    PlaneKindName(kind).data(), " row ", row,
+                                                    " byte ", j, " differs from the source's"));
+          }
+        }
+        checked += bytes;
+        return absl::OkStatus();
+      }));
+  std::fprintf(stderr, "prefix_engine: %llu restored bytes checked\n",
+               static_cast<unsigned long long>(checked));
+  return checked > 0 ? absl::OkStatus() : absl::InternalError("checked no byte");
+}
+
+// Commits `rows` rows in chunks, each commit carrying its token ids.
+absl::Status CommitRows(KvClient& client, Session& session, const std::vector<int32_t>& tokens,
+                        uint64_t rows) {
+  for (uint64_t done = 0; done < rows;) {
+    const uint64_t chunk = std::min<uint64_t>(rows - done, 512);
+    ASSIGN_OR_RETURN(Transaction transaction, session.Begin());
+    RETURN_IF_ERROR(session.PrepareAppend(transaction.generation, chunk).status());
+    RETURN_IF_ERROR(session.PublishAppend(transaction.generation).status());
+    pb::CommitRequest request;
+    *request.mutable_session() = session.ref();
+    request.set_generation(transaction.generation);
+    request.set_accepted_rows(chunk);
+    request.mutable_token_ids()->Add(tokens.begin() + done, tokens.begin() + done + chunk);
+    pb::CommitResponse response;
+    std::unique_ptr<grpc::ClientContext> context = client.NewContext();
+    RETURN_IF_ERROR(FromGrpcStatus(client.cache_stub().Commit(context.get(), request, &response)));
+    done += chunk;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status WriteFacts(const std::string& path, const std::string& facts) {
+  if (path.empty()) return absl::OkStatus();
+  const std::string partial = path + ".partial";
+  {
+    std::ofstream out(partial);
+    out << facts;
+    if (!out) return absl::InternalError(absl::StrCat("cannot write ", partial));
+  }
+  if (rename(partial.c_str(), path.c_str()) != 0) {
+    return absl::InternalError(absl::StrCat("cannot rename ", partial));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Run() {
+  const std::string socket = absl::GetFlag(FLAGS_socket);
+  const std::string mode = absl::GetFlag(FLAGS_mode);
+  const uint64_t n = absl::GetFlag(FLAGS_tokens);
+  ASSIGN_OR_RETURN(std::unique_ptr<KvClient> client, KvClient::Connect(socket));
+  RETURN_IF_ERROR(client->Attach(absl::StrCat("prefix-", mode)));
+  ASSIGN_OR_RETURN(ModelPlan model, PlanNamed(absl::GetFlag(FLAGS_plan)));
+  ASSIGN_OR_RETURN(PlanFingerprint plan, client->RegisterPlan(model));
+  SessionOptions options;
+  options.capacity = absl::GetFlag(FLAGS_capacity);
+  ASSIGN_OR_RETURN(std::unique_ptr<Session> session, client->CreateSession(plan, options));
+  std::unique_ptr<pb::KvPrefixCache::Stub> prefix = pb::KvPrefixCache::NewStub(
+      grpc::CreateChannel(absl::StrCat("unix:", socket), grpc::InsecureChannelCredentials()));
+  const std::vector<int32_t> tokens = Tokens(n);
+
+  if (mode == "capture" || mode == "hold") {
+    RETURN_IF_ERROR(CommitRows(*client, *session, tokens, n));
+    ASSIGN_OR_RETURN(pb::SessionState state, session->State());
+    RETURN_IF_ERROR(WritePattern(*session, state));
+    if (mode == "capture") {
+      pb::CapturePrefixRequest request;
+      *request.mutable_session() = session->ref();
+      request.mutable_token_ids()->Add(tokens.begin(), tokens.end());
+      request.set_boundary_tokens(n);
+      pb::CapturePrefixResponse response;
+      std::unique_ptr<grpc::ClientContext> context = client->NewContext();
+      RETURN_IF_ERROR(FromGrpcStatus(prefix->Capture(context.get(), request, &response)));
+      RETURN_IF_ERROR(WriteFacts(absl::GetFlag(FLAGS_out),
+                                 absl::StrCat("entry_id=", response.entry_id(), "\n")));
+      return session->Release().status();
+    }
+    // Staged rows above the committed length, holding bytes no restore may ever see.
+    ASSIGN_OR_RETURN(Transaction transaction, session->Begin());
+    RETURN_IF_ERROR(session->PrepareAppend(transaction.generation, 16).status());
+    RETURN_IF_ERROR(session->PublishAppend(transaction.generation).status());
+    for (uint32_t layer = 0; layer < 2; ++layer) {
+      ASSIGN_OR_RETURN(PlaneView keys, session->Plane(layer, PlaneKind::kKeys));
+      for (uint64_t b = n * keys.row_bytes; b < (n + 16) * keys.row_bytes; ++b) keys.data[b] = 0xee;
+    }
+    RETURN_IF_ERROR(WriteFacts(absl::GetFlag(FLAGS_out), "ready=1\n"));
+    while (true) absl::SleepFor(absl::Seconds(1));  // until SIGKILL
+  }
+
+  // restore
+  pb::LookupPrefixRequest lookup;
+  lookup.mutable_shape()->set_plan_fingerprint(
+      std::string(reinterpret_cast<const char*>(plan.data()), plan.size()));
+  lookup.mutable_token_ids()->Add(tokens.begin(), tokens.end());
+  pb::LookupPrefixResponse found;
+  {
+    std::unique_ptr<grpc::ClientContext> context = client->NewContext();
+    RETURN_IF_ERROR(FromGrpcStatus(prefix->Lookup(context.get(), lookup, &found)));
+  }
+  if (found.outcome() != pb::LOOKUP_OUTCOME_HIT || found.matched_tokens() != n) {
+    return absl::NotFoundError(absl::StrCat("lookup of ", n, " tokens: outcome ",
+                                            found.outcome(), ", matched ",
+                                            found.matched_tokens()));
+  }
+  pb::RestorePrefixRequest request;
+  *request.mutable_session() = session->ref();
+  request.set_entry_id(found.entry_id());
+  request.mutable_token_ids()->Add(tokens.begin(), tokens.end());
+  pb::RestorePrefixResponse restored;
+  {
+    std::unique_ptr<grpc::ClientContext> context = client->NewContext();
+    RETURN_IF_ERROR(FromGrpcStatus(prefix->Restore(context.get(), request, &restored)));
+  }
+  if (restored.restored_tokens() != n || restored.state().committed_len() != n) {
+    return absl::InternalError(absl::StrCat("restored ", restored.restored_tokens(),
+                                            " tokens, committed ",
+                                            restored.state().committed_len(), "; wanted ", n));
+  }
+  for (const pb::LayerState& layer : restored.state().layers()) {
+    if (layer.ring() && layer.ring_base() != AlignedWindowStart(n, 64)) {
+      return absl::InternalError(absl::StrCat("layer ", layer.layer(), " ring base ",
+                                              layer.ring_base()));
+    }
+  }
+  RETURN_IF_ERROR(CheckPattern(*session, restored.state()));
+  RETURN_IF_ERROR(WriteFacts(absl::GetFlag(FLAGS_out),
+                             absl::StrCat("restored=", restored.restored_tokens(), "\n")));
+  return session->Release().status();
+}
+
+}  // namespace
+}  // namespace memra::testing
+
+int main(int argc, char** argv) {
+  absl::ParseCommandLine(argc, argv);
+  absl::Status status = memra::testing::Run();
+  if (!status.ok()) {
+    std::fprintf(stderr, "prefix_engine %s: %s\n", absl::GetFlag(FLAGS_mode).c_str(),
+                 status.ToString().c_str());
+    return 1;
+  }
+  return 0;
+}
