@@ -5,7 +5,7 @@
 //     as the population grows (each step looks its sessions up among all live ones). The step
 //     commits 0 of its 1 row (a full spec rejection) so lengths never run out.
 //  b. core's PrefixIndex in process with up to 100,000 blocks: heap bytes per block
-//     (mallinfo2) and Lookup time as the index grows. Lookup hashes the query's blocks
+//     (mallinfo2: in-use chunks + mmapped blocks) and Lookup time as the index grows. Lookup hashes the query's blocks
 //     (ChainBlockKeys, SHA-256), a cost independent of the index size, so that part is timed
 //     on its own too and the index's share is the difference.
 
@@ -34,6 +34,12 @@ constexpr uint64_t kTinyCapacity = 16;
 constexpr size_t kWideBatch = 64;
 constexpr uint32_t kBlockTokens = 16;
 constexpr uint64_t kEntryTokens = 1024;  // 64 blocks per captured entry
+
+// Heap bytes in use: small chunks plus the mmapped ones (large hash-table arrays live there).
+size_t HeapInUse() {
+  const struct mallinfo2 info = mallinfo2();
+  return info.uordblks + info.hblkhd;
+}
 
 // 100, 1000, 10000, ... up to `limit`, and `limit` itself.
 std::vector<uint64_t> Stages(uint64_t first, uint64_t limit) {
@@ -144,7 +150,7 @@ absl::StatusOr<Json> RunPrefixIndexScale(const BenchOptions& options, Table& tab
   traits.position_addressed_only = true;
   traits.block_bytes = cost.breakdown.bytes_per_token * kBlockTokens;
 
-  const size_t heap_before = mallinfo2().uordblks;
+  const size_t heap_before = HeapInUse();
   ASSIGN_OR_RETURN(PrefixIndex index,
                    PrefixIndex::Create({.block_tokens = kBlockTokens,
                                         .budget_bytes = uint64_t{1} << 62,
@@ -168,7 +174,7 @@ absl::StatusOr<Json> RunPrefixIndexScale(const BenchOptions& options, Table& tab
       RETURN_IF_ERROR(index.CommitCapture(plan, commit, entries + 1).status());
       ++entries;
     }
-    const size_t heap = mallinfo2().uordblks;
+    const size_t heap = HeapInUse();
 
     // Queries prepared outside the clock: hits on stored entries, misses on fresh tokens.
     std::mt19937_64 pick(stage);
