@@ -18,11 +18,15 @@ namespace {
 
 namespace pb = ::memra::kv::v1;
 
-// The session calls all follow one shape: fill a request with the session, call, convert.
+// The session calls all follow one shape: fill a request with the session (and the engine's
+// interprocess event, for calls that order device work), call, convert.
 template <typename Request>
-Request ForSession(const pb::SessionRef& ref) {
+Request ForSession(const pb::SessionRef& ref, const std::string& wait_event) {
   Request request;
   *request.mutable_session() = ref;
+  if constexpr (requires { request.mutable_ordering(); }) {
+    if (!wait_event.empty()) request.mutable_ordering()->set_wait_event(wait_event);
+  }
   return request;
 }
 
@@ -165,22 +169,57 @@ absl::StatusOr<PlanFingerprint> KvClient::RegisterPlan(const ModelPlan& plan) {
   return FingerprintFromBytes(response.fingerprint());
 }
 
-absl::StatusOr<std::unique_ptr<Session>> KvClient::CreateSession(const PlanFingerprint& plan,
-                                                                 const SessionOptions& options) {
-  pb::CreateSessionRequest request;
-  {
-    absl::MutexLock lock(&mu_);
-    if (attach_stream_ == nullptr) {
-      return absl::FailedPreconditionError("CreateSession before Attach: sessions need a lease");
-    }
-    *request.mutable_engine() = engine_;
+absl::StatusOr<pb::EngineRef> KvClient::AttachedEngine(absl::string_view what) const {
+  absl::MutexLock lock(&mu_);
+  if (attach_stream_ == nullptr) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(what, " before Attach: sessions need a lease"));
   }
+  return engine_;
+}
+
+namespace {
+
+// The shape fields CreateSession and Reserve share.
+template <typename Request>
+void SetShape(const PlanFingerprint& plan, const SessionOptions& options, Request& request) {
   request.set_plan_fingerprint(FingerprintToBytes(plan));
   request.set_capacity(options.capacity);
   request.set_layer_lo(options.layer_lo);
   if (options.layer_hi.has_value()) request.set_layer_hi(*options.layer_hi);
   request.set_tp_ranks(options.tp_ranks);
   request.set_spec_snapshot(options.spec_snapshot);
+}
+
+}  // namespace
+
+absl::StatusOr<SessionReservation> KvClient::Reserve(const PlanFingerprint& plan,
+                                              const SessionOptions& options) {
+  pb::ReserveRequest request;
+  ASSIGN_OR_RETURN(*request.mutable_engine(), AttachedEngine("Reserve"));
+  SetShape(plan, options, request);
+  pb::ReserveResponse response;
+  RETURN_IF_ERROR(FromGrpcStatus(cache_->Reserve(NewContext().get(), request, &response)));
+  return SessionReservation{response.reservation_id(), response.bytes(),
+                     absl::Milliseconds(response.ttl_ms())};
+}
+
+absl::StatusOr<uint64_t> KvClient::CancelReservation(uint64_t reservation_id) {
+  pb::CancelReservationRequest request;
+  ASSIGN_OR_RETURN(*request.mutable_engine(), AttachedEngine("CancelReservation"));
+  request.set_reservation_id(reservation_id);
+  pb::CancelReservationResponse response;
+  RETURN_IF_ERROR(
+      FromGrpcStatus(cache_->CancelReservation(NewContext().get(), request, &response)));
+  return response.freed_bytes();
+}
+
+absl::StatusOr<std::unique_ptr<Session>> KvClient::CreateSession(const PlanFingerprint& plan,
+                                                                 const SessionOptions& options) {
+  pb::CreateSessionRequest request;
+  ASSIGN_OR_RETURN(*request.mutable_engine(), AttachedEngine("CreateSession"));
+  SetShape(plan, options, request);
+  request.set_reservation_id(options.reservation_id);
   pb::CreateSessionResponse response;
   RETURN_IF_ERROR(FromGrpcStatus(cache_->CreateSession(NewContext().get(), request, &response)));
   std::unique_ptr<Session> session(new Session(this, response.session()));
@@ -330,12 +369,12 @@ absl::StatusOr<uint8_t*> Session::PlanePointer(uint32_t layer, PlaneKind kind) c
 absl::StatusOr<Transaction> Session::Begin() {
   pb::BeginResponse response;
   RETURN_IF_ERROR(FromGrpcStatus(client_->cache_->Begin(
-      client_->NewContext().get(), ForSession<pb::SessionRequest>(ref_), &response)));
+      client_->NewContext().get(), ForSession<pb::SessionRequest>(ref_, wait_event_), &response)));
   return Transaction{response.generation(), response.base_len()};
 }
 
 absl::StatusOr<PreparedAppend> Session::PrepareAppend(uint64_t generation, uint64_t rows) {
-  pb::PrepareAppendRequest request = ForSession<pb::PrepareAppendRequest>(ref_);
+  pb::PrepareAppendRequest request = ForSession<pb::PrepareAppendRequest>(ref_, wait_event_);
   request.set_generation(generation);
   request.set_rows(rows);
   pb::PrepareAppendResponse response;
@@ -345,7 +384,7 @@ absl::StatusOr<PreparedAppend> Session::PrepareAppend(uint64_t generation, uint6
 }
 
 absl::StatusOr<uint64_t> Session::PublishAppend(uint64_t generation) {
-  pb::GenerationRequest request = ForSession<pb::GenerationRequest>(ref_);
+  pb::GenerationRequest request = ForSession<pb::GenerationRequest>(ref_, wait_event_);
   request.set_generation(generation);
   pb::PublishAppendResponse response;
   RETURN_IF_ERROR(FromGrpcStatus(
@@ -354,7 +393,7 @@ absl::StatusOr<uint64_t> Session::PublishAppend(uint64_t generation) {
 }
 
 absl::StatusOr<uint64_t> Session::Commit(uint64_t generation, uint64_t accepted_rows) {
-  pb::CommitRequest request = ForSession<pb::CommitRequest>(ref_);
+  pb::CommitRequest request = ForSession<pb::CommitRequest>(ref_, wait_event_);
   request.set_generation(generation);
   request.set_accepted_rows(accepted_rows);
   pb::CommitResponse response;
@@ -364,7 +403,7 @@ absl::StatusOr<uint64_t> Session::Commit(uint64_t generation, uint64_t accepted_
 }
 
 absl::StatusOr<uint64_t> Session::Abort(uint64_t generation) {
-  pb::GenerationRequest request = ForSession<pb::GenerationRequest>(ref_);
+  pb::GenerationRequest request = ForSession<pb::GenerationRequest>(ref_, wait_event_);
   request.set_generation(generation);
   pb::AbortResponse response;
   RETURN_IF_ERROR(
@@ -373,7 +412,7 @@ absl::StatusOr<uint64_t> Session::Abort(uint64_t generation) {
 }
 
 absl::StatusOr<pb::SessionState> Session::Rewind(uint64_t target) {
-  pb::RewindRequest request = ForSession<pb::RewindRequest>(ref_);
+  pb::RewindRequest request = ForSession<pb::RewindRequest>(ref_, wait_event_);
   request.set_target(target);
   pb::SessionStateResponse response;
   RETURN_IF_ERROR(
@@ -383,7 +422,7 @@ absl::StatusOr<pb::SessionState> Session::Rewind(uint64_t target) {
 
 absl::StatusOr<pb::SessionState> Session::Hydrate(uint64_t logical_len,
                                                   const std::vector<uint64_t>& resident_starts) {
-  pb::HydrateRequest request = ForSession<pb::HydrateRequest>(ref_);
+  pb::HydrateRequest request = ForSession<pb::HydrateRequest>(ref_, wait_event_);
   request.set_logical_len(logical_len);
   request.mutable_resident_starts()->Add(resident_starts.begin(), resident_starts.end());
   pb::SessionStateResponse response;
@@ -393,7 +432,7 @@ absl::StatusOr<pb::SessionState> Session::Hydrate(uint64_t logical_len,
 }
 
 absl::StatusOr<bool> Session::CanRewind(uint64_t target) {
-  pb::RewindRequest request = ForSession<pb::RewindRequest>(ref_);
+  pb::RewindRequest request = ForSession<pb::RewindRequest>(ref_, wait_event_);
   request.set_target(target);
   pb::CanRewindResponse response;
   RETURN_IF_ERROR(
@@ -404,12 +443,12 @@ absl::StatusOr<bool> Session::CanRewind(uint64_t target) {
 absl::StatusOr<pb::SessionState> Session::SpecSnapshot() {
   pb::SessionStateResponse response;
   RETURN_IF_ERROR(FromGrpcStatus(client_->cache_->SpecSnapshot(
-      client_->NewContext().get(), ForSession<pb::SessionRequest>(ref_), &response)));
+      client_->NewContext().get(), ForSession<pb::SessionRequest>(ref_, wait_event_), &response)));
   return response.state();
 }
 
 absl::StatusOr<pb::SessionState> Session::SpecRollback(uint64_t accept_len) {
-  pb::SpecRollbackRequest request = ForSession<pb::SpecRollbackRequest>(ref_);
+  pb::SpecRollbackRequest request = ForSession<pb::SpecRollbackRequest>(ref_, wait_event_);
   request.set_accept_len(accept_len);
   pb::SessionStateResponse response;
   RETURN_IF_ERROR(FromGrpcStatus(
@@ -420,12 +459,12 @@ absl::StatusOr<pb::SessionState> Session::SpecRollback(uint64_t accept_len) {
 absl::StatusOr<pb::SessionState> Session::Reset() {
   pb::SessionStateResponse response;
   RETURN_IF_ERROR(FromGrpcStatus(client_->cache_->ResetSession(
-      client_->NewContext().get(), ForSession<pb::SessionRequest>(ref_), &response)));
+      client_->NewContext().get(), ForSession<pb::SessionRequest>(ref_, wait_event_), &response)));
   return response.state();
 }
 
 absl::StatusOr<pb::SessionState> Session::Taint(const std::string& reason) {
-  pb::TaintRequest request = ForSession<pb::TaintRequest>(ref_);
+  pb::TaintRequest request = ForSession<pb::TaintRequest>(ref_, wait_event_);
   request.set_reason(reason);
   pb::SessionStateResponse response;
   RETURN_IF_ERROR(
@@ -436,19 +475,19 @@ absl::StatusOr<pb::SessionState> Session::Taint(const std::string& reason) {
 absl::StatusOr<pb::SessionState> Session::State() {
   pb::SessionStateResponse response;
   RETURN_IF_ERROR(FromGrpcStatus(client_->cache_->GetSessionState(
-      client_->NewContext().get(), ForSession<pb::GetSessionStateRequest>(ref_), &response)));
+      client_->NewContext().get(), ForSession<pb::GetSessionStateRequest>(ref_, wait_event_), &response)));
   return response.state();
 }
 
 absl::StatusOr<pb::SessionState> Session::Grow(uint64_t target_capacity) {
-  pb::GrowRequest request = ForSession<pb::GrowRequest>(ref_);
+  pb::GrowRequest request = ForSession<pb::GrowRequest>(ref_, wait_event_);
   request.set_target_capacity(target_capacity);
   pb::GrowResponse grown;
   RETURN_IF_ERROR(
       FromGrpcStatus(client_->cache_->Grow(client_->NewContext().get(), request, &grown)));
   pb::SessionLayout old = layout_;
   RETURN_IF_ERROR(Adopt(std::move(*grown.mutable_layout())));
-  pb::AcknowledgeGrowRequest ack = ForSession<pb::AcknowledgeGrowRequest>(ref_);
+  pb::AcknowledgeGrowRequest ack = ForSession<pb::AcknowledgeGrowRequest>(ref_, wait_event_);
   ack.set_layout_version(layout_.layout_version());
   pb::SessionStateResponse response;
   RETURN_IF_ERROR(FromGrpcStatus(
@@ -462,7 +501,7 @@ absl::StatusOr<uint64_t> Session::Release() {
     return absl::FailedPreconditionError(absl::StrCat("session ", id(), " was released"));
   pb::ReleaseSessionResponse response;
   absl::Status status = FromGrpcStatus(client_->cache_->ReleaseSession(
-      client_->NewContext().get(), ForSession<pb::SessionRequest>(ref_), &response));
+      client_->NewContext().get(), ForSession<pb::SessionRequest>(ref_, wait_event_), &response));
   // Whatever the daemon answered, this process stops using the memory.
   released_ = true;
   UnmapAll(layout_);

@@ -70,6 +70,16 @@ struct SessionOptions {
   std::optional<uint32_t> layer_hi;  // unset: every layer
   uint32_t tp_ranks = 1;
   bool spec_snapshot = false;
+  // From KvClient::Reserve for this shape (0: admit at creation). A session created from a
+  // reservation is never refused for room.
+  uint64_t reservation_id = 0;
+};
+
+// What KvClient::Reserve holds: exactly the bytes the session will take, for ttl.
+struct SessionReservation {
+  uint64_t id = 0;
+  uint64_t bytes = 0;
+  absl::Duration ttl;
 };
 
 struct Transaction {
@@ -110,6 +120,16 @@ class Session {
   uint64_t id() const { return ref_.session_id(); }
   const memra::kv::v1::SessionRef& ref() const { return ref_; }
   const memra::kv::v1::SessionLayout& layout() const { return layout_; }
+
+  // Cross-process device ordering (cuda backend; proto DeviceOrdering). The engine creates one
+  // event with cudaEventInterprocess | cudaEventDisableTiming, sets its cudaIpcGetEventHandle
+  // here once, and records it on its stream after its last kernel on this session before each
+  // call: every later call that makes the daemon touch the session's device memory (publish,
+  // commit, abort, rewind, hydrate, reset, spec snapshot/rollback, grow, release) carries it,
+  // and the daemon waits for it first. Replies come after the daemon's own device work is
+  // complete. Empty (the default): the engine synchronizes its stream before such calls itself.
+  // Host backend: leave it empty (the daemon refuses events there).
+  void SetWaitEvent(std::string ipc_event_handle) { wait_event_ = std::move(ipc_event_handle); }
 
   // A plane of `layer` resolved to this process's mapping. NOT_FOUND when the layer has no such
   // plane. Pointers stay valid until Grow() or Release().
@@ -153,6 +173,7 @@ class Session {
 
   KvClient* const client_;
   const memra::kv::v1::SessionRef ref_;
+  std::string wait_event_;
   memra::kv::v1::SessionLayout layout_;
   std::vector<uint8_t*> arena_bases_;  // parallel to layout_.arenas()
   bool released_ = false;
@@ -161,6 +182,10 @@ class Session {
 // Per-step transaction calls for many sessions, sent as one Step RPC.
 class StepBatch {
  public:
+  // The daemon waits for this interprocess event (Session::SetWaitEvent) before any entry.
+  void SetWaitEvent(std::string ipc_event_handle) {
+    request_.mutable_ordering()->set_wait_event(std::move(ipc_event_handle));
+  }
   void Begin(const Session& session);
   void Prepare(const Session& session, uint64_t generation, uint64_t rows);
   void Publish(const Session& session, uint64_t generation);
@@ -208,6 +233,12 @@ class KvClient {
   absl::StatusOr<std::unique_ptr<Session>> CreateSession(const PlanFingerprint& plan,
                                                          const SessionOptions& options)
       ABSL_LOCKS_EXCLUDED(mu_);
+  // Admission ahead of creation: RESOURCE_EXHAUSTED carries the AdmissionRefusal numbers
+  // (core/admission.h GetAdmissionRefusal). options.reservation_id is ignored.
+  absl::StatusOr<SessionReservation> Reserve(const PlanFingerprint& plan, const SessionOptions& options)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // Returns the reservation's bytes to the budget.
+  absl::StatusOr<uint64_t> CancelReservation(uint64_t reservation_id) ABSL_LOCKS_EXCLUDED(mu_);
   // Runs a batch; one outcome per entry, in order. The RPC's own failure is the StatusOr's.
   absl::StatusOr<std::vector<StepOutcome>> Step(const StepBatch& batch);
 
@@ -225,6 +256,9 @@ class KvClient {
   friend class Session;
   KvClient(ClientOptions options, std::shared_ptr<grpc::Channel> channel);
   void KeepLease(absl::Duration period) ABSL_LOCKS_EXCLUDED(mu_);
+  // The engine's identity; FAILED_PRECONDITION before Attach (`what` names the call).
+  absl::StatusOr<memra::kv::v1::EngineRef> AttachedEngine(absl::string_view what) const
+      ABSL_LOCKS_EXCLUDED(mu_);
 
   // Constant after construction.
   const ClientOptions options_;

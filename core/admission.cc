@@ -44,7 +44,7 @@ absl::Status Exhausted(absl::string_view what, const AdmissionRefusal& refusal) 
   absl::Status status = absl::ResourceExhaustedError(
       absl::StrCat(what, " needs ", refusal.needed, " bytes, ", refusal.free, " free (",
                    refusal.evictable, " evictable) of ", refusal.budget, " budget; ", advice));
-  status.SetPayload(kAdmissionRefusalTypeUrl, EncodeRefusal(refusal));
+  AttachAdmissionRefusal(status, refusal);
   return status;
 }
 
@@ -82,6 +82,10 @@ uint64_t UsableCudaBudget(uint64_t total_bytes, double fraction, uint64_t reserv
                         ? total_bytes
                         : static_cast<uint64_t>(std::floor(scaled));
   return usable > reserve_bytes ? usable - reserve_bytes : 0;
+}
+
+void AttachAdmissionRefusal(absl::Status& status, const AdmissionRefusal& refusal) {
+  status.SetPayload(kAdmissionRefusalTypeUrl, EncodeRefusal(refusal));
 }
 
 std::optional<AdmissionRefusal> GetAdmissionRefusal(const absl::Status& status) {

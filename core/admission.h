@@ -85,6 +85,8 @@ inline constexpr char kAdmissionRefusalTypeUrl[] = "type.memra.dev/memra.kv.Admi
 
 // The refusal carried by `status`, or nullopt when it carries none (any other status).
 std::optional<AdmissionRefusal> GetAdmissionRefusal(const absl::Status& status);
+// Attaches `refusal` to `status` (the wire layer restoring what the daemon sent).
+void AttachAdmissionRefusal(absl::Status& status, const AdmissionRefusal& refusal);
 
 // ---------------------------------------------------------------------------------------------
 // The ledger

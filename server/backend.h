@@ -102,6 +102,14 @@ class DeviceBackend {
   virtual absl::Status Read(ArenaId arena, uint64_t offset, absl::Span<uint8_t> out) = 0;
   virtual absl::Status Synchronize() = 0;
 
+  // Cross-process ordering (DESIGN.md section 5): blocks the calling thread until the engine's
+  // interprocess event `ipc_event_handle` (a cudaIpcEventHandle_t, 64 bytes) has completed, so
+  // the daemon's next device work on a session cannot race the engine's kernels on it. Empty:
+  // nothing to wait for (OK). The host backend has no device queue (ordering is the RPC order)
+  // and refuses a non-empty handle with INVALID_ARGUMENT; cuda: INVALID_ARGUMENT for a handle of
+  // the wrong size, the CUDA error when it cannot be opened or waited on.
+  virtual absl::Status WaitForEngineEvent(absl::string_view ipc_event_handle) = 0;
+
   virtual uint64_t AllocatedBytes() const = 0;
   virtual size_t ArenaCount() const = 0;
 };

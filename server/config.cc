@@ -143,11 +143,14 @@ const std::vector<KeySpec>& Keys() {
        .help = "Group owning the shared-memory objects; empty = the daemon's group.",
        .text_accepted = "a group name or gid, or empty", .check_text = &CheckGroup},
       {.name = "budget_bytes", .field = &C::budget_bytes, .syntax = Syntax::kBytes,
-       .reloadable = true, .help = "Host backend: memory the daemon may hand out (bytes).",
+       .reloadable = true,
+       .help = "Host backend: the admission budget (bytes); SIGHUP can lower it, raising it "
+               "past the start-up value needs a restart.",
        .min = kMiB, .max = kPiB},
       {.name = "cuda_memory_fraction", .field = &C::cuda_memory_fraction,
        .syntax = Syntax::kFraction, .reloadable = true,
-       .help = "CUDA backend: fraction of the device's free memory used as the budget."},
+       .help = "CUDA backend: fraction of the device's total memory in the budget, before "
+               "cuda_reserve_bytes comes off."},
       {.name = "cuda_reserve_bytes", .field = &C::cuda_reserve_bytes, .syntax = Syntax::kBytes,
        .reloadable = true,
        .help = "CUDA backend: memory left for the driver and other processes (bytes).", .min = 0,

@@ -49,7 +49,8 @@ struct DaemonConfig {
   std::string shm_group;
   // Host backend: bytes of memory the daemon may hand out (admission budget).
   uint64_t budget_bytes = uint64_t{8} << 30;
-  // CUDA backend: fraction of the device's free memory at start-up used as the budget, (0, 1].
+  // CUDA backend: budget = floor(fraction x the device's TOTAL memory) - cuda_reserve_bytes
+  // (core/admission.h UsableCudaBudget); fraction in (0, 1].
   double cuda_memory_fraction = 0.9;
   // CUDA backend: bytes left free for the driver and other processes, taken off the budget.
   uint64_t cuda_reserve_bytes = uint64_t{1} << 30;

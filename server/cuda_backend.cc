@@ -1,6 +1,7 @@
 #include "server/cuda_backend.h"
 
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <memory>
 #include <string>
@@ -91,6 +92,10 @@ CudaBackend::CudaBackend(int device, cudaStream_t stream, std::string name, std:
       uuid_(std::move(uuid)) {}
 
 CudaBackend::~CudaBackend() {
+  {
+    absl::MutexLock lock(&events_mu_);
+    open_events_.clear();
+  }
   // Every call synchronizes before returning, so the stream is idle.
   cudaSetDevice(device_);
   cudaStreamDestroy(stream_);
@@ -180,6 +185,44 @@ absl::Status CudaBackend::Download(absl::string_view op, const uint8_t* from,
                                    absl::Span<uint8_t> out) {
   RETURN_IF_ERROR(SelectDevice());
   return Finish(op, cudaMemcpyAsync(out.data(), from, out.size(), cudaMemcpyDeviceToHost, stream_));
+}
+
+absl::Status CudaBackend::WaitForEngineEvent(absl::string_view ipc_event_handle) {
+  if (ipc_event_handle.empty()) return absl::OkStatus();
+  if (ipc_event_handle.size() != sizeof(cudaIpcEventHandle_t)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("an interprocess event handle is ", sizeof(cudaIpcEventHandle_t),
+                     " bytes (cudaIpcEventHandle_t); got ", ipc_event_handle.size()));
+  }
+  RETURN_IF_ERROR(SelectDevice());
+  std::shared_ptr<CUevent_st> event;
+  {
+    absl::MutexLock lock(&events_mu_);
+    const std::string key(ipc_event_handle);
+    auto it = open_events_.find(key);
+    if (it == open_events_.end()) {
+      if (open_events_.size() >= kMaxOpenEvents) open_events_.clear();
+      cudaIpcEventHandle_t handle;
+      std::memcpy(&handle, ipc_event_handle.data(), sizeof(handle));
+      cudaEvent_t opened = nullptr;
+      if (const cudaError_t err = cudaIpcOpenEventHandle(&opened, handle); err != cudaSuccess) {
+        return CudaError("cudaIpcOpenEventHandle of the engine's event (was it created with "
+                         "cudaEventInterprocess | cudaEventDisableTiming?)",
+                         err);
+      }
+      const int device = device_;
+      std::shared_ptr<CUevent_st> owned(opened, [device](cudaEvent_t e) {
+        cudaSetDevice(device);
+        cudaEventDestroy(e);
+      });
+      it = open_events_.emplace(key, std::move(owned)).first;
+    }
+    event = it->second;
+  }
+  if (const cudaError_t err = cudaEventSynchronize(event.get()); err != cudaSuccess) {
+    return CudaError("waiting for the engine's interprocess event", err);
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace memra

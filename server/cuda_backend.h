@@ -10,7 +10,10 @@
 #include <memory>
 #include <string>
 
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 #include "server/arena_table.h"
 #include "server/backend.h"
 #include "server/checked_arena_backend.h"
@@ -43,6 +46,11 @@ class CudaBackend final : public CheckedArenaBackend {
   DeviceInfo Info() override;
   uint64_t AllocationGranularity() const override { return kGranularity; }
   absl::Status Synchronize() override;
+  // cudaIpcOpenEventHandle (opened once per distinct handle and cached: engines re-record the
+  // same event) + cudaEventSynchronize on the calling thread, so the daemon's shared stream is
+  // never held up by one engine's work.
+  absl::Status WaitForEngineEvent(absl::string_view ipc_event_handle) override
+      ABSL_LOCKS_EXCLUDED(events_mu_);
 
  private:
   CudaBackend(int device, cudaStream_t stream, std::string name, std::string uuid);
@@ -65,6 +73,14 @@ class CudaBackend final : public CheckedArenaBackend {
   const cudaStream_t stream_;  // CUDA streams are thread-safe; every call syncs it itself
   const std::string name_;
   const std::string uuid_;
+
+  // Engines' interprocess events, by handle bytes. Bounded: past kMaxOpenEvents the cache is
+  // emptied and refilled on demand. Shared so an event being waited on outlives its eviction
+  // (the last holder destroys it).
+  static constexpr size_t kMaxOpenEvents = 4096;
+  absl::Mutex events_mu_;
+  absl::flat_hash_map<std::string, std::shared_ptr<CUevent_st>> open_events_
+      ABSL_GUARDED_BY(events_mu_);
 };
 
 }  // namespace memra

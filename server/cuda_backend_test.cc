@@ -115,5 +115,15 @@ TEST_F(CudaBackendTest, OutOfRangeAndOverflowAreRefusedBeforeTheDevice) {
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("overflows")));
 }
 
+TEST_F(CudaBackendTest, EngineEventHandlesAreChecked) {
+  EXPECT_THAT(backend_->WaitForEngineEvent(""), IsOk());
+  EXPECT_THAT(backend_->WaitForEngineEvent(std::string(10, 'x')),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstrs("64 bytes", "got 10")));
+  // 64 bytes that no process exported: the runtime refuses to open them.
+  const absl::Status unknown = backend_->WaitForEngineEvent(std::string(64, '\0'));
+  EXPECT_FALSE(unknown.ok());
+  EXPECT_THAT(unknown.message(), HasSubstr("cudaIpcOpenEventHandle"));
+}
+
 }  // namespace
 }  // namespace memra

@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <algorithm>
 #include <cstring>
 #include <utility>
 #include <vector>
@@ -23,6 +24,7 @@
 #include "common/codec.h"
 #include "common/errors.h"
 #include "common/grpc_status.h"
+#include "server/model_import.h"
 #include "spdlog/spdlog.h"
 
 namespace memra {
@@ -120,6 +122,48 @@ absl::Status ApplySocketPermissions(const DaemonConfig& config, const std::strin
   return absl::OkStatus();
 }
 
+// The admission budget the configuration and the device allow, and how it was derived.
+// Host: budget_bytes, capped at the capacity the backend was created with (it cannot grow).
+// CUDA: cuda_memory_fraction of the device's TOTAL memory minus cuda_reserve_bytes.
+std::pair<uint64_t, std::string> BudgetFor(const DaemonConfig& config, DeviceBackend& backend) {
+  const DeviceInfo info = backend.Info();
+  if (config.backend == Backend::kCuda) {
+    return {UsableCudaBudget(info.total_bytes, config.cuda_memory_fraction,
+                             config.cuda_reserve_bytes),
+            absl::StrCat("cuda: ", config.cuda_memory_fraction, " x ", info.total_bytes,
+                         " total - ", config.cuda_reserve_bytes, " reserve")};
+  }
+  const uint64_t bytes = std::min(UsableHostBudget(config.budget_bytes), info.total_bytes);
+  if (bytes < config.budget_bytes) {
+    return {bytes, absl::StrCat("host: budget_bytes ", config.budget_bytes,
+                                " capped at the backend's start-up capacity ", info.total_bytes)};
+  }
+  return {bytes, absl::StrCat("host: budget_bytes ", bytes)};
+}
+
+// The shape fields of a request, as core's SessionRequest (tp_ranks 0 means unsharded).
+template <typename Shape>
+SessionRequest SessionRequestOf(const Shape& shape) {
+  SessionRequest request;
+  request.layer_lo = shape.layer_lo();
+  if (shape.has_layer_hi()) request.layer_hi = shape.layer_hi();
+  request.tp_ranks = shape.tp_ranks() == 0 ? 1 : shape.tp_ranks();
+  request.capacity = shape.capacity();
+  request.spec_snapshot = shape.spec_snapshot();
+  return request;
+}
+
+absl::StatusOr<uint64_t> RandomEpoch() {
+  uint64_t epoch = 0;
+  while (epoch == 0) {
+    if (getrandom(&epoch, sizeof(epoch), 0) != sizeof(epoch)) {
+      if (errno == EINTR) continue;
+      return PosixError("getrandom", errno);
+    }
+  }
+  return epoch;
+}
+
 void SetResultStatus(const absl::Status& status, pb::StepResult* result) {
   result->set_code(static_cast<int32_t>(status.code()));
   result->set_message(std::string(status.message()));
@@ -171,6 +215,20 @@ class Daemon::CacheService final : public pb::KvCache::Service {
     return Reply("RegisterPlan", fingerprint.status());
   }
 
+  grpc::Status Reserve(grpc::ServerContext*, const pb::ReserveRequest* request,
+                       pb::ReserveResponse* response) override {
+    absl::StatusOr<pb::ReserveResponse> reserved = daemon_->Reserve(*request);
+    if (reserved.ok()) *response = *std::move(reserved);
+    return Reply("Reserve", reserved.status());
+  }
+
+  grpc::Status CancelReservation(grpc::ServerContext*, const pb::CancelReservationRequest* request,
+                                 pb::CancelReservationResponse* response) override {
+    absl::StatusOr<uint64_t> freed = daemon_->CancelReservation(*request);
+    if (freed.ok()) response->set_freed_bytes(*freed);
+    return Reply("CancelReservation", freed.status());
+  }
+
   grpc::Status CreateSession(grpc::ServerContext*, const pb::CreateSessionRequest* request,
                              pb::CreateSessionResponse* response) override {
     return Reply("CreateSession", daemon_->CreateSession(*request, response));
@@ -178,6 +236,15 @@ class Daemon::CacheService final : public pb::KvCache::Service {
 
   grpc::Status ReleaseSession(grpc::ServerContext*, const pb::SessionRequest* request,
                               pb::ReleaseSessionResponse* response) override {
+    // Authenticated first: nobody makes the daemon wait on an event for a session not theirs.
+    if (absl::StatusOr<std::shared_ptr<DaemonSession>> session =
+            daemon_->FindSession(request->session());
+        !session.ok()) {
+      return Reply("ReleaseSession", session.status());
+    }
+    if (absl::Status waited = WaitForEngine(request->ordering()); !waited.ok()) {
+      return Reply("ReleaseSession", waited);
+    }
     absl::StatusOr<uint64_t> freed = daemon_->ReleaseSession(request->session());
     if (freed.ok()) response->set_freed_bytes(*freed);
     return Reply("ReleaseSession", freed.status());
@@ -185,7 +252,7 @@ class Daemon::CacheService final : public pb::KvCache::Service {
 
   grpc::Status ResetSession(grpc::ServerContext*, const pb::SessionRequest* request,
                             pb::SessionStateResponse* response) override {
-    return OnSession("ResetSession", request->session(), response,
+    return OnSession("ResetSession", request->session(), request->ordering(), response,
                      [](DaemonSession& session) { return session.Reset(); });
   }
 
@@ -205,7 +272,8 @@ class Daemon::CacheService final : public pb::KvCache::Service {
     pb::StepEntry entry;
     *entry.mutable_session() = request->session();
     entry.mutable_begin();
-    return RunOne("Begin", entry, [&](pb::StepResult& r) { *response = r.begin(); });
+    return RunOne("Begin", entry, request->ordering(),
+                  [&](pb::StepResult& r) { *response = r.begin(); });
   }
 
   grpc::Status PrepareAppend(grpc::ServerContext*, const pb::PrepareAppendRequest* request,
@@ -214,7 +282,7 @@ class Daemon::CacheService final : public pb::KvCache::Service {
     *entry.mutable_session() = request->session();
     entry.mutable_prepare()->set_generation(request->generation());
     entry.mutable_prepare()->set_rows(request->rows());
-    return RunOne("PrepareAppend", entry,
+    return RunOne("PrepareAppend", entry, pb::DeviceOrdering::default_instance(),
                   [&](pb::StepResult& r) { response->Swap(r.mutable_prepare()); });
   }
 
@@ -223,7 +291,8 @@ class Daemon::CacheService final : public pb::KvCache::Service {
     pb::StepEntry entry;
     *entry.mutable_session() = request->session();
     entry.mutable_publish()->set_generation(request->generation());
-    return RunOne("PublishAppend", entry, [&](pb::StepResult& r) { *response = r.publish(); });
+    return RunOne("PublishAppend", entry, request->ordering(),
+                  [&](pb::StepResult& r) { *response = r.publish(); });
   }
 
   grpc::Status Commit(grpc::ServerContext*, const pb::CommitRequest* request,
@@ -232,7 +301,8 @@ class Daemon::CacheService final : public pb::KvCache::Service {
     *entry.mutable_session() = request->session();
     entry.mutable_commit()->set_generation(request->generation());
     entry.mutable_commit()->set_accepted_rows(request->accepted_rows());
-    return RunOne("Commit", entry, [&](pb::StepResult& r) { *response = r.commit(); });
+    return RunOne("Commit", entry, request->ordering(),
+                  [&](pb::StepResult& r) { *response = r.commit(); });
   }
 
   grpc::Status Abort(grpc::ServerContext*, const pb::GenerationRequest* request,
@@ -240,7 +310,8 @@ class Daemon::CacheService final : public pb::KvCache::Service {
     pb::StepEntry entry;
     *entry.mutable_session() = request->session();
     entry.mutable_abort()->set_generation(request->generation());
-    return RunOne("Abort", entry, [&](pb::StepResult& r) { *response = r.abort(); });
+    return RunOne("Abort", entry, request->ordering(),
+                  [&](pb::StepResult& r) { *response = r.abort(); });
   }
 
   grpc::Status Step(grpc::ServerContext*, const pb::StepRequest* request,
@@ -249,6 +320,9 @@ class Daemon::CacheService final : public pb::KvCache::Service {
       return Reply("Step", absl::InvalidArgumentError(
                                absl::StrCat("Step carries ", request->entries_size(),
                                             " entries; the limit is ", kMaxStepEntries)));
+    }
+    if (absl::Status waited = WaitForEngine(request->ordering()); !waited.ok()) {
+      return Reply("Step", waited);
     }
     response->mutable_results()->Reserve(request->entries_size());
     for (const pb::StepEntry& entry : request->entries()) {
@@ -265,13 +339,14 @@ class Daemon::CacheService final : public pb::KvCache::Service {
 
   grpc::Status Rewind(grpc::ServerContext*, const pb::RewindRequest* request,
                       pb::SessionStateResponse* response) override {
-    return OnSession("Rewind", request->session(), response,
+    return OnSession("Rewind", request->session(), request->ordering(), response,
                      [&](DaemonSession& session) { return session.Rewind(request->target()); });
   }
 
   grpc::Status Hydrate(grpc::ServerContext*, const pb::HydrateRequest* request,
                        pb::SessionStateResponse* response) override {
-    return OnSession("Hydrate", request->session(), response, [&](DaemonSession& session) {
+    return OnSession("Hydrate", request->session(), request->ordering(), response,
+                     [&](DaemonSession& session) {
       return session.Hydrate(request->logical_len(),
                              absl::Span<const uint64_t>(request->resident_starts().data(),
                                                         request->resident_starts().size()));
@@ -290,13 +365,14 @@ class Daemon::CacheService final : public pb::KvCache::Service {
 
   grpc::Status SpecSnapshot(grpc::ServerContext*, const pb::SessionRequest* request,
                             pb::SessionStateResponse* response) override {
-    return OnSession("SpecSnapshot", request->session(), response,
+    return OnSession("SpecSnapshot", request->session(), request->ordering(), response,
                      [](DaemonSession& session) { return session.SpecSnapshot(); });
   }
 
   grpc::Status SpecRollback(grpc::ServerContext*, const pb::SpecRollbackRequest* request,
                             pb::SessionStateResponse* response) override {
-    return OnSession("SpecRollback", request->session(), response, [&](DaemonSession& session) {
+    return OnSession("SpecRollback", request->session(), request->ordering(), response,
+                     [&](DaemonSession& session) {
       return session.SpecRollback(request->accept_len());
     });
   }
@@ -306,19 +382,24 @@ class Daemon::CacheService final : public pb::KvCache::Service {
     absl::StatusOr<std::shared_ptr<DaemonSession>> session =
         daemon_->FindSession(request->session());
     if (!session.ok()) return Reply("Grow", session.status());
+    if (absl::Status waited = WaitForEngine(request->ordering()); !waited.ok()) {
+      return Reply("Grow", waited);
+    }
     return Reply("Grow", (*session)->Grow(request->target_capacity(), response));
   }
 
   grpc::Status AcknowledgeGrow(grpc::ServerContext*, const pb::AcknowledgeGrowRequest* request,
                                pb::SessionStateResponse* response) override {
-    return OnSession("AcknowledgeGrow", request->session(), response, [&](DaemonSession& session) {
+    return OnSession("AcknowledgeGrow", request->session(),
+                     pb::DeviceOrdering::default_instance(), response, [&](DaemonSession& session) {
       return session.AcknowledgeGrow(request->layout_version());
     });
   }
 
   grpc::Status Taint(grpc::ServerContext*, const pb::TaintRequest* request,
                      pb::SessionStateResponse* response) override {
-    return OnSession("Taint", request->session(), response,
+    return OnSession("Taint", request->session(), pb::DeviceOrdering::default_instance(),
+                     response,
                      [&](DaemonSession& session) { return session.Taint(request->reason()); });
   }
 
@@ -326,9 +407,11 @@ class Daemon::CacheService final : public pb::KvCache::Service {
   // Runs `op` on the session and answers with its state afterwards.
   template <typename Op>
   grpc::Status OnSession(absl::string_view rpc, const pb::SessionRef& ref,
-                         pb::SessionStateResponse* response, Op op) {
+                         const pb::DeviceOrdering& ordering, pb::SessionStateResponse* response,
+                         Op op) {
     absl::StatusOr<std::shared_ptr<DaemonSession>> session = daemon_->FindSession(ref);
     if (!session.ok()) return Reply(rpc, session.status());
+    if (absl::Status waited = WaitForEngine(ordering); !waited.ok()) return Reply(rpc, waited);
     absl::Status status = op(**session);
     if (status.ok()) status = (*session)->GetState(response->mutable_state(), nullptr);
     return Reply(rpc, status);
@@ -336,12 +419,25 @@ class Daemon::CacheService final : public pb::KvCache::Service {
 
   // The single-session transaction RPCs run exactly what a one-entry Step runs.
   template <typename Take>
-  grpc::Status RunOne(absl::string_view rpc, const pb::StepEntry& entry, Take take) {
+  grpc::Status RunOne(absl::string_view rpc, const pb::StepEntry& entry,
+                      const pb::DeviceOrdering& ordering, Take take) {
+    // Authenticated first: nobody makes the daemon wait on an event for a session not theirs.
+    if (absl::StatusOr<std::shared_ptr<DaemonSession>> session =
+            daemon_->FindSession(entry.session());
+        !session.ok()) {
+      return Reply(rpc, session.status());
+    }
+    if (absl::Status waited = WaitForEngine(ordering); !waited.ok()) return Reply(rpc, waited);
     pb::StepResult result;
     daemon_->RunStepEntry(entry, &result);
     const absl::Status status(static_cast<absl::StatusCode>(result.code()), result.message());
     if (status.ok()) take(result);
     return Reply(rpc, status);
+  }
+
+  // The engine's work on the memory this call touches is complete (DeviceOrdering).
+  absl::Status WaitForEngine(const pb::DeviceOrdering& ordering) {
+    return daemon_->backend().WaitForEngineEvent(ordering.wait_event());
   }
 
   Daemon* const daemon_;
@@ -354,6 +450,50 @@ class Daemon::AdminService final : public pb::KvAdmin::Service {
   grpc::Status GetStatus(grpc::ServerContext*, const pb::GetStatusRequest*,
                          pb::GetStatusResponse* response) override {
     *response = daemon_->GetStatus();
+    return grpc::Status::OK;
+  }
+
+  grpc::Status ListSessions(grpc::ServerContext*, const pb::ListSessionsRequest* request,
+                            pb::ListSessionsResponse* response) override {
+    return Reply("ListSessions", daemon_->ListSessions(*request, response));
+  }
+
+  grpc::Status ListEngines(grpc::ServerContext*, const pb::ListEnginesRequest*,
+                           pb::ListEnginesResponse* response) override {
+    pb::GetStatusResponse status = daemon_->GetStatus();
+    response->mutable_engines()->Swap(status.mutable_engine_status());
+    return grpc::Status::OK;
+  }
+
+  grpc::Status GetCost(grpc::ServerContext*, const pb::CostRequest* request,
+                       pb::CostResponse* response) override {
+    return Reply("GetCost", daemon_->GetCost(*request, response));
+  }
+
+  grpc::Status GetFit(grpc::ServerContext*, const pb::FitRequest* request,
+                      pb::FitResponse* response) override {
+    return Reply("GetFit", daemon_->GetFit(*request, response));
+  }
+
+  grpc::Status GetMaxContext(grpc::ServerContext*, const pb::MaxContextRequest* request,
+                             pb::MaxContextResponse* response) override {
+    return Reply("GetMaxContext", daemon_->GetMaxContext(*request, response));
+  }
+
+  grpc::Status ImportModel(grpc::ServerContext*, const pb::ImportModelRequest* request,
+                           pb::ImportModelResponse* response) override {
+    return Reply("ImportModel", daemon_->ImportModel(*request, response));
+  }
+
+  grpc::Status Drain(grpc::ServerContext*, const pb::DrainRequest*,
+                     pb::DrainResponse* response) override {
+    response->set_sessions_open(daemon_->SetDraining(true));
+    return grpc::Status::OK;
+  }
+
+  grpc::Status Undrain(grpc::ServerContext*, const pb::UndrainRequest*,
+                       pb::UndrainResponse*) override {
+    daemon_->SetDraining(false);
     return grpc::Status::OK;
   }
 
@@ -370,20 +510,30 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Create(DaemonConfig config,
     return absl::InvalidArgumentError("Daemon::Create needs a backend and a clock");
   }
   RETURN_IF_ERROR(ValidateConfig(config));
-  return std::unique_ptr<Daemon>(new Daemon(std::move(config), std::move(backend), clock));
+  ASSIGN_OR_RETURN(uint64_t epoch, RandomEpoch());
+  auto [budget_bytes, rule] = BudgetFor(config, *backend);
+  spdlog::info("admission budget {} bytes ({})", budget_bytes, rule);
+  return std::unique_ptr<Daemon>(new Daemon(std::move(config), std::move(backend), clock,
+                                            std::make_unique<DeviceBudget>(budget_bytes, rule),
+                                            epoch));
 }
 
-Daemon::Daemon(DaemonConfig config, std::unique_ptr<DeviceBackend> backend, Clock* clock)
+Daemon::Daemon(DaemonConfig config, std::unique_ptr<DeviceBackend> backend, Clock* clock,
+               std::unique_ptr<DeviceBudget> budget, uint64_t epoch)
     : backend_(std::move(backend)),
       clock_(clock),
       socket_path_(config.SocketPath()),
       start_config_(std::move(config)),
       format_defaults_(),
       cache_service_(std::make_unique<CacheService>(this)),
-      admin_service_(std::make_unique<AdminService>(this)) {
+      admin_service_(std::make_unique<AdminService>(this)),
+      budget_(std::move(budget)),
+      epoch_(epoch),
+      started_(clock->Now()) {
   absl::MutexLock lock(&mu_);
   lease_timeout_ = absl::Milliseconds(start_config_.lease_timeout_ms);
   lease_grace_ = absl::Milliseconds(start_config_.lease_grace_ms);
+  reservation_ttl_ = absl::Milliseconds(start_config_.reservation_ttl_ms);
 }
 
 Daemon::~Daemon() { Shutdown(); }
@@ -445,12 +595,22 @@ void Daemon::LeaseLoop() {
   }
 }
 
-size_t Daemon::Drain(absl::Duration grace) {
+size_t Daemon::SetDraining(bool draining) {
   {
     absl::MutexLock lock(&mu_);
-    draining_ = true;
-    if (server_ != nullptr) server_->GetHealthCheckService()->SetServingStatus(false);
+    if (draining_ != draining) {
+      spdlog::info(draining ? "draining: new engines and sessions are refused"
+                            : "undrained: new engines and sessions are accepted again");
+    }
+    draining_ = draining;
+    if (server_ != nullptr) server_->GetHealthCheckService()->SetServingStatus(!draining);
   }
+  absl::MutexLock lock(&sessions_mu_);
+  return sessions_.size();
+}
+
+size_t Daemon::Drain(absl::Duration grace) {
+  SetDraining(true);
   absl::MutexLock lock(&sessions_mu_);
   spdlog::info("draining: refusing new engines and sessions; {} sessions open, waiting up to {} ms",
                sessions_.size(), absl::ToInt64Milliseconds(grace));
@@ -501,9 +661,23 @@ void Daemon::Shutdown() {
 }
 
 void Daemon::ApplyReload(const DaemonConfig& config) {
-  absl::MutexLock lock(&mu_);
-  lease_timeout_ = absl::Milliseconds(config.lease_timeout_ms);
-  lease_grace_ = absl::Milliseconds(config.lease_grace_ms);
+  {
+    absl::MutexLock lock(&mu_);
+    lease_timeout_ = absl::Milliseconds(config.lease_timeout_ms);
+    lease_grace_ = absl::Milliseconds(config.lease_grace_ms);
+    reservation_ttl_ = absl::Milliseconds(config.reservation_ttl_ms);
+  }
+  auto [budget_bytes, rule] = BudgetFor(config, *backend_);
+  const BudgetChange change = budget_->SetBudget(budget_bytes, rule);
+  if (change.old_budget != change.new_budget) {
+    spdlog::info("admission budget {} -> {} bytes ({}); {} bytes in use", change.old_budget,
+                 change.new_budget, rule, change.used_bytes);
+  }
+  if (change.over_budget_bytes > 0) {
+    spdlog::warn("admission: {} bytes in use exceed the new budget by {}; nothing is admitted "
+                 "until releases bring usage under it",
+                 change.used_bytes, change.over_budget_bytes);
+  }
 }
 
 absl::StatusOr<pb::Attached> Daemon::BeginLease(const pb::Hello& hello,
@@ -598,10 +772,26 @@ void Daemon::CheckLeases() {
   for (Reclaimed& entry : reclaimed) {
     uint64_t freed = 0;
     for (auto& session : entry.sessions) freed += session->Release();
-    spdlog::info("engine {} (\"{}\", pid {}) reclaimed: {} sessions, {} bytes freed",
-                 entry.engine.id.value, entry.engine.name, entry.engine.pid, entry.sessions.size(),
-                 freed);
+    // Its sessions' charges went with their arenas; what is left is reservations.
+    const uint64_t reserved = budget_->ReleaseOwner(entry.engine.id.value);
+    spdlog::info(
+        "engine {} (\"{}\", pid {}) reclaimed: {} sessions, {} bytes freed, {} reserved bytes "
+        "returned",
+        entry.engine.id.value, entry.engine.name, entry.engine.pid, entry.sessions.size(), freed,
+        reserved);
   }
+  ExpireReservations();
+}
+
+void Daemon::ExpireReservations() {
+  for (const ExpiredReservation& expired : budget_->Expire(clock_->Now())) {
+    spdlog::info("reservation {} of engine {} expired unused: {} bytes returned",
+                 expired.id.value, expired.reservation.owner, expired.reservation.bytes);
+  }
+}
+
+ArenaRounding Daemon::rounding() const {
+  return ArenaRounding{kPlaneAlignment, backend_->AllocationGranularity()};
 }
 
 absl::Status Daemon::CheckEngine(const pb::EngineRef& ref) const {
@@ -622,6 +812,10 @@ absl::Status Daemon::CheckEngine(const pb::EngineRef& ref) const {
 
 absl::StatusOr<std::string> Daemon::RegisterPlan(const pb::ModelPlan& proto) {
   ASSIGN_OR_RETURN(ModelPlan plan, ModelPlanFromProto(proto));
+  return RegisterValidPlan(std::move(plan));
+}
+
+absl::StatusOr<std::string> Daemon::RegisterValidPlan(ModelPlan plan) {
   RETURN_IF_ERROR(ValidateModelPlan(plan));
   ASSIGN_OR_RETURN(PlanFingerprint fingerprint, FingerprintModelPlan(plan, format_defaults_));
   std::string key = FingerprintToBytes(fingerprint);
@@ -639,34 +833,72 @@ absl::StatusOr<std::string> Daemon::RegisterPlan(const pb::ModelPlan& proto) {
   return key;
 }
 
+absl::StatusOr<std::shared_ptr<const ModelPlan>> Daemon::FindPlan(
+    const std::string& fingerprint) const {
+  ASSIGN_OR_RETURN(PlanFingerprint parsed, FingerprintFromBytes(fingerprint));
+  absl::MutexLock lock(&mu_);
+  auto plan = plans_.find(fingerprint);
+  if (plan == plans_.end()) {
+    return absl::NotFoundError(
+        absl::StrCat("model plan ", FingerprintHex(parsed), " is not registered"));
+  }
+  return plan->second;
+}
+
+absl::StatusOr<pb::ReserveResponse> Daemon::Reserve(const pb::ReserveRequest& request) {
+  absl::Duration ttl;
+  {
+    absl::MutexLock lock(&mu_);
+    if (draining_) return absl::UnavailableError("the daemon is draining; no new reservations");
+    RETURN_IF_ERROR(CheckEngine(request.engine()));
+    ttl = reservation_ttl_;
+  }
+  ASSIGN_OR_RETURN(std::shared_ptr<const ModelPlan> plan, FindPlan(request.plan_fingerprint()));
+  ASSIGN_OR_RETURN(uint64_t bytes, SessionArenaBytes(*plan, format_defaults_,
+                                                     SessionRequestOf(request), rounding()));
+  ASSIGN_OR_RETURN(ReservationId id,
+                   budget_->Reserve(request.engine().engine_id(), bytes, clock_->Now(), ttl));
+  spdlog::info("reservation {} for engine {}: {} bytes (capacity {} tokens) for {} ms", id.value,
+               request.engine().engine_id(), bytes, request.capacity(),
+               absl::ToInt64Milliseconds(ttl));
+  pb::ReserveResponse response;
+  response.set_reservation_id(id.value);
+  response.set_bytes(bytes);
+  response.set_ttl_ms(absl::ToInt64Milliseconds(ttl));
+  return response;
+}
+
+absl::StatusOr<uint64_t> Daemon::CancelReservation(const pb::CancelReservationRequest& request) {
+  {
+    absl::MutexLock lock(&mu_);
+    RETURN_IF_ERROR(CheckEngine(request.engine()));
+  }
+  return budget_->Cancel(ReservationId{request.reservation_id()}, request.engine().engine_id());
+}
+
 absl::Status Daemon::CreateSession(const pb::CreateSessionRequest& request,
                                    pb::CreateSessionResponse* response) {
-  ASSIGN_OR_RETURN(PlanFingerprint fingerprint, FingerprintFromBytes(request.plan_fingerprint()));
+  RETURN_IF_ERROR(FingerprintFromBytes(request.plan_fingerprint()).status());
   DaemonSession::Params params;
   {
     absl::MutexLock lock(&mu_);
     if (draining_) return absl::UnavailableError("the daemon is draining; no new sessions");
     RETURN_IF_ERROR(CheckEngine(request.engine()));
-    auto plan = plans_.find(FingerprintToBytes(fingerprint));
-    if (plan == plans_.end()) {
-      return absl::NotFoundError(
-          absl::StrCat("model plan ", FingerprintHex(fingerprint), " is not registered"));
-    }
-    params.model = plan->second;
   }
+  ASSIGN_OR_RETURN(params.model, FindPlan(request.plan_fingerprint()));
   params.id = SessionId{next_session_id_.fetch_add(1)};
   params.owner = EngineId{request.engine().engine_id()};
   ASSIGN_OR_RETURN(params.token, RandomToken());
   params.defaults = format_defaults_;
-  params.request.layer_lo = request.layer_lo();
-  if (request.has_layer_hi()) params.request.layer_hi = request.layer_hi();
-  params.request.tp_ranks = request.tp_ranks() == 0 ? 1 : request.tp_ranks();
-  params.request.capacity = request.capacity();
-  params.request.spec_snapshot = request.spec_snapshot();
+  params.fingerprint = request.plan_fingerprint();
+  params.request = SessionRequestOf(request);
   const SessionId id = params.id;
   const std::string token = params.token;
+  std::optional<ReservationId> reservation;
+  if (request.reservation_id() != 0) reservation = ReservationId{request.reservation_id()};
   ASSIGN_OR_RETURN(std::shared_ptr<DaemonSession> session,
-                   DaemonSession::Create(std::move(params), backend_.get()));
+                   DaemonSession::Create(std::move(params), backend_.get(), budget_.get(),
+                                         reservation));
   {
     absl::MutexLock lock(&mu_);
     // The engine may have lost its lease (or the daemon started draining) while the arena was
@@ -684,8 +916,10 @@ absl::Status Daemon::CreateSession(const pb::CreateSessionRequest& request,
   response->mutable_session()->set_session_id(id.value);
   response->mutable_session()->set_session_token(token);
   RETURN_IF_ERROR(session->GetState(response->mutable_state(), response->mutable_layout()));
-  spdlog::info("session {} created for engine {}: capacity {} tokens, {} bytes", id.value,
-               request.engine().engine_id(), request.capacity(), session->arena_bytes());
+  spdlog::info("session {} created for engine {}: capacity {} tokens, {} bytes{}", id.value,
+               request.engine().engine_id(), request.capacity(), session->arena_bytes(),
+               reservation.has_value() ? absl::StrCat(" (reservation ", reservation->value, ")")
+                                       : std::string());
   return absl::OkStatus();
 }
 
@@ -767,6 +1001,27 @@ pb::GetStatusResponse Daemon::GetStatus() {
   out.set_allocated_bytes(backend_->AllocatedBytes());
   out.set_arena_count(backend_->ArenaCount());
   const absl::Time now = clock_->Now();
+  out.set_epoch(epoch_);
+  out.set_uptime_ms(absl::ToInt64Milliseconds(now - started_));
+  const AdmissionLedger ledger = budget_->Snapshot();
+  pb::AdmissionStatus* admission = out.mutable_admission();
+  admission->set_budget_bytes(ledger.budget());
+  admission->set_reserved_bytes(ledger.reserved());
+  admission->set_allocated_bytes(ledger.allocated());
+  admission->set_free_bytes(ledger.free());
+  admission->set_evictable_bytes(ledger.evictable());
+  admission->set_reservations(ledger.reservation_count());
+  admission->set_over_budget_bytes(ledger.used() > ledger.budget()
+                                       ? ledger.used() - ledger.budget()
+                                       : 0);
+  admission->set_budget_rule(budget_->rule());
+  admission->set_granularity_bytes(backend_->AllocationGranularity());
+  absl::flat_hash_map<uint64_t, std::pair<uint64_t, uint64_t>> reserved_by_engine;
+  for (const auto& [id, reservation] : ledger.reservations()) {
+    auto& [count, bytes] = reserved_by_engine[reservation.owner];
+    ++count;
+    bytes += reservation.bytes;
+  }
   absl::MutexLock lock(&mu_);
   out.set_plans(plans_.size());
   out.set_draining(draining_);
@@ -780,6 +1035,12 @@ pb::GetStatusResponse Daemon::GetStatus() {
     status->set_pid(engine.pid);
     status->set_lease_live(!engine.lease_ended.has_value() &&
                            now - engine.last_heartbeat <= lease_timeout_);
+    status->set_last_heartbeat_age_ms(absl::ToInt64Milliseconds(
+        now - (engine.lease_ended.has_value() ? *engine.lease_ended : engine.last_heartbeat)));
+    if (auto reserved = reserved_by_engine.find(id); reserved != reserved_by_engine.end()) {
+      status->set_reservations(reserved->second.first);
+      status->set_reserved_bytes(reserved->second.second);
+    }
     status->set_sessions(engine.sessions.size());
     uint64_t bytes = 0;
     for (uint64_t session_id : engine.sessions) {
@@ -789,6 +1050,156 @@ pb::GetStatusResponse Daemon::GetStatus() {
     status->set_allocated_bytes(bytes);
   }
   return out;
+}
+
+// ---- KvAdmin ----
+
+absl::Status Daemon::ListSessions(const pb::ListSessionsRequest& request,
+                                  pb::ListSessionsResponse* response) {
+  std::vector<std::shared_ptr<DaemonSession>> sessions;
+  {
+    absl::MutexLock lock(&sessions_mu_);
+    for (const auto& [id, session] : sessions_) {
+      if (request.engine_id() == 0 || session->owner().value == request.engine_id()) {
+        sessions.push_back(session);
+      }
+    }
+  }
+  std::sort(sessions.begin(), sessions.end(),
+            [](const auto& a, const auto& b) { return a->id().value < b->id().value; });
+  for (const std::shared_ptr<DaemonSession>& session : sessions) {
+    pb::SessionState state;
+    // A session released meanwhile is simply not listed.
+    if (!session->GetState(&state, nullptr).ok()) continue;
+    pb::SessionSummary* summary = response->add_sessions();
+    const DaemonSession::Params& params = session->params();
+    summary->set_session_id(params.id.value);
+    summary->set_engine_id(params.owner.value);
+    summary->set_model_name(params.model->name);
+    summary->set_plan_fingerprint(params.fingerprint);
+    summary->set_capacity(state.capacity());
+    summary->set_logical_len(state.committed_len());
+    summary->set_arena_bytes(session->arena_bytes());
+    summary->set_layout_version(state.layout_version());
+    summary->set_in_transaction(state.active_generation() != 0);
+    summary->set_tainted(state.tainted());
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::shared_ptr<const ModelPlan>> Daemon::ResolveModel(
+    const pb::ModelSelector& selector) const {
+  switch (selector.model_case()) {
+    case pb::ModelSelector::kPlanFingerprint:
+      return FindPlan(selector.plan_fingerprint());
+    case pb::ModelSelector::kPlan: {
+      ASSIGN_OR_RETURN(ModelPlan plan, ModelPlanFromProto(selector.plan()));
+      RETURN_IF_ERROR(ValidateModelPlan(plan));
+      return std::make_shared<const ModelPlan>(std::move(plan));
+    }
+    case pb::ModelSelector::kHfConfigJson: {
+      ASSIGN_OR_RETURN(ModelPlan plan,
+                       ImportHuggingFaceConfig(selector.hf_config_json(), ImportOptions{}));
+      return std::make_shared<const ModelPlan>(std::move(plan));
+    }
+    case pb::ModelSelector::MODEL_NOT_SET:
+      break;
+  }
+  return absl::InvalidArgumentError(
+      "no model: give a plan_fingerprint, an inline plan or a Hugging Face config.json");
+}
+
+absl::Status Daemon::GetCost(const pb::CostRequest& request, pb::CostResponse* response) {
+  ASSIGN_OR_RETURN(std::shared_ptr<const ModelPlan> plan, ResolveModel(request.model()));
+  const SessionRequest shape = SessionRequestOf(request.shape());
+  ASSIGN_OR_RETURN(CostReport cost, SessionCost(*plan, format_defaults_, shape, rounding()));
+  ASSIGN_OR_RETURN(PlanFingerprint fingerprint, FingerprintModelPlan(*plan, format_defaults_));
+  ASSIGN_OR_RETURN(SessionPlan planes, PlanSession(*plan, format_defaults_, shape));
+  response->set_model_name(plan->name);
+  response->set_plan_fingerprint(FingerprintToBytes(fingerprint));
+  response->set_capacity(cost.capacity);
+  pb::CostBreakdown* breakdown = response->mutable_breakdown();
+  breakdown->set_bytes_per_token(cost.breakdown.bytes_per_token);
+  breakdown->set_kv_bytes_per_token(cost.breakdown.kv_bytes_per_token);
+  breakdown->set_ring_bytes_per_token(cost.breakdown.ring_bytes_per_token);
+  breakdown->set_latent_bytes_per_token(cost.breakdown.latent_bytes_per_token);
+  breakdown->set_ring_row_cap(cost.breakdown.ring_row_cap);
+  breakdown->set_fixed_bytes(cost.breakdown.fixed_bytes);
+  breakdown->set_total_plane_bytes(cost.breakdown.total_bytes);
+  response->set_arena_bytes(cost.arena_bytes);
+  response->set_granularity_bytes(backend_->AllocationGranularity());
+  response->set_layers(static_cast<uint32_t>(planes.layers.size()));
+  return absl::OkStatus();
+}
+
+absl::Status Daemon::GetFit(const pb::FitRequest& request, pb::FitResponse* response) {
+  ASSIGN_OR_RETURN(std::shared_ptr<const ModelPlan> plan, ResolveModel(request.model()));
+  const SessionRequest shape = SessionRequestOf(request.shape());
+  ASSIGN_OR_RETURN(uint64_t session_bytes,
+                   SessionArenaBytes(*plan, format_defaults_, shape, rounding()));
+  const AdmissionLedger ledger = budget_->Snapshot();
+  ASSIGN_OR_RETURN(SessionFit fit, FitSessions(ledger, session_bytes));
+  ASSIGN_OR_RETURN(TokenFit tokens_now, TotalTokensThatFit(*plan, format_defaults_, shape,
+                                                           ledger.free(), rounding()));
+  ASSIGN_OR_RETURN(TokenFit tokens_empty, TotalTokensThatFit(*plan, format_defaults_, shape,
+                                                             ledger.budget(), rounding()));
+  response->set_session_bytes(session_bytes);
+  response->set_sessions_now(fit.now);
+  response->set_sessions_after_eviction(fit.after_eviction);
+  response->set_sessions_when_empty(fit.when_empty);
+  response->set_total_tokens_now(tokens_now.total_tokens);
+  response->set_total_tokens_when_empty(tokens_empty.total_tokens);
+  response->set_free_bytes(ledger.free());
+  response->set_evictable_bytes(ledger.evictable());
+  response->set_budget_bytes(ledger.budget());
+  return absl::OkStatus();
+}
+
+absl::Status Daemon::GetMaxContext(const pb::MaxContextRequest& request,
+                                   pb::MaxContextResponse* response) {
+  ASSIGN_OR_RETURN(std::shared_ptr<const ModelPlan> plan, ResolveModel(request.model()));
+  SessionRequest shape = SessionRequestOf(request.shape());
+  const AdmissionLedger ledger = budget_->Snapshot();
+  const uint64_t after_eviction =
+      ledger.free() + std::min(ledger.evictable(), UINT64_MAX - ledger.free());
+  auto max_context = [&](uint64_t bytes) {
+    return MaxContextThatFits(*plan, format_defaults_, shape, bytes, rounding());
+  };
+  ASSIGN_OR_RETURN(uint64_t now, max_context(ledger.free()));
+  ASSIGN_OR_RETURN(uint64_t evicted, max_context(after_eviction));
+  ASSIGN_OR_RETURN(uint64_t empty, max_context(ledger.budget()));
+  response->set_max_context_now(now);
+  response->set_max_context_after_eviction(evicted);
+  response->set_max_context_when_empty(empty);
+  if (now > 0) {
+    shape.capacity = now;
+    ASSIGN_OR_RETURN(uint64_t bytes, SessionArenaBytes(*plan, format_defaults_, shape, rounding()));
+    response->set_session_bytes_now(bytes);
+  }
+  response->set_free_bytes(ledger.free());
+  response->set_evictable_bytes(ledger.evictable());
+  response->set_budget_bytes(ledger.budget());
+  return absl::OkStatus();
+}
+
+absl::Status Daemon::ImportModel(const pb::ImportModelRequest& request,
+                                 pb::ImportModelResponse* response) {
+  ImportOptions options;
+  options.name = request.name();
+  options.swa_ring = request.swa_ring();
+  if (request.has_index_ring_rows()) options.index_ring_rows = request.index_ring_rows();
+  if (request.index_pool() != 0) options.index_pool = request.index_pool();
+  ASSIGN_OR_RETURN(ModelPlan plan, ImportHuggingFaceConfig(request.hf_config_json(), options));
+  ASSIGN_OR_RETURN(std::string architecture, HuggingFaceArchitecture(request.hf_config_json()));
+  response->set_architecture(architecture);
+  ASSIGN_OR_RETURN(PlanFingerprint fingerprint, FingerprintModelPlan(plan, format_defaults_));
+  *response->mutable_plan() = ModelPlanToProto(plan);
+  response->set_plan_fingerprint(FingerprintToBytes(fingerprint));
+  if (request.register_()) {
+    ASSIGN_OR_RETURN(std::string registered, RegisterValidPlan(std::move(plan)));
+    response->set_registered(registered == response->plan_fingerprint());
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace memra

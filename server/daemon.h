@@ -14,8 +14,16 @@
 // lease_timeout_ms (the stream is then cancelled). lease_grace_ms after that, every session of
 // the engine is released and the engine forgotten. Lease decisions use the injected Clock.
 //
+// Admission: one DeviceBudget (server/device_budget.h) per daemon. Every session arena is charged
+// its exact bytes before it is allocated (DaemonSession::Create / Grow) and released with it; an
+// engine's reservations lapse after reservation_ttl_ms and go with the engine when it is
+// reclaimed. The admin queries (cost, fit, max-context) price with the same sizing function and
+// the backend's rounding.
+//
 // Invariants: (1) every session in sessions_ is in exactly one engine's `sessions` set and vice
-// versa; (2) once Shutdown() returns, no arena of this daemon remains allocated in the backend.
+// versa; (2) once Shutdown() returns, no arena of this daemon remains allocated in the backend;
+// (3) the budget's allocated bytes == the bytes of live session arenas (+ prefix storage), and
+// reserved + allocated <= budget after every admission.
 
 #include <atomic>
 #include <cstdint>
@@ -31,6 +39,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "core/admission.h"
 #include "core/formats.h"
 #include "core/model_plan.h"
 #include "grpcpp/server.h"
@@ -41,6 +50,7 @@
 #include "server/clock.h"
 #include "server/config.h"
 #include "server/daemon_session.h"
+#include "server/device_budget.h"
 
 namespace memra {
 
@@ -68,8 +78,14 @@ class Daemon {
   // Idempotent.
   void Shutdown() ABSL_LOCKS_EXCLUDED(mu_, sessions_mu_);
 
-  // SIGHUP: takes the live-changeable settings that matter here (lease timeout and grace).
+  // SIGHUP: takes the live-changeable settings that matter here (lease timeout and grace,
+  // reservation ttl, the admission budget). The host backend cannot grow past the capacity it
+  // started with: a larger budget_bytes is capped there (and logged).
   void ApplyReload(const DaemonConfig& config) ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Refuse (true) or accept again (false) new engines and sessions; health follows. Returns the
+  // sessions open.
+  size_t SetDraining(bool draining) ABSL_LOCKS_EXCLUDED(mu_, sessions_mu_);
 
   // Applies lease decisions at clock->Now(): expires silent engines, reclaims engines whose
   // grace has passed. The lease thread calls it periodically; tests call it after moving a
@@ -78,6 +94,7 @@ class Daemon {
 
   // What KvAdmin.GetStatus answers.
   memra::kv::v1::GetStatusResponse GetStatus() ABSL_LOCKS_EXCLUDED(mu_, sessions_mu_);
+  DeviceBudget& budget() const { return *budget_; }
   const std::string& socket_path() const { return socket_path_; }
   DeviceBackend& backend() const { return *backend_; }
   // False once shutting down (the watchdog stops its keep-alives).
@@ -98,7 +115,8 @@ class Daemon {
     absl::flat_hash_set<uint64_t> sessions;
   };
 
-  Daemon(DaemonConfig config, std::unique_ptr<DeviceBackend> backend, Clock* clock);
+  Daemon(DaemonConfig config, std::unique_ptr<DeviceBackend> backend, Clock* clock,
+         std::unique_ptr<DeviceBudget> budget, uint64_t epoch);
 
   // Attach: registers the engine and returns it (id, token); then heartbeats; then EndStream.
   absl::StatusOr<memra::kv::v1::Attached> BeginLease(const memra::kv::v1::Hello& hello,
@@ -109,6 +127,15 @@ class Daemon {
 
   absl::StatusOr<std::string> RegisterPlan(const memra::kv::v1::ModelPlan& plan)
       ABSL_LOCKS_EXCLUDED(mu_);
+  // Validates, fingerprints and registers a plan (idempotent); returns the fingerprint bytes.
+  absl::StatusOr<std::string> RegisterValidPlan(ModelPlan plan) ABSL_LOCKS_EXCLUDED(mu_);
+  // The registered plan with these fingerprint bytes (NOT_FOUND).
+  absl::StatusOr<std::shared_ptr<const ModelPlan>> FindPlan(const std::string& fingerprint) const
+      ABSL_LOCKS_EXCLUDED(mu_);
+  absl::StatusOr<memra::kv::v1::ReserveResponse> Reserve(
+      const memra::kv::v1::ReserveRequest& request) ABSL_LOCKS_EXCLUDED(mu_);
+  absl::StatusOr<uint64_t> CancelReservation(
+      const memra::kv::v1::CancelReservationRequest& request) ABSL_LOCKS_EXCLUDED(mu_);
   absl::Status CreateSession(const memra::kv::v1::CreateSessionRequest& request,
                              memra::kv::v1::CreateSessionResponse* response)
       ABSL_LOCKS_EXCLUDED(mu_, sessions_mu_);
@@ -123,6 +150,26 @@ class Daemon {
 
   absl::Status CheckEngine(const memra::kv::v1::EngineRef& ref) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Drops reservations whose ttl has passed, logging each once.
+  void ExpireReservations() ABSL_LOCKS_EXCLUDED(mu_);
+  ArenaRounding rounding() const;
+
+  // KvAdmin.
+  absl::Status ListSessions(const memra::kv::v1::ListSessionsRequest& request,
+                            memra::kv::v1::ListSessionsResponse* response)
+      ABSL_LOCKS_EXCLUDED(mu_, sessions_mu_);
+  absl::Status GetCost(const memra::kv::v1::CostRequest& request,
+                       memra::kv::v1::CostResponse* response) ABSL_LOCKS_EXCLUDED(mu_);
+  absl::Status GetFit(const memra::kv::v1::FitRequest& request,
+                      memra::kv::v1::FitResponse* response) ABSL_LOCKS_EXCLUDED(mu_);
+  absl::Status GetMaxContext(const memra::kv::v1::MaxContextRequest& request,
+                             memra::kv::v1::MaxContextResponse* response)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  absl::Status ImportModel(const memra::kv::v1::ImportModelRequest& request,
+                           memra::kv::v1::ImportModelResponse* response) ABSL_LOCKS_EXCLUDED(mu_);
+  // A query's model: a registered plan, an inline plan or a HF config.json.
+  absl::StatusOr<std::shared_ptr<const ModelPlan>> ResolveModel(
+      const memra::kv::v1::ModelSelector& selector) const ABSL_LOCKS_EXCLUDED(mu_);
   void LeaseLoop() ABSL_LOCKS_EXCLUDED(stop_mu_);
 
   // Constant after construction.
@@ -133,6 +180,9 @@ class Daemon {
   const FormatDefaults format_defaults_;
   const std::unique_ptr<CacheService> cache_service_;
   const std::unique_ptr<AdminService> admin_service_;
+  const std::unique_ptr<DeviceBudget> budget_;
+  const uint64_t epoch_;  // random per start
+  const absl::Time started_;
 
   std::atomic<uint64_t> next_session_id_{1};
   std::atomic<bool> shut_down_{false};
@@ -140,6 +190,7 @@ class Daemon {
   mutable absl::Mutex mu_ ABSL_ACQUIRED_BEFORE(sessions_mu_);
   absl::Duration lease_timeout_ ABSL_GUARDED_BY(mu_);
   absl::Duration lease_grace_ ABSL_GUARDED_BY(mu_);
+  absl::Duration reservation_ttl_ ABSL_GUARDED_BY(mu_);
   bool draining_ ABSL_GUARDED_BY(mu_) = false;
   uint64_t next_engine_id_ ABSL_GUARDED_BY(mu_) = 1;
   absl::flat_hash_map<uint64_t, Engine> engines_ ABSL_GUARDED_BY(mu_);

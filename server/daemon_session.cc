@@ -14,9 +14,6 @@ namespace {
 
 namespace pb = ::memra::kv::v1;
 
-// Planes start on this boundary inside an arena (vector loads, CUDA alignment).
-constexpr uint64_t kPlaneAlignment = 256;
-
 uint32_t PlaneKey(uint32_t layer, PlaneKind kind) {
   return (layer << 8) | static_cast<uint32_t>(kind);
 }
@@ -28,13 +25,13 @@ uint64_t NextCacheId() {
   return next.fetch_add(1, std::memory_order_relaxed);
 }
 
-// Plans and allocates one layout version. Nothing stays allocated on failure.
-absl::StatusOr<SessionLayoutVersion> AllocateLayout(DeviceBackend* backend, SessionPlan plan,
-                                                    uint64_t version) {
+// Where a plan's planes go in one arena, and the arena's exact bytes (what admission charges).
+absl::StatusOr<SessionLayoutVersion> PlaceLayout(const DeviceBackend& backend, SessionPlan plan,
+                                                 uint64_t version) {
   SessionLayoutVersion layout;
   layout.version = version;
   ASSIGN_OR_RETURN(ArenaLayout placed,
-                   LayoutArena(plan.planes, kPlaneAlignment, backend->AllocationGranularity()));
+                   LayoutArena(plan.planes, kPlaneAlignment, backend.AllocationGranularity()));
   if (placed.planes.size() != plan.planes.size()) {
     return absl::InternalError(absl::StrCat("LayoutArena placed ", placed.planes.size(), " of ",
                                             plan.planes.size(), " planes"));
@@ -45,14 +42,32 @@ absl::StatusOr<SessionLayoutVersion> AllocateLayout(DeviceBackend* backend, Sess
     layout.index[PlaneKey(plan.planes[i].layer, plan.planes[i].kind)] = i;
   }
   layout.plan = std::move(plan);
-  ASSIGN_OR_RETURN(layout.arena, backend->CreateArena(placed.bytes, ArenaVisibility::kExported));
-  absl::StatusOr<ArenaExport> exported = backend->Export(layout.arena);
+  layout.arena_bytes = placed.bytes;
+  return layout;
+}
+
+// Allocates and exports the arena of a placed layout whose bytes `charge` already holds in the
+// budget. On failure nothing stays allocated and the charge is released.
+absl::Status AllocateLayout(DeviceBackend* backend, DeviceBudget* budget, AllocationId charge,
+                            SessionLayoutVersion& layout) {
+  layout.charge = charge;
+  absl::StatusOr<ArenaId> arena =
+      backend->CreateArena(layout.arena_bytes, ArenaVisibility::kExported);
+  absl::StatusOr<ArenaExport> exported =
+      arena.ok() ? backend->Export(*arena) : absl::StatusOr<ArenaExport>(arena.status());
+  if (exported.ok() && exported->bytes != layout.arena_bytes) {
+    exported = absl::InternalError(
+        absl::StrCat("the backend allocated ", exported->bytes, " bytes for an arena charged ",
+                     layout.arena_bytes, " bytes (the admission law is broken)"));
+  }
   if (!exported.ok()) {
-    (void)backend->FreeArena(layout.arena);
+    if (arena.ok()) (void)backend->FreeArena(*arena);
+    (void)budget->Release(charge);
     return exported.status();
   }
+  layout.arena = *arena;
   layout.exported = *std::move(exported);
-  return layout;
+  return absl::OkStatus();
 }
 
 struct PlaneAt {
@@ -83,17 +98,34 @@ absl::StatusOr<uint64_t> RangeInPlane(const PlaneAt& plane, uint64_t offset, uin
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<DaemonSession>> DaemonSession::Create(Params params,
-                                                                     DeviceBackend* backend) {
+absl::StatusOr<std::unique_ptr<DaemonSession>> DaemonSession::Create(
+    Params params, DeviceBackend* backend, DeviceBudget* budget,
+    std::optional<ReservationId> reservation) {
   ASSIGN_OR_RETURN(SessionPlan plan, PlanSession(*params.model, params.defaults, params.request));
   ASSIGN_OR_RETURN(SessionState state,
                    SessionState::Create(NextCacheId(), plan, params.request.capacity));
-  ASSIGN_OR_RETURN(SessionLayoutVersion layout, AllocateLayout(backend, std::move(plan), 1));
-  std::unique_ptr<DaemonSession> session(
-      new DaemonSession(std::move(params), backend, std::move(state), std::move(layout)));
+  ASSIGN_OR_RETURN(SessionLayoutVersion layout, PlaceLayout(*backend, std::move(plan), 1));
+  // Admission: the charge is exactly the arena's bytes.
+  const uint64_t owner = params.owner.value;
+  absl::StatusOr<AllocationId> charge;
+  if (reservation.has_value()) {
+    ASSIGN_OR_RETURN(uint64_t reserved, budget->ReservedBytes(*reservation, owner));
+    if (reserved != layout.arena_bytes) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "reservation ", reservation->value, " holds ", reserved, " bytes but this session needs ", layout.arena_bytes,
+          " (create the shape that was reserved)"));
+    }
+    charge = budget->Commit(*reservation, owner, layout.arena_bytes);
+  } else {
+    charge = budget->Allocate(owner, layout.arena_bytes);
+  }
+  RETURN_IF_ERROR(charge.status());
+  RETURN_IF_ERROR(AllocateLayout(backend, budget, *charge, layout));
+  std::unique_ptr<DaemonSession> session(new DaemonSession(
+      std::move(params), backend, budget, std::move(state), std::move(layout)));
   // The arena is zero-filled; the mirrors still get their values written once, so the
   // invariant does not depend on what the initial values happen to be. On failure the
-  // destructor frees the arena.
+  // destructor frees the arena and its charge.
   absl::Status mirrors;
   {
     absl::MutexLock lock(&session->mu_);
@@ -103,10 +135,11 @@ absl::StatusOr<std::unique_ptr<DaemonSession>> DaemonSession::Create(Params para
   return session;
 }
 
-DaemonSession::DaemonSession(Params params, DeviceBackend* backend, SessionState state,
-                             SessionLayoutVersion layout)
+DaemonSession::DaemonSession(Params params, DeviceBackend* backend, DeviceBudget* budget,
+                             SessionState state, SessionLayoutVersion layout)
     : params_(std::move(params)),
       backend_(backend),
+      budget_(budget),
       state_(std::move(state)),
       current_(std::move(layout)) {
   absl::MutexLock lock(&mu_);
@@ -298,13 +331,16 @@ absl::Status DaemonSession::Grow(uint64_t target_capacity, pb::GrowResponse* out
   ASSIGN_OR_RETURN(SessionPlan plan, PlanSession(*params_.model, params_.defaults, request));
   ASSIGN_OR_RETURN(SessionState target, SessionState::Create(NextCacheId(), plan, target_capacity));
   ASSIGN_OR_RETURN(SessionLayoutVersion layout,
-                   AllocateLayout(backend_, std::move(plan), current_.version + 1));
+                   PlaceLayout(*backend_, std::move(plan), current_.version + 1));
+  // Old and new arenas coexist until the engine acknowledges: the new one is charged in full.
+  ASSIGN_OR_RETURN(AllocationId charge, budget_->Allocate(params_.owner.value, layout.arena_bytes));
+  RETURN_IF_ERROR(AllocateLayout(backend_, budget_, charge, layout));
   // Until the swap below the source is untouched: a failure frees the new arena and leaves the
   // session exactly as it was. Core validates everything before it changes `target`.
   absl::StatusOr<std::vector<PlaneCopy>> copies = SessionState::Grow(state_, target);
   absl::Status status = copies.ok() ? RunCopies(current_, layout, *copies) : copies.status();
   if (!status.ok()) {
-    (void)backend_->FreeArena(layout.arena);
+    (void)FreeLayout(layout);
     return status;
   }
   const uint64_t rows = state_.committed_len();
@@ -334,7 +370,7 @@ absl::Status DaemonSession::AcknowledgeGrow(uint64_t layout_version) {
         absl::StrCat("session ", params_.id.value, ": acknowledged layout version ", layout_version,
                      " but the grow produced version ", current_.version));
   }
-  RETURN_IF_ERROR(backend_->FreeArena(previous_->arena));
+  RETURN_IF_ERROR(FreeLayout(*previous_));
   previous_.reset();
   UpdateArenaBytes();
   return absl::OkStatus();
@@ -348,20 +384,25 @@ absl::Status DaemonSession::GetState(pb::SessionState* state, pb::SessionLayout*
   return absl::OkStatus();
 }
 
+absl::Status DaemonSession::FreeLayout(const SessionLayoutVersion& layout) {
+  absl::Status status = backend_->FreeArena(layout.arena);
+  if (!status.ok()) {
+    // The backend still frees everything at shutdown; accounting shows the leak meanwhile, and
+    // the charge stays so admission never hands out bytes the device may not have.
+    spdlog::error("session {}: freeing arena {} failed: {}", params_.id.value,
+                  layout.arena.value, status.ToString());
+    return status;
+  }
+  return budget_->Release(layout.charge);
+}
+
 uint64_t DaemonSession::Release() {
   absl::MutexLock lock(&mu_);
   if (released_) return 0;
   uint64_t freed = 0;
   for (SessionLayoutVersion* layout : {&current_, previous_ ? &*previous_ : nullptr}) {
     if (layout == nullptr) continue;
-    absl::Status status = backend_->FreeArena(layout->arena);
-    if (status.ok()) {
-      freed += layout->exported.bytes;
-    } else {
-      // The backend still frees everything at shutdown; accounting shows the leak meanwhile.
-      spdlog::error("session {}: freeing {} failed: {}", params_.id.value, layout->arena.value,
-                    status.ToString());
-    }
+    if (FreeLayout(*layout).ok()) freed += layout->exported.bytes;
   }
   previous_.reset();
   released_ = true;

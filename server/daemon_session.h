@@ -33,6 +33,7 @@
 #include "core/sizing.h"
 #include "proto/memra/kv/v1/cache.pb.h"
 #include "server/backend.h"
+#include "server/device_budget.h"
 
 namespace memra {
 
@@ -54,6 +55,8 @@ struct SessionLayoutVersion {
   SessionPlan plan;
   std::vector<uint64_t> offsets;                // byte offset of plan.planes[i] in the arena
   absl::flat_hash_map<uint32_t, size_t> index;  // PlaneKey(layer, kind) -> plan.planes index
+  uint64_t arena_bytes = 0;  // the arena's exact bytes: what admission charged
+  AllocationId charge;       // this arena's entry in the admission budget
   ArenaId arena;
   ArenaExport exported;
 };
@@ -65,18 +68,25 @@ class DaemonSession {
     EngineId owner;
     std::string token;  // 16 random bytes
     std::shared_ptr<const ModelPlan> model;
+    std::string fingerprint;  // the model plan's fingerprint bytes
     FormatDefaults defaults;
     SessionRequest request;
   };
 
-  // Plans the planes (core sizing), allocates and exports one arena, writes the mirrors.
-  // INVALID_ARGUMENT for a bad request; RESOURCE_EXHAUSTED when the backend has no room.
-  // Nothing stays allocated on failure.
-  static absl::StatusOr<std::unique_ptr<DaemonSession>> Create(Params params,
-                                                               DeviceBackend* backend);
+  // Plans the planes (core sizing), charges the arena's exact bytes to `budget` (from
+  // `reservation` when given: it must hold exactly those bytes for params.owner), allocates and
+  // exports one arena, writes the mirrors. INVALID_ARGUMENT for a bad request or a reservation
+  // of another shape; NOT_FOUND for a reservation the owner does not hold; RESOURCE_EXHAUSTED
+  // (with an AdmissionRefusal) when the budget has no room. Nothing stays allocated or charged
+  // on failure; a reservation refused before its commit stays live.
+  // REQUIRES: backend and budget outlive the session.
+  static absl::StatusOr<std::unique_ptr<DaemonSession>> Create(
+      Params params, DeviceBackend* backend, DeviceBudget* budget,
+      std::optional<ReservationId> reservation = std::nullopt);
   ~DaemonSession();  // Release()
 
   SessionId id() const { return params_.id; }
+  const Params& params() const { return params_; }
   EngineId owner() const { return params_.owner; }
   // Constant-time comparison (the token is a secret).
   bool TokenMatches(absl::string_view token) const;
@@ -103,7 +113,8 @@ class DaemonSession {
   absl::Status Reset() ABSL_LOCKS_EXCLUDED(mu_);
   absl::Status Taint(absl::string_view reason) ABSL_LOCKS_EXCLUDED(mu_);
   // New arena of `target_capacity`, committed rows copied by the daemon, layout version + 1.
-  // The old arena stays allocated (engines may still be reading it) until AcknowledgeGrow.
+  // The old arena stays allocated (engines may still be reading it) until AcknowledgeGrow;
+  // both are charged to the budget meanwhile (RESOURCE_EXHAUSTED reports the new arena's bytes).
   absl::Status Grow(uint64_t target_capacity, memra::kv::v1::GrowResponse* out)
       ABSL_LOCKS_EXCLUDED(mu_);
   absl::Status AcknowledgeGrow(uint64_t layout_version) ABSL_LOCKS_EXCLUDED(mu_);
@@ -115,8 +126,11 @@ class DaemonSession {
   uint64_t Release() ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
-  DaemonSession(Params params, DeviceBackend* backend, SessionState state,
+  DaemonSession(Params params, DeviceBackend* backend, DeviceBudget* budget, SessionState state,
                 SessionLayoutVersion layout);
+
+  // Frees the layout's arena and then its admission charge.
+  absl::Status FreeLayout(const SessionLayoutVersion& layout) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   absl::Status CheckLive() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Writes every mirror whose value differs from what was last written.
@@ -134,6 +148,7 @@ class DaemonSession {
   // Constant after construction.
   const Params params_;
   DeviceBackend* const backend_;
+  DeviceBudget* const budget_;
 
   std::atomic<uint64_t> arena_bytes_{0};
 

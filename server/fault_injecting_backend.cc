@@ -29,6 +29,8 @@ std::string_view BackendOpName(BackendOp op) {
       return "Read";
     case BackendOp::kSynchronize:
       return "Synchronize";
+    case BackendOp::kWaitForEngineEvent:
+      return "WaitForEngineEvent";
   }
   return "unknown";
 }
@@ -119,6 +121,11 @@ absl::Status FaultInjectingBackend::Write(ArenaId arena, uint64_t offset,
 absl::Status FaultInjectingBackend::Read(ArenaId arena, uint64_t offset, absl::Span<uint8_t> out) {
   RETURN_IF_ERROR(Enter(BackendOp::kRead));
   return target_->Read(arena, offset, out);
+}
+
+absl::Status FaultInjectingBackend::WaitForEngineEvent(absl::string_view ipc_event_handle) {
+  RETURN_IF_ERROR(Enter(BackendOp::kWaitForEngineEvent));
+  return target_->WaitForEngineEvent(ipc_event_handle);
 }
 
 absl::Status FaultInjectingBackend::Synchronize() {

@@ -30,8 +30,9 @@ enum class BackendOp {
   kWrite,
   kRead,
   kSynchronize,
+  kWaitForEngineEvent,
 };
-inline constexpr size_t kBackendOpCount = static_cast<size_t>(BackendOp::kSynchronize) + 1;
+inline constexpr size_t kBackendOpCount = static_cast<size_t>(BackendOp::kWaitForEngineEvent) + 1;
 
 std::string_view BackendOpName(BackendOp op);
 
@@ -68,6 +69,7 @@ class FaultInjectingBackend final : public DeviceBackend {
   absl::Status Write(ArenaId arena, uint64_t offset, absl::Span<const uint8_t> data) override;
   absl::Status Read(ArenaId arena, uint64_t offset, absl::Span<uint8_t> out) override;
   absl::Status Synchronize() override;
+  absl::Status WaitForEngineEvent(absl::string_view ipc_event_handle) override;
 
   uint64_t AllocatedBytes() const override { return target_->AllocatedBytes(); }
   size_t ArenaCount() const override { return target_->ArenaCount(); }

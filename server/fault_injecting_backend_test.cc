@@ -133,6 +133,7 @@ TEST_F(FaultInjectingBackendTest, EveryFallibleOpCanBeFailed) {
          return faulty_->Read(arena, 0, {&byte, 1});
        }},
       {BackendOp::kSynchronize, [&] { return faulty_->Synchronize(); }},
+      {BackendOp::kWaitForEngineEvent, [&] { return faulty_->WaitForEngineEvent(""); }},
   };
   ASSERT_EQ(calls.size(), kBackendOpCount);
   for (const auto& [op, call] : calls) {

@@ -190,4 +190,12 @@ absl::Status HostBackend::Download(absl::string_view, const uint8_t* from,
   return absl::OkStatus();
 }
 
+absl::Status HostBackend::WaitForEngineEvent(absl::string_view ipc_event_handle) {
+  if (ipc_event_handle.empty()) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(
+      "host backend: a ", ipc_event_handle.size(),
+      "-byte interprocess event handle was sent, but host arenas are ordered by the RPC order "
+      "alone; send no event (CUDA events are for the cuda backend)"));
+}
+
 }  // namespace memra

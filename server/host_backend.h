@@ -49,6 +49,7 @@ class HostBackend final : public CheckedArenaBackend {
   DeviceInfo Info() override;
   uint64_t AllocationGranularity() const override { return page_size_; }
   absl::Status Synchronize() override { return absl::OkStatus(); }
+  absl::Status WaitForEngineEvent(absl::string_view ipc_event_handle) override;
 
  private:
   HostBackend(HostBackendOptions options, uint64_t page_size);

@@ -428,5 +428,14 @@ TEST_F(HostBackendTest, DataCallsRacingFreeStayMemorySafe) {
   EXPECT_EQ(backend_->ArenaCount(), 0u);
 }
 
+// The host backend has no device queue: ordering is the RPC order, and an interprocess event
+// sent to it is a client mistake worth a clear refusal, not a silent no-op.
+TEST_F(HostBackendTest, EngineEventsAreRefusedNoEventIsFine) {
+  EXPECT_THAT(backend_->WaitForEngineEvent(""), IsOk());
+  EXPECT_THAT(backend_->WaitForEngineEvent(std::string(64, '\x01')),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstrs("64-byte interprocess event handle", "RPC order")));
+}
+
 }  // namespace
 }  // namespace memra

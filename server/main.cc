@@ -11,7 +11,6 @@
 #include <string>
 #include <vector>
 
-#include "absl/algorithm/container.h"
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
@@ -69,13 +68,6 @@ void Reload(const std::string& path, const std::vector<ConfigOverride>& override
     ApplyLogLevel(running.log_level);
     daemon.ApplyReload(running);
     spdlog::info("SIGHUP: applied [{}]", absl::StrJoin(outcome.applied_keys, ", "));
-    if (absl::c_linear_search(outcome.applied_keys, "budget_bytes")) {
-      // The host backend sizes its capacity once, at start-up. Say so rather than pretend.
-      spdlog::warn(
-          "SIGHUP: budget_bytes is {} in the running configuration, but the host "
-          "backend keeps the capacity it started with until a restart",
-          running.budget_bytes);
-    }
     for (const std::string& key : outcome.not_reloadable_keys) {
       spdlog::warn("SIGHUP: could not change {} without a restart", key);
     }

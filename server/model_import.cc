@@ -554,6 +554,20 @@ absl::StatusOr<const Architecture*> FindArchitecture(const Fields& top) {
                    absl::StrJoin(SupportedHuggingFaceArchitectures(), ", ")));
 }
 
+// The config.json text as a JSON object; INVALID_ARGUMENT otherwise.
+absl::StatusOr<Json> ParseConfigObject(absl::string_view json_text) {
+  Json root = Json::parse(json_text.begin(), json_text.end(), nullptr,
+                          /*allow_exceptions=*/false);
+  if (root.is_discarded()) {
+    return absl::InvalidArgumentError("config.json is not valid JSON");
+  }
+  if (!root.is_object()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("config.json must be a JSON object, got ", root.type_name()));
+  }
+  return root;
+}
+
 }  // namespace
 
 std::vector<std::string> SupportedHuggingFaceArchitectures() {
@@ -562,17 +576,15 @@ std::vector<std::string> SupportedHuggingFaceArchitectures() {
   return names;
 }
 
+absl::StatusOr<std::string> HuggingFaceArchitecture(absl::string_view json_text) {
+  ASSIGN_OR_RETURN(const Json root, ParseConfigObject(json_text));
+  ASSIGN_OR_RETURN(const Architecture* architecture, FindArchitecture(Fields(&root, "")));
+  return std::string(architecture->name);
+}
+
 absl::StatusOr<ModelPlan> ImportHuggingFaceConfig(absl::string_view json_text,
                                                   const ImportOptions& options) {
-  const Json root = Json::parse(json_text.begin(), json_text.end(), nullptr,
-                                /*allow_exceptions=*/false);
-  if (root.is_discarded()) {
-    return absl::InvalidArgumentError("config.json is not valid JSON");
-  }
-  if (!root.is_object()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("config.json must be a JSON object, got ", root.type_name()));
-  }
+  ASSIGN_OR_RETURN(const Json root, ParseConfigObject(json_text));
   const Fields top(&root, "");
   ASSIGN_OR_RETURN(const Architecture* architecture, FindArchitecture(top));
   Fields fields = top;

@@ -75,6 +75,10 @@ std::vector<std::string> SupportedHuggingFaceArchitectures();
 absl::StatusOr<ModelPlan> ImportHuggingFaceConfig(absl::string_view json_text,
                                                   const ImportOptions& options);
 
+// The supported architecture the config names (its architectures[0]); INVALID_ARGUMENT as
+// ImportHuggingFaceConfig refuses it.
+absl::StatusOr<std::string> HuggingFaceArchitecture(absl::string_view json_text);
+
 }  // namespace memra
 
 #endif  // MEMRA_SERVER_MODEL_IMPORT_H_

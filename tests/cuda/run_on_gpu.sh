@@ -4,9 +4,9 @@
 #
 #   tests/cuda/run_on_gpu.sh            # from the repository root, as root on a fresh machine
 #
-# It runs what exists today: //server:cuda_backend_test and //client:cuda_mapper_test (backend
-# create/export/copy/free, and a cross-process IPC mapping). The CUDA end-to-end scenario and the
-# CUDA copy-bandwidth benchmarks are still to be written (issues 6 and 8).
+# It runs every test tagged "cuda": the backend (create/export/copy/free, engine event handles),
+# the client mapper (a cross-process IPC mapping), and //tests/cuda:cuda_bandwidth_test, whose
+# measured copy bandwidths (each against the bare CUDA runtime in the same run) end the summary.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 
@@ -19,4 +19,14 @@ fi
 
 # dev.sh installs what is missing, runs the tests and ends with "N passed, N failed, N skipped",
 # listing skipped cases with their reason (a CUDA test without a usable device skips, never passes).
-deploy/dev.sh test --test_tag_filters=cuda //...
+status=0
+deploy/dev.sh test --test_tag_filters=cuda //... || status=$?
+
+echo "---- copy bandwidths (backend vs bare CUDA runtime, same process, same run)"
+log="$(bazel info bazel-testlogs 2>/dev/null)/tests/cuda/cuda_bandwidth_test/test.log"
+if [[ -f "${log}" ]] && grep -q '^BANDWIDTH' "${log}"; then
+  grep '^BANDWIDTH' "${log}"
+else
+  echo "none measured (no device, or the bandwidth test did not run)"
+fi
+exit "${status}"

@@ -204,11 +204,11 @@ TEST_F(ServiceTest, CreateSessionRefusalsAllocateNothing) {
   EXPECT_THAT(client_->CreateSession(plan_, WithLayerLo(Options(kCapacity), 7)),
               StatusIs(absl::StatusCode::kInvalidArgument,
                        HasSubstr("layer range [7, 4) is out of bounds for a plan of 4 layers")));
-  // Past the 64 MiB budget: the backend has no room.
+  // Past the 64 MiB budget: admission refuses before anything is allocated.
   EXPECT_THAT(client_->CreateSession(plan_, Options(1u << 30)),
               StatusIs(absl::StatusCode::kResourceExhausted,
-                       HasSubstr("host: arena of 163209306112 bytes does not fit: 0 of 67108864 "
-                                 "bytes in use, 67108864 free")));
+                       HasSubstr("needs 163209306112 bytes, 67108864 free (0 evictable) of "
+                                 "67108864 budget; eviction cannot make room")));
 
   EXPECT_EQ(host_->ArenaCount(), 0u);
   EXPECT_EQ(daemon_->GetStatus().sessions(), 0u);
@@ -721,6 +721,27 @@ TEST_F(ServiceTest, TaintedSessionRefusesWorkUntilReleased) {
   EXPECT_EQ(Snapshot(*session), before);
   EXPECT_EQ(host_->ArenaCount(), 1u);
   EXPECT_THAT(session->Release(), IsOk());
+}
+
+// On the host backend an engine event is refused before anything changes.
+TEST_F(ServiceTest, HostBackendRefusesEngineEventsAndChangesNothing) {
+  std::unique_ptr<Session> session = NewSession(*client_, kCapacity);
+  ASSERT_NE(session, nullptr);
+  absl::StatusOr<Transaction> txn = session->Begin();
+  ASSERT_THAT(txn, IsOk());
+  ASSERT_THAT(session->PrepareAppend(txn->generation, 3), IsOk());
+  ASSERT_THAT(session->PublishAppend(txn->generation), IsOk());
+  session->SetWaitEvent(std::string(64, '\x02'));
+  EXPECT_THAT(session->Commit(txn->generation, 3),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("64-byte interprocess event handle")));
+  StepBatch batch;
+  batch.Commit(*session, txn->generation, 3);
+  batch.SetWaitEvent(std::string(64, '\x02'));
+  EXPECT_THAT(client_->Step(batch).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("RPC order")));
+  session->SetWaitEvent("");
+  EXPECT_THAT(session->Commit(txn->generation, 3), IsOkAndHolds(3u));
 }
 
 TEST_F(ServiceTest, ResetReusesTheMappedArena) {

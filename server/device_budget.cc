@@ -1,0 +1,127 @@
+#include "server/device_budget.h"
+
+#include <optional>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "spdlog/spdlog.h"
+
+namespace memra {
+namespace {
+
+absl::Status NoSuchReservation(ReservationId reservation, uint64_t owner) {
+  return absl::NotFoundError(absl::StrCat(reservation.value == 0 ? "no reservation"
+                                                                 : "reservation ",
+                                          reservation.value, " is not held by engine ", owner,
+                                          " (never issued, expired, cancelled or used)"));
+}
+
+}  // namespace
+
+DeviceBudget::DeviceBudget(uint64_t budget_bytes, std::string rule)
+    : ledger_(budget_bytes), rule_(std::move(rule)) {}
+
+void DeviceBudget::SetEvictor(Evictor evictor) {
+  absl::MutexLock lock(&mu_);
+  evictor_ = std::move(evictor);
+}
+
+template <typename T, typename Admit>
+absl::StatusOr<T> DeviceBudget::AdmitEvicting(Admit admit) {
+  Evictor evictor;
+  uint64_t short_bytes = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    absl::StatusOr<T> admitted = admit(ledger_);
+    if (admitted.ok() || !evictor_) return admitted;
+    std::optional<AdmissionRefusal> refusal = GetAdmissionRefusal(admitted.status());
+    if (!refusal.has_value() || refusal->bytes_to_evict == 0) return admitted;
+    evictor = evictor_;
+    short_bytes = refusal->bytes_to_evict;
+  }
+  // Unlocked: the evictor releases prefix-cache allocations through this budget.
+  const uint64_t freed = evictor(short_bytes);
+  spdlog::info("admission evicted {} bytes of prefix-cache entries ({} bytes short)", freed,
+               short_bytes);
+  absl::MutexLock lock(&mu_);
+  return admit(ledger_);
+}
+
+absl::StatusOr<ReservationId> DeviceBudget::Reserve(uint64_t owner, uint64_t bytes,
+                                                    absl::Time now, absl::Duration ttl) {
+  return AdmitEvicting<ReservationId>(
+      [&](AdmissionLedger& ledger) { return ledger.Reserve(owner, bytes, now, ttl); });
+}
+
+absl::StatusOr<AllocationId> DeviceBudget::Commit(ReservationId reservation, uint64_t owner,
+                                                  uint64_t actual_bytes) {
+  absl::MutexLock lock(&mu_);
+  std::optional<Reservation> held = ledger_.FindReservation(reservation);
+  if (!held.has_value() || held->owner != owner) return NoSuchReservation(reservation, owner);
+  return ledger_.Commit(reservation, actual_bytes);
+}
+
+absl::StatusOr<uint64_t> DeviceBudget::ReservedBytes(ReservationId reservation,
+                                                     uint64_t owner) const {
+  absl::MutexLock lock(&mu_);
+  std::optional<Reservation> held = ledger_.FindReservation(reservation);
+  if (!held.has_value() || held->owner != owner) return NoSuchReservation(reservation, owner);
+  return held->bytes;
+}
+
+absl::StatusOr<AllocationId> DeviceBudget::Allocate(uint64_t owner, uint64_t bytes) {
+  return AdmitEvicting<AllocationId>(
+      [&](AdmissionLedger& ledger) { return ledger.Allocate(owner, bytes); });
+}
+
+absl::StatusOr<AllocationId> DeviceBudget::AllocateWithoutEviction(uint64_t owner,
+                                                                   uint64_t bytes) {
+  absl::MutexLock lock(&mu_);
+  return ledger_.Allocate(owner, bytes);
+}
+
+absl::Status DeviceBudget::Release(AllocationId allocation) {
+  absl::MutexLock lock(&mu_);
+  return ledger_.Release(allocation);
+}
+
+absl::StatusOr<uint64_t> DeviceBudget::Cancel(ReservationId reservation, uint64_t owner) {
+  absl::MutexLock lock(&mu_);
+  std::optional<Reservation> held = ledger_.FindReservation(reservation);
+  if (!held.has_value() || held->owner != owner) return NoSuchReservation(reservation, owner);
+  if (absl::Status cancelled = ledger_.Cancel(reservation); !cancelled.ok()) return cancelled;
+  return held->bytes;
+}
+
+uint64_t DeviceBudget::ReleaseOwner(uint64_t owner) {
+  absl::MutexLock lock(&mu_);
+  return ledger_.ReleaseOwner(owner);
+}
+
+std::vector<ExpiredReservation> DeviceBudget::Expire(absl::Time now) {
+  absl::MutexLock lock(&mu_);
+  return ledger_.Expire(now);
+}
+
+BudgetChange DeviceBudget::SetBudget(uint64_t budget_bytes, std::string rule) {
+  absl::MutexLock lock(&mu_);
+  rule_ = std::move(rule);
+  return ledger_.SetBudget(budget_bytes);
+}
+
+void DeviceBudget::SetEvictable(uint64_t bytes) {
+  absl::MutexLock lock(&mu_);
+  ledger_.SetEvictable(bytes);
+}
+
+AdmissionLedger DeviceBudget::Snapshot() const {
+  absl::MutexLock lock(&mu_);
+  return ledger_;
+}
+
+std::string DeviceBudget::rule() const {
+  absl::MutexLock lock(&mu_);
+  return rule_;
+}
+
+}  // namespace memra

@@ -1,0 +1,87 @@
+#ifndef MEMRA_SERVER_DEVICE_BUDGET_H_
+#define MEMRA_SERVER_DEVICE_BUDGET_H_
+
+// The GPU's one admission budget as the daemon shares it between threads: core's AdmissionLedger
+// (every rule) behind a mutex, plus admission-driven eviction of the prefix cache.
+//
+// Eviction protocol: when an admission is refused and the refusal says eviction could make room
+// (AdmissionRefusal::bytes_to_evict > 0), the budget calls the evictor WITHOUT its own lock held,
+// then retries once. The evictor releases prefix-cache allocations (which re-enter this budget
+// through Release) and updates the evictable bytes (SetEvictable). The prefix cache charges its
+// own storage with AllocateWithoutEviction: it must never trigger its own eviction while it holds
+// its own lock.
+//
+// Thread-safety: thread-safe.
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "core/admission.h"
+
+namespace memra {
+
+// The ledger owner of the prefix cache's storage. Engine ids start at 1, so it is nobody's id.
+inline constexpr uint64_t kPrefixCacheOwner = 0;
+
+class DeviceBudget {
+ public:
+  // Frees prefix-cache storage for an admission that is `bytes` short; returns the bytes freed.
+  using Evictor = std::function<uint64_t(uint64_t bytes)>;
+
+  // `rule` says how the budget was derived, for status and logs.
+  DeviceBudget(uint64_t budget_bytes, std::string rule);
+
+  // Set once, before serving. Without one, refusals are returned as they are.
+  void SetEvictor(Evictor evictor) ABSL_LOCKS_EXCLUDED(mu_);
+
+  // AdmissionLedger::Reserve, evicting for room first when that helps.
+  absl::StatusOr<ReservationId> Reserve(uint64_t owner, uint64_t bytes, absl::Time now,
+                                        absl::Duration ttl) ABSL_LOCKS_EXCLUDED(mu_);
+  // AdmissionLedger::Commit for a reservation `owner` holds (NOT_FOUND otherwise: an engine can
+  // neither see nor use another engine's reservation). `actual_bytes` must equal the reserved
+  // bytes' session cost; the ledger refuses more.
+  absl::StatusOr<AllocationId> Commit(ReservationId reservation, uint64_t owner,
+                                      uint64_t actual_bytes) ABSL_LOCKS_EXCLUDED(mu_);
+  // The reserved bytes of `owner`'s reservation (NOT_FOUND as Commit).
+  absl::StatusOr<uint64_t> ReservedBytes(ReservationId reservation, uint64_t owner) const
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // AdmissionLedger::Allocate, evicting for room first when that helps.
+  absl::StatusOr<AllocationId> Allocate(uint64_t owner, uint64_t bytes) ABSL_LOCKS_EXCLUDED(mu_);
+  // For the prefix cache's own storage: never calls the evictor.
+  absl::StatusOr<AllocationId> AllocateWithoutEviction(uint64_t owner, uint64_t bytes)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  absl::Status Release(AllocationId allocation) ABSL_LOCKS_EXCLUDED(mu_);
+  // Cancels `owner`'s reservation; returns its bytes.
+  absl::StatusOr<uint64_t> Cancel(ReservationId reservation, uint64_t owner)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // Engine death: everything `owner` holds; returns the bytes freed.
+  uint64_t ReleaseOwner(uint64_t owner) ABSL_LOCKS_EXCLUDED(mu_);
+  std::vector<ExpiredReservation> Expire(absl::Time now) ABSL_LOCKS_EXCLUDED(mu_);
+  BudgetChange SetBudget(uint64_t budget_bytes, std::string rule) ABSL_LOCKS_EXCLUDED(mu_);
+  void SetEvictable(uint64_t bytes) ABSL_LOCKS_EXCLUDED(mu_);
+
+  // A consistent copy of the ledger, for queries and listings.
+  AdmissionLedger Snapshot() const ABSL_LOCKS_EXCLUDED(mu_);
+  std::string rule() const ABSL_LOCKS_EXCLUDED(mu_);
+
+ private:
+  // Runs `admit` under the lock; on a refusal eviction could fix, evicts (unlocked) and retries.
+  template <typename T, typename Admit>
+  absl::StatusOr<T> AdmitEvicting(Admit admit) ABSL_LOCKS_EXCLUDED(mu_);
+
+  mutable absl::Mutex mu_;
+  AdmissionLedger ledger_ ABSL_GUARDED_BY(mu_);
+  std::string rule_ ABSL_GUARDED_BY(mu_);
+  Evictor evictor_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace memra
+
+#endif  // MEMRA_SERVER_DEVICE_BUDGET_H_
