@@ -1,0 +1,185 @@
+// Section 4: session create/release through the client (admission, arena allocation and export,
+// the engine's mapping, release and unmapping), and the admission queries: through KvAdmin's
+// GetCost/GetFit when the daemon implements them, and core/admission.h in process always.
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "bench/harness.h"
+#include "bench/kvd.h"
+#include "bench/sections.h"
+#include "common/grpc_status.h"
+#include "core/admission.h"
+#include "core/status_macros.h"
+#include "core/test_model_plans.h"
+
+namespace memra::bench {
+namespace {
+
+namespace pb = ::memra::kv::v1;
+
+struct Shape {
+  const char* name;
+  ModelPlan model;
+  uint64_t capacity;
+  int iterations;
+};
+
+// Ops per second from a mean latency.
+double OpsPerSecond(const Samples& samples) { return samples.Mean() > 0 ? 1e9 / samples.Mean() : 0; }
+
+Json OpJson(const Samples& samples) {
+  Json json = samples.ToJson();
+  json["ops_per_s"] = OpsPerSecond(samples);
+  return json;
+}
+
+// Times `op` `iterations` times, `batch` calls per sample (for operations too short for one
+// clock read each); samples are per call.
+template <typename Op>
+absl::StatusOr<Samples> TimeOp(int iterations, int batch, Op op) {
+  Samples samples;
+  for (int i = 0; i < iterations; ++i) {
+    const int64_t start = NowNs();
+    for (int b = 0; b < batch; ++b) RETURN_IF_ERROR(op());
+    samples.Add(static_cast<double>(NowNs() - start) / batch);
+  }
+  return samples;
+}
+
+}  // namespace
+
+absl::StatusOr<Json> RunAdmission(const BenchOptions& options) {
+  const uint64_t page = static_cast<uint64_t>(getpagesize());
+  std::vector<Shape> shapes = {
+      {"tiny (1 layer, 1 KV head of 32) @16 tokens", test_plans::DenseModel(1, 32, 1), 16, 300},
+      {"llama-3-8b @1024 tokens", test_plans::Llama3_8B(), 1024, 40},
+  };
+  ASSIGN_OR_RETURN(std::unique_ptr<Kvd> kvd, Kvd::Start(options, uint64_t{2} << 30));
+  ASSIGN_OR_RETURN(std::unique_ptr<KvClient> client, kvd->Attach("bench-admission"));
+
+  Json json;
+  Table table({"operation", "p50 us", "p99 us", "ops/s"});
+  Json lifecycle = Json::array();
+  std::vector<PlanFingerprint> fingerprints;
+  for (const Shape& shape : shapes) {
+    ASSIGN_OR_RETURN(PlanFingerprint fingerprint, client->RegisterPlan(shape.model));
+    fingerprints.push_back(fingerprint);
+    SessionOptions session_options;
+    session_options.capacity = shape.capacity;
+    Samples create, release, both;
+    const int iterations = options.quick ? 3 : shape.iterations;
+    for (int i = 0; i < iterations + 2; ++i) {  // 2 warm-up pairs
+      const int64_t start = NowNs();
+      ASSIGN_OR_RETURN(std::unique_ptr<Session> session,
+                       client->CreateSession(fingerprint, session_options));
+      const int64_t created = NowNs();
+      RETURN_IF_ERROR(session->Release().status());
+      const int64_t released = NowNs();
+      if (i < 2) continue;
+      create.Add(created - start);
+      release.Add(released - created);
+      both.Add(released - start);
+    }
+    SessionRequest request;
+    request.capacity = shape.capacity;
+    ASSIGN_OR_RETURN(uint64_t bytes, SessionArenaBytes(shape.model, FormatDefaults(), request,
+                                                       {.granularity = page}));
+    lifecycle.push_back(Json{{"shape", shape.name},
+                             {"arena_bytes", bytes},
+                             {"create", OpJson(create)},
+                             {"release", OpJson(release)},
+                             {"create_and_release", OpJson(both)}});
+    for (const auto& [what, samples] : {std::pair<const char*, const Samples*>{"create", &create},
+                                        {"release", &release},
+                                        {"create+release", &both}}) {
+      table.Add({absl::StrCat(what, ": ", shape.name), Us(samples->P50()), Us(samples->P99()),
+                 Fixed(OpsPerSecond(*samples), 0)});
+    }
+  }
+  json["session_lifecycle"] = lifecycle;
+
+  // Admission queries through the daemon, when it answers them.
+  const Shape& query_shape = shapes.back();
+  const std::string fingerprint_bytes(fingerprints.back().begin(), fingerprints.back().end());
+  pb::CostRequest cost_request;
+  cost_request.mutable_model()->set_plan_fingerprint(fingerprint_bytes);
+  cost_request.mutable_shape()->set_capacity(4096);
+  pb::FitRequest fit_request;
+  *fit_request.mutable_model() = cost_request.model();
+  *fit_request.mutable_shape() = cost_request.shape();
+  auto get_cost = [&]() -> absl::Status {
+    pb::CostResponse response;
+    return FromGrpcStatus(client->admin_stub().GetCost(client->NewContext().get(), cost_request,
+                                                       &response));
+  };
+  auto get_fit = [&]() -> absl::Status {
+    pb::FitResponse response;
+    return FromGrpcStatus(client->admin_stub().GetFit(client->NewContext().get(), fit_request,
+                                                      &response));
+  };
+  const int rpc_iterations = options.quick ? 3 : 1000;
+  Json rpc;
+  if (absl::Status probe = get_cost(); absl::IsUnimplemented(probe)) {
+    rpc["status"] = "pending: this memra-kvd answers KvAdmin.GetCost/GetFit UNIMPLEMENTED";
+    table.Add({"GetCost/GetFit RPC: pending (UNIMPLEMENTED in this daemon)", "-", "-", "-"});
+  } else {
+    RETURN_IF_ERROR(probe);
+    ASSIGN_OR_RETURN(Samples cost, TimeOp(rpc_iterations, 1, get_cost));
+    ASSIGN_OR_RETURN(Samples fit, TimeOp(rpc_iterations, 1, get_fit));
+    rpc["get_cost"] = OpJson(cost);
+    rpc["get_fit"] = OpJson(fit);
+    table.Add({"GetCost RPC (llama-3-8b @4096)", Us(cost.P50()), Us(cost.P99()),
+               Fixed(OpsPerSecond(cost), 0)});
+    table.Add({"GetFit RPC (llama-3-8b @4096)", Us(fit.P50()), Us(fit.P99()),
+               Fixed(OpsPerSecond(fit), 0)});
+  }
+  json["admission_rpc"] = rpc;
+  client.reset();
+
+  // The same questions in process (what the daemon computes per query).
+  SessionRequest request;
+  request.capacity = 4096;
+  AdmissionLedger ledger(uint64_t{80} << 30);
+  ASSIGN_OR_RETURN(uint64_t session_bytes, SessionArenaBytes(query_shape.model, FormatDefaults(),
+                                                             request, {.granularity = page}));
+  const int iterations = options.quick ? 10 : 2000;
+  ASSIGN_OR_RETURN(Samples cost, TimeOp(iterations, 1, [&]() -> absl::Status {
+                     ASSIGN_OR_RETURN(CostReport report,
+                                      SessionCost(query_shape.model, FormatDefaults(), request,
+                                                  {.granularity = page}));
+                     KeepAlive(report.arena_bytes);
+                     return absl::OkStatus();
+                   }));
+  ASSIGN_OR_RETURN(Samples fit, TimeOp(iterations, 100, [&]() -> absl::Status {
+                     ASSIGN_OR_RETURN(SessionFit result, FitSessions(ledger, session_bytes));
+                     KeepAlive(result.now);
+                     return absl::OkStatus();
+                   }));
+  ASSIGN_OR_RETURN(Samples max_context,
+                   TimeOp(options.quick ? 3 : 200, 1, [&]() -> absl::Status {
+                     ASSIGN_OR_RETURN(uint64_t tokens,
+                                      MaxContextThatFits(query_shape.model, FormatDefaults(),
+                                                         request, ledger.free(),
+                                                         {.granularity = page}));
+                     KeepAlive(tokens);
+                     return absl::OkStatus();
+                   }));
+  json["admission_in_process"] = Json{{"model", "llama-3-8b @4096 tokens"},
+                                      {"session_cost", OpJson(cost)},
+                                      {"fit_sessions", OpJson(fit)},
+                                      {"max_context_that_fits", OpJson(max_context)},
+                                      {"fit_sessions_note", "timed in batches of 100 calls"}};
+  table.Add({"SessionCost in process (llama-3-8b @4096)", Us(cost.P50()), Us(cost.P99()),
+             Fixed(OpsPerSecond(cost), 0)});
+  table.Add({"FitSessions in process (per call, batches of 100)", Us(fit.P50()), Us(fit.P99()),
+             Fixed(OpsPerSecond(fit), 0)});
+  table.Add({"MaxContextThatFits in process", Us(max_context.P50()), Us(max_context.P99()),
+             Fixed(OpsPerSecond(max_context), 0)});
+  table.Print("4. sessions and admission (through the client unless 'in process')");
+  return json;
+}
+
+}  // namespace memra::bench

@@ -1,0 +1,327 @@
+// Section 1: the transaction hot path. One decode step for N sessions (Begin, PrepareAppend of
+// one row, PublishAppend, Commit of it) as one batched Step RPC to the real memra-kvd, against
+// two baselines measured in the same rounds:
+//   floor:   gRPC alone: a unary call with the Step's serialized request and response sizes to
+//            a synchronous gRPC server in another process on a Unix socket (bench/echo.proto);
+//   core:    the same four operations on core's SessionState in this process.
+// The three run interleaved round by round (daemon, floor, core), so a neighbour's load on this
+// shared machine falls on all three alike; ratios are the result.
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <fstream>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/time.h"
+#include "bench/echo.grpc.pb.h"
+#include "bench/harness.h"
+#include "bench/kvd.h"
+#include "bench/sections.h"
+#include "core/admission.h"
+#include "core/session.h"
+#include "core/sizing.h"
+#include "core/status_macros.h"
+#include "core/test_model_plans.h"
+#include "grpcpp/create_channel.h"
+#include "grpcpp/security/credentials.h"
+
+namespace memra::bench {
+namespace {
+
+// Llama-3-8B's 32 K/V layers: each Prepare answers one write plan per layer, as a real engine's.
+// A small capacity keeps 256 sessions' shared memory small; rounds reset the sessions.
+constexpr uint64_t kCapacity = 128;
+constexpr int kStepsPerRound = 100;  // < kCapacity: one row committed per step
+constexpr size_t kMaxSessions = 256;
+
+struct Shape {
+  size_t sessions;
+  int rounds;  // timed rounds; one warm-up round more runs first
+};
+constexpr Shape kShapes[] = {{1, 20}, {8, 15}, {64, 6}, {256, 3}};
+
+// The bare gRPC floor in its own process.
+class EchoFloor {
+ public:
+  static absl::StatusOr<std::unique_ptr<EchoFloor>> Start(const BenchOptions& options) {
+    ASSIGN_OR_RETURN(TempDir dir, TempDir::Create("memra-echo"));
+    const std::string socket_path = dir.File("echo.sock");
+    ASSIGN_OR_RETURN(ChildProcess process,
+                     ChildProcess::Spawn({options.echo_binary, "--socket_path=" + socket_path},
+                                         dir.File("echo.log")));
+    RETURN_IF_ERROR(WaitForPath(socket_path, process, absl::Seconds(30)));
+    std::shared_ptr<grpc::Channel> channel =
+        grpc::CreateChannel(absl::StrCat("unix:", socket_path), grpc::InsecureChannelCredentials());
+    if (!channel->WaitForConnected(std::chrono::system_clock::now() + std::chrono::seconds(30))) {
+      return absl::UnavailableError("echo_server is not answering on unix:" + socket_path);
+    }
+    return std::unique_ptr<EchoFloor>(
+        new EchoFloor(std::move(dir), std::move(process), std::move(channel)));
+  }
+
+  // Sizes the next calls like a Step of `request_bytes` answered by `response_bytes` (both
+  // serialized). Returns the sizes reached (a varint length may leave them a byte short).
+  std::pair<uint64_t, uint64_t> Size(uint64_t request_bytes, uint64_t response_bytes) {
+    request_.set_reply_bytes(0);
+    request_.set_payload(std::string(request_bytes, 'r'));
+    reply_bytes_ = response_bytes;
+    memra::bench::EchoReply reply;
+    reply.set_payload(std::string(response_bytes, 'e'));
+    // Shrink each payload by its framing (tag, length varint, the reply_bytes field).
+    for (int i = 0; i < 3; ++i) {
+      request_.set_reply_bytes(reply_bytes_);
+      const uint64_t over = request_.ByteSizeLong() - std::min(request_bytes,
+                                                               request_.ByteSizeLong());
+      request_.mutable_payload()->resize(request_.payload().size() - over);
+      reply_bytes_ -= reply.ByteSizeLong() - std::min(response_bytes, reply.ByteSizeLong());
+      reply.mutable_payload()->resize(reply_bytes_);
+    }
+    request_.set_reply_bytes(reply_bytes_);
+    payload_ = request_.payload();
+    return {request_.ByteSizeLong(), reply.ByteSizeLong()};
+  }
+
+  pid_t pid() const { return process_.pid(); }
+
+  absl::Status Call() {
+    request_.set_payload(payload_);  // an engine builds its request every step
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+    memra::bench::EchoReply reply;
+    const grpc::Status status = stub_->Echo(&context, request_, &reply);
+    if (!status.ok()) return absl::UnavailableError("Echo: " + status.error_message());
+    if (reply.payload().size() != reply_bytes_) {
+      return absl::InternalError(absl::StrCat("Echo answered ", reply.payload().size(),
+                                              " bytes for ", reply_bytes_));
+    }
+    return absl::OkStatus();
+  }
+
+ private:
+  EchoFloor(TempDir dir, ChildProcess process, std::shared_ptr<grpc::Channel> channel)
+      : dir_(std::move(dir)),
+        process_(std::move(process)),
+        channel_(std::move(channel)),
+        stub_(memra::bench::Echo::NewStub(channel_)) {}
+
+  TempDir dir_;
+  ChildProcess process_;
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<memra::bench::Echo::Stub> stub_;
+  memra::bench::EchoRequest request_;
+  std::string payload_;
+  uint64_t reply_bytes_ = 0;
+};
+
+// The in-process baseline: what DaemonSession runs under its lock, minus the daemon.
+class CoreSessions {
+ public:
+  static absl::StatusOr<CoreSessions> Create(const SessionPlan& plan, size_t count) {
+    CoreSessions core;
+    for (size_t i = 0; i < count; ++i) {
+      ASSIGN_OR_RETURN(SessionState state, SessionState::Create(i + 1, plan, kCapacity));
+      core.states_.push_back(std::move(state));
+    }
+    return core;
+  }
+
+  absl::Status Step(size_t count) {
+    for (size_t i = 0; i < count; ++i) {
+      SessionState& state = states_[i];
+      ASSIGN_OR_RETURN(TransactionId transaction, state.Begin());
+      ASSIGN_OR_RETURN(AppendPlan plan, state.PrepareAppend(transaction.generation, 1));
+      KeepAlive(plan.layers.data());
+      RETURN_IF_ERROR(state.PublishAppend(transaction.generation));
+      ASSIGN_OR_RETURN(uint64_t committed, state.Commit(transaction.generation, 1));
+      KeepAlive(committed);
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status ResetAll(size_t count) {
+    for (size_t i = 0; i < count; ++i) RETURN_IF_ERROR(states_[i].Reset());
+    return absl::OkStatus();
+  }
+
+ private:
+  std::vector<SessionState> states_;
+};
+
+// Runs `body` `steps` times, adding each call's time to `samples` when `record`.
+template <typename Body>
+absl::Status Time(int steps, bool record, Samples& samples, Body body) {
+  for (int k = 0; k < steps; ++k) {
+    const int64_t start = NowNs();
+    RETURN_IF_ERROR(body());
+    if (record) samples.Add(static_cast<double>(NowNs() - start));
+  }
+  return absl::OkStatus();
+}
+
+// CPU time of the server process over the timed steps (clock-tick accounting: meaningful summed
+// over many rounds).
+// The calling thread's CPU time is exact (it builds, serializes, sends and parses each call).
+struct CpuTime {
+  uint64_t server_ns = 0;
+  uint64_t client_thread_ns = 0;
+  uint64_t steps = 0;
+  double ServerNsPerStep() const { return steps ? static_cast<double>(server_ns) / steps : 0; }
+  double ClientNsPerStep() const {
+    return steps ? static_cast<double>(client_thread_ns) / steps : 0;
+  }
+};
+
+// Time() of `steps` calls, also charging the server's CPU time to `cpu` when `record`.
+template <typename Body>
+absl::Status TimeWithCpu(pid_t server, int steps, bool record, Samples& samples, CpuTime& cpu,
+                         Body body) {
+  ASSIGN_OR_RETURN(uint64_t before, ProcessCpuNs(server));
+  const int64_t thread_before = ThreadCpuNs();
+  RETURN_IF_ERROR(Time(steps, record, samples, body));
+  const int64_t thread_after = ThreadCpuNs();
+  ASSIGN_OR_RETURN(uint64_t after, ProcessCpuNs(server));
+  if (record) {
+    cpu.server_ns += after - before;
+    cpu.client_thread_ns += thread_after - thread_before;
+    cpu.steps += steps;
+  }
+  return absl::OkStatus();
+}
+
+struct Measured {
+  size_t sessions = 0;
+  Samples daemon, floor, core;
+  CpuTime daemon_cpu, floor_cpu;
+  uint64_t request_bytes = 0, response_bytes = 0;
+  uint64_t floor_request_bytes = 0, floor_response_bytes = 0;
+};
+
+}  // namespace
+
+absl::StatusOr<Json> RunHotPath(const BenchOptions& options) {
+  const ModelPlan model = test_plans::Llama3_8B();
+  SessionRequest request;
+  request.capacity = kCapacity;
+  ASSIGN_OR_RETURN(SessionPlan session_plan, PlanSession(model, FormatDefaults(), request));
+  ASSIGN_OR_RETURN(uint64_t session_bytes,
+                   SessionArenaBytes(model, FormatDefaults(), request,
+                                     {.granularity = static_cast<uint64_t>(getpagesize())}));
+
+  ASSIGN_OR_RETURN(std::unique_ptr<Kvd> kvd,
+                   Kvd::Start(options, kMaxSessions * session_bytes + (64 << 20)));
+  ASSIGN_OR_RETURN(std::unique_ptr<KvClient> client, kvd->Attach("bench-hot-path"));
+  ASSIGN_OR_RETURN(PlanFingerprint fingerprint, client->RegisterPlan(model));
+  SessionOptions session_options;
+  session_options.capacity = kCapacity;
+  ASSIGN_OR_RETURN(std::vector<std::unique_ptr<Session>> sessions,
+                   CreateSessions(*client, fingerprint, session_options, kMaxSessions));
+  ASSIGN_OR_RETURN(std::unique_ptr<EchoFloor> floor, EchoFloor::Start(options));
+  ASSIGN_OR_RETURN(CoreSessions core, CoreSessions::Create(session_plan, kMaxSessions));
+
+  const int steps = options.quick ? 3 : kStepsPerRound;
+  std::vector<Measured> results;
+  for (const Shape& shape : kShapes) {
+    Measured m;
+    m.sessions = shape.sessions;
+    std::vector<Session*> batch;
+    for (size_t i = 0; i < shape.sessions; ++i) batch.push_back(sessions[i].get());
+    ASSIGN_OR_RETURN(std::unique_ptr<DecodeStepper> stepper,
+                     DecodeStepper::Create(*client, batch, /*accepted_rows=*/1));
+    const int rounds = options.quick ? 1 : shape.rounds;
+    for (int round = 0; round <= rounds; ++round) {
+      const bool record = round > 0;  // round 0 warms up
+      RETURN_IF_ERROR(stepper->ResetAll());
+      RETURN_IF_ERROR(core.ResetAll(shape.sessions));
+      if (round == 0) {
+        RETURN_IF_ERROR(stepper->StepMeasuringSizes(&m.request_bytes, &m.response_bytes));
+        std::tie(m.floor_request_bytes, m.floor_response_bytes) =
+            floor->Size(m.request_bytes, m.response_bytes);
+      }
+      RETURN_IF_ERROR(TimeWithCpu(kvd->pid(), steps, record, m.daemon, m.daemon_cpu,
+                                  [&] { return stepper->Step(); }));
+      RETURN_IF_ERROR(TimeWithCpu(floor->pid(), steps, record, m.floor, m.floor_cpu,
+                                  [&] { return floor->Call(); }));
+      RETURN_IF_ERROR(Time(steps, record, m.core, [&] { return core.Step(shape.sessions); }));
+    }
+    results.push_back(std::move(m));
+  }
+  // Detach before the daemon drains: it then has no live session to wait for.
+  sessions.clear();
+  client.reset();
+
+  Json json;
+  json["model"] = "llama-3-8b (32 K/V layers)";
+  json["capacity_tokens"] = kCapacity;
+  json["operations_per_session"] = "Begin, PrepareAppend(1 row), PublishAppend, Commit(1 row)";
+  json["steps_per_round"] = steps;
+  Table table({"N", "daemon p50", "p99", "floor p50", "p99", "core p50", "daemon/floor",
+               "daemon/core", "per-session p50", "kvd cpu", "client cpu", "echo cpu",
+               "echo client cpu", "req B", "resp B"});
+  Json rows = Json::array();
+  for (const Measured& m : results) {
+    const double n = static_cast<double>(m.sessions);
+    rows.push_back(Json{
+        {"sessions", m.sessions},
+        {"daemon_step", m.daemon.ToJson()},
+        {"daemon_per_session", m.daemon.ToJson(n)},
+        {"floor_step", m.floor.ToJson()},
+        {"daemon_cpu_us_per_step", m.daemon_cpu.ServerNsPerStep() / 1e3},
+        {"daemon_client_thread_cpu_us_per_step", m.daemon_cpu.ClientNsPerStep() / 1e3},
+        {"floor_server_cpu_us_per_step", m.floor_cpu.ServerNsPerStep() / 1e3},
+        {"floor_client_thread_cpu_us_per_step", m.floor_cpu.ClientNsPerStep() / 1e3},
+        {"core_step", m.core.ToJson()},
+        {"core_per_session", m.core.ToJson(n)},
+        {"ratio_daemon_floor_p50", m.daemon.P50() / m.floor.P50()},
+        {"ratio_daemon_floor_p99", m.daemon.P99() / m.floor.P99()},
+        {"ratio_daemon_core_p50", m.daemon.P50() / m.core.P50()},
+        {"overhead_over_floor_p50_us", (m.daemon.P50() - m.floor.P50()) / 1e3},
+        {"step_request_bytes", m.request_bytes},
+        {"step_response_bytes", m.response_bytes},
+        {"floor_request_bytes", m.floor_request_bytes},
+        {"floor_response_bytes", m.floor_response_bytes},
+    });
+    table.Add({absl::StrCat(m.sessions), Us(m.daemon.P50()), Us(m.daemon.P99()),
+               Us(m.floor.P50()), Us(m.floor.P99()), Us(m.core.P50()),
+               Ratio(m.daemon.P50() / m.floor.P50()), Ratio(m.daemon.P50() / m.core.P50()),
+               Us(m.daemon.P50() / n),
+               Us(m.daemon_cpu.ServerNsPerStep()), Us(m.daemon_cpu.ClientNsPerStep()),
+               Us(m.floor_cpu.ServerNsPerStep()), Us(m.floor_cpu.ClientNsPerStep()),
+               absl::StrCat(m.request_bytes),
+               absl::StrCat(m.response_bytes)});
+  }
+  json["by_sessions"] = rows;
+
+  // Marginal cost of one more session in the batch, from the ends of the sweep.
+  const Measured& one = results.front();
+  const Measured& most = results.back();
+  const double extra = static_cast<double>(most.sessions - one.sessions);
+  auto marginal = [&](const Samples Measured::*field) {
+    return ((most.*field).P50() - (one.*field).P50()) / extra;
+  };
+  const double daemon_marginal = marginal(&Measured::daemon);
+  const double ratio_at_one = one.daemon.P50() / one.floor.P50();
+  json["marginal_per_session_p50_us"] = Json{{"daemon", daemon_marginal / 1e3},
+                                             {"floor", marginal(&Measured::floor) / 1e3},
+                                             {"core", marginal(&Measured::core) / 1e3}};
+  json["targets"] = Json{
+      {"step_within_1_5x_floor_at_n1", Json{{"ratio", ratio_at_one}, {"met", ratio_at_one <= 1.5}}},
+      {"marginal_under_2us_at_n256",
+       Json{{"us", daemon_marginal / 1e3}, {"met", daemon_marginal <= 2000}}}};
+
+  table.Print("1. decode step: Begin+Prepare+Publish+Commit per session, one Step RPC "
+              "(times in us)");
+  std::printf("marginal per extra session (p50, N=%zu..%zu): daemon %s us, floor %s us, core %s us\n",
+              one.sessions, most.sessions, Us(daemon_marginal).c_str(),
+              Us(marginal(&Measured::floor)).c_str(), Us(marginal(&Measured::core)).c_str());
+  std::printf("target: daemon/floor at N=1 <= 1.5x: %s (%s); marginal < 2 us: %s (%s us)\n",
+              ratio_at_one <= 1.5 ? "MET" : "MISSED", Ratio(ratio_at_one).c_str(),
+              daemon_marginal <= 2000 ? "MET" : "MISSED", Us(daemon_marginal).c_str());
+  return json;
+}
+
+}  // namespace memra::bench

@@ -1,0 +1,97 @@
+#ifndef MEMRA_BENCH_KVD_H_
+#define MEMRA_BENCH_KVD_H_
+
+// What the benchmark sections share: their options, the real memra-kvd started as a child
+// process on a private Unix socket (host backend), and the batched decode step an engine sends.
+//
+// Thread-safety: single-threaded use.
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "bench/harness.h"
+#include "client/client.h"
+#include "core/model_plan.h"
+
+namespace memra::bench {
+
+struct BenchOptions {
+  std::string kvd_binary;    // //server:memra-kvd
+  std::string echo_binary;   // //bench:echo_server
+  std::string redis_binary;  // redis-server
+  // Tiny iteration counts and sizes: checks the harness end to end, measures nothing useful.
+  bool quick = false;
+  uint64_t scale_sessions = 10000;
+  uint64_t prefix_blocks = 100000;
+  uint64_t redis_max_tokens = 131072;
+};
+
+// memra-kvd (host backend) on a socket in a private directory; its log is daemon.log there.
+// Stop() (or the destructor) drains it with SIGTERM. REQUIRES: every client detached first,
+// so the drain has no live session to wait for.
+class Kvd {
+ public:
+  static absl::StatusOr<std::unique_ptr<Kvd>> Start(const BenchOptions& options,
+                                                    uint64_t budget_bytes);
+  ~Kvd() { Stop(); }
+
+  const std::string& socket_path() const { return socket_path_; }
+  pid_t pid() const { return process_.pid(); }
+  absl::StatusOr<ProcMemory> Memory() const { return ReadProcMemory(process_.pid()); }
+  // Connects and attaches as `engine_name`.
+  absl::StatusOr<std::unique_ptr<KvClient>> Attach(const std::string& engine_name) const;
+  // Exit status (0: a clean drain); -1 when already stopped.
+  int Stop();
+
+ private:
+  Kvd(TempDir dir, std::string socket_path, ChildProcess process)
+      : dir_(std::move(dir)), socket_path_(std::move(socket_path)), process_(std::move(process)) {}
+
+  TempDir dir_;
+  std::string socket_path_;
+  ChildProcess process_;
+};
+
+// Sessions of one plan created through the client.
+absl::StatusOr<std::vector<std::unique_ptr<Session>>> CreateSessions(
+    KvClient& client, const PlanFingerprint& plan, const SessionOptions& options, size_t count);
+
+// One decode step of a batched engine for many sessions, as ONE Step RPC: per session Begin,
+// PrepareAppend(1 row), PublishAppend, Commit(accepted_rows). The engine knows each session's
+// next generation (generations go up by one per Begin, core/transaction.h), so all four
+// operations travel together; every outcome is checked against what the step must produce.
+class DecodeStepper {
+ public:
+  // Reads each session's next generation and committed length from the daemon.
+  // REQUIRES: no transaction open on `sessions`; they outlive the stepper.
+  static absl::StatusOr<std::unique_ptr<DecodeStepper>> Create(KvClient& client,
+                                                               std::vector<Session*> sessions,
+                                                               uint64_t accepted_rows);
+
+  // Builds, sends and checks one step. INTERNAL when an outcome is not the expected one.
+  absl::Status Step();
+  // The same step through the raw stub, reporting the serialized request/response sizes.
+  absl::Status StepMeasuringSizes(uint64_t* request_bytes, uint64_t* response_bytes);
+  // Reset every session (no transaction may be open); generations keep counting.
+  absl::Status ResetAll();
+
+ private:
+  DecodeStepper(KvClient& client, std::vector<Session*> sessions, uint64_t accepted_rows);
+  void Build();
+  absl::Status Check(const std::vector<StepOutcome>& outcomes);
+
+  KvClient& client_;
+  const std::vector<Session*> sessions_;
+  const uint64_t accepted_rows_;
+  std::vector<uint64_t> next_generation_;  // per session
+  std::vector<uint64_t> committed_;        // per session, as the daemon reports it
+  StepBatch batch_;
+};
+
+}  // namespace memra::bench
+
+#endif  // MEMRA_BENCH_KVD_H_

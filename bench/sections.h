@@ -1,0 +1,27 @@
+#ifndef MEMRA_BENCH_SECTIONS_H_
+#define MEMRA_BENCH_SECTIONS_H_
+
+// The benchmark's sections (bench/README.md explains each). Every section starts the processes
+// it needs, prints its table, and returns its results as JSON; a failure is an error status
+// (the other sections still run).
+
+#include "absl/status/statusor.h"
+#include "bench/harness.h"
+#include "bench/kvd.h"
+
+namespace memra::bench {
+
+// 1. Decode step for N sessions: memra-kvd vs the bare gRPC floor vs core/ in process.
+absl::StatusOr<Json> RunHotPath(const BenchOptions& options);
+// 2. SpecSnapshot + SpecRollback of a hybrid model's recurrent state vs memcpy.
+absl::StatusOr<Json> RunSpecDecode(const BenchOptions& options);
+// 3. Prefix restore/capture (pending) and the Redis peer: SET/GET vs memcpy.
+absl::StatusOr<Json> RunPrefixAndRedis(const BenchOptions& options);
+// 4. Session create/release and admission queries.
+absl::StatusOr<Json> RunAdmission(const BenchOptions& options);
+// 5. Scale: many live sessions in the daemon; many blocks in core's PrefixIndex.
+absl::StatusOr<Json> RunScale(const BenchOptions& options);
+
+}  // namespace memra::bench
+
+#endif  // MEMRA_BENCH_SECTIONS_H_
