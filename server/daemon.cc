@@ -574,6 +574,8 @@ absl::Status Daemon::Start() {
   builder.RegisterService(cache_service_.get());
   builder.RegisterService(admin_service_.get());
   builder.RegisterService(prefix_service_.get());
+  ASSIGN_OR_RETURN(auto interceptors, RegisterMetrics());
+  builder.experimental().SetInterceptorCreators(std::move(interceptors));
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (server == nullptr) {
     return absl::UnavailableError(absl::StrCat("could not listen on unix:", socket_path_,
@@ -595,6 +597,7 @@ absl::Status Daemon::Start() {
     lease_grace = lease_grace_;
   }
   lease_thread_ = std::thread([this] { LeaseLoop(); });
+  StartMetricsHttp();
   spdlog::info("memra-kvd serving on unix:{} (backend {}, lease timeout {} ms, grace {} ms)",
                socket_path_, std::string(backend_->Name()),
                absl::ToInt64Milliseconds(lease_timeout), absl::ToInt64Milliseconds(lease_grace));
@@ -657,14 +660,17 @@ void Daemon::Shutdown() {
   if (lease_thread_.joinable()) lease_thread_.join();
   prefix_service_->Stop();
   std::unique_ptr<grpc::Server> server;
+  std::unique_ptr<metrics::MetricsHttpServer> metrics_http;
   {
     absl::MutexLock lock(&mu_);
     draining_ = true;
+    metrics_http = std::move(metrics_http_);
     for (auto& [id, engine] : engines_) {
       if (engine.context != nullptr) engine.context->TryCancel();
     }
     server = std::move(server_);
   }
+  metrics_http.reset();  // joins its threads: no scrape reads the daemon after this
   if (server != nullptr) {
     server->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(500));
     server->Wait();
@@ -766,6 +772,7 @@ void Daemon::CheckLeases() {
       Engine& engine = it->second;
       if (!engine.lease_ended.has_value() && now - engine.last_heartbeat > lease_timeout_) {
         engine.lease_ended = now;
+        lease_expiries_.fetch_add(1, std::memory_order_relaxed);
         spdlog::warn("engine {} (\"{}\", pid {}): no heartbeat for {} ms (lease timeout {} ms)",
                      engine.id.value, engine.name, engine.pid,
                      absl::ToInt64Milliseconds(now - engine.last_heartbeat),
@@ -802,6 +809,7 @@ void Daemon::CheckLeases() {
                  entry.engine.id.value, entry.engine.name, entry.engine.pid, entry.sessions.size(),
                  freed);
     for (auto& session : entry.sessions) freed += session->Release();
+    engines_reclaimed_.fetch_add(1, std::memory_order_relaxed);
     // Its sessions' charges went with their arenas; what is left is reservations.
     const uint64_t reserved = budget_->ReleaseOwner(entry.engine.id.value);
     spdlog::info(
@@ -815,6 +823,7 @@ void Daemon::CheckLeases() {
 
 void Daemon::ExpireReservations() {
   for (const ExpiredReservation& expired : budget_->Expire(clock_->Now())) {
+    reservations_expired_.fetch_add(1, std::memory_order_relaxed);
     spdlog::info("reservation {} of engine {} expired unused: {} bytes returned",
                  expired.id.value, expired.reservation.owner, expired.reservation.bytes);
   }

@@ -44,12 +44,15 @@
 #include "core/model_plan.h"
 #include "grpcpp/server.h"
 #include "grpcpp/server_context.h"
+#include "grpcpp/support/server_interceptor.h"
 #include "proto/memra/kv/v1/admin.pb.h"
 #include "proto/memra/kv/v1/cache.pb.h"
 #include "server/backend.h"
 #include "server/clock.h"
 #include "server/config.h"
 #include "server/daemon_session.h"
+#include "server/metrics.h"
+#include "server/metrics_http.h"
 #include "server/prefix_cache.h"
 #include "server/prefix_service.h"
 #include "server/device_budget.h"
@@ -97,6 +100,8 @@ class Daemon {
   // What KvAdmin.GetStatus answers.
   memra::kv::v1::GetStatusResponse GetStatus() ABSL_LOCKS_EXCLUDED(mu_, sessions_mu_);
   DeviceBudget& budget() const { return *budget_; }
+  // The Prometheus endpoint's port; 0 when metrics_address is empty or it could not bind.
+  int metrics_port() const ABSL_LOCKS_EXCLUDED(mu_);
   const std::string& socket_path() const { return socket_path_; }
   DeviceBackend& backend() const { return *backend_; }
   // False once shutting down (the watchdog stops its keep-alives).
@@ -173,6 +178,14 @@ class Daemon {
   absl::StatusOr<std::shared_ptr<const ModelPlan>> ResolveModel(
       const memra::kv::v1::ModelSelector& selector) const ABSL_LOCKS_EXCLUDED(mu_);
   void LeaseLoop() ABSL_LOCKS_EXCLUDED(stop_mu_);
+  // Registers the daemon's gauges and counters (read at scrape time) and returns the gRPC
+  // interceptors that count and time every call (server/daemon_metrics.cc).
+  absl::StatusOr<
+      std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>>>
+  RegisterMetrics();
+  // Serves metrics_ on metrics_address; a failure is logged, not fatal (the cache matters more
+  // than its metrics).
+  void StartMetricsHttp() ABSL_LOCKS_EXCLUDED(mu_);
   // Engine death: keeps the session's committed state as a prefix entry when configured.
   void CaptureBeforeRelease(DaemonSession& session);
 
@@ -185,6 +198,11 @@ class Daemon {
   const std::unique_ptr<CacheService> cache_service_;
   const std::unique_ptr<AdminService> admin_service_;
   const std::unique_ptr<DeviceBudget> budget_;
+  // Every metric of this daemon (server/daemon_metrics.cc). Filled by Start().
+  metrics::Registry metrics_;
+  std::atomic<uint64_t> lease_expiries_{0};
+  std::atomic<uint64_t> engines_reclaimed_{0};
+  std::atomic<uint64_t> reservations_expired_{0};
   const uint64_t epoch_;  // random per start
   const absl::Time started_;
 
@@ -201,6 +219,8 @@ class Daemon {
   // Fingerprint bytes -> validated plan.
   absl::flat_hash_map<std::string, std::shared_ptr<const ModelPlan>> plans_ ABSL_GUARDED_BY(mu_);
   std::unique_ptr<grpc::Server> server_ ABSL_GUARDED_BY(mu_);
+  // Stopped in Shutdown() before anything its callbacks read goes away.
+  std::unique_ptr<metrics::MetricsHttpServer> metrics_http_ ABSL_GUARDED_BY(mu_);
 
   mutable absl::Mutex sessions_mu_;
   absl::flat_hash_map<uint64_t, std::shared_ptr<DaemonSession>> sessions_

@@ -28,23 +28,39 @@ void DeviceBudget::SetEvictor(Evictor evictor) {
 
 template <typename T, typename Admit>
 absl::StatusOr<T> DeviceBudget::AdmitEvicting(Admit admit) {
+  absl::StatusOr<T> admitted = AdmitOnce<T>(admit);
+  if (admitted.ok()) return admitted;
   Evictor evictor;
   uint64_t short_bytes = 0;
   {
     absl::MutexLock lock(&mu_);
-    absl::StatusOr<T> admitted = admit(ledger_);
-    if (admitted.ok() || !evictor_) return admitted;
     std::optional<AdmissionRefusal> refusal = GetAdmissionRefusal(admitted.status());
-    if (!refusal.has_value() || refusal->bytes_to_evict == 0) return admitted;
-    evictor = evictor_;
-    short_bytes = refusal->bytes_to_evict;
+    if (evictor_ && refusal.has_value() && refusal->bytes_to_evict > 0) {
+      evictor = evictor_;
+      short_bytes = refusal->bytes_to_evict;
+    }
+  }
+  if (!evictor) {
+    CountRefusal(admitted.status());
+    return admitted;
   }
   // Unlocked: the evictor releases prefix-cache allocations through this budget.
   const uint64_t freed = evictor(short_bytes);
   spdlog::info("admission evicted {} bytes of prefix-cache entries ({} bytes short)", freed,
                short_bytes);
+  admitted = AdmitOnce<T>(admit);
+  if (!admitted.ok()) CountRefusal(admitted.status());
+  return admitted;
+}
+
+template <typename T, typename Admit>
+absl::StatusOr<T> DeviceBudget::AdmitOnce(Admit& admit) {
   absl::MutexLock lock(&mu_);
   return admit(ledger_);
+}
+
+void DeviceBudget::CountRefusal(const absl::Status& status) {
+  if (GetAdmissionRefusal(status).has_value()) refusals_.fetch_add(1, std::memory_order_relaxed);
 }
 
 absl::StatusOr<ReservationId> DeviceBudget::Reserve(uint64_t owner, uint64_t bytes,
@@ -77,7 +93,7 @@ absl::StatusOr<AllocationId> DeviceBudget::Allocate(uint64_t owner, uint64_t byt
 absl::StatusOr<AllocationId> DeviceBudget::AllocateWithoutEviction(uint64_t owner,
                                                                    uint64_t bytes) {
   absl::MutexLock lock(&mu_);
-  return ledger_.Allocate(owner, bytes);
+  return ledger_.Allocate(owner, bytes);  // the prefix cache's own storage: not an admission
 }
 
 absl::Status DeviceBudget::Release(AllocationId allocation) {

@@ -13,6 +13,7 @@
 //
 // Thread-safety: thread-safe.
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <string>
@@ -69,13 +70,20 @@ class DeviceBudget {
 
   // A consistent copy of the ledger, for queries and listings.
   AdmissionLedger Snapshot() const ABSL_LOCKS_EXCLUDED(mu_);
+  // Admissions refused for room (after any eviction), since construction.
+  uint64_t refusals() const { return refusals_.load(std::memory_order_relaxed); }
   std::string rule() const ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
   // Runs `admit` under the lock; on a refusal eviction could fix, evicts (unlocked) and retries.
   template <typename T, typename Admit>
   absl::StatusOr<T> AdmitEvicting(Admit admit) ABSL_LOCKS_EXCLUDED(mu_);
+  template <typename T, typename Admit>
+  absl::StatusOr<T> AdmitOnce(Admit& admit) ABSL_LOCKS_EXCLUDED(mu_);
+  // Counts `status` when it is an admission refusal.
+  void CountRefusal(const absl::Status& status);
 
+  std::atomic<uint64_t> refusals_{0};
   mutable absl::Mutex mu_;
   AdmissionLedger ledger_ ABSL_GUARDED_BY(mu_);
   std::string rule_ ABSL_GUARDED_BY(mu_);

@@ -76,6 +76,9 @@ void Reload(const std::string& path, const std::vector<ConfigOverride>& override
 }
 
 int Run(int argc, char** argv) {
+  // Debian's Abseil checks every mutex acquisition for lock-order cycles (gRPC's own locks
+  // included): measurable CPU on the hot path (bench/README.md). Tests keep the check on.
+  absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
   // Before any other thread exists (spdlog, gRPC): see SignalDispatcher::Start.
   static Events events;
   absl::StatusOr<std::unique_ptr<SignalDispatcher>> signals = SignalDispatcher::Start({

@@ -2,6 +2,11 @@
 // refusals with their numbers on the wire, and the KvAdmin queries. An in-process daemon over
 // the host backend on a real Unix socket, with real clients (tests/service/test_daemon.h).
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -625,6 +630,59 @@ TEST_F(AdmissionTest, ReloadedBudgetShrinkBelowUsageBlocksAdmissionUntilReleases
   daemon_->ApplyReload(larger);
   EXPECT_EQ(Admission().budget_bytes(), kBudgetBytes);
   EXPECT_THAT(Admission().budget_rule(), HasSubstr("capped"));
+}
+
+}  // namespace
+}  // namespace memra::testing
+
+namespace memra::testing {
+namespace {
+
+// GET http://127.0.0.1:port/path, the whole response ("" when it cannot connect).
+std::string HttpGet(int port, const std::string& path) {
+  const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_port = htons(static_cast<uint16_t>(port));
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  std::string response;
+  if (connect(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)) == 0) {
+    const std::string request =
+        absl::StrCat("GET ", path, " HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n");
+    if (write(fd, request.data(), request.size()) == static_cast<ssize_t>(request.size())) {
+      char buffer[4096];
+      for (ssize_t got; (got = read(fd, buffer, sizeof(buffer))) > 0;) response.append(buffer, got);
+    }
+  }
+  close(fd);
+  return response;
+}
+
+// The Prometheus endpoint shows the ledger, the sessions and every call, read at scrape time.
+TEST_F(AdmissionTest, MetricsShowTheLedgerSessionsAndCalls) {
+  const int port = daemon_->metrics_port();
+  ASSERT_GT(port, 0);
+  std::unique_ptr<Session> session = NewSession(*client_, 256);
+  ASSERT_NE(session, nullptr);
+  EXPECT_THAT(client_->CreateSession(plan_, Options(1u << 30)).status(),
+              StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("needs")));
+  const std::string scrape = HttpGet(port, "/metrics");
+  EXPECT_THAT(scrape, HasSubstr("HTTP/1.1 200"));
+  EXPECT_THAT(scrape, HasSubstr("text/plain; version=0.0.4"));
+  const pb::AdmissionStatus admission = Admission();
+  EXPECT_THAT(scrape, HasSubstr(absl::StrCat("\nmemra_budget_bytes ", kBudgetBytes, "\n")));
+  EXPECT_THAT(scrape,
+              HasSubstr(absl::StrCat("\nmemra_allocated_bytes ", admission.allocated_bytes(), "\n")));
+  EXPECT_THAT(scrape, HasSubstr("\nmemra_sessions 1\n"));
+  EXPECT_THAT(scrape, HasSubstr("\nmemra_engines 1\n"));
+  EXPECT_THAT(scrape, HasSubstr("\nmemra_admission_refusals 1\n"));
+  EXPECT_THAT(scrape, HasSubstr("memra_rpc_requests_total{method=\"/memra.kv.v1.KvCache/"
+                                "CreateSession\",code=\"OK\"} 1\n"));
+  EXPECT_THAT(scrape, HasSubstr("memra_rpc_requests_total{method=\"/memra.kv.v1.KvCache/"
+                                "CreateSession\",code=\"RESOURCE_EXHAUSTED\"} 1\n"));
+  EXPECT_THAT(scrape, HasSubstr("memra_rpc_duration_seconds_count{method=\"/memra.kv.v1.KvCache/"
+                                "CreateSession\"} 2\n"));
+  EXPECT_THAT(HttpGet(port, "/nothing"), HasSubstr("HTTP/1.1 404"));
 }
 
 }  // namespace

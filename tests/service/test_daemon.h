@@ -56,6 +56,7 @@ class DaemonTest : public ::testing::Test {
     config.budget_bytes = kBudgetBytes;
     config.lease_timeout_ms = kLeaseTimeoutMs;
     config.lease_grace_ms = kLeaseGraceMs;
+    config.metrics_address = "127.0.0.1:0";  // an ephemeral port: tests run side by side
     absl::StatusOr<std::unique_ptr<Daemon>> daemon =
         Daemon::Create(config, std::move(faults), &clock_);
     ASSERT_TRUE(daemon.ok()) << daemon.status();

@@ -1,0 +1,141 @@
+// The daemon's Prometheus metrics: what it holds (read from the ledger, the session map and the
+// prefix cache at scrape time, so a scrape never shows stale numbers), what happened (counters),
+// and every gRPC call counted and timed by server/rpc_metrics.h. README.md "Metrics" lists them.
+
+#include <iterator>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "core/status_macros.h"
+#include "proto/memra/kv/v1/admin.grpc.pb.h"
+#include "proto/memra/kv/v1/cache.grpc.pb.h"
+#include "proto/memra/kv/v1/prefix.grpc.pb.h"
+#include "server/daemon.h"
+#include "server/rpc_metrics.h"
+#include "spdlog/spdlog.h"
+
+namespace memra {
+
+namespace pb = ::memra::kv::v1;
+
+absl::StatusOr<std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>>>
+Daemon::RegisterMetrics() {
+  using metrics::CallbackSample;
+  auto ledger_gauge = [this](const char* name, const char* help, auto read) {
+    return metrics_.AddCallbackGauge(name, help, [this, read] {
+      return static_cast<double>(read(budget_->Snapshot()));
+    });
+  };
+  RETURN_IF_ERROR(ledger_gauge("memra_budget_bytes", "Admission budget of this GPU (bytes).",
+                               [](const AdmissionLedger& l) { return l.budget(); }));
+  RETURN_IF_ERROR(ledger_gauge("memra_reserved_bytes",
+                               "Bytes held by admission reservations not yet used.",
+                               [](const AdmissionLedger& l) { return l.reserved(); }));
+  RETURN_IF_ERROR(ledger_gauge(
+      "memra_allocated_bytes",
+      "Bytes of live allocations charged to the budget (sessions, grows, prefix storage).",
+      [](const AdmissionLedger& l) { return l.allocated(); }));
+  RETURN_IF_ERROR(ledger_gauge("memra_free_bytes", "Budget bytes neither reserved nor allocated.",
+                               [](const AdmissionLedger& l) { return l.free(); }));
+  RETURN_IF_ERROR(ledger_gauge("memra_evictable_bytes",
+                               "Prefix-cache bytes admission may evict to make room.",
+                               [](const AdmissionLedger& l) { return l.evictable(); }));
+  RETURN_IF_ERROR(ledger_gauge("memra_reservations", "Live admission reservations.",
+                               [](const AdmissionLedger& l) { return l.reservation_count(); }));
+  RETURN_IF_ERROR(metrics_.AddCallbackGauge("memra_sessions", "Live sessions.", [this] {
+    absl::MutexLock lock(&sessions_mu_);
+    return static_cast<double>(sessions_.size());
+  }));
+  RETURN_IF_ERROR(metrics_.AddCallbackGauge("memra_engines", "Attached engines.", [this] {
+    absl::MutexLock lock(&mu_);
+    return static_cast<double>(engines_.size());
+  }));
+  auto event_count = [this](const char* name, const char* help, const std::atomic<uint64_t>* n) {
+    return metrics_.AddCallbackGauge(
+        name, help, [n] { return static_cast<double>(n->load(std::memory_order_relaxed)); });
+  };
+  RETURN_IF_ERROR(event_count("memra_lease_expiries",
+                              "Engines whose heartbeats stopped (lease timeout), since start.",
+                              &lease_expiries_));
+  RETURN_IF_ERROR(event_count("memra_engines_reclaimed",
+                              "Engines whose sessions and reservations were reclaimed, since start.",
+                              &engines_reclaimed_));
+  RETURN_IF_ERROR(event_count("memra_reservations_expired",
+                              "Reservations that lapsed unused, since start.",
+                              &reservations_expired_));
+  RETURN_IF_ERROR(metrics_.AddCallbackGauge(
+      "memra_admission_refusals", "Admissions refused for room (RESOURCE_EXHAUSTED), since start.",
+      [this] { return static_cast<double>(budget_->refusals()); }));
+
+  // The prefix cache (absent when disabled: the families then have no samples).
+  auto prefix = [this](auto read) {
+    return [this, read]() -> std::vector<CallbackSample> {
+      if (prefix_cache_ == nullptr) return {};
+      return read(prefix_cache_->Stats());
+    };
+  };
+  auto one = [](uint64_t value) {
+    return std::vector<CallbackSample>{{.label_values = {}, .value = static_cast<double>(value)}};
+  };
+  RETURN_IF_ERROR(metrics_.AddCallbackGaugeFamily(
+      "memra_prefix_lookups", "Prefix lookups by result (hit, partial, miss), since start.",
+      {"result"}, prefix([](const PrefixCacheStats& s) {
+        return std::vector<CallbackSample>{
+            {.label_values = {"hit"}, .value = static_cast<double>(s.lookup_hits)},
+            {.label_values = {"partial"}, .value = static_cast<double>(s.lookup_partials)},
+            {.label_values = {"miss"}, .value = static_cast<double>(s.lookup_misses)}};
+      })));
+  const std::pair<const char*, const char*> prefix_help[] = {
+      {"memra_prefix_tokens_restored", "Tokens restored from prefix entries, since start."},
+      {"memra_prefix_stored_bytes", "Bytes the prefix cache stores (shared blocks once)."},
+      {"memra_prefix_entries", "Prefix entries stored."},
+      {"memra_prefix_evictions", "Prefix entries evicted (budget or admission), since start."},
+      {"memra_prefix_dropped", "Prefix entries dropped (checksum mismatch), since start."},
+      {"memra_prefix_captures", "Prefix entries captured, since start."},
+  };
+  uint64_t PrefixCacheStats::*const prefix_fields[] = {
+      &PrefixCacheStats::tokens_restored, &PrefixCacheStats::stored_bytes,
+      &PrefixCacheStats::entries,         &PrefixCacheStats::evicted_entries,
+      &PrefixCacheStats::dropped_entries, &PrefixCacheStats::captures,
+  };
+  for (size_t i = 0; i < std::size(prefix_fields); ++i) {
+    RETURN_IF_ERROR(metrics_.AddCallbackGaugeFamily(
+        prefix_help[i].first, prefix_help[i].second, {},
+        prefix([one, field = prefix_fields[i]](const PrefixCacheStats& s) {
+          return one(s.*field);
+        })));
+  }
+
+  std::vector<std::string> methods(metrics::kHealthServiceMethods.begin(),
+                                   metrics::kHealthServiceMethods.end());
+  for (const char* service :
+       {pb::KvCache::service_full_name(), pb::KvAdmin::service_full_name(),
+        pb::KvPrefixCache::service_full_name(), "grpc.reflection.v1alpha.ServerReflection"}) {
+    ASSIGN_OR_RETURN(std::vector<std::string> served, metrics::ProtoServiceMethods(service));
+    methods.insert(methods.end(), served.begin(), served.end());
+  }
+  return metrics::MakeRpcMetricsInterceptors(&metrics_, methods);
+}
+
+void Daemon::StartMetricsHttp() {
+  if (start_config_.metrics_address.empty()) return;
+  absl::StatusOr<std::unique_ptr<metrics::MetricsHttpServer>> http =
+      metrics::MetricsHttpServer::Start(start_config_.metrics_address, &metrics_);
+  if (!http.ok()) {
+    spdlog::error("metrics are off: {} (memra-kvd keeps serving; fix metrics_address)",
+                  http.status().ToString());
+    return;
+  }
+  spdlog::info("metrics on http://{}/metrics (port {})", start_config_.metrics_address,
+               (*http)->bound_port());
+  absl::MutexLock lock(&mu_);
+  metrics_http_ = *std::move(http);
+}
+
+int Daemon::metrics_port() const {
+  absl::MutexLock lock(&mu_);
+  return metrics_http_ == nullptr ? 0 : metrics_http_->bound_port();
+}
+
+}  // namespace memra
