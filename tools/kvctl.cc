@@ -13,6 +13,7 @@
 #include <memory>
 #include <set>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -35,6 +36,7 @@
 #include "grpcpp/create_channel.h"
 #include "grpcpp/security/credentials.h"
 #include "proto/memra/kv/v1/admin.grpc.pb.h"
+#include "proto/memra/kv/v1/prefix.grpc.pb.h"
 #include "tools/text_format.h"
 
 namespace memra::kvctl {
@@ -85,6 +87,7 @@ constexpr FlagSpec kSpecSnapshotFlag{"--spec-snapshot", "",
 
 constexpr FlagSpec kEngineFlag{"--engine", "ID",
                                "only this engine's sessions (IDs from `engines`)"};
+constexpr FlagSpec kEntryFlag{"--entry", "ID", "the prefix entry (IDs from `prefixes`)"};
 
 constexpr FlagSpec kNameFlag{"--name", "NAME",
                              "the plan's name (default: the config's _name_or_path or model_type)"};
@@ -202,6 +205,27 @@ const std::vector<CommandSpec>& Commands() {
        "indices. With --register, `cost/fit/max-context --model=FINGERPRINT` name it (engines\n"
        "registering the same plan get the same fingerprint). --json prints the response, the\n"
        "ModelPlan included (`jq .plan` gives a file for --plan)."},
+      {"prefixes",
+       "prefix-cache entries and the cache's counters",
+       "",
+       {},
+       "Lists the prefix cache's entries (captured token prefixes, restorable by any engine of\n"
+       "the same model plan and shape) and its byte ledger and counters. Refused (exit 4) when\n"
+       "the daemon runs without a prefix cache (prefix_cache_budget_bytes = 0).",
+       "memra-kvctl prefixes",
+       "ENTRY id, SHAPE (fingerprint of model plan + layer range + TP), TOKENS at its boundary,\n"
+       "BLOCKS, block and boundary bytes (blocks shared between entries count in each), PINS\n"
+       "(restores in flight), LAST USE tick; then stored / evictable / pinned bytes of the cache\n"
+       "(shared blocks once) and hit / partial / miss lookups, restores and evictions."},
+      {"evict",
+       "drop one prefix-cache entry now",
+       "--entry=ID",
+       {&kEntryFlag},
+       "Evicts one entry (as LRU eviction would): its boundary state and every block no other\n"
+       "entry shares are freed and return to the admission budget; subscribers get an evicted\n"
+       "event. A pinned entry (being restored) is refused (exit 4).",
+       "memra-kvctl evict --entry=12",
+       "The bytes freed and the cache's stored bytes after."},
       {"drain",
        "refuse new engines and sessions; existing sessions keep working",
        "",
@@ -429,6 +453,8 @@ absl::Status ApplyFlag(const FlagSpec& flag, absl::string_view value, Invocation
     invocation.spec_snapshot = true;
   } else if (name == "--engine") {
     ASSIGN_OR_RETURN(invocation.engine_id, ParseWhole(name, value, 1, UINT64_MAX));
+  } else if (name == "--entry") {
+    ASSIGN_OR_RETURN(invocation.entry_id, ParseWhole(name, value, 1, UINT64_MAX));
   } else if (name == "--name") {
     if (value.empty()) return Usage("--name= needs a name (omit it for the config's own)");
     invocation.name = std::string(value);
@@ -465,6 +491,9 @@ absl::Status CheckRequired(const Invocation& invocation, const std::set<std::str
     if (command != "max-context" && !given.count("--context")) {
       return Usage(absl::StrCat(command, " needs --context=TOKENS (e.g. --context=32k)"));
     }
+  }
+  if (command == "evict" && !given.count("--entry")) {
+    return Usage("evict needs --entry=ID (IDs from `memra-kvctl prefixes`)");
   }
   if (command == "import-model" && !given.count("--hf-config")) {
     return Usage("import-model needs --hf-config=PATH (the model's config.json)");
@@ -520,6 +549,7 @@ absl::Status ProbeSocket(const std::string& path) {
 
 struct Connection {
   std::unique_ptr<pb::KvAdmin::Stub> stub;
+  std::unique_ptr<pb::KvPrefixCache::Stub> prefix_stub;
   std::chrono::system_clock::time_point deadline;
 };
 
@@ -535,6 +565,7 @@ absl::StatusOr<Connection> Connect(const Invocation& invocation) {
         absl::StrCat("no gRPC connection within ", absl::FormatDuration(invocation.timeout)));
   }
   connection.stub = pb::KvAdmin::NewStub(channel);
+  connection.prefix_stub = pb::KvPrefixCache::NewStub(channel);
   return connection;
 }
 
@@ -575,16 +606,25 @@ int ReportCallFailure(const Invocation& invocation, absl::string_view method,
 
 int UsageFailure(const absl::Status& status, absl::string_view command, std::ostream& err);
 
-template <typename Request, typename Response>
-using StubCall = grpc::Status (pb::KvAdmin::Stub::*)(grpc::ClientContext*, const Request&,
-                                                     Response*);
+template <typename Stub, typename Request, typename Response>
+using StubCall = grpc::Status (Stub::*)(grpc::ClientContext*, const Request&, Response*);
+
+// The connection's stub of the service `Stub` belongs to.
+template <typename Stub>
+Stub& StubOf(Connection& connection) {
+  if constexpr (std::is_same_v<Stub, pb::KvPrefixCache::Stub>) {
+    return *connection.prefix_stub;
+  } else {
+    return *connection.stub;
+  }
+}
 
 // Connects, makes one call, prints the answer. A `request` that could not be built (an input
 // file) is a usage error; `render(response)` is the human output; `fits_nothing(response)`
 // selects exit code 5.
-template <typename Request, typename Response, typename Render>
+template <typename Stub, typename Request, typename Response, typename Render>
 int CallAndPrint(const Invocation& invocation, absl::string_view method,
-                 StubCall<Request, Response> call, const absl::StatusOr<Request>& request,
+                 StubCall<Stub, Request, Response> call, const absl::StatusOr<Request>& request,
                  Render render, std::ostream& out, std::ostream& err,
                  bool (*fits_nothing)(const Response&) = nullptr) {
   if (!request.ok()) return UsageFailure(request.status(), invocation.command, err);
@@ -598,7 +638,7 @@ int CallAndPrint(const Invocation& invocation, absl::string_view method,
   grpc::ClientContext context;
   context.set_deadline(connection->deadline);
   Response response;
-  const grpc::Status status = ((*connection->stub).*call)(&context, *request, &response);
+  const grpc::Status status = (StubOf<Stub>(*connection).*call)(&context, *request, &response);
   if (!status.ok()) return ReportCallFailure(invocation, method, status, err);
   if (invocation.json) {
     absl::StatusOr<std::string> json = RenderJson(response);
@@ -1034,6 +1074,48 @@ std::string RenderImport(const pb::ImportModelResponse& imported) {
   return absl::StrCat(fields.Render(), "\n", kinds.Render());
 }
 
+std::string RenderPrefixStats(const pb::PrefixCacheStats& stats) {
+  return FieldList()
+      .Add("stored", absl::StrCat(FormatBytes(stats.stored_bytes()), " in ", stats.entries(),
+                                  " entries, ", stats.blocks(), " blocks of ",
+                                  stats.block_tokens(), " tokens (shared blocks once)"))
+      .Add("evictable", FormatBytes(stats.evictable_bytes()))
+      .Add("pinned", FormatBytes(stats.pinned_bytes()))
+      .Add("budget", FormatBytes(stats.budget_bytes()))
+      .Add("lookups", absl::StrCat(stats.lookup_hits(), " hit, ", stats.lookup_partials(),
+                                   " partial, ", stats.lookup_misses(), " miss"))
+      .Add("restores", absl::StrCat(stats.restores(), " (", stats.tokens_restored(), " tokens)"))
+      .Add("captures", absl::StrCat(stats.captures(), " (", stats.death_captures(),
+                                    " from dead engines)"))
+      .Add("evictions", absl::StrCat(stats.evicted_entries(), " evicted, ",
+                                     stats.dropped_entries(), " dropped (checksum)"))
+      .Render();
+}
+
+std::string RenderPrefixes(const pb::ListPrefixesResponse& prefixes) {
+  TextTable table({{"ENTRY", Align::kRight},
+                   {"SHAPE"},
+                   {"TOKENS", Align::kRight},
+                   {"BLOCKS", Align::kRight},
+                   {"BLOCK BYTES", Align::kRight},
+                   {"BOUNDARY BYTES", Align::kRight},
+                   {"PINS", Align::kRight},
+                   {"LAST USE", Align::kRight}});
+  for (const pb::PrefixEntry& entry : prefixes.entries()) {
+    table.AddRow({absl::StrCat(entry.entry_id()), HexBytes(entry.shape_fingerprint()).substr(0, 16),
+                  absl::StrCat(entry.boundary_tokens()), absl::StrCat(entry.blocks()),
+                  FormatBytes(entry.block_bytes()), FormatBytes(entry.boundary_bytes()),
+                  absl::StrCat(entry.pins()), absl::StrCat(entry.last_use_tick())});
+  }
+  return absl::StrCat(table.Render(), Count(prefixes.entries_size(), "entry", "entries"), "\n\n",
+                      RenderPrefixStats(prefixes.stats()));
+}
+
+std::string RenderEvict(const pb::EvictPrefixResponse& evicted) {
+  return absl::StrCat("freed ", FormatBytes(evicted.freed_bytes()), "\n",
+                      RenderPrefixStats(evicted.stats()));
+}
+
 std::string RenderDrain(const pb::DrainResponse& drained) {
   return absl::StrCat("draining: new engines and sessions get UNAVAILABLE; ",
                       Count(drained.sessions_open(), "session stays", "sessions stay"),
@@ -1068,6 +1150,17 @@ int RunKvctl(const std::vector<std::string>& args, std::ostream& out, std::ostre
     request.set_engine_id(invocation.engine_id);
     return CallAndPrint(invocation, "ListSessions", &Stub::ListSessions,
                         absl::StatusOr<pb::ListSessionsRequest>(request), RenderSessions, out, err);
+  }
+  if (command == "prefixes") {
+    return CallAndPrint(invocation, "ListPrefixes", &pb::KvPrefixCache::Stub::ListPrefixes,
+                        absl::StatusOr<pb::ListPrefixesRequest>(pb::ListPrefixesRequest()),
+                        RenderPrefixes, out, err);
+  }
+  if (command == "evict") {
+    pb::EvictPrefixRequest request;
+    request.set_entry_id(invocation.entry_id);
+    return CallAndPrint(invocation, "EvictPrefix", &pb::KvPrefixCache::Stub::EvictPrefix,
+                        absl::StatusOr<pb::EvictPrefixRequest>(request), RenderEvict, out, err);
   }
   if (command == "drain") {
     return CallAndPrint(invocation, "Drain", &Stub::Drain,

@@ -29,6 +29,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "proto/memra/kv/v1/admin.pb.h"
+#include "proto/memra/kv/v1/prefix.pb.h"
 
 namespace memra::kvctl {
 
@@ -74,6 +75,9 @@ struct Invocation {
   // sessions.
   uint64_t engine_id = 0;  // 0: every engine
 
+  // evict.
+  uint64_t entry_id = 0;
+
   // import-model.
   std::string name;
   uint32_t index_pool = 0;
@@ -106,6 +110,8 @@ std::string RenderFit(const kv::v1::FitResponse& fit, uint64_t context);
 std::string RenderMaxContext(const kv::v1::MaxContextResponse& max_context);
 std::string RenderImport(const kv::v1::ImportModelResponse& imported);
 std::string RenderDrain(const kv::v1::DrainResponse& drained);
+std::string RenderPrefixes(const kv::v1::ListPrefixesResponse& prefixes);
+std::string RenderEvict(const kv::v1::EvictPrefixResponse& evicted);
 
 // --json: protobuf JSON, every primitive field printed, field names as in the .proto, one line.
 absl::StatusOr<std::string> RenderJson(const google::protobuf::Message& message);

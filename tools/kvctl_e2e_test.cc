@@ -24,6 +24,7 @@
 #include "google/protobuf/util/json_util.h"
 #include "gtest/gtest.h"
 #include "proto/memra/kv/v1/admin.pb.h"
+#include "proto/memra/kv/v1/prefix.pb.h"
 #include "tests/status_matchers.h"
 #include "tests/subprocess.h"
 #include "tools/text_format.h"
@@ -80,6 +81,8 @@ class KvctlE2eTest : public ::testing::Test {
                                            absl::StrCat("--budget_bytes=", kBudgetBytes),
                                            "--backend=host",
                                            "--socket_mode=0600",
+                                           "--prefix_cache_budget_bytes=16MiB",
+                                           "--metrics_address=",
                                            "--watchdog=false"};
     daemon_ = Spawn(args);
     ASSERT_GT(daemon_, 0);
@@ -316,6 +319,20 @@ TEST_F(KvctlE2eTest, FillingTheBudgetEndsInNothingFits) {
   const Outcome fit = Kvctl({"fit", model, "--context=1"});
   EXPECT_EQ(fit.exit_code, 5) << fit.out << fit.err;
   EXPECT_THAT(fit.out, ContainsRegex("\nsessions +0 +0 +[1-9][0-9]*\n"));
+}
+
+TEST_F(KvctlE2eTest, PrefixesAndEvict) {
+  const Outcome listed = Kvctl({"prefixes"});
+  EXPECT_EQ(listed.exit_code, 0) << listed.err;
+  EXPECT_THAT(listed.out, HasSubstr("0 entries"));
+  EXPECT_THAT(listed.out, HasSubstr("budget     16.00 MiB (16777216 B)"));
+  EXPECT_THAT(listed.out, HasSubstr("lookups    0 hit, 0 partial, 0 miss"));
+  EXPECT_EQ(KvctlJson<pb::ListPrefixesResponse>({"prefixes"}).stats().budget_bytes(),
+            uint64_t{16} << 20);
+  const Outcome unknown = Kvctl({"evict", "--entry=99"});
+  EXPECT_EQ(unknown.exit_code, 4);
+  EXPECT_THAT(unknown.err, StartsWith("memra-kvctl: memra-kvd refused EvictPrefix: NOT_FOUND: "));
+  EXPECT_THAT(unknown.err, HasSubstr("99"));
 }
 
 TEST_F(KvctlE2eTest, DrainAndUndrain) {
