@@ -5,4 +5,8 @@ MEMRA_COPTS = [
     "-Wextra",
     "-Werror",
     "-Wno-unused-parameter",
+    # GCC 12 at -O2 (-c opt, the benchmarks) reports -Wmaybe-uninitialized through moved
+    # std::optional members (core/session.cc: SessionState::pending_append_), a known false
+    # positive; it stays a visible warning, not an error.
+    "-Wno-error=maybe-uninitialized",
 ]
