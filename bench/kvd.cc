@@ -12,15 +12,20 @@ namespace memra::bench {
 namespace pb = ::memra::kv::v1;
 
 absl::StatusOr<std::unique_ptr<Kvd>> Kvd::Start(const BenchOptions& options,
-                                                uint64_t budget_bytes) {
+                                                uint64_t budget_bytes,
+                                                const std::vector<std::string>& extra_flags) {
   ASSIGN_OR_RETURN(TempDir dir, TempDir::Create("memra-bench"));
   const std::string socket_path = dir.File("kvd.sock");
-  ASSIGN_OR_RETURN(
-      ChildProcess process,
-      ChildProcess::Spawn({options.kvd_binary, "--backend=host", "--socket_path=" + socket_path,
-                           absl::StrCat("--budget_bytes=", budget_bytes), "--socket_mode=0600",
-                           "--watchdog=false", "--metrics_address=", "--drain_grace_ms=1000"},
-                          dir.File("daemon.log")));
+  std::vector<std::string> argv = {options.kvd_binary,
+                                   "--backend=host",
+                                   "--socket_path=" + socket_path,
+                                   absl::StrCat("--budget_bytes=", budget_bytes),
+                                   "--socket_mode=0600",
+                                   "--watchdog=false",
+                                   "--metrics_address=",
+                                   "--drain_grace_ms=1000"};
+  argv.insert(argv.end(), extra_flags.begin(), extra_flags.end());
+  ASSIGN_OR_RETURN(ChildProcess process, ChildProcess::Spawn(argv, dir.File("daemon.log")));
   if (absl::Status up = WaitForPath(socket_path, process, absl::Seconds(30)); !up.ok()) {
     return absl::UnavailableError(
         absl::StrCat("memra-kvd did not start (", up.message(), "); see ", dir.File("daemon.log")));

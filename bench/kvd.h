@@ -31,12 +31,14 @@ struct BenchOptions {
 };
 
 // memra-kvd (host backend) on a socket in a private directory; its log is daemon.log there.
+// `extra_flags` are appended to its command line (e.g. --prefix_cache_budget_bytes=N).
 // Stop() (or the destructor) drains it with SIGTERM. REQUIRES: every client detached first,
 // so the drain has no live session to wait for.
 class Kvd {
  public:
-  static absl::StatusOr<std::unique_ptr<Kvd>> Start(const BenchOptions& options,
-                                                    uint64_t budget_bytes);
+  static absl::StatusOr<std::unique_ptr<Kvd>> Start(
+      const BenchOptions& options, uint64_t budget_bytes,
+      const std::vector<std::string>& extra_flags = {});
   ~Kvd() { Stop(); }
 
   const std::string& socket_path() const { return socket_path_; }

@@ -1,11 +1,17 @@
-// Section 3: prefix restore/capture, and the peer a user would pick today for an out-of-process
-// KV store: Redis (LMCache's remote tier), started here on loopback.
+// Section 3: prefix restore/capture through memra-kvd's KvPrefixCache, and the peer a user
+// would pick today for an out-of-process KV store: Redis (LMCache's remote tier), started here on
+// loopback.
 //
-// Restore/capture through memra-kvd is NOT measured yet: the daemon has no prefix-cache RPCs
-// (another change builds them). The Redis side runs now so the comparison is ready: SET and
-// GET of entries of a dense model's 1k / 32k / 128k tokens, in chunks of 256 tokens (LMCache's
-// default chunk: one key per chunk), against memcpy of the same bytes in this process. Entry
-// bytes are the session arena bytes of that context (core/admission.h SessionArenaBytes).
+// 3a. Redis: SET and GET of entries of a dense model's 1k / 32k / 128k tokens, in chunks of 256
+// tokens (LMCache's default chunk: one key per chunk), against memcpy of the same bytes in this
+// process. Entry bytes are the session arena bytes of that context (core/admission.h
+// SessionArenaBytes).
+// 3b. memra-kvd (host backend, --prefix_block_tokens=256): for a dense and a hybrid model and the
+// same token counts, a session commits N rows with their token ids and Captures the boundary
+// (timed; the entry is evicted between repetitions so every capture copies); then a fresh
+// session's Lookup + Restore is timed (lookup to ready: what an engine waits). Bytes moved are
+// the entry's block_bytes + boundary_bytes (InspectPrefix); the baselines are memcpy of that many
+// bytes in this process, measured in the same run, and the Redis GET of 3a at the same tokens.
 
 #include <hiredis/hiredis.h>
 #include <sys/time.h>
@@ -17,6 +23,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "bench/harness.h"
@@ -24,10 +31,17 @@
 #include "bench/sections.h"
 #include "core/admission.h"
 #include "core/status_macros.h"
+#include "common/grpc_status.h"
 #include "core/test_model_plans.h"
+#include "grpcpp/client_context.h"
+#include "grpcpp/create_channel.h"
+#include "grpcpp/security/credentials.h"
+#include "proto/memra/kv/v1/prefix.grpc.pb.h"
 
 namespace memra::bench {
 namespace {
+
+namespace pb = ::memra::kv::v1;
 
 constexpr uint64_t kChunkTokens = 256;
 
@@ -143,14 +157,9 @@ absl::StatusOr<EntryResult> MeasureEntry(redisContext* redis, const EntrySize& s
   return result;
 }
 
-}  // namespace
-
-absl::StatusOr<Json> RunPrefixAndRedis(const BenchOptions& options) {
-  Json json;
-  json["prefix_restore_capture"] =
-      Json{{"status", "not measured - needs the prefix cache RPCs (capture, lookup, restore)"}};
-  std::printf("\n== 3. prefix restore/capture: not measured - needs the prefix cache RPCs\n");
-
+// 3a: Redis SET/GET vs memcpy into json["redis"]; GET GB/s (p50) by entry tokens into `get_gbps`.
+absl::Status RunRedis(const BenchOptions& options, Json& json,
+                      absl::flat_hash_map<uint64_t, double>& get_gbps) {
   const ModelPlan model = DenseModel();
   std::vector<std::pair<EntrySize, uint64_t>> entries;  // size, bytes
   for (const EntrySize& size : kEntries) {
@@ -211,6 +220,7 @@ absl::StatusOr<Json> RunPrefixAndRedis(const BenchOptions& options) {
                         {"get_gbps_p50", get},
                         {"memcpy_gbps_p50", copy},
                         {"ratio_memcpy_get_bandwidth", copy / get}});
+    get_gbps[r.tokens] = get;
     table.Add({absl::StrCat(r.tokens / 1024, "k tokens"), absl::StrCat(r.bytes),
                absl::StrCat(r.chunks), Fixed(set, 2), Fixed(get, 2), Fixed(copy, 2),
                Ratio(copy / get)});
@@ -220,8 +230,268 @@ absl::StatusOr<Json> RunPrefixAndRedis(const BenchOptions& options) {
                                  "q8_0 K / q5_1 V"},
                        {"chunk_tokens", kChunkTokens},
                        {"entries", rows}};
-  table.Print(absl::StrCat("3b. Redis ", version,
+  table.Print(absl::StrCat("3a. Redis ", version,
                            " peer on loopback (SET/GET in 256-token chunks) vs memcpy"));
+  return absl::OkStatus();
+}
+
+// ---- 3b. memra-kvd's prefix cache ----
+
+constexpr uint32_t kBlockTokens = 256;
+constexpr uint64_t kCommitChunk = 1024;  // rows per transaction while filling the source
+constexpr absl::Duration kPrefixDeadline = absl::Seconds(300);
+
+struct PrefixModel {
+  std::string label;
+  std::string description;
+  ModelPlan plan;
+};
+
+std::vector<PrefixModel> PrefixModels() {
+  // Qwen3-Next-style: 12 full-attention layers (2 KV heads of 256) + 36 Gated DeltaNet layers
+  // whose 75 MiB of conv + SSM state is stored per captured boundary.
+  return {{"dense", "llama-3.2-1b geometry (16 layers, 8 KV heads of 64)", DenseModel()},
+          {"hybrid", "qwen3-next style (12 attention layers of 2x256, 36 Gated DeltaNet)",
+           test_plans::Qwen3NextStyle()}};
+}
+
+std::vector<int32_t> TokenIds(uint64_t n, uint64_t salt) {
+  std::vector<int32_t> tokens(n);
+  for (uint64_t i = 0; i < n; ++i) tokens[i] = static_cast<int32_t>((i * 7919 + salt) % 150000);
+  return tokens;
+}
+
+std::unique_ptr<grpc::ClientContext> PrefixContext() {
+  auto context = std::make_unique<grpc::ClientContext>();
+  context->set_deadline(absl::ToChronoTime(absl::Now() + kPrefixDeadline));
+  return context;
+}
+
+// Commits `tokens.size()` rows in chunks, each commit carrying its token ids, and writes a
+// non-zero byte pattern into every plane (rows' contents are irrelevant to the copy).
+absl::Status FillSession(KvClient& client, Session& session, const std::vector<int32_t>& tokens) {
+  const uint64_t rows = tokens.size();
+  for (uint64_t done = 0; done < rows;) {
+    const uint64_t chunk = std::min<uint64_t>(rows - done, kCommitChunk);
+    ASSIGN_OR_RETURN(Transaction transaction, session.Begin());
+    RETURN_IF_ERROR(session.PrepareAppend(transaction.generation, chunk).status());
+    RETURN_IF_ERROR(session.PublishAppend(transaction.generation).status());
+    pb::CommitRequest request;
+    *request.mutable_session() = session.ref();
+    request.set_generation(transaction.generation);
+    request.set_accepted_rows(chunk);
+    request.mutable_token_ids()->Add(tokens.begin() + done, tokens.begin() + done + chunk);
+    pb::CommitResponse response;
+    RETURN_IF_ERROR(
+        FromGrpcStatus(client.cache_stub().Commit(client.NewContext().get(), request, &response)));
+    done += chunk;
+  }
+  for (const pb::LayerLayout& layer : session.layout().layers()) {
+    for (PlaneKind kind : {PlaneKind::kKeys, PlaneKind::kValues, PlaneKind::kConvState,
+                           PlaneKind::kSsmState}) {
+      absl::StatusOr<PlaneView> view = session.Plane(layer.layer(), kind);
+      if (view.ok()) std::memset(view->data, 0x5a ^ static_cast<int>(kind), view->bytes);
+    }
+  }
+  return absl::OkStatus();
+}
+
+struct PrefixResult {
+  std::string model;
+  uint64_t tokens = 0;
+  uint64_t block_bytes = 0, boundary_bytes = 0;
+  Samples capture, lookup, restore, ready, copy;  // ready = lookup + restore
+  uint64_t Bytes() const { return block_bytes + boundary_bytes; }
+};
+
+absl::StatusOr<PrefixResult> MeasurePrefix(KvClient& client, pb::KvPrefixCache::Stub& prefix,
+                                           const PlanFingerprint& plan, const std::string& label,
+                                           uint64_t tokens, int reps) {
+  PrefixResult result;
+  result.model = label;
+  result.tokens = tokens;
+  const std::vector<int32_t> ids = TokenIds(tokens, tokens);
+  SessionOptions session_options;
+  session_options.capacity = tokens;
+
+  // Capture from a filled source session; evicted and captured again for each repetition.
+  uint64_t entry_id = 0;
+  {
+    ASSIGN_OR_RETURN(std::unique_ptr<Session> source, client.CreateSession(plan, session_options));
+    RETURN_IF_ERROR(FillSession(client, *source, ids));
+    for (int rep = 0; rep < reps; ++rep) {
+      if (entry_id != 0) {
+        pb::EvictPrefixRequest evict;
+        evict.set_entry_id(entry_id);
+        pb::EvictPrefixResponse evicted;
+        RETURN_IF_ERROR(FromGrpcStatus(prefix.EvictPrefix(PrefixContext().get(), evict, &evicted)));
+      }
+      pb::CapturePrefixRequest request;
+      *request.mutable_session() = source->ref();
+      request.mutable_token_ids()->Add(ids.begin(), ids.end());
+      request.set_boundary_tokens(tokens);
+      pb::CapturePrefixResponse response;
+      const int64_t start = NowNs();
+      RETURN_IF_ERROR(FromGrpcStatus(prefix.Capture(PrefixContext().get(), request, &response)));
+      result.capture.Add(NowNs() - start);
+      if (response.already_present()) {
+        return absl::InternalError(absl::StrCat("capture of ", tokens, " tokens copied nothing"));
+      }
+      entry_id = response.entry_id();
+    }
+    RETURN_IF_ERROR(source->Release().status());
+  }
+  pb::InspectPrefixRequest inspect;
+  inspect.set_entry_id(entry_id);
+  pb::PrefixEntry entry;
+  RETURN_IF_ERROR(FromGrpcStatus(prefix.InspectPrefix(PrefixContext().get(), inspect, &entry)));
+  result.block_bytes = entry.block_bytes();
+  result.boundary_bytes = entry.boundary_bytes();
+
+  // Restore into a fresh session per repetition (session creation is not timed).
+  pb::LookupPrefixRequest lookup;
+  lookup.mutable_shape()->set_plan_fingerprint(
+      std::string(reinterpret_cast<const char*>(plan.data()), plan.size()));
+  lookup.mutable_token_ids()->Add(ids.begin(), ids.end());
+  for (int rep = 0; rep < reps; ++rep) {
+    ASSIGN_OR_RETURN(std::unique_ptr<Session> fresh, client.CreateSession(plan, session_options));
+    pb::RestorePrefixRequest request;
+    *request.mutable_session() = fresh->ref();
+    request.mutable_token_ids()->Add(ids.begin(), ids.end());
+    pb::LookupPrefixResponse found;
+    pb::RestorePrefixResponse restored;
+    const int64_t start = NowNs();
+    RETURN_IF_ERROR(FromGrpcStatus(prefix.Lookup(PrefixContext().get(), lookup, &found)));
+    const int64_t looked_up = NowNs();
+    request.set_entry_id(found.entry_id());
+    RETURN_IF_ERROR(FromGrpcStatus(prefix.Restore(PrefixContext().get(), request, &restored)));
+    const int64_t ready = NowNs();
+    if (found.outcome() != pb::LOOKUP_OUTCOME_HIT || found.matched_tokens() != tokens ||
+        restored.restored_tokens() != tokens || restored.state().committed_len() != tokens) {
+      return absl::InternalError(absl::StrCat(
+          "lookup/restore of ", tokens, " tokens: outcome ", found.outcome(), ", matched ",
+          found.matched_tokens(), ", restored ", restored.restored_tokens()));
+    }
+    result.lookup.Add(looked_up - start);
+    result.restore.Add(ready - looked_up);
+    result.ready.Add(ready - start);
+    RETURN_IF_ERROR(fresh->Release().status());
+  }
+  pb::EvictPrefixRequest evict;
+  evict.set_entry_id(entry_id);
+  pb::EvictPrefixResponse evicted;
+  RETURN_IF_ERROR(FromGrpcStatus(prefix.EvictPrefix(PrefixContext().get(), evict, &evicted)));
+
+  // memcpy of the same bytes, buffers touched first.
+  std::vector<uint8_t> src(result.Bytes(), 0x5a), dst(result.Bytes(), 0);
+  for (int rep = 0; rep < std::max(reps, 3); ++rep) {
+    const int64_t start = NowNs();
+    std::memcpy(dst.data(), src.data(), src.size());
+    result.copy.Add(NowNs() - start);
+    KeepAlive(dst[dst.size() - 1]);
+  }
+  return result;
+}
+
+absl::StatusOr<Json> RunPrefixCache(const BenchOptions& options,
+                                    const absl::flat_hash_map<uint64_t, double>& get_gbps) {
+  // --quick: one tiny entry (two blocks) per model.
+  std::vector<EntrySize> sizes;
+  if (options.quick) {
+    sizes.push_back({2 * kBlockTokens, 1});
+  } else {
+    for (const EntrySize& size : kEntries) {
+      if (size.tokens <= options.redis_max_tokens) sizes.push_back(size);
+    }
+  }
+  if (sizes.empty()) return absl::InvalidArgumentError("--redis_max_tokens excludes every size");
+
+  Json rows = Json::array();
+  Json models = Json::array();
+  Table table({"model", "entry", "bytes", "capture GB/s", "restore GB/s", "lookup->ready ms",
+               "memcpy GB/s", "restore/memcpy", "restore/GET"});
+  for (const PrefixModel& model : PrefixModels()) {
+    // Budget: the source session, the entry (cache), the restored session, and slack.
+    SessionRequest request;
+    request.capacity = sizes.back().tokens;
+    ASSIGN_OR_RETURN(uint64_t session_bytes,
+                     SessionArenaBytes(model.plan, FormatDefaults(), request,
+                                       {.granularity = static_cast<uint64_t>(getpagesize())}));
+    const uint64_t cache_budget = session_bytes + (256ull << 20);
+    ASSIGN_OR_RETURN(
+        std::unique_ptr<Kvd> kvd,
+        Kvd::Start(options, 2 * session_bytes + cache_budget + (256ull << 20),
+                   {absl::StrCat("--prefix_cache_budget_bytes=", cache_budget),
+                    absl::StrCat("--prefix_block_tokens=", kBlockTokens)}));
+    ASSIGN_OR_RETURN(std::unique_ptr<KvClient> client, kvd->Attach("bench-prefix"));
+    ASSIGN_OR_RETURN(PlanFingerprint plan, client->RegisterPlan(model.plan));
+    std::unique_ptr<pb::KvPrefixCache::Stub> prefix = pb::KvPrefixCache::NewStub(grpc::CreateChannel(
+        absl::StrCat("unix:", kvd->socket_path()), grpc::InsecureChannelCredentials()));
+    models.push_back(Json{{"label", model.label}, {"model", model.description}});
+    for (const EntrySize& size : sizes) {
+      ASSIGN_OR_RETURN(PrefixResult r, MeasurePrefix(*client, *prefix, plan, model.label,
+                                                     size.tokens, options.quick ? 1 : size.reps));
+      const double capture = GBps(r.Bytes(), r.capture.P50());
+      const double restore = GBps(r.Bytes(), r.restore.P50());
+      const double ready = GBps(r.Bytes(), r.ready.P50());
+      const double copy = GBps(r.Bytes(), r.copy.P50());
+      const auto get = get_gbps.find(r.tokens);
+      Json row{{"model", r.model},
+               {"tokens", r.tokens},
+               {"bytes", r.Bytes()},
+               {"block_bytes", r.block_bytes},
+               {"boundary_bytes", r.boundary_bytes},
+               {"capture", r.capture.ToJson()},
+               {"lookup", r.lookup.ToJson()},
+               {"restore", r.restore.ToJson()},
+               {"lookup_to_ready", r.ready.ToJson()},
+               {"memcpy", r.copy.ToJson()},
+               {"capture_gbps_p50", capture},
+               {"restore_gbps_p50", restore},
+               {"lookup_to_ready_gbps_p50", ready},
+               {"memcpy_gbps_p50", copy},
+               {"ratio_restore_memcpy_bandwidth", restore / copy},
+               {"ratio_ready_memcpy_bandwidth", ready / copy}};
+      std::string vs_get = "-";
+      if (get != get_gbps.end() && get->second > 0) {
+        row["redis_get_gbps_p50"] = get->second;
+        row["ratio_restore_redis_get_bandwidth"] = restore / get->second;
+        vs_get = Ratio(restore / get->second);
+      }
+      rows.push_back(std::move(row));
+      table.Add({r.model, absl::StrCat(r.tokens >= 1024 ? absl::StrCat(r.tokens / 1024, "k")
+                                                         : absl::StrCat(r.tokens),
+                                       " tokens"),
+                 absl::StrCat(r.Bytes()), Fixed(capture, 2), Fixed(restore, 2),
+                 Fixed(r.ready.P50() / 1e6, 2), Fixed(copy, 2), Ratio(restore / copy), vs_get});
+    }
+    client->Detach();
+    client.reset();
+    if (const int code = kvd->Stop(); code != 0) {
+      return absl::InternalError(absl::StrCat("memra-kvd exited ", code, " after the prefix runs"));
+    }
+  }
+  table.Print("3b. memra-kvd prefix cache (host backend, 256-token blocks): capture, lookup + "
+              "restore vs memcpy and Redis GET");
+  return Json{{"block_tokens", kBlockTokens},
+              {"backend", "host"},
+              {"models", models},
+              {"entries", rows},
+              {"note", "restore GB/s = entry bytes / Restore RPC time; lookup_to_ready = Lookup + "
+                       "Restore as an engine waits (fresh session created beforehand, untimed)"}};
+}
+
+}  // namespace
+
+absl::StatusOr<Json> RunPrefixAndRedis(const BenchOptions& options) {
+  std::printf("\n== 3. prefix restore/capture and the Redis peer\n");
+  Json json;
+  absl::flat_hash_map<uint64_t, double> get_gbps;
+  // Redis first, in its own scope: its server and buffers are gone before the daemon's sessions.
+  absl::Status redis = RunRedis(options, json, get_gbps);
+  if (!redis.ok()) json["redis"] = Json{{"error", redis.ToString()}};
+  ASSIGN_OR_RETURN(json["prefix_restore_capture"], RunPrefixCache(options, get_gbps));
+  RETURN_IF_ERROR(redis);
   return json;
 }
 
