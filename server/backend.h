@@ -50,6 +50,12 @@ struct ArenaExport {
   uint64_t bytes = 0;
 };
 
+// One 4-byte mirror store of DeviceBackend::WriteI32s.
+struct I32Write {
+  uint64_t offset = 0;
+  int32_t value = 0;
+};
+
 struct DeviceInfo {
   std::string name;
   std::string uuid;  // may be empty
@@ -97,9 +103,17 @@ class DeviceBackend {
   virtual absl::Status Copy(ArenaId dst, uint64_t dst_offset, ArenaId src, uint64_t src_offset,
                             uint64_t bytes) = 0;
   virtual absl::Status WriteI32(ArenaId arena, uint64_t offset, int32_t value) = 0;
+  // Every store of `writes`, in order, with the arena looked up once (a session's length mirrors
+  // after an operation: one call instead of one per layer). Every offset is checked before the
+  // first store, so a refused call stores nothing.
+  virtual absl::Status WriteI32s(ArenaId arena, absl::Span<const I32Write> writes) = 0;
   virtual absl::StatusOr<int32_t> ReadI32(ArenaId arena, uint64_t offset) = 0;
   virtual absl::Status Write(ArenaId arena, uint64_t offset, absl::Span<const uint8_t> data) = 0;
   virtual absl::Status Read(ArenaId arena, uint64_t offset, absl::Span<uint8_t> out) = 0;
+  // xxHash3-64 (seed 0) of [offset, offset + bytes), computed without a staging copy of the
+  // whole range (the cuda backend streams it through a bounded host buffer). It seals and
+  // verifies the prefix cache's stored pieces.
+  virtual absl::StatusOr<uint64_t> Checksum(ArenaId arena, uint64_t offset, uint64_t bytes) = 0;
   virtual absl::Status Synchronize() = 0;
 
   // Cross-process ordering (DESIGN.md section 5): blocks the calling thread until the engine's

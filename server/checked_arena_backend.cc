@@ -44,6 +44,16 @@ absl::Status CheckedArenaBackend::WriteI32(ArenaId id, uint64_t offset, int32_t 
                     absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(&value), sizeof(value)));
 }
 
+absl::Status CheckedArenaBackend::WriteI32s(ArenaId id, absl::Span<const I32Write> writes) {
+  ASSIGN_OR_RETURN(std::shared_ptr<ArenaRecord> arena, arenas_.Find("WriteI32s", id));
+  for (const I32Write& write : writes) {
+    RETURN_IF_ERROR(
+        CheckArenaRange("WriteI32s", id, arena->bytes(), write.offset, sizeof(write.value)));
+  }
+  if (writes.empty()) return absl::OkStatus();
+  return StoreI32s(arena->data(), writes);
+}
+
 absl::StatusOr<int32_t> CheckedArenaBackend::ReadI32(ArenaId id, uint64_t offset) {
   int32_t value;
   RETURN_IF_ERROR(ReadBytes("ReadI32", id, offset,
@@ -58,6 +68,13 @@ absl::Status CheckedArenaBackend::Write(ArenaId id, uint64_t offset,
 
 absl::Status CheckedArenaBackend::Read(ArenaId id, uint64_t offset, absl::Span<uint8_t> out) {
   return ReadBytes("Read", id, offset, out);
+}
+
+absl::StatusOr<uint64_t> CheckedArenaBackend::Checksum(ArenaId id, uint64_t offset,
+                                                       uint64_t bytes) {
+  ASSIGN_OR_RETURN(std::shared_ptr<ArenaRecord> arena,
+                   arenas_.FindRange("Checksum", id, offset, bytes));
+  return Digest(arena->data() + offset, bytes);
 }
 
 absl::Status CheckedArenaBackend::WriteBytes(absl::string_view op, ArenaId id, uint64_t offset,

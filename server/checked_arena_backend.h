@@ -3,7 +3,7 @@
 
 // The half of a DeviceBackend that is the same on every device: arena lookup, overflow-checked
 // bounds, export refusal for private arenas and accounting. A concrete backend supplies
-// allocation and five primitives that only ever see ranges already checked, so invariant (2) of
+// allocation and seven primitives that only ever see ranges already checked, so invariant (2) of
 // DeviceBackend holds for every backend by construction.
 
 #include <cstdint>
@@ -30,9 +30,11 @@ class CheckedArenaBackend : public DeviceBackend {
   absl::Status Copy(ArenaId dst, uint64_t dst_offset, ArenaId src, uint64_t src_offset,
                     uint64_t bytes) final;
   absl::Status WriteI32(ArenaId arena, uint64_t offset, int32_t value) final;
+  absl::Status WriteI32s(ArenaId arena, absl::Span<const I32Write> writes) final;
   absl::StatusOr<int32_t> ReadI32(ArenaId arena, uint64_t offset) final;
   absl::Status Write(ArenaId arena, uint64_t offset, absl::Span<const uint8_t> data) final;
   absl::Status Read(ArenaId arena, uint64_t offset, absl::Span<uint8_t> out) final;
+  absl::StatusOr<uint64_t> Checksum(ArenaId arena, uint64_t offset, uint64_t bytes) final;
 
   uint64_t AllocatedBytes() const final { return arenas_.live_bytes(); }
   size_t ArenaCount() const final { return arenas_.size(); }
@@ -57,6 +59,10 @@ class CheckedArenaBackend : public DeviceBackend {
                               absl::Span<const uint8_t> data) = 0;
   virtual absl::Status Download(absl::string_view op, const uint8_t* from,
                                 absl::Span<uint8_t> out) = 0;
+  // Each write's offset is relative to `base`, the start of one arena.
+  virtual absl::Status StoreI32s(uint8_t* base, absl::Span<const I32Write> writes) = 0;
+  // xxHash3-64 (seed 0) of [from, from + bytes).
+  virtual absl::StatusOr<uint64_t> Digest(const uint8_t* from, uint64_t bytes) = 0;
 
  private:
   absl::Status WriteBytes(absl::string_view op, ArenaId id, uint64_t offset,

@@ -1,11 +1,15 @@
 #include "server/cuda_backend.h"
 
+#include <xxhash.h>
+
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <limits>
 #include <memory>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -185,6 +189,39 @@ absl::Status CudaBackend::Download(absl::string_view op, const uint8_t* from,
                                    absl::Span<uint8_t> out) {
   RETURN_IF_ERROR(SelectDevice());
   return Finish(op, cudaMemcpyAsync(out.data(), from, out.size(), cudaMemcpyDeviceToHost, stream_));
+}
+
+absl::Status CudaBackend::StoreI32s(uint8_t* base, absl::Span<const I32Write> writes) {
+  RETURN_IF_ERROR(SelectDevice());
+  // Pageable sources: each enqueue has copied its 4 bytes out before returning, and one stream
+  // sync covers them all.
+  for (const I32Write& write : writes) {
+    const cudaError_t err = cudaMemcpyAsync(base + write.offset, &write.value, sizeof(write.value),
+                                            cudaMemcpyHostToDevice, stream_);
+    if (err != cudaSuccess) {
+      return CudaError(absl::StrCat("WriteI32s at offset ", write.offset, " on device ", device_),
+                       err);
+    }
+  }
+  return Finish("WriteI32s", cudaSuccess);
+}
+
+absl::StatusOr<uint64_t> CudaBackend::Digest(const uint8_t* from, uint64_t bytes) {
+  // Streamed through a bounded host buffer; XXH3's streaming digest equals the one-shot one.
+  constexpr uint64_t kChunkBytes = 8ull << 20;
+  std::vector<uint8_t> chunk(std::min(bytes, kChunkBytes));
+  std::unique_ptr<XXH3_state_t, decltype(&XXH3_freeState)> state(XXH3_createState(),
+                                                                  &XXH3_freeState);
+  if (state == nullptr || XXH3_64bits_reset(state.get()) != XXH_OK) {
+    return absl::ResourceExhaustedError("Checksum: cannot allocate an xxHash3 state");
+  }
+  for (uint64_t done = 0; done < bytes;) {
+    const uint64_t n = std::min(bytes - done, kChunkBytes);
+    RETURN_IF_ERROR(Download("Checksum", from + done, absl::MakeSpan(chunk.data(), n)));
+    XXH3_64bits_update(state.get(), chunk.data(), n);
+    done += n;
+  }
+  return XXH3_64bits_digest(state.get());
 }
 
 absl::Status CudaBackend::WaitForEngineEvent(absl::string_view ipc_event_handle) {

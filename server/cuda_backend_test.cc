@@ -1,5 +1,7 @@
 #include "server/cuda_backend.h"
 
+#include <xxhash.h>
+
 #include <cstdint>
 #include <limits>
 #include <memory>
@@ -98,6 +100,29 @@ TEST_F(CudaBackendTest, OverlappingCopyWithinOneArenaIsAMemmove) {
   ASSERT_THAT(backend_->Copy(*arena, 0, *arena, 4, 10), IsOk());
   EXPECT_THAT(ReadAll(*arena, 0, 16),
               ElementsAre(1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 7, 8, 9, 10, 15, 16));
+}
+
+TEST_F(CudaBackendTest, WriteI32sAndChecksumMatchTheHostComputation) {
+  absl::StatusOr<ArenaId> arena = backend_->CreateArena(20 * kMiB, ArenaVisibility::kPrivate);
+  ASSERT_THAT(arena, IsOk());
+  const std::vector<I32Write> writes = {{0, 1}, {13, -2}, {13, 3}, {20 * kMiB - 4, 4}};
+  ASSERT_THAT(backend_->WriteI32s(*arena, writes), IsOk());
+  absl::StatusOr<int32_t> value = backend_->ReadI32(*arena, 13);
+  ASSERT_THAT(value, IsOk());
+  EXPECT_EQ(*value, 3);
+  // Larger than the 8 MiB streaming chunk, so the streamed digest spans three chunks.
+  std::vector<uint8_t> bytes(17 * kMiB + 5);
+  for (size_t i = 0; i < bytes.size(); ++i) bytes[i] = static_cast<uint8_t>(i * 131 + 1);
+  ASSERT_THAT(backend_->Write(*arena, 3, bytes), IsOk());
+  absl::StatusOr<uint64_t> checksum = backend_->Checksum(*arena, 3, bytes.size());
+  ASSERT_THAT(checksum, IsOk());
+  EXPECT_EQ(*checksum, XXH3_64bits(bytes.data(), bytes.size()));
+  EXPECT_THAT(backend_->WriteI32s(*arena, {{{0, 9}, {20 * kMiB - 3, 9}}}),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstrs("WriteI32s", absl::StrCat("offset ", 20 * kMiB - 3))));
+  value = backend_->ReadI32(*arena, 0);
+  ASSERT_THAT(value, IsOk());
+  EXPECT_EQ(*value, 1);  // the refused batch stored nothing
 }
 
 TEST_F(CudaBackendTest, OutOfRangeAndOverflowAreRefusedBeforeTheDevice) {

@@ -176,14 +176,28 @@ absl::Status DaemonSession::CheckLive() const {
 }
 
 absl::Status DaemonSession::SyncMirrors() {
-  for (const MirrorValue& mirror : state_.Mirrors()) {
-    const uint32_t key = PlaneKey(mirror.plane);
-    auto it = written_mirrors_.find(key);
-    if (it != written_mirrors_.end() && it->second == mirror.value) continue;
-    ASSIGN_OR_RETURN(PlaneAt plane, FindPlane(current_, mirror.plane));
-    RETURN_IF_ERROR(backend_->WriteI32(current_.arena, plane.offset, mirror.value));
-    written_mirrors_[key] = mirror.value;
+  const std::vector<MirrorValue> mirrors = state_.Mirrors();
+  bool slots_match = mirror_slots_.size() == mirrors.size();
+  for (size_t i = 0; slots_match && i < mirrors.size(); ++i) {
+    slots_match = mirror_slots_[i].plane == mirrors[i].plane;
   }
+  if (!slots_match) {
+    mirror_slots_.clear();
+    for (const MirrorValue& mirror : mirrors) {
+      ASSIGN_OR_RETURN(PlaneAt plane, FindPlane(current_, mirror.plane));
+      mirror_slots_.push_back({mirror.plane, plane.offset, std::nullopt});
+    }
+  }
+  // Only the mirrors whose value changed, in one backend call.
+  std::vector<I32Write> writes;
+  for (size_t i = 0; i < mirrors.size(); ++i) {
+    if (mirror_slots_[i].written != mirrors[i].value) {
+      writes.push_back({mirror_slots_[i].offset, mirrors[i].value});
+    }
+  }
+  if (writes.empty()) return absl::OkStatus();
+  RETURN_IF_ERROR(backend_->WriteI32s(current_.arena, writes));
+  for (size_t i = 0; i < mirrors.size(); ++i) mirror_slots_[i].written = mirrors[i].value;
   return absl::OkStatus();
 }
 
@@ -364,7 +378,7 @@ absl::Status DaemonSession::Grow(uint64_t target_capacity, pb::GrowResponse* out
   previous_ = std::move(current_);
   current_ = std::move(layout);
   state_ = std::move(target);
-  written_mirrors_.clear();
+  mirror_slots_.clear();
   UpdateArenaBytes();
   RETURN_IF_ERROR(TaintAfter("Grow", SyncMirrors()));
   spdlog::info("session {}: grown to capacity {} (layout version {}, {} rows copied)",

@@ -179,8 +179,15 @@ class DaemonSession {
   SessionState state_ ABSL_GUARDED_BY(mu_);
   SessionLayoutVersion current_ ABSL_GUARDED_BY(mu_);
   std::optional<SessionLayoutVersion> previous_ ABSL_GUARDED_BY(mu_);
-  // PlaneKey -> the value last written to that mirror in current_'s arena.
-  absl::flat_hash_map<uint32_t, int32_t> written_mirrors_ ABSL_GUARDED_BY(mu_);
+  // One per state_.Mirrors() entry, in its order: where that mirror lives in current_'s arena
+  // and the value last written there (nullopt: not since current_ became the layout). Emptied
+  // when the layout changes; rebuilt when the mirror list's planes differ from it.
+  struct MirrorSlot {
+    PlaneRef plane;
+    uint64_t offset = 0;
+    std::optional<int32_t> written;
+  };
+  std::vector<MirrorSlot> mirror_slots_ ABSL_GUARDED_BY(mu_);
   bool released_ ABSL_GUARDED_BY(mu_) = false;
   // Token ids of committed rows; nullopt = unknown (see ViewLocked).
   std::optional<std::vector<int32_t>> committed_tokens_ ABSL_GUARDED_BY(mu_) =

@@ -21,12 +21,16 @@ std::string_view BackendOpName(BackendOp op) {
       return "Copy";
     case BackendOp::kWriteI32:
       return "WriteI32";
+    case BackendOp::kWriteI32s:
+      return "WriteI32s";
     case BackendOp::kReadI32:
       return "ReadI32";
     case BackendOp::kWrite:
       return "Write";
     case BackendOp::kRead:
       return "Read";
+    case BackendOp::kChecksum:
+      return "Checksum";
     case BackendOp::kSynchronize:
       return "Synchronize";
     case BackendOp::kWaitForEngineEvent:
@@ -107,6 +111,11 @@ absl::Status FaultInjectingBackend::WriteI32(ArenaId arena, uint64_t offset, int
   return target_->WriteI32(arena, offset, value);
 }
 
+absl::Status FaultInjectingBackend::WriteI32s(ArenaId arena, absl::Span<const I32Write> writes) {
+  RETURN_IF_ERROR(Enter(BackendOp::kWriteI32s));
+  return target_->WriteI32s(arena, writes);
+}
+
 absl::StatusOr<int32_t> FaultInjectingBackend::ReadI32(ArenaId arena, uint64_t offset) {
   RETURN_IF_ERROR(Enter(BackendOp::kReadI32));
   return target_->ReadI32(arena, offset);
@@ -121,6 +130,12 @@ absl::Status FaultInjectingBackend::Write(ArenaId arena, uint64_t offset,
 absl::Status FaultInjectingBackend::Read(ArenaId arena, uint64_t offset, absl::Span<uint8_t> out) {
   RETURN_IF_ERROR(Enter(BackendOp::kRead));
   return target_->Read(arena, offset, out);
+}
+
+absl::StatusOr<uint64_t> FaultInjectingBackend::Checksum(ArenaId arena, uint64_t offset,
+                                                         uint64_t bytes) {
+  RETURN_IF_ERROR(Enter(BackendOp::kChecksum));
+  return target_->Checksum(arena, offset, bytes);
 }
 
 absl::Status FaultInjectingBackend::WaitForEngineEvent(absl::string_view ipc_event_handle) {

@@ -26,9 +26,11 @@ enum class BackendOp {
   kMemset,
   kCopy,
   kWriteI32,
+  kWriteI32s,
   kReadI32,
   kWrite,
   kRead,
+  kChecksum,
   kSynchronize,
   kWaitForEngineEvent,
 };
@@ -65,9 +67,11 @@ class FaultInjectingBackend final : public DeviceBackend {
   absl::Status Copy(ArenaId dst, uint64_t dst_offset, ArenaId src, uint64_t src_offset,
                     uint64_t bytes) override;
   absl::Status WriteI32(ArenaId arena, uint64_t offset, int32_t value) override;
+  absl::Status WriteI32s(ArenaId arena, absl::Span<const I32Write> writes) override;
   absl::StatusOr<int32_t> ReadI32(ArenaId arena, uint64_t offset) override;
   absl::Status Write(ArenaId arena, uint64_t offset, absl::Span<const uint8_t> data) override;
   absl::Status Read(ArenaId arena, uint64_t offset, absl::Span<uint8_t> out) override;
+  absl::StatusOr<uint64_t> Checksum(ArenaId arena, uint64_t offset, uint64_t bytes) override;
   absl::Status Synchronize() override;
   absl::Status WaitForEngineEvent(absl::string_view ipc_event_handle) override;
 

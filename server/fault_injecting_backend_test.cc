@@ -123,6 +123,11 @@ TEST_F(FaultInjectingBackendTest, EveryFallibleOpCanBeFailed) {
       {BackendOp::kMemset, [&] { return faulty_->Memset(arena, 0, 1, 1); }},
       {BackendOp::kCopy, [&] { return faulty_->Copy(arena, 0, arena, 1, 1); }},
       {BackendOp::kWriteI32, [&] { return faulty_->WriteI32(arena, 0, 1); }},
+      {BackendOp::kWriteI32s,
+       [&] {
+         const I32Write write{.offset = 0, .value = 1};
+         return faulty_->WriteI32s(arena, {&write, 1});
+       }},
       {BackendOp::kReadI32, [&] { return faulty_->ReadI32(arena, 0).status(); }},
       {BackendOp::kWrite,
        [&] {
@@ -132,6 +137,7 @@ TEST_F(FaultInjectingBackendTest, EveryFallibleOpCanBeFailed) {
        [&] {
          return faulty_->Read(arena, 0, {&byte, 1});
        }},
+      {BackendOp::kChecksum, [&] { return faulty_->Checksum(arena, 0, 1).status(); }},
       {BackendOp::kSynchronize, [&] { return faulty_->Synchronize(); }},
       {BackendOp::kWaitForEngineEvent, [&] { return faulty_->WaitForEngineEvent(""); }},
   };

@@ -1,10 +1,13 @@
 #include "server/host_backend.h"
 
+#include <xxhash.h>
+
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/random.h>
 #include <sys/stat.h>
 #include <unistd.h>
+#include <xxhash.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -28,6 +31,9 @@ namespace {
 constexpr size_t kNameRandomBytes = 16;  // 128 bits: names cannot be guessed or collide
 constexpr size_t kMaxPrefixChars = 200;  // "/" + prefix + "-" + 32 hex stays under NAME_MAX
 constexpr int kMaxCreateAttempts = 4;    // EEXIST retries (only a broken random source repeats)
+// Bulk writes of at least this many bytes prefault their destination first: one madvise
+// instead of a fault per page (16 or more here).
+constexpr uint64_t kPrefaultCopyBytes = 64 * 1024;
 
 absl::StatusOr<std::string> RandomHexSuffix() {
   uint8_t bytes[kNameRandomBytes];
@@ -158,6 +164,8 @@ absl::StatusOr<std::shared_ptr<ArenaRecord>> HostBackend::CreateSharedArena(uint
   if (const int err = posix_fallocate(fd.get(), 0, static_cast<off_t>(bytes)); err != 0) {
     return PosixError(absl::StrCat("posix_fallocate ", bytes, " bytes for ", object), err);
   }
+  // Not prefaulted: the engine writes most of a session's pages; the daemon touches its mirrors
+  // and, in bulk, restored ranges (Move prefaults those).
   ASSIGN_OR_RETURN(MappedRegion region, MappedRegion::MapShared(fd.get(), bytes, object));
   return std::make_shared<HostArena>(std::move(region), std::move(name));
 }
@@ -165,7 +173,8 @@ absl::StatusOr<std::shared_ptr<ArenaRecord>> HostBackend::CreateSharedArena(uint
 absl::StatusOr<std::shared_ptr<ArenaRecord>> HostBackend::Allocate(uint64_t bytes,
                                                                    ArenaVisibility visibility) {
   if (visibility == ArenaVisibility::kExported) return CreateSharedArena(bytes);
-  ASSIGN_OR_RETURN(MappedRegion region, MappedRegion::MapAnonymous(bytes));
+  // Private arenas (prefix-cache storage) are written in full as soon as they exist.
+  ASSIGN_OR_RETURN(MappedRegion region, MappedRegion::MapAnonymous(bytes, Prefault::kYes));
   return std::make_shared<HostArena>(std::move(region), std::nullopt);
 }
 
@@ -175,11 +184,13 @@ absl::Status HostBackend::Fill(uint8_t* at, uint8_t value, uint64_t bytes) {
 }
 
 absl::Status HostBackend::Move(uint8_t* to, const uint8_t* from, uint64_t bytes) {
+  if (bytes >= kPrefaultCopyBytes) PrefaultForWrite(to, bytes);
   std::memmove(to, from, bytes);
   return absl::OkStatus();
 }
 
 absl::Status HostBackend::Upload(absl::string_view, uint8_t* to, absl::Span<const uint8_t> data) {
+  if (data.size() >= kPrefaultCopyBytes) PrefaultForWrite(to, data.size());
   std::memcpy(to, data.data(), data.size());
   return absl::OkStatus();
 }
@@ -188,6 +199,17 @@ absl::Status HostBackend::Download(absl::string_view, const uint8_t* from,
                                    absl::Span<uint8_t> out) {
   std::memcpy(out.data(), from, out.size());
   return absl::OkStatus();
+}
+
+absl::Status HostBackend::StoreI32s(uint8_t* base, absl::Span<const I32Write> writes) {
+  for (const I32Write& write : writes) {
+    std::memcpy(base + write.offset, &write.value, sizeof(write.value));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<uint64_t> HostBackend::Digest(const uint8_t* from, uint64_t bytes) {
+  return XXH3_64bits(from, bytes);
 }
 
 absl::Status HostBackend::WaitForEngineEvent(absl::string_view ipc_event_handle) {

@@ -4,6 +4,7 @@
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
+#include <xxhash.h>
 
 #include <atomic>
 #include <cerrno>
@@ -35,6 +36,7 @@ using ::testing::Each;
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
 using ::testing::MatchesRegex;
+using ::testing::Ne;
 
 // tests/status_matchers.h has no value matcher yet; this is the one this file needs.
 constexpr uint64_t kMiB = uint64_t{1} << 20;
@@ -313,6 +315,48 @@ TEST_F(HostBackendTest, MemsetWriteReadAndI32) {
   // Zero-length operations at the very end are in range and do nothing.
   EXPECT_THAT(backend_->Memset(arena, page(), 1, 0), IsOk());
   EXPECT_THAT(backend_->Write(arena, page(), {}), IsOk());
+}
+
+TEST_F(HostBackendTest, WriteI32sStoresEveryValueInOrder) {
+  const ArenaId arena = MustCreate(page());
+  // The later store to offset 8 wins; offset 13 is unaligned.
+  const std::vector<I32Write> writes = {{0, 1}, {8, -2}, {13, 300000}, {8, 4}, {page() - 4, 5}};
+  ASSERT_THAT(backend_->WriteI32s(arena, writes), IsOk());
+  EXPECT_THAT(backend_->ReadI32(arena, 0), IsOkAndHolds(1));
+  EXPECT_THAT(backend_->ReadI32(arena, 8), IsOkAndHolds(4));
+  EXPECT_THAT(backend_->ReadI32(arena, 13), IsOkAndHolds(300000));
+  EXPECT_THAT(backend_->ReadI32(arena, page() - 4), IsOkAndHolds(5));
+  EXPECT_THAT(backend_->WriteI32s(arena, {}), IsOk());
+}
+
+TEST_F(HostBackendTest, OneOutOfRangeWriteI32sStoresNothing) {
+  const ArenaId arena = MustCreate(page());
+  const std::vector<I32Write> writes = {{0, 7}, {page() - 3, 9}};
+  EXPECT_THAT(backend_->WriteI32s(arena, writes),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstrs("WriteI32s", absl::StrCat("offset ", page() - 3, " + 4"),
+                                  absl::StrCat("arena ", arena.value, " of ", page(), " bytes"))));
+  EXPECT_THAT(backend_->ReadI32(arena, 0), IsOkAndHolds(0));  // the valid first store did not run
+  EXPECT_THAT(backend_->WriteI32s(ArenaId{arena.value + 100}, writes),
+              StatusIs(absl::StatusCode::kNotFound,
+                       HasSubstrs("WriteI32s", absl::StrCat(arena.value + 100))));
+}
+
+TEST_F(HostBackendTest, ChecksumIsXxh3OfTheRange) {
+  const ArenaId arena = MustCreate(2 * page(), ArenaVisibility::kPrivate);
+  std::vector<uint8_t> bytes(page() + 17);
+  for (size_t i = 0; i < bytes.size(); ++i) bytes[i] = static_cast<uint8_t>(i * 31 + 7);
+  ASSERT_THAT(backend_->Write(arena, 5, bytes), IsOk());
+  EXPECT_THAT(backend_->Checksum(arena, 5, bytes.size()),
+              IsOkAndHolds(XXH3_64bits(bytes.data(), bytes.size())));
+  EXPECT_THAT(backend_->Checksum(arena, 5, 0), IsOkAndHolds(XXH3_64bits(nullptr, 0)));
+  // One flipped byte changes it.
+  ASSERT_THAT(backend_->Memset(arena, 5 + page(), 0xFF, 1), IsOk());
+  EXPECT_THAT(backend_->Checksum(arena, 5, bytes.size()),
+              IsOkAndHolds(Ne(XXH3_64bits(bytes.data(), bytes.size()))));
+  EXPECT_THAT(backend_->Checksum(arena, page(), page() + 1),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstrs("Checksum", absl::StrCat("offset ", page(), " + ", page() + 1))));
 }
 
 TEST_F(HostBackendTest, CopyBetweenArenasWithOffsetsOnBothSides) {

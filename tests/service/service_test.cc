@@ -890,7 +890,7 @@ TEST_F(ServiceTest, FailedMirrorWriteTaintsInsteadOfHalfApplying) {
   absl::StatusOr<Transaction> tx = session->Begin();
   ASSERT_THAT(tx, IsOk());
   ASSERT_THAT(session->PrepareAppend(tx->generation, 4), IsOk());
-  ASSERT_THAT(faults_->FailNthCall(BackendOp::kWriteI32, 1, absl::InternalError("injected")),
+  ASSERT_THAT(faults_->FailNthCall(BackendOp::kWriteI32s, 1, absl::InternalError("injected")),
               IsOk());
   EXPECT_THAT(session->PublishAppend(tx->generation),
               StatusIs(absl::StatusCode::kInternal, HasSubstr("injected")));
