@@ -1,7 +1,5 @@
 #include "server/prefix_cache.h"
 
-#include <xxhash.h>
-
 #include <algorithm>
 #include <string_view>
 #include <utility>
@@ -24,10 +22,6 @@ void HashU32(Sha256& hash, uint32_t value) {
   char bytes[4];
   for (int i = 0; i < 4; ++i) bytes[i] = static_cast<char>((value >> (8 * i)) & 0xff);
   hash.Update(std::string_view(bytes, sizeof(bytes)));
-}
-
-uint64_t Checksum(absl::Span<const uint8_t> bytes) {
-  return XXH3_64bits(bytes.data(), bytes.size());
 }
 
 // Appends a piece, adding its bytes to `total` (overflow-checked).
@@ -217,29 +211,36 @@ void PrefixCache::PublishEvictable() {
 absl::StatusOr<PrefixCache::Stored> PrefixCache::StorePieces(
     const SessionLayoutVersion& layout, const std::vector<StoredPiece>& pieces,
     uint64_t block_index, uint64_t bytes) {
-  std::vector<uint8_t> buffer(bytes);
-  uint64_t at = 0;
+  // Every source range first, so a bad one allocates nothing.
+  std::vector<uint64_t> sources;
+  sources.reserve(pieces.size());
   for (const StoredPiece& piece : pieces) {
     ASSIGN_OR_RETURN(uint64_t shift, CheckedMul(block_index, piece.bytes, "block offset"));
     ASSIGN_OR_RETURN(uint64_t offset, CheckedAdd(piece.plane_offset, shift, "block offset"));
-    ASSIGN_OR_RETURN(uint64_t in_arena,
+    ASSIGN_OR_RETURN(sources.emplace_back(),
                      PlaneRangeOffset(layout, piece.plane, offset, piece.bytes));
-    RETURN_IF_ERROR(backend_->Read(layout.arena, in_arena,
-                                   absl::MakeSpan(buffer.data() + at, piece.bytes)));
-    at += piece.bytes;
   }
   Stored stored;
-  stored.ref.checksum = Checksum(buffer);
   ASSIGN_OR_RETURN(uint64_t rounded, backend_->RoundedArenaBytes(bytes));
   if (budget_ != nullptr) {
     ASSIGN_OR_RETURN(stored.storage.charge,
                      budget_->AllocateWithoutEviction(kPrefixCacheOwner, rounded));
   }
+  // Gathered device-side (arena to arena) and checksummed where the bytes are: no host staging.
   absl::StatusOr<ArenaId> arena = backend_->CreateArena(bytes, ArenaVisibility::kPrivate);
   absl::Status status = arena.status();
   if (status.ok()) {
     stored.storage.arena = *arena;
-    status = backend_->Write(*arena, 0, buffer);
+    uint64_t at = 0;
+    for (size_t i = 0; i < pieces.size() && status.ok(); ++i) {
+      status = backend_->Copy(*arena, at, layout.arena, sources[i], pieces[i].bytes);
+      at += pieces[i].bytes;
+    }
+    if (status.ok()) {
+      absl::StatusOr<uint64_t> checksum = backend_->Checksum(*arena, 0, bytes);
+      status = checksum.status();
+      if (status.ok()) stored.ref.checksum = *checksum;
+    }
     if (!status.ok()) (void)backend_->FreeArena(*arena);
   }
   if (!status.ok()) {
@@ -251,9 +252,8 @@ absl::StatusOr<PrefixCache::Stored> PrefixCache::StorePieces(
 }
 
 absl::Status PrefixCache::VerifyStored(const StoredRef& ref, uint64_t bytes, EntryId entry) const {
-  std::vector<uint8_t> buffer(bytes);
-  RETURN_IF_ERROR(backend_->Read(ArenaId{ref.storage_handle}, 0, absl::MakeSpan(buffer)));
-  const uint64_t checksum = Checksum(buffer);
+  ASSIGN_OR_RETURN(const uint64_t checksum,
+                   backend_->Checksum(ArenaId{ref.storage_handle}, 0, bytes));
   if (checksum != ref.checksum) {
     return absl::DataLossError(absl::StrFormat(
         "prefix entry %d: stored piece (arena %d, %d bytes) has xxHash3 %016x, captured as "
@@ -546,19 +546,15 @@ absl::StatusOr<SessionState> PrefixCache::RestorePinned(SessionId session,
                                             " carries no boundary state but the session's "
                                             "plan needs ", target.boundary_bytes, " bytes of it"));
   }
-  // 2. Verify every stored piece before the first byte lands.
-  if (options_.verify_checksums) {
-    for (uint64_t i = 0; i < matched_blocks; ++i) {
-      RETURN_IF_ERROR(VerifyStored(entry.blocks[i].stored, target.block_bytes, entry.id));
-    }
-    if (entry.boundary.has_value()) {
-      RETURN_IF_ERROR(VerifyStored(*entry.boundary, target.boundary_bytes, entry.id));
-    }
-  }
-  // 3. Copy. A device failure here leaves the session's state fresh (it adopts `hydrated` only
-  // on success); the bytes already copied are unspecified content of a fresh session.
-  auto copy_pieces = [&](const StoredRef& from, const std::vector<StoredPiece>& pieces,
+  // 2. Verify and copy, one stored piece at a time: each piece is checksummed just before its
+  // bytes are copied, so the copy reads them from cache (a separate verification pass over a
+  // large entry first cost as much as the copy). A mismatch or device failure leaves the
+  // session's state fresh (it adopts `hydrated` only on success); the bytes already copied are
+  // unspecified content of a fresh session, as any fresh session's bytes are.
+  auto copy_pieces = [&](const StoredRef& from, uint64_t stored_bytes,
+                         const std::vector<StoredPiece>& pieces,
                          uint64_t block_index) -> absl::Status {
+    if (options_.verify_checksums) RETURN_IF_ERROR(VerifyStored(from, stored_bytes, entry.id));
     uint64_t at = 0;
     for (const StoredPiece& piece : pieces) {
       ASSIGN_OR_RETURN(uint64_t shift, CheckedMul(block_index, piece.bytes, "block offset"));
@@ -571,7 +567,8 @@ absl::StatusOr<SessionState> PrefixCache::RestorePinned(SessionId session,
     return absl::OkStatus();
   };
   for (uint64_t i = 0; i < matched_blocks; ++i) {
-    RETURN_IF_ERROR(copy_pieces(entry.blocks[i].stored, target.block_pieces, i));
+    RETURN_IF_ERROR(
+        copy_pieces(entry.blocks[i].stored, target.block_bytes, target.block_pieces, i));
   }
   if (entry.boundary.has_value()) {
     // Unbuilt pool-key slots must read zero (PlanLatentRestore's zero_pool_keys).
@@ -582,7 +579,8 @@ absl::StatusOr<SessionState> PrefixCache::RestorePinned(SessionId session,
       ASSIGN_OR_RETURN(uint64_t at, PlaneRangeOffset(layout, keys, 0, bytes));
       RETURN_IF_ERROR(backend_->Memset(layout.arena, at, 0, bytes));
     }
-    RETURN_IF_ERROR(copy_pieces(*entry.boundary, target.boundary_pieces, 0));
+    RETURN_IF_ERROR(
+        copy_pieces(*entry.boundary, target.boundary_bytes, target.boundary_pieces, 0));
   }
   return hydrated;
 }

@@ -53,7 +53,7 @@ namespace memra {
 struct PrefixCacheOptions {
   uint64_t budget_bytes = 0;     // > 0 (0 means the daemon has no prefix cache at all)
   uint32_t block_tokens = 256;   // > 0
-  bool verify_checksums = true;  // xxHash3 check of every stored piece before a restore copies
+  bool verify_checksums = true;  // xxHash3 check of each stored piece before a restore copies it
   uint64_t epoch = 0;            // this daemon's epoch, on entries and events
   uint64_t event_capacity = 4096;
 };
@@ -241,7 +241,7 @@ class PrefixCache {
   // evictable bytes.
   void FreeHandles(const std::vector<uint64_t>& handles) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void PublishEvictable() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Reads the stored piece back and compares its xxHash3 with the one taken at capture.
+  // Checksums the stored piece where it lives and compares with the xxHash3 taken at capture.
   absl::Status VerifyStored(const StoredRef& ref, uint64_t bytes, EntryId entry) const;
 
   // Constant after construction.

@@ -476,12 +476,12 @@ TEST_F(PrefixCacheTest, CorruptBlockIsDataLossAndTheEntryIsDropped) {
   ASSERT_THAT(backend_->Write(*arena, 7, byte), IsOk());
 
   auto dest = NewSession(FlatPlan(), 128);
-  const std::vector<uint8_t> before = ArenaBytes(*dest);
   EXPECT_THAT(cache_->Restore(*dest, captured->entry, tokens).status(),
               StatusIs(absl::StatusCode::kDataLoss,
                        HasSubstr(absl::StrCat("prefix entry ", captured->entry.value,
                                               ": stored piece (arena ", arena->value))));
-  EXPECT_EQ(ArenaBytes(*dest), before);
+  // Block 0 was verified and copied before block 1 failed its check: those bytes are the
+  // unspecified content of a session that stays fresh (nothing adopted, no mirror written).
   EXPECT_EQ(Committed(*dest), 0u);
   EXPECT_THAT(cache_->Inspect(captured->entry).status(),
               StatusIs(absl::StatusCode::kNotFound, HasSubstr("")));
