@@ -120,8 +120,8 @@ absl::Status DecodeStepper::Check(const std::vector<StepOutcome>& outcomes) {
 
 absl::Status DecodeStepper::Step() {
   Build();
-  ASSIGN_OR_RETURN(std::vector<StepOutcome> outcomes, client_.Step(batch_));
-  return Check(outcomes);
+  RETURN_IF_ERROR(client_.Step(batch_, outcomes_));
+  return Check(outcomes_);
 }
 
 absl::Status DecodeStepper::StepMeasuringSizes(uint64_t* request_bytes,

@@ -92,6 +92,7 @@ class DecodeStepper {
   std::vector<uint64_t> next_generation_;  // per session
   std::vector<uint64_t> committed_;        // per session, as the daemon reports it
   StepBatch batch_;
+  std::vector<StepOutcome> outcomes_;  // reused step to step, as a decode loop would
 };
 
 }  // namespace memra::bench

@@ -2,6 +2,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <utility>
 
@@ -37,14 +38,16 @@ bool NamesArena(const pb::SessionLayout& layout, const std::string& handle) {
   return false;
 }
 
-PreparedAppend PreparedFromProto(const pb::PrepareAppendResponse& proto) {
-  PreparedAppend out;
+// Fills `out`, reusing its per-layer vector's capacity.
+void PreparedFromProto(const pb::PrepareAppendResponse& proto, PreparedAppend& out) {
   out.generation = proto.generation();
   out.target = proto.target();
-  out.layers.reserve(proto.layers_size());
-  for (const pb::LayerAppendPlan& layer : proto.layers()) {
-    out.layers.push_back(LayerAppendFromProto(layer));
-  }
+  LayerAppendsFromProto(proto.layers(), out.layers);
+}
+
+PreparedAppend PreparedFromProto(const pb::PrepareAppendResponse& proto) {
+  PreparedAppend out;
+  PreparedFromProto(proto, out);
   return out;
 }
 
@@ -231,26 +234,39 @@ absl::StatusOr<std::unique_ptr<Session>> KvClient::CreateSession(const PlanFinge
   return session;
 }
 
-absl::StatusOr<std::vector<StepOutcome>> KvClient::Step(const StepBatch& batch) {
-  pb::StepResponse response;
-  RETURN_IF_ERROR(FromGrpcStatus(cache_->Step(NewContext().get(), batch.request(), &response)));
-  if (response.results_size() != batch.request().entries_size()) {
-    return absl::InternalError(absl::StrCat("Step answered ", response.results_size(),
-                                            " results for ", batch.request().entries_size(),
-                                            " entries"));
+absl::Status KvClient::Step(StepBatch& batch, std::vector<StepOutcome>& outcomes) {
+  pb::StepResponse* response = batch.NewReply();
+  absl::Status status = FromGrpcStatus(cache_->Step(NewContext().get(), batch.request(), response));
+  if (status.ok() && response->results_size() != batch.request().entries_size()) {
+    status = absl::InternalError(absl::StrCat("Step answered ", response->results_size(),
+                                              " results for ", batch.request().entries_size(),
+                                              " entries"));
   }
-  std::vector<StepOutcome> outcomes(response.results_size());
-  for (int i = 0; i < response.results_size(); ++i) {
-    const pb::StepResult& result = response.results(i);
+  if (!status.ok()) {
+    batch.RecycleReply();
+    return status;
+  }
+  outcomes.resize(response->results_size());
+  for (int i = 0; i < response->results_size(); ++i) {
+    const pb::StepResult& result = response->results(i);
     StepOutcome& out = outcomes[i];
-    out.status = absl::Status(static_cast<absl::StatusCode>(result.code()), result.message());
+    out.status = result.code() == 0
+                     ? absl::OkStatus()
+                     : absl::Status(static_cast<absl::StatusCode>(result.code()), result.message());
+    out.begun = {};
+    out.staged_len = 0;
+    out.committed_len = 0;
+    if (result.payload_case() != pb::StepResult::kPrepare) out.prepared.reset();
     switch (result.payload_case()) {
       case pb::StepResult::kBegin:
         out.begun = {result.begin().generation(), result.begin().base_len()};
         break;
-      case pb::StepResult::kPrepare:
-        out.prepared = PreparedFromProto(result.prepare());
+      case pb::StepResult::kPrepare: {
+        // Reuses the previous step's per-layer vector when this slot held a Prepare too.
+        PreparedAppend& prepared = out.prepared.has_value() ? *out.prepared : out.prepared.emplace();
+        PreparedFromProto(result.prepare(), prepared);
         break;
+      }
       case pb::StepResult::kPublish:
         out.staged_len = result.publish().staged_len();
         break;
@@ -264,6 +280,13 @@ absl::StatusOr<std::vector<StepOutcome>> KvClient::Step(const StepBatch& batch) 
         break;
     }
   }
+  batch.RecycleReply();
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<StepOutcome>> KvClient::Step(StepBatch& batch) {
+  std::vector<StepOutcome> outcomes;
+  RETURN_IF_ERROR(Step(batch, outcomes));
   return outcomes;
 }
 
@@ -275,6 +298,31 @@ absl::StatusOr<pb::GetStatusResponse> KvClient::GetStatus() {
 }
 
 // ---- StepBatch ----
+
+pb::StepResponse* StepBatch::NewReply() {
+  if (reply_arena_ == nullptr) {
+    google::protobuf::ArenaOptions options;
+    if (!reply_block_.empty()) {
+      options.initial_block = reply_block_.data();
+      options.initial_block_size = reply_block_.size();
+    }
+    reply_arena_ = std::make_unique<google::protobuf::Arena>(options);
+  }
+  return google::protobuf::Arena::CreateMessage<pb::StepResponse>(reply_arena_.get());
+}
+
+void StepBatch::RecycleReply() {
+  // A reply that outgrew the block: the next arena starts with one twice its size (bounded by
+  // what replies really use), and this one is freed. Otherwise Reset keeps the block.
+  constexpr size_t kMaxBlockBytes = size_t{64} << 20;
+  const size_t used = static_cast<size_t>(reply_arena_->SpaceAllocated());
+  if (used > reply_block_.size() && reply_block_.size() < kMaxBlockBytes) {
+    reply_arena_.reset();
+    reply_block_.assign(std::min(2 * used, kMaxBlockBytes), 0);
+    return;
+  }
+  reply_arena_->Reset();
+}
 
 pb::StepEntry* StepBatch::Add(const Session& session) {
   pb::StepEntry* entry = request_.add_entries();

@@ -25,7 +25,14 @@
 //   RETURN_IF_ERROR(session->PublishAppend(tx.generation).status());
 //   ASSIGN_OR_RETURN(uint64_t committed, session->Commit(tx.generation, /*accepted_rows=*/3));
 //
-// A batched engine sends one Step() for all its sessions per decode step (StepBatch).
+// A batched engine sends one Step() for all its sessions per decode step (StepBatch), reusing
+// one batch and one outcomes vector across steps.
+//
+// Engine process settings worth making (bench/README.md measured both): Debian's Abseil checks
+// every absl::Mutex acquisition for lock-order cycles, so call
+// absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore) at the top of main(); and
+// glibc's default malloc trim threshold returns a big step's freed memory to the kernel after
+// every step, so consider mallopt(M_TRIM_THRESHOLD, ...) as memra-kvd does (server/main.cc).
 //
 // Ordering: the daemon touches device memory in SpecSnapshot, SpecRollback, Grow and when it
 // writes the length/base mirrors (PublishAppend, Commit, Abort, Rewind, Reset). On the cuda
@@ -45,6 +52,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "google/protobuf/arena.h"
 #include "client/mapper.h"
 #include "core/model_plan.h"
 #include "core/sizing.h"
@@ -192,12 +200,22 @@ class StepBatch {
   void Commit(const Session& session, uint64_t generation, uint64_t accepted_rows);
   void Abort(const Session& session, uint64_t generation);
   size_t size() const { return static_cast<size_t>(request_.entries_size()); }
+  // Empties the batch for the next step; its storage is kept (protobuf keeps cleared entries).
   void Clear() { request_.Clear(); }
   const memra::kv::v1::StepRequest& request() const { return request_; }
 
  private:
+  friend class KvClient;
   memra::kv::v1::StepEntry* Add(const Session& session);
+  // The reply of KvClient::Step(batch, outcomes), parsed into `reply_arena_`, whose first block
+  // is `reply_block_`: sized to the largest reply so far, it is reused (Arena::Reset keeps a
+  // caller's initial block), so a steady decode loop allocates nothing for its replies.
+  memra::kv::v1::StepResponse* NewReply();
+  void RecycleReply();
+
   memra::kv::v1::StepRequest request_;
+  std::vector<char> reply_block_;
+  std::unique_ptr<google::protobuf::Arena> reply_arena_;
 };
 
 // One entry's result; which fields are set depends on the entry's operation.
@@ -239,8 +257,13 @@ class KvClient {
       ABSL_LOCKS_EXCLUDED(mu_);
   // Returns the reservation's bytes to the budget.
   absl::StatusOr<uint64_t> CancelReservation(uint64_t reservation_id) ABSL_LOCKS_EXCLUDED(mu_);
-  // Runs a batch; one outcome per entry, in order. The RPC's own failure is the StatusOr's.
-  absl::StatusOr<std::vector<StepOutcome>> Step(const StepBatch& batch);
+  // Runs a batch; one outcome per entry, in order, into `outcomes` (resized). The RPC's own
+  // failure is the returned status. For a decode loop: keep one StepBatch (Clear() it between
+  // steps) and one outcomes vector, and a step reuses their memory instead of allocating.
+  // Not concurrently on one batch.
+  absl::Status Step(StepBatch& batch, std::vector<StepOutcome>& outcomes);
+  // The same, returning fresh outcomes.
+  absl::StatusOr<std::vector<StepOutcome>> Step(StepBatch& batch);
 
   // KvAdmin.GetStatus.
   absl::StatusOr<memra::kv::v1::GetStatusResponse> GetStatus();

@@ -6,6 +6,8 @@
 // Every configuration key is also a flag (server/config.h); flags win over the file.
 // Exit status: 0 after a drain, 78 (EX_CONFIG) for a configuration error, 1 otherwise.
 
+#include <malloc.h>
+
 #include <cstdio>
 #include <memory>
 #include <string>
@@ -79,6 +81,12 @@ int Run(int argc, char** argv) {
   // Debian's Abseil checks every mutex acquisition for lock-order cycles (gRPC's own locks
   // included): measurable CPU on the hot path (bench/README.md). Tests keep the check on.
   absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
+  // A batched Step allocates and frees megabytes of messages per call. With glibc's default
+  // thresholds that memory went back to the kernel after every step and was faulted back in
+  // on the next (most of a 256-session step's CPU, bench/README.md). Keep it: freed heap is
+  // trimmed only past 256 MiB, and blocks up to 32 MiB come from the heap, not fresh mmaps.
+  mallopt(M_TRIM_THRESHOLD, 256 << 20);
+  mallopt(M_MMAP_THRESHOLD, 32 << 20);
   // Before any other thread exists (spdlog, gRPC): see SignalDispatcher::Start.
   static Events events;
   absl::StatusOr<std::unique_ptr<SignalDispatcher>> signals = SignalDispatcher::Start({
