@@ -1,5 +1,6 @@
 #include "common/codec.h"
 
+#include <algorithm>
 #include <cstring>
 #include <type_traits>
 
@@ -127,31 +128,68 @@ absl::StatusOr<PlaneKind> PlaneKindFromProto(pb::PlaneKind kind) {
   return EnumFromProto(kind, PlaneKind::kSpecSsm, "plane kind");
 }
 
-pb::LayerAppendPlan LayerAppendToProto(const LayerAppend& layer) {
-  pb::LayerAppendPlan out;
-  out.set_layer(layer.layer);
-  out.set_write_row(layer.write_row);
+namespace {
+
+// Equal append plans apart from the layer id.
+bool SamePlan(const LayerAppend& a, const LayerAppend& b) {
+  return a.write_row == b.write_row && a.ring_append == b.ring_append;
+}
+
+void SetPlan(const LayerAppend& layer, pb::LayerAppendPlan* out) {
+  out->set_layer(layer.layer);
+  out->set_write_row(layer.write_row);
   if (layer.ring_append.has_value()) {
     const RingAppend& ring = *layer.ring_append;
-    out.set_ring(true);
-    out.set_rebase(ring.kind == RingAppend::Kind::kRebase);
-    out.set_src_row(ring.src_row);
-    out.set_keep_rows(ring.keep_rows);
-    out.set_new_base(ring.new_base);
+    out->set_ring(true);
+    out->set_rebase(ring.kind == RingAppend::Kind::kRebase);
+    out->set_src_row(ring.src_row);
+    out->set_keep_rows(ring.keep_rows);
+    out->set_new_base(ring.new_base);
+  }
+}
+
+LayerAppend PlanFromProto(const pb::LayerAppendPlan& proto, uint32_t layer) {
+  LayerAppend out;
+  out.layer = layer;
+  out.write_row = proto.write_row();
+  if (proto.ring()) {
+    out.ring_append = proto.rebase() ? RingAppend::Rebase(proto.src_row(), proto.keep_rows(),
+                                                          proto.new_base(), proto.write_row())
+                                     : RingAppend::Contiguous(proto.write_row());
   }
   return out;
 }
 
-LayerAppend LayerAppendFromProto(const pb::LayerAppendPlan& proto) {
-  LayerAppend layer;
-  layer.layer = proto.layer();
-  layer.write_row = proto.write_row();
-  if (proto.ring()) {
-    layer.ring_append = proto.rebase() ? RingAppend::Rebase(proto.src_row(), proto.keep_rows(),
-                                                            proto.new_base(), proto.write_row())
-                                       : RingAppend::Contiguous(proto.write_row());
+}  // namespace
+
+void LayerAppendsToProto(const std::vector<LayerAppend>& layers,
+                         google::protobuf::RepeatedPtrField<pb::LayerAppendPlan>* out) {
+  // A model has few distinct plans per step (flat layers, each ring geometry), so a linear
+  // search over the groups so far is the cheap way.
+  std::vector<const LayerAppend*> groups;
+  for (const LayerAppend& layer : layers) {
+    size_t group = 0;
+    while (group < groups.size() && !SamePlan(*groups[group], layer)) ++group;
+    if (group == groups.size()) {
+      groups.push_back(&layer);
+      SetPlan(layer, out->Add());
+    } else {
+      out->Mutable(static_cast<int>(group))->add_more_layers(layer.layer);
+    }
   }
-  return layer;
+}
+
+void LayerAppendsFromProto(const google::protobuf::RepeatedPtrField<pb::LayerAppendPlan>& plans,
+                           std::vector<LayerAppend>& out) {
+  out.clear();
+  for (const pb::LayerAppendPlan& plan : plans) {
+    out.push_back(PlanFromProto(plan, plan.layer()));
+    for (uint32_t layer : plan.more_layers()) out.push_back(PlanFromProto(plan, layer));
+  }
+  auto by_layer = [](const LayerAppend& a, const LayerAppend& b) { return a.layer < b.layer; };
+  if (!std::is_sorted(out.begin(), out.end(), by_layer)) {
+    std::sort(out.begin(), out.end(), by_layer);
+  }
 }
 
 std::string FingerprintToBytes(const PlanFingerprint& fingerprint) {

@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "core/model_plan.h"
@@ -27,8 +28,16 @@ absl::StatusOr<PlaneKind> PlaneKindFromProto(memra::kv::v1::PlaneKind kind);
 memra::kv::v1::StateKind StateKindToProto(StateKind kind);
 memra::kv::v1::KvFormats KvFormatsToProto(const KvFormats& formats);
 
-memra::kv::v1::LayerAppendPlan LayerAppendToProto(const LayerAppend& layer);
-LayerAppend LayerAppendFromProto(const memra::kv::v1::LayerAppendPlan& proto);
+// An append plan's per-layer entries (`layers` in layer order) as LayerAppendPlan messages, one
+// per distinct plan: layers whose plans are equal but for the layer id share one message
+// (more_layers). A 32-layer dense model's decode step is then one message, not 32.
+void LayerAppendsToProto(
+    const std::vector<LayerAppend>& layers,
+    google::protobuf::RepeatedPtrField<memra::kv::v1::LayerAppendPlan>* out);
+// The inverse, into `out` (cleared; its capacity is reused), in layer order.
+void LayerAppendsFromProto(
+    const google::protobuf::RepeatedPtrField<memra::kv::v1::LayerAppendPlan>& plans,
+    std::vector<LayerAppend>& out);
 
 // A 32-byte fingerprint as it travels (bytes field); INVALID_ARGUMENT for another length.
 std::string FingerprintToBytes(const PlanFingerprint& fingerprint);

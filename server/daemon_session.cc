@@ -238,8 +238,7 @@ absl::Status DaemonSession::PrepareAppend(uint64_t generation, uint64_t rows,
   ASSIGN_OR_RETURN(AppendPlan plan, state_.PrepareAppend(generation, rows));
   out->set_generation(plan.transaction.generation);
   out->set_target(plan.target);
-  out->mutable_layers()->Reserve(static_cast<int>(plan.layers.size()));
-  for (const LayerAppend& layer : plan.layers) *out->add_layers() = LayerAppendToProto(layer);
+  LayerAppendsToProto(plan.layers, out->mutable_layers());
   return absl::OkStatus();
 }
 
