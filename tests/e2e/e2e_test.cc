@@ -1,8 +1,9 @@
 // End to end: the real memra-kvd binary (host backend) and two separate test_engine processes.
-// Engine A runs the script (partial commits, rewinds, SWA ring wrap; K/V, latent and recurrent
-// planes written through its mappings) and holds; this test, as a third process, checks A's bytes
-// and lengths as the daemon reports them, SIGKILLs A and waits for the daemon to free all of
-// A's memory (shm object gone, accounting back to B's share alone) while B keeps working.
+// Engine A runs the script (partial commits, rewinds, spec rollbacks, SWA ring wrap; K/V, latent
+// and recurrent planes written through its mappings) and holds; this test, as a third process,
+// checks A's bytes and lengths as the daemon reports them, SIGKILLs A and waits for the daemon
+// to free all of A's memory (shm object gone, accounting back to B's share alone) while B keeps
+// working.
 // Finally SIGTERM drains the daemon, which exits 0 having freed everything.
 
 #include <signal.h>
@@ -31,6 +32,7 @@
 #include "common/grpc_status.h"
 #include "server/instance.h"
 #include "tests/e2e/engine_script.h"
+#include "tests/e2e/plane_memory.h"
 #include "tests/status_matchers.h"
 #include "tests/subprocess.h"
 
@@ -139,16 +141,17 @@ class E2eTest : public ::testing::Test {
 
 TEST_F(E2eTest, TwoEnginesBytesLeasesAndDrain) {
   StartDaemon(LeaseFlags());
-  engine_a_ = SpawnEngine("engine-a", {});
+  engine_a_ = SpawnEngine("engine-a", {"--spec"});
   engine_b_ = SpawnEngine("engine-b", {"--until=" + dir_ + "/b.stop", "--work"});
   ASSERT_TRUE(PollUntil([&] { return Exists(dir_ + "/a.facts"); }, engine_a_));
   ASSERT_TRUE(PollUntil([&] { return Exists(dir_ + "/b.facts"); }, engine_b_));
 
-  // A's script wrapped the ring, rewound and committed partially.
+  // A's script wrapped the ring, rewound, committed partially and rolled speculation back.
   const auto facts = ReadFacts(dir_ + "/a.facts");
   EXPECT_GT(Number(facts, "committed"), kRingRows);
   EXPECT_GE(Number(facts, "rebases"), 1u);
   EXPECT_GE(Number(facts, "rewinds"), 1u);
+  EXPECT_GE(Number(facts, "spec_rollbacks"), 1u);
 
   // The checker's view: the daemon's lengths and ring bases, and the bytes A wrote, read
   // through a mapping of A's arena in this process.
@@ -172,8 +175,9 @@ TEST_F(E2eTest, TwoEnginesBytesLeasesAndDrain) {
       ASSERT_THAT(base, IsOk());
       bases.push_back(static_cast<uint8_t*>(*base));
     }
+    HostPlaneMemory memory;
     EXPECT_THAT(VerifySession(view.layout(), view.state(), LayoutPlanes(view.layout(), bases),
-                              static_cast<uint8_t>(Number(facts, "recurrent_fill"))),
+                              memory, static_cast<uint8_t>(Number(facts, "recurrent_fill"))),
                 IsOk());
   }
   pb::GetStatusResponse before = Status();
