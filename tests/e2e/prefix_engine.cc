@@ -17,7 +17,6 @@
 #include <unistd.h>
 
 #include <cstdio>
-#include <fstream>
 #include <string>
 #include <vector>
 
@@ -37,6 +36,7 @@
 #include "grpcpp/security/credentials.h"
 #include "proto/memra/kv/v1/prefix.grpc.pb.h"
 #include "tests/e2e/engine_device.h"
+#include "tests/e2e/facts.h"
 #include "tests/e2e/plane_memory.h"
 
 ABSL_FLAG(std::string, socket, "", "memra-kvd's Unix socket path");
@@ -213,20 +213,6 @@ absl::Status CommitRows(KvClient& client, Session& session, const std::vector<in
     std::unique_ptr<grpc::ClientContext> context = client.NewContext();
     RETURN_IF_ERROR(FromGrpcStatus(client.cache_stub().Commit(context.get(), request, &response)));
     done += chunk;
-  }
-  return absl::OkStatus();
-}
-
-absl::Status WriteFacts(const std::string& path, const std::string& facts) {
-  if (path.empty()) return absl::OkStatus();
-  const std::string partial = path + ".partial";
-  {
-    std::ofstream out(partial);
-    out << facts;
-    if (!out) return absl::InternalError(absl::StrCat("cannot write ", partial));
-  }
-  if (rename(partial.c_str(), path.c_str()) != 0) {
-    return absl::InternalError(absl::StrCat("cannot rename ", partial));
   }
   return absl::OkStatus();
 }

@@ -14,7 +14,6 @@
 #include <unistd.h>
 
 #include <cstdio>
-#include <fstream>
 #include <string>
 
 #include "absl/flags/flag.h"
@@ -27,6 +26,7 @@
 #include "core/status_macros.h"
 #include "tests/e2e/engine_device.h"
 #include "tests/e2e/engine_script.h"
+#include "tests/e2e/facts.h"
 #include "tests/e2e/plane_memory.h"
 #include "tests/service/test_plans.h"
 
@@ -52,26 +52,20 @@ absl::Status Verify(Session& session, PlaneMemory& memory, uint8_t recurrent_fil
       recurrent_fill);
 }
 
-absl::Status WriteFacts(const std::string& path, const Session& session,
-                        const ScriptResult& result) {
-  const std::string partial = path + ".partial";
-  {
-    std::ofstream out(partial);
-    out << "session_id=" << session.id() << "\n"
-        << "session_token=" << absl::BytesToHexString(session.ref().session_token()) << "\n"
-        << "committed=" << result.committed << "\n"
-        << "rebases=" << result.rebases << "\n"
-        << "rewinds=" << result.rewinds << "\n"
-        << "spec_rollbacks=" << result.spec_rollbacks << "\n"
-        << "recurrent_fill=" << static_cast<int>(result.recurrent_fill) << "\n"
-        << "arena_handle=" << session.layout().arenas(0).handle() << "\n";
-    if (!out) return absl::InternalError(absl::StrCat("cannot write ", partial));
-  }
-  // Readers never see a half-written file.
-  if (rename(partial.c_str(), path.c_str()) != 0) {
-    return absl::InternalError(absl::StrCat("cannot rename ", partial));
-  }
-  return absl::OkStatus();
+// The handle is hex: a cuda handle is 64 raw bytes.
+absl::Status WriteEngineFacts(const std::string& path, const Session& session,
+                              const ScriptResult& result) {
+  return WriteFacts(
+      path,
+      absl::StrCat("session_id=", session.id(), "\n",
+                   "session_token=", absl::BytesToHexString(session.ref().session_token()), "\n",
+                   "committed=", result.committed, "\n",
+                   "rebases=", result.rebases, "\n",
+                   "rewinds=", result.rewinds, "\n",
+                   "spec_rollbacks=", result.spec_rollbacks, "\n",
+                   "recurrent_fill=", static_cast<int>(result.recurrent_fill), "\n",
+                   "arena_handle_hex=",
+                   absl::BytesToHexString(session.layout().arenas(0).handle()), "\n"));
 }
 
 absl::Status Run() {
@@ -92,9 +86,7 @@ absl::Status Run() {
   ASSIGN_OR_RETURN(ScriptResult result,
                    RunScript(*session, memory, {.spec_rounds = absl::GetFlag(FLAGS_spec)}));
   RETURN_IF_ERROR(Verify(*session, memory, result.recurrent_fill));
-  if (!absl::GetFlag(FLAGS_out).empty()) {
-    RETURN_IF_ERROR(WriteFacts(absl::GetFlag(FLAGS_out), *session, result));
-  }
+  RETURN_IF_ERROR(WriteEngineFacts(absl::GetFlag(FLAGS_out), *session, result));
   const std::string until = absl::GetFlag(FLAGS_until);
   for (uint64_t round = 0; until.empty() || access(until.c_str(), F_OK) != 0; ++round) {
     if (!client->lease_alive()) return absl::UnavailableError("the daemon ended the lease");
