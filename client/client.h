@@ -34,10 +34,12 @@
 // glibc's default malloc trim threshold returns a big step's freed memory to the kernel after
 // every step, so consider mallopt(M_TRIM_THRESHOLD, ...) as memra-kvd does (server/main.cc).
 //
-// Ordering: the daemon touches device memory in SpecSnapshot, SpecRollback, Grow and when it
-// writes the length/base mirrors (PublishAppend, Commit, Abort, Rewind, Reset). On the cuda
-// backend, finish (synchronize) the kernels that read or write those planes before such a call;
-// on the host backend the call order is the order.
+// Ordering: the daemon touches device memory in SpecSnapshot, SpecRollback, Grow, prefix
+// Capture / Restore and when it writes the length/base mirrors (PublishAppend, Commit, Abort,
+// Rewind, Reset). On the cuda backend, finish the kernels that read or write those planes before
+// such a call: synchronize, or record an interprocess event and pass it (Session::SetWaitEvent).
+// Every such call replies only after the daemon's own copies are complete in device memory. On
+// the host backend the call order is the order.
 
 #include <atomic>
 #include <cstdint>
@@ -136,8 +138,11 @@ class Session {
   // commit, abort, rewind, hydrate, reset, spec snapshot/rollback, grow, release) carries it,
   // and the daemon waits for it first. Replies come after the daemon's own device work is
   // complete. Empty (the default): the engine synchronizes its stream before such calls itself.
-  // Host backend: leave it empty (the daemon refuses events there).
+  // Host backend: leave it empty (the daemon refuses events there). KvPrefixCache Capture and
+  // Restore read / overwrite the session's planes too: callers building those requests set
+  // their `ordering.wait_event` to wait_event() under the same contract.
   void SetWaitEvent(std::string ipc_event_handle) { wait_event_ = std::move(ipc_event_handle); }
+  const std::string& wait_event() const { return wait_event_; }
 
   // A plane of `layer` resolved to this process's mapping. NOT_FOUND when the layer has no such
   // plane. Pointers stay valid until Grow() or Release().

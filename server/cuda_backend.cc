@@ -15,6 +15,7 @@
 #include "absl/strings/str_format.h"
 #include "core/status_macros.h"
 #include "common/cuda_errors.h"
+#include "common/cuda_memmove.h"
 
 namespace memra {
 namespace {
@@ -48,13 +49,6 @@ class CudaArena final : public ArenaRecord {
  private:
   DeviceAllocation allocation_;
 };
-
-// Whether [a, a + bytes) and [b, b + bytes) share a byte.
-bool Overlap(const uint8_t* a, const uint8_t* b, uint64_t bytes) {
-  const auto x = reinterpret_cast<uintptr_t>(a);
-  const auto y = reinterpret_cast<uintptr_t>(b);
-  return (x < y ? y - x : x - y) < bytes;
-}
 
 }  // namespace
 
@@ -163,20 +157,7 @@ absl::Status CudaBackend::Fill(uint8_t* at, uint8_t value, uint64_t bytes) {
 
 absl::Status CudaBackend::Move(uint8_t* to, const uint8_t* from, uint64_t bytes) {
   RETURN_IF_ERROR(SelectDevice());
-  if (!Overlap(to, from, bytes)) {
-    return Finish("Copy", cudaMemcpyAsync(to, from, bytes, cudaMemcpyDeviceToDevice, stream_));
-  }
-  // cudaMemcpy leaves overlapping ranges undefined: stage through stream-ordered scratch.
-  void* scratch = nullptr;
-  if (const cudaError_t err = cudaMallocAsync(&scratch, bytes, stream_); err != cudaSuccess) {
-    return CudaError(absl::StrCat("Copy: cudaMallocAsync ", bytes, " bytes of scratch"), err);
-  }
-  cudaError_t err = cudaMemcpyAsync(scratch, from, bytes, cudaMemcpyDeviceToDevice, stream_);
-  if (err == cudaSuccess) {
-    err = cudaMemcpyAsync(to, scratch, bytes, cudaMemcpyDeviceToDevice, stream_);
-  }
-  const cudaError_t freed = cudaFreeAsync(scratch, stream_);
-  return Finish("Copy (overlapping, staged)", err != cudaSuccess ? err : freed);
+  return Finish("Copy", MemmoveDeviceAsync(to, from, bytes, stream_));
 }
 
 absl::Status CudaBackend::Upload(absl::string_view op, uint8_t* to,

@@ -553,7 +553,8 @@ Daemon::Daemon(DaemonConfig config, std::unique_ptr<DeviceBackend> backend, Cloc
     }
   }
   prefix_service_ = std::make_unique<PrefixService>(
-      prefix_cache_.get(), [this](const pb::SessionRef& ref) { return FindSession(ref); });
+      prefix_cache_.get(), backend_.get(),
+      [this](const pb::SessionRef& ref) { return FindSession(ref); });
   reservation_ttl_ = absl::Milliseconds(start_config_.reservation_ttl_ms);
 }
 

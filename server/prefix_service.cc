@@ -112,8 +112,9 @@ pb::PrefixCacheStats PrefixStatsToProto(const PrefixCacheStats& stats) {
   return out;
 }
 
-PrefixService::PrefixService(PrefixCache* cache, SessionFinder find_session)
-    : cache_(cache), find_session_(std::move(find_session)) {}
+PrefixService::PrefixService(PrefixCache* cache, DeviceBackend* backend,
+                             SessionFinder find_session)
+    : cache_(cache), backend_(backend), find_session_(std::move(find_session)) {}
 
 absl::Status PrefixService::Enabled() const {
   if (cache_ == nullptr) {
@@ -123,11 +124,20 @@ absl::Status PrefixService::Enabled() const {
   return absl::OkStatus();
 }
 
+absl::StatusOr<std::shared_ptr<DaemonSession>> PrefixService::OrderedSession(
+    const pb::SessionRef& ref, const pb::DeviceOrdering& ordering) {
+  ASSIGN_OR_RETURN(std::shared_ptr<DaemonSession> session, find_session_(ref));
+  RETURN_IF_ERROR(backend_->WaitForEngineEvent(ordering.wait_event()));
+  return session;
+}
+
 grpc::Status PrefixService::Capture(grpc::ServerContext*, const pb::CapturePrefixRequest* request,
                                     pb::CapturePrefixResponse* response) {
   absl::Status status = [&]() -> absl::Status {
     RETURN_IF_ERROR(Enabled());
-    ASSIGN_OR_RETURN(std::shared_ptr<DaemonSession> session, find_session_(request->session()));
+    ASSIGN_OR_RETURN(std::shared_ptr<DaemonSession> session,
+                     OrderedSession(request->session(), request->ordering()));
+    // The backend's copies are complete when they return (DeviceBackend invariant (4)).
     ASSIGN_OR_RETURN(PrefixCaptureResult captured,
                      cache_->Capture(*session, Span(request->token_ids()),
                                      request->boundary_tokens()));
@@ -177,7 +187,8 @@ grpc::Status PrefixService::Restore(grpc::ServerContext*, const pb::RestorePrefi
                                     pb::RestorePrefixResponse* response) {
   absl::Status status = [&]() -> absl::Status {
     RETURN_IF_ERROR(Enabled());
-    ASSIGN_OR_RETURN(std::shared_ptr<DaemonSession> session, find_session_(request->session()));
+    ASSIGN_OR_RETURN(std::shared_ptr<DaemonSession> session,
+                     OrderedSession(request->session(), request->ordering()));
     std::optional<EntryId> entry;
     if (request->entry_id() != 0) entry = EntryId{request->entry_id()};
     ASSIGN_OR_RETURN(PrefixRestoreResult restored,

@@ -15,6 +15,7 @@
 #include "proto/memra/kv/v1/cache.pb.h"
 #include "proto/memra/kv/v1/prefix.grpc.pb.h"
 #include "proto/memra/kv/v1/prefix.pb.h"
+#include "server/backend.h"
 #include "server/daemon_session.h"
 #include "server/prefix_cache.h"
 
@@ -27,8 +28,9 @@ class PrefixService final : public memra::kv::v1::KvPrefixCache::Service {
       const memra::kv::v1::SessionRef&)>;
 
   // `cache` null: the daemon runs without a prefix cache (every call FAILED_PRECONDITION).
-  // `cache` must outlive the service.
-  PrefixService(PrefixCache* cache, SessionFinder find_session);
+  // `cache` and `backend` (the engines' events are waited on through it) must outlive the
+  // service.
+  PrefixService(PrefixCache* cache, DeviceBackend* backend, SessionFinder find_session);
 
   // Ends open SubscribeEvents streams within one poll period (daemon shutdown).
   void Stop() { stopping_.store(true); }
@@ -52,9 +54,14 @@ class PrefixService final : public memra::kv::v1::KvPrefixCache::Service {
 
  private:
   absl::Status Enabled() const;
+  // The session `ref` names, once the engine's device work on it is complete (DeviceOrdering):
+  // authenticated first, so nobody makes the daemon wait on an event for a session not theirs.
+  absl::StatusOr<std::shared_ptr<DaemonSession>> OrderedSession(
+      const memra::kv::v1::SessionRef& ref, const memra::kv::v1::DeviceOrdering& ordering);
 
   // Constant after construction.
   PrefixCache* const cache_;
+  DeviceBackend* const backend_;
   const SessionFinder find_session_;
 
   std::atomic<bool> stopping_{false};

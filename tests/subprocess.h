@@ -5,6 +5,7 @@
 // put a binary, starting it with its output in files, and waiting for its exit with a bound.
 
 #include <fcntl.h>
+#include <signal.h>
 #include <spawn.h>
 #include <stdlib.h>
 #include <sys/wait.h>
@@ -65,6 +66,19 @@ inline int WaitExit(pid_t pid, absl::Duration patience = absl::Seconds(60)) {
     absl::SleepFor(absl::Milliseconds(10));
   }
   return -1;
+}
+
+// SIGKILLs and reaps `pid` (nothing when it is <= 0): a test's cleanup of a process it left.
+inline void KillAndReap(pid_t pid) {
+  if (pid <= 0) return;
+  kill(pid, SIGKILL);
+  waitpid(pid, nullptr, 0);
+}
+
+// SIGTERM, so a daemon a test left running still takes its clean path (frees and unlinks
+// everything); SIGKILL when it has not exited within `patience`. Nothing when `pid` <= 0.
+inline void TerminateAndReap(pid_t pid, absl::Duration patience = absl::Seconds(60)) {
+  if (pid > 0 && kill(pid, SIGTERM) == 0 && WaitExit(pid, patience) < 0) KillAndReap(pid);
 }
 
 // Bound on every wait of an e2e test; never reached when things work.

@@ -1,8 +1,9 @@
 // End to end: the real memra-kvd binary (host backend) and two separate test_engine processes.
-// Engine A runs the script (partial commits, rewinds, SWA ring wrap; K/V, latent and recurrent
-// planes written through its mappings) and holds; this test, as a third process, checks A's bytes
-// and lengths as the daemon reports them, SIGKILLs A and waits for the daemon to free all of
-// A's memory (shm object gone, accounting back to B's share alone) while B keeps working.
+// Engine A runs the script (partial commits, rewinds, spec rollbacks, SWA ring wrap; K/V, latent
+// and recurrent planes written through its mappings) and holds; this test, as a third process,
+// checks A's bytes and lengths as the daemon reports them, SIGKILLs A and waits for the daemon
+// to free all of A's memory (shm object gone, accounting back to B's share alone) while B keeps
+// working.
 // Finally SIGTERM drains the daemon, which exits 0 having freed everything.
 
 #include <signal.h>
@@ -19,18 +20,18 @@
 #include <vector>
 
 #include "absl/strings/escaping.h"
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "client/client.h"
-#include "client/mapper.h"
 #include "gmock/gmock.h"
 #include "grpcpp/client_context.h"
 #include "gtest/gtest.h"
 #include "server/config.h"
 #include "common/grpc_status.h"
 #include "server/instance.h"
-#include "tests/e2e/engine_script.h"
+#include "tests/e2e/engine_checks.h"
+#include "tests/e2e/engine_device.h"
+#include "tests/e2e/facts.h"
 #include "tests/status_matchers.h"
 #include "tests/subprocess.h"
 
@@ -41,30 +42,10 @@ namespace pb = ::memra::kv::v1;
 
 constexpr uint64_t kLeaseTimeoutMs = 2000;               // roomy: a loaded CI box must not expire B
 constexpr uint64_t kLeaseGraceMs = 200;
-constexpr uint64_t kRingRows = 4671;  // SwaRingRows(32, 6000)
 
-std::map<std::string, std::string> ReadFacts(const std::string& path) {
-  std::map<std::string, std::string> facts;
-  std::ifstream in(path);
-  std::string line;
-  while (std::getline(in, line)) {
-    const size_t eq = line.find('=');
-    if (eq != std::string::npos) facts[line.substr(0, eq)] = line.substr(eq + 1);
-  }
-  return facts;
-}
-
-uint64_t Number(const std::map<std::string, std::string>& facts, const std::string& key) {
-  uint64_t value = 0;
-  EXPECT_TRUE(facts.count(key) && absl::SimpleAtoi(facts.at(key), &value)) << key;
-  return value;
-}
-
-const pb::EngineStatus* FindEngine(const pb::GetStatusResponse& status, const std::string& name) {
-  for (const pb::EngineStatus& engine : status.engine_status()) {
-    if (engine.engine_name() == name) return &engine;
-  }
-  return nullptr;
+// Where the host backend's shared-memory object of an engine's arena lives.
+std::string ShmPath(const Facts& facts) {
+  return "/dev/shm" + absl::HexStringToBytes(facts.at("arena_handle_hex"));
 }
 
 class E2eTest : public ::testing::Test {
@@ -97,17 +78,9 @@ class E2eTest : public ::testing::Test {
 
   void TearDown() override {
     checker_.reset();
-    for (pid_t pid : {engine_a_, engine_b_}) {
-      if (pid > 0) {
-        kill(pid, SIGKILL);
-        waitpid(pid, nullptr, 0);
-      }
-    }
-    // A daemon a test left running still gets the clean path (it frees and unlinks everything).
-    if (daemon_ > 0 && kill(daemon_, SIGTERM) == 0 && WaitExit(daemon_) < 0) {
-      kill(daemon_, SIGKILL);
-      waitpid(daemon_, nullptr, 0);
-    }
+    KillAndReap(engine_a_);
+    KillAndReap(engine_b_);
+    TerminateAndReap(daemon_);
     for (const char* name :
          {"a.facts", "b.facts", "b.stop", "kvd.conf", "kvd.sock", "kvd.sock.lock"}) {
       unlink((dir_ + "/" + name).c_str());
@@ -139,42 +112,18 @@ class E2eTest : public ::testing::Test {
 
 TEST_F(E2eTest, TwoEnginesBytesLeasesAndDrain) {
   StartDaemon(LeaseFlags());
-  engine_a_ = SpawnEngine("engine-a", {});
+  engine_a_ = SpawnEngine("engine-a", {"--spec"});
   engine_b_ = SpawnEngine("engine-b", {"--until=" + dir_ + "/b.stop", "--work"});
   ASSERT_TRUE(PollUntil([&] { return Exists(dir_ + "/a.facts"); }, engine_a_));
   ASSERT_TRUE(PollUntil([&] { return Exists(dir_ + "/b.facts"); }, engine_b_));
 
-  // A's script wrapped the ring, rewound and committed partially.
-  const auto facts = ReadFacts(dir_ + "/a.facts");
-  EXPECT_GT(Number(facts, "committed"), kRingRows);
-  EXPECT_GE(Number(facts, "rebases"), 1u);
-  EXPECT_GE(Number(facts, "rewinds"), 1u);
-
-  // The checker's view: the daemon's lengths and ring bases, and the bytes A wrote, read
-  // through a mapping of A's arena in this process.
-  pb::GetSessionStateRequest request;
-  request.mutable_session()->set_session_id(Number(facts, "session_id"));
-  request.mutable_session()->set_session_token(absl::HexStringToBytes(facts.at("session_token")));
-  request.set_include_layout(true);
-  pb::SessionStateResponse view;
-  ASSERT_THAT(FromGrpcStatus(checker_->cache_stub().GetSessionState(checker_->NewContext().get(),
-                                                                    request, &view)),
-              IsOk());
-  EXPECT_EQ(view.state().committed_len(), Number(facts, "committed"));
-  bool ring_moved = false;
-  for (const pb::LayerState& layer : view.state().layers()) ring_moved |= layer.ring_base() > 0;
-  EXPECT_TRUE(ring_moved);
+  // A's script wrapped the ring, rewound, committed partially and rolled speculation back; its
+  // bytes and the daemon's lengths and mirrors, checked through a mapping in this process.
+  const Facts facts = ReadFacts(dir_ + "/a.facts");
   {
-    HostArenaMapper mapper;
-    std::vector<uint8_t*> bases;
-    for (const pb::Arena& arena : view.layout().arenas()) {
-      absl::StatusOr<void*> base = mapper.Map(arena.backend(), arena.handle(), arena.bytes());
-      ASSERT_THAT(base, IsOk());
-      bases.push_back(static_cast<uint8_t*>(*base));
-    }
-    EXPECT_THAT(VerifySession(view.layout(), view.state(), LayoutPlanes(view.layout(), bases),
-                              static_cast<uint8_t>(Number(facts, "recurrent_fill"))),
-                IsOk());
+    absl::StatusOr<EngineDevice> host = OpenEngineDevice("host", 0);
+    ASSERT_THAT(host, IsOk());
+    ExpectScriptedSession(*checker_, facts, *host);
   }
   pb::GetStatusResponse before = Status();
   EXPECT_EQ(before.sessions(), 2u);
@@ -183,7 +132,7 @@ TEST_F(E2eTest, TwoEnginesBytesLeasesAndDrain) {
   const uint64_t b_bytes = FindEngine(before, "engine-b")->allocated_bytes();
 
   // SIGKILL A: the stream breaks, and after the grace period everything of A is gone.
-  const std::string a_shm = "/dev/shm" + facts.at("arena_handle");
+  const std::string a_shm = ShmPath(facts);
   ASSERT_TRUE(Exists(a_shm)) << a_shm;
   const absl::Time killed = absl::Now();
   ASSERT_EQ(kill(engine_a_, SIGKILL), 0);
@@ -205,7 +154,7 @@ TEST_F(E2eTest, TwoEnginesBytesLeasesAndDrain) {
   EXPECT_EQ(WaitExit(engine_b_), 0);
   engine_b_ = -1;
   const auto b_facts = ReadFacts(dir_ + "/b.facts");
-  EXPECT_FALSE(Exists("/dev/shm" + b_facts.at("arena_handle")));
+  EXPECT_FALSE(Exists(ShmPath(b_facts)));
   pb::GetStatusResponse empty = Status();
   EXPECT_EQ(empty.sessions(), 0u);
   EXPECT_EQ(empty.allocated_bytes(), 0u);
@@ -223,7 +172,7 @@ TEST_F(E2eTest, SigtermDrainsLiveSessionsThenFreesThem) {
   StartDaemon(LeaseFlags());
   engine_b_ = SpawnEngine("engine-b", {"--until=" + dir_ + "/b.stop", "--work"});
   ASSERT_TRUE(PollUntil([&] { return Exists(dir_ + "/b.facts"); }, engine_b_));
-  const std::string b_shm = "/dev/shm" + ReadFacts(dir_ + "/b.facts").at("arena_handle");
+  const std::string b_shm = ShmPath(ReadFacts(dir_ + "/b.facts"));
   ASSERT_EQ(kill(daemon_, SIGTERM), 0);
   // Draining: new engines are refused, the live session keeps working.
   ASSERT_TRUE(PollUntil([&] {
@@ -254,7 +203,7 @@ TEST_F(E2eTest, DrainEndsAtTheGraceOrASecondSigterm) {
     StartDaemon({second_sigterm ? "--drain_grace_ms=600000" : "--drain_grace_ms=300"});
     engine_b_ = SpawnEngine("engine-b", {"--work"});  // never releases on its own
     ASSERT_TRUE(PollUntil([&] { return Exists(dir_ + "/b.facts"); }, engine_b_));
-    const std::string b_shm = "/dev/shm" + ReadFacts(dir_ + "/b.facts").at("arena_handle");
+    const std::string b_shm = ShmPath(ReadFacts(dir_ + "/b.facts"));
     unlink((dir_ + "/b.facts").c_str());
     checker_.reset();
     ASSERT_EQ(kill(daemon_, SIGTERM), 0);
@@ -282,7 +231,7 @@ TEST_F(E2eTest, FrozenEngineLosesItsLeaseWhenHeartbeatsStop) {
   StartDaemon(LeaseFlags());
   engine_a_ = SpawnEngine("engine-a", {});
   ASSERT_TRUE(PollUntil([&] { return Exists(dir_ + "/a.facts"); }, engine_a_));
-  const std::string a_shm = "/dev/shm" + ReadFacts(dir_ + "/a.facts").at("arena_handle");
+  const std::string a_shm = ShmPath(ReadFacts(dir_ + "/a.facts"));
   // SIGSTOP keeps the connection open but stops the heartbeats: only the lease timeout can
   // tell the daemon that this engine is gone.
   ASSERT_EQ(kill(engine_a_, SIGSTOP), 0);

@@ -1,6 +1,7 @@
 #include "tests/e2e/engine_script.h"
 
 #include <cstring>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -14,69 +15,135 @@ namespace {
 
 namespace pb = ::memra::kv::v1;
 
-void FillRow(const PlaneView& plane, uint32_t layer, PlaneKind kind, uint64_t physical_row,
-             uint64_t absolute_row) {
-  uint8_t* row = plane.data + physical_row * plane.row_bytes;
-  for (uint64_t j = 0; j < plane.row_bytes; ++j) {
-    row[j] = PatternByte(layer, kind, absolute_row, j);
+// A speculative round's draft rows, and how many of them the verifier accepts.
+constexpr uint64_t kSpecRows = 12;
+constexpr uint64_t kSpecAccepted = 5;
+
+// The pattern of `rows` rows of `row_bytes` from absolute row `first` on.
+std::vector<uint8_t> PatternRows(uint32_t layer, PlaneKind kind, uint64_t first, uint64_t rows,
+                                 uint64_t row_bytes) {
+  std::vector<uint8_t> bytes(rows * row_bytes);
+  for (uint64_t i = 0; i < rows; ++i) {
+    for (uint64_t j = 0; j < row_bytes; ++j) {
+      bytes[i * row_bytes + j] = PatternByte(layer, kind, first + i, j);
+    }
   }
+  return bytes;
 }
 
-absl::Status CheckRow(const PlaneView& plane, uint32_t layer, PlaneKind kind, uint64_t physical_row,
-                      uint64_t absolute_row) {
-  if (physical_row >= plane.rows) {
+// Checks physical rows [physical_first, + rows) against absolute rows [absolute_first, + rows),
+// reading them in one go.
+absl::Status CheckRows(PlaneMemory& memory, const PlaneView& plane, uint32_t layer,
+                       PlaneKind kind, uint64_t physical_first, uint64_t absolute_first,
+                       uint64_t rows) {
+  if (physical_first > plane.rows || rows > plane.rows - physical_first) {
     return absl::OutOfRangeError(absl::StrCat("layer ", layer, " ",
-                                              std::string(PlaneKindName(kind)), ": row ",
-                                              physical_row, " of ", plane.rows));
+                                              std::string(PlaneKindName(kind)), ": rows ",
+                                              physical_first, "+", rows, " of ", plane.rows));
   }
-  const uint8_t* row = plane.data + physical_row * plane.row_bytes;
-  for (uint64_t j = 0; j < plane.row_bytes; ++j) {
-    if (row[j] != PatternByte(layer, kind, absolute_row, j)) {
-      return absl::DataLossError(
-          absl::StrCat("layer ", layer, " ", std::string(PlaneKindName(kind)), " absolute row ",
-                       absolute_row, " (physical ", physical_row, ") byte ", j, " holds ", row[j],
-                       ", expected ", PatternByte(layer, kind, absolute_row, j)));
+  std::vector<uint8_t> held(rows * plane.row_bytes);
+  RETURN_IF_ERROR(memory.Read(plane, physical_first * plane.row_bytes, absl::MakeSpan(held)));
+  for (uint64_t i = 0; i < rows; ++i) {
+    const uint64_t absolute_row = absolute_first + i;
+    for (uint64_t j = 0; j < plane.row_bytes; ++j) {
+      const uint8_t expected = PatternByte(layer, kind, absolute_row, j);
+      if (held[i * plane.row_bytes + j] != expected) {
+        return absl::DataLossError(absl::StrCat(
+            "layer ", layer, " ", std::string(PlaneKindName(kind)), " absolute row ",
+            absolute_row, " (physical ", physical_first + i, ") byte ", j, " holds ",
+            held[i * plane.row_bytes + j], ", expected ", expected));
+      }
     }
   }
   return absl::OkStatus();
 }
 
-absl::StatusOr<int32_t> ReadI32(const PlaneLookup& planes, uint32_t layer, PlaneKind kind) {
+absl::StatusOr<int32_t> ReadI32(const PlaneLookup& planes, PlaneMemory& memory, uint32_t layer,
+                                PlaneKind kind) {
   ASSIGN_OR_RETURN(PlaneView view, planes(layer, kind));
   int32_t value;
-  std::memcpy(&value, view.data, sizeof(value));
+  RETURN_IF_ERROR(memory.Read(
+      view, 0, absl::MakeSpan(reinterpret_cast<uint8_t*>(&value), sizeof(value))));
   return value;
 }
 
 // Writes the appended rows [staged, staged + rows) of every K/V layer (after its ring rebase
 // copy) and of the latent layer.
-absl::Status WriteAppend(Session& session, const PreparedAppend& append, uint64_t staged,
-                         uint64_t rows) {
+absl::Status WriteAppend(Session& session, PlaneMemory& memory, const PreparedAppend& append,
+                         uint64_t staged, uint64_t rows) {
   for (const LayerAppend& layer : append.layers) {
     for (PlaneKind kind : {PlaneKind::kKeys, PlaneKind::kValues}) {
       ASSIGN_OR_RETURN(PlaneView plane, session.Plane(layer.layer, kind));
       if (layer.ring_append.has_value() && layer.ring_append->kind == RingAppend::Kind::kRebase) {
-        std::memmove(plane.data, plane.data + layer.ring_append->src_row * plane.row_bytes,
-                     layer.ring_append->keep_rows * plane.row_bytes);
+        RETURN_IF_ERROR(memory.Move(plane, 0, layer.ring_append->src_row * plane.row_bytes,
+                                    layer.ring_append->keep_rows * plane.row_bytes));
       }
-      for (uint64_t i = 0; i < rows; ++i) {
-        FillRow(plane, layer.layer, kind, layer.write_row + i, staged + i);
-      }
+      RETURN_IF_ERROR(memory.Write(plane, layer.write_row * plane.row_bytes,
+                                   PatternRows(layer.layer, kind, staged, rows, plane.row_bytes)));
     }
   }
   ASSIGN_OR_RETURN(PlaneView latent, session.Plane(kLatentLayer, PlaneKind::kLatentRows));
-  for (uint64_t i = 0; i < rows; ++i) {
-    FillRow(latent, kLatentLayer, PlaneKind::kLatentRows, staged + i, staged + i);
+  return memory.Write(latent, staged * latent.row_bytes,
+                      PatternRows(kLatentLayer, PlaneKind::kLatentRows, staged, rows,
+                                  latent.row_bytes));
+}
+
+absl::Status FillRecurrent(Session& session, PlaneMemory& memory, uint8_t fill) {
+  for (PlaneKind kind : {PlaneKind::kConvState, PlaneKind::kSsmState}) {
+    ASSIGN_OR_RETURN(PlaneView plane, session.Plane(kRecurrentLayer, kind));
+    RETURN_IF_ERROR(memory.Fill(plane, 0, fill, plane.bytes));
   }
   return absl::OkStatus();
 }
 
-absl::Status FillRecurrent(Session& session, uint8_t fill) {
+// Every byte of the recurrent planes of `layer` holds `fill`.
+absl::Status CheckRecurrent(const PlaneLookup& planes, PlaneMemory& memory, uint32_t layer,
+                            uint8_t fill) {
   for (PlaneKind kind : {PlaneKind::kConvState, PlaneKind::kSsmState}) {
-    ASSIGN_OR_RETURN(PlaneView plane, session.Plane(kRecurrentLayer, kind));
-    std::memset(plane.data, fill, plane.bytes);
+    ASSIGN_OR_RETURN(PlaneView plane, planes(layer, kind));
+    std::vector<uint8_t> held(plane.bytes);
+    RETURN_IF_ERROR(memory.Read(plane, 0, absl::MakeSpan(held)));
+    for (uint64_t i = 0; i < plane.bytes; ++i) {
+      if (held[i] != fill) {
+        return absl::DataLossError(absl::StrCat("layer ", layer, " ",
+                                                std::string(PlaneKindName(kind)), " byte ", i,
+                                                " holds ", held[i], ", expected ", fill));
+      }
+    }
   }
   return absl::OkStatus();
+}
+
+PlaneLookup SessionPlanes(const Session& session) {
+  return [&session](uint32_t layer, PlaneKind kind) { return session.Plane(layer, kind); };
+}
+
+// A speculative round on a quiescent session whose recurrent planes hold `fill`: snapshot, a
+// draft of kSpecRows that overwrites the recurrent state and commits, then a rollback keeping
+// kSpecAccepted rows. Returns the committed length afterwards.
+absl::StatusOr<uint64_t> RunSpecRound(Session& session, PlaneMemory& memory, uint8_t fill,
+                                      uint64_t* rebases) {
+  ASSIGN_OR_RETURN(pb::SessionState snapshot, session.SpecSnapshot());
+  const uint64_t base = snapshot.committed_len();
+  ASSIGN_OR_RETURN(Transaction tx, session.Begin());
+  ASSIGN_OR_RETURN(PreparedAppend append, session.PrepareAppend(tx.generation, kSpecRows));
+  for (const LayerAppend& layer : append.layers) {
+    if (layer.ring_append.has_value() && layer.ring_append->kind == RingAppend::Kind::kRebase) {
+      ++*rebases;
+    }
+  }
+  RETURN_IF_ERROR(WriteAppend(session, memory, append, tx.base_len, kSpecRows));
+  RETURN_IF_ERROR(FillRecurrent(session, memory, static_cast<uint8_t>(~fill)));
+  RETURN_IF_ERROR(session.PublishAppend(tx.generation).status());
+  RETURN_IF_ERROR(session.Commit(tx.generation, kSpecRows).status());
+  ASSIGN_OR_RETURN(pb::SessionState rolled, session.SpecRollback(kSpecAccepted));
+  if (rolled.committed_len() != base + kSpecAccepted) {
+    return absl::InternalError(absl::StrCat("spec rollback to ", base, " + ", kSpecAccepted,
+                                            " left ", rolled.committed_len(), " committed"));
+  }
+  // The daemon's copies back from the snapshot buffers are complete: it replied.
+  RETURN_IF_ERROR(CheckRecurrent(SessionPlanes(session), memory, kRecurrentLayer, fill));
+  return rolled.committed_len();
 }
 
 }  // namespace
@@ -86,7 +153,8 @@ uint8_t PatternByte(uint32_t layer, PlaneKind kind, uint64_t absolute_row, uint6
                               byte * 5 + (absolute_row >> 8));
 }
 
-absl::StatusOr<ScriptResult> RunScript(Session& session) {
+absl::StatusOr<ScriptResult> RunScript(Session& session, PlaneMemory& memory,
+                                       const ScriptOptions& options) {
   ScriptResult result;
   for (uint64_t step = 0;; ++step) {
     const uint64_t rows = 240 + (step % 4) * 10;
@@ -98,13 +166,13 @@ absl::StatusOr<ScriptResult> RunScript(Session& session) {
         ++result.rebases;
       }
     }
-    RETURN_IF_ERROR(WriteAppend(session, append, tx.base_len, rows));
+    RETURN_IF_ERROR(WriteAppend(session, memory, append, tx.base_len, rows));
     RETURN_IF_ERROR(session.PublishAppend(tx.generation).status());
     // Every third step the verifier rejects the last 7 draft rows.
     const uint64_t accepted = step % 3 == 0 ? rows - 7 : rows;
     ASSIGN_OR_RETURN(result.committed, session.Commit(tx.generation, accepted));
     result.recurrent_fill = static_cast<uint8_t>(step * 13 + 1);
-    RETURN_IF_ERROR(FillRecurrent(session, result.recurrent_fill));
+    RETURN_IF_ERROR(FillRecurrent(session, memory, result.recurrent_fill));
     if (step % 5 == 4) {
       const uint64_t target = result.committed - 20;
       ASSIGN_OR_RETURN(bool can, session.CanRewind(target));
@@ -113,36 +181,43 @@ absl::StatusOr<ScriptResult> RunScript(Session& session) {
       result.committed = rewound.committed_len();
       ++result.rewinds;
     }
+    if (options.spec_rounds && step % 4 == 2 && result.committed + kSpecRows <= kE2eCapacity) {
+      ASSIGN_OR_RETURN(result.committed,
+                       RunSpecRound(session, memory, result.recurrent_fill, &result.rebases));
+      ++result.spec_rollbacks;
+    }
   }
   return result;
 }
 
-absl::Status RunIdleRound(Session& session, uint64_t round) {
+absl::Status RunIdleRound(Session& session, PlaneMemory& memory, uint64_t round) {
   ASSIGN_OR_RETURN(Transaction tx, session.Begin());
   const uint64_t rows = 1 + round % 3;
   ASSIGN_OR_RETURN(PreparedAppend append, session.PrepareAppend(tx.generation, rows));
-  RETURN_IF_ERROR(WriteAppend(session, append, tx.base_len, rows));
+  RETURN_IF_ERROR(WriteAppend(session, memory, append, tx.base_len, rows));
   RETURN_IF_ERROR(session.PublishAppend(tx.generation).status());
   RETURN_IF_ERROR(session.Commit(tx.generation, rows).status());
   return session.Rewind(tx.base_len).status();
 }
 
 absl::Status VerifySession(const pb::SessionLayout& layout, const pb::SessionState& state,
-                           const PlaneLookup& planes, uint8_t recurrent_fill) {
+                           const PlaneLookup& planes, PlaneMemory& memory,
+                           uint8_t recurrent_fill) {
   const uint64_t committed = state.committed_len();
   if (state.staged_len() != committed || state.active_generation() != 0) {
     return absl::FailedPreconditionError(absl::StrCat(
         "session not quiescent: staged ", state.staged_len(), ", committed ", committed));
   }
   for (const pb::LayerState& layer : state.layers()) {
-    ASSIGN_OR_RETURN(int32_t len, ReadI32(planes, layer.layer(), PlaneKind::kLenMirror));
+    ASSIGN_OR_RETURN(int32_t len, ReadI32(planes, memory, layer.layer(), PlaneKind::kLenMirror));
     if (static_cast<uint64_t>(len) != committed || layer.length() != len) {
       return absl::DataLossError(absl::StrCat("layer ", layer.layer(), ": length mirror ", len,
                                               ", daemon says ", layer.length(), ", committed ",
                                               committed));
     }
     if (layer.ring()) {
-      ASSIGN_OR_RETURN(int32_t base, ReadI32(planes, layer.layer(), PlaneKind::kBaseMirror));
+      ASSIGN_OR_RETURN(int32_t base,
+                       ReadI32(planes, memory, layer.layer(), PlaneKind::kBaseMirror));
       if (static_cast<uint64_t>(base) != layer.ring_base()) {
         return absl::DataLossError(absl::StrCat("layer ", layer.layer(), ": base mirror ", base,
                                                 ", daemon says ", layer.ring_base()));
@@ -162,26 +237,15 @@ absl::Status VerifySession(const pb::SessionLayout& layout, const pb::SessionSta
       }
       for (PlaneKind kind : {PlaneKind::kKeys, PlaneKind::kValues}) {
         ASSIGN_OR_RETURN(PlaneView plane, planes(layer.layer(), kind));
-        for (uint64_t row = first; row < committed; ++row) {
-          RETURN_IF_ERROR(CheckRow(plane, layer.layer(), kind, row - base, row));
-        }
+        RETURN_IF_ERROR(
+            CheckRows(memory, plane, layer.layer(), kind, first - base, first, committed - first));
       }
     } else if (layer.kind() == pb::STATE_KIND_LATENT) {
       ASSIGN_OR_RETURN(PlaneView plane, planes(layer.layer(), PlaneKind::kLatentRows));
-      for (uint64_t row = 0; row < committed; ++row) {
-        RETURN_IF_ERROR(CheckRow(plane, layer.layer(), PlaneKind::kLatentRows, row, row));
-      }
+      RETURN_IF_ERROR(
+          CheckRows(memory, plane, layer.layer(), PlaneKind::kLatentRows, 0, 0, committed));
     } else if (layer.kind() == pb::STATE_KIND_RECURRENT) {
-      for (PlaneKind kind : {PlaneKind::kConvState, PlaneKind::kSsmState}) {
-        ASSIGN_OR_RETURN(PlaneView plane, planes(layer.layer(), kind));
-        for (uint64_t i = 0; i < plane.bytes; ++i) {
-          if (plane.data[i] != recurrent_fill) {
-            return absl::DataLossError(
-                absl::StrCat("layer ", layer.layer(), " ", std::string(PlaneKindName(kind)),
-                             " byte ", i, " holds ", plane.data[i], ", expected ", recurrent_fill));
-          }
-        }
-      }
+      RETURN_IF_ERROR(CheckRecurrent(planes, memory, layer.layer(), recurrent_fill));
     }
   }
   return absl::OkStatus();

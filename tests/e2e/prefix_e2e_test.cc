@@ -16,7 +16,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "client/client.h"
 #include "common/grpc_status.h"
+#include "core/test_model_plans.h"
 #include "gmock/gmock.h"
 #include "grpcpp/client_context.h"
 #include "grpcpp/create_channel.h"
@@ -116,6 +118,83 @@ TEST_F(PrefixE2eTest, AKilledEnginesCommittedConversationRestoresInANewProcess) 
   const std::string restored = dir_ + "/death.restored";
   EXPECT_EQ(WaitExit(Engine("restore", "flat", 64, restored)), 0);
   EXPECT_TRUE(Exists(restored));
+}
+
+// The host backend has no device queue: a Capture or Restore carrying an engine event is refused
+// like every session call (INVALID_ARGUMENT, the handle's size in the message) after the session
+// is authenticated and before anything is copied; without the event the same calls succeed.
+TEST_F(PrefixE2eTest, HostBackendRefusesEngineEventsOnCaptureAndRestore) {
+  absl::StatusOr<std::unique_ptr<KvClient>> client = KvClient::Connect(socket_);
+  ASSERT_THAT(client, IsOk());
+  ASSERT_THAT((*client)->Attach("event-sender"), IsOk());
+  absl::StatusOr<PlanFingerprint> plan = (*client)->RegisterPlan(test_plans::DenseModel(2, 32, 1));
+  ASSERT_THAT(plan, IsOk());
+  SessionOptions options;
+  options.capacity = 256;
+  absl::StatusOr<std::unique_ptr<Session>> source = (*client)->CreateSession(*plan, options);
+  absl::StatusOr<std::unique_ptr<Session>> fresh = (*client)->CreateSession(*plan, options);
+  ASSERT_THAT(source, IsOk());
+  ASSERT_THAT(fresh, IsOk());
+  constexpr uint64_t kTokens = 32;
+  std::vector<int32_t> tokens;
+  for (uint64_t i = 0; i < kTokens; ++i) tokens.push_back(static_cast<int32_t>(i + 100));
+  absl::StatusOr<Transaction> tx = (*source)->Begin();
+  ASSERT_THAT(tx, IsOk());
+  ASSERT_THAT((*source)->PrepareAppend(tx->generation, kTokens), IsOk());
+  ASSERT_THAT((*source)->PublishAppend(tx->generation), IsOk());
+  pb::CommitRequest commit;
+  *commit.mutable_session() = (*source)->ref();
+  commit.set_generation(tx->generation);
+  commit.set_accepted_rows(kTokens);
+  commit.mutable_token_ids()->Add(tokens.begin(), tokens.end());
+  pb::CommitResponse committed;
+  ASSERT_THAT(FromGrpcStatus((*client)->cache_stub().Commit((*client)->NewContext().get(), commit,
+                                                           &committed)),
+              IsOk());
+
+  const std::string event(64, '\x03');
+  pb::CapturePrefixRequest capture;
+  *capture.mutable_session() = (*source)->ref();
+  capture.mutable_token_ids()->Add(tokens.begin(), tokens.end());
+  capture.set_boundary_tokens(kTokens);
+  capture.mutable_ordering()->set_wait_event(event);
+  pb::CapturePrefixResponse captured;
+  EXPECT_THAT(FromGrpcStatus(prefix_->Capture((*client)->NewContext().get(), capture, &captured)),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstrs("host backend: a 64-byte interprocess event handle",
+                                  "RPC order")));
+  EXPECT_EQ(List().entries_size(), 0);
+  // Authenticated before any wait: a wrong token is PERMISSION_DENIED, event or not.
+  pb::CapturePrefixRequest stranger = capture;
+  stranger.mutable_session()->set_session_token(std::string(16, 'x'));
+  EXPECT_THAT(FromGrpcStatus(prefix_->Capture((*client)->NewContext().get(), stranger, &captured)),
+              StatusIs(absl::StatusCode::kPermissionDenied,
+                       ::testing::HasSubstr(
+                           absl::StrCat("wrong session token for session ", (*source)->id()))));
+  capture.clear_ordering();
+  ASSERT_THAT(FromGrpcStatus(prefix_->Capture((*client)->NewContext().get(), capture, &captured)),
+              IsOk());
+  EXPECT_EQ(List().entries_size(), 1);
+
+  pb::RestorePrefixRequest restore;
+  *restore.mutable_session() = (*fresh)->ref();
+  restore.set_entry_id(captured.entry_id());
+  restore.mutable_token_ids()->Add(tokens.begin(), tokens.end());
+  restore.mutable_ordering()->set_wait_event(event);
+  pb::RestorePrefixResponse restored;
+  EXPECT_THAT(FromGrpcStatus(prefix_->Restore((*client)->NewContext().get(), restore, &restored)),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstrs("host backend: a 64-byte interprocess event handle",
+                                  "RPC order")));
+  absl::StatusOr<pb::SessionState> untouched = (*fresh)->State();
+  ASSERT_THAT(untouched, IsOk());
+  EXPECT_EQ(untouched->committed_len(), 0u);
+  EXPECT_EQ(List().stats().restores(), 0u);
+  restore.clear_ordering();
+  ASSERT_THAT(FromGrpcStatus(prefix_->Restore((*client)->NewContext().get(), restore, &restored)),
+              IsOk());
+  EXPECT_EQ(restored.restored_tokens(), kTokens);
+  EXPECT_EQ(List().stats().restores(), 1u);
 }
 
 }  // namespace

@@ -9,12 +9,14 @@
 //            committed rows only);
 //   restore  creates a fresh session, Lookups the --tokens token ids (a HIT of all of them is
 //            required), Restores, and checks every restored byte, length and ring base.
+// --backend=cuda maps with CudaArenaMapper and writes / reads through CUDA copies on an engine
+// stream (--device: the ordinal); every request that lets the daemon touch the session's memory
+// carries the engine's interprocess event (DeviceOrdering). Default host.
 // Exit status 0 = every call and every check succeeded.
 
 #include <unistd.h>
 
 #include <cstdio>
-#include <fstream>
 #include <string>
 #include <vector>
 
@@ -33,6 +35,9 @@
 #include "grpcpp/create_channel.h"
 #include "grpcpp/security/credentials.h"
 #include "proto/memra/kv/v1/prefix.grpc.pb.h"
+#include "tests/e2e/engine_device.h"
+#include "tests/e2e/facts.h"
+#include "tests/e2e/plane_memory.h"
 
 ABSL_FLAG(std::string, socket, "", "memra-kvd's Unix socket path");
 ABSL_FLAG(std::string, mode, "capture", "capture, hold or restore");
@@ -40,6 +45,8 @@ ABSL_FLAG(std::string, plan, "flat", "flat, hybrid, swa or latent");
 ABSL_FLAG(uint64_t, tokens, 64, "committed / restored tokens (a multiple of the block)");
 ABSL_FLAG(uint64_t, capacity, 6000, "session capacity");
 ABSL_FLAG(std::string, out, "", "facts file (key=value lines)");
+ABSL_FLAG(std::string, backend, "host", "host or cuda: how arenas are mapped and written");
+ABSL_FLAG(int, device, 0, "CUDA ordinal (--backend=cuda)");
 
 namespace memra::testing {
 namespace {
@@ -76,13 +83,14 @@ uint8_t Pattern(uint32_t layer, PlaneKind kind, uint64_t row, uint64_t byte, uin
                               byte * 13 + seed * 17 + 1);
 }
 
-// Applies `row_op(view, physical_row, absolute_row, seed)` to every row the session's state
-// says is live: flat K/V and latent rows [0, len); a ring layer's rows from its base (the
-// writer) or from the aligned window start (the checker, `aligned`) at physical row - base;
-// pool keys of ready pools; the indexer's live tail at its ring position; recurrent state.
-template <typename RowOp>
-absl::Status ForEachLiveRow(Session& session, const pb::SessionState& state, bool aligned,
-                            RowOp row_op) {
+// Applies `range_op(view, kind, layer, physical_first, first, end, seed)` to every range of rows
+// the session's state says is live: flat K/V and latent rows [0, len); a ring layer's rows from
+// its base (the writer) or from the aligned window start (the checker, `aligned`) at physical
+// row - base; pool keys of ready pools; the indexer's live tail at its ring position; recurrent
+// state. Rows [first, end) sit at physical rows [physical_first, physical_first + end - first).
+template <typename RangeOp>
+absl::Status ForEachLiveRange(Session& session, const pb::SessionState& state, bool aligned,
+                              RangeOp range_op) {
   for (const pb::LayerLayout& layer : session.layout().layers()) {
     const uint32_t il = layer.layer();
     uint64_t len = 0;
@@ -96,11 +104,9 @@ absl::Status ForEachLiveRow(Session& session, const pb::SessionState& state, boo
     }
     auto rows = [&](PlaneKind kind, uint64_t first, uint64_t end, uint64_t physical_first,
                     uint64_t seed) -> absl::Status {
+      if (end <= first) return absl::OkStatus();
       ASSIGN_OR_RETURN(PlaneView view, session.Plane(il, kind));
-      for (uint64_t r = first; r < end; ++r) {
-        RETURN_IF_ERROR(row_op(view, kind, il, physical_first + (r - first), r, seed));
-      }
-      return absl::OkStatus();
+      return range_op(view, kind, il, physical_first, first, end, seed);
     };
     if (session.Plane(il, PlaneKind::kConvState).ok()) {
       RETURN_IF_ERROR(rows(PlaneKind::kConvState, 0, 1, 0, state.committed_len()));
@@ -131,41 +137,62 @@ uint64_t RowBytes(const PlaneView& view, PlaneKind kind) {
                                                                        : view.row_bytes;
 }
 
-absl::Status WritePattern(Session& session, const pb::SessionState& state) {
-  return ForEachLiveRow(session, state, /*aligned=*/false,
-                        [](const PlaneView& view, PlaneKind kind, uint32_t layer,
-                           uint64_t physical, uint64_t row, uint64_t seed) -> absl::Status {
-                          const uint64_t bytes = RowBytes(view, kind);
-                          if ((physical + 1) * bytes > view.bytes) {
-                            return absl::InternalError(absl::StrCat("row ", physical, " outside"));
-                          }
-                          for (uint64_t j = 0; j < bytes; ++j) {
-                            view.data[physical * bytes + j] = Pattern(layer, kind, row, j, seed);
-                          }
-                          return absl::OkStatus();
-                        });
+// The pattern of rows [first, end) of one plane, as the engine writes them.
+std::vector<uint8_t> PatternRange(const PlaneView& view, PlaneKind kind, uint32_t layer,
+                                  uint64_t first, uint64_t end, uint64_t seed) {
+  const uint64_t bytes = RowBytes(view, kind);
+  std::vector<uint8_t> pattern((end - first) * bytes);
+  for (uint64_t row = first; row < end; ++row) {
+    for (uint64_t j = 0; j < bytes; ++j) {
+      pattern[(row - first) * bytes + j] = Pattern(layer, kind, row, j, seed);
+    }
+  }
+  return pattern;
 }
 
-absl::Status CheckPattern(Session& session, const pb::SessionState& state) {
+absl::Status WritePattern(Session& session, PlaneMemory& memory, const pb::SessionState& state) {
+  return ForEachLiveRange(
+      session, state, /*aligned=*/false,
+      [&](const PlaneView& view, PlaneKind kind, uint32_t layer, uint64_t physical_first,
+          uint64_t first, uint64_t end, uint64_t seed) -> absl::Status {
+        return memory.Write(view, physical_first * RowBytes(view, kind),
+                            PatternRange(view, kind, layer, first, end, seed));
+      });
+}
+
+absl::Status CheckPattern(Session& session, PlaneMemory& memory, const pb::SessionState& state) {
   uint64_t checked = 0;
-  RETURN_IF_ERROR(ForEachLiveRow(
+  RETURN_IF_ERROR(ForEachLiveRange(
       session, state, /*aligned=*/true,
-      [&](const PlaneView& view, PlaneKind kind, uint32_t layer, uint64_t physical, uint64_t row,
-          uint64_t seed) -> absl::Status {
+      [&](const PlaneView& view, PlaneKind kind, uint32_t layer, uint64_t physical_first,
+          uint64_t first, uint64_t end, uint64_t seed) -> absl::Status {
+        const std::vector<uint8_t> expected = PatternRange(view, kind, layer, first, end, seed);
+        std::vector<uint8_t> held(expected.size());
+        RETURN_IF_ERROR(
+            memory.Read(view, physical_first * RowBytes(view, kind), absl::MakeSpan(held)));
         const uint64_t bytes = RowBytes(view, kind);
-        for (uint64_t j = 0; j < bytes; ++j) {
-          if (view.data[physical * bytes + j] != Pattern(layer, kind, row, j, seed)) {
+        for (uint64_t i = 0; i < held.size(); ++i) {
+          if (held[i] != expected[i]) {
             return absl::DataLossError(absl::StrCat("layer ", layer, " ",
-                                                    PlaneKindName(kind).data(), " row ", row,
-                                                    " byte ", j, " differs from the source's"));
+                                                    PlaneKindName(kind).data(), " row ",
+                                                    first + i / bytes, " byte ", i % bytes,
+                                                    " differs from the source's"));
           }
         }
-        checked += bytes;
+        checked += held.size();
         return absl::OkStatus();
       }));
   std::fprintf(stderr, "prefix_engine: %llu restored bytes checked\n",
                static_cast<unsigned long long>(checked));
   return checked > 0 ? absl::OkStatus() : absl::InternalError("checked no byte");
+}
+
+// The raw requests this engine builds carry the session's engine event like the client's own.
+template <typename Request>
+void SetOrdering(const Session& session, Request& request) {
+  if (!session.wait_event().empty()) {
+    request.mutable_ordering()->set_wait_event(session.wait_event());
+  }
 }
 
 // Commits `rows` rows in chunks, each commit carrying its token ids.
@@ -181,6 +208,7 @@ absl::Status CommitRows(KvClient& client, Session& session, const std::vector<in
     request.set_generation(transaction.generation);
     request.set_accepted_rows(chunk);
     request.mutable_token_ids()->Add(tokens.begin() + done, tokens.begin() + done + chunk);
+    SetOrdering(session, request);
     pb::CommitResponse response;
     std::unique_ptr<grpc::ClientContext> context = client.NewContext();
     RETURN_IF_ERROR(FromGrpcStatus(client.cache_stub().Commit(context.get(), request, &response)));
@@ -189,31 +217,23 @@ absl::Status CommitRows(KvClient& client, Session& session, const std::vector<in
   return absl::OkStatus();
 }
 
-absl::Status WriteFacts(const std::string& path, const std::string& facts) {
-  if (path.empty()) return absl::OkStatus();
-  const std::string partial = path + ".partial";
-  {
-    std::ofstream out(partial);
-    out << facts;
-    if (!out) return absl::InternalError(absl::StrCat("cannot write ", partial));
-  }
-  if (rename(partial.c_str(), path.c_str()) != 0) {
-    return absl::InternalError(absl::StrCat("cannot rename ", partial));
-  }
-  return absl::OkStatus();
-}
-
 absl::Status Run() {
   const std::string socket = absl::GetFlag(FLAGS_socket);
   const std::string mode = absl::GetFlag(FLAGS_mode);
   const uint64_t n = absl::GetFlag(FLAGS_tokens);
-  ASSIGN_OR_RETURN(std::unique_ptr<KvClient> client, KvClient::Connect(socket));
+  ASSIGN_OR_RETURN(EngineDevice device,
+                   OpenEngineDevice(absl::GetFlag(FLAGS_backend), absl::GetFlag(FLAGS_device)));
+  PlaneMemory& memory = *device.memory;
+  ClientOptions client_options;
+  client_options.mapper = device.mapper;
+  ASSIGN_OR_RETURN(std::unique_ptr<KvClient> client, KvClient::Connect(socket, client_options));
   RETURN_IF_ERROR(client->Attach(absl::StrCat("prefix-", mode)));
   ASSIGN_OR_RETURN(ModelPlan model, PlanNamed(absl::GetFlag(FLAGS_plan)));
   ASSIGN_OR_RETURN(PlanFingerprint plan, client->RegisterPlan(model));
   SessionOptions options;
   options.capacity = absl::GetFlag(FLAGS_capacity);
   ASSIGN_OR_RETURN(std::unique_ptr<Session> session, client->CreateSession(plan, options));
+  session->SetWaitEvent(memory.WaitEvent());
   std::unique_ptr<pb::KvPrefixCache::Stub> prefix = pb::KvPrefixCache::NewStub(
       grpc::CreateChannel(absl::StrCat("unix:", socket), grpc::InsecureChannelCredentials()));
   const std::vector<int32_t> tokens = Tokens(n);
@@ -221,12 +241,13 @@ absl::Status Run() {
   if (mode == "capture" || mode == "hold") {
     RETURN_IF_ERROR(CommitRows(*client, *session, tokens, n));
     ASSIGN_OR_RETURN(pb::SessionState state, session->State());
-    RETURN_IF_ERROR(WritePattern(*session, state));
+    RETURN_IF_ERROR(WritePattern(*session, memory, state));
     if (mode == "capture") {
       pb::CapturePrefixRequest request;
       *request.mutable_session() = session->ref();
       request.mutable_token_ids()->Add(tokens.begin(), tokens.end());
       request.set_boundary_tokens(n);
+      SetOrdering(*session, request);
       pb::CapturePrefixResponse response;
       std::unique_ptr<grpc::ClientContext> context = client->NewContext();
       RETURN_IF_ERROR(FromGrpcStatus(prefix->Capture(context.get(), request, &response)));
@@ -240,7 +261,7 @@ absl::Status Run() {
     RETURN_IF_ERROR(session->PublishAppend(transaction.generation).status());
     for (uint32_t layer = 0; layer < 2; ++layer) {
       ASSIGN_OR_RETURN(PlaneView keys, session->Plane(layer, PlaneKind::kKeys));
-      for (uint64_t b = n * keys.row_bytes; b < (n + 16) * keys.row_bytes; ++b) keys.data[b] = 0xee;
+      RETURN_IF_ERROR(memory.Fill(keys, n * keys.row_bytes, 0xee, 16 * keys.row_bytes));
     }
     RETURN_IF_ERROR(WriteFacts(absl::GetFlag(FLAGS_out), "ready=1\n"));
     while (true) absl::SleepFor(absl::Seconds(1));  // until SIGKILL
@@ -265,6 +286,7 @@ absl::Status Run() {
   *request.mutable_session() = session->ref();
   request.set_entry_id(found.entry_id());
   request.mutable_token_ids()->Add(tokens.begin(), tokens.end());
+  SetOrdering(*session, request);
   pb::RestorePrefixResponse restored;
   {
     std::unique_ptr<grpc::ClientContext> context = client->NewContext();
@@ -281,7 +303,7 @@ absl::Status Run() {
                                               layer.ring_base()));
     }
   }
-  RETURN_IF_ERROR(CheckPattern(*session, restored.state()));
+  RETURN_IF_ERROR(CheckPattern(*session, memory, restored.state()));
   RETURN_IF_ERROR(WriteFacts(absl::GetFlag(FLAGS_out),
                              absl::StrCat("restored=", restored.restored_tokens(), "\n")));
   return session->Release().status();
