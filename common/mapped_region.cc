@@ -21,16 +21,7 @@ absl::StatusOr<uint8_t*> Mmap(int fd, uint64_t bytes, int flags, absl::string_vi
   return static_cast<uint8_t*>(data);
 }
 
-
 }  // namespace
-
-void PrefaultForWrite(uint8_t* at, uint64_t bytes) {
-  // madvise wants a page-aligned start; the range is widened to whole pages.
-  static const uintptr_t page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
-  const uintptr_t start = reinterpret_cast<uintptr_t>(at) & ~(page - 1);
-  const uintptr_t end = reinterpret_cast<uintptr_t>(at) + bytes;
-  (void)madvise(reinterpret_cast<void*>(start), end - start, MADV_POPULATE_WRITE);
-}
 
 ScopedFd& ScopedFd::operator=(ScopedFd&& other) noexcept {
   if (this != &other) {
@@ -47,9 +38,8 @@ ScopedFd::~ScopedFd() {
 int ScopedFd::release() { return std::exchange(fd_, -1); }
 
 absl::StatusOr<MappedRegion> MappedRegion::MapShared(int fd, uint64_t bytes,
-                                                     absl::string_view what, Prefault prefault) {
+                                                     absl::string_view what) {
   ASSIGN_OR_RETURN(uint8_t * data, Mmap(fd, bytes, MAP_SHARED, what));
-  if (prefault == Prefault::kYes) PrefaultForWrite(data, bytes);
   return MappedRegion(data, bytes);
 }
 
@@ -60,7 +50,8 @@ absl::StatusOr<MappedRegion> MappedRegion::MapAnonymous(uint64_t bytes, Prefault
     // Transparent huge pages where the system allows them (THP "madvise" mode): 512x fewer
     // pages to fault in and to map.
     (void)madvise(data, bytes, MADV_HUGEPAGE);
-    PrefaultForWrite(data, bytes);
+    // Best effort (Linux 5.14+; an older kernel refuses and pages fault on first touch).
+    (void)madvise(data, bytes, MADV_POPULATE_WRITE);
   }
   return MappedRegion(data, bytes);
 }

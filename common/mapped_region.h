@@ -26,24 +26,17 @@ class ScopedFd {
   int fd_;
 };
 
-// Whether the page tables are filled, writable, when the region is mapped: one kernel pass at
-// map time instead of a page fault per page on first write, which on a VM costs more than
-// copying the page itself.
+// Whether the page tables are filled, writable, when the region is mapped (MADV_POPULATE_WRITE):
+// one kernel pass at map time instead of a page fault per page on first write, which on a VM
+// costs more than copying the page itself. For memory written in full right away.
 enum class Prefault { kNo, kYes };
-
-// Fills the page tables of [at, at + bytes) (inside one writable mapping), writable, in one
-// call (MADV_POPULATE_WRITE, Linux 5.14): a bulk write that follows takes no fault per page. A
-// shared file mapping's MAP_POPULATE would map pages read-only, so each first write would still
-// fault. Best effort: an older kernel refuses it and the pages fault on first touch as before.
-void PrefaultForWrite(uint8_t* at, uint64_t bytes);
 
 // An mmap'd read-write range, unmapped on destruction. Move-only; empty after a move.
 class MappedRegion {
  public:
   // MAP_SHARED mapping of the first `bytes` of `fd`. REQUIRES: the object holds >= `bytes`
   // (touching a page past its end raises SIGBUS). `what` names the object in errors.
-  static absl::StatusOr<MappedRegion> MapShared(int fd, uint64_t bytes, absl::string_view what,
-                                                Prefault prefault = Prefault::kNo);
+  static absl::StatusOr<MappedRegion> MapShared(int fd, uint64_t bytes, absl::string_view what);
   // Zero-filled private anonymous memory.
   static absl::StatusOr<MappedRegion> MapAnonymous(uint64_t bytes,
                                                    Prefault prefault = Prefault::kNo);

@@ -50,6 +50,13 @@ struct ArenaExport {
   uint64_t bytes = 0;
 };
 
+// One range of DeviceBackend::CopyRangesChecksummed.
+struct CopyRange {
+  uint64_t dst_offset = 0;
+  uint64_t src_offset = 0;
+  uint64_t bytes = 0;
+};
+
 // One 4-byte mirror store of DeviceBackend::WriteI32s.
 struct I32Write {
   uint64_t offset = 0;
@@ -110,10 +117,13 @@ class DeviceBackend {
   virtual absl::StatusOr<int32_t> ReadI32(ArenaId arena, uint64_t offset) = 0;
   virtual absl::Status Write(ArenaId arena, uint64_t offset, absl::Span<const uint8_t> data) = 0;
   virtual absl::Status Read(ArenaId arena, uint64_t offset, absl::Span<uint8_t> out) = 0;
-  // xxHash3-64 (seed 0) of [offset, offset + bytes), computed without a staging copy of the
-  // whole range (the cuda backend streams it through a bounded host buffer). It seals and
-  // verifies the prefix cache's stored pieces.
-  virtual absl::StatusOr<uint64_t> Checksum(ArenaId arena, uint64_t offset, uint64_t bytes) = 0;
+  // Copies every range from `src` to `dst` (two different arenas) and returns the xxHash3-64
+  // (seed 0) of the source bytes in range order: the prefix cache seals what it stores and
+  // verifies what it restores in the same pass as the copy, so each byte is read from memory
+  // once (a separate checksum pass cost as much as the copy). Every range is checked first; a
+  // refused call copies nothing. INVALID_ARGUMENT when `dst` == `src`.
+  virtual absl::StatusOr<uint64_t> CopyRangesChecksummed(ArenaId dst, ArenaId src,
+                                                         absl::Span<const CopyRange> ranges) = 0;
   virtual absl::Status Synchronize() = 0;
 
   // Cross-process ordering (DESIGN.md section 5): blocks the calling thread until the engine's

@@ -70,11 +70,23 @@ absl::Status CheckedArenaBackend::Read(ArenaId id, uint64_t offset, absl::Span<u
   return ReadBytes("Read", id, offset, out);
 }
 
-absl::StatusOr<uint64_t> CheckedArenaBackend::Checksum(ArenaId id, uint64_t offset,
-                                                       uint64_t bytes) {
-  ASSIGN_OR_RETURN(std::shared_ptr<ArenaRecord> arena,
-                   arenas_.FindRange("Checksum", id, offset, bytes));
-  return Digest(arena->data() + offset, bytes);
+absl::StatusOr<uint64_t> CheckedArenaBackend::CopyRangesChecksummed(
+    ArenaId dst_id, ArenaId src_id, absl::Span<const CopyRange> ranges) {
+  if (dst_id == src_id) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "CopyRangesChecksummed: source and destination are both arena ", src_id.value));
+  }
+  ASSIGN_OR_RETURN(std::shared_ptr<ArenaRecord> dst,
+                   arenas_.Find("CopyRangesChecksummed destination", dst_id));
+  ASSIGN_OR_RETURN(std::shared_ptr<ArenaRecord> src,
+                   arenas_.Find("CopyRangesChecksummed source", src_id));
+  for (const CopyRange& range : ranges) {
+    RETURN_IF_ERROR(CheckArenaRange("CopyRangesChecksummed destination", dst_id, dst->bytes(),
+                                    range.dst_offset, range.bytes));
+    RETURN_IF_ERROR(CheckArenaRange("CopyRangesChecksummed source", src_id, src->bytes(),
+                                    range.src_offset, range.bytes));
+  }
+  return CopyHashed(dst->data(), src->data(), ranges);
 }
 
 absl::Status CheckedArenaBackend::WriteBytes(absl::string_view op, ArenaId id, uint64_t offset,

@@ -34,7 +34,8 @@ class CheckedArenaBackend : public DeviceBackend {
   absl::StatusOr<int32_t> ReadI32(ArenaId arena, uint64_t offset) final;
   absl::Status Write(ArenaId arena, uint64_t offset, absl::Span<const uint8_t> data) final;
   absl::Status Read(ArenaId arena, uint64_t offset, absl::Span<uint8_t> out) final;
-  absl::StatusOr<uint64_t> Checksum(ArenaId arena, uint64_t offset, uint64_t bytes) final;
+  absl::StatusOr<uint64_t> CopyRangesChecksummed(ArenaId dst, ArenaId src,
+                                                 absl::Span<const CopyRange> ranges) final;
 
   uint64_t AllocatedBytes() const final { return arenas_.live_bytes(); }
   size_t ArenaCount() const final { return arenas_.size(); }
@@ -61,8 +62,10 @@ class CheckedArenaBackend : public DeviceBackend {
                                 absl::Span<uint8_t> out) = 0;
   // Each write's offset is relative to `base`, the start of one arena.
   virtual absl::Status StoreI32s(uint8_t* base, absl::Span<const I32Write> writes) = 0;
-  // xxHash3-64 (seed 0) of [from, from + bytes).
-  virtual absl::StatusOr<uint64_t> Digest(const uint8_t* from, uint64_t bytes) = 0;
+  // Copies each range from `src` + src_offset to `dst` + dst_offset (distinct arenas) and
+  // returns the xxHash3-64 (seed 0) of the source bytes in range order.
+  virtual absl::StatusOr<uint64_t> CopyHashed(uint8_t* dst, const uint8_t* src,
+                                              absl::Span<const CopyRange> ranges) = 0;
 
  private:
   absl::Status WriteBytes(absl::string_view op, ArenaId id, uint64_t offset,

@@ -1,7 +1,5 @@
 #include "server/cuda_backend.h"
 
-#include <xxhash.h>
-
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -15,6 +13,7 @@
 #include "absl/strings/str_format.h"
 #include "core/status_macros.h"
 #include "common/cuda_errors.h"
+#include "server/streaming_checksum.h"
 #include "common/cuda_memmove.h"
 
 namespace memra {
@@ -187,22 +186,40 @@ absl::Status CudaBackend::StoreI32s(uint8_t* base, absl::Span<const I32Write> wr
   return Finish("WriteI32s", cudaSuccess);
 }
 
-absl::StatusOr<uint64_t> CudaBackend::Digest(const uint8_t* from, uint64_t bytes) {
-  // Streamed through a bounded host buffer; XXH3's streaming digest equals the one-shot one.
+absl::StatusOr<uint64_t> CudaBackend::CopyHashed(uint8_t* dst, const uint8_t* src,
+                                                  absl::Span<const CopyRange> ranges) {
+  RETURN_IF_ERROR(SelectDevice());
+  for (const CopyRange& range : ranges) {
+    const cudaError_t err = cudaMemcpyAsync(dst + range.dst_offset, src + range.src_offset,
+                                            range.bytes, cudaMemcpyDeviceToDevice, stream_);
+    if (err != cudaSuccess) {
+      return CudaError(absl::StrCat("CopyRangesChecksummed: copy of ", range.bytes,
+                                    " bytes on device ", device_),
+                       err);
+    }
+  }
+  // The hash runs on the host: the source streams through a bounded host buffer while the
+  // device copies run. XXH3's streaming digest equals the one-shot one.
   constexpr uint64_t kChunkBytes = 8ull << 20;
-  std::vector<uint8_t> chunk(std::min(bytes, kChunkBytes));
-  std::unique_ptr<XXH3_state_t, decltype(&XXH3_freeState)> state(XXH3_createState(),
-                                                                  &XXH3_freeState);
-  if (state == nullptr || XXH3_64bits_reset(state.get()) != XXH_OK) {
-    return absl::ResourceExhaustedError("Checksum: cannot allocate an xxHash3 state");
+  uint64_t largest = 0;
+  for (const CopyRange& range : ranges) largest = std::max(largest, range.bytes);
+  std::vector<uint8_t> chunk(std::min(largest, kChunkBytes));
+  ASSIGN_OR_RETURN(StreamingChecksum checksum, StreamingChecksum::Create());
+  for (const CopyRange& range : ranges) {
+    for (uint64_t done = 0; done < range.bytes;) {
+      const uint64_t n = std::min(range.bytes - done, kChunkBytes);
+      if (const cudaError_t err = cudaMemcpy(chunk.data(), src + range.src_offset + done, n,
+                                             cudaMemcpyDeviceToHost);
+          err != cudaSuccess) {
+        return CudaError(absl::StrCat("CopyRangesChecksummed: reading ", n, " bytes to hash"),
+                         err);
+      }
+      checksum.Update(chunk.data(), n);
+      done += n;
+    }
   }
-  for (uint64_t done = 0; done < bytes;) {
-    const uint64_t n = std::min(bytes - done, kChunkBytes);
-    RETURN_IF_ERROR(Download("Checksum", from + done, absl::MakeSpan(chunk.data(), n)));
-    XXH3_64bits_update(state.get(), chunk.data(), n);
-    done += n;
-  }
-  return XXH3_64bits_digest(state.get());
+  RETURN_IF_ERROR(Finish("CopyRangesChecksummed", cudaSuccess));
+  return checksum.Digest();
 }
 
 absl::Status CudaBackend::WaitForEngineEvent(absl::string_view ipc_event_handle) {

@@ -63,7 +63,8 @@ class CudaBackend final : public CheckedArenaBackend {
   absl::Status Download(absl::string_view op, const uint8_t* from,
                         absl::Span<uint8_t> out) override;
   absl::Status StoreI32s(uint8_t* base, absl::Span<const I32Write> writes) override;
-  absl::StatusOr<uint64_t> Digest(const uint8_t* from, uint64_t bytes) override;
+  absl::StatusOr<uint64_t> CopyHashed(uint8_t* dst, const uint8_t* src,
+                                      absl::Span<const CopyRange> ranges) override;
 
   // cudaSetDevice for the calling thread.
   absl::Status SelectDevice() const;

@@ -102,7 +102,7 @@ TEST_F(CudaBackendTest, OverlappingCopyWithinOneArenaIsAMemmove) {
               ElementsAre(1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 7, 8, 9, 10, 15, 16));
 }
 
-TEST_F(CudaBackendTest, WriteI32sAndChecksumMatchTheHostComputation) {
+TEST_F(CudaBackendTest, WriteI32sAndCopyRangesChecksummedMatchTheHost) {
   absl::StatusOr<ArenaId> arena = backend_->CreateArena(20 * kMiB, ArenaVisibility::kPrivate);
   ASSERT_THAT(arena, IsOk());
   const std::vector<I32Write> writes = {{0, 1}, {13, -2}, {13, 3}, {20 * kMiB - 4, 4}};
@@ -110,13 +110,22 @@ TEST_F(CudaBackendTest, WriteI32sAndChecksumMatchTheHostComputation) {
   absl::StatusOr<int32_t> value = backend_->ReadI32(*arena, 13);
   ASSERT_THAT(value, IsOk());
   EXPECT_EQ(*value, 3);
-  // Larger than the 8 MiB streaming chunk, so the streamed digest spans three chunks.
+  // Ranges larger than the 8 MiB hashing chunk; the hash is of the source in range order.
+  absl::StatusOr<ArenaId> dst = backend_->CreateArena(20 * kMiB, ArenaVisibility::kPrivate);
+  ASSERT_THAT(dst, IsOk());
   std::vector<uint8_t> bytes(17 * kMiB + 5);
   for (size_t i = 0; i < bytes.size(); ++i) bytes[i] = static_cast<uint8_t>(i * 131 + 1);
   ASSERT_THAT(backend_->Write(*arena, 3, bytes), IsOk());
-  absl::StatusOr<uint64_t> checksum = backend_->Checksum(*arena, 3, bytes.size());
+  const uint64_t head = 9 * kMiB;
+  const std::vector<CopyRange> ranges = {
+      {.dst_offset = 0, .src_offset = 3 + head, .bytes = bytes.size() - head},
+      {.dst_offset = bytes.size() - head, .src_offset = 3, .bytes = head}};
+  std::vector<uint8_t> expected(bytes.begin() + head, bytes.end());
+  expected.insert(expected.end(), bytes.begin(), bytes.begin() + head);
+  absl::StatusOr<uint64_t> checksum = backend_->CopyRangesChecksummed(*dst, *arena, ranges);
   ASSERT_THAT(checksum, IsOk());
-  EXPECT_EQ(*checksum, XXH3_64bits(bytes.data(), bytes.size()));
+  EXPECT_EQ(*checksum, XXH3_64bits(expected.data(), expected.size()));
+  EXPECT_EQ(ReadAll(*dst, 0, expected.size()), expected);
   EXPECT_THAT(backend_->WriteI32s(*arena, {{{0, 9}, {20 * kMiB - 3, 9}}}),
               StatusIs(absl::StatusCode::kInvalidArgument,
                        HasSubstrs("WriteI32s", absl::StrCat("offset ", 20 * kMiB - 3))));

@@ -29,8 +29,8 @@ std::string_view BackendOpName(BackendOp op) {
       return "Write";
     case BackendOp::kRead:
       return "Read";
-    case BackendOp::kChecksum:
-      return "Checksum";
+    case BackendOp::kCopyRangesChecksummed:
+      return "CopyRangesChecksummed";
     case BackendOp::kSynchronize:
       return "Synchronize";
     case BackendOp::kWaitForEngineEvent:
@@ -132,10 +132,10 @@ absl::Status FaultInjectingBackend::Read(ArenaId arena, uint64_t offset, absl::S
   return target_->Read(arena, offset, out);
 }
 
-absl::StatusOr<uint64_t> FaultInjectingBackend::Checksum(ArenaId arena, uint64_t offset,
-                                                         uint64_t bytes) {
-  RETURN_IF_ERROR(Enter(BackendOp::kChecksum));
-  return target_->Checksum(arena, offset, bytes);
+absl::StatusOr<uint64_t> FaultInjectingBackend::CopyRangesChecksummed(
+    ArenaId dst, ArenaId src, absl::Span<const CopyRange> ranges) {
+  RETURN_IF_ERROR(Enter(BackendOp::kCopyRangesChecksummed));
+  return target_->CopyRangesChecksummed(dst, src, ranges);
 }
 
 absl::Status FaultInjectingBackend::WaitForEngineEvent(absl::string_view ipc_event_handle) {

@@ -30,7 +30,7 @@ enum class BackendOp {
   kReadI32,
   kWrite,
   kRead,
-  kChecksum,
+  kCopyRangesChecksummed,
   kSynchronize,
   kWaitForEngineEvent,
 };
@@ -71,7 +71,8 @@ class FaultInjectingBackend final : public DeviceBackend {
   absl::StatusOr<int32_t> ReadI32(ArenaId arena, uint64_t offset) override;
   absl::Status Write(ArenaId arena, uint64_t offset, absl::Span<const uint8_t> data) override;
   absl::Status Read(ArenaId arena, uint64_t offset, absl::Span<uint8_t> out) override;
-  absl::StatusOr<uint64_t> Checksum(ArenaId arena, uint64_t offset, uint64_t bytes) override;
+  absl::StatusOr<uint64_t> CopyRangesChecksummed(ArenaId dst, ArenaId src,
+                                                 absl::Span<const CopyRange> ranges) override;
   absl::Status Synchronize() override;
   absl::Status WaitForEngineEvent(absl::string_view ipc_event_handle) override;
 

@@ -137,7 +137,12 @@ TEST_F(FaultInjectingBackendTest, EveryFallibleOpCanBeFailed) {
        [&] {
          return faulty_->Read(arena, 0, {&byte, 1});
        }},
-      {BackendOp::kChecksum, [&] { return faulty_->Checksum(arena, 0, 1).status(); }},
+      {BackendOp::kCopyRangesChecksummed,
+       [&] {
+         const CopyRange range{.dst_offset = 0, .src_offset = 0, .bytes = 1};
+         return faulty_->CopyRangesChecksummed(arena, ArenaId{arena.value + 1}, {&range, 1})
+             .status();
+       }},
       {BackendOp::kSynchronize, [&] { return faulty_->Synchronize(); }},
       {BackendOp::kWaitForEngineEvent, [&] { return faulty_->WaitForEngineEvent(""); }},
   };

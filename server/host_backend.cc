@@ -1,6 +1,5 @@
 #include "server/host_backend.h"
 
-#include <xxhash.h>
 
 #include <fcntl.h>
 #include <sys/mman.h>
@@ -13,6 +12,7 @@
 #include <cerrno>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <optional>
 #include <utility>
 
@@ -24,6 +24,7 @@
 #include "core/status_macros.h"
 #include "common/errors.h"
 #include "common/mapped_region.h"
+#include "server/streaming_checksum.h"
 
 namespace memra {
 namespace {
@@ -31,9 +32,6 @@ namespace {
 constexpr size_t kNameRandomBytes = 16;  // 128 bits: names cannot be guessed or collide
 constexpr size_t kMaxPrefixChars = 200;  // "/" + prefix + "-" + 32 hex stays under NAME_MAX
 constexpr int kMaxCreateAttempts = 4;    // EEXIST retries (only a broken random source repeats)
-// Bulk writes of at least this many bytes prefault their destination first: one madvise
-// instead of a fault per page (16 or more here).
-constexpr uint64_t kPrefaultCopyBytes = 64 * 1024;
 
 absl::StatusOr<std::string> RandomHexSuffix() {
   uint8_t bytes[kNameRandomBytes];
@@ -164,8 +162,9 @@ absl::StatusOr<std::shared_ptr<ArenaRecord>> HostBackend::CreateSharedArena(uint
   if (const int err = posix_fallocate(fd.get(), 0, static_cast<off_t>(bytes)); err != 0) {
     return PosixError(absl::StrCat("posix_fallocate ", bytes, " bytes for ", object), err);
   }
-  // Not prefaulted: the engine writes most of a session's pages; the daemon touches its mirrors
-  // and, in bulk, restored ranges (Move prefaults those).
+  // Not prefaulted: the engine writes most of a session's pages, and the daemon only its mirrors
+  // and restored ranges. (Prefaulting each bulk copy's destination with MADV_POPULATE_WRITE
+  // halved the steady-state copy rate into already-mapped pages: bench/README.md.)
   ASSIGN_OR_RETURN(MappedRegion region, MappedRegion::MapShared(fd.get(), bytes, object));
   return std::make_shared<HostArena>(std::move(region), std::move(name));
 }
@@ -184,13 +183,11 @@ absl::Status HostBackend::Fill(uint8_t* at, uint8_t value, uint64_t bytes) {
 }
 
 absl::Status HostBackend::Move(uint8_t* to, const uint8_t* from, uint64_t bytes) {
-  if (bytes >= kPrefaultCopyBytes) PrefaultForWrite(to, bytes);
   std::memmove(to, from, bytes);
   return absl::OkStatus();
 }
 
 absl::Status HostBackend::Upload(absl::string_view, uint8_t* to, absl::Span<const uint8_t> data) {
-  if (data.size() >= kPrefaultCopyBytes) PrefaultForWrite(to, data.size());
   std::memcpy(to, data.data(), data.size());
   return absl::OkStatus();
 }
@@ -208,8 +205,21 @@ absl::Status HostBackend::StoreI32s(uint8_t* base, absl::Span<const I32Write> wr
   return absl::OkStatus();
 }
 
-absl::StatusOr<uint64_t> HostBackend::Digest(const uint8_t* from, uint64_t bytes) {
-  return XXH3_64bits(from, bytes);
+absl::StatusOr<uint64_t> HostBackend::CopyHashed(uint8_t* dst, const uint8_t* src,
+                                                  absl::Span<const CopyRange> ranges) {
+  // Hashed and copied in cache-sized slices: the copy reads what the hash just pulled in.
+  constexpr uint64_t kSliceBytes = 64 * 1024;
+  ASSIGN_OR_RETURN(StreamingChecksum checksum, StreamingChecksum::Create());
+  for (const CopyRange& range : ranges) {
+    for (uint64_t done = 0; done < range.bytes;) {
+      const uint64_t n = std::min(range.bytes - done, kSliceBytes);
+      const uint8_t* from = src + range.src_offset + done;
+      checksum.Update(from, n);
+      std::memcpy(dst + range.dst_offset + done, from, n);  // distinct arenas never overlap
+      done += n;
+    }
+  }
+  return checksum.Digest();
 }
 
 absl::Status HostBackend::WaitForEngineEvent(absl::string_view ipc_event_handle) {

@@ -36,7 +36,6 @@ using ::testing::Each;
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
 using ::testing::MatchesRegex;
-using ::testing::Ne;
 
 // tests/status_matchers.h has no value matcher yet; this is the one this file needs.
 constexpr uint64_t kMiB = uint64_t{1} << 20;
@@ -342,21 +341,43 @@ TEST_F(HostBackendTest, OneOutOfRangeWriteI32sStoresNothing) {
                        HasSubstrs("WriteI32s", absl::StrCat(arena.value + 100))));
 }
 
-TEST_F(HostBackendTest, ChecksumIsXxh3OfTheRange) {
-  const ArenaId arena = MustCreate(2 * page(), ArenaVisibility::kPrivate);
-  std::vector<uint8_t> bytes(page() + 17);
+TEST_F(HostBackendTest, CopyRangesChecksummedCopiesAndHashesTheSourceInRangeOrder) {
+  const ArenaId src = MustCreate(4 * page(), ArenaVisibility::kPrivate);
+  const ArenaId dst = MustCreate(4 * page());
+  std::vector<uint8_t> bytes(3 * page());
   for (size_t i = 0; i < bytes.size(); ++i) bytes[i] = static_cast<uint8_t>(i * 31 + 7);
-  ASSERT_THAT(backend_->Write(arena, 5, bytes), IsOk());
-  EXPECT_THAT(backend_->Checksum(arena, 5, bytes.size()),
-              IsOkAndHolds(XXH3_64bits(bytes.data(), bytes.size())));
-  EXPECT_THAT(backend_->Checksum(arena, 5, 0), IsOkAndHolds(XXH3_64bits(nullptr, 0)));
-  // One flipped byte changes it.
-  ASSERT_THAT(backend_->Memset(arena, 5 + page(), 0xFF, 1), IsOk());
-  EXPECT_THAT(backend_->Checksum(arena, 5, bytes.size()),
-              IsOkAndHolds(Ne(XXH3_64bits(bytes.data(), bytes.size()))));
-  EXPECT_THAT(backend_->Checksum(arena, page(), page() + 1),
+  ASSERT_THAT(backend_->Write(src, 0, bytes), IsOk());
+  // Two ranges, gathered out of order and larger than one 64 KiB hashing slice in total; the
+  // hash is of the source bytes in range order.
+  const uint64_t a = 2 * page(), b = page() + 5;
+  const std::vector<CopyRange> ranges = {{.dst_offset = 0, .src_offset = page(), .bytes = a},
+                                         {.dst_offset = a, .src_offset = 3, .bytes = b}};
+  std::vector<uint8_t> expected(bytes.begin() + page(), bytes.begin() + page() + a);
+  expected.insert(expected.end(), bytes.begin() + 3, bytes.begin() + 3 + b);
+  EXPECT_THAT(backend_->CopyRangesChecksummed(dst, src, ranges),
+              IsOkAndHolds(XXH3_64bits(expected.data(), expected.size())));
+  EXPECT_EQ(ReadAll(*backend_, dst, 0, a + b), expected);
+  EXPECT_THAT(backend_->CopyRangesChecksummed(dst, src, {}), IsOkAndHolds(XXH3_64bits(nullptr, 0)));
+}
+
+TEST_F(HostBackendTest, CopyRangesChecksummedRefusalsCopyNothing) {
+  const ArenaId src = MustCreate(page(), ArenaVisibility::kPrivate);
+  const ArenaId dst = MustCreate(page());
+  ASSERT_THAT(backend_->Memset(src, 0, 0x5A, page()), IsOk());
+  const std::vector<CopyRange> ranges = {{.dst_offset = 0, .src_offset = 0, .bytes = 8},
+                                         {.dst_offset = 8, .src_offset = page() - 4, .bytes = 8}};
+  EXPECT_THAT(backend_->CopyRangesChecksummed(dst, src, ranges),
               StatusIs(absl::StatusCode::kInvalidArgument,
-                       HasSubstrs("Checksum", absl::StrCat("offset ", page(), " + ", page() + 1))));
+                       HasSubstrs("CopyRangesChecksummed source",
+                                  absl::StrCat("offset ", page() - 4, " + 8"))));
+  EXPECT_THAT(ReadAll(*backend_, dst, 0, 16), Each(0));  // the valid first range did not run
+  EXPECT_THAT(backend_->CopyRangesChecksummed(src, src, ranges),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstrs("source and destination are both arena",
+                                  absl::StrCat(src.value))));
+  EXPECT_THAT(backend_->CopyRangesChecksummed(dst, ArenaId{src.value + 100}, ranges),
+              StatusIs(absl::StatusCode::kNotFound,
+                       HasSubstrs("CopyRangesChecksummed source", absl::StrCat(src.value + 100))));
 }
 
 TEST_F(HostBackendTest, CopyBetweenArenasWithOffsetsOnBothSides) {
