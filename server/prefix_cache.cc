@@ -211,14 +211,17 @@ void PrefixCache::PublishEvictable() {
 absl::StatusOr<PrefixCache::Stored> PrefixCache::StorePieces(
     const SessionLayoutVersion& layout, const std::vector<StoredPiece>& pieces,
     uint64_t block_index, uint64_t bytes) {
-  // Every source range first, so a bad one allocates nothing.
-  std::vector<uint64_t> sources;
-  sources.reserve(pieces.size());
+  // Every source range first, so a bad one allocates nothing. The pieces are stored back to
+  // back, so the stored arena's checksum is that of the gathered source bytes in order.
+  std::vector<CopyRange> ranges;
+  ranges.reserve(pieces.size());
+  uint64_t at = 0;
   for (const StoredPiece& piece : pieces) {
     ASSIGN_OR_RETURN(uint64_t shift, CheckedMul(block_index, piece.bytes, "block offset"));
     ASSIGN_OR_RETURN(uint64_t offset, CheckedAdd(piece.plane_offset, shift, "block offset"));
-    ASSIGN_OR_RETURN(sources.emplace_back(),
-                     PlaneRangeOffset(layout, piece.plane, offset, piece.bytes));
+    ASSIGN_OR_RETURN(uint64_t from, PlaneRangeOffset(layout, piece.plane, offset, piece.bytes));
+    ranges.push_back({.dst_offset = at, .src_offset = from, .bytes = piece.bytes});
+    at += piece.bytes;
   }
   Stored stored;
   ASSIGN_OR_RETURN(uint64_t rounded, backend_->RoundedArenaBytes(bytes));
@@ -226,21 +229,15 @@ absl::StatusOr<PrefixCache::Stored> PrefixCache::StorePieces(
     ASSIGN_OR_RETURN(stored.storage.charge,
                      budget_->AllocateWithoutEviction(kPrefixCacheOwner, rounded));
   }
-  // Gathered device-side (arena to arena) and checksummed where the bytes are: no host staging.
+  // Gathered device-side and checksummed in the same pass: no host staging buffer.
   absl::StatusOr<ArenaId> arena = backend_->CreateArena(bytes, ArenaVisibility::kPrivate);
   absl::Status status = arena.status();
   if (status.ok()) {
     stored.storage.arena = *arena;
-    uint64_t at = 0;
-    for (size_t i = 0; i < pieces.size() && status.ok(); ++i) {
-      status = backend_->Copy(*arena, at, layout.arena, sources[i], pieces[i].bytes);
-      at += pieces[i].bytes;
-    }
-    if (status.ok()) {
-      absl::StatusOr<uint64_t> checksum = backend_->Checksum(*arena, 0, bytes);
-      status = checksum.status();
-      if (status.ok()) stored.ref.checksum = *checksum;
-    }
+    absl::StatusOr<uint64_t> checksum =
+        backend_->CopyRangesChecksummed(*arena, layout.arena, ranges);
+    status = checksum.status();
+    if (status.ok()) stored.ref.checksum = *checksum;
     if (!status.ok()) (void)backend_->FreeArena(*arena);
   }
   if (!status.ok()) {
@@ -249,18 +246,6 @@ absl::StatusOr<PrefixCache::Stored> PrefixCache::StorePieces(
   }
   stored.ref.storage_handle = arena->value;
   return stored;
-}
-
-absl::Status PrefixCache::VerifyStored(const StoredRef& ref, uint64_t bytes, EntryId entry) const {
-  ASSIGN_OR_RETURN(const uint64_t checksum,
-                   backend_->Checksum(ArenaId{ref.storage_handle}, 0, bytes));
-  if (checksum != ref.checksum) {
-    return absl::DataLossError(absl::StrFormat(
-        "prefix entry %d: stored piece (arena %d, %d bytes) has xxHash3 %016x, captured as "
-        "%016x; the entry is dropped, never served",
-        entry.value, ref.storage_handle, bytes, checksum, ref.checksum));
-  }
-  return absl::OkStatus();
 }
 
 absl::StatusOr<PrefixCaptureResult> PrefixCache::CaptureLocked(
@@ -546,29 +531,43 @@ absl::StatusOr<SessionState> PrefixCache::RestorePinned(SessionId session,
                                             " carries no boundary state but the session's "
                                             "plan needs ", target.boundary_bytes, " bytes of it"));
   }
-  // 2. Verify and copy, one stored piece at a time: each piece is checksummed just before its
-  // bytes are copied, so the copy reads them from cache (a separate verification pass over a
-  // large entry first cost as much as the copy). A mismatch or device failure leaves the
-  // session's state fresh (it adopts `hydrated` only on success); the bytes already copied are
-  // unspecified content of a fresh session, as any fresh session's bytes are.
-  auto copy_pieces = [&](const StoredRef& from, uint64_t stored_bytes,
-                         const std::vector<StoredPiece>& pieces,
+  // 2. Copy, verifying in the same pass: each stored piece's xxHash3 is taken from the bytes as
+  // they are copied and compared with the one taken at capture (a separate verification pass
+  // cost as much as the copy). A mismatch or device failure leaves the session's state fresh
+  // (it adopts `hydrated` only on success); the bytes already copied are unspecified content of
+  // a fresh session, as any fresh session's bytes are.
+  auto copy_pieces = [&](const StoredRef& from, const std::vector<StoredPiece>& pieces,
                          uint64_t block_index) -> absl::Status {
-    if (options_.verify_checksums) RETURN_IF_ERROR(VerifyStored(from, stored_bytes, entry.id));
+    std::vector<CopyRange> ranges;
+    ranges.reserve(pieces.size());
     uint64_t at = 0;
     for (const StoredPiece& piece : pieces) {
       ASSIGN_OR_RETURN(uint64_t shift, CheckedMul(block_index, piece.bytes, "block offset"));
       ASSIGN_OR_RETURN(uint64_t offset, CheckedAdd(piece.plane_offset, shift, "block offset"));
       ASSIGN_OR_RETURN(uint64_t to, PlaneRangeOffset(layout, piece.plane, offset, piece.bytes));
-      RETURN_IF_ERROR(
-          backend_->Copy(layout.arena, to, ArenaId{from.storage_handle}, at, piece.bytes));
+      ranges.push_back({.dst_offset = to, .src_offset = at, .bytes = piece.bytes});
       at += piece.bytes;
+    }
+    const ArenaId stored{from.storage_handle};
+    if (!options_.verify_checksums) {
+      for (const CopyRange& range : ranges) {
+        RETURN_IF_ERROR(
+            backend_->Copy(layout.arena, range.dst_offset, stored, range.src_offset, range.bytes));
+      }
+      return absl::OkStatus();
+    }
+    ASSIGN_OR_RETURN(const uint64_t checksum,
+                     backend_->CopyRangesChecksummed(layout.arena, stored, ranges));
+    if (checksum != from.checksum) {
+      return absl::DataLossError(absl::StrFormat(
+          "prefix entry %d: stored piece (arena %d, %d bytes) has xxHash3 %016x, captured as "
+          "%016x; the entry is dropped, never served",
+          entry.id.value, from.storage_handle, at, checksum, from.checksum));
     }
     return absl::OkStatus();
   };
   for (uint64_t i = 0; i < matched_blocks; ++i) {
-    RETURN_IF_ERROR(
-        copy_pieces(entry.blocks[i].stored, target.block_bytes, target.block_pieces, i));
+    RETURN_IF_ERROR(copy_pieces(entry.blocks[i].stored, target.block_pieces, i));
   }
   if (entry.boundary.has_value()) {
     // Unbuilt pool-key slots must read zero (PlanLatentRestore's zero_pool_keys).
@@ -579,8 +578,7 @@ absl::StatusOr<SessionState> PrefixCache::RestorePinned(SessionId session,
       ASSIGN_OR_RETURN(uint64_t at, PlaneRangeOffset(layout, keys, 0, bytes));
       RETURN_IF_ERROR(backend_->Memset(layout.arena, at, 0, bytes));
     }
-    RETURN_IF_ERROR(
-        copy_pieces(*entry.boundary, target.boundary_bytes, target.boundary_pieces, 0));
+    RETURN_IF_ERROR(copy_pieces(*entry.boundary, target.boundary_pieces, 0));
   }
   return hydrated;
 }

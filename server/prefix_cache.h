@@ -231,8 +231,8 @@ class PrefixCache {
       ABSL_LOCKS_EXCLUDED(mu_);
   LookupResult LookupLocked(const PlanFingerprint& shape, absl::Span<const int32_t> tokens)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Allocates a private arena of `bytes`, gathers `pieces` (offset by `row_shift` bytes per
-  // piece multiple, see StoredLayout) from the session arena into it, and checksums it.
+  // Allocates a private arena of `bytes` and gathers `pieces` (offset by `row_shift` bytes per
+  // piece multiple, see StoredLayout) from the session arena into it, checksumming as it copies.
   absl::StatusOr<Stored> StorePieces(const SessionLayoutVersion& layout,
                                      const std::vector<StoredPiece>& pieces, uint64_t block_index,
                                      uint64_t bytes) ABSL_LOCKS_EXCLUDED(mu_);
@@ -241,8 +241,6 @@ class PrefixCache {
   // evictable bytes.
   void FreeHandles(const std::vector<uint64_t>& handles) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void PublishEvictable() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Checksums the stored piece where it lives and compares with the xxHash3 taken at capture.
-  absl::Status VerifyStored(const StoredRef& ref, uint64_t bytes, EntryId entry) const;
 
   // Constant after construction.
   const PrefixCacheOptions options_;
