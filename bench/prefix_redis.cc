@@ -8,10 +8,14 @@
 // SessionArenaBytes).
 // 3b. memra-kvd (host backend, --prefix_block_tokens=256): for a dense and a hybrid model and the
 // same token counts, a session commits N rows with their token ids and Captures the boundary
-// (timed; the entry is evicted between repetitions so every capture copies); then a fresh
-// session's Lookup + Restore is timed (lookup to ready: what an engine waits). Bytes moved are
-// the entry's block_bytes + boundary_bytes (InspectPrefix); the baselines are memcpy of that many
-// bytes in this process, measured in the same run, and the Redis GET of 3a at the same tokens.
+// (timed; the entry is evicted between repetitions so every capture copies). Then Lookup +
+// Restore is timed (lookup to ready: what an engine waits) into a recycled session (Reset
+// between restores: an engine keeping its session slots) and into one created just before
+// (first touch of its memory). A second daemon with --prefix_verify_checksums=false repeats the
+// recycled restores: the price of integrity checking. Bytes moved are the entry's block_bytes +
+// boundary_bytes (InspectPrefix); the baselines are memcpy of that many bytes in this process
+// (between warm buffers, and into freshly mapped memory), measured in the same run, and the
+// Redis GET of 3a at the same tokens.
 
 #include <hiredis/hiredis.h>
 #include <sys/mman.h>
@@ -305,12 +309,15 @@ struct PrefixResult {
   Samples restore, ready;              // into a recycled (Reset) session; ready = lookup + restore
   Samples restore_fresh, ready_fresh;  // into a session created just before
   Samples copy, copy_fresh;            // memcpy between warm buffers / into fresh memory
+  Samples restore_unverified;          // recycled session, daemon not verifying checksums
   uint64_t Bytes() const { return block_bytes + boundary_bytes; }
 };
 
+// `restores_only`: one capture, then only the recycled-session restores (no fresh-session
+// restores, no baselines): the second pass against a daemon that does not verify checksums.
 absl::StatusOr<PrefixResult> MeasurePrefix(KvClient& client, pb::KvPrefixCache::Stub& prefix,
                                            const PlanFingerprint& plan, const std::string& label,
-                                           uint64_t tokens, int reps) {
+                                           uint64_t tokens, int reps, bool restores_only) {
   PrefixResult result;
   result.model = label;
   result.tokens = tokens;
@@ -323,7 +330,7 @@ absl::StatusOr<PrefixResult> MeasurePrefix(KvClient& client, pb::KvPrefixCache::
   {
     ASSIGN_OR_RETURN(std::unique_ptr<Session> source, client.CreateSession(plan, session_options));
     RETURN_IF_ERROR(FillSession(client, *source, ids));
-    for (int rep = 0; rep < reps; ++rep) {
+    for (int rep = 0; rep < (restores_only ? 1 : reps); ++rep) {
       if (entry_id != 0) {
         pb::EvictPrefixRequest evict;
         evict.set_entry_id(entry_id);
@@ -382,17 +389,17 @@ absl::StatusOr<PrefixResult> MeasurePrefix(KvClient& client, pb::KvPrefixCache::
     ready.Add(done - start);
     return absl::OkStatus();
   };
-  for (int rep = 0; rep < reps; ++rep) {
+  for (int rep = 0; rep < (restores_only ? 0 : reps); ++rep) {
     ASSIGN_OR_RETURN(std::unique_ptr<Session> fresh, client.CreateSession(plan, session_options));
     RETURN_IF_ERROR(restore_into(*fresh, result.restore_fresh, result.ready_fresh));
     RETURN_IF_ERROR(fresh->Release().status());
   }
   {
     ASSIGN_OR_RETURN(std::unique_ptr<Session> slot, client.CreateSession(plan, session_options));
-    // Two untimed restores first: on this VM a page runs at full speed only from about its
-    // third write (the hypervisor's first-touch work; see README), and a recycled slot is
-    // written every time it is reused.
-    constexpr int kWarmups = 2;
+    // Untimed restores first: on this VM a page reaches full copy speed only from about its
+    // fourth write (0.3, 5, 10, 12, 14 GB/s over the first five; bench/README.md), and a
+    // recycled slot's pages are rewritten every time it is reused.
+    constexpr int kWarmups = 4;
     for (int rep = 0; rep < kWarmups + reps; ++rep) {
       Samples warmup;
       const bool timed = rep >= kWarmups;
@@ -406,6 +413,7 @@ absl::StatusOr<PrefixResult> MeasurePrefix(KvClient& client, pb::KvPrefixCache::
   evict.set_entry_id(entry_id);
   pb::EvictPrefixResponse evicted;
   RETURN_IF_ERROR(FromGrpcStatus(prefix.EvictPrefix(PrefixContext().get(), evict, &evicted)));
+  if (restores_only) return result;
 
   // memcpy of the same bytes: between buffers touched before (the warm baseline), and into
   // memory mapped just before (what a first touch costs this machine).
@@ -445,7 +453,8 @@ absl::StatusOr<Json> RunPrefixCache(const BenchOptions& options,
   Json rows = Json::array();
   Json models = Json::array();
   Table table({"model", "entry", "bytes", "capture GB/s", "restore GB/s", "lookup->ready ms",
-               "memcpy GB/s", "restore/memcpy", "restore/GET", "fresh: restore GB/s",
+               "memcpy GB/s", "restore/memcpy", "unverified GB/s", "unverified/memcpy",
+               "restore/GET (verified / not)", "fresh: restore GB/s",
                "memcpy GB/s", "restore/memcpy"});
   for (const PrefixModel& model : PrefixModels()) {
     // Budget: the source session, the entry (cache), the restored session, and slack.
@@ -455,25 +464,48 @@ absl::StatusOr<Json> RunPrefixCache(const BenchOptions& options,
                      SessionArenaBytes(model.plan, FormatDefaults(), request,
                                        {.granularity = static_cast<uint64_t>(getpagesize())}));
     const uint64_t cache_budget = session_bytes + (256ull << 20);
-    ASSIGN_OR_RETURN(
-        std::unique_ptr<Kvd> kvd,
-        Kvd::Start(options, 2 * session_bytes + cache_budget + (256ull << 20),
-                   {absl::StrCat("--prefix_cache_budget_bytes=", cache_budget),
-                    absl::StrCat("--prefix_block_tokens=", kBlockTokens)}));
-    ASSIGN_OR_RETURN(std::unique_ptr<KvClient> client, kvd->Attach("bench-prefix"));
-    ASSIGN_OR_RETURN(PlanFingerprint plan, client->RegisterPlan(model.plan));
-    std::unique_ptr<pb::KvPrefixCache::Stub> prefix = pb::KvPrefixCache::NewStub(grpc::CreateChannel(
-        absl::StrCat("unix:", kvd->socket_path()), grpc::InsecureChannelCredentials()));
+    // One daemon per pass: the default (checksums verified on restore) measures everything;
+    // one with --prefix_verify_checksums=false measures the recycled restores again.
+    auto run_pass = [&](bool verify) -> absl::StatusOr<std::vector<PrefixResult>> {
+      ASSIGN_OR_RETURN(
+          std::unique_ptr<Kvd> kvd,
+          Kvd::Start(options, 2 * session_bytes + cache_budget + (256ull << 20),
+                     {absl::StrCat("--prefix_cache_budget_bytes=", cache_budget),
+                      absl::StrCat("--prefix_block_tokens=", kBlockTokens),
+                      absl::StrCat("--prefix_verify_checksums=", verify ? "true" : "false")}));
+      ASSIGN_OR_RETURN(std::unique_ptr<KvClient> client, kvd->Attach("bench-prefix"));
+      ASSIGN_OR_RETURN(PlanFingerprint plan, client->RegisterPlan(model.plan));
+      std::unique_ptr<pb::KvPrefixCache::Stub> prefix =
+          pb::KvPrefixCache::NewStub(grpc::CreateChannel(absl::StrCat("unix:", kvd->socket_path()),
+                                                         grpc::InsecureChannelCredentials()));
+      std::vector<PrefixResult> results;
+      for (const EntrySize& size : sizes) {
+        ASSIGN_OR_RETURN(results.emplace_back(),
+                         MeasurePrefix(*client, *prefix, plan, model.label, size.tokens,
+                                       options.quick ? 1 : size.reps, /*restores_only=*/!verify));
+      }
+      client->Detach();
+      client.reset();
+      if (const int code = kvd->Stop(); code != 0) {
+        return absl::InternalError(
+            absl::StrCat("memra-kvd exited ", code, " after the prefix runs"));
+      }
+      return results;
+    };
+    ASSIGN_OR_RETURN(std::vector<PrefixResult> results, run_pass(true));
+    ASSIGN_OR_RETURN(std::vector<PrefixResult> unverified, run_pass(false));
+    for (size_t i = 0; i < results.size(); ++i) {
+      results[i].restore_unverified = std::move(unverified[i].restore);
+    }
     models.push_back(Json{{"label", model.label}, {"model", model.description}});
-    for (const EntrySize& size : sizes) {
-      ASSIGN_OR_RETURN(PrefixResult r, MeasurePrefix(*client, *prefix, plan, model.label,
-                                                     size.tokens, options.quick ? 1 : size.reps));
+    for (const PrefixResult& r : results) {
       const double capture = GBps(r.Bytes(), r.capture.P50());
       const double restore = GBps(r.Bytes(), r.restore.P50());
       const double ready = GBps(r.Bytes(), r.ready.P50());
       const double copy = GBps(r.Bytes(), r.copy.P50());
       const double restore_fresh = GBps(r.Bytes(), r.restore_fresh.P50());
       const double copy_fresh = GBps(r.Bytes(), r.copy_fresh.P50());
+      const double unverified = GBps(r.Bytes(), r.restore_unverified.P50());
       const auto get = get_gbps.find(r.tokens);
       Json row{{"model", r.model},
                {"tokens", r.tokens},
@@ -496,12 +528,16 @@ absl::StatusOr<Json> RunPrefixCache(const BenchOptions& options,
                {"memcpy_into_fresh_memory_gbps_p50", copy_fresh},
                {"ratio_restore_memcpy_bandwidth", restore / copy},
                {"ratio_ready_memcpy_bandwidth", ready / copy},
-               {"ratio_restore_fresh_memcpy_fresh_bandwidth", restore_fresh / copy_fresh}};
+               {"ratio_restore_fresh_memcpy_fresh_bandwidth", restore_fresh / copy_fresh},
+               {"restore_unverified", r.restore_unverified.ToJson()},
+               {"restore_unverified_gbps_p50", unverified},
+               {"ratio_restore_unverified_memcpy_bandwidth", unverified / copy}};
       std::string vs_get = "-";
       if (get != get_gbps.end() && get->second > 0) {
         row["redis_get_gbps_p50"] = get->second;
         row["ratio_restore_redis_get_bandwidth"] = restore / get->second;
-        vs_get = Ratio(restore / get->second);
+        row["ratio_restore_unverified_redis_get_bandwidth"] = unverified / get->second;
+        vs_get = absl::StrCat(Ratio(restore / get->second), " / ", Ratio(unverified / get->second));
       }
       rows.push_back(std::move(row));
       table.Add({r.model,
@@ -509,16 +545,13 @@ absl::StatusOr<Json> RunPrefixCache(const BenchOptions& options,
                                                : absl::StrCat(r.tokens),
                               " tokens"),
                  absl::StrCat(r.Bytes()), Fixed(capture, 2), Fixed(restore, 2),
-                 Fixed(r.ready.P50() / 1e6, 2), Fixed(copy, 2), Ratio(restore / copy), vs_get,
+                 Fixed(r.ready.P50() / 1e6, 2), Fixed(copy, 2), Ratio(restore / copy),
+                 Fixed(unverified, 2), Ratio(unverified / copy), vs_get,
                  Fixed(restore_fresh, 2), Fixed(copy_fresh, 2),
                  Ratio(restore_fresh / copy_fresh)});
     }
-    client->Detach();
-    client.reset();
-    if (const int code = kvd->Stop(); code != 0) {
-      return absl::InternalError(absl::StrCat("memra-kvd exited ", code, " after the prefix runs"));
-    }
-  }  table.Print("3b. memra-kvd prefix cache (host backend, 256-token blocks): capture, lookup + "
+  }
+  table.Print("3b. memra-kvd prefix cache (host backend, 256-token blocks): capture, lookup + "
               "restore into a recycled session vs memcpy and Redis GET; fresh: restore into a "
               "new session vs memcpy into new memory");
   return Json{{"block_tokens", kBlockTokens},
@@ -529,7 +562,8 @@ absl::StatusOr<Json> RunPrefixCache(const BenchOptions& options,
                        "session; lookup_to_ready = Lookup + Restore as an engine waits; "
                        "*_fresh_session: into a session created just before (untimed), whose "
                        "memory is touched for the first time, against memcpy into memory "
-                       "mmapped just before"}};
+                       "mmapped just before; restore_unverified: the recycled restores again "
+                       "against a daemon with prefix_verify_checksums=false"}};
 }
 
 }  // namespace
