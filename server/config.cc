@@ -173,6 +173,10 @@ const std::vector<KeySpec>& Keys() {
        .reloadable = false, .help = "Prometheus endpoint; empty disables metrics.",
        .text_accepted = "host:port ([v6addr]:port for IPv6), or empty",
        .check_text = &CheckHostPort},
+      {.name = "rpc_metrics", .field = &C::rpc_metrics, .syntax = Syntax::kBool,
+       .reloadable = false,
+       .help = "Per-RPC counts and latency histograms (a gRPC interceptor on every call: about "
+               "25 us each)."},
       {.name = "drain_grace_ms", .field = &C::drain_grace_ms, .syntax = Syntax::kInteger,
        .reloadable = true,
        .help = "Milliseconds live sessions may run after SIGTERM (the unit allows 45s to stop).",

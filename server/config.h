@@ -63,6 +63,10 @@ struct DaemonConfig {
   LogLevel log_level = LogLevel::kInfo;
   // Prometheus endpoint as host:port ("[v6addr]:port" for IPv6); empty disables metrics.
   std::string metrics_address = "127.0.0.1:9464";
+  // Per-RPC call counts and latency histograms (memra_rpc_*). They need a gRPC server
+  // interceptor on every call, which costs ~25 us of CPU per call on a 2-vCPU VM (more than a
+  // whole one-session Step's own work: bench/README.md), so they are off unless asked for.
+  bool rpc_metrics = false;
   // Milliseconds live sessions may run after SIGTERM before everything is freed. The unit's
   // TimeoutStopSec (45s) must cover it, or the daemon must extend the stop timeout.
   uint64_t drain_grace_ms = 30000;

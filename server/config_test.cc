@@ -49,7 +49,8 @@ TEST(ConfigTest, KeyListIsTheDocumentedOne) {
               ElementsAre("backend", "device", "socket_path", "socket_mode", "socket_group",
                           "shm_mode", "shm_group", "budget_bytes", "cuda_memory_fraction",
                           "cuda_reserve_bytes", "lease_timeout_ms", "lease_grace_ms",
-                          "reservation_ttl_ms", "log_level", "metrics_address", "drain_grace_ms",
+                          "reservation_ttl_ms", "log_level", "metrics_address", "rpc_metrics",
+                          "drain_grace_ms",
                           "prefix_cache_budget_bytes", "prefix_block_tokens",
                           "prefix_capture_on_engine_death", "prefix_verify_checksums", "watchdog"));
   EXPECT_THAT(reloadable, ElementsAre("budget_bytes", "cuda_memory_fraction", "cuda_reserve_bytes",
@@ -72,6 +73,7 @@ TEST(ConfigTest, Defaults) {
   EXPECT_EQ(config.reservation_ttl_ms, 30000u);
   EXPECT_EQ(config.log_level, LogLevel::kInfo);
   EXPECT_EQ(config.metrics_address, "127.0.0.1:9464");
+  EXPECT_FALSE(config.rpc_metrics);
   EXPECT_EQ(config.drain_grace_ms, 30000u);
   EXPECT_EQ(config.prefix_cache_budget_bytes, 0u);
   EXPECT_EQ(config.prefix_block_tokens, 256u);

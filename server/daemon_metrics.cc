@@ -107,6 +107,9 @@ Daemon::RegisterMetrics() {
         })));
   }
 
+  if (!start_config_.rpc_metrics || start_config_.metrics_address.empty()) {
+    return std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>>();
+  }
   std::vector<std::string> methods(metrics::kHealthServiceMethods.begin(),
                                    metrics::kHealthServiceMethods.end());
   for (const char* service :

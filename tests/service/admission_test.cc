@@ -40,6 +40,7 @@ using ::memra::test_plans::GlmStyleWithIndexer;
 using ::memra::test_plans::Llama3_8B;
 using ::memra::test_plans::Qwen3NextStyle;
 using ::testing::HasSubstr;
+using ::testing::Not;
 
 class AdmissionTest : public DaemonTest {
  protected:
@@ -683,6 +684,33 @@ TEST_F(AdmissionTest, MetricsShowTheLedgerSessionsAndCalls) {
   EXPECT_THAT(scrape, HasSubstr("memra_rpc_duration_seconds_count{method=\"/memra.kv.v1.KvCache/"
                                 "CreateSession\"} 2\n"));
   EXPECT_THAT(HttpGet(port, "/nothing"), HasSubstr("HTTP/1.1 404"));
+}
+
+// rpc_metrics off (the default): the daemon's own metrics are served, but calls are neither
+// counted nor timed (no interceptor runs).
+TEST(AdmissionMetricsTest, RpcMetricsOffServesNoCallSeries) {
+  const std::string dir = MakeSocketDir();
+  constexpr uint64_t kBudget = uint64_t{16} << 20;
+  DaemonConfig config;
+  config.socket_path = dir + "/kvd.sock";
+  config.budget_bytes = kBudget;
+  config.metrics_address = "127.0.0.1:0";
+  ASSERT_FALSE(config.rpc_metrics);
+  FakeClock clock;
+  absl::StatusOr<std::unique_ptr<Daemon>> daemon =
+      Daemon::Create(config, NewTestHostBackend(TestHostBackendOptions(kBudget)), &clock);
+  ASSERT_TRUE(daemon.ok()) << daemon.status();
+  ASSERT_TRUE((*daemon)->Start().ok());
+  absl::StatusOr<std::unique_ptr<KvClient>> client = KvClient::Connect(config.socket_path);
+  ASSERT_TRUE(client.ok()) << client.status();
+  ASSERT_TRUE((*client)->GetStatus().ok());
+  const std::string scrape = HttpGet((*daemon)->metrics_port(), "/metrics");
+  EXPECT_THAT(scrape, HasSubstr(absl::StrCat("\nmemra_budget_bytes ", kBudget, "\n")));
+  EXPECT_THAT(scrape, Not(HasSubstr("memra_rpc_")));
+  client->reset();
+  (*daemon)->Shutdown();
+  daemon->reset();
+  rmdir(dir.c_str());
 }
 
 }  // namespace

@@ -57,6 +57,7 @@ class DaemonTest : public ::testing::Test {
     config.lease_timeout_ms = kLeaseTimeoutMs;
     config.lease_grace_ms = kLeaseGraceMs;
     config.metrics_address = "127.0.0.1:0";  // an ephemeral port: tests run side by side
+    config.rpc_metrics = true;                // off by default; the metrics tests count calls
     absl::StatusOr<std::unique_ptr<Daemon>> daemon =
         Daemon::Create(config, std::move(faults), &clock_);
     ASSERT_TRUE(daemon.ok()) << daemon.status();
