@@ -52,7 +52,8 @@ TEST(ConfigTest, KeyListIsTheDocumentedOne) {
                           "reservation_ttl_ms", "log_level", "metrics_address", "rpc_metrics",
                           "drain_grace_ms",
                           "prefix_cache_budget_bytes", "prefix_block_tokens",
-                          "prefix_capture_on_engine_death", "prefix_verify_checksums", "watchdog"));
+                          "prefix_capture_on_engine_death", "prefix_verify_checksums",
+                          "prefix_restore_threads", "watchdog"));
   EXPECT_THAT(reloadable, ElementsAre("budget_bytes", "cuda_memory_fraction", "cuda_reserve_bytes",
                                       "lease_timeout_ms", "reservation_ttl_ms", "log_level",
                                       "drain_grace_ms", "prefix_cache_budget_bytes"));
@@ -79,6 +80,7 @@ TEST(ConfigTest, Defaults) {
   EXPECT_EQ(config.prefix_block_tokens, 256u);
   EXPECT_TRUE(config.prefix_capture_on_engine_death);
   EXPECT_TRUE(config.prefix_verify_checksums);
+  EXPECT_EQ(config.prefix_restore_threads, 4u);
   EXPECT_TRUE(config.watchdog);
   EXPECT_THAT(ValidateConfig(config), IsOk());
 }

@@ -131,8 +131,11 @@ class PrefixCacheTest : public ::testing::Test {
   }
 
   std::unique_ptr<PrefixCache> MakeCache(uint64_t budget, DeviceBudget* device_budget = nullptr,
-                                         uint64_t event_capacity = 4096) {
+                                         uint64_t event_capacity = 4096,
+                                         uint32_t restore_threads = 1) {
     PrefixCacheOptions options;
+    options.restore_threads = restore_threads;
+    options.parallel_restore_bytes = 1;  // every multi-block restore may split
     options.budget_bytes = budget;
     options.block_tokens = kBlock;
     options.epoch = 77;
@@ -493,6 +496,43 @@ TEST_F(PrefixCacheTest, CorruptBlockIsDataLossAndTheEntryIsDropped) {
   ASSERT_EQ(events.events.size(), 1u);
   EXPECT_EQ(events.events[0].kind, PrefixEventKind::kDropped);
   EXPECT_THAT(events.events[0].reason, HasSubstr("xxHash3"));
+}
+
+// Three threads share the blocks of a restore: the bytes are the same as one thread's, and a
+// corrupt block in the middle still fails the whole restore with DATA_LOSS.
+TEST_F(PrefixCacheTest, ParallelRestoreCopiesEveryBlockAndFailsOnAnyCorruptOne) {
+  cache_ = MakeCache(uint64_t{64} << 20, nullptr, 4096, /*restore_threads=*/3);
+  const std::vector<int32_t> tokens = Tokens(112);
+  auto source = NewSession(FlatPlan(), 256);
+  Append(*source, tokens, 112);
+  absl::StatusOr<PrefixCaptureResult> captured = cache_->Capture(*source, tokens, 112);
+  ASSERT_THAT(captured.status(), IsOk());
+  auto dest = NewSession(FlatPlan(), 128);
+  absl::StatusOr<PrefixRestoreResult> restored = cache_->Restore(*dest, captured->entry, tokens);
+  ASSERT_THAT(restored.status(), IsOk());
+  EXPECT_EQ(restored->restored_tokens, 112u);
+  ExpectRestored(*dest, 112, 0);
+
+  absl::StatusOr<EntryView> view = cache_->Inspect(captured->entry);
+  ASSERT_THAT(view.status(), IsOk());
+  ASSERT_EQ(view->blocks.size(), 7u);
+  absl::StatusOr<ArenaId> arena = cache_->StorageArena(view->blocks[4].stored.storage_handle);
+  ASSERT_THAT(arena.status(), IsOk());
+  ASSERT_THAT(backend_->Memset(*arena, 3, 0xEE, 1), IsOk());
+  auto again = NewSession(FlatPlan(), 128);
+  EXPECT_THAT(cache_->Restore(*again, captured->entry, tokens).status(),
+              StatusIs(absl::StatusCode::kDataLoss,
+                       HasSubstr(absl::StrCat("stored piece (arena ", arena->value))));
+  EXPECT_EQ(Committed(*again), 0u);
+}
+
+TEST_F(PrefixCacheTest, ZeroRestoreThreadsIsRefused) {
+  PrefixCacheOptions options;
+  options.budget_bytes = 1 << 20;
+  options.restore_threads = 0;
+  EXPECT_THAT(PrefixCache::Create(options, backend_.get(), nullptr).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("restore_threads (0) and parallel_restore_bytes (67108864)")));
 }
 
 TEST_F(PrefixCacheTest, LruEvictionUnderTheBudget) {
