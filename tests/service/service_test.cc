@@ -409,6 +409,74 @@ TEST_F(ServiceTest, StepRunsManySessionsWithIndependentResults) {
   EXPECT_THAT(response.results(0).message(), HasSubstr("names no operation"));
 }
 
+// A decode loop's reuse: one batch and one outcomes vector across steps. Slots whose operation
+// changes lose the previous step's payload, a refused entry carries no stale one, and a reply
+// that outgrows the batch's reused arena block is parsed correctly after the block grows.
+TEST_F(ServiceTest, StepReusesTheBatchAndTheOutcomesAcrossSteps) {
+  std::vector<std::unique_ptr<Session>> sessions;
+  for (int i = 0; i < 3; ++i) {
+    sessions.push_back(NewSession(*client_, kCapacity));
+    ASSERT_NE(sessions.back(), nullptr);
+  }
+  StepBatch batch;
+  std::vector<StepOutcome> outcomes;
+  for (uint64_t step = 0; step < 3; ++step) {
+    const uint64_t generation = step + 1;
+    batch.Clear();
+    for (const auto& session : sessions) {
+      batch.Begin(*session);
+      batch.Prepare(*session, generation, 2);
+    }
+    ASSERT_THAT(client_->Step(batch, outcomes), IsOk());
+    ASSERT_THAT(outcomes, SizeIs(6));
+    for (size_t i = 0; i < sessions.size(); ++i) {
+      ASSERT_THAT(outcomes[2 * i].status, IsOk());
+      EXPECT_EQ(outcomes[2 * i].begun.generation, generation);
+      EXPECT_FALSE(outcomes[2 * i].prepared.has_value());
+      ASSERT_THAT(outcomes[2 * i + 1].status, IsOk());
+      ASSERT_TRUE(outcomes[2 * i + 1].prepared.has_value());
+      EXPECT_EQ(outcomes[2 * i + 1].prepared->target, step + 2);
+      // The plan's two K/V layers, in layer order (the wire groups equal plans).
+      ASSERT_THAT(outcomes[2 * i + 1].prepared->layers, SizeIs(2));
+      EXPECT_EQ(outcomes[2 * i + 1].prepared->layers[0].layer, kFlatLayer);
+      EXPECT_EQ(outcomes[2 * i + 1].prepared->layers[1].layer, kSlidingLayer);
+    }
+    // The same slots now carry Publish and Commit (and one refusal): no Prepare payload is left.
+    batch.Clear();
+    for (const auto& session : sessions) {
+      batch.Publish(*session, generation);
+      batch.Commit(*session, generation, 1);
+    }
+    batch.Abort(*sessions[0], 999);
+    ASSERT_THAT(client_->Step(batch, outcomes), IsOk());
+    ASSERT_THAT(outcomes, SizeIs(7));
+    for (size_t i = 0; i < sessions.size(); ++i) {
+      ASSERT_THAT(outcomes[2 * i].status, IsOk());
+      EXPECT_EQ(outcomes[2 * i].staged_len, step + 2);
+      EXPECT_FALSE(outcomes[2 * i + 1].prepared.has_value());
+      EXPECT_EQ(outcomes[2 * i + 1].committed_len, step + 1);
+    }
+    EXPECT_THAT(outcomes[6].status, StatusIs(absl::StatusCode::kFailedPrecondition,
+                                             HasSubstr("generation 999")));
+    EXPECT_FALSE(outcomes[6].prepared.has_value());
+    EXPECT_EQ(outcomes[6].committed_len, 0u);
+  }
+  // A much bigger reply than any before (the arena block grows), then a small one again.
+  batch.Clear();
+  for (int repeat = 0; repeat < 200; ++repeat) batch.Begin(*sessions[1]);
+  ASSERT_THAT(client_->Step(batch, outcomes), IsOk());
+  ASSERT_THAT(outcomes, SizeIs(200));
+  EXPECT_THAT(outcomes[0].status, IsOk());
+  EXPECT_THAT(outcomes[199].status, StatusIs(absl::StatusCode::kFailedPrecondition,
+                                             HasSubstr("transaction")));
+  batch.Clear();
+  batch.Abort(*sessions[1], 4);
+  ASSERT_THAT(client_->Step(batch, outcomes), IsOk());
+  ASSERT_THAT(outcomes, SizeIs(1));
+  ASSERT_THAT(outcomes[0].status, IsOk());
+  EXPECT_EQ(outcomes[0].committed_len, 3u);
+}
+
 // Not a benchmark and no timing assertion: prints what one Step entry costs end to end (RPC,
 // lookup, core rules, mirror writes) so a regression to milliseconds is visible in the log.
 TEST_F(ServiceTest, StepCostPerSessionIsPrinted) {
