@@ -3,7 +3,7 @@
 
 // The half of a DeviceBackend that is the same on every device: arena lookup, overflow-checked
 // bounds, export refusal for private arenas and accounting. A concrete backend supplies
-// allocation and seven primitives that only ever see ranges already checked, so invariant (2) of
+// allocation and six primitives that only ever see ranges already checked, so invariant (2) of
 // DeviceBackend holds for every backend by construction.
 
 #include <cstdint>

@@ -195,9 +195,10 @@ const std::vector<KeySpec>& Keys() {
       {.name = "prefix_verify_checksums", .field = &C::prefix_verify_checksums,
        .syntax = Syntax::kBool, .reloadable = false,
        .help = "Verify checksums when restoring a prefix."},
-      {.name = "prefix_restore_threads", .field = &C::prefix_restore_threads,
+      {.name = "prefix_copy_threads", .field = &C::prefix_copy_threads,
        .syntax = Syntax::kInteger, .reloadable = false,
-       .help = "Threads a restore of 64 MiB or more splits its blocks over (capped by the CPUs).",
+       .help = "Threads a prefix capture or restore of 64 MiB or more splits its blocks over "
+               "(capped by the CPUs).",
        .min = 1, .max = 256},
       {.name = "watchdog", .field = &C::watchdog, .syntax = Syntax::kBool, .reloadable = false,
        .help = "Send systemd watchdog keep-alives when asked to (false needs WatchdogSec=0)."},

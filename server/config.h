@@ -78,8 +78,8 @@ struct DaemonConfig {
   bool prefix_capture_on_engine_death = true;
   // Verify stored checksums when restoring a prefix (costs a read of the entry).
   bool prefix_verify_checksums = true;
-  // Threads a large prefix restore (>= 64 MiB of blocks) splits its blocks over.
-  uint64_t prefix_restore_threads = 4;
+  // Threads a large prefix capture or restore (>= 64 MiB of blocks) splits its blocks over.
+  uint64_t prefix_copy_threads = 4;
   // Send systemd watchdog keep-alives when the service manager asks for them (WATCHDOG_USEC).
   bool watchdog = true;
 

@@ -53,7 +53,7 @@ TEST(ConfigTest, KeyListIsTheDocumentedOne) {
                           "drain_grace_ms",
                           "prefix_cache_budget_bytes", "prefix_block_tokens",
                           "prefix_capture_on_engine_death", "prefix_verify_checksums",
-                          "prefix_restore_threads", "watchdog"));
+                          "prefix_copy_threads", "watchdog"));
   EXPECT_THAT(reloadable, ElementsAre("budget_bytes", "cuda_memory_fraction", "cuda_reserve_bytes",
                                       "lease_timeout_ms", "reservation_ttl_ms", "log_level",
                                       "drain_grace_ms", "prefix_cache_budget_bytes"));
@@ -80,7 +80,7 @@ TEST(ConfigTest, Defaults) {
   EXPECT_EQ(config.prefix_block_tokens, 256u);
   EXPECT_TRUE(config.prefix_capture_on_engine_death);
   EXPECT_TRUE(config.prefix_verify_checksums);
-  EXPECT_EQ(config.prefix_restore_threads, 4u);
+  EXPECT_EQ(config.prefix_copy_threads, 4u);
   EXPECT_TRUE(config.watchdog);
   EXPECT_THAT(ValidateConfig(config), IsOk());
 }

@@ -539,7 +539,7 @@ Daemon::Daemon(DaemonConfig config, std::unique_ptr<DeviceBackend> backend, Cloc
     options.budget_bytes = start_config_.prefix_cache_budget_bytes;
     options.block_tokens = start_config_.prefix_block_tokens;
     options.verify_checksums = start_config_.prefix_verify_checksums;
-    options.restore_threads = static_cast<uint32_t>(start_config_.prefix_restore_threads);
+    options.copy_threads = static_cast<uint32_t>(start_config_.prefix_copy_threads);
     // The daemon's random epoch: a router tells a restarted daemon from a reconnect (0 means
     // "any epoch" to a subscriber, so it is never used).
     options.epoch = epoch_ == 0 ? 1 : epoch_;

@@ -167,10 +167,10 @@ absl::StatusOr<std::unique_ptr<PrefixCache>> PrefixCache::Create(const PrefixCac
   if (options.budget_bytes == 0) {
     return absl::InvalidArgumentError("prefix cache budget is 0 bytes (0 disables the cache)");
   }
-  if (options.restore_threads == 0 || options.parallel_restore_bytes == 0) {
+  if (options.copy_threads == 0 || options.parallel_copy_bytes == 0) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "prefix restore_threads (", options.restore_threads, ") and parallel_restore_bytes (",
-        options.parallel_restore_bytes, ") must both be at least 1"));
+        "prefix copy_threads (", options.copy_threads, ") and parallel_copy_bytes (",
+        options.parallel_copy_bytes, ") must both be at least 1"));
   }
   PrefixIndexOptions index_options;
   index_options.block_tokens = options.block_tokens;
@@ -296,14 +296,23 @@ absl::StatusOr<PrefixCaptureResult> PrefixCache::CaptureLocked(
   };
   CaptureCommit commit;
   if (!plan.already_present) {
-    for (uint64_t i = plan.first_new_block; i < plan.chain.size(); ++i) {
-      absl::StatusOr<Stored> copy = StorePieces(layout, stored.block_pieces, i, stored.block_bytes);
-      if (!copy.ok()) {
-        free_copies();
-        return copy.status();
-      }
-      commit.new_blocks.push_back(copy->ref);
-      copies.push_back(*std::move(copy));
+    // Blocks are independent: a large capture stores them over several threads.
+    const uint64_t first = plan.first_new_block;
+    std::vector<std::optional<Stored>> blocks(plan.chain.size() - first);
+    const absl::Status stored_blocks =
+        ForEachBlock(blocks.size(), stored.block_bytes, [&](uint64_t i) -> absl::Status {
+          ASSIGN_OR_RETURN(blocks[i], StorePieces(layout, stored.block_pieces, first + i,
+                                                  stored.block_bytes));
+          return absl::OkStatus();
+        });
+    for (std::optional<Stored>& block : blocks) {
+      if (!block.has_value()) continue;
+      commit.new_blocks.push_back(block->ref);
+      copies.push_back(*std::move(block));
+    }
+    if (!stored_blocks.ok()) {
+      free_copies();
+      return stored_blocks;
     }
     if (plan.needs_boundary_state) {
       absl::StatusOr<Stored> copy =
@@ -596,8 +605,8 @@ absl::Status PrefixCache::ForEachBlock(uint64_t blocks, uint64_t block_bytes,
   // Blocks are independent ranges of the destination, so they can be copied concurrently
   // (DeviceBackend is thread-safe). Each worker takes a contiguous run.
   uint64_t workers = 1;
-  if (blocks > 1 && block_bytes > 0 && blocks >= options_.parallel_restore_bytes / block_bytes) {
-    workers = std::min<uint64_t>({options_.restore_threads, blocks,
+  if (blocks > 1 && block_bytes > 0 && blocks >= options_.parallel_copy_bytes / block_bytes) {
+    workers = std::min<uint64_t>({options_.copy_threads, blocks,
                                   std::max(1u, std::thread::hardware_concurrency())});
   }
   std::vector<absl::Status> statuses(workers);

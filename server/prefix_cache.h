@@ -55,11 +55,11 @@ struct PrefixCacheOptions {
   uint64_t budget_bytes = 0;     // > 0 (0 means the daemon has no prefix cache at all)
   uint32_t block_tokens = 256;   // > 0
   bool verify_checksums = true;  // xxHash3 check of each stored piece as a restore copies it
-  // A restore of at least `parallel_restore_bytes` of blocks splits them over up to
-  // `restore_threads` threads (the calling one included): hashing and copying on one core runs
+  // A capture or restore of at least `parallel_copy_bytes` of blocks splits them over up to
+  // `copy_threads` threads (the calling one included): hashing and copying on one core runs
   // at a third to a half of memcpy (bench/README.md). Both >= 1.
-  uint32_t restore_threads = 4;
-  uint64_t parallel_restore_bytes = uint64_t{64} << 20;
+  uint32_t copy_threads = 4;
+  uint64_t parallel_copy_bytes = uint64_t{64} << 20;
   uint64_t epoch = 0;            // this daemon's epoch, on entries and events
   uint64_t event_capacity = 4096;
 };
@@ -243,8 +243,9 @@ class PrefixCache {
                                      const std::vector<StoredPiece>& pieces, uint64_t block_index,
                                      uint64_t bytes) ABSL_LOCKS_EXCLUDED(mu_);
   void FreeStorage(const Storage& storage);
-  // Runs copy(i) for every block i in [0, blocks), over several threads for a large restore
-  // (PrefixCacheOptions::restore_threads); returns the first failure in block order.
+  // Runs copy(i) for every block i in [0, blocks), over several threads for a large capture or
+  // restore (PrefixCacheOptions::copy_threads); returns the first failure in block order. A
+  // worker stops at its first failure; other workers' blocks may have run.
   absl::Status ForEachBlock(uint64_t blocks, uint64_t block_bytes,
                             absl::FunctionRef<absl::Status(uint64_t)> copy) const;
   // Frees handles the index let go of (eviction, drop, unused) and refreshes the budget's

@@ -132,10 +132,10 @@ class PrefixCacheTest : public ::testing::Test {
 
   std::unique_ptr<PrefixCache> MakeCache(uint64_t budget, DeviceBudget* device_budget = nullptr,
                                          uint64_t event_capacity = 4096,
-                                         uint32_t restore_threads = 1) {
+                                         uint32_t copy_threads = 1) {
     PrefixCacheOptions options;
-    options.restore_threads = restore_threads;
-    options.parallel_restore_bytes = 1;  // every multi-block restore may split
+    options.copy_threads = copy_threads;
+    options.parallel_copy_bytes = 1;  // every multi-block capture or restore may split
     options.budget_bytes = budget;
     options.block_tokens = kBlock;
     options.epoch = 77;
@@ -501,7 +501,7 @@ TEST_F(PrefixCacheTest, CorruptBlockIsDataLossAndTheEntryIsDropped) {
 // Three threads share the blocks of a restore: the bytes are the same as one thread's, and a
 // corrupt block in the middle still fails the whole restore with DATA_LOSS.
 TEST_F(PrefixCacheTest, ParallelRestoreCopiesEveryBlockAndFailsOnAnyCorruptOne) {
-  cache_ = MakeCache(uint64_t{64} << 20, nullptr, 4096, /*restore_threads=*/3);
+  cache_ = MakeCache(uint64_t{64} << 20, nullptr, 4096, /*copy_threads=*/3);
   const std::vector<int32_t> tokens = Tokens(112);
   auto source = NewSession(FlatPlan(), 256);
   Append(*source, tokens, 112);
@@ -529,10 +529,10 @@ TEST_F(PrefixCacheTest, ParallelRestoreCopiesEveryBlockAndFailsOnAnyCorruptOne) 
 TEST_F(PrefixCacheTest, ZeroRestoreThreadsIsRefused) {
   PrefixCacheOptions options;
   options.budget_bytes = 1 << 20;
-  options.restore_threads = 0;
+  options.copy_threads = 0;
   EXPECT_THAT(PrefixCache::Create(options, backend_.get(), nullptr).status(),
               StatusIs(absl::StatusCode::kInvalidArgument,
-                       HasSubstr("restore_threads (0) and parallel_restore_bytes (67108864)")));
+                       HasSubstr("copy_threads (0) and parallel_copy_bytes (67108864)")));
 }
 
 TEST_F(PrefixCacheTest, LruEvictionUnderTheBudget) {
