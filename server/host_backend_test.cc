@@ -371,6 +371,19 @@ TEST_F(HostBackendTest, CopyRangesChecksummedRefusalsCopyNothing) {
                        HasSubstrs("CopyRangesChecksummed source",
                                   absl::StrCat("offset ", page() - 4, " + 8"))));
   EXPECT_THAT(ReadAll(*backend_, dst, 0, 16), Each(0));  // the valid first range did not run
+  const std::vector<CopyRange> past_destination = {
+      {.dst_offset = 0, .src_offset = 0, .bytes = 8},
+      {.dst_offset = page() - 2, .src_offset = 8, .bytes = 8}};
+  EXPECT_THAT(backend_->CopyRangesChecksummed(dst, src, past_destination),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstrs("CopyRangesChecksummed destination",
+                                  absl::StrCat("offset ", page() - 2, " + 8"),
+                                  absl::StrCat("arena ", dst.value, " of ", page(), " bytes"))));
+  EXPECT_THAT(ReadAll(*backend_, dst, 0, 16), Each(0));
+  EXPECT_THAT(backend_->CopyRangesChecksummed(ArenaId{dst.value + 100}, src, ranges),
+              StatusIs(absl::StatusCode::kNotFound,
+                       HasSubstrs("CopyRangesChecksummed destination",
+                                  absl::StrCat(dst.value + 100))));
   EXPECT_THAT(backend_->CopyRangesChecksummed(src, src, ranges),
               StatusIs(absl::StatusCode::kInvalidArgument,
                        HasSubstrs("source and destination are both arena",

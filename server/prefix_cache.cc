@@ -27,6 +27,32 @@ void HashU32(Sha256& hash, uint32_t value) {
   hash.Update(std::string_view(bytes, sizeof(bytes)));
 }
 
+enum class Toward { kStorage, kSession };
+
+// The copy ranges of `pieces` of block `block_index`: each piece's range in the session's arena
+// and, back to back from offset 0, in the stored piece; `toward` says which side is written.
+// Every range is checked (overflow, plane bounds) before any copy is issued.
+absl::StatusOr<std::vector<CopyRange>> PieceRanges(const SessionLayoutVersion& layout,
+                                                   const std::vector<StoredPiece>& pieces,
+                                                   uint64_t block_index, Toward toward) {
+  std::vector<CopyRange> ranges;
+  ranges.reserve(pieces.size());
+  uint64_t stored_at = 0;
+  for (const StoredPiece& piece : pieces) {
+    ASSIGN_OR_RETURN(uint64_t shift, CheckedMul(block_index, piece.bytes, "block offset"));
+    ASSIGN_OR_RETURN(uint64_t offset, CheckedAdd(piece.plane_offset, shift, "block offset"));
+    ASSIGN_OR_RETURN(uint64_t session_at,
+                     PlaneRangeOffset(layout, piece.plane, offset, piece.bytes));
+    ranges.push_back(toward == Toward::kStorage
+                         ? CopyRange{.dst_offset = stored_at, .src_offset = session_at,
+                                     .bytes = piece.bytes}
+                         : CopyRange{.dst_offset = session_at, .src_offset = stored_at,
+                                     .bytes = piece.bytes});
+    stored_at += piece.bytes;
+  }
+  return ranges;
+}
+
 // Appends a piece, adding its bytes to `total` (overflow-checked).
 absl::Status AddPiece(std::vector<StoredPiece>& pieces, uint64_t& total, PlaneRef plane,
                       uint64_t plane_offset, uint64_t bytes) {
@@ -221,16 +247,8 @@ absl::StatusOr<PrefixCache::Stored> PrefixCache::StorePieces(
     uint64_t block_index, uint64_t bytes) {
   // Every source range first, so a bad one allocates nothing. The pieces are stored back to
   // back, so the stored arena's checksum is that of the gathered source bytes in order.
-  std::vector<CopyRange> ranges;
-  ranges.reserve(pieces.size());
-  uint64_t at = 0;
-  for (const StoredPiece& piece : pieces) {
-    ASSIGN_OR_RETURN(uint64_t shift, CheckedMul(block_index, piece.bytes, "block offset"));
-    ASSIGN_OR_RETURN(uint64_t offset, CheckedAdd(piece.plane_offset, shift, "block offset"));
-    ASSIGN_OR_RETURN(uint64_t from, PlaneRangeOffset(layout, piece.plane, offset, piece.bytes));
-    ranges.push_back({.dst_offset = at, .src_offset = from, .bytes = piece.bytes});
-    at += piece.bytes;
-  }
+  ASSIGN_OR_RETURN(std::vector<CopyRange> ranges,
+                   PieceRanges(layout, pieces, block_index, Toward::kStorage));
   Stored stored;
   ASSIGN_OR_RETURN(uint64_t rounded, backend_->RoundedArenaBytes(bytes));
   if (budget_ != nullptr) {
@@ -555,16 +573,8 @@ absl::StatusOr<SessionState> PrefixCache::RestorePinned(SessionId session,
   // a fresh session, as any fresh session's bytes are.
   auto copy_pieces = [&](const StoredRef& from, const std::vector<StoredPiece>& pieces,
                          uint64_t block_index) -> absl::Status {
-    std::vector<CopyRange> ranges;
-    ranges.reserve(pieces.size());
-    uint64_t at = 0;
-    for (const StoredPiece& piece : pieces) {
-      ASSIGN_OR_RETURN(uint64_t shift, CheckedMul(block_index, piece.bytes, "block offset"));
-      ASSIGN_OR_RETURN(uint64_t offset, CheckedAdd(piece.plane_offset, shift, "block offset"));
-      ASSIGN_OR_RETURN(uint64_t to, PlaneRangeOffset(layout, piece.plane, offset, piece.bytes));
-      ranges.push_back({.dst_offset = to, .src_offset = at, .bytes = piece.bytes});
-      at += piece.bytes;
-    }
+    ASSIGN_OR_RETURN(std::vector<CopyRange> ranges,
+                     PieceRanges(layout, pieces, block_index, Toward::kSession));
     const ArenaId stored{from.storage_handle};
     if (!options_.verify_checksums) {
       for (const CopyRange& range : ranges) {
@@ -576,10 +586,12 @@ absl::StatusOr<SessionState> PrefixCache::RestorePinned(SessionId session,
     ASSIGN_OR_RETURN(const uint64_t checksum,
                      backend_->CopyRangesChecksummed(layout.arena, stored, ranges));
     if (checksum != from.checksum) {
+      uint64_t stored_bytes = 0;
+      for (const CopyRange& range : ranges) stored_bytes += range.bytes;
       return absl::DataLossError(absl::StrFormat(
           "prefix entry %d: stored piece (arena %d, %d bytes) has xxHash3 %016x, captured as "
           "%016x; the entry is dropped, never served",
-          entry.id.value, from.storage_handle, at, checksum, from.checksum));
+          entry.id.value, from.storage_handle, stored_bytes, checksum, from.checksum));
     }
     return absl::OkStatus();
   };

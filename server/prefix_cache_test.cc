@@ -23,6 +23,7 @@
 namespace memra {
 namespace {
 
+using ::memra::testing::HasSubstrs;
 using ::memra::testing::IsOk;
 using ::memra::testing::StatusIs;
 using ::testing::HasSubstr;
@@ -30,6 +31,9 @@ namespace tp = ::memra::test_plans;
 namespace pb = ::memra::kv::v1;
 
 constexpr uint32_t kBlock = 16;
+// A FlatPlan block's stored bytes: 16 tokens x 2 layers x (a 34-byte q8_0 K row of 32 dims + a
+// 24-byte q5_1 V row).
+constexpr uint64_t kFlatBlockBytes = kBlock * 2 * (34 + 24);
 
 // The byte an "engine" wrote at (layer, plane, absolute row, byte). Position-addressed rows do
 // not depend on the session, so a shared prefix is the same bytes in every session; recurrent
@@ -481,8 +485,10 @@ TEST_F(PrefixCacheTest, CorruptBlockIsDataLossAndTheEntryIsDropped) {
   auto dest = NewSession(FlatPlan(), 128);
   EXPECT_THAT(cache_->Restore(*dest, captured->entry, tokens).status(),
               StatusIs(absl::StatusCode::kDataLoss,
-                       HasSubstr(absl::StrCat("prefix entry ", captured->entry.value,
-                                              ": stored piece (arena ", arena->value))));
+                       HasSubstrs(absl::StrCat("prefix entry ", captured->entry.value,
+                                               ": stored piece (arena ", arena->value, ", ",
+                                               kFlatBlockBytes, " bytes) has xxHash3 "),
+                                  "captured as ")));
   // Block 0 was verified and copied before block 1 failed its check: those bytes are the
   // unspecified content of a session that stays fresh (nothing adopted, no mirror written).
   EXPECT_EQ(Committed(*dest), 0u);
@@ -522,7 +528,8 @@ TEST_F(PrefixCacheTest, ParallelRestoreCopiesEveryBlockAndFailsOnAnyCorruptOne) 
   auto again = NewSession(FlatPlan(), 128);
   EXPECT_THAT(cache_->Restore(*again, captured->entry, tokens).status(),
               StatusIs(absl::StatusCode::kDataLoss,
-                       HasSubstr(absl::StrCat("stored piece (arena ", arena->value))));
+                       HasSubstr(absl::StrCat("stored piece (arena ", arena->value, ", ",
+                                              kFlatBlockBytes, " bytes)"))));
   EXPECT_EQ(Committed(*again), 0u);
 }
 
