@@ -274,21 +274,17 @@ std::unique_ptr<grpc::ClientContext> PrefixContext() {
 
 // Commits `tokens.size()` rows in chunks, each commit carrying its token ids, and writes a
 // non-zero byte pattern into every plane (rows' contents are irrelevant to the copy).
-absl::Status FillSession(KvClient& client, Session& session, const std::vector<int32_t>& tokens) {
+absl::Status FillSession(Session& session, const std::vector<int32_t>& tokens) {
   const uint64_t rows = tokens.size();
   for (uint64_t done = 0; done < rows;) {
     const uint64_t chunk = std::min<uint64_t>(rows - done, kCommitChunk);
     ASSIGN_OR_RETURN(Transaction transaction, session.Begin());
     RETURN_IF_ERROR(session.PrepareAppend(transaction.generation, chunk).status());
     RETURN_IF_ERROR(session.PublishAppend(transaction.generation).status());
-    pb::CommitRequest request;
-    *request.mutable_session() = session.ref();
-    request.set_generation(transaction.generation);
-    request.set_accepted_rows(chunk);
-    request.mutable_token_ids()->Add(tokens.begin() + done, tokens.begin() + done + chunk);
-    pb::CommitResponse response;
-    RETURN_IF_ERROR(
-        FromGrpcStatus(client.cache_stub().Commit(client.NewContext().get(), request, &response)));
+    RETURN_IF_ERROR(session
+                        .Commit(transaction.generation, chunk,
+                                absl::MakeConstSpan(tokens).subspan(done, chunk))
+                        .status());
     done += chunk;
   }
   for (const pb::LayerLayout& layer : session.layout().layers()) {
@@ -329,7 +325,7 @@ absl::StatusOr<PrefixResult> MeasurePrefix(KvClient& client, pb::KvPrefixCache::
   uint64_t entry_id = 0;
   {
     ASSIGN_OR_RETURN(std::unique_ptr<Session> source, client.CreateSession(plan, session_options));
-    RETURN_IF_ERROR(FillSession(client, *source, ids));
+    RETURN_IF_ERROR(FillSession(*source, ids));
     for (int rep = 0; rep < (restores_only ? 1 : reps); ++rep) {
       if (entry_id != 0) {
         pb::EvictPrefixRequest evict;

@@ -342,10 +342,12 @@ void StepBatch::Publish(const Session& session, uint64_t generation) {
   Add(session)->mutable_publish()->set_generation(generation);
 }
 
-void StepBatch::Commit(const Session& session, uint64_t generation, uint64_t accepted_rows) {
+void StepBatch::Commit(const Session& session, uint64_t generation, uint64_t accepted_rows,
+                       absl::Span<const int32_t> token_ids) {
   pb::StepCommit* op = Add(session)->mutable_commit();
   op->set_generation(generation);
   op->set_accepted_rows(accepted_rows);
+  op->mutable_token_ids()->Add(token_ids.begin(), token_ids.end());
 }
 
 void StepBatch::Abort(const Session& session, uint64_t generation) {
@@ -440,10 +442,12 @@ absl::StatusOr<uint64_t> Session::PublishAppend(uint64_t generation) {
   return response.staged_len();
 }
 
-absl::StatusOr<uint64_t> Session::Commit(uint64_t generation, uint64_t accepted_rows) {
+absl::StatusOr<uint64_t> Session::Commit(uint64_t generation, uint64_t accepted_rows,
+                                         absl::Span<const int32_t> token_ids) {
   pb::CommitRequest request = ForSession<pb::CommitRequest>(ref_, wait_event_);
   request.set_generation(generation);
   request.set_accepted_rows(accepted_rows);
+  request.mutable_token_ids()->Add(token_ids.begin(), token_ids.end());
   pb::CommitResponse response;
   RETURN_IF_ERROR(
       FromGrpcStatus(client_->cache_->Commit(client_->NewContext().get(), request, &response)));

@@ -54,6 +54,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "absl/types/span.h"
 #include "google/protobuf/arena.h"
 #include "client/mapper.h"
 #include "core/model_plan.h"
@@ -152,7 +153,11 @@ class Session {
   absl::StatusOr<Transaction> Begin();
   absl::StatusOr<PreparedAppend> PrepareAppend(uint64_t generation, uint64_t rows);
   absl::StatusOr<uint64_t> PublishAppend(uint64_t generation);                   // staged rows
-  absl::StatusOr<uint64_t> Commit(uint64_t generation, uint64_t accepted_rows);  // committed
+  // `token_ids`: the accepted rows' token ids, in order (exactly accepted_rows of them), or none
+  // (proto CommitRequest.token_ids: the daemon keeps them for the prefix cache). Returns the
+  // committed length.
+  absl::StatusOr<uint64_t> Commit(uint64_t generation, uint64_t accepted_rows,
+                                  absl::Span<const int32_t> token_ids = {});
   absl::StatusOr<uint64_t> Abort(uint64_t generation);                           // committed rows
 
   absl::StatusOr<memra::kv::v1::SessionState> Rewind(uint64_t target);
@@ -202,7 +207,9 @@ class StepBatch {
   void Begin(const Session& session);
   void Prepare(const Session& session, uint64_t generation, uint64_t rows);
   void Publish(const Session& session, uint64_t generation);
-  void Commit(const Session& session, uint64_t generation, uint64_t accepted_rows);
+  // `token_ids` as Session::Commit's.
+  void Commit(const Session& session, uint64_t generation, uint64_t accepted_rows,
+              absl::Span<const int32_t> token_ids = {});
   void Abort(const Session& session, uint64_t generation);
   size_t size() const { return static_cast<size_t>(request_.entries_size()); }
   // Empties the batch for the next step; its storage is kept (protobuf keeps cleared entries).

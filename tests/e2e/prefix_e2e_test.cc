@@ -142,15 +142,7 @@ TEST_F(PrefixE2eTest, HostBackendRefusesEngineEventsOnCaptureAndRestore) {
   ASSERT_THAT(tx, IsOk());
   ASSERT_THAT((*source)->PrepareAppend(tx->generation, kTokens), IsOk());
   ASSERT_THAT((*source)->PublishAppend(tx->generation), IsOk());
-  pb::CommitRequest commit;
-  *commit.mutable_session() = (*source)->ref();
-  commit.set_generation(tx->generation);
-  commit.set_accepted_rows(kTokens);
-  commit.mutable_token_ids()->Add(tokens.begin(), tokens.end());
-  pb::CommitResponse committed;
-  ASSERT_THAT(FromGrpcStatus((*client)->cache_stub().Commit((*client)->NewContext().get(), commit,
-                                                           &committed)),
-              IsOk());
+  ASSERT_THAT((*source)->Commit(tx->generation, kTokens, tokens), IsOk());
 
   const std::string event(64, '\x03');
   pb::CapturePrefixRequest capture;

@@ -196,22 +196,16 @@ void SetOrdering(const Session& session, Request& request) {
 }
 
 // Commits `rows` rows in chunks, each commit carrying its token ids.
-absl::Status CommitRows(KvClient& client, Session& session, const std::vector<int32_t>& tokens,
-                        uint64_t rows) {
+absl::Status CommitRows(Session& session, const std::vector<int32_t>& tokens, uint64_t rows) {
   for (uint64_t done = 0; done < rows;) {
     const uint64_t chunk = std::min<uint64_t>(rows - done, 512);
     ASSIGN_OR_RETURN(Transaction transaction, session.Begin());
     RETURN_IF_ERROR(session.PrepareAppend(transaction.generation, chunk).status());
     RETURN_IF_ERROR(session.PublishAppend(transaction.generation).status());
-    pb::CommitRequest request;
-    *request.mutable_session() = session.ref();
-    request.set_generation(transaction.generation);
-    request.set_accepted_rows(chunk);
-    request.mutable_token_ids()->Add(tokens.begin() + done, tokens.begin() + done + chunk);
-    SetOrdering(session, request);
-    pb::CommitResponse response;
-    std::unique_ptr<grpc::ClientContext> context = client.NewContext();
-    RETURN_IF_ERROR(FromGrpcStatus(client.cache_stub().Commit(context.get(), request, &response)));
+    RETURN_IF_ERROR(session
+                        .Commit(transaction.generation, chunk,
+                                absl::MakeConstSpan(tokens).subspan(done, chunk))
+                        .status());
     done += chunk;
   }
   return absl::OkStatus();
@@ -239,7 +233,7 @@ absl::Status Run() {
   const std::vector<int32_t> tokens = Tokens(n);
 
   if (mode == "capture" || mode == "hold") {
-    RETURN_IF_ERROR(CommitRows(*client, *session, tokens, n));
+    RETURN_IF_ERROR(CommitRows(*session, tokens, n));
     ASSIGN_OR_RETURN(pb::SessionState state, session->State());
     RETURN_IF_ERROR(WritePattern(*session, memory, state));
     if (mode == "capture") {

@@ -409,6 +409,34 @@ TEST_F(ServiceTest, StepRunsManySessionsWithIndependentResults) {
   EXPECT_THAT(response.results(0).message(), HasSubstr("names no operation"));
 }
 
+// Commit's token ids travel in both the unary call and a Step entry: a count that is neither 0
+// nor accepted_rows is refused with both numbers, and a full set commits.
+TEST_F(ServiceTest, CommitCarriesTokenIdsInTheUnaryCallAndInAStep) {
+  std::unique_ptr<Session> session = NewSession(*client_, kCapacity);
+  ASSERT_NE(session, nullptr);
+  const std::vector<int32_t> tokens = {11, 12, 13};
+  absl::StatusOr<Transaction> tx = session->Begin();
+  ASSERT_THAT(tx, IsOk());
+  ASSERT_THAT(session->PrepareAppend(tx->generation, 3), IsOk());
+  ASSERT_THAT(session->PublishAppend(tx->generation), IsOk());
+  EXPECT_THAT(session->Commit(tx->generation, 3, absl::MakeConstSpan(tokens).first(2)),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("commit carries 2 token ids for 3 accepted rows")));
+  StepBatch batch;
+  batch.Commit(*session, tx->generation, 2, tokens);
+  absl::StatusOr<std::vector<StepOutcome>> refused = client_->Step(batch);
+  ASSERT_THAT(refused, IsOk());
+  EXPECT_THAT((*refused)[0].status,
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("commit carries 3 token ids for 2 accepted rows")));
+  batch.Clear();
+  batch.Commit(*session, tx->generation, 3, tokens);
+  absl::StatusOr<std::vector<StepOutcome>> committed = client_->Step(batch);
+  ASSERT_THAT(committed, IsOk());
+  ASSERT_THAT((*committed)[0].status, IsOk());
+  EXPECT_EQ((*committed)[0].committed_len, 3u);
+}
+
 // A decode loop's reuse: one batch and one outcomes vector across steps. Slots whose operation
 // changes lose the previous step's payload, a refused entry carries no stale one, and a reply
 // that outgrows the batch's reused arena block is parsed correctly after the block grows.
