@@ -258,6 +258,9 @@ INSTANTIATE_TEST_SUITE_P(
                      {"metrics_address = \"127.0.0.1:70000\"", "port \"70000\" is not 1 to 65535"}},
         BadValueCase{"prefix_block_tokens = 0",
                      {"prefix_block_tokens = 0", "out of range", "from 1 to 65536"}},
+        BadValueCase{"prefix_copy_threads = 0",
+                     {"prefix_copy_threads = 0", "out of range", "from 1 to 256"}},
+        BadValueCase{"rpc_metrics = 1", {"rpc_metrics = 1", "true or false"}},
         BadValueCase{"drain_grace_ms = [1, 2]",
                      {"drain_grace_ms is a TOML array", "from 0 to 3600000"}}));
 
