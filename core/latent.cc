@@ -220,9 +220,17 @@ absl::StatusOr<LatentRestorePlan> PlanLatentRestore(const LatentLayerState& dest
   return plan;
 }
 
+uint64_t IndexPoolsReadyAt(const LatentLayerState& layer, uint64_t len) {
+  if (layer.index_pool == 0) return layer.index_pools_ready;
+  // Growing: the call boundary is drained. Shrinking: pools at or above len / pool were built
+  // over rows being dropped.
+  return len > layer.len ? len / layer.index_pool
+                         : std::min(layer.index_pools_ready, len / layer.index_pool);
+}
+
 uint64_t LiveIndexTailStart(const LatentLayerState& layer, uint64_t len) {
   if (layer.index_pool == 0) return len;
-  return std::min(layer.index_pools_ready, len / layer.index_pool) * layer.index_pool;
+  return IndexPoolsReadyAt(layer, len) * layer.index_pool;
 }
 
 absl::Status CheckIndexTailResident(const LatentLayerState& layer, uint64_t len) {
@@ -246,11 +254,6 @@ absl::Status NoteIndexRowsWritable(LatentLayerState& layer, uint64_t first_row, 
   ASSIGN_OR_RETURN(uint64_t end, CheckedAdd(first_row, rows, "indexer append end"));
   if (end > ring) layer.index_resident_from = std::max(layer.index_resident_from, end - ring);
   return absl::OkStatus();
-}
-
-void TruncateIndexPoolKeys(LatentLayerState& layer, uint64_t pool) {
-  if (pool == 0) return;
-  layer.index_pools_ready = std::min(layer.index_pools_ready, layer.len / pool);
 }
 
 }  // namespace memra

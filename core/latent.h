@@ -97,7 +97,10 @@ absl::StatusOr<LatentRestorePlan> PlanLatentRestore(const LatentLayerState& dest
 // lapped by a large append (the "lapped" case) or rows never carried into this session by a
 // restore, grow or hydrate (the "never carried" case) would otherwise be read as live.
 //
-// The absolute row where the live tail at `len` starts (pools_ready clamped to len / pool).
+// The pools whose keys are final once the layer's length is set to `len`: len / pool when it
+// grows (every call boundary leaves the drain there), else pools_ready clamped to len / pool.
+uint64_t IndexPoolsReadyAt(const LatentLayerState& layer, uint64_t len);
+// The absolute row where the live tail at `len` starts: IndexPoolsReadyAt(len) * pool.
 uint64_t LiveIndexTailStart(const LatentLayerState& layer, uint64_t len);
 // OK when the layer has no indexer, when the live tail at `len` is empty, or when every row of
 // it is resident; FAILED_PRECONDITION naming the rows, the resident start and what is legal.
@@ -107,9 +110,6 @@ absl::Status CheckIndexTailResident(const LatentLayerState& layer, uint64_t len)
 // rows under first_row + rows - ring stop being resident. Nothing changes on a refusal.
 absl::Status NoteIndexRowsWritable(LatentLayerState& layer, uint64_t first_row, uint64_t rows);
 
-// Clamp pools_ready to what `len` still justifies. Call from every path that REDUCES len:
-// pools at or above len / pool were built over rows about to be overwritten.
-void TruncateIndexPoolKeys(LatentLayerState& layer, uint64_t pool);
 
 }  // namespace memra
 

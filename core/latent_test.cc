@@ -179,16 +179,15 @@ TEST(LatentRestore, EveryRefusalNamesItsNumbers) {
                        HasSubstrs("holds 1536 f32 but the tail window requires 1792")));
 }
 
-TEST(LatentRules, TruncateIndexPoolKeysClampsOnlyDownward) {
+TEST(LatentRules, PoolsReadyClampOnlyDownwardAndGrowthDrains) {
   LatentLayerState layer = GlmLayer(23);
-  layer.len = 9;
-  TruncateIndexPoolKeys(layer, 4);
-  EXPECT_EQ(layer.index_pools_ready, 2u);
-  layer.len = 40;
-  TruncateIndexPoolKeys(layer, 4);
-  EXPECT_EQ(layer.index_pools_ready, 2u) << "growth never fabricates final keys";
-  TruncateIndexPoolKeys(layer, 0);
-  EXPECT_EQ(layer.index_pools_ready, 2u);
+  layer.index_pools_ready = 3;  // keys for pools 3 and 4 not built yet
+  EXPECT_EQ(IndexPoolsReadyAt(layer, 9), 2u) << "pools built over dropped rows are cut";
+  EXPECT_EQ(IndexPoolsReadyAt(layer, 20), 3u) << "shrinking never fabricates final keys";
+  EXPECT_EQ(IndexPoolsReadyAt(layer, 23), 3u);
+  EXPECT_EQ(IndexPoolsReadyAt(layer, 30), 7u) << "a call boundary leaves the drain at len / pool";
+  layer.index_pool = 0;
+  EXPECT_EQ(IndexPoolsReadyAt(layer, 9), 3u);
 }
 
 // The DSA layer: index_width 2, pool 3, a 6-row tail ring (two pools).
@@ -212,6 +211,7 @@ TEST(IndexResidency, LiveTailStartsAtTheLastFinalPoolClampedToTheLength) {
   EXPECT_EQ(LiveIndexTailStart(layer, 10), 9u);
   EXPECT_EQ(LiveIndexTailStart(layer, 4), 3u);
   EXPECT_EQ(LiveIndexTailStart(layer, 6), 6u);
+  EXPECT_EQ(LiveIndexTailStart(layer, 14), 12u) << "growth drains to 14 / 3 pools";
   LatentLayerState unknown_pool = layer;
   unknown_pool.index_pool = 0;
   EXPECT_EQ(LiveIndexTailStart(unknown_pool, 5), 5u);

@@ -139,16 +139,11 @@ absl::Status SessionState::CheckLatentTailsResident(uint64_t len) const {
 
 void SessionState::SetLatentLengths(uint64_t len) {
   for (LatentLayerState& layer : latent_) {
-    const bool grew = len > layer.len;
+    const bool shrank = len < layer.len;
+    if (layer.index_width != 0) layer.index_pools_ready = IndexPoolsReadyAt(layer, len);
     layer.len = len;
-    if (layer.index_width == 0 || layer.index_pool == 0) continue;
-    if (grew) {
-      layer.index_pools_ready = len / layer.index_pool;  // the call boundary is drained
-    } else {
-      TruncateIndexPoolKeys(layer, layer.index_pool);
-      // Rows from `len` up are rewritten by the next append before they can be live again.
-      layer.index_resident_from = std::min(layer.index_resident_from, len);
-    }
+    // Rows from `len` up are rewritten by the next append before they can be live again.
+    if (shrank) layer.index_resident_from = std::min(layer.index_resident_from, len);
   }
 }
 
@@ -184,6 +179,9 @@ absl::Status SessionState::PublishAppend(uint64_t generation) {
   KvTransactionCache next = kv_;
   RETURN_IF_ERROR(next.PublishAppendRebase(*pending_append_));
   RETURN_IF_ERROR(next.PublishAppendPlan(*pending_append_));
+  // An earlier prepare of this transaction that was replaced unpublished may have lapped the
+  // tail this append leaves live.
+  RETURN_IF_ERROR(CheckLatentTailsResident(next.staged_len()));
   kv_ = std::move(next);
   pending_append_.reset();
   SetLatentLengths(staged_len());

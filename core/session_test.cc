@@ -424,6 +424,22 @@ TEST(IndexResidency, LappedTailRefusesASpecRollbackIntoIt) {
   EXPECT_EQ(session.committed_len(), 6u);
 }
 
+TEST(IndexResidency, AReplacedUnpublishedPrepareStillCountsAtPublish) {
+  SessionState session = MakeDsaSession(64);
+  Step(session, 7, 7);  // pools_ready 2, live tail [6, 7)
+  absl::StatusOr<TransactionId> transaction = session.Begin();
+  ASSERT_THAT(transaction, IsOk());
+  ASSERT_THAT(session.PrepareAppend(transaction->generation, 16), IsOk());  // laps row 6
+  ASSERT_THAT(session.PrepareAppend(transaction->generation, 1), IsOk());   // replaces it
+  const Observable before = Observe(session);
+  EXPECT_THAT(session.PublishAppend(transaction->generation),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstrs("latent length 8 would make indexer rows [6, 8) live",
+                                  "holds rows only from 17")));
+  EXPECT_EQ(Observe(session), before);
+  EXPECT_THAT(session.Rewind(6), IsOk()) << "a pool boundary is always reachable";
+}
+
 TEST(IndexResidency, AFlatIndexPlaneOrASmallAppendNeverLaps) {
   SessionState flat = MakeDsaSession(64, 1, /*index_ring_rows=*/0);
   Step(flat, 4, 4);
