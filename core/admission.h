@@ -1,14 +1,14 @@
 #ifndef MEMRA_CORE_ADMISSION_H_
 #define MEMRA_CORE_ADMISSION_H_
 
-// The GPU's single admission budget (DESIGN.md section 5, "Admission"): a ledger of reservations
-// and live allocations against usable device bytes, and the pure cost queries the admin service
-// and memra-kvctl answer from.
+// The GPU's single admission budget (docs/rules.md#admission): a ledger of reservations and live
+// allocations against usable device bytes, and the pure cost queries the admin service and
+// memra-kvctl answer from.
 //
 // The cost of a session is THE exact arena its allocation takes: LayoutArena(PlanSession(...)
 // .planes, alignment, granularity).bytes. There is no second formula; the reference's history
-// (latent_kv_bytes_per_token_for_plan: a coefficient of 0 B/token admitted prompts the device
-// could never serve) is why.
+// (docs/rules.md#the-reference; latent_kv_bytes_per_token_for_plan: a coefficient of 0 B/token
+// admitted prompts the device could never serve) is why.
 
 #include <cstdint>
 #include <map>

@@ -11,7 +11,8 @@ namespace {
 
 constexpr KvFormats kAllFp8{KFormat::kFp8, VFormat::kFp8};
 
-// The reference panics on an unsupported door value; we refuse with the same words.
+// The reference (docs/rules.md#the-reference) panics on an unsupported door value; we refuse
+// with the same words (docs/rules.md#formats).
 absl::Status UnsupportedDoor(absl::string_view variable, std::string_view value,
                              absl::string_view accepted) {
   return absl::InvalidArgumentError(

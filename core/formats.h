@@ -1,7 +1,8 @@
 #ifndef MEMRA_CORE_FORMATS_H_
 #define MEMRA_CORE_FORMATS_H_
 
-// KV block formats (the reference's kv_cache_formats / kv_blk_bytes and its fp8 doors).
+// KV block formats (docs/rules.md#formats; the reference's kv_cache_formats / kv_blk_bytes and
+// its fp8 doors, docs/rules.md#the-reference).
 // Formats are explicit per layer in a model plan; FormatDefaults only fills layers that leave
 // theirs unset. Parsing env values is pure: the caller passes the strings it read.
 

@@ -1,7 +1,8 @@
 #ifndef MEMRA_CORE_INDEX_RING_H_
 #define MEMRA_CORE_INDEX_RING_H_
 
-// The DSA k-pool indexer TAIL RING (the reference's index_ring_* and index_plane_physical_row).
+// The DSA k-pool indexer TAIL RING (docs/rules.md#dsa-indexer-tail-ring; the reference's
+// index_ring_* and index_plane_physical_row, docs/rules.md#the-reference).
 //
 // A row of the indexer plane is read exactly once, by the pool-key build of the pool it belongs
 // to, so only [pools_ready * pool, cur + take) must be live. The ring is a WORKING SET, not a

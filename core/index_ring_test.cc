@@ -11,6 +11,9 @@ namespace {
 using ::memra::testing::HasSubstrs;
 using ::memra::testing::StatusIs;
 
+// "Reference: <name>" marks a port of the reference's test of that name, with the same numbers
+// (the reference: docs/rules.md#the-reference; the rules: docs/rules.md#dsa-indexer-tail-ring).
+
 // glm5_next's declared k-pool width and packed indexer row (2 x 128 f32 = 1 KiB per token).
 constexpr uint64_t kGlm5NextPool = 4;
 constexpr uint64_t kGlm5NextStateRowBytes = 2 * 128 * 4;

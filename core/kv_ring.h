@@ -1,10 +1,10 @@
 #ifndef MEMRA_CORE_KV_RING_H_
 #define MEMRA_CORE_KV_RING_H_
 
-// The sliding-window (SWA) ring: physical-row addressing for a sliding-attention K/V plane that
-// holds fewer rows than the session's context (the reference's KvRing, swa_ring_rows,
-// swa_retain_from). Lengths are ABSOLUTE token counts; `base` is the absolute row stored at
-// physical row 0 after the last rebase.
+// The sliding-window (SWA) ring (docs/rules.md#swa-ring): physical-row addressing for a
+// sliding-attention K/V plane that holds fewer rows than the session's context (the reference's
+// KvRing, swa_ring_rows, swa_retain_from; docs/rules.md#the-reference). Lengths are ABSOLUTE token
+// counts; `base` is the absolute row stored at physical row 0 after the last rebase.
 //
 // Invariants: (1) rows > 0 and window > 0; (2) base only moves forward (ApplyRebase);
 // (3) every resident view [start, end) maps to ONE contiguous physical range, because a rebase

@@ -11,6 +11,9 @@
 namespace memra {
 namespace {
 
+// "Reference: <name>" marks a port of the reference's test of that name, with the same numbers
+// (the reference: docs/rules.md#the-reference; the rules: docs/rules.md#swa-ring).
+
 using ::memra::testing::HasSubstrs;
 using ::memra::testing::StatusIs;
 

@@ -53,7 +53,8 @@ std::array<LayerField, 11> LayerFields(const LayerPlan& layer) {
 }
 
 absl::Status ValidateKvLayer(const LayerPlan& layer) {
-  // A quantized block is 32 elements and never straddles a head (the reference's KVQUANT rule).
+  // A quantized block is 32 elements and never straddles a head (the reference's KVQUANT rule;
+  // docs/rules.md#model-plans-and-fingerprints).
   if (layer.head_dim_k % 32 != 0 || layer.head_dim_v % 32 != 0) {
     return LayerError(layer, absl::StrCat("KVQUANT requires head_dim_k%32==0 && "
                                           "head_dim_v%32==0 (k=",

@@ -1,8 +1,9 @@
 #ifndef MEMRA_CORE_MODEL_PLAN_H_
 #define MEMRA_CORE_MODEL_PLAN_H_
 
-// The per-layer cache description of a model (DESIGN.md section 2), its validation and its
-// canonical fingerprint. Two plans with the same fingerprint have byte-identical session layouts.
+// The per-layer cache description of a model, its validation and its canonical fingerprint
+// (docs/rules.md#model-plans-and-fingerprints; "the reference" below: docs/rules.md#the-reference).
+// Two plans with the same fingerprint have byte-identical session layouts.
 //
 // Thread-safety: plain values; const methods are safe to call concurrently.
 

@@ -127,6 +127,7 @@ TEST(ModelPlanTest, RefusesFieldsTheKindDoesNotUse) {
               StatusIs(kInvalid, HasSubstrs("layer 9 (shared_kv)", "head_dim_k=256")));
 }
 
+// The reference (docs/rules.md#the-reference) derives Gemma's attention classes from the kind.
 TEST(ModelPlanTest, GemmaClassesSitOnTheKindsTheReferenceDerivesThemFrom) {
   ModelPlan global_sliding = GemmaStyle(false);
   global_sliding.layers[0].attention = AttentionClass::kGemmaGlobal;

@@ -61,7 +61,8 @@ class PlaneWriter {
  public:
   PlaneWriter(SessionPlan& session, uint32_t layer) : session_(session), layer_(layer) {}
 
-  // bytes = rows x row_bytes + extra_bytes (a tail pad, or the reference's one-element floor).
+  // bytes = rows x row_bytes + extra_bytes (a tail pad, or the reference's one-element floor;
+  // docs/rules.md#sizing).
   absl::Status Add(PlaneKind kind, uint64_t rows, uint64_t row_bytes, uint64_t extra_bytes,
                    bool scales_with_context) {
     const std::string what =

@@ -1,9 +1,10 @@
 #ifndef MEMRA_CORE_SIZING_H_
 #define MEMRA_CORE_SIZING_H_
 
-// THE sizing source. PlanSession() lists every plane a session needs, with exact bytes;
-// admission, allocation, the cost queries and the reference's per-token coefficients are all
-// derived from that one list. There is no second formula anywhere in the project.
+// THE sizing source (docs/rules.md#sizing). PlanSession() lists every plane a session needs, with
+// exact bytes; admission, allocation, the cost queries and the reference's per-token coefficients
+// (docs/rules.md#the-reference) are all derived from that one list. There is no second formula
+// anywhere in the project.
 //
 // Thread-safety: pure functions over values.
 

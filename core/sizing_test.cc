@@ -88,6 +88,8 @@ Sized Size(const ModelPlan& plan, const SessionRequest& request,
 }
 
 // ---------------------------------------------------------------- reference twins
+// Tests ported from the reference with its numbers (docs/rules.md#the-reference; the rules:
+// docs/rules.md#sizing).
 
 TEST(TpKvRankShapeTest, StepTp8RankAllocationMatchesTheOfficialKvGeometry) {
   absl::StatusOr<TpKvRankShape> shape = TpKvRankAllocationShape(8 * 128, 8 * 128, 8, kQ8Q5);

@@ -1,9 +1,10 @@
 #ifndef MEMRA_CORE_TRANSACTION_H_
 #define MEMRA_CORE_TRANSACTION_H_
 
-// The KV transaction state machine (the reference's TpKvTransactionState and
-// ResidentTpKvCache), generalised so ONE session-level transaction drives every K/V layer of a
-// session: flat layers and ring layers, ring layers with different windows.
+// The KV transaction state machine (docs/rules.md#transactions; the reference's
+// TpKvTransactionState and ResidentTpKvCache, docs/rules.md#the-reference), generalised so ONE
+// session-level transaction drives every K/V layer of a session: flat layers and ring layers,
+// ring layers with different windows.
 //
 // Protocol: Begin -> PrepareAppend(rows) -> (engine writes, performing any ring rebase copy)
 // -> PublishAppendRebase + PublishAppendPlan -> CommitTarget(accepted) -> PublishFinalize.

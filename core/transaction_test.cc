@@ -17,6 +17,9 @@ using ::testing::ElementsAre;
 
 constexpr uint64_t kCacheId = 7;
 
+// "Reference: <name>" marks a port of the reference's test of that name, with the same numbers
+// (the reference: docs/rules.md#the-reference; the rules: docs/rules.md#transactions).
+
 // The reference's empty_tp_cache: one flat rank-local layer of 136/96 token bytes.
 KvTransactionCache EmptyCache(uint64_t capacity, uint64_t k_token_bytes = 136,
                               uint64_t cache_id = kCacheId) {

@@ -2,9 +2,10 @@
 #define MEMRA_SERVER_BACKEND_H_
 
 // The device seam: every byte of cache memory the daemon owns is reached through a DeviceBackend
-// (the role LevelDB's Env plays for files). It generalises the reference's `KvDev` (7 ops): memory
-// comes in arenas (one allocation each, exportable to engine processes), and a plane is a
-// caller-chosen (arena, offset, bytes) sub-range of one.
+// (the role LevelDB's Env plays for files). It generalises the reference's `KvDev` (7 ops;
+// docs/rules.md#the-reference): memory comes in arenas (one allocation each, exportable to engine
+// processes), and a plane is a caller-chosen (arena, offset, bytes) sub-range of one
+// (docs/architecture.md#memory).
 
 #include <cstddef>
 #include <cstdint>
@@ -126,12 +127,12 @@ class DeviceBackend {
                                                          absl::Span<const CopyRange> ranges) = 0;
   virtual absl::Status Synchronize() = 0;
 
-  // Cross-process ordering (DESIGN.md section 5): blocks the calling thread until the engine's
-  // interprocess event `ipc_event_handle` (a cudaIpcEventHandle_t, 64 bytes) has completed, so
-  // the daemon's next device work on a session cannot race the engine's kernels on it. Empty:
-  // nothing to wait for (OK). The host backend has no device queue (ordering is the RPC order)
-  // and refuses a non-empty handle with INVALID_ARGUMENT; cuda: INVALID_ARGUMENT for a handle of
-  // the wrong size, the CUDA error when it cannot be opened or waited on.
+  // Cross-process ordering (docs/architecture.md#calls): blocks the calling thread until the
+  // engine's interprocess event `ipc_event_handle` (a cudaIpcEventHandle_t, 64 bytes) has
+  // completed, so the daemon's next device work on a session cannot race the engine's kernels on
+  // it. Empty: nothing to wait for (OK). The host backend has no device queue (ordering is the
+  // RPC order) and refuses a non-empty handle with INVALID_ARGUMENT; cuda: INVALID_ARGUMENT for a
+  // handle of the wrong size, the CUDA error when it cannot be opened or waited on.
   virtual absl::Status WaitForEngineEvent(absl::string_view ipc_event_handle) = 0;
 
   virtual uint64_t AllocatedBytes() const = 0;

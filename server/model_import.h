@@ -1,8 +1,9 @@
 #ifndef MEMRA_SERVER_MODEL_IMPORT_H_
 #define MEMRA_SERVER_MODEL_IMPORT_H_
 
-// Hugging Face `config.json` -> memra::ModelPlan (DESIGN.md section 6: `memra-kvctl` imports a
-// model's config into a plan). Lives in server/, not core/, because it parses JSON.
+// Hugging Face `config.json` -> memra::ModelPlan (`memra-kvctl import-model`, KvAdmin.ImportModel;
+// plans: docs/rules.md#model-plans-and-fingerprints). Lives in server/, not core/, because it
+// parses JSON. "The reference" below: docs/rules.md#the-reference.
 //
 // Supported `architectures[0]` and the fields read (every other field is ignored):
 //   dense      LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM:

@@ -1,6 +1,6 @@
 #!/bin/bash
-# core/ is the pure rules library (DESIGN.md section 3): no gRPC, protobuf, CUDA or I/O. This
-# fails naming every file and line under core/ that includes one of those headers.
+# core/ is the pure rules library (docs/architecture.md#layering): no gRPC, protobuf, CUDA or
+# I/O. This fails naming every file and line under core/ that includes one of those headers.
 # Arguments: the files of //core:all_sources.
 set -euo pipefail
 
