@@ -83,7 +83,7 @@ absl::StatusOr<Json> RunAdmission(const BenchOptions& options) {
       release.Add(released - created);
       both.Add(released - start);
     }
-    SessionRequest request;
+    SessionShape request;
     request.capacity = shape.capacity;
     ASSIGN_OR_RETURN(uint64_t bytes, SessionArenaBytes(shape.model, FormatDefaults(), request,
                                                        {.granularity = page}));
@@ -140,7 +140,7 @@ absl::StatusOr<Json> RunAdmission(const BenchOptions& options) {
   client.reset();
 
   // The same questions in process (what the daemon computes per query).
-  SessionRequest request;
+  SessionShape request;
   request.capacity = 4096;
   AdmissionLedger ledger(uint64_t{80} << 30);
   ASSIGN_OR_RETURN(uint64_t session_bytes, SessionArenaBytes(query_shape.model, FormatDefaults(),

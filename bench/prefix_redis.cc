@@ -169,7 +169,7 @@ absl::Status RunRedis(const BenchOptions& options, Json& json,
   std::vector<std::pair<EntrySize, uint64_t>> entries;  // size, bytes
   for (const EntrySize& size : kEntries) {
     if (size.tokens > options.redis_max_tokens) continue;
-    SessionRequest request;
+    SessionShape request;
     request.capacity = size.tokens;
     ASSIGN_OR_RETURN(uint64_t bytes,
                      SessionArenaBytes(model, FormatDefaults(), request,
@@ -454,7 +454,7 @@ absl::StatusOr<Json> RunPrefixCache(const BenchOptions& options,
                "memcpy GB/s", "restore/memcpy"});
   for (const PrefixModel& model : PrefixModels()) {
     // Budget: the source session, the entry (cache), the restored session, and slack.
-    SessionRequest request;
+    SessionShape request;
     request.capacity = sizes.back().tokens;
     ASSIGN_OR_RETURN(uint64_t session_bytes,
                      SessionArenaBytes(model.plan, FormatDefaults(), request,

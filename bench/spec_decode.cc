@@ -32,7 +32,7 @@ struct Plane {
 
 absl::StatusOr<Json> RunSpecDecode(const BenchOptions& options) {
   const ModelPlan model = test_plans::Qwen3NextStyle();
-  SessionRequest request;
+  SessionShape request;
   request.capacity = kCapacity;
   request.spec_snapshot = true;
   ASSIGN_OR_RETURN(SessionPlan session_plan, PlanSession(model, FormatDefaults(), request));

@@ -49,7 +49,7 @@ ModelPlan HybridPlan() {
 }
 
 SessionState MakeSession(uint64_t capacity, bool spec_snapshot = true, uint64_t cache_id = 1) {
-  SessionRequest request;
+  SessionShape request;
   request.capacity = capacity;
   request.spec_snapshot = spec_snapshot;
   absl::StatusOr<SessionPlan> plan = PlanSession(HybridPlan(), FormatDefaults(), request);

@@ -50,7 +50,7 @@ class AdmissionTest : public DaemonTest {
 
   // The exact bytes a session of the fixture's plan takes, from the pure core function.
   uint64_t CostOf(const ModelPlan& plan, uint64_t capacity, bool spec_snapshot = true) {
-    SessionRequest request;
+    SessionShape request;
     request.capacity = capacity;
     request.spec_snapshot = spec_snapshot;
     absl::StatusOr<uint64_t> bytes =
@@ -453,7 +453,7 @@ TEST_F(AdmissionTest, CostOfAnImportedConfigMatchesTheCoreFunction) {
   ASSERT_THAT(Admin(&pb::KvAdmin::Stub::GetCost, request, &cost), IsOk());
   // The same geometry as core's Llama-3-8B test plan (32 layers, 8 KV heads of 128): the
   // breakdown is core's CostOfSession for it, number for number.
-  SessionRequest shape;
+  SessionShape shape;
   shape.capacity = 8192;
   absl::StatusOr<CostBreakdown> pure = CostOfSession(Llama3_8B(), FormatDefaults{}, shape);
   ASSERT_TRUE(pure.ok()) << pure.status();
