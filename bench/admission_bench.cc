@@ -10,6 +10,7 @@
 #include "bench/harness.h"
 #include "bench/kvd.h"
 #include "bench/sections.h"
+#include "client/internal.h"
 #include "common/grpc_status.h"
 #include "core/admission.h"
 #include "core/status_macros.h"
@@ -112,13 +113,13 @@ absl::StatusOr<Json> RunAdmission(const BenchOptions& options) {
   *fit_request.mutable_shape() = cost_request.shape();
   auto get_cost = [&]() -> absl::Status {
     pb::CostResponse response;
-    return FromGrpcStatus(client->admin_stub().GetCost(client->NewContext().get(), cost_request,
-                                                       &response));
+    return FromGrpcStatus(ClientInternals::Admin(*client).GetCost(
+        ClientInternals::NewContext(*client).get(), cost_request, &response));
   };
   auto get_fit = [&]() -> absl::Status {
     pb::FitResponse response;
-    return FromGrpcStatus(client->admin_stub().GetFit(client->NewContext().get(), fit_request,
-                                                      &response));
+    return FromGrpcStatus(ClientInternals::Admin(*client).GetFit(
+        ClientInternals::NewContext(*client).get(), fit_request, &response));
   };
   const int rpc_iterations = options.quick ? 3 : 1000;
   Json rpc;

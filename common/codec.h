@@ -26,6 +26,7 @@ absl::StatusOr<ModelPlan> ModelPlanFromProto(const memra::kv::v1::ModelPlan& pro
 memra::kv::v1::PlaneKind PlaneKindToProto(PlaneKind kind);
 absl::StatusOr<PlaneKind> PlaneKindFromProto(memra::kv::v1::PlaneKind kind);
 memra::kv::v1::StateKind StateKindToProto(StateKind kind);
+absl::StatusOr<StateKind> StateKindFromProto(memra::kv::v1::StateKind kind);
 memra::kv::v1::KvFormats KvFormatsToProto(const KvFormats& formats);
 
 // An append plan's per-layer entries (`layers` in layer order) as LayerAppendPlan messages, one

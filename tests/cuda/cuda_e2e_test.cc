@@ -34,6 +34,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "client/client.h"
+#include "client/internal.h"
 #include "common/grpc_status.h"
 #include "gmock/gmock.h"
 #include "grpcpp/client_context.h"
@@ -41,8 +42,8 @@
 #include "grpcpp/security/credentials.h"
 #include "gtest/gtest.h"
 #include "proto/memra/kv/v1/prefix.grpc.pb.h"
-#include "tests/e2e/engine_device.h"
 #include "tests/e2e/engine_checks.h"
+#include "tests/e2e/engine_device.h"
 #include "tests/e2e/facts.h"
 #include "tests/status_matchers.h"
 #include "tests/subprocess.h"
@@ -106,7 +107,7 @@ class CudaE2eTest : public ::testing::Test {
   }
 
   pb::GetStatusResponse Status() {
-    absl::StatusOr<pb::GetStatusResponse> status = checker_->GetStatus();
+    absl::StatusOr<pb::GetStatusResponse> status = ClientInternals::GetStatus(*checker_);
     EXPECT_THAT(status, IsOk());
     return status.ok() ? *status : pb::GetStatusResponse();
   }
@@ -128,9 +129,9 @@ class CudaE2eTest : public ::testing::Test {
 
   pb::ListPrefixesResponse List() {
     pb::ListPrefixesResponse response;
-    EXPECT_THAT(
-        FromGrpcStatus(prefix_->ListPrefixes(checker_->NewContext().get(), {}, &response)),
-        IsOk());
+    EXPECT_THAT(FromGrpcStatus(prefix_->ListPrefixes(ClientInternals::NewContext(*checker_).get(),
+                                                     {}, &response)),
+                IsOk());
     return response;
   }
 
@@ -185,7 +186,7 @@ TEST_F(CudaE2eTest, TwoEnginesBytesSpecRollbackReclaimAndDrain) {
   // verifies its session once more and releases it), then the daemon exits 0, everything freed.
   ASSERT_EQ(kill(daemon_, SIGTERM), 0);
   ASSERT_TRUE(PollUntil([&] {
-    absl::StatusOr<pb::GetStatusResponse> status = checker_->GetStatus();
+    absl::StatusOr<pb::GetStatusResponse> status = ClientInternals::GetStatus(*checker_);
     return status.ok() && status->draining();
   }));
   absl::StatusOr<std::unique_ptr<KvClient>> late = KvClient::Connect(socket_);

@@ -23,11 +23,12 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "client/client.h"
+#include "client/internal.h"
+#include "common/grpc_status.h"
 #include "gmock/gmock.h"
 #include "grpcpp/client_context.h"
 #include "gtest/gtest.h"
 #include "server/config.h"
-#include "common/grpc_status.h"
 #include "server/instance.h"
 #include "tests/e2e/engine_checks.h"
 #include "tests/e2e/engine_device.h"
@@ -89,7 +90,7 @@ class E2eTest : public ::testing::Test {
   }
 
   pb::GetStatusResponse Status() {
-    absl::StatusOr<pb::GetStatusResponse> status = checker_->GetStatus();
+    absl::StatusOr<pb::GetStatusResponse> status = ClientInternals::GetStatus(*checker_);
     EXPECT_THAT(status, IsOk());
     return status.ok() ? *status : pb::GetStatusResponse();
   }
@@ -176,7 +177,7 @@ TEST_F(E2eTest, SigtermDrainsLiveSessionsThenFreesThem) {
   ASSERT_EQ(kill(daemon_, SIGTERM), 0);
   // Draining: new engines are refused, the live session keeps working.
   ASSERT_TRUE(PollUntil([&] {
-    absl::StatusOr<pb::GetStatusResponse> status = checker_->GetStatus();
+    absl::StatusOr<pb::GetStatusResponse> status = ClientInternals::GetStatus(*checker_);
     return status.ok() && status->draining();
   }));
   absl::StatusOr<std::unique_ptr<KvClient>> late = KvClient::Connect(socket_);
@@ -256,7 +257,7 @@ TEST_F(E2eTest, StartRemovesAPredecessorsStaleObjectsAndRefusesASecondDaemon) {
   EXPECT_FALSE(Exists(stale));
   // A second daemon on the same socket stops at the instance lock, touching nothing.
   EXPECT_EQ(WaitExit(Spawn({Runfile("server/memra-kvd"), "--socket_path=" + socket_})), 1);
-  EXPECT_THAT(checker_->GetStatus(), IsOk());
+  EXPECT_THAT(ClientInternals::GetStatus(*checker_), IsOk());
   checker_.reset();
   ASSERT_EQ(kill(daemon_, SIGTERM), 0);
   EXPECT_EQ(WaitExit(daemon_), 0);

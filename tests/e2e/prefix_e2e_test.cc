@@ -17,6 +17,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "client/client.h"
+#include "client/internal.h"
 #include "common/grpc_status.h"
 #include "core/test_model_plans.h"
 #include "gmock/gmock.h"
@@ -25,8 +26,8 @@
 #include "grpcpp/security/credentials.h"
 #include "gtest/gtest.h"
 #include "proto/memra/kv/v1/prefix.grpc.pb.h"
-#include "tests/subprocess.h"
 #include "tests/status_matchers.h"
+#include "tests/subprocess.h"
 
 namespace memra::testing {
 namespace {
@@ -145,47 +146,60 @@ TEST_F(PrefixE2eTest, HostBackendRefusesEngineEventsOnCaptureAndRestore) {
   ASSERT_THAT((*source)->Commit(tx->generation, kTokens, tokens), IsOk());
 
   const std::string event(64, '\x03');
-  pb::CapturePrefixRequest capture;
-  *capture.mutable_session() = (*source)->ref();
-  capture.mutable_token_ids()->Add(tokens.begin(), tokens.end());
-  capture.set_boundary_tokens(kTokens);
-  capture.mutable_ordering()->set_wait_event(event);
-  pb::CapturePrefixResponse captured;
-  EXPECT_THAT(FromGrpcStatus(prefix_->Capture((*client)->NewContext().get(), capture, &captured)),
-              StatusIs(absl::StatusCode::kInvalidArgument,
-                       HasSubstrs("host backend: a 64-byte interprocess event handle",
-                                  "RPC order")));
+  (*source)->SetWaitEvent(event);
+  EXPECT_THAT(
+      (*client)->CapturePrefix(**source, tokens, kTokens),
+      StatusIs(absl::StatusCode::kInvalidArgument,
+               HasSubstrs("host backend: a 64-byte interprocess event handle", "RPC order")));
   EXPECT_EQ(List().entries_size(), 0);
-  // Authenticated before any wait: a wrong token is PERMISSION_DENIED, event or not.
-  pb::CapturePrefixRequest stranger = capture;
+  // Authenticated before any wait: a wrong token is PERMISSION_DENIED, event or not (a request
+  // client.h never builds: the raw call).
+  pb::CapturePrefixRequest stranger;
+  *stranger.mutable_session() = ClientInternals::Ref(**source);
   stranger.mutable_session()->set_session_token(std::string(16, 'x'));
-  EXPECT_THAT(FromGrpcStatus(prefix_->Capture((*client)->NewContext().get(), stranger, &captured)),
+  stranger.mutable_token_ids()->Add(tokens.begin(), tokens.end());
+  stranger.set_boundary_tokens(kTokens);
+  stranger.mutable_ordering()->set_wait_event(event);
+  pb::CapturePrefixResponse response;
+  EXPECT_THAT(FromGrpcStatus(ClientInternals::Prefix(**client).Capture(
+                  ClientInternals::NewContext(**client).get(), stranger, &response)),
               StatusIs(absl::StatusCode::kPermissionDenied,
                        ::testing::HasSubstr(
                            absl::StrCat("wrong session token for session ", (*source)->id()))));
-  capture.clear_ordering();
-  ASSERT_THAT(FromGrpcStatus(prefix_->Capture((*client)->NewContext().get(), capture, &captured)),
-              IsOk());
+  (*source)->SetWaitEvent("");
+  absl::StatusOr<PrefixCaptured> captured = (*client)->CapturePrefix(**source, tokens, kTokens);
+  ASSERT_THAT(captured, IsOk());
   EXPECT_EQ(List().entries_size(), 1);
+  EXPECT_EQ(captured->shape_fingerprint, *plan) << "all layers, unsharded: the plan's own";
+  // A router subscribing from the start hears the store: both 16-token blocks.
+  std::unique_ptr<PrefixEventStream> events = (*client)->SubscribePrefixEvents();
+  absl::StatusOr<std::optional<PrefixCacheEvent>> stored = events->Next();
+  ASSERT_THAT(stored, IsOk());
+  ASSERT_TRUE(stored->has_value());
+  EXPECT_FALSE((*stored)->gap);
+  EXPECT_EQ((*stored)->kind, PrefixEventKind::kStored);
+  EXPECT_EQ((*stored)->sequence, 1u);
+  EXPECT_EQ((*stored)->shape_fingerprint, *plan);
+  EXPECT_EQ((*stored)->block_keys.size(), kTokens / 16);
+  events->Cancel();
+  absl::StatusOr<std::optional<PrefixCacheEvent>> after_cancel = events->Next();
+  ASSERT_THAT(after_cancel, IsOk());
+  EXPECT_FALSE(after_cancel->has_value()) << "cancelling ends the stream";
 
-  pb::RestorePrefixRequest restore;
-  *restore.mutable_session() = (*fresh)->ref();
-  restore.set_entry_id(captured.entry_id());
-  restore.mutable_token_ids()->Add(tokens.begin(), tokens.end());
-  restore.mutable_ordering()->set_wait_event(event);
-  pb::RestorePrefixResponse restored;
-  EXPECT_THAT(FromGrpcStatus(prefix_->Restore((*client)->NewContext().get(), restore, &restored)),
-              StatusIs(absl::StatusCode::kInvalidArgument,
-                       HasSubstrs("host backend: a 64-byte interprocess event handle",
-                                  "RPC order")));
-  absl::StatusOr<pb::SessionState> untouched = (*fresh)->State();
+  (*fresh)->SetWaitEvent(event);
+  EXPECT_THAT(
+      (*client)->RestorePrefix(**fresh, tokens, captured->entry_id),
+      StatusIs(absl::StatusCode::kInvalidArgument,
+               HasSubstrs("host backend: a 64-byte interprocess event handle", "RPC order")));
+  absl::StatusOr<SessionSnapshot> untouched = (*fresh)->State();
   ASSERT_THAT(untouched, IsOk());
-  EXPECT_EQ(untouched->committed_len(), 0u);
+  EXPECT_EQ(untouched->committed_len, 0u);
   EXPECT_EQ(List().stats().restores(), 0u);
-  restore.clear_ordering();
-  ASSERT_THAT(FromGrpcStatus(prefix_->Restore((*client)->NewContext().get(), restore, &restored)),
-              IsOk());
-  EXPECT_EQ(restored.restored_tokens(), kTokens);
+  (*fresh)->SetWaitEvent("");
+  absl::StatusOr<PrefixRestored> restored =
+      (*client)->RestorePrefix(**fresh, tokens, captured->entry_id);
+  ASSERT_THAT(restored, IsOk());
+  EXPECT_EQ(restored->restored_tokens, kTokens);
   EXPECT_EQ(List().stats().restores(), 1u);
 }
 
