@@ -21,11 +21,9 @@
 #include "common/grpc_status.h"
 #include "core/test_model_plans.h"
 #include "gmock/gmock.h"
-#include "grpcpp/client_context.h"
-#include "grpcpp/create_channel.h"
-#include "grpcpp/security/credentials.h"
 #include "gtest/gtest.h"
 #include "proto/memra/kv/v1/prefix.grpc.pb.h"
+#include "tests/daemon_process.h"
 #include "tests/status_matchers.h"
 #include "tests/subprocess.h"
 
@@ -37,24 +35,18 @@ namespace pb = ::memra::kv::v1;
 class PrefixE2eTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    char dir[] = "/tmp/memra-pfx-XXXXXX";  // short: Unix socket paths are < 108 bytes
-    ASSERT_NE(mkdtemp(dir), nullptr);
-    dir_ = dir;
-    socket_ = dir_ + "/kvd.sock";
-    daemon_ = Spawn({Runfile("server/memra-kvd"), "--socket_path=" + socket_,
-                     "--budget_bytes=512MiB", "--prefix_cache_budget_bytes=128MiB",
-                     "--prefix_block_tokens=16", "--socket_mode=0600", "--watchdog=false",
-                     "--lease_timeout_ms=2000", "--lease_grace_ms=100"});
-    ASSERT_GT(daemon_, 0);
-    ASSERT_TRUE(PollUntil([&] { return Exists(socket_); }, daemon_)) << "daemon never listened";
-    prefix_ = pb::KvPrefixCache::NewStub(grpc::CreateChannel(
-        absl::StrCat("unix:", socket_), grpc::InsecureChannelCredentials()));
+    ASSERT_TRUE(daemon_.Start({"--budget_bytes=512MiB", "--prefix_cache_budget_bytes=128MiB",
+                               "--prefix_block_tokens=16", "--lease_timeout_ms=2000",
+                               "--lease_grace_ms=100"}));
+    absl::StatusOr<std::unique_ptr<KvClient>> checker = KvClient::Connect(socket_);
+    ASSERT_THAT(checker, IsOk());
+    checker_ = *std::move(checker);
   }
 
   void TearDown() override {
-    if (daemon_ > 0) {
-      kill(daemon_, SIGTERM);
-      EXPECT_EQ(WaitExit(daemon_), 0);
+    checker_.reset();
+    if (daemon_.Signal(SIGTERM)) {
+      EXPECT_EQ(daemon_.WaitExit(), 0);
     }
   }
 
@@ -64,18 +56,19 @@ class PrefixE2eTest : public ::testing::Test {
                   "--plan=" + plan, absl::StrCat("--tokens=", tokens), "--out=" + out});
   }
 
+  // The operator view (memra-kvctl prefixes): a raw call.
   pb::ListPrefixesResponse List() {
-    grpc::ClientContext context;
-    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
     pb::ListPrefixesResponse response;
-    EXPECT_THAT(FromGrpcStatus(prefix_->ListPrefixes(&context, {}, &response)), IsOk());
+    EXPECT_THAT(FromGrpcStatus(ClientInternals::Prefix(*checker_).ListPrefixes(
+                    ClientInternals::NewContext(*checker_).get(), {}, &response)),
+                IsOk());
     return response;
   }
 
-  std::string dir_;
-  std::string socket_;
-  pid_t daemon_ = -1;
-  std::unique_ptr<pb::KvPrefixCache::Stub> prefix_;
+  DaemonProcess daemon_{"pfx"};  // stopped, its directory removed, after TearDown
+  const std::string& dir_ = daemon_.dir();
+  const std::string& socket_ = daemon_.socket();
+  std::unique_ptr<KvClient> checker_;
 };
 
 TEST_F(PrefixE2eTest, AnotherProcessRestoresExactlyTheCapturedBytesForEveryModelKind) {
@@ -112,7 +105,7 @@ TEST_F(PrefixE2eTest, AKilledEnginesCommittedConversationRestoresInANewProcess) 
   ASSERT_EQ(kill(holder, SIGKILL), 0);
   EXPECT_EQ(WaitExit(holder), 128 + SIGKILL);
   // The lease ends with the stream; after the grace the daemon keeps the committed 64 tokens.
-  ASSERT_TRUE(PollUntil([&] { return List().entries_size() == 1; }, daemon_));
+  ASSERT_TRUE(PollUntil([&] { return List().entries_size() == 1; }, daemon_.pid()));
   const pb::ListPrefixesResponse listed = List();
   EXPECT_EQ(listed.entries(0).boundary_tokens(), 64u);  // never the 16 staged rows
   EXPECT_EQ(listed.stats().death_captures(), 1u);
