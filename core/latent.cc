@@ -213,14 +213,47 @@ absl::StatusOr<LatentRestorePlan> PlanLatentRestore(const LatentLayerState& dest
     }
     plan.restored.index_pools_ready = snapshot.index_pools_ready;
     plan.restored.index_pool = pool;
+    // Only the live tail is carried: rows below it were never written into this plane.
+    plan.restored.index_resident_from = snapshot.index_pools_ready * pool;
   }
   plan.restored.len = snapshot.len;
   return plan;
 }
 
-void TruncateIndexPoolKeys(LatentLayerState& layer, uint64_t pool) {
-  if (pool == 0) return;
-  layer.index_pools_ready = std::min(layer.index_pools_ready, layer.len / pool);
+uint64_t IndexPoolsReadyAt(const LatentLayerState& layer, uint64_t len) {
+  if (layer.index_pool == 0) return layer.index_pools_ready;
+  // Growing: the call boundary is drained. Shrinking: pools at or above len / pool were built
+  // over rows being dropped.
+  return len > layer.len ? len / layer.index_pool
+                         : std::min(layer.index_pools_ready, len / layer.index_pool);
+}
+
+uint64_t LiveIndexTailStart(const LatentLayerState& layer, uint64_t len) {
+  if (layer.index_pool == 0) return len;
+  return IndexPoolsReadyAt(layer, len) * layer.index_pool;
+}
+
+absl::Status CheckIndexTailResident(const LatentLayerState& layer, uint64_t len) {
+  if (layer.index_width == 0 || layer.index_pool == 0) return absl::OkStatus();
+  const uint64_t tail_start = LiveIndexTailStart(layer, len);
+  if (tail_start == len || layer.index_resident_from <= tail_start) return absl::OkStatus();
+  const uint64_t first_missing = tail_start;
+  const uint64_t last_missing = std::min(layer.index_resident_from, len);
+  return absl::FailedPreconditionError(absl::StrCat(
+      "layer ", layer.layer, ": latent length ", len, " would make indexer rows [",
+      first_missing, ", ", last_missing, ") live, but the index plane holds rows only from ",
+      layer.index_resident_from, " (the tail ring wrapped over them, or they were never carried "
+      "into this session); legal lengths are pool boundaries (multiples of ",
+      layer.index_pool, ") and lengths whose pool starts at or above row ",
+      layer.index_resident_from));
+}
+
+absl::Status NoteIndexRowsWritable(LatentLayerState& layer, uint64_t first_row, uint64_t rows) {
+  if (layer.index_width == 0 || layer.index_ring_rows == 0 || rows == 0) return absl::OkStatus();
+  ASSIGN_OR_RETURN(uint64_t ring, EffectiveIndexRingRows(layer.index_ring_rows, layer.index_pool));
+  ASSIGN_OR_RETURN(uint64_t end, CheckedAdd(first_row, rows, "indexer append end"));
+  if (end > ring) layer.index_resident_from = std::max(layer.index_resident_from, end - ring);
+  return absl::OkStatus();
 }
 
 }  // namespace memra

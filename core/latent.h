@@ -31,6 +31,10 @@ struct LatentLayerState {
   uint64_t index_ring_rows = 0;    // booked physical indexer rows when a tail ring; 0 = flat
   uint64_t index_pool = 0;         // resident pool (0 = unknown)
   uint64_t index_pools_ready = 0;  // pools [0, ready) of the key plane hold FINAL keys
+  // Indexer residency: rows [index_resident_from, len) of the index plane hold their own bytes.
+  // Raised when an append may overwrite ring slots of older rows; set to the live tail's start
+  // by restore, grow and hydrate, which carry only the tail. See IndexTailResident.
+  uint64_t index_resident_from = 0;
   uint64_t rows_elems = 0;         // latent plane size
   uint64_t index_rows_elems = 0;   // indexer plane size (0 = not allocated)
   uint64_t pool_keys_elems = 0;    // pool-key plane size (0 = not allocated)
@@ -86,9 +90,26 @@ absl::StatusOr<LatentRestorePlan> PlanLatentRestore(const LatentLayerState& dest
                                                     const LatentSnapshot& snapshot,
                                                     uint64_t max_ctx);
 
-// Clamp pools_ready to what `len` still justifies. Call from every path that REDUCES len:
-// pools at or above len / pool were built over rows about to be overwritten.
-void TruncateIndexPoolKeys(LatentLayerState& layer, uint64_t pool);
+// Indexer residency (docs/rules.md, "Indexer residency"). The live tail of an indexer at length
+// `len` is [LiveIndexTailStart, len): rows of the pool not yet built into a final key, which the
+// next pool-key build (and any capture) reads from the index plane. An operation that sets a
+// latent length is refused, changing nothing, unless that whole tail is resident: a tail ring
+// lapped by a large append (the "lapped" case) or rows never carried into this session by a
+// restore, grow or hydrate (the "never carried" case) would otherwise be read as live.
+//
+// The pools whose keys are final once the layer's length is set to `len`: len / pool when it
+// grows (every call boundary leaves the drain there), else pools_ready clamped to len / pool.
+uint64_t IndexPoolsReadyAt(const LatentLayerState& layer, uint64_t len);
+// The absolute row where the live tail at `len` starts: IndexPoolsReadyAt(len) * pool.
+uint64_t LiveIndexTailStart(const LatentLayerState& layer, uint64_t len);
+// OK when the layer has no indexer, when the live tail at `len` is empty, or when every row of
+// it is resident; FAILED_PRECONDITION naming the rows, the resident start and what is legal.
+absl::Status CheckIndexTailResident(const LatentLayerState& layer, uint64_t len);
+// Records that the engine may now write indexer rows [first_row, first_row + rows) (a prepared
+// append): on a tail ring those writes land in the slots of rows one effective ring below, so
+// rows under first_row + rows - ring stop being resident. Nothing changes on a refusal.
+absl::Status NoteIndexRowsWritable(LatentLayerState& layer, uint64_t first_row, uint64_t rows);
+
 
 }  // namespace memra
 

@@ -179,16 +179,101 @@ TEST(LatentRestore, EveryRefusalNamesItsNumbers) {
                        HasSubstrs("holds 1536 f32 but the tail window requires 1792")));
 }
 
-TEST(LatentRules, TruncateIndexPoolKeysClampsOnlyDownward) {
+TEST(LatentRules, PoolsReadyClampOnlyDownwardAndGrowthDrains) {
   LatentLayerState layer = GlmLayer(23);
-  layer.len = 9;
-  TruncateIndexPoolKeys(layer, 4);
-  EXPECT_EQ(layer.index_pools_ready, 2u);
-  layer.len = 40;
-  TruncateIndexPoolKeys(layer, 4);
-  EXPECT_EQ(layer.index_pools_ready, 2u) << "growth never fabricates final keys";
-  TruncateIndexPoolKeys(layer, 0);
-  EXPECT_EQ(layer.index_pools_ready, 2u);
+  layer.index_pools_ready = 3;  // keys for pools 3 and 4 not built yet
+  EXPECT_EQ(IndexPoolsReadyAt(layer, 9), 2u) << "pools built over dropped rows are cut";
+  EXPECT_EQ(IndexPoolsReadyAt(layer, 20), 3u) << "shrinking never fabricates final keys";
+  EXPECT_EQ(IndexPoolsReadyAt(layer, 23), 3u);
+  EXPECT_EQ(IndexPoolsReadyAt(layer, 30), 7u) << "a call boundary leaves the drain at len / pool";
+  layer.index_pool = 0;
+  EXPECT_EQ(IndexPoolsReadyAt(layer, 9), 3u);
+}
+
+// The DSA layer: index_width 2, pool 3, a 6-row tail ring (two pools).
+LatentLayerState SmallDsaLayer(uint64_t len) {
+  LatentLayerState layer;
+  layer.layer = 7;
+  layer.width = 4;
+  layer.len = len;
+  layer.index_width = 2;
+  layer.index_ring_rows = 6;
+  layer.index_pool = 3;
+  layer.index_pools_ready = len / 3;
+  layer.rows_elems = 64 * 4;
+  layer.index_rows_elems = 6 * 2;
+  layer.pool_keys_elems = 64 / 3 * 1;
+  return layer;
+}
+
+TEST(IndexResidency, LiveTailStartsAtTheLastFinalPoolClampedToTheLength) {
+  const LatentLayerState layer = SmallDsaLayer(10);  // pools_ready 3
+  EXPECT_EQ(LiveIndexTailStart(layer, 10), 9u);
+  EXPECT_EQ(LiveIndexTailStart(layer, 4), 3u);
+  EXPECT_EQ(LiveIndexTailStart(layer, 6), 6u);
+  EXPECT_EQ(LiveIndexTailStart(layer, 14), 12u) << "growth drains to 14 / 3 pools";
+  LatentLayerState unknown_pool = layer;
+  unknown_pool.index_pool = 0;
+  EXPECT_EQ(LiveIndexTailStart(unknown_pool, 5), 5u);
+}
+
+TEST(IndexResidency, AnAppendThatLapsTheRingRaisesTheResidentStart) {
+  LatentLayerState layer = SmallDsaLayer(4);
+  ASSERT_THAT(NoteIndexRowsWritable(layer, 4, 2), IsOk());
+  EXPECT_EQ(layer.index_resident_from, 0u) << "rows 4..5 fill free slots";
+  ASSERT_THAT(NoteIndexRowsWritable(layer, 4, 6), IsOk());
+  EXPECT_EQ(layer.index_resident_from, 4u) << "row 9 lands in row 3's slot";
+  ASSERT_THAT(NoteIndexRowsWritable(layer, 4, 1), IsOk());
+  EXPECT_EQ(layer.index_resident_from, 4u) << "the resident start never moves down on append";
+
+  LatentLayerState flat = SmallDsaLayer(4);
+  flat.index_ring_rows = 0;
+  flat.index_rows_elems = 64 * 2;
+  ASSERT_THAT(NoteIndexRowsWritable(flat, 4, 60), IsOk());
+  EXPECT_EQ(flat.index_resident_from, 0u) << "a flat index plane is never overwritten";
+
+  LatentLayerState no_indexer = SmallDsaLayer(4);
+  no_indexer.index_width = 0;
+  ASSERT_THAT(NoteIndexRowsWritable(no_indexer, 4, 60), IsOk());
+  EXPECT_EQ(no_indexer.index_resident_from, 0u);
+}
+
+TEST(IndexResidency, RefusesALengthWhoseLiveTailIsNotResidentWithTheNumbers) {
+  LatentLayerState layer = SmallDsaLayer(10);
+  layer.index_resident_from = 4;  // commit 4, append 6: slots of rows 0..3 now hold 6..9
+  EXPECT_THAT(CheckIndexTailResident(layer, 4),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstrs("layer 7: latent length 4 would make indexer rows [3, 4) live",
+                                  "holds rows only from 4",
+                                  "pool boundaries (multiples of 3)",
+                                  "pool starts at or above row 4")));
+  EXPECT_THAT(CheckIndexTailResident(layer, 5),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstrs("rows [3, 4) live")));
+  EXPECT_THAT(CheckIndexTailResident(layer, 3), IsOk()) << "a pool boundary has no live tail";
+  EXPECT_THAT(CheckIndexTailResident(layer, 6), IsOk());
+  EXPECT_THAT(CheckIndexTailResident(layer, 8), IsOk()) << "tail [6, 8) is resident";
+  EXPECT_THAT(CheckIndexTailResident(layer, 10), IsOk());
+
+  LatentLayerState carried = SmallDsaLayer(8);  // a restored session: tail [6, 8) only
+  carried.index_resident_from = 6;
+  EXPECT_THAT(CheckIndexTailResident(carried, 4),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstrs("indexer rows [3, 4) live", "holds rows only from 6")));
+  EXPECT_THAT(CheckIndexTailResident(carried, 5),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstrs("rows [3, 5) live")));
+}
+
+TEST(IndexResidency, RestoreCarriesOnlyTheLiveTail) {
+  const LatentLayerState source = SmallDsaLayer(8);
+  absl::StatusOr<LatentCapturePlan> capture = PlanLatentCapture(source);
+  ASSERT_THAT(capture, IsOk());
+  absl::StatusOr<LatentRestorePlan> restore =
+      PlanLatentRestore(SmallDsaLayer(0), capture->snapshot, 64);
+  ASSERT_THAT(restore, IsOk());
+  EXPECT_EQ(restore->restored.len, 8u);
+  EXPECT_EQ(restore->restored.index_resident_from, 6u);
+  EXPECT_THAT(CheckIndexTailResident(restore->restored, 4),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstrs("rows [3, 4) live")));
 }
 
 }  // namespace

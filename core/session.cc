@@ -130,16 +130,20 @@ absl::StatusOr<TransactionId> SessionState::ActiveTransaction(uint64_t generatio
   return *active;
 }
 
+absl::Status SessionState::CheckLatentTailsResident(uint64_t len) const {
+  for (const LatentLayerState& layer : latent_) {
+    RETURN_IF_ERROR(CheckIndexTailResident(layer, len));
+  }
+  return absl::OkStatus();
+}
+
 void SessionState::SetLatentLengths(uint64_t len) {
   for (LatentLayerState& layer : latent_) {
-    const bool grew = len > layer.len;
+    const bool shrank = len < layer.len;
+    if (layer.index_width != 0) layer.index_pools_ready = IndexPoolsReadyAt(layer, len);
     layer.len = len;
-    if (layer.index_width == 0 || layer.index_pool == 0) continue;
-    if (grew) {
-      layer.index_pools_ready = len / layer.index_pool;  // the call boundary is drained
-    } else {
-      TruncateIndexPoolKeys(layer, layer.index_pool);
-    }
+    // Rows from `len` up are rewritten by the next append before they can be live again.
+    if (shrank) layer.index_resident_from = std::min(layer.index_resident_from, len);
   }
 }
 
@@ -154,6 +158,13 @@ absl::StatusOr<AppendPlan> SessionState::PrepareAppend(uint64_t generation, uint
   RETURN_IF_ERROR(EnsureUsable("prepare append"));
   ASSIGN_OR_RETURN(TransactionId transaction, ActiveTransaction(generation));
   ASSIGN_OR_RETURN(AppendPlan plan, kv_.PrepareAppend(transaction, rows));
+  // From here the engine may write the rows, so residency is accounted now, not at publish: an
+  // abort after the writes must see the ring slots they overwrote.
+  std::vector<LatentLayerState> latent = latent_;
+  for (LatentLayerState& layer : latent) {
+    RETURN_IF_ERROR(NoteIndexRowsWritable(layer, staged_len(), rows));
+  }
+  latent_ = std::move(latent);
   pending_append_ = plan;
   return plan;
 }
@@ -168,6 +179,9 @@ absl::Status SessionState::PublishAppend(uint64_t generation) {
   KvTransactionCache next = kv_;
   RETURN_IF_ERROR(next.PublishAppendRebase(*pending_append_));
   RETURN_IF_ERROR(next.PublishAppendPlan(*pending_append_));
+  // An earlier prepare of this transaction that was replaced unpublished may have lapped the
+  // tail this append leaves live.
+  RETURN_IF_ERROR(CheckLatentTailsResident(next.staged_len()));
   kv_ = std::move(next);
   pending_append_.reset();
   SetLatentLengths(staged_len());
@@ -178,6 +192,7 @@ absl::StatusOr<uint64_t> SessionState::Commit(uint64_t generation, uint64_t acce
   RETURN_IF_ERROR(EnsureUsable("commit"));
   ASSIGN_OR_RETURN(TransactionId transaction, ActiveTransaction(generation));
   ASSIGN_OR_RETURN(uint64_t target, kv_.CommitTarget(transaction, accepted_rows));
+  RETURN_IF_ERROR(CheckLatentTailsResident(target));
   RETURN_IF_ERROR(kv_.PublishFinalize(transaction, target));
   pending_append_.reset();
   SetLatentLengths(target);
@@ -190,12 +205,16 @@ absl::Status SessionState::Abort(uint64_t generation) {
 }
 
 bool SessionState::CanRewindTo(uint64_t target) const {
-  return target <= staged_len() && kv_.CanRewindTo(target);
+  return target <= staged_len() && kv_.CanRewindTo(target) &&
+         CheckLatentTailsResident(target).ok();
 }
 
 absl::Status SessionState::Rewind(uint64_t target) {
   RETURN_IF_ERROR(EnsureUsable("rewind"));
-  RETURN_IF_ERROR(kv_.RewindTo(target));
+  KvTransactionCache rewound = kv_;
+  RETURN_IF_ERROR(rewound.RewindTo(target));
+  RETURN_IF_ERROR(CheckLatentTailsResident(target));
+  kv_ = std::move(rewound);
   pending_append_.reset();
   SetLatentLengths(target);
   position_ = target;
@@ -243,6 +262,7 @@ absl::StatusOr<std::vector<PlaneCopy>> SessionState::SpecRollback(uint64_t accep
         absl::StrCat("SWA ring rewind checkpoint has been lapped; full re-prime required ",
                      "(rollback target ", target, ")"));
   }
+  RETURN_IF_ERROR(CheckLatentTailsResident(target));
   RETURN_IF_ERROR(kv_.RewindTo(target));
   pending_append_.reset();
   SetLatentLengths(target);
@@ -277,6 +297,10 @@ absl::Status SessionState::Hydrate(uint64_t logical_len,
   pending_append_.reset();
   spec_.reset();
   SetLatentLengths(logical_len);
+  for (LatentLayerState& layer : latent_) {
+    // The engine owes only the live tail; rows below it are not known to be in the plane.
+    layer.index_resident_from = LiveIndexTailStart(layer, logical_len);
+  }
   position_ = logical_len;
   return absl::OkStatus();
 }
@@ -292,6 +316,7 @@ absl::Status SessionState::Reset() {
   for (LatentLayerState& layer : latent_) {
     layer.len = 0;
     layer.index_pools_ready = 0;
+    layer.index_resident_from = 0;
   }
   position_ = 0;
   pending_append_.reset();

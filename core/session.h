@@ -8,7 +8,9 @@
 // device mirrors (Mirrors()).
 //
 // Invariants: (1) latent layers' len == staged_len() (they are appended by the same forward);
-// (2) a latent layer's index_pools_ready <= len / pool; (3) position() == committed_len()
+// (2) a latent layer's index_pools_ready <= len / pool, and its live indexer tail
+// [pools_ready * pool, len) is resident (index_resident_from <= that start) whenever no append is
+// prepared; (3) position() == committed_len()
 // except between SpecRollback and the engine's replay (the reference's `pos`); (4) a tainted
 // session refuses transactions, snapshots, rollback, capture and reuse.
 //
@@ -86,12 +88,15 @@ class SessionState {
   // pools_ready becomes len / pool (every call boundary leaves the drain there).
   absl::Status PublishAppend(uint64_t generation);
   // Accepts `accepted_rows` of the staged rows and ends the transaction; returns the new
-  // committed length. Rejected latent rows are truncated with their pool keys.
+  // committed length. Rejected latent rows are truncated with their pool keys. Like Abort,
+  // Rewind and SpecRollback, refused (changing nothing) when the indexer's live tail at the new
+  // length is not resident (CheckIndexTailResident).
   absl::StatusOr<uint64_t> Commit(uint64_t generation, uint64_t accepted_rows);
   // Ends the transaction keeping nothing it staged.
   absl::Status Abort(uint64_t generation);
   // Engine-facing rewind (never forward past staged rows). Ends any transaction.
   absl::Status Rewind(uint64_t target);
+  // Exactly when Rewind(target) would be accepted (rings and indexer tails resident).
   bool CanRewindTo(uint64_t target) const;
 
   // Spec decode: records lengths and returns the copies recurrent state -> snapshot buffers.
@@ -128,6 +133,8 @@ class SessionState {
   const LayerGeometry* Geometry(uint32_t layer) const;
 
   absl::StatusOr<TransactionId> ActiveTransaction(uint64_t generation) const;
+  // Every latent layer's live indexer tail at `len` is resident (CheckIndexTailResident).
+  absl::Status CheckLatentTailsResident(uint64_t len) const;
   void SetLatentLengths(uint64_t len);
 
   struct SpecCheckpoint {

@@ -1,6 +1,8 @@
 #include "core/session.h"
 
 #include <algorithm>
+#include <optional>
+#include <vector>
 
 #include "gtest/gtest.h"
 #include "tests/status_matchers.h"
@@ -10,6 +12,7 @@ namespace {
 
 using ::memra::testing::HasSubstrs;
 using ::memra::testing::IsOk;
+using ::memra::testing::IsOkAndHolds;
 using ::memra::testing::StatusIs;
 using ::testing::Contains;
 
@@ -299,6 +302,191 @@ TEST(Session, GrowRefusals) {
               StatusIs(absl::StatusCode::kFailedPrecondition,
                        HasSubstrs("refuses active transaction generation 2 at base 5")));
   EXPECT_EQ(fresh.committed_len(), 0u);
+}
+
+// ---- Indexer residency (docs/rules.md, "Indexer residency") ----
+
+// The MLA plan: one latent layer (width 4) with a DSA indexer of index_width 2, pool 3
+// and a 6-row tail ring (two pools), plus a recurrent layer so spec snapshots have state.
+SessionState MakeDsaSession(uint64_t capacity, uint64_t cache_id = 1,
+                            std::optional<uint32_t> index_ring_rows = 6) {
+  ModelPlan model;
+  model.name = "dsa-residency";
+  model.index_ring_rows = index_ring_rows;
+  LayerPlan latent;
+  latent.index = 0;
+  latent.kind = StateKind::kLatent;
+  latent.latent_width = 4;
+  latent.index_width = 2;
+  latent.index_pool = 3;
+  model.layers = {latent};
+  SessionRequest request;
+  request.capacity = capacity;
+  request.spec_snapshot = true;
+  absl::StatusOr<SessionPlan> plan = PlanSession(model, FormatDefaults(), request);
+  EXPECT_THAT(plan, IsOk());
+  absl::StatusOr<SessionState> session = SessionState::Create(cache_id, *plan, capacity);
+  EXPECT_THAT(session, IsOk());
+  return *std::move(session);
+}
+
+// Begin, prepare `rows` and publish them; returns the open generation.
+uint64_t Staged(SessionState& session, uint64_t rows) {
+  absl::StatusOr<TransactionId> transaction = session.Begin();
+  EXPECT_THAT(transaction, IsOk());
+  EXPECT_THAT(session.PrepareAppend(transaction->generation, rows), IsOk());
+  EXPECT_THAT(session.PublishAppend(transaction->generation), IsOk());
+  return transaction->generation;
+}
+
+// What a refusal must leave untouched.
+struct Observable {
+  uint64_t committed, staged, position;
+  std::vector<LatentLayerState> latent;
+  std::vector<MirrorValue> mirrors;
+  bool operator==(const Observable&) const = default;
+};
+Observable Observe(const SessionState& session) {
+  return {session.committed_len(), session.staged_len(), session.position(), session.latent(),
+          session.Mirrors()};
+}
+
+TEST(IndexResidency, LappedTailRefusesAbortAndCommittingEverythingStillWorks) {
+  SessionState session = MakeDsaSession(64);
+  Step(session, 4, 4);
+  EXPECT_EQ(session.latent()[0].index_pools_ready, 1u);
+  const uint64_t generation = Staged(session, 6);  // rows 4..9: row 9 lands in row 3's slot
+  EXPECT_EQ(session.latent()[0].index_resident_from, 4u);
+  const Observable before = Observe(session);
+  EXPECT_THAT(session.Abort(generation),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstrs("layer 0: latent length 4 would make indexer rows [3, 4) live",
+                                  "holds rows only from 4")));
+  EXPECT_EQ(Observe(session), before);
+  EXPECT_THAT(session.Commit(generation, 6), IsOkAndHolds(10u));
+}
+
+TEST(IndexResidency, LappedTailRefusesAnAbortEvenBeforePublish) {
+  SessionState session = MakeDsaSession(64);
+  Step(session, 4, 4);
+  absl::StatusOr<TransactionId> transaction = session.Begin();
+  ASSERT_THAT(transaction, IsOk());
+  // The engine may write from here on: the slots are gone whether or not it publishes.
+  ASSERT_THAT(session.PrepareAppend(transaction->generation, 6), IsOk());
+  EXPECT_THAT(session.Abort(transaction->generation),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstrs("rows [3, 4) live")));
+  EXPECT_EQ(session.committed_len(), 4u);
+}
+
+TEST(IndexResidency, LappedTailRefusesAPartialCommitIntoIt) {
+  SessionState session = MakeDsaSession(64);
+  Step(session, 4, 4);
+  const uint64_t generation = Staged(session, 6);
+  const Observable before = Observe(session);
+  EXPECT_THAT(session.Commit(generation, 1),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstrs("latent length 5 would make indexer rows [3, 4) live")));
+  EXPECT_EQ(Observe(session), before);
+  EXPECT_THAT(session.Commit(generation, 2), IsOkAndHolds(6u)) << "a pool boundary is legal";
+  EXPECT_EQ(session.latent()[0].index_pools_ready, 2u);
+}
+
+TEST(IndexResidency, LappedTailRefusesRewindAndCanRewindAgrees) {
+  SessionState session = MakeDsaSession(64);
+  Step(session, 4, 4);
+  Step(session, 6, 6);
+  const Observable before = Observe(session);
+  EXPECT_THAT(session.Rewind(4),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstrs("latent length 4 would make indexer rows [3, 4) live")));
+  EXPECT_EQ(Observe(session), before);
+  for (uint64_t target = 0; target <= 10; ++target) {
+    const bool legal = target % 3 == 0 || target >= 6;
+    EXPECT_EQ(session.CanRewindTo(target), legal) << "target " << target;
+    SessionState copy = session;
+    EXPECT_EQ(copy.Rewind(target).ok(), legal) << "target " << target;
+  }
+  ASSERT_THAT(session.Rewind(7), IsOk());
+  EXPECT_EQ(session.latent()[0].index_resident_from, 4u);
+}
+
+TEST(IndexResidency, LappedTailRefusesASpecRollbackIntoIt) {
+  SessionState session = MakeDsaSession(64);
+  Step(session, 4, 4);
+  ASSERT_THAT(session.SpecSnapshot(), IsOk());
+  Step(session, 6, 6);
+  const Observable before = Observe(session);
+  EXPECT_THAT(session.SpecRollback(0),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstrs("latent length 4 would make indexer rows [3, 4) live")));
+  EXPECT_EQ(Observe(session), before);
+  EXPECT_THAT(session.SpecRollback(2), IsOk());
+  EXPECT_EQ(session.committed_len(), 6u);
+}
+
+TEST(IndexResidency, AReplacedUnpublishedPrepareStillCountsAtPublish) {
+  SessionState session = MakeDsaSession(64);
+  Step(session, 7, 7);  // pools_ready 2, live tail [6, 7)
+  absl::StatusOr<TransactionId> transaction = session.Begin();
+  ASSERT_THAT(transaction, IsOk());
+  ASSERT_THAT(session.PrepareAppend(transaction->generation, 16), IsOk());  // laps row 6
+  ASSERT_THAT(session.PrepareAppend(transaction->generation, 1), IsOk());   // replaces it
+  const Observable before = Observe(session);
+  EXPECT_THAT(session.PublishAppend(transaction->generation),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstrs("latent length 8 would make indexer rows [6, 8) live",
+                                  "holds rows only from 17")));
+  EXPECT_EQ(Observe(session), before);
+  EXPECT_THAT(session.Rewind(6), IsOk()) << "a pool boundary is always reachable";
+}
+
+TEST(IndexResidency, AFlatIndexPlaneOrASmallAppendNeverLaps) {
+  SessionState flat = MakeDsaSession(64, 1, /*index_ring_rows=*/0);
+  Step(flat, 4, 4);
+  EXPECT_THAT(flat.Abort(Staged(flat, 40)), IsOk());
+  EXPECT_EQ(flat.committed_len(), 4u);
+
+  SessionState ring = MakeDsaSession(64);
+  Step(ring, 4, 4);
+  EXPECT_THAT(ring.Abort(Staged(ring, 2)), IsOk()) << "rows 4..5 use free slots";
+  EXPECT_THAT(ring.Rewind(4), IsOk());
+}
+
+TEST(IndexResidency, HydratedSessionHoldsOnlyTheLiveTail) {
+  SessionState session = MakeDsaSession(64);
+  ASSERT_THAT(session.Hydrate(8, {}), IsOk());
+  EXPECT_EQ(session.latent()[0].index_resident_from, 6u);
+  const Observable before = Observe(session);
+  EXPECT_THAT(session.Rewind(4),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstrs("indexer rows [3, 4) live", "holds rows only from 6")));
+  EXPECT_EQ(Observe(session), before);
+  EXPECT_FALSE(session.CanRewindTo(4));
+  EXPECT_TRUE(session.CanRewindTo(3));
+  EXPECT_TRUE(session.CanRewindTo(7));
+  ASSERT_THAT(session.Rewind(3), IsOk());
+  Step(session, 4, 4);  // rows 3..6 written by this session
+  EXPECT_THAT(session.Rewind(4), IsOk()) << "rows the session wrote again are resident";
+}
+
+TEST(IndexResidency, GrownSessionHoldsOnlyTheLiveTail) {
+  SessionState source = MakeDsaSession(16, 1);
+  Step(source, 8, 8);
+  SessionState target = MakeDsaSession(64, 2);
+  ASSERT_THAT(SessionState::Grow(source, target), IsOk());
+  EXPECT_EQ(target.latent()[0].index_resident_from, 6u);
+  EXPECT_THAT(target.Rewind(4),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstrs("rows [3, 4) live")));
+  EXPECT_THAT(source.Rewind(4), IsOk()) << "the source wrote its own rows";
+}
+
+TEST(IndexResidency, ResetMakesEveryRowWritableAgain) {
+  SessionState session = MakeDsaSession(64);
+  ASSERT_THAT(session.Hydrate(8, {}), IsOk());
+  ASSERT_THAT(session.Reset(), IsOk());
+  EXPECT_EQ(session.latent()[0].index_resident_from, 0u);
+  Step(session, 4, 4);
+  EXPECT_THAT(session.Rewind(2), IsOk());
 }
 
 }  // namespace

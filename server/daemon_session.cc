@@ -513,7 +513,9 @@ void DaemonSession::FillState(pb::SessionState* out) const {
     }
   }
   for (const LatentLayerState& latent : state_.latent()) {
-    layer_state(latent.layer)->set_index_pools_ready(latent.index_pools_ready);
+    pb::LayerState* entry = layer_state(latent.layer);
+    entry->set_index_pools_ready(latent.index_pools_ready);
+    entry->set_index_resident_from(latent.index_resident_from);
   }
 }
 

@@ -58,6 +58,7 @@ class DaemonTest : public ::testing::Test {
     config.lease_grace_ms = kLeaseGraceMs;
     config.metrics_address = "127.0.0.1:0";  // an ephemeral port: tests run side by side
     config.rpc_metrics = true;                // off by default; the metrics tests count calls
+    ConfigureDaemon(config);
     absl::StatusOr<std::unique_ptr<Daemon>> daemon =
         Daemon::Create(config, std::move(faults), &clock_);
     ASSERT_TRUE(daemon.ok()) << daemon.status();
@@ -81,6 +82,9 @@ class DaemonTest : public ::testing::Test {
     daemon_.reset();
     rmdir(dir_.c_str());
   }
+
+  // A fixture's changes to the daemon's configuration, applied before it starts.
+  virtual void ConfigureDaemon(DaemonConfig& /*config*/) {}
 
   // A client attached as `engine_name`; null (and a failure) on error.
   std::unique_ptr<KvClient> NewClient(const std::string& engine_name) {
