@@ -320,7 +320,7 @@ SessionState MakeDsaSession(uint64_t capacity, uint64_t cache_id = 1,
   latent.index_width = 2;
   latent.index_pool = 3;
   model.layers = {latent};
-  SessionRequest request;
+  SessionShape request;
   request.capacity = capacity;
   request.spec_snapshot = true;
   absl::StatusOr<SessionPlan> plan = PlanSession(model, FormatDefaults(), request);
