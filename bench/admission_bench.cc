@@ -10,6 +10,7 @@
 #include "bench/harness.h"
 #include "bench/kvd.h"
 #include "bench/sections.h"
+#include "client/internal.h"
 #include "common/grpc_status.h"
 #include "core/admission.h"
 #include "core/status_macros.h"
@@ -83,7 +84,7 @@ absl::StatusOr<Json> RunAdmission(const BenchOptions& options) {
       release.Add(released - created);
       both.Add(released - start);
     }
-    SessionRequest request;
+    SessionShape request;
     request.capacity = shape.capacity;
     ASSIGN_OR_RETURN(uint64_t bytes, SessionArenaBytes(shape.model, FormatDefaults(), request,
                                                        {.granularity = page}));
@@ -112,13 +113,13 @@ absl::StatusOr<Json> RunAdmission(const BenchOptions& options) {
   *fit_request.mutable_shape() = cost_request.shape();
   auto get_cost = [&]() -> absl::Status {
     pb::CostResponse response;
-    return FromGrpcStatus(client->admin_stub().GetCost(client->NewContext().get(), cost_request,
-                                                       &response));
+    return FromGrpcStatus(ClientInternals::Admin(*client).GetCost(
+        ClientInternals::NewContext(*client).get(), cost_request, &response));
   };
   auto get_fit = [&]() -> absl::Status {
     pb::FitResponse response;
-    return FromGrpcStatus(client->admin_stub().GetFit(client->NewContext().get(), fit_request,
-                                                      &response));
+    return FromGrpcStatus(ClientInternals::Admin(*client).GetFit(
+        ClientInternals::NewContext(*client).get(), fit_request, &response));
   };
   const int rpc_iterations = options.quick ? 3 : 1000;
   Json rpc;
@@ -140,7 +141,7 @@ absl::StatusOr<Json> RunAdmission(const BenchOptions& options) {
   client.reset();
 
   // The same questions in process (what the daemon computes per query).
-  SessionRequest request;
+  SessionShape request;
   request.capacity = 4096;
   AdmissionLedger ledger(uint64_t{80} << 30);
   ASSIGN_OR_RETURN(uint64_t session_bytes, SessionArenaBytes(query_shape.model, FormatDefaults(),

@@ -205,7 +205,7 @@ struct Measured {
 
 absl::StatusOr<Json> RunHotPath(const BenchOptions& options) {
   const ModelPlan model = test_plans::Llama3_8B();
-  SessionRequest request;
+  SessionShape request;
   request.capacity = kCapacity;
   ASSIGN_OR_RETURN(SessionPlan session_plan, PlanSession(model, FormatDefaults(), request));
   ASSIGN_OR_RETURN(uint64_t session_bytes,

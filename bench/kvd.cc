@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
+#include "client/internal.h"
 #include "common/grpc_status.h"
 #include "core/status_macros.h"
 
@@ -57,14 +58,14 @@ absl::StatusOr<std::unique_ptr<DecodeStepper>> DecodeStepper::Create(
   std::unique_ptr<DecodeStepper> stepper(
       new DecodeStepper(client, std::move(sessions), accepted_rows));
   for (size_t i = 0; i < stepper->sessions_.size(); ++i) {
-    ASSIGN_OR_RETURN(pb::SessionState state, stepper->sessions_[i]->State());
-    if (state.active_generation() != 0) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "session ", stepper->sessions_[i]->id(), " has transaction ",
-          state.active_generation(), " open"));
+    ASSIGN_OR_RETURN(SessionSnapshot state, stepper->sessions_[i]->State());
+    if (state.active_generation != 0) {
+      return absl::FailedPreconditionError(absl::StrCat("session ", stepper->sessions_[i]->id(),
+                                                        " has transaction ",
+                                                        state.active_generation, " open"));
     }
-    stepper->next_generation_[i] = state.next_generation();
-    stepper->committed_[i] = state.committed_len();
+    stepper->next_generation_[i] = state.next_generation;
+    stepper->committed_[i] = state.committed_len;
   }
   return stepper;
 }
@@ -128,9 +129,9 @@ absl::Status DecodeStepper::StepMeasuringSizes(uint64_t* request_bytes,
                                                uint64_t* response_bytes) {
   Build();
   pb::StepResponse response;
-  RETURN_IF_ERROR(FromGrpcStatus(
-      client_.cache_stub().Step(client_.NewContext().get(), batch_.request(), &response)));
-  *request_bytes = batch_.request().ByteSizeLong();
+  RETURN_IF_ERROR(FromGrpcStatus(ClientInternals::Cache(client_).Step(
+      ClientInternals::NewContext(client_).get(), ClientInternals::Request(batch_), &response)));
+  *request_bytes = ClientInternals::Request(batch_).ByteSizeLong();
   *response_bytes = response.ByteSizeLong();
   if (static_cast<size_t>(response.results_size()) != 4 * sessions_.size()) {
     return absl::InternalError(

@@ -34,13 +34,12 @@
 #include "bench/harness.h"
 #include "bench/kvd.h"
 #include "bench/sections.h"
+#include "client/internal.h"
+#include "common/grpc_status.h"
 #include "core/admission.h"
 #include "core/status_macros.h"
-#include "common/grpc_status.h"
 #include "core/test_model_plans.h"
 #include "grpcpp/client_context.h"
-#include "grpcpp/create_channel.h"
-#include "grpcpp/security/credentials.h"
 #include "proto/memra/kv/v1/prefix.grpc.pb.h"
 
 namespace memra::bench {
@@ -169,7 +168,7 @@ absl::Status RunRedis(const BenchOptions& options, Json& json,
   std::vector<std::pair<EntrySize, uint64_t>> entries;  // size, bytes
   for (const EntrySize& size : kEntries) {
     if (size.tokens > options.redis_max_tokens) continue;
-    SessionRequest request;
+    SessionShape request;
     request.capacity = size.tokens;
     ASSIGN_OR_RETURN(uint64_t bytes,
                      SessionArenaBytes(model, FormatDefaults(), request,
@@ -287,10 +286,10 @@ absl::Status FillSession(Session& session, const std::vector<int32_t>& tokens) {
                         .status());
     done += chunk;
   }
-  for (const pb::LayerLayout& layer : session.layout().layers()) {
+  for (const SessionLayer& layer : session.layout().layers) {
     for (PlaneKind kind : {PlaneKind::kKeys, PlaneKind::kValues, PlaneKind::kConvState,
                            PlaneKind::kSsmState}) {
-      absl::StatusOr<PlaneView> view = session.Plane(layer.layer(), kind);
+      absl::StatusOr<PlaneView> view = session.Plane(layer.layer, kind);
       if (view.ok()) std::memset(view->data, 0x5a ^ static_cast<int>(kind), view->bytes);
     }
   }
@@ -311,9 +310,12 @@ struct PrefixResult {
 
 // `restores_only`: one capture, then only the recycled-session restores (no fresh-session
 // restores, no baselines): the second pass against a daemon that does not verify checksums.
-absl::StatusOr<PrefixResult> MeasurePrefix(KvClient& client, pb::KvPrefixCache::Stub& prefix,
-                                           const PlanFingerprint& plan, const std::string& label,
-                                           uint64_t tokens, int reps, bool restores_only) {
+// `client`'s deadline is kPrefixDeadline; Evict and Inspect (operator calls) go through its raw
+// stub.
+absl::StatusOr<PrefixResult> MeasurePrefix(KvClient& client, const PlanFingerprint& plan,
+                                           const std::string& label, uint64_t tokens, int reps,
+                                           bool restores_only) {
+  pb::KvPrefixCache::Stub& prefix = ClientInternals::Prefix(client);
   PrefixResult result;
   result.model = label;
   result.tokens = tokens;
@@ -333,18 +335,13 @@ absl::StatusOr<PrefixResult> MeasurePrefix(KvClient& client, pb::KvPrefixCache::
         pb::EvictPrefixResponse evicted;
         RETURN_IF_ERROR(FromGrpcStatus(prefix.EvictPrefix(PrefixContext().get(), evict, &evicted)));
       }
-      pb::CapturePrefixRequest request;
-      *request.mutable_session() = source->ref();
-      request.mutable_token_ids()->Add(ids.begin(), ids.end());
-      request.set_boundary_tokens(tokens);
-      pb::CapturePrefixResponse response;
       const int64_t start = NowNs();
-      RETURN_IF_ERROR(FromGrpcStatus(prefix.Capture(PrefixContext().get(), request, &response)));
+      ASSIGN_OR_RETURN(PrefixCaptured captured, client.CapturePrefix(*source, ids, tokens));
       result.capture.Add(NowNs() - start);
-      if (response.already_present()) {
+      if (captured.already_present) {
         return absl::InternalError(absl::StrCat("capture of ", tokens, " tokens copied nothing"));
       }
-      entry_id = response.entry_id();
+      entry_id = captured.entry_id;
     }
     RETURN_IF_ERROR(source->Release().status());
   }
@@ -358,27 +355,17 @@ absl::StatusOr<PrefixResult> MeasurePrefix(KvClient& client, pb::KvPrefixCache::
   // Restores, Lookup + Restore timed as an engine waits. (a) Into a session created just before
   // (untimed): its memory is touched for the first time. (b) Into one recycled session, Reset
   // between repetitions: an engine that keeps its session slots.
-  pb::LookupPrefixRequest lookup;
-  lookup.mutable_shape()->set_plan_fingerprint(
-      std::string(reinterpret_cast<const char*>(plan.data()), plan.size()));
-  lookup.mutable_token_ids()->Add(ids.begin(), ids.end());
   auto restore_into = [&](Session& session, Samples& restore, Samples& ready) -> absl::Status {
-    pb::RestorePrefixRequest request;
-    *request.mutable_session() = session.ref();
-    request.mutable_token_ids()->Add(ids.begin(), ids.end());
-    pb::LookupPrefixResponse found;
-    pb::RestorePrefixResponse restored;
     const int64_t start = NowNs();
-    RETURN_IF_ERROR(FromGrpcStatus(prefix.Lookup(PrefixContext().get(), lookup, &found)));
+    ASSIGN_OR_RETURN(PrefixMatch found, client.LookupPrefix(plan, session_options, ids));
     const int64_t looked_up = NowNs();
-    request.set_entry_id(found.entry_id());
-    RETURN_IF_ERROR(FromGrpcStatus(prefix.Restore(PrefixContext().get(), request, &restored)));
+    ASSIGN_OR_RETURN(PrefixRestored restored, client.RestorePrefix(session, ids, found.entry_id));
     const int64_t done = NowNs();
-    if (found.outcome() != pb::LOOKUP_OUTCOME_HIT || found.matched_tokens() != tokens ||
-        restored.restored_tokens() != tokens || restored.state().committed_len() != tokens) {
+    if (found.outcome != LookupOutcome::kHit || found.matched_tokens != tokens ||
+        restored.restored_tokens != tokens || restored.state.committed_len != tokens) {
       return absl::InternalError(absl::StrCat(
-          "lookup/restore of ", tokens, " tokens: outcome ", found.outcome(), ", matched ",
-          found.matched_tokens(), ", restored ", restored.restored_tokens()));
+          "lookup/restore of ", tokens, " tokens: outcome ", static_cast<int>(found.outcome),
+          ", matched ", found.matched_tokens, ", restored ", restored.restored_tokens));
     }
     result.lookup.Add(looked_up - start);
     restore.Add(done - looked_up);
@@ -454,7 +441,7 @@ absl::StatusOr<Json> RunPrefixCache(const BenchOptions& options,
                "memcpy GB/s", "restore/memcpy"});
   for (const PrefixModel& model : PrefixModels()) {
     // Budget: the source session, the entry (cache), the restored session, and slack.
-    SessionRequest request;
+    SessionShape request;
     request.capacity = sizes.back().tokens;
     ASSIGN_OR_RETURN(uint64_t session_bytes,
                      SessionArenaBytes(model.plan, FormatDefaults(), request,
@@ -469,15 +456,16 @@ absl::StatusOr<Json> RunPrefixCache(const BenchOptions& options,
                      {absl::StrCat("--prefix_cache_budget_bytes=", cache_budget),
                       absl::StrCat("--prefix_block_tokens=", kBlockTokens),
                       absl::StrCat("--prefix_verify_checksums=", verify ? "true" : "false")}));
-      ASSIGN_OR_RETURN(std::unique_ptr<KvClient> client, kvd->Attach("bench-prefix"));
+      ClientOptions client_options;
+      client_options.deadline = kPrefixDeadline;
+      ASSIGN_OR_RETURN(std::unique_ptr<KvClient> client,
+                       KvClient::Connect(kvd->socket_path(), client_options));
+      RETURN_IF_ERROR(client->Attach("bench-prefix"));
       ASSIGN_OR_RETURN(PlanFingerprint plan, client->RegisterPlan(model.plan));
-      std::unique_ptr<pb::KvPrefixCache::Stub> prefix =
-          pb::KvPrefixCache::NewStub(grpc::CreateChannel(absl::StrCat("unix:", kvd->socket_path()),
-                                                         grpc::InsecureChannelCredentials()));
       std::vector<PrefixResult> results;
       for (const EntrySize& size : sizes) {
         ASSIGN_OR_RETURN(results.emplace_back(),
-                         MeasurePrefix(*client, *prefix, plan, model.label, size.tokens,
+                         MeasurePrefix(*client, plan, model.label, size.tokens,
                                        options.quick ? 1 : size.reps, /*restores_only=*/!verify));
       }
       client->Detach();

@@ -64,7 +64,7 @@ absl::StatusOr<Samples> TimeSteps(KvClient& client, std::vector<Session*> sessio
 
 absl::StatusOr<Json> RunSessionScale(const BenchOptions& options, Table& table) {
   const ModelPlan model = test_plans::DenseModel(1, 32, 1);
-  SessionRequest request;
+  SessionShape request;
   request.capacity = kTinyCapacity;
   ASSIGN_OR_RETURN(uint64_t session_bytes,
                    SessionArenaBytes(model, FormatDefaults(), request,
@@ -141,7 +141,7 @@ std::vector<int32_t> EntryTokens(uint64_t seed) {
 absl::StatusOr<Json> RunPrefixIndexScale(const BenchOptions& options, Table& table) {
   ModelPlan model = test_plans::DenseModel(16, 64, 8);
   ASSIGN_OR_RETURN(PlanFingerprint fingerprint, FingerprintModelPlan(model, FormatDefaults()));
-  SessionRequest request;
+  SessionShape request;
   request.capacity = kEntryTokens;
   ASSIGN_OR_RETURN(CostReport cost,
                    SessionCost(model, FormatDefaults(), request,

@@ -32,7 +32,7 @@ struct Plane {
 
 absl::StatusOr<Json> RunSpecDecode(const BenchOptions& options) {
   const ModelPlan model = test_plans::Qwen3NextStyle();
-  SessionRequest request;
+  SessionShape request;
   request.capacity = kCapacity;
   request.spec_snapshot = true;
   ASSIGN_OR_RETURN(SessionPlan session_plan, PlanSession(model, FormatDefaults(), request));
@@ -67,11 +67,11 @@ absl::StatusOr<Json> RunSpecDecode(const BenchOptions& options) {
     RETURN_IF_ERROR(session->SpecSnapshot().status());
     if (record) snapshot.Add(NowNs() - start);
     start = NowNs();
-    ASSIGN_OR_RETURN(memra::kv::v1::SessionState state, session->SpecRollback(0));
+    ASSIGN_OR_RETURN(SessionSnapshot state, session->SpecRollback(0));
     if (record) rollback.Add(NowNs() - start);
-    if (state.committed_len() != 0) {
+    if (state.committed_len != 0) {
       return absl::InternalError(
-          absl::StrCat("SpecRollback(0) left ", state.committed_len(), " rows, expected 0"));
+          absl::StrCat("SpecRollback(0) left ", state.committed_len, " rows, expected 0"));
     }
     start = NowNs();
     for (Plane& plane : planes) std::memcpy(plane.dst.data(), plane.src.data(), plane.src.size());

@@ -8,11 +8,14 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
-#include "core/status_macros.h"
-#include "grpcpp/create_channel.h"
-#include "grpcpp/security/credentials.h"
+#include "client/internal.h"
 #include "common/codec.h"
 #include "common/grpc_status.h"
+#include "core/status_macros.h"
+#include "google/protobuf/arena.h"
+#include "grpcpp/channel.h"
+#include "grpcpp/create_channel.h"
+#include "grpcpp/security/credentials.h"
 
 namespace memra {
 namespace {
@@ -22,20 +25,32 @@ namespace pb = ::memra::kv::v1;
 // The session calls all follow one shape: fill a request with the session (and the engine's
 // interprocess event, for calls that order device work), call, convert.
 template <typename Request>
-Request ForSession(const pb::SessionRef& ref, const std::string& wait_event) {
+Request ForSession(const Session& session) {
   Request request;
-  *request.mutable_session() = ref;
+  *request.mutable_session() = ClientInternals::Ref(session);
   if constexpr (requires { request.mutable_ordering(); }) {
-    if (!wait_event.empty()) request.mutable_ordering()->set_wait_event(wait_event);
+    if (!session.wait_event().empty()) {
+      request.mutable_ordering()->set_wait_event(session.wait_event());
+    }
   }
   return request;
 }
 
-bool NamesArena(const pb::SessionLayout& layout, const std::string& handle) {
-  for (const pb::Arena& arena : layout.arenas()) {
-    if (arena.handle() == handle) return true;
+bool NamesArena(const SessionLayout& layout, const std::string& handle) {
+  for (const SessionArena& arena : layout.arenas) {
+    if (arena.handle == handle) return true;
   }
   return false;
+}
+
+absl::StatusOr<BlockKey> BlockKeyFromBytes(const std::string& bytes, absl::string_view field) {
+  BlockKey key;
+  if (bytes.size() != key.size()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, " is ", bytes.size(), " bytes, not ", key.size()));
+  }
+  std::copy(bytes.begin(), bytes.end(), key.begin());
+  return key;
 }
 
 // Fills `out`, reusing its per-layer vector's capacity.
@@ -53,7 +68,123 @@ PreparedAppend PreparedFromProto(const pb::PrepareAppendResponse& proto) {
 
 }  // namespace
 
+// ---- Wire types <-> client.h types ----
+
+absl::StatusOr<SessionLayout> SessionLayoutFromProto(const pb::SessionLayout& proto) {
+  SessionLayout layout;
+  layout.version = proto.layout_version();
+  layout.capacity = proto.capacity();
+  layout.arenas.reserve(proto.arenas_size());
+  for (const pb::Arena& arena : proto.arenas()) {
+    layout.arenas.push_back({arena.backend(), arena.handle(), arena.bytes()});
+  }
+  layout.layers.reserve(proto.layers_size());
+  for (const pb::LayerLayout& entry : proto.layers()) {
+    SessionLayer& layer = layout.layers.emplace_back();
+    layer.layer = entry.layer();
+    ASSIGN_OR_RETURN(layer.kind, StateKindFromProto(entry.kind()));
+    layer.k_token_bytes = entry.k_token_bytes();
+    layer.v_token_bytes = entry.v_token_bytes();
+    layer.window = entry.window();
+    layer.physical_rows = entry.physical_rows();
+    layer.ring = entry.ring();
+    layer.latent_width = entry.latent_width();
+    layer.index_width = entry.index_width();
+    layer.index_pool = entry.index_pool();
+    layer.index_physical_rows = entry.index_physical_rows();
+    layer.index_ring = entry.index_ring();
+    layer.planes.reserve(entry.planes_size());
+    for (const pb::Plane& plane : entry.planes()) {
+      ASSIGN_OR_RETURN(PlaneKind kind, PlaneKindFromProto(plane.kind()));
+      layer.planes.push_back(
+          {kind, plane.arena(), plane.offset(), plane.bytes(), plane.rows(), plane.row_bytes()});
+    }
+  }
+  return layout;
+}
+
+SessionSnapshot SessionSnapshotFromProto(const pb::SessionState& proto) {
+  SessionSnapshot state;
+  state.layout_version = proto.layout_version();
+  state.capacity = proto.capacity();
+  state.committed_len = proto.committed_len();
+  state.staged_len = proto.staged_len();
+  state.position = proto.position();
+  state.active_generation = proto.active_generation();
+  state.next_generation = proto.next_generation();
+  state.tainted = proto.tainted();
+  state.spec_snapshot_valid = proto.spec_snapshot_valid();
+  state.grow_pending = proto.grow_pending();
+  state.layers.reserve(proto.layers_size());
+  for (const pb::LayerState& layer : proto.layers()) {
+    state.layers.push_back({layer.layer(), layer.length(), layer.ring_base(), layer.ring(),
+                            layer.index_pools_ready()});
+  }
+  return state;
+}
+
+// ---- StepBatch::Wire (KvClient::Step uses it) ----
+
+struct StepBatch::Wire {
+  // The reply of KvClient::Step(batch, outcomes), parsed into `reply_arena`, whose first block
+  // is `reply_block`: sized to the largest reply so far, it is reused (Arena::Reset keeps a
+  // caller's initial block), so a steady decode loop allocates nothing for its replies.
+  pb::StepResponse* NewReply();
+  void RecycleReply();
+  pb::StepEntry* Add(const Session& session) {
+    pb::StepEntry* entry = request.add_entries();
+    *entry->mutable_session() = ClientInternals::Ref(session);
+    return entry;
+  }
+
+  pb::StepRequest request;
+  std::vector<char> reply_block;
+  std::unique_ptr<google::protobuf::Arena> reply_arena;
+};
+
+pb::StepResponse* StepBatch::Wire::NewReply() {
+  if (reply_arena == nullptr) {
+    google::protobuf::ArenaOptions options;
+    if (!reply_block.empty()) {
+      options.initial_block = reply_block.data();
+      options.initial_block_size = reply_block.size();
+    }
+    reply_arena = std::make_unique<google::protobuf::Arena>(options);
+  }
+  return google::protobuf::Arena::CreateMessage<pb::StepResponse>(reply_arena.get());
+}
+
+void StepBatch::Wire::RecycleReply() {
+  // A reply that outgrew the block: the next arena starts with one twice its size (bounded by
+  // what replies really use), and this one is freed. Otherwise Reset keeps the block.
+  constexpr size_t kMaxBlockBytes = size_t{64} << 20;
+  const size_t used = static_cast<size_t>(reply_arena->SpaceAllocated());
+  if (used > reply_block.size() && reply_block.size() < kMaxBlockBytes) {
+    reply_arena.reset();
+    reply_block.assign(std::min(2 * used, kMaxBlockBytes), 0);
+    return;
+  }
+  reply_arena->Reset();
+}
+
 // ---- KvClient ----
+
+struct KvClient::Rpc {
+  explicit Rpc(std::shared_ptr<grpc::Channel> channel_in)
+      : channel(std::move(channel_in)),
+        cache(pb::KvCache::NewStub(channel)),
+        admin(pb::KvAdmin::NewStub(channel)),
+        prefix(pb::KvPrefixCache::NewStub(channel)) {}
+  const std::shared_ptr<grpc::Channel> channel;
+  const std::unique_ptr<pb::KvCache::Stub> cache;
+  const std::unique_ptr<pb::KvAdmin::Stub> admin;
+  const std::unique_ptr<pb::KvPrefixCache::Stub> prefix;
+};
+
+struct KvClient::LeaseStream {
+  grpc::ClientContext context;
+  std::unique_ptr<grpc::ClientReaderWriter<pb::AttachRequest, pb::AttachResponse>> stream;
+};
 
 absl::StatusOr<std::unique_ptr<KvClient>> KvClient::Connect(const std::string& socket_path,
                                                             ClientOptions options) {
@@ -66,49 +197,39 @@ absl::StatusOr<std::unique_ptr<KvClient>> KvClient::Connect(const std::string& s
     return absl::UnavailableError(absl::StrCat("memra-kvd is not answering on unix:", socket_path,
                                                " within ", absl::FormatDuration(options.deadline)));
   }
-  return std::unique_ptr<KvClient>(new KvClient(std::move(options), std::move(channel)));
+  return std::unique_ptr<KvClient>(
+      new KvClient(std::move(options), std::make_unique<Rpc>(std::move(channel))));
 }
 
-KvClient::KvClient(ClientOptions options, std::shared_ptr<grpc::Channel> channel)
-    : options_(std::move(options)),
-      channel_(std::move(channel)),
-      cache_(pb::KvCache::NewStub(channel_)),
-      admin_(pb::KvAdmin::NewStub(channel_)) {}
+KvClient::KvClient(ClientOptions options, std::unique_ptr<Rpc> rpc)
+    : options_(std::move(options)), rpc_(std::move(rpc)) {}
 
 KvClient::~KvClient() { Detach(); }
 
-std::unique_ptr<grpc::ClientContext> KvClient::NewContext() const {
-  auto context = std::make_unique<grpc::ClientContext>();
-  context->set_deadline(std::chrono::system_clock::now() +
-                        absl::ToChronoMilliseconds(options_.deadline));
-  return context;
-}
-
 absl::Status KvClient::Attach(const std::string& engine_name) {
   absl::MutexLock lock(&mu_);
-  if (attach_stream_ != nullptr) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("already attached as engine ", engine_.engine_id()));
+  if (lease_stream_ != nullptr) {
+    return absl::FailedPreconditionError(absl::StrCat("already attached as engine ", engine_id_));
   }
   // The lease stream lives as long as the engine: no deadline (the heartbeats are its clock).
-  attach_context_ = std::make_unique<grpc::ClientContext>();
-  attach_stream_ = cache_->Attach(attach_context_.get());
+  auto lease = std::make_unique<LeaseStream>();
+  lease->stream = rpc_->cache->Attach(&lease->context);
   pb::AttachRequest hello;
   hello.mutable_hello()->set_engine_name(engine_name);
   hello.mutable_hello()->set_pid(getpid());
   pb::AttachResponse response;
-  const bool answered = attach_stream_->Write(hello) && attach_stream_->Read(&response);
+  const bool answered = lease->stream->Write(hello) && lease->stream->Read(&response);
   if (!answered || !response.has_attached()) {
     // Not answered: the stream is over and Finish() has the daemon's reason. Answered wrongly:
     // end it ourselves so Finish() does not wait.
-    if (answered) attach_context_->TryCancel();
-    absl::Status status = FromGrpcStatus(attach_stream_->Finish());
-    attach_stream_.reset();
-    attach_context_.reset();
+    if (answered) lease->context.TryCancel();
+    absl::Status status = FromGrpcStatus(lease->stream->Finish());
     if (status.ok()) status = absl::InternalError("Attach ended without an answer");
     return status;
   }
-  engine_ = response.attached().engine();
+  lease_stream_ = std::move(lease);
+  engine_id_ = response.attached().engine().engine_id();
+  engine_token_ = response.attached().engine().engine_token();
   lease_timeout_ = absl::Milliseconds(response.attached().lease_timeout_ms());
   stop_ = false;
   lease_alive_.store(true);
@@ -121,7 +242,7 @@ void KvClient::KeepLease(absl::Duration period) {
   grpc::ClientReaderWriter<pb::AttachRequest, pb::AttachResponse>* stream;
   {
     absl::MutexLock lock(&mu_);
-    stream = attach_stream_.get();
+    stream = lease_stream_->stream.get();
   }
   pb::AttachRequest heartbeat;
   pb::AttachResponse ack;
@@ -141,22 +262,21 @@ void KvClient::Detach() {
   std::thread thread;
   {
     absl::MutexLock lock(&mu_);
-    if (attach_stream_ == nullptr) return;
+    if (lease_stream_ == nullptr) return;
     stop_ = true;
-    attach_context_->TryCancel();  // unblocks a Read waiting for an ack
+    lease_stream_->context.TryCancel();  // unblocks a Read waiting for an ack
     thread = std::move(lease_thread_);
   }
   if (thread.joinable()) thread.join();
   absl::MutexLock lock(&mu_);
-  (void)attach_stream_->Finish();
-  attach_stream_.reset();
-  attach_context_.reset();
+  (void)lease_stream_->stream->Finish();
+  lease_stream_.reset();
   lease_alive_.store(false);
 }
 
 uint64_t KvClient::engine_id() const {
   absl::MutexLock lock(&mu_);
-  return engine_.engine_id();
+  return engine_id_;
 }
 
 absl::Duration KvClient::lease_timeout() const {
@@ -168,30 +288,39 @@ absl::StatusOr<PlanFingerprint> KvClient::RegisterPlan(const ModelPlan& plan) {
   pb::RegisterPlanRequest request;
   *request.mutable_plan() = ModelPlanToProto(plan);
   pb::RegisterPlanResponse response;
-  RETURN_IF_ERROR(FromGrpcStatus(cache_->RegisterPlan(NewContext().get(), request, &response)));
+  RETURN_IF_ERROR(FromGrpcStatus(
+      rpc_->cache->RegisterPlan(ClientInternals::NewContext(*this).get(), request, &response)));
   return FingerprintFromBytes(response.fingerprint());
 }
 
-absl::StatusOr<pb::EngineRef> KvClient::AttachedEngine(absl::string_view what) const {
+absl::StatusOr<std::pair<uint64_t, std::string>> KvClient::AttachedEngine(
+    absl::string_view what) const {
   absl::MutexLock lock(&mu_);
-  if (attach_stream_ == nullptr) {
+  if (lease_stream_ == nullptr) {
     return absl::FailedPreconditionError(
         absl::StrCat(what, " before Attach: sessions need a lease"));
   }
-  return engine_;
+  return std::make_pair(engine_id_, engine_token_);
 }
 
 namespace {
 
-// The shape fields CreateSession and Reserve share.
-template <typename Request>
-void SetShape(const PlanFingerprint& plan, const SessionOptions& options, Request& request) {
-  request.set_plan_fingerprint(FingerprintToBytes(plan));
-  request.set_capacity(options.capacity);
-  request.set_layer_lo(options.layer_lo);
-  if (options.layer_hi.has_value()) request.set_layer_hi(*options.layer_hi);
-  request.set_tp_ranks(options.tp_ranks);
-  request.set_spec_snapshot(options.spec_snapshot);
+// The shape fields CreateSession, Reserve and LookupPrefix share.
+template <typename Shape>
+void SetShape(const PlanFingerprint& plan, const SessionOptions& options, Shape& shape) {
+  shape.set_plan_fingerprint(FingerprintToBytes(plan));
+  shape.set_layer_lo(options.layer_lo);
+  if (options.layer_hi.has_value()) shape.set_layer_hi(*options.layer_hi);
+  shape.set_tp_ranks(options.tp_ranks);
+  if constexpr (requires { shape.set_capacity(0); }) shape.set_capacity(options.capacity);
+  if constexpr (requires { shape.set_spec_snapshot(false); }) {
+    shape.set_spec_snapshot(options.spec_snapshot);
+  }
+}
+
+void SetEngine(const std::pair<uint64_t, std::string>& engine, pb::EngineRef& ref) {
+  ref.set_engine_id(engine.first);
+  ref.set_engine_token(engine.second);
 }
 
 }  // namespace
@@ -199,34 +328,43 @@ void SetShape(const PlanFingerprint& plan, const SessionOptions& options, Reques
 absl::StatusOr<SessionReservation> KvClient::Reserve(const PlanFingerprint& plan,
                                               const SessionOptions& options) {
   pb::ReserveRequest request;
-  ASSIGN_OR_RETURN(*request.mutable_engine(), AttachedEngine("Reserve"));
+  ASSIGN_OR_RETURN(auto engine, AttachedEngine("Reserve"));
+  SetEngine(engine, *request.mutable_engine());
   SetShape(plan, options, request);
   pb::ReserveResponse response;
-  RETURN_IF_ERROR(FromGrpcStatus(cache_->Reserve(NewContext().get(), request, &response)));
+  RETURN_IF_ERROR(FromGrpcStatus(
+      rpc_->cache->Reserve(ClientInternals::NewContext(*this).get(), request, &response)));
   return SessionReservation{response.reservation_id(), response.bytes(),
                      absl::Milliseconds(response.ttl_ms())};
 }
 
 absl::StatusOr<uint64_t> KvClient::CancelReservation(uint64_t reservation_id) {
   pb::CancelReservationRequest request;
-  ASSIGN_OR_RETURN(*request.mutable_engine(), AttachedEngine("CancelReservation"));
+  ASSIGN_OR_RETURN(auto engine, AttachedEngine("CancelReservation"));
+  SetEngine(engine, *request.mutable_engine());
   request.set_reservation_id(reservation_id);
   pb::CancelReservationResponse response;
-  RETURN_IF_ERROR(
-      FromGrpcStatus(cache_->CancelReservation(NewContext().get(), request, &response)));
+  RETURN_IF_ERROR(FromGrpcStatus(rpc_->cache->CancelReservation(
+      ClientInternals::NewContext(*this).get(), request, &response)));
   return response.freed_bytes();
 }
 
 absl::StatusOr<std::unique_ptr<Session>> KvClient::CreateSession(const PlanFingerprint& plan,
                                                                  const SessionOptions& options) {
   pb::CreateSessionRequest request;
-  ASSIGN_OR_RETURN(*request.mutable_engine(), AttachedEngine("CreateSession"));
+  ASSIGN_OR_RETURN(auto engine, AttachedEngine("CreateSession"));
+  SetEngine(engine, *request.mutable_engine());
   SetShape(plan, options, request);
   request.set_reservation_id(options.reservation_id);
   pb::CreateSessionResponse response;
-  RETURN_IF_ERROR(FromGrpcStatus(cache_->CreateSession(NewContext().get(), request, &response)));
-  std::unique_ptr<Session> session(new Session(this, response.session()));
-  absl::Status mapped = session->Adopt(std::move(*response.mutable_layout()));
+  RETURN_IF_ERROR(FromGrpcStatus(
+      rpc_->cache->CreateSession(ClientInternals::NewContext(*this).get(), request, &response)));
+  std::unique_ptr<Session> session(
+      new Session(this, response.session().session_id(), response.session().session_token()));
+  absl::Status mapped = [&]() -> absl::Status {
+    ASSIGN_OR_RETURN(SessionLayout layout, SessionLayoutFromProto(response.layout()));
+    return session->Adopt(std::move(layout));
+  }();
   if (!mapped.ok()) {
     (void)session->Release();  // never leave the daemon holding a session nobody can use
     return mapped;
@@ -235,15 +373,16 @@ absl::StatusOr<std::unique_ptr<Session>> KvClient::CreateSession(const PlanFinge
 }
 
 absl::Status KvClient::Step(StepBatch& batch, std::vector<StepOutcome>& outcomes) {
-  pb::StepResponse* response = batch.NewReply();
-  absl::Status status = FromGrpcStatus(cache_->Step(NewContext().get(), batch.request(), response));
-  if (status.ok() && response->results_size() != batch.request().entries_size()) {
+  pb::StepResponse* response = batch.wire_->NewReply();
+  const pb::StepRequest& request = batch.wire_->request;
+  absl::Status status = FromGrpcStatus(
+      rpc_->cache->Step(ClientInternals::NewContext(*this).get(), request, response));
+  if (status.ok() && response->results_size() != request.entries_size()) {
     status = absl::InternalError(absl::StrCat("Step answered ", response->results_size(),
-                                              " results for ", batch.request().entries_size(),
-                                              " entries"));
+                                              " results for ", request.entries_size(), " entries"));
   }
   if (!status.ok()) {
-    batch.RecycleReply();
+    batch.wire_->RecycleReply();
     return status;
   }
   outcomes.resize(response->results_size());
@@ -280,7 +419,7 @@ absl::Status KvClient::Step(StepBatch& batch, std::vector<StepOutcome>& outcomes
         break;
     }
   }
-  batch.RecycleReply();
+  batch.wire_->RecycleReply();
   return absl::OkStatus();
 }
 
@@ -290,68 +429,192 @@ absl::StatusOr<std::vector<StepOutcome>> KvClient::Step(StepBatch& batch) {
   return outcomes;
 }
 
-absl::StatusOr<pb::GetStatusResponse> KvClient::GetStatus() {
+// ---- Prefix cache ----
+
+absl::StatusOr<PrefixCaptured> KvClient::CapturePrefix(const Session& session,
+                                                       absl::Span<const int32_t> token_ids,
+                                                       uint64_t boundary_tokens) {
+  pb::CapturePrefixRequest request = ForSession<pb::CapturePrefixRequest>(session);
+  request.mutable_token_ids()->Add(token_ids.begin(), token_ids.end());
+  request.set_boundary_tokens(boundary_tokens);
+  pb::CapturePrefixResponse response;
+  RETURN_IF_ERROR(FromGrpcStatus(
+      rpc_->prefix->Capture(ClientInternals::NewContext(*this).get(), request, &response)));
+  PrefixCaptured captured{response.entry_id(),        response.boundary_tokens(),
+                          response.already_present(), response.added_bytes(),
+                          response.stored_bytes(),    {}};
+  ASSIGN_OR_RETURN(captured.shape_fingerprint, FingerprintFromBytes(response.shape_fingerprint()));
+  return captured;
+}
+
+absl::StatusOr<PrefixMatch> KvClient::LookupPrefix(const PlanFingerprint& plan,
+                                                   const SessionOptions& shape,
+                                                   absl::Span<const int32_t> token_ids) {
+  pb::LookupPrefixRequest request;
+  SetShape(plan, shape, *request.mutable_shape());
+  request.mutable_token_ids()->Add(token_ids.begin(), token_ids.end());
+  pb::LookupPrefixResponse response;
+  RETURN_IF_ERROR(FromGrpcStatus(
+      rpc_->prefix->Lookup(ClientInternals::NewContext(*this).get(), request, &response)));
+  PrefixMatch match;
+  switch (response.outcome()) {
+    case pb::LOOKUP_OUTCOME_HIT:
+      match.outcome = LookupOutcome::kHit;
+      break;
+    case pb::LOOKUP_OUTCOME_PARTIAL:
+      match.outcome = LookupOutcome::kPartial;
+      break;
+    default:
+      match.outcome = LookupOutcome::kMiss;
+      break;
+  }
+  match.entry_id = response.entry_id();
+  match.matched_tokens = response.matched_tokens();
+  match.block_tokens = response.block_tokens();
+  return match;
+}
+
+absl::StatusOr<PrefixRestored> KvClient::RestorePrefix(const Session& session,
+                                                       absl::Span<const int32_t> token_ids,
+                                                       uint64_t entry_id) {
+  pb::RestorePrefixRequest request = ForSession<pb::RestorePrefixRequest>(session);
+  request.set_entry_id(entry_id);
+  request.mutable_token_ids()->Add(token_ids.begin(), token_ids.end());
+  pb::RestorePrefixResponse response;
+  RETURN_IF_ERROR(FromGrpcStatus(
+      rpc_->prefix->Restore(ClientInternals::NewContext(*this).get(), request, &response)));
+  return PrefixRestored{response.entry_id(), response.restored_tokens(),
+                        SessionSnapshotFromProto(response.state())};
+}
+
+struct PrefixEventStream::Call {
+  grpc::ClientContext context;
+  std::unique_ptr<grpc::ClientReader<pb::PrefixEvent>> reader;
+  bool finished = false;  // Finish() was called (it may be called once)
+};
+
+PrefixEventStream::PrefixEventStream(std::unique_ptr<Call> call) : call_(std::move(call)) {}
+
+PrefixEventStream::~PrefixEventStream() {
+  Cancel();
+  if (!call_->finished) (void)call_->reader->Finish();
+}
+
+void PrefixEventStream::Cancel() { call_->context.TryCancel(); }
+
+absl::StatusOr<std::optional<PrefixCacheEvent>> PrefixEventStream::Next() {
+  if (call_->finished) return std::nullopt;
+  pb::PrefixEvent event;
+  if (!call_->reader->Read(&event)) {
+    call_->finished = true;
+    absl::Status ended = FromGrpcStatus(call_->reader->Finish());
+    // Cancelling is how a subscriber ends the stream: not an error.
+    if (ended.ok() || absl::IsCancelled(ended)) return std::nullopt;
+    return ended;
+  }
+  PrefixCacheEvent out;
+  out.gap = event.kind() == pb::PrefixEvent::GAP;
+  out.sequence = event.sequence();
+  out.epoch = event.epoch();
+  if (out.gap) return out;
+  switch (event.kind()) {
+    case pb::PrefixEvent::EVICTED:
+      out.kind = PrefixEventKind::kEvicted;
+      break;
+    case pb::PrefixEvent::DROPPED:
+      out.kind = PrefixEventKind::kDropped;
+      break;
+    default:
+      out.kind = PrefixEventKind::kStored;
+      break;
+  }
+  ASSIGN_OR_RETURN(out.shape_fingerprint, FingerprintFromBytes(event.shape_fingerprint()));
+  for (const std::string& key : event.block_keys()) {
+    ASSIGN_OR_RETURN(out.block_keys.emplace_back(), BlockKeyFromBytes(key, "event block key"));
+  }
+  if (!event.boundary_key().empty()) {
+    ASSIGN_OR_RETURN(out.boundary_key, BlockKeyFromBytes(event.boundary_key(), "boundary key"));
+  }
+  out.reason = event.reason();
+  return out;
+}
+
+std::unique_ptr<PrefixEventStream> KvClient::SubscribePrefixEvents(uint64_t epoch,
+                                                                   uint64_t last_sequence) {
+  auto call = std::make_unique<PrefixEventStream::Call>();
+  pb::SubscribePrefixEventsRequest request;
+  request.set_epoch(epoch);
+  request.set_last_sequence(last_sequence);
+  call->reader = rpc_->prefix->SubscribeEvents(&call->context, request);
+  return std::unique_ptr<PrefixEventStream>(new PrefixEventStream(std::move(call)));
+}
+
+// ---- ClientInternals ----
+
+pb::KvCache::Stub& ClientInternals::Cache(KvClient& client) { return *client.rpc_->cache; }
+pb::KvAdmin::Stub& ClientInternals::Admin(KvClient& client) { return *client.rpc_->admin; }
+pb::KvPrefixCache::Stub& ClientInternals::Prefix(KvClient& client) { return *client.rpc_->prefix; }
+
+std::unique_ptr<grpc::ClientContext> ClientInternals::NewContext(const KvClient& client) {
+  auto context = std::make_unique<grpc::ClientContext>();
+  context->set_deadline(std::chrono::system_clock::now() +
+                        absl::ToChronoMilliseconds(client.options_.deadline));
+  return context;
+}
+
+pb::SessionRef ClientInternals::Ref(const Session& session) {
+  pb::SessionRef ref;
+  ref.set_session_id(session.id_);
+  ref.set_session_token(session.token_);
+  return ref;
+}
+
+const pb::StepRequest& ClientInternals::Request(const StepBatch& batch) {
+  return batch.wire_->request;
+}
+
+absl::StatusOr<pb::GetStatusResponse> ClientInternals::GetStatus(KvClient& client) {
   pb::GetStatusResponse response;
-  RETURN_IF_ERROR(
-      FromGrpcStatus(admin_->GetStatus(NewContext().get(), pb::GetStatusRequest(), &response)));
+  RETURN_IF_ERROR(FromGrpcStatus(
+      client.rpc_->admin->GetStatus(NewContext(client).get(), pb::GetStatusRequest(), &response)));
   return response;
 }
 
 // ---- StepBatch ----
 
-pb::StepResponse* StepBatch::NewReply() {
-  if (reply_arena_ == nullptr) {
-    google::protobuf::ArenaOptions options;
-    if (!reply_block_.empty()) {
-      options.initial_block = reply_block_.data();
-      options.initial_block_size = reply_block_.size();
-    }
-    reply_arena_ = std::make_unique<google::protobuf::Arena>(options);
-  }
-  return google::protobuf::Arena::CreateMessage<pb::StepResponse>(reply_arena_.get());
+StepBatch::StepBatch() : wire_(std::make_unique<Wire>()) {}
+StepBatch::~StepBatch() = default;
+
+void StepBatch::SetWaitEvent(std::string ipc_event_handle) {
+  wire_->request.mutable_ordering()->set_wait_event(std::move(ipc_event_handle));
 }
 
-void StepBatch::RecycleReply() {
-  // A reply that outgrew the block: the next arena starts with one twice its size (bounded by
-  // what replies really use), and this one is freed. Otherwise Reset keeps the block.
-  constexpr size_t kMaxBlockBytes = size_t{64} << 20;
-  const size_t used = static_cast<size_t>(reply_arena_->SpaceAllocated());
-  if (used > reply_block_.size() && reply_block_.size() < kMaxBlockBytes) {
-    reply_arena_.reset();
-    reply_block_.assign(std::min(2 * used, kMaxBlockBytes), 0);
-    return;
-  }
-  reply_arena_->Reset();
-}
+size_t StepBatch::size() const { return static_cast<size_t>(wire_->request.entries_size()); }
 
-pb::StepEntry* StepBatch::Add(const Session& session) {
-  pb::StepEntry* entry = request_.add_entries();
-  *entry->mutable_session() = session.ref();
-  return entry;
-}
+void StepBatch::Clear() { wire_->request.Clear(); }
 
-void StepBatch::Begin(const Session& session) { Add(session)->mutable_begin(); }
+void StepBatch::Begin(const Session& session) { wire_->Add(session)->mutable_begin(); }
 
 void StepBatch::Prepare(const Session& session, uint64_t generation, uint64_t rows) {
-  pb::StepPrepare* op = Add(session)->mutable_prepare();
+  pb::StepPrepare* op = wire_->Add(session)->mutable_prepare();
   op->set_generation(generation);
   op->set_rows(rows);
 }
 
 void StepBatch::Publish(const Session& session, uint64_t generation) {
-  Add(session)->mutable_publish()->set_generation(generation);
+  wire_->Add(session)->mutable_publish()->set_generation(generation);
 }
 
 void StepBatch::Commit(const Session& session, uint64_t generation, uint64_t accepted_rows,
                        absl::Span<const int32_t> token_ids) {
-  pb::StepCommit* op = Add(session)->mutable_commit();
+  pb::StepCommit* op = wire_->Add(session)->mutable_commit();
   op->set_generation(generation);
   op->set_accepted_rows(accepted_rows);
   op->mutable_token_ids()->Add(token_ids.begin(), token_ids.end());
 }
 
 void StepBatch::Abort(const Session& session, uint64_t generation) {
-  Add(session)->mutable_abort()->set_generation(generation);
+  wire_->Add(session)->mutable_abort()->set_generation(generation);
 }
 
 // ---- Session ----
@@ -360,18 +623,17 @@ Session::~Session() {
   if (!released_) (void)Release();
 }
 
-absl::Status Session::Adopt(pb::SessionLayout layout) {
+absl::Status Session::Adopt(SessionLayout layout) {
   std::vector<uint8_t*> bases;
-  bases.reserve(layout.arenas_size());
-  for (int i = 0; i < layout.arenas_size(); ++i) {
-    const pb::Arena& arena = layout.arenas(i);
-    absl::StatusOr<void*> base =
-        client_->mapper().Map(arena.backend(), arena.handle(), arena.bytes());
+  bases.reserve(layout.arenas.size());
+  for (size_t i = 0; i < layout.arenas.size(); ++i) {
+    const SessionArena& arena = layout.arenas[i];
+    absl::StatusOr<void*> base = client_->mapper().Map(arena.backend, arena.handle, arena.bytes);
     if (!base.ok()) {
       // Leave nothing mapped that no layout names (arenas already ours stay mapped).
-      for (int j = 0; j < i; ++j) {
-        if (!NamesArena(layout_, layout.arenas(j).handle())) {
-          (void)client_->mapper().Unmap(layout.arenas(j).handle());
+      for (size_t j = 0; j < i; ++j) {
+        if (!NamesArena(layout_, layout.arenas[j].handle)) {
+          (void)client_->mapper().Unmap(layout.arenas[j].handle);
         }
       }
       return base.status();
@@ -383,24 +645,22 @@ absl::Status Session::Adopt(pb::SessionLayout layout) {
   return absl::OkStatus();
 }
 
-void Session::UnmapAll(const pb::SessionLayout& layout) {
-  for (const pb::Arena& arena : layout.arenas()) (void)client_->mapper().Unmap(arena.handle());
+void Session::UnmapAll(const SessionLayout& layout) {
+  for (const SessionArena& arena : layout.arenas) (void)client_->mapper().Unmap(arena.handle);
 }
 
-absl::StatusOr<PlaneView> ResolvePlane(const pb::SessionLayout& layout,
+absl::StatusOr<PlaneView> ResolvePlane(const SessionLayout& layout,
                                        const std::vector<uint8_t*>& bases, uint32_t layer,
                                        PlaneKind kind) {
-  const pb::PlaneKind wanted = PlaneKindToProto(kind);
-  for (const pb::LayerLayout& entry : layout.layers()) {
-    if (entry.layer() != layer) continue;
-    for (const pb::Plane& plane : entry.planes()) {
-      if (plane.kind() != wanted) continue;
-      if (plane.arena() >= bases.size()) {
+  for (const SessionLayer& entry : layout.layers) {
+    if (entry.layer != layer) continue;
+    for (const SessionPlane& plane : entry.planes) {
+      if (plane.kind != kind) continue;
+      if (plane.arena >= bases.size()) {
         return absl::InternalError(absl::StrCat("plane of layer ", layer, " names arena ",
-                                                plane.arena(), " of ", bases.size()));
+                                                plane.arena, " of ", bases.size()));
       }
-      return PlaneView{bases[plane.arena()] + plane.offset(), plane.bytes(), plane.rows(),
-                       plane.row_bytes()};
+      return PlaneView{bases[plane.arena] + plane.offset, plane.bytes, plane.rows, plane.row_bytes};
     }
   }
   return absl::NotFoundError(
@@ -416,144 +676,141 @@ absl::StatusOr<uint8_t*> Session::PlanePointer(uint32_t layer, PlaneKind kind) c
   return view.data;
 }
 
+namespace {
+
+// Calls `method` of the KvCache stub with `request` and returns the reply's session state.
+template <typename Request, typename Method>
+absl::StatusOr<SessionSnapshot> StateCall(KvClient& client, Method method, const Request& request) {
+  pb::SessionStateResponse response;
+  RETURN_IF_ERROR(FromGrpcStatus((ClientInternals::Cache(client).*method)(
+      ClientInternals::NewContext(client).get(), request, &response)));
+  return SessionSnapshotFromProto(response.state());
+}
+
+}  // namespace
+
 absl::StatusOr<Transaction> Session::Begin() {
   pb::BeginResponse response;
-  RETURN_IF_ERROR(FromGrpcStatus(client_->cache_->Begin(
-      client_->NewContext().get(), ForSession<pb::SessionRequest>(ref_, wait_event_), &response)));
+  RETURN_IF_ERROR(FromGrpcStatus(
+      ClientInternals::Cache(*client_).Begin(ClientInternals::NewContext(*client_).get(),
+                                             ForSession<pb::SessionRequest>(*this), &response)));
   return Transaction{response.generation(), response.base_len()};
 }
 
 absl::StatusOr<PreparedAppend> Session::PrepareAppend(uint64_t generation, uint64_t rows) {
-  pb::PrepareAppendRequest request = ForSession<pb::PrepareAppendRequest>(ref_, wait_event_);
+  pb::PrepareAppendRequest request = ForSession<pb::PrepareAppendRequest>(*this);
   request.set_generation(generation);
   request.set_rows(rows);
   pb::PrepareAppendResponse response;
-  RETURN_IF_ERROR(FromGrpcStatus(
-      client_->cache_->PrepareAppend(client_->NewContext().get(), request, &response)));
+  RETURN_IF_ERROR(FromGrpcStatus(ClientInternals::Cache(*client_).PrepareAppend(
+      ClientInternals::NewContext(*client_).get(), request, &response)));
   return PreparedFromProto(response);
 }
 
 absl::StatusOr<uint64_t> Session::PublishAppend(uint64_t generation) {
-  pb::GenerationRequest request = ForSession<pb::GenerationRequest>(ref_, wait_event_);
+  pb::GenerationRequest request = ForSession<pb::GenerationRequest>(*this);
   request.set_generation(generation);
   pb::PublishAppendResponse response;
-  RETURN_IF_ERROR(FromGrpcStatus(
-      client_->cache_->PublishAppend(client_->NewContext().get(), request, &response)));
+  RETURN_IF_ERROR(FromGrpcStatus(ClientInternals::Cache(*client_).PublishAppend(
+      ClientInternals::NewContext(*client_).get(), request, &response)));
   return response.staged_len();
 }
 
 absl::StatusOr<uint64_t> Session::Commit(uint64_t generation, uint64_t accepted_rows,
                                          absl::Span<const int32_t> token_ids) {
-  pb::CommitRequest request = ForSession<pb::CommitRequest>(ref_, wait_event_);
+  pb::CommitRequest request = ForSession<pb::CommitRequest>(*this);
   request.set_generation(generation);
   request.set_accepted_rows(accepted_rows);
   request.mutable_token_ids()->Add(token_ids.begin(), token_ids.end());
   pb::CommitResponse response;
-  RETURN_IF_ERROR(
-      FromGrpcStatus(client_->cache_->Commit(client_->NewContext().get(), request, &response)));
+  RETURN_IF_ERROR(FromGrpcStatus(ClientInternals::Cache(*client_).Commit(
+      ClientInternals::NewContext(*client_).get(), request, &response)));
   return response.committed_len();
 }
 
 absl::StatusOr<uint64_t> Session::Abort(uint64_t generation) {
-  pb::GenerationRequest request = ForSession<pb::GenerationRequest>(ref_, wait_event_);
+  pb::GenerationRequest request = ForSession<pb::GenerationRequest>(*this);
   request.set_generation(generation);
   pb::AbortResponse response;
-  RETURN_IF_ERROR(
-      FromGrpcStatus(client_->cache_->Abort(client_->NewContext().get(), request, &response)));
+  RETURN_IF_ERROR(FromGrpcStatus(ClientInternals::Cache(*client_).Abort(
+      ClientInternals::NewContext(*client_).get(), request, &response)));
   return response.committed_len();
 }
 
-absl::StatusOr<pb::SessionState> Session::Rewind(uint64_t target) {
-  pb::RewindRequest request = ForSession<pb::RewindRequest>(ref_, wait_event_);
+absl::StatusOr<SessionSnapshot> Session::Rewind(uint64_t target) {
+  pb::RewindRequest request = ForSession<pb::RewindRequest>(*this);
   request.set_target(target);
-  pb::SessionStateResponse response;
-  RETURN_IF_ERROR(
-      FromGrpcStatus(client_->cache_->Rewind(client_->NewContext().get(), request, &response)));
-  return response.state();
+  return StateCall(*client_, &pb::KvCache::Stub::Rewind, request);
 }
 
-absl::StatusOr<pb::SessionState> Session::Hydrate(uint64_t logical_len,
-                                                  const std::vector<uint64_t>& resident_starts) {
-  pb::HydrateRequest request = ForSession<pb::HydrateRequest>(ref_, wait_event_);
+absl::StatusOr<SessionSnapshot> Session::Hydrate(uint64_t logical_len,
+                                                 const std::vector<uint64_t>& resident_starts) {
+  pb::HydrateRequest request = ForSession<pb::HydrateRequest>(*this);
   request.set_logical_len(logical_len);
   request.mutable_resident_starts()->Add(resident_starts.begin(), resident_starts.end());
-  pb::SessionStateResponse response;
-  RETURN_IF_ERROR(
-      FromGrpcStatus(client_->cache_->Hydrate(client_->NewContext().get(), request, &response)));
-  return response.state();
+  return StateCall(*client_, &pb::KvCache::Stub::Hydrate, request);
 }
 
 absl::StatusOr<bool> Session::CanRewind(uint64_t target) {
-  pb::RewindRequest request = ForSession<pb::RewindRequest>(ref_, wait_event_);
+  pb::RewindRequest request = ForSession<pb::RewindRequest>(*this);
   request.set_target(target);
   pb::CanRewindResponse response;
-  RETURN_IF_ERROR(
-      FromGrpcStatus(client_->cache_->CanRewind(client_->NewContext().get(), request, &response)));
+  RETURN_IF_ERROR(FromGrpcStatus(ClientInternals::Cache(*client_).CanRewind(
+      ClientInternals::NewContext(*client_).get(), request, &response)));
   return response.can_rewind();
 }
 
-absl::StatusOr<pb::SessionState> Session::SpecSnapshot() {
-  pb::SessionStateResponse response;
-  RETURN_IF_ERROR(FromGrpcStatus(client_->cache_->SpecSnapshot(
-      client_->NewContext().get(), ForSession<pb::SessionRequest>(ref_, wait_event_), &response)));
-  return response.state();
+absl::StatusOr<SessionSnapshot> Session::SpecSnapshot() {
+  return StateCall(*client_, &pb::KvCache::Stub::SpecSnapshot,
+                   ForSession<pb::SessionRequest>(*this));
 }
 
-absl::StatusOr<pb::SessionState> Session::SpecRollback(uint64_t accept_len) {
-  pb::SpecRollbackRequest request = ForSession<pb::SpecRollbackRequest>(ref_, wait_event_);
+absl::StatusOr<SessionSnapshot> Session::SpecRollback(uint64_t accept_len) {
+  pb::SpecRollbackRequest request = ForSession<pb::SpecRollbackRequest>(*this);
   request.set_accept_len(accept_len);
-  pb::SessionStateResponse response;
-  RETURN_IF_ERROR(FromGrpcStatus(
-      client_->cache_->SpecRollback(client_->NewContext().get(), request, &response)));
-  return response.state();
+  return StateCall(*client_, &pb::KvCache::Stub::SpecRollback, request);
 }
 
-absl::StatusOr<pb::SessionState> Session::Reset() {
-  pb::SessionStateResponse response;
-  RETURN_IF_ERROR(FromGrpcStatus(client_->cache_->ResetSession(
-      client_->NewContext().get(), ForSession<pb::SessionRequest>(ref_, wait_event_), &response)));
-  return response.state();
+absl::StatusOr<SessionSnapshot> Session::Reset() {
+  return StateCall(*client_, &pb::KvCache::Stub::ResetSession,
+                   ForSession<pb::SessionRequest>(*this));
 }
 
-absl::StatusOr<pb::SessionState> Session::Taint(const std::string& reason) {
-  pb::TaintRequest request = ForSession<pb::TaintRequest>(ref_, wait_event_);
+absl::StatusOr<SessionSnapshot> Session::Taint(const std::string& reason) {
+  pb::TaintRequest request = ForSession<pb::TaintRequest>(*this);
   request.set_reason(reason);
-  pb::SessionStateResponse response;
-  RETURN_IF_ERROR(
-      FromGrpcStatus(client_->cache_->Taint(client_->NewContext().get(), request, &response)));
-  return response.state();
+  return StateCall(*client_, &pb::KvCache::Stub::Taint, request);
 }
 
-absl::StatusOr<pb::SessionState> Session::State() {
-  pb::SessionStateResponse response;
-  RETURN_IF_ERROR(FromGrpcStatus(client_->cache_->GetSessionState(
-      client_->NewContext().get(), ForSession<pb::GetSessionStateRequest>(ref_, wait_event_), &response)));
-  return response.state();
+absl::StatusOr<SessionSnapshot> Session::State() {
+  return StateCall(*client_, &pb::KvCache::Stub::GetSessionState,
+                   ForSession<pb::GetSessionStateRequest>(*this));
 }
 
-absl::StatusOr<pb::SessionState> Session::Grow(uint64_t target_capacity) {
-  pb::GrowRequest request = ForSession<pb::GrowRequest>(ref_, wait_event_);
+absl::StatusOr<SessionSnapshot> Session::Grow(uint64_t target_capacity) {
+  pb::GrowRequest request = ForSession<pb::GrowRequest>(*this);
   request.set_target_capacity(target_capacity);
   pb::GrowResponse grown;
-  RETURN_IF_ERROR(
-      FromGrpcStatus(client_->cache_->Grow(client_->NewContext().get(), request, &grown)));
-  pb::SessionLayout old = layout_;
-  RETURN_IF_ERROR(Adopt(std::move(*grown.mutable_layout())));
-  pb::AcknowledgeGrowRequest ack = ForSession<pb::AcknowledgeGrowRequest>(ref_, wait_event_);
-  ack.set_layout_version(layout_.layout_version());
-  pb::SessionStateResponse response;
-  RETURN_IF_ERROR(FromGrpcStatus(
-      client_->cache_->AcknowledgeGrow(client_->NewContext().get(), ack, &response)));
+  RETURN_IF_ERROR(FromGrpcStatus(ClientInternals::Cache(*client_).Grow(
+      ClientInternals::NewContext(*client_).get(), request, &grown)));
+  SessionLayout old = layout_;
+  ASSIGN_OR_RETURN(SessionLayout layout, SessionLayoutFromProto(grown.layout()));
+  RETURN_IF_ERROR(Adopt(std::move(layout)));
+  pb::AcknowledgeGrowRequest ack = ForSession<pb::AcknowledgeGrowRequest>(*this);
+  ack.set_layout_version(layout_.version);
+  ASSIGN_OR_RETURN(SessionSnapshot state,
+                   StateCall(*client_, &pb::KvCache::Stub::AcknowledgeGrow, ack));
   UnmapAll(old);
-  return response.state();
+  return state;
 }
 
 absl::StatusOr<uint64_t> Session::Release() {
   if (released_)
     return absl::FailedPreconditionError(absl::StrCat("session ", id(), " was released"));
   pb::ReleaseSessionResponse response;
-  absl::Status status = FromGrpcStatus(client_->cache_->ReleaseSession(
-      client_->NewContext().get(), ForSession<pb::SessionRequest>(ref_, wait_event_), &response));
+  absl::Status status = FromGrpcStatus(ClientInternals::Cache(*client_).ReleaseSession(
+      ClientInternals::NewContext(*client_).get(), ForSession<pb::SessionRequest>(*this),
+      &response));
   // Whatever the daemon answered, this process stops using the memory.
   released_ = true;
   UnmapAll(layout_);

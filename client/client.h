@@ -25,6 +25,19 @@
 //   RETURN_IF_ERROR(session->PublishAppend(tx.generation).status());
 //   ASSIGN_OR_RETURN(uint64_t committed, session->Commit(tx.generation, /*accepted_rows=*/3));
 //
+// Everything here is the project's own types (core/ values and the structs below); the wire's
+// generated protobuf / gRPC types stay inside client/ and common/. Bad-input tests and operator
+// tools that need the raw calls use client/internal.h.
+//
+// The prefix cache (proto/memra/kv/v1/prefix.proto) is KvClient::CapturePrefix / LookupPrefix /
+// RestorePrefix / SubscribePrefixEvents:
+//
+//   ASSIGN_OR_RETURN(memra::PrefixMatch match, client->LookupPrefix(plan, options, token_ids));
+//   if (match.outcome != memra::LookupOutcome::kMiss) {
+//     ASSIGN_OR_RETURN(memra::PrefixRestored restored,
+//                      client->RestorePrefix(*session, token_ids, match.entry_id));
+//   }
+//
 // A batched engine sends one Step() for all its sessions per decode step (StepBatch), reusing
 // one batch and one outcomes vector across steps.
 //
@@ -47,23 +60,21 @@
 #include <optional>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
-#include "google/protobuf/arena.h"
 #include "client/mapper.h"
 #include "core/model_plan.h"
+#include "core/prefix_index.h"
 #include "core/sizing.h"
 #include "core/transaction.h"
-#include "grpcpp/channel.h"
-#include "grpcpp/client_context.h"
-#include "proto/memra/kv/v1/admin.grpc.pb.h"
-#include "proto/memra/kv/v1/cache.grpc.pb.h"
 
 namespace memra {
 
@@ -104,6 +115,80 @@ struct PreparedAppend {
   std::vector<LayerAppend> layers;  // one per K/V layer; ring rebases to perform first
 };
 
+// ---- A session's memory as the daemon exported it (proto SessionLayout) ----
+
+// One exported memory region; the session maps it once (client/mapper.h).
+struct SessionArena {
+  std::string backend;  // "host" (POSIX shm name) or "cuda" (cudaIpcMemHandle_t, 64 bytes)
+  std::string handle;
+  uint64_t bytes = 0;
+  bool operator==(const SessionArena&) const = default;
+};
+
+// One plane of a layer: `bytes` at `offset` in arena `arena` (an index into
+// SessionLayout::arenas), `rows` rows of `row_bytes` (1 row for mirrors and recurrent state).
+struct SessionPlane {
+  PlaneKind kind = PlaneKind::kKeys;
+  uint32_t arena = 0;
+  uint64_t offset = 0;
+  uint64_t bytes = 0;
+  uint64_t rows = 0;
+  uint64_t row_bytes = 0;
+  bool operator==(const SessionPlane&) const = default;
+};
+
+// One layer with state of its own; the fields are LayerGeometry's (core/sizing.h).
+struct SessionLayer {
+  uint32_t layer = 0;
+  StateKind kind = StateKind::kNone;
+  uint64_t k_token_bytes = 0;  // rank-local
+  uint64_t v_token_bytes = 0;
+  uint64_t window = 0;         // sliding layers
+  uint64_t physical_rows = 0;  // K/V rows allocated: ring rows, or capacity
+  bool ring = false;           // physical row = absolute row - ring base
+  uint64_t latent_width = 0;
+  uint64_t index_width = 0;
+  uint64_t index_pool = 0;
+  uint64_t index_physical_rows = 0;  // 0: no indexer
+  bool index_ring = false;
+  std::vector<SessionPlane> planes;
+  bool operator==(const SessionLayer&) const = default;
+};
+
+struct SessionLayout {
+  uint64_t version = 0;   // starts at 1; Grow adds one
+  uint64_t capacity = 0;  // tokens
+  std::vector<SessionArena> arenas;
+  std::vector<SessionLayer> layers;  // in layer order
+  bool operator==(const SessionLayout&) const = default;
+};
+
+// ---- A session's lengths as the daemon holds them (proto SessionState) ----
+
+struct LayerSnapshot {
+  uint32_t layer = 0;
+  int64_t length = 0;      // the layer's length mirror, rows
+  uint64_t ring_base = 0;  // ring layers: absolute row at physical row 0 (else 0)
+  bool ring = false;
+  uint64_t index_pools_ready = 0;  // latent layers with an indexer: pools whose keys are final
+  bool operator==(const LayerSnapshot&) const = default;
+};
+
+struct SessionSnapshot {
+  uint64_t layout_version = 0;
+  uint64_t capacity = 0;           // tokens
+  uint64_t committed_len = 0;      // rows
+  uint64_t staged_len = 0;         // rows (== committed_len outside a transaction)
+  uint64_t position = 0;           // tokens (== committed_len except after SpecRollback)
+  uint64_t active_generation = 0;  // 0: no transaction
+  uint64_t next_generation = 0;    // what the next Begin gets
+  bool tainted = false;
+  bool spec_snapshot_valid = false;
+  bool grow_pending = false;  // a grow awaits its acknowledgement
+  std::vector<LayerSnapshot> layers;
+  bool operator==(const SessionSnapshot&) const = default;
+};
+
 // One plane resolved in this process.
 struct PlaneView {
   uint8_t* data = nullptr;
@@ -114,11 +199,71 @@ struct PlaneView {
 
 // A plane of `layer` in `layout` whose arenas are mapped at `bases` (one per layout arena).
 // NOT_FOUND when the layer has no such plane.
-absl::StatusOr<PlaneView> ResolvePlane(const memra::kv::v1::SessionLayout& layout,
+absl::StatusOr<PlaneView> ResolvePlane(const SessionLayout& layout,
                                        const std::vector<uint8_t*>& bases, uint32_t layer,
                                        PlaneKind kind);
 
+// ---- Prefix cache results (proto prefix.proto) ----
+
+struct PrefixCaptured {
+  uint64_t entry_id = 0;
+  uint64_t boundary_tokens = 0;
+  bool already_present = false;  // the boundary was stored before: nothing was copied
+  uint64_t added_bytes = 0;      // bytes this capture added (shared blocks not counted again)
+  uint64_t stored_bytes = 0;     // the whole cache after the capture
+  PlanFingerprint shape_fingerprint{};  // what the entry is keyed by (prefix.proto "Keys")
+};
+
+struct PrefixMatch {
+  LookupOutcome outcome = LookupOutcome::kMiss;
+  uint64_t entry_id = 0;        // 0 on a miss
+  uint64_t matched_tokens = 0;  // tokens RestorePrefix would restore (whole blocks)
+  uint32_t block_tokens = 0;
+};
+
+struct PrefixRestored {
+  uint64_t entry_id = 0;
+  uint64_t restored_tokens = 0;  // == state.committed_len
+  SessionSnapshot state;
+};
+
+// One message of KvClient::SubscribePrefixEvents. `gap`: the subscriber missed events the
+// daemon no longer buffers; drop what is known of this daemon and resync (only sequence and
+// epoch are set then: the newest sequence).
+struct PrefixCacheEvent {
+  bool gap = false;
+  uint64_t sequence = 0;
+  uint64_t epoch = 0;
+  PrefixEventKind kind = PrefixEventKind::kStored;
+  PlanFingerprint shape_fingerprint{};
+  std::vector<BlockKey> block_keys;      // chain order
+  std::optional<BlockKey> boundary_key;  // set when a boundary state was stored or freed
+  std::string reason;
+  bool operator==(const PrefixCacheEvent&) const = default;
+};
+
 class KvClient;
+class ClientInternals;
+
+// Cache events as they come (KvClient::SubscribePrefixEvents). Thread-compatible; Cancel() may
+// be called from another thread to end a Next() that is waiting.
+class PrefixEventStream {
+ public:
+  ~PrefixEventStream();  // cancels
+  PrefixEventStream(const PrefixEventStream&) = delete;
+  PrefixEventStream& operator=(const PrefixEventStream&) = delete;
+
+  // The next event, waiting for it; nullopt once the stream ended (cancelled, the daemon
+  // stopping), with the reason in the status when it ended with an error.
+  absl::StatusOr<std::optional<PrefixCacheEvent>> Next();
+  void Cancel();
+
+ private:
+  friend class KvClient;
+  struct Call;
+  explicit PrefixEventStream(std::unique_ptr<Call> call);
+  std::unique_ptr<Call> call_;
+};
 
 // Thread-compatible (one engine thread drives a session; calls on different sessions may run
 // concurrently). REQUIRES: the KvClient outlives its sessions.
@@ -128,20 +273,18 @@ class Session {
   Session(const Session&) = delete;
   Session& operator=(const Session&) = delete;
 
-  uint64_t id() const { return ref_.session_id(); }
-  const memra::kv::v1::SessionRef& ref() const { return ref_; }
-  const memra::kv::v1::SessionLayout& layout() const { return layout_; }
+  uint64_t id() const { return id_; }
+  const SessionLayout& layout() const { return layout_; }
 
   // Cross-process device ordering (cuda backend; proto DeviceOrdering). The engine creates one
   // event with cudaEventInterprocess | cudaEventDisableTiming, sets its cudaIpcGetEventHandle
   // here once, and records it on its stream after its last kernel on this session before each
   // call: every later call that makes the daemon touch the session's device memory (publish,
-  // commit, abort, rewind, hydrate, reset, spec snapshot/rollback, grow, release) carries it,
-  // and the daemon waits for it first. Replies come after the daemon's own device work is
-  // complete. Empty (the default): the engine synchronizes its stream before such calls itself.
-  // Host backend: leave it empty (the daemon refuses events there). KvPrefixCache Capture and
-  // Restore read / overwrite the session's planes too: callers building those requests set
-  // their `ordering.wait_event` to wait_event() under the same contract.
+  // commit, abort, rewind, hydrate, reset, spec snapshot/rollback, grow, release, and
+  // KvClient::CapturePrefix / RestorePrefix on this session) carries it, and the daemon waits
+  // for it first. Replies come after the daemon's own device work is complete. Empty (the
+  // default): the engine synchronizes its stream before such calls itself. Host backend: leave
+  // it empty (the daemon refuses events there).
   void SetWaitEvent(std::string ipc_event_handle) { wait_event_ = std::move(ipc_event_handle); }
   const std::string& wait_event() const { return wait_event_; }
 
@@ -160,50 +303,55 @@ class Session {
                                   absl::Span<const int32_t> token_ids = {});
   absl::StatusOr<uint64_t> Abort(uint64_t generation);                           // committed rows
 
-  absl::StatusOr<memra::kv::v1::SessionState> Rewind(uint64_t target);
+  absl::StatusOr<SessionSnapshot> Rewind(uint64_t target);
   absl::StatusOr<bool> CanRewind(uint64_t target);
   // Fresh session only: publishes `logical_len` rows already written through the mapped planes.
   // `resident_starts` per K/V layer (empty: flat 0, ring layers their aligned live window).
-  absl::StatusOr<memra::kv::v1::SessionState> Hydrate(
-      uint64_t logical_len, const std::vector<uint64_t>& resident_starts = {});
-  absl::StatusOr<memra::kv::v1::SessionState> SpecSnapshot();
-  absl::StatusOr<memra::kv::v1::SessionState> SpecRollback(uint64_t accept_len);
+  absl::StatusOr<SessionSnapshot> Hydrate(uint64_t logical_len,
+                                          const std::vector<uint64_t>& resident_starts = {});
+  absl::StatusOr<SessionSnapshot> SpecSnapshot();
+  absl::StatusOr<SessionSnapshot> SpecRollback(uint64_t accept_len);
   // Empty again on the same arena: nothing is re-opened.
-  absl::StatusOr<memra::kv::v1::SessionState> Reset();
-  absl::StatusOr<memra::kv::v1::SessionState> Taint(const std::string& reason);
-  absl::StatusOr<memra::kv::v1::SessionState> State();
+  absl::StatusOr<SessionSnapshot> Reset();
+  absl::StatusOr<SessionSnapshot> Taint(const std::string& reason);
+  absl::StatusOr<SessionSnapshot> State();
 
   // Regrows to `target_capacity`: maps the new arena, acknowledges the new layout (the daemon
   // then frees the old arena) and unmaps the old one. REQUIRES: no kernel uses old pointers.
-  absl::StatusOr<memra::kv::v1::SessionState> Grow(uint64_t target_capacity);
+  absl::StatusOr<SessionSnapshot> Grow(uint64_t target_capacity);
 
   // Frees the session's memory in the daemon and unmaps it here. Returns the bytes freed.
   absl::StatusOr<uint64_t> Release();
 
  private:
   friend class KvClient;
-  Session(KvClient* client, memra::kv::v1::SessionRef ref)
-      : client_(client), ref_(std::move(ref)) {}
+  friend class ClientInternals;
+  Session(KvClient* client, uint64_t id, std::string token)
+      : client_(client), id_(id), token_(std::move(token)) {}
 
   // Maps every arena of `layout` (cache hits for arenas already mapped).
-  absl::Status Adopt(memra::kv::v1::SessionLayout layout);
-  void UnmapAll(const memra::kv::v1::SessionLayout& layout);
+  absl::Status Adopt(SessionLayout layout);
+  void UnmapAll(const SessionLayout& layout);
 
   KvClient* const client_;
-  const memra::kv::v1::SessionRef ref_;
+  const uint64_t id_;
+  const std::string token_;  // proto SessionRef.session_token: the session's capability
   std::string wait_event_;
-  memra::kv::v1::SessionLayout layout_;
-  std::vector<uint8_t*> arena_bases_;  // parallel to layout_.arenas()
+  SessionLayout layout_;
+  std::vector<uint8_t*> arena_bases_;  // parallel to layout_.arenas
   bool released_ = false;
 };
 
 // Per-step transaction calls for many sessions, sent as one Step RPC.
 class StepBatch {
  public:
+  StepBatch();
+  ~StepBatch();
+  StepBatch(const StepBatch&) = delete;
+  StepBatch& operator=(const StepBatch&) = delete;
+
   // The daemon waits for this interprocess event (Session::SetWaitEvent) before any entry.
-  void SetWaitEvent(std::string ipc_event_handle) {
-    request_.mutable_ordering()->set_wait_event(std::move(ipc_event_handle));
-  }
+  void SetWaitEvent(std::string ipc_event_handle);
   void Begin(const Session& session);
   void Prepare(const Session& session, uint64_t generation, uint64_t rows);
   void Publish(const Session& session, uint64_t generation);
@@ -211,23 +359,16 @@ class StepBatch {
   void Commit(const Session& session, uint64_t generation, uint64_t accepted_rows,
               absl::Span<const int32_t> token_ids = {});
   void Abort(const Session& session, uint64_t generation);
-  size_t size() const { return static_cast<size_t>(request_.entries_size()); }
+  size_t size() const;
   // Empties the batch for the next step; its storage is kept (protobuf keeps cleared entries).
-  void Clear() { request_.Clear(); }
-  const memra::kv::v1::StepRequest& request() const { return request_; }
+  void Clear();
 
  private:
   friend class KvClient;
-  memra::kv::v1::StepEntry* Add(const Session& session);
-  // The reply of KvClient::Step(batch, outcomes), parsed into `reply_arena_`, whose first block
-  // is `reply_block_`: sized to the largest reply so far, it is reused (Arena::Reset keeps a
-  // caller's initial block), so a steady decode loop allocates nothing for its replies.
-  memra::kv::v1::StepResponse* NewReply();
-  void RecycleReply();
-
-  memra::kv::v1::StepRequest request_;
-  std::vector<char> reply_block_;
-  std::unique_ptr<google::protobuf::Arena> reply_arena_;
+  friend class ClientInternals;
+  // The request and its reply memory (client.cc).
+  struct Wire;
+  const std::unique_ptr<Wire> wire_;
 };
 
 // One entry's result; which fields are set depends on the entry's operation.
@@ -277,40 +418,54 @@ class KvClient {
   // The same, returning fresh outcomes.
   absl::StatusOr<std::vector<StepOutcome>> Step(StepBatch& batch);
 
-  // KvAdmin.GetStatus.
-  absl::StatusOr<memra::kv::v1::GetStatusResponse> GetStatus();
+  // ---- Prefix cache (proto prefix.proto; refusals keep its codes and messages) ----
+  // Copies `session`'s committed state at `boundary_tokens` into the cache; `token_ids` are the
+  // session's committed token ids from position 0 (at least boundary_tokens of them). Carries
+  // the session's wait event.
+  absl::StatusOr<PrefixCaptured> CapturePrefix(const Session& session,
+                                               absl::Span<const int32_t> token_ids,
+                                               uint64_t boundary_tokens);
+  // The longest restorable prefix of `token_ids` for sessions of `plan` with `shape`'s layer
+  // range and ranks (its capacity and the rest are ignored).
+  absl::StatusOr<PrefixMatch> LookupPrefix(const PlanFingerprint& plan, const SessionOptions& shape,
+                                           absl::Span<const int32_t> token_ids);
+  // Restores entry `entry_id` (0: the longest match) into the FRESH `session`; `token_ids` the
+  // conversation's from position 0. Carries the session's wait event.
+  absl::StatusOr<PrefixRestored> RestorePrefix(const Session& session,
+                                               absl::Span<const int32_t> token_ids,
+                                               uint64_t entry_id = 0);
+  // The cache's events after (epoch, last_sequence) (0, 0: from the start of the daemon's
+  // buffer), then live ones until the stream is cancelled. No deadline.
+  std::unique_ptr<PrefixEventStream> SubscribePrefixEvents(uint64_t epoch = 0,
+                                                           uint64_t last_sequence = 0);
 
-  // Raw stubs, for callers that need a call this class does not wrap (and bad-input tests).
-  memra::kv::v1::KvCache::Stub& cache_stub() { return *cache_; }
-  memra::kv::v1::KvAdmin::Stub& admin_stub() { return *admin_; }
   ArenaMapper& mapper() { return *options_.mapper; }
-  // A context whose deadline is options.deadline from now.
-  std::unique_ptr<grpc::ClientContext> NewContext() const;
 
  private:
   friend class Session;
-  KvClient(ClientOptions options, std::shared_ptr<grpc::Channel> channel);
+  friend class ClientInternals;
+  // The channel and its stubs: constant after construction (client.cc).
+  struct Rpc;
+  // The lease's Attach stream.
+  struct LeaseStream;
+  KvClient(ClientOptions options, std::unique_ptr<Rpc> rpc);
   void KeepLease(absl::Duration period) ABSL_LOCKS_EXCLUDED(mu_);
-  // The engine's identity; FAILED_PRECONDITION before Attach (`what` names the call).
-  absl::StatusOr<memra::kv::v1::EngineRef> AttachedEngine(absl::string_view what) const
+  // The engine's identity (id, token); FAILED_PRECONDITION before Attach (`what` names the call).
+  absl::StatusOr<std::pair<uint64_t, std::string>> AttachedEngine(absl::string_view what) const
       ABSL_LOCKS_EXCLUDED(mu_);
 
   // Constant after construction.
   const ClientOptions options_;
-  const std::shared_ptr<grpc::Channel> channel_;
-  const std::unique_ptr<memra::kv::v1::KvCache::Stub> cache_;
-  const std::unique_ptr<memra::kv::v1::KvAdmin::Stub> admin_;
+  const std::unique_ptr<Rpc> rpc_;
 
   std::atomic<bool> lease_alive_{false};
 
   mutable absl::Mutex mu_;
-  memra::kv::v1::EngineRef engine_ ABSL_GUARDED_BY(mu_);
+  uint64_t engine_id_ ABSL_GUARDED_BY(mu_) = 0;
+  std::string engine_token_ ABSL_GUARDED_BY(mu_);
   absl::Duration lease_timeout_ ABSL_GUARDED_BY(mu_);
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
-  std::unique_ptr<grpc::ClientContext> attach_context_ ABSL_GUARDED_BY(mu_);
-  std::unique_ptr<
-      grpc::ClientReaderWriter<memra::kv::v1::AttachRequest, memra::kv::v1::AttachResponse>>
-      attach_stream_ ABSL_GUARDED_BY(mu_);
+  std::unique_ptr<LeaseStream> lease_stream_ ABSL_GUARDED_BY(mu_);
   std::thread lease_thread_ ABSL_GUARDED_BY(mu_);
 };
 

@@ -86,6 +86,10 @@ absl::StatusOr<LayerPlan> LayerFromProto(const pb::LayerPlan& proto, absl::strin
 
 pb::StateKind StateKindToProto(StateKind kind) { return EnumToProto<pb::StateKind>(kind); }
 
+absl::StatusOr<StateKind> StateKindFromProto(pb::StateKind kind) {
+  return EnumFromProto(kind, StateKind::kSharedKv, "state kind");
+}
+
 pb::KvFormats KvFormatsToProto(const KvFormats& formats) {
   pb::KvFormats out;
   out.set_k(EnumToProto<pb::KFormat>(formats.k));

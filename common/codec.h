@@ -26,6 +26,7 @@ absl::StatusOr<ModelPlan> ModelPlanFromProto(const memra::kv::v1::ModelPlan& pro
 memra::kv::v1::PlaneKind PlaneKindToProto(PlaneKind kind);
 absl::StatusOr<PlaneKind> PlaneKindFromProto(memra::kv::v1::PlaneKind kind);
 memra::kv::v1::StateKind StateKindToProto(StateKind kind);
+absl::StatusOr<StateKind> StateKindFromProto(memra::kv::v1::StateKind kind);
 memra::kv::v1::KvFormats KvFormatsToProto(const KvFormats& formats);
 
 // An append plan's per-layer entries (`layers` in layer order) as LayerAppendPlan messages, one
@@ -38,6 +39,20 @@ void LayerAppendsToProto(
 void LayerAppendsFromProto(
     const google::protobuf::RepeatedPtrField<memra::kv::v1::LayerAppendPlan>& plans,
     std::vector<LayerAppend>& out);
+
+// The session shape a request carries: CreateSessionRequest, ReserveRequest, admin SessionShape
+// or PrefixShape (the last has no capacity or spec_snapshot: left 0 / false). tp_ranks 0 reads as
+// 1 (unsharded). The one place a wire shape becomes core's.
+template <typename ShapeProto>
+SessionShape SessionShapeFromProto(const ShapeProto& proto) {
+  SessionShape shape;
+  shape.layer_lo = proto.layer_lo();
+  if (proto.has_layer_hi()) shape.layer_hi = proto.layer_hi();
+  shape.tp_ranks = proto.tp_ranks() == 0 ? 1 : proto.tp_ranks();
+  if constexpr (requires { proto.capacity(); }) shape.capacity = proto.capacity();
+  if constexpr (requires { proto.spec_snapshot(); }) shape.spec_snapshot = proto.spec_snapshot();
+  return shape;
+}
 
 // A 32-byte fingerprint as it travels (bytes field); INVALID_ARGUMENT for another length.
 std::string FingerprintToBytes(const PlanFingerprint& fingerprint);

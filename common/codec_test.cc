@@ -5,6 +5,8 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "proto/memra/kv/v1/admin.pb.h"
+#include "proto/memra/kv/v1/prefix.pb.h"
 
 namespace memra {
 namespace {
@@ -62,6 +64,34 @@ TEST(LayerAppendCodecTest, NoLayersIsNoMessages) {
   google::protobuf::RepeatedPtrField<pb::LayerAppendPlan> wire;
   EXPECT_TRUE(RoundTrip({}, wire).empty());
   EXPECT_EQ(wire.size(), 0);
+}
+
+TEST(SessionShapeFromProtoTest, ReadsEveryShapeFieldAndZeroRanksAsUnsharded) {
+  pb::CreateSessionRequest create;
+  create.set_capacity(8192);
+  create.set_layer_lo(2);
+  create.set_layer_hi(10);
+  create.set_tp_ranks(0);
+  create.set_spec_snapshot(true);
+  const SessionShape shape = SessionShapeFromProto(create);
+  EXPECT_EQ(shape.capacity, 8192u);
+  EXPECT_EQ(shape.layer_lo, 2u);
+  EXPECT_EQ(shape.layer_hi, 10u);
+  EXPECT_EQ(shape.tp_ranks, 1u);
+  EXPECT_TRUE(shape.spec_snapshot);
+
+  pb::SessionShape admin;
+  admin.set_tp_ranks(4);
+  const SessionShape priced = SessionShapeFromProto(admin);
+  EXPECT_EQ(priced.tp_ranks, 4u);
+  EXPECT_FALSE(priced.layer_hi.has_value()) << "unset layer_hi is every layer";
+
+  pb::PrefixShape prefix;  // no capacity or spec_snapshot fields
+  prefix.set_layer_lo(1);
+  const SessionShape keyed = SessionShapeFromProto(prefix);
+  EXPECT_EQ(keyed.layer_lo, 1u);
+  EXPECT_EQ(keyed.tp_ranks, 1u);
+  EXPECT_EQ(keyed.capacity, 0u);
 }
 
 }  // namespace

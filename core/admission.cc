@@ -50,7 +50,7 @@ absl::Status Exhausted(absl::string_view what, const AdmissionRefusal& refusal) 
 
 // SessionArenaBytes at `capacity`, with the request's other fields.
 absl::StatusOr<uint64_t> ArenaBytesAt(const ModelPlan& plan, const FormatDefaults& defaults,
-                                      SessionRequest request, uint64_t capacity,
+                                      SessionShape request, uint64_t capacity,
                                       ArenaRounding rounding) {
   request.capacity = capacity;
   return SessionArenaBytes(plan, defaults, request, rounding);
@@ -255,7 +255,7 @@ std::optional<Allocation> AdmissionLedger::FindAllocation(AllocationId id) const
 // --- Cost queries ------------------------------------------------------------------------------
 
 absl::StatusOr<CostReport> SessionCost(const ModelPlan& plan, const FormatDefaults& defaults,
-                                       const SessionRequest& request, ArenaRounding rounding) {
+                                       const SessionShape& request, ArenaRounding rounding) {
   ASSIGN_OR_RETURN(const SessionPlan session, PlanSession(plan, defaults, request));
   CostReport report;
   report.capacity = request.capacity;
@@ -267,7 +267,7 @@ absl::StatusOr<CostReport> SessionCost(const ModelPlan& plan, const FormatDefaul
 }
 
 absl::StatusOr<uint64_t> SessionArenaBytes(const ModelPlan& plan, const FormatDefaults& defaults,
-                                           const SessionRequest& request, ArenaRounding rounding) {
+                                           const SessionShape& request, ArenaRounding rounding) {
   ASSIGN_OR_RETURN(const SessionPlan session, PlanSession(plan, defaults, request));
   ASSIGN_OR_RETURN(const ArenaLayout layout,
                    LayoutArena(session.planes, rounding.alignment, rounding.granularity));
@@ -294,7 +294,7 @@ absl::StatusOr<SessionFit> FitSessions(const AdmissionLedger& ledger, uint64_t s
 }
 
 absl::StatusOr<uint64_t> MaxContextThatFits(const ModelPlan& plan, const FormatDefaults& defaults,
-                                            const SessionRequest& request, uint64_t free_bytes,
+                                            const SessionShape& request, uint64_t free_bytes,
                                             ArenaRounding rounding) {
   // Capacity 1 validates everything but the capacity-dependent overflow; its errors are real.
   ASSIGN_OR_RETURN(const uint64_t smallest, ArenaBytesAt(plan, defaults, request, 1, rounding));
@@ -321,7 +321,7 @@ absl::StatusOr<uint64_t> MaxContextThatFits(const ModelPlan& plan, const FormatD
 }
 
 absl::StatusOr<TokenFit> TotalTokensThatFit(const ModelPlan& plan, const FormatDefaults& defaults,
-                                            const SessionRequest& request, uint64_t free_bytes,
+                                            const SessionShape& request, uint64_t free_bytes,
                                             ArenaRounding rounding) {
   TokenFit fit;
   fit.capacity = request.capacity;

@@ -223,10 +223,10 @@ struct CostReport {
 // Exact cost of one session of `plan` for `request`. INVALID_ARGUMENT from PlanSession /
 // LayoutArena (plan, request or rounding invalid; overflow).
 absl::StatusOr<CostReport> SessionCost(const ModelPlan& plan, const FormatDefaults& defaults,
-                                       const SessionRequest& request, ArenaRounding rounding);
+                                       const SessionShape& request, ArenaRounding rounding);
 // Just the arena bytes (SessionCost(...).arena_bytes).
 absl::StatusOr<uint64_t> SessionArenaBytes(const ModelPlan& plan, const FormatDefaults& defaults,
-                                           const SessionRequest& request, ArenaRounding rounding);
+                                           const SessionShape& request, ArenaRounding rounding);
 
 // floor(free_bytes / session_bytes). INVALID_ARGUMENT for session_bytes 0.
 absl::StatusOr<uint64_t> SessionsThatFit(uint64_t session_bytes, uint64_t free_bytes);
@@ -245,7 +245,7 @@ absl::StatusOr<SessionFit> FitSessions(const AdmissionLedger& ledger, uint64_t s
 // capacity 1 fits. request.capacity is ignored. INVALID_ARGUMENT when the plan or request is
 // invalid at capacity 1. A capacity whose bytes overflow 64 bits counts as not fitting.
 absl::StatusOr<uint64_t> MaxContextThatFits(const ModelPlan& plan, const FormatDefaults& defaults,
-                                            const SessionRequest& request, uint64_t free_bytes,
+                                            const SessionShape& request, uint64_t free_bytes,
                                             ArenaRounding rounding);
 
 // The engine scheduler's question: how many context tokens of this model fit in `free_bytes`
@@ -265,7 +265,7 @@ struct TokenFit {
   uint64_t total_tokens = 0;
 };
 absl::StatusOr<TokenFit> TotalTokensThatFit(const ModelPlan& plan, const FormatDefaults& defaults,
-                                            const SessionRequest& request, uint64_t free_bytes,
+                                            const SessionShape& request, uint64_t free_bytes,
                                             ArenaRounding rounding);
 
 }  // namespace memra

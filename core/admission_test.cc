@@ -376,8 +376,8 @@ std::vector<ModelPlan> AllTestPlans() {
           test_plans::Qwen3NextStyle()};
 }
 
-SessionRequest AtCapacity(uint64_t capacity) {
-  SessionRequest request;
+SessionShape AtCapacity(uint64_t capacity) {
+  SessionShape request;
   request.capacity = capacity;
   return request;
 }
@@ -390,7 +390,7 @@ TEST(SessionCostTest, LawAdmittedCostIsTheArenaTheSessionAllocates) {
   std::mt19937_64 rng(20261130);
   for (int trial = 0; trial < 200; ++trial) {
     const ModelPlan& plan = plans[rng() % plans.size()];
-    SessionRequest request = AtCapacity(1 + rng() % (uint64_t{1} << 20));
+    SessionShape request = AtCapacity(1 + rng() % (uint64_t{1} << 20));
     request.spec_snapshot = rng() % 2 == 0;
     const ArenaRounding rounding = rng() % 2 == 0 ? kPages : kCudaGranules;
     SCOPED_TRACE(plan.name + " capacity " + std::to_string(request.capacity));
@@ -497,7 +497,7 @@ TEST(MaxContextTest, EdgeCases) {
   EXPECT_LE(*max, 144631u);
   EXPECT_GE(*max, 144500u);
   // A plan whose request is invalid at capacity 1 is refused, not answered with 0.
-  SessionRequest bad_range = AtCapacity(1);
+  SessionShape bad_range = AtCapacity(1);
   bad_range.layer_lo = 40;
   EXPECT_THAT(MaxContextThatFits(llama, defaults, bad_range, kGiB, kPages),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstrs("out of bounds")));

@@ -82,7 +82,7 @@ TEST(ArenaLayoutTest, Llama3_8BSessionArenaIsWhatAdmissionCharges) {
   // 15,204,864. Stride per layer 15,205,120; the last len mirror ends at
   // 31 x 15,205,120 + 15,204,868 = 486,563,588, which 2 MiB granules round to 233 x 2 MiB
   // = 488,636,416 (vs 486,539,904 unaligned plane bytes).
-  SessionRequest request;
+  SessionShape request;
   request.capacity = 8192;
   absl::StatusOr<SessionPlan> session =
       PlanSession(test_plans::Llama3_8B(), FormatDefaults{}, request);
@@ -101,7 +101,7 @@ TEST(ArenaLayoutTest, Llama3_8BSessionArenaIsWhatAdmissionCharges) {
 }
 
 TEST(ArenaLayoutTest, EveryRealisticSessionLaysOutWellFormed) {
-  SessionRequest request;
+  SessionShape request;
   request.capacity = 40'000;
   request.spec_snapshot = true;
   for (const ModelPlan& plan : {test_plans::GemmaStyle(true), test_plans::DeepSeekV3Style(),

@@ -20,6 +20,10 @@ uint64_t SwaRingRows(uint64_t window, uint64_t max_ctx) {
   return std::min(max_ctx, wanted);
 }
 
+uint64_t KvPlaneRows(std::optional<uint64_t> ring_window, uint64_t capacity) {
+  return ring_window.has_value() ? SwaRingRows(*ring_window, capacity) : capacity;
+}
+
 uint64_t AlignedWindowStart(uint64_t len, uint64_t window) {
   return AlignDown(SaturatingSub(len, SaturatingSub(window, 1)));
 }

@@ -13,6 +13,7 @@
 // Thread-safety: a value type; callers synchronise.
 
 #include <cstdint>
+#include <optional>
 #include <utility>
 
 #include "absl/status/statusor.h"
@@ -31,6 +32,10 @@ inline constexpr uint64_t kSwaRewindSlackRows = 512;
 // Physical rows of a ring-backed plane: window + one prime chunk + rewind slack + alignment,
 // never more than the context itself.
 uint64_t SwaRingRows(uint64_t window, uint64_t max_ctx);
+
+// Physical rows of a K/V plane holding `capacity` tokens: SwaRingRows for a ring layer (the
+// ring's window set), the capacity itself for a flat one. Sizing and grow both read this.
+uint64_t KvPlaneRows(std::optional<uint64_t> ring_window, uint64_t capacity);
 
 // The aligned start of the attention window that ends at absolute length `len`.
 uint64_t AlignedWindowStart(uint64_t len, uint64_t window);

@@ -252,6 +252,10 @@ uint32_t ModelPlan::TotalLayers() const {
   return static_cast<uint32_t>(layers.size() + mtp_blocks.size());
 }
 
+bool IsSwaRingLayer(const ModelPlan& plan, const LayerPlan& layer) {
+  return layer.kind == StateKind::kSlidingKv && plan.swa_ring;
+}
+
 KvFormats ResolveLayerFormats(const LayerPlan& layer, const FormatDefaults& defaults) {
   if (layer.formats.has_value()) return *layer.formats;
   switch (layer.attention) {
@@ -293,13 +297,13 @@ absl::StatusOr<PlanFingerprint> FingerprintModelPlan(const ModelPlan& plan,
   out.Text(kFingerprintVersion);
   // Plan switches only count where a layer reads them, and an unset ring is the default it
   // books: plans that allocate the same planes hash equal.
-  bool sliding = false;
+  bool ring = false;
   bool indexer = false;
   for (const LayerPlan* layer : plan.AllLayers()) {
-    sliding |= layer->kind == StateKind::kSlidingKv;
+    ring |= IsSwaRingLayer(plan, *layer);
     indexer |= layer->kind == StateKind::kLatent && layer->index_width > 0;
   }
-  out.U8(sliding && plan.swa_ring ? 1 : 0);
+  out.U8(ring ? 1 : 0);
   out.U32(indexer ? plan.index_ring_rows.value_or(kIndexRingWorkingRows) : 0);
   out.U32(static_cast<uint32_t>(plan.layers.size()));
   out.U32(static_cast<uint32_t>(plan.mtp_blocks.size()));

@@ -84,6 +84,11 @@ struct ModelPlan {
   uint32_t TotalLayers() const;
 };
 
+// Whether `layer` of `plan` is addressed through the SWA ring (core/kv_ring.h): a sliding layer
+// of a plan that sets swa_ring. The one definition sizing, the fingerprint and every ring /
+// flat decision downstream read (they carry it on as LayerGeometry::RingWindow()).
+bool IsSwaRingLayer(const ModelPlan& plan, const LayerPlan& layer);
+
 // The formats a K/V layer stores: its explicit `formats`, else the default for its class.
 KvFormats ResolveLayerFormats(const LayerPlan& layer, const FormatDefaults& defaults);
 

@@ -52,7 +52,7 @@ absl::StatusOr<SessionState> SessionState::Create(uint64_t cache_id, const Sessi
       case StateKind::kKv:
       case StateKind::kSlidingKv:
         shapes.push_back({layer.layer, layer.k_token_bytes, layer.v_token_bytes,
-                          layer.ring ? std::optional<uint64_t>(layer.window) : std::nullopt});
+                          layer.RingWindow()});
         break;
       case StateKind::kLatent: {
         LatentLayerState state;

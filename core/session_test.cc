@@ -52,7 +52,7 @@ ModelPlan HybridPlan() {
 }
 
 SessionState MakeSession(uint64_t capacity, bool spec_snapshot = true, uint64_t cache_id = 1) {
-  SessionRequest request;
+  SessionShape request;
   request.capacity = capacity;
   request.spec_snapshot = spec_snapshot;
   absl::StatusOr<SessionPlan> plan = PlanSession(HybridPlan(), FormatDefaults(), request);
@@ -320,7 +320,7 @@ SessionState MakeDsaSession(uint64_t capacity, uint64_t cache_id = 1,
   latent.index_width = 2;
   latent.index_pool = 3;
   model.layers = {latent};
-  SessionRequest request;
+  SessionShape request;
   request.capacity = capacity;
   request.spec_snapshot = true;
   absl::StatusOr<SessionPlan> plan = PlanSession(model, FormatDefaults(), request);

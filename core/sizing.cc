@@ -34,7 +34,7 @@ absl::Status ForLayer(uint32_t layer, const absl::Status& status) {
   return absl::Status(status.code(), absl::StrCat("layer ", layer, ": ", status.message()));
 }
 
-absl::Status ValidateRequest(const ModelPlan& plan, const SessionRequest& request) {
+absl::Status ValidateRequest(const ModelPlan& plan, const SessionShape& request) {
   if (request.capacity == 0) {
     return absl::InvalidArgumentError("capacity 0 tokens: a session needs at least 1");
   }
@@ -96,7 +96,7 @@ absl::Status RefuseUnshardedUnderTp(const LayerPlan& layer, uint32_t tp_ranks) {
 
 // Each Plan*Layer receives the geometry with layer, kind and attention filled in.
 absl::Status PlanKvLayer(const LayerPlan& layer, const ModelPlan& plan,
-                         const FormatDefaults& defaults, const SessionRequest& request,
+                         const FormatDefaults& defaults, const SessionShape& request,
                          LayerGeometry geometry, SessionPlan& session) {
   geometry.formats = ResolveLayerFormats(layer, defaults);
   const std::string prefix = absl::StrCat("layer ", layer.index, " ");
@@ -116,12 +116,11 @@ absl::Status PlanKvLayer(const LayerPlan& layer, const ModelPlan& plan,
   geometry.k_token_bytes = shape->k_token_bytes;
   geometry.v_token_bytes = shape->v_token_bytes;
   geometry.window = layer.window;
-  geometry.ring = layer.kind == StateKind::kSlidingKv && plan.swa_ring;
+  geometry.ring = IsSwaRingLayer(plan, layer);
   // A ring's rows stop growing at its uncapped size. Below that the ring is clamped to the
   // capacity itself (the reference still addresses it with a KvRing), so its bytes DO scale.
   const bool scales = !geometry.ring || request.capacity < SwaRingRows(layer.window, UINT64_MAX);
-  geometry.physical_rows =
-      geometry.ring ? SwaRingRows(layer.window, request.capacity) : request.capacity;
+  geometry.physical_rows = KvPlaneRows(geometry.RingWindow(), request.capacity);
 
   PlaneWriter out(session, layer.index);
   RETURN_IF_ERROR(out.Add(PlaneKind::kKeys, geometry.physical_rows, geometry.k_token_bytes,
@@ -134,7 +133,7 @@ absl::Status PlanKvLayer(const LayerPlan& layer, const ModelPlan& plan,
   return absl::OkStatus();
 }
 
-absl::Status PlanRecurrentLayer(const LayerPlan& layer, const SessionRequest& request,
+absl::Status PlanRecurrentLayer(const LayerPlan& layer, const SessionShape& request,
                                 LayerGeometry geometry, SessionPlan& session) {
   RETURN_IF_ERROR(RefuseUnshardedUnderTp(layer, request.tp_ranks));
   PlaneWriter out(session, layer.index);
@@ -159,7 +158,7 @@ absl::Status PlanRecurrentLayer(const LayerPlan& layer, const SessionRequest& re
 }
 
 absl::Status PlanLatentLayer(const LayerPlan& layer, const ModelPlan& plan,
-                             const SessionRequest& request, LayerGeometry geometry,
+                             const SessionShape& request, LayerGeometry geometry,
                              SessionPlan& session) {
   RETURN_IF_ERROR(RefuseUnshardedUnderTp(layer, request.tp_ranks));
   geometry.latent_width = layer.latent_width;
@@ -278,7 +277,7 @@ std::string_view PlaneKindName(PlaneKind kind) {
 }
 
 absl::StatusOr<SessionPlan> PlanSession(const ModelPlan& plan, const FormatDefaults& defaults,
-                                        const SessionRequest& request) {
+                                        const SessionShape& request) {
   RETURN_IF_ERROR(ValidateModelPlan(plan));
   RETURN_IF_ERROR(ValidateRequest(plan, request));
   const std::vector<const LayerPlan*> all = plan.AllLayers();
@@ -370,7 +369,7 @@ absl::StatusOr<CostBreakdown> CostOfSessionPlan(const SessionPlan& session) {
 }
 
 absl::StatusOr<CostBreakdown> CostOfSession(const ModelPlan& plan, const FormatDefaults& defaults,
-                                            const SessionRequest& request) {
+                                            const SessionShape& request) {
   ASSIGN_OR_RETURN(const SessionPlan session, PlanSession(plan, defaults, request));
   return CostOfSessionPlan(session);
 }

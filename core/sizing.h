@@ -84,7 +84,7 @@ struct LayerGeometry {
   uint64_t v_token_bytes = 0;
   uint64_t window = 0;            // sliding layers
   uint64_t physical_rows = 0;     // K/V rows allocated: ring rows, or capacity
-  bool ring = false;              // a KvRing addresses this layer
+  bool ring = false;              // a KvRing addresses this layer (IsSwaRingLayer)
   uint64_t latent_width = 0;
   uint64_t index_width = 0;
   uint64_t index_pool = 0;
@@ -92,9 +92,17 @@ struct LayerGeometry {
   bool index_ring = false;           // indexer plane is a tail ring (else flat, capacity rows)
   uint64_t conv_elems = 0;           // recurrent: f32 elements of conv state
   uint64_t ssm_elems = 0;            // recurrent: f32 elements of ssm state
+
+  // The ring's window for a ring layer, nullopt for a flat one: how KvLayerShape and
+  // KvPlaneRows take "is this layer a ring".
+  std::optional<uint64_t> RingWindow() const {
+    return ring ? std::optional<uint64_t>(window) : std::nullopt;
+  }
 };
 
-struct SessionRequest {
+// What a session is sized from: its layer range, sharding, capacity and options (the wire's
+// CreateSession / Reserve fields and admin SessionShape; common/codec.h SessionShapeFromProto).
+struct SessionShape {
   uint32_t layer_lo = 0;        // first layer this session holds
   std::optional<uint32_t> layer_hi;  // one past the last; unset = all layers (trunk + MTP)
   uint32_t tp_ranks = 1;        // > 1: K/V planes are this rank's shard (recurrent/latent refuse)
@@ -110,7 +118,7 @@ struct SessionPlan {
 
 // Validates the plan and the request (INVALID_ARGUMENT with the numbers), then lists planes.
 absl::StatusOr<SessionPlan> PlanSession(const ModelPlan& plan, const FormatDefaults& defaults,
-                                        const SessionRequest& request);
+                                        const SessionShape& request);
 
 // Coefficients derived from PlanSession (never from a second formula). Identity:
 //   total_bytes == fixed_bytes + sum over scaling planes of rows * row_bytes
@@ -139,7 +147,7 @@ struct CostBreakdown {
                                        // alignment; see arena_layout.h for what is allocated)
 };
 absl::StatusOr<CostBreakdown> CostOfSession(const ModelPlan& plan, const FormatDefaults& defaults,
-                                            const SessionRequest& request);
+                                            const SessionShape& request);
 // The same, from a plan already computed (the server keeps its SessionPlan). INVALID_ARGUMENT
 // for a plan PlanSession could not have produced (a plane without its layer's geometry, or
 // bytes that cannot hold its rows).

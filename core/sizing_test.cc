@@ -25,8 +25,8 @@ constexpr auto kInvalid = absl::StatusCode::kInvalidArgument;
 constexpr KvFormats kQ8Q5{KFormat::kQ8_0, VFormat::kQ5_1};
 constexpr uint64_t kMaxCapacity = std::numeric_limits<int32_t>::max();
 
-SessionRequest Capacity(uint64_t capacity) {
-  SessionRequest request;
+SessionShape Capacity(uint64_t capacity) {
+  SessionShape request;
   request.capacity = capacity;
   return request;
 }
@@ -75,7 +75,7 @@ struct Sized {
   CostBreakdown cost;
 };
 
-Sized Size(const ModelPlan& plan, const SessionRequest& request,
+Sized Size(const ModelPlan& plan, const SessionShape& request,
            const FormatDefaults& defaults = {}) {
   absl::StatusOr<SessionPlan> session = PlanSession(plan, defaults, request);
   EXPECT_TRUE(session.ok()) << session.status();
@@ -198,7 +198,7 @@ TEST(SizingTest, Llama3_8BDenseIsFlatKvOnly) {
 
 TEST(SizingTest, LayerRangeHoldsOnlyItsLayers) {
   // A pipeline stage [8, 16): 8 layers x 1856 = 14848 B/token, 8 x 20 = 160 fixed.
-  SessionRequest request = Capacity(8192);
+  SessionShape request = Capacity(8192);
   request.layer_lo = 8;
   request.layer_hi = 16;
   const Sized sized = Size(Llama3_8B(), request);
@@ -333,7 +333,7 @@ TEST(SizingTest, DeepSeekV3LatentRowsScaleAndMtpIsIncluded) {
   EXPECT_EQ(rows->bytes, 163'840u * 2304);
 
   // The trunk alone (what the reference's latent coefficient sums over plan.layers).
-  SessionRequest trunk = Capacity(163'840);
+  SessionShape trunk = Capacity(163'840);
   trunk.layer_hi = 61;
   EXPECT_EQ(Size(DeepSeekV3Style(), trunk).cost.latent_bytes_per_token, 61u * 2304);
 }
@@ -441,7 +441,7 @@ TEST(SizingTest, Qwen3NextHybridRecurrentStateIsFixedAndAttentionScales) {
 TEST(SizingTest, Qwen3NextSpecSnapshotAddsPersistentConvAndSsmCopies) {
   // + 98,304 + 2 MiB per recurrent layer: 36 x 6,488,064 = 233,570,304 fixed recurrent bytes.
   // Total 11,136 x 262,144 + 240 + 233,570,304 = 3,152,806,128.
-  SessionRequest request = Capacity(262'144);
+  SessionShape request = Capacity(262'144);
   request.spec_snapshot = true;
   const Sized sized = Size(Qwen3NextStyle(), request);
   EXPECT_EQ(sized.cost.total_bytes, 3'152'806'128u);
@@ -464,7 +464,7 @@ TEST(SizingTest, ConvKernelOfOneKeepsNoConvHistory) {
 TEST(SizingTest, Tp8ShardOfADenseModelIsTheReferenceRankShapePerLayer) {
   // Llama-3-70B, rank-local kv_dim 1024 / 8 = 128: 136 + 96 = 232 B/token + 20 fixed per
   // layer; x 80: 18,560 B/token, 1600 fixed. At 262144: 80 x 60,817,428 = 4,865,394,240.
-  SessionRequest request = Capacity(262'144);
+  SessionShape request = Capacity(262'144);
   request.tp_ranks = 8;
   const Sized sized = Size(Llama3_70B(), request);
   EXPECT_EQ(sized.cost.bytes_per_token, 18'560u);
@@ -483,7 +483,7 @@ TEST(SizingTest, Tp8ShardOfADenseModelIsTheReferenceRankShapePerLayer) {
 }
 
 TEST(SizingTest, TpRefusesShardsTheRankShapeRefusesNamingTheLayer) {
-  SessionRequest request = Capacity(8192);
+  SessionShape request = Capacity(8192);
   request.tp_ranks = 3;
   EXPECT_THAT(PlanSession(Llama3_8B(), {}, request),
               StatusIs(kInvalid, ::testing::Eq("layer 0: TP KV dimensions k=1024 v=1024 are "
@@ -495,7 +495,7 @@ TEST(SizingTest, TpRefusesShardsTheRankShapeRefusesNamingTheLayer) {
 }
 
 TEST(SizingTest, TpRefusesRecurrentAndLatentStateItCannotShard) {
-  SessionRequest request = Capacity(8192);
+  SessionShape request = Capacity(8192);
   request.tp_ranks = 2;
   EXPECT_THAT(PlanSession(Qwen3NextStyle(), {}, request),
               StatusIs(kInvalid, ::testing::Eq("layer 0: recurrent state is not sharded under "
@@ -526,28 +526,28 @@ TEST(SizingTest, RefusesCapacityOutsideTheI32Mirrors) {
 }
 
 TEST(SizingTest, RefusesLayerRangesOutsideThePlan) {
-  SessionRequest reversed = Capacity(8192);
+  SessionShape reversed = Capacity(8192);
   reversed.layer_lo = 5;
   reversed.layer_hi = 4;
   EXPECT_THAT(PlanSession(Llama3_8B(), {}, reversed),
               StatusIs(kInvalid, ::testing::Eq("layer range [5, 4) is out of bounds for a "
                                                "plan of 32 layers")));
-  SessionRequest past_end = Capacity(8192);
+  SessionShape past_end = Capacity(8192);
   past_end.layer_hi = 33;
   EXPECT_THAT(PlanSession(Llama3_8B(), {}, past_end),
               StatusIs(kInvalid, HasSubstr("[0, 33) is out of bounds for a plan of 32")));
-  SessionRequest start_past_end = Capacity(8192);
+  SessionShape start_past_end = Capacity(8192);
   start_past_end.layer_lo = 40;
   EXPECT_THAT(PlanSession(Llama3_8B(), {}, start_past_end),
               StatusIs(kInvalid, HasSubstr("[40, 32)")));
   // The default range reaches the MTP blocks.
-  SessionRequest with_mtp = Capacity(16);
+  SessionShape with_mtp = Capacity(16);
   with_mtp.layer_hi = 62;
   EXPECT_THAT(PlanSession(DeepSeekV3Style(), {}, with_mtp).status(), IsOk());
 }
 
 TEST(SizingTest, RefusesZeroRanksAndInvalidPlans) {
-  SessionRequest request = Capacity(8192);
+  SessionShape request = Capacity(8192);
   request.tp_ranks = 0;
   EXPECT_THAT(PlanSession(Llama3_8B(), {}, request), StatusIs(kInvalid, HasSubstr("tp_ranks 0")));
   ModelPlan bad = Llama3_8B();
@@ -588,7 +588,7 @@ TEST(SizingTest, OverflowIsRefusedNamingWhatOverflowed) {
 // ---------------------------------------------------------------- one source
 
 TEST(SizingTest, CostIsDerivedFromThePlanItself) {
-  SessionRequest request = Capacity(65'536);
+  SessionShape request = Capacity(65'536);
   request.spec_snapshot = true;
   for (const ModelPlan& plan : {Llama3_8B(), GemmaStyle(true), DeepSeekV3Style(),
                                 GlmStyleWithIndexer(), Qwen3NextStyle()}) {

@@ -137,12 +137,12 @@ absl::StatusOr<KvTransactionCache> KvTransactionCache::Create(uint64_t cache_id,
           absl::StrCat("KV layer ", shape.layer, " has zero token bytes (k ",
                        shape.k_token_bytes, ", v ", shape.v_token_bytes, ")"));
     }
-    if (!shape.window.has_value()) {
+    if (!shape.ring_window.has_value()) {
       rings.emplace_back(std::nullopt);
       continue;
     }
-    absl::StatusOr<KvRing> ring = KvRing::Create(SwaRingRows(*shape.window, capacity),
-                                                 *shape.window);
+    absl::StatusOr<KvRing> ring =
+        KvRing::Create(KvPlaneRows(shape.ring_window, capacity), *shape.ring_window);
     if (!ring.ok()) {
       return absl::InvalidArgumentError(
           absl::StrCat("KV layer ", shape.layer, ": ", ring.status().message()));
@@ -349,14 +349,14 @@ absl::StatusOr<GrowPlan> KvTransactionCache::PrepareGrow(uint64_t target_capacit
   }
   GrowPlan plan{rows, capacity_, target_capacity, state_.next_generation(), shapes_, {}};
   for (size_t i = 0; i < shapes_.size(); ++i) {
-    LayerGrow grow{shapes_[i].layer, 0, rows, 0, 0, 0, target_capacity};
+    LayerGrow grow{shapes_[i].layer, 0, rows, 0, 0, 0,
+                   KvPlaneRows(shapes_[i].ring_window, target_capacity)};
     if (rings_[i].has_value()) {
       const KvRing& ring = *rings_[i];
       grow.target_base = AlignedWindowStart(rows, ring.window());
       ASSIGN_OR_RETURN(RowRange physical, ring.PhysicalRange(grow.target_base, rows));
       grow.source_row = physical.start;
       grow.copy_rows = physical.size();
-      grow.target_physical_rows = SwaRingRows(ring.window(), target_capacity);
     }
     ASSIGN_OR_RETURN(grow.k_bytes,
                      CheckedMul(grow.copy_rows, shapes_[i].k_token_bytes, "KV grow K bytes"));

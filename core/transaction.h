@@ -84,7 +84,7 @@ struct KvLayerShape {
   uint32_t layer = 0;
   uint64_t k_token_bytes = 0;
   uint64_t v_token_bytes = 0;
-  std::optional<uint64_t> window;
+  std::optional<uint64_t> ring_window;  // set: a KvRing of this window addresses the layer
   bool operator==(const KvLayerShape&) const = default;
 };
 

@@ -433,7 +433,7 @@ TEST(KvTransactionCacheProperty, RandomSequencesKeepInvariants) {
       ASSERT_LE(cache.committed_len(), cache.staged_len());
       ASSERT_LE(cache.staged_len(), cache.capacity());
       ASSERT_TRUE(cache.CanRewindTo(cache.committed_len()));
-      const uint64_t start = AlignedWindowStart(cache.committed_len(), *shapes[1].window);
+      const uint64_t start = AlignedWindowStart(cache.committed_len(), *shapes[1].ring_window);
       ASSERT_THAT(cache.PhysicalRange(1, start, cache.committed_len()), IsOk());
     }
   }

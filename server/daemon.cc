@@ -141,18 +141,6 @@ std::pair<uint64_t, std::string> BudgetFor(const DaemonConfig& config, DeviceBac
   return {bytes, absl::StrCat("host: budget_bytes ", bytes)};
 }
 
-// The shape fields of a request, as core's SessionRequest (tp_ranks 0 means unsharded).
-template <typename Shape>
-SessionRequest SessionRequestOf(const Shape& shape) {
-  SessionRequest request;
-  request.layer_lo = shape.layer_lo();
-  if (shape.has_layer_hi()) request.layer_hi = shape.layer_hi();
-  request.tp_ranks = shape.tp_ranks() == 0 ? 1 : shape.tp_ranks();
-  request.capacity = shape.capacity();
-  request.spec_snapshot = shape.spec_snapshot();
-  return request;
-}
-
 absl::StatusOr<uint64_t> RandomEpoch() {
   uint64_t epoch = 0;
   while (epoch == 0) {
@@ -909,7 +897,7 @@ absl::StatusOr<pb::ReserveResponse> Daemon::Reserve(const pb::ReserveRequest& re
   }
   ASSIGN_OR_RETURN(std::shared_ptr<const ModelPlan> plan, FindPlan(request.plan_fingerprint()));
   ASSIGN_OR_RETURN(uint64_t bytes, SessionArenaBytes(*plan, format_defaults_,
-                                                     SessionRequestOf(request), rounding()));
+                                                     SessionShapeFromProto(request), rounding()));
   ASSIGN_OR_RETURN(ReservationId id,
                    budget_->Reserve(request.engine().engine_id(), bytes, clock_->Now(), ttl));
   spdlog::info("reservation {} for engine {}: {} bytes (capacity {} tokens) for {} ms", id.value,
@@ -945,7 +933,7 @@ absl::Status Daemon::CreateSession(const pb::CreateSessionRequest& request,
   ASSIGN_OR_RETURN(params.token, RandomToken());
   params.defaults = format_defaults_;
   params.fingerprint = request.plan_fingerprint();
-  params.request = SessionRequestOf(request);
+  params.request = SessionShapeFromProto(request);
   const SessionId id = params.id;
   const std::string token = params.token;
   std::optional<ReservationId> reservation;
@@ -1167,7 +1155,7 @@ absl::StatusOr<std::shared_ptr<const ModelPlan>> Daemon::ResolveModel(
 
 absl::Status Daemon::GetCost(const pb::CostRequest& request, pb::CostResponse* response) {
   ASSIGN_OR_RETURN(std::shared_ptr<const ModelPlan> plan, ResolveModel(request.model()));
-  const SessionRequest shape = SessionRequestOf(request.shape());
+  const SessionShape shape = SessionShapeFromProto(request.shape());
   ASSIGN_OR_RETURN(CostReport cost, SessionCost(*plan, format_defaults_, shape, rounding()));
   ASSIGN_OR_RETURN(PlanFingerprint fingerprint, FingerprintModelPlan(*plan, format_defaults_));
   ASSIGN_OR_RETURN(SessionPlan planes, PlanSession(*plan, format_defaults_, shape));
@@ -1190,7 +1178,7 @@ absl::Status Daemon::GetCost(const pb::CostRequest& request, pb::CostResponse* r
 
 absl::Status Daemon::GetFit(const pb::FitRequest& request, pb::FitResponse* response) {
   ASSIGN_OR_RETURN(std::shared_ptr<const ModelPlan> plan, ResolveModel(request.model()));
-  const SessionRequest shape = SessionRequestOf(request.shape());
+  const SessionShape shape = SessionShapeFromProto(request.shape());
   ASSIGN_OR_RETURN(uint64_t session_bytes,
                    SessionArenaBytes(*plan, format_defaults_, shape, rounding()));
   const AdmissionLedger ledger = budget_->Snapshot();
@@ -1214,7 +1202,7 @@ absl::Status Daemon::GetFit(const pb::FitRequest& request, pb::FitResponse* resp
 absl::Status Daemon::GetMaxContext(const pb::MaxContextRequest& request,
                                    pb::MaxContextResponse* response) {
   ASSIGN_OR_RETURN(std::shared_ptr<const ModelPlan> plan, ResolveModel(request.model()));
-  SessionRequest shape = SessionRequestOf(request.shape());
+  SessionShape shape = SessionShapeFromProto(request.shape());
   const AdmissionLedger ledger = budget_->Snapshot();
   const uint64_t after_eviction =
       ledger.free() + std::min(ledger.evictable(), UINT64_MAX - ledger.free());

@@ -356,7 +356,7 @@ absl::Status DaemonSession::Grow(uint64_t target_capacity, pb::GrowResponse* out
         absl::StrCat("session ", params_.id.value, ": grow target capacity ", target_capacity,
                      " is not above the current capacity ", state_.capacity()));
   }
-  SessionRequest request = params_.request;
+  SessionShape request = params_.request;
   request.capacity = target_capacity;
   ASSIGN_OR_RETURN(SessionPlan plan, PlanSession(*params_.model, params_.defaults, request));
   ASSIGN_OR_RETURN(SessionState target, SessionState::Create(NextCacheId(), plan, target_capacity));

@@ -40,7 +40,7 @@ ModelPlan Import(const std::string& file, const ImportOptions& options = {}) {
 
 // Costs at 8192 tokens (a multiple of every pool, so total == fixed + 8192 x bytes_per_token).
 CostBreakdown Cost(const ModelPlan& plan) {
-  SessionRequest request;
+  SessionShape request;
   request.capacity = 8192;
   absl::StatusOr<CostBreakdown> cost = CostOfSession(plan, FormatDefaults{}, request);
   EXPECT_THAT(cost, IsOk()) << plan.name;
@@ -49,7 +49,7 @@ CostBreakdown Cost(const ModelPlan& plan) {
 
 // bytes_per_token of layers [0, layer_hi): the trunk without its MTP blocks.
 uint64_t TrunkBytesPerToken(const ModelPlan& plan, uint32_t layer_hi) {
-  SessionRequest request;
+  SessionShape request;
   request.capacity = 8192;
   request.layer_hi = layer_hi;
   absl::StatusOr<CostBreakdown> cost = CostOfSession(plan, FormatDefaults{}, request);

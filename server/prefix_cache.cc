@@ -89,7 +89,7 @@ bool IsFresh(const SessionState& state) {
 
 }  // namespace
 
-PlanFingerprint PrefixShapeFingerprint(const PlanFingerprint& model, const SessionRequest& shape) {
+PlanFingerprint PrefixShapeFingerprint(const PlanFingerprint& model, const SessionShape& shape) {
   const uint32_t ranks = std::max<uint32_t>(shape.tp_ranks, 1);
   if (shape.layer_lo == 0 && !shape.layer_hi.has_value() && ranks == 1) return model;
   Sha256 hash;

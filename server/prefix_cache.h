@@ -67,7 +67,7 @@ struct PrefixCacheOptions {
 // The shape a session's entries are keyed by: the model fingerprint for an unsharded session
 // over every layer, else SHA-256 of the domain, the fingerprint, layer_lo, layer_hi (0xffffffff
 // = all) and tp_ranks (prefix.proto documents the encoding).
-PlanFingerprint PrefixShapeFingerprint(const PlanFingerprint& model, const SessionRequest& shape);
+PlanFingerprint PrefixShapeFingerprint(const PlanFingerprint& model, const SessionShape& shape);
 
 // One contiguous range of one plane, in the order it sits in a stored buffer.
 struct StoredPiece {

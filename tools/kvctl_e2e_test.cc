@@ -25,6 +25,7 @@
 #include "gtest/gtest.h"
 #include "proto/memra/kv/v1/admin.pb.h"
 #include "proto/memra/kv/v1/prefix.pb.h"
+#include "tests/daemon_process.h"
 #include "tests/status_matchers.h"
 #include "tests/subprocess.h"
 #include "tools/text_format.h"
@@ -33,7 +34,6 @@ namespace memra::kvctl {
 namespace {
 
 namespace pb = ::memra::kv::v1;
-using ::memra::testing::Exists;
 using ::memra::testing::HasSubstrs;
 using ::memra::testing::IsOk;
 using ::memra::testing::Runfile;
@@ -43,7 +43,6 @@ using ::testing::ContainsRegex;
 using ::testing::HasSubstr;
 using ::testing::StartsWith;
 
-constexpr absl::Duration kPatience = absl::Seconds(60);  // bound on every wait; never reached
 constexpr uint64_t kBudgetBytes = uint64_t{256} << 20;
 constexpr char kLlamaConfig[] = "tests/data/hf_configs/llama-3.1-8b.json";
 
@@ -72,40 +71,11 @@ Response ParseJson(const Outcome& outcome) {
 class KvctlE2eTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    char dir[] = "/tmp/memra-kvctl-e2e-XXXXXX";  // short: Unix socket paths are < 108 bytes
-    ASSERT_NE(mkdtemp(dir), nullptr);
-    dir_ = dir;
-    socket_ = dir_ + "/kvd.sock";
-    const std::vector<std::string> args = {Runfile("server/memra-kvd"),
-                                           "--socket_path=" + socket_,
-                                           absl::StrCat("--budget_bytes=", kBudgetBytes),
-                                           "--backend=host",
-                                           "--socket_mode=0600",
-                                           "--prefix_cache_budget_bytes=16MiB",
-                                           "--metrics_address=",
-                                           "--watchdog=false"};
-    daemon_ = Spawn(args);
-    ASSERT_GT(daemon_, 0);
-    const absl::Time deadline = absl::Now() + kPatience;
-    while (!Exists(socket_)) {
-      ASSERT_NE(waitpid(daemon_, nullptr, WNOHANG), daemon_) << "memra-kvd exited at start";
-      ASSERT_LT(absl::Now(), deadline) << "memra-kvd never listened on " << socket_;
-      absl::SleepFor(absl::Milliseconds(10));
-    }
+    ASSERT_TRUE(daemon_.Start({absl::StrCat("--budget_bytes=", kBudgetBytes), "--backend=host",
+                               "--prefix_cache_budget_bytes=16MiB"}));
   }
 
-  void TearDown() override {
-    engine_.reset();
-    if (daemon_ > 0 && kill(daemon_, SIGTERM) == 0 && WaitExit(daemon_) < 0) {
-      kill(daemon_, SIGKILL);
-      waitpid(daemon_, nullptr, 0);
-    }
-    for (const char* name :
-         {"out", "err", "plan.json", "unsupported.json", "kvd.sock", "kvd.sock.lock"}) {
-      unlink((dir_ + "/" + name).c_str());
-    }
-    rmdir(dir_.c_str());
-  }
+  void TearDown() override { engine_.reset(); }
 
   // Runs the real memra-kvctl with `args` and --socket=<this daemon's> (unless `socket` says
   // otherwise); stdout and stderr go through files.
@@ -148,9 +118,9 @@ class KvctlE2eTest : public ::testing::Test {
     return *engine_;
   }
 
-  std::string dir_;
-  std::string socket_;
-  pid_t daemon_ = -1;
+  testing::DaemonProcess daemon_{"kvctl-e2e"};  // stopped, its directory removed, after TearDown
+  const std::string& dir_ = daemon_.dir();
+  const std::string& socket_ = daemon_.socket();
   std::unique_ptr<KvClient> engine_;
 };
 
@@ -385,9 +355,8 @@ TEST_F(KvctlE2eTest, UnreachableDaemonExitsThree) {
                    "  is the daemon running? systemctl status memra-kvd@<gpu>\n"));
 
   // The daemon stops (SIGTERM drains and exits 0, removing its socket).
-  ASSERT_EQ(kill(daemon_, SIGTERM), 0);
-  EXPECT_EQ(WaitExit(daemon_), 0);
-  daemon_ = -1;
+  ASSERT_TRUE(daemon_.Signal(SIGTERM));
+  EXPECT_EQ(daemon_.WaitExit(), 0);
   const Outcome stopped = Kvctl({"status", "--timeout=2"});
   EXPECT_EQ(stopped.exit_code, 3) << stopped.out;
   EXPECT_THAT(stopped.err, HasSubstr(absl::StrCat("cannot reach memra-kvd at unix:", socket_)));

@@ -24,7 +24,6 @@
 #include <unistd.h>
 
 #include <cstdio>
-#include <filesystem>
 #include <fstream>
 #include <iostream>
 #include <map>
@@ -34,15 +33,14 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "client/client.h"
+#include "client/internal.h"
 #include "common/grpc_status.h"
 #include "gmock/gmock.h"
-#include "grpcpp/client_context.h"
-#include "grpcpp/create_channel.h"
-#include "grpcpp/security/credentials.h"
 #include "gtest/gtest.h"
 #include "proto/memra/kv/v1/prefix.grpc.pb.h"
-#include "tests/e2e/engine_device.h"
+#include "tests/daemon_process.h"
 #include "tests/e2e/engine_checks.h"
+#include "tests/e2e/engine_device.h"
 #include "tests/e2e/facts.h"
 #include "tests/status_matchers.h"
 #include "tests/subprocess.h"
@@ -73,40 +71,23 @@ class CudaE2eTest : public ::testing::Test {
       std::cout << "SKIPPED: no CUDA device (" << reason << ")" << std::endl;
       GTEST_SKIP() << "no usable CUDA device: " << reason;
     }
-    char dir[] = "/tmp/memra-cuda-XXXXXX";  // short: Unix socket paths are < 108 bytes
-    ASSERT_NE(mkdtemp(dir), nullptr);
-    dir_ = dir;
-    socket_ = dir_ + "/kvd.sock";
-    std::vector<std::string> args = {
-        Runfile("server/memra-kvd"), absl::StrCat("--backend=", kBackend),
-        absl::StrCat("--device=", kDevice),
-        "--socket_path=" + socket_, "--socket_mode=0600", "--watchdog=false",
-        "--metrics_address=",  // no fixed port shared with tests running alongside
-        "--prefix_cache_budget_bytes=1GiB", "--prefix_block_tokens=16",
-        absl::StrCat("--lease_timeout_ms=", kLeaseTimeoutMs), "--lease_grace_ms=200"};
-    daemon_ = Spawn(args);
-    ASSERT_GT(daemon_, 0);
-    ASSERT_TRUE(PollUntil([&] { return Exists(socket_); }, daemon_)) << "daemon never listened";
+    ASSERT_TRUE(daemon_.Start(
+        {absl::StrCat("--backend=", kBackend), absl::StrCat("--device=", kDevice),
+         "--prefix_cache_budget_bytes=1GiB", "--prefix_block_tokens=16",
+         absl::StrCat("--lease_timeout_ms=", kLeaseTimeoutMs), "--lease_grace_ms=200"}));
     absl::StatusOr<std::unique_ptr<KvClient>> checker = KvClient::Connect(socket_);
     ASSERT_THAT(checker, IsOk());
     checker_ = *std::move(checker);
-    prefix_ = pb::KvPrefixCache::NewStub(grpc::CreateChannel(
-        absl::StrCat("unix:", socket_), grpc::InsecureChannelCredentials()));
   }
 
   void TearDown() override {
-    if (dir_.empty()) return;  // skipped before anything started
     checker_.reset();
     KillAndReap(engine_a_);
     KillAndReap(engine_b_);
-    TerminateAndReap(daemon_);
-    // Whatever the engines and the daemon left (facts files, the socket and its lock).
-    std::error_code error;
-    std::filesystem::remove_all(dir_, error);
   }
 
   pb::GetStatusResponse Status() {
-    absl::StatusOr<pb::GetStatusResponse> status = checker_->GetStatus();
+    absl::StatusOr<pb::GetStatusResponse> status = ClientInternals::GetStatus(*checker_);
     EXPECT_THAT(status, IsOk());
     return status.ok() ? *status : pb::GetStatusResponse();
   }
@@ -128,19 +109,18 @@ class CudaE2eTest : public ::testing::Test {
 
   pb::ListPrefixesResponse List() {
     pb::ListPrefixesResponse response;
-    EXPECT_THAT(
-        FromGrpcStatus(prefix_->ListPrefixes(checker_->NewContext().get(), {}, &response)),
-        IsOk());
+    EXPECT_THAT(FromGrpcStatus(ClientInternals::Prefix(*checker_).ListPrefixes(
+                    ClientInternals::NewContext(*checker_).get(), {}, &response)),
+                IsOk());
     return response;
   }
 
-  std::string dir_;
-  std::string socket_;
-  pid_t daemon_ = -1;
+  DaemonProcess daemon_{"cuda"};  // stopped, its directory removed, after TearDown
+  const std::string& dir_ = daemon_.dir();
+  const std::string& socket_ = daemon_.socket();
   pid_t engine_a_ = -1;
   pid_t engine_b_ = -1;
   std::unique_ptr<KvClient> checker_;
-  std::unique_ptr<pb::KvPrefixCache::Stub> prefix_;
 };
 
 TEST_F(CudaE2eTest, TwoEnginesBytesSpecRollbackReclaimAndDrain) {
@@ -183,9 +163,9 @@ TEST_F(CudaE2eTest, TwoEnginesBytesSpecRollbackReclaimAndDrain) {
 
   // SIGTERM with B live: draining refuses new engines while B keeps working; B finishes (it
   // verifies its session once more and releases it), then the daemon exits 0, everything freed.
-  ASSERT_EQ(kill(daemon_, SIGTERM), 0);
+  ASSERT_TRUE(daemon_.Signal(SIGTERM));
   ASSERT_TRUE(PollUntil([&] {
-    absl::StatusOr<pb::GetStatusResponse> status = checker_->GetStatus();
+    absl::StatusOr<pb::GetStatusResponse> status = ClientInternals::GetStatus(*checker_);
     return status.ok() && status->draining();
   }));
   absl::StatusOr<std::unique_ptr<KvClient>> late = KvClient::Connect(socket_);
@@ -198,9 +178,7 @@ TEST_F(CudaE2eTest, TwoEnginesBytesSpecRollbackReclaimAndDrain) {
   EXPECT_EQ(WaitExit(engine_b_), 0);
   engine_b_ = -1;
   checker_.reset();
-  prefix_.reset();
-  EXPECT_EQ(WaitExit(daemon_), 0);
-  daemon_ = -1;
+  EXPECT_EQ(daemon_.WaitExit(), 0);
   EXPECT_FALSE(Exists(socket_));
 }
 
@@ -237,7 +215,7 @@ TEST_F(CudaE2eTest, AKilledEnginesCommittedConversationRestoresInANewProcess) {
   ASSERT_EQ(kill(engine_a_, SIGKILL), 0);
   EXPECT_EQ(WaitExit(engine_a_), 128 + SIGKILL);
   engine_a_ = -1;
-  ASSERT_TRUE(PollUntil([&] { return List().entries_size() == 1; }, daemon_));
+  ASSERT_TRUE(PollUntil([&] { return List().entries_size() == 1; }, daemon_.pid()));
   const pb::ListPrefixesResponse listed = List();
   EXPECT_EQ(listed.entries(0).boundary_tokens(), 64u);  // never the 16 staged rows
   EXPECT_EQ(listed.stats().death_captures(), 1u);

@@ -23,12 +23,14 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "client/client.h"
+#include "client/internal.h"
+#include "common/grpc_status.h"
 #include "gmock/gmock.h"
 #include "grpcpp/client_context.h"
 #include "gtest/gtest.h"
 #include "server/config.h"
-#include "common/grpc_status.h"
 #include "server/instance.h"
+#include "tests/daemon_process.h"
 #include "tests/e2e/engine_checks.h"
 #include "tests/e2e/engine_device.h"
 #include "tests/e2e/facts.h"
@@ -50,22 +52,12 @@ std::string ShmPath(const Facts& facts) {
 
 class E2eTest : public ::testing::Test {
  protected:
-  void SetUp() override {
-    char dir[] = "/tmp/memra-e2e-XXXXXX";  // short: Unix socket paths are < 108 bytes
-    ASSERT_NE(mkdtemp(dir), nullptr);
-    dir_ = dir;
-    socket_ = dir_ + "/kvd.sock";
-  }
-
-  // Starts memra-kvd on socket_ with the test's lease settings, then `extra` flags.
+  // Starts memra-kvd on socket_ with the test's budget, then `extra` flags, and connects the
+  // checker.
   void StartDaemon(const std::vector<std::string>& extra = {}) {
-    std::vector<std::string> args = {Runfile("server/memra-kvd"), "--socket_path=" + socket_,
-                                     "--budget_bytes=256MiB", "--socket_mode=0600",
-                                     "--watchdog=false"};
-    args.insert(args.end(), extra.begin(), extra.end());
-    daemon_ = Spawn(args);
-    ASSERT_GT(daemon_, 0);
-    ASSERT_TRUE(PollUntil([&] { return Exists(socket_); }, daemon_)) << "daemon never listened";
+    std::vector<std::string> flags = {"--budget_bytes=256MiB"};
+    flags.insert(flags.end(), extra.begin(), extra.end());
+    ASSERT_TRUE(daemon_.Start(flags));
     absl::StatusOr<std::unique_ptr<KvClient>> checker = KvClient::Connect(socket_);
     ASSERT_THAT(checker, IsOk());
     checker_ = *std::move(checker);
@@ -80,16 +72,10 @@ class E2eTest : public ::testing::Test {
     checker_.reset();
     KillAndReap(engine_a_);
     KillAndReap(engine_b_);
-    TerminateAndReap(daemon_);
-    for (const char* name :
-         {"a.facts", "b.facts", "b.stop", "kvd.conf", "kvd.sock", "kvd.sock.lock"}) {
-      unlink((dir_ + "/" + name).c_str());
-    }
-    rmdir(dir_.c_str());
   }
 
   pb::GetStatusResponse Status() {
-    absl::StatusOr<pb::GetStatusResponse> status = checker_->GetStatus();
+    absl::StatusOr<pb::GetStatusResponse> status = ClientInternals::GetStatus(*checker_);
     EXPECT_THAT(status, IsOk());
     return status.ok() ? *status : pb::GetStatusResponse();
   }
@@ -102,9 +88,9 @@ class E2eTest : public ::testing::Test {
     return Spawn(args);
   }
 
-  std::string dir_;
-  std::string socket_;
-  pid_t daemon_ = -1;
+  DaemonProcess daemon_{"e2e"};  // stopped, its directory removed, after TearDown
+  const std::string& dir_ = daemon_.dir();
+  const std::string& socket_ = daemon_.socket();
   pid_t engine_a_ = -1;
   pid_t engine_b_ = -1;
   std::unique_ptr<KvClient> checker_;
@@ -162,9 +148,8 @@ TEST_F(E2eTest, TwoEnginesBytesLeasesAndDrain) {
 
   // SIGTERM: drain (nothing left to wait for), free everything, exit 0, socket removed.
   checker_.reset();
-  ASSERT_EQ(kill(daemon_, SIGTERM), 0);
-  EXPECT_EQ(WaitExit(daemon_), 0);
-  daemon_ = -1;
+  ASSERT_TRUE(daemon_.Signal(SIGTERM));
+  EXPECT_EQ(daemon_.WaitExit(), 0);
   EXPECT_FALSE(Exists(socket_));
 }
 
@@ -173,10 +158,10 @@ TEST_F(E2eTest, SigtermDrainsLiveSessionsThenFreesThem) {
   engine_b_ = SpawnEngine("engine-b", {"--until=" + dir_ + "/b.stop", "--work"});
   ASSERT_TRUE(PollUntil([&] { return Exists(dir_ + "/b.facts"); }, engine_b_));
   const std::string b_shm = ShmPath(ReadFacts(dir_ + "/b.facts"));
-  ASSERT_EQ(kill(daemon_, SIGTERM), 0);
+  ASSERT_TRUE(daemon_.Signal(SIGTERM));
   // Draining: new engines are refused, the live session keeps working.
   ASSERT_TRUE(PollUntil([&] {
-    absl::StatusOr<pb::GetStatusResponse> status = checker_->GetStatus();
+    absl::StatusOr<pb::GetStatusResponse> status = ClientInternals::GetStatus(*checker_);
     return status.ok() && status->draining();
   }));
   absl::StatusOr<std::unique_ptr<KvClient>> late = KvClient::Connect(socket_);
@@ -189,8 +174,7 @@ TEST_F(E2eTest, SigtermDrainsLiveSessionsThenFreesThem) {
   EXPECT_EQ(WaitExit(engine_b_), 0);
   engine_b_ = -1;
   checker_.reset();
-  EXPECT_EQ(WaitExit(daemon_), 0);
-  daemon_ = -1;
+  EXPECT_EQ(daemon_.WaitExit(), 0);
   EXPECT_FALSE(Exists(b_shm));
   EXPECT_FALSE(Exists(socket_));
 }
@@ -206,7 +190,7 @@ TEST_F(E2eTest, DrainEndsAtTheGraceOrASecondSigterm) {
     const std::string b_shm = ShmPath(ReadFacts(dir_ + "/b.facts"));
     unlink((dir_ + "/b.facts").c_str());
     checker_.reset();
-    ASSERT_EQ(kill(daemon_, SIGTERM), 0);
+    ASSERT_TRUE(daemon_.Signal(SIGTERM));
     if (second_sigterm) {
       // Only once the first one has been taken: two queued signals may merge into one.
       ASSERT_TRUE(PollUntil(
@@ -214,11 +198,10 @@ TEST_F(E2eTest, DrainEndsAtTheGraceOrASecondSigterm) {
             absl::StatusOr<std::unique_ptr<KvClient>> probe = KvClient::Connect(socket_);
             return probe.ok() && (*probe)->Attach("probe").code() == absl::StatusCode::kUnavailable;
           },
-          daemon_));
-      ASSERT_EQ(kill(daemon_, SIGTERM), 0);
+          daemon_.pid()));
+      ASSERT_TRUE(daemon_.Signal(SIGTERM));
     }
-    EXPECT_EQ(WaitExit(daemon_), 0);
-    daemon_ = -1;
+    EXPECT_EQ(daemon_.WaitExit(), 0);
     EXPECT_FALSE(Exists(b_shm));
     EXPECT_FALSE(Exists(socket_));
     // The engine's next call fails (its lease and the daemon are gone): it exits 1.
@@ -256,11 +239,10 @@ TEST_F(E2eTest, StartRemovesAPredecessorsStaleObjectsAndRefusesASecondDaemon) {
   EXPECT_FALSE(Exists(stale));
   // A second daemon on the same socket stops at the instance lock, touching nothing.
   EXPECT_EQ(WaitExit(Spawn({Runfile("server/memra-kvd"), "--socket_path=" + socket_})), 1);
-  EXPECT_THAT(checker_->GetStatus(), IsOk());
+  EXPECT_THAT(ClientInternals::GetStatus(*checker_), IsOk());
   checker_.reset();
-  ASSERT_EQ(kill(daemon_, SIGTERM), 0);
-  EXPECT_EQ(WaitExit(daemon_), 0);
-  daemon_ = -1;
+  ASSERT_TRUE(daemon_.Signal(SIGTERM));
+  EXPECT_EQ(daemon_.WaitExit(), 0);
 }
 
 TEST_F(E2eTest, ConfigErrorsExitWith78) {
@@ -284,17 +266,17 @@ TEST_F(E2eTest, SighupAppliesReloadableKeysLive) {
   EXPECT_EQ((*first)->lease_timeout(), absl::Milliseconds(3000));
   // lease_timeout_ms applies live; device needs a restart and is reported, not applied.
   std::ofstream(config) << "lease_timeout_ms = 4500\nlog_level = \"debug\"\ndevice = 3\n";
-  ASSERT_EQ(kill(daemon_, SIGHUP), 0);
+  ASSERT_TRUE(daemon_.Signal(SIGHUP));
   ASSERT_TRUE(PollUntil(
       [&] {
         absl::StatusOr<std::unique_ptr<KvClient>> next = KvClient::Connect(socket_);
         return next.ok() && (*next)->Attach("after-reload").ok() &&
                (*next)->lease_timeout() == absl::Milliseconds(4500);
       },
-      daemon_));
+      daemon_.pid()));
   // A reload that fails to parse keeps the running configuration.
   std::ofstream(config) << "lease_timeout_ms = \"later\"\n";
-  ASSERT_EQ(kill(daemon_, SIGHUP), 0);
+  ASSERT_TRUE(daemon_.Signal(SIGHUP));
   absl::SleepFor(absl::Milliseconds(100));
   absl::StatusOr<std::unique_ptr<KvClient>> last = KvClient::Connect(socket_);
   ASSERT_THAT(last, IsOk());
@@ -303,9 +285,8 @@ TEST_F(E2eTest, SighupAppliesReloadableKeysLive) {
   first->reset();
   last->reset();
   checker_.reset();
-  ASSERT_EQ(kill(daemon_, SIGTERM), 0);
-  EXPECT_EQ(WaitExit(daemon_), 0);
-  daemon_ = -1;
+  ASSERT_TRUE(daemon_.Signal(SIGTERM));
+  EXPECT_EQ(daemon_.WaitExit(), 0);
 }
 
 }  // namespace

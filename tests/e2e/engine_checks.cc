@@ -4,6 +4,7 @@
 
 #include "absl/strings/escaping.h"
 #include "absl/strings/numbers.h"
+#include "client/internal.h"
 #include "common/grpc_status.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -38,30 +39,32 @@ void ExpectScriptedSession(KvClient& checker, const Facts& facts, EngineDevice& 
   request.mutable_session()->set_session_token(absl::HexStringToBytes(facts.at("session_token")));
   request.set_include_layout(true);
   pb::SessionStateResponse view;
-  ASSERT_THAT(FromGrpcStatus(checker.cache_stub().GetSessionState(checker.NewContext().get(),
-                                                                   request, &view)),
+  ASSERT_THAT(FromGrpcStatus(ClientInternals::Cache(checker).GetSessionState(
+                  ClientInternals::NewContext(checker).get(), request, &view)),
               IsOk());
-  EXPECT_EQ(view.state().committed_len(), Number(facts, "committed"));
+  const SessionSnapshot state = SessionSnapshotFromProto(view.state());
+  absl::StatusOr<SessionLayout> layout = SessionLayoutFromProto(view.layout());
+  ASSERT_THAT(layout, IsOk());
+  EXPECT_EQ(state.committed_len, Number(facts, "committed"));
   bool ring_moved = false;
-  for (const pb::LayerState& layer : view.state().layers()) ring_moved |= layer.ring_base() > 0;
+  for (const LayerSnapshot& layer : state.layers) ring_moved |= layer.ring_base > 0;
   EXPECT_TRUE(ring_moved);
 
   std::vector<uint8_t*> bases;
   bool mapped = true;
-  for (const pb::Arena& arena : view.layout().arenas()) {
-    absl::StatusOr<void*> base = device.mapper->Map(arena.backend(), arena.handle(), arena.bytes());
+  for (const SessionArena& arena : layout->arenas) {
+    absl::StatusOr<void*> base = device.mapper->Map(arena.backend, arena.handle, arena.bytes);
     EXPECT_THAT(base, IsOk());
     mapped &= base.ok();
     bases.push_back(static_cast<uint8_t*>(base.value_or(nullptr)));
   }
   if (mapped) {
-    EXPECT_THAT(VerifySession(view.layout(), view.state(), LayoutPlanes(view.layout(), bases),
-                              *device.memory,
+    EXPECT_THAT(VerifySession(*layout, state, LayoutPlanes(*layout, bases), *device.memory,
                               static_cast<uint8_t>(Number(facts, "recurrent_fill"))),
                 IsOk());
   }
-  for (const pb::Arena& arena : view.layout().arenas()) {
-    (void)device.mapper->Unmap(arena.handle());  // NOT_FOUND for one that failed to map
+  for (const SessionArena& arena : layout->arenas) {
+    (void)device.mapper->Unmap(arena.handle);  // NOT_FOUND for one that failed to map
   }
 }
 

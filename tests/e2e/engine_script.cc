@@ -13,8 +13,6 @@
 namespace memra::testing {
 namespace {
 
-namespace pb = ::memra::kv::v1;
-
 // A speculative round's draft rows, and how many of them the verifier accepts.
 constexpr uint64_t kSpecRows = 12;
 constexpr uint64_t kSpecAccepted = 5;
@@ -123,8 +121,8 @@ PlaneLookup SessionPlanes(const Session& session) {
 // kSpecAccepted rows. Returns the committed length afterwards.
 absl::StatusOr<uint64_t> RunSpecRound(Session& session, PlaneMemory& memory, uint8_t fill,
                                       uint64_t* rebases) {
-  ASSIGN_OR_RETURN(pb::SessionState snapshot, session.SpecSnapshot());
-  const uint64_t base = snapshot.committed_len();
+  ASSIGN_OR_RETURN(SessionSnapshot snapshot, session.SpecSnapshot());
+  const uint64_t base = snapshot.committed_len;
   ASSIGN_OR_RETURN(Transaction tx, session.Begin());
   ASSIGN_OR_RETURN(PreparedAppend append, session.PrepareAppend(tx.generation, kSpecRows));
   for (const LayerAppend& layer : append.layers) {
@@ -136,14 +134,14 @@ absl::StatusOr<uint64_t> RunSpecRound(Session& session, PlaneMemory& memory, uin
   RETURN_IF_ERROR(FillRecurrent(session, memory, static_cast<uint8_t>(~fill)));
   RETURN_IF_ERROR(session.PublishAppend(tx.generation).status());
   RETURN_IF_ERROR(session.Commit(tx.generation, kSpecRows).status());
-  ASSIGN_OR_RETURN(pb::SessionState rolled, session.SpecRollback(kSpecAccepted));
-  if (rolled.committed_len() != base + kSpecAccepted) {
+  ASSIGN_OR_RETURN(SessionSnapshot rolled, session.SpecRollback(kSpecAccepted));
+  if (rolled.committed_len != base + kSpecAccepted) {
     return absl::InternalError(absl::StrCat("spec rollback to ", base, " + ", kSpecAccepted,
-                                            " left ", rolled.committed_len(), " committed"));
+                                            " left ", rolled.committed_len, " committed"));
   }
   // The daemon's copies back from the snapshot buffers are complete: it replied.
   RETURN_IF_ERROR(CheckRecurrent(SessionPlanes(session), memory, kRecurrentLayer, fill));
-  return rolled.committed_len();
+  return rolled.committed_len;
 }
 
 }  // namespace
@@ -177,8 +175,8 @@ absl::StatusOr<ScriptResult> RunScript(Session& session, PlaneMemory& memory,
       const uint64_t target = result.committed - 20;
       ASSIGN_OR_RETURN(bool can, session.CanRewind(target));
       if (!can) return absl::InternalError(absl::StrCat("cannot rewind to ", target));
-      ASSIGN_OR_RETURN(pb::SessionState rewound, session.Rewind(target));
-      result.committed = rewound.committed_len();
+      ASSIGN_OR_RETURN(SessionSnapshot rewound, session.Rewind(target));
+      result.committed = rewound.committed_len;
       ++result.rewinds;
     }
     if (options.spec_rounds && step % 4 == 2 && result.committed + kSpecRows <= kE2eCapacity) {
@@ -200,58 +198,56 @@ absl::Status RunIdleRound(Session& session, PlaneMemory& memory, uint64_t round)
   return session.Rewind(tx.base_len).status();
 }
 
-absl::Status VerifySession(const pb::SessionLayout& layout, const pb::SessionState& state,
-                           const PlaneLookup& planes, PlaneMemory& memory,
-                           uint8_t recurrent_fill) {
-  const uint64_t committed = state.committed_len();
-  if (state.staged_len() != committed || state.active_generation() != 0) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "session not quiescent: staged ", state.staged_len(), ", committed ", committed));
+absl::Status VerifySession(const SessionLayout& layout, const SessionSnapshot& state,
+                           const PlaneLookup& planes, PlaneMemory& memory, uint8_t recurrent_fill) {
+  const uint64_t committed = state.committed_len;
+  if (state.staged_len != committed || state.active_generation != 0) {
+    return absl::FailedPreconditionError(absl::StrCat("session not quiescent: staged ",
+                                                      state.staged_len, ", committed ", committed));
   }
-  for (const pb::LayerState& layer : state.layers()) {
-    ASSIGN_OR_RETURN(int32_t len, ReadI32(planes, memory, layer.layer(), PlaneKind::kLenMirror));
-    if (static_cast<uint64_t>(len) != committed || layer.length() != len) {
-      return absl::DataLossError(absl::StrCat("layer ", layer.layer(), ": length mirror ", len,
-                                              ", daemon says ", layer.length(), ", committed ",
+  for (const LayerSnapshot& layer : state.layers) {
+    ASSIGN_OR_RETURN(int32_t len, ReadI32(planes, memory, layer.layer, PlaneKind::kLenMirror));
+    if (static_cast<uint64_t>(len) != committed || layer.length != len) {
+      return absl::DataLossError(absl::StrCat("layer ", layer.layer, ": length mirror ", len,
+                                              ", daemon says ", layer.length, ", committed ",
                                               committed));
     }
-    if (layer.ring()) {
-      ASSIGN_OR_RETURN(int32_t base,
-                       ReadI32(planes, memory, layer.layer(), PlaneKind::kBaseMirror));
-      if (static_cast<uint64_t>(base) != layer.ring_base()) {
-        return absl::DataLossError(absl::StrCat("layer ", layer.layer(), ": base mirror ", base,
-                                                ", daemon says ", layer.ring_base()));
+    if (layer.ring) {
+      ASSIGN_OR_RETURN(int32_t base, ReadI32(planes, memory, layer.layer, PlaneKind::kBaseMirror));
+      if (static_cast<uint64_t>(base) != layer.ring_base) {
+        return absl::DataLossError(absl::StrCat("layer ", layer.layer, ": base mirror ", base,
+                                                ", daemon says ", layer.ring_base));
       }
     }
   }
-  for (const pb::LayerLayout& layer : layout.layers()) {
-    if (layer.kind() == pb::STATE_KIND_KV || layer.kind() == pb::STATE_KIND_SLIDING_KV) {
+  for (const SessionLayer& layer : layout.layers) {
+    if (layer.kind == StateKind::kKv || layer.kind == StateKind::kSlidingKv) {
       uint64_t base = 0;
       uint64_t first = 0;
-      if (layer.ring()) {
-        for (const pb::LayerState& s : state.layers()) {
-          if (s.layer() == layer.layer()) base = s.ring_base();
+      if (layer.ring) {
+        for (const LayerSnapshot& s : state.layers) {
+          if (s.layer == layer.layer) base = s.ring_base;
         }
         // The resident window: everything from the base on (the ring keeps window + slack).
         first = base;
       }
       for (PlaneKind kind : {PlaneKind::kKeys, PlaneKind::kValues}) {
-        ASSIGN_OR_RETURN(PlaneView plane, planes(layer.layer(), kind));
+        ASSIGN_OR_RETURN(PlaneView plane, planes(layer.layer, kind));
         RETURN_IF_ERROR(
-            CheckRows(memory, plane, layer.layer(), kind, first - base, first, committed - first));
+            CheckRows(memory, plane, layer.layer, kind, first - base, first, committed - first));
       }
-    } else if (layer.kind() == pb::STATE_KIND_LATENT) {
-      ASSIGN_OR_RETURN(PlaneView plane, planes(layer.layer(), PlaneKind::kLatentRows));
+    } else if (layer.kind == StateKind::kLatent) {
+      ASSIGN_OR_RETURN(PlaneView plane, planes(layer.layer, PlaneKind::kLatentRows));
       RETURN_IF_ERROR(
-          CheckRows(memory, plane, layer.layer(), PlaneKind::kLatentRows, 0, 0, committed));
-    } else if (layer.kind() == pb::STATE_KIND_RECURRENT) {
-      RETURN_IF_ERROR(CheckRecurrent(planes, memory, layer.layer(), recurrent_fill));
+          CheckRows(memory, plane, layer.layer, PlaneKind::kLatentRows, 0, 0, committed));
+    } else if (layer.kind == StateKind::kRecurrent) {
+      RETURN_IF_ERROR(CheckRecurrent(planes, memory, layer.layer, recurrent_fill));
     }
   }
   return absl::OkStatus();
 }
 
-PlaneLookup LayoutPlanes(const pb::SessionLayout& layout, std::vector<uint8_t*> bases) {
+PlaneLookup LayoutPlanes(const SessionLayout& layout, std::vector<uint8_t*> bases) {
   return [layout, bases = std::move(bases)](uint32_t layer, PlaneKind kind) {
     return ResolvePlane(layout, bases, layer, kind);
   };

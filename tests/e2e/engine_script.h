@@ -17,7 +17,6 @@
 #include "absl/status/statusor.h"
 #include "client/client.h"
 #include "core/sizing.h"
-#include "proto/memra/kv/v1/cache.pb.h"
 #include "tests/e2e/plane_memory.h"
 
 namespace memra::testing {
@@ -52,12 +51,11 @@ absl::Status RunIdleRound(Session& session, PlaneMemory& memory, uint64_t round)
 using PlaneLookup = std::function<absl::StatusOr<PlaneView>(uint32_t layer, PlaneKind kind)>;
 
 // Checks lengths, mirrors and bytes of a quiescent session against the pattern.
-absl::Status VerifySession(const memra::kv::v1::SessionLayout& layout,
-                           const memra::kv::v1::SessionState& state, const PlaneLookup& planes,
-                           PlaneMemory& memory, uint8_t recurrent_fill);
+absl::Status VerifySession(const SessionLayout& layout, const SessionSnapshot& state,
+                           const PlaneLookup& planes, PlaneMemory& memory, uint8_t recurrent_fill);
 
 // PlaneLookup over a layout whose arenas are mapped at `bases` (one per layout arena).
-PlaneLookup LayoutPlanes(const memra::kv::v1::SessionLayout& layout, std::vector<uint8_t*> bases);
+PlaneLookup LayoutPlanes(const SessionLayout& layout, std::vector<uint8_t*> bases);
 
 }  // namespace memra::testing
 

@@ -17,16 +17,15 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "client/client.h"
+#include "client/internal.h"
 #include "common/grpc_status.h"
 #include "core/test_model_plans.h"
 #include "gmock/gmock.h"
-#include "grpcpp/client_context.h"
-#include "grpcpp/create_channel.h"
-#include "grpcpp/security/credentials.h"
 #include "gtest/gtest.h"
 #include "proto/memra/kv/v1/prefix.grpc.pb.h"
-#include "tests/subprocess.h"
+#include "tests/daemon_process.h"
 #include "tests/status_matchers.h"
+#include "tests/subprocess.h"
 
 namespace memra::testing {
 namespace {
@@ -36,24 +35,18 @@ namespace pb = ::memra::kv::v1;
 class PrefixE2eTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    char dir[] = "/tmp/memra-pfx-XXXXXX";  // short: Unix socket paths are < 108 bytes
-    ASSERT_NE(mkdtemp(dir), nullptr);
-    dir_ = dir;
-    socket_ = dir_ + "/kvd.sock";
-    daemon_ = Spawn({Runfile("server/memra-kvd"), "--socket_path=" + socket_,
-                     "--budget_bytes=512MiB", "--prefix_cache_budget_bytes=128MiB",
-                     "--prefix_block_tokens=16", "--socket_mode=0600", "--watchdog=false",
-                     "--lease_timeout_ms=2000", "--lease_grace_ms=100"});
-    ASSERT_GT(daemon_, 0);
-    ASSERT_TRUE(PollUntil([&] { return Exists(socket_); }, daemon_)) << "daemon never listened";
-    prefix_ = pb::KvPrefixCache::NewStub(grpc::CreateChannel(
-        absl::StrCat("unix:", socket_), grpc::InsecureChannelCredentials()));
+    ASSERT_TRUE(daemon_.Start({"--budget_bytes=512MiB", "--prefix_cache_budget_bytes=128MiB",
+                               "--prefix_block_tokens=16", "--lease_timeout_ms=2000",
+                               "--lease_grace_ms=100"}));
+    absl::StatusOr<std::unique_ptr<KvClient>> checker = KvClient::Connect(socket_);
+    ASSERT_THAT(checker, IsOk());
+    checker_ = *std::move(checker);
   }
 
   void TearDown() override {
-    if (daemon_ > 0) {
-      kill(daemon_, SIGTERM);
-      EXPECT_EQ(WaitExit(daemon_), 0);
+    checker_.reset();
+    if (daemon_.Signal(SIGTERM)) {
+      EXPECT_EQ(daemon_.WaitExit(), 0);
     }
   }
 
@@ -63,18 +56,19 @@ class PrefixE2eTest : public ::testing::Test {
                   "--plan=" + plan, absl::StrCat("--tokens=", tokens), "--out=" + out});
   }
 
+  // The operator view (memra-kvctl prefixes): a raw call.
   pb::ListPrefixesResponse List() {
-    grpc::ClientContext context;
-    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
     pb::ListPrefixesResponse response;
-    EXPECT_THAT(FromGrpcStatus(prefix_->ListPrefixes(&context, {}, &response)), IsOk());
+    EXPECT_THAT(FromGrpcStatus(ClientInternals::Prefix(*checker_).ListPrefixes(
+                    ClientInternals::NewContext(*checker_).get(), {}, &response)),
+                IsOk());
     return response;
   }
 
-  std::string dir_;
-  std::string socket_;
-  pid_t daemon_ = -1;
-  std::unique_ptr<pb::KvPrefixCache::Stub> prefix_;
+  DaemonProcess daemon_{"pfx"};  // stopped, its directory removed, after TearDown
+  const std::string& dir_ = daemon_.dir();
+  const std::string& socket_ = daemon_.socket();
+  std::unique_ptr<KvClient> checker_;
 };
 
 TEST_F(PrefixE2eTest, AnotherProcessRestoresExactlyTheCapturedBytesForEveryModelKind) {
@@ -111,7 +105,7 @@ TEST_F(PrefixE2eTest, AKilledEnginesCommittedConversationRestoresInANewProcess) 
   ASSERT_EQ(kill(holder, SIGKILL), 0);
   EXPECT_EQ(WaitExit(holder), 128 + SIGKILL);
   // The lease ends with the stream; after the grace the daemon keeps the committed 64 tokens.
-  ASSERT_TRUE(PollUntil([&] { return List().entries_size() == 1; }, daemon_));
+  ASSERT_TRUE(PollUntil([&] { return List().entries_size() == 1; }, daemon_.pid()));
   const pb::ListPrefixesResponse listed = List();
   EXPECT_EQ(listed.entries(0).boundary_tokens(), 64u);  // never the 16 staged rows
   EXPECT_EQ(listed.stats().death_captures(), 1u);
@@ -145,47 +139,60 @@ TEST_F(PrefixE2eTest, HostBackendRefusesEngineEventsOnCaptureAndRestore) {
   ASSERT_THAT((*source)->Commit(tx->generation, kTokens, tokens), IsOk());
 
   const std::string event(64, '\x03');
-  pb::CapturePrefixRequest capture;
-  *capture.mutable_session() = (*source)->ref();
-  capture.mutable_token_ids()->Add(tokens.begin(), tokens.end());
-  capture.set_boundary_tokens(kTokens);
-  capture.mutable_ordering()->set_wait_event(event);
-  pb::CapturePrefixResponse captured;
-  EXPECT_THAT(FromGrpcStatus(prefix_->Capture((*client)->NewContext().get(), capture, &captured)),
-              StatusIs(absl::StatusCode::kInvalidArgument,
-                       HasSubstrs("host backend: a 64-byte interprocess event handle",
-                                  "RPC order")));
+  (*source)->SetWaitEvent(event);
+  EXPECT_THAT(
+      (*client)->CapturePrefix(**source, tokens, kTokens),
+      StatusIs(absl::StatusCode::kInvalidArgument,
+               HasSubstrs("host backend: a 64-byte interprocess event handle", "RPC order")));
   EXPECT_EQ(List().entries_size(), 0);
-  // Authenticated before any wait: a wrong token is PERMISSION_DENIED, event or not.
-  pb::CapturePrefixRequest stranger = capture;
+  // Authenticated before any wait: a wrong token is PERMISSION_DENIED, event or not (a request
+  // client.h never builds: the raw call).
+  pb::CapturePrefixRequest stranger;
+  *stranger.mutable_session() = ClientInternals::Ref(**source);
   stranger.mutable_session()->set_session_token(std::string(16, 'x'));
-  EXPECT_THAT(FromGrpcStatus(prefix_->Capture((*client)->NewContext().get(), stranger, &captured)),
+  stranger.mutable_token_ids()->Add(tokens.begin(), tokens.end());
+  stranger.set_boundary_tokens(kTokens);
+  stranger.mutable_ordering()->set_wait_event(event);
+  pb::CapturePrefixResponse response;
+  EXPECT_THAT(FromGrpcStatus(ClientInternals::Prefix(**client).Capture(
+                  ClientInternals::NewContext(**client).get(), stranger, &response)),
               StatusIs(absl::StatusCode::kPermissionDenied,
                        ::testing::HasSubstr(
                            absl::StrCat("wrong session token for session ", (*source)->id()))));
-  capture.clear_ordering();
-  ASSERT_THAT(FromGrpcStatus(prefix_->Capture((*client)->NewContext().get(), capture, &captured)),
-              IsOk());
+  (*source)->SetWaitEvent("");
+  absl::StatusOr<PrefixCaptured> captured = (*client)->CapturePrefix(**source, tokens, kTokens);
+  ASSERT_THAT(captured, IsOk());
   EXPECT_EQ(List().entries_size(), 1);
+  EXPECT_EQ(captured->shape_fingerprint, *plan) << "all layers, unsharded: the plan's own";
+  // A router subscribing from the start hears the store: both 16-token blocks.
+  std::unique_ptr<PrefixEventStream> events = (*client)->SubscribePrefixEvents();
+  absl::StatusOr<std::optional<PrefixCacheEvent>> stored = events->Next();
+  ASSERT_THAT(stored, IsOk());
+  ASSERT_TRUE(stored->has_value());
+  EXPECT_FALSE((*stored)->gap);
+  EXPECT_EQ((*stored)->kind, PrefixEventKind::kStored);
+  EXPECT_EQ((*stored)->sequence, 1u);
+  EXPECT_EQ((*stored)->shape_fingerprint, *plan);
+  EXPECT_EQ((*stored)->block_keys.size(), kTokens / 16);
+  events->Cancel();
+  absl::StatusOr<std::optional<PrefixCacheEvent>> after_cancel = events->Next();
+  ASSERT_THAT(after_cancel, IsOk());
+  EXPECT_FALSE(after_cancel->has_value()) << "cancelling ends the stream";
 
-  pb::RestorePrefixRequest restore;
-  *restore.mutable_session() = (*fresh)->ref();
-  restore.set_entry_id(captured.entry_id());
-  restore.mutable_token_ids()->Add(tokens.begin(), tokens.end());
-  restore.mutable_ordering()->set_wait_event(event);
-  pb::RestorePrefixResponse restored;
-  EXPECT_THAT(FromGrpcStatus(prefix_->Restore((*client)->NewContext().get(), restore, &restored)),
-              StatusIs(absl::StatusCode::kInvalidArgument,
-                       HasSubstrs("host backend: a 64-byte interprocess event handle",
-                                  "RPC order")));
-  absl::StatusOr<pb::SessionState> untouched = (*fresh)->State();
+  (*fresh)->SetWaitEvent(event);
+  EXPECT_THAT(
+      (*client)->RestorePrefix(**fresh, tokens, captured->entry_id),
+      StatusIs(absl::StatusCode::kInvalidArgument,
+               HasSubstrs("host backend: a 64-byte interprocess event handle", "RPC order")));
+  absl::StatusOr<SessionSnapshot> untouched = (*fresh)->State();
   ASSERT_THAT(untouched, IsOk());
-  EXPECT_EQ(untouched->committed_len(), 0u);
+  EXPECT_EQ(untouched->committed_len, 0u);
   EXPECT_EQ(List().stats().restores(), 0u);
-  restore.clear_ordering();
-  ASSERT_THAT(FromGrpcStatus(prefix_->Restore((*client)->NewContext().get(), restore, &restored)),
-              IsOk());
-  EXPECT_EQ(restored.restored_tokens(), kTokens);
+  (*fresh)->SetWaitEvent("");
+  absl::StatusOr<PrefixRestored> restored =
+      (*client)->RestorePrefix(**fresh, tokens, captured->entry_id);
+  ASSERT_THAT(restored, IsOk());
+  EXPECT_EQ(restored->restored_tokens, kTokens);
   EXPECT_EQ(List().stats().restores(), 1u);
 }
 

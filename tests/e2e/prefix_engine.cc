@@ -26,15 +26,10 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "client/client.h"
-#include "common/grpc_status.h"
 #include "core/index_ring.h"
 #include "core/kv_ring.h"
 #include "core/status_macros.h"
 #include "core/test_model_plans.h"
-#include "grpcpp/client_context.h"
-#include "grpcpp/create_channel.h"
-#include "grpcpp/security/credentials.h"
-#include "proto/memra/kv/v1/prefix.grpc.pb.h"
 #include "tests/e2e/engine_device.h"
 #include "tests/e2e/facts.h"
 #include "tests/e2e/plane_memory.h"
@@ -51,7 +46,6 @@ ABSL_FLAG(int, device, 0, "CUDA ordinal (--backend=cuda)");
 namespace memra::testing {
 namespace {
 
-namespace pb = ::memra::kv::v1;
 namespace tp = ::memra::test_plans;
 
 absl::StatusOr<ModelPlan> PlanNamed(const std::string& name) {
@@ -89,18 +83,18 @@ uint8_t Pattern(uint32_t layer, PlaneKind kind, uint64_t row, uint64_t byte, uin
 // row - base; pool keys of ready pools; the indexer's live tail at its ring position; recurrent
 // state. Rows [first, end) sit at physical rows [physical_first, physical_first + end - first).
 template <typename RangeOp>
-absl::Status ForEachLiveRange(Session& session, const pb::SessionState& state, bool aligned,
+absl::Status ForEachLiveRange(Session& session, const SessionSnapshot& state, bool aligned,
                               RangeOp range_op) {
-  for (const pb::LayerLayout& layer : session.layout().layers()) {
-    const uint32_t il = layer.layer();
+  for (const SessionLayer& layer : session.layout().layers) {
+    const uint32_t il = layer.layer;
     uint64_t len = 0;
     uint64_t base = 0;
     uint64_t ready = 0;
-    for (const pb::LayerState& live : state.layers()) {
-      if (live.layer() != il) continue;
-      len = live.length();
-      base = live.ring_base();
-      ready = live.index_pools_ready();
+    for (const LayerSnapshot& live : state.layers) {
+      if (live.layer != il) continue;
+      len = live.length;
+      base = live.ring_base;
+      ready = live.index_pools_ready;
     }
     auto rows = [&](PlaneKind kind, uint64_t first, uint64_t end, uint64_t physical_first,
                     uint64_t seed) -> absl::Status {
@@ -109,21 +103,21 @@ absl::Status ForEachLiveRange(Session& session, const pb::SessionState& state, b
       return range_op(view, kind, il, physical_first, first, end, seed);
     };
     if (session.Plane(il, PlaneKind::kConvState).ok()) {
-      RETURN_IF_ERROR(rows(PlaneKind::kConvState, 0, 1, 0, state.committed_len()));
-      RETURN_IF_ERROR(rows(PlaneKind::kSsmState, 0, 1, 0, state.committed_len()));
+      RETURN_IF_ERROR(rows(PlaneKind::kConvState, 0, 1, 0, state.committed_len));
+      RETURN_IF_ERROR(rows(PlaneKind::kSsmState, 0, 1, 0, state.committed_len));
     } else if (session.Plane(il, PlaneKind::kLatentRows).ok()) {
       RETURN_IF_ERROR(rows(PlaneKind::kLatentRows, 0, len, 0, 0));
-      if (layer.index_width() == 0) continue;
+      if (layer.index_width == 0) continue;
       RETURN_IF_ERROR(rows(PlaneKind::kPoolKeys, 0, ready, 0, 0));
-      const uint64_t tail = ready * layer.index_pool();
+      const uint64_t tail = ready * layer.index_pool;
       ASSIGN_OR_RETURN(uint64_t physical,
-                       IndexPlanePhysicalRow(layer.index_ring() ? layer.index_physical_rows() : 0,
-                                             layer.index_pool(), tail));
+                       IndexPlanePhysicalRow(layer.index_ring ? layer.index_physical_rows : 0,
+                                             layer.index_pool, tail));
       RETURN_IF_ERROR(rows(PlaneKind::kIndexRows, tail, len, physical, 0));
     } else if (session.Plane(il, PlaneKind::kKeys).ok()) {
-      const uint64_t from = layer.ring() && aligned ? AlignedWindowStart(len, layer.window())
-                                                    : (layer.ring() ? base : 0);
-      const uint64_t physical = layer.ring() ? from - base : 0;
+      const uint64_t from =
+          layer.ring && aligned ? AlignedWindowStart(len, layer.window) : (layer.ring ? base : 0);
+      const uint64_t physical = layer.ring ? from - base : 0;
       RETURN_IF_ERROR(rows(PlaneKind::kKeys, from, len, physical, 0));
       RETURN_IF_ERROR(rows(PlaneKind::kValues, from, len, physical, 0));
     }
@@ -150,7 +144,7 @@ std::vector<uint8_t> PatternRange(const PlaneView& view, PlaneKind kind, uint32_
   return pattern;
 }
 
-absl::Status WritePattern(Session& session, PlaneMemory& memory, const pb::SessionState& state) {
+absl::Status WritePattern(Session& session, PlaneMemory& memory, const SessionSnapshot& state) {
   return ForEachLiveRange(
       session, state, /*aligned=*/false,
       [&](const PlaneView& view, PlaneKind kind, uint32_t layer, uint64_t physical_first,
@@ -160,7 +154,7 @@ absl::Status WritePattern(Session& session, PlaneMemory& memory, const pb::Sessi
       });
 }
 
-absl::Status CheckPattern(Session& session, PlaneMemory& memory, const pb::SessionState& state) {
+absl::Status CheckPattern(Session& session, PlaneMemory& memory, const SessionSnapshot& state) {
   uint64_t checked = 0;
   RETURN_IF_ERROR(ForEachLiveRange(
       session, state, /*aligned=*/true,
@@ -185,14 +179,6 @@ absl::Status CheckPattern(Session& session, PlaneMemory& memory, const pb::Sessi
   std::fprintf(stderr, "prefix_engine: %llu restored bytes checked\n",
                static_cast<unsigned long long>(checked));
   return checked > 0 ? absl::OkStatus() : absl::InternalError("checked no byte");
-}
-
-// The raw requests this engine builds carry the session's engine event like the client's own.
-template <typename Request>
-void SetOrdering(const Session& session, Request& request) {
-  if (!session.wait_event().empty()) {
-    request.mutable_ordering()->set_wait_event(session.wait_event());
-  }
 }
 
 // Commits `rows` rows in chunks, each commit carrying its token ids.
@@ -228,25 +214,16 @@ absl::Status Run() {
   options.capacity = absl::GetFlag(FLAGS_capacity);
   ASSIGN_OR_RETURN(std::unique_ptr<Session> session, client->CreateSession(plan, options));
   session->SetWaitEvent(memory.WaitEvent());
-  std::unique_ptr<pb::KvPrefixCache::Stub> prefix = pb::KvPrefixCache::NewStub(
-      grpc::CreateChannel(absl::StrCat("unix:", socket), grpc::InsecureChannelCredentials()));
   const std::vector<int32_t> tokens = Tokens(n);
 
   if (mode == "capture" || mode == "hold") {
     RETURN_IF_ERROR(CommitRows(*session, tokens, n));
-    ASSIGN_OR_RETURN(pb::SessionState state, session->State());
+    ASSIGN_OR_RETURN(SessionSnapshot state, session->State());
     RETURN_IF_ERROR(WritePattern(*session, memory, state));
     if (mode == "capture") {
-      pb::CapturePrefixRequest request;
-      *request.mutable_session() = session->ref();
-      request.mutable_token_ids()->Add(tokens.begin(), tokens.end());
-      request.set_boundary_tokens(n);
-      SetOrdering(*session, request);
-      pb::CapturePrefixResponse response;
-      std::unique_ptr<grpc::ClientContext> context = client->NewContext();
-      RETURN_IF_ERROR(FromGrpcStatus(prefix->Capture(context.get(), request, &response)));
-      RETURN_IF_ERROR(WriteFacts(absl::GetFlag(FLAGS_out),
-                                 absl::StrCat("entry_id=", response.entry_id(), "\n")));
+      ASSIGN_OR_RETURN(PrefixCaptured captured, client->CapturePrefix(*session, tokens, n));
+      RETURN_IF_ERROR(
+          WriteFacts(absl::GetFlag(FLAGS_out), absl::StrCat("entry_id=", captured.entry_id, "\n")));
       return session->Release().status();
     }
     // Staged rows above the committed length, holding bytes no restore may ever see.
@@ -262,44 +239,28 @@ absl::Status Run() {
   }
 
   // restore
-  pb::LookupPrefixRequest lookup;
-  lookup.mutable_shape()->set_plan_fingerprint(
-      std::string(reinterpret_cast<const char*>(plan.data()), plan.size()));
-  lookup.mutable_token_ids()->Add(tokens.begin(), tokens.end());
-  pb::LookupPrefixResponse found;
-  {
-    std::unique_ptr<grpc::ClientContext> context = client->NewContext();
-    RETURN_IF_ERROR(FromGrpcStatus(prefix->Lookup(context.get(), lookup, &found)));
-  }
-  if (found.outcome() != pb::LOOKUP_OUTCOME_HIT || found.matched_tokens() != n) {
+  ASSIGN_OR_RETURN(PrefixMatch found, client->LookupPrefix(plan, options, tokens));
+  if (found.outcome != LookupOutcome::kHit || found.matched_tokens != n) {
     return absl::NotFoundError(absl::StrCat("lookup of ", n, " tokens: outcome ",
-                                            found.outcome(), ", matched ",
-                                            found.matched_tokens()));
+                                            static_cast<int>(found.outcome), ", matched ",
+                                            found.matched_tokens));
   }
-  pb::RestorePrefixRequest request;
-  *request.mutable_session() = session->ref();
-  request.set_entry_id(found.entry_id());
-  request.mutable_token_ids()->Add(tokens.begin(), tokens.end());
-  SetOrdering(*session, request);
-  pb::RestorePrefixResponse restored;
-  {
-    std::unique_ptr<grpc::ClientContext> context = client->NewContext();
-    RETURN_IF_ERROR(FromGrpcStatus(prefix->Restore(context.get(), request, &restored)));
+  ASSIGN_OR_RETURN(PrefixRestored restored,
+                   client->RestorePrefix(*session, tokens, found.entry_id));
+  if (restored.restored_tokens != n || restored.state.committed_len != n) {
+    return absl::InternalError(absl::StrCat("restored ", restored.restored_tokens,
+                                            " tokens, committed ", restored.state.committed_len,
+                                            "; wanted ", n));
   }
-  if (restored.restored_tokens() != n || restored.state().committed_len() != n) {
-    return absl::InternalError(absl::StrCat("restored ", restored.restored_tokens(),
-                                            " tokens, committed ",
-                                            restored.state().committed_len(), "; wanted ", n));
-  }
-  for (const pb::LayerState& layer : restored.state().layers()) {
-    if (layer.ring() && layer.ring_base() != AlignedWindowStart(n, 64)) {
-      return absl::InternalError(absl::StrCat("layer ", layer.layer(), " ring base ",
-                                              layer.ring_base()));
+  for (const LayerSnapshot& layer : restored.state.layers) {
+    if (layer.ring && layer.ring_base != AlignedWindowStart(n, 64)) {
+      return absl::InternalError(
+          absl::StrCat("layer ", layer.layer, " ring base ", layer.ring_base));
     }
   }
-  RETURN_IF_ERROR(CheckPattern(*session, memory, restored.state()));
+  RETURN_IF_ERROR(CheckPattern(*session, memory, restored.state));
   RETURN_IF_ERROR(WriteFacts(absl::GetFlag(FLAGS_out),
-                             absl::StrCat("restored=", restored.restored_tokens(), "\n")));
+                             absl::StrCat("restored=", restored.restored_tokens, "\n")));
   return session->Release().status();
 }
 

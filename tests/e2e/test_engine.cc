@@ -23,6 +23,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "client/client.h"
+#include "client/internal.h"
 #include "core/status_macros.h"
 #include "tests/e2e/engine_device.h"
 #include "tests/e2e/engine_script.h"
@@ -42,10 +43,8 @@ ABSL_FLAG(int, device, 0, "CUDA ordinal (--backend=cuda)");
 namespace memra::testing {
 namespace {
 
-namespace pb = ::memra::kv::v1;
-
 absl::Status Verify(Session& session, PlaneMemory& memory, uint8_t recurrent_fill) {
-  ASSIGN_OR_RETURN(pb::SessionState state, session.State());
+  ASSIGN_OR_RETURN(SessionSnapshot state, session.State());
   return VerifySession(
       session.layout(), state,
       [&](uint32_t layer, PlaneKind kind) { return session.Plane(layer, kind); }, memory,
@@ -55,17 +54,18 @@ absl::Status Verify(Session& session, PlaneMemory& memory, uint8_t recurrent_fil
 // The handle is hex: a cuda handle is 64 raw bytes.
 absl::Status WriteEngineFacts(const std::string& path, const Session& session,
                               const ScriptResult& result) {
+  const std::string token = ClientInternals::Ref(session).session_token();
   return WriteFacts(
       path,
       absl::StrCat("session_id=", session.id(), "\n",
-                   "session_token=", absl::BytesToHexString(session.ref().session_token()), "\n",
+                   "session_token=", absl::BytesToHexString(token), "\n",
                    "committed=", result.committed, "\n",
                    "rebases=", result.rebases, "\n",
                    "rewinds=", result.rewinds, "\n",
                    "spec_rollbacks=", result.spec_rollbacks, "\n",
                    "recurrent_fill=", static_cast<int>(result.recurrent_fill), "\n",
                    "arena_handle_hex=",
-                   absl::BytesToHexString(session.layout().arenas(0).handle()), "\n"));
+                   absl::BytesToHexString(session.layout().arenas[0].handle), "\n"));
 }
 
 absl::Status Run() {

@@ -2,6 +2,8 @@
 // refusals with their numbers on the wire, and the KvAdmin queries. An in-process daemon over
 // the host backend on a real Unix socket, with real clients (tests/service/test_daemon.h).
 
+#include "core/admission.h"
+
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
@@ -16,9 +18,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "client/client.h"
+#include "client/internal.h"
 #include "common/codec.h"
 #include "common/grpc_status.h"
-#include "core/admission.h"
 #include "core/formats.h"
 #include "core/test_model_plans.h"
 #include "gmock/gmock.h"
@@ -50,7 +52,7 @@ class AdmissionTest : public DaemonTest {
 
   // The exact bytes a session of the fixture's plan takes, from the pure core function.
   uint64_t CostOf(const ModelPlan& plan, uint64_t capacity, bool spec_snapshot = true) {
-    SessionRequest request;
+    SessionShape request;
     request.capacity = capacity;
     request.spec_snapshot = spec_snapshot;
     absl::StatusOr<uint64_t> bytes =
@@ -64,8 +66,8 @@ class AdmissionTest : public DaemonTest {
   // Admin calls through the client's KvAdmin stub.
   template <typename Request, typename Response, typename Method>
   absl::Status Admin(Method method, const Request& request, Response* response) {
-    return FromGrpcStatus((client_->admin_stub().*method)(client_->NewContext().get(), request,
-                                                          response));
+    return FromGrpcStatus((ClientInternals::Admin(*client_).*method)(
+        ClientInternals::NewContext(*client_).get(), request, response));
   }
 
   // Detaches `client` and waits (on the daemon's view, not the wall clock) until the daemon saw
@@ -305,20 +307,20 @@ TEST_F(AdmissionTest, GrowChargesBothArenasUntilAcknowledged) {
   const uint64_t small = CostOf(HybridTestPlan(), 64);
   const uint64_t large = CostOf(HybridTestPlan(), 512);
   pb::GrowRequest request;
-  *request.mutable_session() = session->ref();
+  *request.mutable_session() = ClientInternals::Ref(*session);
   request.set_target_capacity(512);
   pb::GrowResponse grown;
-  ASSERT_THAT(FromGrpcStatus(client_->cache_stub().Grow(client_->NewContext().get(), request,
-                                                        &grown)),
+  ASSERT_THAT(FromGrpcStatus(ClientInternals::Cache(*client_).Grow(
+                  ClientInternals::NewContext(*client_).get(), request, &grown)),
               IsOk());
   EXPECT_EQ(Admission().allocated_bytes(), small + large);
   EXPECT_EQ(host_->AllocatedBytes(), small + large);
   pb::AcknowledgeGrowRequest ack;
-  *ack.mutable_session() = session->ref();
+  *ack.mutable_session() = ClientInternals::Ref(*session);
   ack.set_layout_version(grown.layout().layout_version());
   pb::SessionStateResponse state;
-  ASSERT_THAT(FromGrpcStatus(client_->cache_stub().AcknowledgeGrow(client_->NewContext().get(),
-                                                                   ack, &state)),
+  ASSERT_THAT(FromGrpcStatus(ClientInternals::Cache(*client_).AcknowledgeGrow(
+                  ClientInternals::NewContext(*client_).get(), ack, &state)),
               IsOk());
   EXPECT_EQ(Admission().allocated_bytes(), large);
   EXPECT_EQ(host_->AllocatedBytes(), large);
@@ -331,7 +333,7 @@ TEST_F(AdmissionTest, GrowBeyondTheBudgetIsRefusedWithTheNewArenasBytes) {
   const uint64_t capacity = 1 << 20;
   const uint64_t needed = CostOf(HybridTestPlan(), capacity);
   ASSERT_GT(needed, before.free_bytes());
-  absl::StatusOr<pb::SessionState> grown = session->Grow(capacity);
+  absl::StatusOr<SessionSnapshot> grown = session->Grow(capacity);
   EXPECT_THAT(grown.status(),
               StatusIs(absl::StatusCode::kResourceExhausted,
                        HasSubstrs(absl::StrCat("needs ", needed, " bytes"),
@@ -402,9 +404,9 @@ TEST_F(AdmissionTest, PropertyRandomOperationsStayWithinTheBudget) {
       case 4: {
         if (engine.sessions.empty()) break;
         Session& session = *engine.sessions[random.Below(engine.sessions.size())];
-        absl::StatusOr<pb::SessionState> state = session.State();
+        absl::StatusOr<SessionSnapshot> state = session.State();
         ASSERT_TRUE(state.ok()) << state.status();
-        absl::StatusOr<pb::SessionState> grown = session.Grow(state->capacity() * 2);
+        absl::StatusOr<SessionSnapshot> grown = session.Grow(state->capacity * 2);
         if (!grown.ok()) {
           EXPECT_THAT(grown.status(), StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("needs")));
         }
@@ -453,7 +455,7 @@ TEST_F(AdmissionTest, CostOfAnImportedConfigMatchesTheCoreFunction) {
   ASSERT_THAT(Admin(&pb::KvAdmin::Stub::GetCost, request, &cost), IsOk());
   // The same geometry as core's Llama-3-8B test plan (32 layers, 8 KV heads of 128): the
   // breakdown is core's CostOfSession for it, number for number.
-  SessionRequest shape;
+  SessionShape shape;
   shape.capacity = 8192;
   absl::StatusOr<CostBreakdown> pure = CostOfSession(Llama3_8B(), FormatDefaults{}, shape);
   ASSERT_TRUE(pure.ok()) << pure.status();
@@ -569,7 +571,7 @@ TEST_F(AdmissionTest, ListingsShowEnginesSessionsAndReservations) {
               IsOk());
   ASSERT_EQ(sessions.sessions_size(), 1);
   const pb::SessionSummary summary = sessions.sessions(0);
-  EXPECT_EQ(summary.session_id(), session->ref().session_id());
+  EXPECT_EQ(summary.session_id(), session->id());
   EXPECT_EQ(summary.engine_id(), client_->engine_id());
   EXPECT_EQ(summary.model_name(), HybridTestPlan().name);
   EXPECT_EQ(summary.plan_fingerprint(), FingerprintToBytes(plan_));
@@ -703,7 +705,7 @@ TEST(AdmissionMetricsTest, RpcMetricsOffServesNoCallSeries) {
   ASSERT_TRUE((*daemon)->Start().ok());
   absl::StatusOr<std::unique_ptr<KvClient>> client = KvClient::Connect(config.socket_path);
   ASSERT_TRUE(client.ok()) << client.status();
-  ASSERT_TRUE((*client)->GetStatus().ok());
+  ASSERT_TRUE(ClientInternals::GetStatus(**client).ok());
   const std::string scrape = HttpGet((*daemon)->metrics_port(), "/metrics");
   EXPECT_THAT(scrape, HasSubstr(absl::StrCat("\nmemra_budget_bytes ", kBudget, "\n")));
   EXPECT_THAT(scrape, Not(HasSubstr("memra_rpc_")));

@@ -19,16 +19,14 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "absl/strings/str_cat.h"
 #include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "client/client.h"
-#include "common/grpc_status.h"
+#include "client/internal.h"
 #include "core/index_ring.h"
 #include "core/kv_ring.h"
 #include "core/test_model_plans.h"
-#include "grpcpp/create_channel.h"
-#include "grpcpp/security/credentials.h"
 #include "gtest/gtest.h"
 #include "proto/memra/kv/v1/prefix.grpc.pb.h"
 #include "tests/seeded_random.h"
@@ -145,11 +143,8 @@ class ResidencyPropertyTest : public DaemonTest {
 // One sequence on one plan: the engine, its session and the record of what it wrote.
 class Sequence {
  public:
-  Sequence(KvClient& client, const PlanCase& plan_case, PlanFingerprint plan, uint64_t seed,
-           const std::string& socket)
-      : client_(client), case_(plan_case), plan_(plan), random_(seed),
-        prefix_(pb::KvPrefixCache::NewStub(grpc::CreateChannel(
-            absl::StrCat("unix:", socket), grpc::InsecureChannelCredentials()))) {
+  Sequence(KvClient& client, const PlanCase& plan_case, PlanFingerprint plan, uint64_t seed)
+      : client_(client), case_(plan_case), plan_(plan), random_(seed) {
     for (const LayerPlan& layer : case_.plan.layers) {
       if (layer.kind == StateKind::kKv || layer.kind == StateKind::kSlidingKv) {
         kv_layers_.push_back(layer);
@@ -166,10 +161,10 @@ class Sequence {
     capacity_ = case_.capacity;
     session_ = NewSession(capacity_);
     if (session_ == nullptr) return false;
-    while (ok_ && State().committed_len() < case_.prefill) {
-      const std::string before = State().SerializeAsString();
+    while (ok_ && State().committed_len < case_.prefill) {
+      const SessionSnapshot before = State();
       Append(before, case_.large_append);
-      CommitOrAbort(State().SerializeAsString(), /*abort=*/false, /*all=*/true);
+      CommitOrAbort(State(), /*abort=*/false, /*all=*/true);
     }
     for (int op = 0; op < kOpsPerSequence && ok_; ++op) Step();
     if (session_ != nullptr) {
@@ -211,15 +206,15 @@ class Sequence {
 
   uint64_t NextTag() { return ++last_tag_; }
 
-  pb::SessionState State() {
-    absl::StatusOr<pb::SessionState> state = session_->State();
+  SessionSnapshot State() {
+    absl::StatusOr<SessionSnapshot> state = session_->State();
     if (!state.ok()) Fail(absl::StrCat("state: ", state.status().ToString()));
-    return state.ok() ? *state : pb::SessionState();
+    return state.ok() ? *state : SessionSnapshot();
   }
 
-  const pb::LayerState* LayerOf(const pb::SessionState& state, uint32_t layer) {
-    for (const pb::LayerState& entry : state.layers()) {
-      if (entry.layer() == layer) return &entry;
+  const LayerSnapshot* LayerOf(const SessionSnapshot& state, uint32_t layer) {
+    for (const LayerSnapshot& entry : state.layers) {
+      if (entry.layer == layer) return &entry;
     }
     Fail(absl::StrCat("state has no layer ", layer));
     return nullptr;
@@ -291,23 +286,23 @@ class Sequence {
   // indexer tail it drains into a pool key, ring rows a rebase moves): those are checked again
   // by the operation that ends the append (publish, commit, abort, rewind, rollback).
   void CheckLive(const std::string& what) {
-    const pb::SessionState state = State();
+    const SessionSnapshot state = State();
     if (!ok_) return;
-    const uint64_t len = state.staged_len();
+    const uint64_t len = state.staged_len;
     for (const LayerPlan& layer : kv_layers_) {
-      const pb::LayerState* entry = LayerOf(state, layer.index);
+      const LayerSnapshot* entry = LayerOf(state, layer.index);
       if (entry == nullptr) return;
       if (Mirror(layer.index, PlaneKind::kLenMirror) != static_cast<int32_t>(len) ||
-          static_cast<uint64_t>(entry->length()) != len) {
+          static_cast<uint64_t>(entry->length) != len) {
         return Fail(absl::StrCat(what, ": layer ", layer.index, " length mirror ",
                                  Mirror(layer.index, PlaneKind::kLenMirror), ", state ",
-                                 entry->length(), ", staged ", len));
+                                 entry->length, ", staged ", len));
       }
       uint64_t start = 0;
       uint64_t base = 0;
-      if (entry->ring()) {
+      if (entry->ring) {
         if (prepared_) continue;
-        base = entry->ring_base();
+        base = entry->ring_base;
         if (Mirror(layer.index, PlaneKind::kBaseMirror) != static_cast<int32_t>(base)) {
           return Fail(absl::StrCat(what, ": layer ", layer.index, " base mirror ",
                                    Mirror(layer.index, PlaneKind::kBaseMirror), ", state ", base));
@@ -327,13 +322,13 @@ class Sequence {
       }
     }
     for (const LayerPlan& layer : latent_layers_) {
-      const pb::LayerState* entry = LayerOf(state, layer.index);
+      const LayerSnapshot* entry = LayerOf(state, layer.index);
       if (entry == nullptr) return;
-      if (static_cast<uint64_t>(entry->length()) != len ||
+      if (static_cast<uint64_t>(entry->length) != len ||
           Mirror(layer.index, PlaneKind::kLenMirror) != static_cast<int32_t>(len)) {
-        return Fail(absl::StrCat(what, ": latent layer ", layer.index, " length ",
-                                 entry->length(), " / mirror ",
-                                 Mirror(layer.index, PlaneKind::kLenMirror), ", staged ", len));
+        return Fail(absl::StrCat(what, ": latent layer ", layer.index, " length ", entry->length,
+                                 " / mirror ", Mirror(layer.index, PlaneKind::kLenMirror),
+                                 ", staged ", len));
       }
       std::optional<PlaneView> rows = Plane(layer.index, PlaneKind::kLatentRows);
       if (!rows.has_value()) return;
@@ -341,7 +336,7 @@ class Sequence {
         if (!CheckRow(*rows, row, {layer.index, PlaneKind::kLatentRows}, row, what)) return;
       }
       if (layer.index_width == 0) continue;
-      const uint64_t ready = entry->index_pools_ready();
+      const uint64_t ready = entry->index_pools_ready;
       if (ready > len / layer.index_pool) {
         return Fail(absl::StrCat(what, ": layer ", layer.index, " claims ", ready,
                                  " ready pools at length ", len));
@@ -435,7 +430,7 @@ class Sequence {
 
   // Records the outcome of one operation and checks the invariant after it. A refusal must
   // leave the serialised state exactly as it was.
-  void After(const std::string& what, const absl::Status& status, const std::string& before) {
+  void After(const std::string& what, const absl::Status& status, const SessionSnapshot& before) {
     history_.push_back(absl::StrCat(what, status.ok() ? "" : " (refused)"));
     const std::string kind = what.substr(0, what.find(' '));
     ++(status.ok() ? outcomes_[kind].first : outcomes_[kind].second);
@@ -449,7 +444,7 @@ class Sequence {
           status.code() != absl::StatusCode::kNotFound) {
         return Fail(absl::StrCat(what, ": unexpected refusal ", status.ToString()));
       }
-      if (State().SerializeAsString() != before) {
+      if (State() != before) {
         return Fail(absl::StrCat(what, " was refused (", status.ToString(),
                                  ") but changed the session's state"));
       }
@@ -458,7 +453,7 @@ class Sequence {
   }
 
   void Step() {
-    const std::string before = State().SerializeAsString();
+    const SessionSnapshot before = State();
     if (!ok_) return;
     const uint64_t choice = random_.Below(100);
     if (choice < 38) return Append(before);
@@ -475,7 +470,7 @@ class Sequence {
   }
 
   // Appends 1..max_rows rows (random when 0), sometimes leaving them unpublished.
-  void Append(const std::string& before, uint64_t max_rows = 0) {
+  void Append(const SessionSnapshot& before, uint64_t max_rows = 0) {
     if (!transaction_.has_value()) {
       absl::StatusOr<Transaction> begun = session_->Begin();
       After("begin", begun.status(), before);
@@ -484,8 +479,8 @@ class Sequence {
     }
     const uint64_t max = random_.Below(10) == 0 ? case_.large_append : case_.small_append;
     const uint64_t rows = max_rows != 0 ? max_rows : 1 + random_.Below(max);
-    const std::string prepared_before = State().SerializeAsString();
-    const uint64_t first = State().staged_len();
+    const SessionSnapshot prepared_before = State();
+    const uint64_t first = State().staged_len;
     absl::StatusOr<PreparedAppend> append = session_->PrepareAppend(transaction_->generation, rows);
     if (append.ok()) {
       WriteAppend(*append, first, rows);
@@ -494,16 +489,16 @@ class Sequence {
     After(absl::StrCat("prepare ", rows, " at ", first), append.status(), prepared_before);
     // Sometimes left unpublished.
     if (!append.ok() || (max_rows == 0 && random_.Below(8) == 0)) return;
-    const std::string published_before = State().SerializeAsString();
+    const SessionSnapshot published_before = State();
     const absl::Status published = session_->PublishAppend(transaction_->generation).status();
     if (published.ok()) prepared_ = false;
     After("publish", published, published_before);
   }
 
   // Ends the transaction: abort, commit everything staged (`all`), or commit a random part.
-  void CommitOrAbort(const std::string& before, bool abort, bool all = false) {
+  void CommitOrAbort(const SessionSnapshot& before, bool abort, bool all = false) {
     if (!transaction_.has_value()) return;
-    const pb::SessionState state = State();
+    const SessionSnapshot state = State();
     const uint64_t base = transaction_->base_len;
     absl::Status status;
     std::string what;
@@ -511,19 +506,19 @@ class Sequence {
       status = session_->Abort(transaction_->generation).status();
       what = absl::StrCat("abort to ", base);
     } else {
-      const uint64_t staged = state.staged_len() - base;
+      const uint64_t staged = state.staged_len - base;
       const uint64_t accepted = all ? staged : random_.Below(staged + 1);
       std::vector<int32_t> tokens(conversation_.tokens.begin() + base,
                                   conversation_.tokens.begin() + base + accepted);
       status = session_->Commit(transaction_->generation, accepted, tokens).status();
-      what = absl::StrCat("commit ", accepted, " of ", state.staged_len() - base, " at ", base);
+      what = absl::StrCat("commit ", accepted, " of ", state.staged_len - base, " at ", base);
     }
     if (status.ok()) EndTransaction();
     After(what, status, before);
   }
 
-  void RewindTo(const std::string& before) {
-    const uint64_t staged = State().staged_len();
+  void RewindTo(const SessionSnapshot& before) {
+    const uint64_t staged = State().staged_len;
     const uint64_t target = random_.Below(staged + 2);
     absl::StatusOr<bool> can = session_->CanRewind(target);
     if (!can.ok()) return Fail(absl::StrCat("can rewind ", target, ": ", can.status().ToString()));
@@ -536,17 +531,17 @@ class Sequence {
     After(absl::StrCat("rewind ", staged, " -> ", target), status, before);
   }
 
-  void SpecSnapshot(const std::string& before) {
+  void SpecSnapshot(const SessionSnapshot& before) {
     const absl::Status status = session_->SpecSnapshot().status();
     if (status.ok()) {
       spec_recurrent_ = conversation_.recurrent;
-      spec_committed_ = State().committed_len();
+      spec_committed_ = State().committed_len;
     }
     After("spec snapshot", status, before);
   }
 
-  void SpecRollback(const std::string& before) {
-    const uint64_t staged = State().staged_len();
+  void SpecRollback(const SessionSnapshot& before) {
+    const uint64_t staged = State().staged_len;
     const uint64_t accept = random_.Below(staged + 2 - std::min(staged, spec_committed_));
     const absl::Status status = session_->SpecRollback(accept).status();
     if (status.ok()) {
@@ -556,7 +551,7 @@ class Sequence {
     After(absl::StrCat("spec rollback accepting ", accept), status, before);
   }
 
-  void Grow(const std::string& before) {
+  void Grow(const SessionSnapshot& before) {
     if (capacity_ + 64 > case_.capacity * 2) return;
     const uint64_t target = capacity_ + 1 + random_.Below(64);
     const absl::Status status = session_->Grow(target).status();
@@ -572,12 +567,12 @@ class Sequence {
     if (!ReplaceSession()) return;
     const uint64_t len = 1 + random_.Below(std::min<uint64_t>(capacity_ - 1, 3 * case_.small_append));
     for (uint64_t row = 0; row < len; ++row) conversation_.SetToken(row, NextTag());
-    const pb::SessionState fresh = State();
+    const SessionSnapshot fresh = State();
     for (const LayerPlan& layer : kv_layers_) {
-      const pb::LayerState* entry = LayerOf(fresh, layer.index);
+      const LayerSnapshot* entry = LayerOf(fresh, layer.index);
       if (entry == nullptr) return;
       // Ring layers hold the aligned live window from physical row 0 (Hydrate's default).
-      const uint64_t start = entry->ring() ? AlignedWindowStart(len, layer.window) : 0;
+      const uint64_t start = entry->ring ? AlignedWindowStart(len, layer.window) : 0;
       for (PlaneKind kind : {PlaneKind::kKeys, PlaneKind::kValues}) {
         std::optional<PlaneView> view = Plane(layer.index, kind);
         if (!view.has_value()) return;
@@ -608,41 +603,37 @@ class Sequence {
       }
     }
     WriteRecurrent();
-    const std::string before = State().SerializeAsString();
+    const SessionSnapshot before = State();
     After(absl::StrCat("hydrate ", len), session_->Hydrate(len).status(), before);
   }
 
   // Captures at the committed length, first ending any transaction (committing what is
   // published) and rewinding to a block boundary, as an engine preparing a capture would.
-  void Capture(const std::string& before) {
+  void Capture(const SessionSnapshot& before) {
     if (transaction_.has_value()) {
       if (prepared_) return;
       CommitOrAbort(before, /*abort=*/false, /*all=*/true);
       if (!ok_ || transaction_.has_value()) return;
     }
-    const uint64_t committed = State().committed_len();
+    const uint64_t committed = State().committed_len;
     if (committed % kBlockTokens != 0) {
-      const std::string unaligned = State().SerializeAsString();
+      const SessionSnapshot unaligned = State();
       const uint64_t target = committed / kBlockTokens * kBlockTokens;
       const absl::Status status = session_->Rewind(target).status();
       After(absl::StrCat("rewind ", committed, " -> ", target), status, unaligned);
       if (!status.ok()) return;
     }
-    const std::string aligned = State().SerializeAsString();
-    const pb::SessionState state = State();
-    const uint64_t boundary = state.committed_len();
+    const SessionSnapshot aligned = State();
+    const SessionSnapshot state = State();
+    const uint64_t boundary = state.committed_len;
     if (!ok_ || boundary == 0) return;
-    pb::CapturePrefixRequest request;
-    *request.mutable_session() = session_->ref();
-    request.mutable_token_ids()->Add(conversation_.tokens.begin(),
-                                     conversation_.tokens.begin() + boundary);
-    request.set_boundary_tokens(boundary);
-    pb::CapturePrefixResponse response;
-    const absl::Status status =
-        FromGrpcStatus(prefix_->Capture(client_.NewContext().get(), request, &response));
+    absl::StatusOr<PrefixCaptured> captured = client_.CapturePrefix(
+        *session_, absl::MakeConstSpan(conversation_.tokens).subspan(0, boundary), boundary);
     // An entry already stored for these tokens keeps its first capture's bytes.
-    if (status.ok() && !response.already_present()) captured_.push_back({boundary, conversation_});
-    After(absl::StrCat("capture ", boundary), status, aligned);
+    if (captured.ok() && !captured->already_present) {
+      captured_.push_back({boundary, conversation_});
+    }
+    After(absl::StrCat("capture ", boundary), captured.status(), aligned);
   }
 
   // Replaces the session by a fresh one restored from an entry this sequence captured.
@@ -650,18 +641,14 @@ class Sequence {
     if (captured_.empty()) return;
     const Captured entry = captured_[random_.Below(captured_.size())];
     if (entry.boundary > case_.capacity || !ReplaceSession()) return;
-    pb::RestorePrefixRequest request;
-    *request.mutable_session() = session_->ref();
-    request.mutable_token_ids()->Add(entry.conversation.tokens.begin(),
-                                     entry.conversation.tokens.begin() + entry.boundary);
-    pb::RestorePrefixResponse response;
-    const std::string before = State().SerializeAsString();
-    const absl::Status status =
-        FromGrpcStatus(prefix_->Restore(client_.NewContext().get(), request, &response));
+    const SessionSnapshot before = State();
+    absl::StatusOr<PrefixRestored> restored = client_.RestorePrefix(
+        *session_, absl::MakeConstSpan(entry.conversation.tokens).subspan(0, entry.boundary));
+    const absl::Status status = restored.status();
     if (status.ok()) {
-      if (response.restored_tokens() != entry.boundary) {
-        return Fail(absl::StrCat("restore of ", entry.boundary, " restored ",
-                                 response.restored_tokens()));
+      if (restored->restored_tokens != entry.boundary) {
+        return Fail(
+            absl::StrCat("restore of ", entry.boundary, " restored ", restored->restored_tokens));
       }
       const uint64_t last_tag = last_tag_;
       conversation_ = entry.conversation;
@@ -670,7 +657,7 @@ class Sequence {
     After(absl::StrCat("restore ", entry.boundary), status, before);
   }
 
-  void Reset(const std::string& before) {
+  void Reset(const SessionSnapshot& before) {
     const absl::Status status = session_->Reset().status();
     if (status.ok()) {
       conversation_ = Conversation();
@@ -704,7 +691,6 @@ class Sequence {
   const PlanCase& case_;
   const PlanFingerprint plan_;
   SeededRandom random_;
-  std::unique_ptr<pb::KvPrefixCache::Stub> prefix_;
   std::vector<LayerPlan> kv_layers_;
   std::vector<LayerPlan> latent_layers_;
   std::vector<uint32_t> recurrent_layers_;
@@ -735,7 +721,7 @@ TEST_F(ResidencyPropertyTest, EveryLiveRowHoldsWhatWasLastWrittenOnEveryPlanKind
     int ring_rebases = 0;
     int residency_refusals = 0;
     for (uint64_t seed : kSeeds) {
-      Sequence sequence(*client_, plan_case, *plan, seed, daemon_->socket_path());
+      Sequence sequence(*client_, plan_case, *plan, seed);
       EXPECT_TRUE(sequence.Run()) << plan_case.name << " seed " << seed;
       for (const auto& [kind, counts] : sequence.outcomes()) {
         outcomes[kind].first += counts.first;
@@ -764,15 +750,16 @@ TEST_F(ResidencyPropertyTest, EveryLiveRowHoldsWhatWasLastWrittenOnEveryPlanKind
     }
   }
   // The daemon's prefix storage is freed before the fixture counts arenas.
-  std::unique_ptr<pb::KvPrefixCache::Stub> prefix = pb::KvPrefixCache::NewStub(grpc::CreateChannel(
-      absl::StrCat("unix:", daemon_->socket_path()), grpc::InsecureChannelCredentials()));
+  // (Operator calls: the raw stub.)
+  pb::KvPrefixCache::Stub& prefix = ClientInternals::Prefix(*client_);
   pb::ListPrefixesResponse listed;
-  ASSERT_TRUE(prefix->ListPrefixes(client_->NewContext().get(), {}, &listed).ok());
+  ASSERT_TRUE(prefix.ListPrefixes(ClientInternals::NewContext(*client_).get(), {}, &listed).ok());
   for (const pb::PrefixEntry& entry : listed.entries()) {
     pb::EvictPrefixRequest evict;
     evict.set_entry_id(entry.entry_id());
     pb::EvictPrefixResponse evicted;
-    EXPECT_TRUE(prefix->EvictPrefix(client_->NewContext().get(), evict, &evicted).ok());
+    EXPECT_TRUE(
+        prefix.EvictPrefix(ClientInternals::NewContext(*client_).get(), evict, &evicted).ok());
   }
 }
 

@@ -15,13 +15,14 @@
 
 #include "absl/strings/str_cat.h"
 #include "client/client.h"
+#include "client/internal.h"
+#include "common/codec.h"
+#include "common/grpc_status.h"
 #include "gmock/gmock.h"
 #include "grpcpp/client_context.h"
 #include "grpcpp/create_channel.h"
 #include "grpcpp/security/credentials.h"
 #include "gtest/gtest.h"
-#include "common/codec.h"
-#include "common/grpc_status.h"
 #include "tests/service/health.grpc.pb.h"
 #include "tests/service/test_daemon.h"
 #include "tests/service/test_plans.h"
@@ -53,14 +54,25 @@ int32_t ReadMirror(const Session& session, uint32_t layer, PlaneKind kind) {
   return value;
 }
 
-pb::SessionState StateOf(Session& session) {
-  absl::StatusOr<pb::SessionState> state = session.State();
+SessionSnapshot StateOf(Session& session) {
+  absl::StatusOr<SessionSnapshot> state = session.State();
   EXPECT_THAT(state, IsOk());
-  return state.ok() ? *state : pb::SessionState();
+  return state.ok() ? *state : SessionSnapshot();
 }
 
-// Serialised state, for "changed nothing" comparisons.
-std::string Snapshot(Session& session) { return StateOf(session).SerializeAsString(); }
+// The whole state as text, for "changed nothing" comparisons.
+std::string Snapshot(Session& session) {
+  const SessionSnapshot state = StateOf(session);
+  std::string text = absl::StrCat(state.layout_version, " ", state.capacity, " ",
+                                  state.committed_len, " ", state.staged_len, " ", state.position,
+                                  " ", state.active_generation, " ", state.next_generation, " ",
+                                  state.tainted, state.spec_snapshot_valid, state.grow_pending);
+  for (const LayerSnapshot& layer : state.layers) {
+    absl::StrAppend(&text, " [", layer.layer, " ", layer.length, " ", layer.ring_base, " ",
+                    layer.ring, " ", layer.index_pools_ready, "]");
+  }
+  return text;
+}
 
 // Begin, append `rows`, publish, commit `accepted`; returns the committed length.
 uint64_t AppendAndCommit(Session& session, uint64_t rows, uint64_t accepted) {
@@ -74,7 +86,7 @@ uint64_t AppendAndCommit(Session& session, uint64_t rows, uint64_t accepted) {
 }
 
 pb::SessionRef WithToken(const Session& session, std::string token) {
-  pb::SessionRef ref = session.ref();
+  pb::SessionRef ref = ClientInternals::Ref(session);
   ref.set_session_token(std::move(token));
   return ref;
 }
@@ -87,7 +99,7 @@ TEST_F(ServiceTest, AttachAnnouncesEngineLeaseAndBackend) {
   EXPECT_GT(client_->engine_id(), 0u);
   EXPECT_EQ(client_->lease_timeout(), absl::Milliseconds(kLeaseTimeoutMs));
   EXPECT_TRUE(client_->lease_alive());
-  absl::StatusOr<pb::GetStatusResponse> status = client_->GetStatus();
+  absl::StatusOr<pb::GetStatusResponse> status = ClientInternals::GetStatus(*client_);
   ASSERT_THAT(status, IsOk());
   EXPECT_EQ(status->backend(), "host");
   EXPECT_EQ(status->engines(), 1u);
@@ -105,7 +117,7 @@ TEST_F(ServiceTest, AttachAnnouncesEngineLeaseAndBackend) {
 
 TEST_F(ServiceTest, AttachMustOpenWithHello) {
   grpc::ClientContext context;
-  auto stream = client_->cache_stub().Attach(&context);
+  auto stream = ClientInternals::Cache(*client_).Attach(&context);
   pb::AttachRequest heartbeat;
   heartbeat.mutable_heartbeat()->set_sequence(1);
   ASSERT_TRUE(stream->Write(heartbeat));
@@ -131,8 +143,8 @@ TEST_F(ServiceTest, RegisterPlanIsIdempotentAndRefusesBadPlans) {
   *unspecified.mutable_plan() = ModelPlanToProto(HybridTestPlan());
   unspecified.mutable_plan()->mutable_layers(0)->set_kind(pb::STATE_KIND_UNSPECIFIED);
   pb::RegisterPlanResponse response;
-  EXPECT_THAT(FromGrpcStatus(client_->cache_stub().RegisterPlan(client_->NewContext().get(),
-                                                                unspecified, &response)),
+  EXPECT_THAT(FromGrpcStatus(ClientInternals::Cache(*client_).RegisterPlan(
+                  ClientInternals::NewContext(*client_).get(), unspecified, &response)),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("plan.layers[0].kind")));
   EXPECT_EQ(daemon_->GetStatus().plans(), 1u);
 }
@@ -142,38 +154,36 @@ TEST_F(ServiceTest, RegisterPlanIsIdempotentAndRefusesBadPlans) {
 TEST_F(ServiceTest, CreateSessionReturnsEveryPlaneMapped) {
   std::unique_ptr<Session> session = NewSession(*client_, kCapacity);
   ASSERT_NE(session, nullptr);
-  const pb::SessionLayout& layout = session->layout();
-  EXPECT_EQ(layout.layout_version(), 1u);
-  EXPECT_EQ(layout.capacity(), kCapacity);
-  ASSERT_THAT(layout.arenas(), SizeIs(1));
-  EXPECT_EQ(layout.arenas(0).backend(), "host");
-  EXPECT_EQ(layout.arenas(0).bytes(), host_->AllocatedBytes());
-  ASSERT_THAT(layout.layers(), SizeIs(4));
-  for (const pb::LayerLayout& layer : layout.layers()) {
-    for (const pb::Plane& plane : layer.planes()) {
-      EXPECT_EQ(plane.offset() % 256, 0u);
-      EXPECT_LE(plane.offset() + plane.bytes(), layout.arenas(0).bytes());
-      absl::StatusOr<PlaneKind> kind = PlaneKindFromProto(plane.kind());
-      ASSERT_THAT(kind, IsOk());
-      EXPECT_THAT(session->Plane(layer.layer(), *kind), IsOk());
+  const SessionLayout& layout = session->layout();
+  EXPECT_EQ(layout.version, 1u);
+  EXPECT_EQ(layout.capacity, kCapacity);
+  ASSERT_THAT(layout.arenas, SizeIs(1));
+  EXPECT_EQ(layout.arenas[0].backend, "host");
+  EXPECT_EQ(layout.arenas[0].bytes, host_->AllocatedBytes());
+  ASSERT_THAT(layout.layers, SizeIs(4));
+  for (const SessionLayer& layer : layout.layers) {
+    for (const SessionPlane& plane : layer.planes) {
+      EXPECT_EQ(plane.offset % 256, 0u);
+      EXPECT_LE(plane.offset + plane.bytes, layout.arenas[0].bytes);
+      EXPECT_THAT(session->Plane(layer.layer, plane.kind), IsOk());
     }
   }
   EXPECT_THAT(session->Plane(kFlatLayer, PlaneKind::kKeys)->rows, kCapacity);
   EXPECT_THAT(session->Plane(kRecurrentLayer, PlaneKind::kKeys),
               StatusIs(absl::StatusCode::kNotFound, HasSubstr("layer 2 has no keys plane")));
-  const pb::SessionState state = StateOf(*session);
-  EXPECT_EQ(state.committed_len(), 0u);
-  EXPECT_EQ(state.next_generation(), 1u);
-  EXPECT_FALSE(state.tainted());
+  const SessionSnapshot state = StateOf(*session);
+  EXPECT_EQ(state.committed_len, 0u);
+  EXPECT_EQ(state.next_generation, 1u);
+  EXPECT_FALSE(state.tainted);
   EXPECT_EQ(daemon_->GetStatus().sessions(), 1u);
-  EXPECT_EQ(daemon_->GetStatus().engine_status(0).allocated_bytes(), layout.arenas(0).bytes());
+  EXPECT_EQ(daemon_->GetStatus().engine_status(0).allocated_bytes(), layout.arenas[0].bytes);
 }
 
 TEST_F(ServiceTest, CreateSessionRefusalsAllocateNothing) {
   auto create = [&](const pb::CreateSessionRequest& request) {
     pb::CreateSessionResponse response;
-    return FromGrpcStatus(
-        client_->cache_stub().CreateSession(client_->NewContext().get(), request, &response));
+    return FromGrpcStatus(ClientInternals::Cache(*client_).CreateSession(
+        ClientInternals::NewContext(*client_).get(), request, &response));
   };
   pb::CreateSessionRequest good;
   good.mutable_engine()->set_engine_id(client_->engine_id());
@@ -224,14 +234,14 @@ TEST_F(ServiceTest, EveryCallNeedsTheSessionToken) {
   *rewind.mutable_session() = WithToken(*session, "not-the-token");
   rewind.set_target(0);
   pb::SessionStateResponse state;
-  EXPECT_THAT(
-      FromGrpcStatus(client_->cache_stub().Rewind(client_->NewContext().get(), rewind, &state)),
-      StatusIs(absl::StatusCode::kPermissionDenied, HasSubstr("wrong session token")));
+  EXPECT_THAT(FromGrpcStatus(ClientInternals::Cache(*client_).Rewind(
+                  ClientInternals::NewContext(*client_).get(), rewind, &state)),
+              StatusIs(absl::StatusCode::kPermissionDenied, HasSubstr("wrong session token")));
   pb::SessionRequest release;
   *release.mutable_session() = WithToken(*session, "");
   pb::ReleaseSessionResponse released;
-  EXPECT_THAT(FromGrpcStatus(client_->cache_stub().ReleaseSession(client_->NewContext().get(),
-                                                                  release, &released)),
+  EXPECT_THAT(FromGrpcStatus(ClientInternals::Cache(*client_).ReleaseSession(
+                  ClientInternals::NewContext(*client_).get(), release, &released)),
               StatusIs(absl::StatusCode::kPermissionDenied,
                        HasSubstr("wrong session token for session 1")));
   pb::StepRequest step;
@@ -239,16 +249,16 @@ TEST_F(ServiceTest, EveryCallNeedsTheSessionToken) {
   *entry->mutable_session() = WithToken(*session, "x");
   entry->mutable_begin();
   pb::StepResponse results;
-  ASSERT_THAT(
-      FromGrpcStatus(client_->cache_stub().Step(client_->NewContext().get(), step, &results)),
-      IsOk());
+  ASSERT_THAT(FromGrpcStatus(ClientInternals::Cache(*client_).Step(
+                  ClientInternals::NewContext(*client_).get(), step, &results)),
+              IsOk());
   EXPECT_EQ(results.results(0).code(), static_cast<int>(absl::StatusCode::kPermissionDenied));
 
-  *rewind.mutable_session() = session->ref();
+  *rewind.mutable_session() = ClientInternals::Ref(*session);
   rewind.mutable_session()->set_session_id(session->id() + 1000);
-  EXPECT_THAT(
-      FromGrpcStatus(client_->cache_stub().Rewind(client_->NewContext().get(), rewind, &state)),
-      StatusIs(absl::StatusCode::kNotFound, HasSubstr("does not exist")));
+  EXPECT_THAT(FromGrpcStatus(ClientInternals::Cache(*client_).Rewind(
+                  ClientInternals::NewContext(*client_).get(), rewind, &state)),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("does not exist")));
 
   EXPECT_EQ(Snapshot(*session), before);
 }
@@ -262,10 +272,11 @@ TEST_F(ServiceTest, OneEngineCannotTouchAnothersSession) {
   pb::SessionRequest request;
   request.mutable_session()->set_session_id(mine->id());
   pb::BeginResponse begun;
-  EXPECT_THAT(FromGrpcStatus(other->cache_stub().Begin(other->NewContext().get(), request, &begun)),
+  EXPECT_THAT(FromGrpcStatus(ClientInternals::Cache(*other).Begin(
+                  ClientInternals::NewContext(*other).get(), request, &begun)),
               StatusIs(absl::StatusCode::kPermissionDenied,
                        HasSubstr("wrong session token for session 1")));
-  EXPECT_EQ(StateOf(*mine).next_generation(), 1u);
+  EXPECT_EQ(StateOf(*mine).next_generation, 1u);
 }
 
 // ---- Transactions ----
@@ -288,20 +299,20 @@ TEST_F(ServiceTest, PartialCommitSetsLengthsAndMirrors) {
   EXPECT_THAT(session->PublishAppend(tx->generation), IsOkAndHolds(8u));
   EXPECT_EQ(ReadMirror(*session, kFlatLayer, PlaneKind::kLenMirror), 8);
   EXPECT_EQ(ReadMirror(*session, kLatentLayer, PlaneKind::kLenMirror), 8);
-  pb::SessionState staged = StateOf(*session);
-  EXPECT_EQ(staged.staged_len(), 8u);
-  EXPECT_EQ(staged.committed_len(), 0u);
-  EXPECT_EQ(staged.active_generation(), 1u);
+  SessionSnapshot staged = StateOf(*session);
+  EXPECT_EQ(staged.staged_len, 8u);
+  EXPECT_EQ(staged.committed_len, 0u);
+  EXPECT_EQ(staged.active_generation, 1u);
 
   EXPECT_THAT(session->Commit(tx->generation, 5), IsOkAndHolds(5u));
-  pb::SessionState committed = StateOf(*session);
-  EXPECT_EQ(committed.committed_len(), 5u);
-  EXPECT_EQ(committed.staged_len(), 5u);
-  EXPECT_EQ(committed.active_generation(), 0u);
+  SessionSnapshot committed = StateOf(*session);
+  EXPECT_EQ(committed.committed_len, 5u);
+  EXPECT_EQ(committed.staged_len, 5u);
+  EXPECT_EQ(committed.active_generation, 0u);
   for (uint32_t layer : {kFlatLayer, kSlidingLayer, kLatentLayer}) {
     EXPECT_EQ(ReadMirror(*session, layer, PlaneKind::kLenMirror), 5) << "layer " << layer;
   }
-  for (const pb::LayerState& layer : committed.layers()) EXPECT_EQ(layer.length(), 5);
+  for (const LayerSnapshot& layer : committed.layers) EXPECT_EQ(layer.length, 5);
 
   absl::StatusOr<Transaction> next = session->Begin();
   ASSERT_THAT(next, IsOk());
@@ -396,15 +407,15 @@ TEST_F(ServiceTest, StepRunsManySessionsWithIndependentResults) {
   for (size_t i = 0; i < sessions.size(); ++i) {
     ASSERT_THAT((*committed)[i].status, IsOk());
     EXPECT_EQ((*committed)[i].committed_len, i);
-    EXPECT_EQ(StateOf(*sessions[i]).committed_len(), i);
+    EXPECT_EQ(StateOf(*sessions[i]).committed_len, i);
   }
 
   pb::StepRequest empty_op;
-  *empty_op.add_entries()->mutable_session() = sessions[0]->ref();
+  *empty_op.add_entries()->mutable_session() = ClientInternals::Ref(*sessions[0]);
   pb::StepResponse response;
-  ASSERT_THAT(
-      FromGrpcStatus(client_->cache_stub().Step(client_->NewContext().get(), empty_op, &response)),
-      IsOk());
+  ASSERT_THAT(FromGrpcStatus(ClientInternals::Cache(*client_).Step(
+                  ClientInternals::NewContext(*client_).get(), empty_op, &response)),
+              IsOk());
   EXPECT_EQ(response.results(0).code(), static_cast<int>(absl::StatusCode::kInvalidArgument));
   EXPECT_THAT(response.results(0).message(), HasSubstr("names no operation"));
 }
@@ -545,7 +556,7 @@ TEST_F(ServiceTest, StepCostPerSessionIsPrinted) {
   const absl::Duration per_entry = (absl::Now() - start) / (kSessions * kRounds * 4);
   std::printf("Step: %s per session entry (%d sessions x %d rounds x 4 calls)\n",
               absl::FormatDuration(per_entry).c_str(), kSessions, kRounds);
-  EXPECT_EQ(StateOf(*sessions[0]).committed_len(), static_cast<uint64_t>(kRounds));
+  EXPECT_EQ(StateOf(*sessions[0]).committed_len, static_cast<uint64_t>(kRounds));
 }
 
 // Many engines, each driving its own sessions from its own thread while sessions come and go
@@ -588,8 +599,8 @@ TEST_F(ServiceTest, ConcurrentEnginesKeepEverySessionExact) {
         if (!extra.ok() || !(*extra)->Release().ok()) failures.fetch_add(1);
       }
       for (const auto& session : sessions) {
-        absl::StatusOr<pb::SessionState> state = session->State();
-        if (!state.ok() || state->committed_len() != static_cast<uint64_t>(kRounds)) {
+        absl::StatusOr<SessionSnapshot> state = session->State();
+        if (!state.ok() || state->committed_len != static_cast<uint64_t>(kRounds)) {
           failures.fetch_add(1);
         }
       }
@@ -617,9 +628,9 @@ TEST_F(ServiceTest, RewindMovesLengthsAndMirrorsBackOnly) {
   AppendAndCommit(*session, 20, 20);
   EXPECT_THAT(session->CanRewind(12), IsOkAndHolds(true));
   EXPECT_THAT(session->CanRewind(kCapacity + 1), IsOkAndHolds(false));
-  absl::StatusOr<pb::SessionState> rewound = session->Rewind(12);
+  absl::StatusOr<SessionSnapshot> rewound = session->Rewind(12);
   ASSERT_THAT(rewound, IsOk());
-  EXPECT_EQ(rewound->committed_len(), 12u);
+  EXPECT_EQ(rewound->committed_len, 12u);
   EXPECT_EQ(ReadMirror(*session, kFlatLayer, PlaneKind::kLenMirror), 12);
   EXPECT_EQ(ReadMirror(*session, kLatentLayer, PlaneKind::kLenMirror), 12);
 
@@ -650,9 +661,9 @@ TEST_F(ServiceTest, HydratePublishesWrittenRowsIntoAFreshSessionOnly) {
                        HasSubstr("names 1 resident starts for 2 layers")));
   EXPECT_EQ(Snapshot(*session), fresh);
 
-  absl::StatusOr<pb::SessionState> hydrated = session->Hydrate(100);
+  absl::StatusOr<SessionSnapshot> hydrated = session->Hydrate(100);
   ASSERT_THAT(hydrated, IsOk());
-  EXPECT_EQ(hydrated->committed_len(), 100u);
+  EXPECT_EQ(hydrated->committed_len, 100u);
   EXPECT_EQ(ReadMirror(*session, kFlatLayer, PlaneKind::kLenMirror), 100);
   EXPECT_EQ(ReadMirror(*session, kLatentLayer, PlaneKind::kLenMirror), 100);
   // The sliding layer keeps its aligned live window: (100 - 31) rounded down to 32 rows.
@@ -676,17 +687,17 @@ TEST_F(ServiceTest, SpecRollbackRestoresRecurrentStateAndLengths) {
   ASSERT_THAT(ssm, IsOk());
   std::memset(conv->data, 0x11, conv->bytes);
   std::memset(ssm->data, 0x22, ssm->bytes);
-  absl::StatusOr<pb::SessionState> snap = session->SpecSnapshot();
+  absl::StatusOr<SessionSnapshot> snap = session->SpecSnapshot();
   ASSERT_THAT(snap, IsOk());
-  EXPECT_TRUE(snap->spec_snapshot_valid());
+  EXPECT_TRUE(snap->spec_snapshot_valid);
 
   // A speculative round overwrites the state and stages 4 draft rows.
   std::memset(conv->data, 0x77, conv->bytes);
   std::memset(ssm->data, 0x88, ssm->bytes);
   AppendAndCommit(*session, 4, 4);
-  absl::StatusOr<pb::SessionState> rolled = session->SpecRollback(1);
+  absl::StatusOr<SessionSnapshot> rolled = session->SpecRollback(1);
   ASSERT_THAT(rolled, IsOk());
-  EXPECT_EQ(rolled->committed_len(), 11u);
+  EXPECT_EQ(rolled->committed_len, 11u);
   EXPECT_EQ(ReadMirror(*session, kFlatLayer, PlaneKind::kLenMirror), 11);
   EXPECT_EQ(ReadMirror(*session, kLatentLayer, PlaneKind::kLenMirror), 11);
   EXPECT_THAT(std::vector<uint8_t>(conv->data, conv->data + conv->bytes), ::testing::Each(0x11));
@@ -722,10 +733,11 @@ TEST_F(ServiceTest, GrowCopiesRowsAndAcknowledgeFreesTheOldArena) {
   const uint64_t old_bytes = host_->AllocatedBytes();
 
   pb::GrowRequest grow;
-  *grow.mutable_session() = session->ref();
+  *grow.mutable_session() = ClientInternals::Ref(*session);
   grow.set_target_capacity(2 * kCapacity);
   pb::GrowResponse grown;
-  ASSERT_THAT(FromGrpcStatus(client_->cache_stub().Grow(client_->NewContext().get(), grow, &grown)),
+  ASSERT_THAT(FromGrpcStatus(ClientInternals::Cache(*client_).Grow(
+                  ClientInternals::NewContext(*client_).get(), grow, &grown)),
               IsOk());
   EXPECT_EQ(grown.layout().layout_version(), 2u);
   EXPECT_EQ(grown.state().committed_len(), 30u);
@@ -733,28 +745,29 @@ TEST_F(ServiceTest, GrowCopiesRowsAndAcknowledgeFreesTheOldArena) {
   EXPECT_EQ(host_->ArenaCount(), 2u);  // the old arena lives until acknowledged
 
   // A second grow and a reset wait for the acknowledgement; a wrong version is refused.
-  EXPECT_THAT(FromGrpcStatus(client_->cache_stub().Grow(client_->NewContext().get(), grow, &grown)),
+  EXPECT_THAT(FromGrpcStatus(ClientInternals::Cache(*client_).Grow(
+                  ClientInternals::NewContext(*client_).get(), grow, &grown)),
               StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("not acknowledged")));
   EXPECT_THAT(session->Reset(),
               StatusIs(absl::StatusCode::kFailedPrecondition,
                        HasSubstr("session 1: grow to layout version 2 is not acknowledged yet; "
                                  "acknowledge it before Reset")));
   pb::AcknowledgeGrowRequest ack;
-  *ack.mutable_session() = session->ref();
+  *ack.mutable_session() = ClientInternals::Ref(*session);
   ack.set_layout_version(1);
   pb::SessionStateResponse acked;
-  EXPECT_THAT(FromGrpcStatus(
-                  client_->cache_stub().AcknowledgeGrow(client_->NewContext().get(), ack, &acked)),
+  EXPECT_THAT(FromGrpcStatus(ClientInternals::Cache(*client_).AcknowledgeGrow(
+                  ClientInternals::NewContext(*client_).get(), ack, &acked)),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("version 2")));
   ack.set_layout_version(2);
-  ASSERT_THAT(FromGrpcStatus(
-                  client_->cache_stub().AcknowledgeGrow(client_->NewContext().get(), ack, &acked)),
+  ASSERT_THAT(FromGrpcStatus(ClientInternals::Cache(*client_).AcknowledgeGrow(
+                  ClientInternals::NewContext(*client_).get(), ack, &acked)),
               IsOk());
   EXPECT_FALSE(acked.state().grow_pending());
   EXPECT_EQ(host_->ArenaCount(), 1u);
   EXPECT_NE(host_->AllocatedBytes(), old_bytes);
-  EXPECT_THAT(FromGrpcStatus(
-                  client_->cache_stub().AcknowledgeGrow(client_->NewContext().get(), ack, &acked)),
+  EXPECT_THAT(FromGrpcStatus(ClientInternals::Cache(*client_).AcknowledgeGrow(
+                  ClientInternals::NewContext(*client_).get(), ack, &acked)),
               StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("no grow")));
 }
 
@@ -772,10 +785,10 @@ TEST_F(ServiceTest, ClientGrowRemapsAndKeepsCommittedBytes) {
       StatusIs(
           absl::StatusCode::kInvalidArgument,
           HasSubstr("session 1: grow target capacity 256 is not above the current capacity 256")));
-  absl::StatusOr<pb::SessionState> grown = session->Grow(3 * kCapacity);
+  absl::StatusOr<SessionSnapshot> grown = session->Grow(3 * kCapacity);
   ASSERT_THAT(grown, IsOk());
-  EXPECT_EQ(grown->capacity(), 3 * kCapacity);
-  EXPECT_EQ(grown->layout_version(), 2u);
+  EXPECT_EQ(grown->capacity, 3 * kCapacity);
+  EXPECT_EQ(grown->layout_version, 2u);
   absl::StatusOr<PlaneView> moved = session->Plane(kFlatLayer, PlaneKind::kKeys);
   ASSERT_THAT(moved, IsOk());
   EXPECT_EQ(moved->rows, 3 * kCapacity);
@@ -793,9 +806,9 @@ TEST_F(ServiceTest, TaintedSessionRefusesWorkUntilReleased) {
   std::unique_ptr<Session> session = NewSession(*client_, kCapacity);
   ASSERT_NE(session, nullptr);
   AppendAndCommit(*session, 2, 2);
-  absl::StatusOr<pb::SessionState> tainted = session->Taint("kernel fault in test");
+  absl::StatusOr<SessionSnapshot> tainted = session->Taint("kernel fault in test");
   ASSERT_THAT(tainted, IsOk());
-  EXPECT_TRUE(tainted->tainted());
+  EXPECT_TRUE(tainted->tainted);
   const std::string before = Snapshot(*session);
   EXPECT_THAT(session->Begin(), StatusIs(absl::StatusCode::kFailedPrecondition,
                                          HasSubstr("begin transaction: session was tainted by a "
@@ -844,22 +857,22 @@ TEST_F(ServiceTest, ResetReusesTheMappedArena) {
   std::unique_ptr<Session> session = NewSession(*client_, kCapacity);
   ASSERT_NE(session, nullptr);
   const size_t opens = client_->mapper().OpenCount();
-  const std::string handle = session->layout().arenas(0).handle();
+  const std::string handle = session->layout().arenas[0].handle;
   AppendAndCommit(*session, 9, 9);
-  absl::StatusOr<pb::SessionState> reset = session->Reset();
+  absl::StatusOr<SessionSnapshot> reset = session->Reset();
   ASSERT_THAT(reset, IsOk());
-  EXPECT_EQ(reset->committed_len(), 0u);
+  EXPECT_EQ(reset->committed_len, 0u);
   EXPECT_EQ(ReadMirror(*session, kFlatLayer, PlaneKind::kLenMirror), 0);
   AppendAndCommit(*session, 3, 3);
   EXPECT_EQ(client_->mapper().OpenCount(), opens);
-  EXPECT_EQ(session->layout().arenas(0).handle(), handle);
+  EXPECT_EQ(session->layout().arenas[0].handle, handle);
 }
 
 TEST_F(ServiceTest, ReleaseFreesTheArenaAndForgetsTheSession) {
   std::unique_ptr<Session> session = NewSession(*client_, kCapacity);
   ASSERT_NE(session, nullptr);
   const uint64_t bytes = host_->AllocatedBytes();
-  const pb::SessionRef ref = session->ref();
+  const pb::SessionRef ref = ClientInternals::Ref(*session);
   EXPECT_THAT(session->Release(), IsOkAndHolds(bytes));
   EXPECT_EQ(host_->ArenaCount(), 0u);
   pb::GetStatusResponse status = daemon_->GetStatus();
@@ -868,8 +881,8 @@ TEST_F(ServiceTest, ReleaseFreesTheArenaAndForgetsTheSession) {
   pb::SessionRequest again;
   *again.mutable_session() = ref;
   pb::ReleaseSessionResponse response;
-  EXPECT_THAT(FromGrpcStatus(client_->cache_stub().ReleaseSession(client_->NewContext().get(),
-                                                                  again, &response)),
+  EXPECT_THAT(FromGrpcStatus(ClientInternals::Cache(*client_).ReleaseSession(
+                  ClientInternals::NewContext(*client_).get(), again, &response)),
               StatusIs(absl::StatusCode::kNotFound, HasSubstr("session 1 does not exist")));
 }
 
@@ -880,7 +893,7 @@ TEST_F(ServiceTest, SilentEngineIsReclaimedAfterTimeoutAndGrace) {
   absl::StatusOr<std::unique_ptr<KvClient>> raw = KvClient::Connect(daemon_->socket_path());
   ASSERT_THAT(raw, IsOk());
   grpc::ClientContext context;
-  auto stream = (*raw)->cache_stub().Attach(&context);
+  auto stream = ClientInternals::Cache(**raw).Attach(&context);
   pb::AttachRequest hello;
   hello.mutable_hello()->set_engine_name("silent");
   ASSERT_TRUE(stream->Write(hello));
@@ -891,8 +904,8 @@ TEST_F(ServiceTest, SilentEngineIsReclaimedAfterTimeoutAndGrace) {
   create.set_plan_fingerprint(FingerprintToBytes(plan_));
   create.set_capacity(kCapacity);
   pb::CreateSessionResponse created;
-  ASSERT_THAT(FromGrpcStatus(
-                  (*raw)->cache_stub().CreateSession((*raw)->NewContext().get(), create, &created)),
+  ASSERT_THAT(FromGrpcStatus(ClientInternals::Cache(**raw).CreateSession(
+                  ClientInternals::NewContext(**raw).get(), create, &created)),
               IsOk());
   ASSERT_EQ(host_->ArenaCount(), 1u);
 
@@ -911,7 +924,8 @@ TEST_F(ServiceTest, SilentEngineIsReclaimedAfterTimeoutAndGrace) {
   pb::SessionRequest begin;
   *begin.mutable_session() = created.session();
   pb::BeginResponse begun;
-  EXPECT_THAT(FromGrpcStatus((*raw)->cache_stub().Begin((*raw)->NewContext().get(), begin, &begun)),
+  EXPECT_THAT(FromGrpcStatus(ClientInternals::Cache(**raw).Begin(
+                  ClientInternals::NewContext(**raw).get(), begin, &begun)),
               StatusIs(absl::StatusCode::kNotFound, HasSubstr("session 1 does not exist")));
 }
 
@@ -990,7 +1004,7 @@ TEST_F(ServiceTest, FailedMirrorWriteTaintsInsteadOfHalfApplying) {
               IsOk());
   EXPECT_THAT(session->PublishAppend(tx->generation),
               StatusIs(absl::StatusCode::kInternal, HasSubstr("injected")));
-  EXPECT_TRUE(StateOf(*session).tainted());
+  EXPECT_TRUE(StateOf(*session).tainted);
   EXPECT_THAT(session->Begin(), StatusIs(absl::StatusCode::kFailedPrecondition,
                                          HasSubstr("begin transaction: session was tainted by a "
                                                    "failed operation and cannot be reused")));
@@ -1058,8 +1072,8 @@ class BadInputTest : public DaemonTest {
   void Expect(const std::vector<Case>& cases) {
     for (const Case& c : cases) {
       const std::string before = World();
-      std::unique_ptr<grpc::ClientContext> context = client_->NewContext();
-      EXPECT_THAT(FromGrpcStatus(c.call(client_->cache_stub(), context.get())),
+      std::unique_ptr<grpc::ClientContext> context = ClientInternals::NewContext(*client_);
+      EXPECT_THAT(FromGrpcStatus(c.call(ClientInternals::Cache(*client_), context.get())),
                   StatusIs(c.code, HasSubstr(c.message)))
           << c.name;
       EXPECT_EQ(World(), before) << c.name << " changed something";
@@ -1069,7 +1083,7 @@ class BadInputTest : public DaemonTest {
   template <typename Request>
   static Request On(const Session& session) {
     Request request;
-    *request.mutable_session() = session.ref();
+    *request.mutable_session() = ClientInternals::Ref(session);
     return request;
   }
 
@@ -1252,7 +1266,8 @@ TEST_F(BadInputTest, CreateRegisterAndStepRefuseAndChangeNothing) {
   bad_format.mutable_plan()->mutable_layers(0)->mutable_formats()->set_k(
       static_cast<pb::KFormat>(17));
   pb::StepRequest too_many;
-  for (int i = 0; i < 65537; ++i) *too_many.add_entries()->mutable_session() = idle_->ref();
+  for (int i = 0; i < 65537; ++i)
+    *too_many.add_entries()->mutable_session() = ClientInternals::Ref(*idle_);
 
   Expect({
       {"CreateSession, no engine token", absl::StatusCode::kPermissionDenied,

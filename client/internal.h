@@ -1,0 +1,44 @@
+#ifndef MEMRA_CLIENT_INTERNAL_H_
+#define MEMRA_CLIENT_INTERNAL_H_
+
+// NOT the engine API (client/client.h is): the wire underneath a KvClient, for the daemon's
+// bad-input tests (requests client.h would never build), benchmarks that time the raw RPC, and
+// operator tools that print the daemon's messages as they are. Everything here speaks the
+// generated memra.kv.v1 types; every conversion between them and client.h's types is here too,
+// so there is one of each.
+
+#include <memory>
+
+#include "absl/status/statusor.h"
+#include "client/client.h"
+#include "grpcpp/client_context.h"
+#include "proto/memra/kv/v1/admin.grpc.pb.h"
+#include "proto/memra/kv/v1/cache.grpc.pb.h"
+#include "proto/memra/kv/v1/prefix.grpc.pb.h"
+
+namespace memra {
+
+class ClientInternals {
+ public:
+  static memra::kv::v1::KvCache::Stub& Cache(KvClient& client);
+  static memra::kv::v1::KvAdmin::Stub& Admin(KvClient& client);
+  static memra::kv::v1::KvPrefixCache::Stub& Prefix(KvClient& client);
+  // A context whose deadline is the client's ClientOptions::deadline from now.
+  static std::unique_ptr<grpc::ClientContext> NewContext(const KvClient& client);
+
+  // The session's reference (id and token) as every session call carries it.
+  static memra::kv::v1::SessionRef Ref(const Session& session);
+  // The Step request the batch holds.
+  static const memra::kv::v1::StepRequest& Request(const StepBatch& batch);
+  // KvAdmin.GetStatus.
+  static absl::StatusOr<memra::kv::v1::GetStatusResponse> GetStatus(KvClient& client);
+};
+
+// The daemon's messages as client.h's types. INVALID_ARGUMENT naming the field for an enum out
+// of range or a fingerprint / key of the wrong length.
+absl::StatusOr<SessionLayout> SessionLayoutFromProto(const memra::kv::v1::SessionLayout& proto);
+SessionSnapshot SessionSnapshotFromProto(const memra::kv::v1::SessionState& proto);
+
+}  // namespace memra
+
+#endif  // MEMRA_CLIENT_INTERNAL_H_

@@ -1,0 +1,328 @@
+#include "tools/kvctl_render.h"
+
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/strip.h"
+#include "absl/time/time.h"
+#include "core/admission.h"
+#include "google/protobuf/util/json_util.h"
+#include "tools/text_format.h"
+
+namespace memra::kvctl {
+namespace {
+
+namespace pb = ::memra::kv::v1;
+using Align = TextTable::Align;
+
+std::string Count(uint64_t n, absl::string_view one, absl::string_view many) {
+  return absl::StrCat(n, " ", n == 1 ? one : many);
+}
+
+std::string Age(uint64_t milliseconds) {
+  return absl::StrCat(absl::FormatDuration(absl::Milliseconds(milliseconds)), " ago");
+}
+
+std::string EngineTable(const google::protobuf::RepeatedPtrField<pb::EngineStatus>& engines) {
+  if (engines.empty()) return "no engines attached\n";
+  TextTable table({{"ENGINE", Align::kRight},
+                   {"NAME"},
+                   {"PID", Align::kRight},
+                   {"LEASE"},
+                   {"SESSIONS", Align::kRight},
+                   {"ALLOCATED", Align::kRight},
+                   {"RESERVED", Align::kRight},
+                   {"RESV", Align::kRight},
+                   {"HEARTBEAT"}});
+  for (const pb::EngineStatus& engine : engines) {
+    table.AddRow({absl::StrCat(engine.engine_id()), engine.engine_name(),
+                  absl::StrCat(engine.pid()), engine.lease_live() ? "live" : "ended",
+                  absl::StrCat(engine.sessions()), FormatBytes(engine.allocated_bytes()),
+                  FormatBytes(engine.reserved_bytes()), absl::StrCat(engine.reservations()),
+                  Age(engine.last_heartbeat_age_ms())});
+  }
+  return table.Render();
+}
+
+// "now / after eviction / when empty" rows: the shape fit and max-context share.
+class OutlookTable {
+ public:
+  OutlookTable()
+      : table_({{""},
+                {"NOW", Align::kRight},
+                {"AFTER EVICTION", Align::kRight},
+                {"WHEN EMPTY", Align::kRight}}) {}
+  OutlookTable& Add(std::string label, std::string now, std::string after_eviction,
+                    std::string when_empty) {
+    table_.AddRow(
+        {std::move(label), std::move(now), std::move(after_eviction), std::move(when_empty)});
+    return *this;
+  }
+  std::string Render() const { return table_.Render(); }
+
+ private:
+  TextTable table_;
+};
+
+// The ledger an admission answer was computed from, after `first` (the session's size).
+std::string Ledger(std::string first_label, std::string first_value, uint64_t free_bytes,
+                   uint64_t evictable_bytes, uint64_t budget_bytes) {
+  return FieldList()
+      .Add(std::move(first_label), std::move(first_value))
+      .Add("free", FormatBytes(free_bytes))
+      .Add("evictable", FormatBytes(evictable_bytes))
+      .Add("budget", FormatBytes(budget_bytes))
+      .Render();
+}
+
+std::string KindName(int kind) {
+  std::string name = pb::StateKind_Name(static_cast<pb::StateKind>(kind));
+  absl::string_view short_name = name;
+  absl::ConsumePrefix(&short_name, "STATE_KIND_");
+  return std::string(short_name);
+}
+
+// "0-3,5,7-9": sorted layer indices as ranges.
+std::string Ranges(const std::vector<uint32_t>& indices) {
+  std::vector<std::string> parts;
+  for (size_t i = 0; i < indices.size();) {
+    size_t j = i;
+    while (j + 1 < indices.size() && indices[j + 1] == indices[j] + 1) ++j;
+    parts.push_back(j == i ? absl::StrCat(indices[i]) : absl::StrCat(indices[i], "-", indices[j]));
+    i = j + 1;
+  }
+  return absl::StrJoin(parts, ",");
+}
+
+std::string RenderPrefixStats(const pb::PrefixCacheStats& stats) {
+  return FieldList()
+      .Add("stored", absl::StrCat(FormatBytes(stats.stored_bytes()), " in ", stats.entries(),
+                                  " entries, ", stats.blocks(), " blocks of ",
+                                  stats.block_tokens(), " tokens (shared blocks once)"))
+      .Add("evictable", FormatBytes(stats.evictable_bytes()))
+      .Add("pinned", FormatBytes(stats.pinned_bytes()))
+      .Add("budget", FormatBytes(stats.budget_bytes()))
+      .Add("lookups", absl::StrCat(stats.lookup_hits(), " hit, ", stats.lookup_partials(),
+                                   " partial, ", stats.lookup_misses(), " miss"))
+      .Add("restores", absl::StrCat(stats.restores(), " (", stats.tokens_restored(), " tokens)"))
+      .Add("captures", absl::StrCat(stats.captures(), " (", stats.death_captures(),
+                                    " from dead engines)"))
+      .Add("evictions", absl::StrCat(stats.evicted_entries(), " evicted, ",
+                                     stats.dropped_entries(), " dropped (checksum)"))
+      .Render();
+}
+
+}  // namespace
+
+absl::StatusOr<std::string> RenderJson(const google::protobuf::Message& message) {
+  google::protobuf::util::JsonPrintOptions options;
+  options.always_print_primitive_fields = true;
+  options.preserve_proto_field_names = true;
+  std::string json;
+  const google::protobuf::util::Status status =
+      google::protobuf::util::MessageToJsonString(message, &json, options);
+  if (!status.ok()) {
+    return absl::InternalError(
+        absl::StrCat("cannot print ", message.GetTypeName(), " as JSON: ", status.ToString()));
+  }
+  return json;
+}
+
+std::string RenderStatus(const pb::GetStatusResponse& status) {
+  const pb::AdmissionStatus& admission = status.admission();
+  FieldList fields;
+  fields.Add("backend", status.backend());
+  fields.Add("device", status.device_uuid().empty()
+                           ? status.device_name()
+                           : absl::StrCat(status.device_name(), " (", status.device_uuid(), ")"));
+  if (status.device_total_bytes() > 0) {
+    fields.Add("device memory", absl::StrCat(FormatBytes(status.device_total_bytes()), " total, ",
+                                             FormatBytes(status.device_free_bytes()), " free"));
+  }
+  fields.Add("uptime",
+             absl::StrFormat("%s (epoch %016x)",
+                             absl::FormatDuration(absl::Trunc(
+                                 absl::Milliseconds(status.uptime_ms()), absl::Seconds(1))),
+                             status.epoch()));
+  fields.Add("state",
+             status.draining() ? "DRAINING: new engines and sessions get UNAVAILABLE" : "serving");
+  fields.Add("sessions",
+             absl::StrCat(status.sessions(), " in ", Count(status.arena_count(), "arena", "arenas"),
+                          " of ", FormatBytes(status.allocated_bytes())));
+  fields.Add("engines", absl::StrCat(status.engines()));
+  fields.Add("plans", absl::StrCat(status.plans(), " registered"));
+  fields.Add("admission", admission.budget_rule());
+  fields.Add("  budget", FormatBytes(admission.budget_bytes()));
+  fields.Add("  allocated", FormatBytes(admission.allocated_bytes()));
+  fields.Add("  reserved",
+             absl::StrCat(FormatBytes(admission.reserved_bytes()), " in ",
+                          Count(admission.reservations(), "reservation", "reservations")));
+  fields.Add("  free", FormatBytes(admission.free_bytes()));
+  fields.Add("  evictable", FormatBytes(admission.evictable_bytes()));
+  if (admission.over_budget_bytes() > 0) {
+    fields.Add("  OVER BUDGET", FormatBytes(admission.over_budget_bytes()));
+  }
+  fields.Add("  granularity", FormatBytes(admission.granularity_bytes()));
+  return absl::StrCat(fields.Render(), "\n", EngineTable(status.engine_status()));
+}
+
+std::string RenderEngines(const pb::ListEnginesResponse& engines) {
+  return EngineTable(engines.engines());
+}
+
+std::string RenderSessions(const pb::ListSessionsResponse& sessions) {
+  if (sessions.sessions().empty()) return "no sessions\n";
+  TextTable table({{"SESSION", Align::kRight},
+                   {"ENGINE", Align::kRight},
+                   {"MODEL"},
+                   {"CAPACITY", Align::kRight},
+                   {"LENGTH", Align::kRight},
+                   {"ARENA", Align::kRight},
+                   {"LAYOUT", Align::kRight},
+                   {"STATE"},
+                   {"FINGERPRINT"}});
+  uint64_t total_bytes = 0;
+  for (const pb::SessionSummary& session : sessions.sessions()) {
+    std::vector<std::string> flags;
+    if (session.in_transaction()) flags.push_back("txn");
+    if (session.tainted()) flags.push_back("tainted");
+    table.AddRow({absl::StrCat(session.session_id()), absl::StrCat(session.engine_id()),
+                  session.model_name(), absl::StrCat(session.capacity()),
+                  absl::StrCat(session.logical_len()), FormatBytes(session.arena_bytes()),
+                  absl::StrCat(session.layout_version()),
+                  flags.empty() ? "ok" : absl::StrJoin(flags, ","),
+                  HexBytes(session.plan_fingerprint())});
+    total_bytes += session.arena_bytes();
+  }
+  return absl::StrCat(table.Render(), Count(sessions.sessions_size(), "session", "sessions"), ", ",
+                      FormatBytes(total_bytes), "\n");
+}
+
+std::string RenderCost(const pb::CostResponse& cost) {
+  const pb::CostBreakdown& breakdown = cost.breakdown();
+  FieldList fields;
+  fields.Add("model", cost.model_name());
+  fields.Add("fingerprint", HexBytes(cost.plan_fingerprint()));
+  fields.Add("context",
+             absl::StrCat(cost.capacity(), " tokens, ", Count(cost.layers(), "layer", "layers")));
+  fields.Add("cost", absl::StrCat(FormatBytes(cost.arena_bytes()),
+                                  "  (admission charges and the backend allocates this)"));
+  fields.Add("per token", absl::StrCat(FormatBytes(breakdown.bytes_per_token()),
+                                       "  (what one more token adds at this context)"));
+  // The classes are coefficients: sliding rows stop scaling at the ring's cap, and past it
+  // their bytes are in `fixed`.
+  fields.Add("full K/V", absl::StrCat(FormatBytes(breakdown.kv_bytes_per_token()), " a token"));
+  fields.Add("sliding K/V", absl::StrCat(FormatBytes(breakdown.ring_bytes_per_token()), " a token",
+                                         breakdown.ring_row_cap() == 0
+                                             ? " (no ring)"
+                                             : absl::StrCat(", up to the ring's ",
+                                                            breakdown.ring_row_cap(), " rows")));
+  fields.Add("latent", absl::StrCat(FormatBytes(breakdown.latent_bytes_per_token()), " a token"));
+  fields.Add("fixed", FormatBytes(breakdown.fixed_bytes()));
+  fields.Add("planes", FormatBytes(breakdown.total_plane_bytes()));
+  fields.Add("granularity", FormatBytes(cost.granularity_bytes()));
+  return fields.Render();
+}
+
+std::string RenderFit(const pb::FitResponse& fit, uint64_t context) {
+  OutlookTable outlook;
+  outlook.Add("sessions", absl::StrCat(fit.sessions_now()),
+              absl::StrCat(fit.sessions_after_eviction()), absl::StrCat(fit.sessions_when_empty()));
+  outlook.Add("total tokens", absl::StrCat(fit.total_tokens_now()), "-",
+              absl::StrCat(fit.total_tokens_when_empty()));
+  return absl::StrCat(Ledger("session",
+                             absl::StrCat(FormatBytes(fit.session_bytes()), " at ",
+                                          Count(context, "token", "tokens")),
+                             fit.free_bytes(), fit.evictable_bytes(), fit.budget_bytes()),
+                      "\n", outlook.Render());
+}
+
+std::string RenderMaxContext(const pb::MaxContextResponse& max) {
+  OutlookTable outlook;
+  outlook.Add("max context", absl::StrCat(max.max_context_now()),
+              absl::StrCat(max.max_context_after_eviction()),
+              absl::StrCat(max.max_context_when_empty()));
+  return absl::StrCat(
+      Ledger("session",
+             absl::StrCat(FormatBytes(max.session_bytes_now()), " at the max context now"),
+             max.free_bytes(), max.evictable_bytes(), max.budget_bytes()),
+      "\n", outlook.Render());
+}
+
+std::string RenderImport(const pb::ImportModelResponse& imported) {
+  const pb::ModelPlan& plan = imported.plan();
+  const std::string fingerprint = HexBytes(imported.plan_fingerprint());
+  FieldList fields;
+  fields.Add("architecture", imported.architecture());
+  fields.Add("name", plan.name());
+  fields.Add("fingerprint", fingerprint);
+  fields.Add("registered", imported.registered()
+                               ? absl::StrCat("yes: --model=", fingerprint, " names it")
+                               : "no (--register keeps it in the daemon)");
+  fields.Add("layers",
+             absl::StrCat(plan.layers_size(), " trunk + ", plan.mtp_blocks_size(), " MTP"));
+  fields.Add("swa ring", plan.swa_ring() ? "on" : "off");
+  fields.Add("index ring", plan.has_index_ring_rows()
+                               ? absl::StrCat(plan.index_ring_rows(), " rows")
+                               : "default working rows");
+  std::map<int, std::vector<uint32_t>> by_kind;
+  for (const auto* layers : {&plan.layers(), &plan.mtp_blocks()}) {
+    for (const pb::LayerPlan& layer : *layers) by_kind[layer.kind()].push_back(layer.index());
+  }
+  TextTable kinds({{"KIND"}, {"LAYERS", Align::kRight}, {"INDICES"}});
+  for (const auto& [kind, indices] : by_kind) {
+    kinds.AddRow({KindName(kind), absl::StrCat(indices.size()), Ranges(indices)});
+  }
+  return absl::StrCat(fields.Render(), "\n", kinds.Render());
+}
+
+std::string RenderPrefixes(const pb::ListPrefixesResponse& prefixes) {
+  TextTable table({{"ENTRY", Align::kRight},
+                   {"SHAPE"},
+                   {"TOKENS", Align::kRight},
+                   {"BLOCKS", Align::kRight},
+                   {"BLOCK BYTES", Align::kRight},
+                   {"BOUNDARY BYTES", Align::kRight},
+                   {"PINS", Align::kRight},
+                   {"LAST USE", Align::kRight}});
+  for (const pb::PrefixEntry& entry : prefixes.entries()) {
+    table.AddRow({absl::StrCat(entry.entry_id()), HexBytes(entry.shape_fingerprint()).substr(0, 16),
+                  absl::StrCat(entry.boundary_tokens()), absl::StrCat(entry.blocks()),
+                  FormatBytes(entry.block_bytes()), FormatBytes(entry.boundary_bytes()),
+                  absl::StrCat(entry.pins()), absl::StrCat(entry.last_use_tick())});
+  }
+  return absl::StrCat(table.Render(), Count(prefixes.entries_size(), "entry", "entries"), "\n\n",
+                      RenderPrefixStats(prefixes.stats()));
+}
+
+std::string RenderEvict(const pb::EvictPrefixResponse& evicted) {
+  return absl::StrCat("freed ", FormatBytes(evicted.freed_bytes()), "\n",
+                      RenderPrefixStats(evicted.stats()));
+}
+
+std::string RenderDrain(const pb::DrainResponse& drained) {
+  return absl::StrCat("draining: new engines and sessions get UNAVAILABLE; ",
+                      Count(drained.sessions_open(), "session stays", "sessions stay"),
+                      " open until released\n");
+}
+
+std::string RefusalDetails(const absl::Status& status) {
+  const std::optional<AdmissionRefusal> refusal = GetAdmissionRefusal(status);
+  if (!refusal.has_value()) return "";
+  return FieldList()
+      .Add("  needed", FormatBytes(refusal->needed))
+      .Add("  free", FormatBytes(refusal->free))
+      .Add("  evictable", FormatBytes(refusal->evictable))
+      .Add("  budget", FormatBytes(refusal->budget))
+      .Add("  to evict", refusal->bytes_to_evict > 0
+                             ? FormatBytes(refusal->bytes_to_evict)
+                             : "0 B (it does not fit even after evicting the prefix cache)")
+      .Render();
+}
+
+}  // namespace memra::kvctl
