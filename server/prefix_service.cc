@@ -7,8 +7,8 @@
 #include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "common/codec.h"
-#include "common/grpc_status.h"
 #include "core/status_macros.h"
+#include "server/rpc_reply.h"
 #include "spdlog/spdlog.h"
 
 namespace memra {
@@ -18,18 +18,6 @@ namespace pb = ::memra::kv::v1;
 
 // How often an idle event stream looks for cancellation.
 constexpr absl::Duration kEventPoll = absl::Milliseconds(200);
-
-grpc::Status Reply(absl::string_view rpc, const absl::Status& status) {
-  if (!status.ok()) {
-    if (status.code() == absl::StatusCode::kInternal ||
-        status.code() == absl::StatusCode::kDataLoss) {
-      spdlog::error("{} failed: {}", std::string(rpc), status.ToString());
-    } else {
-      spdlog::info("{} refused: {}", std::string(rpc), status.ToString());
-    }
-  }
-  return ToGrpcStatus(status);
-}
 
 template <typename Repeated>
 absl::Span<const int32_t> Span(const Repeated& field) {
