@@ -206,4 +206,37 @@ absl::StatusOr<PlanFingerprint> FingerprintFromBytes(const std::string& bytes) {
   return fingerprint;
 }
 
+namespace {
+
+// The layer range and ranks every shape message carries.
+template <typename Shape>
+SessionRequest LayersAndRanksOf(const Shape& shape) {
+  SessionRequest request;
+  request.layer_lo = shape.layer_lo();
+  if (shape.has_layer_hi()) request.layer_hi = shape.layer_hi();
+  request.tp_ranks = shape.tp_ranks() == 0 ? 1 : shape.tp_ranks();
+  return request;
+}
+
+template <typename Shape>
+SessionRequest FullShapeOf(const Shape& shape) {
+  SessionRequest request = LayersAndRanksOf(shape);
+  request.capacity = shape.capacity();
+  request.spec_snapshot = shape.spec_snapshot();
+  return request;
+}
+
+}  // namespace
+
+SessionRequest SessionShapeFromProto(const pb::CreateSessionRequest& request) {
+  return FullShapeOf(request);
+}
+SessionRequest SessionShapeFromProto(const pb::ReserveRequest& request) {
+  return FullShapeOf(request);
+}
+SessionRequest SessionShapeFromProto(const pb::SessionShape& shape) { return FullShapeOf(shape); }
+SessionRequest SessionShapeFromProto(const pb::PrefixShape& shape) {
+  return LayersAndRanksOf(shape);
+}
+
 }  // namespace memra

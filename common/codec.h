@@ -15,8 +15,10 @@
 #include "core/model_plan.h"
 #include "core/sizing.h"
 #include "core/transaction.h"
+#include "proto/memra/kv/v1/admin.pb.h"
 #include "proto/memra/kv/v1/cache.pb.h"
 #include "proto/memra/kv/v1/model_plan.pb.h"
+#include "proto/memra/kv/v1/prefix.pb.h"
 
 namespace memra {
 
@@ -42,6 +44,15 @@ void LayerAppendsFromProto(
 // A 32-byte fingerprint as it travels (bytes field); INVALID_ARGUMENT for another length.
 std::string FingerprintToBytes(const PlanFingerprint& fingerprint);
 absl::StatusOr<PlanFingerprint> FingerprintFromBytes(const std::string& bytes);
+
+// The session shape a message carries, as core's SessionRequest: the one place a shape leaves
+// the wire. CreateSessionRequest, ReserveRequest and admin's SessionShape carry all of it;
+// PrefixShape carries the layer range and the ranks (capacity 0, no spec snapshot). tp_ranks 0 on
+// the wire means unsharded and becomes 1. Core's sizing validates the values.
+SessionRequest SessionShapeFromProto(const memra::kv::v1::CreateSessionRequest& request);
+SessionRequest SessionShapeFromProto(const memra::kv::v1::ReserveRequest& request);
+SessionRequest SessionShapeFromProto(const memra::kv::v1::SessionShape& shape);
+SessionRequest SessionShapeFromProto(const memra::kv::v1::PrefixShape& shape);
 
 }  // namespace memra
 

@@ -64,5 +64,50 @@ TEST(LayerAppendCodecTest, NoLayersIsNoMessages) {
   EXPECT_EQ(wire.size(), 0);
 }
 
+TEST(SessionShapeFromProtoTest, EveryShapeMessageDecodesTheSameWayAndZeroRanksIsUnsharded) {
+  pb::CreateSessionRequest create;
+  create.set_capacity(4096);
+  create.set_layer_lo(2);
+  create.set_layer_hi(10);
+  create.set_spec_snapshot(true);  // tp_ranks left 0
+  pb::ReserveRequest reserve;
+  reserve.set_capacity(4096);
+  reserve.set_layer_lo(2);
+  reserve.set_layer_hi(10);
+  reserve.set_spec_snapshot(true);
+  pb::SessionShape shape;
+  shape.set_capacity(4096);
+  shape.set_layer_lo(2);
+  shape.set_layer_hi(10);
+  shape.set_spec_snapshot(true);
+  for (const SessionRequest& decoded :
+       {SessionShapeFromProto(create), SessionShapeFromProto(reserve),
+        SessionShapeFromProto(shape)}) {
+    EXPECT_EQ(decoded.capacity, 4096u);
+    EXPECT_EQ(decoded.layer_lo, 2u);
+    EXPECT_EQ(decoded.layer_hi, std::optional<uint32_t>(10));
+    EXPECT_EQ(decoded.tp_ranks, 1u);
+    EXPECT_TRUE(decoded.spec_snapshot);
+  }
+  shape.set_tp_ranks(4);
+  shape.clear_layer_hi();
+  EXPECT_EQ(SessionShapeFromProto(shape).tp_ranks, 4u);
+  EXPECT_EQ(SessionShapeFromProto(shape).layer_hi, std::nullopt);
+}
+
+TEST(SessionShapeFromProtoTest, PrefixShapeCarriesLayersAndRanksOnly) {
+  pb::PrefixShape prefix;
+  prefix.set_layer_lo(1);
+  const SessionRequest unsharded = SessionShapeFromProto(prefix);
+  EXPECT_EQ(unsharded.layer_lo, 1u);
+  EXPECT_EQ(unsharded.layer_hi, std::nullopt);
+  EXPECT_EQ(unsharded.tp_ranks, 1u);
+  EXPECT_EQ(unsharded.capacity, 0u);
+  prefix.set_tp_ranks(2);
+  prefix.set_layer_hi(5);
+  EXPECT_EQ(SessionShapeFromProto(prefix).tp_ranks, 2u);
+  EXPECT_EQ(SessionShapeFromProto(prefix).layer_hi, std::optional<uint32_t>(5));
+}
+
 }  // namespace
 }  // namespace memra

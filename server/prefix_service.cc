@@ -146,12 +146,9 @@ grpc::Status PrefixService::Lookup(grpc::ServerContext*, const pb::LookupPrefixR
     RETURN_IF_ERROR(Enabled());
     ASSIGN_OR_RETURN(PlanFingerprint model,
                      FingerprintFromBytes(request->shape().plan_fingerprint()));
-    SessionRequest shape;
-    shape.layer_lo = request->shape().layer_lo();
-    if (request->shape().has_layer_hi()) shape.layer_hi = request->shape().layer_hi();
-    shape.tp_ranks = request->shape().tp_ranks();
     const PrefixLookupResult found =
-        cache_->Lookup(PrefixShapeFingerprint(model, shape), Span(request->token_ids()));
+        cache_->Lookup(PrefixShapeFingerprint(model, SessionShapeFromProto(request->shape())),
+                       Span(request->token_ids()));
     switch (found.outcome) {
       case LookupOutcome::kMiss:
         response->set_outcome(pb::LOOKUP_OUTCOME_MISS);
