@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/types/span.h"
 #include "core/model_plan.h"
 #include "core/sizing.h"
 #include "core/transaction.h"
@@ -44,6 +45,12 @@ void LayerAppendsFromProto(
 // A 32-byte fingerprint as it travels (bytes field); INVALID_ARGUMENT for another length.
 std::string FingerprintToBytes(const PlanFingerprint& fingerprint);
 absl::StatusOr<PlanFingerprint> FingerprintFromBytes(const std::string& bytes);
+
+// A repeated scalar field (token ids, resident starts) as a span over the message's storage.
+template <typename T>
+absl::Span<const T> SpanOf(const google::protobuf::RepeatedField<T>& field) {
+  return absl::MakeConstSpan(field.data(), static_cast<size_t>(field.size()));
+}
 
 // The session shape a message carries, as core's SessionRequest: the one place a shape leaves
 // the wire. CreateSessionRequest, ReserveRequest and admin's SessionShape carry all of it;

@@ -19,11 +19,6 @@ namespace pb = ::memra::kv::v1;
 // How often an idle event stream looks for cancellation.
 constexpr absl::Duration kEventPoll = absl::Milliseconds(200);
 
-template <typename Repeated>
-absl::Span<const int32_t> Span(const Repeated& field) {
-  return absl::MakeConstSpan(field.data(), static_cast<size_t>(field.size()));
-}
-
 std::string KeyBytes(const BlockKey& key) {
   return std::string(reinterpret_cast<const char*>(key.data()), key.size());
 }
@@ -127,7 +122,7 @@ grpc::Status PrefixService::Capture(grpc::ServerContext*, const pb::CapturePrefi
                      OrderedSession(request->session(), request->ordering()));
     // The backend's copies are complete when they return (DeviceBackend invariant (4)).
     ASSIGN_OR_RETURN(PrefixCaptureResult captured,
-                     cache_->Capture(*session, Span(request->token_ids()),
+                     cache_->Capture(*session, SpanOf(request->token_ids()),
                                      request->boundary_tokens()));
     response->set_entry_id(captured.entry.value);
     response->set_boundary_tokens(captured.boundary_tokens);
@@ -148,7 +143,7 @@ grpc::Status PrefixService::Lookup(grpc::ServerContext*, const pb::LookupPrefixR
                      FingerprintFromBytes(request->shape().plan_fingerprint()));
     const PrefixLookupResult found =
         cache_->Lookup(PrefixShapeFingerprint(model, SessionShapeFromProto(request->shape())),
-                       Span(request->token_ids()));
+                       SpanOf(request->token_ids()));
     switch (found.outcome) {
       case LookupOutcome::kMiss:
         response->set_outcome(pb::LOOKUP_OUTCOME_MISS);
@@ -177,7 +172,7 @@ grpc::Status PrefixService::Restore(grpc::ServerContext*, const pb::RestorePrefi
     std::optional<EntryId> entry;
     if (request->entry_id() != 0) entry = EntryId{request->entry_id()};
     ASSIGN_OR_RETURN(PrefixRestoreResult restored,
-                     cache_->Restore(*session, entry, Span(request->token_ids())));
+                     cache_->Restore(*session, entry, SpanOf(request->token_ids())));
     response->set_entry_id(restored.entry.value);
     response->set_restored_tokens(restored.restored_tokens);
     return session->GetState(response->mutable_state(), nullptr);
