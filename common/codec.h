@@ -12,11 +12,14 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/types/span.h"
 #include "core/model_plan.h"
 #include "core/sizing.h"
 #include "core/transaction.h"
+#include "proto/memra/kv/v1/admin.pb.h"
 #include "proto/memra/kv/v1/cache.pb.h"
 #include "proto/memra/kv/v1/model_plan.pb.h"
+#include "proto/memra/kv/v1/prefix.pb.h"
 
 namespace memra {
 
@@ -57,6 +60,12 @@ SessionShape SessionShapeFromProto(const ShapeProto& proto) {
 // A 32-byte fingerprint as it travels (bytes field); INVALID_ARGUMENT for another length.
 std::string FingerprintToBytes(const PlanFingerprint& fingerprint);
 absl::StatusOr<PlanFingerprint> FingerprintFromBytes(const std::string& bytes);
+
+// A repeated scalar field (token ids, resident starts) as a span over the message's storage.
+template <typename T>
+absl::Span<const T> SpanOf(const google::protobuf::RepeatedField<T>& field) {
+  return absl::MakeConstSpan(field.data(), static_cast<size_t>(field.size()));
+}
 
 }  // namespace memra
 

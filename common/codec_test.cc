@@ -66,32 +66,49 @@ TEST(LayerAppendCodecTest, NoLayersIsNoMessages) {
   EXPECT_EQ(wire.size(), 0);
 }
 
-TEST(SessionShapeFromProtoTest, ReadsEveryShapeFieldAndZeroRanksAsUnsharded) {
+TEST(SessionShapeFromProtoTest, EveryShapeMessageDecodesTheSameWayAndZeroRanksIsUnsharded) {
   pb::CreateSessionRequest create;
-  create.set_capacity(8192);
+  create.set_capacity(4096);
   create.set_layer_lo(2);
   create.set_layer_hi(10);
-  create.set_tp_ranks(0);
-  create.set_spec_snapshot(true);
-  const SessionShape shape = SessionShapeFromProto(create);
-  EXPECT_EQ(shape.capacity, 8192u);
-  EXPECT_EQ(shape.layer_lo, 2u);
-  EXPECT_EQ(shape.layer_hi, 10u);
-  EXPECT_EQ(shape.tp_ranks, 1u);
-  EXPECT_TRUE(shape.spec_snapshot);
+  create.set_spec_snapshot(true);  // tp_ranks left 0
+  pb::ReserveRequest reserve;
+  reserve.set_capacity(4096);
+  reserve.set_layer_lo(2);
+  reserve.set_layer_hi(10);
+  reserve.set_spec_snapshot(true);
+  pb::SessionShape shape;
+  shape.set_capacity(4096);
+  shape.set_layer_lo(2);
+  shape.set_layer_hi(10);
+  shape.set_spec_snapshot(true);
+  for (const SessionShape& decoded :
+       {SessionShapeFromProto(create), SessionShapeFromProto(reserve),
+        SessionShapeFromProto(shape)}) {
+    EXPECT_EQ(decoded.capacity, 4096u);
+    EXPECT_EQ(decoded.layer_lo, 2u);
+    EXPECT_EQ(decoded.layer_hi, std::optional<uint32_t>(10));
+    EXPECT_EQ(decoded.tp_ranks, 1u);
+    EXPECT_TRUE(decoded.spec_snapshot);
+  }
+  shape.set_tp_ranks(4);
+  shape.clear_layer_hi();
+  EXPECT_EQ(SessionShapeFromProto(shape).tp_ranks, 4u);
+  EXPECT_EQ(SessionShapeFromProto(shape).layer_hi, std::nullopt);
+}
 
-  pb::SessionShape admin;
-  admin.set_tp_ranks(4);
-  const SessionShape priced = SessionShapeFromProto(admin);
-  EXPECT_EQ(priced.tp_ranks, 4u);
-  EXPECT_FALSE(priced.layer_hi.has_value()) << "unset layer_hi is every layer";
-
-  pb::PrefixShape prefix;  // no capacity or spec_snapshot fields
+TEST(SessionShapeFromProtoTest, PrefixShapeCarriesLayersAndRanksOnly) {
+  pb::PrefixShape prefix;
   prefix.set_layer_lo(1);
-  const SessionShape keyed = SessionShapeFromProto(prefix);
-  EXPECT_EQ(keyed.layer_lo, 1u);
-  EXPECT_EQ(keyed.tp_ranks, 1u);
-  EXPECT_EQ(keyed.capacity, 0u);
+  const SessionShape unsharded = SessionShapeFromProto(prefix);
+  EXPECT_EQ(unsharded.layer_lo, 1u);
+  EXPECT_EQ(unsharded.layer_hi, std::nullopt);
+  EXPECT_EQ(unsharded.tp_ranks, 1u);
+  EXPECT_EQ(unsharded.capacity, 0u);
+  prefix.set_tp_ranks(2);
+  prefix.set_layer_hi(5);
+  EXPECT_EQ(SessionShapeFromProto(prefix).tp_ranks, 2u);
+  EXPECT_EQ(SessionShapeFromProto(prefix).layer_hi, std::optional<uint32_t>(5));
 }
 
 }  // namespace

@@ -44,26 +44,25 @@ Daemon::RegisterMetrics() {
   RETURN_IF_ERROR(ledger_gauge("memra_reservations", "Live admission reservations.",
                                [](const AdmissionLedger& l) { return l.reservation_count(); }));
   RETURN_IF_ERROR(metrics_.AddCallbackGauge("memra_sessions", "Live sessions.", [this] {
-    absl::MutexLock lock(&sessions_mu_);
     return static_cast<double>(sessions_.size());
   }));
   RETURN_IF_ERROR(metrics_.AddCallbackGauge("memra_engines", "Attached engines.", [this] {
-    absl::MutexLock lock(&mu_);
-    return static_cast<double>(engines_.size());
+    return static_cast<double>(leases_.size());
   }));
-  auto event_count = [this](const char* name, const char* help, const std::atomic<uint64_t>* n) {
+  auto event_count = [this](const char* name, const char* help,
+                            uint64_t (EngineLeases::*read)() const) {
     return metrics_.AddCallbackGauge(
-        name, help, [n] { return static_cast<double>(n->load(std::memory_order_relaxed)); });
+        name, help, [this, read] { return static_cast<double>((leases_.*read)()); });
   };
   RETURN_IF_ERROR(event_count("memra_lease_expiries",
                               "Engines whose heartbeats stopped (lease timeout), since start.",
-                              &lease_expiries_));
+                              &EngineLeases::lease_expiries));
   RETURN_IF_ERROR(event_count("memra_engines_reclaimed",
                               "Engines whose sessions and reservations were reclaimed, since start.",
-                              &engines_reclaimed_));
+                              &EngineLeases::engines_reclaimed));
   RETURN_IF_ERROR(event_count("memra_reservations_expired",
                               "Reservations that lapsed unused, since start.",
-                              &reservations_expired_));
+                              &EngineLeases::reservations_expired));
   RETURN_IF_ERROR(metrics_.AddCallbackGauge(
       "memra_admission_refusals", "Admissions refused for room (RESOURCE_EXHAUSTED), since start.",
       [this] { return static_cast<double>(budget_->refusals()); }));

@@ -149,13 +149,6 @@ DaemonSession::DaemonSession(Params params, DeviceBackend* backend, DeviceBudget
 
 DaemonSession::~DaemonSession() { Release(); }
 
-bool TokensEqual(absl::string_view a, absl::string_view b) {
-  if (a.size() != b.size()) return false;
-  unsigned char diff = 0;
-  for (size_t i = 0; i < a.size(); ++i) diff |= a[i] ^ b[i];
-  return diff == 0;
-}
-
 bool DaemonSession::TokenMatches(absl::string_view token) const {
   return TokensEqual(token, params_.token);
 }

@@ -35,6 +35,7 @@
 #include "proto/memra/kv/v1/cache.pb.h"
 #include "server/backend.h"
 #include "server/device_budget.h"
+#include "server/secret_token.h"
 
 namespace memra {
 
@@ -46,9 +47,6 @@ struct EngineId {
   uint64_t value = 0;
   friend bool operator==(EngineId a, EngineId b) { return a.value == b.value; }
 };
-
-// Compares secrets in time independent of where they differ.
-bool TokensEqual(absl::string_view a, absl::string_view b);
 
 // Where a session's planes are: one exported arena per layout version.
 struct SessionLayoutVersion {

@@ -90,14 +90,13 @@ bool IsFresh(const SessionState& state) {
 }  // namespace
 
 PlanFingerprint PrefixShapeFingerprint(const PlanFingerprint& model, const SessionShape& shape) {
-  const uint32_t ranks = std::max<uint32_t>(shape.tp_ranks, 1);
-  if (shape.layer_lo == 0 && !shape.layer_hi.has_value() && ranks == 1) return model;
+  if (shape.layer_lo == 0 && !shape.layer_hi.has_value() && shape.tp_ranks == 1) return model;
   Sha256 hash;
   hash.Update(kShapeDomain);
   hash.Update(std::string_view(reinterpret_cast<const char*>(model.data()), model.size()));
   HashU32(hash, shape.layer_lo);
   HashU32(hash, shape.layer_hi.value_or(0xffffffffu));
-  HashU32(hash, ranks);
+  HashU32(hash, shape.tp_ranks);
   return hash.Finish();
 }
 

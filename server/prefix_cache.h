@@ -66,7 +66,8 @@ struct PrefixCacheOptions {
 
 // The shape a session's entries are keyed by: the model fingerprint for an unsharded session
 // over every layer, else SHA-256 of the domain, the fingerprint, layer_lo, layer_hi (0xffffffff
-// = all) and tp_ranks (prefix.proto documents the encoding).
+// = all) and tp_ranks (prefix.proto documents the encoding). `shape` as decoded by
+// SessionShapeFromProto (common/codec.h): tp_ranks >= 1, the wire's 0 already made 1.
 PlanFingerprint PrefixShapeFingerprint(const PlanFingerprint& model, const SessionShape& shape);
 
 // One contiguous range of one plane, in the order it sits in a stored buffer.

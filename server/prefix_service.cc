@@ -7,8 +7,8 @@
 #include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "common/codec.h"
-#include "common/grpc_status.h"
 #include "core/status_macros.h"
+#include "server/rpc_reply.h"
 #include "spdlog/spdlog.h"
 
 namespace memra {
@@ -18,23 +18,6 @@ namespace pb = ::memra::kv::v1;
 
 // How often an idle event stream looks for cancellation.
 constexpr absl::Duration kEventPoll = absl::Milliseconds(200);
-
-grpc::Status Reply(absl::string_view rpc, const absl::Status& status) {
-  if (!status.ok()) {
-    if (status.code() == absl::StatusCode::kInternal ||
-        status.code() == absl::StatusCode::kDataLoss) {
-      spdlog::error("{} failed: {}", std::string(rpc), status.ToString());
-    } else {
-      spdlog::info("{} refused: {}", std::string(rpc), status.ToString());
-    }
-  }
-  return ToGrpcStatus(status);
-}
-
-template <typename Repeated>
-absl::Span<const int32_t> Span(const Repeated& field) {
-  return absl::MakeConstSpan(field.data(), static_cast<size_t>(field.size()));
-}
 
 std::string KeyBytes(const BlockKey& key) {
   return std::string(reinterpret_cast<const char*>(key.data()), key.size());
@@ -139,7 +122,7 @@ grpc::Status PrefixService::Capture(grpc::ServerContext*, const pb::CapturePrefi
                      OrderedSession(request->session(), request->ordering()));
     // The backend's copies are complete when they return (DeviceBackend invariant (4)).
     ASSIGN_OR_RETURN(PrefixCaptureResult captured,
-                     cache_->Capture(*session, Span(request->token_ids()),
+                     cache_->Capture(*session, SpanOf(request->token_ids()),
                                      request->boundary_tokens()));
     response->set_entry_id(captured.entry.value);
     response->set_boundary_tokens(captured.boundary_tokens);
@@ -158,9 +141,9 @@ grpc::Status PrefixService::Lookup(grpc::ServerContext*, const pb::LookupPrefixR
     RETURN_IF_ERROR(Enabled());
     ASSIGN_OR_RETURN(PlanFingerprint model,
                      FingerprintFromBytes(request->shape().plan_fingerprint()));
-    const PrefixLookupResult found = cache_->Lookup(
-        PrefixShapeFingerprint(model, SessionShapeFromProto(request->shape())),
-        Span(request->token_ids()));
+    const PrefixLookupResult found =
+        cache_->Lookup(PrefixShapeFingerprint(model, SessionShapeFromProto(request->shape())),
+                       SpanOf(request->token_ids()));
     switch (found.outcome) {
       case LookupOutcome::kMiss:
         response->set_outcome(pb::LOOKUP_OUTCOME_MISS);
@@ -189,7 +172,7 @@ grpc::Status PrefixService::Restore(grpc::ServerContext*, const pb::RestorePrefi
     std::optional<EntryId> entry;
     if (request->entry_id() != 0) entry = EntryId{request->entry_id()};
     ASSIGN_OR_RETURN(PrefixRestoreResult restored,
-                     cache_->Restore(*session, entry, Span(request->token_ids())));
+                     cache_->Restore(*session, entry, SpanOf(request->token_ids())));
     response->set_entry_id(restored.entry.value);
     response->set_restored_tokens(restored.restored_tokens);
     return session->GetState(response->mutable_state(), nullptr);

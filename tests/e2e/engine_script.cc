@@ -172,7 +172,18 @@ absl::StatusOr<ScriptResult> RunScript(Session& session, PlaneMemory& memory,
     result.recurrent_fill = static_cast<uint8_t>(step * 13 + 1);
     RETURN_IF_ERROR(FillRecurrent(session, memory, result.recurrent_fill));
     if (step % 5 == 4) {
-      const uint64_t target = result.committed - 20;
+      // The indexer's 16-row tail ring holds only the last rows of this 240-row append, so 20
+      // rows back is reachable only at a pool boundary (docs/rules.md, "Indexer residency"):
+      // the daemon must refuse the unaligned target and accept the boundary below it.
+      const uint64_t deep = result.committed - 20;
+      const uint64_t target = deep / kIndexPool * kIndexPool;
+      if (deep != target) {
+        ASSIGN_OR_RETURN(bool lapped, session.CanRewind(deep));
+        if (lapped) {
+          return absl::InternalError(absl::StrCat(
+              "rewind to ", deep, " would read lapped indexer rows, but CanRewind allowed it"));
+        }
+      }
       ASSIGN_OR_RETURN(bool can, session.CanRewind(target));
       if (!can) return absl::InternalError(absl::StrCat("cannot rewind to ", target));
       ASSIGN_OR_RETURN(SessionSnapshot rewound, session.Rewind(target));

@@ -23,6 +23,10 @@
 #include "grpcpp/create_channel.h"
 #include "grpcpp/security/credentials.h"
 #include "gtest/gtest.h"
+#include "spdlog/sinks/ringbuffer_sink.h"
+#include "spdlog/spdlog.h"
+#include "common/codec.h"
+#include "common/grpc_status.h"
 #include "tests/service/health.grpc.pb.h"
 #include "tests/service/test_daemon.h"
 #include "tests/service/test_plans.h"
@@ -957,6 +961,61 @@ TEST_F(ServiceTest, ClosedStreamFreesSessionsAfterGrace) {
   EXPECT_EQ(daemon_->GetStatus().engines(), 1u);  // engine-a only
   EXPECT_THAT(session->Begin(),
               StatusIs(absl::StatusCode::kNotFound, HasSubstr("session 1 does not exist")));
+}
+
+// Lease reclaim releases each session of the engine once and says so once (it once released
+// them twice and logged "reclaimed" twice).
+TEST_F(ServiceTest, ReclaimReleasesEachSessionOnceAndLogsItOnce) {
+  // A copy of the default logger that also keeps its lines (swapping loggers is thread-safe; the
+  // daemon's threads may be logging; `previous` stays alive for any still using it).
+  auto log = std::make_shared<spdlog::sinks::ringbuffer_sink_mt>(1024);
+  log->set_pattern("%v");
+  const std::shared_ptr<spdlog::logger> previous = spdlog::default_logger();
+  auto capturing = previous->clone("reclaim-test");
+  capturing->sinks().push_back(log);
+  spdlog::set_default_logger(capturing);
+  std::unique_ptr<KvClient> engine_b = NewClient("engine-b");
+  ASSERT_NE(engine_b, nullptr);
+  std::unique_ptr<Session> first = NewSession(*engine_b, kCapacity);
+  std::unique_ptr<Session> second = NewSession(*engine_b, kCapacity);
+  ASSERT_NE(second, nullptr);
+  const uint64_t engine_b_id = engine_b->engine_id();
+  uint64_t engine_b_bytes = 0;
+  const pb::GetStatusResponse before = daemon_->GetStatus();
+  for (const pb::EngineStatus& engine : before.engine_status()) {
+    if (engine.engine_id() == engine_b_id) engine_b_bytes = engine.allocated_bytes();
+  }
+  ASSERT_GT(engine_b_bytes, 0u);
+  const uint64_t frees_before = faults_->CallCount(BackendOp::kFreeArena);
+  engine_b->Detach();
+  auto engine_b_present = [&] {
+    const pb::GetStatusResponse status = daemon_->GetStatus();
+    for (const pb::EngineStatus& engine : status.engine_status()) {
+      if (engine.engine_id() == engine_b_id) return true;
+    }
+    return false;
+  };
+  // Past the grace of a stream that ended (or a lease that lapsed: the fake clock) meanwhile.
+  for (absl::Time deadline = absl::Now() + absl::Seconds(30);
+       engine_b_present() && absl::Now() < deadline;) {
+    clock_.Advance(absl::Milliseconds(kLeaseGraceMs));
+    daemon_->CheckLeases();
+    absl::SleepFor(absl::Milliseconds(1));
+  }
+  ASSERT_FALSE(engine_b_present());
+  spdlog::set_default_logger(previous);
+  int reclaimed_lines = 0;
+  for (const std::string& line : log->last_formatted()) {
+    if (line.find(absl::StrCat("engine ", engine_b_id, " (")) != std::string::npos &&
+        line.find("reclaimed:") != std::string::npos) {
+      ++reclaimed_lines;
+      EXPECT_THAT(line, HasSubstr(absl::StrCat("reclaimed: 2 sessions, ", engine_b_bytes,
+                                               " bytes freed, 0 reserved bytes returned")));
+    }
+  }
+  EXPECT_EQ(reclaimed_lines, 1);
+  EXPECT_EQ(faults_->CallCount(BackendOp::kFreeArena) - frees_before, 2u);
+  EXPECT_EQ(daemon_->GetStatus().sessions(), 0u);
 }
 
 TEST_F(ServiceTest, DrainRefusesNewEnginesAndSessions) {

@@ -14,6 +14,7 @@ inline constexpr uint32_t kSlidingLayer = 1;
 inline constexpr uint32_t kRecurrentLayer = 2;
 inline constexpr uint32_t kLatentLayer = 3;
 inline constexpr uint32_t kSlidingWindow = 32;
+inline constexpr uint32_t kIndexPool = 4;  // the latent layer's DSA indexer pool
 
 inline ModelPlan HybridTestPlan() {
   ModelPlan plan;
@@ -26,7 +27,7 @@ inline ModelPlan HybridTestPlan() {
       test_plans::RecurrentLayer(kRecurrentLayer, /*conv_width=*/4, /*conv_kernel=*/4,
                                  /*state_width=*/8),
       test_plans::LatentLayer(kLatentLayer, /*latent_width=*/8, /*index_width=*/8,
-                              /*index_pool=*/4),
+                              /*index_pool=*/kIndexPool),
   };
   return plan;
 }

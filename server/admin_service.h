@@ -1,0 +1,98 @@
+#ifndef MEMRA_SERVER_ADMIN_SERVICE_H_
+#define MEMRA_SERVER_ADMIN_SERVICE_H_
+
+// memra.kv.v1 KvAdmin over gRPC, the operator-facing edge: the daemon's status, its sessions and
+// engines, the pricing queries (cost, fit, max context: the same sizing function and backend
+// rounding admission charges with), model import, drain and undrain.
+//
+// Thread-safety: thread-safe (everything it reads is).
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "core/admission.h"
+#include "core/formats.h"
+#include "core/model_plan.h"
+#include "core/sizing.h"
+#include "grpcpp/server_context.h"
+#include "proto/memra/kv/v1/admin.grpc.pb.h"
+#include "server/backend.h"
+#include "server/clock.h"
+#include "server/device_budget.h"
+#include "server/engine_leases.h"
+#include "server/plan_registry.h"
+#include "server/session_registry.h"
+
+namespace memra {
+
+class AdminService final : public memra::kv::v1::KvAdmin::Service {
+ public:
+  struct Parts {
+    EngineLeases* leases;
+    PlanRegistry* plans;
+    SessionRegistry* sessions;
+    DeviceBudget* budget;
+    DeviceBackend* backend;
+    Clock* clock;
+    uint64_t epoch = 0;  // random per start
+    absl::Time started;
+    // Drain (true) / Undrain (false): the daemon's switch (it also flips the health service);
+    // returns the sessions open.
+    std::function<size_t(bool)> set_draining;
+  };
+  // REQUIRES: every pointer outlives the service.
+  explicit AdminService(Parts parts) : parts_(std::move(parts)) {}
+
+  // What GetStatus answers.
+  memra::kv::v1::GetStatusResponse Status() const;
+
+  grpc::Status GetStatus(grpc::ServerContext*, const memra::kv::v1::GetStatusRequest*,
+                         memra::kv::v1::GetStatusResponse* response) override;
+  grpc::Status ListSessions(grpc::ServerContext*, const memra::kv::v1::ListSessionsRequest* request,
+                            memra::kv::v1::ListSessionsResponse* response) override;
+  grpc::Status ListEngines(grpc::ServerContext*, const memra::kv::v1::ListEnginesRequest*,
+                           memra::kv::v1::ListEnginesResponse* response) override;
+  grpc::Status GetCost(grpc::ServerContext*, const memra::kv::v1::CostRequest* request,
+                       memra::kv::v1::CostResponse* response) override;
+  grpc::Status GetFit(grpc::ServerContext*, const memra::kv::v1::FitRequest* request,
+                      memra::kv::v1::FitResponse* response) override;
+  grpc::Status GetMaxContext(grpc::ServerContext*, const memra::kv::v1::MaxContextRequest* request,
+                             memra::kv::v1::MaxContextResponse* response) override;
+  grpc::Status ImportModel(grpc::ServerContext*, const memra::kv::v1::ImportModelRequest* request,
+                           memra::kv::v1::ImportModelResponse* response) override;
+  grpc::Status Drain(grpc::ServerContext*, const memra::kv::v1::DrainRequest*,
+                     memra::kv::v1::DrainResponse* response) override;
+  grpc::Status Undrain(grpc::ServerContext*, const memra::kv::v1::UndrainRequest*,
+                       memra::kv::v1::UndrainResponse*) override;
+
+ private:
+  absl::Status Cost(const memra::kv::v1::CostRequest& request,
+                    memra::kv::v1::CostResponse* response);
+  absl::Status Fit(const memra::kv::v1::FitRequest& request, memra::kv::v1::FitResponse* response);
+  absl::Status MaxContext(const memra::kv::v1::MaxContextRequest& request,
+                          memra::kv::v1::MaxContextResponse* response);
+  absl::Status Import(const memra::kv::v1::ImportModelRequest& request,
+                      memra::kv::v1::ImportModelResponse* response);
+  // What a pricing query prices: its model, its shape, and what admission prices with.
+  struct Pricing {
+    std::shared_ptr<const ModelPlan> plan;
+    SessionShape shape;
+    FormatDefaults defaults;
+    ArenaRounding rounding;
+  };
+  absl::StatusOr<Pricing> PricingFor(const memra::kv::v1::ModelSelector& model,
+                                     const memra::kv::v1::SessionShape& shape) const;
+  // A query's model: a registered plan, an inline plan or a HF config.json.
+  absl::StatusOr<std::shared_ptr<const ModelPlan>> ResolveModel(
+      const memra::kv::v1::ModelSelector& selector) const;
+
+  const Parts parts_;
+};
+
+}  // namespace memra
+
+#endif  // MEMRA_SERVER_ADMIN_SERVICE_H_

@@ -1,0 +1,314 @@
+#include "server/cache_service.h"
+
+#include <optional>
+#include <string>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/types/span.h"
+#include "common/codec.h"
+#include "core/status_macros.h"
+#include "server/rpc_reply.h"
+#include "spdlog/spdlog.h"
+
+namespace memra {
+namespace {
+
+namespace pb = ::memra::kv::v1;
+
+}  // namespace
+
+EngineCredentials EngineCredentialsOf(const pb::EngineRef& ref) {
+  return EngineCredentials{EngineId{ref.engine_id()}, ref.engine_token()};
+}
+
+SessionCredentials SessionCredentialsOf(const pb::SessionRef& ref) {
+  return SessionCredentials{SessionId{ref.session_id()}, ref.session_token()};
+}
+
+grpc::Status CacheService::Attach(
+    grpc::ServerContext* context,
+    grpc::ServerReaderWriter<pb::AttachResponse, pb::AttachRequest>* stream) {
+  pb::AttachRequest request;
+  if (!stream->Read(&request)) return grpc::Status::CANCELLED;
+  if (!request.has_hello()) {
+    return Reply("Attach", absl::InvalidArgumentError("the first Attach message must be a hello"));
+  }
+  absl::StatusOr<EngineLease> lease = leases_->Attach(
+      request.hello().engine_name(), request.hello().pid(), [context] { context->TryCancel(); });
+  if (!lease.ok()) return Reply("Attach", lease.status());
+  const EngineId engine = lease->id;
+  pb::AttachResponse response;
+  pb::Attached* attached = response.mutable_attached();
+  attached->mutable_engine()->set_engine_id(engine.value);
+  attached->mutable_engine()->set_engine_token(lease->token);
+  attached->set_lease_timeout_ms(absl::ToInt64Milliseconds(lease->timeout));
+  attached->set_lease_grace_ms(absl::ToInt64Milliseconds(lease->grace));
+  attached->set_backend(std::string(backend_->Name()));
+  bool open = stream->Write(response);
+  absl::Status status;
+  while (open && stream->Read(&request)) {
+    if (!request.has_heartbeat()) {
+      status = absl::InvalidArgumentError("after the hello, Attach carries only heartbeats");
+      break;
+    }
+    status = leases_->Heartbeat(engine);
+    if (!status.ok()) break;
+    response.Clear();
+    response.mutable_ack()->set_sequence(request.heartbeat().sequence());
+    open = stream->Write(response);
+  }
+  leases_->EndStream(engine);
+  return Reply("Attach", status);
+}
+
+grpc::Status CacheService::RegisterPlan(grpc::ServerContext*,
+                                        const pb::RegisterPlanRequest* request,
+                                        pb::RegisterPlanResponse* response) {
+  absl::Status status = [&]() -> absl::Status {
+    ASSIGN_OR_RETURN(ModelPlan plan, ModelPlanFromProto(request->plan()));
+    ASSIGN_OR_RETURN(PlanFingerprint fingerprint, plans_->Register(std::move(plan)));
+    response->set_fingerprint(FingerprintToBytes(fingerprint));
+    return absl::OkStatus();
+  }();
+  return Reply("RegisterPlan", status);
+}
+
+grpc::Status CacheService::Reserve(grpc::ServerContext*, const pb::ReserveRequest* request,
+                                   pb::ReserveResponse* response) {
+  absl::Status status = [&]() -> absl::Status {
+    ASSIGN_OR_RETURN(PlanFingerprint plan, FingerprintFromBytes(request->plan_fingerprint()));
+    ASSIGN_OR_RETURN(ArenaReservation reserved,
+                     sessions_->Reserve(EngineCredentialsOf(request->engine()), plan,
+                                        SessionShapeFromProto(*request)));
+    response->set_reservation_id(reserved.id.value);
+    response->set_bytes(reserved.bytes);
+    response->set_ttl_ms(absl::ToInt64Milliseconds(reserved.ttl));
+    return absl::OkStatus();
+  }();
+  return Reply("Reserve", status);
+}
+
+grpc::Status CacheService::CancelReservation(grpc::ServerContext*,
+                                             const pb::CancelReservationRequest* request,
+                                             pb::CancelReservationResponse* response) {
+  absl::StatusOr<uint64_t> freed = leases_->CancelReservation(
+      EngineCredentialsOf(request->engine()), ReservationId{request->reservation_id()});
+  if (freed.ok()) response->set_freed_bytes(*freed);
+  return Reply("CancelReservation", freed.status());
+}
+
+grpc::Status CacheService::CreateSession(grpc::ServerContext*,
+                                         const pb::CreateSessionRequest* request,
+                                         pb::CreateSessionResponse* response) {
+  absl::Status status = [&]() -> absl::Status {
+    ASSIGN_OR_RETURN(PlanFingerprint plan, FingerprintFromBytes(request->plan_fingerprint()));
+    std::optional<ReservationId> reservation;
+    if (request->reservation_id() != 0) reservation = ReservationId{request->reservation_id()};
+    ASSIGN_OR_RETURN(std::shared_ptr<DaemonSession> session,
+                     sessions_->Create(EngineCredentialsOf(request->engine()), plan,
+                                       SessionShapeFromProto(*request), reservation));
+    response->mutable_session()->set_session_id(session->id().value);
+    response->mutable_session()->set_session_token(session->params().token);
+    return SessionRegistry::Apply(
+        *session, GetStateOp{response->mutable_state(), response->mutable_layout()});
+  }();
+  return Reply("CreateSession", status);
+}
+
+grpc::Status CacheService::ReleaseSession(grpc::ServerContext*, const pb::SessionRequest* request,
+                                          pb::ReleaseSessionResponse* response) {
+  const SessionCredentials session = SessionCredentialsOf(request->session());
+  absl::Status status = [&]() -> absl::Status {
+    // Authenticated first: nobody makes the daemon wait on an event for a session not theirs.
+    RETURN_IF_ERROR(sessions_->Find(session).status());
+    RETURN_IF_ERROR(WaitForEngine(request->ordering()));
+    ASSIGN_OR_RETURN(uint64_t freed, sessions_->Release(session));
+    response->set_freed_bytes(freed);
+    return absl::OkStatus();
+  }();
+  return Reply("ReleaseSession", status);
+}
+
+grpc::Status CacheService::ResetSession(grpc::ServerContext*, const pb::SessionRequest* request,
+                                        pb::SessionStateResponse* response) {
+  return RunThenState("ResetSession", request->session(), request->ordering(), ResetOp{},
+                      response);
+}
+
+grpc::Status CacheService::GetSessionState(grpc::ServerContext*,
+                                           const pb::GetSessionStateRequest* request,
+                                           pb::SessionStateResponse* response) {
+  return Reply("GetSessionState",
+               sessions_->Run(SessionCredentialsOf(request->session()),
+                              GetStateOp{response->mutable_state(),
+                                         request->include_layout() ? response->mutable_layout()
+                                                                   : nullptr}));
+}
+
+grpc::Status CacheService::Begin(grpc::ServerContext*, const pb::SessionRequest* request,
+                                 pb::BeginResponse* response) {
+  return RunOrdered("Begin", request->session(), request->ordering(), BeginOp{response});
+}
+
+grpc::Status CacheService::PrepareAppend(grpc::ServerContext*,
+                                         const pb::PrepareAppendRequest* request,
+                                         pb::PrepareAppendResponse* response) {
+  return RunOrdered("PrepareAppend", request->session(), pb::DeviceOrdering::default_instance(),
+                    PrepareAppendOp{request->generation(), request->rows(), response});
+}
+
+grpc::Status CacheService::PublishAppend(grpc::ServerContext*,
+                                         const pb::GenerationRequest* request,
+                                         pb::PublishAppendResponse* response) {
+  return RunOrdered("PublishAppend", request->session(), request->ordering(),
+                    PublishAppendOp{request->generation(), response});
+}
+
+grpc::Status CacheService::Commit(grpc::ServerContext*, const pb::CommitRequest* request,
+                                  pb::CommitResponse* response) {
+  return RunOrdered("Commit", request->session(), request->ordering(),
+                    CommitOp{request->generation(), request->accepted_rows(),
+                             SpanOf(request->token_ids()), response});
+}
+
+grpc::Status CacheService::Abort(grpc::ServerContext*, const pb::GenerationRequest* request,
+                                 pb::AbortResponse* response) {
+  return RunOrdered("Abort", request->session(), request->ordering(),
+                    AbortOp{request->generation(), response});
+}
+
+grpc::Status CacheService::Step(grpc::ServerContext*, const pb::StepRequest* request,
+                                pb::StepResponse* response) {
+  if (request->entries_size() > kMaxStepEntries) {
+    return Reply("Step", absl::InvalidArgumentError(
+                             absl::StrCat("Step carries ", request->entries_size(),
+                                          " entries; the limit is ", kMaxStepEntries)));
+  }
+  if (absl::Status waited = WaitForEngine(request->ordering()); !waited.ok()) {
+    return Reply("Step", waited);
+  }
+  response->mutable_results()->Reserve(request->entries_size());
+  for (const pb::StepEntry& entry : request->entries()) {
+    pb::StepResult* result = response->add_results();
+    RunStepEntry(entry, result);
+    if (result->code() != 0) {
+      spdlog::info("Step entry for session {} refused: {} {}", entry.session().session_id(),
+                   absl::StatusCodeToString(static_cast<absl::StatusCode>(result->code())),
+                   result->message());
+    }
+  }
+  return grpc::Status::OK;
+}
+
+void CacheService::RunStepEntry(const pb::StepEntry& entry, pb::StepResult* result) {
+  std::optional<SessionOp> op;
+  switch (entry.op_case()) {
+    case pb::StepEntry::kBegin:
+      op = BeginOp{result->mutable_begin()};
+      break;
+    case pb::StepEntry::kPrepare:
+      op = PrepareAppendOp{entry.prepare().generation(), entry.prepare().rows(),
+                           result->mutable_prepare()};
+      break;
+    case pb::StepEntry::kPublish:
+      op = PublishAppendOp{entry.publish().generation(), result->mutable_publish()};
+      break;
+    case pb::StepEntry::kCommit:
+      op = CommitOp{entry.commit().generation(), entry.commit().accepted_rows(),
+                    SpanOf(entry.commit().token_ids()), result->mutable_commit()};
+      break;
+    case pb::StepEntry::kAbort:
+      op = AbortOp{entry.abort().generation(), result->mutable_abort()};
+      break;
+    case pb::StepEntry::OP_NOT_SET:
+      break;
+  }
+  const SessionCredentials session = SessionCredentialsOf(entry.session());
+  absl::Status status = [&]() -> absl::Status {
+    if (op.has_value()) return sessions_->Run(session, *op);
+    RETURN_IF_ERROR(sessions_->Find(session).status());
+    return absl::InvalidArgumentError(absl::StrCat(
+        "Step entry for session ", entry.session().session_id(), " names no operation"));
+  }();
+  if (!status.ok()) {
+    result->clear_payload();
+    result->set_code(static_cast<int32_t>(status.code()));
+    result->set_message(std::string(status.message()));
+  }
+}
+
+grpc::Status CacheService::Rewind(grpc::ServerContext*, const pb::RewindRequest* request,
+                                  pb::SessionStateResponse* response) {
+  return RunThenState("Rewind", request->session(), request->ordering(),
+                      RewindOp{request->target()}, response);
+}
+
+grpc::Status CacheService::Hydrate(grpc::ServerContext*, const pb::HydrateRequest* request,
+                                   pb::SessionStateResponse* response) {
+  return RunThenState("Hydrate", request->session(), request->ordering(),
+                      HydrateOp{request->logical_len(), SpanOf(request->resident_starts())},
+                      response);
+}
+
+grpc::Status CacheService::CanRewind(grpc::ServerContext*, const pb::RewindRequest* request,
+                                     pb::CanRewindResponse* response) {
+  bool can = false;
+  absl::Status status =
+      sessions_->Run(SessionCredentialsOf(request->session()), CanRewindOp{request->target(), &can});
+  if (status.ok()) response->set_can_rewind(can);
+  return Reply("CanRewind", status);
+}
+
+grpc::Status CacheService::SpecSnapshot(grpc::ServerContext*, const pb::SessionRequest* request,
+                                        pb::SessionStateResponse* response) {
+  return RunThenState("SpecSnapshot", request->session(), request->ordering(), SpecSnapshotOp{},
+                      response);
+}
+
+grpc::Status CacheService::SpecRollback(grpc::ServerContext*,
+                                        const pb::SpecRollbackRequest* request,
+                                        pb::SessionStateResponse* response) {
+  return RunThenState("SpecRollback", request->session(), request->ordering(),
+                      SpecRollbackOp{request->accept_len()}, response);
+}
+
+grpc::Status CacheService::Grow(grpc::ServerContext*, const pb::GrowRequest* request,
+                                pb::GrowResponse* response) {
+  return RunOrdered("Grow", request->session(), request->ordering(),
+                    GrowOp{request->target_capacity(), response});
+}
+
+grpc::Status CacheService::AcknowledgeGrow(grpc::ServerContext*,
+                                           const pb::AcknowledgeGrowRequest* request,
+                                           pb::SessionStateResponse* response) {
+  return RunThenState("AcknowledgeGrow", request->session(),
+                      pb::DeviceOrdering::default_instance(),
+                      AcknowledgeGrowOp{request->layout_version()}, response);
+}
+
+grpc::Status CacheService::Taint(grpc::ServerContext*, const pb::TaintRequest* request,
+                                 pb::SessionStateResponse* response) {
+  return RunThenState("Taint", request->session(), pb::DeviceOrdering::default_instance(),
+                      TaintOp{request->reason()}, response);
+}
+
+grpc::Status CacheService::RunThenState(absl::string_view rpc, const pb::SessionRef& ref,
+                                        const pb::DeviceOrdering& ordering, const SessionOp& op,
+                                        pb::SessionStateResponse* response) {
+  return Reply(rpc, sessions_->Run(SessionCredentialsOf(ref),
+                                   {op, GetStateOp{response->mutable_state()}},
+                                   [&] { return WaitForEngine(ordering); }));
+}
+
+grpc::Status CacheService::RunOrdered(absl::string_view rpc, const pb::SessionRef& ref,
+                                      const pb::DeviceOrdering& ordering, const SessionOp& op) {
+  return Reply(rpc, sessions_->Run(SessionCredentialsOf(ref), {op},
+                                   [&] { return WaitForEngine(ordering); }));
+}
+
+absl::Status CacheService::WaitForEngine(const pb::DeviceOrdering& ordering) {
+  return backend_->WaitForEngineEvent(ordering.wait_event());
+}
+
+}  // namespace memra

@@ -1,0 +1,201 @@
+#include "server/engine_leases.h"
+
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "core/status_macros.h"
+#include "server/secret_token.h"
+#include "spdlog/spdlog.h"
+
+namespace memra {
+
+EngineLeases::EngineLeases(Clock* clock, DeviceBudget* budget, LeaseSettings settings)
+    : clock_(clock), budget_(budget), settings_(settings) {}
+
+void EngineLeases::ApplySettings(LeaseSettings settings) {
+  absl::MutexLock lock(&mu_);
+  settings_ = settings;
+}
+
+LeaseSettings EngineLeases::settings() const {
+  absl::MutexLock lock(&mu_);
+  return settings_;
+}
+
+absl::StatusOr<EngineLease> EngineLeases::Attach(absl::string_view name, int64_t pid,
+                                                 std::function<void()> cancel_stream) {
+  ASSIGN_OR_RETURN(std::string token, RandomSecretToken());
+  absl::MutexLock lock(&mu_);
+  if (draining_) return absl::UnavailableError("the daemon is draining; attach to another");
+  const EngineId id{next_engine_id_++};
+  Engine& engine = engines_[id.value];
+  engine.id = id;
+  engine.name = std::string(name.substr(0, 256));
+  engine.pid = pid;
+  engine.token = token;
+  engine.last_heartbeat = clock_->Now();
+  engine.cancel_stream = std::move(cancel_stream);
+  spdlog::info("engine {} attached: name \"{}\", pid {}", id.value, engine.name, engine.pid);
+  return EngineLease{id, std::move(token), settings_.timeout, settings_.grace};
+}
+
+absl::Status EngineLeases::Heartbeat(EngineId id) {
+  absl::MutexLock lock(&mu_);
+  auto it = engines_.find(id.value);
+  if (it == engines_.end()) {
+    return absl::NotFoundError(absl::StrCat("engine ", id.value, " was reclaimed"));
+  }
+  if (it->second.lease_ended.has_value()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("engine ", id.value, ": the lease expired; its sessions will be freed"));
+  }
+  it->second.last_heartbeat = clock_->Now();
+  return absl::OkStatus();
+}
+
+void EngineLeases::EndStream(EngineId id) {
+  absl::MutexLock lock(&mu_);
+  auto it = engines_.find(id.value);
+  if (it == engines_.end()) return;
+  it->second.cancel_stream = nullptr;
+  if (!it->second.lease_ended.has_value()) {
+    it->second.lease_ended = clock_->Now();
+    spdlog::info("engine {} (\"{}\"): Attach stream ended; its sessions are freed in {} ms",
+                 id.value, it->second.name, absl::ToInt64Milliseconds(settings_.grace));
+  }
+}
+
+absl::Status EngineLeases::CheckLocked(const EngineCredentials& engine) const {
+  auto it = engines_.find(engine.id.value);
+  if (it == engines_.end()) {
+    return absl::NotFoundError(absl::StrCat("engine ", engine.id.value, " is not attached"));
+  }
+  if (!TokensEqual(engine.token, it->second.token)) {
+    return absl::PermissionDeniedError(
+        absl::StrCat("wrong engine token for engine ", engine.id.value));
+  }
+  if (it->second.lease_ended.has_value()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("engine ", engine.id.value, ": its lease has ended"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status EngineLeases::Check(const EngineCredentials& engine) const {
+  absl::MutexLock lock(&mu_);
+  return CheckLocked(engine);
+}
+
+absl::Status EngineLeases::Admit(const EngineCredentials& engine,
+                                 absl::string_view draining_message) const {
+  absl::MutexLock lock(&mu_);
+  if (draining_) return absl::UnavailableError(draining_message);
+  return CheckLocked(engine);
+}
+
+absl::StatusOr<EngineReservation> EngineLeases::Reserve(const EngineCredentials& engine,
+                                                        uint64_t bytes) {
+  absl::Duration ttl;
+  {
+    absl::MutexLock lock(&mu_);
+    if (draining_) return absl::UnavailableError("the daemon is draining; no new reservations");
+    RETURN_IF_ERROR(CheckLocked(engine));
+    ttl = settings_.reservation_ttl;
+  }
+  ASSIGN_OR_RETURN(ReservationId id, budget_->Reserve(engine.id.value, bytes, clock_->Now(), ttl));
+  return EngineReservation{id, ttl};
+}
+
+absl::StatusOr<uint64_t> EngineLeases::CancelReservation(const EngineCredentials& engine,
+                                                         ReservationId reservation) {
+  RETURN_IF_ERROR(Check(engine));
+  return budget_->Cancel(reservation, engine.id.value);
+}
+
+void EngineLeases::ExpireReservations() {
+  for (const ExpiredReservation& expired : budget_->Expire(clock_->Now())) {
+    reservations_expired_.fetch_add(1, std::memory_order_relaxed);
+    spdlog::info("reservation {} of engine {} expired unused: {} bytes returned",
+                 expired.id.value, expired.reservation.owner, expired.reservation.bytes);
+  }
+}
+
+std::vector<ReclaimedEngine> EngineLeases::CollectReclaimable() {
+  std::vector<ReclaimedEngine> reclaimed;
+  const absl::Time now = clock_->Now();
+  {
+    absl::MutexLock lock(&mu_);
+    for (auto it = engines_.begin(); it != engines_.end();) {
+      Engine& engine = it->second;
+      if (!engine.lease_ended.has_value() && now - engine.last_heartbeat > settings_.timeout) {
+        engine.lease_ended = now;
+        lease_expiries_.fetch_add(1, std::memory_order_relaxed);
+        spdlog::warn("engine {} (\"{}\", pid {}): no heartbeat for {} ms (lease timeout {} ms)",
+                     engine.id.value, engine.name, engine.pid,
+                     absl::ToInt64Milliseconds(now - engine.last_heartbeat),
+                     absl::ToInt64Milliseconds(settings_.timeout));
+        if (engine.cancel_stream) engine.cancel_stream();
+        engine.cancel_stream = nullptr;  // cancelled once; its handler's EndStream follows
+      }
+      if (engine.lease_ended.has_value() && now - *engine.lease_ended >= settings_.grace) {
+        reclaimed.push_back(ReclaimedEngine{engine.id, std::move(engine.name), engine.pid});
+        engines_.erase(it++);
+        continue;
+      }
+      ++it;
+    }
+  }
+  engines_reclaimed_.fetch_add(reclaimed.size(), std::memory_order_relaxed);
+  return reclaimed;
+}
+
+uint64_t EngineLeases::ReturnReservations(EngineId engine) {
+  return budget_->ReleaseOwner(engine.value);
+}
+
+void EngineLeases::SetDraining(bool draining) {
+  absl::MutexLock lock(&mu_);
+  if (draining_ != draining) {
+    spdlog::info(draining ? "draining: new engines and sessions are refused"
+                          : "undrained: new engines and sessions are accepted again");
+  }
+  draining_ = draining;
+}
+
+bool EngineLeases::draining() const {
+  absl::MutexLock lock(&mu_);
+  return draining_;
+}
+
+void EngineLeases::CancelStreams() {
+  absl::MutexLock lock(&mu_);
+  for (auto& [id, engine] : engines_) {
+    if (engine.cancel_stream) engine.cancel_stream();
+  }
+}
+
+void EngineLeases::ForgetAll() {
+  absl::MutexLock lock(&mu_);
+  engines_.clear();
+}
+
+std::vector<EngineView> EngineLeases::Engines() const {
+  const absl::Time now = clock_->Now();
+  absl::MutexLock lock(&mu_);
+  std::vector<EngineView> views;
+  views.reserve(engines_.size());
+  for (const auto& [id, engine] : engines_) {
+    views.push_back(EngineView{
+        engine.id, engine.name, engine.pid,
+        !engine.lease_ended.has_value() && now - engine.last_heartbeat <= settings_.timeout,
+        now - (engine.lease_ended.has_value() ? *engine.lease_ended : engine.last_heartbeat)});
+  }
+  return views;
+}
+
+size_t EngineLeases::size() const {
+  absl::MutexLock lock(&mu_);
+  return engines_.size();
+}
+
+}  // namespace memra

@@ -1,0 +1,172 @@
+#ifndef MEMRA_SERVER_ENGINE_LEASES_H_
+#define MEMRA_SERVER_ENGINE_LEASES_H_
+
+// The engines attached to the daemon, their leases and their admission reservations.
+//
+// Leases: an engine's lease ends when its Attach stream ends or when no heartbeat arrives for
+// `timeout` (the stream is then cancelled). `grace` after that, CollectReclaimable() forgets the
+// engine and returns it once, with its reservations returned to the budget; the caller releases
+// its sessions (server/session_registry.h). Lease decisions use the injected Clock.
+//
+// Draining: while draining, new engines, reservations and sessions are refused (UNAVAILABLE).
+//
+// Thread-safety: thread-safe. `mu_` is a leaf lock: nothing outside this class is called while it
+// is held except the DeviceBudget (itself a leaf) and the stream cancellers. SessionRegistry
+// takes its own lock before this one (AdmitSession is called under it), never after.
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "core/admission.h"
+#include "server/clock.h"
+#include "server/daemon_session.h"
+#include "server/device_budget.h"
+
+namespace memra {
+
+// The live-changeable lease settings (DaemonConfig lease_timeout_ms, lease_grace_ms,
+// reservation_ttl_ms).
+struct LeaseSettings {
+  absl::Duration timeout;
+  absl::Duration grace;
+  absl::Duration reservation_ttl;
+};
+
+// What an engine proves it is with: the id and token Attach handed it.
+struct EngineCredentials {
+  EngineId id;
+  absl::string_view token;
+};
+
+// What Attach hands an engine.
+struct EngineLease {
+  EngineId id;
+  std::string token;  // 16 random bytes
+  absl::Duration timeout;
+  absl::Duration grace;
+};
+
+struct EngineReservation {
+  ReservationId id;
+  absl::Duration ttl;
+};
+
+// An engine as KvAdmin reports it.
+struct EngineView {
+  EngineId id;
+  std::string name;
+  int64_t pid = 0;
+  bool lease_live = false;
+  absl::Duration heartbeat_age;  // since the last heartbeat, or since the lease ended
+};
+
+// An engine CollectReclaimable() forgot.
+struct ReclaimedEngine {
+  EngineId id;
+  std::string name;
+  int64_t pid = 0;
+};
+
+class EngineLeases {
+ public:
+  // REQUIRES: `clock` and `budget` outlive this.
+  EngineLeases(Clock* clock, DeviceBudget* budget, LeaseSettings settings);
+
+  void ApplySettings(LeaseSettings settings) ABSL_LOCKS_EXCLUDED(mu_);
+  LeaseSettings settings() const ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Attach: registers the engine (name truncated to 256 bytes). `cancel_stream` ends its Attach
+  // stream: called at most once, when the lease times out or the daemon shuts down, never after
+  // EndStream.
+  absl::StatusOr<EngineLease> Attach(absl::string_view name, int64_t pid,
+                                     std::function<void()> cancel_stream) ABSL_LOCKS_EXCLUDED(mu_);
+  // NOT_FOUND once reclaimed, FAILED_PRECONDITION once the lease ended.
+  absl::Status Heartbeat(EngineId engine) ABSL_LOCKS_EXCLUDED(mu_);
+  // The Attach stream ended: the lease ends now (if it had not).
+  void EndStream(EngineId engine) ABSL_LOCKS_EXCLUDED(mu_);
+
+  // OK when the credentials name an attached engine whose lease is live: NOT_FOUND unknown
+  // engine, PERMISSION_DENIED wrong token, FAILED_PRECONDITION lease ended.
+  absl::Status Check(const EngineCredentials& engine) const ABSL_LOCKS_EXCLUDED(mu_);
+  // Check(), and UNAVAILABLE with `draining_message` while draining (one decision, one lock).
+  absl::Status Admit(const EngineCredentials& engine, absl::string_view draining_message) const
+      ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Admission reservations of `bytes` for the engine, lapsing after the reservation ttl.
+  absl::StatusOr<EngineReservation> Reserve(const EngineCredentials& engine, uint64_t bytes)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // The bytes the cancelled reservation held.
+  absl::StatusOr<uint64_t> CancelReservation(const EngineCredentials& engine,
+                                             ReservationId reservation) ABSL_LOCKS_EXCLUDED(mu_);
+  // Drops reservations whose ttl has passed, logging each once.
+  void ExpireReservations() ABSL_LOCKS_EXCLUDED(mu_);
+
+  // At clock->Now(): ends the leases of silent engines (cancelling their streams) and forgets
+  // every engine whose grace has passed, returning each exactly once.
+  std::vector<ReclaimedEngine> CollectReclaimable() ABSL_LOCKS_EXCLUDED(mu_);
+  // A reclaimed engine's reservations go back to the budget; the bytes they held. Only after
+  // its sessions are released: the budget's per-owner release would take their charges too.
+  uint64_t ReturnReservations(EngineId engine);
+
+  // Refuse (true) or accept again (false) new engines, reservations and sessions.
+  void SetDraining(bool draining) ABSL_LOCKS_EXCLUDED(mu_);
+  bool draining() const ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Shutdown: cancels every open Attach stream, then (ForgetAll) forgets every engine.
+  void CancelStreams() ABSL_LOCKS_EXCLUDED(mu_);
+  void ForgetAll() ABSL_LOCKS_EXCLUDED(mu_);
+
+  std::vector<EngineView> Engines() const ABSL_LOCKS_EXCLUDED(mu_);
+  size_t size() const ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Events since start (metrics).
+  uint64_t lease_expiries() const { return lease_expiries_.load(std::memory_order_relaxed); }
+  uint64_t engines_reclaimed() const {
+    return engines_reclaimed_.load(std::memory_order_relaxed);
+  }
+  uint64_t reservations_expired() const {
+    return reservations_expired_.load(std::memory_order_relaxed);
+  }
+
+ private:
+  struct Engine {
+    EngineId id;
+    std::string name;
+    int64_t pid = 0;
+    std::string token;
+    absl::Time last_heartbeat;
+    std::optional<absl::Time> lease_ended;  // stream ended or heartbeats stopped
+    std::function<void()> cancel_stream;    // until called or its Attach call ends
+  };
+
+  absl::Status CheckLocked(const EngineCredentials& engine) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  Clock* const clock_;
+  DeviceBudget* const budget_;
+
+  std::atomic<uint64_t> lease_expiries_{0};
+  std::atomic<uint64_t> engines_reclaimed_{0};
+  std::atomic<uint64_t> reservations_expired_{0};
+
+  mutable absl::Mutex mu_;
+  LeaseSettings settings_ ABSL_GUARDED_BY(mu_);
+  bool draining_ ABSL_GUARDED_BY(mu_) = false;
+  uint64_t next_engine_id_ ABSL_GUARDED_BY(mu_) = 1;
+  absl::flat_hash_map<uint64_t, Engine> engines_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace memra
+
+#endif  // MEMRA_SERVER_ENGINE_LEASES_H_

@@ -1,0 +1,64 @@
+#ifndef MEMRA_SERVER_PLAN_REGISTRY_H_
+#define MEMRA_SERVER_PLAN_REGISTRY_H_
+
+// The model plans engines registered, by fingerprint (RegisterPlan, ImportModel --register).
+//
+// Bounded: at most kMaxPlans plans, so no client can make the daemon hold plans without end.
+// A plan is in use while anyone outside the registry holds it (every session holds its plan for
+// its whole life; a query holds it while it runs); in-use plans are never dropped. The others
+// are collectable: when the table is full, registering a new plan collects the least recently
+// used collectable plan (registering or finding a plan uses it). RESOURCE_EXHAUSTED, with the
+// numbers, only when all kMaxPlans plans are in use.
+//
+// Thread-safety: thread-safe (one mutex; nothing else is called while it is held).
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "core/formats.h"
+#include "core/model_plan.h"
+
+namespace memra {
+
+class PlanRegistry {
+ public:
+  static constexpr size_t kMaxPlans = 1024;
+
+  // Fingerprints under `defaults` (the daemon's format defaults).
+  explicit PlanRegistry(FormatDefaults defaults) : defaults_(defaults) {}
+
+  // Validates and fingerprints `plan` and registers it (idempotent: a plan already registered
+  // is only marked used). Returns its fingerprint.
+  absl::StatusOr<PlanFingerprint> Register(ModelPlan plan) ABSL_LOCKS_EXCLUDED(mu_);
+
+  // The registered plan with this fingerprint (NOT_FOUND naming it in hex); marks it used.
+  absl::StatusOr<std::shared_ptr<const ModelPlan>> Find(const PlanFingerprint& fingerprint)
+      ABSL_LOCKS_EXCLUDED(mu_);
+
+  size_t size() const ABSL_LOCKS_EXCLUDED(mu_);
+
+ private:
+  struct Entry {
+    std::shared_ptr<const ModelPlan> plan;
+    uint64_t last_used = 0;  // use_tick_ when last registered or found
+  };
+
+  // Frees one slot by collecting the least recently used plan nobody else holds;
+  // RESOURCE_EXHAUSTED when every plan is held.
+  absl::Status CollectOne() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  const FormatDefaults defaults_;
+
+  mutable absl::Mutex mu_;
+  absl::flat_hash_map<PlanFingerprint, Entry> plans_ ABSL_GUARDED_BY(mu_);
+  uint64_t use_tick_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+}  // namespace memra
+
+#endif  // MEMRA_SERVER_PLAN_REGISTRY_H_

@@ -1,0 +1,279 @@
+#include "server/session_registry.h"
+
+#include <algorithm>
+#include <string>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "common/codec.h"
+#include "core/status_macros.h"
+#include "server/secret_token.h"
+#include "spdlog/spdlog.h"
+
+namespace memra {
+namespace {
+
+// std::visit over a set of lambdas.
+template <typename... Fs>
+struct Overloaded : Fs... {
+  using Fs::operator()...;
+};
+template <typename... Fs>
+Overloaded(Fs...) -> Overloaded<Fs...>;
+
+}  // namespace
+
+SessionRegistry::SessionRegistry(DeviceBackend* backend, DeviceBudget* budget,
+                                 EngineLeases* leases, PlanRegistry* plans,
+                                 FormatDefaults defaults, PrefixCache* capture_on_reclaim)
+    : backend_(backend),
+      budget_(budget),
+      leases_(leases),
+      plans_(plans),
+      defaults_(defaults),
+      capture_on_reclaim_(capture_on_reclaim) {}
+
+ArenaRounding SessionRegistry::rounding() const {
+  return ArenaRounding{kPlaneAlignment, backend_->AllocationGranularity()};
+}
+
+absl::StatusOr<std::shared_ptr<DaemonSession>> SessionRegistry::Create(
+    const EngineCredentials& engine, const PlanFingerprint& plan, const SessionShape& shape,
+    std::optional<ReservationId> reservation) {
+  RETURN_IF_ERROR(leases_->Admit(engine, "the daemon is draining; no new sessions"));
+  DaemonSession::Params params;
+  ASSIGN_OR_RETURN(params.model, plans_->Find(plan));
+  params.id = SessionId{next_session_id_.fetch_add(1)};
+  params.owner = engine.id;
+  ASSIGN_OR_RETURN(params.token, RandomSecretToken());
+  params.defaults = defaults_;
+  params.fingerprint = FingerprintToBytes(plan);
+  params.request = shape;
+  const SessionId id = params.id;
+  ASSIGN_OR_RETURN(std::shared_ptr<DaemonSession> session,
+                   DaemonSession::Create(std::move(params), backend_, budget_, reservation));
+  {
+    absl::MutexLock lock(&mu_);
+    // The engine may have lost its lease (or the daemon started draining) while the arena was
+    // allocated: the session never becomes visible then.
+    if (absl::Status still = leases_->Admit(engine, "the daemon is draining"); !still.ok()) {
+      session->Release();
+      return still;
+    }
+    by_engine_[engine.id.value].insert(id.value);
+    sessions_[id.value] = session;
+  }
+  spdlog::info("session {} created for engine {}: capacity {} tokens, {} bytes{}", id.value,
+               engine.id.value, shape.capacity, session->arena_bytes(),
+               reservation.has_value() ? absl::StrCat(" (reservation ", reservation->value, ")")
+                                       : std::string());
+  return session;
+}
+
+absl::StatusOr<ArenaReservation> SessionRegistry::Reserve(const EngineCredentials& engine,
+                                                            const PlanFingerprint& plan,
+                                                            const SessionShape& shape) {
+  // Refusals of the engine come before those of its request.
+  RETURN_IF_ERROR(leases_->Admit(engine, "the daemon is draining; no new reservations"));
+  ASSIGN_OR_RETURN(std::shared_ptr<const ModelPlan> model, plans_->Find(plan));
+  ASSIGN_OR_RETURN(uint64_t bytes, SessionArenaBytes(*model, defaults_, shape, rounding()));
+  ASSIGN_OR_RETURN(EngineReservation reserved, leases_->Reserve(engine, bytes));
+  spdlog::info("reservation {} for engine {}: {} bytes (capacity {} tokens) for {} ms",
+               reserved.id.value, engine.id.value, bytes, shape.capacity,
+               absl::ToInt64Milliseconds(reserved.ttl));
+  return ArenaReservation{reserved.id, bytes, reserved.ttl};
+}
+
+absl::StatusOr<std::shared_ptr<DaemonSession>> SessionRegistry::Find(
+    const SessionCredentials& credentials) const {
+  std::shared_ptr<DaemonSession> session;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = sessions_.find(credentials.id.value);
+    if (it == sessions_.end()) {
+      return absl::NotFoundError(
+          absl::StrCat("session ", credentials.id.value, " does not exist"));
+    }
+    session = it->second;
+  }
+  if (!session->TokenMatches(credentials.token)) {
+    return absl::PermissionDeniedError(
+        absl::StrCat("wrong session token for session ", credentials.id.value));
+  }
+  return session;
+}
+
+absl::StatusOr<uint64_t> SessionRegistry::Release(const SessionCredentials& credentials) {
+  ASSIGN_OR_RETURN(std::shared_ptr<DaemonSession> session, Find(credentials));
+  {
+    absl::MutexLock lock(&mu_);
+    if (RemoveLocked({credentials.id.value}).empty()) {
+      return absl::NotFoundError(
+          absl::StrCat("session ", credentials.id.value, " does not exist"));
+    }
+  }
+  const uint64_t freed = session->Release();
+  spdlog::info("session {} released: {} bytes freed", credentials.id.value, freed);
+  return freed;
+}
+
+std::vector<std::shared_ptr<DaemonSession>> SessionRegistry::RemoveLocked(
+    const std::vector<uint64_t>& ids) {
+  std::vector<std::shared_ptr<DaemonSession>> removed;
+  removed.reserve(ids.size());
+  for (uint64_t id : ids) {
+    auto it = sessions_.find(id);
+    if (it == sessions_.end()) continue;
+    std::shared_ptr<DaemonSession> session = std::move(it->second);
+    sessions_.erase(it);
+    auto owned = by_engine_.find(session->owner().value);
+    if (owned != by_engine_.end()) {
+      owned->second.erase(id);
+      if (owned->second.empty()) by_engine_.erase(owned);
+    }
+    removed.push_back(std::move(session));
+  }
+  return removed;
+}
+
+absl::Status SessionRegistry::Apply(DaemonSession& session, const SessionOp& op) {
+  return std::visit(
+      Overloaded{
+          [&](const BeginOp& begin) { return session.Begin(begin.reply); },
+          [&](const PrepareAppendOp& prepare) {
+            return session.PrepareAppend(prepare.generation, prepare.rows, prepare.reply);
+          },
+          [&](const PublishAppendOp& publish) {
+            return session.PublishAppend(publish.generation, publish.reply);
+          },
+          [&](const CommitOp& commit) {
+            return session.Commit(commit.generation, commit.accepted_rows, commit.reply,
+                                  commit.token_ids);
+          },
+          [&](const AbortOp& abort) { return session.Abort(abort.generation, abort.reply); },
+          [&](const ResetOp&) { return session.Reset(); },
+          [&](const RewindOp& rewind) { return session.Rewind(rewind.target); },
+          [&](const CanRewindOp& can) -> absl::Status {
+            ASSIGN_OR_RETURN(*can.reply, session.CanRewind(can.target));
+            return absl::OkStatus();
+          },
+          [&](const HydrateOp& hydrate) {
+            return session.Hydrate(hydrate.logical_len, hydrate.resident_starts);
+          },
+          [&](const SpecSnapshotOp&) { return session.SpecSnapshot(); },
+          [&](const SpecRollbackOp& rollback) {
+            return session.SpecRollback(rollback.accept_len);
+          },
+          [&](const GrowOp& grow) { return session.Grow(grow.target_capacity, grow.reply); },
+          [&](const AcknowledgeGrowOp& acknowledge) {
+            return session.AcknowledgeGrow(acknowledge.layout_version);
+          },
+          [&](const TaintOp& taint) { return session.Taint(taint.reason); },
+          [&](const GetStateOp& get) { return session.GetState(get.state, get.layout); },
+      },
+      op);
+}
+
+absl::Status SessionRegistry::Run(const SessionCredentials& credentials,
+                                  absl::Span<const SessionOp> ops,
+                                  absl::FunctionRef<absl::Status()> before) {
+  ASSIGN_OR_RETURN(std::shared_ptr<DaemonSession> session, Find(credentials));
+  RETURN_IF_ERROR(before());
+  for (const SessionOp& op : ops) RETURN_IF_ERROR(Apply(*session, op));
+  return absl::OkStatus();
+}
+
+absl::Status SessionRegistry::Run(const SessionCredentials& credentials, const SessionOp& op) {
+  ASSIGN_OR_RETURN(std::shared_ptr<DaemonSession> session, Find(credentials));
+  return Apply(*session, op);
+}
+
+void SessionRegistry::CaptureBeforeRelease(DaemonSession& session) {
+  if (capture_on_reclaim_ == nullptr) return;
+  absl::StatusOr<std::optional<PrefixCaptureResult>> captured =
+      capture_on_reclaim_->CaptureCommitted(session);
+  if (!captured.ok()) {
+    spdlog::info("session {}: committed state not kept in the prefix cache: {}",
+                 session.id().value, captured.status().ToString());
+  } else if (captured->has_value()) {
+    spdlog::info("session {}: {} committed tokens kept as prefix entry {}", session.id().value,
+                 (*captured)->boundary_tokens, (*captured)->entry.value);
+  }
+}
+
+ReleasedSessions SessionRegistry::ReleaseOwnedBy(EngineId engine) {
+  std::vector<std::shared_ptr<DaemonSession>> removed;
+  {
+    absl::MutexLock lock(&mu_);
+    auto owned = by_engine_.find(engine.value);
+    if (owned == by_engine_.end()) return {};
+    removed = RemoveLocked(std::vector<uint64_t>(owned->second.begin(), owned->second.end()));
+  }
+  ReleasedSessions released{removed.size(), 0};
+  for (const std::shared_ptr<DaemonSession>& session : removed) {
+    CaptureBeforeRelease(*session);
+    released.bytes += session->Release();
+  }
+  return released;
+}
+
+ReleasedSessions SessionRegistry::ReleaseAll() {
+  absl::flat_hash_map<uint64_t, std::shared_ptr<DaemonSession>> sessions;
+  {
+    absl::MutexLock lock(&mu_);
+    sessions.swap(sessions_);
+    by_engine_.clear();
+  }
+  ReleasedSessions released{sessions.size(), 0};
+  for (auto& [id, session] : sessions) released.bytes += session->Release();
+  return released;
+}
+
+size_t SessionRegistry::AwaitEmpty(absl::Duration grace) {
+  absl::MutexLock lock(&mu_);
+  auto done = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return sessions_.empty() || waits_ended_;
+  };
+  mu_.AwaitWithTimeout(absl::Condition(&done), grace);
+  return sessions_.size();
+}
+
+void SessionRegistry::EndWaits() {
+  absl::MutexLock lock(&mu_);
+  waits_ended_ = true;
+}
+
+size_t SessionRegistry::size() const {
+  absl::MutexLock lock(&mu_);
+  return sessions_.size();
+}
+
+std::vector<std::shared_ptr<DaemonSession>> SessionRegistry::List(
+    std::optional<EngineId> engine) const {
+  std::vector<std::shared_ptr<DaemonSession>> sessions;
+  {
+    absl::MutexLock lock(&mu_);
+    for (const auto& [id, session] : sessions_) {
+      if (!engine.has_value() || session->owner() == *engine) sessions.push_back(session);
+    }
+  }
+  std::sort(sessions.begin(), sessions.end(),
+            [](const auto& a, const auto& b) { return a->id().value < b->id().value; });
+  return sessions;
+}
+
+absl::flat_hash_map<uint64_t, EngineSessionUsage> SessionRegistry::UsageByEngine() const {
+  absl::flat_hash_map<uint64_t, EngineSessionUsage> usage;
+  absl::MutexLock lock(&mu_);
+  for (const auto& [engine, ids] : by_engine_) {
+    EngineSessionUsage& entry = usage[engine];
+    entry.sessions = ids.size();
+    for (uint64_t id : ids) {
+      auto it = sessions_.find(id);
+      if (it != sessions_.end()) entry.arena_bytes += it->second->arena_bytes();
+    }
+  }
+  return usage;
+}
+
+}  // namespace memra

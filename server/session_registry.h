@@ -1,0 +1,215 @@
+#ifndef MEMRA_SERVER_SESSION_REGISTRY_H_
+#define MEMRA_SERVER_SESSION_REGISTRY_H_
+
+// The daemon's live sessions: creating (with admission and the engine's lease checked), finding
+// by id and token, releasing, reclaiming an engine's sessions, and THE dispatcher of session
+// operations: Apply() is the only code that runs an operation on a session; the unary RPCs and
+// every Step entry reach it through Run() with a typed SessionOp (the service decodes the wire
+// into the op once, and encodes the status once).
+//
+// Thread-safety: thread-safe. `mu_` guards the session map only; the per-step hot path takes it
+// for one lookup and then the one session's own mutex. Lock order: `mu_` before EngineLeases'
+// lock (Create re-checks the engine under `mu_`, so a session is either refused or visible to
+// the reclaim of its engine that follows: no session outlives its engine's lease).
+//
+// Invariants: (1) every session in the map is in its owner's index entry and vice versa; (2) a
+// session removed from the map is released exactly once, by whoever removed it.
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <variant>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
+#include "absl/functional/function_ref.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "absl/types/span.h"
+#include "core/admission.h"
+#include "core/formats.h"
+#include "core/model_plan.h"
+#include "core/sizing.h"
+#include "proto/memra/kv/v1/cache.pb.h"
+#include "server/backend.h"
+#include "server/daemon_session.h"
+#include "server/device_budget.h"
+#include "server/engine_leases.h"
+#include "server/plan_registry.h"
+#include "server/prefix_cache.h"
+
+namespace memra {
+
+// ---- Session operations (DaemonSession has the rules; replies are written where `reply`
+// points, and only when the operation succeeded) ----
+struct BeginOp {
+  memra::kv::v1::BeginResponse* reply;
+};
+struct PrepareAppendOp {
+  uint64_t generation = 0;
+  uint64_t rows = 0;
+  memra::kv::v1::PrepareAppendResponse* reply;
+};
+struct PublishAppendOp {
+  uint64_t generation = 0;
+  memra::kv::v1::PublishAppendResponse* reply;
+};
+struct CommitOp {
+  uint64_t generation = 0;
+  uint64_t accepted_rows = 0;
+  absl::Span<const int32_t> token_ids;  // none, or exactly accepted_rows
+  memra::kv::v1::CommitResponse* reply;
+};
+struct AbortOp {
+  uint64_t generation = 0;
+  memra::kv::v1::AbortResponse* reply;
+};
+struct ResetOp {};
+struct RewindOp {
+  uint64_t target = 0;
+};
+struct CanRewindOp {
+  uint64_t target = 0;
+  bool* reply;
+};
+struct HydrateOp {
+  uint64_t logical_len = 0;
+  absl::Span<const uint64_t> resident_starts;
+};
+struct SpecSnapshotOp {};
+struct SpecRollbackOp {
+  uint64_t accept_len = 0;
+};
+struct GrowOp {
+  uint64_t target_capacity = 0;
+  memra::kv::v1::GrowResponse* reply;
+};
+struct AcknowledgeGrowOp {
+  uint64_t layout_version = 0;
+};
+struct TaintOp {
+  absl::string_view reason;
+};
+// The session's state (and, when `layout` is set, its layout) now.
+struct GetStateOp {
+  memra::kv::v1::SessionState* state;
+  memra::kv::v1::SessionLayout* layout = nullptr;
+};
+using SessionOp =
+    std::variant<BeginOp, PrepareAppendOp, PublishAppendOp, CommitOp, AbortOp, ResetOp, RewindOp,
+                 CanRewindOp, HydrateOp, SpecSnapshotOp, SpecRollbackOp, GrowOp,
+                 AcknowledgeGrowOp, TaintOp, GetStateOp>;
+
+// What a session is named by on every call: its id and the token CreateSession handed out.
+struct SessionCredentials {
+  SessionId id;
+  absl::string_view token;
+};
+
+struct ArenaReservation {
+  ReservationId id;
+  uint64_t bytes = 0;
+  absl::Duration ttl;
+};
+
+struct ReleasedSessions {
+  size_t sessions = 0;
+  uint64_t bytes = 0;
+};
+
+// One engine's share of the sessions (KvAdmin's engine status).
+struct EngineSessionUsage {
+  size_t sessions = 0;
+  uint64_t arena_bytes = 0;
+};
+
+class SessionRegistry {
+ public:
+  // `capture_on_reclaim`: when set, a reclaimed engine's sessions keep their committed state
+  // as prefix entries there before release. REQUIRES: every pointer outlives the registry.
+  SessionRegistry(DeviceBackend* backend, DeviceBudget* budget, EngineLeases* leases,
+                  PlanRegistry* plans, FormatDefaults defaults, PrefixCache* capture_on_reclaim);
+
+  // Plans, charges (from `reservation` when given) and allocates a session of `shape` for the
+  // engine; UNAVAILABLE while draining, the engine's refusals (EngineLeases::Check), the plan's
+  // NOT_FOUND and DaemonSession::Create's refusals. A session whose engine lost its lease (or
+  // the daemon started draining) while its arena was allocated is released, never visible.
+  absl::StatusOr<std::shared_ptr<DaemonSession>> Create(const EngineCredentials& engine,
+                                                        const PlanFingerprint& plan,
+                                                        const SessionShape& shape,
+                                                        std::optional<ReservationId> reservation)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // Reserves the exact bytes a session of `shape` will be charged.
+  absl::StatusOr<ArenaReservation> Reserve(const EngineCredentials& engine,
+                                             const PlanFingerprint& plan,
+                                             const SessionShape& shape) ABSL_LOCKS_EXCLUDED(mu_);
+
+  // The session: NOT_FOUND unknown id, PERMISSION_DENIED wrong token.
+  absl::StatusOr<std::shared_ptr<DaemonSession>> Find(const SessionCredentials& session) const
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // Removes and releases the session; the bytes freed.
+  absl::StatusOr<uint64_t> Release(const SessionCredentials& session) ABSL_LOCKS_EXCLUDED(mu_);
+
+  // THE operation dispatcher: runs `op` on `session`.
+  static absl::Status Apply(DaemonSession& session, const SessionOp& op);
+  // Authenticates the session, runs `before` (the engine's device ordering: after the
+  // authentication, so nobody makes the daemon wait for a session not theirs), then applies
+  // `ops` in order, stopping at the first refusal.
+  absl::Status Run(const SessionCredentials& session, absl::Span<const SessionOp> ops,
+                   absl::FunctionRef<absl::Status()> before) ABSL_LOCKS_EXCLUDED(mu_);
+  absl::Status Run(const SessionCredentials& session, const SessionOp& op)
+      ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Removes and releases every session of `engine` (its lease was reclaimed), each exactly once.
+  ReleasedSessions ReleaseOwnedBy(EngineId engine) ABSL_LOCKS_EXCLUDED(mu_);
+  // Removes and releases every session (shutdown).
+  ReleasedSessions ReleaseAll() ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Waits until no session is open, `grace` has passed or EndWaits() is called; the sessions
+  // still open.
+  size_t AwaitEmpty(absl::Duration grace) ABSL_LOCKS_EXCLUDED(mu_);
+  void EndWaits() ABSL_LOCKS_EXCLUDED(mu_);
+
+  size_t size() const ABSL_LOCKS_EXCLUDED(mu_);
+  // The sessions (of `engine` when given), by id.
+  std::vector<std::shared_ptr<DaemonSession>> List(std::optional<EngineId> engine) const
+      ABSL_LOCKS_EXCLUDED(mu_);
+  absl::flat_hash_map<uint64_t, EngineSessionUsage> UsageByEngine() const
+      ABSL_LOCKS_EXCLUDED(mu_);
+
+  // How the backend rounds an arena (what admission charges).
+  ArenaRounding rounding() const;
+  const FormatDefaults& format_defaults() const { return defaults_; }
+
+ private:
+  // Removes `ids` (and their index entries) from the map; the sessions removed.
+  std::vector<std::shared_ptr<DaemonSession>> RemoveLocked(const std::vector<uint64_t>& ids)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Engine death: keeps the session's committed state as a prefix entry when configured.
+  void CaptureBeforeRelease(DaemonSession& session);
+
+  DeviceBackend* const backend_;
+  DeviceBudget* const budget_;
+  EngineLeases* const leases_;
+  PlanRegistry* const plans_;
+  const FormatDefaults defaults_;
+  PrefixCache* const capture_on_reclaim_;
+
+  std::atomic<uint64_t> next_session_id_{1};
+
+  mutable absl::Mutex mu_;
+  absl::flat_hash_map<uint64_t, std::shared_ptr<DaemonSession>> sessions_ ABSL_GUARDED_BY(mu_);
+  // Engine id -> the ids of its sessions.
+  absl::flat_hash_map<uint64_t, absl::flat_hash_set<uint64_t>> by_engine_ ABSL_GUARDED_BY(mu_);
+  bool waits_ended_ ABSL_GUARDED_BY(mu_) = false;
+};
+
+}  // namespace memra
+
+#endif  // MEMRA_SERVER_SESSION_REGISTRY_H_

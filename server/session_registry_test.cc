@@ -1,0 +1,240 @@
+#include "server/session_registry.h"
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "core/test_model_plans.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "server/clock.h"
+#include "server/device_budget.h"
+#include "server/engine_leases.h"
+#include "server/fault_injecting_backend.h"
+#include "server/host_backend.h"
+#include "server/plan_registry.h"
+#include "server/test_host_backend.h"
+#include "tests/status_matchers.h"
+
+namespace memra {
+namespace {
+
+namespace pb = ::memra::kv::v1;
+using ::memra::testing::IsOk;
+using ::memra::testing::StatusIs;
+using ::testing::HasSubstr;
+using ::testing::SizeIs;
+
+constexpr uint64_t kBudgetBytes = uint64_t{64} << 20;
+constexpr absl::Duration kTimeout = absl::Milliseconds(1000);
+constexpr absl::Duration kGrace = absl::Milliseconds(500);
+
+class SessionRegistryTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    host_ = memra::testing::NewTestHostBackend(memra::testing::TestHostBackendOptions());
+    ASSERT_NE(host_, nullptr);
+    backend_ = std::make_unique<FaultInjectingBackend>(host_.get());
+    registry_ = std::make_unique<SessionRegistry>(backend_.get(), &budget_, &leases_, &plans_,
+                                                  FormatDefaults(), nullptr);
+    absl::StatusOr<PlanFingerprint> plan = plans_.Register(test_plans::DenseModel(2, 64, 2));
+    ASSERT_THAT(plan, IsOk());
+    plan_ = *plan;
+  }
+
+  void TearDown() override {
+    registry_->ReleaseAll();
+    EXPECT_EQ(host_->ArenaCount(), 0u);
+  }
+
+  EngineLease Attach(const std::string& name) {
+    absl::StatusOr<EngineLease> lease = leases_.Attach(name, 1, nullptr);
+    EXPECT_THAT(lease, IsOk());
+    return lease.ok() ? *lease : EngineLease{};
+  }
+  static EngineCredentials Engine(const EngineLease& lease) {
+    return EngineCredentials{lease.id, lease.token};
+  }
+  static SessionShape Shape(uint64_t capacity) {
+    SessionShape shape;
+    shape.capacity = capacity;
+    return shape;
+  }
+  std::shared_ptr<DaemonSession> Create(const EngineLease& engine, uint64_t capacity = 256) {
+    absl::StatusOr<std::shared_ptr<DaemonSession>> session =
+        registry_->Create(Engine(engine), plan_, Shape(capacity), std::nullopt);
+    EXPECT_THAT(session, IsOk());
+    return session.ok() ? *session : nullptr;
+  }
+  static SessionCredentials Credentials(const DaemonSession& session) {
+    return SessionCredentials{session.id(), session.params().token};
+  }
+
+  FakeClock clock_;
+  DeviceBudget budget_{kBudgetBytes, "test"};
+  EngineLeases leases_{&clock_, &budget_, LeaseSettings{kTimeout, kGrace, kTimeout}};
+  PlanRegistry plans_{FormatDefaults()};
+  std::unique_ptr<HostBackend> host_;
+  std::unique_ptr<FaultInjectingBackend> backend_;
+  std::unique_ptr<SessionRegistry> registry_;
+  PlanFingerprint plan_{};
+};
+
+TEST_F(SessionRegistryTest, CreatedSessionsAreFoundByIdAndTokenOnly) {
+  const EngineLease engine = Attach("a");
+  std::shared_ptr<DaemonSession> session = Create(engine);
+  ASSERT_NE(session, nullptr);
+  EXPECT_EQ(session->owner().value, engine.id.value);
+  EXPECT_EQ(session->params().fingerprint.size(), 32u);
+  EXPECT_THAT(registry_->Find(Credentials(*session)), IsOk());
+  EXPECT_THAT(registry_->Find(SessionCredentials{session->id(), "not the token"}),
+              StatusIs(absl::StatusCode::kPermissionDenied,
+                       HasSubstr(absl::StrCat("wrong session token for session ",
+                                              session->id().value))));
+  EXPECT_THAT(registry_->Find(SessionCredentials{SessionId{999}, ""}),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("session 999 does not exist")));
+  EXPECT_EQ(registry_->size(), 1u);
+}
+
+TEST_F(SessionRegistryTest, CreateRefusalsAllocateNothing) {
+  const EngineLease engine = Attach("a");
+  PlanFingerprint unknown{};
+  EXPECT_THAT(registry_->Create(Engine(engine), unknown, Shape(256), std::nullopt),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("is not registered")));
+  EXPECT_THAT(registry_->Create(EngineCredentials{engine.id, "wrong"}, plan_, Shape(256),
+                                std::nullopt),
+              StatusIs(absl::StatusCode::kPermissionDenied, HasSubstr("wrong engine token")));
+  leases_.SetDraining(true);
+  EXPECT_THAT(registry_->Create(Engine(engine), plan_, Shape(256), std::nullopt),
+              StatusIs(absl::StatusCode::kUnavailable,
+                       HasSubstr("the daemon is draining; no new sessions")));
+  leases_.SetDraining(false);
+  leases_.EndStream(engine.id);
+  EXPECT_THAT(registry_->Create(Engine(engine), plan_, Shape(256), std::nullopt),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("its lease has ended")));
+  EXPECT_EQ(registry_->size(), 0u);
+  EXPECT_EQ(host_->ArenaCount(), 0u);
+  EXPECT_EQ(budget_.Snapshot().allocated(), 0u);
+}
+
+TEST_F(SessionRegistryTest, ReserveChargesExactlyWhatCreateConsumes) {
+  const EngineLease engine = Attach("a");
+  absl::StatusOr<ArenaReservation> reserved = registry_->Reserve(Engine(engine), plan_, Shape(512));
+  ASSERT_THAT(reserved, IsOk());
+  EXPECT_EQ(budget_.Snapshot().reserved(), reserved->bytes);
+  absl::StatusOr<std::shared_ptr<DaemonSession>> session =
+      registry_->Create(Engine(engine), plan_, Shape(512), reserved->id);
+  ASSERT_THAT(session, IsOk());
+  EXPECT_EQ((*session)->arena_bytes(), reserved->bytes);
+  EXPECT_EQ(budget_.Snapshot().reserved(), 0u);
+  EXPECT_EQ(budget_.Snapshot().allocated(), reserved->bytes);
+}
+
+TEST_F(SessionRegistryTest, TheDispatcherRunsTypedOperationsInOrderAndStopsAtARefusal) {
+  const EngineLease engine = Attach("a");
+  std::shared_ptr<DaemonSession> session = Create(engine);
+  ASSERT_NE(session, nullptr);
+  const SessionCredentials credentials = Credentials(*session);
+  auto no_wait = [] { return absl::OkStatus(); };
+
+  pb::BeginResponse begin;
+  ASSERT_THAT(registry_->Run(credentials, BeginOp{&begin}), IsOk());
+  pb::PrepareAppendResponse prepare;
+  pb::PublishAppendResponse publish;
+  pb::CommitResponse commit;
+  pb::SessionState state;
+  const std::vector<int32_t> tokens = {7, 8, 9};
+  ASSERT_THAT(registry_->Run(credentials,
+                             {PrepareAppendOp{begin.generation(), 3, &prepare},
+                              PublishAppendOp{begin.generation(), &publish},
+                              CommitOp{begin.generation(), 3, tokens, &commit},
+                              GetStateOp{&state}},
+                             no_wait),
+              IsOk());
+  EXPECT_EQ(publish.staged_len(), 3u);
+  EXPECT_EQ(commit.committed_len(), 3u);
+  EXPECT_EQ(state.committed_len(), 3u);
+
+  // A refused operation stops the sequence: the state after it is not read.
+  pb::AbortResponse abort;
+  pb::SessionState untouched;
+  EXPECT_THAT(registry_->Run(credentials, {AbortOp{begin.generation(), &abort},
+                                           GetStateOp{&untouched}},
+                             no_wait),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("")));
+  EXPECT_EQ(untouched.capacity(), 0u);
+  EXPECT_EQ(abort.committed_len(), 0u);
+
+  // `before` runs after authentication and before any operation; its refusal is the answer.
+  bool waited = false;
+  EXPECT_THAT(registry_->Run(SessionCredentials{session->id(), "wrong"}, {ResetOp{}},
+                             [&] {
+                               waited = true;
+                               return absl::OkStatus();
+                             }),
+              StatusIs(absl::StatusCode::kPermissionDenied, HasSubstr("wrong session token")));
+  EXPECT_FALSE(waited);
+  EXPECT_THAT(registry_->Run(credentials, {ResetOp{}},
+                             [] { return absl::DeadlineExceededError("event never fired"); }),
+              StatusIs(absl::StatusCode::kDeadlineExceeded, HasSubstr("event never fired")));
+  bool can = true;
+  ASSERT_THAT(registry_->Run(credentials, CanRewindOp{1, &can}), IsOk());
+  EXPECT_TRUE(can);  // not reset: the refused wait came first
+}
+
+TEST_F(SessionRegistryTest, ReleaseFreesTheArenaOnce) {
+  const EngineLease engine = Attach("a");
+  std::shared_ptr<DaemonSession> session = Create(engine);
+  ASSERT_NE(session, nullptr);
+  const uint64_t bytes = session->arena_bytes();
+  EXPECT_THAT(registry_->Release(Credentials(*session)), IsOk());
+  EXPECT_EQ(backend_->CallCount(BackendOp::kFreeArena), 1u);
+  EXPECT_EQ(host_->ArenaCount(), 0u);
+  EXPECT_GT(bytes, 0u);
+  EXPECT_THAT(registry_->Release(Credentials(*session)),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("does not exist")));
+  EXPECT_EQ(backend_->CallCount(BackendOp::kFreeArena), 1u);
+}
+
+TEST_F(SessionRegistryTest, ReleaseOwnedByReleasesEachOfTheEnginesSessionsExactlyOnce) {
+  const EngineLease a = Attach("a");
+  const EngineLease b = Attach("b");
+  std::shared_ptr<DaemonSession> a1 = Create(a);
+  std::shared_ptr<DaemonSession> a2 = Create(a, 512);
+  std::shared_ptr<DaemonSession> b1 = Create(b);
+  ASSERT_NE(b1, nullptr);
+  const uint64_t a_bytes = a1->arena_bytes() + a2->arena_bytes();
+  absl::flat_hash_map<uint64_t, EngineSessionUsage> usage = registry_->UsageByEngine();
+  EXPECT_EQ(usage[a.id.value].sessions, 2u);
+  EXPECT_EQ(usage[a.id.value].arena_bytes, a_bytes);
+  EXPECT_THAT(registry_->List(a.id), SizeIs(2));
+  EXPECT_THAT(registry_->List(std::nullopt), SizeIs(3));
+
+  const ReleasedSessions released = registry_->ReleaseOwnedBy(a.id);
+  EXPECT_EQ(released.sessions, 2u);
+  EXPECT_EQ(released.bytes, a_bytes);
+  EXPECT_EQ(backend_->CallCount(BackendOp::kFreeArena), 2u);
+  const ReleasedSessions again = registry_->ReleaseOwnedBy(a.id);
+  EXPECT_EQ(again.sessions, 0u);
+  EXPECT_EQ(again.bytes, 0u);
+  EXPECT_EQ(backend_->CallCount(BackendOp::kFreeArena), 2u);
+  EXPECT_THAT(registry_->Find(Credentials(*a1)),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("does not exist")));
+  EXPECT_THAT(registry_->Find(Credentials(*b1)), IsOk());
+  EXPECT_EQ(registry_->size(), 1u);
+  EXPECT_EQ(registry_->UsageByEngine().count(a.id.value), 0u);
+}
+
+TEST_F(SessionRegistryTest, AwaitEmptyReturnsTheSessionsStillOpen) {
+  EXPECT_EQ(registry_->AwaitEmpty(absl::Seconds(10)), 0u);  // empty: no wait
+  const EngineLease engine = Attach("a");
+  ASSERT_NE(Create(engine), nullptr);
+  EXPECT_EQ(registry_->AwaitEmpty(absl::ZeroDuration()), 1u);
+  registry_->EndWaits();
+  EXPECT_EQ(registry_->AwaitEmpty(absl::Seconds(10)), 1u);  // ended: no wait
+}
+
+}  // namespace
+}  // namespace memra
