@@ -80,6 +80,8 @@ struct ModelPlan {
 
   // All layers, trunk then MTP, in index order.
   std::vector<const LayerPlan*> AllLayers() const;
+  // The layer with `index`, or null. O(1) when indices are contiguous (every valid plan), so
+  // per-layer lookups keep validation linear; a scan otherwise.
   const LayerPlan* FindLayer(uint32_t index) const;
   uint32_t TotalLayers() const;
 };
@@ -99,7 +101,8 @@ KvFormats ResolveLayerFormats(const LayerPlan& layer, const FormatDefaults& defa
 // windowed = kSlidingKv, as the reference derives them), and every field the layer's kind does
 // not use left at zero/unset (a stray `window` on a kKv layer is a mis-typed plan, and it would
 // otherwise be silently ignored), and no enum value without a name (plans arrive over the wire).
-// INVALID_ARGUMENT naming the layer and the numbers.
+// INVALID_ARGUMENT naming the layer and the numbers. Linear in the layers (any size; the daemon
+// caps the size first: server/plan_registry.h CheckPlanLayers).
 absl::Status ValidateModelPlan(const ModelPlan& plan);
 
 // SHA-256 over the canonical encoding (every layout-relevant field, formats resolved with

@@ -191,6 +191,30 @@ TEST(ModelPlanTest, SharedKvMustTargetAnEarlierKvLayer) {
   EXPECT_THAT(ValidateModelPlan(hybrid), IsOk());
 }
 
+// 100k shared layers after one K/V layer: validation finds each target in O(1), so this runs in
+// milliseconds (a scan per layer made it ~5e9 steps, minutes).
+TEST(ModelPlanTest, ValidationIsLinearInSharedLayers) {
+  constexpr uint32_t kLayers = 100'000;
+  ModelPlan plan;
+  plan.layers.reserve(kLayers);
+  plan.layers.push_back(KvLayer(0, 128, 8));
+  for (uint32_t i = 1; i < kLayers; ++i) plan.layers.push_back(SharedLayer(i, 0));
+  EXPECT_THAT(ValidateModelPlan(plan), IsOk());
+  EXPECT_THAT(FingerprintModelPlan(plan, {}).status(), IsOk());
+  plan.layers.back().shares_kv_with = kLayers - 2;  // a shared layer: no K/V of its own
+  EXPECT_THAT(ValidateModelPlan(plan),
+              StatusIs(kInvalid, HasSubstrs("layer 99999 (shared_kv)", "shares_kv_with 99998")));
+}
+
+TEST(ModelPlanTest, FindLayerAnswersForPlansWithGaps) {
+  ModelPlan plan = Llama3_8B();
+  plan.layers.erase(plan.layers.begin() + 3);  // indices 0,1,2,4,...: not valid, still findable
+  ASSERT_NE(plan.FindLayer(4), nullptr);
+  EXPECT_EQ(plan.FindLayer(4)->index, 4u);
+  EXPECT_EQ(plan.FindLayer(3), nullptr);
+  EXPECT_EQ(plan.FindLayer(1'000), nullptr);
+}
+
 TEST(ModelPlanTest, RefusesEnumValuesWithoutAName) {
   ModelPlan kind = Llama3_8B();
   kind.layers[0].kind = static_cast<StateKind>(9);
