@@ -1,5 +1,6 @@
 #include "core/admission.h"
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <string>
@@ -121,6 +122,49 @@ absl::Status AdmissionLedger::CheckFits(uint64_t bytes, const char* what) const 
   return Exhausted(what, refusal);
 }
 
+uint64_t AdmissionLedger::arenas_left() const {
+  const uint64_t arenas = uint64_t{reservations_.size()} + allocations_.size();
+  return arenas >= limits_.max_arenas ? 0 : limits_.max_arenas - arenas;
+}
+
+uint64_t AdmissionLedger::owner_bytes(uint64_t owner) const {
+  auto it = owner_bytes_.find(owner);
+  return it == owner_bytes_.end() ? 0 : it->second;
+}
+
+absl::Status AdmissionLedger::CheckArenaRoom(const char* what) const {
+  if (arenas_left() > 0) return absl::OkStatus();
+  return absl::ResourceExhaustedError(absl::StrCat(
+      what, " refused: the daemon holds ", reservations_.size() + allocations_.size(),
+      " arenas (sessions, reservations and prefix storage) and the limit is ",
+      limits_.max_arenas, " (max_arenas; each is a mapping under vm.max_map_count)"));
+}
+
+absl::Status AdmissionLedger::CheckOwnerShare(uint64_t owner, uint64_t extra,
+                                              const char* what) const {
+  if (owner == kUncappedOwner || limits_.owner_share_percent >= 100) return absl::OkStatus();
+  // budget <= 2^64 / 100 is not guaranteed: split so the product cannot overflow.
+  const uint64_t percent = limits_.owner_share_percent;
+  const uint64_t cap = budget_ / 100 * percent + budget_ % 100 * percent / 100;
+  const uint64_t held = owner_bytes(owner);
+  if (extra <= cap && held <= cap - extra) return absl::OkStatus();
+  return absl::ResourceExhaustedError(absl::StrCat(
+      what, " of ", extra, " bytes refused: engine ", owner, " holds ", held,
+      " bytes and may hold at most ", cap, " (", percent, "% of the ", budget_,
+      " byte budget, max_engine_budget_share)"));
+}
+
+void AdmissionLedger::AddOwnerBytes(uint64_t owner, uint64_t bytes) {
+  owner_bytes_[owner] += bytes;
+}
+
+void AdmissionLedger::RemoveOwnerBytes(uint64_t owner, uint64_t bytes) {
+  auto it = owner_bytes_.find(owner);
+  if (it == owner_bytes_.end()) return;
+  it->second -= std::min(it->second, bytes);
+  if (it->second == 0) owner_bytes_.erase(it);
+}
+
 absl::StatusOr<ReservationId> AdmissionLedger::Reserve(uint64_t owner, uint64_t bytes,
                                                        absl::Time now, absl::Duration ttl) {
   if (bytes == 0) {
@@ -130,10 +174,13 @@ absl::StatusOr<ReservationId> AdmissionLedger::Reserve(uint64_t owner, uint64_t 
     return absl::InvalidArgumentError(
         absl::StrCat("reservation ttl ", absl::FormatDuration(ttl), " must be positive"));
   }
+  RETURN_IF_ERROR(CheckArenaRoom("reservation"));
+  RETURN_IF_ERROR(CheckOwnerShare(owner, bytes, "reservation"));
   RETURN_IF_ERROR(CheckFits(bytes, "reservation"));
   const ReservationId id{next_id_++};
   reservations_.emplace(id, Reservation{owner, bytes, now + ttl});
   reserved_ += bytes;
+  AddOwnerBytes(owner, bytes);
   return id;
 }
 
@@ -153,6 +200,7 @@ absl::StatusOr<AllocationId> AdmissionLedger::Commit(ReservationId reservation,
   allocations_.emplace(id, Allocation{it->second.owner, actual_bytes});
   reserved_ -= it->second.bytes;
   allocated_ += actual_bytes;
+  RemoveOwnerBytes(it->second.owner, it->second.bytes - actual_bytes);
   reservations_.erase(it);
   return id;
 }
@@ -161,10 +209,13 @@ absl::StatusOr<AllocationId> AdmissionLedger::Allocate(uint64_t owner, uint64_t 
   if (bytes == 0) {
     return absl::InvalidArgumentError("allocation of 0 bytes: a session costs at least 1");
   }
+  RETURN_IF_ERROR(CheckArenaRoom("allocation"));
+  RETURN_IF_ERROR(CheckOwnerShare(owner, bytes, "allocation"));
   RETURN_IF_ERROR(CheckFits(bytes, "allocation"));
   const AllocationId id{next_id_++};
   allocations_.emplace(id, Allocation{owner, bytes});
   allocated_ += bytes;
+  AddOwnerBytes(owner, bytes);
   return id;
 }
 
@@ -180,9 +231,11 @@ absl::Status AdmissionLedger::Grow(AllocationId allocation, uint64_t new_bytes) 
                                                    " would shrink it"));
   }
   if (new_bytes == current) return absl::OkStatus();
+  RETURN_IF_ERROR(CheckOwnerShare(it->second.owner, new_bytes - current, "grow"));
   RETURN_IF_ERROR(CheckFits(new_bytes - current, "grow"));
   it->second.bytes = new_bytes;
   allocated_ += new_bytes - current;
+  AddOwnerBytes(it->second.owner, new_bytes - current);
   return absl::OkStatus();
 }
 
@@ -192,6 +245,7 @@ absl::Status AdmissionLedger::Release(AllocationId allocation) {
     return absl::NotFoundError(absl::StrCat("allocation ", allocation.value, " is not live"));
   }
   allocated_ -= it->second.bytes;
+  RemoveOwnerBytes(it->second.owner, it->second.bytes);
   allocations_.erase(it);
   return absl::OkStatus();
 }
@@ -203,6 +257,7 @@ absl::Status AdmissionLedger::Cancel(ReservationId reservation) {
                                             " is not held (never issued, used, or expired)"));
   }
   reserved_ -= it->second.bytes;
+  RemoveOwnerBytes(it->second.owner, it->second.bytes);
   reservations_.erase(it);
   return absl::OkStatus();
 }
@@ -212,6 +267,7 @@ uint64_t AdmissionLedger::ReleaseOwner(uint64_t owner) {
   const uint64_t from_allocations = EraseOwnedBy(owner, allocations_);
   reserved_ -= from_reservations;
   allocated_ -= from_allocations;
+  owner_bytes_.erase(owner);
   return from_reservations + from_allocations;
 }
 
@@ -224,6 +280,7 @@ std::vector<ExpiredReservation> AdmissionLedger::Expire(absl::Time now) {
     }
     expired.push_back(ExpiredReservation{it->first, it->second});
     reserved_ -= it->second.bytes;
+    RemoveOwnerBytes(it->second.owner, it->second.bytes);
     it = reservations_.erase(it);
   }
   return expired;
@@ -286,10 +343,13 @@ absl::StatusOr<SessionFit> FitSessions(const AdmissionLedger& ledger, uint64_t s
   SessionFit fit;
   fit.session_bytes = session_bytes;
   ASSIGN_OR_RETURN(fit.now, SessionsThatFit(session_bytes, ledger.free()));
+  fit.now = std::min<uint64_t>(fit.now, ledger.arenas_left());
   ASSIGN_OR_RETURN(
       fit.after_eviction,
       SessionsThatFit(session_bytes, SaturatingAdd(ledger.free(), ledger.evictable())));
   ASSIGN_OR_RETURN(fit.when_empty, SessionsThatFit(session_bytes, ledger.budget()));
+  fit.after_eviction = std::min<uint64_t>(fit.after_eviction, ledger.arenas_left());
+  fit.when_empty = std::min<uint64_t>(fit.when_empty, ledger.limits().max_arenas);
   return fit;
 }
 

@@ -116,6 +116,21 @@ struct BudgetChange {
   uint64_t over_budget_bytes = 0;
 };
 
+// What the ledger admits besides bytes (DaemonConfig max_arenas, max_engine_budget_share).
+struct AdmissionLimits {
+  // Arenas live or promised: allocations + reservations (a reservation becomes one arena). Every
+  // arena is one mapping in the daemon, and the kernel's vm.max_map_count bounds those: past it
+  // every owner's allocation fails, however much budget is free.
+  uint64_t max_arenas = UINT64_MAX;
+  // Percent (1..100) of the budget one owner's reservations + allocations may hold. Owner
+  // kUncappedOwner (0) is exempt.
+  uint32_t owner_share_percent = 100;
+  bool operator==(const AdmissionLimits&) const = default;
+};
+// The owner no share applies to: the daemon's own prefix storage, bounded by its own budget.
+// Engine ids start at 1.
+inline constexpr uint64_t kUncappedOwner = 0;
+
 // Thread-safety: a plain value, not synchronized; the daemon guards its one ledger with a mutex.
 //
 // Invariants:
@@ -128,6 +143,10 @@ struct BudgetChange {
 //  (4) Every operation that returns an error changes nothing.
 //  (5) ReleaseOwner(o) leaves no reservation or allocation of o; accounting returns to exactly
 //      what the other owners hold.
+//  (6) After any successful admission, reservation_count() + allocation_count() <= max_arenas,
+//      and the admitted owner (unless kUncappedOwner) holds at most owner_share_percent of the
+//      budget. Lowering the limits revokes nothing. Refusals for these are RESOURCE_EXHAUSTED
+//      without an AdmissionRefusal payload (evicting bytes does not help).
 //
 // Evictable bytes are memory already charged to this budget (the prefix cache allocates its
 // storage through Allocate like any owner) that the prefix cache could free on demand. The
@@ -135,22 +154,23 @@ struct BudgetChange {
 // (Release/SetEvictable) and retries.
 class AdmissionLedger {
  public:
-  explicit AdmissionLedger(uint64_t budget_bytes) : budget_(budget_bytes) {}
+  explicit AdmissionLedger(uint64_t budget_bytes, AdmissionLimits limits = {})
+      : budget_(budget_bytes), limits_(limits) {}
 
   // Holds `bytes` for `owner` until `now + ttl`. INVALID_ARGUMENT for 0 bytes or ttl <= 0;
-  // RESOURCE_EXHAUSTED (with an AdmissionRefusal) when bytes > free().
+  // RESOURCE_EXHAUSTED (with an AdmissionRefusal) when bytes > free(); RESOURCE_EXHAUSTED
+  // (without) past max_arenas or the owner's share.
   absl::StatusOr<ReservationId> Reserve(uint64_t owner, uint64_t bytes, absl::Time now,
                                         absl::Duration ttl);
   // Turns a live reservation into an allocation of `actual_bytes` (the difference returns to
   // free). NOT_FOUND for an unknown/expired/cancelled reservation; INVALID_ARGUMENT when
   // actual_bytes is 0 or exceeds the reserved bytes. Never RESOURCE_EXHAUSTED (invariant 2).
   absl::StatusOr<AllocationId> Commit(ReservationId reservation, uint64_t actual_bytes);
-  // Admit and create in one step. INVALID_ARGUMENT for 0 bytes; RESOURCE_EXHAUSTED when
-  // bytes > free().
+  // Admit and create in one step. INVALID_ARGUMENT for 0 bytes; RESOURCE_EXHAUSTED as Reserve.
   absl::StatusOr<AllocationId> Allocate(uint64_t owner, uint64_t bytes);
   // Charges `new_bytes` for an allocation in place (a session regrown to a larger capacity).
-  // The extra (new - current) must fit in free(): RESOURCE_EXHAUSTED reports the extra as
-  // `needed`. INVALID_ARGUMENT when new_bytes < current (grow never shrinks); equal is a no-op.
+  // The extra (new - current) must fit in free() (RESOURCE_EXHAUSTED reports the extra as
+  // `needed`) and in the owner's share. INVALID_ARGUMENT when new_bytes < current (grow never shrinks); equal is a no-op.
   // NOT_FOUND for an unknown allocation. (When old and new planes coexist until the engine
   // acknowledges, charge the new arena with Allocate and Release the old one instead.)
   absl::Status Grow(AllocationId allocation, uint64_t new_bytes);
@@ -164,6 +184,8 @@ class AdmissionLedger {
   std::vector<ExpiredReservation> Expire(absl::Time now);
   // SIGHUP reload. A shrink below usage is allowed and reported (invariant 1).
   BudgetChange SetBudget(uint64_t budget_bytes);
+  void SetLimits(AdmissionLimits limits) { limits_ = limits; }
+  const AdmissionLimits& limits() const { return limits_; }
   // Reported by the prefix cache: bytes it holds under this budget and could evict.
   void SetEvictable(uint64_t bytes) { evictable_ = bytes; }
 
@@ -185,10 +207,20 @@ class AdmissionLedger {
   uint64_t evictable() const { return evictable_; }
   size_t reservation_count() const { return reservations_.size(); }
   size_t allocation_count() const { return allocations_.size(); }
+  // Arenas that can still be admitted under max_arenas (0 when at or past it).
+  uint64_t arenas_left() const;
+  // Bytes `owner` holds (reservations + allocations).
+  uint64_t owner_bytes(uint64_t owner) const;
 
  private:
   // OK when `bytes` fits in free(); else RESOURCE_EXHAUSTED for `what` with the refusal payload.
   absl::Status CheckFits(uint64_t bytes, const char* what) const;
+  // OK when one more arena is within max_arenas.
+  absl::Status CheckArenaRoom(const char* what) const;
+  // OK when `owner` may hold `extra` more bytes under owner_share_percent.
+  absl::Status CheckOwnerShare(uint64_t owner, uint64_t extra, const char* what) const;
+  void AddOwnerBytes(uint64_t owner, uint64_t bytes);
+  void RemoveOwnerBytes(uint64_t owner, uint64_t bytes);
 
   uint64_t budget_;
   uint64_t evictable_ = 0;
@@ -197,6 +229,9 @@ class AdmissionLedger {
   uint64_t next_id_ = 1;    // shared by both id kinds: one counter, never reused
   std::map<ReservationId, Reservation> reservations_;
   std::map<AllocationId, Allocation> allocations_;
+  AdmissionLimits limits_;
+  // Owner -> the bytes of its reservations + allocations; owners holding nothing are absent.
+  std::map<uint64_t, uint64_t> owner_bytes_;
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -234,6 +269,7 @@ absl::StatusOr<uint64_t> SessionsThatFit(uint64_t session_bytes, uint64_t free_b
 // How many sessions of one cost fit in the ledger's state.
 struct SessionFit {
   uint64_t session_bytes = 0;
+  // Each bounded by the arenas max_arenas leaves (now, after eviction) or allows (when empty).
   uint64_t now = 0;             // in free()
   uint64_t after_eviction = 0;  // in free() + evictable() (saturating)
   uint64_t when_empty = 0;      // in budget()

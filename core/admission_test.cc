@@ -241,7 +241,9 @@ TEST(AdmissionLedgerTest, PropertyRandomOperationsNeverExceedTheBudget) {
       return std::uniform_int_distribution<uint64_t>(lo, hi)(rng);
     };
     uint64_t budget = uniform(1000, 100'000);
-    AdmissionLedger ledger(budget);
+    const AdmissionLimits limits{.max_arenas = uniform(3, 30),
+                                 .owner_share_percent = static_cast<uint32_t>(uniform(30, 100))};
+    AdmissionLedger ledger(budget, limits);
     std::map<ReservationId, Reservation> reservations;  // the model
     std::map<AllocationId, Allocation> allocations;
     absl::Time now = kT0;
@@ -251,6 +253,20 @@ TEST(AdmissionLedgerTest, PropertyRandomOperationsNeverExceedTheBudget) {
       for (const auto& [id, r] : reservations) used += r.bytes;
       for (const auto& [id, a] : allocations) used += a.bytes;
       return used;
+    };
+    auto model_owner_bytes = [&](uint64_t owner) {
+      uint64_t held = 0;
+      for (const auto& [id, r] : reservations) held += r.owner == owner ? r.bytes : 0;
+      for (const auto& [id, a] : allocations) held += a.owner == owner ? a.bytes : 0;
+      return held;
+    };
+    auto share_cap = [&] { return budget * limits.owner_share_percent / 100; };
+    // A refusal of `bytes` for `owner` is right when one of the three limits says so.
+    auto refusal_is_due = [&](uint64_t owner, uint64_t bytes, uint64_t used_before,
+                              bool new_arena) {
+      return used_before + bytes > ledger.budget() ||
+             model_owner_bytes(owner) + bytes > share_cap() ||
+             (new_arena && reservations.size() + allocations.size() >= limits.max_arenas);
     };
     for (int step = 0; step < 400; ++step) {
       const uint64_t used_before = model_used();
@@ -269,7 +285,7 @@ TEST(AdmissionLedgerTest, PropertyRandomOperationsNeverExceedTheBudget) {
             admitted = true;
           } else {
             ASSERT_EQ(r.status().code(), absl::StatusCode::kResourceExhausted);
-            ASSERT_GT(used_before + bytes, ledger.budget());
+            ASSERT_TRUE(refusal_is_due(owner, bytes, used_before, true));
           }
           break;
         }
@@ -294,7 +310,7 @@ TEST(AdmissionLedgerTest, PropertyRandomOperationsNeverExceedTheBudget) {
             admitted = true;
           } else {
             ASSERT_EQ(a.status().code(), absl::StatusCode::kResourceExhausted);
-            ASSERT_GT(used_before + bytes, ledger.budget());
+            ASSERT_TRUE(refusal_is_due(owner, bytes, used_before, true));
           }
           break;
         }
@@ -308,6 +324,8 @@ TEST(AdmissionLedgerTest, PropertyRandomOperationsNeverExceedTheBudget) {
             it->second.bytes = target;
           } else {
             ASSERT_EQ(grown.code(), absl::StatusCode::kResourceExhausted);
+            ASSERT_TRUE(refusal_is_due(it->second.owner, target - it->second.bytes, used_before,
+                                       false));
           }
           break;
         }
@@ -351,8 +369,12 @@ TEST(AdmissionLedgerTest, PropertyRandomOperationsNeverExceedTheBudget) {
       ASSERT_EQ(ledger.reservation_count(), reservations.size());
       ASSERT_EQ(ledger.allocation_count(), allocations.size());
       ASSERT_EQ(ledger.free(), used >= ledger.budget() ? 0 : ledger.budget() - used);
+      for (uint64_t held_by = 1; held_by <= 4; ++held_by) {
+        ASSERT_EQ(ledger.owner_bytes(held_by), model_owner_bytes(held_by));
+      }
       if (admitted) {
         ASSERT_LE(used, ledger.budget());  // invariant (1)
+        ASSERT_LE(reservations.size() + allocations.size(), limits.max_arenas);  // (6)
       }
     }
     // Everything returned: accounting is back to exactly zero.
@@ -360,6 +382,54 @@ TEST(AdmissionLedgerTest, PropertyRandomOperationsNeverExceedTheBudget) {
     EXPECT_EQ(ledger.used(), 0u);
     EXPECT_EQ(ledger.free(), ledger.budget());
   }
+}
+
+TEST(AdmissionLedgerTest, ArenaLimitCountsReservationsAndAllocations) {
+  AdmissionLedger ledger(10'000, AdmissionLimits{.max_arenas = 2});
+  ASSERT_THAT(ledger.Reserve(1, 100, kT0, absl::Seconds(5)), IsOk());
+  absl::StatusOr<AllocationId> second = ledger.Allocate(2, 100);
+  ASSERT_THAT(second, IsOk());
+  EXPECT_EQ(ledger.arenas_left(), 0u);
+  const absl::Status refused = ledger.Allocate(3, 100).status();
+  EXPECT_THAT(refused, StatusIs(absl::StatusCode::kResourceExhausted,
+                                HasSubstrs("allocation refused", "holds 2 arenas",
+                                           "limit is 2", "max_arenas")));
+  EXPECT_EQ(GetAdmissionRefusal(refused), std::nullopt);  // evicting bytes cannot help
+  EXPECT_THAT(ledger.Reserve(3, 100, kT0, absl::Seconds(5)).status(),
+              StatusIs(absl::StatusCode::kResourceExhausted, HasSubstrs("reservation refused")));
+  EXPECT_EQ(ledger.used(), 200u);  // the refusals changed nothing
+  ASSERT_THAT(ledger.Release(*second), IsOk());
+  EXPECT_THAT(ledger.Allocate(3, 100), IsOk());
+
+  // Fit follows the arenas as well as the bytes.
+  ledger.SetLimits(AdmissionLimits{.max_arenas = 5});
+  absl::StatusOr<SessionFit> fit = FitSessions(ledger, 10);
+  ASSERT_THAT(fit, IsOk());
+  EXPECT_EQ(fit->now, 3u);
+  EXPECT_EQ(fit->after_eviction, 3u);
+  EXPECT_EQ(fit->when_empty, 5u);
+}
+
+TEST(AdmissionLedgerTest, OwnerShareCapsReservationsAllocationsAndGrowth) {
+  AdmissionLedger ledger(1'000, AdmissionLimits{.owner_share_percent = 40});
+  ASSERT_THAT(ledger.Reserve(1, 300, kT0, absl::Seconds(5)), IsOk());
+  EXPECT_THAT(ledger.Reserve(1, 101, kT0, absl::Seconds(5)).status(),
+              StatusIs(absl::StatusCode::kResourceExhausted,
+                       HasSubstrs("reservation of 101 bytes refused", "engine 1 holds 300",
+                                  "at most 400", "40% of the 1000 byte budget",
+                                  "max_engine_budget_share")));
+  absl::StatusOr<AllocationId> allocation = ledger.Allocate(1, 100);
+  ASSERT_THAT(allocation, IsOk());
+  EXPECT_EQ(ledger.owner_bytes(1), 400u);
+  EXPECT_THAT(ledger.Grow(*allocation, 101),
+              StatusIs(absl::StatusCode::kResourceExhausted,
+                       HasSubstrs("grow of 1 bytes refused", "engine 1 holds 400")));
+  // Other engines and the daemon's own storage are not held back by engine 1's share.
+  EXPECT_THAT(ledger.Allocate(2, 400), IsOk());
+  EXPECT_THAT(ledger.Allocate(kUncappedOwner, 200), IsOk());
+  EXPECT_EQ(ledger.owner_bytes(1), 400u);
+  ledger.ReleaseOwner(1);
+  EXPECT_EQ(ledger.owner_bytes(1), 0u);
 }
 
 // --- Cost queries ----------------------------------------------------------------------------
