@@ -202,6 +202,30 @@ const std::vector<KeySpec>& Keys() {
        .min = 1, .max = 256},
       {.name = "watchdog", .field = &C::watchdog, .syntax = Syntax::kBool, .reloadable = false,
        .help = "Send systemd watchdog keep-alives when asked to (false needs WatchdogSec=0)."},
+      {.name = "max_plan_layers", .field = &C::max_plan_layers, .syntax = Syntax::kInteger,
+       .reloadable = false,
+       .help = "Layers (trunk + MTP) a model plan may have; larger plans are refused "
+               "(INVALID_ARGUMENT).",
+       .min = 1, .max = kMaxPlanLayersAccepted},
+      {.name = "max_engine_sessions", .field = &C::max_engine_sessions,
+       .syntax = Syntax::kInteger, .reloadable = false,
+       .help = "Sessions one engine may hold at once (RESOURCE_EXHAUSTED past it).", .min = 1,
+       .max = 10'000'000},
+      {.name = "max_engine_budget_share", .field = &C::max_engine_budget_share,
+       .syntax = Syntax::kInteger, .reloadable = false,
+       .help = "Percent of the admission budget one engine's reservations and sessions may hold "
+               "(RESOURCE_EXHAUSTED past it); 100 = no cap.",
+       .min = 1, .max = 100},
+      {.name = "max_attached_engines", .field = &C::max_attached_engines,
+       .syntax = Syntax::kInteger, .reloadable = false,
+       .help = "Engines attached at once, each an Attach stream (RESOURCE_EXHAUSTED past it).",
+       .min = 1, .max = 65'536},
+      {.name = "max_arenas", .field = &C::max_arenas, .syntax = Syntax::kInteger,
+       .reloadable = false,
+       .help = "Arenas (sessions, reservations, prefix storage) held at once, each a mapping "
+               "under vm.max_map_count (RESOURCE_EXHAUSTED past it); 0 = 3/4 of "
+               "vm.max_map_count, read at start.",
+       .min = 0, .max = 100'000'000},
   };
   // clang-format on
   return *keys;
@@ -323,6 +347,26 @@ std::optional<uint64_t> ParseByteText(absl::string_view text) {
   uint64_t bytes;
   if (__builtin_mul_overflow(count, unit, &bytes)) return std::nullopt;
   return bytes;
+}
+
+// The whole file; NOT_FOUND / PERMISSION_DENIED / ... naming `what` and the path.
+absl::StatusOr<std::string> ReadWholeFile(const std::string& path, absl::string_view what) {
+  int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return absl::ErrnoToStatus(errno, absl::StrCat("open ", what, " ", path));
+  std::string text;
+  char buffer[4096];
+  ssize_t n;
+  while ((n = read(fd, buffer, sizeof buffer)) != 0) {
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) {
+      int error = errno;
+      close(fd);
+      return absl::ErrnoToStatus(error, absl::StrCat("read ", what, " ", path));
+    }
+    text.append(buffer, static_cast<size_t>(n));
+  }
+  close(fd);
+  return text;
 }
 
 // Applies the key's rules to a raw value. The error is the problem alone; the caller adds where,
@@ -543,22 +587,18 @@ absl::StatusOr<DaemonConfig> ParseConfig(std::string_view text_view, std::string
 }
 
 absl::StatusOr<DaemonConfig> LoadConfigFile(const std::string& path) {
-  int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return absl::ErrnoToStatus(errno, absl::StrCat("open config file ", path));
-  std::string text;
-  char buffer[4096];
-  ssize_t n;
-  while ((n = read(fd, buffer, sizeof buffer)) != 0) {
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0) {
-      int error = errno;
-      close(fd);
-      return absl::ErrnoToStatus(error, absl::StrCat("read config file ", path));
-    }
-    text.append(buffer, static_cast<size_t>(n));
-  }
-  close(fd);
+  ASSIGN_OR_RETURN(std::string text, ReadWholeFile(path, "config file"));
   return ParseConfig(text, path);
+}
+
+uint64_t EffectiveMaxArenas(const DaemonConfig& config, const std::string& max_map_count_path) {
+  if (config.max_arenas != 0) return config.max_arenas;
+  uint64_t max_map_count = kDefaultMaxMapCount;
+  absl::StatusOr<std::string> text = ReadWholeFile(max_map_count_path, "vm.max_map_count");
+  if (!text.ok() || !absl::SimpleAtoi(absl::StripAsciiWhitespace(*text), &max_map_count)) {
+    max_map_count = kDefaultMaxMapCount;
+  }
+  return std::max<uint64_t>(1, max_map_count / 4 * 3);
 }
 
 absl::Status ApplyOverride(DaemonConfig& config, std::string_view key_view,

@@ -83,11 +83,41 @@ struct DaemonConfig {
   // Send systemd watchdog keep-alives when the service manager asks for them (WATCHDOG_USEC).
   bool watchdog = true;
 
+  // ---- Limits: what one client can make the daemon hold (docs/security-model.md#limits) ----
+  // Layers (trunk + MTP) a model plan may have, everywhere a plan arrives. The largest real
+  // models have ~130; the maximum keeps a CreateSession reply (the layout) under the client's
+  // 4 MiB receive limit.
+  uint32_t max_plan_layers = 4096;
+  // Sessions one engine may hold at once.
+  uint64_t max_engine_sessions = 4096;
+  // Percent of the admission budget one engine's reservations + sessions may hold.
+  uint32_t max_engine_budget_share = 100;
+  // Engines attached at once (each holds an Attach stream, and a daemon thread serves it).
+  uint64_t max_attached_engines = 256;
+  // Arenas (sessions, reservations, prefix storage) the daemon holds at once; each is a mapping
+  // under the kernel's vm.max_map_count. 0 = derived at start: 3/4 of vm.max_map_count
+  // (server/daemon.h ArenaLimitFor).
+  uint64_t max_arenas = 0;
+
   // socket_path with "{device}" replaced.
   std::string SocketPath() const;
 
   bool operator==(const DaemonConfig&) const = default;
 };
+
+// The largest max_plan_layers accepted: a CreateSession reply lists every plane of every layer,
+// and at this many layers of the widest kind it stays under gRPC's default 4 MiB receive limit
+// (tests/service/limits_test.cc checks the worst case), so no reply can be refused after its
+// session was created and charged.
+inline constexpr uint32_t kMaxPlanLayersAccepted = 16384;
+
+// vm.max_map_count as the kernel ships it, when `max_map_count_path` cannot be read.
+inline constexpr uint64_t kDefaultMaxMapCount = 65530;
+// The arena limit in force: max_arenas when set, else 3/4 of the kernel's vm.max_map_count read
+// from `max_map_count_path` (the rest is left for the daemon's own mappings: libraries, thread
+// stacks, heap).
+uint64_t EffectiveMaxArenas(const DaemonConfig& config,
+                            const std::string& max_map_count_path = "/proc/sys/vm/max_map_count");
 
 // One configuration key, for help text and flag definitions.
 struct ConfigKeyInfo {

@@ -53,7 +53,9 @@ TEST(ConfigTest, KeyListIsTheDocumentedOne) {
                           "drain_grace_ms",
                           "prefix_cache_budget_bytes", "prefix_block_tokens",
                           "prefix_capture_on_engine_death", "prefix_verify_checksums",
-                          "prefix_copy_threads", "watchdog"));
+                          "prefix_copy_threads", "watchdog", "max_plan_layers",
+                          "max_engine_sessions", "max_engine_budget_share",
+                          "max_attached_engines", "max_arenas"));
   EXPECT_THAT(reloadable, ElementsAre("budget_bytes", "cuda_memory_fraction", "cuda_reserve_bytes",
                                       "lease_timeout_ms", "reservation_ttl_ms", "log_level",
                                       "drain_grace_ms", "prefix_cache_budget_bytes"));
@@ -82,6 +84,11 @@ TEST(ConfigTest, Defaults) {
   EXPECT_TRUE(config.prefix_verify_checksums);
   EXPECT_EQ(config.prefix_copy_threads, 4u);
   EXPECT_TRUE(config.watchdog);
+  EXPECT_EQ(config.max_plan_layers, 4096u);
+  EXPECT_EQ(config.max_engine_sessions, 4096u);
+  EXPECT_EQ(config.max_engine_budget_share, 100u);
+  EXPECT_EQ(config.max_attached_engines, 256u);
+  EXPECT_EQ(config.max_arenas, 0u);
   EXPECT_THAT(ValidateConfig(config), IsOk());
 }
 
@@ -261,6 +268,15 @@ INSTANTIATE_TEST_SUITE_P(
         BadValueCase{"prefix_copy_threads = 0",
                      {"prefix_copy_threads = 0", "out of range", "from 1 to 256"}},
         BadValueCase{"rpc_metrics = 1", {"rpc_metrics = 1", "true or false"}},
+        BadValueCase{"max_plan_layers = 16385",
+                     {"max_plan_layers = 16385", "out of range", "from 1 to 16384"}},
+        BadValueCase{"max_engine_sessions = 0",
+                     {"max_engine_sessions = 0", "out of range", "from 1 to 10000000"}},
+        BadValueCase{"max_engine_budget_share = 101",
+                     {"max_engine_budget_share = 101", "out of range", "from 1 to 100"}},
+        BadValueCase{"max_attached_engines = 0",
+                     {"max_attached_engines = 0", "out of range", "from 1 to 65536"}},
+        BadValueCase{"max_arenas = -1", {"max_arenas = -1", "from 0 to 100000000"}},
         BadValueCase{"drain_grace_ms = [1, 2]",
                      {"drain_grace_ms is a TOML array", "from 0 to 3600000"}}));
 
@@ -418,6 +434,15 @@ TEST_F(ConfigFileTest, MissingFileIsNotFound) {
   EXPECT_THAT(LoadConfigFile(path),
               StatusIs(absl::StatusCode::kNotFound, HasSubstrs("open config file", path)));
   EXPECT_THAT(LoadDaemonConfig("", {}), IsOk()) << "no file: defaults";
+}
+
+TEST_F(ConfigFileTest, ArenaLimitIsSetOrThreeQuartersOfMaxMapCount) {
+  DaemonConfig config;
+  EXPECT_EQ(EffectiveMaxArenas(config, Write("max_map_count", "262144\n")), 196'608u);
+  EXPECT_EQ(EffectiveMaxArenas(config, dir_ + "/absent"), kDefaultMaxMapCount / 4 * 3);
+  EXPECT_EQ(EffectiveMaxArenas(config, Write("garbage", "many\n")), kDefaultMaxMapCount / 4 * 3);
+  config.max_arenas = 10;
+  EXPECT_EQ(EffectiveMaxArenas(config, Write("max_map_count", "262144\n")), 10u);
 }
 
 TEST(ConfigTest, PlanReloadAppliesLiveKeysAndListsTheRest) {
