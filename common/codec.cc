@@ -107,6 +107,10 @@ pb::ModelPlan ModelPlanToProto(const ModelPlan& plan) {
   return out;
 }
 
+uint64_t LayerCountOf(const pb::ModelPlan& proto) {
+  return uint64_t(proto.layers_size()) + uint64_t(proto.mtp_blocks_size());
+}
+
 absl::StatusOr<ModelPlan> ModelPlanFromProto(const pb::ModelPlan& proto) {
   ModelPlan plan;
   plan.name = proto.name();

@@ -25,6 +25,8 @@ namespace memra {
 
 memra::kv::v1::ModelPlan ModelPlanToProto(const ModelPlan& plan);
 absl::StatusOr<ModelPlan> ModelPlanFromProto(const memra::kv::v1::ModelPlan& proto);
+// Trunk layers + MTP blocks, without decoding (the daemon's layer cap comes before any work).
+uint64_t LayerCountOf(const memra::kv::v1::ModelPlan& proto);
 
 memra::kv::v1::PlaneKind PlaneKindToProto(PlaneKind kind);
 absl::StatusOr<PlaneKind> PlaneKindFromProto(memra::kv::v1::PlaneKind kind);

@@ -167,6 +167,7 @@ absl::StatusOr<std::shared_ptr<const ModelPlan>> AdminService::ResolveModel(
       return parts_.plans->Find(fingerprint);
     }
     case pb::ModelSelector::kPlan: {
+      RETURN_IF_ERROR(parts_.plans->CheckLayerCount(LayerCountOf(selector.plan())));
       ASSIGN_OR_RETURN(ModelPlan plan, ModelPlanFromProto(selector.plan()));
       RETURN_IF_ERROR(ValidateModelPlan(plan));
       return std::make_shared<const ModelPlan>(std::move(plan));
@@ -174,6 +175,7 @@ absl::StatusOr<std::shared_ptr<const ModelPlan>> AdminService::ResolveModel(
     case pb::ModelSelector::kHfConfigJson: {
       ASSIGN_OR_RETURN(ModelPlan plan,
                        ImportHuggingFaceConfig(selector.hf_config_json(), ImportOptions{}));
+      RETURN_IF_ERROR(parts_.plans->CheckLayerCount(plan.TotalLayers()));
       return std::make_shared<const ModelPlan>(std::move(plan));
     }
     case pb::ModelSelector::MODEL_NOT_SET:
@@ -263,6 +265,8 @@ absl::Status AdminService::Import(const pb::ImportModelRequest& request,
   if (request.has_index_ring_rows()) options.index_ring_rows = request.index_ring_rows();
   if (request.index_pool() != 0) options.index_pool = request.index_pool();
   ASSIGN_OR_RETURN(ModelPlan plan, ImportHuggingFaceConfig(request.hf_config_json(), options));
+  // The importer's own bound is 4096 layers; the daemon's cap may be lower.
+  RETURN_IF_ERROR(parts_.plans->CheckLayerCount(plan.TotalLayers()));
   ASSIGN_OR_RETURN(std::string architecture, HuggingFaceArchitecture(request.hf_config_json()));
   response->set_architecture(architecture);
   ASSIGN_OR_RETURN(PlanFingerprint fingerprint,

@@ -66,6 +66,7 @@ grpc::Status CacheService::RegisterPlan(grpc::ServerContext*,
                                         const pb::RegisterPlanRequest* request,
                                         pb::RegisterPlanResponse* response) {
   absl::Status status = [&]() -> absl::Status {
+    RETURN_IF_ERROR(plans_->CheckLayerCount(LayerCountOf(request->plan())));
     ASSIGN_OR_RETURN(ModelPlan plan, ModelPlanFromProto(request->plan()));
     ASSIGN_OR_RETURN(PlanFingerprint fingerprint, plans_->Register(std::move(plan)));
     response->set_fingerprint(FingerprintToBytes(fingerprint));

@@ -44,7 +44,8 @@ std::pair<uint64_t, std::string> BudgetFor(const DaemonConfig& config, DeviceBac
 LeaseSettings LeaseSettingsOf(const DaemonConfig& config) {
   return LeaseSettings{absl::Milliseconds(config.lease_timeout_ms),
                        absl::Milliseconds(config.lease_grace_ms),
-                       absl::Milliseconds(config.reservation_ttl_ms)};
+                       absl::Milliseconds(config.reservation_ttl_ms),
+                       static_cast<size_t>(config.max_attached_engines)};
 }
 
 absl::StatusOr<uint64_t> RandomEpoch() {
@@ -92,10 +93,13 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Create(DaemonConfig config,
   RETURN_IF_ERROR(ValidateConfig(config));
   ASSIGN_OR_RETURN(uint64_t epoch, RandomEpoch());
   auto [budget_bytes, rule] = BudgetFor(config, *backend);
-  spdlog::info("admission budget {} bytes ({})", budget_bytes, rule);
-  return std::unique_ptr<Daemon>(new Daemon(std::move(config), std::move(backend), clock,
-                                            std::make_unique<DeviceBudget>(budget_bytes, rule),
-                                            epoch));
+  const AdmissionLimits limits{.max_arenas = EffectiveMaxArenas(config),
+                               .owner_share_percent = config.max_engine_budget_share};
+  spdlog::info("admission budget {} bytes ({}); at most {} arenas, {}% of the budget per engine",
+               budget_bytes, rule, limits.max_arenas, limits.owner_share_percent);
+  return std::unique_ptr<Daemon>(
+      new Daemon(std::move(config), std::move(backend), clock,
+                 std::make_unique<DeviceBudget>(budget_bytes, rule, limits), epoch));
 }
 
 Daemon::Daemon(DaemonConfig config, std::unique_ptr<DeviceBackend> backend, Clock* clock,
@@ -107,11 +111,12 @@ Daemon::Daemon(DaemonConfig config, std::unique_ptr<DeviceBackend> backend, Cloc
       budget_(std::move(budget)),
       epoch_(epoch),
       started_(clock->Now()),
-      plans_(FormatDefaults()),
+      plans_(FormatDefaults(), start_config_.max_plan_layers),
       leases_(clock_, budget_.get(), LeaseSettingsOf(start_config_)),
       prefix_cache_(MakePrefixCache(start_config_, backend_.get(), budget_.get(), epoch_)),
       sessions_(backend_.get(), budget_.get(), &leases_, &plans_, FormatDefaults(),
-                start_config_.prefix_capture_on_engine_death ? prefix_cache_.get() : nullptr),
+                start_config_.prefix_capture_on_engine_death ? prefix_cache_.get() : nullptr,
+                start_config_.max_engine_sessions),
       prefix_service_(prefix_cache_.get(), backend_.get(),
                       [this](const pb::SessionRef& ref) {
                         return sessions_.Find(SessionCredentialsOf(ref));

@@ -18,8 +18,8 @@ absl::Status NoSuchReservation(ReservationId reservation, uint64_t owner) {
 
 }  // namespace
 
-DeviceBudget::DeviceBudget(uint64_t budget_bytes, std::string rule)
-    : ledger_(budget_bytes), rule_(std::move(rule)) {}
+DeviceBudget::DeviceBudget(uint64_t budget_bytes, std::string rule, AdmissionLimits limits)
+    : ledger_(budget_bytes, limits), rule_(std::move(rule)) {}
 
 void DeviceBudget::SetEvictor(Evictor evictor) {
   absl::MutexLock lock(&mu_);

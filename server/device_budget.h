@@ -36,8 +36,9 @@ class DeviceBudget {
   // Frees prefix-cache storage for an admission that is `bytes` short; returns the bytes freed.
   using Evictor = std::function<uint64_t(uint64_t bytes)>;
 
-  // `rule` says how the budget was derived, for status and logs.
-  DeviceBudget(uint64_t budget_bytes, std::string rule);
+  // `rule` says how the budget was derived, for status and logs; `limits` are the ledger's
+  // arena and per-engine share limits (core/admission.h AdmissionLimits).
+  DeviceBudget(uint64_t budget_bytes, std::string rule, AdmissionLimits limits = {});
 
   // Set once, before serving. Without one, refusals are returned as they are.
   void SetEvictor(Evictor evictor) ABSL_LOCKS_EXCLUDED(mu_);

@@ -27,6 +27,12 @@ absl::StatusOr<EngineLease> EngineLeases::Attach(absl::string_view name, int64_t
   ASSIGN_OR_RETURN(std::string token, RandomSecretToken());
   absl::MutexLock lock(&mu_);
   if (draining_) return absl::UnavailableError("the daemon is draining; attach to another");
+  if (engines_.size() >= settings_.max_engines) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "engine \"", name.substr(0, 256), "\" refused: ", engines_.size(),
+        " engines are attached or in their grace period and the limit is ",
+        settings_.max_engines, " (max_attached_engines)"));
+  }
   const EngineId id{next_engine_id_++};
   Engine& engine = engines_[id.value];
   engine.id = id;

@@ -35,12 +35,15 @@
 
 namespace memra {
 
-// The live-changeable lease settings (DaemonConfig lease_timeout_ms, lease_grace_ms,
-// reservation_ttl_ms).
+// The lease settings (DaemonConfig lease_timeout_ms, lease_grace_ms, reservation_ttl_ms,
+// max_attached_engines).
 struct LeaseSettings {
   absl::Duration timeout;
   absl::Duration grace;
   absl::Duration reservation_ttl;
+  // Engines known at once: attached, or in the grace after their lease ended (they still hold
+  // sessions). Each live one holds an Attach stream and a server thread.
+  size_t max_engines = SIZE_MAX;
 };
 
 // What an engine proves it is with: the id and token Attach handed it.
@@ -86,7 +89,8 @@ class EngineLeases {
   void ApplySettings(LeaseSettings settings) ABSL_LOCKS_EXCLUDED(mu_);
   LeaseSettings settings() const ABSL_LOCKS_EXCLUDED(mu_);
 
-  // Attach: registers the engine (name truncated to 256 bytes). `cancel_stream` ends its Attach
+  // Attach: registers the engine (name truncated to 256 bytes); RESOURCE_EXHAUSTED naming the
+  // count and the limit when max_engines are known. `cancel_stream` ends its Attach
   // stream: called at most once, when the lease times out or the daemon shuts down, never after
   // EndStream.
   absl::StatusOr<EngineLease> Attach(absl::string_view name, int64_t pid,

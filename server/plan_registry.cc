@@ -8,7 +8,15 @@
 
 namespace memra {
 
+absl::Status PlanRegistry::CheckLayerCount(uint64_t layers) const {
+  if (layers <= max_layers_) return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      absl::StrCat("model plan has ", layers, " layers (trunk + MTP); this daemon accepts at most ",
+                   max_layers_, " (max_plan_layers)"));
+}
+
 absl::StatusOr<PlanFingerprint> PlanRegistry::Register(ModelPlan plan) {
+  RETURN_IF_ERROR(CheckLayerCount(uint64_t{plan.layers.size()} + plan.mtp_blocks.size()));
   RETURN_IF_ERROR(ValidateModelPlan(plan));
   ASSIGN_OR_RETURN(PlanFingerprint fingerprint, FingerprintModelPlan(plan, defaults_));
   absl::MutexLock lock(&mu_);

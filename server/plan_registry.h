@@ -29,10 +29,17 @@ class PlanRegistry {
  public:
   static constexpr size_t kMaxPlans = 1024;
 
-  // Fingerprints under `defaults` (the daemon's format defaults).
-  explicit PlanRegistry(FormatDefaults defaults) : defaults_(defaults) {}
+  // Fingerprints under `defaults` (the daemon's format defaults); plans of more than
+  // `max_layers` layers (DaemonConfig max_plan_layers) are refused.
+  explicit PlanRegistry(FormatDefaults defaults, uint32_t max_layers = UINT32_MAX)
+      : defaults_(defaults), max_layers_(max_layers) {}
 
-  // Validates and fingerprints `plan` and registers it (idempotent: a plan already registered
+  // The layer cap, checked by every path a plan arrives on (RegisterPlan, the inline plans of
+  // GetCost / GetFit / GetMaxContext, ImportModel) before any other work on it: a plan of
+  // `layers` layers (trunk + MTP) is INVALID_ARGUMENT naming both numbers when over the cap.
+  absl::Status CheckLayerCount(uint64_t layers) const;
+
+  // Checks the layer cap, validates and fingerprints `plan` and registers it (idempotent: a plan already registered
   // is only marked used). Returns its fingerprint.
   absl::StatusOr<PlanFingerprint> Register(ModelPlan plan) ABSL_LOCKS_EXCLUDED(mu_);
 
@@ -53,6 +60,7 @@ class PlanRegistry {
   absl::Status CollectOne() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const FormatDefaults defaults_;
+  const uint32_t max_layers_;
 
   mutable absl::Mutex mu_;
   absl::flat_hash_map<PlanFingerprint, Entry> plans_ ABSL_GUARDED_BY(mu_);

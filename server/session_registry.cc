@@ -25,13 +25,36 @@ Overloaded(Fs...) -> Overloaded<Fs...>;
 
 SessionRegistry::SessionRegistry(DeviceBackend* backend, DeviceBudget* budget,
                                  EngineLeases* leases, PlanRegistry* plans,
-                                 FormatDefaults defaults, PrefixCache* capture_on_reclaim)
+                                 FormatDefaults defaults, PrefixCache* capture_on_reclaim,
+                                 uint64_t max_sessions_per_engine)
     : backend_(backend),
       budget_(budget),
       leases_(leases),
       plans_(plans),
       defaults_(defaults),
-      capture_on_reclaim_(capture_on_reclaim) {}
+      capture_on_reclaim_(capture_on_reclaim),
+      max_sessions_per_engine_(max_sessions_per_engine) {}
+
+absl::Status SessionRegistry::BeginCreating(EngineId engine) {
+  absl::MutexLock lock(&mu_);
+  auto held = by_engine_.find(engine.value);
+  const uint64_t sessions =
+      (held == by_engine_.end() ? 0 : held->second.size()) + creating_[engine.value];
+  if (sessions >= max_sessions_per_engine_) {
+    if (creating_[engine.value] == 0) creating_.erase(engine.value);
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "engine ", engine.value, " holds ", sessions, " sessions and the limit is ",
+        max_sessions_per_engine_, " per engine (max_engine_sessions); release one first"));
+  }
+  ++creating_[engine.value];
+  return absl::OkStatus();
+}
+
+void SessionRegistry::EndCreating(EngineId engine) {
+  auto it = creating_.find(engine.value);
+  if (it == creating_.end()) return;
+  if (--it->second == 0) creating_.erase(it);
+}
 
 ArenaRounding SessionRegistry::rounding() const {
   return ArenaRounding{kPlaneAlignment, backend_->AllocationGranularity()};
@@ -41,6 +64,33 @@ absl::StatusOr<std::shared_ptr<DaemonSession>> SessionRegistry::Create(
     const EngineCredentials& engine, const PlanFingerprint& plan, const SessionShape& shape,
     std::optional<ReservationId> reservation) {
   RETURN_IF_ERROR(leases_->Admit(engine, "the daemon is draining; no new sessions"));
+  RETURN_IF_ERROR(BeginCreating(engine.id));
+  absl::StatusOr<std::shared_ptr<DaemonSession>> session =
+      AllocateSession(engine, plan, shape, reservation);
+  {
+    absl::MutexLock lock(&mu_);
+    EndCreating(engine.id);  // from here the session counts in by_engine_, or not at all
+    if (!session.ok()) return session.status();
+    // The engine may have lost its lease (or the daemon started draining) while the arena was
+    // allocated: the session never becomes visible then.
+    if (absl::Status still = leases_->Admit(engine, "the daemon is draining"); !still.ok()) {
+      (*session)->Release();
+      return still;
+    }
+    by_engine_[engine.id.value].insert((*session)->id().value);
+    sessions_[(*session)->id().value] = *session;
+  }
+  spdlog::info("session {} created for engine {}: capacity {} tokens, {} bytes{}",
+               (*session)->id().value, engine.id.value, shape.capacity,
+               (*session)->arena_bytes(),
+               reservation.has_value() ? absl::StrCat(" (reservation ", reservation->value, ")")
+                                       : std::string());
+  return session;
+}
+
+absl::StatusOr<std::shared_ptr<DaemonSession>> SessionRegistry::AllocateSession(
+    const EngineCredentials& engine, const PlanFingerprint& plan, const SessionShape& shape,
+    std::optional<ReservationId> reservation) {
   DaemonSession::Params params;
   ASSIGN_OR_RETURN(params.model, plans_->Find(plan));
   params.id = SessionId{next_session_id_.fetch_add(1)};
@@ -49,25 +99,7 @@ absl::StatusOr<std::shared_ptr<DaemonSession>> SessionRegistry::Create(
   params.defaults = defaults_;
   params.fingerprint = FingerprintToBytes(plan);
   params.request = shape;
-  const SessionId id = params.id;
-  ASSIGN_OR_RETURN(std::shared_ptr<DaemonSession> session,
-                   DaemonSession::Create(std::move(params), backend_, budget_, reservation));
-  {
-    absl::MutexLock lock(&mu_);
-    // The engine may have lost its lease (or the daemon started draining) while the arena was
-    // allocated: the session never becomes visible then.
-    if (absl::Status still = leases_->Admit(engine, "the daemon is draining"); !still.ok()) {
-      session->Release();
-      return still;
-    }
-    by_engine_[engine.id.value].insert(id.value);
-    sessions_[id.value] = session;
-  }
-  spdlog::info("session {} created for engine {}: capacity {} tokens, {} bytes{}", id.value,
-               engine.id.value, shape.capacity, session->arena_bytes(),
-               reservation.has_value() ? absl::StrCat(" (reservation ", reservation->value, ")")
-                                       : std::string());
-  return session;
+  return DaemonSession::Create(std::move(params), backend_, budget_, reservation);
 }
 
 absl::StatusOr<ArenaReservation> SessionRegistry::Reserve(const EngineCredentials& engine,

@@ -132,13 +132,16 @@ struct EngineSessionUsage {
 class SessionRegistry {
  public:
   // `capture_on_reclaim`: when set, a reclaimed engine's sessions keep their committed state
-  // as prefix entries there before release. REQUIRES: every pointer outlives the registry.
+  // as prefix entries there before release. `max_sessions_per_engine`: DaemonConfig
+  // max_engine_sessions. REQUIRES: every pointer outlives the registry.
   SessionRegistry(DeviceBackend* backend, DeviceBudget* budget, EngineLeases* leases,
-                  PlanRegistry* plans, FormatDefaults defaults, PrefixCache* capture_on_reclaim);
+                  PlanRegistry* plans, FormatDefaults defaults, PrefixCache* capture_on_reclaim,
+                  uint64_t max_sessions_per_engine = UINT64_MAX);
 
   // Plans, charges (from `reservation` when given) and allocates a session of `shape` for the
-  // engine; UNAVAILABLE while draining, the engine's refusals (EngineLeases::Check), the plan's
-  // NOT_FOUND and DaemonSession::Create's refusals. A session whose engine lost its lease (or
+  // engine; UNAVAILABLE while draining, the engine's refusals (EngineLeases::Check),
+  // RESOURCE_EXHAUSTED when the engine holds (or is creating) max_sessions_per_engine, the
+  // plan's NOT_FOUND and DaemonSession::Create's refusals. A session whose engine lost its lease (or
   // the daemon started draining) while its arena was allocated is released, never visible.
   absl::StatusOr<std::shared_ptr<DaemonSession>> Create(const EngineCredentials& engine,
                                                         const PlanFingerprint& plan,
@@ -191,6 +194,17 @@ class SessionRegistry {
   // Removes `ids` (and their index entries) from the map; the sessions removed.
   std::vector<std::shared_ptr<DaemonSession>> RemoveLocked(const std::vector<uint64_t>& ids)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Create()'s session, allocated and charged but not yet in the map.
+  absl::StatusOr<std::shared_ptr<DaemonSession>> AllocateSession(
+      const EngineCredentials& engine, const PlanFingerprint& plan, const SessionShape& shape,
+      std::optional<ReservationId> reservation) ABSL_LOCKS_EXCLUDED(mu_);
+  // Counts a session `engine` is about to create against max_sessions_per_engine (those it
+  // holds and those being created); RESOURCE_EXHAUSTED naming both numbers when none is left.
+  // On OK the caller calls EndCreating(engine) under mu_ as it puts the session in the map or
+  // gives up on it.
+  absl::Status BeginCreating(EngineId engine) ABSL_LOCKS_EXCLUDED(mu_);
+  void EndCreating(EngineId engine) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
   // Engine death: keeps the session's committed state as a prefix entry when configured.
   void CaptureBeforeRelease(DaemonSession& session);
 
@@ -200,6 +214,7 @@ class SessionRegistry {
   PlanRegistry* const plans_;
   const FormatDefaults defaults_;
   PrefixCache* const capture_on_reclaim_;
+  const uint64_t max_sessions_per_engine_;
 
   std::atomic<uint64_t> next_session_id_{1};
 
@@ -208,6 +223,8 @@ class SessionRegistry {
   // Engine id -> the ids of its sessions.
   absl::flat_hash_map<uint64_t, absl::flat_hash_set<uint64_t>> by_engine_ ABSL_GUARDED_BY(mu_);
   bool waits_ended_ ABSL_GUARDED_BY(mu_) = false;
+  // Engine id -> sessions between BeginCreating and EndCreating (absent when none).
+  absl::flat_hash_map<uint64_t, uint64_t> creating_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace memra
