@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <utility>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "core/checked_math.h"
 #include "core/status_macros.h"
@@ -24,12 +25,26 @@ PlaneKind LatentPlaneKind(LatentPlane plane) {
   return PlaneKind::kLatentRows;
 }
 
-uint64_t PlaneBytes(const SessionPlan& plan, uint32_t layer, PlaneKind kind) {
-  for (const PlaneSpec& spec : plan.planes) {
-    if (spec.layer == layer && spec.kind == kind) return spec.bytes;
+// Plane bytes by (layer, kind), indexed once: a lookup per latent layer stays O(1), so creating
+// a session is linear in its layers (a scan per lookup made 16k latent layers take minutes).
+class PlaneBytesIndex {
+ public:
+  explicit PlaneBytesIndex(const SessionPlan& plan) {
+    bytes_.reserve(plan.planes.size());
+    for (const PlaneSpec& spec : plan.planes) bytes_.emplace(Key(spec.layer, spec.kind), spec.bytes);
   }
-  return 0;
-}
+  // 0 when the layer has no such plane.
+  uint64_t operator()(uint32_t layer, PlaneKind kind) const {
+    auto it = bytes_.find(Key(layer, kind));
+    return it == bytes_.end() ? 0 : it->second;
+  }
+
+ private:
+  static uint64_t Key(uint32_t layer, PlaneKind kind) {
+    return (uint64_t{layer} << 8) | static_cast<uint8_t>(kind);
+  }
+  absl::flat_hash_map<uint64_t, uint64_t> bytes_;
+};
 
 }  // namespace
 
@@ -47,6 +62,7 @@ absl::StatusOr<SessionState> SessionState::Create(uint64_t cache_id, const Sessi
   std::vector<KvLayerShape> shapes;
   std::vector<LatentLayerState> latent;
   std::vector<uint32_t> recurrent;
+  const PlaneBytesIndex plane_bytes(plan);
   for (const LayerGeometry& layer : plan.layers) {
     switch (layer.kind) {
       case StateKind::kKv:
@@ -63,9 +79,9 @@ absl::StatusOr<SessionState> SessionState::Create(uint64_t cache_id, const Sessi
         // The plan carries the pool, so it is resident from creation (the reference learns it
         // on the engine's first indexer call).
         state.index_pool = layer.index_pool;
-        state.rows_elems = PlaneBytes(plan, layer.layer, PlaneKind::kLatentRows) / kF32;
-        state.index_rows_elems = PlaneBytes(plan, layer.layer, PlaneKind::kIndexRows) / kF32;
-        state.pool_keys_elems = PlaneBytes(plan, layer.layer, PlaneKind::kPoolKeys) / kF32;
+        state.rows_elems = plane_bytes(layer.layer, PlaneKind::kLatentRows) / kF32;
+        state.index_rows_elems = plane_bytes(layer.layer, PlaneKind::kIndexRows) / kF32;
+        state.pool_keys_elems = plane_bytes(layer.layer, PlaneKind::kPoolKeys) / kF32;
         latent.push_back(state);
         break;
       }
