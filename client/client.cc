@@ -284,15 +284,6 @@ absl::Duration KvClient::lease_timeout() const {
   return lease_timeout_;
 }
 
-absl::StatusOr<PlanFingerprint> KvClient::RegisterPlan(const ModelPlan& plan) {
-  pb::RegisterPlanRequest request;
-  *request.mutable_plan() = ModelPlanToProto(plan);
-  pb::RegisterPlanResponse response;
-  RETURN_IF_ERROR(FromGrpcStatus(
-      rpc_->cache->RegisterPlan(ClientInternals::NewContext(*this).get(), request, &response)));
-  return FingerprintFromBytes(response.fingerprint());
-}
-
 absl::StatusOr<std::pair<uint64_t, std::string>> KvClient::AttachedEngine(
     absl::string_view what) const {
   absl::MutexLock lock(&mu_);
@@ -324,6 +315,17 @@ void SetEngine(const std::pair<uint64_t, std::string>& engine, pb::EngineRef& re
 }
 
 }  // namespace
+
+absl::StatusOr<PlanFingerprint> KvClient::RegisterPlan(const ModelPlan& plan) {
+  ASSIGN_OR_RETURN(auto engine, AttachedEngine("RegisterPlan"));
+  pb::RegisterPlanRequest request;
+  SetEngine(engine, *request.mutable_engine());
+  *request.mutable_plan() = ModelPlanToProto(plan);
+  pb::RegisterPlanResponse response;
+  RETURN_IF_ERROR(FromGrpcStatus(
+      rpc_->cache->RegisterPlan(ClientInternals::NewContext(*this).get(), request, &response)));
+  return FingerprintFromBytes(response.fingerprint());
+}
 
 absl::StatusOr<SessionReservation> KvClient::Reserve(const PlanFingerprint& plan,
                                               const SessionOptions& options) {
@@ -560,6 +562,13 @@ std::unique_ptr<grpc::ClientContext> ClientInternals::NewContext(const KvClient&
   context->set_deadline(std::chrono::system_clock::now() +
                         absl::ToChronoMilliseconds(client.options_.deadline));
   return context;
+}
+
+absl::StatusOr<pb::EngineRef> ClientInternals::Engine(const KvClient& client) {
+  ASSIGN_OR_RETURN(auto engine, client.AttachedEngine("ClientInternals::Engine"));
+  pb::EngineRef ref;
+  SetEngine(engine, ref);
+  return ref;
 }
 
 pb::SessionRef ClientInternals::Ref(const Session& session) {

@@ -399,6 +399,7 @@ class KvClient {
   // The lease timeout the daemon announced.
   absl::Duration lease_timeout() const ABSL_LOCKS_EXCLUDED(mu_);
 
+  // REQUIRES: Attach() succeeded (the plan counts against this engine's max_engine_plans).
   absl::StatusOr<PlanFingerprint> RegisterPlan(const ModelPlan& plan);
   // REQUIRES: Attach() succeeded.
   absl::StatusOr<std::unique_ptr<Session>> CreateSession(const PlanFingerprint& plan,

@@ -26,6 +26,9 @@ class ClientInternals {
   // A context whose deadline is the client's ClientOptions::deadline from now.
   static std::unique_ptr<grpc::ClientContext> NewContext(const KvClient& client);
 
+  // The engine's reference (id and token) as RegisterPlan, Reserve and CreateSession carry it;
+  // FAILED_PRECONDITION before Attach.
+  static absl::StatusOr<memra::kv::v1::EngineRef> Engine(const KvClient& client);
   // The session's reference (id and token) as every session call carries it.
   static memra::kv::v1::SessionRef Ref(const Session& session);
   // The Step request the batch holds.

@@ -66,9 +66,13 @@ grpc::Status CacheService::RegisterPlan(grpc::ServerContext*,
                                         const pb::RegisterPlanRequest* request,
                                         pb::RegisterPlanResponse* response) {
   absl::Status status = [&]() -> absl::Status {
+    // Only attached engines register: every plan in the table is some engine's to count.
+    const EngineCredentials engine = EngineCredentialsOf(request->engine());
+    RETURN_IF_ERROR(leases_->Check(engine));
     RETURN_IF_ERROR(plans_->CheckLayerCount(LayerCountOf(request->plan())));
     ASSIGN_OR_RETURN(ModelPlan plan, ModelPlanFromProto(request->plan()));
-    ASSIGN_OR_RETURN(PlanFingerprint fingerprint, plans_->Register(std::move(plan)));
+    ASSIGN_OR_RETURN(PlanFingerprint fingerprint,
+                     plans_->Register(std::move(plan), engine.id.value));
     response->set_fingerprint(FingerprintToBytes(fingerprint));
     return absl::OkStatus();
   }();

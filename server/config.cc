@@ -211,6 +211,11 @@ const std::vector<KeySpec>& Keys() {
        .syntax = Syntax::kInteger, .reloadable = false,
        .help = "Sessions one engine may hold at once (RESOURCE_EXHAUSTED past it).", .min = 1,
        .max = 10'000'000},
+      {.name = "max_engine_plans", .field = &C::max_engine_plans, .syntax = Syntax::kInteger,
+       .reloadable = false,
+       .help = "Model plans one engine may have registered at once, of the daemon's 1024 "
+               "(RESOURCE_EXHAUSTED past it).",
+       .min = 1, .max = 1024},
       {.name = "max_engine_budget_share", .field = &C::max_engine_budget_share,
        .syntax = Syntax::kInteger, .reloadable = false,
        .help = "Percent of the admission budget one engine's reservations and sessions may hold "

@@ -90,6 +90,8 @@ struct DaemonConfig {
   uint32_t max_plan_layers = 4096;
   // Sessions one engine may hold at once.
   uint64_t max_engine_sessions = 4096;
+  // Model plans one engine may have registered in the daemon's table (of 1,024) at once.
+  uint64_t max_engine_plans = 64;
   // Percent of the admission budget one engine's reservations + sessions may hold.
   uint32_t max_engine_budget_share = 100;
   // Engines attached at once (each holds an Attach stream, and a daemon thread serves it).

@@ -54,7 +54,7 @@ TEST(ConfigTest, KeyListIsTheDocumentedOne) {
                           "prefix_cache_budget_bytes", "prefix_block_tokens",
                           "prefix_capture_on_engine_death", "prefix_verify_checksums",
                           "prefix_copy_threads", "watchdog", "max_plan_layers",
-                          "max_engine_sessions", "max_engine_budget_share",
+                          "max_engine_sessions", "max_engine_plans", "max_engine_budget_share",
                           "max_attached_engines", "max_arenas"));
   EXPECT_THAT(reloadable, ElementsAre("budget_bytes", "cuda_memory_fraction", "cuda_reserve_bytes",
                                       "lease_timeout_ms", "reservation_ttl_ms", "log_level",
@@ -86,6 +86,7 @@ TEST(ConfigTest, Defaults) {
   EXPECT_TRUE(config.watchdog);
   EXPECT_EQ(config.max_plan_layers, 4096u);
   EXPECT_EQ(config.max_engine_sessions, 4096u);
+  EXPECT_EQ(config.max_engine_plans, 64u);
   EXPECT_EQ(config.max_engine_budget_share, 100u);
   EXPECT_EQ(config.max_attached_engines, 256u);
   EXPECT_EQ(config.max_arenas, 0u);
@@ -272,6 +273,8 @@ INSTANTIATE_TEST_SUITE_P(
                      {"max_plan_layers = 16385", "out of range", "from 1 to 16384"}},
         BadValueCase{"max_engine_sessions = 0",
                      {"max_engine_sessions = 0", "out of range", "from 1 to 10000000"}},
+        BadValueCase{"max_engine_plans = 1025",
+                     {"max_engine_plans = 1025", "out of range", "from 1 to 1024"}},
         BadValueCase{"max_engine_budget_share = 101",
                      {"max_engine_budget_share = 101", "out of range", "from 1 to 100"}},
         BadValueCase{"max_attached_engines = 0",

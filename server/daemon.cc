@@ -111,7 +111,8 @@ Daemon::Daemon(DaemonConfig config, std::unique_ptr<DeviceBackend> backend, Cloc
       budget_(std::move(budget)),
       epoch_(epoch),
       started_(clock->Now()),
-      plans_(FormatDefaults(), start_config_.max_plan_layers),
+      plans_(FormatDefaults(), start_config_.max_plan_layers,
+             static_cast<size_t>(start_config_.max_engine_plans)),
       leases_(clock_, budget_.get(), LeaseSettingsOf(start_config_)),
       prefix_cache_(MakePrefixCache(start_config_, backend_.get(), budget_.get(), epoch_)),
       sessions_(backend_.get(), budget_.get(), &leases_, &plans_, FormatDefaults(),
@@ -196,6 +197,7 @@ void Daemon::CheckLeases() {
   for (const ReclaimedEngine& engine : leases_.CollectReclaimable()) {
     const ReleasedSessions released = sessions_.ReleaseOwnedBy(engine.id);
     const uint64_t reserved = leases_.ReturnReservations(engine.id);
+    plans_.ForgetEngine(engine.id.value);
     spdlog::info(
         "engine {} (\"{}\", pid {}) reclaimed: {} sessions, {} bytes freed, {} reserved bytes "
         "returned",

@@ -15,21 +15,51 @@ absl::Status PlanRegistry::CheckLayerCount(uint64_t layers) const {
                    max_layers_, " (max_plan_layers)"));
 }
 
-absl::StatusOr<PlanFingerprint> PlanRegistry::Register(ModelPlan plan) {
+absl::StatusOr<PlanFingerprint> PlanRegistry::Register(ModelPlan plan,
+                                                       std::optional<uint64_t> engine) {
   RETURN_IF_ERROR(CheckLayerCount(uint64_t{plan.layers.size()} + plan.mtp_blocks.size()));
   RETURN_IF_ERROR(ValidateModelPlan(plan));
   ASSIGN_OR_RETURN(PlanFingerprint fingerprint, FingerprintModelPlan(plan, defaults_));
   absl::MutexLock lock(&mu_);
-  if (auto it = plans_.find(fingerprint); it != plans_.end()) {
-    it->second.last_used = ++use_tick_;
-    return fingerprint;
+  auto existing = plans_.find(fingerprint);
+  const bool counted = existing != plans_.end() && engine.has_value() &&
+                       existing->second.registrants.contains(*engine);
+  if (engine.has_value() && !counted) {
+    auto held = per_engine_.find(*engine);
+    const size_t plans = held == per_engine_.end() ? 0 : held->second;
+    if (plans >= max_plans_per_engine_) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "engine ", *engine, " has registered ", plans, " model plans and the limit is ",
+          max_plans_per_engine_, " per engine (max_engine_plans)"));
+    }
   }
-  if (plans_.size() >= kMaxPlans) RETURN_IF_ERROR(CollectOne());
-  spdlog::info("model plan \"{}\" registered: {} layers, {} MTP blocks, fingerprint {}", plan.name,
-               plan.layers.size(), plan.mtp_blocks.size(), FingerprintHex(fingerprint));
-  plans_.emplace(fingerprint,
-                 Entry{std::make_shared<const ModelPlan>(std::move(plan)), ++use_tick_});
+  if (existing == plans_.end()) {
+    if (plans_.size() >= kMaxPlans) RETURN_IF_ERROR(CollectOne());
+    spdlog::info("model plan \"{}\" registered: {} layers, {} MTP blocks, fingerprint {}",
+                 plan.name, plan.layers.size(), plan.mtp_blocks.size(),
+                 FingerprintHex(fingerprint));
+    Entry entry;
+    entry.plan = std::make_shared<const ModelPlan>(std::move(plan));
+    existing = plans_.emplace(fingerprint, std::move(entry)).first;
+  }
+  existing->second.last_used = ++use_tick_;
+  if (engine.has_value() && !counted) {
+    existing->second.registrants.insert(*engine);
+    ++per_engine_[*engine];
+  }
   return fingerprint;
+}
+
+void PlanRegistry::ForgetEngine(uint64_t engine) {
+  absl::MutexLock lock(&mu_);
+  if (per_engine_.erase(engine) == 0) return;
+  for (auto& [fingerprint, entry] : plans_) entry.registrants.erase(engine);
+}
+
+size_t PlanRegistry::PlansOf(uint64_t engine) const {
+  absl::MutexLock lock(&mu_);
+  auto it = per_engine_.find(engine);
+  return it == per_engine_.end() ? 0 : it->second;
 }
 
 absl::Status PlanRegistry::CollectOne() {
@@ -48,6 +78,11 @@ absl::Status PlanRegistry::CollectOne() {
   }
   spdlog::info("model plan \"{}\" ({}) collected: no session uses it and the table is full",
                victim->second.plan->name, FingerprintHex(victim->first));
+  for (uint64_t engine : victim->second.registrants) {
+    if (auto it = per_engine_.find(engine); it != per_engine_.end() && --it->second == 0) {
+      per_engine_.erase(it);
+    }
+  }
   plans_.erase(victim);
   return absl::OkStatus();
 }

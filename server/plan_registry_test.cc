@@ -110,5 +110,54 @@ TEST_F(PlanRegistryTest, RefusesWithTheNumbersOnlyWhenEveryPlanIsInUse) {
   }
 }
 
+TEST(PlanRegistryLimitsTest, LayerCapRefusesNamingBothNumbers) {
+  PlanRegistry plans(FormatDefaults{}, /*max_layers=*/8);
+  EXPECT_THAT(plans.CheckLayerCount(8), IsOk());
+  EXPECT_THAT(plans.Register(test_plans::DenseModel(9, 64, 2)),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       AllOf(HasSubstr("model plan has 9 layers"), HasSubstr("at most 8"),
+                             HasSubstr("max_plan_layers"))));
+  EXPECT_EQ(plans.size(), 0u);
+  EXPECT_THAT(plans.Register(test_plans::DenseModel(8, 64, 2)), IsOk());
+}
+
+TEST(PlanRegistryLimitsTest, EachEngineHasAtMostItsQuotaOfPlansInTheTable) {
+  PlanRegistry plans(FormatDefaults{}, UINT32_MAX, /*max_plans_per_engine=*/2);
+  constexpr uint64_t kEngine = 7, kOther = 8;
+  ASSERT_THAT(plans.Register(NumberedPlan(0), kEngine), IsOk());
+  ASSERT_THAT(plans.Register(NumberedPlan(1), kEngine), IsOk());
+  EXPECT_THAT(plans.Register(NumberedPlan(0), kEngine), IsOk()) << "its own again: no new count";
+  EXPECT_THAT(plans.Register(NumberedPlan(2), kEngine),
+              StatusIs(absl::StatusCode::kResourceExhausted,
+                       AllOf(HasSubstr("engine 7 has registered 2 model plans"),
+                             HasSubstr("limit is 2 per engine"), HasSubstr("max_engine_plans"))));
+  // Registering a plan another engine registered counts for that engine too.
+  EXPECT_THAT(plans.Register(NumberedPlan(2), kOther), IsOk());
+  EXPECT_THAT(plans.Register(NumberedPlan(2), kEngine),
+              StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("engine 7")));
+  // Operators (ImportModel --register) count against no engine.
+  EXPECT_THAT(plans.Register(NumberedPlan(3)), IsOk());
+  EXPECT_EQ(plans.PlansOf(kEngine), 2u);
+  EXPECT_EQ(plans.PlansOf(kOther), 1u);
+  EXPECT_EQ(plans.size(), 4u);
+  // A reclaimed engine's registrations count no more; its plans stay until collected.
+  plans.ForgetEngine(kEngine);
+  EXPECT_EQ(plans.PlansOf(kEngine), 0u);
+  EXPECT_EQ(plans.size(), 4u);
+  EXPECT_THAT(plans.Register(NumberedPlan(4), kEngine), IsOk());
+}
+
+TEST(PlanRegistryLimitsTest, ACollectedPlanNoLongerCountsForItsEngines) {
+  PlanRegistry plans(FormatDefaults{}, UINT32_MAX, PlanRegistry::kMaxPlans);
+  constexpr uint64_t kEngine = 3;
+  ASSERT_THAT(plans.Register(NumberedPlan(0), kEngine), IsOk());  // the oldest: collected first
+  for (uint32_t n = 1; n < PlanRegistry::kMaxPlans; ++n) {
+    ASSERT_THAT(plans.Register(NumberedPlan(n)), IsOk());
+  }
+  EXPECT_EQ(plans.PlansOf(kEngine), 1u);
+  ASSERT_THAT(plans.Register(NumberedPlan(PlanRegistry::kMaxPlans)), IsOk());
+  EXPECT_EQ(plans.PlansOf(kEngine), 0u);
+}
+
 }  // namespace
 }  // namespace memra

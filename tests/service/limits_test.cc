@@ -122,6 +122,45 @@ TEST_F(PlanLayerCapTest, ImportedConfigsAreCapped) {
               StatusIs(kInvalid, HasSubstrs("48 layers", "at most 40")));
 }
 
+// ---- Plans per engine ----
+
+class PlansPerEngineTest : public LimitsTest {
+ protected:
+  static constexpr uint64_t kPlansPerEngine = 3;  // the fixture's own plan is one of them
+  void ConfigureDaemon(DaemonConfig& config) override {
+    config.max_engine_plans = kPlansPerEngine;
+  }
+};
+
+TEST_F(PlansPerEngineTest, AnEngineRegistersAtMostItsQuotaAndOnlyWhenAttached) {
+  ASSERT_THAT(client_->RegisterPlan(DenseModel(2, 64, 1)).status(), IsOk());
+  ASSERT_THAT(client_->RegisterPlan(DenseModel(2, 64, 2)).status(), IsOk());
+  EXPECT_THAT(client_->RegisterPlan(DenseModel(2, 64, 1)).status(), IsOk()) << "idempotent";
+  EXPECT_THAT(client_->RegisterPlan(DenseModel(2, 64, 3)).status(),
+              StatusIs(kExhausted,
+                       HasSubstrs(absl::StrCat("engine ", client_->engine_id(),
+                                               " has registered 3 model plans"),
+                                  "limit is 3 per engine", "max_engine_plans")));
+  std::unique_ptr<KvClient> other = NewClient("engine-b");
+  ASSERT_NE(other, nullptr);
+  EXPECT_THAT(other->RegisterPlan(DenseModel(2, 64, 3)).status(), IsOk());
+
+  // Without an attached engine there is no registering at all.
+  absl::StatusOr<std::unique_ptr<KvClient>> unattached =
+      KvClient::Connect(daemon_->socket_path());
+  ASSERT_THAT(unattached.status(), IsOk());
+  EXPECT_THAT((*unattached)->RegisterPlan(DenseModel(2, 64, 4)).status(),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstrs("before Attach")));
+  pb::RegisterPlanRequest raw;
+  *raw.mutable_plan() = ModelPlanToProto(DenseModel(2, 64, 4));
+  pb::RegisterPlanResponse registered;
+  EXPECT_THAT(FromGrpcStatus(ClientInternals::Cache(**unattached)
+                                 .RegisterPlan(ClientInternals::NewContext(**unattached).get(),
+                                               raw, &registered)),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstrs("engine 0 is not attached")));
+  EXPECT_EQ(daemon_->GetStatus().plans(), 4u);
+}
+
 // ---- The reply-size bound: at the largest cap accepted, the widest layers' CreateSession and
 // GetSessionState replies stay under the client's receive limit, so no session can be created
 // and charged and then fail to reach its engine. ----

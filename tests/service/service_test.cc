@@ -144,6 +144,7 @@ TEST_F(ServiceTest, RegisterPlanIsIdempotentAndRefusesBadPlans) {
                        HasSubstr("layer 1 (sliding_kv): window must be positive")));
 
   pb::RegisterPlanRequest unspecified;
+  *unspecified.mutable_engine() = *ClientInternals::Engine(*client_);
   *unspecified.mutable_plan() = ModelPlanToProto(HybridTestPlan());
   unspecified.mutable_plan()->mutable_layers(0)->set_kind(pb::STATE_KIND_UNSPECIFIED);
   pb::RegisterPlanResponse response;
@@ -1320,7 +1321,8 @@ TEST_F(BadInputTest, CreateRegisterAndStepRefuseAndChangeNothing) {
   pb::RegisterPlanResponse registered;
   pb::StepResponse stepped;
   pb::RegisterPlanRequest empty_plan;
-  pb::RegisterPlanRequest bad_format;
+  *empty_plan.mutable_engine() = *ClientInternals::Engine(*client_);
+  pb::RegisterPlanRequest bad_format = empty_plan;
   *bad_format.mutable_plan() = ModelPlanToProto(HybridTestPlan());
   bad_format.mutable_plan()->mutable_layers(0)->mutable_formats()->set_k(
       static_cast<pb::KFormat>(17));
