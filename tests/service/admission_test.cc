@@ -63,46 +63,6 @@ class AdmissionTest : public DaemonTest {
 
   pb::AdmissionStatus Admission() { return daemon_->GetStatus().admission(); }
 
-  // Admin calls through the client's KvAdmin stub.
-  template <typename Request, typename Response, typename Method>
-  absl::Status Admin(Method method, const Request& request, Response* response) {
-    return FromGrpcStatus((ClientInternals::Admin(*client_).*method)(
-        ClientInternals::NewContext(*client_).get(), request, response));
-  }
-
-  // Detaches `client` and waits (on the daemon's view, not the wall clock) until the daemon saw
-  // the stream end, then lets the grace pass: the engine is reclaimed.
-  void KillEngine(KvClient& client) {
-    const uint64_t id = client.engine_id();
-    client.Detach();
-    auto engine_state = [&]() -> std::optional<pb::EngineStatus> {
-      const pb::GetStatusResponse daemon_status = daemon_->GetStatus();
-      for (const pb::EngineStatus& status : daemon_status.engine_status()) {
-        if (status.engine_id() == id) return status;
-      }
-      return std::nullopt;
-    };
-    for (int i = 0; i < 500; ++i) {
-      std::optional<pb::EngineStatus> state = engine_state();
-      if (!state.has_value() || !state->lease_live()) break;
-      absl::SleepFor(absl::Milliseconds(10));
-    }
-    clock_.Advance(absl::Milliseconds(kLeaseGraceMs));
-    daemon_->CheckLeases();
-    EXPECT_FALSE(engine_state().has_value()) << "engine " << id << " was not reclaimed";
-    // The jump ate into the other engines' lease timeouts: wait until each has heartbeated
-    // since, so a later jump cannot expire them.
-    for (int i = 0; i < 500; ++i) {
-      bool fresh = true;
-      const pb::GetStatusResponse status = daemon_->GetStatus();
-      for (const pb::EngineStatus& engine : status.engine_status()) {
-        fresh = fresh && engine.last_heartbeat_age_ms() == 0;
-      }
-      if (fresh) break;
-      absl::SleepFor(absl::Milliseconds(10));
-    }
-  }
-
   pb::ModelSelector Registered() const {
     pb::ModelSelector selector;
     selector.set_plan_fingerprint(FingerprintToBytes(plan_));

@@ -39,18 +39,9 @@ constexpr auto kExhausted = absl::StatusCode::kResourceExhausted;
 // gRPC's default receive limit, which KvClient keeps.
 constexpr size_t kClientReceiveLimit = size_t{4} << 20;
 
-class LimitsTest : public DaemonTest {
- protected:
-  template <typename Request, typename Response, typename Method>
-  absl::Status Admin(Method method, const Request& request, Response* response) {
-    return FromGrpcStatus((ClientInternals::Admin(*client_).*method)(
-        ClientInternals::NewContext(*client_).get(), request, response));
-  }
-};
-
 // ---- The plan layer cap ----
 
-class PlanLayerCapTest : public LimitsTest {
+class PlanLayerCapTest : public DaemonTest {
  protected:
   static constexpr uint32_t kCap = 40;
   void ConfigureDaemon(DaemonConfig& config) override { config.max_plan_layers = kCap; }
@@ -124,7 +115,7 @@ TEST_F(PlanLayerCapTest, ImportedConfigsAreCapped) {
 
 // ---- Plans per engine ----
 
-class PlansPerEngineTest : public LimitsTest {
+class PlansPerEngineTest : public DaemonTest {
  protected:
   static constexpr uint64_t kPlansPerEngine = 3;  // the fixture's own plan is one of them
   void ConfigureDaemon(DaemonConfig& config) override {
@@ -165,7 +156,7 @@ TEST_F(PlansPerEngineTest, AnEngineRegistersAtMostItsQuotaAndOnlyWhenAttached) {
 // GetSessionState replies stay under the client's receive limit, so no session can be created
 // and charged and then fail to reach its engine. ----
 
-class ReplySizeBoundTest : public LimitsTest {
+class ReplySizeBoundTest : public DaemonTest {
  protected:
   void ConfigureDaemon(DaemonConfig& config) override {
     config.max_plan_layers = kMaxPlanLayersAccepted;
@@ -214,7 +205,7 @@ TEST_F(ReplySizeBoundTest, EveryLayerKindAtTheLargestCapFitsTheClientsReceiveLim
 
 // ---- Per-engine limits and the daemon's totals ----
 
-class EngineLimitsTest : public LimitsTest {
+class EngineLimitsTest : public DaemonTest {
  protected:
   static constexpr uint64_t kSessionsPerEngine = 3;
   static constexpr uint32_t kSharePercent = 50;
@@ -225,23 +216,6 @@ class EngineLimitsTest : public LimitsTest {
     config.max_engine_budget_share = kSharePercent;
     config.max_attached_engines = kEngines;
     config.max_arenas = kArenas;
-  }
-
-  // Detaches `client` and lets the daemon reclaim it (its lease grace passes on the FakeClock).
-  void Reclaim(std::unique_ptr<KvClient> client) {
-    const uint64_t id = client->engine_id();
-    client.reset();
-    for (int i = 0; i < 500; ++i) {
-      bool live = false;
-      const pb::GetStatusResponse status = daemon_->GetStatus();
-      for (const pb::EngineStatus& engine : status.engine_status()) {
-        live = live || (engine.engine_id() == id && engine.lease_live());
-      }
-      if (!live) break;
-      absl::SleepFor(absl::Milliseconds(10));
-    }
-    clock_.Advance(absl::Milliseconds(kLeaseGraceMs));
-    daemon_->CheckLeases();
   }
 };
 
@@ -300,7 +274,7 @@ TEST_F(EngineLimitsTest, AttachedEnginesAreCappedUntilOneIsReclaimed) {
               StatusIs(kExhausted, HasSubstrs("engine \"engine-d\" refused",
                                               "3 engines are attached", "limit is 3",
                                               "max_attached_engines")));
-  Reclaim(std::move(third));
+  KillEngine(*third);
   EXPECT_THAT((*fourth)->Attach("engine-d"), IsOk());
 }
 

@@ -9,11 +9,16 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 
+#include "absl/time/clock.h"
 #include "client/client.h"
+#include "client/internal.h"
+#include "common/grpc_status.h"
 #include "core/model_plan.h"
 #include "gtest/gtest.h"
+#include "proto/memra/kv/v1/admin.grpc.pb.h"
 #include "server/clock.h"
 #include "server/daemon.h"
 #include "server/fault_injecting_backend.h"
@@ -102,6 +107,46 @@ class DaemonTest : public ::testing::Test {
         client.CreateSession(plan_, Options(capacity, spec_snapshot));
     EXPECT_TRUE(session.ok()) << session.status();
     return session.ok() ? *std::move(session) : nullptr;
+  }
+
+  // Admin calls through the client's KvAdmin stub.
+  template <typename Request, typename Response, typename Method>
+  absl::Status Admin(Method method, const Request& request, Response* response) {
+    return FromGrpcStatus((ClientInternals::Admin(*client_).*method)(
+        ClientInternals::NewContext(*client_).get(), request, response));
+  }
+
+  // Detaches `client` and waits (on the daemon's view, not the wall clock) until the daemon saw
+  // the stream end, then lets the grace pass: the engine is reclaimed.
+  void KillEngine(KvClient& client) {
+    const uint64_t id = client.engine_id();
+    client.Detach();
+    auto engine_state = [&]() -> std::optional<memra::kv::v1::EngineStatus> {
+      const memra::kv::v1::GetStatusResponse daemon_status = daemon_->GetStatus();
+      for (const memra::kv::v1::EngineStatus& status : daemon_status.engine_status()) {
+        if (status.engine_id() == id) return status;
+      }
+      return std::nullopt;
+    };
+    for (int i = 0; i < 500; ++i) {
+      std::optional<memra::kv::v1::EngineStatus> state = engine_state();
+      if (!state.has_value() || !state->lease_live()) break;
+      absl::SleepFor(absl::Milliseconds(10));
+    }
+    clock_.Advance(absl::Milliseconds(kLeaseGraceMs));
+    daemon_->CheckLeases();
+    EXPECT_FALSE(engine_state().has_value()) << "engine " << id << " was not reclaimed";
+    // The jump ate into the other engines' lease timeouts: wait until each has heartbeated
+    // since, so a later jump cannot expire them.
+    for (int i = 0; i < 500; ++i) {
+      bool fresh = true;
+      const memra::kv::v1::GetStatusResponse status = daemon_->GetStatus();
+      for (const memra::kv::v1::EngineStatus& engine : status.engine_status()) {
+        fresh = fresh && engine.last_heartbeat_age_ms() == 0;
+      }
+      if (fresh) break;
+      absl::SleepFor(absl::Milliseconds(10));
+    }
   }
 
   std::string dir_;
