@@ -2,6 +2,7 @@
 
 #include <optional>
 #include <string>
+#include <string_view>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -26,40 +27,97 @@ SessionCredentials SessionCredentialsOf(const pb::SessionRef& ref) {
   return SessionCredentials{SessionId{ref.session_id()}, ref.session_token()};
 }
 
-grpc::Status CacheService::Attach(
-    grpc::ServerContext* context,
-    grpc::ServerReaderWriter<pb::AttachResponse, pb::AttachRequest>* stream) {
-  pb::AttachRequest request;
-  if (!stream->Read(&request)) return grpc::Status::CANCELLED;
-  if (!request.has_hello()) {
-    return Reply("Attach", absl::InvalidArgumentError("the first Attach message must be a hello"));
+namespace {
+
+// One engine's lease stream. At most one read or write is outstanding at any time (read the
+// hello, write Attached, then read a heartbeat, write its ack, ...), so the callbacks never run
+// concurrently with each other and need no lock; every failed operation ends the stream with
+// Finish, called once. The lease ends (EndStream) in OnDone, after which the lease table no longer
+// calls the canceller that points at this stream's context.
+class AttachReactor final
+    : public grpc::ServerBidiReactor<pb::AttachRequest, pb::AttachResponse> {
+ public:
+  AttachReactor(grpc::CallbackServerContext* context, EngineLeases* leases,
+                std::string_view backend)
+      : context_(context), leases_(leases), backend_(backend) {
+    StartRead(&request_);
   }
-  absl::StatusOr<EngineLease> lease = leases_->Attach(
-      request.hello().engine_name(), request.hello().pid(), [context] { context->TryCancel(); });
-  if (!lease.ok()) return Reply("Attach", lease.status());
-  const EngineId engine = lease->id;
-  pb::AttachResponse response;
-  pb::Attached* attached = response.mutable_attached();
-  attached->mutable_engine()->set_engine_id(engine.value);
-  attached->mutable_engine()->set_engine_token(lease->token);
-  attached->set_lease_timeout_ms(absl::ToInt64Milliseconds(lease->timeout));
-  attached->set_lease_grace_ms(absl::ToInt64Milliseconds(lease->grace));
-  attached->set_backend(std::string(backend_->Name()));
-  bool open = stream->Write(response);
-  absl::Status status;
-  while (open && stream->Read(&request)) {
-    if (!request.has_heartbeat()) {
-      status = absl::InvalidArgumentError("after the hello, Attach carries only heartbeats");
-      break;
+
+  void OnReadDone(bool ok) override {
+    if (!ok) {  // the engine closed its side, or the stream was cancelled
+      if (engine_.has_value()) {
+        End(absl::OkStatus());
+      } else {
+        Finish(grpc::Status::CANCELLED);  // before any hello: nothing to report
+      }
+      return;
     }
-    status = leases_->Heartbeat(engine);
-    if (!status.ok()) break;
-    response.Clear();
-    response.mutable_ack()->set_sequence(request.heartbeat().sequence());
-    open = stream->Write(response);
+    absl::Status status = engine_.has_value() ? OnHeartbeat() : OnHello();
+    if (!status.ok()) {
+      End(status);
+      return;
+    }
+    StartWrite(&response_);
   }
-  leases_->EndStream(engine);
-  return Reply("Attach", status);
+
+  void OnWriteDone(bool ok) override {
+    if (!ok) {
+      End(absl::OkStatus());
+      return;
+    }
+    StartRead(&request_);
+  }
+
+  void OnDone() override {
+    if (engine_.has_value()) leases_->EndStream(*engine_);
+    delete this;
+  }
+
+ private:
+  absl::Status OnHello() {
+    if (!request_.has_hello()) {
+      return absl::InvalidArgumentError("the first Attach message must be a hello");
+    }
+    grpc::CallbackServerContext* context = context_;
+    ASSIGN_OR_RETURN(EngineLease lease,
+                     leases_->Attach(request_.hello().engine_name(), request_.hello().pid(),
+                                     [context] { context->TryCancel(); }));
+    engine_ = lease.id;
+    response_.Clear();
+    pb::Attached* attached = response_.mutable_attached();
+    attached->mutable_engine()->set_engine_id(lease.id.value);
+    attached->mutable_engine()->set_engine_token(lease.token);
+    attached->set_lease_timeout_ms(absl::ToInt64Milliseconds(lease.timeout));
+    attached->set_lease_grace_ms(absl::ToInt64Milliseconds(lease.grace));
+    attached->set_backend(std::string(backend_));
+    return absl::OkStatus();
+  }
+
+  absl::Status OnHeartbeat() {
+    if (!request_.has_heartbeat()) {
+      return absl::InvalidArgumentError("after the hello, Attach carries only heartbeats");
+    }
+    RETURN_IF_ERROR(leases_->Heartbeat(*engine_));
+    response_.Clear();
+    response_.mutable_ack()->set_sequence(request_.heartbeat().sequence());
+    return absl::OkStatus();
+  }
+
+  void End(const absl::Status& status) { Finish(Reply("Attach", status)); }
+
+  grpc::CallbackServerContext* const context_;
+  EngineLeases* const leases_;
+  const std::string_view backend_;
+  std::optional<EngineId> engine_;  // set once the hello was accepted
+  pb::AttachRequest request_;
+  pb::AttachResponse response_;
+};
+
+}  // namespace
+
+grpc::ServerBidiReactor<pb::AttachRequest, pb::AttachResponse>* CacheService::Attach(
+    grpc::CallbackServerContext* context) {
+  return new AttachReactor(context, leases_, backend_->Name());
 }
 
 grpc::Status CacheService::RegisterPlan(grpc::ServerContext*,

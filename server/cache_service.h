@@ -10,6 +10,7 @@
 // Thread-safety: thread-safe (everything it calls is).
 
 #include "grpcpp/server_context.h"
+#include "grpcpp/support/server_callback.h"
 #include "proto/memra/kv/v1/cache.grpc.pb.h"
 #include "server/backend.h"
 #include "server/engine_leases.h"
@@ -18,7 +19,11 @@
 
 namespace memra {
 
-class CacheService final : public memra::kv::v1::KvCache::Service {
+// Attach is served with the callback API (a reactor per stream, run on gRPC's callback
+// threads): an idle lease stream costs no thread, so max_attached_engines engines do not mean as
+// many daemon threads. The unary calls stay synchronous.
+class CacheService final
+    : public memra::kv::v1::KvCache::WithCallbackMethod_Attach<memra::kv::v1::KvCache::Service> {
  public:
   // The most entries one Step may carry.
   static constexpr int kMaxStepEntries = 65536;
@@ -28,9 +33,10 @@ class CacheService final : public memra::kv::v1::KvCache::Service {
                DeviceBackend* backend)
       : leases_(leases), plans_(plans), sessions_(sessions), backend_(backend) {}
 
-  grpc::Status Attach(grpc::ServerContext* context,
-                      grpc::ServerReaderWriter<memra::kv::v1::AttachResponse,
-                                               memra::kv::v1::AttachRequest>* stream) override;
+  // The lease stream: hello -> Attached, then heartbeat -> ack until either side ends it
+  // (server/engine_leases.h has the rules).
+  grpc::ServerBidiReactor<memra::kv::v1::AttachRequest, memra::kv::v1::AttachResponse>* Attach(
+      grpc::CallbackServerContext* context) override;
   grpc::Status RegisterPlan(grpc::ServerContext*, const memra::kv::v1::RegisterPlanRequest* request,
                             memra::kv::v1::RegisterPlanResponse* response) override;
   grpc::Status Reserve(grpc::ServerContext*, const memra::kv::v1::ReserveRequest* request,

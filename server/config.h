@@ -94,7 +94,8 @@ struct DaemonConfig {
   uint64_t max_engine_plans = 64;
   // Percent of the admission budget one engine's reservations + sessions may hold.
   uint32_t max_engine_budget_share = 100;
-  // Engines attached at once (each holds an Attach stream, and a daemon thread serves it).
+  // Engines attached at once (each holds an Attach stream; streams share gRPC's callback
+  // threads).
   uint64_t max_attached_engines = 256;
   // Arenas (sessions, reservations, prefix storage) the daemon holds at once; each is a mapping
   // under the kernel's vm.max_map_count. 0 = derived at start: 3/4 of vm.max_map_count

@@ -4,6 +4,7 @@
 // budget, engines attached and arenas held. Every refusal names its count and its limit.
 
 #include <cstdint>
+#include <filesystem>
 #include <memory>
 #include <string>
 #include <vector>
@@ -307,6 +308,44 @@ TEST_F(EngineLimitsTest, ArenasAreCountedInAdmissionAndFitSaysSo) {
   EXPECT_THAT(other->CreateSession(plan_, from_reservation).status(), IsOk());
   ASSERT_THAT(held.front()->Release(), IsOk());
   EXPECT_NE(NewSession(*other, 64), nullptr);
+}
+
+// ---- Lease streams cost no thread each ----
+
+size_t ProcessThreads() {
+  size_t threads = 0;
+  for (const auto& entry : std::filesystem::directory_iterator("/proc/self/task")) {
+    (void)entry;
+    ++threads;
+  }
+  return threads;
+}
+
+// 64 engines hold their Attach streams open: the daemon (in this process) serves them without
+// a thread each. (With a synchronous handler per stream this process grew by 64+ threads.)
+TEST_F(DaemonTest, IdleLeaseStreamsDoNotHoldAThreadEach) {
+  constexpr int kStreams = 64;
+  const size_t before = ProcessThreads();
+  std::vector<std::unique_ptr<grpc::ClientContext>> contexts;
+  std::vector<std::unique_ptr<grpc::ClientReaderWriter<pb::AttachRequest, pb::AttachResponse>>>
+      streams;
+  for (int i = 0; i < kStreams; ++i) {
+    contexts.push_back(std::make_unique<grpc::ClientContext>());
+    streams.push_back(ClientInternals::Cache(*client_).Attach(contexts.back().get()));
+    pb::AttachRequest hello;
+    hello.mutable_hello()->set_engine_name(absl::StrCat("idle-", i));
+    pb::AttachResponse attached;
+    ASSERT_TRUE(streams.back()->Write(hello) && streams.back()->Read(&attached));
+    ASSERT_TRUE(attached.has_attached()) << i;
+  }
+  EXPECT_EQ(daemon_->GetStatus().engines(), uint64_t{kStreams} + 1);
+  const size_t during = ProcessThreads();
+  EXPECT_LT(during, before + kStreams / 4) << before << " threads before, " << during << " with "
+                                           << kStreams << " lease streams open";
+  for (size_t i = 0; i < streams.size(); ++i) {
+    contexts[i]->TryCancel();
+    (void)streams[i]->Finish();
+  }
 }
 
 }  // namespace
