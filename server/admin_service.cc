@@ -240,8 +240,10 @@ absl::Status AdminService::MaxContext(const pb::MaxContextRequest& request,
   auto max_context = [&](uint64_t bytes) {
     return MaxContextThatFits(*plan, defaults, shape, bytes, rounding);
   };
-  ASSIGN_OR_RETURN(uint64_t now, max_context(ledger.free()));
-  ASSIGN_OR_RETURN(uint64_t evicted, max_context(after_eviction));
+  // No arena left (max_arenas): no session of any size fits now, however many bytes are free.
+  const bool arena_left = ledger.arenas_left() > 0;
+  ASSIGN_OR_RETURN(uint64_t now, max_context(arena_left ? ledger.free() : 0));
+  ASSIGN_OR_RETURN(uint64_t evicted, max_context(arena_left ? after_eviction : 0));
   ASSIGN_OR_RETURN(uint64_t empty, max_context(ledger.budget()));
   response->set_max_context_now(now);
   response->set_max_context_after_eviction(evicted);

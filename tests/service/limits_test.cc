@@ -296,6 +296,12 @@ TEST_F(EngineLimitsTest, ArenasAreCountedInAdmissionAndFitSaysSo) {
   EXPECT_EQ(fit_reply.sessions_now(), 0u) << "the bytes are free but no arena is";
   EXPECT_EQ(fit_reply.sessions_when_empty(), kArenas);
   EXPECT_GT(fit_reply.free_bytes(), kBudgetBytes / 2);
+  pb::MaxContextRequest max_context;
+  max_context.mutable_model()->set_plan_fingerprint(FingerprintToBytes(plan_));
+  pb::MaxContextResponse max_context_reply;
+  ASSERT_THAT(Admin(&pb::KvAdmin::Stub::GetMaxContext, max_context, &max_context_reply), IsOk());
+  EXPECT_EQ(max_context_reply.max_context_now(), 0u);
+  EXPECT_GT(max_context_reply.max_context_when_empty(), 0u);
 
   EXPECT_THAT(other->CreateSession(plan_, Options(64)).status(),
               StatusIs(kExhausted, HasSubstrs("allocation refused", "holds 5 arenas",
