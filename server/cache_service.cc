@@ -33,7 +33,9 @@ namespace {
 // hello, write Attached, then read a heartbeat, write its ack, ...), so the callbacks never run
 // concurrently with each other and need no lock; every failed operation ends the stream with
 // Finish, called once. The lease ends (EndStream) in OnDone, after which the lease table no longer
-// calls the canceller that points at this stream's context.
+// calls the canceller that points at this stream's context. The lease table calls that canceller
+// under its lock; TryCancel only schedules this reactor's callbacks (a user reactor is not
+// inlineable: gRPC runs them on its executor), so OnDone's EndStream never re-enters that lock.
 class AttachReactor final
     : public grpc::ServerBidiReactor<pb::AttachRequest, pb::AttachResponse> {
  public:
