@@ -89,6 +89,11 @@ void AttachAdmissionRefusal(absl::Status& status, const AdmissionRefusal& refusa
   status.SetPayload(kAdmissionRefusalTypeUrl, EncodeRefusal(refusal));
 }
 
+bool IsArenaRefusal(const absl::Status& status) {
+  return status.code() == absl::StatusCode::kResourceExhausted &&
+         status.GetPayload(kArenaRefusalTypeUrl).has_value();
+}
+
 std::optional<AdmissionRefusal> GetAdmissionRefusal(const absl::Status& status) {
   if (status.code() != absl::StatusCode::kResourceExhausted) return std::nullopt;
   auto payload = status.GetPayload(kAdmissionRefusalTypeUrl);
@@ -134,10 +139,12 @@ uint64_t AdmissionLedger::owner_bytes(uint64_t owner) const {
 
 absl::Status AdmissionLedger::CheckArenaRoom(const char* what) const {
   if (arenas_left() > 0) return absl::OkStatus();
-  return absl::ResourceExhaustedError(absl::StrCat(
+  absl::Status status = absl::ResourceExhaustedError(absl::StrCat(
       what, " refused: the daemon holds ", reservations_.size() + allocations_.size(),
       " arenas (sessions, reservations and prefix storage) and the limit is ",
       limits_.max_arenas, " (max_arenas; each is a mapping under vm.max_map_count)"));
+  status.SetPayload(kArenaRefusalTypeUrl, absl::Cord());
+  return status;
 }
 
 absl::Status AdmissionLedger::CheckOwnerShare(uint64_t owner, uint64_t extra,

@@ -82,6 +82,10 @@ struct AdmissionRefusal {
 };
 
 inline constexpr char kAdmissionRefusalTypeUrl[] = "type.memra.dev/memra.kv.AdmissionRefusal";
+// Marks a refusal for max_arenas (no payload bytes): evicting any prefix entry frees arenas.
+inline constexpr char kArenaRefusalTypeUrl[] = "type.memra.dev/memra.kv.ArenaRefusal";
+// Whether `status` is the ledger's refusal for max_arenas.
+bool IsArenaRefusal(const absl::Status& status);
 
 // The refusal carried by `status`, or nullopt when it carries none (any other status).
 std::optional<AdmissionRefusal> GetAdmissionRefusal(const absl::Status& status);
@@ -146,7 +150,8 @@ inline constexpr uint64_t kUncappedOwner = 0;
 //  (6) After any successful admission, reservation_count() + allocation_count() <= max_arenas,
 //      and the admitted owner (unless kUncappedOwner) holds at most owner_share_percent of the
 //      budget. Lowering the limits revokes nothing. Refusals for these are RESOURCE_EXHAUSTED
-//      without an AdmissionRefusal payload (evicting bytes does not help).
+//      without an AdmissionRefusal payload; the arena refusal carries kArenaRefusalTypeUrl
+//      (evicting any prefix entry frees arenas).
 //
 // Evictable bytes are memory already charged to this budget (the prefix cache allocates its
 // storage through Allocate like any owner) that the prefix cache could free on demand. The

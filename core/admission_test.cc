@@ -394,7 +394,8 @@ TEST(AdmissionLedgerTest, ArenaLimitCountsReservationsAndAllocations) {
   EXPECT_THAT(refused, StatusIs(absl::StatusCode::kResourceExhausted,
                                 HasSubstrs("allocation refused", "holds 2 arenas",
                                            "limit is 2", "max_arenas")));
-  EXPECT_EQ(GetAdmissionRefusal(refused), std::nullopt);  // evicting bytes cannot help
+  EXPECT_EQ(GetAdmissionRefusal(refused), std::nullopt);  // not a matter of bytes
+  EXPECT_TRUE(IsArenaRefusal(refused));
   EXPECT_THAT(ledger.Reserve(3, 100, kT0, absl::Seconds(5)).status(),
               StatusIs(absl::StatusCode::kResourceExhausted, HasSubstrs("reservation refused")));
   EXPECT_EQ(ledger.used(), 200u);  // the refusals changed nothing
@@ -421,6 +422,7 @@ TEST(AdmissionLedgerTest, OwnerShareCapsReservationsAllocationsAndGrowth) {
   absl::StatusOr<AllocationId> allocation = ledger.Allocate(1, 100);
   ASSERT_THAT(allocation, IsOk());
   EXPECT_EQ(ledger.owner_bytes(1), 400u);
+  EXPECT_FALSE(IsArenaRefusal(ledger.Reserve(1, 101, kT0, absl::Seconds(5)).status()));
   EXPECT_THAT(ledger.Grow(*allocation, 101),
               StatusIs(absl::StatusCode::kResourceExhausted,
                        HasSubstrs("grow of 1 bytes refused", "engine 1 holds 400")));

@@ -38,6 +38,10 @@ absl::StatusOr<T> DeviceBudget::AdmitEvicting(Admit admit) {
     if (evictor_ && refusal.has_value() && refusal->bytes_to_evict > 0) {
       evictor = evictor_;
       short_bytes = refusal->bytes_to_evict;
+    } else if (evictor_ && IsArenaRefusal(admitted.status()) && ledger_.evictable() > 0) {
+      // Out of arenas, not bytes: evicting any entry (its blocks are arenas) makes room.
+      evictor = evictor_;
+      short_bytes = 1;
     }
   }
   if (!evictor) {
@@ -46,8 +50,8 @@ absl::StatusOr<T> DeviceBudget::AdmitEvicting(Admit admit) {
   }
   // Unlocked: the evictor releases prefix-cache allocations through this budget.
   const uint64_t freed = evictor(short_bytes);
-  spdlog::info("admission evicted {} bytes of prefix-cache entries ({} bytes short)", freed,
-               short_bytes);
+  spdlog::info("admission evicted {} bytes of prefix-cache entries ({} bytes short{})", freed,
+               short_bytes, IsArenaRefusal(admitted.status()) ? ", out of arenas" : "");
   admitted = AdmitOnce<T>(admit);
   if (!admitted.ok()) CountRefusal(admitted.status());
   return admitted;
@@ -60,7 +64,9 @@ absl::StatusOr<T> DeviceBudget::AdmitOnce(Admit& admit) {
 }
 
 void DeviceBudget::CountRefusal(const absl::Status& status) {
-  if (GetAdmissionRefusal(status).has_value()) refusals_.fetch_add(1, std::memory_order_relaxed);
+  if (GetAdmissionRefusal(status).has_value() || IsArenaRefusal(status)) {
+    refusals_.fetch_add(1, std::memory_order_relaxed);
+  }
 }
 
 absl::StatusOr<ReservationId> DeviceBudget::Reserve(uint64_t owner, uint64_t bytes,

@@ -5,8 +5,9 @@
 // (every rule) behind a mutex, plus admission-driven eviction of the prefix cache.
 //
 // Eviction protocol: when an admission is refused and the refusal says eviction could make room
-// (AdmissionRefusal::bytes_to_evict > 0), the budget calls the evictor WITHOUT its own lock held,
-// then retries once. The evictor releases prefix-cache allocations (which re-enter this budget
+// (AdmissionRefusal::bytes_to_evict > 0, or an arena refusal while anything is evictable: every
+// entry's blocks are arenas), the budget calls the evictor WITHOUT its own lock held, then
+// retries once. The evictor releases prefix-cache allocations (which re-enter this budget
 // through Release) and updates the evictable bytes (SetEvictable). The prefix cache charges its
 // own storage with AllocateWithoutEviction: it must never trigger its own eviction while it holds
 // its own lock.
@@ -71,7 +72,7 @@ class DeviceBudget {
 
   // A consistent copy of the ledger, for queries and listings.
   AdmissionLedger Snapshot() const ABSL_LOCKS_EXCLUDED(mu_);
-  // Admissions refused for room (after any eviction), since construction.
+  // Admissions refused for room, bytes or arenas (after any eviction), since construction.
   uint64_t refusals() const { return refusals_.load(std::memory_order_relaxed); }
   std::string rule() const ABSL_LOCKS_EXCLUDED(mu_);
 

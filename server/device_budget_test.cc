@@ -79,6 +79,33 @@ TEST(DeviceBudgetTest, AdmissionEvictsPrefixStorageWhenThatMakesRoom) {
   EXPECT_EQ(budget.Snapshot().allocated(), 1000u);
 }
 
+TEST(DeviceBudgetTest, OutOfArenasEvictsAPrefixEntryToFreeOne) {
+  DeviceBudget budget(1000, "host: budget_bytes", AdmissionLimits{.max_arenas = 3});
+  std::vector<AllocationId> prefix_blocks;
+  for (int i = 0; i < 3; ++i) {
+    absl::StatusOr<AllocationId> block = budget.AllocateWithoutEviction(kPrefixCacheOwner, 10);
+    ASSERT_THAT(block.status(), IsOk());
+    prefix_blocks.push_back(*block);
+  }
+  EXPECT_THAT(budget.Allocate(kEngine, 100).status(),
+              StatusIs(absl::StatusCode::kResourceExhausted, HasSubstrs("limit is 3")))
+      << "nothing evictable: refused";
+  EXPECT_EQ(budget.refusals(), 1u);
+  budget.SetEvictable(30);
+  uint64_t asked = 0;
+  budget.SetEvictor([&](uint64_t bytes) {
+    asked = bytes;
+    EXPECT_THAT(budget.Release(prefix_blocks.back()), IsOk());
+    prefix_blocks.pop_back();
+    budget.SetEvictable(20);
+    return uint64_t{10};
+  });
+  EXPECT_THAT(budget.Allocate(kEngine, 100).status(), IsOk());
+  EXPECT_EQ(asked, 1u);
+  EXPECT_EQ(prefix_blocks.size(), 2u);
+  EXPECT_EQ(budget.Snapshot().allocation_count(), 3u);
+}
+
 TEST(DeviceBudgetTest, NoEvictionWhenEvenEvictingEverythingCannotMakeRoom) {
   DeviceBudget budget(1000, "host: budget_bytes");
   ASSERT_THAT(budget.AllocateWithoutEviction(kPrefixCacheOwner, 600).status(), IsOk());
