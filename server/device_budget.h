@@ -30,7 +30,8 @@
 namespace memra {
 
 // The ledger owner of the prefix cache's storage. Engine ids start at 1, so it is nobody's id.
-inline constexpr uint64_t kPrefixCacheOwner = 0;
+// It is the ledger's uncapped owner: no engine's budget share applies to it.
+inline constexpr uint64_t kPrefixCacheOwner = kUncappedOwner;
 
 class DeviceBudget {
  public:
