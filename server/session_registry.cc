@@ -48,7 +48,7 @@ absl::StatusOr<std::shared_ptr<DaemonSession>> SessionRegistry::Create(
   ASSIGN_OR_RETURN(params.token, RandomSecretToken());
   params.defaults = defaults_;
   params.fingerprint = FingerprintToBytes(plan);
-  params.request = shape;
+  params.shape = shape;
   const SessionId id = params.id;
   ASSIGN_OR_RETURN(std::shared_ptr<DaemonSession> session,
                    DaemonSession::Create(std::move(params), backend_, budget_, reservation));
