@@ -59,7 +59,8 @@ def _alive(pid):
 
 class Daemon:
     """memra-kvd with its own socket in a fresh /tmp directory (Unix socket paths are < 108
-    bytes), no watchdog and no metrics endpoint; later flags win."""
+    bytes), no watchdog, no metrics endpoint, short lease and drain graces (a test ends
+    quickly); later flags win."""
 
     def __init__(self, flags=()):
         self.dir = tempfile.mkdtemp(prefix="memra-py-", dir="/tmp")
@@ -67,7 +68,8 @@ class Daemon:
         self.log = open(os.path.join(self.dir, "kvd.log"), "w+")
         self.process = subprocess.Popen(
             [binary("server/memra-kvd"), "--socket_path=" + self.socket, "--socket_mode=0600",
-             "--watchdog=false", "--metrics_address=", "--backend=host"] + list(flags),
+             "--watchdog=false", "--metrics_address=", "--backend=host",
+             "--lease_grace_ms=100", "--drain_grace_ms=500"] + list(flags),
             stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + PATIENCE_S
         while not os.path.exists(self.socket):
