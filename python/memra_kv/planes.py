@@ -9,6 +9,7 @@ exposing __cuda_array_interface__ (torch.as_tensor, cupy.asarray, numba.cuda.as_
 
 import ctypes
 import ctypes.util
+import errno
 import mmap
 import os
 import threading
@@ -56,63 +57,84 @@ def _bad(code, message):
     return KvError(code, message)
 
 
-class HostArenaMapper:
-    """Maps host arenas (POSIX shm names) once each; thread-safe. An arena stays mapped while
-    an array over it lives, even after unmap() (the mapping is closed when the last one goes)."""
+class _CachingArenaMapper:
+    """Opens each arena once, by handle (client/mapper.h CachingArenaMapper); thread-safe.
+    Subclasses name their `backend` and implement _open(handle, size) and _close(base)."""
 
-    backend = "host"
-
-    def __init__(self, shm_dir="/dev/shm"):
-        self._shm_dir = shm_dir
+    def __init__(self):
         self._lock = threading.Lock()
-        self._mapped = {}  # handle -> (mmap, bytes)
+        self._mapped = {}  # handle -> (base, bytes)
         self.opens = 0
 
     def map(self, handle, size):
-        name = handle.decode("utf-8", "replace") if isinstance(handle, bytes) else handle
-        if (len(name) < 2 or len(name) > 255 or name[0] != "/" or "/" in name[1:]
-                or "\0" in name):
-            raise _bad(grpc.StatusCode.INVALID_ARGUMENT,
-                       '"%r" is not a host arena handle ("/name")' % (handle,))
         if size == 0:
-            raise _bad(grpc.StatusCode.INVALID_ARGUMENT, "Map %s: an arena of 0 bytes" % name)
+            raise _bad(grpc.StatusCode.INVALID_ARGUMENT, "Map %r: an arena of 0 bytes" % (handle,))
         with self._lock:
-            entry = self._mapped.get(name)
+            entry = self._mapped.get(handle)
             if entry is not None:
                 if entry[1] != size:
                     raise _bad(grpc.StatusCode.FAILED_PRECONDITION,
                                "Map %s: already mapped with %d bytes, asked for %d"
-                               % (name, entry[1], size))
+                               % (_printable(handle), entry[1], size))
                 return entry[0]
-            path = os.path.join(self._shm_dir, name[1:])
-            try:
-                fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
-            except OSError as error:
-                raise _bad(grpc.StatusCode.NOT_FOUND if error.errno == 2 else
-                           grpc.StatusCode.INTERNAL, "shm_open %s: %s" % (name, error.strerror))
-            try:
-                held = os.fstat(fd).st_size
-                # Mapping past the object's end would turn a touch there into SIGBUS.
-                if held != size:
-                    raise _bad(grpc.StatusCode.FAILED_PRECONDITION,
-                               "Map %s: the object holds %d bytes, asked for %d"
-                               % (name, held, size))
-                region = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-            finally:
-                os.close(fd)
-            self._mapped[name] = (region, size)
+            base = self._open(handle, size)
+            self._mapped[handle] = (base, size)
             self.opens += 1
-            return region
+            return base
 
     def unmap(self, handle):
-        name = handle.decode("utf-8", "replace") if isinstance(handle, bytes) else handle
         with self._lock:
-            self._mapped.pop(name, None)
+            entry = self._mapped.pop(handle, None)
+        if entry is not None:
+            self._close(entry[0])
 
     @property
     def mapped_count(self):
         with self._lock:
             return len(self._mapped)
+
+
+def _printable(handle):
+    """A host handle as its name; a binary (cuda) one escaped."""
+    if isinstance(handle, bytes):
+        text = handle.decode("ascii", "replace")
+        return text if handle.isascii() and text.isprintable() else repr(handle)
+    return handle
+
+
+class HostArenaMapper(_CachingArenaMapper):
+    """Maps host arenas (POSIX shm names: /dev/shm/<name>). An arena stays mapped while an
+    array over it lives, even after unmap() (the mapping closes when the last one goes)."""
+
+    backend = "host"
+
+    def __init__(self, shm_dir="/dev/shm"):
+        super().__init__()
+        self._shm_dir = shm_dir
+
+    def _open(self, handle, size):
+        name = _printable(handle)
+        if (len(name) < 2 or len(name) > 255 or name[0] != "/" or "/" in name[1:]
+                or "\0" in name):
+            raise _bad(grpc.StatusCode.INVALID_ARGUMENT,
+                       '%r is not a host arena handle ("/name")' % (handle,))
+        try:
+            fd = os.open(os.path.join(self._shm_dir, name[1:]), os.O_RDWR | os.O_CLOEXEC)
+        except OSError as error:
+            raise _bad(grpc.StatusCode.NOT_FOUND if error.errno == errno.ENOENT else
+                       grpc.StatusCode.INTERNAL, "shm_open %s: %s" % (name, error.strerror))
+        try:
+            held = os.fstat(fd).st_size
+            # Mapping past the object's end would turn a touch there into SIGBUS.
+            if held != size:
+                raise _bad(grpc.StatusCode.FAILED_PRECONDITION,
+                           "Map %s: the object holds %d bytes, asked for %d" % (name, held, size))
+            return mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+
+    def _close(self, base):
+        pass  # closed when no array over it is left (closing under one would raise)
 
     def plane(self, base, geometry):
         dtype, shape = geometry.dtype_and_shape()
@@ -235,41 +257,20 @@ class CudaPlane:
         self._runtime.memcpy(self.pointer, array.ctypes.data, array.nbytes, 1)
 
 
-class CudaArenaMapper:
-    """Opens cuda arenas (CUDA IPC handles) once each; thread-safe."""
+class CudaArenaMapper(_CachingArenaMapper):
+    """Opens cuda arenas (64-byte CUDA IPC handles) once each."""
 
     backend = "cuda"
 
     def __init__(self, device=0):
+        super().__init__()
         self.runtime = CudaRuntime(device)
-        self._lock = threading.Lock()
-        self._mapped = {}  # handle -> (pointer, bytes)
-        self.opens = 0
 
-    def map(self, handle, size):
-        with self._lock:
-            entry = self._mapped.get(handle)
-            if entry is not None:
-                if entry[1] != size:
-                    raise _bad(grpc.StatusCode.FAILED_PRECONDITION,
-                               "Map: already mapped with %d bytes, asked for %d"
-                               % (entry[1], size))
-                return entry[0]
-            pointer = self.runtime.ipc_open(handle)
-            self._mapped[handle] = (pointer, size)
-            self.opens += 1
-            return pointer
+    def _open(self, handle, size):
+        return self.runtime.ipc_open(handle)
 
-    def unmap(self, handle):
-        with self._lock:
-            entry = self._mapped.pop(handle, None)
-        if entry is not None:
-            self.runtime.ipc_close(entry[0])
-
-    @property
-    def mapped_count(self):
-        with self._lock:
-            return len(self._mapped)
+    def _close(self, base):
+        self.runtime.ipc_close(base)
 
     def plane(self, base, geometry):
         return CudaPlane(base + geometry.offset, geometry, self.runtime)
