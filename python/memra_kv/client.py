@@ -120,18 +120,52 @@ _OUTCOMES = {prefix_pb2.LOOKUP_OUTCOME_HIT: "hit", prefix_pb2.LOOKUP_OUTCOME_PAR
              prefix_pb2.LOOKUP_OUTCOME_MISS: "miss"}
 
 
-@dataclass
 class StepOutcome:
-    """One StepBatch entry's result: `error` (a KvError) or the field of its operation."""
-    error: Optional[KvError] = None
-    begun: Optional[Transaction] = None       # begin
-    prepared: Optional[PreparedAppend] = None  # prepare
-    staged_len: int = 0                        # publish
-    committed_len: int = 0                     # commit, abort
+    """One StepBatch entry's result: `error` (a KvError, None when it succeeded) or the field of
+    its operation. Fields are read off the reply when asked for, so a decode loop that checks
+    only what it needs pays for only that (a prepare's plan has a LayerAppend per K/V layer)."""
+
+    __slots__ = ("_result", "_prepared")
+
+    def __init__(self, result):
+        self._result = result  # memra.kv.v1.StepResult
+        self._prepared = None
 
     @property
     def ok(self):
-        return self.error is None
+        return self._result.code == 0
+
+    @property
+    def error(self):
+        if self._result.code == 0:
+            return None
+        return KvError(code_from_value(self._result.code), self._result.message)
+
+    @property
+    def begun(self):
+        """begin: the Transaction."""
+        if not self._result.HasField("begin"):
+            return None
+        return Transaction(self._result.begin.generation, self._result.begin.base_len)
+
+    @property
+    def prepared(self):
+        """prepare: the PreparedAppend."""
+        if self._prepared is None and self._result.HasField("prepare"):
+            self._prepared = _prepared_from_proto(self._result.prepare)
+        return self._prepared
+
+    @property
+    def staged_len(self):
+        """publish: the staged length."""
+        return self._result.publish.staged_len
+
+    @property
+    def committed_len(self):
+        """commit, abort: the committed length."""
+        if self._result.HasField("abort"):
+            return self._result.abort.committed_len
+        return self._result.commit.committed_len
 
 
 # ---- the client ----
@@ -289,25 +323,7 @@ class Client:
         if len(response.results) != len(batch.request.entries):
             raise KvError(grpc.StatusCode.INTERNAL, "Step answered %d results for %d entries"
                           % (len(response.results), len(batch.request.entries)))
-        outcomes = []
-        for result in response.results:
-            outcome = StepOutcome()
-            if result.code != 0:
-                outcome.error = KvError(code_from_value(result.code), result.message)
-            else:
-                which = result.WhichOneof("payload")
-                if which == "begin":
-                    outcome.begun = Transaction(result.begin.generation, result.begin.base_len)
-                elif which == "prepare":
-                    outcome.prepared = _prepared_from_proto(result.prepare)
-                elif which == "publish":
-                    outcome.staged_len = result.publish.staged_len
-                elif which == "commit":
-                    outcome.committed_len = result.commit.committed_len
-                elif which == "abort":
-                    outcome.committed_len = result.abort.committed_len
-            outcomes.append(outcome)
-        return outcomes
+        return [StepOutcome(result) for result in response.results]
 
     # -- prefix cache --
 
