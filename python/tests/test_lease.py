@@ -18,13 +18,13 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def test_heartbeats_keep_an_idle_engine_alive_and_detach_frees_its_sessions(kvd):
-    daemon = kvd("--lease_timeout_ms=300", "--lease_grace_ms=100")
+    daemon = kvd("--lease_timeout_ms=600", "--lease_grace_ms=100")
     with daemon.client() as admin, daemon.client() as engine:
         engine_id = engine.attach("py-idle")
-        assert engine.lease_timeout_ms == 300 and engine.lease_alive
+        assert engine.lease_timeout_ms == 600 and engine.lease_alive
         plan = engine.register_plan(dense_plan(2, 32, 1))
         session = engine.create_session(plan, 256)
-        time.sleep(1.5)  # five lease timeouts: only the heartbeats keep it
+        time.sleep(2.0)  # over three lease timeouts: only the heartbeats keep it
         assert engine.lease_alive
         assert [e.engine_id for e in admin.engines()] == [engine_id]
         assert session.state().committed_len == 0
