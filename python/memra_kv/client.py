@@ -8,7 +8,7 @@ import os
 import queue
 import threading
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import List
 
 import grpc
 

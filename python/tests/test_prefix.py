@@ -9,7 +9,6 @@ import subprocess
 import grpc
 import pytest
 
-import memra_kv
 from memra_kv import KvError
 from kvtest import aligned_window_start, binary
 from prefix_patterns import check_pattern, commit_rows, plan_named, tokens, write_pattern
