@@ -23,6 +23,11 @@ struct BenchOptions {
   std::string kvd_binary;    // //server:memra-kvd
   std::string echo_binary;   // //bench:echo_server
   std::string redis_binary;  // redis-server
+  // The python_step section: bench/python_step.py, the interpreter it runs on, and the directory
+  // holding the memra_kv package (with its generated stubs: python/tools/gen_protos.py).
+  std::string python_stepper;
+  std::string python = "/usr/bin/python3";
+  std::string python_path;
   // Tiny iteration counts and sizes: checks the harness end to end, measures nothing useful.
   bool quick = false;
   uint64_t scale_sessions = 10000;

@@ -28,7 +28,11 @@ ABSL_FLAG(std::string, redis_server, "/usr/bin/redis-server", "path of redis-ser
 ABSL_FLAG(std::string, json_out, "", "write the results as JSON here");
 ABSL_FLAG(std::string, plot_data, "",
           "write the hot path's latency vs N here (whitespace-separated columns, for gnuplot)");
-ABSL_FLAG(std::string, sections, "hot_path,spec_decode,prefix_redis,admission,scale",
+ABSL_FLAG(std::string, python_stepper, "", "bench/python_step.py (the python_step section)");
+ABSL_FLAG(std::string, python, "/usr/bin/python3", "the interpreter python_step.py runs on");
+ABSL_FLAG(std::string, python_path, "",
+          "directory holding the memra_kv package with its generated stubs (python/)");
+ABSL_FLAG(std::string, sections, "hot_path,spec_decode,prefix_redis,admission,scale,python_step",
           "comma-separated sections to run");
 ABSL_FLAG(bool, quick, false, "tiny iteration counts: checks the harness, measures nothing");
 ABSL_FLAG(uint64_t, scale_sessions, 10000, "live sessions the scale section grows to");
@@ -59,6 +63,9 @@ int Run() {
   options.scale_sessions = absl::GetFlag(FLAGS_scale_sessions);
   options.prefix_blocks = absl::GetFlag(FLAGS_prefix_blocks);
   options.redis_max_tokens = absl::GetFlag(FLAGS_redis_max_tokens);
+  options.python_stepper = absl::GetFlag(FLAGS_python_stepper);
+  options.python = absl::GetFlag(FLAGS_python);
+  options.python_path = absl::GetFlag(FLAGS_python_path);
   if (options.kvd_binary.empty() || options.echo_binary.empty()) {
     std::fprintf(stderr, "memra_bench: --kvd and --echo_server are required\n");
     return 2;
@@ -83,7 +90,8 @@ int Run() {
                                                  {"spec_decode", RunSpecDecode},
                                                  {"prefix_redis", RunPrefixAndRedis},
                                                  {"admission", RunAdmission},
-                                                 {"scale", RunScale}};
+                                                 {"scale", RunScale},
+                                                 {"python_step", RunPythonStep}};
   const std::vector<std::string> wanted = absl::StrSplit(absl::GetFlag(FLAGS_sections), ',');
   bool failed = false;
   for (const auto& [name, run] : all) {

@@ -21,6 +21,8 @@ absl::StatusOr<Json> RunPrefixAndRedis(const BenchOptions& options);
 absl::StatusOr<Json> RunAdmission(const BenchOptions& options);
 // 5. Scale: many live sessions in the daemon; many blocks in core's PrefixIndex.
 absl::StatusOr<Json> RunScale(const BenchOptions& options);
+// 6. The Python client's decode step (python/memra_kv) vs the C++ client's, N = 1 and 256.
+absl::StatusOr<Json> RunPythonStep(const BenchOptions& options);
 
 }  // namespace memra::bench
 

@@ -10,22 +10,28 @@ using ::memra::testing::HasSubstrs;
 using ::memra::testing::IsOk;
 using ::memra::testing::StatusIs;
 
-// A GLM-style DSA layer: latent width 512, indexer 2 x 128 f32, pool 4, a 16-row tail ring
-// (the reference's micro-fixture knob) in a 64-token session.
-LatentLayerState GlmLayer(uint64_t len) {
+// A DSA layer of a 64-token session: latent `width`, an indexer of `index_width` f32 and `pool`
+// on a `ring`-row tail ring, drained at `len` (pools_ready == len / pool).
+LatentLayerState DsaLayer(uint32_t id, uint64_t width, uint64_t index_width, uint64_t ring,
+                          uint64_t pool, uint64_t len) {
+  constexpr uint64_t kCapacity = 64;
   LatentLayerState layer;
-  layer.layer = 3;
-  layer.width = 512;
+  layer.layer = id;
+  layer.width = width;
   layer.len = len;
-  layer.index_width = 256;
-  layer.index_ring_rows = 16;
-  layer.index_pool = 4;
-  layer.index_pools_ready = len / 4;
-  layer.rows_elems = 64 * 512;
-  layer.index_rows_elems = 16 * 256;
-  layer.pool_keys_elems = 64 / 4 * 128;
+  layer.index_width = index_width;
+  layer.index_ring_rows = ring;
+  layer.index_pool = pool;
+  layer.index_pools_ready = len / pool;
+  layer.rows_elems = kCapacity * width;
+  layer.index_rows_elems = ring * index_width;
+  layer.pool_keys_elems = kCapacity / pool * (index_width / 2);
   return layer;
 }
+
+// A GLM-style DSA layer: latent width 512, indexer 2 x 128 f32, pool 4, a 16-row tail ring
+// (the reference's micro-fixture knob).
+LatentLayerState GlmLayer(uint64_t len) { return DsaLayer(3, 512, 256, 16, 4, len); }
 
 LatentLayerState Fresh(LatentLayerState layer) {
   layer.len = 0;
@@ -191,20 +197,7 @@ TEST(LatentRules, PoolsReadyClampOnlyDownwardAndGrowthDrains) {
 }
 
 // The DSA layer: index_width 2, pool 3, a 6-row tail ring (two pools).
-LatentLayerState SmallDsaLayer(uint64_t len) {
-  LatentLayerState layer;
-  layer.layer = 7;
-  layer.width = 4;
-  layer.len = len;
-  layer.index_width = 2;
-  layer.index_ring_rows = 6;
-  layer.index_pool = 3;
-  layer.index_pools_ready = len / 3;
-  layer.rows_elems = 64 * 4;
-  layer.index_rows_elems = 6 * 2;
-  layer.pool_keys_elems = 64 / 3 * 1;
-  return layer;
-}
+LatentLayerState SmallDsaLayer(uint64_t len) { return DsaLayer(7, 4, 2, 6, 3, len); }
 
 TEST(IndexResidency, LiveTailStartsAtTheLastFinalPoolClampedToTheLength) {
   const LatentLayerState layer = SmallDsaLayer(10);  // pools_ready 3

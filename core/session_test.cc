@@ -51,15 +51,21 @@ ModelPlan HybridPlan() {
   return plan;
 }
 
-SessionState MakeSession(uint64_t capacity, bool spec_snapshot = true, uint64_t cache_id = 1) {
-  SessionShape request;
-  request.capacity = capacity;
-  request.spec_snapshot = spec_snapshot;
-  absl::StatusOr<SessionPlan> plan = PlanSession(HybridPlan(), FormatDefaults(), request);
+// A session of `model` at `capacity`.
+SessionState SessionOf(const ModelPlan& model, uint64_t capacity, bool spec_snapshot,
+                       uint64_t cache_id) {
+  SessionShape shape;
+  shape.capacity = capacity;
+  shape.spec_snapshot = spec_snapshot;
+  absl::StatusOr<SessionPlan> plan = PlanSession(model, FormatDefaults(), shape);
   EXPECT_THAT(plan, IsOk());
   absl::StatusOr<SessionState> session = SessionState::Create(cache_id, *plan, capacity);
   EXPECT_THAT(session, IsOk());
   return *std::move(session);
+}
+
+SessionState MakeSession(uint64_t capacity, bool spec_snapshot = true, uint64_t cache_id = 1) {
+  return SessionOf(HybridPlan(), capacity, spec_snapshot, cache_id);
 }
 
 // One step: begin, append `rows`, publish, commit `accepted`.
@@ -307,7 +313,7 @@ TEST(Session, GrowRefusals) {
 // ---- Indexer residency (docs/rules.md, "Indexer residency") ----
 
 // The MLA plan: one latent layer (width 4) with a DSA indexer of index_width 2, pool 3
-// and a 6-row tail ring (two pools), plus a recurrent layer so spec snapshots have state.
+// and a 6-row tail ring (two pools).
 SessionState MakeDsaSession(uint64_t capacity, uint64_t cache_id = 1,
                             std::optional<uint32_t> index_ring_rows = 6) {
   ModelPlan model;
@@ -320,14 +326,7 @@ SessionState MakeDsaSession(uint64_t capacity, uint64_t cache_id = 1,
   latent.index_width = 2;
   latent.index_pool = 3;
   model.layers = {latent};
-  SessionShape request;
-  request.capacity = capacity;
-  request.spec_snapshot = true;
-  absl::StatusOr<SessionPlan> plan = PlanSession(model, FormatDefaults(), request);
-  EXPECT_THAT(plan, IsOk());
-  absl::StatusOr<SessionState> session = SessionState::Create(cache_id, *plan, capacity);
-  EXPECT_THAT(session, IsOk());
-  return *std::move(session);
+  return SessionOf(model, capacity, /*spec_snapshot=*/true, cache_id);
 }
 
 // Begin, prepare `rows` and publish them; returns the open generation.

@@ -52,23 +52,43 @@ cmd_run() {
   exec "${binary}" "${DAEMON_FLAGS[@]}" "$@"
 }
 
-# count_cases LOG...: prints "<ran> <skipped>" over GoogleTest logs (0 0 for other tests).
+# count_cases LOG...: prints "<ran> <skipped>" over GoogleTest and pytest logs (0 0 for other
+# tests). pytest's closing line reads "=== 3 passed, 1 skipped, 1 warning in 0.5s ===".
 count_cases() {
-  local ran=0 skipped=0 n log
+  local ran=0 skipped=0 n log py_ran py_skipped
   for log in "$@"; do
     n="$(sed -n 's/^\[==========\] \([0-9][0-9]*\) tests\{0,1\} from .* ran\..*/\1/p' "${log}" |
       tail -n 1)"
     ran=$((ran + ${n:-0}))
     n="$(grep -cE '^\[  SKIPPED \] [^ ]+ \([0-9]+ ms\)$' "${log}" || true)"
     skipped=$((skipped + ${n:-0}))
+    read -r py_ran py_skipped < <(awk '
+      /^=+ .*[0-9]+ (passed|failed|skipped|errors?|xfailed|xpassed).* in [0-9.]+s.* =+$/ {
+        line = $0
+      }
+      END {
+        ran = 0; skipped = 0
+        n = split(line, word, /[ ,]+/)
+        for (i = 1; i < n; i++) {
+          if (word[i] !~ /^[0-9]+$/) continue
+          if (word[i + 1] ~ /^(passed|failed|skipped|errors?|xfailed|xpassed)$/) ran += word[i]
+          if (word[i + 1] == "skipped") skipped += word[i]
+        }
+        print ran, skipped
+      }' "${log}")
+    ran=$((ran + py_ran))
+    skipped=$((skipped + py_skipped))
   done
   echo "${ran} ${skipped}"
 }
 
 # skip_reasons LOG...: the distinct reasons the skipped tests printed: a "SKIPPED: ..." line of
-# their own, or the message streamed into GTEST_SKIP() (the line after "<file>:<line>: Skipped").
+# their own, the message streamed into GTEST_SKIP() (the line after "<file>:<line>: Skipped"), or
+# pytest's -rs line "SKIPPED [1] <file>:<line>: <reason>".
 skip_reasons() {
-  awk '/^SKIPPED: / { print; next } found { if (NF) print; found = 0 } /: Skipped$/ { found = 1 }' \
+  awk '/^SKIPPED: / { print; next }
+       /^SKIPPED \[[0-9]+\] / { sub(/^SKIPPED \[[0-9]+\] [^ ]+: /, "SKIPPED: "); print; next }
+       found { if (NF) print; found = 0 } /: Skipped$/ { found = 1 }' \
     "$@" | sort -u | head -n 3
 }
 

@@ -102,9 +102,9 @@ absl::StatusOr<uint64_t> RangeInPlane(const PlaneAt& plane, uint64_t offset, uin
 absl::StatusOr<std::unique_ptr<DaemonSession>> DaemonSession::Create(
     Params params, DeviceBackend* backend, DeviceBudget* budget,
     std::optional<ReservationId> reservation) {
-  ASSIGN_OR_RETURN(SessionPlan plan, PlanSession(*params.model, params.defaults, params.request));
+  ASSIGN_OR_RETURN(SessionPlan plan, PlanSession(*params.model, params.defaults, params.shape));
   ASSIGN_OR_RETURN(SessionState state,
-                   SessionState::Create(NextCacheId(), plan, params.request.capacity));
+                   SessionState::Create(NextCacheId(), plan, params.shape.capacity));
   ASSIGN_OR_RETURN(SessionLayoutVersion layout, PlaceLayout(*backend, std::move(plan), 1));
   // Admission: the charge is exactly the arena's bytes.
   const uint64_t owner = params.owner.value;
@@ -349,9 +349,9 @@ absl::Status DaemonSession::Grow(uint64_t target_capacity, pb::GrowResponse* out
         absl::StrCat("session ", params_.id.value, ": grow target capacity ", target_capacity,
                      " is not above the current capacity ", state_.capacity()));
   }
-  SessionShape request = params_.request;
-  request.capacity = target_capacity;
-  ASSIGN_OR_RETURN(SessionPlan plan, PlanSession(*params_.model, params_.defaults, request));
+  SessionShape grown = params_.shape;
+  grown.capacity = target_capacity;
+  ASSIGN_OR_RETURN(SessionPlan plan, PlanSession(*params_.model, params_.defaults, grown));
   ASSIGN_OR_RETURN(SessionState target, SessionState::Create(NextCacheId(), plan, target_capacity));
   ASSIGN_OR_RETURN(SessionLayoutVersion layout,
                    PlaceLayout(*backend_, std::move(plan), current_.version + 1));

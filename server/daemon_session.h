@@ -69,7 +69,7 @@ class DaemonSession {
     std::shared_ptr<const ModelPlan> model;
     std::string fingerprint;  // the model plan's fingerprint bytes
     FormatDefaults defaults;
-    SessionShape request;
+    SessionShape shape;
   };
 
   // Plans the planes (core sizing), charges the arena's exact bytes to `budget` (from

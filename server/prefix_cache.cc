@@ -78,7 +78,7 @@ absl::StatusOr<const LatentLayerState*> LatentLayer(const SessionState& state, u
 absl::StatusOr<PlanFingerprint> ShapeOf(const DaemonSession& session) {
   const DaemonSession::Params& params = session.params();
   ASSIGN_OR_RETURN(PlanFingerprint model, FingerprintModelPlan(*params.model, params.defaults));
-  return PrefixShapeFingerprint(model, params.request);
+  return PrefixShapeFingerprint(model, params.shape);
 }
 
 bool IsFresh(const SessionState& state) {

@@ -156,7 +156,7 @@ class PrefixCacheTest : public ::testing::Test {
     params.owner = EngineId{1};
     params.token = "0123456789abcdef";
     params.model = std::make_shared<const ModelPlan>(plan);
-    params.request.capacity = capacity;
+    params.shape.capacity = capacity;
     absl::StatusOr<std::unique_ptr<DaemonSession>> session =
         DaemonSession::Create(std::move(params), backend_.get(), &session_budget_);
     EXPECT_THAT(session.status(), IsOk());

@@ -98,7 +98,7 @@ absl::StatusOr<std::shared_ptr<DaemonSession>> SessionRegistry::AllocateSession(
   ASSIGN_OR_RETURN(params.token, RandomSecretToken());
   params.defaults = defaults_;
   params.fingerprint = FingerprintToBytes(plan);
-  params.request = shape;
+  params.shape = shape;
   return DaemonSession::Create(std::move(params), backend_, budget_, reservation);
 }
 

@@ -55,8 +55,14 @@ for target in "${targets[@]}"; do
   # GoogleTest's own verdict per case: OK, SKIPPED or FAILED, with its time.
   grep -hE '^\[ +(OK|SKIPPED|FAILED) +\] [^ ]+ \([0-9]+ ms\)$' "${log}" |
     sed -E 's/^\[ +OK +\]/passed: /; s/^\[ +SKIPPED +\]/skipped:/; s/^\[ +FAILED +\]/FAILED: /' |
-    sed "s|^|${target} |" || echo "${target}: no test case ran"
-  grep -h '^SKIPPED: ' "${log}" | sort -u | sed 's/^/    /' || true
+    sed "s|^|${target} |" || true
+  # pytest's verdict per case (the Python package's CUDA tests run with -v).
+  grep -hoE '::[A-Za-z0-9_]+ (PASSED|SKIPPED|FAILED)' "${log}" |
+    sed -E 's/^::([^ ]+) PASSED/passed:  \1/; s/^::([^ ]+) SKIPPED/skipped: \1/; s/^::([^ ]+) FAILED/FAILED:  \1/' |
+    sed "s|^|${target} |" || true
+  grep -qE '^\[ +(OK|SKIPPED|FAILED) +\] |::[A-Za-z0-9_]+ (PASSED|SKIPPED|FAILED)' "${log}" ||
+    echo "${target}: no test case ran"
+  grep -hE '^SKIPPED(: | \[)' "${log}" | sort -u | sed 's/^/    /' || true
   grep -h 'reclaimed .* after SIGKILL' "${log}" | sed 's/^/    /' || true
 done
 
@@ -71,7 +77,7 @@ fi
 
 # On a machine with a GPU a "no CUDA device" skip means the tests never touched it: not a pass.
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q '^GPU ' &&
-  [[ -n "${testlogs}" ]] && grep -rqs --include=test.log '^SKIPPED: no CUDA device' "${testlogs}"; then
+  [[ -n "${testlogs}" ]] && grep -rqsE --include=test.log '^SKIPPED(: | \[[0-9]+\] [^ ]+ )no CUDA device' "${testlogs}"; then
   echo
   echo "failed: nvidia-smi lists a GPU but CUDA tests skipped for want of a device (driver," \
     "CUDA_VISIBLE_DEVICES or compute mode?)"

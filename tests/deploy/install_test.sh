@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
-# deploy/install.sh into temporary roots: the installed tree, file modes, idempotence, PREFIX,
-# missing binaries, the real built binaries found in bazel-bin by default, that nothing is
-# activated under DESTDIR, and that the sysusers/tmpfiles snippets do what they say when
-# systemd's tools apply them to the temporary root.
+# deploy/install.sh into temporary roots: the installed tree (the Python package too, which
+# imports), file modes, idempotence, PREFIX, PYTHON_DIR, missing binaries and stubs, the real
+# built binaries found in bazel-bin by default, that nothing is activated under DESTDIR, and that
+# the sysusers/tmpfiles snippets do what they say when systemd's tools apply them to the
+# temporary root.
 set -euo pipefail
 source "${TEST_SRCDIR}/memra_kv/tests/deploy/lib.sh"
 REAL_KVD="${TEST_SRCDIR}/memra_kv/server/memra-kvd"
 REAL_KVCTL="${TEST_SRCDIR}/memra_kv/tools/memra-kvctl"
+# The Python package and its generated stubs, as //python:memra_kv lays them out in runfiles.
+PYTHON_PACKAGE="${TEST_SRCDIR}/memra_kv/python/memra_kv"
 
 # Spies for the activation commands: with DESTDIR set, install.sh must call none of them.
 real_sysusers="$(command -v systemd-sysusers)" || fail "systemd-sysusers not installed"
@@ -31,14 +34,22 @@ echo "--- default PREFIX: the installed tree"
 root="$TEST_DIR/root"
 install_into "$root" >"$TEST_DIR/out" || fail "install.sh failed: $(cat "$TEST_DIR/out")"
 grep -q "DESTDIR is set: not creating" "$TEST_DIR/out" || fail "no DESTDIR notice"
+python_files=()
+for module in __init__ client errors planes plans; do
+  python_files+=("./usr/lib/python3/dist-packages/memra_kv/$module.py")
+done
+for stub in __init__.py {admin,cache,model_plan,prefix}_pb2{,_grpc}.py; do
+  python_files+=("./usr/lib/python3/dist-packages/memra_kv/_proto/$stub")
+done
 expected_files="$(printf '%s\n' \
   ./etc/memra-kv/gpu0.conf.example \
   ./usr/bin/memra-kvctl \
   ./usr/bin/memra-kvd \
   ./usr/lib/systemd/system/memra-kvd@.service \
   ./usr/lib/sysusers.d/memra-kv.conf \
-  ./usr/lib/tmpfiles.d/memra-kv.conf)"
-actual_files="$(cd "$root" && find . -type f | sort)"
+  ./usr/lib/tmpfiles.d/memra-kv.conf \
+  "${python_files[@]}" | LC_ALL=C sort)"
+actual_files="$(cd "$root" && find . -type f | LC_ALL=C sort)"
 [[ "$actual_files" == "$expected_files" ]] ||
   fail "installed files differ: got"$'\n'"$actual_files"
 expect_mode "$root" usr/bin/memra-kvd 755
@@ -53,6 +64,15 @@ for pair in usr/lib/systemd/system/memra-kvd@.service:memra-kvd@.service \
   # With the default PREFIX and SYSCONFDIR the unit is installed unchanged.
   cmp -s "$root/$installed" "$DEPLOY_DIR/$source" || fail "$installed differs from deploy/$source"
 done
+
+expect_mode "$root" usr/lib/python3/dist-packages/memra_kv/client.py 644
+cmp -s "$root/usr/lib/python3/dist-packages/memra_kv/client.py" "$PYTHON_PACKAGE/client.py" ||
+  fail "memra_kv/client.py not copied"
+# The installed package imports on Debian's python3 (its stubs included).
+PYTHONPATH="$root/usr/lib/python3/dist-packages" /usr/bin/python3 -c \
+  'import memra_kv, sys; assert memra_kv.__file__.startswith(sys.argv[1]); memra_kv.StepBatch()' \
+  "$root/usr/lib/python3/dist-packages/memra_kv/" >"$TEST_DIR/out" 2>&1 ||
+  fail "the installed memra_kv does not import: $(cat "$TEST_DIR/out")"
 
 echo "--- idempotent, and an operator's config survives"
 printf 'budget_bytes = "2GiB"\n' >"$root/etc/memra-kv/gpu0.conf"
@@ -76,6 +96,21 @@ unit="$local_root/usr/local/lib/systemd/system/memra-kvd@.service"
 grep -qx 'ExecStart=/usr/local/bin/memra-kvd --config=/opt/memra/etc/memra-kv/gpu%i.conf --device=%i' \
   "$unit" || fail "ExecStart not rewritten: $(grep ExecStart= "$unit")"
 ! grep -q '/usr/bin/memra-kvd' "$unit" || fail "unit still names /usr/bin/memra-kvd"
+python_minor="$(/usr/bin/python3 -c 'import sys; print(sys.version_info[1])')"
+[[ -f "$local_root/usr/local/lib/python3.$python_minor/dist-packages/memra_kv/client.py" ]] ||
+  fail "memra_kv not in /usr/local's dist-packages: $(cd "$local_root" && find . -name client.py)"
+
+echo "--- PYTHON_DIR empty: no Python package; missing stubs stop the install"
+PYTHON_DIR= install_into "$TEST_DIR/no-python-root" >/dev/null || fail "PYTHON_DIR= install failed"
+[[ ! -e "$TEST_DIR/no-python-root/usr/lib/python3" ]] || fail "PYTHON_DIR= installed Python"
+mkdir -p "$TEST_DIR/no-stubs"
+if PYTHON_STUBS_DIR="$TEST_DIR/no-stubs" install_into "$TEST_DIR/stubless-root" \
+    >"$TEST_DIR/out" 2>&1; then
+  fail "install without stubs succeeded"
+fi
+grep -qF "no $TEST_DIR/no-stubs/__init__.py; generate memra_kv's stubs" "$TEST_DIR/out" ||
+  fail "message does not name the missing stubs: $(cat "$TEST_DIR/out")"
+[[ ! -e "$TEST_DIR/stubless-root" ]] || fail "a failed install wrote files"
 
 echo "--- a missing binary stops the install before anything is written"
 mkdir -p "$TEST_DIR/empty-bin" "$TEST_DIR/kvd-only-bin"
@@ -101,6 +136,9 @@ mkdir -p "$repo/deploy" "$repo/bazel-bin/server" "$repo/bazel-bin/tools"
 cp -RL "$DEPLOY_DIR/." "$repo/deploy/"
 cp -L "$REAL_KVD" "$repo/bazel-bin/server/memra-kvd"
 cp -L "$REAL_KVCTL" "$repo/bazel-bin/tools/memra-kvctl"
+mkdir -p "$repo/python/memra_kv" "$repo/bazel-bin/python/memra_kv/_proto"
+cp -L "$PYTHON_PACKAGE"/*.py "$repo/python/memra_kv/"
+cp -L "$PYTHON_PACKAGE"/_proto/*.py "$repo/bazel-bin/python/memra_kv/_proto/"
 real_root="$TEST_DIR/real-root"
 DESTDIR="$real_root" bash "$repo/deploy/install.sh" >"$TEST_DIR/out" 2>&1 ||
   fail "install from bazel-bin failed: $(cat "$TEST_DIR/out")"

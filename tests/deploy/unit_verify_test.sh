@@ -21,7 +21,8 @@ root="$TEST_DIR/root"
 unit_dir="$root/usr/lib/systemd/system"
 mkdir -p "$unit_dir" "$root/bin"
 cp -a "$host_units/." "$unit_dir/"
-install_into "$root" >/dev/null || fail "install.sh failed"
+# The unit is all this test reads: no Python package (PYTHON_DIR empty).
+PYTHON_DIR= install_into "$root" >/dev/null || fail "install.sh failed"
 # ExecReload=/bin/kill: a stand-in, like the daemon (verify checks only that it is executable).
 cp "$TEST_DIR/fake-bin/memra-kvd" "$root/bin/kill"
 

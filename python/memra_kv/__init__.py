@@ -1,0 +1,25 @@
+"""memra_kv: Python engines and operators on memra-kvd (python/README.md)."""
+
+from ._proto import admin_pb2, cache_pb2, model_plan_pb2, prefix_pb2
+from .client import (Client, LayerAppend, PrefixCaptured, PrefixEvent, PrefixEvents, PrefixMatch,
+                     PrefixRestored, PreparedAppend, Reservation, Session, StepBatch, StepOutcome,
+                     Transaction)
+from .errors import KvError
+from .planes import CudaArenaMapper, CudaPlane, CudaRuntime, HostArenaMapper, PlaneGeometry
+from . import plans
+
+# Plane kinds (cache.proto PlaneKind), for Session.plane(layer, kind).
+KEYS = cache_pb2.PLANE_KIND_KEYS
+VALUES = cache_pb2.PLANE_KIND_VALUES
+LEN_MIRROR = cache_pb2.PLANE_KIND_LEN_MIRROR
+BASE_MIRROR = cache_pb2.PLANE_KIND_BASE_MIRROR
+CONV_STATE = cache_pb2.PLANE_KIND_CONV_STATE
+SSM_STATE = cache_pb2.PLANE_KIND_SSM_STATE
+SSM_STATE_ALT = cache_pb2.PLANE_KIND_SSM_STATE_ALT
+LATENT_ROWS = cache_pb2.PLANE_KIND_LATENT_ROWS
+INDEX_ROWS = cache_pb2.PLANE_KIND_INDEX_ROWS
+POOL_KEYS = cache_pb2.PLANE_KIND_POOL_KEYS
+SPEC_CONV = cache_pb2.PLANE_KIND_SPEC_CONV
+SPEC_SSM = cache_pb2.PLANE_KIND_SPEC_SSM
+
+connect = Client.connect

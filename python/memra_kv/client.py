@@ -1,0 +1,801 @@
+"""memra_kv.Client: an engine's connection to memra-kvd (mirrors client/client.h).
+
+Every call takes `timeout` (seconds; None: the client's default_timeout) and raises KvError on a
+refusal. Sessions map their arenas once (planes.py); Reset reuses the arena, Grow maps a new one.
+"""
+
+import os
+import queue
+import threading
+from dataclasses import dataclass, field
+from typing import List
+
+import grpc
+
+from ._proto import admin_pb2, admin_pb2_grpc, cache_pb2, cache_pb2_grpc, prefix_pb2
+from ._proto import prefix_pb2_grpc
+from .errors import KvError, code_from_value, from_rpc_error
+from .planes import CudaArenaMapper, HostArenaMapper, PlaneGeometry
+
+pb = cache_pb2
+
+
+def _call(method, request, timeout):
+    try:
+        return method(request, timeout=timeout)
+    except grpc.RpcError as error:
+        raise from_rpc_error(error) from None
+
+
+# ---- results ----
+
+@dataclass
+class Transaction:
+    generation: int
+    base_len: int  # rows committed when it began
+
+
+@dataclass
+class LayerAppend:
+    """Where one K/V layer's appended rows go. Ring layers with `rebase`: first move `keep_rows`
+    physical rows from `src_row` to physical row 0 of the K and V planes (memmove); the ring's
+    base becomes `new_base` at publish."""
+    layer: int
+    write_row: int
+    ring: bool = False
+    rebase: bool = False
+    src_row: int = 0
+    keep_rows: int = 0
+    new_base: int = 0
+
+
+@dataclass
+class PreparedAppend:
+    generation: int
+    target: int  # staged rows after the append
+    layers: List[LayerAppend]  # one per K/V layer, in layer order
+
+
+def _prepared_from_proto(response):
+    layers = []
+    for plan in response.layers:
+        # The daemon sends one plan per distinct plan; more_layers share it (cache.proto).
+        for layer in [plan.layer] + list(plan.more_layers):
+            layers.append(LayerAppend(layer, plan.write_row, plan.ring, plan.rebase,
+                                      plan.src_row, plan.keep_rows, plan.new_base))
+    layers.sort(key=lambda entry: entry.layer)
+    return PreparedAppend(response.generation, response.target, layers)
+
+
+@dataclass
+class Reservation:
+    id: int
+    bytes: int
+    ttl_ms: int
+
+
+@dataclass
+class PrefixCaptured:
+    entry_id: int
+    boundary_tokens: int
+    already_present: bool
+    added_bytes: int
+    stored_bytes: int
+    shape_fingerprint: bytes
+
+
+@dataclass
+class PrefixMatch:
+    outcome: str  # "hit", "partial" or "miss"
+    entry_id: int
+    matched_tokens: int
+    block_tokens: int
+
+
+@dataclass
+class PrefixRestored:
+    entry_id: int
+    restored_tokens: int
+    state: "pb.SessionState"
+
+
+@dataclass
+class PrefixEvent:
+    """One prefix-cache event. `gap`: events were missed that the daemon no longer buffers:
+    drop what is known of this daemon and resync with list_prefixes (only sequence and epoch are
+    set then). kind: "stored", "evicted", "dropped" or "gap"."""
+    sequence: int
+    epoch: int
+    kind: str
+    gap: bool
+    shape_fingerprint: bytes = b""
+    block_keys: List[bytes] = field(default_factory=list)
+    boundary_key: bytes = b""
+    reason: str = ""
+
+
+_EVENT_KINDS = {prefix_pb2.PrefixEvent.STORED: "stored", prefix_pb2.PrefixEvent.EVICTED: "evicted",
+                prefix_pb2.PrefixEvent.DROPPED: "dropped", prefix_pb2.PrefixEvent.GAP: "gap"}
+_OUTCOMES = {prefix_pb2.LOOKUP_OUTCOME_HIT: "hit", prefix_pb2.LOOKUP_OUTCOME_PARTIAL: "partial",
+             prefix_pb2.LOOKUP_OUTCOME_MISS: "miss"}
+
+
+class StepOutcome:
+    """One StepBatch entry's result: `error` (a KvError, None when it succeeded) or the field of
+    its operation. Fields are read off the reply when asked for, so a decode loop that checks
+    only what it needs pays for only that (a prepare's plan has a LayerAppend per K/V layer)."""
+
+    __slots__ = ("_result", "_prepared")
+
+    def __init__(self, result):
+        self._result = result  # memra.kv.v1.StepResult
+        self._prepared = None
+
+    @property
+    def ok(self):
+        return self._result.code == 0
+
+    @property
+    def error(self):
+        if self._result.code == 0:
+            return None
+        return KvError(code_from_value(self._result.code), self._result.message)
+
+    @property
+    def begun(self):
+        """begin: the Transaction."""
+        if not self._result.HasField("begin"):
+            return None
+        return Transaction(self._result.begin.generation, self._result.begin.base_len)
+
+    @property
+    def prepared(self):
+        """prepare: the PreparedAppend."""
+        if self._prepared is None and self._result.HasField("prepare"):
+            self._prepared = _prepared_from_proto(self._result.prepare)
+        return self._prepared
+
+    @property
+    def staged_len(self):
+        """publish: the staged length."""
+        return self._result.publish.staged_len
+
+    @property
+    def committed_len(self):
+        """commit, abort: the committed length."""
+        if self._result.HasField("abort"):
+            return self._result.abort.committed_len
+        return self._result.commit.committed_len
+
+
+# ---- the client ----
+
+class Client:
+    """Thread-safe. Use as a context manager, or close() it (detaches, closes the channel)."""
+
+    def __init__(self, channel, default_timeout, mapper):
+        self._channel = channel
+        self.default_timeout = default_timeout
+        self.cache = cache_pb2_grpc.KvCacheStub(channel)
+        self.admin_stub = admin_pb2_grpc.KvAdminStub(channel)
+        self.prefix = prefix_pb2_grpc.KvPrefixCacheStub(channel)
+        self._mapper = mapper
+        self._lock = threading.Lock()
+        self._lease = None  # _Lease while attached
+        self.backend = None
+
+    @classmethod
+    def connect(cls, socket_path, timeout=10.0, mapper=None):
+        """Connects to the daemon's Unix socket, waiting up to `timeout` seconds for it
+        (KvError UNAVAILABLE). `mapper`: None picks HostArenaMapper or CudaArenaMapper by the
+        backend the daemon announces at attach."""
+        channel = grpc.insecure_channel("unix:" + socket_path)
+        try:
+            grpc.channel_ready_future(channel).result(timeout=timeout)
+        except grpc.FutureTimeoutError:
+            channel.close()
+            raise KvError(grpc.StatusCode.UNAVAILABLE, "memra-kvd is not answering on unix:%s "
+                          "within %gs" % (socket_path, timeout)) from None
+        return cls(channel, timeout, mapper)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def close(self):
+        self.detach()
+        self._channel.close()
+
+    def _timeout(self, timeout):
+        return self.default_timeout if timeout is None else timeout
+
+    @property
+    def mapper(self):
+        if self._mapper is None:
+            self._mapper = CudaArenaMapper() if self.backend == "cuda" else HostArenaMapper()
+        return self._mapper
+
+    # -- lease --
+
+    def attach(self, engine_name, timeout=None):
+        """Opens the lease and keeps it alive on a daemon thread (a heartbeat every third of the
+        lease timeout). KvError FAILED_PRECONDITION when already attached."""
+        with self._lock:
+            if self._lease is not None:
+                raise KvError(grpc.StatusCode.FAILED_PRECONDITION,
+                              "already attached as engine %d" % self._lease.engine_id)
+            lease = _Lease(self.cache, engine_name, self._timeout(timeout))
+            self._lease = lease
+            self.backend = lease.backend
+        return lease.engine_id
+
+    def detach(self):
+        """Ends the lease: the daemon frees this engine's sessions after its grace period."""
+        with self._lock:
+            lease, self._lease = self._lease, None
+        if lease is not None:
+            lease.stop()
+
+    @property
+    def lease_alive(self):
+        lease = self._lease
+        return lease is not None and lease.alive
+
+    @property
+    def engine_id(self):
+        lease = self._lease
+        return lease.engine_id if lease else 0
+
+    @property
+    def lease_timeout_ms(self):
+        lease = self._lease
+        return lease.lease_timeout_ms if lease else 0
+
+    def _engine(self, what):
+        lease = self._lease
+        if lease is None:
+            raise KvError(grpc.StatusCode.FAILED_PRECONDITION,
+                          "%s before attach: sessions need a lease" % what)
+        return pb.EngineRef(engine_id=lease.engine_id, engine_token=lease.engine_token)
+
+    # -- plans --
+
+    def register_plan(self, plan, timeout=None):
+        """Validates a memra.kv.v1.ModelPlan; returns its 32-byte fingerprint. Needs attach():
+        the plan counts against this engine's max_engine_plans (docs/security-model.md#limits)."""
+        request = pb.RegisterPlanRequest(plan=plan, engine=self._engine("register_plan"))
+        return _call(self.cache.RegisterPlan, request, self._timeout(timeout)).fingerprint
+
+    def import_model(self, hf_config_json, name="", index_pool=0, register=True, swa_ring=False,
+                     index_ring_rows=None, timeout=None):
+        """The plan of a Hugging Face config.json (its text, or a path to it) as the daemon
+        imports it; registered unless register=False. Returns ImportModelResponse (plan,
+        plan_fingerprint, architecture, registered)."""
+        request = admin_pb2.ImportModelRequest(hf_config_json=_json_text(hf_config_json),
+                                               name=name, index_pool=index_pool,
+                                               register=register, swa_ring=swa_ring)
+        if index_ring_rows is not None:
+            request.index_ring_rows = index_ring_rows
+        return _call(self.admin_stub.ImportModel, request, self._timeout(timeout))
+
+    # -- admission and sessions --
+
+    def reserve(self, plan, capacity, layer_lo=0, layer_hi=None, tp_ranks=1,
+                spec_snapshot=False, timeout=None):
+        """Holds the exact bytes of a session shape for the daemon's reservation TTL. An
+        admission refusal raises KvError RESOURCE_EXHAUSTED with its numbers."""
+        request = pb.ReserveRequest(engine=self._engine("reserve"))
+        _set_shape(request, plan, capacity, layer_lo, layer_hi, tp_ranks, spec_snapshot)
+        response = _call(self.cache.Reserve, request, self._timeout(timeout))
+        return Reservation(response.reservation_id, response.bytes, response.ttl_ms)
+
+    def cancel_reservation(self, reservation_id, timeout=None):
+        """Returns the reservation's bytes to the budget (the bytes freed)."""
+        request = pb.CancelReservationRequest(engine=self._engine("cancel_reservation"),
+                                              reservation_id=reservation_id)
+        return _call(self.cache.CancelReservation, request, self._timeout(timeout)).freed_bytes
+
+    def create_session(self, plan, capacity, layer_lo=0, layer_hi=None, tp_ranks=1,
+                       spec_snapshot=False, reservation=None, timeout=None):
+        """A session of `capacity` tokens whose arenas are mapped here. `reservation`: a
+        Reservation (or its id) for this shape: never refused for room."""
+        request = pb.CreateSessionRequest(engine=self._engine("create_session"))
+        _set_shape(request, plan, capacity, layer_lo, layer_hi, tp_ranks, spec_snapshot)
+        if reservation is not None:
+            request.reservation_id = getattr(reservation, "id", reservation)
+        response = _call(self.cache.CreateSession, request, self._timeout(timeout))
+        session = Session(self, response.session.session_id, response.session.session_token)
+        try:
+            session._adopt(response.layout)
+        except Exception:
+            try:  # never leave the daemon holding a session nobody can use
+                session.release()
+            except KvError:
+                pass
+            raise
+        return session
+
+    def step(self, batch, timeout=None):
+        """Runs a StepBatch as one Step RPC; one StepOutcome per entry, in order. The RPC's own
+        failure raises; entries fail independently (StepOutcome.error)."""
+        response = _call(self.cache.Step, batch.request, self._timeout(timeout))
+        if len(response.results) != len(batch.request.entries):
+            raise KvError(grpc.StatusCode.INTERNAL, "Step answered %d results for %d entries"
+                          % (len(response.results), len(batch.request.entries)))
+        return [StepOutcome(result) for result in response.results]
+
+    # -- prefix cache --
+
+    def capture_prefix(self, session, token_ids, boundary_tokens, timeout=None):
+        """Copies the session's committed state at boundary_tokens into the cache; token_ids
+        are its committed token ids from position 0."""
+        request = prefix_pb2.CapturePrefixRequest(session=session.ref, token_ids=token_ids,
+                                                  boundary_tokens=boundary_tokens)
+        if session.wait_event:
+            request.ordering.wait_event = session.wait_event
+        r = _call(self.prefix.Capture, request, self._timeout(timeout))
+        return PrefixCaptured(r.entry_id, r.boundary_tokens, r.already_present, r.added_bytes,
+                              r.stored_bytes, r.shape_fingerprint)
+
+    def lookup_prefix(self, plan, token_ids, layer_lo=0, layer_hi=None, tp_ranks=1,
+                      timeout=None):
+        """The longest restorable prefix of token_ids for sessions of this shape."""
+        shape = prefix_pb2.PrefixShape(plan_fingerprint=plan, layer_lo=layer_lo,
+                                       tp_ranks=tp_ranks)
+        if layer_hi is not None:
+            shape.layer_hi = layer_hi
+        r = _call(self.prefix.Lookup, prefix_pb2.LookupPrefixRequest(
+            shape=shape, token_ids=token_ids), self._timeout(timeout))
+        return PrefixMatch(_OUTCOMES.get(r.outcome, "miss"), r.entry_id, r.matched_tokens,
+                           r.block_tokens)
+
+    def restore_prefix(self, session, token_ids, entry_id=0, timeout=None):
+        """Restores entry_id (0: the longest match) into the FRESH session."""
+        request = prefix_pb2.RestorePrefixRequest(session=session.ref, entry_id=entry_id,
+                                                  token_ids=token_ids)
+        if session.wait_event:
+            request.ordering.wait_event = session.wait_event
+        r = _call(self.prefix.Restore, request, self._timeout(timeout))
+        return PrefixRestored(r.entry_id, r.restored_tokens, r.state)
+
+    def events(self, epoch=0, last_sequence=0):
+        """The prefix cache's events after (epoch, last_sequence), then live ones: an iterator
+        (PrefixEvents) that resumes from the last sequence it yielded when iterated again."""
+        return PrefixEvents(self.prefix, epoch, last_sequence)
+
+    def list_prefixes(self, timeout=None):
+        return _call(self.prefix.ListPrefixes, prefix_pb2.ListPrefixesRequest(),
+                     self._timeout(timeout))
+
+    def inspect_prefix(self, entry_id, timeout=None):
+        return _call(self.prefix.InspectPrefix, prefix_pb2.InspectPrefixRequest(
+            entry_id=entry_id), self._timeout(timeout))
+
+    def evict_prefix(self, entry_id, timeout=None):
+        return _call(self.prefix.EvictPrefix, prefix_pb2.EvictPrefixRequest(entry_id=entry_id),
+                     self._timeout(timeout))
+
+    # -- admin (memra-kvctl's calls; replies are the admin.proto messages) --
+
+    def status(self, timeout=None):
+        return _call(self.admin_stub.GetStatus, admin_pb2.GetStatusRequest(),
+                     self._timeout(timeout))
+
+    def sessions(self, engine_id=0, timeout=None):
+        return list(_call(self.admin_stub.ListSessions, admin_pb2.ListSessionsRequest(
+            engine_id=engine_id), self._timeout(timeout)).sessions)
+
+    def engines(self, timeout=None):
+        return list(_call(self.admin_stub.ListEngines, admin_pb2.ListEnginesRequest(),
+                          self._timeout(timeout)).engines)
+
+    def cost(self, capacity, fingerprint=None, plan=None, hf_config=None, layer_lo=0,
+             layer_hi=None, tp_ranks=1, spec_snapshot=False, timeout=None):
+        """What a session of this shape costs. The model: one of fingerprint (registered),
+        plan (a ModelPlan) or hf_config (config.json text or path)."""
+        return _call(self.admin_stub.GetCost, admin_pb2.CostRequest(
+            model=_selector(fingerprint, plan, hf_config),
+            shape=_admin_shape(capacity, layer_lo, layer_hi, tp_ranks, spec_snapshot)),
+            self._timeout(timeout))
+
+    def fit(self, capacity, fingerprint=None, plan=None, hf_config=None, layer_lo=0,
+            layer_hi=None, tp_ranks=1, spec_snapshot=False, timeout=None):
+        return _call(self.admin_stub.GetFit, admin_pb2.FitRequest(
+            model=_selector(fingerprint, plan, hf_config),
+            shape=_admin_shape(capacity, layer_lo, layer_hi, tp_ranks, spec_snapshot)),
+            self._timeout(timeout))
+
+    def max_context(self, fingerprint=None, plan=None, hf_config=None, layer_lo=0,
+                    layer_hi=None, tp_ranks=1, spec_snapshot=False, timeout=None):
+        return _call(self.admin_stub.GetMaxContext, admin_pb2.MaxContextRequest(
+            model=_selector(fingerprint, plan, hf_config),
+            shape=_admin_shape(0, layer_lo, layer_hi, tp_ranks, spec_snapshot)),
+            self._timeout(timeout))
+
+    def drain(self, timeout=None):
+        """Stops admitting new work (UNAVAILABLE); returns the sessions still open."""
+        return _call(self.admin_stub.Drain, admin_pb2.DrainRequest(),
+                     self._timeout(timeout)).sessions_open
+
+    def undrain(self, timeout=None):
+        _call(self.admin_stub.Undrain, admin_pb2.UndrainRequest(), self._timeout(timeout))
+
+
+def _json_text(config):
+    """config.json text, or the path of one."""
+    text = config.decode() if isinstance(config, bytes) else config
+    if not text.lstrip().startswith("{") and os.path.isfile(text):
+        with open(text) as f:
+            return f.read()
+    return text
+
+
+def _set_shape(request, plan, capacity, layer_lo, layer_hi, tp_ranks, spec_snapshot):
+    request.plan_fingerprint = plan
+    request.capacity = capacity
+    request.layer_lo = layer_lo
+    if layer_hi is not None:
+        request.layer_hi = layer_hi
+    request.tp_ranks = tp_ranks
+    request.spec_snapshot = spec_snapshot
+
+
+def _admin_shape(capacity, layer_lo, layer_hi, tp_ranks, spec_snapshot):
+    shape = admin_pb2.SessionShape(capacity=capacity, layer_lo=layer_lo, tp_ranks=tp_ranks,
+                                   spec_snapshot=spec_snapshot)
+    if layer_hi is not None:
+        shape.layer_hi = layer_hi
+    return shape
+
+
+def _selector(fingerprint, plan, hf_config):
+    given = [x is not None for x in (fingerprint, plan, hf_config)]
+    if sum(given) != 1:
+        raise ValueError("name the model by exactly one of fingerprint, plan, hf_config")
+    if fingerprint is not None:
+        return admin_pb2.ModelSelector(plan_fingerprint=fingerprint)
+    if plan is not None:
+        return admin_pb2.ModelSelector(plan=plan)
+    return admin_pb2.ModelSelector(hf_config_json=_json_text(hf_config))
+
+
+class _Lease:
+    """The Attach stream and the daemon thread that heartbeats on it."""
+
+    def __init__(self, stub, engine_name, timeout):
+        self._requests = queue.Queue()
+        self._requests.put(pb.AttachRequest(hello=pb.Hello(engine_name=engine_name,
+                                                           pid=os.getpid())))
+        # No deadline on the stream: it lives as long as the engine (heartbeats are its clock).
+        self._call = stub.Attach(iter(self._requests.get, None))
+        # The first answer within `timeout`, or the call is cancelled.
+        timer = threading.Timer(timeout, self._call.cancel)
+        timer.start()
+        try:
+            first = next(self._call)
+        except grpc.RpcError as error:
+            if error.code() == grpc.StatusCode.CANCELLED:
+                raise KvError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                              "Attach: no answer within %gs" % timeout) from None
+            raise from_rpc_error(error) from None
+        except StopIteration:
+            raise KvError(grpc.StatusCode.INTERNAL, "Attach ended without an answer") from None
+        finally:
+            timer.cancel()
+        if not first.HasField("attached"):
+            self._call.cancel()
+            raise KvError(grpc.StatusCode.INTERNAL, "Attach answered without Attached")
+        attached = first.attached
+        self.engine_id = attached.engine.engine_id
+        self.engine_token = attached.engine.engine_token
+        self.lease_timeout_ms = attached.lease_timeout_ms
+        self.lease_grace_ms = attached.lease_grace_ms
+        self.backend = attached.backend
+        self.alive = True
+        self._stop = threading.Event()
+        period = max(self.lease_timeout_ms / 3.0, 1.0) / 1000.0
+        self._thread = threading.Thread(target=self._keep, args=(period,),
+                                        name="memra-kv-lease", daemon=True)
+        self._thread.start()
+
+    def _keep(self, period):
+        sequence = 0
+        try:
+            while not self._stop.wait(period):
+                sequence += 1
+                self._requests.put(pb.AttachRequest(heartbeat=pb.Heartbeat(sequence=sequence)))
+                next(self._call)  # the ack
+        except (grpc.RpcError, StopIteration):
+            pass
+        finally:
+            self.alive = False
+
+    def stop(self):
+        self._stop.set()
+        self._requests.put(None)  # ends the request stream: the daemon sees the lease end
+        self._call.cancel()       # unblocks a read waiting for an ack
+        self._thread.join()
+        self.alive = False
+
+
+class PrefixEvents:
+    """Iterator over prefix-cache events (KvPrefixCache.SubscribeEvents). Tracks the epoch and
+    last sequence it yielded; iterating again after the stream ended (or cancel()) resubscribes
+    from there, so nothing is yielded twice, and a PrefixEvent with gap=True says the daemon no
+    longer had what was missed. A stream that ends with an error raises KvError."""
+
+    def __init__(self, stub, epoch, last_sequence):
+        self._stub = stub
+        self.epoch = epoch
+        self.last_sequence = last_sequence
+        self._call = None
+        self._lock = threading.Lock()
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        with self._lock:
+            if self._call is None:
+                self._call = self._stub.SubscribeEvents(prefix_pb2.SubscribePrefixEventsRequest(
+                    epoch=self.epoch, last_sequence=self.last_sequence))
+            call = self._call
+        try:
+            event = next(call)
+        except StopIteration:
+            self._end(call)
+            raise
+        except grpc.RpcError as error:
+            self._end(call)
+            if error.code() == grpc.StatusCode.CANCELLED:
+                raise StopIteration from None
+            raise from_rpc_error(error) from None
+        self.epoch = event.epoch
+        self.last_sequence = event.sequence
+        kind = _EVENT_KINDS.get(event.kind, "stored")
+        return PrefixEvent(event.sequence, event.epoch, kind, kind == "gap",
+                           event.shape_fingerprint, list(event.block_keys), event.boundary_key,
+                           event.reason)
+
+    def _end(self, call):
+        with self._lock:
+            if self._call is call:
+                self._call = None
+
+    def cancel(self):
+        """Ends a wait in next() (from any thread): it stops iterating."""
+        with self._lock:
+            call = self._call
+        if call is not None:
+            call.cancel()
+
+
+class StepBatch:
+    """Per-step transaction calls for many sessions, sent as one Step RPC (Client.step)."""
+
+    def __init__(self):
+        self.request = pb.StepRequest()
+
+    def set_wait_event(self, ipc_event_handle):
+        self.request.ordering.wait_event = ipc_event_handle
+
+    def _add(self, session):
+        entry = self.request.entries.add()
+        entry.session.session_id = session.id
+        entry.session.session_token = session.token
+        return entry
+
+    def begin(self, session):
+        self._add(session).begin.SetInParent()
+
+    def prepare(self, session, generation, rows):
+        op = self._add(session).prepare
+        op.generation = generation
+        op.rows = rows
+
+    def publish(self, session, generation):
+        self._add(session).publish.generation = generation
+
+    def commit(self, session, generation, accepted_rows, token_ids=()):
+        op = self._add(session).commit
+        op.generation = generation
+        op.accepted_rows = accepted_rows
+        op.token_ids.extend(token_ids)
+
+    def abort(self, session, generation):
+        self._add(session).abort.generation = generation
+
+    def __len__(self):
+        return len(self.request.entries)
+
+    def clear(self):
+        del self.request.entries[:]
+
+
+class Session:
+    """One session. Thread-compatible. Planes are arrays over this process's mapping of the
+    session's arenas; they stay valid until grow() or release() (the memory stays mapped while
+    an array over it lives, but the daemon no longer uses it)."""
+
+    def __init__(self, client, session_id, token):
+        self._client = client
+        self.id = session_id
+        self.token = token
+        self.ref = pb.SessionRef(session_id=session_id, session_token=token)
+        self.wait_event = b""
+        self.layout = None
+        self._bases = []
+        self._planes = {}  # (layer, kind) -> PlaneGeometry
+        self.released = False
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        if not self.released:
+            self.release()
+
+    def set_wait_event(self, ipc_event_handle):
+        """Cross-process device ordering (cuda backend; cache.proto DeviceOrdering): every later
+        call that makes the daemon touch this session's memory carries the event. Host: b""."""
+        self.wait_event = ipc_event_handle
+
+    def _t(self, timeout):
+        return self._client._timeout(timeout)
+
+    def _with_ordering(self, request):
+        if self.wait_event:
+            request.ordering.wait_event = self.wait_event
+        return request
+
+    def _adopt(self, layout):
+        mapper = self._client.mapper
+        bases = []
+        for arena in layout.arenas:
+            if arena.backend != mapper.backend:
+                raise KvError(grpc.StatusCode.INVALID_ARGUMENT, 'the %s mapper cannot map a "%s" '
+                              "arena export" % (mapper.backend, arena.backend))
+            bases.append(mapper.map(arena.handle, arena.bytes))
+        planes = {}
+        for entry in layout.layers:
+            for plane in entry.planes:
+                if plane.arena >= len(bases):
+                    raise KvError(grpc.StatusCode.INTERNAL, "plane of layer %d names arena %d of "
+                                  "%d" % (entry.layer, plane.arena, len(bases)))
+                planes[(entry.layer, plane.kind)] = PlaneGeometry(
+                    plane.kind, plane.arena, plane.offset, plane.bytes, plane.rows,
+                    plane.row_bytes)
+        self.layout, self._bases, self._planes = layout, bases, planes
+
+    def _unmap(self, layout):
+        for arena in layout.arenas:
+            self._client.mapper.unmap(arena.handle)
+
+    def geometry(self, layer, kind):
+        """The PlaneGeometry of a plane; KvError NOT_FOUND when the layer has none."""
+        geometry = self._planes.get((layer, kind))
+        if geometry is None:
+            raise KvError(grpc.StatusCode.NOT_FOUND, "layer %d has no %s plane"
+                          % (layer, pb.PlaneKind.Name(kind) if kind in pb.PlaneKind.values()
+                             else str(kind)))
+        return geometry
+
+    def has_plane(self, layer, kind):
+        return (layer, kind) in self._planes
+
+    def plane(self, layer, kind):
+        """The plane as an array with its row shape (planes.PlaneGeometry.dtype_and_shape):
+        numpy over the shared memory on the host backend, a CudaPlane on cuda."""
+        if self.released:
+            raise KvError(grpc.StatusCode.FAILED_PRECONDITION, "session %d was released" % self.id)
+        geometry = self.geometry(layer, kind)
+        return self._client.mapper.plane(self._bases[geometry.arena], geometry)
+
+    def plane_bytes(self, layer, kind):
+        """The plane's every byte, tail pad included, as one uint8 vector."""
+        geometry = self.geometry(layer, kind)
+        return self._client.mapper.plane_bytes(self._bases[geometry.arena], geometry)
+
+    def layer_layout(self, layer):
+        for entry in self.layout.layers:
+            if entry.layer == layer:
+                return entry
+        raise KvError(grpc.StatusCode.NOT_FOUND, "the session has no layer %d" % layer)
+
+    # -- transactions --
+
+    def begin(self, timeout=None):
+        r = _call(self._client.cache.Begin, self._with_ordering(pb.SessionRequest(
+            session=self.ref)), self._t(timeout))
+        return Transaction(r.generation, r.base_len)
+
+    def prepare_append(self, generation, rows, timeout=None):
+        r = _call(self._client.cache.PrepareAppend, pb.PrepareAppendRequest(
+            session=self.ref, generation=generation, rows=rows), self._t(timeout))
+        return _prepared_from_proto(r)
+
+    def publish_append(self, generation, timeout=None):
+        """Returns the staged length."""
+        return _call(self._client.cache.PublishAppend, self._with_ordering(pb.GenerationRequest(
+            session=self.ref, generation=generation)), self._t(timeout)).staged_len
+
+    def commit(self, generation, accepted_rows, token_ids=(), timeout=None):
+        """Accepts accepted_rows staged rows (with their token ids, or none); returns the
+        committed length."""
+        return _call(self._client.cache.Commit, self._with_ordering(pb.CommitRequest(
+            session=self.ref, generation=generation, accepted_rows=accepted_rows,
+            token_ids=token_ids)), self._t(timeout)).committed_len
+
+    def abort(self, generation, timeout=None):
+        """Returns the committed length."""
+        return _call(self._client.cache.Abort, self._with_ordering(pb.GenerationRequest(
+            session=self.ref, generation=generation)), self._t(timeout)).committed_len
+
+    # -- lengths --
+
+    def rewind(self, target, timeout=None):
+        return _call(self._client.cache.Rewind, self._with_ordering(pb.RewindRequest(
+            session=self.ref, target=target)), self._t(timeout)).state
+
+    def can_rewind(self, target, timeout=None):
+        return _call(self._client.cache.CanRewind, pb.RewindRequest(
+            session=self.ref, target=target), self._t(timeout)).can_rewind
+
+    def hydrate(self, logical_len, resident_starts=(), timeout=None):
+        """Fresh session only: publishes logical_len rows already written through the planes."""
+        return _call(self._client.cache.Hydrate, self._with_ordering(pb.HydrateRequest(
+            session=self.ref, logical_len=logical_len, resident_starts=resident_starts)),
+            self._t(timeout)).state
+
+    def spec_snapshot(self, timeout=None):
+        return _call(self._client.cache.SpecSnapshot, self._with_ordering(pb.SessionRequest(
+            session=self.ref)), self._t(timeout)).state
+
+    def spec_rollback(self, accept_len, timeout=None):
+        return _call(self._client.cache.SpecRollback, self._with_ordering(
+            pb.SpecRollbackRequest(session=self.ref, accept_len=accept_len)),
+            self._t(timeout)).state
+
+    def reset(self, timeout=None):
+        """Empty again, on the same arena (nothing is re-mapped)."""
+        return _call(self._client.cache.ResetSession, self._with_ordering(pb.SessionRequest(
+            session=self.ref)), self._t(timeout)).state
+
+    def taint(self, reason, timeout=None):
+        return _call(self._client.cache.Taint, pb.TaintRequest(session=self.ref, reason=reason),
+                     self._t(timeout)).state
+
+    def state(self, timeout=None):
+        """The daemon's memra.kv.v1.SessionState of this session."""
+        return _call(self._client.cache.GetSessionState, pb.GetSessionStateRequest(
+            session=self.ref), self._t(timeout)).state
+
+    def grow(self, target_capacity, timeout=None):
+        """Regrows to target_capacity: maps the new arena, acknowledges the new layout (the
+        daemon then frees the old arena) and unmaps the old one. Arrays over the old planes must
+        no longer be used."""
+        grown = _call(self._client.cache.Grow, self._with_ordering(pb.GrowRequest(
+            session=self.ref, target_capacity=target_capacity)), self._t(timeout))
+        old = self.layout
+        self._adopt(grown.layout)
+        state = _call(self._client.cache.AcknowledgeGrow, pb.AcknowledgeGrowRequest(
+            session=self.ref, layout_version=grown.layout.layout_version), self._t(timeout)).state
+        old_handles = {a.handle for a in old.arenas} - {a.handle for a in self.layout.arenas}
+        for handle in old_handles:
+            self._client.mapper.unmap(handle)
+        return state
+
+    def release(self, timeout=None):
+        """Frees the session's memory in the daemon and unmaps it here; returns bytes freed."""
+        if self.released:
+            raise KvError(grpc.StatusCode.FAILED_PRECONDITION, "session %d was released" % self.id)
+        self.released = True  # whatever the daemon answers, this process stops using the memory
+        try:
+            return _call(self._client.cache.ReleaseSession, self._with_ordering(
+                pb.SessionRequest(session=self.ref)), self._t(timeout)).freed_bytes
+        finally:
+            if self.layout is not None:
+                self._unmap(self.layout)
+            self._bases = []

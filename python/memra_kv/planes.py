@@ -1,0 +1,281 @@
+"""A session's planes in this process: arenas mapped once, planes as arrays over them.
+
+Host backend: the arena handle is a POSIX shared-memory name ("/name"); HostArenaMapper maps
+/dev/shm/<name> once per arena (like client/mapper.cc) and a plane is a numpy array over that
+mapping. Cuda backend: the handle is a 64-byte cudaIpcMemHandle_t; CudaArenaMapper opens it once
+through ctypes on /usr/local/cuda's libcudart (cudaIpcOpenMemHandle) and a plane is a CudaPlane
+exposing __cuda_array_interface__ (torch.as_tensor, cupy.asarray, numba.cuda.as_cuda_array).
+"""
+
+import ctypes
+import ctypes.util
+import errno
+import mmap
+import os
+import threading
+from dataclasses import dataclass
+
+import grpc
+import numpy as np
+
+from ._proto import cache_pb2
+from .errors import KvError
+
+# Planes whose rows are f32 elements (cache.proto PlaneKind); K/V rows are quantized bytes and
+# the mirrors one int32.
+F32_KINDS = frozenset([
+    cache_pb2.PLANE_KIND_CONV_STATE, cache_pb2.PLANE_KIND_SSM_STATE,
+    cache_pb2.PLANE_KIND_SSM_STATE_ALT, cache_pb2.PLANE_KIND_LATENT_ROWS,
+    cache_pb2.PLANE_KIND_INDEX_ROWS, cache_pb2.PLANE_KIND_POOL_KEYS,
+    cache_pb2.PLANE_KIND_SPEC_CONV, cache_pb2.PLANE_KIND_SPEC_SSM,
+])
+MIRROR_KINDS = frozenset([cache_pb2.PLANE_KIND_LEN_MIRROR, cache_pb2.PLANE_KIND_BASE_MIRROR])
+
+
+@dataclass(frozen=True)
+class PlaneGeometry:
+    """One plane of a layer (cache.proto Plane): `bytes` at `offset` of arena `arena`."""
+    kind: int
+    arena: int
+    offset: int
+    bytes: int
+    rows: int
+    row_bytes: int
+
+    def dtype_and_shape(self):
+        """The plane's element type and row shape: (rows, row_bytes) uint8 for K/V, (rows,
+        row_bytes / 4) float32 for f32 planes, (rows,) int32 for the mirrors. Tail pads (K/V's 8
+        bytes, an empty pool-key plane's 4) are outside the shape."""
+        if self.kind in MIRROR_KINDS:
+            return np.dtype("<i4"), (self.rows,)
+        if self.kind in F32_KINDS:
+            return np.dtype("<f4"), (self.rows, self.row_bytes // 4)
+        return np.dtype(np.uint8), (self.rows, self.row_bytes)
+
+
+def _bad(code, message):
+    return KvError(code, message)
+
+
+class _CachingArenaMapper:
+    """Opens each arena once, by handle (client/mapper.h CachingArenaMapper); thread-safe.
+    Subclasses name their `backend` and implement _open(handle, size) and _close(base)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._mapped = {}  # handle -> (base, bytes)
+        self.opens = 0
+
+    def map(self, handle, size):
+        if size == 0:
+            raise _bad(grpc.StatusCode.INVALID_ARGUMENT, "Map %r: an arena of 0 bytes" % (handle,))
+        with self._lock:
+            entry = self._mapped.get(handle)
+            if entry is not None:
+                if entry[1] != size:
+                    raise _bad(grpc.StatusCode.FAILED_PRECONDITION,
+                               "Map %s: already mapped with %d bytes, asked for %d"
+                               % (_printable(handle), entry[1], size))
+                return entry[0]
+            base = self._open(handle, size)
+            self._mapped[handle] = (base, size)
+            self.opens += 1
+            return base
+
+    def unmap(self, handle):
+        with self._lock:
+            entry = self._mapped.pop(handle, None)
+        if entry is not None:
+            self._close(entry[0])
+
+    @property
+    def mapped_count(self):
+        with self._lock:
+            return len(self._mapped)
+
+
+def _printable(handle):
+    """A host handle as its name; a binary (cuda) one escaped."""
+    if isinstance(handle, bytes):
+        text = handle.decode("ascii", "replace")
+        return text if handle.isascii() and text.isprintable() else repr(handle)
+    return handle
+
+
+class HostArenaMapper(_CachingArenaMapper):
+    """Maps host arenas (POSIX shm names: /dev/shm/<name>). An arena stays mapped while an
+    array over it lives, even after unmap() (the mapping closes when the last one goes)."""
+
+    backend = "host"
+
+    def __init__(self, shm_dir="/dev/shm"):
+        super().__init__()
+        self._shm_dir = shm_dir
+
+    def _open(self, handle, size):
+        name = _printable(handle)
+        if (len(name) < 2 or len(name) > 255 or name[0] != "/" or "/" in name[1:]
+                or "\0" in name):
+            raise _bad(grpc.StatusCode.INVALID_ARGUMENT,
+                       '%r is not a host arena handle ("/name")' % (handle,))
+        try:
+            fd = os.open(os.path.join(self._shm_dir, name[1:]), os.O_RDWR | os.O_CLOEXEC)
+        except OSError as error:
+            raise _bad(grpc.StatusCode.NOT_FOUND if error.errno == errno.ENOENT else
+                       grpc.StatusCode.INTERNAL, "shm_open %s: %s" % (name, error.strerror))
+        try:
+            held = os.fstat(fd).st_size
+            # Mapping past the object's end would turn a touch there into SIGBUS.
+            if held != size:
+                raise _bad(grpc.StatusCode.FAILED_PRECONDITION,
+                           "Map %s: the object holds %d bytes, asked for %d" % (name, held, size))
+            return mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+
+    def _close(self, base):
+        pass  # closed when no array over it is left (closing under one would raise)
+
+    def plane(self, base, geometry):
+        dtype, shape = geometry.dtype_and_shape()
+        count = int(np.prod(shape)) if shape else 1
+        return np.frombuffer(base, dtype=dtype, count=count, offset=geometry.offset).reshape(shape)
+
+    def plane_bytes(self, base, geometry):
+        return np.frombuffer(base, dtype=np.uint8, count=geometry.bytes, offset=geometry.offset)
+
+
+# ---- cuda ----
+
+_CUDA_IPC_MEM_LAZY_ENABLE_PEER_ACCESS = 1
+_CUDA_EVENT_DISABLE_TIMING = 0x02
+_CUDA_EVENT_INTERPROCESS = 0x04
+_IPC_HANDLE_BYTES = 64
+
+
+class _IpcHandle(ctypes.Structure):
+    _fields_ = [("reserved", ctypes.c_char * _IPC_HANDLE_BYTES)]
+
+
+def _find_cudart():
+    root = os.environ.get("CUDA_PATH", "/usr/local/cuda")
+    for candidate in (os.path.join(root, "lib64", "libcudart.so"),
+                      os.path.join(root, "lib64", "libcudart.so.12"),
+                      ctypes.util.find_library("cudart")):
+        if candidate and os.path.exists(candidate):
+            return candidate
+    return None
+
+
+class CudaRuntime:
+    """The few CUDA runtime calls the client needs, through ctypes (no compiled extension)."""
+
+    def __init__(self, device=0):
+        path = _find_cudart()
+        if path is None:
+            raise _bad(grpc.StatusCode.UNAVAILABLE,
+                       "no libcudart under /usr/local/cuda/lib64 (or $CUDA_PATH)")
+        self.lib = ctypes.CDLL(path)
+        self.lib.cudaGetErrorString.restype = ctypes.c_char_p
+        count = ctypes.c_int(0)
+        self._check(self.lib.cudaGetDeviceCount(ctypes.byref(count)), "cudaGetDeviceCount")
+        if count.value == 0:
+            raise _bad(grpc.StatusCode.UNAVAILABLE, "cudaGetDeviceCount: no CUDA device")
+        self._check(self.lib.cudaSetDevice(ctypes.c_int(device)), "cudaSetDevice(%d)" % device)
+        self.device = device
+
+    def _check(self, code, what):
+        if code != 0:
+            raise _bad(grpc.StatusCode.UNAVAILABLE if code in (35, 100) else
+                       grpc.StatusCode.INTERNAL, "%s: CUDA error %d (%s)" % (
+                           what, code, self.lib.cudaGetErrorString(code).decode()))
+
+    def ipc_open(self, handle):
+        if len(handle) != _IPC_HANDLE_BYTES:
+            raise _bad(grpc.StatusCode.INVALID_ARGUMENT, "a cuda arena handle is %d bytes, not %d"
+                       % (_IPC_HANDLE_BYTES, len(handle)))
+        pointer = ctypes.c_void_p()
+        self._check(self.lib.cudaIpcOpenMemHandle(
+            ctypes.byref(pointer), _IpcHandle(handle), ctypes.c_uint(
+                _CUDA_IPC_MEM_LAZY_ENABLE_PEER_ACCESS)), "cudaIpcOpenMemHandle")
+        return pointer.value
+
+    def ipc_close(self, pointer):
+        self._check(self.lib.cudaIpcCloseMemHandle(ctypes.c_void_p(pointer)),
+                    "cudaIpcCloseMemHandle")
+
+    def memcpy(self, dst, src, size, kind):
+        self._check(self.lib.cudaMemcpy(ctypes.c_void_p(dst), ctypes.c_void_p(src),
+                                        ctypes.c_size_t(size), ctypes.c_int(kind)), "cudaMemcpy")
+
+    def interprocess_event(self):
+        """(event, its 64-byte cudaIpcEventHandle_t): record the event after the kernels that
+        touch a session's planes and pass the handle to Session.set_wait_event (cache.proto
+        DeviceOrdering)."""
+        event = ctypes.c_void_p()
+        self._check(self.lib.cudaEventCreateWithFlags(
+            ctypes.byref(event), ctypes.c_uint(_CUDA_EVENT_INTERPROCESS |
+                                               _CUDA_EVENT_DISABLE_TIMING)),
+            "cudaEventCreateWithFlags")
+        handle = _IpcHandle()
+        self._check(self.lib.cudaIpcGetEventHandle(ctypes.byref(handle), event),
+                    "cudaIpcGetEventHandle")
+        return event, bytes(handle.reserved)
+
+    def record(self, event, stream=None):
+        self._check(self.lib.cudaEventRecord(event, ctypes.c_void_p(stream)), "cudaEventRecord")
+
+
+class CudaPlane:
+    """A plane in device memory: __cuda_array_interface__ (v3) with the plane's row shape."""
+
+    def __init__(self, pointer, geometry, runtime):
+        dtype, shape = geometry.dtype_and_shape()
+        self.pointer = pointer
+        self.shape = shape
+        self.dtype = dtype
+        self.nbytes = geometry.rows * geometry.row_bytes if geometry.kind not in MIRROR_KINDS \
+            else 4 * geometry.rows
+        self._runtime = runtime
+
+    @property
+    def __cuda_array_interface__(self):
+        return {"shape": self.shape, "typestr": self.dtype.str, "data": (self.pointer, False),
+                "version": 3, "strides": None, "stream": None}
+
+    def to_host(self):
+        """A numpy copy (cudaMemcpy device to host)."""
+        out = np.empty(self.shape, dtype=self.dtype)
+        self._runtime.memcpy(out.ctypes.data, self.pointer, out.nbytes, 2)
+        return out
+
+    def from_host(self, array):
+        """Copies a numpy array of this plane's shape into the plane (host to device)."""
+        array = np.ascontiguousarray(array, dtype=self.dtype)
+        if array.shape != tuple(self.shape):
+            raise ValueError("shape %s, plane %s" % (array.shape, self.shape))
+        self._runtime.memcpy(self.pointer, array.ctypes.data, array.nbytes, 1)
+
+
+class CudaArenaMapper(_CachingArenaMapper):
+    """Opens cuda arenas (64-byte CUDA IPC handles) once each."""
+
+    backend = "cuda"
+
+    def __init__(self, device=0):
+        super().__init__()
+        self.runtime = CudaRuntime(device)
+
+    def _open(self, handle, size):
+        return self.runtime.ipc_open(handle)
+
+    def _close(self, base):
+        self.runtime.ipc_close(base)
+
+    def plane(self, base, geometry):
+        return CudaPlane(base + geometry.offset, geometry, self.runtime)
+
+    def plane_bytes(self, base, geometry):
+        flat = PlaneGeometry(cache_pb2.PLANE_KIND_KEYS, geometry.arena, geometry.offset,
+                             geometry.bytes, 1, geometry.bytes)
+        return CudaPlane(base + geometry.offset, flat, self.runtime)

@@ -1,0 +1,186 @@
+"""Every call of the Python client against the real memra-kvd, and its refusals: each asserts the
+gRPC code and the numbers in the message (and, for admission, the structured numbers)."""
+
+import os
+
+import grpc
+import numpy as np
+import pytest
+
+import memra_kv
+from memra_kv import KvError
+from kvtest import FLAT_LAYER, dense_plan, hybrid_test_plan, repo_root
+
+MiB = 1 << 20
+LLAMA_CONFIG = os.path.join(repo_root(), "tests", "data", "hf_configs", "llama-3.1-8b.json")
+# README.md's memra-kvctl example: the same config through the C++ tool.
+LLAMA_FINGERPRINT = "e36a62053ac54b52cb17a4f866f528ca3e76c3efafeb014fc6cc219e5b7c5417"
+LLAMA_32K_BYTES = 1946181632
+
+
+@pytest.fixture
+def small(kvd):
+    """A daemon with a 64 MiB budget and an attached client."""
+    daemon = kvd("--budget_bytes=64MiB")
+    client = daemon.client("py-calls")
+    yield client
+    client.close()
+
+
+def test_import_model_from_a_hf_config_and_its_cost(small):
+    imported = small.import_model(LLAMA_CONFIG)
+    assert imported.architecture == "LlamaForCausalLM" and imported.registered
+    assert imported.plan_fingerprint.hex() == LLAMA_FINGERPRINT
+    assert len(imported.plan.layers) == 32
+    cost = small.cost(32768, fingerprint=imported.plan_fingerprint)
+    assert cost.arena_bytes == LLAMA_32K_BYTES and cost.layers == 32
+    assert small.cost(32768, hf_config=LLAMA_CONFIG).arena_bytes == LLAMA_32K_BYTES
+    assert small.cost(32768, plan=imported.plan).arena_bytes == LLAMA_32K_BYTES
+    # Registering the imported plan again answers the same fingerprint.
+    assert small.register_plan(imported.plan) == imported.plan_fingerprint
+
+
+def test_admission_refusal_raises_with_its_numbers(small):
+    plan = small.import_model(LLAMA_CONFIG).plan_fingerprint
+    status = small.status()
+    assert status.backend == "host" and status.admission.budget_bytes == 64 * MiB
+    free = status.admission.free_bytes
+    for call in (lambda: small.create_session(plan, 32768), lambda: small.reserve(plan, 32768)):
+        with pytest.raises(KvError) as refused:
+            call()
+        error = refused.value
+        assert error.code == grpc.StatusCode.RESOURCE_EXHAUSTED and error.is_admission_refusal
+        assert (error.needed, error.free, error.evictable, error.budget, error.bytes_to_evict) == (
+            LLAMA_32K_BYTES, free, 0, 64 * MiB, 0)
+        assert "needs %d bytes, %d free (0 evictable) of %d budget" % (
+            LLAMA_32K_BYTES, free, 64 * MiB) in error.message
+    assert small.sessions() == []
+
+    # Grow past the budget: the old arena stays allocated until the grow is acknowledged, so
+    # the extra bytes the refusal names are the whole new arena.
+    session = small.create_session(plan, 256)
+    after = small.cost(32768, fingerprint=plan).arena_bytes
+    free = small.status().admission.free_bytes
+    with pytest.raises(KvError) as refused:
+        session.grow(32768)
+    assert refused.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert (refused.value.needed, refused.value.free, refused.value.budget) == (
+        after, free, 64 * MiB)
+    assert session.state().capacity == 256  # a refusal changes nothing
+    # Not an admission refusal: no numbers.
+    with pytest.raises(KvError) as stale:
+        session.commit(77, 1)
+    assert stale.value.needed is None and not stale.value.is_admission_refusal
+
+
+def test_reservations_admit_ahead_and_cancel(small):
+    plan = small.register_plan(dense_plan(2, 32, 1))
+    cost = small.cost(1024, fingerprint=plan).arena_bytes
+    held = small.reserve(plan, 1024)
+    assert held.bytes == cost and held.ttl_ms > 0
+    assert small.status().admission.reserved_bytes == cost
+    session = small.create_session(plan, 1024, reservation=held)
+    admission = small.status().admission
+    assert (admission.reserved_bytes, admission.allocated_bytes) == (0, cost)
+    other = small.reserve(plan, 1024)
+    assert small.cancel_reservation(other.id) == cost
+    with pytest.raises(KvError) as gone:
+        small.cancel_reservation(other.id)
+    assert gone.value.code == grpc.StatusCode.NOT_FOUND
+    assert str(other.id) in gone.value.message
+    assert session.release() == cost
+    assert small.status().admission.allocated_bytes == 0
+
+
+def test_hydrate_reset_and_taint(small):
+    plan = small.register_plan(dense_plan(2, 32, 1))
+    session = small.create_session(plan, 512)
+    keys = session.plane(FLAT_LAYER, memra_kv.KEYS)
+    keys[:100] = np.arange(100, dtype=np.uint8)[:, None]
+    state = session.hydrate(100)
+    assert state.committed_len == 100
+    assert session.plane(FLAT_LAYER, memra_kv.LEN_MIRROR)[0] == 100
+    assert (keys[:100, 0] == np.arange(100)).all()
+    with pytest.raises(KvError) as refused:
+        session.hydrate(10)  # only a fresh session hydrates
+    assert refused.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    opens = small.mapper.opens
+    assert session.reset().committed_len == 0
+    assert small.mapper.opens == opens, "reset re-mapped the arena"
+    assert session.plane(FLAT_LAYER, memra_kv.LEN_MIRROR)[0] == 0
+    assert session.taint("kernel failed").tainted
+    with pytest.raises(KvError) as tainted:
+        session.begin()
+    assert tainted.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert "taint" in tainted.value.message
+    session.release()
+    with pytest.raises(KvError) as twice:
+        session.release()
+    assert twice.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert twice.value.message == "session %d was released" % session.id
+
+
+def test_session_refusals_name_the_session_and_generation(small):
+    plan = small.register_plan(hybrid_test_plan())
+    session = small.create_session(plan, 256)
+    tx = session.begin()
+    with pytest.raises(KvError) as stale:
+        session.prepare_append(tx.generation + 5, 4)
+    assert stale.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert str(tx.generation + 5) in stale.value.message
+    assert session.abort(tx.generation) == 0
+    with pytest.raises(KvError) as missing:
+        session.plane(FLAT_LAYER, memra_kv.CONV_STATE)
+    assert missing.value.code == grpc.StatusCode.NOT_FOUND
+    assert missing.value.message == "layer 0 has no PLANE_KIND_CONV_STATE plane"
+    forged = memra_kv.Session(small, session.id, b"x" * 16)
+    with pytest.raises(KvError) as denied:
+        forged.state()
+    assert denied.value.code == grpc.StatusCode.PERMISSION_DENIED
+    assert "wrong session token for session %d" % session.id in denied.value.message
+    with pytest.raises(KvError) as unknown:
+        memra_kv.Session(small, 987654, b"x" * 16).state()
+    assert unknown.value.code == grpc.StatusCode.NOT_FOUND
+    assert "session 987654 does not exist" in unknown.value.message
+
+
+def test_admin_fit_max_context_and_drain(small):
+    plan = small.import_model(LLAMA_CONFIG).plan_fingerprint
+    fit = small.fit(4096, fingerprint=plan)
+    per_session = small.cost(4096, fingerprint=plan).arena_bytes
+    assert fit.session_bytes == per_session and fit.budget_bytes == 64 * MiB
+    assert fit.sessions_when_empty == 64 * MiB // per_session
+    most = small.max_context(fingerprint=plan)
+    assert 0 < most.max_context_now and most.session_bytes_now <= most.free_bytes
+    assert small.cost(most.max_context_now + 256, fingerprint=plan).arena_bytes > most.free_bytes
+    session = small.create_session(plan, 256)
+    listed = small.sessions()
+    assert [(s.session_id, s.capacity) for s in listed] == [(session.id, 256)]
+    assert small.engines()[0].sessions == 1
+    assert small.drain() == 1
+    with pytest.raises(KvError) as draining:
+        small.create_session(plan, 256)
+    assert draining.value.code == grpc.StatusCode.UNAVAILABLE
+    small.undrain()
+    small.create_session(plan, 256).release()
+    session.release()
+
+
+def test_host_mapper_maps_once_and_refuses_bad_handles(tmp_path):
+    mapper = memra_kv.HostArenaMapper(shm_dir=str(tmp_path))
+    (tmp_path / "arena").write_bytes(b"\0" * 8192)
+    first = mapper.map(b"/arena", 8192)
+    assert mapper.map(b"/arena", 8192) is first and mapper.opens == 1
+    with pytest.raises(KvError) as resized:
+        mapper.map(b"/arena", 4096)
+    assert resized.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert resized.value.message == "Map /arena: already mapped with 8192 bytes, asked for 4096"
+    with pytest.raises(KvError) as short:
+        memra_kv.HostArenaMapper(shm_dir=str(tmp_path)).map(b"/arena", 16384)
+    assert short.value.message == "Map /arena: the object holds 8192 bytes, asked for 16384"
+    for bad in (b"arena", b"/a/b", b"/"):
+        with pytest.raises(KvError) as refused:
+            mapper.map(bad, 8192)
+        assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    mapper.unmap(b"/arena")
+    assert mapper.mapped_count == 0

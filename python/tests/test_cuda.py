@@ -1,0 +1,61 @@
+"""The cuda backend's planes: CudaPlane's __cuda_array_interface__ (checked everywhere), and on a
+machine with a GPU a session of memra-kvd --backend=cuda whose planes are opened once through
+ctypes (cudaIpcOpenMemHandle), written and read back, with the interprocess-event ordering.
+Without a device the device tests skip, saying why."""
+
+import numpy as np
+import pytest
+
+import memra_kv
+from memra_kv import KvError
+from memra_kv.planes import PlaneGeometry
+from kvtest import dense_plan
+
+
+def cuda_or_skip():
+    try:
+        return memra_kv.CudaRuntime()
+    except KvError as error:
+        pytest.skip("no CUDA device: %s" % error.message)
+
+
+def test_cuda_array_interface_has_the_plane_row_shape():
+    keys = PlaneGeometry(memra_kv.KEYS, 0, 512, 10 * 68 + 8, 10, 68)
+    plane = memra_kv.CudaPlane(0x7f0000000000, keys, runtime=None)
+    assert plane.__cuda_array_interface__ == {
+        "shape": (10, 68), "typestr": "|u1", "data": (0x7f0000000000, False), "version": 3,
+        "strides": None, "stream": None}
+    latent = PlaneGeometry(memra_kv.LATENT_ROWS, 0, 0, 6 * 32, 6, 32)
+    interface = memra_kv.CudaPlane(0x1000, latent, None).__cuda_array_interface__
+    assert (interface["shape"], interface["typestr"]) == ((6, 8), "<f4")
+    mirror = PlaneGeometry(memra_kv.LEN_MIRROR, 0, 256, 4, 1, 4)
+    assert memra_kv.CudaPlane(0x2000, mirror, None).__cuda_array_interface__["shape"] == (1,)
+
+
+def test_cuda_session_planes_open_once_and_hold_what_is_written(kvd):
+    runtime = cuda_or_skip()
+    daemon = kvd("--backend=cuda")
+    with memra_kv.Client.connect(daemon.socket,
+                                 mapper=memra_kv.CudaArenaMapper(runtime.device)) as client:
+        client.attach("py-cuda")
+        assert client.backend == "cuda"
+        event, handle = client.mapper.runtime.interprocess_event()
+        plan = client.register_plan(dense_plan(2, 32, 1))
+        session = client.create_session(plan, 256)
+        session.set_wait_event(handle)
+        assert client.mapper.opens == 1
+        keys = session.plane(0, memra_kv.KEYS)
+        tx = session.begin()
+        append = session.prepare_append(tx.generation, 16)
+        rows = np.arange(16 * keys.shape[1], dtype=np.uint8).reshape(16, -1)
+        host = keys.to_host()
+        host[:16] = rows
+        keys.from_host(host)
+        client.mapper.runtime.record(event)
+        session.publish_append(tx.generation)
+        assert session.commit(tx.generation, 16) == 16
+        assert (session.plane(0, memra_kv.KEYS).to_host()[:16] == rows).all()
+        assert session.plane(0, memra_kv.LEN_MIRROR).to_host()[0] == 16
+        assert client.mapper.opens == 1, "a plane lookup re-opened the arena"
+        assert append.layers[0].write_row == 0
+        session.release()
