@@ -96,6 +96,15 @@ class DaemonTest : public ::testing::Test {
     return attached.ok() ? *std::move(client) : nullptr;
   }
 
+  // A client of the admin socket (the operators' calls), not attached; null (and a failure) on
+  // error.
+  std::unique_ptr<KvClient> NewOperator() {
+    absl::StatusOr<std::unique_ptr<KvClient>> client =
+        KvClient::Connect(daemon_->admin_socket_path());
+    EXPECT_TRUE(client.ok()) << client.status();
+    return client.ok() ? *std::move(client) : nullptr;
+  }
+
   std::unique_ptr<Session> NewSession(KvClient& client, uint64_t capacity,
                                       bool spec_snapshot = true) {
     absl::StatusOr<std::unique_ptr<Session>> session =
