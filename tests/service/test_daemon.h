@@ -12,6 +12,8 @@
 #include <string>
 
 #include "client/client.h"
+#include "client/internal.h"
+#include "common/grpc_status.h"
 #include "core/model_plan.h"
 #include "gtest/gtest.h"
 #include "server/clock.h"
@@ -73,6 +75,7 @@ class DaemonTest : public ::testing::Test {
 
   void TearDown() override {
     client_.reset();
+    operator_.reset();
     if (daemon_ != nullptr) daemon_->Shutdown();
     // Nothing outlives the daemon: invariant (2) of Daemon.
     if (host_ != nullptr) {
@@ -105,6 +108,17 @@ class DaemonTest : public ::testing::Test {
     return client.ok() ? *std::move(client) : nullptr;
   }
 
+  // A KvAdmin call (e.g. &KvAdmin::Stub::Drain) as an operator, on the admin socket.
+  template <typename Request, typename Response>
+  absl::Status Operator(grpc::Status (memra::kv::v1::KvAdmin::Stub::*method)(
+                            grpc::ClientContext*, const Request&, Response*),
+                        const Request& request, Response* response) {
+    if (operator_ == nullptr) operator_ = NewOperator();
+    if (operator_ == nullptr) return absl::UnavailableError("no client of the admin socket");
+    return FromGrpcStatus((ClientInternals::Admin(*operator_).*method)(
+        ClientInternals::NewContext(*operator_).get(), request, response));
+  }
+
   std::unique_ptr<Session> NewSession(KvClient& client, uint64_t capacity,
                                       bool spec_snapshot = true) {
     absl::StatusOr<std::unique_ptr<Session>> session =
@@ -119,6 +133,7 @@ class DaemonTest : public ::testing::Test {
   FaultInjectingBackend* faults_ = nullptr;  // owned by daemon_
   std::unique_ptr<Daemon> daemon_;
   std::unique_ptr<KvClient> client_;
+  std::unique_ptr<KvClient> operator_;  // Operator()'s client of the admin socket
   PlanFingerprint plan_{};
 };
 
