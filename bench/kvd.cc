@@ -17,9 +17,11 @@ absl::StatusOr<std::unique_ptr<Kvd>> Kvd::Start(const BenchOptions& options,
                                                 const std::vector<std::string>& extra_flags) {
   ASSIGN_OR_RETURN(TempDir dir, TempDir::Create("memra-bench"));
   const std::string socket_path = dir.File("kvd.sock");
+  const std::string admin_socket_path = dir.File("kvd.admin.sock");
   std::vector<std::string> argv = {options.kvd_binary,
                                    "--backend=host",
                                    "--socket_path=" + socket_path,
+                                   "--admin_socket_path=" + admin_socket_path,
                                    absl::StrCat("--budget_bytes=", budget_bytes),
                                    "--socket_mode=0600",
                                    "--watchdog=false",
@@ -27,11 +29,14 @@ absl::StatusOr<std::unique_ptr<Kvd>> Kvd::Start(const BenchOptions& options,
                                    "--drain_grace_ms=1000"};
   argv.insert(argv.end(), extra_flags.begin(), extra_flags.end());
   ASSIGN_OR_RETURN(ChildProcess process, ChildProcess::Spawn(argv, dir.File("daemon.log")));
-  if (absl::Status up = WaitForPath(socket_path, process, absl::Seconds(30)); !up.ok()) {
-    return absl::UnavailableError(
-        absl::StrCat("memra-kvd did not start (", up.message(), "); see ", dir.File("daemon.log")));
+  for (const std::string& path : {socket_path, admin_socket_path}) {
+    if (absl::Status up = WaitForPath(path, process, absl::Seconds(30)); !up.ok()) {
+      return absl::UnavailableError(absl::StrCat("memra-kvd did not start (", up.message(),
+                                                 "); see ", dir.File("daemon.log")));
+    }
   }
-  return std::unique_ptr<Kvd>(new Kvd(std::move(dir), socket_path, std::move(process)));
+  return std::unique_ptr<Kvd>(
+      new Kvd(std::move(dir), socket_path, admin_socket_path, std::move(process)));
 }
 
 absl::StatusOr<std::unique_ptr<KvClient>> Kvd::Attach(const std::string& engine_name) const {

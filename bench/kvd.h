@@ -47,6 +47,8 @@ class Kvd {
   ~Kvd() { Stop(); }
 
   const std::string& socket_path() const { return socket_path_; }
+  // The operators' socket (eviction, inspection, the listings).
+  const std::string& admin_socket_path() const { return admin_socket_path_; }
   pid_t pid() const { return process_.pid(); }
   absl::StatusOr<ProcMemory> Memory() const { return ReadProcMemory(process_.pid()); }
   // Connects and attaches as `engine_name`.
@@ -55,11 +57,15 @@ class Kvd {
   int Stop();
 
  private:
-  Kvd(TempDir dir, std::string socket_path, ChildProcess process)
-      : dir_(std::move(dir)), socket_path_(std::move(socket_path)), process_(std::move(process)) {}
+  Kvd(TempDir dir, std::string socket_path, std::string admin_socket_path, ChildProcess process)
+      : dir_(std::move(dir)),
+        socket_path_(std::move(socket_path)),
+        admin_socket_path_(std::move(admin_socket_path)),
+        process_(std::move(process)) {}
 
   TempDir dir_;
   std::string socket_path_;
+  std::string admin_socket_path_;
   ChildProcess process_;
 };
 

@@ -310,12 +310,12 @@ struct PrefixResult {
 
 // `restores_only`: one capture, then only the recycled-session restores (no fresh-session
 // restores, no baselines): the second pass against a daemon that does not verify checksums.
-// `client`'s deadline is kPrefixDeadline; Evict and Inspect (operator calls) go through its raw
-// stub.
-absl::StatusOr<PrefixResult> MeasurePrefix(KvClient& client, const PlanFingerprint& plan,
-                                           const std::string& label, uint64_t tokens, int reps,
-                                           bool restores_only) {
-  pb::KvPrefixCache::Stub& prefix = ClientInternals::Prefix(client);
+// `client`'s deadline is kPrefixDeadline; Evict and Inspect (operator calls) go through the raw
+// stub of `operator_client`, a client of the admin socket.
+absl::StatusOr<PrefixResult> MeasurePrefix(KvClient& client, KvClient& operator_client,
+                                           const PlanFingerprint& plan, const std::string& label,
+                                           uint64_t tokens, int reps, bool restores_only) {
+  pb::KvPrefixCache::Stub& prefix = ClientInternals::Prefix(operator_client);
   PrefixResult result;
   result.model = label;
   result.tokens = tokens;
@@ -461,11 +461,13 @@ absl::StatusOr<Json> RunPrefixCache(const BenchOptions& options,
       ASSIGN_OR_RETURN(std::unique_ptr<KvClient> client,
                        KvClient::Connect(kvd->socket_path(), client_options));
       RETURN_IF_ERROR(client->Attach("bench-prefix"));
+      ASSIGN_OR_RETURN(std::unique_ptr<KvClient> operator_client,
+                       KvClient::Connect(kvd->admin_socket_path(), client_options));
       ASSIGN_OR_RETURN(PlanFingerprint plan, client->RegisterPlan(model.plan));
       std::vector<PrefixResult> results;
       for (const EntrySize& size : sizes) {
         ASSIGN_OR_RETURN(results.emplace_back(),
-                         MeasurePrefix(*client, plan, model.label, size.tokens,
+                         MeasurePrefix(*client, *operator_client, plan, model.label, size.tokens,
                                        options.quick ? 1 : size.reps, /*restores_only=*/!verify));
       }
       client->Detach();

@@ -140,5 +140,5 @@ cat <<EOF
 install.sh: next, for GPU 0:
   cp $SYSCONFDIR/memra-kv/gpu0.conf.example $SYSCONFDIR/memra-kv/gpu0.conf   # then edit
   systemctl enable --now memra-kvd@0
-  memra-kvctl --gpu=0 status
+  sudo memra-kvctl --gpu=0 status   # the admin socket /run/memra-kv/gpu0.admin.sock is root's
 EOF

@@ -89,12 +89,18 @@ pb::GetStatusResponse AdminService::Status() const {
 grpc::Status AdminService::GetStatus(grpc::ServerContext*, const pb::GetStatusRequest*,
                                      pb::GetStatusResponse* response) {
   *response = Status();
+  // Engines see the totals, not who the other engines are or what they hold.
+  if (!parts_.socket.for_operators()) response->clear_engine_status();
   return grpc::Status::OK;
 }
 
 grpc::Status AdminService::ListSessions(grpc::ServerContext*,
                                         const pb::ListSessionsRequest* request,
                                         pb::ListSessionsResponse* response) {
+  if (absl::Status allowed = parts_.socket.AllowOperatorCall("KvAdmin.ListSessions");
+      !allowed.ok()) {
+    return Reply("ListSessions", allowed);
+  }
   std::optional<EngineId> engine;
   if (request->engine_id() != 0) engine = EngineId{request->engine_id()};
   for (const std::shared_ptr<DaemonSession>& session : parts_.sessions->List(engine)) {
@@ -119,6 +125,10 @@ grpc::Status AdminService::ListSessions(grpc::ServerContext*,
 
 grpc::Status AdminService::ListEngines(grpc::ServerContext*, const pb::ListEnginesRequest*,
                                        pb::ListEnginesResponse* response) {
+  if (absl::Status allowed = parts_.socket.AllowOperatorCall("KvAdmin.ListEngines");
+      !allowed.ok()) {
+    return Reply("ListEngines", allowed);
+  }
   pb::GetStatusResponse status = Status();
   response->mutable_engines()->Swap(status.mutable_engine_status());
   return grpc::Status::OK;
@@ -148,12 +158,18 @@ grpc::Status AdminService::ImportModel(grpc::ServerContext*,
 
 grpc::Status AdminService::Drain(grpc::ServerContext*, const pb::DrainRequest*,
                                  pb::DrainResponse* response) {
+  if (absl::Status allowed = parts_.socket.AllowOperatorCall("KvAdmin.Drain"); !allowed.ok()) {
+    return Reply("Drain", allowed);
+  }
   response->set_sessions_open(parts_.set_draining(true));
   return grpc::Status::OK;
 }
 
 grpc::Status AdminService::Undrain(grpc::ServerContext*, const pb::UndrainRequest*,
                                    pb::UndrainResponse*) {
+  if (absl::Status allowed = parts_.socket.AllowOperatorCall("KvAdmin.Undrain"); !allowed.ok()) {
+    return Reply("Undrain", allowed);
+  }
   parts_.set_draining(false);
   return grpc::Status::OK;
 }
@@ -261,6 +277,11 @@ absl::Status AdminService::MaxContext(const pb::MaxContextRequest& request,
 
 absl::Status AdminService::Import(const pb::ImportModelRequest& request,
                                   pb::ImportModelResponse* response) {
+  // Registering fills the daemon-wide plan table: an operator's act (engines register the plans
+  // they use with KvCache.RegisterPlan, attached).
+  if (request.register_()) {
+    RETURN_IF_ERROR(parts_.socket.AllowOperatorCall("KvAdmin.ImportModel with register = true"));
+  }
   ImportOptions options;
   options.name = request.name();
   options.swa_ring = request.swa_ring();

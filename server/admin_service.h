@@ -5,6 +5,11 @@
 // engines, the pricing queries (cost, fit, max context: the same sizing function and backend
 // rounding admission charges with), model import, drain and undrain.
 //
+// One instance per socket (server/served_socket.h). On the engine socket: ListSessions,
+// ListEngines, Drain, Undrain and ImportModel with register are refused (PERMISSION_DENIED naming
+// the admin socket); GetStatus answers the daemon's totals without the per-engine list (names,
+// pids, usage of other engines); the pricing queries and unregistered imports are served.
+//
 // Thread-safety: thread-safe (everything it reads is).
 
 #include <cstdint>
@@ -25,6 +30,7 @@
 #include "server/device_budget.h"
 #include "server/engine_leases.h"
 #include "server/plan_registry.h"
+#include "server/served_socket.h"
 #include "server/session_registry.h"
 
 namespace memra {
@@ -43,16 +49,19 @@ class AdminService final : public memra::kv::v1::KvAdmin::Service {
     // Drain (true) / Undrain (false): the daemon's switch (it also flips the health service);
     // returns the sessions open.
     std::function<size_t(bool)> set_draining;
+    // The socket this instance answers on.
+    ServedSocket socket;
   };
   // REQUIRES: every pointer outlives the service.
   explicit AdminService(Parts parts) : parts_(std::move(parts)) {}
 
-  // What GetStatus answers.
+  // What GetStatus answers on the admin socket (everything, the per-engine list included).
   memra::kv::v1::GetStatusResponse Status() const;
 
   grpc::Status GetStatus(grpc::ServerContext*, const memra::kv::v1::GetStatusRequest*,
                          memra::kv::v1::GetStatusResponse* response) override;
-  grpc::Status ListSessions(grpc::ServerContext*, const memra::kv::v1::ListSessionsRequest* request,
+  grpc::Status ListSessions(grpc::ServerContext*,
+                            const memra::kv::v1::ListSessionsRequest* request,
                             memra::kv::v1::ListSessionsResponse* response) override;
   grpc::Status ListEngines(grpc::ServerContext*, const memra::kv::v1::ListEnginesRequest*,
                            memra::kv::v1::ListEnginesResponse* response) override;

@@ -21,6 +21,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/strip.h"
 #include "absl/strings/str_replace.h"
 #include "absl/strings/strip.h"
 #include "core/status_macros.h"
@@ -85,6 +86,11 @@ struct KeySpec {
 std::optional<std::string> CheckSocketPath(absl::string_view path) {
   if (!absl::StartsWith(path, "/")) return "not an absolute path";
   return std::nullopt;
+}
+
+std::optional<std::string> CheckAdminSocketPath(absl::string_view path) {
+  if (path.empty()) return std::nullopt;  // derived from socket_path
+  return CheckSocketPath(path);
 }
 
 // Group names as useradd/groupadd accept them, or a numeric gid.
@@ -231,6 +237,19 @@ const std::vector<KeySpec>& Keys() {
                "under vm.max_map_count (RESOURCE_EXHAUSTED past it); 0 = 3/4 of "
                "vm.max_map_count, read at start.",
        .min = 0, .max = 100'000'000},
+      {.name = "admin_socket_path", .field = &C::admin_socket_path, .syntax = Syntax::kText,
+       .reloadable = false,
+       .help = "Unix socket operators (memra-kvctl) connect to; empty = socket_path with .sock "
+               "replaced by .admin.sock.",
+       .text_accepted = "an absolute path (\"{device}\" is replaced by the GPU index), or empty",
+       .check_text = &CheckAdminSocketPath},
+      {.name = "admin_socket_mode", .field = &C::admin_socket_mode, .syntax = Syntax::kMode,
+       .reloadable = false, .help = "Permission bits of the admin socket."},
+      {.name = "admin_socket_group", .field = &C::admin_socket_group, .syntax = Syntax::kText,
+       .reloadable = false,
+       .help = "Group owning the admin socket (one of the daemon's groups); empty = the daemon's "
+               "group.",
+       .text_accepted = "a group name or gid, or empty", .check_text = &CheckGroup},
   };
   // clang-format on
   return *keys;
@@ -537,6 +556,16 @@ std::string DaemonConfig::SocketPath() const {
   return absl::StrReplaceAll(socket_path, {{"{device}", absl::StrCat(device)}});
 }
 
+std::string DaemonConfig::AdminSocketPath() const {
+  if (!admin_socket_path.empty()) {
+    return absl::StrReplaceAll(admin_socket_path, {{"{device}", absl::StrCat(device)}});
+  }
+  const std::string engine_socket = SocketPath();
+  absl::string_view stem = engine_socket;
+  absl::ConsumeSuffix(&stem, ".sock");
+  return absl::StrCat(stem, ".admin.sock");
+}
+
 std::vector<ConfigKeyInfo> ConfigKeys() {
   std::vector<ConfigKeyInfo> out;
   for (const KeySpec& spec : Keys()) {
@@ -654,6 +683,19 @@ absl::Status ValidateConfig(const DaemonConfig& config) {
         "socket_path = ", Quote(config.socket_path), " with device = ", config.device, " is ",
         Quote(socket), " (", socket.size(), " bytes); a Unix socket path holds at most ",
         sizeof(sockaddr_un{}.sun_path) - 1, " bytes"));
+  }
+  const std::string admin_socket = config.AdminSocketPath();
+  if (admin_socket.size() >= sizeof(sockaddr_un{}.sun_path)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the admin socket ", Quote(admin_socket), " (admin_socket_path = ",
+        Quote(config.admin_socket_path), ", device = ", config.device, ") is ",
+        admin_socket.size(), " bytes; a Unix socket path holds at most ",
+        sizeof(sockaddr_un{}.sun_path) - 1, " bytes"));
+  }
+  if (admin_socket == socket) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("admin_socket_path and socket_path are both ", Quote(socket),
+                     "; operators and engines need separate sockets"));
   }
   // Prefix-cache entries are counted against the admission budget (they are evicted to admit).
   if (config.backend == Backend::kHost && config.prefix_cache_budget_bytes > config.budget_bytes) {

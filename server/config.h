@@ -82,6 +82,17 @@ struct DaemonConfig {
   uint64_t prefix_copy_threads = 4;
   // Send systemd watchdog keep-alives when the service manager asks for them (WATCHDOG_USEC).
   bool watchdog = true;
+  // The operators' Unix socket (KvAdmin and KvPrefixCache in full: drain, undrain, eviction,
+  // plan import with registration, the lists of sessions, engines and prefixes); the engine
+  // socket refuses those calls (PERMISSION_DENIED naming this path). Empty = beside the engine
+  // socket: its path with ".sock" replaced by ".admin.sock" (AdminSocketPath()). "{device}" is
+  // replaced by `device`.
+  std::string admin_socket_path;
+  // Permission bits of the admin socket (octal). 0600: only the daemon's user (and root).
+  uint32_t admin_socket_mode = 0600;
+  // Group owning the admin socket; empty = the daemon's primary group. Must be one of the
+  // daemon's groups (no CAP_CHOWN).
+  std::string admin_socket_group;
 
   // ---- Limits: what one client can make the daemon hold (docs/security-model.md#limits) ----
   // Layers (trunk + MTP) a model plan may have, everywhere a plan arrives. The largest real
@@ -104,6 +115,8 @@ struct DaemonConfig {
 
   // socket_path with "{device}" replaced.
   std::string SocketPath() const;
+  // admin_socket_path with "{device}" replaced, or (empty) derived from SocketPath().
+  std::string AdminSocketPath() const;
 
   bool operator==(const DaemonConfig&) const = default;
 };

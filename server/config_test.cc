@@ -55,7 +55,8 @@ TEST(ConfigTest, KeyListIsTheDocumentedOne) {
                           "prefix_capture_on_engine_death", "prefix_verify_checksums",
                           "prefix_copy_threads", "watchdog", "max_plan_layers",
                           "max_engine_sessions", "max_engine_plans", "max_engine_budget_share",
-                          "max_attached_engines", "max_arenas"));
+                          "max_attached_engines", "max_arenas", "admin_socket_path",
+                          "admin_socket_mode", "admin_socket_group"));
   EXPECT_THAT(reloadable, ElementsAre("budget_bytes", "cuda_memory_fraction", "cuda_reserve_bytes",
                                       "lease_timeout_ms", "reservation_ttl_ms", "log_level",
                                       "drain_grace_ms", "prefix_cache_budget_bytes"));
@@ -90,7 +91,37 @@ TEST(ConfigTest, Defaults) {
   EXPECT_EQ(config.max_engine_budget_share, 100u);
   EXPECT_EQ(config.max_attached_engines, 256u);
   EXPECT_EQ(config.max_arenas, 0u);
+  EXPECT_EQ(config.AdminSocketPath(), "/run/memra-kv/gpu0.admin.sock");
+  EXPECT_EQ(config.admin_socket_mode, 0600u);
+  EXPECT_EQ(config.admin_socket_group, "");
   EXPECT_THAT(ValidateConfig(config), IsOk());
+}
+
+TEST(ConfigTest, AdminSocketIsBesideTheEngineSocketUnlessGiven) {
+  DaemonConfig config;
+  config.device = 3;
+  config.socket_path = "/tmp/kvd.sock";
+  EXPECT_EQ(config.AdminSocketPath(), "/tmp/kvd.admin.sock");
+  config.socket_path = "/tmp/engines-{device}";  // no ".sock" to replace: appended
+  EXPECT_EQ(config.AdminSocketPath(), "/tmp/engines-3.admin.sock");
+  config.admin_socket_path = "/run/ops/gpu{device}.sock";
+  EXPECT_EQ(config.AdminSocketPath(), "/run/ops/gpu3.sock");
+}
+
+TEST(ConfigTest, ValidateRefusesAdminSocketThatIsTheEngineSocketOrTooLong) {
+  DaemonConfig config;
+  config.admin_socket_path = "/run/memra-kv/gpu{device}.sock";
+  EXPECT_THAT(ValidateConfig(config),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstrs("admin_socket_path and socket_path are both",
+                                  "/run/memra-kv/gpu0.sock", "separate sockets")));
+  config.admin_socket_path = "/run/" + std::string(103, 'x');  // 108 bytes
+  EXPECT_THAT(ValidateConfig(config),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstrs("the admin socket", "is 108 bytes", "at most 107")));
+  EXPECT_THAT(ParseConfig("admin_socket_path = \"relative.sock\"\n", "gpu0.conf"),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstrs("admin_socket_path", "not an absolute path")));
 }
 
 TEST(ConfigTest, EmptyTextGivesDefaults) {
@@ -128,6 +159,9 @@ TEST(ConfigTest, RenderedNonDefaultsParseBack) {
   changed.prefix_capture_on_engine_death = false;
   changed.prefix_verify_checksums = false;
   changed.watchdog = false;
+  changed.admin_socket_path = "/run/ops/{device}.sock";
+  changed.admin_socket_mode = 0660;
+  changed.admin_socket_group = "operators";
   absl::StatusOr<DaemonConfig> config = ParseConfig(RenderConfig(changed), "rendered");
   ASSERT_THAT(config, IsOk());
   EXPECT_EQ(*config, changed);
@@ -372,6 +406,7 @@ TEST(ConfigTest, SplitConfigFlagsTakesKeysAndLeavesTheRest) {
 TEST(ConfigTest, ValidateRefusesSocketPathTooLongForItsDevice) {
   DaemonConfig config;
   config.socket_path = "/run/" + std::string(95, 'x') + "/{device}.sock";  // 107 bytes for device 0
+  config.admin_socket_path = "/run/admin.sock";
   EXPECT_THAT(ValidateConfig(config), IsOk());
   config.device = 100;
   EXPECT_THAT(ValidateConfig(config),

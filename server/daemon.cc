@@ -107,6 +107,7 @@ Daemon::Daemon(DaemonConfig config, std::unique_ptr<DeviceBackend> backend, Cloc
     : backend_(std::move(backend)),
       clock_(clock),
       socket_path_(config.SocketPath()),
+      admin_socket_path_(config.AdminSocketPath()),
       start_config_(std::move(config)),
       budget_(std::move(budget)),
       epoch_(epoch),
@@ -118,21 +119,33 @@ Daemon::Daemon(DaemonConfig config, std::unique_ptr<DeviceBackend> backend, Cloc
       sessions_(backend_.get(), budget_.get(), &leases_, &plans_, FormatDefaults(),
                 start_config_.prefix_capture_on_engine_death ? prefix_cache_.get() : nullptr,
                 start_config_.max_engine_sessions),
-      prefix_service_(prefix_cache_.get(), backend_.get(),
-                      [this](const pb::SessionRef& ref) {
-                        return sessions_.Find(SessionCredentialsOf(ref));
-                      }),
+      engine_prefix_service_(prefix_cache_.get(), backend_.get(), FindSession(),
+                             ServedSocket{ServedSocket::Audience::kEngines, admin_socket_path_}),
+      operator_prefix_service_(
+          prefix_cache_.get(), backend_.get(), FindSession(),
+          ServedSocket{ServedSocket::Audience::kOperators, admin_socket_path_}),
       cache_service_(&leases_, &plans_, &sessions_, backend_.get()),
-      admin_service_(AdminService::Parts{
-          .leases = &leases_,
-          .plans = &plans_,
-          .sessions = &sessions_,
-          .budget = budget_.get(),
-          .backend = backend_.get(),
-          .clock = clock_,
-          .epoch = epoch_,
-          .started = started_,
-          .set_draining = [this](bool draining) { return SetDraining(draining); }}) {}
+      engine_admin_service_(
+          AdminParts(ServedSocket{ServedSocket::Audience::kEngines, admin_socket_path_})),
+      operator_admin_service_(
+          AdminParts(ServedSocket{ServedSocket::Audience::kOperators, admin_socket_path_})) {}
+
+PrefixService::SessionFinder Daemon::FindSession() {
+  return [this](const pb::SessionRef& ref) { return sessions_.Find(SessionCredentialsOf(ref)); };
+}
+
+AdminService::Parts Daemon::AdminParts(ServedSocket socket) {
+  return AdminService::Parts{.leases = &leases_,
+                             .plans = &plans_,
+                             .sessions = &sessions_,
+                             .budget = budget_.get(),
+                             .backend = backend_.get(),
+                             .clock = clock_,
+                             .epoch = epoch_,
+                             .started = started_,
+                             .set_draining = [this](bool draining) { return SetDraining(draining); },
+                             .socket = std::move(socket)};
+}
 
 Daemon::~Daemon() { Shutdown(); }
 
@@ -144,39 +157,63 @@ absl::Status Daemon::Start() {
     }
   }
   RETURN_IF_ERROR(PrepareSocketPath(socket_path_));
+  RETURN_IF_ERROR(PrepareSocketPath(admin_socket_path_));
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
-  grpc::ServerBuilder builder;
-  builder.AddListeningPort(absl::StrCat("unix:", socket_path_), grpc::InsecureServerCredentials());
-  builder.RegisterService(&cache_service_);
-  builder.RegisterService(&admin_service_);
-  builder.RegisterService(&prefix_service_);
+  // The RPC metrics count the engine socket's calls (the hot path); operators' calls are few.
   ASSIGN_OR_RETURN(auto interceptors, RegisterMetrics());
-  builder.experimental().SetInterceptorCreators(std::move(interceptors));
-  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
-  if (server == nullptr) {
-    return absl::UnavailableError(absl::StrCat("could not listen on unix:", socket_path_,
-                                               " (does the directory exist and is it writable?)"));
-  }
-  // Calls may already be arriving: no lock is held while the server could wait for them.
-  if (absl::Status permissions = ApplySocketPermissions(
-          socket_path_, start_config_.socket_group, start_config_.socket_mode);
-      !permissions.ok()) {
+  ASSIGN_OR_RETURN(std::unique_ptr<grpc::Server> server,
+                   Serve(socket_path_, start_config_.socket_group, start_config_.socket_mode,
+                         {&cache_service_, &engine_admin_service_, &engine_prefix_service_},
+                         std::move(interceptors)));
+  absl::StatusOr<std::unique_ptr<grpc::Server>> admin_server =
+      Serve(admin_socket_path_, start_config_.admin_socket_group,
+            start_config_.admin_socket_mode,
+            {&operator_admin_service_, &operator_prefix_service_}, {});
+  if (!admin_server.ok()) {
     server->Shutdown();
     unlink(socket_path_.c_str());
-    return permissions;
+    return admin_server.status();
   }
   {
     absl::MutexLock lock(&mu_);
     server_ = std::move(server);
+    admin_server_ = *std::move(admin_server);
   }
   lease_thread_ = std::thread([this] { LeaseLoop(); });
   StartMetricsHttp();
   const LeaseSettings lease = leases_.settings();
-  spdlog::info("memra-kvd serving on unix:{} (backend {}, lease timeout {} ms, grace {} ms)",
-               socket_path_, std::string(backend_->Name()),
+  spdlog::info(
+      "memra-kvd serving engines on unix:{}, operators on unix:{} (backend {}, lease timeout {} "
+      "ms, grace {} ms)",
+      socket_path_, admin_socket_path_, std::string(backend_->Name()),
                absl::ToInt64Milliseconds(lease.timeout), absl::ToInt64Milliseconds(lease.grace));
   return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<grpc::Server>> Daemon::Serve(
+    const std::string& path, const std::string& group, uint32_t mode,
+    const std::vector<grpc::Service*>& services,
+    std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>>
+        interceptors) {
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort(absl::StrCat("unix:", path), grpc::InsecureServerCredentials());
+  for (grpc::Service* service : services) builder.RegisterService(service);
+  if (!interceptors.empty()) {
+    builder.experimental().SetInterceptorCreators(std::move(interceptors));
+  }
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  if (server == nullptr) {
+    return absl::UnavailableError(absl::StrCat("could not listen on unix:", path,
+                                               " (does the directory exist and is it writable?)"));
+  }
+  // Calls may already be arriving: no lock is held while the server could wait for them.
+  if (absl::Status permissions = ApplySocketPermissions(path, group, mode); !permissions.ok()) {
+    server->Shutdown();
+    unlink(path.c_str());
+    return permissions;
+  }
+  return server;
 }
 
 void Daemon::LeaseLoop() {
@@ -210,7 +247,9 @@ size_t Daemon::SetDraining(bool draining) {
   leases_.SetDraining(draining);
   {
     absl::MutexLock lock(&mu_);
-    if (server_ != nullptr) server_->GetHealthCheckService()->SetServingStatus(!draining);
+    for (grpc::Server* server : {server_.get(), admin_server_.get()}) {
+      if (server != nullptr) server->GetHealthCheckService()->SetServingStatus(!draining);
+    }
   }
   return sessions_.size();
 }
@@ -231,24 +270,31 @@ void Daemon::Shutdown() {
     stop_lease_thread_ = true;
   }
   if (lease_thread_.joinable()) lease_thread_.join();
-  prefix_service_.Stop();
+  engine_prefix_service_.Stop();
+  operator_prefix_service_.Stop();
   leases_.SetDraining(true);
   leases_.CancelStreams();
   std::unique_ptr<grpc::Server> server;
+  std::unique_ptr<grpc::Server> admin_server;
   std::unique_ptr<metrics::MetricsHttpServer> metrics_http;
   {
     absl::MutexLock lock(&mu_);
     metrics_http = std::move(metrics_http_);
     server = std::move(server_);
+    admin_server = std::move(admin_server_);
   }
   metrics_http.reset();  // joins its threads: no scrape reads the daemon after this
-  if (server != nullptr) {
-    server->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(500));
-    server->Wait();
+  const auto deadline = std::chrono::system_clock::now() + std::chrono::milliseconds(500);
+  for (grpc::Server* serving : {server.get(), admin_server.get()}) {
+    if (serving != nullptr) serving->Shutdown(deadline);
+  }
+  for (grpc::Server* serving : {server.get(), admin_server.get()}) {
+    if (serving != nullptr) serving->Wait();
   }
   leases_.ForgetAll();
   const ReleasedSessions released = sessions_.ReleaseAll();
   if (server != nullptr) unlink(socket_path_.c_str());
+  if (admin_server != nullptr) unlink(admin_socket_path_.c_str());
   spdlog::info("shut down: released {} sessions ({} bytes); backend holds {} arenas, {} bytes",
                released.sessions, released.bytes, backend_->ArenaCount(),
                backend_->AllocatedBytes());

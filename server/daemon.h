@@ -2,9 +2,11 @@
 #define MEMRA_SERVER_DAEMON_H_
 
 // memra-kvd as a composable object: the composition root. It builds the parts, wires them into
-// the gRPC services (memra.kv.v1 KvCache, KvAdmin and KvPrefixCache, the standard health service
-// and reflection) on a Unix socket, and runs the lifecycle: start, drain, reload, the lease
-// thread, shutdown. server/main.cc wraps it with configuration, signals and systemd; tests run
+// the gRPC services on two Unix sockets, and runs the lifecycle: start, drain, reload, the lease
+// thread, shutdown. The engine socket (socket_path) serves KvCache, KvAdmin and KvPrefixCache
+// with the operator calls refused; the admin socket (admin_socket_path, mode 0600 by default)
+// serves KvAdmin and KvPrefixCache in full (server/served_socket.h, docs/security-model.md).
+// Both serve the standard health service and reflection. server/main.cc wraps it with configuration, signals and systemd; tests run
 // it in-process with a FakeClock. The parts own their state and locks:
 //   PlanRegistry (server/plan_registry.h)       registered model plans, bounded
 //   EngineLeases (server/engine_leases.h)       engines, leases, reservations, draining
@@ -12,7 +14,7 @@
 //   CacheService / AdminService / PrefixService the wire edges
 //   unix_socket.h                               the socket file before and after binding
 //
-// Thread-safety: thread-safe. `mu_` guards only the server and the metrics endpoint; the parts'
+// Thread-safety: thread-safe. `mu_` guards only the servers and the metrics endpoint; the parts'
 // lock order is SessionRegistry's before EngineLeases' (server/session_registry.h).
 //
 // Admission: one DeviceBudget (server/device_budget.h) per daemon. Every session arena is
@@ -53,13 +55,15 @@
 #include "server/plan_registry.h"
 #include "server/prefix_cache.h"
 #include "server/prefix_service.h"
+#include "server/served_socket.h"
 #include "server/session_registry.h"
 
 namespace memra {
 
 class Daemon {
  public:
-  // Uses config.SocketPath(), socket_mode, socket_group, lease_timeout_ms, lease_grace_ms.
+  // Uses config.SocketPath(), socket_mode, socket_group, AdminSocketPath(), admin_socket_mode,
+  // admin_socket_group, lease_timeout_ms, lease_grace_ms.
   // REQUIRES: `clock` outlives the daemon.
   static absl::StatusOr<std::unique_ptr<Daemon>> Create(DaemonConfig config,
                                                         std::unique_ptr<DeviceBackend> backend,
@@ -68,8 +72,9 @@ class Daemon {
   Daemon(const Daemon&) = delete;
   Daemon& operator=(const Daemon&) = delete;
 
-  // Binds the Unix socket (removing a stale socket file no daemon answers on; refusing when
-  // one does), applies socket_mode/socket_group, starts serving and the lease thread.
+  // Binds the engine and admin sockets (removing a stale socket file no daemon answers on;
+  // refusing when one does), applies their modes and groups, starts serving and the lease
+  // thread.
   absl::Status Start() ABSL_LOCKS_EXCLUDED(mu_);
 
   // Refuses new engines and sessions (UNAVAILABLE) and waits until every session is released,
@@ -77,7 +82,7 @@ class Daemon {
   size_t Drain(absl::Duration grace) ABSL_LOCKS_EXCLUDED(mu_);
   // Makes a running Drain() return now (a second SIGTERM).
   void EndDrain();
-  // Stops serving (open calls are cancelled), releases every session, removes the socket file.
+  // Stops serving (open calls are cancelled), releases every session, removes the socket files.
   // Idempotent.
   void Shutdown() ABSL_LOCKS_EXCLUDED(mu_);
 
@@ -96,11 +101,12 @@ class Daemon {
   void CheckLeases();
 
   // What KvAdmin.GetStatus answers.
-  memra::kv::v1::GetStatusResponse GetStatus() const { return admin_service_.Status(); }
+  memra::kv::v1::GetStatusResponse GetStatus() const { return operator_admin_service_.Status(); }
   DeviceBudget& budget() const { return *budget_; }
   // The Prometheus endpoint's port; 0 when metrics_address is empty or it could not bind.
   int metrics_port() const ABSL_LOCKS_EXCLUDED(mu_);
   const std::string& socket_path() const { return socket_path_; }
+  const std::string& admin_socket_path() const { return admin_socket_path_; }
   DeviceBackend& backend() const { return *backend_; }
   // False once shutting down (the watchdog stops its keep-alives).
   bool Healthy() const { return !shut_down_.load(); }
@@ -111,6 +117,10 @@ class Daemon {
   Daemon(DaemonConfig config, std::unique_ptr<DeviceBackend> backend, Clock* clock,
          std::unique_ptr<DeviceBudget> budget, uint64_t epoch);
 
+  // The session finder and the KvAdmin parts of this daemon (one service instance per socket).
+  PrefixService::SessionFinder FindSession();
+  AdminService::Parts AdminParts(ServedSocket socket);
+
   void LeaseLoop() ABSL_LOCKS_EXCLUDED(stop_mu_);
   // Registers the daemon's gauges and counters (read at scrape time) and returns the gRPC
   // interceptors that count and time every call (server/daemon_metrics.cc).
@@ -120,12 +130,19 @@ class Daemon {
   // Serves metrics_ on metrics_address; a failure is logged, not fatal (the cache matters more
   // than its metrics).
   void StartMetricsHttp() ABSL_LOCKS_EXCLUDED(mu_);
+  // Binds `path`, serves `services` there and applies `group`/`mode` to the socket file.
+  static absl::StatusOr<std::unique_ptr<grpc::Server>> Serve(
+      const std::string& path, const std::string& group, uint32_t mode,
+      const std::vector<grpc::Service*>& services,
+      std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>>
+          interceptors);
 
   // Constant after construction; declared in construction order (each part is destroyed
   // before what it points to).
   const std::unique_ptr<DeviceBackend> backend_;
   Clock* const clock_;
   const std::string socket_path_;
+  const std::string admin_socket_path_;
   const DaemonConfig start_config_;
   const std::unique_ptr<DeviceBudget> budget_;
   const uint64_t epoch_;  // random per start
@@ -138,14 +155,18 @@ class Daemon {
   // a session's own mutex (server/prefix_cache.h).
   const std::unique_ptr<PrefixCache> prefix_cache_;
   SessionRegistry sessions_;
-  PrefixService prefix_service_;
+  // One KvPrefixCache and one KvAdmin per socket (server/served_socket.h).
+  PrefixService engine_prefix_service_;
+  PrefixService operator_prefix_service_;
   CacheService cache_service_;
-  AdminService admin_service_;
+  AdminService engine_admin_service_;
+  AdminService operator_admin_service_;
 
   std::atomic<bool> shut_down_{false};
 
   mutable absl::Mutex mu_;
-  std::unique_ptr<grpc::Server> server_ ABSL_GUARDED_BY(mu_);
+  std::unique_ptr<grpc::Server> server_ ABSL_GUARDED_BY(mu_);        // the engine socket
+  std::unique_ptr<grpc::Server> admin_server_ ABSL_GUARDED_BY(mu_);  // the admin socket
   // Stopped in Shutdown() before anything its callbacks read goes away.
   std::unique_ptr<metrics::MetricsHttpServer> metrics_http_ ABSL_GUARDED_BY(mu_);
 

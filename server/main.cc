@@ -174,7 +174,9 @@ int Run(int argc, char** argv) {
   events.daemon.store(daemon->get());
 
   Notifier notifier;
-  if (absl::Status ready = notifier.Ready(absl::StrCat("serving on ", (*daemon)->socket_path()));
+  if (absl::Status ready =
+          notifier.Ready(absl::StrCat("serving on ", (*daemon)->socket_path(), ", operators on ",
+                                      (*daemon)->admin_socket_path()));
       !ready.ok()) {
     spdlog::warn("sd_notify READY failed: {}", ready.ToString());
   }

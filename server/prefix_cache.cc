@@ -18,6 +18,36 @@
 namespace memra {
 namespace {
 
+// The session's committed token ids [0, requested.size()) when `requested` agrees with them
+// position by position (and names no position the session has not committed). FAILED_PRECONDITION when the committed ids
+// are unknown (a commit without token ids, a hydration); INVALID_ARGUMENT naming the first
+// differing position and both ids, or both counts.
+absl::StatusOr<absl::Span<const int32_t>> CommittedTokensMatching(
+    SessionId session, const SessionState& state,
+    const std::optional<std::vector<int32_t>>& committed, absl::Span<const int32_t> requested) {
+  if (!committed.has_value() || committed->size() != state.committed_len()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "prefix capture: session ", session.value, "'s committed token ids are unknown (",
+        state.committed_len(),
+        " rows committed, some without token ids); commit with token ids to capture"));
+  }
+  const size_t common = std::min(requested.size(), committed->size());
+  for (size_t i = 0; i < common; ++i) {
+    if (requested[i] != (*committed)[i]) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "prefix capture: token id at position ", i, " is ", requested[i],
+          " in the request but session ", session.value, " committed ", (*committed)[i],
+          "; a capture stores the ids the session committed"));
+    }
+  }
+  if (requested.size() > committed->size()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "prefix capture: the request gives ", requested.size(), " token ids but session ",
+        session.value, " committed ", committed->size()));
+  }
+  return absl::MakeConstSpan(*committed).subspan(0, requested.size());
+}
+
 constexpr std::string_view kShapeDomain = "memra-kv/prefix-shape/v1";
 constexpr uint64_t kF32 = sizeof(float);
 
@@ -372,8 +402,12 @@ absl::StatusOr<PrefixCaptureResult> PrefixCache::Capture(DaemonSession& session,
   absl::StatusOr<PrefixCaptureResult> result = absl::InternalError("capture did not run");
   RETURN_IF_ERROR(session.ViewLocked(
       [&](const SessionState& state, const SessionLayoutVersion& layout,
-          const std::optional<std::vector<int32_t>>&) {
-        result = CaptureLocked(shape, state, layout, tokens, boundary_tokens,
+          const std::optional<std::vector<int32_t>>& committed) {
+        absl::StatusOr<absl::Span<const int32_t>> committed_tokens =
+            CommittedTokensMatching(session.params().id, state, committed, tokens);
+        if (!committed_tokens.ok()) return committed_tokens.status();
+        // Stored under what the session committed, never under the caller's word.
+        result = CaptureLocked(shape, state, layout, *committed_tokens, boundary_tokens,
                                /*allow_open_transaction=*/false);
         return result.status();
       }));

@@ -153,10 +153,14 @@ class PrefixCache {
   uint32_t block_tokens() const { return options_.block_tokens; }
   uint64_t epoch() const { return options_.epoch; }
 
-  // Captures tokens[0, boundary_tokens) of `session`'s committed state. REQUIRES (else refused,
-  // nothing stored): session usable (not tainted), no open transaction, recurrent position ==
-  // committed length; boundary_tokens > 0, a multiple of block_tokens, <= committed length and
-  // <= tokens.size(); plans with recurrent or indexer layers: boundary == committed length.
+  // Captures tokens[0, boundary_tokens) of `session`'s committed state, keyed by the token ids
+  // the session's commits carried (never by `tokens`, which must agree with them). REQUIRES
+  // (else refused, nothing stored): the session's committed ids known (every commit carried its
+  // ids: FAILED_PRECONDITION), `tokens` equal to them position by position and no longer
+  // (INVALID_ARGUMENT naming the first difference or both counts); session usable (not
+  // tainted), no open transaction, recurrent position == committed length; boundary_tokens > 0,
+  // a multiple of block_tokens, <= committed length and <= tokens.size(); plans with recurrent
+  // or indexer layers: boundary == committed length.
   absl::StatusOr<PrefixCaptureResult> Capture(DaemonSession& session,
                                               absl::Span<const int32_t> tokens,
                                               uint64_t boundary_tokens) ABSL_LOCKS_EXCLUDED(mu_);

@@ -329,6 +329,51 @@ TEST_F(PrefixCacheTest, CommonPrefixBlocksAreStoredOnce) {
   EXPECT_THAT(cache_->CheckInvariants(), IsOk());
 }
 
+// A capture is keyed by the ids the session committed: a request naming other ids (or more of
+// them) is refused and stores nothing, and the honest capture afterwards is a new entry.
+TEST_F(PrefixCacheTest, CaptureStoresOnlyUnderTheCommittedTokenIds) {
+  const std::vector<int32_t> committed = Tokens(64);
+  std::vector<int32_t> other = committed;
+  other[40] = -7;  // another prompt sharing the first 40 ids
+  auto session = NewSession(FlatPlan(), 128);
+  Append(*session, committed, 64);
+  const uint64_t id = session->id().value;
+  EXPECT_THAT(cache_->Capture(*session, other, 64).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstrs("token id at position 40 is -7 in the request",
+                                  absl::StrCat("session ", id, " committed ", committed[40]))));
+  EXPECT_THAT(cache_->Capture(*session, Tokens(80), 64).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstrs("the request gives 80 token ids",
+                                  absl::StrCat("session ", id, " committed 64"))));
+  EXPECT_EQ(cache_->Stats().entries, 0u);
+  EXPECT_EQ(cache_->Lookup(Shape(FlatPlan()), other).outcome, LookupOutcome::kMiss);
+
+  absl::StatusOr<PrefixCaptureResult> honest = cache_->Capture(*session, committed, 64);
+  ASSERT_THAT(honest.status(), IsOk());
+  EXPECT_FALSE(honest->already_present);
+  EXPECT_EQ(cache_->Lookup(Shape(FlatPlan()), committed).matched_tokens, 64u);
+  EXPECT_EQ(cache_->Lookup(Shape(FlatPlan()), other).matched_tokens, 32u);  // the shared block
+
+  // Committed without token ids: the session's ids are unknown, nothing can be captured.
+  auto unknown = NewSession(FlatPlan(), 128);
+  pb::BeginResponse begin;
+  ASSERT_THAT(unknown->Begin(&begin), IsOk());
+  pb::PrepareAppendResponse prepare;
+  ASSERT_THAT(unknown->PrepareAppend(begin.generation(), 32, &prepare), IsOk());
+  pb::PublishAppendResponse publish;
+  ASSERT_THAT(unknown->PublishAppend(begin.generation(), &publish), IsOk());
+  pb::CommitResponse commit;
+  ASSERT_THAT(unknown->Commit(begin.generation(), 32, &commit), IsOk());
+  EXPECT_THAT(cache_->Capture(*unknown, Tokens(32), 32).status(),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstrs(absl::StrCat("session ", unknown->id().value,
+                                               "'s committed token ids are unknown (32 rows"),
+                                  "commit with token ids to capture")));
+  EXPECT_EQ(cache_->Stats().entries, 1u);
+  EXPECT_THAT(cache_->CheckInvariants(), IsOk());
+}
+
 TEST_F(PrefixCacheTest, RecurrentStateRestoresOnlyAtTheCapturedBoundary) {
   const std::vector<int32_t> tokens = Tokens(64);
   auto source = NewSession(HybridPlan(), 128);
@@ -399,7 +444,9 @@ TEST_F(PrefixCacheTest, LatentWithIndexerTailAndPoolKeys) {
                        HasSubstr("layer 0: the indexer's tail and pool keys exist only at the "
                                  "latent length 82, not at boundary 80")));
   ASSERT_THAT(source->Rewind(len), IsOk());
-  absl::StatusOr<PrefixCaptureResult> captured = cache_->Capture(*source, tokens, len);
+  // After the rewind the session has committed `len` of the ids (a capture names no more).
+  absl::StatusOr<PrefixCaptureResult> captured =
+      cache_->Capture(*source, absl::MakeConstSpan(tokens).subspan(0, len), len);
   ASSERT_THAT(captured.status(), IsOk());
   auto dest = NewSession(LatentPlan(), 128);
   ASSERT_THAT(cache_->Restore(*dest, captured->entry, tokens).status(), IsOk());
@@ -460,7 +507,7 @@ TEST_F(PrefixCacheTest, RefusalsLeaveTheDestinationUntouched) {
   EXPECT_THAT(cache_->Capture(*source, tokens, 40).status(),
               StatusIs(absl::StatusCode::kInvalidArgument,
                        HasSubstr("boundary 40 is not a positive multiple of the 16-token block")));
-  EXPECT_THAT(cache_->Capture(*source, Tokens(80), 80).status(),
+  EXPECT_THAT(cache_->Capture(*source, tokens, 80).status(),
               StatusIs(absl::StatusCode::kInvalidArgument,
                        HasSubstr("boundary 80 exceeds the committed length 64")));
   EXPECT_EQ(cache_->Stats().entries, 1u);

@@ -96,8 +96,11 @@ pb::PrefixCacheStats PrefixStatsToProto(const PrefixCacheStats& stats) {
 }
 
 PrefixService::PrefixService(PrefixCache* cache, DeviceBackend* backend,
-                             SessionFinder find_session)
-    : cache_(cache), backend_(backend), find_session_(std::move(find_session)) {}
+                             SessionFinder find_session, ServedSocket socket)
+    : cache_(cache),
+      backend_(backend),
+      find_session_(std::move(find_session)),
+      socket_(std::move(socket)) {}
 
 absl::Status PrefixService::Enabled() const {
   if (cache_ == nullptr) {
@@ -204,6 +207,10 @@ grpc::Status PrefixService::SubscribeEvents(grpc::ServerContext* context,
 
 grpc::Status PrefixService::ListPrefixes(grpc::ServerContext*, const pb::ListPrefixesRequest*,
                                          pb::ListPrefixesResponse* response) {
+  if (absl::Status allowed = socket_.AllowOperatorCall("KvPrefixCache.ListPrefixes");
+      !allowed.ok()) {
+    return Reply("ListPrefixes", allowed);
+  }
   if (absl::Status enabled = Enabled(); !enabled.ok()) return Reply("ListPrefixes", enabled);
   for (const EntryView& view : cache_->ListEntries()) {
     FillEntry(view, /*with_keys=*/false, response->add_entries());
@@ -216,6 +223,7 @@ grpc::Status PrefixService::InspectPrefix(grpc::ServerContext*,
                                           const pb::InspectPrefixRequest* request,
                                           pb::PrefixEntry* response) {
   absl::Status status = [&]() -> absl::Status {
+    RETURN_IF_ERROR(socket_.AllowOperatorCall("KvPrefixCache.InspectPrefix"));
     RETURN_IF_ERROR(Enabled());
     ASSIGN_OR_RETURN(EntryView view, cache_->Inspect(EntryId{request->entry_id()}));
     FillEntry(view, /*with_keys=*/true, response);
@@ -228,6 +236,7 @@ grpc::Status PrefixService::EvictPrefix(grpc::ServerContext*,
                                         const pb::EvictPrefixRequest* request,
                                         pb::EvictPrefixResponse* response) {
   absl::Status status = [&]() -> absl::Status {
+    RETURN_IF_ERROR(socket_.AllowOperatorCall("KvPrefixCache.EvictPrefix"));
     RETURN_IF_ERROR(Enabled());
     ASSIGN_OR_RETURN(uint64_t freed, cache_->EvictEntry(EntryId{request->entry_id()}));
     response->set_freed_bytes(freed);

@@ -3,6 +3,8 @@
 
 // memra.kv.v1 KvPrefixCache over gRPC: decodes, resolves sessions, calls PrefixCache, encodes.
 // No rules here (server/prefix_cache.h has them; prefix.proto documents the contract).
+// One instance per socket (server/served_socket.h): on the engine socket ListPrefixes,
+// InspectPrefix and EvictPrefix are refused (PERMISSION_DENIED naming the admin socket).
 //
 // Thread-safety: thread-safe (PrefixCache and the session finder are).
 
@@ -18,6 +20,7 @@
 #include "server/backend.h"
 #include "server/daemon_session.h"
 #include "server/prefix_cache.h"
+#include "server/served_socket.h"
 
 namespace memra {
 
@@ -29,8 +32,9 @@ class PrefixService final : public memra::kv::v1::KvPrefixCache::Service {
 
   // `cache` null: the daemon runs without a prefix cache (every call FAILED_PRECONDITION).
   // `cache` and `backend` (the engines' events are waited on through it) must outlive the
-  // service.
-  PrefixService(PrefixCache* cache, DeviceBackend* backend, SessionFinder find_session);
+  // service. `socket`: the socket this instance answers on.
+  PrefixService(PrefixCache* cache, DeviceBackend* backend, SessionFinder find_session,
+                ServedSocket socket);
 
   // Ends open SubscribeEvents streams within one poll period (daemon shutdown).
   void Stop() { stopping_.store(true); }
@@ -63,6 +67,7 @@ class PrefixService final : public memra::kv::v1::KvPrefixCache::Service {
   PrefixCache* const cache_;
   DeviceBackend* const backend_;
   const SessionFinder find_session_;
+  const ServedSocket socket_;
 
   std::atomic<bool> stopping_{false};
 };

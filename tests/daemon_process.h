@@ -2,7 +2,8 @@
 #define MEMRA_TESTS_DAEMON_PROCESS_H_
 
 // The real memra-kvd as a separate process for a multi-process test: its own fresh directory,
-// the daemon on <dir>/kvd.sock, a bounded wait until it listens, and on destruction a daemon
+// the daemon on <dir>/kvd.sock (engines) and <dir>/kvd.admin.sock (operators: the default admin
+// socket beside the engine socket), a bounded wait until it listens on both, and on destruction a daemon
 // still running stopped (SIGTERM, SIGKILL after kPatience) and the directory removed with
 // whatever the test, its engines and the daemon left there. The test's BUILD target needs
 // data = ["//server:memra-kvd"].
@@ -33,6 +34,7 @@ class DaemonProcess {
     }
     dir_ = pattern;
     socket_ = dir_ + "/kvd.sock";
+    admin_socket_ = dir_ + "/kvd.admin.sock";
   }
   ~DaemonProcess() {
     TerminateAndReap(pid_);
@@ -45,7 +47,7 @@ class DaemonProcess {
 
   // Starts memra-kvd with --socket_path=socket(), --socket_mode=0600, no watchdog and no metrics
   // endpoint (no fixed port shared with tests running alongside), then `flags` (a later flag
-  // wins), and waits until the socket exists. False, with a test failure, when the daemon exits
+  // wins), and waits until both sockets exist (the admin socket is bound second). False, with a test failure, when the daemon exits
   // first or never listens.
   [[nodiscard]] bool Start(const std::vector<std::string>& flags = {}) {
     std::vector<std::string> args = {Runfile("server/memra-kvd"), "--socket_path=" + socket_,
@@ -54,8 +56,10 @@ class DaemonProcess {
     args.insert(args.end(), flags.begin(), flags.end());
     pid_ = Spawn(args);
     if (pid_ <= 0) return false;
-    const bool listening = PollUntil([&] { return Exists(socket_); }, pid_);
-    EXPECT_TRUE(listening) << "memra-kvd never listened on " << socket_;
+    const bool listening =
+        PollUntil([&] { return Exists(socket_) && Exists(admin_socket_); }, pid_);
+    EXPECT_TRUE(listening) << "memra-kvd never listened on " << socket_ << " and "
+                           << admin_socket_;
     return listening;
   }
 
@@ -74,12 +78,15 @@ class DaemonProcess {
   pid_t pid() const { return pid_; }
   const std::string& dir() const { return dir_; }
   const std::string& socket() const { return socket_; }
+  // The operators' socket (KvAdmin and KvPrefixCache in full; memra-kvctl's).
+  const std::string& admin_socket() const { return admin_socket_; }
   // A file in the directory.
   std::string Path(const std::string& name) const { return dir_ + "/" + name; }
 
  private:
   std::string dir_;
   std::string socket_;
+  std::string admin_socket_;
   pid_t pid_ = -1;
 };
 

@@ -21,12 +21,14 @@ namespace pb = ::memra::kv::v1;
 
 std::string UnreachableHint(const std::string& socket_path, absl::StatusCode code) {
   if (code == absl::StatusCode::kPermissionDenied) {
-    return "the socket is for the memra-kv group: usermod -aG memra-kv $USER, then log in again";
+    return "the admin socket is for operators (mode 0600: root; the daemon's admin_socket_group "
+           "and admin_socket_mode widen it): run memra-kvctl with sudo";
   }
   int gpu = -1;
   absl::string_view rest = socket_path;
   std::string unit = "memra-kvd@<gpu>";
-  if (absl::ConsumePrefix(&rest, "/run/memra-kv/gpu") && absl::ConsumeSuffix(&rest, ".sock") &&
+  if (absl::ConsumePrefix(&rest, "/run/memra-kv/gpu") &&
+      (absl::ConsumeSuffix(&rest, ".admin.sock") || absl::ConsumeSuffix(&rest, ".sock")) &&
       absl::SimpleAtoi(rest, &gpu) && gpu >= 0) {
     unit = absl::StrCat("memra-kvd@", gpu);
   }

@@ -77,11 +77,11 @@ class KvctlE2eTest : public ::testing::Test {
 
   void TearDown() override { engine_.reset(); }
 
-  // Runs the real memra-kvctl with `args` and --socket=<this daemon's> (unless `socket` says
-  // otherwise); stdout and stderr go through files.
+  // Runs the real memra-kvctl with `args` and --socket=<this daemon's admin socket> (unless
+  // `socket` says otherwise); stdout and stderr go through files.
   Outcome Kvctl(std::vector<std::string> args, const std::string& socket = "") {
     args.insert(args.begin(), Runfile("tools/memra-kvctl"));
-    args.push_back("--socket=" + (socket.empty() ? socket_ : socket));
+    args.push_back("--socket=" + (socket.empty() ? admin_socket_ : socket));
     const std::string out_path = dir_ + "/out";
     const std::string err_path = dir_ + "/err";
     Outcome outcome;
@@ -121,6 +121,7 @@ class KvctlE2eTest : public ::testing::Test {
   testing::DaemonProcess daemon_{"kvctl-e2e"};  // stopped, its directory removed, after TearDown
   const std::string& dir_ = daemon_.dir();
   const std::string& socket_ = daemon_.socket();
+  const std::string& admin_socket_ = daemon_.admin_socket();
   std::unique_ptr<KvClient> engine_;
 };
 
@@ -359,7 +360,23 @@ TEST_F(KvctlE2eTest, UnreachableDaemonExitsThree) {
   EXPECT_EQ(daemon_.WaitExit(), 0);
   const Outcome stopped = Kvctl({"status", "--timeout=2"});
   EXPECT_EQ(stopped.exit_code, 3) << stopped.out;
-  EXPECT_THAT(stopped.err, HasSubstr(absl::StrCat("cannot reach memra-kvd at unix:", socket_)));
+  EXPECT_THAT(stopped.err,
+              HasSubstr(absl::StrCat("cannot reach memra-kvd at unix:", admin_socket_)));
+}
+
+// The engine socket answers the read-only status but refuses the operators' calls, naming the
+// admin socket; nothing changes.
+TEST_F(KvctlE2eTest, EngineSocketRefusesDrainNamingTheAdminSocket) {
+  EXPECT_EQ(Kvctl({"status"}, socket_).exit_code, 0);
+  const Outcome drain = Kvctl({"drain"}, socket_);
+  EXPECT_EQ(drain.exit_code, 4);
+  EXPECT_THAT(drain.err, HasSubstrs("refused Drain: PERMISSION_DENIED: KvAdmin.Drain",
+                                    absl::StrCat("served only on the admin socket ",
+                                                 admin_socket_)));
+  const Outcome sessions = Kvctl({"sessions"}, socket_);
+  EXPECT_EQ(sessions.exit_code, 4);
+  EXPECT_THAT(sessions.err, HasSubstr("KvAdmin.ListSessions"));
+  EXPECT_FALSE(KvctlJson<pb::GetStatusResponse>({"status"}).draining());
 }
 
 }  // namespace

@@ -32,8 +32,9 @@ struct FlagSpec {
 };
 
 constexpr FlagSpec kSocketFlag{"--socket", "PATH",
-                               "the daemon's socket (default /run/memra-kv/gpu0.sock)"};
-constexpr FlagSpec kGpuFlag{"--gpu", "N", "the socket of GPU N's daemon: /run/memra-kv/gpuN.sock"};
+                               "the daemon's admin socket (default /run/memra-kv/gpu0.admin.sock)"};
+constexpr FlagSpec kGpuFlag{"--gpu", "N",
+                            "the admin socket of GPU N's daemon: /run/memra-kv/gpuN.admin.sock"};
 constexpr FlagSpec kJsonFlag{"--json", "",
                              "print the daemon's answer as protobuf JSON (field names as in "
                              "admin.proto; 64-bit numbers are strings, bytes are base64)"};

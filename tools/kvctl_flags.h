@@ -19,7 +19,9 @@
 
 namespace memra::kvctl {
 
-inline constexpr char kDefaultSocketPattern[] = "/run/memra-kv/gpu%d.sock";
+// The daemon's admin socket (memra-kvd's admin_socket_path default: beside the engine socket
+// gpuN.sock). The engine socket refuses the operators' calls (drain, evict, the listings).
+inline constexpr char kDefaultSocketPattern[] = "/run/memra-kv/gpu%d.admin.sock";
 inline constexpr absl::Duration kDefaultTimeout = absl::Seconds(10);
 // The capacity range CreateSession accepts (cache.proto), checked here so a typo is a usage
 // error that names the flag rather than a refusal from the daemon.
@@ -32,7 +34,7 @@ struct Invocation {
   std::string help_topic;  // "help CMD" / "CMD --help": CMD; empty: the overview
 
   // Common.
-  std::string socket_path;  // --socket, or --gpu's path, or GPU 0's
+  std::string socket_path;  // --socket, or --gpu's admin socket, or GPU 0's
   absl::Duration timeout = kDefaultTimeout;
   bool json = false;
 

@@ -131,7 +131,7 @@ TEST(ParseArgsTest, DefaultsAndFlagsOnEitherSideOfTheCommand) {
   absl::StatusOr<Invocation> status = ParseArgs({"status"});
   ASSERT_TRUE(status.ok()) << status.status();
   EXPECT_EQ(status->command, "status");
-  EXPECT_EQ(status->socket_path, "/run/memra-kv/gpu0.sock");
+  EXPECT_EQ(status->socket_path, "/run/memra-kv/gpu0.admin.sock");
   EXPECT_EQ(status->timeout, absl::Seconds(10));
   EXPECT_FALSE(status->json);
 
@@ -140,7 +140,7 @@ TEST(ParseArgsTest, DefaultsAndFlagsOnEitherSideOfTheCommand) {
                  "--layers=4:12", "--tp=2", "--spec-snapshot", "--timeout=0.5"});
   ASSERT_TRUE(fit.ok()) << fit.status();
   EXPECT_EQ(fit->command, "fit");
-  EXPECT_EQ(fit->socket_path, "/run/memra-kv/gpu3.sock");
+  EXPECT_EQ(fit->socket_path, "/run/memra-kv/gpu3.admin.sock");
   EXPECT_TRUE(fit->json);
   EXPECT_EQ(fit->hf_config_path, "/m/config.json");
   EXPECT_EQ(fit->context, 32768u);
@@ -960,7 +960,7 @@ TEST_F(FakeDaemonTest, UnreachableSocketsExitThreeNamingSocketAndUnit) {
   outcome = RunCli({"engines", "--gpu=977"});
   EXPECT_EQ(outcome.exit_code, kExitUnreachable);
   EXPECT_THAT(outcome.err,
-              HasSubstrs("unix:/run/memra-kv/gpu977.sock", "systemctl status memra-kvd@977\n"));
+              HasSubstrs("unix:/run/memra-kv/gpu977.admin.sock", "systemctl status memra-kvd@977\n"));
 
   // A stale socket file: bound, nobody listening.
   const std::string stale = dir_ + "/stale.sock";

@@ -271,14 +271,20 @@ class Client:
     def import_model(self, hf_config_json, name="", index_pool=0, register=True, swa_ring=False,
                      index_ring_rows=None, timeout=None):
         """The plan of a Hugging Face config.json (its text, or a path to it) as the daemon
-        imports it; registered unless register=False. Returns ImportModelResponse (plan,
-        plan_fingerprint, architecture, registered)."""
+        imports it; registered (with register_plan, as this engine) unless register=False.
+        Returns ImportModelResponse (plan, plan_fingerprint, architecture, registered).
+        The daemon's own registering import is an operator's call (its admin socket); an
+        engine converts, then registers the plan like any other."""
         request = admin_pb2.ImportModelRequest(hf_config_json=_json_text(hf_config_json),
                                                name=name, index_pool=index_pool,
-                                               register=register, swa_ring=swa_ring)
+                                               register=False, swa_ring=swa_ring)
         if index_ring_rows is not None:
             request.index_ring_rows = index_ring_rows
-        return _call(self.admin_stub.ImportModel, request, self._timeout(timeout))
+        imported = _call(self.admin_stub.ImportModel, request, self._timeout(timeout))
+        if register:
+            fingerprint = self.register_plan(imported.plan, timeout=timeout)
+            imported.registered = fingerprint == imported.plan_fingerprint
+        return imported
 
     # -- admission and sessions --
 
@@ -377,7 +383,10 @@ class Client:
         return _call(self.prefix.EvictPrefix, prefix_pb2.EvictPrefixRequest(entry_id=entry_id),
                      self._timeout(timeout))
 
-    # -- admin (memra-kvctl's calls; replies are the admin.proto messages) --
+    # -- admin (memra-kvctl's calls; replies are the admin.proto messages). status, cost, fit and
+    # max_context are served on the engine socket too (status without the per-engine list);
+    # sessions, engines, drain, undrain and the prefix listing/inspection/eviction only on the
+    # daemon's admin socket (connect to its admin_socket_path; PERMISSION_DENIED elsewhere). --
 
     def status(self, timeout=None):
         return _call(self.admin_stub.GetStatus, admin_pb2.GetStatusRequest(),

@@ -65,6 +65,7 @@ class Daemon:
     def __init__(self, flags=()):
         self.dir = tempfile.mkdtemp(prefix="memra-py-", dir="/tmp")
         self.socket = os.path.join(self.dir, "kvd.sock")
+        self.admin_socket = os.path.join(self.dir, "kvd.admin.sock")  # the default, beside it
         self.log = open(os.path.join(self.dir, "kvd.log"), "w+")
         self.process = subprocess.Popen(
             [binary("server/memra-kvd"), "--socket_path=" + self.socket, "--socket_mode=0600",
@@ -72,7 +73,7 @@ class Daemon:
              "--lease_grace_ms=100", "--drain_grace_ms=500"] + list(flags),
             stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + PATIENCE_S
-        while not os.path.exists(self.socket):
+        while not (os.path.exists(self.socket) and os.path.exists(self.admin_socket)):
             if self.process.poll() is not None or time.monotonic() > deadline:
                 self.log.seek(0)
                 raise RuntimeError("memra-kvd never listened on %s: %s" % (
@@ -84,6 +85,10 @@ class Daemon:
         if name is not None:
             client.attach(name)
         return client
+
+    def admin(self):
+        """A client of the admin socket: the operators' calls (listings, drain, eviction)."""
+        return memra_kv.Client.connect(self.admin_socket, timeout=10)
 
     def stop(self):
         """SIGTERM (drain) and the exit status."""

@@ -23,6 +23,7 @@ def small(kvd):
     """A daemon with a 64 MiB budget and an attached client."""
     daemon = kvd("--budget_bytes=64MiB")
     client = daemon.client("py-calls")
+    client.daemon = daemon  # the tests' operator calls: daemon.admin()
     yield client
     client.close()
 
@@ -54,7 +55,8 @@ def test_admission_refusal_raises_with_its_numbers(small):
             LLAMA_32K_BYTES, free, 0, 64 * MiB, 0)
         assert "needs %d bytes, %d free (0 evictable) of %d budget" % (
             LLAMA_32K_BYTES, free, 64 * MiB) in error.message
-    assert small.sessions() == []
+    with small.daemon.admin() as admin:
+        assert admin.sessions() == []
 
     # Grow past the budget: the old arena stays allocated until the grow is acknowledged, so
     # the extra bytes the refusal names are the whole new arena.
@@ -154,14 +156,23 @@ def test_admin_fit_max_context_and_drain(small):
     assert 0 < most.max_context_now and most.session_bytes_now <= most.free_bytes
     assert small.cost(most.max_context_now + 256, fingerprint=plan).arena_bytes > most.free_bytes
     session = small.create_session(plan, 256)
-    listed = small.sessions()
+    # The engine socket answers the queries above but not the operators' calls.
+    with pytest.raises(KvError) as engine_socket:
+        small.drain()
+    assert engine_socket.value.code == grpc.StatusCode.PERMISSION_DENIED
+    assert "KvAdmin.Drain" in engine_socket.value.message
+    assert small.daemon.admin_socket in engine_socket.value.message
+    assert len(small.status().engine_status) == 0  # the totals, not the other engines
+    admin = small.daemon.admin()
+    listed = admin.sessions()
     assert [(s.session_id, s.capacity) for s in listed] == [(session.id, 256)]
-    assert small.engines()[0].sessions == 1
-    assert small.drain() == 1
+    assert admin.engines()[0].sessions == 1
+    assert admin.drain() == 1
     with pytest.raises(KvError) as draining:
         small.create_session(plan, 256)
     assert draining.value.code == grpc.StatusCode.UNAVAILABLE
-    small.undrain()
+    admin.undrain()
+    admin.close()
     small.create_session(plan, 256).release()
     session.release()
 

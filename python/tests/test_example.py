@@ -15,6 +15,6 @@ def test_the_readme_example_runs(kvd, monkeypatch):
     restored, committed = example["main"]()
     assert restored == [0, 256]
     assert committed == [256 + example["STEPS"]] * 2
-    with daemon.client() as admin:
+    with daemon.admin() as admin:
         assert admin.sessions() == []
         assert admin.list_prefixes().stats.restores == 1

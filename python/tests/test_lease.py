@@ -19,7 +19,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 def test_heartbeats_keep_an_idle_engine_alive_and_detach_frees_its_sessions(kvd):
     daemon = kvd("--lease_timeout_ms=600", "--lease_grace_ms=100")
-    with daemon.client() as admin, daemon.client() as engine:
+    with daemon.admin() as admin, daemon.client() as engine:
         engine_id = engine.attach("py-idle")
         assert engine.lease_timeout_ms == 600 and engine.lease_alive
         plan = engine.register_plan(dense_plan(2, 32, 1))
@@ -71,7 +71,7 @@ def test_a_python_engine_killed_with_sigkill_is_reclaimed(kvd):
         assert poll_until(lambda: os.path.exists(out) or engine.poll() is not None)
         assert os.path.exists(out), "the engine exited %s before it was ready" % engine.poll()
         facts = dict(line.split("=") for line in open(out).read().split())
-        with daemon.client() as admin:
+        with daemon.admin() as admin:
             sessions = admin.sessions()
             assert [(s.session_id, s.engine_id, s.logical_len) for s in sessions] == [
                 (int(facts["session_id"]), int(facts["engine_id"]), 64)]

@@ -50,7 +50,8 @@ def test_python_restores_what_the_cpp_engine_captured(kvd, kind, n):
             if layer.ring:
                 assert layer.ring_base == aligned_window_start(n, 64)
         assert check_pattern(session, restored.state) > 0
-        stats = client.list_prefixes().stats
+        with daemon.admin() as admin:
+            stats = admin.list_prefixes().stats
         assert (stats.restores, stats.tokens_restored, stats.dropped_entries) == (1, n, 0)
         session.release()
 
@@ -116,8 +117,14 @@ def test_events_resume_from_the_last_sequence_and_surface_a_gap(kvd):
         assert not_fresh.value.code == grpc.StatusCode.FAILED_PRECONDITION
         assert client.lookup_prefix(plan, [1, 2, 3] * 16).outcome == "miss"
         assert client.restore_prefix(fresh, tokens(64)).restored_tokens == 64
-        entries = client.list_prefixes().entries
+        # Listing, inspecting and evicting are operators' calls: the admin socket.
+        with pytest.raises(KvError) as engine_socket:
+            client.list_prefixes()
+        assert engine_socket.value.code == grpc.StatusCode.PERMISSION_DENIED
+        assert daemon.admin_socket in engine_socket.value.message
+        admin = daemon.admin()
+        entries = admin.list_prefixes().entries
         assert sorted(e.boundary_tokens for e in entries) == [32, 64]
-        assert client.inspect_prefix(entries[0].entry_id).entry_id == entries[0].entry_id
-        freed = client.evict_prefix(entries[0].entry_id)
+        assert admin.inspect_prefix(entries[0].entry_id).entry_id == entries[0].entry_id
+        freed = admin.evict_prefix(entries[0].entry_id)
         assert freed.stats.entries == 1

@@ -78,16 +78,22 @@ class CudaE2eTest : public ::testing::Test {
     absl::StatusOr<std::unique_ptr<KvClient>> checker = KvClient::Connect(socket_);
     ASSERT_THAT(checker, IsOk());
     checker_ = *std::move(checker);
+    // The operators' view (per-engine status, the prefix listing): the admin socket.
+    absl::StatusOr<std::unique_ptr<KvClient>> operator_client =
+        KvClient::Connect(daemon_.admin_socket());
+    ASSERT_THAT(operator_client, IsOk());
+    operator_ = *std::move(operator_client);
   }
 
   void TearDown() override {
     checker_.reset();
+    operator_.reset();
     KillAndReap(engine_a_);
     KillAndReap(engine_b_);
   }
 
   pb::GetStatusResponse Status() {
-    absl::StatusOr<pb::GetStatusResponse> status = ClientInternals::GetStatus(*checker_);
+    absl::StatusOr<pb::GetStatusResponse> status = ClientInternals::GetStatus(*operator_);
     EXPECT_THAT(status, IsOk());
     return status.ok() ? *status : pb::GetStatusResponse();
   }
@@ -109,8 +115,8 @@ class CudaE2eTest : public ::testing::Test {
 
   pb::ListPrefixesResponse List() {
     pb::ListPrefixesResponse response;
-    EXPECT_THAT(FromGrpcStatus(ClientInternals::Prefix(*checker_).ListPrefixes(
-                    ClientInternals::NewContext(*checker_).get(), {}, &response)),
+    EXPECT_THAT(FromGrpcStatus(ClientInternals::Prefix(*operator_).ListPrefixes(
+                    ClientInternals::NewContext(*operator_).get(), {}, &response)),
                 IsOk());
     return response;
   }
@@ -121,6 +127,7 @@ class CudaE2eTest : public ::testing::Test {
   pid_t engine_a_ = -1;
   pid_t engine_b_ = -1;
   std::unique_ptr<KvClient> checker_;
+  std::unique_ptr<KvClient> operator_;
 };
 
 TEST_F(CudaE2eTest, TwoEnginesBytesSpecRollbackReclaimAndDrain) {
@@ -178,6 +185,7 @@ TEST_F(CudaE2eTest, TwoEnginesBytesSpecRollbackReclaimAndDrain) {
   EXPECT_EQ(WaitExit(engine_b_), 0);
   engine_b_ = -1;
   checker_.reset();
+  operator_.reset();
   EXPECT_EQ(daemon_.WaitExit(), 0);
   EXPECT_FALSE(Exists(socket_));
 }

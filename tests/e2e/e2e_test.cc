@@ -53,7 +53,7 @@ std::string ShmPath(const Facts& facts) {
 class E2eTest : public ::testing::Test {
  protected:
   // Starts memra-kvd on socket_ with the test's budget, then `extra` flags, and connects the
-  // checker.
+  // checker (the engine socket) and the operator (the admin socket: the per-engine status).
   void StartDaemon(const std::vector<std::string>& extra = {}) {
     std::vector<std::string> flags = {"--budget_bytes=256MiB"};
     flags.insert(flags.end(), extra.begin(), extra.end());
@@ -61,6 +61,10 @@ class E2eTest : public ::testing::Test {
     absl::StatusOr<std::unique_ptr<KvClient>> checker = KvClient::Connect(socket_);
     ASSERT_THAT(checker, IsOk());
     checker_ = *std::move(checker);
+    absl::StatusOr<std::unique_ptr<KvClient>> operator_client =
+        KvClient::Connect(daemon_.admin_socket());
+    ASSERT_THAT(operator_client, IsOk());
+    operator_ = *std::move(operator_client);
   }
 
   static std::vector<std::string> LeaseFlags() {
@@ -70,12 +74,13 @@ class E2eTest : public ::testing::Test {
 
   void TearDown() override {
     checker_.reset();
+    operator_.reset();
     KillAndReap(engine_a_);
     KillAndReap(engine_b_);
   }
 
   pb::GetStatusResponse Status() {
-    absl::StatusOr<pb::GetStatusResponse> status = ClientInternals::GetStatus(*checker_);
+    absl::StatusOr<pb::GetStatusResponse> status = ClientInternals::GetStatus(*operator_);
     EXPECT_THAT(status, IsOk());
     return status.ok() ? *status : pb::GetStatusResponse();
   }
@@ -94,6 +99,7 @@ class E2eTest : public ::testing::Test {
   pid_t engine_a_ = -1;
   pid_t engine_b_ = -1;
   std::unique_ptr<KvClient> checker_;
+  std::unique_ptr<KvClient> operator_;
 };
 
 TEST_F(E2eTest, TwoEnginesBytesLeasesAndDrain) {

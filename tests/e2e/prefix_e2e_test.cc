@@ -38,7 +38,8 @@ class PrefixE2eTest : public ::testing::Test {
     ASSERT_TRUE(daemon_.Start({"--budget_bytes=512MiB", "--prefix_cache_budget_bytes=128MiB",
                                "--prefix_block_tokens=16", "--lease_timeout_ms=2000",
                                "--lease_grace_ms=100"}));
-    absl::StatusOr<std::unique_ptr<KvClient>> checker = KvClient::Connect(socket_);
+    // The operator's view (ListPrefixes): the admin socket.
+    absl::StatusOr<std::unique_ptr<KvClient>> checker = KvClient::Connect(daemon_.admin_socket());
     ASSERT_THAT(checker, IsOk());
     checker_ = *std::move(checker);
   }

@@ -505,7 +505,8 @@ TEST_F(AdmissionTest, ImportModelRegistersAPlanEnginesCanUse) {
   request.set_name("tiny-qwen");
   request.set_register_(true);
   pb::ImportModelResponse imported;
-  ASSERT_THAT(Admin(&pb::KvAdmin::Stub::ImportModel, request, &imported), IsOk());
+  // Registering is an operator's call: the admin socket.
+  ASSERT_THAT(Operator(&pb::KvAdmin::Stub::ImportModel, request, &imported), IsOk());
   EXPECT_EQ(imported.architecture(), "Qwen2ForCausalLM");
   EXPECT_TRUE(imported.registered());
   EXPECT_EQ(imported.plan().name(), "tiny-qwen");
@@ -517,7 +518,7 @@ TEST_F(AdmissionTest, ImportModelRegistersAPlanEnginesCanUse) {
   EXPECT_TRUE(session.ok()) << session.status();
 
   request.set_hf_config_json(R"({"architectures": ["LlamaForCausalLM"]})");
-  EXPECT_THAT(Admin(&pb::KvAdmin::Stub::ImportModel, request, &imported),
+  EXPECT_THAT(Operator(&pb::KvAdmin::Stub::ImportModel, request, &imported),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("num_hidden_layers")));
 }
 
@@ -527,7 +528,7 @@ TEST_F(AdmissionTest, ListingsShowEnginesSessionsAndReservations) {
   absl::StatusOr<SessionReservation> reservation = client_->Reserve(plan_, Options(64));
   ASSERT_TRUE(reservation.ok());
   pb::ListSessionsResponse sessions;
-  ASSERT_THAT(Admin(&pb::KvAdmin::Stub::ListSessions, pb::ListSessionsRequest(), &sessions),
+  ASSERT_THAT(Operator(&pb::KvAdmin::Stub::ListSessions, pb::ListSessionsRequest(), &sessions),
               IsOk());
   ASSERT_EQ(sessions.sessions_size(), 1);
   const pb::SessionSummary summary = sessions.sessions(0);
@@ -539,11 +540,12 @@ TEST_F(AdmissionTest, ListingsShowEnginesSessionsAndReservations) {
   EXPECT_EQ(summary.arena_bytes(), CostOf(HybridTestPlan(), 256));
   pb::ListSessionsRequest other_engine;
   other_engine.set_engine_id(client_->engine_id() + 100);
-  ASSERT_THAT(Admin(&pb::KvAdmin::Stub::ListSessions, other_engine, &sessions), IsOk());
+  ASSERT_THAT(Operator(&pb::KvAdmin::Stub::ListSessions, other_engine, &sessions), IsOk());
   EXPECT_EQ(sessions.sessions_size(), 0);
 
   pb::ListEnginesResponse engines;
-  ASSERT_THAT(Admin(&pb::KvAdmin::Stub::ListEngines, pb::ListEnginesRequest(), &engines), IsOk());
+  ASSERT_THAT(Operator(&pb::KvAdmin::Stub::ListEngines, pb::ListEnginesRequest(), &engines),
+              IsOk());
   ASSERT_EQ(engines.engines_size(), 1);
   EXPECT_EQ(engines.engines(0).sessions(), 1u);
   EXPECT_EQ(engines.engines(0).reservations(), 1u);
@@ -556,7 +558,7 @@ TEST_F(AdmissionTest, DrainAndUndrainThroughTheAdminService) {
   std::unique_ptr<Session> session = NewSession(*client_, 64);
   ASSERT_NE(session, nullptr);
   pb::DrainResponse drained;
-  ASSERT_THAT(Admin(&pb::KvAdmin::Stub::Drain, pb::DrainRequest(), &drained), IsOk());
+  ASSERT_THAT(Operator(&pb::KvAdmin::Stub::Drain, pb::DrainRequest(), &drained), IsOk());
   EXPECT_EQ(drained.sessions_open(), 1u);
   EXPECT_TRUE(daemon_->GetStatus().draining());
   EXPECT_THAT(client_->CreateSession(plan_, Options(64)).status(),
@@ -566,7 +568,7 @@ TEST_F(AdmissionTest, DrainAndUndrainThroughTheAdminService) {
   // Existing sessions keep working.
   EXPECT_TRUE(session->Begin().ok());
   pb::UndrainResponse undrained;
-  ASSERT_THAT(Admin(&pb::KvAdmin::Stub::Undrain, pb::UndrainRequest(), &undrained), IsOk());
+  ASSERT_THAT(Operator(&pb::KvAdmin::Stub::Undrain, pb::UndrainRequest(), &undrained), IsOk());
   EXPECT_FALSE(daemon_->GetStatus().draining());
   EXPECT_TRUE(client_->CreateSession(plan_, Options(64)).ok());
 }

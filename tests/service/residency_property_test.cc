@@ -522,7 +522,9 @@ class Sequence {
     const uint64_t target = random_.Below(staged + 2);
     absl::StatusOr<bool> can = session_->CanRewind(target);
     if (!can.ok()) return Fail(absl::StrCat("can rewind ", target, ": ", can.status().ToString()));
+    const uint64_t committed = State().committed_len;
     const absl::Status status = session_->Rewind(target).status();
+    if (status.ok()) CommittedLengthMoved(committed, target);
     if (*can != status.ok()) {
       return Fail(absl::StrCat("CanRewind(", target, ") said ", *can, " but Rewind answered ",
                                status.ToString()));
@@ -543,8 +545,10 @@ class Sequence {
   void SpecRollback(const SessionSnapshot& before) {
     const uint64_t staged = State().staged_len;
     const uint64_t accept = random_.Below(staged + 2 - std::min(staged, spec_committed_));
+    const uint64_t committed = State().committed_len;
     const absl::Status status = session_->SpecRollback(accept).status();
     if (status.ok()) {
+      CommittedLengthMoved(committed, State().committed_len);
       conversation_.recurrent = spec_recurrent_;  // the daemon copied the snapshot back
       EndTransaction();
     }
@@ -604,7 +608,9 @@ class Sequence {
     }
     WriteRecurrent();
     const SessionSnapshot before = State();
-    After(absl::StrCat("hydrate ", len), session_->Hydrate(len).status(), before);
+    const absl::Status hydrated = session_->Hydrate(len).status();
+    if (hydrated.ok()) tokens_committed_ = false;
+    After(absl::StrCat("hydrate ", len), hydrated, before);
   }
 
   // Captures at the committed length, first ending any transaction (committing what is
@@ -629,11 +635,21 @@ class Sequence {
     if (!ok_ || boundary == 0) return;
     absl::StatusOr<PrefixCaptured> captured = client_.CapturePrefix(
         *session_, absl::MakeConstSpan(conversation_.tokens).subspan(0, boundary), boundary);
+    // Rows hydrated, or published by a rewind or rollback, were never committed with their
+    // token ids: nothing to key a capture by.
+    const bool unknown_tokens =
+        absl::StrContains(captured.status().message(), "commit with token ids to capture");
+    if (unknown_tokens == tokens_committed_) {
+      return Fail(absl::StrCat("capture with token ids ", tokens_committed_ ? "" : "not ",
+                               "all committed: ", captured.status().ToString()));
+    }
     // An entry already stored for these tokens keeps its first capture's bytes.
     if (captured.ok() && !captured->already_present) {
       captured_.push_back({boundary, conversation_});
     }
     After(absl::StrCat("capture ", boundary), captured.status(), aligned);
+    // An engine that wants its prefix cached starts over, committing with token ids.
+    if (unknown_tokens && ok_) Reset(State());
   }
 
   // Replaces the session by a fresh one restored from an entry this sequence captured.
@@ -663,8 +679,14 @@ class Sequence {
       conversation_ = Conversation();
       EndTransaction();
       spec_recurrent_.clear();
+      tokens_committed_ = true;
     }
     After("reset", status, before);
+  }
+
+  // Rows a rewind or a rollback publishes above the committed length carried no token ids.
+  void CommittedLengthMoved(uint64_t before, uint64_t after) {
+    if (after > before) tokens_committed_ = false;
   }
 
   void EndTransaction() {
@@ -684,6 +706,7 @@ class Sequence {
     EndTransaction();
     spec_recurrent_.clear();
     spec_committed_ = 0;
+    tokens_committed_ = true;
     return session_ != nullptr;
   }
 
@@ -700,6 +723,9 @@ class Sequence {
   Conversation conversation_;
   std::optional<Transaction> transaction_;
   bool prepared_ = false;  // an append is prepared and not published
+  // Every committed row's token id reached the daemon with its commit (false once hydrated or
+  // once a rewind or rollback moved the committed length up).
+  bool tokens_committed_ = true;
   std::map<uint32_t, uint64_t> spec_recurrent_;
   uint64_t spec_committed_ = 0;
   std::vector<Captured> captured_;
@@ -750,16 +776,20 @@ TEST_F(ResidencyPropertyTest, EveryLiveRowHoldsWhatWasLastWrittenOnEveryPlanKind
     }
   }
   // The daemon's prefix storage is freed before the fixture counts arenas.
-  // (Operator calls: the raw stub.)
-  pb::KvPrefixCache::Stub& prefix = ClientInternals::Prefix(*client_);
+  // (Operator calls, on the admin socket: the raw stub.)
+  std::unique_ptr<KvClient> operator_client = NewOperator();
+  ASSERT_NE(operator_client, nullptr);
+  pb::KvPrefixCache::Stub& prefix = ClientInternals::Prefix(*operator_client);
   pb::ListPrefixesResponse listed;
-  ASSERT_TRUE(prefix.ListPrefixes(ClientInternals::NewContext(*client_).get(), {}, &listed).ok());
+  ASSERT_TRUE(
+      prefix.ListPrefixes(ClientInternals::NewContext(*operator_client).get(), {}, &listed).ok());
   for (const pb::PrefixEntry& entry : listed.entries()) {
     pb::EvictPrefixRequest evict;
     evict.set_entry_id(entry.entry_id());
     pb::EvictPrefixResponse evicted;
-    EXPECT_TRUE(
-        prefix.EvictPrefix(ClientInternals::NewContext(*client_).get(), evict, &evicted).ok());
+    EXPECT_TRUE(prefix.EvictPrefix(ClientInternals::NewContext(*operator_client).get(), evict,
+                                   &evicted)
+                    .ok());
   }
 }
 

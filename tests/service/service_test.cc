@@ -108,6 +108,11 @@ TEST_F(ServiceTest, AttachAnnouncesEngineLeaseAndBackend) {
   EXPECT_EQ(status->backend(), "host");
   EXPECT_EQ(status->engines(), 1u);
   EXPECT_EQ(status->plans(), 1u);
+  EXPECT_THAT(status->engine_status(), SizeIs(0));  // engines see the totals only
+  std::unique_ptr<KvClient> operator_client = NewOperator();
+  ASSERT_NE(operator_client, nullptr);
+  status = ClientInternals::GetStatus(*operator_client);
+  ASSERT_THAT(status, IsOk());
   ASSERT_THAT(status->engine_status(), SizeIs(1));
   EXPECT_EQ(status->engine_status(0).engine_name(), "engine-a");
   EXPECT_TRUE(status->engine_status(0).lease_live());

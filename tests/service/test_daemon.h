@@ -78,6 +78,7 @@ class DaemonTest : public ::testing::Test {
 
   void TearDown() override {
     client_.reset();
+    operator_.reset();
     if (daemon_ != nullptr) daemon_->Shutdown();
     // Nothing outlives the daemon: invariant (2) of Daemon.
     if (host_ != nullptr) {
@@ -99,6 +100,26 @@ class DaemonTest : public ::testing::Test {
     absl::Status attached = (*client)->Attach(engine_name);
     EXPECT_TRUE(attached.ok()) << attached;
     return attached.ok() ? *std::move(client) : nullptr;
+  }
+
+  // A client of the admin socket (the operators' calls), not attached; null (and a failure) on
+  // error.
+  std::unique_ptr<KvClient> NewOperator() {
+    absl::StatusOr<std::unique_ptr<KvClient>> client =
+        KvClient::Connect(daemon_->admin_socket_path());
+    EXPECT_TRUE(client.ok()) << client.status();
+    return client.ok() ? *std::move(client) : nullptr;
+  }
+
+  // A KvAdmin call (e.g. &KvAdmin::Stub::Drain) as an operator, on the admin socket.
+  template <typename Request, typename Response>
+  absl::Status Operator(grpc::Status (memra::kv::v1::KvAdmin::Stub::*method)(
+                            grpc::ClientContext*, const Request&, Response*),
+                        const Request& request, Response* response) {
+    if (operator_ == nullptr) operator_ = NewOperator();
+    if (operator_ == nullptr) return absl::UnavailableError("no client of the admin socket");
+    return FromGrpcStatus((ClientInternals::Admin(*operator_).*method)(
+        ClientInternals::NewContext(*operator_).get(), request, response));
   }
 
   std::unique_ptr<Session> NewSession(KvClient& client, uint64_t capacity,
@@ -155,6 +176,7 @@ class DaemonTest : public ::testing::Test {
   FaultInjectingBackend* faults_ = nullptr;  // owned by daemon_
   std::unique_ptr<Daemon> daemon_;
   std::unique_ptr<KvClient> client_;
+  std::unique_ptr<KvClient> operator_;  // Operator()'s client of the admin socket
   PlanFingerprint plan_{};
 };
 
