@@ -104,6 +104,11 @@ TEST_F(PlanLayerCapTest, ImportedConfigsAreCapped) {
   import.set_hf_config_json(config);
   import.set_register_(true);
   pb::ImportModelResponse imported;
+  // The registering import is an operator's call (the admin socket); the converting one is an
+  // engine's. Both are capped.
+  EXPECT_THAT(Operator(&pb::KvAdmin::Stub::ImportModel, import, &imported),
+              StatusIs(kInvalid, HasSubstrs("48 layers", "at most 40")));
+  import.set_register_(false);
   EXPECT_THAT(Admin(&pb::KvAdmin::Stub::ImportModel, import, &imported),
               StatusIs(kInvalid, HasSubstrs("48 layers", "at most 40")));
   pb::CostRequest cost;
