@@ -616,6 +616,17 @@ class Sequence {
   // Captures at the committed length, first ending any transaction (committing what is
   // published) and rewinding to a block boundary, as an engine preparing a capture would.
   void Capture(const SessionSnapshot& before) {
+    if (!tokens_committed_ && !transaction_.has_value() && random_.Below(4) != 0) {
+      // Most of the time the engine knows its ids are not committed (it hydrated, or a rewind
+      // moved over uncommitted rows) and starts over, committing a block of rows with their ids;
+      // otherwise it tries anyway and the refusal below is checked.
+      Reset(before);
+      if (!ok_) return;
+      Append(State(), kBlockTokens * (1 + random_.Below(3)));
+      if (!ok_ || !transaction_.has_value()) return;
+      CommitOrAbort(State(), /*abort=*/false, /*all=*/true);
+      if (!ok_ || transaction_.has_value()) return;
+    }
     if (transaction_.has_value()) {
       if (prepared_) return;
       CommitOrAbort(before, /*abort=*/false, /*all=*/true);
