@@ -10,6 +10,7 @@
 #include <memory>
 #include <string>
 
+#include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
@@ -24,6 +25,7 @@ class CheckedArenaBackend : public DeviceBackend {
  public:
   absl::StatusOr<ArenaId> CreateArena(uint64_t bytes, ArenaVisibility visibility) final;
   absl::StatusOr<ArenaExport> Export(ArenaId arena) final;
+  absl::StatusOr<int> DuplicateArenaFd(ArenaId arena) final;
   absl::Status FreeArena(ArenaId arena) final;
 
   absl::Status Memset(ArenaId arena, uint64_t offset, uint8_t value, uint64_t bytes) final;
@@ -46,6 +48,12 @@ class CheckedArenaBackend : public DeviceBackend {
   // destructor must not depend on the backend object.
   CheckedArenaBackend(std::string backend, uint64_t capacity)
       : arenas_(std::move(backend), capacity) {}
+
+  // Files `record` (of exactly `bytes`, exported) as a new arena against the capacity: a
+  // subclass's AdoptArenaFd maps the descriptor in `adopt` and this does the bookkeeping.
+  absl::StatusOr<ArenaId> FileAdopted(
+      uint64_t bytes, absl::FunctionRef<absl::StatusOr<std::shared_ptr<ArenaRecord>>(uint64_t)>
+                          adopt);
 
   // A zero-filled arena of exactly `bytes` (already rounded); export_handle() set iff exported.
   virtual absl::StatusOr<std::shared_ptr<ArenaRecord>> Allocate(uint64_t bytes,

@@ -8,7 +8,9 @@
 #include <cstddef>
 #include <cstdint>
 #include <optional>
+#include <string>
 #include <string_view>
+#include <utility>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
@@ -61,6 +63,14 @@ class FaultInjectingBackend final : public DeviceBackend {
 
   absl::StatusOr<ArenaId> CreateArena(uint64_t bytes, ArenaVisibility visibility) override;
   absl::StatusOr<ArenaExport> Export(ArenaId arena) override;
+  // Forwarded without an injection point: it reads no device memory.
+  absl::StatusOr<int> DuplicateArenaFd(ArenaId arena) override {
+    return target_->DuplicateArenaFd(arena);
+  }
+  absl::StatusOr<ArenaId> AdoptArenaFd(int fd, uint64_t bytes,
+                                       std::string export_handle) override {
+    return target_->AdoptArenaFd(fd, bytes, std::move(export_handle));
+  }
   absl::Status FreeArena(ArenaId arena) override;
 
   absl::Status Memset(ArenaId arena, uint64_t offset, uint8_t value, uint64_t bytes) override;

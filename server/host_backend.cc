@@ -90,16 +90,28 @@ class ShmName {
 };
 
 // One allocation. Releases its mapping (and unlinks its shm name, when exported) on destruction.
+// An exported arena owns its descriptor (`fd_`): the daemon keeps a duplicate in the fd store so
+// the memory survives a restart (server/restart_state.h).
 class HostArena final : public ArenaRecord {
  public:
-  HostArena(MappedRegion region, std::optional<ShmName> shm_name)
-      : ArenaRecord(region.data(), region.size(), shm_name ? shm_name->get() : ""),
+  HostArena(MappedRegion region, std::optional<ShmName> shm_name, ScopedFd fd,
+            std::string export_handle)
+      : ArenaRecord(region.data(), region.size(), std::move(export_handle)),
         region_(std::move(region)),
-        shm_name_(std::move(shm_name)) {}
+        shm_name_(std::move(shm_name)),
+        fd_(std::move(fd)) {}
+
+  absl::StatusOr<int> DuplicateFd() const override {
+    if (fd_.get() < 0) return ArenaRecord::DuplicateFd();
+    const int copy = fcntl(fd_.get(), F_DUPFD_CLOEXEC, 0);
+    if (copy < 0) return PosixError("fcntl(F_DUPFD_CLOEXEC) of a host arena", errno);
+    return copy;
+  }
 
  private:
   MappedRegion region_;
   std::optional<ShmName> shm_name_;
+  ScopedFd fd_;  // -1 for private arenas
 };
 
 }  // namespace
@@ -166,7 +178,9 @@ absl::StatusOr<std::shared_ptr<ArenaRecord>> HostBackend::CreateSharedArena(uint
   // and restored ranges. (Prefaulting each bulk copy's destination with MADV_POPULATE_WRITE
   // halved the steady-state copy rate into already-mapped pages: bench/README.md.)
   ASSIGN_OR_RETURN(MappedRegion region, MappedRegion::MapShared(fd.get(), bytes, object));
-  return std::make_shared<HostArena>(std::move(region), std::move(name));
+  std::string handle = name->get();
+  return std::make_shared<HostArena>(std::move(region), std::move(name), std::move(fd),
+                                     std::move(handle));
 }
 
 absl::StatusOr<std::shared_ptr<ArenaRecord>> HostBackend::Allocate(uint64_t bytes,
@@ -174,7 +188,29 @@ absl::StatusOr<std::shared_ptr<ArenaRecord>> HostBackend::Allocate(uint64_t byte
   if (visibility == ArenaVisibility::kExported) return CreateSharedArena(bytes);
   // Private arenas (prefix-cache storage) are written in full as soon as they exist.
   ASSIGN_OR_RETURN(MappedRegion region, MappedRegion::MapAnonymous(bytes, Prefault::kYes));
-  return std::make_shared<HostArena>(std::move(region), std::nullopt);
+  return std::make_shared<HostArena>(std::move(region), std::nullopt, ScopedFd(), "");
+}
+
+absl::StatusOr<ArenaId> HostBackend::AdoptArenaFd(int raw_fd, uint64_t bytes,
+                                                  std::string export_handle) {
+  ScopedFd fd(raw_fd);
+  if (export_handle.empty()) {
+    return absl::InvalidArgumentError("host AdoptArenaFd: an exported arena needs its handle");
+  }
+  struct stat info {};
+  if (fstat(fd.get(), &info) != 0) return PosixError("fstat of a kept host arena", errno);
+  if (info.st_size < 0 || static_cast<uint64_t>(info.st_size) < bytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("host AdoptArenaFd: the kept descriptor holds ", info.st_size,
+                     " bytes but the arena was ", bytes));
+  }
+  return FileAdopted(bytes, [&](uint64_t size) -> absl::StatusOr<std::shared_ptr<ArenaRecord>> {
+    ASSIGN_OR_RETURN(MappedRegion region,
+                     MappedRegion::MapShared(fd.get(), size, "a kept host arena"));
+    // The name (if any) belongs to the dead daemon and was removed at start: nothing to unlink.
+    return std::make_shared<HostArena>(std::move(region), std::nullopt, std::move(fd),
+                                       std::move(export_handle));
+  });
 }
 
 absl::Status HostBackend::Fill(uint8_t* at, uint8_t value, uint64_t bytes) {

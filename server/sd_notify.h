@@ -12,7 +12,9 @@
 
 #include <functional>
 #include <optional>
+#include <string>
 #include <string_view>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -24,6 +26,30 @@ namespace memra {
 // socket. Unset or empty variable: OK, nothing sent (not started by systemd). A malformed value is
 // INVALID_ARGUMENT; a failed send is the errno's status naming the socket.
 absl::Status SdNotify(std::string_view state);
+// SdNotify with `fds` attached as SCM_RIGHTS (sd_pid_notify_with_fds(3)): how "FDSTORE=1"
+// hands descriptors to the service manager's file-descriptor store. The caller keeps its fds.
+// FAILED_PRECONDITION when $NOTIFY_SOCKET is unset (descriptors would silently be lost).
+absl::Status SdNotifyWithFds(std::string_view state, const std::vector<int>& fds);
+
+// True when $NOTIFY_SOCKET names a service manager (systemd or memra-kv-supervise).
+bool UnderServiceManager();
+
+// One descriptor the service manager passed at start (sd_listen_fds_with_names(3)).
+struct ListenedFd {
+  int fd = -1;
+  std::string name;  // from $LISTEN_FDNAMES; "unknown" when absent
+};
+
+// The descriptors passed by $LISTEN_PID / $LISTEN_FDS / $LISTEN_FDNAMES, starting at fd 3.
+// Empty when the variables are unset or meant for another process (LISTEN_PID != `self`).
+// INVALID_ARGUMENT naming the variable for a malformed value or a name count that differs from
+// LISTEN_FDS. Pure over its inputs (the caller reads the environment).
+absl::StatusOr<std::vector<ListenedFd>> ParseListenFds(const char* listen_pid,
+                                                       const char* listen_fds,
+                                                       const char* listen_fdnames, pid_t self);
+// ParseListenFds on this process's environment; marks each fd close-on-exec and unsets the
+// three variables (children must not take them). Call before any thread starts.
+absl::StatusOr<std::vector<ListenedFd>> TakeListenFds();
 
 // The keep-alive period the daemon should use: half of $WATCHDOG_USEC, as sd_watchdog_enabled(3)
 // advises. nullopt when the watchdog is off, meant for another process ($WATCHDOG_PID differs from
