@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/types/span.h"
 #include "common/codec.h"
+#include "common/daemon_restart.h"
 #include "core/status_macros.h"
 #include "server/rpc_reply.h"
 #include "spdlog/spdlog.h"
@@ -40,8 +41,8 @@ class AttachReactor final
     : public grpc::ServerBidiReactor<pb::AttachRequest, pb::AttachResponse> {
  public:
   AttachReactor(grpc::CallbackServerContext* context, EngineLeases* leases,
-                std::string_view backend)
-      : context_(context), leases_(leases), backend_(backend) {
+                std::string_view backend, uint64_t epoch)
+      : context_(context), leases_(leases), backend_(backend), epoch_(epoch) {
     StartRead(&request_);
   }
 
@@ -71,7 +72,7 @@ class AttachReactor final
   }
 
   void OnDone() override {
-    if (engine_.has_value()) leases_->EndStream(*engine_);
+    if (engine_.has_value()) leases_->EndStream(*engine_, stream_);
     delete this;
   }
 
@@ -81,17 +82,34 @@ class AttachReactor final
       return absl::InvalidArgumentError("the first Attach message must be a hello");
     }
     grpc::CallbackServerContext* context = context_;
-    ASSIGN_OR_RETURN(EngineLease lease,
-                     leases_->Attach(request_.hello().engine_name(), request_.hello().pid(),
-                                     [context] { context->TryCancel(); }));
-    engine_ = lease.id;
+    auto cancel = [context] { context->TryCancel(); };
+    const pb::Hello& hello = request_.hello();
+    absl::StatusOr<EngineLease> lease =
+        hello.has_resume()
+            ? leases_->Resume(EngineCredentials{EngineId{hello.resume().engine_id()},
+                                                hello.resume().engine_token()},
+                              cancel)
+            : leases_->Attach(hello.engine_name(), hello.pid(), cancel);
+    if (!lease.ok() && hello.has_resume() && hello.resume_epoch() != 0 &&
+        hello.resume_epoch() != epoch_ && !GetDaemonRestart(lease.status()).has_value()) {
+      // A daemon that knows nothing of the engine's daemon (no journal, or not this lineage):
+      // the engine still learns it was a restart, with both epochs.
+      return DaemonRestartedError(
+          DaemonRestart{hello.resume_epoch(), epoch_},
+          absl::StrCat("engine ", hello.resume().engine_id(), " was not re-adopted: ",
+                       lease.status().message()));
+    }
+    RETURN_IF_ERROR(lease.status());
+    engine_ = lease->id;
+    stream_ = lease->stream;
     response_.Clear();
     pb::Attached* attached = response_.mutable_attached();
-    attached->mutable_engine()->set_engine_id(lease.id.value);
-    attached->mutable_engine()->set_engine_token(lease.token);
-    attached->set_lease_timeout_ms(absl::ToInt64Milliseconds(lease.timeout));
-    attached->set_lease_grace_ms(absl::ToInt64Milliseconds(lease.grace));
+    attached->mutable_engine()->set_engine_id(lease->id.value);
+    attached->mutable_engine()->set_engine_token(lease->token);
+    attached->set_lease_timeout_ms(absl::ToInt64Milliseconds(lease->timeout));
+    attached->set_lease_grace_ms(absl::ToInt64Milliseconds(lease->grace));
     attached->set_backend(std::string(backend_));
+    attached->set_epoch(epoch_);
     return absl::OkStatus();
   }
 
@@ -110,7 +128,9 @@ class AttachReactor final
   grpc::CallbackServerContext* const context_;
   EngineLeases* const leases_;
   const std::string_view backend_;
+  const uint64_t epoch_;
   std::optional<EngineId> engine_;  // set once the hello was accepted
+  uint64_t stream_ = 0;             // the lease's stream number (EngineLease::stream)
   pb::AttachRequest request_;
   pb::AttachResponse response_;
 };
@@ -119,7 +139,7 @@ class AttachReactor final
 
 grpc::ServerBidiReactor<pb::AttachRequest, pb::AttachResponse>* CacheService::Attach(
     grpc::CallbackServerContext* context) {
-  return new AttachReactor(context, leases_, backend_->Name());
+  return new AttachReactor(context, leases_, backend_->Name(), epoch_);
 }
 
 grpc::Status CacheService::RegisterPlan(grpc::ServerContext*,

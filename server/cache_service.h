@@ -29,9 +29,10 @@ class CacheService final
   static constexpr int kMaxStepEntries = 65536;
 
   // REQUIRES: every pointer outlives the service. `backend` waits on the engines' events.
+  // `epoch`: the daemon's (Attached.epoch).
   CacheService(EngineLeases* leases, PlanRegistry* plans, SessionRegistry* sessions,
-               DeviceBackend* backend)
-      : leases_(leases), plans_(plans), sessions_(sessions), backend_(backend) {}
+               DeviceBackend* backend, uint64_t epoch = 0)
+      : leases_(leases), plans_(plans), sessions_(sessions), backend_(backend), epoch_(epoch) {}
 
   // The lease stream: hello -> Attached, then heartbeat -> ack until either side ends it
   // (server/engine_leases.h has the rules).
@@ -104,6 +105,7 @@ class CacheService final
   PlanRegistry* const plans_;
   SessionRegistry* const sessions_;
   DeviceBackend* const backend_;
+  const uint64_t epoch_;
 };
 
 // The credentials a ref carries (the views point into `ref`).

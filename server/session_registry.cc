@@ -26,14 +26,50 @@ Overloaded(Fs...) -> Overloaded<Fs...>;
 SessionRegistry::SessionRegistry(DeviceBackend* backend, DeviceBudget* budget,
                                  EngineLeases* leases, PlanRegistry* plans,
                                  FormatDefaults defaults, PrefixCache* capture_on_reclaim,
-                                 uint64_t max_sessions_per_engine)
+                                 uint64_t max_sessions_per_engine, StateJournal* journal)
     : backend_(backend),
       budget_(budget),
       leases_(leases),
       plans_(plans),
       defaults_(defaults),
       capture_on_reclaim_(capture_on_reclaim),
-      max_sessions_per_engine_(max_sessions_per_engine) {}
+      max_sessions_per_engine_(max_sessions_per_engine),
+      journal_(journal) {}
+
+DaemonSession::Params SessionRegistry::BaseParams() const {
+  DaemonSession::Params params;
+  params.defaults = defaults_;
+  params.journal = journal_;
+  return params;
+}
+
+absl::Status SessionRegistry::Readopt(std::shared_ptr<DaemonSession> session) {
+  const uint64_t id = session->id().value;
+  RaiseNextSessionId(id + 1);
+  {
+    absl::MutexLock lock(&mu_);
+    if (sessions_.contains(id)) {
+      return absl::AlreadyExistsError(absl::StrCat("session ", id, " is already filed"));
+    }
+    by_engine_[session->owner().value].insert(id);
+    sessions_[id] = session;
+  }
+  session->JournalNow();
+  return absl::OkStatus();
+}
+
+void SessionRegistry::RaiseNextSessionId(uint64_t next) {
+  uint64_t now = next_session_id_.load();
+  while (now < next && !next_session_id_.compare_exchange_weak(now, next)) {
+  }
+}
+
+void SessionRegistry::SetRestart(DaemonRestart restart,
+                                 absl::flat_hash_map<uint64_t, std::string> not_readopted) {
+  absl::MutexLock lock(&mu_);
+  restart_ = restart;
+  not_readopted_ = std::move(not_readopted);
+}
 
 absl::Status SessionRegistry::BeginCreating(EngineId engine) {
   absl::MutexLock lock(&mu_);
@@ -80,6 +116,7 @@ absl::StatusOr<std::shared_ptr<DaemonSession>> SessionRegistry::Create(
     by_engine_[engine.id.value].insert((*session)->id().value);
     sessions_[(*session)->id().value] = *session;
   }
+  (*session)->JournalNow();
   spdlog::info("session {} created for engine {}: capacity {} tokens, {} bytes{}",
                (*session)->id().value, engine.id.value, shape.capacity,
                (*session)->arena_bytes(),
@@ -91,12 +128,11 @@ absl::StatusOr<std::shared_ptr<DaemonSession>> SessionRegistry::Create(
 absl::StatusOr<std::shared_ptr<DaemonSession>> SessionRegistry::AllocateSession(
     const EngineCredentials& engine, const PlanFingerprint& plan, const SessionShape& shape,
     std::optional<ReservationId> reservation) {
-  DaemonSession::Params params;
+  DaemonSession::Params params = BaseParams();
   ASSIGN_OR_RETURN(params.model, plans_->Find(plan));
   params.id = SessionId{next_session_id_.fetch_add(1)};
   params.owner = engine.id;
   ASSIGN_OR_RETURN(params.token, RandomSecretToken());
-  params.defaults = defaults_;
   params.fingerprint = FingerprintToBytes(plan);
   params.shape = shape;
   return DaemonSession::Create(std::move(params), backend_, budget_, reservation);
@@ -123,6 +159,13 @@ absl::StatusOr<std::shared_ptr<DaemonSession>> SessionRegistry::Find(
     absl::MutexLock lock(&mu_);
     auto it = sessions_.find(credentials.id.value);
     if (it == sessions_.end()) {
+      if (restart_.has_value()) {
+        if (auto lost = not_readopted_.find(credentials.id.value); lost != not_readopted_.end()) {
+          return DaemonRestartedError(*restart_, absl::StrCat("session ", credentials.id.value,
+                                                              " was not re-adopted: ",
+                                                              lost->second));
+        }
+      }
       return absl::NotFoundError(
           absl::StrCat("session ", credentials.id.value, " does not exist"));
     }
@@ -211,13 +254,21 @@ absl::Status SessionRegistry::Run(const SessionCredentials& credentials,
                                   absl::FunctionRef<absl::Status()> before) {
   ASSIGN_OR_RETURN(std::shared_ptr<DaemonSession> session, Find(credentials));
   RETURN_IF_ERROR(before());
-  for (const SessionOp& op : ops) RETURN_IF_ERROR(Apply(*session, op));
-  return absl::OkStatus();
+  absl::Status status;
+  for (const SessionOp& op : ops) {
+    status = Apply(*session, op);
+    if (!status.ok()) break;
+  }
+  // Before the reply: what the engine is told happened is what a restart brings back.
+  session->JournalNow();
+  return status;
 }
 
 absl::Status SessionRegistry::Run(const SessionCredentials& credentials, const SessionOp& op) {
   ASSIGN_OR_RETURN(std::shared_ptr<DaemonSession> session, Find(credentials));
-  return Apply(*session, op);
+  absl::Status status = Apply(*session, op);
+  session->JournalNow();
+  return status;
 }
 
 void SessionRegistry::CaptureBeforeRelease(DaemonSession& session) {
