@@ -184,6 +184,9 @@ struct KvClient::Rpc {
 struct KvClient::LeaseStream {
   grpc::ClientContext context;
   std::unique_ptr<grpc::ClientReaderWriter<pb::AttachRequest, pb::AttachResponse>> stream;
+  bool finished = false;  // Finish() was called (it may be called once)
+  pb::AttachRequest hello;
+  pb::Attached attached;  // the daemon's answer to `hello`
 };
 
 absl::StatusOr<std::unique_ptr<KvClient>> KvClient::Connect(const std::string& socket_path,
@@ -206,31 +209,40 @@ KvClient::KvClient(ClientOptions options, std::unique_ptr<Rpc> rpc)
 
 KvClient::~KvClient() { Detach(); }
 
+absl::Status KvClient::OpenLease(LeaseStream& lease) {
+  // The lease stream lives as long as the engine: no deadline (the heartbeats are its clock).
+  lease.stream = rpc_->cache->Attach(&lease.context);
+  pb::AttachResponse response;
+  const bool answered = lease.stream->Write(lease.hello) && lease.stream->Read(&response);
+  if (!answered || !response.has_attached()) {
+    // Not answered: the stream is over and Finish() has the daemon's reason. Answered wrongly:
+    // end it ourselves so Finish() does not wait.
+    if (answered) lease.context.TryCancel();
+    absl::Status status = FromGrpcStatus(lease.stream->Finish());
+    lease.finished = true;
+    if (status.ok()) status = absl::InternalError("Attach ended without an answer");
+    return status;
+  }
+  lease.attached = response.attached();
+  return absl::OkStatus();
+}
+
 absl::Status KvClient::Attach(const std::string& engine_name) {
   absl::MutexLock lock(&mu_);
   if (lease_stream_ != nullptr) {
     return absl::FailedPreconditionError(absl::StrCat("already attached as engine ", engine_id_));
   }
-  // The lease stream lives as long as the engine: no deadline (the heartbeats are its clock).
   auto lease = std::make_unique<LeaseStream>();
-  lease->stream = rpc_->cache->Attach(&lease->context);
-  pb::AttachRequest hello;
-  hello.mutable_hello()->set_engine_name(engine_name);
-  hello.mutable_hello()->set_pid(getpid());
-  pb::AttachResponse response;
-  const bool answered = lease->stream->Write(hello) && lease->stream->Read(&response);
-  if (!answered || !response.has_attached()) {
-    // Not answered: the stream is over and Finish() has the daemon's reason. Answered wrongly:
-    // end it ourselves so Finish() does not wait.
-    if (answered) lease->context.TryCancel();
-    absl::Status status = FromGrpcStatus(lease->stream->Finish());
-    if (status.ok()) status = absl::InternalError("Attach ended without an answer");
-    return status;
-  }
+  lease->hello.mutable_hello()->set_engine_name(engine_name);
+  lease->hello.mutable_hello()->set_pid(getpid());
+  RETURN_IF_ERROR(OpenLease(*lease));
+  const pb::Attached attached = lease->attached;
   lease_stream_ = std::move(lease);
-  engine_id_ = response.attached().engine().engine_id();
-  engine_token_ = response.attached().engine().engine_token();
-  lease_timeout_ = absl::Milliseconds(response.attached().lease_timeout_ms());
+  engine_id_ = attached.engine().engine_id();
+  engine_token_ = attached.engine().engine_token();
+  lease_timeout_ = absl::Milliseconds(attached.lease_timeout_ms());
+  epoch_ = attached.epoch();
+  lease_lost_ = absl::OkStatus();
   stop_ = false;
   lease_alive_.store(true);
   const absl::Duration period = std::max(lease_timeout_ / 3, absl::Milliseconds(1));
@@ -239,23 +251,104 @@ absl::Status KvClient::Attach(const std::string& engine_name) {
 }
 
 void KvClient::KeepLease(absl::Duration period) {
-  grpc::ClientReaderWriter<pb::AttachRequest, pb::AttachResponse>* stream;
-  {
-    absl::MutexLock lock(&mu_);
-    stream = lease_stream_->stream.get();
-  }
   pb::AttachRequest heartbeat;
   pb::AttachResponse ack;
   for (uint64_t sequence = 1;; ++sequence) {
+    grpc::ClientReaderWriter<pb::AttachRequest, pb::AttachResponse>* stream;
     {
       absl::MutexLock lock(&mu_);
       if (mu_.AwaitWithTimeout(absl::Condition(&stop_), period)) break;
+      stream = lease_stream_->stream.get();
     }
     heartbeat.mutable_heartbeat()->set_sequence(sequence);
     // Only this thread reads and writes the stream after Attach() returned.
-    if (!stream->Write(heartbeat) || !stream->Read(&ack)) break;
+    if (stream->Write(heartbeat) && stream->Read(&ack)) continue;
+    lease_alive_.store(false);
+    if (!Reattach()) break;
   }
   lease_alive_.store(false);
+}
+
+bool KvClient::Reattach() {
+  constexpr absl::Duration kRetry = absl::Milliseconds(100);
+  pb::AttachRequest hello;
+  {
+    absl::MutexLock lock(&mu_);
+    // The broken stream's status is not needed (the daemon is gone or ended the lease).
+    if (!lease_stream_->finished) {
+      lease_stream_->context.TryCancel();
+      (void)lease_stream_->stream->Finish();
+      lease_stream_->finished = true;
+    }
+    hello.mutable_hello()->mutable_resume()->set_engine_id(engine_id_);
+    hello.mutable_hello()->mutable_resume()->set_engine_token(engine_token_);
+    hello.mutable_hello()->set_resume_epoch(epoch_);
+    hello.mutable_hello()->set_pid(getpid());
+  }
+  while (true) {
+    auto lease = std::make_unique<LeaseStream>();
+    lease->hello = hello;
+    {
+      absl::MutexLock lock(&mu_);
+      if (mu_.AwaitWithTimeout(absl::Condition(&stop_), kRetry)) return false;
+      reattaching_ = lease.get();
+    }
+    const absl::Status opened = OpenLease(*lease);
+    absl::MutexLock lock(&mu_);
+    reattaching_ = nullptr;
+    if (stop_) {
+      if (opened.ok()) {
+        lease->context.TryCancel();
+        (void)lease->stream->Finish();
+      }
+      return false;
+    }
+    if (opened.ok()) {
+      epoch_ = lease->attached.epoch();
+      lease_timeout_ = absl::Milliseconds(lease->attached.lease_timeout_ms());
+      lease_stream_ = std::move(lease);
+      reattaches_.fetch_add(1);
+      lease_alive_.store(true);
+      return true;
+    }
+    const absl::StatusCode code = opened.code();
+    if (IsDaemonRestarted(opened) || code == absl::StatusCode::kNotFound ||
+        code == absl::StatusCode::kPermissionDenied) {
+      lease_lost_ = opened;  // the daemon will never know this engine again
+      return false;
+    }
+    // UNAVAILABLE (no daemon yet), a stream still held: try again.
+  }
+}
+
+absl::Status KvClient::lease_lost() const {
+  absl::MutexLock lock(&mu_);
+  return lease_lost_;
+}
+
+uint64_t KvClient::epoch() const {
+  absl::MutexLock lock(&mu_);
+  return epoch_;
+}
+
+absl::Status KvClient::Explain(absl::Status status) {
+  const absl::StatusCode code = status.code();
+  if (status.ok() || IsDaemonRestarted(status) ||
+      (code != absl::StatusCode::kNotFound && code != absl::StatusCode::kPermissionDenied)) {
+    return status;
+  }
+  uint64_t attached_epoch;
+  {
+    absl::MutexLock lock(&mu_);
+    attached_epoch = epoch_;
+  }
+  if (attached_epoch == 0) return status;
+  absl::StatusOr<pb::GetStatusResponse> daemon = ClientInternals::GetStatus(*this);
+  if (!daemon.ok() || daemon->epoch() == attached_epoch) return status;
+  return DaemonRestartedError(
+      DaemonRestart{attached_epoch, daemon->epoch()},
+      absl::StrCat("this engine attached to epoch ", attached_epoch,
+                   " and the daemon answering does not have it: ", status.message()));
 }
 
 void KvClient::Detach() {
@@ -265,11 +358,12 @@ void KvClient::Detach() {
     if (lease_stream_ == nullptr) return;
     stop_ = true;
     lease_stream_->context.TryCancel();  // unblocks a Read waiting for an ack
+    if (reattaching_ != nullptr) reattaching_->context.TryCancel();  // and a re-attach
     thread = std::move(lease_thread_);
   }
   if (thread.joinable()) thread.join();
   absl::MutexLock lock(&mu_);
-  (void)lease_stream_->stream->Finish();
+  if (!lease_stream_->finished) (void)lease_stream_->stream->Finish();
   lease_stream_.reset();
   lease_alive_.store(false);
 }
@@ -394,6 +488,12 @@ absl::Status KvClient::Step(StepBatch& batch, std::vector<StepOutcome>& outcomes
     out.status = result.code() == 0
                      ? absl::OkStatus()
                      : absl::Status(static_cast<absl::StatusCode>(result.code()), result.message());
+    if (result.has_daemon_restart()) {
+      AttachDaemonRestart(out.status, DaemonRestart{result.daemon_restart().previous_epoch(),
+                                                    result.daemon_restart().epoch()});
+    } else if (!out.status.ok()) {
+      out.status = Explain(std::move(out.status));
+    }
     out.begun = {};
     out.staged_len = 0;
     out.committed_len = 0;
@@ -493,6 +593,8 @@ struct PrefixEventStream::Call {
   grpc::ClientContext context;
   std::unique_ptr<grpc::ClientReader<pb::PrefixEvent>> reader;
   bool finished = false;  // Finish() was called (it may be called once)
+  pb::AttachRequest hello;
+  pb::Attached attached;  // the daemon's answer to `hello`
 };
 
 PrefixEventStream::PrefixEventStream(std::unique_ptr<Call> call) : call_(std::move(call)) {}
@@ -580,6 +682,11 @@ pb::SessionRef ClientInternals::Ref(const Session& session) {
 
 const pb::StepRequest& ClientInternals::Request(const StepBatch& batch) {
   return batch.wire_->request;
+}
+
+absl::Status ClientInternals::SessionCallStatus(KvClient& client, const grpc::Status& status) {
+  if (status.ok()) return absl::OkStatus();
+  return client.Explain(FromGrpcStatus(status));
 }
 
 absl::StatusOr<pb::GetStatusResponse> ClientInternals::GetStatus(KvClient& client) {
@@ -691,7 +798,7 @@ namespace {
 template <typename Request, typename Method>
 absl::StatusOr<SessionSnapshot> StateCall(KvClient& client, Method method, const Request& request) {
   pb::SessionStateResponse response;
-  RETURN_IF_ERROR(FromGrpcStatus((ClientInternals::Cache(client).*method)(
+  RETURN_IF_ERROR(ClientInternals::SessionCallStatus(client, (ClientInternals::Cache(client).*method)(
       ClientInternals::NewContext(client).get(), request, &response)));
   return SessionSnapshotFromProto(response.state());
 }
@@ -700,7 +807,7 @@ absl::StatusOr<SessionSnapshot> StateCall(KvClient& client, Method method, const
 
 absl::StatusOr<Transaction> Session::Begin() {
   pb::BeginResponse response;
-  RETURN_IF_ERROR(FromGrpcStatus(
+  RETURN_IF_ERROR(ClientInternals::SessionCallStatus(*client_,
       ClientInternals::Cache(*client_).Begin(ClientInternals::NewContext(*client_).get(),
                                              ForSession<pb::SessionRequest>(*this), &response)));
   return Transaction{response.generation(), response.base_len()};
@@ -711,7 +818,7 @@ absl::StatusOr<PreparedAppend> Session::PrepareAppend(uint64_t generation, uint6
   request.set_generation(generation);
   request.set_rows(rows);
   pb::PrepareAppendResponse response;
-  RETURN_IF_ERROR(FromGrpcStatus(ClientInternals::Cache(*client_).PrepareAppend(
+  RETURN_IF_ERROR(ClientInternals::SessionCallStatus(*client_, ClientInternals::Cache(*client_).PrepareAppend(
       ClientInternals::NewContext(*client_).get(), request, &response)));
   return PreparedFromProto(response);
 }
@@ -720,7 +827,7 @@ absl::StatusOr<uint64_t> Session::PublishAppend(uint64_t generation) {
   pb::GenerationRequest request = ForSession<pb::GenerationRequest>(*this);
   request.set_generation(generation);
   pb::PublishAppendResponse response;
-  RETURN_IF_ERROR(FromGrpcStatus(ClientInternals::Cache(*client_).PublishAppend(
+  RETURN_IF_ERROR(ClientInternals::SessionCallStatus(*client_, ClientInternals::Cache(*client_).PublishAppend(
       ClientInternals::NewContext(*client_).get(), request, &response)));
   return response.staged_len();
 }
@@ -732,7 +839,7 @@ absl::StatusOr<uint64_t> Session::Commit(uint64_t generation, uint64_t accepted_
   request.set_accepted_rows(accepted_rows);
   request.mutable_token_ids()->Add(token_ids.begin(), token_ids.end());
   pb::CommitResponse response;
-  RETURN_IF_ERROR(FromGrpcStatus(ClientInternals::Cache(*client_).Commit(
+  RETURN_IF_ERROR(ClientInternals::SessionCallStatus(*client_, ClientInternals::Cache(*client_).Commit(
       ClientInternals::NewContext(*client_).get(), request, &response)));
   return response.committed_len();
 }
@@ -741,7 +848,7 @@ absl::StatusOr<uint64_t> Session::Abort(uint64_t generation) {
   pb::GenerationRequest request = ForSession<pb::GenerationRequest>(*this);
   request.set_generation(generation);
   pb::AbortResponse response;
-  RETURN_IF_ERROR(FromGrpcStatus(ClientInternals::Cache(*client_).Abort(
+  RETURN_IF_ERROR(ClientInternals::SessionCallStatus(*client_, ClientInternals::Cache(*client_).Abort(
       ClientInternals::NewContext(*client_).get(), request, &response)));
   return response.committed_len();
 }
@@ -764,7 +871,7 @@ absl::StatusOr<bool> Session::CanRewind(uint64_t target) {
   pb::RewindRequest request = ForSession<pb::RewindRequest>(*this);
   request.set_target(target);
   pb::CanRewindResponse response;
-  RETURN_IF_ERROR(FromGrpcStatus(ClientInternals::Cache(*client_).CanRewind(
+  RETURN_IF_ERROR(ClientInternals::SessionCallStatus(*client_, ClientInternals::Cache(*client_).CanRewind(
       ClientInternals::NewContext(*client_).get(), request, &response)));
   return response.can_rewind();
 }
@@ -800,7 +907,7 @@ absl::StatusOr<SessionSnapshot> Session::Grow(uint64_t target_capacity) {
   pb::GrowRequest request = ForSession<pb::GrowRequest>(*this);
   request.set_target_capacity(target_capacity);
   pb::GrowResponse grown;
-  RETURN_IF_ERROR(FromGrpcStatus(ClientInternals::Cache(*client_).Grow(
+  RETURN_IF_ERROR(ClientInternals::SessionCallStatus(*client_, ClientInternals::Cache(*client_).Grow(
       ClientInternals::NewContext(*client_).get(), request, &grown)));
   SessionLayout old = layout_;
   ASSIGN_OR_RETURN(SessionLayout layout, SessionLayoutFromProto(grown.layout()));
@@ -817,7 +924,7 @@ absl::StatusOr<uint64_t> Session::Release() {
   if (released_)
     return absl::FailedPreconditionError(absl::StrCat("session ", id(), " was released"));
   pb::ReleaseSessionResponse response;
-  absl::Status status = FromGrpcStatus(ClientInternals::Cache(*client_).ReleaseSession(
+  absl::Status status = ClientInternals::SessionCallStatus(*client_, ClientInternals::Cache(*client_).ReleaseSession(
       ClientInternals::NewContext(*client_).get(), ForSession<pb::SessionRequest>(*this),
       &response));
   // Whatever the daemon answered, this process stops using the memory.

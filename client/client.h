@@ -71,6 +71,7 @@
 #include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "client/mapper.h"
+#include "common/daemon_restart.h"
 #include "core/model_plan.h"
 #include "core/prefix_index.h"
 #include "core/sizing.h"
@@ -242,6 +243,14 @@ struct PrefixCacheEvent {
   bool operator==(const PrefixCacheEvent&) const = default;
 };
 
+// True when `status` is the error for "memra-kvd restarted and this did not come back"
+// (common/daemon_restart.h: FAILED_PRECONDITION naming both epochs; GetDaemonRestart reads
+// them). The engine must create that session (or attach) again: its old memory is not served.
+// Sessions the restarted daemon re-adopted carry on without this error.
+inline bool IsDaemonRestarted(const absl::Status& status) {
+  return GetDaemonRestart(status).has_value();
+}
+
 class KvClient;
 class ClientInternals;
 
@@ -390,12 +399,25 @@ class KvClient {
 
   // Opens the lease and starts the thread that keeps it alive (a heartbeat every third of the
   // lease timeout). FAILED_PRECONDITION when already attached.
+  //
+  // When the lease stream breaks (the daemon restarted, or the connection dropped), that thread
+  // re-attaches as the same engine (proto Hello.resume) every 100 ms until the daemon answers:
+  // a daemon that still knows the engine (or re-adopted it from its restart journal) gives the
+  // lease back and the engine carries on with the same sessions and mappings; one that does not
+  // answers with the restart error, which lease_lost() then holds, and re-attaching stops.
   absl::Status Attach(const std::string& engine_name) ABSL_LOCKS_EXCLUDED(mu_);
   // Ends the lease: the daemon frees this engine's sessions after its grace period.
   void Detach() ABSL_LOCKS_EXCLUDED(mu_);
-  // False once the daemon ended the lease (or the connection broke).
+  // False once the daemon ended the lease (or the connection broke), until a re-attach.
   bool lease_alive() const { return lease_alive_.load(); }
+  // Why re-attaching stopped (the daemon no longer knows this engine: IsDaemonRestarted, or
+  // NOT_FOUND when it reclaimed it); OK while the lease is live or being re-attached.
+  absl::Status lease_lost() const ABSL_LOCKS_EXCLUDED(mu_);
+  // Re-attaches done after the lease stream broke (each kept the engine and its sessions).
+  uint64_t reattaches() const { return reattaches_.load(); }
   uint64_t engine_id() const ABSL_LOCKS_EXCLUDED(mu_);
+  // The epoch of the daemon the lease is held with (Attached.epoch); 0 before Attach.
+  uint64_t epoch() const ABSL_LOCKS_EXCLUDED(mu_);
   // The lease timeout the daemon announced.
   absl::Duration lease_timeout() const ABSL_LOCKS_EXCLUDED(mu_);
 
@@ -451,6 +473,16 @@ class KvClient {
   struct LeaseStream;
   KvClient(ClientOptions options, std::unique_ptr<Rpc> rpc);
   void KeepLease(absl::Duration period) ABSL_LOCKS_EXCLUDED(mu_);
+  // Opens `lease`'s Attach stream and sends its hello; OK with the daemon's answer in `lease`,
+  // or the daemon's refusal (the stream is finished then).
+  absl::Status OpenLease(LeaseStream& lease);
+  // After a broken lease stream: re-attaches as the same engine until it works (true), the
+  // daemon refuses for good (false, lease_lost_ set) or Detach() (false).
+  bool Reattach() ABSL_LOCKS_EXCLUDED(mu_);
+  // A session call's refusal, made the restart error when the daemon answering is not the one
+  // this engine attached to (a NOT_FOUND / PERMISSION_DENIED for a session the new daemon never
+  // had), so the engine never mistakes it for its own mistake.
+  absl::Status Explain(absl::Status status) ABSL_LOCKS_EXCLUDED(mu_);
   // The engine's identity (id, token); FAILED_PRECONDITION before Attach (`what` names the call).
   absl::StatusOr<std::pair<uint64_t, std::string>> AttachedEngine(absl::string_view what) const
       ABSL_LOCKS_EXCLUDED(mu_);
@@ -460,13 +492,18 @@ class KvClient {
   const std::unique_ptr<Rpc> rpc_;
 
   std::atomic<bool> lease_alive_{false};
+  std::atomic<uint64_t> reattaches_{0};
 
   mutable absl::Mutex mu_;
   uint64_t engine_id_ ABSL_GUARDED_BY(mu_) = 0;
   std::string engine_token_ ABSL_GUARDED_BY(mu_);
   absl::Duration lease_timeout_ ABSL_GUARDED_BY(mu_);
+  uint64_t epoch_ ABSL_GUARDED_BY(mu_) = 0;
+  absl::Status lease_lost_ ABSL_GUARDED_BY(mu_);
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
   std::unique_ptr<LeaseStream> lease_stream_ ABSL_GUARDED_BY(mu_);
+  // The stream a re-attach is opening (Detach cancels it); null otherwise.
+  LeaseStream* reattaching_ ABSL_GUARDED_BY(mu_) = nullptr;
   std::thread lease_thread_ ABSL_GUARDED_BY(mu_);
 };
 

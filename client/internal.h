@@ -35,6 +35,9 @@ class ClientInternals {
   static const memra::kv::v1::StepRequest& Request(const StepBatch& batch);
   // KvAdmin.GetStatus.
   static absl::StatusOr<memra::kv::v1::GetStatusResponse> GetStatus(KvClient& client);
+  // A session call's status as the engine sees it: the restart error when the daemon answering
+  // is not the one the engine attached to (KvClient::Explain).
+  static absl::Status SessionCallStatus(KvClient& client, const grpc::Status& status);
 };
 
 // The daemon's messages as client.h's types. INVALID_ARGUMENT naming the field for an enum out

@@ -320,6 +320,10 @@ void CacheService::RunStepEntry(const pb::StepEntry& entry, pb::StepResult* resu
     result->clear_payload();
     result->set_code(static_cast<int32_t>(status.code()));
     result->set_message(std::string(status.message()));
+    if (std::optional<DaemonRestart> restart = GetDaemonRestart(status); restart.has_value()) {
+      result->mutable_daemon_restart()->set_previous_epoch(restart->previous_epoch);
+      result->mutable_daemon_restart()->set_epoch(restart->epoch);
+    }
   }
 }
 

@@ -208,6 +208,10 @@ const std::vector<KeySpec>& Keys() {
        .min = 1, .max = 256},
       {.name = "watchdog", .field = &C::watchdog, .syntax = Syntax::kBool, .reloadable = false,
        .help = "Send systemd watchdog keep-alives when asked to (false needs WatchdogSec=0)."},
+      {.name = "keep_kv_across_restarts", .field = &C::keep_kv_across_restarts,
+       .syntax = Syntax::kBool, .reloadable = false,
+       .help = "Under systemd or memra-kv-supervise: keep arenas and a journal in the fd store "
+               "and re-adopt sessions after a restart."},
       {.name = "max_plan_layers", .field = &C::max_plan_layers, .syntax = Syntax::kInteger,
        .reloadable = false,
        .help = "Layers (trunk + MTP) a model plan may have; larger plans are refused "

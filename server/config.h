@@ -82,6 +82,9 @@ struct DaemonConfig {
   uint64_t prefix_copy_threads = 4;
   // Send systemd watchdog keep-alives when the service manager asks for them (WATCHDOG_USEC).
   bool watchdog = true;
+  // Under a service manager (systemd, memra-kv-supervise): keep session arenas and the restart
+  // journal in its fd store, and re-adopt them after a restart (server/restart_state.h).
+  bool keep_kv_across_restarts = true;
   // The operators' Unix socket (KvAdmin and KvPrefixCache in full: drain, undrain, eviction,
   // plan import with registration, the lists of sessions, engines and prefixes); the engine
   // socket refuses those calls (PERMISSION_DENIED naming this path). Empty = beside the engine

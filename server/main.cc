@@ -78,6 +78,10 @@ void Reload(const std::string& path, const std::vector<ConfigOverride>& override
 }
 
 int Run(int argc, char** argv) {
+  const absl::Time process_start = absl::Now();
+  // What the service manager passed (a previous daemon's kept KV): before any thread exists,
+  // since it unsets the LISTEN_* variables.
+  absl::StatusOr<std::vector<ListenedFd>> passed = TakeListenFds();
   // Debian's Abseil checks every mutex acquisition for lock-order cycles (gRPC's own locks
   // included): measurable CPU on the hot path (bench/README.md). Tests keep the check on.
   absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
@@ -161,8 +165,12 @@ int Run(int argc, char** argv) {
     spdlog::critical("backend: {}", backend.status().ToString());
     return backend.status().code() == absl::StatusCode::kInvalidArgument ? kConfigErrorExitCode : 1;
   }
+  if (!passed.ok()) {
+    spdlog::error("passed descriptors ignored: {}", passed.status().ToString());
+    passed = std::vector<ListenedFd>();
+  }
   absl::StatusOr<std::unique_ptr<Daemon>> daemon =
-      Daemon::Create(*config, *std::move(backend), Clock::Real());
+      Daemon::Create(*config, *std::move(backend), Clock::Real(), *std::move(passed));
   if (!daemon.ok()) {
     spdlog::critical("{}", daemon.status().ToString());
     return kConfigErrorExitCode;
@@ -172,6 +180,9 @@ int Run(int argc, char** argv) {
     return 1;
   }
   events.daemon.store(daemon->get());
+  spdlog::info("serving {} ms after the process started (epoch {}; {} sessions re-adopted)",
+               absl::ToInt64Milliseconds(absl::Now() - process_start), (*daemon)->epoch(),
+               (*daemon)->readopted().sessions);
 
   Notifier notifier;
   if (absl::Status ready =
