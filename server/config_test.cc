@@ -53,7 +53,8 @@ TEST(ConfigTest, KeyListIsTheDocumentedOne) {
                           "drain_grace_ms",
                           "prefix_cache_budget_bytes", "prefix_block_tokens",
                           "prefix_capture_on_engine_death", "prefix_verify_checksums",
-                          "prefix_copy_threads", "watchdog", "max_plan_layers",
+                          "prefix_copy_threads", "watchdog", "keep_kv_across_restarts",
+                          "max_plan_layers",
                           "max_engine_sessions", "max_engine_plans", "max_engine_budget_share",
                           "max_attached_engines", "max_arenas", "admin_socket_path",
                           "admin_socket_mode", "admin_socket_group"));
