@@ -15,6 +15,7 @@
 #include "google/protobuf/arena.h"
 #include "grpcpp/channel.h"
 #include "grpcpp/create_channel.h"
+#include "grpcpp/support/channel_arguments.h"
 #include "grpcpp/security/credentials.h"
 
 namespace memra {
@@ -192,8 +193,15 @@ struct KvClient::LeaseStream {
 absl::StatusOr<std::unique_ptr<KvClient>> KvClient::Connect(const std::string& socket_path,
                                                             ClientOptions options) {
   if (options.mapper == nullptr) options.mapper = std::make_shared<HostArenaMapper>();
-  std::shared_ptr<grpc::Channel> channel =
-      grpc::CreateChannel(absl::StrCat("unix:", socket_path), grpc::InsecureChannelCredentials());
+  // A local socket: reconnect within 100 ms-1 s of the daemon coming back (gRPC's default
+  // backoff waits up to minutes, longer than a lease outlives a daemon restart).
+  grpc::ChannelArguments arguments;
+  arguments.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
+  // (Not GRPC_ARG_MIN_RECONNECT_BACKOFF_MS: gRPC also takes it as the connect timeout, and a
+  // busy daemon's HTTP/2 handshake can take longer than a short one.)
+  arguments.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
+  std::shared_ptr<grpc::Channel> channel = grpc::CreateCustomChannel(
+      absl::StrCat("unix:", socket_path), grpc::InsecureChannelCredentials(), arguments);
   const auto deadline =
       std::chrono::system_clock::now() + absl::ToChronoMilliseconds(options.deadline);
   if (!channel->WaitForConnected(deadline)) {
@@ -288,6 +296,9 @@ bool KvClient::Reattach() {
   while (true) {
     auto lease = std::make_unique<LeaseStream>();
     lease->hello = hello;
+    // Waits for the daemon to listen again instead of failing fast while the channel
+    // reconnects; Detach() cancels the wait (reattaching_).
+    lease->context.set_wait_for_ready(true);
     {
       absl::MutexLock lock(&mu_);
       if (mu_.AwaitWithTimeout(absl::Condition(&stop_), kRetry)) return false;

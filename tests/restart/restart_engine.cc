@@ -147,7 +147,7 @@ absl::Status Run() {
                    KvClient::Connect(absl::GetFlag(FLAGS_socket), options));
   RETURN_IF_ERROR(client->Attach(absl::GetFlag(FLAGS_name)));
   const uint64_t first_epoch = client->epoch();
-  ASSIGN_OR_RETURN(PlanFingerprint plan, client->RegisterPlan(DenseModel(kLayers, 64, 2)));
+  ASSIGN_OR_RETURN(PlanFingerprint plan, client->RegisterPlan(test_plans::DenseModel(kLayers, 64, 2)));
   SessionOptions shape;
   shape.capacity = absl::GetFlag(FLAGS_capacity);
   std::vector<Tracked> sessions(absl::GetFlag(FLAGS_sessions));

@@ -112,9 +112,9 @@ TEST(DaemonRestart, SessionsComeBackAtTheirCommittedLengthAndEnginesCarryOn) {
   EXPECT_EQ(end->admission().allocated_bytes(), 0u);
   EXPECT_EQ(end->admission().reserved_bytes(), 0u);
   EXPECT_EQ(OpenFds(daemon.supervisor()), store_baseline);
-  EXPECT_NE(Log(daemon, "supervise.log").find("re-adopted 2 engines and 4 sessions"),
+  EXPECT_NE(Log(daemon, "supervise.log.out").find("re-adopted 2 engines and 4 sessions"),
             std::string::npos)
-      << Log(daemon, "supervise.log");
+      << Log(daemon, "supervise.log.out");
 }
 
 TEST(DaemonRestart, WithoutAServiceManagerEnginesGetTheRestartErrorNamingBothEpochs) {

@@ -78,7 +78,8 @@ class SupervisedDaemon {
       args.push_back(arg);
     }
     args.insert(args.end(), flags.begin(), flags.end());
-    supervisor_ = Spawn(args, "", Path(supervised ? "supervise.log" : "kvd.log"));
+    const std::string log = Path(supervised ? "supervise.log" : "kvd.log");
+    supervisor_ = Spawn(args, log + ".out", log);
     if (!supervised) daemon_without_supervisor_ = supervisor_;
     if (supervisor_ <= 0) return false;
     return WaitServing(0);
