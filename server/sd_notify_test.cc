@@ -96,6 +96,30 @@ class FakeNotifyListener {
     return n < 0 ? "" : std::string(buffer, static_cast<size_t>(n));
   }
 
+  // The next datagram with the descriptors it carried (owned by the caller).
+  std::pair<std::string, std::vector<int>> ReceiveWithFds() {
+    char buffer[4096];
+    alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * 16)];
+    iovec io{buffer, sizeof(buffer)};
+    msghdr message{};
+    message.msg_iov = &io;
+    message.msg_iovlen = 1;
+    message.msg_control = control;
+    message.msg_controllen = sizeof(control);
+    const ssize_t n = recvmsg(fd_, &message, MSG_CMSG_CLOEXEC);
+    EXPECT_GE(n, 0) << std::strerror(errno);
+    std::vector<int> fds;
+    for (cmsghdr* c = CMSG_FIRSTHDR(&message); c != nullptr; c = CMSG_NXTHDR(&message, c)) {
+      if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
+      for (size_t i = 0; i < (c->cmsg_len - CMSG_LEN(0)) / sizeof(int); ++i) {
+        int fd;
+        std::memcpy(&fd, CMSG_DATA(c) + i * sizeof(int), sizeof(int));
+        fds.push_back(fd);
+      }
+    }
+    return {n < 0 ? "" : std::string(buffer, static_cast<size_t>(n)), fds};
+  }
+
   // True when nothing more is queued.
   bool Empty() {
     char buffer[1];
@@ -162,6 +186,67 @@ TEST(SdNotifyTest, NoListenerIsAnErrorNamingTheSocket) {
   EXPECT_THAT(SdNotify("READY=1"),
               StatusIs(absl::StatusCode::kNotFound,
                        HasSubstrs("sendto NOTIFY_SOCKET=/nonexistent-memra-dir/notify.sock")));
+}
+
+TEST(SdNotifyWithFdsTest, DescriptorsTravelAsScmRights) {
+  FakeNotifyListener listener(/*abstract=*/false);
+  ScopedEnv env("NOTIFY_SOCKET", listener.name().c_str());
+  EXPECT_TRUE(UnderServiceManager());
+  int pipe_fds[2];
+  ASSERT_EQ(pipe(pipe_fds), 0);
+  ASSERT_THAT(SdNotifyWithFds("FDSTORE=1\nFDNAME=arena-1-3", {pipe_fds[1]}), IsOk());
+  auto [state, fds] = listener.ReceiveWithFds();
+  EXPECT_EQ(state, "FDSTORE=1\nFDNAME=arena-1-3");
+  ASSERT_EQ(fds.size(), 1u);
+  // The received descriptor is the same pipe: what it writes, ours reads.
+  ASSERT_EQ(write(fds[0], "x", 1), 1);
+  char byte = 0;
+  ASSERT_EQ(read(pipe_fds[0], &byte, 1), 1);
+  EXPECT_EQ(byte, 'x');
+  for (int fd : {pipe_fds[0], pipe_fds[1], fds[0]}) close(fd);
+}
+
+TEST(SdNotifyWithFdsTest, WithoutAServiceManagerDescriptorsAreRefusedNotLost) {
+  ScopedEnv env("NOTIFY_SOCKET", nullptr);
+  EXPECT_FALSE(UnderServiceManager());
+  EXPECT_THAT(SdNotifyWithFds("FDSTORE=1\nFDNAME=journal-1", {0, 1}),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstrs("cannot store 2 descriptors", "NOTIFY_SOCKET is not set")));
+  EXPECT_THAT(SdNotifyWithFds("READY=1", {}), IsOk());
+}
+
+TEST(ListenFdsTest, NamesAndNumbersFromThree) {
+  absl::StatusOr<std::vector<ListenedFd>> passed =
+      ParseListenFds("42", "3", "journal-2:arena-2-7:plan-ab", 42);
+  ASSERT_THAT(passed, IsOk());
+  ASSERT_EQ(passed->size(), 3u);
+  EXPECT_EQ((*passed)[0].fd, 3);
+  EXPECT_EQ((*passed)[0].name, "journal-2");
+  EXPECT_EQ((*passed)[2].fd, 5);
+  EXPECT_EQ((*passed)[2].name, "plan-ab");
+  absl::StatusOr<std::vector<ListenedFd>> unnamed = ParseListenFds("42", "1", nullptr, 42);
+  ASSERT_THAT(unnamed, IsOk());
+  EXPECT_EQ((*unnamed)[0].name, "unknown");
+}
+
+TEST(ListenFdsTest, UnsetOrForAnotherProcessIsNothing) {
+  absl::StatusOr<std::vector<ListenedFd>> unset = ParseListenFds(nullptr, nullptr, nullptr, 42);
+  ASSERT_THAT(unset, IsOk());
+  EXPECT_TRUE(unset->empty());
+  absl::StatusOr<std::vector<ListenedFd>> other = ParseListenFds("41", "2", "a:b", 42);
+  ASSERT_THAT(other, IsOk());
+  EXPECT_TRUE(other->empty());
+}
+
+TEST(ListenFdsTest, BadValuesNameTheVariable) {
+  EXPECT_THAT(ParseListenFds("x", "1", nullptr, 42),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstrs("LISTEN_PID=\"x\"")));
+  EXPECT_THAT(ParseListenFds("42", "-1", nullptr, 42),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstrs("LISTEN_FDS=\"-1\"", "at most 1048576")));
+  EXPECT_THAT(ParseListenFds("42", "2", "only-one", 42),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstrs("LISTEN_FDNAMES has 1 names but LISTEN_FDS is 2")));
 }
 
 TEST(WatchdogEnvTest, HalfTheTimeoutForThisProcess) {

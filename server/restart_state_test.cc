@@ -1,0 +1,247 @@
+#include "server/restart_state.h"
+
+#include <fcntl.h>
+#include <stdlib.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "absl/strings/escaping.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
+#include "common/codec.h"
+#include "core/test_model_plans.h"
+#include "gtest/gtest.h"
+#include "server/test_host_backend.h"
+#include "tests/status_matchers.h"
+
+namespace memra {
+namespace {
+
+using ::memra::testing::HasSubstrs;
+using ::memra::testing::IsOk;
+using ::memra::testing::NewTestHostBackend;
+using ::memra::testing::TestHostBackendOptions;
+
+// The service manager's side of the fd store (what systemd and memra-kv-supervise do): a
+// datagram socket NOTIFY_SOCKET names, keeping received descriptors by FDNAME.
+class ServiceManagerStore {
+ public:
+  ServiceManagerStore() {
+    char dir[] = "/tmp/memra-restart-state-XXXXXX";
+    EXPECT_NE(mkdtemp(dir), nullptr);
+    dir_ = dir;
+    path_ = dir_ + "/notify";
+    fd_ = socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+    sockaddr_un address{};
+    address.sun_family = AF_UNIX;
+    std::strcpy(address.sun_path, path_.c_str());
+    EXPECT_EQ(bind(fd_, reinterpret_cast<sockaddr*>(&address), sizeof(address)), 0);
+    old_ = getenv("NOTIFY_SOCKET") ? getenv("NOTIFY_SOCKET") : "";
+    setenv("NOTIFY_SOCKET", path_.c_str(), 1);
+  }
+  ~ServiceManagerStore() {
+    for (auto& [name, fd] : fds_) close(fd);
+    close(fd_);
+    unlink(path_.c_str());
+    rmdir(dir_.c_str());
+    if (old_.empty()) {
+      unsetenv("NOTIFY_SOCKET");
+    } else {
+      setenv("NOTIFY_SOCKET", old_.c_str(), 1);
+    }
+  }
+
+  // Applies every queued notification; the names stored now.
+  const std::map<std::string, int>& Drain() {
+    while (true) {
+      char buffer[4096];
+      alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * 8)];
+      iovec io{buffer, sizeof(buffer)};
+      msghdr message{};
+      message.msg_iov = &io;
+      message.msg_iovlen = 1;
+      message.msg_control = control;
+      message.msg_controllen = sizeof(control);
+      const ssize_t n = recvmsg(fd_, &message, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
+      if (n < 0) break;
+      std::vector<int> fds;
+      for (cmsghdr* c = CMSG_FIRSTHDR(&message); c != nullptr; c = CMSG_NXTHDR(&message, c)) {
+        int fd;
+        std::memcpy(&fd, CMSG_DATA(c), sizeof(int));
+        fds.push_back(fd);
+      }
+      std::string name;
+      bool store = false;
+      bool remove = false;
+      for (absl::string_view line : absl::StrSplit(absl::string_view(buffer, n), '\n')) {
+        store |= line == "FDSTORE=1";
+        remove |= line == "FDSTOREREMOVE=1";
+        if (absl::ConsumePrefix(&line, "FDNAME=")) name = std::string(line);
+      }
+      if (store && fds.size() == 1) {
+        fds_[name] = fds[0];
+        fds.clear();
+      }
+      if (remove && fds_.contains(name)) {
+        close(fds_[name]);
+        fds_.erase(name);
+      }
+      for (int fd : fds) close(fd);
+    }
+    return fds_;
+  }
+
+  // What a restarted daemon would be passed: duplicates of every stored descriptor.
+  std::vector<ListenedFd> Passed() {
+    std::vector<ListenedFd> passed;
+    for (const auto& [name, fd] : Drain()) {
+      passed.push_back(ListenedFd{.fd = fcntl(fd, F_DUPFD_CLOEXEC, 0), .name = name});
+    }
+    return passed;
+  }
+
+ private:
+  std::string dir_;
+  std::string path_;
+  std::string old_;
+  int fd_ = -1;
+  std::map<std::string, int> fds_;
+};
+
+class RestartStateTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    absl::StatusOr<std::unique_ptr<RestartState>> state =
+        RestartState::Create(/*slots=*/4, /*epoch=*/77, /*generation=*/3, backend_.get());
+    ASSERT_THAT(state, IsOk());
+    state_ = *std::move(state);
+    ASSERT_THAT(state_->Publish(), IsOk());
+  }
+
+  // A session record of the dense test plan on `arena`.
+  JournaledSession Session(uint64_t id, ArenaId arena) {
+    JournaledSession session;
+    session.id = id;
+    session.owner = 1;
+    session.token = "session-token-16";
+    session.fingerprint = fingerprint_;
+    session.model = model_;
+    session.shape.capacity = 256;
+    session.layout_version = 2;
+    session.arena = arena;
+    session.arena_handle = "/memra-kv-handle";
+    session.arena_bytes = 4096;
+    session.committed = CommittedRecord{.committed_len = 40, .next_generation = 9,
+                                        .ring_bases = {0, 0}, .tainted = false};
+    return session;
+  }
+
+  ServiceManagerStore store_;  // before the state: NOTIFY_SOCKET is set first
+  std::unique_ptr<HostBackend> backend_ = NewTestHostBackend(TestHostBackendOptions(1 << 24));
+  std::unique_ptr<RestartState> state_;
+  std::shared_ptr<const ModelPlan> model_ =
+      std::make_shared<const ModelPlan>(test_plans::DenseModel(2, 64, 2));
+  std::string fingerprint_ = std::string(32, '\x5a');
+};
+
+TEST_F(RestartStateTest, EverythingARestartNeedsReachesTheStoreAndReadsBack) {
+  absl::StatusOr<ArenaId> arena = backend_->CreateArena(4096, ArenaVisibility::kExported);
+  ASSERT_THAT(arena, IsOk());
+  ASSERT_THAT(backend_->Write(*arena, 100, std::vector<uint8_t>{42}), IsOk());
+  state_->EngineAttached(1, "engine-token-16b", "engine-a", 1234);
+  state_->ArenaCreated(*arena);
+  state_->SessionChanged(Session(5, *arena));
+  const std::string arena_name = absl::StrCat("arena-3-", arena->value);
+  const std::string plan_name = absl::StrCat("plan-", absl::BytesToHexString(fingerprint_));
+  EXPECT_EQ(store_.Drain().size(), 3u);
+  EXPECT_TRUE(store_.Drain().contains("journal-3"));
+  EXPECT_TRUE(store_.Drain().contains(arena_name));
+  EXPECT_TRUE(store_.Drain().contains(plan_name));
+  EXPECT_EQ(state_->stored_fds(), 3u);
+  EXPECT_EQ(state_->failures(), 0u);
+
+  std::optional<PreviousDaemon> previous = ReadPreviousDaemon(store_.Passed());
+  ASSERT_TRUE(previous.has_value());
+  EXPECT_EQ(previous->epoch, 77u);
+  EXPECT_EQ(previous->generation, 3u);
+  EXPECT_EQ(previous->next_engine_id, 2u);
+  EXPECT_EQ(previous->next_session_id, 6u);
+  EXPECT_EQ(previous->journal_name, "journal-3");
+  ASSERT_EQ(previous->engines.size(), 1u);
+  EXPECT_EQ(previous->engines[0].token(), "engine-token-16b");
+  EXPECT_EQ(previous->engines[0].name(), "engine-a");
+  ASSERT_EQ(previous->sessions.size(), 1u);
+  const auto& record = previous->sessions[0];
+  EXPECT_EQ(record.id(), 5u);
+  EXPECT_EQ(record.arena_fd_name(), arena_name);
+  EXPECT_EQ(record.committed_len(), 40u);
+  EXPECT_EQ(record.next_generation(), 9u);
+  EXPECT_EQ(record.layout_version(), 2u);
+  EXPECT_EQ(record.ring_bases_size(), 2);
+  EXPECT_TRUE(record.not_recoverable().empty());
+  ASSERT_TRUE(previous->plans.contains(plan_name));
+  EXPECT_EQ(previous->plans.at(plan_name).layers.size(), 2u);
+  ASSERT_TRUE(previous->arenas.contains(arena_name));
+  // The kept descriptor is the arena's memory.
+  std::unique_ptr<HostBackend> next = NewTestHostBackend(TestHostBackendOptions(1 << 24));
+  absl::StatusOr<ArenaId> adopted =
+      next->AdoptArenaFd(previous->arenas[arena_name].release(), 4096, "/memra-kv-handle");
+  ASSERT_THAT(adopted, IsOk());
+  std::vector<uint8_t> byte(1);
+  ASSERT_THAT(next->Read(*adopted, 100, absl::MakeSpan(byte)), IsOk());
+  EXPECT_EQ(byte[0], 42);
+}
+
+TEST_F(RestartStateTest, ReleasesRemoveWhatTheyKept) {
+  absl::StatusOr<ArenaId> arena = backend_->CreateArena(4096, ArenaVisibility::kExported);
+  ASSERT_THAT(arena, IsOk());
+  state_->EngineAttached(1, "engine-token-16b", "engine-a", 1234);
+  state_->ArenaCreated(*arena);
+  state_->SessionChanged(Session(5, *arena));
+  state_->SessionReleased(5);
+  state_->ArenaFreed(*arena);
+  state_->EngineForgotten(1);
+  EXPECT_EQ(store_.Drain().size(), 1u) << "only the journal stays";
+  EXPECT_EQ(state_->stored_fds(), 1u);
+  std::optional<PreviousDaemon> previous = ReadPreviousDaemon(store_.Passed());
+  ASSERT_TRUE(previous.has_value());
+  EXPECT_TRUE(previous->engines.empty());
+  EXPECT_TRUE(previous->sessions.empty());
+}
+
+TEST_F(RestartStateTest, WhatCannotBeKeptIsRecordedAsSuch) {
+  // An arena the store never got: its session is journaled as not recoverable, with why.
+  state_->SessionChanged(Session(6, ArenaId{999}));
+  EXPECT_EQ(state_->failures(), 0u);
+  // A full journal (4 slots) loses the fifth record, counted and logged.
+  for (uint64_t id = 7; id <= 10; ++id) state_->SessionChanged(Session(id, ArenaId{999}));
+  EXPECT_EQ(state_->failures(), 1u);
+  // A private arena has no descriptor to keep.
+  absl::StatusOr<ArenaId> private_arena = backend_->CreateArena(4096, ArenaVisibility::kPrivate);
+  ASSERT_THAT(private_arena, IsOk());
+  state_->ArenaCreated(*private_arena);
+  EXPECT_EQ(state_->failures(), 2u);
+  std::optional<PreviousDaemon> previous = ReadPreviousDaemon(store_.Passed());
+  ASSERT_TRUE(previous.has_value());
+  ASSERT_EQ(previous->sessions.size(), 4u);
+  EXPECT_EQ(previous->sessions[0].not_recoverable(),
+            "its arena's memory was not kept in the fd store");
+}
+
+TEST(ReadPreviousDaemon, WithoutAJournalNothingIsReadoptedAndEverythingIsALeftover) {
+  const int memfd = memfd_create("stray", MFD_CLOEXEC);
+  ASSERT_GE(memfd, 0);
+  EXPECT_FALSE(ReadPreviousDaemon({ListenedFd{memfd, "arena-1-1"}}).has_value());
+  EXPECT_FALSE(ReadPreviousDaemon({}).has_value());
+}
+
+}  // namespace
+}  // namespace memra
