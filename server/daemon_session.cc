@@ -72,6 +72,14 @@ absl::Status AllocateLayout(DeviceBackend* backend, DeviceBudget* budget, StateJ
   return absl::OkStatus();
 }
 
+// Generations are journaled as a reserve a block ahead of the next one, so a Begin rewrites the
+// record once per kGenerationBlock: a restarted session continues from the reserve, above every
+// generation issued before (they strictly increase; skipping some is harmless).
+constexpr uint64_t kGenerationBlock = 1024;
+uint64_t GenerationReserve(uint64_t next_generation) {
+  return (next_generation / kGenerationBlock + 1) * kGenerationBlock;
+}
+
 // Why `state` cannot come back at its committed length after a restart ("" when it can): what
 // the engine may already have written past the committed state in place.
 std::string NotRecoverableReason(const SessionState& state) {
@@ -199,10 +207,27 @@ void DaemonSession::JournalNow() {
 
 void DaemonSession::JournalLocked() {
   if (params_.journal == nullptr || released_) return;
+  std::string reason = NotRecoverableReason(state_);
+  const uint64_t generations = GenerationReserve(state_.kv().state().next_generation());
+  // The common case (a Begin, a Prepare, a Publish without a rebase) changes nothing journaled:
+  // compared in place, without building a record.
+  if (journaled_.has_value() && journaled_->layout_version == current_.version &&
+      journaled_->committed.committed_len == state_.committed_len() &&
+      journaled_->committed.next_generation == generations &&
+      journaled_->committed.tainted == state_.tainted() &&
+      journaled_->not_recoverable == reason) {
+    const std::vector<uint64_t>& bases = journaled_->committed.ring_bases;
+    const KvTransactionCache& kv = state_.kv();
+    bool same = bases.size() == kv.layer_count();
+    for (size_t i = 0; same && i < kv.layer_count(); ++i) {
+      same = bases[i] == (kv.ring(i).has_value() ? kv.ring(i)->base() : 0);
+    }
+    if (same) return;
+  }
   Journaled now{.layout_version = current_.version,
                 .committed = state_.Committed(),
-                .not_recoverable = NotRecoverableReason(state_)};
-  if (journaled_ == now) return;
+                .not_recoverable = std::move(reason)};
+  now.committed.next_generation = generations;
   JournaledSession record;
   record.id = params_.id.value;
   record.owner = params_.owner.value;

@@ -160,12 +160,14 @@ absl::Status RestartJournal::Write(uint64_t slot, absl::string_view payload) {
     return absl::InvalidArgumentError(absl::StrCat("restart journal record of ", payload.size(),
                                                    " bytes; a slot holds ", kMaxPayloadBytes));
   }
-  const HalfRead first = ReadHalf(half(slot, 0));
-  const HalfRead second = ReadHalf(half(slot, 1));
-  const uint64_t newest = std::max(first.valid ? first.sequence : 0,
-                                   second.valid ? second.sequence : 0);
-  // Overwrite the half that does not hold the newest whole record.
-  const int target = (first.valid && first.sequence == newest && newest != 0) ? 1 : 0;
+  // Only this process writes a journal it created (a restarted daemon makes a new one), so both
+  // halves are whole here and their sequences say which is older: no checksum to verify.
+  HalfHeader first;
+  HalfHeader second;
+  std::memcpy(&first, half(slot, 0), sizeof(first));
+  std::memcpy(&second, half(slot, 1), sizeof(second));
+  const uint64_t newest = std::max(first.sequence, second.sequence);
+  const int target = first.sequence > second.sequence ? 1 : 0;
   uint8_t* at = half(slot, target);
   HalfHeader header{.sequence = newest + 1,
                     .checksum = 0,

@@ -59,7 +59,8 @@ class RestartJournal {
   void RaiseNextSessionId(uint64_t next);
 
   // Writes `payload` into `slot`. INVALID_ARGUMENT for a slot out of range or a payload over
-  // kMaxPayloadBytes.
+  // kMaxPayloadBytes. REQUIRES: this journal was created by this process (a restarted daemon
+  // reads the previous journal and writes its own), so no half is torn.
   absl::Status Write(uint64_t slot, absl::string_view payload);
   // Makes `slot` read as empty.
   absl::Status Clear(uint64_t slot) { return Write(slot, ""); }
