@@ -114,3 +114,42 @@ TEST(CudaBackendIpcTest, CrossProcessMapping) {
 
 }  // namespace
 }  // namespace memra
+
+namespace memra {
+namespace {
+
+// cuda_export = "vmm": the engine maps the descriptor the daemon handed over, and sees the
+// daemon's bytes; the handle alone opens nothing.
+TEST(CudaVmmMapperTest, TheDescriptorMapsTheDaemonsArena) {
+  CudaArenaMapper mapper(0);
+  EXPECT_THAT(mapper.Map("cuda", "vmm-00112233445566778899aabbccddeeff", 2 << 20),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstrs("is a VMM export", "2097152 bytes", "fd side channel")));
+  if (testing::NewCudaBackendOrNull() == nullptr) GTEST_SKIP();
+  absl::StatusOr<std::unique_ptr<CudaBackend>> daemon =
+      CudaBackend::Create({.device = 0, .vmm_exports = true});
+  ASSERT_THAT(daemon, IsOk());
+  absl::StatusOr<ArenaId> arena = (*daemon)->CreateArena(2 << 20, ArenaVisibility::kExported);
+  ASSERT_THAT(arena, IsOk());
+  ASSERT_THAT((*daemon)->Write(*arena, 64, std::vector<uint8_t>{1, 2, 3}), IsOk());
+  absl::StatusOr<int> fd = (*daemon)->DuplicateArenaFd(*arena);
+  ASSERT_THAT(fd, IsOk());
+  absl::StatusOr<std::unique_ptr<CachingArenaMapper::Mapping>> mapped =
+      MapVmmDescriptor(0, *fd, 2 << 20);
+  close(*fd);
+  ASSERT_THAT(mapped, IsOk());
+  uint8_t back[3] = {};
+  ASSERT_EQ(cudaMemcpy(back, static_cast<uint8_t*>((*mapped)->data()) + 64, 3,
+                       cudaMemcpyDeviceToHost),
+            cudaSuccess);
+  EXPECT_EQ(back[0], 1);
+  EXPECT_EQ(back[2], 3);
+  EXPECT_THAT(MapVmmDescriptor(0, -1, 2 << 20).status(),
+              StatusIs(::testing::_, HasSubstr("cuMemImportFromShareableHandle (fd -1)")));
+  EXPECT_THAT(MapVmmDescriptor(0, -1, 12345).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("12345 bytes is not a positive multiple")));
+}
+
+}  // namespace
+}  // namespace memra

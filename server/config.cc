@@ -44,6 +44,7 @@ constexpr uint64_t kPiB = uint64_t{1} << 50;
 
 // Index = enum value; BackendName/LogLevelName and the "one of" parsing share these.
 constexpr std::array<absl::string_view, 2> kBackendNames = {"host", "cuda"};
+constexpr std::array<absl::string_view, 2> kCudaExportNames = {"ipc", "vmm"};
 constexpr std::array<absl::string_view, 7> kLogLevelNames = {"trace", "debug",    "info", "warn",
                                                              "error", "critical", "off"};
 
@@ -56,7 +57,7 @@ using TypedValue = std::variant<uint64_t, double, bool, std::string>;
 using FieldPtr =
     std::variant<uint64_t DaemonConfig::*, uint32_t DaemonConfig::*, double DaemonConfig::*,
                  bool DaemonConfig::*, std::string DaemonConfig::*, Backend DaemonConfig::*,
-                 LogLevel DaemonConfig::*>;
+                 LogLevel DaemonConfig::*, CudaExport DaemonConfig::*>;
 
 // How a key's value is written; decides parsing, rendering and the "accepted" text.
 enum class Syntax {
@@ -161,6 +162,11 @@ const std::vector<KeySpec>& Keys() {
        .reloadable = true,
        .help = "CUDA backend: memory left for the driver and other processes (bytes).", .min = 0,
        .max = kTiB},
+      {.name = "cuda_export", .field = &C::cuda_export, .syntax = Syntax::kChoice,
+       .reloadable = false,
+       .help = "CUDA backend: how arenas reach engines: ipc (CUDA IPC handles) or vmm (cuMemCreate "
+               "shared as file descriptors; survives a daemon restart).",
+       .choices = kCudaExportNames},
       {.name = "lease_timeout_ms", .field = &C::lease_timeout_ms, .syntax = Syntax::kInteger,
        .reloadable = true,
        .help = "Milliseconds without an engine heartbeat before its lease expires.", .min = 100,
@@ -545,6 +551,11 @@ std::optional<std::pair<RawValue, std::string>> FromToml(const toml::value& valu
 }
 
 }  // namespace
+
+std::string_view CudaExportName(CudaExport mode) {
+  absl::string_view name = kCudaExportNames[static_cast<size_t>(mode)];
+  return {name.data(), name.size()};
+}
 
 std::string_view BackendName(Backend backend) {
   absl::string_view name = kBackendNames[static_cast<size_t>(backend)];

@@ -48,7 +48,8 @@ TEST(ConfigTest, KeyListIsTheDocumentedOne) {
   EXPECT_THAT(names,
               ElementsAre("backend", "device", "socket_path", "socket_mode", "socket_group",
                           "shm_mode", "shm_group", "budget_bytes", "cuda_memory_fraction",
-                          "cuda_reserve_bytes", "lease_timeout_ms", "lease_grace_ms",
+                          "cuda_reserve_bytes", "cuda_export", "lease_timeout_ms",
+                          "lease_grace_ms",
                           "reservation_ttl_ms", "log_level", "metrics_address", "rpc_metrics",
                           "drain_grace_ms",
                           "prefix_cache_budget_bytes", "prefix_block_tokens",
@@ -61,6 +62,14 @@ TEST(ConfigTest, KeyListIsTheDocumentedOne) {
   EXPECT_THAT(reloadable, ElementsAre("budget_bytes", "cuda_memory_fraction", "cuda_reserve_bytes",
                                       "lease_timeout_ms", "reservation_ttl_ms", "log_level",
                                       "drain_grace_ms", "prefix_cache_budget_bytes"));
+}
+
+TEST(ConfigTest, CudaExportModes) {
+  EXPECT_EQ(DaemonConfig().cuda_export, CudaExport::kIpc);
+  absl::StatusOr<DaemonConfig> vmm = ParseLine("cuda_export = \"vmm\"");
+  ASSERT_TRUE(vmm.ok()) << vmm.status();
+  EXPECT_EQ(vmm->cuda_export, CudaExport::kVmm);
+  EXPECT_EQ(CudaExportName(CudaExport::kVmm), "vmm");
 }
 
 TEST(ConfigTest, Defaults) {
@@ -288,6 +297,8 @@ INSTANTIATE_TEST_SUITE_P(
         BadValueCase{"backend = \"rocm\"",
                      {"backend = \"rocm\"", "not a known value", "one of host, cuda"}},
         BadValueCase{"backend = 1", {"backend = 1", "one of host, cuda"}},
+        BadValueCase{"cuda_export = \"nvlink\"",
+                     {"cuda_export = \"nvlink\"", "not a known value", "one of ipc, vmm"}},
         BadValueCase{"socket_path = \"memra.sock\"",
                      {"socket_path = \"memra.sock\"", "not an absolute path"}},
         BadValueCase{"socket_group = \"my group\"",

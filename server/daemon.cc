@@ -101,7 +101,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Create(DaemonConfig config,
   if (previous.has_value()) epoch = previous->epoch + 1 == 0 ? 1 : previous->epoch + 1;
   std::unique_ptr<RestartState> restart_state;
   if (config.keep_kv_across_restarts && UnderServiceManager() &&
-      config.backend != Backend::kHost) {
+      config.backend == Backend::kCuda && config.cuda_export == CudaExport::kIpc) {
     // Legacy CUDA IPC memory dies with the exporting process: nothing to keep.
     spdlog::warn("KV does not survive a restart on the {} backend with CUDA IPC exports",
                  backend->Name());
