@@ -139,7 +139,9 @@ class StepOutcome:
     def error(self):
         if self._result.code == 0:
             return None
-        return KvError(code_from_value(self._result.code), self._result.message)
+        restart = (self._result.daemon_restart if self._result.HasField("daemon_restart")
+                   else None)
+        return KvError(code_from_value(self._result.code), self._result.message, None, restart)
 
     @property
     def begun(self):
