@@ -3,8 +3,6 @@
 Generates @local_cuda with:
   //:defs.bzl  HAS_CUDA (bool) for BUILD files to include or leave out CUDA targets.
   //:cudart    the CUDA runtime (headers + -lcudart), only when HAS_CUDA.
-  //:cuda_driver  the driver API (cuda.h + -lcuda, linked against the toolkit's stub; the
-                driver's libcuda.so.1 is loaded at run time), only when HAS_CUDA.
 """
 
 _BUILD_WITH_CUDA = """
@@ -18,15 +16,6 @@ cc_library(
         "-L{lib}",
         "-Wl,-rpath,{lib}",
         "-lcudart",
-    ],
-)
-
-cc_library(
-    name = "cuda_driver",
-    deps = [":cudart"],
-    linkopts = [
-        "-L{lib}/stubs",
-        "-lcuda",
     ],
 )
 """

@@ -1,6 +1,7 @@
 #include "common/cuda_vmm.h"
 
 #include <cuda.h>
+#include <cuda_runtime_api.h>
 #include <unistd.h>
 
 #include <cstdint>
@@ -12,12 +13,80 @@
 namespace memra {
 namespace {
 
+// The driver entry points this file uses, resolved once through the runtime (which loads
+// libcuda itself): linking libcuda would stop every binary built with the toolkit from starting
+// where no driver is installed.
+struct DriverApi {
+  decltype(&cuGetErrorName) GetErrorName = nullptr;
+  decltype(&cuGetErrorString) GetErrorString = nullptr;
+  decltype(&cuInit) Init = nullptr;
+  decltype(&cuDeviceGet) DeviceGet = nullptr;
+  decltype(&cuDevicePrimaryCtxRetain) DevicePrimaryCtxRetain = nullptr;
+  decltype(&cuCtxSetCurrent) CtxSetCurrent = nullptr;
+  decltype(&cuMemGetAllocationGranularity) MemGetAllocationGranularity = nullptr;
+  decltype(&cuMemCreate) MemCreate = nullptr;
+  decltype(&cuMemAddressReserve) MemAddressReserve = nullptr;
+  decltype(&cuMemMap) MemMap = nullptr;
+  decltype(&cuMemSetAccess) MemSetAccess = nullptr;
+  decltype(&cuMemUnmap) MemUnmap = nullptr;
+  decltype(&cuMemAddressFree) MemAddressFree = nullptr;
+  decltype(&cuMemRelease) MemRelease = nullptr;
+  decltype(&cuMemExportToShareableHandle) MemExportToShareableHandle = nullptr;
+  decltype(&cuMemImportFromShareableHandle) MemImportFromShareableHandle = nullptr;
+  absl::Status loaded;
+};
+
+// The ABI version the entry points are asked for: VMM with POSIX descriptors as of CUDA 12.0.
+constexpr unsigned int kDriverAbiVersion = 12000;
+
+template <typename Function>
+absl::Status Resolve(const char* symbol, Function& function) {
+  void* address = nullptr;
+  cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+  const cudaError_t err = cudaGetDriverEntryPointByVersion(symbol, &address, kDriverAbiVersion,
+                                                           cudaEnableDefault, &found);
+  if (err != cudaSuccess || found != cudaDriverEntryPointSuccess || address == nullptr) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "CUDA driver entry point ", symbol, " (ABI ", kDriverAbiVersion, ") unavailable: ",
+        cudaGetErrorString(err), ", query result ", static_cast<int>(found)));
+  }
+  function = reinterpret_cast<Function>(address);
+  return absl::OkStatus();
+}
+
+const DriverApi& Driver() {
+  static const DriverApi* const api = [] {
+    auto* loaded = new DriverApi;
+    absl::Status status;
+    for (absl::Status resolved :
+         {Resolve("cuGetErrorName", loaded->GetErrorName),
+          Resolve("cuGetErrorString", loaded->GetErrorString), Resolve("cuInit", loaded->Init),
+          Resolve("cuDeviceGet", loaded->DeviceGet),
+          Resolve("cuDevicePrimaryCtxRetain", loaded->DevicePrimaryCtxRetain),
+          Resolve("cuCtxSetCurrent", loaded->CtxSetCurrent),
+          Resolve("cuMemGetAllocationGranularity", loaded->MemGetAllocationGranularity),
+          Resolve("cuMemCreate", loaded->MemCreate),
+          Resolve("cuMemAddressReserve", loaded->MemAddressReserve),
+          Resolve("cuMemMap", loaded->MemMap), Resolve("cuMemSetAccess", loaded->MemSetAccess),
+          Resolve("cuMemUnmap", loaded->MemUnmap),
+          Resolve("cuMemAddressFree", loaded->MemAddressFree),
+          Resolve("cuMemRelease", loaded->MemRelease),
+          Resolve("cuMemExportToShareableHandle", loaded->MemExportToShareableHandle),
+          Resolve("cuMemImportFromShareableHandle", loaded->MemImportFromShareableHandle)}) {
+      if (status.ok()) status = resolved;
+    }
+    loaded->loaded = status;
+    return loaded;
+  }();
+  return *api;
+}
+
 // A driver API error as a status naming the call and the numbers.
 absl::Status CuError(absl::string_view context, CUresult result) {
   const char* name = nullptr;
   const char* text = nullptr;
-  cuGetErrorName(result, &name);
-  cuGetErrorString(result, &text);
+  Driver().GetErrorName(result, &name);
+  Driver().GetErrorString(result, &text);
   const std::string message =
       absl::StrCat(context, ": ", name != nullptr ? name : "CUDA_ERROR", " (",
                    static_cast<int>(result), "): ", text != nullptr ? text : "unknown");
@@ -46,16 +115,17 @@ CUmemAllocationProp AllocationProperties(int device) {
 
 // The driver needs a current context: the device's primary one (what the runtime uses).
 absl::Status UsePrimaryContext(int device) {
-  if (CUresult r = cuInit(0); r != CUDA_SUCCESS) return CuError("cuInit", r);
+  if (!Driver().loaded.ok()) return Driver().loaded;
+  if (CUresult r = Driver().Init(0); r != CUDA_SUCCESS) return CuError("cuInit", r);
   CUdevice handle;
-  if (CUresult r = cuDeviceGet(&handle, device); r != CUDA_SUCCESS) {
+  if (CUresult r = Driver().DeviceGet(&handle, device); r != CUDA_SUCCESS) {
     return CuError(absl::StrCat("cuDeviceGet ", device), r);
   }
   CUcontext context;
-  if (CUresult r = cuDevicePrimaryCtxRetain(&context, handle); r != CUDA_SUCCESS) {
+  if (CUresult r = Driver().DevicePrimaryCtxRetain(&context, handle); r != CUDA_SUCCESS) {
     return CuError(absl::StrCat("cuDevicePrimaryCtxRetain ", device), r);
   }
-  if (CUresult r = cuCtxSetCurrent(context); r != CUDA_SUCCESS) {
+  if (CUresult r = Driver().CtxSetCurrent(context); r != CUDA_SUCCESS) {
     return CuError(absl::StrCat("cuCtxSetCurrent ", device), r);
   }
   // The retain is balanced by the runtime's own use of the primary context for the process's
@@ -81,7 +151,7 @@ absl::StatusOr<uint64_t> VmmGranularity(int device) {
   if (absl::Status status = UsePrimaryContext(device); !status.ok()) return status;
   const CUmemAllocationProp prop = AllocationProperties(device);
   size_t granularity = 0;
-  if (CUresult r = cuMemGetAllocationGranularity(&granularity, &prop,
+  if (CUresult r = Driver().MemGetAllocationGranularity(&granularity, &prop,
                                                  CU_MEM_ALLOC_GRANULARITY_RECOMMENDED);
       r != CUDA_SUCCESS) {
     return CuError(absl::StrCat("cuMemGetAllocationGranularity on device ", device), r);
@@ -90,21 +160,21 @@ absl::StatusOr<uint64_t> VmmGranularity(int device) {
 }
 
 absl::StatusOr<VmmMapping> VmmMapping::Map(int device, uint64_t handle, uint64_t bytes) {
-  auto release = [&] { cuMemRelease(static_cast<CUmemGenericAllocationHandle>(handle)); };
+  auto release = [&] { Driver().MemRelease(static_cast<CUmemGenericAllocationHandle>(handle)); };
   absl::StatusOr<uint64_t> granularity = VmmGranularity(device);
   if (!granularity.ok()) {
     release();
     return granularity.status();
   }
   CUdeviceptr address = 0;
-  if (CUresult r = cuMemAddressReserve(&address, bytes, *granularity, 0, 0); r != CUDA_SUCCESS) {
+  if (CUresult r = Driver().MemAddressReserve(&address, bytes, *granularity, 0, 0); r != CUDA_SUCCESS) {
     release();
     return CuError(absl::StrCat("cuMemAddressReserve ", bytes, " bytes"), r);
   }
-  if (CUresult r = cuMemMap(address, bytes, 0, static_cast<CUmemGenericAllocationHandle>(handle),
+  if (CUresult r = Driver().MemMap(address, bytes, 0, static_cast<CUmemGenericAllocationHandle>(handle),
                             0);
       r != CUDA_SUCCESS) {
-    cuMemAddressFree(address, bytes);
+    Driver().MemAddressFree(address, bytes);
     release();
     return CuError(absl::StrCat("cuMemMap ", bytes, " bytes"), r);
   }
@@ -112,9 +182,9 @@ absl::StatusOr<VmmMapping> VmmMapping::Map(int device, uint64_t handle, uint64_t
   access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
   access.location.id = device;
   access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-  if (CUresult r = cuMemSetAccess(address, bytes, &access, 1); r != CUDA_SUCCESS) {
-    cuMemUnmap(address, bytes);
-    cuMemAddressFree(address, bytes);
+  if (CUresult r = Driver().MemSetAccess(address, bytes, &access, 1); r != CUDA_SUCCESS) {
+    Driver().MemUnmap(address, bytes);
+    Driver().MemAddressFree(address, bytes);
     release();
     return CuError(absl::StrCat("cuMemSetAccess ", bytes, " bytes on device ", device), r);
   }
@@ -125,7 +195,7 @@ absl::StatusOr<VmmMapping> VmmMapping::Create(int device, uint64_t bytes) {
   if (absl::Status status = CheckMultiple(device, bytes); !status.ok()) return status;
   const CUmemAllocationProp prop = AllocationProperties(device);
   CUmemGenericAllocationHandle handle = 0;
-  if (CUresult r = cuMemCreate(&handle, bytes, &prop, 0); r != CUDA_SUCCESS) {
+  if (CUresult r = Driver().MemCreate(&handle, bytes, &prop, 0); r != CUDA_SUCCESS) {
     return CuError(absl::StrCat("cuMemCreate ", bytes, " bytes on device ", device), r);
   }
   return Map(device, static_cast<uint64_t>(handle), bytes);
@@ -134,7 +204,7 @@ absl::StatusOr<VmmMapping> VmmMapping::Create(int device, uint64_t bytes) {
 absl::StatusOr<VmmMapping> VmmMapping::Import(int device, int fd, uint64_t bytes) {
   if (absl::Status status = CheckMultiple(device, bytes); !status.ok()) return status;
   CUmemGenericAllocationHandle handle = 0;
-  if (CUresult r = cuMemImportFromShareableHandle(
+  if (CUresult r = Driver().MemImportFromShareableHandle(
           &handle, reinterpret_cast<void*>(static_cast<uintptr_t>(fd)),
           CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
       r != CUDA_SUCCESS) {
@@ -153,14 +223,14 @@ VmmMapping::~VmmMapping() {
   if (handle_ == 0) return;
   // Failures leave nothing to recover; the memory goes with its last holder.
   (void)UsePrimaryContext(device_);
-  cuMemUnmap(static_cast<CUdeviceptr>(address_), bytes_);
-  cuMemAddressFree(static_cast<CUdeviceptr>(address_), bytes_);
-  cuMemRelease(static_cast<CUmemGenericAllocationHandle>(handle_));
+  Driver().MemUnmap(static_cast<CUdeviceptr>(address_), bytes_);
+  Driver().MemAddressFree(static_cast<CUdeviceptr>(address_), bytes_);
+  Driver().MemRelease(static_cast<CUmemGenericAllocationHandle>(handle_));
 }
 
 absl::StatusOr<int> VmmMapping::ExportFd() const {
   int fd = -1;
-  if (CUresult r = cuMemExportToShareableHandle(
+  if (CUresult r = Driver().MemExportToShareableHandle(
           &fd, static_cast<CUmemGenericAllocationHandle>(handle_),
           CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0);
       r != CUDA_SUCCESS) {

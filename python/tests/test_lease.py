@@ -12,6 +12,7 @@ import pytest
 
 import memra_kv
 from memra_kv import KvError
+import kvtest
 from kvtest import dense_plan, poll_until
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -86,3 +87,43 @@ def test_a_python_engine_killed_with_sigkill_is_reclaimed(kvd):
         if engine.poll() is None:
             engine.kill()
             engine.wait()
+
+
+def test_after_a_daemon_restart_sessions_come_back_or_say_why_not(kvd):
+    """Under memra-kv-supervise a SIGKILLed daemon comes back with the sessions it could keep;
+    one that could not come back (a transaction was open on a recurrent layer, which the engine
+    updates in place) answers with the restart error naming both epochs."""
+    daemon = kvd("--lease_timeout_ms=5000", supervised=True)
+    with daemon.admin() as admin, daemon.client() as engine:
+        engine.attach("py-restart")
+        before = admin.status().epoch
+        plan = engine.register_plan(kvtest.hybrid_test_plan())
+        kept = engine.create_session(plan, 256)
+        transaction = kept.begin()
+        kept.prepare_append(transaction.generation, 4)
+        kept.publish_append(transaction.generation)
+        assert kept.commit(transaction.generation, 4) == 4
+        lost = engine.create_session(plan, 256)
+        open_transaction = lost.begin()
+        lost.prepare_append(open_transaction.generation, 2)
+
+        os.kill(daemon.daemon_pid(), signal.SIGKILL)
+
+        def restarted():
+            try:
+                return admin.status().epoch != before
+            except KvError:
+                return False
+
+        assert poll_until(restarted)
+        assert admin.status().epoch == before + 1
+        assert kept.state().committed_len == 4
+        with pytest.raises(KvError) as refused:
+            lost.state()
+        error = refused.value
+        assert error.code == grpc.StatusCode.FAILED_PRECONDITION and error.is_daemon_restarted
+        assert (error.previous_epoch, error.epoch) == (before, before + 1)
+        assert error.message.startswith(
+            "memra-kvd restarted (epoch %d -> %d); session %d was not re-adopted: a transaction "
+            "was open on recurrent layer 2" % (before, before + 1, lost.id))
+        kept.release()
