@@ -93,7 +93,8 @@ def test_after_a_daemon_restart_sessions_come_back_or_say_why_not(kvd):
     """Under memra-kv-supervise a SIGKILLed daemon comes back with the sessions it could keep;
     one that could not come back (a transaction was open on a recurrent layer, which the engine
     updates in place) answers with the restart error naming both epochs."""
-    daemon = kvd("--lease_timeout_ms=5000", supervised=True)
+    # The Python client does not re-attach yet: a lease long enough for the checks below.
+    daemon = kvd("--lease_timeout_ms=60000", supervised=True)
     with daemon.admin() as admin, daemon.client() as engine:
         engine.attach("py-restart")
         before = admin.status().epoch
