@@ -32,6 +32,7 @@
 #include "server/host_backend.h"
 #include "server/plan_registry.h"
 #include "server/restart_state.h"
+#include "server/sd_notify.h"
 #include "server/session_registry.h"
 
 namespace memra::bench {
@@ -57,22 +58,12 @@ class DrainedNotifySocket {
     if (bind(fd_, reinterpret_cast<sockaddr*>(&address), sizeof(address)) != 0) std::abort();
     setenv("NOTIFY_SOCKET", path_.c_str(), 1);
     thread_ = std::thread([this] {
+      timeval timeout{.tv_sec = 0, .tv_usec = 100000};
+      setsockopt(fd_, SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof(timeout));
       while (!stop_.load()) {
-        char buffer[4096];
-        alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * 8)];
-        iovec io{buffer, sizeof(buffer)};
-        msghdr message{};
-        message.msg_iov = &io;
-        message.msg_iovlen = 1;
-        message.msg_control = control;
-        message.msg_controllen = sizeof(control);
-        timeval timeout{.tv_sec = 0, .tv_usec = 100000};
-        setsockopt(fd_, SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof(timeout));
-        if (recvmsg(fd_, &message, MSG_CMSG_CLOEXEC) < 0) continue;
-        for (cmsghdr* c = CMSG_FIRSTHDR(&message); c != nullptr; c = CMSG_NXTHDR(&message, c)) {
-          int fd;
-          std::memcpy(&fd, CMSG_DATA(c), sizeof(int));
-          close(fd);
+        std::optional<Notification> received = ReceiveNotification(fd_, /*wait=*/true);
+        if (received.has_value()) {
+          for (int fd : received->fds) close(fd);
         }
       }
     });

@@ -10,7 +10,6 @@
 #include <vector>
 
 #include <fcntl.h>
-#include <sys/random.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -21,6 +20,7 @@
 #include "common/cuda_vmm.h"
 #include "common/errors.h"
 #include "common/mapped_region.h"
+#include "server/secret_token.h"
 #include "core/status_macros.h"
 #include "common/cuda_errors.h"
 #include "server/streaming_checksum.h"
@@ -83,18 +83,8 @@ class VmmArena final : public ArenaRecord {
 // "vmm-" + 32 random hex characters: names a VMM arena to its engine (nothing else can open it
 // from the name: the memory comes only as a descriptor over the side channel).
 absl::StatusOr<std::string> NewVmmHandle() {
-  uint8_t bytes[16];
-  size_t got = 0;
-  while (got < sizeof(bytes)) {
-    const ssize_t n = getrandom(bytes + got, sizeof(bytes) - got, 0);
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      return PosixError("getrandom for a VMM arena handle", errno);
-    }
-    got += static_cast<size_t>(n);
-  }
-  return absl::StrCat("vmm-", absl::BytesToHexString(absl::string_view(
-                                  reinterpret_cast<const char*>(bytes), sizeof(bytes))));
+  ASSIGN_OR_RETURN(const std::string random, RandomSecretToken());
+  return absl::StrCat("vmm-", absl::BytesToHexString(random));
 }
 
 }  // namespace

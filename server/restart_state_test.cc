@@ -13,9 +13,6 @@
 #include <vector>
 
 #include "absl/strings/escaping.h"
-#include "absl/strings/match.h"
-#include "absl/strings/str_split.h"
-#include "absl/strings/strip.h"
 #include "common/codec.h"
 #include "core/test_model_plans.h"
 #include "gtest/gtest.h"
@@ -61,40 +58,17 @@ class ServiceManagerStore {
 
   // Applies every queued notification; the names stored now.
   const std::map<std::string, int>& Drain() {
-    while (true) {
-      char buffer[4096];
-      alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * 8)];
-      iovec io{buffer, sizeof(buffer)};
-      msghdr message{};
-      message.msg_iov = &io;
-      message.msg_iovlen = 1;
-      message.msg_control = control;
-      message.msg_controllen = sizeof(control);
-      const ssize_t n = recvmsg(fd_, &message, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
-      if (n < 0) break;
-      std::vector<int> fds;
-      for (cmsghdr* c = CMSG_FIRSTHDR(&message); c != nullptr; c = CMSG_NXTHDR(&message, c)) {
-        int fd;
-        std::memcpy(&fd, CMSG_DATA(c), sizeof(int));
-        fds.push_back(fd);
+    while (std::optional<Notification> received = ReceiveNotification(fd_, /*wait=*/false)) {
+      const FdStoreRequest request = ParseFdStoreRequest(received->state);
+      if (request.store && received->fds.size() == 1) {
+        fds_[request.name] = received->fds[0];
+        received->fds.clear();
       }
-      std::string name;
-      bool store = false;
-      bool remove = false;
-      for (absl::string_view line : absl::StrSplit(absl::string_view(buffer, n), '\n')) {
-        store |= line == "FDSTORE=1";
-        remove |= line == "FDSTOREREMOVE=1";
-        if (absl::ConsumePrefix(&line, "FDNAME=")) name = std::string(line);
+      if (request.remove && fds_.contains(request.name)) {
+        close(fds_[request.name]);
+        fds_.erase(request.name);
       }
-      if (store && fds.size() == 1) {
-        fds_[name] = fds[0];
-        fds.clear();
-      }
-      if (remove && fds_.contains(name)) {
-        close(fds_[name]);
-        fds_.erase(name);
-      }
-      for (int fd : fds) close(fd);
+      for (int fd : received->fds) close(fd);
     }
     return fds_;
   }

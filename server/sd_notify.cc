@@ -16,6 +16,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_replace.h"
 #include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
 
 namespace memra {
 namespace {
@@ -170,6 +171,51 @@ absl::StatusOr<std::vector<ListenedFd>> TakeListenFds() {
     }
   }
   return passed;
+}
+
+std::optional<Notification> ReceiveNotification(int socket, bool wait) {
+  constexpr size_t kMaxFds = 253;  // SCM_MAX_FD
+  char data[4096];
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * kMaxFds) + CMSG_SPACE(sizeof(ucred))];
+  iovec io{data, sizeof(data)};
+  msghdr message{};
+  message.msg_iov = &io;
+  message.msg_iovlen = 1;
+  message.msg_control = control;
+  message.msg_controllen = sizeof(control);
+  ssize_t n;
+  do {
+    n = recvmsg(socket, &message, MSG_CMSG_CLOEXEC | (wait ? 0 : MSG_DONTWAIT));
+  } while (n < 0 && errno == EINTR);
+  if (n < 0) return std::nullopt;
+  Notification received;
+  received.state.assign(data, static_cast<size_t>(n));
+  received.truncated = (message.msg_flags & MSG_CTRUNC) != 0;
+  for (cmsghdr* c = CMSG_FIRSTHDR(&message); c != nullptr; c = CMSG_NXTHDR(&message, c)) {
+    if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS) {
+      const size_t count = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+      for (size_t i = 0; i < count; ++i) {
+        int fd;
+        std::memcpy(&fd, CMSG_DATA(c) + i * sizeof(int), sizeof(int));
+        received.fds.push_back(fd);
+      }
+    } else if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_CREDENTIALS) {
+      ucred credentials;
+      std::memcpy(&credentials, CMSG_DATA(c), sizeof(credentials));
+      received.sender = credentials.pid;
+    }
+  }
+  return received;
+}
+
+FdStoreRequest ParseFdStoreRequest(std::string_view state) {
+  FdStoreRequest request;
+  for (absl::string_view line : absl::StrSplit(AsAbsl(state), '\n')) {
+    if (line == "FDSTORE=1") request.store = true;
+    if (line == "FDSTOREREMOVE=1") request.remove = true;
+    if (absl::ConsumePrefix(&line, "FDNAME=")) request.name = std::string(line);
+  }
+  return request;
 }
 
 std::optional<absl::Duration> WatchdogInterval() {

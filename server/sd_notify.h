@@ -34,6 +34,30 @@ absl::Status SdNotifyWithFds(std::string_view state, const std::vector<int>& fds
 // True when $NOTIFY_SOCKET names a service manager (systemd or memra-kv-supervise).
 bool UnderServiceManager();
 
+// ---- The service manager's side (memra-kv-supervise, tests and benchmarks that stand where
+// systemd would) ----
+
+// One notification as the service manager receives it.
+struct Notification {
+  std::string state;
+  std::vector<int> fds;    // received close-on-exec; the caller owns (and closes) them
+  pid_t sender = 0;        // from SCM_CREDENTIALS when the socket has SO_PASSCRED, else 0
+  bool truncated = false;  // some descriptors did not fit and were dropped (MSG_CTRUNC)
+};
+// The next datagram queued on `socket`; nullopt when none is (without `wait`), or when waiting
+// failed or timed out (SO_RCVTIMEO).
+std::optional<Notification> ReceiveNotification(int socket, bool wait);
+
+// What a notification asks of the fd store: "FDSTORE=1" (keep its descriptors under `name`),
+// "FDSTOREREMOVE=1" (drop those under `name`); `name` from "FDNAME=", "stored" when absent (as
+// systemd).
+struct FdStoreRequest {
+  bool store = false;
+  bool remove = false;
+  std::string name = "stored";
+};
+FdStoreRequest ParseFdStoreRequest(std::string_view state);
+
 // One descriptor the service manager passed at start (sd_listen_fds_with_names(3)).
 struct ListenedFd {
   int fd = -1;

@@ -98,26 +98,10 @@ class FakeNotifyListener {
 
   // The next datagram with the descriptors it carried (owned by the caller).
   std::pair<std::string, std::vector<int>> ReceiveWithFds() {
-    char buffer[4096];
-    alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * 16)];
-    iovec io{buffer, sizeof(buffer)};
-    msghdr message{};
-    message.msg_iov = &io;
-    message.msg_iovlen = 1;
-    message.msg_control = control;
-    message.msg_controllen = sizeof(control);
-    const ssize_t n = recvmsg(fd_, &message, MSG_CMSG_CLOEXEC);
-    EXPECT_GE(n, 0) << std::strerror(errno);
-    std::vector<int> fds;
-    for (cmsghdr* c = CMSG_FIRSTHDR(&message); c != nullptr; c = CMSG_NXTHDR(&message, c)) {
-      if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
-      for (size_t i = 0; i < (c->cmsg_len - CMSG_LEN(0)) / sizeof(int); ++i) {
-        int fd;
-        std::memcpy(&fd, CMSG_DATA(c) + i * sizeof(int), sizeof(int));
-        fds.push_back(fd);
-      }
-    }
-    return {n < 0 ? "" : std::string(buffer, static_cast<size_t>(n)), fds};
+    std::optional<Notification> received = ReceiveNotification(fd_, /*wait=*/true);
+    EXPECT_TRUE(received.has_value()) << std::strerror(errno);
+    if (!received.has_value()) return {};
+    return {received->state, received->fds};
   }
 
   // True when nothing more is queued.

@@ -42,6 +42,7 @@
 #include "absl/strings/strip.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "server/sd_notify.h"
 
 namespace {
 
@@ -171,60 +172,28 @@ pid_t Spawn(const Options& options, const FdStore& store, const std::string& not
   _exit(127);
 }
 
-// One notification from the daemon; descriptors not stored are closed.
-void HandleMessage(const std::string& text, std::vector<int> fds, FdStore& store) {
-  bool fd_store = false;
-  bool fd_store_remove = false;
-  std::string fd_name = "stored";
-  for (absl::string_view line : absl::StrSplit(text, '\n')) {
-    if (line == "FDSTORE=1") fd_store = true;
-    if (line == "FDSTOREREMOVE=1") fd_store_remove = true;
-    if (absl::ConsumePrefix(&line, "FDNAME=")) fd_name = std::string(line);
+// Applies one notification from the daemon (only the daemon's own pid is heard: NotifyAccess=
+// main); descriptors not stored are closed.
+void Receive(int socket_fd, pid_t child, FdStore& store) {
+  std::optional<memra::Notification> received = memra::ReceiveNotification(socket_fd, false);
+  if (!received.has_value()) return;
+  if (received->truncated) Log("a notification's descriptors were truncated");
+  if (received->sender != child) {
+    for (int fd : received->fds) close(fd);
+    Log(absl::StrCat("ignored a notification from pid ", received->sender));
+    return;
+  }
+  const memra::FdStoreRequest request = memra::ParseFdStoreRequest(received->state);
+  for (absl::string_view line : absl::StrSplit(received->state, '\n')) {
     if (line == "READY=1") Log("the daemon is ready");
     if (line == "STOPPING=1") Log("the daemon is stopping");
   }
-  if (fd_store) {
-    for (int fd : fds) store.Store(fd_name, fd);
-    fds.clear();
+  if (request.store) {
+    for (int fd : received->fds) store.Store(request.name, fd);
+    received->fds.clear();
   }
-  if (fd_store_remove) store.Remove(fd_name);
-  for (int fd : fds) close(fd);
-}
-
-void Receive(int socket_fd, pid_t child, FdStore& store) {
-  char data[4096];
-  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * 253) + CMSG_SPACE(sizeof(ucred))];
-  iovec io{data, sizeof(data) - 1};
-  msghdr message{};
-  message.msg_iov = &io;
-  message.msg_iovlen = 1;
-  message.msg_control = control;
-  message.msg_controllen = sizeof(control);
-  const ssize_t n = recvmsg(socket_fd, &message, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
-  if (n < 0) return;
-  std::vector<int> fds;
-  pid_t sender = 0;
-  for (cmsghdr* c = CMSG_FIRSTHDR(&message); c != nullptr; c = CMSG_NXTHDR(&message, c)) {
-    if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS) {
-      const size_t count = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
-      for (size_t i = 0; i < count; ++i) {
-        int fd;
-        std::memcpy(&fd, CMSG_DATA(c) + i * sizeof(int), sizeof(int));
-        fds.push_back(fd);
-      }
-    } else if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_CREDENTIALS) {
-      ucred credentials;
-      std::memcpy(&credentials, CMSG_DATA(c), sizeof(credentials));
-      sender = credentials.pid;
-    }
-  }
-  if ((message.msg_flags & MSG_CTRUNC) != 0) Log("a notification's descriptors were truncated");
-  if (sender != child) {  // NotifyAccess=main: only the daemon itself
-    for (int fd : fds) close(fd);
-    Log(absl::StrCat("ignored a notification from pid ", sender));
-    return;
-  }
-  HandleMessage(std::string(data, static_cast<size_t>(n)), std::move(fds), store);
+  if (request.remove) store.Remove(request.name);
+  for (int fd : received->fds) close(fd);
 }
 
 }  // namespace

@@ -125,18 +125,7 @@ TEST(Chaos, EnginesAndTheDaemonKilledAtRandomLeaveExactBytesAndNothingLeaked) {
     EXPECT_EQ(facts.count("ok"), 1u) << engine.name << ": "
                                      << Read(daemon.Path(engine.name + ".log"));
   }
-  ASSERT_TRUE(PollUntil([&] {
-    absl::StatusOr<pb::GetStatusResponse> now = daemon.Status();
-    return now.ok() && now->engines() == 0;
-  }));
-  absl::StatusOr<pb::GetStatusResponse> end = daemon.Status();
-  ASSERT_TRUE(end.ok());
-  EXPECT_EQ(end->sessions(), 0u);
-  EXPECT_EQ(end->arena_count(), 0u);
-  EXPECT_EQ(end->allocated_bytes(), 0u);
-  EXPECT_EQ(end->admission().allocated_bytes(), 0u);
-  EXPECT_EQ(end->admission().reserved_bytes(), 0u);
-  EXPECT_EQ(OpenFds(daemon.supervisor()), store_baseline) << "the fd store leaked";
+  daemon.ExpectNothingLeft(store_baseline);
   // The daemon holds no arena mapping: none of its memory maps is a session arena.
   const std::string maps = Read(absl::StrCat("/proc/", daemon.DaemonPid(), "/maps"));
   EXPECT_EQ(maps.find("/dev/shm/memra-kv"), std::string::npos) << maps;

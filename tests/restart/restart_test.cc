@@ -101,17 +101,7 @@ TEST(DaemonRestart, SessionsComeBackAtTheirCommittedLengthAndEnginesCarryOn) {
   }
   // The engines released their sessions and detached: nothing is left, in the daemon or the
   // supervisor's store.
-  ASSERT_TRUE(PollUntil([&] {
-    absl::StatusOr<pb::GetStatusResponse> now = daemon.Status();
-    return now.ok() && now->engines() == 0;
-  }));
-  absl::StatusOr<pb::GetStatusResponse> end = daemon.Status();
-  ASSERT_TRUE(end.ok());
-  EXPECT_EQ(end->sessions(), 0u);
-  EXPECT_EQ(end->arena_count(), 0u);
-  EXPECT_EQ(end->admission().allocated_bytes(), 0u);
-  EXPECT_EQ(end->admission().reserved_bytes(), 0u);
-  EXPECT_EQ(OpenFds(daemon.supervisor()), store_baseline);
+  daemon.ExpectNothingLeft(store_baseline);
   EXPECT_NE(Log(daemon, "supervise.log.out").find("re-adopted 2 engines and 4 sessions"),
             std::string::npos)
       << Log(daemon, "supervise.log.out");

@@ -131,6 +131,24 @@ class SupervisedDaemon {
     return WaitServing(before->epoch());
   }
 
+  // Once every engine is gone (detached or reclaimed): the daemon holds no session, arena,
+  // allocation or reservation, and the supervisor's fd store is back to `store_baseline`
+  // descriptors (OpenFds of the supervisor with only the journal stored).
+  void ExpectNothingLeft(int store_baseline) {
+    ASSERT_TRUE(PollUntil([&] {
+      absl::StatusOr<memra::kv::v1::GetStatusResponse> now = Status();
+      return now.ok() && now->engines() == 0;
+    }));
+    absl::StatusOr<memra::kv::v1::GetStatusResponse> end = Status();
+    ASSERT_TRUE(end.ok()) << end.status();
+    EXPECT_EQ(end->sessions(), 0u);
+    EXPECT_EQ(end->arena_count(), 0u);
+    EXPECT_EQ(end->allocated_bytes(), 0u);
+    EXPECT_EQ(end->admission().allocated_bytes(), 0u);
+    EXPECT_EQ(end->admission().reserved_bytes(), 0u);
+    EXPECT_EQ(OpenFds(supervisor_), store_baseline) << "the fd store leaked";
+  }
+
   pid_t supervisor() const { return supervisor_; }
   const std::string& dir() const { return dir_; }
   std::string socket() const { return Path("kvd.sock"); }
