@@ -7,6 +7,7 @@
 // Exit status: 0 after a drain, 78 (EX_CONFIG) for a configuration error, 1 otherwise.
 
 #include <malloc.h>
+#include <sys/resource.h>
 
 #include <cstdio>
 #include <memory>
@@ -43,6 +44,20 @@ struct Events {
   int reloads ABSL_GUARDED_BY(mu) = 0;
   std::atomic<Daemon*> daemon{nullptr};
 };
+
+// Every exported arena holds a descriptor (kept in the fd store for a restart): a soft limit of
+// 1,024 would cap sessions far below max_arenas. Raise it to the hard limit, as the unit's
+// LimitNOFILE= does under systemd; the daemon uses no select().
+void RaiseDescriptorLimit() {
+  rlimit limit{};
+  if (getrlimit(RLIMIT_NOFILE, &limit) != 0 || limit.rlim_cur >= limit.rlim_max) return;
+  const rlim_t before = limit.rlim_cur;
+  limit.rlim_cur = limit.rlim_max;
+  if (setrlimit(RLIMIT_NOFILE, &limit) == 0) {
+    spdlog::info("descriptor limit raised from {} to {} (one per exported arena)", before,
+                 limit.rlim_max);
+  }
+}
 
 void ApplyLogLevel(LogLevel level) {
   spdlog::set_level(static_cast<spdlog::level::level_enum>(level));
@@ -143,6 +158,7 @@ int Run(int argc, char** argv) {
     return kConfigErrorExitCode;
   }
   ApplyLogLevel(config->log_level);
+  RaiseDescriptorLimit();
 
   // One daemon per socket; holding the lock makes every object under this socket's shm prefix a
   // dead predecessor's, safe to remove before the backend creates the first new one.
