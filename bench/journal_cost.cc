@@ -9,7 +9,6 @@
 //   bazel run -c opt //bench:journal_cost -- [sessions=64] [rounds=30]
 
 #include <sys/socket.h>
-#include <sys/un.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -46,22 +45,14 @@ constexpr int kStepsPerRound = 100;
 // The service manager's end of NOTIFY_SOCKET, drained (descriptors closed) on a thread.
 class DrainedNotifySocket {
  public:
-  DrainedNotifySocket() {
-    char dir[] = "/tmp/memra-journal-cost-XXXXXX";
-    if (mkdtemp(dir) == nullptr) std::abort();
-    dir_ = dir;
-    path_ = dir_ + "/notify";
-    fd_ = socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC, 0);
-    sockaddr_un address{};
-    address.sun_family = AF_UNIX;
-    std::strcpy(address.sun_path, path_.c_str());
-    if (bind(fd_, reinterpret_cast<sockaddr*>(&address), sizeof(address)) != 0) std::abort();
-    setenv("NOTIFY_SOCKET", path_.c_str(), 1);
+  DrainedNotifySocket() : listener_(*NotifySocketListener::Create("/tmp/memra-journal-cost-")) {
+    setenv("NOTIFY_SOCKET", listener_->path().c_str(), 1);
     thread_ = std::thread([this] {
       timeval timeout{.tv_sec = 0, .tv_usec = 100000};
-      setsockopt(fd_, SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof(timeout));
+      setsockopt(listener_->fd(), SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof(timeout));
       while (!stop_.load()) {
-        std::optional<Notification> received = ReceiveNotification(fd_, /*wait=*/true);
+        std::optional<Notification> received =
+            ReceiveNotification(listener_->fd(), /*wait=*/true);
         if (received.has_value()) {
           for (int fd : received->fds) close(fd);
         }
@@ -71,15 +62,10 @@ class DrainedNotifySocket {
   ~DrainedNotifySocket() {
     stop_.store(true);
     thread_.join();
-    close(fd_);
-    unlink(path_.c_str());
-    rmdir(dir_.c_str());
   }
 
  private:
-  std::string dir_;
-  std::string path_;
-  int fd_ = -1;
+  const std::unique_ptr<NotifySocketListener> listener_;
   std::atomic<bool> stop_{false};
   std::thread thread_;
 };

@@ -4,7 +4,6 @@
 #include <stdlib.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
-#include <sys/un.h>
 #include <unistd.h>
 
 #include <cstring>
@@ -32,23 +31,15 @@ using ::memra::testing::TestHostBackendOptions;
 class ServiceManagerStore {
  public:
   ServiceManagerStore() {
-    char dir[] = "/tmp/memra-restart-state-XXXXXX";
-    EXPECT_NE(mkdtemp(dir), nullptr);
-    dir_ = dir;
-    path_ = dir_ + "/notify";
-    fd_ = socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC, 0);
-    sockaddr_un address{};
-    address.sun_family = AF_UNIX;
-    std::strcpy(address.sun_path, path_.c_str());
-    EXPECT_EQ(bind(fd_, reinterpret_cast<sockaddr*>(&address), sizeof(address)), 0);
+    absl::StatusOr<std::unique_ptr<NotifySocketListener>> listener =
+        NotifySocketListener::Create("/tmp/memra-restart-state-");
+    EXPECT_THAT(listener, IsOk());
+    listener_ = *std::move(listener);
     old_ = getenv("NOTIFY_SOCKET") ? getenv("NOTIFY_SOCKET") : "";
-    setenv("NOTIFY_SOCKET", path_.c_str(), 1);
+    setenv("NOTIFY_SOCKET", listener_->path().c_str(), 1);
   }
   ~ServiceManagerStore() {
     for (auto& [name, fd] : fds_) close(fd);
-    close(fd_);
-    unlink(path_.c_str());
-    rmdir(dir_.c_str());
     if (old_.empty()) {
       unsetenv("NOTIFY_SOCKET");
     } else {
@@ -58,7 +49,7 @@ class ServiceManagerStore {
 
   // Applies every queued notification; the names stored now.
   const std::map<std::string, int>& Drain() {
-    while (std::optional<Notification> received = ReceiveNotification(fd_, /*wait=*/false)) {
+    while (std::optional<Notification> received = ReceiveNotification(listener_->fd(), /*wait=*/false)) {
       const FdStoreRequest request = ParseFdStoreRequest(received->state);
       if (request.store && received->fds.size() == 1) {
         fds_[request.name] = received->fds[0];
@@ -83,10 +74,8 @@ class ServiceManagerStore {
   }
 
  private:
-  std::string dir_;
-  std::string path_;
+  std::unique_ptr<NotifySocketListener> listener_;
   std::string old_;
-  int fd_ = -1;
   std::map<std::string, int> fds_;
 };
 

@@ -1,6 +1,7 @@
 #include "server/sd_notify.h"
 
 #include <fcntl.h>
+#include <stdlib.h>
 #include <sys/socket.h>
 #include <sys/un.h>
 #include <time.h>
@@ -171,6 +172,45 @@ absl::StatusOr<std::vector<ListenedFd>> TakeListenFds() {
     }
   }
   return passed;
+}
+
+absl::StatusOr<std::unique_ptr<NotifySocketListener>> NotifySocketListener::Create(
+    std::string_view directory_prefix) {
+  const std::string name_template = std::string(directory_prefix) + "XXXXXX";
+  std::string directory = name_template;  // mkdtemp fills in the X's, even when it fails
+  if (mkdtemp(directory.data()) == nullptr) {
+    return absl::InternalError(
+        absl::StrCat("mkdtemp ", name_template, ": ", std::strerror(errno)));
+  }
+  std::string path = directory + "/notify";
+  sockaddr_un address{};
+  if (path.size() >= sizeof(address.sun_path)) {
+    rmdir(directory.c_str());
+    return absl::InternalError(absl::StrCat("notify socket ", path, ": ", path.size(),
+                                            " bytes, a Unix socket path holds at most ",
+                                            sizeof(address.sun_path) - 1));
+  }
+  address.sun_family = AF_UNIX;
+  std::memcpy(address.sun_path, path.c_str(), path.size() + 1);
+  const int fd = socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+  const int on = 1;
+  if (fd < 0 || bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)) != 0 ||
+      setsockopt(fd, SOL_SOCKET, SO_PASSCRED, &on, sizeof(on)) != 0) {
+    absl::Status error =
+        absl::InternalError(absl::StrCat("notify socket ", path, ": ", std::strerror(errno)));
+    if (fd >= 0) close(fd);
+    unlink(path.c_str());
+    rmdir(directory.c_str());
+    return error;
+  }
+  return std::unique_ptr<NotifySocketListener>(
+      new NotifySocketListener(std::move(directory), std::move(path), fd));
+}
+
+NotifySocketListener::~NotifySocketListener() {
+  close(fd_);
+  unlink(path_.c_str());
+  rmdir(directory_.c_str());
 }
 
 std::optional<Notification> ReceiveNotification(int socket, bool wait) {

@@ -11,9 +11,11 @@
 #include <sys/types.h>
 
 #include <functional>
+#include <memory>
 #include <optional>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -36,6 +38,32 @@ bool UnderServiceManager();
 
 // ---- The service manager's side (memra-kv-supervise, tests and benchmarks that stand where
 // systemd would) ----
+
+// The service manager's end of NOTIFY_SOCKET: a datagram socket with SO_PASSCRED (senders'
+// pids) bound at <dir>/notify in a fresh 0700 directory made from `directory_prefix` (mkdtemp:
+// "/tmp/memra-kv-supervise-" gets six random characters). Closes the socket and removes the path
+// and the directory when destroyed. Sets no environment: the caller names path() as
+// NOTIFY_SOCKET where it should be (its own environment, or a child's).
+class NotifySocketListener {
+ public:
+  // INTERNAL naming the call and errno when the directory or socket cannot be made.
+  static absl::StatusOr<std::unique_ptr<NotifySocketListener>> Create(
+      std::string_view directory_prefix);
+  ~NotifySocketListener();
+  NotifySocketListener(const NotifySocketListener&) = delete;
+  NotifySocketListener& operator=(const NotifySocketListener&) = delete;
+
+  int fd() const { return fd_; }
+  const std::string& path() const { return path_; }
+
+ private:
+  NotifySocketListener(std::string directory, std::string path, int fd)
+      : directory_(std::move(directory)), path_(std::move(path)), fd_(fd) {}
+
+  const std::string directory_;
+  const std::string path_;
+  const int fd_;
+};
 
 // One notification as the service manager receives it.
 struct Notification {

@@ -2,6 +2,7 @@
 
 #include <stdlib.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/un.h>
 #include <unistd.h>
 
@@ -188,6 +189,48 @@ TEST(SdNotifyWithFdsTest, DescriptorsTravelAsScmRights) {
   ASSERT_EQ(read(pipe_fds[0], &byte, 1), 1);
   EXPECT_EQ(byte, 'x');
   for (int fd : {pipe_fds[0], pipe_fds[1], fds[0]}) close(fd);
+}
+
+TEST(NotifySocketListenerTest, ReceivesWithTheSendersPidAndRemovesItsDirectory) {
+  std::string path;
+  {
+    absl::StatusOr<std::unique_ptr<NotifySocketListener>> listener =
+        NotifySocketListener::Create("/tmp/memra-listener-test-");
+    ASSERT_THAT(listener, IsOk());
+    path = (*listener)->path();
+    EXPECT_THAT(path, MatchesRegex("/tmp/memra-listener-test-[A-Za-z0-9]{6}/notify"));
+    struct stat directory;
+    ASSERT_EQ(stat(path.substr(0, path.size() - 7).c_str(), &directory), 0);
+    EXPECT_EQ(directory.st_mode & 0777, 0700u);
+    ScopedEnv env("NOTIFY_SOCKET", path.c_str());
+    int pipe_fds[2];
+    ASSERT_EQ(pipe(pipe_fds), 0);
+    ASSERT_THAT(SdNotifyWithFds("FDSTORE=1\nFDNAME=journal-2", {pipe_fds[0]}), IsOk());
+    std::optional<Notification> received =
+        ReceiveNotification((*listener)->fd(), /*wait=*/false);
+    ASSERT_TRUE(received.has_value());
+    EXPECT_EQ(received->state, "FDSTORE=1\nFDNAME=journal-2");
+    EXPECT_EQ(received->sender, getpid());  // SO_PASSCRED
+    ASSERT_EQ(received->fds.size(), 1u);
+    for (int fd : {pipe_fds[0], pipe_fds[1], received->fds[0]}) close(fd);
+  }
+  EXPECT_NE(access(path.c_str(), F_OK), 0) << "the socket outlived its listener";
+  EXPECT_NE(access(path.substr(0, path.size() - 7).c_str(), F_OK), 0)
+      << "the directory outlived its listener";
+}
+
+TEST(NotifySocketListenerTest, RefusalsNameTheCallAndTheNumbers) {
+  EXPECT_THAT(NotifySocketListener::Create("/nonexistent-memra-dir/listener-"),
+              StatusIs(absl::StatusCode::kInternal,
+                       HasSubstrs("mkdtemp /nonexistent-memra-dir/listener-XXXXXX",
+                                  "No such file or directory")));
+  // A directory whose "<dir>/notify" is longer than sun_path holds: refused, nothing left.
+  const std::string long_prefix = "/tmp/" + std::string(100, 'd');
+  absl::StatusOr<std::unique_ptr<NotifySocketListener>> too_long =
+      NotifySocketListener::Create(long_prefix);
+  EXPECT_THAT(too_long, StatusIs(absl::StatusCode::kInternal,
+                                 HasSubstrs("notify socket " + long_prefix, "/notify: 118 bytes",
+                                            "holds at most 107")));
 }
 
 TEST(SdNotifyWithFdsTest, WithoutAServiceManagerDescriptorsAreRefusedNotLost) {

@@ -21,7 +21,6 @@
 #include <sys/signalfd.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
-#include <sys/un.h>
 #include <sys/wait.h>
 #include <unistd.h>
 #include <poll.h>
@@ -207,22 +206,14 @@ int main(int argc, char** argv) {
                  argv[0]);
     return 2;
   }
-  char directory[] = "/tmp/memra-kv-supervise-XXXXXX";
-  if (mkdtemp(directory) == nullptr) {
-    Log(absl::StrCat("mkdtemp: ", std::strerror(errno)));
+  absl::StatusOr<std::unique_ptr<memra::NotifySocketListener>> listener =
+      memra::NotifySocketListener::Create("/tmp/memra-kv-supervise-");
+  if (!listener.ok()) {
+    Log(std::string(listener.status().message()));
     return 1;
   }
-  const std::string notify_path = absl::StrCat(directory, "/notify");
-  const int notify = socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC, 0);
-  sockaddr_un address{};
-  address.sun_family = AF_UNIX;
-  std::strncpy(address.sun_path, notify_path.c_str(), sizeof(address.sun_path) - 1);
-  const int on = 1;
-  if (notify < 0 || bind(notify, reinterpret_cast<sockaddr*>(&address), sizeof(address)) != 0 ||
-      setsockopt(notify, SOL_SOCKET, SO_PASSCRED, &on, sizeof(on)) != 0) {
-    Log(absl::StrCat("notify socket ", notify_path, ": ", std::strerror(errno)));
-    return 1;
-  }
+  const int notify = (*listener)->fd();
+  const std::string& notify_path = (*listener)->path();
   sigset_t handled;
   sigemptyset(&handled);
   for (int signal : {SIGCHLD, SIGTERM, SIGINT, SIGHUP}) sigaddset(&handled, signal);
@@ -285,8 +276,5 @@ int main(int argc, char** argv) {
     Log(absl::StrCat("restarted as pid ", child, " with ", store.fds().size(),
                      " kept descriptors"));
   }
-  close(notify);
-  unlink(notify_path.c_str());
-  rmdir(directory);
-  return exit_status;
+  return exit_status;  // the listener closes and removes the notify socket
 }
