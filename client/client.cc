@@ -253,38 +253,65 @@ absl::Status KvClient::Attach(const std::string& engine_name) {
   lease_lost_ = absl::OkStatus();
   stop_ = false;
   lease_alive_.store(true);
-  const absl::Duration period = std::max(lease_timeout_ / 3, absl::Milliseconds(1));
-  lease_thread_ = std::thread([this, period] { KeepLease(period); });
+  lease_thread_ = std::thread([this] { KeepLease(); });
+  heartbeat_thread_ = std::thread([this] { SendHeartbeats(); });
   return absl::OkStatus();
 }
 
-void KvClient::KeepLease(absl::Duration period) {
-  pb::AttachRequest heartbeat;
+void KvClient::KeepLease() {
   pb::AttachResponse ack;
-  for (uint64_t sequence = 1;; ++sequence) {
+  while (true) {
     grpc::ClientReaderWriter<pb::AttachRequest, pb::AttachResponse>* stream;
     {
       absl::MutexLock lock(&mu_);
-      if (mu_.AwaitWithTimeout(absl::Condition(&stop_), period)) break;
+      if (stop_) break;
       stream = lease_stream_->stream.get();
     }
-    heartbeat.mutable_heartbeat()->set_sequence(sequence);
-    // Only this thread reads and writes the stream after Attach() returned.
-    if (stream->Write(heartbeat) && stream->Read(&ack)) continue;
+    // Only this thread reads the stream after Attach() returned; the stream stays while it
+    // reads (only this thread's Reattach() and Detach(), after joining it, replace it).
+    while (stream->Read(&ack)) {
+    }
     lease_alive_.store(false);
     if (!Reattach()) break;
   }
   lease_alive_.store(false);
 }
 
+void KvClient::SendHeartbeats() {
+  pb::AttachRequest heartbeat;
+  for (uint64_t sequence = 1;; ++sequence) {
+    {
+      absl::MutexLock lock(&mu_);
+      const absl::Duration period = std::max(lease_timeout_ / 3, absl::Milliseconds(1));
+      if (mu_.AwaitWithTimeout(absl::Condition(&stop_), period)) return;
+    }
+    absl::MutexLock write_lock(&write_mu_);
+    grpc::ClientReaderWriter<pb::AttachRequest, pb::AttachResponse>* stream;
+    {
+      absl::MutexLock lock(&mu_);
+      if (stop_) return;
+      if (lease_stream_->finished) continue;  // broken: the lease thread is re-attaching
+      stream = lease_stream_->stream.get();
+    }
+    heartbeat.mutable_heartbeat()->set_sequence(sequence);
+    // A failed write needs nothing here: the lease thread's Read sees the stream end.
+    (void)stream->Write(heartbeat);
+  }
+}
+
 bool KvClient::Reattach() {
   constexpr absl::Duration kRetry = absl::Milliseconds(100);
   pb::AttachRequest hello;
   {
+    // Unblocks a heartbeat being written before waiting for it to end.
+    absl::MutexLock lock(&mu_);
+    lease_stream_->context.TryCancel();
+  }
+  {
+    absl::MutexLock write_lock(&write_mu_);
     absl::MutexLock lock(&mu_);
     // The broken stream's status is not needed (the daemon is gone or ended the lease).
     if (!lease_stream_->finished) {
-      lease_stream_->context.TryCancel();
       (void)lease_stream_->stream->Finish();
       lease_stream_->finished = true;
     }
@@ -305,6 +332,7 @@ bool KvClient::Reattach() {
       reattaching_ = lease.get();
     }
     const absl::Status opened = OpenLease(*lease);
+    absl::MutexLock write_lock(&write_mu_);  // the old stream goes: no heartbeat is on it
     absl::MutexLock lock(&mu_);
     reattaching_ = nullptr;
     if (stop_) {
@@ -363,16 +391,19 @@ absl::Status KvClient::Explain(absl::Status status) {
 }
 
 void KvClient::Detach() {
-  std::thread thread;
+  std::thread lease_thread;
+  std::thread heartbeat_thread;
   {
     absl::MutexLock lock(&mu_);
     if (lease_stream_ == nullptr) return;
     stop_ = true;
-    lease_stream_->context.TryCancel();  // unblocks a Read waiting for an ack
+    lease_stream_->context.TryCancel();  // unblocks a Read waiting for an ack, and a Write
     if (reattaching_ != nullptr) reattaching_->context.TryCancel();  // and a re-attach
-    thread = std::move(lease_thread_);
+    lease_thread = std::move(lease_thread_);
+    heartbeat_thread = std::move(heartbeat_thread_);
   }
-  if (thread.joinable()) thread.join();
+  if (heartbeat_thread.joinable()) heartbeat_thread.join();
+  if (lease_thread.joinable()) lease_thread.join();
   absl::MutexLock lock(&mu_);
   if (!lease_stream_->finished) (void)lease_stream_->stream->Finish();
   lease_stream_.reset();

@@ -400,8 +400,9 @@ class KvClient {
   // Opens the lease and starts the thread that keeps it alive (a heartbeat every third of the
   // lease timeout). FAILED_PRECONDITION when already attached.
   //
-  // When the lease stream breaks (the daemon restarted, or the connection dropped), that thread
-  // re-attaches as the same engine (proto Hello.resume) every 100 ms until the daemon answers:
+  // When the lease stream breaks (the daemon restarted, or the connection dropped), the lease
+  // thread, which reads the stream's answers as they come, notices at once and re-attaches as
+  // the same engine (proto Hello.resume) every 100 ms until the daemon answers:
   // a daemon that still knows the engine (or re-adopted it from its restart journal) gives the
   // lease back and the engine carries on with the same sessions and mappings; one that does not
   // answers with the restart error, which lease_lost() then holds, and re-attaching stops.
@@ -472,13 +473,17 @@ class KvClient {
   // The lease's Attach stream.
   struct LeaseStream;
   KvClient(ClientOptions options, std::unique_ptr<Rpc> rpc);
-  void KeepLease(absl::Duration period) ABSL_LOCKS_EXCLUDED(mu_);
+  // The lease thread: reads the daemon's acks as they come, so a broken stream is noticed when
+  // it breaks (not at the next heartbeat), and re-attaches.
+  void KeepLease() ABSL_LOCKS_EXCLUDED(mu_, write_mu_);
+  // The heartbeat thread: a heartbeat every third of the lease timeout on the current stream.
+  void SendHeartbeats() ABSL_LOCKS_EXCLUDED(mu_, write_mu_);
   // Opens `lease`'s Attach stream and sends its hello; OK with the daemon's answer in `lease`,
   // or the daemon's refusal (the stream is finished then).
   absl::Status OpenLease(LeaseStream& lease);
   // After a broken lease stream: re-attaches as the same engine until it works (true), the
   // daemon refuses for good (false, lease_lost_ set) or Detach() (false).
-  bool Reattach() ABSL_LOCKS_EXCLUDED(mu_);
+  bool Reattach() ABSL_LOCKS_EXCLUDED(mu_, write_mu_);
   // A session call's refusal, made the restart error when the daemon answering is not the one
   // this engine attached to (a NOT_FOUND / PERMISSION_DENIED for a session the new daemon never
   // had), so the engine never mistakes it for its own mistake.
@@ -494,6 +499,10 @@ class KvClient {
   std::atomic<bool> lease_alive_{false};
   std::atomic<uint64_t> reattaches_{0};
 
+  // Held while a heartbeat is written, and while the stream is finished or replaced, so neither
+  // happens under a write (gRPC allows one Read and one Write at a time, nothing with Finish).
+  // Never held while waiting on the daemon otherwise; taken before mu_.
+  absl::Mutex write_mu_ ABSL_ACQUIRED_BEFORE(mu_);
   mutable absl::Mutex mu_;
   uint64_t engine_id_ ABSL_GUARDED_BY(mu_) = 0;
   std::string engine_token_ ABSL_GUARDED_BY(mu_);
@@ -505,6 +514,7 @@ class KvClient {
   // The stream a re-attach is opening (Detach cancels it); null otherwise.
   LeaseStream* reattaching_ ABSL_GUARDED_BY(mu_) = nullptr;
   std::thread lease_thread_ ABSL_GUARDED_BY(mu_);
+  std::thread heartbeat_thread_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace memra

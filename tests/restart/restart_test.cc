@@ -107,6 +107,32 @@ TEST(DaemonRestart, SessionsComeBackAtTheirCommittedLengthAndEnginesCarryOn) {
       << Log(daemon, "supervise.log.out");
 }
 
+TEST(DaemonRestart, AnIdleEngineNoticesTheBrokenLeaseStreamAtOnce) {
+  // Heartbeats 20 s apart: a re-attach within seconds of the SIGKILL came from the stream's end.
+  SupervisedDaemon daemon("idle");
+  ASSERT_TRUE(daemon.Start({"--lease_timeout_ms=60000", "--prefix_cache_budget_bytes=0"}));
+  const int store_baseline = OpenFds(daemon.supervisor());  // the journal only
+  absl::StatusOr<std::unique_ptr<KvClient>> engine = KvClient::Connect(daemon.socket());
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  ASSERT_TRUE((*engine)->Attach("idle-engine").ok());
+  const uint64_t engine_id = (*engine)->engine_id();
+  const uint64_t first_epoch = (*engine)->epoch();
+
+  const absl::Time killed = absl::Now();
+  ASSERT_TRUE(daemon.KillDaemonAndAwaitRestart()) << Log(daemon, "supervise.log");
+  ASSERT_TRUE(PollUntil([&] { return (*engine)->reattaches() == 1; }))
+      << (*engine)->lease_lost();
+  const absl::Duration noticed = absl::Now() - killed;
+  EXPECT_LT(noticed, absl::Seconds(10)) << "re-attached at a heartbeat, not at the stream's end";
+  std::printf("idle engine: SIGKILL to re-attached: %.1f ms\n",
+              absl::ToDoubleMilliseconds(noticed));
+  EXPECT_TRUE((*engine)->lease_alive());
+  EXPECT_EQ((*engine)->engine_id(), engine_id);
+  EXPECT_EQ((*engine)->epoch(), first_epoch + 1);
+  (*engine)->Detach();
+  daemon.ExpectNothingLeft(store_baseline);
+}
+
 TEST(DaemonRestart, WithoutAServiceManagerEnginesGetTheRestartErrorNamingBothEpochs) {
   SupervisedDaemon daemon("norestart");
   ASSERT_TRUE(daemon.Start({"--prefix_cache_budget_bytes=0"}, /*supervised=*/false));
