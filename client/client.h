@@ -70,6 +70,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
+#include "client/handoff_channel.h"
 #include "client/mapper.h"
 #include "core/model_plan.h"
 #include "core/prefix_index.h"
@@ -84,7 +85,15 @@ struct ClientOptions {
   // Maps arena exports. Null: a HostArenaMapper (the host backend). An engine on the cuda
   // backend passes a CudaArenaMapper.
   std::shared_ptr<ArenaMapper> mapper;
+  // The daemon's handoff socket (its handoff_socket_path): Attach gets its ticket there, and
+  // host arenas' descriptors come over it. Empty: the socket path given to Connect with
+  // ".sock" replaced by ".handoff.sock" (appended when it does not end in ".sock"), as the
+  // daemon derives it by default.
+  std::string handoff_socket_path;
 };
+
+// The handoff socket beside `socket_path` when none is configured (ClientOptions).
+std::string DefaultHandoffSocketPath(absl::string_view socket_path);
 
 struct SessionOptions {
   uint64_t capacity = 0;  // context capacity, tokens
@@ -388,8 +397,9 @@ class KvClient {
                                                            ClientOptions options = {});
   ~KvClient();  // Detach()
 
-  // Opens the lease and starts the thread that keeps it alive (a heartbeat every third of the
-  // lease timeout). FAILED_PRECONDITION when already attached.
+  // Connects to the handoff socket, opens the lease with its ticket and starts the thread that
+  // keeps the lease alive (a heartbeat every third of the lease timeout). FAILED_PRECONDITION
+  // when already attached; UNAVAILABLE when the handoff socket does not answer.
   absl::Status Attach(const std::string& engine_name) ABSL_LOCKS_EXCLUDED(mu_);
   // Ends the lease: the daemon frees this engine's sessions after its grace period.
   void Detach() ABSL_LOCKS_EXCLUDED(mu_);
@@ -450,6 +460,10 @@ class KvClient {
   // The lease's Attach stream.
   struct LeaseStream;
   KvClient(ClientOptions options, std::unique_ptr<Rpc> rpc);
+  // The descriptor of arena `handle` of a session of this engine, over the handoff connection
+  // Attach opened (FAILED_PRECONDITION before Attach; the daemon's refusal as it sent it).
+  absl::StatusOr<ArenaFd> FetchArenaFd(uint64_t session_id, absl::string_view session_token,
+                                       absl::string_view handle) ABSL_LOCKS_EXCLUDED(mu_);
   void KeepLease(absl::Duration period) ABSL_LOCKS_EXCLUDED(mu_);
   // The engine's identity (id, token); FAILED_PRECONDITION before Attach (`what` names the call).
   absl::StatusOr<std::pair<uint64_t, std::string>> AttachedEngine(absl::string_view what) const
@@ -467,6 +481,8 @@ class KvClient {
   absl::Duration lease_timeout_ ABSL_GUARDED_BY(mu_);
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
   std::unique_ptr<LeaseStream> lease_stream_ ABSL_GUARDED_BY(mu_);
+  // Opened by Attach, closed by Detach; shared so a fetch in flight outlives a Detach.
+  std::shared_ptr<HandoffChannel> handoff_ ABSL_GUARDED_BY(mu_);
   std::thread lease_thread_ ABSL_GUARDED_BY(mu_);
 };
 

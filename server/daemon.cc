@@ -119,12 +119,13 @@ Daemon::Daemon(DaemonConfig config, std::unique_ptr<DeviceBackend> backend, Cloc
       sessions_(backend_.get(), budget_.get(), &leases_, &plans_, FormatDefaults(),
                 start_config_.prefix_capture_on_engine_death ? prefix_cache_.get() : nullptr,
                 start_config_.max_engine_sessions),
+      handoff_(HandoffOptions(), LookupArena()),
       engine_prefix_service_(prefix_cache_.get(), backend_.get(), FindSession(),
                              ServedSocket{ServedSocket::Audience::kEngines, admin_socket_path_}),
       operator_prefix_service_(
           prefix_cache_.get(), backend_.get(), FindSession(),
           ServedSocket{ServedSocket::Audience::kOperators, admin_socket_path_}),
-      cache_service_(&leases_, &plans_, &sessions_, backend_.get()),
+      cache_service_(&leases_, &plans_, &sessions_, backend_.get(), &handoff_),
       engine_admin_service_(
           AdminParts(ServedSocket{ServedSocket::Audience::kEngines, admin_socket_path_})),
       operator_admin_service_(
@@ -132,6 +133,33 @@ Daemon::Daemon(DaemonConfig config, std::unique_ptr<DeviceBackend> backend, Cloc
 
 PrefixService::SessionFinder Daemon::FindSession() {
   return [this](const pb::SessionRef& ref) { return sessions_.Find(SessionCredentialsOf(ref)); };
+}
+
+ArenaHandoff::Options Daemon::HandoffOptions() const {
+  ArenaHandoff::Options options;
+  options.path = start_config_.HandoffSocketPath();
+  options.group = start_config_.socket_group;
+  options.mode = start_config_.socket_mode;
+  options.max_connections = static_cast<size_t>(start_config_.max_attached_engines);
+  return options;
+}
+
+ArenaHandoff::ArenaLookup Daemon::LookupArena() {
+  return [this](uint64_t engine_id,
+                const handoff::ArenaRequest& request) -> absl::StatusOr<ArenaFd> {
+    // The session token first (NOT_FOUND / PERMISSION_DENIED as on every call), then the owner:
+    // a token another engine leaked still opens nothing over this engine's connection.
+    ASSIGN_OR_RETURN(std::shared_ptr<DaemonSession> session,
+                     sessions_.Find(SessionCredentials{SessionId{request.session_id},
+                                                       request.session_token}));
+    if (session->owner().value != engine_id) {
+      return absl::PermissionDeniedError(absl::StrCat(
+          "session ", request.session_id, " belongs to engine ", session->owner().value,
+          "; this handoff connection is engine ", engine_id,
+          "'s: arenas are handed only to the engine that owns the session"));
+    }
+    return session->DuplicateArenaFd(request.handle);
+  };
 }
 
 AdminService::Parts Daemon::AdminParts(ServedSocket socket) {
@@ -158,6 +186,8 @@ absl::Status Daemon::Start() {
   }
   RETURN_IF_ERROR(PrepareSocketPath(socket_path_));
   RETURN_IF_ERROR(PrepareSocketPath(admin_socket_path_));
+  // Bound before the engine socket: an engine that finds the engine socket finds its ticket.
+  RETURN_IF_ERROR(handoff_.Start());
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   // The RPC metrics count the engine socket's calls (the hot path); operators' calls are few.
@@ -173,6 +203,7 @@ absl::Status Daemon::Start() {
   if (!admin_server.ok()) {
     server->Shutdown();
     unlink(socket_path_.c_str());
+    handoff_.Stop();
     return admin_server.status();
   }
   {
@@ -184,9 +215,9 @@ absl::Status Daemon::Start() {
   StartMetricsHttp();
   const LeaseSettings lease = leases_.settings();
   spdlog::info(
-      "memra-kvd serving engines on unix:{}, operators on unix:{} (backend {}, lease timeout {} "
-      "ms, grace {} ms)",
-      socket_path_, admin_socket_path_, std::string(backend_->Name()),
+      "memra-kvd serving engines on unix:{} (handoff {}), operators on unix:{} (backend {}, "
+      "lease timeout {} ms, grace {} ms)",
+      socket_path_, handoff_.path(), admin_socket_path_, std::string(backend_->Name()),
                absl::ToInt64Milliseconds(lease.timeout), absl::ToInt64Milliseconds(lease.grace));
   return absl::OkStatus();
 }
@@ -232,13 +263,14 @@ void Daemon::LeaseLoop() {
 
 void Daemon::CheckLeases() {
   for (const ReclaimedEngine& engine : leases_.CollectReclaimable()) {
+    handoff_.ForgetEngine(engine.id.value);
     const ReleasedSessions released = sessions_.ReleaseOwnedBy(engine.id);
     const uint64_t reserved = leases_.ReturnReservations(engine.id);
     plans_.ForgetEngine(engine.id.value);
     spdlog::info(
         "engine {} (\"{}\", pid {}) reclaimed: {} sessions, {} bytes freed, {} reserved bytes "
         "returned",
-        engine.id.value, engine.name, engine.pid, released.sessions, released.bytes, reserved);
+        engine.id.value, engine.name, engine.peer.pid, released.sessions, released.bytes, reserved);
   }
   leases_.ExpireReservations();
 }
@@ -291,6 +323,7 @@ void Daemon::Shutdown() {
   for (grpc::Server* serving : {server.get(), admin_server.get()}) {
     if (serving != nullptr) serving->Wait();
   }
+  handoff_.Stop();  // after the servers: no Attach can claim a ticket any more
   leases_.ForgetAll();
   const ReleasedSessions released = sessions_.ReleaseAll();
   if (server != nullptr) unlink(socket_path_.c_str());

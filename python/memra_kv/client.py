@@ -15,6 +15,7 @@ import grpc
 from ._proto import admin_pb2, admin_pb2_grpc, cache_pb2, cache_pb2_grpc, prefix_pb2
 from ._proto import prefix_pb2_grpc
 from .errors import KvError, code_from_value, from_rpc_error
+from .handoff import HandoffChannel, default_handoff_path
 from .planes import CudaArenaMapper, HostArenaMapper, PlaneGeometry
 
 pb = cache_pb2
@@ -173,8 +174,9 @@ class StepOutcome:
 class Client:
     """Thread-safe. Use as a context manager, or close() it (detaches, closes the channel)."""
 
-    def __init__(self, channel, default_timeout, mapper):
+    def __init__(self, channel, default_timeout, mapper, handoff_path):
         self._channel = channel
+        self.handoff_path = handoff_path
         self.default_timeout = default_timeout
         self.cache = cache_pb2_grpc.KvCacheStub(channel)
         self.admin_stub = admin_pb2_grpc.KvAdminStub(channel)
@@ -185,10 +187,12 @@ class Client:
         self.backend = None
 
     @classmethod
-    def connect(cls, socket_path, timeout=10.0, mapper=None):
+    def connect(cls, socket_path, timeout=10.0, mapper=None, handoff_path=None):
         """Connects to the daemon's Unix socket, waiting up to `timeout` seconds for it
         (KvError UNAVAILABLE). `mapper`: None picks HostArenaMapper or CudaArenaMapper by the
-        backend the daemon announces at attach."""
+        backend the daemon announces at attach. `handoff_path`: the daemon's handoff socket
+        (attach gets its ticket there; host arenas' descriptors come over it); None: beside
+        `socket_path` (".sock" -> ".handoff.sock"), as the daemon puts it by default."""
         channel = grpc.insecure_channel("unix:" + socket_path)
         try:
             grpc.channel_ready_future(channel).result(timeout=timeout)
@@ -196,7 +200,8 @@ class Client:
             channel.close()
             raise KvError(grpc.StatusCode.UNAVAILABLE, "memra-kvd is not answering on unix:%s "
                           "within %gs" % (socket_path, timeout)) from None
-        return cls(channel, timeout, mapper)
+        return cls(channel, timeout, mapper,
+                   handoff_path or default_handoff_path(socket_path))
 
     def __enter__(self):
         return self
@@ -220,13 +225,20 @@ class Client:
     # -- lease --
 
     def attach(self, engine_name, timeout=None):
-        """Opens the lease and keeps it alive on a daemon thread (a heartbeat every third of the
-        lease timeout). KvError FAILED_PRECONDITION when already attached."""
+        """Connects to the handoff socket, opens the lease with its ticket and keeps the lease
+        alive on a daemon thread (a heartbeat every third of the lease timeout). KvError
+        FAILED_PRECONDITION when already attached, UNAVAILABLE when the handoff socket does not
+        answer."""
         with self._lock:
             if self._lease is not None:
                 raise KvError(grpc.StatusCode.FAILED_PRECONDITION,
                               "already attached as engine %d" % self._lease.engine_id)
-            lease = _Lease(self.cache, engine_name, self._timeout(timeout))
+            handoff = HandoffChannel(self.handoff_path, self._timeout(timeout))
+            try:
+                lease = _Lease(self.cache, engine_name, self._timeout(timeout), handoff)
+            except BaseException:
+                handoff.close()
+                raise
             self._lease = lease
             self.backend = lease.backend
         return lease.engine_id
@@ -252,6 +264,15 @@ class Client:
     def lease_timeout_ms(self):
         lease = self._lease
         return lease.lease_timeout_ms if lease else 0
+
+    def _fetch_arena_fd(self, session_id, token, handle):
+        """(descriptor, bytes) of a host arena of this engine's session, over the handoff
+        connection attach opened."""
+        lease = self._lease
+        if lease is None:
+            raise KvError(grpc.StatusCode.FAILED_PRECONDITION, "mapping a host arena before "
+                          "attach: its descriptor comes over the engine's handoff connection")
+        return lease.handoff.fetch_arena(session_id, token, handle)
 
     def _engine(self, what):
         lease = self._lease
@@ -473,10 +494,12 @@ def _selector(fingerprint, plan, hf_config):
 class _Lease:
     """The Attach stream and the daemon thread that heartbeats on it."""
 
-    def __init__(self, stub, engine_name, timeout):
+    def __init__(self, stub, engine_name, timeout, handoff):
+        self.handoff = handoff  # closed by stop()
         self._requests = queue.Queue()
         self._requests.put(pb.AttachRequest(hello=pb.Hello(engine_name=engine_name,
-                                                           pid=os.getpid())))
+                                                           pid=os.getpid(),
+                                                           handoff_ticket=handoff.ticket)))
         # No deadline on the stream: it lives as long as the engine (heartbeats are its clock).
         self._call = stub.Attach(iter(self._requests.get, None))
         # The first answer within `timeout`, or the call is cancelled.
@@ -526,6 +549,7 @@ class _Lease:
         self._requests.put(None)  # ends the request stream: the daemon sees the lease end
         self._call.cancel()       # unblocks a read waiting for an ack
         self._thread.join()
+        self.handoff.close()
         self.alive = False
 
 
@@ -666,7 +690,10 @@ class Session:
             if arena.backend != mapper.backend:
                 raise KvError(grpc.StatusCode.INVALID_ARGUMENT, 'the %s mapper cannot map a "%s" '
                               "arena export" % (mapper.backend, arena.backend))
-            bases.append(mapper.map(arena.handle, arena.bytes))
+            bases.append(mapper.map(
+                arena.handle, arena.bytes,
+                lambda handle=arena.handle: self._client._fetch_arena_fd(self.id, self.token,
+                                                                         handle)))
         planes = {}
         for entry in layout.layers:
             for plane in entry.planes:
