@@ -230,6 +230,7 @@ absl::Status KvClient::Attach(const std::string& engine_name) {
   hello.mutable_hello()->set_engine_name(engine_name);
   hello.mutable_hello()->set_pid(getpid());
   hello.mutable_hello()->set_handoff_ticket(handoff->ticket());
+  hello.mutable_hello()->set_cache_scope(options_.cache_scope);
   pb::AttachResponse response;
   const bool answered = lease->stream->Write(hello) && lease->stream->Read(&response);
   if (!answered || !response.has_attached()) {
@@ -244,6 +245,7 @@ absl::Status KvClient::Attach(const std::string& engine_name) {
   handoff_ = std::move(handoff);
   engine_id_ = response.attached().engine().engine_id();
   engine_token_ = response.attached().engine().engine_token();
+  cache_scope_ = response.attached().cache_scope();
   lease_timeout_ = absl::Milliseconds(response.attached().lease_timeout_ms());
   stop_ = false;
   lease_alive_.store(true);
@@ -310,6 +312,11 @@ absl::StatusOr<ArenaFd> KvClient::FetchArenaFd(uint64_t session_id,
 uint64_t KvClient::engine_id() const {
   absl::MutexLock lock(&mu_);
   return engine_id_;
+}
+
+std::string KvClient::cache_scope() const {
+  absl::MutexLock lock(&mu_);
+  return cache_scope_;
 }
 
 absl::Duration KvClient::lease_timeout() const {
@@ -486,6 +493,9 @@ absl::StatusOr<PrefixMatch> KvClient::LookupPrefix(const PlanFingerprint& plan,
                                                    const SessionOptions& shape,
                                                    absl::Span<const int32_t> token_ids) {
   pb::LookupPrefixRequest request;
+  ASSIGN_OR_RETURN(auto engine, AttachedEngine("LookupPrefix"));  // its cache scope is read
+  request.mutable_engine()->set_engine_id(engine.first);
+  request.mutable_engine()->set_engine_token(engine.second);
   SetShape(plan, shape, *request.mutable_shape());
   request.mutable_token_ids()->Add(token_ids.begin(), token_ids.end());
   pb::LookupPrefixResponse response;
@@ -571,6 +581,7 @@ absl::StatusOr<std::optional<PrefixCacheEvent>> PrefixEventStream::Next() {
     ASSIGN_OR_RETURN(out.boundary_key, BlockKeyFromBytes(event.boundary_key(), "boundary key"));
   }
   out.reason = event.reason();
+  out.cache_scope = event.cache_scope();
   return out;
 }
 
@@ -580,6 +591,14 @@ std::unique_ptr<PrefixEventStream> KvClient::SubscribePrefixEvents(uint64_t epoc
   pb::SubscribePrefixEventsRequest request;
   request.set_epoch(epoch);
   request.set_last_sequence(last_sequence);
+  // The engine's scope's events (an unattached client is refused by the engine socket).
+  {
+    absl::MutexLock lock(&mu_);
+    if (lease_stream_ != nullptr) {
+      request.mutable_engine()->set_engine_id(engine_id_);
+      request.mutable_engine()->set_engine_token(engine_token_);
+    }
+  }
   call->reader = rpc_->prefix->SubscribeEvents(&call->context, request);
   return std::unique_ptr<PrefixEventStream>(new PrefixEventStream(std::move(call)));
 }

@@ -90,6 +90,9 @@ struct ClientOptions {
   // ".sock" replaced by ".handoff.sock" (appended when it does not end in ".sock"), as the
   // daemon derives it by default.
   std::string handoff_socket_path;
+  // The prefix-cache scope to attach in (proto Hello.cache_scope): empty = this user's own
+  // ("uid:<uid>"); a named one must be allowed by the daemon's cache_scope_allow.
+  std::string cache_scope;
 };
 
 // The handoff socket beside `socket_path` when none is configured (ClientOptions).
@@ -248,6 +251,7 @@ struct PrefixCacheEvent {
   std::vector<BlockKey> block_keys;      // chain order
   std::optional<BlockKey> boundary_key;  // set when a boundary state was stored or freed
   std::string reason;
+  std::string cache_scope;  // the entry's scope (the subscriber's own on the engine socket)
   bool operator==(const PrefixCacheEvent&) const = default;
 };
 
@@ -408,6 +412,8 @@ class KvClient {
   uint64_t engine_id() const ABSL_LOCKS_EXCLUDED(mu_);
   // The lease timeout the daemon announced.
   absl::Duration lease_timeout() const ABSL_LOCKS_EXCLUDED(mu_);
+  // The prefix-cache scope the daemon attached this engine in (empty before Attach).
+  std::string cache_scope() const ABSL_LOCKS_EXCLUDED(mu_);
 
   // REQUIRES: Attach() succeeded (the plan counts against this engine's max_engine_plans).
   absl::StatusOr<PlanFingerprint> RegisterPlan(const ModelPlan& plan);
@@ -436,8 +442,9 @@ class KvClient {
   absl::StatusOr<PrefixCaptured> CapturePrefix(const Session& session,
                                                absl::Span<const int32_t> token_ids,
                                                uint64_t boundary_tokens);
-  // The longest restorable prefix of `token_ids` for sessions of `plan` with `shape`'s layer
-  // range and ranks (its capacity and the rest are ignored).
+  // The longest restorable prefix of `token_ids`, in this engine's cache scope, for sessions of
+  // `plan` with `shape`'s layer range and ranks (its capacity and the rest are ignored).
+  // REQUIRES: Attach() succeeded.
   absl::StatusOr<PrefixMatch> LookupPrefix(const PlanFingerprint& plan, const SessionOptions& shape,
                                            absl::Span<const int32_t> token_ids);
   // Restores entry `entry_id` (0: the longest match) into the FRESH `session`; `token_ids` the
@@ -446,7 +453,8 @@ class KvClient {
                                                absl::Span<const int32_t> token_ids,
                                                uint64_t entry_id = 0);
   // The cache's events after (epoch, last_sequence) (0, 0: from the start of the daemon's
-  // buffer), then live ones until the stream is cancelled. No deadline.
+  // buffer), then live ones until the stream is cancelled. No deadline. On the engine socket
+  // an attached engine's, of its cache scope only; on the admin socket every scope's.
   std::unique_ptr<PrefixEventStream> SubscribePrefixEvents(uint64_t epoch = 0,
                                                            uint64_t last_sequence = 0);
 
@@ -478,6 +486,7 @@ class KvClient {
   mutable absl::Mutex mu_;
   uint64_t engine_id_ ABSL_GUARDED_BY(mu_) = 0;
   std::string engine_token_ ABSL_GUARDED_BY(mu_);
+  std::string cache_scope_ ABSL_GUARDED_BY(mu_);
   absl::Duration lease_timeout_ ABSL_GUARDED_BY(mu_);
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
   std::unique_ptr<LeaseStream> lease_stream_ ABSL_GUARDED_BY(mu_);

@@ -14,6 +14,7 @@
 #include "proto/memra/kv/v1/cache.grpc.pb.h"
 #include "server/arena_handoff.h"
 #include "server/backend.h"
+#include "server/cache_scopes.h"
 #include "server/engine_leases.h"
 #include "server/plan_registry.h"
 #include "server/session_registry.h"
@@ -31,13 +32,15 @@ class CacheService final
 
   // REQUIRES: every pointer outlives the service. `backend` waits on the engines' events;
   // `handoff` redeems the attach tickets.
+  // `scopes` decides each engine's prefix-cache scope from its peer credentials.
   CacheService(EngineLeases* leases, PlanRegistry* plans, SessionRegistry* sessions,
-               DeviceBackend* backend, ArenaHandoff* handoff)
+               DeviceBackend* backend, ArenaHandoff* handoff, const CacheScopes* scopes)
       : leases_(leases),
         plans_(plans),
         sessions_(sessions),
         backend_(backend),
-        handoff_(handoff) {}
+        handoff_(handoff),
+        scopes_(scopes) {}
 
   // The lease stream: hello -> Attached, then heartbeat -> ack until either side ends it
   // (server/engine_leases.h has the rules). The hello's handoff ticket is claimed first
@@ -113,6 +116,7 @@ class CacheService final
   SessionRegistry* const sessions_;
   DeviceBackend* const backend_;
   ArenaHandoff* const handoff_;
+  const CacheScopes* const scopes_;
 };
 
 // The credentials a ref carries (the views point into `ref`).

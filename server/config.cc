@@ -25,6 +25,7 @@
 #include "absl/strings/str_replace.h"
 #include "absl/strings/strip.h"
 #include "core/status_macros.h"
+#include "server/cache_scopes.h"
 
 // toml11 reports errors by throwing; every call into it stays inside ParseConfig's try block.
 #include <toml.hpp>
@@ -102,6 +103,12 @@ std::optional<std::string> CheckGroup(absl::string_view group) {
       return absl::StrCat("contains '", std::string(1, c), "'");
     }
   }
+  return std::nullopt;
+}
+
+std::optional<std::string> CheckCacheScopeAllow(absl::string_view text) {
+  absl::StatusOr<std::vector<CacheScopeRule>> rules = ParseCacheScopeAllow(text);
+  if (!rules.ok()) return std::string(rules.status().message());
   return std::nullopt;
 }
 
@@ -252,6 +259,12 @@ const std::vector<KeySpec>& Keys() {
                "by .handoff.sock.",
        .text_accepted = "an absolute path (\"{device}\" is replaced by the GPU index), or empty",
        .check_text = &CheckDerivedSocketPath},
+      {.name = "cache_scope_allow", .field = &C::cache_scope_allow, .syntax = Syntax::kText,
+       .reloadable = false,
+       .help = "Named prefix-cache scopes engines may attach in, and who may: "
+               "\"name:uid,uid,@group; name2:@group\"; empty = each engine's scope is its uid's.",
+       .text_accepted = "name:member,...; ... (members: a uid or @group), or empty",
+       .check_text = &CheckCacheScopeAllow},
   };
   // clang-format on
   return *keys;

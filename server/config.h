@@ -95,6 +95,9 @@ struct DaemonConfig {
   // as the engine socket. Empty = socket_path with ".sock" replaced by ".handoff.sock"
   // (HandoffSocketPath()). "{device}" is replaced by `device`.
   std::string handoff_socket_path;
+  // Named prefix-cache scopes and who may attach in them (server/cache_scopes.h):
+  // "name:uid,uid,@group; name2:@group2". Empty: every engine's scope is its uid's.
+  std::string cache_scope_allow;
 
   // ---- Limits: what one client can make the daemon hold (docs/security-model.md#limits) ----
   // Layers (trunk + MTP) a model plan may have, everywhere a plan arrives. The largest real

@@ -56,7 +56,8 @@ TEST(ConfigTest, KeyListIsTheDocumentedOne) {
                           "prefix_copy_threads", "watchdog", "max_plan_layers",
                           "max_engine_sessions", "max_engine_plans", "max_engine_budget_share",
                           "max_attached_engines", "max_arenas", "admin_socket_path",
-                          "admin_socket_mode", "admin_socket_group", "handoff_socket_path"));
+                          "admin_socket_mode", "admin_socket_group", "handoff_socket_path",
+                          "cache_scope_allow"));
   EXPECT_THAT(reloadable, ElementsAre("budget_bytes", "cuda_memory_fraction", "cuda_reserve_bytes",
                                       "lease_timeout_ms", "reservation_ttl_ms", "log_level",
                                       "drain_grace_ms", "prefix_cache_budget_bytes"));
@@ -188,6 +189,7 @@ TEST(ConfigTest, RenderedNonDefaultsParseBack) {
   changed.admin_socket_mode = 0660;
   changed.admin_socket_group = "operators";
   changed.handoff_socket_path = "/run/fds/{device}.sock";
+  changed.cache_scope_allow = "team:1001,@ml; drafts:@inference";
   absl::StatusOr<DaemonConfig> config = ParseConfig(RenderConfig(changed), "rendered");
   ASSERT_THAT(config, IsOk());
   EXPECT_EQ(*config, changed);
@@ -318,6 +320,8 @@ INSTANTIATE_TEST_SUITE_P(
                      {"socket_path = \"memra.sock\"", "not an absolute path"}},
         BadValueCase{"socket_group = \"my group\"",
                      {"socket_group = \"my group\"", "contains ' '", "group name or gid"}},
+        BadValueCase{"cache_scope_allow = \"team 1001\"",
+                     {"cache_scope_allow = \"team 1001\"", "has no ':'", "uid or @group"}},
         BadValueCase{"admin_socket_group = \"-x\"",
                      {"admin_socket_group = \"-x\"", "starts with '-'"}},
         BadValueCase{"metrics_address = \"localhost\"",

@@ -92,6 +92,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Create(DaemonConfig config,
   }
   RETURN_IF_ERROR(ValidateConfig(config));
   ASSIGN_OR_RETURN(uint64_t epoch, RandomEpoch());
+  ASSIGN_OR_RETURN(CacheScopes scopes, CacheScopes::Create(config.cache_scope_allow));
   auto [budget_bytes, rule] = BudgetFor(config, *backend);
   const AdmissionLimits limits{.max_arenas = EffectiveMaxArenas(config),
                                .owner_share_percent = config.max_engine_budget_share};
@@ -99,11 +100,12 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Create(DaemonConfig config,
                budget_bytes, rule, limits.max_arenas, limits.owner_share_percent);
   return std::unique_ptr<Daemon>(
       new Daemon(std::move(config), std::move(backend), clock,
-                 std::make_unique<DeviceBudget>(budget_bytes, rule, limits), epoch));
+                 std::make_unique<DeviceBudget>(budget_bytes, rule, limits), epoch,
+                 std::move(scopes)));
 }
 
 Daemon::Daemon(DaemonConfig config, std::unique_ptr<DeviceBackend> backend, Clock* clock,
-               std::unique_ptr<DeviceBudget> budget, uint64_t epoch)
+               std::unique_ptr<DeviceBudget> budget, uint64_t epoch, CacheScopes scopes)
     : backend_(std::move(backend)),
       clock_(clock),
       socket_path_(config.SocketPath()),
@@ -111,6 +113,7 @@ Daemon::Daemon(DaemonConfig config, std::unique_ptr<DeviceBackend> backend, Cloc
       start_config_(std::move(config)),
       budget_(std::move(budget)),
       epoch_(epoch),
+      scopes_(std::move(scopes)),
       started_(clock->Now()),
       plans_(FormatDefaults(), start_config_.max_plan_layers,
              static_cast<size_t>(start_config_.max_engine_plans)),
@@ -120,12 +123,12 @@ Daemon::Daemon(DaemonConfig config, std::unique_ptr<DeviceBackend> backend, Cloc
                 start_config_.prefix_capture_on_engine_death ? prefix_cache_.get() : nullptr,
                 start_config_.max_engine_sessions),
       handoff_(HandoffOptions(), LookupArena()),
-      engine_prefix_service_(prefix_cache_.get(), backend_.get(), FindSession(),
+      engine_prefix_service_(prefix_cache_.get(), backend_.get(), FindSession(), FindScope(),
                              ServedSocket{ServedSocket::Audience::kEngines, admin_socket_path_}),
       operator_prefix_service_(
-          prefix_cache_.get(), backend_.get(), FindSession(),
+          prefix_cache_.get(), backend_.get(), FindSession(), FindScope(),
           ServedSocket{ServedSocket::Audience::kOperators, admin_socket_path_}),
-      cache_service_(&leases_, &plans_, &sessions_, backend_.get(), &handoff_),
+      cache_service_(&leases_, &plans_, &sessions_, backend_.get(), &handoff_, &scopes_),
       engine_admin_service_(
           AdminParts(ServedSocket{ServedSocket::Audience::kEngines, admin_socket_path_})),
       operator_admin_service_(
@@ -133,6 +136,10 @@ Daemon::Daemon(DaemonConfig config, std::unique_ptr<DeviceBackend> backend, Cloc
 
 PrefixService::SessionFinder Daemon::FindSession() {
   return [this](const pb::SessionRef& ref) { return sessions_.Find(SessionCredentialsOf(ref)); };
+}
+
+PrefixService::ScopeFinder Daemon::FindScope() {
+  return [this](const pb::EngineRef& ref) { return leases_.CacheScope(EngineCredentialsOf(ref)); };
 }
 
 ArenaHandoff::Options Daemon::HandoffOptions() const {

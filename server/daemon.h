@@ -49,6 +49,7 @@
 #include "server/admin_service.h"
 #include "server/arena_handoff.h"
 #include "server/backend.h"
+#include "server/cache_scopes.h"
 #include "server/cache_service.h"
 #include "server/clock.h"
 #include "server/config.h"
@@ -122,10 +123,11 @@ class Daemon {
 
  private:
   Daemon(DaemonConfig config, std::unique_ptr<DeviceBackend> backend, Clock* clock,
-         std::unique_ptr<DeviceBudget> budget, uint64_t epoch);
+         std::unique_ptr<DeviceBudget> budget, uint64_t epoch, CacheScopes scopes);
 
   // The session finder and the KvAdmin parts of this daemon (one service instance per socket).
   PrefixService::SessionFinder FindSession();
+  PrefixService::ScopeFinder FindScope();
   // The handoff socket's options and its arena lookup: a session of the connection's engine,
   // named with its token, and one of its arenas.
   ArenaHandoff::Options HandoffOptions() const;
@@ -157,6 +159,7 @@ class Daemon {
   const DaemonConfig start_config_;
   const std::unique_ptr<DeviceBudget> budget_;
   const uint64_t epoch_;  // random per start
+  const CacheScopes scopes_;  // cache_scope_allow
   const absl::Time started_;
   // Every metric of this daemon (server/daemon_metrics.cc). Filled by Start().
   metrics::Registry metrics_;

@@ -66,6 +66,9 @@ class DaemonSession {
   struct Params {
     SessionId id;
     EngineId owner;
+    // The owner's prefix-cache scope (server/cache_scopes.h): where its captures are stored,
+    // also after the owner is gone (a capture on engine death).
+    std::string cache_scope;
     std::string token;  // 16 random bytes
     std::shared_ptr<const ModelPlan> model;
     std::string fingerprint;  // the model plan's fingerprint bytes

@@ -42,9 +42,9 @@ absl::StatusOr<EngineLease> EngineLeases::Attach(EngineIdentity identity,
   engine.token = token;
   engine.last_heartbeat = clock_->Now();
   engine.cancel_stream = std::move(cancel_stream);
-  spdlog::info("engine {} attached: name \"{}\", pid {}, uid {}, gid {}", id.value,
-               engine.identity.name, engine.identity.peer.pid, engine.identity.peer.uid,
-               engine.identity.peer.gid);
+  spdlog::info("engine {} attached: name \"{}\", pid {}, uid {}, gid {}, cache scope {}",
+               id.value, engine.identity.name, engine.identity.peer.pid,
+               engine.identity.peer.uid, engine.identity.peer.gid, engine.identity.cache_scope);
   return EngineLease{id, std::move(token), settings_.timeout, settings_.grace};
 }
 
@@ -93,6 +93,12 @@ absl::Status EngineLeases::CheckLocked(const EngineCredentials& engine) const {
 absl::Status EngineLeases::Check(const EngineCredentials& engine) const {
   absl::MutexLock lock(&mu_);
   return CheckLocked(engine);
+}
+
+absl::StatusOr<std::string> EngineLeases::CacheScope(const EngineCredentials& engine) const {
+  absl::MutexLock lock(&mu_);
+  RETURN_IF_ERROR(CheckLocked(engine));
+  return engines_.at(engine.id.value).identity.cache_scope;
 }
 
 absl::Status EngineLeases::Admit(const EngineCredentials& engine,
@@ -196,7 +202,7 @@ std::vector<EngineView> EngineLeases::Engines() const {
   views.reserve(engines_.size());
   for (const auto& [id, engine] : engines_) {
     views.push_back(EngineView{
-        engine.id, engine.identity.name, engine.identity.peer,
+        engine.id, engine.identity.name, engine.identity.peer, engine.identity.cache_scope,
         !engine.lease_ended.has_value() && now - engine.last_heartbeat <= settings_.timeout,
         now - (engine.lease_ended.has_value() ? *engine.lease_ended : engine.last_heartbeat)});
   }

@@ -53,11 +53,12 @@ struct EngineCredentials {
   absl::string_view token;
 };
 
-// Who an engine is: the name it gave and the peer credentials its handoff ticket proved
-// (server/arena_handoff.h), fixed at Attach.
+// Who an engine is: the name it gave, the peer credentials its handoff ticket proved
+// (server/arena_handoff.h) and its prefix-cache scope (server/cache_scopes.h), fixed at Attach.
 struct EngineIdentity {
   std::string name;
   PeerCredentials peer;
+  std::string cache_scope;
 };
 
 // What Attach hands an engine.
@@ -78,6 +79,7 @@ struct EngineView {
   EngineId id;
   std::string name;
   PeerCredentials peer;
+  std::string cache_scope;
   bool lease_live = false;
   absl::Duration heartbeat_age;  // since the last heartbeat, or since the lease ended
 };
@@ -111,6 +113,9 @@ class EngineLeases {
   // OK when the credentials name an attached engine whose lease is live: NOT_FOUND unknown
   // engine, PERMISSION_DENIED wrong token, FAILED_PRECONDITION lease ended.
   absl::Status Check(const EngineCredentials& engine) const ABSL_LOCKS_EXCLUDED(mu_);
+  // Check(), then the engine's prefix-cache scope.
+  absl::StatusOr<std::string> CacheScope(const EngineCredentials& engine) const
+      ABSL_LOCKS_EXCLUDED(mu_);
   // Check(), and UNAVAILABLE with `draining_message` while draining (one decision, one lock).
   absl::Status Admit(const EngineCredentials& engine, absl::string_view draining_message) const
       ABSL_LOCKS_EXCLUDED(mu_);

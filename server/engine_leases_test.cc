@@ -30,7 +30,9 @@ class EngineLeasesTest : public ::testing::Test {
   // Attaches an engine whose stream cancellations are counted in `cancels`.
   EngineLease AttachCounting(const std::string& name, int* cancels) {
     absl::StatusOr<EngineLease> lease = leases_.Attach(
-        EngineIdentity{.name = name, .peer = {.uid = 1000, .gid = 100, .pid = 42}},
+        EngineIdentity{.name = name,
+                       .peer = {.uid = 1000, .gid = 100, .pid = 42},
+                       .cache_scope = "uid:1000"},
         [cancels] { ++*cancels; });
     EXPECT_THAT(lease, IsOk());
     return lease.ok() ? *lease : EngineLease{};
@@ -73,7 +75,7 @@ TEST_F(EngineLeasesTest, DrainingRefusesNewEnginesReservationsAndAdmissions) {
   const EngineLease a = AttachCounting("a", &cancels);
   leases_.SetDraining(true);
   EXPECT_TRUE(leases_.draining());
-  EXPECT_THAT(leases_.Attach(EngineIdentity{.name = "b", .peer = {}}, nullptr),
+  EXPECT_THAT(leases_.Attach(EngineIdentity{.name = "b", .peer = {}, .cache_scope = "uid:0"}, nullptr),
               StatusIs(absl::StatusCode::kUnavailable, HasSubstr("draining")));
   EXPECT_THAT(leases_.Admit(Credentials(a), "no new sessions"),
               StatusIs(absl::StatusCode::kUnavailable, HasSubstr("no new sessions")));

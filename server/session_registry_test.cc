@@ -50,7 +50,7 @@ class SessionRegistryTest : public ::testing::Test {
   }
 
   EngineLease Attach(const std::string& name) {
-    absl::StatusOr<EngineLease> lease = leases_.Attach(EngineIdentity{.name = name, .peer = {}}, nullptr);
+    absl::StatusOr<EngineLease> lease = leases_.Attach(EngineIdentity{.name = name, .peer = {}, .cache_scope = "uid:0"}, nullptr);
     EXPECT_THAT(lease, IsOk());
     return lease.ok() ? *lease : EngineLease{};
   }

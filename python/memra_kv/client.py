@@ -113,6 +113,7 @@ class PrefixEvent:
     block_keys: List[bytes] = field(default_factory=list)
     boundary_key: bytes = b""
     reason: str = ""
+    cache_scope: str = ""
 
 
 _EVENT_KINDS = {prefix_pb2.PrefixEvent.STORED: "stored", prefix_pb2.PrefixEvent.EVICTED: "evicted",
@@ -224,18 +225,20 @@ class Client:
 
     # -- lease --
 
-    def attach(self, engine_name, timeout=None):
+    def attach(self, engine_name, timeout=None, cache_scope=""):
         """Connects to the handoff socket, opens the lease with its ticket and keeps the lease
         alive on a daemon thread (a heartbeat every third of the lease timeout). KvError
         FAILED_PRECONDITION when already attached, UNAVAILABLE when the handoff socket does not
-        answer."""
+        answer. `cache_scope`: the prefix-cache scope to attach in ("": this user's own,
+        "uid:<uid>"; a named one must be allowed by the daemon's cache_scope_allow)."""
         with self._lock:
             if self._lease is not None:
                 raise KvError(grpc.StatusCode.FAILED_PRECONDITION,
                               "already attached as engine %d" % self._lease.engine_id)
             handoff = HandoffChannel(self.handoff_path, self._timeout(timeout))
             try:
-                lease = _Lease(self.cache, engine_name, self._timeout(timeout), handoff)
+                lease = _Lease(self.cache, engine_name, self._timeout(timeout), handoff,
+                               cache_scope)
             except BaseException:
                 handoff.close()
                 raise
@@ -254,6 +257,12 @@ class Client:
     def lease_alive(self):
         lease = self._lease
         return lease is not None and lease.alive
+
+    @property
+    def cache_scope(self):
+        """The prefix-cache scope this engine attached in ("" before attach)."""
+        lease = self._lease
+        return lease.cache_scope if lease else ""
 
     @property
     def engine_id(self):
@@ -374,7 +383,8 @@ class Client:
         if layer_hi is not None:
             shape.layer_hi = layer_hi
         r = _call(self.prefix.Lookup, prefix_pb2.LookupPrefixRequest(
-            shape=shape, token_ids=token_ids), self._timeout(timeout))
+            shape=shape, token_ids=token_ids, engine=self._engine("lookup_prefix")),
+            self._timeout(timeout))
         return PrefixMatch(_OUTCOMES.get(r.outcome, "miss"), r.entry_id, r.matched_tokens,
                            r.block_tokens)
 
@@ -389,8 +399,13 @@ class Client:
 
     def events(self, epoch=0, last_sequence=0):
         """The prefix cache's events after (epoch, last_sequence), then live ones: an iterator
-        (PrefixEvents) that resumes from the last sequence it yielded when iterated again."""
-        return PrefixEvents(self.prefix, epoch, last_sequence)
+        (PrefixEvents) that resumes from the last sequence it yielded when iterated again. On the
+        engine socket an attached engine's, of its cache scope only (sequences skip over other
+        scopes' events); on the admin socket every scope's."""
+        lease = self._lease
+        engine = (pb.EngineRef(engine_id=lease.engine_id, engine_token=lease.engine_token)
+                  if lease is not None else None)
+        return PrefixEvents(self.prefix, epoch, last_sequence, engine)
 
     def list_prefixes(self, timeout=None):
         return _call(self.prefix.ListPrefixes, prefix_pb2.ListPrefixesRequest(),
@@ -494,12 +509,13 @@ def _selector(fingerprint, plan, hf_config):
 class _Lease:
     """The Attach stream and the daemon thread that heartbeats on it."""
 
-    def __init__(self, stub, engine_name, timeout, handoff):
+    def __init__(self, stub, engine_name, timeout, handoff, cache_scope):
         self.handoff = handoff  # closed by stop()
         self._requests = queue.Queue()
         self._requests.put(pb.AttachRequest(hello=pb.Hello(engine_name=engine_name,
                                                            pid=os.getpid(),
-                                                           handoff_ticket=handoff.ticket)))
+                                                           handoff_ticket=handoff.ticket,
+                                                           cache_scope=cache_scope)))
         # No deadline on the stream: it lives as long as the engine (heartbeats are its clock).
         self._call = stub.Attach(iter(self._requests.get, None))
         # The first answer within `timeout`, or the call is cancelled.
@@ -525,6 +541,7 @@ class _Lease:
         self.lease_timeout_ms = attached.lease_timeout_ms
         self.lease_grace_ms = attached.lease_grace_ms
         self.backend = attached.backend
+        self.cache_scope = attached.cache_scope
         self.alive = True
         self._stop = threading.Event()
         period = max(self.lease_timeout_ms / 3.0, 1.0) / 1000.0
@@ -559,8 +576,9 @@ class PrefixEvents:
     from there, so nothing is yielded twice, and a PrefixEvent with gap=True says the daemon no
     longer had what was missed. A stream that ends with an error raises KvError."""
 
-    def __init__(self, stub, epoch, last_sequence):
+    def __init__(self, stub, epoch, last_sequence, engine=None):
         self._stub = stub
+        self._engine = engine
         self.epoch = epoch
         self.last_sequence = last_sequence
         self._call = None
@@ -573,7 +591,7 @@ class PrefixEvents:
         with self._lock:
             if self._call is None:
                 self._call = self._stub.SubscribeEvents(prefix_pb2.SubscribePrefixEventsRequest(
-                    epoch=self.epoch, last_sequence=self.last_sequence))
+                    epoch=self.epoch, last_sequence=self.last_sequence, engine=self._engine))
             call = self._call
         try:
             event = next(call)
@@ -590,7 +608,7 @@ class PrefixEvents:
         kind = _EVENT_KINDS.get(event.kind, "stored")
         return PrefixEvent(event.sequence, event.epoch, kind, kind == "gap",
                            event.shape_fingerprint, list(event.block_keys), event.boundary_key,
-                           event.reason)
+                           event.reason, event.cache_scope)
 
     def _end(self, call):
         with self._lock:
