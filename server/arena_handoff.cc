@@ -197,35 +197,28 @@ void ArenaHandoff::Serve() {
       const SteadyTime now = std::chrono::steady_clock::now();
       to_close.clear();
       for (auto& [id, connection] : connections_) {
-        // The deadlines: a stalled request, an unclaimed ticket.
+        // The deadlines: a stalled request, an unclaimed ticket. Past one, the connection gets
+        // its refusal and is closed.
         std::chrono::steady_clock::duration left = std::chrono::milliseconds(kMaxPollMs);
-        if (!connection.input.empty()) {
-          const auto deadline =
-              connection.input_since + absl::ToChronoMilliseconds(options_.request_deadline);
-          if (now >= deadline) {
+        auto enforce = [&](SteadyTime since, absl::Duration limit, absl::string_view what) {
+          const SteadyTime deadline = since + absl::ToChronoMilliseconds(limit);
+          if (now >= deadline && !connection.closing) {
             (void)handoff::SendFrame(
                 connection.socket.get(),
-                handoff::EncodeRefusal(absl::DeadlineExceededError(absl::StrCat(
-                    "handoff request not complete within ",
-                    absl::ToInt64Milliseconds(options_.request_deadline),
-                    " ms; closing the connection"))));
+                handoff::EncodeRefusal(absl::DeadlineExceededError(
+                    absl::StrCat(what, " within ", absl::ToInt64Milliseconds(limit),
+                                 " ms; closing the connection"))));
             connection.closing = true;
           }
           left = std::min(left, deadline - now);
+        };
+        if (!connection.input.empty()) {
+          enforce(connection.input_since, options_.request_deadline,
+                  "handoff request not complete");
         }
         if (!connection.claimed) {
-          const auto deadline =
-              connection.accepted + absl::ToChronoMilliseconds(options_.claim_deadline);
-          if (now >= deadline) {
-            (void)handoff::SendFrame(
-                connection.socket.get(),
-                handoff::EncodeRefusal(absl::DeadlineExceededError(absl::StrCat(
-                    "no Attach claimed this connection's ticket within ",
-                    absl::ToInt64Milliseconds(options_.claim_deadline),
-                    " ms; closing the connection"))));
-            connection.closing = true;
-          }
-          left = std::min(left, deadline - now);
+          enforce(connection.accepted, options_.claim_deadline,
+                  "no Attach claimed this connection's ticket");
         }
         if (connection.closing) {
           to_close.push_back(id);
