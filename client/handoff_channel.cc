@@ -86,30 +86,13 @@ absl::StatusOr<handoff::Frame> HandoffChannel::ReadFrame(ScopedFd* received) {
                                                  absl::FormatDuration(deadline_)));
     }
     char data[handoff::kLengthBytes + handoff::kMaxFrameBytes];
-    iovec io{.iov_base = data, .iov_len = sizeof(data)};
-    alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))];
-    msghdr message{};
-    message.msg_iov = &io;
-    message.msg_iovlen = 1;
-    message.msg_control = control;
-    message.msg_controllen = sizeof(control);
-    const ssize_t got = recvmsg(socket_.get(), &message, MSG_CMSG_CLOEXEC);
-    if (got < 0 && errno == EINTR) continue;
-    if (got <= 0) {
+    absl::StatusOr<size_t> got = handoff::ReceiveBytes(socket_.get(), data, received);
+    if (!got.ok() || *got == 0) {  // a reset is a close with our request unread
       return absl::UnavailableError(absl::StrCat(
           "handoff socket ", path_, ": the daemon closed the connection",
-          got < 0 ? absl::StrCat(" (", strerror(errno), ")") : std::string()));
+          got.ok() ? std::string() : absl::StrCat(" (", got.status().message(), ")")));
     }
-    for (cmsghdr* header = CMSG_FIRSTHDR(&message); header != nullptr;
-         header = CMSG_NXTHDR(&message, header)) {
-      if (header->cmsg_level == SOL_SOCKET && header->cmsg_type == SCM_RIGHTS &&
-          header->cmsg_len == CMSG_LEN(sizeof(int))) {
-        int fd;
-        std::memcpy(&fd, CMSG_DATA(header), sizeof(int));
-        *received = ScopedFd(fd);
-      }
-    }
-    input_.append(data, static_cast<size_t>(got));
+    input_.append(data, *got);
   }
 }
 

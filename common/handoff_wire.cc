@@ -215,4 +215,36 @@ absl::Status SendFrame(int socket, absl::string_view frame, int pass_fd) {
   return absl::OkStatus();
 }
 
+absl::StatusOr<size_t> ReceiveBytes(int socket, absl::Span<char> buffer, ScopedFd* received) {
+  iovec io{.iov_base = buffer.data(), .iov_len = buffer.size()};
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))];
+  msghdr message{};
+  message.msg_iov = &io;
+  message.msg_iovlen = 1;
+  message.msg_control = control;
+  message.msg_controllen = sizeof(control);
+  ssize_t got;
+  do {
+    got = recvmsg(socket, &message, MSG_CMSG_CLOEXEC);
+  } while (got < 0 && errno == EINTR);
+  if (got < 0) {
+    return absl::UnavailableError(absl::StrCat("handoff socket: recvmsg: ", strerror(errno)));
+  }
+  for (cmsghdr* header = CMSG_FIRSTHDR(&message); header != nullptr;
+       header = CMSG_NXTHDR(&message, header)) {
+    if (header->cmsg_level != SOL_SOCKET || header->cmsg_type != SCM_RIGHTS) continue;
+    const size_t count = (header->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+    for (size_t i = 0; i < count; ++i) {
+      int fd;
+      std::memcpy(&fd, CMSG_DATA(header) + i * sizeof(int), sizeof(int));
+      if (received->get() < 0) {
+        *received = ScopedFd(fd);
+      } else {
+        ScopedFd extra(fd);  // one descriptor per answer: any other is closed
+      }
+    }
+  }
+  return static_cast<size_t>(got);
+}
+
 }  // namespace memra::handoff

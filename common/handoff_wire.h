@@ -33,6 +33,8 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "absl/types/span.h"
+#include "common/mapped_region.h"
 
 namespace memra::handoff {
 
@@ -83,6 +85,11 @@ absl::Status DecodeRefusal(absl::string_view body);
 // unless it is -1. Never raises SIGPIPE. UNAVAILABLE when the peer is gone or the frame could not
 // go in one call (a non-blocking socket whose peer does not read: the daemon then closes it).
 absl::Status SendFrame(int socket, absl::string_view frame, int pass_fd = -1);
+
+// Receives up to buffer.size() bytes from the Unix stream socket `socket` (one recvmsg, retried
+// on EINTR); a descriptor that came with them (SCM_RIGHTS) goes to `*received`, O_CLOEXEC
+// (extra descriptors are closed). 0 when the peer closed; UNAVAILABLE naming the errno.
+absl::StatusOr<size_t> ReceiveBytes(int socket, absl::Span<char> buffer, ScopedFd* received);
 
 }  // namespace memra::handoff
 

@@ -1,5 +1,6 @@
 #include "common/handoff_wire.h"
 
+#include <fcntl.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -122,26 +123,18 @@ TEST(HandoffWireTest, SendFrameCarriesADescriptor) {
   ASSERT_EQ(pipe(pipe_fds), 0);
   ASSERT_THAT(SendFrame(pair[0], EncodeArena(4096), pipe_fds[1]), IsOk());
   char data[64];
-  iovec io{.iov_base = data, .iov_len = sizeof(data)};
-  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))];
-  msghdr message{};
-  message.msg_iov = &io;
-  message.msg_iovlen = 1;
-  message.msg_control = control;
-  message.msg_controllen = sizeof(control);
-  const ssize_t got = recvmsg(pair[1], &message, MSG_CMSG_CLOEXEC);
-  ASSERT_EQ(got, static_cast<ssize_t>(EncodeArena(4096).size()));
-  cmsghdr* header = CMSG_FIRSTHDR(&message);
-  ASSERT_NE(header, nullptr);
-  ASSERT_EQ(header->cmsg_type, SCM_RIGHTS);
-  int received = -1;
-  std::memcpy(&received, CMSG_DATA(header), sizeof(int));
+  ScopedFd received;
+  ASSERT_THAT(ReceiveBytes(pair[1], absl::MakeSpan(data), &received),
+              IsOkAndHolds(EncodeArena(4096).size()));
+  ASSERT_GE(received.get(), 0);
+  EXPECT_EQ(fcntl(received.get(), F_GETFD) & FD_CLOEXEC, FD_CLOEXEC);
   // The received descriptor is the pipe's write end: what goes in comes out of the read end.
-  ASSERT_EQ(write(received, "z", 1), 1);
+  ASSERT_EQ(write(received.get(), "z", 1), 1);
   char c = 0;
   ASSERT_EQ(read(pipe_fds[0], &c, 1), 1);
   EXPECT_EQ(c, 'z');
-  for (int fd : {received, pipe_fds[0], pipe_fds[1], pair[0]}) close(fd);
+  for (int fd : {pipe_fds[0], pipe_fds[1], pair[0]}) close(fd);
+  EXPECT_THAT(ReceiveBytes(pair[1], absl::MakeSpan(data), &received), IsOkAndHolds(0u));
   EXPECT_THAT(SendFrame(pair[1], EncodeArena(1)),
               StatusIs(absl::StatusCode::kUnavailable, HasSubstrs("sending a 14-byte frame")));
   close(pair[1]);

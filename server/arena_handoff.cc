@@ -250,7 +250,10 @@ void ArenaHandoff::Serve() {
         if (polled[i].revents == 0) continue;
         auto it = connections_.find(polled_ids[i]);
         if (it == connections_.end()) continue;
-        if (!ReadFrom(it->first, it->second, pending)) to_close.push_back(it->first);
+        // Forgotten since the poll began: closed without reading what it sent.
+        if (it->second.closing || !ReadFrom(it->first, it->second, pending)) {
+          to_close.push_back(it->first);
+        }
       }
     }
     // Answered with no lock held: the lookup takes the session registry's locks. The

@@ -229,7 +229,7 @@ TEST_F(ArenaHandoffTest, ConnectionsPastTheLimitAreRefused) {
 
 TEST_F(ArenaHandoffTest, StalledRequestIsClosedAndOthersAreServedMeanwhile) {
   ArenaHandoff::Options options;
-  options.request_deadline = absl::Milliseconds(300);
+  options.request_deadline = absl::Seconds(2);
   StartHandoff(options);
   const int stalled = ConnectRaw();
   ASSERT_GE(stalled, 0);
@@ -241,10 +241,10 @@ TEST_F(ArenaHandoffTest, StalledRequestIsClosedAndOthersAreServedMeanwhile) {
   handoff_->BindEngine(claim->connection, kEngine);
   const absl::Time start = absl::Now();
   EXPECT_THAT(channel->FetchArena({.session_id = 1, .session_token = "t", .handle = "h"}), IsOk());
-  EXPECT_LT(absl::Now() - start, absl::Milliseconds(250));
+  EXPECT_LT(absl::Now() - start, absl::Milliseconds(1500));  // not behind the stalled one
   EXPECT_THAT(LastRefusalBeforeClose(stalled),
               StatusIs(absl::StatusCode::kDeadlineExceeded,
-                       HasSubstrs("not complete within 300 ms")));
+                       HasSubstrs("not complete within 2000 ms")));
   close(stalled);
 }
 
