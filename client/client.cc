@@ -397,17 +397,30 @@ absl::Status KvClient::Step(StepBatch& batch, std::vector<StepOutcome>& outcomes
     out.begun = {};
     out.staged_len = 0;
     out.committed_len = 0;
-    if (result.payload_case() != pb::StepResult::kPrepare) out.prepared.reset();
+    out.published = false;
+    const pb::PrepareAppendResponse* prepared_reply =
+        result.payload_case() == pb::StepResult::kPrepare ? &result.prepare()
+        : result.payload_case() == pb::StepResult::kAdvance && result.advance().has_prepared()
+            ? &result.advance().prepared()
+            : nullptr;
+    if (prepared_reply == nullptr) {
+      out.prepared.reset();
+    } else {
+      // Reuses the previous step's per-layer vector when this slot held a plan too.
+      PreparedAppend& prepared = out.prepared.has_value() ? *out.prepared : out.prepared.emplace();
+      PreparedFromProto(*prepared_reply, prepared);
+    }
     switch (result.payload_case()) {
       case pb::StepResult::kBegin:
         out.begun = {result.begin().generation(), result.begin().base_len()};
         break;
-      case pb::StepResult::kPrepare: {
-        // Reuses the previous step's per-layer vector when this slot held a Prepare too.
-        PreparedAppend& prepared = out.prepared.has_value() ? *out.prepared : out.prepared.emplace();
-        PreparedFromProto(result.prepare(), prepared);
+      case pb::StepResult::kPrepare:
+        break;  // the plan is read above
+      case pb::StepResult::kAdvance:
+        out.committed_len = result.advance().committed_len();
+        out.published = result.advance().published();
+        if (out.prepared.has_value()) out.begun = {out.prepared->generation, out.committed_len};
         break;
-      }
       case pb::StepResult::kPublish:
         out.staged_len = result.publish().staged_len();
         break;
@@ -626,6 +639,15 @@ void StepBatch::Abort(const Session& session, uint64_t generation) {
   wire_->Add(session)->mutable_abort()->set_generation(generation);
 }
 
+void StepBatch::Advance(const Session& session, uint64_t generation, uint64_t accepted_rows,
+                        uint64_t next_rows, absl::Span<const int32_t> token_ids) {
+  pb::StepAdvance* op = wire_->Add(session)->mutable_advance();
+  op->set_generation(generation);
+  op->set_accepted_rows(accepted_rows);
+  op->set_next_rows(next_rows);
+  op->mutable_token_ids()->Add(token_ids.begin(), token_ids.end());
+}
+
 // ---- Session ----
 
 Session::~Session() {
@@ -735,6 +757,18 @@ absl::StatusOr<uint64_t> Session::Commit(uint64_t generation, uint64_t accepted_
   RETURN_IF_ERROR(FromGrpcStatus(ClientInternals::Cache(*client_).Commit(
       ClientInternals::NewContext(*client_).get(), request, &response)));
   return response.committed_len();
+}
+
+absl::StatusOr<StepOutcome> Session::Advance(uint64_t generation, uint64_t accepted_rows,
+                                             uint64_t next_rows,
+                                             absl::Span<const int32_t> token_ids) {
+  StepBatch batch;
+  if (!wait_event_.empty()) batch.SetWaitEvent(wait_event_);
+  batch.Advance(*this, generation, accepted_rows, next_rows, token_ids);
+  std::vector<StepOutcome> outcomes;
+  RETURN_IF_ERROR(client_->Step(batch, outcomes));
+  RETURN_IF_ERROR(outcomes[0].status);
+  return std::move(outcomes[0]);
 }
 
 absl::StatusOr<uint64_t> Session::Abort(uint64_t generation) {

@@ -242,6 +242,16 @@ struct PrefixCacheEvent {
   bool operator==(const PrefixCacheEvent&) const = default;
 };
 
+// One entry's result; which fields are set depends on the entry's operation.
+struct StepOutcome {
+  absl::Status status;
+  Transaction begun;                       // Begin; Advance with next rows
+  std::optional<PreparedAppend> prepared;  // Prepare; Advance with next rows
+  uint64_t staged_len = 0;                 // Publish
+  uint64_t committed_len = 0;              // Commit, Abort, Advance
+  bool published = false;                  // Advance: it published the finished append
+};
+
 class KvClient;
 class ClientInternals;
 
@@ -302,6 +312,12 @@ class Session {
   absl::StatusOr<uint64_t> Commit(uint64_t generation, uint64_t accepted_rows,
                                   absl::Span<const int32_t> token_ids = {});
   absl::StatusOr<uint64_t> Abort(uint64_t generation);                           // committed rows
+  // One decode step in one call (StepBatch::Advance, as a one-entry Step carrying this
+  // session's wait event). The outcome's Advance fields are set (StepOutcome); a refusal is the
+  // returned status and changed nothing.
+  absl::StatusOr<StepOutcome> Advance(uint64_t generation, uint64_t accepted_rows,
+                                      uint64_t next_rows,
+                                      absl::Span<const int32_t> token_ids = {});
 
   absl::StatusOr<SessionSnapshot> Rewind(uint64_t target);
   absl::StatusOr<bool> CanRewind(uint64_t target);
@@ -359,6 +375,15 @@ class StepBatch {
   void Commit(const Session& session, uint64_t generation, uint64_t accepted_rows,
               absl::Span<const int32_t> token_ids = {});
   void Abort(const Session& session, uint64_t generation);
+  // The decode loop's one entry per session per step (proto StepAdvance): finishes transaction
+  // `generation` (publishing its prepared append first when not yet published, then committing
+  // `accepted_rows`, with `token_ids` as Session::Commit's) and begins the next, preparing
+  // `next_rows`. generation 0: the first step (nothing to finish); next_rows 0: the last (no
+  // next transaction). The same rules and refusals as the separate entries, all or nothing.
+  // Typical loop: Advance(s, 0, 0, n) once; then per step write the prepared rows, run the
+  // model, Advance(s, outcome.begun.generation, accepted, n).
+  void Advance(const Session& session, uint64_t generation, uint64_t accepted_rows,
+               uint64_t next_rows, absl::Span<const int32_t> token_ids = {});
   size_t size() const;
   // Empties the batch for the next step; its storage is kept (protobuf keeps cleared entries).
   void Clear();
@@ -371,14 +396,6 @@ class StepBatch {
   const std::unique_ptr<Wire> wire_;
 };
 
-// One entry's result; which fields are set depends on the entry's operation.
-struct StepOutcome {
-  absl::Status status;
-  Transaction begun;                       // Begin
-  std::optional<PreparedAppend> prepared;  // Prepare
-  uint64_t staged_len = 0;                 // Publish
-  uint64_t committed_len = 0;              // Commit, Abort
-};
 
 // Thread-safe.
 class KvClient {

@@ -220,7 +220,8 @@ absl::Status SessionState::Abort(uint64_t generation) {
   return Commit(generation, 0).status();
 }
 
-absl::StatusOr<AdvanceResult> SessionState::Advance(const AdvanceRequest& request) {
+absl::StatusOr<AdvanceResult> SessionState::Advance(
+    const AdvanceRequest& request, absl::FunctionRef<absl::Status()> check_commit) {
   if (request.generation == 0 && request.next_rows == 0) {
     return absl::InvalidArgumentError(
         "advance names neither a transaction to finish (generation 0) nor rows to prepare "
@@ -236,6 +237,7 @@ absl::StatusOr<AdvanceResult> SessionState::Advance(const AdvanceRequest& reques
       RETURN_IF_ERROR(next.PublishAppend(request.generation));
       result.published = true;
     }
+    RETURN_IF_ERROR(check_commit());
     ASSIGN_OR_RETURN(result.committed, next.Commit(request.generation, request.accepted_rows));
   }
   if (request.next_rows != 0) {

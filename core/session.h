@@ -21,6 +21,7 @@
 #include <string_view>
 #include <vector>
 
+#include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
@@ -117,8 +118,11 @@ class SessionState {
   // of `generation`, then Begin + PrepareAppend(next_rows): exactly those operations, so the
   // same rules and the same refusals (the first one's). All or nothing: a refusal changes
   // nothing, even when an earlier part alone would have been accepted. INVALID_ARGUMENT when
-  // the request names neither a transaction nor rows.
-  absl::StatusOr<AdvanceResult> Advance(const AdvanceRequest& request);
+  // the request names neither a transaction nor rows. `check_commit` runs where the caller's
+  // own checks of a separate Commit request run (after the publish, before the commit).
+  absl::StatusOr<AdvanceResult> Advance(
+      const AdvanceRequest& request,
+      absl::FunctionRef<absl::Status()> check_commit = [] { return absl::OkStatus(); });
   // Engine-facing rewind (never forward past staged rows). Ends any transaction.
   absl::Status Rewind(uint64_t target);
   // Exactly when Rewind(target) would be accepted (rings and indexer tails resident).

@@ -286,6 +286,12 @@ void CacheService::RunStepEntry(const pb::StepEntry& entry, pb::StepResult* resu
     case pb::StepEntry::kAbort:
       op = AbortOp{entry.abort().generation(), result->mutable_abort()};
       break;
+    case pb::StepEntry::kAdvance:
+      op = AdvanceOp{{entry.advance().generation(), entry.advance().accepted_rows(),
+                      entry.advance().next_rows()},
+                     SpanOf(entry.advance().token_ids()),
+                     result->mutable_advance()};
+      break;
     case pb::StepEntry::OP_NOT_SET:
       break;
   }

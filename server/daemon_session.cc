@@ -248,21 +248,59 @@ absl::Status DaemonSession::Commit(uint64_t generation, uint64_t accepted_rows,
                                    pb::CommitResponse* out, absl::Span<const int32_t> token_ids) {
   absl::MutexLock lock(&mu_);
   RETURN_IF_ERROR(CheckLive());
+  RETURN_IF_ERROR(CheckCommitTokenIds(accepted_rows, token_ids));
+  const uint64_t base = state_.committed_len();
+  ASSIGN_OR_RETURN(uint64_t committed, state_.Commit(generation, accepted_rows));
+  RecordCommittedTokens(base, committed, token_ids);
+  RETURN_IF_ERROR(TaintAfter("Commit", SyncMirrors()));
+  out->set_committed_len(committed);
+  return absl::OkStatus();
+}
+
+absl::Status DaemonSession::CheckCommitTokenIds(uint64_t accepted_rows,
+                                                absl::Span<const int32_t> token_ids) const {
   if (!token_ids.empty() && token_ids.size() != accepted_rows) {
     return absl::InvalidArgumentError(
         absl::StrCat("session ", params_.id.value, ": commit carries ", token_ids.size(),
                      " token ids for ", accepted_rows, " accepted rows (send all or none)"));
   }
-  const uint64_t base = state_.committed_len();
-  ASSIGN_OR_RETURN(uint64_t committed, state_.Commit(generation, accepted_rows));
+  return absl::OkStatus();
+}
+
+void DaemonSession::RecordCommittedTokens(uint64_t base, uint64_t committed,
+                                          absl::Span<const int32_t> token_ids) {
   if (committed_tokens_.has_value() && committed_tokens_->size() == base &&
       token_ids.size() == committed - base) {
     committed_tokens_->insert(committed_tokens_->end(), token_ids.begin(), token_ids.end());
   } else {
     committed_tokens_.reset();
   }
-  RETURN_IF_ERROR(TaintAfter("Commit", SyncMirrors()));
-  out->set_committed_len(committed);
+}
+
+absl::Status DaemonSession::Advance(const AdvanceRequest& request,
+                                    absl::Span<const int32_t> token_ids,
+                                    pb::AdvanceResponse* out) {
+  absl::MutexLock lock(&mu_);
+  RETURN_IF_ERROR(CheckLive());
+  if (request.generation == 0 && !token_ids.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "session ", params_.id.value, ": advance carries ", token_ids.size(),
+        " token ids but finishes no transaction (generation 0)"));
+  }
+  const uint64_t base = state_.committed_len();
+  ASSIGN_OR_RETURN(AdvanceResult result, state_.Advance(request, [&] {
+                     return CheckCommitTokenIds(request.accepted_rows, token_ids);
+                   }));
+  if (result.committed.has_value()) RecordCommittedTokens(base, *result.committed, token_ids);
+  RETURN_IF_ERROR(TaintAfter("Advance", SyncMirrors()));
+  out->set_committed_len(state_.committed_len());
+  out->set_published(result.published);
+  if (result.prepared.has_value()) {
+    pb::PrepareAppendResponse* prepared = out->mutable_prepared();
+    prepared->set_generation(result.prepared->transaction.generation);
+    prepared->set_target(result.prepared->target);
+    LayerAppendsToProto(result.prepared->layers, prepared->mutable_layers());
+  }
   return absl::OkStatus();
 }
 

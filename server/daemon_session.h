@@ -105,6 +105,10 @@ class DaemonSession {
                       absl::Span<const int32_t> token_ids = {}) ABSL_LOCKS_EXCLUDED(mu_);
   absl::Status Abort(uint64_t generation, memra::kv::v1::AbortResponse* out)
       ABSL_LOCKS_EXCLUDED(mu_);
+  // One decode step (SessionState::Advance): all or nothing, mirrors written once at the end.
+  // `token_ids` as Commit's, for the finished transaction's accepted rows.
+  absl::Status Advance(const AdvanceRequest& request, absl::Span<const int32_t> token_ids,
+                       memra::kv::v1::AdvanceResponse* out) ABSL_LOCKS_EXCLUDED(mu_);
 
   absl::Status Rewind(uint64_t target) ABSL_LOCKS_EXCLUDED(mu_);
   absl::StatusOr<bool> CanRewind(uint64_t target) ABSL_LOCKS_EXCLUDED(mu_);
@@ -165,6 +169,13 @@ class DaemonSession {
   void UpdateArenaBytes() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // After a length moved down: committed_tokens_ follows it (unknown if it grew).
   void TruncateCommittedTokens() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A commit's token ids: none, or exactly `accepted_rows` (INVALID_ARGUMENT otherwise).
+  absl::Status CheckCommitTokenIds(uint64_t accepted_rows,
+                                   absl::Span<const int32_t> token_ids) const;
+  // A commit moved the committed length from `base` to `committed`: the token ids follow.
+  void RecordCommittedTokens(uint64_t base, uint64_t committed,
+                             absl::Span<const int32_t> token_ids)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   // Constant after construction.
   const Params params_;

@@ -183,6 +183,9 @@ absl::Status SessionRegistry::Apply(DaemonSession& session, const SessionOp& op)
                                   commit.token_ids);
           },
           [&](const AbortOp& abort) { return session.Abort(abort.generation, abort.reply); },
+          [&](const AdvanceOp& advance) {
+            return session.Advance(advance.request, advance.token_ids, advance.reply);
+          },
           [&](const ResetOp&) { return session.Reset(); },
           [&](const RewindOp& rewind) { return session.Rewind(rewind.target); },
           [&](const CanRewindOp& can) -> absl::Status {

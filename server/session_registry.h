@@ -70,6 +70,13 @@ struct AbortOp {
   uint64_t generation = 0;
   memra::kv::v1::AbortResponse* reply;
 };
+// One decode step: PublishAppend (when pending) + Commit, then Begin + PrepareAppend, all or
+// nothing (SessionState::Advance).
+struct AdvanceOp {
+  AdvanceRequest request;
+  absl::Span<const int32_t> token_ids;  // as CommitOp's
+  memra::kv::v1::AdvanceResponse* reply;
+};
 struct ResetOp {};
 struct RewindOp {
   uint64_t target = 0;
@@ -102,7 +109,8 @@ struct GetStateOp {
   memra::kv::v1::SessionLayout* layout = nullptr;
 };
 using SessionOp =
-    std::variant<BeginOp, PrepareAppendOp, PublishAppendOp, CommitOp, AbortOp, ResetOp, RewindOp,
+    std::variant<BeginOp, PrepareAppendOp, PublishAppendOp, CommitOp, AbortOp, AdvanceOp, ResetOp,
+                 RewindOp,
                  CanRewindOp, HydrateOp, SpecSnapshotOp, SpecRollbackOp, GrowOp,
                  AcknowledgeGrowOp, TaintOp, GetStateOp>;
 

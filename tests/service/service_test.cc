@@ -14,6 +14,8 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_replace.h"
+#include "core/status_macros.h"
 #include "client/client.h"
 #include "client/internal.h"
 #include "common/codec.h"
@@ -30,6 +32,7 @@
 #include "tests/service/health.grpc.pb.h"
 #include "tests/service/test_daemon.h"
 #include "tests/service/test_plans.h"
+#include "tests/seeded_random.h"
 #include "tests/status_matchers.h"
 
 namespace memra::testing {
@@ -456,6 +459,263 @@ TEST_F(ServiceTest, CommitCarriesTokenIdsInTheUnaryCallAndInAStep) {
   ASSERT_THAT(committed, IsOk());
   ASSERT_THAT((*committed)[0].status, IsOk());
   EXPECT_EQ((*committed)[0].committed_len, 3u);
+}
+
+// ---- Advance: one Step entry per session per step ----
+
+// The mirrors of every layer that has one, for "the device sees the same lengths" comparisons.
+std::vector<int32_t> Mirrors(const Session& session) {
+  std::vector<int32_t> values;
+  for (uint32_t layer : {kFlatLayer, kSlidingLayer, kLatentLayer}) {
+    values.push_back(ReadMirror(session, layer, PlaneKind::kLenMirror));
+  }
+  values.push_back(ReadMirror(session, kSlidingLayer, PlaneKind::kBaseMirror));
+  return values;
+}
+
+// The one entry of a one-entry Step.
+StepOutcome StepOne(KvClient& client, StepBatch& batch) {
+  absl::StatusOr<std::vector<StepOutcome>> outcomes = client.Step(batch);
+  EXPECT_THAT(outcomes, IsOk());
+  batch.Clear();
+  if (outcomes.ok() && outcomes->size() == 1) return std::move((*outcomes)[0]);
+  StepOutcome missing;
+  missing.status = absl::InternalError("no outcome");
+  return missing;
+}
+
+TEST_F(ServiceTest, AdvanceRunsADecodeLoopInOneEntryPerSessionPerStep) {
+  std::vector<std::unique_ptr<Session>> sessions;
+  for (int i = 0; i < 3; ++i) {
+    sessions.push_back(NewSession(*client_, kCapacity));
+    ASSERT_NE(sessions.back(), nullptr);
+  }
+  StepBatch batch;
+  std::vector<StepOutcome> outcomes;
+  for (const auto& session : sessions) batch.Advance(*session, 0, 0, 4);
+  ASSERT_THAT(client_->Step(batch, outcomes), IsOk());
+  for (const StepOutcome& outcome : outcomes) {
+    ASSERT_THAT(outcome.status, IsOk());
+    EXPECT_EQ(outcome.begun.generation, 1u);
+    EXPECT_EQ(outcome.begun.base_len, 0u);
+    ASSERT_TRUE(outcome.prepared.has_value());
+    EXPECT_EQ(outcome.prepared->target, 4u);
+    EXPECT_THAT(outcome.prepared->layers, SizeIs(2));
+    EXPECT_FALSE(outcome.published);
+  }
+  uint64_t expected = 0;
+  for (int step = 1; step <= 20; ++step) {
+    const uint64_t accepted = step % 4 == 0 ? 1 : 4;  // spec-decode-like partial accepts
+    std::vector<int32_t> tokens(accepted, step);
+    batch.Clear();
+    for (size_t i = 0; i < sessions.size(); ++i) {
+      batch.Advance(*sessions[i], outcomes[i].begun.generation, accepted, step == 20 ? 0 : 4,
+                    tokens);
+    }
+    ASSERT_THAT(client_->Step(batch, outcomes), IsOk());
+    expected += accepted;
+    for (size_t i = 0; i < sessions.size(); ++i) {
+      ASSERT_THAT(outcomes[i].status, IsOk()) << "step " << step;
+      EXPECT_TRUE(outcomes[i].published);
+      EXPECT_EQ(outcomes[i].committed_len, expected);
+      EXPECT_EQ(outcomes[i].prepared.has_value(), step != 20);
+      if (step != 20) {
+        EXPECT_EQ(outcomes[i].begun.base_len, expected);
+      }
+      EXPECT_EQ(Mirrors(*sessions[i]), (std::vector<int32_t>{
+                                           static_cast<int32_t>(expected),
+                                           static_cast<int32_t>(expected),
+                                           static_cast<int32_t>(expected), 0}));
+    }
+  }
+  for (const auto& session : sessions) {
+    const SessionSnapshot state = StateOf(*session);
+    EXPECT_EQ(state.committed_len, expected);
+    EXPECT_EQ(state.active_generation, 0u) << "the last Advance began no transaction";
+  }
+  // The session API: one call, one entry.
+  absl::StatusOr<StepOutcome> single = sessions[0]->Advance(0, 0, 2);
+  ASSERT_THAT(single, IsOk());
+  absl::StatusOr<StepOutcome> finished =
+      sessions[0]->Advance(single->begun.generation, 2, 0, std::vector<int32_t>{7, 8});
+  ASSERT_THAT(finished, IsOk());
+  EXPECT_EQ(finished->committed_len, expected + 2);
+}
+
+TEST_F(ServiceTest, AdvanceRefusalsChangeNothing) {
+  std::unique_ptr<Session> session = NewSession(*client_, kCapacity);
+  ASSERT_NE(session, nullptr);
+  AppendAndCommit(*session, 4, 4);
+  absl::StatusOr<StepOutcome> opened = session->Advance(0, 0, 3);
+  ASSERT_THAT(opened, IsOk());
+  const uint64_t generation = opened->begun.generation;
+  const std::string before = Snapshot(*session);
+  const std::vector<int32_t> mirrors = Mirrors(*session);
+  const std::vector<int32_t> tokens = {1, 2, 3};
+
+  EXPECT_THAT(session->Advance(0, 0, 0),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("neither a transaction to finish (generation 0) nor rows")));
+  EXPECT_THAT(session->Advance(0, 0, 1, tokens),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("advance carries 3 token ids but finishes no transaction")));
+  EXPECT_THAT(session->Advance(0, 0, 1),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstr("generation 2 is already active at base 4")));
+  EXPECT_THAT(session->Advance(generation + 1, 3, 1),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstr("stale KV transaction generation 3 (active: 2)")));
+  // After the publish part: the same token-id refusal as Commit's, and the publish undone.
+  EXPECT_THAT(session->Advance(generation, 3, 1, absl::MakeConstSpan(tokens).first(2)),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("commit carries 2 token ids for 3 accepted rows")));
+  EXPECT_THAT(session->Advance(generation, 4, 1),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("KV commit accepts 4 rows from a 3-row transaction")));
+  // The commit would be accepted alone; the next prepare is refused, so nothing is applied.
+  EXPECT_THAT(session->Advance(generation, 3, kCapacity),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("KV append exceeds capacity: 263 > 256")));
+  EXPECT_EQ(Snapshot(*session), before);
+  EXPECT_EQ(Mirrors(*session), mirrors);
+
+  // Another engine's Advance naming the session without its token.
+  std::unique_ptr<KvClient> other = NewClient("engine-b");
+  ASSERT_NE(other, nullptr);
+  pb::StepRequest request;
+  pb::StepEntry* entry = request.add_entries();
+  *entry->mutable_session() = WithToken(*session, "not the token");
+  entry->mutable_advance()->set_generation(generation);
+  entry->mutable_advance()->set_accepted_rows(3);
+  pb::StepResponse response;
+  ASSERT_THAT(FromGrpcStatus(ClientInternals::Cache(*other).Step(
+                  ClientInternals::NewContext(*other).get(), request, &response)),
+              IsOk());
+  EXPECT_EQ(response.results(0).code(), static_cast<int>(absl::StatusCode::kPermissionDenied));
+  EXPECT_THAT(response.results(0).message(), HasSubstr("wrong session token"));
+  EXPECT_FALSE(response.results(0).has_advance());
+  EXPECT_EQ(Snapshot(*session), before);
+
+  EXPECT_THAT(session->Advance(generation, 3, 0, tokens), IsOk());
+  EXPECT_EQ(StateOf(*session).committed_len, 7u);
+}
+
+// One scripted random workload, through Advance entries on one session and through the separate
+// entries (sent one at a time, stopping at the first refusal, as an engine would) on another:
+// every outcome, state and mirror agrees; a refused Advance changed nothing, and the separate
+// side's accepted parts applied to it afterwards reach the separate side's state.
+TEST_F(ServiceTest, AdvanceIsEquivalentToTheSeparateEntriesOnARandomWorkload) {
+  std::unique_ptr<Session> advanced = NewSession(*client_, kCapacity);
+  std::unique_ptr<Session> separate = NewSession(*client_, kCapacity);
+  ASSERT_NE(advanced, nullptr);
+  ASSERT_NE(separate, nullptr);
+  // Refusal messages name the session: compare them as if they named the same one.
+  auto same_session = [&](const absl::Status& status) {
+    return absl::Status(status.code(),
+                        absl::StrReplaceAll(status.message(),
+                                            {{absl::StrCat("session ", separate->id()),
+                                              absl::StrCat("session ", advanced->id())}}));
+  };
+  SeededRandom random(20261201);
+  StepBatch batch;
+  uint64_t open_generation = 0;
+  bool unpublished = false;
+  uint64_t staged_rows = 0;  // rows the open transaction prepared
+  size_t refusals = 0;
+  for (int step = 0; step < 150; ++step) {
+    SCOPED_TRACE(::testing::Message() << "step " << step);
+    if (random.Below(20) == 0) {  // the engine rewinds outside the step
+      const uint64_t target = random.Below(StateOf(*advanced).staged_len + 1);
+      absl::Status a = advanced->Rewind(target).status();
+      EXPECT_EQ(same_session(separate->Rewind(target).status()), a);
+      if (a.ok()) open_generation = 0;
+    }
+    const uint64_t which = random.Below(10);
+    const uint64_t generation = which < 8 ? open_generation : random.Below(open_generation + 2);
+    const uint64_t accepted = random.Below(staged_rows + 2);
+    const uint64_t next_rows = random.Below(6) == 0 ? 0 : 1 + random.Below(12);
+    std::vector<int32_t> tokens;
+    if (random.Below(3) != 0) tokens.assign(random.Below(4) == 0 ? accepted + 1 : accepted, step);
+    const bool publish_first = generation != 0 && generation == open_generation && unpublished;
+
+    const std::string before = Snapshot(*advanced);
+    batch.Advance(*advanced, generation, accepted, next_rows, tokens);
+    const StepOutcome got = StepOne(*client_, batch);
+
+    // The separate entries, one Step each, until the first refusal.
+    StepOutcome want;
+    bool published = false, committed = false, begun = false;
+    auto run_separately = [&]() -> absl::Status {
+      if (generation == 0 && (next_rows == 0 || !tokens.empty())) {
+        // Refusals of Advance's own request, with no separate form: the same one expected.
+        batch.Advance(*separate, 0, accepted, next_rows, tokens);
+        return StepOne(*client_, batch).status;
+      }
+      if (generation != 0) {
+        if (publish_first) {
+          batch.Publish(*separate, generation);
+          RETURN_IF_ERROR(StepOne(*client_, batch).status);
+          published = true;
+        }
+        batch.Commit(*separate, generation, accepted, tokens);
+        StepOutcome outcome = StepOne(*client_, batch);
+        RETURN_IF_ERROR(outcome.status);
+        committed = true;
+        want.committed_len = outcome.committed_len;
+      } else {
+        want.committed_len = StateOf(*separate).committed_len;
+      }
+      if (next_rows != 0) {
+        batch.Begin(*separate);
+        StepOutcome outcome = StepOne(*client_, batch);
+        RETURN_IF_ERROR(outcome.status);
+        begun = true;
+        want.begun = outcome.begun;
+        batch.Prepare(*separate, outcome.begun.generation, next_rows);
+        outcome = StepOne(*client_, batch);
+        RETURN_IF_ERROR(outcome.status);
+        want.prepared = std::move(outcome.prepared);
+      }
+      return absl::OkStatus();
+    };
+    want.status = same_session(run_separately());
+    ASSERT_EQ(got.status, want.status);
+    if (got.status.ok()) {
+      EXPECT_EQ(got.published, published);
+      EXPECT_EQ(got.committed_len, want.committed_len);
+      EXPECT_EQ(got.prepared.has_value(), want.prepared.has_value());
+      if (got.prepared.has_value()) {
+        EXPECT_EQ(got.begun.generation, want.begun.generation);
+        EXPECT_EQ(got.begun.base_len, want.begun.base_len);
+        EXPECT_EQ(got.prepared->target, want.prepared->target);
+        EXPECT_EQ(got.prepared->layers, want.prepared->layers);
+      }
+      open_generation = got.prepared.has_value() ? got.begun.generation : 0;
+      unpublished = got.prepared.has_value();
+      staged_rows = next_rows;
+    } else {
+      ++refusals;
+      ASSERT_EQ(Snapshot(*advanced), before) << "a refused Advance changed the session";
+      if (published) {
+        ASSERT_THAT(advanced->PublishAppend(generation), IsOk());
+        unpublished = false;
+      }
+      if (committed) {
+        ASSERT_THAT(advanced->Commit(generation, accepted, tokens), IsOk());
+        open_generation = 0;
+      }
+      if (begun) {
+        ASSERT_THAT(advanced->Begin(), IsOk());
+        open_generation = want.begun.generation;
+        unpublished = false;
+        staged_rows = 0;
+      }
+    }
+    ASSERT_EQ(Snapshot(*advanced), Snapshot(*separate));
+    ASSERT_EQ(Mirrors(*advanced), Mirrors(*separate));
+  }
+  EXPECT_GT(refusals, 10u);
+  EXPECT_GT(StateOf(*advanced).committed_len, 100u) << "the workload should make progress";
 }
 
 // A decode loop's reuse: one batch and one outcomes vector across steps. Slots whose operation
