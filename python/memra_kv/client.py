@@ -143,17 +143,28 @@ class StepOutcome:
 
     @property
     def begun(self):
-        """begin: the Transaction."""
+        """begin, advance with next rows: the Transaction."""
+        if self._result.HasField("advance") and self._result.advance.HasField("prepared"):
+            return Transaction(self._result.advance.prepared.generation,
+                               self._result.advance.committed_len)
         if not self._result.HasField("begin"):
             return None
         return Transaction(self._result.begin.generation, self._result.begin.base_len)
 
     @property
     def prepared(self):
-        """prepare: the PreparedAppend."""
-        if self._prepared is None and self._result.HasField("prepare"):
-            self._prepared = _prepared_from_proto(self._result.prepare)
+        """prepare, advance with next rows: the PreparedAppend."""
+        if self._prepared is None:
+            if self._result.HasField("prepare"):
+                self._prepared = _prepared_from_proto(self._result.prepare)
+            elif self._result.HasField("advance") and self._result.advance.HasField("prepared"):
+                self._prepared = _prepared_from_proto(self._result.advance.prepared)
         return self._prepared
+
+    @property
+    def published(self):
+        """advance: whether it published the finished transaction's append."""
+        return self._result.advance.published
 
     @property
     def staged_len(self):
@@ -162,9 +173,11 @@ class StepOutcome:
 
     @property
     def committed_len(self):
-        """commit, abort: the committed length."""
+        """commit, abort, advance: the committed length."""
         if self._result.HasField("abort"):
             return self._result.abort.committed_len
+        if self._result.HasField("advance"):
+            return self._result.advance.committed_len
         return self._result.commit.committed_len
 
 
@@ -616,6 +629,18 @@ class StepBatch:
     def abort(self, session, generation):
         self._add(session).abort.generation = generation
 
+    def advance(self, session, generation, accepted_rows, next_rows, token_ids=()):
+        """One decode step of `session` in one entry (cache.proto StepAdvance): finishes
+        transaction `generation` (publishing its prepared append first when not yet published,
+        then committing accepted_rows with their token ids, or none) and begins the next,
+        preparing next_rows. generation 0: nothing to finish; next_rows 0: begin none. The
+        separate entries' rules and refusals, all or nothing."""
+        op = self._add(session).advance
+        op.generation = generation
+        op.accepted_rows = accepted_rows
+        op.next_rows = next_rows
+        op.token_ids.extend(token_ids)
+
     def __len__(self):
         return len(self.request.entries)
 
@@ -741,6 +766,19 @@ class Session:
         """Returns the committed length."""
         return _call(self._client.cache.Abort, self._with_ordering(pb.GenerationRequest(
             session=self.ref, generation=generation)), self._t(timeout)).committed_len
+
+    def advance(self, generation, accepted_rows, next_rows, token_ids=(), timeout=None):
+        """StepBatch.advance as a one-entry Step carrying this session's wait event; the
+        StepOutcome (begun, prepared, committed_len, published), or KvError when refused (the
+        session is then unchanged)."""
+        batch = StepBatch()
+        if self.wait_event:
+            batch.set_wait_event(self.wait_event)
+        batch.advance(self, generation, accepted_rows, next_rows, token_ids)
+        outcome = self._client.step(batch, timeout)[0]
+        if not outcome.ok:
+            raise outcome.error
+        return outcome
 
     # -- lengths --
 

@@ -146,6 +146,47 @@ def test_session_refusals_name_the_session_and_generation(small):
     assert "session 987654 does not exist" in unknown.value.message
 
 
+def test_advance_is_one_entry_per_session_per_step_and_all_or_nothing(small):
+    plan = small.register_plan(hybrid_test_plan())
+    sessions = [small.create_session(plan, 256) for _ in range(2)]
+    batch = memra_kv.StepBatch()
+    for session in sessions:
+        batch.advance(session, 0, 0, 4)
+    outcomes = small.step(batch)
+    assert [o.ok for o in outcomes] == [True, True]
+    assert outcomes[0].begun.generation == 1 and outcomes[0].prepared.target == 4
+    committed = 0
+    for step in range(1, 6):
+        accepted = 4 if step % 2 else 2
+        batch.clear()
+        for session, outcome in zip(sessions, outcomes):
+            batch.advance(session, outcome.begun.generation, accepted, 4,
+                          token_ids=[step] * accepted)
+        outcomes = small.step(batch)
+        committed += accepted
+        for session, outcome in zip(sessions, outcomes):
+            assert outcome.ok and outcome.published
+            assert outcome.committed_len == committed
+            assert outcome.begun.base_len == committed and outcome.prepared.target == committed + 4
+            assert session.plane(FLAT_LAYER, memra_kv.LEN_MIRROR)[0] == committed
+    session = sessions[0]
+    generation = outcomes[0].begun.generation
+    before = session.state()
+    # The commit alone would be accepted; the next prepare is not, so nothing is applied.
+    with pytest.raises(KvError) as refused:
+        session.advance(generation, 4, 256)
+    assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "KV append exceeds capacity: %d > 256" % (committed + 4 + 256) in refused.value.message
+    with pytest.raises(KvError) as tokens:
+        session.advance(generation, 4, 1, token_ids=[1, 2])
+    assert tokens.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "commit carries 2 token ids for 4 accepted rows" in tokens.value.message
+    assert session.state() == before
+    done = session.advance(generation, 4, 0)
+    assert done.committed_len == committed + 4 and done.begun is None and done.prepared is None
+    assert session.state().active_generation == 0
+
+
 def test_admin_fit_max_context_and_drain(small):
     plan = small.import_model(LLAMA_CONFIG).plan_fingerprint
     fit = small.fit(4096, fingerprint=plan)
