@@ -133,10 +133,15 @@ struct StepBatch::Wire {
   void RecycleReply();
   pb::StepEntry* Add(const Session& session) {
     pb::StepEntry* entry = request.add_entries();
-    *entry->mutable_session() = ClientInternals::Ref(session);
+    if (addressing == StepAddressing::kSlot) {
+      entry->set_slot(session.slot());
+    } else {
+      *entry->mutable_session() = ClientInternals::Ref(session);
+    }
     return entry;
   }
 
+  StepAddressing addressing = StepAddressing::kSessionToken;
   pb::StepRequest request;
   std::vector<char> reply_block;
   std::unique_ptr<google::protobuf::Arena> reply_arena;
@@ -362,7 +367,8 @@ absl::StatusOr<std::unique_ptr<Session>> KvClient::CreateSession(const PlanFinge
   RETURN_IF_ERROR(FromGrpcStatus(
       rpc_->cache->CreateSession(ClientInternals::NewContext(*this).get(), request, &response)));
   std::unique_ptr<Session> session(
-      new Session(this, response.session().session_id(), response.session().session_token()));
+      new Session(this, response.session().session_id(), response.session().session_token(),
+                  response.slot()));
   absl::Status mapped = [&]() -> absl::Status {
     ASSIGN_OR_RETURN(SessionLayout layout, SessionLayoutFromProto(response.layout()));
     return session->Adopt(std::move(layout));
@@ -375,6 +381,10 @@ absl::StatusOr<std::unique_ptr<Session>> KvClient::CreateSession(const PlanFinge
 }
 
 absl::Status KvClient::Step(StepBatch& batch, std::vector<StepOutcome>& outcomes) {
+  if (batch.wire_->addressing == StepAddressing::kSlot) {
+    ASSIGN_OR_RETURN(auto engine, AttachedEngine("Step by slot"));
+    SetEngine(engine, *batch.wire_->request.mutable_engine());
+  }
   pb::StepResponse* response = batch.wire_->NewReply();
   const pb::StepRequest& request = batch.wire_->request;
   absl::Status status = FromGrpcStatus(
@@ -604,7 +614,9 @@ absl::StatusOr<pb::GetStatusResponse> ClientInternals::GetStatus(KvClient& clien
 
 // ---- StepBatch ----
 
-StepBatch::StepBatch() : wire_(std::make_unique<Wire>()) {}
+StepBatch::StepBatch(StepAddressing addressing) : wire_(std::make_unique<Wire>()) {
+  wire_->addressing = addressing;
+}
 StepBatch::~StepBatch() = default;
 
 void StepBatch::SetWaitEvent(std::string ipc_event_handle) {

@@ -284,6 +284,8 @@ class Session {
   Session& operator=(const Session&) = delete;
 
   uint64_t id() const { return id_; }
+  // The dense slot the daemon handed out (StepAddressing::kSlot names the session by it).
+  uint32_t slot() const { return slot_; }
   const SessionLayout& layout() const { return layout_; }
 
   // Cross-process device ordering (cuda backend; proto DeviceOrdering). The engine creates one
@@ -342,8 +344,8 @@ class Session {
  private:
   friend class KvClient;
   friend class ClientInternals;
-  Session(KvClient* client, uint64_t id, std::string token)
-      : client_(client), id_(id), token_(std::move(token)) {}
+  Session(KvClient* client, uint64_t id, std::string token, uint32_t slot)
+      : client_(client), id_(id), token_(std::move(token)), slot_(slot) {}
 
   // Maps every arena of `layout` (cache hits for arenas already mapped).
   absl::Status Adopt(SessionLayout layout);
@@ -352,16 +354,22 @@ class Session {
   KvClient* const client_;
   const uint64_t id_;
   const std::string token_;  // proto SessionRef.session_token: the session's capability
+  const uint32_t slot_;
   std::string wait_event_;
   SessionLayout layout_;
   std::vector<uint8_t*> arena_bases_;  // parallel to layout_.arenas
   bool released_ = false;
 };
 
+// How a StepBatch names its sessions: by id and token (any client holding both), or by the
+// dense slot (cheaper for the daemon to look up; only the attached engine that created the
+// session, so the Step carries this client's engine credentials).
+enum class StepAddressing { kSessionToken, kSlot };
+
 // Per-step transaction calls for many sessions, sent as one Step RPC.
 class StepBatch {
  public:
-  StepBatch();
+  explicit StepBatch(StepAddressing addressing = StepAddressing::kSessionToken);
   ~StepBatch();
   StepBatch(const StepBatch&) = delete;
   StepBatch& operator=(const StepBatch&) = delete;

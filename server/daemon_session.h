@@ -70,6 +70,7 @@ class DaemonSession {
     std::string fingerprint;  // the model plan's fingerprint bytes
     FormatDefaults defaults;
     SessionShape shape;
+    uint32_t slot = 0;  // the registry's dense slot (StepEntry.slot)
   };
 
   // Plans the planes (core sizing), charges the arena's exact bytes to `budget` (from
@@ -87,6 +88,7 @@ class DaemonSession {
   SessionId id() const { return params_.id; }
   const Params& params() const { return params_; }
   EngineId owner() const { return params_.owner; }
+  uint32_t slot() const { return params_.slot; }
   // Constant-time comparison (the token is a secret).
   bool TokenMatches(absl::string_view token) const;
   // Bytes of the arenas held now (0 after Release).

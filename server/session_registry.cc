@@ -35,7 +35,7 @@ SessionRegistry::SessionRegistry(DeviceBackend* backend, DeviceBudget* budget,
       capture_on_reclaim_(capture_on_reclaim),
       max_sessions_per_engine_(max_sessions_per_engine) {}
 
-absl::Status SessionRegistry::BeginCreating(EngineId engine) {
+absl::StatusOr<uint32_t> SessionRegistry::BeginCreating(EngineId engine) {
   absl::MutexLock lock(&mu_);
   auto held = by_engine_.find(engine.value);
   const uint64_t sessions =
@@ -46,8 +46,24 @@ absl::Status SessionRegistry::BeginCreating(EngineId engine) {
         "engine ", engine.value, " holds ", sessions, " sessions and the limit is ",
         max_sessions_per_engine_, " per engine (max_engine_sessions); release one first"));
   }
+  uint32_t slot;
+  if (!free_slots_.empty()) {
+    slot = free_slots_.back();
+    free_slots_.pop_back();
+  } else if (slots_.size() < UINT32_MAX) {
+    slot = static_cast<uint32_t>(slots_.size());
+    slots_.push_back(nullptr);
+  } else {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("every one of ", slots_.size(), " session slots is in use"));
+  }
   ++creating_[engine.value];
-  return absl::OkStatus();
+  return slot;
+}
+
+void SessionRegistry::FreeSlotLocked(uint32_t slot) {
+  slots_[slot] = nullptr;
+  free_slots_.push_back(slot);
 }
 
 void SessionRegistry::EndCreating(EngineId engine) {
@@ -64,21 +80,26 @@ absl::StatusOr<std::shared_ptr<DaemonSession>> SessionRegistry::Create(
     const EngineCredentials& engine, const PlanFingerprint& plan, const SessionShape& shape,
     std::optional<ReservationId> reservation) {
   RETURN_IF_ERROR(leases_->Admit(engine, "the daemon is draining; no new sessions"));
-  RETURN_IF_ERROR(BeginCreating(engine.id));
+  ASSIGN_OR_RETURN(const uint32_t slot, BeginCreating(engine.id));
   absl::StatusOr<std::shared_ptr<DaemonSession>> session =
-      AllocateSession(engine, plan, shape, reservation);
+      AllocateSession(engine, slot, plan, shape, reservation);
   {
     absl::MutexLock lock(&mu_);
     EndCreating(engine.id);  // from here the session counts in by_engine_, or not at all
-    if (!session.ok()) return session.status();
+    if (!session.ok()) {
+      FreeSlotLocked(slot);
+      return session.status();
+    }
     // The engine may have lost its lease (or the daemon started draining) while the arena was
     // allocated: the session never becomes visible then.
     if (absl::Status still = leases_->Admit(engine, "the daemon is draining"); !still.ok()) {
+      FreeSlotLocked(slot);
       (*session)->Release();
       return still;
     }
     by_engine_[engine.id.value].insert((*session)->id().value);
     sessions_[(*session)->id().value] = *session;
+    slots_[slot] = *session;
   }
   spdlog::info("session {} created for engine {}: capacity {} tokens, {} bytes{}",
                (*session)->id().value, engine.id.value, shape.capacity,
@@ -89,9 +110,10 @@ absl::StatusOr<std::shared_ptr<DaemonSession>> SessionRegistry::Create(
 }
 
 absl::StatusOr<std::shared_ptr<DaemonSession>> SessionRegistry::AllocateSession(
-    const EngineCredentials& engine, const PlanFingerprint& plan, const SessionShape& shape,
-    std::optional<ReservationId> reservation) {
+    const EngineCredentials& engine, uint32_t slot, const PlanFingerprint& plan,
+    const SessionShape& shape, std::optional<ReservationId> reservation) {
   DaemonSession::Params params;
+  params.slot = slot;
   ASSIGN_OR_RETURN(params.model, plans_->Find(plan));
   params.id = SessionId{next_session_id_.fetch_add(1)};
   params.owner = engine.id;
@@ -135,6 +157,21 @@ absl::StatusOr<std::shared_ptr<DaemonSession>> SessionRegistry::Find(
   return session;
 }
 
+absl::StatusOr<std::shared_ptr<DaemonSession>> SessionRegistry::Find(
+    const SessionSlot& slot) const {
+  absl::MutexLock lock(&mu_);
+  if (slot.slot >= slots_.size() || slots_[slot.slot] == nullptr) {
+    return absl::NotFoundError(absl::StrCat("slot ", slot.slot, " holds no session"));
+  }
+  const std::shared_ptr<DaemonSession>& session = slots_[slot.slot];
+  if (!(session->owner() == slot.engine)) {
+    return absl::PermissionDeniedError(absl::StrCat("slot ", slot.slot,
+                                                    " holds no session of engine ",
+                                                    slot.engine.value));
+  }
+  return session;
+}
+
 absl::StatusOr<uint64_t> SessionRegistry::Release(const SessionCredentials& credentials) {
   ASSIGN_OR_RETURN(std::shared_ptr<DaemonSession> session, Find(credentials));
   {
@@ -158,6 +195,7 @@ std::vector<std::shared_ptr<DaemonSession>> SessionRegistry::RemoveLocked(
     if (it == sessions_.end()) continue;
     std::shared_ptr<DaemonSession> session = std::move(it->second);
     sessions_.erase(it);
+    FreeSlotLocked(session->slot());
     auto owned = by_engine_.find(session->owner().value);
     if (owned != by_engine_.end()) {
       owned->second.erase(id);
@@ -223,6 +261,11 @@ absl::Status SessionRegistry::Run(const SessionCredentials& credentials, const S
   return Apply(*session, op);
 }
 
+absl::Status SessionRegistry::Run(const SessionSlot& slot, const SessionOp& op) {
+  ASSIGN_OR_RETURN(std::shared_ptr<DaemonSession> session, Find(slot));
+  return Apply(*session, op);
+}
+
 void SessionRegistry::CaptureBeforeRelease(DaemonSession& session) {
   if (capture_on_reclaim_ == nullptr) return;
   absl::StatusOr<std::optional<PrefixCaptureResult>> captured =
@@ -258,6 +301,7 @@ ReleasedSessions SessionRegistry::ReleaseAll() {
     absl::MutexLock lock(&mu_);
     sessions.swap(sessions_);
     by_engine_.clear();
+    for (auto& [id, session] : sessions) FreeSlotLocked(session->slot());
   }
   ReleasedSessions released{sessions.size(), 0};
   for (auto& [id, session] : sessions) released.bytes += session->Release();

@@ -12,8 +12,9 @@
 // lock (Create re-checks the engine under `mu_`, so a session is either refused or visible to
 // the reclaim of its engine that follows: no session outlives its engine's lease).
 //
-// Invariants: (1) every session in the map is in its owner's index entry and vice versa; (2) a
-// session removed from the map is released exactly once, by whoever removed it.
+// Invariants: (1) every session in the map is in its owner's index entry and in its slot, and
+// vice versa; (2) a session removed from the map is released exactly once, by whoever removed
+// it; (3) a slot is free, reserved by exactly one creation, or holds exactly one session.
 
 #include <cstddef>
 #include <cstdint>
@@ -119,6 +120,12 @@ struct SessionCredentials {
   SessionId id;
   absl::string_view token;
 };
+// Or, on the per-step path, its dense slot, for an engine the caller authenticated
+// (EngineLeases::Check): only the engine that owns the session may name its slot.
+struct SessionSlot {
+  EngineId engine;
+  uint32_t slot = 0;
+};
 
 struct ArenaReservation {
   ReservationId id;
@@ -164,6 +171,10 @@ class SessionRegistry {
   // The session: NOT_FOUND unknown id, PERMISSION_DENIED wrong token.
   absl::StatusOr<std::shared_ptr<DaemonSession>> Find(const SessionCredentials& session) const
       ABSL_LOCKS_EXCLUDED(mu_);
+  // The session in the slot: NOT_FOUND for an empty slot, PERMISSION_DENIED for a slot another
+  // engine's session holds.
+  absl::StatusOr<std::shared_ptr<DaemonSession>> Find(const SessionSlot& slot) const
+      ABSL_LOCKS_EXCLUDED(mu_);
   // Removes and releases the session; the bytes freed.
   absl::StatusOr<uint64_t> Release(const SessionCredentials& session) ABSL_LOCKS_EXCLUDED(mu_);
 
@@ -176,6 +187,7 @@ class SessionRegistry {
                    absl::FunctionRef<absl::Status()> before) ABSL_LOCKS_EXCLUDED(mu_);
   absl::Status Run(const SessionCredentials& session, const SessionOp& op)
       ABSL_LOCKS_EXCLUDED(mu_);
+  absl::Status Run(const SessionSlot& slot, const SessionOp& op) ABSL_LOCKS_EXCLUDED(mu_);
 
   // Removes and releases every session of `engine` (its lease was reclaimed), each exactly once.
   ReleasedSessions ReleaseOwnedBy(EngineId engine) ABSL_LOCKS_EXCLUDED(mu_);
@@ -204,14 +216,16 @@ class SessionRegistry {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Create()'s session, allocated and charged but not yet in the map.
   absl::StatusOr<std::shared_ptr<DaemonSession>> AllocateSession(
-      const EngineCredentials& engine, const PlanFingerprint& plan, const SessionShape& shape,
-      std::optional<ReservationId> reservation) ABSL_LOCKS_EXCLUDED(mu_);
+      const EngineCredentials& engine, uint32_t slot, const PlanFingerprint& plan,
+      const SessionShape& shape, std::optional<ReservationId> reservation)
+      ABSL_LOCKS_EXCLUDED(mu_);
   // Counts a session `engine` is about to create against max_sessions_per_engine (those it
   // holds and those being created); RESOURCE_EXHAUSTED naming both numbers when none is left.
-  // On OK the caller calls EndCreating(engine) under mu_ as it puts the session in the map or
-  // gives up on it.
-  absl::Status BeginCreating(EngineId engine) ABSL_LOCKS_EXCLUDED(mu_);
+  // On OK returns the slot reserved for the session; the caller calls EndCreating(engine) under
+  // mu_ as it puts the session in the map (and its slot) or gives up on it (FreeSlotLocked).
+  absl::StatusOr<uint32_t> BeginCreating(EngineId engine) ABSL_LOCKS_EXCLUDED(mu_);
   void EndCreating(EngineId engine) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void FreeSlotLocked(uint32_t slot) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   // Engine death: keeps the session's committed state as a prefix entry when configured.
   void CaptureBeforeRelease(DaemonSession& session);
@@ -233,6 +247,11 @@ class SessionRegistry {
   bool waits_ended_ ABSL_GUARDED_BY(mu_) = false;
   // Engine id -> sessions between BeginCreating and EndCreating (absent when none).
   absl::flat_hash_map<uint64_t, uint64_t> creating_ ABSL_GUARDED_BY(mu_);
+  // Dense slots: slots_[i] is the live session in slot i, or null (free, or reserved by a
+  // session being created). Its size never exceeds the most sessions live or being created
+  // at once: a slot is reused (free_slots_, last freed first) before a new one is added.
+  std::vector<std::shared_ptr<DaemonSession>> slots_ ABSL_GUARDED_BY(mu_);
+  std::vector<uint32_t> free_slots_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace memra

@@ -98,6 +98,50 @@ TEST_F(SessionRegistryTest, CreatedSessionsAreFoundByIdAndTokenOnly) {
   EXPECT_EQ(registry_->size(), 1u);
 }
 
+TEST_F(SessionRegistryTest, SlotsAreDenseReusedAfterReleaseAndOnlyTheirEnginesToName) {
+  const EngineLease a = Attach("a");
+  const EngineLease b = Attach("b");
+  std::vector<std::shared_ptr<DaemonSession>> sessions;
+  for (const EngineLease* engine : {&a, &b, &a}) sessions.push_back(Create(*engine));
+  ASSERT_THAT(sessions, ::testing::Each(::testing::NotNull()));
+  EXPECT_EQ(sessions[0]->slot(), 0u);
+  EXPECT_EQ(sessions[1]->slot(), 1u);
+  EXPECT_EQ(sessions[2]->slot(), 2u);
+  absl::StatusOr<std::shared_ptr<DaemonSession>> found = registry_->Find(SessionSlot{a.id, 2});
+  ASSERT_THAT(found, IsOk());
+  EXPECT_EQ(*found, sessions[2]);
+
+  // Engine a naming b's slot: refused, and the session is untouched.
+  pb::BeginResponse begun;
+  EXPECT_THAT(registry_->Run(SessionSlot{a.id, 1}, BeginOp{&begun}),
+              StatusIs(absl::StatusCode::kPermissionDenied,
+                       HasSubstr(absl::StrCat("slot 1 holds no session of engine ", a.id.value))));
+  pb::SessionState state;
+  ASSERT_THAT(SessionRegistry::Apply(*sessions[1], GetStateOp{&state}), IsOk());
+  EXPECT_EQ(state.next_generation(), 1u) << "the refused Begin began nothing";
+  EXPECT_THAT(registry_->Find(SessionSlot{a.id, 3}),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("slot 3 holds no session")));
+
+  // Released slots are reused before a new one is added, whichever engine creates next.
+  ASSERT_THAT(registry_->Release(Credentials(*sessions[1])), IsOk());
+  EXPECT_THAT(registry_->Find(SessionSlot{b.id, 1}),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("slot 1 holds no session")));
+  std::shared_ptr<DaemonSession> reused = Create(a);
+  ASSERT_NE(reused, nullptr);
+  EXPECT_EQ(reused->slot(), 1u);
+  EXPECT_THAT(registry_->Find(SessionSlot{b.id, 1}),
+              StatusIs(absl::StatusCode::kPermissionDenied, HasSubstr("slot 1")))
+      << "b's old slot is a's now";
+  // A refused creation gives its reserved slot back.
+  EXPECT_THAT(registry_->Create(Engine(a), plan_, Shape(0), std::nullopt), ::testing::Not(IsOk()));
+  std::shared_ptr<DaemonSession> next = Create(b);
+  ASSERT_NE(next, nullptr);
+  EXPECT_EQ(next->slot(), 3u);
+  // An engine's reclaim frees its slots.
+  EXPECT_EQ(registry_->ReleaseOwnedBy(a.id).sessions, 3u);
+  EXPECT_LT(Create(b)->slot(), 3u) << "a freed slot is reused before slot 4 is added";
+}
+
 TEST_F(SessionRegistryTest, CreateRefusalsAllocateNothing) {
   const EngineLease engine = Attach("a");
   PlanFingerprint unknown{};

@@ -325,7 +325,8 @@ class Client:
         if reservation is not None:
             request.reservation_id = getattr(reservation, "id", reservation)
         response = _call(self.cache.CreateSession, request, self._timeout(timeout))
-        session = Session(self, response.session.session_id, response.session.session_token)
+        session = Session(self, response.session.session_id, response.session.session_token,
+                          response.slot)
         try:
             session._adopt(response.layout)
         except Exception:
@@ -338,7 +339,10 @@ class Client:
 
     def step(self, batch, timeout=None):
         """Runs a StepBatch as one Step RPC; one StepOutcome per entry, in order. The RPC's own
-        failure raises; entries fail independently (StepOutcome.error)."""
+        failure raises; entries fail independently (StepOutcome.error). A batch by slot carries
+        this client's engine credentials."""
+        if batch.by_slot:
+            batch.request.engine.CopyFrom(self._engine("step by slot"))
         response = _call(self.cache.Step, batch.request, self._timeout(timeout))
         if len(response.results) != len(batch.request.entries):
             raise KvError(grpc.StatusCode.INTERNAL, "Step answered %d results for %d entries"
@@ -595,18 +599,24 @@ class PrefixEvents:
 
 
 class StepBatch:
-    """Per-step transaction calls for many sessions, sent as one Step RPC (Client.step)."""
+    """Per-step transaction calls for many sessions, sent as one Step RPC (Client.step).
+    by_slot: name each session by its dense slot (Session.slot; cheaper for the daemon, and only
+    for the attached engine that created it) instead of its id and token."""
 
-    def __init__(self):
+    def __init__(self, by_slot=False):
         self.request = pb.StepRequest()
+        self.by_slot = by_slot
 
     def set_wait_event(self, ipc_event_handle):
         self.request.ordering.wait_event = ipc_event_handle
 
     def _add(self, session):
         entry = self.request.entries.add()
-        entry.session.session_id = session.id
-        entry.session.session_token = session.token
+        if self.by_slot:
+            entry.slot = session.slot
+        else:
+            entry.session.session_id = session.id
+            entry.session.session_token = session.token
         return entry
 
     def begin(self, session):
@@ -653,10 +663,11 @@ class Session:
     session's arenas; they stay valid until grow() or release() (the memory stays mapped while
     an array over it lives, but the daemon no longer uses it)."""
 
-    def __init__(self, client, session_id, token):
+    def __init__(self, client, session_id, token, slot=0):
         self._client = client
         self.id = session_id
         self.token = token
+        self.slot = slot  # the dense slot the daemon handed out (StepBatch(by_slot=True))
         self.ref = pb.SessionRef(session_id=session_id, session_token=token)
         self.wait_event = b""
         self.layout = None

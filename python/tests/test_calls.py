@@ -187,6 +187,26 @@ def test_advance_is_one_entry_per_session_per_step_and_all_or_nothing(small):
     assert session.state().active_generation == 0
 
 
+def test_step_by_slot_is_for_the_owning_engine_only(small):
+    plan = small.register_plan(hybrid_test_plan())
+    sessions = [small.create_session(plan, 256) for _ in range(2)]
+    assert sorted(s.slot for s in sessions) == [0, 1]
+    batch = memra_kv.StepBatch(by_slot=True)
+    for session in sessions:
+        batch.advance(session, 0, 0, 2)
+    assert all(o.ok for o in small.step(batch))
+    other = small.daemon.client("py-other")
+    try:
+        before = sessions[1].state()
+        outcome = other.step(batch)[1]
+        assert outcome.error.code == grpc.StatusCode.PERMISSION_DENIED
+        assert "slot %d holds no session of engine %d" % (
+            sessions[1].slot, other.engine_id) in outcome.error.message
+        assert sessions[1].state() == before
+    finally:
+        other.close()
+
+
 def test_admin_fit_max_context_and_drain(small):
     plan = small.import_model(LLAMA_CONFIG).plan_fingerprint
     fit = small.fit(4096, fingerprint=plan)

@@ -718,6 +718,90 @@ TEST_F(ServiceTest, AdvanceIsEquivalentToTheSeparateEntriesOnARandomWorkload) {
   EXPECT_GT(StateOf(*advanced).committed_len, 100u) << "the workload should make progress";
 }
 
+// ---- Sessions named by their dense slot ----
+
+TEST_F(ServiceTest, StepBySlotRunsTheOwnersSessionsAndRefusesEveryoneElse) {
+  std::unique_ptr<Session> first = NewSession(*client_, kCapacity);
+  std::unique_ptr<Session> second = NewSession(*client_, kCapacity);
+  ASSERT_NE(first, nullptr);
+  ASSERT_NE(second, nullptr);
+  EXPECT_NE(first->slot(), second->slot());
+  StepBatch batch(StepAddressing::kSlot);
+  batch.Advance(*first, 0, 0, 3);
+  batch.Advance(*second, 0, 0, 5);
+  absl::StatusOr<std::vector<StepOutcome>> opened = client_->Step(batch);
+  ASSERT_THAT(opened, IsOk());
+  ASSERT_THAT((*opened)[0].status, IsOk());
+  ASSERT_THAT((*opened)[1].status, IsOk());
+  EXPECT_EQ((*opened)[1].prepared->target, 5u);
+  batch.Clear();
+  batch.Advance(*first, (*opened)[0].begun.generation, 3, 0);
+  ASSERT_THAT(client_->Step(batch), IsOk());
+  EXPECT_EQ(StateOf(*first).committed_len, 3u);
+  const std::string first_before = Snapshot(*first);
+  const std::string second_before = Snapshot(*second);
+
+  // Another engine naming engine A's slots, with its own (valid) credentials: refused.
+  std::unique_ptr<KvClient> other = NewClient("engine-b");
+  ASSERT_NE(other, nullptr);
+  StepBatch foreign(StepAddressing::kSlot);
+  foreign.Advance(*second, (*opened)[1].begun.generation, 5, 0);
+  foreign.Begin(*first);
+  absl::StatusOr<std::vector<StepOutcome>> refused = other->Step(foreign);
+  ASSERT_THAT(refused, IsOk());
+  for (const StepOutcome& outcome : *refused) {
+    EXPECT_THAT(outcome.status,
+                StatusIs(absl::StatusCode::kPermissionDenied,
+                         HasSubstr(absl::StrCat("holds no session of engine ",
+                                                other->engine_id()))));
+  }
+  EXPECT_THAT((*refused)[0].status, StatusIs(absl::StatusCode::kPermissionDenied,
+                                             HasSubstr(absl::StrCat("slot ", second->slot()))));
+  EXPECT_EQ(Snapshot(*first), first_before);
+  EXPECT_EQ(Snapshot(*second), second_before);
+
+  // A slot entry in a Step without (or with wrong) engine credentials is refused alone; an
+  // entry naming its session by token in the same Step still runs.
+  pb::StepRequest request;
+  pb::StepEntry* by_slot = request.add_entries();
+  by_slot->set_slot(second->slot());
+  by_slot->mutable_begin();
+  pb::StepEntry* by_token = request.add_entries();
+  *by_token->mutable_session() = ClientInternals::Ref(*first);
+  by_token->mutable_begin();
+  pb::StepEntry* empty_slot = request.add_entries();
+  empty_slot->set_slot(1000);
+  empty_slot->mutable_begin();
+  request.mutable_engine()->set_engine_id(client_->engine_id());
+  request.mutable_engine()->set_engine_token("not the token");
+  pb::StepResponse response;
+  ASSERT_THAT(FromGrpcStatus(ClientInternals::Cache(*client_).Step(
+                  ClientInternals::NewContext(*client_).get(), request, &response)),
+              IsOk());
+  EXPECT_EQ(response.results(0).code(), static_cast<int>(absl::StatusCode::kPermissionDenied));
+  EXPECT_THAT(response.results(0).message(), HasSubstr("wrong engine token"));
+  EXPECT_EQ(response.results(1).code(), 0);
+  EXPECT_EQ(response.results(2).code(), static_cast<int>(absl::StatusCode::kPermissionDenied));
+  EXPECT_EQ(Snapshot(*second), second_before);
+  // With the engine's credentials, an empty slot is NOT_FOUND.
+  request.mutable_entries()->DeleteSubrange(0, 2);
+  ASSERT_THAT(ClientInternals::Engine(*client_), IsOk());
+  *request.mutable_engine() = *ClientInternals::Engine(*client_);
+  response.Clear();
+  ASSERT_THAT(FromGrpcStatus(ClientInternals::Cache(*client_).Step(
+                  ClientInternals::NewContext(*client_).get(), request, &response)),
+              IsOk());
+  EXPECT_EQ(response.results(0).code(), static_cast<int>(absl::StatusCode::kNotFound));
+  EXPECT_THAT(response.results(0).message(), HasSubstr("slot 1000 holds no session"));
+
+  // A released session's slot goes to the next session created.
+  const uint32_t freed = second->slot();
+  ASSERT_THAT(second->Release(), IsOk());
+  std::unique_ptr<Session> third = NewSession(*client_, kCapacity);
+  ASSERT_NE(third, nullptr);
+  EXPECT_EQ(third->slot(), freed);
+}
+
 // A decode loop's reuse: one batch and one outcomes vector across steps. Slots whose operation
 // changes lose the previous step's payload, a refused entry carries no stale one, and a reply
 // that outgrows the batch's reused arena block is parsed correctly after the block grows.
