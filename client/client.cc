@@ -66,6 +66,13 @@ PreparedAppend PreparedFromProto(const pb::PrepareAppendResponse& proto) {
   return out;
 }
 
+// Drops the mappings of pooled arenas the daemon has freed (proto unmap_handles). NOT_FOUND is
+// fine: a mapping this process already dropped.
+void UnmapFreedPoolArenas(ArenaMapper& mapper,
+                          const google::protobuf::RepeatedPtrField<std::string>& handles) {
+  for (const std::string& handle : handles) (void)mapper.Unmap(handle);
+}
+
 }  // namespace
 
 // ---- Wire types <-> client.h types ----
@@ -366,6 +373,7 @@ absl::StatusOr<std::unique_ptr<Session>> KvClient::CreateSession(const PlanFinge
   pb::CreateSessionResponse response;
   RETURN_IF_ERROR(FromGrpcStatus(
       rpc_->cache->CreateSession(ClientInternals::NewContext(*this).get(), request, &response)));
+  UnmapFreedPoolArenas(mapper(), response.unmap_handles());
   std::unique_ptr<Session> session(
       new Session(this, response.session().session_id(), response.session().session_token(),
                   response.slot()));
@@ -866,11 +874,19 @@ absl::StatusOr<uint64_t> Session::Release() {
   absl::Status status = FromGrpcStatus(ClientInternals::Cache(*client_).ReleaseSession(
       ClientInternals::NewContext(*client_).get(), ForSession<pb::SessionRequest>(*this),
       &response));
-  // Whatever the daemon answered, this process stops using the memory.
+  // Whatever the daemon answered, this process stops using the memory; the mappings of arenas
+  // the daemon pooled for this engine stay, for the next session that gets one back.
   released_ = true;
-  UnmapAll(layout_);
+  for (const SessionArena& arena : layout_.arenas) {
+    if (!status.ok() || std::find(response.pooled_handles().begin(),
+                                  response.pooled_handles().end(),
+                                  arena.handle) == response.pooled_handles().end()) {
+      (void)client_->mapper().Unmap(arena.handle);
+    }
+  }
   arena_bases_.clear();
   RETURN_IF_ERROR(status);
+  UnmapFreedPoolArenas(client_->mapper(), response.unmap_handles());
   return response.freed_bytes();
 }
 

@@ -176,6 +176,9 @@ grpc::Status CacheService::CreateSession(grpc::ServerContext*,
     response->mutable_session()->set_session_id(session->id().value);
     response->mutable_session()->set_session_token(session->params().token);
     response->set_slot(session->slot());
+    for (std::string& handle : sessions_->TakeUnmapped(session->owner())) {
+      response->add_unmap_handles(std::move(handle));
+    }
     return SessionRegistry::Apply(
         *session, GetStateOp{response->mutable_state(), response->mutable_layout()});
   }();
@@ -189,8 +192,14 @@ grpc::Status CacheService::ReleaseSession(grpc::ServerContext*, const pb::Sessio
     // Authenticated first: nobody makes the daemon wait on an event for a session not theirs.
     RETURN_IF_ERROR(sessions_->Find(session).status());
     RETURN_IF_ERROR(WaitForEngine(request->ordering()));
-    ASSIGN_OR_RETURN(uint64_t freed, sessions_->Release(session));
-    response->set_freed_bytes(freed);
+    ASSIGN_OR_RETURN(SessionRelease released, sessions_->Release(session));
+    response->set_freed_bytes(released.bytes);
+    for (std::string& handle : released.pooled_handles) {
+      response->add_pooled_handles(std::move(handle));
+    }
+    for (std::string& handle : released.unmap_handles) {
+      response->add_unmap_handles(std::move(handle));
+    }
     return absl::OkStatus();
   }();
   return Reply("ReleaseSession", status);

@@ -33,6 +33,7 @@
 #include "core/session.h"
 #include "core/sizing.h"
 #include "proto/memra/kv/v1/cache.pb.h"
+#include "server/arena_pool.h"
 #include "server/backend.h"
 #include "server/device_budget.h"
 #include "server/secret_token.h"
@@ -80,9 +81,14 @@ class DaemonSession {
   // (with an AdmissionRefusal) when the budget has no room. Nothing stays allocated or charged
   // on failure; a reservation refused before its commit stays live.
   // REQUIRES: backend and budget outlive the session.
+  //
+  // With `pool`, an arena of exactly the session's bytes that the same engine released is
+  // reused when there is one (its charge replaces the new one; a reservation is then used and
+  // its bytes returned), and Release() gives the arenas back to the pool instead of freeing
+  // them. A reused arena is reset as a new session needs it (ClearReusedArena).
   static absl::StatusOr<std::unique_ptr<DaemonSession>> Create(
       Params params, DeviceBackend* backend, DeviceBudget* budget,
-      std::optional<ReservationId> reservation = std::nullopt);
+      std::optional<ReservationId> reservation = std::nullopt, ArenaPool* pool = nullptr);
   ~DaemonSession();  // Release()
 
   SessionId id() const { return params_.id; }
@@ -130,8 +136,11 @@ class DaemonSession {
   absl::Status GetState(memra::kv::v1::SessionState* state, memra::kv::v1::SessionLayout* layout)
       ABSL_LOCKS_EXCLUDED(mu_);
 
-  // Frees every arena; later operations are NOT_FOUND. Returns the bytes freed. Idempotent.
+  // Frees every arena (or pools it for the owner: a session created with a pool, not tainted);
+  // later operations are NOT_FOUND. Returns the bytes the session held. Idempotent.
   uint64_t Release() ABSL_LOCKS_EXCLUDED(mu_);
+  // The export handles of the arenas Release() pooled (the engine may keep them mapped).
+  std::vector<std::string> pooled_handles() const ABSL_LOCKS_EXCLUDED(mu_);
 
   // ---- Prefix cache hooks (server/prefix_cache.h holds the rules) ----
   // `committed_tokens`: the token ids of rows [0, committed_len) as commits reported them, or
@@ -151,8 +160,14 @@ class DaemonSession {
       ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
-  DaemonSession(Params params, DeviceBackend* backend, DeviceBudget* budget, SessionState state,
-                SessionLayoutVersion layout);
+  DaemonSession(Params params, DeviceBackend* backend, DeviceBudget* budget, ArenaPool* pool,
+                SessionState state, SessionLayoutVersion layout);
+
+  // A pooled arena holds its previous session's bytes. Zeroes what a new session reads before
+  // it writes: the recurrent state planes (and their spec copies) and the pool-key planes, as on
+  // a fresh arena. K/V, latent and indexer rows are left: no row at or past a length is ever
+  // read (rules.md#mirrors), and they were the same engine's. Mirrors are written after.
+  absl::Status ClearReusedArena() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   // Frees the layout's arena and then its admission charge.
   absl::Status FreeLayout(const SessionLayoutVersion& layout) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -183,6 +198,7 @@ class DaemonSession {
   const Params params_;
   DeviceBackend* const backend_;
   DeviceBudget* const budget_;
+  ArenaPool* const pool_;  // null: arenas are freed on release
 
   std::atomic<uint64_t> arena_bytes_{0};
 
@@ -200,6 +216,7 @@ class DaemonSession {
   };
   std::vector<MirrorSlot> mirror_slots_ ABSL_GUARDED_BY(mu_);
   bool released_ ABSL_GUARDED_BY(mu_) = false;
+  std::vector<std::string> pooled_handles_ ABSL_GUARDED_BY(mu_);  // set by Release()
   // Token ids of committed rows; nullopt = unknown (see ViewLocked).
   std::optional<std::vector<int32_t>> committed_tokens_ ABSL_GUARDED_BY(mu_) =
       std::vector<int32_t>();

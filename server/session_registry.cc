@@ -26,14 +26,15 @@ Overloaded(Fs...) -> Overloaded<Fs...>;
 SessionRegistry::SessionRegistry(DeviceBackend* backend, DeviceBudget* budget,
                                  EngineLeases* leases, PlanRegistry* plans,
                                  FormatDefaults defaults, PrefixCache* capture_on_reclaim,
-                                 uint64_t max_sessions_per_engine)
+                                 uint64_t max_sessions_per_engine, ArenaPool* pool)
     : backend_(backend),
       budget_(budget),
       leases_(leases),
       plans_(plans),
       defaults_(defaults),
       capture_on_reclaim_(capture_on_reclaim),
-      max_sessions_per_engine_(max_sessions_per_engine) {}
+      max_sessions_per_engine_(max_sessions_per_engine),
+      pool_(pool) {}
 
 absl::StatusOr<uint32_t> SessionRegistry::BeginCreating(EngineId engine) {
   absl::MutexLock lock(&mu_);
@@ -121,7 +122,20 @@ absl::StatusOr<std::shared_ptr<DaemonSession>> SessionRegistry::AllocateSession(
   params.defaults = defaults_;
   params.fingerprint = FingerprintToBytes(plan);
   params.shape = shape;
-  return DaemonSession::Create(std::move(params), backend_, budget_, reservation);
+  absl::StatusOr<std::unique_ptr<DaemonSession>> session =
+      DaemonSession::Create(params, backend_, budget_, reservation, pool_);
+  // Refused for room (bytes, arenas or the engine's share) while the engine's own pool holds
+  // arenas of other sizes: those go first (other engines' pooled bytes are evicted by
+  // admission itself), then one retry.
+  if (session.status().code() == absl::StatusCode::kResourceExhausted && pool_ != nullptr &&
+      pool_->pooled_bytes(engine.id.value) > 0) {
+    const uint64_t drained = pool_->DrainEngine(engine.id.value, /*forget=*/false);
+    spdlog::info("engine {}: freed its {} pooled bytes to admit a session", engine.id.value,
+                 drained);
+    session = DaemonSession::Create(std::move(params), backend_, budget_, reservation, pool_);
+  }
+  if (!session.ok()) return session.status();
+  return std::shared_ptr<DaemonSession>(*std::move(session));
 }
 
 absl::StatusOr<ArenaReservation> SessionRegistry::Reserve(const EngineCredentials& engine,
@@ -172,7 +186,7 @@ absl::StatusOr<std::shared_ptr<DaemonSession>> SessionRegistry::Find(
   return session;
 }
 
-absl::StatusOr<uint64_t> SessionRegistry::Release(const SessionCredentials& credentials) {
+absl::StatusOr<SessionRelease> SessionRegistry::Release(const SessionCredentials& credentials) {
   ASSIGN_OR_RETURN(std::shared_ptr<DaemonSession> session, Find(credentials));
   {
     absl::MutexLock lock(&mu_);
@@ -181,9 +195,17 @@ absl::StatusOr<uint64_t> SessionRegistry::Release(const SessionCredentials& cred
           absl::StrCat("session ", credentials.id.value, " does not exist"));
     }
   }
-  const uint64_t freed = session->Release();
-  spdlog::info("session {} released: {} bytes freed", credentials.id.value, freed);
-  return freed;
+  SessionRelease released;
+  released.bytes = session->Release();
+  released.pooled_handles = session->pooled_handles();
+  released.unmap_handles = TakeUnmapped(session->owner());
+  spdlog::info("session {} released: {} bytes ({} arenas pooled)", credentials.id.value,
+               released.bytes, released.pooled_handles.size());
+  return released;
+}
+
+std::vector<std::string> SessionRegistry::TakeUnmapped(EngineId engine) {
+  return pool_ == nullptr ? std::vector<std::string>() : pool_->TakeUnmapped(engine.value);
 }
 
 std::vector<std::shared_ptr<DaemonSession>> SessionRegistry::RemoveLocked(
@@ -284,14 +306,17 @@ ReleasedSessions SessionRegistry::ReleaseOwnedBy(EngineId engine) {
   {
     absl::MutexLock lock(&mu_);
     auto owned = by_engine_.find(engine.value);
-    if (owned == by_engine_.end()) return {};
-    removed = RemoveLocked(std::vector<uint64_t>(owned->second.begin(), owned->second.end()));
+    if (owned != by_engine_.end()) {
+      removed = RemoveLocked(std::vector<uint64_t>(owned->second.begin(), owned->second.end()));
+    }
   }
   ReleasedSessions released{removed.size(), 0};
   for (const std::shared_ptr<DaemonSession>& session : removed) {
     CaptureBeforeRelease(*session);
     released.bytes += session->Release();
   }
+  // After the sessions: their arenas went to the pool, which now goes back to the device.
+  if (pool_ != nullptr) pool_->DrainEngine(engine.value, /*forget=*/true);
   return released;
 }
 
@@ -305,6 +330,7 @@ ReleasedSessions SessionRegistry::ReleaseAll() {
   }
   ReleasedSessions released{sessions.size(), 0};
   for (auto& [id, session] : sessions) released.bytes += session->Release();
+  if (pool_ != nullptr) pool_->DrainAll();
   return released;
 }
 
@@ -339,6 +365,11 @@ std::vector<std::shared_ptr<DaemonSession>> SessionRegistry::List(
   std::sort(sessions.begin(), sessions.end(),
             [](const auto& a, const auto& b) { return a->id().value < b->id().value; });
   return sessions;
+}
+
+absl::flat_hash_map<uint64_t, EngineArenaPoolStats> SessionRegistry::PoolStatsByEngine() const {
+  if (pool_ == nullptr) return {};
+  return pool_->Stats();
 }
 
 absl::flat_hash_map<uint64_t, EngineSessionUsage> SessionRegistry::UsageByEngine() const {

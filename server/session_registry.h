@@ -20,6 +20,7 @@
 #include <cstdint>
 #include <memory>
 #include <optional>
+#include <string>
 #include <variant>
 #include <vector>
 
@@ -38,6 +39,7 @@
 #include "core/model_plan.h"
 #include "core/sizing.h"
 #include "proto/memra/kv/v1/cache.pb.h"
+#include "server/arena_pool.h"
 #include "server/backend.h"
 #include "server/daemon_session.h"
 #include "server/device_budget.h"
@@ -138,6 +140,15 @@ struct ReleasedSessions {
   uint64_t bytes = 0;
 };
 
+// One ReleaseSession as the engine is told it.
+struct SessionRelease {
+  uint64_t bytes = 0;  // what the session held, freed or pooled
+  // Arenas the pool kept for the engine's next sessions: its client may keep them mapped.
+  std::vector<std::string> pooled_handles;
+  // Arenas the engine's pool has freed since it was last told: its client unmaps them.
+  std::vector<std::string> unmap_handles;
+};
+
 // One engine's share of the sessions (KvAdmin's engine status).
 struct EngineSessionUsage {
   size_t sessions = 0;
@@ -148,10 +159,12 @@ class SessionRegistry {
  public:
   // `capture_on_reclaim`: when set, a reclaimed engine's sessions keep their committed state
   // as prefix entries there before release. `max_sessions_per_engine`: DaemonConfig
-  // max_engine_sessions. REQUIRES: every pointer outlives the registry.
+  // max_engine_sessions. `pool`: when set, released arenas are pooled per engine and reused
+  // (server/arena_pool.h); an engine's pool is freed with its sessions at reclaim. REQUIRES:
+  // every pointer outlives the registry.
   SessionRegistry(DeviceBackend* backend, DeviceBudget* budget, EngineLeases* leases,
                   PlanRegistry* plans, FormatDefaults defaults, PrefixCache* capture_on_reclaim,
-                  uint64_t max_sessions_per_engine = UINT64_MAX);
+                  uint64_t max_sessions_per_engine = UINT64_MAX, ArenaPool* pool = nullptr);
 
   // Plans, charges (from `reservation` when given) and allocates a session of `shape` for the
   // engine; UNAVAILABLE while draining, the engine's refusals (EngineLeases::Check),
@@ -175,8 +188,12 @@ class SessionRegistry {
   // engine's session holds.
   absl::StatusOr<std::shared_ptr<DaemonSession>> Find(const SessionSlot& slot) const
       ABSL_LOCKS_EXCLUDED(mu_);
-  // Removes and releases the session; the bytes freed.
-  absl::StatusOr<uint64_t> Release(const SessionCredentials& session) ABSL_LOCKS_EXCLUDED(mu_);
+  // Removes and releases the session.
+  absl::StatusOr<SessionRelease> Release(const SessionCredentials& session)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // The handles of `engine`'s pooled arenas freed since it was last told (CreateSession's
+  // reply carries them), emptied.
+  std::vector<std::string> TakeUnmapped(EngineId engine);
 
   // THE operation dispatcher: runs `op` on `session`.
   static absl::Status Apply(DaemonSession& session, const SessionOp& op);
@@ -189,9 +206,10 @@ class SessionRegistry {
       ABSL_LOCKS_EXCLUDED(mu_);
   absl::Status Run(const SessionSlot& slot, const SessionOp& op) ABSL_LOCKS_EXCLUDED(mu_);
 
-  // Removes and releases every session of `engine` (its lease was reclaimed), each exactly once.
+  // Removes and releases every session of `engine` (its lease was reclaimed), each exactly
+  // once, then frees its arena pool.
   ReleasedSessions ReleaseOwnedBy(EngineId engine) ABSL_LOCKS_EXCLUDED(mu_);
-  // Removes and releases every session (shutdown).
+  // Removes and releases every session and frees every pool (shutdown).
   ReleasedSessions ReleaseAll() ABSL_LOCKS_EXCLUDED(mu_);
 
   // Waits until no session is open, `grace` has passed or EndWaits() is called; the sessions
@@ -205,6 +223,8 @@ class SessionRegistry {
       ABSL_LOCKS_EXCLUDED(mu_);
   absl::flat_hash_map<uint64_t, EngineSessionUsage> UsageByEngine() const
       ABSL_LOCKS_EXCLUDED(mu_);
+  // Each engine's arena pool figures (empty without a pool).
+  absl::flat_hash_map<uint64_t, EngineArenaPoolStats> PoolStatsByEngine() const;
 
   // How the backend rounds an arena (what admission charges).
   ArenaRounding rounding() const;
@@ -237,6 +257,7 @@ class SessionRegistry {
   const FormatDefaults defaults_;
   PrefixCache* const capture_on_reclaim_;
   const uint64_t max_sessions_per_engine_;
+  ArenaPool* const pool_;
 
   std::atomic<uint64_t> next_session_id_{1};
 

@@ -325,6 +325,7 @@ class Client:
         if reservation is not None:
             request.reservation_id = getattr(reservation, "id", reservation)
         response = _call(self.cache.CreateSession, request, self._timeout(timeout))
+        self._unmap_freed_pool_arenas(response.unmap_handles)
         session = Session(self, response.session.session_id, response.session.session_token,
                           response.slot)
         try:
@@ -336,6 +337,11 @@ class Client:
                 pass
             raise
         return session
+
+    def _unmap_freed_pool_arenas(self, handles):
+        """Drops the mappings of pooled arenas the daemon has freed (proto unmap_handles)."""
+        for handle in handles:
+            self.mapper.unmap(handle)  # nothing when this process already dropped it
 
     def step(self, batch, timeout=None):
         """Runs a StepBatch as one Step RPC; one StepOutcome per entry, in order. The RPC's own
@@ -714,10 +720,6 @@ class Session:
                     plane.row_bytes)
         self.layout, self._bases, self._planes = layout, bases, planes
 
-    def _unmap(self, layout):
-        for arena in layout.arenas:
-            self._client.mapper.unmap(arena.handle)
-
     def geometry(self, layer, kind):
         """The PlaneGeometry of a plane; KvError NOT_FOUND when the layer has none."""
         geometry = self._planes.get((layer, kind))
@@ -850,10 +852,18 @@ class Session:
         if self.released:
             raise KvError(grpc.StatusCode.FAILED_PRECONDITION, "session %d was released" % self.id)
         self.released = True  # whatever the daemon answers, this process stops using the memory
+        pooled = set()
         try:
-            return _call(self._client.cache.ReleaseSession, self._with_ordering(
-                pb.SessionRequest(session=self.ref)), self._t(timeout)).freed_bytes
+            response = _call(self._client.cache.ReleaseSession, self._with_ordering(
+                pb.SessionRequest(session=self.ref)), self._t(timeout))
+            # Arenas the daemon pooled for this engine stay mapped for the next session that
+            # gets one back (same handle); those it has freed since are unmapped.
+            pooled = set(response.pooled_handles)
+            self._client._unmap_freed_pool_arenas(response.unmap_handles)
+            return response.freed_bytes
         finally:
             if self.layout is not None:
-                self._unmap(self.layout)
+                for arena in self.layout.arenas:
+                    if arena.handle not in pooled:
+                        self._client.mapper.unmap(arena.handle)
             self._bases = []

@@ -91,7 +91,9 @@ def test_reservations_admit_ahead_and_cancel(small):
     assert gone.value.code == grpc.StatusCode.NOT_FOUND
     assert str(other.id) in gone.value.message
     assert session.release() == cost
-    assert small.status().admission.allocated_bytes == 0
+    # The arena waits in this engine's pool, still charged and evictable.
+    admission = small.status().admission
+    assert (admission.allocated_bytes, admission.evictable_bytes) == (cost, cost)
 
 
 def test_hydrate_reset_and_taint(small):
@@ -205,6 +207,25 @@ def test_step_by_slot_is_for_the_owning_engine_only(small):
         assert sessions[1].state() == before
     finally:
         other.close()
+
+
+def test_a_steady_request_stream_reuses_the_pooled_arena_and_its_mapping(small):
+    plan = small.register_plan(hybrid_test_plan())
+    opens = small.mapper.opens
+    handles = set()
+    for request in range(6):
+        session = small.create_session(plan, 256)
+        handles.add(session.layout.arenas[0].handle)
+        assert session.state().committed_len == 0
+        assert session.plane(FLAT_LAYER, memra_kv.LEN_MIRROR)[0] == 0
+        outcome = session.advance(0, 0, 3)
+        session.advance(outcome.begun.generation, 3, 0)
+        session.release()
+    assert len(handles) == 1, "every request got the pooled arena back"
+    assert small.mapper.opens == opens + 1 and small.mapper.mapped_count == 1
+    with small.daemon.admin() as admin:
+        engine = [e for e in admin.engines() if e.engine_id == small.engine_id][0]
+    assert (engine.new_arenas, engine.pool_hits) == (1, 5)
 
 
 def test_admin_fit_max_context_and_drain(small):

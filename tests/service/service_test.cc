@@ -2,6 +2,7 @@
 // fault-injecting wrapper, FakeClock for leases) and the real client library. Every RPC, every
 // refusal with its code, and "a refused call changes nothing" checked by reading state back.
 
+#include <algorithm>
 #include <atomic>
 #include <cstdio>
 #include <cstring>
@@ -99,6 +100,12 @@ pb::SessionRef WithToken(const Session& session, std::string token) {
 }
 
 class ServiceTest : public DaemonTest {};
+
+// Without an arena pool: a release frees its arena.
+class UnpooledServiceTest : public DaemonTest {
+ protected:
+  void ConfigureDaemon(DaemonConfig& config) override { config.arena_pool_engine_bytes = 0; }
+};
 
 // ---- Attach, plans ----
 
@@ -718,6 +725,122 @@ TEST_F(ServiceTest, AdvanceIsEquivalentToTheSeparateEntriesOnARandomWorkload) {
   EXPECT_GT(StateOf(*advanced).committed_len, 100u) << "the workload should make progress";
 }
 
+// ---- The arena pool ----
+
+// The engine's own status line (KvAdmin, operators' view).
+pb::EngineStatus EngineStatusOf(Daemon& daemon, uint64_t engine_id) {
+  const pb::GetStatusResponse status = daemon.GetStatus();
+  for (const pb::EngineStatus& engine : status.engine_status()) {
+    if (engine.engine_id() == engine_id) return engine;
+  }
+  return pb::EngineStatus();
+}
+
+size_t MappedCount(KvClient& client) {
+  return dynamic_cast<CachingArenaMapper&>(client.mapper()).MappedCount();
+}
+
+// A steady request stream (create, decode, release, repeat) makes one arena and one mapping:
+// every later session gets the pooled arena back, under the same handle, reset as new.
+TEST_F(ServiceTest, ASteadyRequestStreamReusesOnePooledArenaAndMapsNothingNew) {
+  const size_t opens = client_->mapper().OpenCount();
+  std::string handle;
+  for (int request = 0; request < 12; ++request) {
+    SCOPED_TRACE(::testing::Message() << "request " << request);
+    std::unique_ptr<Session> session = NewSession(*client_, kCapacity);
+    ASSERT_NE(session, nullptr);
+    if (request == 0) handle = session->layout().arenas[0].handle;
+    EXPECT_EQ(session->layout().arenas[0].handle, handle);
+    // Reset as a new session needs it: lengths, mirrors and recurrent state at zero.
+    const SessionSnapshot fresh = StateOf(*session);
+    EXPECT_EQ(fresh.committed_len, 0u);
+    EXPECT_EQ(fresh.active_generation, 0u);
+    EXPECT_EQ(fresh.next_generation, 1u);
+    EXPECT_EQ(Mirrors(*session), (std::vector<int32_t>{0, 0, 0, 0}));
+    absl::StatusOr<PlaneView> conv = session->Plane(kRecurrentLayer, PlaneKind::kConvState);
+    ASSERT_THAT(conv, IsOk());
+    EXPECT_EQ(std::count(conv->data, conv->data + conv->bytes, 0), conv->bytes)
+        << "the previous request's recurrent state leaked into this one";
+    // The request's own work, leaving recurrent state behind.
+    std::memset(conv->data, 0x5a, conv->bytes);
+    AppendAndCommit(*session, 5 + request, 5);
+    ASSERT_THAT(session->Release(), IsOk());
+  }
+  EXPECT_EQ(client_->mapper().OpenCount(), opens + 1) << "one mapping for the whole stream";
+  EXPECT_EQ(MappedCount(*client_), 1u) << "the pooled arena stays mapped, nothing else";
+  const pb::EngineStatus engine = EngineStatusOf(*daemon_, client_->engine_id());
+  EXPECT_EQ(engine.new_arenas(), 1u);
+  EXPECT_EQ(engine.pool_hits(), 11u);
+  EXPECT_EQ(engine.pooled_bytes(), host_->AllocatedBytes());
+  EXPECT_EQ(host_->ArenaCount(), 1u);
+  EXPECT_EQ(daemon_->GetStatus().admission().evictable_bytes(), host_->AllocatedBytes());
+}
+
+TEST_F(ServiceTest, APooledArenaNeverReachesAnotherEngine) {
+  std::unique_ptr<Session> mine = NewSession(*client_, kCapacity);
+  ASSERT_NE(mine, nullptr);
+  const std::string handle = mine->layout().arenas[0].handle;
+  ASSERT_THAT(mine->Release(), IsOk());
+  std::unique_ptr<KvClient> other = NewClient("engine-b");
+  ASSERT_NE(other, nullptr);
+  absl::StatusOr<std::unique_ptr<Session>> theirs =
+      other->CreateSession(plan_, Options(kCapacity));
+  ASSERT_THAT(theirs, IsOk());
+  EXPECT_NE((*theirs)->layout().arenas[0].handle, handle);
+  EXPECT_EQ(EngineStatusOf(*daemon_, other->engine_id()).new_arenas(), 1u);
+  EXPECT_EQ(EngineStatusOf(*daemon_, other->engine_id()).pool_hits(), 0u);
+  EXPECT_EQ(EngineStatusOf(*daemon_, client_->engine_id()).pooled_bytes(),
+            mine->layout().arenas[0].bytes);
+  // Another size is another class: engine A gets a new arena for it and keeps the pooled one.
+  std::unique_ptr<Session> larger = NewSession(*client_, 2 * kCapacity);
+  ASSERT_NE(larger, nullptr);
+  EXPECT_NE(larger->layout().arenas[0].handle, handle);
+  EXPECT_EQ(EngineStatusOf(*daemon_, client_->engine_id()).new_arenas(), 2u);
+}
+
+// Pooled bytes are evictable: another engine's admission frees them rather than being refused,
+// and the owner's client is told to drop the mapping.
+TEST_F(ServiceTest, AdmissionEvictsPooledArenasBeforeRefusing) {
+  std::vector<std::unique_ptr<Session>> sessions;
+  absl::StatusOr<std::unique_ptr<Session>> next;
+  while ((next = client_->CreateSession(plan_, Options(kCapacity))).ok()) {
+    sessions.push_back(*std::move(next));
+  }
+  ASSERT_THAT(next.status(), StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("needs")));
+  ASSERT_GE(sessions.size(), 2u);
+  for (auto& session : sessions) ASSERT_THAT(session->Release(), IsOk());
+  const size_t pooled = sessions.size();
+  EXPECT_EQ(MappedCount(*client_), pooled);
+  std::unique_ptr<KvClient> other = NewClient("engine-b");
+  ASSERT_NE(other, nullptr);
+  absl::StatusOr<std::unique_ptr<Session>> theirs =
+      other->CreateSession(plan_, Options(kCapacity));
+  ASSERT_THAT(theirs, IsOk()) << "pooled arenas were not evicted for room";
+  EXPECT_LT(EngineStatusOf(*daemon_, client_->engine_id()).pooled_bytes(),
+            pooled * sessions[0]->layout().arenas[0].bytes);
+  // Engine A's next call hears of the freed arena and unmaps it; its session reuses one of the
+  // arenas still pooled.
+  const uint64_t created = EngineStatusOf(*daemon_, client_->engine_id()).new_arenas();
+  std::unique_ptr<Session> reused = NewSession(*client_, kCapacity);
+  ASSERT_NE(reused, nullptr);
+  EXPECT_EQ(MappedCount(*client_), pooled - 1) << "the evicted arena's mapping was dropped";
+  EXPECT_EQ(EngineStatusOf(*daemon_, client_->engine_id()).new_arenas(), created);
+}
+
+TEST_F(ServiceTest, AnEnginesPoolIsFreedWhenItsLeaseEndsAndAtReclaim) {
+  std::unique_ptr<KvClient> engine = NewClient("engine-b");
+  ASSERT_NE(engine, nullptr);
+  absl::StatusOr<std::unique_ptr<Session>> session =
+      engine->CreateSession(plan_, Options(kCapacity));
+  ASSERT_THAT(session, IsOk());
+  ASSERT_THAT((*session)->Release(), IsOk());
+  EXPECT_EQ(host_->ArenaCount(), 1u);
+  KillEngine(*engine);
+  EXPECT_EQ(host_->ArenaCount(), 0u);
+  EXPECT_EQ(daemon_->GetStatus().admission().allocated_bytes(), 0u);
+  EXPECT_EQ(daemon_->GetStatus().admission().evictable_bytes(), 0u);
+}
+
 // ---- Sessions named by their dense slot ----
 
 TEST_F(ServiceTest, StepBySlotRunsTheOwnersSessionsAndRefusesEveryoneElse) {
@@ -971,7 +1094,11 @@ TEST_F(ServiceTest, ConcurrentEnginesKeepEverySessionExact) {
   EXPECT_EQ(failures.load(), 0);
   // Each thread's sessions were released when its Session objects went away.
   EXPECT_EQ(daemon_->GetStatus().sessions(), 0u);
-  EXPECT_EQ(host_->ArenaCount(), 0u);
+  // Their arenas wait in their engines' pools (freed at reclaim), and nothing else is left.
+  uint64_t pooled = 0;
+  const pb::GetStatusResponse status = daemon_->GetStatus();
+  for (const pb::EngineStatus& engine : status.engine_status()) pooled += engine.pooled_bytes();
+  EXPECT_EQ(host_->AllocatedBytes(), pooled);
 }
 
 // ---- Rewind, spec decode ----
@@ -1222,7 +1349,7 @@ TEST_F(ServiceTest, ResetReusesTheMappedArena) {
   EXPECT_EQ(session->layout().arenas[0].handle, handle);
 }
 
-TEST_F(ServiceTest, ReleaseFreesTheArenaAndForgetsTheSession) {
+TEST_F(UnpooledServiceTest, ReleaseFreesTheArenaAndForgetsTheSession) {
   std::unique_ptr<Session> session = NewSession(*client_, kCapacity);
   ASSERT_NE(session, nullptr);
   const uint64_t bytes = host_->AllocatedBytes();
@@ -1239,6 +1366,7 @@ TEST_F(ServiceTest, ReleaseFreesTheArenaAndForgetsTheSession) {
                   ClientInternals::NewContext(*client_).get(), again, &response)),
               StatusIs(absl::StatusCode::kNotFound, HasSubstr("session 1 does not exist")));
 }
+
 
 // ---- Leases and drain ----
 
