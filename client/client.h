@@ -8,7 +8,8 @@
 //
 // Opening an arena is expensive (a CUDA IPC open costs ~1 ms), so opens stay off the per-step
 // path: a session maps its arena once at creation (the mapper caches by handle and never
-// re-opens), Reset() makes it empty again on the same arena, and only Grow() maps a new one.
+// re-opens), Reset() makes it empty again on the same arena, only Grow() maps a new one, and a
+// released arena stays mapped for the next session that gets it back (the arena pool, below).
 //
 //   ASSIGN_OR_RETURN(std::unique_ptr<memra::KvClient> client,
 //                    memra::KvClient::Connect("/run/memra-kv/gpu0.sock"));
@@ -39,7 +40,35 @@
 //   }
 //
 // A batched engine sends one Step() for all its sessions per decode step (StepBatch), reusing
-// one batch and one outcomes vector across steps.
+// one batch and one outcomes vector across steps. Which entries to send:
+//   * the hot path: ONE StepBatch::Advance per session per step (finish the previous step's
+//     transaction, publishing and committing its accepted rows, and prepare the next step's
+//     rows). Same rules and refusals as the separate entries, all or nothing, and a quarter of
+//     the entries (bench/README.md section 1b).
+//   * the separate Begin / Prepare / Publish / Commit / Abort entries (or unary calls) when the
+//     engine needs a state between them, e.g. mirrors published before its kernels run, or
+//     an Abort.
+//   * StepBatch(StepAddressing::kSlot) names each session by the dense slot CreateSession gave
+//     it (Session::slot()) instead of id + token: a cheaper lookup, only for this engine's own
+//     sessions (the Step carries the engine's credentials).
+//
+//   StepBatch batch(memra::StepAddressing::kSlot);
+//   for (Session* s : sessions) batch.Advance(*s, /*generation=*/0, 0, /*next_rows=*/1);
+//   RETURN_IF_ERROR(client->Step(batch, outcomes));           // outcomes[i].prepared: rows
+//   while (decoding) {
+//     ... kernels write each session's row, the model runs, the sampler accepts ...
+//     batch.Clear();
+//     for (size_t i = 0; i < sessions.size(); ++i) {
+//       batch.Advance(*sessions[i], outcomes[i].begun.generation, /*accepted_rows=*/1, 1);
+//     }
+//     RETURN_IF_ERROR(client->Step(batch, outcomes));
+//   }
+//
+// Arena pool: ReleaseSession keeps the session's arena in this engine's pool in the daemon
+// (arena_pool_engine_bytes), and this client keeps it mapped; the next CreateSession of the same
+// size gets it back under the same handle, so a request-per-session engine opens no new
+// mapping in steady state. The daemon frees pooled arenas when admission needs the room or the
+// lease ends, and the next CreateSession / ReleaseSession reply tells this client to unmap them.
 //
 // Engine process settings worth making (bench/README.md measured both): Debian's Abseil checks
 // every absl::Mutex acquisition for lock-order cycles, so call

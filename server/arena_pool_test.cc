@@ -27,9 +27,11 @@ class ArenaPoolTest : public ::testing::Test {
     ASSERT_NE(backend_, nullptr);
   }
 
-  // A new exported arena of `bytes`, charged to `engine`, as a released session leaves it.
-  PooledArena NewArena(uint64_t engine, uint64_t bytes) {
-    absl::StatusOr<AllocationId> charge = budget_.Allocate(engine, bytes);
+  // A new exported arena of `bytes`, charged to `engine` in `budget` (the fixture's by
+  // default), as a released session leaves it.
+  PooledArena NewArena(uint64_t engine, uint64_t bytes, DeviceBudget* budget = nullptr) {
+    absl::StatusOr<AllocationId> charge =
+        (budget == nullptr ? budget_ : *budget).Allocate(engine, bytes);
     EXPECT_THAT(charge, IsOk());
     absl::StatusOr<ArenaId> arena = backend_->CreateArena(bytes, ArenaVisibility::kExported);
     EXPECT_THAT(arena, IsOk());
@@ -105,18 +107,9 @@ TEST_F(ArenaPoolTest, AdmissionEvictsTheOldestPooledArenasBeforeRefusing) {
   DeviceBudget budget(8 * kPage, "test");
   ArenaPool pool(backend_.get(), &budget, 16 * kPage);
   pool.InstallEvictor(budget);
-  auto arena = [&](uint64_t engine, uint64_t bytes) {
-    absl::StatusOr<AllocationId> charge = budget.Allocate(engine, bytes);
-    EXPECT_THAT(charge, IsOk());
-    absl::StatusOr<ArenaId> id = backend_->CreateArena(bytes, ArenaVisibility::kExported);
-    EXPECT_THAT(id, IsOk());
-    absl::StatusOr<ArenaExport> exported = backend_->Export(*id);
-    EXPECT_THAT(exported, IsOk());
-    return PooledArena{*id, *exported, *charge};
-  };
-  const PooledArena oldest = arena(kEngineA, 3 * kPage);
-  const PooledArena middle = arena(kEngineB, 3 * kPage);
-  const PooledArena newest = arena(kEngineA, 2 * kPage);
+  const PooledArena oldest = NewArena(kEngineA, 3 * kPage, &budget);
+  const PooledArena middle = NewArena(kEngineB, 3 * kPage, &budget);
+  const PooledArena newest = NewArena(kEngineA, 2 * kPage, &budget);
   ASSERT_TRUE(pool.Put(kEngineA, oldest));
   ASSERT_TRUE(pool.Put(kEngineB, middle));
   ASSERT_TRUE(pool.Put(kEngineA, newest));

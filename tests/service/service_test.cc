@@ -93,13 +93,31 @@ uint64_t AppendAndCommit(Session& session, uint64_t rows, uint64_t accepted) {
   return committed.ok() ? *committed : 0;
 }
 
+// A Step as the wire carries it (bad-input requests the client would not build).
+absl::Status RawStep(KvClient& client, const pb::StepRequest& request, pb::StepResponse* response) {
+  return FromGrpcStatus(ClientInternals::Cache(client).Step(
+      ClientInternals::NewContext(client).get(), request, response));
+}
+
 pb::SessionRef WithToken(const Session& session, std::string token) {
   pb::SessionRef ref = ClientInternals::Ref(session);
   ref.set_session_token(std::move(token));
   return ref;
 }
 
-class ServiceTest : public DaemonTest {};
+class ServiceTest : public DaemonTest {
+ protected:
+  // `count` sessions of kCapacity on the fixture's engine (fewer, and a failure, on error).
+  std::vector<std::unique_ptr<Session>> NewSessions(int count) {
+    std::vector<std::unique_ptr<Session>> sessions;
+    for (int i = 0; i < count; ++i) {
+      std::unique_ptr<Session> session = NewSession(*client_, kCapacity);
+      if (session == nullptr) break;
+      sessions.push_back(std::move(session));
+    }
+    return sessions;
+  }
+};
 
 // Without an arena pool: a release frees its arena.
 class UnpooledServiceTest : public DaemonTest {
@@ -269,9 +287,7 @@ TEST_F(ServiceTest, EveryCallNeedsTheSessionToken) {
   *entry->mutable_session() = WithToken(*session, "x");
   entry->mutable_begin();
   pb::StepResponse results;
-  ASSERT_THAT(FromGrpcStatus(ClientInternals::Cache(*client_).Step(
-                  ClientInternals::NewContext(*client_).get(), step, &results)),
-              IsOk());
+  ASSERT_THAT(RawStep(*client_, step, &results), IsOk());
   EXPECT_EQ(results.results(0).code(), static_cast<int>(absl::StatusCode::kPermissionDenied));
 
   *rewind.mutable_session() = ClientInternals::Ref(*session);
@@ -387,11 +403,8 @@ TEST_F(ServiceTest, TransactionRefusalsChangeNothing) {
 }
 
 TEST_F(ServiceTest, StepRunsManySessionsWithIndependentResults) {
-  std::vector<std::unique_ptr<Session>> sessions;
-  for (int i = 0; i < 4; ++i) {
-    sessions.push_back(NewSession(*client_, kCapacity));
-    ASSERT_NE(sessions.back(), nullptr);
-  }
+  std::vector<std::unique_ptr<Session>> sessions = NewSessions(4);
+  ASSERT_THAT(sessions, SizeIs(4));
   StepBatch batch;
   for (const auto& session : sessions) batch.Begin(*session);
   absl::StatusOr<std::vector<StepOutcome>> begun = client_->Step(batch);
@@ -433,9 +446,7 @@ TEST_F(ServiceTest, StepRunsManySessionsWithIndependentResults) {
   pb::StepRequest empty_op;
   *empty_op.add_entries()->mutable_session() = ClientInternals::Ref(*sessions[0]);
   pb::StepResponse response;
-  ASSERT_THAT(FromGrpcStatus(ClientInternals::Cache(*client_).Step(
-                  ClientInternals::NewContext(*client_).get(), empty_op, &response)),
-              IsOk());
+  ASSERT_THAT(RawStep(*client_, empty_op, &response), IsOk());
   EXPECT_EQ(response.results(0).code(), static_cast<int>(absl::StatusCode::kInvalidArgument));
   EXPECT_THAT(response.results(0).message(), HasSubstr("names no operation"));
 }
@@ -492,11 +503,8 @@ StepOutcome StepOne(KvClient& client, StepBatch& batch) {
 }
 
 TEST_F(ServiceTest, AdvanceRunsADecodeLoopInOneEntryPerSessionPerStep) {
-  std::vector<std::unique_ptr<Session>> sessions;
-  for (int i = 0; i < 3; ++i) {
-    sessions.push_back(NewSession(*client_, kCapacity));
-    ASSERT_NE(sessions.back(), nullptr);
-  }
+  std::vector<std::unique_ptr<Session>> sessions = NewSessions(3);
+  ASSERT_THAT(sessions, SizeIs(3));
   StepBatch batch;
   std::vector<StepOutcome> outcomes;
   for (const auto& session : sessions) batch.Advance(*session, 0, 0, 4);
@@ -595,9 +603,7 @@ TEST_F(ServiceTest, AdvanceRefusalsChangeNothing) {
   entry->mutable_advance()->set_generation(generation);
   entry->mutable_advance()->set_accepted_rows(3);
   pb::StepResponse response;
-  ASSERT_THAT(FromGrpcStatus(ClientInternals::Cache(*other).Step(
-                  ClientInternals::NewContext(*other).get(), request, &response)),
-              IsOk());
+  ASSERT_THAT(RawStep(*other, request, &response), IsOk());
   EXPECT_EQ(response.results(0).code(), static_cast<int>(absl::StatusCode::kPermissionDenied));
   EXPECT_THAT(response.results(0).message(), HasSubstr("wrong session token"));
   EXPECT_FALSE(response.results(0).has_advance());
@@ -898,9 +904,7 @@ TEST_F(ServiceTest, StepBySlotRunsTheOwnersSessionsAndRefusesEveryoneElse) {
   request.mutable_engine()->set_engine_id(client_->engine_id());
   request.mutable_engine()->set_engine_token("not the token");
   pb::StepResponse response;
-  ASSERT_THAT(FromGrpcStatus(ClientInternals::Cache(*client_).Step(
-                  ClientInternals::NewContext(*client_).get(), request, &response)),
-              IsOk());
+  ASSERT_THAT(RawStep(*client_, request, &response), IsOk());
   EXPECT_EQ(response.results(0).code(), static_cast<int>(absl::StatusCode::kPermissionDenied));
   EXPECT_THAT(response.results(0).message(), HasSubstr("wrong engine token"));
   EXPECT_EQ(response.results(1).code(), 0);
@@ -911,9 +915,7 @@ TEST_F(ServiceTest, StepBySlotRunsTheOwnersSessionsAndRefusesEveryoneElse) {
   ASSERT_THAT(ClientInternals::Engine(*client_), IsOk());
   *request.mutable_engine() = *ClientInternals::Engine(*client_);
   response.Clear();
-  ASSERT_THAT(FromGrpcStatus(ClientInternals::Cache(*client_).Step(
-                  ClientInternals::NewContext(*client_).get(), request, &response)),
-              IsOk());
+  ASSERT_THAT(RawStep(*client_, request, &response), IsOk());
   EXPECT_EQ(response.results(0).code(), static_cast<int>(absl::StatusCode::kNotFound));
   EXPECT_THAT(response.results(0).message(), HasSubstr("slot 1000 holds no session"));
 
@@ -929,11 +931,8 @@ TEST_F(ServiceTest, StepBySlotRunsTheOwnersSessionsAndRefusesEveryoneElse) {
 // changes lose the previous step's payload, a refused entry carries no stale one, and a reply
 // that outgrows the batch's reused arena block is parsed correctly after the block grows.
 TEST_F(ServiceTest, StepReusesTheBatchAndTheOutcomesAcrossSteps) {
-  std::vector<std::unique_ptr<Session>> sessions;
-  for (int i = 0; i < 3; ++i) {
-    sessions.push_back(NewSession(*client_, kCapacity));
-    ASSERT_NE(sessions.back(), nullptr);
-  }
+  std::vector<std::unique_ptr<Session>> sessions = NewSessions(3);
+  ASSERT_THAT(sessions, SizeIs(3));
   StepBatch batch;
   std::vector<StepOutcome> outcomes;
   for (uint64_t step = 0; step < 3; ++step) {
