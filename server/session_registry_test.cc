@@ -9,6 +9,8 @@
 #include "core/test_model_plans.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "core/sizing.h"
+#include "server/arena_pool.h"
 #include "server/clock.h"
 #include "server/device_budget.h"
 #include "server/engine_leases.h"
@@ -140,6 +142,40 @@ TEST_F(SessionRegistryTest, SlotsAreDenseReusedAfterReleaseAndOnlyTheirEnginesTo
   // An engine's reclaim frees its slots.
   EXPECT_EQ(registry_->ReleaseOwnedBy(a.id).sessions, 3u);
   EXPECT_LT(Create(b)->slot(), 3u) << "a freed slot is reused before slot 4 is added";
+}
+
+// An engine's share counts its pooled arenas: a CreateSession refused for it while the engine's
+// own pool holds arenas (of another size) frees that pool and is admitted on the retry.
+TEST_F(SessionRegistryTest, ARefusedCreateFreesTheEnginesOwnPoolAndRetries) {
+  auto bytes_of = [&](uint64_t capacity) {
+    absl::StatusOr<uint64_t> bytes = SessionArenaBytes(*plans_.Find(plan_).value(),
+                                                       FormatDefaults(), Shape(capacity),
+                                                       registry_->rounding());
+    EXPECT_THAT(bytes, IsOk());
+    return bytes.value_or(0);
+  };
+  const uint64_t small = bytes_of(256), large = bytes_of(1024);
+  ASSERT_GT(large, small);
+  // 50% of the budget: room for the large session, not for it and the pooled small one.
+  DeviceBudget budget(2 * large + small / 2, "test", AdmissionLimits{.owner_share_percent = 50});
+  EngineLeases leases(&clock_, &budget, LeaseSettings{kTimeout, kGrace, kTimeout});
+  ArenaPool pool(backend_.get(), &budget, uint64_t{1} << 30);
+  SessionRegistry registry(backend_.get(), &budget, &leases, &plans_, FormatDefaults(), nullptr,
+                           UINT64_MAX, &pool);
+  absl::StatusOr<EngineLease> engine = leases.Attach("a", 1, nullptr);
+  ASSERT_THAT(engine, IsOk());
+  absl::StatusOr<std::shared_ptr<DaemonSession>> first =
+      registry.Create(Engine(*engine), plan_, Shape(256), std::nullopt);
+  ASSERT_THAT(first, IsOk());
+  ASSERT_THAT(registry.Release(Credentials(**first)), IsOk());
+  EXPECT_EQ(pool.pooled_bytes(engine->id.value), small);
+  absl::StatusOr<std::shared_ptr<DaemonSession>> second =
+      registry.Create(Engine(*engine), plan_, Shape(1024), std::nullopt);
+  ASSERT_THAT(second, IsOk());
+  EXPECT_EQ(pool.pooled_bytes(engine->id.value), 0u);
+  EXPECT_EQ(pool.TakeUnmapped(engine->id.value).size(), 1u) << "its client is told to unmap it";
+  registry.ReleaseAll();
+  EXPECT_EQ(budget.Snapshot().allocated(), 0u);
 }
 
 TEST_F(SessionRegistryTest, CreateRefusalsAllocateNothing) {

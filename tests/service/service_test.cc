@@ -833,6 +833,27 @@ TEST_F(ServiceTest, AdmissionEvictsPooledArenasBeforeRefusing) {
   EXPECT_EQ(EngineStatusOf(*daemon_, client_->engine_id()).new_arenas(), created);
 }
 
+TEST_F(ServiceTest, AnEnginesPoolIsFreedWhenItsLeaseEndsBeforeItsGracePasses) {
+  std::unique_ptr<KvClient> engine = NewClient("engine-b");
+  ASSERT_NE(engine, nullptr);
+  const uint64_t id = engine->engine_id();
+  absl::StatusOr<std::unique_ptr<Session>> pooled =
+      engine->CreateSession(plan_, Options(kCapacity));
+  ASSERT_THAT(pooled, IsOk());
+  absl::StatusOr<std::unique_ptr<Session>> live = engine->CreateSession(plan_, Options(kCapacity));
+  ASSERT_THAT(live, IsOk());
+  ASSERT_THAT((*pooled)->Release(), IsOk());
+  EXPECT_EQ(host_->ArenaCount(), 2u);
+  engine->Detach();  // the lease ends; its live session stays until the grace passes
+  for (int i = 0; i < 500 && EngineStatusOf(*daemon_, id).lease_live(); ++i) {
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  daemon_->CheckLeases();
+  EXPECT_EQ(host_->ArenaCount(), 1u) << "the pooled arena went, the session's stays";
+  EXPECT_EQ(EngineStatusOf(*daemon_, id).pooled_bytes(), 0u);
+  EXPECT_EQ(EngineStatusOf(*daemon_, id).sessions(), 1u);
+}
+
 TEST_F(ServiceTest, AnEnginesPoolIsFreedWhenItsLeaseEndsAndAtReclaim) {
   std::unique_ptr<KvClient> engine = NewClient("engine-b");
   ASSERT_NE(engine, nullptr);
