@@ -55,9 +55,9 @@ TEST(ConfigTest, KeyListIsTheDocumentedOne) {
                           "prefix_capture_on_engine_death", "prefix_verify_checksums",
                           "prefix_copy_threads", "watchdog", "max_plan_layers",
                           "max_engine_sessions", "max_engine_plans", "max_engine_budget_share",
-                          "max_attached_engines", "max_arenas", "admin_socket_path",
-                          "admin_socket_mode", "admin_socket_group", "handoff_socket_path",
-                          "cache_scope_allow"));
+                          "max_attached_engines", "arena_pool_engine_bytes", "max_arenas",
+                          "admin_socket_path", "admin_socket_mode", "admin_socket_group",
+                          "handoff_socket_path", "cache_scope_allow"));
   EXPECT_THAT(reloadable, ElementsAre("budget_bytes", "cuda_memory_fraction", "cuda_reserve_bytes",
                                       "lease_timeout_ms", "reservation_ttl_ms", "log_level",
                                       "drain_grace_ms", "prefix_cache_budget_bytes"));

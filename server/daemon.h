@@ -48,6 +48,7 @@
 #include "proto/memra/kv/v1/admin.pb.h"
 #include "server/admin_service.h"
 #include "server/arena_handoff.h"
+#include "server/arena_pool.h"
 #include "server/backend.h"
 #include "server/cache_scopes.h"
 #include "server/cache_service.h"
@@ -101,8 +102,9 @@ class Daemon {
   size_t SetDraining(bool draining) ABSL_LOCKS_EXCLUDED(mu_);
 
   // Applies lease decisions at clock->Now(): expires silent engines, reclaims engines whose
-  // grace has passed (releasing each of their sessions once), drops lapsed reservations. The
-  // lease thread calls it periodically; tests call it after moving a FakeClock.
+  // grace has passed (releasing each of their sessions once), drops lapsed reservations, frees
+  // the arena pools of engines without a live lease. The lease thread calls it periodically;
+  // tests call it after moving a FakeClock.
   void CheckLeases();
 
   // What KvAdmin.GetStatus answers.
@@ -132,6 +134,8 @@ class Daemon {
   // named with its token, and one of its arenas.
   ArenaHandoff::Options HandoffOptions() const;
   ArenaHandoff::ArenaLookup LookupArena();
+  // Frees the pooled arenas of engines whose lease ended or that were reclaimed.
+  void FreeUnusablePools();
   AdminService::Parts AdminParts(ServedSocket socket);
 
   void LeaseLoop() ABSL_LOCKS_EXCLUDED(stop_mu_);
@@ -168,6 +172,8 @@ class Daemon {
   // Null when prefix_cache_budget_bytes is 0. Its arenas live in backend_; its lock comes after
   // a session's own mutex (server/prefix_cache.h).
   const std::unique_ptr<PrefixCache> prefix_cache_;
+  // Released session arenas per engine (arena_pool_engine_bytes); evicted before prefix entries.
+  ArenaPool arena_pool_;
   SessionRegistry sessions_;
   ArenaHandoff handoff_;
   // One KvPrefixCache and one KvAdmin per socket (server/served_socket.h).

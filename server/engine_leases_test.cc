@@ -75,7 +75,8 @@ TEST_F(EngineLeasesTest, DrainingRefusesNewEnginesReservationsAndAdmissions) {
   const EngineLease a = AttachCounting("a", &cancels);
   leases_.SetDraining(true);
   EXPECT_TRUE(leases_.draining());
-  EXPECT_THAT(leases_.Attach(EngineIdentity{.name = "b", .peer = {}, .cache_scope = "uid:0"}, nullptr),
+  EXPECT_THAT(
+      leases_.Attach(EngineIdentity{.name = "b", .peer = {}, .cache_scope = "uid:0"}, nullptr),
               StatusIs(absl::StatusCode::kUnavailable, HasSubstr("draining")));
   EXPECT_THAT(leases_.Admit(Credentials(a), "no new sessions"),
               StatusIs(absl::StatusCode::kUnavailable, HasSubstr("no new sessions")));

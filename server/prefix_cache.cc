@@ -259,7 +259,7 @@ PrefixCache::~PrefixCache() {
   absl::MutexLock lock(&mu_);
   for (const auto& [handle, storage] : storage_) FreeStorage(storage);
   storage_.clear();
-  if (budget_ != nullptr) budget_->SetEvictable(0);
+  if (budget_ != nullptr) budget_->SetEvictable(EvictableSource::kPrefixCache, 0);
 }
 
 void PrefixCache::FreeStorage(const Storage& storage) {
@@ -283,7 +283,9 @@ void PrefixCache::FreeHandles(const std::vector<uint64_t>& handles) {
 }
 
 void PrefixCache::PublishEvictable() {
-  if (budget_ != nullptr) budget_->SetEvictable(index_.EvictableBytes());
+  if (budget_ != nullptr) {
+    budget_->SetEvictable(EvictableSource::kPrefixCache, index_.EvictableBytes());
+  }
 }
 
 absl::StatusOr<PrefixCache::Stored> PrefixCache::StorePieces(
@@ -746,7 +748,8 @@ uint64_t PrefixCache::EvictForAdmission(uint64_t bytes) {
 }
 
 void PrefixCache::InstallEvictor(DeviceBudget& budget) {
-  budget.SetEvictor([this](uint64_t bytes) { return EvictForAdmission(bytes); });
+  budget.SetEvictor(EvictableSource::kPrefixCache,
+                   [this](uint64_t bytes) { return EvictForAdmission(bytes); });
 }
 
 PrefixCacheStats PrefixCache::Stats() const {
