@@ -7,6 +7,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
 #include "absl/time/clock.h"
 #include "client/internal.h"
 #include "common/codec.h"
@@ -198,9 +199,17 @@ struct KvClient::LeaseStream {
   std::unique_ptr<grpc::ClientReaderWriter<pb::AttachRequest, pb::AttachResponse>> stream;
 };
 
+std::string DefaultHandoffSocketPath(absl::string_view socket_path) {
+  absl::ConsumeSuffix(&socket_path, ".sock");
+  return absl::StrCat(socket_path, ".handoff.sock");
+}
+
 absl::StatusOr<std::unique_ptr<KvClient>> KvClient::Connect(const std::string& socket_path,
                                                             ClientOptions options) {
   if (options.mapper == nullptr) options.mapper = std::make_shared<HostArenaMapper>();
+  if (options.handoff_socket_path.empty()) {
+    options.handoff_socket_path = DefaultHandoffSocketPath(socket_path);
+  }
   std::shared_ptr<grpc::Channel> channel =
       grpc::CreateChannel(absl::StrCat("unix:", socket_path), grpc::InsecureChannelCredentials());
   const auto deadline =
@@ -223,12 +232,17 @@ absl::Status KvClient::Attach(const std::string& engine_name) {
   if (lease_stream_ != nullptr) {
     return absl::FailedPreconditionError(absl::StrCat("already attached as engine ", engine_id_));
   }
+  // The handoff connection first: its ticket proves to the daemon who this engine is.
+  ASSIGN_OR_RETURN(std::unique_ptr<HandoffChannel> handoff,
+                   HandoffChannel::Connect(options_.handoff_socket_path, options_.deadline));
   // The lease stream lives as long as the engine: no deadline (the heartbeats are its clock).
   auto lease = std::make_unique<LeaseStream>();
   lease->stream = rpc_->cache->Attach(&lease->context);
   pb::AttachRequest hello;
   hello.mutable_hello()->set_engine_name(engine_name);
   hello.mutable_hello()->set_pid(getpid());
+  hello.mutable_hello()->set_handoff_ticket(handoff->ticket());
+  hello.mutable_hello()->set_cache_scope(options_.cache_scope);
   pb::AttachResponse response;
   const bool answered = lease->stream->Write(hello) && lease->stream->Read(&response);
   if (!answered || !response.has_attached()) {
@@ -240,8 +254,10 @@ absl::Status KvClient::Attach(const std::string& engine_name) {
     return status;
   }
   lease_stream_ = std::move(lease);
+  handoff_ = std::move(handoff);
   engine_id_ = response.attached().engine().engine_id();
   engine_token_ = response.attached().engine().engine_token();
+  cache_scope_ = response.attached().cache_scope();
   lease_timeout_ = absl::Milliseconds(response.attached().lease_timeout_ms());
   stop_ = false;
   lease_alive_.store(true);
@@ -283,12 +299,36 @@ void KvClient::Detach() {
   absl::MutexLock lock(&mu_);
   (void)lease_stream_->stream->Finish();
   lease_stream_.reset();
+  handoff_.reset();
   lease_alive_.store(false);
+}
+
+absl::StatusOr<ArenaFd> KvClient::FetchArenaFd(uint64_t session_id,
+                                               absl::string_view session_token,
+                                               absl::string_view handle) {
+  std::shared_ptr<HandoffChannel> handoff;
+  {
+    absl::MutexLock lock(&mu_);
+    handoff = handoff_;
+  }
+  if (handoff == nullptr) {
+    return absl::FailedPreconditionError(
+        "mapping a host arena before Attach: its descriptor comes over the engine's handoff "
+        "connection");
+  }
+  return handoff->FetchArena(handoff::ArenaRequest{.session_id = session_id,
+                                                   .session_token = std::string(session_token),
+                                                   .handle = std::string(handle)});
 }
 
 uint64_t KvClient::engine_id() const {
   absl::MutexLock lock(&mu_);
   return engine_id_;
+}
+
+std::string KvClient::cache_scope() const {
+  absl::MutexLock lock(&mu_);
+  return cache_scope_;
 }
 
 absl::Duration KvClient::lease_timeout() const {
@@ -484,6 +524,9 @@ absl::StatusOr<PrefixMatch> KvClient::LookupPrefix(const PlanFingerprint& plan,
                                                    const SessionOptions& shape,
                                                    absl::Span<const int32_t> token_ids) {
   pb::LookupPrefixRequest request;
+  ASSIGN_OR_RETURN(auto engine, AttachedEngine("LookupPrefix"));  // its cache scope is read
+  request.mutable_engine()->set_engine_id(engine.first);
+  request.mutable_engine()->set_engine_token(engine.second);
   SetShape(plan, shape, *request.mutable_shape());
   request.mutable_token_ids()->Add(token_ids.begin(), token_ids.end());
   pb::LookupPrefixResponse response;
@@ -569,6 +612,7 @@ absl::StatusOr<std::optional<PrefixCacheEvent>> PrefixEventStream::Next() {
     ASSIGN_OR_RETURN(out.boundary_key, BlockKeyFromBytes(event.boundary_key(), "boundary key"));
   }
   out.reason = event.reason();
+  out.cache_scope = event.cache_scope();
   return out;
 }
 
@@ -578,6 +622,14 @@ std::unique_ptr<PrefixEventStream> KvClient::SubscribePrefixEvents(uint64_t epoc
   pb::SubscribePrefixEventsRequest request;
   request.set_epoch(epoch);
   request.set_last_sequence(last_sequence);
+  // The engine's scope's events (an unattached client is refused by the engine socket).
+  {
+    absl::MutexLock lock(&mu_);
+    if (lease_stream_ != nullptr) {
+      request.mutable_engine()->set_engine_id(engine_id_);
+      request.mutable_engine()->set_engine_token(engine_token_);
+    }
+  }
   call->reader = rpc_->prefix->SubscribeEvents(&call->context, request);
   return std::unique_ptr<PrefixEventStream>(new PrefixEventStream(std::move(call)));
 }
@@ -618,6 +670,12 @@ absl::StatusOr<pb::GetStatusResponse> ClientInternals::GetStatus(KvClient& clien
   RETURN_IF_ERROR(FromGrpcStatus(
       client.rpc_->admin->GetStatus(NewContext(client).get(), pb::GetStatusRequest(), &response)));
   return response;
+}
+
+absl::StatusOr<ArenaFd> ClientInternals::FetchArenaFd(KvClient& client, uint64_t session_id,
+                                                      absl::string_view session_token,
+                                                      absl::string_view handle) {
+  return client.FetchArenaFd(session_id, session_token, handle);
 }
 
 // ---- StepBatch ----
@@ -679,7 +737,10 @@ absl::Status Session::Adopt(SessionLayout layout) {
   bases.reserve(layout.arenas.size());
   for (size_t i = 0; i < layout.arenas.size(); ++i) {
     const SessionArena& arena = layout.arenas[i];
-    absl::StatusOr<void*> base = client_->mapper().Map(arena.backend, arena.handle, arena.bytes);
+    absl::StatusOr<void*> base =
+        client_->mapper().Map(arena.backend, arena.handle, arena.bytes, [&] {
+          return client_->FetchArenaFd(id_, token_, arena.handle);
+        });
     if (!base.ok()) {
       // Leave nothing mapped that no layout names (arenas already ours stay mapped).
       for (size_t j = 0; j < i; ++j) {

@@ -99,6 +99,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
+#include "client/handoff_channel.h"
 #include "client/mapper.h"
 #include "core/model_plan.h"
 #include "core/prefix_index.h"
@@ -113,7 +114,18 @@ struct ClientOptions {
   // Maps arena exports. Null: a HostArenaMapper (the host backend). An engine on the cuda
   // backend passes a CudaArenaMapper.
   std::shared_ptr<ArenaMapper> mapper;
+  // The daemon's handoff socket (its handoff_socket_path): Attach gets its ticket there, and
+  // host arenas' descriptors come over it. Empty: the socket path given to Connect with
+  // ".sock" replaced by ".handoff.sock" (appended when it does not end in ".sock"), as the
+  // daemon derives it by default.
+  std::string handoff_socket_path;
+  // The prefix-cache scope to attach in (proto Hello.cache_scope): empty = this user's own
+  // ("uid:<uid>"); a named one must be allowed by the daemon's cache_scope_allow.
+  std::string cache_scope;
 };
+
+// The handoff socket beside `socket_path` when none is configured (ClientOptions).
+std::string DefaultHandoffSocketPath(absl::string_view socket_path);
 
 struct SessionOptions {
   uint64_t capacity = 0;  // context capacity, tokens
@@ -268,6 +280,7 @@ struct PrefixCacheEvent {
   std::vector<BlockKey> block_keys;      // chain order
   std::optional<BlockKey> boundary_key;  // set when a boundary state was stored or freed
   std::string reason;
+  std::string cache_scope;  // the entry's scope (the subscriber's own on the engine socket)
   bool operator==(const PrefixCacheEvent&) const = default;
 };
 
@@ -442,8 +455,9 @@ class KvClient {
                                                            ClientOptions options = {});
   ~KvClient();  // Detach()
 
-  // Opens the lease and starts the thread that keeps it alive (a heartbeat every third of the
-  // lease timeout). FAILED_PRECONDITION when already attached.
+  // Connects to the handoff socket, opens the lease with its ticket and starts the thread that
+  // keeps the lease alive (a heartbeat every third of the lease timeout). FAILED_PRECONDITION
+  // when already attached; UNAVAILABLE when the handoff socket does not answer.
   absl::Status Attach(const std::string& engine_name) ABSL_LOCKS_EXCLUDED(mu_);
   // Ends the lease: the daemon frees this engine's sessions after its grace period.
   void Detach() ABSL_LOCKS_EXCLUDED(mu_);
@@ -452,6 +466,8 @@ class KvClient {
   uint64_t engine_id() const ABSL_LOCKS_EXCLUDED(mu_);
   // The lease timeout the daemon announced.
   absl::Duration lease_timeout() const ABSL_LOCKS_EXCLUDED(mu_);
+  // The prefix-cache scope the daemon attached this engine in (empty before Attach).
+  std::string cache_scope() const ABSL_LOCKS_EXCLUDED(mu_);
 
   // REQUIRES: Attach() succeeded (the plan counts against this engine's max_engine_plans).
   absl::StatusOr<PlanFingerprint> RegisterPlan(const ModelPlan& plan);
@@ -480,8 +496,9 @@ class KvClient {
   absl::StatusOr<PrefixCaptured> CapturePrefix(const Session& session,
                                                absl::Span<const int32_t> token_ids,
                                                uint64_t boundary_tokens);
-  // The longest restorable prefix of `token_ids` for sessions of `plan` with `shape`'s layer
-  // range and ranks (its capacity and the rest are ignored).
+  // The longest restorable prefix of `token_ids`, in this engine's cache scope, for sessions of
+  // `plan` with `shape`'s layer range and ranks (its capacity and the rest are ignored).
+  // REQUIRES: Attach() succeeded.
   absl::StatusOr<PrefixMatch> LookupPrefix(const PlanFingerprint& plan, const SessionOptions& shape,
                                            absl::Span<const int32_t> token_ids);
   // Restores entry `entry_id` (0: the longest match) into the FRESH `session`; `token_ids` the
@@ -490,7 +507,8 @@ class KvClient {
                                                absl::Span<const int32_t> token_ids,
                                                uint64_t entry_id = 0);
   // The cache's events after (epoch, last_sequence) (0, 0: from the start of the daemon's
-  // buffer), then live ones until the stream is cancelled. No deadline.
+  // buffer), then live ones until the stream is cancelled. No deadline. On the engine socket
+  // an attached engine's, of its cache scope only; on the admin socket every scope's.
   std::unique_ptr<PrefixEventStream> SubscribePrefixEvents(uint64_t epoch = 0,
                                                            uint64_t last_sequence = 0);
 
@@ -504,6 +522,10 @@ class KvClient {
   // The lease's Attach stream.
   struct LeaseStream;
   KvClient(ClientOptions options, std::unique_ptr<Rpc> rpc);
+  // The descriptor of arena `handle` of a session of this engine, over the handoff connection
+  // Attach opened (FAILED_PRECONDITION before Attach; the daemon's refusal as it sent it).
+  absl::StatusOr<ArenaFd> FetchArenaFd(uint64_t session_id, absl::string_view session_token,
+                                       absl::string_view handle) ABSL_LOCKS_EXCLUDED(mu_);
   void KeepLease(absl::Duration period) ABSL_LOCKS_EXCLUDED(mu_);
   // The engine's identity (id, token); FAILED_PRECONDITION before Attach (`what` names the call).
   absl::StatusOr<std::pair<uint64_t, std::string>> AttachedEngine(absl::string_view what) const
@@ -518,9 +540,12 @@ class KvClient {
   mutable absl::Mutex mu_;
   uint64_t engine_id_ ABSL_GUARDED_BY(mu_) = 0;
   std::string engine_token_ ABSL_GUARDED_BY(mu_);
+  std::string cache_scope_ ABSL_GUARDED_BY(mu_);
   absl::Duration lease_timeout_ ABSL_GUARDED_BY(mu_);
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
   std::unique_ptr<LeaseStream> lease_stream_ ABSL_GUARDED_BY(mu_);
+  // Opened by Attach, closed by Detach; shared so a fetch in flight outlives a Detach.
+  std::shared_ptr<HandoffChannel> handoff_ ABSL_GUARDED_BY(mu_);
   std::thread lease_thread_ ABSL_GUARDED_BY(mu_);
 };
 

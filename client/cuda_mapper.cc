@@ -30,7 +30,7 @@ class IpcMapping final : public CachingArenaMapper::Mapping {
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<CachingArenaMapper::Mapping>> CudaArenaMapper::Open(
-    absl::string_view handle, uint64_t bytes) {
+    absl::string_view handle, uint64_t bytes, ArenaFdSource) {
   cudaIpcMemHandle_t ipc_handle;
   if (handle.size() != sizeof(ipc_handle)) {
     return absl::InvalidArgumentError(

@@ -18,7 +18,9 @@ class CudaArenaMapper final : public CachingArenaMapper {
   explicit CudaArenaMapper(int device) : CachingArenaMapper("cuda"), device_(device) {}
 
  private:
-  absl::StatusOr<std::unique_ptr<Mapping>> Open(absl::string_view handle, uint64_t bytes) override;
+  // `fetch_fd` is not used: an IPC handle opens the memory by itself.
+  absl::StatusOr<std::unique_ptr<Mapping>> Open(absl::string_view handle, uint64_t bytes,
+                                                ArenaFdSource fetch_fd) override;
 
   const int device_;  // constant after construction
 };

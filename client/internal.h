@@ -35,6 +35,11 @@ class ClientInternals {
   static const memra::kv::v1::StepRequest& Request(const StepBatch& batch);
   // KvAdmin.GetStatus.
   static absl::StatusOr<memra::kv::v1::GetStatusResponse> GetStatus(KvClient& client);
+  // An arena request over the client's handoff connection, with any session id, token and
+  // handle (the isolation tests' forged requests).
+  static absl::StatusOr<ArenaFd> FetchArenaFd(KvClient& client, uint64_t session_id,
+                                              absl::string_view session_token,
+                                              absl::string_view handle);
 };
 
 // The daemon's messages as client.h's types. INVALID_ARGUMENT naming the field for an enum out

@@ -72,7 +72,10 @@ pb::GetStatusResponse AdminService::Status() const {
     pb::EngineStatus* status = out.add_engine_status();
     status->set_engine_id(engine.id.value);
     status->set_engine_name(engine.name);
-    status->set_pid(engine.pid);
+    status->set_pid(engine.peer.pid);
+    status->set_uid(engine.peer.uid);
+    status->set_gid(engine.peer.gid);
+    status->set_cache_scope(engine.cache_scope);
     status->set_lease_live(engine.lease_live);
     status->set_last_heartbeat_age_ms(absl::ToInt64Milliseconds(engine.heartbeat_age));
     if (auto reserved = reserved_by_engine.find(engine.id.value);

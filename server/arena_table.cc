@@ -7,6 +7,12 @@
 
 namespace memra {
 
+absl::StatusOr<int> ArenaRecord::DuplicateFd() const {
+  return absl::FailedPreconditionError(
+      "this backend's arenas are not file descriptors: engines map them from the export handle "
+      "in the owning engine's reply");
+}
+
 absl::StatusOr<ArenaId> ArenaTable::Create(uint64_t bytes, Allocator allocate) {
   {
     absl::MutexLock lock(&mu_);

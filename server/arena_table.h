@@ -35,6 +35,9 @@ class ArenaRecord {
   uint64_t bytes() const { return bytes_; }
   const std::string& export_handle() const { return export_handle_; }
   bool exported() const { return !export_handle_.empty(); }
+  // A new O_CLOEXEC descriptor of the memory, owned by the caller (DeviceBackend::
+  // DuplicateArenaFd). FAILED_PRECONDITION unless the backend's exports are descriptors.
+  virtual absl::StatusOr<int> DuplicateFd() const;
 
  private:
   uint8_t* const data_;

@@ -43,8 +43,10 @@ enum class ArenaVisibility {
 };
 
 // What an engine needs to map an exported arena. `handle` is opaque to everything but the
-// matching client mapper: the host backend's shm object name, or the cuda backend's 64 raw bytes
-// of cudaIpcMemHandle_t.
+// matching client mapper: on the host backend a random arena handle (32 lowercase hex chars, no
+// name anywhere in the file system) the engine trades for the arena's memfd over the handoff
+// socket (server/arena_handoff.h); on the cuda backend the 64 raw bytes of cudaIpcMemHandle_t.
+// A handle stays the same for the arena's whole life (client mapping caches are keyed by it).
 struct ArenaExport {
   std::string backend;
   std::string handle;
@@ -102,6 +104,11 @@ class DeviceBackend {
   virtual absl::StatusOr<ArenaId> CreateArena(uint64_t bytes, ArenaVisibility visibility) = 0;
   // FAILED_PRECONDITION for a private arena.
   virtual absl::StatusOr<ArenaExport> Export(ArenaId arena) = 0;
+  // A new descriptor (O_CLOEXEC) of an exported arena's memory, which the caller owns: the host
+  // backend's sealed memfd, handed to the owning engine over the handoff socket (and kept across
+  // a daemon restart). FAILED_PRECONDITION for a private arena or a backend whose exports are
+  // not file descriptors (cuda IPC handles); NOT_FOUND for an unknown arena.
+  virtual absl::StatusOr<int> DuplicateArenaFd(ArenaId arena) = 0;
   // Exported arenas stop being mappable by new clients; existing client mappings stay valid
   // until those clients unmap (host: the shm name is unlinked).
   virtual absl::Status FreeArena(ArenaId arena) = 0;

@@ -40,8 +40,8 @@ class AttachReactor final
     : public grpc::ServerBidiReactor<pb::AttachRequest, pb::AttachResponse> {
  public:
   AttachReactor(grpc::CallbackServerContext* context, EngineLeases* leases,
-                std::string_view backend)
-      : context_(context), leases_(leases), backend_(backend) {
+                ArenaHandoff* handoff, const CacheScopes* scopes, std::string_view backend)
+      : context_(context), leases_(leases), handoff_(handoff), scopes_(scopes), backend_(backend) {
     StartRead(&request_);
   }
 
@@ -80,11 +80,19 @@ class AttachReactor final
     if (!request_.has_hello()) {
       return absl::InvalidArgumentError("the first Attach message must be a hello");
     }
+    // The ticket first: no engine exists without the peer credentials it proves. A ticket is
+    // used up even when the attach is then refused (the engine reconnects for a new one).
+    ASSIGN_OR_RETURN(HandoffClaim claim, handoff_->ClaimTicket(request_.hello().handoff_ticket()));
+    ASSIGN_OR_RETURN(std::string scope,
+                     scopes_->ScopeFor(claim.peer, request_.hello().cache_scope()));
     grpc::CallbackServerContext* context = context_;
     ASSIGN_OR_RETURN(EngineLease lease,
-                     leases_->Attach(request_.hello().engine_name(), request_.hello().pid(),
+                     leases_->Attach(EngineIdentity{.name = request_.hello().engine_name(),
+                                                    .peer = claim.peer,
+                                                    .cache_scope = scope},
                                      [context] { context->TryCancel(); }));
     engine_ = lease.id;
+    handoff_->BindEngine(claim.connection, lease.id.value);
     response_.Clear();
     pb::Attached* attached = response_.mutable_attached();
     attached->mutable_engine()->set_engine_id(lease.id.value);
@@ -92,6 +100,7 @@ class AttachReactor final
     attached->set_lease_timeout_ms(absl::ToInt64Milliseconds(lease.timeout));
     attached->set_lease_grace_ms(absl::ToInt64Milliseconds(lease.grace));
     attached->set_backend(std::string(backend_));
+    attached->set_cache_scope(scope);
     return absl::OkStatus();
   }
 
@@ -109,6 +118,8 @@ class AttachReactor final
 
   grpc::CallbackServerContext* const context_;
   EngineLeases* const leases_;
+  ArenaHandoff* const handoff_;
+  const CacheScopes* const scopes_;
   const std::string_view backend_;
   std::optional<EngineId> engine_;  // set once the hello was accepted
   pb::AttachRequest request_;
@@ -119,7 +130,7 @@ class AttachReactor final
 
 grpc::ServerBidiReactor<pb::AttachRequest, pb::AttachResponse>* CacheService::Attach(
     grpc::CallbackServerContext* context) {
-  return new AttachReactor(context, leases_, backend_->Name());
+  return new AttachReactor(context, leases_, handoff_, scopes_, backend_->Name());
 }
 
 grpc::Status CacheService::RegisterPlan(grpc::ServerContext*,

@@ -12,7 +12,9 @@
 #include "grpcpp/server_context.h"
 #include "grpcpp/support/server_callback.h"
 #include "proto/memra/kv/v1/cache.grpc.pb.h"
+#include "server/arena_handoff.h"
 #include "server/backend.h"
+#include "server/cache_scopes.h"
 #include "server/engine_leases.h"
 #include "server/plan_registry.h"
 #include "server/session_registry.h"
@@ -28,13 +30,22 @@ class CacheService final
   // The most entries one Step may carry.
   static constexpr int kMaxStepEntries = 65536;
 
-  // REQUIRES: every pointer outlives the service. `backend` waits on the engines' events.
+  // REQUIRES: every pointer outlives the service. `backend` waits on the engines' events;
+  // `handoff` redeems the attach tickets.
+  // `scopes` decides each engine's prefix-cache scope from its peer credentials.
   CacheService(EngineLeases* leases, PlanRegistry* plans, SessionRegistry* sessions,
-               DeviceBackend* backend)
-      : leases_(leases), plans_(plans), sessions_(sessions), backend_(backend) {}
+               DeviceBackend* backend, ArenaHandoff* handoff, const CacheScopes* scopes)
+      : leases_(leases),
+        plans_(plans),
+        sessions_(sessions),
+        backend_(backend),
+        handoff_(handoff),
+        scopes_(scopes) {}
 
   // The lease stream: hello -> Attached, then heartbeat -> ack until either side ends it
-  // (server/engine_leases.h has the rules).
+  // (server/engine_leases.h has the rules). The hello's handoff ticket is claimed first
+  // (server/arena_handoff.h): its peer credentials become the engine's, and its connection is
+  // bound to the engine.
   grpc::ServerBidiReactor<memra::kv::v1::AttachRequest, memra::kv::v1::AttachResponse>* Attach(
       grpc::CallbackServerContext* context) override;
   grpc::Status RegisterPlan(grpc::ServerContext*, const memra::kv::v1::RegisterPlanRequest* request,
@@ -107,6 +118,8 @@ class CacheService final
   PlanRegistry* const plans_;
   SessionRegistry* const sessions_;
   DeviceBackend* const backend_;
+  ArenaHandoff* const handoff_;
+  const CacheScopes* const scopes_;
 };
 
 // The credentials a ref carries (the views point into `ref`).

@@ -21,6 +21,16 @@ absl::StatusOr<ArenaExport> CheckedArenaBackend::Export(ArenaId id) {
   return ArenaExport{.backend = backend, .handle = arena->export_handle(), .bytes = arena->bytes()};
 }
 
+absl::StatusOr<int> CheckedArenaBackend::DuplicateArenaFd(ArenaId id) {
+  ASSIGN_OR_RETURN(std::shared_ptr<ArenaRecord> arena, arenas_.Find("DuplicateArenaFd", id));
+  if (!arena->exported()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(std::string(Name()), " DuplicateArenaFd: arena ", id.value,
+                     " is private (daemon-only) and is never handed out"));
+  }
+  return arena->DuplicateFd();
+}
+
 absl::Status CheckedArenaBackend::FreeArena(ArenaId id) { return arenas_.Remove(id); }
 
 absl::Status CheckedArenaBackend::Memset(ArenaId id, uint64_t offset, uint8_t value,

@@ -24,6 +24,7 @@ class CheckedArenaBackend : public DeviceBackend {
  public:
   absl::StatusOr<ArenaId> CreateArena(uint64_t bytes, ArenaVisibility visibility) final;
   absl::StatusOr<ArenaExport> Export(ArenaId arena) final;
+  absl::StatusOr<int> DuplicateArenaFd(ArenaId arena) final;
   absl::Status FreeArena(ArenaId arena) final;
 
   absl::Status Memset(ArenaId arena, uint64_t offset, uint8_t value, uint64_t bytes) final;

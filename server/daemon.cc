@@ -92,6 +92,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Create(DaemonConfig config,
   }
   RETURN_IF_ERROR(ValidateConfig(config));
   ASSIGN_OR_RETURN(uint64_t epoch, RandomEpoch());
+  ASSIGN_OR_RETURN(CacheScopes scopes, CacheScopes::Create(config.cache_scope_allow));
   auto [budget_bytes, rule] = BudgetFor(config, *backend);
   const AdmissionLimits limits{.max_arenas = EffectiveMaxArenas(config),
                                .owner_share_percent = config.max_engine_budget_share};
@@ -99,11 +100,12 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Create(DaemonConfig config,
                budget_bytes, rule, limits.max_arenas, limits.owner_share_percent);
   return std::unique_ptr<Daemon>(
       new Daemon(std::move(config), std::move(backend), clock,
-                 std::make_unique<DeviceBudget>(budget_bytes, rule, limits), epoch));
+                 std::make_unique<DeviceBudget>(budget_bytes, rule, limits), epoch,
+                 std::move(scopes)));
 }
 
 Daemon::Daemon(DaemonConfig config, std::unique_ptr<DeviceBackend> backend, Clock* clock,
-               std::unique_ptr<DeviceBudget> budget, uint64_t epoch)
+               std::unique_ptr<DeviceBudget> budget, uint64_t epoch, CacheScopes scopes)
     : backend_(std::move(backend)),
       clock_(clock),
       socket_path_(config.SocketPath()),
@@ -111,6 +113,7 @@ Daemon::Daemon(DaemonConfig config, std::unique_ptr<DeviceBackend> backend, Cloc
       start_config_(std::move(config)),
       budget_(std::move(budget)),
       epoch_(epoch),
+      scopes_(std::move(scopes)),
       started_(clock->Now()),
       plans_(FormatDefaults(), start_config_.max_plan_layers,
              static_cast<size_t>(start_config_.max_engine_plans)),
@@ -120,12 +123,13 @@ Daemon::Daemon(DaemonConfig config, std::unique_ptr<DeviceBackend> backend, Cloc
       sessions_(backend_.get(), budget_.get(), &leases_, &plans_, FormatDefaults(),
                 start_config_.prefix_capture_on_engine_death ? prefix_cache_.get() : nullptr,
                 start_config_.max_engine_sessions, &arena_pool_),
-      engine_prefix_service_(prefix_cache_.get(), backend_.get(), FindSession(),
+      handoff_(HandoffOptions(), LookupArena()),
+      engine_prefix_service_(prefix_cache_.get(), backend_.get(), FindSession(), FindScope(),
                              ServedSocket{ServedSocket::Audience::kEngines, admin_socket_path_}),
       operator_prefix_service_(
-          prefix_cache_.get(), backend_.get(), FindSession(),
+          prefix_cache_.get(), backend_.get(), FindSession(), FindScope(),
           ServedSocket{ServedSocket::Audience::kOperators, admin_socket_path_}),
-      cache_service_(&leases_, &plans_, &sessions_, backend_.get()),
+      cache_service_(&leases_, &plans_, &sessions_, backend_.get(), &handoff_, &scopes_),
       engine_admin_service_(
           AdminParts(ServedSocket{ServedSocket::Audience::kEngines, admin_socket_path_})),
       operator_admin_service_(
@@ -135,6 +139,37 @@ Daemon::Daemon(DaemonConfig config, std::unique_ptr<DeviceBackend> backend, Cloc
 
 PrefixService::SessionFinder Daemon::FindSession() {
   return [this](const pb::SessionRef& ref) { return sessions_.Find(SessionCredentialsOf(ref)); };
+}
+
+PrefixService::ScopeFinder Daemon::FindScope() {
+  return [this](const pb::EngineRef& ref) { return leases_.CacheScope(EngineCredentialsOf(ref)); };
+}
+
+ArenaHandoff::Options Daemon::HandoffOptions() const {
+  ArenaHandoff::Options options;
+  options.path = start_config_.HandoffSocketPath();
+  options.group = start_config_.socket_group;
+  options.mode = start_config_.socket_mode;
+  options.max_connections = static_cast<size_t>(start_config_.max_attached_engines);
+  return options;
+}
+
+ArenaHandoff::ArenaLookup Daemon::LookupArena() {
+  return [this](uint64_t engine_id,
+                const handoff::ArenaRequest& request) -> absl::StatusOr<ArenaFd> {
+    // The session token first (NOT_FOUND / PERMISSION_DENIED as on every call), then the owner:
+    // a token another engine leaked still opens nothing over this engine's connection.
+    ASSIGN_OR_RETURN(std::shared_ptr<DaemonSession> session,
+                     sessions_.Find(SessionCredentials{SessionId{request.session_id},
+                                                       request.session_token}));
+    if (session->owner().value != engine_id) {
+      return absl::PermissionDeniedError(absl::StrCat(
+          "session ", request.session_id, " belongs to engine ", session->owner().value,
+          "; this handoff connection is engine ", engine_id,
+          "'s: arenas are handed only to the engine that owns the session"));
+    }
+    return session->DuplicateArenaFd(request.handle);
+  };
 }
 
 AdminService::Parts Daemon::AdminParts(ServedSocket socket) {
@@ -161,6 +196,8 @@ absl::Status Daemon::Start() {
   }
   RETURN_IF_ERROR(PrepareSocketPath(socket_path_));
   RETURN_IF_ERROR(PrepareSocketPath(admin_socket_path_));
+  // Bound before the engine socket: an engine that finds the engine socket finds its ticket.
+  RETURN_IF_ERROR(handoff_.Start());
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   // The RPC metrics count the engine socket's calls (the hot path); operators' calls are few.
@@ -176,6 +213,7 @@ absl::Status Daemon::Start() {
   if (!admin_server.ok()) {
     server->Shutdown();
     unlink(socket_path_.c_str());
+    handoff_.Stop();
     return admin_server.status();
   }
   {
@@ -187,9 +225,9 @@ absl::Status Daemon::Start() {
   StartMetricsHttp();
   const LeaseSettings lease = leases_.settings();
   spdlog::info(
-      "memra-kvd serving engines on unix:{}, operators on unix:{} (backend {}, lease timeout {} "
-      "ms, grace {} ms)",
-      socket_path_, admin_socket_path_, std::string(backend_->Name()),
+      "memra-kvd serving engines on unix:{} (handoff {}), operators on unix:{} (backend {}, "
+      "lease timeout {} ms, grace {} ms)",
+      socket_path_, handoff_.path(), admin_socket_path_, std::string(backend_->Name()),
                absl::ToInt64Milliseconds(lease.timeout), absl::ToInt64Milliseconds(lease.grace));
   return absl::OkStatus();
 }
@@ -235,13 +273,14 @@ void Daemon::LeaseLoop() {
 
 void Daemon::CheckLeases() {
   for (const ReclaimedEngine& engine : leases_.CollectReclaimable()) {
+    handoff_.ForgetEngine(engine.id.value);
     const ReleasedSessions released = sessions_.ReleaseOwnedBy(engine.id);
     const uint64_t reserved = leases_.ReturnReservations(engine.id);
     plans_.ForgetEngine(engine.id.value);
     spdlog::info(
         "engine {} (\"{}\", pid {}) reclaimed: {} sessions, {} bytes freed, {} reserved bytes "
         "returned",
-        engine.id.value, engine.name, engine.pid, released.sessions, released.bytes, reserved);
+        engine.id.value, engine.name, engine.peer.pid, released.sessions, released.bytes, reserved);
   }
   leases_.ExpireReservations();
   FreeUnusablePools();
@@ -310,6 +349,7 @@ void Daemon::Shutdown() {
   for (grpc::Server* serving : {server.get(), admin_server.get()}) {
     if (serving != nullptr) serving->Wait();
   }
+  handoff_.Stop();  // after the servers: no Attach can claim a ticket any more
   leases_.ForgetAll();
   const ReleasedSessions released = sessions_.ReleaseAll();
   if (server != nullptr) unlink(socket_path_.c_str());

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <utility>
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "core/arena_layout.h"
 #include "core/checked_math.h"
@@ -203,6 +204,20 @@ void DaemonSession::UpdateArenaBytes() {
     if (previous_.has_value()) bytes += previous_->exported.bytes;
   }
   arena_bytes_.store(bytes, std::memory_order_relaxed);
+}
+
+absl::StatusOr<ArenaFd> DaemonSession::DuplicateArenaFd(absl::string_view handle) {
+  absl::MutexLock lock(&mu_);
+  RETURN_IF_ERROR(CheckLive());
+  for (const SessionLayoutVersion* layout : {&current_, previous_ ? &*previous_ : nullptr}) {
+    if (layout == nullptr || layout->exported.handle != handle) continue;
+    ASSIGN_OR_RETURN(const int fd, backend_->DuplicateArenaFd(layout->arena));
+    return ArenaFd{.fd = ScopedFd(fd), .bytes = layout->exported.bytes};
+  }
+  return absl::NotFoundError(absl::StrCat("session ", params_.id.value,
+                                          " has no arena with handle \"",
+                                          absl::CHexEscape(handle), "\" (layout version ",
+                                          current_.version, ")"));
 }
 
 absl::Status DaemonSession::CheckLive() const {

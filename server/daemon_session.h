@@ -33,6 +33,7 @@
 #include "core/session.h"
 #include "core/sizing.h"
 #include "proto/memra/kv/v1/cache.pb.h"
+#include "common/mapped_region.h"
 #include "server/arena_pool.h"
 #include "server/backend.h"
 #include "server/device_budget.h"
@@ -66,6 +67,9 @@ class DaemonSession {
   struct Params {
     SessionId id;
     EngineId owner;
+    // The owner's prefix-cache scope (server/cache_scopes.h): where its captures are stored,
+    // also after the owner is gone (a capture on engine death).
+    std::string cache_scope;
     std::string token;  // 16 random bytes
     std::shared_ptr<const ModelPlan> model;
     std::string fingerprint;  // the model plan's fingerprint bytes
@@ -135,6 +139,13 @@ class DaemonSession {
 
   absl::Status GetState(memra::kv::v1::SessionState* state, memra::kv::v1::SessionLayout* layout)
       ABSL_LOCKS_EXCLUDED(mu_);
+
+  // A new descriptor of the arena whose export handle is `handle` (the current layout's, or the
+  // previous one's while a grow awaits acknowledgement), for the handoff socket. Under the
+  // session's mutex, so the arena cannot be freed meanwhile. NOT_FOUND when the session was
+  // released or has no arena with that handle; the backend's refusal (cuda: FAILED_PRECONDITION,
+  // its exports are IPC handles).
+  absl::StatusOr<ArenaFd> DuplicateArenaFd(absl::string_view handle) ABSL_LOCKS_EXCLUDED(mu_);
 
   // Frees every arena (or pools it for the owner: a session created with a pool, not tainted);
   // later operations are NOT_FOUND. Returns the bytes the session held. Idempotent.

@@ -32,6 +32,7 @@
 #include "server/clock.h"
 #include "server/daemon_session.h"
 #include "server/device_budget.h"
+#include "server/peer_credentials.h"
 
 namespace memra {
 
@@ -52,6 +53,14 @@ struct EngineCredentials {
   absl::string_view token;
 };
 
+// Who an engine is: the name it gave, the peer credentials its handoff ticket proved
+// (server/arena_handoff.h) and its prefix-cache scope (server/cache_scopes.h), fixed at Attach.
+struct EngineIdentity {
+  std::string name;
+  PeerCredentials peer;
+  std::string cache_scope;
+};
+
 // What Attach hands an engine.
 struct EngineLease {
   EngineId id;
@@ -69,7 +78,8 @@ struct EngineReservation {
 struct EngineView {
   EngineId id;
   std::string name;
-  int64_t pid = 0;
+  PeerCredentials peer;
+  std::string cache_scope;
   bool lease_live = false;
   absl::Duration heartbeat_age;  // since the last heartbeat, or since the lease ended
 };
@@ -78,7 +88,7 @@ struct EngineView {
 struct ReclaimedEngine {
   EngineId id;
   std::string name;
-  int64_t pid = 0;
+  PeerCredentials peer;
 };
 
 class EngineLeases {
@@ -93,7 +103,7 @@ class EngineLeases {
   // count and the limit when max_engines are known. `cancel_stream` ends its Attach
   // stream: called at most once, when the lease times out or the daemon shuts down, never after
   // EndStream.
-  absl::StatusOr<EngineLease> Attach(absl::string_view name, int64_t pid,
+  absl::StatusOr<EngineLease> Attach(EngineIdentity identity,
                                      std::function<void()> cancel_stream) ABSL_LOCKS_EXCLUDED(mu_);
   // NOT_FOUND once reclaimed, FAILED_PRECONDITION once the lease ended.
   absl::Status Heartbeat(EngineId engine) ABSL_LOCKS_EXCLUDED(mu_);
@@ -103,6 +113,9 @@ class EngineLeases {
   // OK when the credentials name an attached engine whose lease is live: NOT_FOUND unknown
   // engine, PERMISSION_DENIED wrong token, FAILED_PRECONDITION lease ended.
   absl::Status Check(const EngineCredentials& engine) const ABSL_LOCKS_EXCLUDED(mu_);
+  // Check(), then the engine's prefix-cache scope.
+  absl::StatusOr<std::string> CacheScope(const EngineCredentials& engine) const
+      ABSL_LOCKS_EXCLUDED(mu_);
   // Check(), and UNAVAILABLE with `draining_message` while draining (one decision, one lock).
   absl::Status Admit(const EngineCredentials& engine, absl::string_view draining_message) const
       ABSL_LOCKS_EXCLUDED(mu_);
@@ -146,8 +159,7 @@ class EngineLeases {
  private:
   struct Engine {
     EngineId id;
-    std::string name;
-    int64_t pid = 0;
+    EngineIdentity identity;
     std::string token;
     absl::Time last_heartbeat;
     std::optional<absl::Time> lease_ended;  // stream ended or heartbeats stopped

@@ -29,7 +29,11 @@ class EngineLeasesTest : public ::testing::Test {
  protected:
   // Attaches an engine whose stream cancellations are counted in `cancels`.
   EngineLease AttachCounting(const std::string& name, int* cancels) {
-    absl::StatusOr<EngineLease> lease = leases_.Attach(name, 42, [cancels] { ++*cancels; });
+    absl::StatusOr<EngineLease> lease = leases_.Attach(
+        EngineIdentity{.name = name,
+                       .peer = {.uid = 1000, .gid = 100, .pid = 42},
+                       .cache_scope = "uid:1000"},
+        [cancels] { ++*cancels; });
     EXPECT_THAT(lease, IsOk());
     return lease.ok() ? *lease : EngineLease{};
   }
@@ -71,7 +75,8 @@ TEST_F(EngineLeasesTest, DrainingRefusesNewEnginesReservationsAndAdmissions) {
   const EngineLease a = AttachCounting("a", &cancels);
   leases_.SetDraining(true);
   EXPECT_TRUE(leases_.draining());
-  EXPECT_THAT(leases_.Attach("b", 1, nullptr),
+  EXPECT_THAT(
+      leases_.Attach(EngineIdentity{.name = "b", .peer = {}, .cache_scope = "uid:0"}, nullptr),
               StatusIs(absl::StatusCode::kUnavailable, HasSubstr("draining")));
   EXPECT_THAT(leases_.Admit(Credentials(a), "no new sessions"),
               StatusIs(absl::StatusCode::kUnavailable, HasSubstr("no new sessions")));
@@ -104,7 +109,8 @@ TEST_F(EngineLeasesTest, SilentEngineExpiresThenIsReclaimedExactlyOnceWithItsRes
   ASSERT_THAT(reclaimed, SizeIs(1));
   EXPECT_EQ(reclaimed[0].id.value, a.id.value);
   EXPECT_EQ(reclaimed[0].name, "a");
-  EXPECT_EQ(reclaimed[0].pid, 42);
+  EXPECT_EQ(reclaimed[0].peer.pid, 42);
+  EXPECT_EQ(reclaimed[0].peer.uid, 1000u);
   EXPECT_EQ(budget_.Snapshot().reserved(), 8192u);  // until the sessions are released
   EXPECT_EQ(leases_.ReturnReservations(a.id), 8192u);
   EXPECT_EQ(budget_.Snapshot().reserved(), 0u);

@@ -61,6 +61,10 @@ class FaultInjectingBackend final : public DeviceBackend {
 
   absl::StatusOr<ArenaId> CreateArena(uint64_t bytes, ArenaVisibility visibility) override;
   absl::StatusOr<ArenaExport> Export(ArenaId arena) override;
+  // Forwarded without an injection point: it reads no device memory.
+  absl::StatusOr<int> DuplicateArenaFd(ArenaId arena) override {
+    return target_->DuplicateArenaFd(arena);
+  }
   absl::Status FreeArena(ArenaId arena) override;
 
   absl::Status Memset(ArenaId arena, uint64_t offset, uint8_t value, uint64_t bytes) override;

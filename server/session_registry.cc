@@ -118,6 +118,7 @@ absl::StatusOr<std::shared_ptr<DaemonSession>> SessionRegistry::AllocateSession(
   ASSIGN_OR_RETURN(params.model, plans_->Find(plan));
   params.id = SessionId{next_session_id_.fetch_add(1)};
   params.owner = engine.id;
+  ASSIGN_OR_RETURN(params.cache_scope, leases_->CacheScope(engine));
   ASSIGN_OR_RETURN(params.token, RandomSecretToken());
   params.defaults = defaults_;
   params.fingerprint = FingerprintToBytes(plan);

@@ -52,7 +52,8 @@ class SessionRegistryTest : public ::testing::Test {
   }
 
   EngineLease Attach(const std::string& name) {
-    absl::StatusOr<EngineLease> lease = leases_.Attach(name, 1, nullptr);
+    absl::StatusOr<EngineLease> lease =
+        leases_.Attach(EngineIdentity{.name = name, .peer = {}, .cache_scope = "uid:0"}, nullptr);
     EXPECT_THAT(lease, IsOk());
     return lease.ok() ? *lease : EngineLease{};
   }
@@ -162,7 +163,8 @@ TEST_F(SessionRegistryTest, ARefusedCreateFreesTheEnginesOwnPoolAndRetries) {
   ArenaPool pool(backend_.get(), &budget, uint64_t{1} << 30);
   SessionRegistry registry(backend_.get(), &budget, &leases, &plans_, FormatDefaults(), nullptr,
                            UINT64_MAX, &pool);
-  absl::StatusOr<EngineLease> engine = leases.Attach("a", 1, nullptr);
+  absl::StatusOr<EngineLease> engine =
+      leases.Attach(EngineIdentity{.name = "a", .peer = {}, .cache_scope = "uid:0"}, nullptr);
   ASSERT_THAT(engine, IsOk());
   absl::StatusOr<std::shared_ptr<DaemonSession>> first =
       registry.Create(Engine(*engine), plan_, Shape(256), std::nullopt);

@@ -15,6 +15,7 @@ import grpc
 from ._proto import admin_pb2, admin_pb2_grpc, cache_pb2, cache_pb2_grpc, prefix_pb2
 from ._proto import prefix_pb2_grpc
 from .errors import KvError, code_from_value, from_rpc_error
+from .handoff import HandoffChannel, default_handoff_path
 from .planes import CudaArenaMapper, HostArenaMapper, PlaneGeometry
 
 pb = cache_pb2
@@ -112,6 +113,7 @@ class PrefixEvent:
     block_keys: List[bytes] = field(default_factory=list)
     boundary_key: bytes = b""
     reason: str = ""
+    cache_scope: str = ""
 
 
 _EVENT_KINDS = {prefix_pb2.PrefixEvent.STORED: "stored", prefix_pb2.PrefixEvent.EVICTED: "evicted",
@@ -186,8 +188,9 @@ class StepOutcome:
 class Client:
     """Thread-safe. Use as a context manager, or close() it (detaches, closes the channel)."""
 
-    def __init__(self, channel, default_timeout, mapper):
+    def __init__(self, channel, default_timeout, mapper, handoff_path):
         self._channel = channel
+        self.handoff_path = handoff_path
         self.default_timeout = default_timeout
         self.cache = cache_pb2_grpc.KvCacheStub(channel)
         self.admin_stub = admin_pb2_grpc.KvAdminStub(channel)
@@ -198,10 +201,12 @@ class Client:
         self.backend = None
 
     @classmethod
-    def connect(cls, socket_path, timeout=10.0, mapper=None):
+    def connect(cls, socket_path, timeout=10.0, mapper=None, handoff_path=None):
         """Connects to the daemon's Unix socket, waiting up to `timeout` seconds for it
         (KvError UNAVAILABLE). `mapper`: None picks HostArenaMapper or CudaArenaMapper by the
-        backend the daemon announces at attach."""
+        backend the daemon announces at attach. `handoff_path`: the daemon's handoff socket
+        (attach gets its ticket there; host arenas' descriptors come over it); None: beside
+        `socket_path` (".sock" -> ".handoff.sock"), as the daemon puts it by default."""
         channel = grpc.insecure_channel("unix:" + socket_path)
         try:
             grpc.channel_ready_future(channel).result(timeout=timeout)
@@ -209,7 +214,8 @@ class Client:
             channel.close()
             raise KvError(grpc.StatusCode.UNAVAILABLE, "memra-kvd is not answering on unix:%s "
                           "within %gs" % (socket_path, timeout)) from None
-        return cls(channel, timeout, mapper)
+        return cls(channel, timeout, mapper,
+                   handoff_path or default_handoff_path(socket_path))
 
     def __enter__(self):
         return self
@@ -232,14 +238,23 @@ class Client:
 
     # -- lease --
 
-    def attach(self, engine_name, timeout=None):
-        """Opens the lease and keeps it alive on a daemon thread (a heartbeat every third of the
-        lease timeout). KvError FAILED_PRECONDITION when already attached."""
+    def attach(self, engine_name, timeout=None, cache_scope=""):
+        """Connects to the handoff socket, opens the lease with its ticket and keeps the lease
+        alive on a daemon thread (a heartbeat every third of the lease timeout). KvError
+        FAILED_PRECONDITION when already attached, UNAVAILABLE when the handoff socket does not
+        answer. `cache_scope`: the prefix-cache scope to attach in ("": this user's own,
+        "uid:<uid>"; a named one must be allowed by the daemon's cache_scope_allow)."""
         with self._lock:
             if self._lease is not None:
                 raise KvError(grpc.StatusCode.FAILED_PRECONDITION,
                               "already attached as engine %d" % self._lease.engine_id)
-            lease = _Lease(self.cache, engine_name, self._timeout(timeout))
+            handoff = HandoffChannel(self.handoff_path, self._timeout(timeout))
+            try:
+                lease = _Lease(self.cache, engine_name, self._timeout(timeout), handoff,
+                               cache_scope)
+            except BaseException:
+                handoff.close()
+                raise
             self._lease = lease
             self.backend = lease.backend
         return lease.engine_id
@@ -257,6 +272,12 @@ class Client:
         return lease is not None and lease.alive
 
     @property
+    def cache_scope(self):
+        """The prefix-cache scope this engine attached in ("" before attach)."""
+        lease = self._lease
+        return lease.cache_scope if lease else ""
+
+    @property
     def engine_id(self):
         lease = self._lease
         return lease.engine_id if lease else 0
@@ -265,6 +286,15 @@ class Client:
     def lease_timeout_ms(self):
         lease = self._lease
         return lease.lease_timeout_ms if lease else 0
+
+    def _fetch_arena_fd(self, session_id, token, handle):
+        """(descriptor, bytes) of a host arena of this engine's session, over the handoff
+        connection attach opened."""
+        lease = self._lease
+        if lease is None:
+            raise KvError(grpc.StatusCode.FAILED_PRECONDITION, "mapping a host arena before "
+                          "attach: its descriptor comes over the engine's handoff connection")
+        return lease.handoff.fetch_arena(session_id, token, handle)
 
     def _engine(self, what):
         lease = self._lease
@@ -376,7 +406,8 @@ class Client:
         if layer_hi is not None:
             shape.layer_hi = layer_hi
         r = _call(self.prefix.Lookup, prefix_pb2.LookupPrefixRequest(
-            shape=shape, token_ids=token_ids), self._timeout(timeout))
+            shape=shape, token_ids=token_ids, engine=self._engine("lookup_prefix")),
+            self._timeout(timeout))
         return PrefixMatch(_OUTCOMES.get(r.outcome, "miss"), r.entry_id, r.matched_tokens,
                            r.block_tokens)
 
@@ -391,8 +422,13 @@ class Client:
 
     def events(self, epoch=0, last_sequence=0):
         """The prefix cache's events after (epoch, last_sequence), then live ones: an iterator
-        (PrefixEvents) that resumes from the last sequence it yielded when iterated again."""
-        return PrefixEvents(self.prefix, epoch, last_sequence)
+        (PrefixEvents) that resumes from the last sequence it yielded when iterated again. On the
+        engine socket an attached engine's, of its cache scope only (sequences skip over other
+        scopes' events); on the admin socket every scope's."""
+        lease = self._lease
+        engine = (pb.EngineRef(engine_id=lease.engine_id, engine_token=lease.engine_token)
+                  if lease is not None else None)
+        return PrefixEvents(self.prefix, epoch, last_sequence, engine)
 
     def list_prefixes(self, timeout=None):
         return _call(self.prefix.ListPrefixes, prefix_pb2.ListPrefixesRequest(),
@@ -496,10 +532,13 @@ def _selector(fingerprint, plan, hf_config):
 class _Lease:
     """The Attach stream and the daemon thread that heartbeats on it."""
 
-    def __init__(self, stub, engine_name, timeout):
+    def __init__(self, stub, engine_name, timeout, handoff, cache_scope):
+        self.handoff = handoff  # closed by stop()
         self._requests = queue.Queue()
         self._requests.put(pb.AttachRequest(hello=pb.Hello(engine_name=engine_name,
-                                                           pid=os.getpid())))
+                                                           pid=os.getpid(),
+                                                           handoff_ticket=handoff.ticket,
+                                                           cache_scope=cache_scope)))
         # No deadline on the stream: it lives as long as the engine (heartbeats are its clock).
         self._call = stub.Attach(iter(self._requests.get, None))
         # The first answer within `timeout`, or the call is cancelled.
@@ -525,6 +564,7 @@ class _Lease:
         self.lease_timeout_ms = attached.lease_timeout_ms
         self.lease_grace_ms = attached.lease_grace_ms
         self.backend = attached.backend
+        self.cache_scope = attached.cache_scope
         self.alive = True
         self._stop = threading.Event()
         period = max(self.lease_timeout_ms / 3.0, 1.0) / 1000.0
@@ -549,6 +589,7 @@ class _Lease:
         self._requests.put(None)  # ends the request stream: the daemon sees the lease end
         self._call.cancel()       # unblocks a read waiting for an ack
         self._thread.join()
+        self.handoff.close()
         self.alive = False
 
 
@@ -558,8 +599,9 @@ class PrefixEvents:
     from there, so nothing is yielded twice, and a PrefixEvent with gap=True says the daemon no
     longer had what was missed. A stream that ends with an error raises KvError."""
 
-    def __init__(self, stub, epoch, last_sequence):
+    def __init__(self, stub, epoch, last_sequence, engine=None):
         self._stub = stub
+        self._engine = engine
         self.epoch = epoch
         self.last_sequence = last_sequence
         self._call = None
@@ -572,7 +614,7 @@ class PrefixEvents:
         with self._lock:
             if self._call is None:
                 self._call = self._stub.SubscribeEvents(prefix_pb2.SubscribePrefixEventsRequest(
-                    epoch=self.epoch, last_sequence=self.last_sequence))
+                    epoch=self.epoch, last_sequence=self.last_sequence, engine=self._engine))
             call = self._call
         try:
             event = next(call)
@@ -589,7 +631,7 @@ class PrefixEvents:
         kind = _EVENT_KINDS.get(event.kind, "stored")
         return PrefixEvent(event.sequence, event.epoch, kind, kind == "gap",
                            event.shape_fingerprint, list(event.block_keys), event.boundary_key,
-                           event.reason)
+                           event.reason, event.cache_scope)
 
     def _end(self, call):
         with self._lock:
@@ -708,7 +750,10 @@ class Session:
             if arena.backend != mapper.backend:
                 raise KvError(grpc.StatusCode.INVALID_ARGUMENT, 'the %s mapper cannot map a "%s" '
                               "arena export" % (mapper.backend, arena.backend))
-            bases.append(mapper.map(arena.handle, arena.bytes))
+            bases.append(mapper.map(
+                arena.handle, arena.bytes,
+                lambda handle=arena.handle: self._client._fetch_arena_fd(self.id, self.token,
+                                                                         handle)))
         planes = {}
         for entry in layout.layers:
             for plane in entry.planes:

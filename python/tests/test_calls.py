@@ -259,21 +259,35 @@ def test_admin_fit_max_context_and_drain(small):
     session.release()
 
 
-def test_host_mapper_maps_once_and_refuses_bad_handles(tmp_path):
-    mapper = memra_kv.HostArenaMapper(shm_dir=str(tmp_path))
-    (tmp_path / "arena").write_bytes(b"\0" * 8192)
-    first = mapper.map(b"/arena", 8192)
-    assert mapper.map(b"/arena", 8192) is first and mapper.opens == 1
+def test_host_mapper_maps_once_and_refuses_bad_handles():
+    memfd = os.memfd_create("mapper-test", os.MFD_CLOEXEC)
+    os.ftruncate(memfd, 8192)
+    fetches = []
+
+    def fetch(size=8192):
+        fetches.append(size)
+        return os.dup(memfd), size
+
+    mapper = memra_kv.HostArenaMapper()
+    first = mapper.map(b"arena", 8192, fetch)
+    assert mapper.map(b"arena", 8192, fetch) is first and mapper.opens == 1
+    assert len(fetches) == 1  # mapped once: not fetched again
     with pytest.raises(KvError) as resized:
-        mapper.map(b"/arena", 4096)
+        mapper.map(b"arena", 4096, fetch)
     assert resized.value.code == grpc.StatusCode.FAILED_PRECONDITION
-    assert resized.value.message == "Map /arena: already mapped with 8192 bytes, asked for 4096"
+    assert resized.value.message == "Map arena: already mapped with 8192 bytes, asked for 4096"
     with pytest.raises(KvError) as short:
-        memra_kv.HostArenaMapper(shm_dir=str(tmp_path)).map(b"/arena", 16384)
-    assert short.value.message == "Map /arena: the object holds 8192 bytes, asked for 16384"
-    for bad in (b"arena", b"/a/b", b"/"):
+        memra_kv.HostArenaMapper().map(b"arena", 16384, lambda: fetch(16384))
+    assert short.value.message == ("Map host arena arena: the descriptor holds 8192 bytes (the "
+                                   "daemon said 16384), asked for 16384")
+    with pytest.raises(KvError) as no_source:
+        memra_kv.HostArenaMapper().map(b"arena", 8192)
+    assert no_source.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert "handoff socket" in no_source.value.message
+    for bad in (b"", b"h" * 257):
         with pytest.raises(KvError) as refused:
-            mapper.map(bad, 8192)
+            mapper.map(bad, 8192, fetch)
         assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
-    mapper.unmap(b"/arena")
+    mapper.unmap(b"arena")
     assert mapper.mapped_count == 0
+    os.close(memfd)

@@ -2,12 +2,17 @@
 // fault-injecting wrapper, FakeClock for leases) and the real client library. Every RPC, every
 // refusal with its code, and "a refused call changes nothing" checked by reading state back.
 
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <atomic>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
 #include <functional>
 #include <memory>
+#include <set>
 #include <string>
 #include <thread>
 #include <tuple>
@@ -125,6 +130,14 @@ class UnpooledServiceTest : public DaemonTest {
   void ConfigureDaemon(DaemonConfig& config) override { config.arena_pool_engine_bytes = 0; }
 };
 
+std::set<std::string> DevShmEntries() {
+  std::set<std::string> names;
+  for (const auto& entry : std::filesystem::directory_iterator("/dev/shm")) {
+    names.insert(entry.path().filename().string());
+  }
+  return names;
+}
+
 // ---- Attach, plans ----
 
 TEST_F(ServiceTest, AttachAnnouncesEngineLeaseAndBackend) {
@@ -150,6 +163,81 @@ TEST_F(ServiceTest, AttachAnnouncesEngineLeaseAndBackend) {
   ASSERT_THAT(unattached, IsOk());
   EXPECT_THAT((*unattached)->CreateSession(plan_, Options(kCapacity)),
               StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("before Attach")));
+}
+
+TEST_F(ServiceTest, AttachNeedsAValidSingleUseHandoffTicket) {
+  // The attached engine's identity is the kernel's word for its handoff connection.
+  std::unique_ptr<KvClient> operator_client = NewOperator();
+  ASSERT_NE(operator_client, nullptr);
+  absl::StatusOr<pb::GetStatusResponse> status = ClientInternals::GetStatus(*operator_client);
+  ASSERT_THAT(status, IsOk());
+  ASSERT_THAT(status->engine_status(), SizeIs(1));
+  EXPECT_EQ(status->engine_status(0).pid(), getpid());
+  EXPECT_EQ(status->engine_status(0).uid(), getuid());
+  EXPECT_EQ(status->engine_status(0).gid(), getgid());
+
+  auto attach = [&](const std::string& ticket) {
+    grpc::ClientContext context;
+    auto stream = ClientInternals::Cache(*client_).Attach(&context);
+    pb::AttachRequest hello;
+    hello.mutable_hello()->set_engine_name("ticketless");
+    hello.mutable_hello()->set_handoff_ticket(ticket);
+    pb::AttachResponse response;
+    if (stream->Write(hello) && stream->Read(&response)) {
+      context.TryCancel();
+      (void)stream->Finish();
+      return absl::OkStatus();
+    }
+    return FromGrpcStatus(stream->Finish());
+  };
+  EXPECT_THAT(attach(""), StatusIs(absl::StatusCode::kPermissionDenied,
+                                   HasSubstrs("no handoff ticket", daemon_->handoff_socket_path())));
+  EXPECT_THAT(attach("forged"), StatusIs(absl::StatusCode::kPermissionDenied,
+                                         HasSubstr("ticket is 24 bytes, got 6")));
+  std::unique_ptr<HandoffChannel> handoff = NewHandoff();
+  ASSERT_NE(handoff, nullptr);
+  ASSERT_THAT(attach(handoff->ticket()), IsOk());
+  EXPECT_THAT(attach(handoff->ticket()),
+              StatusIs(absl::StatusCode::kPermissionDenied, HasSubstr("was already used")));
+}
+
+TEST_F(ServiceTest, ArenaDescriptorsGoOnlyToTheOwningEngine) {
+  const std::set<std::string> shm_before = DevShmEntries();
+  std::unique_ptr<Session> mine = NewSession(*client_, kCapacity);
+  ASSERT_NE(mine, nullptr);
+  const SessionArena& arena = mine->layout().arenas[0];
+  // Nothing of the session is reachable by name.
+  EXPECT_EQ(DevShmEntries(), shm_before);
+  const std::string token = ClientInternals::Ref(*mine).session_token();
+
+  absl::StatusOr<ArenaFd> own = ClientInternals::FetchArenaFd(*client_, mine->id(), token,
+                                                              arena.handle);
+  ASSERT_THAT(own, IsOk());
+  EXPECT_EQ(own->bytes, arena.bytes);
+  struct stat st;
+  ASSERT_EQ(fstat(own->fd.get(), &st), 0);
+  EXPECT_EQ(static_cast<uint64_t>(st.st_size), arena.bytes);
+
+  // Another engine is refused even with the session's token (a leaked capability).
+  std::unique_ptr<KvClient> other = NewClient("engine-b");
+  ASSERT_NE(other, nullptr);
+  EXPECT_THAT(ClientInternals::FetchArenaFd(*other, mine->id(), token, arena.handle),
+              StatusIs(absl::StatusCode::kPermissionDenied,
+                       HasSubstrs("session 1 belongs to engine 1",
+                                  "this handoff connection is engine 2's")));
+  EXPECT_THAT(ClientInternals::FetchArenaFd(*other, mine->id(), "guess", arena.handle),
+              StatusIs(absl::StatusCode::kPermissionDenied,
+                       HasSubstr("wrong session token for session 1")));
+  EXPECT_THAT(ClientInternals::FetchArenaFd(*client_, mine->id(), token, "0123"),
+              StatusIs(absl::StatusCode::kNotFound,
+                       HasSubstrs("session 1 has no arena with handle \"0123\"")));
+  EXPECT_THAT(ClientInternals::FetchArenaFd(*client_, 99, token, arena.handle),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("session 99")));
+  // Refusals leave the connection serving.
+  EXPECT_THAT(ClientInternals::FetchArenaFd(*client_, mine->id(), token, arena.handle), IsOk());
+  // The session maps once: opening more planes fetches nothing more.
+  EXPECT_EQ(client_->mapper().OpenCount(), 1u);
+  EXPECT_EQ(daemon_->handoff().arenas_handed(), 3u);  // the session's mapping + two here
 }
 
 TEST_F(ServiceTest, AttachMustOpenWithHello) {
@@ -1394,10 +1482,13 @@ TEST_F(ServiceTest, SilentEngineIsReclaimedAfterTimeoutAndGrace) {
   // A hand-driven lease: no keeper thread racing the fake clock.
   absl::StatusOr<std::unique_ptr<KvClient>> raw = KvClient::Connect(daemon_->socket_path());
   ASSERT_THAT(raw, IsOk());
+  std::unique_ptr<HandoffChannel> handoff = NewHandoff();
+  ASSERT_NE(handoff, nullptr);
   grpc::ClientContext context;
   auto stream = ClientInternals::Cache(**raw).Attach(&context);
   pb::AttachRequest hello;
   hello.mutable_hello()->set_engine_name("silent");
+  hello.mutable_hello()->set_handoff_ticket(handoff->ticket());
   ASSERT_TRUE(stream->Write(hello));
   pb::AttachResponse attached;
   ASSERT_TRUE(stream->Read(&attached));
