@@ -83,8 +83,12 @@ struct Daemon {
         state.get());
     registry = std::make_unique<SessionRegistry>(backend.get(), &budget, leases.get(), &plans,
                                                  FormatDefaults(), nullptr, UINT64_MAX,
-                                                 state.get());
-    lease = *leases->Attach("bench", getpid(), nullptr);
+                                                 /*pool=*/nullptr, state.get());
+    lease = *leases->Attach(
+        EngineIdentity{.name = "bench",
+                       .peer = {.uid = getuid(), .gid = getgid(), .pid = getpid()},
+                       .cache_scope = absl::StrCat("uid:", getuid())},
+        nullptr);
     plan = *plans.Register(test_plans::Llama3_8B());
   }
 

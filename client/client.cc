@@ -7,6 +7,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
 #include "absl/time/clock.h"
 #include "client/internal.h"
 #include "common/codec.h"
@@ -65,6 +66,13 @@ PreparedAppend PreparedFromProto(const pb::PrepareAppendResponse& proto) {
   PreparedAppend out;
   PreparedFromProto(proto, out);
   return out;
+}
+
+// Drops the mappings of pooled arenas the daemon has freed (proto unmap_handles). NOT_FOUND is
+// fine: a mapping this process already dropped.
+void UnmapFreedPoolArenas(ArenaMapper& mapper,
+                          const google::protobuf::RepeatedPtrField<std::string>& handles) {
+  for (const std::string& handle : handles) (void)mapper.Unmap(handle);
 }
 
 }  // namespace
@@ -134,10 +142,15 @@ struct StepBatch::Wire {
   void RecycleReply();
   pb::StepEntry* Add(const Session& session) {
     pb::StepEntry* entry = request.add_entries();
-    *entry->mutable_session() = ClientInternals::Ref(session);
+    if (addressing == StepAddressing::kSlot) {
+      entry->set_slot(session.slot());
+    } else {
+      *entry->mutable_session() = ClientInternals::Ref(session);
+    }
     return entry;
   }
 
+  StepAddressing addressing = StepAddressing::kSessionToken;
   pb::StepRequest request;
   std::vector<char> reply_block;
   std::unique_ptr<google::protobuf::Arena> reply_arena;
@@ -190,9 +203,17 @@ struct KvClient::LeaseStream {
   pb::Attached attached;  // the daemon's answer to `hello`
 };
 
+std::string DefaultHandoffSocketPath(absl::string_view socket_path) {
+  absl::ConsumeSuffix(&socket_path, ".sock");
+  return absl::StrCat(socket_path, ".handoff.sock");
+}
+
 absl::StatusOr<std::unique_ptr<KvClient>> KvClient::Connect(const std::string& socket_path,
                                                             ClientOptions options) {
   if (options.mapper == nullptr) options.mapper = std::make_shared<HostArenaMapper>();
+  if (options.handoff_socket_path.empty()) {
+    options.handoff_socket_path = DefaultHandoffSocketPath(socket_path);
+  }
   // A local socket: reconnect within 100 ms-1 s of the daemon coming back (gRPC's default
   // backoff waits up to minutes, longer than a lease outlives a daemon restart).
   grpc::ChannelArguments arguments;
@@ -240,14 +261,21 @@ absl::Status KvClient::Attach(const std::string& engine_name) {
   if (lease_stream_ != nullptr) {
     return absl::FailedPreconditionError(absl::StrCat("already attached as engine ", engine_id_));
   }
+  // The handoff connection first: its ticket proves to the daemon who this engine is.
+  ASSIGN_OR_RETURN(std::unique_ptr<HandoffChannel> handoff,
+                   HandoffChannel::Connect(options_.handoff_socket_path, options_.deadline));
   auto lease = std::make_unique<LeaseStream>();
   lease->hello.mutable_hello()->set_engine_name(engine_name);
   lease->hello.mutable_hello()->set_pid(getpid());
+  lease->hello.mutable_hello()->set_handoff_ticket(handoff->ticket());
+  lease->hello.mutable_hello()->set_cache_scope(options_.cache_scope);
   RETURN_IF_ERROR(OpenLease(*lease));
   const pb::Attached attached = lease->attached;
   lease_stream_ = std::move(lease);
+  handoff_ = std::move(handoff);
   engine_id_ = attached.engine().engine_id();
   engine_token_ = attached.engine().engine_token();
+  cache_scope_ = attached.cache_scope();
   lease_timeout_ = absl::Milliseconds(attached.lease_timeout_ms());
   epoch_ = attached.epoch();
   lease_lost_ = absl::OkStatus();
@@ -319,6 +347,8 @@ bool KvClient::Reattach() {
     hello.mutable_hello()->mutable_resume()->set_engine_token(engine_token_);
     hello.mutable_hello()->set_resume_epoch(epoch_);
     hello.mutable_hello()->set_pid(getpid());
+    // The scope the engine attached in: a re-attach keeps it.
+    hello.mutable_hello()->set_cache_scope(cache_scope_);
   }
   while (true) {
     auto lease = std::make_unique<LeaseStream>();
@@ -331,7 +361,16 @@ bool KvClient::Reattach() {
       if (mu_.AwaitWithTimeout(absl::Condition(&stop_), kRetry)) return false;
       reattaching_ = lease.get();
     }
-    const absl::Status opened = OpenLease(*lease);
+    // Every Attach presents a fresh handoff ticket: the old handoff connection broke with the
+    // daemon (or is another connection's), and the daemon binds this one's peer credentials
+    // again, checking them against the engine's. Not answering yet: the daemon is not back.
+    absl::StatusOr<std::unique_ptr<HandoffChannel>> handoff =
+        HandoffChannel::Connect(options_.handoff_socket_path, options_.deadline);
+    absl::Status opened = handoff.status();
+    if (handoff.ok()) {
+      lease->hello.mutable_hello()->set_handoff_ticket((*handoff)->ticket());
+      opened = OpenLease(*lease);
+    }
     absl::MutexLock write_lock(&write_mu_);  // the old stream goes: no heartbeat is on it
     absl::MutexLock lock(&mu_);
     reattaching_ = nullptr;
@@ -346,6 +385,7 @@ bool KvClient::Reattach() {
       epoch_ = lease->attached.epoch();
       lease_timeout_ = absl::Milliseconds(lease->attached.lease_timeout_ms());
       lease_stream_ = std::move(lease);
+      handoff_ = *std::move(handoff);
       reattaches_.fetch_add(1);
       lease_alive_.store(true);
       return true;
@@ -407,12 +447,36 @@ void KvClient::Detach() {
   absl::MutexLock lock(&mu_);
   if (!lease_stream_->finished) (void)lease_stream_->stream->Finish();
   lease_stream_.reset();
+  handoff_.reset();
   lease_alive_.store(false);
+}
+
+absl::StatusOr<ArenaFd> KvClient::FetchArenaFd(uint64_t session_id,
+                                               absl::string_view session_token,
+                                               absl::string_view handle) {
+  std::shared_ptr<HandoffChannel> handoff;
+  {
+    absl::MutexLock lock(&mu_);
+    handoff = handoff_;
+  }
+  if (handoff == nullptr) {
+    return absl::FailedPreconditionError(
+        "mapping a host arena before Attach: its descriptor comes over the engine's handoff "
+        "connection");
+  }
+  return handoff->FetchArena(handoff::ArenaRequest{.session_id = session_id,
+                                                   .session_token = std::string(session_token),
+                                                   .handle = std::string(handle)});
 }
 
 uint64_t KvClient::engine_id() const {
   absl::MutexLock lock(&mu_);
   return engine_id_;
+}
+
+std::string KvClient::cache_scope() const {
+  absl::MutexLock lock(&mu_);
+  return cache_scope_;
 }
 
 absl::Duration KvClient::lease_timeout() const {
@@ -497,8 +561,10 @@ absl::StatusOr<std::unique_ptr<Session>> KvClient::CreateSession(const PlanFinge
   pb::CreateSessionResponse response;
   RETURN_IF_ERROR(FromGrpcStatus(
       rpc_->cache->CreateSession(ClientInternals::NewContext(*this).get(), request, &response)));
+  UnmapFreedPoolArenas(mapper(), response.unmap_handles());
   std::unique_ptr<Session> session(
-      new Session(this, response.session().session_id(), response.session().session_token()));
+      new Session(this, response.session().session_id(), response.session().session_token(),
+                  response.slot()));
   absl::Status mapped = [&]() -> absl::Status {
     ASSIGN_OR_RETURN(SessionLayout layout, SessionLayoutFromProto(response.layout()));
     return session->Adopt(std::move(layout));
@@ -511,6 +577,10 @@ absl::StatusOr<std::unique_ptr<Session>> KvClient::CreateSession(const PlanFinge
 }
 
 absl::Status KvClient::Step(StepBatch& batch, std::vector<StepOutcome>& outcomes) {
+  if (batch.wire_->addressing == StepAddressing::kSlot) {
+    ASSIGN_OR_RETURN(auto engine, AttachedEngine("Step by slot"));
+    SetEngine(engine, *batch.wire_->request.mutable_engine());
+  }
   pb::StepResponse* response = batch.wire_->NewReply();
   const pb::StepRequest& request = batch.wire_->request;
   absl::Status status = FromGrpcStatus(
@@ -539,17 +609,30 @@ absl::Status KvClient::Step(StepBatch& batch, std::vector<StepOutcome>& outcomes
     out.begun = {};
     out.staged_len = 0;
     out.committed_len = 0;
-    if (result.payload_case() != pb::StepResult::kPrepare) out.prepared.reset();
+    out.published = false;
+    const pb::PrepareAppendResponse* prepared_reply =
+        result.payload_case() == pb::StepResult::kPrepare ? &result.prepare()
+        : result.payload_case() == pb::StepResult::kAdvance && result.advance().has_prepared()
+            ? &result.advance().prepared()
+            : nullptr;
+    if (prepared_reply == nullptr) {
+      out.prepared.reset();
+    } else {
+      // Reuses the previous step's per-layer vector when this slot held a plan too.
+      PreparedAppend& prepared = out.prepared.has_value() ? *out.prepared : out.prepared.emplace();
+      PreparedFromProto(*prepared_reply, prepared);
+    }
     switch (result.payload_case()) {
       case pb::StepResult::kBegin:
         out.begun = {result.begin().generation(), result.begin().base_len()};
         break;
-      case pb::StepResult::kPrepare: {
-        // Reuses the previous step's per-layer vector when this slot held a Prepare too.
-        PreparedAppend& prepared = out.prepared.has_value() ? *out.prepared : out.prepared.emplace();
-        PreparedFromProto(result.prepare(), prepared);
+      case pb::StepResult::kPrepare:
+        break;  // the plan is read above
+      case pb::StepResult::kAdvance:
+        out.committed_len = result.advance().committed_len();
+        out.published = result.advance().published();
+        if (out.prepared.has_value()) out.begun = {out.prepared->generation, out.committed_len};
         break;
-      }
       case pb::StepResult::kPublish:
         out.staged_len = result.publish().staged_len();
         break;
@@ -595,6 +678,9 @@ absl::StatusOr<PrefixMatch> KvClient::LookupPrefix(const PlanFingerprint& plan,
                                                    const SessionOptions& shape,
                                                    absl::Span<const int32_t> token_ids) {
   pb::LookupPrefixRequest request;
+  ASSIGN_OR_RETURN(auto engine, AttachedEngine("LookupPrefix"));  // its cache scope is read
+  request.mutable_engine()->set_engine_id(engine.first);
+  request.mutable_engine()->set_engine_token(engine.second);
   SetShape(plan, shape, *request.mutable_shape());
   request.mutable_token_ids()->Add(token_ids.begin(), token_ids.end());
   pb::LookupPrefixResponse response;
@@ -682,6 +768,7 @@ absl::StatusOr<std::optional<PrefixCacheEvent>> PrefixEventStream::Next() {
     ASSIGN_OR_RETURN(out.boundary_key, BlockKeyFromBytes(event.boundary_key(), "boundary key"));
   }
   out.reason = event.reason();
+  out.cache_scope = event.cache_scope();
   return out;
 }
 
@@ -691,6 +778,14 @@ std::unique_ptr<PrefixEventStream> KvClient::SubscribePrefixEvents(uint64_t epoc
   pb::SubscribePrefixEventsRequest request;
   request.set_epoch(epoch);
   request.set_last_sequence(last_sequence);
+  // The engine's scope's events (an unattached client is refused by the engine socket).
+  {
+    absl::MutexLock lock(&mu_);
+    if (lease_stream_ != nullptr) {
+      request.mutable_engine()->set_engine_id(engine_id_);
+      request.mutable_engine()->set_engine_token(engine_token_);
+    }
+  }
   call->reader = rpc_->prefix->SubscribeEvents(&call->context, request);
   return std::unique_ptr<PrefixEventStream>(new PrefixEventStream(std::move(call)));
 }
@@ -738,9 +833,17 @@ absl::StatusOr<pb::GetStatusResponse> ClientInternals::GetStatus(KvClient& clien
   return response;
 }
 
+absl::StatusOr<ArenaFd> ClientInternals::FetchArenaFd(KvClient& client, uint64_t session_id,
+                                                      absl::string_view session_token,
+                                                      absl::string_view handle) {
+  return client.FetchArenaFd(session_id, session_token, handle);
+}
+
 // ---- StepBatch ----
 
-StepBatch::StepBatch() : wire_(std::make_unique<Wire>()) {}
+StepBatch::StepBatch(StepAddressing addressing) : wire_(std::make_unique<Wire>()) {
+  wire_->addressing = addressing;
+}
 StepBatch::~StepBatch() = default;
 
 void StepBatch::SetWaitEvent(std::string ipc_event_handle) {
@@ -775,6 +878,15 @@ void StepBatch::Abort(const Session& session, uint64_t generation) {
   wire_->Add(session)->mutable_abort()->set_generation(generation);
 }
 
+void StepBatch::Advance(const Session& session, uint64_t generation, uint64_t accepted_rows,
+                        uint64_t next_rows, absl::Span<const int32_t> token_ids) {
+  pb::StepAdvance* op = wire_->Add(session)->mutable_advance();
+  op->set_generation(generation);
+  op->set_accepted_rows(accepted_rows);
+  op->set_next_rows(next_rows);
+  op->mutable_token_ids()->Add(token_ids.begin(), token_ids.end());
+}
+
 // ---- Session ----
 
 Session::~Session() {
@@ -786,7 +898,10 @@ absl::Status Session::Adopt(SessionLayout layout) {
   bases.reserve(layout.arenas.size());
   for (size_t i = 0; i < layout.arenas.size(); ++i) {
     const SessionArena& arena = layout.arenas[i];
-    absl::StatusOr<void*> base = client_->mapper().Map(arena.backend, arena.handle, arena.bytes);
+    absl::StatusOr<void*> base =
+        client_->mapper().Map(arena.backend, arena.handle, arena.bytes, [&] {
+          return client_->FetchArenaFd(id_, token_, arena.handle);
+        });
     if (!base.ok()) {
       // Leave nothing mapped that no layout names (arenas already ours stay mapped).
       for (size_t j = 0; j < i; ++j) {
@@ -886,6 +1001,18 @@ absl::StatusOr<uint64_t> Session::Commit(uint64_t generation, uint64_t accepted_
   return response.committed_len();
 }
 
+absl::StatusOr<StepOutcome> Session::Advance(uint64_t generation, uint64_t accepted_rows,
+                                             uint64_t next_rows,
+                                             absl::Span<const int32_t> token_ids) {
+  StepBatch batch;
+  if (!wait_event_.empty()) batch.SetWaitEvent(wait_event_);
+  batch.Advance(*this, generation, accepted_rows, next_rows, token_ids);
+  std::vector<StepOutcome> outcomes;
+  RETURN_IF_ERROR(client_->Step(batch, outcomes));
+  RETURN_IF_ERROR(outcomes[0].status);
+  return std::move(outcomes[0]);
+}
+
 absl::StatusOr<uint64_t> Session::Abort(uint64_t generation) {
   pb::GenerationRequest request = ForSession<pb::GenerationRequest>(*this);
   request.set_generation(generation);
@@ -969,11 +1096,19 @@ absl::StatusOr<uint64_t> Session::Release() {
   absl::Status status = ClientInternals::SessionCallStatus(*client_, ClientInternals::Cache(*client_).ReleaseSession(
       ClientInternals::NewContext(*client_).get(), ForSession<pb::SessionRequest>(*this),
       &response));
-  // Whatever the daemon answered, this process stops using the memory.
+  // Whatever the daemon answered, this process stops using the memory; the mappings of arenas
+  // the daemon pooled for this engine stay, for the next session that gets one back.
   released_ = true;
-  UnmapAll(layout_);
+  for (const SessionArena& arena : layout_.arenas) {
+    if (!status.ok() || std::find(response.pooled_handles().begin(),
+                                  response.pooled_handles().end(),
+                                  arena.handle) == response.pooled_handles().end()) {
+      (void)client_->mapper().Unmap(arena.handle);
+    }
+  }
   arena_bases_.clear();
   RETURN_IF_ERROR(status);
+  UnmapFreedPoolArenas(client_->mapper(), response.unmap_handles());
   return response.freed_bytes();
 }
 

@@ -8,7 +8,8 @@
 //
 // Opening an arena is expensive (a CUDA IPC open costs ~1 ms), so opens stay off the per-step
 // path: a session maps its arena once at creation (the mapper caches by handle and never
-// re-opens), Reset() makes it empty again on the same arena, and only Grow() maps a new one.
+// re-opens), Reset() makes it empty again on the same arena, only Grow() maps a new one, and a
+// released arena stays mapped for the next session that gets it back (the arena pool, below).
 //
 //   ASSIGN_OR_RETURN(std::unique_ptr<memra::KvClient> client,
 //                    memra::KvClient::Connect("/run/memra-kv/gpu0.sock"));
@@ -39,7 +40,35 @@
 //   }
 //
 // A batched engine sends one Step() for all its sessions per decode step (StepBatch), reusing
-// one batch and one outcomes vector across steps.
+// one batch and one outcomes vector across steps. Which entries to send:
+//   * the hot path: ONE StepBatch::Advance per session per step (finish the previous step's
+//     transaction, publishing and committing its accepted rows, and prepare the next step's
+//     rows). Same rules and refusals as the separate entries, all or nothing, and a quarter of
+//     the entries (bench/README.md section 1b).
+//   * the separate Begin / Prepare / Publish / Commit / Abort entries (or unary calls) when the
+//     engine needs a state between them, e.g. mirrors published before its kernels run, or
+//     an Abort.
+//   * StepBatch(StepAddressing::kSlot) names each session by the dense slot CreateSession gave
+//     it (Session::slot()) instead of id + token: a cheaper lookup, only for this engine's own
+//     sessions (the Step carries the engine's credentials).
+//
+//   StepBatch batch(memra::StepAddressing::kSlot);
+//   for (Session* s : sessions) batch.Advance(*s, /*generation=*/0, 0, /*next_rows=*/1);
+//   RETURN_IF_ERROR(client->Step(batch, outcomes));           // outcomes[i].prepared: rows
+//   while (decoding) {
+//     ... kernels write each session's row, the model runs, the sampler accepts ...
+//     batch.Clear();
+//     for (size_t i = 0; i < sessions.size(); ++i) {
+//       batch.Advance(*sessions[i], outcomes[i].begun.generation, /*accepted_rows=*/1, 1);
+//     }
+//     RETURN_IF_ERROR(client->Step(batch, outcomes));
+//   }
+//
+// Arena pool: ReleaseSession keeps the session's arena in this engine's pool in the daemon
+// (arena_pool_engine_bytes), and this client keeps it mapped; the next CreateSession of the same
+// size gets it back under the same handle, so a request-per-session engine opens no new
+// mapping in steady state. The daemon frees pooled arenas when admission needs the room or the
+// lease ends, and the next CreateSession / ReleaseSession reply tells this client to unmap them.
 //
 // Engine process settings worth making (bench/README.md measured both): Debian's Abseil checks
 // every absl::Mutex acquisition for lock-order cycles, so call
@@ -70,6 +99,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
+#include "client/handoff_channel.h"
 #include "client/mapper.h"
 #include "common/daemon_restart.h"
 #include "core/model_plan.h"
@@ -85,7 +115,18 @@ struct ClientOptions {
   // Maps arena exports. Null: a HostArenaMapper (the host backend). An engine on the cuda
   // backend passes a CudaArenaMapper.
   std::shared_ptr<ArenaMapper> mapper;
+  // The daemon's handoff socket (its handoff_socket_path): Attach gets its ticket there, and
+  // host arenas' descriptors come over it. Empty: the socket path given to Connect with
+  // ".sock" replaced by ".handoff.sock" (appended when it does not end in ".sock"), as the
+  // daemon derives it by default.
+  std::string handoff_socket_path;
+  // The prefix-cache scope to attach in (proto Hello.cache_scope): empty = this user's own
+  // ("uid:<uid>"); a named one must be allowed by the daemon's cache_scope_allow.
+  std::string cache_scope;
 };
+
+// The handoff socket beside `socket_path` when none is configured (ClientOptions).
+std::string DefaultHandoffSocketPath(absl::string_view socket_path);
 
 struct SessionOptions {
   uint64_t capacity = 0;  // context capacity, tokens
@@ -240,6 +281,7 @@ struct PrefixCacheEvent {
   std::vector<BlockKey> block_keys;      // chain order
   std::optional<BlockKey> boundary_key;  // set when a boundary state was stored or freed
   std::string reason;
+  std::string cache_scope;  // the entry's scope (the subscriber's own on the engine socket)
   bool operator==(const PrefixCacheEvent&) const = default;
 };
 
@@ -250,6 +292,16 @@ struct PrefixCacheEvent {
 inline bool IsDaemonRestarted(const absl::Status& status) {
   return GetDaemonRestart(status).has_value();
 }
+
+// One entry's result; which fields are set depends on the entry's operation.
+struct StepOutcome {
+  absl::Status status;
+  Transaction begun;                       // Begin; Advance with next rows
+  std::optional<PreparedAppend> prepared;  // Prepare; Advance with next rows
+  uint64_t staged_len = 0;                 // Publish
+  uint64_t committed_len = 0;              // Commit, Abort, Advance
+  bool published = false;                  // Advance: it published the finished append
+};
 
 class KvClient;
 class ClientInternals;
@@ -283,6 +335,8 @@ class Session {
   Session& operator=(const Session&) = delete;
 
   uint64_t id() const { return id_; }
+  // The dense slot the daemon handed out (StepAddressing::kSlot names the session by it).
+  uint32_t slot() const { return slot_; }
   const SessionLayout& layout() const { return layout_; }
 
   // Cross-process device ordering (cuda backend; proto DeviceOrdering). The engine creates one
@@ -311,6 +365,12 @@ class Session {
   absl::StatusOr<uint64_t> Commit(uint64_t generation, uint64_t accepted_rows,
                                   absl::Span<const int32_t> token_ids = {});
   absl::StatusOr<uint64_t> Abort(uint64_t generation);                           // committed rows
+  // One decode step in one call (StepBatch::Advance, as a one-entry Step carrying this
+  // session's wait event). The outcome's Advance fields are set (StepOutcome); a refusal is the
+  // returned status and changed nothing.
+  absl::StatusOr<StepOutcome> Advance(uint64_t generation, uint64_t accepted_rows,
+                                      uint64_t next_rows,
+                                      absl::Span<const int32_t> token_ids = {});
 
   absl::StatusOr<SessionSnapshot> Rewind(uint64_t target);
   absl::StatusOr<bool> CanRewind(uint64_t target);
@@ -335,8 +395,8 @@ class Session {
  private:
   friend class KvClient;
   friend class ClientInternals;
-  Session(KvClient* client, uint64_t id, std::string token)
-      : client_(client), id_(id), token_(std::move(token)) {}
+  Session(KvClient* client, uint64_t id, std::string token, uint32_t slot)
+      : client_(client), id_(id), token_(std::move(token)), slot_(slot) {}
 
   // Maps every arena of `layout` (cache hits for arenas already mapped).
   absl::Status Adopt(SessionLayout layout);
@@ -345,16 +405,22 @@ class Session {
   KvClient* const client_;
   const uint64_t id_;
   const std::string token_;  // proto SessionRef.session_token: the session's capability
+  const uint32_t slot_;
   std::string wait_event_;
   SessionLayout layout_;
   std::vector<uint8_t*> arena_bases_;  // parallel to layout_.arenas
   bool released_ = false;
 };
 
+// How a StepBatch names its sessions: by id and token (any client holding both), or by the
+// dense slot (cheaper for the daemon to look up; only the attached engine that created the
+// session, so the Step carries this client's engine credentials).
+enum class StepAddressing { kSessionToken, kSlot };
+
 // Per-step transaction calls for many sessions, sent as one Step RPC.
 class StepBatch {
  public:
-  StepBatch();
+  explicit StepBatch(StepAddressing addressing = StepAddressing::kSessionToken);
   ~StepBatch();
   StepBatch(const StepBatch&) = delete;
   StepBatch& operator=(const StepBatch&) = delete;
@@ -368,6 +434,15 @@ class StepBatch {
   void Commit(const Session& session, uint64_t generation, uint64_t accepted_rows,
               absl::Span<const int32_t> token_ids = {});
   void Abort(const Session& session, uint64_t generation);
+  // The decode loop's one entry per session per step (proto StepAdvance): finishes transaction
+  // `generation` (publishing its prepared append first when not yet published, then committing
+  // `accepted_rows`, with `token_ids` as Session::Commit's) and begins the next, preparing
+  // `next_rows`. generation 0: the first step (nothing to finish); next_rows 0: the last (no
+  // next transaction). The same rules and refusals as the separate entries, all or nothing.
+  // Typical loop: Advance(s, 0, 0, n) once; then per step write the prepared rows, run the
+  // model, Advance(s, outcome.begun.generation, accepted, n).
+  void Advance(const Session& session, uint64_t generation, uint64_t accepted_rows,
+               uint64_t next_rows, absl::Span<const int32_t> token_ids = {});
   size_t size() const;
   // Empties the batch for the next step; its storage is kept (protobuf keeps cleared entries).
   void Clear();
@@ -380,14 +455,6 @@ class StepBatch {
   const std::unique_ptr<Wire> wire_;
 };
 
-// One entry's result; which fields are set depends on the entry's operation.
-struct StepOutcome {
-  absl::Status status;
-  Transaction begun;                       // Begin
-  std::optional<PreparedAppend> prepared;  // Prepare
-  uint64_t staged_len = 0;                 // Publish
-  uint64_t committed_len = 0;              // Commit, Abort
-};
 
 // Thread-safe.
 class KvClient {
@@ -397,12 +464,14 @@ class KvClient {
                                                            ClientOptions options = {});
   ~KvClient();  // Detach()
 
-  // Opens the lease and starts the thread that keeps it alive (a heartbeat every third of the
-  // lease timeout). FAILED_PRECONDITION when already attached.
+  // Connects to the handoff socket, opens the lease with its ticket and starts the thread that
+  // keeps the lease alive (a heartbeat every third of the lease timeout). FAILED_PRECONDITION
+  // when already attached; UNAVAILABLE when the handoff socket does not answer.
   //
   // When the lease stream breaks (the daemon restarted, or the connection dropped), the lease
   // thread, which reads the stream's answers as they come, notices at once and re-attaches as
-  // the same engine (proto Hello.resume) every 100 ms until the daemon answers:
+  // the same engine (proto Hello.resume, with a fresh handoff connection's ticket and the same
+  // cache scope) every 100 ms until the daemon answers:
   // a daemon that still knows the engine (or re-adopted it from its restart journal) gives the
   // lease back and the engine carries on with the same sessions and mappings; one that does not
   // answers with the restart error, which lease_lost() then holds, and re-attaching stops.
@@ -421,6 +490,8 @@ class KvClient {
   uint64_t epoch() const ABSL_LOCKS_EXCLUDED(mu_);
   // The lease timeout the daemon announced.
   absl::Duration lease_timeout() const ABSL_LOCKS_EXCLUDED(mu_);
+  // The prefix-cache scope the daemon attached this engine in (empty before Attach).
+  std::string cache_scope() const ABSL_LOCKS_EXCLUDED(mu_);
 
   // REQUIRES: Attach() succeeded (the plan counts against this engine's max_engine_plans).
   absl::StatusOr<PlanFingerprint> RegisterPlan(const ModelPlan& plan);
@@ -449,8 +520,9 @@ class KvClient {
   absl::StatusOr<PrefixCaptured> CapturePrefix(const Session& session,
                                                absl::Span<const int32_t> token_ids,
                                                uint64_t boundary_tokens);
-  // The longest restorable prefix of `token_ids` for sessions of `plan` with `shape`'s layer
-  // range and ranks (its capacity and the rest are ignored).
+  // The longest restorable prefix of `token_ids`, in this engine's cache scope, for sessions of
+  // `plan` with `shape`'s layer range and ranks (its capacity and the rest are ignored).
+  // REQUIRES: Attach() succeeded.
   absl::StatusOr<PrefixMatch> LookupPrefix(const PlanFingerprint& plan, const SessionOptions& shape,
                                            absl::Span<const int32_t> token_ids);
   // Restores entry `entry_id` (0: the longest match) into the FRESH `session`; `token_ids` the
@@ -459,7 +531,8 @@ class KvClient {
                                                absl::Span<const int32_t> token_ids,
                                                uint64_t entry_id = 0);
   // The cache's events after (epoch, last_sequence) (0, 0: from the start of the daemon's
-  // buffer), then live ones until the stream is cancelled. No deadline.
+  // buffer), then live ones until the stream is cancelled. No deadline. On the engine socket
+  // an attached engine's, of its cache scope only; on the admin socket every scope's.
   std::unique_ptr<PrefixEventStream> SubscribePrefixEvents(uint64_t epoch = 0,
                                                            uint64_t last_sequence = 0);
 
@@ -488,6 +561,10 @@ class KvClient {
   // this engine attached to (a NOT_FOUND / PERMISSION_DENIED for a session the new daemon never
   // had), so the engine never mistakes it for its own mistake.
   absl::Status Explain(absl::Status status) ABSL_LOCKS_EXCLUDED(mu_);
+  // The descriptor of arena `handle` of a session of this engine, over the handoff connection
+  // Attach opened (FAILED_PRECONDITION before Attach; the daemon's refusal as it sent it).
+  absl::StatusOr<ArenaFd> FetchArenaFd(uint64_t session_id, absl::string_view session_token,
+                                       absl::string_view handle) ABSL_LOCKS_EXCLUDED(mu_);
   // The engine's identity (id, token); FAILED_PRECONDITION before Attach (`what` names the call).
   absl::StatusOr<std::pair<uint64_t, std::string>> AttachedEngine(absl::string_view what) const
       ABSL_LOCKS_EXCLUDED(mu_);
@@ -506,6 +583,7 @@ class KvClient {
   mutable absl::Mutex mu_;
   uint64_t engine_id_ ABSL_GUARDED_BY(mu_) = 0;
   std::string engine_token_ ABSL_GUARDED_BY(mu_);
+  std::string cache_scope_ ABSL_GUARDED_BY(mu_);
   absl::Duration lease_timeout_ ABSL_GUARDED_BY(mu_);
   uint64_t epoch_ ABSL_GUARDED_BY(mu_) = 0;
   absl::Status lease_lost_ ABSL_GUARDED_BY(mu_);
@@ -513,6 +591,9 @@ class KvClient {
   std::unique_ptr<LeaseStream> lease_stream_ ABSL_GUARDED_BY(mu_);
   // The stream a re-attach is opening (Detach cancels it); null otherwise.
   LeaseStream* reattaching_ ABSL_GUARDED_BY(mu_) = nullptr;
+  // Opened by Attach (and by each re-attach), closed by Detach; shared so a fetch in flight
+  // outlives a Detach.
+  std::shared_ptr<HandoffChannel> handoff_ ABSL_GUARDED_BY(mu_);
   std::thread lease_thread_ ABSL_GUARDED_BY(mu_);
   std::thread heartbeat_thread_ ABSL_GUARDED_BY(mu_);
 };

@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/cuda_errors.h"
 #include "common/cuda_vmm.h"
+#include "core/status_macros.h"
 
 namespace memra {
 namespace {
@@ -54,12 +55,17 @@ absl::StatusOr<std::unique_ptr<CachingArenaMapper::Mapping>> MapVmmDescriptor(in
 }
 
 absl::StatusOr<std::unique_ptr<CachingArenaMapper::Mapping>> CudaArenaMapper::Open(
-    absl::string_view handle, uint64_t bytes) {
+    absl::string_view handle, uint64_t bytes, ArenaFdSource fetch_fd) {
   if (IsVmmHandle(handle)) {
-    // The memory comes only as a descriptor: over the daemon's fd side channel (MapVmmDescriptor).
-    return absl::FailedPreconditionError(absl::StrCat(
-        "cuda arena ", handle, " (", bytes, " bytes) is a VMM export: it is opened from the "
-        "descriptor the daemon hands over its fd side channel, not from the handle"));
+    // The memory comes only as a descriptor: over the daemon's handoff socket, like a host
+    // arena's memfd.
+    ASSIGN_OR_RETURN(ArenaFd arena, fetch_fd());
+    if (arena.bytes != bytes) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "Map cuda arena ", handle, ": the daemon handed a descriptor of ", arena.bytes,
+          " bytes, asked for ", bytes));
+    }
+    return MapVmmDescriptor(device_, arena.fd.get(), bytes);
   }
   cudaIpcMemHandle_t ipc_handle;
   if (handle.size() != sizeof(ipc_handle)) {

@@ -17,7 +17,7 @@ namespace memra {
 // A VMM arena's memory from the descriptor the daemon handed over, mapped read-write on
 // `device` (imported with cuMemImportFromShareableHandle + cuMemMap + cuMemSetAccess); the caller
 // keeps `fd`. CudaArenaMapper opens "vmm-" handles with it once their descriptor comes over the
-// daemon's fd side channel (the one host arenas' memfds use).
+// daemon's handoff socket (the ArenaFdSource, as for host arenas' memfds).
 absl::StatusOr<std::unique_ptr<CachingArenaMapper::Mapping>> MapVmmDescriptor(int device, int fd,
                                                                               uint64_t bytes);
 
@@ -30,7 +30,9 @@ class CudaArenaMapper final : public CachingArenaMapper {
   explicit CudaArenaMapper(int device) : CachingArenaMapper("cuda"), device_(device) {}
 
  private:
-  absl::StatusOr<std::unique_ptr<Mapping>> Open(absl::string_view handle, uint64_t bytes) override;
+  // `fetch_fd` is called only for a VMM handle: an IPC handle opens the memory by itself.
+  absl::StatusOr<std::unique_ptr<Mapping>> Open(absl::string_view handle, uint64_t bytes,
+                                                ArenaFdSource fetch_fd) override;
 
   const int device_;  // constant after construction
 };

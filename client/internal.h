@@ -38,6 +38,11 @@ class ClientInternals {
   // A session call's status as the engine sees it: the restart error when the daemon answering
   // is not the one the engine attached to (KvClient::Explain).
   static absl::Status SessionCallStatus(KvClient& client, const grpc::Status& status);
+  // An arena request over the client's handoff connection, with any session id, token and
+  // handle (the isolation tests' forged requests).
+  static absl::StatusOr<ArenaFd> FetchArenaFd(KvClient& client, uint64_t session_id,
+                                              absl::string_view session_token,
+                                              absl::string_view handle);
 };
 
 // The daemon's messages as client.h's types. INVALID_ARGUMENT naming the field for an enum out

@@ -1,7 +1,5 @@
 #include "client/mapper.h"
 
-#include <fcntl.h>
-#include <sys/mman.h>
 #include <sys/stat.h>
 
 #include <cerrno>
@@ -16,7 +14,7 @@
 namespace memra {
 namespace {
 
-constexpr size_t kMaxShmNameChars = 255;  // NAME_MAX
+constexpr size_t kMaxHostHandleBytes = 256;  // common/handoff_wire.h kMaxHandleBytes
 
 absl::string_view AsAbsl(std::string_view s) { return absl::string_view(s.data(), s.size()); }
 
@@ -34,8 +32,19 @@ class ShmMapping final : public CachingArenaMapper::Mapping {
 
 }  // namespace
 
+absl::StatusOr<void*> ArenaMapper::Map(std::string_view backend, std::string_view handle,
+                                       uint64_t bytes) {
+  return Map(backend, handle, bytes, []() -> absl::StatusOr<ArenaFd> {
+    return absl::FailedPreconditionError(
+        "a host arena (or a CUDA VMM one) is mapped from the descriptor the daemon hands its "
+        "owning engine over the handoff socket: map it through a KvClient session (or pass a "
+        "descriptor source)");
+  });
+}
+
 absl::StatusOr<void*> CachingArenaMapper::Map(std::string_view backend_name,
-                                              std::string_view handle_name, uint64_t bytes) {
+                                              std::string_view handle_name, uint64_t bytes,
+                                              ArenaFdSource fetch_fd) {
   const absl::string_view backend = AsAbsl(backend_name);
   const absl::string_view handle = AsAbsl(handle_name);
   if (backend != backend_) {
@@ -55,7 +64,7 @@ absl::StatusOr<void*> CachingArenaMapper::Map(std::string_view backend_name,
     }
     return it->second.mapping->data();
   }
-  ASSIGN_OR_RETURN(std::unique_ptr<Mapping> mapping, Open(handle, bytes));
+  ASSIGN_OR_RETURN(std::unique_ptr<Mapping> mapping, Open(handle, bytes, fetch_fd));
   ++opens_;
   void* data = mapping->data();
   mapped_.emplace(std::string(handle), Entry{.mapping = std::move(mapping), .bytes = bytes});
@@ -84,23 +93,23 @@ size_t CachingArenaMapper::MappedCount() const {
 }
 
 absl::StatusOr<std::unique_ptr<CachingArenaMapper::Mapping>> HostArenaMapper::Open(
-    absl::string_view handle, uint64_t bytes) {
-  const std::string name(handle);
-  if (name.size() < 2 || name.size() > kMaxShmNameChars || name[0] != '/' ||
-      name.find('/', 1) != std::string::npos || name.find('\0') != std::string::npos) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("\"", Printable(handle), "\" is not a host arena handle (\"/name\")"));
+    absl::string_view handle, uint64_t bytes, ArenaFdSource fetch_fd) {
+  if (handle.empty() || handle.size() > kMaxHostHandleBytes) {
+    return absl::InvalidArgumentError(absl::StrCat("\"", Printable(handle),
+                                                   "\" is not a host arena handle (1 to ",
+                                                   kMaxHostHandleBytes, " bytes)"));
   }
-  ScopedFd fd(shm_open(name.c_str(), O_RDWR | O_CLOEXEC, 0));
-  if (fd.get() < 0) return PosixError(absl::StrCat("shm_open ", name), errno);
+  ASSIGN_OR_RETURN(ArenaFd arena, fetch_fd());
+  const std::string what = absl::StrCat("host arena ", Printable(handle));
   struct stat st;
-  if (fstat(fd.get(), &st) != 0) return PosixError(absl::StrCat("fstat ", name), errno);
-  // Mapping past the object's end would turn the engine's first touch there into SIGBUS.
-  if (static_cast<uint64_t>(st.st_size) != bytes) {
+  if (fstat(arena.fd.get(), &st) != 0) return PosixError(absl::StrCat("fstat ", what), errno);
+  // Mapping past the memory's end would turn the engine's first touch there into SIGBUS.
+  if (static_cast<uint64_t>(st.st_size) != bytes || arena.bytes != bytes) {
     return absl::FailedPreconditionError(
-        absl::StrCat("Map ", name, ": the object holds ", st.st_size, " bytes, asked for ", bytes));
+        absl::StrCat("Map ", what, ": the descriptor holds ", st.st_size, " bytes (the daemon said ",
+                     arena.bytes, "), asked for ", bytes));
   }
-  ASSIGN_OR_RETURN(MappedRegion region, MappedRegion::MapShared(fd.get(), bytes, name));
+  ASSIGN_OR_RETURN(MappedRegion region, MappedRegion::MapShared(arena.fd.get(), bytes, what));
   return std::make_unique<ShmMapping>(std::move(region));
 }
 

@@ -26,6 +26,13 @@ class ScopedFd {
   int fd_;
 };
 
+// A descriptor of an arena's memory and the arena's bytes, as the daemon hands it to an engine
+// over the handoff socket (common/handoff_wire.h).
+struct ArenaFd {
+  ScopedFd fd;
+  uint64_t bytes = 0;
+};
+
 // Whether the page tables are filled, writable, when the region is mapped (MADV_POPULATE_WRITE):
 // one kernel pass at map time instead of a page fault per page on first write, which on a VM
 // costs more than copying the page itself. For memory written in full right away.

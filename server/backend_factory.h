@@ -13,8 +13,7 @@
 
 namespace memra {
 
-// host: a HostBackend of budget_bytes, shm objects "/<ShmPrefix(config)>-<random>" with shm_mode
-// and shm_group. cuda: a CudaBackend on `device` (FAILED_PRECONDITION without a usable device).
+// host: a HostBackend of budget_bytes whose memfds are named ShmPrefix(config) (what /proc shows). cuda: a CudaBackend on `device` (FAILED_PRECONDITION without a usable device).
 // INVALID_ARGUMENT for a setting this build cannot honour (names the key).
 absl::StatusOr<std::unique_ptr<DeviceBackend>> MakeBackend(const DaemonConfig& config);
 

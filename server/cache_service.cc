@@ -41,8 +41,14 @@ class AttachReactor final
     : public grpc::ServerBidiReactor<pb::AttachRequest, pb::AttachResponse> {
  public:
   AttachReactor(grpc::CallbackServerContext* context, EngineLeases* leases,
-                std::string_view backend, uint64_t epoch)
-      : context_(context), leases_(leases), backend_(backend), epoch_(epoch) {
+                ArenaHandoff* handoff, const CacheScopes* scopes, std::string_view backend,
+                uint64_t epoch)
+      : context_(context),
+        leases_(leases),
+        handoff_(handoff),
+        scopes_(scopes),
+        backend_(backend),
+        epoch_(epoch) {
     StartRead(&request_);
   }
 
@@ -81,15 +87,24 @@ class AttachReactor final
     if (!request_.has_hello()) {
       return absl::InvalidArgumentError("the first Attach message must be a hello");
     }
+    // The ticket first: no engine exists without the peer credentials it proves. A ticket is
+    // used up even when the attach is then refused (the engine reconnects for a new one).
+    ASSIGN_OR_RETURN(HandoffClaim claim, handoff_->ClaimTicket(request_.hello().handoff_ticket()));
+    const pb::Hello& hello = request_.hello();
     grpc::CallbackServerContext* context = context_;
     auto cancel = [context] { context->TryCancel(); };
-    const pb::Hello& hello = request_.hello();
-    absl::StatusOr<EngineLease> lease =
-        hello.has_resume()
-            ? leases_->Resume(EngineCredentials{EngineId{hello.resume().engine_id()},
-                                                hello.resume().engine_token()},
-                              cancel)
-            : leases_->Attach(hello.engine_name(), hello.pid(), cancel);
+    absl::StatusOr<EngineLease> lease;
+    if (hello.has_resume()) {
+      // The engine keeps the scope it attached in (Resume refuses another one).
+      lease = leases_->Resume(
+          EngineCredentials{EngineId{hello.resume().engine_id()}, hello.resume().engine_token()},
+          claim.peer, hello.cache_scope(), cancel);
+    } else {
+      ASSIGN_OR_RETURN(std::string scope, scopes_->ScopeFor(claim.peer, hello.cache_scope()));
+      lease = leases_->Attach(
+          EngineIdentity{.name = hello.engine_name(), .peer = claim.peer, .cache_scope = scope},
+          cancel);
+    }
     if (!lease.ok() && hello.has_resume() && hello.resume_epoch() != 0 &&
         hello.resume_epoch() != epoch_ && !GetDaemonRestart(lease.status()).has_value()) {
       // A daemon that knows nothing of the engine's daemon (no journal, or not this lineage):
@@ -102,6 +117,7 @@ class AttachReactor final
     RETURN_IF_ERROR(lease.status());
     engine_ = lease->id;
     stream_ = lease->stream;
+    handoff_->BindEngine(claim.connection, lease->id.value);
     response_.Clear();
     pb::Attached* attached = response_.mutable_attached();
     attached->mutable_engine()->set_engine_id(lease->id.value);
@@ -109,6 +125,7 @@ class AttachReactor final
     attached->set_lease_timeout_ms(absl::ToInt64Milliseconds(lease->timeout));
     attached->set_lease_grace_ms(absl::ToInt64Milliseconds(lease->grace));
     attached->set_backend(std::string(backend_));
+    attached->set_cache_scope(lease->cache_scope);
     attached->set_epoch(epoch_);
     return absl::OkStatus();
   }
@@ -127,6 +144,8 @@ class AttachReactor final
 
   grpc::CallbackServerContext* const context_;
   EngineLeases* const leases_;
+  ArenaHandoff* const handoff_;
+  const CacheScopes* const scopes_;
   const std::string_view backend_;
   const uint64_t epoch_;
   std::optional<EngineId> engine_;  // set once the hello was accepted
@@ -139,7 +158,7 @@ class AttachReactor final
 
 grpc::ServerBidiReactor<pb::AttachRequest, pb::AttachResponse>* CacheService::Attach(
     grpc::CallbackServerContext* context) {
-  return new AttachReactor(context, leases_, backend_->Name(), epoch_);
+  return new AttachReactor(context, leases_, handoff_, scopes_, backend_->Name(), epoch_);
 }
 
 grpc::Status CacheService::RegisterPlan(grpc::ServerContext*,
@@ -195,6 +214,10 @@ grpc::Status CacheService::CreateSession(grpc::ServerContext*,
                                        SessionShapeFromProto(*request), reservation));
     response->mutable_session()->set_session_id(session->id().value);
     response->mutable_session()->set_session_token(session->params().token);
+    response->set_slot(session->slot());
+    for (std::string& handle : sessions_->TakeUnmapped(session->owner())) {
+      response->add_unmap_handles(std::move(handle));
+    }
     return SessionRegistry::Apply(
         *session, GetStateOp{response->mutable_state(), response->mutable_layout()});
   }();
@@ -208,8 +231,14 @@ grpc::Status CacheService::ReleaseSession(grpc::ServerContext*, const pb::Sessio
     // Authenticated first: nobody makes the daemon wait on an event for a session not theirs.
     RETURN_IF_ERROR(sessions_->Find(session).status());
     RETURN_IF_ERROR(WaitForEngine(request->ordering()));
-    ASSIGN_OR_RETURN(uint64_t freed, sessions_->Release(session));
-    response->set_freed_bytes(freed);
+    ASSIGN_OR_RETURN(SessionRelease released, sessions_->Release(session));
+    response->set_freed_bytes(released.bytes);
+    for (std::string& handle : released.pooled_handles) {
+      response->add_pooled_handles(std::move(handle));
+    }
+    for (std::string& handle : released.unmap_handles) {
+      response->add_unmap_handles(std::move(handle));
+    }
     return absl::OkStatus();
   }();
   return Reply("ReleaseSession", status);
@@ -273,12 +302,23 @@ grpc::Status CacheService::Step(grpc::ServerContext*, const pb::StepRequest* req
   if (absl::Status waited = WaitForEngine(request->ordering()); !waited.ok()) {
     return Reply("Step", waited);
   }
+  // The engine entries naming a slot act for: authenticated once, and only if one does.
+  std::optional<absl::Status> engine_checked;
+  auto slot_engine = [&]() -> absl::StatusOr<EngineId> {
+    if (!engine_checked.has_value()) {
+      engine_checked = leases_->Check(EngineCredentialsOf(request->engine()));
+    }
+    RETURN_IF_ERROR(*engine_checked);
+    return EngineId{request->engine().engine_id()};
+  };
   response->mutable_results()->Reserve(request->entries_size());
   for (const pb::StepEntry& entry : request->entries()) {
     pb::StepResult* result = response->add_results();
-    RunStepEntry(entry, result);
+    RunStepEntry(entry, slot_engine, result);
     if (result->code() != 0) {
-      spdlog::info("Step entry for session {} refused: {} {}", entry.session().session_id(),
+      spdlog::info("Step entry for {} {} refused: {} {}",
+                   entry.has_slot() ? "slot" : "session",
+                   entry.has_slot() ? uint64_t{entry.slot()} : entry.session().session_id(),
                    absl::StatusCodeToString(static_cast<absl::StatusCode>(result->code())),
                    result->message());
     }
@@ -286,7 +326,9 @@ grpc::Status CacheService::Step(grpc::ServerContext*, const pb::StepRequest* req
   return grpc::Status::OK;
 }
 
-void CacheService::RunStepEntry(const pb::StepEntry& entry, pb::StepResult* result) {
+void CacheService::RunStepEntry(const pb::StepEntry& entry,
+                                absl::FunctionRef<absl::StatusOr<EngineId>()> slot_engine,
+                                pb::StepResult* result) {
   std::optional<SessionOp> op;
   switch (entry.op_case()) {
     case pb::StepEntry::kBegin:
@@ -306,11 +348,25 @@ void CacheService::RunStepEntry(const pb::StepEntry& entry, pb::StepResult* resu
     case pb::StepEntry::kAbort:
       op = AbortOp{entry.abort().generation(), result->mutable_abort()};
       break;
+    case pb::StepEntry::kAdvance:
+      op = AdvanceOp{{entry.advance().generation(), entry.advance().accepted_rows(),
+                      entry.advance().next_rows()},
+                     SpanOf(entry.advance().token_ids()),
+                     result->mutable_advance()};
+      break;
     case pb::StepEntry::OP_NOT_SET:
       break;
   }
-  const SessionCredentials session = SessionCredentialsOf(entry.session());
   absl::Status status = [&]() -> absl::Status {
+    if (entry.has_slot()) {
+      ASSIGN_OR_RETURN(EngineId engine, slot_engine());
+      const SessionSlot slot{engine, entry.slot()};
+      if (op.has_value()) return sessions_->Run(slot, *op);
+      RETURN_IF_ERROR(sessions_->Find(slot).status());
+      return absl::InvalidArgumentError(
+          absl::StrCat("Step entry for slot ", entry.slot(), " names no operation"));
+    }
+    const SessionCredentials session = SessionCredentialsOf(entry.session());
     if (op.has_value()) return sessions_->Run(session, *op);
     RETURN_IF_ERROR(sessions_->Find(session).status());
     return absl::InvalidArgumentError(absl::StrCat(

@@ -12,7 +12,9 @@
 #include "grpcpp/server_context.h"
 #include "grpcpp/support/server_callback.h"
 #include "proto/memra/kv/v1/cache.grpc.pb.h"
+#include "server/arena_handoff.h"
 #include "server/backend.h"
+#include "server/cache_scopes.h"
 #include "server/engine_leases.h"
 #include "server/plan_registry.h"
 #include "server/session_registry.h"
@@ -28,14 +30,25 @@ class CacheService final
   // The most entries one Step may carry.
   static constexpr int kMaxStepEntries = 65536;
 
-  // REQUIRES: every pointer outlives the service. `backend` waits on the engines' events.
+  // REQUIRES: every pointer outlives the service. `backend` waits on the engines' events;
+  // `handoff` redeems the attach tickets.
+  // `scopes` decides each engine's prefix-cache scope from its peer credentials.
   // `epoch`: the daemon's (Attached.epoch).
   CacheService(EngineLeases* leases, PlanRegistry* plans, SessionRegistry* sessions,
-               DeviceBackend* backend, uint64_t epoch = 0)
-      : leases_(leases), plans_(plans), sessions_(sessions), backend_(backend), epoch_(epoch) {}
+               DeviceBackend* backend, ArenaHandoff* handoff, const CacheScopes* scopes,
+               uint64_t epoch = 0)
+      : leases_(leases),
+        plans_(plans),
+        sessions_(sessions),
+        backend_(backend),
+        handoff_(handoff),
+        scopes_(scopes),
+        epoch_(epoch) {}
 
   // The lease stream: hello -> Attached, then heartbeat -> ack until either side ends it
-  // (server/engine_leases.h has the rules).
+  // (server/engine_leases.h has the rules). The hello's handoff ticket is claimed first
+  // (server/arena_handoff.h): its peer credentials become the engine's, and its connection is
+  // bound to the engine.
   grpc::ServerBidiReactor<memra::kv::v1::AttachRequest, memra::kv::v1::AttachResponse>* Attach(
       grpc::CallbackServerContext* context) override;
   grpc::Status RegisterPlan(grpc::ServerContext*, const memra::kv::v1::RegisterPlanRequest* request,
@@ -96,8 +109,11 @@ class CacheService final
   // Runs `op` on the session once the engine's device work is complete (`ordering`).
   grpc::Status RunOrdered(absl::string_view rpc, const memra::kv::v1::SessionRef& ref,
                           const memra::kv::v1::DeviceOrdering& ordering, const SessionOp& op);
-  // One Step entry, decoded into its operation and run; its status into the result.
-  void RunStepEntry(const memra::kv::v1::StepEntry& entry, memra::kv::v1::StepResult* result);
+  // One Step entry, decoded into its operation and run on the session it names (by id and
+  // token, or by slot for the engine `slot_engine` authenticates); its status into the result.
+  void RunStepEntry(const memra::kv::v1::StepEntry& entry,
+                    absl::FunctionRef<absl::StatusOr<EngineId>()> slot_engine,
+                    memra::kv::v1::StepResult* result);
   // The engine's work on the memory this call touches is complete (DeviceOrdering).
   absl::Status WaitForEngine(const memra::kv::v1::DeviceOrdering& ordering);
 
@@ -105,6 +121,8 @@ class CacheService final
   PlanRegistry* const plans_;
   SessionRegistry* const sessions_;
   DeviceBackend* const backend_;
+  ArenaHandoff* const handoff_;
+  const CacheScopes* const scopes_;
   const uint64_t epoch_;
 };
 

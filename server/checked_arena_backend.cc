@@ -36,8 +36,9 @@ absl::StatusOr<ArenaExport> CheckedArenaBackend::Export(ArenaId id) {
 absl::StatusOr<int> CheckedArenaBackend::DuplicateArenaFd(ArenaId id) {
   ASSIGN_OR_RETURN(std::shared_ptr<ArenaRecord> arena, arenas_.Find("DuplicateArenaFd", id));
   if (!arena->exported()) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        std::string(Name()), " DuplicateArenaFd: arena ", id.value, " is private (daemon-only) and is never handed out"));
+    return absl::FailedPreconditionError(
+        absl::StrCat(std::string(Name()), " DuplicateArenaFd: arena ", id.value,
+                     " is private (daemon-only) and is never handed out"));
   }
   return arena->DuplicateFd();
 }

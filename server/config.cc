@@ -25,6 +25,7 @@
 #include "absl/strings/str_replace.h"
 #include "absl/strings/strip.h"
 #include "core/status_macros.h"
+#include "server/cache_scopes.h"
 
 // toml11 reports errors by throwing; every call into it stays inside ParseConfig's try block.
 #include <toml.hpp>
@@ -89,7 +90,7 @@ std::optional<std::string> CheckSocketPath(absl::string_view path) {
   return std::nullopt;
 }
 
-std::optional<std::string> CheckAdminSocketPath(absl::string_view path) {
+std::optional<std::string> CheckDerivedSocketPath(absl::string_view path) {
   if (path.empty()) return std::nullopt;  // derived from socket_path
   return CheckSocketPath(path);
 }
@@ -103,6 +104,12 @@ std::optional<std::string> CheckGroup(absl::string_view group) {
       return absl::StrCat("contains '", std::string(1, c), "'");
     }
   }
+  return std::nullopt;
+}
+
+std::optional<std::string> CheckCacheScopeAllow(absl::string_view text) {
+  absl::StatusOr<std::vector<CacheScopeRule>> rules = ParseCacheScopeAllow(text);
+  if (!rules.ok()) return std::string(rules.status().message());
   return std::nullopt;
 }
 
@@ -129,7 +136,7 @@ const std::vector<KeySpec>& Keys() {
   // clang-format off
   static const auto* const keys = new std::vector<KeySpec>{
       {.name = "backend", .field = &C::backend, .syntax = Syntax::kChoice, .reloadable = false,
-       .help = "Device backend: host (POSIX shared memory) or cuda.",
+       .help = "Device backend: host (host memory, handed to engines as memfds) or cuda.",
        .choices = kBackendNames},
       {.name = "device", .field = &C::device, .syntax = Syntax::kInteger, .reloadable = false,
        .help = "GPU index this instance serves; the unit passes --device=%i.", .min = 0,
@@ -143,11 +150,6 @@ const std::vector<KeySpec>& Keys() {
       {.name = "socket_group", .field = &C::socket_group, .syntax = Syntax::kText,
        .reloadable = false,
        .help = "Group owning the socket (one of the daemon's groups); empty = the daemon's group.",
-       .text_accepted = "a group name or gid, or empty", .check_text = &CheckGroup},
-      {.name = "shm_mode", .field = &C::shm_mode, .syntax = Syntax::kMode, .reloadable = false,
-       .help = "Permission bits of the host backend's shared-memory objects."},
-      {.name = "shm_group", .field = &C::shm_group, .syntax = Syntax::kText, .reloadable = false,
-       .help = "Group owning the shared-memory objects; empty = the daemon's group.",
        .text_accepted = "a group name or gid, or empty", .check_text = &CheckGroup},
       {.name = "budget_bytes", .field = &C::budget_bytes, .syntax = Syntax::kBytes,
        .reloadable = true,
@@ -241,6 +243,11 @@ const std::vector<KeySpec>& Keys() {
        .syntax = Syntax::kInteger, .reloadable = false,
        .help = "Engines attached at once, each an Attach stream (RESOURCE_EXHAUSTED past it).",
        .min = 1, .max = 65'536},
+      {.name = "arena_pool_engine_bytes", .field = &C::arena_pool_engine_bytes,
+       .syntax = Syntax::kBytes, .reloadable = false,
+       .help = "Released session arenas kept per engine for its next sessions of the same size "
+               "(bytes; evictable by admission, freed when its lease ends); 0 disables the pool.",
+       .min = 0, .max = kPiB},
       {.name = "max_arenas", .field = &C::max_arenas, .syntax = Syntax::kInteger,
        .reloadable = false,
        .help = "Arenas (sessions, reservations, prefix storage) held at once, each a mapping "
@@ -252,7 +259,7 @@ const std::vector<KeySpec>& Keys() {
        .help = "Unix socket operators (memra-kvctl) connect to; empty = socket_path with .sock "
                "replaced by .admin.sock.",
        .text_accepted = "an absolute path (\"{device}\" is replaced by the GPU index), or empty",
-       .check_text = &CheckAdminSocketPath},
+       .check_text = &CheckDerivedSocketPath},
       {.name = "admin_socket_mode", .field = &C::admin_socket_mode, .syntax = Syntax::kMode,
        .reloadable = false, .help = "Permission bits of the admin socket."},
       {.name = "admin_socket_group", .field = &C::admin_socket_group, .syntax = Syntax::kText,
@@ -260,6 +267,19 @@ const std::vector<KeySpec>& Keys() {
        .help = "Group owning the admin socket (one of the daemon's groups); empty = the daemon's "
                "group.",
        .text_accepted = "a group name or gid, or empty", .check_text = &CheckGroup},
+      {.name = "handoff_socket_path", .field = &C::handoff_socket_path, .syntax = Syntax::kText,
+       .reloadable = false,
+       .help = "Unix socket engines get their attach ticket and their arenas' descriptors from "
+               "(socket_mode and socket_group apply); empty = socket_path with .sock replaced "
+               "by .handoff.sock.",
+       .text_accepted = "an absolute path (\"{device}\" is replaced by the GPU index), or empty",
+       .check_text = &CheckDerivedSocketPath},
+      {.name = "cache_scope_allow", .field = &C::cache_scope_allow, .syntax = Syntax::kText,
+       .reloadable = false,
+       .help = "Named prefix-cache scopes engines may attach in, and who may: "
+               "\"name:uid,uid,@group; name2:@group\"; empty = each engine's scope is its uid's.",
+       .text_accepted = "name:member,...; ... (members: a uid or @group), or empty",
+       .check_text = &CheckCacheScopeAllow},
   };
   // clang-format on
   return *keys;
@@ -571,14 +591,29 @@ std::string DaemonConfig::SocketPath() const {
   return absl::StrReplaceAll(socket_path, {{"{device}", absl::StrCat(device)}});
 }
 
-std::string DaemonConfig::AdminSocketPath() const {
-  if (!admin_socket_path.empty()) {
-    return absl::StrReplaceAll(admin_socket_path, {{"{device}", absl::StrCat(device)}});
+namespace {
+
+// `configured` with "{device}" replaced, or (empty) the engine socket's path with ".sock"
+// replaced by `suffix`.
+std::string DerivedSocketPath(const DaemonConfig& config, const std::string& configured,
+                              absl::string_view suffix) {
+  if (!configured.empty()) {
+    return absl::StrReplaceAll(configured, {{"{device}", absl::StrCat(config.device)}});
   }
-  const std::string engine_socket = SocketPath();
+  const std::string engine_socket = config.SocketPath();
   absl::string_view stem = engine_socket;
   absl::ConsumeSuffix(&stem, ".sock");
-  return absl::StrCat(stem, ".admin.sock");
+  return absl::StrCat(stem, suffix);
+}
+
+}  // namespace
+
+std::string DaemonConfig::AdminSocketPath() const {
+  return DerivedSocketPath(*this, admin_socket_path, ".admin.sock");
+}
+
+std::string DaemonConfig::HandoffSocketPath() const {
+  return DerivedSocketPath(*this, handoff_socket_path, ".handoff.sock");
 }
 
 std::vector<ConfigKeyInfo> ConfigKeys() {
@@ -699,18 +734,34 @@ absl::Status ValidateConfig(const DaemonConfig& config) {
         Quote(socket), " (", socket.size(), " bytes); a Unix socket path holds at most ",
         sizeof(sockaddr_un{}.sun_path) - 1, " bytes"));
   }
-  const std::string admin_socket = config.AdminSocketPath();
-  if (admin_socket.size() >= sizeof(sockaddr_un{}.sun_path)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "the admin socket ", Quote(admin_socket), " (admin_socket_path = ",
-        Quote(config.admin_socket_path), ", device = ", config.device, ") is ",
-        admin_socket.size(), " bytes; a Unix socket path holds at most ",
-        sizeof(sockaddr_un{}.sun_path) - 1, " bytes"));
+  struct DerivedSocket {
+    absl::string_view what;
+    absl::string_view key;
+    const std::string& configured;
+    std::string path;
+  };
+  const DerivedSocket derived[] = {
+      {"admin", "admin_socket_path", config.admin_socket_path, config.AdminSocketPath()},
+      {"handoff", "handoff_socket_path", config.handoff_socket_path, config.HandoffSocketPath()},
+  };
+  for (const DerivedSocket& other : derived) {
+    if (other.path.size() >= sizeof(sockaddr_un{}.sun_path)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "the ", other.what, " socket ", Quote(other.path), " (", other.key, " = ",
+          Quote(other.configured), ", device = ", config.device, ") is ", other.path.size(),
+          " bytes; a Unix socket path holds at most ", sizeof(sockaddr_un{}.sun_path) - 1,
+          " bytes"));
+    }
+    if (other.path == socket) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(other.key, " and socket_path are both ", Quote(socket),
+                       "; engines, operators and the handoff need separate sockets"));
+    }
   }
-  if (admin_socket == socket) {
+  if (derived[0].path == derived[1].path) {
     return absl::InvalidArgumentError(
-        absl::StrCat("admin_socket_path and socket_path are both ", Quote(socket),
-                     "; operators and engines need separate sockets"));
+        absl::StrCat("admin_socket_path and handoff_socket_path are both ", Quote(derived[0].path),
+                     "; operators and the handoff need separate sockets"));
   }
   // Prefix-cache entries are counted against the admission budget (they are evicted to admit).
   if (config.backend == Backend::kHost && config.prefix_cache_budget_bytes > config.budget_bytes) {

@@ -37,7 +37,7 @@ std::string_view LogLevelName(LogLevel level);  // "trace" ... "off"
 // Every daemon setting, with its default. Key names in the file and on the command line are the
 // field names. Plain data: copy freely.
 struct DaemonConfig {
-  // Device backend: "host" (POSIX shared memory; the default and what tests use) or "cuda".
+  // Device backend: "host" (sealed memfds handed to engines as descriptors; the default and what tests use) or "cuda".
   Backend backend = Backend::kHost;
   // GPU index this instance serves (the systemd instance name, %i).
   uint32_t device = 0;
@@ -48,10 +48,6 @@ struct DaemonConfig {
   // Group owning the socket; empty = the daemon's primary group. Must be one of the daemon's
   // groups (no CAP_CHOWN).
   std::string socket_group;
-  // Permission bits of the host backend's shared-memory objects (octal).
-  uint32_t shm_mode = 0600;
-  // Group owning the shared-memory objects; empty = the daemon's primary group.
-  std::string shm_group;
   // Host backend: bytes of memory the daemon may hand out (admission budget).
   uint64_t budget_bytes = uint64_t{8} << 30;
   // CUDA backend: budget = floor(fraction x the device's TOTAL memory) - cuda_reserve_bytes
@@ -104,6 +100,15 @@ struct DaemonConfig {
   // Group owning the admin socket; empty = the daemon's primary group. Must be one of the
   // daemon's groups (no CAP_CHOWN).
   std::string admin_socket_group;
+  // The engines' handoff socket (server/arena_handoff.h): an engine connects here before
+  // Attach, gets the ticket that binds its peer credentials (SO_PEERCRED) to its lease, and
+  // trades its sessions' arena handles for memfd descriptors (SCM_RIGHTS). Same mode and group
+  // as the engine socket. Empty = socket_path with ".sock" replaced by ".handoff.sock"
+  // (HandoffSocketPath()). "{device}" is replaced by `device`.
+  std::string handoff_socket_path;
+  // Named prefix-cache scopes and who may attach in them (server/cache_scopes.h):
+  // "name:uid,uid,@group; name2:@group2". Empty: every engine's scope is its uid's.
+  std::string cache_scope_allow;
 
   // ---- Limits: what one client can make the daemon hold (docs/security-model.md#limits) ----
   // Layers (trunk + MTP) a model plan may have, everywhere a plan arrives. The largest real
@@ -119,6 +124,10 @@ struct DaemonConfig {
   // Engines attached at once (each holds an Attach stream; streams share gRPC's callback
   // threads).
   uint64_t max_attached_engines = 256;
+  // Bytes of released session arenas kept per engine for its next sessions of the same size
+  // (server/arena_pool.h); evictable by admission, freed when the engine's lease ends. 0 = no
+  // pool: every CreateSession makes (and every engine maps) a new arena.
+  uint64_t arena_pool_engine_bytes = uint64_t{4} << 30;
   // Arenas (sessions, reservations, prefix storage) the daemon holds at once; each is a mapping
   // under the kernel's vm.max_map_count. 0 = derived at start: 3/4 of vm.max_map_count
   // (server/daemon.h ArenaLimitFor).
@@ -128,6 +137,8 @@ struct DaemonConfig {
   std::string SocketPath() const;
   // admin_socket_path with "{device}" replaced, or (empty) derived from SocketPath().
   std::string AdminSocketPath() const;
+  // handoff_socket_path with "{device}" replaced, or (empty) derived from SocketPath().
+  std::string HandoffSocketPath() const;
 
   bool operator==(const DaemonConfig&) const = default;
 };

@@ -47,9 +47,8 @@ TEST(ConfigTest, KeyListIsTheDocumentedOne) {
   }
   EXPECT_THAT(names,
               ElementsAre("backend", "device", "socket_path", "socket_mode", "socket_group",
-                          "shm_mode", "shm_group", "budget_bytes", "cuda_memory_fraction",
-                          "cuda_reserve_bytes", "cuda_export", "lease_timeout_ms",
-                          "lease_grace_ms",
+                          "budget_bytes", "cuda_memory_fraction",
+                          "cuda_reserve_bytes", "cuda_export", "lease_timeout_ms", "lease_grace_ms",
                           "reservation_ttl_ms", "log_level", "metrics_address", "rpc_metrics",
                           "drain_grace_ms",
                           "prefix_cache_budget_bytes", "prefix_block_tokens",
@@ -57,8 +56,9 @@ TEST(ConfigTest, KeyListIsTheDocumentedOne) {
                           "prefix_copy_threads", "watchdog", "keep_kv_across_restarts",
                           "max_plan_layers",
                           "max_engine_sessions", "max_engine_plans", "max_engine_budget_share",
-                          "max_attached_engines", "max_arenas", "admin_socket_path",
-                          "admin_socket_mode", "admin_socket_group"));
+                          "max_attached_engines", "arena_pool_engine_bytes", "max_arenas",
+                          "admin_socket_path", "admin_socket_mode", "admin_socket_group",
+                          "handoff_socket_path", "cache_scope_allow"));
   EXPECT_THAT(reloadable, ElementsAre("budget_bytes", "cuda_memory_fraction", "cuda_reserve_bytes",
                                       "lease_timeout_ms", "reservation_ttl_ms", "log_level",
                                       "drain_grace_ms", "prefix_cache_budget_bytes"));
@@ -78,7 +78,6 @@ TEST(ConfigTest, Defaults) {
   EXPECT_EQ(config.device, 0u);
   EXPECT_EQ(config.SocketPath(), "/run/memra-kv/gpu0.sock");
   EXPECT_EQ(config.socket_mode, 0660u);
-  EXPECT_EQ(config.shm_mode, 0600u);
   EXPECT_EQ(config.budget_bytes, 8 * kGiB);
   EXPECT_EQ(config.cuda_memory_fraction, 0.9);
   EXPECT_EQ(config.cuda_reserve_bytes, kGiB);
@@ -104,6 +103,7 @@ TEST(ConfigTest, Defaults) {
   EXPECT_EQ(config.AdminSocketPath(), "/run/memra-kv/gpu0.admin.sock");
   EXPECT_EQ(config.admin_socket_mode, 0600u);
   EXPECT_EQ(config.admin_socket_group, "");
+  EXPECT_EQ(config.HandoffSocketPath(), "/run/memra-kv/gpu0.handoff.sock");
   EXPECT_THAT(ValidateConfig(config), IsOk());
 }
 
@@ -116,6 +116,33 @@ TEST(ConfigTest, AdminSocketIsBesideTheEngineSocketUnlessGiven) {
   EXPECT_EQ(config.AdminSocketPath(), "/tmp/engines-3.admin.sock");
   config.admin_socket_path = "/run/ops/gpu{device}.sock";
   EXPECT_EQ(config.AdminSocketPath(), "/run/ops/gpu3.sock");
+}
+
+TEST(ConfigTest, HandoffSocketIsBesideTheEngineSocketUnlessGiven) {
+  DaemonConfig config;
+  config.device = 3;
+  config.socket_path = "/tmp/kvd.sock";
+  EXPECT_EQ(config.HandoffSocketPath(), "/tmp/kvd.handoff.sock");
+  config.handoff_socket_path = "/run/fds/gpu{device}.sock";
+  EXPECT_EQ(config.HandoffSocketPath(), "/run/fds/gpu3.sock");
+}
+
+TEST(ConfigTest, ValidateRefusesHandoffSocketThatIsAnotherSocketOrTooLong) {
+  DaemonConfig config;
+  config.handoff_socket_path = "/run/memra-kv/gpu{device}.sock";
+  EXPECT_THAT(ValidateConfig(config),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstrs("handoff_socket_path and socket_path are both",
+                                  "/run/memra-kv/gpu0.sock", "separate sockets")));
+  config.handoff_socket_path = "/run/memra-kv/gpu{device}.admin.sock";
+  EXPECT_THAT(ValidateConfig(config),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstrs("admin_socket_path and handoff_socket_path are both",
+                                  "/run/memra-kv/gpu0.admin.sock")));
+  config.handoff_socket_path = "/run/" + std::string(103, 'x');  // 108 bytes
+  EXPECT_THAT(ValidateConfig(config),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstrs("the handoff socket", "is 108 bytes", "at most 107")));
 }
 
 TEST(ConfigTest, ValidateRefusesAdminSocketThatIsTheEngineSocketOrTooLong) {
@@ -153,8 +180,6 @@ TEST(ConfigTest, RenderedNonDefaultsParseBack) {
   changed.socket_path = "/run/x \"quoted\\\" {device}.sock";
   changed.socket_mode = 0;
   changed.socket_group = "engines";
-  changed.shm_mode = 0640;
-  changed.shm_group = "1234";
   changed.budget_bytes = 3 * kMiB + 1;  // not a whole unit: rendered as plain bytes
   changed.cuda_memory_fraction = 0.1 + 0.2;
   changed.cuda_reserve_bytes = 0;
@@ -172,6 +197,8 @@ TEST(ConfigTest, RenderedNonDefaultsParseBack) {
   changed.admin_socket_path = "/run/ops/{device}.sock";
   changed.admin_socket_mode = 0660;
   changed.admin_socket_group = "operators";
+  changed.handoff_socket_path = "/run/fds/{device}.sock";
+  changed.cache_scope_allow = "team:1001,@ml; drafts:@inference";
   absl::StatusOr<DaemonConfig> config = ParseConfig(RenderConfig(changed), "rendered");
   ASSERT_THAT(config, IsOk());
   EXPECT_EQ(*config, changed);
@@ -288,7 +315,8 @@ INSTANTIATE_TEST_SUITE_P(
         BadValueCase{"socket_mode = 0o660",
                      {"socket_mode = 432", "not a string", "\"0000\" to \"0777\""}},
         BadValueCase{"socket_mode = \"0668\"", {"socket_mode = \"0668\"", "not a valid mode"}},
-        BadValueCase{"shm_mode = \"1777\"", {"shm_mode = \"1777\"", "not a valid mode"}},
+        BadValueCase{"admin_socket_mode = \"1777\"",
+                     {"admin_socket_mode = \"1777\"", "not a valid mode"}},
         BadValueCase{"watchdog = \"yes\"",
                      {"watchdog = \"yes\"", "not a boolean", "true or false"}},
         BadValueCase{"log_level = \"verbose\"",
@@ -303,7 +331,10 @@ INSTANTIATE_TEST_SUITE_P(
                      {"socket_path = \"memra.sock\"", "not an absolute path"}},
         BadValueCase{"socket_group = \"my group\"",
                      {"socket_group = \"my group\"", "contains ' '", "group name or gid"}},
-        BadValueCase{"shm_group = \"-x\"", {"shm_group = \"-x\"", "starts with '-'"}},
+        BadValueCase{"cache_scope_allow = \"team 1001\"",
+                     {"cache_scope_allow = \"team 1001\"", "has no ':'", "uid or @group"}},
+        BadValueCase{"admin_socket_group = \"-x\"",
+                     {"admin_socket_group = \"-x\"", "starts with '-'"}},
         BadValueCase{"metrics_address = \"localhost\"",
                      {"metrics_address = \"localhost\"", "no \":port\"", "host:port"}},
         BadValueCase{"metrics_address = \"::1:9464\"",
@@ -419,6 +450,7 @@ TEST(ConfigTest, ValidateRefusesSocketPathTooLongForItsDevice) {
   DaemonConfig config;
   config.socket_path = "/run/" + std::string(95, 'x') + "/{device}.sock";  // 107 bytes for device 0
   config.admin_socket_path = "/run/admin.sock";
+  config.handoff_socket_path = "/run/handoff.sock";
   EXPECT_THAT(ValidateConfig(config), IsOk());
   config.device = 100;
   EXPECT_THAT(ValidateConfig(config),

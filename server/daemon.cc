@@ -97,6 +97,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Create(DaemonConfig config,
   RETURN_IF_ERROR(ValidateConfig(config));
   std::optional<PreviousDaemon> previous = ReadPreviousDaemon(std::move(passed));
   ASSIGN_OR_RETURN(uint64_t epoch, RandomEpoch());
+  ASSIGN_OR_RETURN(CacheScopes scopes, CacheScopes::Create(config.cache_scope_allow));
   // "Bumped": a router tells the restart from a reconnect; 0 is never an epoch.
   if (previous.has_value()) epoch = previous->epoch + 1 == 0 ? 1 : previous->epoch + 1;
   std::unique_ptr<RestartState> restart_state;
@@ -126,7 +127,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Create(DaemonConfig config,
   std::unique_ptr<Daemon> daemon(
       new Daemon(std::move(config), std::move(backend), clock,
                  std::make_unique<DeviceBudget>(budget_bytes, rule, limits), epoch,
-                 std::move(restart_state)));
+                 std::move(scopes), std::move(restart_state)));
   if (previous.has_value()) {
     daemon->Readopt(*std::move(previous));
   } else if (daemon->restart_state_ != nullptr) {
@@ -159,10 +160,15 @@ void Daemon::Readopt(PreviousDaemon previous) {
     plans[bytes] = *found;
     plan_names[bytes] = name;
   }
-  absl::flat_hash_set<uint64_t> engines;
+  absl::flat_hash_map<uint64_t, std::string> engines;  // id -> its cache scope
   for (const auto& engine : previous.engines) {
-    leases_.Readopt(EngineId{engine.id()}, engine.token(), engine.name(), engine.pid());
-    engines.insert(engine.id());
+    leases_.Readopt(EngineId{engine.id()}, engine.token(),
+                    EngineIdentity{.name = engine.name(),
+                                   .peer = PeerCredentials{.uid = engine.uid(),
+                                                           .gid = engine.gid(),
+                                                           .pid = static_cast<pid_t>(engine.pid())},
+                                   .cache_scope = engine.cache_scope()});
+    engines.emplace(engine.id(), engine.cache_scope());
   }
   leases_.RaiseNextEngineId(previous.next_engine_id);
   sessions_.RaiseNextSessionId(previous.next_session_id);
@@ -190,6 +196,8 @@ void Daemon::Readopt(PreviousDaemon previous) {
         DaemonSession::Params params = sessions_.BaseParams();
         params.id = SessionId{record.id()};
         params.owner = EngineId{record.owner()};
+        params.slot = record.slot();
+        params.cache_scope = engines[record.owner()];
         params.token = record.token();
         params.model = plan->second;
         params.fingerprint = record.plan_fingerprint();
@@ -255,7 +263,7 @@ void Daemon::Readopt(PreviousDaemon previous) {
 }
 
 Daemon::Daemon(DaemonConfig config, std::unique_ptr<DeviceBackend> backend, Clock* clock,
-               std::unique_ptr<DeviceBudget> budget, uint64_t epoch,
+               std::unique_ptr<DeviceBudget> budget, uint64_t epoch, CacheScopes scopes,
                std::unique_ptr<RestartState> restart_state)
     : backend_(std::move(backend)),
       clock_(clock),
@@ -264,28 +272,64 @@ Daemon::Daemon(DaemonConfig config, std::unique_ptr<DeviceBackend> backend, Cloc
       start_config_(std::move(config)),
       budget_(std::move(budget)),
       epoch_(epoch),
+      scopes_(std::move(scopes)),
       started_(clock->Now()),
       restart_state_(std::move(restart_state)),
       plans_(FormatDefaults(), start_config_.max_plan_layers,
              static_cast<size_t>(start_config_.max_engine_plans)),
       leases_(clock_, budget_.get(), LeaseSettingsOf(start_config_), restart_state_.get()),
       prefix_cache_(MakePrefixCache(start_config_, backend_.get(), budget_.get(), epoch_)),
+      arena_pool_(backend_.get(), budget_.get(), start_config_.arena_pool_engine_bytes),
       sessions_(backend_.get(), budget_.get(), &leases_, &plans_, FormatDefaults(),
                 start_config_.prefix_capture_on_engine_death ? prefix_cache_.get() : nullptr,
-                start_config_.max_engine_sessions, restart_state_.get()),
-      engine_prefix_service_(prefix_cache_.get(), backend_.get(), FindSession(),
+                start_config_.max_engine_sessions, &arena_pool_, restart_state_.get()),
+      handoff_(HandoffOptions(), LookupArena()),
+      engine_prefix_service_(prefix_cache_.get(), backend_.get(), FindSession(), FindScope(),
                              ServedSocket{ServedSocket::Audience::kEngines, admin_socket_path_}),
       operator_prefix_service_(
-          prefix_cache_.get(), backend_.get(), FindSession(),
+          prefix_cache_.get(), backend_.get(), FindSession(), FindScope(),
           ServedSocket{ServedSocket::Audience::kOperators, admin_socket_path_}),
-      cache_service_(&leases_, &plans_, &sessions_, backend_.get(), epoch_),
+      cache_service_(&leases_, &plans_, &sessions_, backend_.get(), &handoff_, &scopes_, epoch_),
       engine_admin_service_(
           AdminParts(ServedSocket{ServedSocket::Audience::kEngines, admin_socket_path_})),
       operator_admin_service_(
-          AdminParts(ServedSocket{ServedSocket::Audience::kOperators, admin_socket_path_})) {}
+          AdminParts(ServedSocket{ServedSocket::Audience::kOperators, admin_socket_path_})) {
+  arena_pool_.InstallEvictor(*budget_);
+}
 
 PrefixService::SessionFinder Daemon::FindSession() {
   return [this](const pb::SessionRef& ref) { return sessions_.Find(SessionCredentialsOf(ref)); };
+}
+
+PrefixService::ScopeFinder Daemon::FindScope() {
+  return [this](const pb::EngineRef& ref) { return leases_.CacheScope(EngineCredentialsOf(ref)); };
+}
+
+ArenaHandoff::Options Daemon::HandoffOptions() const {
+  ArenaHandoff::Options options;
+  options.path = start_config_.HandoffSocketPath();
+  options.group = start_config_.socket_group;
+  options.mode = start_config_.socket_mode;
+  options.max_connections = static_cast<size_t>(start_config_.max_attached_engines);
+  return options;
+}
+
+ArenaHandoff::ArenaLookup Daemon::LookupArena() {
+  return [this](uint64_t engine_id,
+                const handoff::ArenaRequest& request) -> absl::StatusOr<ArenaFd> {
+    // The session token first (NOT_FOUND / PERMISSION_DENIED as on every call), then the owner:
+    // a token another engine leaked still opens nothing over this engine's connection.
+    ASSIGN_OR_RETURN(std::shared_ptr<DaemonSession> session,
+                     sessions_.Find(SessionCredentials{SessionId{request.session_id},
+                                                       request.session_token}));
+    if (session->owner().value != engine_id) {
+      return absl::PermissionDeniedError(absl::StrCat(
+          "session ", request.session_id, " belongs to engine ", session->owner().value,
+          "; this handoff connection is engine ", engine_id,
+          "'s: arenas are handed only to the engine that owns the session"));
+    }
+    return session->DuplicateArenaFd(request.handle);
+  };
 }
 
 AdminService::Parts Daemon::AdminParts(ServedSocket socket) {
@@ -312,6 +356,8 @@ absl::Status Daemon::Start() {
   }
   RETURN_IF_ERROR(PrepareSocketPath(socket_path_));
   RETURN_IF_ERROR(PrepareSocketPath(admin_socket_path_));
+  // Bound before the engine socket: an engine that finds the engine socket finds its ticket.
+  RETURN_IF_ERROR(handoff_.Start());
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   // The RPC metrics count the engine socket's calls (the hot path); operators' calls are few.
@@ -327,6 +373,7 @@ absl::Status Daemon::Start() {
   if (!admin_server.ok()) {
     server->Shutdown();
     unlink(socket_path_.c_str());
+    handoff_.Stop();
     return admin_server.status();
   }
   {
@@ -338,9 +385,9 @@ absl::Status Daemon::Start() {
   StartMetricsHttp();
   const LeaseSettings lease = leases_.settings();
   spdlog::info(
-      "memra-kvd serving engines on unix:{}, operators on unix:{} (backend {}, lease timeout {} "
-      "ms, grace {} ms)",
-      socket_path_, admin_socket_path_, std::string(backend_->Name()),
+      "memra-kvd serving engines on unix:{} (handoff {}), operators on unix:{} (backend {}, "
+      "lease timeout {} ms, grace {} ms)",
+      socket_path_, handoff_.path(), admin_socket_path_, std::string(backend_->Name()),
                absl::ToInt64Milliseconds(lease.timeout), absl::ToInt64Milliseconds(lease.grace));
   return absl::OkStatus();
 }
@@ -386,15 +433,32 @@ void Daemon::LeaseLoop() {
 
 void Daemon::CheckLeases() {
   for (const ReclaimedEngine& engine : leases_.CollectReclaimable()) {
+    handoff_.ForgetEngine(engine.id.value);
     const ReleasedSessions released = sessions_.ReleaseOwnedBy(engine.id);
     const uint64_t reserved = leases_.ReturnReservations(engine.id);
     plans_.ForgetEngine(engine.id.value);
     spdlog::info(
         "engine {} (\"{}\", pid {}) reclaimed: {} sessions, {} bytes freed, {} reserved bytes "
         "returned",
-        engine.id.value, engine.name, engine.pid, released.sessions, released.bytes, reserved);
+        engine.id.value, engine.name, engine.peer.pid, released.sessions, released.bytes, reserved);
   }
   leases_.ExpireReservations();
+  FreeUnusablePools();
+}
+
+void Daemon::FreeUnusablePools() {
+  absl::flat_hash_map<uint64_t, bool> lease_live;
+  for (const EngineView& engine : leases_.Engines()) lease_live[engine.id.value] = engine.lease_live;
+  for (const auto& [engine, stats] : arena_pool_.Stats()) {
+    auto live = lease_live.find(engine);
+    if (live == lease_live.end()) {
+      // Reclaimed (a release that raced the reclaim may have pooled an arena after it).
+      arena_pool_.DrainEngine(engine, /*forget=*/true);
+    } else if (!live->second && stats.pooled_arenas > 0) {
+      // The lease ended: the engine can create no session to reuse them.
+      arena_pool_.DrainEngine(engine, /*forget=*/false);
+    }
+  }
 }
 
 size_t Daemon::SetDraining(bool draining) {
@@ -445,6 +509,7 @@ void Daemon::Shutdown() {
   for (grpc::Server* serving : {server.get(), admin_server.get()}) {
     if (serving != nullptr) serving->Wait();
   }
+  handoff_.Stop();  // after the servers: no Attach can claim a ticket any more
   leases_.ForgetAll();
   const ReleasedSessions released = sessions_.ReleaseAll();
   if (server != nullptr) unlink(socket_path_.c_str());

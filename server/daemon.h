@@ -2,10 +2,13 @@
 #define MEMRA_SERVER_DAEMON_H_
 
 // memra-kvd as a composable object: the composition root. It builds the parts, wires them into
-// the gRPC services on two Unix sockets, and runs the lifecycle: start, drain, reload, the lease
-// thread, shutdown. The engine socket (socket_path) serves KvCache, KvAdmin and KvPrefixCache
-// with the operator calls refused; the admin socket (admin_socket_path, mode 0600 by default)
-// serves KvAdmin and KvPrefixCache in full (server/served_socket.h, docs/security-model.md).
+// the gRPC services on two Unix sockets and the handoff socket, and runs the lifecycle: start,
+// drain, reload, the lease thread, shutdown. The engine socket (socket_path) serves KvCache,
+// KvAdmin and KvPrefixCache with the operator calls refused; the admin socket
+// (admin_socket_path, mode 0600 by default) serves KvAdmin and KvPrefixCache in full
+// (server/served_socket.h, docs/security-model.md); the handoff socket (handoff_socket_path,
+// the engine socket's mode and group) issues the attach tickets and hands arena descriptors to
+// the engines that own them (server/arena_handoff.h).
 // Both serve the standard health service and reflection. server/main.cc wraps it with configuration, signals and systemd; tests run
 // it in-process with a FakeClock. The parts own their state and locks:
 //   PlanRegistry (server/plan_registry.h)       registered model plans, bounded
@@ -44,7 +47,10 @@
 #include "grpcpp/support/server_interceptor.h"
 #include "proto/memra/kv/v1/admin.pb.h"
 #include "server/admin_service.h"
+#include "server/arena_handoff.h"
+#include "server/arena_pool.h"
 #include "server/backend.h"
+#include "server/cache_scopes.h"
 #include "server/cache_service.h"
 #include "server/clock.h"
 #include "server/config.h"
@@ -104,8 +110,9 @@ class Daemon {
   size_t SetDraining(bool draining) ABSL_LOCKS_EXCLUDED(mu_);
 
   // Applies lease decisions at clock->Now(): expires silent engines, reclaims engines whose
-  // grace has passed (releasing each of their sessions once), drops lapsed reservations. The
-  // lease thread calls it periodically; tests call it after moving a FakeClock.
+  // grace has passed (releasing each of their sessions once), drops lapsed reservations, frees
+  // the arena pools of engines without a live lease. The lease thread calls it periodically;
+  // tests call it after moving a FakeClock.
   void CheckLeases();
 
   // What the start re-adopted from a previous daemon (all zero on a first start).
@@ -130,6 +137,9 @@ class Daemon {
   int metrics_port() const ABSL_LOCKS_EXCLUDED(mu_);
   const std::string& socket_path() const { return socket_path_; }
   const std::string& admin_socket_path() const { return admin_socket_path_; }
+  const std::string& handoff_socket_path() const { return handoff_.path(); }
+  // Connections and descriptors handed (tests, metrics).
+  const ArenaHandoff& handoff() const { return handoff_; }
   DeviceBackend& backend() const { return *backend_; }
   // False once shutting down (the watchdog stops its keep-alives).
   bool Healthy() const { return !shut_down_.load(); }
@@ -138,7 +148,7 @@ class Daemon {
 
  private:
   Daemon(DaemonConfig config, std::unique_ptr<DeviceBackend> backend, Clock* clock,
-         std::unique_ptr<DeviceBudget> budget, uint64_t epoch,
+         std::unique_ptr<DeviceBudget> budget, uint64_t epoch, CacheScopes scopes,
          std::unique_ptr<RestartState> restart_state);
 
   // Re-adopts what `previous` kept (before serving): plans, engines, sessions at their committed
@@ -147,6 +157,13 @@ class Daemon {
 
   // The session finder and the KvAdmin parts of this daemon (one service instance per socket).
   PrefixService::SessionFinder FindSession();
+  PrefixService::ScopeFinder FindScope();
+  // The handoff socket's options and its arena lookup: a session of the connection's engine,
+  // named with its token, and one of its arenas.
+  ArenaHandoff::Options HandoffOptions() const;
+  ArenaHandoff::ArenaLookup LookupArena();
+  // Frees the pooled arenas of engines whose lease ended or that were reclaimed.
+  void FreeUnusablePools();
   AdminService::Parts AdminParts(ServedSocket socket);
 
   void LeaseLoop() ABSL_LOCKS_EXCLUDED(stop_mu_);
@@ -174,6 +191,7 @@ class Daemon {
   const DaemonConfig start_config_;
   const std::unique_ptr<DeviceBudget> budget_;
   const uint64_t epoch_;  // random per start; the previous epoch + 1 after a re-adoption
+  const CacheScopes scopes_;  // cache_scope_allow
   const absl::Time started_;
   // Null unless under a service manager with keep_kv_across_restarts. Declared before the parts
   // that report to it.
@@ -186,7 +204,10 @@ class Daemon {
   // Null when prefix_cache_budget_bytes is 0. Its arenas live in backend_; its lock comes after
   // a session's own mutex (server/prefix_cache.h).
   const std::unique_ptr<PrefixCache> prefix_cache_;
+  // Released session arenas per engine (arena_pool_engine_bytes); evicted before prefix entries.
+  ArenaPool arena_pool_;
   SessionRegistry sessions_;
+  ArenaHandoff handoff_;
   // One KvPrefixCache and one KvAdmin per socket (server/served_socket.h).
   PrefixService engine_prefix_service_;
   PrefixService operator_prefix_service_;

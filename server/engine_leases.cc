@@ -24,30 +24,34 @@ LeaseSettings EngineLeases::settings() const {
   return settings_;
 }
 
-absl::StatusOr<EngineLease> EngineLeases::Attach(absl::string_view name, int64_t pid,
+absl::StatusOr<EngineLease> EngineLeases::Attach(EngineIdentity identity,
                                                  std::function<void()> cancel_stream) {
+  if (identity.name.size() > 256) identity.name.resize(256);
+  const std::string& name = identity.name;
   ASSIGN_OR_RETURN(std::string token, RandomSecretToken());
   absl::MutexLock lock(&mu_);
   if (draining_) return absl::UnavailableError("the daemon is draining; attach to another");
   if (engines_.size() >= settings_.max_engines) {
     return absl::ResourceExhaustedError(absl::StrCat(
-        "engine \"", name.substr(0, 256), "\" refused: ", engines_.size(),
+        "engine \"", name, "\" refused: ", engines_.size(),
         " engines are attached or in their grace period and the limit is ",
         settings_.max_engines, " (max_attached_engines)"));
   }
   const EngineId id{next_engine_id_++};
   Engine& engine = engines_[id.value];
   engine.id = id;
-  engine.name = std::string(name.substr(0, 256));
-  engine.pid = pid;
+  engine.identity = std::move(identity);
   engine.token = token;
   engine.last_heartbeat = clock_->Now();
   engine.cancel_stream = std::move(cancel_stream);
   engine.stream = next_stream_++;
-  spdlog::info("engine {} attached: name \"{}\", pid {}", id.value, engine.name, engine.pid);
+  spdlog::info("engine {} attached: name \"{}\", pid {}, uid {}, gid {}, cache scope {}",
+               id.value, engine.identity.name, engine.identity.peer.pid,
+               engine.identity.peer.uid, engine.identity.peer.gid, engine.identity.cache_scope);
   // Recorded under the lock so a concurrent reclaim's EngineForgotten cannot come first.
-  if (journal_ != nullptr) journal_->EngineAttached(id.value, token, engine.name, pid);
-  return EngineLease{id, std::move(token), settings_.timeout, settings_.grace, engine.stream};
+  JournalEngineLocked(engine);
+  return EngineLease{id, std::move(token), settings_.timeout, settings_.grace, engine.stream,
+                     engine.identity.cache_scope};
 }
 
 absl::Status EngineLeases::UnknownEngineLocked(EngineId engine, absl::string_view what) const {
@@ -61,6 +65,8 @@ absl::Status EngineLeases::UnknownEngineLocked(EngineId engine, absl::string_vie
 }
 
 absl::StatusOr<EngineLease> EngineLeases::Resume(const EngineCredentials& credentials,
+                                                 const PeerCredentials& peer,
+                                                 absl::string_view cache_scope,
                                                  std::function<void()> cancel_stream) {
   absl::MutexLock lock(&mu_);
   if (draining_) return absl::UnavailableError("the daemon is draining; attach to another");
@@ -78,25 +84,47 @@ absl::StatusOr<EngineLease> EngineLeases::Resume(const EngineCredentials& creden
         absl::StrCat("engine ", credentials.id.value,
                      " holds its lease on another Attach stream; end that one first"));
   }
+  // The handoff connection the re-attach came with proves the user: the engine's memory is
+  // handed to that user only.
+  if (peer.uid != engine.identity.peer.uid) {
+    return absl::PermissionDeniedError(absl::StrCat(
+        "engine ", credentials.id.value, " belongs to uid ", engine.identity.peer.uid,
+        "; the re-attach's handoff connection is uid ", peer.uid, " (pid ", peer.pid, ")"));
+  }
+  if (!cache_scope.empty() && cache_scope != engine.identity.cache_scope) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "engine ", credentials.id.value, " is in cache scope \"", engine.identity.cache_scope,
+        "\"; a re-attach keeps it and cannot name \"", cache_scope, "\""));
+  }
   engine.lease_ended.reset();
   engine.last_heartbeat = clock_->Now();
   engine.cancel_stream = std::move(cancel_stream);
   engine.stream = next_stream_++;
-  spdlog::info("engine {} (\"{}\", pid {}) re-attached", engine.id.value, engine.name, engine.pid);
-  return EngineLease{engine.id, engine.token, settings_.timeout, settings_.grace, engine.stream};
+  engine.identity.peer = peer;
+  spdlog::info("engine {} (\"{}\", pid {}, uid {}) re-attached", engine.id.value,
+               engine.identity.name, engine.identity.peer.pid, engine.identity.peer.uid);
+  // The pid may have changed (a re-attach from the same uid): the journal follows.
+  JournalEngineLocked(engine);
+  return EngineLease{engine.id, engine.token, settings_.timeout, settings_.grace, engine.stream,
+                     engine.identity.cache_scope};
 }
 
-void EngineLeases::Readopt(EngineId id, std::string token, std::string name, int64_t pid) {
+void EngineLeases::JournalEngineLocked(const Engine& engine) {
+  if (journal_ == nullptr) return;
+  journal_->EngineAttached(engine.id.value, engine.token, engine.identity.name,
+                           engine.identity.peer, engine.identity.cache_scope);
+}
+
+void EngineLeases::Readopt(EngineId id, std::string token, EngineIdentity identity) {
   absl::MutexLock lock(&mu_);
   Engine& engine = engines_[id.value];
   engine.id = id;
-  engine.name = std::move(name);
-  engine.pid = pid;
+  engine.identity = std::move(identity);
   engine.token = std::move(token);
   engine.last_heartbeat = clock_->Now();
   engine.stream = 0;
   next_engine_id_ = std::max(next_engine_id_, id.value + 1);
-  if (journal_ != nullptr) journal_->EngineAttached(id.value, engine.token, engine.name, pid);
+  JournalEngineLocked(engine);
 }
 
 void EngineLeases::RaiseNextEngineId(uint64_t next) {
@@ -135,7 +163,7 @@ void EngineLeases::EndStream(EngineId id, uint64_t stream) {
   if (!it->second.lease_ended.has_value()) {
     it->second.lease_ended = clock_->Now();
     spdlog::info("engine {} (\"{}\"): Attach stream ended; its sessions are freed in {} ms",
-                 id.value, it->second.name, absl::ToInt64Milliseconds(settings_.grace));
+                 id.value, it->second.identity.name, absl::ToInt64Milliseconds(settings_.grace));
   }
 }
 
@@ -156,6 +184,12 @@ absl::Status EngineLeases::CheckLocked(const EngineCredentials& engine) const {
 absl::Status EngineLeases::Check(const EngineCredentials& engine) const {
   absl::MutexLock lock(&mu_);
   return CheckLocked(engine);
+}
+
+absl::StatusOr<std::string> EngineLeases::CacheScope(const EngineCredentials& engine) const {
+  absl::MutexLock lock(&mu_);
+  RETURN_IF_ERROR(CheckLocked(engine));
+  return engines_.at(engine.id.value).identity.cache_scope;
 }
 
 absl::Status EngineLeases::Admit(const EngineCredentials& engine,
@@ -203,14 +237,15 @@ std::vector<ReclaimedEngine> EngineLeases::CollectReclaimable() {
         engine.lease_ended = now;
         lease_expiries_.fetch_add(1, std::memory_order_relaxed);
         spdlog::warn("engine {} (\"{}\", pid {}): no heartbeat for {} ms (lease timeout {} ms)",
-                     engine.id.value, engine.name, engine.pid,
+                     engine.id.value, engine.identity.name, engine.identity.peer.pid,
                      absl::ToInt64Milliseconds(now - engine.last_heartbeat),
                      absl::ToInt64Milliseconds(settings_.timeout));
         if (engine.cancel_stream) engine.cancel_stream();
         engine.cancel_stream = nullptr;  // cancelled once; its handler's EndStream follows
       }
       if (engine.lease_ended.has_value() && now - *engine.lease_ended >= settings_.grace) {
-        reclaimed.push_back(ReclaimedEngine{engine.id, std::move(engine.name), engine.pid});
+        reclaimed.push_back(
+            ReclaimedEngine{engine.id, std::move(engine.identity.name), engine.identity.peer});
         if (journal_ != nullptr) journal_->EngineForgotten(engine.id.value);
         engines_.erase(it++);
         continue;
@@ -262,7 +297,7 @@ std::vector<EngineView> EngineLeases::Engines() const {
   views.reserve(engines_.size());
   for (const auto& [id, engine] : engines_) {
     views.push_back(EngineView{
-        engine.id, engine.name, engine.pid,
+        engine.id, engine.identity.name, engine.identity.peer, engine.identity.cache_scope,
         !engine.lease_ended.has_value() && now - engine.last_heartbeat <= settings_.timeout,
         now - (engine.lease_ended.has_value() ? *engine.lease_ended : engine.last_heartbeat)});
   }

@@ -34,6 +34,7 @@
 #include "server/device_budget.h"
 #include "server/state_journal.h"
 #include "common/daemon_restart.h"
+#include "server/peer_credentials.h"
 
 namespace memra {
 
@@ -54,6 +55,14 @@ struct EngineCredentials {
   absl::string_view token;
 };
 
+// Who an engine is: the name it gave, the peer credentials its handoff ticket proved
+// (server/arena_handoff.h) and its prefix-cache scope (server/cache_scopes.h), fixed at Attach.
+struct EngineIdentity {
+  std::string name;
+  PeerCredentials peer;
+  std::string cache_scope;
+};
+
 // What Attach hands an engine.
 struct EngineLease {
   EngineId id;
@@ -61,6 +70,7 @@ struct EngineLease {
   absl::Duration timeout;
   absl::Duration grace;
   uint64_t stream = 0;  // which Attach stream holds the lease (EndStream names it)
+  std::string cache_scope;  // the engine's prefix-cache scope (EngineIdentity's)
 };
 
 struct EngineReservation {
@@ -72,7 +82,8 @@ struct EngineReservation {
 struct EngineView {
   EngineId id;
   std::string name;
-  int64_t pid = 0;
+  PeerCredentials peer;
+  std::string cache_scope;
   bool lease_live = false;
   absl::Duration heartbeat_age;  // since the last heartbeat, or since the lease ended
 };
@@ -81,7 +92,7 @@ struct EngineView {
 struct ReclaimedEngine {
   EngineId id;
   std::string name;
-  int64_t pid = 0;
+  PeerCredentials peer;
 };
 
 class EngineLeases {
@@ -98,14 +109,17 @@ class EngineLeases {
   // count and the limit when max_engines are known. `cancel_stream` ends its Attach
   // stream: called at most once, when the lease times out or the daemon shuts down, never after
   // EndStream.
-  absl::StatusOr<EngineLease> Attach(absl::string_view name, int64_t pid,
+  absl::StatusOr<EngineLease> Attach(EngineIdentity identity,
                                      std::function<void()> cancel_stream) ABSL_LOCKS_EXCLUDED(mu_);
   // Re-attach (proto Hello.resume): the engine's lease is live again on a new stream, with the
   // same id and token. NOT_FOUND for an engine this daemon reclaimed (or never knew), or the
   // restart error (common/daemon_restart.h) when a restarted daemon did not re-adopt it;
-  // PERMISSION_DENIED for a wrong token; FAILED_PRECONDITION while another stream holds the
-  // lease; UNAVAILABLE while draining.
-  absl::StatusOr<EngineLease> Resume(const EngineCredentials& engine,
+  // PERMISSION_DENIED for a wrong token or when `peer` (the re-attach's handoff connection) is
+  // another uid than the engine's; FAILED_PRECONDITION while another stream holds the lease or
+  // when `cache_scope` is neither empty nor the engine's; UNAVAILABLE while draining. The
+  // engine's pid becomes `peer`'s.
+  absl::StatusOr<EngineLease> Resume(const EngineCredentials& engine, const PeerCredentials& peer,
+                                     absl::string_view cache_scope,
                                      std::function<void()> cancel_stream)
       ABSL_LOCKS_EXCLUDED(mu_);
   // NOT_FOUND once reclaimed, FAILED_PRECONDITION once the lease ended.
@@ -118,8 +132,7 @@ class EngineLeases {
   // An engine the previous daemon journaled: known again with its id and token and a lease that
   // runs from now without a stream, so it must re-attach (Resume) within the lease timeout or is
   // reclaimed like a silent engine. Ids issued later are above it.
-  void Readopt(EngineId id, std::string token, std::string name, int64_t pid)
-      ABSL_LOCKS_EXCLUDED(mu_);
+  void Readopt(EngineId id, std::string token, EngineIdentity identity) ABSL_LOCKS_EXCLUDED(mu_);
   // Ids issued from now on are >= `next` (the previous daemon's high-water mark).
   void RaiseNextEngineId(uint64_t next) ABSL_LOCKS_EXCLUDED(mu_);
   // This daemon restarted from `restart.previous_epoch`; engines in `not_readopted` (id ->
@@ -130,6 +143,9 @@ class EngineLeases {
   // OK when the credentials name an attached engine whose lease is live: NOT_FOUND unknown
   // engine, PERMISSION_DENIED wrong token, FAILED_PRECONDITION lease ended.
   absl::Status Check(const EngineCredentials& engine) const ABSL_LOCKS_EXCLUDED(mu_);
+  // Check(), then the engine's prefix-cache scope.
+  absl::StatusOr<std::string> CacheScope(const EngineCredentials& engine) const
+      ABSL_LOCKS_EXCLUDED(mu_);
   // Check(), and UNAVAILABLE with `draining_message` while draining (one decision, one lock).
   absl::Status Admit(const EngineCredentials& engine, absl::string_view draining_message) const
       ABSL_LOCKS_EXCLUDED(mu_);
@@ -173,8 +189,7 @@ class EngineLeases {
  private:
   struct Engine {
     EngineId id;
-    std::string name;
-    int64_t pid = 0;
+    EngineIdentity identity;
     std::string token;
     absl::Time last_heartbeat;
     std::optional<absl::Time> lease_ended;  // stream ended or heartbeats stopped
@@ -182,6 +197,8 @@ class EngineLeases {
     uint64_t stream = 0;                    // the Attach stream holding the lease (0: none)
   };
 
+  // Records the engine for a restart (its id, token and identity).
+  void JournalEngineLocked(const Engine& engine) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status CheckLocked(const EngineCredentials& engine) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // NOT_FOUND for an engine this daemon does not know, or the restart error for one the

@@ -30,12 +30,23 @@ class EngineLeasesTest : public ::testing::Test {
  protected:
   // Attaches an engine whose stream cancellations are counted in `cancels`.
   EngineLease AttachCounting(const std::string& name, int* cancels) {
-    absl::StatusOr<EngineLease> lease = leases_.Attach(name, 42, [cancels] { ++*cancels; });
+    absl::StatusOr<EngineLease> lease = leases_.Attach(
+        EngineIdentity{.name = name,
+                       .peer = {.uid = 1000, .gid = 100, .pid = 42},
+                       .cache_scope = "uid:1000"},
+        [cancels] { ++*cancels; });
     EXPECT_THAT(lease, IsOk());
     return lease.ok() ? *lease : EngineLease{};
   }
   static EngineCredentials Credentials(const EngineLease& lease) {
     return EngineCredentials{lease.id, lease.token};
+  }
+  // The handoff connection a re-attach of AttachCounting's user comes with (a new pid).
+  static constexpr PeerCredentials kSameUser{.uid = 1000, .gid = 100, .pid = 43};
+  static EngineIdentity Kept(const std::string& name) {
+    return EngineIdentity{.name = name,
+                          .peer = {.uid = 1000, .gid = 100, .pid = 42},
+                          .cache_scope = "uid:1000"};
   }
 
   FakeClock clock_;
@@ -72,7 +83,8 @@ TEST_F(EngineLeasesTest, DrainingRefusesNewEnginesReservationsAndAdmissions) {
   const EngineLease a = AttachCounting("a", &cancels);
   leases_.SetDraining(true);
   EXPECT_TRUE(leases_.draining());
-  EXPECT_THAT(leases_.Attach("b", 1, nullptr),
+  EXPECT_THAT(
+      leases_.Attach(EngineIdentity{.name = "b", .peer = {}, .cache_scope = "uid:0"}, nullptr),
               StatusIs(absl::StatusCode::kUnavailable, HasSubstr("draining")));
   EXPECT_THAT(leases_.Admit(Credentials(a), "no new sessions"),
               StatusIs(absl::StatusCode::kUnavailable, HasSubstr("no new sessions")));
@@ -105,7 +117,8 @@ TEST_F(EngineLeasesTest, SilentEngineExpiresThenIsReclaimedExactlyOnceWithItsRes
   ASSERT_THAT(reclaimed, SizeIs(1));
   EXPECT_EQ(reclaimed[0].id.value, a.id.value);
   EXPECT_EQ(reclaimed[0].name, "a");
-  EXPECT_EQ(reclaimed[0].pid, 42);
+  EXPECT_EQ(reclaimed[0].peer.pid, 42);
+  EXPECT_EQ(reclaimed[0].peer.uid, 1000u);
   EXPECT_EQ(budget_.Snapshot().reserved(), 8192u);  // until the sessions are released
   EXPECT_EQ(leases_.ReturnReservations(a.id), 8192u);
   EXPECT_EQ(budget_.Snapshot().reserved(), 0u);
@@ -192,12 +205,12 @@ TEST_F(EngineLeasesTest, AnEngineWhoseStreamEndedResumesWithItsIdAndToken) {
   int cancels = 0;
   const EngineLease a = AttachCounting("a", &cancels);
   // Its own stream still holds the lease: a second stream is refused.
-  EXPECT_THAT(leases_.Resume(Credentials(a), [] {}),
+  EXPECT_THAT(leases_.Resume(Credentials(a), kSameUser, "", [] {}),
               StatusIs(absl::StatusCode::kFailedPrecondition,
                        HasSubstr("engine 1 holds its lease on another Attach stream")));
   leases_.EndStream(a.id, a.stream);
   EXPECT_THAT(leases_.Check(Credentials(a)), StatusIs(absl::StatusCode::kFailedPrecondition, _));
-  absl::StatusOr<EngineLease> resumed = leases_.Resume(Credentials(a), [] {});
+  absl::StatusOr<EngineLease> resumed = leases_.Resume(Credentials(a), kSameUser, "", [] {});
   ASSERT_THAT(resumed, IsOk());
   EXPECT_EQ(resumed->id.value, a.id.value);
   EXPECT_EQ(resumed->token, a.token);
@@ -212,32 +225,46 @@ TEST_F(EngineLeasesTest, ResumeRefusals) {
   int cancels = 0;
   const EngineLease a = AttachCounting("a", &cancels);
   leases_.EndStream(a.id);
-  EXPECT_THAT(leases_.Resume(EngineCredentials{a.id, "not the token"}, [] {}),
+  EXPECT_THAT(leases_.Resume(EngineCredentials{a.id, "not the token"}, kSameUser, "", [] {}),
               StatusIs(absl::StatusCode::kPermissionDenied, HasSubstr("engine 1")));
-  EXPECT_THAT(leases_.Resume(EngineCredentials{EngineId{9}, a.token}, [] {}),
+  EXPECT_THAT(leases_.Resume(EngineCredentials{EngineId{9}, a.token}, kSameUser, "", [] {}),
               StatusIs(absl::StatusCode::kNotFound, HasSubstr("engine 9 was reclaimed")));
+  // The re-attach's handoff connection must be the engine's user; the scope stays.
+  EXPECT_THAT(leases_.Resume(Credentials(a), PeerCredentials{.uid = 1001, .gid = 100, .pid = 44},
+                             "", [] {}),
+              StatusIs(absl::StatusCode::kPermissionDenied,
+                       HasSubstr("engine 1 belongs to uid 1000; the re-attach's handoff "
+                                 "connection is uid 1001 (pid 44)")));
+  EXPECT_THAT(leases_.Resume(Credentials(a), kSameUser, "team", [] {}),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstr("engine 1 is in cache scope \"uid:1000\"; a re-attach keeps it "
+                                 "and cannot name \"team\"")));
+  EXPECT_THAT(leases_.Check(Credentials(a)), StatusIs(absl::StatusCode::kFailedPrecondition, _))
+      << "a refused re-attach leaves the lease ended";
   leases_.SetDraining(true);
-  EXPECT_THAT(leases_.Resume(Credentials(a), [] {}),
+  EXPECT_THAT(leases_.Resume(Credentials(a), kSameUser, "", [] {}),
               StatusIs(absl::StatusCode::kUnavailable, HasSubstr("draining")));
   leases_.SetDraining(false);
   clock_.Advance(kGrace);
   ASSERT_THAT(leases_.CollectReclaimable(), SizeIs(1));
-  EXPECT_THAT(leases_.Resume(Credentials(a), [] {}),
+  EXPECT_THAT(leases_.Resume(Credentials(a), kSameUser, "", [] {}),
               StatusIs(absl::StatusCode::kNotFound, HasSubstr("engine 1 was reclaimed")));
 }
 
 TEST_F(EngineLeasesTest, AReadoptedEngineMustResumeWithinTheLeaseTimeout) {
-  leases_.Readopt(EngineId{7}, "sixteen-byte-tok", "kept", 99);
+  leases_.Readopt(EngineId{7}, "sixteen-byte-tok", Kept("kept"));
   leases_.RaiseNextEngineId(12);
   EXPECT_THAT(leases_.Check(EngineCredentials{EngineId{7}, "sixteen-byte-tok"}), IsOk());
   int cancels = 0;
   EXPECT_EQ(AttachCounting("new", &cancels).id.value, 12u) << "ids continue above the journal's";
   absl::StatusOr<EngineLease> resumed =
-      leases_.Resume(EngineCredentials{EngineId{7}, "sixteen-byte-tok"}, [] {});
+      leases_.Resume(EngineCredentials{EngineId{7}, "sixteen-byte-tok"}, kSameUser, "uid:1000",
+                     [] {});
   ASSERT_THAT(resumed, IsOk());
   EXPECT_EQ(resumed->id.value, 7u);
+  EXPECT_EQ(resumed->cache_scope, "uid:1000");
   // One that never comes back is reclaimed like a silent engine.
-  leases_.Readopt(EngineId{8}, "another-16-bytes", "gone", 98);
+  leases_.Readopt(EngineId{8}, "another-16-bytes", Kept("gone"));
   clock_.Advance(kTimeout + absl::Milliseconds(1));
   // No engine heartbeat: all three leases expire now and are reclaimed after the grace.
   EXPECT_THAT(leases_.CollectReclaimable(), IsEmpty());
@@ -250,7 +277,7 @@ TEST_F(EngineLeasesTest, AReadoptedEngineMustResumeWithinTheLeaseTimeout) {
 TEST_F(EngineLeasesTest, AnEngineARestartDidNotReadoptGetsTheRestartError) {
   leases_.SetRestart(DaemonRestart{.previous_epoch = 5, .epoch = 6},
                      {{3, "its journal record was torn"}});
-  const absl::Status refused = leases_.Resume(EngineCredentials{EngineId{3}, "token"}, [] {})
+  const absl::Status refused = leases_.Resume(EngineCredentials{EngineId{3}, "token"}, kSameUser, "", [] {})
                                    .status();
   EXPECT_THAT(refused, StatusIs(absl::StatusCode::kFailedPrecondition,
                                 HasSubstr("memra-kvd restarted (epoch 5 -> 6); engine 3 was not "

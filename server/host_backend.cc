@@ -13,13 +13,11 @@
 #include <cstring>
 #include <limits>
 #include <memory>
-#include <optional>
 #include <utility>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_format.h"
 #include "absl/strings/string_view.h"
 #include "core/status_macros.h"
 #include "common/errors.h"
@@ -29,18 +27,17 @@
 namespace memra {
 namespace {
 
-constexpr size_t kNameRandomBytes = 16;  // 128 bits: names cannot be guessed or collide
-constexpr size_t kMaxPrefixChars = 200;  // "/" + prefix + "-" + 32 hex stays under NAME_MAX
-constexpr int kMaxCreateAttempts = 4;    // EEXIST retries (only a broken random source repeats)
+constexpr size_t kHandleRandomBytes = 16;  // 128 bits: handles cannot be guessed or collide
+constexpr size_t kMaxPrefixChars = 200;    // memfd names are at most 249 bytes
 
-absl::StatusOr<std::string> RandomHexSuffix() {
-  uint8_t bytes[kNameRandomBytes];
+absl::StatusOr<std::string> RandomHexHandle() {
+  uint8_t bytes[kHandleRandomBytes];
   size_t got = 0;
   while (got < sizeof(bytes)) {
     const ssize_t n = getrandom(bytes + got, sizeof(bytes) - got, 0);
     if (n < 0) {
       if (errno == EINTR) continue;
-      return PosixError("getrandom for an shm object name", errno);
+      return PosixError("getrandom for an arena handle", errno);
     }
     got += static_cast<size_t>(n);
   }
@@ -55,12 +52,6 @@ absl::Status ValidateOptions(const HostBackendOptions& options) {
                                                    std::numeric_limits<off_t>::max(), "], got ",
                                                    options.total_bytes));
   }
-  if ((options.mode & ~mode_t{0770}) != 0 || (options.mode & 0600) != 0600) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("host backend mode must grant the owner rw and others nothing (within 0770 "
-                     "and including 0600), got ",
-                     absl::StrFormat("%#o", options.mode)));
-  }
   const std::string& prefix = options.name_prefix;
   const bool chars_ok = std::all_of(prefix.begin(), prefix.end(), [](char c) {
     return absl::ascii_isalnum(static_cast<unsigned char>(c)) || c == '.' || c == '_' || c == '-';
@@ -73,45 +64,26 @@ absl::Status ValidateOptions(const HostBackendOptions& options) {
   return absl::OkStatus();
 }
 
-// Owns an shm object's name: unlinks it on destruction, so a half-built arena leaks nothing.
-class ShmName {
- public:
-  explicit ShmName(std::string name) : name_(std::move(name)) {}
-  ShmName(ShmName&& other) noexcept : name_(std::exchange(other.name_, "")) {}
-  ShmName& operator=(ShmName&&) = delete;
-  ~ShmName() {
-    if (!name_.empty()) shm_unlink(name_.c_str());
-  }
-
-  const std::string& get() const { return name_; }
-
- private:
-  std::string name_;
-};
-
-// One allocation. Releases its mapping (and unlinks its shm name, when exported) on destruction.
-// An exported arena owns its descriptor (`fd_`): the daemon keeps a duplicate in the fd store so
-// the memory survives a restart (server/restart_state.h).
+// One allocation. Exported arenas keep their memfd open for the arena's life: it is what
+// DuplicateFd() hands out (and what a restart keeps). Releases its mapping and descriptor on
+// destruction; the pages go with the last descriptor or mapping anywhere.
 class HostArena final : public ArenaRecord {
  public:
-  HostArena(MappedRegion region, std::optional<ShmName> shm_name, ScopedFd fd,
-            std::string export_handle)
-      : ArenaRecord(region.data(), region.size(), std::move(export_handle)),
+  HostArena(MappedRegion region, ScopedFd memfd, std::string handle)
+      : ArenaRecord(region.data(), region.size(), std::move(handle)),
         region_(std::move(region)),
-        shm_name_(std::move(shm_name)),
-        fd_(std::move(fd)) {}
+        memfd_(std::move(memfd)) {}
 
   absl::StatusOr<int> DuplicateFd() const override {
-    if (fd_.get() < 0) return ArenaRecord::DuplicateFd();
-    const int copy = fcntl(fd_.get(), F_DUPFD_CLOEXEC, 0);
-    if (copy < 0) return PosixError("fcntl(F_DUPFD_CLOEXEC) of a host arena", errno);
-    return copy;
+    if (memfd_.get() < 0) return ArenaRecord::DuplicateFd();
+    const int fd = fcntl(memfd_.get(), F_DUPFD_CLOEXEC, 0);
+    if (fd < 0) return PosixError("duplicating an arena's memfd", errno);
+    return fd;
   }
 
  private:
   MappedRegion region_;
-  std::optional<ShmName> shm_name_;
-  ScopedFd fd_;  // -1 for private arenas
+  ScopedFd memfd_;  // -1 for a private arena
 };
 
 }  // namespace
@@ -136,51 +108,31 @@ DeviceInfo HostBackend::Info() {
                     .free_bytes = options_.total_bytes - AllocatedBytes()};
 }
 
-absl::StatusOr<std::string> HostBackend::NewObjectName() const {
-  ASSIGN_OR_RETURN(std::string suffix, options_.name_suffix_for_testing
-                                           ? options_.name_suffix_for_testing()
-                                           : RandomHexSuffix());
-  return absl::StrCat("/", options_.name_prefix, "-", suffix);
+absl::StatusOr<std::string> HostBackend::NewExportHandle() const {
+  return options_.handle_for_testing ? options_.handle_for_testing() : RandomHexHandle();
 }
 
 absl::StatusOr<std::shared_ptr<ArenaRecord>> HostBackend::CreateSharedArena(uint64_t bytes) const {
-  // O_EXCL: never adopt an object someone else created (it could be pre-sized or pre-mapped).
-  ScopedFd fd;
-  std::optional<ShmName> name;
-  for (int attempt = 1; !name.has_value(); ++attempt) {
-    ASSIGN_OR_RETURN(std::string candidate, NewObjectName());
-    const int raw_fd =
-        shm_open(candidate.c_str(), O_CREAT | O_EXCL | O_RDWR | O_CLOEXEC, options_.mode);
-    const int err = errno;
-    if (raw_fd >= 0) {
-      fd = ScopedFd(raw_fd);
-      name.emplace(std::move(candidate));
-    } else if (err != EEXIST || attempt == kMaxCreateAttempts) {
-      return PosixError(absl::StrCat("shm_open ", candidate, " (attempt ", attempt, ")"), err);
-    }
-  }
-  const std::string& object = name->get();
-  if (options_.group.has_value() &&
-      fchown(fd.get(), static_cast<uid_t>(-1), *options_.group) != 0) {
-    return PosixError(absl::StrCat("fchown ", object, " to group ", *options_.group), errno);
-  }
-  // shm_open's mode is filtered by the umask; the configured mode is the contract.
-  if (fchmod(fd.get(), options_.mode) != 0) {
-    return PosixError(
-        absl::StrCat("fchmod ", object, " to ", absl::StrFormat("%#o", options_.mode)), errno);
-  }
+  ASSIGN_OR_RETURN(std::string handle, NewExportHandle());
+  // No name anywhere: only a descriptor reaches this memory, and the daemon hands one only to
+  // the engine that owns the session (server/arena_handoff.h).
+  ScopedFd fd(memfd_create(options_.name_prefix.c_str(), MFD_CLOEXEC | MFD_ALLOW_SEALING));
+  if (fd.get() < 0) return PosixError(absl::StrCat("memfd_create ", options_.name_prefix), errno);
   // Allocate the pages now: tmpfs would otherwise accept the size and raise SIGBUS on first
-  // touch when /dev/shm is full. Fresh pages read as zero.
+  // touch when memory is short. Fresh pages read as zero.
   if (const int err = posix_fallocate(fd.get(), 0, static_cast<off_t>(bytes)); err != 0) {
-    return PosixError(absl::StrCat("posix_fallocate ", bytes, " bytes for ", object), err);
+    return PosixError(absl::StrCat("posix_fallocate ", bytes, " bytes for an arena"), err);
+  }
+  // Sealed at its size: an engine holding the descriptor cannot ftruncate it (a shrink would
+  // turn the daemon's next touch past the new end into SIGBUS) nor grow it past its charge.
+  if (fcntl(fd.get(), F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0) {
+    return PosixError("sealing an arena's memfd (F_SEAL_SHRINK | F_SEAL_GROW)", errno);
   }
   // Not prefaulted: the engine writes most of a session's pages, and the daemon only its mirrors
   // and restored ranges. (Prefaulting each bulk copy's destination with MADV_POPULATE_WRITE
   // halved the steady-state copy rate into already-mapped pages: bench/README.md.)
-  ASSIGN_OR_RETURN(MappedRegion region, MappedRegion::MapShared(fd.get(), bytes, object));
-  std::string handle = name->get();
-  return std::make_shared<HostArena>(std::move(region), std::move(name), std::move(fd),
-                                     std::move(handle));
+  ASSIGN_OR_RETURN(MappedRegion region, MappedRegion::MapShared(fd.get(), bytes, "arena memfd"));
+  return std::make_shared<HostArena>(std::move(region), std::move(fd), std::move(handle));
 }
 
 absl::StatusOr<std::shared_ptr<ArenaRecord>> HostBackend::Allocate(uint64_t bytes,
@@ -188,7 +140,7 @@ absl::StatusOr<std::shared_ptr<ArenaRecord>> HostBackend::Allocate(uint64_t byte
   if (visibility == ArenaVisibility::kExported) return CreateSharedArena(bytes);
   // Private arenas (prefix-cache storage) are written in full as soon as they exist.
   ASSIGN_OR_RETURN(MappedRegion region, MappedRegion::MapAnonymous(bytes, Prefault::kYes));
-  return std::make_shared<HostArena>(std::move(region), std::nullopt, ScopedFd(), "");
+  return std::make_shared<HostArena>(std::move(region), ScopedFd(), "");
 }
 
 absl::StatusOr<ArenaId> HostBackend::AdoptArenaFd(int raw_fd, uint64_t bytes,
@@ -207,8 +159,9 @@ absl::StatusOr<ArenaId> HostBackend::AdoptArenaFd(int raw_fd, uint64_t bytes,
   return FileAdopted(bytes, [&](uint64_t size) -> absl::StatusOr<std::shared_ptr<ArenaRecord>> {
     ASSIGN_OR_RETURN(MappedRegion region,
                      MappedRegion::MapShared(fd.get(), size, "a kept host arena"));
-    // The name (if any) belongs to the dead daemon and was removed at start: nothing to unlink.
-    return std::make_shared<HostArena>(std::move(region), std::nullopt, std::move(fd),
+    // The same handle the previous daemon handed out: the engines' mapping caches and the
+    // handoff socket know the arena by it.
+    return std::make_shared<HostArena>(std::move(region), std::move(fd),
                                        std::move(export_handle));
   });
 }

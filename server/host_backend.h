@@ -1,15 +1,16 @@
 #ifndef MEMRA_SERVER_HOST_BACKEND_H_
 #define MEMRA_SERVER_HOST_BACKEND_H_
 
-// The embedded default backend: arenas in host memory. Exported arenas are POSIX shared-memory
-// objects engines map by name; private arenas are anonymous memory. Every test runs on it.
+// The embedded default backend: arenas in host memory. Exported arenas are sealed memfds with no
+// name in any file system: the export handle is a random token an engine trades, over the handoff
+// socket and only for its own session, for a descriptor of the memfd (server/arena_handoff.h).
+// Private arenas are anonymous memory. Every test runs on it.
 
 #include <sys/types.h>
 
 #include <cstdint>
 #include <functional>
 #include <memory>
-#include <optional>
 #include <string>
 
 #include "absl/status/statusor.h"
@@ -23,23 +24,18 @@ struct HostBackendOptions {
   // Required. Reported capacity, and the bound on the sum of live arena sizes
   // (RESOURCE_EXHAUSTED past it).
   uint64_t total_bytes = 0;
-  // Permission bits of every shm object (set with fchmod, so the umask does not apply).
-  // Must include owner read/write and no bits for others: /dev/shm is world-listable, so the
-  // name alone protects nothing.
-  mode_t mode = 0600;
-  // When set, shm objects are given to this group (engines of another user in it map them);
-  // pair it with a mode such as 0660.
-  std::optional<gid_t> group;
-  // Objects are named "/<name_prefix>-<32 lowercase hex chars>". [A-Za-z0-9._-], 1..200 chars.
+  // The memfds' name (memfd_create): what /proc/<pid>/maps and /proc/<pid>/fd show, for
+  // operators; no file system path. [A-Za-z0-9._-], 1..200 chars.
   std::string name_prefix = "memra-kv";
-  // Tests only: replaces getrandom(2) as the source of the 32-hex-char name suffix.
-  std::function<absl::StatusOr<std::string>()> name_suffix_for_testing;
+  // Tests only: replaces getrandom(2) as the source of the export handles (32 hex chars).
+  std::function<absl::StatusOr<std::string>()> handle_for_testing;
 };
 
 // Thread-safe (see DeviceBackend). Data operations run outside the arena-table lock on a
-// reference to the arena's mapping. The destructor frees every remaining arena: no shm object
-// outlives the backend. (A crashed daemon leaves "/dev/shm/<prefix>-*" behind; removing those
-// at start-up is the daemon's job, not this class's.)
+// reference to the arena's mapping. The destructor frees every remaining arena. A memfd's pages
+// live while any descriptor or mapping of it does (the daemon's, or an engine's), so freeing an
+// arena never pulls memory from under an engine that still maps it, and the pages are never
+// given to anything else meanwhile; nothing outlives a crashed daemon but its engines' mappings.
 class HostBackend final : public CheckedArenaBackend {
  public:
   // INVALID_ARGUMENT for bad options.
@@ -67,7 +63,7 @@ class HostBackend final : public CheckedArenaBackend {
   absl::StatusOr<uint64_t> CopyHashed(uint8_t* dst, const uint8_t* src,
                                       absl::Span<const CopyRange> ranges) override;
 
-  absl::StatusOr<std::string> NewObjectName() const;
+  absl::StatusOr<std::string> NewExportHandle() const;
   absl::StatusOr<std::shared_ptr<ArenaRecord>> CreateSharedArena(uint64_t bytes) const;
 
   // Constant after construction.

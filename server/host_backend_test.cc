@@ -10,8 +10,10 @@
 #include <cerrno>
 #include <cstdint>
 #include <cstring>
+#include <filesystem>
 #include <limits>
 #include <memory>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -19,6 +21,7 @@
 #include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "common/mapped_region.h"
 #include "server/test_host_backend.h"
 #include "tests/status_matchers.h"
 
@@ -31,7 +34,6 @@ using ::memra::testing::IsOk;
 using ::memra::testing::NewTestHostBackend;
 using ::memra::testing::StatusIs;
 using ::memra::testing::TestHostBackendOptions;
-using ::memra::testing::UniqueShmPrefix;
 using ::testing::Each;
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
@@ -41,12 +43,20 @@ using ::testing::MatchesRegex;
 constexpr uint64_t kMiB = uint64_t{1} << 20;
 constexpr uint64_t kMax = std::numeric_limits<uint64_t>::max();
 
-// "/dev/shm/<name without the leading slash>".
-std::string ShmPath(const std::string& handle) { return absl::StrCat("/dev/shm", handle); }
+std::set<std::string> DevShmEntries() {
+  std::set<std::string> names;
+  for (const auto& entry : std::filesystem::directory_iterator("/dev/shm")) {
+    names.insert(entry.path().filename().string());
+  }
+  return names;
+}
 
-bool ShmExists(const std::string& handle) {
-  struct stat st;
-  return stat(ShmPath(handle).c_str(), &st) == 0;
+size_t OpenDescriptors() {
+  size_t count = 0;
+  for ([[maybe_unused]] const auto& entry : std::filesystem::directory_iterator("/proc/self/fd")) {
+    ++count;
+  }
+  return count;
 }
 
 std::vector<uint8_t> ReadAll(DeviceBackend& backend, ArenaId arena, uint64_t offset,
@@ -129,47 +139,38 @@ TEST_F(HostBackendTest, CapacityIsEnforcedWithNumbersAndChangesNothing) {
   EXPECT_THAT(backend_->FreeArena(arena), IsOk());
 }
 
-TEST_F(HostBackendTest, ExportNamesArePrefixedAnd128RandomBits) {
-  const std::string a = MustExport(MustCreate(1));
+TEST_F(HostBackendTest, ExportHandlesAre128RandomBitsAndNameNothingInDevShm) {
+  const std::set<std::string> before = DevShmEntries();
+  const ArenaId arena = MustCreate(1);
+  const std::string a = MustExport(arena);
   const std::string b = MustExport(MustCreate(1));
-  const std::string pattern = absl::StrCat("/", UniqueShmPrefix(), "-[0-9a-f]{32}");
-  EXPECT_THAT(a, MatchesRegex(pattern));
-  EXPECT_THAT(b, MatchesRegex(pattern));
+  EXPECT_THAT(a, MatchesRegex("[0-9a-f]{32}"));
+  EXPECT_THAT(b, MatchesRegex("[0-9a-f]{32}"));
   EXPECT_NE(a, b);
-  EXPECT_TRUE(ShmExists(a));
+  EXPECT_EQ(MustExport(arena), a);  // stable for the arena's life
+  // Nothing of the arenas has a name in /dev/shm (or anywhere): only descriptors reach them.
+  EXPECT_EQ(DevShmEntries(), before);
 }
 
-TEST_F(HostBackendTest, ObjectModeIsExactlyConfiguredRegardlessOfUmask) {
-  const mode_t old_umask = umask(0);
-  const std::string open_umask = MustExport(MustCreate(1));
-  umask(0077);  // would strip the group bits from shm_open's mode
-  HostBackendOptions options = DefaultOptions();
-  options.mode = 0640;
-  std::unique_ptr<HostBackend> group_readable = MakeBackend(options);
-  absl::StatusOr<ArenaId> arena = group_readable->CreateArena(1, ArenaVisibility::kExported);
-  ASSERT_THAT(arena, IsOk());
-  absl::StatusOr<ArenaExport> exported = group_readable->Export(*arena);
-  umask(old_umask);
-  ASSERT_THAT(exported, IsOk());
-
+TEST_F(HostBackendTest, ArenaDescriptorIsSealedAtItsSize) {
+  const ArenaId arena = MustCreate(page());
+  absl::StatusOr<int> fd = backend_->DuplicateArenaFd(arena);
+  ASSERT_THAT(fd, IsOk());
+  ScopedFd owned(*fd);
+  EXPECT_EQ(fcntl(owned.get(), F_GETFD) & FD_CLOEXEC, FD_CLOEXEC);
   struct stat st;
-  ASSERT_EQ(stat(ShmPath(open_umask).c_str(), &st), 0);
-  EXPECT_EQ(st.st_mode & 07777, 0600u);
-  EXPECT_EQ(st.st_uid, geteuid());
-  ASSERT_EQ(stat(ShmPath(exported->handle).c_str(), &st), 0);
-  EXPECT_EQ(st.st_mode & 07777, 0640u);
-}
-
-TEST_F(HostBackendTest, ConfiguredGroupOwnsTheObject) {
-  HostBackendOptions options = DefaultOptions();
-  options.mode = 0660;
-  options.group = getegid();  // a group we may always give files to
-  backend_ = MakeBackend(options);
-  const std::string handle = MustExport(MustCreate(1));
-  struct stat st;
-  ASSERT_EQ(stat(ShmPath(handle).c_str(), &st), 0);
-  EXPECT_EQ(st.st_gid, getegid());
-  EXPECT_EQ(st.st_mode & 07777, 0660u);
+  ASSERT_EQ(fstat(owned.get(), &st), 0);
+  EXPECT_EQ(static_cast<uint64_t>(st.st_size), page());
+  EXPECT_EQ(fcntl(owned.get(), F_GET_SEALS), F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL);
+  // An engine holding the descriptor cannot shrink it under the daemon (SIGBUS on its next
+  // touch), grow it, or lift the seals.
+  EXPECT_EQ(ftruncate(owned.get(), 0), -1);
+  EXPECT_EQ(errno, EPERM);
+  EXPECT_EQ(ftruncate(owned.get(), static_cast<off_t>(2 * page())), -1);
+  EXPECT_EQ(errno, EPERM);
+  EXPECT_EQ(fcntl(owned.get(), F_ADD_SEALS, F_SEAL_WRITE), -1);
+  EXPECT_EQ(errno, EPERM);
+  EXPECT_THAT(backend_->WriteI32(arena, page() - 4, 9), IsOk());
 }
 
 TEST_F(HostBackendTest, BadOptionsAreRefused) {
@@ -177,13 +178,6 @@ TEST_F(HostBackendTest, BadOptionsAreRefused) {
   options.total_bytes = 0;
   EXPECT_THAT(HostBackend::Create(options),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstrs("total_bytes", "got 0")));
-  options = DefaultOptions();
-  options.mode = 0604;
-  EXPECT_THAT(HostBackend::Create(options), StatusIs(absl::StatusCode::kInvalidArgument,
-                                                     HasSubstrs("others nothing", "got 0604")));
-  options.mode = 0460;
-  EXPECT_THAT(HostBackend::Create(options),
-              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstrs("owner rw", "got 0460")));
   options = DefaultOptions();
   options.name_prefix = "../etc";
   EXPECT_THAT(HostBackend::Create(options),
@@ -193,83 +187,74 @@ TEST_F(HostBackendTest, BadOptionsAreRefused) {
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("name_prefix")));
 }
 
-TEST_F(HostBackendTest, AnotherMappingOfTheExportSeesTheSameBytes) {
+TEST_F(HostBackendTest, AnotherMappingOfTheDescriptorSeesTheSameBytes) {
   const ArenaId arena = MustCreate(page());
-  const std::string handle = MustExport(arena);
   const std::vector<uint8_t> message = {1, 2, 3, 4, 5};
   ASSERT_THAT(backend_->Write(arena, 100, message), IsOk());
 
-  const int fd = shm_open(handle.c_str(), O_RDWR, 0);
-  ASSERT_GE(fd, 0) << std::strerror(errno);
-  void* mapped = mmap(nullptr, page(), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-  close(fd);
+  absl::StatusOr<int> fd = backend_->DuplicateArenaFd(arena);
+  ASSERT_THAT(fd, IsOk());
+  void* mapped = mmap(nullptr, page(), PROT_READ | PROT_WRITE, MAP_SHARED, *fd, 0);
+  close(*fd);
   ASSERT_NE(mapped, MAP_FAILED);
   auto* bytes = static_cast<uint8_t*>(mapped);
   EXPECT_EQ(std::vector<uint8_t>(bytes + 100, bytes + 105), message);
   bytes[200] = 42;  // an engine's kernel writing
   EXPECT_THAT(backend_->ReadI32(arena, 200), IsOkAndHolds(42));
+
+  // Freed by the daemon, the memory stays the engine's while it maps it: never pulled away,
+  // never anyone else's.
+  ASSERT_THAT(backend_->FreeArena(arena), IsOk());
+  EXPECT_EQ(bytes[200], 42);
+  bytes[201] = 7;
   munmap(mapped, page());
 }
 
-TEST_F(HostBackendTest, CreationNeverAdoptsAnExistingObject) {
-  // The first suffix names an object someone else already created: O_EXCL must skip it.
-  const std::string taken_suffix(32, 'a');
-  const std::string fresh_suffix(32, 'b');
-  const std::string taken = absl::StrCat("/", UniqueShmPrefix(), "-", taken_suffix);
-  const int fd = shm_open(taken.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
-  ASSERT_GE(fd, 0) << std::strerror(errno);
-  ASSERT_EQ(ftruncate(fd, 123), 0);
-  close(fd);
-
-  std::vector<std::string> suffixes = {fresh_suffix, taken_suffix};
+TEST_F(HostBackendTest, HandlesComeFromTheConfiguredSource) {
+  std::vector<std::string> handles = {"second", "first"};
   HostBackendOptions options = DefaultOptions();
-  options.name_suffix_for_testing = [&suffixes]() -> absl::StatusOr<std::string> {
-    std::string next = suffixes.back();
-    suffixes.pop_back();
+  options.handle_for_testing = [&handles]() -> absl::StatusOr<std::string> {
+    std::string next = handles.back();
+    handles.pop_back();
     return next;
   };
   backend_ = MakeBackend(options);
-  EXPECT_EQ(MustExport(MustCreate(1)), absl::StrCat("/", UniqueShmPrefix(), "-", fresh_suffix));
-  struct stat st;
-  ASSERT_EQ(stat(ShmPath(taken).c_str(), &st), 0);
-  EXPECT_EQ(st.st_size, 123);  // untouched
-
-  // A source that only ever repeats the taken name gives up, naming the attempts, and leaks
-  // nothing.
-  options.name_suffix_for_testing = [&]() -> absl::StatusOr<std::string> { return taken_suffix; };
+  EXPECT_EQ(MustExport(MustCreate(1)), "first");
+  EXPECT_EQ(MustExport(MustCreate(1)), "second");
+  // A failing source fails the creation and leaks nothing.
+  options.handle_for_testing = []() -> absl::StatusOr<std::string> {
+    return absl::InternalError("no randomness");
+  };
   backend_ = MakeBackend(options);
   EXPECT_THAT(backend_->CreateArena(1, ArenaVisibility::kExported),
-              StatusIs(absl::StatusCode::kInternal,
-                       HasSubstrs(absl::StrCat("shm_open ", taken), "attempt 4", "File exists")));
+              StatusIs(absl::StatusCode::kInternal, "no randomness"));
   EXPECT_EQ(backend_->AllocatedBytes(), 0u);
   EXPECT_EQ(backend_->ArenaCount(), 0u);
-  shm_unlink(taken.c_str());
 }
 
-TEST_F(HostBackendTest, FreeUnlinksAndForgetsTheArena) {
+TEST_F(HostBackendTest, FreeForgetsTheArena) {
   const ArenaId arena = MustCreate(1);
-  const std::string handle = MustExport(arena);
-  ASSERT_TRUE(ShmExists(handle));
   ASSERT_THAT(backend_->FreeArena(arena), IsOk());
-  EXPECT_FALSE(ShmExists(handle));
   const std::string no_arena = absl::StrCat("no arena ", arena.value);
   EXPECT_THAT(backend_->FreeArena(arena),
               StatusIs(absl::StatusCode::kNotFound, HasSubstrs("FreeArena", no_arena)));
   EXPECT_THAT(backend_->Export(arena),
               StatusIs(absl::StatusCode::kNotFound, HasSubstrs("Export", no_arena)));
+  EXPECT_THAT(backend_->DuplicateArenaFd(arena),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstrs("DuplicateArenaFd", no_arena)));
   EXPECT_THAT(backend_->WriteI32(arena, 0, 1),
               StatusIs(absl::StatusCode::kNotFound, HasSubstrs("WriteI32", no_arena)));
   // Ids are not reused: a new arena never answers to the stale id.
   EXPECT_NE(MustCreate(1), arena);
 }
 
-TEST_F(HostBackendTest, DestructorFreesEveryArena) {
-  std::vector<std::string> handles;
-  for (int i = 0; i < 3; ++i) handles.push_back(MustExport(MustCreate(page())));
+TEST_F(HostBackendTest, DestructorFreesEveryArenaAndDescriptor) {
+  const size_t open_before = OpenDescriptors();
+  for (int i = 0; i < 3; ++i) MustExport(MustCreate(page()));
   MustCreate(page(), ArenaVisibility::kPrivate);
-  for (const std::string& handle : handles) ASSERT_TRUE(ShmExists(handle));
+  EXPECT_EQ(OpenDescriptors(), open_before + 3);  // one memfd per exported arena
   backend_.reset();
-  for (const std::string& handle : handles) EXPECT_FALSE(ShmExists(handle)) << handle;
+  EXPECT_EQ(OpenDescriptors(), open_before);
 }
 
 TEST_F(HostBackendTest, AccountingReturnsToZero) {
@@ -294,6 +279,9 @@ TEST_F(HostBackendTest, AccountingReturnsToZero) {
 TEST_F(HostBackendTest, PrivateArenasAreNeverExported) {
   const ArenaId arena = MustCreate(page(), ArenaVisibility::kPrivate);
   EXPECT_THAT(backend_->Export(arena),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstrs(absl::StrCat("arena ", arena.value), "private")));
+  EXPECT_THAT(backend_->DuplicateArenaFd(arena),
               StatusIs(absl::StatusCode::kFailedPrecondition,
                        HasSubstrs(absl::StrCat("arena ", arena.value), "private")));
   // Still fully usable by the daemon.

@@ -49,6 +49,7 @@ absl::StatusOr<absl::Span<const int32_t>> CommittedTokensMatching(
 }
 
 constexpr std::string_view kShapeDomain = "memra-kv/prefix-shape/v1";
+constexpr std::string_view kScopeDomain = "memra-kv/cache-scope/v1";
 constexpr uint64_t kF32 = sizeof(float);
 
 void HashU32(Sha256& hash, uint32_t value) {
@@ -105,10 +106,15 @@ absl::StatusOr<const LatentLayerState*> LatentLayer(const SessionState& state, u
   return absl::InternalError(absl::StrCat("layer ", layer, " has no latent state"));
 }
 
-absl::StatusOr<PlanFingerprint> ShapeOf(const DaemonSession& session) {
+// The session's shape in its owner's cache scope.
+absl::StatusOr<ScopedShape> ShapeOf(const DaemonSession& session) {
   const DaemonSession::Params& params = session.params();
   ASSIGN_OR_RETURN(PlanFingerprint model, FingerprintModelPlan(*params.model, params.defaults));
-  return PrefixShapeFingerprint(model, params.shape);
+  ScopedShape out;
+  out.scope = params.cache_scope;
+  out.shape = PrefixShapeFingerprint(model, params.shape);
+  out.key = ScopedShapeFingerprint(out.scope, out.shape);
+  return out;
 }
 
 bool IsFresh(const SessionState& state) {
@@ -118,6 +124,15 @@ bool IsFresh(const SessionState& state) {
 }
 
 }  // namespace
+
+PlanFingerprint ScopedShapeFingerprint(absl::string_view scope, const PlanFingerprint& shape) {
+  Sha256 hash;
+  hash.Update(kScopeDomain);
+  HashU32(hash, static_cast<uint32_t>(scope.size()));
+  hash.Update(std::string_view(scope.data(), scope.size()));
+  hash.Update(std::string_view(reinterpret_cast<const char*>(shape.data()), shape.size()));
+  return hash.Finish();
+}
 
 PlanFingerprint PrefixShapeFingerprint(const PlanFingerprint& model, const SessionShape& shape) {
   if (shape.layer_lo == 0 && !shape.layer_hi.has_value() && shape.tp_ranks == 1) return model;
@@ -244,7 +259,7 @@ PrefixCache::~PrefixCache() {
   absl::MutexLock lock(&mu_);
   for (const auto& [handle, storage] : storage_) FreeStorage(storage);
   storage_.clear();
-  if (budget_ != nullptr) budget_->SetEvictable(0);
+  if (budget_ != nullptr) budget_->SetEvictable(EvictableSource::kPrefixCache, 0);
 }
 
 void PrefixCache::FreeStorage(const Storage& storage) {
@@ -268,7 +283,9 @@ void PrefixCache::FreeHandles(const std::vector<uint64_t>& handles) {
 }
 
 void PrefixCache::PublishEvictable() {
-  if (budget_ != nullptr) budget_->SetEvictable(index_.EvictableBytes());
+  if (budget_ != nullptr) {
+    budget_->SetEvictable(EvictableSource::kPrefixCache, index_.EvictableBytes());
+  }
 }
 
 absl::StatusOr<PrefixCache::Stored> PrefixCache::StorePieces(
@@ -304,7 +321,7 @@ absl::StatusOr<PrefixCache::Stored> PrefixCache::StorePieces(
 }
 
 absl::StatusOr<PrefixCaptureResult> PrefixCache::CaptureLocked(
-    const PlanFingerprint& shape, const SessionState& state, const SessionLayoutVersion& layout,
+    const ScopedShape& shape, const SessionState& state, const SessionLayoutVersion& layout,
     absl::Span<const int32_t> tokens, uint64_t boundary_tokens, bool allow_open_transaction) {
   RETURN_IF_ERROR(state.EnsureUsable("prefix capture"));
   const std::optional<TransactionId>& active = state.kv().state().active();
@@ -334,7 +351,7 @@ absl::StatusOr<PrefixCaptureResult> PrefixCache::CaptureLocked(
   CapturePlan plan;
   {
     absl::MutexLock lock(&mu_);
-    ASSIGN_OR_RETURN(plan, index_.PlanCapture(shape, tokens, boundary_tokens, traits));
+    ASSIGN_OR_RETURN(plan, index_.PlanCapture(shape.key, tokens, boundary_tokens, traits));
   }
   // Copies without mu_ (the session's own mutex keeps its state still).
   std::vector<Stored> copies;
@@ -382,7 +399,8 @@ absl::StatusOr<PrefixCaptureResult> PrefixCache::CaptureLocked(
   for (const Stored& copy : copies) storage_[copy.ref.storage_handle] = copy.storage;
   FreeHandles(committed->unused_handles);
   FreeHandles(committed->evicted_handles);
-  position_addressed_[shape] = stored.position_addressed_only;
+  position_addressed_[shape.key] = stored.position_addressed_only;
+  scoped_shapes_[shape.key] = shape;
   if (!committed->already_present) ++captures_;
   PublishEvictable();
   PrefixCaptureResult result;
@@ -391,14 +409,14 @@ absl::StatusOr<PrefixCaptureResult> PrefixCache::CaptureLocked(
   result.already_present = committed->already_present;
   result.added_bytes = committed->added_bytes;
   result.stored_bytes = index_.StoredBytes();
-  result.shape = shape;
+  result.shape = shape.shape;
   return result;
 }
 
 absl::StatusOr<PrefixCaptureResult> PrefixCache::Capture(DaemonSession& session,
                                                          absl::Span<const int32_t> tokens,
                                                          uint64_t boundary_tokens) {
-  ASSIGN_OR_RETURN(PlanFingerprint shape, ShapeOf(session));
+  ASSIGN_OR_RETURN(ScopedShape shape, ShapeOf(session));
   absl::StatusOr<PrefixCaptureResult> result = absl::InternalError("capture did not run");
   RETURN_IF_ERROR(session.ViewLocked(
       [&](const SessionState& state, const SessionLayoutVersion& layout,
@@ -416,7 +434,7 @@ absl::StatusOr<PrefixCaptureResult> PrefixCache::Capture(DaemonSession& session,
 
 absl::StatusOr<std::optional<PrefixCaptureResult>> PrefixCache::CaptureCommitted(
     DaemonSession& session) {
-  ASSIGN_OR_RETURN(PlanFingerprint shape, ShapeOf(session));
+  ASSIGN_OR_RETURN(ScopedShape shape, ShapeOf(session));
   std::optional<PrefixCaptureResult> result;
   RETURN_IF_ERROR(session.ViewLocked(
       [&](const SessionState& state, const SessionLayoutVersion& layout,
@@ -461,10 +479,11 @@ LookupResult PrefixCache::LookupLocked(const PlanFingerprint& shape,
   return index_.Lookup(shape, tokens, traits);
 }
 
-PrefixLookupResult PrefixCache::Lookup(const PlanFingerprint& shape,
+PrefixLookupResult PrefixCache::Lookup(absl::string_view scope, const PlanFingerprint& shape,
                                        absl::Span<const int32_t> tokens) {
+  const PlanFingerprint key = ScopedShapeFingerprint(scope, shape);
   absl::MutexLock lock(&mu_);
-  const LookupResult found = LookupLocked(shape, tokens);
+  const LookupResult found = LookupLocked(key, tokens);
   PrefixLookupResult result;
   result.outcome = found.outcome;
   result.entry = found.entry;
@@ -475,7 +494,7 @@ PrefixLookupResult PrefixCache::Lookup(const PlanFingerprint& shape,
 absl::StatusOr<PrefixRestoreResult> PrefixCache::Restore(DaemonSession& session,
                                                          std::optional<EntryId> requested,
                                                          absl::Span<const int32_t> tokens) {
-  ASSIGN_OR_RETURN(PlanFingerprint shape, ShapeOf(session));
+  ASSIGN_OR_RETURN(ScopedShape shape, ShapeOf(session));
   const uint64_t block = options_.block_tokens;
   PrefixRestoreResult result;
   RETURN_IF_ERROR(session.RestoreLocked(
@@ -488,14 +507,14 @@ absl::StatusOr<PrefixRestoreResult> PrefixCache::Restore(DaemonSession& session,
               session.params().id.value, " has committed ", state.committed_len(), ", staged ",
               state.staged_len(), " rows"));
         }
-        ASSIGN_OR_RETURN(std::vector<BlockKey> keys, ChainBlockKeys(shape, tokens, block));
+        ASSIGN_OR_RETURN(std::vector<BlockKey> keys, ChainBlockKeys(shape.key, tokens, block));
         EntryView entry;
         uint64_t matched = 0;
         {
           absl::MutexLock lock(&mu_);
           std::optional<EntryId> id = requested;
           if (!id.has_value()) {
-            id = LookupLocked(shape, tokens).entry;
+            id = LookupLocked(shape.key, tokens).entry;
             if (!id.has_value()) {
               return absl::NotFoundError(absl::StrCat("no stored prefix matches the ",
                                                       tokens.size(), " token ids (",
@@ -503,11 +522,17 @@ absl::StatusOr<PrefixRestoreResult> PrefixCache::Restore(DaemonSession& session,
             }
           }
           ASSIGN_OR_RETURN(entry, index_.GetEntry(*id));
-          if (entry.fingerprint != shape) {
+          if (entry.fingerprint != shape.key) {
+            const ScopedEntry stored = Unscoped(entry);
+            if (stored.cache_scope != shape.scope) {
+              // Another scope's entry is not there for this session (as an unknown one).
+              return absl::NotFoundError(absl::StrCat("prefix entry ", id->value,
+                                                      " is not in cache scope ", shape.scope));
+            }
             return absl::InvalidArgumentError(absl::StrCat(
                 "prefix entry ", id->value, " was captured for shape ",
-                FingerprintHex(entry.fingerprint), "; session ", session.params().id.value,
-                " has shape ", FingerprintHex(shape)));
+                FingerprintHex(stored.view.fingerprint), "; session ",
+                session.params().id.value, " has shape ", FingerprintHex(shape.shape)));
           }
           while (matched < entry.blocks.size() && matched < keys.size() &&
                  entry.blocks[matched].key == keys[matched]) {
@@ -675,19 +700,30 @@ absl::Status PrefixCache::ForEachBlock(uint64_t blocks, uint64_t block_bytes,
   return absl::OkStatus();
 }
 
-std::vector<EntryView> PrefixCache::ListEntries() const {
+ScopedEntry PrefixCache::Unscoped(EntryView view) const {
+  ScopedEntry out;
+  if (auto it = scoped_shapes_.find(view.fingerprint); it != scoped_shapes_.end()) {
+    out.cache_scope = it->second.scope;
+    view.fingerprint = it->second.shape;
+  }
+  out.view = std::move(view);
+  return out;
+}
+
+std::vector<ScopedEntry> PrefixCache::ListEntries() const {
   absl::MutexLock lock(&mu_);
-  std::vector<EntryView> entries;
+  std::vector<ScopedEntry> entries;
   for (EntryId id : index_.EntryIds()) {
     absl::StatusOr<EntryView> view = index_.GetEntry(id);
-    if (view.ok()) entries.push_back(*std::move(view));
+    if (view.ok()) entries.push_back(Unscoped(*std::move(view)));
   }
   return entries;
 }
 
-absl::StatusOr<EntryView> PrefixCache::Inspect(EntryId entry) const {
+absl::StatusOr<ScopedEntry> PrefixCache::Inspect(EntryId entry) const {
   absl::MutexLock lock(&mu_);
-  return index_.GetEntry(entry);
+  ASSIGN_OR_RETURN(EntryView view, index_.GetEntry(entry));
+  return Unscoped(std::move(view));
 }
 
 absl::StatusOr<uint64_t> PrefixCache::EvictEntry(EntryId entry) {
@@ -712,7 +748,8 @@ uint64_t PrefixCache::EvictForAdmission(uint64_t bytes) {
 }
 
 void PrefixCache::InstallEvictor(DeviceBudget& budget) {
-  budget.SetEvictor([this](uint64_t bytes) { return EvictForAdmission(bytes); });
+  budget.SetEvictor(EvictableSource::kPrefixCache,
+                   [this](uint64_t bytes) { return EvictForAdmission(bytes); });
 }
 
 PrefixCacheStats PrefixCache::Stats() const {
@@ -740,9 +777,24 @@ PrefixCacheStats PrefixCache::Stats() const {
   return stats;
 }
 
-EventReplay PrefixCache::EventsSince(uint64_t epoch, uint64_t last_sequence) const {
+ScopedEventReplay PrefixCache::EventsSince(uint64_t epoch, uint64_t last_sequence,
+                                           const std::optional<std::string>& scope) const {
   absl::MutexLock lock(&mu_);
-  return index_.EventsSince(epoch, last_sequence);
+  EventReplay replay = index_.EventsSince(epoch, last_sequence);
+  ScopedEventReplay out;
+  out.gap = replay.gap;
+  out.last_sequence = replay.last_sequence;
+  for (PrefixEvent& event : replay.events) {
+    ScopedPrefixEvent scoped;
+    if (auto it = scoped_shapes_.find(event.fingerprint); it != scoped_shapes_.end()) {
+      scoped.cache_scope = it->second.scope;
+      event.fingerprint = it->second.shape;
+    }
+    if (scope.has_value() && scoped.cache_scope != *scope) continue;
+    scoped.event = std::move(event);
+    out.events.push_back(std::move(scoped));
+  }
+  return out;
 }
 
 uint64_t PrefixCache::AwaitEvent(uint64_t last_sequence, absl::Duration timeout) const {

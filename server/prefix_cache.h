@@ -39,6 +39,7 @@
 #include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
@@ -69,6 +70,34 @@ struct PrefixCacheOptions {
 // = all) and tp_ranks (prefix.proto documents the encoding). `shape` as decoded by
 // SessionShapeFromProto (common/codec.h): tp_ranks >= 1, the wire's 0 already made 1.
 PlanFingerprint PrefixShapeFingerprint(const PlanFingerprint& model, const SessionShape& shape);
+
+// Cache scopes (server/cache_scopes.h) are part of the key namespace: an entry of `shape`
+// captured in `scope` is stored under SHA-256("memra-kv/cache-scope/v1" || u32 scope bytes ||
+// scope || shape) (little-endian), and its block keys chain from that. So there is one store,
+// one LRU and one budget, and an entry of another scope never matches.
+PlanFingerprint ScopedShapeFingerprint(absl::string_view scope, const PlanFingerprint& shape);
+
+// A shape in a scope, and the key its entries are stored under.
+struct ScopedShape {
+  std::string scope;
+  PlanFingerprint shape{};
+  PlanFingerprint key{};  // ScopedShapeFingerprint(scope, shape)
+};
+
+// An entry or an event with its scope; `fingerprint` is the plain shape (the scope apart).
+struct ScopedEntry {
+  std::string cache_scope;
+  EntryView view;
+};
+struct ScopedPrefixEvent {
+  std::string cache_scope;
+  PrefixEvent event;
+};
+struct ScopedEventReplay {
+  bool gap = false;  // as EventReplay
+  std::vector<ScopedPrefixEvent> events;
+  uint64_t last_sequence = 0;
+};
 
 // One contiguous range of one plane, in the order it sits in a stored buffer.
 struct StoredPiece {
@@ -102,7 +131,7 @@ struct PrefixCaptureResult {
   bool already_present = false;
   uint64_t added_bytes = 0;
   uint64_t stored_bytes = 0;
-  PlanFingerprint shape{};
+  PlanFingerprint shape{};  // the plain shape (ScopedShape::shape)
 };
 
 struct PrefixLookupResult {
@@ -153,7 +182,8 @@ class PrefixCache {
   uint32_t block_tokens() const { return options_.block_tokens; }
   uint64_t epoch() const { return options_.epoch; }
 
-  // Captures tokens[0, boundary_tokens) of `session`'s committed state, keyed by the token ids
+  // Captures tokens[0, boundary_tokens) of `session`'s committed state, in the session's cache
+  // scope (DaemonSession::Params::cache_scope), keyed by the token ids
   // the session's commits carried (never by `tokens`, which must agree with them). REQUIRES
   // (else refused, nothing stored): the session's committed ids known (every commit carried its
   // ids: FAILED_PRECONDITION), `tokens` equal to them position by position and no longer
@@ -173,12 +203,14 @@ class PrefixCache {
   absl::StatusOr<std::optional<PrefixCaptureResult>> CaptureCommitted(DaemonSession& session)
       ABSL_LOCKS_EXCLUDED(mu_);
 
-  // Longest restorable prefix for sessions of `shape` (PrefixShapeFingerprint).
-  PrefixLookupResult Lookup(const PlanFingerprint& shape, absl::Span<const int32_t> tokens)
-      ABSL_LOCKS_EXCLUDED(mu_);
+  // Longest restorable prefix in cache scope `scope` for sessions of `shape`
+  // (PrefixShapeFingerprint).
+  PrefixLookupResult Lookup(absl::string_view scope, const PlanFingerprint& shape,
+                            absl::Span<const int32_t> tokens) ABSL_LOCKS_EXCLUDED(mu_);
 
-  // Restores `entry` (nullopt: the longest match for `tokens`) into the FRESH `session`.
-  // Refusals change nothing: NOT_FOUND unknown entry / no match; INVALID_ARGUMENT another shape,
+  // Restores `entry` (nullopt: the longest match for `tokens`) from the session's cache scope
+  // into the FRESH `session`. Refusals change nothing: NOT_FOUND unknown entry, an entry of
+  // another scope (told apart from an unknown one by nothing) / no match; INVALID_ARGUMENT another shape,
   // tokens that match none of the entry's blocks, a capacity below the restored length (or a
   // ring too small for the window); FAILED_PRECONDITION non-fresh or tainted destination, an
   // entry of a boundary-state plan whose boundary the tokens do not reach. DATA_LOSS: a stored
@@ -189,9 +221,9 @@ class PrefixCache {
                                               absl::Span<const int32_t> tokens)
       ABSL_LOCKS_EXCLUDED(mu_);
 
-  // Operator calls.
-  std::vector<EntryView> ListEntries() const ABSL_LOCKS_EXCLUDED(mu_);
-  absl::StatusOr<EntryView> Inspect(EntryId entry) const ABSL_LOCKS_EXCLUDED(mu_);
+  // Operator calls: every scope.
+  std::vector<ScopedEntry> ListEntries() const ABSL_LOCKS_EXCLUDED(mu_);
+  absl::StatusOr<ScopedEntry> Inspect(EntryId entry) const ABSL_LOCKS_EXCLUDED(mu_);
   // NOT_FOUND; FAILED_PRECONDITION while pinned. Returns the bytes freed.
   absl::StatusOr<uint64_t> EvictEntry(EntryId entry) ABSL_LOCKS_EXCLUDED(mu_);
   // DeviceBudget::Evictor: evicts LRU unpinned entries worth up to `bytes` (everything evictable
@@ -201,7 +233,12 @@ class PrefixCache {
   void InstallEvictor(DeviceBudget& budget);
 
   PrefixCacheStats Stats() const ABSL_LOCKS_EXCLUDED(mu_);
-  EventReplay EventsSince(uint64_t epoch, uint64_t last_sequence) const ABSL_LOCKS_EXCLUDED(mu_);
+  // Events after (epoch, last_sequence) of cache scope `scope` (nullopt: every scope, the
+  // operators' view). Sequences are the daemon's: a scope's subscriber sees them skip over
+  // other scopes' events (not a gap).
+  ScopedEventReplay EventsSince(uint64_t epoch, uint64_t last_sequence,
+                                const std::optional<std::string>& scope) const
+      ABSL_LOCKS_EXCLUDED(mu_);
   // Blocks until an event after `last_sequence` exists or `timeout` passes; returns the newest
   // sequence.
   uint64_t AwaitEvent(uint64_t last_sequence, absl::Duration timeout) const
@@ -226,7 +263,7 @@ class PrefixCache {
               DeviceBudget* budget);
 
   // REQUIRES the session's mutex (runs inside DaemonSession::ViewLocked).
-  absl::StatusOr<PrefixCaptureResult> CaptureLocked(const PlanFingerprint& shape,
+  absl::StatusOr<PrefixCaptureResult> CaptureLocked(const ScopedShape& shape,
                                                     const SessionState& state,
                                                     const SessionLayoutVersion& layout,
                                                     absl::Span<const int32_t> tokens,
@@ -257,6 +294,8 @@ class PrefixCache {
   // evictable bytes.
   void FreeHandles(const std::vector<uint64_t>& handles) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void PublishEvictable() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // `view` with its scope and plain shape.
+  ScopedEntry Unscoped(EntryView view) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   // Constant after construction.
   const PrefixCacheOptions options_;
@@ -269,8 +308,11 @@ class PrefixCache {
   PrefixIndex index_ ABSL_GUARDED_BY(mu_);
   // storage handle (== the arena id's value) -> its arena and charge.
   absl::flat_hash_map<uint64_t, Storage> storage_ ABSL_GUARDED_BY(mu_);
-  // Per shape: whether every layer is position-addressed (what Lookup must know).
+  // Per key (ScopedShape::key): whether every layer is position-addressed (what Lookup must
+  // know), and the scope and plain shape it stands for (filled at capture: every entry's key
+  // is here).
   absl::flat_hash_map<PlanFingerprint, bool> position_addressed_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<PlanFingerprint, ScopedShape> scoped_shapes_ ABSL_GUARDED_BY(mu_);
   uint64_t captures_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t restores_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t tokens_restored_ ABSL_GUARDED_BY(mu_) = 0;

@@ -31,6 +31,7 @@ namespace tp = ::memra::test_plans;
 namespace pb = ::memra::kv::v1;
 
 constexpr uint32_t kBlock = 16;
+constexpr char kScope[] = "uid:1000";  // the test sessions' cache scope unless one is given
 // A FlatPlan block's stored bytes: 16 tokens x 2 layers x (a 34-byte q8_0 K row of 32 dims + a
 // 24-byte q5_1 V row).
 constexpr uint64_t kFlatBlockBytes = kBlock * 2 * (34 + 24);
@@ -150,10 +151,12 @@ class PrefixCacheTest : public ::testing::Test {
     return cache.ok() ? *std::move(cache) : nullptr;
   }
 
-  std::unique_ptr<DaemonSession> NewSession(const ModelPlan& plan, uint64_t capacity) {
+  std::unique_ptr<DaemonSession> NewSession(const ModelPlan& plan, uint64_t capacity,
+                                           const std::string& scope = kScope) {
     DaemonSession::Params params;
     params.id = SessionId{next_id_++};
     params.owner = EngineId{1};
+    params.cache_scope = scope;
     params.token = "0123456789abcdef";
     params.model = std::make_shared<const ModelPlan>(plan);
     params.shape.capacity = capacity;
@@ -264,6 +267,52 @@ class PrefixCacheTest : public ::testing::Test {
   uint64_t next_id_ = 1;
 };
 
+TEST_F(PrefixCacheTest, ScopesShareNothingButTheStore) {
+  const std::vector<int32_t> tokens = Tokens(64);
+  auto mine = NewSession(FlatPlan(), 128, "uid:1001");
+  Append(*mine, tokens, 64);
+  absl::StatusOr<PrefixCaptureResult> captured = cache_->Capture(*mine, tokens, 64);
+  ASSERT_THAT(captured.status(), IsOk());
+  EXPECT_EQ(captured->shape, Shape(FlatPlan()));  // the plain shape, the scope apart
+  EXPECT_EQ(cache_->Lookup("uid:1001", Shape(FlatPlan()), tokens).outcome, LookupOutcome::kHit);
+  EXPECT_EQ(cache_->Lookup("uid:1002", Shape(FlatPlan()), tokens).outcome, LookupOutcome::kMiss);
+
+  // Another scope's session restores nothing of it, by match or by id (as if unknown).
+  auto theirs = NewSession(FlatPlan(), 128, "uid:1002");
+  EXPECT_THAT(cache_->Restore(*theirs, std::nullopt, tokens).status(),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("no stored prefix matches")));
+  EXPECT_THAT(cache_->Restore(*theirs, captured->entry, tokens).status(),
+              StatusIs(absl::StatusCode::kNotFound,
+                       HasSubstrs(absl::StrCat("prefix entry ", captured->entry.value),
+                                  "is not in cache scope uid:1002")));
+  ExpectRestored(*theirs, 0, 0);
+
+  // The same prompt captured in the other scope is its own entry (keys chain from the scope).
+  auto their_source = NewSession(FlatPlan(), 128, "uid:1002");
+  Append(*their_source, tokens, 64);
+  absl::StatusOr<PrefixCaptureResult> again = cache_->Capture(*their_source, tokens, 64);
+  ASSERT_THAT(again.status(), IsOk());
+  EXPECT_FALSE(again->already_present);
+  EXPECT_NE(again->entry, captured->entry);
+  EXPECT_EQ(cache_->Stats().entries, 2u);
+
+  // Events: a scope's reader sees its own; operators (nullopt) see both, with their scopes.
+  const ScopedEventReplay first = cache_->EventsSince(77, 0, std::string("uid:1002"));
+  EXPECT_FALSE(first.gap);
+  ASSERT_EQ(first.events.size(), 1u);  // sequence 1 was the other scope's
+  EXPECT_EQ(first.events[0].cache_scope, "uid:1002");
+  EXPECT_EQ(first.events[0].event.sequence, 2u);
+  EXPECT_EQ(first.events[0].event.fingerprint, Shape(FlatPlan()));
+  EXPECT_TRUE(cache_->EventsSince(77, 1, std::string("uid:1001")).events.empty());
+  EXPECT_EQ(cache_->EventsSince(77, 0, std::nullopt).events.size(), 2u);
+  const std::vector<ScopedEntry> listed = cache_->ListEntries();
+  ASSERT_EQ(listed.size(), 2u);
+  std::vector<std::string> scopes = {listed[0].cache_scope, listed[1].cache_scope};
+  EXPECT_THAT(scopes, ::testing::UnorderedElementsAre("uid:1001", "uid:1002"));
+  EXPECT_EQ(listed[0].view.fingerprint, Shape(FlatPlan()));
+  EXPECT_THAT(cache_->CheckInvariants(), IsOk());
+}
+
 TEST_F(PrefixCacheTest, FlatKvCaptureLookupRestoreAnyBlockBoundary) {
   const std::vector<int32_t> tokens = Tokens(100);
   auto source = NewSession(FlatPlan(), 256);
@@ -274,16 +323,16 @@ TEST_F(PrefixCacheTest, FlatKvCaptureLookupRestoreAnyBlockBoundary) {
   EXPECT_FALSE(captured->already_present);
   EXPECT_THAT(cache_->CheckInvariants(), IsOk());
 
-  PrefixLookupResult hit = cache_->Lookup(Shape(FlatPlan()), tokens);
+  PrefixLookupResult hit = cache_->Lookup(kScope, Shape(FlatPlan()), tokens);
   EXPECT_EQ(hit.outcome, LookupOutcome::kHit);
   EXPECT_EQ(hit.matched_tokens, 96u);
   // Diverging in block 3: blocks 0-2 (48 tokens) are still restorable (position-addressed).
   std::vector<int32_t> other = tokens;
   other[50] = -1;
-  PrefixLookupResult partial = cache_->Lookup(Shape(FlatPlan()), other);
+  PrefixLookupResult partial = cache_->Lookup(kScope, Shape(FlatPlan()), other);
   EXPECT_EQ(partial.outcome, LookupOutcome::kPartial);
   EXPECT_EQ(partial.matched_tokens, 48u);
-  EXPECT_EQ(cache_->Lookup(Shape(FlatPlan()), Tokens(40, 5)).outcome, LookupOutcome::kMiss);
+  EXPECT_EQ(cache_->Lookup(kScope, Shape(FlatPlan()), Tokens(40, 5)).outcome, LookupOutcome::kMiss);
 
   auto full = NewSession(FlatPlan(), 128);
   absl::StatusOr<PrefixRestoreResult> restored = cache_->Restore(*full, captured->entry, tokens);
@@ -347,13 +396,13 @@ TEST_F(PrefixCacheTest, CaptureStoresOnlyUnderTheCommittedTokenIds) {
                        HasSubstrs("the request gives 80 token ids",
                                   absl::StrCat("session ", id, " committed 64"))));
   EXPECT_EQ(cache_->Stats().entries, 0u);
-  EXPECT_EQ(cache_->Lookup(Shape(FlatPlan()), other).outcome, LookupOutcome::kMiss);
+  EXPECT_EQ(cache_->Lookup(kScope, Shape(FlatPlan()), other).outcome, LookupOutcome::kMiss);
 
   absl::StatusOr<PrefixCaptureResult> honest = cache_->Capture(*session, committed, 64);
   ASSERT_THAT(honest.status(), IsOk());
   EXPECT_FALSE(honest->already_present);
-  EXPECT_EQ(cache_->Lookup(Shape(FlatPlan()), committed).matched_tokens, 64u);
-  EXPECT_EQ(cache_->Lookup(Shape(FlatPlan()), other).matched_tokens, 32u);  // the shared block
+  EXPECT_EQ(cache_->Lookup(kScope, Shape(FlatPlan()), committed).matched_tokens, 64u);
+  EXPECT_EQ(cache_->Lookup(kScope, Shape(FlatPlan()), other).matched_tokens, 32u);  // the shared block
 
   // Committed without token ids: the session's ids are unknown, nothing can be captured.
   auto unknown = NewSession(FlatPlan(), 128);
@@ -386,7 +435,7 @@ TEST_F(PrefixCacheTest, RecurrentStateRestoresOnlyAtTheCapturedBoundary) {
                        HasSubstr("recurrent state exists only at the position 64 (committed 64), "
                                  "not at boundary 32")));
   // A query that stops inside the entry has no boundary state to restore.
-  EXPECT_EQ(cache_->Lookup(Shape(HybridPlan()), Tokens(48)).outcome, LookupOutcome::kMiss);
+  EXPECT_EQ(cache_->Lookup(kScope, Shape(HybridPlan()), Tokens(48)).outcome, LookupOutcome::kMiss);
   auto short_dest = NewSession(HybridPlan(), 128);
   const std::vector<uint8_t> before = ArenaBytes(*short_dest);
   EXPECT_THAT(cache_->Restore(*short_dest, captured->entry, Tokens(48)).status(),
@@ -394,7 +443,7 @@ TEST_F(PrefixCacheTest, RecurrentStateRestoresOnlyAtTheCapturedBoundary) {
                        HasSubstr("only at its 64-token boundary; the token ids match 48")));
   EXPECT_EQ(ArenaBytes(*short_dest), before);
 
-  PrefixLookupResult hit = cache_->Lookup(Shape(HybridPlan()), Tokens(70));
+  PrefixLookupResult hit = cache_->Lookup(kScope, Shape(HybridPlan()), Tokens(70));
   EXPECT_EQ(hit.outcome, LookupOutcome::kHit);
   EXPECT_EQ(hit.matched_tokens, 64u);
   auto dest = NewSession(HybridPlan(), 256);
@@ -520,7 +569,9 @@ TEST_F(PrefixCacheTest, CorruptBlockIsDataLossAndTheEntryIsDropped) {
   Append(*source, tokens, 48);
   absl::StatusOr<PrefixCaptureResult> captured = cache_->Capture(*source, tokens, 48);
   ASSERT_THAT(captured.status(), IsOk());
-  absl::StatusOr<EntryView> view = cache_->Inspect(captured->entry);
+  absl::StatusOr<ScopedEntry> scoped = cache_->Inspect(captured->entry);
+  ASSERT_THAT(scoped, IsOk());
+  absl::StatusOr<EntryView> view = scoped->view;
   ASSERT_THAT(view.status(), IsOk());
   absl::StatusOr<ArenaId> arena = cache_->StorageArena(view->blocks[1].stored.storage_handle);
   ASSERT_THAT(arena.status(), IsOk());
@@ -545,10 +596,10 @@ TEST_F(PrefixCacheTest, CorruptBlockIsDataLossAndTheEntryIsDropped) {
   EXPECT_EQ(stats.dropped_entries, 1u);
   EXPECT_EQ(stats.stored_bytes, 0u);
   EXPECT_EQ(backend_->ArenaCount(), 2u);  // the two sessions; every stored block freed
-  const EventReplay events = cache_->EventsSince(77, 1);
+  const ScopedEventReplay events = cache_->EventsSince(77, 1, std::nullopt);
   ASSERT_EQ(events.events.size(), 1u);
-  EXPECT_EQ(events.events[0].kind, PrefixEventKind::kDropped);
-  EXPECT_THAT(events.events[0].reason, HasSubstr("xxHash3"));
+  EXPECT_EQ(events.events[0].event.kind, PrefixEventKind::kDropped);
+  EXPECT_THAT(events.events[0].event.reason, HasSubstr("xxHash3"));
 }
 
 // Three threads share the blocks of a restore: the bytes are the same as one thread's, and a
@@ -566,7 +617,9 @@ TEST_F(PrefixCacheTest, ParallelRestoreCopiesEveryBlockAndFailsOnAnyCorruptOne) 
   EXPECT_EQ(restored->restored_tokens, 112u);
   ExpectRestored(*dest, 112, 0);
 
-  absl::StatusOr<EntryView> view = cache_->Inspect(captured->entry);
+  absl::StatusOr<ScopedEntry> scoped = cache_->Inspect(captured->entry);
+  ASSERT_THAT(scoped, IsOk());
+  absl::StatusOr<EntryView> view = scoped->view;
   ASSERT_THAT(view.status(), IsOk());
   ASSERT_EQ(view->blocks.size(), 7u);
   absl::StatusOr<ArenaId> arena = cache_->StorageArena(view->blocks[4].stored.storage_handle);
@@ -657,21 +710,21 @@ TEST_F(PrefixCacheTest, EventsReplayAndGap) {
     ASSERT_THAT(captured.status(), IsOk());
     ids.push_back(captured->entry);
   }
-  EventReplay replay = cache_->EventsSince(77, 1);
+  ScopedEventReplay replay = cache_->EventsSince(77, 1, std::nullopt);
   EXPECT_FALSE(replay.gap);
   ASSERT_EQ(replay.events.size(), 2u);
-  EXPECT_EQ(replay.events[0].sequence, 2u);
-  EXPECT_EQ(replay.events[0].kind, PrefixEventKind::kStored);
-  EXPECT_EQ(replay.events[0].block_keys.size(), 1u);
-  EXPECT_EQ(replay.events[0].epoch, 77u);
+  EXPECT_EQ(replay.events[0].event.sequence, 2u);
+  EXPECT_EQ(replay.events[0].event.kind, PrefixEventKind::kStored);
+  EXPECT_EQ(replay.events[0].event.block_keys.size(), 1u);
+  EXPECT_EQ(replay.events[0].event.epoch, 77u);
   // Sequence 1 left the 2-event buffer; another epoch is a gap too.
-  EXPECT_TRUE(cache_->EventsSince(77, 0).gap);
-  EXPECT_TRUE(cache_->EventsSince(78, 3).gap);
+  EXPECT_TRUE(cache_->EventsSince(77, 0, std::nullopt).gap);
+  EXPECT_TRUE(cache_->EventsSince(78, 3, std::nullopt).gap);
   EXPECT_EQ(cache_->AwaitEvent(2, absl::ZeroDuration()), 3u);
   ASSERT_THAT(cache_->EvictEntry(ids[2]).status(), IsOk());
-  replay = cache_->EventsSince(77, 3);
+  replay = cache_->EventsSince(77, 3, std::nullopt);
   ASSERT_EQ(replay.events.size(), 1u);
-  EXPECT_EQ(replay.events[0].kind, PrefixEventKind::kEvicted);
+  EXPECT_EQ(replay.events[0].event.kind, PrefixEventKind::kEvicted);
 }
 
 TEST_F(PrefixCacheTest, DeathCaptureTakesCommittedRowsNeverStagedOnes) {
@@ -688,7 +741,7 @@ TEST_F(PrefixCacheTest, DeathCaptureTakesCommittedRowsNeverStagedOnes) {
   ASSERT_THAT(captured.status(), IsOk());
   ASSERT_TRUE(captured->has_value());
   EXPECT_EQ((*captured)->boundary_tokens, 32u);
-  EXPECT_EQ(cache_->Lookup(Shape(FlatPlan()), tokens).matched_tokens, 32u);
+  EXPECT_EQ(cache_->Lookup(kScope, Shape(FlatPlan()), tokens).matched_tokens, 32u);
   EXPECT_EQ(cache_->Stats().death_captures, 1u);
 
   // A commit without token ids makes the session's tokens unknown: nothing to capture.

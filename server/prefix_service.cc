@@ -23,7 +23,9 @@ std::string KeyBytes(const BlockKey& key) {
   return std::string(reinterpret_cast<const char*>(key.data()), key.size());
 }
 
-void FillEntry(const EntryView& view, bool with_keys, pb::PrefixEntry* out) {
+void FillEntry(const ScopedEntry& entry, bool with_keys, pb::PrefixEntry* out) {
+  const EntryView& view = entry.view;
+  out->set_cache_scope(entry.cache_scope);
   out->set_entry_id(view.id.value);
   out->set_shape_fingerprint(FingerprintToBytes(view.fingerprint));
   out->set_boundary_tokens(view.boundary_tokens);
@@ -40,8 +42,10 @@ void FillEntry(const EntryView& view, bool with_keys, pb::PrefixEntry* out) {
   out->set_pins(view.pins);
 }
 
-pb::PrefixEvent EventToProto(const PrefixEvent& event) {
+pb::PrefixEvent EventToProto(const ScopedPrefixEvent& scoped) {
+  const PrefixEvent& event = scoped.event;
   pb::PrefixEvent out;
+  out.set_cache_scope(scoped.cache_scope);
   out.set_sequence(event.sequence);
   out.set_epoch(event.epoch);
   switch (event.kind) {
@@ -96,11 +100,29 @@ pb::PrefixCacheStats PrefixStatsToProto(const PrefixCacheStats& stats) {
 }
 
 PrefixService::PrefixService(PrefixCache* cache, DeviceBackend* backend,
-                             SessionFinder find_session, ServedSocket socket)
+                             SessionFinder find_session, ScopeFinder find_scope,
+                             ServedSocket socket)
     : cache_(cache),
       backend_(backend),
       find_session_(std::move(find_session)),
+      find_scope_(std::move(find_scope)),
       socket_(std::move(socket)) {}
+
+absl::StatusOr<std::optional<std::string>> PrefixService::ReaderScope(
+    const pb::EngineRef& engine, const std::string& requested) const {
+  if (socket_.for_operators()) {
+    if (requested.empty()) return std::nullopt;
+    return requested;
+  }
+  ASSIGN_OR_RETURN(std::string own, find_scope_(engine));
+  if (!requested.empty() && requested != own) {
+    return absl::PermissionDeniedError(
+        absl::StrCat("engine ", engine.engine_id(), " reads only its own cache scope ", own,
+                     ", not \"", requested, "\" (operators read any scope on the admin socket ",
+                     socket_.admin_socket_path, ")"));
+  }
+  return own;
+}
 
 absl::Status PrefixService::Enabled() const {
   if (cache_ == nullptr) {
@@ -142,11 +164,17 @@ grpc::Status PrefixService::Lookup(grpc::ServerContext*, const pb::LookupPrefixR
                                    pb::LookupPrefixResponse* response) {
   absl::Status status = [&]() -> absl::Status {
     RETURN_IF_ERROR(Enabled());
+    ASSIGN_OR_RETURN(std::optional<std::string> scope,
+                     ReaderScope(request->engine(), request->cache_scope()));
+    if (!scope.has_value()) {
+      return absl::InvalidArgumentError(
+          "a Lookup on the admin socket names the cache scope to look in (cache_scope)");
+    }
     ASSIGN_OR_RETURN(PlanFingerprint model,
                      FingerprintFromBytes(request->shape().plan_fingerprint()));
-    const PrefixLookupResult found =
-        cache_->Lookup(PrefixShapeFingerprint(model, SessionShapeFromProto(request->shape())),
-                       SpanOf(request->token_ids()));
+    const PrefixLookupResult found = cache_->Lookup(
+        *scope, PrefixShapeFingerprint(model, SessionShapeFromProto(request->shape())),
+        SpanOf(request->token_ids()));
     switch (found.outcome) {
       case LookupOutcome::kMiss:
         response->set_outcome(pb::LOOKUP_OUTCOME_MISS);
@@ -187,15 +215,18 @@ grpc::Status PrefixService::SubscribeEvents(grpc::ServerContext* context,
                                             const pb::SubscribePrefixEventsRequest* request,
                                             grpc::ServerWriter<pb::PrefixEvent>* writer) {
   if (absl::Status enabled = Enabled(); !enabled.ok()) return Reply("SubscribeEvents", enabled);
+  absl::StatusOr<std::optional<std::string>> scope =
+      ReaderScope(request->engine(), request->cache_scope());
+  if (!scope.ok()) return Reply("SubscribeEvents", scope.status());
   uint64_t epoch = request->epoch();
   uint64_t last = request->last_sequence();
   while (!context->IsCancelled() && !stopping_.load()) {
-    const EventReplay replay = cache_->EventsSince(epoch, last);
+    const ScopedEventReplay replay = cache_->EventsSince(epoch, last, *scope);
     if (replay.gap) {
       // Resync from here on: the subscriber lists the entries, then follows live events.
       if (!writer->Write(GapEvent(cache_->epoch(), replay.last_sequence))) break;
     }
-    for (const PrefixEvent& event : replay.events) {
+    for (const ScopedPrefixEvent& event : replay.events) {
       if (!writer->Write(EventToProto(event))) return grpc::Status::OK;
     }
     epoch = cache_->epoch();
@@ -212,8 +243,8 @@ grpc::Status PrefixService::ListPrefixes(grpc::ServerContext*, const pb::ListPre
     return Reply("ListPrefixes", allowed);
   }
   if (absl::Status enabled = Enabled(); !enabled.ok()) return Reply("ListPrefixes", enabled);
-  for (const EntryView& view : cache_->ListEntries()) {
-    FillEntry(view, /*with_keys=*/false, response->add_entries());
+  for (const ScopedEntry& entry : cache_->ListEntries()) {
+    FillEntry(entry, /*with_keys=*/false, response->add_entries());
   }
   *response->mutable_stats() = PrefixStatsToProto(cache_->Stats());
   return grpc::Status::OK;
@@ -225,8 +256,8 @@ grpc::Status PrefixService::InspectPrefix(grpc::ServerContext*,
   absl::Status status = [&]() -> absl::Status {
     RETURN_IF_ERROR(socket_.AllowOperatorCall("KvPrefixCache.InspectPrefix"));
     RETURN_IF_ERROR(Enabled());
-    ASSIGN_OR_RETURN(EntryView view, cache_->Inspect(EntryId{request->entry_id()}));
-    FillEntry(view, /*with_keys=*/true, response);
+    ASSIGN_OR_RETURN(ScopedEntry entry, cache_->Inspect(EntryId{request->entry_id()}));
+    FillEntry(entry, /*with_keys=*/true, response);
     return absl::OkStatus();
   }();
   return Reply("InspectPrefix", status);

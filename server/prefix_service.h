@@ -29,12 +29,15 @@ class PrefixService final : public memra::kv::v1::KvPrefixCache::Service {
   // The session a ref names: NOT_FOUND unknown id, PERMISSION_DENIED wrong token.
   using SessionFinder = std::function<absl::StatusOr<std::shared_ptr<DaemonSession>>(
       const memra::kv::v1::SessionRef&)>;
+  // The cache scope of the attached engine a ref names (EngineLeases::CacheScope).
+  using ScopeFinder =
+      std::function<absl::StatusOr<std::string>(const memra::kv::v1::EngineRef&)>;
 
   // `cache` null: the daemon runs without a prefix cache (every call FAILED_PRECONDITION).
   // `cache` and `backend` (the engines' events are waited on through it) must outlive the
   // service. `socket`: the socket this instance answers on.
   PrefixService(PrefixCache* cache, DeviceBackend* backend, SessionFinder find_session,
-                ServedSocket socket);
+                ScopeFinder find_scope, ServedSocket socket);
 
   // Ends open SubscribeEvents streams within one poll period (daemon shutdown).
   void Stop() { stopping_.store(true); }
@@ -63,10 +66,17 @@ class PrefixService final : public memra::kv::v1::KvPrefixCache::Service {
   absl::StatusOr<std::shared_ptr<DaemonSession>> OrderedSession(
       const memra::kv::v1::SessionRef& ref, const memra::kv::v1::DeviceOrdering& ordering);
 
+  // The scope a Lookup or SubscribeEvents reads: on the engine socket the engine's own (a
+  // different `requested` is PERMISSION_DENIED); on the admin socket `requested` (nullopt when
+  // empty: every scope).
+  absl::StatusOr<std::optional<std::string>> ReaderScope(const memra::kv::v1::EngineRef& engine,
+                                                         const std::string& requested) const;
+
   // Constant after construction.
   PrefixCache* const cache_;
   DeviceBackend* const backend_;
   const SessionFinder find_session_;
+  const ScopeFinder find_scope_;
   const ServedSocket socket_;
 
   std::atomic<bool> stopping_{false};

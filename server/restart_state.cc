@@ -174,13 +174,16 @@ void RestartState::RemoveLocked(const std::string& name) {
 }
 
 void RestartState::EngineAttached(uint64_t id, absl::string_view token, absl::string_view name,
-                                  int64_t pid) {
+                                  const PeerCredentials& peer, absl::string_view cache_scope) {
   jr::Record record;
   jr::EngineRecord* engine = record.mutable_engine();
   engine->set_id(id);
   engine->set_token(std::string(token));
   engine->set_name(std::string(name.substr(0, 128)));
-  engine->set_pid(pid);
+  engine->set_pid(peer.pid);
+  engine->set_uid(peer.uid);
+  engine->set_gid(peer.gid);
+  engine->set_cache_scope(std::string(cache_scope));
   journal_->RaiseNextEngineId(id + 1);
   absl::MutexLock lock(&mu_);
   std::optional<uint64_t> slot = TakeSlotLocked(EngineKey(id));
@@ -286,6 +289,7 @@ void RestartState::SessionChanged(const JournaledSession& session) {
   out->set_id(session.id);
   out->set_token(std::string(session.token));
   out->set_owner(session.owner);
+  out->set_slot(session.slot);
   out->set_plan_fingerprint(std::string(session.fingerprint));
   out->set_layer_lo(session.shape.layer_lo);
   if (session.shape.layer_hi.has_value()) out->set_layer_hi(*session.shape.layer_hi);

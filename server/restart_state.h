@@ -84,7 +84,8 @@ class RestartState final : public StateJournal {
 
   // ---- StateJournal ----
   void EngineAttached(uint64_t id, absl::string_view token, absl::string_view name,
-                      int64_t pid) override ABSL_LOCKS_EXCLUDED(mu_);
+                      const PeerCredentials& peer, absl::string_view cache_scope) override
+      ABSL_LOCKS_EXCLUDED(mu_);
   void EngineForgotten(uint64_t id) override ABSL_LOCKS_EXCLUDED(mu_);
   void ArenaCreated(ArenaId arena) override ABSL_LOCKS_EXCLUDED(mu_);
   void ArenaFreed(ArenaId arena) override ABSL_LOCKS_EXCLUDED(mu_);

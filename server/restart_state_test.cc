@@ -12,9 +12,16 @@
 #include <vector>
 
 #include "absl/strings/escaping.h"
+#include "absl/strings/match.h"
 #include "common/codec.h"
 #include "core/test_model_plans.h"
 #include "gtest/gtest.h"
+#include "server/arena_pool.h"
+#include "server/clock.h"
+#include "server/device_budget.h"
+#include "server/engine_leases.h"
+#include "server/plan_registry.h"
+#include "server/session_registry.h"
 #include "server/test_host_backend.h"
 #include "tests/status_matchers.h"
 
@@ -94,6 +101,7 @@ class RestartStateTest : public ::testing::Test {
     JournaledSession session;
     session.id = id;
     session.owner = 1;
+    session.slot = 3;
     session.token = "session-token-16";
     session.fingerprint = fingerprint_;
     session.model = model_;
@@ -119,7 +127,8 @@ TEST_F(RestartStateTest, EverythingARestartNeedsReachesTheStoreAndReadsBack) {
   absl::StatusOr<ArenaId> arena = backend_->CreateArena(4096, ArenaVisibility::kExported);
   ASSERT_THAT(arena, IsOk());
   ASSERT_THAT(backend_->Write(*arena, 100, std::vector<uint8_t>{42}), IsOk());
-  state_->EngineAttached(1, "engine-token-16b", "engine-a", 1234);
+  state_->EngineAttached(1, "engine-token-16b", "engine-a",
+                         PeerCredentials{.uid = 1000, .gid = 1001, .pid = 1234}, "team");
   state_->ArenaCreated(*arena);
   state_->SessionChanged(Session(5, *arena));
   const std::string arena_name = absl::StrCat("arena-3-", arena->value);
@@ -141,10 +150,17 @@ TEST_F(RestartStateTest, EverythingARestartNeedsReachesTheStoreAndReadsBack) {
   ASSERT_EQ(previous->engines.size(), 1u);
   EXPECT_EQ(previous->engines[0].token(), "engine-token-16b");
   EXPECT_EQ(previous->engines[0].name(), "engine-a");
+  // Who the engine is: a re-attach must come from this uid and keeps this scope.
+  EXPECT_EQ(previous->engines[0].uid(), 1000u);
+  EXPECT_EQ(previous->engines[0].gid(), 1001u);
+  EXPECT_EQ(previous->engines[0].pid(), 1234);
+  EXPECT_EQ(previous->engines[0].cache_scope(), "team");
   ASSERT_EQ(previous->sessions.size(), 1u);
   const auto& record = previous->sessions[0];
   EXPECT_EQ(record.id(), 5u);
+  EXPECT_EQ(record.slot(), 3u);
   EXPECT_EQ(record.arena_fd_name(), arena_name);
+  EXPECT_EQ(record.arena_handle(), "/memra-kv-handle");
   EXPECT_EQ(record.committed_len(), 40u);
   EXPECT_EQ(record.next_generation(), 9u);
   EXPECT_EQ(record.layout_version(), 2u);
@@ -166,7 +182,8 @@ TEST_F(RestartStateTest, EverythingARestartNeedsReachesTheStoreAndReadsBack) {
 TEST_F(RestartStateTest, ReleasesRemoveWhatTheyKept) {
   absl::StatusOr<ArenaId> arena = backend_->CreateArena(4096, ArenaVisibility::kExported);
   ASSERT_THAT(arena, IsOk());
-  state_->EngineAttached(1, "engine-token-16b", "engine-a", 1234);
+  state_->EngineAttached(1, "engine-token-16b", "engine-a",
+                         PeerCredentials{.uid = 1000, .gid = 1001, .pid = 1234}, "team");
   state_->ArenaCreated(*arena);
   state_->SessionChanged(Session(5, *arena));
   state_->SessionReleased(5);
@@ -178,6 +195,70 @@ TEST_F(RestartStateTest, ReleasesRemoveWhatTheyKept) {
   ASSERT_TRUE(previous.has_value());
   EXPECT_TRUE(previous->engines.empty());
   EXPECT_TRUE(previous->sessions.empty());
+}
+
+TEST_F(RestartStateTest, ThePoolsArenasAreNeverKept) {
+  // The daemon's parts over this journal: a session's arena is kept while a session holds it;
+  // released into its engine's pool it belongs to no session and leaves the store; taken back
+  // by the next session it is kept again (the same handle).
+  FakeClock clock;
+  DeviceBudget budget(uint64_t{16} << 20, "test");
+  EngineLeases leases(&clock, &budget,
+                      LeaseSettings{absl::Seconds(10), absl::Seconds(1), absl::Seconds(10)},
+                      state_.get());
+  PlanRegistry plans{FormatDefaults()};
+  ArenaPool pool(backend_.get(), &budget, uint64_t{1} << 30);
+  SessionRegistry registry(backend_.get(), &budget, &leases, &plans, FormatDefaults(), nullptr,
+                           UINT64_MAX, &pool, state_.get());
+  absl::StatusOr<PlanFingerprint> plan = plans.Register(*model_);
+  ASSERT_THAT(plan, IsOk());
+  absl::StatusOr<EngineLease> engine = leases.Attach(
+      EngineIdentity{.name = "a", .peer = {.uid = 1000, .gid = 1000, .pid = 7},
+                     .cache_scope = "uid:1000"},
+      nullptr);
+  ASSERT_THAT(engine, IsOk());
+  const EngineCredentials credentials{engine->id, engine->token};
+  SessionShape shape;
+  shape.capacity = 256;
+  auto handle_of = [](DaemonSession& session) {
+    kv::v1::SessionLayout layout;
+    EXPECT_THAT(session.GetState(nullptr, &layout), IsOk());
+    return layout.arenas_size() == 1 ? layout.arenas(0).handle() : std::string();
+  };
+  auto arenas_kept = [&] {
+    size_t count = 0;
+    for (const auto& [name, fd] : store_.Drain()) count += absl::StartsWith(name, "arena-");
+    return count;
+  };
+  absl::StatusOr<std::shared_ptr<DaemonSession>> first =
+      registry.Create(credentials, *plan, shape, std::nullopt);
+  ASSERT_THAT(first, IsOk());
+  const std::string handle = handle_of(**first);
+  ASSERT_FALSE(handle.empty());
+  EXPECT_EQ(arenas_kept(), 1u);
+  ASSERT_THAT(registry.Release(SessionCredentials{(*first)->id(), (*first)->params().token}),
+              IsOk());
+  EXPECT_EQ((*first)->pooled_handles(), std::vector<std::string>{handle});
+  EXPECT_EQ(arenas_kept(), 0u) << "a pooled arena is not kept for a restart";
+  {
+    std::optional<PreviousDaemon> previous = ReadPreviousDaemon(store_.Passed());
+    ASSERT_TRUE(previous.has_value());
+    EXPECT_TRUE(previous->sessions.empty());
+    EXPECT_TRUE(previous->arenas.empty());
+  }
+  absl::StatusOr<std::shared_ptr<DaemonSession>> second =
+      registry.Create(credentials, *plan, shape, std::nullopt);
+  ASSERT_THAT(second, IsOk());
+  EXPECT_EQ(handle_of(**second), handle) << "served from the pool";
+  EXPECT_EQ(arenas_kept(), 1u) << "held by a session again: kept again";
+  std::optional<PreviousDaemon> previous = ReadPreviousDaemon(store_.Passed());
+  ASSERT_TRUE(previous.has_value());
+  ASSERT_EQ(previous->sessions.size(), 1u);
+  EXPECT_EQ(previous->sessions[0].arena_handle(), handle);
+  EXPECT_TRUE(previous->arenas.contains(previous->sessions[0].arena_fd_name()));
+  registry.ReleaseAll();
+  pool.DrainAll();
+  EXPECT_EQ(arenas_kept(), 0u);
 }
 
 TEST_F(RestartStateTest, WhatCannotBeKeptIsRecordedAsSuch) {

@@ -19,6 +19,7 @@
 #include "core/session.h"
 #include "core/sizing.h"
 #include "server/backend.h"
+#include "server/peer_credentials.h"
 
 namespace memra {
 
@@ -26,6 +27,7 @@ namespace memra {
 struct JournaledSession {
   uint64_t id = 0;
   uint64_t owner = 0;
+  uint32_t slot = 0;  // the registry's dense slot
   absl::string_view token;
   absl::string_view fingerprint;  // the plan's fingerprint bytes
   std::shared_ptr<const ModelPlan> model;
@@ -45,8 +47,9 @@ class StateJournal {
  public:
   virtual ~StateJournal() = default;
 
+  // An engine attached or re-attached (`peer`: its handoff connection's credentials).
   virtual void EngineAttached(uint64_t id, absl::string_view token, absl::string_view name,
-                              int64_t pid) = 0;
+                              const PeerCredentials& peer, absl::string_view cache_scope) = 0;
   virtual void EngineForgotten(uint64_t id) = 0;
   virtual void ArenaCreated(ArenaId arena) = 0;
   virtual void ArenaFreed(ArenaId arena) = 0;

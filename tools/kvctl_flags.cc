@@ -189,10 +189,11 @@ const std::vector<CommandSpec>& Commands() {
        "",
        {},
        "Lists the prefix cache's entries (captured token prefixes, restorable by any engine of\n"
-       "the same model plan and shape) and its byte ledger and counters. Refused (exit 4) when\n"
+       "the same cache scope, model plan and shape) and its byte ledger and counters. Refused (exit 4) when\n"
        "the daemon runs without a prefix cache (prefix_cache_budget_bytes = 0).",
        "memra-kvctl prefixes",
-       "ENTRY id, SHAPE (fingerprint of model plan + layer range + TP), TOKENS at its boundary,\n"
+       "ENTRY id, SCOPE (the capturing engine's cache scope: uid:<uid> or a configured name),\n"
+       "SHAPE (fingerprint of model plan + layer range + TP), TOKENS at its boundary,\n"
        "BLOCKS, block and boundary bytes (blocks shared between entries count in each), PINS\n"
        "(restores in flight), LAST USE tick; then stored / evictable / pinned bytes of the cache\n"
        "(shared blocks once) and hit / partial / miss lookups, restores and evictions."},

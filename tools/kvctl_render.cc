@@ -283,6 +283,7 @@ std::string RenderImport(const pb::ImportModelResponse& imported) {
 
 std::string RenderPrefixes(const pb::ListPrefixesResponse& prefixes) {
   TextTable table({{"ENTRY", Align::kRight},
+                   {"SCOPE"},
                    {"SHAPE"},
                    {"TOKENS", Align::kRight},
                    {"BLOCKS", Align::kRight},
@@ -291,7 +292,8 @@ std::string RenderPrefixes(const pb::ListPrefixesResponse& prefixes) {
                    {"PINS", Align::kRight},
                    {"LAST USE", Align::kRight}});
   for (const pb::PrefixEntry& entry : prefixes.entries()) {
-    table.AddRow({absl::StrCat(entry.entry_id()), HexBytes(entry.shape_fingerprint()).substr(0, 16),
+    table.AddRow({absl::StrCat(entry.entry_id()), entry.cache_scope(),
+                  HexBytes(entry.shape_fingerprint()).substr(0, 16),
                   absl::StrCat(entry.boundary_tokens()), absl::StrCat(entry.blocks()),
                   FormatBytes(entry.block_bytes()), FormatBytes(entry.boundary_bytes()),
                   absl::StrCat(entry.pins()), absl::StrCat(entry.last_use_tick())});

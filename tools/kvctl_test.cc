@@ -609,6 +609,21 @@ TEST(RenderTest, ImportAndDrain) {
   EXPECT_THAT(RenderDrain(drained), HasSubstr("; 3 sessions stay open"));
 }
 
+TEST(RenderTest, PrefixesShowTheirCacheScope) {
+  pb::ListPrefixesResponse prefixes;
+  pb::PrefixEntry* entry = prefixes.add_entries();
+  entry->set_entry_id(7);
+  entry->set_cache_scope("uid:1001");
+  entry->set_shape_fingerprint(std::string(32, '\x01'));
+  entry->set_boundary_tokens(512);
+  pb::PrefixEntry* shared = prefixes.add_entries();
+  shared->set_entry_id(8);
+  shared->set_cache_scope("team-a");
+  const std::string rendered = RenderPrefixes(prefixes);
+  EXPECT_THAT(rendered, HasSubstrs("ENTRY  SCOPE     SHAPE", "    7  uid:1001  0101010101010101",
+                                   "    8  team-a", "2 entries"));
+}
+
 TEST(RenderTest, JsonPrintsEveryFieldWithProtoNames) {
   pb::FitResponse fit;
   fit.set_session_bytes(1610612736);

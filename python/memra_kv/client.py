@@ -15,6 +15,7 @@ import grpc
 from ._proto import admin_pb2, admin_pb2_grpc, cache_pb2, cache_pb2_grpc, prefix_pb2
 from ._proto import prefix_pb2_grpc
 from .errors import KvError, code_from_value, from_rpc_error
+from .handoff import HandoffChannel, default_handoff_path
 from .planes import CudaArenaMapper, HostArenaMapper, PlaneGeometry
 
 pb = cache_pb2
@@ -118,6 +119,7 @@ class PrefixEvent:
     block_keys: List[bytes] = field(default_factory=list)
     boundary_key: bytes = b""
     reason: str = ""
+    cache_scope: str = ""
 
 
 _EVENT_KINDS = {prefix_pb2.PrefixEvent.STORED: "stored", prefix_pb2.PrefixEvent.EVICTED: "evicted",
@@ -153,17 +155,28 @@ class StepOutcome:
 
     @property
     def begun(self):
-        """begin: the Transaction."""
+        """begin, advance with next rows: the Transaction."""
+        if self._result.HasField("advance") and self._result.advance.HasField("prepared"):
+            return Transaction(self._result.advance.prepared.generation,
+                               self._result.advance.committed_len)
         if not self._result.HasField("begin"):
             return None
         return Transaction(self._result.begin.generation, self._result.begin.base_len)
 
     @property
     def prepared(self):
-        """prepare: the PreparedAppend."""
-        if self._prepared is None and self._result.HasField("prepare"):
-            self._prepared = _prepared_from_proto(self._result.prepare)
+        """prepare, advance with next rows: the PreparedAppend."""
+        if self._prepared is None:
+            if self._result.HasField("prepare"):
+                self._prepared = _prepared_from_proto(self._result.prepare)
+            elif self._result.HasField("advance") and self._result.advance.HasField("prepared"):
+                self._prepared = _prepared_from_proto(self._result.advance.prepared)
         return self._prepared
+
+    @property
+    def published(self):
+        """advance: whether it published the finished transaction's append."""
+        return self._result.advance.published
 
     @property
     def staged_len(self):
@@ -172,9 +185,11 @@ class StepOutcome:
 
     @property
     def committed_len(self):
-        """commit, abort: the committed length."""
+        """commit, abort, advance: the committed length."""
         if self._result.HasField("abort"):
             return self._result.abort.committed_len
+        if self._result.HasField("advance"):
+            return self._result.advance.committed_len
         return self._result.commit.committed_len
 
 
@@ -183,8 +198,9 @@ class StepOutcome:
 class Client:
     """Thread-safe. Use as a context manager, or close() it (detaches, closes the channel)."""
 
-    def __init__(self, channel, default_timeout, mapper):
+    def __init__(self, channel, default_timeout, mapper, handoff_path):
         self._channel = channel
+        self.handoff_path = handoff_path
         self.default_timeout = default_timeout
         self.cache = cache_pb2_grpc.KvCacheStub(channel)
         self.admin_stub = admin_pb2_grpc.KvAdminStub(channel)
@@ -195,10 +211,12 @@ class Client:
         self.backend = None
 
     @classmethod
-    def connect(cls, socket_path, timeout=10.0, mapper=None):
+    def connect(cls, socket_path, timeout=10.0, mapper=None, handoff_path=None):
         """Connects to the daemon's Unix socket, waiting up to `timeout` seconds for it
         (KvError UNAVAILABLE). `mapper`: None picks HostArenaMapper or CudaArenaMapper by the
-        backend the daemon announces at attach."""
+        backend the daemon announces at attach. `handoff_path`: the daemon's handoff socket
+        (attach gets its ticket there; host arenas' descriptors come over it); None: beside
+        `socket_path` (".sock" -> ".handoff.sock"), as the daemon puts it by default."""
         channel = grpc.insecure_channel("unix:" + socket_path, options=_CHANNEL_OPTIONS)
         try:
             grpc.channel_ready_future(channel).result(timeout=timeout)
@@ -206,7 +224,8 @@ class Client:
             channel.close()
             raise KvError(grpc.StatusCode.UNAVAILABLE, "memra-kvd is not answering on unix:%s "
                           "within %gs" % (socket_path, timeout)) from None
-        return cls(channel, timeout, mapper)
+        return cls(channel, timeout, mapper,
+                   handoff_path or default_handoff_path(socket_path))
 
     def __enter__(self):
         return self
@@ -229,20 +248,30 @@ class Client:
 
     # -- lease --
 
-    def attach(self, engine_name, timeout=None):
-        """Opens the lease and keeps it alive on a daemon thread (a heartbeat every third of the
-        lease timeout). KvError FAILED_PRECONDITION when already attached.
+    def attach(self, engine_name, timeout=None, cache_scope=""):
+        """Connects to the handoff socket, opens the lease with its ticket and keeps the lease
+        alive on a daemon thread (a heartbeat every third of the lease timeout). KvError
+        FAILED_PRECONDITION when already attached, UNAVAILABLE when the handoff socket does not
+        answer. `cache_scope`: the prefix-cache scope to attach in ("": this user's own,
+        "uid:<uid>"; a named one must be allowed by the daemon's cache_scope_allow).
 
         When the lease stream breaks (the daemon restarted, or the connection dropped), that
         thread notices at once and re-attaches as the same engine every 100 ms until the daemon
-        answers: one that re-adopted the engine from its restart journal gives the lease back
+        answers, each time over a new handoff connection (a fresh ticket) and in the same cache
+        scope: one that re-adopted the engine from its restart journal gives the lease back
         and the sessions carry on with their mappings (reattaches counts it); one that does not
         answers with the restart error, which lease_lost then holds, and re-attaching stops."""
         with self._lock:
             if self._lease is not None:
                 raise KvError(grpc.StatusCode.FAILED_PRECONDITION,
                               "already attached as engine %d" % self._lease.engine_id)
-            lease = _Lease(self.cache, engine_name, self._timeout(timeout))
+            handoff = HandoffChannel(self.handoff_path, self._timeout(timeout))
+            try:
+                lease = _Lease(self.cache, engine_name, self._timeout(timeout), handoff,
+                               cache_scope)
+            except BaseException:
+                handoff.close()
+                raise
             self._lease = lease
             self.backend = lease.backend
         return lease.engine_id
@@ -280,6 +309,12 @@ class Client:
         return lease.epoch if lease else 0
 
     @property
+    def cache_scope(self):
+        """The prefix-cache scope this engine attached in ("" before attach)."""
+        lease = self._lease
+        return lease.cache_scope if lease else ""
+
+    @property
     def engine_id(self):
         lease = self._lease
         return lease.engine_id if lease else 0
@@ -314,6 +349,15 @@ class Client:
             return _call(method, request, timeout)
         except KvError as error:
             raise self._explain(error) from None
+
+    def _fetch_arena_fd(self, session_id, token, handle):
+        """(descriptor, bytes) of a host arena of this engine's session, over the handoff
+        connection attach opened."""
+        lease = self._lease
+        if lease is None:
+            raise KvError(grpc.StatusCode.FAILED_PRECONDITION, "mapping a host arena before "
+                          "attach: its descriptor comes over the engine's handoff connection")
+        return lease.handoff.fetch_arena(session_id, token, handle)
 
     def _engine(self, what):
         lease = self._lease
@@ -374,7 +418,9 @@ class Client:
         if reservation is not None:
             request.reservation_id = getattr(reservation, "id", reservation)
         response = _call(self.cache.CreateSession, request, self._timeout(timeout))
-        session = Session(self, response.session.session_id, response.session.session_token)
+        self._unmap_freed_pool_arenas(response.unmap_handles)
+        session = Session(self, response.session.session_id, response.session.session_token,
+                          response.slot)
         try:
             session._adopt(response.layout)
         except Exception:
@@ -385,9 +431,17 @@ class Client:
             raise
         return session
 
+    def _unmap_freed_pool_arenas(self, handles):
+        """Drops the mappings of pooled arenas the daemon has freed (proto unmap_handles)."""
+        for handle in handles:
+            self.mapper.unmap(handle)  # nothing when this process already dropped it
+
     def step(self, batch, timeout=None):
         """Runs a StepBatch as one Step RPC; one StepOutcome per entry, in order. The RPC's own
-        failure raises; entries fail independently (StepOutcome.error)."""
+        failure raises; entries fail independently (StepOutcome.error). A batch by slot carries
+        this client's engine credentials."""
+        if batch.by_slot:
+            batch.request.engine.CopyFrom(self._engine("step by slot"))
         response = _call(self.cache.Step, batch.request, self._timeout(timeout))
         if len(response.results) != len(batch.request.entries):
             raise KvError(grpc.StatusCode.INTERNAL, "Step answered %d results for %d entries"
@@ -415,7 +469,8 @@ class Client:
         if layer_hi is not None:
             shape.layer_hi = layer_hi
         r = _call(self.prefix.Lookup, prefix_pb2.LookupPrefixRequest(
-            shape=shape, token_ids=token_ids), self._timeout(timeout))
+            shape=shape, token_ids=token_ids, engine=self._engine("lookup_prefix")),
+            self._timeout(timeout))
         return PrefixMatch(_OUTCOMES.get(r.outcome, "miss"), r.entry_id, r.matched_tokens,
                            r.block_tokens)
 
@@ -430,8 +485,13 @@ class Client:
 
     def events(self, epoch=0, last_sequence=0):
         """The prefix cache's events after (epoch, last_sequence), then live ones: an iterator
-        (PrefixEvents) that resumes from the last sequence it yielded when iterated again."""
-        return PrefixEvents(self.prefix, epoch, last_sequence)
+        (PrefixEvents) that resumes from the last sequence it yielded when iterated again. On the
+        engine socket an attached engine's, of its cache scope only (sequences skip over other
+        scopes' events); on the admin socket every scope's."""
+        lease = self._lease
+        engine = (pb.EngineRef(engine_id=lease.engine_id, engine_token=lease.engine_token)
+                  if lease is not None else None)
+        return PrefixEvents(self.prefix, epoch, last_sequence, engine)
 
     def list_prefixes(self, timeout=None):
         return _call(self.prefix.ListPrefixes, prefix_pb2.ListPrefixesRequest(),
@@ -596,13 +656,16 @@ class _Lease:
     when it reclaimed the engine, PERMISSION_DENIED for a wrong token): `lost` holds it and
     re-attaching stops."""
 
-    def __init__(self, stub, engine_name, timeout):
+    def __init__(self, stub, engine_name, timeout, handoff, cache_scope):
         self._stub = stub
+        self._timeout = timeout
+        self.handoff = handoff  # replaced by each re-attach; closed by stop()
         self._lock = threading.Lock()
         self._stopping = False
         self._reattaching = None  # the _LeaseStream of a re-attach in progress
-        stream = _LeaseStream(stub, pb.AttachRequest(hello=pb.Hello(engine_name=engine_name,
-                                                                    pid=os.getpid())), False)
+        stream = _LeaseStream(stub, pb.AttachRequest(hello=pb.Hello(
+            engine_name=engine_name, pid=os.getpid(), handoff_ticket=handoff.ticket,
+            cache_scope=cache_scope)), False)
         # The first answer within `timeout`, or the call is cancelled.
         timer = threading.Timer(timeout, stream.call.cancel)
         timer.start()
@@ -619,6 +682,7 @@ class _Lease:
         self.engine_id = attached.engine.engine_id
         self.engine_token = attached.engine.engine_token
         self.backend = attached.backend
+        self.cache_scope = attached.cache_scope
         self.lost = None  # KvError: why re-attaching stopped
         self.reattaches = 0
         self._take(stream, attached)
@@ -643,34 +707,50 @@ class _Lease:
     def _reattach(self):
         """True once the lease is back; False after stop() or when the daemon refuses for good."""
         self._stream.close()
-        hello = pb.AttachRequest(hello=pb.Hello(
-            resume=pb.EngineRef(engine_id=self.engine_id, engine_token=self.engine_token),
-            resume_epoch=self.epoch, pid=os.getpid()))
         while True:
+            # Every Attach presents a fresh handoff ticket (the old connection broke with the
+            # daemon); the daemon binds this connection's peer credentials again and checks
+            # them against the engine's. No answer there yet: the daemon is not back.
+            try:
+                handoff = HandoffChannel(self.handoff.path, self._timeout)
+            except KvError:
+                handoff = None
+            if handoff is not None:
+                hello = pb.AttachRequest(hello=pb.Hello(
+                    resume=pb.EngineRef(engine_id=self.engine_id, engine_token=self.engine_token),
+                    resume_epoch=self.epoch, pid=os.getpid(), handoff_ticket=handoff.ticket,
+                    cache_scope=self.cache_scope))
             with self._lock:
                 if self._stopping:
+                    if handoff is not None:
+                        handoff.close()
                     return False
                 # Waits for the daemon to listen again (wait_for_ready) instead of failing fast
                 # while the channel reconnects; stop() cancels the wait.
-                stream = _LeaseStream(self._stub, hello, True)
+                stream = _LeaseStream(self._stub, hello, True) if handoff is not None else None
                 self._reattaching = stream
-            try:
-                attached = stream.first_answer()
-            except KvError as error:
-                stream.close()
-                if (error.is_daemon_restarted or error.code in (
-                        grpc.StatusCode.NOT_FOUND, grpc.StatusCode.PERMISSION_DENIED)):
-                    self.lost = error  # the daemon will never know this engine again
-                    return False
-                # UNAVAILABLE (no daemon yet), a stream still held, or stop(): again.
-                attached = None
+            attached = None
+            if stream is not None:
+                try:
+                    attached = stream.first_answer()
+                except KvError as error:
+                    stream.close()
+                    handoff.close()
+                    if (error.is_daemon_restarted or error.code in (
+                            grpc.StatusCode.NOT_FOUND, grpc.StatusCode.PERMISSION_DENIED)):
+                        self.lost = error  # the daemon will never know this engine again
+                        return False
+                    # UNAVAILABLE (no daemon yet), a stream still held, or stop(): again.
             with self._lock:
                 self._reattaching = None
                 if self._stopping:
                     if attached is not None:
                         stream.close()
+                        handoff.close()
                     return False
                 if attached is not None:
+                    self.handoff.close()
+                    self.handoff = handoff
                     self._take(stream, attached)
                     self.reattaches += 1
                     return True
@@ -683,6 +763,7 @@ class _Lease:
             if self._reattaching is not None:
                 self._reattaching.close()
         self._thread.join()
+        self.handoff.close()
         self.alive = False
 
 
@@ -692,8 +773,9 @@ class PrefixEvents:
     from there, so nothing is yielded twice, and a PrefixEvent with gap=True says the daemon no
     longer had what was missed. A stream that ends with an error raises KvError."""
 
-    def __init__(self, stub, epoch, last_sequence):
+    def __init__(self, stub, epoch, last_sequence, engine=None):
         self._stub = stub
+        self._engine = engine
         self.epoch = epoch
         self.last_sequence = last_sequence
         self._call = None
@@ -706,7 +788,7 @@ class PrefixEvents:
         with self._lock:
             if self._call is None:
                 self._call = self._stub.SubscribeEvents(prefix_pb2.SubscribePrefixEventsRequest(
-                    epoch=self.epoch, last_sequence=self.last_sequence))
+                    epoch=self.epoch, last_sequence=self.last_sequence, engine=self._engine))
             call = self._call
         try:
             event = next(call)
@@ -723,7 +805,7 @@ class PrefixEvents:
         kind = _EVENT_KINDS.get(event.kind, "stored")
         return PrefixEvent(event.sequence, event.epoch, kind, kind == "gap",
                            event.shape_fingerprint, list(event.block_keys), event.boundary_key,
-                           event.reason)
+                           event.reason, event.cache_scope)
 
     def _end(self, call):
         with self._lock:
@@ -739,18 +821,24 @@ class PrefixEvents:
 
 
 class StepBatch:
-    """Per-step transaction calls for many sessions, sent as one Step RPC (Client.step)."""
+    """Per-step transaction calls for many sessions, sent as one Step RPC (Client.step).
+    by_slot: name each session by its dense slot (Session.slot; cheaper for the daemon, and only
+    for the attached engine that created it) instead of its id and token."""
 
-    def __init__(self):
+    def __init__(self, by_slot=False):
         self.request = pb.StepRequest()
+        self.by_slot = by_slot
 
     def set_wait_event(self, ipc_event_handle):
         self.request.ordering.wait_event = ipc_event_handle
 
     def _add(self, session):
         entry = self.request.entries.add()
-        entry.session.session_id = session.id
-        entry.session.session_token = session.token
+        if self.by_slot:
+            entry.slot = session.slot
+        else:
+            entry.session.session_id = session.id
+            entry.session.session_token = session.token
         return entry
 
     def begin(self, session):
@@ -773,6 +861,18 @@ class StepBatch:
     def abort(self, session, generation):
         self._add(session).abort.generation = generation
 
+    def advance(self, session, generation, accepted_rows, next_rows, token_ids=()):
+        """One decode step of `session` in one entry (cache.proto StepAdvance): finishes
+        transaction `generation` (publishing its prepared append first when not yet published,
+        then committing accepted_rows with their token ids, or none) and begins the next,
+        preparing next_rows. generation 0: nothing to finish; next_rows 0: begin none. The
+        separate entries' rules and refusals, all or nothing."""
+        op = self._add(session).advance
+        op.generation = generation
+        op.accepted_rows = accepted_rows
+        op.next_rows = next_rows
+        op.token_ids.extend(token_ids)
+
     def __len__(self):
         return len(self.request.entries)
 
@@ -785,10 +885,11 @@ class Session:
     session's arenas; they stay valid until grow() or release() (the memory stays mapped while
     an array over it lives, but the daemon no longer uses it)."""
 
-    def __init__(self, client, session_id, token):
+    def __init__(self, client, session_id, token, slot=0):
         self._client = client
         self.id = session_id
         self.token = token
+        self.slot = slot  # the dense slot the daemon handed out (StepBatch(by_slot=True))
         self.ref = pb.SessionRef(session_id=session_id, session_token=token)
         self.wait_event = b""
         self.layout = None
@@ -826,7 +927,10 @@ class Session:
             if arena.backend != mapper.backend:
                 raise KvError(grpc.StatusCode.INVALID_ARGUMENT, 'the %s mapper cannot map a "%s" '
                               "arena export" % (mapper.backend, arena.backend))
-            bases.append(mapper.map(arena.handle, arena.bytes))
+            bases.append(mapper.map(
+                arena.handle, arena.bytes,
+                lambda handle=arena.handle: self._client._fetch_arena_fd(self.id, self.token,
+                                                                         handle)))
         planes = {}
         for entry in layout.layers:
             for plane in entry.planes:
@@ -837,10 +941,6 @@ class Session:
                     plane.kind, plane.arena, plane.offset, plane.bytes, plane.rows,
                     plane.row_bytes)
         self.layout, self._bases, self._planes = layout, bases, planes
-
-    def _unmap(self, layout):
-        for arena in layout.arenas:
-            self._client.mapper.unmap(arena.handle)
 
     def geometry(self, layer, kind):
         """The PlaneGeometry of a plane; KvError NOT_FOUND when the layer has none."""
@@ -902,6 +1002,19 @@ class Session:
         return self._rpc(self._client.cache.Abort, self._with_ordering(pb.GenerationRequest(
             session=self.ref, generation=generation)), self._t(timeout)).committed_len
 
+    def advance(self, generation, accepted_rows, next_rows, token_ids=(), timeout=None):
+        """StepBatch.advance as a one-entry Step carrying this session's wait event; the
+        StepOutcome (begun, prepared, committed_len, published), or KvError when refused (the
+        session is then unchanged)."""
+        batch = StepBatch()
+        if self.wait_event:
+            batch.set_wait_event(self.wait_event)
+        batch.advance(self, generation, accepted_rows, next_rows, token_ids)
+        outcome = self._client.step(batch, timeout)[0]
+        if not outcome.ok:
+            raise outcome.error
+        return outcome
+
     # -- lengths --
 
     def rewind(self, target, timeout=None):
@@ -961,10 +1074,18 @@ class Session:
         if self.released:
             raise KvError(grpc.StatusCode.FAILED_PRECONDITION, "session %d was released" % self.id)
         self.released = True  # whatever the daemon answers, this process stops using the memory
+        pooled = set()
         try:
-            return self._rpc(self._client.cache.ReleaseSession, self._with_ordering(
-                pb.SessionRequest(session=self.ref)), self._t(timeout)).freed_bytes
+            response = self._rpc(self._client.cache.ReleaseSession, self._with_ordering(
+                pb.SessionRequest(session=self.ref)), self._t(timeout))
+            # Arenas the daemon pooled for this engine stay mapped for the next session that
+            # gets one back (same handle); those it has freed since are unmapped.
+            pooled = set(response.pooled_handles)
+            self._client._unmap_freed_pool_arenas(response.unmap_handles)
+            return response.freed_bytes
         finally:
             if self.layout is not None:
-                self._unmap(self.layout)
+                for arena in self.layout.arenas:
+                    if arena.handle not in pooled:
+                        self._client.mapper.unmap(arena.handle)
             self._bases = []

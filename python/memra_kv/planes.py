@@ -1,15 +1,14 @@
 """A session's planes in this process: arenas mapped once, planes as arrays over them.
 
-Host backend: the arena handle is a POSIX shared-memory name ("/name"); HostArenaMapper maps
-/dev/shm/<name> once per arena (like client/mapper.cc) and a plane is a numpy array over that
-mapping. Cuda backend: the handle is a 64-byte cudaIpcMemHandle_t; CudaArenaMapper opens it once
+Host backend: the arena handle is opaque; HostArenaMapper trades it, once per arena, for the
+arena's memfd over the engine's handoff connection (handoff.py) and maps that (like
+client/mapper.cc); a plane is a numpy array over the mapping. Cuda backend: the handle is a 64-byte cudaIpcMemHandle_t; CudaArenaMapper opens it once
 through ctypes on /usr/local/cuda's libcudart (cudaIpcOpenMemHandle) and a plane is a CudaPlane
 exposing __cuda_array_interface__ (torch.as_tensor, cupy.asarray, numba.cuda.as_cuda_array).
 """
 
 import ctypes
 import ctypes.util
-import errno
 import mmap
 import os
 import threading
@@ -59,14 +58,16 @@ def _bad(code, message):
 
 class _CachingArenaMapper:
     """Opens each arena once, by handle (client/mapper.h CachingArenaMapper); thread-safe.
-    Subclasses name their `backend` and implement _open(handle, size) and _close(base)."""
+    Subclasses name their `backend` and implement _open(handle, size, fetch_fd) and
+    _close(base). `fetch_fd` () -> (descriptor, bytes) is called at most once per map(), only
+    when the handle is not mapped yet (host arenas: over the handoff socket)."""
 
     def __init__(self):
         self._lock = threading.Lock()
         self._mapped = {}  # handle -> (base, bytes)
         self.opens = 0
 
-    def map(self, handle, size):
+    def map(self, handle, size, fetch_fd=None):
         if size == 0:
             raise _bad(grpc.StatusCode.INVALID_ARGUMENT, "Map %r: an arena of 0 bytes" % (handle,))
         with self._lock:
@@ -77,7 +78,7 @@ class _CachingArenaMapper:
                                "Map %s: already mapped with %d bytes, asked for %d"
                                % (_printable(handle), entry[1], size))
                 return entry[0]
-            base = self._open(handle, size)
+            base = self._open(handle, size, fetch_fd)
             self._mapped[handle] = (base, size)
             self.opens += 1
             return base
@@ -103,32 +104,28 @@ def _printable(handle):
 
 
 class HostArenaMapper(_CachingArenaMapper):
-    """Maps host arenas (POSIX shm names: /dev/shm/<name>). An arena stays mapped while an
-    array over it lives, even after unmap() (the mapping closes when the last one goes)."""
+    """Maps host arenas: memfds the daemon hands the owning engine over its handoff connection.
+    An arena stays mapped while an array over it lives, even after unmap() (the mapping closes
+    when the last one goes)."""
 
     backend = "host"
 
-    def __init__(self, shm_dir="/dev/shm"):
-        super().__init__()
-        self._shm_dir = shm_dir
-
-    def _open(self, handle, size):
-        name = _printable(handle)
-        if (len(name) < 2 or len(name) > 255 or name[0] != "/" or "/" in name[1:]
-                or "\0" in name):
+    def _open(self, handle, size, fetch_fd):
+        if not 1 <= len(handle) <= 256:
             raise _bad(grpc.StatusCode.INVALID_ARGUMENT,
-                       '%r is not a host arena handle ("/name")' % (handle,))
-        try:
-            fd = os.open(os.path.join(self._shm_dir, name[1:]), os.O_RDWR | os.O_CLOEXEC)
-        except OSError as error:
-            raise _bad(grpc.StatusCode.NOT_FOUND if error.errno == errno.ENOENT else
-                       grpc.StatusCode.INTERNAL, "shm_open %s: %s" % (name, error.strerror))
+                       "%r is not a host arena handle (1 to 256 bytes)" % (handle,))
+        if fetch_fd is None:
+            raise _bad(grpc.StatusCode.FAILED_PRECONDITION,
+                       "a host arena is mapped from the descriptor the daemon hands its owning "
+                       "engine over the handoff socket: map it through a Client session")
+        fd, said = fetch_fd()
         try:
             held = os.fstat(fd).st_size
-            # Mapping past the object's end would turn a touch there into SIGBUS.
-            if held != size:
+            # Mapping past the memory's end would turn a touch there into SIGBUS.
+            if held != size or said != size:
                 raise _bad(grpc.StatusCode.FAILED_PRECONDITION,
-                           "Map %s: the object holds %d bytes, asked for %d" % (name, held, size))
+                           "Map host arena %s: the descriptor holds %d bytes (the daemon said %d), "
+                           "asked for %d" % (_printable(handle), held, said, size))
             return mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)
@@ -266,8 +263,8 @@ class CudaArenaMapper(_CachingArenaMapper):
         super().__init__()
         self.runtime = CudaRuntime(device)
 
-    def _open(self, handle, size):
-        return self.runtime.ipc_open(handle)
+    def _open(self, handle, size, fetch_fd):
+        return self.runtime.ipc_open(handle)  # an IPC handle opens the memory by itself
 
     def _close(self, base):
         self.runtime.ipc_close(base)

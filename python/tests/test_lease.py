@@ -223,3 +223,21 @@ def test_an_engine_whose_daemon_restarted_without_a_supervisor_gets_the_restart_
         [outcome] = engine.step(batch)
         assert outcome.error.is_daemon_restarted
         assert (outcome.error.previous_epoch, outcome.error.epoch) == (first, now)
+
+
+def test_attach_binds_the_peer_credentials_and_the_cache_scope(kvd):
+    daemon = kvd("--cache_scope_allow=team:%d" % os.getuid())
+    with daemon.admin() as admin, daemon.client() as engine, daemon.client() as other:
+        engine.attach("py-own-scope")
+        assert engine.cache_scope == "uid:%d" % os.getuid()
+        [status] = admin.status().engine_status
+        assert (status.pid, status.uid, status.gid) == (os.getpid(), os.getuid(), os.getgid())
+        assert status.cache_scope == engine.cache_scope
+        other.attach("py-team", cache_scope="team")
+        assert other.cache_scope == "team"
+    with daemon.client() as refused:
+        with pytest.raises(KvError) as not_allowed:
+            refused.attach("py-elsewhere", cache_scope="elsewhere")
+        assert not_allowed.value.code == grpc.StatusCode.PERMISSION_DENIED
+        assert ('cache scope "elsewhere" is not allowed to uid %d' % os.getuid()
+                in not_allowed.value.message)

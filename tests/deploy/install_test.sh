@@ -36,7 +36,7 @@ root="$TEST_DIR/root"
 install_into "$root" >"$TEST_DIR/out" || fail "install.sh failed: $(cat "$TEST_DIR/out")"
 grep -q "DESTDIR is set: not creating" "$TEST_DIR/out" || fail "no DESTDIR notice"
 python_files=()
-for module in __init__ client errors planes plans; do
+for module in __init__ client errors handoff planes plans; do
   python_files+=("./usr/lib/python3/dist-packages/memra_kv/$module.py")
 done
 for stub in __init__.py {admin,cache,model_plan,prefix}_pb2{,_grpc}.py; do

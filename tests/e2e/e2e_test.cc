@@ -1,8 +1,9 @@
 // End to end: the real memra-kvd binary (host backend) and two separate test_engine processes.
 // Engine A runs the script (partial commits, rewinds, spec rollbacks, SWA ring wrap; K/V, latent
-// and recurrent planes written through its mappings) and holds; this test, as a third process,
-// checks A's bytes and lengths as the daemon reports them, SIGKILLs A and waits for the daemon
-// to free all of A's memory (shm object gone, accounting back to B's share alone) while B keeps
+// and recurrent planes written through its mappings, its bytes verified there) and holds; this
+// test, as a third process, checks A's lengths as the daemon reports them and that A's arena is
+// refused to it (host arenas go to their owning engine only), SIGKILLs A and waits for the daemon
+// to free all of A's memory (its memfd closed, accounting back to B's share alone) while B keeps
 // working.
 // Finally SIGTERM drains the daemon, which exits 0 having freed everything.
 
@@ -14,6 +15,7 @@
 #include <unistd.h>
 
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <map>
 #include <string>
@@ -45,9 +47,27 @@ namespace pb = ::memra::kv::v1;
 constexpr uint64_t kLeaseTimeoutMs = 2000;               // roomy: a loaded CI box must not expire B
 constexpr uint64_t kLeaseGraceMs = 200;
 
-// Where the host backend's shared-memory object of an engine's arena lives.
-std::string ShmPath(const Facts& facts) {
-  return "/dev/shm" + absl::HexStringToBytes(facts.at("arena_handle_hex"));
+// Arena memfds the process `pid` holds open, per /proc/<pid>/fd: the daemon holds one per live
+// host arena (0 once it exited).
+size_t ArenaMemfds(pid_t pid) {
+  size_t count = 0;
+  std::error_code error;
+  for (const auto& entry :
+       std::filesystem::directory_iterator(absl::StrCat("/proc/", pid, "/fd"), error)) {
+    const std::string target = std::filesystem::read_symlink(entry.path(), error).string();
+    if (!error && target.rfind("/memfd:memra-kv", 0) == 0) ++count;
+  }
+  return count;
+}
+
+// /dev/shm entries whose name holds the engine's arena handle: never any (memfds have no name).
+size_t DevShmEntriesNaming(const Facts& facts) {
+  const std::string handle = absl::HexStringToBytes(facts.at("arena_handle_hex"));
+  size_t count = 0;
+  for (const auto& entry : std::filesystem::directory_iterator("/dev/shm")) {
+    if (entry.path().filename().string().find(handle) != std::string::npos) ++count;
+  }
+  return count;
 }
 
 class E2eTest : public ::testing::Test {
@@ -109,8 +129,9 @@ TEST_F(E2eTest, TwoEnginesBytesLeasesAndDrain) {
   ASSERT_TRUE(PollUntil([&] { return Exists(dir_ + "/a.facts"); }, engine_a_));
   ASSERT_TRUE(PollUntil([&] { return Exists(dir_ + "/b.facts"); }, engine_b_));
 
-  // A's script wrapped the ring, rewound, committed partially and rolled speculation back; its
-  // bytes and the daemon's lengths and mirrors, checked through a mapping in this process.
+  // A's script wrapped the ring, rewound, committed partially and rolled speculation back; the
+  // daemon's lengths, as this process sees them, and A's arena refused to this process (the
+  // engine verified its bytes and mirrors through its own mapping before publishing facts).
   const Facts facts = ReadFacts(dir_ + "/a.facts");
   {
     absl::StatusOr<EngineDevice> host = OpenEngineDevice("host", 0);
@@ -124,15 +145,16 @@ TEST_F(E2eTest, TwoEnginesBytesLeasesAndDrain) {
   const uint64_t b_bytes = FindEngine(before, "engine-b")->allocated_bytes();
 
   // SIGKILL A: the stream breaks, and after the grace period everything of A is gone.
-  const std::string a_shm = ShmPath(facts);
-  ASSERT_TRUE(Exists(a_shm)) << a_shm;
+  EXPECT_EQ(DevShmEntriesNaming(facts), 0u);
+  ASSERT_EQ(ArenaMemfds(daemon_.pid()), 2u);
   const absl::Time killed = absl::Now();
   ASSERT_EQ(kill(engine_a_, SIGKILL), 0);
   EXPECT_EQ(WaitExit(engine_a_), 128 + SIGKILL);
   engine_a_ = -1;
   ASSERT_TRUE(PollUntil([&] {
     pb::GetStatusResponse now = Status();
-    return !Exists(a_shm) && FindEngine(now, "engine-a") == nullptr && now.sessions() == 1;
+    return ArenaMemfds(daemon_.pid()) == 1 && FindEngine(now, "engine-a") == nullptr &&
+           now.sessions() == 1;
   }));
   std::printf("engine A reclaimed %s after SIGKILL (lease timeout %llu ms)\n",
               absl::FormatDuration(absl::Now() - killed).c_str(),
@@ -145,8 +167,8 @@ TEST_F(E2eTest, TwoEnginesBytesLeasesAndDrain) {
   std::ofstream(dir_ + "/b.stop").put('\n');
   EXPECT_EQ(WaitExit(engine_b_), 0);
   engine_b_ = -1;
-  const auto b_facts = ReadFacts(dir_ + "/b.facts");
-  EXPECT_FALSE(Exists(ShmPath(b_facts)));
+  // B's released arena waited in its pool; its lease ended with its process, so the pool goes.
+  EXPECT_TRUE(PollUntil([&] { return ArenaMemfds(daemon_.pid()) == 0; }));
   pb::GetStatusResponse empty = Status();
   EXPECT_EQ(empty.sessions(), 0u);
   EXPECT_EQ(empty.allocated_bytes(), 0u);
@@ -163,7 +185,7 @@ TEST_F(E2eTest, SigtermDrainsLiveSessionsThenFreesThem) {
   StartDaemon(LeaseFlags());
   engine_b_ = SpawnEngine("engine-b", {"--until=" + dir_ + "/b.stop", "--work"});
   ASSERT_TRUE(PollUntil([&] { return Exists(dir_ + "/b.facts"); }, engine_b_));
-  const std::string b_shm = ShmPath(ReadFacts(dir_ + "/b.facts"));
+  ASSERT_EQ(ArenaMemfds(daemon_.pid()), 1u);
   ASSERT_TRUE(daemon_.Signal(SIGTERM));
   // Draining: new engines are refused, the live session keeps working.
   ASSERT_TRUE(PollUntil([&] {
@@ -179,9 +201,9 @@ TEST_F(E2eTest, SigtermDrainsLiveSessionsThenFreesThem) {
   std::ofstream(dir_ + "/b.stop").put('\n');
   EXPECT_EQ(WaitExit(engine_b_), 0);
   engine_b_ = -1;
+  ASSERT_TRUE(PollUntil([&] { return ArenaMemfds(daemon_.pid()) == 0; }));  // freed
   checker_.reset();
   EXPECT_EQ(daemon_.WaitExit(), 0);
-  EXPECT_FALSE(Exists(b_shm));
   EXPECT_FALSE(Exists(socket_));
 }
 
@@ -193,7 +215,7 @@ TEST_F(E2eTest, DrainEndsAtTheGraceOrASecondSigterm) {
     StartDaemon({second_sigterm ? "--drain_grace_ms=600000" : "--drain_grace_ms=300"});
     engine_b_ = SpawnEngine("engine-b", {"--work"});  // never releases on its own
     ASSERT_TRUE(PollUntil([&] { return Exists(dir_ + "/b.facts"); }, engine_b_));
-    const std::string b_shm = ShmPath(ReadFacts(dir_ + "/b.facts"));
+    ASSERT_EQ(ArenaMemfds(daemon_.pid()), 1u);
     unlink((dir_ + "/b.facts").c_str());
     checker_.reset();
     ASSERT_TRUE(daemon_.Signal(SIGTERM));
@@ -208,7 +230,6 @@ TEST_F(E2eTest, DrainEndsAtTheGraceOrASecondSigterm) {
       ASSERT_TRUE(daemon_.Signal(SIGTERM));
     }
     EXPECT_EQ(daemon_.WaitExit(), 0);
-    EXPECT_FALSE(Exists(b_shm));
     EXPECT_FALSE(Exists(socket_));
     // The engine's next call fails (its lease and the daemon are gone): it exits 1.
     EXPECT_EQ(WaitExit(engine_b_), 1);
@@ -220,13 +241,13 @@ TEST_F(E2eTest, FrozenEngineLosesItsLeaseWhenHeartbeatsStop) {
   StartDaemon(LeaseFlags());
   engine_a_ = SpawnEngine("engine-a", {});
   ASSERT_TRUE(PollUntil([&] { return Exists(dir_ + "/a.facts"); }, engine_a_));
-  const std::string a_shm = ShmPath(ReadFacts(dir_ + "/a.facts"));
+  ASSERT_EQ(ArenaMemfds(daemon_.pid()), 1u);
   // SIGSTOP keeps the connection open but stops the heartbeats: only the lease timeout can
   // tell the daemon that this engine is gone.
   ASSERT_EQ(kill(engine_a_, SIGSTOP), 0);
   ASSERT_TRUE(PollUntil([&] {
     pb::GetStatusResponse now = Status();
-    return !Exists(a_shm) && now.sessions() == 0 && now.engines() == 0;
+    return ArenaMemfds(daemon_.pid()) == 0 && now.sessions() == 0 && now.engines() == 0;
   }));
   EXPECT_EQ(Status().allocated_bytes(), 0u);
   // Thawed, the engine finds its lease gone and says so.

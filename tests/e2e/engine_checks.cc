@@ -50,6 +50,26 @@ void ExpectScriptedSession(KvClient& checker, const Facts& facts, EngineDevice& 
   for (const LayerSnapshot& layer : state.layers) ring_moved |= layer.ring_base > 0;
   EXPECT_TRUE(ring_moved);
 
+  const std::string token = absl::HexStringToBytes(facts.at("session_token"));
+  if (layout->arenas[0].backend == "host") {
+    // A host arena's descriptor goes to its owning engine only: this process, attached as
+    // another engine and holding the session's token, is refused it and maps nothing. (The
+    // engine verified its bytes through its own mapping before publishing its facts.)
+    if (checker.engine_id() == 0) {
+      ASSERT_THAT(checker.Attach("e2e-checker"), IsOk());
+    }
+    for (const SessionArena& arena : layout->arenas) {
+      EXPECT_THAT(device.mapper->Map(arena.backend, arena.handle, arena.bytes,
+                                     [&] {
+                                       return ClientInternals::FetchArenaFd(
+                                           checker, Number(facts, "session_id"), token,
+                                           arena.handle);
+                                     }),
+                  StatusIs(absl::StatusCode::kPermissionDenied,
+                           HasSubstrs("belongs to engine", "this handoff connection is engine")));
+    }
+    return;
+  }
   std::vector<uint8_t*> bases;
   bool mapped = true;
   for (const SessionArena& arena : layout->arenas) {

@@ -27,9 +27,11 @@ const memra::kv::v1::EngineStatus* FindEngine(const memra::kv::v1::GetStatusResp
 
 // The engine whose facts these are ran the script (tests/e2e/engine_script.h) with --spec: it
 // wrapped the SWA ring, rewound, committed partially and rolled speculation back. Then, as this
-// process sees it: the daemon's lengths and ring bases, and every byte and mirror of the session
-// read through this process's own mapping of its arenas with `device` (unmapped again before
-// returning, so the daemon alone decides when the memory goes).
+// process sees it: the daemon's lengths and ring bases; on cuda every byte and mirror of the
+// session read through this process's own mapping of its arenas with `device` (unmapped again
+// before returning, so the daemon alone decides when the memory goes); on host, that the daemon
+// refuses this process the arenas' descriptors (`checker` attaches as another engine for that,
+// if it is not attached).
 void ExpectScriptedSession(KvClient& checker, const Facts& facts, EngineDevice& device);
 
 }  // namespace memra::testing

@@ -276,12 +276,42 @@ TEST_F(EngineLimitsTest, AttachedEnginesAreCappedUntilOneIsReclaimed) {
   ASSERT_NE(third, nullptr);
   absl::StatusOr<std::unique_ptr<KvClient>> fourth = KvClient::Connect(daemon_->socket_path());
   ASSERT_THAT(fourth.status(), IsOk());
+  // Every attached engine holds a handoff connection: the fourth is refused there.
   EXPECT_THAT((*fourth)->Attach("engine-d"),
+              StatusIs(kExhausted, HasSubstrs("handoff socket serves 3 connections",
+                                              "limit is 3", "max_attached_engines")));
+  // An engine whose stream ended is still known through its grace (it holds sessions), with
+  // its connection: a hand-built Attach with a ticket from a free slot is refused by the lease
+  // table.
+  std::unique_ptr<HandoffChannel> freed_slot;
+  second->Detach();
+  for (int i = 0; i < 500 && freed_slot == nullptr; ++i) {  // the daemon sees the close
+    absl::StatusOr<std::unique_ptr<HandoffChannel>> channel =
+        HandoffChannel::Connect(daemon_->handoff_socket_path(), absl::Seconds(5));
+    if (channel.ok()) freed_slot = *std::move(channel);
+    if (!channel.ok()) absl::SleepFor(absl::Milliseconds(10));
+  }
+  ASSERT_NE(freed_slot, nullptr);
+  grpc::ClientContext context;
+  auto stream = ClientInternals::Cache(**fourth).Attach(&context);
+  pb::AttachRequest hello;
+  hello.mutable_hello()->set_engine_name("engine-d");
+  hello.mutable_hello()->set_handoff_ticket(freed_slot->ticket());
+  pb::AttachResponse refused;
+  ASSERT_TRUE(stream->Write(hello));
+  EXPECT_FALSE(stream->Read(&refused));
+  EXPECT_THAT(FromGrpcStatus(stream->Finish()),
               StatusIs(kExhausted, HasSubstrs("engine \"engine-d\" refused",
                                               "3 engines are attached", "limit is 3",
                                               "max_attached_engines")));
+  freed_slot.reset();
   KillEngine(*third);
-  EXPECT_THAT((*fourth)->Attach("engine-d"), IsOk());
+  absl::Status attached_fourth = (*fourth)->Attach("engine-d");
+  for (int i = 0; i < 500 && !attached_fourth.ok(); ++i) {  // until the daemon saw the closes
+    absl::SleepFor(absl::Milliseconds(10));
+    attached_fourth = (*fourth)->Attach("engine-d");
+  }
+  EXPECT_THAT(attached_fourth, IsOk());
 }
 
 TEST_F(EngineLimitsTest, ArenasAreCountedInAdmissionAndFitSaysSo) {
@@ -340,11 +370,15 @@ TEST_F(DaemonTest, IdleLeaseStreamsDoNotHoldAThreadEach) {
   std::vector<std::unique_ptr<grpc::ClientContext>> contexts;
   std::vector<std::unique_ptr<grpc::ClientReaderWriter<pb::AttachRequest, pb::AttachResponse>>>
       streams;
+  std::vector<std::unique_ptr<HandoffChannel>> handoffs;  // one ticket each
   for (int i = 0; i < kStreams; ++i) {
     contexts.push_back(std::make_unique<grpc::ClientContext>());
     streams.push_back(ClientInternals::Cache(*client_).Attach(contexts.back().get()));
+    handoffs.push_back(NewHandoff());
+    ASSERT_NE(handoffs.back(), nullptr);
     pb::AttachRequest hello;
     hello.mutable_hello()->set_engine_name(absl::StrCat("idle-", i));
+    hello.mutable_hello()->set_handoff_ticket(handoffs.back()->ticket());
     pb::AttachResponse attached;
     ASSERT_TRUE(streams.back()->Write(hello) && streams.back()->Read(&attached));
     ASSERT_TRUE(attached.has_attached()) << i;

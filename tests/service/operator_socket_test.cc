@@ -4,6 +4,7 @@
 // token ids the session committed, not by the request's.
 
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <cstdint>
 #include <memory>
@@ -42,14 +43,15 @@ class OperatorSocketTest : public DaemonTest {
   void ConfigureDaemon(DaemonConfig& config) override {
     config.prefix_cache_budget_bytes = uint64_t{8} << 20;
     config.prefix_block_tokens = kBlockTokens;
+    config.cache_scope_allow = absl::StrCat("shared:", getuid());
   }
 
   // The prefix cache's arenas are freed before the fixture counts what is left.
   void TearDown() override {
     if (daemon_ != nullptr && daemon_->prefix_cache() != nullptr) {
       PrefixCache& cache = *daemon_->prefix_cache();
-      for (const EntryView& entry : cache.ListEntries()) {
-        EXPECT_THAT(cache.EvictEntry(entry.id).status(), IsOk());
+      for (const ScopedEntry& entry : cache.ListEntries()) {
+        EXPECT_THAT(cache.EvictEntry(entry.view.id).status(), IsOk());
       }
     }
     DaemonTest::TearDown();
@@ -72,7 +74,10 @@ class OperatorSocketTest : public DaemonTest {
 
   // Commits `tokens` (one row each) to a fresh session of the test plan.
   std::unique_ptr<Session> Committed(const std::vector<int32_t>& tokens) {
-    std::unique_ptr<Session> session = NewSession(*client_, kCapacity, /*spec_snapshot=*/false);
+    return Committed(*client_, tokens);
+  }
+  std::unique_ptr<Session> Committed(KvClient& client, const std::vector<int32_t>& tokens) {
+    std::unique_ptr<Session> session = NewSession(client, kCapacity, /*spec_snapshot=*/false);
     if (session == nullptr) return nullptr;
     absl::StatusOr<Transaction> transaction = session->Begin();
     EXPECT_THAT(transaction.status(), IsOk());
@@ -280,6 +285,93 @@ TEST_F(OperatorSocketTest, CaptureIsKeyedByTheCommittedTokenIds) {
               StatusIs(absl::StatusCode::kFailedPrecondition,
                        HasSubstr("commit with token ids to capture")));
   EXPECT_EQ(daemon_->prefix_cache()->Stats().entries, 1u);
+}
+
+// Entries live in the capturing engine's cache scope: an engine of another scope finds, restores
+// and hears nothing of them; an engine reads only its own scope; operators see every scope.
+TEST_F(OperatorSocketTest, PrefixEntriesStayInTheirCacheScope) {
+  const std::vector<int32_t> ids = {21, 22, 23, 24, 25, 26, 27, 28};
+  const std::string own_scope = absl::StrCat("uid:", getuid());
+  EXPECT_EQ(client_->cache_scope(), own_scope);
+  std::unique_ptr<Session> mine = Committed(ids);
+  ASSERT_NE(mine, nullptr);
+  absl::StatusOr<PrefixCaptured> captured = client_->CapturePrefix(*mine, ids, 8);
+  ASSERT_THAT(captured.status(), IsOk());
+
+  ClientOptions options;
+  options.cache_scope = "team";
+  absl::StatusOr<std::unique_ptr<KvClient>> refused =
+      KvClient::Connect(daemon_->socket_path(), options);
+  ASSERT_THAT(refused.status(), IsOk());
+  EXPECT_THAT((*refused)->Attach("team-engine"),
+              StatusIs(absl::StatusCode::kPermissionDenied,
+                       HasSubstrs("cache scope \"team\" is not allowed to uid",
+                                  "no cache_scope_allow rule", own_scope)));
+  options.cache_scope = "shared";
+  absl::StatusOr<std::unique_ptr<KvClient>> shared =
+      KvClient::Connect(daemon_->socket_path(), options);
+  ASSERT_THAT(shared.status(), IsOk());
+  ASSERT_THAT((*shared)->Attach("shared-engine"), IsOk());
+  EXPECT_EQ((*shared)->cache_scope(), "shared");
+
+  // The other scope finds and restores nothing, by match or by entry id.
+  const SessionOptions shape = Options(kCapacity, false);
+  absl::StatusOr<PrefixMatch> match = (*shared)->LookupPrefix(plan_, shape, ids);
+  ASSERT_THAT(match.status(), IsOk());
+  EXPECT_EQ(match->matched_tokens, 0u);
+  std::unique_ptr<Session> fresh = NewSession(**shared, kCapacity, /*spec_snapshot=*/false);
+  ASSERT_NE(fresh, nullptr);
+  EXPECT_THAT((*shared)->RestorePrefix(*fresh, ids, captured->entry_id).status(),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("is not in cache scope shared")));
+  EXPECT_THAT((*shared)->RestorePrefix(*fresh, ids).status(),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("no stored prefix matches")));
+
+  // Its own capture of the same prompt is its own entry; its subscription hears only that.
+  std::unique_ptr<Session> theirs = Committed(**shared, ids);
+  ASSERT_NE(theirs, nullptr);
+  absl::StatusOr<PrefixCaptured> their_capture = (*shared)->CapturePrefix(*theirs, ids, 8);
+  ASSERT_THAT(their_capture.status(), IsOk());
+  EXPECT_FALSE(their_capture->already_present);
+  std::unique_ptr<PrefixEventStream> events = (*shared)->SubscribePrefixEvents();
+  absl::StatusOr<std::optional<PrefixCacheEvent>> heard = events->Next();
+  ASSERT_THAT(heard.status(), IsOk());
+  ASSERT_TRUE(heard->has_value());
+  EXPECT_EQ((*heard)->sequence, 2u);  // sequence 1 was the other scope's capture
+  EXPECT_EQ((*heard)->cache_scope, "shared");
+  events->Cancel();
+
+  // An engine reads only its own scope, whatever it asks for.
+  pb::LookupPrefixRequest lookup;
+  ASSERT_THAT(ClientInternals::Engine(*client_).status(), IsOk());
+  *lookup.mutable_engine() = *ClientInternals::Engine(*client_);
+  lookup.mutable_shape()->set_plan_fingerprint(FingerprintToBytes(plan_));
+  lookup.mutable_token_ids()->Add(ids.begin(), ids.end());
+  lookup.set_cache_scope("shared");
+  pb::LookupPrefixResponse found;
+  EXPECT_THAT(Call(*client_, &pb::KvPrefixCache::Stub::Lookup, lookup, &found),
+              StatusIs(absl::StatusCode::kPermissionDenied,
+                       HasSubstrs("reads only its own cache scope", own_scope, "\"shared\"")));
+  lookup.clear_engine();
+  lookup.clear_cache_scope();
+  EXPECT_THAT(Call(*client_, &pb::KvPrefixCache::Stub::Lookup, lookup, &found),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("engine 0")));
+
+  // Operators see both scopes and look into any one they name.
+  std::unique_ptr<KvClient> admin = NewOperator();
+  ASSERT_NE(admin, nullptr);
+  pb::ListPrefixesResponse listed;
+  ASSERT_THAT(Call(*admin, &pb::KvPrefixCache::Stub::ListPrefixes, pb::ListPrefixesRequest(),
+                   &listed),
+              IsOk());
+  std::vector<std::string> scopes;
+  for (const pb::PrefixEntry& entry : listed.entries()) scopes.push_back(entry.cache_scope());
+  EXPECT_THAT(scopes, ::testing::UnorderedElementsAre(own_scope, "shared"));
+  EXPECT_THAT(Call(*admin, &pb::KvPrefixCache::Stub::Lookup, lookup, &found),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("names the cache scope")));
+  lookup.set_cache_scope("shared");
+  ASSERT_THAT(Call(*admin, &pb::KvPrefixCache::Stub::Lookup, lookup, &found), IsOk());
+  EXPECT_EQ(found.entry_id(), their_capture->entry_id);
+  EXPECT_EQ(found.matched_tokens(), 8u);
 }
 
 }  // namespace

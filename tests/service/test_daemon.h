@@ -14,6 +14,7 @@
 
 #include "absl/time/clock.h"
 #include "client/client.h"
+#include "client/handoff_channel.h"
 #include "client/internal.h"
 #include "common/grpc_status.h"
 #include "core/model_plan.h"
@@ -102,11 +103,22 @@ class DaemonTest : public ::testing::Test {
     return attached.ok() ? *std::move(client) : nullptr;
   }
 
+  // A connection to the handoff socket, whose ticket a hand-built Attach hello carries; null
+  // (and a failure) on error.
+  std::unique_ptr<HandoffChannel> NewHandoff() {
+    absl::StatusOr<std::unique_ptr<HandoffChannel>> channel =
+        HandoffChannel::Connect(daemon_->handoff_socket_path(), absl::Seconds(5));
+    EXPECT_TRUE(channel.ok()) << channel.status();
+    return channel.ok() ? *std::move(channel) : nullptr;
+  }
+
   // A client of the admin socket (the operators' calls), not attached; null (and a failure) on
-  // error.
+  // error. (Its handoff socket is the daemon's, so an Attach attempt reaches the admin socket.)
   std::unique_ptr<KvClient> NewOperator() {
+    ClientOptions options;
+    options.handoff_socket_path = daemon_->handoff_socket_path();
     absl::StatusOr<std::unique_ptr<KvClient>> client =
-        KvClient::Connect(daemon_->admin_socket_path());
+        KvClient::Connect(daemon_->admin_socket_path(), std::move(options));
     EXPECT_TRUE(client.ok()) << client.status();
     return client.ok() ? *std::move(client) : nullptr;
   }

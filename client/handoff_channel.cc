@@ -1,0 +1,99 @@
+#include "client/handoff_channel.h"
+
+#include <poll.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <memory>
+#include <optional>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "core/status_macros.h"
+
+namespace memra {
+
+absl::StatusOr<std::unique_ptr<HandoffChannel>> HandoffChannel::Connect(const std::string& path,
+                                                                         absl::Duration deadline) {
+  sockaddr_un address{};
+  address.sun_family = AF_UNIX;
+  if (path.size() >= sizeof(address.sun_path)) {
+    return absl::InvalidArgumentError(absl::StrCat("handoff socket path ", path, " is ",
+                                                   path.size(), " bytes; the limit is ",
+                                                   sizeof(address.sun_path) - 1));
+  }
+  std::memcpy(address.sun_path, path.c_str(), path.size() + 1);
+  ScopedFd socket(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  if (socket.get() < 0) {
+    return absl::UnavailableError(absl::StrCat("handoff socket: socket(): ", strerror(errno)));
+  }
+  if (connect(socket.get(), reinterpret_cast<sockaddr*>(&address), sizeof(address)) != 0) {
+    return absl::UnavailableError(absl::StrCat("memra-kvd's handoff socket ", path,
+                                               " does not answer: ", strerror(errno)));
+  }
+  std::unique_ptr<HandoffChannel> channel(new HandoffChannel(std::move(socket), path, deadline));
+  absl::MutexLock lock(&channel->mu_);
+  ScopedFd unexpected;
+  ASSIGN_OR_RETURN(handoff::Frame frame, channel->ReadFrame(&unexpected));
+  if (frame.kind == handoff::Kind::kRefusal) return handoff::DecodeRefusal(frame.body);
+  if (frame.kind != handoff::Kind::kTicket) {
+    return absl::InternalError(absl::StrCat("handoff socket ", path,
+                                            ": the first frame is of kind ",
+                                            static_cast<int>(frame.kind), ", not a ticket"));
+  }
+  ASSIGN_OR_RETURN(channel->ticket_, handoff::DecodeTicket(frame.body));
+  return channel;
+}
+
+absl::StatusOr<ArenaFd> HandoffChannel::FetchArena(const handoff::ArenaRequest& request) {
+  ASSIGN_OR_RETURN(std::string frame, handoff::EncodeArenaRequest(request));
+  absl::MutexLock lock(&mu_);
+  if (absl::Status sent = handoff::SendFrame(socket_.get(), frame); !sent.ok()) {
+    return absl::UnavailableError(absl::StrCat("handoff socket ", path_,
+                                               ": the daemon closed the connection (",
+                                               sent.message(), ")"));
+  }
+  ScopedFd fd;
+  ASSIGN_OR_RETURN(handoff::Frame answer, ReadFrame(&fd));
+  if (answer.kind == handoff::Kind::kRefusal) return handoff::DecodeRefusal(answer.body);
+  if (answer.kind != handoff::Kind::kArena) {
+    return absl::InternalError(absl::StrCat("handoff socket ", path_, ": an answer of kind ",
+                                            static_cast<int>(answer.kind)));
+  }
+  ASSIGN_OR_RETURN(const uint64_t bytes, handoff::DecodeArena(answer.body));
+  if (fd.get() < 0) {
+    return absl::DataLossError(absl::StrCat("handoff socket ", path_, ": the arena answer for \"",
+                                            request.handle, "\" came without a descriptor"));
+  }
+  return ArenaFd{.fd = std::move(fd), .bytes = bytes};
+}
+
+absl::StatusOr<handoff::Frame> HandoffChannel::ReadFrame(ScopedFd* received) {
+  const absl::Time give_up = absl::Now() + deadline_;
+  while (true) {
+    ASSIGN_OR_RETURN(std::optional<handoff::Frame> frame, handoff::TakeFrame(input_));
+    if (frame.has_value()) return *std::move(frame);
+    const int64_t wait_ms = absl::ToInt64Milliseconds(give_up - absl::Now());
+    pollfd polled{.fd = socket_.get(), .events = POLLIN, .revents = 0};
+    const int ready = wait_ms > 0 ? poll(&polled, 1, static_cast<int>(wait_ms)) : 0;
+    if (ready < 0 && errno == EINTR) continue;
+    if (ready <= 0) {
+      return absl::UnavailableError(absl::StrCat("handoff socket ", path_, ": no answer within ",
+                                                 absl::FormatDuration(deadline_)));
+    }
+    char data[handoff::kLengthBytes + handoff::kMaxFrameBytes];
+    absl::StatusOr<size_t> got = handoff::ReceiveBytes(socket_.get(), data, received);
+    if (!got.ok() || *got == 0) {  // a reset is a close with our request unread
+      return absl::UnavailableError(absl::StrCat(
+          "handoff socket ", path_, ": the daemon closed the connection",
+          got.ok() ? std::string() : absl::StrCat(" (", got.status().message(), ")")));
+    }
+    input_.append(data, *got);
+  }
+}
+
+}  // namespace memra

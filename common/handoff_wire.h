@@ -1,0 +1,96 @@
+#ifndef MEMRA_COMMON_HANDOFF_WIRE_H_
+#define MEMRA_COMMON_HANDOFF_WIRE_H_
+
+// The handoff socket's protocol (docs/handoff.md; cache.proto "Arena" describes where it fits):
+// the one side channel gRPC cannot be, because it carries file descriptors (SCM_RIGHTS). The
+// daemon (server/arena_handoff.h) and both clients (client/handoff_channel.h, the Python
+// package's handoff.py) speak it.
+//
+// Every frame:  u32 length (little-endian; the bytes that follow, 2..kMaxFrameBytes)
+//               u8  version (kVersion)
+//               u8  kind
+//               body (kind-specific, integers little-endian)
+//
+//   kTicket        daemon -> engine, once, right after connect:
+//                  ticket[24] = u64 connection number | 16 random bytes
+//   kArenaRequest  engine -> daemon: u64 session_id | u8 token_len | token | u16 handle_len |
+//                  handle (token <= 64 bytes, handle 1..256 bytes)
+//   kArena         daemon -> engine, the answer to one request, with exactly one descriptor
+//                  attached (SCM_RIGHTS): u64 arena bytes
+//   kRefusal       daemon -> engine, the answer to one request (or the last frame before the
+//                  daemon closes): u32 code (absl / gRPC status code numbering) | u16 len |
+//                  message (UTF-8, the daemon's words with the numbers)
+//
+// Requests are answered one at a time, in order. A frame the daemon cannot parse (length out of
+// range, another version, an unknown kind, a malformed body) is refused (INVALID_ARGUMENT) and
+// the connection closed; so is a frame not complete within the daemon's per-request deadline.
+
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/types/span.h"
+#include "common/mapped_region.h"
+
+namespace memra::handoff {
+
+inline constexpr uint8_t kVersion = 1;
+inline constexpr size_t kLengthBytes = 4;
+// Bounds every frame a reader accepts (version + kind + body), so a reader's buffer is bounded.
+inline constexpr uint32_t kMaxFrameBytes = 1024;
+inline constexpr size_t kTicketBytes = 24;
+inline constexpr size_t kMaxTokenBytes = 64;
+inline constexpr size_t kMaxHandleBytes = 256;
+inline constexpr size_t kMaxMessageBytes = 900;  // longer refusal messages are cut
+
+enum class Kind : uint8_t { kTicket = 1, kArenaRequest = 2, kArena = 3, kRefusal = 4 };
+
+struct ArenaRequest {
+  uint64_t session_id = 0;
+  std::string session_token;
+  std::string handle;
+};
+
+struct Frame {
+  Kind kind = Kind::kTicket;
+  std::string body;
+};
+
+// Whole frames, length prefix included.
+std::string EncodeTicket(absl::string_view ticket);
+// INVALID_ARGUMENT when the token or the handle is longer than the protocol allows.
+absl::StatusOr<std::string> EncodeArenaRequest(const ArenaRequest& request);
+std::string EncodeArena(uint64_t bytes);
+// REQUIRES: !refusal.ok(). The message is cut at kMaxMessageBytes.
+std::string EncodeRefusal(const absl::Status& refusal);
+
+// Removes the first complete frame from the front of `buffer`: nullopt while it is incomplete;
+// INVALID_ARGUMENT (with the numbers) for a length out of range, another version or an unknown
+// kind, whatever follows in `buffer`.
+absl::StatusOr<std::optional<Frame>> TakeFrame(std::string& buffer);
+
+// Bodies. INVALID_ARGUMENT naming the field and the sizes for a malformed one.
+absl::StatusOr<std::string> DecodeTicket(absl::string_view body);
+absl::StatusOr<ArenaRequest> DecodeArenaRequest(absl::string_view body);
+absl::StatusOr<uint64_t> DecodeArena(absl::string_view body);
+// The refusal as the status it carries; never OK (a code of 0 or out of range is UNKNOWN, a
+// malformed body INVALID_ARGUMENT saying so).
+absl::Status DecodeRefusal(absl::string_view body);
+
+// Sends one whole frame on the Unix stream socket `socket`, with `pass_fd` attached (SCM_RIGHTS)
+// unless it is -1. Never raises SIGPIPE. UNAVAILABLE when the peer is gone or the frame could not
+// go in one call (a non-blocking socket whose peer does not read: the daemon then closes it).
+absl::Status SendFrame(int socket, absl::string_view frame, int pass_fd = -1);
+
+// Receives up to buffer.size() bytes from the Unix stream socket `socket` (one recvmsg, retried
+// on EINTR); a descriptor that came with them (SCM_RIGHTS) goes to `*received`, O_CLOEXEC
+// (extra descriptors are closed). 0 when the peer closed; UNAVAILABLE naming the errno.
+absl::StatusOr<size_t> ReceiveBytes(int socket, absl::Span<char> buffer, ScopedFd* received);
+
+}  // namespace memra::handoff
+
+#endif  // MEMRA_COMMON_HANDOFF_WIRE_H_

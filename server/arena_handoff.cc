@@ -1,0 +1,377 @@
+#include "server/arena_handoff.h"
+
+#include <poll.h>
+#include <sys/eventfd.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "common/errors.h"
+#include "core/status_macros.h"
+#include "server/secret_token.h"
+#include "server/unix_socket.h"
+#include "spdlog/spdlog.h"
+
+namespace memra {
+namespace {
+
+constexpr size_t kReadChunkBytes = 4096;
+// Bytes read from one connection per round: the rest waits in the kernel for the next round, so
+// one busy engine cannot keep the thread from the others.
+constexpr size_t kMaxReadPerRound = 16 * 1024;
+constexpr int kMaxPollMs = 1000;
+constexpr size_t kConnectionNumberBytes = 8;
+
+std::string TicketFor(uint64_t connection, absl::string_view secret) {
+  std::string ticket;
+  for (size_t i = 0; i < kConnectionNumberBytes; ++i) {
+    ticket.push_back(static_cast<char>((connection >> (8 * i)) & 0xff));
+  }
+  ticket.append(secret.data(), secret.size());
+  return ticket;
+}
+
+uint64_t ConnectionOf(absl::string_view ticket) {
+  uint64_t connection = 0;
+  for (size_t i = kConnectionNumberBytes; i-- > 0;) {
+    connection = (connection << 8) | static_cast<uint8_t>(ticket[i]);
+  }
+  return connection;
+}
+
+int64_t Milliseconds(std::chrono::steady_clock::duration d) {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(d).count();
+}
+
+}  // namespace
+
+ArenaHandoff::ArenaHandoff(Options options, ArenaLookup lookup)
+    : options_(std::move(options)), lookup_(std::move(lookup)) {}
+
+ArenaHandoff::~ArenaHandoff() { Stop(); }
+
+absl::Status ArenaHandoff::Start() {
+  {
+    absl::MutexLock lock(&mu_);
+    if (started_) return absl::FailedPreconditionError("the handoff socket was already started");
+  }
+  RETURN_IF_ERROR(PrepareSocketPath(options_.path));
+  sockaddr_un address{};
+  address.sun_family = AF_UNIX;
+  if (options_.path.size() >= sizeof(address.sun_path)) {
+    return absl::InvalidArgumentError(absl::StrCat("handoff socket ", options_.path, " is ",
+                                                   options_.path.size(), " bytes; the limit is ",
+                                                   sizeof(address.sun_path) - 1));
+  }
+  std::memcpy(address.sun_path, options_.path.c_str(), options_.path.size() + 1);
+  ScopedFd listener(socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
+  if (listener.get() < 0) return PosixError("socket for the handoff socket", errno);
+  if (bind(listener.get(), reinterpret_cast<sockaddr*>(&address), sizeof(address)) != 0) {
+    return PosixError(absl::StrCat("bind ", options_.path), errno);
+  }
+  if (listen(listener.get(), SOMAXCONN) != 0) {
+    const int err = errno;
+    unlink(options_.path.c_str());
+    return PosixError(absl::StrCat("listen ", options_.path), err);
+  }
+  if (absl::Status permissions =
+          ApplySocketPermissions(options_.path, options_.group, options_.mode);
+      !permissions.ok()) {
+    unlink(options_.path.c_str());
+    return permissions;
+  }
+  ScopedFd wake(eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC));
+  if (wake.get() < 0) {
+    const int err = errno;
+    unlink(options_.path.c_str());
+    return PosixError("eventfd for the handoff socket", err);
+  }
+  listener_ = std::move(listener);
+  wake_ = std::move(wake);
+  {
+    absl::MutexLock lock(&mu_);
+    started_ = true;
+  }
+  thread_ = std::thread([this] { Serve(); });
+  return absl::OkStatus();
+}
+
+void ArenaHandoff::Stop() {
+  {
+    absl::MutexLock lock(&mu_);
+    if (!started_ || stopping_) return;
+    stopping_ = true;
+  }
+  Wake();
+  if (thread_.joinable()) thread_.join();
+  absl::MutexLock lock(&mu_);
+  connections_.clear();  // closes every descriptor
+  listener_ = ScopedFd();
+  unlink(options_.path.c_str());
+}
+
+void ArenaHandoff::Wake() {
+  const uint64_t one = 1;
+  if (wake_.get() >= 0) (void)!write(wake_.get(), &one, sizeof(one));
+}
+
+absl::StatusOr<HandoffClaim> ArenaHandoff::ClaimTicket(absl::string_view ticket) {
+  if (ticket.empty()) {
+    return absl::PermissionDeniedError(absl::StrCat(
+        "Attach carries no handoff ticket: connect to the handoff socket ", options_.path,
+        " first and attach with the ticket it answers (docs/handoff.md)"));
+  }
+  if (ticket.size() != handoff::kTicketBytes) {
+    return absl::PermissionDeniedError(absl::StrCat("an attach ticket is ",
+                                                    handoff::kTicketBytes, " bytes, got ",
+                                                    ticket.size()));
+  }
+  const uint64_t id = ConnectionOf(ticket);
+  absl::MutexLock lock(&mu_);
+  auto it = connections_.find(id);
+  if (it == connections_.end() || it->second.closing) {
+    return absl::PermissionDeniedError(
+        absl::StrCat("the attach ticket names handoff connection ", id,
+                     ", which is not open (a ticket is valid while its connection is)"));
+  }
+  Connection& connection = it->second;
+  if (!TokensEqual(ticket.substr(kConnectionNumberBytes), connection.secret)) {
+    return absl::PermissionDeniedError(
+        absl::StrCat("the attach ticket for handoff connection ", id, " does not match"));
+  }
+  if (connection.claimed) {
+    return absl::PermissionDeniedError(
+        absl::StrCat("the ticket of handoff connection ", id, " was already used (engine ",
+                     connection.engine_id, "); a ticket attaches one engine"));
+  }
+  connection.claimed = true;
+  return HandoffClaim{.connection = id, .peer = connection.peer};
+}
+
+void ArenaHandoff::BindEngine(uint64_t connection, uint64_t engine_id) {
+  absl::MutexLock lock(&mu_);
+  if (auto it = connections_.find(connection); it != connections_.end()) {
+    it->second.engine_id = engine_id;
+  }
+}
+
+void ArenaHandoff::ForgetEngine(uint64_t engine_id) {
+  bool found = false;
+  {
+    absl::MutexLock lock(&mu_);
+    for (auto& [id, connection] : connections_) {
+      if (connection.engine_id == engine_id) {
+        connection.closing = true;
+        found = true;
+      }
+    }
+  }
+  if (found) Wake();
+}
+
+size_t ArenaHandoff::connection_count() const {
+  absl::MutexLock lock(&mu_);
+  return connections_.size();
+}
+
+void ArenaHandoff::Close(uint64_t id) { connections_.erase(id); }
+
+void ArenaHandoff::Serve() {
+  std::vector<pollfd> polled;
+  std::vector<uint64_t> polled_ids;
+  std::vector<PendingRequest> pending;
+  std::vector<uint64_t> to_close;
+  while (true) {
+    polled.clear();
+    polled_ids.clear();
+    int timeout_ms = kMaxPollMs;
+    {
+      absl::MutexLock lock(&mu_);
+      if (stopping_) return;
+      const SteadyTime now = std::chrono::steady_clock::now();
+      to_close.clear();
+      for (auto& [id, connection] : connections_) {
+        // The deadlines: a stalled request, an unclaimed ticket. Past one, the connection gets
+        // its refusal and is closed.
+        std::chrono::steady_clock::duration left = std::chrono::milliseconds(kMaxPollMs);
+        auto enforce = [&](SteadyTime since, absl::Duration limit, absl::string_view what) {
+          const SteadyTime deadline = since + absl::ToChronoMilliseconds(limit);
+          if (now >= deadline && !connection.closing) {
+            (void)handoff::SendFrame(
+                connection.socket.get(),
+                handoff::EncodeRefusal(absl::DeadlineExceededError(
+                    absl::StrCat(what, " within ", absl::ToInt64Milliseconds(limit),
+                                 " ms; closing the connection"))));
+            connection.closing = true;
+          }
+          left = std::min(left, deadline - now);
+        };
+        if (!connection.input.empty()) {
+          enforce(connection.input_since, options_.request_deadline,
+                  "handoff request not complete");
+        }
+        if (!connection.claimed) {
+          enforce(connection.accepted, options_.claim_deadline,
+                  "no Attach claimed this connection's ticket");
+        }
+        if (connection.closing) {
+          to_close.push_back(id);
+          continue;
+        }
+        timeout_ms = std::clamp<int>(static_cast<int>(Milliseconds(left)) + 1, 1, timeout_ms);
+        polled.push_back({.fd = connection.socket.get(), .events = POLLIN, .revents = 0});
+        polled_ids.push_back(id);
+      }
+      for (uint64_t id : to_close) Close(id);
+    }
+    polled.push_back({.fd = listener_.get(), .events = POLLIN, .revents = 0});
+    polled.push_back({.fd = wake_.get(), .events = POLLIN, .revents = 0});
+    const int ready = poll(polled.data(), polled.size(), timeout_ms);
+    if (ready < 0) {
+      if (errno != EINTR) spdlog::error("handoff socket: poll: {}", strerror(errno));
+      continue;
+    }
+    if (polled[polled.size() - 1].revents != 0) {
+      uint64_t count;
+      (void)!read(wake_.get(), &count, sizeof(count));
+    }
+    if (polled[polled.size() - 2].revents != 0) AcceptAll();
+    pending.clear();
+    to_close.clear();
+    {
+      absl::MutexLock lock(&mu_);
+      for (size_t i = 0; i < polled_ids.size(); ++i) {
+        if (polled[i].revents == 0) continue;
+        auto it = connections_.find(polled_ids[i]);
+        if (it == connections_.end()) continue;
+        // Forgotten since the poll began: closed without reading what it sent.
+        if (it->second.closing || !ReadFrom(it->first, it->second, pending)) {
+          to_close.push_back(it->first);
+        }
+      }
+    }
+    // Answered with no lock held: the lookup takes the session registry's locks. The
+    // descriptors stay open meanwhile (only this thread closes them).
+    for (const PendingRequest& request : pending) {
+      if (!Answer(request)) to_close.push_back(request.connection);
+    }
+    if (!to_close.empty()) {
+      absl::MutexLock lock(&mu_);
+      for (uint64_t id : to_close) Close(id);
+    }
+  }
+}
+
+void ArenaHandoff::AcceptAll() {
+  while (true) {
+    ScopedFd socket(accept4(listener_.get(), nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC));
+    if (socket.get() < 0) {
+      if (errno == EINTR || errno == ECONNABORTED) continue;
+      if (errno != EAGAIN && errno != EWOULDBLOCK) {
+        spdlog::warn("handoff socket: accept: {}", strerror(errno));
+      }
+      return;
+    }
+    ucred credentials{};
+    socklen_t length = sizeof(credentials);
+    if (getsockopt(socket.get(), SOL_SOCKET, SO_PEERCRED, &credentials, &length) != 0) {
+      spdlog::warn("handoff socket: SO_PEERCRED: {}", strerror(errno));
+      continue;
+    }
+    absl::StatusOr<std::string> secret = RandomSecretToken();
+    absl::MutexLock lock(&mu_);
+    if (connections_.size() >= options_.max_connections || !secret.ok()) {
+      (void)handoff::SendFrame(
+          socket.get(),
+          handoff::EncodeRefusal(
+              !secret.ok() ? secret.status()
+                           : absl::ResourceExhaustedError(absl::StrCat(
+                                 "the handoff socket serves ", connections_.size(),
+                                 " connections and the limit is ", options_.max_connections,
+                                 " (max_attached_engines)"))));
+      continue;
+    }
+    const uint64_t id = next_connection_++;
+    if (!handoff::SendFrame(socket.get(), handoff::EncodeTicket(TicketFor(id, *secret))).ok()) {
+      continue;
+    }
+    Connection& connection = connections_[id];
+    connection.socket = std::move(socket);
+    connection.peer = PeerCredentials{credentials.uid, credentials.gid, credentials.pid};
+    connection.secret = *std::move(secret);
+    connection.accepted = std::chrono::steady_clock::now();
+  }
+}
+
+bool ArenaHandoff::ReadFrom(uint64_t id, Connection& connection,
+                            std::vector<PendingRequest>& pending) {
+  char chunk[kReadChunkBytes];
+  for (size_t total = 0; total < kMaxReadPerRound;) {
+    const ssize_t n = read(connection.socket.get(), chunk, sizeof(chunk));
+    if (n == 0) return false;  // the engine closed its side
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return errno == EAGAIN || errno == EWOULDBLOCK;
+    }
+    total += static_cast<size_t>(n);
+    bool deadline_restarts = connection.input.empty();
+    connection.input.append(chunk, static_cast<size_t>(n));
+    while (true) {
+      absl::StatusOr<std::optional<handoff::Frame>> frame = handoff::TakeFrame(connection.input);
+      if (!frame.ok() || (frame->has_value() && (*frame)->kind != handoff::Kind::kArenaRequest)) {
+        // Unparseable, or a kind only the daemon sends: refused, then closed.
+        absl::Status refusal =
+            frame.ok() ? absl::InvalidArgumentError(absl::StrCat(
+                             "handoff: an engine sends only arena requests (kind 2), got kind ",
+                             static_cast<int>((*frame)->kind)))
+                       : frame.status();
+        pending.push_back({.connection = id,
+                           .socket = connection.socket.get(),
+                           .engine_id = connection.engine_id,
+                           .request = std::move(refusal)});
+        connection.input.clear();
+        return true;  // the refusal is sent before the close (Serve)
+      }
+      if (!frame->has_value()) break;
+      deadline_restarts = true;  // whatever is left is the start of the next request
+      pending.push_back({.connection = id,
+                         .socket = connection.socket.get(),
+                         .engine_id = connection.engine_id,
+                         .request = handoff::DecodeArenaRequest((*frame)->body)});
+      if (!pending.back().request.ok()) {
+        connection.input.clear();
+        return true;
+      }
+    }
+    if (deadline_restarts && !connection.input.empty()) {
+      connection.input_since = std::chrono::steady_clock::now();
+    }
+  }
+  return true;
+}
+
+bool ArenaHandoff::Answer(const PendingRequest& pending) {
+  if (!pending.request.ok()) {
+    (void)handoff::SendFrame(pending.socket, handoff::EncodeRefusal(pending.request.status()));
+    return false;
+  }
+  absl::StatusOr<ArenaFd> arena =
+      pending.engine_id == 0
+          ? absl::FailedPreconditionError(
+                "this handoff connection has no engine yet: Attach with its ticket first")
+          : lookup_(pending.engine_id, *pending.request);
+  if (!arena.ok()) {
+    return handoff::SendFrame(pending.socket, handoff::EncodeRefusal(arena.status())).ok();
+  }
+  arenas_handed_.fetch_add(1, std::memory_order_relaxed);
+  return handoff::SendFrame(pending.socket, handoff::EncodeArena(arena->bytes), arena->fd.get())
+      .ok();
+}
+
+}  // namespace memra

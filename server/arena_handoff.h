@@ -1,0 +1,145 @@
+#ifndef MEMRA_SERVER_ARENA_HANDOFF_H_
+#define MEMRA_SERVER_ARENA_HANDOFF_H_
+
+// The handoff socket (handoff_socket_path; docs/handoff.md): the side channel that carries what
+// gRPC cannot, file descriptors. An engine connects before Attach; the daemon reads the peer's
+// credentials (SO_PEERCRED: uid, gid, pid) and answers a ticket valid while that connection
+// stays open. Attach carries the ticket (ClaimTicket: single use), which binds those peer
+// credentials, and this connection, to the engine's lease (BindEngine). Over the connection the
+// engine then trades {session id, session token, arena handle} for a descriptor of the arena's
+// memfd (SCM_RIGHTS); the daemon's `ArenaLookup` hands one only for a session of the engine the
+// connection is bound to, after checking the session token. Every other request is a refusal
+// record on the channel, and the connection stays open.
+//
+// One thread serves every connection (poll over non-blocking sockets): at most
+// `max_connections` at once (a connection past it gets a RESOURCE_EXHAUSTED refusal and is
+// closed), frames of at most handoff::kMaxFrameBytes, a request not complete within
+// `request_deadline` closes its connection, and so does a ticket not claimed within
+// `claim_deadline` (a client cannot hold a slot without attaching) and a reply the peer does not
+// read (the socket buffer full). So no client can stall another.
+//
+// Thread-safety: thread-safe. `mu_` is a leaf lock; `ArenaLookup` runs on the serving thread
+// with no lock of this class held. Only the serving thread closes connection descriptors.
+
+#include <sys/types.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "common/handoff_wire.h"
+#include "common/mapped_region.h"
+#include "server/peer_credentials.h"
+
+namespace memra {
+
+// What a claimed ticket proves.
+struct HandoffClaim {
+  uint64_t connection = 0;
+  PeerCredentials peer;
+};
+
+class ArenaHandoff {
+ public:
+  // Finds the arena `request` names for engine `engine_id`, or the refusal (any status; it goes
+  // to the engine as a refusal record).
+  using ArenaLookup = std::function<absl::StatusOr<ArenaFd>(
+      uint64_t engine_id, const handoff::ArenaRequest& request)>;
+
+  struct Options {
+    std::string path;
+    // chown/chmod of the socket file (the engine socket's socket_group / socket_mode).
+    std::string group;
+    uint32_t mode = 0660;
+    size_t max_connections = 256;  // max_attached_engines
+    absl::Duration request_deadline = absl::Seconds(2);
+    absl::Duration claim_deadline = absl::Seconds(60);
+  };
+
+  ArenaHandoff(Options options, ArenaLookup lookup);
+  ~ArenaHandoff();  // Stop()
+  ArenaHandoff(const ArenaHandoff&) = delete;
+  ArenaHandoff& operator=(const ArenaHandoff&) = delete;
+
+  // Binds the socket (a stale file is removed, a live one refused: server/unix_socket.h),
+  // applies the group and mode and starts the serving thread. FAILED_PRECONDITION when started
+  // twice.
+  absl::Status Start() ABSL_LOCKS_EXCLUDED(mu_);
+  // Stops the thread, closes every connection and removes the socket file. Idempotent.
+  void Stop() ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Attach: the peer behind `ticket`, which is used up. PERMISSION_DENIED (saying why, with the
+  // numbers) for an empty ticket, one of the wrong size, of no open connection, used already, or
+  // whose secret is wrong.
+  absl::StatusOr<HandoffClaim> ClaimTicket(absl::string_view ticket) ABSL_LOCKS_EXCLUDED(mu_);
+  // The connection now serves engine `engine_id` (a no-op when it closed meanwhile).
+  void BindEngine(uint64_t connection, uint64_t engine_id) ABSL_LOCKS_EXCLUDED(mu_);
+  // The engine was reclaimed: its connection is closed.
+  void ForgetEngine(uint64_t engine_id) ABSL_LOCKS_EXCLUDED(mu_);
+
+  const std::string& path() const { return options_.path; }
+  size_t connection_count() const ABSL_LOCKS_EXCLUDED(mu_);
+  // Arena requests granted since start, counted as their descriptor is sent (metrics, tests).
+  uint64_t arenas_handed() const { return arenas_handed_.load(std::memory_order_relaxed); }
+
+ private:
+  using SteadyTime = std::chrono::steady_clock::time_point;
+
+  struct Connection {
+    ScopedFd socket;
+    PeerCredentials peer;
+    std::string secret;  // the ticket's random part
+    bool claimed = false;
+    uint64_t engine_id = 0;  // 0 until BindEngine
+    std::string input;       // bytes of frames not yet complete
+    SteadyTime accepted;
+    SteadyTime input_since;  // when `input` became non-empty
+    bool closing = false;    // ForgetEngine asked; the serving thread closes it
+  };
+  // A complete request taken off a connection, answered outside the lock.
+  struct PendingRequest {
+    uint64_t connection = 0;
+    int socket = -1;  // stays open: only the serving thread closes
+    uint64_t engine_id = 0;
+    absl::StatusOr<handoff::ArenaRequest> request;
+  };
+
+  void Serve() ABSL_LOCKS_EXCLUDED(mu_);
+  void AcceptAll() ABSL_LOCKS_EXCLUDED(mu_);
+  // Reads what `connection` sent; complete requests go to `pending`. False: close it.
+  bool ReadFrom(uint64_t id, Connection& connection, std::vector<PendingRequest>& pending)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The answer to one request; false when it could not be sent (close the connection).
+  bool Answer(const PendingRequest& pending);
+  void Wake();
+  void Close(uint64_t id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  const Options options_;
+  const ArenaLookup lookup_;
+  std::atomic<uint64_t> arenas_handed_{0};
+
+  ScopedFd listener_;  // set by Start(), closed by Stop()
+  ScopedFd wake_;      // eventfd: ForgetEngine and Stop interrupt poll()
+  std::thread thread_;
+
+  mutable absl::Mutex mu_;
+  bool started_ ABSL_GUARDED_BY(mu_) = false;
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  uint64_t next_connection_ ABSL_GUARDED_BY(mu_) = 1;
+  absl::flat_hash_map<uint64_t, Connection> connections_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace memra
+
+#endif  // MEMRA_SERVER_ARENA_HANDOFF_H_
