@@ -34,6 +34,9 @@ constexpr uint32_t kBlock = 16;
 // A FlatPlan block's stored bytes: 16 tokens x 2 layers x (a 34-byte q8_0 K row of 32 dims + a
 // 24-byte q5_1 V row).
 constexpr uint64_t kFlatBlockBytes = kBlock * 2 * (34 + 24);
+// The slab span a FlatPlan block takes (kFlatBlockBytes rounded up to 256).
+constexpr uint64_t kFlatSpanBytes = 2048;
+constexpr uint64_t kSlabBytes = uint64_t{256} << 10;
 
 // The byte an "engine" wrote at (layer, plane, absolute row, byte). Position-addressed rows do
 // not depend on the session, so a shared prefix is the same bytes in every session; recurrent
@@ -136,9 +139,13 @@ class PrefixCacheTest : public ::testing::Test {
 
   std::unique_ptr<PrefixCache> MakeCache(uint64_t budget, DeviceBudget* device_budget = nullptr,
                                          uint64_t event_capacity = 4096,
-                                         uint32_t copy_threads = 1) {
+                                         uint32_t copy_threads = 1,
+                                         uint64_t slice_bytes = uint64_t{8} << 20,
+                                         uint64_t slab_bytes = kSlabBytes) {
     PrefixCacheOptions options;
     options.copy_threads = copy_threads;
+    options.checksum_slice_bytes = slice_bytes;
+    options.slab_bytes = slab_bytes;
     options.parallel_copy_bytes = 1;  // every multi-block capture or restore may split
     options.budget_bytes = budget;
     options.block_tokens = kBlock;
@@ -321,7 +328,11 @@ TEST_F(PrefixCacheTest, CommonPrefixBlocksAreStoredOnce) {
   EXPECT_EQ(two->added_bytes, 2 * block_bytes);  // the system prompt's 2 blocks are shared
   EXPECT_EQ(cache_->Stats().blocks, 6u);
   EXPECT_EQ(cache_->Stats().stored_bytes, 6 * block_bytes);
-  EXPECT_EQ(backend_->ArenaCount(), 2u + 6u);  // two sessions + six stored blocks
+  EXPECT_EQ(cache_->Stats().stored_bytes, 6 * kFlatSpanBytes);
+  // Two sessions + one slab holding the six stored blocks: no arena per block.
+  EXPECT_EQ(cache_->Stats().slabs.slabs, 1u);
+  EXPECT_EQ(cache_->Stats().slabs.used_bytes, 6 * kFlatSpanBytes);
+  EXPECT_EQ(backend_->ArenaCount(), 2u + 1u);
   absl::StatusOr<PrefixCaptureResult> again = cache_->Capture(*second, b, 64);
   ASSERT_THAT(again.status(), IsOk());
   EXPECT_TRUE(again->already_present);
@@ -522,19 +533,21 @@ TEST_F(PrefixCacheTest, CorruptBlockIsDataLossAndTheEntryIsDropped) {
   ASSERT_THAT(captured.status(), IsOk());
   absl::StatusOr<EntryView> view = cache_->Inspect(captured->entry);
   ASSERT_THAT(view.status(), IsOk());
-  absl::StatusOr<ArenaId> arena = cache_->StorageArena(view->blocks[1].stored.storage_handle);
-  ASSERT_THAT(arena.status(), IsOk());
+  absl::StatusOr<SlabSpan> span = cache_->StorageSpan(view->blocks[1].stored.storage_handle);
+  ASSERT_THAT(span.status(), IsOk());
+  EXPECT_EQ(span->bytes, kFlatSpanBytes);
   std::vector<uint8_t> byte(1);
-  ASSERT_THAT(backend_->Read(*arena, 7, absl::MakeSpan(byte)), IsOk());
+  ASSERT_THAT(backend_->Read(span->slab, span->offset + 7, absl::MakeSpan(byte)), IsOk());
   byte[0] ^= 0x40;
-  ASSERT_THAT(backend_->Write(*arena, 7, byte), IsOk());
+  ASSERT_THAT(backend_->Write(span->slab, span->offset + 7, byte), IsOk());
 
   auto dest = NewSession(FlatPlan(), 128);
   EXPECT_THAT(cache_->Restore(*dest, captured->entry, tokens).status(),
               StatusIs(absl::StatusCode::kDataLoss,
                        HasSubstrs(absl::StrCat("prefix entry ", captured->entry.value,
-                                               ": stored piece (arena ", arena->value, ", ",
-                                               kFlatBlockBytes, " bytes) has xxHash3 "),
+                                               ": stored piece 1 (slab ", span->slab.value,
+                                               ", offset ", span->offset, "), slice 0 of 1 (",
+                                               kFlatBlockBytes, " bytes), has xxHash3 "),
                                   "captured as ")));
   // Block 0 was verified and copied before block 1 failed its check: those bytes are the
   // unspecified content of a session that stays fresh (nothing adopted, no mirror written).
@@ -544,7 +557,11 @@ TEST_F(PrefixCacheTest, CorruptBlockIsDataLossAndTheEntryIsDropped) {
   const PrefixCacheStats stats = cache_->Stats();
   EXPECT_EQ(stats.dropped_entries, 1u);
   EXPECT_EQ(stats.stored_bytes, 0u);
-  EXPECT_EQ(backend_->ArenaCount(), 2u);  // the two sessions; every stored block freed
+  // The two sessions and the emptied slab, kept warm for the next capture (within the budget).
+  EXPECT_EQ(stats.slabs.used_bytes, 0u);
+  EXPECT_EQ(stats.slabs.empty_slabs, 1u);
+  EXPECT_EQ(backend_->ArenaCount(), 2u + 1u);
+  EXPECT_THAT(cache_->CheckInvariants(), IsOk());
   const EventReplay events = cache_->EventsSince(77, 1);
   ASSERT_EQ(events.events.size(), 1u);
   EXPECT_EQ(events.events[0].kind, PrefixEventKind::kDropped);
@@ -569,13 +586,14 @@ TEST_F(PrefixCacheTest, ParallelRestoreCopiesEveryBlockAndFailsOnAnyCorruptOne) 
   absl::StatusOr<EntryView> view = cache_->Inspect(captured->entry);
   ASSERT_THAT(view.status(), IsOk());
   ASSERT_EQ(view->blocks.size(), 7u);
-  absl::StatusOr<ArenaId> arena = cache_->StorageArena(view->blocks[4].stored.storage_handle);
-  ASSERT_THAT(arena.status(), IsOk());
-  ASSERT_THAT(backend_->Memset(*arena, 3, 0xEE, 1), IsOk());
+  absl::StatusOr<SlabSpan> span = cache_->StorageSpan(view->blocks[4].stored.storage_handle);
+  ASSERT_THAT(span.status(), IsOk());
+  ASSERT_THAT(backend_->Memset(span->slab, span->offset + 3, 0xEE, 1), IsOk());
   auto again = NewSession(FlatPlan(), 128);
   EXPECT_THAT(cache_->Restore(*again, captured->entry, tokens).status(),
               StatusIs(absl::StatusCode::kDataLoss,
-                       HasSubstr(absl::StrCat("stored piece (arena ", arena->value, ", ",
+                       HasSubstr(absl::StrCat("stored piece 4 (slab ", span->slab.value,
+                                              ", offset ", span->offset, "), slice 0 of 1 (",
                                               kFlatBlockBytes, " bytes)"))));
   EXPECT_EQ(Committed(*again), 0u);
 }
@@ -586,7 +604,8 @@ TEST_F(PrefixCacheTest, ZeroRestoreThreadsIsRefused) {
   options.copy_threads = 0;
   EXPECT_THAT(PrefixCache::Create(options, backend_.get(), nullptr).status(),
               StatusIs(absl::StatusCode::kInvalidArgument,
-                       HasSubstr("copy_threads (0) and parallel_copy_bytes (67108864)")));
+                       HasSubstr("copy_threads (0), parallel_copy_bytes (67108864) and "
+                                 "checksum_slice_bytes (8388608) must all be at least 1")));
 }
 
 TEST_F(PrefixCacheTest, LruEvictionUnderTheBudget) {
@@ -627,17 +646,19 @@ TEST_F(PrefixCacheTest, AdmissionEvictsThroughTheDeviceBudget) {
   cache_->InstallEvictor(budget);
   absl::StatusOr<PrefixCaptureResult> captured = cache_->Capture(*session, tokens, 32);
   ASSERT_THAT(captured.status(), IsOk());
-  const uint64_t stored = captured->added_bytes;
-  ASSERT_GT(stored, 0u);
-  EXPECT_EQ(budget.Snapshot().evictable(), stored);
-  EXPECT_EQ(budget.Snapshot().allocated(), stored);  // the stored block, charged once
+  EXPECT_EQ(captured->added_bytes, 2 * kFlatSpanBytes);
+  // The device is charged the whole slab (one arena), all of it evictable.
+  EXPECT_EQ(budget.Snapshot().evictable(), kSlabBytes);
+  EXPECT_EQ(budget.Snapshot().allocated(), kSlabBytes);
+  EXPECT_EQ(budget.Snapshot().allocation_count(), 1u);
   // An engine needs everything: the admission evicts the prefix entry first.
   absl::StatusOr<AllocationId> admitted = budget.Allocate(/*owner=*/1, total);
   ASSERT_THAT(admitted.status(), IsOk());
   EXPECT_EQ(cache_->Stats().entries, 0u);
   EXPECT_EQ(cache_->Stats().evicted_entries, 1u);
+  EXPECT_EQ(cache_->Stats().slabs.slabs, 0u);  // returned, not kept: admission wanted it
   EXPECT_EQ(budget.Snapshot().evictable(), 0u);
-  EXPECT_EQ(budget.Snapshot().allocated(), total);  // the block's charge was released
+  EXPECT_EQ(budget.Snapshot().allocated(), total);  // the slab's charge was released
   // Now the device is full: a capture is refused by the budget and stores nothing.
   EXPECT_THAT(cache_->Capture(*session, tokens, 32).status(),
               StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("")));
