@@ -837,6 +837,8 @@ uint64_t PrefixCache::EvictForAdmission(uint64_t bytes) {
   return returned();
 }
 
+uint64_t PrefixCache::ReleaseEmptySlabs() { return slabs_->ReleaseEmptySlabs(); }
+
 void PrefixCache::InstallEvictor(DeviceBudget& budget) {
   budget.SetEvictor([this](uint64_t bytes) { return EvictForAdmission(bytes); });
 }

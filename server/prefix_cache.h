@@ -24,9 +24,9 @@
 // indexer state), this class only moves bytes.
 //
 // Thread-safety: thread-safe. Lock order: a session's own mutex (DaemonSession) -> mu_ ->
-// DeviceBudget's mutex. mu_ is never held while a session mutex is taken, nor across device
-// copies of a capture or restore (PlanCapture / Pin under mu_, copies without it, CommitCapture /
-// Unpin under mu_ again). EvictForAdmission is the DeviceBudget evictor: the budget calls it
+// SlabAllocator's mutex -> DeviceBudget's mutex. mu_ is never held while a session mutex is
+// taken, nor across device copies of a capture or restore (PlanCapture / Pin under mu_; spans
+// allocated and copied without it; CommitCapture / Unpin under mu_ again). EvictForAdmission is the DeviceBudget evictor: the budget calls it
 // without its own lock.
 //
 // Invariants: (1) storage_ holds exactly the handles the index references (a capture in flight
@@ -160,7 +160,7 @@ class PrefixCache {
   static absl::StatusOr<std::unique_ptr<PrefixCache>> Create(const PrefixCacheOptions& options,
                                                              DeviceBackend* backend,
                                                              DeviceBudget* budget);
-  ~PrefixCache();  // frees every storage arena and its budget charge
+  ~PrefixCache();  // frees every slab and its budget charge
   PrefixCache(const PrefixCache&) = delete;
   PrefixCache& operator=(const PrefixCache&) = delete;
 
@@ -213,6 +213,9 @@ class PrefixCache {
   uint64_t EvictForAdmission(uint64_t bytes) ABSL_LOCKS_EXCLUDED(mu_);
   // Installs EvictForAdmission as `budget`'s evictor (the budget must not outlive this cache).
   void InstallEvictor(DeviceBudget& budget);
+
+  // Returns the emptied slabs kept for reuse to the backend (shutdown); returns their bytes.
+  uint64_t ReleaseEmptySlabs() ABSL_LOCKS_EXCLUDED(mu_);
 
   PrefixCacheStats Stats() const ABSL_LOCKS_EXCLUDED(mu_);
   EventReplay EventsSince(uint64_t epoch, uint64_t last_sequence) const ABSL_LOCKS_EXCLUDED(mu_);

@@ -9,6 +9,7 @@
 #include "gtest/gtest.h"
 #include "server/device_budget.h"
 #include "server/test_host_backend.h"
+#include "tests/seeded_random.h"
 #include "tests/status_matchers.h"
 
 namespace memra {
@@ -184,16 +185,12 @@ TEST_F(SlabAllocatorTest, RefusalsChangeNothing) {
 TEST_F(SlabAllocatorTest, ChurnKeepsTheTilingExact) {
   auto slabs = Make(/*keep_empty_bytes=*/2 * kSlab);
   std::vector<SlabSpan> live;
-  uint64_t state = 12345;
-  auto next = [&] {
-    state = state * 6364136223846793005ull + 1442695040888963407ull;
-    return state >> 33;
-  };
+  testing::SeededRandom random(12345);
   for (int i = 0; i < 4000; ++i) {
-    if (live.empty() || next() % 3 != 0) {
-      live.push_back(Adopted(*slabs, 1 + next() % 6000));
+    if (live.empty() || random.Below(3) != 0) {
+      live.push_back(Adopted(*slabs, 1 + random.Below(6000)));
     } else {
-      const size_t victim = next() % live.size();
+      const size_t victim = random.Below(live.size());
       ASSERT_THAT(slabs->Free(live[victim]), IsOk());
       live[victim] = live.back();
       live.pop_back();
