@@ -55,7 +55,7 @@ struct EntrySize {
   uint64_t tokens;
   int reps;
 };
-constexpr EntrySize kEntries[] = {{1024, 10}, {32768, 3}, {131072, 2}};
+constexpr EntrySize kEntries[] = {{1024, 10}, {32768, 5}, {131072, 4}};
 
 // A dense model small enough that a 128k-token entry, its copy in Redis and the buffers on
 // this side fit this machine: Llama-3.2-1B's geometry (16 layers, 8 KV heads of 64).

@@ -1,6 +1,7 @@
 #include "server/prefix_cache.h"
 
 #include <algorithm>
+#include <atomic>
 #include <string_view>
 #include <system_error>
 #include <thread>
@@ -698,14 +699,14 @@ absl::StatusOr<std::vector<std::vector<uint64_t>>> PrefixCache::CopySlices(
   const uint64_t slice_bytes = options_.checksum_slice_bytes;
   const bool toward_storage = direction == Direction::kCapture;
   // Every slice of every piece is an independent range of the destination, so slices are copied
-  // concurrently (DeviceBackend is thread-safe). Jobs in piece order, each with the stored
-  // bytes before it, so each worker takes a contiguous run of about equal bytes.
+  // concurrently (DeviceBackend is thread-safe). Workers take the next job in piece order as
+  // they finish one: on a loaded machine a thread that gets less CPU takes fewer slices instead
+  // of holding up the copy.
   struct Job {
     uint32_t piece;
     uint32_t slice;
   };
   std::vector<Job> jobs;
-  std::vector<uint64_t> job_start;  // bytes before each job, then the total
   std::vector<std::vector<uint64_t>> checksums(pieces.size());
   uint64_t total = 0;
   for (size_t p = 0; p < pieces.size(); ++p) {
@@ -722,11 +723,9 @@ absl::StatusOr<std::vector<std::vector<uint64_t>>> PrefixCache::CopySlices(
     }
     for (uint64_t s = 0; s < slices; ++s) {
       jobs.push_back({static_cast<uint32_t>(p), static_cast<uint32_t>(s)});
-      job_start.push_back(total);
-      total += std::min(slice_bytes, pieces[p].bytes - s * slice_bytes);
     }
+    total += pieces[p].bytes;
   }
-  job_start.push_back(total);
   auto run_job = [&](const Job& job) -> absl::Status {
     const PieceCopy& piece = pieces[job.piece];
     const uint64_t begin = uint64_t{job.slice} * slice_bytes;
@@ -761,18 +760,19 @@ absl::StatusOr<std::vector<std::vector<uint64_t>>> PrefixCache::CopySlices(
     workers = std::min<uint64_t>({options_.copy_threads, jobs.size(),
                                   std::max(1u, std::thread::hardware_concurrency())});
   }
-  std::vector<absl::Status> statuses(workers);
+  // Each worker's first failure and its job; the first failure in job order is returned.
+  std::vector<std::pair<size_t, absl::Status>> failures(workers, {jobs.size(), absl::OkStatus()});
+  std::atomic<size_t> next_job{0};
+  std::atomic<bool> failed{false};
   auto run = [&](uint64_t worker) {
-    // Jobs whose first byte lies in [total * worker / workers, total * (worker + 1) / workers).
-    const uint64_t from = static_cast<uint64_t>(static_cast<unsigned __int128>(total) * worker /
-                                                workers);
-    const uint64_t to = static_cast<uint64_t>(static_cast<unsigned __int128>(total) *
-                                              (worker + 1) / workers);
-    size_t i = std::lower_bound(job_start.begin(), job_start.end() - 1, from) - job_start.begin();
-    for (; i < jobs.size() && (worker + 1 == workers || job_start[i] < to) &&
-           statuses[worker].ok();
-         ++i) {
-      statuses[worker] = run_job(jobs[i]);
+    while (!failed.load(std::memory_order_relaxed)) {
+      const size_t i = next_job.fetch_add(1, std::memory_order_relaxed);
+      if (i >= jobs.size()) return;
+      absl::Status status = run_job(jobs[i]);
+      if (!status.ok()) {
+        failures[worker] = {i, std::move(status)};
+        failed.store(true, std::memory_order_relaxed);
+      }
     }
   };
   std::vector<std::thread> threads;
@@ -786,7 +786,10 @@ absl::StatusOr<std::vector<std::vector<uint64_t>>> PrefixCache::CopySlices(
   }
   run(0);
   for (std::thread& thread : threads) thread.join();
-  for (const absl::Status& status : statuses) RETURN_IF_ERROR(status);
+  const auto first = std::min_element(
+      failures.begin(), failures.end(),
+      [](const auto& a, const auto& b) { return a.first < b.first; });
+  RETURN_IF_ERROR(first->second);
   return checksums;
 }
 
