@@ -208,6 +208,11 @@ const std::vector<KeySpec>& Keys() {
        .help = "Threads a prefix capture or restore of 64 MiB or more splits its blocks over "
                "(capped by the CPUs).",
        .min = 1, .max = 256},
+      {.name = "prefix_slab_bytes", .field = &C::prefix_slab_bytes, .syntax = Syntax::kBytes,
+       .reloadable = false,
+       .help = "Size of the slabs prefix-cache storage is sub-allocated from (one arena each; "
+               "capped at prefix_cache_budget_bytes; a larger piece gets a slab of its own).",
+       .min = 64 * kKiB, .max = kTiB},
       {.name = "watchdog", .field = &C::watchdog, .syntax = Syntax::kBool, .reloadable = false,
        .help = "Send systemd watchdog keep-alives when asked to (false needs WatchdogSec=0)."},
       {.name = "max_plan_layers", .field = &C::max_plan_layers, .syntax = Syntax::kInteger,

@@ -76,6 +76,9 @@ struct DaemonConfig {
   bool prefix_verify_checksums = true;
   // Threads a large prefix capture or restore (>= 64 MiB of blocks) splits its blocks over.
   uint64_t prefix_copy_threads = 4;
+  // Slabs the prefix cache sub-allocates its storage from: one arena (one mapping, one budget
+  // charge) per slab instead of one per stored block. Capped at prefix_cache_budget_bytes.
+  uint64_t prefix_slab_bytes = uint64_t{128} << 20;
   // Send systemd watchdog keep-alives when the service manager asks for them (WATCHDOG_USEC).
   bool watchdog = true;
   // The operators' Unix socket (KvAdmin and KvPrefixCache in full: drain, undrain, eviction,

@@ -53,7 +53,8 @@ TEST(ConfigTest, KeyListIsTheDocumentedOne) {
                           "drain_grace_ms",
                           "prefix_cache_budget_bytes", "prefix_block_tokens",
                           "prefix_capture_on_engine_death", "prefix_verify_checksums",
-                          "prefix_copy_threads", "watchdog", "max_plan_layers",
+                          "prefix_copy_threads", "prefix_slab_bytes", "watchdog",
+                          "max_plan_layers",
                           "max_engine_sessions", "max_engine_plans", "max_engine_budget_share",
                           "max_attached_engines", "arena_pool_engine_bytes", "max_arenas",
                           "admin_socket_path", "admin_socket_mode", "admin_socket_group",
@@ -84,6 +85,7 @@ TEST(ConfigTest, Defaults) {
   EXPECT_TRUE(config.prefix_capture_on_engine_death);
   EXPECT_TRUE(config.prefix_verify_checksums);
   EXPECT_EQ(config.prefix_copy_threads, 4u);
+  EXPECT_EQ(config.prefix_slab_bytes, uint64_t{128} << 20);
   EXPECT_TRUE(config.watchdog);
   EXPECT_EQ(config.max_plan_layers, 4096u);
   EXPECT_EQ(config.max_engine_sessions, 4096u);
@@ -334,6 +336,8 @@ INSTANTIATE_TEST_SUITE_P(
                      {"prefix_block_tokens = 0", "out of range", "from 1 to 65536"}},
         BadValueCase{"prefix_copy_threads = 0",
                      {"prefix_copy_threads = 0", "out of range", "from 1 to 256"}},
+        BadValueCase{"prefix_slab_bytes = \"4KiB\"",
+                     {"prefix_slab_bytes = \"4KiB\"", "out of range", "from 64KiB to 1TiB"}},
         BadValueCase{"rpc_metrics = 1", {"rpc_metrics = 1", "true or false"}},
         BadValueCase{"max_plan_layers = 16385",
                      {"max_plan_layers = 16385", "out of range", "from 1 to 16384"}},
