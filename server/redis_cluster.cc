@@ -151,25 +151,9 @@ absl::StatusOr<std::vector<RedisNodeAddress>> ParseRedisNodeList(absl::string_vi
   return nodes;
 }
 
-// One cluster node and this client's one connection to it.
-struct RedisClusterClient::Node {
-  explicit Node(RedisNodeAddress address_in)
-      : address(std::move(address_in)), name(address.ToString()) {}
-  ~Node() {
-    if (context != nullptr) redisFree(context);
-  }
-
-  // Constant after construction.
-  const RedisNodeAddress address;
-  const std::string name;  // address.ToString(): the key in nodes_ and slot_owner_
-
-  // Whether the last connect or command on this node worked: slot-map refreshes ask the nodes
-  // that answered last time first.
-  std::atomic<bool> answered{true};
-
-  absl::Mutex mu;
-  redisContext* context ABSL_GUARDED_BY(mu) = nullptr;  // null: not connected
-};
+RedisClusterClient::Node::~Node() {
+  if (context != nullptr) redisFree(context);
+}
 
 void RedisClusterClient::ReplyDeleter::operator()(redisReply* reply) const {
   freeReplyObject(reply);

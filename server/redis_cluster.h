@@ -18,10 +18,12 @@
 //   INVALID_ARGUMENT   options that cannot work (a node list that does not parse, ...).
 // Messages name the operation, the node (host:port) and the slot; never a password.
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 #include "absl/strings/string_view.h"
 #include <vector>
 
@@ -122,7 +124,23 @@ class RedisClusterClient {
   RedisClusterStats Stats() const;
 
  private:
-  struct Node;
+  // One cluster node and this client's one connection to it.
+  struct Node {
+    explicit Node(RedisNodeAddress address_in)
+        : address(std::move(address_in)), name(address.ToString()) {}
+    ~Node();
+
+    // Constant after construction.
+    const RedisNodeAddress address;
+    const std::string name;  // address.ToString(): the key in nodes_ and slot_owner_
+
+    // Whether the last connect or command on this node worked: slot-map refreshes ask the
+    // nodes that answered last time first.
+    std::atomic<bool> answered{true};
+
+    absl::Mutex mu;
+    redisContext* context ABSL_GUARDED_BY(mu) = nullptr;  // null: not connected
+  };
   struct ReplyDeleter {
     void operator()(redisReply* reply) const;
   };
@@ -145,7 +163,8 @@ class RedisClusterClient {
   absl::StatusOr<std::vector<ReplyPtr>> RunOnNode(
       Node& node, absl::string_view operation, std::optional<uint16_t> slot,
       const std::vector<std::vector<absl::string_view>>& commands);
-  absl::Status ConnectLocked(Node& node, absl::string_view operation);
+  absl::Status ConnectLocked(Node& node, absl::string_view operation)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(node.mu);
 
   // Fetches CLUSTER SLOTS from one node and installs it.
   absl::Status RefreshSlotMapFrom(const std::shared_ptr<Node>& node);

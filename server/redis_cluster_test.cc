@@ -6,6 +6,7 @@
 #include <optional>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/escaping.h"
@@ -325,6 +326,31 @@ TEST_F(RedisClusterTest, FollowsAskWhileASlotMigrates) {
               IsOk());
   EXPECT_THAT(client->Get(staying_key), IsOkAndHolds(Optional(std::string("still home"))));
   EXPECT_EQ(client->NodeForSlot(slot)->port, to);
+}
+
+TEST_F(RedisClusterTest, ThreadsShareOneConnectionPerNode) {
+  std::unique_ptr<RedisClusterClient> client = Connect();
+  ASSERT_NE(client, nullptr);
+  constexpr int kThreads = 4;
+  constexpr int kKeysPerThread = 100;
+  std::vector<std::thread> threads;
+  std::vector<int> wrong(kThreads, 0);
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      for (int i = 0; i < kKeysPerThread; ++i) {
+        const std::string key = absl::StrCat("threads:", t, ":", i);
+        const std::string value = RandomBytes(100 + i, t * 1000 + i);
+        if (!client->Set(key, value).ok()) ++wrong[t];
+        absl::StatusOr<std::optional<std::string>> read = client->Get(key);
+        if (!read.ok() || *read != value) ++wrong[t];
+      }
+    });
+  }
+  for (std::thread& thread : threads) thread.join();
+  EXPECT_EQ(wrong, std::vector<int>(kThreads, 0));
+  // One connection per node, however many threads: at most every node, never per thread.
+  EXPECT_LE(client->Stats().connects, static_cast<uint64_t>(LocalRedisCluster::kNodes));
+  EXPECT_EQ(client->Stats().connection_failures, 0u);
 }
 
 TEST_F(RedisClusterTest, AclUserAuthenticates) {
