@@ -94,6 +94,13 @@ absl::string_view ReplyText(const redisReply& reply) { return {reply.str, reply.
 
 }  // namespace
 
+absl::string_view RedisTlsUnsupportedReason() {
+  return "this build's Redis client is Debian's hiredis 0.14, which has no TLS (hiredis_ssl "
+         "arrived in hiredis 1.0); refusing rather than sending KV bytes and the password in "
+         "the clear. Reach the cluster over a private network or a local TLS tunnel (stunnel, "
+         "spiped) and turn the TLS setting off";
+}
+
 uint16_t RedisKeySlot(absl::string_view key) {
   const size_t open = key.find('{');
   if (open != absl::string_view::npos) {
@@ -163,10 +170,7 @@ absl::StatusOr<std::unique_ptr<RedisClusterClient>> RedisClusterClient::Create(
     RedisClusterOptions options) {
   if (options.tls) {
     return absl::UnimplementedError(
-        "redis cluster: TLS was asked for, but this build's Redis client is Debian's hiredis "
-        "0.14, which has no TLS (hiredis_ssl arrived in hiredis 1.0); refusing rather than "
-        "sending KV bytes and the password in the clear. Reach the cluster over a private "
-        "network or a local TLS tunnel (stunnel, spiped) and turn the TLS setting off");
+        absl::StrCat("redis cluster: TLS was asked for: ", RedisTlsUnsupportedReason()));
   }
   if (options.seed_nodes.empty()) {
     return absl::InvalidArgumentError("redis cluster: no seed nodes given");

@@ -46,6 +46,10 @@ inline constexpr int kRedisClusterSlots = 16384;
 // between the first '{' and the first '}' after it, when not empty), mod 16384.
 uint16_t RedisKeySlot(absl::string_view key);
 
+// Why TLS to Redis is refused (the config check and Create both say it): Debian's hiredis 0.14
+// has no TLS.
+absl::string_view RedisTlsUnsupportedReason();
+
 struct RedisNodeAddress {
   std::string host;
   int port = 0;
