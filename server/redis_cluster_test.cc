@@ -116,16 +116,8 @@ TEST(RedisClusterCreateTest, RefusesOptionsThatCannotWork) {
 }
 
 TEST(RedisClusterCreateTest, NobodyListeningIsUnavailable) {
-  // A port bound and closed at once: nothing listens there.
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in address{};
-  address.sin_family = AF_INET;
-  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t length = sizeof(address);
-  ASSERT_EQ(bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)), 0);
-  ASSERT_EQ(getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length), 0);
-  close(fd);
-  const int port = ntohs(address.sin_port);
+  const int port = testing::BindLoopbackPort(0);  // bound and closed: nothing listens there
+  ASSERT_GT(port, 0);
   RedisClusterOptions options;
   options.seed_nodes = {{"127.0.0.1", port}};
   const absl::Time start = absl::Now();
@@ -153,8 +145,7 @@ class RedisClusterTest : public ::testing::Test {
   }
   void SetUp() override {
     if (!testing::RedisInstalled()) {
-      GTEST_SKIP() << "SKIPPED: " << testing::kRedisServer << " or " << testing::kRedisCli
-                   << " is missing (Debian packages redis-server, redis-tools)";
+      GTEST_SKIP() << testing::RedisMissingMessage();
     }
     ASSERT_NE(cluster_, nullptr) << "the cluster did not start";
   }
@@ -387,8 +378,7 @@ TEST_F(RedisClusterTest, WrongOrMissingPasswordIsRefusedClearly) {
 
 TEST(RedisClusterFailoverTest, DeadMasterFailsFastThenItsReplicaServes) {
   if (!testing::RedisInstalled()) {
-    GTEST_SKIP() << "SKIPPED: " << testing::kRedisServer << " or " << testing::kRedisCli
-                 << " is missing (Debian packages redis-server, redis-tools)";
+    GTEST_SKIP() << testing::RedisMissingMessage();
   }
   LocalRedisCluster cluster;
   ASSERT_TRUE(cluster.Start());

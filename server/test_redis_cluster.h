@@ -42,6 +42,31 @@ inline constexpr char kRedisAclPassword[] = "tier-pass";
 
 inline bool RedisInstalled() { return Exists(kRedisServer) && Exists(kRedisCli); }
 
+// Binds 127.0.0.1:port (0: any free port) and closes it at once: the port bound, or -1. A
+// port found this way is free now, and nothing listens on it until someone binds it again.
+inline int BindLoopbackPort(int port) {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  if (fd < 0) return -1;
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  address.sin_port = htons(static_cast<uint16_t>(port));
+  socklen_t length = sizeof(address);
+  int bound = -1;
+  if (bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)) == 0 &&
+      getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length) == 0) {
+    bound = ntohs(address.sin_port);
+  }
+  close(fd);
+  return bound;
+}
+
+// Why a cluster test is skipped on a machine without Redis.
+inline std::string RedisMissingMessage() {
+  return absl::StrCat("SKIPPED: ", kRedisServer, " or ", kRedisCli,
+                      " is missing (Debian packages redis-server, redis-tools)");
+}
+
 class LocalRedisCluster {
  public:
   static constexpr int kNodes = 6;  // 3 masters, 3 replicas
@@ -314,8 +339,8 @@ class LocalRedisCluster {
   // kNodes ports p with p and p + 10000 (the cluster bus) free on loopback, all distinct.
   bool PickPorts() {
     for (int tries = 0; tries < 1000 && static_cast<int>(ports_.size()) < kNodes; ++tries) {
-      const int port = BindFree(0);
-      if (port <= 0 || port + 10000 > 65535 || BindFree(port + 10000) <= 0) continue;
+      const int port = BindLoopbackPort(0);
+      if (port <= 0 || port + 10000 > 65535 || BindLoopbackPort(port + 10000) <= 0) continue;
       bool taken = false;
       for (const int chosen : ports_) taken |= chosen == port || chosen + 10000 == port;
       if (!taken) ports_.push_back(port);
@@ -326,24 +351,6 @@ class LocalRedisCluster {
     }
     pids_.assign(kNodes, -1);
     return true;
-  }
-
-  // Binds 127.0.0.1:port (0: any) and closes it; the port bound, or -1.
-  static int BindFree(int port) {
-    const int fd = socket(AF_INET, SOCK_STREAM, 0);
-    if (fd < 0) return -1;
-    sockaddr_in address{};
-    address.sin_family = AF_INET;
-    address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    address.sin_port = htons(static_cast<uint16_t>(port));
-    socklen_t length = sizeof(address);
-    int bound = -1;
-    if (bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)) == 0 &&
-        getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length) == 0) {
-      bound = ntohs(address.sin_port);
-    }
-    close(fd);
-    return bound;
   }
 
   std::string dir_;
