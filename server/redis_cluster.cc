@@ -398,6 +398,9 @@ absl::StatusOr<std::vector<RedisClusterClient::ReplyPtr>> RedisClusterClient::Ru
       }
       if (redisAppendCommandArgv(context, static_cast<int>(words.size()), words.data(),
                                  lengths.data()) != REDIS_OK) {
+        // Commands buffered before this one must not be sent ahead of a later call's.
+        redisFree(node.context);
+        node.context = nullptr;
         return absl::ResourceExhaustedError(absl::StrCat(
             "redis cluster ", operation, ": ", Where(node.name, slot), ": cannot buffer command"));
       }
