@@ -8,7 +8,9 @@
 // SessionArenaBytes).
 // 3b. memra-kvd (host backend, --prefix_block_tokens=256): for a dense and a hybrid model and the
 // same token counts, a session commits N rows with their token ids and Captures the boundary
-// (timed; the entry is evicted between repetitions so every capture copies). Then Lookup +
+// (timed; the entry is evicted between repetitions so every capture copies: the first capture
+// of a size takes storage the daemon may never have touched, the later ones the storage the
+// eviction just freed, as in a cache at its budget). Then Lookup +
 // Restore is timed (lookup to ready: what an engine waits) into a recycled session (Reset
 // between restores: an engine keeping its session slots) and into one created just before
 // (first touch of its memory). A second daemon with --prefix_verify_checksums=false repeats the
@@ -53,7 +55,7 @@ struct EntrySize {
   uint64_t tokens;
   int reps;
 };
-constexpr EntrySize kEntries[] = {{1024, 10}, {32768, 3}, {131072, 2}};
+constexpr EntrySize kEntries[] = {{1024, 10}, {32768, 5}, {131072, 4}};
 
 // A dense model small enough that a 128k-token entry, its copy in Redis and the buffers on
 // this side fit this machine: Llama-3.2-1B's geometry (16 layers, 8 KV heads of 64).
@@ -300,11 +302,16 @@ struct PrefixResult {
   std::string model;
   uint64_t tokens = 0;
   uint64_t block_bytes = 0, boundary_bytes = 0;
-  Samples capture, lookup;
+  // The first capture of this size in the daemon (its storage partly fresh), then captures
+  // after an eviction of the same bytes: storage recycled (what a cache at its budget sees).
+  Samples capture_first, capture, lookup;
   Samples restore, ready;              // into a recycled (Reset) session; ready = lookup + restore
   Samples restore_fresh, ready_fresh;  // into a session created just before
   Samples copy, copy_fresh;            // memcpy between warm buffers / into fresh memory
   Samples restore_unverified;          // recycled session, daemon not verifying checksums
+  // Restore bandwidth / memcpy bandwidth of each timed recycled restore and the memcpy run right
+  // after it (ratios, not ns); the unverified pass's in restore_vs_paired_memcpy_unverified.
+  Samples restore_vs_paired_memcpy, restore_vs_paired_memcpy_unverified;
   uint64_t Bytes() const { return block_bytes + boundary_bytes; }
 };
 
@@ -328,7 +335,8 @@ absl::StatusOr<PrefixResult> MeasurePrefix(KvClient& client, KvClient& operator_
   {
     ASSIGN_OR_RETURN(std::unique_ptr<Session> source, client.CreateSession(plan, session_options));
     RETURN_IF_ERROR(FillSession(*source, ids));
-    for (int rep = 0; rep < (restores_only ? 1 : reps); ++rep) {
+    const int captures = restores_only ? 1 : std::max(reps, 3) + 1;
+    for (int rep = 0; rep < captures; ++rep) {
       if (entry_id != 0) {
         pb::EvictPrefixRequest evict;
         evict.set_entry_id(entry_id);
@@ -337,7 +345,7 @@ absl::StatusOr<PrefixResult> MeasurePrefix(KvClient& client, KvClient& operator_
       }
       const int64_t start = NowNs();
       ASSIGN_OR_RETURN(PrefixCaptured captured, client.CapturePrefix(*source, ids, tokens));
-      result.capture.Add(NowNs() - start);
+      (rep == 0 ? result.capture_first : result.capture).Add(NowNs() - start);
       if (captured.already_present) {
         return absl::InternalError(absl::StrCat("capture of ", tokens, " tokens copied nothing"));
       }
@@ -355,7 +363,8 @@ absl::StatusOr<PrefixResult> MeasurePrefix(KvClient& client, KvClient& operator_
   // Restores, Lookup + Restore timed as an engine waits. (a) Into a session created just before
   // (untimed): its memory is touched for the first time. (b) Into one recycled session, Reset
   // between repetitions: an engine that keeps its session slots.
-  auto restore_into = [&](Session& session, Samples& restore, Samples& ready) -> absl::Status {
+  auto restore_into = [&](Session& session, Samples& restore,
+                          Samples& ready) -> absl::StatusOr<int64_t> {
     const int64_t start = NowNs();
     ASSIGN_OR_RETURN(PrefixMatch found, client.LookupPrefix(plan, session_options, ids));
     const int64_t looked_up = NowNs();
@@ -370,11 +379,11 @@ absl::StatusOr<PrefixResult> MeasurePrefix(KvClient& client, KvClient& operator_
     result.lookup.Add(looked_up - start);
     restore.Add(done - looked_up);
     ready.Add(done - start);
-    return absl::OkStatus();
+    return done - looked_up;
   };
   for (int rep = 0; rep < (restores_only ? 0 : reps); ++rep) {
     ASSIGN_OR_RETURN(std::unique_ptr<Session> fresh, client.CreateSession(plan, session_options));
-    RETURN_IF_ERROR(restore_into(*fresh, result.restore_fresh, result.ready_fresh));
+    RETURN_IF_ERROR(restore_into(*fresh, result.restore_fresh, result.ready_fresh).status());
     RETURN_IF_ERROR(fresh->Release().status());
   }
   {
@@ -382,13 +391,26 @@ absl::StatusOr<PrefixResult> MeasurePrefix(KvClient& client, KvClient& operator_
     // Untimed restores first: on this VM a page reaches full copy speed only from about its
     // fourth write (0.3, 5, 10, 12, 14 GB/s over the first five; bench/README.md), and a
     // recycled slot's pages are rewritten every time it is reused.
+    // Each timed restore is followed by a memcpy of as many bytes between warm buffers: the
+    // pair's ratio is taken under the same load (other tenants of this VM swing memcpy 2x
+    // between minutes, and a separately timed baseline then moves every ratio).
+    std::vector<uint8_t> pair_src(result.Bytes(), 0x5a), pair_dst(result.Bytes(), 0);
+    std::memcpy(pair_dst.data(), pair_src.data(), pair_src.size());
     constexpr int kWarmups = 4;
     for (int rep = 0; rep < kWarmups + reps; ++rep) {
       Samples warmup;
       const bool timed = rep >= kWarmups;
-      RETURN_IF_ERROR(restore_into(*slot, timed ? result.restore : warmup,
-                                   timed ? result.ready : warmup));
+      ASSIGN_OR_RETURN(const int64_t restore_ns,
+                       restore_into(*slot, timed ? result.restore : warmup,
+                                    timed ? result.ready : warmup));
       RETURN_IF_ERROR(slot->Reset().status());
+      if (!timed) continue;
+      const int64_t start = NowNs();
+      std::memcpy(pair_dst.data(), pair_src.data(), pair_src.size());
+      const int64_t copy_ns = NowNs() - start;
+      KeepAlive(pair_dst[pair_dst.size() - 1]);
+      result.restore_vs_paired_memcpy.Add(static_cast<double>(copy_ns) /
+                                          static_cast<double>(restore_ns));
     }
     RETURN_IF_ERROR(slot->Release().status());
   }
@@ -435,7 +457,8 @@ absl::StatusOr<Json> RunPrefixCache(const BenchOptions& options,
 
   Json rows = Json::array();
   Json models = Json::array();
-  Table table({"model", "entry", "bytes", "capture GB/s", "restore GB/s", "lookup->ready ms",
+  Table table({"model", "entry", "bytes", "first capture GB/s", "capture GB/s",
+               "capture/memcpy", "restore GB/s", "lookup->ready ms", "restore/paired memcpy",
                "memcpy GB/s", "restore/memcpy", "unverified GB/s", "unverified/memcpy",
                "restore/GET (verified / not)", "fresh: restore GB/s",
                "memcpy GB/s", "restore/memcpy"});
@@ -482,9 +505,12 @@ absl::StatusOr<Json> RunPrefixCache(const BenchOptions& options,
     ASSIGN_OR_RETURN(std::vector<PrefixResult> unverified, run_pass(false));
     for (size_t i = 0; i < results.size(); ++i) {
       results[i].restore_unverified = std::move(unverified[i].restore);
+      results[i].restore_vs_paired_memcpy_unverified =
+          std::move(unverified[i].restore_vs_paired_memcpy);
     }
     models.push_back(Json{{"label", model.label}, {"model", model.description}});
     for (const PrefixResult& r : results) {
+      const double capture_first = GBps(r.Bytes(), r.capture_first.P50());
       const double capture = GBps(r.Bytes(), r.capture.P50());
       const double restore = GBps(r.Bytes(), r.restore.P50());
       const double ready = GBps(r.Bytes(), r.ready.P50());
@@ -498,6 +524,7 @@ absl::StatusOr<Json> RunPrefixCache(const BenchOptions& options,
                {"bytes", r.Bytes()},
                {"block_bytes", r.block_bytes},
                {"boundary_bytes", r.boundary_bytes},
+               {"capture_first", r.capture_first.ToJson()},
                {"capture", r.capture.ToJson()},
                {"lookup", r.lookup.ToJson()},
                {"restore", r.restore.ToJson()},
@@ -506,7 +533,9 @@ absl::StatusOr<Json> RunPrefixCache(const BenchOptions& options,
                {"lookup_to_ready_fresh_session", r.ready_fresh.ToJson()},
                {"memcpy", r.copy.ToJson()},
                {"memcpy_into_fresh_memory", r.copy_fresh.ToJson()},
+               {"capture_first_gbps_p50", capture_first},
                {"capture_gbps_p50", capture},
+               {"ratio_capture_memcpy_bandwidth", capture / copy},
                {"restore_gbps_p50", restore},
                {"lookup_to_ready_gbps_p50", ready},
                {"restore_fresh_session_gbps_p50", restore_fresh},
@@ -517,7 +546,12 @@ absl::StatusOr<Json> RunPrefixCache(const BenchOptions& options,
                {"ratio_restore_fresh_memcpy_fresh_bandwidth", restore_fresh / copy_fresh},
                {"restore_unverified", r.restore_unverified.ToJson()},
                {"restore_unverified_gbps_p50", unverified},
-               {"ratio_restore_unverified_memcpy_bandwidth", unverified / copy}};
+               {"ratio_restore_unverified_memcpy_bandwidth", unverified / copy},
+               {"ratio_restore_paired_memcpy_bandwidth_p50", r.restore_vs_paired_memcpy.P50()},
+               {"ratio_restore_paired_memcpy_bandwidth_min",
+                r.restore_vs_paired_memcpy.Percentile(0)},
+               {"ratio_restore_unverified_paired_memcpy_bandwidth_p50",
+                r.restore_vs_paired_memcpy_unverified.P50()}};
       std::string vs_get = "-";
       if (get != get_gbps.end() && get->second > 0) {
         row["redis_get_gbps_p50"] = get->second;
@@ -530,21 +564,25 @@ absl::StatusOr<Json> RunPrefixCache(const BenchOptions& options,
                  absl::StrCat(r.tokens >= 1024 ? absl::StrCat(r.tokens / 1024, "k")
                                                : absl::StrCat(r.tokens),
                               " tokens"),
-                 absl::StrCat(r.Bytes()), Fixed(capture, 2), Fixed(restore, 2),
-                 Fixed(r.ready.P50() / 1e6, 2), Fixed(copy, 2), Ratio(restore / copy),
+                 absl::StrCat(r.Bytes()), Fixed(capture_first, 2), Fixed(capture, 2),
+                 Ratio(capture / copy), Fixed(restore, 2),
+                 Fixed(r.ready.P50() / 1e6, 2), Ratio(r.restore_vs_paired_memcpy.P50()),
+                 Fixed(copy, 2), Ratio(restore / copy),
                  Fixed(unverified, 2), Ratio(unverified / copy), vs_get,
                  Fixed(restore_fresh, 2), Fixed(copy_fresh, 2),
                  Ratio(restore_fresh / copy_fresh)});
     }
   }
-  table.Print("3b. memra-kvd prefix cache (host backend, 256-token blocks): capture, lookup + "
-              "restore into a recycled session vs memcpy and Redis GET; fresh: restore into a "
-              "new session vs memcpy into new memory");
+  table.Print("3b. memra-kvd prefix cache (host backend, 256-token blocks): capture (first, "
+              "then into recycled storage), lookup + restore into a recycled session vs memcpy "
+              "and Redis GET; fresh: restore into a new session vs memcpy into new memory");
   return Json{{"block_tokens", kBlockTokens},
               {"backend", "host"},
               {"models", models},
               {"entries", rows},
-              {"note", "restore GB/s = entry bytes / Restore RPC time, into a recycled (Reset) "
+              {"note", "capture: after an eviction of the same entry (recycled slab storage); "
+                       "capture_first: the first capture of that size in the daemon; "
+                       "restore GB/s = entry bytes / Restore RPC time, into a recycled (Reset) "
                        "session; lookup_to_ready = Lookup + Restore as an engine waits; "
                        "*_fresh_session: into a session created just before (untimed), whose "
                        "memory is touched for the first time, against memcpy into memory "

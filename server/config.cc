@@ -26,6 +26,7 @@
 #include "absl/strings/strip.h"
 #include "core/status_macros.h"
 #include "server/cache_scopes.h"
+#include "server/redis_cluster.h"
 
 // toml11 reports errors by throwing; every call into it stays inside ParseConfig's try block.
 #include <toml.hpp>
@@ -129,6 +130,27 @@ std::optional<std::string> CheckHostPort(absl::string_view address) {
   return std::nullopt;
 }
 
+std::optional<std::string> CheckRedisNodes(absl::string_view nodes) {
+  if (nodes.empty()) return std::nullopt;  // no remote tier
+  absl::StatusOr<std::vector<RedisNodeAddress>> parsed = ParseRedisNodeList(nodes);
+  if (!parsed.ok()) return std::string(parsed.status().message());
+  return std::nullopt;
+}
+
+// Redis ACL user names: any printable bytes but spaces (ACL SETUSER takes one argument).
+std::optional<std::string> CheckRedisUser(absl::string_view user) {
+  if (user.size() > 128) return "longer than 128 characters";
+  for (char c : user) {
+    if (!absl::ascii_isgraph(c)) return "contains a space or a control character";
+  }
+  return std::nullopt;
+}
+
+std::optional<std::string> CheckOptionalAbsolutePath(absl::string_view path) {
+  if (path.empty()) return std::nullopt;
+  return CheckSocketPath(path);
+}
+
 // The one table of keys, in file order. Adding a setting = a field in DaemonConfig + a row here.
 const std::vector<KeySpec>& Keys() {
   using C = DaemonConfig;
@@ -214,6 +236,37 @@ const std::vector<KeySpec>& Keys() {
        .help = "Threads a prefix capture or restore of 64 MiB or more splits its blocks over "
                "(capped by the CPUs).",
        .min = 1, .max = 256},
+      {.name = "prefix_slab_bytes", .field = &C::prefix_slab_bytes, .syntax = Syntax::kBytes,
+       .reloadable = false,
+       .help = "Size of the slabs prefix-cache storage is sub-allocated from (one arena each; "
+               "capped at prefix_cache_budget_bytes; a larger piece gets a slab of its own).",
+       .min = 64 * kKiB, .max = kTiB},
+      {.name = "prefix_remote_redis_nodes", .field = &C::prefix_remote_redis_nodes,
+       .syntax = Syntax::kText, .reloadable = false,
+       .help = "Redis Cluster seed nodes of the prefix cache's remote tier "
+               "(docs/remote-tier.md); empty = none. Not wired in yet: a list is refused.",
+       .text_accepted = "host:port,... ([v6addr]:port for IPv6), or empty",
+       .check_text = &CheckRedisNodes},
+      {.name = "prefix_remote_redis_user", .field = &C::prefix_remote_redis_user,
+       .syntax = Syntax::kText, .reloadable = false,
+       .help = "Redis ACL user the remote tier authenticates as; empty = the requirepass "
+               "password (the default user).",
+       .text_accepted = "an ACL user name (printable, no spaces), or empty",
+       .check_text = &CheckRedisUser},
+      {.name = "prefix_remote_redis_password_file", .field = &C::prefix_remote_redis_password_file,
+       .syntax = Syntax::kText, .reloadable = false,
+       .help = "File holding the Redis password (mode 0600, the daemon's user); empty = no AUTH.",
+       .text_accepted = "an absolute path, or empty", .check_text = &CheckOptionalAbsolutePath},
+      {.name = "prefix_remote_redis_tls", .field = &C::prefix_remote_redis_tls,
+       .syntax = Syntax::kBool, .reloadable = false,
+       .help = "TLS to the Redis Cluster; true is refused (Debian's hiredis 0.14 has no TLS)."},
+      {.name = "prefix_remote_redis_connect_timeout_ms",
+       .field = &C::prefix_remote_redis_connect_timeout_ms, .syntax = Syntax::kInteger,
+       .reloadable = false, .help = "Milliseconds one connect to a Redis node may take.",
+       .min = 1, .max = 60'000},
+      {.name = "prefix_remote_redis_timeout_ms", .field = &C::prefix_remote_redis_timeout_ms,
+       .syntax = Syntax::kInteger, .reloadable = false,
+       .help = "Milliseconds one Redis command may take.", .min = 1, .max = 60'000},
       {.name = "watchdog", .field = &C::watchdog, .syntax = Syntax::kBool, .reloadable = false,
        .help = "Send systemd watchdog keep-alives when asked to (false needs WatchdogSec=0)."},
       {.name = "keep_kv_across_restarts", .field = &C::keep_kv_across_restarts,
@@ -769,6 +822,23 @@ absl::Status ValidateConfig(const DaemonConfig& config) {
         absl::StrCat("prefix_cache_budget_bytes = ", config.prefix_cache_budget_bytes,
                      " exceeds budget_bytes = ", config.budget_bytes,
                      "; the host backend's prefix cache lives inside its budget"));
+  }
+  if (config.prefix_remote_redis_tls) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("prefix_remote_redis_tls = true: ", RedisTlsUnsupportedReason()));
+  }
+  if (!config.prefix_remote_redis_user.empty() &&
+      config.prefix_remote_redis_password_file.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "prefix_remote_redis_user = ", Quote(config.prefix_remote_redis_user),
+        " needs prefix_remote_redis_password_file (an ACL user authenticates with a password)"));
+  }
+  // Refused rather than accepted and ignored: the tier is not wired in yet.
+  if (!config.prefix_remote_redis_nodes.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "prefix_remote_redis_nodes = ", Quote(config.prefix_remote_redis_nodes),
+        ": the Redis Cluster remote tier is not wired into the prefix cache yet "
+        "(docs/remote-tier.md); leave it empty"));
   }
   return absl::OkStatus();
 }

@@ -84,6 +84,23 @@ struct DaemonConfig {
   bool prefix_verify_checksums = true;
   // Threads a large prefix capture or restore (>= 64 MiB of blocks) splits its blocks over.
   uint64_t prefix_copy_threads = 4;
+  // Slabs the prefix cache sub-allocates its storage from: one arena (one mapping, one budget
+  // charge) per slab instead of one per stored block. Capped at prefix_cache_budget_bytes.
+  uint64_t prefix_slab_bytes = uint64_t{128} << 20;
+  // ---- The prefix cache's remote tier in a Redis Cluster (docs/remote-tier.md) ----
+  // Seed nodes, "host:port,..." ("[v6addr]:port" for IPv6); empty = no remote tier. Until the
+  // tier is wired into the prefix cache, a non-empty list is refused (ValidateConfig).
+  std::string prefix_remote_redis_nodes;
+  // ACL user for AUTH; empty = the requirepass password (the "default" user).
+  std::string prefix_remote_redis_user;
+  // Absolute path of the file holding the Redis password (never a config value: it would be
+  // logged and rendered); empty = no AUTH.
+  std::string prefix_remote_redis_password_file;
+  // TLS to the cluster. true is refused: Debian's hiredis 0.14 has no TLS.
+  bool prefix_remote_redis_tls = false;
+  // Milliseconds one connect to a node, and one command, may take.
+  uint64_t prefix_remote_redis_connect_timeout_ms = 200;
+  uint64_t prefix_remote_redis_timeout_ms = 500;
   // Send systemd watchdog keep-alives when the service manager asks for them (WATCHDOG_USEC).
   bool watchdog = true;
   // Under a service manager (systemd, memra-kv-supervise): keep session arenas and the restart

@@ -53,7 +53,11 @@ TEST(ConfigTest, KeyListIsTheDocumentedOne) {
                           "drain_grace_ms",
                           "prefix_cache_budget_bytes", "prefix_block_tokens",
                           "prefix_capture_on_engine_death", "prefix_verify_checksums",
-                          "prefix_copy_threads", "watchdog", "keep_kv_across_restarts",
+                          "prefix_copy_threads", "prefix_slab_bytes",
+                          "prefix_remote_redis_nodes", "prefix_remote_redis_user",
+                          "prefix_remote_redis_password_file", "prefix_remote_redis_tls",
+                          "prefix_remote_redis_connect_timeout_ms",
+                          "prefix_remote_redis_timeout_ms", "watchdog", "keep_kv_across_restarts",
                           "max_plan_layers",
                           "max_engine_sessions", "max_engine_plans", "max_engine_budget_share",
                           "max_attached_engines", "arena_pool_engine_bytes", "max_arenas",
@@ -93,6 +97,13 @@ TEST(ConfigTest, Defaults) {
   EXPECT_TRUE(config.prefix_capture_on_engine_death);
   EXPECT_TRUE(config.prefix_verify_checksums);
   EXPECT_EQ(config.prefix_copy_threads, 4u);
+  EXPECT_EQ(config.prefix_slab_bytes, uint64_t{128} << 20);
+  EXPECT_EQ(config.prefix_remote_redis_nodes, "");
+  EXPECT_EQ(config.prefix_remote_redis_user, "");
+  EXPECT_EQ(config.prefix_remote_redis_password_file, "");
+  EXPECT_FALSE(config.prefix_remote_redis_tls);
+  EXPECT_EQ(config.prefix_remote_redis_connect_timeout_ms, 200u);
+  EXPECT_EQ(config.prefix_remote_redis_timeout_ms, 500u);
   EXPECT_TRUE(config.watchdog);
   EXPECT_EQ(config.max_plan_layers, 4096u);
   EXPECT_EQ(config.max_engine_sessions, 4096u);
@@ -193,6 +204,12 @@ TEST(ConfigTest, RenderedNonDefaultsParseBack) {
   changed.prefix_block_tokens = 1;
   changed.prefix_capture_on_engine_death = false;
   changed.prefix_verify_checksums = false;
+  changed.prefix_remote_redis_nodes = "10.0.0.1:7000, [::1]:7001";
+  changed.prefix_remote_redis_user = "memra-tier";
+  changed.prefix_remote_redis_password_file = "/etc/memra-kv/redis.pass";
+  changed.prefix_remote_redis_tls = true;
+  changed.prefix_remote_redis_connect_timeout_ms = 1;
+  changed.prefix_remote_redis_timeout_ms = 60'000;
   changed.watchdog = false;
   changed.admin_socket_path = "/run/ops/{device}.sock";
   changed.admin_socket_mode = 0660;
@@ -345,6 +362,22 @@ INSTANTIATE_TEST_SUITE_P(
                      {"prefix_block_tokens = 0", "out of range", "from 1 to 65536"}},
         BadValueCase{"prefix_copy_threads = 0",
                      {"prefix_copy_threads = 0", "out of range", "from 1 to 256"}},
+        BadValueCase{"prefix_slab_bytes = \"4KiB\"",
+                     {"prefix_slab_bytes = \"4KiB\"", "out of range", "from 64KiB to 1TiB"}},
+        BadValueCase{"prefix_remote_redis_nodes = \"redis-a\"",
+                     {"prefix_remote_redis_nodes = \"redis-a\"", "'redis-a' has no port",
+                      "host:port,..."}},
+        BadValueCase{"prefix_remote_redis_nodes = \"a:1,b:0\"",
+                     {"prefix_remote_redis_nodes = \"a:1,b:0\"", "'b:0'", "1..65535"}},
+        BadValueCase{"prefix_remote_redis_user = \"two words\"",
+                     {"prefix_remote_redis_user = \"two words\"", "contains a space"}},
+        BadValueCase{"prefix_remote_redis_password_file = \"redis.pass\"",
+                     {"prefix_remote_redis_password_file = \"redis.pass\"",
+                      "not an absolute path"}},
+        BadValueCase{"prefix_remote_redis_timeout_ms = 0",
+                     {"prefix_remote_redis_timeout_ms = 0", "out of range", "from 1 to 60000"}},
+        BadValueCase{"prefix_remote_redis_connect_timeout_ms = 60001",
+                     {"prefix_remote_redis_connect_timeout_ms = 60001", "from 1 to 60000"}},
         BadValueCase{"rpc_metrics = 1", {"rpc_metrics = 1", "true or false"}},
         BadValueCase{"max_plan_layers = 16385",
                      {"max_plan_layers = 16385", "out of range", "from 1 to 16384"}},
@@ -467,6 +500,33 @@ TEST(ConfigTest, ValidateRefusesPrefixBudgetAboveHostBudget) {
                                                           "budget_bytes = 1073741824")));
   config.backend = Backend::kCuda;  // the CUDA budget is only known at start-up
   EXPECT_THAT(ValidateConfig(config), IsOk());
+}
+
+TEST(ConfigTest, ValidateRefusesRedisTlsAndAUserWithoutPassword) {
+  DaemonConfig config;
+  config.prefix_remote_redis_tls = true;
+  EXPECT_THAT(ValidateConfig(config),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstrs("prefix_remote_redis_tls = true", "hiredis 0.14", "no TLS",
+                                  "hiredis_ssl", "hiredis 1.0")));
+  config.prefix_remote_redis_tls = false;
+  config.prefix_remote_redis_user = "memra-tier";
+  EXPECT_THAT(ValidateConfig(config),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstrs("prefix_remote_redis_user = \"memra-tier\"",
+                                  "needs prefix_remote_redis_password_file")));
+  config.prefix_remote_redis_password_file = "/etc/memra-kv/redis.pass";
+  EXPECT_THAT(ValidateConfig(config), IsOk());
+}
+
+// Refused, not accepted and ignored, until the tier is wired into the prefix cache.
+TEST(ConfigTest, ValidateRefusesRedisNodesUntilTheTierIsWired) {
+  DaemonConfig config;
+  config.prefix_remote_redis_nodes = "10.0.0.1:7000";
+  EXPECT_THAT(ValidateConfig(config),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstrs("prefix_remote_redis_nodes = \"10.0.0.1:7000\"",
+                                  "not wired into the prefix cache yet")));
 }
 
 class ConfigFileTest : public ::testing::Test {

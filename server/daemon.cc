@@ -72,6 +72,7 @@ std::unique_ptr<PrefixCache> MakePrefixCache(const DaemonConfig& config, DeviceB
   options.block_tokens = config.prefix_block_tokens;
   options.verify_checksums = config.prefix_verify_checksums;
   options.copy_threads = static_cast<uint32_t>(config.prefix_copy_threads);
+  options.slab_bytes = config.prefix_slab_bytes;
   // The daemon's random epoch: a router tells a restarted daemon from a reconnect (0 means
   // "any epoch" to a subscriber, so it is never used).
   options.epoch = epoch == 0 ? 1 : epoch;
@@ -512,6 +513,9 @@ void Daemon::Shutdown() {
   handoff_.Stop();  // after the servers: no Attach can claim a ticket any more
   leases_.ForgetAll();
   const ReleasedSessions released = sessions_.ReleaseAll();
+  // Slabs the prefix cache keeps empty for its next capture go too; those of stored entries are
+  // freed with the cache.
+  if (prefix_cache_ != nullptr) prefix_cache_->ReleaseEmptySlabs();
   if (server != nullptr) unlink(socket_path_.c_str());
   if (admin_server != nullptr) unlink(admin_socket_path_.c_str());
   spdlog::info("shut down: released {} sessions ({} bytes); backend holds {} arenas, {} bytes",

@@ -129,6 +129,30 @@ Daemon::RegisterMetrics() {
           return one(s.*field);
         })));
   }
+  // Slab storage under the stored bytes (server/slab_allocator.h).
+  const std::pair<const char*, const char*> slab_help[] = {
+      {"memra_prefix_slabs", "Slabs (arenas) the prefix cache's storage lives in."},
+      {"memra_prefix_slab_bytes", "Bytes of those slabs: what the device budget is charged."},
+      {"memra_prefix_slab_free_bytes",
+       "Free bytes inside slabs that hold stored pieces (fragmentation)."},
+      {"memra_prefix_slab_empty_bytes", "Bytes of emptied slabs kept for the next capture."},
+  };
+  uint64_t SlabStats::*const slab_fields[] = {&SlabStats::slabs, &SlabStats::slab_bytes,
+                                              &SlabStats::free_bytes, &SlabStats::empty_bytes};
+  for (size_t i = 0; i < std::size(slab_fields); ++i) {
+    RETURN_IF_ERROR(metrics_.AddCallbackGaugeFamily(
+        slab_help[i].first, slab_help[i].second, {},
+        prefix([one, field = slab_fields[i]](const PrefixCacheStats& s) {
+          return one(s.slabs.*field);
+        })));
+  }
+  RETURN_IF_ERROR(metrics_.AddCallbackGaugeFamily(
+      "memra_prefix_slab_fragmentation",
+      "Share (0-1) of the bytes of occupied slabs that no stored piece uses.", {},
+      prefix([](const PrefixCacheStats& s) {
+        return std::vector<CallbackSample>{
+            {.label_values = {}, .value = static_cast<double>(s.slabs.fragmentation_ppm) / 1e6}};
+      })));
 
   if (!start_config_.rpc_metrics || start_config_.metrics_address.empty()) {
     return std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>>();

@@ -1,11 +1,14 @@
 #include "server/prefix_cache.h"
 
 #include <algorithm>
+#include <atomic>
 #include <string_view>
 #include <system_error>
 #include <thread>
 #include <utility>
 #include <vector>
+
+#include <xxhash.h>
 
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
@@ -58,14 +61,12 @@ void HashU32(Sha256& hash, uint32_t value) {
   hash.Update(std::string_view(bytes, sizeof(bytes)));
 }
 
-enum class Toward { kStorage, kSession };
-
 // The copy ranges of `pieces` of block `block_index`: each piece's range in the session's arena
-// and, back to back from offset 0, in the stored piece; `toward` says which side is written.
-// Every range is checked (overflow, plane bounds) before any copy is issued.
+// and, back to back from offset 0, in the stored piece; `toward_storage` says which side is
+// written. Every range is checked (overflow, plane bounds) before any copy is issued.
 absl::StatusOr<std::vector<CopyRange>> PieceRanges(const SessionLayoutVersion& layout,
                                                    const std::vector<StoredPiece>& pieces,
-                                                   uint64_t block_index, Toward toward) {
+                                                   uint64_t block_index, bool toward_storage) {
   std::vector<CopyRange> ranges;
   ranges.reserve(pieces.size());
   uint64_t stored_at = 0;
@@ -74,7 +75,7 @@ absl::StatusOr<std::vector<CopyRange>> PieceRanges(const SessionLayoutVersion& l
     ASSIGN_OR_RETURN(uint64_t offset, CheckedAdd(piece.plane_offset, shift, "block offset"));
     ASSIGN_OR_RETURN(uint64_t session_at,
                      PlaneRangeOffset(layout, piece.plane, offset, piece.bytes));
-    ranges.push_back(toward == Toward::kStorage
+    ranges.push_back(toward_storage
                          ? CopyRange{.dst_offset = stored_at, .src_offset = session_at,
                                      .bytes = piece.bytes}
                          : CopyRange{.dst_offset = session_at, .src_offset = stored_at,
@@ -82,6 +83,43 @@ absl::StatusOr<std::vector<CopyRange>> PieceRanges(const SessionLayoutVersion& l
     stored_at += piece.bytes;
   }
   return ranges;
+}
+
+// The part of `ranges` (as PieceRanges made them) that copies stored bytes [begin, end), the
+// stored side moved to `stored_offset` (where the piece's span starts in its slab).
+std::vector<CopyRange> SliceRanges(const std::vector<CopyRange>& ranges, bool toward_storage,
+                                   uint64_t stored_offset, uint64_t begin, uint64_t end) {
+  std::vector<CopyRange> slice;
+  uint64_t at = 0;
+  for (const CopyRange& range : ranges) {
+    const uint64_t lo = std::max(at, begin);
+    const uint64_t hi = std::min(at + range.bytes, end);
+    if (lo < hi) {
+      const uint64_t skip = lo - at;
+      CopyRange part{.dst_offset = range.dst_offset + skip,
+                     .src_offset = range.src_offset + skip,
+                     .bytes = hi - lo};
+      (toward_storage ? part.dst_offset : part.src_offset) += stored_offset;
+      slice.push_back(part);
+    }
+    at += range.bytes;
+  }
+  return slice;
+}
+
+uint64_t SliceCount(uint64_t bytes, uint64_t slice_bytes) {
+  return bytes == 0 ? 1 : (bytes - 1) / slice_bytes + 1;
+}
+
+// A piece's checksum from its slices' (in order): the one slice's own, else the xxHash3-64 of
+// the slice checksums as little-endian u64s.
+uint64_t PieceChecksum(const std::vector<uint64_t>& slices) {
+  if (slices.size() == 1) return slices[0];
+  std::vector<uint8_t> bytes(slices.size() * 8);
+  for (size_t i = 0; i < slices.size(); ++i) {
+    for (int b = 0; b < 8; ++b) bytes[i * 8 + b] = static_cast<uint8_t>(slices[i] >> (8 * b));
+  }
+  return XXH3_64bits(bytes.data(), bytes.size());
 }
 
 // Appends a piece, adding its bytes to `total` (overflow-checked).
@@ -237,39 +275,45 @@ absl::StatusOr<std::unique_ptr<PrefixCache>> PrefixCache::Create(const PrefixCac
   if (options.budget_bytes == 0) {
     return absl::InvalidArgumentError("prefix cache budget is 0 bytes (0 disables the cache)");
   }
-  if (options.copy_threads == 0 || options.parallel_copy_bytes == 0) {
+  if (options.copy_threads == 0 || options.parallel_copy_bytes == 0 ||
+      options.checksum_slice_bytes == 0) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "prefix copy_threads (", options.copy_threads, ") and parallel_copy_bytes (",
-        options.parallel_copy_bytes, ") must both be at least 1"));
+        "prefix copy_threads (", options.copy_threads, "), parallel_copy_bytes (",
+        options.parallel_copy_bytes, ") and checksum_slice_bytes (", options.checksum_slice_bytes,
+        ") must all be at least 1"));
   }
+  SlabAllocatorOptions slab_options;
+  // A slab larger than the whole budget would charge the device for memory the cache may
+  // never use; at the budget, emptied slabs are kept for the next capture (warm storage).
+  slab_options.slab_bytes = std::min(options.slab_bytes, options.budget_bytes);
+  slab_options.keep_empty_bytes = options.budget_bytes;
+  ASSIGN_OR_RETURN(std::unique_ptr<SlabAllocator> slabs,
+                   SlabAllocator::Create(slab_options, backend, budget));
   PrefixIndexOptions index_options;
   index_options.block_tokens = options.block_tokens;
   index_options.budget_bytes = options.budget_bytes;
   index_options.epoch = options.epoch;
   index_options.event_capacity = options.event_capacity;
   ASSIGN_OR_RETURN(PrefixIndex index, PrefixIndex::Create(index_options));
-  return std::unique_ptr<PrefixCache>(new PrefixCache(options, std::move(index), backend, budget));
+  return std::unique_ptr<PrefixCache>(
+      new PrefixCache(options, std::move(index), backend, budget, std::move(slabs)));
 }
 
 PrefixCache::PrefixCache(const PrefixCacheOptions& options, PrefixIndex index,
-                         DeviceBackend* backend, DeviceBudget* budget)
-    : options_(options), backend_(backend), budget_(budget), index_(std::move(index)) {}
+                         DeviceBackend* backend, DeviceBudget* budget,
+                         std::unique_ptr<SlabAllocator> slabs)
+    : options_(options),
+      backend_(backend),
+      budget_(budget),
+      slabs_(std::move(slabs)),
+      index_(std::move(index)) {}
 
-PrefixCache::~PrefixCache() {
-  absl::MutexLock lock(&mu_);
-  for (const auto& [handle, storage] : storage_) FreeStorage(storage);
-  storage_.clear();
-  if (budget_ != nullptr) budget_->SetEvictable(EvictableSource::kPrefixCache, 0);
-}
+// slabs_ frees every slab, its charge and the budget's evictable bytes.
+PrefixCache::~PrefixCache() = default;
 
-void PrefixCache::FreeStorage(const Storage& storage) {
-  if (absl::Status freed = backend_->FreeArena(storage.arena); !freed.ok()) {
-    spdlog::error("prefix cache: freeing {} failed: {}", storage.arena.value, freed.ToString());
-  }
-  if (storage.charge.has_value()) {
-    if (absl::Status released = budget_->Release(*storage.charge); !released.ok()) {
-      spdlog::error("prefix cache: releasing its budget charge failed: {}", released.ToString());
-    }
+void PrefixCache::FreeStorage(const SlabSpan& span) {
+  if (absl::Status freed = slabs_->Free(span); !freed.ok()) {
+    spdlog::error("prefix cache: freeing its storage failed: {}", freed.ToString());
   }
 }
 
@@ -277,47 +321,21 @@ void PrefixCache::FreeHandles(const std::vector<uint64_t>& handles) {
   for (uint64_t handle : handles) {
     auto it = storage_.find(handle);
     if (it == storage_.end()) continue;
-    FreeStorage(it->second);
+    FreeStorage(it->second.span);
     storage_.erase(it);
   }
 }
 
-void PrefixCache::PublishEvictable() {
-  if (budget_ != nullptr) {
-    budget_->SetEvictable(EvictableSource::kPrefixCache, index_.EvictableBytes());
-  }
-}
-
-absl::StatusOr<PrefixCache::Stored> PrefixCache::StorePieces(
-    const SessionLayoutVersion& layout, const std::vector<StoredPiece>& pieces,
-    uint64_t block_index, uint64_t bytes) {
-  // Every source range first, so a bad one allocates nothing. The pieces are stored back to
-  // back, so the stored arena's checksum is that of the gathered source bytes in order.
-  ASSIGN_OR_RETURN(std::vector<CopyRange> ranges,
-                   PieceRanges(layout, pieces, block_index, Toward::kStorage));
-  Stored stored;
-  ASSIGN_OR_RETURN(uint64_t rounded, backend_->RoundedArenaBytes(bytes));
-  if (budget_ != nullptr) {
-    ASSIGN_OR_RETURN(stored.storage.charge,
-                     budget_->AllocateWithoutEviction(kPrefixCacheOwner, rounded));
-  }
-  // Gathered device-side and checksummed in the same pass: no host staging buffer.
-  absl::StatusOr<ArenaId> arena = backend_->CreateArena(bytes, ArenaVisibility::kPrivate);
-  absl::Status status = arena.status();
-  if (status.ok()) {
-    stored.storage.arena = *arena;
-    absl::StatusOr<uint64_t> checksum =
-        backend_->CopyRangesChecksummed(*arena, layout.arena, ranges);
-    status = checksum.status();
-    if (status.ok()) stored.ref.checksum = *checksum;
-    if (!status.ok()) (void)backend_->FreeArena(*arena);
-  }
-  if (!status.ok()) {
-    if (stored.storage.charge.has_value()) (void)budget_->Release(*stored.storage.charge);
-    return status;
-  }
-  stored.ref.storage_handle = arena->value;
-  return stored;
+void PrefixCache::HoldEntry(const EntryView& entry, bool hold) {
+  auto apply = [&](uint64_t handle) {
+    auto it = storage_.find(handle);
+    if (it == storage_.end()) return;
+    const ArenaId slab = it->second.span.slab;
+    absl::Status status = hold ? slabs_->Hold(slab) : slabs_->Release(slab);
+    if (!status.ok()) spdlog::error("prefix cache: {}", status.ToString());
+  };
+  for (const LookupBlock& block : entry.blocks) apply(block.stored.storage_handle);
+  if (entry.boundary.has_value()) apply(entry.boundary->storage_handle);
 }
 
 absl::StatusOr<PrefixCaptureResult> PrefixCache::CaptureLocked(
@@ -344,65 +362,80 @@ absl::StatusOr<PrefixCaptureResult> PrefixCache::CaptureLocked(
   ASSIGN_OR_RETURN(StoredLayout stored, PlanStoredLayout(layout.plan, state, boundary_tokens, block));
   PrefixModelTraits traits;
   traits.position_addressed_only = stored.position_addressed_only;
-  ASSIGN_OR_RETURN(traits.block_bytes, backend_->RoundedArenaBytes(stored.block_bytes));
+  ASSIGN_OR_RETURN(traits.block_bytes, slabs_->RoundedBytes(stored.block_bytes));
   if (!stored.position_addressed_only) {
-    ASSIGN_OR_RETURN(traits.boundary_bytes, backend_->RoundedArenaBytes(stored.boundary_bytes));
+    ASSIGN_OR_RETURN(traits.boundary_bytes, slabs_->RoundedBytes(stored.boundary_bytes));
   }
   CapturePlan plan;
   {
     absl::MutexLock lock(&mu_);
     ASSIGN_OR_RETURN(plan, index_.PlanCapture(shape.key, tokens, boundary_tokens, traits));
   }
-  // Copies without mu_ (the session's own mutex keeps its state still).
-  std::vector<Stored> copies;
-  auto free_copies = [&] {
-    for (const Stored& copy : copies) FreeStorage(copy.storage);
-  };
-  CaptureCommit commit;
+  // Copies without mu_ (the session's own mutex keeps its state still). Every source range is
+  // checked before anything is allocated; each span is held until the index adopts it.
+  std::vector<PieceCopy> pieces;
   if (!plan.already_present) {
-    // Blocks are independent: a large capture stores them over several threads.
-    const uint64_t first = plan.first_new_block;
-    std::vector<std::optional<Stored>> blocks(plan.chain.size() - first);
-    const absl::Status stored_blocks =
-        ForEachBlock(blocks.size(), stored.block_bytes, [&](uint64_t i) -> absl::Status {
-          ASSIGN_OR_RETURN(blocks[i], StorePieces(layout, stored.block_pieces, first + i,
-                                                  stored.block_bytes));
-          return absl::OkStatus();
-        });
-    for (std::optional<Stored>& block : blocks) {
-      if (!block.has_value()) continue;
-      commit.new_blocks.push_back(block->ref);
-      copies.push_back(*std::move(block));
-    }
-    if (!stored_blocks.ok()) {
-      free_copies();
-      return stored_blocks;
+    for (uint64_t i = plan.first_new_block; i < plan.chain.size(); ++i) {
+      ASSIGN_OR_RETURN(pieces.emplace_back().ranges,
+                       PieceRanges(layout, stored.block_pieces, i, /*toward_storage=*/true));
+      pieces.back().bytes = stored.block_bytes;
     }
     if (plan.needs_boundary_state) {
-      absl::StatusOr<Stored> copy =
-          StorePieces(layout, stored.boundary_pieces, 0, stored.boundary_bytes);
-      if (!copy.ok()) {
-        free_copies();
-        return copy.status();
-      }
-      commit.boundary = copy->ref;
-      copies.push_back(*std::move(copy));
+      ASSIGN_OR_RETURN(pieces.emplace_back().ranges,
+                       PieceRanges(layout, stored.boundary_pieces, 0, /*toward_storage=*/true));
+      pieces.back().bytes = stored.boundary_bytes;
     }
   }
+  size_t allocated = 0;
+  auto free_copies = [&] {
+    for (size_t i = 0; i < allocated; ++i) {
+      (void)slabs_->Release(pieces[i].storage.span.slab);
+      FreeStorage(pieces[i].storage.span);
+    }
+  };
+  for (; allocated < pieces.size(); ++allocated) {
+    absl::StatusOr<SlabSpan> span = slabs_->Allocate(pieces[allocated].bytes);
+    if (!span.ok()) {
+      free_copies();
+      return span.status();
+    }
+    pieces[allocated].storage.span = *span;
+  }
+  // Sealed as they are copied: the checksums come from the bytes the copy read.
+  absl::StatusOr<std::vector<std::vector<uint64_t>>> slices =
+      CopySlices(Direction::kCapture, layout.arena, pieces, /*checksum=*/true, EntryId{});
+  if (!slices.ok()) {
+    free_copies();
+    return slices.status();
+  }
+  std::vector<Stored> copies(pieces.size());
+  for (size_t i = 0; i < pieces.size(); ++i) {
+    copies[i].ref.checksum = PieceChecksum((*slices)[i]);
+    copies[i].storage.span = pieces[i].storage.span;
+    if ((*slices)[i].size() > 1) copies[i].storage.slice_checksums = std::move((*slices)[i]);
+  }
   absl::MutexLock lock(&mu_);
+  CaptureCommit commit;
+  for (Stored& copy : copies) copy.ref.storage_handle = next_handle_++;
+  const size_t new_blocks = plan.already_present ? 0 : plan.new_block_count();
+  for (size_t i = 0; i < new_blocks; ++i) commit.new_blocks.push_back(copies[i].ref);
+  if (copies.size() > new_blocks) commit.boundary = copies.back().ref;
   absl::StatusOr<CommitResult> committed =
       index_.CommitCapture(plan, commit, tick_.fetch_add(1) + 1);
-  if (!committed.ok()) {
-    free_copies();
-    return committed.status();
+  for (const Stored& copy : copies) {
+    (void)slabs_->Release(copy.storage.span.slab);
+    if (committed.ok()) {
+      storage_[copy.ref.storage_handle] = copy.storage;
+    } else {
+      FreeStorage(copy.storage.span);
+    }
   }
-  for (const Stored& copy : copies) storage_[copy.ref.storage_handle] = copy.storage;
+  if (!committed.ok()) return committed.status();
   FreeHandles(committed->unused_handles);
   FreeHandles(committed->evicted_handles);
   position_addressed_[shape.key] = stored.position_addressed_only;
   scoped_shapes_[shape.key] = shape;
   if (!committed->already_present) ++captures_;
-  PublishEvictable();
   PrefixCaptureResult result;
   result.entry = committed->entry;
   result.boundary_tokens = boundary_tokens;
@@ -550,14 +583,14 @@ absl::StatusOr<PrefixRestoreResult> PrefixCache::Restore(DaemonSession& session,
                 " of them"));
           }
           RETURN_IF_ERROR(index_.Pin(*id, tick_.fetch_add(1) + 1));
-          PublishEvictable();
+          HoldEntry(entry, /*hold=*/true);
         }
         // Pinned: nothing below can free the entry's bytes. Every path unpins.
         auto unpin = [&] {
           absl::MutexLock lock(&mu_);
+          HoldEntry(entry, /*hold=*/false);
           (void)index_.Unpin(entry.id);
           FreeHandles(index_.EnforceBudget().freed_handles);
-          PublishEvictable();
         };
         absl::StatusOr<SessionState> restored =
             RestorePinned(session.params().id, state, layout, entry, matched);
@@ -573,7 +606,6 @@ absl::StatusOr<PrefixRestoreResult> PrefixCache::Restore(DaemonSession& session,
           absl::StatusOr<EvictionResult> dropped =
               index_.DropEntry(entry.id, std::string(restored.status().message()));
           if (dropped.ok()) FreeHandles(dropped->freed_handles);
-          PublishEvictable();
           spdlog::error("{}", restored.status().ToString());
         }
         return restored;
@@ -603,7 +635,7 @@ absl::StatusOr<SessionState> PrefixCache::RestorePinned(SessionId session,
     ASSIGN_OR_RETURN(LatentCapturePlan snapshot, PlanLatentCapture(hydrated.latent()[i]));
     RETURN_IF_ERROR(ValidateLatentRestore(state.latent()[i], snapshot.snapshot, state.capacity()));
   }
-  ASSIGN_OR_RETURN(uint64_t block_bytes, backend_->RoundedArenaBytes(target.block_bytes));
+  ASSIGN_OR_RETURN(uint64_t block_bytes, slabs_->RoundedBytes(target.block_bytes));
   for (uint64_t i = 0; i < matched_blocks; ++i) {
     if (entry.blocks[i].bytes != block_bytes) {
       return absl::DataLossError(absl::StrCat(
@@ -612,7 +644,7 @@ absl::StatusOr<SessionState> PrefixCache::RestorePinned(SessionId session,
     }
   }
   if (entry.boundary.has_value()) {
-    ASSIGN_OR_RETURN(uint64_t boundary_bytes, backend_->RoundedArenaBytes(target.boundary_bytes));
+    ASSIGN_OR_RETURN(uint64_t boundary_bytes, slabs_->RoundedBytes(target.boundary_bytes));
     if (entry.boundary_bytes != boundary_bytes) {
       return absl::DataLossError(absl::StrCat(
           "prefix entry ", entry.id.value, ": stored boundary state holds ",
@@ -624,40 +656,47 @@ absl::StatusOr<SessionState> PrefixCache::RestorePinned(SessionId session,
                                             " carries no boundary state but the session's "
                                             "plan needs ", target.boundary_bytes, " bytes of it"));
   }
-  // 2. Copy, verifying in the same pass: each stored piece's xxHash3 is taken from the bytes as
-  // they are copied and compared with the one taken at capture (a separate verification pass
-  // cost as much as the copy). A mismatch or device failure leaves the session's state fresh
-  // (it adopts `hydrated` only on success); the bytes already copied are unspecified content of
-  // a fresh session, as any fresh session's bytes are.
-  auto copy_pieces = [&](const StoredRef& from, const std::vector<StoredPiece>& pieces,
-                         uint64_t block_index) -> absl::Status {
-    ASSIGN_OR_RETURN(std::vector<CopyRange> ranges,
-                     PieceRanges(layout, pieces, block_index, Toward::kSession));
-    const ArenaId stored{from.storage_handle};
-    if (!options_.verify_checksums) {
-      for (const CopyRange& range : ranges) {
-        RETURN_IF_ERROR(
-            backend_->Copy(layout.arena, range.dst_offset, stored, range.src_offset, range.bytes));
-      }
-      return absl::OkStatus();
-    }
-    ASSIGN_OR_RETURN(const uint64_t checksum,
-                     backend_->CopyRangesChecksummed(layout.arena, stored, ranges));
-    if (checksum != from.checksum) {
-      uint64_t stored_bytes = 0;
-      for (const CopyRange& range : ranges) stored_bytes += range.bytes;
-      return absl::DataLossError(absl::StrFormat(
-          "prefix entry %d: stored piece (arena %d, %d bytes) has xxHash3 %016x, captured as "
-          "%016x; the entry is dropped, never served",
-          entry.id.value, from.storage_handle, stored_bytes, checksum, from.checksum));
-    }
-    return absl::OkStatus();
-  };
-  RETURN_IF_ERROR(ForEachBlock(matched_blocks, target.block_bytes, [&](uint64_t i) {
-    return copy_pieces(entry.blocks[i].stored, target.block_pieces, i);
-  }));
+  // Every destination range, then where each piece is stored (pinned: it stays there).
+  std::vector<PieceCopy> pieces;
+  std::vector<const StoredRef*> refs;
+  for (uint64_t i = 0; i < matched_blocks; ++i) {
+    ASSIGN_OR_RETURN(pieces.emplace_back().ranges,
+                     PieceRanges(layout, target.block_pieces, i, /*toward_storage=*/false));
+    pieces.back().bytes = target.block_bytes;
+    refs.push_back(&entry.blocks[i].stored);
+  }
   if (entry.boundary.has_value()) {
-    // Unbuilt pool-key slots must read zero (PlanLatentRestore's zero_pool_keys).
+    ASSIGN_OR_RETURN(pieces.emplace_back().ranges,
+                     PieceRanges(layout, target.boundary_pieces, 0, /*toward_storage=*/false));
+    pieces.back().bytes = target.boundary_bytes;
+    refs.push_back(&*entry.boundary);
+  }
+  {
+    absl::MutexLock lock(&mu_);
+    for (size_t i = 0; i < pieces.size(); ++i) {
+      auto it = storage_.find(refs[i]->storage_handle);
+      if (it == storage_.end()) {
+        return absl::InternalError(absl::StrCat("prefix entry ", entry.id.value,
+                                                ": pinned storage handle ",
+                                                refs[i]->storage_handle, " has no span"));
+      }
+      pieces[i].storage = it->second;
+      pieces[i].checksum = refs[i]->checksum;
+    }
+  }
+  for (size_t i = 0; i < pieces.size(); ++i) {
+    // The slice checksums must be the ones the piece was sealed with.
+    const std::vector<uint64_t>& slices = pieces[i].storage.slice_checksums;
+    if (!slices.empty() && PieceChecksum(slices) != pieces[i].checksum) {
+      return absl::DataLossError(absl::StrFormat(
+          "prefix entry %d: the %d slice checksums of stored piece %d hash to %016x, sealed as "
+          "%016x; the entry is dropped, never served",
+          entry.id.value, slices.size(), i, PieceChecksum(slices), pieces[i].checksum));
+    }
+  }
+  if (entry.boundary.has_value()) {
+    // Unbuilt pool-key slots must read zero (PlanLatentRestore's zero_pool_keys); zeroed before
+    // any copy, since the boundary's pool keys land in the same plane.
     for (const LatentLayerState& latent : hydrated.latent()) {
       if (latent.index_width == 0) continue;
       const PlaneRef keys{latent.layer, PlaneKind::kPoolKeys};
@@ -665,25 +704,99 @@ absl::StatusOr<SessionState> PrefixCache::RestorePinned(SessionId session,
       ASSIGN_OR_RETURN(uint64_t at, PlaneRangeOffset(layout, keys, 0, bytes));
       RETURN_IF_ERROR(backend_->Memset(layout.arena, at, 0, bytes));
     }
-    RETURN_IF_ERROR(copy_pieces(*entry.boundary, target.boundary_pieces, 0));
   }
+  // 2. Copy, verifying in the same pass: each slice's xxHash3 is taken from the bytes as they
+  // are copied and compared with the one taken at capture (a separate verification pass cost as
+  // much as the copy). A mismatch or device failure leaves the session's state fresh (it adopts
+  // `hydrated` only on success); the bytes already copied are unspecified content of a fresh
+  // session, as any fresh session's bytes are.
+  RETURN_IF_ERROR(CopySlices(Direction::kRestore, layout.arena, pieces, options_.verify_checksums,
+                             entry.id)
+                      .status());
   return hydrated;
 }
 
-absl::Status PrefixCache::ForEachBlock(uint64_t blocks, uint64_t block_bytes,
-                                       absl::FunctionRef<absl::Status(uint64_t)> copy) const {
-  // Blocks are independent ranges of the destination, so they can be copied concurrently
-  // (DeviceBackend is thread-safe). Each worker takes a contiguous run.
+absl::StatusOr<std::vector<std::vector<uint64_t>>> PrefixCache::CopySlices(
+    Direction direction, ArenaId session_arena, const std::vector<PieceCopy>& pieces,
+    bool checksum, EntryId entry) const {
+  const uint64_t slice_bytes = options_.checksum_slice_bytes;
+  const bool toward_storage = direction == Direction::kCapture;
+  // Every slice of every piece is an independent range of the destination, so slices are copied
+  // concurrently (DeviceBackend is thread-safe). Workers take the next job in piece order as
+  // they finish one: on a loaded machine a thread that gets less CPU takes fewer slices instead
+  // of holding up the copy.
+  struct Job {
+    uint32_t piece;
+    uint32_t slice;
+  };
+  std::vector<Job> jobs;
+  std::vector<std::vector<uint64_t>> checksums(pieces.size());
+  uint64_t total = 0;
+  for (size_t p = 0; p < pieces.size(); ++p) {
+    const uint64_t slices = SliceCount(pieces[p].bytes, slice_bytes);
+    checksums[p].resize(slices);
+    if (direction == Direction::kRestore) {
+      const size_t stored = pieces[p].storage.slice_checksums.size();
+      if (stored != (slices == 1 ? 0 : slices)) {
+        return absl::DataLossError(absl::StrCat(
+            "prefix entry ", entry.value, ": stored piece ", p, " of ", pieces[p].bytes,
+            " bytes carries ", stored, " slice checksums; ", slice_bytes,
+            "-byte slices make ", slices, "; the entry is dropped, never served"));
+      }
+    }
+    for (uint64_t s = 0; s < slices; ++s) {
+      jobs.push_back({static_cast<uint32_t>(p), static_cast<uint32_t>(s)});
+    }
+    total += pieces[p].bytes;
+  }
+  auto run_job = [&](const Job& job) -> absl::Status {
+    const PieceCopy& piece = pieces[job.piece];
+    const uint64_t begin = uint64_t{job.slice} * slice_bytes;
+    const uint64_t end = std::min(begin + slice_bytes, piece.bytes);
+    const std::vector<CopyRange> ranges =
+        SliceRanges(piece.ranges, toward_storage, piece.storage.span.offset, begin, end);
+    const ArenaId stored = piece.storage.span.slab;
+    const ArenaId dst = toward_storage ? stored : session_arena;
+    const ArenaId src = toward_storage ? session_arena : stored;
+    if (!checksum) {
+      for (const CopyRange& range : ranges) {
+        RETURN_IF_ERROR(backend_->Copy(dst, range.dst_offset, src, range.src_offset, range.bytes));
+      }
+      return absl::OkStatus();
+    }
+    ASSIGN_OR_RETURN(const uint64_t digest, backend_->CopyRangesChecksummed(dst, src, ranges));
+    checksums[job.piece][job.slice] = digest;
+    if (direction == Direction::kCapture) return absl::OkStatus();
+    const std::vector<uint64_t>& sealed = piece.storage.slice_checksums;
+    const uint64_t expected = sealed.empty() ? piece.checksum : sealed[job.slice];
+    if (digest != expected) {
+      return absl::DataLossError(absl::StrFormat(
+          "prefix entry %d: stored piece %d (slab %d, offset %d), slice %d of %d (%d bytes), "
+          "has xxHash3 %016x, captured as %016x; the entry is dropped, never served",
+          entry.value, job.piece, stored.value, piece.storage.span.offset, job.slice,
+          checksums[job.piece].size(), end - begin, digest, expected));
+    }
+    return absl::OkStatus();
+  };
   uint64_t workers = 1;
-  if (blocks > 1 && block_bytes > 0 && blocks >= options_.parallel_copy_bytes / block_bytes) {
-    workers = std::min<uint64_t>({options_.copy_threads, blocks,
+  if (jobs.size() > 1 && total >= options_.parallel_copy_bytes) {
+    workers = std::min<uint64_t>({options_.copy_threads, jobs.size(),
                                   std::max(1u, std::thread::hardware_concurrency())});
   }
-  std::vector<absl::Status> statuses(workers);
+  // Each worker's first failure and its job; the first failure in job order is returned.
+  std::vector<std::pair<size_t, absl::Status>> failures(workers, {jobs.size(), absl::OkStatus()});
+  std::atomic<size_t> next_job{0};
+  std::atomic<bool> failed{false};
   auto run = [&](uint64_t worker) {
-    const uint64_t begin = blocks * worker / workers;
-    const uint64_t end = blocks * (worker + 1) / workers;
-    for (uint64_t i = begin; i < end && statuses[worker].ok(); ++i) statuses[worker] = copy(i);
+    while (!failed.load(std::memory_order_relaxed)) {
+      const size_t i = next_job.fetch_add(1, std::memory_order_relaxed);
+      if (i >= jobs.size()) return;
+      absl::Status status = run_job(jobs[i]);
+      if (!status.ok()) {
+        failures[worker] = {i, std::move(status)};
+        failed.store(true, std::memory_order_relaxed);
+      }
+    }
   };
   std::vector<std::thread> threads;
   threads.reserve(workers - 1);
@@ -696,8 +809,11 @@ absl::Status PrefixCache::ForEachBlock(uint64_t blocks, uint64_t block_bytes,
   }
   run(0);
   for (std::thread& thread : threads) thread.join();
-  for (const absl::Status& status : statuses) RETURN_IF_ERROR(status);
-  return absl::OkStatus();
+  const auto first = std::min_element(
+      failures.begin(), failures.end(),
+      [](const auto& a, const auto& b) { return a.first < b.first; });
+  RETURN_IF_ERROR(first->second);
+  return checksums;
 }
 
 ScopedEntry PrefixCache::Unscoped(EntryView view) const {
@@ -730,22 +846,35 @@ absl::StatusOr<uint64_t> PrefixCache::EvictEntry(EntryId entry) {
   absl::MutexLock lock(&mu_);
   ASSIGN_OR_RETURN(EvictionResult evicted, index_.EvictEntry(entry));
   FreeHandles(evicted.freed_handles);
-  PublishEvictable();
   return evicted.freed_bytes;
 }
 
 uint64_t PrefixCache::EvictForAdmission(uint64_t bytes) {
   absl::MutexLock lock(&mu_);
-  const uint64_t want = std::min(bytes, index_.EvictableBytes());
-  if (want == 0) return 0;
-  absl::StatusOr<EvictionResult> evicted = index_.Evict(want);
-  if (!evicted.ok()) return 0;  // cannot happen: want <= EvictableBytes()
-  FreeHandles(evicted->freed_handles);
-  PublishEvictable();
-  spdlog::info("prefix cache: evicted {} entries ({} bytes) for an admission {} bytes short",
-               evicted->entries.size(), evicted->freed_bytes, bytes);
-  return evicted->freed_bytes;
+  // The budget is charged per slab: only whole slabs returned make room. Empty (kept) slabs go
+  // first, then LRU entries until their slabs empty out, or nothing unpinned is left.
+  const uint64_t returned_before = slabs_->returned_bytes();
+  auto returned = [&] { return slabs_->returned_bytes() - returned_before; };
+  slabs_->ReleaseEmptySlabs();
+  uint64_t entries = 0;
+  uint64_t held_bytes = 0;
+  while (returned() < bytes && index_.EvictableBytes() > 0) {
+    const uint64_t want = std::min(bytes - returned(), index_.EvictableBytes());
+    absl::StatusOr<EvictionResult> evicted = index_.Evict(want);
+    if (!evicted.ok()) break;  // cannot happen: want <= EvictableBytes()
+    entries += evicted->entries.size();
+    held_bytes += evicted->freed_bytes;
+    FreeHandles(evicted->freed_handles);
+    slabs_->ReleaseEmptySlabs();
+  }
+  spdlog::info(
+      "prefix cache: returned {} bytes of slabs ({} entries, {} stored bytes evicted) for an "
+      "admission {} bytes short",
+      returned(), entries, held_bytes, bytes);
+  return returned();
 }
+
+uint64_t PrefixCache::ReleaseEmptySlabs() { return slabs_->ReleaseEmptySlabs(); }
 
 void PrefixCache::InstallEvictor(DeviceBudget& budget) {
   budget.SetEvictor(EvictableSource::kPrefixCache,
@@ -774,6 +903,7 @@ PrefixCacheStats PrefixCache::Stats() const {
   stats.epoch = index_.epoch();
   stats.last_sequence = index_.LastSequence();
   stats.block_tokens = index_.block_tokens();
+  stats.slabs = slabs_->Stats();
   return stats;
 }
 
@@ -806,19 +936,20 @@ uint64_t PrefixCache::AwaitEvent(uint64_t last_sequence, absl::Duration timeout)
   return index_.LastSequence();
 }
 
-absl::StatusOr<ArenaId> PrefixCache::StorageArena(uint64_t storage_handle) const {
+absl::StatusOr<SlabSpan> PrefixCache::StorageSpan(uint64_t storage_handle) const {
   absl::MutexLock lock(&mu_);
   auto it = storage_.find(storage_handle);
   if (it == storage_.end()) {
     return absl::NotFoundError(absl::StrCat("no prefix storage handle ", storage_handle));
   }
-  return it->second.arena;
+  return it->second.span;
 }
 
 absl::Status PrefixCache::CheckInvariants() const {
   absl::MutexLock lock(&mu_);
   RETURN_IF_ERROR(index_.CheckInvariants());
-  // (1): the handles the index references are exactly the arenas held (no capture in flight
+  RETURN_IF_ERROR(slabs_->CheckInvariants());
+  // (1): the handles the index references are exactly the spans held (no capture in flight
   // when tests call this).
   absl::flat_hash_set<uint64_t> referenced;
   for (EntryId id : index_.EntryIds()) {
@@ -828,12 +959,19 @@ absl::Status PrefixCache::CheckInvariants() const {
   }
   for (uint64_t handle : referenced) {
     if (!storage_.contains(handle)) {
-      return absl::InternalError(absl::StrCat("prefix storage handle ", handle, " has no arena"));
+      return absl::InternalError(absl::StrCat("prefix storage handle ", handle, " has no span"));
     }
   }
   if (referenced.size() != storage_.size()) {
     return absl::InternalError(absl::StrCat("prefix cache holds ", storage_.size(),
-                                            " arenas for ", referenced.size(), " stored pieces"));
+                                            " spans for ", referenced.size(), " stored pieces"));
+  }
+  // (2): what the index counts is what the slabs hold.
+  const SlabStats slabs = slabs_->Stats();
+  if (slabs.used_bytes != index_.StoredBytes() || slabs.spans != storage_.size()) {
+    return absl::InternalError(absl::StrCat(
+        "prefix index stores ", index_.StoredBytes(), " bytes in ", storage_.size(),
+        " pieces; its slabs hold ", slabs.used_bytes, " bytes in ", slabs.spans, " spans"));
   }
   return absl::OkStatus();
 }

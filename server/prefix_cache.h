@@ -2,9 +2,16 @@
 #define MEMRA_SERVER_PREFIX_CACHE_H_
 
 // The daemon's prefix cache: core's PrefixIndex (every bookkeeping rule: keys, sharing, LRU,
-// pins, events) plus the bytes. Each stored block and boundary state lives in its own
-// daemon-private arena (ArenaVisibility::kPrivate, never exported), charged to the device budget
-// as kPrefixCacheOwner, and carries an xxHash3-64 of its bytes taken at capture.
+// pins, events) plus the bytes. Each stored block and boundary state is a span of a slab
+// (server/slab_allocator.h: daemon-private arenas, ArenaVisibility::kPrivate, never exported,
+// each charged to the device budget as kPrefixCacheOwner) and carries xxHash3-64 checksums of its
+// bytes taken at capture: one for a piece of one slice, else one per checksum_slice_bytes slice
+// (so one large piece, such as a hybrid model's recurrent state, is copied and verified by
+// several threads) and, as the index's checksum, the xxHash3 of those slice checksums.
+//
+// Budgets: the index's budget (prefix_cache_budget_bytes) bounds the bytes of the spans it holds
+// (rounded to the slab alignment); the device budget is charged per slab, whole, so admission
+// counts what the device holds, slab free space included (reported as fragmentation).
 //
 // What is stored (StoredLayout):
 //  * per BLOCK of block_tokens rows, shared between entries: for every position-addressed layer
@@ -17,15 +24,17 @@
 // indexer state), this class only moves bytes.
 //
 // Thread-safety: thread-safe. Lock order: a session's own mutex (DaemonSession) -> mu_ ->
-// DeviceBudget's mutex. mu_ is never held while a session mutex is taken, nor across device
-// copies of a capture or restore (PlanCapture / Pin under mu_, copies without it, CommitCapture /
-// Unpin under mu_ again). EvictForAdmission is the DeviceBudget evictor: the budget calls it
+// SlabAllocator's mutex -> DeviceBudget's mutex. mu_ is never held while a session mutex is
+// taken, nor across device copies of a capture or restore (PlanCapture / Pin under mu_; spans
+// allocated and copied without it; CommitCapture / Unpin under mu_ again). EvictForAdmission is the DeviceBudget evictor: the budget calls it
 // without its own lock.
 //
-// Invariants: (1) storage_ holds exactly the handles the index references plus those of a
-// capture in flight; (2) every storage arena is charged to the budget (when one is attached)
-// exactly once, and released when freed; (3) the budget's evictable bytes equal
-// index_.EvictableBytes() after every public call returns.
+// Invariants: (1) storage_ holds exactly the handles the index references (a capture in flight
+// holds its spans itself until CommitCapture); (2) the spans of storage_ are live spans of
+// slabs_, each a piece's bytes rounded to the slab alignment, so index_.StoredBytes() equals
+// slabs_'s used bytes when no capture is in flight; (3) the slabs of a pinned entry's spans
+// and of a capture in flight are held (SlabAllocator::Hold), so the budget's evictable bytes
+// (the slabs no hold keeps) are exactly what evicting every unpinned entry returns.
 
 #include <atomic>
 #include <cstdint>
@@ -36,7 +45,6 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
-#include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
@@ -49,6 +57,7 @@
 #include "server/backend.h"
 #include "server/daemon_session.h"
 #include "server/device_budget.h"
+#include "server/slab_allocator.h"
 
 namespace memra {
 
@@ -61,6 +70,10 @@ struct PrefixCacheOptions {
   // at a third to a half of memcpy (bench/README.md). Both >= 1.
   uint32_t copy_threads = 4;
   uint64_t parallel_copy_bytes = uint64_t{64} << 20;
+  // A stored piece is checksummed (and so copied) in slices of this many bytes; > 0.
+  uint64_t checksum_slice_bytes = uint64_t{8} << 20;
+  // Storage slabs (SlabAllocatorOptions::slab_bytes); capped at the budget. > 0.
+  uint64_t slab_bytes = uint64_t{128} << 20;
   uint64_t epoch = 0;            // this daemon's epoch, on entries and events
   uint64_t event_capacity = 4096;
 };
@@ -166,6 +179,7 @@ struct PrefixCacheStats {
   uint64_t epoch = 0;
   uint64_t last_sequence = 0;
   uint32_t block_tokens = 0;
+  SlabStats slabs;  // the storage under stored_bytes (gauges)
 };
 
 class PrefixCache {
@@ -175,7 +189,7 @@ class PrefixCache {
   static absl::StatusOr<std::unique_ptr<PrefixCache>> Create(const PrefixCacheOptions& options,
                                                              DeviceBackend* backend,
                                                              DeviceBudget* budget);
-  ~PrefixCache();  // frees every storage arena and its budget charge
+  ~PrefixCache();  // frees every slab and its budget charge
   PrefixCache(const PrefixCache&) = delete;
   PrefixCache& operator=(const PrefixCache&) = delete;
 
@@ -232,6 +246,9 @@ class PrefixCache {
   // Installs EvictForAdmission as `budget`'s evictor (the budget must not outlive this cache).
   void InstallEvictor(DeviceBudget& budget);
 
+  // Returns the emptied slabs kept for reuse to the backend (shutdown); returns their bytes.
+  uint64_t ReleaseEmptySlabs() ABSL_LOCKS_EXCLUDED(mu_);
+
   PrefixCacheStats Stats() const ABSL_LOCKS_EXCLUDED(mu_);
   // Events after (epoch, last_sequence) of cache scope `scope` (nullopt: every scope, the
   // operators' view). Sequences are the daemon's: a scope's subscriber sees them skip over
@@ -244,23 +261,34 @@ class PrefixCache {
   uint64_t AwaitEvent(uint64_t last_sequence, absl::Duration timeout) const
       ABSL_LOCKS_EXCLUDED(mu_);
 
-  // Test seam (corruption tests): the private arena holding an entry's block or boundary.
-  absl::StatusOr<ArenaId> StorageArena(uint64_t storage_handle) const ABSL_LOCKS_EXCLUDED(mu_);
+  // Test seam (corruption tests): where an entry's block or boundary is stored.
+  absl::StatusOr<SlabSpan> StorageSpan(uint64_t storage_handle) const ABSL_LOCKS_EXCLUDED(mu_);
   absl::Status CheckInvariants() const ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
   struct Storage {
-    ArenaId arena;
-    std::optional<AllocationId> charge;  // set when a budget is attached
+    SlabSpan span;
+    // One xxHash3 per checksum_slice_bytes slice of a piece of several slices (the StoredRef's
+    // checksum is then the xxHash3 of these); empty for a piece of one slice.
+    std::vector<uint64_t> slice_checksums;
   };
-  // A capture's fresh copies (arena + checksum), freed unless the index adopts them.
+  // A capture's fresh copy, its span held until the index adopts it or it is freed.
   struct Stored {
     StoredRef ref;
     Storage storage;
   };
+  // One stored piece a capture or restore copies: `ranges` in piece order, the stored side at
+  // offsets from 0 (SliceRanges moves them into `storage.span`).
+  struct PieceCopy {
+    std::vector<CopyRange> ranges;
+    uint64_t bytes = 0;  // sum of the ranges' bytes
+    Storage storage;
+    uint64_t checksum = 0;  // restore: the StoredRef's
+  };
+  enum class Direction { kCapture, kRestore };
 
   PrefixCache(const PrefixCacheOptions& options, PrefixIndex index, DeviceBackend* backend,
-              DeviceBudget* budget);
+              DeviceBudget* budget, std::unique_ptr<SlabAllocator> slabs);
 
   // REQUIRES the session's mutex (runs inside DaemonSession::ViewLocked).
   absl::StatusOr<PrefixCaptureResult> CaptureLocked(const ScopedShape& shape,
@@ -279,35 +307,36 @@ class PrefixCache {
       ABSL_LOCKS_EXCLUDED(mu_);
   LookupResult LookupLocked(const PlanFingerprint& shape, absl::Span<const int32_t> tokens)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Allocates a private arena of `bytes` and gathers `pieces` (offset by `row_shift` bytes per
-  // piece multiple, see StoredLayout) from the session arena into it, checksumming as it copies.
-  absl::StatusOr<Stored> StorePieces(const SessionLayoutVersion& layout,
-                                     const std::vector<StoredPiece>& pieces, uint64_t block_index,
-                                     uint64_t bytes) ABSL_LOCKS_EXCLUDED(mu_);
-  void FreeStorage(const Storage& storage);
-  // Runs copy(i) for every block i in [0, blocks), over several threads for a large capture or
-  // restore (PrefixCacheOptions::copy_threads); returns the first failure in block order. A
-  // worker stops at its first failure; other workers' blocks may have run.
-  absl::Status ForEachBlock(uint64_t blocks, uint64_t block_bytes,
-                            absl::FunctionRef<absl::Status(uint64_t)> copy) const;
+  // Copies every slice of every piece between the session arena and the pieces' spans, over
+  // several threads for a large copy (copy_threads, parallel_copy_bytes), checksumming each
+  // slice as it goes unless `checksum` is false. Returns each piece's slice checksums. Capture:
+  // fills nothing else; restore: compares each slice with the stored checksums (DATA_LOSS for
+  // the first mismatch, naming `entry`). A worker stops at its first failure.
+  absl::StatusOr<std::vector<std::vector<uint64_t>>> CopySlices(
+      Direction direction, ArenaId session_arena, const std::vector<PieceCopy>& pieces,
+      bool checksum, EntryId entry) const;
+  void FreeStorage(const SlabSpan& span);
   // Frees handles the index let go of (eviction, drop, unused) and refreshes the budget's
   // evictable bytes.
   void FreeHandles(const std::vector<uint64_t>& handles) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void PublishEvictable() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // `view` with its scope and plain shape.
   ScopedEntry Unscoped(EntryView view) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Holds or releases the slabs of every span of `entry` (pinned for a restore).
+  void HoldEntry(const EntryView& entry, bool hold) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   // Constant after construction.
   const PrefixCacheOptions options_;
   DeviceBackend* const backend_;
   DeviceBudget* const budget_;
+  const std::unique_ptr<SlabAllocator> slabs_;  // thread-safe itself
 
   std::atomic<uint64_t> tick_{0};  // LRU clock
 
   mutable absl::Mutex mu_;
   PrefixIndex index_ ABSL_GUARDED_BY(mu_);
-  // storage handle (== the arena id's value) -> its arena and charge.
+  // storage handle -> where its bytes are and their slice checksums.
   absl::flat_hash_map<uint64_t, Storage> storage_ ABSL_GUARDED_BY(mu_);
+  uint64_t next_handle_ ABSL_GUARDED_BY(mu_) = 1;
   // Per key (ScopedShape::key): whether every layer is position-addressed (what Lookup must
   // know), and the scope and plain shape it stands for (filled at capture: every entry's key
   // is here).

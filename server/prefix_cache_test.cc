@@ -18,6 +18,7 @@
 #include "server/daemon_session.h"
 #include "server/device_budget.h"
 #include "server/test_host_backend.h"
+#include "tests/seeded_random.h"
 #include "tests/status_matchers.h"
 
 namespace memra {
@@ -35,6 +36,9 @@ constexpr char kScope[] = "uid:1000";  // the test sessions' cache scope unless 
 // A FlatPlan block's stored bytes: 16 tokens x 2 layers x (a 34-byte q8_0 K row of 32 dims + a
 // 24-byte q5_1 V row).
 constexpr uint64_t kFlatBlockBytes = kBlock * 2 * (34 + 24);
+// The slab span a FlatPlan block takes (kFlatBlockBytes rounded up to 256).
+constexpr uint64_t kFlatSpanBytes = 2048;
+constexpr uint64_t kSlabBytes = uint64_t{256} << 10;
 
 // The byte an "engine" wrote at (layer, plane, absolute row, byte). Position-addressed rows do
 // not depend on the session, so a shared prefix is the same bytes in every session; recurrent
@@ -137,9 +141,13 @@ class PrefixCacheTest : public ::testing::Test {
 
   std::unique_ptr<PrefixCache> MakeCache(uint64_t budget, DeviceBudget* device_budget = nullptr,
                                          uint64_t event_capacity = 4096,
-                                         uint32_t copy_threads = 1) {
+                                         uint32_t copy_threads = 1,
+                                         uint64_t slice_bytes = uint64_t{8} << 20,
+                                         uint64_t slab_bytes = kSlabBytes) {
     PrefixCacheOptions options;
     options.copy_threads = copy_threads;
+    options.checksum_slice_bytes = slice_bytes;
+    options.slab_bytes = slab_bytes;
     options.parallel_copy_bytes = 1;  // every multi-block capture or restore may split
     options.budget_bytes = budget;
     options.block_tokens = kBlock;
@@ -249,6 +257,48 @@ class PrefixCacheTest : public ::testing::Test {
     }),
                 IsOk());
     return bytes;
+  }
+
+  // Overwrites the committed K/V rows [from_row, len) of a flat-K/V session with bytes from
+  // `seed`: content that differs between sessions at every row (the pattern does not), so a
+  // restore that mixed up two entries' storage cannot pass KvRows' comparison.
+  void FillRandom(DaemonSession& session, uint64_t seed, uint64_t from_row) {
+    testing::SeededRandom random(seed);
+    ASSERT_THAT(session.ViewLocked([&](const SessionState& state,
+                                       const SessionLayoutVersion& layout,
+                                       const std::optional<std::vector<int32_t>>&) {
+      for (const Written& w : Content(layout.plan, state, /*aligned=*/false)) {
+        const uint64_t first = std::max(w.first, from_row);
+        if (first >= w.end) continue;
+        std::vector<uint8_t> bytes((w.end - first) * w.row_bytes);
+        for (uint8_t& byte : bytes) byte = static_cast<uint8_t>(random.Below(256));
+        ASSIGN_OR_RETURN(uint64_t at,
+                         PlaneRangeOffset(layout, w.plane, first * w.row_bytes, bytes.size()));
+        RETURN_IF_ERROR(backend_->Write(layout.arena, at, bytes));
+      }
+      return absl::OkStatus();
+    }),
+                IsOk());
+  }
+
+  // The bytes of a flat-K/V session's rows [0, len), every plane in layer order.
+  std::vector<uint8_t> KvRows(DaemonSession& session, uint64_t len) {
+    std::vector<uint8_t> out;
+    EXPECT_THAT(session.ViewLocked([&](const SessionState&, const SessionLayoutVersion& layout,
+                                       const std::optional<std::vector<int32_t>>&) {
+      for (const LayerGeometry& g : layout.plan.layers) {
+        for (const auto& [kind, row_bytes] : {std::pair{PlaneKind::kKeys, g.k_token_bytes},
+                                              std::pair{PlaneKind::kValues, g.v_token_bytes}}) {
+          std::vector<uint8_t> rows(len * row_bytes);
+          ASSIGN_OR_RETURN(uint64_t at, PlaneRangeOffset(layout, {g.layer, kind}, 0, rows.size()));
+          RETURN_IF_ERROR(backend_->Read(layout.arena, at, absl::MakeSpan(rows)));
+          out.insert(out.end(), rows.begin(), rows.end());
+        }
+      }
+      return absl::OkStatus();
+    }),
+                IsOk());
+    return out;
   }
 
   uint64_t Committed(DaemonSession& session) {
@@ -370,7 +420,11 @@ TEST_F(PrefixCacheTest, CommonPrefixBlocksAreStoredOnce) {
   EXPECT_EQ(two->added_bytes, 2 * block_bytes);  // the system prompt's 2 blocks are shared
   EXPECT_EQ(cache_->Stats().blocks, 6u);
   EXPECT_EQ(cache_->Stats().stored_bytes, 6 * block_bytes);
-  EXPECT_EQ(backend_->ArenaCount(), 2u + 6u);  // two sessions + six stored blocks
+  EXPECT_EQ(cache_->Stats().stored_bytes, 6 * kFlatSpanBytes);
+  // Two sessions + one slab holding the six stored blocks: no arena per block.
+  EXPECT_EQ(cache_->Stats().slabs.slabs, 1u);
+  EXPECT_EQ(cache_->Stats().slabs.used_bytes, 6 * kFlatSpanBytes);
+  EXPECT_EQ(backend_->ArenaCount(), 2u + 1u);
   absl::StatusOr<PrefixCaptureResult> again = cache_->Capture(*second, b, 64);
   ASSERT_THAT(again.status(), IsOk());
   EXPECT_TRUE(again->already_present);
@@ -573,19 +627,21 @@ TEST_F(PrefixCacheTest, CorruptBlockIsDataLossAndTheEntryIsDropped) {
   ASSERT_THAT(scoped, IsOk());
   absl::StatusOr<EntryView> view = scoped->view;
   ASSERT_THAT(view.status(), IsOk());
-  absl::StatusOr<ArenaId> arena = cache_->StorageArena(view->blocks[1].stored.storage_handle);
-  ASSERT_THAT(arena.status(), IsOk());
+  absl::StatusOr<SlabSpan> span = cache_->StorageSpan(view->blocks[1].stored.storage_handle);
+  ASSERT_THAT(span.status(), IsOk());
+  EXPECT_EQ(span->bytes, kFlatSpanBytes);
   std::vector<uint8_t> byte(1);
-  ASSERT_THAT(backend_->Read(*arena, 7, absl::MakeSpan(byte)), IsOk());
+  ASSERT_THAT(backend_->Read(span->slab, span->offset + 7, absl::MakeSpan(byte)), IsOk());
   byte[0] ^= 0x40;
-  ASSERT_THAT(backend_->Write(*arena, 7, byte), IsOk());
+  ASSERT_THAT(backend_->Write(span->slab, span->offset + 7, byte), IsOk());
 
   auto dest = NewSession(FlatPlan(), 128);
   EXPECT_THAT(cache_->Restore(*dest, captured->entry, tokens).status(),
               StatusIs(absl::StatusCode::kDataLoss,
                        HasSubstrs(absl::StrCat("prefix entry ", captured->entry.value,
-                                               ": stored piece (arena ", arena->value, ", ",
-                                               kFlatBlockBytes, " bytes) has xxHash3 "),
+                                               ": stored piece 1 (slab ", span->slab.value,
+                                               ", offset ", span->offset, "), slice 0 of 1 (",
+                                               kFlatBlockBytes, " bytes), has xxHash3 "),
                                   "captured as ")));
   // Block 0 was verified and copied before block 1 failed its check: those bytes are the
   // unspecified content of a session that stays fresh (nothing adopted, no mirror written).
@@ -595,7 +651,11 @@ TEST_F(PrefixCacheTest, CorruptBlockIsDataLossAndTheEntryIsDropped) {
   const PrefixCacheStats stats = cache_->Stats();
   EXPECT_EQ(stats.dropped_entries, 1u);
   EXPECT_EQ(stats.stored_bytes, 0u);
-  EXPECT_EQ(backend_->ArenaCount(), 2u);  // the two sessions; every stored block freed
+  // The two sessions and the emptied slab, kept warm for the next capture (within the budget).
+  EXPECT_EQ(stats.slabs.used_bytes, 0u);
+  EXPECT_EQ(stats.slabs.empty_slabs, 1u);
+  EXPECT_EQ(backend_->ArenaCount(), 2u + 1u);
+  EXPECT_THAT(cache_->CheckInvariants(), IsOk());
   const ScopedEventReplay events = cache_->EventsSince(77, 1, std::nullopt);
   ASSERT_EQ(events.events.size(), 1u);
   EXPECT_EQ(events.events[0].event.kind, PrefixEventKind::kDropped);
@@ -622,13 +682,14 @@ TEST_F(PrefixCacheTest, ParallelRestoreCopiesEveryBlockAndFailsOnAnyCorruptOne) 
   absl::StatusOr<EntryView> view = scoped->view;
   ASSERT_THAT(view.status(), IsOk());
   ASSERT_EQ(view->blocks.size(), 7u);
-  absl::StatusOr<ArenaId> arena = cache_->StorageArena(view->blocks[4].stored.storage_handle);
-  ASSERT_THAT(arena.status(), IsOk());
-  ASSERT_THAT(backend_->Memset(*arena, 3, 0xEE, 1), IsOk());
+  absl::StatusOr<SlabSpan> span = cache_->StorageSpan(view->blocks[4].stored.storage_handle);
+  ASSERT_THAT(span.status(), IsOk());
+  ASSERT_THAT(backend_->Memset(span->slab, span->offset + 3, 0xEE, 1), IsOk());
   auto again = NewSession(FlatPlan(), 128);
   EXPECT_THAT(cache_->Restore(*again, captured->entry, tokens).status(),
               StatusIs(absl::StatusCode::kDataLoss,
-                       HasSubstr(absl::StrCat("stored piece (arena ", arena->value, ", ",
+                       HasSubstr(absl::StrCat("stored piece 4 (slab ", span->slab.value,
+                                              ", offset ", span->offset, "), slice 0 of 1 (",
                                               kFlatBlockBytes, " bytes)"))));
   EXPECT_EQ(Committed(*again), 0u);
 }
@@ -639,7 +700,8 @@ TEST_F(PrefixCacheTest, ZeroRestoreThreadsIsRefused) {
   options.copy_threads = 0;
   EXPECT_THAT(PrefixCache::Create(options, backend_.get(), nullptr).status(),
               StatusIs(absl::StatusCode::kInvalidArgument,
-                       HasSubstr("copy_threads (0) and parallel_copy_bytes (67108864)")));
+                       HasSubstr("copy_threads (0), parallel_copy_bytes (67108864) and "
+                                 "checksum_slice_bytes (8388608) must all be at least 1")));
 }
 
 TEST_F(PrefixCacheTest, LruEvictionUnderTheBudget) {
@@ -680,17 +742,19 @@ TEST_F(PrefixCacheTest, AdmissionEvictsThroughTheDeviceBudget) {
   cache_->InstallEvictor(budget);
   absl::StatusOr<PrefixCaptureResult> captured = cache_->Capture(*session, tokens, 32);
   ASSERT_THAT(captured.status(), IsOk());
-  const uint64_t stored = captured->added_bytes;
-  ASSERT_GT(stored, 0u);
-  EXPECT_EQ(budget.Snapshot().evictable(), stored);
-  EXPECT_EQ(budget.Snapshot().allocated(), stored);  // the stored block, charged once
+  EXPECT_EQ(captured->added_bytes, 2 * kFlatSpanBytes);
+  // The device is charged the whole slab (one arena), all of it evictable.
+  EXPECT_EQ(budget.Snapshot().evictable(), kSlabBytes);
+  EXPECT_EQ(budget.Snapshot().allocated(), kSlabBytes);
+  EXPECT_EQ(budget.Snapshot().allocation_count(), 1u);
   // An engine needs everything: the admission evicts the prefix entry first.
   absl::StatusOr<AllocationId> admitted = budget.Allocate(/*owner=*/1, total);
   ASSERT_THAT(admitted.status(), IsOk());
   EXPECT_EQ(cache_->Stats().entries, 0u);
   EXPECT_EQ(cache_->Stats().evicted_entries, 1u);
+  EXPECT_EQ(cache_->Stats().slabs.slabs, 0u);  // returned, not kept: admission wanted it
   EXPECT_EQ(budget.Snapshot().evictable(), 0u);
-  EXPECT_EQ(budget.Snapshot().allocated(), total);  // the block's charge was released
+  EXPECT_EQ(budget.Snapshot().allocated(), total);  // the slab's charge was released
   // Now the device is full: a capture is refused by the budget and stores nothing.
   EXPECT_THAT(cache_->Capture(*session, tokens, 32).status(),
               StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("")));
@@ -759,6 +823,162 @@ TEST_F(PrefixCacheTest, DeathCaptureTakesCommittedRowsNeverStagedOnes) {
   EXPECT_THAT(unknown->Commit(begin.generation(), 0, &commit, tokens),
               StatusIs(absl::StatusCode::kInvalidArgument,
                        HasSubstr("commit carries 64 token ids for 0 accepted rows")));
+}
+
+// The daemon holds 200,000 stored blocks (1-token blocks of a 1-layer plan: 58 bytes, a
+// 256-byte span each) in a few dozen slabs, never an arena per block: a ledger that allows 100
+// arenas admits them all. Evicting them returns every slab.
+TEST_F(PrefixCacheTest, TwoHundredThousandBlocksLiveInAFewSlabs) {
+  constexpr uint64_t kBlocks = 200000;
+  const ModelPlan plan = tp::DenseModel(1, 32, 1);
+  DeviceBudget budget(uint64_t{256} << 20, "test", AdmissionLimits{.max_arenas = 100});
+  PrefixCacheOptions options;
+  options.budget_bytes = uint64_t{64} << 20;
+  options.block_tokens = 1;
+  options.slab_bytes = uint64_t{1} << 20;
+  options.copy_threads = 2;
+  absl::StatusOr<std::unique_ptr<PrefixCache>> cache =
+      PrefixCache::Create(options, backend_.get(), &budget);
+  ASSERT_THAT(cache.status(), IsOk());
+  cache_ = *std::move(cache);
+  cache_->InstallEvictor(budget);
+  const std::vector<int32_t> tokens = Tokens(kBlocks);
+  auto source = NewSession(plan, kBlocks);
+  Append(*source, tokens, kBlocks);
+  absl::StatusOr<PrefixCaptureResult> captured = cache_->Capture(*source, tokens, kBlocks);
+  ASSERT_THAT(captured.status(), IsOk());
+  PrefixCacheStats stats = cache_->Stats();
+  EXPECT_EQ(stats.blocks, kBlocks);
+  EXPECT_EQ(stats.stored_bytes, kBlocks * 256);
+  EXPECT_EQ(stats.slabs.spans, kBlocks);
+  EXPECT_EQ(stats.slabs.slabs, (kBlocks * 256 + (1 << 20) - 1) >> 20);  // 49 slabs, packed
+  EXPECT_EQ(backend_->ArenaCount(), 1u + stats.slabs.slabs);  // the session + the slabs
+  EXPECT_EQ(budget.Snapshot().allocation_count(), stats.slabs.slabs);
+  EXPECT_EQ(budget.Snapshot().allocated(), stats.slabs.slab_bytes);
+  EXPECT_THAT(cache_->CheckInvariants(), IsOk());
+
+  auto dest = NewSession(plan, kBlocks);
+  absl::StatusOr<PrefixRestoreResult> restored = cache_->Restore(*dest, std::nullopt, tokens);
+  ASSERT_THAT(restored.status(), IsOk());
+  EXPECT_EQ(restored->restored_tokens, kBlocks);
+  EXPECT_EQ(KvRows(*dest, kBlocks), KvRows(*source, kBlocks));
+
+  // Evicted: the slabs are empty and kept (within the budget), then an admission takes them.
+  ASSERT_THAT(cache_->EvictEntry(captured->entry).status(), IsOk());
+  stats = cache_->Stats();
+  EXPECT_EQ(stats.blocks, 0u);
+  EXPECT_EQ(stats.slabs.spans, 0u);
+  EXPECT_EQ(stats.slabs.used_bytes, 0u);
+  EXPECT_EQ(stats.slabs.empty_slabs, stats.slabs.slabs);
+  EXPECT_EQ(budget.Snapshot().evictable(), stats.slabs.slab_bytes);
+  ASSERT_THAT(budget.Allocate(/*owner=*/1, budget.Snapshot().budget()).status(), IsOk());
+  EXPECT_EQ(cache_->Stats().slabs.slabs, 0u);
+  EXPECT_EQ(backend_->ArenaCount(), 2u);  // the two sessions: no slab leaked
+  EXPECT_THAT(cache_->CheckInvariants(), IsOk());
+  cache_.reset();  // before the budget it charges
+}
+
+// Captures of random lengths and contents into a cache a few entries big, with LRU and
+// operator evictions and restores in between, fragment the slabs; every surviving entry still
+// restores exactly the bytes its source session held.
+TEST_F(PrefixCacheTest, RestoreAfterHeavyChurnIsBitExact) {
+  // About six 6-block entries fit; slabs of 16 KiB hold 8 blocks (2 KiB spans) each.
+  cache_ = MakeCache(36 * kFlatSpanBytes, nullptr, 4096, /*copy_threads=*/2,
+                     /*slice_bytes=*/512, /*slab_bytes=*/16 << 10);
+  testing::SeededRandom random(20261201);
+  struct Source {
+    std::unique_ptr<DaemonSession> session;
+    std::vector<int32_t> tokens;
+    uint64_t len = 0;
+  };
+  absl::flat_hash_map<uint64_t, Source> sources;  // by entry id
+  uint64_t max_fragmentation_ppm = 0;
+  for (int round = 0; round < 120; ++round) {
+    const uint64_t blocks = 1 + random.Below(10);
+    const uint64_t len = blocks * kBlock;
+    // Half the captures extend a shared 2-block prefix: shared blocks, refcounts, partial frees.
+    std::vector<int32_t> tokens = Tokens(len, static_cast<int32_t>(100000 + round * 1000));
+    const bool shared = random.Below(2) == 0;
+    if (shared) {
+      const std::vector<int32_t> common = Tokens(2 * kBlock, 7);
+      std::copy(common.begin(), common.begin() + std::min<uint64_t>(len, 2 * kBlock),
+                tokens.begin());
+    }
+    auto session = NewSession(FlatPlan(), 256);
+    Append(*session, tokens, len);
+    // Position-addressed rows depend only on the prefix: the shared prefix keeps the pattern
+    // (the same bytes in every session), the rest is this session's own.
+    FillRandom(*session, static_cast<uint64_t>(round) + 1,
+               shared ? std::min<uint64_t>(len, 2 * kBlock) : 0);
+    absl::StatusOr<PrefixCaptureResult> captured = cache_->Capture(*session, tokens, len);
+    ASSERT_THAT(captured.status(), IsOk());
+    if (!captured->already_present) {
+      sources[captured->entry.value] = Source{std::move(session), tokens, len};
+    }
+    if (random.Below(5) == 0 && !sources.empty()) {
+      std::vector<ScopedEntry> entries = cache_->ListEntries();
+      if (!entries.empty()) {
+        (void)cache_->EvictEntry(entries[random.Below(entries.size())].view.id);
+      }
+    }
+    max_fragmentation_ppm =
+        std::max(max_fragmentation_ppm, cache_->Stats().slabs.fragmentation_ppm);
+    ASSERT_THAT(cache_->CheckInvariants(), IsOk());
+  }
+  EXPECT_GT(cache_->Stats().evicted_entries, 50u);
+  EXPECT_GT(max_fragmentation_ppm, 0u);  // holes appeared and were reported
+  std::vector<ScopedEntry> survivors = cache_->ListEntries();
+  ASSERT_FALSE(survivors.empty());
+  for (const ScopedEntry& scoped : survivors) {
+    const EntryView& entry = scoped.view;
+    auto it = sources.find(entry.id.value);
+    ASSERT_NE(it, sources.end());
+    const Source& source = it->second;
+    auto dest = NewSession(FlatPlan(), 256);
+    absl::StatusOr<PrefixRestoreResult> restored =
+        cache_->Restore(*dest, entry.id, source.tokens);
+    ASSERT_THAT(restored.status(), IsOk());
+    ASSERT_EQ(restored->restored_tokens, source.len);
+    EXPECT_EQ(KvRows(*dest, source.len), KvRows(*source.session, source.len))
+        << "entry " << entry.id.value;
+  }
+  EXPECT_THAT(cache_->CheckInvariants(), IsOk());
+}
+
+// A boundary piece larger than a slice (a hybrid model's recurrent state) is sealed per slice
+// and restored by several threads; a flipped byte in one slice is DATA_LOSS naming that slice,
+// and the entry is dropped.
+TEST_F(PrefixCacheTest, LargePiecesAreVerifiedPerSlice) {
+  cache_ = MakeCache(uint64_t{64} << 20, nullptr, 4096, /*copy_threads=*/3,
+                     /*slice_bytes=*/64);
+  const std::vector<int32_t> tokens = Tokens(64);
+  auto source = NewSession(HybridPlan(), 128);
+  Append(*source, tokens, 64);
+  absl::StatusOr<PrefixCaptureResult> captured = cache_->Capture(*source, tokens, 64);
+  ASSERT_THAT(captured.status(), IsOk());
+  auto dest = NewSession(HybridPlan(), 128);
+  ASSERT_THAT(cache_->Restore(*dest, captured->entry, tokens).status(), IsOk());
+  ExpectRestored(*dest, 64, 64);
+
+  absl::StatusOr<ScopedEntry> scoped = cache_->Inspect(captured->entry);
+  ASSERT_THAT(scoped.status(), IsOk());
+  const EntryView* view = &scoped->view;
+  ASSERT_TRUE(view->boundary.has_value());
+  ASSERT_GT(view->boundary_bytes, 3u * 64);
+  absl::StatusOr<SlabSpan> span = cache_->StorageSpan(view->boundary->storage_handle);
+  ASSERT_THAT(span.status(), IsOk());
+  ASSERT_THAT(backend_->Memset(span->slab, span->offset + 2 * 64 + 5, 0x5A, 1), IsOk());
+  auto again = NewSession(HybridPlan(), 128);
+  EXPECT_THAT(cache_->Restore(*again, captured->entry, tokens).status(),
+              StatusIs(absl::StatusCode::kDataLoss,
+                       HasSubstrs(absl::StrCat("prefix entry ", captured->entry.value,
+                                               ": stored piece 4 (slab ", span->slab.value),
+                                  "slice 2 of ", "(64 bytes)", "never served")));
+  EXPECT_EQ(Committed(*again), 0u);
+  EXPECT_THAT(cache_->Inspect(captured->entry).status(),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("")));
+  EXPECT_EQ(cache_->Stats().dropped_entries, 1u);
+  EXPECT_THAT(cache_->CheckInvariants(), IsOk());
 }
 
 }  // namespace

@@ -96,6 +96,11 @@ pb::PrefixCacheStats PrefixStatsToProto(const PrefixCacheStats& stats) {
   out.set_epoch(stats.epoch);
   out.set_last_sequence(stats.last_sequence);
   out.set_block_tokens(stats.block_tokens);
+  out.set_slabs(stats.slabs.slabs);
+  out.set_slab_bytes(stats.slabs.slab_bytes);
+  out.set_slab_free_bytes(stats.slabs.free_bytes);
+  out.set_slab_empty_bytes(stats.slabs.empty_bytes);
+  out.set_slab_fragmentation_ppm(stats.slabs.fragmentation_ppm);
   return out;
 }
 

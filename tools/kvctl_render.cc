@@ -104,6 +104,11 @@ std::string RenderPrefixStats(const pb::PrefixCacheStats& stats) {
       .Add("stored", absl::StrCat(FormatBytes(stats.stored_bytes()), " in ", stats.entries(),
                                   " entries, ", stats.blocks(), " blocks of ",
                                   stats.block_tokens(), " tokens (shared blocks once)"))
+      .Add("slabs", absl::StrCat(stats.slabs(), " (", FormatBytes(stats.slab_bytes()), "; ",
+                                 FormatBytes(stats.slab_free_bytes()), " free in use, ",
+                                 FormatBytes(stats.slab_empty_bytes()), " empty kept; ",
+                                 absl::StrFormat("%.1f", stats.slab_fragmentation_ppm() / 1e4),
+                                 "% fragmented)"))
       .Add("evictable", FormatBytes(stats.evictable_bytes()))
       .Add("pinned", FormatBytes(stats.pinned_bytes()))
       .Add("budget", FormatBytes(stats.budget_bytes()))

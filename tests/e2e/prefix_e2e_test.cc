@@ -96,6 +96,13 @@ TEST_F(PrefixE2eTest, AnotherProcessRestoresExactlyTheCapturedBytesForEveryModel
   EXPECT_EQ(listed.stats().tokens_restored(), 96u + 64u + 4800u + 80u);
   EXPECT_EQ(listed.stats().lookup_hits(), entries);
   EXPECT_EQ(listed.stats().dropped_entries(), 0u);
+  // Every entry of every model kind lives in one 128 MiB slab (the default, capped at the
+  // 128 MiB budget): no arena per stored block.
+  EXPECT_EQ(listed.stats().slabs(), 1u);
+  EXPECT_EQ(listed.stats().slab_bytes(), uint64_t{128} << 20);
+  EXPECT_EQ(listed.stats().slab_bytes(), listed.stats().stored_bytes() +
+                                             listed.stats().slab_free_bytes() +
+                                             listed.stats().slab_empty_bytes());
 }
 
 TEST_F(PrefixE2eTest, AKilledEnginesCommittedConversationRestoresInANewProcess) {

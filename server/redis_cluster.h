@@ -1,0 +1,195 @@
+#ifndef MEMRA_SERVER_REDIS_CLUSTER_H_
+#define MEMRA_SERVER_REDIS_CLUSTER_H_
+
+// A small Redis Cluster client over Debian's hiredis 0.14 (which speaks to one node and knows
+// nothing of clusters): the slot map from CLUSTER SLOTS, MOVED and ASK redirects, one
+// connection per node re-made after a node dies, and a timeout on every connect and command, so
+// a slow or dead cluster costs a caller a bounded wait and a Status, never a hang. It is the
+// transport of the prefix cache's remote tier (docs/remote-tier.md); it knows nothing of
+// prefixes.
+//
+// Status codes, chosen by what the caller does next:
+//   UNAVAILABLE        a node refused or dropped the connection, the cluster is down
+//                      (CLUSTERDOWN), or redirects ran past max_redirects: retry later.
+//   DEADLINE_EXCEEDED  a connect or command ran past its timeout: retry later.
+//   UNAUTHENTICATED    the node refused the credentials (or wants some and has none).
+//   INTERNAL           a reply the protocol does not allow here (our bug or a foreign server).
+//   UNIMPLEMENTED      TLS was asked for: hiredis 0.14 has none (hiredis_ssl came with 1.0).
+//   INVALID_ARGUMENT   options that cannot work (a node list that does not parse, ...).
+// Messages name the operation, the node (host:port) and the slot; never a password.
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+#include "absl/strings/string_view.h"
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "absl/types/span.h"
+
+struct redisContext;
+struct redisReply;
+
+namespace memra {
+
+inline constexpr int kRedisClusterSlots = 16384;
+
+// The slot Redis Cluster assigns `key`: CRC16 (XMODEM) of the key, or of its hash tag (the text
+// between the first '{' and the first '}' after it, when not empty), mod 16384.
+uint16_t RedisKeySlot(absl::string_view key);
+
+// Why TLS to Redis is refused (the config check and Create both say it): Debian's hiredis 0.14
+// has no TLS.
+absl::string_view RedisTlsUnsupportedReason();
+
+struct RedisNodeAddress {
+  std::string host;
+  int port = 0;
+  std::string ToString() const;  // "host:port", "[v6]:port"
+  bool operator==(const RedisNodeAddress&) const = default;
+};
+
+// "host:port,host:port,[::1]:port" (spaces around entries allowed) -> addresses. INVALID_ARGUMENT
+// naming the entry for an empty list, a missing or out-of-range port.
+absl::StatusOr<std::vector<RedisNodeAddress>> ParseRedisNodeList(absl::string_view list);
+
+struct RedisClusterOptions {
+  // Nodes asked for the slot map (any node of the cluster will do; more survive more failures).
+  std::vector<RedisNodeAddress> seed_nodes;
+  // Authentication. Empty password_file: none. Otherwise the file holds the password (one
+  // trailing newline ignored) and every connection starts with AUTH <password> (requirepass,
+  // the "default" ACL user) or, when `user` is set, AUTH <user> <password> (an ACL user).
+  std::string user;
+  std::string password_file;
+  // Refused (UNIMPLEMENTED): kept as an option so a config asking for TLS fails loudly instead
+  // of sending KV bytes and a password in the clear.
+  bool tls = false;
+  absl::Duration connect_timeout = absl::Milliseconds(200);
+  absl::Duration command_timeout = absl::Milliseconds(500);
+  // MOVED / ASK / TRYAGAIN replies followed for one call before it fails UNAVAILABLE.
+  int max_redirects = 5;
+};
+
+// Counters since Create (monotonic), for metrics and tests.
+struct RedisClusterStats {
+  uint64_t moved_redirects = 0;  // MOVED replies followed
+  uint64_t ask_redirects = 0;    // ASK replies followed (ASKING + the command on the named node)
+  uint64_t slot_map_refreshes = 0;  // CLUSTER SLOTS answered and applied
+  uint64_t connects = 0;            // connections made (first ones and re-made ones)
+  uint64_t connection_failures = 0;  // connects or commands that failed for I/O or a timeout
+};
+
+// Thread-safe: any number of threads may call any method at once. A call holds mu_ only to read
+// or update the slot map and the node table, never across network I/O; the I/O happens under
+// the one node's own mutex, so calls to different nodes run in parallel and calls to one node
+// queue on its single connection (the bound: one connection per node).
+//
+// Time bound of one call: at most max_redirects + 1 attempts, each at most one connect
+// (connect_timeout + command_timeout for AUTH) and one command (command_timeout); a slot-map
+// refresh before an attempt asks at most kMaxRefreshNodes nodes, each bounded the same way.
+class RedisClusterClient {
+ public:
+  static constexpr int kMaxRefreshNodes = 3;
+
+  // Reads the password file, then fetches the slot map from the first seed node that answers.
+  // UNAVAILABLE / DEADLINE_EXCEEDED when none does; UNAUTHENTICATED when the credentials are
+  // refused; INVALID_ARGUMENT for options that cannot work; UNIMPLEMENTED for tls.
+  static absl::StatusOr<std::unique_ptr<RedisClusterClient>> Create(RedisClusterOptions options);
+
+  ~RedisClusterClient();
+  RedisClusterClient(const RedisClusterClient&) = delete;
+  RedisClusterClient& operator=(const RedisClusterClient&) = delete;
+
+  // The value, or nullopt when the key does not exist.
+  absl::StatusOr<std::optional<std::string>> Get(absl::string_view key);
+  // SET key value, with PX <ttl in ms> when ttl > 0 (rounded up to a whole millisecond).
+  absl::Status Set(absl::string_view key, absl::string_view value,
+                   absl::Duration ttl = absl::ZeroDuration());
+  // Whether the key existed (and was deleted).
+  absl::StatusOr<bool> Del(absl::string_view key);
+  // Existence of each key, in order. Keys may lie in any slots: they are grouped by the node
+  // owning their slot and each node gets its EXISTS commands in one pipelined round trip; a
+  // key whose reply is a redirect is retried alone through the redirect rules.
+  absl::StatusOr<std::vector<bool>> ExistsEach(absl::Span<const std::string> keys);
+
+  // Asks the cluster for its slot map now (normally done on demand: at Create, after MOVED,
+  // after a connection failure).
+  absl::Status RefreshSlotMap();
+  // The node the slot map currently sends `slot` to (nullopt when no node owns it).
+  std::optional<RedisNodeAddress> NodeForSlot(uint16_t slot) const;
+  RedisClusterStats Stats() const;
+
+ private:
+  // One cluster node and this client's one connection to it.
+  struct Node {
+    explicit Node(RedisNodeAddress address_in)
+        : address(std::move(address_in)), name(address.ToString()) {}
+    ~Node();
+
+    // Constant after construction.
+    const RedisNodeAddress address;
+    const std::string name;  // address.ToString(): the key in nodes_ and slot_owner_
+
+    // Whether the last connect or command on this node worked: slot-map refreshes ask the
+    // nodes that answered last time first.
+    std::atomic<bool> answered{true};
+
+    absl::Mutex mu;
+    redisContext* context ABSL_GUARDED_BY(mu) = nullptr;  // null: not connected
+  };
+  struct ReplyDeleter {
+    void operator()(redisReply* reply) const;
+  };
+  using ReplyPtr = std::unique_ptr<redisReply, ReplyDeleter>;
+  // Where one attempt goes.
+  struct Target {
+    std::shared_ptr<Node> node;
+    bool asking = false;  // send ASKING first (the node named by an ASK reply)
+  };
+
+  RedisClusterClient(RedisClusterOptions options, std::string password);
+
+  // Runs `argv` (argv[1] is the key) on the node owning the key's slot, following redirects.
+  // A non-redirect error reply is returned as a Status; any other reply is returned as is.
+  absl::StatusOr<ReplyPtr> Execute(absl::string_view operation, absl::string_view key,
+                                   std::vector<absl::string_view> argv);
+  // Sends the commands in one write and reads their replies in order, (re)connecting first when
+  // the node has no connection. A connection that fails is closed (the next call re-makes it)
+  // and the slot map is marked stale.
+  absl::StatusOr<std::vector<ReplyPtr>> RunOnNode(
+      Node& node, absl::string_view operation, std::optional<uint16_t> slot,
+      const std::vector<std::vector<absl::string_view>>& commands);
+  absl::Status ConnectLocked(Node& node, absl::string_view operation)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(node.mu);
+
+  // Fetches CLUSTER SLOTS from one node and installs it.
+  absl::Status RefreshSlotMapFrom(const std::shared_ptr<Node>& node);
+  absl::Status RefreshIfStale();
+  std::shared_ptr<Node> NodeFor(const RedisNodeAddress& address) ABSL_LOCKS_EXCLUDED(mu_);
+  std::shared_ptr<Node> NodeForKeySlot(uint16_t slot) ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Constant after construction.
+  const RedisClusterOptions options_;
+  const std::string password_;  // empty: no AUTH
+
+  mutable absl::Mutex mu_;
+  // Every node this client has heard of (seeds and slot-map owners), one connection each.
+  absl::flat_hash_map<std::string, std::shared_ptr<Node>> nodes_ ABSL_GUARDED_BY(mu_);
+  // slot -> key of nodes_ owning it; empty = unowned / unknown.
+  std::vector<std::string> slot_owner_ ABSL_GUARDED_BY(mu_);
+  // Set by a connection failure: the next call refreshes the map before its first attempt.
+  bool slot_map_stale_ ABSL_GUARDED_BY(mu_) = true;
+  RedisClusterStats stats_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace memra
+
+#endif  // MEMRA_SERVER_REDIS_CLUSTER_H_
