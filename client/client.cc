@@ -16,6 +16,7 @@
 #include "google/protobuf/arena.h"
 #include "grpcpp/channel.h"
 #include "grpcpp/create_channel.h"
+#include "grpcpp/support/channel_arguments.h"
 #include "grpcpp/security/credentials.h"
 
 namespace memra {
@@ -197,6 +198,9 @@ struct KvClient::Rpc {
 struct KvClient::LeaseStream {
   grpc::ClientContext context;
   std::unique_ptr<grpc::ClientReaderWriter<pb::AttachRequest, pb::AttachResponse>> stream;
+  bool finished = false;  // Finish() was called (it may be called once)
+  pb::AttachRequest hello;
+  pb::Attached attached;  // the daemon's answer to `hello`
 };
 
 std::string DefaultHandoffSocketPath(absl::string_view socket_path) {
@@ -210,8 +214,15 @@ absl::StatusOr<std::unique_ptr<KvClient>> KvClient::Connect(const std::string& s
   if (options.handoff_socket_path.empty()) {
     options.handoff_socket_path = DefaultHandoffSocketPath(socket_path);
   }
-  std::shared_ptr<grpc::Channel> channel =
-      grpc::CreateChannel(absl::StrCat("unix:", socket_path), grpc::InsecureChannelCredentials());
+  // A local socket: reconnect within 100 ms-1 s of the daemon coming back (gRPC's default
+  // backoff waits up to minutes, longer than a lease outlives a daemon restart).
+  grpc::ChannelArguments arguments;
+  arguments.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
+  // (Not GRPC_ARG_MIN_RECONNECT_BACKOFF_MS: gRPC also takes it as the connect timeout, and a
+  // busy daemon's HTTP/2 handshake can take longer than a short one.)
+  arguments.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
+  std::shared_ptr<grpc::Channel> channel = grpc::CreateCustomChannel(
+      absl::StrCat("unix:", socket_path), grpc::InsecureChannelCredentials(), arguments);
   const auto deadline =
       std::chrono::system_clock::now() + absl::ToChronoMilliseconds(options.deadline);
   if (!channel->WaitForConnected(deadline)) {
@@ -227,6 +238,24 @@ KvClient::KvClient(ClientOptions options, std::unique_ptr<Rpc> rpc)
 
 KvClient::~KvClient() { Detach(); }
 
+absl::Status KvClient::OpenLease(LeaseStream& lease) {
+  // The lease stream lives as long as the engine: no deadline (the heartbeats are its clock).
+  lease.stream = rpc_->cache->Attach(&lease.context);
+  pb::AttachResponse response;
+  const bool answered = lease.stream->Write(lease.hello) && lease.stream->Read(&response);
+  if (!answered || !response.has_attached()) {
+    // Not answered: the stream is over and Finish() has the daemon's reason. Answered wrongly:
+    // end it ourselves so Finish() does not wait.
+    if (answered) lease.context.TryCancel();
+    absl::Status status = FromGrpcStatus(lease.stream->Finish());
+    lease.finished = true;
+    if (status.ok()) status = absl::InternalError("Attach ended without an answer");
+    return status;
+  }
+  lease.attached = response.attached();
+  return absl::OkStatus();
+}
+
 absl::Status KvClient::Attach(const std::string& engine_name) {
   absl::MutexLock lock(&mu_);
   if (lease_stream_ != nullptr) {
@@ -235,69 +264,188 @@ absl::Status KvClient::Attach(const std::string& engine_name) {
   // The handoff connection first: its ticket proves to the daemon who this engine is.
   ASSIGN_OR_RETURN(std::unique_ptr<HandoffChannel> handoff,
                    HandoffChannel::Connect(options_.handoff_socket_path, options_.deadline));
-  // The lease stream lives as long as the engine: no deadline (the heartbeats are its clock).
   auto lease = std::make_unique<LeaseStream>();
-  lease->stream = rpc_->cache->Attach(&lease->context);
-  pb::AttachRequest hello;
-  hello.mutable_hello()->set_engine_name(engine_name);
-  hello.mutable_hello()->set_pid(getpid());
-  hello.mutable_hello()->set_handoff_ticket(handoff->ticket());
-  hello.mutable_hello()->set_cache_scope(options_.cache_scope);
-  pb::AttachResponse response;
-  const bool answered = lease->stream->Write(hello) && lease->stream->Read(&response);
-  if (!answered || !response.has_attached()) {
-    // Not answered: the stream is over and Finish() has the daemon's reason. Answered wrongly:
-    // end it ourselves so Finish() does not wait.
-    if (answered) lease->context.TryCancel();
-    absl::Status status = FromGrpcStatus(lease->stream->Finish());
-    if (status.ok()) status = absl::InternalError("Attach ended without an answer");
-    return status;
-  }
+  lease->hello.mutable_hello()->set_engine_name(engine_name);
+  lease->hello.mutable_hello()->set_pid(getpid());
+  lease->hello.mutable_hello()->set_handoff_ticket(handoff->ticket());
+  lease->hello.mutable_hello()->set_cache_scope(options_.cache_scope);
+  RETURN_IF_ERROR(OpenLease(*lease));
+  const pb::Attached attached = lease->attached;
   lease_stream_ = std::move(lease);
   handoff_ = std::move(handoff);
-  engine_id_ = response.attached().engine().engine_id();
-  engine_token_ = response.attached().engine().engine_token();
-  cache_scope_ = response.attached().cache_scope();
-  lease_timeout_ = absl::Milliseconds(response.attached().lease_timeout_ms());
+  engine_id_ = attached.engine().engine_id();
+  engine_token_ = attached.engine().engine_token();
+  cache_scope_ = attached.cache_scope();
+  lease_timeout_ = absl::Milliseconds(attached.lease_timeout_ms());
+  epoch_ = attached.epoch();
+  lease_lost_ = absl::OkStatus();
   stop_ = false;
   lease_alive_.store(true);
-  const absl::Duration period = std::max(lease_timeout_ / 3, absl::Milliseconds(1));
-  lease_thread_ = std::thread([this, period] { KeepLease(period); });
+  lease_thread_ = std::thread([this] { KeepLease(); });
+  heartbeat_thread_ = std::thread([this] { SendHeartbeats(); });
   return absl::OkStatus();
 }
 
-void KvClient::KeepLease(absl::Duration period) {
-  grpc::ClientReaderWriter<pb::AttachRequest, pb::AttachResponse>* stream;
-  {
-    absl::MutexLock lock(&mu_);
-    stream = lease_stream_->stream.get();
-  }
-  pb::AttachRequest heartbeat;
+void KvClient::KeepLease() {
   pb::AttachResponse ack;
-  for (uint64_t sequence = 1;; ++sequence) {
+  while (true) {
+    grpc::ClientReaderWriter<pb::AttachRequest, pb::AttachResponse>* stream;
     {
       absl::MutexLock lock(&mu_);
-      if (mu_.AwaitWithTimeout(absl::Condition(&stop_), period)) break;
+      if (stop_) break;
+      stream = lease_stream_->stream.get();
     }
-    heartbeat.mutable_heartbeat()->set_sequence(sequence);
-    // Only this thread reads and writes the stream after Attach() returned.
-    if (!stream->Write(heartbeat) || !stream->Read(&ack)) break;
+    // Only this thread reads the stream after Attach() returned; the stream stays while it
+    // reads (only this thread's Reattach() and Detach(), after joining it, replace it).
+    while (stream->Read(&ack)) {
+    }
+    lease_alive_.store(false);
+    if (!Reattach()) break;
   }
   lease_alive_.store(false);
 }
 
+void KvClient::SendHeartbeats() {
+  pb::AttachRequest heartbeat;
+  for (uint64_t sequence = 1;; ++sequence) {
+    {
+      absl::MutexLock lock(&mu_);
+      const absl::Duration period = std::max(lease_timeout_ / 3, absl::Milliseconds(1));
+      if (mu_.AwaitWithTimeout(absl::Condition(&stop_), period)) return;
+    }
+    absl::MutexLock write_lock(&write_mu_);
+    grpc::ClientReaderWriter<pb::AttachRequest, pb::AttachResponse>* stream;
+    {
+      absl::MutexLock lock(&mu_);
+      if (stop_) return;
+      if (lease_stream_->finished) continue;  // broken: the lease thread is re-attaching
+      stream = lease_stream_->stream.get();
+    }
+    heartbeat.mutable_heartbeat()->set_sequence(sequence);
+    // A failed write needs nothing here: the lease thread's Read sees the stream end.
+    (void)stream->Write(heartbeat);
+  }
+}
+
+bool KvClient::Reattach() {
+  constexpr absl::Duration kRetry = absl::Milliseconds(100);
+  pb::AttachRequest hello;
+  {
+    // Unblocks a heartbeat being written before waiting for it to end.
+    absl::MutexLock lock(&mu_);
+    lease_stream_->context.TryCancel();
+  }
+  {
+    absl::MutexLock write_lock(&write_mu_);
+    absl::MutexLock lock(&mu_);
+    // The broken stream's status is not needed (the daemon is gone or ended the lease).
+    if (!lease_stream_->finished) {
+      (void)lease_stream_->stream->Finish();
+      lease_stream_->finished = true;
+    }
+    hello.mutable_hello()->mutable_resume()->set_engine_id(engine_id_);
+    hello.mutable_hello()->mutable_resume()->set_engine_token(engine_token_);
+    hello.mutable_hello()->set_resume_epoch(epoch_);
+    hello.mutable_hello()->set_pid(getpid());
+    // The scope the engine attached in: a re-attach keeps it.
+    hello.mutable_hello()->set_cache_scope(cache_scope_);
+  }
+  while (true) {
+    auto lease = std::make_unique<LeaseStream>();
+    lease->hello = hello;
+    // Waits for the daemon to listen again instead of failing fast while the channel
+    // reconnects; Detach() cancels the wait (reattaching_).
+    lease->context.set_wait_for_ready(true);
+    {
+      absl::MutexLock lock(&mu_);
+      if (mu_.AwaitWithTimeout(absl::Condition(&stop_), kRetry)) return false;
+      reattaching_ = lease.get();
+    }
+    // Every Attach presents a fresh handoff ticket: the old handoff connection broke with the
+    // daemon (or is another connection's), and the daemon binds this one's peer credentials
+    // again, checking them against the engine's. Not answering yet: the daemon is not back.
+    absl::StatusOr<std::unique_ptr<HandoffChannel>> handoff =
+        HandoffChannel::Connect(options_.handoff_socket_path, options_.deadline);
+    absl::Status opened = handoff.status();
+    if (handoff.ok()) {
+      lease->hello.mutable_hello()->set_handoff_ticket((*handoff)->ticket());
+      opened = OpenLease(*lease);
+    }
+    absl::MutexLock write_lock(&write_mu_);  // the old stream goes: no heartbeat is on it
+    absl::MutexLock lock(&mu_);
+    reattaching_ = nullptr;
+    if (stop_) {
+      if (opened.ok()) {
+        lease->context.TryCancel();
+        (void)lease->stream->Finish();
+      }
+      return false;
+    }
+    if (opened.ok()) {
+      epoch_ = lease->attached.epoch();
+      lease_timeout_ = absl::Milliseconds(lease->attached.lease_timeout_ms());
+      lease_stream_ = std::move(lease);
+      handoff_ = *std::move(handoff);
+      reattaches_.fetch_add(1);
+      lease_alive_.store(true);
+      return true;
+    }
+    const absl::StatusCode code = opened.code();
+    if (IsDaemonRestarted(opened) || code == absl::StatusCode::kNotFound ||
+        code == absl::StatusCode::kPermissionDenied) {
+      lease_lost_ = opened;  // the daemon will never know this engine again
+      return false;
+    }
+    // UNAVAILABLE (no daemon yet), a stream still held: try again.
+  }
+}
+
+absl::Status KvClient::lease_lost() const {
+  absl::MutexLock lock(&mu_);
+  return lease_lost_;
+}
+
+uint64_t KvClient::epoch() const {
+  absl::MutexLock lock(&mu_);
+  return epoch_;
+}
+
+absl::Status KvClient::Explain(absl::Status status) {
+  const absl::StatusCode code = status.code();
+  if (status.ok() || IsDaemonRestarted(status) ||
+      (code != absl::StatusCode::kNotFound && code != absl::StatusCode::kPermissionDenied)) {
+    return status;
+  }
+  uint64_t attached_epoch;
+  {
+    absl::MutexLock lock(&mu_);
+    attached_epoch = epoch_;
+  }
+  if (attached_epoch == 0) return status;
+  absl::StatusOr<pb::GetStatusResponse> daemon = ClientInternals::GetStatus(*this);
+  if (!daemon.ok() || daemon->epoch() == attached_epoch) return status;
+  return DaemonRestartedError(
+      DaemonRestart{attached_epoch, daemon->epoch()},
+      absl::StrCat("this engine attached to epoch ", attached_epoch,
+                   " and the daemon answering does not have it: ", status.message()));
+}
+
 void KvClient::Detach() {
-  std::thread thread;
+  std::thread lease_thread;
+  std::thread heartbeat_thread;
   {
     absl::MutexLock lock(&mu_);
     if (lease_stream_ == nullptr) return;
     stop_ = true;
-    lease_stream_->context.TryCancel();  // unblocks a Read waiting for an ack
-    thread = std::move(lease_thread_);
+    lease_stream_->context.TryCancel();  // unblocks a Read waiting for an ack, and a Write
+    if (reattaching_ != nullptr) reattaching_->context.TryCancel();  // and a re-attach
+    lease_thread = std::move(lease_thread_);
+    heartbeat_thread = std::move(heartbeat_thread_);
   }
-  if (thread.joinable()) thread.join();
+  if (heartbeat_thread.joinable()) heartbeat_thread.join();
+  if (lease_thread.joinable()) lease_thread.join();
   absl::MutexLock lock(&mu_);
-  (void)lease_stream_->stream->Finish();
+  if (!lease_stream_->finished) (void)lease_stream_->stream->Finish();
   lease_stream_.reset();
   handoff_.reset();
   lease_alive_.store(false);
@@ -452,6 +600,12 @@ absl::Status KvClient::Step(StepBatch& batch, std::vector<StepOutcome>& outcomes
     out.status = result.code() == 0
                      ? absl::OkStatus()
                      : absl::Status(static_cast<absl::StatusCode>(result.code()), result.message());
+    if (result.has_daemon_restart()) {
+      AttachDaemonRestart(out.status, DaemonRestart{result.daemon_restart().previous_epoch(),
+                                                    result.daemon_restart().epoch()});
+    } else if (!out.status.ok()) {
+      out.status = Explain(std::move(out.status));
+    }
     out.begun = {};
     out.staged_len = 0;
     out.committed_len = 0;
@@ -567,6 +721,8 @@ struct PrefixEventStream::Call {
   grpc::ClientContext context;
   std::unique_ptr<grpc::ClientReader<pb::PrefixEvent>> reader;
   bool finished = false;  // Finish() was called (it may be called once)
+  pb::AttachRequest hello;
+  pb::Attached attached;  // the daemon's answer to `hello`
 };
 
 PrefixEventStream::PrefixEventStream(std::unique_ptr<Call> call) : call_(std::move(call)) {}
@@ -663,6 +819,11 @@ pb::SessionRef ClientInternals::Ref(const Session& session) {
 
 const pb::StepRequest& ClientInternals::Request(const StepBatch& batch) {
   return batch.wire_->request;
+}
+
+absl::Status ClientInternals::SessionCallStatus(KvClient& client, const grpc::Status& status) {
+  if (status.ok()) return absl::OkStatus();
+  return client.Explain(FromGrpcStatus(status));
 }
 
 absl::StatusOr<pb::GetStatusResponse> ClientInternals::GetStatus(KvClient& client) {
@@ -794,7 +955,7 @@ namespace {
 template <typename Request, typename Method>
 absl::StatusOr<SessionSnapshot> StateCall(KvClient& client, Method method, const Request& request) {
   pb::SessionStateResponse response;
-  RETURN_IF_ERROR(FromGrpcStatus((ClientInternals::Cache(client).*method)(
+  RETURN_IF_ERROR(ClientInternals::SessionCallStatus(client, (ClientInternals::Cache(client).*method)(
       ClientInternals::NewContext(client).get(), request, &response)));
   return SessionSnapshotFromProto(response.state());
 }
@@ -803,7 +964,7 @@ absl::StatusOr<SessionSnapshot> StateCall(KvClient& client, Method method, const
 
 absl::StatusOr<Transaction> Session::Begin() {
   pb::BeginResponse response;
-  RETURN_IF_ERROR(FromGrpcStatus(
+  RETURN_IF_ERROR(ClientInternals::SessionCallStatus(*client_,
       ClientInternals::Cache(*client_).Begin(ClientInternals::NewContext(*client_).get(),
                                              ForSession<pb::SessionRequest>(*this), &response)));
   return Transaction{response.generation(), response.base_len()};
@@ -814,7 +975,7 @@ absl::StatusOr<PreparedAppend> Session::PrepareAppend(uint64_t generation, uint6
   request.set_generation(generation);
   request.set_rows(rows);
   pb::PrepareAppendResponse response;
-  RETURN_IF_ERROR(FromGrpcStatus(ClientInternals::Cache(*client_).PrepareAppend(
+  RETURN_IF_ERROR(ClientInternals::SessionCallStatus(*client_, ClientInternals::Cache(*client_).PrepareAppend(
       ClientInternals::NewContext(*client_).get(), request, &response)));
   return PreparedFromProto(response);
 }
@@ -823,7 +984,7 @@ absl::StatusOr<uint64_t> Session::PublishAppend(uint64_t generation) {
   pb::GenerationRequest request = ForSession<pb::GenerationRequest>(*this);
   request.set_generation(generation);
   pb::PublishAppendResponse response;
-  RETURN_IF_ERROR(FromGrpcStatus(ClientInternals::Cache(*client_).PublishAppend(
+  RETURN_IF_ERROR(ClientInternals::SessionCallStatus(*client_, ClientInternals::Cache(*client_).PublishAppend(
       ClientInternals::NewContext(*client_).get(), request, &response)));
   return response.staged_len();
 }
@@ -835,7 +996,7 @@ absl::StatusOr<uint64_t> Session::Commit(uint64_t generation, uint64_t accepted_
   request.set_accepted_rows(accepted_rows);
   request.mutable_token_ids()->Add(token_ids.begin(), token_ids.end());
   pb::CommitResponse response;
-  RETURN_IF_ERROR(FromGrpcStatus(ClientInternals::Cache(*client_).Commit(
+  RETURN_IF_ERROR(ClientInternals::SessionCallStatus(*client_, ClientInternals::Cache(*client_).Commit(
       ClientInternals::NewContext(*client_).get(), request, &response)));
   return response.committed_len();
 }
@@ -856,7 +1017,7 @@ absl::StatusOr<uint64_t> Session::Abort(uint64_t generation) {
   pb::GenerationRequest request = ForSession<pb::GenerationRequest>(*this);
   request.set_generation(generation);
   pb::AbortResponse response;
-  RETURN_IF_ERROR(FromGrpcStatus(ClientInternals::Cache(*client_).Abort(
+  RETURN_IF_ERROR(ClientInternals::SessionCallStatus(*client_, ClientInternals::Cache(*client_).Abort(
       ClientInternals::NewContext(*client_).get(), request, &response)));
   return response.committed_len();
 }
@@ -879,7 +1040,7 @@ absl::StatusOr<bool> Session::CanRewind(uint64_t target) {
   pb::RewindRequest request = ForSession<pb::RewindRequest>(*this);
   request.set_target(target);
   pb::CanRewindResponse response;
-  RETURN_IF_ERROR(FromGrpcStatus(ClientInternals::Cache(*client_).CanRewind(
+  RETURN_IF_ERROR(ClientInternals::SessionCallStatus(*client_, ClientInternals::Cache(*client_).CanRewind(
       ClientInternals::NewContext(*client_).get(), request, &response)));
   return response.can_rewind();
 }
@@ -915,7 +1076,7 @@ absl::StatusOr<SessionSnapshot> Session::Grow(uint64_t target_capacity) {
   pb::GrowRequest request = ForSession<pb::GrowRequest>(*this);
   request.set_target_capacity(target_capacity);
   pb::GrowResponse grown;
-  RETURN_IF_ERROR(FromGrpcStatus(ClientInternals::Cache(*client_).Grow(
+  RETURN_IF_ERROR(ClientInternals::SessionCallStatus(*client_, ClientInternals::Cache(*client_).Grow(
       ClientInternals::NewContext(*client_).get(), request, &grown)));
   SessionLayout old = layout_;
   ASSIGN_OR_RETURN(SessionLayout layout, SessionLayoutFromProto(grown.layout()));
@@ -932,7 +1093,7 @@ absl::StatusOr<uint64_t> Session::Release() {
   if (released_)
     return absl::FailedPreconditionError(absl::StrCat("session ", id(), " was released"));
   pb::ReleaseSessionResponse response;
-  absl::Status status = FromGrpcStatus(ClientInternals::Cache(*client_).ReleaseSession(
+  absl::Status status = ClientInternals::SessionCallStatus(*client_, ClientInternals::Cache(*client_).ReleaseSession(
       ClientInternals::NewContext(*client_).get(), ForSession<pb::SessionRequest>(*this),
       &response));
   // Whatever the daemon answered, this process stops using the memory; the mappings of arenas

@@ -101,6 +101,7 @@
 #include "absl/types/span.h"
 #include "client/handoff_channel.h"
 #include "client/mapper.h"
+#include "common/daemon_restart.h"
 #include "core/model_plan.h"
 #include "core/prefix_index.h"
 #include "core/sizing.h"
@@ -284,6 +285,14 @@ struct PrefixCacheEvent {
   bool operator==(const PrefixCacheEvent&) const = default;
 };
 
+// True when `status` is the error for "memra-kvd restarted and this did not come back"
+// (common/daemon_restart.h: FAILED_PRECONDITION naming both epochs; GetDaemonRestart reads
+// them). The engine must create that session (or attach) again: its old memory is not served.
+// Sessions the restarted daemon re-adopted carry on without this error.
+inline bool IsDaemonRestarted(const absl::Status& status) {
+  return GetDaemonRestart(status).has_value();
+}
+
 // One entry's result; which fields are set depends on the entry's operation.
 struct StepOutcome {
   absl::Status status;
@@ -458,12 +467,27 @@ class KvClient {
   // Connects to the handoff socket, opens the lease with its ticket and starts the thread that
   // keeps the lease alive (a heartbeat every third of the lease timeout). FAILED_PRECONDITION
   // when already attached; UNAVAILABLE when the handoff socket does not answer.
+  //
+  // When the lease stream breaks (the daemon restarted, or the connection dropped), the lease
+  // thread, which reads the stream's answers as they come, notices at once and re-attaches as
+  // the same engine (proto Hello.resume, with a fresh handoff connection's ticket and the same
+  // cache scope) every 100 ms until the daemon answers:
+  // a daemon that still knows the engine (or re-adopted it from its restart journal) gives the
+  // lease back and the engine carries on with the same sessions and mappings; one that does not
+  // answers with the restart error, which lease_lost() then holds, and re-attaching stops.
   absl::Status Attach(const std::string& engine_name) ABSL_LOCKS_EXCLUDED(mu_);
   // Ends the lease: the daemon frees this engine's sessions after its grace period.
   void Detach() ABSL_LOCKS_EXCLUDED(mu_);
-  // False once the daemon ended the lease (or the connection broke).
+  // False once the daemon ended the lease (or the connection broke), until a re-attach.
   bool lease_alive() const { return lease_alive_.load(); }
+  // Why re-attaching stopped (the daemon no longer knows this engine: IsDaemonRestarted, or
+  // NOT_FOUND when it reclaimed it); OK while the lease is live or being re-attached.
+  absl::Status lease_lost() const ABSL_LOCKS_EXCLUDED(mu_);
+  // Re-attaches done after the lease stream broke (each kept the engine and its sessions).
+  uint64_t reattaches() const { return reattaches_.load(); }
   uint64_t engine_id() const ABSL_LOCKS_EXCLUDED(mu_);
+  // The epoch of the daemon the lease is held with (Attached.epoch); 0 before Attach.
+  uint64_t epoch() const ABSL_LOCKS_EXCLUDED(mu_);
   // The lease timeout the daemon announced.
   absl::Duration lease_timeout() const ABSL_LOCKS_EXCLUDED(mu_);
   // The prefix-cache scope the daemon attached this engine in (empty before Attach).
@@ -522,11 +546,25 @@ class KvClient {
   // The lease's Attach stream.
   struct LeaseStream;
   KvClient(ClientOptions options, std::unique_ptr<Rpc> rpc);
+  // The lease thread: reads the daemon's acks as they come, so a broken stream is noticed when
+  // it breaks (not at the next heartbeat), and re-attaches.
+  void KeepLease() ABSL_LOCKS_EXCLUDED(mu_, write_mu_);
+  // The heartbeat thread: a heartbeat every third of the lease timeout on the current stream.
+  void SendHeartbeats() ABSL_LOCKS_EXCLUDED(mu_, write_mu_);
+  // Opens `lease`'s Attach stream and sends its hello; OK with the daemon's answer in `lease`,
+  // or the daemon's refusal (the stream is finished then).
+  absl::Status OpenLease(LeaseStream& lease);
+  // After a broken lease stream: re-attaches as the same engine until it works (true), the
+  // daemon refuses for good (false, lease_lost_ set) or Detach() (false).
+  bool Reattach() ABSL_LOCKS_EXCLUDED(mu_, write_mu_);
+  // A session call's refusal, made the restart error when the daemon answering is not the one
+  // this engine attached to (a NOT_FOUND / PERMISSION_DENIED for a session the new daemon never
+  // had), so the engine never mistakes it for its own mistake.
+  absl::Status Explain(absl::Status status) ABSL_LOCKS_EXCLUDED(mu_);
   // The descriptor of arena `handle` of a session of this engine, over the handoff connection
   // Attach opened (FAILED_PRECONDITION before Attach; the daemon's refusal as it sent it).
   absl::StatusOr<ArenaFd> FetchArenaFd(uint64_t session_id, absl::string_view session_token,
                                        absl::string_view handle) ABSL_LOCKS_EXCLUDED(mu_);
-  void KeepLease(absl::Duration period) ABSL_LOCKS_EXCLUDED(mu_);
   // The engine's identity (id, token); FAILED_PRECONDITION before Attach (`what` names the call).
   absl::StatusOr<std::pair<uint64_t, std::string>> AttachedEngine(absl::string_view what) const
       ABSL_LOCKS_EXCLUDED(mu_);
@@ -536,17 +574,28 @@ class KvClient {
   const std::unique_ptr<Rpc> rpc_;
 
   std::atomic<bool> lease_alive_{false};
+  std::atomic<uint64_t> reattaches_{0};
 
+  // Held while a heartbeat is written, and while the stream is finished or replaced, so neither
+  // happens under a write (gRPC allows one Read and one Write at a time, nothing with Finish).
+  // Never held while waiting on the daemon otherwise; taken before mu_.
+  absl::Mutex write_mu_ ABSL_ACQUIRED_BEFORE(mu_);
   mutable absl::Mutex mu_;
   uint64_t engine_id_ ABSL_GUARDED_BY(mu_) = 0;
   std::string engine_token_ ABSL_GUARDED_BY(mu_);
   std::string cache_scope_ ABSL_GUARDED_BY(mu_);
   absl::Duration lease_timeout_ ABSL_GUARDED_BY(mu_);
+  uint64_t epoch_ ABSL_GUARDED_BY(mu_) = 0;
+  absl::Status lease_lost_ ABSL_GUARDED_BY(mu_);
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
   std::unique_ptr<LeaseStream> lease_stream_ ABSL_GUARDED_BY(mu_);
-  // Opened by Attach, closed by Detach; shared so a fetch in flight outlives a Detach.
+  // The stream a re-attach is opening (Detach cancels it); null otherwise.
+  LeaseStream* reattaching_ ABSL_GUARDED_BY(mu_) = nullptr;
+  // Opened by Attach (and by each re-attach), closed by Detach; shared so a fetch in flight
+  // outlives a Detach.
   std::shared_ptr<HandoffChannel> handoff_ ABSL_GUARDED_BY(mu_);
   std::thread lease_thread_ ABSL_GUARDED_BY(mu_);
+  std::thread heartbeat_thread_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace memra

@@ -114,3 +114,72 @@ TEST(CudaBackendIpcTest, CrossProcessMapping) {
 
 }  // namespace
 }  // namespace memra
+
+namespace memra {
+namespace {
+
+// cuda_export = "vmm": the engine maps the descriptor the daemon handed over, and sees the
+// daemon's bytes; the handle alone opens nothing.
+TEST(CudaVmmMapperTest, TheDescriptorMapsTheDaemonsArena) {
+  CudaArenaMapper mapper(0);
+  constexpr char kHandle[] = "vmm-00112233445566778899aabbccddeeff";
+  // The handle alone opens nothing: the descriptor comes over the handoff socket.
+  EXPECT_THAT(mapper.Map("cuda", kHandle, 2 << 20),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstrs("CUDA VMM", "handoff socket")));
+  // A descriptor of another size is refused before the driver sees it.
+  int fetches = 0;
+  EXPECT_THAT(mapper.Map("cuda", kHandle, 2 << 20,
+                         [&]() -> absl::StatusOr<ArenaFd> {
+                           ++fetches;
+                           return ArenaFd{.fd = ScopedFd(), .bytes = 4 << 20};
+                         }),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstrs("the daemon handed a descriptor of 4194304 bytes",
+                                  "asked for 2097152")));
+  EXPECT_EQ(fetches, 1);
+  EXPECT_EQ(mapper.OpenCount(), 0u);
+  if (testing::NewCudaBackendOrNull() == nullptr) GTEST_SKIP();
+  absl::StatusOr<std::unique_ptr<CudaBackend>> daemon =
+      CudaBackend::Create({.device = 0, .vmm_exports = true});
+  ASSERT_THAT(daemon, IsOk());
+  absl::StatusOr<ArenaId> arena = (*daemon)->CreateArena(2 << 20, ArenaVisibility::kExported);
+  ASSERT_THAT(arena, IsOk());
+  ASSERT_THAT((*daemon)->Write(*arena, 64, std::vector<uint8_t>{1, 2, 3}), IsOk());
+  absl::StatusOr<int> fd = (*daemon)->DuplicateArenaFd(*arena);
+  ASSERT_THAT(fd, IsOk());
+  absl::StatusOr<std::unique_ptr<CachingArenaMapper::Mapping>> mapped =
+      MapVmmDescriptor(0, *fd, 2 << 20);
+  close(*fd);
+  ASSERT_THAT(mapped, IsOk());
+  uint8_t back[3] = {};
+  ASSERT_EQ(cudaMemcpy(back, static_cast<uint8_t*>((*mapped)->data()) + 64, 3,
+                       cudaMemcpyDeviceToHost),
+            cudaSuccess);
+  EXPECT_EQ(back[0], 1);
+  EXPECT_EQ(back[2], 3);
+  // Through the mapper, as a KvClient maps it: the descriptor source gives the arena's fd.
+  absl::StatusOr<ArenaExport> exported = (*daemon)->Export(*arena);
+  ASSERT_THAT(exported, IsOk());
+  absl::StatusOr<void*> through_mapper =
+      mapper.Map("cuda", exported->handle, 2 << 20, [&]() -> absl::StatusOr<ArenaFd> {
+        absl::StatusOr<int> handed = (*daemon)->DuplicateArenaFd(*arena);
+        if (!handed.ok()) return handed.status();
+        return ArenaFd{.fd = ScopedFd(*handed), .bytes = 2 << 20};
+      });
+  ASSERT_THAT(through_mapper, IsOk());
+  ASSERT_EQ(cudaMemcpy(back, static_cast<uint8_t*>(*through_mapper) + 64, 3,
+                       cudaMemcpyDeviceToHost),
+            cudaSuccess);
+  EXPECT_EQ(back[1], 2);
+  EXPECT_THAT(mapper.Unmap(exported->handle), IsOk());
+  const absl::Status bad_fd = MapVmmDescriptor(0, -1, 2 << 20).status();
+  EXPECT_FALSE(bad_fd.ok());
+  EXPECT_THAT(std::string(bad_fd.message()), HasSubstr("cuMemImportFromShareableHandle (fd -1)"));
+  EXPECT_THAT(MapVmmDescriptor(0, -1, 12345).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("12345 bytes is not a positive multiple")));
+}
+
+}  // namespace
+}  // namespace memra

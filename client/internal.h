@@ -35,6 +35,9 @@ class ClientInternals {
   static const memra::kv::v1::StepRequest& Request(const StepBatch& batch);
   // KvAdmin.GetStatus.
   static absl::StatusOr<memra::kv::v1::GetStatusResponse> GetStatus(KvClient& client);
+  // A session call's status as the engine sees it: the restart error when the daemon answering
+  // is not the one the engine attached to (KvClient::Explain).
+  static absl::Status SessionCallStatus(KvClient& client, const grpc::Status& status);
   // An arena request over the client's handoff connection, with any session id, token and
   // handle (the isolation tests' forged requests).
   static absl::StatusOr<ArenaFd> FetchArenaFd(KvClient& client, uint64_t session_id,

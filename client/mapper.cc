@@ -36,8 +36,9 @@ absl::StatusOr<void*> ArenaMapper::Map(std::string_view backend, std::string_vie
                                        uint64_t bytes) {
   return Map(backend, handle, bytes, []() -> absl::StatusOr<ArenaFd> {
     return absl::FailedPreconditionError(
-        "a host arena is mapped from the descriptor the daemon hands its owning engine over the "
-        "handoff socket: map it through a KvClient session (or pass a descriptor source)");
+        "a host arena (or a CUDA VMM one) is mapped from the descriptor the daemon hands its "
+        "owning engine over the handoff socket: map it through a KvClient session (or pass a "
+        "descriptor source)");
   });
 }
 

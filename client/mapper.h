@@ -41,8 +41,8 @@ class ArenaMapper {
   // exists, PERMISSION_DENIED when it is not this engine's).
   virtual absl::StatusOr<void*> Map(std::string_view backend, std::string_view handle,
                                     uint64_t bytes, ArenaFdSource fetch_fd) = 0;
-  // Map() for backends whose handles alone open the arena (cuda IPC handles): a host arena's
-  // first Map through it is FAILED_PRECONDITION.
+  // Map() for backends whose handles alone open the arena (cuda IPC handles): a host or CUDA
+  // VMM arena's first Map through it is FAILED_PRECONDITION.
   absl::StatusOr<void*> Map(std::string_view backend, std::string_view handle, uint64_t bytes);
   // NOT_FOUND when the handle is not mapped.
   virtual absl::Status Unmap(std::string_view handle) = 0;

@@ -2,6 +2,7 @@
 
 #include <optional>
 
+#include "common/daemon_restart.h"
 #include "core/admission.h"
 #include "gtest/gtest.h"
 #include "tests/status_matchers.h"
@@ -40,6 +41,20 @@ TEST(GrpcStatusTest, AdmissionRefusalNumbersRoundTrip) {
                                         .evictable = 200,
                                         .budget = 1000,
                                         .bytes_to_evict = 150}));
+}
+
+// The restart error's two epochs cross the wire, so the client tells it from any other refusal.
+TEST(GrpcStatusTest, DaemonRestartEpochsRoundTrip) {
+  const absl::Status restarted = DaemonRestartedError(
+      DaemonRestart{.previous_epoch = 41, .epoch = 42}, "session 3 was not re-adopted: no arena");
+  EXPECT_EQ(restarted.code(), absl::StatusCode::kFailedPrecondition);
+  const absl::Status back = FromGrpcStatus(ToGrpcStatus(restarted));
+  EXPECT_THAT(back, StatusIs(absl::StatusCode::kFailedPrecondition,
+                             HasSubstrs("memra-kvd restarted (epoch 41 -> 42); session 3")));
+  EXPECT_EQ(GetDaemonRestart(back), (DaemonRestart{.previous_epoch = 41, .epoch = 42}));
+  EXPECT_FALSE(GetAdmissionRefusal(back).has_value());
+  EXPECT_FALSE(GetDaemonRestart(absl::FailedPreconditionError("stale generation")).has_value());
+  EXPECT_FALSE(GetDaemonRestart(absl::NotFoundError("session 3 does not exist")).has_value());
 }
 
 TEST(GrpcStatusTest, ForeignDetailsAreIgnored) {

@@ -350,6 +350,45 @@ absl::Status SessionState::Hydrate(uint64_t logical_len,
   return absl::OkStatus();
 }
 
+absl::StatusOr<SessionState> SessionState::Recover(uint64_t cache_id, const SessionPlan& plan,
+                                                   uint64_t capacity,
+                                                   const CommittedRecord& record) {
+  ASSIGN_OR_RETURN(SessionState state, Create(cache_id, plan, capacity));
+  if (record.ring_bases.size() != state.kv_.layer_count()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "recovery record has ", record.ring_bases.size(), " ring bases for ",
+        state.kv_.layer_count(), " K/V layers"));
+  }
+  const bool any_base = std::any_of(record.ring_bases.begin(), record.ring_bases.end(),
+                                    [](uint64_t base) { return base != 0; });
+  if (record.committed_len > 0 || any_base) {
+    RETURN_IF_ERROR(state.Hydrate(record.committed_len, record.ring_bases));
+  }
+  for (size_t i = 0; i < state.kv_.layer_count(); ++i) {
+    const uint64_t base = state.kv_.ring(i).has_value() ? state.kv_.ring(i)->base() : 0;
+    if (base != record.ring_bases[i]) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("layer ", state.kv_.shapes()[i].layer, ": recovered ring base ", base,
+                       " differs from the recorded ", record.ring_bases[i]));
+    }
+  }
+  state.kv_.AdoptNextGeneration(record.next_generation);
+  if (record.tainted) state.MarkTainted();
+  return state;
+}
+
+CommittedRecord SessionState::Committed() const {
+  CommittedRecord record;
+  record.committed_len = kv_.committed_len();
+  record.next_generation = kv_.state().next_generation();
+  record.ring_bases.reserve(kv_.layer_count());
+  for (size_t i = 0; i < kv_.layer_count(); ++i) {
+    record.ring_bases.push_back(kv_.ring(i).has_value() ? kv_.ring(i)->base() : 0);
+  }
+  record.tainted = tainted_;
+  return record;
+}
+
 absl::Status SessionState::Reset() {
   RETURN_IF_ERROR(EnsureUsable("reset"));
   const uint64_t next_generation = kv_.state().next_generation();

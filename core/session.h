@@ -56,6 +56,18 @@ struct MirrorValue {
   bool operator==(const MirrorValue&) const = default;
 };
 
+// What a restarted daemon needs to bring a session back at its committed length
+// (server/restart_state.h journals it; SessionState::Committed / Recover).
+struct CommittedRecord {
+  uint64_t committed_len = 0;
+  uint64_t next_generation = 1;
+  // Per K/V layer in layer order: a ring layer's base (absolute row at physical row 0); 0 for
+  // flat layers.
+  std::vector<uint64_t> ring_bases;
+  bool tainted = false;
+  bool operator==(const CommittedRecord&) const = default;
+};
+
 // One decode step of a session in one operation (SessionState::Advance): finish the previous
 // step's transaction and open the next one.
 struct AdvanceRequest {
@@ -80,6 +92,19 @@ class SessionState {
   // `cache_id` must be unique per session and layout version: transactions bind to it.
   static absl::StatusOr<SessionState> Create(uint64_t cache_id, const SessionPlan& plan,
                                              uint64_t capacity);
+
+  // Rebuilds a session of `plan` at `capacity` holding `record`: the committed rows published
+  // as a hydration at the recorded ring bases (so every ring window stays where the engine's
+  // rows are), the generation sequence continued, taint kept. No transaction, no spec snapshot;
+  // latent layers take the hydration's conservative residency (only the live indexer tail).
+  // INVALID_ARGUMENT / FAILED_PRECONDITION (naming the layer and the numbers) when the record
+  // does not fit the plan: a base count that differs from the K/V layers, a base past the
+  // committed length, a window the base cannot expose.
+  static absl::StatusOr<SessionState> Recover(uint64_t cache_id, const SessionPlan& plan,
+                                              uint64_t capacity, const CommittedRecord& record);
+  // This state's CommittedRecord. Mid-transaction the committed length is the one kept; ring
+  // bases are the current ones (a published rebase moved the committed rows with it).
+  CommittedRecord Committed() const;
 
   uint64_t cache_id() const { return kv_.cache_id(); }
   uint64_t capacity() const { return kv_.capacity(); }

@@ -263,6 +263,86 @@ TEST(Session, HydrateRefusalsChangeNothing) {
   EXPECT_EQ(session.committed_len(), 3u);
 }
 
+// The plan MakeSession uses, for Recover.
+SessionPlan HybridSessionPlan(uint64_t capacity) {
+  SessionShape shape;
+  shape.capacity = capacity;
+  shape.spec_snapshot = true;
+  absl::StatusOr<SessionPlan> plan = PlanSession(HybridPlan(), FormatDefaults(), shape);
+  EXPECT_THAT(plan, IsOk());
+  return *plan;
+}
+
+TEST(Recover, BringsBackTheCommittedLengthRingBaseAndGenerations) {
+  SessionState session = MakeSession(100'000);
+  for (int i = 0; i < 4; ++i) Step(session, 4096, 4096);  // the window-32 ring has rebased
+  const CommittedRecord record = session.Committed();
+  ASSERT_EQ(record.ring_bases.size(), 2u);
+  EXPECT_EQ(record.ring_bases[0], 0u);
+  EXPECT_GT(record.ring_bases[1], 0u) << "the test needs a rebased ring";
+  absl::StatusOr<SessionState> recovered =
+      SessionState::Recover(7, HybridSessionPlan(100'000), 100'000, record);
+  ASSERT_THAT(recovered, IsOk());
+  EXPECT_EQ(recovered->committed_len(), 16384u);
+  EXPECT_EQ(recovered->position(), 16384u);
+  EXPECT_EQ(recovered->cache_id(), 7u);
+  EXPECT_EQ(recovered->Committed(), record);
+  EXPECT_EQ(recovered->Mirrors(), session.Mirrors());
+  absl::StatusOr<TransactionId> next = recovered->Begin();
+  ASSERT_THAT(next, IsOk());
+  EXPECT_EQ(next->generation, 5u) << "generations continue; none is issued twice";
+}
+
+TEST(Recover, AnOpenTransactionComesBackAtItsCommittedLength) {
+  SessionState session = MakeSession(256);
+  Step(session, 12, 12);
+  absl::StatusOr<TransactionId> open = session.Begin();
+  ASSERT_THAT(open, IsOk());
+  ASSERT_THAT(session.PrepareAppend(open->generation, 5), IsOk());
+  ASSERT_THAT(session.PublishAppend(open->generation), IsOk());
+  const CommittedRecord record = session.Committed();
+  EXPECT_EQ(record.committed_len, 12u);
+  absl::StatusOr<SessionState> recovered =
+      SessionState::Recover(2, HybridSessionPlan(256), 256, record);
+  ASSERT_THAT(recovered, IsOk());
+  EXPECT_EQ(recovered->committed_len(), 12u);
+  EXPECT_EQ(recovered->staged_len(), 12u);
+  EXPECT_FALSE(recovered->kv().state().active().has_value());
+  EXPECT_THAT(recovered->PublishAppend(open->generation),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstrs("active: none")));
+}
+
+TEST(Recover, KeepsTaintAndAFreshSessionStaysFresh) {
+  SessionState session = MakeSession(64);
+  session.MarkTainted();
+  absl::StatusOr<SessionState> tainted =
+      SessionState::Recover(3, HybridSessionPlan(64), 64, session.Committed());
+  ASSERT_THAT(tainted, IsOk());
+  EXPECT_TRUE(tainted->tainted());
+  absl::StatusOr<SessionState> fresh =
+      SessionState::Recover(4, HybridSessionPlan(64), 64, MakeSession(64).Committed());
+  ASSERT_THAT(fresh, IsOk());
+  EXPECT_TRUE(fresh->kv().state().IsFresh());
+}
+
+TEST(Recover, RefusesARecordThatDoesNotFitThePlan) {
+  CommittedRecord record{.committed_len = 40, .next_generation = 5, .ring_bases = {0}};
+  EXPECT_THAT(SessionState::Recover(1, HybridSessionPlan(256), 256, record),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstrs("1 ring bases for 2 K/V layers")));
+  record.ring_bases = {0, 41};
+  EXPECT_THAT(SessionState::Recover(1, HybridSessionPlan(256), 256, record),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstrs("[41,40)")));
+  record.ring_bases = {3, 0};
+  EXPECT_THAT(SessionState::Recover(1, HybridSessionPlan(256), 256, record),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstrs("must start at absolute row zero, got 3")));
+  record.committed_len = 300;
+  record.ring_bases = {0, 0};
+  EXPECT_THAT(SessionState::Recover(1, HybridSessionPlan(256), 256, record),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstrs("exceeds capacity 256")));
+}
+
 TEST(Session, GrowCarriesEveryPlaneKindAndTheGeneration) {
   SessionState source = MakeSession(10'000, true, 1);
   Step(source, 4096, 4096);

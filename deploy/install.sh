@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# Installs memra-kv: the binaries, the systemd template unit, sysusers.d/tmpfiles.d snippets, the
+# Installs memra-kv: the binaries (memra-kvd, memra-kvctl and memra-kv-supervise, the
+# fd-store supervisor for machines without systemd), the systemd template unit, sysusers.d/tmpfiles.d snippets, the
 # example config and the Python package memra_kv. Idempotent: running it again rewrites the same
 # files; it never touches an operator's /etc/memra-kv/gpu<N>.conf.
 #
-# Usage: bazel build //server:memra-kvd //tools:memra-kvctl //python:memra_kv && deploy/install.sh
+# Usage: bazel build //server:memra-kvd //server:memra-kv-supervise //tools:memra-kvctl \
+#          //python:memra_kv && deploy/install.sh
 #
 # Environment:
 #   DESTDIR     staging root (packaging, tests). When set, nothing is activated: no users are
@@ -11,9 +13,10 @@
 #   PREFIX      default /usr: binaries in $PREFIX/bin, unit in $PREFIX/lib/systemd/system,
 #               snippets in $PREFIX/lib/{sysusers.d,tmpfiles.d}.
 #   SYSCONFDIR  default /etc: example config in $SYSCONFDIR/memra-kv.
-#   BIN_DIR     directory holding both memra-kvd and memra-kvctl. Without it, memra-kvd comes from
-#               SERVER_BIN_DIR (default bazel-bin/server) and memra-kvctl from TOOLS_BIN_DIR
-#               (default bazel-bin/tools); those defaults are relative to the repository root.
+#   BIN_DIR     directory holding memra-kvd, memra-kv-supervise and memra-kvctl. Without it,
+#               memra-kvd and memra-kv-supervise come from SERVER_BIN_DIR (default
+#               bazel-bin/server) and memra-kvctl from TOOLS_BIN_DIR (default bazel-bin/tools);
+#               those defaults are relative to the repository root.
 #
 #   PYTHON_DIR  where the Python package memra_kv goes (as $PYTHON_DIR/memra_kv): default Debian's
 #               /usr/lib/python3/dist-packages with PREFIX=/usr, else
@@ -23,8 +26,8 @@
 #               bazel-bin/python/memra_kv/_proto, else python/memra_kv/_proto (written by
 #               python/tools/gen_protos.py).
 #
-# Both binaries (and, unless PYTHON_DIR is empty, the stubs) are required: a missing one is an
-# error and nothing is installed.
+# All three binaries (and, unless PYTHON_DIR is empty, the stubs) are required: a missing one is
+# an error and nothing is installed.
 set -euo pipefail
 
 usage() { sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; }
@@ -59,11 +62,12 @@ for source in "${sources[@]}"; do
   [[ -f "$deploy_dir/$source" ]] || die "missing $deploy_dir/$source"
 done
 binaries=()
-for pair in "memra-kvd:$SERVER_BIN_DIR" "memra-kvctl:$TOOLS_BIN_DIR"; do
+for pair in "memra-kvd:$SERVER_BIN_DIR" "memra-kvctl:$TOOLS_BIN_DIR" \
+            "memra-kv-supervise:$SERVER_BIN_DIR"; do
   name="${pair%%:*}" dir="${pair#*:}"
   [[ -f "$dir/$name" && -x "$dir/$name" ]] ||
-    die "no executable $dir/$name; build both (bazel build //server:memra-kvd" \
-        "//tools:memra-kvctl) or set BIN_DIR"
+    die "no executable $dir/$name; build all three (bazel build //server:memra-kvd" \
+        "//server:memra-kv-supervise //tools:memra-kvctl) or set BIN_DIR"
   binaries+=("$dir/$name")
 done
 

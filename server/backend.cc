@@ -1,5 +1,7 @@
 #include "server/backend.h"
 
+#include <unistd.h>
+
 #include "absl/strings/str_cat.h"
 
 namespace memra {
@@ -17,6 +19,13 @@ absl::StatusOr<uint64_t> DeviceBackend::RoundedArenaBytes(uint64_t bytes) const 
         backend, ": arena of ", bytes, " bytes overflows when rounded up to ", granularity));
   }
   return bumped & ~(granularity - 1);
+}
+
+absl::StatusOr<ArenaId> DeviceBackend::AdoptArenaFd(int fd, uint64_t bytes, std::string) {
+  if (fd >= 0) close(fd);
+  return absl::FailedPreconditionError(
+      absl::StrCat(absl::string_view(Name().data(), Name().size()), " backend: cannot adopt a ",
+                   bytes, "-byte arena from a file descriptor (its arenas are not descriptors)"));
 }
 
 absl::Status CheckArenaRange(absl::string_view op, ArenaId arena, uint64_t arena_bytes,

@@ -109,6 +109,15 @@ class DeviceBackend {
   // a daemon restart). FAILED_PRECONDITION for a private arena or a backend whose exports are
   // not file descriptors (cuda IPC handles); NOT_FOUND for an unknown arena.
   virtual absl::StatusOr<int> DuplicateArenaFd(ArenaId arena) = 0;
+  // Restart survival (server/restart_state.h): files an exported arena of exactly `bytes` whose
+  // memory a previous daemon created and kept as `fd` (the fd store), mapping it again. Takes
+  // ownership of `fd` (closed on failure too). `export_handle` is what Export() reports, so
+  // engines that mapped it before the restart keep the same handle. The arena counts against
+  // the capacity like a created one. FAILED_PRECONDITION on a backend whose arenas are not file
+  // descriptors; INVALID_ARGUMENT when `bytes` is not RoundedArenaBytes(bytes) or the fd is
+  // smaller than `bytes`.
+  virtual absl::StatusOr<ArenaId> AdoptArenaFd(int fd, uint64_t bytes,
+                                               std::string export_handle);
   // Exported arenas stop being mappable by new clients; existing client mappings stay valid
   // until those clients unmap (host: the shm name is unlinked).
   virtual absl::Status FreeArena(ArenaId arena) = 0;

@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/types/span.h"
 #include "common/codec.h"
+#include "common/daemon_restart.h"
 #include "core/status_macros.h"
 #include "server/rpc_reply.h"
 #include "spdlog/spdlog.h"
@@ -40,8 +41,14 @@ class AttachReactor final
     : public grpc::ServerBidiReactor<pb::AttachRequest, pb::AttachResponse> {
  public:
   AttachReactor(grpc::CallbackServerContext* context, EngineLeases* leases,
-                ArenaHandoff* handoff, const CacheScopes* scopes, std::string_view backend)
-      : context_(context), leases_(leases), handoff_(handoff), scopes_(scopes), backend_(backend) {
+                ArenaHandoff* handoff, const CacheScopes* scopes, std::string_view backend,
+                uint64_t epoch)
+      : context_(context),
+        leases_(leases),
+        handoff_(handoff),
+        scopes_(scopes),
+        backend_(backend),
+        epoch_(epoch) {
     StartRead(&request_);
   }
 
@@ -71,7 +78,7 @@ class AttachReactor final
   }
 
   void OnDone() override {
-    if (engine_.has_value()) leases_->EndStream(*engine_);
+    if (engine_.has_value()) leases_->EndStream(*engine_, stream_);
     delete this;
   }
 
@@ -83,24 +90,43 @@ class AttachReactor final
     // The ticket first: no engine exists without the peer credentials it proves. A ticket is
     // used up even when the attach is then refused (the engine reconnects for a new one).
     ASSIGN_OR_RETURN(HandoffClaim claim, handoff_->ClaimTicket(request_.hello().handoff_ticket()));
-    ASSIGN_OR_RETURN(std::string scope,
-                     scopes_->ScopeFor(claim.peer, request_.hello().cache_scope()));
+    const pb::Hello& hello = request_.hello();
     grpc::CallbackServerContext* context = context_;
-    ASSIGN_OR_RETURN(EngineLease lease,
-                     leases_->Attach(EngineIdentity{.name = request_.hello().engine_name(),
-                                                    .peer = claim.peer,
-                                                    .cache_scope = scope},
-                                     [context] { context->TryCancel(); }));
-    engine_ = lease.id;
-    handoff_->BindEngine(claim.connection, lease.id.value);
+    auto cancel = [context] { context->TryCancel(); };
+    absl::StatusOr<EngineLease> lease;
+    if (hello.has_resume()) {
+      // The engine keeps the scope it attached in (Resume refuses another one).
+      lease = leases_->Resume(
+          EngineCredentials{EngineId{hello.resume().engine_id()}, hello.resume().engine_token()},
+          claim.peer, hello.cache_scope(), cancel);
+    } else {
+      ASSIGN_OR_RETURN(std::string scope, scopes_->ScopeFor(claim.peer, hello.cache_scope()));
+      lease = leases_->Attach(
+          EngineIdentity{.name = hello.engine_name(), .peer = claim.peer, .cache_scope = scope},
+          cancel);
+    }
+    if (!lease.ok() && hello.has_resume() && hello.resume_epoch() != 0 &&
+        hello.resume_epoch() != epoch_ && !GetDaemonRestart(lease.status()).has_value()) {
+      // A daemon that knows nothing of the engine's daemon (no journal, or not this lineage):
+      // the engine still learns it was a restart, with both epochs.
+      return DaemonRestartedError(
+          DaemonRestart{hello.resume_epoch(), epoch_},
+          absl::StrCat("engine ", hello.resume().engine_id(), " was not re-adopted: ",
+                       lease.status().message()));
+    }
+    RETURN_IF_ERROR(lease.status());
+    engine_ = lease->id;
+    stream_ = lease->stream;
+    handoff_->BindEngine(claim.connection, lease->id.value);
     response_.Clear();
     pb::Attached* attached = response_.mutable_attached();
-    attached->mutable_engine()->set_engine_id(lease.id.value);
-    attached->mutable_engine()->set_engine_token(lease.token);
-    attached->set_lease_timeout_ms(absl::ToInt64Milliseconds(lease.timeout));
-    attached->set_lease_grace_ms(absl::ToInt64Milliseconds(lease.grace));
+    attached->mutable_engine()->set_engine_id(lease->id.value);
+    attached->mutable_engine()->set_engine_token(lease->token);
+    attached->set_lease_timeout_ms(absl::ToInt64Milliseconds(lease->timeout));
+    attached->set_lease_grace_ms(absl::ToInt64Milliseconds(lease->grace));
     attached->set_backend(std::string(backend_));
-    attached->set_cache_scope(scope);
+    attached->set_cache_scope(lease->cache_scope);
+    attached->set_epoch(epoch_);
     return absl::OkStatus();
   }
 
@@ -121,7 +147,9 @@ class AttachReactor final
   ArenaHandoff* const handoff_;
   const CacheScopes* const scopes_;
   const std::string_view backend_;
+  const uint64_t epoch_;
   std::optional<EngineId> engine_;  // set once the hello was accepted
+  uint64_t stream_ = 0;             // the lease's stream number (EngineLease::stream)
   pb::AttachRequest request_;
   pb::AttachResponse response_;
 };
@@ -130,7 +158,7 @@ class AttachReactor final
 
 grpc::ServerBidiReactor<pb::AttachRequest, pb::AttachResponse>* CacheService::Attach(
     grpc::CallbackServerContext* context) {
-  return new AttachReactor(context, leases_, handoff_, scopes_, backend_->Name());
+  return new AttachReactor(context, leases_, handoff_, scopes_, backend_->Name(), epoch_);
 }
 
 grpc::Status CacheService::RegisterPlan(grpc::ServerContext*,
@@ -348,6 +376,10 @@ void CacheService::RunStepEntry(const pb::StepEntry& entry,
     result->clear_payload();
     result->set_code(static_cast<int32_t>(status.code()));
     result->set_message(std::string(status.message()));
+    if (std::optional<DaemonRestart> restart = GetDaemonRestart(status); restart.has_value()) {
+      result->mutable_daemon_restart()->set_previous_epoch(restart->previous_epoch);
+      result->mutable_daemon_restart()->set_epoch(restart->epoch);
+    }
   }
 }
 

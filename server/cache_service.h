@@ -33,14 +33,17 @@ class CacheService final
   // REQUIRES: every pointer outlives the service. `backend` waits on the engines' events;
   // `handoff` redeems the attach tickets.
   // `scopes` decides each engine's prefix-cache scope from its peer credentials.
+  // `epoch`: the daemon's (Attached.epoch).
   CacheService(EngineLeases* leases, PlanRegistry* plans, SessionRegistry* sessions,
-               DeviceBackend* backend, ArenaHandoff* handoff, const CacheScopes* scopes)
+               DeviceBackend* backend, ArenaHandoff* handoff, const CacheScopes* scopes,
+               uint64_t epoch = 0)
       : leases_(leases),
         plans_(plans),
         sessions_(sessions),
         backend_(backend),
         handoff_(handoff),
-        scopes_(scopes) {}
+        scopes_(scopes),
+        epoch_(epoch) {}
 
   // The lease stream: hello -> Attached, then heartbeat -> ack until either side ends it
   // (server/engine_leases.h has the rules). The hello's handoff ticket is claimed first
@@ -120,6 +123,7 @@ class CacheService final
   DeviceBackend* const backend_;
   ArenaHandoff* const handoff_;
   const CacheScopes* const scopes_;
+  const uint64_t epoch_;
 };
 
 // The credentials a ref carries (the views point into `ref`).

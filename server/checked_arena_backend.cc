@@ -11,6 +11,18 @@ absl::StatusOr<ArenaId> CheckedArenaBackend::CreateArena(uint64_t bytes,
   return arenas_.Create(rounded, [&](uint64_t size) { return Allocate(size, visibility); });
 }
 
+absl::StatusOr<ArenaId> CheckedArenaBackend::FileAdopted(
+    uint64_t bytes,
+    absl::FunctionRef<absl::StatusOr<std::shared_ptr<ArenaRecord>>(uint64_t)> adopt) {
+  ASSIGN_OR_RETURN(const uint64_t rounded, RoundedArenaBytes(bytes));
+  if (rounded != bytes) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        std::string(Name()), " AdoptArenaFd: ", bytes, " bytes is not a multiple of the allocation granularity ",
+        AllocationGranularity(), " (a kept arena always is)"));
+  }
+  return arenas_.Create(bytes, adopt);
+}
+
 absl::StatusOr<ArenaExport> CheckedArenaBackend::Export(ArenaId id) {
   ASSIGN_OR_RETURN(std::shared_ptr<ArenaRecord> arena, arenas_.Find("Export", id));
   const std::string backend(Name());

@@ -10,6 +10,7 @@
 #include <memory>
 #include <string>
 
+#include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
@@ -47,6 +48,12 @@ class CheckedArenaBackend : public DeviceBackend {
   // destructor must not depend on the backend object.
   CheckedArenaBackend(std::string backend, uint64_t capacity)
       : arenas_(std::move(backend), capacity) {}
+
+  // Files `record` (of exactly `bytes`, exported) as a new arena against the capacity: a
+  // subclass's AdoptArenaFd maps the descriptor in `adopt` and this does the bookkeeping.
+  absl::StatusOr<ArenaId> FileAdopted(
+      uint64_t bytes, absl::FunctionRef<absl::StatusOr<std::shared_ptr<ArenaRecord>>(uint64_t)>
+                          adopt);
 
   // A zero-filled arena of exactly `bytes` (already rounded); export_handle() set iff exported.
   virtual absl::StatusOr<std::shared_ptr<ArenaRecord>> Allocate(uint64_t bytes,

@@ -46,6 +46,7 @@ constexpr uint64_t kPiB = uint64_t{1} << 50;
 
 // Index = enum value; BackendName/LogLevelName and the "one of" parsing share these.
 constexpr std::array<absl::string_view, 2> kBackendNames = {"host", "cuda"};
+constexpr std::array<absl::string_view, 2> kCudaExportNames = {"ipc", "vmm"};
 constexpr std::array<absl::string_view, 7> kLogLevelNames = {"trace", "debug",    "info", "warn",
                                                              "error", "critical", "off"};
 
@@ -58,7 +59,7 @@ using TypedValue = std::variant<uint64_t, double, bool, std::string>;
 using FieldPtr =
     std::variant<uint64_t DaemonConfig::*, uint32_t DaemonConfig::*, double DaemonConfig::*,
                  bool DaemonConfig::*, std::string DaemonConfig::*, Backend DaemonConfig::*,
-                 LogLevel DaemonConfig::*>;
+                 LogLevel DaemonConfig::*, CudaExport DaemonConfig::*>;
 
 // How a key's value is written; decides parsing, rendering and the "accepted" text.
 enum class Syntax {
@@ -185,6 +186,11 @@ const std::vector<KeySpec>& Keys() {
        .reloadable = true,
        .help = "CUDA backend: memory left for the driver and other processes (bytes).", .min = 0,
        .max = kTiB},
+      {.name = "cuda_export", .field = &C::cuda_export, .syntax = Syntax::kChoice,
+       .reloadable = false,
+       .help = "CUDA backend: how arenas reach engines: ipc (CUDA IPC handles) or vmm (cuMemCreate "
+               "shared as file descriptors; survives a daemon restart).",
+       .choices = kCudaExportNames},
       {.name = "lease_timeout_ms", .field = &C::lease_timeout_ms, .syntax = Syntax::kInteger,
        .reloadable = true,
        .help = "Milliseconds without an engine heartbeat before its lease expires.", .min = 100,
@@ -263,6 +269,10 @@ const std::vector<KeySpec>& Keys() {
        .help = "Milliseconds one Redis command may take.", .min = 1, .max = 60'000},
       {.name = "watchdog", .field = &C::watchdog, .syntax = Syntax::kBool, .reloadable = false,
        .help = "Send systemd watchdog keep-alives when asked to (false needs WatchdogSec=0)."},
+      {.name = "keep_kv_across_restarts", .field = &C::keep_kv_across_restarts,
+       .syntax = Syntax::kBool, .reloadable = false,
+       .help = "Under systemd or memra-kv-supervise: keep arenas and a journal in the fd store "
+               "and re-adopt sessions after a restart."},
       {.name = "max_plan_layers", .field = &C::max_plan_layers, .syntax = Syntax::kInteger,
        .reloadable = false,
        .help = "Layers (trunk + MTP) a model plan may have; larger plans are refused "
@@ -614,6 +624,11 @@ std::optional<std::pair<RawValue, std::string>> FromToml(const toml::value& valu
 }
 
 }  // namespace
+
+std::string_view CudaExportName(CudaExport mode) {
+  absl::string_view name = kCudaExportNames[static_cast<size_t>(mode)];
+  return {name.data(), name.size()};
+}
 
 std::string_view BackendName(Backend backend) {
   absl::string_view name = kBackendNames[static_cast<size_t>(backend)];

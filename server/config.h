@@ -23,10 +23,15 @@
 namespace memra {
 
 enum class Backend { kHost, kCuda };
+// How the cuda backend hands arenas to engines: legacy CUDA IPC handles in the owning engine's
+// reply (the default), or CUDA VMM allocations exported as POSIX file descriptors over the fd
+// side channel (common/cuda_vmm.h), which a restart can keep (docs/failure-model.md).
+enum class CudaExport { kIpc, kVmm };
 // Same order as spdlog::level::level_enum (trace = 0 ... off = 6): static_cast converts.
 enum class LogLevel { kTrace, kDebug, kInfo, kWarn, kError, kCritical, kOff };
 
 std::string_view BackendName(Backend backend);  // "host" | "cuda"
+std::string_view CudaExportName(CudaExport mode);  // "ipc" | "vmm"
 std::string_view LogLevelName(LogLevel level);  // "trace" ... "off"
 
 // Every daemon setting, with its default. Key names in the file and on the command line are the
@@ -50,6 +55,9 @@ struct DaemonConfig {
   double cuda_memory_fraction = 0.9;
   // CUDA backend: bytes left free for the driver and other processes, taken off the budget.
   uint64_t cuda_reserve_bytes = uint64_t{1} << 30;
+  // CUDA backend: "ipc" (cudaIpcGetMemHandle) or "vmm" (cuMemCreate, shared as descriptors;
+  // needed for KV to survive a daemon restart on a GPU).
+  CudaExport cuda_export = CudaExport::kIpc;
   // Milliseconds without an engine heartbeat before its lease expires.
   uint64_t lease_timeout_ms = 10000;
   // Milliseconds after a lease ends (stream broke or expired) before its sessions are reclaimed.
@@ -95,6 +103,9 @@ struct DaemonConfig {
   uint64_t prefix_remote_redis_timeout_ms = 500;
   // Send systemd watchdog keep-alives when the service manager asks for them (WATCHDOG_USEC).
   bool watchdog = true;
+  // Under a service manager (systemd, memra-kv-supervise): keep session arenas and the restart
+  // journal in its fd store, and re-adopt them after a restart (server/restart_state.h).
+  bool keep_kv_across_restarts = true;
   // The operators' Unix socket (KvAdmin and KvPrefixCache in full: drain, undrain, eviction,
   // plan import with registration, the lists of sessions, engines and prefixes); the engine
   // socket refuses those calls (PERMISSION_DENIED naming this path). Empty = beside the engine

@@ -48,7 +48,7 @@ TEST(ConfigTest, KeyListIsTheDocumentedOne) {
   EXPECT_THAT(names,
               ElementsAre("backend", "device", "socket_path", "socket_mode", "socket_group",
                           "budget_bytes", "cuda_memory_fraction",
-                          "cuda_reserve_bytes", "lease_timeout_ms", "lease_grace_ms",
+                          "cuda_reserve_bytes", "cuda_export", "lease_timeout_ms", "lease_grace_ms",
                           "reservation_ttl_ms", "log_level", "metrics_address", "rpc_metrics",
                           "drain_grace_ms",
                           "prefix_cache_budget_bytes", "prefix_block_tokens",
@@ -57,7 +57,7 @@ TEST(ConfigTest, KeyListIsTheDocumentedOne) {
                           "prefix_remote_redis_nodes", "prefix_remote_redis_user",
                           "prefix_remote_redis_password_file", "prefix_remote_redis_tls",
                           "prefix_remote_redis_connect_timeout_ms",
-                          "prefix_remote_redis_timeout_ms", "watchdog",
+                          "prefix_remote_redis_timeout_ms", "watchdog", "keep_kv_across_restarts",
                           "max_plan_layers",
                           "max_engine_sessions", "max_engine_plans", "max_engine_budget_share",
                           "max_attached_engines", "arena_pool_engine_bytes", "max_arenas",
@@ -66,6 +66,14 @@ TEST(ConfigTest, KeyListIsTheDocumentedOne) {
   EXPECT_THAT(reloadable, ElementsAre("budget_bytes", "cuda_memory_fraction", "cuda_reserve_bytes",
                                       "lease_timeout_ms", "reservation_ttl_ms", "log_level",
                                       "drain_grace_ms", "prefix_cache_budget_bytes"));
+}
+
+TEST(ConfigTest, CudaExportModes) {
+  EXPECT_EQ(DaemonConfig().cuda_export, CudaExport::kIpc);
+  absl::StatusOr<DaemonConfig> vmm = ParseLine("cuda_export = \"vmm\"");
+  ASSERT_TRUE(vmm.ok()) << vmm.status();
+  EXPECT_EQ(vmm->cuda_export, CudaExport::kVmm);
+  EXPECT_EQ(CudaExportName(CudaExport::kVmm), "vmm");
 }
 
 TEST(ConfigTest, Defaults) {
@@ -334,6 +342,8 @@ INSTANTIATE_TEST_SUITE_P(
         BadValueCase{"backend = \"rocm\"",
                      {"backend = \"rocm\"", "not a known value", "one of host, cuda"}},
         BadValueCase{"backend = 1", {"backend = 1", "one of host, cuda"}},
+        BadValueCase{"cuda_export = \"nvlink\"",
+                     {"cuda_export = \"nvlink\"", "not a known value", "one of ipc, vmm"}},
         BadValueCase{"socket_path = \"memra.sock\"",
                      {"socket_path = \"memra.sock\"", "not an absolute path"}},
         BadValueCase{"socket_group = \"my group\"",

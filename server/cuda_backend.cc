@@ -9,8 +9,18 @@
 #include <utility>
 #include <vector>
 
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <cerrno>
+
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "common/cuda_vmm.h"
+#include "common/errors.h"
+#include "common/mapped_region.h"
+#include "server/secret_token.h"
 #include "core/status_macros.h"
 #include "common/cuda_errors.h"
 #include "server/streaming_checksum.h"
@@ -49,6 +59,34 @@ class CudaArena final : public ArenaRecord {
   DeviceAllocation allocation_;
 };
 
+// One VMM allocation (cuda_export = "vmm") and the descriptor that shares it: the daemon's own
+// mapping goes with the record; the memory goes when every holder (engines' imports, the fd
+// store's copy) has released it.
+class VmmArena final : public ArenaRecord {
+ public:
+  VmmArena(VmmMapping mapping, ScopedFd fd, std::string handle)
+      : ArenaRecord(static_cast<uint8_t*>(mapping.data()), mapping.bytes(), std::move(handle)),
+        mapping_(std::move(mapping)),
+        fd_(std::move(fd)) {}
+
+  absl::StatusOr<int> DuplicateFd() const override {
+    const int copy = fcntl(fd_.get(), F_DUPFD_CLOEXEC, 0);
+    if (copy < 0) return PosixError("fcntl(F_DUPFD_CLOEXEC) of a VMM arena", errno);
+    return copy;
+  }
+
+ private:
+  VmmMapping mapping_;
+  ScopedFd fd_;
+};
+
+// "vmm-" + 32 random hex characters: names a VMM arena to its engine (nothing else can open it
+// from the name: the memory comes only as a descriptor over the side channel).
+absl::StatusOr<std::string> NewVmmHandle() {
+  ASSIGN_OR_RETURN(const std::string random, RandomSecretToken());
+  return absl::StrCat("vmm-", absl::BytesToHexString(random));
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(CudaBackendOptions options) {
@@ -72,18 +110,28 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(CudaBackendOpti
   if (const cudaError_t err = cudaGetDeviceProperties(&prop, options.device); err != cudaSuccess) {
     return CudaError(absl::StrCat("cudaGetDeviceProperties ", options.device), err);
   }
+  if (options.vmm_exports) {
+    ASSIGN_OR_RETURN(const uint64_t granularity, VmmGranularity(options.device));
+    if (granularity == 0 || kGranularity % granularity != 0) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "cuda_export = \"vmm\": device ", options.device, "'s VMM granularity ", granularity,
+          " bytes does not divide the backend's ", kGranularity, "-byte arena granularity"));
+    }
+  }
   cudaStream_t stream;
   if (const cudaError_t err = cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
       err != cudaSuccess) {
     return CudaError(absl::StrCat("cudaStreamCreate on device ", options.device), err);
   }
-  return std::unique_ptr<CudaBackend>(
-      new CudaBackend(options.device, stream, prop.name, FormatUuid(prop.uuid)));
+  return std::unique_ptr<CudaBackend>(new CudaBackend(options.device, options.vmm_exports, stream,
+                                                      prop.name, FormatUuid(prop.uuid)));
 }
 
-CudaBackend::CudaBackend(int device, cudaStream_t stream, std::string name, std::string uuid)
+CudaBackend::CudaBackend(int device, bool vmm_exports, cudaStream_t stream, std::string name,
+                         std::string uuid)
     : CheckedArenaBackend("cuda", std::numeric_limits<uint64_t>::max()),  // the device decides
       device_(device),
+      vmm_exports_(vmm_exports),
       stream_(stream),
       name_(std::move(name)),
       uuid_(std::move(uuid)) {}
@@ -127,6 +175,15 @@ DeviceInfo CudaBackend::Info() {
 absl::StatusOr<std::shared_ptr<ArenaRecord>> CudaBackend::Allocate(uint64_t bytes,
                                                                    ArenaVisibility visibility) {
   RETURN_IF_ERROR(SelectDevice());
+  if (vmm_exports_ && visibility == ArenaVisibility::kExported) {
+    ASSIGN_OR_RETURN(VmmMapping mapping, VmmMapping::Create(device_, bytes));
+    RETURN_IF_ERROR(
+        Finish("zero-filling a new VMM arena", cudaMemsetAsync(mapping.data(), 0, bytes, stream_)));
+    ASSIGN_OR_RETURN(const int fd, mapping.ExportFd());
+    ScopedFd owned(fd);
+    ASSIGN_OR_RETURN(std::string handle, NewVmmHandle());
+    return std::make_shared<VmmArena>(std::move(mapping), std::move(owned), std::move(handle));
+  }
   void* data = nullptr;
   if (const cudaError_t err = cudaMalloc(&data, bytes); err != cudaSuccess) {
     return CudaError(absl::StrCat("cudaMalloc ", bytes, " bytes on device ", device_), err);
@@ -142,6 +199,24 @@ absl::StatusOr<std::shared_ptr<ArenaRecord>> CudaBackend::Allocate(uint64_t byte
     ipc_handle.assign(reinterpret_cast<const char*>(&handle), sizeof(handle));
   }
   return std::make_shared<CudaArena>(std::move(allocation), bytes, std::move(ipc_handle));
+}
+
+absl::StatusOr<ArenaId> CudaBackend::AdoptArenaFd(int raw_fd, uint64_t bytes,
+                                                  std::string export_handle) {
+  ScopedFd fd(raw_fd);
+  if (!vmm_exports_) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "cuda AdoptArenaFd: a ", bytes, "-byte arena cannot be adopted with cuda_export = "
+        "\"ipc\" (IPC memory dies with its exporter); use \"vmm\""));
+  }
+  if (export_handle.empty()) {
+    return absl::InvalidArgumentError("cuda AdoptArenaFd: an exported arena needs its handle");
+  }
+  RETURN_IF_ERROR(SelectDevice());
+  return FileAdopted(bytes, [&](uint64_t size) -> absl::StatusOr<std::shared_ptr<ArenaRecord>> {
+    ASSIGN_OR_RETURN(VmmMapping mapping, VmmMapping::Import(device_, fd.get(), size));
+    return std::make_shared<VmmArena>(std::move(mapping), std::move(fd), std::move(export_handle));
+  });
 }
 
 absl::Status CudaBackend::Synchronize() {

@@ -22,6 +22,11 @@ namespace memra {
 
 struct CudaBackendOptions {
   int device = 0;  // CUDA runtime ordinal
+  // DaemonConfig cuda_export = "vmm": exported arenas are CUDA VMM allocations shared as POSIX
+  // file descriptors (common/cuda_vmm.h) instead of cudaMalloc + cudaIpcGetMemHandle. Their
+  // export handle is "vmm-" + 32 random hex characters, traded for the descriptor over the fd
+  // side channel; DuplicateArenaFd and AdoptArenaFd work, so they survive a daemon restart.
+  bool vmm_exports = false;
 };
 
 // Thread-safe (see DeviceBackend). All device work runs on the backend's own non-blocking stream
@@ -30,13 +35,15 @@ struct CudaBackendOptions {
 // current device is per host thread).
 //
 // Arenas are rounded to 2 MiB so each is its own cudaMalloc allocation: an IPC handle exports a
-// whole allocation, and the engine maps exactly the arena.
+// whole allocation, and the engine maps exactly the arena. In VMM mode 2 MiB must be a multiple
+// of the device's VMM granularity (Create checks).
 class CudaBackend final : public CheckedArenaBackend {
  public:
   static constexpr uint64_t kGranularity = uint64_t{2} << 20;
 
-  // FAILED_PRECONDITION "no usable CUDA device: ..." when the runtime finds no device;
-  // INVALID_ARGUMENT for an ordinal out of range.
+  // FAILED_PRECONDITION "no usable CUDA device: ..." when the runtime finds no device, or in
+  // VMM mode when the device's VMM granularity does not divide kGranularity; INVALID_ARGUMENT
+  // for an ordinal out of range.
   static absl::StatusOr<std::unique_ptr<CudaBackend>> Create(CudaBackendOptions options);
   // Destroys the stream; the remaining arenas are freed after it (their records cudaFree).
   ~CudaBackend() override;
@@ -51,9 +58,13 @@ class CudaBackend final : public CheckedArenaBackend {
   // never held up by one engine's work.
   absl::Status WaitForEngineEvent(absl::string_view ipc_event_handle) override
       ABSL_LOCKS_EXCLUDED(events_mu_);
+  // VMM mode only (FAILED_PRECONDITION otherwise: IPC memory dies with its exporter).
+  absl::StatusOr<ArenaId> AdoptArenaFd(int fd, uint64_t bytes,
+                                       std::string export_handle) override;
 
  private:
-  CudaBackend(int device, cudaStream_t stream, std::string name, std::string uuid);
+  CudaBackend(int device, bool vmm_exports, cudaStream_t stream, std::string name,
+              std::string uuid);
 
   absl::StatusOr<std::shared_ptr<ArenaRecord>> Allocate(uint64_t bytes,
                                                         ArenaVisibility visibility) override;
@@ -73,6 +84,7 @@ class CudaBackend final : public CheckedArenaBackend {
 
   // Constant after construction.
   const int device_;
+  const bool vmm_exports_;
   const cudaStream_t stream_;  // CUDA streams are thread-safe; every call syncs it itself
   const std::string name_;
   const std::string uuid_;

@@ -15,6 +15,7 @@ absl::StatusOr<std::unique_ptr<DeviceBackend>> MakeCudaBackend(const DaemonConfi
   }
   CudaBackendOptions options;
   options.device = static_cast<int>(config.device);
+  options.vmm_exports = config.cuda_export == CudaExport::kVmm;
   absl::StatusOr<std::unique_ptr<CudaBackend>> backend = CudaBackend::Create(options);
   if (!backend.ok()) return backend.status();
   return std::unique_ptr<DeviceBackend>(*std::move(backend));

@@ -161,3 +161,62 @@ TEST_F(CudaBackendTest, EngineEventHandlesAreChecked) {
 
 }  // namespace
 }  // namespace memra
+
+namespace memra {
+namespace {
+
+// cuda_export = "vmm": arenas are VMM allocations shared as descriptors, so a kept descriptor
+// brings the same device memory back in a second backend (the restarted daemon).
+TEST(CudaVmmBackendTest, AKeptDescriptorBringsTheSameDeviceMemoryBack) {
+  if (testing::NewCudaBackendOrNull() == nullptr) GTEST_SKIP();
+  absl::StatusOr<std::unique_ptr<CudaBackend>> first =
+      CudaBackend::Create({.device = 0, .vmm_exports = true});
+  ASSERT_THAT(first, IsOk());
+  absl::StatusOr<ArenaId> arena = (*first)->CreateArena(3 * kMiB, ArenaVisibility::kExported);
+  ASSERT_THAT(arena, IsOk());
+  absl::StatusOr<ArenaExport> exported = (*first)->Export(*arena);
+  ASSERT_THAT(exported, IsOk());
+  EXPECT_THAT(exported->handle, ::testing::MatchesRegex("vmm-[0-9a-f]{32}"));
+  EXPECT_EQ(exported->bytes, 4 * kMiB);
+  std::vector<uint8_t> zeros(4 * kMiB, 0xff);
+  ASSERT_THAT((*first)->Read(*arena, 0, absl::MakeSpan(zeros)), IsOk());
+  EXPECT_THAT(zeros, Each(0)) << "a new VMM arena is zero-filled";
+  const std::vector<uint8_t> bytes = {9, 8, 7, 6};
+  ASSERT_THAT((*first)->Write(*arena, 3 * kMiB + 5, bytes), IsOk());
+  absl::StatusOr<int> kept = (*first)->DuplicateArenaFd(*arena);
+  ASSERT_THAT(kept, IsOk());
+  // The first daemon goes; the kept descriptor holds the allocation.
+  first->reset();
+  absl::StatusOr<std::unique_ptr<CudaBackend>> next =
+      CudaBackend::Create({.device = 0, .vmm_exports = true});
+  ASSERT_THAT(next, IsOk());
+  absl::StatusOr<ArenaId> adopted = (*next)->AdoptArenaFd(*kept, 4 * kMiB, exported->handle);
+  ASSERT_THAT(adopted, IsOk());
+  std::vector<uint8_t> back(4);
+  ASSERT_THAT((*next)->Read(*adopted, 3 * kMiB + 5, absl::MakeSpan(back)), IsOk());
+  EXPECT_EQ(back, bytes);
+  ASSERT_THAT((*next)->FreeArena(*adopted), IsOk());
+  EXPECT_EQ((*next)->AllocatedBytes(), 0u);
+}
+
+TEST(CudaVmmBackendTest, IpcModeCannotAdoptAndPrivateArenasHaveNoDescriptor) {
+  std::unique_ptr<CudaBackend> ipc = testing::NewCudaBackendOrNull();
+  if (ipc == nullptr) GTEST_SKIP();
+  EXPECT_THAT(ipc->AdoptArenaFd(-1, 2 * kMiB, "vmm-0"),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstrs("2097152-byte arena", "cuda_export = \"ipc\"")));
+  absl::StatusOr<ArenaId> ipc_arena = ipc->CreateArena(kMiB, ArenaVisibility::kExported);
+  ASSERT_THAT(ipc_arena, IsOk());
+  EXPECT_THAT(ipc->DuplicateArenaFd(*ipc_arena),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("not file descriptors")));
+  absl::StatusOr<std::unique_ptr<CudaBackend>> vmm =
+      CudaBackend::Create({.device = 0, .vmm_exports = true});
+  ASSERT_THAT(vmm, IsOk());
+  absl::StatusOr<ArenaId> private_arena = (*vmm)->CreateArena(kMiB, ArenaVisibility::kPrivate);
+  ASSERT_THAT(private_arena, IsOk());
+  EXPECT_THAT((*vmm)->DuplicateArenaFd(*private_arena),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("is private")));
+}
+
+}  // namespace
+}  // namespace memra

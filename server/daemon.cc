@@ -8,6 +8,9 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/container/flat_hash_set.h"
+#include "common/codec.h"
+#include "common/daemon_restart.h"
 #include "common/errors.h"
 #include "core/status_macros.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
@@ -87,26 +90,182 @@ std::unique_ptr<PrefixCache> MakePrefixCache(const DaemonConfig& config, DeviceB
 
 absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Create(DaemonConfig config,
                                                        std::unique_ptr<DeviceBackend> backend,
-                                                       Clock* clock) {
+                                                       Clock* clock,
+                                                       std::vector<ListenedFd> passed) {
   if (backend == nullptr || clock == nullptr) {
     return absl::InvalidArgumentError("Daemon::Create needs a backend and a clock");
   }
   RETURN_IF_ERROR(ValidateConfig(config));
+  std::optional<PreviousDaemon> previous = ReadPreviousDaemon(std::move(passed));
   ASSIGN_OR_RETURN(uint64_t epoch, RandomEpoch());
   ASSIGN_OR_RETURN(CacheScopes scopes, CacheScopes::Create(config.cache_scope_allow));
+  // "Bumped": a router tells the restart from a reconnect; 0 is never an epoch.
+  if (previous.has_value()) epoch = previous->epoch + 1 == 0 ? 1 : previous->epoch + 1;
+  std::unique_ptr<RestartState> restart_state;
+  if (config.keep_kv_across_restarts && UnderServiceManager() &&
+      config.backend == Backend::kCuda && config.cuda_export == CudaExport::kIpc) {
+    // Legacy CUDA IPC memory dies with the exporting process: nothing to keep.
+    spdlog::warn("KV does not survive a restart on the {} backend with CUDA IPC exports",
+                 backend->Name());
+  } else if (config.keep_kv_across_restarts && UnderServiceManager()) {
+    // Every session holds an arena and every known engine a slot: max_arenas + engines bounds
+    // the records (the file is sparse: unused slots cost no memory).
+    const uint64_t slots = std::min<uint64_t>(
+        EffectiveMaxArenas(config) + config.max_attached_engines + 1, RestartJournal::kMaxSlots);
+    absl::StatusOr<std::unique_ptr<RestartState>> created = RestartState::Create(
+        slots, epoch, previous.has_value() ? previous->generation + 1 : 1, backend.get());
+    if (created.ok()) {
+      restart_state = *std::move(created);
+    } else {  // serve anyway: the cache matters more than surviving the next restart
+      spdlog::error("KV will not survive a restart: {}", created.status().ToString());
+    }
+  }
   auto [budget_bytes, rule] = BudgetFor(config, *backend);
   const AdmissionLimits limits{.max_arenas = EffectiveMaxArenas(config),
                                .owner_share_percent = config.max_engine_budget_share};
   spdlog::info("admission budget {} bytes ({}); at most {} arenas, {}% of the budget per engine",
                budget_bytes, rule, limits.max_arenas, limits.owner_share_percent);
-  return std::unique_ptr<Daemon>(
+  std::unique_ptr<Daemon> daemon(
       new Daemon(std::move(config), std::move(backend), clock,
                  std::make_unique<DeviceBudget>(budget_bytes, rule, limits), epoch,
-                 std::move(scopes)));
+                 std::move(scopes), std::move(restart_state)));
+  if (previous.has_value()) {
+    daemon->Readopt(*std::move(previous));
+  } else if (daemon->restart_state_ != nullptr) {
+    if (absl::Status published = daemon->restart_state_->Publish(); !published.ok()) {
+      spdlog::error("restart journal not kept: {}", published.ToString());
+    }
+  }
+  return daemon;
+}
+
+void Daemon::Readopt(PreviousDaemon previous) {
+  const absl::Time start = absl::Now();
+  const DaemonRestart restart{previous.epoch, epoch_};
+  for (const std::string& problem : previous.problems) {
+    spdlog::warn("restart: {}", problem);
+  }
+  // Plans, by the fingerprint the previous daemon recorded.
+  absl::flat_hash_map<std::string, std::shared_ptr<const ModelPlan>> plans;
+  absl::flat_hash_map<std::string, std::string> plan_names;
+  for (auto& [name, plan] : previous.plans) {
+    absl::StatusOr<PlanFingerprint> fingerprint = plans_.Register(plan);
+    if (!fingerprint.ok()) {
+      spdlog::warn("restart: kept plan {} not registered: {}", name,
+                   fingerprint.status().ToString());
+      continue;
+    }
+    absl::StatusOr<std::shared_ptr<const ModelPlan>> found = plans_.Find(*fingerprint);
+    if (!found.ok()) continue;
+    const std::string bytes = FingerprintToBytes(*fingerprint);
+    plans[bytes] = *found;
+    plan_names[bytes] = name;
+  }
+  absl::flat_hash_map<uint64_t, std::string> engines;  // id -> its cache scope
+  for (const auto& engine : previous.engines) {
+    leases_.Readopt(EngineId{engine.id()}, engine.token(),
+                    EngineIdentity{.name = engine.name(),
+                                   .peer = PeerCredentials{.uid = engine.uid(),
+                                                           .gid = engine.gid(),
+                                                           .pid = static_cast<pid_t>(engine.pid())},
+                                   .cache_scope = engine.cache_scope()});
+    engines.emplace(engine.id(), engine.cache_scope());
+  }
+  leases_.RaiseNextEngineId(previous.next_engine_id);
+  sessions_.RaiseNextSessionId(previous.next_session_id);
+  absl::flat_hash_map<uint64_t, std::string> not_readopted;
+  for (const auto& record : previous.sessions) {
+    auto plan = plans.find(record.plan_fingerprint());
+    auto arena_fd = previous.arenas.find(record.arena_fd_name());
+    std::string reason;
+    if (!record.not_recoverable().empty()) {
+      reason = record.not_recoverable();
+    } else if (!engines.contains(record.owner())) {
+      reason = absl::StrCat("its engine ", record.owner(), " was not in the journal");
+    } else if (plan == plans.end()) {
+      reason = "its model plan was not kept (or its fingerprint changed with the configuration)";
+    } else if (arena_fd == previous.arenas.end()) {
+      reason = absl::StrCat("its arena's memory (", record.arena_fd_name(), ") was not kept");
+    }
+    if (reason.empty()) {
+      absl::StatusOr<ArenaId> arena = backend_->AdoptArenaFd(
+          arena_fd->second.release(), record.arena_bytes(), record.arena_handle());
+      previous.arenas.erase(arena_fd);
+      if (!arena.ok()) {
+        reason = absl::StrCat("its arena could not be mapped again: ", arena.status().message());
+      } else {
+        DaemonSession::Params params = sessions_.BaseParams();
+        params.id = SessionId{record.id()};
+        params.owner = EngineId{record.owner()};
+        params.slot = record.slot();
+        params.cache_scope = engines[record.owner()];
+        params.token = record.token();
+        params.model = plan->second;
+        params.fingerprint = record.plan_fingerprint();
+        params.shape.capacity = record.capacity();
+        params.shape.layer_lo = record.layer_lo();
+        if (record.has_layer_hi()) params.shape.layer_hi = record.layer_hi();
+        params.shape.tp_ranks = record.tp_ranks();
+        params.shape.spec_snapshot = record.spec_snapshot();
+        const CommittedRecord committed{
+            .committed_len = record.committed_len(),
+            .next_generation = record.next_generation(),
+            .ring_bases = {record.ring_bases().begin(), record.ring_bases().end()},
+            .tainted = record.tainted()};
+        if (restart_state_ != nullptr) {
+          restart_state_->NameAdoptedArena(*arena, record.arena_fd_name());
+          restart_state_->NameAdoptedPlan(record.plan_fingerprint(), plan_names[plan->first]);
+        }
+        absl::StatusOr<std::unique_ptr<DaemonSession>> session =
+            DaemonSession::Adopt(std::move(params), backend_.get(), budget_.get(), *arena,
+                                 record.arena_bytes(), record.layout_version(), committed);
+        absl::Status filed = session.ok() ? sessions_.Readopt(*std::move(session))
+                                          : session.status();
+        if (!filed.ok()) {
+          reason = std::string(filed.message());
+          if (restart_state_ != nullptr) restart_state_->ArenaFreed(*arena);
+          (void)backend_->FreeArena(*arena);
+        } else {
+          (void)plans_.Register(*plan->second, record.owner());  // counts for its engine again
+          ++readopted_.sessions;
+          readopted_.bytes += record.arena_bytes();
+          continue;
+        }
+      }
+    }
+    spdlog::warn("restart: session {} of engine {} not re-adopted: {}", record.id(),
+                 record.owner(), reason);
+    not_readopted[record.id()] = std::move(reason);
+  }
+  readopted_.previous_epoch = previous.epoch;
+  readopted_.engines = engines.size();
+  readopted_.not_readopted = not_readopted.size();
+  readopted_.torn_records = previous.torn_records;
+  sessions_.SetRestart(restart, std::move(not_readopted));
+  leases_.SetRestart(restart, {});
+  if (restart_state_ != nullptr) {
+    // This daemon's journal first, then the previous daemon's leftovers go: a crash in between
+    // leaves two journals and the next start takes the newer.
+    if (absl::Status published = restart_state_->Publish(); !published.ok()) {
+      spdlog::error("restart journal not kept: {}", published.ToString());
+    }
+    restart_state_->ForgetUnusedPlans();
+    restart_state_->Forget(previous.journal_name);
+    for (const auto& [name, fd] : previous.arenas) restart_state_->Forget(name);
+    for (const std::string& name : previous.leftovers) restart_state_->Forget(name);
+  }
+  readopted_.took = absl::Now() - start;
+  spdlog::info(
+      "restart: epoch {} -> {} (generation {}): re-adopted {} engines and {} sessions ({} bytes) "
+      "in {} ms; {} sessions not re-adopted, {} torn journal records, {} unused arenas freed",
+      previous.epoch, epoch_, previous.generation + 1, readopted_.engines, readopted_.sessions,
+      readopted_.bytes, absl::ToDoubleMilliseconds(readopted_.took), readopted_.not_readopted,
+      readopted_.torn_records, previous.arenas.size());
 }
 
 Daemon::Daemon(DaemonConfig config, std::unique_ptr<DeviceBackend> backend, Clock* clock,
-               std::unique_ptr<DeviceBudget> budget, uint64_t epoch, CacheScopes scopes)
+               std::unique_ptr<DeviceBudget> budget, uint64_t epoch, CacheScopes scopes,
+               std::unique_ptr<RestartState> restart_state)
     : backend_(std::move(backend)),
       clock_(clock),
       socket_path_(config.SocketPath()),
@@ -116,21 +275,22 @@ Daemon::Daemon(DaemonConfig config, std::unique_ptr<DeviceBackend> backend, Cloc
       epoch_(epoch),
       scopes_(std::move(scopes)),
       started_(clock->Now()),
+      restart_state_(std::move(restart_state)),
       plans_(FormatDefaults(), start_config_.max_plan_layers,
              static_cast<size_t>(start_config_.max_engine_plans)),
-      leases_(clock_, budget_.get(), LeaseSettingsOf(start_config_)),
+      leases_(clock_, budget_.get(), LeaseSettingsOf(start_config_), restart_state_.get()),
       prefix_cache_(MakePrefixCache(start_config_, backend_.get(), budget_.get(), epoch_)),
       arena_pool_(backend_.get(), budget_.get(), start_config_.arena_pool_engine_bytes),
       sessions_(backend_.get(), budget_.get(), &leases_, &plans_, FormatDefaults(),
                 start_config_.prefix_capture_on_engine_death ? prefix_cache_.get() : nullptr,
-                start_config_.max_engine_sessions, &arena_pool_),
+                start_config_.max_engine_sessions, &arena_pool_, restart_state_.get()),
       handoff_(HandoffOptions(), LookupArena()),
       engine_prefix_service_(prefix_cache_.get(), backend_.get(), FindSession(), FindScope(),
                              ServedSocket{ServedSocket::Audience::kEngines, admin_socket_path_}),
       operator_prefix_service_(
           prefix_cache_.get(), backend_.get(), FindSession(), FindScope(),
           ServedSocket{ServedSocket::Audience::kOperators, admin_socket_path_}),
-      cache_service_(&leases_, &plans_, &sessions_, backend_.get(), &handoff_, &scopes_),
+      cache_service_(&leases_, &plans_, &sessions_, backend_.get(), &handoff_, &scopes_, epoch_),
       engine_admin_service_(
           AdminParts(ServedSocket{ServedSocket::Audience::kEngines, admin_socket_path_})),
       operator_admin_service_(

@@ -61,6 +61,8 @@
 #include "server/plan_registry.h"
 #include "server/prefix_cache.h"
 #include "server/prefix_service.h"
+#include "server/restart_state.h"
+#include "server/sd_notify.h"
 #include "server/served_socket.h"
 #include "server/session_registry.h"
 
@@ -70,10 +72,16 @@ class Daemon {
  public:
   // Uses config.SocketPath(), socket_mode, socket_group, AdminSocketPath(), admin_socket_mode,
   // admin_socket_group, lease_timeout_ms, lease_grace_ms.
+  // `passed`: the descriptors the service manager handed over at start (TakeListenFds). When
+  // they hold a previous daemon's journal (server/restart_state.h), its engines and sessions are
+  // re-adopted before this returns and the epoch is the previous one + 1; sessions that cannot
+  // come back answer with the restart error (common/daemon_restart.h). Under a service manager
+  // with keep_kv_across_restarts, this daemon keeps its own state there for the next one.
   // REQUIRES: `clock` outlives the daemon.
   static absl::StatusOr<std::unique_ptr<Daemon>> Create(DaemonConfig config,
                                                         std::unique_ptr<DeviceBackend> backend,
-                                                        Clock* clock);
+                                                        Clock* clock,
+                                                        std::vector<ListenedFd> passed = {});
   ~Daemon();  // Shutdown()
   Daemon(const Daemon&) = delete;
   Daemon& operator=(const Daemon&) = delete;
@@ -107,6 +115,21 @@ class Daemon {
   // tests call it after moving a FakeClock.
   void CheckLeases();
 
+  // What the start re-adopted from a previous daemon (all zero on a first start).
+  struct Readopted {
+    uint64_t previous_epoch = 0;  // 0: nothing was re-adopted
+    size_t engines = 0;
+    size_t sessions = 0;
+    uint64_t bytes = 0;
+    size_t not_readopted = 0;
+    size_t torn_records = 0;
+    absl::Duration took;
+  };
+  Readopted readopted() const { return readopted_; }
+  uint64_t epoch() const { return epoch_; }
+  // Null when this daemon keeps nothing for a restart.
+  const RestartState* restart_state() const { return restart_state_.get(); }
+
   // What KvAdmin.GetStatus answers.
   memra::kv::v1::GetStatusResponse GetStatus() const { return operator_admin_service_.Status(); }
   DeviceBudget& budget() const { return *budget_; }
@@ -125,7 +148,12 @@ class Daemon {
 
  private:
   Daemon(DaemonConfig config, std::unique_ptr<DeviceBackend> backend, Clock* clock,
-         std::unique_ptr<DeviceBudget> budget, uint64_t epoch, CacheScopes scopes);
+         std::unique_ptr<DeviceBudget> budget, uint64_t epoch, CacheScopes scopes,
+         std::unique_ptr<RestartState> restart_state);
+
+  // Re-adopts what `previous` kept (before serving): plans, engines, sessions at their committed
+  // length; publishes this daemon's journal and removes the previous daemon's leftovers.
+  void Readopt(PreviousDaemon previous);
 
   // The session finder and the KvAdmin parts of this daemon (one service instance per socket).
   PrefixService::SessionFinder FindSession();
@@ -162,9 +190,13 @@ class Daemon {
   const std::string admin_socket_path_;
   const DaemonConfig start_config_;
   const std::unique_ptr<DeviceBudget> budget_;
-  const uint64_t epoch_;  // random per start
+  const uint64_t epoch_;  // random per start; the previous epoch + 1 after a re-adoption
   const CacheScopes scopes_;  // cache_scope_allow
   const absl::Time started_;
+  // Null unless under a service manager with keep_kv_across_restarts. Declared before the parts
+  // that report to it.
+  const std::unique_ptr<RestartState> restart_state_;
+  Readopted readopted_;  // set by Readopt() before serving, constant after
   // Every metric of this daemon (server/daemon_metrics.cc). Filled by Start().
   metrics::Registry metrics_;
   PlanRegistry plans_;

@@ -50,8 +50,8 @@ absl::StatusOr<SessionLayoutVersion> PlaceLayout(const DeviceBackend& backend, S
 
 // Allocates and exports the arena of a placed layout whose bytes `charge` already holds in the
 // budget. On failure nothing stays allocated and the charge is released.
-absl::Status AllocateLayout(DeviceBackend* backend, DeviceBudget* budget, AllocationId charge,
-                            SessionLayoutVersion& layout) {
+absl::Status AllocateLayout(DeviceBackend* backend, DeviceBudget* budget, StateJournal* journal,
+                            AllocationId charge, SessionLayoutVersion& layout) {
   layout.charge = charge;
   absl::StatusOr<ArenaId> arena =
       backend->CreateArena(layout.arena_bytes, ArenaVisibility::kExported);
@@ -69,7 +69,40 @@ absl::Status AllocateLayout(DeviceBackend* backend, DeviceBudget* budget, Alloca
   }
   layout.arena = *arena;
   layout.exported = *std::move(exported);
+  if (journal != nullptr) journal->ArenaCreated(layout.arena);
   return absl::OkStatus();
+}
+
+// Generations are journaled as a reserve a block ahead of the next one, so a Begin rewrites the
+// record once per kGenerationBlock: a restarted session continues from the reserve, above every
+// generation issued before (they strictly increase; skipping some is harmless).
+constexpr uint64_t kGenerationBlock = 1024;
+uint64_t GenerationReserve(uint64_t next_generation) {
+  return (next_generation / kGenerationBlock + 1) * kGenerationBlock;
+}
+
+// Why `state` cannot come back at its committed length after a restart ("" when it can): what
+// the engine may already have written past the committed state in place.
+std::string NotRecoverableReason(const SessionState& state) {
+  if (const std::optional<AppendPlan>& pending = state.pending_append(); pending.has_value()) {
+    for (const LayerAppend& layer : pending->layers) {
+      if (layer.ring_append.has_value() &&
+          layer.ring_append->kind == RingAppend::Kind::kRebase) {
+        return absl::StrCat("a ring rebase (layer ", layer.layer,
+                            ") was prepared and not yet published");
+      }
+    }
+  }
+  const bool open = state.kv().state().active().has_value() || state.pending_append().has_value();
+  if (open && !state.recurrent_layers().empty()) {
+    return absl::StrCat("a transaction was open on recurrent layer ", state.recurrent_layers()[0],
+                        ", whose state the engine updates in place");
+  }
+  if (state.position() != state.committed_len()) {
+    return absl::StrCat("its position ", state.position(), " differed from its committed length ",
+                        state.committed_len(), " (a spec rollback awaited its replay)");
+  }
+  return "";
 }
 
 struct PlaneAt {
@@ -136,8 +169,11 @@ absl::StatusOr<std::unique_ptr<DaemonSession>> DaemonSession::Create(
     layout.charge = pooled->charge;
     layout.arena = pooled->arena;
     layout.exported = std::move(pooled->exported);
+    // The journal keeps only arenas a session holds (a pooled one is never re-adopted): it
+    // keeps this one again from now on.
+    if (params.journal != nullptr) params.journal->ArenaCreated(layout.arena);
   } else {
-    RETURN_IF_ERROR(AllocateLayout(backend, budget, *charge, layout));
+    RETURN_IF_ERROR(AllocateLayout(backend, budget, params.journal, *charge, layout));
     if (pool != nullptr) pool->NoteNewArena(owner);
   }
   std::unique_ptr<DaemonSession> session(new DaemonSession(
@@ -154,6 +190,85 @@ absl::StatusOr<std::unique_ptr<DaemonSession>> DaemonSession::Create(
   }
   RETURN_IF_ERROR(ready);
   return session;
+}
+
+absl::StatusOr<std::unique_ptr<DaemonSession>> DaemonSession::Adopt(
+    Params params, DeviceBackend* backend, DeviceBudget* budget, ArenaId arena,
+    uint64_t arena_bytes, uint64_t layout_version, const CommittedRecord& record) {
+  ASSIGN_OR_RETURN(SessionPlan plan, PlanSession(*params.model, params.defaults, params.shape));
+  ASSIGN_OR_RETURN(SessionState state, SessionState::Recover(NextCacheId(), plan,
+                                                             params.shape.capacity, record));
+  ASSIGN_OR_RETURN(SessionLayoutVersion layout,
+                   PlaceLayout(*backend, std::move(plan), layout_version));
+  if (layout.arena_bytes != arena_bytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("the kept arena holds ", arena_bytes, " bytes but the session's plan places ",
+                     layout.arena_bytes));
+  }
+  ASSIGN_OR_RETURN(layout.exported, backend->Export(arena));
+  ASSIGN_OR_RETURN(layout.charge, budget->Allocate(params.owner.value, layout.arena_bytes));
+  layout.arena = arena;
+  // No pool: a re-adopted session's arena is freed at its release (the engine unmaps it).
+  std::unique_ptr<DaemonSession> session(new DaemonSession(
+      std::move(params), backend, budget, /*pool=*/nullptr, std::move(state), std::move(layout)));
+  absl::MutexLock lock(&session->mu_);
+  // The engine's prefix ids were not journaled: capture needs new commits (or a reset).
+  session->committed_tokens_.reset();
+  // The mirrors may show a staged length the restart dropped: write the committed ones.
+  if (absl::Status mirrors = session->SyncMirrors(); !mirrors.ok()) {
+    session->released_ = true;  // the caller frees the arena; only the charge goes here
+    (void)budget->Release(session->current_.charge);
+    session->UpdateArenaBytes();
+    return mirrors;
+  }
+  return session;
+}
+
+void DaemonSession::JournalNow() {
+  absl::MutexLock lock(&mu_);
+  JournalLocked();
+}
+
+void DaemonSession::JournalLocked() {
+  if (params_.journal == nullptr || released_) return;
+  std::string reason = NotRecoverableReason(state_);
+  const uint64_t generations = GenerationReserve(state_.kv().state().next_generation());
+  // The common case (a Begin, a Prepare, a Publish without a rebase) changes nothing journaled:
+  // compared in place, without building a record.
+  if (journaled_.has_value() && journaled_->layout_version == current_.version &&
+      journaled_->committed.committed_len == state_.committed_len() &&
+      journaled_->committed.next_generation == generations &&
+      journaled_->committed.tainted == state_.tainted() &&
+      journaled_->not_recoverable == reason) {
+    const std::vector<uint64_t>& bases = journaled_->committed.ring_bases;
+    const KvTransactionCache& kv = state_.kv();
+    bool same = bases.size() == kv.layer_count();
+    for (size_t i = 0; same && i < kv.layer_count(); ++i) {
+      same = bases[i] == (kv.ring(i).has_value() ? kv.ring(i)->base() : 0);
+    }
+    if (same) return;
+  }
+  Journaled now{.layout_version = current_.version,
+                .committed = state_.Committed(),
+                .not_recoverable = std::move(reason)};
+  now.committed.next_generation = generations;
+  JournaledSession record;
+  record.id = params_.id.value;
+  record.owner = params_.owner.value;
+  record.slot = params_.slot;
+  record.token = params_.token;
+  record.fingerprint = params_.fingerprint;
+  record.model = params_.model;
+  record.shape = params_.shape;
+  record.shape.capacity = state_.capacity();
+  record.layout_version = current_.version;
+  record.arena = current_.arena;
+  record.arena_handle = current_.exported.handle;
+  record.arena_bytes = current_.exported.bytes;
+  record.committed = now.committed;
+  record.not_recoverable = now.not_recoverable;
+  params_.journal->SessionChanged(record);
+  journaled_ = std::move(now);
 }
 
 absl::Status DaemonSession::ClearReusedArena() {
@@ -454,7 +569,7 @@ absl::Status DaemonSession::Grow(uint64_t target_capacity, pb::GrowResponse* out
                    PlaceLayout(*backend_, std::move(plan), current_.version + 1));
   // Old and new arenas coexist until the engine acknowledges: the new one is charged in full.
   ASSIGN_OR_RETURN(AllocationId charge, budget_->Allocate(params_.owner.value, layout.arena_bytes));
-  RETURN_IF_ERROR(AllocateLayout(backend_, budget_, charge, layout));
+  RETURN_IF_ERROR(AllocateLayout(backend_, budget_, params_.journal, charge, layout));
   if (pool_ != nullptr) pool_->NoteNewArena(params_.owner.value);  // the engine maps it
   // Until the swap below the source is untouched: a failure frees the new arena and leaves the
   // session exactly as it was. Core validates everything before it changes `target`.
@@ -506,6 +621,8 @@ absl::Status DaemonSession::GetState(pb::SessionState* state, pb::SessionLayout*
 }
 
 absl::Status DaemonSession::FreeLayout(const SessionLayoutVersion& layout) {
+  // The journal stops keeping the arena first: a restart never adopts freed memory.
+  if (params_.journal != nullptr) params_.journal->ArenaFreed(layout.arena);
   absl::Status status = backend_->FreeArena(layout.arena);
   if (!status.ok()) {
     // The backend still frees everything at shutdown; accounting shows the leak meanwhile, and
@@ -520,6 +637,8 @@ absl::Status DaemonSession::FreeLayout(const SessionLayoutVersion& layout) {
 uint64_t DaemonSession::Release() {
   absl::MutexLock lock(&mu_);
   if (released_) return 0;
+  // The record goes before the arenas it names.
+  if (params_.journal != nullptr) params_.journal->SessionReleased(params_.id.value);
   uint64_t freed = 0;
   for (SessionLayoutVersion* layout : {&current_, previous_ ? &*previous_ : nullptr}) {
     if (layout == nullptr) continue;
@@ -527,6 +646,9 @@ uint64_t DaemonSession::Release() {
     if (pool_ != nullptr && !state_.tainted() &&
         pool_->Put(params_.owner.value,
                    PooledArena{layout->arena, layout->exported, layout->charge})) {
+      // Pooled arenas belong to no session: the journal stops keeping them (a restart frees
+      // them with the pool) until a session takes one again.
+      if (params_.journal != nullptr) params_.journal->ArenaFreed(layout->arena);
       pooled_handles_.push_back(layout->exported.handle);
       freed += layout->exported.bytes;
     } else if (FreeLayout(*layout).ok()) {
@@ -572,7 +694,9 @@ absl::Status DaemonSession::RestoreLocked(Restorer restore, absl::Span<const int
   const uint64_t rows = std::min<uint64_t>(state_.committed_len(), token_ids.size());
   committed_tokens_ = std::vector<int32_t>(token_ids.begin(), token_ids.begin() + rows);
   if (rows != state_.committed_len()) committed_tokens_.reset();
-  return TaintAfter("prefix restore", SyncMirrors());
+  absl::Status mirrors = TaintAfter("prefix restore", SyncMirrors());
+  JournalLocked();
+  return mirrors;
 }
 
 absl::StatusOr<uint64_t> PlaneRangeOffset(const SessionLayoutVersion& layout,

@@ -38,6 +38,7 @@
 #include "server/backend.h"
 #include "server/device_budget.h"
 #include "server/secret_token.h"
+#include "server/state_journal.h"
 
 namespace memra {
 
@@ -75,6 +76,8 @@ class DaemonSession {
     std::string fingerprint;  // the model plan's fingerprint bytes
     FormatDefaults defaults;
     SessionShape shape;
+    // Where the session's committed state is recorded for a restart; null: nowhere.
+    StateJournal* journal = nullptr;
     uint32_t slot = 0;  // the registry's dense slot (StepEntry.slot)
   };
 
@@ -93,7 +96,22 @@ class DaemonSession {
   static absl::StatusOr<std::unique_ptr<DaemonSession>> Create(
       Params params, DeviceBackend* backend, DeviceBudget* budget,
       std::optional<ReservationId> reservation = std::nullopt, ArenaPool* pool = nullptr);
+  // Restart survival: the session a previous daemon journaled, on `arena` (already adopted by
+  // the backend from its kept descriptor, `arena_bytes` of it), at `layout_version` and
+  // `record`'s committed state (SessionState::Recover). params.shape.capacity is the layout's
+  // capacity. Charges the arena's bytes to params.owner. INVALID_ARGUMENT when the arena's size
+  // differs from what the plan places; the budget's refusals; Recover's. On failure nothing is
+  // charged and the arena is left to the caller. Its arenas are freed at release, never
+  // pooled.
+  static absl::StatusOr<std::unique_ptr<DaemonSession>> Adopt(
+      Params params, DeviceBackend* backend, DeviceBudget* budget, ArenaId arena,
+      uint64_t arena_bytes, uint64_t layout_version, const CommittedRecord& record);
   ~DaemonSession();  // Release()
+
+  // Records the committed state in params().journal when it changed since the last record.
+  // Every operation that may change it is followed by this (SessionRegistry::Run, Create,
+  // RestoreLocked). No-op without a journal or after Release.
+  void JournalNow() ABSL_LOCKS_EXCLUDED(mu_);
 
   SessionId id() const { return params_.id; }
   const Params& params() const { return params_; }
@@ -197,6 +215,7 @@ class DaemonSession {
   void UpdateArenaBytes() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // After a length moved down: committed_tokens_ follows it (unknown if it grew).
   void TruncateCommittedTokens() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void JournalLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A commit's token ids: none, or exactly `accepted_rows` (INVALID_ARGUMENT otherwise).
   absl::Status CheckCommitTokenIds(uint64_t accepted_rows,
                                    absl::Span<const int32_t> token_ids) const;
@@ -227,6 +246,15 @@ class DaemonSession {
   };
   std::vector<MirrorSlot> mirror_slots_ ABSL_GUARDED_BY(mu_);
   bool released_ ABSL_GUARDED_BY(mu_) = false;
+  // What the journal last recorded (layout version, committed state, reason): unchanged state
+  // is not written again.
+  struct Journaled {
+    uint64_t layout_version = 0;
+    CommittedRecord committed;
+    std::string not_recoverable;
+    bool operator==(const Journaled&) const = default;
+  };
+  std::optional<Journaled> journaled_ ABSL_GUARDED_BY(mu_);
   std::vector<std::string> pooled_handles_ ABSL_GUARDED_BY(mu_);  // set by Release()
   // Token ids of committed rows; nullopt = unknown (see ViewLocked).
   std::optional<std::vector<int32_t>> committed_tokens_ ABSL_GUARDED_BY(mu_) =

@@ -1,5 +1,6 @@
 #include "server/engine_leases.h"
 
+#include <algorithm>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -9,8 +10,9 @@
 
 namespace memra {
 
-EngineLeases::EngineLeases(Clock* clock, DeviceBudget* budget, LeaseSettings settings)
-    : clock_(clock), budget_(budget), settings_(settings) {}
+EngineLeases::EngineLeases(Clock* clock, DeviceBudget* budget, LeaseSettings settings,
+                           StateJournal* journal)
+    : clock_(clock), budget_(budget), journal_(journal), settings_(settings) {}
 
 void EngineLeases::ApplySettings(LeaseSettings settings) {
   absl::MutexLock lock(&mu_);
@@ -42,10 +44,99 @@ absl::StatusOr<EngineLease> EngineLeases::Attach(EngineIdentity identity,
   engine.token = token;
   engine.last_heartbeat = clock_->Now();
   engine.cancel_stream = std::move(cancel_stream);
+  engine.stream = next_stream_++;
   spdlog::info("engine {} attached: name \"{}\", pid {}, uid {}, gid {}, cache scope {}",
                id.value, engine.identity.name, engine.identity.peer.pid,
                engine.identity.peer.uid, engine.identity.peer.gid, engine.identity.cache_scope);
-  return EngineLease{id, std::move(token), settings_.timeout, settings_.grace};
+  // Recorded under the lock so a concurrent reclaim's EngineForgotten cannot come first.
+  JournalEngineLocked(engine);
+  return EngineLease{id, std::move(token), settings_.timeout, settings_.grace, engine.stream,
+                     engine.identity.cache_scope};
+}
+
+absl::Status EngineLeases::UnknownEngineLocked(EngineId engine, absl::string_view what) const {
+  if (restart_.has_value()) {
+    if (auto lost = not_readopted_.find(engine.value); lost != not_readopted_.end()) {
+      return DaemonRestartedError(*restart_, absl::StrCat("engine ", engine.value,
+                                                          " was not re-adopted: ", lost->second));
+    }
+  }
+  return absl::NotFoundError(absl::StrCat("engine ", engine.value, " ", what));
+}
+
+absl::StatusOr<EngineLease> EngineLeases::Resume(const EngineCredentials& credentials,
+                                                 const PeerCredentials& peer,
+                                                 absl::string_view cache_scope,
+                                                 std::function<void()> cancel_stream) {
+  absl::MutexLock lock(&mu_);
+  if (draining_) return absl::UnavailableError("the daemon is draining; attach to another");
+  auto it = engines_.find(credentials.id.value);
+  if (it == engines_.end()) {
+    return UnknownEngineLocked(credentials.id, "was reclaimed; attach as a new engine");
+  }
+  Engine& engine = it->second;
+  if (!TokensEqual(credentials.token, engine.token)) {
+    return absl::PermissionDeniedError(
+        absl::StrCat("wrong engine token for engine ", credentials.id.value));
+  }
+  if (engine.cancel_stream) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("engine ", credentials.id.value,
+                     " holds its lease on another Attach stream; end that one first"));
+  }
+  // The handoff connection the re-attach came with proves the user: the engine's memory is
+  // handed to that user only.
+  if (peer.uid != engine.identity.peer.uid) {
+    return absl::PermissionDeniedError(absl::StrCat(
+        "engine ", credentials.id.value, " belongs to uid ", engine.identity.peer.uid,
+        "; the re-attach's handoff connection is uid ", peer.uid, " (pid ", peer.pid, ")"));
+  }
+  if (!cache_scope.empty() && cache_scope != engine.identity.cache_scope) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "engine ", credentials.id.value, " is in cache scope \"", engine.identity.cache_scope,
+        "\"; a re-attach keeps it and cannot name \"", cache_scope, "\""));
+  }
+  engine.lease_ended.reset();
+  engine.last_heartbeat = clock_->Now();
+  engine.cancel_stream = std::move(cancel_stream);
+  engine.stream = next_stream_++;
+  engine.identity.peer = peer;
+  spdlog::info("engine {} (\"{}\", pid {}, uid {}) re-attached", engine.id.value,
+               engine.identity.name, engine.identity.peer.pid, engine.identity.peer.uid);
+  // The pid may have changed (a re-attach from the same uid): the journal follows.
+  JournalEngineLocked(engine);
+  return EngineLease{engine.id, engine.token, settings_.timeout, settings_.grace, engine.stream,
+                     engine.identity.cache_scope};
+}
+
+void EngineLeases::JournalEngineLocked(const Engine& engine) {
+  if (journal_ == nullptr) return;
+  journal_->EngineAttached(engine.id.value, engine.token, engine.identity.name,
+                           engine.identity.peer, engine.identity.cache_scope);
+}
+
+void EngineLeases::Readopt(EngineId id, std::string token, EngineIdentity identity) {
+  absl::MutexLock lock(&mu_);
+  Engine& engine = engines_[id.value];
+  engine.id = id;
+  engine.identity = std::move(identity);
+  engine.token = std::move(token);
+  engine.last_heartbeat = clock_->Now();
+  engine.stream = 0;
+  next_engine_id_ = std::max(next_engine_id_, id.value + 1);
+  JournalEngineLocked(engine);
+}
+
+void EngineLeases::RaiseNextEngineId(uint64_t next) {
+  absl::MutexLock lock(&mu_);
+  next_engine_id_ = std::max(next_engine_id_, next);
+}
+
+void EngineLeases::SetRestart(DaemonRestart restart,
+                              absl::flat_hash_map<uint64_t, std::string> not_readopted) {
+  absl::MutexLock lock(&mu_);
+  restart_ = restart;
+  not_readopted_ = std::move(not_readopted);
 }
 
 absl::Status EngineLeases::Heartbeat(EngineId id) {
@@ -62,11 +153,13 @@ absl::Status EngineLeases::Heartbeat(EngineId id) {
   return absl::OkStatus();
 }
 
-void EngineLeases::EndStream(EngineId id) {
+void EngineLeases::EndStream(EngineId id, uint64_t stream) {
   absl::MutexLock lock(&mu_);
   auto it = engines_.find(id.value);
   if (it == engines_.end()) return;
+  if (stream != 0 && it->second.stream != stream) return;  // replaced by a re-attach
   it->second.cancel_stream = nullptr;
+  it->second.stream = 0;
   if (!it->second.lease_ended.has_value()) {
     it->second.lease_ended = clock_->Now();
     spdlog::info("engine {} (\"{}\"): Attach stream ended; its sessions are freed in {} ms",
@@ -76,9 +169,7 @@ void EngineLeases::EndStream(EngineId id) {
 
 absl::Status EngineLeases::CheckLocked(const EngineCredentials& engine) const {
   auto it = engines_.find(engine.id.value);
-  if (it == engines_.end()) {
-    return absl::NotFoundError(absl::StrCat("engine ", engine.id.value, " is not attached"));
-  }
+  if (it == engines_.end()) return UnknownEngineLocked(engine.id, "is not attached");
   if (!TokensEqual(engine.token, it->second.token)) {
     return absl::PermissionDeniedError(
         absl::StrCat("wrong engine token for engine ", engine.id.value));
@@ -155,6 +246,7 @@ std::vector<ReclaimedEngine> EngineLeases::CollectReclaimable() {
       if (engine.lease_ended.has_value() && now - *engine.lease_ended >= settings_.grace) {
         reclaimed.push_back(
             ReclaimedEngine{engine.id, std::move(engine.identity.name), engine.identity.peer});
+        if (journal_ != nullptr) journal_->EngineForgotten(engine.id.value);
         engines_.erase(it++);
         continue;
       }
@@ -192,6 +284,9 @@ void EngineLeases::CancelStreams() {
 
 void EngineLeases::ForgetAll() {
   absl::MutexLock lock(&mu_);
+  if (journal_ != nullptr) {
+    for (const auto& [id, engine] : engines_) journal_->EngineForgotten(id);
+  }
   engines_.clear();
 }
 

@@ -32,6 +32,8 @@
 #include "server/clock.h"
 #include "server/daemon_session.h"
 #include "server/device_budget.h"
+#include "server/state_journal.h"
+#include "common/daemon_restart.h"
 #include "server/peer_credentials.h"
 
 namespace memra {
@@ -67,6 +69,8 @@ struct EngineLease {
   std::string token;  // 16 random bytes
   absl::Duration timeout;
   absl::Duration grace;
+  uint64_t stream = 0;  // which Attach stream holds the lease (EndStream names it)
+  std::string cache_scope;  // the engine's prefix-cache scope (EngineIdentity's)
 };
 
 struct EngineReservation {
@@ -93,8 +97,10 @@ struct ReclaimedEngine {
 
 class EngineLeases {
  public:
-  // REQUIRES: `clock` and `budget` outlive this.
-  EngineLeases(Clock* clock, DeviceBudget* budget, LeaseSettings settings);
+  // REQUIRES: `clock` and `budget` (and `journal` when set) outlive this. `journal`: where
+  // engines are recorded for a restart (server/state_journal.h); null: nowhere.
+  EngineLeases(Clock* clock, DeviceBudget* budget, LeaseSettings settings,
+               StateJournal* journal = nullptr);
 
   void ApplySettings(LeaseSettings settings) ABSL_LOCKS_EXCLUDED(mu_);
   LeaseSettings settings() const ABSL_LOCKS_EXCLUDED(mu_);
@@ -105,10 +111,34 @@ class EngineLeases {
   // EndStream.
   absl::StatusOr<EngineLease> Attach(EngineIdentity identity,
                                      std::function<void()> cancel_stream) ABSL_LOCKS_EXCLUDED(mu_);
+  // Re-attach (proto Hello.resume): the engine's lease is live again on a new stream, with the
+  // same id and token. NOT_FOUND for an engine this daemon reclaimed (or never knew), or the
+  // restart error (common/daemon_restart.h) when a restarted daemon did not re-adopt it;
+  // PERMISSION_DENIED for a wrong token or when `peer` (the re-attach's handoff connection) is
+  // another uid than the engine's; FAILED_PRECONDITION while another stream holds the lease or
+  // when `cache_scope` is neither empty nor the engine's; UNAVAILABLE while draining. The
+  // engine's pid becomes `peer`'s.
+  absl::StatusOr<EngineLease> Resume(const EngineCredentials& engine, const PeerCredentials& peer,
+                                     absl::string_view cache_scope,
+                                     std::function<void()> cancel_stream)
+      ABSL_LOCKS_EXCLUDED(mu_);
   // NOT_FOUND once reclaimed, FAILED_PRECONDITION once the lease ended.
   absl::Status Heartbeat(EngineId engine) ABSL_LOCKS_EXCLUDED(mu_);
-  // The Attach stream ended: the lease ends now (if it had not).
-  void EndStream(EngineId engine) ABSL_LOCKS_EXCLUDED(mu_);
+  // Attach stream `stream` (EngineLease::stream; 0: whichever holds it) ended: the lease ends
+  // now (if it had not). A stream the engine already replaced by re-attaching ends nothing.
+  void EndStream(EngineId engine, uint64_t stream = 0) ABSL_LOCKS_EXCLUDED(mu_);
+
+  // ---- Restart survival (server/restart_state.h) ----
+  // An engine the previous daemon journaled: known again with its id and token and a lease that
+  // runs from now without a stream, so it must re-attach (Resume) within the lease timeout or is
+  // reclaimed like a silent engine. Ids issued later are above it.
+  void Readopt(EngineId id, std::string token, EngineIdentity identity) ABSL_LOCKS_EXCLUDED(mu_);
+  // Ids issued from now on are >= `next` (the previous daemon's high-water mark).
+  void RaiseNextEngineId(uint64_t next) ABSL_LOCKS_EXCLUDED(mu_);
+  // This daemon restarted from `restart.previous_epoch`; engines in `not_readopted` (id ->
+  // why) get the restart error instead of NOT_FOUND.
+  void SetRestart(DaemonRestart restart, absl::flat_hash_map<uint64_t, std::string> not_readopted)
+      ABSL_LOCKS_EXCLUDED(mu_);
 
   // OK when the credentials name an attached engine whose lease is live: NOT_FOUND unknown
   // engine, PERMISSION_DENIED wrong token, FAILED_PRECONDITION lease ended.
@@ -164,13 +194,21 @@ class EngineLeases {
     absl::Time last_heartbeat;
     std::optional<absl::Time> lease_ended;  // stream ended or heartbeats stopped
     std::function<void()> cancel_stream;    // until called or its Attach call ends
+    uint64_t stream = 0;                    // the Attach stream holding the lease (0: none)
   };
 
+  // Records the engine for a restart (its id, token and identity).
+  void JournalEngineLocked(const Engine& engine) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status CheckLocked(const EngineCredentials& engine) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // NOT_FOUND for an engine this daemon does not know, or the restart error for one the
+  // previous daemon had and this one did not re-adopt.
+  absl::Status UnknownEngineLocked(EngineId engine, absl::string_view what) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   Clock* const clock_;
   DeviceBudget* const budget_;
+  StateJournal* const journal_;
 
   std::atomic<uint64_t> lease_expiries_{0};
   std::atomic<uint64_t> engines_reclaimed_{0};
@@ -180,6 +218,9 @@ class EngineLeases {
   LeaseSettings settings_ ABSL_GUARDED_BY(mu_);
   bool draining_ ABSL_GUARDED_BY(mu_) = false;
   uint64_t next_engine_id_ ABSL_GUARDED_BY(mu_) = 1;
+  uint64_t next_stream_ ABSL_GUARDED_BY(mu_) = 1;
+  std::optional<DaemonRestart> restart_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<uint64_t, std::string> not_readopted_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<uint64_t, Engine> engines_ ABSL_GUARDED_BY(mu_);
 };
 

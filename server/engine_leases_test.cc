@@ -17,6 +17,7 @@ namespace {
 
 using ::memra::testing::IsOk;
 using ::memra::testing::StatusIs;
+using ::testing::_;
 using ::testing::HasSubstr;
 using ::testing::IsEmpty;
 using ::testing::SizeIs;
@@ -39,6 +40,13 @@ class EngineLeasesTest : public ::testing::Test {
   }
   static EngineCredentials Credentials(const EngineLease& lease) {
     return EngineCredentials{lease.id, lease.token};
+  }
+  // The handoff connection a re-attach of AttachCounting's user comes with (a new pid).
+  static constexpr PeerCredentials kSameUser{.uid = 1000, .gid = 100, .pid = 43};
+  static EngineIdentity Kept(const std::string& name) {
+    return EngineIdentity{.name = name,
+                          .peer = {.uid = 1000, .gid = 100, .pid = 42},
+                          .cache_scope = "uid:1000"};
   }
 
   FakeClock clock_;
@@ -185,6 +193,100 @@ TEST_F(EngineLeasesTest, EnginesReportLivenessAndHeartbeatAge) {
   views = leases_.Engines();
   EXPECT_FALSE(views[0].lease_live);
   EXPECT_EQ(views[0].heartbeat_age, absl::Milliseconds(100));
+}
+
+}  // namespace
+}  // namespace memra
+
+namespace memra {
+namespace {
+
+TEST_F(EngineLeasesTest, AnEngineWhoseStreamEndedResumesWithItsIdAndToken) {
+  int cancels = 0;
+  const EngineLease a = AttachCounting("a", &cancels);
+  // Its own stream still holds the lease: a second stream is refused.
+  EXPECT_THAT(leases_.Resume(Credentials(a), kSameUser, "", [] {}),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstr("engine 1 holds its lease on another Attach stream")));
+  leases_.EndStream(a.id, a.stream);
+  EXPECT_THAT(leases_.Check(Credentials(a)), StatusIs(absl::StatusCode::kFailedPrecondition, _));
+  absl::StatusOr<EngineLease> resumed = leases_.Resume(Credentials(a), kSameUser, "", [] {});
+  ASSERT_THAT(resumed, IsOk());
+  EXPECT_EQ(resumed->id.value, a.id.value);
+  EXPECT_EQ(resumed->token, a.token);
+  EXPECT_NE(resumed->stream, a.stream);
+  EXPECT_THAT(leases_.Check(Credentials(a)), IsOk());
+  // The replaced stream's end (its handler finishing late) ends nothing.
+  leases_.EndStream(a.id, a.stream);
+  EXPECT_THAT(leases_.Check(Credentials(a)), IsOk());
+}
+
+TEST_F(EngineLeasesTest, ResumeRefusals) {
+  int cancels = 0;
+  const EngineLease a = AttachCounting("a", &cancels);
+  leases_.EndStream(a.id);
+  EXPECT_THAT(leases_.Resume(EngineCredentials{a.id, "not the token"}, kSameUser, "", [] {}),
+              StatusIs(absl::StatusCode::kPermissionDenied, HasSubstr("engine 1")));
+  EXPECT_THAT(leases_.Resume(EngineCredentials{EngineId{9}, a.token}, kSameUser, "", [] {}),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("engine 9 was reclaimed")));
+  // The re-attach's handoff connection must be the engine's user; the scope stays.
+  EXPECT_THAT(leases_.Resume(Credentials(a), PeerCredentials{.uid = 1001, .gid = 100, .pid = 44},
+                             "", [] {}),
+              StatusIs(absl::StatusCode::kPermissionDenied,
+                       HasSubstr("engine 1 belongs to uid 1000; the re-attach's handoff "
+                                 "connection is uid 1001 (pid 44)")));
+  EXPECT_THAT(leases_.Resume(Credentials(a), kSameUser, "team", [] {}),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstr("engine 1 is in cache scope \"uid:1000\"; a re-attach keeps it "
+                                 "and cannot name \"team\"")));
+  EXPECT_THAT(leases_.Check(Credentials(a)), StatusIs(absl::StatusCode::kFailedPrecondition, _))
+      << "a refused re-attach leaves the lease ended";
+  leases_.SetDraining(true);
+  EXPECT_THAT(leases_.Resume(Credentials(a), kSameUser, "", [] {}),
+              StatusIs(absl::StatusCode::kUnavailable, HasSubstr("draining")));
+  leases_.SetDraining(false);
+  clock_.Advance(kGrace);
+  ASSERT_THAT(leases_.CollectReclaimable(), SizeIs(1));
+  EXPECT_THAT(leases_.Resume(Credentials(a), kSameUser, "", [] {}),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("engine 1 was reclaimed")));
+}
+
+TEST_F(EngineLeasesTest, AReadoptedEngineMustResumeWithinTheLeaseTimeout) {
+  leases_.Readopt(EngineId{7}, "sixteen-byte-tok", Kept("kept"));
+  leases_.RaiseNextEngineId(12);
+  EXPECT_THAT(leases_.Check(EngineCredentials{EngineId{7}, "sixteen-byte-tok"}), IsOk());
+  int cancels = 0;
+  EXPECT_EQ(AttachCounting("new", &cancels).id.value, 12u) << "ids continue above the journal's";
+  absl::StatusOr<EngineLease> resumed =
+      leases_.Resume(EngineCredentials{EngineId{7}, "sixteen-byte-tok"}, kSameUser, "uid:1000",
+                     [] {});
+  ASSERT_THAT(resumed, IsOk());
+  EXPECT_EQ(resumed->id.value, 7u);
+  EXPECT_EQ(resumed->cache_scope, "uid:1000");
+  // One that never comes back is reclaimed like a silent engine.
+  leases_.Readopt(EngineId{8}, "another-16-bytes", Kept("gone"));
+  clock_.Advance(kTimeout + absl::Milliseconds(1));
+  // No engine heartbeat: all three leases expire now and are reclaimed after the grace.
+  EXPECT_THAT(leases_.CollectReclaimable(), IsEmpty());
+  EXPECT_THAT(leases_.Heartbeat(EngineId{8}),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("lease expired")));
+  clock_.Advance(kGrace);
+  EXPECT_THAT(leases_.CollectReclaimable(), SizeIs(3));
+}
+
+TEST_F(EngineLeasesTest, AnEngineARestartDidNotReadoptGetsTheRestartError) {
+  leases_.SetRestart(DaemonRestart{.previous_epoch = 5, .epoch = 6},
+                     {{3, "its journal record was torn"}});
+  const absl::Status refused = leases_.Resume(EngineCredentials{EngineId{3}, "token"}, kSameUser, "", [] {})
+                                   .status();
+  EXPECT_THAT(refused, StatusIs(absl::StatusCode::kFailedPrecondition,
+                                HasSubstr("memra-kvd restarted (epoch 5 -> 6); engine 3 was not "
+                                          "re-adopted: its journal record was torn")));
+  EXPECT_EQ(GetDaemonRestart(refused), (DaemonRestart{5, 6}));
+  EXPECT_THAT(leases_.Check(EngineCredentials{EngineId{3}, "token"}),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("epoch 5 -> 6")));
+  EXPECT_THAT(leases_.Check(EngineCredentials{EngineId{4}, "token"}),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("engine 4 is not attached")));
 }
 
 }  // namespace

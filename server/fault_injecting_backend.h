@@ -8,7 +8,9 @@
 #include <cstddef>
 #include <cstdint>
 #include <optional>
+#include <string>
 #include <string_view>
+#include <utility>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
@@ -64,6 +66,10 @@ class FaultInjectingBackend final : public DeviceBackend {
   // Forwarded without an injection point: it reads no device memory.
   absl::StatusOr<int> DuplicateArenaFd(ArenaId arena) override {
     return target_->DuplicateArenaFd(arena);
+  }
+  absl::StatusOr<ArenaId> AdoptArenaFd(int fd, uint64_t bytes,
+                                       std::string export_handle) override {
+    return target_->AdoptArenaFd(fd, bytes, std::move(export_handle));
   }
   absl::Status FreeArena(ArenaId arena) override;
 

@@ -4,6 +4,7 @@
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/random.h>
+#include <sys/stat.h>
 #include <unistd.h>
 #include <xxhash.h>
 
@@ -140,6 +141,29 @@ absl::StatusOr<std::shared_ptr<ArenaRecord>> HostBackend::Allocate(uint64_t byte
   // Private arenas (prefix-cache storage) are written in full as soon as they exist.
   ASSIGN_OR_RETURN(MappedRegion region, MappedRegion::MapAnonymous(bytes, Prefault::kYes));
   return std::make_shared<HostArena>(std::move(region), ScopedFd(), "");
+}
+
+absl::StatusOr<ArenaId> HostBackend::AdoptArenaFd(int raw_fd, uint64_t bytes,
+                                                  std::string export_handle) {
+  ScopedFd fd(raw_fd);
+  if (export_handle.empty()) {
+    return absl::InvalidArgumentError("host AdoptArenaFd: an exported arena needs its handle");
+  }
+  struct stat info {};
+  if (fstat(fd.get(), &info) != 0) return PosixError("fstat of a kept host arena", errno);
+  if (info.st_size < 0 || static_cast<uint64_t>(info.st_size) < bytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("host AdoptArenaFd: the kept descriptor holds ", info.st_size,
+                     " bytes but the arena was ", bytes));
+  }
+  return FileAdopted(bytes, [&](uint64_t size) -> absl::StatusOr<std::shared_ptr<ArenaRecord>> {
+    ASSIGN_OR_RETURN(MappedRegion region,
+                     MappedRegion::MapShared(fd.get(), size, "a kept host arena"));
+    // The same handle the previous daemon handed out: the engines' mapping caches and the
+    // handoff socket know the arena by it.
+    return std::make_shared<HostArena>(std::move(region), std::move(fd),
+                                       std::move(export_handle));
+  });
 }
 
 absl::Status HostBackend::Fill(uint8_t* at, uint8_t value, uint64_t bytes) {

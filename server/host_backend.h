@@ -46,6 +46,8 @@ class HostBackend final : public CheckedArenaBackend {
   uint64_t AllocationGranularity() const override { return page_size_; }
   absl::Status Synchronize() override { return absl::OkStatus(); }
   absl::Status WaitForEngineEvent(absl::string_view ipc_event_handle) override;
+  absl::StatusOr<ArenaId> AdoptArenaFd(int fd, uint64_t bytes,
+                                       std::string export_handle) override;
 
  private:
   HostBackend(HostBackendOptions options, uint64_t page_size);

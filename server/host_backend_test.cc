@@ -505,3 +505,60 @@ TEST_F(HostBackendTest, EngineEventsAreRefusedNoEventIsFine) {
 
 }  // namespace
 }  // namespace memra
+
+namespace memra {
+namespace {
+
+// Restart survival: the descriptor a daemon kept maps the same memory in the next daemon.
+TEST_F(HostBackendTest, AKeptDescriptorIsAdoptedWithItsBytesAndHandle) {
+  const ArenaId arena = MustCreate(2 * page());
+  const std::string handle = MustExport(arena);
+  const std::vector<uint8_t> bytes = {1, 2, 3, 4, 5};
+  ASSERT_THAT(backend_->Write(arena, page() + 7, bytes), IsOk());
+  absl::StatusOr<int> kept = backend_->DuplicateArenaFd(arena);
+  ASSERT_THAT(kept, IsOk());
+  // The previous daemon goes: its arena is freed (name unlinked), the kept fd holds the memory.
+  ASSERT_THAT(backend_->FreeArena(arena), IsOk());
+  std::unique_ptr<HostBackend> next = MakeBackend(DefaultOptions());
+  absl::StatusOr<ArenaId> adopted = next->AdoptArenaFd(*kept, 2 * page(), handle);
+  ASSERT_THAT(adopted, IsOk());
+  EXPECT_EQ(ReadAll(*next, *adopted, page() + 7, 5), bytes);
+  absl::StatusOr<ArenaExport> exported = next->Export(*adopted);
+  ASSERT_THAT(exported, IsOk());
+  EXPECT_EQ(exported->handle, handle);
+  EXPECT_EQ(exported->bytes, 2 * page());
+  EXPECT_EQ(next->ArenaCount(), 1u);
+  EXPECT_EQ(next->AllocatedBytes(), 2 * page());
+  ASSERT_THAT(next->FreeArena(*adopted), IsOk());
+  EXPECT_EQ(next->AllocatedBytes(), 0u);
+}
+
+TEST_F(HostBackendTest, AdoptionRefusalsCloseTheDescriptorAndFileNothing) {
+  const ArenaId arena = MustCreate(page());
+  const std::string handle = MustExport(arena);
+  auto kept = [&] { return backend_->DuplicateArenaFd(arena).value_or(-1); };
+  std::unique_ptr<HostBackend> next = MakeBackend(DefaultOptions());
+  EXPECT_THAT(next->AdoptArenaFd(kept(), page(), ""),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstrs("needs its handle")));
+  EXPECT_THAT(next->AdoptArenaFd(kept(), 2 * page(), handle),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstrs(absl::StrCat("holds ", page(), " bytes but the arena was ",
+                                               2 * page()))));
+  EXPECT_THAT(next->AdoptArenaFd(kept(), page() - 1, handle),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstrs(absl::StrCat(page() - 1, " bytes is not a multiple of the "
+                                               "allocation granularity ", page()))));
+  EXPECT_THAT(next->AdoptArenaFd(-1, page(), handle),
+              StatusIs(absl::StatusCode::kInternal,
+                       HasSubstrs("fstat of a kept host arena", "errno 9")));
+  EXPECT_EQ(next->ArenaCount(), 0u);
+  // Private arenas are never handed out, so never kept.
+  const ArenaId private_arena = MustCreate(page(), ArenaVisibility::kPrivate);
+  EXPECT_THAT(backend_->DuplicateArenaFd(private_arena),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstrs("is private")));
+  EXPECT_THAT(backend_->DuplicateArenaFd(ArenaId{999}),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstrs("999")));
+}
+
+}  // namespace
+}  // namespace memra

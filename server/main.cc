@@ -7,6 +7,7 @@
 // Exit status: 0 after a drain, 78 (EX_CONFIG) for a configuration error, 1 otherwise.
 
 #include <malloc.h>
+#include <sys/resource.h>
 
 #include <cstdio>
 #include <memory>
@@ -44,6 +45,20 @@ struct Events {
   std::atomic<Daemon*> daemon{nullptr};
 };
 
+// Every exported arena holds a descriptor (kept in the fd store for a restart): a soft limit of
+// 1,024 would cap sessions far below max_arenas. Raise it to the hard limit, as the unit's
+// LimitNOFILE= does under systemd; the daemon uses no select().
+void RaiseDescriptorLimit() {
+  rlimit limit{};
+  if (getrlimit(RLIMIT_NOFILE, &limit) != 0 || limit.rlim_cur >= limit.rlim_max) return;
+  const rlim_t before = limit.rlim_cur;
+  limit.rlim_cur = limit.rlim_max;
+  if (setrlimit(RLIMIT_NOFILE, &limit) == 0) {
+    spdlog::info("descriptor limit raised from {} to {} (one per exported arena)", before,
+                 limit.rlim_max);
+  }
+}
+
 void ApplyLogLevel(LogLevel level) {
   spdlog::set_level(static_cast<spdlog::level::level_enum>(level));
 }
@@ -78,6 +93,10 @@ void Reload(const std::string& path, const std::vector<ConfigOverride>& override
 }
 
 int Run(int argc, char** argv) {
+  const absl::Time process_start = absl::Now();
+  // What the service manager passed (a previous daemon's kept KV): before any thread exists,
+  // since it unsets the LISTEN_* variables.
+  absl::StatusOr<std::vector<ListenedFd>> passed = TakeListenFds();
   // Debian's Abseil checks every mutex acquisition for lock-order cycles (gRPC's own locks
   // included): measurable CPU on the hot path (bench/README.md). Tests keep the check on.
   absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
@@ -139,6 +158,7 @@ int Run(int argc, char** argv) {
     return kConfigErrorExitCode;
   }
   ApplyLogLevel(config->log_level);
+  RaiseDescriptorLimit();
 
   // One daemon per socket; holding the lock makes every object under this socket's shm prefix a
   // dead predecessor's, safe to remove before the backend creates the first new one.
@@ -161,8 +181,12 @@ int Run(int argc, char** argv) {
     spdlog::critical("backend: {}", backend.status().ToString());
     return backend.status().code() == absl::StatusCode::kInvalidArgument ? kConfigErrorExitCode : 1;
   }
+  if (!passed.ok()) {
+    spdlog::error("passed descriptors ignored: {}", passed.status().ToString());
+    passed = std::vector<ListenedFd>();
+  }
   absl::StatusOr<std::unique_ptr<Daemon>> daemon =
-      Daemon::Create(*config, *std::move(backend), Clock::Real());
+      Daemon::Create(*config, *std::move(backend), Clock::Real(), *std::move(passed));
   if (!daemon.ok()) {
     spdlog::critical("{}", daemon.status().ToString());
     return kConfigErrorExitCode;
@@ -172,6 +196,9 @@ int Run(int argc, char** argv) {
     return 1;
   }
   events.daemon.store(daemon->get());
+  spdlog::info("serving {} ms after the process started (epoch {}; {} sessions re-adopted)",
+               absl::ToInt64Milliseconds(absl::Now() - process_start), (*daemon)->epoch(),
+               (*daemon)->readopted().sessions);
 
   Notifier notifier;
   if (absl::Status ready =

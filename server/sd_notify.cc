@@ -1,5 +1,7 @@
 #include "server/sd_notify.h"
 
+#include <fcntl.h>
+#include <stdlib.h>
 #include <sys/socket.h>
 #include <sys/un.h>
 #include <time.h>
@@ -14,6 +16,8 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_replace.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
 
 namespace memra {
 namespace {
@@ -32,9 +36,21 @@ std::optional<uint64_t> PositiveInteger(const char* text) {
 
 }  // namespace
 
-absl::Status SdNotify(std::string_view state) {
+absl::Status SdNotify(std::string_view state) { return SdNotifyWithFds(state, {}); }
+
+bool UnderServiceManager() {
   const char* target = std::getenv("NOTIFY_SOCKET");
-  if (target == nullptr || target[0] == '\0') return absl::OkStatus();
+  return target != nullptr && target[0] != '\0';
+}
+
+absl::Status SdNotifyWithFds(std::string_view state, const std::vector<int>& fds) {
+  const char* target = std::getenv("NOTIFY_SOCKET");
+  if (target == nullptr || target[0] == '\0') {
+    if (fds.empty()) return absl::OkStatus();
+    return absl::FailedPreconditionError(absl::StrCat(
+        "cannot store ", fds.size(), " descriptors: NOTIFY_SOCKET is not set (not under systemd "
+        "or memra-kv-supervise)"));
+  }
 
   sockaddr_un address{};
   address.sun_family = AF_UNIX;
@@ -54,10 +70,26 @@ absl::Status SdNotify(std::string_view state) {
 
   int fd = socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC, 0);
   if (fd < 0) return absl::ErrnoToStatus(errno, "socket(AF_UNIX, SOCK_DGRAM) for NOTIFY_SOCKET");
+  iovec payload{const_cast<char*>(state.data()), state.size()};
+  msghdr message{};
+  message.msg_name = &address;
+  message.msg_namelen = address_length;
+  message.msg_iov = &payload;
+  message.msg_iovlen = 1;
+  std::vector<char> control;
+  if (!fds.empty()) {
+    control.resize(CMSG_SPACE(sizeof(int) * fds.size()));
+    message.msg_control = control.data();
+    message.msg_controllen = control.size();
+    cmsghdr* rights = CMSG_FIRSTHDR(&message);
+    rights->cmsg_level = SOL_SOCKET;
+    rights->cmsg_type = SCM_RIGHTS;
+    rights->cmsg_len = CMSG_LEN(sizeof(int) * fds.size());
+    std::memcpy(CMSG_DATA(rights), fds.data(), sizeof(int) * fds.size());
+  }
   ssize_t sent;
   do {
-    sent = sendto(fd, state.data(), state.size(), MSG_NOSIGNAL,
-                  reinterpret_cast<const sockaddr*>(&address), address_length);
+    sent = sendmsg(fd, &message, MSG_NOSIGNAL);
   } while (sent < 0 && errno == EINTR);
   int error = errno;
   close(fd);
@@ -91,6 +123,139 @@ absl::StatusOr<std::optional<absl::Duration>> ParseWatchdogEnv(const char* watch
   }
   // Half the timeout, so one late wake-up does not get the service killed.
   return absl::Microseconds(*usec) / 2;
+}
+
+absl::StatusOr<std::vector<ListenedFd>> ParseListenFds(const char* listen_pid,
+                                                       const char* listen_fds,
+                                                       const char* listen_fdnames, pid_t self) {
+  std::vector<ListenedFd> passed;
+  if (listen_pid == nullptr || listen_fds == nullptr) return passed;
+  std::optional<uint64_t> pid = PositiveInteger(listen_pid);
+  if (!pid.has_value()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("LISTEN_PID=\"", listen_pid, "\" is not a process id"));
+  }
+  if (*pid != static_cast<uint64_t>(self)) return passed;  // meant for another process
+  uint64_t count = 0;
+  // Bounded far below INT_MAX - 3 so the fd numbers cannot overflow.
+  constexpr uint64_t kMaxListenFds = 1 << 20;
+  if (!absl::SimpleAtoi(listen_fds, &count) || count > kMaxListenFds) {
+    return absl::InvalidArgumentError(absl::StrCat("LISTEN_FDS=\"", listen_fds,
+                                                   "\" is not a count of at most ", kMaxListenFds));
+  }
+  std::vector<std::string> names;
+  if (listen_fdnames != nullptr) names = absl::StrSplit(listen_fdnames, ':');
+  if (listen_fdnames != nullptr && names.size() != count) {
+    return absl::InvalidArgumentError(absl::StrCat("LISTEN_FDNAMES has ", names.size(),
+                                                   " names but LISTEN_FDS is ", count));
+  }
+  for (uint64_t i = 0; i < count; ++i) {
+    passed.push_back(ListenedFd{.fd = static_cast<int>(3 + i),
+                                .name = listen_fdnames != nullptr ? names[i] : "unknown"});
+  }
+  return passed;
+}
+
+absl::StatusOr<std::vector<ListenedFd>> TakeListenFds() {
+  absl::StatusOr<std::vector<ListenedFd>> passed =
+      ParseListenFds(std::getenv("LISTEN_PID"), std::getenv("LISTEN_FDS"),
+                     std::getenv("LISTEN_FDNAMES"), getpid());
+  unsetenv("LISTEN_PID");
+  unsetenv("LISTEN_FDS");
+  unsetenv("LISTEN_FDNAMES");
+  if (!passed.ok()) return passed;
+  for (const ListenedFd& listened : *passed) {
+    const int flags = fcntl(listened.fd, F_GETFD);
+    if (flags < 0 || fcntl(listened.fd, F_SETFD, flags | FD_CLOEXEC) < 0) {
+      return absl::ErrnoToStatus(errno, absl::StrCat("passed descriptor ", listened.fd, " (\"",
+                                                     listened.name, "\")"));
+    }
+  }
+  return passed;
+}
+
+absl::StatusOr<std::unique_ptr<NotifySocketListener>> NotifySocketListener::Create(
+    std::string_view directory_prefix) {
+  const std::string name_template = std::string(directory_prefix) + "XXXXXX";
+  std::string directory = name_template;  // mkdtemp fills in the X's, even when it fails
+  if (mkdtemp(directory.data()) == nullptr) {
+    return absl::InternalError(
+        absl::StrCat("mkdtemp ", name_template, ": ", std::strerror(errno)));
+  }
+  std::string path = directory + "/notify";
+  sockaddr_un address{};
+  if (path.size() >= sizeof(address.sun_path)) {
+    rmdir(directory.c_str());
+    return absl::InternalError(absl::StrCat("notify socket ", path, ": ", path.size(),
+                                            " bytes, a Unix socket path holds at most ",
+                                            sizeof(address.sun_path) - 1));
+  }
+  address.sun_family = AF_UNIX;
+  std::memcpy(address.sun_path, path.c_str(), path.size() + 1);
+  const int fd = socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+  const int on = 1;
+  if (fd < 0 || bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)) != 0 ||
+      setsockopt(fd, SOL_SOCKET, SO_PASSCRED, &on, sizeof(on)) != 0) {
+    absl::Status error =
+        absl::InternalError(absl::StrCat("notify socket ", path, ": ", std::strerror(errno)));
+    if (fd >= 0) close(fd);
+    unlink(path.c_str());
+    rmdir(directory.c_str());
+    return error;
+  }
+  return std::unique_ptr<NotifySocketListener>(
+      new NotifySocketListener(std::move(directory), std::move(path), fd));
+}
+
+NotifySocketListener::~NotifySocketListener() {
+  close(fd_);
+  unlink(path_.c_str());
+  rmdir(directory_.c_str());
+}
+
+std::optional<Notification> ReceiveNotification(int socket, bool wait) {
+  constexpr size_t kMaxFds = 253;  // SCM_MAX_FD
+  char data[4096];
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * kMaxFds) + CMSG_SPACE(sizeof(ucred))];
+  iovec io{data, sizeof(data)};
+  msghdr message{};
+  message.msg_iov = &io;
+  message.msg_iovlen = 1;
+  message.msg_control = control;
+  message.msg_controllen = sizeof(control);
+  ssize_t n;
+  do {
+    n = recvmsg(socket, &message, MSG_CMSG_CLOEXEC | (wait ? 0 : MSG_DONTWAIT));
+  } while (n < 0 && errno == EINTR);
+  if (n < 0) return std::nullopt;
+  Notification received;
+  received.state.assign(data, static_cast<size_t>(n));
+  received.truncated = (message.msg_flags & MSG_CTRUNC) != 0;
+  for (cmsghdr* c = CMSG_FIRSTHDR(&message); c != nullptr; c = CMSG_NXTHDR(&message, c)) {
+    if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS) {
+      const size_t count = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+      for (size_t i = 0; i < count; ++i) {
+        int fd;
+        std::memcpy(&fd, CMSG_DATA(c) + i * sizeof(int), sizeof(int));
+        received.fds.push_back(fd);
+      }
+    } else if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_CREDENTIALS) {
+      ucred credentials;
+      std::memcpy(&credentials, CMSG_DATA(c), sizeof(credentials));
+      received.sender = credentials.pid;
+    }
+  }
+  return received;
+}
+
+FdStoreRequest ParseFdStoreRequest(std::string_view state) {
+  FdStoreRequest request;
+  for (absl::string_view line : absl::StrSplit(AsAbsl(state), '\n')) {
+    if (line == "FDSTORE=1") request.store = true;
+    if (line == "FDSTOREREMOVE=1") request.remove = true;
+    if (absl::ConsumePrefix(&line, "FDNAME=")) request.name = std::string(line);
+  }
+  return request;
 }
 
 std::optional<absl::Duration> WatchdogInterval() {

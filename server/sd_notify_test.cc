@@ -2,6 +2,7 @@
 
 #include <stdlib.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/un.h>
 #include <unistd.h>
 
@@ -96,6 +97,14 @@ class FakeNotifyListener {
     return n < 0 ? "" : std::string(buffer, static_cast<size_t>(n));
   }
 
+  // The next datagram with the descriptors it carried (owned by the caller).
+  std::pair<std::string, std::vector<int>> ReceiveWithFds() {
+    std::optional<Notification> received = ReceiveNotification(fd_, /*wait=*/true);
+    EXPECT_TRUE(received.has_value()) << std::strerror(errno);
+    if (!received.has_value()) return {};
+    return {received->state, received->fds};
+  }
+
   // True when nothing more is queued.
   bool Empty() {
     char buffer[1];
@@ -162,6 +171,109 @@ TEST(SdNotifyTest, NoListenerIsAnErrorNamingTheSocket) {
   EXPECT_THAT(SdNotify("READY=1"),
               StatusIs(absl::StatusCode::kNotFound,
                        HasSubstrs("sendto NOTIFY_SOCKET=/nonexistent-memra-dir/notify.sock")));
+}
+
+TEST(SdNotifyWithFdsTest, DescriptorsTravelAsScmRights) {
+  FakeNotifyListener listener(/*abstract=*/false);
+  ScopedEnv env("NOTIFY_SOCKET", listener.name().c_str());
+  EXPECT_TRUE(UnderServiceManager());
+  int pipe_fds[2];
+  ASSERT_EQ(pipe(pipe_fds), 0);
+  ASSERT_THAT(SdNotifyWithFds("FDSTORE=1\nFDNAME=arena-1-3", {pipe_fds[1]}), IsOk());
+  auto [state, fds] = listener.ReceiveWithFds();
+  EXPECT_EQ(state, "FDSTORE=1\nFDNAME=arena-1-3");
+  ASSERT_EQ(fds.size(), 1u);
+  // The received descriptor is the same pipe: what it writes, ours reads.
+  ASSERT_EQ(write(fds[0], "x", 1), 1);
+  char byte = 0;
+  ASSERT_EQ(read(pipe_fds[0], &byte, 1), 1);
+  EXPECT_EQ(byte, 'x');
+  for (int fd : {pipe_fds[0], pipe_fds[1], fds[0]}) close(fd);
+}
+
+TEST(NotifySocketListenerTest, ReceivesWithTheSendersPidAndRemovesItsDirectory) {
+  std::string path;
+  {
+    absl::StatusOr<std::unique_ptr<NotifySocketListener>> listener =
+        NotifySocketListener::Create("/tmp/memra-listener-test-");
+    ASSERT_THAT(listener, IsOk());
+    path = (*listener)->path();
+    EXPECT_THAT(path, MatchesRegex("/tmp/memra-listener-test-[A-Za-z0-9]{6}/notify"));
+    struct stat directory;
+    ASSERT_EQ(stat(path.substr(0, path.size() - 7).c_str(), &directory), 0);
+    EXPECT_EQ(directory.st_mode & 0777, 0700u);
+    ScopedEnv env("NOTIFY_SOCKET", path.c_str());
+    int pipe_fds[2];
+    ASSERT_EQ(pipe(pipe_fds), 0);
+    ASSERT_THAT(SdNotifyWithFds("FDSTORE=1\nFDNAME=journal-2", {pipe_fds[0]}), IsOk());
+    std::optional<Notification> received =
+        ReceiveNotification((*listener)->fd(), /*wait=*/false);
+    ASSERT_TRUE(received.has_value());
+    EXPECT_EQ(received->state, "FDSTORE=1\nFDNAME=journal-2");
+    EXPECT_EQ(received->sender, getpid());  // SO_PASSCRED
+    ASSERT_EQ(received->fds.size(), 1u);
+    for (int fd : {pipe_fds[0], pipe_fds[1], received->fds[0]}) close(fd);
+  }
+  EXPECT_NE(access(path.c_str(), F_OK), 0) << "the socket outlived its listener";
+  EXPECT_NE(access(path.substr(0, path.size() - 7).c_str(), F_OK), 0)
+      << "the directory outlived its listener";
+}
+
+TEST(NotifySocketListenerTest, RefusalsNameTheCallAndTheNumbers) {
+  EXPECT_THAT(NotifySocketListener::Create("/nonexistent-memra-dir/listener-"),
+              StatusIs(absl::StatusCode::kInternal,
+                       HasSubstrs("mkdtemp /nonexistent-memra-dir/listener-XXXXXX",
+                                  "No such file or directory")));
+  // A directory whose "<dir>/notify" is longer than sun_path holds: refused, nothing left.
+  const std::string long_prefix = "/tmp/" + std::string(100, 'd');
+  absl::StatusOr<std::unique_ptr<NotifySocketListener>> too_long =
+      NotifySocketListener::Create(long_prefix);
+  EXPECT_THAT(too_long, StatusIs(absl::StatusCode::kInternal,
+                                 HasSubstrs("notify socket " + long_prefix, "/notify: 118 bytes",
+                                            "holds at most 107")));
+}
+
+TEST(SdNotifyWithFdsTest, WithoutAServiceManagerDescriptorsAreRefusedNotLost) {
+  ScopedEnv env("NOTIFY_SOCKET", nullptr);
+  EXPECT_FALSE(UnderServiceManager());
+  EXPECT_THAT(SdNotifyWithFds("FDSTORE=1\nFDNAME=journal-1", {0, 1}),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstrs("cannot store 2 descriptors", "NOTIFY_SOCKET is not set")));
+  EXPECT_THAT(SdNotifyWithFds("READY=1", {}), IsOk());
+}
+
+TEST(ListenFdsTest, NamesAndNumbersFromThree) {
+  absl::StatusOr<std::vector<ListenedFd>> passed =
+      ParseListenFds("42", "3", "journal-2:arena-2-7:plan-ab", 42);
+  ASSERT_THAT(passed, IsOk());
+  ASSERT_EQ(passed->size(), 3u);
+  EXPECT_EQ((*passed)[0].fd, 3);
+  EXPECT_EQ((*passed)[0].name, "journal-2");
+  EXPECT_EQ((*passed)[2].fd, 5);
+  EXPECT_EQ((*passed)[2].name, "plan-ab");
+  absl::StatusOr<std::vector<ListenedFd>> unnamed = ParseListenFds("42", "1", nullptr, 42);
+  ASSERT_THAT(unnamed, IsOk());
+  EXPECT_EQ((*unnamed)[0].name, "unknown");
+}
+
+TEST(ListenFdsTest, UnsetOrForAnotherProcessIsNothing) {
+  absl::StatusOr<std::vector<ListenedFd>> unset = ParseListenFds(nullptr, nullptr, nullptr, 42);
+  ASSERT_THAT(unset, IsOk());
+  EXPECT_TRUE(unset->empty());
+  absl::StatusOr<std::vector<ListenedFd>> other = ParseListenFds("41", "2", "a:b", 42);
+  ASSERT_THAT(other, IsOk());
+  EXPECT_TRUE(other->empty());
+}
+
+TEST(ListenFdsTest, BadValuesNameTheVariable) {
+  EXPECT_THAT(ParseListenFds("x", "1", nullptr, 42),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstrs("LISTEN_PID=\"x\"")));
+  EXPECT_THAT(ParseListenFds("42", "-1", nullptr, 42),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstrs("LISTEN_FDS=\"-1\"", "at most 1048576")));
+  EXPECT_THAT(ParseListenFds("42", "2", "only-one", 42),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstrs("LISTEN_FDNAMES has 1 names but LISTEN_FDS is 2")));
 }
 
 TEST(WatchdogEnvTest, HalfTheTimeoutForThisProcess) {

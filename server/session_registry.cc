@@ -26,7 +26,8 @@ Overloaded(Fs...) -> Overloaded<Fs...>;
 SessionRegistry::SessionRegistry(DeviceBackend* backend, DeviceBudget* budget,
                                  EngineLeases* leases, PlanRegistry* plans,
                                  FormatDefaults defaults, PrefixCache* capture_on_reclaim,
-                                 uint64_t max_sessions_per_engine, ArenaPool* pool)
+                                 uint64_t max_sessions_per_engine, ArenaPool* pool,
+                                 StateJournal* journal)
     : backend_(backend),
       budget_(budget),
       leases_(leases),
@@ -34,7 +35,57 @@ SessionRegistry::SessionRegistry(DeviceBackend* backend, DeviceBudget* budget,
       defaults_(defaults),
       capture_on_reclaim_(capture_on_reclaim),
       max_sessions_per_engine_(max_sessions_per_engine),
-      pool_(pool) {}
+      pool_(pool),
+      journal_(journal) {}
+
+DaemonSession::Params SessionRegistry::BaseParams() const {
+  DaemonSession::Params params;
+  params.defaults = defaults_;
+  params.journal = journal_;
+  return params;
+}
+
+absl::Status SessionRegistry::Readopt(std::shared_ptr<DaemonSession> session) {
+  const uint64_t id = session->id().value;
+  RaiseNextSessionId(id + 1);
+  {
+    absl::MutexLock lock(&mu_);
+    if (sessions_.contains(id)) {
+      return absl::AlreadyExistsError(absl::StrCat("session ", id, " is already filed"));
+    }
+    const uint32_t slot = session->slot();
+    if (slot < slots_.size() && slots_[slot] != nullptr) {
+      return absl::AlreadyExistsError(absl::StrCat("session ", id, ": slot ", slot,
+                                                   " already holds session ",
+                                                   slots_[slot]->id().value));
+    }
+    // The slots below it stay free for new sessions (last freed first, like released ones).
+    while (slots_.size() <= slot) {
+      free_slots_.push_back(static_cast<uint32_t>(slots_.size()));
+      slots_.push_back(nullptr);
+    }
+    free_slots_.erase(std::remove(free_slots_.begin(), free_slots_.end(), slot),
+                      free_slots_.end());
+    slots_[slot] = session;
+    by_engine_[session->owner().value].insert(id);
+    sessions_[id] = session;
+  }
+  session->JournalNow();
+  return absl::OkStatus();
+}
+
+void SessionRegistry::RaiseNextSessionId(uint64_t next) {
+  uint64_t now = next_session_id_.load();
+  while (now < next && !next_session_id_.compare_exchange_weak(now, next)) {
+  }
+}
+
+void SessionRegistry::SetRestart(DaemonRestart restart,
+                                 absl::flat_hash_map<uint64_t, std::string> not_readopted) {
+  absl::MutexLock lock(&mu_);
+  restart_ = restart;
+  not_readopted_ = std::move(not_readopted);
+}
 
 absl::StatusOr<uint32_t> SessionRegistry::BeginCreating(EngineId engine) {
   absl::MutexLock lock(&mu_);
@@ -102,6 +153,7 @@ absl::StatusOr<std::shared_ptr<DaemonSession>> SessionRegistry::Create(
     sessions_[(*session)->id().value] = *session;
     slots_[slot] = *session;
   }
+  (*session)->JournalNow();
   spdlog::info("session {} created for engine {}: capacity {} tokens, {} bytes{}",
                (*session)->id().value, engine.id.value, shape.capacity,
                (*session)->arena_bytes(),
@@ -113,14 +165,13 @@ absl::StatusOr<std::shared_ptr<DaemonSession>> SessionRegistry::Create(
 absl::StatusOr<std::shared_ptr<DaemonSession>> SessionRegistry::AllocateSession(
     const EngineCredentials& engine, uint32_t slot, const PlanFingerprint& plan,
     const SessionShape& shape, std::optional<ReservationId> reservation) {
-  DaemonSession::Params params;
+  DaemonSession::Params params = BaseParams();
   params.slot = slot;
   ASSIGN_OR_RETURN(params.model, plans_->Find(plan));
   params.id = SessionId{next_session_id_.fetch_add(1)};
   params.owner = engine.id;
   ASSIGN_OR_RETURN(params.cache_scope, leases_->CacheScope(engine));
   ASSIGN_OR_RETURN(params.token, RandomSecretToken());
-  params.defaults = defaults_;
   params.fingerprint = FingerprintToBytes(plan);
   params.shape = shape;
   absl::StatusOr<std::unique_ptr<DaemonSession>> session =
@@ -160,6 +211,13 @@ absl::StatusOr<std::shared_ptr<DaemonSession>> SessionRegistry::Find(
     absl::MutexLock lock(&mu_);
     auto it = sessions_.find(credentials.id.value);
     if (it == sessions_.end()) {
+      if (restart_.has_value()) {
+        if (auto lost = not_readopted_.find(credentials.id.value); lost != not_readopted_.end()) {
+          return DaemonRestartedError(*restart_, absl::StrCat("session ", credentials.id.value,
+                                                              " was not re-adopted: ",
+                                                              lost->second));
+        }
+      }
       return absl::NotFoundError(
           absl::StrCat("session ", credentials.id.value, " does not exist"));
     }
@@ -275,13 +333,21 @@ absl::Status SessionRegistry::Run(const SessionCredentials& credentials,
                                   absl::FunctionRef<absl::Status()> before) {
   ASSIGN_OR_RETURN(std::shared_ptr<DaemonSession> session, Find(credentials));
   RETURN_IF_ERROR(before());
-  for (const SessionOp& op : ops) RETURN_IF_ERROR(Apply(*session, op));
-  return absl::OkStatus();
+  absl::Status status;
+  for (const SessionOp& op : ops) {
+    status = Apply(*session, op);
+    if (!status.ok()) break;
+  }
+  // Before the reply: what the engine is told happened is what a restart brings back.
+  session->JournalNow();
+  return status;
 }
 
 absl::Status SessionRegistry::Run(const SessionCredentials& credentials, const SessionOp& op) {
   ASSIGN_OR_RETURN(std::shared_ptr<DaemonSession> session, Find(credentials));
-  return Apply(*session, op);
+  absl::Status status = Apply(*session, op);
+  session->JournalNow();
+  return status;
 }
 
 absl::Status SessionRegistry::Run(const SessionSlot& slot, const SessionOp& op) {

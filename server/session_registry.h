@@ -46,6 +46,8 @@
 #include "server/engine_leases.h"
 #include "server/plan_registry.h"
 #include "server/prefix_cache.h"
+#include "server/state_journal.h"
+#include "common/daemon_restart.h"
 
 namespace memra {
 
@@ -160,11 +162,13 @@ class SessionRegistry {
   // `capture_on_reclaim`: when set, a reclaimed engine's sessions keep their committed state
   // as prefix entries there before release. `max_sessions_per_engine`: DaemonConfig
   // max_engine_sessions. `pool`: when set, released arenas are pooled per engine and reused
-  // (server/arena_pool.h); an engine's pool is freed with its sessions at reclaim. REQUIRES:
-  // every pointer outlives the registry.
+  // (server/arena_pool.h); an engine's pool is freed with its sessions at reclaim.
+  // `journal`: where sessions' committed state is recorded for a restart (null: nowhere).
+  // REQUIRES: every pointer outlives the registry.
   SessionRegistry(DeviceBackend* backend, DeviceBudget* budget, EngineLeases* leases,
                   PlanRegistry* plans, FormatDefaults defaults, PrefixCache* capture_on_reclaim,
-                  uint64_t max_sessions_per_engine = UINT64_MAX, ArenaPool* pool = nullptr);
+                  uint64_t max_sessions_per_engine = UINT64_MAX, ArenaPool* pool = nullptr,
+                  StateJournal* journal = nullptr);
 
   // Plans, charges (from `reservation` when given) and allocates a session of `shape` for the
   // engine; UNAVAILABLE while draining, the engine's refusals (EngineLeases::Check),
@@ -181,7 +185,22 @@ class SessionRegistry {
                                              const PlanFingerprint& plan,
                                              const SessionShape& shape) ABSL_LOCKS_EXCLUDED(mu_);
 
-  // The session: NOT_FOUND unknown id, PERMISSION_DENIED wrong token.
+  // ---- Restart survival (server/restart_state.h) ----
+  // Files a session a restarted daemon re-adopted (DaemonSession::Adopt) in the slot it had
+  // (engines address it by that slot); ids issued later are above it. ALREADY_EXISTS for an id
+  // or a slot already filed.
+  absl::Status Readopt(std::shared_ptr<DaemonSession> session) ABSL_LOCKS_EXCLUDED(mu_);
+  // Ids issued from now on are >= `next` (the previous daemon's high-water mark).
+  void RaiseNextSessionId(uint64_t next);
+  // This daemon restarted from `restart.previous_epoch`; sessions in `not_readopted` (id -> why)
+  // get the restart error instead of NOT_FOUND.
+  void SetRestart(DaemonRestart restart, absl::flat_hash_map<uint64_t, std::string> not_readopted)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // The session parameters every session of this registry gets (the journal, the defaults).
+  DaemonSession::Params BaseParams() const;
+
+  // The session: NOT_FOUND unknown id (the restart error for one a restart did not re-adopt),
+  // PERMISSION_DENIED wrong token.
   absl::StatusOr<std::shared_ptr<DaemonSession>> Find(const SessionCredentials& session) const
       ABSL_LOCKS_EXCLUDED(mu_);
   // The session in the slot: NOT_FOUND for an empty slot, PERMISSION_DENIED for a slot another
@@ -258,6 +277,7 @@ class SessionRegistry {
   PrefixCache* const capture_on_reclaim_;
   const uint64_t max_sessions_per_engine_;
   ArenaPool* const pool_;
+  StateJournal* const journal_;
 
   std::atomic<uint64_t> next_session_id_{1};
 
@@ -268,6 +288,8 @@ class SessionRegistry {
   bool waits_ended_ ABSL_GUARDED_BY(mu_) = false;
   // Engine id -> sessions between BeginCreating and EndCreating (absent when none).
   absl::flat_hash_map<uint64_t, uint64_t> creating_ ABSL_GUARDED_BY(mu_);
+  std::optional<DaemonRestart> restart_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<uint64_t, std::string> not_readopted_ ABSL_GUARDED_BY(mu_);
   // Dense slots: slots_[i] is the live session in slot i, or null (free, or reserved by a
   // session being created). Its size never exceeds the most sessions live or being created
   // at once: a slot is reused (free_slots_, last freed first) before a new one is added.

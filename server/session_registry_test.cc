@@ -320,3 +320,104 @@ TEST_F(SessionRegistryTest, AwaitEmptyReturnsTheSessionsStillOpen) {
 
 }  // namespace
 }  // namespace memra
+
+namespace memra {
+namespace {
+
+// Restart survival, in one process: the arena's kept descriptor and the committed record bring
+// the session back under its id and token, at its committed length.
+TEST_F(SessionRegistryTest, AReadoptedSessionIsFoundAtItsCommittedLength) {
+  const EngineLease engine = Attach("a");
+  std::shared_ptr<DaemonSession> session = Create(engine);
+  ASSERT_NE(session, nullptr);
+  const std::string token = session->params().token;  // outlives the session object
+  const SessionCredentials credentials{session->id(), token};
+  pb::BeginResponse begun;
+  ASSERT_THAT(registry_->Run(credentials, BeginOp{&begun}), IsOk());
+  pb::PrepareAppendResponse prepared;
+  ASSERT_THAT(registry_->Run(credentials, PrepareAppendOp{begun.generation(), 10, &prepared}),
+              IsOk());
+  pb::PublishAppendResponse published;
+  ASSERT_THAT(registry_->Run(credentials, PublishAppendOp{begun.generation(), &published}), IsOk());
+  pb::CommitResponse committed;
+  ASSERT_THAT(registry_->Run(credentials, CommitOp{begun.generation(), 10, {}, &committed}),
+              IsOk());
+  pb::SessionLayout layout;
+  pb::SessionState state;
+  ASSERT_THAT(registry_->Run(credentials, GetStateOp{&state, &layout}), IsOk());
+  const uint64_t arena_bytes = layout.arenas(0).bytes();
+  // What the previous daemon kept, and then it is gone.
+  ArenaId current;
+  ASSERT_THAT(session->ViewLocked([&](const SessionState&, const SessionLayoutVersion& at,
+                                      const std::optional<std::vector<int32_t>>&) {
+    current = at.arena;
+    return absl::OkStatus();
+  }),
+              IsOk());
+  absl::StatusOr<int> kept = backend_->DuplicateArenaFd(current);
+  ASSERT_THAT(kept, IsOk());
+  DaemonSession::Params params = session->params();
+  ASSERT_THAT(registry_->Release(credentials), IsOk());
+  session.reset();
+  EXPECT_EQ(budget_.Snapshot().allocated(), 0u);
+
+  absl::StatusOr<ArenaId> arena = backend_->AdoptArenaFd(*kept, arena_bytes, "/kept-handle");
+  ASSERT_THAT(arena, IsOk());
+  // A record that does not match the plan's placement is refused with both sizes.
+  DaemonSession::Params wrong = params;
+  EXPECT_THAT(DaemonSession::Adopt(wrong, backend_.get(), &budget_, *arena, arena_bytes + 4096, 1,
+                                   CommittedRecord{10, 2, {0, 0}, false})
+                  .status(),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr(absl::StrCat("the kept arena holds ", arena_bytes + 4096,
+                                              " bytes but the session's plan places ",
+                                              arena_bytes))));
+  // It comes back in the slot the engine knew it by (2 here: slots 0 and 1 stay free).
+  params.slot = 2;
+  absl::StatusOr<std::unique_ptr<DaemonSession>> adopted = DaemonSession::Adopt(
+      params, backend_.get(), &budget_, *arena, arena_bytes, 1, CommittedRecord{10, 2, {0, 0}, false});
+  ASSERT_THAT(adopted, IsOk());
+  ASSERT_THAT(registry_->Readopt(*std::move(adopted)), IsOk());
+  EXPECT_EQ(budget_.Snapshot().allocated(), arena_bytes);
+  ASSERT_THAT(registry_->Run(credentials, GetStateOp{&state, nullptr}), IsOk());
+  EXPECT_EQ(state.committed_len(), 10u);
+  EXPECT_EQ(state.next_generation(), 2u);
+  absl::StatusOr<std::shared_ptr<DaemonSession>> by_slot =
+      registry_->Find(SessionSlot{engine.id, 2});
+  ASSERT_THAT(by_slot, IsOk());
+  EXPECT_EQ((*by_slot)->id().value, credentials.id.value);
+  // New sessions get ids above it, and the free slots below it.
+  std::shared_ptr<DaemonSession> next = Create(engine);
+  ASSERT_NE(next, nullptr);
+  EXPECT_GT(next->id().value, credentials.id.value);
+  EXPECT_LT(next->slot(), 2u);
+  // A record naming a slot already held is refused with both sessions.
+  DaemonSession::Params clash = params;
+  clash.id = SessionId{next->id().value + 10};
+  clash.slot = next->slot();
+  absl::StatusOr<ArenaId> other = backend_->CreateArena(arena_bytes, ArenaVisibility::kExported);
+  ASSERT_THAT(other, IsOk());
+  absl::StatusOr<std::unique_ptr<DaemonSession>> clashing = DaemonSession::Adopt(
+      clash, backend_.get(), &budget_, *other, arena_bytes, 1, CommittedRecord{10, 2, {0, 0}, false});
+  ASSERT_THAT(clashing, IsOk());
+  EXPECT_THAT(registry_->Readopt(*std::move(clashing)),
+              StatusIs(absl::StatusCode::kAlreadyExists,
+                       HasSubstr(absl::StrCat("session ", clash.id.value, ": slot ", clash.slot,
+                                              " already holds session ", next->id().value))));
+}
+
+TEST_F(SessionRegistryTest, ASessionARestartDidNotReadoptGetsTheRestartError) {
+  registry_->SetRestart(DaemonRestart{.previous_epoch = 8, .epoch = 9},
+                        {{3, "a ring rebase (layer 1) was prepared and not yet published"}});
+  const absl::Status refused = registry_->Find(SessionCredentials{SessionId{3}, "t"}).status();
+  EXPECT_THAT(refused,
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstr("memra-kvd restarted (epoch 8 -> 9); session 3 was not "
+                                 "re-adopted: a ring rebase (layer 1) was prepared")));
+  EXPECT_EQ(GetDaemonRestart(refused), (DaemonRestart{8, 9}));
+  EXPECT_THAT(registry_->Find(SessionCredentials{SessionId{4}, "t"}),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("session 4 does not exist")));
+}
+
+}  // namespace
+}  // namespace memra

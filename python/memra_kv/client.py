@@ -5,8 +5,8 @@ refusal. Sessions map their arenas once (planes.py); Reset reuses the arena, Gro
 """
 
 import os
-import queue
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import List
 
@@ -19,6 +19,12 @@ from .handoff import HandoffChannel, default_handoff_path
 from .planes import CudaArenaMapper, HostArenaMapper, PlaneGeometry
 
 pb = cache_pb2
+
+# A local socket: reconnect within 100 ms-1 s of the daemon coming back (gRPC's default backoff
+# waits up to minutes, longer than a lease outlives a daemon restart), as client/client.cc.
+_CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100),
+                    ("grpc.max_reconnect_backoff_ms", 1000)]
+_REATTACH_RETRY_S = 0.1
 
 
 def _call(method, request, timeout):
@@ -127,11 +133,12 @@ class StepOutcome:
     its operation. Fields are read off the reply when asked for, so a decode loop that checks
     only what it needs pays for only that (a prepare's plan has a LayerAppend per K/V layer)."""
 
-    __slots__ = ("_result", "_prepared")
+    __slots__ = ("_result", "_prepared", "_explain")
 
-    def __init__(self, result):
+    def __init__(self, result, explain):
         self._result = result  # memra.kv.v1.StepResult
         self._prepared = None
+        self._explain = explain  # Client._explain
 
     @property
     def ok(self):
@@ -141,7 +148,10 @@ class StepOutcome:
     def error(self):
         if self._result.code == 0:
             return None
-        return KvError(code_from_value(self._result.code), self._result.message)
+        restart = (self._result.daemon_restart if self._result.HasField("daemon_restart")
+                   else None)
+        error = KvError(code_from_value(self._result.code), self._result.message, None, restart)
+        return error if restart is not None else self._explain(error)
 
     @property
     def begun(self):
@@ -207,7 +217,7 @@ class Client:
         backend the daemon announces at attach. `handoff_path`: the daemon's handoff socket
         (attach gets its ticket there; host arenas' descriptors come over it); None: beside
         `socket_path` (".sock" -> ".handoff.sock"), as the daemon puts it by default."""
-        channel = grpc.insecure_channel("unix:" + socket_path)
+        channel = grpc.insecure_channel("unix:" + socket_path, options=_CHANNEL_OPTIONS)
         try:
             grpc.channel_ready_future(channel).result(timeout=timeout)
         except grpc.FutureTimeoutError:
@@ -243,7 +253,14 @@ class Client:
         alive on a daemon thread (a heartbeat every third of the lease timeout). KvError
         FAILED_PRECONDITION when already attached, UNAVAILABLE when the handoff socket does not
         answer. `cache_scope`: the prefix-cache scope to attach in ("": this user's own,
-        "uid:<uid>"; a named one must be allowed by the daemon's cache_scope_allow)."""
+        "uid:<uid>"; a named one must be allowed by the daemon's cache_scope_allow).
+
+        When the lease stream breaks (the daemon restarted, or the connection dropped), that
+        thread notices at once and re-attaches as the same engine every 100 ms until the daemon
+        answers, each time over a new handoff connection (a fresh ticket) and in the same cache
+        scope: one that re-adopted the engine from its restart journal gives the lease back
+        and the sessions carry on with their mappings (reattaches counts it); one that does not
+        answers with the restart error, which lease_lost then holds, and re-attaching stops."""
         with self._lock:
             if self._lease is not None:
                 raise KvError(grpc.StatusCode.FAILED_PRECONDITION,
@@ -272,6 +289,26 @@ class Client:
         return lease is not None and lease.alive
 
     @property
+    def lease_lost(self):
+        """Why re-attaching stopped (a KvError: the daemon no longer knows this engine:
+        is_daemon_restarted, or NOT_FOUND when it reclaimed it); None while the lease is live or
+        being re-attached."""
+        lease = self._lease
+        return lease.lost if lease else None
+
+    @property
+    def reattaches(self):
+        """Re-attaches done after the lease stream broke (each kept the engine and its sessions)."""
+        lease = self._lease
+        return lease.reattaches if lease else 0
+
+    @property
+    def epoch(self):
+        """The epoch of the daemon the lease is held with (Attached.epoch); 0 before attach."""
+        lease = self._lease
+        return lease.epoch if lease else 0
+
+    @property
     def cache_scope(self):
         """The prefix-cache scope this engine attached in ("" before attach)."""
         lease = self._lease
@@ -286,6 +323,32 @@ class Client:
     def lease_timeout_ms(self):
         lease = self._lease
         return lease.lease_timeout_ms if lease else 0
+
+    def _explain(self, error):
+        """A session call's NOT_FOUND or PERMISSION_DENIED as the restart error when the daemon
+        answering is not the one this engine attached to (client/client.cc KvClient::Explain):
+        it restarted without keeping this engine's sessions."""
+        lease = self._lease
+        if (error.is_daemon_restarted or lease is None or lease.epoch == 0 or error.code not in (
+                grpc.StatusCode.NOT_FOUND, grpc.StatusCode.PERMISSION_DENIED)):
+            return error
+        try:
+            now = self.status().epoch
+        except KvError:
+            return error
+        if now == lease.epoch:
+            return error
+        return KvError(grpc.StatusCode.FAILED_PRECONDITION,
+                       "memra-kvd restarted (epoch %d -> %d); this engine attached to epoch %d "
+                       "and the daemon answering does not have it: %s"
+                       % (lease.epoch, now, lease.epoch, error.message), None,
+                       pb.DaemonRestart(previous_epoch=lease.epoch, epoch=now))
+
+    def _session_call(self, method, request, timeout):
+        try:
+            return _call(method, request, timeout)
+        except KvError as error:
+            raise self._explain(error) from None
 
     def _fetch_arena_fd(self, session_id, token, handle):
         """(descriptor, bytes) of a host arena of this engine's session, over the handoff
@@ -383,7 +446,7 @@ class Client:
         if len(response.results) != len(batch.request.entries):
             raise KvError(grpc.StatusCode.INTERNAL, "Step answered %d results for %d entries"
                           % (len(response.results), len(batch.request.entries)))
-        return [StepOutcome(result) for result in response.results]
+        return [StepOutcome(result, self._explain) for result in response.results]
 
     # -- prefix cache --
 
@@ -529,65 +592,176 @@ def _selector(fingerprint, plan, hf_config):
     return admin_pb2.ModelSelector(hf_config_json=_json_text(hf_config))
 
 
-class _Lease:
-    """The Attach stream and the daemon thread that heartbeats on it."""
+class _LeaseStream:
+    """One Attach stream. gRPC's request thread sends `hello`, then a heartbeat every `period`
+    once the daemon answered (attached()); the lease thread reads the answers, so a stream that
+    breaks (the daemon died, or ended the lease) is noticed when it breaks, not at the next
+    heartbeat."""
 
-    def __init__(self, stub, engine_name, timeout, handoff, cache_scope):
-        self.handoff = handoff  # closed by stop()
-        self._requests = queue.Queue()
-        self._requests.put(pb.AttachRequest(hello=pb.Hello(engine_name=engine_name,
-                                                           pid=os.getpid(),
-                                                           handoff_ticket=handoff.ticket,
-                                                           cache_scope=cache_scope)))
+    def __init__(self, stub, hello, wait_for_ready):
+        self._hello = hello
+        self._period = None  # seconds between heartbeats, set by attached()
+        self._go = threading.Event()  # attached() or close()
+        self._closed = threading.Event()
         # No deadline on the stream: it lives as long as the engine (heartbeats are its clock).
-        self._call = stub.Attach(iter(self._requests.get, None))
-        # The first answer within `timeout`, or the call is cancelled.
-        timer = threading.Timer(timeout, self._call.cancel)
-        timer.start()
+        self.call = stub.Attach(self._requests(), wait_for_ready=wait_for_ready)
+
+    def _requests(self):
+        yield self._hello
+        self._go.wait()
+        sequence = 0
+        while not self._closed.wait(self._period):
+            sequence += 1
+            yield pb.AttachRequest(heartbeat=pb.Heartbeat(sequence=sequence))
+        # Returning ends the request stream: the daemon sees the lease end.
+
+    def first_answer(self):
+        """The daemon's Attached; KvError when the stream ended instead (the daemon's reason:
+        CANCELLED when close() or a timer cancelled the wait)."""
         try:
-            first = next(self._call)
+            first = next(self.call)
         except grpc.RpcError as error:
-            if error.code() == grpc.StatusCode.CANCELLED:
-                raise KvError(grpc.StatusCode.DEADLINE_EXCEEDED,
-                              "Attach: no answer within %gs" % timeout) from None
             raise from_rpc_error(error) from None
         except StopIteration:
             raise KvError(grpc.StatusCode.INTERNAL, "Attach ended without an answer") from None
+        if not first.HasField("attached"):
+            self.close()
+            raise KvError(grpc.StatusCode.INTERNAL, "Attach answered without Attached")
+        return first.attached
+
+    def attached(self, lease_timeout_ms):
+        self._period = max(lease_timeout_ms / 3.0, 1.0) / 1000.0
+        self._go.set()
+
+    def await_end(self):
+        """Reads heartbeat acks until the stream ends (it broke, or close())."""
+        try:
+            for _ in self.call:
+                pass
+        except grpc.RpcError:
+            pass
+
+    def close(self):
+        self._closed.set()
+        self._go.set()
+        self.call.cancel()  # unblocks a read waiting for an answer
+
+
+class _Lease:
+    """The engine's lease, held by a daemon thread (client/client.cc KvClient::KeepLease and
+    Reattach): when the Attach stream breaks, it re-attaches as the same engine (Hello.resume,
+    with the epoch it attached to) every 100 ms until the daemon answers. A daemon that knows
+    the engine (it re-adopted it from its restart journal) gives the lease back: the sessions
+    and their mappings carry on. One that does not answers with the restart error (or NOT_FOUND
+    when it reclaimed the engine, PERMISSION_DENIED for a wrong token): `lost` holds it and
+    re-attaching stops."""
+
+    def __init__(self, stub, engine_name, timeout, handoff, cache_scope):
+        self._stub = stub
+        self._timeout = timeout
+        self.handoff = handoff  # replaced by each re-attach; closed by stop()
+        self._lock = threading.Lock()
+        self._stopping = False
+        self._reattaching = None  # the _LeaseStream of a re-attach in progress
+        stream = _LeaseStream(stub, pb.AttachRequest(hello=pb.Hello(
+            engine_name=engine_name, pid=os.getpid(), handoff_ticket=handoff.ticket,
+            cache_scope=cache_scope)), False)
+        # The first answer within `timeout`, or the call is cancelled.
+        timer = threading.Timer(timeout, stream.call.cancel)
+        timer.start()
+        try:
+            attached = stream.first_answer()
+        except KvError as error:
+            stream.close()
+            if error.code == grpc.StatusCode.CANCELLED:
+                raise KvError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                              "Attach: no answer within %gs" % timeout) from None
+            raise
         finally:
             timer.cancel()
-        if not first.HasField("attached"):
-            self._call.cancel()
-            raise KvError(grpc.StatusCode.INTERNAL, "Attach answered without Attached")
-        attached = first.attached
         self.engine_id = attached.engine.engine_id
         self.engine_token = attached.engine.engine_token
-        self.lease_timeout_ms = attached.lease_timeout_ms
-        self.lease_grace_ms = attached.lease_grace_ms
         self.backend = attached.backend
         self.cache_scope = attached.cache_scope
-        self.alive = True
-        self._stop = threading.Event()
-        period = max(self.lease_timeout_ms / 3.0, 1.0) / 1000.0
-        self._thread = threading.Thread(target=self._keep, args=(period,),
-                                        name="memra-kv-lease", daemon=True)
+        self.lost = None  # KvError: why re-attaching stopped
+        self.reattaches = 0
+        self._take(stream, attached)
+        self._thread = threading.Thread(target=self._keep, name="memra-kv-lease", daemon=True)
         self._thread.start()
 
-    def _keep(self, period):
-        sequence = 0
-        try:
-            while not self._stop.wait(period):
-                sequence += 1
-                self._requests.put(pb.AttachRequest(heartbeat=pb.Heartbeat(sequence=sequence)))
-                next(self._call)  # the ack
-        except (grpc.RpcError, StopIteration):
-            pass
-        finally:
+    def _take(self, stream, attached):
+        self._stream = stream
+        self.epoch = attached.epoch
+        self.lease_timeout_ms = attached.lease_timeout_ms
+        self.lease_grace_ms = attached.lease_grace_ms
+        stream.attached(attached.lease_timeout_ms)
+        self.alive = True
+
+    def _keep(self):
+        while True:
+            self._stream.await_end()
             self.alive = False
+            if not self._reattach():
+                return
+
+    def _reattach(self):
+        """True once the lease is back; False after stop() or when the daemon refuses for good."""
+        self._stream.close()
+        while True:
+            # Every Attach presents a fresh handoff ticket (the old connection broke with the
+            # daemon); the daemon binds this connection's peer credentials again and checks
+            # them against the engine's. No answer there yet: the daemon is not back.
+            try:
+                handoff = HandoffChannel(self.handoff.path, self._timeout)
+            except KvError:
+                handoff = None
+            if handoff is not None:
+                hello = pb.AttachRequest(hello=pb.Hello(
+                    resume=pb.EngineRef(engine_id=self.engine_id, engine_token=self.engine_token),
+                    resume_epoch=self.epoch, pid=os.getpid(), handoff_ticket=handoff.ticket,
+                    cache_scope=self.cache_scope))
+            with self._lock:
+                if self._stopping:
+                    if handoff is not None:
+                        handoff.close()
+                    return False
+                # Waits for the daemon to listen again (wait_for_ready) instead of failing fast
+                # while the channel reconnects; stop() cancels the wait.
+                stream = _LeaseStream(self._stub, hello, True) if handoff is not None else None
+                self._reattaching = stream
+            attached = None
+            if stream is not None:
+                try:
+                    attached = stream.first_answer()
+                except KvError as error:
+                    stream.close()
+                    handoff.close()
+                    if (error.is_daemon_restarted or error.code in (
+                            grpc.StatusCode.NOT_FOUND, grpc.StatusCode.PERMISSION_DENIED)):
+                        self.lost = error  # the daemon will never know this engine again
+                        return False
+                    # UNAVAILABLE (no daemon yet), a stream still held, or stop(): again.
+            with self._lock:
+                self._reattaching = None
+                if self._stopping:
+                    if attached is not None:
+                        stream.close()
+                        handoff.close()
+                    return False
+                if attached is not None:
+                    self.handoff.close()
+                    self.handoff = handoff
+                    self._take(stream, attached)
+                    self.reattaches += 1
+                    return True
+            time.sleep(_REATTACH_RETRY_S)
 
     def stop(self):
-        self._stop.set()
-        self._requests.put(None)  # ends the request stream: the daemon sees the lease end
-        self._call.cancel()       # unblocks a read waiting for an ack
+        with self._lock:
+            self._stopping = True
+            self._stream.close()
+            if self._reattaching is not None:
+                self._reattaching.close()
         self._thread.join()
         self.handoff.close()
         self.alive = False
@@ -738,6 +912,9 @@ class Session:
     def _t(self, timeout):
         return self._client._timeout(timeout)
 
+    def _rpc(self, method, request, timeout):
+        return self._client._session_call(method, request, timeout)
+
     def _with_ordering(self, request):
         if self.wait_event:
             request.ordering.wait_event = self.wait_event
@@ -799,30 +976,30 @@ class Session:
     # -- transactions --
 
     def begin(self, timeout=None):
-        r = _call(self._client.cache.Begin, self._with_ordering(pb.SessionRequest(
+        r = self._rpc(self._client.cache.Begin, self._with_ordering(pb.SessionRequest(
             session=self.ref)), self._t(timeout))
         return Transaction(r.generation, r.base_len)
 
     def prepare_append(self, generation, rows, timeout=None):
-        r = _call(self._client.cache.PrepareAppend, pb.PrepareAppendRequest(
+        r = self._rpc(self._client.cache.PrepareAppend, pb.PrepareAppendRequest(
             session=self.ref, generation=generation, rows=rows), self._t(timeout))
         return _prepared_from_proto(r)
 
     def publish_append(self, generation, timeout=None):
         """Returns the staged length."""
-        return _call(self._client.cache.PublishAppend, self._with_ordering(pb.GenerationRequest(
+        return self._rpc(self._client.cache.PublishAppend, self._with_ordering(pb.GenerationRequest(
             session=self.ref, generation=generation)), self._t(timeout)).staged_len
 
     def commit(self, generation, accepted_rows, token_ids=(), timeout=None):
         """Accepts accepted_rows staged rows (with their token ids, or none); returns the
         committed length."""
-        return _call(self._client.cache.Commit, self._with_ordering(pb.CommitRequest(
+        return self._rpc(self._client.cache.Commit, self._with_ordering(pb.CommitRequest(
             session=self.ref, generation=generation, accepted_rows=accepted_rows,
             token_ids=token_ids)), self._t(timeout)).committed_len
 
     def abort(self, generation, timeout=None):
         """Returns the committed length."""
-        return _call(self._client.cache.Abort, self._with_ordering(pb.GenerationRequest(
+        return self._rpc(self._client.cache.Abort, self._with_ordering(pb.GenerationRequest(
             session=self.ref, generation=generation)), self._t(timeout)).committed_len
 
     def advance(self, generation, accepted_rows, next_rows, token_ids=(), timeout=None):
@@ -841,51 +1018,51 @@ class Session:
     # -- lengths --
 
     def rewind(self, target, timeout=None):
-        return _call(self._client.cache.Rewind, self._with_ordering(pb.RewindRequest(
+        return self._rpc(self._client.cache.Rewind, self._with_ordering(pb.RewindRequest(
             session=self.ref, target=target)), self._t(timeout)).state
 
     def can_rewind(self, target, timeout=None):
-        return _call(self._client.cache.CanRewind, pb.RewindRequest(
+        return self._rpc(self._client.cache.CanRewind, pb.RewindRequest(
             session=self.ref, target=target), self._t(timeout)).can_rewind
 
     def hydrate(self, logical_len, resident_starts=(), timeout=None):
         """Fresh session only: publishes logical_len rows already written through the planes."""
-        return _call(self._client.cache.Hydrate, self._with_ordering(pb.HydrateRequest(
+        return self._rpc(self._client.cache.Hydrate, self._with_ordering(pb.HydrateRequest(
             session=self.ref, logical_len=logical_len, resident_starts=resident_starts)),
             self._t(timeout)).state
 
     def spec_snapshot(self, timeout=None):
-        return _call(self._client.cache.SpecSnapshot, self._with_ordering(pb.SessionRequest(
+        return self._rpc(self._client.cache.SpecSnapshot, self._with_ordering(pb.SessionRequest(
             session=self.ref)), self._t(timeout)).state
 
     def spec_rollback(self, accept_len, timeout=None):
-        return _call(self._client.cache.SpecRollback, self._with_ordering(
+        return self._rpc(self._client.cache.SpecRollback, self._with_ordering(
             pb.SpecRollbackRequest(session=self.ref, accept_len=accept_len)),
             self._t(timeout)).state
 
     def reset(self, timeout=None):
         """Empty again, on the same arena (nothing is re-mapped)."""
-        return _call(self._client.cache.ResetSession, self._with_ordering(pb.SessionRequest(
+        return self._rpc(self._client.cache.ResetSession, self._with_ordering(pb.SessionRequest(
             session=self.ref)), self._t(timeout)).state
 
     def taint(self, reason, timeout=None):
-        return _call(self._client.cache.Taint, pb.TaintRequest(session=self.ref, reason=reason),
+        return self._rpc(self._client.cache.Taint, pb.TaintRequest(session=self.ref, reason=reason),
                      self._t(timeout)).state
 
     def state(self, timeout=None):
         """The daemon's memra.kv.v1.SessionState of this session."""
-        return _call(self._client.cache.GetSessionState, pb.GetSessionStateRequest(
+        return self._rpc(self._client.cache.GetSessionState, pb.GetSessionStateRequest(
             session=self.ref), self._t(timeout)).state
 
     def grow(self, target_capacity, timeout=None):
         """Regrows to target_capacity: maps the new arena, acknowledges the new layout (the
         daemon then frees the old arena) and unmaps the old one. Arrays over the old planes must
         no longer be used."""
-        grown = _call(self._client.cache.Grow, self._with_ordering(pb.GrowRequest(
+        grown = self._rpc(self._client.cache.Grow, self._with_ordering(pb.GrowRequest(
             session=self.ref, target_capacity=target_capacity)), self._t(timeout))
         old = self.layout
         self._adopt(grown.layout)
-        state = _call(self._client.cache.AcknowledgeGrow, pb.AcknowledgeGrowRequest(
+        state = self._rpc(self._client.cache.AcknowledgeGrow, pb.AcknowledgeGrowRequest(
             session=self.ref, layout_version=grown.layout.layout_version), self._t(timeout)).state
         old_handles = {a.handle for a in old.arenas} - {a.handle for a in self.layout.arenas}
         for handle in old_handles:
@@ -899,7 +1076,7 @@ class Session:
         self.released = True  # whatever the daemon answers, this process stops using the memory
         pooled = set()
         try:
-            response = _call(self._client.cache.ReleaseSession, self._with_ordering(
+            response = self._rpc(self._client.cache.ReleaseSession, self._with_ordering(
                 pb.SessionRequest(session=self.ref)), self._t(timeout))
             # Arenas the daemon pooled for this engine stay mapped for the next session that
             # gets one back (same handle); those it has freed since are unmapped.

@@ -15,8 +15,8 @@ import kvtest  # noqa: E402
 def kvd():
     started = []
 
-    def start(*flags):
-        daemon = kvtest.Daemon(flags)
+    def start(*flags, supervised=False):
+        daemon = kvtest.Daemon(flags, supervised=supervised)
         started.append(daemon)
         return daemon
 

@@ -62,16 +62,25 @@ class Daemon:
     bytes), no watchdog, no metrics endpoint, short lease and drain graces (a test ends
     quickly); later flags win."""
 
-    def __init__(self, flags=()):
+    def __init__(self, flags=(), supervised=False):
+        """supervised: under memra-kv-supervise (the daemon's pid in pid_file(), restarted when it
+        dies and handed back its kept KV); the BUILD target then needs
+        data = ["//server:memra-kv-supervise"]."""
         self.dir = tempfile.mkdtemp(prefix="memra-py-", dir="/tmp")
         self.socket = os.path.join(self.dir, "kvd.sock")
         self.admin_socket = os.path.join(self.dir, "kvd.admin.sock")  # the default, beside it
+        self.pid_file = os.path.join(self.dir, "kvd.pid")
         self.log = open(os.path.join(self.dir, "kvd.log"), "w+")
-        self.process = subprocess.Popen(
-            [binary("server/memra-kvd"), "--socket_path=" + self.socket, "--socket_mode=0600",
-             "--watchdog=false", "--metrics_address=", "--backend=host",
-             "--lease_grace_ms=100", "--drain_grace_ms=500"] + list(flags),
-            stdout=self.log, stderr=subprocess.STDOUT)
+        supervisor = ([binary("server/memra-kv-supervise"), "--pid_file=" + self.pid_file,
+                       "--restart_delay_ms=20", "--"] if supervised else [])
+        self._command = supervisor + [
+            binary("server/memra-kvd"), "--socket_path=" + self.socket, "--socket_mode=0600",
+            "--watchdog=false", "--metrics_address=", "--backend=host", "--lease_grace_ms=100",
+            "--drain_grace_ms=500"] + list(flags)
+        self._start()
+
+    def _start(self):
+        self.process = subprocess.Popen(self._command, stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + PATIENCE_S
         while not (os.path.exists(self.socket) and os.path.exists(self.admin_socket)):
             if self.process.poll() is not None or time.monotonic() > deadline:
@@ -79,6 +88,23 @@ class Daemon:
                 raise RuntimeError("memra-kvd never listened on %s: %s" % (
                     self.socket, self.log.read()[-2000:]))
             time.sleep(0.01)
+
+    def kill_and_start_again(self):
+        """An unsupervised daemon SIGKILLed and started again on the same sockets: a new daemon
+        that kept nothing of the old one (no service manager kept its journal)."""
+        assert not os.path.exists(self.pid_file), "supervised: kill daemon_pid() instead"
+        self.process.kill()
+        self.process.wait()
+        for path in (self.socket, self.admin_socket):  # the dead daemon's: wait for new ones
+            os.unlink(path)
+        self._start()
+
+    def daemon_pid(self):
+        """The memra-kvd process now (supervised: the supervisor's current child)."""
+        if not os.path.exists(self.pid_file):
+            return self.process.pid
+        with open(self.pid_file) as f:
+            return int(f.read())
 
     def client(self, name=None):
         client = memra_kv.Client.connect(self.socket, timeout=10)

@@ -1,5 +1,7 @@
 """The lease: kept alive by the client's heartbeat thread, ended by detach, and a Python engine
-killed with SIGKILL (a real process) is reclaimed with its sessions and bytes."""
+killed with SIGKILL (a real process) is reclaimed with its sessions and bytes. A daemon killed
+with SIGKILL: under memra-kv-supervise the engine re-attaches and carries on with its mapping;
+without it, the engine gets the restart error."""
 
 import os
 import signal
@@ -8,11 +10,14 @@ import sys
 import time
 
 import grpc
+import numpy as np
 import pytest
 
 import memra_kv
 from memra_kv import KvError
+import kvtest
 from kvtest import dense_plan, poll_until
+from prefix_patterns import check_pattern, commit_rows, plan_named, tokens, write_pattern
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -86,6 +91,138 @@ def test_a_python_engine_killed_with_sigkill_is_reclaimed(kvd):
         if engine.poll() is None:
             engine.kill()
             engine.wait()
+
+
+def _restarted(admin, before):
+    """A poll_until predicate: a daemon whose epoch is not `before` answers."""
+    def answered():
+        try:
+            return admin.status().epoch != before
+        except KvError:
+            return False
+    return answered
+
+
+def _all_plane_bytes(session):
+    return {(layer.layer, plane.kind): session.plane_bytes(layer.layer, plane.kind).copy()
+            for layer in session.layout.layers for plane in layer.planes}
+
+
+def test_an_engine_carries_on_after_a_daemon_sigkill_with_the_same_bytes(kvd):
+    """Under memra-kv-supervise a SIGKILLed daemon comes back with the engine and its session:
+    the engine notices its lease stream break at once (its heartbeats are 20 s apart here),
+    re-attaches as the same engine, and its mapping holds the bytes it wrote, which the
+    restarted daemon reads too (a grow copies them into a new arena); steps go on."""
+    daemon = kvd("--lease_timeout_ms=60000", supervised=True)
+    with daemon.admin() as admin, daemon.client() as engine:
+        engine_id = engine.attach("py-carry-on")
+        before = admin.status().epoch
+        assert engine.epoch == before and engine.reattaches == 0
+        plan = engine.register_plan(plan_named("flat"))
+        session = engine.create_session(plan, 256)
+        commit_rows(session, tokens(64))
+        write_pattern(session, session.state())
+        written = _all_plane_bytes(session)
+
+        killed = time.monotonic()
+        os.kill(daemon.daemon_pid(), signal.SIGKILL)
+        assert poll_until(lambda: engine.reattaches == 1), engine.lease_lost
+        noticed_s = time.monotonic() - killed
+        assert noticed_s < 10.0, "re-attached %.1fs after the SIGKILL: at a heartbeat" % noticed_s
+        assert _restarted(admin, before)()
+        assert admin.status().epoch == before + 1
+        assert (engine.engine_id, engine.epoch) == (engine_id, before + 1)
+        assert engine.lease_alive and engine.lease_lost is None
+
+        assert session.state().committed_len == 64
+        before_grow = session.layout
+        after = _all_plane_bytes(session)
+        assert after.keys() == written.keys()
+        for key, plane in written.items():
+            assert np.array_equal(after[key], plane), "plane %s changed across the restart" % (
+                key,)
+        # The daemon copies the committed rows out of the arena it re-adopted.
+        assert session.grow(512).committed_len == 64
+        assert session.layout.arenas[0].handle not in {a.handle for a in before_grow.arenas}
+        assert check_pattern(session, session.state()) > 0
+        commit_rows(session, tokens(128)[64:])
+        assert session.state().committed_len == 128
+        session.release()
+        engine.detach()
+        assert poll_until(lambda: admin.sessions() == [] and admin.engines() == [])
+        assert admin.status().admission.allocated_bytes == 0
+
+
+def test_after_a_daemon_restart_sessions_come_back_or_say_why_not(kvd):
+    """Under memra-kv-supervise a SIGKILLed daemon comes back with the sessions it could keep;
+    one that could not come back (a transaction was open on a recurrent layer, which the engine
+    updates in place) answers with the restart error naming both epochs."""
+    daemon = kvd("--lease_timeout_ms=2000", supervised=True)
+    with daemon.admin() as admin, daemon.client() as engine:
+        engine.attach("py-restart")
+        before = admin.status().epoch
+        plan = engine.register_plan(kvtest.hybrid_test_plan())
+        kept = engine.create_session(plan, 256)
+        transaction = kept.begin()
+        kept.prepare_append(transaction.generation, 4)
+        kept.publish_append(transaction.generation)
+        assert kept.commit(transaction.generation, 4) == 4
+        lost = engine.create_session(plan, 256)
+        open_transaction = lost.begin()
+        lost.prepare_append(open_transaction.generation, 2)
+
+        os.kill(daemon.daemon_pid(), signal.SIGKILL)
+
+        assert poll_until(_restarted(admin, before))
+        assert admin.status().epoch == before + 1
+        assert poll_until(lambda: engine.reattaches == 1), engine.lease_lost
+        assert kept.state().committed_len == 4
+        with pytest.raises(KvError) as refused:
+            lost.state()
+        error = refused.value
+        assert error.code == grpc.StatusCode.FAILED_PRECONDITION and error.is_daemon_restarted
+        assert (error.previous_epoch, error.epoch) == (before, before + 1)
+        assert error.message.startswith(
+            "memra-kvd restarted (epoch %d -> %d); session %d was not re-adopted: a transaction "
+            "was open on recurrent layer 2" % (before, before + 1, lost.id))
+        time.sleep(3.0)  # over the lease timeout: the heartbeats on the new stream keep it
+        assert engine.lease_alive and kept.state().committed_len == 4
+        kept.release()
+
+
+def test_an_engine_whose_daemon_restarted_without_a_supervisor_gets_the_restart_error(kvd):
+    """Without a service manager nothing of the daemon survives its SIGKILL: the engine's
+    re-attach is refused with the restart error naming both epochs (lease_lost), and its
+    session calls answer with the restart error, never the bare NOT_FOUND."""
+    daemon = kvd("--lease_timeout_ms=60000")
+    with daemon.client() as engine:
+        engine_id = engine.attach("py-orphan")
+        first = engine.epoch
+        session = engine.create_session(engine.register_plan(dense_plan(2, 32, 1)), 256)
+        daemon.kill_and_start_again()
+        assert poll_until(lambda: engine.lease_lost is not None)
+        with daemon.admin() as admin:
+            now = admin.status().epoch
+        assert now != first and not engine.lease_alive and engine.reattaches == 0
+        lost = engine.lease_lost
+        assert lost.code == grpc.StatusCode.FAILED_PRECONDITION and lost.is_daemon_restarted
+        assert (lost.previous_epoch, lost.epoch) == (first, now)
+        assert lost.message.startswith("memra-kvd restarted (epoch %d -> %d); engine %d was not "
+                                       "re-adopted: " % (first, now, engine_id)), lost.message
+        with pytest.raises(KvError) as refused:
+            session.state()
+        error = refused.value
+        assert error.code == grpc.StatusCode.FAILED_PRECONDITION and error.is_daemon_restarted
+        assert (error.previous_epoch, error.epoch) == (first, now)
+        assert error.message.startswith(
+            "memra-kvd restarted (epoch %d -> %d); this engine attached to epoch %d and the "
+            "daemon answering does not have it: " % (first, now, first)), error.message
+        assert "session %d" % session.id in error.message
+        batch = memra_kv.StepBatch()
+        batch.begin(session)
+        [outcome] = engine.step(batch)
+        assert outcome.error.is_daemon_restarted
+        assert (outcome.error.previous_epoch, outcome.error.epoch) == (first, now)
 
 
 def test_attach_binds_the_peer_credentials_and_the_cache_scope(kvd):

@@ -8,6 +8,7 @@ set -euo pipefail
 source "${TEST_SRCDIR}/memra_kv/tests/deploy/lib.sh"
 REAL_KVD="${TEST_SRCDIR}/memra_kv/server/memra-kvd"
 REAL_KVCTL="${TEST_SRCDIR}/memra_kv/tools/memra-kvctl"
+REAL_SUPERVISE="${TEST_SRCDIR}/memra_kv/server/memra-kv-supervise"
 # The Python package and its generated stubs, as //python:memra_kv lays them out in runfiles.
 PYTHON_PACKAGE="${TEST_SRCDIR}/memra_kv/python/memra_kv"
 
@@ -43,6 +44,7 @@ for stub in __init__.py {admin,cache,model_plan,prefix}_pb2{,_grpc}.py; do
 done
 expected_files="$(printf '%s\n' \
   ./etc/memra-kv/gpu0.conf.example \
+  ./usr/bin/memra-kv-supervise \
   ./usr/bin/memra-kvctl \
   ./usr/bin/memra-kvd \
   ./usr/lib/systemd/system/memra-kvd@.service \
@@ -54,7 +56,10 @@ actual_files="$(cd "$root" && find . -type f | LC_ALL=C sort)"
   fail "installed files differ: got"$'\n'"$actual_files"
 expect_mode "$root" usr/bin/memra-kvd 755
 expect_mode "$root" usr/bin/memra-kvctl 755
+expect_mode "$root" usr/bin/memra-kv-supervise 755
 cmp -s "$root/usr/bin/memra-kvd" "$TEST_DIR/fake-bin/memra-kvd" || fail "memra-kvd not copied"
+cmp -s "$root/usr/bin/memra-kv-supervise" "$TEST_DIR/fake-bin/memra-kv-supervise" ||
+  fail "memra-kv-supervise not copied"
 for pair in usr/lib/systemd/system/memra-kvd@.service:memra-kvd@.service \
             usr/lib/sysusers.d/memra-kv.conf:sysusers.d/memra-kv.conf \
             usr/lib/tmpfiles.d/memra-kv.conf:tmpfiles.d/memra-kv.conf \
@@ -113,18 +118,21 @@ grep -qF "no $TEST_DIR/no-stubs/__init__.py; generate memra_kv's stubs" "$TEST_D
 [[ ! -e "$TEST_DIR/stubless-root" ]] || fail "a failed install wrote files"
 
 echo "--- a missing binary stops the install before anything is written"
-mkdir -p "$TEST_DIR/empty-bin" "$TEST_DIR/kvd-only-bin"
+mkdir -p "$TEST_DIR/empty-bin" "$TEST_DIR/kvd-only-bin" "$TEST_DIR/no-supervise-bin"
 cp "$TEST_DIR/fake-bin/memra-kvd" "$TEST_DIR/kvd-only-bin/"
+cp "$TEST_DIR/fake-bin/memra-kvd" "$TEST_DIR/fake-bin/memra-kvctl" "$TEST_DIR/no-supervise-bin/"
 missing_root="$TEST_DIR/missing-root"
-for bin_dir in empty-bin kvd-only-bin; do
+for bin_dir in empty-bin kvd-only-bin no-supervise-bin; do
   if DESTDIR="$missing_root" BIN_DIR="$TEST_DIR/$bin_dir" bash "$DEPLOY_DIR/install.sh" \
       >"$TEST_DIR/out" 2>&1; then
     fail "install from $bin_dir succeeded"
   fi
   missing=memra-kvd
   [[ "$bin_dir" == kvd-only-bin ]] && missing=memra-kvctl
-  want="no executable $TEST_DIR/$bin_dir/$missing; build both"
-  want+=" (bazel build //server:memra-kvd //tools:memra-kvctl) or set BIN_DIR"
+  [[ "$bin_dir" == no-supervise-bin ]] && missing=memra-kv-supervise
+  want="no executable $TEST_DIR/$bin_dir/$missing; build all three"
+  want+=" (bazel build //server:memra-kvd //server:memra-kv-supervise //tools:memra-kvctl)"
+  want+=" or set BIN_DIR"
   grep -qF "$want" "$TEST_DIR/out" || fail "message does not name the missing $missing: $(cat "$TEST_DIR/out")"
   [[ ! -e "$missing_root" ]] || fail "a failed install wrote files: $(find "$missing_root")"
 done
@@ -136,6 +144,7 @@ mkdir -p "$repo/deploy" "$repo/bazel-bin/server" "$repo/bazel-bin/tools"
 cp -RL "$DEPLOY_DIR/." "$repo/deploy/"
 cp -L "$REAL_KVD" "$repo/bazel-bin/server/memra-kvd"
 cp -L "$REAL_KVCTL" "$repo/bazel-bin/tools/memra-kvctl"
+cp -L "$REAL_SUPERVISE" "$repo/bazel-bin/server/memra-kv-supervise"
 mkdir -p "$repo/python/memra_kv" "$repo/bazel-bin/python/memra_kv/_proto"
 cp -L "$PYTHON_PACKAGE"/*.py "$repo/python/memra_kv/"
 cp -L "$PYTHON_PACKAGE"/_proto/*.py "$repo/bazel-bin/python/memra_kv/_proto/"
@@ -144,6 +153,13 @@ DESTDIR="$real_root" bash "$repo/deploy/install.sh" >"$TEST_DIR/out" 2>&1 ||
   fail "install from bazel-bin failed: $(cat "$TEST_DIR/out")"
 cmp -s "$real_root/usr/bin/memra-kvd" "$REAL_KVD" || fail "memra-kvd is not the built daemon"
 cmp -s "$real_root/usr/bin/memra-kvctl" "$REAL_KVCTL" || fail "memra-kvctl is not the built CLI"
+cmp -s "$real_root/usr/bin/memra-kv-supervise" "$REAL_SUPERVISE" ||
+  fail "memra-kv-supervise is not the built supervisor"
+expect_mode "$real_root" usr/bin/memra-kv-supervise 755
+# The installed supervisor runs its command with the notify socket it serves, and ends with the
+# command's exit status (0: not restarted).
+"$real_root/usr/bin/memra-kv-supervise" -- /bin/sh -c 'test -S "$NOTIFY_SOCKET"' \
+  >"$TEST_DIR/out" 2>&1 || fail "installed memra-kv-supervise: $(cat "$TEST_DIR/out")"
 expect_mode "$real_root" usr/bin/memra-kvctl 755
 # The installed CLI runs: it teaches, and names an absent daemon's socket with exit code 3.
 "$real_root/usr/bin/memra-kvctl" help | grep -q "^Exit codes:" || fail "installed memra-kvctl help"

@@ -12,12 +12,13 @@ fail() {
 TEST_DIR="$(mktemp -d "${TEST_TMPDIR:-/tmp}/deploy-test.XXXXXX")"
 trap 'rm -rf "$TEST_DIR"' EXIT
 
-# make_fake_binaries DIR: stand-ins named memra-kvd and memra-kvctl, for tests that need files
+# make_fake_binaries DIR: stand-ins named memra-kvd, memra-kvctl and memra-kv-supervise, for
+# tests that need files
 # with those names and never run them (the real daemon is built and tested elsewhere).
 make_fake_binaries() {
   mkdir -p "$1"
   local name
-  for name in memra-kvd memra-kvctl; do
+  for name in memra-kvd memra-kvctl memra-kv-supervise; do
     printf '#!/bin/sh\necho "FAKE %s: a stand-in for deploy tests, not the real binary" >&2\nexit 1\n' \
       "$name" >"$1/$name"
     chmod 0755 "$1/$name"

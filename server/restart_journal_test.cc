@@ -1,0 +1,101 @@
+#include "server/restart_journal.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <string>
+
+#include "gtest/gtest.h"
+#include "tests/status_matchers.h"
+
+namespace memra {
+namespace {
+
+using ::memra::testing::HasSubstrs;
+using ::memra::testing::IsOk;
+using ::memra::testing::StatusIs;
+
+// The journal a restarted daemon would receive: the same memfd, opened again by descriptor.
+std::unique_ptr<RestartJournal> Reopen(const RestartJournal& journal) {
+  absl::StatusOr<std::unique_ptr<RestartJournal>> reopened =
+      RestartJournal::Open(ScopedFd(fcntl(journal.fd(), F_DUPFD_CLOEXEC, 0)));
+  EXPECT_THAT(reopened, IsOk());
+  return reopened.ok() ? *std::move(reopened) : nullptr;
+}
+
+TEST(RestartJournal, RecordsSurviveAReopenAndTheNewestWins) {
+  absl::StatusOr<std::unique_ptr<RestartJournal>> journal = RestartJournal::Create(8, 77, 3);
+  ASSERT_THAT(journal, IsOk());
+  ASSERT_THAT((*journal)->Write(2, "first"), IsOk());
+  ASSERT_THAT((*journal)->Write(2, "second"), IsOk());
+  ASSERT_THAT((*journal)->Write(2, "third"), IsOk());
+  ASSERT_THAT((*journal)->Write(5, "other"), IsOk());
+  (*journal)->RaiseNextSessionId(40);
+  (*journal)->RaiseNextSessionId(12);  // never lowers
+  (*journal)->RaiseNextEngineId(9);
+  std::unique_ptr<RestartJournal> reopened = Reopen(**journal);
+  ASSERT_NE(reopened, nullptr);
+  EXPECT_EQ(reopened->slots(), 8u);
+  EXPECT_EQ(reopened->epoch(), 77u);
+  EXPECT_EQ(reopened->generation(), 3u);
+  EXPECT_EQ(reopened->next_session_id(), 40u);
+  EXPECT_EQ(reopened->next_engine_id(), 9u);
+  EXPECT_EQ(reopened->Read(2).payload, "third");
+  EXPECT_EQ(reopened->Read(5).payload, "other");
+  EXPECT_FALSE(reopened->Read(0).payload.has_value());
+  EXPECT_FALSE(reopened->Read(2).torn);
+}
+
+TEST(RestartJournal, ATornWriteLeavesThePreviousRecord) {
+  absl::StatusOr<std::unique_ptr<RestartJournal>> journal = RestartJournal::Create(4, 1, 1);
+  ASSERT_THAT(journal, IsOk());
+  ASSERT_THAT((*journal)->Write(1, "committed 10 rows"), IsOk());
+  ASSERT_THAT((*journal)->Write(1, "committed 20 rows"), IsOk());
+  // The daemon dies halfway through the next write: the half it was writing (the older one,
+  // holding "committed 10 rows") gets part of the new payload and no matching checksum.
+  const off_t older_half = RestartJournal::kHeaderBytes + 1 * RestartJournal::kSlotBytes +
+                           RestartJournal::kHalfHeaderBytes;
+  ASSERT_EQ(pwrite((*journal)->fd(), "COMMITTED 30", 12, older_half), 12);
+  std::unique_ptr<RestartJournal> reopened = Reopen(**journal);
+  ASSERT_NE(reopened, nullptr);
+  const RestartJournal::SlotContent content = reopened->Read(1);
+  EXPECT_TRUE(content.torn);
+  EXPECT_EQ(content.payload, "committed 20 rows");
+}
+
+TEST(RestartJournal, AClearedSlotReadsEmptyEvenIfTheClearIsTheOnlyWholeHalf) {
+  absl::StatusOr<std::unique_ptr<RestartJournal>> journal = RestartJournal::Create(2, 1, 1);
+  ASSERT_THAT(journal, IsOk());
+  ASSERT_THAT((*journal)->Write(0, "session 4"), IsOk());
+  ASSERT_THAT((*journal)->Clear(0), IsOk());
+  EXPECT_FALSE((*journal)->Read(0).payload.has_value());
+  ASSERT_THAT((*journal)->Write(0, "session 9"), IsOk());
+  EXPECT_EQ((*journal)->Read(0).payload, "session 9");
+}
+
+TEST(RestartJournal, Refusals) {
+  EXPECT_THAT(RestartJournal::Create(0, 1, 1),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstrs("0 slots requested")));
+  absl::StatusOr<std::unique_ptr<RestartJournal>> journal = RestartJournal::Create(2, 1, 1);
+  ASSERT_THAT(journal, IsOk());
+  EXPECT_THAT((*journal)->Write(2, "x"),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstrs("slot 2 of 2")));
+  EXPECT_THAT((*journal)->Write(0, std::string(RestartJournal::kMaxPayloadBytes + 1, 'x')),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstrs("record of 1001 bytes; a slot holds 1000")));
+  // Something else in the fd store is not taken for a journal.
+  const int other = memfd_create("not-a-journal", MFD_CLOEXEC);
+  ASSERT_GE(other, 0);
+  ASSERT_EQ(ftruncate(other, 8192), 0);
+  EXPECT_THAT(RestartJournal::Open(ScopedFd(other)),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstrs("has magic 0")));
+  const int tiny = memfd_create("tiny", MFD_CLOEXEC);
+  ASSERT_GE(tiny, 0);
+  EXPECT_THAT(RestartJournal::Open(ScopedFd(tiny)),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstrs("is 0 bytes")));
+}
+
+}  // namespace
+}  // namespace memra
