@@ -83,6 +83,11 @@ struct DaemonConfig {
   // Slabs the prefix cache sub-allocates its storage from: one arena (one mapping, one budget
   // charge) per slab instead of one per stored block. Capped at prefix_cache_budget_bytes.
   uint64_t prefix_slab_bytes = uint64_t{128} << 20;
+  // The prefix cache's disk tier: a directory this daemon owns (created 0700 when missing;
+  // "*.piece" files in it are removed at start) and the bytes of files it may hold there. Empty
+  // dir = no disk tier (prefix_disk_bytes must then be 0).
+  std::string prefix_disk_dir;
+  uint64_t prefix_disk_bytes = 0;
   // Send systemd watchdog keep-alives when the service manager asks for them (WATCHDOG_USEC).
   bool watchdog = true;
   // The operators' Unix socket (KvAdmin and KvPrefixCache in full: drain, undrain, eviction,

@@ -53,7 +53,8 @@ TEST(ConfigTest, KeyListIsTheDocumentedOne) {
                           "drain_grace_ms",
                           "prefix_cache_budget_bytes", "prefix_block_tokens",
                           "prefix_capture_on_engine_death", "prefix_verify_checksums",
-                          "prefix_copy_threads", "prefix_slab_bytes", "watchdog",
+                          "prefix_copy_threads", "prefix_slab_bytes", "prefix_disk_dir",
+                          "prefix_disk_bytes", "watchdog",
                           "max_plan_layers",
                           "max_engine_sessions", "max_engine_plans", "max_engine_budget_share",
                           "max_attached_engines", "max_arenas", "admin_socket_path",
@@ -86,6 +87,8 @@ TEST(ConfigTest, Defaults) {
   EXPECT_TRUE(config.prefix_verify_checksums);
   EXPECT_EQ(config.prefix_copy_threads, 4u);
   EXPECT_EQ(config.prefix_slab_bytes, uint64_t{128} << 20);
+  EXPECT_EQ(config.prefix_disk_dir, "");
+  EXPECT_EQ(config.prefix_disk_bytes, 0u);
   EXPECT_TRUE(config.watchdog);
   EXPECT_EQ(config.max_plan_layers, 4096u);
   EXPECT_EQ(config.max_engine_sessions, 4096u);
@@ -160,6 +163,8 @@ TEST(ConfigTest, RenderedNonDefaultsParseBack) {
   changed.prefix_block_tokens = 1;
   changed.prefix_capture_on_engine_death = false;
   changed.prefix_verify_checksums = false;
+  changed.prefix_disk_dir = "/var/cache/memra-kv/gpu7";
+  changed.prefix_disk_bytes = 64 * kGiB;
   changed.watchdog = false;
   changed.admin_socket_path = "/run/ops/{device}.sock";
   changed.admin_socket_mode = 0660;
@@ -306,6 +311,10 @@ INSTANTIATE_TEST_SUITE_P(
                      {"prefix_copy_threads = 0", "out of range", "from 1 to 256"}},
         BadValueCase{"prefix_slab_bytes = \"4KiB\"",
                      {"prefix_slab_bytes = \"4KiB\"", "out of range", "from 64KiB to 1TiB"}},
+        BadValueCase{"prefix_disk_dir = \"cache\"",
+                     {"prefix_disk_dir = \"cache\"", "not an absolute path"}},
+        BadValueCase{"prefix_disk_bytes = \"65TiB\"",
+                     {"prefix_disk_bytes = \"65TiB\"", "out of range", "from 0 to 64TiB"}},
         BadValueCase{"rpc_metrics = 1", {"rpc_metrics = 1", "true or false"}},
         BadValueCase{"max_plan_layers = 16385",
                      {"max_plan_layers = 16385", "out of range", "from 1 to 16384"}},
@@ -426,6 +435,28 @@ TEST(ConfigTest, ValidateRefusesPrefixBudgetAboveHostBudget) {
                                                HasSubstrs("prefix_cache_budget_bytes = 2147483648",
                                                           "budget_bytes = 1073741824")));
   config.backend = Backend::kCuda;  // the CUDA budget is only known at start-up
+  EXPECT_THAT(ValidateConfig(config), IsOk());
+}
+
+TEST(ConfigTest, ValidateRefusesAHalfConfiguredDiskTier) {
+  DaemonConfig config;
+  config.prefix_cache_budget_bytes = kGiB;
+  config.prefix_disk_dir = "/var/cache/memra-kv";
+  EXPECT_THAT(ValidateConfig(config),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstrs("prefix_disk_dir = \"/var/cache/memra-kv\"",
+                                  "prefix_disk_bytes = 0", "needs a directory, a byte budget")));
+  config.prefix_disk_dir = "";
+  config.prefix_disk_bytes = kGiB;
+  EXPECT_THAT(ValidateConfig(config),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstrs("prefix_disk_dir = \"\"", "prefix_disk_bytes = 1073741824")));
+  config.prefix_disk_dir = "/var/cache/memra-kv";
+  config.prefix_cache_budget_bytes = 0;
+  EXPECT_THAT(ValidateConfig(config),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstrs("prefix_cache_budget_bytes = 0", "and a prefix cache")));
+  config.prefix_cache_budget_bytes = kGiB;
   EXPECT_THAT(ValidateConfig(config), IsOk());
 }
 

@@ -115,7 +115,8 @@ class Daemon {
 
  private:
   Daemon(DaemonConfig config, std::unique_ptr<DeviceBackend> backend, Clock* clock,
-         std::unique_ptr<DeviceBudget> budget, uint64_t epoch);
+         std::unique_ptr<DeviceBudget> budget, uint64_t epoch,
+         std::unique_ptr<PrefixCache> prefix_cache);
 
   // The session finder and the KvAdmin parts of this daemon (one service instance per socket).
   PrefixService::SessionFinder FindSession();
