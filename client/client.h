@@ -219,6 +219,8 @@ struct PrefixMatch {
   uint64_t entry_id = 0;        // 0 on a miss
   uint64_t matched_tokens = 0;  // tokens RestorePrefix would restore (whole blocks)
   uint32_t block_tokens = 0;
+  // The slowest tier a matched piece is in (kDisk: the restore reads it back first).
+  StorageMedium medium = StorageMedium::kDevice;
 };
 
 struct PrefixRestored {
@@ -239,6 +241,7 @@ struct PrefixCacheEvent {
   std::vector<BlockKey> block_keys;      // chain order
   std::optional<BlockKey> boundary_key;  // set when a boundary state was stored or freed
   std::string reason;
+  StorageMedium medium = StorageMedium::kDevice;  // kMoved: where the bytes are now
   bool operator==(const PrefixCacheEvent&) const = default;
 };
 

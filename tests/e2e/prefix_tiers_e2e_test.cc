@@ -122,6 +122,19 @@ TEST_F(PrefixTiersE2eTest, EntriesPushedToDiskRestoreBitExactlyInAnotherProcess)
   EXPECT_EQ(listed.stats().evicted_entries(), 0u);
   // The oldest entry went to disk first.
   EXPECT_EQ(Media()[96], pb::PREFIX_MEDIUM_DISK);
+  // A router hears the move (client.h's event, replayed from the start: all buffered).
+  std::unique_ptr<PrefixEventStream> events = checker_->SubscribePrefixEvents();
+  uint64_t moved_to_disk = 0;
+  for (uint64_t i = 0; i < listed.stats().last_sequence(); ++i) {
+    absl::StatusOr<std::optional<PrefixCacheEvent>> event = events->Next();
+    ASSERT_THAT(event, IsOk());
+    ASSERT_TRUE(event->has_value());
+    if ((*event)->kind == PrefixEventKind::kMoved && (*event)->medium == StorageMedium::kDisk) {
+      moved_to_disk += (*event)->block_keys.size() + ((*event)->boundary_key.has_value() ? 1 : 0);
+    }
+  }
+  events->Cancel();
+  EXPECT_EQ(moved_to_disk, disk.demotions());
   struct stat st;
   ASSERT_EQ(stat(tier_dir_.c_str(), &st), 0);
   EXPECT_EQ(st.st_mode & 0777, 0700u);
