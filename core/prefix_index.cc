@@ -393,6 +393,18 @@ PrefixIndex::Removal PrefixIndex::RemoveEntry(EntryId id) {
   return removal;
 }
 
+std::string_view StorageMediumName(StorageMedium medium) {
+  switch (medium) {
+    case StorageMedium::kDevice:
+      return "device";
+    case StorageMedium::kPinnedHost:
+      return "pinned_host";
+    case StorageMedium::kDisk:
+      return "disk";
+  }
+  return "unknown";
+}
+
 std::vector<EntryId> PrefixIndex::EntryIdsLeastRecentFirst() const {
   std::vector<EntryId> ids;
   ids.reserve(lru_.size());

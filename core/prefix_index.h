@@ -130,6 +130,8 @@ enum class PrefixEventKind : uint8_t { kStored = 0, kEvicted = 1, kDropped = 2, 
 // The tier stored bytes live in, fastest first: the backend's own memory (a GPU's on cuda,
 // shared memory on the host backend), pinned host memory (cuda only), a local disk file.
 enum class StorageMedium : uint8_t { kDevice = 0, kPinnedHost = 1, kDisk = 2 };
+// "device", "pinned_host", "disk" (metrics labels, logs).
+std::string_view StorageMediumName(StorageMedium medium);
 
 // What a cluster router hears. `block_keys` are the blocks whose bytes were stored, freed or
 // moved by this change (shared blocks that stay are not repeated); `boundary_key` is set when a

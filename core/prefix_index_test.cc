@@ -481,6 +481,7 @@ TEST_F(PrefixIndexTest, LeastRecentFirstOrderAndMovedEventsChangeNoBookkeeping) 
   ASSERT_EQ(replay.events.size(), 1u);
   EXPECT_EQ(replay.events[0].kind, PrefixEventKind::kMoved);
   EXPECT_EQ(replay.events[0].medium, StorageMedium::kDisk);
+  EXPECT_EQ(StorageMediumName(replay.events[0].medium), "disk");
   EXPECT_THAT(replay.events[0].block_keys, ElementsAre((*keys)[0]));
   EXPECT_EQ(index_->StoredBytes(), stored);
   EXPECT_THAT(index_->EntryIdsLeastRecentFirst(), ElementsAre(e2, e3, e1));

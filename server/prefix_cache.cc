@@ -157,18 +157,6 @@ bool IsFresh(const SessionState& state) {
 
 }  // namespace
 
-std::string_view StorageMediumName(StorageMedium medium) {
-  switch (medium) {
-    case StorageMedium::kDevice:
-      return "device";
-    case StorageMedium::kPinnedHost:
-      return "pinned_host";
-    case StorageMedium::kDisk:
-      return "disk";
-  }
-  return "unknown";
-}
-
 PlanFingerprint PrefixShapeFingerprint(const PlanFingerprint& model, const SessionShape& shape) {
   if (shape.layer_lo == 0 && !shape.layer_hi.has_value() && shape.tp_ranks == 1) return model;
   Sha256 hash;

@@ -52,7 +52,6 @@
 #include <memory>
 #include <optional>
 #include <string>
-#include <string_view>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -143,9 +142,6 @@ struct PrefixLookupResult {
   // The slowest tier any matched piece is in (a restore promotes them first).
   StorageMedium medium = StorageMedium::kDevice;
 };
-
-// "device", "pinned_host", "disk" (metrics labels, logs).
-std::string_view StorageMediumName(StorageMedium medium);
 
 // One tier's gauges (stored_bytes, budget_bytes) and monotonic counters. hits: restores whose
 // slowest piece was in this tier; promotions / demotions: pieces moved out of / into it.
