@@ -58,46 +58,81 @@ absl::StatusOr<Json> RunAdmission(const BenchOptions& options) {
       {"tiny (1 layer, 1 KV head of 32) @16 tokens", test_plans::DenseModel(1, 32, 1), 16, 300},
       {"llama-3-8b @1024 tokens", test_plans::Llama3_8B(), 1024, 40},
   };
-  ASSIGN_OR_RETURN(std::unique_ptr<Kvd> kvd, Kvd::Start(options, uint64_t{2} << 30));
-  ASSIGN_OR_RETURN(std::unique_ptr<KvClient> client, kvd->Attach("bench-admission"));
-
   Json json;
   Table table({"operation", "p50 us", "p99 us", "ops/s"});
   Json lifecycle = Json::array();
+  // The create+release loop twice in this run: against a daemon without the arena pool (the
+  // baseline: a new arena and a new mapping per session) and one with it (the default).
+  struct PoolMode {
+    const char* name;
+    std::vector<std::string> flags;
+  };
+  const PoolMode modes[] = {{"no pool", {"--arena_pool_engine_bytes=0"}}, {"pool", {}}};
+  std::unique_ptr<Kvd> kvd;
+  std::unique_ptr<KvClient> client;
   std::vector<PlanFingerprint> fingerprints;
-  for (const Shape& shape : shapes) {
-    ASSIGN_OR_RETURN(PlanFingerprint fingerprint, client->RegisterPlan(shape.model));
-    fingerprints.push_back(fingerprint);
-    SessionOptions session_options;
-    session_options.capacity = shape.capacity;
-    Samples create, release, both;
-    const int iterations = options.quick ? 3 : shape.iterations;
-    for (int i = 0; i < iterations + 2; ++i) {  // 2 warm-up pairs
-      const int64_t start = NowNs();
-      ASSIGN_OR_RETURN(std::unique_ptr<Session> session,
-                       client->CreateSession(fingerprint, session_options));
-      const int64_t created = NowNs();
-      RETURN_IF_ERROR(session->Release().status());
-      const int64_t released = NowNs();
-      if (i < 2) continue;
-      create.Add(created - start);
-      release.Add(released - created);
-      both.Add(released - start);
-    }
-    SessionShape request;
-    request.capacity = shape.capacity;
-    ASSIGN_OR_RETURN(uint64_t bytes, SessionArenaBytes(shape.model, FormatDefaults(), request,
-                                                       {.granularity = page}));
-    lifecycle.push_back(Json{{"shape", shape.name},
-                             {"arena_bytes", bytes},
-                             {"create", OpJson(create)},
-                             {"release", OpJson(release)},
-                             {"create_and_release", OpJson(both)}});
-    for (const auto& [what, samples] : {std::pair<const char*, const Samples*>{"create", &create},
-                                        {"release", &release},
-                                        {"create+release", &both}}) {
-      table.Add({absl::StrCat(what, ": ", shape.name), Us(samples->P50()), Us(samples->P99()),
-                 Fixed(OpsPerSecond(*samples), 0)});
+  std::vector<double> baseline_p50;  // per shape: create+release p50 without the pool
+  for (const PoolMode& mode : modes) {
+    client.reset();
+    kvd.reset();
+    ASSIGN_OR_RETURN(kvd, Kvd::Start(options, uint64_t{2} << 30, mode.flags));
+    ASSIGN_OR_RETURN(client, kvd->Attach("bench-admission"));
+    fingerprints.clear();
+    for (size_t s = 0; s < shapes.size(); ++s) {
+      const Shape& shape = shapes[s];
+      ASSIGN_OR_RETURN(PlanFingerprint fingerprint, client->RegisterPlan(shape.model));
+      fingerprints.push_back(fingerprint);
+      SessionOptions session_options;
+      session_options.capacity = shape.capacity;
+      Samples create, release, both;
+      const int iterations = options.quick ? 3 : shape.iterations;
+      const size_t opens_before = client->mapper().OpenCount();
+      for (int i = 0; i < iterations + 2; ++i) {  // 2 warm-up pairs
+        const int64_t start = NowNs();
+        ASSIGN_OR_RETURN(std::unique_ptr<Session> session,
+                         client->CreateSession(fingerprint, session_options));
+        const int64_t created = NowNs();
+        RETURN_IF_ERROR(session->Release().status());
+        const int64_t released = NowNs();
+        if (i < 2) continue;
+        create.Add(created - start);
+        release.Add(released - created);
+        both.Add(released - start);
+      }
+      const size_t new_mappings = client->mapper().OpenCount() - opens_before;
+      SessionShape request;
+      request.capacity = shape.capacity;
+      ASSIGN_OR_RETURN(uint64_t bytes, SessionArenaBytes(shape.model, FormatDefaults(), request,
+                                                         {.granularity = page}));
+      Json entry{{"shape", shape.name},
+                 {"arena_pool", mode.name},
+                 {"arena_bytes", bytes},
+                 {"sessions", iterations + 2},
+                 {"new_mappings", new_mappings},
+                 {"create", OpJson(create)},
+                 {"release", OpJson(release)},
+                 {"create_and_release", OpJson(both)}};
+      if (baseline_p50.size() > s) {
+        entry["create_and_release_p50_vs_no_pool"] = both.P50() / baseline_p50[s];
+      } else {
+        baseline_p50.push_back(both.P50());
+      }
+      lifecycle.push_back(entry);
+      for (const auto& [what, samples] :
+           {std::pair<const char*, const Samples*>{"create", &create},
+            {"release", &release},
+            {"create+release", &both}}) {
+        table.Add({absl::StrCat(what, " [", mode.name, "]: ", shape.name), Us(samples->P50()),
+                   Us(samples->P99()), Fixed(OpsPerSecond(*samples), 0)});
+      }
+      table.Add({absl::StrCat("  new mappings in the engine [", mode.name, "]: ", new_mappings,
+                              " for ", iterations + 2, " sessions"),
+                 "-", "-", "-"});
+      if (entry.contains("create_and_release_p50_vs_no_pool")) {
+        table.Add({absl::StrCat("  create+release p50, pool / no pool: ",
+                                Fixed(both.P50() / baseline_p50[s], 3), "x"),
+                   "-", "-", "-"});
+      }
     }
   }
   json["session_lifecycle"] = lifecycle;

@@ -195,8 +195,8 @@ absl::Status TimeWithCpu(pid_t server, int steps, bool record, Samples& samples,
 
 struct Measured {
   size_t sessions = 0;
-  Samples daemon, floor, core;
-  CpuTime daemon_cpu, floor_cpu;
+  Samples daemon, advance, floor, core;  // advance: the daemon, one Advance entry per session
+  CpuTime daemon_cpu, advance_cpu, floor_cpu;
   uint64_t request_bytes = 0, response_bytes = 0;
   uint64_t floor_request_bytes = 0, floor_response_bytes = 0;
 };
@@ -232,6 +232,9 @@ absl::StatusOr<Json> RunHotPath(const BenchOptions& options) {
     for (size_t i = 0; i < shape.sessions; ++i) batch.push_back(sessions[i].get());
     ASSIGN_OR_RETURN(std::unique_ptr<DecodeStepper> stepper,
                      DecodeStepper::Create(*client, batch, /*accepted_rows=*/1));
+    ASSIGN_OR_RETURN(std::unique_ptr<DecodeStepper> advancer,
+                     DecodeStepper::Create(*client, batch, /*accepted_rows=*/1,
+                                           StepForm::kAdvance));
     const int rounds = options.quick ? 1 : shape.rounds;
     for (int round = 0; round <= rounds; ++round) {
       const bool record = round > 0;  // round 0 warms up
@@ -244,10 +247,14 @@ absl::StatusOr<Json> RunHotPath(const BenchOptions& options) {
       }
       RETURN_IF_ERROR(TimeWithCpu(kvd->pid(), steps, record, m.daemon, m.daemon_cpu,
                                   [&] { return stepper->Step(); }));
+      RETURN_IF_ERROR(advancer->ResetAll());
+      RETURN_IF_ERROR(TimeWithCpu(kvd->pid(), steps, record, m.advance, m.advance_cpu,
+                                  [&] { return advancer->Step(); }));
       RETURN_IF_ERROR(TimeWithCpu(floor->pid(), steps, record, m.floor, m.floor_cpu,
                                   [&] { return floor->Call(); }));
       RETURN_IF_ERROR(Time(steps, record, m.core, [&] { return core.Step(shape.sessions); }));
     }
+    RETURN_IF_ERROR(advancer->ResetAll());  // no transaction left open for the next shape
     results.push_back(std::move(m));
   }
   // Detach before the daemon drains: it then has no live session to wait for.
@@ -268,6 +275,10 @@ absl::StatusOr<Json> RunHotPath(const BenchOptions& options) {
     rows.push_back(Json{
         {"sessions", m.sessions},
         {"daemon_step", m.daemon.ToJson()},
+        {"advance_step", m.advance.ToJson()},
+        {"advance_cpu_us_per_step", m.advance_cpu.ServerNsPerStep() / 1e3},
+        {"ratio_advance_separate_p50", m.advance.P50() / m.daemon.P50()},
+        {"ratio_advance_floor_p50", m.advance.P50() / m.floor.P50()},
         {"daemon_per_session", m.daemon.ToJson(n)},
         {"floor_step", m.floor.ToJson()},
         {"daemon_cpu_us_per_step", m.daemon_cpu.ServerNsPerStep() / 1e3},
@@ -295,6 +306,15 @@ absl::StatusOr<Json> RunHotPath(const BenchOptions& options) {
                absl::StrCat(m.response_bytes)});
   }
   json["by_sessions"] = rows;
+  Table advance_table({"N", "advance p50", "p99", "4 entries p50", "advance/4 entries",
+                       "advance/floor", "per-session p50", "kvd cpu"});
+  for (const Measured& m : results) {
+    advance_table.Add({absl::StrCat(m.sessions), Us(m.advance.P50()), Us(m.advance.P99()),
+                       Us(m.daemon.P50()), Ratio(m.advance.P50() / m.daemon.P50()),
+                       Ratio(m.advance.P50() / m.floor.P50()),
+                       Us(m.advance.P50() / static_cast<double>(m.sessions)),
+                       Us(m.advance_cpu.ServerNsPerStep())});
+  }
 
   // Marginal cost of one more session in the batch, from the ends of the sweep.
   const Measured& one = results.front();
@@ -318,6 +338,12 @@ absl::StatusOr<Json> RunHotPath(const BenchOptions& options) {
   std::printf("marginal per extra session (p50, N=%zu..%zu): daemon %s us, floor %s us, core %s us\n",
               one.sessions, most.sessions, Us(daemon_marginal).c_str(),
               Us(marginal(&Measured::floor)).c_str(), Us(marginal(&Measured::core)).c_str());
+  advance_table.Print("1b. the same decode step as ONE Advance entry per session, one Step RPC "
+                      "(times in us)");
+  const double advance_marginal = marginal(&Measured::advance);
+  json["marginal_per_session_p50_us"]["advance"] = advance_marginal / 1e3;
+  std::printf("marginal per extra session with Advance (p50): %s us\n",
+              Us(advance_marginal).c_str());
   std::printf("target: daemon/floor at N=1 <= 1.5x: %s (%s); marginal < 2 us: %s (%s us)\n",
               ratio_at_one <= 1.5 ? "MET" : "MISSED", Ratio(ratio_at_one).c_str(),
               daemon_marginal <= 2000 ? "MET" : "MISSED", Us(daemon_marginal).c_str());

@@ -59,9 +59,9 @@ absl::StatusOr<std::vector<std::unique_ptr<Session>>> CreateSessions(
 }
 
 absl::StatusOr<std::unique_ptr<DecodeStepper>> DecodeStepper::Create(
-    KvClient& client, std::vector<Session*> sessions, uint64_t accepted_rows) {
+    KvClient& client, std::vector<Session*> sessions, uint64_t accepted_rows, StepForm form) {
   std::unique_ptr<DecodeStepper> stepper(
-      new DecodeStepper(client, std::move(sessions), accepted_rows));
+      new DecodeStepper(client, std::move(sessions), accepted_rows, form));
   for (size_t i = 0; i < stepper->sessions_.size(); ++i) {
     ASSIGN_OR_RETURN(SessionSnapshot state, stepper->sessions_[i]->State());
     if (state.active_generation != 0) {
@@ -76,17 +76,24 @@ absl::StatusOr<std::unique_ptr<DecodeStepper>> DecodeStepper::Create(
 }
 
 DecodeStepper::DecodeStepper(KvClient& client, std::vector<Session*> sessions,
-                             uint64_t accepted_rows)
+                             uint64_t accepted_rows, StepForm form)
     : client_(client),
       sessions_(std::move(sessions)),
       accepted_rows_(accepted_rows),
+      form_(form),
       next_generation_(sessions_.size(), 1),
+      open_generation_(sessions_.size(), 0),
       committed_(sessions_.size(), 0) {}
 
 void DecodeStepper::Build() {
   batch_.Clear();
   for (size_t i = 0; i < sessions_.size(); ++i) {
     const Session& session = *sessions_[i];
+    if (form_ == StepForm::kAdvance) {
+      const uint64_t open = open_generation_[i];
+      batch_.Advance(session, open, open == 0 ? 0 : accepted_rows_, 1);
+      continue;
+    }
     const uint64_t generation = next_generation_[i];
     batch_.Begin(session);
     batch_.Prepare(session, generation, 1);
@@ -95,7 +102,30 @@ void DecodeStepper::Build() {
   }
 }
 
+absl::Status DecodeStepper::CheckAdvance(const std::vector<StepOutcome>& outcomes) {
+  if (outcomes.size() != sessions_.size()) {
+    return absl::InternalError(
+        absl::StrCat("Step answered ", outcomes.size(), " of ", sessions_.size()));
+  }
+  for (size_t i = 0; i < sessions_.size(); ++i) {
+    const StepOutcome& outcome = outcomes[i];
+    const uint64_t committed = committed_[i] + (open_generation_[i] == 0 ? 0 : accepted_rows_);
+    if (!outcome.status.ok() || outcome.committed_len != committed ||
+        !outcome.prepared.has_value() || outcome.prepared->target != committed + 1 ||
+        outcome.begun.generation != next_generation_[i]) {
+      return absl::InternalError(absl::StrCat(
+          "session ", sessions_[i]->id(), ": advance answered ", outcome.status.ToString(),
+          ", committed ", outcome.committed_len, ", generation ", outcome.begun.generation,
+          "; expected committed ", committed, ", generation ", next_generation_[i]));
+    }
+    open_generation_[i] = next_generation_[i]++;
+    committed_[i] = committed;
+  }
+  return absl::OkStatus();
+}
+
 absl::Status DecodeStepper::Check(const std::vector<StepOutcome>& outcomes) {
+  if (form_ == StepForm::kAdvance) return CheckAdvance(outcomes);
   if (outcomes.size() != 4 * sessions_.size()) {
     return absl::InternalError(
         absl::StrCat("Step answered ", outcomes.size(), " of ", 4 * sessions_.size()));
@@ -157,7 +187,10 @@ absl::Status DecodeStepper::StepMeasuringSizes(uint64_t* request_bytes,
 
 absl::Status DecodeStepper::ResetAll() {
   for (size_t i = 0; i < sessions_.size(); ++i) {
-    RETURN_IF_ERROR(sessions_[i]->Reset().status());
+    ASSIGN_OR_RETURN(SessionSnapshot reset, sessions_[i]->Reset());
+    // Another stepper may have used the session since: the daemon's count is the truth.
+    next_generation_[i] = reset.next_generation;
+    open_generation_[i] = 0;
     committed_[i] = 0;
   }
   return absl::OkStatus();

@@ -77,30 +77,40 @@ absl::StatusOr<std::vector<std::unique_ptr<Session>>> CreateSessions(
 // PrepareAppend(1 row), PublishAppend, Commit(accepted_rows). The engine knows each session's
 // next generation (generations go up by one per Begin, core/transaction.h), so all four
 // operations travel together; every outcome is checked against what the step must produce.
+//
+// kAdvance sends the same step as ONE Advance entry per session instead: commit the previous
+// step's transaction and prepare the next one's row (the first step only prepares).
+enum class StepForm { kSeparateEntries, kAdvance };
+
 class DecodeStepper {
  public:
   // Reads each session's next generation and committed length from the daemon.
   // REQUIRES: no transaction open on `sessions`; they outlive the stepper.
-  static absl::StatusOr<std::unique_ptr<DecodeStepper>> Create(KvClient& client,
-                                                               std::vector<Session*> sessions,
-                                                               uint64_t accepted_rows);
+  static absl::StatusOr<std::unique_ptr<DecodeStepper>> Create(
+      KvClient& client, std::vector<Session*> sessions, uint64_t accepted_rows,
+      StepForm form = StepForm::kSeparateEntries);
 
   // Builds, sends and checks one step. INTERNAL when an outcome is not the expected one.
   absl::Status Step();
   // The same step through the raw stub, reporting the serialized request/response sizes.
+  // REQUIRES: StepForm::kSeparateEntries.
   absl::Status StepMeasuringSizes(uint64_t* request_bytes, uint64_t* response_bytes);
-  // Reset every session (no transaction may be open); generations keep counting.
+  // Reset every session (ending any open transaction); generations keep counting.
   absl::Status ResetAll();
 
  private:
-  DecodeStepper(KvClient& client, std::vector<Session*> sessions, uint64_t accepted_rows);
+  DecodeStepper(KvClient& client, std::vector<Session*> sessions, uint64_t accepted_rows,
+                StepForm form);
   void Build();
   absl::Status Check(const std::vector<StepOutcome>& outcomes);
+  absl::Status CheckAdvance(const std::vector<StepOutcome>& outcomes);
 
   KvClient& client_;
   const std::vector<Session*> sessions_;
   const uint64_t accepted_rows_;
+  const StepForm form_;
   std::vector<uint64_t> next_generation_;  // per session
+  std::vector<uint64_t> open_generation_;  // per session, kAdvance: the open transaction (0: none)
   std::vector<uint64_t> committed_;        // per session, as the daemon reports it
   StepBatch batch_;
   std::vector<StepOutcome> outcomes_;  // reused step to step, as a decode loop would

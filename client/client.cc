@@ -77,6 +77,13 @@ PreparedAppend PreparedFromProto(const pb::PrepareAppendResponse& proto) {
   return out;
 }
 
+// Drops the mappings of pooled arenas the daemon has freed (proto unmap_handles). NOT_FOUND is
+// fine: a mapping this process already dropped.
+void UnmapFreedPoolArenas(ArenaMapper& mapper,
+                          const google::protobuf::RepeatedPtrField<std::string>& handles) {
+  for (const std::string& handle : handles) (void)mapper.Unmap(handle);
+}
+
 }  // namespace
 
 // ---- Wire types <-> client.h types ----
@@ -144,10 +151,15 @@ struct StepBatch::Wire {
   void RecycleReply();
   pb::StepEntry* Add(const Session& session) {
     pb::StepEntry* entry = request.add_entries();
-    *entry->mutable_session() = ClientInternals::Ref(session);
+    if (addressing == StepAddressing::kSlot) {
+      entry->set_slot(session.slot());
+    } else {
+      *entry->mutable_session() = ClientInternals::Ref(session);
+    }
     return entry;
   }
 
+  StepAddressing addressing = StepAddressing::kSessionToken;
   pb::StepRequest request;
   std::vector<char> reply_block;
   std::unique_ptr<google::protobuf::Arena> reply_arena;
@@ -372,8 +384,10 @@ absl::StatusOr<std::unique_ptr<Session>> KvClient::CreateSession(const PlanFinge
   pb::CreateSessionResponse response;
   RETURN_IF_ERROR(FromGrpcStatus(
       rpc_->cache->CreateSession(ClientInternals::NewContext(*this).get(), request, &response)));
+  UnmapFreedPoolArenas(mapper(), response.unmap_handles());
   std::unique_ptr<Session> session(
-      new Session(this, response.session().session_id(), response.session().session_token()));
+      new Session(this, response.session().session_id(), response.session().session_token(),
+                  response.slot()));
   absl::Status mapped = [&]() -> absl::Status {
     ASSIGN_OR_RETURN(SessionLayout layout, SessionLayoutFromProto(response.layout()));
     return session->Adopt(std::move(layout));
@@ -386,6 +400,10 @@ absl::StatusOr<std::unique_ptr<Session>> KvClient::CreateSession(const PlanFinge
 }
 
 absl::Status KvClient::Step(StepBatch& batch, std::vector<StepOutcome>& outcomes) {
+  if (batch.wire_->addressing == StepAddressing::kSlot) {
+    ASSIGN_OR_RETURN(auto engine, AttachedEngine("Step by slot"));
+    SetEngine(engine, *batch.wire_->request.mutable_engine());
+  }
   pb::StepResponse* response = batch.wire_->NewReply();
   const pb::StepRequest& request = batch.wire_->request;
   absl::Status status = FromGrpcStatus(
@@ -408,17 +426,30 @@ absl::Status KvClient::Step(StepBatch& batch, std::vector<StepOutcome>& outcomes
     out.begun = {};
     out.staged_len = 0;
     out.committed_len = 0;
-    if (result.payload_case() != pb::StepResult::kPrepare) out.prepared.reset();
+    out.published = false;
+    const pb::PrepareAppendResponse* prepared_reply =
+        result.payload_case() == pb::StepResult::kPrepare ? &result.prepare()
+        : result.payload_case() == pb::StepResult::kAdvance && result.advance().has_prepared()
+            ? &result.advance().prepared()
+            : nullptr;
+    if (prepared_reply == nullptr) {
+      out.prepared.reset();
+    } else {
+      // Reuses the previous step's per-layer vector when this slot held a plan too.
+      PreparedAppend& prepared = out.prepared.has_value() ? *out.prepared : out.prepared.emplace();
+      PreparedFromProto(*prepared_reply, prepared);
+    }
     switch (result.payload_case()) {
       case pb::StepResult::kBegin:
         out.begun = {result.begin().generation(), result.begin().base_len()};
         break;
-      case pb::StepResult::kPrepare: {
-        // Reuses the previous step's per-layer vector when this slot held a Prepare too.
-        PreparedAppend& prepared = out.prepared.has_value() ? *out.prepared : out.prepared.emplace();
-        PreparedFromProto(result.prepare(), prepared);
+      case pb::StepResult::kPrepare:
+        break;  // the plan is read above
+      case pb::StepResult::kAdvance:
+        out.committed_len = result.advance().committed_len();
+        out.published = result.advance().published();
+        if (out.prepared.has_value()) out.begun = {out.prepared->generation, out.committed_len};
         break;
-      }
       case pb::StepResult::kPublish:
         out.staged_len = result.publish().staged_len();
         break;
@@ -607,7 +638,9 @@ absl::StatusOr<pb::GetStatusResponse> ClientInternals::GetStatus(KvClient& clien
 
 // ---- StepBatch ----
 
-StepBatch::StepBatch() : wire_(std::make_unique<Wire>()) {}
+StepBatch::StepBatch(StepAddressing addressing) : wire_(std::make_unique<Wire>()) {
+  wire_->addressing = addressing;
+}
 StepBatch::~StepBatch() = default;
 
 void StepBatch::SetWaitEvent(std::string ipc_event_handle) {
@@ -640,6 +673,15 @@ void StepBatch::Commit(const Session& session, uint64_t generation, uint64_t acc
 
 void StepBatch::Abort(const Session& session, uint64_t generation) {
   wire_->Add(session)->mutable_abort()->set_generation(generation);
+}
+
+void StepBatch::Advance(const Session& session, uint64_t generation, uint64_t accepted_rows,
+                        uint64_t next_rows, absl::Span<const int32_t> token_ids) {
+  pb::StepAdvance* op = wire_->Add(session)->mutable_advance();
+  op->set_generation(generation);
+  op->set_accepted_rows(accepted_rows);
+  op->set_next_rows(next_rows);
+  op->mutable_token_ids()->Add(token_ids.begin(), token_ids.end());
 }
 
 // ---- Session ----
@@ -753,6 +795,18 @@ absl::StatusOr<uint64_t> Session::Commit(uint64_t generation, uint64_t accepted_
   return response.committed_len();
 }
 
+absl::StatusOr<StepOutcome> Session::Advance(uint64_t generation, uint64_t accepted_rows,
+                                             uint64_t next_rows,
+                                             absl::Span<const int32_t> token_ids) {
+  StepBatch batch;
+  if (!wait_event_.empty()) batch.SetWaitEvent(wait_event_);
+  batch.Advance(*this, generation, accepted_rows, next_rows, token_ids);
+  std::vector<StepOutcome> outcomes;
+  RETURN_IF_ERROR(client_->Step(batch, outcomes));
+  RETURN_IF_ERROR(outcomes[0].status);
+  return std::move(outcomes[0]);
+}
+
 absl::StatusOr<uint64_t> Session::Abort(uint64_t generation) {
   pb::GenerationRequest request = ForSession<pb::GenerationRequest>(*this);
   request.set_generation(generation);
@@ -836,11 +890,19 @@ absl::StatusOr<uint64_t> Session::Release() {
   absl::Status status = FromGrpcStatus(ClientInternals::Cache(*client_).ReleaseSession(
       ClientInternals::NewContext(*client_).get(), ForSession<pb::SessionRequest>(*this),
       &response));
-  // Whatever the daemon answered, this process stops using the memory.
+  // Whatever the daemon answered, this process stops using the memory; the mappings of arenas
+  // the daemon pooled for this engine stay, for the next session that gets one back.
   released_ = true;
-  UnmapAll(layout_);
+  for (const SessionArena& arena : layout_.arenas) {
+    if (!status.ok() || std::find(response.pooled_handles().begin(),
+                                  response.pooled_handles().end(),
+                                  arena.handle) == response.pooled_handles().end()) {
+      (void)client_->mapper().Unmap(arena.handle);
+    }
+  }
   arena_bases_.clear();
   RETURN_IF_ERROR(status);
+  UnmapFreedPoolArenas(client_->mapper(), response.unmap_handles());
   return response.freed_bytes();
 }
 

@@ -8,7 +8,8 @@
 //
 // Opening an arena is expensive (a CUDA IPC open costs ~1 ms), so opens stay off the per-step
 // path: a session maps its arena once at creation (the mapper caches by handle and never
-// re-opens), Reset() makes it empty again on the same arena, and only Grow() maps a new one.
+// re-opens), Reset() makes it empty again on the same arena, only Grow() maps a new one, and a
+// released arena stays mapped for the next session that gets it back (the arena pool, below).
 //
 //   ASSIGN_OR_RETURN(std::unique_ptr<memra::KvClient> client,
 //                    memra::KvClient::Connect("/run/memra-kv/gpu0.sock"));
@@ -39,7 +40,35 @@
 //   }
 //
 // A batched engine sends one Step() for all its sessions per decode step (StepBatch), reusing
-// one batch and one outcomes vector across steps.
+// one batch and one outcomes vector across steps. Which entries to send:
+//   * the hot path: ONE StepBatch::Advance per session per step (finish the previous step's
+//     transaction, publishing and committing its accepted rows, and prepare the next step's
+//     rows). Same rules and refusals as the separate entries, all or nothing, and a quarter of
+//     the entries (bench/README.md section 1b).
+//   * the separate Begin / Prepare / Publish / Commit / Abort entries (or unary calls) when the
+//     engine needs a state between them, e.g. mirrors published before its kernels run, or
+//     an Abort.
+//   * StepBatch(StepAddressing::kSlot) names each session by the dense slot CreateSession gave
+//     it (Session::slot()) instead of id + token: a cheaper lookup, only for this engine's own
+//     sessions (the Step carries the engine's credentials).
+//
+//   StepBatch batch(memra::StepAddressing::kSlot);
+//   for (Session* s : sessions) batch.Advance(*s, /*generation=*/0, 0, /*next_rows=*/1);
+//   RETURN_IF_ERROR(client->Step(batch, outcomes));           // outcomes[i].prepared: rows
+//   while (decoding) {
+//     ... kernels write each session's row, the model runs, the sampler accepts ...
+//     batch.Clear();
+//     for (size_t i = 0; i < sessions.size(); ++i) {
+//       batch.Advance(*sessions[i], outcomes[i].begun.generation, /*accepted_rows=*/1, 1);
+//     }
+//     RETURN_IF_ERROR(client->Step(batch, outcomes));
+//   }
+//
+// Arena pool: ReleaseSession keeps the session's arena in this engine's pool in the daemon
+// (arena_pool_engine_bytes), and this client keeps it mapped; the next CreateSession of the same
+// size gets it back under the same handle, so a request-per-session engine opens no new
+// mapping in steady state. The daemon frees pooled arenas when admission needs the room or the
+// lease ends, and the next CreateSession / ReleaseSession reply tells this client to unmap them.
 //
 // Engine process settings worth making (bench/README.md measured both): Debian's Abseil checks
 // every absl::Mutex acquisition for lock-order cycles, so call
@@ -245,6 +274,16 @@ struct PrefixCacheEvent {
   bool operator==(const PrefixCacheEvent&) const = default;
 };
 
+// One entry's result; which fields are set depends on the entry's operation.
+struct StepOutcome {
+  absl::Status status;
+  Transaction begun;                       // Begin; Advance with next rows
+  std::optional<PreparedAppend> prepared;  // Prepare; Advance with next rows
+  uint64_t staged_len = 0;                 // Publish
+  uint64_t committed_len = 0;              // Commit, Abort, Advance
+  bool published = false;                  // Advance: it published the finished append
+};
+
 class KvClient;
 class ClientInternals;
 
@@ -277,6 +316,8 @@ class Session {
   Session& operator=(const Session&) = delete;
 
   uint64_t id() const { return id_; }
+  // The dense slot the daemon handed out (StepAddressing::kSlot names the session by it).
+  uint32_t slot() const { return slot_; }
   const SessionLayout& layout() const { return layout_; }
 
   // Cross-process device ordering (cuda backend; proto DeviceOrdering). The engine creates one
@@ -305,6 +346,12 @@ class Session {
   absl::StatusOr<uint64_t> Commit(uint64_t generation, uint64_t accepted_rows,
                                   absl::Span<const int32_t> token_ids = {});
   absl::StatusOr<uint64_t> Abort(uint64_t generation);                           // committed rows
+  // One decode step in one call (StepBatch::Advance, as a one-entry Step carrying this
+  // session's wait event). The outcome's Advance fields are set (StepOutcome); a refusal is the
+  // returned status and changed nothing.
+  absl::StatusOr<StepOutcome> Advance(uint64_t generation, uint64_t accepted_rows,
+                                      uint64_t next_rows,
+                                      absl::Span<const int32_t> token_ids = {});
 
   absl::StatusOr<SessionSnapshot> Rewind(uint64_t target);
   absl::StatusOr<bool> CanRewind(uint64_t target);
@@ -329,8 +376,8 @@ class Session {
  private:
   friend class KvClient;
   friend class ClientInternals;
-  Session(KvClient* client, uint64_t id, std::string token)
-      : client_(client), id_(id), token_(std::move(token)) {}
+  Session(KvClient* client, uint64_t id, std::string token, uint32_t slot)
+      : client_(client), id_(id), token_(std::move(token)), slot_(slot) {}
 
   // Maps every arena of `layout` (cache hits for arenas already mapped).
   absl::Status Adopt(SessionLayout layout);
@@ -339,16 +386,22 @@ class Session {
   KvClient* const client_;
   const uint64_t id_;
   const std::string token_;  // proto SessionRef.session_token: the session's capability
+  const uint32_t slot_;
   std::string wait_event_;
   SessionLayout layout_;
   std::vector<uint8_t*> arena_bases_;  // parallel to layout_.arenas
   bool released_ = false;
 };
 
+// How a StepBatch names its sessions: by id and token (any client holding both), or by the
+// dense slot (cheaper for the daemon to look up; only the attached engine that created the
+// session, so the Step carries this client's engine credentials).
+enum class StepAddressing { kSessionToken, kSlot };
+
 // Per-step transaction calls for many sessions, sent as one Step RPC.
 class StepBatch {
  public:
-  StepBatch();
+  explicit StepBatch(StepAddressing addressing = StepAddressing::kSessionToken);
   ~StepBatch();
   StepBatch(const StepBatch&) = delete;
   StepBatch& operator=(const StepBatch&) = delete;
@@ -362,6 +415,15 @@ class StepBatch {
   void Commit(const Session& session, uint64_t generation, uint64_t accepted_rows,
               absl::Span<const int32_t> token_ids = {});
   void Abort(const Session& session, uint64_t generation);
+  // The decode loop's one entry per session per step (proto StepAdvance): finishes transaction
+  // `generation` (publishing its prepared append first when not yet published, then committing
+  // `accepted_rows`, with `token_ids` as Session::Commit's) and begins the next, preparing
+  // `next_rows`. generation 0: the first step (nothing to finish); next_rows 0: the last (no
+  // next transaction). The same rules and refusals as the separate entries, all or nothing.
+  // Typical loop: Advance(s, 0, 0, n) once; then per step write the prepared rows, run the
+  // model, Advance(s, outcome.begun.generation, accepted, n).
+  void Advance(const Session& session, uint64_t generation, uint64_t accepted_rows,
+               uint64_t next_rows, absl::Span<const int32_t> token_ids = {});
   size_t size() const;
   // Empties the batch for the next step; its storage is kept (protobuf keeps cleared entries).
   void Clear();
@@ -374,14 +436,6 @@ class StepBatch {
   const std::unique_ptr<Wire> wire_;
 };
 
-// One entry's result; which fields are set depends on the entry's operation.
-struct StepOutcome {
-  absl::Status status;
-  Transaction begun;                       // Begin
-  std::optional<PreparedAppend> prepared;  // Prepare
-  uint64_t staged_len = 0;                 // Publish
-  uint64_t committed_len = 0;              // Commit, Abort
-};
 
 // Thread-safe.
 class KvClient {

@@ -220,6 +220,35 @@ absl::Status SessionState::Abort(uint64_t generation) {
   return Commit(generation, 0).status();
 }
 
+absl::StatusOr<AdvanceResult> SessionState::Advance(
+    const AdvanceRequest& request, absl::FunctionRef<absl::Status()> check_commit) {
+  if (request.generation == 0 && request.next_rows == 0) {
+    return absl::InvalidArgumentError(
+        "advance names neither a transaction to finish (generation 0) nor rows to prepare "
+        "(next_rows 0)");
+  }
+  // The parts run on a copy that replaces this state only when every part was accepted: a
+  // commit must not stay applied when the next prepare is refused.
+  SessionState next = *this;
+  AdvanceResult result;
+  if (request.generation != 0) {
+    if (next.pending_append_.has_value() &&
+        next.pending_append_->transaction.generation == request.generation) {
+      RETURN_IF_ERROR(next.PublishAppend(request.generation));
+      result.published = true;
+    }
+    RETURN_IF_ERROR(check_commit());
+    ASSIGN_OR_RETURN(result.committed, next.Commit(request.generation, request.accepted_rows));
+  }
+  if (request.next_rows != 0) {
+    ASSIGN_OR_RETURN(result.begun, next.Begin());
+    ASSIGN_OR_RETURN(result.prepared, next.PrepareAppend(result.begun->generation,
+                                                         request.next_rows));
+  }
+  *this = std::move(next);
+  return result;
+}
+
 bool SessionState::CanRewindTo(uint64_t target) const {
   return target <= staged_len() && kv_.CanRewindTo(target) &&
          CheckLatentTailsResident(target).ok();

@@ -21,6 +21,7 @@
 #include <string_view>
 #include <vector>
 
+#include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
@@ -53,6 +54,25 @@ struct MirrorValue {
   PlaneRef plane;
   int32_t value = 0;
   bool operator==(const MirrorValue&) const = default;
+};
+
+// One decode step of a session in one operation (SessionState::Advance): finish the previous
+// step's transaction and open the next one.
+struct AdvanceRequest {
+  // The transaction to finish (publishing its prepared append first, when it has one the
+  // engine has not published), committing `accepted_rows` of its staged rows; 0: none (the
+  // session's first step).
+  uint64_t generation = 0;
+  uint64_t accepted_rows = 0;
+  // Rows the next transaction prepares; 0: begin none (the session's last step).
+  uint64_t next_rows = 0;
+};
+
+struct AdvanceResult {
+  bool published = false;             // the finished transaction's append was published here
+  std::optional<uint64_t> committed;  // committed length after finishing (generation != 0)
+  std::optional<TransactionId> begun;     // next_rows != 0
+  std::optional<AppendPlan> prepared;     // next_rows != 0
 };
 
 class SessionState {
@@ -94,6 +114,15 @@ class SessionState {
   absl::StatusOr<uint64_t> Commit(uint64_t generation, uint64_t accepted_rows);
   // Ends the transaction keeping nothing it staged.
   absl::Status Abort(uint64_t generation);
+  // PublishAppend (only when `generation` has a prepared append not yet published) + Commit
+  // of `generation`, then Begin + PrepareAppend(next_rows): exactly those operations, so the
+  // same rules and the same refusals (the first one's). All or nothing: a refusal changes
+  // nothing, even when an earlier part alone would have been accepted. INVALID_ARGUMENT when
+  // the request names neither a transaction nor rows. `check_commit` runs where the caller's
+  // own checks of a separate Commit request run (after the publish, before the commit).
+  absl::StatusOr<AdvanceResult> Advance(
+      const AdvanceRequest& request,
+      absl::FunctionRef<absl::Status()> check_commit = [] { return absl::OkStatus(); });
   // Engine-facing rewind (never forward past staged rows). Ends any transaction.
   absl::Status Rewind(uint64_t target);
   // Exactly when Rewind(target) would be accepted (rings and indexer tails resident).
@@ -126,6 +155,8 @@ class SessionState {
   static absl::StatusOr<std::vector<PlaneCopy>> Grow(const SessionState& source,
                                                      SessionState& target);
 
+  bool operator==(const SessionState&) const = default;
+
  private:
   SessionState(KvTransactionCache kv, std::vector<LatentLayerState> latent,
                std::vector<uint32_t> recurrent_layers, std::vector<LayerGeometry> geometry,
@@ -140,6 +171,7 @@ class SessionState {
   struct SpecCheckpoint {
     uint64_t committed_len = 0;
     uint64_t position = 0;
+    bool operator==(const SpecCheckpoint&) const = default;
   };
 
   KvTransactionCache kv_;

@@ -5,6 +5,8 @@
 #include <vector>
 
 #include "gtest/gtest.h"
+#include "core/status_macros.h"
+#include "tests/seeded_random.h"
 #include "tests/status_matchers.h"
 
 namespace memra {
@@ -486,6 +488,240 @@ TEST(IndexResidency, ResetMakesEveryRowWritableAgain) {
   EXPECT_EQ(session.latent()[0].index_resident_from, 0u);
   Step(session, 4, 4);
   EXPECT_THAT(session.Rewind(2), IsOk());
+}
+
+
+// ---- Advance: one operation per session per step ----
+
+TEST(Advance, FirstStepBeginsAndPreparesAndTheNextCommitsPublishingFirst) {
+  SessionState session = MakeSession(10'000);
+  absl::StatusOr<AdvanceResult> first = session.Advance({0, 0, 10});
+  ASSERT_THAT(first, IsOk());
+  EXPECT_FALSE(first->committed.has_value());
+  EXPECT_FALSE(first->published);
+  ASSERT_TRUE(first->begun.has_value() && first->prepared.has_value());
+  EXPECT_EQ(first->prepared->target, 10u);
+  EXPECT_EQ(session.staged_len(), 0u) << "the rows are prepared, not published";
+
+  absl::StatusOr<AdvanceResult> second = session.Advance({first->begun->generation, 7, 3});
+  ASSERT_THAT(second, IsOk());
+  EXPECT_TRUE(second->published);
+  EXPECT_EQ(second->committed, 7u);
+  EXPECT_EQ(second->begun->base_len, 7u);
+  EXPECT_EQ(second->prepared->target, 10u);
+  EXPECT_EQ(session.committed_len(), 7u);
+  EXPECT_EQ(session.latent()[0].len, 7u);
+
+  absl::StatusOr<AdvanceResult> last = session.Advance({second->begun->generation, 3, 0});
+  ASSERT_THAT(last, IsOk());
+  EXPECT_EQ(last->committed, 10u);
+  EXPECT_FALSE(last->begun.has_value());
+  EXPECT_FALSE(session.kv().state().active().has_value());
+  EXPECT_THAT(session.Mirrors(), Contains(MirrorValue{{0, PlaneKind::kLenMirror}, 10}));
+}
+
+TEST(Advance, AnAppendTheEngineAlreadyPublishedIsNotPublishedAgain) {
+  SessionState session = MakeSession(10'000);
+  absl::StatusOr<AdvanceResult> first = session.Advance({0, 0, 4});
+  ASSERT_THAT(first, IsOk());
+  ASSERT_THAT(session.PublishAppend(first->begun->generation), IsOk());
+  absl::StatusOr<AdvanceResult> second = session.Advance({first->begun->generation, 4, 0});
+  ASSERT_THAT(second, IsOk());
+  EXPECT_FALSE(second->published);
+  EXPECT_EQ(second->committed, 4u);
+}
+
+// Every refusal: the first refused part's status, and nothing changed.
+TEST(Advance, RefusalsChangeNothing) {
+  SessionState session = MakeSession(64);
+  const SessionState fresh = session;
+  EXPECT_THAT(session.Advance({0, 0, 0}),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstrs("generation 0", "next_rows 0")));
+  EXPECT_THAT(session.Advance({0, 0, 65}),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstrs("65 > 64")));
+  EXPECT_THAT(session.Advance({3, 0, 1}),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstrs("stale KV transaction generation 3 (active: none)")));
+  EXPECT_EQ(session, fresh);
+
+  absl::StatusOr<AdvanceResult> first = session.Advance({0, 0, 10});
+  ASSERT_THAT(first, IsOk());
+  const uint64_t generation = first->begun->generation;
+  const SessionState prepared = session;
+  // Begin while a transaction is active (the engine lost track of its generation).
+  EXPECT_THAT(session.Advance({0, 0, 1}),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstrs("generation 1 is already active at base 0")));
+  EXPECT_THAT(session.Advance({generation + 1, 1, 1}),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstrs("stale KV transaction generation 2 (active: 1)")));
+  EXPECT_THAT(session.Advance({generation, 11, 1}),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstrs("accepts 11 rows from a 10-row transaction")));
+  // The commit alone would be accepted; the next prepare is refused, so the commit (and the
+  // publish before it) is not applied either.
+  EXPECT_THAT(session.Advance({generation, 10, 55}),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstrs("KV append exceeds capacity: 65 > 64")));
+  EXPECT_EQ(session, prepared);
+
+  session.MarkTainted();
+  const SessionState tainted = session;
+  EXPECT_THAT(session.Advance({generation, 10, 1}),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstrs("publish append: session was tainted")));
+  EXPECT_THAT(session.Advance({0, 0, 1}),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstrs("begin transaction: session was tainted")));
+  EXPECT_EQ(session, tainted);
+}
+
+TEST(Advance, APublishOrCommitRefusedForIndexerResidencyChangesNothing) {
+  // Publish: an earlier, replaced prepare lapped the tail the published append leaves live.
+  SessionState session = MakeDsaSession(64);
+  Step(session, 7, 7);
+  absl::StatusOr<AdvanceResult> opened = session.Advance({0, 0, 16});  // laps row 6
+  ASSERT_THAT(opened, IsOk());
+  ASSERT_THAT(session.PrepareAppend(opened->begun->generation, 1), IsOk());  // replaces it
+  const SessionState before_publish = session;
+  EXPECT_THAT(session.Advance({opened->begun->generation, 1, 1}),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstrs("latent length 8 would make indexer rows [6, 8) live")));
+  EXPECT_EQ(session, before_publish);
+
+  // Commit: a partial commit into the lapped tail.
+  SessionState other = MakeDsaSession(64);
+  Step(other, 4, 4);
+  absl::StatusOr<AdvanceResult> staged = other.Advance({0, 0, 6});
+  ASSERT_THAT(staged, IsOk());
+  const SessionState before_commit = other;
+  EXPECT_THAT(other.Advance({staged->begun->generation, 1, 1}),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstrs("latent length 5 would make indexer rows [3, 4) live")));
+  EXPECT_EQ(other, before_commit);
+  EXPECT_THAT(other.Advance({staged->begun->generation, 2, 1}), IsOk());
+}
+
+// The separate operations Advance is made of, each applied as the engine would send them: the
+// first refusal is the outcome, and the parts before it stay applied.
+struct SeparateOutcome {
+  absl::Status status;
+  AdvanceResult result;
+};
+SeparateOutcome AdvanceSeparately(SessionState& session, const AdvanceRequest& request,
+                                  bool has_unpublished_append) {
+  SeparateOutcome out;
+  auto run = [&]() -> absl::Status {
+    if (request.generation == 0 && request.next_rows == 0) {
+      return session.Advance(request).status();  // the one refusal with no separate form
+    }
+    if (request.generation != 0) {
+      if (has_unpublished_append) {
+        RETURN_IF_ERROR(session.PublishAppend(request.generation));
+        out.result.published = true;
+      }
+      ASSIGN_OR_RETURN(out.result.committed,
+                       session.Commit(request.generation, request.accepted_rows));
+    }
+    if (request.next_rows != 0) {
+      ASSIGN_OR_RETURN(out.result.begun, session.Begin());
+      ASSIGN_OR_RETURN(out.result.prepared,
+                       session.PrepareAppend(out.result.begun->generation, request.next_rows));
+    }
+    return absl::OkStatus();
+  };
+  out.status = run();
+  return out;
+}
+
+// A scripted random workload, once through Advance and once through the separate operations:
+// every outcome and every state agree; a refused Advance leaves the state it found, and the
+// separate operations' accepted prefix applied to it gives the separate side's state.
+TEST(Advance, EquivalentToTheSeparateOperationsOnARandomWorkload) {
+  for (uint64_t seed : {1u, 2u, 3u, 4u, 5u, 6u, 7u, 8u}) {
+    SCOPED_TRACE(::testing::Message() << "seed " << seed);
+    ::memra::testing::SeededRandom random(seed * 7919);
+    SessionState advanced = seed % 2 == 0 ? MakeDsaSession(96) : MakeSession(96);
+    SessionState separate = advanced;
+    uint64_t open_generation = 0;  // what the engine believes is open
+    bool unpublished = false;      // the open transaction's append is not published yet
+    size_t refusals = 0;
+    for (int step = 0; step < 400; ++step) {
+      SCOPED_TRACE(::testing::Message() << "step " << step);
+      // Now and then something outside the step: the engine publishes itself, rewinds,
+      // resets, or the session is tainted.
+      const uint64_t side = random.Below(40);
+      if (side == 0 && open_generation != 0 && unpublished) {
+        const absl::Status a = advanced.PublishAppend(open_generation);
+        EXPECT_EQ(separate.PublishAppend(open_generation), a);
+        if (a.ok()) unpublished = false;
+      } else if (side == 1) {
+        const uint64_t target = random.Below(advanced.staged_len() + 1);
+        const absl::Status a = advanced.Rewind(target);
+        EXPECT_EQ(separate.Rewind(target), a);
+        if (a.ok()) open_generation = 0;
+      } else if (side == 2) {
+        EXPECT_EQ(separate.Reset(), advanced.Reset());
+        open_generation = 0;
+      } else if (side == 3 && step > 360) {  // late: a tainted session refuses the rest
+        advanced.MarkTainted();
+        separate.MarkTainted();
+      }
+      ASSERT_EQ(advanced, separate);
+
+      AdvanceRequest request;
+      // Mostly the open transaction; sometimes a stale one, or none.
+      const uint64_t which = random.Below(10);
+      request.generation = which < 7 ? open_generation
+                           : which < 9 ? random.Below(open_generation + 3)
+                                       : 0;
+      const uint64_t staged_rows =
+          advanced.pending_append().has_value()
+              ? advanced.pending_append()->target - advanced.committed_len()
+              : advanced.staged_len() - advanced.committed_len();
+      request.accepted_rows = random.Below(staged_rows + 2);
+      request.next_rows =
+          random.Below(8) == 0 ? 0 : 1 + random.Below(random.Below(3) == 0 ? 60 : 6);
+      const bool has_unpublished =
+          separate.pending_append().has_value() &&
+          separate.pending_append()->transaction.generation == request.generation;
+
+      const SessionState before = advanced;
+      const absl::StatusOr<AdvanceResult> got = advanced.Advance(request);
+      const SeparateOutcome want = AdvanceSeparately(separate, request, has_unpublished);
+      ASSERT_EQ(got.status(), want.status);
+      if (got.ok()) {
+        EXPECT_EQ(got->published, want.result.published);
+        EXPECT_EQ(got->committed, want.result.committed);
+        EXPECT_EQ(got->begun, want.result.begun);
+        EXPECT_EQ(got->prepared, want.result.prepared);
+        ASSERT_EQ(advanced, separate);
+        ASSERT_EQ(advanced.Mirrors(), separate.Mirrors());
+        open_generation = got->begun.has_value() ? got->begun->generation : 0;
+        unpublished = got->prepared.has_value();
+        continue;
+      }
+      ++refusals;
+      ASSERT_EQ(advanced, before) << "a refused Advance changed the state";
+      // The separate side kept the parts accepted before its refusal: the same parts, applied
+      // to the Advance side one by one, reach the same state.
+      if (want.result.published) {
+        ASSERT_THAT(advanced.PublishAppend(request.generation), IsOk());
+      }
+      if (want.result.committed.has_value()) {
+        ASSERT_THAT(advanced.Commit(request.generation, request.accepted_rows), IsOk());
+        open_generation = 0;
+      }
+      if (want.result.begun.has_value()) {
+        ASSERT_THAT(advanced.Begin(), IsOkAndHolds(*want.result.begun));
+        open_generation = want.result.begun->generation;
+        unpublished = false;
+      }
+      ASSERT_EQ(advanced, separate);
+    }
+    EXPECT_GT(refusals, 20u) << "the workload should exercise refusals";
+  }
 }
 
 }  // namespace

@@ -98,6 +98,7 @@ struct LayerGeometry {
   std::optional<uint64_t> RingWindow() const {
     return ring ? std::optional<uint64_t>(window) : std::nullopt;
   }
+  bool operator==(const LayerGeometry&) const = default;
 };
 
 // What a session is sized from: its layer range, sharding, capacity and options (the wire's

@@ -182,6 +182,8 @@ class KvTransactionCache {
   // `resident_starts[i]` (flat layers: 0). Prefix restore and grow use it.
   absl::Status PublishHydration(uint64_t logical_len, absl::Span<const uint64_t> resident_starts);
 
+  bool operator==(const KvTransactionCache&) const = default;
+
  private:
   KvTransactionCache(uint64_t cache_id, uint64_t capacity, std::vector<KvLayerShape> shapes,
                      std::vector<std::optional<KvRing>> rings)

@@ -66,6 +66,8 @@ pb::GetStatusResponse AdminService::Status() const {
   out.set_sessions(parts_.sessions->size());
   const absl::flat_hash_map<uint64_t, EngineSessionUsage> usage =
       parts_.sessions->UsageByEngine();
+  const absl::flat_hash_map<uint64_t, EngineArenaPoolStats> pools =
+      parts_.sessions->PoolStatsByEngine();
   for (const EngineView& engine : engines) {
     pb::EngineStatus* status = out.add_engine_status();
     status->set_engine_id(engine.id.value);
@@ -81,6 +83,11 @@ pb::GetStatusResponse AdminService::Status() const {
     if (auto used = usage.find(engine.id.value); used != usage.end()) {
       status->set_sessions(used->second.sessions);
       status->set_allocated_bytes(used->second.arena_bytes);
+    }
+    if (auto pool = pools.find(engine.id.value); pool != pools.end()) {
+      status->set_pooled_bytes(pool->second.pooled_bytes);
+      status->set_pool_hits(pool->second.hits);
+      status->set_new_arenas(pool->second.new_arenas);
     }
   }
   return out;

@@ -175,6 +175,10 @@ grpc::Status CacheService::CreateSession(grpc::ServerContext*,
                                        SessionShapeFromProto(*request), reservation));
     response->mutable_session()->set_session_id(session->id().value);
     response->mutable_session()->set_session_token(session->params().token);
+    response->set_slot(session->slot());
+    for (std::string& handle : sessions_->TakeUnmapped(session->owner())) {
+      response->add_unmap_handles(std::move(handle));
+    }
     return SessionRegistry::Apply(
         *session, GetStateOp{response->mutable_state(), response->mutable_layout()});
   }();
@@ -188,8 +192,14 @@ grpc::Status CacheService::ReleaseSession(grpc::ServerContext*, const pb::Sessio
     // Authenticated first: nobody makes the daemon wait on an event for a session not theirs.
     RETURN_IF_ERROR(sessions_->Find(session).status());
     RETURN_IF_ERROR(WaitForEngine(request->ordering()));
-    ASSIGN_OR_RETURN(uint64_t freed, sessions_->Release(session));
-    response->set_freed_bytes(freed);
+    ASSIGN_OR_RETURN(SessionRelease released, sessions_->Release(session));
+    response->set_freed_bytes(released.bytes);
+    for (std::string& handle : released.pooled_handles) {
+      response->add_pooled_handles(std::move(handle));
+    }
+    for (std::string& handle : released.unmap_handles) {
+      response->add_unmap_handles(std::move(handle));
+    }
     return absl::OkStatus();
   }();
   return Reply("ReleaseSession", status);
@@ -253,12 +263,23 @@ grpc::Status CacheService::Step(grpc::ServerContext*, const pb::StepRequest* req
   if (absl::Status waited = WaitForEngine(request->ordering()); !waited.ok()) {
     return Reply("Step", waited);
   }
+  // The engine entries naming a slot act for: authenticated once, and only if one does.
+  std::optional<absl::Status> engine_checked;
+  auto slot_engine = [&]() -> absl::StatusOr<EngineId> {
+    if (!engine_checked.has_value()) {
+      engine_checked = leases_->Check(EngineCredentialsOf(request->engine()));
+    }
+    RETURN_IF_ERROR(*engine_checked);
+    return EngineId{request->engine().engine_id()};
+  };
   response->mutable_results()->Reserve(request->entries_size());
   for (const pb::StepEntry& entry : request->entries()) {
     pb::StepResult* result = response->add_results();
-    RunStepEntry(entry, result);
+    RunStepEntry(entry, slot_engine, result);
     if (result->code() != 0) {
-      spdlog::info("Step entry for session {} refused: {} {}", entry.session().session_id(),
+      spdlog::info("Step entry for {} {} refused: {} {}",
+                   entry.has_slot() ? "slot" : "session",
+                   entry.has_slot() ? uint64_t{entry.slot()} : entry.session().session_id(),
                    absl::StatusCodeToString(static_cast<absl::StatusCode>(result->code())),
                    result->message());
     }
@@ -266,7 +287,9 @@ grpc::Status CacheService::Step(grpc::ServerContext*, const pb::StepRequest* req
   return grpc::Status::OK;
 }
 
-void CacheService::RunStepEntry(const pb::StepEntry& entry, pb::StepResult* result) {
+void CacheService::RunStepEntry(const pb::StepEntry& entry,
+                                absl::FunctionRef<absl::StatusOr<EngineId>()> slot_engine,
+                                pb::StepResult* result) {
   std::optional<SessionOp> op;
   switch (entry.op_case()) {
     case pb::StepEntry::kBegin:
@@ -286,11 +309,25 @@ void CacheService::RunStepEntry(const pb::StepEntry& entry, pb::StepResult* resu
     case pb::StepEntry::kAbort:
       op = AbortOp{entry.abort().generation(), result->mutable_abort()};
       break;
+    case pb::StepEntry::kAdvance:
+      op = AdvanceOp{{entry.advance().generation(), entry.advance().accepted_rows(),
+                      entry.advance().next_rows()},
+                     SpanOf(entry.advance().token_ids()),
+                     result->mutable_advance()};
+      break;
     case pb::StepEntry::OP_NOT_SET:
       break;
   }
-  const SessionCredentials session = SessionCredentialsOf(entry.session());
   absl::Status status = [&]() -> absl::Status {
+    if (entry.has_slot()) {
+      ASSIGN_OR_RETURN(EngineId engine, slot_engine());
+      const SessionSlot slot{engine, entry.slot()};
+      if (op.has_value()) return sessions_->Run(slot, *op);
+      RETURN_IF_ERROR(sessions_->Find(slot).status());
+      return absl::InvalidArgumentError(
+          absl::StrCat("Step entry for slot ", entry.slot(), " names no operation"));
+    }
+    const SessionCredentials session = SessionCredentialsOf(entry.session());
     if (op.has_value()) return sessions_->Run(session, *op);
     RETURN_IF_ERROR(sessions_->Find(session).status());
     return absl::InvalidArgumentError(absl::StrCat(

@@ -252,6 +252,11 @@ const std::vector<KeySpec>& Keys() {
        .syntax = Syntax::kInteger, .reloadable = false,
        .help = "Engines attached at once, each an Attach stream (RESOURCE_EXHAUSTED past it).",
        .min = 1, .max = 65'536},
+      {.name = "arena_pool_engine_bytes", .field = &C::arena_pool_engine_bytes,
+       .syntax = Syntax::kBytes, .reloadable = false,
+       .help = "Released session arenas kept per engine for its next sessions of the same size "
+               "(bytes; evictable by admission, freed when its lease ends); 0 disables the pool.",
+       .min = 0, .max = kPiB},
       {.name = "max_arenas", .field = &C::max_arenas, .syntax = Syntax::kInteger,
        .reloadable = false,
        .help = "Arenas (sessions, reservations, prefix storage) held at once, each a mapping "

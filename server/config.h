@@ -116,6 +116,10 @@ struct DaemonConfig {
   // Engines attached at once (each holds an Attach stream; streams share gRPC's callback
   // threads).
   uint64_t max_attached_engines = 256;
+  // Bytes of released session arenas kept per engine for its next sessions of the same size
+  // (server/arena_pool.h); evictable by admission, freed when the engine's lease ends. 0 = no
+  // pool: every CreateSession makes (and every engine maps) a new arena.
+  uint64_t arena_pool_engine_bytes = uint64_t{4} << 30;
   // Arenas (sessions, reservations, prefix storage) the daemon holds at once; each is a mapping
   // under the kernel's vm.max_map_count. 0 = derived at start: 3/4 of vm.max_map_count
   // (server/daemon.h ArenaLimitFor).

@@ -57,7 +57,8 @@ TEST(ConfigTest, KeyListIsTheDocumentedOne) {
                           "prefix_disk_bytes", "watchdog",
                           "max_plan_layers",
                           "max_engine_sessions", "max_engine_plans", "max_engine_budget_share",
-                          "max_attached_engines", "max_arenas", "admin_socket_path",
+                          "max_attached_engines", "arena_pool_engine_bytes", "max_arenas",
+                          "admin_socket_path",
                           "admin_socket_mode", "admin_socket_group"));
   EXPECT_THAT(reloadable, ElementsAre("budget_bytes", "cuda_memory_fraction", "cuda_reserve_bytes",
                                       "lease_timeout_ms", "reservation_ttl_ms", "log_level",

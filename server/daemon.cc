@@ -127,9 +127,10 @@ Daemon::Daemon(DaemonConfig config, std::unique_ptr<DeviceBackend> backend, Cloc
              static_cast<size_t>(start_config_.max_engine_plans)),
       leases_(clock_, budget_.get(), LeaseSettingsOf(start_config_)),
       prefix_cache_(std::move(prefix_cache)),
+      arena_pool_(backend_.get(), budget_.get(), start_config_.arena_pool_engine_bytes),
       sessions_(backend_.get(), budget_.get(), &leases_, &plans_, FormatDefaults(),
                 start_config_.prefix_capture_on_engine_death ? prefix_cache_.get() : nullptr,
-                start_config_.max_engine_sessions),
+                start_config_.max_engine_sessions, &arena_pool_),
       engine_prefix_service_(prefix_cache_.get(), backend_.get(), FindSession(),
                              ServedSocket{ServedSocket::Audience::kEngines, admin_socket_path_}),
       operator_prefix_service_(
@@ -139,7 +140,9 @@ Daemon::Daemon(DaemonConfig config, std::unique_ptr<DeviceBackend> backend, Cloc
       engine_admin_service_(
           AdminParts(ServedSocket{ServedSocket::Audience::kEngines, admin_socket_path_})),
       operator_admin_service_(
-          AdminParts(ServedSocket{ServedSocket::Audience::kOperators, admin_socket_path_})) {}
+          AdminParts(ServedSocket{ServedSocket::Audience::kOperators, admin_socket_path_})) {
+  arena_pool_.InstallEvictor(*budget_);
+}
 
 PrefixService::SessionFinder Daemon::FindSession() {
   return [this](const pb::SessionRef& ref) { return sessions_.Find(SessionCredentialsOf(ref)); };
@@ -252,6 +255,22 @@ void Daemon::CheckLeases() {
         engine.id.value, engine.name, engine.pid, released.sessions, released.bytes, reserved);
   }
   leases_.ExpireReservations();
+  FreeUnusablePools();
+}
+
+void Daemon::FreeUnusablePools() {
+  absl::flat_hash_map<uint64_t, bool> lease_live;
+  for (const EngineView& engine : leases_.Engines()) lease_live[engine.id.value] = engine.lease_live;
+  for (const auto& [engine, stats] : arena_pool_.Stats()) {
+    auto live = lease_live.find(engine);
+    if (live == lease_live.end()) {
+      // Reclaimed (a release that raced the reclaim may have pooled an arena after it).
+      arena_pool_.DrainEngine(engine, /*forget=*/true);
+    } else if (!live->second && stats.pooled_arenas > 0) {
+      // The lease ended: the engine can create no session to reuse them.
+      arena_pool_.DrainEngine(engine, /*forget=*/false);
+    }
+  }
 }
 
 size_t Daemon::SetDraining(bool draining) {

@@ -44,6 +44,7 @@
 #include "grpcpp/support/server_interceptor.h"
 #include "proto/memra/kv/v1/admin.pb.h"
 #include "server/admin_service.h"
+#include "server/arena_pool.h"
 #include "server/backend.h"
 #include "server/cache_service.h"
 #include "server/clock.h"
@@ -96,8 +97,9 @@ class Daemon {
   size_t SetDraining(bool draining) ABSL_LOCKS_EXCLUDED(mu_);
 
   // Applies lease decisions at clock->Now(): expires silent engines, reclaims engines whose
-  // grace has passed (releasing each of their sessions once), drops lapsed reservations. The
-  // lease thread calls it periodically; tests call it after moving a FakeClock.
+  // grace has passed (releasing each of their sessions once), drops lapsed reservations, frees
+  // the arena pools of engines without a live lease. The lease thread calls it periodically;
+  // tests call it after moving a FakeClock.
   void CheckLeases();
 
   // What KvAdmin.GetStatus answers.
@@ -120,6 +122,8 @@ class Daemon {
 
   // The session finder and the KvAdmin parts of this daemon (one service instance per socket).
   PrefixService::SessionFinder FindSession();
+  // Frees the pooled arenas of engines whose lease ended or that were reclaimed.
+  void FreeUnusablePools();
   AdminService::Parts AdminParts(ServedSocket socket);
 
   void LeaseLoop() ABSL_LOCKS_EXCLUDED(stop_mu_);
@@ -155,6 +159,8 @@ class Daemon {
   // Null when prefix_cache_budget_bytes is 0. Its arenas live in backend_; its lock comes after
   // a session's own mutex (server/prefix_cache.h).
   const std::unique_ptr<PrefixCache> prefix_cache_;
+  // Released session arenas per engine (arena_pool_engine_bytes); evicted before prefix entries.
+  ArenaPool arena_pool_;
   SessionRegistry sessions_;
   // One KvPrefixCache and one KvAdmin per socket (server/served_socket.h).
   PrefixService engine_prefix_service_;

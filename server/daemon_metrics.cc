@@ -39,7 +39,8 @@ Daemon::RegisterMetrics() {
   RETURN_IF_ERROR(ledger_gauge("memra_free_bytes", "Budget bytes neither reserved nor allocated.",
                                [](const AdmissionLedger& l) { return l.free(); }));
   RETURN_IF_ERROR(ledger_gauge("memra_evictable_bytes",
-                               "Prefix-cache bytes admission may evict to make room.",
+                               "Bytes admission may evict to make room (pooled arenas, prefix "
+                               "entries).",
                                [](const AdmissionLedger& l) { return l.evictable(); }));
   RETURN_IF_ERROR(ledger_gauge("memra_reservations", "Live admission reservations.",
                                [](const AdmissionLedger& l) { return l.reservation_count(); }));
@@ -66,6 +67,29 @@ Daemon::RegisterMetrics() {
   RETURN_IF_ERROR(metrics_.AddCallbackGauge(
       "memra_admission_refusals", "Admissions refused for room (RESOURCE_EXHAUSTED), since start.",
       [this] { return static_cast<double>(budget_->refusals()); }));
+
+  // The arena pool, per engine.
+  const std::pair<const char*, const char*> pool_help[] = {
+      {"memra_arena_pool_bytes", "Bytes of released session arenas pooled for the engine."},
+      {"memra_arena_pool_hits", "CreateSessions served from the engine's pool, since start."},
+      {"memra_session_arenas_created",
+       "Session arenas created for the engine (each a new mapping there), since start."},
+  };
+  uint64_t EngineArenaPoolStats::*const pool_fields[] = {&EngineArenaPoolStats::pooled_bytes,
+                                                         &EngineArenaPoolStats::hits,
+                                                         &EngineArenaPoolStats::new_arenas};
+  for (size_t i = 0; i < std::size(pool_fields); ++i) {
+    RETURN_IF_ERROR(metrics_.AddCallbackGaugeFamily(
+        pool_help[i].first, pool_help[i].second, {"engine"},
+        [this, field = pool_fields[i]]() -> std::vector<CallbackSample> {
+          std::vector<CallbackSample> samples;
+          for (const auto& [engine, stats] : arena_pool_.Stats()) {
+            samples.push_back({.label_values = {std::to_string(engine)},
+                               .value = static_cast<double>(stats.*field)});
+          }
+          return samples;
+        }));
+  }
 
   // The prefix cache (absent when disabled: the families then have no samples).
   auto prefix = [this](auto read) {

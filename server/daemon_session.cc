@@ -101,46 +101,90 @@ absl::StatusOr<uint64_t> RangeInPlane(const PlaneAt& plane, uint64_t offset, uin
 
 absl::StatusOr<std::unique_ptr<DaemonSession>> DaemonSession::Create(
     Params params, DeviceBackend* backend, DeviceBudget* budget,
-    std::optional<ReservationId> reservation) {
+    std::optional<ReservationId> reservation, ArenaPool* pool) {
   ASSIGN_OR_RETURN(SessionPlan plan, PlanSession(*params.model, params.defaults, params.shape));
   ASSIGN_OR_RETURN(SessionState state,
                    SessionState::Create(NextCacheId(), plan, params.shape.capacity));
   ASSIGN_OR_RETURN(SessionLayoutVersion layout, PlaceLayout(*backend, std::move(plan), 1));
   // Admission: the charge is exactly the arena's bytes.
   const uint64_t owner = params.owner.value;
-  absl::StatusOr<AllocationId> charge;
   if (reservation.has_value()) {
     ASSIGN_OR_RETURN(uint64_t reserved, budget->ReservedBytes(*reservation, owner));
     if (reserved != layout.arena_bytes) {
       return absl::InvalidArgumentError(absl::StrCat(
-          "reservation ", reservation->value, " holds ", reserved, " bytes but this session needs ", layout.arena_bytes,
+          "reservation ", reservation->value, " holds ", reserved,
+          " bytes but this session needs ", layout.arena_bytes,
           " (create the shape that was reserved)"));
     }
-    charge = budget->Commit(*reservation, owner, layout.arena_bytes);
-  } else {
-    charge = budget->Allocate(owner, layout.arena_bytes);
   }
-  RETURN_IF_ERROR(charge.status());
-  RETURN_IF_ERROR(AllocateLayout(backend, budget, *charge, layout));
+  std::optional<PooledArena> pooled =
+      pool == nullptr ? std::nullopt : pool->Take(owner, layout.arena_bytes);
+  absl::StatusOr<AllocationId> charge = reservation.has_value()
+                                            ? budget->Commit(*reservation, owner,
+                                                             layout.arena_bytes)
+                                        : pooled.has_value()
+                                            ? absl::StatusOr<AllocationId>(pooled->charge)
+                                            : budget->Allocate(owner, layout.arena_bytes);
+  if (!charge.ok()) {
+    if (pooled.has_value()) pool->Return(owner, *std::move(pooled));
+    return charge.status();
+  }
+  if (pooled.has_value()) {
+    // The pooled arena brings its own charge: a reservation's is not needed.
+    if (reservation.has_value()) (void)budget->Release(*charge);
+    layout.charge = pooled->charge;
+    layout.arena = pooled->arena;
+    layout.exported = std::move(pooled->exported);
+  } else {
+    RETURN_IF_ERROR(AllocateLayout(backend, budget, *charge, layout));
+    if (pool != nullptr) pool->NoteNewArena(owner);
+  }
   std::unique_ptr<DaemonSession> session(new DaemonSession(
-      std::move(params), backend, budget, std::move(state), std::move(layout)));
-  // The arena is zero-filled; the mirrors still get their values written once, so the
+      std::move(params), backend, budget, pool, std::move(state), std::move(layout)));
+  // A fresh arena is zero-filled; the mirrors still get their values written once, so the
   // invariant does not depend on what the initial values happen to be. On failure the
-  // destructor frees the arena and its charge.
-  absl::Status mirrors;
+  // destructor frees the arena and its charge (a tainted session's arena is never pooled).
+  absl::Status ready;
   {
     absl::MutexLock lock(&session->mu_);
-    mirrors = session->SyncMirrors();
+    ready = pooled.has_value() ? session->ClearReusedArena() : absl::OkStatus();
+    if (ready.ok()) ready = session->SyncMirrors();
+    if (!ready.ok()) session->state_.MarkTainted();
   }
-  RETURN_IF_ERROR(mirrors);
+  RETURN_IF_ERROR(ready);
   return session;
 }
 
+absl::Status DaemonSession::ClearReusedArena() {
+  for (size_t i = 0; i < current_.plan.planes.size(); ++i) {
+    const PlaneSpec& plane = current_.plan.planes[i];
+    switch (plane.kind) {
+      case PlaneKind::kConvState:
+      case PlaneKind::kSsmState:
+      case PlaneKind::kSsmStateAlt:
+      case PlaneKind::kSpecConv:
+      case PlaneKind::kSpecSsm:
+      case PlaneKind::kPoolKeys:
+        RETURN_IF_ERROR(backend_->Memset(current_.arena, current_.offsets[i], 0, plane.bytes));
+        break;
+      case PlaneKind::kKeys:
+      case PlaneKind::kValues:
+      case PlaneKind::kLenMirror:
+      case PlaneKind::kBaseMirror:
+      case PlaneKind::kLatentRows:
+      case PlaneKind::kIndexRows:
+        break;
+    }
+  }
+  return absl::OkStatus();
+}
+
 DaemonSession::DaemonSession(Params params, DeviceBackend* backend, DeviceBudget* budget,
-                             SessionState state, SessionLayoutVersion layout)
+                             ArenaPool* pool, SessionState state, SessionLayoutVersion layout)
     : params_(std::move(params)),
       backend_(backend),
       budget_(budget),
+      pool_(pool),
       state_(std::move(state)),
       current_(std::move(layout)) {
   absl::MutexLock lock(&mu_);
@@ -248,21 +292,59 @@ absl::Status DaemonSession::Commit(uint64_t generation, uint64_t accepted_rows,
                                    pb::CommitResponse* out, absl::Span<const int32_t> token_ids) {
   absl::MutexLock lock(&mu_);
   RETURN_IF_ERROR(CheckLive());
+  RETURN_IF_ERROR(CheckCommitTokenIds(accepted_rows, token_ids));
+  const uint64_t base = state_.committed_len();
+  ASSIGN_OR_RETURN(uint64_t committed, state_.Commit(generation, accepted_rows));
+  RecordCommittedTokens(base, committed, token_ids);
+  RETURN_IF_ERROR(TaintAfter("Commit", SyncMirrors()));
+  out->set_committed_len(committed);
+  return absl::OkStatus();
+}
+
+absl::Status DaemonSession::CheckCommitTokenIds(uint64_t accepted_rows,
+                                                absl::Span<const int32_t> token_ids) const {
   if (!token_ids.empty() && token_ids.size() != accepted_rows) {
     return absl::InvalidArgumentError(
         absl::StrCat("session ", params_.id.value, ": commit carries ", token_ids.size(),
                      " token ids for ", accepted_rows, " accepted rows (send all or none)"));
   }
-  const uint64_t base = state_.committed_len();
-  ASSIGN_OR_RETURN(uint64_t committed, state_.Commit(generation, accepted_rows));
+  return absl::OkStatus();
+}
+
+void DaemonSession::RecordCommittedTokens(uint64_t base, uint64_t committed,
+                                          absl::Span<const int32_t> token_ids) {
   if (committed_tokens_.has_value() && committed_tokens_->size() == base &&
       token_ids.size() == committed - base) {
     committed_tokens_->insert(committed_tokens_->end(), token_ids.begin(), token_ids.end());
   } else {
     committed_tokens_.reset();
   }
-  RETURN_IF_ERROR(TaintAfter("Commit", SyncMirrors()));
-  out->set_committed_len(committed);
+}
+
+absl::Status DaemonSession::Advance(const AdvanceRequest& request,
+                                    absl::Span<const int32_t> token_ids,
+                                    pb::AdvanceResponse* out) {
+  absl::MutexLock lock(&mu_);
+  RETURN_IF_ERROR(CheckLive());
+  if (request.generation == 0 && !token_ids.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "session ", params_.id.value, ": advance carries ", token_ids.size(),
+        " token ids but finishes no transaction (generation 0)"));
+  }
+  const uint64_t base = state_.committed_len();
+  ASSIGN_OR_RETURN(AdvanceResult result, state_.Advance(request, [&] {
+                     return CheckCommitTokenIds(request.accepted_rows, token_ids);
+                   }));
+  if (result.committed.has_value()) RecordCommittedTokens(base, *result.committed, token_ids);
+  RETURN_IF_ERROR(TaintAfter("Advance", SyncMirrors()));
+  out->set_committed_len(state_.committed_len());
+  out->set_published(result.published);
+  if (result.prepared.has_value()) {
+    pb::PrepareAppendResponse* prepared = out->mutable_prepared();
+    prepared->set_generation(result.prepared->transaction.generation);
+    prepared->set_target(result.prepared->target);
+    LayerAppendsToProto(result.prepared->layers, prepared->mutable_layers());
+  }
   return absl::OkStatus();
 }
 
@@ -358,6 +440,7 @@ absl::Status DaemonSession::Grow(uint64_t target_capacity, pb::GrowResponse* out
   // Old and new arenas coexist until the engine acknowledges: the new one is charged in full.
   ASSIGN_OR_RETURN(AllocationId charge, budget_->Allocate(params_.owner.value, layout.arena_bytes));
   RETURN_IF_ERROR(AllocateLayout(backend_, budget_, charge, layout));
+  if (pool_ != nullptr) pool_->NoteNewArena(params_.owner.value);  // the engine maps it
   // Until the swap below the source is untouched: a failure frees the new arena and leaves the
   // session exactly as it was. Core validates everything before it changes `target`.
   absl::StatusOr<std::vector<PlaneCopy>> copies = SessionState::Grow(state_, target);
@@ -425,12 +508,25 @@ uint64_t DaemonSession::Release() {
   uint64_t freed = 0;
   for (SessionLayoutVersion* layout : {&current_, previous_ ? &*previous_ : nullptr}) {
     if (layout == nullptr) continue;
-    if (FreeLayout(*layout).ok()) freed += layout->exported.bytes;
+    // A tainted session's device work failed: its arena is not trusted for reuse.
+    if (pool_ != nullptr && !state_.tainted() &&
+        pool_->Put(params_.owner.value,
+                   PooledArena{layout->arena, layout->exported, layout->charge})) {
+      pooled_handles_.push_back(layout->exported.handle);
+      freed += layout->exported.bytes;
+    } else if (FreeLayout(*layout).ok()) {
+      freed += layout->exported.bytes;
+    }
   }
   previous_.reset();
   released_ = true;
   UpdateArenaBytes();
   return freed;
+}
+
+std::vector<std::string> DaemonSession::pooled_handles() const {
+  absl::MutexLock lock(&mu_);
+  return pooled_handles_;
 }
 
 void DaemonSession::TruncateCommittedTokens() {

@@ -33,6 +33,7 @@
 #include "core/session.h"
 #include "core/sizing.h"
 #include "proto/memra/kv/v1/cache.pb.h"
+#include "server/arena_pool.h"
 #include "server/backend.h"
 #include "server/device_budget.h"
 #include "server/secret_token.h"
@@ -70,6 +71,7 @@ class DaemonSession {
     std::string fingerprint;  // the model plan's fingerprint bytes
     FormatDefaults defaults;
     SessionShape shape;
+    uint32_t slot = 0;  // the registry's dense slot (StepEntry.slot)
   };
 
   // Plans the planes (core sizing), charges the arena's exact bytes to `budget` (from
@@ -79,14 +81,20 @@ class DaemonSession {
   // (with an AdmissionRefusal) when the budget has no room. Nothing stays allocated or charged
   // on failure; a reservation refused before its commit stays live.
   // REQUIRES: backend and budget outlive the session.
+  //
+  // With `pool`, an arena of exactly the session's bytes that the same engine released is
+  // reused when there is one (its charge replaces the new one; a reservation is then used and
+  // its bytes returned), and Release() gives the arenas back to the pool instead of freeing
+  // them. A reused arena is reset as a new session needs it (ClearReusedArena).
   static absl::StatusOr<std::unique_ptr<DaemonSession>> Create(
       Params params, DeviceBackend* backend, DeviceBudget* budget,
-      std::optional<ReservationId> reservation = std::nullopt);
+      std::optional<ReservationId> reservation = std::nullopt, ArenaPool* pool = nullptr);
   ~DaemonSession();  // Release()
 
   SessionId id() const { return params_.id; }
   const Params& params() const { return params_; }
   EngineId owner() const { return params_.owner; }
+  uint32_t slot() const { return params_.slot; }
   // Constant-time comparison (the token is a secret).
   bool TokenMatches(absl::string_view token) const;
   // Bytes of the arenas held now (0 after Release).
@@ -105,6 +113,10 @@ class DaemonSession {
                       absl::Span<const int32_t> token_ids = {}) ABSL_LOCKS_EXCLUDED(mu_);
   absl::Status Abort(uint64_t generation, memra::kv::v1::AbortResponse* out)
       ABSL_LOCKS_EXCLUDED(mu_);
+  // One decode step (SessionState::Advance): all or nothing, mirrors written once at the end.
+  // `token_ids` as Commit's, for the finished transaction's accepted rows.
+  absl::Status Advance(const AdvanceRequest& request, absl::Span<const int32_t> token_ids,
+                       memra::kv::v1::AdvanceResponse* out) ABSL_LOCKS_EXCLUDED(mu_);
 
   absl::Status Rewind(uint64_t target) ABSL_LOCKS_EXCLUDED(mu_);
   absl::StatusOr<bool> CanRewind(uint64_t target) ABSL_LOCKS_EXCLUDED(mu_);
@@ -124,8 +136,11 @@ class DaemonSession {
   absl::Status GetState(memra::kv::v1::SessionState* state, memra::kv::v1::SessionLayout* layout)
       ABSL_LOCKS_EXCLUDED(mu_);
 
-  // Frees every arena; later operations are NOT_FOUND. Returns the bytes freed. Idempotent.
+  // Frees every arena (or pools it for the owner: a session created with a pool, not tainted);
+  // later operations are NOT_FOUND. Returns the bytes the session held. Idempotent.
   uint64_t Release() ABSL_LOCKS_EXCLUDED(mu_);
+  // The export handles of the arenas Release() pooled (the engine may keep them mapped).
+  std::vector<std::string> pooled_handles() const ABSL_LOCKS_EXCLUDED(mu_);
 
   // ---- Prefix cache hooks (server/prefix_cache.h holds the rules) ----
   // `committed_tokens`: the token ids of rows [0, committed_len) as commits reported them, or
@@ -145,8 +160,14 @@ class DaemonSession {
       ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
-  DaemonSession(Params params, DeviceBackend* backend, DeviceBudget* budget, SessionState state,
-                SessionLayoutVersion layout);
+  DaemonSession(Params params, DeviceBackend* backend, DeviceBudget* budget, ArenaPool* pool,
+                SessionState state, SessionLayoutVersion layout);
+
+  // A pooled arena holds its previous session's bytes. Zeroes what a new session reads before
+  // it writes: the recurrent state planes (and their spec copies) and the pool-key planes, as on
+  // a fresh arena. K/V, latent and indexer rows are left: no row at or past a length is ever
+  // read (rules.md#mirrors), and they were the same engine's. Mirrors are written after.
+  absl::Status ClearReusedArena() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   // Frees the layout's arena and then its admission charge.
   absl::Status FreeLayout(const SessionLayoutVersion& layout) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -165,11 +186,19 @@ class DaemonSession {
   void UpdateArenaBytes() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // After a length moved down: committed_tokens_ follows it (unknown if it grew).
   void TruncateCommittedTokens() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A commit's token ids: none, or exactly `accepted_rows` (INVALID_ARGUMENT otherwise).
+  absl::Status CheckCommitTokenIds(uint64_t accepted_rows,
+                                   absl::Span<const int32_t> token_ids) const;
+  // A commit moved the committed length from `base` to `committed`: the token ids follow.
+  void RecordCommittedTokens(uint64_t base, uint64_t committed,
+                             absl::Span<const int32_t> token_ids)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   // Constant after construction.
   const Params params_;
   DeviceBackend* const backend_;
   DeviceBudget* const budget_;
+  ArenaPool* const pool_;  // null: arenas are freed on release
 
   std::atomic<uint64_t> arena_bytes_{0};
 
@@ -187,6 +216,7 @@ class DaemonSession {
   };
   std::vector<MirrorSlot> mirror_slots_ ABSL_GUARDED_BY(mu_);
   bool released_ ABSL_GUARDED_BY(mu_) = false;
+  std::vector<std::string> pooled_handles_ ABSL_GUARDED_BY(mu_);  // set by Release()
   // Token ids of committed rows; nullopt = unknown (see ViewLocked).
   std::optional<std::vector<int32_t>> committed_tokens_ ABSL_GUARDED_BY(mu_) =
       std::vector<int32_t>();

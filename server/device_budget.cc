@@ -1,5 +1,6 @@
 #include "server/device_budget.h"
 
+#include <algorithm>
 #include <optional>
 #include <utility>
 
@@ -21,37 +22,43 @@ absl::Status NoSuchReservation(ReservationId reservation, uint64_t owner) {
 DeviceBudget::DeviceBudget(uint64_t budget_bytes, std::string rule, AdmissionLimits limits)
     : ledger_(budget_bytes, limits), rule_(std::move(rule)) {}
 
-void DeviceBudget::SetEvictor(Evictor evictor) {
+void DeviceBudget::SetEvictor(EvictableSource source, Evictor evictor) {
   absl::MutexLock lock(&mu_);
-  evictor_ = std::move(evictor);
+  evictors_[static_cast<size_t>(source)] = std::move(evictor);
 }
 
 template <typename T, typename Admit>
 absl::StatusOr<T> DeviceBudget::AdmitEvicting(Admit admit) {
   absl::StatusOr<T> admitted = AdmitOnce<T>(admit);
   if (admitted.ok()) return admitted;
-  Evictor evictor;
+  std::vector<Evictor> evictors;  // those of the sources holding evictable bytes, in order
   uint64_t short_bytes = 0;
   {
     absl::MutexLock lock(&mu_);
     std::optional<AdmissionRefusal> refusal = GetAdmissionRefusal(admitted.status());
-    if (evictor_ && refusal.has_value() && refusal->bytes_to_evict > 0) {
-      evictor = evictor_;
+    if (refusal.has_value() && refusal->bytes_to_evict > 0) {
       short_bytes = refusal->bytes_to_evict;
-    } else if (evictor_ && IsArenaRefusal(admitted.status()) && ledger_.evictable() > 0) {
-      // Out of arenas, not bytes: evicting any entry (its blocks are arenas) makes room.
-      evictor = evictor_;
+    } else if (IsArenaRefusal(admitted.status()) && ledger_.evictable() > 0) {
+      // Out of arenas, not bytes: evicting anything evictable (it is all arenas) makes room.
       short_bytes = 1;
     }
+    for (size_t i = 0; short_bytes > 0 && i < kEvictableSources; ++i) {
+      if (evictors_[i] && evictable_[i] > 0) evictors.push_back(evictors_[i]);
+    }
   }
-  if (!evictor) {
+  if (evictors.empty()) {
     CountRefusal(admitted.status());
     return admitted;
   }
-  // Unlocked: the evictor releases prefix-cache allocations through this budget.
-  const uint64_t freed = evictor(short_bytes);
-  spdlog::info("admission evicted {} bytes of prefix-cache entries ({} bytes short{})", freed,
-               short_bytes, IsArenaRefusal(admitted.status()) ? ", out of arenas" : "");
+  // Unlocked: the evictors release their allocations through this budget.
+  uint64_t freed = 0;
+  for (const Evictor& evictor : evictors) {
+    if (freed >= short_bytes) break;
+    freed += evictor(short_bytes - freed);
+  }
+  spdlog::info("admission evicted {} bytes of pooled arenas and prefix-cache entries ({} bytes "
+               "short{})",
+               freed, short_bytes, IsArenaRefusal(admitted.status()) ? ", out of arenas" : "");
   admitted = AdmitOnce<T>(admit);
   if (!admitted.ok()) CountRefusal(admitted.status());
   return admitted;
@@ -131,9 +138,12 @@ BudgetChange DeviceBudget::SetBudget(uint64_t budget_bytes, std::string rule) {
   return ledger_.SetBudget(budget_bytes);
 }
 
-void DeviceBudget::SetEvictable(uint64_t bytes) {
+void DeviceBudget::SetEvictable(EvictableSource source, uint64_t bytes) {
   absl::MutexLock lock(&mu_);
-  ledger_.SetEvictable(bytes);
+  evictable_[static_cast<size_t>(source)] = bytes;
+  uint64_t total = 0;
+  for (uint64_t held : evictable_) total += std::min(held, UINT64_MAX - total);
+  ledger_.SetEvictable(total);
 }
 
 AdmissionLedger DeviceBudget::Snapshot() const {

@@ -6,9 +6,10 @@
 //
 // Eviction protocol: when an admission is refused and the refusal says eviction could make room
 // (AdmissionRefusal::bytes_to_evict > 0, or an arena refusal while anything is evictable: every
-// entry's blocks are arenas), the budget calls the evictor WITHOUT its own lock held, then
-// retries once. The evictor releases prefix-cache allocations (which re-enter this budget
-// through Release) and updates the evictable bytes (SetEvictable). The prefix cache charges its
+// evictable byte is in arenas), the budget calls the evictors WITHOUT its own lock held, in
+// EvictableSource order until the shortfall is freed, then retries once. Each evictor releases
+// its allocations (which re-enter this budget through Release) and updates its evictable bytes
+// (SetEvictable); the ledger's evictable bytes are the sources' sum. The prefix cache charges its
 // own storage with AllocateWithoutEviction: it must never trigger its own eviction while it holds
 // its own lock.
 //
@@ -33,17 +34,22 @@ namespace memra {
 // It is the ledger's uncapped owner: no engine's budget share applies to it.
 inline constexpr uint64_t kPrefixCacheOwner = kUncappedOwner;
 
+// What holds evictable bytes, in the order admission evicts them: pooled session arenas first
+// (nothing is lost but a reuse), then prefix-cache entries.
+enum class EvictableSource { kArenaPool = 0, kPrefixCache = 1 };
+inline constexpr size_t kEvictableSources = 2;
+
 class DeviceBudget {
  public:
-  // Frees prefix-cache storage for an admission that is `bytes` short; returns the bytes freed.
+  // Frees evictable storage for an admission that is `bytes` short; returns the bytes freed.
   using Evictor = std::function<uint64_t(uint64_t bytes)>;
 
   // `rule` says how the budget was derived, for status and logs; `limits` are the ledger's
   // arena and per-engine share limits (core/admission.h AdmissionLimits).
   DeviceBudget(uint64_t budget_bytes, std::string rule, AdmissionLimits limits = {});
 
-  // Set once, before serving. Without one, refusals are returned as they are.
-  void SetEvictor(Evictor evictor) ABSL_LOCKS_EXCLUDED(mu_);
+  // Set once per source, before serving. Without any, refusals are returned as they are.
+  void SetEvictor(EvictableSource source, Evictor evictor) ABSL_LOCKS_EXCLUDED(mu_);
 
   // AdmissionLedger::Reserve, evicting for room first when that helps.
   absl::StatusOr<ReservationId> Reserve(uint64_t owner, uint64_t bytes, absl::Time now,
@@ -69,7 +75,8 @@ class DeviceBudget {
   uint64_t ReleaseOwner(uint64_t owner) ABSL_LOCKS_EXCLUDED(mu_);
   std::vector<ExpiredReservation> Expire(absl::Time now) ABSL_LOCKS_EXCLUDED(mu_);
   BudgetChange SetBudget(uint64_t budget_bytes, std::string rule) ABSL_LOCKS_EXCLUDED(mu_);
-  void SetEvictable(uint64_t bytes) ABSL_LOCKS_EXCLUDED(mu_);
+  // The bytes `source` holds under this budget and could free on demand.
+  void SetEvictable(EvictableSource source, uint64_t bytes) ABSL_LOCKS_EXCLUDED(mu_);
 
   // A consistent copy of the ledger, for queries and listings.
   AdmissionLedger Snapshot() const ABSL_LOCKS_EXCLUDED(mu_);
@@ -90,7 +97,8 @@ class DeviceBudget {
   mutable absl::Mutex mu_;
   AdmissionLedger ledger_ ABSL_GUARDED_BY(mu_);
   std::string rule_ ABSL_GUARDED_BY(mu_);
-  Evictor evictor_ ABSL_GUARDED_BY(mu_);
+  Evictor evictors_[kEvictableSources] ABSL_GUARDED_BY(mu_);
+  uint64_t evictable_[kEvictableSources] ABSL_GUARDED_BY(mu_) = {};
 };
 
 }  // namespace memra

@@ -59,9 +59,9 @@ TEST(DeviceBudgetTest, AdmissionEvictsPrefixStorageWhenThatMakesRoom) {
     ASSERT_THAT(block.status(), IsOk());
     prefix_blocks.push_back(*block);
   }
-  budget.SetEvictable(500);
+  budget.SetEvictable(EvictableSource::kPrefixCache, 500);
   uint64_t asked = 0;
-  budget.SetEvictor([&](uint64_t bytes) {
+  budget.SetEvictor(EvictableSource::kPrefixCache, [&](uint64_t bytes) {
     asked = bytes;
     uint64_t freed = 0;
     while (freed < bytes && prefix_blocks.size() > 1) {
@@ -69,7 +69,7 @@ TEST(DeviceBudgetTest, AdmissionEvictsPrefixStorageWhenThatMakesRoom) {
       prefix_blocks.pop_back();
       freed += 100;
     }
-    budget.SetEvictable(500 - freed);
+    budget.SetEvictable(EvictableSource::kPrefixCache, 500 - freed);
     return freed;
   });
   absl::StatusOr<AllocationId> session = budget.Allocate(kEngine, 700);
@@ -91,13 +91,13 @@ TEST(DeviceBudgetTest, OutOfArenasEvictsAPrefixEntryToFreeOne) {
               StatusIs(absl::StatusCode::kResourceExhausted, HasSubstrs("limit is 3")))
       << "nothing evictable: refused";
   EXPECT_EQ(budget.refusals(), 1u);
-  budget.SetEvictable(30);
+  budget.SetEvictable(EvictableSource::kPrefixCache, 30);
   uint64_t asked = 0;
-  budget.SetEvictor([&](uint64_t bytes) {
+  budget.SetEvictor(EvictableSource::kPrefixCache, [&](uint64_t bytes) {
     asked = bytes;
     EXPECT_THAT(budget.Release(prefix_blocks.back()), IsOk());
     prefix_blocks.pop_back();
-    budget.SetEvictable(20);
+    budget.SetEvictable(EvictableSource::kPrefixCache, 20);
     return uint64_t{10};
   });
   EXPECT_THAT(budget.Allocate(kEngine, 100).status(), IsOk());
@@ -109,9 +109,9 @@ TEST(DeviceBudgetTest, OutOfArenasEvictsAPrefixEntryToFreeOne) {
 TEST(DeviceBudgetTest, NoEvictionWhenEvenEvictingEverythingCannotMakeRoom) {
   DeviceBudget budget(1000, "host: budget_bytes");
   ASSERT_THAT(budget.AllocateWithoutEviction(kPrefixCacheOwner, 600).status(), IsOk());
-  budget.SetEvictable(100);
+  budget.SetEvictable(EvictableSource::kPrefixCache, 100);
   bool called = false;
-  budget.SetEvictor([&](uint64_t) {
+  budget.SetEvictor(EvictableSource::kPrefixCache, [&](uint64_t) {
     called = true;
     return uint64_t{0};
   });
@@ -128,9 +128,9 @@ TEST(DeviceBudgetTest, NoEvictionWhenEvenEvictingEverythingCannotMakeRoom) {
 TEST(DeviceBudgetTest, PrefixStorageNeverEvictsForItself) {
   DeviceBudget budget(1000, "host: budget_bytes");
   ASSERT_THAT(budget.AllocateWithoutEviction(kPrefixCacheOwner, 900).status(), IsOk());
-  budget.SetEvictable(900);
+  budget.SetEvictable(EvictableSource::kPrefixCache, 900);
   bool called = false;
-  budget.SetEvictor([&](uint64_t) {
+  budget.SetEvictor(EvictableSource::kPrefixCache, [&](uint64_t) {
     called = true;
     return uint64_t{0};
   });

@@ -1101,7 +1101,8 @@ uint64_t PrefixCache::EvictForAdmission(uint64_t bytes) {
 uint64_t PrefixCache::ReleaseEmptySlabs() { return slabs_->ReleaseEmptySlabs(); }
 
 void PrefixCache::InstallEvictor(DeviceBudget& budget) {
-  budget.SetEvictor([this](uint64_t bytes) { return EvictForAdmission(bytes); });
+  budget.SetEvictor(EvictableSource::kPrefixCache,
+                   [this](uint64_t bytes) { return EvictForAdmission(bytes); });
 }
 
 PrefixCacheStats PrefixCache::Stats() const {

@@ -26,16 +26,17 @@ Overloaded(Fs...) -> Overloaded<Fs...>;
 SessionRegistry::SessionRegistry(DeviceBackend* backend, DeviceBudget* budget,
                                  EngineLeases* leases, PlanRegistry* plans,
                                  FormatDefaults defaults, PrefixCache* capture_on_reclaim,
-                                 uint64_t max_sessions_per_engine)
+                                 uint64_t max_sessions_per_engine, ArenaPool* pool)
     : backend_(backend),
       budget_(budget),
       leases_(leases),
       plans_(plans),
       defaults_(defaults),
       capture_on_reclaim_(capture_on_reclaim),
-      max_sessions_per_engine_(max_sessions_per_engine) {}
+      max_sessions_per_engine_(max_sessions_per_engine),
+      pool_(pool) {}
 
-absl::Status SessionRegistry::BeginCreating(EngineId engine) {
+absl::StatusOr<uint32_t> SessionRegistry::BeginCreating(EngineId engine) {
   absl::MutexLock lock(&mu_);
   auto held = by_engine_.find(engine.value);
   const uint64_t sessions =
@@ -46,8 +47,24 @@ absl::Status SessionRegistry::BeginCreating(EngineId engine) {
         "engine ", engine.value, " holds ", sessions, " sessions and the limit is ",
         max_sessions_per_engine_, " per engine (max_engine_sessions); release one first"));
   }
+  uint32_t slot;
+  if (!free_slots_.empty()) {
+    slot = free_slots_.back();
+    free_slots_.pop_back();
+  } else if (slots_.size() < UINT32_MAX) {
+    slot = static_cast<uint32_t>(slots_.size());
+    slots_.push_back(nullptr);
+  } else {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("every one of ", slots_.size(), " session slots is in use"));
+  }
   ++creating_[engine.value];
-  return absl::OkStatus();
+  return slot;
+}
+
+void SessionRegistry::FreeSlotLocked(uint32_t slot) {
+  slots_[slot] = nullptr;
+  free_slots_.push_back(slot);
 }
 
 void SessionRegistry::EndCreating(EngineId engine) {
@@ -64,21 +81,26 @@ absl::StatusOr<std::shared_ptr<DaemonSession>> SessionRegistry::Create(
     const EngineCredentials& engine, const PlanFingerprint& plan, const SessionShape& shape,
     std::optional<ReservationId> reservation) {
   RETURN_IF_ERROR(leases_->Admit(engine, "the daemon is draining; no new sessions"));
-  RETURN_IF_ERROR(BeginCreating(engine.id));
+  ASSIGN_OR_RETURN(const uint32_t slot, BeginCreating(engine.id));
   absl::StatusOr<std::shared_ptr<DaemonSession>> session =
-      AllocateSession(engine, plan, shape, reservation);
+      AllocateSession(engine, slot, plan, shape, reservation);
   {
     absl::MutexLock lock(&mu_);
     EndCreating(engine.id);  // from here the session counts in by_engine_, or not at all
-    if (!session.ok()) return session.status();
+    if (!session.ok()) {
+      FreeSlotLocked(slot);
+      return session.status();
+    }
     // The engine may have lost its lease (or the daemon started draining) while the arena was
     // allocated: the session never becomes visible then.
     if (absl::Status still = leases_->Admit(engine, "the daemon is draining"); !still.ok()) {
+      FreeSlotLocked(slot);
       (*session)->Release();
       return still;
     }
     by_engine_[engine.id.value].insert((*session)->id().value);
     sessions_[(*session)->id().value] = *session;
+    slots_[slot] = *session;
   }
   spdlog::info("session {} created for engine {}: capacity {} tokens, {} bytes{}",
                (*session)->id().value, engine.id.value, shape.capacity,
@@ -89,9 +111,10 @@ absl::StatusOr<std::shared_ptr<DaemonSession>> SessionRegistry::Create(
 }
 
 absl::StatusOr<std::shared_ptr<DaemonSession>> SessionRegistry::AllocateSession(
-    const EngineCredentials& engine, const PlanFingerprint& plan, const SessionShape& shape,
-    std::optional<ReservationId> reservation) {
+    const EngineCredentials& engine, uint32_t slot, const PlanFingerprint& plan,
+    const SessionShape& shape, std::optional<ReservationId> reservation) {
   DaemonSession::Params params;
+  params.slot = slot;
   ASSIGN_OR_RETURN(params.model, plans_->Find(plan));
   params.id = SessionId{next_session_id_.fetch_add(1)};
   params.owner = engine.id;
@@ -99,7 +122,20 @@ absl::StatusOr<std::shared_ptr<DaemonSession>> SessionRegistry::AllocateSession(
   params.defaults = defaults_;
   params.fingerprint = FingerprintToBytes(plan);
   params.shape = shape;
-  return DaemonSession::Create(std::move(params), backend_, budget_, reservation);
+  absl::StatusOr<std::unique_ptr<DaemonSession>> session =
+      DaemonSession::Create(params, backend_, budget_, reservation, pool_);
+  // Refused for room (bytes, arenas or the engine's share) while the engine's own pool holds
+  // arenas of other sizes: those go first (other engines' pooled bytes are evicted by
+  // admission itself), then one retry.
+  if (session.status().code() == absl::StatusCode::kResourceExhausted && pool_ != nullptr &&
+      pool_->pooled_bytes(engine.id.value) > 0) {
+    const uint64_t drained = pool_->DrainEngine(engine.id.value, /*forget=*/false);
+    spdlog::info("engine {}: freed its {} pooled bytes to admit a session", engine.id.value,
+                 drained);
+    session = DaemonSession::Create(std::move(params), backend_, budget_, reservation, pool_);
+  }
+  if (!session.ok()) return session.status();
+  return std::shared_ptr<DaemonSession>(*std::move(session));
 }
 
 absl::StatusOr<ArenaReservation> SessionRegistry::Reserve(const EngineCredentials& engine,
@@ -135,7 +171,22 @@ absl::StatusOr<std::shared_ptr<DaemonSession>> SessionRegistry::Find(
   return session;
 }
 
-absl::StatusOr<uint64_t> SessionRegistry::Release(const SessionCredentials& credentials) {
+absl::StatusOr<std::shared_ptr<DaemonSession>> SessionRegistry::Find(
+    const SessionSlot& slot) const {
+  absl::MutexLock lock(&mu_);
+  if (slot.slot >= slots_.size() || slots_[slot.slot] == nullptr) {
+    return absl::NotFoundError(absl::StrCat("slot ", slot.slot, " holds no session"));
+  }
+  const std::shared_ptr<DaemonSession>& session = slots_[slot.slot];
+  if (!(session->owner() == slot.engine)) {
+    return absl::PermissionDeniedError(absl::StrCat("slot ", slot.slot,
+                                                    " holds no session of engine ",
+                                                    slot.engine.value));
+  }
+  return session;
+}
+
+absl::StatusOr<SessionRelease> SessionRegistry::Release(const SessionCredentials& credentials) {
   ASSIGN_OR_RETURN(std::shared_ptr<DaemonSession> session, Find(credentials));
   {
     absl::MutexLock lock(&mu_);
@@ -144,9 +195,17 @@ absl::StatusOr<uint64_t> SessionRegistry::Release(const SessionCredentials& cred
           absl::StrCat("session ", credentials.id.value, " does not exist"));
     }
   }
-  const uint64_t freed = session->Release();
-  spdlog::info("session {} released: {} bytes freed", credentials.id.value, freed);
-  return freed;
+  SessionRelease released;
+  released.bytes = session->Release();
+  released.pooled_handles = session->pooled_handles();
+  released.unmap_handles = TakeUnmapped(session->owner());
+  spdlog::info("session {} released: {} bytes ({} arenas pooled)", credentials.id.value,
+               released.bytes, released.pooled_handles.size());
+  return released;
+}
+
+std::vector<std::string> SessionRegistry::TakeUnmapped(EngineId engine) {
+  return pool_ == nullptr ? std::vector<std::string>() : pool_->TakeUnmapped(engine.value);
 }
 
 std::vector<std::shared_ptr<DaemonSession>> SessionRegistry::RemoveLocked(
@@ -158,6 +217,7 @@ std::vector<std::shared_ptr<DaemonSession>> SessionRegistry::RemoveLocked(
     if (it == sessions_.end()) continue;
     std::shared_ptr<DaemonSession> session = std::move(it->second);
     sessions_.erase(it);
+    FreeSlotLocked(session->slot());
     auto owned = by_engine_.find(session->owner().value);
     if (owned != by_engine_.end()) {
       owned->second.erase(id);
@@ -183,6 +243,9 @@ absl::Status SessionRegistry::Apply(DaemonSession& session, const SessionOp& op)
                                   commit.token_ids);
           },
           [&](const AbortOp& abort) { return session.Abort(abort.generation, abort.reply); },
+          [&](const AdvanceOp& advance) {
+            return session.Advance(advance.request, advance.token_ids, advance.reply);
+          },
           [&](const ResetOp&) { return session.Reset(); },
           [&](const RewindOp& rewind) { return session.Rewind(rewind.target); },
           [&](const CanRewindOp& can) -> absl::Status {
@@ -220,6 +283,11 @@ absl::Status SessionRegistry::Run(const SessionCredentials& credentials, const S
   return Apply(*session, op);
 }
 
+absl::Status SessionRegistry::Run(const SessionSlot& slot, const SessionOp& op) {
+  ASSIGN_OR_RETURN(std::shared_ptr<DaemonSession> session, Find(slot));
+  return Apply(*session, op);
+}
+
 void SessionRegistry::CaptureBeforeRelease(DaemonSession& session) {
   if (capture_on_reclaim_ == nullptr) return;
   absl::StatusOr<std::optional<PrefixCaptureResult>> captured =
@@ -238,14 +306,17 @@ ReleasedSessions SessionRegistry::ReleaseOwnedBy(EngineId engine) {
   {
     absl::MutexLock lock(&mu_);
     auto owned = by_engine_.find(engine.value);
-    if (owned == by_engine_.end()) return {};
-    removed = RemoveLocked(std::vector<uint64_t>(owned->second.begin(), owned->second.end()));
+    if (owned != by_engine_.end()) {
+      removed = RemoveLocked(std::vector<uint64_t>(owned->second.begin(), owned->second.end()));
+    }
   }
   ReleasedSessions released{removed.size(), 0};
   for (const std::shared_ptr<DaemonSession>& session : removed) {
     CaptureBeforeRelease(*session);
     released.bytes += session->Release();
   }
+  // After the sessions: their arenas went to the pool, which now goes back to the device.
+  if (pool_ != nullptr) pool_->DrainEngine(engine.value, /*forget=*/true);
   return released;
 }
 
@@ -255,9 +326,11 @@ ReleasedSessions SessionRegistry::ReleaseAll() {
     absl::MutexLock lock(&mu_);
     sessions.swap(sessions_);
     by_engine_.clear();
+    for (auto& [id, session] : sessions) FreeSlotLocked(session->slot());
   }
   ReleasedSessions released{sessions.size(), 0};
   for (auto& [id, session] : sessions) released.bytes += session->Release();
+  if (pool_ != nullptr) pool_->DrainAll();
   return released;
 }
 
@@ -292,6 +365,11 @@ std::vector<std::shared_ptr<DaemonSession>> SessionRegistry::List(
   std::sort(sessions.begin(), sessions.end(),
             [](const auto& a, const auto& b) { return a->id().value < b->id().value; });
   return sessions;
+}
+
+absl::flat_hash_map<uint64_t, EngineArenaPoolStats> SessionRegistry::PoolStatsByEngine() const {
+  if (pool_ == nullptr) return {};
+  return pool_->Stats();
 }
 
 absl::flat_hash_map<uint64_t, EngineSessionUsage> SessionRegistry::UsageByEngine() const {

@@ -12,13 +12,15 @@
 // lock (Create re-checks the engine under `mu_`, so a session is either refused or visible to
 // the reclaim of its engine that follows: no session outlives its engine's lease).
 //
-// Invariants: (1) every session in the map is in its owner's index entry and vice versa; (2) a
-// session removed from the map is released exactly once, by whoever removed it.
+// Invariants: (1) every session in the map is in its owner's index entry and in its slot, and
+// vice versa; (2) a session removed from the map is released exactly once, by whoever removed
+// it; (3) a slot is free, reserved by exactly one creation, or holds exactly one session.
 
 #include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <optional>
+#include <string>
 #include <variant>
 #include <vector>
 
@@ -37,6 +39,7 @@
 #include "core/model_plan.h"
 #include "core/sizing.h"
 #include "proto/memra/kv/v1/cache.pb.h"
+#include "server/arena_pool.h"
 #include "server/backend.h"
 #include "server/daemon_session.h"
 #include "server/device_budget.h"
@@ -70,6 +73,13 @@ struct AbortOp {
   uint64_t generation = 0;
   memra::kv::v1::AbortResponse* reply;
 };
+// One decode step: PublishAppend (when pending) + Commit, then Begin + PrepareAppend, all or
+// nothing (SessionState::Advance).
+struct AdvanceOp {
+  AdvanceRequest request;
+  absl::Span<const int32_t> token_ids;  // as CommitOp's
+  memra::kv::v1::AdvanceResponse* reply;
+};
 struct ResetOp {};
 struct RewindOp {
   uint64_t target = 0;
@@ -102,7 +112,8 @@ struct GetStateOp {
   memra::kv::v1::SessionLayout* layout = nullptr;
 };
 using SessionOp =
-    std::variant<BeginOp, PrepareAppendOp, PublishAppendOp, CommitOp, AbortOp, ResetOp, RewindOp,
+    std::variant<BeginOp, PrepareAppendOp, PublishAppendOp, CommitOp, AbortOp, AdvanceOp, ResetOp,
+                 RewindOp,
                  CanRewindOp, HydrateOp, SpecSnapshotOp, SpecRollbackOp, GrowOp,
                  AcknowledgeGrowOp, TaintOp, GetStateOp>;
 
@@ -110,6 +121,12 @@ using SessionOp =
 struct SessionCredentials {
   SessionId id;
   absl::string_view token;
+};
+// Or, on the per-step path, its dense slot, for an engine the caller authenticated
+// (EngineLeases::Check): only the engine that owns the session may name its slot.
+struct SessionSlot {
+  EngineId engine;
+  uint32_t slot = 0;
 };
 
 struct ArenaReservation {
@@ -123,6 +140,15 @@ struct ReleasedSessions {
   uint64_t bytes = 0;
 };
 
+// One ReleaseSession as the engine is told it.
+struct SessionRelease {
+  uint64_t bytes = 0;  // what the session held, freed or pooled
+  // Arenas the pool kept for the engine's next sessions: its client may keep them mapped.
+  std::vector<std::string> pooled_handles;
+  // Arenas the engine's pool has freed since it was last told: its client unmaps them.
+  std::vector<std::string> unmap_handles;
+};
+
 // One engine's share of the sessions (KvAdmin's engine status).
 struct EngineSessionUsage {
   size_t sessions = 0;
@@ -133,10 +159,12 @@ class SessionRegistry {
  public:
   // `capture_on_reclaim`: when set, a reclaimed engine's sessions keep their committed state
   // as prefix entries there before release. `max_sessions_per_engine`: DaemonConfig
-  // max_engine_sessions. REQUIRES: every pointer outlives the registry.
+  // max_engine_sessions. `pool`: when set, released arenas are pooled per engine and reused
+  // (server/arena_pool.h); an engine's pool is freed with its sessions at reclaim. REQUIRES:
+  // every pointer outlives the registry.
   SessionRegistry(DeviceBackend* backend, DeviceBudget* budget, EngineLeases* leases,
                   PlanRegistry* plans, FormatDefaults defaults, PrefixCache* capture_on_reclaim,
-                  uint64_t max_sessions_per_engine = UINT64_MAX);
+                  uint64_t max_sessions_per_engine = UINT64_MAX, ArenaPool* pool = nullptr);
 
   // Plans, charges (from `reservation` when given) and allocates a session of `shape` for the
   // engine; UNAVAILABLE while draining, the engine's refusals (EngineLeases::Check),
@@ -156,8 +184,16 @@ class SessionRegistry {
   // The session: NOT_FOUND unknown id, PERMISSION_DENIED wrong token.
   absl::StatusOr<std::shared_ptr<DaemonSession>> Find(const SessionCredentials& session) const
       ABSL_LOCKS_EXCLUDED(mu_);
-  // Removes and releases the session; the bytes freed.
-  absl::StatusOr<uint64_t> Release(const SessionCredentials& session) ABSL_LOCKS_EXCLUDED(mu_);
+  // The session in the slot: NOT_FOUND for an empty slot, PERMISSION_DENIED for a slot another
+  // engine's session holds.
+  absl::StatusOr<std::shared_ptr<DaemonSession>> Find(const SessionSlot& slot) const
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // Removes and releases the session.
+  absl::StatusOr<SessionRelease> Release(const SessionCredentials& session)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // The handles of `engine`'s pooled arenas freed since it was last told (CreateSession's
+  // reply carries them), emptied.
+  std::vector<std::string> TakeUnmapped(EngineId engine);
 
   // THE operation dispatcher: runs `op` on `session`.
   static absl::Status Apply(DaemonSession& session, const SessionOp& op);
@@ -168,10 +204,12 @@ class SessionRegistry {
                    absl::FunctionRef<absl::Status()> before) ABSL_LOCKS_EXCLUDED(mu_);
   absl::Status Run(const SessionCredentials& session, const SessionOp& op)
       ABSL_LOCKS_EXCLUDED(mu_);
+  absl::Status Run(const SessionSlot& slot, const SessionOp& op) ABSL_LOCKS_EXCLUDED(mu_);
 
-  // Removes and releases every session of `engine` (its lease was reclaimed), each exactly once.
+  // Removes and releases every session of `engine` (its lease was reclaimed), each exactly
+  // once, then frees its arena pool.
   ReleasedSessions ReleaseOwnedBy(EngineId engine) ABSL_LOCKS_EXCLUDED(mu_);
-  // Removes and releases every session (shutdown).
+  // Removes and releases every session and frees every pool (shutdown).
   ReleasedSessions ReleaseAll() ABSL_LOCKS_EXCLUDED(mu_);
 
   // Waits until no session is open, `grace` has passed or EndWaits() is called; the sessions
@@ -185,6 +223,8 @@ class SessionRegistry {
       ABSL_LOCKS_EXCLUDED(mu_);
   absl::flat_hash_map<uint64_t, EngineSessionUsage> UsageByEngine() const
       ABSL_LOCKS_EXCLUDED(mu_);
+  // Each engine's arena pool figures (empty without a pool).
+  absl::flat_hash_map<uint64_t, EngineArenaPoolStats> PoolStatsByEngine() const;
 
   // How the backend rounds an arena (what admission charges).
   ArenaRounding rounding() const;
@@ -196,14 +236,16 @@ class SessionRegistry {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Create()'s session, allocated and charged but not yet in the map.
   absl::StatusOr<std::shared_ptr<DaemonSession>> AllocateSession(
-      const EngineCredentials& engine, const PlanFingerprint& plan, const SessionShape& shape,
-      std::optional<ReservationId> reservation) ABSL_LOCKS_EXCLUDED(mu_);
+      const EngineCredentials& engine, uint32_t slot, const PlanFingerprint& plan,
+      const SessionShape& shape, std::optional<ReservationId> reservation)
+      ABSL_LOCKS_EXCLUDED(mu_);
   // Counts a session `engine` is about to create against max_sessions_per_engine (those it
   // holds and those being created); RESOURCE_EXHAUSTED naming both numbers when none is left.
-  // On OK the caller calls EndCreating(engine) under mu_ as it puts the session in the map or
-  // gives up on it.
-  absl::Status BeginCreating(EngineId engine) ABSL_LOCKS_EXCLUDED(mu_);
+  // On OK returns the slot reserved for the session; the caller calls EndCreating(engine) under
+  // mu_ as it puts the session in the map (and its slot) or gives up on it (FreeSlotLocked).
+  absl::StatusOr<uint32_t> BeginCreating(EngineId engine) ABSL_LOCKS_EXCLUDED(mu_);
   void EndCreating(EngineId engine) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void FreeSlotLocked(uint32_t slot) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   // Engine death: keeps the session's committed state as a prefix entry when configured.
   void CaptureBeforeRelease(DaemonSession& session);
@@ -215,6 +257,7 @@ class SessionRegistry {
   const FormatDefaults defaults_;
   PrefixCache* const capture_on_reclaim_;
   const uint64_t max_sessions_per_engine_;
+  ArenaPool* const pool_;
 
   std::atomic<uint64_t> next_session_id_{1};
 
@@ -225,6 +268,11 @@ class SessionRegistry {
   bool waits_ended_ ABSL_GUARDED_BY(mu_) = false;
   // Engine id -> sessions between BeginCreating and EndCreating (absent when none).
   absl::flat_hash_map<uint64_t, uint64_t> creating_ ABSL_GUARDED_BY(mu_);
+  // Dense slots: slots_[i] is the live session in slot i, or null (free, or reserved by a
+  // session being created). Its size never exceeds the most sessions live or being created
+  // at once: a slot is reused (free_slots_, last freed first) before a new one is added.
+  std::vector<std::shared_ptr<DaemonSession>> slots_ ABSL_GUARDED_BY(mu_);
+  std::vector<uint32_t> free_slots_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace memra

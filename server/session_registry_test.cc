@@ -9,6 +9,8 @@
 #include "core/test_model_plans.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "core/sizing.h"
+#include "server/arena_pool.h"
 #include "server/clock.h"
 #include "server/device_budget.h"
 #include "server/engine_leases.h"
@@ -96,6 +98,84 @@ TEST_F(SessionRegistryTest, CreatedSessionsAreFoundByIdAndTokenOnly) {
   EXPECT_THAT(registry_->Find(SessionCredentials{SessionId{999}, ""}),
               StatusIs(absl::StatusCode::kNotFound, HasSubstr("session 999 does not exist")));
   EXPECT_EQ(registry_->size(), 1u);
+}
+
+TEST_F(SessionRegistryTest, SlotsAreDenseReusedAfterReleaseAndOnlyTheirEnginesToName) {
+  const EngineLease a = Attach("a");
+  const EngineLease b = Attach("b");
+  std::vector<std::shared_ptr<DaemonSession>> sessions;
+  for (const EngineLease* engine : {&a, &b, &a}) sessions.push_back(Create(*engine));
+  ASSERT_THAT(sessions, ::testing::Each(::testing::NotNull()));
+  EXPECT_EQ(sessions[0]->slot(), 0u);
+  EXPECT_EQ(sessions[1]->slot(), 1u);
+  EXPECT_EQ(sessions[2]->slot(), 2u);
+  absl::StatusOr<std::shared_ptr<DaemonSession>> found = registry_->Find(SessionSlot{a.id, 2});
+  ASSERT_THAT(found, IsOk());
+  EXPECT_EQ(*found, sessions[2]);
+
+  // Engine a naming b's slot: refused, and the session is untouched.
+  pb::BeginResponse begun;
+  EXPECT_THAT(registry_->Run(SessionSlot{a.id, 1}, BeginOp{&begun}),
+              StatusIs(absl::StatusCode::kPermissionDenied,
+                       HasSubstr(absl::StrCat("slot 1 holds no session of engine ", a.id.value))));
+  pb::SessionState state;
+  ASSERT_THAT(SessionRegistry::Apply(*sessions[1], GetStateOp{&state}), IsOk());
+  EXPECT_EQ(state.next_generation(), 1u) << "the refused Begin began nothing";
+  EXPECT_THAT(registry_->Find(SessionSlot{a.id, 3}),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("slot 3 holds no session")));
+
+  // Released slots are reused before a new one is added, whichever engine creates next.
+  ASSERT_THAT(registry_->Release(Credentials(*sessions[1])), IsOk());
+  EXPECT_THAT(registry_->Find(SessionSlot{b.id, 1}),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("slot 1 holds no session")));
+  std::shared_ptr<DaemonSession> reused = Create(a);
+  ASSERT_NE(reused, nullptr);
+  EXPECT_EQ(reused->slot(), 1u);
+  EXPECT_THAT(registry_->Find(SessionSlot{b.id, 1}),
+              StatusIs(absl::StatusCode::kPermissionDenied, HasSubstr("slot 1")))
+      << "b's old slot is a's now";
+  // A refused creation gives its reserved slot back.
+  EXPECT_THAT(registry_->Create(Engine(a), plan_, Shape(0), std::nullopt), ::testing::Not(IsOk()));
+  std::shared_ptr<DaemonSession> next = Create(b);
+  ASSERT_NE(next, nullptr);
+  EXPECT_EQ(next->slot(), 3u);
+  // An engine's reclaim frees its slots.
+  EXPECT_EQ(registry_->ReleaseOwnedBy(a.id).sessions, 3u);
+  EXPECT_LT(Create(b)->slot(), 3u) << "a freed slot is reused before slot 4 is added";
+}
+
+// An engine's share counts its pooled arenas: a CreateSession refused for it while the engine's
+// own pool holds arenas (of another size) frees that pool and is admitted on the retry.
+TEST_F(SessionRegistryTest, ARefusedCreateFreesTheEnginesOwnPoolAndRetries) {
+  auto bytes_of = [&](uint64_t capacity) {
+    absl::StatusOr<uint64_t> bytes = SessionArenaBytes(*plans_.Find(plan_).value(),
+                                                       FormatDefaults(), Shape(capacity),
+                                                       registry_->rounding());
+    EXPECT_THAT(bytes, IsOk());
+    return bytes.value_or(0);
+  };
+  const uint64_t small = bytes_of(256), large = bytes_of(1024);
+  ASSERT_GT(large, small);
+  // 50% of the budget: room for the large session, not for it and the pooled small one.
+  DeviceBudget budget(2 * large + small / 2, "test", AdmissionLimits{.owner_share_percent = 50});
+  EngineLeases leases(&clock_, &budget, LeaseSettings{kTimeout, kGrace, kTimeout});
+  ArenaPool pool(backend_.get(), &budget, uint64_t{1} << 30);
+  SessionRegistry registry(backend_.get(), &budget, &leases, &plans_, FormatDefaults(), nullptr,
+                           UINT64_MAX, &pool);
+  absl::StatusOr<EngineLease> engine = leases.Attach("a", 1, nullptr);
+  ASSERT_THAT(engine, IsOk());
+  absl::StatusOr<std::shared_ptr<DaemonSession>> first =
+      registry.Create(Engine(*engine), plan_, Shape(256), std::nullopt);
+  ASSERT_THAT(first, IsOk());
+  ASSERT_THAT(registry.Release(Credentials(**first)), IsOk());
+  EXPECT_EQ(pool.pooled_bytes(engine->id.value), small);
+  absl::StatusOr<std::shared_ptr<DaemonSession>> second =
+      registry.Create(Engine(*engine), plan_, Shape(1024), std::nullopt);
+  ASSERT_THAT(second, IsOk());
+  EXPECT_EQ(pool.pooled_bytes(engine->id.value), 0u);
+  EXPECT_EQ(pool.TakeUnmapped(engine->id.value).size(), 1u) << "its client is told to unmap it";
+  registry.ReleaseAll();
+  EXPECT_EQ(budget.Snapshot().allocated(), 0u);
 }
 
 TEST_F(SessionRegistryTest, CreateRefusalsAllocateNothing) {

@@ -98,7 +98,7 @@ void SlabAllocator::RemoveFree(ArenaId id, Slab& slab,
 bool SlabAllocator::KeepEmpty() const { return total_bytes_ <= options_.keep_empty_bytes; }
 
 void SlabAllocator::PublishEvictable() {
-  if (budget_ != nullptr) budget_->SetEvictable(unheld_bytes_);
+  if (budget_ != nullptr) budget_->SetEvictable(EvictableSource::kPrefixCache, unheld_bytes_);
 }
 
 absl::StatusOr<SlabSpan> SlabAllocator::Allocate(uint64_t bytes) {

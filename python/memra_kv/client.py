@@ -148,17 +148,28 @@ class StepOutcome:
 
     @property
     def begun(self):
-        """begin: the Transaction."""
+        """begin, advance with next rows: the Transaction."""
+        if self._result.HasField("advance") and self._result.advance.HasField("prepared"):
+            return Transaction(self._result.advance.prepared.generation,
+                               self._result.advance.committed_len)
         if not self._result.HasField("begin"):
             return None
         return Transaction(self._result.begin.generation, self._result.begin.base_len)
 
     @property
     def prepared(self):
-        """prepare: the PreparedAppend."""
-        if self._prepared is None and self._result.HasField("prepare"):
-            self._prepared = _prepared_from_proto(self._result.prepare)
+        """prepare, advance with next rows: the PreparedAppend."""
+        if self._prepared is None:
+            if self._result.HasField("prepare"):
+                self._prepared = _prepared_from_proto(self._result.prepare)
+            elif self._result.HasField("advance") and self._result.advance.HasField("prepared"):
+                self._prepared = _prepared_from_proto(self._result.advance.prepared)
         return self._prepared
+
+    @property
+    def published(self):
+        """advance: whether it published the finished transaction's append."""
+        return self._result.advance.published
 
     @property
     def staged_len(self):
@@ -167,9 +178,11 @@ class StepOutcome:
 
     @property
     def committed_len(self):
-        """commit, abort: the committed length."""
+        """commit, abort, advance: the committed length."""
         if self._result.HasField("abort"):
             return self._result.abort.committed_len
+        if self._result.HasField("advance"):
+            return self._result.advance.committed_len
         return self._result.commit.committed_len
 
 
@@ -317,7 +330,9 @@ class Client:
         if reservation is not None:
             request.reservation_id = getattr(reservation, "id", reservation)
         response = _call(self.cache.CreateSession, request, self._timeout(timeout))
-        session = Session(self, response.session.session_id, response.session.session_token)
+        self._unmap_freed_pool_arenas(response.unmap_handles)
+        session = Session(self, response.session.session_id, response.session.session_token,
+                          response.slot)
         try:
             session._adopt(response.layout)
         except Exception:
@@ -328,9 +343,17 @@ class Client:
             raise
         return session
 
+    def _unmap_freed_pool_arenas(self, handles):
+        """Drops the mappings of pooled arenas the daemon has freed (proto unmap_handles)."""
+        for handle in handles:
+            self.mapper.unmap(handle)  # nothing when this process already dropped it
+
     def step(self, batch, timeout=None):
         """Runs a StepBatch as one Step RPC; one StepOutcome per entry, in order. The RPC's own
-        failure raises; entries fail independently (StepOutcome.error)."""
+        failure raises; entries fail independently (StepOutcome.error). A batch by slot carries
+        this client's engine credentials."""
+        if batch.by_slot:
+            batch.request.engine.CopyFrom(self._engine("step by slot"))
         response = _call(self.cache.Step, batch.request, self._timeout(timeout))
         if len(response.results) != len(batch.request.entries):
             raise KvError(grpc.StatusCode.INTERNAL, "Step answered %d results for %d entries"
@@ -587,18 +610,24 @@ class PrefixEvents:
 
 
 class StepBatch:
-    """Per-step transaction calls for many sessions, sent as one Step RPC (Client.step)."""
+    """Per-step transaction calls for many sessions, sent as one Step RPC (Client.step).
+    by_slot: name each session by its dense slot (Session.slot; cheaper for the daemon, and only
+    for the attached engine that created it) instead of its id and token."""
 
-    def __init__(self):
+    def __init__(self, by_slot=False):
         self.request = pb.StepRequest()
+        self.by_slot = by_slot
 
     def set_wait_event(self, ipc_event_handle):
         self.request.ordering.wait_event = ipc_event_handle
 
     def _add(self, session):
         entry = self.request.entries.add()
-        entry.session.session_id = session.id
-        entry.session.session_token = session.token
+        if self.by_slot:
+            entry.slot = session.slot
+        else:
+            entry.session.session_id = session.id
+            entry.session.session_token = session.token
         return entry
 
     def begin(self, session):
@@ -621,6 +650,18 @@ class StepBatch:
     def abort(self, session, generation):
         self._add(session).abort.generation = generation
 
+    def advance(self, session, generation, accepted_rows, next_rows, token_ids=()):
+        """One decode step of `session` in one entry (cache.proto StepAdvance): finishes
+        transaction `generation` (publishing its prepared append first when not yet published,
+        then committing accepted_rows with their token ids, or none) and begins the next,
+        preparing next_rows. generation 0: nothing to finish; next_rows 0: begin none. The
+        separate entries' rules and refusals, all or nothing."""
+        op = self._add(session).advance
+        op.generation = generation
+        op.accepted_rows = accepted_rows
+        op.next_rows = next_rows
+        op.token_ids.extend(token_ids)
+
     def __len__(self):
         return len(self.request.entries)
 
@@ -633,10 +674,11 @@ class Session:
     session's arenas; they stay valid until grow() or release() (the memory stays mapped while
     an array over it lives, but the daemon no longer uses it)."""
 
-    def __init__(self, client, session_id, token):
+    def __init__(self, client, session_id, token, slot=0):
         self._client = client
         self.id = session_id
         self.token = token
+        self.slot = slot  # the dense slot the daemon handed out (StepBatch(by_slot=True))
         self.ref = pb.SessionRef(session_id=session_id, session_token=token)
         self.wait_event = b""
         self.layout = None
@@ -682,10 +724,6 @@ class Session:
                     plane.kind, plane.arena, plane.offset, plane.bytes, plane.rows,
                     plane.row_bytes)
         self.layout, self._bases, self._planes = layout, bases, planes
-
-    def _unmap(self, layout):
-        for arena in layout.arenas:
-            self._client.mapper.unmap(arena.handle)
 
     def geometry(self, layer, kind):
         """The PlaneGeometry of a plane; KvError NOT_FOUND when the layer has none."""
@@ -747,6 +785,19 @@ class Session:
         return _call(self._client.cache.Abort, self._with_ordering(pb.GenerationRequest(
             session=self.ref, generation=generation)), self._t(timeout)).committed_len
 
+    def advance(self, generation, accepted_rows, next_rows, token_ids=(), timeout=None):
+        """StepBatch.advance as a one-entry Step carrying this session's wait event; the
+        StepOutcome (begun, prepared, committed_len, published), or KvError when refused (the
+        session is then unchanged)."""
+        batch = StepBatch()
+        if self.wait_event:
+            batch.set_wait_event(self.wait_event)
+        batch.advance(self, generation, accepted_rows, next_rows, token_ids)
+        outcome = self._client.step(batch, timeout)[0]
+        if not outcome.ok:
+            raise outcome.error
+        return outcome
+
     # -- lengths --
 
     def rewind(self, target, timeout=None):
@@ -806,10 +857,18 @@ class Session:
         if self.released:
             raise KvError(grpc.StatusCode.FAILED_PRECONDITION, "session %d was released" % self.id)
         self.released = True  # whatever the daemon answers, this process stops using the memory
+        pooled = set()
         try:
-            return _call(self._client.cache.ReleaseSession, self._with_ordering(
-                pb.SessionRequest(session=self.ref)), self._t(timeout)).freed_bytes
+            response = _call(self._client.cache.ReleaseSession, self._with_ordering(
+                pb.SessionRequest(session=self.ref)), self._t(timeout))
+            # Arenas the daemon pooled for this engine stay mapped for the next session that
+            # gets one back (same handle); those it has freed since are unmapped.
+            pooled = set(response.pooled_handles)
+            self._client._unmap_freed_pool_arenas(response.unmap_handles)
+            return response.freed_bytes
         finally:
             if self.layout is not None:
-                self._unmap(self.layout)
+                for arena in self.layout.arenas:
+                    if arena.handle not in pooled:
+                        self._client.mapper.unmap(arena.handle)
             self._bases = []

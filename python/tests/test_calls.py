@@ -91,7 +91,9 @@ def test_reservations_admit_ahead_and_cancel(small):
     assert gone.value.code == grpc.StatusCode.NOT_FOUND
     assert str(other.id) in gone.value.message
     assert session.release() == cost
-    assert small.status().admission.allocated_bytes == 0
+    # The arena waits in this engine's pool, still charged and evictable.
+    admission = small.status().admission
+    assert (admission.allocated_bytes, admission.evictable_bytes) == (cost, cost)
 
 
 def test_hydrate_reset_and_taint(small):
@@ -144,6 +146,86 @@ def test_session_refusals_name_the_session_and_generation(small):
         memra_kv.Session(small, 987654, b"x" * 16).state()
     assert unknown.value.code == grpc.StatusCode.NOT_FOUND
     assert "session 987654 does not exist" in unknown.value.message
+
+
+def test_advance_is_one_entry_per_session_per_step_and_all_or_nothing(small):
+    plan = small.register_plan(hybrid_test_plan())
+    sessions = [small.create_session(plan, 256) for _ in range(2)]
+    batch = memra_kv.StepBatch()
+    for session in sessions:
+        batch.advance(session, 0, 0, 4)
+    outcomes = small.step(batch)
+    assert [o.ok for o in outcomes] == [True, True]
+    assert outcomes[0].begun.generation == 1 and outcomes[0].prepared.target == 4
+    committed = 0
+    for step in range(1, 6):
+        accepted = 4 if step % 2 else 2
+        batch.clear()
+        for session, outcome in zip(sessions, outcomes):
+            batch.advance(session, outcome.begun.generation, accepted, 4,
+                          token_ids=[step] * accepted)
+        outcomes = small.step(batch)
+        committed += accepted
+        for session, outcome in zip(sessions, outcomes):
+            assert outcome.ok and outcome.published
+            assert outcome.committed_len == committed
+            assert outcome.begun.base_len == committed and outcome.prepared.target == committed + 4
+            assert session.plane(FLAT_LAYER, memra_kv.LEN_MIRROR)[0] == committed
+    session = sessions[0]
+    generation = outcomes[0].begun.generation
+    before = session.state()
+    # The commit alone would be accepted; the next prepare is not, so nothing is applied.
+    with pytest.raises(KvError) as refused:
+        session.advance(generation, 4, 256)
+    assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "KV append exceeds capacity: %d > 256" % (committed + 4 + 256) in refused.value.message
+    with pytest.raises(KvError) as tokens:
+        session.advance(generation, 4, 1, token_ids=[1, 2])
+    assert tokens.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "commit carries 2 token ids for 4 accepted rows" in tokens.value.message
+    assert session.state() == before
+    done = session.advance(generation, 4, 0)
+    assert done.committed_len == committed + 4 and done.begun is None and done.prepared is None
+    assert session.state().active_generation == 0
+
+
+def test_step_by_slot_is_for_the_owning_engine_only(small):
+    plan = small.register_plan(hybrid_test_plan())
+    sessions = [small.create_session(plan, 256) for _ in range(2)]
+    assert sorted(s.slot for s in sessions) == [0, 1]
+    batch = memra_kv.StepBatch(by_slot=True)
+    for session in sessions:
+        batch.advance(session, 0, 0, 2)
+    assert all(o.ok for o in small.step(batch))
+    other = small.daemon.client("py-other")
+    try:
+        before = sessions[1].state()
+        outcome = other.step(batch)[1]
+        assert outcome.error.code == grpc.StatusCode.PERMISSION_DENIED
+        assert "slot %d holds no session of engine %d" % (
+            sessions[1].slot, other.engine_id) in outcome.error.message
+        assert sessions[1].state() == before
+    finally:
+        other.close()
+
+
+def test_a_steady_request_stream_reuses_the_pooled_arena_and_its_mapping(small):
+    plan = small.register_plan(hybrid_test_plan())
+    opens = small.mapper.opens
+    handles = set()
+    for request in range(6):
+        session = small.create_session(plan, 256)
+        handles.add(session.layout.arenas[0].handle)
+        assert session.state().committed_len == 0
+        assert session.plane(FLAT_LAYER, memra_kv.LEN_MIRROR)[0] == 0
+        outcome = session.advance(0, 0, 3)
+        session.advance(outcome.begun.generation, 3, 0)
+        session.release()
+    assert len(handles) == 1, "every request got the pooled arena back"
+    assert small.mapper.opens == opens + 1 and small.mapper.mapped_count == 1
+    with small.daemon.admin() as admin:
+        engine = [e for e in admin.engines() if e.engine_id == small.engine_id][0]
+    assert (engine.new_arenas, engine.pool_hits) == (1, 5)
 
 
 def test_admin_fit_max_context_and_drain(small):

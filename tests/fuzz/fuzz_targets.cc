@@ -320,7 +320,16 @@ absl::Status FuzzSessionOps(std::string_view input) {
         break;
       }
       default:
-        if (argument == 0xff) session.MarkTainted();
+        if (argument == 0xff) {
+          session.MarkTainted();
+          break;
+        }
+        // One decode step in one operation: finish `generation` (or none), prepare the next.
+        status = session
+                     .Advance({.generation = (argument & 0x40) != 0 ? 0 : generation,
+                               .accepted_rows = argument % 8u,
+                               .next_rows = (argument >> 3) % 8u})
+                     .status();
         break;
     }
     if (!status.ok() && Observe(session) != before) {

@@ -46,6 +46,10 @@ using ::testing::Not;
 
 class AdmissionTest : public DaemonTest {
  protected:
+  // Every session here gets a fresh arena, so each admission is measured against what the
+  // backend allocates for it (reusing pooled arenas is tested in service_test).
+  void ConfigureDaemon(DaemonConfig& config) override { config.arena_pool_engine_bytes = 0; }
+
   ArenaRounding Rounding() const {
     return ArenaRounding{kPlaneAlignment, daemon_->backend().AllocationGranularity()};
   }
@@ -641,6 +645,9 @@ TEST_F(AdmissionTest, MetricsShowTheLedgerSessionsAndCalls) {
   EXPECT_THAT(scrape, HasSubstr("\nmemra_sessions 1\n"));
   EXPECT_THAT(scrape, HasSubstr("\nmemra_engines 1\n"));
   EXPECT_THAT(scrape, HasSubstr("\nmemra_admission_refusals 1\n"));
+  const std::string engine = absl::StrCat("{engine=\"", client_->engine_id(), "\"}");
+  EXPECT_THAT(scrape, HasSubstr(absl::StrCat("\nmemra_session_arenas_created", engine, " 1\n")));
+  EXPECT_THAT(scrape, HasSubstr(absl::StrCat("\nmemra_arena_pool_hits", engine, " 0\n")));
   EXPECT_THAT(scrape, HasSubstr("memra_rpc_requests_total{method=\"/memra.kv.v1.KvCache/"
                                 "CreateSession\",code=\"OK\"} 1\n"));
   EXPECT_THAT(scrape, HasSubstr("memra_rpc_requests_total{method=\"/memra.kv.v1.KvCache/"

@@ -2,6 +2,7 @@
 // fault-injecting wrapper, FakeClock for leases) and the real client library. Every RPC, every
 // refusal with its code, and "a refused call changes nothing" checked by reading state back.
 
+#include <algorithm>
 #include <atomic>
 #include <cstdio>
 #include <cstring>
@@ -14,6 +15,8 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_replace.h"
+#include "core/status_macros.h"
 #include "client/client.h"
 #include "client/internal.h"
 #include "common/codec.h"
@@ -30,6 +33,7 @@
 #include "tests/service/health.grpc.pb.h"
 #include "tests/service/test_daemon.h"
 #include "tests/service/test_plans.h"
+#include "tests/seeded_random.h"
 #include "tests/status_matchers.h"
 
 namespace memra::testing {
@@ -89,13 +93,37 @@ uint64_t AppendAndCommit(Session& session, uint64_t rows, uint64_t accepted) {
   return committed.ok() ? *committed : 0;
 }
 
+// A Step as the wire carries it (bad-input requests the client would not build).
+absl::Status RawStep(KvClient& client, const pb::StepRequest& request, pb::StepResponse* response) {
+  return FromGrpcStatus(ClientInternals::Cache(client).Step(
+      ClientInternals::NewContext(client).get(), request, response));
+}
+
 pb::SessionRef WithToken(const Session& session, std::string token) {
   pb::SessionRef ref = ClientInternals::Ref(session);
   ref.set_session_token(std::move(token));
   return ref;
 }
 
-class ServiceTest : public DaemonTest {};
+class ServiceTest : public DaemonTest {
+ protected:
+  // `count` sessions of kCapacity on the fixture's engine (fewer, and a failure, on error).
+  std::vector<std::unique_ptr<Session>> NewSessions(int count) {
+    std::vector<std::unique_ptr<Session>> sessions;
+    for (int i = 0; i < count; ++i) {
+      std::unique_ptr<Session> session = NewSession(*client_, kCapacity);
+      if (session == nullptr) break;
+      sessions.push_back(std::move(session));
+    }
+    return sessions;
+  }
+};
+
+// Without an arena pool: a release frees its arena.
+class UnpooledServiceTest : public DaemonTest {
+ protected:
+  void ConfigureDaemon(DaemonConfig& config) override { config.arena_pool_engine_bytes = 0; }
+};
 
 // ---- Attach, plans ----
 
@@ -259,9 +287,7 @@ TEST_F(ServiceTest, EveryCallNeedsTheSessionToken) {
   *entry->mutable_session() = WithToken(*session, "x");
   entry->mutable_begin();
   pb::StepResponse results;
-  ASSERT_THAT(FromGrpcStatus(ClientInternals::Cache(*client_).Step(
-                  ClientInternals::NewContext(*client_).get(), step, &results)),
-              IsOk());
+  ASSERT_THAT(RawStep(*client_, step, &results), IsOk());
   EXPECT_EQ(results.results(0).code(), static_cast<int>(absl::StatusCode::kPermissionDenied));
 
   *rewind.mutable_session() = ClientInternals::Ref(*session);
@@ -377,11 +403,8 @@ TEST_F(ServiceTest, TransactionRefusalsChangeNothing) {
 }
 
 TEST_F(ServiceTest, StepRunsManySessionsWithIndependentResults) {
-  std::vector<std::unique_ptr<Session>> sessions;
-  for (int i = 0; i < 4; ++i) {
-    sessions.push_back(NewSession(*client_, kCapacity));
-    ASSERT_NE(sessions.back(), nullptr);
-  }
+  std::vector<std::unique_ptr<Session>> sessions = NewSessions(4);
+  ASSERT_THAT(sessions, SizeIs(4));
   StepBatch batch;
   for (const auto& session : sessions) batch.Begin(*session);
   absl::StatusOr<std::vector<StepOutcome>> begun = client_->Step(batch);
@@ -423,9 +446,7 @@ TEST_F(ServiceTest, StepRunsManySessionsWithIndependentResults) {
   pb::StepRequest empty_op;
   *empty_op.add_entries()->mutable_session() = ClientInternals::Ref(*sessions[0]);
   pb::StepResponse response;
-  ASSERT_THAT(FromGrpcStatus(ClientInternals::Cache(*client_).Step(
-                  ClientInternals::NewContext(*client_).get(), empty_op, &response)),
-              IsOk());
+  ASSERT_THAT(RawStep(*client_, empty_op, &response), IsOk());
   EXPECT_EQ(response.results(0).code(), static_cast<int>(absl::StatusCode::kInvalidArgument));
   EXPECT_THAT(response.results(0).message(), HasSubstr("names no operation"));
 }
@@ -458,15 +479,481 @@ TEST_F(ServiceTest, CommitCarriesTokenIdsInTheUnaryCallAndInAStep) {
   EXPECT_EQ((*committed)[0].committed_len, 3u);
 }
 
+// ---- Advance: one Step entry per session per step ----
+
+// The mirrors of every layer that has one, for "the device sees the same lengths" comparisons.
+std::vector<int32_t> Mirrors(const Session& session) {
+  std::vector<int32_t> values;
+  for (uint32_t layer : {kFlatLayer, kSlidingLayer, kLatentLayer}) {
+    values.push_back(ReadMirror(session, layer, PlaneKind::kLenMirror));
+  }
+  values.push_back(ReadMirror(session, kSlidingLayer, PlaneKind::kBaseMirror));
+  return values;
+}
+
+// The one entry of a one-entry Step.
+StepOutcome StepOne(KvClient& client, StepBatch& batch) {
+  absl::StatusOr<std::vector<StepOutcome>> outcomes = client.Step(batch);
+  EXPECT_THAT(outcomes, IsOk());
+  batch.Clear();
+  if (outcomes.ok() && outcomes->size() == 1) return std::move((*outcomes)[0]);
+  StepOutcome missing;
+  missing.status = absl::InternalError("no outcome");
+  return missing;
+}
+
+TEST_F(ServiceTest, AdvanceRunsADecodeLoopInOneEntryPerSessionPerStep) {
+  std::vector<std::unique_ptr<Session>> sessions = NewSessions(3);
+  ASSERT_THAT(sessions, SizeIs(3));
+  StepBatch batch;
+  std::vector<StepOutcome> outcomes;
+  for (const auto& session : sessions) batch.Advance(*session, 0, 0, 4);
+  ASSERT_THAT(client_->Step(batch, outcomes), IsOk());
+  for (const StepOutcome& outcome : outcomes) {
+    ASSERT_THAT(outcome.status, IsOk());
+    EXPECT_EQ(outcome.begun.generation, 1u);
+    EXPECT_EQ(outcome.begun.base_len, 0u);
+    ASSERT_TRUE(outcome.prepared.has_value());
+    EXPECT_EQ(outcome.prepared->target, 4u);
+    EXPECT_THAT(outcome.prepared->layers, SizeIs(2));
+    EXPECT_FALSE(outcome.published);
+  }
+  uint64_t expected = 0;
+  for (int step = 1; step <= 20; ++step) {
+    const uint64_t accepted = step % 4 == 0 ? 1 : 4;  // spec-decode-like partial accepts
+    std::vector<int32_t> tokens(accepted, step);
+    batch.Clear();
+    for (size_t i = 0; i < sessions.size(); ++i) {
+      batch.Advance(*sessions[i], outcomes[i].begun.generation, accepted, step == 20 ? 0 : 4,
+                    tokens);
+    }
+    ASSERT_THAT(client_->Step(batch, outcomes), IsOk());
+    expected += accepted;
+    for (size_t i = 0; i < sessions.size(); ++i) {
+      ASSERT_THAT(outcomes[i].status, IsOk()) << "step " << step;
+      EXPECT_TRUE(outcomes[i].published);
+      EXPECT_EQ(outcomes[i].committed_len, expected);
+      EXPECT_EQ(outcomes[i].prepared.has_value(), step != 20);
+      if (step != 20) {
+        EXPECT_EQ(outcomes[i].begun.base_len, expected);
+      }
+      EXPECT_EQ(Mirrors(*sessions[i]), (std::vector<int32_t>{
+                                           static_cast<int32_t>(expected),
+                                           static_cast<int32_t>(expected),
+                                           static_cast<int32_t>(expected), 0}));
+    }
+  }
+  for (const auto& session : sessions) {
+    const SessionSnapshot state = StateOf(*session);
+    EXPECT_EQ(state.committed_len, expected);
+    EXPECT_EQ(state.active_generation, 0u) << "the last Advance began no transaction";
+  }
+  // The session API: one call, one entry.
+  absl::StatusOr<StepOutcome> single = sessions[0]->Advance(0, 0, 2);
+  ASSERT_THAT(single, IsOk());
+  absl::StatusOr<StepOutcome> finished =
+      sessions[0]->Advance(single->begun.generation, 2, 0, std::vector<int32_t>{7, 8});
+  ASSERT_THAT(finished, IsOk());
+  EXPECT_EQ(finished->committed_len, expected + 2);
+}
+
+TEST_F(ServiceTest, AdvanceRefusalsChangeNothing) {
+  std::unique_ptr<Session> session = NewSession(*client_, kCapacity);
+  ASSERT_NE(session, nullptr);
+  AppendAndCommit(*session, 4, 4);
+  absl::StatusOr<StepOutcome> opened = session->Advance(0, 0, 3);
+  ASSERT_THAT(opened, IsOk());
+  const uint64_t generation = opened->begun.generation;
+  const std::string before = Snapshot(*session);
+  const std::vector<int32_t> mirrors = Mirrors(*session);
+  const std::vector<int32_t> tokens = {1, 2, 3};
+
+  EXPECT_THAT(session->Advance(0, 0, 0),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("neither a transaction to finish (generation 0) nor rows")));
+  EXPECT_THAT(session->Advance(0, 0, 1, tokens),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("advance carries 3 token ids but finishes no transaction")));
+  EXPECT_THAT(session->Advance(0, 0, 1),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstr("generation 2 is already active at base 4")));
+  EXPECT_THAT(session->Advance(generation + 1, 3, 1),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstr("stale KV transaction generation 3 (active: 2)")));
+  // After the publish part: the same token-id refusal as Commit's, and the publish undone.
+  EXPECT_THAT(session->Advance(generation, 3, 1, absl::MakeConstSpan(tokens).first(2)),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("commit carries 2 token ids for 3 accepted rows")));
+  EXPECT_THAT(session->Advance(generation, 4, 1),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("KV commit accepts 4 rows from a 3-row transaction")));
+  // The commit would be accepted alone; the next prepare is refused, so nothing is applied.
+  EXPECT_THAT(session->Advance(generation, 3, kCapacity),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("KV append exceeds capacity: 263 > 256")));
+  EXPECT_EQ(Snapshot(*session), before);
+  EXPECT_EQ(Mirrors(*session), mirrors);
+
+  // Another engine's Advance naming the session without its token.
+  std::unique_ptr<KvClient> other = NewClient("engine-b");
+  ASSERT_NE(other, nullptr);
+  pb::StepRequest request;
+  pb::StepEntry* entry = request.add_entries();
+  *entry->mutable_session() = WithToken(*session, "not the token");
+  entry->mutable_advance()->set_generation(generation);
+  entry->mutable_advance()->set_accepted_rows(3);
+  pb::StepResponse response;
+  ASSERT_THAT(RawStep(*other, request, &response), IsOk());
+  EXPECT_EQ(response.results(0).code(), static_cast<int>(absl::StatusCode::kPermissionDenied));
+  EXPECT_THAT(response.results(0).message(), HasSubstr("wrong session token"));
+  EXPECT_FALSE(response.results(0).has_advance());
+  EXPECT_EQ(Snapshot(*session), before);
+
+  EXPECT_THAT(session->Advance(generation, 3, 0, tokens), IsOk());
+  EXPECT_EQ(StateOf(*session).committed_len, 7u);
+}
+
+// One scripted random workload, through Advance entries on one session and through the separate
+// entries (sent one at a time, stopping at the first refusal, as an engine would) on another:
+// every outcome, state and mirror agrees; a refused Advance changed nothing, and the separate
+// side's accepted parts applied to it afterwards reach the separate side's state.
+TEST_F(ServiceTest, AdvanceIsEquivalentToTheSeparateEntriesOnARandomWorkload) {
+  std::unique_ptr<Session> advanced = NewSession(*client_, kCapacity);
+  std::unique_ptr<Session> separate = NewSession(*client_, kCapacity);
+  ASSERT_NE(advanced, nullptr);
+  ASSERT_NE(separate, nullptr);
+  // Refusal messages name the session: compare them as if they named the same one.
+  auto same_session = [&](const absl::Status& status) {
+    return absl::Status(status.code(),
+                        absl::StrReplaceAll(status.message(),
+                                            {{absl::StrCat("session ", separate->id()),
+                                              absl::StrCat("session ", advanced->id())}}));
+  };
+  SeededRandom random(20261201);
+  StepBatch batch;
+  uint64_t open_generation = 0;
+  bool unpublished = false;
+  uint64_t staged_rows = 0;  // rows the open transaction prepared
+  size_t refusals = 0;
+  for (int step = 0; step < 150; ++step) {
+    SCOPED_TRACE(::testing::Message() << "step " << step);
+    if (random.Below(20) == 0) {  // the engine rewinds outside the step
+      const uint64_t target = random.Below(StateOf(*advanced).staged_len + 1);
+      absl::Status a = advanced->Rewind(target).status();
+      EXPECT_EQ(same_session(separate->Rewind(target).status()), a);
+      if (a.ok()) open_generation = 0;
+    }
+    const uint64_t which = random.Below(10);
+    const uint64_t generation = which < 8 ? open_generation : random.Below(open_generation + 2);
+    const uint64_t accepted = random.Below(staged_rows + 2);
+    const uint64_t next_rows = random.Below(6) == 0 ? 0 : 1 + random.Below(12);
+    std::vector<int32_t> tokens;
+    if (random.Below(3) != 0) tokens.assign(random.Below(4) == 0 ? accepted + 1 : accepted, step);
+    const bool publish_first = generation != 0 && generation == open_generation && unpublished;
+
+    const std::string before = Snapshot(*advanced);
+    batch.Advance(*advanced, generation, accepted, next_rows, tokens);
+    const StepOutcome got = StepOne(*client_, batch);
+
+    // The separate entries, one Step each, until the first refusal.
+    StepOutcome want;
+    bool published = false, committed = false, begun = false;
+    auto run_separately = [&]() -> absl::Status {
+      if (generation == 0 && (next_rows == 0 || !tokens.empty())) {
+        // Refusals of Advance's own request, with no separate form: the same one expected.
+        batch.Advance(*separate, 0, accepted, next_rows, tokens);
+        return StepOne(*client_, batch).status;
+      }
+      if (generation != 0) {
+        if (publish_first) {
+          batch.Publish(*separate, generation);
+          RETURN_IF_ERROR(StepOne(*client_, batch).status);
+          published = true;
+        }
+        batch.Commit(*separate, generation, accepted, tokens);
+        StepOutcome outcome = StepOne(*client_, batch);
+        RETURN_IF_ERROR(outcome.status);
+        committed = true;
+        want.committed_len = outcome.committed_len;
+      } else {
+        want.committed_len = StateOf(*separate).committed_len;
+      }
+      if (next_rows != 0) {
+        batch.Begin(*separate);
+        StepOutcome outcome = StepOne(*client_, batch);
+        RETURN_IF_ERROR(outcome.status);
+        begun = true;
+        want.begun = outcome.begun;
+        batch.Prepare(*separate, outcome.begun.generation, next_rows);
+        outcome = StepOne(*client_, batch);
+        RETURN_IF_ERROR(outcome.status);
+        want.prepared = std::move(outcome.prepared);
+      }
+      return absl::OkStatus();
+    };
+    want.status = same_session(run_separately());
+    ASSERT_EQ(got.status, want.status);
+    if (got.status.ok()) {
+      EXPECT_EQ(got.published, published);
+      EXPECT_EQ(got.committed_len, want.committed_len);
+      EXPECT_EQ(got.prepared.has_value(), want.prepared.has_value());
+      if (got.prepared.has_value()) {
+        EXPECT_EQ(got.begun.generation, want.begun.generation);
+        EXPECT_EQ(got.begun.base_len, want.begun.base_len);
+        EXPECT_EQ(got.prepared->target, want.prepared->target);
+        EXPECT_EQ(got.prepared->layers, want.prepared->layers);
+      }
+      open_generation = got.prepared.has_value() ? got.begun.generation : 0;
+      unpublished = got.prepared.has_value();
+      staged_rows = next_rows;
+    } else {
+      ++refusals;
+      ASSERT_EQ(Snapshot(*advanced), before) << "a refused Advance changed the session";
+      if (published) {
+        ASSERT_THAT(advanced->PublishAppend(generation), IsOk());
+        unpublished = false;
+      }
+      if (committed) {
+        ASSERT_THAT(advanced->Commit(generation, accepted, tokens), IsOk());
+        open_generation = 0;
+      }
+      if (begun) {
+        ASSERT_THAT(advanced->Begin(), IsOk());
+        open_generation = want.begun.generation;
+        unpublished = false;
+        staged_rows = 0;
+      }
+    }
+    ASSERT_EQ(Snapshot(*advanced), Snapshot(*separate));
+    ASSERT_EQ(Mirrors(*advanced), Mirrors(*separate));
+  }
+  EXPECT_GT(refusals, 10u);
+  EXPECT_GT(StateOf(*advanced).committed_len, 100u) << "the workload should make progress";
+}
+
+// ---- The arena pool ----
+
+// The engine's own status line (KvAdmin, operators' view).
+pb::EngineStatus EngineStatusOf(Daemon& daemon, uint64_t engine_id) {
+  const pb::GetStatusResponse status = daemon.GetStatus();
+  for (const pb::EngineStatus& engine : status.engine_status()) {
+    if (engine.engine_id() == engine_id) return engine;
+  }
+  return pb::EngineStatus();
+}
+
+size_t MappedCount(KvClient& client) {
+  return dynamic_cast<CachingArenaMapper&>(client.mapper()).MappedCount();
+}
+
+// A steady request stream (create, decode, release, repeat) makes one arena and one mapping:
+// every later session gets the pooled arena back, under the same handle, reset as new.
+TEST_F(ServiceTest, ASteadyRequestStreamReusesOnePooledArenaAndMapsNothingNew) {
+  const size_t opens = client_->mapper().OpenCount();
+  std::string handle;
+  for (int request = 0; request < 12; ++request) {
+    SCOPED_TRACE(::testing::Message() << "request " << request);
+    std::unique_ptr<Session> session = NewSession(*client_, kCapacity);
+    ASSERT_NE(session, nullptr);
+    if (request == 0) handle = session->layout().arenas[0].handle;
+    EXPECT_EQ(session->layout().arenas[0].handle, handle);
+    // Reset as a new session needs it: lengths, mirrors and recurrent state at zero.
+    const SessionSnapshot fresh = StateOf(*session);
+    EXPECT_EQ(fresh.committed_len, 0u);
+    EXPECT_EQ(fresh.active_generation, 0u);
+    EXPECT_EQ(fresh.next_generation, 1u);
+    EXPECT_EQ(Mirrors(*session), (std::vector<int32_t>{0, 0, 0, 0}));
+    absl::StatusOr<PlaneView> conv = session->Plane(kRecurrentLayer, PlaneKind::kConvState);
+    ASSERT_THAT(conv, IsOk());
+    EXPECT_EQ(std::count(conv->data, conv->data + conv->bytes, 0), conv->bytes)
+        << "the previous request's recurrent state leaked into this one";
+    // The request's own work, leaving recurrent state behind.
+    std::memset(conv->data, 0x5a, conv->bytes);
+    AppendAndCommit(*session, 5 + request, 5);
+    ASSERT_THAT(session->Release(), IsOk());
+  }
+  EXPECT_EQ(client_->mapper().OpenCount(), opens + 1) << "one mapping for the whole stream";
+  EXPECT_EQ(MappedCount(*client_), 1u) << "the pooled arena stays mapped, nothing else";
+  const pb::EngineStatus engine = EngineStatusOf(*daemon_, client_->engine_id());
+  EXPECT_EQ(engine.new_arenas(), 1u);
+  EXPECT_EQ(engine.pool_hits(), 11u);
+  EXPECT_EQ(engine.pooled_bytes(), host_->AllocatedBytes());
+  EXPECT_EQ(host_->ArenaCount(), 1u);
+  EXPECT_EQ(daemon_->GetStatus().admission().evictable_bytes(), host_->AllocatedBytes());
+}
+
+TEST_F(ServiceTest, APooledArenaNeverReachesAnotherEngine) {
+  std::unique_ptr<Session> mine = NewSession(*client_, kCapacity);
+  ASSERT_NE(mine, nullptr);
+  const std::string handle = mine->layout().arenas[0].handle;
+  ASSERT_THAT(mine->Release(), IsOk());
+  std::unique_ptr<KvClient> other = NewClient("engine-b");
+  ASSERT_NE(other, nullptr);
+  absl::StatusOr<std::unique_ptr<Session>> theirs =
+      other->CreateSession(plan_, Options(kCapacity));
+  ASSERT_THAT(theirs, IsOk());
+  EXPECT_NE((*theirs)->layout().arenas[0].handle, handle);
+  EXPECT_EQ(EngineStatusOf(*daemon_, other->engine_id()).new_arenas(), 1u);
+  EXPECT_EQ(EngineStatusOf(*daemon_, other->engine_id()).pool_hits(), 0u);
+  EXPECT_EQ(EngineStatusOf(*daemon_, client_->engine_id()).pooled_bytes(),
+            mine->layout().arenas[0].bytes);
+  // Another size is another class: engine A gets a new arena for it and keeps the pooled one.
+  std::unique_ptr<Session> larger = NewSession(*client_, 2 * kCapacity);
+  ASSERT_NE(larger, nullptr);
+  EXPECT_NE(larger->layout().arenas[0].handle, handle);
+  EXPECT_EQ(EngineStatusOf(*daemon_, client_->engine_id()).new_arenas(), 2u);
+}
+
+// Pooled bytes are evictable: another engine's admission frees them rather than being refused,
+// and the owner's client is told to drop the mapping.
+TEST_F(ServiceTest, AdmissionEvictsPooledArenasBeforeRefusing) {
+  std::vector<std::unique_ptr<Session>> sessions;
+  absl::StatusOr<std::unique_ptr<Session>> next;
+  while ((next = client_->CreateSession(plan_, Options(kCapacity))).ok()) {
+    sessions.push_back(*std::move(next));
+  }
+  ASSERT_THAT(next.status(), StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("needs")));
+  ASSERT_GE(sessions.size(), 2u);
+  for (auto& session : sessions) ASSERT_THAT(session->Release(), IsOk());
+  const size_t pooled = sessions.size();
+  EXPECT_EQ(MappedCount(*client_), pooled);
+  std::unique_ptr<KvClient> other = NewClient("engine-b");
+  ASSERT_NE(other, nullptr);
+  absl::StatusOr<std::unique_ptr<Session>> theirs =
+      other->CreateSession(plan_, Options(kCapacity));
+  ASSERT_THAT(theirs, IsOk()) << "pooled arenas were not evicted for room";
+  EXPECT_LT(EngineStatusOf(*daemon_, client_->engine_id()).pooled_bytes(),
+            pooled * sessions[0]->layout().arenas[0].bytes);
+  // Engine A's next call hears of the freed arena and unmaps it; its session reuses one of the
+  // arenas still pooled.
+  const uint64_t created = EngineStatusOf(*daemon_, client_->engine_id()).new_arenas();
+  std::unique_ptr<Session> reused = NewSession(*client_, kCapacity);
+  ASSERT_NE(reused, nullptr);
+  EXPECT_EQ(MappedCount(*client_), pooled - 1) << "the evicted arena's mapping was dropped";
+  EXPECT_EQ(EngineStatusOf(*daemon_, client_->engine_id()).new_arenas(), created);
+}
+
+TEST_F(ServiceTest, AnEnginesPoolIsFreedWhenItsLeaseEndsBeforeItsGracePasses) {
+  std::unique_ptr<KvClient> engine = NewClient("engine-b");
+  ASSERT_NE(engine, nullptr);
+  const uint64_t id = engine->engine_id();
+  absl::StatusOr<std::unique_ptr<Session>> pooled =
+      engine->CreateSession(plan_, Options(kCapacity));
+  ASSERT_THAT(pooled, IsOk());
+  absl::StatusOr<std::unique_ptr<Session>> live = engine->CreateSession(plan_, Options(kCapacity));
+  ASSERT_THAT(live, IsOk());
+  ASSERT_THAT((*pooled)->Release(), IsOk());
+  EXPECT_EQ(host_->ArenaCount(), 2u);
+  engine->Detach();  // the lease ends; its live session stays until the grace passes
+  for (int i = 0; i < 500 && EngineStatusOf(*daemon_, id).lease_live(); ++i) {
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  daemon_->CheckLeases();
+  EXPECT_EQ(host_->ArenaCount(), 1u) << "the pooled arena went, the session's stays";
+  EXPECT_EQ(EngineStatusOf(*daemon_, id).pooled_bytes(), 0u);
+  EXPECT_EQ(EngineStatusOf(*daemon_, id).sessions(), 1u);
+}
+
+TEST_F(ServiceTest, AnEnginesPoolIsFreedWhenItsLeaseEndsAndAtReclaim) {
+  std::unique_ptr<KvClient> engine = NewClient("engine-b");
+  ASSERT_NE(engine, nullptr);
+  absl::StatusOr<std::unique_ptr<Session>> session =
+      engine->CreateSession(plan_, Options(kCapacity));
+  ASSERT_THAT(session, IsOk());
+  ASSERT_THAT((*session)->Release(), IsOk());
+  EXPECT_EQ(host_->ArenaCount(), 1u);
+  KillEngine(*engine);
+  EXPECT_EQ(host_->ArenaCount(), 0u);
+  EXPECT_EQ(daemon_->GetStatus().admission().allocated_bytes(), 0u);
+  EXPECT_EQ(daemon_->GetStatus().admission().evictable_bytes(), 0u);
+}
+
+// ---- Sessions named by their dense slot ----
+
+TEST_F(ServiceTest, StepBySlotRunsTheOwnersSessionsAndRefusesEveryoneElse) {
+  std::unique_ptr<Session> first = NewSession(*client_, kCapacity);
+  std::unique_ptr<Session> second = NewSession(*client_, kCapacity);
+  ASSERT_NE(first, nullptr);
+  ASSERT_NE(second, nullptr);
+  EXPECT_NE(first->slot(), second->slot());
+  StepBatch batch(StepAddressing::kSlot);
+  batch.Advance(*first, 0, 0, 3);
+  batch.Advance(*second, 0, 0, 5);
+  absl::StatusOr<std::vector<StepOutcome>> opened = client_->Step(batch);
+  ASSERT_THAT(opened, IsOk());
+  ASSERT_THAT((*opened)[0].status, IsOk());
+  ASSERT_THAT((*opened)[1].status, IsOk());
+  EXPECT_EQ((*opened)[1].prepared->target, 5u);
+  batch.Clear();
+  batch.Advance(*first, (*opened)[0].begun.generation, 3, 0);
+  ASSERT_THAT(client_->Step(batch), IsOk());
+  EXPECT_EQ(StateOf(*first).committed_len, 3u);
+  const std::string first_before = Snapshot(*first);
+  const std::string second_before = Snapshot(*second);
+
+  // Another engine naming engine A's slots, with its own (valid) credentials: refused.
+  std::unique_ptr<KvClient> other = NewClient("engine-b");
+  ASSERT_NE(other, nullptr);
+  StepBatch foreign(StepAddressing::kSlot);
+  foreign.Advance(*second, (*opened)[1].begun.generation, 5, 0);
+  foreign.Begin(*first);
+  absl::StatusOr<std::vector<StepOutcome>> refused = other->Step(foreign);
+  ASSERT_THAT(refused, IsOk());
+  for (const StepOutcome& outcome : *refused) {
+    EXPECT_THAT(outcome.status,
+                StatusIs(absl::StatusCode::kPermissionDenied,
+                         HasSubstr(absl::StrCat("holds no session of engine ",
+                                                other->engine_id()))));
+  }
+  EXPECT_THAT((*refused)[0].status, StatusIs(absl::StatusCode::kPermissionDenied,
+                                             HasSubstr(absl::StrCat("slot ", second->slot()))));
+  EXPECT_EQ(Snapshot(*first), first_before);
+  EXPECT_EQ(Snapshot(*second), second_before);
+
+  // A slot entry in a Step without (or with wrong) engine credentials is refused alone; an
+  // entry naming its session by token in the same Step still runs.
+  pb::StepRequest request;
+  pb::StepEntry* by_slot = request.add_entries();
+  by_slot->set_slot(second->slot());
+  by_slot->mutable_begin();
+  pb::StepEntry* by_token = request.add_entries();
+  *by_token->mutable_session() = ClientInternals::Ref(*first);
+  by_token->mutable_begin();
+  pb::StepEntry* empty_slot = request.add_entries();
+  empty_slot->set_slot(1000);
+  empty_slot->mutable_begin();
+  request.mutable_engine()->set_engine_id(client_->engine_id());
+  request.mutable_engine()->set_engine_token("not the token");
+  pb::StepResponse response;
+  ASSERT_THAT(RawStep(*client_, request, &response), IsOk());
+  EXPECT_EQ(response.results(0).code(), static_cast<int>(absl::StatusCode::kPermissionDenied));
+  EXPECT_THAT(response.results(0).message(), HasSubstr("wrong engine token"));
+  EXPECT_EQ(response.results(1).code(), 0);
+  EXPECT_EQ(response.results(2).code(), static_cast<int>(absl::StatusCode::kPermissionDenied));
+  EXPECT_EQ(Snapshot(*second), second_before);
+  // With the engine's credentials, an empty slot is NOT_FOUND.
+  request.mutable_entries()->DeleteSubrange(0, 2);
+  ASSERT_THAT(ClientInternals::Engine(*client_), IsOk());
+  *request.mutable_engine() = *ClientInternals::Engine(*client_);
+  response.Clear();
+  ASSERT_THAT(RawStep(*client_, request, &response), IsOk());
+  EXPECT_EQ(response.results(0).code(), static_cast<int>(absl::StatusCode::kNotFound));
+  EXPECT_THAT(response.results(0).message(), HasSubstr("slot 1000 holds no session"));
+
+  // A released session's slot goes to the next session created.
+  const uint32_t freed = second->slot();
+  ASSERT_THAT(second->Release(), IsOk());
+  std::unique_ptr<Session> third = NewSession(*client_, kCapacity);
+  ASSERT_NE(third, nullptr);
+  EXPECT_EQ(third->slot(), freed);
+}
+
 // A decode loop's reuse: one batch and one outcomes vector across steps. Slots whose operation
 // changes lose the previous step's payload, a refused entry carries no stale one, and a reply
 // that outgrows the batch's reused arena block is parsed correctly after the block grows.
 TEST_F(ServiceTest, StepReusesTheBatchAndTheOutcomesAcrossSteps) {
-  std::vector<std::unique_ptr<Session>> sessions;
-  for (int i = 0; i < 3; ++i) {
-    sessions.push_back(NewSession(*client_, kCapacity));
-    ASSERT_NE(sessions.back(), nullptr);
-  }
+  std::vector<std::unique_ptr<Session>> sessions = NewSessions(3);
+  ASSERT_THAT(sessions, SizeIs(3));
   StepBatch batch;
   std::vector<StepOutcome> outcomes;
   for (uint64_t step = 0; step < 3; ++step) {
@@ -627,7 +1114,11 @@ TEST_F(ServiceTest, ConcurrentEnginesKeepEverySessionExact) {
   EXPECT_EQ(failures.load(), 0);
   // Each thread's sessions were released when its Session objects went away.
   EXPECT_EQ(daemon_->GetStatus().sessions(), 0u);
-  EXPECT_EQ(host_->ArenaCount(), 0u);
+  // Their arenas wait in their engines' pools (freed at reclaim), and nothing else is left.
+  uint64_t pooled = 0;
+  const pb::GetStatusResponse status = daemon_->GetStatus();
+  for (const pb::EngineStatus& engine : status.engine_status()) pooled += engine.pooled_bytes();
+  EXPECT_EQ(host_->AllocatedBytes(), pooled);
 }
 
 // ---- Rewind, spec decode ----
@@ -878,7 +1369,7 @@ TEST_F(ServiceTest, ResetReusesTheMappedArena) {
   EXPECT_EQ(session->layout().arenas[0].handle, handle);
 }
 
-TEST_F(ServiceTest, ReleaseFreesTheArenaAndForgetsTheSession) {
+TEST_F(UnpooledServiceTest, ReleaseFreesTheArenaAndForgetsTheSession) {
   std::unique_ptr<Session> session = NewSession(*client_, kCapacity);
   ASSERT_NE(session, nullptr);
   const uint64_t bytes = host_->AllocatedBytes();
@@ -895,6 +1386,7 @@ TEST_F(ServiceTest, ReleaseFreesTheArenaAndForgetsTheSession) {
                   ClientInternals::NewContext(*client_).get(), again, &response)),
               StatusIs(absl::StatusCode::kNotFound, HasSubstr("session 1 does not exist")));
 }
+
 
 // ---- Leases and drain ----
 
