@@ -24,6 +24,17 @@ namespace {
 
 namespace pb = ::memra::kv::v1;
 
+StorageMedium MediumFromProto(pb::PrefixMedium medium) {
+  switch (medium) {
+    case pb::PREFIX_MEDIUM_PINNED_HOST:
+      return StorageMedium::kPinnedHost;
+    case pb::PREFIX_MEDIUM_DISK:
+      return StorageMedium::kDisk;
+    default:
+      return StorageMedium::kDevice;
+  }
+}
+
 // The session calls all follow one shape: fill a request with the session (and the engine's
 // interprocess event, for calls that order device work), call, convert.
 template <typename Request>
@@ -701,6 +712,7 @@ absl::StatusOr<PrefixMatch> KvClient::LookupPrefix(const PlanFingerprint& plan,
   match.entry_id = response.entry_id();
   match.matched_tokens = response.matched_tokens();
   match.block_tokens = response.block_tokens();
+  match.medium = MediumFromProto(response.medium());
   return match;
 }
 
@@ -756,6 +768,9 @@ absl::StatusOr<std::optional<PrefixCacheEvent>> PrefixEventStream::Next() {
     case pb::PrefixEvent::DROPPED:
       out.kind = PrefixEventKind::kDropped;
       break;
+    case pb::PrefixEvent::MOVED:
+      out.kind = PrefixEventKind::kMoved;
+      break;
     default:
       out.kind = PrefixEventKind::kStored;
       break;
@@ -769,6 +784,7 @@ absl::StatusOr<std::optional<PrefixCacheEvent>> PrefixEventStream::Next() {
   }
   out.reason = event.reason();
   out.cache_scope = event.cache_scope();
+  out.medium = MediumFromProto(event.medium());
   return out;
 }
 

@@ -261,6 +261,8 @@ struct PrefixMatch {
   uint64_t entry_id = 0;        // 0 on a miss
   uint64_t matched_tokens = 0;  // tokens RestorePrefix would restore (whole blocks)
   uint32_t block_tokens = 0;
+  // The slowest tier a matched piece is in (kDisk: the restore reads it back first).
+  StorageMedium medium = StorageMedium::kDevice;
 };
 
 struct PrefixRestored {
@@ -282,6 +284,7 @@ struct PrefixCacheEvent {
   std::optional<BlockKey> boundary_key;  // set when a boundary state was stored or freed
   std::string reason;
   std::string cache_scope;  // the entry's scope (the subscriber's own on the engine socket)
+  StorageMedium medium = StorageMedium::kDevice;  // kMoved: where the bytes are now
   bool operator==(const PrefixCacheEvent&) const = default;
 };
 

@@ -393,6 +393,36 @@ PrefixIndex::Removal PrefixIndex::RemoveEntry(EntryId id) {
   return removal;
 }
 
+std::string_view StorageMediumName(StorageMedium medium) {
+  switch (medium) {
+    case StorageMedium::kDevice:
+      return "device";
+    case StorageMedium::kPinnedHost:
+      return "pinned_host";
+    case StorageMedium::kDisk:
+      return "disk";
+  }
+  return "unknown";
+}
+
+std::vector<EntryId> PrefixIndex::EntryIdsLeastRecentFirst() const {
+  std::vector<EntryId> ids;
+  ids.reserve(lru_.size());
+  for (const auto& [tick, id] : lru_) ids.push_back(id);
+  return ids;
+}
+
+void PrefixIndex::RecordMoved(const PlanFingerprint& fingerprint, std::vector<BlockKey> block_keys,
+                              std::optional<BlockKey> boundary_key, StorageMedium medium) {
+  PrefixEvent event;
+  event.kind = PrefixEventKind::kMoved;
+  event.fingerprint = fingerprint;
+  event.block_keys = std::move(block_keys);
+  event.boundary_key = boundary_key;
+  event.medium = medium;
+  AppendEvent(std::move(event));
+}
+
 void PrefixIndex::AppendEvent(PrefixEvent event) {
   event.sequence = next_sequence_++;
   event.epoch = options_.epoch;

@@ -124,11 +124,19 @@ struct CaptureCommit {
   std::optional<StoredRef> boundary;  // present iff plan.needs_boundary_state
 };
 
-enum class PrefixEventKind : uint8_t { kStored = 0, kEvicted = 1, kDropped = 2 };
+// kMoved: stored bytes changed tier (the daemon demoted or promoted them; RecordMoved).
+enum class PrefixEventKind : uint8_t { kStored = 0, kEvicted = 1, kDropped = 2, kMoved = 3 };
 
-// What a cluster router hears. `block_keys` are the blocks whose bytes were stored or freed by
-// this change (shared blocks that stay are not repeated); `boundary_key` is set when a boundary
-// state was stored or freed (it is the last key of that boundary's chain).
+// The tier stored bytes live in, fastest first: the backend's own memory (a GPU's on cuda,
+// shared memory on the host backend), pinned host memory (cuda only), a local disk file.
+enum class StorageMedium : uint8_t { kDevice = 0, kPinnedHost = 1, kDisk = 2 };
+// "device", "pinned_host", "disk" (metrics labels, logs).
+std::string_view StorageMediumName(StorageMedium medium);
+
+// What a cluster router hears. `block_keys` are the blocks whose bytes were stored, freed or
+// moved by this change (shared blocks that stay are not repeated); `boundary_key` is set when a
+// boundary state was (it is the last key of that boundary's chain). `medium`: where the bytes
+// are now (kStored: kDevice; kMoved: the tier they moved to; kEvicted/kDropped: kDevice, unused).
 struct PrefixEvent {
   uint64_t sequence = 0;  // per index, starting at 1, no gaps
   uint64_t epoch = 0;
@@ -137,6 +145,7 @@ struct PrefixEvent {
   std::vector<BlockKey> block_keys;
   std::optional<BlockKey> boundary_key;
   std::string reason;  // kDropped only: why (e.g. the checksum mismatch the restore found)
+  StorageMedium medium = StorageMedium::kDevice;
   bool operator==(const PrefixEvent&) const = default;
 };
 
@@ -281,6 +290,12 @@ class PrefixIndex {
   absl::StatusOr<EntryView> GetEntry(EntryId entry) const;
   // Every entry id, ascending (operator listings).
   std::vector<EntryId> EntryIds() const;
+  // Every entry id, least recently used first (pinned ones included): the order tiers demote in.
+  std::vector<EntryId> EntryIdsLeastRecentFirst() const;
+  // Announces that the bytes of `block_keys` (and the boundary state of the chain ending at
+  // `boundary_key`) of shape `fingerprint` now live in `medium`; changes no bookkeeping.
+  void RecordMoved(const PlanFingerprint& fingerprint, std::vector<BlockKey> block_keys,
+                   std::optional<BlockKey> boundary_key, StorageMedium medium);
 
   // Missed events after `last_sequence` of `epoch` (0 = from the start), or a gap marker.
   EventReplay EventsSince(uint64_t epoch, uint64_t last_sequence) const;

@@ -464,6 +464,30 @@ TEST_F(PrefixIndexTest, EventsAreSequencedReplayedAndGapped) {
   EXPECT_EQ(current.last_sequence, 5u);
 }
 
+TEST_F(PrefixIndexTest, LeastRecentFirstOrderAndMovedEventsChangeNoBookkeeping) {
+  const EntryId e1 = MustCapture(Seq(100, 4), 4, kFlat, 10);
+  const EntryId e2 = MustCapture(Seq(200, 4), 4, kFlat, 20);
+  const EntryId e3 = MustCapture(Seq(300, 4), 4, kFlat, 30);
+  ASSERT_THAT(index_->Pin(e1, 40), IsOk());
+  EXPECT_THAT(index_->EntryIdsLeastRecentFirst(), ElementsAre(e2, e3, e1));  // pinned included
+  ASSERT_THAT(index_->Unpin(e1), IsOk());
+  const uint64_t stored = index_->StoredBytes();
+  const uint64_t before = index_->LastSequence();
+  auto keys = ChainBlockKeys(Fingerprint(1), Seq(200, 4), 4);
+  ASSERT_THAT(keys, IsOk());
+  index_->RecordMoved(Fingerprint(1), {(*keys)[0]}, std::nullopt, StorageMedium::kDisk);
+  auto replay = index_->EventsSince(index_->epoch(), before);
+  ASSERT_FALSE(replay.gap);
+  ASSERT_EQ(replay.events.size(), 1u);
+  EXPECT_EQ(replay.events[0].kind, PrefixEventKind::kMoved);
+  EXPECT_EQ(replay.events[0].medium, StorageMedium::kDisk);
+  EXPECT_EQ(StorageMediumName(replay.events[0].medium), "disk");
+  EXPECT_THAT(replay.events[0].block_keys, ElementsAre((*keys)[0]));
+  EXPECT_EQ(index_->StoredBytes(), stored);
+  EXPECT_THAT(index_->EntryIdsLeastRecentFirst(), ElementsAre(e2, e3, e1));
+  EXPECT_THAT(index_->CheckInvariants(), IsOk());
+}
+
 // Seeded random sequences of capture / lookup / pin / unpin / evict / budget / drop over a
 // small vocabulary (so chains share), checked against an independent model of live handles.
 TEST_F(PrefixIndexTest, RandomOperationsKeepTheLedgerAndNeverFreePinnedBytes) {

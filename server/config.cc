@@ -91,6 +91,12 @@ std::optional<std::string> CheckSocketPath(absl::string_view path) {
   return std::nullopt;
 }
 
+std::optional<std::string> CheckDiskDir(absl::string_view path) {
+  if (path.empty()) return std::nullopt;  // no disk tier
+  if (!absl::StartsWith(path, "/")) return "not an absolute path";
+  return std::nullopt;
+}
+
 std::optional<std::string> CheckDerivedSocketPath(absl::string_view path) {
   if (path.empty()) return std::nullopt;  // derived from socket_path
   return CheckSocketPath(path);
@@ -267,6 +273,16 @@ const std::vector<KeySpec>& Keys() {
       {.name = "prefix_remote_redis_timeout_ms", .field = &C::prefix_remote_redis_timeout_ms,
        .syntax = Syntax::kInteger, .reloadable = false,
        .help = "Milliseconds one Redis command may take.", .min = 1, .max = 60'000},
+      {.name = "prefix_disk_dir", .field = &C::prefix_disk_dir, .syntax = Syntax::kText,
+       .reloadable = false,
+       .help = "Directory of the prefix cache's disk tier (this daemon's own: created 0700, "
+               "*.piece files removed at start); empty = no disk tier.",
+       .text_accepted = "an absolute path, or empty", .check_text = &CheckDiskDir},
+      {.name = "prefix_disk_bytes", .field = &C::prefix_disk_bytes, .syntax = Syntax::kBytes,
+       .reloadable = false,
+       .help = "Bytes of prefix-cache pieces the disk tier may hold (LRU pieces are demoted "
+               "there from prefix_cache_budget_bytes); needs prefix_disk_dir.",
+       .min = 0, .max = 64 * kTiB},
       {.name = "watchdog", .field = &C::watchdog, .syntax = Syntax::kBool, .reloadable = false,
        .help = "Send systemd watchdog keep-alives when asked to (false needs WatchdogSec=0)."},
       {.name = "keep_kv_across_restarts", .field = &C::keep_kv_across_restarts,
@@ -815,6 +831,15 @@ absl::Status ValidateConfig(const DaemonConfig& config) {
     return absl::InvalidArgumentError(
         absl::StrCat("admin_socket_path and handoff_socket_path are both ", Quote(derived[0].path),
                      "; operators and the handoff need separate sockets"));
+  }
+  if (config.prefix_disk_dir.empty() != (config.prefix_disk_bytes == 0) ||
+      (!config.prefix_disk_dir.empty() && config.prefix_cache_budget_bytes == 0)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "prefix_disk_dir = ", Quote(config.prefix_disk_dir), ", prefix_disk_bytes = ",
+        config.prefix_disk_bytes, " and prefix_cache_budget_bytes = ",
+        config.prefix_cache_budget_bytes,
+        ": a disk tier needs a directory, a byte budget and a prefix cache; no disk tier needs "
+        "an empty directory and 0 bytes"));
   }
   // Prefix-cache entries are counted against the admission budget (they are evicted to admit).
   if (config.backend == Backend::kHost && config.prefix_cache_budget_bytes > config.budget_bytes) {

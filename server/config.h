@@ -101,6 +101,11 @@ struct DaemonConfig {
   // Milliseconds one connect to a node, and one command, may take.
   uint64_t prefix_remote_redis_connect_timeout_ms = 200;
   uint64_t prefix_remote_redis_timeout_ms = 500;
+  // The prefix cache's disk tier: a directory this daemon owns (created 0700 when missing;
+  // "*.piece" files in it are removed at start) and the bytes of files it may hold there. Empty
+  // dir = no disk tier (prefix_disk_bytes must then be 0).
+  std::string prefix_disk_dir;
+  uint64_t prefix_disk_bytes = 0;
   // Send systemd watchdog keep-alives when the service manager asks for them (WATCHDOG_USEC).
   bool watchdog = true;
   // Under a service manager (systemd, memra-kv-supervise): keep session arenas and the restart

@@ -57,7 +57,8 @@ TEST(ConfigTest, KeyListIsTheDocumentedOne) {
                           "prefix_remote_redis_nodes", "prefix_remote_redis_user",
                           "prefix_remote_redis_password_file", "prefix_remote_redis_tls",
                           "prefix_remote_redis_connect_timeout_ms",
-                          "prefix_remote_redis_timeout_ms", "watchdog", "keep_kv_across_restarts",
+                          "prefix_remote_redis_timeout_ms", "prefix_disk_dir", "prefix_disk_bytes",
+                          "watchdog", "keep_kv_across_restarts",
                           "max_plan_layers",
                           "max_engine_sessions", "max_engine_plans", "max_engine_budget_share",
                           "max_attached_engines", "arena_pool_engine_bytes", "max_arenas",
@@ -104,6 +105,8 @@ TEST(ConfigTest, Defaults) {
   EXPECT_FALSE(config.prefix_remote_redis_tls);
   EXPECT_EQ(config.prefix_remote_redis_connect_timeout_ms, 200u);
   EXPECT_EQ(config.prefix_remote_redis_timeout_ms, 500u);
+  EXPECT_EQ(config.prefix_disk_dir, "");
+  EXPECT_EQ(config.prefix_disk_bytes, 0u);
   EXPECT_TRUE(config.watchdog);
   EXPECT_EQ(config.max_plan_layers, 4096u);
   EXPECT_EQ(config.max_engine_sessions, 4096u);
@@ -210,6 +213,8 @@ TEST(ConfigTest, RenderedNonDefaultsParseBack) {
   changed.prefix_remote_redis_tls = true;
   changed.prefix_remote_redis_connect_timeout_ms = 1;
   changed.prefix_remote_redis_timeout_ms = 60'000;
+  changed.prefix_disk_dir = "/var/cache/memra-kv/gpu7";
+  changed.prefix_disk_bytes = 64 * kGiB;
   changed.watchdog = false;
   changed.admin_socket_path = "/run/ops/{device}.sock";
   changed.admin_socket_mode = 0660;
@@ -378,6 +383,10 @@ INSTANTIATE_TEST_SUITE_P(
                      {"prefix_remote_redis_timeout_ms = 0", "out of range", "from 1 to 60000"}},
         BadValueCase{"prefix_remote_redis_connect_timeout_ms = 60001",
                      {"prefix_remote_redis_connect_timeout_ms = 60001", "from 1 to 60000"}},
+        BadValueCase{"prefix_disk_dir = \"cache\"",
+                     {"prefix_disk_dir = \"cache\"", "not an absolute path"}},
+        BadValueCase{"prefix_disk_bytes = \"65TiB\"",
+                     {"prefix_disk_bytes = \"65TiB\"", "out of range", "from 0 to 64TiB"}},
         BadValueCase{"rpc_metrics = 1", {"rpc_metrics = 1", "true or false"}},
         BadValueCase{"max_plan_layers = 16385",
                      {"max_plan_layers = 16385", "out of range", "from 1 to 16384"}},
@@ -527,6 +536,28 @@ TEST(ConfigTest, ValidateRefusesRedisNodesUntilTheTierIsWired) {
               StatusIs(absl::StatusCode::kInvalidArgument,
                        HasSubstrs("prefix_remote_redis_nodes = \"10.0.0.1:7000\"",
                                   "not wired into the prefix cache yet")));
+}
+
+TEST(ConfigTest, ValidateRefusesAHalfConfiguredDiskTier) {
+  DaemonConfig config;
+  config.prefix_cache_budget_bytes = kGiB;
+  config.prefix_disk_dir = "/var/cache/memra-kv";
+  EXPECT_THAT(ValidateConfig(config),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstrs("prefix_disk_dir = \"/var/cache/memra-kv\"",
+                                  "prefix_disk_bytes = 0", "needs a directory, a byte budget")));
+  config.prefix_disk_dir = "";
+  config.prefix_disk_bytes = kGiB;
+  EXPECT_THAT(ValidateConfig(config),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstrs("prefix_disk_dir = \"\"", "prefix_disk_bytes = 1073741824")));
+  config.prefix_disk_dir = "/var/cache/memra-kv";
+  config.prefix_cache_budget_bytes = 0;
+  EXPECT_THAT(ValidateConfig(config),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstrs("prefix_cache_budget_bytes = 0", "and a prefix cache")));
+  config.prefix_cache_budget_bytes = kGiB;
+  EXPECT_THAT(ValidateConfig(config), IsOk());
 }
 
 class ConfigFileTest : public ::testing::Test {

@@ -63,9 +63,13 @@ absl::StatusOr<uint64_t> RandomEpoch() {
 }
 
 // The prefix cache the configuration asks for (null when prefix_cache_budget_bytes is 0). Its
-// storage is charged to the one admission budget; admissions evict LRU entries for room.
-std::unique_ptr<PrefixCache> MakePrefixCache(const DaemonConfig& config, DeviceBackend* backend,
-                                             DeviceBudget* budget, uint64_t epoch) {
+// storage is charged to the one admission budget; admissions demote (with a disk tier) or evict
+// LRU entries for room. A disk tier that cannot be set up (prefix_disk_dir unusable, too little
+// free space, no io_uring) refuses the start: the operator asked for it.
+absl::StatusOr<std::unique_ptr<PrefixCache>> MakePrefixCache(const DaemonConfig& config,
+                                                             DeviceBackend* backend,
+                                                             DeviceBudget* budget,
+                                                             uint64_t epoch) {
   if (config.prefix_cache_budget_bytes == 0) return nullptr;
   PrefixCacheOptions options;
   options.budget_bytes = config.prefix_cache_budget_bytes;
@@ -73,17 +77,15 @@ std::unique_ptr<PrefixCache> MakePrefixCache(const DaemonConfig& config, DeviceB
   options.verify_checksums = config.prefix_verify_checksums;
   options.copy_threads = static_cast<uint32_t>(config.prefix_copy_threads);
   options.slab_bytes = config.prefix_slab_bytes;
+  options.disk_dir = config.prefix_disk_dir;
+  options.disk_bytes = config.prefix_disk_bytes;
   // The daemon's random epoch: a router tells a restarted daemon from a reconnect (0 means
   // "any epoch" to a subscriber, so it is never used).
   options.epoch = epoch == 0 ? 1 : epoch;
-  absl::StatusOr<std::unique_ptr<PrefixCache>> cache =
-      PrefixCache::Create(options, backend, budget);
-  if (!cache.ok()) {  // ValidateConfig accepted it, so this is our bug; serve without the cache
-    spdlog::error("prefix cache disabled: {}", cache.status().ToString());
-    return nullptr;
-  }
-  (*cache)->InstallEvictor(*budget);
-  return *std::move(cache);
+  ASSIGN_OR_RETURN(std::unique_ptr<PrefixCache> cache,
+                   PrefixCache::Create(options, backend, budget));
+  cache->InstallEvictor(*budget);
+  return cache;
 }
 
 }  // namespace
@@ -125,10 +127,17 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Create(DaemonConfig config,
                                .owner_share_percent = config.max_engine_budget_share};
   spdlog::info("admission budget {} bytes ({}); at most {} arenas, {}% of the budget per engine",
                budget_bytes, rule, limits.max_arenas, limits.owner_share_percent);
+  auto budget = std::make_unique<DeviceBudget>(budget_bytes, rule, limits);
+  absl::StatusOr<std::unique_ptr<PrefixCache>> prefix_cache =
+      MakePrefixCache(config, backend.get(), budget.get(), epoch);
+  if (!prefix_cache.ok()) {
+    return absl::Status(prefix_cache.status().code(),
+                        absl::StrCat("prefix cache: ", prefix_cache.status().message()));
+  }
   std::unique_ptr<Daemon> daemon(
       new Daemon(std::move(config), std::move(backend), clock,
-                 std::make_unique<DeviceBudget>(budget_bytes, rule, limits), epoch,
-                 std::move(scopes), std::move(restart_state)));
+                 std::move(budget), epoch, std::move(scopes), std::move(restart_state),
+                 *std::move(prefix_cache)));
   if (previous.has_value()) {
     daemon->Readopt(*std::move(previous));
   } else if (daemon->restart_state_ != nullptr) {
@@ -265,7 +274,8 @@ void Daemon::Readopt(PreviousDaemon previous) {
 
 Daemon::Daemon(DaemonConfig config, std::unique_ptr<DeviceBackend> backend, Clock* clock,
                std::unique_ptr<DeviceBudget> budget, uint64_t epoch, CacheScopes scopes,
-               std::unique_ptr<RestartState> restart_state)
+               std::unique_ptr<RestartState> restart_state,
+               std::unique_ptr<PrefixCache> prefix_cache)
     : backend_(std::move(backend)),
       clock_(clock),
       socket_path_(config.SocketPath()),
@@ -279,7 +289,7 @@ Daemon::Daemon(DaemonConfig config, std::unique_ptr<DeviceBackend> backend, Cloc
       plans_(FormatDefaults(), start_config_.max_plan_layers,
              static_cast<size_t>(start_config_.max_engine_plans)),
       leases_(clock_, budget_.get(), LeaseSettingsOf(start_config_), restart_state_.get()),
-      prefix_cache_(MakePrefixCache(start_config_, backend_.get(), budget_.get(), epoch_)),
+      prefix_cache_(std::move(prefix_cache)),
       arena_pool_(backend_.get(), budget_.get(), start_config_.arena_pool_engine_bytes),
       sessions_(backend_.get(), budget_.get(), &leases_, &plans_, FormatDefaults(),
                 start_config_.prefix_capture_on_engine_death ? prefix_cache_.get() : nullptr,

@@ -149,7 +149,8 @@ class Daemon {
  private:
   Daemon(DaemonConfig config, std::unique_ptr<DeviceBackend> backend, Clock* clock,
          std::unique_ptr<DeviceBudget> budget, uint64_t epoch, CacheScopes scopes,
-         std::unique_ptr<RestartState> restart_state);
+         std::unique_ptr<RestartState> restart_state,
+         std::unique_ptr<PrefixCache> prefix_cache);
 
   // Re-adopts what `previous` kept (before serving): plans, engines, sessions at their committed
   // length; publishes this daemon's journal and removes the previous daemon's leftovers.

@@ -146,6 +146,30 @@ Daemon::RegisterMetrics() {
           return one(s.slabs.*field);
         })));
   }
+  // Tiers (server/prefix_cache.h): one sample per tier the daemon has, labelled by medium.
+  const std::pair<const char*, const char*> tier_help[] = {
+      {"memra_prefix_tier_stored_bytes", "Bytes of prefix pieces in each tier (device, disk)."},
+      {"memra_prefix_tier_budget_bytes", "Each prefix tier's budget."},
+      {"memra_prefix_tier_hits", "Restores whose slowest piece was in this tier, since start."},
+      {"memra_prefix_tier_promotions", "Prefix pieces moved out of this tier by restores, since "
+                                       "start."},
+      {"memra_prefix_tier_demotions", "Prefix pieces moved into this tier (LRU), since start."},
+  };
+  uint64_t PrefixTierStats::*const tier_fields[] = {
+      &PrefixTierStats::stored_bytes, &PrefixTierStats::budget_bytes, &PrefixTierStats::hits,
+      &PrefixTierStats::promotions, &PrefixTierStats::demotions};
+  for (size_t i = 0; i < std::size(tier_fields); ++i) {
+    RETURN_IF_ERROR(metrics_.AddCallbackGaugeFamily(
+        tier_help[i].first, tier_help[i].second, {"medium"},
+        prefix([field = tier_fields[i]](const PrefixCacheStats& s) {
+          std::vector<CallbackSample> samples;
+          for (const PrefixTierStats& tier : s.tiers) {
+            samples.push_back({.label_values = {std::string(StorageMediumName(tier.medium))},
+                               .value = static_cast<double>(tier.*field)});
+          }
+          return samples;
+        })));
+  }
   RETURN_IF_ERROR(metrics_.AddCallbackGaugeFamily(
       "memra_prefix_slab_fragmentation",
       "Share (0-1) of the bytes of occupied slabs that no stored piece uses.", {},

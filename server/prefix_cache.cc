@@ -289,26 +289,38 @@ absl::StatusOr<std::unique_ptr<PrefixCache>> PrefixCache::Create(const PrefixCac
   slab_options.keep_empty_bytes = options.budget_bytes;
   ASSIGN_OR_RETURN(std::unique_ptr<SlabAllocator> slabs,
                    SlabAllocator::Create(slab_options, backend, budget));
+  std::unique_ptr<DiskTier> disk;
   PrefixIndexOptions index_options;
-  index_options.block_tokens = options.block_tokens;
   index_options.budget_bytes = options.budget_bytes;
+  if (!options.disk_dir.empty()) {
+    DiskTierOptions disk_options;
+    disk_options.dir = options.disk_dir;
+    disk_options.budget_bytes = options.disk_bytes;
+    disk_options.queue_depth = options.disk_queue_depth;
+    ASSIGN_OR_RETURN(disk, DiskTier::Create(disk_options));
+    // The index holds what both tiers hold; each tier's own budget is kept by demotion.
+    ASSIGN_OR_RETURN(index_options.budget_bytes,
+                     CheckedAdd(options.budget_bytes, options.disk_bytes, "prefix tier budgets"));
+  }
+  index_options.block_tokens = options.block_tokens;
   index_options.epoch = options.epoch;
   index_options.event_capacity = options.event_capacity;
   ASSIGN_OR_RETURN(PrefixIndex index, PrefixIndex::Create(index_options));
-  return std::unique_ptr<PrefixCache>(
-      new PrefixCache(options, std::move(index), backend, budget, std::move(slabs)));
+  return std::unique_ptr<PrefixCache>(new PrefixCache(options, std::move(index), backend, budget,
+                                                      std::move(slabs), std::move(disk)));
 }
 
 PrefixCache::PrefixCache(const PrefixCacheOptions& options, PrefixIndex index,
                          DeviceBackend* backend, DeviceBudget* budget,
-                         std::unique_ptr<SlabAllocator> slabs)
+                         std::unique_ptr<SlabAllocator> slabs, std::unique_ptr<DiskTier> disk)
     : options_(options),
       backend_(backend),
       budget_(budget),
       slabs_(std::move(slabs)),
+      disk_(std::move(disk)),
       index_(std::move(index)) {}
 
-// slabs_ frees every slab, its charge and the budget's evictable bytes.
+// slabs_ frees every slab, its charge and the budget's evictable bytes; disk_ every file.
 PrefixCache::~PrefixCache() = default;
 
 void PrefixCache::FreeStorage(const SlabSpan& span) {
@@ -321,21 +333,237 @@ void PrefixCache::FreeHandles(const std::vector<uint64_t>& handles) {
   for (uint64_t handle : handles) {
     auto it = storage_.find(handle);
     if (it == storage_.end()) continue;
-    FreeStorage(it->second.span);
+    const Storage& storage = it->second;
+    if (storage.medium == StorageMedium::kDevice) {
+      FreeStorage(storage.span);
+      device_stored_bytes_ -= storage.span.bytes;
+    } else {
+      if (absl::Status removed = disk_->Remove(handle); !removed.ok()) {
+        spdlog::error("prefix cache: {}", removed.ToString());
+      }
+      disk_ledger_bytes_ -= storage.span.bytes;
+    }
     storage_.erase(it);
   }
 }
 
-void PrefixCache::HoldEntry(const EntryView& entry, bool hold) {
-  auto apply = [&](uint64_t handle) {
+namespace {
+
+// Every piece handle of `entry`: its blocks in chain order, then its boundary state.
+std::vector<uint64_t> EntryHandles(const EntryView& entry) {
+  std::vector<uint64_t> handles;
+  handles.reserve(entry.blocks.size() + 1);
+  for (const LookupBlock& block : entry.blocks) handles.push_back(block.stored.storage_handle);
+  if (entry.boundary.has_value()) handles.push_back(entry.boundary->storage_handle);
+  return handles;
+}
+
+// A piece's slice checksums, as CopySlices takes them, from its bytes in memory.
+std::vector<uint64_t> SliceChecksums(absl::Span<const uint8_t> bytes, uint64_t slice_bytes) {
+  std::vector<uint64_t> slices;
+  for (uint64_t at = 0; at < bytes.size() || slices.empty(); at += slice_bytes) {
+    const uint64_t size = std::min<uint64_t>(slice_bytes, bytes.size() - at);
+    slices.push_back(XXH3_64bits(bytes.data() + at, size));
+  }
+  return slices;
+}
+
+}  // namespace
+
+std::vector<ArenaId> PrefixCache::HoldEntry(const EntryView& entry) {
+  std::vector<ArenaId> held;
+  for (uint64_t handle : EntryHandles(entry)) {
     auto it = storage_.find(handle);
-    if (it == storage_.end()) return;
+    if (it == storage_.end() || it->second.medium != StorageMedium::kDevice) continue;
     const ArenaId slab = it->second.span.slab;
-    absl::Status status = hold ? slabs_->Hold(slab) : slabs_->Release(slab);
-    if (!status.ok()) spdlog::error("prefix cache: {}", status.ToString());
+    if (absl::Status status = slabs_->Hold(slab); !status.ok()) {
+      spdlog::error("prefix cache: {}", status.ToString());
+      continue;
+    }
+    held.push_back(slab);
+  }
+  return held;
+}
+
+void PrefixCache::ReleaseSlabs(const std::vector<ArenaId>& slabs) {
+  for (ArenaId slab : slabs) {
+    if (absl::Status status = slabs_->Release(slab); !status.ok()) {
+      spdlog::error("prefix cache: {}", status.ToString());
+    }
+  }
+}
+
+void PrefixCache::MarkPinned(const EntryView& entry, int delta) {
+  for (uint64_t handle : EntryHandles(entry)) {
+    uint32_t& pins = pinned_handles_[handle];
+    pins += delta;
+    if (pins == 0) pinned_handles_.erase(handle);
+  }
+}
+
+absl::Status PrefixCache::DemoteHandle(uint64_t handle, Storage& storage) {
+  std::vector<uint8_t> bytes(storage.piece_bytes);
+  RETURN_IF_ERROR(backend_->Read(storage.span.slab, storage.span.offset, absl::MakeSpan(bytes)));
+  RETURN_IF_ERROR(disk_->Write(handle, bytes));
+  FreeStorage(storage.span);
+  device_stored_bytes_ -= storage.span.bytes;
+  disk_ledger_bytes_ += storage.span.bytes;
+  storage.medium = StorageMedium::kDisk;
+  storage.span.slab = ArenaId{};
+  storage.span.offset = 0;  // span.bytes stays: the rounded size the index counts
+  ++tier_demotions_[static_cast<size_t>(StorageMedium::kDisk)];
+  return absl::OkStatus();
+}
+
+void PrefixCache::DemoteDownTo(uint64_t target) {
+  if (disk_ == nullptr) return;
+  // Each pass demotes at least one piece or evicts at least one entry, else it stops.
+  while (device_stored_bytes_ > target) {
+    bool progressed = false;
+    bool evicted = false;
+    for (EntryId id : index_.EntryIdsLeastRecentFirst()) {
+      absl::StatusOr<EntryView> view = index_.GetEntry(id);
+      if (!view.ok() || view->pins > 0) continue;
+      std::vector<BlockKey> moved_blocks;
+      std::optional<BlockKey> moved_boundary;
+      const std::vector<uint64_t> handles = EntryHandles(*view);
+      for (size_t i = 0; i < handles.size() && device_stored_bytes_ > target; ++i) {
+        auto it = storage_.find(handles[i]);
+        if (it == storage_.end() || it->second.medium != StorageMedium::kDevice ||
+            pinned_handles_.contains(handles[i]) || promoting_.contains(handles[i])) {
+          continue;
+        }
+        const absl::Status demoted = DemoteHandle(handles[i], it->second);
+        if (absl::IsResourceExhausted(demoted)) {
+          // The disk tier is full: the least recently used entries leave the cache for room.
+          absl::StatusOr<EvictionResult> room = index_.Evict(it->second.span.bytes);
+          if (room.ok() && !room->entries.empty()) {
+            FreeHandles(room->freed_handles);
+            evicted = true;
+          } else {
+            spdlog::warn("prefix cache: nothing to evict for room on disk: {}",
+                         demoted.ToString());
+          }
+          break;
+        }
+        if (!demoted.ok()) {
+          spdlog::error("prefix cache: demoting to disk failed: {}", demoted.ToString());
+          break;
+        }
+        progressed = true;
+        if (i < view->blocks.size()) {
+          moved_blocks.push_back(view->blocks[i].key);
+        } else {
+          moved_boundary = view->blocks.back().key;
+        }
+      }
+      if (!moved_blocks.empty() || moved_boundary.has_value()) {
+        index_.RecordMoved(view->fingerprint, std::move(moved_blocks), moved_boundary,
+                           StorageMedium::kDisk);
+      }
+      if (evicted || device_stored_bytes_ <= target) break;
+    }
+    if (!progressed && !evicted) return;  // nothing demotable (pinned, or disk refused)
+  }
+}
+
+absl::Status PrefixCache::PromotePinned(const EntryView& entry) {
+  const std::vector<uint64_t> handles = EntryHandles(entry);
+  std::vector<std::pair<uint64_t, Storage>> claimed;
+  {
+    absl::MutexLock lock(&mu_);
+    auto none_promoting = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      return std::none_of(handles.begin(), handles.end(),
+                          [&](uint64_t handle) { return promoting_.contains(handle); });
+    };
+    mu_.Await(absl::Condition(&none_promoting));
+    for (uint64_t handle : handles) {
+      auto it = storage_.find(handle);
+      if (it == storage_.end() || it->second.medium != StorageMedium::kDisk) continue;
+      promoting_.insert(handle);
+      claimed.emplace_back(handle, it->second);
+    }
+  }
+  if (claimed.empty()) return absl::OkStatus();
+  absl::Status status = absl::OkStatus();
+  std::vector<std::pair<uint64_t, SlabSpan>> promoted;
+  for (const auto& [handle, storage] : claimed) {
+    std::vector<uint8_t> bytes(storage.piece_bytes);
+    status = disk_->Read(handle, absl::MakeSpan(bytes));
+    if (!status.ok()) break;
+    const std::vector<uint64_t> slices = SliceChecksums(bytes, options_.checksum_slice_bytes);
+    const std::vector<uint64_t>& sealed =
+        storage.slice_checksums.empty() ? std::vector<uint64_t>{storage.checksum}
+                                        : storage.slice_checksums;
+    if (slices != sealed || PieceChecksum(slices) != storage.checksum) {
+      size_t slice = 0;
+      while (slice < slices.size() && slice < sealed.size() && slices[slice] == sealed[slice]) {
+        ++slice;
+      }
+      status = absl::DataLossError(absl::StrFormat(
+          "prefix entry %d: disk file %s (%d bytes) differs from the captured checksums at "
+          "slice %d of %d (xxHash3 %016x, captured as %016x); the entry is dropped, never served",
+          entry.id.value, disk_->PathOf(handle), bytes.size(), slice, sealed.size(),
+          slice < slices.size() ? slices[slice] : 0, slice < sealed.size() ? sealed[slice] : 0));
+      break;
+    }
+    absl::StatusOr<SlabSpan> span = slabs_->Allocate(storage.piece_bytes);
+    if (!span.ok()) {
+      status = span.status();
+      break;
+    }
+    status = backend_->Write(span->slab, span->offset, bytes);
+    if (!status.ok()) {
+      (void)slabs_->Release(span->slab);
+      FreeStorage(*span);
+      break;
+    }
+    promoted.emplace_back(handle, *span);
+  }
+  absl::MutexLock lock(&mu_);
+  std::vector<BlockKey> moved_blocks;
+  std::optional<BlockKey> moved_boundary;
+  for (const auto& [handle, span] : promoted) {
+    Storage& storage = storage_[handle];  // pinned: still referenced
+    if (absl::Status removed = disk_->Remove(handle); !removed.ok()) {
+      spdlog::error("prefix cache: {}", removed.ToString());
+    }
+    disk_ledger_bytes_ -= storage.span.bytes;
+    storage.medium = StorageMedium::kDevice;
+    storage.span = span;
+    device_stored_bytes_ += span.bytes;
+    (void)slabs_->Release(span.slab);  // Allocate's hold; the restore holds it again
+    ++tier_promotions_[static_cast<size_t>(StorageMedium::kDisk)];
+    const auto at = std::find(handles.begin(), handles.end(), handle) - handles.begin();
+    if (static_cast<size_t>(at) < entry.blocks.size()) {
+      moved_blocks.push_back(entry.blocks[at].key);
+    } else {
+      moved_boundary = entry.blocks.back().key;
+    }
+  }
+  for (const auto& [handle, storage] : claimed) promoting_.erase(handle);
+  if (!promoted.empty()) {
+    index_.RecordMoved(entry.fingerprint, std::move(moved_blocks), moved_boundary,
+                       StorageMedium::kDevice);
+  }
+  return status;
+}
+
+StorageMedium PrefixCache::MediumLocked(const std::vector<LookupBlock>& blocks,
+                                        const std::optional<StoredRef>& boundary) const {
+  StorageMedium slowest = StorageMedium::kDevice;
+  auto consider = [&](uint64_t handle) {
+    auto it = storage_.find(handle);
+    if (it != storage_.end() && it->second.medium > slowest) slowest = it->second.medium;
   };
-  for (const LookupBlock& block : entry.blocks) apply(block.stored.storage_handle);
-  if (entry.boundary.has_value()) apply(entry.boundary->storage_handle);
+  for (const LookupBlock& block : blocks) consider(block.stored.storage_handle);
+  if (boundary.has_value()) consider(boundary->storage_handle);
+  return slowest;
+}
+
+StorageMedium PrefixCache::MediumOf(const EntryView& entry) const {
+  absl::MutexLock lock(&mu_);
+  return MediumLocked(entry.blocks, entry.boundary);
 }
 
 absl::StatusOr<PrefixCaptureResult> PrefixCache::CaptureLocked(
@@ -412,6 +640,8 @@ absl::StatusOr<PrefixCaptureResult> PrefixCache::CaptureLocked(
   for (size_t i = 0; i < pieces.size(); ++i) {
     copies[i].ref.checksum = PieceChecksum((*slices)[i]);
     copies[i].storage.span = pieces[i].storage.span;
+    copies[i].storage.piece_bytes = pieces[i].bytes;
+    copies[i].storage.checksum = copies[i].ref.checksum;
     if ((*slices)[i].size() > 1) copies[i].storage.slice_checksums = std::move((*slices)[i]);
   }
   absl::MutexLock lock(&mu_);
@@ -426,6 +656,7 @@ absl::StatusOr<PrefixCaptureResult> PrefixCache::CaptureLocked(
     (void)slabs_->Release(copy.storage.span.slab);
     if (committed.ok()) {
       storage_[copy.ref.storage_handle] = copy.storage;
+      device_stored_bytes_ += copy.storage.span.bytes;
     } else {
       FreeStorage(copy.storage.span);
     }
@@ -436,6 +667,7 @@ absl::StatusOr<PrefixCaptureResult> PrefixCache::CaptureLocked(
   position_addressed_[shape.key] = stored.position_addressed_only;
   scoped_shapes_[shape.key] = shape;
   if (!committed->already_present) ++captures_;
+  DemoteDownTo(options_.budget_bytes);
   PrefixCaptureResult result;
   result.entry = committed->entry;
   result.boundary_tokens = boundary_tokens;
@@ -521,6 +753,7 @@ PrefixLookupResult PrefixCache::Lookup(absl::string_view scope, const PlanFinger
   result.outcome = found.outcome;
   result.entry = found.entry;
   result.matched_tokens = found.matched_tokens;
+  result.medium = MediumLocked(found.blocks, found.boundary);
   return result;
 }
 
@@ -543,6 +776,7 @@ absl::StatusOr<PrefixRestoreResult> PrefixCache::Restore(DaemonSession& session,
         ASSIGN_OR_RETURN(std::vector<BlockKey> keys, ChainBlockKeys(shape.key, tokens, block));
         EntryView entry;
         uint64_t matched = 0;
+        StorageMedium served_from = StorageMedium::kDevice;
         {
           absl::MutexLock lock(&mu_);
           std::optional<EntryId> id = requested;
@@ -583,21 +817,32 @@ absl::StatusOr<PrefixRestoreResult> PrefixCache::Restore(DaemonSession& session,
                 " of them"));
           }
           RETURN_IF_ERROR(index_.Pin(*id, tick_.fetch_add(1) + 1));
-          HoldEntry(entry, /*hold=*/true);
+          MarkPinned(entry, +1);
+          served_from = MediumLocked(entry.blocks, entry.boundary);
         }
-        // Pinned: nothing below can free the entry's bytes. Every path unpins.
-        auto unpin = [&] {
+        // Pinned: nothing below can free or demote the entry's pieces. Every path unpins.
+        absl::Status promoted = PromotePinned(entry);
+        std::vector<ArenaId> held;
+        if (promoted.ok()) {
           absl::MutexLock lock(&mu_);
-          HoldEntry(entry, /*hold=*/false);
+          held = HoldEntry(entry);
+        }
+        auto unpin = [&] {
+          ReleaseSlabs(held);
+          absl::MutexLock lock(&mu_);
+          MarkPinned(entry, -1);
           (void)index_.Unpin(entry.id);
           FreeHandles(index_.EnforceBudget().freed_handles);
+          DemoteDownTo(options_.budget_bytes);
         };
         absl::StatusOr<SessionState> restored =
-            RestorePinned(session.params().id, state, layout, entry, matched);
+            promoted.ok() ? RestorePinned(session.params().id, state, layout, entry, matched)
+                          : absl::StatusOr<SessionState>(promoted);
         unpin();
         if (restored.ok()) {
           absl::MutexLock lock(&mu_);
           ++restores_;
+          ++tier_hits_[static_cast<size_t>(served_from)];
           tokens_restored_ += matched * block;
           result.entry = entry.id;
           result.restored_tokens = matched * block;
@@ -679,6 +924,11 @@ absl::StatusOr<SessionState> PrefixCache::RestorePinned(SessionId session,
         return absl::InternalError(absl::StrCat("prefix entry ", entry.id.value,
                                                 ": pinned storage handle ",
                                                 refs[i]->storage_handle, " has no span"));
+      }
+      if (it->second.medium != StorageMedium::kDevice) {
+        return absl::InternalError(absl::StrCat("prefix entry ", entry.id.value,
+                                                ": pinned storage handle ",
+                                                refs[i]->storage_handle, " is not in a slab"));
       }
       pieces[i].storage = it->second;
       pieces[i].checksum = refs[i]->checksum;
@@ -856,6 +1106,14 @@ uint64_t PrefixCache::EvictForAdmission(uint64_t bytes) {
   const uint64_t returned_before = slabs_->returned_bytes();
   auto returned = [&] { return slabs_->returned_bytes() - returned_before; };
   slabs_->ReleaseEmptySlabs();
+  // With a disk tier, LRU pieces move to disk before any entry leaves the cache.
+  while (disk_ != nullptr && returned() < bytes && device_stored_bytes_ > 0) {
+    const uint64_t before = device_stored_bytes_;
+    const uint64_t short_by = bytes - returned();
+    DemoteDownTo(before > short_by ? before - short_by : 0);
+    slabs_->ReleaseEmptySlabs();
+    if (device_stored_bytes_ == before) break;
+  }
   uint64_t entries = 0;
   uint64_t held_bytes = 0;
   while (returned() < bytes && index_.EvictableBytes() > 0) {
@@ -904,6 +1162,21 @@ PrefixCacheStats PrefixCache::Stats() const {
   stats.last_sequence = index_.LastSequence();
   stats.block_tokens = index_.block_tokens();
   stats.slabs = slabs_->Stats();
+  constexpr size_t kDisk = static_cast<size_t>(StorageMedium::kDisk);
+  stats.tiers.push_back({.medium = StorageMedium::kDevice,
+                         .stored_bytes = device_stored_bytes_,
+                         .budget_bytes = options_.budget_bytes,
+                         .hits = tier_hits_[static_cast<size_t>(StorageMedium::kDevice)],
+                         .promotions = 0,
+                         .demotions = 0});
+  if (disk_ != nullptr) {
+    stats.tiers.push_back({.medium = StorageMedium::kDisk,
+                           .stored_bytes = disk_ledger_bytes_,
+                           .budget_bytes = disk_->budget_bytes(),
+                           .hits = tier_hits_[kDisk],
+                           .promotions = tier_promotions_[kDisk],
+                           .demotions = tier_demotions_[kDisk]});
+  }
   return stats;
 }
 
@@ -942,7 +1215,24 @@ absl::StatusOr<SlabSpan> PrefixCache::StorageSpan(uint64_t storage_handle) const
   if (it == storage_.end()) {
     return absl::NotFoundError(absl::StrCat("no prefix storage handle ", storage_handle));
   }
+  if (it->second.medium != StorageMedium::kDevice) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("prefix storage handle ", storage_handle, " is on disk"));
+  }
   return it->second.span;
+}
+
+absl::StatusOr<std::string> PrefixCache::StorageFile(uint64_t storage_handle) const {
+  absl::MutexLock lock(&mu_);
+  auto it = storage_.find(storage_handle);
+  if (it == storage_.end()) {
+    return absl::NotFoundError(absl::StrCat("no prefix storage handle ", storage_handle));
+  }
+  if (it->second.medium != StorageMedium::kDisk) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("prefix storage handle ", storage_handle, " is in a slab"));
+  }
+  return disk_->PathOf(storage_handle);
 }
 
 absl::Status PrefixCache::CheckInvariants() const {
@@ -967,11 +1257,33 @@ absl::Status PrefixCache::CheckInvariants() const {
                                             " spans for ", referenced.size(), " stored pieces"));
   }
   // (2): what the index counts is what the slabs hold.
+  uint64_t device_pieces = 0;
+  uint64_t device_bytes = 0;
+  uint64_t disk_bytes = 0;
+  uint64_t disk_file_bytes = 0;
+  for (const auto& [handle, storage] : storage_) {
+    if (storage.medium == StorageMedium::kDevice) {
+      ++device_pieces;
+      device_bytes += storage.span.bytes;
+    } else {
+      disk_bytes += storage.span.bytes;
+      disk_file_bytes += storage.piece_bytes;
+    }
+  }
   const SlabStats slabs = slabs_->Stats();
-  if (slabs.used_bytes != index_.StoredBytes() || slabs.spans != storage_.size()) {
+  if (device_bytes != device_stored_bytes_ || disk_bytes != disk_ledger_bytes_ ||
+      index_.StoredBytes() != device_bytes + disk_bytes || slabs.used_bytes != device_bytes ||
+      slabs.spans != device_pieces) {
     return absl::InternalError(absl::StrCat(
-        "prefix index stores ", index_.StoredBytes(), " bytes in ", storage_.size(),
-        " pieces; its slabs hold ", slabs.used_bytes, " bytes in ", slabs.spans, " spans"));
+        "prefix index stores ", index_.StoredBytes(), " bytes; ", device_pieces,
+        " pieces in slabs hold ", device_bytes, " (counted ", device_stored_bytes_,
+        "), pieces on disk ", disk_bytes, " (counted ", disk_ledger_bytes_, "); the slabs hold ",
+        slabs.used_bytes, " bytes in ", slabs.spans, " spans"));
+  }
+  if (disk_ != nullptr && disk_->stored_bytes() != disk_file_bytes) {
+    return absl::InternalError(absl::StrCat("prefix pieces on disk hold ", disk_file_bytes,
+                                            " bytes; the disk tier holds ",
+                                            disk_->stored_bytes()));
   }
   return absl::OkStatus();
 }

@@ -9,9 +9,18 @@
 // (so one large piece, such as a hybrid model's recurrent state, is copied and verified by
 // several threads) and, as the index's checksum, the xxHash3 of those slice checksums.
 //
-// Budgets: the index's budget (prefix_cache_budget_bytes) bounds the bytes of the spans it holds
-// (rounded to the slab alignment); the device budget is charged per slab, whole, so admission
-// counts what the device holds, slab free space included (reported as fragmentation).
+// Budgets: the device tier's budget (prefix_cache_budget_bytes) bounds the bytes of the spans it
+// holds (rounded to the slab alignment); the device budget is charged per slab, whole, so
+// admission counts what the device holds, slab free space included (reported as fragmentation).
+//
+// Tiers: with a disk tier (server/disk_tier.h: prefix_disk_dir, prefix_disk_bytes) each stored
+// piece lives in exactly one tier, the device's slabs or one disk file. After a capture or
+// restore, and when an admission needs device memory, the least recently used pieces no pinned
+// entry uses are demoted to disk until the device tier is within its budget; a full disk tier
+// evicts LRU entries (the index's budget is then the two budgets' sum). A restore first promotes
+// the entry's disk pieces back into slabs, verifying each against the checksums taken at capture
+// (DATA_LOSS drops the entry as any corruption does). Only slabs are charged to the device
+// budget. On cuda the tier in between (pinned host memory) is not built yet: GPU -> disk.
 //
 // What is stored (StoredLayout):
 //  * per BLOCK of block_tokens rows, shared between entries: for every position-addressed layer
@@ -30,12 +39,14 @@
 // without its own lock.
 //
 // Invariants: (1) storage_ holds exactly the handles the index references (a capture in flight
-// holds its spans itself until CommitCapture); (2) the spans of storage_ are live spans of
-// slabs_, each a piece's bytes rounded to the slab alignment, so index_.StoredBytes() equals
-// slabs_'s used bytes when no capture is in flight; (3) the slabs of a pinned entry's spans
+// holds its spans itself until CommitCapture); (2) the device pieces of storage_ are live spans
+// of slabs_, each a piece's bytes rounded to the slab alignment, so device_stored_bytes_ equals
+// slabs_'s used bytes when no capture or promotion is in flight, and index_.StoredBytes() ==
+// device_stored_bytes_ + disk_ledger_bytes_ (the disk pieces' rounded sizes); (3) the slabs of a pinned entry's spans
 // and of a capture in flight are held (SlabAllocator::Hold), so the budget's evictable bytes
 // (the slabs no hold keeps) are exactly what evicting every unpinned entry returns.
 
+#include <array>
 #include <atomic>
 #include <cstdint>
 #include <memory>
@@ -45,6 +56,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
@@ -57,6 +69,7 @@
 #include "server/backend.h"
 #include "server/daemon_session.h"
 #include "server/device_budget.h"
+#include "server/disk_tier.h"
 #include "server/slab_allocator.h"
 
 namespace memra {
@@ -76,6 +89,10 @@ struct PrefixCacheOptions {
   uint64_t slab_bytes = uint64_t{128} << 20;
   uint64_t epoch = 0;            // this daemon's epoch, on entries and events
   uint64_t event_capacity = 4096;
+  // The disk tier (DiskTierOptions): none when disk_dir is empty; else disk_bytes > 0.
+  std::string disk_dir;
+  uint64_t disk_bytes = 0;
+  uint32_t disk_queue_depth = 8;
 };
 
 // The shape a session's entries are keyed by: the model fingerprint for an unsharded session
@@ -151,6 +168,19 @@ struct PrefixLookupResult {
   LookupOutcome outcome = LookupOutcome::kMiss;
   std::optional<EntryId> entry;
   uint64_t matched_tokens = 0;
+  // The slowest tier any matched piece is in (a restore promotes them first).
+  StorageMedium medium = StorageMedium::kDevice;
+};
+
+// One tier's gauges (stored_bytes, budget_bytes) and monotonic counters. hits: restores whose
+// slowest piece was in this tier; promotions / demotions: pieces moved out of / into it.
+struct PrefixTierStats {
+  StorageMedium medium = StorageMedium::kDevice;
+  uint64_t stored_bytes = 0;
+  uint64_t budget_bytes = 0;
+  uint64_t hits = 0;
+  uint64_t promotions = 0;
+  uint64_t demotions = 0;
 };
 
 struct PrefixRestoreResult {
@@ -179,7 +209,10 @@ struct PrefixCacheStats {
   uint64_t epoch = 0;
   uint64_t last_sequence = 0;
   uint32_t block_tokens = 0;
-  SlabStats slabs;  // the storage under stored_bytes (gauges)
+  SlabStats slabs;  // the device tier's storage (gauges)
+  // The device tier, then the disk tier when there is one. stored_bytes == the tiers' sum
+  // (the device tier's counts slab spans, the disk tier's the same rounded sizes).
+  std::vector<PrefixTierStats> tiers;
 };
 
 class PrefixCache {
@@ -238,6 +271,8 @@ class PrefixCache {
   // Operator calls: every scope.
   std::vector<ScopedEntry> ListEntries() const ABSL_LOCKS_EXCLUDED(mu_);
   absl::StatusOr<ScopedEntry> Inspect(EntryId entry) const ABSL_LOCKS_EXCLUDED(mu_);
+  // The slowest tier any of `entry`'s pieces is in now.
+  StorageMedium MediumOf(const EntryView& entry) const ABSL_LOCKS_EXCLUDED(mu_);
   // NOT_FOUND; FAILED_PRECONDITION while pinned. Returns the bytes freed.
   absl::StatusOr<uint64_t> EvictEntry(EntryId entry) ABSL_LOCKS_EXCLUDED(mu_);
   // DeviceBudget::Evictor: evicts LRU unpinned entries worth up to `bytes` (everything evictable
@@ -261,13 +296,18 @@ class PrefixCache {
   uint64_t AwaitEvent(uint64_t last_sequence, absl::Duration timeout) const
       ABSL_LOCKS_EXCLUDED(mu_);
 
-  // Test seam (corruption tests): where an entry's block or boundary is stored.
+  // Test seams (corruption tests): where an entry's block or boundary is stored: its span
+  // (FAILED_PRECONDITION when on disk), its file (FAILED_PRECONDITION when in a slab).
   absl::StatusOr<SlabSpan> StorageSpan(uint64_t storage_handle) const ABSL_LOCKS_EXCLUDED(mu_);
+  absl::StatusOr<std::string> StorageFile(uint64_t storage_handle) const ABSL_LOCKS_EXCLUDED(mu_);
   absl::Status CheckInvariants() const ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
   struct Storage {
-    SlabSpan span;
+    StorageMedium medium = StorageMedium::kDevice;
+    SlabSpan span;             // kDevice only
+    uint64_t piece_bytes = 0;  // the piece's own bytes (a disk file's size)
+    uint64_t checksum = 0;     // the StoredRef's (verified when a disk file is read back)
     // One xxHash3 per checksum_slice_bytes slice of a piece of several slices (the StoredRef's
     // checksum is then the xxHash3 of these); empty for a piece of one slice.
     std::vector<uint64_t> slice_checksums;
@@ -288,7 +328,8 @@ class PrefixCache {
   enum class Direction { kCapture, kRestore };
 
   PrefixCache(const PrefixCacheOptions& options, PrefixIndex index, DeviceBackend* backend,
-              DeviceBudget* budget, std::unique_ptr<SlabAllocator> slabs);
+              DeviceBudget* budget, std::unique_ptr<SlabAllocator> slabs,
+              std::unique_ptr<DiskTier> disk);
 
   // REQUIRES the session's mutex (runs inside DaemonSession::ViewLocked).
   absl::StatusOr<PrefixCaptureResult> CaptureLocked(const ScopedShape& shape,
@@ -316,19 +357,37 @@ class PrefixCache {
       Direction direction, ArenaId session_arena, const std::vector<PieceCopy>& pieces,
       bool checksum, EntryId entry) const;
   void FreeStorage(const SlabSpan& span);
-  // Frees handles the index let go of (eviction, drop, unused) and refreshes the budget's
-  // evictable bytes.
+  // Frees handles the index let go of (eviction, drop, unused), in whichever tier they are.
   void FreeHandles(const std::vector<uint64_t>& handles) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // `view` with its scope and plain shape.
   ScopedEntry Unscoped(EntryView view) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Holds or releases the slabs of every span of `entry` (pinned for a restore).
-  void HoldEntry(const EntryView& entry, bool hold) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Holds the slab of every piece of `entry` in a slab (pinned for a restore); returns them
+  // for ReleaseSlabs.
+  std::vector<ArenaId> HoldEntry(const EntryView& entry) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void ReleaseSlabs(const std::vector<ArenaId>& slabs);
+  // Marks (+1) or unmarks (-1) the pieces of a pinned entry: they are never demoted.
+  void MarkPinned(const EntryView& entry, int delta) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Demotes LRU pieces (of unpinned entries, none being promoted) to disk until the device tier
+  // holds at most `target` bytes or nothing is left to demote; when the disk tier is full,
+  // evicts LRU entries to make room. No-op without a disk tier. Disk I/O under mu_.
+  void DemoteDownTo(uint64_t target) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Moves one device piece to disk (the budget's refusal is RESOURCE_EXHAUSTED, nothing moved).
+  absl::Status DemoteHandle(uint64_t handle, Storage& storage) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Moves the disk pieces of the PINNED `entry` into slabs, reading and verifying them without
+  // mu_ (a piece another restore is promoting is waited for). DATA_LOSS: a file whose bytes do
+  // not match the capture's checksums; RESOURCE_EXHAUSTED: no device memory for it. Pieces
+  // promoted before a failure stay promoted.
+  absl::Status PromotePinned(const EntryView& entry) ABSL_LOCKS_EXCLUDED(mu_);
+  StorageMedium MediumLocked(const std::vector<LookupBlock>& blocks,
+                             const std::optional<StoredRef>& boundary) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   // Constant after construction.
   const PrefixCacheOptions options_;
   DeviceBackend* const backend_;
   DeviceBudget* const budget_;
   const std::unique_ptr<SlabAllocator> slabs_;  // thread-safe itself
+  const std::unique_ptr<DiskTier> disk_;         // null: no disk tier; thread-safe itself
 
   std::atomic<uint64_t> tick_{0};  // LRU clock
 
@@ -346,6 +405,16 @@ class PrefixCache {
   uint64_t restores_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t tokens_restored_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t death_captures_ ABSL_GUARDED_BY(mu_) = 0;
+  // Tiers: the device tier's bytes (spans of storage_ in slabs), pieces pinned entries use
+  // (count of pins), pieces a restore is reading back from disk, counters by StorageMedium.
+  uint64_t device_stored_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t disk_ledger_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  absl::flat_hash_map<uint64_t, uint32_t> pinned_handles_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_set<uint64_t> promoting_ ABSL_GUARDED_BY(mu_);
+  static constexpr size_t kMedia = 3;
+  std::array<uint64_t, kMedia> tier_hits_ ABSL_GUARDED_BY(mu_) = {};
+  std::array<uint64_t, kMedia> tier_promotions_ ABSL_GUARDED_BY(mu_) = {};
+  std::array<uint64_t, kMedia> tier_demotions_ ABSL_GUARDED_BY(mu_) = {};
 };
 
 }  // namespace memra

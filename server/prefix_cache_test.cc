@@ -1,6 +1,13 @@
 #include "server/prefix_cache.h"
 
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <cstdint>
+#include <cstdlib>
+#include <fstream>
+#include <string>
+#include <thread>
 #include <memory>
 #include <optional>
 #include <utility>
@@ -159,6 +166,28 @@ class PrefixCacheTest : public ::testing::Test {
     return cache.ok() ? *std::move(cache) : nullptr;
   }
 
+  // A cache with a disk tier under a fresh directory of the test's tmpdir.
+  absl::StatusOr<std::unique_ptr<PrefixCache>> MakeTieredCache(uint64_t device_bytes,
+                                                               uint64_t disk_bytes,
+                                                               DeviceBudget* device_budget,
+                                                               const std::string& dir_name) {
+    const char* tmp = std::getenv("TEST_TMPDIR");
+    disk_dir_ = absl::StrCat(tmp != nullptr ? tmp : "/tmp", "/", dir_name);
+    std::system(absl::StrCat("rm -rf '", disk_dir_, "'").c_str());
+    PrefixCacheOptions options;
+    options.copy_threads = 2;
+    options.checksum_slice_bytes = 512;  // a block is 4 slices: each verified on its own
+    options.slab_bytes = 16 << 10;
+    options.parallel_copy_bytes = 1;
+    options.budget_bytes = device_bytes;
+    options.block_tokens = kBlock;
+    options.epoch = 77;
+    options.disk_dir = disk_dir_;
+    options.disk_bytes = disk_bytes;
+    options.disk_queue_depth = 2;
+    return PrefixCache::Create(options, backend_.get(), device_budget);
+  }
+
   std::unique_ptr<DaemonSession> NewSession(const ModelPlan& plan, uint64_t capacity,
                                            const std::string& scope = kScope) {
     DaemonSession::Params params;
@@ -315,6 +344,7 @@ class PrefixCacheTest : public ::testing::Test {
   DeviceBudget session_budget_{uint64_t{1} << 30, "sessions"};  // charges the test sessions
   std::unique_ptr<PrefixCache> cache_;
   uint64_t next_id_ = 1;
+  std::string disk_dir_;
 };
 
 TEST_F(PrefixCacheTest, ScopesShareNothingButTheStore) {
@@ -361,6 +391,19 @@ TEST_F(PrefixCacheTest, ScopesShareNothingButTheStore) {
   EXPECT_THAT(scopes, ::testing::UnorderedElementsAre("uid:1001", "uid:1002"));
   EXPECT_EQ(listed[0].view.fingerprint, Shape(FlatPlan()));
   EXPECT_THAT(cache_->CheckInvariants(), IsOk());
+}
+
+// The tier of a stored piece, from the cache's own seams.
+// The plain view of an Inspect (the scope apart).
+absl::StatusOr<EntryView> ViewOf(absl::StatusOr<ScopedEntry> scoped) {
+  if (!scoped.ok()) return scoped.status();
+  return std::move(scoped->view);
+}
+
+StorageMedium PieceMedium(const PrefixCache& cache, uint64_t handle) {
+  if (cache.StorageSpan(handle).ok()) return StorageMedium::kDevice;
+  EXPECT_THAT(cache.StorageFile(handle).status(), IsOk());
+  return StorageMedium::kDisk;
 }
 
 TEST_F(PrefixCacheTest, FlatKvCaptureLookupRestoreAnyBlockBoundary) {
@@ -979,6 +1022,325 @@ TEST_F(PrefixCacheTest, LargePiecesAreVerifiedPerSlice) {
               StatusIs(absl::StatusCode::kNotFound, HasSubstr("")));
   EXPECT_EQ(cache_->Stats().dropped_entries, 1u);
   EXPECT_THAT(cache_->CheckInvariants(), IsOk());
+}
+
+}  // namespace
+}  // namespace memra
+
+namespace memra {
+namespace {
+
+// Device tier: 8 block spans; a 4-block entry and then a 6-block one push the first entry's
+// least recently used pieces to disk; restoring it promotes them back bit-exactly.
+TEST_F(PrefixCacheTest, AnEntryDemotedToDiskRestoresBitExactly) {
+  absl::StatusOr<std::unique_ptr<PrefixCache>> tiered =
+      MakeTieredCache(8 * kFlatSpanBytes, 1 << 20, nullptr, "demoted");
+  ASSERT_THAT(tiered.status(), IsOk());
+  cache_ = *std::move(tiered);
+  const std::vector<int32_t> old_tokens = Tokens(4 * kBlock, 1);
+  auto old_source = NewSession(FlatPlan(), 128);
+  Append(*old_source, old_tokens, 4 * kBlock);
+  FillRandom(*old_source, 11, 0);
+  absl::StatusOr<PrefixCaptureResult> old_entry = cache_->Capture(*old_source, old_tokens, 64);
+  ASSERT_THAT(old_entry.status(), IsOk());
+  EXPECT_EQ(cache_->Lookup(kScope, Shape(FlatPlan()), old_tokens).medium, StorageMedium::kDevice);
+  const std::vector<int32_t> new_tokens = Tokens(6 * kBlock, 2);
+  auto new_source = NewSession(FlatPlan(), 128);
+  Append(*new_source, new_tokens, 6 * kBlock);
+  FillRandom(*new_source, 12, 0);
+  ASSERT_THAT(cache_->Capture(*new_source, new_tokens, 96).status(), IsOk());
+
+  // 10 blocks for 8 spans: two of the older entry's blocks went to disk, the newer stayed.
+  PrefixCacheStats stats = cache_->Stats();
+  ASSERT_EQ(stats.tiers.size(), 2u);
+  EXPECT_EQ(stats.tiers[0].medium, StorageMedium::kDevice);
+  EXPECT_EQ(stats.tiers[0].stored_bytes, 8 * kFlatSpanBytes);
+  EXPECT_EQ(stats.tiers[1].medium, StorageMedium::kDisk);
+  EXPECT_EQ(stats.tiers[1].stored_bytes, 2 * kFlatSpanBytes);
+  EXPECT_EQ(stats.tiers[1].demotions, 2u);
+  EXPECT_EQ(stats.stored_bytes, 10 * kFlatSpanBytes);
+  EXPECT_EQ(stats.evicted_entries, 0u);
+  absl::StatusOr<EntryView> view = ViewOf(cache_->Inspect(old_entry->entry));
+  ASSERT_THAT(view.status(), IsOk());
+  EXPECT_EQ(cache_->MediumOf(*view), StorageMedium::kDisk);
+  EXPECT_EQ(cache_->Lookup(kScope, Shape(FlatPlan()), old_tokens).medium, StorageMedium::kDisk);
+  EXPECT_EQ(cache_->Lookup(kScope, Shape(FlatPlan()), new_tokens).medium, StorageMedium::kDevice);
+  const uint64_t demoted = view->blocks[0].stored.storage_handle;
+  ASSERT_EQ(PieceMedium(*cache_, demoted), StorageMedium::kDisk);
+  absl::StatusOr<std::string> file = cache_->StorageFile(demoted);
+  ASSERT_THAT(file.status(), IsOk());
+  struct stat st;
+  ASSERT_EQ(stat(file->c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0600u);
+  EXPECT_EQ(static_cast<uint64_t>(st.st_size), kFlatBlockBytes);  // the piece, not its span
+  EXPECT_THAT(cache_->CheckInvariants(), IsOk());
+  const ScopedEventReplay moved = cache_->EventsSince(77, 2, std::nullopt);
+  ASSERT_FALSE(moved.gap);
+  ASSERT_EQ(moved.events.size(), 1u);
+  EXPECT_EQ(moved.events[0].event.kind, PrefixEventKind::kMoved);
+  EXPECT_EQ(moved.events[0].event.medium, StorageMedium::kDisk);
+  EXPECT_EQ(moved.events[0].event.block_keys.size(), 2u);
+
+  auto dest = NewSession(FlatPlan(), 128);
+  absl::StatusOr<PrefixRestoreResult> restored =
+      cache_->Restore(*dest, old_entry->entry, old_tokens);
+  ASSERT_THAT(restored.status(), IsOk());
+  EXPECT_EQ(restored->restored_tokens, 64u);
+  EXPECT_EQ(KvRows(*dest, 64), KvRows(*old_source, 64));
+  // Promoted (the file is gone) and now the most recent: the newer entry's LRU blocks moved.
+  EXPECT_EQ(PieceMedium(*cache_, demoted), StorageMedium::kDevice);
+  EXPECT_NE(access(file->c_str(), F_OK), 0);
+  stats = cache_->Stats();
+  EXPECT_EQ(stats.tiers[1].hits, 1u);
+  EXPECT_EQ(stats.tiers[0].hits, 0u);
+  EXPECT_EQ(stats.tiers[1].promotions, 2u);
+  EXPECT_EQ(stats.tiers[1].demotions, 4u);
+  EXPECT_EQ(stats.tiers[0].stored_bytes, 8 * kFlatSpanBytes);
+  EXPECT_EQ(cache_->Lookup(kScope, Shape(FlatPlan()), old_tokens).medium, StorageMedium::kDevice);
+  EXPECT_EQ(cache_->Lookup(kScope, Shape(FlatPlan()), new_tokens).medium, StorageMedium::kDisk);
+  EXPECT_THAT(cache_->CheckInvariants(), IsOk());
+  // And the newer entry, now partly on disk, restores bit-exactly too.
+  auto second = NewSession(FlatPlan(), 128);
+  ASSERT_THAT(cache_->Restore(*second, std::nullopt, new_tokens).status(), IsOk());
+  EXPECT_EQ(KvRows(*second, 96), KvRows(*new_source, 96));
+  EXPECT_THAT(cache_->CheckInvariants(), IsOk());
+}
+
+// A boundary-state plan's recurrent piece goes to disk and back like a block: a newer entry of
+// another model takes the whole device tier.
+TEST_F(PrefixCacheTest, ADemotedBoundaryStateRestoresBitExactly) {
+  absl::StatusOr<std::unique_ptr<PrefixCache>> tiered =
+      MakeTieredCache(4 * kFlatSpanBytes, 1 << 20, nullptr, "boundary");
+  ASSERT_THAT(tiered.status(), IsOk());
+  cache_ = *std::move(tiered);
+  const std::vector<int32_t> tokens = Tokens(32);
+  auto source = NewSession(HybridPlan(), 64);
+  Append(*source, tokens, 32);
+  absl::StatusOr<PrefixCaptureResult> captured = cache_->Capture(*source, tokens, 32);
+  ASSERT_THAT(captured.status(), IsOk());
+  const std::vector<int32_t> flat_tokens = Tokens(4 * kBlock, 9);
+  auto flat = NewSession(FlatPlan(), 128);
+  Append(*flat, flat_tokens, 4 * kBlock);
+  ASSERT_THAT(cache_->Capture(*flat, flat_tokens, 64).status(), IsOk());
+  absl::StatusOr<EntryView> view = ViewOf(cache_->Inspect(captured->entry));
+  ASSERT_THAT(view.status(), IsOk());
+  ASSERT_TRUE(view->boundary.has_value());
+  EXPECT_EQ(PieceMedium(*cache_, view->boundary->storage_handle), StorageMedium::kDisk);
+  EXPECT_EQ(PieceMedium(*cache_, view->blocks[0].stored.storage_handle), StorageMedium::kDisk);
+  auto dest = NewSession(HybridPlan(), 64);
+  ASSERT_THAT(cache_->Restore(*dest, captured->entry, tokens).status(), IsOk());
+  ExpectRestored(*dest, 32, 32);
+  EXPECT_EQ(PieceMedium(*cache_, view->boundary->storage_handle), StorageMedium::kDevice);
+  EXPECT_THAT(cache_->CheckInvariants(), IsOk());
+}
+
+TEST_F(PrefixCacheTest, ACorruptedDiskFileIsDataLossAndTheEntryIsDropped) {
+  absl::StatusOr<std::unique_ptr<PrefixCache>> tiered =
+      MakeTieredCache(2 * kFlatSpanBytes, 1 << 20, nullptr, "corrupt");
+  ASSERT_THAT(tiered.status(), IsOk());
+  cache_ = *std::move(tiered);
+  const std::vector<int32_t> tokens = Tokens(3 * kBlock);
+  auto source = NewSession(FlatPlan(), 128);
+  Append(*source, tokens, 3 * kBlock);
+  absl::StatusOr<PrefixCaptureResult> captured = cache_->Capture(*source, tokens, 48);
+  ASSERT_THAT(captured.status(), IsOk());
+  absl::StatusOr<EntryView> view = ViewOf(cache_->Inspect(captured->entry));
+  ASSERT_THAT(view.status(), IsOk());
+  const uint64_t handle = view->blocks[0].stored.storage_handle;
+  absl::StatusOr<std::string> file = cache_->StorageFile(handle);
+  ASSERT_THAT(file.status(), IsOk());
+  {
+    std::fstream bytes(*file, std::ios::in | std::ios::out | std::ios::binary);
+    bytes.seekg(600);  // slice 1 of the block's 512-byte slices
+    const char original = static_cast<char>(bytes.get());
+    bytes.seekp(600);
+    bytes.put(static_cast<char>(original ^ 0x10));
+  }
+  auto dest = NewSession(FlatPlan(), 128);
+  EXPECT_THAT(cache_->Restore(*dest, captured->entry, tokens).status(),
+              StatusIs(absl::StatusCode::kDataLoss,
+                       HasSubstrs(absl::StrCat("prefix entry ", captured->entry.value,
+                                               ": disk file ", *file, " (", kFlatBlockBytes,
+                                               " bytes)"),
+                                  "at slice 1 of 4", "dropped")));
+  EXPECT_EQ(Committed(*dest), 0u);
+  EXPECT_THAT(cache_->Inspect(captured->entry).status(),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("")));
+  EXPECT_NE(access(file->c_str(), F_OK), 0);
+  const PrefixCacheStats stats = cache_->Stats();
+  EXPECT_EQ(stats.dropped_entries, 1u);
+  EXPECT_EQ(stats.stored_bytes, 0u);
+  EXPECT_EQ(stats.tiers[0].stored_bytes, 0u);
+  EXPECT_EQ(stats.tiers[1].stored_bytes, 0u);
+  EXPECT_THAT(cache_->CheckInvariants(), IsOk());
+}
+
+// Random captures, restores and evictions: after every step each tier is within its budget,
+// the ledgers agree, and every surviving entry restores bit-exactly at the end.
+TEST_F(PrefixCacheTest, TierBudgetsHoldUnderChurn) {
+  const uint64_t device_bytes = 8 * kFlatSpanBytes;
+  const uint64_t disk_bytes = 12 * kFlatBlockBytes;
+  absl::StatusOr<std::unique_ptr<PrefixCache>> tiered =
+      MakeTieredCache(device_bytes, disk_bytes, nullptr, "churn");
+  ASSERT_THAT(tiered.status(), IsOk());
+  cache_ = *std::move(tiered);
+  testing::SeededRandom random(20261202);
+  struct Source {
+    std::unique_ptr<DaemonSession> session;
+    std::vector<int32_t> tokens;
+    uint64_t len = 0;
+  };
+  absl::flat_hash_map<uint64_t, Source> sources;
+  uint64_t max_disk = 0;
+  for (int round = 0; round < 80; ++round) {
+    if (random.Below(3) == 0 && !sources.empty()) {
+      std::vector<ScopedEntry> entries = cache_->ListEntries();
+      if (!entries.empty()) {
+        const EntryView& entry = entries[random.Below(entries.size())].view;
+        const Source& source = sources.at(entry.id.value);
+        auto dest = NewSession(FlatPlan(), 256);
+        ASSERT_THAT(cache_->Restore(*dest, entry.id, source.tokens).status(), IsOk());
+        ASSERT_EQ(KvRows(*dest, source.len), KvRows(*source.session, source.len));
+      }
+    } else {
+      const uint64_t len = (1 + random.Below(5)) * kBlock;
+      std::vector<int32_t> tokens = Tokens(len, static_cast<int32_t>(500000 + round * 1000));
+      auto session = NewSession(FlatPlan(), 256);
+      Append(*session, tokens, len);
+      FillRandom(*session, static_cast<uint64_t>(round) + 100, 0);
+      absl::StatusOr<PrefixCaptureResult> captured = cache_->Capture(*session, tokens, len);
+      ASSERT_THAT(captured.status(), IsOk());
+      sources[captured->entry.value] = Source{std::move(session), tokens, len};
+    }
+    const PrefixCacheStats stats = cache_->Stats();
+    ASSERT_LE(stats.tiers[0].stored_bytes, device_bytes) << "round " << round;
+    ASSERT_LE(stats.tiers[1].stored_bytes / kFlatSpanBytes * kFlatBlockBytes, disk_bytes);
+    max_disk = std::max(max_disk, stats.tiers[1].stored_bytes);
+    ASSERT_THAT(cache_->CheckInvariants(), IsOk()) << "round " << round;
+  }
+  const PrefixCacheStats stats = cache_->Stats();
+  // The disk tier filled up to within one entry (at most 5 blocks, evicted whole) of its budget.
+  EXPECT_GE(max_disk + 5 * kFlatSpanBytes, 12 * kFlatSpanBytes);
+  EXPECT_GT(stats.evicted_entries, 5u);      // and full, it evicted the LRU entries
+  EXPECT_GT(stats.tiers[1].promotions, 0u);
+  EXPECT_GT(stats.tiers[1].hits, 0u);
+  for (const ScopedEntry& scoped : cache_->ListEntries()) {
+    const EntryView& entry = scoped.view;
+    const Source& source = sources.at(entry.id.value);
+    auto dest = NewSession(FlatPlan(), 256);
+    ASSERT_THAT(cache_->Restore(*dest, entry.id, source.tokens).status(), IsOk());
+    EXPECT_EQ(KvRows(*dest, source.len), KvRows(*source.session, source.len));
+  }
+  EXPECT_THAT(cache_->CheckInvariants(), IsOk());
+}
+
+// An engine's admission that needs the device memory demotes prefix pieces to disk instead of
+// evicting entries: only slabs count against the device budget.
+TEST_F(PrefixCacheTest, AdmissionDemotesToDiskBeforeEvicting) {
+  const std::vector<int32_t> tokens = Tokens(32);
+  auto session = NewSession(FlatPlan(), 64);
+  Append(*session, tokens, 32);
+  const uint64_t total = uint64_t{1} << 20;
+  DeviceBudget budget(total, "test");
+  absl::StatusOr<std::unique_ptr<PrefixCache>> tiered =
+      MakeTieredCache(uint64_t{64} << 20, 1 << 20, &budget, "admission");
+  ASSERT_THAT(tiered.status(), IsOk());
+  cache_ = *std::move(tiered);
+  cache_->InstallEvictor(budget);
+  absl::StatusOr<PrefixCaptureResult> captured = cache_->Capture(*session, tokens, 32);
+  ASSERT_THAT(captured.status(), IsOk());
+  EXPECT_EQ(budget.Snapshot().allocated(), 16u << 10);  // one slab
+  absl::StatusOr<AllocationId> admitted = budget.Allocate(/*owner=*/1, total);
+  ASSERT_THAT(admitted.status(), IsOk());
+  const PrefixCacheStats stats = cache_->Stats();
+  EXPECT_EQ(stats.entries, 1u);
+  EXPECT_EQ(stats.evicted_entries, 0u);
+  EXPECT_EQ(stats.slabs.slabs, 0u);
+  EXPECT_EQ(stats.tiers[0].stored_bytes, 0u);
+  EXPECT_EQ(stats.tiers[1].stored_bytes, 2 * kFlatSpanBytes);
+  EXPECT_EQ(budget.Snapshot().allocated(), total);
+  EXPECT_THAT(cache_->CheckInvariants(), IsOk());
+  // With the device full the entry cannot come back: RESOURCE_EXHAUSTED, the entry stays.
+  auto dest = NewSession(FlatPlan(), 64);
+  EXPECT_THAT(cache_->Restore(*dest, captured->entry, tokens).status(),
+              StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("")));
+  EXPECT_EQ(cache_->Stats().entries, 1u);
+  ASSERT_THAT(budget.Release(*admitted), IsOk());
+  ASSERT_THAT(cache_->Restore(*dest, captured->entry, tokens).status(), IsOk());
+  ExpectRestored(*dest, 32, 0);
+  EXPECT_THAT(cache_->CheckInvariants(), IsOk());
+  cache_.reset();  // before the budget it charges
+}
+
+// Restores of entries that share disk pieces, from several threads at once: a piece one restore
+// is reading back is waited for by the other (never read twice, never lost), every restore is
+// bit-exact, and the ledgers agree afterwards.
+TEST_F(PrefixCacheTest, ConcurrentRestoresPromoteSharedDiskPiecesOnce) {
+  absl::StatusOr<std::unique_ptr<PrefixCache>> tiered =
+      MakeTieredCache(8 * kFlatSpanBytes, 1 << 20, nullptr, "concurrent");
+  ASSERT_THAT(tiered.status(), IsOk());
+  cache_ = *std::move(tiered);
+  struct Source {
+    std::unique_ptr<DaemonSession> session;
+    std::vector<int32_t> tokens;
+  };
+  std::vector<Source> sources;
+  const std::vector<int32_t> common = Tokens(2 * kBlock, 3);
+  for (int i = 0; i < 4; ++i) {
+    std::vector<int32_t> tokens = Tokens(4 * kBlock, 1000 * (i + 1));
+    std::copy(common.begin(), common.end(), tokens.begin());  // 2 shared blocks, 2 own
+    auto session = NewSession(FlatPlan(), 128);
+    Append(*session, tokens, 4 * kBlock);
+    FillRandom(*session, 40 + i, 2 * kBlock);
+    ASSERT_THAT(cache_->Capture(*session, tokens, 4 * kBlock).status(), IsOk());
+    sources.push_back({std::move(session), tokens});
+  }
+  // 2 shared + 4 x 2 own = 10 blocks for 8 spans: the oldest pieces are on disk.
+  ASSERT_GT(cache_->Stats().tiers[1].stored_bytes, 0u);
+  for (int round = 0; round < 5; ++round) {
+    std::vector<std::unique_ptr<DaemonSession>> dests;
+    for (size_t i = 0; i < sources.size(); ++i) dests.push_back(NewSession(FlatPlan(), 128));
+    std::vector<absl::Status> results(sources.size());
+    std::vector<std::thread> threads;
+    for (size_t i = 0; i < sources.size(); ++i) {
+      threads.emplace_back([&, i] {
+        results[i] = cache_->Restore(*dests[i], std::nullopt, sources[i].tokens).status();
+      });
+    }
+    for (std::thread& thread : threads) thread.join();
+    for (size_t i = 0; i < sources.size(); ++i) {
+      ASSERT_THAT(results[i], IsOk()) << "round " << round << " restore " << i;
+      EXPECT_EQ(KvRows(*dests[i], 4 * kBlock), KvRows(*sources[i].session, 4 * kBlock));
+    }
+    ASSERT_THAT(cache_->CheckInvariants(), IsOk());
+    EXPECT_LE(cache_->Stats().tiers[0].stored_bytes, 8 * kFlatSpanBytes);
+  }
+  const PrefixCacheStats stats = cache_->Stats();
+  EXPECT_EQ(stats.restores, 20u);
+  EXPECT_EQ(stats.dropped_entries, 0u);
+  EXPECT_GT(stats.tiers[1].promotions, 0u);
+}
+
+TEST_F(PrefixCacheTest, DiskTierRefusalsCarryCodesAndNumbers) {
+  EXPECT_THAT(MakeTieredCache(1 << 20, uint64_t{1} << 62, nullptr, "huge").status(),
+              StatusIs(absl::StatusCode::kResourceExhausted,
+                       HasSubstrs("prefix_disk_bytes is 4611686018427387904 bytes",
+                                  "bytes free")));
+  EXPECT_THAT(MakeTieredCache(1 << 20, 0, nullptr, "zero").status(),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstrs("budget (0 bytes)")));
+  const char* tmp = std::getenv("TEST_TMPDIR");
+  const std::string file = absl::StrCat(tmp != nullptr ? tmp : "/tmp", "/a-file");
+  std::ofstream(file) << "x";
+  PrefixCacheOptions options;
+  options.budget_bytes = 1 << 20;
+  options.block_tokens = kBlock;
+  options.disk_dir = file;
+  options.disk_bytes = 1 << 20;
+  EXPECT_THAT(PrefixCache::Create(options, backend_.get(), nullptr).status(),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstrs("not a directory")));
+  options.disk_dir = "relative";
+  EXPECT_THAT(PrefixCache::Create(options, backend_.get(), nullptr).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstrs("\"relative\"")));
 }
 
 }  // namespace

@@ -23,7 +23,24 @@ std::string KeyBytes(const BlockKey& key) {
   return std::string(reinterpret_cast<const char*>(key.data()), key.size());
 }
 
-void FillEntry(const ScopedEntry& entry, bool with_keys, pb::PrefixEntry* out) {
+}  // namespace
+
+pb::PrefixMedium MediumToProto(StorageMedium medium) {
+  switch (medium) {
+    case StorageMedium::kDevice:
+      return pb::PREFIX_MEDIUM_DEVICE;
+    case StorageMedium::kPinnedHost:
+      return pb::PREFIX_MEDIUM_PINNED_HOST;
+    case StorageMedium::kDisk:
+      return pb::PREFIX_MEDIUM_DISK;
+  }
+  return pb::PREFIX_MEDIUM_DEVICE;
+}
+
+namespace {
+
+void FillEntry(const ScopedEntry& entry, StorageMedium medium, bool with_keys,
+               pb::PrefixEntry* out) {
   const EntryView& view = entry.view;
   out->set_cache_scope(entry.cache_scope);
   out->set_entry_id(view.id.value);
@@ -40,6 +57,7 @@ void FillEntry(const ScopedEntry& entry, bool with_keys, pb::PrefixEntry* out) {
   out->set_epoch(view.epoch);
   out->set_last_use_tick(view.last_use_tick);
   out->set_pins(view.pins);
+  out->set_medium(MediumToProto(medium));
 }
 
 pb::PrefixEvent EventToProto(const ScopedPrefixEvent& scoped) {
@@ -58,7 +76,11 @@ pb::PrefixEvent EventToProto(const ScopedPrefixEvent& scoped) {
     case PrefixEventKind::kDropped:
       out.set_kind(pb::PrefixEvent::DROPPED);
       break;
+    case PrefixEventKind::kMoved:
+      out.set_kind(pb::PrefixEvent::MOVED);
+      break;
   }
+  out.set_medium(MediumToProto(event.medium));
   out.set_shape_fingerprint(FingerprintToBytes(event.fingerprint));
   for (const BlockKey& key : event.block_keys) out.add_block_keys(KeyBytes(key));
   if (event.boundary_key.has_value()) out.set_boundary_key(KeyBytes(*event.boundary_key));
@@ -101,6 +123,15 @@ pb::PrefixCacheStats PrefixStatsToProto(const PrefixCacheStats& stats) {
   out.set_slab_free_bytes(stats.slabs.free_bytes);
   out.set_slab_empty_bytes(stats.slabs.empty_bytes);
   out.set_slab_fragmentation_ppm(stats.slabs.fragmentation_ppm);
+  for (const PrefixTierStats& tier : stats.tiers) {
+    pb::PrefixTierStats* t = out.add_tiers();
+    t->set_medium(MediumToProto(tier.medium));
+    t->set_stored_bytes(tier.stored_bytes);
+    t->set_budget_bytes(tier.budget_bytes);
+    t->set_hits(tier.hits);
+    t->set_promotions(tier.promotions);
+    t->set_demotions(tier.demotions);
+  }
   return out;
 }
 
@@ -194,6 +225,7 @@ grpc::Status PrefixService::Lookup(grpc::ServerContext*, const pb::LookupPrefixR
     response->set_entry_id(found.entry.has_value() ? found.entry->value : 0);
     response->set_matched_tokens(found.matched_tokens);
     response->set_block_tokens(cache_->block_tokens());
+    response->set_medium(MediumToProto(found.medium));
     return absl::OkStatus();
   }();
   return Reply("prefix Lookup", status);
@@ -249,7 +281,7 @@ grpc::Status PrefixService::ListPrefixes(grpc::ServerContext*, const pb::ListPre
   }
   if (absl::Status enabled = Enabled(); !enabled.ok()) return Reply("ListPrefixes", enabled);
   for (const ScopedEntry& entry : cache_->ListEntries()) {
-    FillEntry(entry, /*with_keys=*/false, response->add_entries());
+    FillEntry(entry, cache_->MediumOf(entry.view), /*with_keys=*/false, response->add_entries());
   }
   *response->mutable_stats() = PrefixStatsToProto(cache_->Stats());
   return grpc::Status::OK;
@@ -262,7 +294,7 @@ grpc::Status PrefixService::InspectPrefix(grpc::ServerContext*,
     RETURN_IF_ERROR(socket_.AllowOperatorCall("KvPrefixCache.InspectPrefix"));
     RETURN_IF_ERROR(Enabled());
     ASSIGN_OR_RETURN(ScopedEntry entry, cache_->Inspect(EntryId{request->entry_id()}));
-    FillEntry(entry, /*with_keys=*/true, response);
+    FillEntry(entry, cache_->MediumOf(entry.view), /*with_keys=*/true, response);
     return absl::OkStatus();
   }();
   return Reply("InspectPrefix", status);

@@ -84,6 +84,7 @@ class PrefixService final : public memra::kv::v1::KvPrefixCache::Service {
 
 // The stats message of prefix.proto (the lead's metrics exporter reads PrefixCache::Stats()).
 memra::kv::v1::PrefixCacheStats PrefixStatsToProto(const PrefixCacheStats& stats);
+memra::kv::v1::PrefixMedium MediumToProto(StorageMedium medium);
 
 }  // namespace memra
 

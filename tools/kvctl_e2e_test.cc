@@ -300,6 +300,7 @@ TEST_F(KvctlE2eTest, PrefixesAndEvict) {
   EXPECT_THAT(listed.out, HasSubstr("lookups    0 hit, 0 partial, 0 miss"));
   EXPECT_THAT(listed.out,
               HasSubstr("slabs      0 (0 B; 0 B free in use, 0 B empty kept; 0.0% fragmented)"));
+  EXPECT_THAT(listed.out, HasSubstr("tiers      device 0 B of 16.00 MiB (16777216 B) (0 hits)"));
   EXPECT_EQ(KvctlJson<pb::ListPrefixesResponse>({"prefixes"}).stats().budget_bytes(),
             uint64_t{16} << 20);
   const Outcome unknown = Kvctl({"evict", "--entry=99"});

@@ -99,6 +99,36 @@ std::string Ranges(const std::vector<uint32_t>& indices) {
   return absl::StrJoin(parts, ",");
 }
 
+// "device" / "pinned host" / "disk".
+std::string MediumName(pb::PrefixMedium medium) {
+  switch (medium) {
+    case pb::PREFIX_MEDIUM_DEVICE:
+      return "device";
+    case pb::PREFIX_MEDIUM_PINNED_HOST:
+      return "pinned host";
+    case pb::PREFIX_MEDIUM_DISK:
+      return "disk";
+    default:
+      return absl::StrCat("medium ", static_cast<int>(medium));
+  }
+}
+
+// "device 12 MiB of 64 MiB (3 hits); disk 1 GiB of 8 GiB (2 hits, 40 in, 5 out)".
+std::string RenderTiers(const pb::PrefixCacheStats& stats) {
+  std::vector<std::string> tiers;
+  for (const pb::PrefixTierStats& tier : stats.tiers()) {
+    std::string moved;
+    if (tier.medium() != pb::PREFIX_MEDIUM_DEVICE) {
+      moved = absl::StrCat(", ", tier.demotions(), " in, ", tier.promotions(), " out");
+    }
+    tiers.push_back(absl::StrCat(MediumName(tier.medium()), " ",
+                                 FormatBytes(tier.stored_bytes()), " of ",
+                                 FormatBytes(tier.budget_bytes()), " (", tier.hits(), " hits",
+                                 moved, ")"));
+  }
+  return tiers.empty() ? "device only" : absl::StrJoin(tiers, "; ");
+}
+
 std::string RenderPrefixStats(const pb::PrefixCacheStats& stats) {
   return FieldList()
       .Add("stored", absl::StrCat(FormatBytes(stats.stored_bytes()), " in ", stats.entries(),
@@ -109,6 +139,7 @@ std::string RenderPrefixStats(const pb::PrefixCacheStats& stats) {
                                  FormatBytes(stats.slab_empty_bytes()), " empty kept; ",
                                  absl::StrFormat("%.1f", stats.slab_fragmentation_ppm() / 1e4),
                                  "% fragmented)"))
+      .Add("tiers", RenderTiers(stats))
       .Add("evictable", FormatBytes(stats.evictable_bytes()))
       .Add("pinned", FormatBytes(stats.pinned_bytes()))
       .Add("budget", FormatBytes(stats.budget_bytes()))
@@ -294,6 +325,7 @@ std::string RenderPrefixes(const pb::ListPrefixesResponse& prefixes) {
                    {"BLOCKS", Align::kRight},
                    {"BLOCK BYTES", Align::kRight},
                    {"BOUNDARY BYTES", Align::kRight},
+                   {"MEDIUM"},
                    {"PINS", Align::kRight},
                    {"LAST USE", Align::kRight}});
   for (const pb::PrefixEntry& entry : prefixes.entries()) {
@@ -301,7 +333,8 @@ std::string RenderPrefixes(const pb::ListPrefixesResponse& prefixes) {
                   HexBytes(entry.shape_fingerprint()).substr(0, 16),
                   absl::StrCat(entry.boundary_tokens()), absl::StrCat(entry.blocks()),
                   FormatBytes(entry.block_bytes()), FormatBytes(entry.boundary_bytes()),
-                  absl::StrCat(entry.pins()), absl::StrCat(entry.last_use_tick())});
+                  MediumName(entry.medium()), absl::StrCat(entry.pins()),
+                  absl::StrCat(entry.last_use_tick())});
   }
   return absl::StrCat(table.Render(), Count(prefixes.entries_size(), "entry", "entries"), "\n\n",
                       RenderPrefixStats(prefixes.stats()));

@@ -97,6 +97,7 @@ class PrefixMatch:
     entry_id: int
     matched_tokens: int
     block_tokens: int
+    medium: str = "device"  # the slowest tier a matched piece is in: "device" or "disk"
 
 
 @dataclass
@@ -110,7 +111,7 @@ class PrefixRestored:
 class PrefixEvent:
     """One prefix-cache event. `gap`: events were missed that the daemon no longer buffers:
     drop what is known of this daemon and resync with list_prefixes (only sequence and epoch are
-    set then). kind: "stored", "evicted", "dropped" or "gap"."""
+    set then). kind: "stored", "evicted", "dropped", "moved" (to another tier) or "gap"."""
     sequence: int
     epoch: int
     kind: str
@@ -120,10 +121,14 @@ class PrefixEvent:
     boundary_key: bytes = b""
     reason: str = ""
     cache_scope: str = ""
+    medium: str = "device"  # "moved" events: the tier the bytes are in now
 
 
 _EVENT_KINDS = {prefix_pb2.PrefixEvent.STORED: "stored", prefix_pb2.PrefixEvent.EVICTED: "evicted",
-                prefix_pb2.PrefixEvent.DROPPED: "dropped", prefix_pb2.PrefixEvent.GAP: "gap"}
+                prefix_pb2.PrefixEvent.DROPPED: "dropped", prefix_pb2.PrefixEvent.GAP: "gap",
+                prefix_pb2.PrefixEvent.MOVED: "moved"}
+_MEDIA = {prefix_pb2.PREFIX_MEDIUM_DEVICE: "device", prefix_pb2.PREFIX_MEDIUM_PINNED_HOST: "pinned_host",
+          prefix_pb2.PREFIX_MEDIUM_DISK: "disk"}
 _OUTCOMES = {prefix_pb2.LOOKUP_OUTCOME_HIT: "hit", prefix_pb2.LOOKUP_OUTCOME_PARTIAL: "partial",
              prefix_pb2.LOOKUP_OUTCOME_MISS: "miss"}
 
@@ -472,7 +477,7 @@ class Client:
             shape=shape, token_ids=token_ids, engine=self._engine("lookup_prefix")),
             self._timeout(timeout))
         return PrefixMatch(_OUTCOMES.get(r.outcome, "miss"), r.entry_id, r.matched_tokens,
-                           r.block_tokens)
+                           r.block_tokens, _MEDIA.get(r.medium, "device"))
 
     def restore_prefix(self, session, token_ids, entry_id=0, timeout=None):
         """Restores entry_id (0: the longest match) into the FRESH session."""
@@ -805,7 +810,8 @@ class PrefixEvents:
         kind = _EVENT_KINDS.get(event.kind, "stored")
         return PrefixEvent(event.sequence, event.epoch, kind, kind == "gap",
                            event.shape_fingerprint, list(event.block_keys), event.boundary_key,
-                           event.reason, event.cache_scope)
+                           event.reason, event.cache_scope,
+                           _MEDIA.get(event.medium, "device"))
 
     def _end(self, call):
         with self._lock:
