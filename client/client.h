@@ -161,7 +161,10 @@ struct PreparedAppend {
 
 // One exported memory region; the session maps it once (client/mapper.h).
 struct SessionArena {
-  std::string backend;  // "host" (POSIX shm name) or "cuda" (cudaIpcMemHandle_t, 64 bytes)
+  std::string backend;  // "host" or "cuda"
+  // host, and cuda in VMM mode: an opaque token naming the arena to the handoff socket
+  // (docs/handoff.md), which hands its fd to the owning engine only; cuda IPC mode: the 64
+  // bytes of cudaIpcMemHandle_t.
   std::string handle;
   uint64_t bytes = 0;
   bool operator==(const SessionArena&) const = default;
