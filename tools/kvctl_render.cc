@@ -33,6 +33,8 @@ std::string EngineTable(const google::protobuf::RepeatedPtrField<pb::EngineStatu
   TextTable table({{"ENGINE", Align::kRight},
                    {"NAME"},
                    {"PID", Align::kRight},
+                   {"UID", Align::kRight},
+                   {"SCOPE"},
                    {"LEASE"},
                    {"SESSIONS", Align::kRight},
                    {"ALLOCATED", Align::kRight},
@@ -41,7 +43,8 @@ std::string EngineTable(const google::protobuf::RepeatedPtrField<pb::EngineStatu
                    {"HEARTBEAT"}});
   for (const pb::EngineStatus& engine : engines) {
     table.AddRow({absl::StrCat(engine.engine_id()), engine.engine_name(),
-                  absl::StrCat(engine.pid()), engine.lease_live() ? "live" : "ended",
+                  absl::StrCat(engine.pid()), absl::StrCat(engine.uid()), engine.cache_scope(),
+                  engine.lease_live() ? "live" : "ended",
                   absl::StrCat(engine.sessions()), FormatBytes(engine.allocated_bytes()),
                   FormatBytes(engine.reserved_bytes()), absl::StrCat(engine.reservations()),
                   Age(engine.last_heartbeat_age_ms())});

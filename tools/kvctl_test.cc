@@ -353,6 +353,9 @@ pb::EngineStatus Engine(uint64_t id, const std::string& name, bool live) {
   engine.set_engine_id(id);
   engine.set_engine_name(name);
   engine.set_pid(4000 + id);
+  engine.set_uid(1000 + id);
+  engine.set_gid(1000);
+  engine.set_cache_scope(live ? absl::StrCat("uid:", 1000 + id) : "team-a");
   engine.set_lease_live(live);
   engine.set_sessions(id);
   engine.set_allocated_bytes(id << 30);
@@ -405,9 +408,12 @@ TEST(RenderTest, Status) {
       "  evictable    1.00 MiB (1048576 B)\n"
       "  granularity  4.00 KiB (4096 B)\n"
       "\n"
-      "ENGINE  NAME     PID  LEASE  SESSIONS                ALLOCATED  RESERVED  RESV  HEARTBEAT\n"
-      "     1  vllm-0  4001  live          1  1.00 GiB (1073741824 B)     512 B     1  250ms ago\n"
-      "     2  sglang  4002  ended         2  2.00 GiB (2147483648 B)       0 B     0  1m1s ago\n");
+      "ENGINE  NAME     PID   UID  SCOPE     LEASE  SESSIONS                ALLOCATED  RESERVED  "
+      "RESV  HEARTBEAT\n"
+      "     1  vllm-0  4001  1001  uid:1001  live          1  1.00 GiB (1073741824 B)     512 B  "
+      "   1  250ms ago\n"
+      "     2  sglang  4002  1002  team-a    ended         2  2.00 GiB (2147483648 B)       0 B  "
+      "   0  1m1s ago\n");
 }
 
 TEST(RenderTest, StatusOnADeviceOverBudgetWhileDraining) {
@@ -447,12 +453,12 @@ TEST(RenderTest, EnginesAndSessions) {
   *engines.add_engines() = Engine(1, "vllm-0", true);
   *engines.add_engines() = Engine(12, "sglang", false);
   EXPECT_EQ(RenderEngines(engines),
-            "ENGINE  NAME     PID  LEASE  SESSIONS                  ALLOCATED  RESERVED  RESV  "
-            "HEARTBEAT\n"
-            "     1  vllm-0  4001  live          1    1.00 GiB (1073741824 B)     512 B     1  "
-            "250ms ago\n"
-            "    12  sglang  4012  ended        12  12.00 GiB (12884901888 B)       0 B     0  "
-            "1m1s ago\n");
+            "ENGINE  NAME     PID   UID  SCOPE     LEASE  SESSIONS                  ALLOCATED  "
+            "RESERVED  RESV  HEARTBEAT\n"
+            "     1  vllm-0  4001  1001  uid:1001  live          1    1.00 GiB (1073741824 B)  "
+            "   512 B     1  250ms ago\n"
+            "    12  sglang  4012  1012  team-a    ended        12  12.00 GiB (12884901888 B)  "
+            "     0 B     0  1m1s ago\n");
 
   pb::ListSessionsResponse sessions;
   EXPECT_EQ(RenderSessions(sessions), "no sessions\n");
