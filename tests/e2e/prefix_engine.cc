@@ -30,6 +30,7 @@
 #include "core/kv_ring.h"
 #include "core/status_macros.h"
 #include "core/test_model_plans.h"
+#include "tests/engine_exit.h"
 #include "tests/e2e/engine_device.h"
 #include "tests/e2e/facts.h"
 #include "tests/e2e/plane_memory.h"
@@ -269,11 +270,6 @@ absl::Status Run() {
 
 int main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
-  absl::Status status = memra::testing::Run();
-  if (!status.ok()) {
-    std::fprintf(stderr, "prefix_engine %s: %s\n", absl::GetFlag(FLAGS_mode).c_str(),
-                 status.ToString().c_str());
-    return 1;
-  }
-  return 0;
+  return memra::testing::EngineExit("prefix_engine", absl::GetFlag(FLAGS_mode),
+                                     memra::testing::Run());
 }

@@ -13,7 +13,6 @@
 
 #include <unistd.h>
 
-#include <cstdio>
 #include <string>
 
 #include "absl/flags/flag.h"
@@ -25,6 +24,7 @@
 #include "client/client.h"
 #include "client/internal.h"
 #include "core/status_macros.h"
+#include "tests/engine_exit.h"
 #include "tests/e2e/engine_device.h"
 #include "tests/e2e/engine_script.h"
 #include "tests/e2e/facts.h"
@@ -106,11 +106,6 @@ absl::Status Run() {
 
 int main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
-  absl::Status status = memra::testing::Run();
-  if (!status.ok()) {
-    std::fprintf(stderr, "test_engine %s: %s\n", absl::GetFlag(FLAGS_name).c_str(),
-                 status.ToString().c_str());
-    return 1;
-  }
-  return 0;
+  return memra::testing::EngineExit("test_engine", absl::GetFlag(FLAGS_name),
+                                     memra::testing::Run());
 }

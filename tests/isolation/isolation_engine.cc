@@ -40,6 +40,7 @@
 #include "common/grpc_status.h"
 #include "core/status_macros.h"
 #include "core/test_model_plans.h"
+#include "tests/engine_exit.h"
 #include "tests/e2e/facts.h"
 
 ABSL_FLAG(std::string, socket, "", "the daemon's engine socket");
@@ -204,11 +205,6 @@ absl::Status Run() {
 
 int main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
-  absl::Status status = memra::testing::Run();
-  if (!status.ok()) {
-    std::fprintf(stderr, "isolation_engine %s: %s\n", absl::GetFlag(FLAGS_name).c_str(),
-                 status.ToString().c_str());
-    return 1;
-  }
-  return 0;
+  return memra::testing::EngineExit("isolation_engine", absl::GetFlag(FLAGS_name),
+                                     memra::testing::Run());
 }

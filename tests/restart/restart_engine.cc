@@ -14,7 +14,6 @@
 
 #include <unistd.h>
 
-#include <cstdio>
 #include <memory>
 #include <string>
 #include <vector>
@@ -29,6 +28,7 @@
 #include "client/client.h"
 #include "core/status_macros.h"
 #include "core/test_model_plans.h"
+#include "tests/engine_exit.h"
 #include "tests/e2e/facts.h"
 
 ABSL_FLAG(std::string, socket, "", "memra-kvd's engine socket");
@@ -209,11 +209,6 @@ absl::Status Run() {
 int main(int argc, char** argv) {
   absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
   absl::ParseCommandLine(argc, argv);
-  absl::Status status = memra::testing::Run();
-  if (!status.ok()) {
-    std::fprintf(stderr, "restart_engine %s: %s\n", absl::GetFlag(FLAGS_name).c_str(),
-                 status.ToString().c_str());
-    return 1;
-  }
-  return 0;
+  return memra::testing::EngineExit("restart_engine", absl::GetFlag(FLAGS_name),
+                                     memra::testing::Run());
 }
