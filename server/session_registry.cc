@@ -345,14 +345,19 @@ absl::Status SessionRegistry::Run(const SessionCredentials& credentials,
 
 absl::Status SessionRegistry::Run(const SessionCredentials& credentials, const SessionOp& op) {
   ASSIGN_OR_RETURN(std::shared_ptr<DaemonSession> session, Find(credentials));
-  absl::Status status = Apply(*session, op);
-  session->JournalNow();
-  return status;
+  return ApplyAndJournal(*session, op);
 }
 
 absl::Status SessionRegistry::Run(const SessionSlot& slot, const SessionOp& op) {
   ASSIGN_OR_RETURN(std::shared_ptr<DaemonSession> session, Find(slot));
-  return Apply(*session, op);
+  return ApplyAndJournal(*session, op);
+}
+
+absl::Status SessionRegistry::ApplyAndJournal(DaemonSession& session, const SessionOp& op) {
+  absl::Status status = Apply(session, op);
+  // Before the reply: what the engine is told happened is what a restart brings back.
+  session.JournalNow();
+  return status;
 }
 
 void SessionRegistry::CaptureBeforeRelease(DaemonSession& session) {

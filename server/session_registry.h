@@ -250,6 +250,9 @@ class SessionRegistry {
   const FormatDefaults& format_defaults() const { return defaults_; }
 
  private:
+  // Apply, then the session's journal record: every Run (by credentials or by slot) ends here
+  // or journals the same way, so what an engine is told happened is what a restart restores.
+  static absl::Status ApplyAndJournal(DaemonSession& session, const SessionOp& op);
   // Removes `ids` (and their index entries) from the map; the sessions removed.
   std::vector<std::shared_ptr<DaemonSession>> RemoveLocked(const std::vector<uint64_t>& ids)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -1,11 +1,14 @@
 #include "server/session_registry.h"
 
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "core/test_model_plans.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -18,6 +21,7 @@
 #include "server/host_backend.h"
 #include "server/plan_registry.h"
 #include "server/test_host_backend.h"
+#include "server/state_journal.h"
 #include "tests/status_matchers.h"
 
 namespace memra {
@@ -178,6 +182,57 @@ TEST_F(SessionRegistryTest, ARefusedCreateFreesTheEnginesOwnPoolAndRetries) {
   EXPECT_EQ(pool.TakeUnmapped(engine->id.value).size(), 1u) << "its client is told to unmap it";
   registry.ReleaseAll();
   EXPECT_EQ(budget.Snapshot().allocated(), 0u);
+}
+
+// The committed length each session's last journal record holds (what a restart restores).
+class CommittedLengthJournal final : public StateJournal {
+ public:
+  void EngineAttached(uint64_t, absl::string_view, absl::string_view, const PeerCredentials&,
+                      absl::string_view) override {}
+  void EngineForgotten(uint64_t) override {}
+  void ArenaCreated(ArenaId) override {}
+  void ArenaFreed(ArenaId) override {}
+  void SessionChanged(const JournaledSession& session) override {
+    absl::MutexLock lock(&mu_);
+    committed_[session.id] = session.committed.committed_len;
+  }
+  void SessionReleased(uint64_t id) override {
+    absl::MutexLock lock(&mu_);
+    committed_.erase(id);
+  }
+  std::optional<uint64_t> Committed(uint64_t id) {
+    absl::MutexLock lock(&mu_);
+    auto it = committed_.find(id);
+    return it == committed_.end() ? std::nullopt : std::optional<uint64_t>(it->second);
+  }
+
+ private:
+  absl::Mutex mu_;
+  absl::flat_hash_map<uint64_t, uint64_t> committed_ ABSL_GUARDED_BY(mu_);
+};
+
+// A step addressed by slot is journaled exactly as one addressed by id and token.
+TEST_F(SessionRegistryTest, OperationsBySlotAreJournaledBeforeTheReply) {
+  CommittedLengthJournal journal;
+  SessionRegistry registry(backend_.get(), &budget_, &leases_, &plans_, FormatDefaults(), nullptr,
+                           UINT64_MAX, nullptr, &journal);
+  const EngineLease engine = Attach("a");
+  absl::StatusOr<std::shared_ptr<DaemonSession>> session =
+      registry.Create(Engine(engine), plan_, Shape(256), std::nullopt);
+  ASSERT_THAT(session, IsOk());
+  const SessionSlot slot{engine.id, (*session)->slot()};
+  pb::BeginResponse begin;
+  pb::PrepareAppendResponse prepare;
+  pb::PublishAppendResponse publish;
+  pb::CommitResponse commit;
+  ASSERT_THAT(registry.Run(slot, BeginOp{&begin}), IsOk());
+  ASSERT_THAT(registry.Run(slot, PrepareAppendOp{begin.generation(), 5, &prepare}), IsOk());
+  ASSERT_THAT(registry.Run(slot, PublishAppendOp{begin.generation(), &publish}), IsOk());
+  const std::vector<int32_t> tokens = {1, 2, 3, 4, 5};
+  ASSERT_THAT(registry.Run(slot, CommitOp{begin.generation(), 5, tokens, &commit}), IsOk());
+  EXPECT_EQ(commit.committed_len(), 5u);
+  EXPECT_EQ(journal.Committed((*session)->id().value), std::optional<uint64_t>(5));
+  registry.ReleaseAll();
 }
 
 TEST_F(SessionRegistryTest, CreateRefusalsAllocateNothing) {
