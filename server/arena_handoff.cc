@@ -155,10 +155,22 @@ absl::StatusOr<HandoffClaim> ArenaHandoff::ClaimTicket(absl::string_view ticket)
 }
 
 void ArenaHandoff::BindEngine(uint64_t connection, uint64_t engine_id) {
-  absl::MutexLock lock(&mu_);
-  if (auto it = connections_.find(connection); it != connections_.end()) {
+  bool superseded = false;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = connections_.find(connection);
+    if (it == connections_.end()) return;
     it->second.engine_id = engine_id;
+    // One connection per engine: a re-attach's connection supersedes the earlier one, so an
+    // engine cannot collect slots and an old process stops receiving descriptors.
+    for (auto& [id, other] : connections_) {
+      if (id != connection && other.engine_id == engine_id) {
+        other.closing = true;
+        superseded = true;
+      }
+    }
   }
+  if (superseded) Wake();
 }
 
 void ArenaHandoff::ForgetEngine(uint64_t engine_id) {
@@ -216,9 +228,11 @@ void ArenaHandoff::Serve() {
           enforce(connection.input_since, options_.request_deadline,
                   "handoff request not complete");
         }
-        if (!connection.claimed) {
+        // Until an engine is bound, not merely until the ticket is claimed: an Attach refused
+        // after its claim (scope, limits, draining) must not hold a slot for ever.
+        if (connection.engine_id == 0) {
           enforce(connection.accepted, options_.claim_deadline,
-                  "no Attach claimed this connection's ticket");
+                  "no engine attached with this connection's ticket");
         }
         if (connection.closing) {
           to_close.push_back(id);

@@ -83,7 +83,8 @@ class ArenaHandoff {
   // numbers) for an empty ticket, one of the wrong size, of no open connection, used already, or
   // whose secret is wrong.
   absl::StatusOr<HandoffClaim> ClaimTicket(absl::string_view ticket) ABSL_LOCKS_EXCLUDED(mu_);
-  // The connection now serves engine `engine_id` (a no-op when it closed meanwhile).
+  // The connection now serves engine `engine_id` (a no-op when it closed meanwhile); any other
+  // connection bound to that engine (before a re-attach) is closed.
   void BindEngine(uint64_t connection, uint64_t engine_id) ABSL_LOCKS_EXCLUDED(mu_);
   // The engine was reclaimed: its connection is closed.
   void ForgetEngine(uint64_t engine_id) ABSL_LOCKS_EXCLUDED(mu_);

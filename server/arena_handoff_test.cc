@@ -256,9 +256,63 @@ TEST_F(ArenaHandoffTest, UnclaimedTicketIsClosedAfterItsDeadline) {
   ASSERT_GE(idle, 0);
   EXPECT_THAT(LastRefusalBeforeClose(idle),
               StatusIs(absl::StatusCode::kDeadlineExceeded,
-                       HasSubstrs("no Attach claimed", "within 200 ms")));
+                       HasSubstrs("no engine attached", "within 200 ms")));
   close(idle);
   EXPECT_EQ(handoff_->connection_count(), 0u);
+}
+
+// A ticket claimed by an Attach that was then refused (no BindEngine) holds no slot for ever.
+TEST_F(ArenaHandoffTest, ClaimedButNeverBoundTicketIsClosedAfterItsDeadline) {
+  ArenaHandoff::Options options;
+  options.claim_deadline = absl::Milliseconds(200);
+  StartHandoff(options);
+  const int raw = ConnectRaw();
+  ASSERT_GE(raw, 0);
+  // The ticket frame the daemon sends first, claimed as an Attach would before refusing.
+  std::string input;
+  std::optional<handoff::Frame> ticket;
+  char data[256];
+  while (!ticket.has_value()) {
+    const ssize_t n = read(raw, data, sizeof(data));
+    ASSERT_GT(n, 0);
+    input.append(data, static_cast<size_t>(n));
+    absl::StatusOr<std::optional<handoff::Frame>> frame = handoff::TakeFrame(input);
+    ASSERT_THAT(frame, IsOk());
+    ticket = *std::move(frame);
+  }
+  ASSERT_EQ(ticket->kind, handoff::Kind::kTicket);
+  absl::StatusOr<std::string> decoded = handoff::DecodeTicket(ticket->body);
+  ASSERT_THAT(decoded, IsOk());
+  ASSERT_THAT(handoff_->ClaimTicket(*decoded), IsOk());
+  EXPECT_THAT(LastRefusalBeforeClose(raw),
+              StatusIs(absl::StatusCode::kDeadlineExceeded,
+                       HasSubstrs("no engine attached", "within 200 ms")));
+  close(raw);
+  for (int i = 0; i < 400 && handoff_->connection_count() > 0; ++i) {
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  EXPECT_EQ(handoff_->connection_count(), 0u);
+}
+
+// A re-attach's connection supersedes the engine's earlier one, which is closed.
+TEST_F(ArenaHandoffTest, BindingAnEngineAgainClosesItsEarlierConnection) {
+  StartHandoff();
+  std::unique_ptr<HandoffChannel> first = Connect();
+  std::unique_ptr<HandoffChannel> second = Connect();
+  ASSERT_NE(second, nullptr);
+  absl::StatusOr<HandoffClaim> first_claim = handoff_->ClaimTicket(first->ticket());
+  absl::StatusOr<HandoffClaim> second_claim = handoff_->ClaimTicket(second->ticket());
+  ASSERT_THAT(first_claim, IsOk());
+  ASSERT_THAT(second_claim, IsOk());
+  handoff_->BindEngine(first_claim->connection, kEngine);
+  handoff_->BindEngine(second_claim->connection, kEngine);
+  for (int i = 0; i < 400 && handoff_->connection_count() > 1; ++i) {
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  EXPECT_EQ(handoff_->connection_count(), 1u);
+  const handoff::ArenaRequest request{.session_id = 1, .session_token = "t", .handle = "h"};
+  EXPECT_THAT(second->FetchArena(request), IsOk());
+  EXPECT_FALSE(first->FetchArena(request).ok());  // closed by the daemon
 }
 
 TEST_F(ArenaHandoffTest, MalformedFrameIsRefusedAndClosed) {
