@@ -122,6 +122,21 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Create(DaemonConfig config,
       spdlog::error("KV will not survive a restart: {}", created.status().ToString());
     }
   }
+  if (previous.has_value() && restart_state == nullptr) {
+    // Nothing would journal what re-adopted sessions do from now on, so a later restart would
+    // bring this start's records back over changed memory: the kept state is dropped instead.
+    spdlog::warn("restart: the previous daemon's {} sessions are not re-adopted: this daemon "
+                 "keeps no restart journal (keep_kv_across_restarts, or the journal failed)",
+                 previous->sessions.size());
+    std::vector<std::string> names = previous->leftovers;
+    names.push_back(previous->journal_name);
+    for (const auto& [name, fd] : previous->arenas) names.push_back(name);
+    for (const auto& [name, plan] : previous->plans) names.push_back(name);
+    for (const std::string& name : names) {
+      if (!name.empty()) (void)SdNotify(absl::StrCat("FDSTOREREMOVE=1\nFDNAME=", name));
+    }
+    previous.reset();
+  }
   auto [budget_bytes, rule] = BudgetFor(config, *backend);
   const AdmissionLimits limits{.max_arenas = EffectiveMaxArenas(config),
                                .owner_share_percent = config.max_engine_budget_share};

@@ -18,6 +18,8 @@
 #include "gtest/gtest.h"
 #include "server/arena_pool.h"
 #include "server/clock.h"
+#include "server/config.h"
+#include "server/daemon.h"
 #include "server/device_budget.h"
 #include "server/engine_leases.h"
 #include "server/plan_registry.h"
@@ -278,6 +280,28 @@ TEST_F(RestartStateTest, WhatCannotBeKeptIsRecordedAsSuch) {
   ASSERT_EQ(previous->sessions.size(), 4u);
   EXPECT_EQ(previous->sessions[0].not_recoverable(),
             "its arena's memory was not kept in the fd store");
+}
+
+// A daemon that keeps no journal itself re-adopts nothing and drops what the previous one kept:
+// a later restart must never bring back records over memory this daemon changed.
+TEST_F(RestartStateTest, ADaemonKeepingNoJournalDropsThePreviousDaemonsState) {
+  absl::StatusOr<ArenaId> arena = backend_->CreateArena(4096, ArenaVisibility::kExported);
+  ASSERT_THAT(arena, IsOk());
+  state_->EngineAttached(1, "engine-token-16b", "engine-a", PeerCredentials{}, "uid:0");
+  state_->ArenaCreated(*arena);
+  state_->SessionChanged(Session(5, *arena));
+  ASSERT_EQ(store_.Drain().size(), 3u);  // journal, arena, plan
+  DaemonConfig config;
+  config.keep_kv_across_restarts = false;
+  FakeClock clock;
+  absl::StatusOr<std::unique_ptr<Daemon>> daemon =
+      Daemon::Create(config, NewTestHostBackend(TestHostBackendOptions(1 << 24)), &clock,
+                     store_.Passed());
+  ASSERT_THAT(daemon, IsOk());
+  EXPECT_EQ((*daemon)->readopted().previous_epoch, 0u);
+  EXPECT_EQ((*daemon)->readopted().sessions, 0u);
+  EXPECT_TRUE(store_.Drain().empty());
+  (*daemon)->Shutdown();
 }
 
 TEST(ReadPreviousDaemon, WithoutAJournalNothingIsReadoptedAndEverythingIsALeftover) {
