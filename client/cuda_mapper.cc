@@ -42,7 +42,7 @@ class VmmImport final : public CachingArenaMapper::Mapping {
 
 }  // namespace
 
-bool IsVmmHandle(absl::string_view handle) { return absl::StartsWith(handle, "vmm-"); }
+bool IsVmmHandle(absl::string_view handle) { return absl::StartsWith(handle, kVmmHandlePrefix); }
 
 absl::StatusOr<std::unique_ptr<CachingArenaMapper::Mapping>> MapVmmDescriptor(int device, int fd,
                                                                               uint64_t bytes) {

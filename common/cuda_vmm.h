@@ -15,8 +15,13 @@
 #include <cstdint>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 
 namespace memra {
+
+// How a VMM arena's export handle starts (then 32 random hex characters); an IPC handle never
+// does, so the engine's mapper tells the two modes apart by it.
+inline constexpr absl::string_view kVmmHandlePrefix = "vmm-";
 
 // The allocation granularity cuMemGetAllocationGranularity recommends for `device` (a CUDA
 // ordinal): every VMM arena's size is a multiple of it.

@@ -6,6 +6,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "core/checked_math.h"
+#include "core/sizing.h"
 #include "core/status_macros.h"
 
 namespace memra {
@@ -31,18 +32,15 @@ class PlaneBytesIndex {
  public:
   explicit PlaneBytesIndex(const SessionPlan& plan) {
     bytes_.reserve(plan.planes.size());
-    for (const PlaneSpec& spec : plan.planes) bytes_.emplace(Key(spec.layer, spec.kind), spec.bytes);
+    for (const PlaneSpec& spec : plan.planes) bytes_.emplace(PlaneKey(spec.layer, spec.kind), spec.bytes);
   }
   // 0 when the layer has no such plane.
   uint64_t operator()(uint32_t layer, PlaneKind kind) const {
-    auto it = bytes_.find(Key(layer, kind));
+    auto it = bytes_.find(PlaneKey(layer, kind));
     return it == bytes_.end() ? 0 : it->second;
   }
 
  private:
-  static uint64_t Key(uint32_t layer, PlaneKind kind) {
-    return (uint64_t{layer} << 8) | static_cast<uint8_t>(kind);
-  }
   absl::flat_hash_map<uint64_t, uint64_t> bytes_;
 };
 

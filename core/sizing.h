@@ -53,6 +53,11 @@ enum class PlaneKind : uint8_t {
   kSpecConv = 10,     // spec-decode snapshot copy of kConvState
   kSpecSsm = 11,      // spec-decode snapshot copy of kSsmState
 };
+
+// One map key per (layer, plane kind): the layer above the kind's 8 bits, no layer lost.
+inline uint64_t PlaneKey(uint32_t layer, PlaneKind kind) {
+  return (uint64_t{layer} << 8) | static_cast<uint8_t>(kind);
+}
 std::string_view PlaneKindName(PlaneKind kind);
 
 // Invariant: bytes == rows * row_bytes + extra, where extra is the K/V 8-byte tail pad, or 4 for

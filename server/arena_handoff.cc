@@ -298,17 +298,19 @@ void ArenaHandoff::AcceptAll() {
       spdlog::warn("handoff socket: SO_PEERCRED: {}", strerror(errno));
       continue;
     }
-    absl::StatusOr<std::string> secret = RandomSecretToken();
     absl::MutexLock lock(&mu_);
-    if (connections_.size() >= options_.max_connections || !secret.ok()) {
+    // The limit first: a refused connection costs no random token.
+    if (connections_.size() >= options_.max_connections) {
       (void)handoff::SendFrame(
-          socket.get(),
-          handoff::EncodeRefusal(
-              !secret.ok() ? secret.status()
-                           : absl::ResourceExhaustedError(absl::StrCat(
-                                 "the handoff socket serves ", connections_.size(),
-                                 " connections and the limit is ", options_.max_connections,
-                                 " (max_attached_engines)"))));
+          socket.get(), handoff::EncodeRefusal(absl::ResourceExhaustedError(absl::StrCat(
+                            "the handoff socket serves ", connections_.size(),
+                            " connections and the limit is ", options_.max_connections,
+                            " (max_attached_engines)"))));
+      continue;
+    }
+    absl::StatusOr<std::string> secret = RandomSecretToken();
+    if (!secret.ok()) {
+      (void)handoff::SendFrame(socket.get(), handoff::EncodeRefusal(secret.status()));
       continue;
     }
     const uint64_t id = next_connection_++;

@@ -80,11 +80,11 @@ class VmmArena final : public ArenaRecord {
   ScopedFd fd_;
 };
 
-// "vmm-" + 32 random hex characters: names a VMM arena to its engine (nothing else can open it
+// kVmmHandlePrefix + 32 random hex characters: names a VMM arena to its engine (nothing else can open it
 // from the name: the memory comes only as a descriptor over the side channel).
 absl::StatusOr<std::string> NewVmmHandle() {
   ASSIGN_OR_RETURN(const std::string random, RandomSecretToken());
-  return absl::StrCat("vmm-", absl::BytesToHexString(random));
+  return absl::StrCat(kVmmHandlePrefix, absl::BytesToHexString(random));
 }
 
 }  // namespace

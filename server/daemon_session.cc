@@ -16,10 +16,7 @@ namespace {
 
 namespace pb = ::memra::kv::v1;
 
-uint32_t PlaneKey(uint32_t layer, PlaneKind kind) {
-  return (layer << 8) | static_cast<uint32_t>(kind);
-}
-uint32_t PlaneKey(const PlaneRef& ref) { return PlaneKey(ref.layer, ref.kind); }
+uint64_t PlaneKey(const PlaneRef& ref) { return PlaneKey(ref.layer, ref.kind); }
 
 // cache_id binds core transactions to one session and layout version, daemon-wide.
 uint64_t NextCacheId() {

@@ -56,7 +56,7 @@ struct SessionLayoutVersion {
   uint64_t version = 0;
   SessionPlan plan;
   std::vector<uint64_t> offsets;                // byte offset of plan.planes[i] in the arena
-  absl::flat_hash_map<uint32_t, size_t> index;  // PlaneKey(layer, kind) -> plan.planes index
+  absl::flat_hash_map<uint64_t, size_t> index;  // PlaneKey(layer, kind) -> plan.planes index
   uint64_t arena_bytes = 0;  // the arena's exact bytes: what admission charged
   AllocationId charge;       // this arena's entry in the admission budget
   ArenaId arena;
