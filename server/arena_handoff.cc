@@ -308,6 +308,18 @@ void ArenaHandoff::AcceptAll() {
                             " (max_attached_engines)"))));
       continue;
     }
+    const size_t unbound = static_cast<size_t>(
+        std::count_if(connections_.begin(), connections_.end(), [&](const auto& entry) {
+          return entry.second.engine_id == 0 && entry.second.peer.uid == credentials.uid;
+        }));
+    if (unbound >= options_.max_unbound_per_uid) {
+      (void)handoff::SendFrame(
+          socket.get(), handoff::EncodeRefusal(absl::ResourceExhaustedError(absl::StrCat(
+                            "uid ", credentials.uid, " holds ", unbound,
+                            " handoff connections with no engine attached; the limit is ",
+                            options_.max_unbound_per_uid, " (attach with the tickets first)"))));
+      continue;
+    }
     absl::StatusOr<std::string> secret = RandomSecretToken();
     if (!secret.ok()) {
       (void)handoff::SendFrame(socket.get(), handoff::EncodeRefusal(secret.status()));

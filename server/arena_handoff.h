@@ -63,6 +63,9 @@ class ArenaHandoff {
     std::string group;
     uint32_t mode = 0660;
     size_t max_connections = 256;  // max_attached_engines
+    // Connections of one uid with no engine bound yet: one user cannot fill the socket with
+    // connections that never attach (room for a few engines starting at once).
+    size_t max_unbound_per_uid = 8;
     absl::Duration request_deadline = absl::Seconds(2);
     absl::Duration claim_deadline = absl::Seconds(60);
   };

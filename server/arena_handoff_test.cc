@@ -227,6 +227,24 @@ TEST_F(ArenaHandoffTest, ConnectionsPastTheLimitAreRefused) {
   EXPECT_NE(Connect(), nullptr);  // a slot came free
 }
 
+TEST_F(ArenaHandoffTest, OneUidCannotHoldManyConnectionsWithoutAttaching) {
+  ArenaHandoff::Options options;
+  options.max_unbound_per_uid = 2;
+  StartHandoff(options);
+  std::unique_ptr<HandoffChannel> first = Connect();
+  std::unique_ptr<HandoffChannel> second = Connect();
+  ASSERT_NE(second, nullptr);
+  EXPECT_THAT(HandoffChannel::Connect(handoff_->path(), absl::Seconds(5)),
+              StatusIs(absl::StatusCode::kResourceExhausted,
+                       HasSubstrs(absl::StrCat("uid ", getuid(), " holds 2 handoff connections"),
+                                  "no engine attached; the limit is 2")));
+  // Once one of them attaches, the uid may connect again.
+  absl::StatusOr<HandoffClaim> claim = handoff_->ClaimTicket(first->ticket());
+  ASSERT_THAT(claim, IsOk());
+  handoff_->BindEngine(claim->connection, kEngine);
+  EXPECT_NE(Connect(), nullptr);
+}
+
 TEST_F(ArenaHandoffTest, StalledRequestIsClosedAndOthersAreServedMeanwhile) {
   ArenaHandoff::Options options;
   options.request_deadline = absl::Seconds(2);
