@@ -299,9 +299,6 @@ grpc::Status CacheService::Step(grpc::ServerContext*, const pb::StepRequest* req
                              absl::StrCat("Step carries ", request->entries_size(),
                                           " entries; the limit is ", kMaxStepEntries)));
   }
-  if (absl::Status waited = WaitForEngine(request->ordering()); !waited.ok()) {
-    return Reply("Step", waited);
-  }
   // The engine entries naming a slot act for: authenticated once, and only if one does.
   std::optional<absl::Status> engine_checked;
   auto slot_engine = [&]() -> absl::StatusOr<EngineId> {
@@ -311,6 +308,22 @@ grpc::Status CacheService::Step(grpc::ServerContext*, const pb::StepRequest* req
     RETURN_IF_ERROR(*engine_checked);
     return EngineId{request->engine().engine_id()};
   };
+  if (!request->ordering().wait_event().empty()) {
+    // Authenticated first, as RunOrdered and ReleaseSession are: nobody makes the daemon wait
+    // on an event without naming a session of theirs (the first entry's).
+    if (request->entries_size() == 0) {
+      return Reply("Step", absl::InvalidArgumentError(
+                               "Step with a wait event carries no entries: nothing to order"));
+    }
+    const pb::StepEntry& first = request->entries(0);
+    absl::Status who = first.has_slot()
+                           ? slot_engine().status()
+                           : sessions_->Find(SessionCredentialsOf(first.session())).status();
+    if (!who.ok()) return Reply("Step", who);
+    if (absl::Status waited = WaitForEngine(request->ordering()); !waited.ok()) {
+      return Reply("Step", waited);
+    }
+  }
   response->mutable_results()->Reserve(request->entries_size());
   for (const pb::StepEntry& entry : request->entries()) {
     pb::StepResult* result = response->add_results();

@@ -541,6 +541,32 @@ TEST_F(ServiceTest, StepRunsManySessionsWithIndependentResults) {
 
 // Commit's token ids travel in both the unary call and a Step entry: a count that is neither 0
 // nor accepted_rows is refused with both numbers, and a full set commits.
+// A Step carrying a wait event is authenticated before anything waits on that event (as the
+// ordered unary calls are): a forged session, or no entry at all, is refused first. (On the host
+// backend any event is then refused: its arenas are ordered by the RPC order alone.)
+TEST_F(ServiceTest, StepWithAWaitEventAuthenticatesBeforeWaiting) {
+  std::vector<std::unique_ptr<Session>> sessions = NewSessions(1);
+  ASSERT_THAT(sessions, SizeIs(1));
+  pb::StepResponse response;
+  pb::StepRequest forged;
+  forged.mutable_ordering()->set_wait_event(std::string(64, 'e'));
+  pb::StepEntry& entry = *forged.add_entries();
+  *entry.mutable_session() = WithToken(*sessions[0], "forged");
+  entry.mutable_begin();
+  EXPECT_THAT(RawStep(*client_, forged, &response),
+              StatusIs(absl::StatusCode::kPermissionDenied, HasSubstr("wrong session token")));
+  pb::StepRequest empty;
+  empty.mutable_ordering()->set_wait_event(std::string(64, 'e'));
+  EXPECT_THAT(RawStep(*client_, empty, &response),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("Step with a wait event carries no entries")));
+  pb::StepRequest owned = forged;
+  *owned.mutable_entries(0)->mutable_session() = ClientInternals::Ref(*sessions[0]);
+  EXPECT_THAT(RawStep(*client_, owned, &response),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("a 64-byte interprocess event handle was sent")));
+}
+
 TEST_F(ServiceTest, CommitCarriesTokenIdsInTheUnaryCallAndInAStep) {
   std::unique_ptr<Session> session = NewSession(*client_, kCapacity);
   ASSERT_NE(session, nullptr);
