@@ -2,11 +2,13 @@
 
 #include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cstring>
 #include <string>
 
+#include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "tests/status_matchers.h"
 
@@ -95,6 +97,21 @@ TEST(RestartJournal, Refusals) {
   ASSERT_GE(tiny, 0);
   EXPECT_THAT(RestartJournal::Open(ScopedFd(tiny)),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstrs("is 0 bytes")));
+  // A journal whose size disagrees with its slot count (a copy grown by one byte).
+  const int grown = fcntl((*journal)->fd(), F_DUPFD_CLOEXEC, 0);
+  ASSERT_GE(grown, 0);
+  struct stat info {};
+  ASSERT_EQ(fstat(grown, &info), 0);
+  const int copy = memfd_create("grown", MFD_CLOEXEC);
+  ASSERT_GE(copy, 0);
+  std::string bytes(static_cast<size_t>(info.st_size) + 1, '\0');
+  ASSERT_EQ(pread(grown, bytes.data(), static_cast<size_t>(info.st_size), 0), info.st_size);
+  ASSERT_EQ(write(copy, bytes.data(), bytes.size()), static_cast<ssize_t>(bytes.size()));
+  close(grown);
+  EXPECT_THAT(RestartJournal::Open(ScopedFd(copy)),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstrs(absl::StrCat("kept restart journal of ", bytes.size(),
+                                               " bytes claims 2 slots"))));
 }
 
 }  // namespace
