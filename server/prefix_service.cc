@@ -33,6 +33,8 @@ pb::PrefixMedium MediumToProto(StorageMedium medium) {
       return pb::PREFIX_MEDIUM_PINNED_HOST;
     case StorageMedium::kDisk:
       return pb::PREFIX_MEDIUM_DISK;
+    case StorageMedium::kRemote:
+      return pb::PREFIX_MEDIUM_REMOTE;
   }
   return pb::PREFIX_MEDIUM_DEVICE;
 }

@@ -111,6 +111,8 @@ std::string MediumName(pb::PrefixMedium medium) {
       return "pinned host";
     case pb::PREFIX_MEDIUM_DISK:
       return "disk";
+    case pb::PREFIX_MEDIUM_REMOTE:
+      return "remote";
     default:
       return absl::StrCat("medium ", static_cast<int>(medium));
   }
