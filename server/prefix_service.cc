@@ -139,6 +139,7 @@ pb::PrefixCacheStats PrefixStatsToProto(const PrefixCacheStats& stats) {
     pb::PrefixRemoteStats* remote = out.mutable_remote();
     remote->set_up(r.up);
     remote->set_queued_bytes(r.queued_bytes);
+    remote->set_queued_writes(r.queued_writes);
     remote->set_writes(r.writes);
     remote->set_written_bytes(r.written_bytes);
     remote->set_dropped_writes(r.dropped_writes);

@@ -476,7 +476,7 @@ RemoteTierStats RemoteTier::Stats() const {
     stats = stats_;
     stats.up = UpLocked();
     stats.queued_bytes = queued_bytes_;
-    stats.queued_writes = writes_.size();
+    stats.queued_writes = writes_.size() + (writing_ ? 1 : 0);
     client = client_;
   }
   if (client != nullptr) stats.cluster = client->Stats();

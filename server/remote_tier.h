@@ -111,7 +111,7 @@ struct RemoteTierOptions {
 struct RemoteTierStats {
   bool up = false;  // a client exists and the breaker is closed
   uint64_t queued_bytes = 0;
-  uint64_t queued_writes = 0;
+  uint64_t queued_writes = 0;  // queued or in flight (deletes of corrupt values included)
   uint64_t writes = 0;          // values written
   uint64_t written_bytes = 0;
   uint64_t dropped_writes = 0;  // queue full or tier down

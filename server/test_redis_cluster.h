@@ -71,9 +71,11 @@ class LocalRedisCluster {
  public:
   static constexpr int kNodes = 6;  // 3 masters, 3 replicas
 
-  // Starts the nodes and creates the cluster; false (and a test failure naming what) when it
-  // could not. REQUIRES: RedisInstalled().
-  bool Start() {
+  // Picks the directory and the ports without starting anything: NodeList and password files
+  // work from here on (a test can point a daemon at a cluster that is not up yet), and Start
+  // uses these ports. Idempotent; false (and a test failure) when it could not.
+  bool Prepare() {
+    if (!dir_.empty()) return true;
     const char* tmp = getenv("TEST_TMPDIR");
     std::string pattern = absl::StrCat(tmp != nullptr ? tmp : "/tmp", "/redis-cluster.XXXXXX");
     if (mkdtemp(pattern.data()) == nullptr) {
@@ -81,7 +83,13 @@ class LocalRedisCluster {
       return false;
     }
     dir_ = pattern;
-    if (!PickPorts()) return false;
+    return PickPorts();
+  }
+
+  // Starts the nodes and creates the cluster; false (and a test failure naming what) when it
+  // could not. REQUIRES: RedisInstalled().
+  bool Start() {
+    if (!Prepare()) return false;
     for (int i = 0; i < kNodes; ++i) {
       const std::string node_dir = absl::StrCat(dir_, "/", ports_[i]);
       std::filesystem::create_directories(node_dir);
