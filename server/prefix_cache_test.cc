@@ -1349,25 +1349,12 @@ TEST_F(PrefixCacheTest, DiskTierRefusalsCarryCodesAndNumbers) {
 
 // ---- The remote tier: two caches ("machines") sharing a real 3-master / 3-replica cluster ----
 
-class PrefixCacheRemoteTest : public PrefixCacheTest {
+class PrefixCacheRemoteTest : public testing::WithRedisCluster<PrefixCacheTest> {
  protected:
-  static void SetUpTestSuite() {
-    if (!testing::RedisInstalled()) return;
-    cluster_ = new testing::LocalRedisCluster();
-    if (!cluster_->Start()) {
-      delete cluster_;
-      cluster_ = nullptr;
-    }
-  }
-  static void TearDownTestSuite() {
-    delete cluster_;
-    cluster_ = nullptr;
-  }
   void SetUp() override {
-    if (!testing::RedisInstalled()) GTEST_SKIP() << testing::RedisMissingMessage();
-    ASSERT_NE(cluster_, nullptr) << "the cluster did not start";
+    WithRedisCluster::SetUp();  // PrefixCacheTest::SetUp too
+    if (IsSkipped() || HasFatalFailure()) return;
     ASSERT_TRUE(cluster_->WaitHealthy());
-    PrefixCacheTest::SetUp();
     absl::StatusOr<std::vector<int>> masters = cluster_->MasterPorts();
     ASSERT_THAT(masters, IsOk());
     for (const int master : *masters) ASSERT_THAT(cluster_->Command(master, {"FLUSHALL"}), IsOk());
@@ -1425,11 +1412,8 @@ class PrefixCacheRemoteTest : public PrefixCacheTest {
     return RemoteBlockKey(kScope, ChainBlockKeys(key, tokens, kBlock).value()[block]);
   }
 
-  static testing::LocalRedisCluster* cluster_;
   std::unique_ptr<RedisClusterClient> redis_;
 };
-
-testing::LocalRedisCluster* PrefixCacheRemoteTest::cluster_ = nullptr;
 
 TEST_F(PrefixCacheRemoteTest, CapturedOnOneCacheRestoresBitExactlyOnAnother) {
   std::unique_ptr<PrefixCache> a = MakeRemoteCache();

@@ -201,23 +201,11 @@ TEST(RemoteTierDownTest, AClusterDownAtStartIsNotAnErrorAndCostsNothingPerCall) 
 
 // ---- Against a real 3-master / 3-replica cluster ----
 
-class RemoteTierTest : public ::testing::Test {
+class RemoteTierTest : public testing::WithRedisCluster<> {
  protected:
-  static void SetUpTestSuite() {
-    if (!testing::RedisInstalled()) return;
-    cluster_ = new LocalRedisCluster();
-    if (!cluster_->Start()) {
-      delete cluster_;
-      cluster_ = nullptr;
-    }
-  }
-  static void TearDownTestSuite() {
-    delete cluster_;
-    cluster_ = nullptr;
-  }
   void SetUp() override {
-    if (!testing::RedisInstalled()) GTEST_SKIP() << testing::RedisMissingMessage();
-    ASSERT_NE(cluster_, nullptr) << "the cluster did not start";
+    WithRedisCluster::SetUp();
+    if (IsSkipped() || HasFatalFailure()) return;
     ASSERT_TRUE(cluster_->WaitHealthy());
   }
 
@@ -237,11 +225,7 @@ class RemoteTierTest : public ::testing::Test {
     EXPECT_THAT(tier, IsOk());
     return tier.ok() ? *std::move(tier) : nullptr;
   }
-
-  static LocalRedisCluster* cluster_;
 };
-
-LocalRedisCluster* RemoteTierTest::cluster_ = nullptr;
 
 TEST_F(RemoteTierTest, WritesBehindInOrderAndReadsBackAcrossSlots) {
   std::unique_ptr<RemoteTier> tier = Make(Options());

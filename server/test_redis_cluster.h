@@ -366,6 +366,34 @@ class LocalRedisCluster {
   std::vector<pid_t> pids_;
 };
 
+// A test fixture whose suite shares one LocalRedisCluster (cluster_), started before its first
+// test and SIGKILLed after its last. SetUp skips the test where Redis is not installed, fails it
+// where the cluster did not start, then runs Base::SetUp; a derived SetUp calls this one first
+// and returns when it skipped or failed (IsSkipped() / HasFatalFailure()).
+template <typename Base = ::testing::Test>
+class WithRedisCluster : public Base {
+ protected:
+  static void SetUpTestSuite() {
+    if (!RedisInstalled()) return;
+    cluster_ = new LocalRedisCluster();
+    if (!cluster_->Start()) {
+      delete cluster_;
+      cluster_ = nullptr;
+    }
+  }
+  static void TearDownTestSuite() {
+    delete cluster_;
+    cluster_ = nullptr;
+  }
+  void SetUp() override {
+    if (!RedisInstalled()) GTEST_SKIP() << RedisMissingMessage();
+    ASSERT_NE(cluster_, nullptr) << "the cluster did not start";
+    Base::SetUp();
+  }
+
+  inline static LocalRedisCluster* cluster_ = nullptr;
+};
+
 }  // namespace memra::testing
 
 #endif  // MEMRA_SERVER_TEST_REDIS_CLUSTER_H_
