@@ -18,7 +18,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
-#include "bench/echo.grpc.pb.h"
+#include "bench/echo_floor.h"
 #include "bench/harness.h"
 #include "bench/kvd.h"
 #include "bench/sections.h"
@@ -27,8 +27,6 @@
 #include "core/sizing.h"
 #include "core/status_macros.h"
 #include "core/test_model_plans.h"
-#include "grpcpp/create_channel.h"
-#include "grpcpp/security/credentials.h"
 
 namespace memra::bench {
 namespace {
@@ -44,79 +42,6 @@ struct Shape {
   int rounds;  // timed rounds; one warm-up round more runs first
 };
 constexpr Shape kShapes[] = {{1, 20}, {8, 15}, {64, 6}, {256, 3}};
-
-// The bare gRPC floor in its own process.
-class EchoFloor {
- public:
-  static absl::StatusOr<std::unique_ptr<EchoFloor>> Start(const BenchOptions& options) {
-    ASSIGN_OR_RETURN(TempDir dir, TempDir::Create("memra-echo"));
-    const std::string socket_path = dir.File("echo.sock");
-    ASSIGN_OR_RETURN(ChildProcess process,
-                     ChildProcess::Spawn({options.echo_binary, "--socket_path=" + socket_path},
-                                         dir.File("echo.log")));
-    RETURN_IF_ERROR(WaitForPath(socket_path, process, absl::Seconds(30)));
-    std::shared_ptr<grpc::Channel> channel =
-        grpc::CreateChannel(absl::StrCat("unix:", socket_path), grpc::InsecureChannelCredentials());
-    if (!channel->WaitForConnected(std::chrono::system_clock::now() + std::chrono::seconds(30))) {
-      return absl::UnavailableError("echo_server is not answering on unix:" + socket_path);
-    }
-    return std::unique_ptr<EchoFloor>(
-        new EchoFloor(std::move(dir), std::move(process), std::move(channel)));
-  }
-
-  // Sizes the next calls like a Step of `request_bytes` answered by `response_bytes` (both
-  // serialized). Returns the sizes reached (a varint length may leave them a byte short).
-  std::pair<uint64_t, uint64_t> Size(uint64_t request_bytes, uint64_t response_bytes) {
-    request_.set_reply_bytes(0);
-    request_.set_payload(std::string(request_bytes, 'r'));
-    reply_bytes_ = response_bytes;
-    memra::bench::EchoReply reply;
-    reply.set_payload(std::string(response_bytes, 'e'));
-    // Shrink each payload by its framing (tag, length varint, the reply_bytes field).
-    for (int i = 0; i < 3; ++i) {
-      request_.set_reply_bytes(reply_bytes_);
-      const uint64_t over = request_.ByteSizeLong() - std::min(request_bytes,
-                                                               request_.ByteSizeLong());
-      request_.mutable_payload()->resize(request_.payload().size() - over);
-      reply_bytes_ -= reply.ByteSizeLong() - std::min(response_bytes, reply.ByteSizeLong());
-      reply.mutable_payload()->resize(reply_bytes_);
-    }
-    request_.set_reply_bytes(reply_bytes_);
-    payload_ = request_.payload();
-    return {request_.ByteSizeLong(), reply.ByteSizeLong()};
-  }
-
-  pid_t pid() const { return process_.pid(); }
-
-  absl::Status Call() {
-    request_.set_payload(payload_);  // an engine builds its request every step
-    grpc::ClientContext context;
-    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
-    memra::bench::EchoReply reply;
-    const grpc::Status status = stub_->Echo(&context, request_, &reply);
-    if (!status.ok()) return absl::UnavailableError("Echo: " + status.error_message());
-    if (reply.payload().size() != reply_bytes_) {
-      return absl::InternalError(absl::StrCat("Echo answered ", reply.payload().size(),
-                                              " bytes for ", reply_bytes_));
-    }
-    return absl::OkStatus();
-  }
-
- private:
-  EchoFloor(TempDir dir, ChildProcess process, std::shared_ptr<grpc::Channel> channel)
-      : dir_(std::move(dir)),
-        process_(std::move(process)),
-        channel_(std::move(channel)),
-        stub_(memra::bench::Echo::NewStub(channel_)) {}
-
-  TempDir dir_;
-  ChildProcess process_;
-  std::shared_ptr<grpc::Channel> channel_;
-  std::unique_ptr<memra::bench::Echo::Stub> stub_;
-  memra::bench::EchoRequest request_;
-  std::string payload_;
-  uint64_t reply_bytes_ = 0;
-};
 
 // The in-process baseline: what DaemonSession runs under its lock, minus the daemon.
 class CoreSessions {
@@ -237,7 +162,7 @@ absl::StatusOr<Json> RunHotPath(const BenchOptions& options) {
   session_options.capacity = kCapacity;
   ASSIGN_OR_RETURN(std::vector<std::unique_ptr<Session>> sessions,
                    CreateSessions(*client, fingerprint, session_options, kMaxSessions));
-  ASSIGN_OR_RETURN(std::unique_ptr<EchoFloor> floor, EchoFloor::Start(options));
+  ASSIGN_OR_RETURN(std::unique_ptr<EchoFloor> floor, EchoFloor::Start(options.echo_binary));
   ASSIGN_OR_RETURN(CoreSessions core, CoreSessions::Create(session_plan, kMaxSessions));
 
   const int steps = options.quick ? 3 : kStepsPerRound;
