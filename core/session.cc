@@ -109,6 +109,12 @@ const LayerGeometry* SessionState::Geometry(uint32_t layer) const {
 
 std::vector<MirrorValue> SessionState::Mirrors() const {
   std::vector<MirrorValue> mirrors;
+  MirrorsInto(mirrors);
+  return mirrors;
+}
+
+void SessionState::MirrorsInto(std::vector<MirrorValue>& mirrors) const {
+  mirrors.clear();
   // Lengths are bounded by capacity <= INT32_MAX (KvTransactionCache::Create), so the
   // narrowing below is exact.
   for (size_t i = 0; i < kv_.layer_count(); ++i) {
@@ -122,7 +128,6 @@ std::vector<MirrorValue> SessionState::Mirrors() const {
   for (const LatentLayerState& layer : latent_) {
     mirrors.push_back({{layer.layer, PlaneKind::kLenMirror}, static_cast<int32_t>(layer.len)});
   }
-  return mirrors;
 }
 
 absl::Status SessionState::EnsureUsable(std::string_view what) const {

@@ -121,6 +121,9 @@ class SessionState {
 
   // Current values of every len/base mirror of this session.
   std::vector<MirrorValue> Mirrors() const;
+  // The same into `out` (cleared first), reusing its storage: the daemon calls it after every
+  // operation, per session per step.
+  void MirrorsInto(std::vector<MirrorValue>& out) const;
 
   // FAILED_PRECONDITION when tainted, naming `what`.
   absl::Status EnsureUsable(std::string_view what) const;

@@ -571,6 +571,15 @@ TEST(IndexResidency, ResetMakesEveryRowWritableAgain) {
 }
 
 
+TEST(Session, MirrorsIntoReplacesWhatTheBufferHeldWithMirrors) {
+  SessionState session = MakeSession(64);
+  Step(session, 5, 3);
+  std::vector<MirrorValue> buffer = {{{99, PlaneKind::kLenMirror}, 7}};
+  session.MirrorsInto(buffer);
+  EXPECT_EQ(buffer, session.Mirrors());
+  EXPECT_FALSE(buffer.empty());
+}
+
 // ---- Advance: one operation per session per step ----
 
 TEST(Advance, FirstStepBeginsAndPreparesAndTheNextCommitsPublishingFirst) {
