@@ -34,21 +34,28 @@
 //
 // Thread-safety: thread-safe. Lock order: a session's own mutex (DaemonSession) -> mu_ ->
 // SlabAllocator's mutex -> DeviceBudget's mutex. mu_ is never held while a session mutex is
-// taken, nor across device copies of a capture or restore (PlanCapture / Pin under mu_; spans
-// allocated and copied without it; CommitCapture / Unpin under mu_ again). EvictForAdmission is the DeviceBudget evictor: the budget calls it
-// without its own lock.
+// taken, nor across any copy: a capture or restore (PlanCapture / Pin under mu_; spans
+// allocated and copied without it; CommitCapture / Unpin under mu_ again), a promotion
+// (PromotePinned) or a demotion (planned under mu_, its pieces marked in moving_; copied down
+// without mu_; committed under mu_, where a piece pinned meanwhile stays put and one the index
+// let go of meanwhile is freed in both tiers). Demotions run after a capture or restore has
+// left the session's mutex, and in EvictForAdmission, the DeviceBudget evictor (the budget
+// calls it without its own lock).
 //
 // Invariants: (1) storage_ holds exactly the handles the index references (a capture in flight
-// holds its spans itself until CommitCapture); (2) the device pieces of storage_ are live spans
-// of slabs_, each a piece's bytes rounded to the slab alignment, so device_stored_bytes_ equals
-// slabs_'s used bytes when no capture or promotion is in flight, and index_.StoredBytes() ==
-// device_stored_bytes_ + disk_ledger_bytes_ (the disk pieces' rounded sizes); (3) the slabs of a pinned entry's spans
-// and of a capture in flight are held (SlabAllocator::Hold), so the budget's evictable bytes
-// (the slabs no hold keeps) are exactly what evicting every unpinned entry returns.
+// holds its spans itself until CommitCapture); (2) tier_stored_bytes_[m] is the sum of the
+// rounded sizes of storage_'s pieces in tier m, and index_.StoredBytes() their sum over the
+// tiers; the device pieces are live spans of slabs_ (so slabs_'s used bytes equal the device
+// tier's when no capture, promotion or demotion is in flight), the disk pieces files of disk_;
+// tier_leaving_bytes_[m] is the bytes of moving_'s unreleased pieces from tier m; (3) the slabs
+// of a pinned entry's spans, of a capture in flight and of a piece being demoted are held
+// (SlabAllocator::Hold), so the budget's evictable bytes (the slabs no hold keeps) are exactly
+// what evicting every unpinned entry returns.
 
 #include <array>
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -93,6 +100,10 @@ struct PrefixCacheOptions {
   std::string disk_dir;
   uint64_t disk_bytes = 0;
   uint32_t disk_queue_depth = 8;
+  // Fault-injection seam for tests (empty in production): called without the cache's lock
+  // before a demotion copies piece `handle` down to tier `to`, so a test can hold a demotion
+  // in the middle of its I/O.
+  std::function<void(uint64_t handle, StorageMedium to)> before_demotion_copy;
 };
 
 // The shape a session's entries are keyed by: the model fingerprint for an unsharded session
@@ -367,16 +378,60 @@ class PrefixCache {
   void ReleaseSlabs(const std::vector<ArenaId>& slabs);
   // Marks (+1) or unmarks (-1) the pieces of a pinned entry: they are never demoted.
   void MarkPinned(const EntryView& entry, int delta) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Demotes LRU pieces (of unpinned entries, none being promoted) to disk until the device tier
-  // holds at most `target` bytes or nothing is left to demote; when the disk tier is full,
-  // evicts LRU entries to make room. No-op without a disk tier. Disk I/O under mu_.
-  void DemoteDownTo(uint64_t target) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Moves one device piece to disk (the budget's refusal is RESOURCE_EXHAUSTED, nothing moved).
-  absl::Status DemoteHandle(uint64_t handle, Storage& storage) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  // --- The tier chain (device -> disk). Demotion plans under mu_, copies without it, commits
+  // under mu_ again; these functions are entered and left with mu_ held but release it while
+  // bytes move, so a demotion never stalls a lookup, capture or restore of other pieces.
+  //
+  // A piece on its way down: planned (its source still serves restores), copied, committed.
+  struct Move {
+    uint64_t handle = 0;
+    StorageMedium to = StorageMedium::kDisk;
+    Storage source;  // where the bytes are (the same as storage_'s until the commit)
+    // The index let go of the piece while it moved (an eviction, a drop): FreeHandles left
+    // `source` to the mover, which frees it at the commit.
+    bool released = false;
+    // For the kMoved event: the entry it was planned from, and its key there.
+    PlanFingerprint fingerprint{};
+    BlockKey key{};
+    bool boundary = false;
+  };
+  // The tier a piece of `medium` is demoted to (nullopt: the last tier, which evicts instead).
+  std::optional<StorageMedium> TierBelow(StorageMedium medium) const;
+  uint64_t TierBudget(StorageMedium medium) const;
+  // Every tier within its budget: each tier's LRU pieces move down (the last one's entries are
+  // evicted). Run after a capture and a restore, outside the session's mutex (the session is
+  // not held up by the demotion's I/O).
+  void Rebalance() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void RebalanceTiers() ABSL_LOCKS_EXCLUDED(mu_);
+  // Demotes LRU pieces of tier `from` (of unpinned entries, none being promoted or moved) until
+  // it holds at most `target` bytes not already leaving, or nothing is left to demote; the last
+  // tier evicts LRU entries instead. A full disk tier evicts LRU entries for room first.
+  // Returns the pieces moved.
+  size_t DemoteDownTo(StorageMedium from, uint64_t target) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // LRU pieces of `from` worth at least `bytes`, marked moving (in moving_); empty when none.
+  std::vector<uint64_t> PlanMoves(StorageMedium from, StorageMedium to, uint64_t bytes)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Evicts the least recently used unpinned entry with a piece (not moving) in `medium`; false
+  // when there is none.
+  bool EvictLruEntryIn(StorageMedium medium) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Evicts LRU entries with pieces on disk until the disk tier has room for the bytes on their
+  // way to it (disk_incoming_bytes_); false when that cannot be done.
+  bool MakeDiskRoom() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Copies the planned pieces down without mu_ and commits each under mu_ (a piece pinned
+  // meanwhile stays where it was; one released meanwhile is freed in both tiers). Returns how
+  // many moved.
+  size_t RunMoves(const std::vector<uint64_t>& handles) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The copy itself (no lock held): `source`'s bytes into a new home in tier `to`. Returns the
+  // new storage (a span in that tier's slabs, or the disk file's ledger size).
+  absl::StatusOr<Storage> CopyDown(uint64_t handle, const Storage& source, StorageMedium to)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // Frees `storage` in its tier (a slab span, a disk file) without touching the ledger.
+  void FreeInTier(uint64_t handle, const Storage& storage);
   // Moves the disk pieces of the PINNED `entry` into slabs, reading and verifying them without
-  // mu_ (a piece another restore is promoting is waited for). DATA_LOSS: a file whose bytes do
-  // not match the capture's checksums; RESOURCE_EXHAUSTED: no device memory for it. Pieces
-  // promoted before a failure stay promoted.
+  // mu_ (a piece another restore is promoting, or a demotion is moving, is waited for).
+  // DATA_LOSS: a file whose bytes do not match the capture's checksums; RESOURCE_EXHAUSTED: no
+  // device memory for it. Pieces promoted before a failure stay promoted.
   absl::Status PromotePinned(const EntryView& entry) ABSL_LOCKS_EXCLUDED(mu_);
   StorageMedium MediumLocked(const std::vector<LookupBlock>& blocks,
                              const std::optional<StoredRef>& boundary) const
@@ -405,13 +460,18 @@ class PrefixCache {
   uint64_t restores_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t tokens_restored_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t death_captures_ ABSL_GUARDED_BY(mu_) = 0;
-  // Tiers: the device tier's bytes (spans of storage_ in slabs), pieces pinned entries use
-  // (count of pins), pieces a restore is reading back from disk, counters by StorageMedium.
-  uint64_t device_stored_bytes_ ABSL_GUARDED_BY(mu_) = 0;
-  uint64_t disk_ledger_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  // Tiers, indexed by StorageMedium: the bytes of storage_'s pieces in each (rounded spans; a
+  // disk piece counts its span's size too), and of those the bytes planned to move down
+  // (moving_, not released).
+  static constexpr size_t kMedia = 3;
+  std::array<uint64_t, kMedia> tier_stored_bytes_ ABSL_GUARDED_BY(mu_) = {};
+  std::array<uint64_t, kMedia> tier_leaving_bytes_ ABSL_GUARDED_BY(mu_) = {};
+  // Pieces pinned entries use (count of pins), pieces a restore is promoting, pieces a
+  // demotion is moving down (by handle), and piece file bytes on their way to disk.
   absl::flat_hash_map<uint64_t, uint32_t> pinned_handles_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_set<uint64_t> promoting_ ABSL_GUARDED_BY(mu_);
-  static constexpr size_t kMedia = 3;
+  absl::flat_hash_map<uint64_t, Move> moving_ ABSL_GUARDED_BY(mu_);
+  uint64_t disk_incoming_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   std::array<uint64_t, kMedia> tier_hits_ ABSL_GUARDED_BY(mu_) = {};
   std::array<uint64_t, kMedia> tier_promotions_ ABSL_GUARDED_BY(mu_) = {};
   std::array<uint64_t, kMedia> tier_demotions_ ABSL_GUARDED_BY(mu_) = {};

@@ -3,9 +3,11 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cstdint>
 #include <cstdlib>
 #include <fstream>
+#include <functional>
 #include <string>
 #include <thread>
 #include <memory>
@@ -15,6 +17,8 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
 #include "core/index_ring.h"
 #include "core/kv_ring.h"
 #include "core/model_plan.h"
@@ -170,7 +174,9 @@ class PrefixCacheTest : public ::testing::Test {
   absl::StatusOr<std::unique_ptr<PrefixCache>> MakeTieredCache(uint64_t device_bytes,
                                                                uint64_t disk_bytes,
                                                                DeviceBudget* device_budget,
-                                                               const std::string& dir_name) {
+                                                               const std::string& dir_name,
+                                                               std::function<void(uint64_t, StorageMedium)>
+                                                                   before_demotion_copy = {}) {
     const char* tmp = std::getenv("TEST_TMPDIR");
     disk_dir_ = absl::StrCat(tmp != nullptr ? tmp : "/tmp", "/", dir_name);
     std::system(absl::StrCat("rm -rf '", disk_dir_, "'").c_str());
@@ -185,6 +191,7 @@ class PrefixCacheTest : public ::testing::Test {
     options.disk_dir = disk_dir_;
     options.disk_bytes = disk_bytes;
     options.disk_queue_depth = 2;
+    options.before_demotion_copy = std::move(before_demotion_copy);
     return PrefixCache::Create(options, backend_.get(), device_budget);
   }
 
@@ -1319,6 +1326,251 @@ TEST_F(PrefixCacheTest, ConcurrentRestoresPromoteSharedDiskPiecesOnce) {
   EXPECT_EQ(stats.restores, 20u);
   EXPECT_EQ(stats.dropped_entries, 0u);
   EXPECT_GT(stats.tiers[1].promotions, 0u);
+}
+
+// A gate a demotion waits at (the before_demotion_copy seam): the first piece copied down
+// blocks there until the test opens it; later ones pass.
+class DemotionGate {
+ public:
+  std::function<void(uint64_t, StorageMedium)> Hook() {
+    return [this](uint64_t, StorageMedium to) {
+      absl::MutexLock lock(&mu_);
+      ++copies_;
+      if (copies_ > 1) return;
+      last_to_ = to;
+      entered_ = true;
+      mu_.Await(absl::Condition(&open_));
+    };
+  }
+  void AwaitEntered() {
+    absl::MutexLock lock(&mu_);
+    mu_.Await(absl::Condition(&entered_));
+  }
+  void Open() {
+    absl::MutexLock lock(&mu_);
+    open_ = true;
+  }
+  StorageMedium last_to() {
+    absl::MutexLock lock(&mu_);
+    return last_to_;
+  }
+
+ private:
+  absl::Mutex mu_;
+  bool entered_ ABSL_GUARDED_BY(mu_) = false;
+  bool open_ ABSL_GUARDED_BY(mu_) = false;
+  uint64_t copies_ ABSL_GUARDED_BY(mu_) = 0;
+  StorageMedium last_to_ ABSL_GUARDED_BY(mu_) = StorageMedium::kDevice;
+};
+
+// Two flat entries in a device tier of 8 block spans: `old_tokens` (4 blocks), then
+// `new_tokens` (6 blocks) captured on another thread, whose demotion of the old entry's two
+// LRU blocks waits at `gate`. Returns that thread (joined by the caller).
+struct HeldDemotion {
+  std::unique_ptr<DaemonSession> old_source;
+  std::unique_ptr<DaemonSession> new_source;
+  std::vector<int32_t> old_tokens;
+  std::vector<int32_t> new_tokens;
+  EntryId old_entry;
+  std::thread capture;
+  absl::Status captured;
+};
+
+TEST_F(PrefixCacheTest, ADemotionCopiesWithoutHoldingTheCacheLock) {
+  DemotionGate gate;
+  absl::StatusOr<std::unique_ptr<PrefixCache>> tiered =
+      MakeTieredCache(8 * kFlatSpanBytes, 1 << 20, nullptr, "unlocked", gate.Hook());
+  ASSERT_THAT(tiered.status(), IsOk());
+  cache_ = *std::move(tiered);
+  const std::vector<int32_t> old_tokens = Tokens(4 * kBlock, 1);
+  auto old_source = NewSession(FlatPlan(), 128);
+  Append(*old_source, old_tokens, 4 * kBlock);
+  FillRandom(*old_source, 21, 0);
+  absl::StatusOr<PrefixCaptureResult> old_entry = cache_->Capture(*old_source, old_tokens, 64);
+  ASSERT_THAT(old_entry.status(), IsOk());
+  const std::vector<int32_t> new_tokens = Tokens(6 * kBlock, 2);
+  auto new_source = NewSession(FlatPlan(), 128);
+  Append(*new_source, new_tokens, 6 * kBlock);
+  FillRandom(*new_source, 22, 0);
+  auto dest = NewSession(FlatPlan(), 128);
+  absl::Status captured;
+  std::thread capture(
+      [&] { captured = cache_->Capture(*new_source, new_tokens, 96).status(); });
+  gate.AwaitEntered();
+  EXPECT_EQ(gate.last_to(), StorageMedium::kDisk);
+  // The demotion is mid-copy: lookups, stats, listings and a restore of the new entry (none of
+  // whose pieces is moving) all complete. The moving pieces still serve from the device.
+  const PrefixLookupResult old_lookup = cache_->Lookup(kScope, Shape(FlatPlan()), old_tokens);
+  EXPECT_EQ(old_lookup.outcome, LookupOutcome::kHit);
+  EXPECT_EQ(old_lookup.medium, StorageMedium::kDevice);
+  EXPECT_EQ(cache_->Lookup(kScope, Shape(FlatPlan()), new_tokens).outcome, LookupOutcome::kHit);
+  EXPECT_EQ(cache_->ListEntries().size(), 2u);
+  PrefixCacheStats stats = cache_->Stats();
+  EXPECT_EQ(stats.tiers[0].stored_bytes, 10 * kFlatSpanBytes);  // nothing committed yet
+  EXPECT_EQ(stats.tiers[1].demotions, 0u);
+  ASSERT_THAT(cache_->Restore(*dest, std::nullopt, new_tokens).status(), IsOk());
+  EXPECT_EQ(KvRows(*dest, 96), KvRows(*new_source, 96));
+  gate.Open();
+  capture.join();
+  ASSERT_THAT(captured, IsOk());
+  stats = cache_->Stats();
+  EXPECT_EQ(stats.tiers[0].stored_bytes, 8 * kFlatSpanBytes);
+  EXPECT_EQ(stats.tiers[1].stored_bytes, 2 * kFlatSpanBytes);
+  EXPECT_EQ(stats.tiers[1].demotions, 2u);
+  EXPECT_EQ(cache_->Lookup(kScope, Shape(FlatPlan()), old_tokens).medium, StorageMedium::kDisk);
+  EXPECT_THAT(cache_->CheckInvariants(), IsOk());
+  auto old_dest = NewSession(FlatPlan(), 128);
+  ASSERT_THAT(cache_->Restore(*old_dest, old_entry->entry, old_tokens).status(), IsOk());
+  EXPECT_EQ(KvRows(*old_dest, 64), KvRows(*old_source, 64));
+  EXPECT_THAT(cache_->CheckInvariants(), IsOk());
+}
+
+// A restore that pins pieces a demotion is copying waits for that copy, which then leaves the
+// pieces where they were (the restore wanted them near); an entry evicted while its pieces
+// move is freed in both tiers when the copy commits.
+TEST_F(PrefixCacheTest, PiecesPinnedOrEvictedWhileTheyMoveStayConsistent) {
+  for (const bool evict : {false, true}) {
+    SCOPED_TRACE(evict ? "evicted meanwhile" : "pinned meanwhile");
+    DemotionGate gate;
+    absl::StatusOr<std::unique_ptr<PrefixCache>> tiered = MakeTieredCache(
+        8 * kFlatSpanBytes, 1 << 20, nullptr, evict ? "evicted" : "pinned", gate.Hook());
+    ASSERT_THAT(tiered.status(), IsOk());
+    cache_ = *std::move(tiered);
+    const std::vector<int32_t> old_tokens = Tokens(4 * kBlock, 1);
+    auto old_source = NewSession(FlatPlan(), 128);
+    Append(*old_source, old_tokens, 4 * kBlock);
+    FillRandom(*old_source, 31, 0);
+    absl::StatusOr<PrefixCaptureResult> old_entry = cache_->Capture(*old_source, old_tokens, 64);
+    ASSERT_THAT(old_entry.status(), IsOk());
+    absl::StatusOr<EntryView> old_view = ViewOf(cache_->Inspect(old_entry->entry));
+    ASSERT_THAT(old_view.status(), IsOk());
+    const uint64_t first_old = old_view->blocks[0].stored.storage_handle;
+    const std::vector<int32_t> new_tokens = Tokens(6 * kBlock, 2);
+    auto new_source = NewSession(FlatPlan(), 128);
+    Append(*new_source, new_tokens, 6 * kBlock);
+    absl::Status captured;
+    std::thread capture(
+        [&] { captured = cache_->Capture(*new_source, new_tokens, 96).status(); });
+    gate.AwaitEntered();
+    auto dest = NewSession(FlatPlan(), 128);
+    absl::Status restored;
+    std::thread restore;
+    if (evict) {
+      ASSERT_THAT(cache_->EvictEntry(old_entry->entry).status(), IsOk());
+      EXPECT_EQ(cache_->Stats().tiers[0].stored_bytes, 6 * kFlatSpanBytes);
+    } else {
+      restore = std::thread(
+          [&] { restored = cache_->Restore(*dest, old_entry->entry, old_tokens).status(); });
+      // Bounded: the restore pins the entry before it waits for the moving pieces.
+      for (int i = 0; i < 10000 && cache_->Stats().pinned_bytes == 0; ++i) {
+        absl::SleepFor(absl::Milliseconds(1));
+      }
+      ASSERT_GT(cache_->Stats().pinned_bytes, 0u);
+    }
+    gate.Open();
+    capture.join();
+    if (restore.joinable()) restore.join();
+    ASSERT_THAT(captured, IsOk());
+    const PrefixCacheStats stats = cache_->Stats();
+    if (evict) {
+      EXPECT_THAT(cache_->Inspect(old_entry->entry).status(),
+                  StatusIs(absl::StatusCode::kNotFound, HasSubstr("")));
+      EXPECT_EQ(stats.entries, 1u);
+      EXPECT_EQ(stats.tiers[0].stored_bytes, 6 * kFlatSpanBytes);
+      EXPECT_EQ(stats.tiers[1].stored_bytes, 0u);  // the copied files are gone too
+      EXPECT_EQ(stats.tiers[1].demotions, 0u);
+    } else {
+      ASSERT_THAT(restored, IsOk());
+      EXPECT_EQ(KvRows(*dest, 64), KvRows(*old_source, 64));
+      // The restored entry is now the most recent: its pieces stayed, the new entry's moved.
+      EXPECT_EQ(PieceMedium(*cache_, first_old), StorageMedium::kDevice);
+      EXPECT_EQ(stats.tiers[0].stored_bytes, 8 * kFlatSpanBytes);
+      EXPECT_EQ(stats.tiers[1].stored_bytes, 2 * kFlatSpanBytes);
+      EXPECT_EQ(cache_->Lookup(kScope, Shape(FlatPlan()), new_tokens).medium,
+                StorageMedium::kDisk);
+    }
+    EXPECT_THAT(cache_->CheckInvariants(), IsOk());
+  }
+}
+
+// Captures, restores, lookups and evictions from several threads over a small device tier and
+// disk tier, so demotions (copying without the lock), promotions and evictions interleave:
+// every restore is bit-exact and the ledgers agree after every round.
+TEST_F(PrefixCacheTest, ConcurrentTrafficKeepsTheTierInvariants) {
+  absl::StatusOr<std::unique_ptr<PrefixCache>> tiered =
+      MakeTieredCache(8 * kFlatSpanBytes, 16 * kFlatBlockBytes, nullptr, "stress");
+  ASSERT_THAT(tiered.status(), IsOk());
+  cache_ = *std::move(tiered);
+  struct Source {
+    std::unique_ptr<DaemonSession> session;
+    std::vector<int32_t> tokens;
+    uint64_t len = 0;
+    EntryId entry;
+  };
+  constexpr int kThreads = 4;
+  absl::Mutex sessions_mu;  // NewSession's id counter
+  auto new_session = [&] {
+    absl::MutexLock lock(&sessions_mu);
+    return NewSession(FlatPlan(), 128);
+  };
+  std::atomic<uint64_t> restores{0};
+  for (int round = 0; round < 6; ++round) {
+    std::vector<std::thread> threads;
+    for (int t = 0; t < kThreads; ++t) {
+      threads.emplace_back([&, t] {
+        testing::SeededRandom random(uint64_t{1000} * round + t);
+        std::vector<Source> sources;
+        for (int op = 0; op < 20; ++op) {
+          const uint64_t pick = random.Below(4);
+          if (pick == 0 || sources.empty()) {
+            const uint64_t len = (1 + random.Below(4)) * kBlock;
+            Source source;
+            source.tokens = Tokens(len, static_cast<int32_t>(1000000 * (t + 1) + 10000 * round +
+                                                             100 * op));
+            source.len = len;
+            source.session = new_session();
+            Append(*source.session, source.tokens, len);
+            FillRandom(*source.session, random.Below(1 << 30), 0);
+            absl::StatusOr<PrefixCaptureResult> captured =
+                cache_->Capture(*source.session, source.tokens, len);
+            ASSERT_THAT(captured.status(), IsOk());
+            source.entry = captured->entry;
+            sources.push_back(std::move(source));
+          } else if (pick == 1 || pick == 2) {
+            const Source& source = sources[random.Below(sources.size())];
+            auto dest = new_session();
+            const absl::Status restored =
+                cache_->Restore(*dest, source.entry, source.tokens).status();
+            if (restored.ok()) {
+              ASSERT_EQ(KvRows(*dest, source.len), KvRows(*source.session, source.len));
+              restores.fetch_add(1);
+            } else {
+              // Evicted by another thread's capture (the disk tier is small).
+              ASSERT_THAT(restored, StatusIs(absl::StatusCode::kNotFound, HasSubstr("")));
+            }
+            (void)cache_->Lookup(kScope, Shape(FlatPlan()), source.tokens);
+          } else {
+            const Source& source = sources[random.Below(sources.size())];
+            const absl::Status evicted = cache_->EvictEntry(source.entry).status();
+            if (!evicted.ok()) {
+              ASSERT_TRUE(absl::IsNotFound(evicted) || absl::IsFailedPrecondition(evicted))
+                  << evicted;
+            }
+          }
+        }
+      });
+    }
+    for (std::thread& thread : threads) thread.join();
+    ASSERT_THAT(cache_->CheckInvariants(), IsOk()) << "round " << round;
+    const PrefixCacheStats stats = cache_->Stats();
+    EXPECT_LE(stats.tiers[0].stored_bytes, 8 * kFlatSpanBytes) << "round " << round;
+    EXPECT_LE(stats.tiers[1].stored_bytes / kFlatSpanBytes * kFlatBlockBytes,
+              16 * kFlatBlockBytes);
+  }
+  const PrefixCacheStats stats = cache_->Stats();
+  EXPECT_GT(restores.load(), 0u);
+  EXPECT_GT(stats.tiers[1].demotions, 0u);
+  EXPECT_EQ(stats.dropped_entries, 0u);
 }
 
 TEST_F(PrefixCacheTest, DiskTierRefusalsCarryCodesAndNumbers) {
