@@ -268,10 +268,15 @@ absl::StatusOr<StoredLayout> PlanStoredLayout(const SessionPlan& plan, const Ses
   return out;
 }
 
-absl::StatusOr<std::unique_ptr<PrefixCache>> PrefixCache::Create(const PrefixCacheOptions& options,
-                                                                 DeviceBackend* backend,
-                                                                 DeviceBudget* budget) {
+absl::StatusOr<std::unique_ptr<PrefixCache>> PrefixCache::Create(
+    const PrefixCacheOptions& options, DeviceBackend* backend, DeviceBudget* budget,
+    std::unique_ptr<HostMemoryProvider> host_memory) {
   if (backend == nullptr) return absl::InvalidArgumentError("PrefixCache needs a backend");
+  if ((options.host_tier_bytes > 0) != (host_memory != nullptr)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "prefix host tier of ", options.host_tier_bytes, " bytes ",
+        host_memory == nullptr ? "has no memory provider" : "is off but was given memory"));
+  }
   if (options.budget_bytes == 0) {
     return absl::InvalidArgumentError("prefix cache budget is 0 bytes (0 disables the cache)");
   }
@@ -291,36 +296,57 @@ absl::StatusOr<std::unique_ptr<PrefixCache>> PrefixCache::Create(const PrefixCac
                    SlabAllocator::Create(slab_options, backend, budget));
   std::unique_ptr<DiskTier> disk;
   PrefixIndexOptions index_options;
+  // The index holds what every tier holds; each tier's own budget is kept by demotion.
   index_options.budget_bytes = options.budget_bytes;
+  std::unique_ptr<HostTierMemory> host_tier_memory;
+  std::unique_ptr<SlabAllocator> host_slabs;
+  if (options.host_tier_bytes > 0) {
+    host_tier_memory = std::make_unique<HostTierMemory>(std::move(host_memory));
+    SlabAllocatorOptions host_options;
+    host_options.slab_bytes = std::min(options.slab_bytes, options.host_tier_bytes);
+    host_options.alignment = slab_options.alignment;  // a piece's span is as large in both
+    host_options.keep_empty_bytes = options.host_tier_bytes;
+    ASSIGN_OR_RETURN(host_slabs,
+                     SlabAllocator::Create(host_options, host_tier_memory.get(), nullptr));
+    ASSIGN_OR_RETURN(index_options.budget_bytes,
+                     CheckedAdd(index_options.budget_bytes, options.host_tier_bytes,
+                                "prefix tier budgets"));
+  }
   if (!options.disk_dir.empty()) {
     DiskTierOptions disk_options;
     disk_options.dir = options.disk_dir;
     disk_options.budget_bytes = options.disk_bytes;
     disk_options.queue_depth = options.disk_queue_depth;
     ASSIGN_OR_RETURN(disk, DiskTier::Create(disk_options));
-    // The index holds what both tiers hold; each tier's own budget is kept by demotion.
     ASSIGN_OR_RETURN(index_options.budget_bytes,
-                     CheckedAdd(options.budget_bytes, options.disk_bytes, "prefix tier budgets"));
+                     CheckedAdd(index_options.budget_bytes, options.disk_bytes,
+                                "prefix tier budgets"));
   }
   index_options.block_tokens = options.block_tokens;
   index_options.epoch = options.epoch;
   index_options.event_capacity = options.event_capacity;
   ASSIGN_OR_RETURN(PrefixIndex index, PrefixIndex::Create(index_options));
-  return std::unique_ptr<PrefixCache>(new PrefixCache(options, std::move(index), backend, budget,
-                                                      std::move(slabs), std::move(disk)));
+  return std::unique_ptr<PrefixCache>(new PrefixCache(
+      options, std::move(index), backend, budget, std::move(slabs), std::move(disk),
+      std::move(host_tier_memory), std::move(host_slabs)));
 }
 
 PrefixCache::PrefixCache(const PrefixCacheOptions& options, PrefixIndex index,
                          DeviceBackend* backend, DeviceBudget* budget,
-                         std::unique_ptr<SlabAllocator> slabs, std::unique_ptr<DiskTier> disk)
+                         std::unique_ptr<SlabAllocator> slabs, std::unique_ptr<DiskTier> disk,
+                         std::unique_ptr<HostTierMemory> host_memory,
+                         std::unique_ptr<SlabAllocator> host_slabs)
     : options_(options),
       backend_(backend),
       budget_(budget),
       slabs_(std::move(slabs)),
       disk_(std::move(disk)),
+      host_memory_(std::move(host_memory)),
+      host_slabs_(std::move(host_slabs)),
       index_(std::move(index)) {}
 
-// slabs_ frees every slab, its charge and the budget's evictable bytes; disk_ every file.
+// slabs_ frees every slab, its charge and the budget's evictable bytes; disk_ every file;
+// host_slabs_ every host-tier slab (before host_memory_ goes).
 PrefixCache::~PrefixCache() = default;
 
 void PrefixCache::FreeStorage(const SlabSpan& span) {
@@ -335,7 +361,10 @@ void PrefixCache::FreeInTier(uint64_t handle, const Storage& storage) {
       FreeStorage(storage.span);
       break;
     case StorageMedium::kPinnedHost:
-      break;  // no host tier yet
+      if (absl::Status freed = host_slabs_->Free(storage.span); !freed.ok()) {
+        spdlog::error("prefix cache: freeing host-tier storage failed: {}", freed.ToString());
+      }
+      break;
     case StorageMedium::kDisk:
       if (absl::Status removed = disk_->Remove(handle); !removed.ok()) {
         spdlog::error("prefix cache: {}", removed.ToString());
@@ -355,7 +384,8 @@ void PrefixCache::FreeHandles(const std::vector<uint64_t>& handles) {
       // A demotion is copying these bytes: it frees them when it commits.
       moving->second.released = true;
       tier_leaving_bytes_[tier] -= storage.span.bytes;
-      if (moving->second.to == StorageMedium::kDisk) disk_incoming_bytes_ -= storage.piece_bytes;
+      tier_incoming_bytes_[static_cast<size_t>(moving->second.to)] -=
+          IncomingBytes(moving->second);
     } else {
       FreeInTier(handle, storage);
     }
@@ -418,8 +448,21 @@ void PrefixCache::MarkPinned(const EntryView& entry, int delta) {
 }
 
 std::optional<StorageMedium> PrefixCache::TierBelow(StorageMedium medium) const {
-  if (medium == StorageMedium::kDevice && disk_ != nullptr) return StorageMedium::kDisk;
+  switch (medium) {
+    case StorageMedium::kDevice:
+      if (host_slabs_ != nullptr) return StorageMedium::kPinnedHost;
+      [[fallthrough]];
+    case StorageMedium::kPinnedHost:
+      if (disk_ != nullptr) return StorageMedium::kDisk;
+      return std::nullopt;
+    case StorageMedium::kDisk:
+      return std::nullopt;
+  }
   return std::nullopt;
+}
+
+uint64_t PrefixCache::IncomingBytes(const Move& move) {
+  return move.to == StorageMedium::kDisk ? move.source.piece_bytes : move.source.span.bytes;
 }
 
 uint64_t PrefixCache::TierBudget(StorageMedium medium) const {
@@ -427,7 +470,7 @@ uint64_t PrefixCache::TierBudget(StorageMedium medium) const {
     case StorageMedium::kDevice:
       return options_.budget_bytes;
     case StorageMedium::kPinnedHost:
-      return 0;
+      return host_slabs_ == nullptr ? 0 : options_.host_tier_bytes;
     case StorageMedium::kDisk:
       return disk_ == nullptr ? 0 : disk_->budget_bytes();
   }
@@ -440,9 +483,20 @@ void PrefixCache::RebalanceTiers() {
 }
 
 void PrefixCache::Rebalance() {
-  // Top down: what the device tier pushes out lands in the tier below, which then sheds its
-  // own LRU pieces (the disk tier makes room by eviction before each write).
+  // Top down: what the device tier pushes out lands in the tier below, which makes room first
+  // (the host tier demotes its own LRU pieces, the disk tier evicts LRU entries); then the
+  // host tier is brought within its budget in case room could not be made before.
   DemoteDownTo(StorageMedium::kDevice, TierBudget(StorageMedium::kDevice));
+  if (host_slabs_ != nullptr) {
+    DemoteDownTo(StorageMedium::kPinnedHost, TierBudget(StorageMedium::kPinnedHost));
+  }
+}
+
+void PrefixCache::MakeHostRoom() {
+  constexpr size_t kHost = static_cast<size_t>(StorageMedium::kPinnedHost);
+  const uint64_t budget = options_.host_tier_bytes;
+  const uint64_t incoming = tier_incoming_bytes_[kHost];
+  DemoteDownTo(StorageMedium::kPinnedHost, budget > incoming ? budget - incoming : 0);
 }
 
 bool PrefixCache::EvictLruEntryIn(StorageMedium medium) {
@@ -466,7 +520,8 @@ bool PrefixCache::EvictLruEntryIn(StorageMedium medium) {
 bool PrefixCache::MakeDiskRoom() {
   const uint64_t budget = disk_->budget_bytes();
   // The least recently used entries with pieces on disk leave the cache.
-  while (disk_->stored_bytes() + disk_incoming_bytes_ > budget) {
+  while (disk_->stored_bytes() + tier_incoming_bytes_[static_cast<size_t>(StorageMedium::kDisk)] >
+         budget) {
     if (!EvictLruEntryIn(StorageMedium::kDisk)) return false;
   }
   return true;
@@ -503,7 +558,7 @@ std::vector<uint64_t> PrefixCache::PlanMoves(StorageMedium from, StorageMedium t
         }
       }
       tier_leaving_bytes_[static_cast<size_t>(from)] += move.source.span.bytes;
-      if (to == StorageMedium::kDisk) disk_incoming_bytes_ += move.source.piece_bytes;
+      tier_incoming_bytes_[static_cast<size_t>(to)] += IncomingBytes(move);
       planned_bytes += move.source.span.bytes;
       moving_.emplace(handle, std::move(move));
       planned.push_back(handle);
@@ -517,8 +572,32 @@ absl::StatusOr<PrefixCache::Storage> PrefixCache::CopyDown(uint64_t handle, cons
   if (options_.before_demotion_copy) options_.before_demotion_copy(handle, to);
   Storage moved = source;
   moved.medium = to;
-  std::vector<uint8_t> bytes(source.piece_bytes);
-  RETURN_IF_ERROR(backend_->Read(source.span.slab, source.span.offset, absl::MakeSpan(bytes)));
+  if (to == StorageMedium::kPinnedHost) {
+    // Device -> host: straight into the host span (on cuda a DMA copy into pinned memory).
+    ASSIGN_OR_RETURN(moved.span, host_slabs_->Allocate(source.piece_bytes));
+    (void)host_slabs_->Release(moved.span.slab);  // holds mean nothing without a budget
+    absl::Status copied = [&]() -> absl::Status {
+      ASSIGN_OR_RETURN(absl::Span<uint8_t> host,
+                       host_memory_->Bytes(moved.span.slab, moved.span.offset, source.piece_bytes));
+      return backend_->Read(source.span.slab, source.span.offset, host);
+    }();
+    if (!copied.ok()) {
+      FreeInTier(handle, moved);
+      return copied;
+    }
+    return moved;
+  }
+  // -> disk, from the host tier's memory as it is, or read out of the device first.
+  std::vector<uint8_t> buffer;
+  absl::Span<const uint8_t> bytes;
+  if (source.medium == StorageMedium::kPinnedHost) {
+    ASSIGN_OR_RETURN(bytes, host_memory_->Bytes(source.span.slab, source.span.offset,
+                                                source.piece_bytes));
+  } else {
+    buffer.resize(source.piece_bytes);
+    RETURN_IF_ERROR(backend_->Read(source.span.slab, source.span.offset, absl::MakeSpan(buffer)));
+    bytes = buffer;
+  }
   RETURN_IF_ERROR(disk_->Write(handle, bytes));
   moved.span.slab = ArenaId{};
   moved.span.offset = 0;  // span.bytes stays: the rounded size the index counts
@@ -557,7 +636,7 @@ size_t PrefixCache::RunMoves(const std::vector<uint64_t>& handles) {
       continue;
     }
     tier_leaving_bytes_[from] -= move.source.span.bytes;
-    if (move.to == StorageMedium::kDisk) disk_incoming_bytes_ -= move.source.piece_bytes;
+    tier_incoming_bytes_[to] -= IncomingBytes(move);
     if (!copy.ok()) {
       spdlog::error("prefix cache: demoting a piece to {} failed: {}",
                     StorageMediumName(move.to), copy.status().ToString());
@@ -587,7 +666,7 @@ size_t PrefixCache::RunMoves(const std::vector<uint64_t>& handles) {
     }
   }
   for (auto& [fingerprint, blocks, boundary] : events) {
-    index_.RecordMoved(fingerprint, std::move(blocks), boundary, StorageMedium::kDisk);
+    index_.RecordMoved(fingerprint, std::move(blocks), boundary, planned.front().second.to);
   }
   return committed;
 }
@@ -607,11 +686,12 @@ size_t PrefixCache::DemoteDownTo(StorageMedium from, uint64_t target) {
     }
     std::vector<uint64_t> planned = PlanMoves(from, *to, excess);
     if (planned.empty()) return moved;  // nothing demotable (pinned, promoting or moving)
+    if (*to == StorageMedium::kPinnedHost) MakeHostRoom();
     if (*to == StorageMedium::kDisk && !MakeDiskRoom()) {
       // Room for this batch (counted as incoming) cannot be made: some of its writes fail.
       spdlog::warn("prefix cache: the disk tier ({} of {} bytes, {} incoming) is full and no "
                    "entry on it is evictable", disk_->stored_bytes(), disk_->budget_bytes(),
-                   disk_incoming_bytes_);
+                   tier_incoming_bytes_[static_cast<size_t>(StorageMedium::kDisk)]);
     }
     const size_t committed = RunMoves(planned);
     if (committed == 0) return moved;
@@ -633,7 +713,7 @@ absl::Status PrefixCache::PromotePinned(const EntryView& entry) {
     mu_.Await(absl::Condition(&none_moving));
     for (uint64_t handle : handles) {
       auto it = storage_.find(handle);
-      if (it == storage_.end() || it->second.medium != StorageMedium::kDisk) continue;
+      if (it == storage_.end() || it->second.medium == StorageMedium::kDevice) continue;
       promoting_.insert(handle);
       claimed.emplace_back(handle, it->second);
     }
@@ -642,9 +722,27 @@ absl::Status PrefixCache::PromotePinned(const EntryView& entry) {
   absl::Status status = absl::OkStatus();
   std::vector<std::pair<uint64_t, SlabSpan>> promoted;
   for (const auto& [handle, storage] : claimed) {
-    std::vector<uint8_t> bytes(storage.piece_bytes);
-    status = disk_->Read(handle, absl::MakeSpan(bytes));
-    if (!status.ok()) break;
+    // The piece's bytes: the host tier's memory as it is (claimed: nothing frees it), or the
+    // disk file read back.
+    std::vector<uint8_t> buffer;
+    absl::Span<const uint8_t> bytes;
+    std::string where;
+    if (storage.medium == StorageMedium::kPinnedHost) {
+      absl::StatusOr<absl::Span<uint8_t>> host =
+          host_memory_->Bytes(storage.span.slab, storage.span.offset, storage.piece_bytes);
+      status = host.status();
+      if (!status.ok()) break;
+      bytes = *host;
+      where = absl::StrFormat("host-tier piece (%s memory, slab %d, offset %d)",
+                              host_memory_->provider_name(), storage.span.slab.value,
+                              storage.span.offset);
+    } else {
+      buffer.resize(storage.piece_bytes);
+      status = disk_->Read(handle, absl::MakeSpan(buffer));
+      if (!status.ok()) break;
+      bytes = buffer;
+      where = absl::StrCat("disk file ", disk_->PathOf(handle));
+    }
     const std::vector<uint64_t> slices = SliceChecksums(bytes, options_.checksum_slice_bytes);
     const std::vector<uint64_t>& sealed =
         storage.slice_checksums.empty() ? std::vector<uint64_t>{storage.checksum}
@@ -655,9 +753,9 @@ absl::Status PrefixCache::PromotePinned(const EntryView& entry) {
         ++slice;
       }
       status = absl::DataLossError(absl::StrFormat(
-          "prefix entry %d: disk file %s (%d bytes) differs from the captured checksums at "
-          "slice %d of %d (xxHash3 %016x, captured as %016x); the entry is dropped, never served",
-          entry.id.value, disk_->PathOf(handle), bytes.size(), slice, sealed.size(),
+          "prefix entry %d: %s (%d bytes) differs from the captured checksums at slice %d of "
+          "%d (xxHash3 %016x, captured as %016x); the entry is dropped, never served",
+          entry.id.value, where, bytes.size(), slice, sealed.size(),
           slice < slices.size() ? slices[slice] : 0, slice < sealed.size() ? sealed[slice] : 0));
       break;
     }
@@ -679,15 +777,14 @@ absl::Status PrefixCache::PromotePinned(const EntryView& entry) {
   std::optional<BlockKey> moved_boundary;
   for (const auto& [handle, span] : promoted) {
     Storage& storage = storage_[handle];  // pinned: still referenced
-    if (absl::Status removed = disk_->Remove(handle); !removed.ok()) {
-      spdlog::error("prefix cache: {}", removed.ToString());
-    }
-    tier_stored_bytes_[static_cast<size_t>(StorageMedium::kDisk)] -= storage.span.bytes;
+    const size_t from = static_cast<size_t>(storage.medium);
+    FreeInTier(handle, storage);
+    tier_stored_bytes_[from] -= storage.span.bytes;
     storage.medium = StorageMedium::kDevice;
     storage.span = span;
     tier_stored_bytes_[static_cast<size_t>(StorageMedium::kDevice)] += span.bytes;
     (void)slabs_->Release(span.slab);  // Allocate's hold; the restore holds it again
-    ++tier_promotions_[static_cast<size_t>(StorageMedium::kDisk)];
+    ++tier_promotions_[from];
     const auto at = std::find(handles.begin(), handles.end(), handle) - handles.begin();
     if (static_cast<size_t>(at) < entry.blocks.size()) {
       moved_blocks.push_back(entry.blocks[at].key);
@@ -1291,7 +1388,10 @@ uint64_t PrefixCache::EvictForAdmission(uint64_t bytes) {
   return returned();
 }
 
-uint64_t PrefixCache::ReleaseEmptySlabs() { return slabs_->ReleaseEmptySlabs(); }
+uint64_t PrefixCache::ReleaseEmptySlabs() {
+  if (host_slabs_ != nullptr) host_slabs_->ReleaseEmptySlabs();
+  return slabs_->ReleaseEmptySlabs();
+}
 
 void PrefixCache::InstallEvictor(DeviceBudget& budget) {
   budget.SetEvictor(EvictableSource::kPrefixCache,
@@ -1363,29 +1463,43 @@ uint64_t PrefixCache::AwaitEvent(uint64_t last_sequence, absl::Duration timeout)
   return index_.LastSequence();
 }
 
-absl::StatusOr<SlabSpan> PrefixCache::StorageSpan(uint64_t storage_handle) const {
-  absl::MutexLock lock(&mu_);
+absl::StatusOr<PrefixCache::Storage> PrefixCache::StorageIn(uint64_t storage_handle,
+                                                            std::optional<StorageMedium> medium)
+    const {
   auto it = storage_.find(storage_handle);
   if (it == storage_.end()) {
     return absl::NotFoundError(absl::StrCat("no prefix storage handle ", storage_handle));
   }
-  if (it->second.medium != StorageMedium::kDevice) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("prefix storage handle ", storage_handle, " is on disk"));
+  if (medium.has_value() && it->second.medium != *medium) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "prefix storage handle ", storage_handle, " is in the ",
+        std::string(StorageMediumName(it->second.medium)), " tier, not the ",
+        std::string(StorageMediumName(*medium)), " tier"));
   }
-  return it->second.span;
+  return it->second;
+}
+
+absl::StatusOr<StorageMedium> PrefixCache::StorageMediumOf(uint64_t storage_handle) const {
+  absl::MutexLock lock(&mu_);
+  ASSIGN_OR_RETURN(Storage storage, StorageIn(storage_handle, std::nullopt));
+  return storage.medium;
+}
+
+absl::StatusOr<SlabSpan> PrefixCache::StorageSpan(uint64_t storage_handle) const {
+  absl::MutexLock lock(&mu_);
+  ASSIGN_OR_RETURN(Storage storage, StorageIn(storage_handle, StorageMedium::kDevice));
+  return storage.span;
+}
+
+absl::StatusOr<absl::Span<uint8_t>> PrefixCache::StorageHostBytes(uint64_t storage_handle) const {
+  absl::MutexLock lock(&mu_);
+  ASSIGN_OR_RETURN(Storage storage, StorageIn(storage_handle, StorageMedium::kPinnedHost));
+  return host_memory_->Bytes(storage.span.slab, storage.span.offset, storage.piece_bytes);
 }
 
 absl::StatusOr<std::string> PrefixCache::StorageFile(uint64_t storage_handle) const {
   absl::MutexLock lock(&mu_);
-  auto it = storage_.find(storage_handle);
-  if (it == storage_.end()) {
-    return absl::NotFoundError(absl::StrCat("no prefix storage handle ", storage_handle));
-  }
-  if (it->second.medium != StorageMedium::kDisk) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("prefix storage handle ", storage_handle, " is in a slab"));
-  }
+  RETURN_IF_ERROR(StorageIn(storage_handle, StorageMedium::kDisk).status());
   return disk_->PathOf(storage_handle);
 }
 
@@ -1446,11 +1560,27 @@ absl::Status PrefixCache::CheckInvariants() const {
         "prefix device tier: ", pieces[kDevice], " pieces hold ", bytes[kDevice],
         " bytes; the slabs hold ", slabs.used_bytes, " bytes in ", slabs.spans, " spans"));
   }
-  if (disk_ != nullptr && (disk_->stored_bytes() != disk_file_bytes || disk_incoming_bytes_ != 0)) {
+  if (tier_incoming_bytes_ != std::array<uint64_t, kMedia>{}) {
+    return absl::InternalError(absl::StrCat(
+        "prefix tiers count ", tier_incoming_bytes_[1], " host and ", tier_incoming_bytes_[2],
+        " disk bytes incoming with no demotion in flight"));
+  }
+  if (host_slabs_ != nullptr) {
+    constexpr size_t kHost = static_cast<size_t>(StorageMedium::kPinnedHost);
+    RETURN_IF_ERROR(host_slabs_->CheckInvariants());
+    const SlabStats host = host_slabs_->Stats();
+    if (host.used_bytes != bytes[kHost] || host.spans != pieces[kHost] ||
+        host.slab_bytes != host_memory_->allocated_bytes()) {
+      return absl::InternalError(absl::StrCat(
+          "prefix host tier: ", pieces[kHost], " pieces hold ", bytes[kHost],
+          " bytes; its slabs hold ", host.used_bytes, " bytes in ", host.spans, " spans, ",
+          host.slab_bytes, " slab bytes of ", host_memory_->allocated_bytes(), " allocated"));
+    }
+  }
+  if (disk_ != nullptr && disk_->stored_bytes() != disk_file_bytes) {
     return absl::InternalError(absl::StrCat("prefix pieces on disk hold ", disk_file_bytes,
                                             " bytes; the disk tier holds ",
-                                            disk_->stored_bytes(), " (", disk_incoming_bytes_,
-                                            " counted incoming)"));
+                                            disk_->stored_bytes()));
   }
   return absl::OkStatus();
 }

@@ -77,6 +77,7 @@
 #include "server/daemon_session.h"
 #include "server/device_budget.h"
 #include "server/disk_tier.h"
+#include "server/host_tier_memory.h"
 #include "server/slab_allocator.h"
 
 namespace memra {
@@ -96,6 +97,10 @@ struct PrefixCacheOptions {
   uint64_t slab_bytes = uint64_t{128} << 20;
   uint64_t epoch = 0;            // this daemon's epoch, on entries and events
   uint64_t event_capacity = 4096;
+  // The host tier, between the device and the disk (StorageMedium::kPinnedHost): none when 0;
+  // else the bytes of host memory it may hold (spans rounded as the device tier's), its memory
+  // from the HostMemoryProvider Create is given. Not charged to the device budget.
+  uint64_t host_tier_bytes = 0;
   // The disk tier (DiskTierOptions): none when disk_dir is empty; else disk_bytes > 0.
   std::string disk_dir;
   uint64_t disk_bytes = 0;
@@ -228,11 +233,13 @@ struct PrefixCacheStats {
 
 class PrefixCache {
  public:
-  // `backend` must outlive the cache; `budget` may be null (no shared admission ledger).
-  // INVALID_ARGUMENT for a zero budget or block size.
-  static absl::StatusOr<std::unique_ptr<PrefixCache>> Create(const PrefixCacheOptions& options,
-                                                             DeviceBackend* backend,
-                                                             DeviceBudget* budget);
+  // `backend` must outlive the cache; `budget` may be null (no shared admission ledger);
+  // `host_memory` is the host tier's memory, given iff options.host_tier_bytes > 0.
+  // INVALID_ARGUMENT for a zero budget or block size, a host tier without memory or memory
+  // without a host tier.
+  static absl::StatusOr<std::unique_ptr<PrefixCache>> Create(
+      const PrefixCacheOptions& options, DeviceBackend* backend, DeviceBudget* budget,
+      std::unique_ptr<HostMemoryProvider> host_memory = nullptr);
   ~PrefixCache();  // frees every slab and its budget charge
   PrefixCache(const PrefixCache&) = delete;
   PrefixCache& operator=(const PrefixCache&) = delete;
@@ -307,16 +314,21 @@ class PrefixCache {
   uint64_t AwaitEvent(uint64_t last_sequence, absl::Duration timeout) const
       ABSL_LOCKS_EXCLUDED(mu_);
 
-  // Test seams (corruption tests): where an entry's block or boundary is stored: its span
-  // (FAILED_PRECONDITION when on disk), its file (FAILED_PRECONDITION when in a slab).
+  // Test seams (corruption tests): where an entry's block or boundary is stored: its tier, its
+  // device span, its host-tier memory, its file (NOT_FOUND for an unknown handle;
+  // FAILED_PRECONDITION when the piece is in another tier).
+  absl::StatusOr<StorageMedium> StorageMediumOf(uint64_t storage_handle) const
+      ABSL_LOCKS_EXCLUDED(mu_);
   absl::StatusOr<SlabSpan> StorageSpan(uint64_t storage_handle) const ABSL_LOCKS_EXCLUDED(mu_);
+  absl::StatusOr<absl::Span<uint8_t>> StorageHostBytes(uint64_t storage_handle) const
+      ABSL_LOCKS_EXCLUDED(mu_);
   absl::StatusOr<std::string> StorageFile(uint64_t storage_handle) const ABSL_LOCKS_EXCLUDED(mu_);
   absl::Status CheckInvariants() const ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
   struct Storage {
     StorageMedium medium = StorageMedium::kDevice;
-    SlabSpan span;             // kDevice only
+    SlabSpan span;             // kDevice: in slabs_; kPinnedHost: in host_slabs_; kDisk: bytes only
     uint64_t piece_bytes = 0;  // the piece's own bytes (a disk file's size)
     uint64_t checksum = 0;     // the StoredRef's (verified when a disk file is read back)
     // One xxHash3 per checksum_slice_bytes slice of a piece of several slices (the StoredRef's
@@ -340,7 +352,8 @@ class PrefixCache {
 
   PrefixCache(const PrefixCacheOptions& options, PrefixIndex index, DeviceBackend* backend,
               DeviceBudget* budget, std::unique_ptr<SlabAllocator> slabs,
-              std::unique_ptr<DiskTier> disk);
+              std::unique_ptr<DiskTier> disk, std::unique_ptr<HostTierMemory> host_memory,
+              std::unique_ptr<SlabAllocator> host_slabs);
 
   // REQUIRES the session's mutex (runs inside DaemonSession::ViewLocked).
   absl::StatusOr<PrefixCaptureResult> CaptureLocked(const ScopedShape& shape,
@@ -399,6 +412,11 @@ class PrefixCache {
   // The tier a piece of `medium` is demoted to (nullopt: the last tier, which evicts instead).
   std::optional<StorageMedium> TierBelow(StorageMedium medium) const;
   uint64_t TierBudget(StorageMedium medium) const;
+  // What `move` adds to its destination tier's budget: a disk file's own bytes, a span's
+  // rounded bytes in a memory tier.
+  static uint64_t IncomingBytes(const Move& move);
+  // Demotes LRU host-tier pieces until the bytes on their way into it fit its budget too.
+  void MakeHostRoom() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Every tier within its budget: each tier's LRU pieces move down (the last one's entries are
   // evicted). Run after a capture and a restore, outside the session's mutex (the session is
   // not held up by the demotion's I/O).
@@ -416,7 +434,7 @@ class PrefixCache {
   // when there is none.
   bool EvictLruEntryIn(StorageMedium medium) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Evicts LRU entries with pieces on disk until the disk tier has room for the bytes on their
-  // way to it (disk_incoming_bytes_); false when that cannot be done.
+  // way to it (tier_incoming_bytes_); false when that cannot be done.
   bool MakeDiskRoom() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Copies the planned pieces down without mu_ and commits each under mu_ (a piece pinned
   // meanwhile stays where it was; one released meanwhile is freed in both tiers). Returns how
@@ -433,6 +451,10 @@ class PrefixCache {
   // DATA_LOSS: a file whose bytes do not match the capture's checksums; RESOURCE_EXHAUSTED: no
   // device memory for it. Pieces promoted before a failure stay promoted.
   absl::Status PromotePinned(const EntryView& entry) ABSL_LOCKS_EXCLUDED(mu_);
+  // `storage_handle`'s storage, when it is in `medium` (nullopt: any tier); the seams' errors.
+  absl::StatusOr<Storage> StorageIn(uint64_t storage_handle,
+                                    std::optional<StorageMedium> medium) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   StorageMedium MediumLocked(const std::vector<LookupBlock>& blocks,
                              const std::optional<StoredRef>& boundary) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -443,6 +465,9 @@ class PrefixCache {
   DeviceBudget* const budget_;
   const std::unique_ptr<SlabAllocator> slabs_;  // thread-safe itself
   const std::unique_ptr<DiskTier> disk_;         // null: no disk tier; thread-safe itself
+  // The host tier (null: none): its memory, and the allocator over it (destroyed first).
+  const std::unique_ptr<HostTierMemory> host_memory_;
+  const std::unique_ptr<SlabAllocator> host_slabs_;
 
   std::atomic<uint64_t> tick_{0};  // LRU clock
 
@@ -467,11 +492,12 @@ class PrefixCache {
   std::array<uint64_t, kMedia> tier_stored_bytes_ ABSL_GUARDED_BY(mu_) = {};
   std::array<uint64_t, kMedia> tier_leaving_bytes_ ABSL_GUARDED_BY(mu_) = {};
   // Pieces pinned entries use (count of pins), pieces a restore is promoting, pieces a
-  // demotion is moving down (by handle), and piece file bytes on their way to disk.
+  // demotion is moving down (by handle), and per tier the bytes on their way into it, in the
+  // unit its budget counts (IncomingBytes).
   absl::flat_hash_map<uint64_t, uint32_t> pinned_handles_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_set<uint64_t> promoting_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<uint64_t, Move> moving_ ABSL_GUARDED_BY(mu_);
-  uint64_t disk_incoming_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  std::array<uint64_t, kMedia> tier_incoming_bytes_ ABSL_GUARDED_BY(mu_) = {};
   std::array<uint64_t, kMedia> tier_hits_ ABSL_GUARDED_BY(mu_) = {};
   std::array<uint64_t, kMedia> tier_promotions_ ABSL_GUARDED_BY(mu_) = {};
   std::array<uint64_t, kMedia> tier_demotions_ ABSL_GUARDED_BY(mu_) = {};

@@ -28,6 +28,7 @@
 #include "gtest/gtest.h"
 #include "server/daemon_session.h"
 #include "server/device_budget.h"
+#include "server/host_tier_memory.h"
 #include "server/test_host_backend.h"
 #include "tests/seeded_random.h"
 #include "tests/status_matchers.h"
@@ -171,15 +172,20 @@ class PrefixCacheTest : public ::testing::Test {
   }
 
   // A cache with a disk tier under a fresh directory of the test's tmpdir.
-  absl::StatusOr<std::unique_ptr<PrefixCache>> MakeTieredCache(uint64_t device_bytes,
-                                                               uint64_t disk_bytes,
-                                                               DeviceBudget* device_budget,
-                                                               const std::string& dir_name,
-                                                               std::function<void(uint64_t, StorageMedium)>
-                                                                   before_demotion_copy = {}) {
-    const char* tmp = std::getenv("TEST_TMPDIR");
-    disk_dir_ = absl::StrCat(tmp != nullptr ? tmp : "/tmp", "/", dir_name);
-    std::system(absl::StrCat("rm -rf '", disk_dir_, "'").c_str());
+  absl::StatusOr<std::unique_ptr<PrefixCache>> MakeTieredCache(
+      uint64_t device_bytes, uint64_t disk_bytes, DeviceBudget* device_budget,
+      const std::string& dir_name,
+      std::function<void(uint64_t, StorageMedium)> before_demotion_copy = {}) {
+    return MakeTierChain(device_bytes, /*host_bytes=*/0, disk_bytes, device_budget, dir_name,
+                         std::move(before_demotion_copy));
+  }
+
+  // device -> host (plain host memory, as the cuda backend's pinned memory would be; none when
+  // host_bytes is 0) -> disk (none when disk_bytes is 0).
+  absl::StatusOr<std::unique_ptr<PrefixCache>> MakeTierChain(
+      uint64_t device_bytes, uint64_t host_bytes, uint64_t disk_bytes,
+      DeviceBudget* device_budget, const std::string& dir_name,
+      std::function<void(uint64_t, StorageMedium)> before_demotion_copy = {}) {
     PrefixCacheOptions options;
     options.copy_threads = 2;
     options.checksum_slice_bytes = 512;  // a block is 4 slices: each verified on its own
@@ -188,11 +194,18 @@ class PrefixCacheTest : public ::testing::Test {
     options.budget_bytes = device_bytes;
     options.block_tokens = kBlock;
     options.epoch = 77;
-    options.disk_dir = disk_dir_;
-    options.disk_bytes = disk_bytes;
-    options.disk_queue_depth = 2;
+    if (disk_bytes > 0) {
+      const char* tmp = std::getenv("TEST_TMPDIR");
+      disk_dir_ = absl::StrCat(tmp != nullptr ? tmp : "/tmp", "/", dir_name);
+      std::system(absl::StrCat("rm -rf '", disk_dir_, "'").c_str());
+      options.disk_dir = disk_dir_;
+      options.disk_bytes = disk_bytes;
+      options.disk_queue_depth = 2;
+    }
+    options.host_tier_bytes = host_bytes;
     options.before_demotion_copy = std::move(before_demotion_copy);
-    return PrefixCache::Create(options, backend_.get(), device_budget);
+    return PrefixCache::Create(options, backend_.get(), device_budget,
+                               host_bytes > 0 ? NewPlainHostMemory() : nullptr);
   }
 
   std::unique_ptr<DaemonSession> NewSession(const ModelPlan& plan, uint64_t capacity,
@@ -408,9 +421,9 @@ absl::StatusOr<EntryView> ViewOf(absl::StatusOr<ScopedEntry> scoped) {
 }
 
 StorageMedium PieceMedium(const PrefixCache& cache, uint64_t handle) {
-  if (cache.StorageSpan(handle).ok()) return StorageMedium::kDevice;
-  EXPECT_THAT(cache.StorageFile(handle).status(), IsOk());
-  return StorageMedium::kDisk;
+  absl::StatusOr<StorageMedium> medium = cache.StorageMediumOf(handle);
+  EXPECT_THAT(medium.status(), IsOk());
+  return medium.value_or(StorageMedium::kDevice);
 }
 
 TEST_F(PrefixCacheTest, FlatKvCaptureLookupRestoreAnyBlockBoundary) {
@@ -1494,83 +1507,373 @@ TEST_F(PrefixCacheTest, PiecesPinnedOrEvictedWhileTheyMoveStayConsistent) {
 }
 
 // Captures, restores, lookups and evictions from several threads over a small device tier and
-// disk tier, so demotions (copying without the lock), promotions and evictions interleave:
+// disk tier (and a host tier between them), so demotions (copying without the lock),
+// promotions and evictions interleave:
 // every restore is bit-exact and the ledgers agree after every round.
 TEST_F(PrefixCacheTest, ConcurrentTrafficKeepsTheTierInvariants) {
+  for (const uint64_t host_bytes : {uint64_t{0}, 4 * kFlatSpanBytes}) {
+    SCOPED_TRACE(host_bytes > 0 ? "device -> host -> disk" : "device -> disk");
+    absl::StatusOr<std::unique_ptr<PrefixCache>> tiered = MakeTierChain(
+        8 * kFlatSpanBytes, host_bytes, 16 * kFlatBlockBytes, nullptr, "stress");
+    ASSERT_THAT(tiered.status(), IsOk());
+    cache_ = *std::move(tiered);
+    struct Source {
+      std::unique_ptr<DaemonSession> session;
+      std::vector<int32_t> tokens;
+      uint64_t len = 0;
+      EntryId entry;
+    };
+    constexpr int kThreads = 4;
+    absl::Mutex sessions_mu;  // NewSession's id counter
+    auto new_session = [&] {
+      absl::MutexLock lock(&sessions_mu);
+      return NewSession(FlatPlan(), 128);
+    };
+    std::atomic<uint64_t> restores{0};
+    for (int round = 0; round < 6; ++round) {
+      std::vector<std::thread> threads;
+      for (int t = 0; t < kThreads; ++t) {
+        threads.emplace_back([&, t] {
+          testing::SeededRandom random(uint64_t{1000} * round + t);
+          std::vector<Source> sources;
+          for (int op = 0; op < 20; ++op) {
+            const uint64_t pick = random.Below(4);
+            if (pick == 0 || sources.empty()) {
+              const uint64_t len = (1 + random.Below(4)) * kBlock;
+              Source source;
+              source.tokens = Tokens(len, static_cast<int32_t>(1000000 * (t + 1) + 10000 * round +
+                                                               100 * op));
+              source.len = len;
+              source.session = new_session();
+              Append(*source.session, source.tokens, len);
+              FillRandom(*source.session, random.Below(1 << 30), 0);
+              absl::StatusOr<PrefixCaptureResult> captured =
+                  cache_->Capture(*source.session, source.tokens, len);
+              ASSERT_THAT(captured.status(), IsOk());
+              source.entry = captured->entry;
+              sources.push_back(std::move(source));
+            } else if (pick == 1 || pick == 2) {
+              const Source& source = sources[random.Below(sources.size())];
+              auto dest = new_session();
+              const absl::Status restored =
+                  cache_->Restore(*dest, source.entry, source.tokens).status();
+              if (restored.ok()) {
+                ASSERT_EQ(KvRows(*dest, source.len), KvRows(*source.session, source.len));
+                restores.fetch_add(1);
+              } else {
+                // Evicted by another thread's capture (the disk tier is small).
+                ASSERT_THAT(restored, StatusIs(absl::StatusCode::kNotFound, HasSubstr("")));
+              }
+              (void)cache_->Lookup(kScope, Shape(FlatPlan()), source.tokens);
+            } else {
+              const Source& source = sources[random.Below(sources.size())];
+              const absl::Status evicted = cache_->EvictEntry(source.entry).status();
+              if (!evicted.ok()) {
+                ASSERT_TRUE(absl::IsNotFound(evicted) || absl::IsFailedPrecondition(evicted))
+                    << evicted;
+              }
+            }
+          }
+        });
+      }
+      for (std::thread& thread : threads) thread.join();
+      ASSERT_THAT(cache_->CheckInvariants(), IsOk()) << "round " << round;
+      const PrefixCacheStats stats = cache_->Stats();
+      EXPECT_LE(stats.tiers[0].stored_bytes, 8 * kFlatSpanBytes) << "round " << round;
+      EXPECT_LE(stats.tiers.back().stored_bytes / kFlatSpanBytes * kFlatBlockBytes,
+                16 * kFlatBlockBytes);
+    }
+    const PrefixCacheStats stats = cache_->Stats();
+    EXPECT_GT(restores.load(), 0u);
+    EXPECT_GT(stats.tiers[1].demotions, 0u);
+    EXPECT_EQ(stats.dropped_entries, 0u);
+    if (host_bytes > 0) {
+      EXPECT_LE(stats.tiers[1].stored_bytes, host_bytes);
+    }
+  }
+}
+
+// The whole chain, device (8 block spans) -> host (4) -> disk: a third entry pushes the
+// oldest one's blocks through the host tier to disk and the next one's into the host tier;
+// restores promote them back bit-exactly, and each tier stays within its budget.
+TEST_F(PrefixCacheTest, AnEntryDemotedThroughTheHostTierToDiskRestoresBitExactly) {
   absl::StatusOr<std::unique_ptr<PrefixCache>> tiered =
-      MakeTieredCache(8 * kFlatSpanBytes, 16 * kFlatBlockBytes, nullptr, "stress");
+      MakeTierChain(8 * kFlatSpanBytes, 4 * kFlatSpanBytes, 1 << 20, nullptr, "chain");
   ASSERT_THAT(tiered.status(), IsOk());
   cache_ = *std::move(tiered);
   struct Source {
     std::unique_ptr<DaemonSession> session;
     std::vector<int32_t> tokens;
-    uint64_t len = 0;
     EntryId entry;
   };
-  constexpr int kThreads = 4;
-  absl::Mutex sessions_mu;  // NewSession's id counter
-  auto new_session = [&] {
-    absl::MutexLock lock(&sessions_mu);
-    return NewSession(FlatPlan(), 128);
-  };
-  std::atomic<uint64_t> restores{0};
-  for (int round = 0; round < 6; ++round) {
-    std::vector<std::thread> threads;
-    for (int t = 0; t < kThreads; ++t) {
-      threads.emplace_back([&, t] {
-        testing::SeededRandom random(uint64_t{1000} * round + t);
-        std::vector<Source> sources;
-        for (int op = 0; op < 20; ++op) {
-          const uint64_t pick = random.Below(4);
-          if (pick == 0 || sources.empty()) {
-            const uint64_t len = (1 + random.Below(4)) * kBlock;
-            Source source;
-            source.tokens = Tokens(len, static_cast<int32_t>(1000000 * (t + 1) + 10000 * round +
-                                                             100 * op));
-            source.len = len;
-            source.session = new_session();
-            Append(*source.session, source.tokens, len);
-            FillRandom(*source.session, random.Below(1 << 30), 0);
-            absl::StatusOr<PrefixCaptureResult> captured =
-                cache_->Capture(*source.session, source.tokens, len);
-            ASSERT_THAT(captured.status(), IsOk());
-            source.entry = captured->entry;
-            sources.push_back(std::move(source));
-          } else if (pick == 1 || pick == 2) {
-            const Source& source = sources[random.Below(sources.size())];
-            auto dest = new_session();
-            const absl::Status restored =
-                cache_->Restore(*dest, source.entry, source.tokens).status();
-            if (restored.ok()) {
-              ASSERT_EQ(KvRows(*dest, source.len), KvRows(*source.session, source.len));
-              restores.fetch_add(1);
-            } else {
-              // Evicted by another thread's capture (the disk tier is small).
-              ASSERT_THAT(restored, StatusIs(absl::StatusCode::kNotFound, HasSubstr("")));
-            }
-            (void)cache_->Lookup(kScope, Shape(FlatPlan()), source.tokens);
-          } else {
-            const Source& source = sources[random.Below(sources.size())];
-            const absl::Status evicted = cache_->EvictEntry(source.entry).status();
-            if (!evicted.ok()) {
-              ASSERT_TRUE(absl::IsNotFound(evicted) || absl::IsFailedPrecondition(evicted))
-                  << evicted;
-            }
-          }
-        }
-      });
-    }
-    for (std::thread& thread : threads) thread.join();
-    ASSERT_THAT(cache_->CheckInvariants(), IsOk()) << "round " << round;
-    const PrefixCacheStats stats = cache_->Stats();
-    EXPECT_LE(stats.tiers[0].stored_bytes, 8 * kFlatSpanBytes) << "round " << round;
-    EXPECT_LE(stats.tiers[1].stored_bytes / kFlatSpanBytes * kFlatBlockBytes,
-              16 * kFlatBlockBytes);
+  std::vector<Source> sources;
+  for (int i = 0; i < 3; ++i) {
+    const uint64_t blocks = i < 2 ? 4 : 6;
+    Source source{NewSession(FlatPlan(), 128), Tokens(blocks * kBlock, 10 * (i + 1)), EntryId{}};
+    Append(*source.session, source.tokens, blocks * kBlock);
+    FillRandom(*source.session, 50 + i, 0);
+    absl::StatusOr<PrefixCaptureResult> captured =
+        cache_->Capture(*source.session, source.tokens, blocks * kBlock);
+    ASSERT_THAT(captured.status(), IsOk());
+    source.entry = captured->entry;
+    sources.push_back(std::move(source));
   }
+  // 14 blocks: the 6 LRU ones (A's 4, B's first 2) went to the host tier, which then passed
+  // its 2 LRU ones (A's first 2) on to disk.
+  PrefixCacheStats stats = cache_->Stats();
+  ASSERT_EQ(stats.tiers.size(), 3u);
+  EXPECT_EQ(stats.tiers[0].medium, StorageMedium::kDevice);
+  EXPECT_EQ(stats.tiers[1].medium, StorageMedium::kPinnedHost);
+  EXPECT_EQ(stats.tiers[2].medium, StorageMedium::kDisk);
+  EXPECT_EQ(stats.tiers[0].stored_bytes, 8 * kFlatSpanBytes);
+  EXPECT_EQ(stats.tiers[1].stored_bytes, 4 * kFlatSpanBytes);
+  EXPECT_EQ(stats.tiers[1].budget_bytes, 4 * kFlatSpanBytes);
+  EXPECT_EQ(stats.tiers[2].stored_bytes, 2 * kFlatSpanBytes);
+  EXPECT_EQ(stats.tiers[1].demotions, 6u);
+  EXPECT_EQ(stats.tiers[2].demotions, 2u);
+  EXPECT_EQ(stats.stored_bytes, 14 * kFlatSpanBytes);
+  EXPECT_EQ(stats.budget_bytes, 12 * kFlatSpanBytes + (1 << 20));
+  EXPECT_EQ(stats.evicted_entries, 0u);
+  EXPECT_THAT(cache_->CheckInvariants(), IsOk());
+  absl::StatusOr<EntryView> a = ViewOf(cache_->Inspect(sources[0].entry));
+  absl::StatusOr<EntryView> b = ViewOf(cache_->Inspect(sources[1].entry));
+  ASSERT_THAT(a.status(), IsOk());
+  ASSERT_THAT(b.status(), IsOk());
+  const std::vector<StorageMedium> a_tiers = {StorageMedium::kDisk, StorageMedium::kDisk,
+                                              StorageMedium::kPinnedHost,
+                                              StorageMedium::kPinnedHost};
+  const std::vector<StorageMedium> b_tiers = {StorageMedium::kPinnedHost,
+                                              StorageMedium::kPinnedHost, StorageMedium::kDevice,
+                                              StorageMedium::kDevice};
+  for (size_t i = 0; i < 4; ++i) {
+    EXPECT_EQ(PieceMedium(*cache_, a->blocks[i].stored.storage_handle), a_tiers[i]) << i;
+    EXPECT_EQ(PieceMedium(*cache_, b->blocks[i].stored.storage_handle), b_tiers[i]) << i;
+  }
+  EXPECT_EQ(cache_->Lookup(kScope, Shape(FlatPlan()), sources[0].tokens).medium,
+            StorageMedium::kDisk);
+  EXPECT_EQ(cache_->Lookup(kScope, Shape(FlatPlan()), sources[1].tokens).medium,
+            StorageMedium::kPinnedHost);
+  EXPECT_EQ(cache_->Lookup(kScope, Shape(FlatPlan()), sources[2].tokens).medium,
+            StorageMedium::kDevice);
+  // The kMoved events (one per shape and move) name where the bytes went: A's 4 and B's 2 to
+  // the host tier, then A's 2 on to disk.
+  const ScopedEventReplay events = cache_->EventsSince(77, 3, std::nullopt);
+  ASSERT_FALSE(events.gap);
+  std::vector<std::pair<StorageMedium, size_t>> moved;
+  for (const ScopedPrefixEvent& event : events.events) {
+    ASSERT_EQ(event.event.kind, PrefixEventKind::kMoved);
+    moved.emplace_back(event.event.medium, event.event.block_keys.size());
+  }
+  EXPECT_THAT(moved, ::testing::ElementsAre(std::pair{StorageMedium::kPinnedHost, size_t{6}},
+                                            std::pair{StorageMedium::kDisk, size_t{2}}));
+
+  // A (disk + host) restores bit-exactly; its pieces are promoted to the device.
+  auto dest_a = NewSession(FlatPlan(), 128);
+  ASSERT_THAT(cache_->Restore(*dest_a, sources[0].entry, sources[0].tokens).status(), IsOk());
+  EXPECT_EQ(KvRows(*dest_a, 64), KvRows(*sources[0].session, 64));
+  for (const LookupBlock& block : a->blocks) {
+    EXPECT_EQ(PieceMedium(*cache_, block.stored.storage_handle), StorageMedium::kDevice);
+  }
+  stats = cache_->Stats();
+  EXPECT_EQ(stats.tiers[2].hits, 1u);
+  EXPECT_EQ(stats.tiers[1].promotions, 2u);
+  EXPECT_EQ(stats.tiers[2].promotions, 2u);
+  EXPECT_EQ(stats.tiers[0].stored_bytes, 8 * kFlatSpanBytes);
+  EXPECT_EQ(stats.tiers[1].stored_bytes, 4 * kFlatSpanBytes);
+  EXPECT_EQ(stats.tiers[2].stored_bytes, 2 * kFlatSpanBytes);
+  EXPECT_THAT(cache_->CheckInvariants(), IsOk());
+  // And B and C, wherever their pieces went since.
+  for (size_t i = 1; i < 3; ++i) {
+    const uint64_t rows = sources[i].tokens.size();
+    auto dest = NewSession(FlatPlan(), 128);
+    ASSERT_THAT(cache_->Restore(*dest, sources[i].entry, sources[i].tokens).status(), IsOk());
+    EXPECT_EQ(KvRows(*dest, rows), KvRows(*sources[i].session, rows));
+    EXPECT_THAT(cache_->CheckInvariants(), IsOk());
+  }
+  stats = cache_->Stats();
+  EXPECT_EQ(stats.restores, 3u);
+  EXPECT_EQ(stats.tiers[0].hits + stats.tiers[1].hits + stats.tiers[2].hits, 3u);
+  EXPECT_LE(stats.tiers[1].stored_bytes, 4 * kFlatSpanBytes);
+}
+
+// A boundary-state piece (a hybrid model's recurrent state) takes the same way.
+TEST_F(PrefixCacheTest, ABoundaryStateInTheHostTierRestoresBitExactly) {
+  absl::StatusOr<std::unique_ptr<PrefixCache>> tiered =
+      MakeTierChain(4 * kFlatSpanBytes, 1 << 20, 0, nullptr, "");
+  ASSERT_THAT(tiered.status(), IsOk());
+  cache_ = *std::move(tiered);
+  const std::vector<int32_t> tokens = Tokens(32);
+  auto source = NewSession(HybridPlan(), 64);
+  Append(*source, tokens, 32);
+  absl::StatusOr<PrefixCaptureResult> captured = cache_->Capture(*source, tokens, 32);
+  ASSERT_THAT(captured.status(), IsOk());
+  const std::vector<int32_t> flat_tokens = Tokens(4 * kBlock, 9);
+  auto flat = NewSession(FlatPlan(), 128);
+  Append(*flat, flat_tokens, 4 * kBlock);
+  ASSERT_THAT(cache_->Capture(*flat, flat_tokens, 64).status(), IsOk());
+  absl::StatusOr<EntryView> view = ViewOf(cache_->Inspect(captured->entry));
+  ASSERT_THAT(view.status(), IsOk());
+  ASSERT_TRUE(view->boundary.has_value());
+  EXPECT_EQ(PieceMedium(*cache_, view->boundary->storage_handle), StorageMedium::kPinnedHost);
+  auto dest = NewSession(HybridPlan(), 64);
+  ASSERT_THAT(cache_->Restore(*dest, captured->entry, tokens).status(), IsOk());
+  ExpectRestored(*dest, 32, 32);
+  EXPECT_EQ(PieceMedium(*cache_, view->boundary->storage_handle), StorageMedium::kDevice);
+  EXPECT_THAT(cache_->CheckInvariants(), IsOk());
+}
+
+TEST_F(PrefixCacheTest, CorruptedHostTierBytesAreDataLossAndTheEntryIsDropped) {
+  absl::StatusOr<std::unique_ptr<PrefixCache>> tiered =
+      MakeTierChain(2 * kFlatSpanBytes, 4 * kFlatSpanBytes, 0, nullptr, "");
+  ASSERT_THAT(tiered.status(), IsOk());
+  cache_ = *std::move(tiered);
+  const std::vector<int32_t> tokens = Tokens(3 * kBlock);
+  auto source = NewSession(FlatPlan(), 128);
+  Append(*source, tokens, 3 * kBlock);
+  absl::StatusOr<PrefixCaptureResult> captured = cache_->Capture(*source, tokens, 48);
+  ASSERT_THAT(captured.status(), IsOk());
+  absl::StatusOr<EntryView> view = ViewOf(cache_->Inspect(captured->entry));
+  ASSERT_THAT(view.status(), IsOk());
+  const uint64_t handle = view->blocks[0].stored.storage_handle;
+  ASSERT_EQ(PieceMedium(*cache_, handle), StorageMedium::kPinnedHost);
+  EXPECT_THAT(cache_->StorageFile(handle).status(),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstrs("in the pinned_host tier, not the disk tier")));
+  absl::StatusOr<absl::Span<uint8_t>> host = cache_->StorageHostBytes(handle);
+  ASSERT_THAT(host.status(), IsOk());
+  ASSERT_EQ(host->size(), kFlatBlockBytes);
+  (*host)[600] ^= 0x10;  // slice 1 of the block's 512-byte slices
+  auto dest = NewSession(FlatPlan(), 128);
+  EXPECT_THAT(cache_->Restore(*dest, captured->entry, tokens).status(),
+              StatusIs(absl::StatusCode::kDataLoss,
+                       HasSubstrs(absl::StrCat("prefix entry ", captured->entry.value,
+                                               ": host-tier piece (host memory, slab "),
+                                  absl::StrCat("(", kFlatBlockBytes, " bytes)"),
+                                  "at slice 1 of 4", "dropped")));
+  EXPECT_EQ(Committed(*dest), 0u);
+  EXPECT_THAT(cache_->Inspect(captured->entry).status(),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("")));
   const PrefixCacheStats stats = cache_->Stats();
-  EXPECT_GT(restores.load(), 0u);
-  EXPECT_GT(stats.tiers[1].demotions, 0u);
-  EXPECT_EQ(stats.dropped_entries, 0u);
+  EXPECT_EQ(stats.dropped_entries, 1u);
+  EXPECT_EQ(stats.stored_bytes, 0u);
+  for (const PrefixTierStats& tier : stats.tiers) EXPECT_EQ(tier.stored_bytes, 0u);
+  EXPECT_EQ(stats.tiers[1].hits, 0u);
+  EXPECT_THAT(cache_->CheckInvariants(), IsOk());
+}
+
+// Random captures, restores and evictions over device -> host (-> disk): after every step each
+// tier is within its budget and the ledgers agree; with no disk tier the host tier is the last
+// one and evicts its LRU entries.
+TEST_F(PrefixCacheTest, HostTierBudgetsHoldUnderChurn) {
+  for (const bool with_disk : {true, false}) {
+    SCOPED_TRACE(with_disk ? "device -> host -> disk" : "device -> host");
+    const uint64_t device_bytes = 6 * kFlatSpanBytes;
+    const uint64_t host_bytes = 6 * kFlatSpanBytes;
+    const uint64_t disk_bytes = with_disk ? 10 * kFlatBlockBytes : 0;
+    absl::StatusOr<std::unique_ptr<PrefixCache>> tiered =
+        MakeTierChain(device_bytes, host_bytes, disk_bytes, nullptr, "host-churn");
+    ASSERT_THAT(tiered.status(), IsOk());
+    cache_ = *std::move(tiered);
+    testing::SeededRandom random(with_disk ? 7 : 8);
+    struct Source {
+      std::unique_ptr<DaemonSession> session;
+      std::vector<int32_t> tokens;
+      uint64_t len = 0;
+    };
+    absl::flat_hash_map<uint64_t, Source> sources;
+    for (int round = 0; round < 60; ++round) {
+      std::vector<ScopedEntry> entries = cache_->ListEntries();
+      if (random.Below(3) == 0 && !entries.empty()) {
+        const EntryView& entry = entries[random.Below(entries.size())].view;
+        const Source& source = sources.at(entry.id.value);
+        auto dest = NewSession(FlatPlan(), 256);
+        ASSERT_THAT(cache_->Restore(*dest, entry.id, source.tokens).status(), IsOk());
+        ASSERT_EQ(KvRows(*dest, source.len), KvRows(*source.session, source.len));
+      } else {
+        const uint64_t len = (1 + random.Below(5)) * kBlock;
+        std::vector<int32_t> tokens = Tokens(len, static_cast<int32_t>(700000 + round * 1000));
+        auto session = NewSession(FlatPlan(), 256);
+        Append(*session, tokens, len);
+        FillRandom(*session, static_cast<uint64_t>(round) + 300, 0);
+        absl::StatusOr<PrefixCaptureResult> captured = cache_->Capture(*session, tokens, len);
+        ASSERT_THAT(captured.status(), IsOk());
+        sources[captured->entry.value] = Source{std::move(session), tokens, len};
+      }
+      const PrefixCacheStats stats = cache_->Stats();
+      ASSERT_EQ(stats.tiers.size(), with_disk ? 3u : 2u);
+      ASSERT_LE(stats.tiers[0].stored_bytes, device_bytes) << "round " << round;
+      ASSERT_LE(stats.tiers[1].stored_bytes, host_bytes) << "round " << round;
+      if (with_disk) {
+        ASSERT_LE(stats.tiers[2].stored_bytes / kFlatSpanBytes * kFlatBlockBytes, disk_bytes);
+      }
+      ASSERT_THAT(cache_->CheckInvariants(), IsOk()) << "round " << round;
+    }
+    const PrefixCacheStats stats = cache_->Stats();
+    EXPECT_GT(stats.evicted_entries, 3u);
+    EXPECT_GT(stats.tiers[1].demotions, 0u);
+    EXPECT_GT(stats.tiers[1].promotions, 0u);
+    if (with_disk) {
+      EXPECT_GT(stats.tiers[2].demotions, 0u);
+    }
+    for (const ScopedEntry& scoped : cache_->ListEntries()) {
+      const Source& source = sources.at(scoped.view.id.value);
+      auto dest = NewSession(FlatPlan(), 256);
+      ASSERT_THAT(cache_->Restore(*dest, scoped.view.id, source.tokens).status(), IsOk());
+      EXPECT_EQ(KvRows(*dest, source.len), KvRows(*source.session, source.len));
+    }
+    EXPECT_THAT(cache_->CheckInvariants(), IsOk());
+  }
+}
+
+// Only the device tier is charged to the device budget: an admission that needs the device
+// memory demotes prefix pieces to the host tier, and the entry stays whole.
+TEST_F(PrefixCacheTest, AdmissionDemotesToTheHostTierWhichTheBudgetDoesNotCharge) {
+  const std::vector<int32_t> tokens = Tokens(32);
+  auto session = NewSession(FlatPlan(), 64);
+  Append(*session, tokens, 32);
+  const uint64_t total = uint64_t{1} << 20;
+  DeviceBudget budget(total, "test");
+  absl::StatusOr<std::unique_ptr<PrefixCache>> tiered =
+      MakeTierChain(uint64_t{64} << 20, uint64_t{1} << 20, 0, &budget, "");
+  ASSERT_THAT(tiered.status(), IsOk());
+  cache_ = *std::move(tiered);
+  cache_->InstallEvictor(budget);
+  absl::StatusOr<PrefixCaptureResult> captured = cache_->Capture(*session, tokens, 32);
+  ASSERT_THAT(captured.status(), IsOk());
+  EXPECT_EQ(budget.Snapshot().allocated(), 16u << 10);  // one device slab
+  absl::StatusOr<AllocationId> admitted = budget.Allocate(/*owner=*/1, total);
+  ASSERT_THAT(admitted.status(), IsOk());
+  PrefixCacheStats stats = cache_->Stats();
+  EXPECT_EQ(stats.entries, 1u);
+  EXPECT_EQ(stats.evicted_entries, 0u);
+  EXPECT_EQ(stats.slabs.slabs, 0u);
+  EXPECT_EQ(stats.tiers[0].stored_bytes, 0u);
+  EXPECT_EQ(stats.tiers[1].stored_bytes, 2 * kFlatSpanBytes);
+  EXPECT_EQ(budget.Snapshot().allocated(), total);  // the host tier's slab is not in it
+  EXPECT_THAT(cache_->CheckInvariants(), IsOk());
+  ASSERT_THAT(budget.Release(*admitted), IsOk());
+  auto dest = NewSession(FlatPlan(), 64);
+  ASSERT_THAT(cache_->Restore(*dest, captured->entry, tokens).status(), IsOk());
+  ExpectRestored(*dest, 32, 0);
+  stats = cache_->Stats();
+  EXPECT_EQ(stats.tiers[1].hits, 1u);
+  EXPECT_EQ(stats.tiers[1].promotions, 2u);
+  EXPECT_THAT(cache_->CheckInvariants(), IsOk());
+  cache_.reset();  // before the budget it charges
+}
+
+TEST_F(PrefixCacheTest, AHostTierNeedsItsMemoryAndMemoryNeedsAHostTier) {
+  PrefixCacheOptions options;
+  options.budget_bytes = 1 << 20;
+  options.block_tokens = kBlock;
+  options.host_tier_bytes = 12345;
+  EXPECT_THAT(PrefixCache::Create(options, backend_.get(), nullptr).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstrs("host tier of 12345 bytes has no memory provider")));
+  options.host_tier_bytes = 0;
+  EXPECT_THAT(PrefixCache::Create(options, backend_.get(), nullptr, NewPlainHostMemory()).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstrs("host tier of 0 bytes is off but was given memory")));
 }
 
 TEST_F(PrefixCacheTest, DiskTierRefusalsCarryCodesAndNumbers) {
@@ -1578,9 +1881,14 @@ TEST_F(PrefixCacheTest, DiskTierRefusalsCarryCodesAndNumbers) {
               StatusIs(absl::StatusCode::kResourceExhausted,
                        HasSubstrs("prefix_disk_bytes is 4611686018427387904 bytes",
                                   "bytes free")));
-  EXPECT_THAT(MakeTieredCache(1 << 20, 0, nullptr, "zero").status(),
-              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstrs("budget (0 bytes)")));
   const char* tmp = std::getenv("TEST_TMPDIR");
+  PrefixCacheOptions zero;
+  zero.budget_bytes = 1 << 20;
+  zero.block_tokens = kBlock;
+  zero.disk_dir = absl::StrCat(tmp != nullptr ? tmp : "/tmp", "/zero");
+  zero.disk_bytes = 0;
+  EXPECT_THAT(PrefixCache::Create(zero, backend_.get(), nullptr).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstrs("budget (0 bytes)")));
   const std::string file = absl::StrCat(tmp != nullptr ? tmp : "/tmp", "/a-file");
   std::ofstream(file) << "x";
   PrefixCacheOptions options;
