@@ -13,14 +13,18 @@
 // holds (rounded to the slab alignment); the device budget is charged per slab, whole, so
 // admission counts what the device holds, slab free space included (reported as fragmentation).
 //
-// Tiers: with a disk tier (server/disk_tier.h: prefix_disk_dir, prefix_disk_bytes) each stored
-// piece lives in exactly one tier, the device's slabs or one disk file. After a capture or
-// restore, and when an admission needs device memory, the least recently used pieces no pinned
-// entry uses are demoted to disk until the device tier is within its budget; a full disk tier
-// evicts LRU entries (the index's budget is then the two budgets' sum). A restore first promotes
-// the entry's disk pieces back into slabs, verifying each against the checksums taken at capture
-// (DATA_LOSS drops the entry as any corruption does). Only slabs are charged to the device
-// budget. On cuda the tier in between (pinned host memory) is not built yet: GPU -> disk.
+// Tiers, fastest first (StorageMedium): the device's slabs; the host tier (host_tier_bytes:
+// spans of host_slabs_, a SlabAllocator over HostTierMemory, whose memory a HostMemoryProvider
+// gives: pinned memory on cuda, plain memory in tests and on request on the host backend, where
+// the device tier already is host memory and the tier is off by default); the disk tier
+// (server/disk_tier.h: disk_dir, disk_bytes). Each stored piece lives in exactly one of them.
+// After a capture or restore, and when an admission needs device memory, the least recently
+// used pieces no pinned entry uses are demoted one tier down until each tier is within its own
+// budget: the tier below makes room first (the host tier demotes to disk, a full disk tier
+// evicts LRU entries with pieces there) and the last tier evicts LRU entries (the index's
+// budget is the tiers' sum). A restore first promotes the entry's host and disk pieces back
+// into slabs, verifying each against the checksums taken at capture (DATA_LOSS drops the entry
+// as any corruption does). Only slabs are charged to the device budget.
 //
 // What is stored (StoredLayout):
 //  * per BLOCK of block_tokens rows, shared between entries: for every position-addressed layer
@@ -226,8 +230,8 @@ struct PrefixCacheStats {
   uint64_t last_sequence = 0;
   uint32_t block_tokens = 0;
   SlabStats slabs;  // the device tier's storage (gauges)
-  // The device tier, then the disk tier when there is one. stored_bytes == the tiers' sum
-  // (the device tier's counts slab spans, the disk tier's the same rounded sizes).
+  // The device tier, then the host tier and the disk tier when there are. stored_bytes == the
+  // tiers' sum (each counts its pieces' rounded span sizes, a disk file's too).
   std::vector<PrefixTierStats> tiers;
 };
 
