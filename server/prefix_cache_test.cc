@@ -350,6 +350,47 @@ class PrefixCacheTest : public ::testing::Test {
     return out;
   }
 
+  // A flat-K/V entry's source session and the tokens it was captured under, by entry id.
+  struct ChurnSource {
+    std::unique_ptr<DaemonSession> session;
+    std::vector<int32_t> tokens;
+    uint64_t len = 0;
+  };
+  using ChurnSources = absl::flat_hash_map<uint64_t, ChurnSource>;
+
+  // One step of random churn: a third of the time a bit-exact restore of a random entry, else a
+  // capture of 1-5 blocks of random content under fresh tokens (`salt`, `fill_seed`).
+  void ChurnStep(testing::SeededRandom& random, ChurnSources& sources, int32_t salt,
+                 uint64_t fill_seed) {
+    const std::vector<ScopedEntry> entries = cache_->ListEntries();
+    if (random.Below(3) == 0 && !entries.empty()) {
+      const EntryView& entry = entries[random.Below(entries.size())].view;
+      const ChurnSource& source = sources.at(entry.id.value);
+      auto dest = NewSession(FlatPlan(), 256);
+      ASSERT_THAT(cache_->Restore(*dest, entry.id, source.tokens).status(), IsOk());
+      ASSERT_EQ(KvRows(*dest, source.len), KvRows(*source.session, source.len));
+      return;
+    }
+    const uint64_t len = (1 + random.Below(5)) * kBlock;
+    std::vector<int32_t> tokens = Tokens(len, salt);
+    auto session = NewSession(FlatPlan(), 256);
+    Append(*session, tokens, len);
+    FillRandom(*session, fill_seed, 0);
+    absl::StatusOr<PrefixCaptureResult> captured = cache_->Capture(*session, tokens, len);
+    ASSERT_THAT(captured.status(), IsOk());
+    sources[captured->entry.value] = ChurnSource{std::move(session), tokens, len};
+  }
+
+  // Every entry the cache still holds restores bit-exactly.
+  void ExpectEveryEntryRestores(const ChurnSources& sources) {
+    for (const ScopedEntry& scoped : cache_->ListEntries()) {
+      const ChurnSource& source = sources.at(scoped.view.id.value);
+      auto dest = NewSession(FlatPlan(), 256);
+      ASSERT_THAT(cache_->Restore(*dest, scoped.view.id, source.tokens).status(), IsOk());
+      EXPECT_EQ(KvRows(*dest, source.len), KvRows(*source.session, source.len));
+    }
+  }
+
   uint64_t Committed(DaemonSession& session) {
     pb::SessionState state;
     EXPECT_THAT(session.GetState(&state, nullptr), IsOk());
@@ -1126,73 +1167,99 @@ TEST_F(PrefixCacheTest, AnEntryDemotedToDiskRestoresBitExactly) {
   EXPECT_THAT(cache_->CheckInvariants(), IsOk());
 }
 
-// A boundary-state plan's recurrent piece goes to disk and back like a block: a newer entry of
-// another model takes the whole device tier.
+// A boundary-state plan's recurrent piece goes to the tier below (disk, or the host tier) and
+// back like a block: a newer entry of another model takes the whole device tier.
 TEST_F(PrefixCacheTest, ADemotedBoundaryStateRestoresBitExactly) {
-  absl::StatusOr<std::unique_ptr<PrefixCache>> tiered =
-      MakeTieredCache(4 * kFlatSpanBytes, 1 << 20, nullptr, "boundary");
-  ASSERT_THAT(tiered.status(), IsOk());
-  cache_ = *std::move(tiered);
-  const std::vector<int32_t> tokens = Tokens(32);
-  auto source = NewSession(HybridPlan(), 64);
-  Append(*source, tokens, 32);
-  absl::StatusOr<PrefixCaptureResult> captured = cache_->Capture(*source, tokens, 32);
-  ASSERT_THAT(captured.status(), IsOk());
-  const std::vector<int32_t> flat_tokens = Tokens(4 * kBlock, 9);
-  auto flat = NewSession(FlatPlan(), 128);
-  Append(*flat, flat_tokens, 4 * kBlock);
-  ASSERT_THAT(cache_->Capture(*flat, flat_tokens, 64).status(), IsOk());
-  absl::StatusOr<EntryView> view = ViewOf(cache_->Inspect(captured->entry));
-  ASSERT_THAT(view.status(), IsOk());
-  ASSERT_TRUE(view->boundary.has_value());
-  EXPECT_EQ(PieceMedium(*cache_, view->boundary->storage_handle), StorageMedium::kDisk);
-  EXPECT_EQ(PieceMedium(*cache_, view->blocks[0].stored.storage_handle), StorageMedium::kDisk);
-  auto dest = NewSession(HybridPlan(), 64);
-  ASSERT_THAT(cache_->Restore(*dest, captured->entry, tokens).status(), IsOk());
-  ExpectRestored(*dest, 32, 32);
-  EXPECT_EQ(PieceMedium(*cache_, view->boundary->storage_handle), StorageMedium::kDevice);
-  EXPECT_THAT(cache_->CheckInvariants(), IsOk());
+  for (const StorageMedium below : {StorageMedium::kDisk, StorageMedium::kPinnedHost}) {
+    SCOPED_TRACE(StorageMediumName(below));
+    const bool host = below == StorageMedium::kPinnedHost;
+    absl::StatusOr<std::unique_ptr<PrefixCache>> tiered = MakeTierChain(
+        4 * kFlatSpanBytes, host ? 1 << 20 : 0, host ? 0 : 1 << 20, nullptr, "boundary");
+    ASSERT_THAT(tiered.status(), IsOk());
+    cache_ = *std::move(tiered);
+    const std::vector<int32_t> tokens = Tokens(32);
+    auto source = NewSession(HybridPlan(), 64);
+    Append(*source, tokens, 32);
+    absl::StatusOr<PrefixCaptureResult> captured = cache_->Capture(*source, tokens, 32);
+    ASSERT_THAT(captured.status(), IsOk());
+    const std::vector<int32_t> flat_tokens = Tokens(4 * kBlock, 9);
+    auto flat = NewSession(FlatPlan(), 128);
+    Append(*flat, flat_tokens, 4 * kBlock);
+    ASSERT_THAT(cache_->Capture(*flat, flat_tokens, 64).status(), IsOk());
+    absl::StatusOr<EntryView> view = ViewOf(cache_->Inspect(captured->entry));
+    ASSERT_THAT(view.status(), IsOk());
+    ASSERT_TRUE(view->boundary.has_value());
+    EXPECT_EQ(PieceMedium(*cache_, view->boundary->storage_handle), below);
+    EXPECT_EQ(PieceMedium(*cache_, view->blocks[0].stored.storage_handle), below);
+    auto dest = NewSession(HybridPlan(), 64);
+    ASSERT_THAT(cache_->Restore(*dest, captured->entry, tokens).status(), IsOk());
+    ExpectRestored(*dest, 32, 32);
+    EXPECT_EQ(PieceMedium(*cache_, view->boundary->storage_handle), StorageMedium::kDevice);
+    EXPECT_THAT(cache_->CheckInvariants(), IsOk());
+  }
 }
 
-TEST_F(PrefixCacheTest, ACorruptedDiskFileIsDataLossAndTheEntryIsDropped) {
-  absl::StatusOr<std::unique_ptr<PrefixCache>> tiered =
-      MakeTieredCache(2 * kFlatSpanBytes, 1 << 20, nullptr, "corrupt");
-  ASSERT_THAT(tiered.status(), IsOk());
-  cache_ = *std::move(tiered);
-  const std::vector<int32_t> tokens = Tokens(3 * kBlock);
-  auto source = NewSession(FlatPlan(), 128);
-  Append(*source, tokens, 3 * kBlock);
-  absl::StatusOr<PrefixCaptureResult> captured = cache_->Capture(*source, tokens, 48);
-  ASSERT_THAT(captured.status(), IsOk());
-  absl::StatusOr<EntryView> view = ViewOf(cache_->Inspect(captured->entry));
-  ASSERT_THAT(view.status(), IsOk());
-  const uint64_t handle = view->blocks[0].stored.storage_handle;
-  absl::StatusOr<std::string> file = cache_->StorageFile(handle);
-  ASSERT_THAT(file.status(), IsOk());
-  {
-    std::fstream bytes(*file, std::ios::in | std::ios::out | std::ios::binary);
-    bytes.seekg(600);  // slice 1 of the block's 512-byte slices
-    const char original = static_cast<char>(bytes.get());
-    bytes.seekp(600);
-    bytes.put(static_cast<char>(original ^ 0x10));
+// A piece whose bytes changed in the tier below (a disk file, host-tier memory) fails the
+// restore with DATA_LOSS naming where it was, and the entry is dropped from every tier.
+TEST_F(PrefixCacheTest, CorruptedBytesInATierBelowAreDataLossAndTheEntryIsDropped) {
+  for (const StorageMedium below : {StorageMedium::kDisk, StorageMedium::kPinnedHost}) {
+    SCOPED_TRACE(StorageMediumName(below));
+    const bool host = below == StorageMedium::kPinnedHost;
+    absl::StatusOr<std::unique_ptr<PrefixCache>> tiered = MakeTierChain(
+        2 * kFlatSpanBytes, host ? 4 * kFlatSpanBytes : 0, host ? 0 : 1 << 20, nullptr,
+        "corrupt");
+    ASSERT_THAT(tiered.status(), IsOk());
+    cache_ = *std::move(tiered);
+    const std::vector<int32_t> tokens = Tokens(3 * kBlock);
+    auto source = NewSession(FlatPlan(), 128);
+    Append(*source, tokens, 3 * kBlock);
+    absl::StatusOr<PrefixCaptureResult> captured = cache_->Capture(*source, tokens, 48);
+    ASSERT_THAT(captured.status(), IsOk());
+    absl::StatusOr<EntryView> view = ViewOf(cache_->Inspect(captured->entry));
+    ASSERT_THAT(view.status(), IsOk());
+    const uint64_t handle = view->blocks[0].stored.storage_handle;
+    ASSERT_EQ(PieceMedium(*cache_, handle), below);
+    // One byte of slice 1 of the block's 512-byte slices flips where the piece is.
+    std::string where;
+    absl::StatusOr<std::string> file = cache_->StorageFile(handle);
+    if (host) {
+      EXPECT_THAT(file.status(),
+                  StatusIs(absl::StatusCode::kFailedPrecondition,
+                           HasSubstrs("in the pinned_host tier, not the disk tier")));
+      absl::StatusOr<absl::Span<uint8_t>> memory = cache_->StorageHostBytes(handle);
+      ASSERT_THAT(memory.status(), IsOk());
+      ASSERT_EQ(memory->size(), kFlatBlockBytes);
+      (*memory)[600] ^= 0x10;
+      where = "host-tier piece (host memory, slab ";
+    } else {
+      ASSERT_THAT(file.status(), IsOk());
+      std::fstream bytes(*file, std::ios::in | std::ios::out | std::ios::binary);
+      bytes.seekg(600);
+      const char original = static_cast<char>(bytes.get());
+      bytes.seekp(600);
+      bytes.put(static_cast<char>(original ^ 0x10));
+      where = absl::StrCat("disk file ", *file, " (", kFlatBlockBytes, " bytes)");
+    }
+    auto dest = NewSession(FlatPlan(), 128);
+    EXPECT_THAT(cache_->Restore(*dest, captured->entry, tokens).status(),
+                StatusIs(absl::StatusCode::kDataLoss,
+                         HasSubstrs(absl::StrCat("prefix entry ", captured->entry.value, ": ",
+                                                 where),
+                                    absl::StrCat("(", kFlatBlockBytes, " bytes)"),
+                                    "at slice 1 of 4", "dropped")));
+    EXPECT_EQ(Committed(*dest), 0u);
+    EXPECT_THAT(cache_->Inspect(captured->entry).status(),
+                StatusIs(absl::StatusCode::kNotFound, HasSubstr("")));
+    if (!host) {
+      EXPECT_NE(access(file->c_str(), F_OK), 0);
+    }
+    const PrefixCacheStats stats = cache_->Stats();
+    EXPECT_EQ(stats.dropped_entries, 1u);
+    EXPECT_EQ(stats.stored_bytes, 0u);
+    for (const PrefixTierStats& tier : stats.tiers) EXPECT_EQ(tier.stored_bytes, 0u);
+    EXPECT_EQ(stats.tiers[1].hits, 0u);
+    EXPECT_THAT(cache_->CheckInvariants(), IsOk());
   }
-  auto dest = NewSession(FlatPlan(), 128);
-  EXPECT_THAT(cache_->Restore(*dest, captured->entry, tokens).status(),
-              StatusIs(absl::StatusCode::kDataLoss,
-                       HasSubstrs(absl::StrCat("prefix entry ", captured->entry.value,
-                                               ": disk file ", *file, " (", kFlatBlockBytes,
-                                               " bytes)"),
-                                  "at slice 1 of 4", "dropped")));
-  EXPECT_EQ(Committed(*dest), 0u);
-  EXPECT_THAT(cache_->Inspect(captured->entry).status(),
-              StatusIs(absl::StatusCode::kNotFound, HasSubstr("")));
-  EXPECT_NE(access(file->c_str(), F_OK), 0);
-  const PrefixCacheStats stats = cache_->Stats();
-  EXPECT_EQ(stats.dropped_entries, 1u);
-  EXPECT_EQ(stats.stored_bytes, 0u);
-  EXPECT_EQ(stats.tiers[0].stored_bytes, 0u);
-  EXPECT_EQ(stats.tiers[1].stored_bytes, 0u);
-  EXPECT_THAT(cache_->CheckInvariants(), IsOk());
 }
 
 // Random captures, restores and evictions: after every step each tier is within its budget,
@@ -1205,33 +1272,11 @@ TEST_F(PrefixCacheTest, TierBudgetsHoldUnderChurn) {
   ASSERT_THAT(tiered.status(), IsOk());
   cache_ = *std::move(tiered);
   testing::SeededRandom random(20261202);
-  struct Source {
-    std::unique_ptr<DaemonSession> session;
-    std::vector<int32_t> tokens;
-    uint64_t len = 0;
-  };
-  absl::flat_hash_map<uint64_t, Source> sources;
+  ChurnSources sources;
   uint64_t max_disk = 0;
   for (int round = 0; round < 80; ++round) {
-    if (random.Below(3) == 0 && !sources.empty()) {
-      std::vector<ScopedEntry> entries = cache_->ListEntries();
-      if (!entries.empty()) {
-        const EntryView& entry = entries[random.Below(entries.size())].view;
-        const Source& source = sources.at(entry.id.value);
-        auto dest = NewSession(FlatPlan(), 256);
-        ASSERT_THAT(cache_->Restore(*dest, entry.id, source.tokens).status(), IsOk());
-        ASSERT_EQ(KvRows(*dest, source.len), KvRows(*source.session, source.len));
-      }
-    } else {
-      const uint64_t len = (1 + random.Below(5)) * kBlock;
-      std::vector<int32_t> tokens = Tokens(len, static_cast<int32_t>(500000 + round * 1000));
-      auto session = NewSession(FlatPlan(), 256);
-      Append(*session, tokens, len);
-      FillRandom(*session, static_cast<uint64_t>(round) + 100, 0);
-      absl::StatusOr<PrefixCaptureResult> captured = cache_->Capture(*session, tokens, len);
-      ASSERT_THAT(captured.status(), IsOk());
-      sources[captured->entry.value] = Source{std::move(session), tokens, len};
-    }
+    ASSERT_NO_FATAL_FAILURE(ChurnStep(random, sources, 500000 + round * 1000,
+                                      static_cast<uint64_t>(round) + 100));
     const PrefixCacheStats stats = cache_->Stats();
     ASSERT_LE(stats.tiers[0].stored_bytes, device_bytes) << "round " << round;
     ASSERT_LE(stats.tiers[1].stored_bytes / kFlatSpanBytes * kFlatBlockBytes, disk_bytes);
@@ -1244,52 +1289,56 @@ TEST_F(PrefixCacheTest, TierBudgetsHoldUnderChurn) {
   EXPECT_GT(stats.evicted_entries, 5u);      // and full, it evicted the LRU entries
   EXPECT_GT(stats.tiers[1].promotions, 0u);
   EXPECT_GT(stats.tiers[1].hits, 0u);
-  for (const ScopedEntry& scoped : cache_->ListEntries()) {
-    const EntryView& entry = scoped.view;
-    const Source& source = sources.at(entry.id.value);
-    auto dest = NewSession(FlatPlan(), 256);
-    ASSERT_THAT(cache_->Restore(*dest, entry.id, source.tokens).status(), IsOk());
-    EXPECT_EQ(KvRows(*dest, source.len), KvRows(*source.session, source.len));
-  }
+  ExpectEveryEntryRestores(sources);
   EXPECT_THAT(cache_->CheckInvariants(), IsOk());
 }
 
-// An engine's admission that needs the device memory demotes prefix pieces to disk instead of
-// evicting entries: only slabs count against the device budget.
-TEST_F(PrefixCacheTest, AdmissionDemotesToDiskBeforeEvicting) {
-  const std::vector<int32_t> tokens = Tokens(32);
-  auto session = NewSession(FlatPlan(), 64);
-  Append(*session, tokens, 32);
-  const uint64_t total = uint64_t{1} << 20;
-  DeviceBudget budget(total, "test");
-  absl::StatusOr<std::unique_ptr<PrefixCache>> tiered =
-      MakeTieredCache(uint64_t{64} << 20, 1 << 20, &budget, "admission");
-  ASSERT_THAT(tiered.status(), IsOk());
-  cache_ = *std::move(tiered);
-  cache_->InstallEvictor(budget);
-  absl::StatusOr<PrefixCaptureResult> captured = cache_->Capture(*session, tokens, 32);
-  ASSERT_THAT(captured.status(), IsOk());
-  EXPECT_EQ(budget.Snapshot().allocated(), 16u << 10);  // one slab
-  absl::StatusOr<AllocationId> admitted = budget.Allocate(/*owner=*/1, total);
-  ASSERT_THAT(admitted.status(), IsOk());
-  const PrefixCacheStats stats = cache_->Stats();
-  EXPECT_EQ(stats.entries, 1u);
-  EXPECT_EQ(stats.evicted_entries, 0u);
-  EXPECT_EQ(stats.slabs.slabs, 0u);
-  EXPECT_EQ(stats.tiers[0].stored_bytes, 0u);
-  EXPECT_EQ(stats.tiers[1].stored_bytes, 2 * kFlatSpanBytes);
-  EXPECT_EQ(budget.Snapshot().allocated(), total);
-  EXPECT_THAT(cache_->CheckInvariants(), IsOk());
-  // With the device full the entry cannot come back: RESOURCE_EXHAUSTED, the entry stays.
-  auto dest = NewSession(FlatPlan(), 64);
-  EXPECT_THAT(cache_->Restore(*dest, captured->entry, tokens).status(),
-              StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("")));
-  EXPECT_EQ(cache_->Stats().entries, 1u);
-  ASSERT_THAT(budget.Release(*admitted), IsOk());
-  ASSERT_THAT(cache_->Restore(*dest, captured->entry, tokens).status(), IsOk());
-  ExpectRestored(*dest, 32, 0);
-  EXPECT_THAT(cache_->CheckInvariants(), IsOk());
-  cache_.reset();  // before the budget it charges
+// An engine's admission that needs the device memory demotes prefix pieces to the tier below
+// (disk, or the host tier) instead of evicting entries: only slabs count against the device
+// budget, never the host tier's memory.
+TEST_F(PrefixCacheTest, AdmissionDemotesToTheTierBelowBeforeEvicting) {
+  for (const bool host_tier : {false, true}) {
+    SCOPED_TRACE(host_tier ? "device -> host" : "device -> disk");
+    const std::vector<int32_t> tokens = Tokens(32);
+    auto session = NewSession(FlatPlan(), 64);
+    Append(*session, tokens, 32);
+    const uint64_t total = uint64_t{1} << 20;
+    DeviceBudget budget(total, "test");
+    absl::StatusOr<std::unique_ptr<PrefixCache>> tiered =
+        MakeTierChain(uint64_t{64} << 20, host_tier ? 1 << 20 : 0, host_tier ? 0 : 1 << 20,
+                      &budget, "admission");
+    ASSERT_THAT(tiered.status(), IsOk());
+    cache_ = *std::move(tiered);
+    cache_->InstallEvictor(budget);
+    absl::StatusOr<PrefixCaptureResult> captured = cache_->Capture(*session, tokens, 32);
+    ASSERT_THAT(captured.status(), IsOk());
+    EXPECT_EQ(budget.Snapshot().allocated(), 16u << 10);  // one slab
+    absl::StatusOr<AllocationId> admitted = budget.Allocate(/*owner=*/1, total);
+    ASSERT_THAT(admitted.status(), IsOk());
+    PrefixCacheStats stats = cache_->Stats();
+    EXPECT_EQ(stats.entries, 1u);
+    EXPECT_EQ(stats.evicted_entries, 0u);
+    EXPECT_EQ(stats.slabs.slabs, 0u);
+    EXPECT_EQ(stats.tiers[0].stored_bytes, 0u);
+    EXPECT_EQ(stats.tiers[1].medium,
+              host_tier ? StorageMedium::kPinnedHost : StorageMedium::kDisk);
+    EXPECT_EQ(stats.tiers[1].stored_bytes, 2 * kFlatSpanBytes);
+    EXPECT_EQ(budget.Snapshot().allocated(), total);  // a host-tier slab is not in it
+    EXPECT_THAT(cache_->CheckInvariants(), IsOk());
+    // With the device full the entry cannot come back: RESOURCE_EXHAUSTED, the entry stays.
+    auto dest = NewSession(FlatPlan(), 64);
+    EXPECT_THAT(cache_->Restore(*dest, captured->entry, tokens).status(),
+                StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("")));
+    EXPECT_EQ(cache_->Stats().entries, 1u);
+    ASSERT_THAT(budget.Release(*admitted), IsOk());
+    ASSERT_THAT(cache_->Restore(*dest, captured->entry, tokens).status(), IsOk());
+    ExpectRestored(*dest, 32, 0);
+    stats = cache_->Stats();
+    EXPECT_EQ(stats.tiers[1].hits, 1u);
+    EXPECT_EQ(stats.tiers[1].promotions, 2u);
+    EXPECT_THAT(cache_->CheckInvariants(), IsOk());
+    cache_.reset();  // before the budget it charges
+  }
 }
 
 // Restores of entries that share disk pieces, from several threads at once: a piece one restore
@@ -1696,71 +1745,6 @@ TEST_F(PrefixCacheTest, AnEntryDemotedThroughTheHostTierToDiskRestoresBitExactly
   EXPECT_LE(stats.tiers[1].stored_bytes, 4 * kFlatSpanBytes);
 }
 
-// A boundary-state piece (a hybrid model's recurrent state) takes the same way.
-TEST_F(PrefixCacheTest, ABoundaryStateInTheHostTierRestoresBitExactly) {
-  absl::StatusOr<std::unique_ptr<PrefixCache>> tiered =
-      MakeTierChain(4 * kFlatSpanBytes, 1 << 20, 0, nullptr, "");
-  ASSERT_THAT(tiered.status(), IsOk());
-  cache_ = *std::move(tiered);
-  const std::vector<int32_t> tokens = Tokens(32);
-  auto source = NewSession(HybridPlan(), 64);
-  Append(*source, tokens, 32);
-  absl::StatusOr<PrefixCaptureResult> captured = cache_->Capture(*source, tokens, 32);
-  ASSERT_THAT(captured.status(), IsOk());
-  const std::vector<int32_t> flat_tokens = Tokens(4 * kBlock, 9);
-  auto flat = NewSession(FlatPlan(), 128);
-  Append(*flat, flat_tokens, 4 * kBlock);
-  ASSERT_THAT(cache_->Capture(*flat, flat_tokens, 64).status(), IsOk());
-  absl::StatusOr<EntryView> view = ViewOf(cache_->Inspect(captured->entry));
-  ASSERT_THAT(view.status(), IsOk());
-  ASSERT_TRUE(view->boundary.has_value());
-  EXPECT_EQ(PieceMedium(*cache_, view->boundary->storage_handle), StorageMedium::kPinnedHost);
-  auto dest = NewSession(HybridPlan(), 64);
-  ASSERT_THAT(cache_->Restore(*dest, captured->entry, tokens).status(), IsOk());
-  ExpectRestored(*dest, 32, 32);
-  EXPECT_EQ(PieceMedium(*cache_, view->boundary->storage_handle), StorageMedium::kDevice);
-  EXPECT_THAT(cache_->CheckInvariants(), IsOk());
-}
-
-TEST_F(PrefixCacheTest, CorruptedHostTierBytesAreDataLossAndTheEntryIsDropped) {
-  absl::StatusOr<std::unique_ptr<PrefixCache>> tiered =
-      MakeTierChain(2 * kFlatSpanBytes, 4 * kFlatSpanBytes, 0, nullptr, "");
-  ASSERT_THAT(tiered.status(), IsOk());
-  cache_ = *std::move(tiered);
-  const std::vector<int32_t> tokens = Tokens(3 * kBlock);
-  auto source = NewSession(FlatPlan(), 128);
-  Append(*source, tokens, 3 * kBlock);
-  absl::StatusOr<PrefixCaptureResult> captured = cache_->Capture(*source, tokens, 48);
-  ASSERT_THAT(captured.status(), IsOk());
-  absl::StatusOr<EntryView> view = ViewOf(cache_->Inspect(captured->entry));
-  ASSERT_THAT(view.status(), IsOk());
-  const uint64_t handle = view->blocks[0].stored.storage_handle;
-  ASSERT_EQ(PieceMedium(*cache_, handle), StorageMedium::kPinnedHost);
-  EXPECT_THAT(cache_->StorageFile(handle).status(),
-              StatusIs(absl::StatusCode::kFailedPrecondition,
-                       HasSubstrs("in the pinned_host tier, not the disk tier")));
-  absl::StatusOr<absl::Span<uint8_t>> host = cache_->StorageHostBytes(handle);
-  ASSERT_THAT(host.status(), IsOk());
-  ASSERT_EQ(host->size(), kFlatBlockBytes);
-  (*host)[600] ^= 0x10;  // slice 1 of the block's 512-byte slices
-  auto dest = NewSession(FlatPlan(), 128);
-  EXPECT_THAT(cache_->Restore(*dest, captured->entry, tokens).status(),
-              StatusIs(absl::StatusCode::kDataLoss,
-                       HasSubstrs(absl::StrCat("prefix entry ", captured->entry.value,
-                                               ": host-tier piece (host memory, slab "),
-                                  absl::StrCat("(", kFlatBlockBytes, " bytes)"),
-                                  "at slice 1 of 4", "dropped")));
-  EXPECT_EQ(Committed(*dest), 0u);
-  EXPECT_THAT(cache_->Inspect(captured->entry).status(),
-              StatusIs(absl::StatusCode::kNotFound, HasSubstr("")));
-  const PrefixCacheStats stats = cache_->Stats();
-  EXPECT_EQ(stats.dropped_entries, 1u);
-  EXPECT_EQ(stats.stored_bytes, 0u);
-  for (const PrefixTierStats& tier : stats.tiers) EXPECT_EQ(tier.stored_bytes, 0u);
-  EXPECT_EQ(stats.tiers[1].hits, 0u);
-  EXPECT_THAT(cache_->CheckInvariants(), IsOk());
-}
-
 // Random captures, restores and evictions over device -> host (-> disk): after every step each
 // tier is within its budget and the ledgers agree; with no disk tier the host tier is the last
 // one and evicts its LRU entries.
@@ -1775,30 +1759,10 @@ TEST_F(PrefixCacheTest, HostTierBudgetsHoldUnderChurn) {
     ASSERT_THAT(tiered.status(), IsOk());
     cache_ = *std::move(tiered);
     testing::SeededRandom random(with_disk ? 7 : 8);
-    struct Source {
-      std::unique_ptr<DaemonSession> session;
-      std::vector<int32_t> tokens;
-      uint64_t len = 0;
-    };
-    absl::flat_hash_map<uint64_t, Source> sources;
+    ChurnSources sources;
     for (int round = 0; round < 60; ++round) {
-      std::vector<ScopedEntry> entries = cache_->ListEntries();
-      if (random.Below(3) == 0 && !entries.empty()) {
-        const EntryView& entry = entries[random.Below(entries.size())].view;
-        const Source& source = sources.at(entry.id.value);
-        auto dest = NewSession(FlatPlan(), 256);
-        ASSERT_THAT(cache_->Restore(*dest, entry.id, source.tokens).status(), IsOk());
-        ASSERT_EQ(KvRows(*dest, source.len), KvRows(*source.session, source.len));
-      } else {
-        const uint64_t len = (1 + random.Below(5)) * kBlock;
-        std::vector<int32_t> tokens = Tokens(len, static_cast<int32_t>(700000 + round * 1000));
-        auto session = NewSession(FlatPlan(), 256);
-        Append(*session, tokens, len);
-        FillRandom(*session, static_cast<uint64_t>(round) + 300, 0);
-        absl::StatusOr<PrefixCaptureResult> captured = cache_->Capture(*session, tokens, len);
-        ASSERT_THAT(captured.status(), IsOk());
-        sources[captured->entry.value] = Source{std::move(session), tokens, len};
-      }
+      ASSERT_NO_FATAL_FAILURE(ChurnStep(random, sources, 700000 + round * 1000,
+                                        static_cast<uint64_t>(round) + 300));
       const PrefixCacheStats stats = cache_->Stats();
       ASSERT_EQ(stats.tiers.size(), with_disk ? 3u : 2u);
       ASSERT_LE(stats.tiers[0].stored_bytes, device_bytes) << "round " << round;
@@ -1815,51 +1779,9 @@ TEST_F(PrefixCacheTest, HostTierBudgetsHoldUnderChurn) {
     if (with_disk) {
       EXPECT_GT(stats.tiers[2].demotions, 0u);
     }
-    for (const ScopedEntry& scoped : cache_->ListEntries()) {
-      const Source& source = sources.at(scoped.view.id.value);
-      auto dest = NewSession(FlatPlan(), 256);
-      ASSERT_THAT(cache_->Restore(*dest, scoped.view.id, source.tokens).status(), IsOk());
-      EXPECT_EQ(KvRows(*dest, source.len), KvRows(*source.session, source.len));
-    }
+    ExpectEveryEntryRestores(sources);
     EXPECT_THAT(cache_->CheckInvariants(), IsOk());
   }
-}
-
-// Only the device tier is charged to the device budget: an admission that needs the device
-// memory demotes prefix pieces to the host tier, and the entry stays whole.
-TEST_F(PrefixCacheTest, AdmissionDemotesToTheHostTierWhichTheBudgetDoesNotCharge) {
-  const std::vector<int32_t> tokens = Tokens(32);
-  auto session = NewSession(FlatPlan(), 64);
-  Append(*session, tokens, 32);
-  const uint64_t total = uint64_t{1} << 20;
-  DeviceBudget budget(total, "test");
-  absl::StatusOr<std::unique_ptr<PrefixCache>> tiered =
-      MakeTierChain(uint64_t{64} << 20, uint64_t{1} << 20, 0, &budget, "");
-  ASSERT_THAT(tiered.status(), IsOk());
-  cache_ = *std::move(tiered);
-  cache_->InstallEvictor(budget);
-  absl::StatusOr<PrefixCaptureResult> captured = cache_->Capture(*session, tokens, 32);
-  ASSERT_THAT(captured.status(), IsOk());
-  EXPECT_EQ(budget.Snapshot().allocated(), 16u << 10);  // one device slab
-  absl::StatusOr<AllocationId> admitted = budget.Allocate(/*owner=*/1, total);
-  ASSERT_THAT(admitted.status(), IsOk());
-  PrefixCacheStats stats = cache_->Stats();
-  EXPECT_EQ(stats.entries, 1u);
-  EXPECT_EQ(stats.evicted_entries, 0u);
-  EXPECT_EQ(stats.slabs.slabs, 0u);
-  EXPECT_EQ(stats.tiers[0].stored_bytes, 0u);
-  EXPECT_EQ(stats.tiers[1].stored_bytes, 2 * kFlatSpanBytes);
-  EXPECT_EQ(budget.Snapshot().allocated(), total);  // the host tier's slab is not in it
-  EXPECT_THAT(cache_->CheckInvariants(), IsOk());
-  ASSERT_THAT(budget.Release(*admitted), IsOk());
-  auto dest = NewSession(FlatPlan(), 64);
-  ASSERT_THAT(cache_->Restore(*dest, captured->entry, tokens).status(), IsOk());
-  ExpectRestored(*dest, 32, 0);
-  stats = cache_->Stats();
-  EXPECT_EQ(stats.tiers[1].hits, 1u);
-  EXPECT_EQ(stats.tiers[1].promotions, 2u);
-  EXPECT_THAT(cache_->CheckInvariants(), IsOk());
-  cache_.reset();  // before the budget it charges
 }
 
 TEST_F(PrefixCacheTest, AHostTierNeedsItsMemoryAndMemoryNeedsAHostTier) {
