@@ -47,6 +47,7 @@ constexpr uint64_t kPiB = uint64_t{1} << 50;
 // Index = enum value; BackendName/LogLevelName and the "one of" parsing share these.
 constexpr std::array<absl::string_view, 2> kBackendNames = {"host", "cuda"};
 constexpr std::array<absl::string_view, 2> kCudaExportNames = {"ipc", "vmm"};
+constexpr std::array<absl::string_view, 2> kPrefixHostMemoryNames = {"pinned", "plain"};
 constexpr std::array<absl::string_view, 7> kLogLevelNames = {"trace", "debug",    "info", "warn",
                                                              "error", "critical", "off"};
 
@@ -59,7 +60,8 @@ using TypedValue = std::variant<uint64_t, double, bool, std::string>;
 using FieldPtr =
     std::variant<uint64_t DaemonConfig::*, uint32_t DaemonConfig::*, double DaemonConfig::*,
                  bool DaemonConfig::*, std::string DaemonConfig::*, Backend DaemonConfig::*,
-                 LogLevel DaemonConfig::*, CudaExport DaemonConfig::*>;
+                 LogLevel DaemonConfig::*, CudaExport DaemonConfig::*,
+                 PrefixHostMemory DaemonConfig::*>;
 
 // How a key's value is written; decides parsing, rendering and the "accepted" text.
 enum class Syntax {
@@ -304,6 +306,17 @@ const std::vector<KeySpec>& Keys() {
        .help = "Bytes of prefix-cache pieces the disk tier may hold (LRU pieces are demoted "
                "there from prefix_cache_budget_bytes); needs prefix_disk_dir.",
        .min = 0, .max = 64 * kTiB},
+      {.name = "prefix_host_tier_bytes", .field = &C::prefix_host_tier_bytes,
+       .syntax = Syntax::kBytes, .reloadable = false,
+       .help = "Bytes of host memory the prefix cache's middle tier may hold (LRU pieces move "
+               "GPU -> host -> disk; not charged to budget_bytes); 0 = no host tier.",
+       .min = 0, .max = 64 * kTiB},
+      {.name = "prefix_host_tier_memory", .field = &C::prefix_host_tier_memory,
+       .syntax = Syntax::kChoice, .reloadable = false,
+       .help = "Memory of the host tier: pinned (cudaHostAlloc; cuda backend only) or plain "
+               "(anonymous memory; on the host backend the device tier already is host memory, "
+               "so this only adds a copy).",
+       .choices = kPrefixHostMemoryNames},
       {.name = "watchdog", .field = &C::watchdog, .syntax = Syntax::kBool, .reloadable = false,
        .help = "Send systemd watchdog keep-alives when asked to (false needs WatchdogSec=0)."},
       {.name = "keep_kv_across_restarts", .field = &C::keep_kv_across_restarts,
@@ -662,6 +675,11 @@ std::optional<std::pair<RawValue, std::string>> FromToml(const toml::value& valu
 
 }  // namespace
 
+std::string_view PrefixHostMemoryName(PrefixHostMemory memory) {
+  absl::string_view name = kPrefixHostMemoryNames[static_cast<size_t>(memory)];
+  return std::string_view(name.data(), name.size());
+}
+
 std::string_view CudaExportName(CudaExport mode) {
   absl::string_view name = kCudaExportNames[static_cast<size_t>(mode)];
   return {name.data(), name.size()};
@@ -861,6 +879,20 @@ absl::Status ValidateConfig(const DaemonConfig& config) {
         config.prefix_cache_budget_bytes,
         ": a disk tier needs a directory, a byte budget and a prefix cache; no disk tier needs "
         "an empty directory and 0 bytes"));
+  }
+  if (config.prefix_host_tier_bytes > 0 && config.prefix_cache_budget_bytes == 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "prefix_host_tier_bytes = ", config.prefix_host_tier_bytes,
+        " needs a prefix cache (prefix_cache_budget_bytes is 0)"));
+  }
+  if (config.prefix_host_tier_bytes > 0 &&
+      config.prefix_host_tier_memory == PrefixHostMemory::kPinned &&
+      config.backend != Backend::kCuda) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "prefix_host_tier_bytes = ", config.prefix_host_tier_bytes,
+        " with prefix_host_tier_memory = pinned needs backend = cuda; the host backend's "
+        "device tier already is host memory (prefix_host_tier_memory = plain runs the tier "
+        "there anyway)"));
   }
   // Prefix-cache entries are counted against the admission budget (they are evicted to admit).
   if (config.backend == Backend::kHost && config.prefix_cache_budget_bytes > config.budget_bytes) {

@@ -27,11 +27,15 @@ enum class Backend { kHost, kCuda };
 // reply (the default), or CUDA VMM allocations exported as POSIX file descriptors over the fd
 // side channel (common/cuda_vmm.h), which a restart can keep (docs/failure-model.md).
 enum class CudaExport { kIpc, kVmm };
+// Where the prefix cache's host tier (the middle tier) gets its memory: page-locked memory
+// from the CUDA runtime (cuda backend only), or plain anonymous memory (any backend).
+enum class PrefixHostMemory { kPinned, kPlain };
 // Same order as spdlog::level::level_enum (trace = 0 ... off = 6): static_cast converts.
 enum class LogLevel { kTrace, kDebug, kInfo, kWarn, kError, kCritical, kOff };
 
 std::string_view BackendName(Backend backend);  // "host" | "cuda"
 std::string_view CudaExportName(CudaExport mode);  // "ipc" | "vmm"
+std::string_view PrefixHostMemoryName(PrefixHostMemory memory);  // "pinned" | "plain"
 std::string_view LogLevelName(LogLevel level);  // "trace" ... "off"
 
 // Every daemon setting, with its default. Key names in the file and on the command line are the
@@ -115,6 +119,13 @@ struct DaemonConfig {
   // dir = no disk tier (prefix_disk_bytes must then be 0).
   std::string prefix_disk_dir;
   uint64_t prefix_disk_bytes = 0;
+  // The prefix cache's host tier, between the device tier and the disk tier: the bytes of host
+  // memory it may hold (0 = none; not charged to budget_bytes) and where that memory comes
+  // from. On cuda it is pinned host memory (GPU -> pinned host -> disk). The host backend's
+  // device tier already is host memory, so there the tier is off; "plain" memory turns it on
+  // anyway (tests, trying the chain), at the cost of one more host copy per demotion.
+  uint64_t prefix_host_tier_bytes = 0;
+  PrefixHostMemory prefix_host_tier_memory = PrefixHostMemory::kPinned;
   // Send systemd watchdog keep-alives when the service manager asks for them (WATCHDOG_USEC).
   bool watchdog = true;
   // Under a service manager (systemd, memra-kv-supervise): keep session arenas and the restart

@@ -60,6 +60,7 @@ TEST(ConfigTest, KeyListIsTheDocumentedOne) {
                           "prefix_remote_redis_timeout_ms", "prefix_remote_queue_bytes",
                           "prefix_remote_lookup_timeout_ms", "prefix_remote_fetch_timeout_ms",
                           "prefix_remote_ttl_s", "prefix_disk_dir", "prefix_disk_bytes",
+                          "prefix_host_tier_bytes", "prefix_host_tier_memory",
                           "watchdog", "keep_kv_across_restarts",
                           "max_plan_layers",
                           "max_engine_sessions", "max_engine_plans", "max_engine_budget_share",
@@ -113,6 +114,8 @@ TEST(ConfigTest, Defaults) {
   EXPECT_EQ(config.prefix_remote_ttl_s, 0u);
   EXPECT_EQ(config.prefix_disk_dir, "");
   EXPECT_EQ(config.prefix_disk_bytes, 0u);
+  EXPECT_EQ(config.prefix_host_tier_bytes, 0u);
+  EXPECT_EQ(config.prefix_host_tier_memory, PrefixHostMemory::kPinned);
   EXPECT_TRUE(config.watchdog);
   EXPECT_EQ(config.max_plan_layers, 4096u);
   EXPECT_EQ(config.max_engine_sessions, 4096u);
@@ -225,6 +228,8 @@ TEST(ConfigTest, RenderedNonDefaultsParseBack) {
   changed.prefix_remote_ttl_s = 86'400;
   changed.prefix_disk_dir = "/var/cache/memra-kv/gpu7";
   changed.prefix_disk_bytes = 64 * kGiB;
+  changed.prefix_host_tier_bytes = 96 * kGiB;
+  changed.prefix_host_tier_memory = PrefixHostMemory::kPlain;
   changed.watchdog = false;
   changed.admin_socket_path = "/run/ops/{device}.sock";
   changed.admin_socket_mode = 0660;
@@ -397,6 +402,10 @@ INSTANTIATE_TEST_SUITE_P(
                      {"prefix_disk_dir = \"cache\"", "not an absolute path"}},
         BadValueCase{"prefix_disk_bytes = \"65TiB\"",
                      {"prefix_disk_bytes = \"65TiB\"", "out of range", "from 0 to 64TiB"}},
+        BadValueCase{"prefix_host_tier_bytes = \"65TiB\"",
+                     {"prefix_host_tier_bytes = \"65TiB\"", "out of range", "from 0 to 64TiB"}},
+        BadValueCase{"prefix_host_tier_memory = \"cuda\"",
+                     {"prefix_host_tier_memory = \"cuda\"", "one of pinned, plain"}},
         BadValueCase{"rpc_metrics = 1", {"rpc_metrics = 1", "true or false"}},
         BadValueCase{"max_plan_layers = 16385",
                      {"max_plan_layers = 16385", "out of range", "from 1 to 16384"}},
@@ -569,6 +578,28 @@ TEST(ConfigTest, ValidateRefusesAHalfConfiguredDiskTier) {
               StatusIs(absl::StatusCode::kInvalidArgument,
                        HasSubstrs("prefix_cache_budget_bytes = 0", "and a prefix cache")));
   config.prefix_cache_budget_bytes = kGiB;
+  EXPECT_THAT(ValidateConfig(config), IsOk());
+}
+
+// The host tier needs a prefix cache, and its pinned memory the cuda backend (the host
+// backend's device tier already is host memory; "plain" runs the tier there on request).
+TEST(ConfigTest, ValidateRefusesAHostTierItCannotServe) {
+  DaemonConfig config;
+  config.prefix_host_tier_bytes = 8 * kGiB;
+  config.prefix_host_tier_memory = PrefixHostMemory::kPlain;
+  EXPECT_THAT(ValidateConfig(config),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstrs("prefix_host_tier_bytes = 8589934592",
+                                  "prefix_cache_budget_bytes is 0")));
+  config.prefix_cache_budget_bytes = kGiB;
+  EXPECT_THAT(ValidateConfig(config), IsOk());
+  config.prefix_host_tier_memory = PrefixHostMemory::kPinned;
+  EXPECT_THAT(ValidateConfig(config),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstrs("prefix_host_tier_bytes = 8589934592",
+                                  "prefix_host_tier_memory = pinned needs backend = cuda",
+                                  "prefix_host_tier_memory = plain")));
+  config.prefix_host_tier_bytes = 0;
   EXPECT_THAT(ValidateConfig(config), IsOk());
 }
 

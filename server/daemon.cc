@@ -17,6 +17,7 @@
 #include "grpcpp/health_check_service_interface.h"
 #include "grpcpp/security/server_credentials.h"
 #include "grpcpp/server_builder.h"
+#include "server/pinned_host_memory.h"
 #include "server/redis_cluster.h"
 #include "server/remote_tier.h"
 #include "server/unix_socket.h"
@@ -65,11 +66,13 @@ absl::StatusOr<uint64_t> RandomEpoch() {
 }
 
 // The prefix cache the configuration asks for (null when prefix_cache_budget_bytes is 0). Its
-// storage is charged to the one admission budget; admissions demote (with a disk tier) or evict
-// LRU entries for room. A disk tier that cannot be set up (prefix_disk_dir unusable, too little
-// free space, no io_uring) refuses the start: the operator asked for it. So does a remote tier
-// whose options cannot work (a password file that cannot be read); a cluster that does not answer
-// does not: the daemon serves without it, reports it down and reconnects (server/remote_tier.h).
+// device storage is charged to the one admission budget; admissions demote (with a tier below)
+// or evict LRU entries for room. A host tier (prefix_host_tier_bytes) sits between the device
+// and the disk: pinned host memory on cuda, plain memory when asked for. A disk tier that
+// cannot be set up (prefix_disk_dir unusable, too little free space, no io_uring) refuses the
+// start: the operator asked for it. So does a remote tier whose options cannot work (a password
+// file that cannot be read); a cluster that does not answer does not: the daemon serves without
+// it, reports it down and reconnects (server/remote_tier.h).
 absl::StatusOr<std::unique_ptr<PrefixCache>> MakePrefixCache(const DaemonConfig& config,
                                                              DeviceBackend* backend,
                                                              DeviceBudget* budget,
@@ -99,11 +102,20 @@ absl::StatusOr<std::unique_ptr<PrefixCache>> MakePrefixCache(const DaemonConfig&
     options.remote_lookup_timeout = absl::Milliseconds(config.prefix_remote_lookup_timeout_ms);
     options.remote_fetch_timeout = absl::Milliseconds(config.prefix_remote_fetch_timeout_ms);
   }
+  options.host_tier_bytes = config.prefix_host_tier_bytes;
+  std::unique_ptr<HostMemoryProvider> host_memory;
+  if (config.prefix_host_tier_bytes > 0) {
+    if (config.prefix_host_tier_memory == PrefixHostMemory::kPinned) {
+      ASSIGN_OR_RETURN(host_memory, NewCudaPinnedHostMemory());
+    } else {
+      host_memory = NewPlainHostMemory();
+    }
+  }
   // The daemon's random epoch: a router tells a restarted daemon from a reconnect (0 means
   // "any epoch" to a subscriber, so it is never used).
   options.epoch = epoch == 0 ? 1 : epoch;
   ASSIGN_OR_RETURN(std::unique_ptr<PrefixCache> cache,
-                   PrefixCache::Create(options, backend, budget));
+                   PrefixCache::Create(options, backend, budget, std::move(host_memory)));
   cache->InstallEvictor(*budget);
   return cache;
 }

@@ -283,10 +283,15 @@ absl::StatusOr<StoredLayout> PlanStoredLayout(const SessionPlan& plan, const Ses
   return out;
 }
 
-absl::StatusOr<std::unique_ptr<PrefixCache>> PrefixCache::Create(const PrefixCacheOptions& options,
-                                                                 DeviceBackend* backend,
-                                                                 DeviceBudget* budget) {
+absl::StatusOr<std::unique_ptr<PrefixCache>> PrefixCache::Create(
+    const PrefixCacheOptions& options, DeviceBackend* backend, DeviceBudget* budget,
+    std::unique_ptr<HostMemoryProvider> host_memory) {
   if (backend == nullptr) return absl::InvalidArgumentError("PrefixCache needs a backend");
+  if ((options.host_tier_bytes > 0) != (host_memory != nullptr)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "prefix host tier of ", options.host_tier_bytes, " bytes ",
+        host_memory == nullptr ? "has no memory provider" : "is off but was given memory"));
+  }
   if (options.budget_bytes == 0) {
     return absl::InvalidArgumentError("prefix cache budget is 0 bytes (0 disables the cache)");
   }
@@ -306,16 +311,31 @@ absl::StatusOr<std::unique_ptr<PrefixCache>> PrefixCache::Create(const PrefixCac
                    SlabAllocator::Create(slab_options, backend, budget));
   std::unique_ptr<DiskTier> disk;
   PrefixIndexOptions index_options;
+  // The index holds what every tier holds; each tier's own budget is kept by demotion.
   index_options.budget_bytes = options.budget_bytes;
+  std::unique_ptr<HostTierMemory> host_tier_memory;
+  std::unique_ptr<SlabAllocator> host_slabs;
+  if (options.host_tier_bytes > 0) {
+    host_tier_memory = std::make_unique<HostTierMemory>(std::move(host_memory));
+    SlabAllocatorOptions host_options;
+    host_options.slab_bytes = std::min(options.slab_bytes, options.host_tier_bytes);
+    host_options.alignment = slab_options.alignment;  // a piece's span is as large in both
+    host_options.keep_empty_bytes = options.host_tier_bytes;
+    ASSIGN_OR_RETURN(host_slabs,
+                     SlabAllocator::Create(host_options, host_tier_memory.get(), nullptr));
+    ASSIGN_OR_RETURN(index_options.budget_bytes,
+                     CheckedAdd(index_options.budget_bytes, options.host_tier_bytes,
+                                "prefix tier budgets"));
+  }
   if (!options.disk_dir.empty()) {
     DiskTierOptions disk_options;
     disk_options.dir = options.disk_dir;
     disk_options.budget_bytes = options.disk_bytes;
     disk_options.queue_depth = options.disk_queue_depth;
     ASSIGN_OR_RETURN(disk, DiskTier::Create(disk_options));
-    // The index holds what both tiers hold; each tier's own budget is kept by demotion.
     ASSIGN_OR_RETURN(index_options.budget_bytes,
-                     CheckedAdd(options.budget_bytes, options.disk_bytes, "prefix tier budgets"));
+                     CheckedAdd(index_options.budget_bytes, options.disk_bytes,
+                                "prefix tier budgets"));
   }
   index_options.block_tokens = options.block_tokens;
   index_options.epoch = options.epoch;
@@ -332,24 +352,29 @@ absl::StatusOr<std::unique_ptr<PrefixCache>> PrefixCache::Create(const PrefixCac
     }
     ASSIGN_OR_RETURN(remote, RemoteTier::Create(*options.remote));
   }
-  return std::unique_ptr<PrefixCache>(new PrefixCache(options, std::move(index), backend, budget,
-                                                      std::move(slabs), std::move(disk),
-                                                      std::move(remote)));
+  return std::unique_ptr<PrefixCache>(new PrefixCache(
+      options, std::move(index), backend, budget, std::move(slabs), std::move(disk),
+      std::move(host_tier_memory), std::move(host_slabs), std::move(remote)));
 }
 
 PrefixCache::PrefixCache(const PrefixCacheOptions& options, PrefixIndex index,
                          DeviceBackend* backend, DeviceBudget* budget,
                          std::unique_ptr<SlabAllocator> slabs, std::unique_ptr<DiskTier> disk,
+                         std::unique_ptr<HostTierMemory> host_memory,
+                         std::unique_ptr<SlabAllocator> host_slabs,
                          std::unique_ptr<RemoteTier> remote)
     : options_(options),
       backend_(backend),
       budget_(budget),
       slabs_(std::move(slabs)),
       disk_(std::move(disk)),
+      host_memory_(std::move(host_memory)),
+      host_slabs_(std::move(host_slabs)),
       remote_(std::move(remote)),
       index_(std::move(index)) {}
 
-// slabs_ frees every slab, its charge and the budget's evictable bytes; disk_ every file.
+// slabs_ frees every slab, its charge and the budget's evictable bytes; disk_ every file;
+// host_slabs_ every host-tier slab (before host_memory_ goes).
 PrefixCache::~PrefixCache() = default;
 
 void PrefixCache::FreeStorage(const SlabSpan& span) {
@@ -358,19 +383,42 @@ void PrefixCache::FreeStorage(const SlabSpan& span) {
   }
 }
 
+void PrefixCache::FreeInTier(uint64_t handle, const Storage& storage) {
+  switch (storage.medium) {
+    case StorageMedium::kDevice:
+      FreeStorage(storage.span);
+      break;
+    case StorageMedium::kPinnedHost:
+      if (absl::Status freed = host_slabs_->Free(storage.span); !freed.ok()) {
+        spdlog::error("prefix cache: freeing host-tier storage failed: {}", freed.ToString());
+      }
+      break;
+    case StorageMedium::kDisk:
+      if (absl::Status removed = disk_->Remove(handle); !removed.ok()) {
+        spdlog::error("prefix cache: {}", removed.ToString());
+      }
+      break;
+    case StorageMedium::kRemote:  // never a stored piece's medium (pulled into DEVICE first)
+      spdlog::error("prefix cache: piece {} claims the remote tier", handle);
+      break;
+  }
+}
+
 void PrefixCache::FreeHandles(const std::vector<uint64_t>& handles) {
   for (uint64_t handle : handles) {
     auto it = storage_.find(handle);
     if (it == storage_.end()) continue;
     const Storage& storage = it->second;
-    if (storage.medium == StorageMedium::kDevice) {
-      FreeStorage(storage.span);
-      device_stored_bytes_ -= storage.span.bytes;
+    const size_t tier = static_cast<size_t>(storage.medium);
+    tier_stored_bytes_[tier] -= storage.span.bytes;
+    if (auto moving = moving_.find(handle); moving != moving_.end()) {
+      // A demotion is copying these bytes: it frees them when it commits.
+      moving->second.released = true;
+      tier_leaving_bytes_[tier] -= storage.span.bytes;
+      tier_incoming_bytes_[static_cast<size_t>(moving->second.to)] -=
+          IncomingBytes(moving->second);
     } else {
-      if (absl::Status removed = disk_->Remove(handle); !removed.ok()) {
-        spdlog::error("prefix cache: {}", removed.ToString());
-      }
-      disk_ledger_bytes_ -= storage.span.bytes;
+      FreeInTier(handle, storage);
     }
     storage_.erase(it);
   }
@@ -420,70 +468,260 @@ void PrefixCache::MarkPinned(const EntryView& entry, int delta) {
   }
 }
 
-absl::Status PrefixCache::DemoteHandle(uint64_t handle, Storage& storage) {
-  std::vector<uint8_t> bytes(storage.piece_bytes);
-  RETURN_IF_ERROR(backend_->Read(storage.span.slab, storage.span.offset, absl::MakeSpan(bytes)));
-  RETURN_IF_ERROR(disk_->Write(handle, bytes));
-  FreeStorage(storage.span);
-  device_stored_bytes_ -= storage.span.bytes;
-  disk_ledger_bytes_ += storage.span.bytes;
-  storage.medium = StorageMedium::kDisk;
-  storage.span.slab = ArenaId{};
-  storage.span.offset = 0;  // span.bytes stays: the rounded size the index counts
-  ++tier_demotions_[static_cast<size_t>(StorageMedium::kDisk)];
-  return absl::OkStatus();
+std::optional<StorageMedium> PrefixCache::TierBelow(StorageMedium medium) const {
+  switch (medium) {
+    case StorageMedium::kDevice:
+      if (host_slabs_ != nullptr) return StorageMedium::kPinnedHost;
+      [[fallthrough]];
+    case StorageMedium::kPinnedHost:
+      if (disk_ != nullptr) return StorageMedium::kDisk;
+      return std::nullopt;
+    case StorageMedium::kDisk:
+    case StorageMedium::kRemote:  // a replica beside the local tiers, never below them
+      return std::nullopt;
+  }
+  return std::nullopt;
 }
 
-void PrefixCache::DemoteDownTo(uint64_t target) {
-  if (disk_ == nullptr) return;
-  // Each pass demotes at least one piece or evicts at least one entry, else it stops.
-  while (device_stored_bytes_ > target) {
-    bool progressed = false;
-    bool evicted = false;
-    for (EntryId id : index_.EntryIdsLeastRecentFirst()) {
-      absl::StatusOr<EntryView> view = index_.GetEntry(id);
-      if (!view.ok() || view->pins > 0) continue;
-      std::vector<BlockKey> moved_blocks;
-      std::optional<BlockKey> moved_boundary;
-      const std::vector<uint64_t> handles = EntryHandles(*view);
-      for (size_t i = 0; i < handles.size() && device_stored_bytes_ > target; ++i) {
-        auto it = storage_.find(handles[i]);
-        if (it == storage_.end() || it->second.medium != StorageMedium::kDevice ||
-            pinned_handles_.contains(handles[i]) || promoting_.contains(handles[i])) {
+uint64_t PrefixCache::IncomingBytes(const Move& move) {
+  return move.to == StorageMedium::kDisk ? move.source.piece_bytes : move.source.span.bytes;
+}
+
+uint64_t PrefixCache::TierBudget(StorageMedium medium) const {
+  switch (medium) {
+    case StorageMedium::kDevice:
+      return options_.budget_bytes;
+    case StorageMedium::kPinnedHost:
+      return host_slabs_ == nullptr ? 0 : options_.host_tier_bytes;
+    case StorageMedium::kDisk:
+      return disk_ == nullptr ? 0 : disk_->budget_bytes();
+    case StorageMedium::kRemote:  // the cluster's, not this daemon's
+      return 0;
+  }
+  return 0;
+}
+
+void PrefixCache::RebalanceTiers() {
+  absl::MutexLock lock(&mu_);
+  Rebalance();
+}
+
+void PrefixCache::Rebalance() {
+  // Top down: what the device tier pushes out lands in the tier below, which makes room first
+  // (the host tier demotes its own LRU pieces, the disk tier evicts LRU entries); then the
+  // host tier is brought within its budget in case room could not be made before.
+  DemoteDownTo(StorageMedium::kDevice, TierBudget(StorageMedium::kDevice));
+  if (host_slabs_ != nullptr) {
+    DemoteDownTo(StorageMedium::kPinnedHost, TierBudget(StorageMedium::kPinnedHost));
+  }
+}
+
+void PrefixCache::MakeHostRoom() {
+  constexpr size_t kHost = static_cast<size_t>(StorageMedium::kPinnedHost);
+  const uint64_t budget = options_.host_tier_bytes;
+  const uint64_t incoming = tier_incoming_bytes_[kHost];
+  DemoteDownTo(StorageMedium::kPinnedHost, budget > incoming ? budget - incoming : 0);
+}
+
+bool PrefixCache::EvictLruEntryIn(StorageMedium medium) {
+  for (EntryId id : index_.EntryIdsLeastRecentFirst()) {
+    absl::StatusOr<EntryView> view = index_.GetEntry(id);
+    if (!view.ok() || view->pins > 0) continue;
+    const std::vector<uint64_t> handles = EntryHandles(*view);
+    const bool holds_some = std::any_of(handles.begin(), handles.end(), [&](uint64_t handle) {
+      auto it = storage_.find(handle);
+      return it != storage_.end() && it->second.medium == medium && !moving_.contains(handle);
+    });
+    if (!holds_some) continue;
+    absl::StatusOr<EvictionResult> evicted = index_.EvictEntry(id);
+    if (!evicted.ok()) continue;
+    FreeHandles(evicted->freed_handles);
+    return true;
+  }
+  return false;
+}
+
+bool PrefixCache::MakeDiskRoom() {
+  const uint64_t budget = disk_->budget_bytes();
+  // The least recently used entries with pieces on disk leave the cache.
+  while (disk_->stored_bytes() + tier_incoming_bytes_[static_cast<size_t>(StorageMedium::kDisk)] >
+         budget) {
+    if (!EvictLruEntryIn(StorageMedium::kDisk)) return false;
+  }
+  return true;
+}
+
+std::vector<uint64_t> PrefixCache::PlanMoves(StorageMedium from, StorageMedium to,
+                                             uint64_t bytes) {
+  std::vector<uint64_t> planned;
+  uint64_t planned_bytes = 0;
+  for (EntryId id : index_.EntryIdsLeastRecentFirst()) {
+    if (planned_bytes >= bytes) break;
+    absl::StatusOr<EntryView> view = index_.GetEntry(id);
+    if (!view.ok() || view->pins > 0) continue;
+    const std::vector<uint64_t> handles = EntryHandles(*view);
+    for (size_t i = 0; i < handles.size() && planned_bytes < bytes; ++i) {
+      const uint64_t handle = handles[i];
+      auto it = storage_.find(handle);
+      if (it == storage_.end() || it->second.medium != from || pinned_handles_.contains(handle) ||
+          promoting_.contains(handle) || moving_.contains(handle)) {
+        continue;
+      }
+      Move move;
+      move.handle = handle;
+      move.to = to;
+      move.source = it->second;
+      move.fingerprint = view->fingerprint;
+      move.boundary = i >= view->blocks.size();
+      move.key = move.boundary ? view->blocks.back().key : view->blocks[i].key;
+      if (from == StorageMedium::kDevice) {
+        // Held while it is read, as a capture's spans are: not evictable device memory.
+        if (absl::Status held = slabs_->Hold(move.source.span.slab); !held.ok()) {
+          spdlog::error("prefix cache: {}", held.ToString());
           continue;
         }
-        const absl::Status demoted = DemoteHandle(handles[i], it->second);
-        if (absl::IsResourceExhausted(demoted)) {
-          // The disk tier is full: the least recently used entries leave the cache for room.
-          absl::StatusOr<EvictionResult> room = index_.Evict(it->second.span.bytes);
-          if (room.ok() && !room->entries.empty()) {
-            FreeHandles(room->freed_handles);
-            evicted = true;
-          } else {
-            spdlog::warn("prefix cache: nothing to evict for room on disk: {}",
-                         demoted.ToString());
-          }
-          break;
-        }
-        if (!demoted.ok()) {
-          spdlog::error("prefix cache: demoting to disk failed: {}", demoted.ToString());
-          break;
-        }
-        progressed = true;
-        if (i < view->blocks.size()) {
-          moved_blocks.push_back(view->blocks[i].key);
-        } else {
-          moved_boundary = view->blocks.back().key;
-        }
       }
-      if (!moved_blocks.empty() || moved_boundary.has_value()) {
-        index_.RecordMoved(view->fingerprint, std::move(moved_blocks), moved_boundary,
-                           StorageMedium::kDisk);
-      }
-      if (evicted || device_stored_bytes_ <= target) break;
+      tier_leaving_bytes_[static_cast<size_t>(from)] += move.source.span.bytes;
+      tier_incoming_bytes_[static_cast<size_t>(to)] += IncomingBytes(move);
+      planned_bytes += move.source.span.bytes;
+      moving_.emplace(handle, std::move(move));
+      planned.push_back(handle);
     }
-    if (!progressed && !evicted) return;  // nothing demotable (pinned, or disk refused)
   }
+  return planned;
+}
+
+absl::StatusOr<PrefixCache::Storage> PrefixCache::CopyDown(uint64_t handle, const Storage& source,
+                                                           StorageMedium to) {
+  if (options_.before_demotion_copy) options_.before_demotion_copy(handle, to);
+  Storage moved = source;
+  moved.medium = to;
+  if (to == StorageMedium::kPinnedHost) {
+    // Device -> host: straight into the host span (on cuda a DMA copy into pinned memory).
+    ASSIGN_OR_RETURN(moved.span, host_slabs_->Allocate(source.piece_bytes));
+    (void)host_slabs_->Release(moved.span.slab);  // holds mean nothing without a budget
+    absl::Status copied = [&]() -> absl::Status {
+      ASSIGN_OR_RETURN(absl::Span<uint8_t> host,
+                       host_memory_->Bytes(moved.span.slab, moved.span.offset, source.piece_bytes));
+      return backend_->Read(source.span.slab, source.span.offset, host);
+    }();
+    if (!copied.ok()) {
+      FreeInTier(handle, moved);
+      return copied;
+    }
+    return moved;
+  }
+  // -> disk, from the host tier's memory as it is, or read out of the device first.
+  std::vector<uint8_t> buffer;
+  absl::Span<const uint8_t> bytes;
+  if (source.medium == StorageMedium::kPinnedHost) {
+    ASSIGN_OR_RETURN(bytes, host_memory_->Bytes(source.span.slab, source.span.offset,
+                                                source.piece_bytes));
+  } else {
+    buffer.resize(source.piece_bytes);
+    RETURN_IF_ERROR(backend_->Read(source.span.slab, source.span.offset, absl::MakeSpan(buffer)));
+    bytes = buffer;
+  }
+  RETURN_IF_ERROR(disk_->Write(handle, bytes));
+  moved.span.slab = ArenaId{};
+  moved.span.offset = 0;  // span.bytes stays: the rounded size the index counts
+  return moved;
+}
+
+size_t PrefixCache::RunMoves(const std::vector<uint64_t>& handles) {
+  std::vector<std::pair<uint64_t, Move>> planned;
+  for (uint64_t handle : handles) planned.emplace_back(handle, moving_.at(handle));
+  // The bytes move without mu_: lookups, captures and restores of other pieces go on. The
+  // sources stay put meanwhile: FreeHandles leaves a moving piece to us, a restore that pins
+  // one waits for us (PromotePinned) or reads it where it is, and no other demotion plans it.
+  std::vector<absl::StatusOr<Storage>> copies;
+  mu_.Unlock();
+  for (const auto& [handle, move] : planned) copies.push_back(CopyDown(handle, move.source, move.to));
+  mu_.Lock();
+  size_t committed = 0;
+  // Per entry fingerprint: the keys that moved (one kMoved event each).
+  std::vector<std::tuple<PlanFingerprint, std::vector<BlockKey>, std::optional<BlockKey>>> events;
+  for (size_t i = 0; i < planned.size(); ++i) {
+    const uint64_t handle = planned[i].first;
+    auto node = moving_.extract(handle);
+    const Move& move = node.mapped();
+    const size_t from = static_cast<size_t>(move.source.medium);
+    const size_t to = static_cast<size_t>(move.to);
+    if (move.source.medium == StorageMedium::kDevice) {
+      if (absl::Status released = slabs_->Release(move.source.span.slab); !released.ok()) {
+        spdlog::error("prefix cache: {}", released.ToString());
+      }
+    }
+    const absl::StatusOr<Storage>& copy = copies[i];
+    if (move.released) {
+      // Evicted or dropped while it moved: gone from the index, so from both tiers.
+      if (copy.ok()) FreeInTier(handle, *copy);
+      FreeInTier(handle, move.source);
+      continue;
+    }
+    tier_leaving_bytes_[from] -= move.source.span.bytes;
+    tier_incoming_bytes_[to] -= IncomingBytes(move);
+    if (!copy.ok()) {
+      spdlog::error("prefix cache: demoting a piece to {} failed: {}",
+                    StorageMediumName(move.to), copy.status().ToString());
+      continue;
+    }
+    if (pinned_handles_.contains(handle)) {
+      // A restore pinned it meanwhile (and may be reading it): it stays where it was.
+      FreeInTier(handle, *copy);
+      continue;
+    }
+    storage_[handle] = *copy;
+    FreeInTier(handle, move.source);
+    tier_stored_bytes_[from] -= move.source.span.bytes;
+    tier_stored_bytes_[to] += copy->span.bytes;
+    ++tier_demotions_[to];
+    ++committed;
+    auto event = std::find_if(events.begin(), events.end(),
+                              [&](const auto& e) { return std::get<0>(e) == move.fingerprint; });
+    if (event == events.end()) {
+      events.emplace_back(move.fingerprint, std::vector<BlockKey>{}, std::nullopt);
+      event = events.end() - 1;
+    }
+    if (move.boundary) {
+      std::get<2>(*event) = move.key;
+    } else {
+      std::get<1>(*event).push_back(move.key);
+    }
+  }
+  for (auto& [fingerprint, blocks, boundary] : events) {
+    index_.RecordMoved(fingerprint, std::move(blocks), boundary, planned.front().second.to);
+  }
+  return committed;
+}
+
+size_t PrefixCache::DemoteDownTo(StorageMedium from, uint64_t target) {
+  const size_t tier = static_cast<size_t>(from);
+  const std::optional<StorageMedium> to = TierBelow(from);
+  size_t moved = 0;
+  // Each round demotes or evicts something, else it stops.
+  while (tier_stored_bytes_[tier] - tier_leaving_bytes_[tier] > target) {
+    const uint64_t excess = tier_stored_bytes_[tier] - tier_leaving_bytes_[tier] - target;
+    if (!to.has_value()) {
+      // The last tier: its least recently used entries leave the cache.
+      if (!EvictLruEntryIn(from)) return moved;
+      ++moved;
+      continue;
+    }
+    std::vector<uint64_t> planned = PlanMoves(from, *to, excess);
+    if (planned.empty()) return moved;  // nothing demotable (pinned, promoting or moving)
+    if (*to == StorageMedium::kPinnedHost) MakeHostRoom();
+    if (*to == StorageMedium::kDisk && !MakeDiskRoom()) {
+      // Room for this batch (counted as incoming) cannot be made: some of its writes fail.
+      spdlog::warn("prefix cache: the disk tier ({} of {} bytes, {} incoming) is full and no "
+                   "entry on it is evictable", disk_->stored_bytes(), disk_->budget_bytes(),
+                   tier_incoming_bytes_[static_cast<size_t>(StorageMedium::kDisk)]);
+    }
+    const size_t committed = RunMoves(planned);
+    if (committed == 0) return moved;
+    moved += committed;
+  }
+  return moved;
 }
 
 absl::Status PrefixCache::PromotePinned(const EntryView& entry) {
@@ -491,14 +729,15 @@ absl::Status PrefixCache::PromotePinned(const EntryView& entry) {
   std::vector<std::pair<uint64_t, Storage>> claimed;
   {
     absl::MutexLock lock(&mu_);
-    auto none_promoting = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-      return std::none_of(handles.begin(), handles.end(),
-                          [&](uint64_t handle) { return promoting_.contains(handle); });
+    auto none_moving = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      return std::none_of(handles.begin(), handles.end(), [&](uint64_t handle) {
+        return promoting_.contains(handle) || moving_.contains(handle);
+      });
     };
-    mu_.Await(absl::Condition(&none_promoting));
+    mu_.Await(absl::Condition(&none_moving));
     for (uint64_t handle : handles) {
       auto it = storage_.find(handle);
-      if (it == storage_.end() || it->second.medium != StorageMedium::kDisk) continue;
+      if (it == storage_.end() || it->second.medium == StorageMedium::kDevice) continue;
       promoting_.insert(handle);
       claimed.emplace_back(handle, it->second);
     }
@@ -507,9 +746,27 @@ absl::Status PrefixCache::PromotePinned(const EntryView& entry) {
   absl::Status status = absl::OkStatus();
   std::vector<std::pair<uint64_t, SlabSpan>> promoted;
   for (const auto& [handle, storage] : claimed) {
-    std::vector<uint8_t> bytes(storage.piece_bytes);
-    status = disk_->Read(handle, absl::MakeSpan(bytes));
-    if (!status.ok()) break;
+    // The piece's bytes: the host tier's memory as it is (claimed: nothing frees it), or the
+    // disk file read back.
+    std::vector<uint8_t> buffer;
+    absl::Span<const uint8_t> bytes;
+    std::string where;
+    if (storage.medium == StorageMedium::kPinnedHost) {
+      absl::StatusOr<absl::Span<uint8_t>> host =
+          host_memory_->Bytes(storage.span.slab, storage.span.offset, storage.piece_bytes);
+      status = host.status();
+      if (!status.ok()) break;
+      bytes = *host;
+      where = absl::StrFormat("host-tier piece (%s memory, slab %d, offset %d)",
+                              host_memory_->provider_name(), storage.span.slab.value,
+                              storage.span.offset);
+    } else {
+      buffer.resize(storage.piece_bytes);
+      status = disk_->Read(handle, absl::MakeSpan(buffer));
+      if (!status.ok()) break;
+      bytes = buffer;
+      where = absl::StrCat("disk file ", disk_->PathOf(handle));
+    }
     const std::vector<uint64_t> slices = SliceChecksums(bytes, options_.checksum_slice_bytes);
     const std::vector<uint64_t>& sealed =
         storage.slice_checksums.empty() ? std::vector<uint64_t>{storage.checksum}
@@ -520,9 +777,9 @@ absl::Status PrefixCache::PromotePinned(const EntryView& entry) {
         ++slice;
       }
       status = absl::DataLossError(absl::StrFormat(
-          "prefix entry %d: disk file %s (%d bytes) differs from the captured checksums at "
-          "slice %d of %d (xxHash3 %016x, captured as %016x); the entry is dropped, never served",
-          entry.id.value, disk_->PathOf(handle), bytes.size(), slice, sealed.size(),
+          "prefix entry %d: %s (%d bytes) differs from the captured checksums at slice %d of "
+          "%d (xxHash3 %016x, captured as %016x); the entry is dropped, never served",
+          entry.id.value, where, bytes.size(), slice, sealed.size(),
           slice < slices.size() ? slices[slice] : 0, slice < sealed.size() ? sealed[slice] : 0));
       break;
     }
@@ -544,15 +801,14 @@ absl::Status PrefixCache::PromotePinned(const EntryView& entry) {
   std::optional<BlockKey> moved_boundary;
   for (const auto& [handle, span] : promoted) {
     Storage& storage = storage_[handle];  // pinned: still referenced
-    if (absl::Status removed = disk_->Remove(handle); !removed.ok()) {
-      spdlog::error("prefix cache: {}", removed.ToString());
-    }
-    disk_ledger_bytes_ -= storage.span.bytes;
+    const size_t from = static_cast<size_t>(storage.medium);
+    FreeInTier(handle, storage);
+    tier_stored_bytes_[from] -= storage.span.bytes;
     storage.medium = StorageMedium::kDevice;
     storage.span = span;
-    device_stored_bytes_ += span.bytes;
+    tier_stored_bytes_[static_cast<size_t>(StorageMedium::kDevice)] += span.bytes;
     (void)slabs_->Release(span.slab);  // Allocate's hold; the restore holds it again
-    ++tier_promotions_[static_cast<size_t>(StorageMedium::kDisk)];
+    ++tier_promotions_[from];
     const auto at = std::find(handles.begin(), handles.end(), handle) - handles.begin();
     if (static_cast<size_t>(at) < entry.blocks.size()) {
       moved_blocks.push_back(entry.blocks[at].key);
@@ -672,7 +928,6 @@ absl::StatusOr<PrefixCaptureResult> PrefixCache::CaptureLocked(
     ++captures_;
     for (auto& [key, value] : remote_values) remote_->Enqueue(std::move(key), std::move(value));
   }
-  DemoteDownTo(options_.budget_bytes);
   PrefixCaptureResult result;
   result.entry = committed.entry;
   result.boundary_tokens = boundary_tokens;
@@ -698,7 +953,7 @@ absl::StatusOr<CommitResult> PrefixCache::AdoptLocked(const ScopedShape& shape,
     (void)slabs_->Release(copy.storage.span.slab);
     if (committed.ok()) {
       storage_[copy.ref.storage_handle] = copy.storage;
-      device_stored_bytes_ += copy.storage.span.bytes;
+      tier_stored_bytes_[static_cast<size_t>(StorageMedium::kDevice)] += copy.storage.span.bytes;
     } else {
       FreeStorage(copy.storage.span);
     }
@@ -928,7 +1183,7 @@ void PrefixCache::PullFromRemote(const ScopedShape& shape, const SessionState& s
       spdlog::warn("prefix remote tier: storing the pulled prefix failed: {}",
                    committed.status().ToString());
     }
-    DemoteDownTo(options_.budget_bytes);
+    Rebalance();
   }
   remote_->RecordPull(counts);
 }
@@ -949,6 +1204,7 @@ absl::StatusOr<PrefixCaptureResult> PrefixCache::Capture(DaemonSession& session,
                                /*allow_open_transaction=*/false);
         return result.status();
       }));
+  RebalanceTiers();
   return result;
 }
 
@@ -978,10 +1234,9 @@ absl::StatusOr<std::optional<PrefixCaptureResult>> PrefixCache::CaptureCommitted
         result = captured;
         return absl::OkStatus();
       }));
-  if (result.has_value() && !result->already_present) {
-    absl::MutexLock lock(&mu_);
-    ++death_captures_;
-  }
+  absl::MutexLock lock(&mu_);
+  if (result.has_value() && !result->already_present) ++death_captures_;
+  Rebalance();
   return result;
 }
 
@@ -1057,7 +1312,7 @@ absl::StatusOr<PrefixRestoreResult> PrefixCache::Restore(DaemonSession& session,
   ASSIGN_OR_RETURN(ScopedShape shape, ShapeOf(session));
   const uint64_t block = options_.block_tokens;
   PrefixRestoreResult result;
-  RETURN_IF_ERROR(session.RestoreLocked(
+  const absl::Status status = session.RestoreLocked(
       [&](const SessionState& state,
           const SessionLayoutVersion& layout) -> absl::StatusOr<SessionState> {
         RETURN_IF_ERROR(state.EnsureUsable("prefix restore"));
@@ -1130,7 +1385,6 @@ absl::StatusOr<PrefixRestoreResult> PrefixCache::Restore(DaemonSession& session,
           MarkPinned(entry, -1);
           (void)index_.Unpin(entry.id);
           FreeHandles(index_.EnforceBudget().freed_handles);
-          DemoteDownTo(options_.budget_bytes);
         };
         absl::StatusOr<SessionState> restored =
             promoted.ok() ? RestorePinned(session.params().id, state, layout, entry, matched)
@@ -1152,7 +1406,10 @@ absl::StatusOr<PrefixRestoreResult> PrefixCache::Restore(DaemonSession& session,
         }
         return restored;
       },
-      tokens));
+      tokens);
+  // Promoted pieces may have pushed the device tier over its budget, on failure too.
+  RebalanceTiers();
+  RETURN_IF_ERROR(status);
   return result;
 }
 
@@ -1403,13 +1660,17 @@ uint64_t PrefixCache::EvictForAdmission(uint64_t bytes) {
   const uint64_t returned_before = slabs_->returned_bytes();
   auto returned = [&] { return slabs_->returned_bytes() - returned_before; };
   slabs_->ReleaseEmptySlabs();
-  // With a disk tier, LRU pieces move to disk before any entry leaves the cache.
-  while (disk_ != nullptr && returned() < bytes && device_stored_bytes_ > 0) {
-    const uint64_t before = device_stored_bytes_;
+  // With a tier below, LRU pieces move down before any entry leaves the cache (the copies run
+  // without mu_; the admission waits for them).
+  constexpr size_t kDevice = static_cast<size_t>(StorageMedium::kDevice);
+  while (TierBelow(StorageMedium::kDevice).has_value() && returned() < bytes) {
+    const uint64_t staying = tier_stored_bytes_[kDevice] - tier_leaving_bytes_[kDevice];
+    if (staying == 0) break;
     const uint64_t short_by = bytes - returned();
-    DemoteDownTo(before > short_by ? before - short_by : 0);
+    const size_t moved =
+        DemoteDownTo(StorageMedium::kDevice, staying > short_by ? staying - short_by : 0);
     slabs_->ReleaseEmptySlabs();
-    if (device_stored_bytes_ == before) break;
+    if (moved == 0) break;
   }
   uint64_t entries = 0;
   uint64_t held_bytes = 0;
@@ -1429,7 +1690,10 @@ uint64_t PrefixCache::EvictForAdmission(uint64_t bytes) {
   return returned();
 }
 
-uint64_t PrefixCache::ReleaseEmptySlabs() { return slabs_->ReleaseEmptySlabs(); }
+uint64_t PrefixCache::ReleaseEmptySlabs() {
+  if (host_slabs_ != nullptr) host_slabs_->ReleaseEmptySlabs();
+  return slabs_->ReleaseEmptySlabs();
+}
 
 void PrefixCache::InstallEvictor(DeviceBudget& budget) {
   budget.SetEvictor(EvictableSource::kPrefixCache,
@@ -1459,20 +1723,15 @@ PrefixCacheStats PrefixCache::Stats() const {
   stats.last_sequence = index_.LastSequence();
   stats.block_tokens = index_.block_tokens();
   stats.slabs = slabs_->Stats();
-  constexpr size_t kDisk = static_cast<size_t>(StorageMedium::kDisk);
-  stats.tiers.push_back({.medium = StorageMedium::kDevice,
-                         .stored_bytes = device_stored_bytes_,
-                         .budget_bytes = options_.budget_bytes,
-                         .hits = tier_hits_[static_cast<size_t>(StorageMedium::kDevice)],
-                         .promotions = 0,
-                         .demotions = 0});
-  if (disk_ != nullptr) {
-    stats.tiers.push_back({.medium = StorageMedium::kDisk,
-                           .stored_bytes = disk_ledger_bytes_,
-                           .budget_bytes = disk_->budget_bytes(),
-                           .hits = tier_hits_[kDisk],
-                           .promotions = tier_promotions_[kDisk],
-                           .demotions = tier_demotions_[kDisk]});
+  for (std::optional<StorageMedium> medium = StorageMedium::kDevice; medium.has_value();
+       medium = TierBelow(*medium)) {
+    const size_t tier = static_cast<size_t>(*medium);
+    stats.tiers.push_back({.medium = *medium,
+                           .stored_bytes = tier_stored_bytes_[tier],
+                           .budget_bytes = TierBudget(*medium),
+                           .hits = tier_hits_[tier],
+                           .promotions = tier_promotions_[tier],
+                           .demotions = tier_demotions_[tier]});
   }
   if (remote_ != nullptr) {
     stats.remote = remote_->Stats();
@@ -1515,29 +1774,43 @@ uint64_t PrefixCache::AwaitEvent(uint64_t last_sequence, absl::Duration timeout)
   return index_.LastSequence();
 }
 
-absl::StatusOr<SlabSpan> PrefixCache::StorageSpan(uint64_t storage_handle) const {
-  absl::MutexLock lock(&mu_);
+absl::StatusOr<PrefixCache::Storage> PrefixCache::StorageIn(uint64_t storage_handle,
+                                                            std::optional<StorageMedium> medium)
+    const {
   auto it = storage_.find(storage_handle);
   if (it == storage_.end()) {
     return absl::NotFoundError(absl::StrCat("no prefix storage handle ", storage_handle));
   }
-  if (it->second.medium != StorageMedium::kDevice) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("prefix storage handle ", storage_handle, " is on disk"));
+  if (medium.has_value() && it->second.medium != *medium) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "prefix storage handle ", storage_handle, " is in the ",
+        std::string(StorageMediumName(it->second.medium)), " tier, not the ",
+        std::string(StorageMediumName(*medium)), " tier"));
   }
-  return it->second.span;
+  return it->second;
+}
+
+absl::StatusOr<StorageMedium> PrefixCache::StorageMediumOf(uint64_t storage_handle) const {
+  absl::MutexLock lock(&mu_);
+  ASSIGN_OR_RETURN(Storage storage, StorageIn(storage_handle, std::nullopt));
+  return storage.medium;
+}
+
+absl::StatusOr<SlabSpan> PrefixCache::StorageSpan(uint64_t storage_handle) const {
+  absl::MutexLock lock(&mu_);
+  ASSIGN_OR_RETURN(Storage storage, StorageIn(storage_handle, StorageMedium::kDevice));
+  return storage.span;
+}
+
+absl::StatusOr<absl::Span<uint8_t>> PrefixCache::StorageHostBytes(uint64_t storage_handle) const {
+  absl::MutexLock lock(&mu_);
+  ASSIGN_OR_RETURN(Storage storage, StorageIn(storage_handle, StorageMedium::kPinnedHost));
+  return host_memory_->Bytes(storage.span.slab, storage.span.offset, storage.piece_bytes);
 }
 
 absl::StatusOr<std::string> PrefixCache::StorageFile(uint64_t storage_handle) const {
   absl::MutexLock lock(&mu_);
-  auto it = storage_.find(storage_handle);
-  if (it == storage_.end()) {
-    return absl::NotFoundError(absl::StrCat("no prefix storage handle ", storage_handle));
-  }
-  if (it->second.medium != StorageMedium::kDisk) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("prefix storage handle ", storage_handle, " is in a slab"));
-  }
+  RETURN_IF_ERROR(StorageIn(storage_handle, StorageMedium::kDisk).status());
   return disk_->PathOf(storage_handle);
 }
 
@@ -1562,29 +1835,58 @@ absl::Status PrefixCache::CheckInvariants() const {
     return absl::InternalError(absl::StrCat("prefix cache holds ", storage_.size(),
                                             " spans for ", referenced.size(), " stored pieces"));
   }
-  // (2): what the index counts is what the slabs hold.
-  uint64_t device_pieces = 0;
-  uint64_t device_bytes = 0;
-  uint64_t disk_bytes = 0;
+  // (2): what the index counts is what the tiers hold.
+  std::array<uint64_t, kMedia> pieces = {};
+  std::array<uint64_t, kMedia> bytes = {};
   uint64_t disk_file_bytes = 0;
   for (const auto& [handle, storage] : storage_) {
-    if (storage.medium == StorageMedium::kDevice) {
-      ++device_pieces;
-      device_bytes += storage.span.bytes;
-    } else {
-      disk_bytes += storage.span.bytes;
-      disk_file_bytes += storage.piece_bytes;
+    const size_t tier = static_cast<size_t>(storage.medium);
+    ++pieces[tier];
+    bytes[tier] += storage.span.bytes;
+    if (storage.medium == StorageMedium::kDisk) disk_file_bytes += storage.piece_bytes;
+  }
+  std::array<uint64_t, kMedia> leaving = {};
+  for (const auto& [handle, move] : moving_) {
+    if (!move.released) leaving[static_cast<size_t>(move.source.medium)] += move.source.span.bytes;
+  }
+  for (size_t tier = 0; tier < kMedia; ++tier) {
+    if (bytes[tier] != tier_stored_bytes_[tier] || leaving[tier] != tier_leaving_bytes_[tier]) {
+      return absl::InternalError(absl::StrCat(
+          "prefix tier ", std::string(StorageMediumName(static_cast<StorageMedium>(tier))), ": ",
+          pieces[tier],
+          " pieces hold ", bytes[tier], " bytes (counted ", tier_stored_bytes_[tier], "), ",
+          leaving[tier], " of them leaving (counted ", tier_leaving_bytes_[tier], ")"));
     }
   }
+  const uint64_t stored = bytes[0] + bytes[1] + bytes[2];
+  if (index_.StoredBytes() != stored) {
+    return absl::InternalError(absl::StrCat("prefix index stores ", index_.StoredBytes(),
+                                            " bytes; the tiers hold ", stored));
+  }
+  if (!moving_.empty()) return absl::OkStatus();  // the rest holds once no demotion is in flight
+  constexpr size_t kDevice = static_cast<size_t>(StorageMedium::kDevice);
   const SlabStats slabs = slabs_->Stats();
-  if (device_bytes != device_stored_bytes_ || disk_bytes != disk_ledger_bytes_ ||
-      index_.StoredBytes() != device_bytes + disk_bytes || slabs.used_bytes != device_bytes ||
-      slabs.spans != device_pieces) {
+  if (slabs.used_bytes != bytes[kDevice] || slabs.spans != pieces[kDevice]) {
     return absl::InternalError(absl::StrCat(
-        "prefix index stores ", index_.StoredBytes(), " bytes; ", device_pieces,
-        " pieces in slabs hold ", device_bytes, " (counted ", device_stored_bytes_,
-        "), pieces on disk ", disk_bytes, " (counted ", disk_ledger_bytes_, "); the slabs hold ",
-        slabs.used_bytes, " bytes in ", slabs.spans, " spans"));
+        "prefix device tier: ", pieces[kDevice], " pieces hold ", bytes[kDevice],
+        " bytes; the slabs hold ", slabs.used_bytes, " bytes in ", slabs.spans, " spans"));
+  }
+  if (tier_incoming_bytes_ != std::array<uint64_t, kMedia>{}) {
+    return absl::InternalError(absl::StrCat(
+        "prefix tiers count ", tier_incoming_bytes_[1], " host and ", tier_incoming_bytes_[2],
+        " disk bytes incoming with no demotion in flight"));
+  }
+  if (host_slabs_ != nullptr) {
+    constexpr size_t kHost = static_cast<size_t>(StorageMedium::kPinnedHost);
+    RETURN_IF_ERROR(host_slabs_->CheckInvariants());
+    const SlabStats host = host_slabs_->Stats();
+    if (host.used_bytes != bytes[kHost] || host.spans != pieces[kHost] ||
+        host.slab_bytes != host_memory_->allocated_bytes()) {
+      return absl::InternalError(absl::StrCat(
+          "prefix host tier: ", pieces[kHost], " pieces hold ", bytes[kHost],
+          " bytes; its slabs hold ", host.used_bytes, " bytes in ", host.spans, " spans, ",
+          host.slab_bytes, " slab bytes of ", host_memory_->allocated_bytes(), " allocated"));
+    }
   }
   if (disk_ != nullptr && disk_->stored_bytes() != disk_file_bytes) {
     return absl::InternalError(absl::StrCat("prefix pieces on disk hold ", disk_file_bytes,

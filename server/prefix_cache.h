@@ -13,14 +13,18 @@
 // holds (rounded to the slab alignment); the device budget is charged per slab, whole, so
 // admission counts what the device holds, slab free space included (reported as fragmentation).
 //
-// Tiers: with a disk tier (server/disk_tier.h: prefix_disk_dir, prefix_disk_bytes) each stored
-// piece lives in exactly one tier, the device's slabs or one disk file. After a capture or
-// restore, and when an admission needs device memory, the least recently used pieces no pinned
-// entry uses are demoted to disk until the device tier is within its budget; a full disk tier
-// evicts LRU entries (the index's budget is then the two budgets' sum). A restore first promotes
-// the entry's disk pieces back into slabs, verifying each against the checksums taken at capture
-// (DATA_LOSS drops the entry as any corruption does). Only slabs are charged to the device
-// budget. On cuda the tier in between (pinned host memory) is not built yet: GPU -> disk.
+// Tiers, fastest first (StorageMedium): the device's slabs; the host tier (host_tier_bytes:
+// spans of host_slabs_, a SlabAllocator over HostTierMemory, whose memory a HostMemoryProvider
+// gives: pinned memory on cuda, plain memory in tests and on request on the host backend, where
+// the device tier already is host memory and the tier is off by default); the disk tier
+// (server/disk_tier.h: disk_dir, disk_bytes). Each stored piece lives in exactly one of them.
+// After a capture or restore, and when an admission needs device memory, the least recently
+// used pieces no pinned entry uses are demoted one tier down until each tier is within its own
+// budget: the tier below makes room first (the host tier demotes to disk, a full disk tier
+// evicts LRU entries with pieces there) and the last tier evicts LRU entries (the index's
+// budget is the tiers' sum). A restore first promotes the entry's host and disk pieces back
+// into slabs, verifying each against the checksums taken at capture (DATA_LOSS drops the entry
+// as any corruption does). Only slabs are charged to the device budget.
 //
 // Remote tier (server/remote_tier.h, docs/remote-tier.md; optional): a Redis Cluster other
 // daemons share. Write-behind: a capture queues a copy of each new piece (read from its span while
@@ -44,21 +48,28 @@
 //
 // Thread-safety: thread-safe. Lock order: a session's own mutex (DaemonSession) -> mu_ ->
 // SlabAllocator's mutex -> DeviceBudget's mutex. mu_ is never held while a session mutex is
-// taken, nor across device copies of a capture or restore (PlanCapture / Pin under mu_; spans
-// allocated and copied without it; CommitCapture / Unpin under mu_ again). EvictForAdmission is the DeviceBudget evictor: the budget calls it
-// without its own lock.
+// taken, nor across any copy: a capture or restore (PlanCapture / Pin under mu_; spans
+// allocated and copied without it; CommitCapture / Unpin under mu_ again), a promotion
+// (PromotePinned) or a demotion (planned under mu_, its pieces marked in moving_; copied down
+// without mu_; committed under mu_, where a piece pinned meanwhile stays put and one the index
+// let go of meanwhile is freed in both tiers). Demotions run after a capture or restore has
+// left the session's mutex, and in EvictForAdmission, the DeviceBudget evictor (the budget
+// calls it without its own lock).
 //
 // Invariants: (1) storage_ holds exactly the handles the index references (a capture in flight
-// holds its spans itself until CommitCapture); (2) the device pieces of storage_ are live spans
-// of slabs_, each a piece's bytes rounded to the slab alignment, so device_stored_bytes_ equals
-// slabs_'s used bytes when no capture or promotion is in flight, and index_.StoredBytes() ==
-// device_stored_bytes_ + disk_ledger_bytes_ (the disk pieces' rounded sizes); (3) the slabs of a pinned entry's spans
-// and of a capture in flight are held (SlabAllocator::Hold), so the budget's evictable bytes
-// (the slabs no hold keeps) are exactly what evicting every unpinned entry returns.
+// holds its spans itself until CommitCapture); (2) tier_stored_bytes_[m] is the sum of the
+// rounded sizes of storage_'s pieces in tier m, and index_.StoredBytes() their sum over the
+// tiers; the device pieces are live spans of slabs_ (so slabs_'s used bytes equal the device
+// tier's when no capture, promotion or demotion is in flight), the disk pieces files of disk_;
+// tier_leaving_bytes_[m] is the bytes of moving_'s unreleased pieces from tier m; (3) the slabs
+// of a pinned entry's spans, of a capture in flight and of a piece being demoted are held
+// (SlabAllocator::Hold), so the budget's evictable bytes (the slabs no hold keeps) are exactly
+// what evicting every unpinned entry returns.
 
 #include <array>
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -80,6 +91,7 @@
 #include "server/daemon_session.h"
 #include "server/device_budget.h"
 #include "server/disk_tier.h"
+#include "server/host_tier_memory.h"
 #include "server/remote_tier.h"
 #include "server/slab_allocator.h"
 #include "server/streaming_checksum.h"
@@ -101,6 +113,10 @@ struct PrefixCacheOptions {
   uint64_t slab_bytes = uint64_t{128} << 20;
   uint64_t epoch = 0;            // this daemon's epoch, on entries and events
   uint64_t event_capacity = 4096;
+  // The host tier, between the device and the disk (StorageMedium::kPinnedHost): none when 0;
+  // else the bytes of host memory it may hold (spans rounded as the device tier's), its memory
+  // from the HostMemoryProvider Create is given. Not charged to the device budget.
+  uint64_t host_tier_bytes = 0;
   // The disk tier (DiskTierOptions): none when disk_dir is empty; else disk_bytes > 0.
   std::string disk_dir;
   uint64_t disk_bytes = 0;
@@ -110,6 +126,10 @@ struct PrefixCacheOptions {
   std::optional<RemoteTierOptions> remote;
   absl::Duration remote_lookup_timeout = absl::Milliseconds(20);  // > 0
   absl::Duration remote_fetch_timeout = absl::Seconds(2);         // > 0
+  // Fault-injection seam for tests (empty in production): called without the cache's lock
+  // before a demotion copies piece `handle` down to tier `to`, so a test can hold a demotion
+  // in the middle of its I/O.
+  std::function<void(uint64_t handle, StorageMedium to)> before_demotion_copy;
 };
 
 // The shape a session's entries are keyed by: the model fingerprint for an unsharded session
@@ -227,22 +247,24 @@ struct PrefixCacheStats {
   uint64_t last_sequence = 0;
   uint32_t block_tokens = 0;
   SlabStats slabs;  // the device tier's storage (gauges)
-  // The device tier, then the disk tier when there is one, then the remote tier when there is
-  // one. stored_bytes == the tiers' sum (the device tier's counts slab spans, the disk tier's the
-  // same rounded sizes; the remote tier's is 0: what the cluster holds is the cluster's, not this
-  // daemon's; its hits are restores that pulled pieces, promotions the pieces pulled, demotions
-  // the pieces written).
+  // The device tier, then the host tier and the disk tier when there are, then the remote tier
+  // when there is one. stored_bytes == the local tiers' sum (each counts its pieces' rounded span
+  // sizes, a disk file's too; the remote tier's is 0: what the cluster holds is the cluster's, not
+  // this daemon's; its hits are restores that pulled pieces, promotions the pieces pulled,
+  // demotions the pieces written).
   std::vector<PrefixTierStats> tiers;
   std::optional<RemoteTierStats> remote;  // present iff the daemon has a remote tier
 };
 
 class PrefixCache {
  public:
-  // `backend` must outlive the cache; `budget` may be null (no shared admission ledger).
-  // INVALID_ARGUMENT for a zero budget or block size.
-  static absl::StatusOr<std::unique_ptr<PrefixCache>> Create(const PrefixCacheOptions& options,
-                                                             DeviceBackend* backend,
-                                                             DeviceBudget* budget);
+  // `backend` must outlive the cache; `budget` may be null (no shared admission ledger);
+  // `host_memory` is the host tier's memory, given iff options.host_tier_bytes > 0.
+  // INVALID_ARGUMENT for a zero budget or block size, a host tier without memory or memory
+  // without a host tier.
+  static absl::StatusOr<std::unique_ptr<PrefixCache>> Create(
+      const PrefixCacheOptions& options, DeviceBackend* backend, DeviceBudget* budget,
+      std::unique_ptr<HostMemoryProvider> host_memory = nullptr);
   ~PrefixCache();  // frees every slab and its budget charge
   PrefixCache(const PrefixCache&) = delete;
   PrefixCache& operator=(const PrefixCache&) = delete;
@@ -320,16 +342,21 @@ class PrefixCache {
   uint64_t AwaitEvent(uint64_t last_sequence, absl::Duration timeout) const
       ABSL_LOCKS_EXCLUDED(mu_);
 
-  // Test seams (corruption tests): where an entry's block or boundary is stored: its span
-  // (FAILED_PRECONDITION when on disk), its file (FAILED_PRECONDITION when in a slab).
+  // Test seams (corruption tests): where an entry's block or boundary is stored: its tier, its
+  // device span, its host-tier memory, its file (NOT_FOUND for an unknown handle;
+  // FAILED_PRECONDITION when the piece is in another tier).
+  absl::StatusOr<StorageMedium> StorageMediumOf(uint64_t storage_handle) const
+      ABSL_LOCKS_EXCLUDED(mu_);
   absl::StatusOr<SlabSpan> StorageSpan(uint64_t storage_handle) const ABSL_LOCKS_EXCLUDED(mu_);
+  absl::StatusOr<absl::Span<uint8_t>> StorageHostBytes(uint64_t storage_handle) const
+      ABSL_LOCKS_EXCLUDED(mu_);
   absl::StatusOr<std::string> StorageFile(uint64_t storage_handle) const ABSL_LOCKS_EXCLUDED(mu_);
   absl::Status CheckInvariants() const ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
   struct Storage {
     StorageMedium medium = StorageMedium::kDevice;
-    SlabSpan span;             // kDevice only
+    SlabSpan span;             // kDevice: in slabs_; kPinnedHost: in host_slabs_; kDisk: bytes only
     uint64_t piece_bytes = 0;  // the piece's own bytes (a disk file's size)
     uint64_t checksum = 0;     // the StoredRef's (verified when a disk file is read back)
     // One xxHash3 per checksum_slice_bytes slice of a piece of several slices (the StoredRef's
@@ -353,7 +380,8 @@ class PrefixCache {
 
   PrefixCache(const PrefixCacheOptions& options, PrefixIndex index, DeviceBackend* backend,
               DeviceBudget* budget, std::unique_ptr<SlabAllocator> slabs,
-              std::unique_ptr<DiskTier> disk, std::unique_ptr<RemoteTier> remote);
+              std::unique_ptr<DiskTier> disk, std::unique_ptr<HostTierMemory> host_memory,
+              std::unique_ptr<SlabAllocator> host_slabs, std::unique_ptr<RemoteTier> remote);
 
   // REQUIRES the session's mutex (runs inside DaemonSession::ViewLocked).
   absl::StatusOr<PrefixCaptureResult> CaptureLocked(const ScopedShape& shape,
@@ -407,17 +435,70 @@ class PrefixCache {
   void ReleaseSlabs(const std::vector<ArenaId>& slabs);
   // Marks (+1) or unmarks (-1) the pieces of a pinned entry: they are never demoted.
   void MarkPinned(const EntryView& entry, int delta) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Demotes LRU pieces (of unpinned entries, none being promoted) to disk until the device tier
-  // holds at most `target` bytes or nothing is left to demote; when the disk tier is full,
-  // evicts LRU entries to make room. No-op without a disk tier. Disk I/O under mu_.
-  void DemoteDownTo(uint64_t target) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Moves one device piece to disk (the budget's refusal is RESOURCE_EXHAUSTED, nothing moved).
-  absl::Status DemoteHandle(uint64_t handle, Storage& storage) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  // --- The tier chain (device -> disk). Demotion plans under mu_, copies without it, commits
+  // under mu_ again; these functions are entered and left with mu_ held but release it while
+  // bytes move, so a demotion never stalls a lookup, capture or restore of other pieces.
+  //
+  // A piece on its way down: planned (its source still serves restores), copied, committed.
+  struct Move {
+    uint64_t handle = 0;
+    StorageMedium to = StorageMedium::kDisk;
+    Storage source;  // where the bytes are (the same as storage_'s until the commit)
+    // The index let go of the piece while it moved (an eviction, a drop): FreeHandles left
+    // `source` to the mover, which frees it at the commit.
+    bool released = false;
+    // For the kMoved event: the entry it was planned from, and its key there.
+    PlanFingerprint fingerprint{};
+    BlockKey key{};
+    bool boundary = false;
+  };
+  // The tier a piece of `medium` is demoted to (nullopt: the last tier, which evicts instead).
+  std::optional<StorageMedium> TierBelow(StorageMedium medium) const;
+  uint64_t TierBudget(StorageMedium medium) const;
+  // What `move` adds to its destination tier's budget: a disk file's own bytes, a span's
+  // rounded bytes in a memory tier.
+  static uint64_t IncomingBytes(const Move& move);
+  // Demotes LRU host-tier pieces until the bytes on their way into it fit its budget too.
+  void MakeHostRoom() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Every tier within its budget: each tier's LRU pieces move down (the last one's entries are
+  // evicted). Run after a capture and a restore, outside the session's mutex (the session is
+  // not held up by the demotion's I/O).
+  void Rebalance() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void RebalanceTiers() ABSL_LOCKS_EXCLUDED(mu_);
+  // Demotes LRU pieces of tier `from` (of unpinned entries, none being promoted or moved) until
+  // it holds at most `target` bytes not already leaving, or nothing is left to demote; the last
+  // tier evicts LRU entries instead. A full disk tier evicts LRU entries for room first.
+  // Returns the pieces moved.
+  size_t DemoteDownTo(StorageMedium from, uint64_t target) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // LRU pieces of `from` worth at least `bytes`, marked moving (in moving_); empty when none.
+  std::vector<uint64_t> PlanMoves(StorageMedium from, StorageMedium to, uint64_t bytes)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Evicts the least recently used unpinned entry with a piece (not moving) in `medium`; false
+  // when there is none.
+  bool EvictLruEntryIn(StorageMedium medium) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Evicts LRU entries with pieces on disk until the disk tier has room for the bytes on their
+  // way to it (tier_incoming_bytes_); false when that cannot be done.
+  bool MakeDiskRoom() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Copies the planned pieces down without mu_ and commits each under mu_ (a piece pinned
+  // meanwhile stays where it was; one released meanwhile is freed in both tiers). Returns how
+  // many moved.
+  size_t RunMoves(const std::vector<uint64_t>& handles) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The copy itself (no lock held): `source`'s bytes into a new home in tier `to`. Returns the
+  // new storage (a span in that tier's slabs, or the disk file's ledger size).
+  absl::StatusOr<Storage> CopyDown(uint64_t handle, const Storage& source, StorageMedium to)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // Frees `storage` in its tier (a slab span, a disk file) without touching the ledger.
+  void FreeInTier(uint64_t handle, const Storage& storage);
   // Moves the disk pieces of the PINNED `entry` into slabs, reading and verifying them without
-  // mu_ (a piece another restore is promoting is waited for). DATA_LOSS: a file whose bytes do
-  // not match the capture's checksums; RESOURCE_EXHAUSTED: no device memory for it. Pieces
-  // promoted before a failure stay promoted.
+  // mu_ (a piece another restore is promoting, or a demotion is moving, is waited for).
+  // DATA_LOSS: a file whose bytes do not match the capture's checksums; RESOURCE_EXHAUSTED: no
+  // device memory for it. Pieces promoted before a failure stay promoted.
   absl::Status PromotePinned(const EntryView& entry) ABSL_LOCKS_EXCLUDED(mu_);
+  // `storage_handle`'s storage, when it is in `medium` (nullopt: any tier); the seams' errors.
+  absl::StatusOr<Storage> StorageIn(uint64_t storage_handle,
+                                    std::optional<StorageMedium> medium) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   StorageMedium MediumLocked(const std::vector<LookupBlock>& blocks,
                              const std::optional<StoredRef>& boundary) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -428,7 +509,11 @@ class PrefixCache {
   DeviceBudget* const budget_;
   const std::unique_ptr<SlabAllocator> slabs_;  // thread-safe itself
   const std::unique_ptr<DiskTier> disk_;         // null: no disk tier; thread-safe itself
-  const std::unique_ptr<RemoteTier> remote_;     // null: no remote tier; thread-safe itself
+  // The host tier (null: none): its memory, and the allocator over it (destroyed first).
+  const std::unique_ptr<HostTierMemory> host_memory_;
+  const std::unique_ptr<SlabAllocator> host_slabs_;
+  // null: no remote tier; thread-safe itself. Declared last so its writer thread stops first.
+  const std::unique_ptr<RemoteTier> remote_;
 
   std::atomic<uint64_t> tick_{0};  // LRU clock
 
@@ -446,13 +531,19 @@ class PrefixCache {
   uint64_t restores_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t tokens_restored_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t death_captures_ ABSL_GUARDED_BY(mu_) = 0;
-  // Tiers: the device tier's bytes (spans of storage_ in slabs), pieces pinned entries use
-  // (count of pins), pieces a restore is reading back from disk, counters by StorageMedium.
-  uint64_t device_stored_bytes_ ABSL_GUARDED_BY(mu_) = 0;
-  uint64_t disk_ledger_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  // Tiers, indexed by StorageMedium: the bytes of storage_'s pieces in each (rounded spans; a
+  // disk piece counts its span's size too), and of those the bytes planned to move down
+  // (moving_, not released).
+  static constexpr size_t kMedia = 3;
+  std::array<uint64_t, kMedia> tier_stored_bytes_ ABSL_GUARDED_BY(mu_) = {};
+  std::array<uint64_t, kMedia> tier_leaving_bytes_ ABSL_GUARDED_BY(mu_) = {};
+  // Pieces pinned entries use (count of pins), pieces a restore is promoting, pieces a
+  // demotion is moving down (by handle), and per tier the bytes on their way into it, in the
+  // unit its budget counts (IncomingBytes).
   absl::flat_hash_map<uint64_t, uint32_t> pinned_handles_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_set<uint64_t> promoting_ ABSL_GUARDED_BY(mu_);
-  static constexpr size_t kMedia = 3;
+  absl::flat_hash_map<uint64_t, Move> moving_ ABSL_GUARDED_BY(mu_);
+  std::array<uint64_t, kMedia> tier_incoming_bytes_ ABSL_GUARDED_BY(mu_) = {};
   std::array<uint64_t, kMedia> tier_hits_ ABSL_GUARDED_BY(mu_) = {};
   std::array<uint64_t, kMedia> tier_promotions_ ABSL_GUARDED_BY(mu_) = {};
   std::array<uint64_t, kMedia> tier_demotions_ ABSL_GUARDED_BY(mu_) = {};

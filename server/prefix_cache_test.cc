@@ -4,9 +4,11 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cstdint>
 #include <cstdlib>
 #include <fstream>
+#include <functional>
 #include <string>
 #include <thread>
 #include <memory>
@@ -16,6 +18,8 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
 #include "core/index_ring.h"
 #include "core/kv_ring.h"
 #include "core/model_plan.h"
@@ -25,6 +29,7 @@
 #include "gtest/gtest.h"
 #include "server/daemon_session.h"
 #include "server/device_budget.h"
+#include "server/host_tier_memory.h"
 #include "server/redis_cluster.h"
 #include "server/remote_tier.h"
 #include "server/test_redis_cluster.h"
@@ -171,13 +176,20 @@ class PrefixCacheTest : public ::testing::Test {
   }
 
   // A cache with a disk tier under a fresh directory of the test's tmpdir.
-  absl::StatusOr<std::unique_ptr<PrefixCache>> MakeTieredCache(uint64_t device_bytes,
-                                                               uint64_t disk_bytes,
-                                                               DeviceBudget* device_budget,
-                                                               const std::string& dir_name) {
-    const char* tmp = std::getenv("TEST_TMPDIR");
-    disk_dir_ = absl::StrCat(tmp != nullptr ? tmp : "/tmp", "/", dir_name);
-    std::system(absl::StrCat("rm -rf '", disk_dir_, "'").c_str());
+  absl::StatusOr<std::unique_ptr<PrefixCache>> MakeTieredCache(
+      uint64_t device_bytes, uint64_t disk_bytes, DeviceBudget* device_budget,
+      const std::string& dir_name,
+      std::function<void(uint64_t, StorageMedium)> before_demotion_copy = {}) {
+    return MakeTierChain(device_bytes, /*host_bytes=*/0, disk_bytes, device_budget, dir_name,
+                         std::move(before_demotion_copy));
+  }
+
+  // device -> host (plain host memory, as the cuda backend's pinned memory would be; none when
+  // host_bytes is 0) -> disk (none when disk_bytes is 0).
+  absl::StatusOr<std::unique_ptr<PrefixCache>> MakeTierChain(
+      uint64_t device_bytes, uint64_t host_bytes, uint64_t disk_bytes,
+      DeviceBudget* device_budget, const std::string& dir_name,
+      std::function<void(uint64_t, StorageMedium)> before_demotion_copy = {}) {
     PrefixCacheOptions options;
     options.copy_threads = 2;
     options.checksum_slice_bytes = 512;  // a block is 4 slices: each verified on its own
@@ -186,10 +198,18 @@ class PrefixCacheTest : public ::testing::Test {
     options.budget_bytes = device_bytes;
     options.block_tokens = kBlock;
     options.epoch = 77;
-    options.disk_dir = disk_dir_;
-    options.disk_bytes = disk_bytes;
-    options.disk_queue_depth = 2;
-    return PrefixCache::Create(options, backend_.get(), device_budget);
+    if (disk_bytes > 0) {
+      const char* tmp = std::getenv("TEST_TMPDIR");
+      disk_dir_ = absl::StrCat(tmp != nullptr ? tmp : "/tmp", "/", dir_name);
+      std::system(absl::StrCat("rm -rf '", disk_dir_, "'").c_str());
+      options.disk_dir = disk_dir_;
+      options.disk_bytes = disk_bytes;
+      options.disk_queue_depth = 2;
+    }
+    options.host_tier_bytes = host_bytes;
+    options.before_demotion_copy = std::move(before_demotion_copy);
+    return PrefixCache::Create(options, backend_.get(), device_budget,
+                               host_bytes > 0 ? NewPlainHostMemory() : nullptr);
   }
 
   std::unique_ptr<DaemonSession> NewSession(const ModelPlan& plan, uint64_t capacity,
@@ -334,6 +354,47 @@ class PrefixCacheTest : public ::testing::Test {
     return out;
   }
 
+  // A flat-K/V entry's source session and the tokens it was captured under, by entry id.
+  struct ChurnSource {
+    std::unique_ptr<DaemonSession> session;
+    std::vector<int32_t> tokens;
+    uint64_t len = 0;
+  };
+  using ChurnSources = absl::flat_hash_map<uint64_t, ChurnSource>;
+
+  // One step of random churn: a third of the time a bit-exact restore of a random entry, else a
+  // capture of 1-5 blocks of random content under fresh tokens (`salt`, `fill_seed`).
+  void ChurnStep(testing::SeededRandom& random, ChurnSources& sources, int32_t salt,
+                 uint64_t fill_seed) {
+    const std::vector<ScopedEntry> entries = cache_->ListEntries();
+    if (random.Below(3) == 0 && !entries.empty()) {
+      const EntryView& entry = entries[random.Below(entries.size())].view;
+      const ChurnSource& source = sources.at(entry.id.value);
+      auto dest = NewSession(FlatPlan(), 256);
+      ASSERT_THAT(cache_->Restore(*dest, entry.id, source.tokens).status(), IsOk());
+      ASSERT_EQ(KvRows(*dest, source.len), KvRows(*source.session, source.len));
+      return;
+    }
+    const uint64_t len = (1 + random.Below(5)) * kBlock;
+    std::vector<int32_t> tokens = Tokens(len, salt);
+    auto session = NewSession(FlatPlan(), 256);
+    Append(*session, tokens, len);
+    FillRandom(*session, fill_seed, 0);
+    absl::StatusOr<PrefixCaptureResult> captured = cache_->Capture(*session, tokens, len);
+    ASSERT_THAT(captured.status(), IsOk());
+    sources[captured->entry.value] = ChurnSource{std::move(session), tokens, len};
+  }
+
+  // Every entry the cache still holds restores bit-exactly.
+  void ExpectEveryEntryRestores(const ChurnSources& sources) {
+    for (const ScopedEntry& scoped : cache_->ListEntries()) {
+      const ChurnSource& source = sources.at(scoped.view.id.value);
+      auto dest = NewSession(FlatPlan(), 256);
+      ASSERT_THAT(cache_->Restore(*dest, scoped.view.id, source.tokens).status(), IsOk());
+      EXPECT_EQ(KvRows(*dest, source.len), KvRows(*source.session, source.len));
+    }
+  }
+
   uint64_t Committed(DaemonSession& session) {
     pb::SessionState state;
     EXPECT_THAT(session.GetState(&state, nullptr), IsOk());
@@ -405,9 +466,9 @@ absl::StatusOr<EntryView> ViewOf(absl::StatusOr<ScopedEntry> scoped) {
 }
 
 StorageMedium PieceMedium(const PrefixCache& cache, uint64_t handle) {
-  if (cache.StorageSpan(handle).ok()) return StorageMedium::kDevice;
-  EXPECT_THAT(cache.StorageFile(handle).status(), IsOk());
-  return StorageMedium::kDisk;
+  absl::StatusOr<StorageMedium> medium = cache.StorageMediumOf(handle);
+  EXPECT_THAT(medium.status(), IsOk());
+  return medium.value_or(StorageMedium::kDevice);
 }
 
 TEST_F(PrefixCacheTest, FlatKvCaptureLookupRestoreAnyBlockBoundary) {
@@ -1110,73 +1171,99 @@ TEST_F(PrefixCacheTest, AnEntryDemotedToDiskRestoresBitExactly) {
   EXPECT_THAT(cache_->CheckInvariants(), IsOk());
 }
 
-// A boundary-state plan's recurrent piece goes to disk and back like a block: a newer entry of
-// another model takes the whole device tier.
+// A boundary-state plan's recurrent piece goes to the tier below (disk, or the host tier) and
+// back like a block: a newer entry of another model takes the whole device tier.
 TEST_F(PrefixCacheTest, ADemotedBoundaryStateRestoresBitExactly) {
-  absl::StatusOr<std::unique_ptr<PrefixCache>> tiered =
-      MakeTieredCache(4 * kFlatSpanBytes, 1 << 20, nullptr, "boundary");
-  ASSERT_THAT(tiered.status(), IsOk());
-  cache_ = *std::move(tiered);
-  const std::vector<int32_t> tokens = Tokens(32);
-  auto source = NewSession(HybridPlan(), 64);
-  Append(*source, tokens, 32);
-  absl::StatusOr<PrefixCaptureResult> captured = cache_->Capture(*source, tokens, 32);
-  ASSERT_THAT(captured.status(), IsOk());
-  const std::vector<int32_t> flat_tokens = Tokens(4 * kBlock, 9);
-  auto flat = NewSession(FlatPlan(), 128);
-  Append(*flat, flat_tokens, 4 * kBlock);
-  ASSERT_THAT(cache_->Capture(*flat, flat_tokens, 64).status(), IsOk());
-  absl::StatusOr<EntryView> view = ViewOf(cache_->Inspect(captured->entry));
-  ASSERT_THAT(view.status(), IsOk());
-  ASSERT_TRUE(view->boundary.has_value());
-  EXPECT_EQ(PieceMedium(*cache_, view->boundary->storage_handle), StorageMedium::kDisk);
-  EXPECT_EQ(PieceMedium(*cache_, view->blocks[0].stored.storage_handle), StorageMedium::kDisk);
-  auto dest = NewSession(HybridPlan(), 64);
-  ASSERT_THAT(cache_->Restore(*dest, captured->entry, tokens).status(), IsOk());
-  ExpectRestored(*dest, 32, 32);
-  EXPECT_EQ(PieceMedium(*cache_, view->boundary->storage_handle), StorageMedium::kDevice);
-  EXPECT_THAT(cache_->CheckInvariants(), IsOk());
+  for (const StorageMedium below : {StorageMedium::kDisk, StorageMedium::kPinnedHost}) {
+    SCOPED_TRACE(StorageMediumName(below));
+    const bool host = below == StorageMedium::kPinnedHost;
+    absl::StatusOr<std::unique_ptr<PrefixCache>> tiered = MakeTierChain(
+        4 * kFlatSpanBytes, host ? 1 << 20 : 0, host ? 0 : 1 << 20, nullptr, "boundary");
+    ASSERT_THAT(tiered.status(), IsOk());
+    cache_ = *std::move(tiered);
+    const std::vector<int32_t> tokens = Tokens(32);
+    auto source = NewSession(HybridPlan(), 64);
+    Append(*source, tokens, 32);
+    absl::StatusOr<PrefixCaptureResult> captured = cache_->Capture(*source, tokens, 32);
+    ASSERT_THAT(captured.status(), IsOk());
+    const std::vector<int32_t> flat_tokens = Tokens(4 * kBlock, 9);
+    auto flat = NewSession(FlatPlan(), 128);
+    Append(*flat, flat_tokens, 4 * kBlock);
+    ASSERT_THAT(cache_->Capture(*flat, flat_tokens, 64).status(), IsOk());
+    absl::StatusOr<EntryView> view = ViewOf(cache_->Inspect(captured->entry));
+    ASSERT_THAT(view.status(), IsOk());
+    ASSERT_TRUE(view->boundary.has_value());
+    EXPECT_EQ(PieceMedium(*cache_, view->boundary->storage_handle), below);
+    EXPECT_EQ(PieceMedium(*cache_, view->blocks[0].stored.storage_handle), below);
+    auto dest = NewSession(HybridPlan(), 64);
+    ASSERT_THAT(cache_->Restore(*dest, captured->entry, tokens).status(), IsOk());
+    ExpectRestored(*dest, 32, 32);
+    EXPECT_EQ(PieceMedium(*cache_, view->boundary->storage_handle), StorageMedium::kDevice);
+    EXPECT_THAT(cache_->CheckInvariants(), IsOk());
+  }
 }
 
-TEST_F(PrefixCacheTest, ACorruptedDiskFileIsDataLossAndTheEntryIsDropped) {
-  absl::StatusOr<std::unique_ptr<PrefixCache>> tiered =
-      MakeTieredCache(2 * kFlatSpanBytes, 1 << 20, nullptr, "corrupt");
-  ASSERT_THAT(tiered.status(), IsOk());
-  cache_ = *std::move(tiered);
-  const std::vector<int32_t> tokens = Tokens(3 * kBlock);
-  auto source = NewSession(FlatPlan(), 128);
-  Append(*source, tokens, 3 * kBlock);
-  absl::StatusOr<PrefixCaptureResult> captured = cache_->Capture(*source, tokens, 48);
-  ASSERT_THAT(captured.status(), IsOk());
-  absl::StatusOr<EntryView> view = ViewOf(cache_->Inspect(captured->entry));
-  ASSERT_THAT(view.status(), IsOk());
-  const uint64_t handle = view->blocks[0].stored.storage_handle;
-  absl::StatusOr<std::string> file = cache_->StorageFile(handle);
-  ASSERT_THAT(file.status(), IsOk());
-  {
-    std::fstream bytes(*file, std::ios::in | std::ios::out | std::ios::binary);
-    bytes.seekg(600);  // slice 1 of the block's 512-byte slices
-    const char original = static_cast<char>(bytes.get());
-    bytes.seekp(600);
-    bytes.put(static_cast<char>(original ^ 0x10));
+// A piece whose bytes changed in the tier below (a disk file, host-tier memory) fails the
+// restore with DATA_LOSS naming where it was, and the entry is dropped from every tier.
+TEST_F(PrefixCacheTest, CorruptedBytesInATierBelowAreDataLossAndTheEntryIsDropped) {
+  for (const StorageMedium below : {StorageMedium::kDisk, StorageMedium::kPinnedHost}) {
+    SCOPED_TRACE(StorageMediumName(below));
+    const bool host = below == StorageMedium::kPinnedHost;
+    absl::StatusOr<std::unique_ptr<PrefixCache>> tiered = MakeTierChain(
+        2 * kFlatSpanBytes, host ? 4 * kFlatSpanBytes : 0, host ? 0 : 1 << 20, nullptr,
+        "corrupt");
+    ASSERT_THAT(tiered.status(), IsOk());
+    cache_ = *std::move(tiered);
+    const std::vector<int32_t> tokens = Tokens(3 * kBlock);
+    auto source = NewSession(FlatPlan(), 128);
+    Append(*source, tokens, 3 * kBlock);
+    absl::StatusOr<PrefixCaptureResult> captured = cache_->Capture(*source, tokens, 48);
+    ASSERT_THAT(captured.status(), IsOk());
+    absl::StatusOr<EntryView> view = ViewOf(cache_->Inspect(captured->entry));
+    ASSERT_THAT(view.status(), IsOk());
+    const uint64_t handle = view->blocks[0].stored.storage_handle;
+    ASSERT_EQ(PieceMedium(*cache_, handle), below);
+    // One byte of slice 1 of the block's 512-byte slices flips where the piece is.
+    std::string where;
+    absl::StatusOr<std::string> file = cache_->StorageFile(handle);
+    if (host) {
+      EXPECT_THAT(file.status(),
+                  StatusIs(absl::StatusCode::kFailedPrecondition,
+                           HasSubstrs("in the pinned_host tier, not the disk tier")));
+      absl::StatusOr<absl::Span<uint8_t>> memory = cache_->StorageHostBytes(handle);
+      ASSERT_THAT(memory.status(), IsOk());
+      ASSERT_EQ(memory->size(), kFlatBlockBytes);
+      (*memory)[600] ^= 0x10;
+      where = "host-tier piece (host memory, slab ";
+    } else {
+      ASSERT_THAT(file.status(), IsOk());
+      std::fstream bytes(*file, std::ios::in | std::ios::out | std::ios::binary);
+      bytes.seekg(600);
+      const char original = static_cast<char>(bytes.get());
+      bytes.seekp(600);
+      bytes.put(static_cast<char>(original ^ 0x10));
+      where = absl::StrCat("disk file ", *file, " (", kFlatBlockBytes, " bytes)");
+    }
+    auto dest = NewSession(FlatPlan(), 128);
+    EXPECT_THAT(cache_->Restore(*dest, captured->entry, tokens).status(),
+                StatusIs(absl::StatusCode::kDataLoss,
+                         HasSubstrs(absl::StrCat("prefix entry ", captured->entry.value, ": ",
+                                                 where),
+                                    absl::StrCat("(", kFlatBlockBytes, " bytes)"),
+                                    "at slice 1 of 4", "dropped")));
+    EXPECT_EQ(Committed(*dest), 0u);
+    EXPECT_THAT(cache_->Inspect(captured->entry).status(),
+                StatusIs(absl::StatusCode::kNotFound, HasSubstr("")));
+    if (!host) {
+      EXPECT_NE(access(file->c_str(), F_OK), 0);
+    }
+    const PrefixCacheStats stats = cache_->Stats();
+    EXPECT_EQ(stats.dropped_entries, 1u);
+    EXPECT_EQ(stats.stored_bytes, 0u);
+    for (const PrefixTierStats& tier : stats.tiers) EXPECT_EQ(tier.stored_bytes, 0u);
+    EXPECT_EQ(stats.tiers[1].hits, 0u);
+    EXPECT_THAT(cache_->CheckInvariants(), IsOk());
   }
-  auto dest = NewSession(FlatPlan(), 128);
-  EXPECT_THAT(cache_->Restore(*dest, captured->entry, tokens).status(),
-              StatusIs(absl::StatusCode::kDataLoss,
-                       HasSubstrs(absl::StrCat("prefix entry ", captured->entry.value,
-                                               ": disk file ", *file, " (", kFlatBlockBytes,
-                                               " bytes)"),
-                                  "at slice 1 of 4", "dropped")));
-  EXPECT_EQ(Committed(*dest), 0u);
-  EXPECT_THAT(cache_->Inspect(captured->entry).status(),
-              StatusIs(absl::StatusCode::kNotFound, HasSubstr("")));
-  EXPECT_NE(access(file->c_str(), F_OK), 0);
-  const PrefixCacheStats stats = cache_->Stats();
-  EXPECT_EQ(stats.dropped_entries, 1u);
-  EXPECT_EQ(stats.stored_bytes, 0u);
-  EXPECT_EQ(stats.tiers[0].stored_bytes, 0u);
-  EXPECT_EQ(stats.tiers[1].stored_bytes, 0u);
-  EXPECT_THAT(cache_->CheckInvariants(), IsOk());
 }
 
 // Random captures, restores and evictions: after every step each tier is within its budget,
@@ -1189,33 +1276,11 @@ TEST_F(PrefixCacheTest, TierBudgetsHoldUnderChurn) {
   ASSERT_THAT(tiered.status(), IsOk());
   cache_ = *std::move(tiered);
   testing::SeededRandom random(20261202);
-  struct Source {
-    std::unique_ptr<DaemonSession> session;
-    std::vector<int32_t> tokens;
-    uint64_t len = 0;
-  };
-  absl::flat_hash_map<uint64_t, Source> sources;
+  ChurnSources sources;
   uint64_t max_disk = 0;
   for (int round = 0; round < 80; ++round) {
-    if (random.Below(3) == 0 && !sources.empty()) {
-      std::vector<ScopedEntry> entries = cache_->ListEntries();
-      if (!entries.empty()) {
-        const EntryView& entry = entries[random.Below(entries.size())].view;
-        const Source& source = sources.at(entry.id.value);
-        auto dest = NewSession(FlatPlan(), 256);
-        ASSERT_THAT(cache_->Restore(*dest, entry.id, source.tokens).status(), IsOk());
-        ASSERT_EQ(KvRows(*dest, source.len), KvRows(*source.session, source.len));
-      }
-    } else {
-      const uint64_t len = (1 + random.Below(5)) * kBlock;
-      std::vector<int32_t> tokens = Tokens(len, static_cast<int32_t>(500000 + round * 1000));
-      auto session = NewSession(FlatPlan(), 256);
-      Append(*session, tokens, len);
-      FillRandom(*session, static_cast<uint64_t>(round) + 100, 0);
-      absl::StatusOr<PrefixCaptureResult> captured = cache_->Capture(*session, tokens, len);
-      ASSERT_THAT(captured.status(), IsOk());
-      sources[captured->entry.value] = Source{std::move(session), tokens, len};
-    }
+    ASSERT_NO_FATAL_FAILURE(ChurnStep(random, sources, 500000 + round * 1000,
+                                      static_cast<uint64_t>(round) + 100));
     const PrefixCacheStats stats = cache_->Stats();
     ASSERT_LE(stats.tiers[0].stored_bytes, device_bytes) << "round " << round;
     ASSERT_LE(stats.tiers[1].stored_bytes / kFlatSpanBytes * kFlatBlockBytes, disk_bytes);
@@ -1228,52 +1293,56 @@ TEST_F(PrefixCacheTest, TierBudgetsHoldUnderChurn) {
   EXPECT_GT(stats.evicted_entries, 5u);      // and full, it evicted the LRU entries
   EXPECT_GT(stats.tiers[1].promotions, 0u);
   EXPECT_GT(stats.tiers[1].hits, 0u);
-  for (const ScopedEntry& scoped : cache_->ListEntries()) {
-    const EntryView& entry = scoped.view;
-    const Source& source = sources.at(entry.id.value);
-    auto dest = NewSession(FlatPlan(), 256);
-    ASSERT_THAT(cache_->Restore(*dest, entry.id, source.tokens).status(), IsOk());
-    EXPECT_EQ(KvRows(*dest, source.len), KvRows(*source.session, source.len));
-  }
+  ExpectEveryEntryRestores(sources);
   EXPECT_THAT(cache_->CheckInvariants(), IsOk());
 }
 
-// An engine's admission that needs the device memory demotes prefix pieces to disk instead of
-// evicting entries: only slabs count against the device budget.
-TEST_F(PrefixCacheTest, AdmissionDemotesToDiskBeforeEvicting) {
-  const std::vector<int32_t> tokens = Tokens(32);
-  auto session = NewSession(FlatPlan(), 64);
-  Append(*session, tokens, 32);
-  const uint64_t total = uint64_t{1} << 20;
-  DeviceBudget budget(total, "test");
-  absl::StatusOr<std::unique_ptr<PrefixCache>> tiered =
-      MakeTieredCache(uint64_t{64} << 20, 1 << 20, &budget, "admission");
-  ASSERT_THAT(tiered.status(), IsOk());
-  cache_ = *std::move(tiered);
-  cache_->InstallEvictor(budget);
-  absl::StatusOr<PrefixCaptureResult> captured = cache_->Capture(*session, tokens, 32);
-  ASSERT_THAT(captured.status(), IsOk());
-  EXPECT_EQ(budget.Snapshot().allocated(), 16u << 10);  // one slab
-  absl::StatusOr<AllocationId> admitted = budget.Allocate(/*owner=*/1, total);
-  ASSERT_THAT(admitted.status(), IsOk());
-  const PrefixCacheStats stats = cache_->Stats();
-  EXPECT_EQ(stats.entries, 1u);
-  EXPECT_EQ(stats.evicted_entries, 0u);
-  EXPECT_EQ(stats.slabs.slabs, 0u);
-  EXPECT_EQ(stats.tiers[0].stored_bytes, 0u);
-  EXPECT_EQ(stats.tiers[1].stored_bytes, 2 * kFlatSpanBytes);
-  EXPECT_EQ(budget.Snapshot().allocated(), total);
-  EXPECT_THAT(cache_->CheckInvariants(), IsOk());
-  // With the device full the entry cannot come back: RESOURCE_EXHAUSTED, the entry stays.
-  auto dest = NewSession(FlatPlan(), 64);
-  EXPECT_THAT(cache_->Restore(*dest, captured->entry, tokens).status(),
-              StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("")));
-  EXPECT_EQ(cache_->Stats().entries, 1u);
-  ASSERT_THAT(budget.Release(*admitted), IsOk());
-  ASSERT_THAT(cache_->Restore(*dest, captured->entry, tokens).status(), IsOk());
-  ExpectRestored(*dest, 32, 0);
-  EXPECT_THAT(cache_->CheckInvariants(), IsOk());
-  cache_.reset();  // before the budget it charges
+// An engine's admission that needs the device memory demotes prefix pieces to the tier below
+// (disk, or the host tier) instead of evicting entries: only slabs count against the device
+// budget, never the host tier's memory.
+TEST_F(PrefixCacheTest, AdmissionDemotesToTheTierBelowBeforeEvicting) {
+  for (const bool host_tier : {false, true}) {
+    SCOPED_TRACE(host_tier ? "device -> host" : "device -> disk");
+    const std::vector<int32_t> tokens = Tokens(32);
+    auto session = NewSession(FlatPlan(), 64);
+    Append(*session, tokens, 32);
+    const uint64_t total = uint64_t{1} << 20;
+    DeviceBudget budget(total, "test");
+    absl::StatusOr<std::unique_ptr<PrefixCache>> tiered =
+        MakeTierChain(uint64_t{64} << 20, host_tier ? 1 << 20 : 0, host_tier ? 0 : 1 << 20,
+                      &budget, "admission");
+    ASSERT_THAT(tiered.status(), IsOk());
+    cache_ = *std::move(tiered);
+    cache_->InstallEvictor(budget);
+    absl::StatusOr<PrefixCaptureResult> captured = cache_->Capture(*session, tokens, 32);
+    ASSERT_THAT(captured.status(), IsOk());
+    EXPECT_EQ(budget.Snapshot().allocated(), 16u << 10);  // one slab
+    absl::StatusOr<AllocationId> admitted = budget.Allocate(/*owner=*/1, total);
+    ASSERT_THAT(admitted.status(), IsOk());
+    PrefixCacheStats stats = cache_->Stats();
+    EXPECT_EQ(stats.entries, 1u);
+    EXPECT_EQ(stats.evicted_entries, 0u);
+    EXPECT_EQ(stats.slabs.slabs, 0u);
+    EXPECT_EQ(stats.tiers[0].stored_bytes, 0u);
+    EXPECT_EQ(stats.tiers[1].medium,
+              host_tier ? StorageMedium::kPinnedHost : StorageMedium::kDisk);
+    EXPECT_EQ(stats.tiers[1].stored_bytes, 2 * kFlatSpanBytes);
+    EXPECT_EQ(budget.Snapshot().allocated(), total);  // a host-tier slab is not in it
+    EXPECT_THAT(cache_->CheckInvariants(), IsOk());
+    // With the device full the entry cannot come back: RESOURCE_EXHAUSTED, the entry stays.
+    auto dest = NewSession(FlatPlan(), 64);
+    EXPECT_THAT(cache_->Restore(*dest, captured->entry, tokens).status(),
+                StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("")));
+    EXPECT_EQ(cache_->Stats().entries, 1u);
+    ASSERT_THAT(budget.Release(*admitted), IsOk());
+    ASSERT_THAT(cache_->Restore(*dest, captured->entry, tokens).status(), IsOk());
+    ExpectRestored(*dest, 32, 0);
+    stats = cache_->Stats();
+    EXPECT_EQ(stats.tiers[1].hits, 1u);
+    EXPECT_EQ(stats.tiers[1].promotions, 2u);
+    EXPECT_THAT(cache_->CheckInvariants(), IsOk());
+    cache_.reset();  // before the budget it charges
+  }
 }
 
 // Restores of entries that share disk pieces, from several threads at once: a piece one restore
@@ -1325,14 +1394,427 @@ TEST_F(PrefixCacheTest, ConcurrentRestoresPromoteSharedDiskPiecesOnce) {
   EXPECT_GT(stats.tiers[1].promotions, 0u);
 }
 
+// A gate a demotion waits at (the before_demotion_copy seam): the first piece copied down
+// blocks there until the test opens it; later ones pass.
+class DemotionGate {
+ public:
+  std::function<void(uint64_t, StorageMedium)> Hook() {
+    return [this](uint64_t, StorageMedium to) {
+      absl::MutexLock lock(&mu_);
+      ++copies_;
+      if (copies_ > 1) return;
+      last_to_ = to;
+      entered_ = true;
+      mu_.Await(absl::Condition(&open_));
+    };
+  }
+  void AwaitEntered() {
+    absl::MutexLock lock(&mu_);
+    mu_.Await(absl::Condition(&entered_));
+  }
+  void Open() {
+    absl::MutexLock lock(&mu_);
+    open_ = true;
+  }
+  StorageMedium last_to() {
+    absl::MutexLock lock(&mu_);
+    return last_to_;
+  }
+
+ private:
+  absl::Mutex mu_;
+  bool entered_ ABSL_GUARDED_BY(mu_) = false;
+  bool open_ ABSL_GUARDED_BY(mu_) = false;
+  uint64_t copies_ ABSL_GUARDED_BY(mu_) = 0;
+  StorageMedium last_to_ ABSL_GUARDED_BY(mu_) = StorageMedium::kDevice;
+};
+
+// Two flat entries in a device tier of 8 block spans: `old_tokens` (4 blocks), then
+// `new_tokens` (6 blocks) captured on another thread, whose demotion of the old entry's two
+// LRU blocks waits at `gate`. Returns that thread (joined by the caller).
+struct HeldDemotion {
+  std::unique_ptr<DaemonSession> old_source;
+  std::unique_ptr<DaemonSession> new_source;
+  std::vector<int32_t> old_tokens;
+  std::vector<int32_t> new_tokens;
+  EntryId old_entry;
+  std::thread capture;
+  absl::Status captured;
+};
+
+TEST_F(PrefixCacheTest, ADemotionCopiesWithoutHoldingTheCacheLock) {
+  DemotionGate gate;
+  absl::StatusOr<std::unique_ptr<PrefixCache>> tiered =
+      MakeTieredCache(8 * kFlatSpanBytes, 1 << 20, nullptr, "unlocked", gate.Hook());
+  ASSERT_THAT(tiered.status(), IsOk());
+  cache_ = *std::move(tiered);
+  const std::vector<int32_t> old_tokens = Tokens(4 * kBlock, 1);
+  auto old_source = NewSession(FlatPlan(), 128);
+  Append(*old_source, old_tokens, 4 * kBlock);
+  FillRandom(*old_source, 21, 0);
+  absl::StatusOr<PrefixCaptureResult> old_entry = cache_->Capture(*old_source, old_tokens, 64);
+  ASSERT_THAT(old_entry.status(), IsOk());
+  const std::vector<int32_t> new_tokens = Tokens(6 * kBlock, 2);
+  auto new_source = NewSession(FlatPlan(), 128);
+  Append(*new_source, new_tokens, 6 * kBlock);
+  FillRandom(*new_source, 22, 0);
+  auto dest = NewSession(FlatPlan(), 128);
+  absl::Status captured;
+  std::thread capture(
+      [&] { captured = cache_->Capture(*new_source, new_tokens, 96).status(); });
+  gate.AwaitEntered();
+  EXPECT_EQ(gate.last_to(), StorageMedium::kDisk);
+  // The demotion is mid-copy: lookups, stats, listings and a restore of the new entry (none of
+  // whose pieces is moving) all complete. The moving pieces still serve from the device.
+  const PrefixLookupResult old_lookup = cache_->Lookup(kScope, Shape(FlatPlan()), old_tokens);
+  EXPECT_EQ(old_lookup.outcome, LookupOutcome::kHit);
+  EXPECT_EQ(old_lookup.medium, StorageMedium::kDevice);
+  EXPECT_EQ(cache_->Lookup(kScope, Shape(FlatPlan()), new_tokens).outcome, LookupOutcome::kHit);
+  EXPECT_EQ(cache_->ListEntries().size(), 2u);
+  PrefixCacheStats stats = cache_->Stats();
+  EXPECT_EQ(stats.tiers[0].stored_bytes, 10 * kFlatSpanBytes);  // nothing committed yet
+  EXPECT_EQ(stats.tiers[1].demotions, 0u);
+  ASSERT_THAT(cache_->Restore(*dest, std::nullopt, new_tokens).status(), IsOk());
+  EXPECT_EQ(KvRows(*dest, 96), KvRows(*new_source, 96));
+  gate.Open();
+  capture.join();
+  ASSERT_THAT(captured, IsOk());
+  stats = cache_->Stats();
+  EXPECT_EQ(stats.tiers[0].stored_bytes, 8 * kFlatSpanBytes);
+  EXPECT_EQ(stats.tiers[1].stored_bytes, 2 * kFlatSpanBytes);
+  EXPECT_EQ(stats.tiers[1].demotions, 2u);
+  EXPECT_EQ(cache_->Lookup(kScope, Shape(FlatPlan()), old_tokens).medium, StorageMedium::kDisk);
+  EXPECT_THAT(cache_->CheckInvariants(), IsOk());
+  auto old_dest = NewSession(FlatPlan(), 128);
+  ASSERT_THAT(cache_->Restore(*old_dest, old_entry->entry, old_tokens).status(), IsOk());
+  EXPECT_EQ(KvRows(*old_dest, 64), KvRows(*old_source, 64));
+  EXPECT_THAT(cache_->CheckInvariants(), IsOk());
+}
+
+// A restore that pins pieces a demotion is copying waits for that copy, which then leaves the
+// pieces where they were (the restore wanted them near); an entry evicted while its pieces
+// move is freed in both tiers when the copy commits.
+TEST_F(PrefixCacheTest, PiecesPinnedOrEvictedWhileTheyMoveStayConsistent) {
+  for (const bool evict : {false, true}) {
+    SCOPED_TRACE(evict ? "evicted meanwhile" : "pinned meanwhile");
+    DemotionGate gate;
+    absl::StatusOr<std::unique_ptr<PrefixCache>> tiered = MakeTieredCache(
+        8 * kFlatSpanBytes, 1 << 20, nullptr, evict ? "evicted" : "pinned", gate.Hook());
+    ASSERT_THAT(tiered.status(), IsOk());
+    cache_ = *std::move(tiered);
+    const std::vector<int32_t> old_tokens = Tokens(4 * kBlock, 1);
+    auto old_source = NewSession(FlatPlan(), 128);
+    Append(*old_source, old_tokens, 4 * kBlock);
+    FillRandom(*old_source, 31, 0);
+    absl::StatusOr<PrefixCaptureResult> old_entry = cache_->Capture(*old_source, old_tokens, 64);
+    ASSERT_THAT(old_entry.status(), IsOk());
+    absl::StatusOr<EntryView> old_view = ViewOf(cache_->Inspect(old_entry->entry));
+    ASSERT_THAT(old_view.status(), IsOk());
+    const uint64_t first_old = old_view->blocks[0].stored.storage_handle;
+    const std::vector<int32_t> new_tokens = Tokens(6 * kBlock, 2);
+    auto new_source = NewSession(FlatPlan(), 128);
+    Append(*new_source, new_tokens, 6 * kBlock);
+    absl::Status captured;
+    std::thread capture(
+        [&] { captured = cache_->Capture(*new_source, new_tokens, 96).status(); });
+    gate.AwaitEntered();
+    auto dest = NewSession(FlatPlan(), 128);
+    absl::Status restored;
+    std::thread restore;
+    if (evict) {
+      ASSERT_THAT(cache_->EvictEntry(old_entry->entry).status(), IsOk());
+      EXPECT_EQ(cache_->Stats().tiers[0].stored_bytes, 6 * kFlatSpanBytes);
+    } else {
+      restore = std::thread(
+          [&] { restored = cache_->Restore(*dest, old_entry->entry, old_tokens).status(); });
+      // Bounded: the restore pins the entry before it waits for the moving pieces.
+      for (int i = 0; i < 10000 && cache_->Stats().pinned_bytes == 0; ++i) {
+        absl::SleepFor(absl::Milliseconds(1));
+      }
+      ASSERT_GT(cache_->Stats().pinned_bytes, 0u);
+    }
+    gate.Open();
+    capture.join();
+    if (restore.joinable()) restore.join();
+    ASSERT_THAT(captured, IsOk());
+    const PrefixCacheStats stats = cache_->Stats();
+    if (evict) {
+      EXPECT_THAT(cache_->Inspect(old_entry->entry).status(),
+                  StatusIs(absl::StatusCode::kNotFound, HasSubstr("")));
+      EXPECT_EQ(stats.entries, 1u);
+      EXPECT_EQ(stats.tiers[0].stored_bytes, 6 * kFlatSpanBytes);
+      EXPECT_EQ(stats.tiers[1].stored_bytes, 0u);  // the copied files are gone too
+      EXPECT_EQ(stats.tiers[1].demotions, 0u);
+    } else {
+      ASSERT_THAT(restored, IsOk());
+      EXPECT_EQ(KvRows(*dest, 64), KvRows(*old_source, 64));
+      // The restored entry is now the most recent: its pieces stayed, the new entry's moved.
+      EXPECT_EQ(PieceMedium(*cache_, first_old), StorageMedium::kDevice);
+      EXPECT_EQ(stats.tiers[0].stored_bytes, 8 * kFlatSpanBytes);
+      EXPECT_EQ(stats.tiers[1].stored_bytes, 2 * kFlatSpanBytes);
+      EXPECT_EQ(cache_->Lookup(kScope, Shape(FlatPlan()), new_tokens).medium,
+                StorageMedium::kDisk);
+    }
+    EXPECT_THAT(cache_->CheckInvariants(), IsOk());
+  }
+}
+
+// Captures, restores, lookups and evictions from several threads over a small device tier and
+// disk tier (and a host tier between them), so demotions (copying without the lock),
+// promotions and evictions interleave:
+// every restore is bit-exact and the ledgers agree after every round.
+TEST_F(PrefixCacheTest, ConcurrentTrafficKeepsTheTierInvariants) {
+  for (const uint64_t host_bytes : {uint64_t{0}, 4 * kFlatSpanBytes}) {
+    SCOPED_TRACE(host_bytes > 0 ? "device -> host -> disk" : "device -> disk");
+    absl::StatusOr<std::unique_ptr<PrefixCache>> tiered = MakeTierChain(
+        8 * kFlatSpanBytes, host_bytes, 16 * kFlatBlockBytes, nullptr, "stress");
+    ASSERT_THAT(tiered.status(), IsOk());
+    cache_ = *std::move(tiered);
+    struct Source {
+      std::unique_ptr<DaemonSession> session;
+      std::vector<int32_t> tokens;
+      uint64_t len = 0;
+      EntryId entry;
+    };
+    constexpr int kThreads = 4;
+    absl::Mutex sessions_mu;  // NewSession's id counter
+    auto new_session = [&] {
+      absl::MutexLock lock(&sessions_mu);
+      return NewSession(FlatPlan(), 128);
+    };
+    std::atomic<uint64_t> restores{0};
+    for (int round = 0; round < 6; ++round) {
+      std::vector<std::thread> threads;
+      for (int t = 0; t < kThreads; ++t) {
+        threads.emplace_back([&, t] {
+          testing::SeededRandom random(uint64_t{1000} * round + t);
+          std::vector<Source> sources;
+          for (int op = 0; op < 20; ++op) {
+            const uint64_t pick = random.Below(4);
+            if (pick == 0 || sources.empty()) {
+              const uint64_t len = (1 + random.Below(4)) * kBlock;
+              Source source;
+              source.tokens = Tokens(len, static_cast<int32_t>(1000000 * (t + 1) + 10000 * round +
+                                                               100 * op));
+              source.len = len;
+              source.session = new_session();
+              Append(*source.session, source.tokens, len);
+              FillRandom(*source.session, random.Below(1 << 30), 0);
+              absl::StatusOr<PrefixCaptureResult> captured =
+                  cache_->Capture(*source.session, source.tokens, len);
+              ASSERT_THAT(captured.status(), IsOk());
+              source.entry = captured->entry;
+              sources.push_back(std::move(source));
+            } else if (pick == 1 || pick == 2) {
+              const Source& source = sources[random.Below(sources.size())];
+              auto dest = new_session();
+              const absl::Status restored =
+                  cache_->Restore(*dest, source.entry, source.tokens).status();
+              if (restored.ok()) {
+                ASSERT_EQ(KvRows(*dest, source.len), KvRows(*source.session, source.len));
+                restores.fetch_add(1);
+              } else {
+                // Evicted by another thread's capture (the disk tier is small).
+                ASSERT_THAT(restored, StatusIs(absl::StatusCode::kNotFound, HasSubstr("")));
+              }
+              (void)cache_->Lookup(kScope, Shape(FlatPlan()), source.tokens);
+            } else {
+              const Source& source = sources[random.Below(sources.size())];
+              const absl::Status evicted = cache_->EvictEntry(source.entry).status();
+              if (!evicted.ok()) {
+                ASSERT_TRUE(absl::IsNotFound(evicted) || absl::IsFailedPrecondition(evicted))
+                    << evicted;
+              }
+            }
+          }
+        });
+      }
+      for (std::thread& thread : threads) thread.join();
+      ASSERT_THAT(cache_->CheckInvariants(), IsOk()) << "round " << round;
+      const PrefixCacheStats stats = cache_->Stats();
+      EXPECT_LE(stats.tiers[0].stored_bytes, 8 * kFlatSpanBytes) << "round " << round;
+      EXPECT_LE(stats.tiers.back().stored_bytes / kFlatSpanBytes * kFlatBlockBytes,
+                16 * kFlatBlockBytes);
+    }
+    const PrefixCacheStats stats = cache_->Stats();
+    EXPECT_GT(restores.load(), 0u);
+    EXPECT_GT(stats.tiers[1].demotions, 0u);
+    EXPECT_EQ(stats.dropped_entries, 0u);
+    if (host_bytes > 0) {
+      EXPECT_LE(stats.tiers[1].stored_bytes, host_bytes);
+    }
+  }
+}
+
+// The whole chain, device (8 block spans) -> host (4) -> disk: a third entry pushes the
+// oldest one's blocks through the host tier to disk and the next one's into the host tier;
+// restores promote them back bit-exactly, and each tier stays within its budget.
+TEST_F(PrefixCacheTest, AnEntryDemotedThroughTheHostTierToDiskRestoresBitExactly) {
+  absl::StatusOr<std::unique_ptr<PrefixCache>> tiered =
+      MakeTierChain(8 * kFlatSpanBytes, 4 * kFlatSpanBytes, 1 << 20, nullptr, "chain");
+  ASSERT_THAT(tiered.status(), IsOk());
+  cache_ = *std::move(tiered);
+  struct Source {
+    std::unique_ptr<DaemonSession> session;
+    std::vector<int32_t> tokens;
+    EntryId entry;
+  };
+  std::vector<Source> sources;
+  for (int i = 0; i < 3; ++i) {
+    const uint64_t blocks = i < 2 ? 4 : 6;
+    Source source{NewSession(FlatPlan(), 128), Tokens(blocks * kBlock, 10 * (i + 1)), EntryId{}};
+    Append(*source.session, source.tokens, blocks * kBlock);
+    FillRandom(*source.session, 50 + i, 0);
+    absl::StatusOr<PrefixCaptureResult> captured =
+        cache_->Capture(*source.session, source.tokens, blocks * kBlock);
+    ASSERT_THAT(captured.status(), IsOk());
+    source.entry = captured->entry;
+    sources.push_back(std::move(source));
+  }
+  // 14 blocks: the 6 LRU ones (A's 4, B's first 2) went to the host tier, which then passed
+  // its 2 LRU ones (A's first 2) on to disk.
+  PrefixCacheStats stats = cache_->Stats();
+  ASSERT_EQ(stats.tiers.size(), 3u);
+  EXPECT_EQ(stats.tiers[0].medium, StorageMedium::kDevice);
+  EXPECT_EQ(stats.tiers[1].medium, StorageMedium::kPinnedHost);
+  EXPECT_EQ(stats.tiers[2].medium, StorageMedium::kDisk);
+  EXPECT_EQ(stats.tiers[0].stored_bytes, 8 * kFlatSpanBytes);
+  EXPECT_EQ(stats.tiers[1].stored_bytes, 4 * kFlatSpanBytes);
+  EXPECT_EQ(stats.tiers[1].budget_bytes, 4 * kFlatSpanBytes);
+  EXPECT_EQ(stats.tiers[2].stored_bytes, 2 * kFlatSpanBytes);
+  EXPECT_EQ(stats.tiers[1].demotions, 6u);
+  EXPECT_EQ(stats.tiers[2].demotions, 2u);
+  EXPECT_EQ(stats.stored_bytes, 14 * kFlatSpanBytes);
+  EXPECT_EQ(stats.budget_bytes, 12 * kFlatSpanBytes + (1 << 20));
+  EXPECT_EQ(stats.evicted_entries, 0u);
+  EXPECT_THAT(cache_->CheckInvariants(), IsOk());
+  absl::StatusOr<EntryView> a = ViewOf(cache_->Inspect(sources[0].entry));
+  absl::StatusOr<EntryView> b = ViewOf(cache_->Inspect(sources[1].entry));
+  ASSERT_THAT(a.status(), IsOk());
+  ASSERT_THAT(b.status(), IsOk());
+  const std::vector<StorageMedium> a_tiers = {StorageMedium::kDisk, StorageMedium::kDisk,
+                                              StorageMedium::kPinnedHost,
+                                              StorageMedium::kPinnedHost};
+  const std::vector<StorageMedium> b_tiers = {StorageMedium::kPinnedHost,
+                                              StorageMedium::kPinnedHost, StorageMedium::kDevice,
+                                              StorageMedium::kDevice};
+  for (size_t i = 0; i < 4; ++i) {
+    EXPECT_EQ(PieceMedium(*cache_, a->blocks[i].stored.storage_handle), a_tiers[i]) << i;
+    EXPECT_EQ(PieceMedium(*cache_, b->blocks[i].stored.storage_handle), b_tiers[i]) << i;
+  }
+  EXPECT_EQ(cache_->Lookup(kScope, Shape(FlatPlan()), sources[0].tokens).medium,
+            StorageMedium::kDisk);
+  EXPECT_EQ(cache_->Lookup(kScope, Shape(FlatPlan()), sources[1].tokens).medium,
+            StorageMedium::kPinnedHost);
+  EXPECT_EQ(cache_->Lookup(kScope, Shape(FlatPlan()), sources[2].tokens).medium,
+            StorageMedium::kDevice);
+  // The kMoved events (one per shape and move) name where the bytes went: A's 4 and B's 2 to
+  // the host tier, then A's 2 on to disk.
+  const ScopedEventReplay events = cache_->EventsSince(77, 3, std::nullopt);
+  ASSERT_FALSE(events.gap);
+  std::vector<std::pair<StorageMedium, size_t>> moved;
+  for (const ScopedPrefixEvent& event : events.events) {
+    ASSERT_EQ(event.event.kind, PrefixEventKind::kMoved);
+    moved.emplace_back(event.event.medium, event.event.block_keys.size());
+  }
+  EXPECT_THAT(moved, ::testing::ElementsAre(std::pair{StorageMedium::kPinnedHost, size_t{6}},
+                                            std::pair{StorageMedium::kDisk, size_t{2}}));
+
+  // A (disk + host) restores bit-exactly; its pieces are promoted to the device.
+  auto dest_a = NewSession(FlatPlan(), 128);
+  ASSERT_THAT(cache_->Restore(*dest_a, sources[0].entry, sources[0].tokens).status(), IsOk());
+  EXPECT_EQ(KvRows(*dest_a, 64), KvRows(*sources[0].session, 64));
+  for (const LookupBlock& block : a->blocks) {
+    EXPECT_EQ(PieceMedium(*cache_, block.stored.storage_handle), StorageMedium::kDevice);
+  }
+  stats = cache_->Stats();
+  EXPECT_EQ(stats.tiers[2].hits, 1u);
+  EXPECT_EQ(stats.tiers[1].promotions, 2u);
+  EXPECT_EQ(stats.tiers[2].promotions, 2u);
+  EXPECT_EQ(stats.tiers[0].stored_bytes, 8 * kFlatSpanBytes);
+  EXPECT_EQ(stats.tiers[1].stored_bytes, 4 * kFlatSpanBytes);
+  EXPECT_EQ(stats.tiers[2].stored_bytes, 2 * kFlatSpanBytes);
+  EXPECT_THAT(cache_->CheckInvariants(), IsOk());
+  // And B and C, wherever their pieces went since.
+  for (size_t i = 1; i < 3; ++i) {
+    const uint64_t rows = sources[i].tokens.size();
+    auto dest = NewSession(FlatPlan(), 128);
+    ASSERT_THAT(cache_->Restore(*dest, sources[i].entry, sources[i].tokens).status(), IsOk());
+    EXPECT_EQ(KvRows(*dest, rows), KvRows(*sources[i].session, rows));
+    EXPECT_THAT(cache_->CheckInvariants(), IsOk());
+  }
+  stats = cache_->Stats();
+  EXPECT_EQ(stats.restores, 3u);
+  EXPECT_EQ(stats.tiers[0].hits + stats.tiers[1].hits + stats.tiers[2].hits, 3u);
+  EXPECT_LE(stats.tiers[1].stored_bytes, 4 * kFlatSpanBytes);
+}
+
+// Random captures, restores and evictions over device -> host (-> disk): after every step each
+// tier is within its budget and the ledgers agree; with no disk tier the host tier is the last
+// one and evicts its LRU entries.
+TEST_F(PrefixCacheTest, HostTierBudgetsHoldUnderChurn) {
+  for (const bool with_disk : {true, false}) {
+    SCOPED_TRACE(with_disk ? "device -> host -> disk" : "device -> host");
+    const uint64_t device_bytes = 6 * kFlatSpanBytes;
+    const uint64_t host_bytes = 6 * kFlatSpanBytes;
+    const uint64_t disk_bytes = with_disk ? 10 * kFlatBlockBytes : 0;
+    absl::StatusOr<std::unique_ptr<PrefixCache>> tiered =
+        MakeTierChain(device_bytes, host_bytes, disk_bytes, nullptr, "host-churn");
+    ASSERT_THAT(tiered.status(), IsOk());
+    cache_ = *std::move(tiered);
+    testing::SeededRandom random(with_disk ? 7 : 8);
+    ChurnSources sources;
+    for (int round = 0; round < 60; ++round) {
+      ASSERT_NO_FATAL_FAILURE(ChurnStep(random, sources, 700000 + round * 1000,
+                                        static_cast<uint64_t>(round) + 300));
+      const PrefixCacheStats stats = cache_->Stats();
+      ASSERT_EQ(stats.tiers.size(), with_disk ? 3u : 2u);
+      ASSERT_LE(stats.tiers[0].stored_bytes, device_bytes) << "round " << round;
+      ASSERT_LE(stats.tiers[1].stored_bytes, host_bytes) << "round " << round;
+      if (with_disk) {
+        ASSERT_LE(stats.tiers[2].stored_bytes / kFlatSpanBytes * kFlatBlockBytes, disk_bytes);
+      }
+      ASSERT_THAT(cache_->CheckInvariants(), IsOk()) << "round " << round;
+    }
+    const PrefixCacheStats stats = cache_->Stats();
+    EXPECT_GT(stats.evicted_entries, 3u);
+    EXPECT_GT(stats.tiers[1].demotions, 0u);
+    EXPECT_GT(stats.tiers[1].promotions, 0u);
+    if (with_disk) {
+      EXPECT_GT(stats.tiers[2].demotions, 0u);
+    }
+    ExpectEveryEntryRestores(sources);
+    EXPECT_THAT(cache_->CheckInvariants(), IsOk());
+  }
+}
+
+TEST_F(PrefixCacheTest, AHostTierNeedsItsMemoryAndMemoryNeedsAHostTier) {
+  PrefixCacheOptions options;
+  options.budget_bytes = 1 << 20;
+  options.block_tokens = kBlock;
+  options.host_tier_bytes = 12345;
+  EXPECT_THAT(PrefixCache::Create(options, backend_.get(), nullptr).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstrs("host tier of 12345 bytes has no memory provider")));
+  options.host_tier_bytes = 0;
+  EXPECT_THAT(PrefixCache::Create(options, backend_.get(), nullptr, NewPlainHostMemory()).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstrs("host tier of 0 bytes is off but was given memory")));
+}
+
 TEST_F(PrefixCacheTest, DiskTierRefusalsCarryCodesAndNumbers) {
   EXPECT_THAT(MakeTieredCache(1 << 20, uint64_t{1} << 62, nullptr, "huge").status(),
               StatusIs(absl::StatusCode::kResourceExhausted,
                        HasSubstrs("prefix_disk_bytes is 4611686018427387904 bytes",
                                   "bytes free")));
-  EXPECT_THAT(MakeTieredCache(1 << 20, 0, nullptr, "zero").status(),
-              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstrs("budget (0 bytes)")));
   const char* tmp = std::getenv("TEST_TMPDIR");
+  PrefixCacheOptions zero;
+  zero.budget_bytes = 1 << 20;
+  zero.block_tokens = kBlock;
+  zero.disk_dir = absl::StrCat(tmp != nullptr ? tmp : "/tmp", "/zero");
+  zero.disk_bytes = 0;
+  EXPECT_THAT(PrefixCache::Create(zero, backend_.get(), nullptr).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstrs("budget (0 bytes)")));
   const std::string file = absl::StrCat(tmp != nullptr ? tmp : "/tmp", "/a-file");
   std::ofstream(file) << "x";
   PrefixCacheOptions options;

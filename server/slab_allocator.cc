@@ -11,22 +11,66 @@
 
 namespace memra {
 
-absl::StatusOr<std::unique_ptr<SlabAllocator>> SlabAllocator::Create(
-    const SlabAllocatorOptions& options, DeviceBackend* backend, DeviceBudget* budget) {
-  if (backend == nullptr) return absl::InvalidArgumentError("SlabAllocator needs a backend");
+namespace {
+
+class BackendSlabs final : public SlabSource {
+ public:
+  explicit BackendSlabs(DeviceBackend* backend) : backend_(backend) {}
+  absl::StatusOr<uint64_t> RoundedSlabBytes(uint64_t bytes) const override {
+    return backend_->RoundedArenaBytes(bytes);
+  }
+  absl::StatusOr<ArenaId> CreateSlab(uint64_t bytes) override {
+    return backend_->CreateArena(bytes, ArenaVisibility::kPrivate);
+  }
+  absl::Status FreeSlab(ArenaId slab) override { return backend_->FreeArena(slab); }
+
+ private:
+  DeviceBackend* const backend_;
+};
+
+absl::StatusOr<uint64_t> CheckedSlabBytes(const SlabAllocatorOptions& options,
+                                          const SlabSource& source) {
   if (options.alignment == 0 || (options.alignment & (options.alignment - 1)) != 0) {
     return absl::InvalidArgumentError(absl::StrCat("slab span alignment ", options.alignment,
                                                    " is not a power of two"));
   }
   if (options.slab_bytes == 0) return absl::InvalidArgumentError("slab size is 0 bytes");
-  ASSIGN_OR_RETURN(uint64_t slab_bytes, backend->RoundedArenaBytes(options.slab_bytes));
-  ASSIGN_OR_RETURN(slab_bytes, CheckedAlignUp(slab_bytes, options.alignment, "slab size"));
-  return std::unique_ptr<SlabAllocator>(new SlabAllocator(options, slab_bytes, backend, budget));
+  ASSIGN_OR_RETURN(uint64_t slab_bytes, source.RoundedSlabBytes(options.slab_bytes));
+  return CheckedAlignUp(slab_bytes, options.alignment, "slab size");
+}
+
+}  // namespace
+
+std::unique_ptr<SlabSource> BackendSlabSource(DeviceBackend* backend) {
+  return std::make_unique<BackendSlabs>(backend);
+}
+
+absl::StatusOr<std::unique_ptr<SlabAllocator>> SlabAllocator::Create(
+    const SlabAllocatorOptions& options, DeviceBackend* backend, DeviceBudget* budget) {
+  if (backend == nullptr) return absl::InvalidArgumentError("SlabAllocator needs a backend");
+  std::unique_ptr<SlabSource> source = BackendSlabSource(backend);
+  ASSIGN_OR_RETURN(const uint64_t slab_bytes, CheckedSlabBytes(options, *source));
+  SlabSource* const raw = source.get();
+  return std::unique_ptr<SlabAllocator>(
+      new SlabAllocator(options, slab_bytes, std::move(source), raw, budget));
+}
+
+absl::StatusOr<std::unique_ptr<SlabAllocator>> SlabAllocator::Create(
+    const SlabAllocatorOptions& options, SlabSource* source, DeviceBudget* budget) {
+  if (source == nullptr) return absl::InvalidArgumentError("SlabAllocator needs a slab source");
+  ASSIGN_OR_RETURN(const uint64_t slab_bytes, CheckedSlabBytes(options, *source));
+  return std::unique_ptr<SlabAllocator>(
+      new SlabAllocator(options, slab_bytes, nullptr, source, budget));
 }
 
 SlabAllocator::SlabAllocator(const SlabAllocatorOptions& options, uint64_t slab_bytes,
-                             DeviceBackend* backend, DeviceBudget* budget)
-    : options_(options), slab_bytes_(slab_bytes), backend_(backend), budget_(budget) {}
+                             std::unique_ptr<SlabSource> owned_source, SlabSource* source,
+                             DeviceBudget* budget)
+    : options_(options),
+      slab_bytes_(slab_bytes),
+      owned_source_(std::move(owned_source)),
+      source_(source),
+      budget_(budget) {}
 
 SlabAllocator::~SlabAllocator() {
   absl::MutexLock lock(&mu_);
@@ -46,7 +90,7 @@ absl::StatusOr<ArenaId> SlabAllocator::CreateSlab(uint64_t bytes) {
   if (budget_ != nullptr) {
     ASSIGN_OR_RETURN(charge, budget_->AllocateWithoutEviction(kPrefixCacheOwner, bytes));
   }
-  absl::StatusOr<ArenaId> arena = backend_->CreateArena(bytes, ArenaVisibility::kPrivate);
+  absl::StatusOr<ArenaId> arena = source_->CreateSlab(bytes);
   if (!arena.ok()) {
     if (charge.has_value()) (void)budget_->Release(*charge);
     return arena.status();
@@ -72,7 +116,7 @@ void SlabAllocator::DestroySlab(ArenaId id) {
   spans_ -= slab.used.size();
   returned_bytes_ += slab.bytes;
   ++slabs_freed_;
-  if (absl::Status freed = backend_->FreeArena(id); !freed.ok()) {
+  if (absl::Status freed = source_->FreeSlab(id); !freed.ok()) {
     spdlog::error("prefix slab {}: freeing its arena failed: {}", id.value, freed.ToString());
   }
   if (slab.charge.has_value()) {
@@ -112,7 +156,7 @@ absl::StatusOr<SlabSpan> SlabAllocator::Allocate(uint64_t bytes) {
       if (slab.used.empty() && slab.holds == 0) empty.push_back(id);
     }
     for (ArenaId id : empty) DestroySlab(id);
-    absl::StatusOr<uint64_t> slab_size = backend_->RoundedArenaBytes(std::max(rounded, slab_bytes_));
+    absl::StatusOr<uint64_t> slab_size = source_->RoundedSlabBytes(std::max(rounded, slab_bytes_));
     if (slab_size.ok()) slab_size = CheckedAlignUp(*slab_size, options_.alignment, "slab size");
     absl::Status created = slab_size.status();
     if (created.ok()) created = CreateSlab(*slab_size).status();

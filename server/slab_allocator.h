@@ -42,6 +42,22 @@
 
 namespace memra {
 
+// Where a SlabAllocator's slabs come from, one arena each: a DeviceBackend's private arenas
+// (the prefix cache's device tier; BackendSlabSource) or host memory (its host tier,
+// server/host_tier_memory.h). Thread-safe.
+class SlabSource {
+ public:
+  virtual ~SlabSource() = default;
+  // The bytes CreateSlab(bytes) takes. INVALID_ARGUMENT for 0 or on overflow.
+  virtual absl::StatusOr<uint64_t> RoundedSlabBytes(uint64_t bytes) const = 0;
+  // A slab of exactly RoundedSlabBytes(bytes). RESOURCE_EXHAUSTED when there is no room.
+  virtual absl::StatusOr<ArenaId> CreateSlab(uint64_t bytes) = 0;
+  virtual absl::Status FreeSlab(ArenaId slab) = 0;
+};
+
+// Private (never exported) arenas of `backend`, which must outlive it.
+std::unique_ptr<SlabSource> BackendSlabSource(DeviceBackend* backend);
+
 struct SlabAllocatorOptions {
   uint64_t slab_bytes = uint64_t{128} << 20;  // > 0; rounded up to the backend's granularity
   uint64_t alignment = 256;                   // span offsets and sizes; a power of two
@@ -80,6 +96,10 @@ class SlabAllocator {
   // for slab_bytes 0 or an alignment that is not a power of two.
   static absl::StatusOr<std::unique_ptr<SlabAllocator>> Create(const SlabAllocatorOptions& options,
                                                                DeviceBackend* backend,
+                                                               DeviceBudget* budget);
+  // Slabs from `source` (which must outlive the allocator) instead of a backend.
+  static absl::StatusOr<std::unique_ptr<SlabAllocator>> Create(const SlabAllocatorOptions& options,
+                                                               SlabSource* source,
                                                                DeviceBudget* budget);
   ~SlabAllocator();  // frees every slab and its charge
   SlabAllocator(const SlabAllocator&) = delete;
@@ -121,8 +141,8 @@ class SlabAllocator {
   // (bytes, slab id, offset): best fit is the first entry not below (bytes, 0, 0).
   using FreeKey = std::tuple<uint64_t, uint64_t, uint64_t>;
 
-  SlabAllocator(const SlabAllocatorOptions& options, uint64_t slab_bytes, DeviceBackend* backend,
-                DeviceBudget* budget);
+  SlabAllocator(const SlabAllocatorOptions& options, uint64_t slab_bytes,
+                std::unique_ptr<SlabSource> owned_source, SlabSource* source, DeviceBudget* budget);
 
   absl::StatusOr<ArenaId> CreateSlab(uint64_t bytes) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void DestroySlab(ArenaId id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -136,7 +156,8 @@ class SlabAllocator {
   // Constant after construction.
   const SlabAllocatorOptions options_;
   const uint64_t slab_bytes_;
-  DeviceBackend* const backend_;
+  const std::unique_ptr<SlabSource> owned_source_;  // a backend's (null: the caller's)
+  SlabSource* const source_;
   DeviceBudget* const budget_;
 
   mutable absl::Mutex mu_;

@@ -4,7 +4,9 @@
 // files (0600, in a 0700 directory) as newer ones arrive; another process restores each of
 // them and checks every byte (the restore reads the files back through io_uring and verifies
 // them against the capture's checksums). A file corrupted on disk makes that restore fail and
-// the entry is dropped; an unusable disk directory refuses the daemon's start.
+// the entry is dropped; an unusable disk directory refuses the daemon's start. With a host tier
+// between them (plain memory: the tier chain the cuda backend runs over pinned memory),
+// entries pass device -> host -> disk and restore from either.
 
 #include <dirent.h>
 #include <signal.h>
@@ -49,13 +51,18 @@ class PrefixTiersE2eTest : public ::testing::Test {
  protected:
   void SetUp() override {
     // 16 KiB of device tier: less than the three model kinds capture together.
-    ASSERT_TRUE(daemon_.Start({"--budget_bytes=512MiB", "--prefix_cache_budget_bytes=16KiB",
-                               "--prefix_slab_bytes=64KiB", "--prefix_block_tokens=16",
-                               "--prefix_disk_dir=" + tier_dir_, "--prefix_disk_bytes=64MiB"}));
+    std::vector<std::string> args = {"--budget_bytes=512MiB", "--prefix_cache_budget_bytes=16KiB",
+                                     "--prefix_slab_bytes=64KiB", "--prefix_block_tokens=16",
+                                     "--prefix_disk_dir=" + tier_dir_,
+                                     "--prefix_disk_bytes=64MiB"};
+    for (std::string& arg : MoreArgs()) args.push_back(std::move(arg));
+    ASSERT_TRUE(daemon_.Start(args));
     absl::StatusOr<std::unique_ptr<KvClient>> checker = KvClient::Connect(daemon_.admin_socket());
     ASSERT_THAT(checker, IsOk());
     checker_ = *std::move(checker);
   }
+
+  virtual std::vector<std::string> MoreArgs() { return {}; }
 
   void TearDown() override {
     checker_.reset();
@@ -186,6 +193,75 @@ TEST_F(PrefixTiersE2eTest, ACorruptedFileOnDiskFailsTheRestoreAndDropsTheEntry) 
   // The daemon keeps serving: a recapture of the same tokens is stored again.
   EXPECT_EQ(RunEngine("capture", "flat", 96), 0);
   EXPECT_EQ(Media().count(96), 1u);
+}
+
+// device (16 KiB) -> host (16 KiB of plain memory) -> disk.
+class PrefixHostTierE2eTest : public PrefixTiersE2eTest {
+ protected:
+  std::vector<std::string> MoreArgs() override {
+    return {"--prefix_host_tier_bytes=16KiB", "--prefix_host_tier_memory=plain"};
+  }
+};
+
+TEST_F(PrefixHostTierE2eTest, EntriesPassThroughTheHostTierAndRestoreBitExactly) {
+  for (const Kind& kind : kKinds) {
+    ASSERT_EQ(RunEngine("capture", kind.plan, kind.tokens), 0) << kind.plan;
+  }
+  pb::ListPrefixesResponse listed = List();
+  ASSERT_EQ(listed.entries_size(), 3);
+  ASSERT_EQ(listed.stats().tiers_size(), 3);
+  const pb::PrefixTierStats& device = listed.stats().tiers(0);
+  const pb::PrefixTierStats& host = listed.stats().tiers(1);
+  const pb::PrefixTierStats& disk = listed.stats().tiers(2);
+  EXPECT_EQ(device.medium(), pb::PREFIX_MEDIUM_DEVICE);
+  EXPECT_EQ(host.medium(), pb::PREFIX_MEDIUM_PINNED_HOST);
+  EXPECT_EQ(disk.medium(), pb::PREFIX_MEDIUM_DISK);
+  EXPECT_EQ(host.budget_bytes(), 16u << 10);
+  EXPECT_LE(device.stored_bytes(), 16u << 10);
+  EXPECT_LE(host.stored_bytes(), 16u << 10);
+  EXPECT_GT(host.demotions(), 0u);
+  EXPECT_EQ(device.stored_bytes() + host.stored_bytes() + disk.stored_bytes(),
+            listed.stats().stored_bytes());
+  EXPECT_EQ(listed.stats().evicted_entries(), 0u);
+  // The oldest entry left the device first.
+  EXPECT_NE(Media()[96], pb::PREFIX_MEDIUM_DEVICE);
+  bool some_in_host = false;
+  for (const pb::PrefixEntry& entry : listed.entries()) {
+    some_in_host = some_in_host || entry.medium() == pb::PREFIX_MEDIUM_PINNED_HOST;
+  }
+  EXPECT_TRUE(some_in_host || disk.stored_bytes() > 0);
+
+  // Another process restores each one, checking every byte, wherever its pieces are.
+  for (const Kind& kind : kKinds) {
+    EXPECT_EQ(RunEngine("restore", kind.plan, kind.tokens), 0) << kind.plan;
+  }
+  listed = List();
+  EXPECT_EQ(listed.stats().restores(), 3u);
+  EXPECT_EQ(listed.stats().dropped_entries(), 0u);
+  EXPECT_EQ(listed.stats().tiers(0).hits() + listed.stats().tiers(1).hits() +
+                listed.stats().tiers(2).hits(),
+            3u);
+  EXPECT_GT(listed.stats().tiers(1).promotions() + listed.stats().tiers(2).promotions(), 0u);
+  EXPECT_LE(listed.stats().tiers(0).stored_bytes(), 16u << 10);
+  EXPECT_LE(listed.stats().tiers(1).stored_bytes(), 16u << 10);
+}
+
+// Pinned host memory is the cuda backend's: asked for on the host backend, the start is
+// refused with both keys named.
+TEST(PrefixTiersStartTest, APinnedHostTierOnTheHostBackendRefusesTheStart) {
+  DaemonProcess daemon{"tierpin"};
+  const std::string log = daemon.Path("kvd.log");
+  const pid_t pid = Spawn({Runfile("server/memra-kvd"), "--socket_path=" + daemon.socket(),
+                           "--watchdog=false", "--metrics_address=",
+                           "--prefix_cache_budget_bytes=1MiB", "--prefix_host_tier_bytes=1MiB"},
+                          /*stdout_path=*/"", log);  // a configuration error goes to stderr
+  ASSERT_GT(pid, 0);
+  EXPECT_EQ(WaitExit(pid), 78);
+  std::ifstream text(log);
+  const std::string logged((std::istreambuf_iterator<char>(text)), {});
+  EXPECT_THAT(logged, HasSubstrs("prefix_host_tier_bytes = 1048576",
+                                 "prefix_host_tier_memory = pinned needs backend = cuda"));
+  EXPECT_FALSE(Exists(daemon.socket()));
 }
 
 TEST(PrefixTiersStartTest, AnUnusableDiskDirectoryRefusesTheStart) {
