@@ -153,7 +153,7 @@ TEST(BlockLayoutTest, EveryRefusalNamesItsNumbers) {
          s.element = static_cast<uint32_t>(BlockElement::kQ8_0);
          s.num_kv_heads = 1;
          s.head_dim = 3;
-       }, {"multiple of", "48 elements"}},
+       }, {"32-element blocks", "48 elements is not a multiple"}},
   };
   for (const Case& c : cases) {
     SCOPED_TRACE(c.name);
