@@ -263,7 +263,11 @@ absl::StatusOr<size_t> ReceiveBytes(int socket, absl::Span<char> buffer, ScopedF
     got = recvmsg(socket, &message, MSG_CMSG_CLOEXEC);
   } while (got < 0 && errno == EINTR);
   if (got < 0) {
-    return absl::UnavailableError(absl::StrCat("handoff socket: recvmsg: ", strerror(errno)));
+    const int err = errno;
+    absl::Status failed =
+        absl::UnavailableError(absl::StrCat("handoff socket: recvmsg: ", strerror(err)));
+    errno = err;  // a non-blocking reader tells EAGAIN from a failure by it
+    return failed;
   }
   for (cmsghdr* header = CMSG_FIRSTHDR(&message); header != nullptr;
        header = CMSG_NXTHDR(&message, header)) {

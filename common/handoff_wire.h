@@ -109,7 +109,8 @@ absl::Status SendFrame(int socket, absl::string_view frame, int pass_fd = -1);
 
 // Receives up to buffer.size() bytes from the Unix stream socket `socket` (one recvmsg, retried
 // on EINTR); a descriptor that came with them (SCM_RIGHTS) goes to `*received`, O_CLOEXEC
-// (extra descriptors are closed). 0 when the peer closed; UNAVAILABLE naming the errno.
+// (extra descriptors are closed). 0 when the peer closed; UNAVAILABLE naming the errno, which
+// is left in `errno`.
 absl::StatusOr<size_t> ReceiveBytes(int socket, absl::Span<char> buffer, ScopedFd* received);
 
 }  // namespace memra::handoff
