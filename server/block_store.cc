@@ -286,8 +286,9 @@ PoolBlock BlockStore::PoolBlockOf(const Resolved& resolved, const BlockKey& key,
   PoolBlock block;
   block.key = state ? BoundaryStateKey(key) : key;
   // block_id < num_blocks (CheckBlockIds): BlockRanges cannot refuse it.
-  for (const PoolRange& range :
-       BlockRanges(registration.layout, *resolved.group, block_id, state).value()) {
+  const std::vector<PoolRange> ranges =
+      BlockRanges(registration.layout, *resolved.group, block_id, state).value();
+  for (const PoolRange& range : ranges) {
     block.pieces.push_back({.pool_offset = registration.base[range.buffer] + range.offset,
                             .bytes = range.bytes});
     block.bytes += range.bytes;
