@@ -787,6 +787,12 @@ absl::StatusOr<std::optional<PrefixCacheEvent>> PrefixEventStream::Next() {
   out.reason = event.reason();
   out.cache_scope = event.cache_scope();
   out.medium = MediumFromProto(event.medium());
+  out.origin.block_hashes.assign(event.block_hashes().begin(), event.block_hashes().end());
+  out.origin.parent_block_hash = event.parent_block_hash();
+  out.origin.token_ids.assign(event.token_ids().begin(), event.token_ids().end());
+  out.origin.block_tokens = event.block_tokens();
+  out.origin.engine_id = event.engine_id();
+  out.origin.from_engine_pool = event.from_engine_pool();
   return out;
 }
 

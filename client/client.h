@@ -289,6 +289,10 @@ struct PrefixCacheEvent {
   std::string reason;
   std::string cache_scope;  // the entry's scope (the subscriber's own on the engine socket)
   StorageMedium medium = StorageMedium::kDevice;  // kMoved: where the bytes are now
+  // What routers index (prefix.proto PrefixEvent 20-25): the origin of the blocks, their
+  // identities as their engine knows them (block store hashes, else the block keys), the
+  // parent's, their token ids when known.
+  PrefixEventOrigin origin;
   bool operator==(const PrefixCacheEvent&) const = default;
 };
 

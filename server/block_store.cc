@@ -374,7 +374,11 @@ absl::StatusOr<BlockTransferResult> BlockStore::Store(uint64_t engine,
   std::optional<PoolBlock> state;
   if (resolved.group->state_bytes > 0 && count > 0) {
     state = PoolBlockOf(resolved, blocks.back().key, transfer.block_ids.back(), true);
-    state->origin = blocks.back().origin;
+    // Its own entry: its events must not name the block's hash (an evicted state is not an
+    // evicted block to a router).
+    state->origin.engine_id = engine;
+    state->origin.from_engine_pool = true;
+    state->origin.block_tokens = tokens_per_block;
   }
   BlockTransferResult result;
   result.blocks =

@@ -243,6 +243,14 @@ TEST_F(BlockStoreTest, BlocksStoredFromOneEnginesPoolLoadIntoAnothersByteForByte
   EXPECT_EQ(first.token_ids.size(), kTokensPerBlock);
   EXPECT_EQ(events.events[1].event.origin.parent_block_hash, "block-hash-0");
   EXPECT_THAT(daemon_->prefix_cache()->CheckInvariants(), IsOk());
+  // And on the wire, as a router subscribed on the engine socket sees them.
+  std::unique_ptr<PrefixEventStream> stream = b->SubscribePrefixEvents();
+  absl::StatusOr<std::optional<PrefixCacheEvent>> wire = stream->Next();
+  ASSERT_THAT(wire, IsOk());
+  ASSERT_TRUE(wire->has_value());
+  EXPECT_EQ((*wire)->kind, PrefixEventKind::kStored);
+  EXPECT_EQ((*wire)->origin, first);
+  stream->Cancel();
 }
 
 TEST_F(BlockStoreTest, TokenIdKeysChainFromTheStartAndSkipWhatIsStored) {
