@@ -96,10 +96,10 @@ absl::StatusOr<SequenceResult> MeasureSequence(KvClient& client, const Registere
           return absl::DataLossError(absl::StrCat("loaded block ", b, " differs"));
         }
       }
-      // The pool as it was, for the next sequence's stores.
-      for (uint64_t b = 0; b < shape.num_blocks; ++b) memory.Fill(b, b);
     }
   }
+  // The pool as it was, for the next sequence's stores.
+  for (uint64_t b = 0; b < shape.num_blocks; ++b) memory.Fill(b, b);
   std::vector<uint8_t> src(result.bytes), dst(result.bytes);
   std::memset(src.data(), 0x3c, src.size());
   std::memset(dst.data(), 0, dst.size());

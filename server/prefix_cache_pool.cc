@@ -107,6 +107,21 @@ std::vector<PoolBlockResult> PrefixCache::StorePoolBlocks(const ScopedShape& spa
         to_copy.push_back(i);
       }
     }
+    // Room first: the copies take slabs before they are committed (and the commit evicts only
+    // then), so a store into a full cache would otherwise need its size twice over.
+    uint64_t incoming = 0;
+    for (size_t i : to_copy) incoming += plans[i].new_bytes;
+    const uint64_t target = options_.budget_bytes > incoming ? options_.budget_bytes - incoming : 0;
+    if (disk_ != nullptr) {
+      DemoteDownTo(target);
+    } else if (index_.StoredBytes() > target) {
+      const uint64_t excess = std::min(index_.StoredBytes() - target, index_.EvictableBytes());
+      if (excess > 0) {
+        absl::StatusOr<EvictionResult> room = index_.Evict(excess);
+        if (room.ok()) FreeHandles(room->freed_handles);
+      }
+    }
+    // The emptied slabs stay (the slab allocator keeps them for the copies about to come).
   }
   // Copied without mu_, each piece sealed as it is read from the engine's pool; a piece whose
   // span cannot be had fails alone.
