@@ -286,7 +286,13 @@ absl::StatusOr<std::unique_ptr<PrefixCache>> PrefixCache::Create(const PrefixCac
   // A slab larger than the whole budget would charge the device for memory the cache may
   // never use; at the budget, emptied slabs are kept for the next capture (warm storage).
   slab_options.slab_bytes = std::min(options.slab_bytes, options.budget_bytes);
-  slab_options.keep_empty_bytes = options.budget_bytes;
+  // Kept up to the budget in whole slabs plus one: spans fragment, so the slabs of a cache at
+  // its budget can total one slab more, and a slab emptied by an eviction must stay for the
+  // next copy instead of going back to the kernel (a new one is zeroed page by page). Empty
+  // slabs are still the first thing an admission takes back (EvictForAdmission).
+  const uint64_t slab = slab_options.slab_bytes;
+  const uint64_t kept_slabs = options.budget_bytes / slab + (options.budget_bytes % slab != 0) + 1;
+  ASSIGN_OR_RETURN(slab_options.keep_empty_bytes, CheckedMul(kept_slabs, slab, "prefix slabs kept"));
   ASSIGN_OR_RETURN(std::unique_ptr<SlabAllocator> slabs,
                    SlabAllocator::Create(slab_options, backend, budget));
   std::unique_ptr<DiskTier> disk;
