@@ -1,4 +1,4 @@
-// Section 7: the block store (docs/block-store.md). An engine's own paged pool (a sealed memfd
+// Section 8: the block store (docs/block-store.md). An engine's own paged pool (a sealed memfd
 // this process maps, tests/test_block_pool.h: 8 layers of K and V, 8 KV heads of 64, fp16,
 // 16-token blocks of 256 KiB) is registered with memra-kvd (host backend); StoreBlocks and
 // LoadBlocks of 1k- and 32k-token sequences (64 and 2,048 blocks) between the pool and the
@@ -199,7 +199,7 @@ absl::StatusOr<Json> RunBlockStore(const BenchOptions& options) {
   }
   RETURN_IF_ERROR(client->UnregisterPool(pool.registration_id));
   client->Detach();
-  table.Print(absl::StrCat("7. Block store: an engine pool's 16-token blocks (",
+  table.Print(absl::StrCat("8. Block store: an engine pool's 16-token blocks (",
                            shape.block_bytes() / 1024,
                            " KiB) stored and loaded through memra-kvd vs memcpy and Redis ",
                            peer->version()));

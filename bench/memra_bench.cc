@@ -93,6 +93,7 @@ int Run() {
                                                  {"admission", RunAdmission},
                                                  {"scale", RunScale},
                                                  {"python_step", RunPythonStep},
+                                                 {"prefix_tiers", RunPrefixTiers},
                                                  {"block_store", RunBlockStore}};
   const std::vector<std::string> wanted = absl::StrSplit(absl::GetFlag(FLAGS_sections), ',');
   bool failed = false;

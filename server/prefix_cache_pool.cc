@@ -152,16 +152,16 @@ std::vector<PoolBlockResult> PrefixCache::StorePoolBlocks(const ScopedShape& spa
     copied = std::move(kept);
   }
   absl::MutexLock lock(&mu_);
-  scoped_shapes_[space.key] = space;
-  scoped_shapes_[state_space.key] = state_space;
   std::vector<size_t> copy_of(all.size(), copied.size());  // all[i]'s copy, if any
   for (size_t k = 0; k < copied.size(); ++k) copy_of[copied[k]] = k;
   for (size_t i = 0; i < all.size(); ++i) {
     if (!results[i].status.ok()) continue;
     std::vector<Stored> mine;
     if (copy_of[i] < copied.size()) mine.push_back(std::move((*copies)[copy_of[i]]));
+    const bool is_state = i == blocks.size();
     absl::StatusOr<CommitResult> committed =
-        AdoptCopies(plans[i], mine, plans[i].already_present ? 0 : 1);
+        AdoptLocked(is_state ? state_space : space, plans[i], std::move(mine),
+                    /*position_addressed=*/true);
     if (!committed.ok()) {
       results[i].status = committed.status();
       continue;
