@@ -25,6 +25,8 @@ absl::StatusOr<Json> RunScale(const BenchOptions& options);
 absl::StatusOr<Json> RunPythonStep(const BenchOptions& options);
 // 7. Prefix restore by tier (device, disk, a Redis Cluster) vs memcpy and plain GET; capture.
 absl::StatusOr<Json> RunPrefixTiers(const BenchOptions& options);
+// 8. The block store: an engine pool's blocks stored and loaded vs memcpy and Redis.
+absl::StatusOr<Json> RunBlockStore(const BenchOptions& options);
 
 }  // namespace memra::bench
 

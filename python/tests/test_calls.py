@@ -291,3 +291,33 @@ def test_host_mapper_maps_once_and_refuses_bad_handles():
     mapper.unmap(b"arena")
     assert mapper.mapped_count == 0
     os.close(memfd)
+
+
+def test_block_store_buffer_offers_need_a_memfd_sealed_against_shrinking(kvd):
+    """handoff.py's offer_buffer (docs/handoff.md kinds 16/17): the daemon answers a buffer id for
+    a memfd sealed with F_SEAL_SHRINK and refuses one that is not, naming the seals."""
+    import fcntl
+    daemon = kvd("--budget_bytes=64MiB", "--prefix_cache_budget_bytes=16MiB")
+    client = daemon.client("py-offers")
+    try:
+        handoff = client._lease.handoff
+        fd = os.memfd_create("py-pool", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            os.ftruncate(fd, 1 * MiB)
+            with pytest.raises(KvError) as unsealed:
+                handoff.offer_buffer(fd, 1 * MiB)
+            assert unsealed.value.code == grpc.StatusCode.FAILED_PRECONDITION
+            assert "seals are 0x0" in unsealed.value.message
+            assert "F_SEAL_SHRINK" in unsealed.value.message
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
+            with pytest.raises(KvError) as too_big:
+                handoff.offer_buffer(fd, 2 * MiB)
+            assert too_big.value.code == grpc.StatusCode.FAILED_PRECONDITION
+            assert "holds %d bytes; the offer says %d" % (MiB, 2 * MiB) in too_big.value.message
+            first = handoff.offer_buffer(fd, 1 * MiB)
+            second = handoff.offer_buffer(fd, 4096)
+            assert 0 < first < second
+        finally:
+            os.close(fd)
+    finally:
+        client.close()
