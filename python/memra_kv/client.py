@@ -374,6 +374,15 @@ class Client:
                           "attach: its descriptor comes over the engine's handoff connection")
         return lease.handoff.fetch_arena(session_id, token, handle)
 
+    def _offer_buffer(self, fd, nbytes):
+        """The block store's buffer id for descriptor `fd` of this engine's pool memory, over
+        the handoff connection attach opened (valid while it stays open)."""
+        lease = self._lease
+        if lease is None:
+            raise KvError(grpc.StatusCode.FAILED_PRECONDITION, "offering a pool buffer before "
+                          "attach: it goes over the engine's handoff connection")
+        return lease.handoff.offer_buffer(fd, nbytes)
+
     def _engine(self, what):
         lease = self._lease
         if lease is None:
