@@ -72,6 +72,25 @@ absl::StatusOr<ArenaFd> HandoffChannel::FetchArena(const handoff::ArenaRequest& 
   return ArenaFd{.fd = std::move(fd), .bytes = bytes};
 }
 
+absl::StatusOr<uint64_t> HandoffChannel::OfferBuffer(int fd, uint64_t bytes) {
+  ASSIGN_OR_RETURN(std::string frame, handoff::EncodeBufferOffer(bytes));
+  absl::MutexLock lock(&mu_);
+  if (absl::Status sent = handoff::SendFrame(socket_.get(), frame, fd); !sent.ok()) {
+    return absl::UnavailableError(absl::StrCat("handoff socket ", path_,
+                                               ": the daemon closed the connection (",
+                                               sent.message(), ")"));
+  }
+  ScopedFd unexpected;  // the daemon sends no descriptor with this answer; closed if it did
+  ASSIGN_OR_RETURN(handoff::Frame answer, ReadFrame(&unexpected));
+  if (answer.kind == handoff::Kind::kRefusal) return handoff::DecodeRefusal(answer.body);
+  if (answer.kind != handoff::Kind::kBufferId) {
+    return absl::InternalError(absl::StrCat("handoff socket ", path_,
+                                            ": a buffer offer answered with kind ",
+                                            static_cast<int>(answer.kind)));
+  }
+  return handoff::DecodeBufferId(answer.body);
+}
+
 absl::StatusOr<handoff::Frame> HandoffChannel::ReadFrame(ScopedFd* received) {
   const absl::Time give_up = absl::Now() + deadline_;
   while (true) {

@@ -36,6 +36,12 @@ class HandoffChannel {
   absl::StatusOr<ArenaFd> FetchArena(const handoff::ArenaRequest& request)
       ABSL_LOCKS_EXCLUDED(mu_);
 
+  // The block store's buffer offer (docs/block-store.md): sends a descriptor of the engine's own
+  // pool memory (`fd`, kept open by the caller; a memfd sealed with F_SEAL_SHRINK, at least
+  // `bytes` long) and returns the buffer id RegisterEngineBuffers names it by. The daemon's
+  // refusal as it sent it; UNAVAILABLE as FetchArena.
+  absl::StatusOr<uint64_t> OfferBuffer(int fd, uint64_t bytes) ABSL_LOCKS_EXCLUDED(mu_);
+
  private:
   HandoffChannel(ScopedFd socket, std::string path, absl::Duration deadline)
       : socket_(std::move(socket)), path_(std::move(path)), deadline_(deadline) {}

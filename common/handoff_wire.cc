@@ -102,6 +102,26 @@ std::string EncodeArena(uint64_t bytes) {
   return MakeFrame(Kind::kArena, body);
 }
 
+absl::StatusOr<std::string> EncodeBufferOffer(uint64_t bytes) {
+  if (bytes == 0) return absl::InvalidArgumentError("handoff buffer offer of 0 bytes");
+  std::string body;
+  PutU64(body, bytes);
+  return MakeFrame(Kind::kBufferOffer, body);
+}
+
+std::string EncodeBufferId(uint64_t buffer_id) {
+  std::string body;
+  PutU64(body, buffer_id);
+  return MakeFrame(Kind::kBufferId, body);
+}
+
+bool KnownKind(uint8_t kind) {
+  return (kind >= static_cast<uint8_t>(Kind::kTicket) &&
+          kind <= static_cast<uint8_t>(Kind::kRefusal)) ||
+         kind == static_cast<uint8_t>(Kind::kBufferOffer) ||
+         kind == static_cast<uint8_t>(Kind::kBufferId);
+}
+
 std::string EncodeRefusal(const absl::Status& refusal) {
   absl::string_view message = refusal.message();
   if (message.size() > kMaxMessageBytes) message = message.substr(0, kMaxMessageBytes);
@@ -126,9 +146,9 @@ absl::StatusOr<std::optional<Frame>> TakeFrame(std::string& buffer) {
     return absl::InvalidArgumentError(absl::StrCat("handoff frame of protocol version ", version,
                                                    "; this side speaks version ", kVersion));
   }
-  if (kind < static_cast<uint8_t>(Kind::kTicket) || kind > static_cast<uint8_t>(Kind::kRefusal)) {
+  if (!KnownKind(kind)) {
     return absl::InvalidArgumentError(
-        absl::StrCat("handoff frame of unknown kind ", kind, " (kinds are 1 to 4)"));
+        absl::StrCat("handoff frame of unknown kind ", kind, " (kinds are 1 to 4, 16 and 17)"));
   }
   Frame frame{.kind = static_cast<Kind>(kind),
               .body = buffer.substr(kLengthBytes + 2, length - 2)};
@@ -171,6 +191,21 @@ absl::StatusOr<uint64_t> DecodeArena(absl::string_view body) {
   ASSIGN_OR_RETURN(const uint64_t bytes, reader.Integer("bytes", 8));
   RETURN_IF_ERROR(reader.End());
   return bytes;
+}
+
+absl::StatusOr<uint64_t> DecodeBufferOffer(absl::string_view body) {
+  BodyReader reader("buffer offer", body);
+  ASSIGN_OR_RETURN(const uint64_t bytes, reader.Integer("bytes", 8));
+  RETURN_IF_ERROR(reader.End());
+  if (bytes == 0) return absl::InvalidArgumentError("handoff buffer offer of 0 bytes");
+  return bytes;
+}
+
+absl::StatusOr<uint64_t> DecodeBufferId(absl::string_view body) {
+  BodyReader reader("buffer id", body);
+  ASSIGN_OR_RETURN(const uint64_t id, reader.Integer("buffer_id", 8));
+  RETURN_IF_ERROR(reader.End());
+  return id;
 }
 
 absl::Status DecodeRefusal(absl::string_view body) {
@@ -228,7 +263,11 @@ absl::StatusOr<size_t> ReceiveBytes(int socket, absl::Span<char> buffer, ScopedF
     got = recvmsg(socket, &message, MSG_CMSG_CLOEXEC);
   } while (got < 0 && errno == EINTR);
   if (got < 0) {
-    return absl::UnavailableError(absl::StrCat("handoff socket: recvmsg: ", strerror(errno)));
+    const int err = errno;
+    absl::Status failed =
+        absl::UnavailableError(absl::StrCat("handoff socket: recvmsg: ", strerror(err)));
+    errno = err;  // a non-blocking reader tells EAGAIN from a failure by it
+    return failed;
   }
   for (cmsghdr* header = CMSG_FIRSTHDR(&message); header != nullptr;
        header = CMSG_NXTHDR(&message, header)) {

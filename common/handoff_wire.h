@@ -20,6 +20,12 @@
 //   kRefusal       daemon -> engine, the answer to one request (or the last frame before the
 //                  daemon closes): u32 code (absl / gRPC status code numbering) | u16 len |
 //                  message (UTF-8, the daemon's words with the numbers)
+//   kBufferOffer   engine -> daemon, with exactly one descriptor attached (SCM_RIGHTS): u64
+//                  bytes. The block store's "buffer offer" (docs/block-store.md): a memfd of
+//                  the engine's own KV pool, sealed with F_SEAL_SHRINK, at least `bytes` long.
+//   kBufferId      daemon -> engine, the answer to one offer: u64 buffer id (single use, for
+//                  RegisterEngineBuffers while this connection stays open)
+// Kinds 5..15 are left to the step channel; the block store's start at 16.
 //
 // Requests are answered one at a time, in order. A frame the daemon cannot parse (length out of
 // range, another version, an unknown kind, a malformed body) is refused (INVALID_ARGUMENT) and
@@ -47,7 +53,16 @@ inline constexpr size_t kMaxTokenBytes = 64;
 inline constexpr size_t kMaxHandleBytes = 256;
 inline constexpr size_t kMaxMessageBytes = 900;  // longer refusal messages are cut
 
-enum class Kind : uint8_t { kTicket = 1, kArenaRequest = 2, kArena = 3, kRefusal = 4 };
+enum class Kind : uint8_t {
+  kTicket = 1,
+  kArenaRequest = 2,
+  kArena = 3,
+  kRefusal = 4,
+  kBufferOffer = 16,
+  kBufferId = 17,
+};
+// Whether `kind` is one this side knows.
+bool KnownKind(uint8_t kind);
 
 struct ArenaRequest {
   uint64_t session_id = 0;
@@ -65,6 +80,9 @@ std::string EncodeTicket(absl::string_view ticket);
 // INVALID_ARGUMENT when the token or the handle is longer than the protocol allows.
 absl::StatusOr<std::string> EncodeArenaRequest(const ArenaRequest& request);
 std::string EncodeArena(uint64_t bytes);
+// INVALID_ARGUMENT for 0 bytes.
+absl::StatusOr<std::string> EncodeBufferOffer(uint64_t bytes);
+std::string EncodeBufferId(uint64_t buffer_id);
 // REQUIRES: !refusal.ok(). The message is cut at kMaxMessageBytes.
 std::string EncodeRefusal(const absl::Status& refusal);
 
@@ -77,6 +95,9 @@ absl::StatusOr<std::optional<Frame>> TakeFrame(std::string& buffer);
 absl::StatusOr<std::string> DecodeTicket(absl::string_view body);
 absl::StatusOr<ArenaRequest> DecodeArenaRequest(absl::string_view body);
 absl::StatusOr<uint64_t> DecodeArena(absl::string_view body);
+// INVALID_ARGUMENT for 0 bytes too.
+absl::StatusOr<uint64_t> DecodeBufferOffer(absl::string_view body);
+absl::StatusOr<uint64_t> DecodeBufferId(absl::string_view body);
 // The refusal as the status it carries; never OK (a code of 0 or out of range is UNKNOWN, a
 // malformed body INVALID_ARGUMENT saying so).
 absl::Status DecodeRefusal(absl::string_view body);
@@ -88,7 +109,8 @@ absl::Status SendFrame(int socket, absl::string_view frame, int pass_fd = -1);
 
 // Receives up to buffer.size() bytes from the Unix stream socket `socket` (one recvmsg, retried
 // on EINTR); a descriptor that came with them (SCM_RIGHTS) goes to `*received`, O_CLOEXEC
-// (extra descriptors are closed). 0 when the peer closed; UNAVAILABLE naming the errno.
+// (extra descriptors are closed). 0 when the peer closed; UNAVAILABLE naming the errno, which
+// is left in `errno`.
 absl::StatusOr<size_t> ReceiveBytes(int socket, absl::Span<char> buffer, ScopedFd* received);
 
 }  // namespace memra::handoff

@@ -75,9 +75,30 @@ TEST(HandoffWireTest, RefusesBadLengthVersionAndKind) {
   std::string version("\x02\x00\x00\x00\x09\x01", 6);
   EXPECT_THAT(TakeFrame(version), StatusIs(absl::StatusCode::kInvalidArgument,
                                            HasSubstrs("protocol version 9", "speaks version 1")));
-  std::string kind("\x02\x00\x00\x00\x01\x05", 6);
+  std::string kind("\x02\x00\x00\x00\x01\x12", 6);
   EXPECT_THAT(TakeFrame(kind), StatusIs(absl::StatusCode::kInvalidArgument,
-                                        HasSubstrs("unknown kind 5", "1 to 4")));
+                                        HasSubstrs("unknown kind 18", "1 to 4, 16 and 17")));
+}
+
+TEST(HandoffWireTest, BufferOfferAndIdRoundTrip) {
+  absl::StatusOr<std::string> offer = EncodeBufferOffer(uint64_t{1} << 40);
+  ASSERT_THAT(offer, IsOk());
+  absl::StatusOr<std::optional<Frame>> frame = TakeFrame(*offer);
+  ASSERT_THAT(frame, IsOk());
+  ASSERT_TRUE(frame->has_value());
+  EXPECT_EQ((*frame)->kind, Kind::kBufferOffer);
+  EXPECT_THAT(DecodeBufferOffer((*frame)->body), IsOkAndHolds(uint64_t{1} << 40));
+  std::string id = EncodeBufferId(77);
+  frame = TakeFrame(id);
+  ASSERT_THAT(frame, IsOk());
+  EXPECT_EQ((*frame)->kind, Kind::kBufferId);
+  EXPECT_THAT(DecodeBufferId((*frame)->body), IsOkAndHolds(77u));
+  EXPECT_THAT(EncodeBufferOffer(0), StatusIs(absl::StatusCode::kInvalidArgument,
+                                             HasSubstrs("buffer offer of 0 bytes")));
+  EXPECT_THAT(DecodeBufferOffer(std::string(8, '\0')),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstrs("buffer offer of 0 bytes")));
+  EXPECT_THAT(DecodeBufferOffer(std::string(7, '\0')),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstrs("bytes needs 8 bytes, 7")));
 }
 
 TEST(HandoffWireTest, RefusesMalformedBodies) {

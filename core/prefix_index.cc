@@ -100,12 +100,29 @@ absl::StatusOr<CapturePlan> PrefixIndex::PlanCapture(const PlanFingerprint& fing
         " (nearest aligned boundaries: ", boundary_tokens / block * block, ", ",
         (boundary_tokens / block + 1) * block, ")"));
   }
+  ASSIGN_OR_RETURN(std::vector<BlockKey> chain,
+                   ChainBlockKeys(fingerprint, tokens.subspan(0, boundary_tokens),
+                                  options_.block_tokens));
+  return PlanCaptureOfChain(fingerprint, std::move(chain), traits);
+}
+
+std::optional<EntryId> PrefixIndex::EntryEndingAt(const BlockKey& key) const {
+  auto it = by_boundary_.find(key);
+  if (it == by_boundary_.end()) return std::nullopt;
+  return it->second;
+}
+
+absl::StatusOr<CapturePlan> PrefixIndex::PlanCaptureOfChain(const PlanFingerprint& fingerprint,
+                                                            std::vector<BlockKey> chain,
+                                                            const PrefixModelTraits& traits) const {
+  RETURN_IF_ERROR(ValidateTraits(traits));
+  if (chain.empty()) return absl::InvalidArgumentError("prefix capture of no blocks");
   CapturePlan plan;
   plan.fingerprint = fingerprint;
   plan.block_tokens = options_.block_tokens;
-  plan.boundary_tokens = boundary_tokens;
-  ASSIGN_OR_RETURN(plan.chain, ChainBlockKeys(fingerprint, tokens.subspan(0, boundary_tokens),
-                                              options_.block_tokens));
+  ASSIGN_OR_RETURN(plan.boundary_tokens,
+                   CheckedMul(chain.size(), options_.block_tokens, "prefix capture boundary"));
+  plan.chain = std::move(chain);
   plan.block_bytes = traits.block_bytes;
   plan.needs_boundary_state = !traits.position_addressed_only;
   plan.boundary_bytes = traits.boundary_bytes;
@@ -226,9 +243,11 @@ absl::StatusOr<CommitResult> PrefixIndex::CommitCapture(const CapturePlan& plan,
   entry.chain = plan.chain;
   entry.epoch = options_.epoch;
   entry.last_use_tick = now_tick;
+  entry.origin = plan.origin;
   PrefixEvent stored;
   stored.kind = PrefixEventKind::kStored;
   stored.fingerprint = plan.fingerprint;
+  stored.origin = plan.origin;
   for (uint64_t i = 0; i < plan.chain.size(); ++i) {
     if (adopt[i]) {
       Block& block = blocks_[plan.chain[i]];
@@ -386,6 +405,10 @@ PrefixIndex::Removal PrefixIndex::RemoveEntry(EntryId id) {
     removal.handles.push_back(entry.boundary->storage_handle);
     removal.boundary_key = entry.chain.back();
   }
+  // Removal events name the blocks as their engine knows them, not what a store's call said.
+  removal.origin.block_hashes = std::move(entry.origin.block_hashes);
+  removal.origin.engine_id = entry.origin.engine_id;
+  removal.origin.from_engine_pool = entry.origin.from_engine_pool;
   by_boundary_.erase(entry.chain.back());
   lru_.erase({entry.last_use_tick, id});
   entries_.erase(it);
@@ -451,6 +474,7 @@ void PrefixIndex::RemoveInto(EntryId id, PrefixEventKind kind, std::string_view 
     event.block_keys = std::move(removal.block_keys);
     event.boundary_key = removal.boundary_key;
     event.reason = std::string(reason);
+    event.origin = std::move(removal.origin);
     AppendEvent(std::move(event));
     ++result.events;
   }
@@ -546,6 +570,7 @@ absl::StatusOr<EntryView> PrefixIndex::GetEntry(EntryId id) const {
   view.epoch = entry.epoch;
   view.last_use_tick = entry.last_use_tick;
   view.pins = entry.pins;
+  view.origin = entry.origin;
   for (const BlockKey& key : entry.chain) {
     const Block& block = blocks_.at(key);
     view.blocks.push_back(

@@ -101,6 +101,18 @@ struct StoredRef {
   bool operator==(const StoredRef&) const = default;
 };
 
+// Who stored an entry, for the events routers index (prefix.proto PrefixEvent 20-25). Empty
+// hashes: the block keys are the blocks' identities.
+struct PrefixEventOrigin {
+  std::vector<std::string> block_hashes;  // the engine's own hash per stored block
+  std::string parent_block_hash;          // of the block before the first (empty at the start)
+  std::vector<int32_t> token_ids;         // block_tokens per stored block, when known
+  uint32_t block_tokens = 0;
+  uint64_t engine_id = 0;  // 0: the daemon
+  bool from_engine_pool = false;
+  bool operator==(const PrefixEventOrigin&) const = default;
+};
+
 struct CapturePlan {
   PlanFingerprint fingerprint{};
   uint32_t block_tokens = 0;
@@ -115,6 +127,9 @@ struct CapturePlan {
   // An entry already exists at this boundary: copy nothing; CommitCapture only touches it.
   bool already_present = false;
   uint64_t new_bytes = 0;  // bytes the copies will take (new blocks + boundary state)
+  // Carried by the entry into its events (STORED: all of it; EVICTED / DROPPED: the hashes,
+  // engine and pool flag). The caller may fill it between PlanCapture and CommitCapture.
+  PrefixEventOrigin origin;
   uint64_t new_block_count() const { return chain.size() - first_new_block; }
 };
 
@@ -146,6 +161,7 @@ struct PrefixEvent {
   std::optional<BlockKey> boundary_key;
   std::string reason;  // kDropped only: why (e.g. the checksum mismatch the restore found)
   StorageMedium medium = StorageMedium::kDevice;
+  PrefixEventOrigin origin;  // the entry's (kMoved: empty)
   bool operator==(const PrefixEvent&) const = default;
 };
 
@@ -209,6 +225,7 @@ struct EntryView {
   uint64_t epoch = 0;
   uint64_t last_use_tick = 0;
   uint32_t pins = 0;
+  PrefixEventOrigin origin;
 };
 
 struct PrefixIndexOptions {
@@ -248,6 +265,16 @@ class PrefixIndex {
                                           absl::Span<const int32_t> tokens,
                                           uint64_t boundary_tokens,
                                           const PrefixModelTraits& traits) const;
+
+  // PlanCapture of a chain of keys the caller derived (an engine pool's blocks: block_store.h
+  // keys them by the engine's hashes, one entry per block). Same rules and refusals;
+  // boundary_tokens is chain.size() x block_tokens. INVALID_ARGUMENT for an empty chain.
+  absl::StatusOr<CapturePlan> PlanCaptureOfChain(const PlanFingerprint& fingerprint,
+                                                 std::vector<BlockKey> chain,
+                                                 const PrefixModelTraits& traits) const;
+
+  // The entry whose chain ends at `key` (nullopt: none).
+  std::optional<EntryId> EntryEndingAt(const BlockKey& key) const;
 
   // Inserts the entry, evicting LRU unpinned entries when the budget needs room. Idempotent for
   // an existing boundary (touches its LRU tick). On ANY error the index is unchanged and the
@@ -325,6 +352,7 @@ class PrefixIndex {
     uint64_t epoch = 0;
     uint64_t last_use_tick = 0;
     uint32_t pins = 0;
+    PrefixEventOrigin origin;
   };
   // Freed by removing one entry (before it becomes an event or a result).
   struct Removal {
@@ -333,6 +361,7 @@ class PrefixIndex {
     std::vector<BlockKey> block_keys;
     std::optional<BlockKey> boundary_key;
     PlanFingerprint fingerprint{};
+    PrefixEventOrigin origin;  // what removal events carry of it
   };
 
   explicit PrefixIndex(const PrefixIndexOptions& options) : options_(options) {}

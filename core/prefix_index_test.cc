@@ -424,6 +424,37 @@ TEST_F(PrefixIndexTest, DropEntryRemovesItAndBlocksOnlyItUsed) {
   EXPECT_THAT(index_->CheckInvariants(), IsOk());
 }
 
+TEST_F(PrefixIndexTest, GivenChainsAreFoundByTheirLastKeyAndCarryTheirOriginIntoEvents) {
+  const BlockKey key = Sha256Of("engine block 0");
+  EXPECT_THAT(index_->PlanCaptureOfChain(Fingerprint(3), {}, kFlat),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstrs("no blocks")));
+  auto plan = index_->PlanCaptureOfChain(Fingerprint(3), {key}, kFlat);
+  ASSERT_THAT(plan, IsOk());
+  EXPECT_EQ(plan->boundary_tokens, 4u);
+  EXPECT_FALSE(index_->EntryEndingAt(key).has_value());
+  plan->origin = PrefixEventOrigin{.block_hashes = {"h0"},
+                                   .parent_block_hash = "p",
+                                   .token_ids = {1, 2, 3, 4},
+                                   .block_tokens = 4,
+                                   .engine_id = 12,
+                                   .from_engine_pool = true};
+  auto committed = index_->CommitCapture(*plan, CommitFor(*plan), 1);
+  ASSERT_THAT(committed, IsOk());
+  EXPECT_EQ(index_->EntryEndingAt(key), committed->entry);
+  EXPECT_EQ(index_->GetEntry(committed->entry)->origin, plan->origin);
+  ASSERT_THAT(index_->EvictEntry(committed->entry), IsOk());
+  const EventReplay replay = index_->EventsSince(9, 0);
+  ASSERT_EQ(replay.events.size(), 2u);
+  EXPECT_EQ(replay.events[0].origin, plan->origin);
+  // Removal events name the blocks and the engine; the store's parent and tokens were news once.
+  EXPECT_EQ(replay.events[1].kind, PrefixEventKind::kEvicted);
+  EXPECT_THAT(replay.events[1].origin.block_hashes, ElementsAre("h0"));
+  EXPECT_EQ(replay.events[1].origin.engine_id, 12u);
+  EXPECT_TRUE(replay.events[1].origin.from_engine_pool);
+  EXPECT_THAT(replay.events[1].origin.token_ids, IsEmpty());
+  EXPECT_THAT(index_->CheckInvariants(), IsOk());
+}
+
 TEST_F(PrefixIndexTest, EventsAreSequencedReplayedAndGapped) {
   Reset(PrefixIndexOptions{
       .block_tokens = 4, .budget_bytes = 1 << 20, .epoch = 9, .event_capacity = 3});

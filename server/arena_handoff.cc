@@ -27,6 +27,8 @@ constexpr size_t kReadChunkBytes = 4096;
 constexpr size_t kMaxReadPerRound = 16 * 1024;
 constexpr int kMaxPollMs = 1000;
 constexpr size_t kConnectionNumberBytes = 8;
+// Descriptors a connection may have received ahead of the offers that take them.
+constexpr size_t kMaxPendingDescriptors = 4;
 
 std::string TicketFor(uint64_t connection, absl::string_view secret) {
   std::string ticket;
@@ -51,8 +53,8 @@ int64_t Milliseconds(std::chrono::steady_clock::duration d) {
 
 }  // namespace
 
-ArenaHandoff::ArenaHandoff(Options options, ArenaLookup lookup)
-    : options_(std::move(options)), lookup_(std::move(lookup)) {}
+ArenaHandoff::ArenaHandoff(Options options, ArenaLookup lookup, BufferIntake intake)
+    : options_(std::move(options)), lookup_(std::move(lookup)), intake_(std::move(intake)) {}
 
 ArenaHandoff::~ArenaHandoff() { Stop(); }
 
@@ -192,6 +194,12 @@ size_t ArenaHandoff::connection_count() const {
   return connections_.size();
 }
 
+bool ArenaHandoff::ServesEngine(uint64_t connection, uint64_t engine_id) const {
+  absl::MutexLock lock(&mu_);
+  auto it = connections_.find(connection);
+  return it != connections_.end() && !it->second.closing && it->second.engine_id == engine_id;
+}
+
 void ArenaHandoff::Close(uint64_t id) { connections_.erase(id); }
 
 void ArenaHandoff::Serve() {
@@ -272,7 +280,7 @@ void ArenaHandoff::Serve() {
     }
     // Answered with no lock held: the lookup takes the session registry's locks. The
     // descriptors stay open meanwhile (only this thread closes them).
-    for (const PendingRequest& request : pending) {
+    for (PendingRequest& request : pending) {
       if (!Answer(request)) to_close.push_back(request.connection);
     }
     if (!to_close.empty()) {
@@ -341,37 +349,78 @@ bool ArenaHandoff::ReadFrom(uint64_t id, Connection& connection,
                             std::vector<PendingRequest>& pending) {
   char chunk[kReadChunkBytes];
   for (size_t total = 0; total < kMaxReadPerRound;) {
-    const ssize_t n = read(connection.socket.get(), chunk, sizeof(chunk));
-    if (n == 0) return false;  // the engine closed its side
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      return errno == EAGAIN || errno == EWOULDBLOCK;
+    ScopedFd received;
+    absl::StatusOr<size_t> got =
+        handoff::ReceiveBytes(connection.socket.get(), absl::MakeSpan(chunk), &received);
+    if (!got.ok()) return errno == EAGAIN || errno == EWOULDBLOCK;
+    if (*got == 0) return false;  // the engine closed its side
+    // A descriptor arrives with the bytes of the frame it was sent with, so offers take them in
+    // order; past the bound (offers never sent) they are closed.
+    if (received.get() >= 0 && connection.descriptors.size() < kMaxPendingDescriptors) {
+      connection.descriptors.push_back(std::move(received));
     }
+    const ssize_t n = static_cast<ssize_t>(*got);
     total += static_cast<size_t>(n);
     bool deadline_restarts = connection.input.empty();
     connection.input.append(chunk, static_cast<size_t>(n));
     while (true) {
       absl::StatusOr<std::optional<handoff::Frame>> frame = handoff::TakeFrame(connection.input);
-      if (!frame.ok() || (frame->has_value() && (*frame)->kind != handoff::Kind::kArenaRequest)) {
+      const bool engine_kind =
+          frame.ok() && frame->has_value() &&
+          ((*frame)->kind == handoff::Kind::kArenaRequest ||
+           (*frame)->kind == handoff::Kind::kBufferOffer);
+      if (!frame.ok() || (frame->has_value() && !engine_kind)) {
         // Unparseable, or a kind only the daemon sends: refused, then closed.
         absl::Status refusal =
             frame.ok() ? absl::InvalidArgumentError(absl::StrCat(
-                             "handoff: an engine sends only arena requests (kind 2), got kind ",
+                             "handoff: an engine sends only arena requests (kind 2) and buffer "
+                             "offers (kind 16), got kind ",
                              static_cast<int>((*frame)->kind)))
                        : frame.status();
         pending.push_back({.connection = id,
                            .socket = connection.socket.get(),
                            .engine_id = connection.engine_id,
-                           .request = std::move(refusal)});
+                           .request = std::move(refusal),
+                           .offer = false,
+                           .offer_bytes = 0,
+                           .offer_fd = ScopedFd()});
         connection.input.clear();
         return true;  // the refusal is sent before the close (Serve)
       }
       if (!frame->has_value()) break;
       deadline_restarts = true;  // whatever is left is the start of the next request
+      if ((*frame)->kind == handoff::Kind::kBufferOffer) {
+        PendingRequest offer{.connection = id,
+                             .socket = connection.socket.get(),
+                             .engine_id = connection.engine_id,
+                             .request = handoff::ArenaRequest{},
+                             .offer = true,
+                             .offer_bytes = 0,
+                             .offer_fd = ScopedFd()};
+        absl::StatusOr<uint64_t> bytes = handoff::DecodeBufferOffer((*frame)->body);
+        if (bytes.ok()) {
+          offer.offer_bytes = *bytes;
+          if (!connection.descriptors.empty()) {
+            offer.offer_fd = std::move(connection.descriptors.front());
+            connection.descriptors.pop_front();
+          }
+        } else {
+          offer.request = bytes.status();
+        }
+        pending.push_back(std::move(offer));
+        if (!pending.back().request.ok()) {
+          connection.input.clear();
+          return true;
+        }
+        continue;
+      }
       pending.push_back({.connection = id,
                          .socket = connection.socket.get(),
                          .engine_id = connection.engine_id,
-                         .request = handoff::DecodeArenaRequest((*frame)->body)});
+                         .request = handoff::DecodeArenaRequest((*frame)->body),
+                           .offer = false,
+                           .offer_bytes = 0,
+                           .offer_fd = ScopedFd()});
       if (!pending.back().request.ok()) {
         connection.input.clear();
         return true;
@@ -384,11 +433,12 @@ bool ArenaHandoff::ReadFrom(uint64_t id, Connection& connection,
   return true;
 }
 
-bool ArenaHandoff::Answer(const PendingRequest& pending) {
+bool ArenaHandoff::Answer(PendingRequest& pending) {
   if (!pending.request.ok()) {
     (void)handoff::SendFrame(pending.socket, handoff::EncodeRefusal(pending.request.status()));
     return false;
   }
+  if (pending.offer) return AnswerOffer(pending);
   absl::StatusOr<ArenaFd> arena =
       pending.engine_id == 0
           ? absl::FailedPreconditionError(
@@ -400,6 +450,27 @@ bool ArenaHandoff::Answer(const PendingRequest& pending) {
   arenas_handed_.fetch_add(1, std::memory_order_relaxed);
   return handoff::SendFrame(pending.socket, handoff::EncodeArena(arena->bytes), arena->fd.get())
       .ok();
+}
+
+bool ArenaHandoff::AnswerOffer(PendingRequest& pending) {
+  absl::StatusOr<uint64_t> id = absl::InternalError("unanswered");
+  if (pending.engine_id == 0) {
+    id = absl::FailedPreconditionError(
+        "this handoff connection has no engine yet: Attach with its ticket first");
+  } else if (pending.offer_fd.get() < 0) {
+    id = absl::InvalidArgumentError(absl::StrCat(
+        "a buffer offer of ", pending.offer_bytes,
+        " bytes came without a descriptor (send exactly one with it, SCM_RIGHTS)"));
+  } else if (intake_ == nullptr) {
+    id = absl::FailedPreconditionError(
+        "this daemon has no block store (prefix_cache_budget_bytes is 0): buffer offers are "
+        "refused");
+  } else {
+    id = intake_(pending.engine_id, pending.connection, pending.offer_bytes,
+                 std::move(pending.offer_fd));
+  }
+  if (!id.ok()) return handoff::SendFrame(pending.socket, handoff::EncodeRefusal(id.status())).ok();
+  return handoff::SendFrame(pending.socket, handoff::EncodeBufferId(*id)).ok();
 }
 
 }  // namespace memra

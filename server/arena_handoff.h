@@ -11,6 +11,11 @@
 // connection is bound to, after checking the session token. Every other request is a refusal
 // record on the channel, and the connection stays open.
 //
+// Buffer offers (the block store, docs/block-store.md): an engine bound to a connection sends
+// a descriptor of its own KV pool's memory with a kBufferOffer frame; `BufferIntake` checks and
+// files it and the engine gets the buffer id (or the refusal). Descriptors that come with any
+// other frame, or more than one per offer, are closed; an offer without one is refused.
+//
 // One thread serves every connection (poll over non-blocking sockets): at most
 // `max_connections` at once (a connection past it gets a RESOURCE_EXHAUSTED refusal and is
 // closed), frames of at most handoff::kMaxFrameBytes, a request not complete within
@@ -25,6 +30,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <deque>
 #include <cstdint>
 #include <functional>
 #include <string>
@@ -57,6 +63,11 @@ class ArenaHandoff {
   using ArenaLookup = std::function<absl::StatusOr<ArenaFd>(
       uint64_t engine_id, const handoff::ArenaRequest& request)>;
 
+  // Checks and files the descriptor engine `engine_id` offered over `connection`; returns the
+  // buffer id or the refusal (it goes to the engine as a refusal record).
+  using BufferIntake = std::function<absl::StatusOr<uint64_t>(
+      uint64_t engine_id, uint64_t connection, uint64_t bytes, ScopedFd fd)>;
+
   struct Options {
     std::string path;
     // chown/chmod of the socket file (the engine socket's socket_group / socket_mode).
@@ -70,7 +81,8 @@ class ArenaHandoff {
     absl::Duration claim_deadline = absl::Seconds(60);
   };
 
-  ArenaHandoff(Options options, ArenaLookup lookup);
+  // `intake` may be null: offers are then refused (FAILED_PRECONDITION: no block store).
+  ArenaHandoff(Options options, ArenaLookup lookup, BufferIntake intake = nullptr);
   ~ArenaHandoff();  // Stop()
   ArenaHandoff(const ArenaHandoff&) = delete;
   ArenaHandoff& operator=(const ArenaHandoff&) = delete;
@@ -94,6 +106,9 @@ class ArenaHandoff {
 
   const std::string& path() const { return options_.path; }
   size_t connection_count() const ABSL_LOCKS_EXCLUDED(mu_);
+  // Whether `connection` is open and serves engine `engine_id` (a buffer offer's id is valid
+  // only while its connection is).
+  bool ServesEngine(uint64_t connection, uint64_t engine_id) const ABSL_LOCKS_EXCLUDED(mu_);
   // Arena requests granted since start, counted as their descriptor is sent (metrics, tests).
   uint64_t arenas_handed() const { return arenas_handed_.load(std::memory_order_relaxed); }
 
@@ -110,6 +125,8 @@ class ArenaHandoff {
     SteadyTime accepted;
     SteadyTime input_since;  // when `input` became non-empty
     bool closing = false;    // ForgetEngine asked; the serving thread closes it
+    // Descriptors received and not yet taken by a buffer offer, in arrival order (bounded).
+    std::deque<ScopedFd> descriptors;
   };
   // A complete request taken off a connection, answered outside the lock.
   struct PendingRequest {
@@ -117,6 +134,10 @@ class ArenaHandoff {
     int socket = -1;  // stays open: only the serving thread closes
     uint64_t engine_id = 0;
     absl::StatusOr<handoff::ArenaRequest> request;
+    // A buffer offer (request is then OK and empty): its bytes and descriptor (-1: none came).
+    bool offer = false;
+    uint64_t offer_bytes = 0;
+    ScopedFd offer_fd;
   };
 
   void Serve() ABSL_LOCKS_EXCLUDED(mu_);
@@ -125,12 +146,15 @@ class ArenaHandoff {
   bool ReadFrom(uint64_t id, Connection& connection, std::vector<PendingRequest>& pending)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The answer to one request; false when it could not be sent (close the connection).
-  bool Answer(const PendingRequest& pending);
+  bool Answer(PendingRequest& pending);
+  // The answer to a buffer offer; false when it could not be sent.
+  bool AnswerOffer(PendingRequest& pending);
   void Wake();
   void Close(uint64_t id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const Options options_;
   const ArenaLookup lookup_;
+  const BufferIntake intake_;
   std::atomic<uint64_t> arenas_handed_{0};
 
   ScopedFd listener_;  // set by Start(), closed by Stop()

@@ -19,6 +19,9 @@ from .errors import KvError, code_from_value
 
 VERSION = 1
 KIND_TICKET, KIND_ARENA_REQUEST, KIND_ARENA, KIND_REFUSAL = 1, 2, 3, 4
+# The block store's buffer offer (docs/block-store.md): engine -> daemon u64 bytes with one
+# descriptor attached; daemon -> engine u64 buffer id.
+KIND_BUFFER_OFFER, KIND_BUFFER_ID = 16, 17
 MAX_FRAME_BYTES = 1024
 TICKET_BYTES = 24
 MAX_TOKEN_BYTES = 64
@@ -110,6 +113,31 @@ class HandoffChannel:
             raise KvError(grpc.StatusCode.DATA_LOSS, "handoff socket %s: the arena answer came "
                           "without a descriptor" % self.path)
         return fd, struct.unpack("<Q", body)[0]
+
+    def offer_buffer(self, fd, nbytes):
+        """Offers the engine's own pool memory to the block store: `fd` (kept open by the
+        caller) is a memfd sealed with F_SEAL_SHRINK and at least `nbytes` long. Returns the
+        buffer id RegisterEngineBuffers names it by (single use, valid while this connection
+        is open). KvError with the daemon's code and message when it refuses."""
+        if nbytes <= 0:
+            raise KvError(grpc.StatusCode.INVALID_ARGUMENT, "handoff buffer offer of %d bytes"
+                          % nbytes)
+        frame = struct.pack("<IBBQ", 2 + 8, VERSION, KIND_BUFFER_OFFER, nbytes)
+        with self._lock:
+            try:
+                socket.send_fds(self._sock, [frame], [fd])
+            except OSError as error:
+                raise KvError(grpc.StatusCode.UNAVAILABLE, "handoff socket %s: the daemon closed "
+                              "the connection (%s)" % (self.path, error)) from None
+            kind, body, extra = self._read_frame()
+        if extra is not None:
+            os.close(extra)
+        if kind == KIND_REFUSAL:
+            raise decode_refusal(body)
+        if kind != KIND_BUFFER_ID or len(body) != 8:
+            raise KvError(grpc.StatusCode.INTERNAL, "handoff socket %s: a buffer offer answered "
+                          "with kind %d" % (self.path, kind))
+        return struct.unpack("<Q", body)[0]
 
     def _read_frame(self):
         fd = None
