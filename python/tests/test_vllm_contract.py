@@ -1,0 +1,56 @@
+"""Contract test of memra_kv.vllm (vLLM cannot be installed here): engine processes replay vLLM
+v0.15.0's KV-connector call order against the real daemon, numpy arrays in a memra HostPool
+standing in for vLLM's paged KV caches. One process computes a prompt and saves its blocks;
+another, with its own pool, looks them up, loads them into other block ids and finds the same
+bytes; blocks evicted between lookup and load surface through get_block_ids_with_load_errors."""
+
+from adapter_engine import BLOCK, HEADS, HEAD_DIM, LAYERS, PROMPT, vllm_hashes
+from contract import DAEMON_FLAGS, run_engine
+
+WHOLE_BLOCKS = len(PROMPT) // BLOCK  # 4
+BLOCK_BYTES = LAYERS * 2 * BLOCK * HEADS * HEAD_DIM * 2  # every layer's K and V, fp16
+
+
+def test_blocks_saved_by_one_engine_load_into_another(kvd):
+    daemon = kvd(*DAEMON_FLAGS)
+    stored = run_engine(daemon, "vllm", "store")
+    assert stored["groups"] == [BLOCK_BYTES]
+    assert (stored["matched_tokens"], stored["load_async"]) == (0, False)
+    assert stored["meta"] == {"loads": [], "saves": [WHOLE_BLOCKS]}
+    assert (stored["saved_blocks"], stored["loaded_blocks"]) == (WHOLE_BLOCKS, 0)
+    assert stored["finished"] == [None, None] and stored["load_errors"] == []
+    assert stored["request_finished"] == [False, None]
+    assert all(stored["pattern_ok"])
+
+    loaded = run_engine(daemon, "vllm", "load")
+    # Every whole block of the 70-token prompt; of a 64-token prompt the last block is left
+    # for vLLM to compute (it computes at least the last token).
+    assert loaded["matched_tokens"] == WHOLE_BLOCKS * BLOCK
+    assert loaded["matched_tokens_of_64"] == 3 * BLOCK
+    assert loaded["meta"] == {"loads": [WHOLE_BLOCKS], "saves": []}
+    assert (loaded["loaded_blocks"], loaded["load_errors"]) == (WHOLE_BLOCKS, [])
+    assert loaded["block_ids"][:WHOLE_BLOCKS] != stored["block_ids"][:WHOLE_BLOCKS]
+    assert loaded["block_digests"] == stored["block_digests"]
+    assert all(loaded["pattern_ok"])
+
+    # Routers see the blocks under vLLM's own hashes, stored from an engine pool.
+    with daemon.admin() as admin:
+        events = admin.events()
+        stored_event = next(events)
+        events.cancel()
+    assert stored_event.kind == "stored" and stored_event.from_engine_pool
+    assert stored_event.block_hashes == vllm_hashes(PROMPT)
+    assert stored_event.parent_block_hash == b""
+    assert stored_event.token_ids == PROMPT[:WHOLE_BLOCKS * BLOCK]
+    assert stored_event.block_tokens == BLOCK
+
+
+def test_blocks_evicted_between_lookup_and_load_are_load_errors(kvd):
+    daemon = kvd(*DAEMON_FLAGS)
+    run_engine(daemon, "vllm", "store")
+    evicted = run_engine(daemon, "vllm", "load-evicted")
+    assert evicted["matched_tokens"] == WHOLE_BLOCKS * BLOCK
+    assert evicted["loaded_blocks"] == 0
+    # vLLM recomputes exactly the blocks it was told failed: the ones allocated for the load.
+    assert evicted["load_errors"] == sorted(evicted["block_ids"][:WHOLE_BLOCKS])
+    assert evicted["finished"] == [None, None]
