@@ -109,27 +109,20 @@ class MemraHiCache:
     def batch_get_v1(self, keys: Sequence[str], host_indices) -> List[bool]:
         """Copies stored pages into the host pool pages of `host_indices`; True per page that
         arrived (a page no longer stored or corrupt is False, as is every page of a refusal)."""
-        if not keys:
-            return []
-        try:
-            pages = self._pages(keys, host_indices)
-            transfer = self._store.load(self.registration, pages,
-                                        hashes=[page_key(k) for k in keys])
-        except KvError as error:
-            log.warning("batch_get_v1 of %d pages: %s", len(keys), error)
-            return [False] * len(keys)
-        return [block.ok for block in transfer.blocks]
+        return self._transfer(self._store.load, "batch_get_v1", keys, host_indices)
 
     def batch_set_v1(self, keys: Sequence[str], host_indices) -> List[bool]:
         """Copies host pool pages into the store; True per page stored (or already there)."""
+        return self._transfer(self._store.store, "batch_set_v1", keys, host_indices)
+
+    def _transfer(self, call, what, keys, host_indices):
         if not keys:
             return []
         try:
-            pages = self._pages(keys, host_indices)
-            transfer = self._store.store(self.registration, pages,
-                                         hashes=[page_key(k) for k in keys])
+            transfer = call(self.registration, self._pages(keys, host_indices),
+                            hashes=[page_key(k) for k in keys])
         except KvError as error:
-            log.warning("batch_set_v1 of %d pages: %s", len(keys), error)
+            log.warning("%s of %d pages: %s", what, len(keys), error)
             return [False] * len(keys)
         return [block.ok for block in transfer.blocks]
 
