@@ -8,7 +8,8 @@ ENGINE vllm: MODE store (a request's prompt computed and saved), load (the same 
 fresh pool: its blocks loaded, the bytes checked), load-evicted (the stored blocks evicted
 between lookup and load: load errors). ENGINE sglang: MODE set (host pages backed up), get
 (prefetched into other pages, the bytes checked), get-partial (unstored pages after the stored
-ones; then every page evicted between batch_exists and batch_get_v1).
+ones; then every page evicted between batch_exists and batch_get_v1); set-staged and
+get-staged with a host pool that is plain memory (staged through a 3-page HostPool).
 
 Every block's bytes are a function of (its position in the sequence, layer, K or V), never of
 the pool block it sits in, so a process can check what another one stored.
@@ -181,10 +182,16 @@ def sglang_engine(socket, admin_socket, mode):
     facts = {}
     tokens = [(i * 13 + 5) % 997 for i in range(6 * PAGE)]
     keys = sglang_keys(tokens)[:4]
+    staged = mode.endswith("-staged")
+    mode = mode[:-len("-staged")] if staged else mode
     with memra_kv.connect(socket) as client:
         client.attach("sglang-tp0")
-        pool, kv_buffer = sglang_pool()
-        backend = MemraHiCache(BlockStore(client))
+        if staged:  # SGLang's own memory, not a HostPool: pages go through a staging pool
+            pool, kv_buffer = None, np.zeros((2, LAYERS, HOST_TOKENS, HEADS, HEAD_DIM),
+                                             dtype=np.float16)
+        else:
+            pool, kv_buffer = sglang_pool()
+        backend = MemraHiCache(BlockStore(client), staging_pages=3)
         # SGLang: the cache controller registers its host pool with the backend once.
         backend.register_host_pool(kv_buffer, pool, PAGE, MODEL)
         pages = [4, 9, 1, 20] if mode.startswith("get") else [0, 1, 2, 3]

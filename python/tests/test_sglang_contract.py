@@ -30,3 +30,16 @@ def test_unstored_and_evicted_pages_are_partial_and_false(kvd):
     assert partial["get"] == [True, True, True, True, False]
     assert partial["get_after_eviction"] == [False] * 4
     assert partial["exists_after_eviction"] == 0
+
+
+def test_a_host_pool_in_the_engines_own_memory_is_staged_both_ways(kvd):
+    """SGLang's host pool is torch memory the daemon cannot map: 4 pages through a 3-page
+    staging pool, stored from one engine and prefetched by another, same bytes as zero-copy."""
+    daemon = kvd(*DAEMON_FLAGS)
+    stored = run_engine(daemon, "sglang", "set-staged")
+    assert stored["set"] == [True] * 4 and stored["exists_after"] == 4
+    fetched = run_engine(daemon, "sglang", "get")  # zero-copy reads what was staged
+    assert fetched["get"] == [True] * 4 and all(fetched["pattern_ok"])
+    staged = run_engine(daemon, "sglang", "get-staged")
+    assert staged["get"] == [True] * 4 and all(staged["pattern_ok"])
+    assert staged["page_digests"] == fetched["page_digests"] == stored["page_digests"]
