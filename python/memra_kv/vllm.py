@@ -27,8 +27,11 @@ How it uses the block store:
   * Loads run in start_load_kv and are complete when it returns (host backend: the daemon's
     reply comes after the copies), so wait_for_layer_load has nothing to wait for; saves of
     newly computed full blocks run in wait_for_save, after the forward pass wrote them.
-  * Memory: on the host backend the KV caches must lie in memra HostPools (the daemon maps their
-    memfds); registering CUDA tensors (CUDA IPC handles) is not implemented yet.
+  * Memory: caches that lie in memra HostPools are registered themselves (the daemon maps their
+    memfds; blocks copy straight in and out). Any others (vLLM's own GPU or CPU tensors) go
+    through a registered staging HostPool, copied with torch (device <-> host): a daemon on the
+    host backend is then the GPU's CPU-memory tier. Registering CUDA tensors themselves (CUDA
+    IPC handles, for a daemon on the cuda backend) is not implemented yet.
 """
 
 import dataclasses
@@ -108,11 +111,13 @@ def layer_index(name, position):
 
 
 def pool_layout(caches: Sequence[KvCacheTensor], pools: Sequence[HostPool], model,
-                tp_rank=0, tp_size=1):
-    """The block store layout of vLLM's per-layer caches lying in `pools` (HostPools).
-    KvError INVALID_ARGUMENT naming the layer and the numbers for a cache of another shape, a
-    block whose tokens are not contiguous, or caches that disagree; FAILED_PRECONDITION for a
-    cache outside every pool."""
+                tp_rank=0, tp_size=1, staging_blocks=0):
+    """The block store layout of vLLM's per-layer caches lying in `pools` (HostPools); with
+    staging_blocks instead, of a staging pool of that many blocks holding the caches' K and V
+    planes one after the other (the caches themselves lie anywhere). KvError INVALID_ARGUMENT
+    naming the layer and the numbers for a cache of another shape, a block whose tokens are
+    not contiguous, or caches that disagree; FAILED_PRECONDITION for a cache outside every
+    pool."""
     if not caches:
         raise KvError(grpc.StatusCode.INVALID_ARGUMENT, "no KV caches to register")
     first = caches[0]
@@ -134,14 +139,18 @@ def pool_layout(caches: Sequence[KvCacheTensor], pools: Sequence[HostPool], mode
             raise KvError(grpc.StatusCode.INVALID_ARGUMENT, "KV cache %s has strides %s: a "
                           "block's (block_size, heads, head_dim) must be contiguous"
                           % (cache.name, cache.strides))
-        buffer, offset = _locate(cache, pools)
         layer = layer_index(cache.name, position)
         block_bytes = block_size * heads * head_dim * cache.itemsize
         for kind, plane in (("K", 0), ("V", 1)):
+            if staging_blocks:
+                tensors.append(TensorLayout(layer, kind, len(tensors) * staging_blocks
+                                            * block_bytes, block_bytes, block_bytes))
+                continue
+            buffer, offset = _locate(cache, pools)
             tensors.append(TensorLayout(layer, kind, offset + plane * cache.strides[0],
                                         cache.strides[1], block_bytes, buffer=buffer))
     _, num_blocks, block_size, heads, head_dim = first.shape
-    return PoolLayout(num_blocks=num_blocks, tokens_per_block=block_size,
+    return PoolLayout(num_blocks=staging_blocks or num_blocks, tokens_per_block=block_size,
                       element_type=element_type_of(first.dtype), num_kv_heads=heads,
                       head_dim=head_dim, model=model, tensors=tensors, order="NHD",
                       tp_rank=tp_rank, tp_size=tp_size)
@@ -281,21 +290,117 @@ class MemraScheduler:
 
 # ---- worker side ----
 
-class MemraWorker:
-    """The worker side on plain values: registers the pool, loads and saves whole blocks."""
+class _Staging:
+    """A registered HostPool of `slots` blocks through which caches the daemon cannot map (a
+    GPU's, an engine's own host memory) are stored and loaded: plane i (layer, K or V in layout
+    order) of slot j is bytes [(i * slots + j) * block_bytes, +block_bytes). Copies go through
+    the caches' own library (torch copy_, which moves device <-> host; numpy copyto)."""
 
-    def __init__(self, store: BlockStore):
+    def __init__(self, pool, planes, block_bytes, slots):
+        self.pool = pool
+        self.planes = planes  # (cache tensor, 0 K | 1 V), layout order
+        self.block_bytes = block_bytes
+        self.slots = slots
+        self._bytes = pool.array
+        if planes and not isinstance(planes[0][0], np.ndarray):
+            import torch
+            self._bytes = torch.from_numpy(pool.array)
+
+    def _slot(self, plane, slot):
+        start = (plane * self.slots + slot) * self.block_bytes
+        return self._bytes[start:start + self.block_bytes]
+
+    def _block(self, plane, block_id):
+        tensor, kind = self.planes[plane]
+        block = tensor[kind, block_id].reshape(-1)
+        if isinstance(block, np.ndarray):
+            return block.view(np.uint8)
+        import torch
+        return block.view(torch.uint8)
+
+    def gather(self, block_ids):
+        """Cache blocks block_ids into slots 0.. (before a store)."""
+        for plane in range(len(self.planes)):
+            for slot, block_id in enumerate(block_ids):
+                _copy(self._slot(plane, slot), self._block(plane, block_id))
+
+    def scatter(self, block_ids, arrived):
+        """Slots 0.. into cache blocks block_ids, where `arrived` (after a load)."""
+        for plane in range(len(self.planes)):
+            for slot, block_id in enumerate(block_ids):
+                if arrived[slot]:
+                    _copy(self._block(plane, block_id), self._slot(plane, slot))
+
+
+def _copy(dst, src):
+    if isinstance(dst, np.ndarray):
+        np.copyto(dst, src)
+    else:
+        dst.copy_(src)
+
+
+class MemraWorker:
+    """The worker side on plain values: registers the pool, loads and saves whole blocks.
+    Caches that lie in HostPools are registered themselves (blocks copy straight between them
+    and the store); any others go through a staging HostPool of `staging_blocks` blocks."""
+
+    def __init__(self, store: BlockStore, staging_blocks=64):
         self._store = store
+        self._staging_blocks = staging_blocks
+        self._staging = None
         self.registration = None
         self._load_errors = set()
         self.saved_blocks = 0
         self.loaded_blocks = 0
 
-    def register_kv_caches(self, caches: Sequence[KvCacheTensor], pools: Sequence[HostPool],
-                           model, tp_rank=0, tp_size=1):
-        layout = pool_layout(caches, pools, model, tp_rank, tp_size)
-        self.registration = self._store.register(pools, layout)
+    def register_kv_caches(self, kv_caches, pools: Sequence[HostPool], model, tp_rank=0,
+                           tp_size=1):
+        """`kv_caches`: layer name -> (2, num_blocks, block_size, heads, head_dim) numpy array
+        or torch tensor, as vLLM passes them; `pools`: the HostPools they lie in, or none to
+        stage them."""
+        caches = [KvCacheTensor.of(name, tensor) for name, tensor in kv_caches.items()]
+        if pools:
+            layout = pool_layout(caches, pools, model, tp_rank, tp_size)
+            self.registration = self._store.register(pools, layout)
+            return self.registration
+        layout = pool_layout(caches, (), model, tp_rank, tp_size, self._staging_blocks)
+        block_bytes = layout.block_bytes
+        pool = HostPool(len(layout.tensors) * self._staging_blocks * block_bytes,
+                        "memra-kv-staging")
+        planes = [(tensor, kind) for tensor in kv_caches.values() for kind in (0, 1)]
+        self._staging = _Staging(pool, planes, block_bytes, self._staging_blocks)
+        self.registration = self._store.register([pool], layout)
         return self.registration
+
+    def _transfer(self, loading, block_ids, hashes, parent_hash=b"", token_ids=()):
+        """One outcome (True: done) per block; staged in chunks of the staging pool's size."""
+        if self._staging is None:
+            if loading:
+                transfer = self._store.load(self.registration, block_ids, hashes=hashes)
+            else:
+                transfer = self._store.store(self.registration, block_ids, hashes=hashes,
+                                             parent_hash=parent_hash, event_token_ids=token_ids)
+            return [block.ok for block in transfer.blocks]
+        slots = self._staging.slots
+        tokens_per_block = len(token_ids) // len(hashes) if token_ids else 0
+        done = []
+        for start in range(0, len(block_ids), slots):
+            ids, chunk = block_ids[start:start + slots], hashes[start:start + slots]
+            staged = list(range(len(ids)))
+            if loading:
+                transfer = self._store.load(self.registration, staged, hashes=chunk)
+                ok = [block.ok for block in transfer.blocks]
+                self._staging.scatter(ids, ok)
+            else:
+                self._staging.gather(ids)
+                transfer = self._store.store(
+                    self.registration, staged, hashes=chunk,
+                    parent_hash=hashes[start - 1] if start else parent_hash,
+                    event_token_ids=token_ids[start * tokens_per_block:
+                                              (start + len(ids)) * tokens_per_block])
+                ok = [block.ok for block in transfer.blocks]
+            done += ok
+        return done
 
     def start_load_kv(self, meta: MemraConnectorMetadata):
         """Every load of the step, done when this returns; failed blocks (no longer stored,
@@ -304,15 +409,13 @@ class MemraWorker:
             if not load.block_ids:
                 continue
             try:
-                transfer = self._store.load(self.registration, load.block_ids,
-                                            hashes=load.hashes)
+                arrived = self._transfer(True, load.block_ids, load.hashes)
             except KvError as error:
                 log.warning("load of request %s: %s", load.request_id, error)
                 self._load_errors.update(load.block_ids)
                 continue
-            failed = transfer.failed()
-            self._load_errors.update(load.block_ids[i] for i in failed)
-            self.loaded_blocks += len(load.block_ids) - len(failed)
+            self._load_errors.update(b for b, ok in zip(load.block_ids, arrived) if not ok)
+            self.loaded_blocks += sum(arrived)
 
     def wait_for_layer_load(self, layer_name):
         """Loads are complete when start_load_kv returns."""
@@ -325,13 +428,12 @@ class MemraWorker:
         costs a later cache miss, nothing else."""
         for save in meta.saves:
             try:
-                transfer = self._store.store(self.registration, save.block_ids,
-                                             hashes=save.hashes, parent_hash=save.parent_hash,
-                                             event_token_ids=save.token_ids)
+                stored = self._transfer(False, save.block_ids, save.hashes, save.parent_hash,
+                                        save.token_ids)
             except KvError as error:
                 log.warning("save of request %s: %s", save.request_id, error)
                 continue
-            self.saved_blocks += sum(1 for block in transfer.blocks if block.ok)
+            self.saved_blocks += sum(stored)
 
     def get_finished(self, finished_request_ids):
         """Nothing is asynchronous: no request waits on this connector."""
@@ -376,14 +478,14 @@ if KVConnectorBase_V1 is not None:
                                 cache_scope=extra.get("memra_cache_scope", ""))
             self._store = BlockStore(self._client)
             self._scheduler = None
-            self._worker = MemraWorker(self._store) if role == KVConnectorRole.WORKER else None
+            self._worker = (MemraWorker(self._store, int(extra.get("memra_staging_blocks", 64)))
+                            if role == KVConnectorRole.WORKER else None)
 
         # -- worker side --
 
         def register_kv_caches(self, kv_caches):
-            caches = [KvCacheTensor.of(name, tensor) for name, tensor in kv_caches.items()]
             parallel = self._vllm_config.parallel_config
-            self._worker.register_kv_caches(caches, self._extra.get("memra_pools", ()),
+            self._worker.register_kv_caches(kv_caches, self._extra.get("memra_pools", ()),
                                             self._model, getattr(parallel, "rank", 0),
                                             parallel.tensor_parallel_size)
 

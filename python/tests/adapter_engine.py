@@ -6,7 +6,8 @@ the engine's paged KV pool, and writes what it saw as JSON to OUT.
 
 ENGINE vllm: MODE store (a request's prompt computed and saved), load (the same prompt from a
 fresh pool: its blocks loaded, the bytes checked), load-evicted (the stored blocks evicted
-between lookup and load: load errors). ENGINE sglang: MODE set (host pages backed up), get
+between lookup and load: load errors); store-staged and load-staged with caches in plain
+memory (staged through a 3-block HostPool). ENGINE sglang: MODE set (host pages backed up), get
 (prefetched into other pages, the bytes checked), get-partial (unstored pages after the stored
 ones; then every page evicted between batch_exists and batch_get_v1); set-staged and
 get-staged with a host pool that is plain memory (staged through a 3-page HostPool).
@@ -25,8 +26,7 @@ import numpy as np
 import memra_kv
 from memra_kv.block_store import BlockStore, HostPool
 from memra_kv.sglang import MemraHiCache
-from memra_kv.vllm import (KvCacheTensor, MemraScheduler, MemraWorker, lookup_layout,
-                           pool_layout)
+from memra_kv.vllm import MemraScheduler, MemraWorker, lookup_layout
 
 MODEL = "contract-model/rev1"
 LAYERS, HEADS, HEAD_DIM, BLOCK = 2, 2, 8, 16
@@ -78,14 +78,22 @@ def block_bytes(caches, layer, kind, block_id):
 
 def vllm_engine(socket, admin_socket, mode):
     facts = {}
+    staged = mode.endswith("-staged")
+    mode = mode[:-len("-staged")] if staged else mode
     with memra_kv.connect(socket) as sched_client, memra_kv.connect(socket) as worker_client:
         sched_client.attach("vllm-scheduler")
         worker_client.attach("vllm-worker-0")
-        pool, caches = vllm_pool()
-        worker = MemraWorker(BlockStore(worker_client))
+        if staged:  # vLLM's own memory, not a HostPool: blocks go through a staging pool
+            pools = []
+            caches = {"model.layers.%d.self_attn.attn" % layer:
+                      np.zeros((2, POOL_BLOCKS, BLOCK, HEADS, HEAD_DIM), dtype=np.float16)
+                      for layer in range(LAYERS)}
+        else:
+            pool, caches = vllm_pool()
+            pools = [pool]
+        worker = MemraWorker(BlockStore(worker_client), staging_blocks=3)
         # vLLM: register_kv_caches once the worker allocated its caches.
-        registration = worker.register_kv_caches(
-            [KvCacheTensor.of(name, t) for name, t in caches.items()], [pool], MODEL)
+        registration = worker.register_kv_caches(caches, pools, MODEL)
         facts["groups"] = [g.block_bytes for g in registration.groups]
         packed, nbytes = lookup_layout(registration.layout)
         lookup_pool = HostPool(nbytes)

@@ -54,3 +54,22 @@ def test_blocks_evicted_between_lookup_and_load_are_load_errors(kvd):
     # vLLM recomputes exactly the blocks it was told failed: the ones allocated for the load.
     assert evicted["load_errors"] == sorted(evicted["block_ids"][:WHOLE_BLOCKS])
     assert evicted["finished"] == [None, None]
+
+
+def test_caches_in_the_engines_own_memory_are_staged_both_ways(kvd):
+    """vLLM's caches are its own tensors the daemon cannot map: 4 blocks through a 3-block
+    staging pool, saved by one engine and loaded by another, same bytes as zero-copy."""
+    daemon = kvd(*DAEMON_FLAGS)
+    stored = run_engine(daemon, "vllm", "store-staged")
+    assert stored["saved_blocks"] == WHOLE_BLOCKS and all(stored["pattern_ok"])
+    loaded = run_engine(daemon, "vllm", "load")  # zero-copy reads what was staged
+    assert (loaded["loaded_blocks"], loaded["load_errors"]) == (WHOLE_BLOCKS, [])
+    staged = run_engine(daemon, "vllm", "load-staged")
+    assert (staged["loaded_blocks"], staged["load_errors"]) == (WHOLE_BLOCKS, [])
+    assert staged["block_digests"] == loaded["block_digests"] == stored["block_digests"]
+    with daemon.admin() as admin:
+        events = admin.events()
+        stored_event = next(events)
+        events.cancel()
+    # Staged in a chunk of 3 and one of 1: two stores, the second's parent the third hash.
+    assert stored_event.block_hashes == vllm_hashes(PROMPT)[:3]
