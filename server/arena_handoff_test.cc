@@ -26,6 +26,7 @@ namespace {
 
 using ::memra::testing::HasSubstrs;
 using ::memra::testing::IsOk;
+using ::memra::testing::IsOkAndHolds;
 using ::memra::testing::StatusIs;
 
 constexpr uint64_t kEngine = 7;
@@ -71,6 +72,17 @@ class ArenaHandoffTest : public ::testing::Test {
                 "session 1 belongs to engine ", kEngine, ", not engine ", engine));
           }
           return ArenaFd{.fd = ScopedFd(dup(memfd_.get())), .bytes = kArenaBytes};
+        },
+        [this](uint64_t engine, uint64_t connection, uint64_t bytes,
+               ScopedFd fd) -> absl::StatusOr<uint64_t> {
+          struct stat info {};
+          if (fstat(fd.get(), &info) != 0 || static_cast<uint64_t>(info.st_size) < bytes) {
+            return absl::FailedPreconditionError(absl::StrCat(
+                "the offered descriptor holds ", info.st_size, " bytes, not ", bytes));
+          }
+          absl::MutexLock lock(&mu_);
+          offers_.push_back({engine, connection, bytes});
+          return 100 + offers_.size();
         });
     ASSERT_THAT(handoff_->Start(), IsOk());
   }
@@ -122,7 +134,40 @@ class ArenaHandoffTest : public ::testing::Test {
   std::unique_ptr<ArenaHandoff> handoff_;
   absl::Mutex mu_;
   int lookups_ ABSL_GUARDED_BY(mu_) = 0;
+  struct Offer {
+    uint64_t engine;
+    uint64_t connection;
+    uint64_t bytes;
+  };
+  std::vector<Offer> offers_ ABSL_GUARDED_BY(mu_);
 };
+
+TEST_F(ArenaHandoffTest, BufferOffersGoToTheIntakeWithTheirDescriptorOnlyFromABoundEngine) {
+  StartHandoff();
+  std::unique_ptr<HandoffChannel> channel = Connect();
+  ASSERT_NE(channel, nullptr);
+  EXPECT_THAT(channel->OfferBuffer(memfd_.get(), kArenaBytes),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstrs("Attach with its ticket")));
+  absl::StatusOr<HandoffClaim> claim = handoff_->ClaimTicket(channel->ticket());
+  ASSERT_THAT(claim, IsOk());
+  handoff_->BindEngine(claim->connection, kEngine);
+  EXPECT_TRUE(handoff_->ServesEngine(claim->connection, kEngine));
+  EXPECT_FALSE(handoff_->ServesEngine(claim->connection, kEngine + 1));
+  EXPECT_THAT(channel->OfferBuffer(memfd_.get(), kArenaBytes), IsOkAndHolds(101u));
+  EXPECT_THAT(channel->OfferBuffer(memfd_.get(), kArenaBytes + 1),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstrs("holds 4096 bytes, not 4097")));
+  // An offer without a descriptor is refused; the connection stays open.
+  EXPECT_THAT(channel->OfferBuffer(-1, 8),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstrs("offer of 8 bytes came without a descriptor")));
+  EXPECT_THAT(channel->OfferBuffer(memfd_.get(), 16), IsOkAndHolds(102u));
+  absl::MutexLock lock(&mu_);
+  ASSERT_EQ(offers_.size(), 2u);
+  EXPECT_EQ(offers_[0].engine, kEngine);
+  EXPECT_EQ(offers_[0].connection, claim->connection);
+  EXPECT_EQ(offers_[1].bytes, 16u);
+}
 
 TEST_F(ArenaHandoffTest, TicketCarriesThePeerCredentialsOnce) {
   StartHandoff();
@@ -348,7 +393,8 @@ TEST_F(ArenaHandoffTest, MalformedFrameIsRefusedAndClosed) {
             static_cast<ssize_t>(ticket.size()));
   EXPECT_THAT(LastRefusalBeforeClose(ticket_sender),
               StatusIs(absl::StatusCode::kInvalidArgument,
-                       HasSubstrs("only arena requests (kind 2), got kind 1")));
+                       HasSubstrs("only arena requests (kind 2) and buffer offers (kind 16), "
+                                  "got kind 1")));
   close(ticket_sender);
 }
 

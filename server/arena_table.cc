@@ -52,6 +52,14 @@ absl::StatusOr<std::shared_ptr<ArenaRecord>> ArenaTable::FindRange(absl::string_
   return arena;
 }
 
+ArenaId ArenaTable::FileUncharged(std::shared_ptr<ArenaRecord> record) {
+  absl::MutexLock lock(&mu_);
+  const ArenaId id{next_id_++};
+  arenas_.emplace(id, std::move(record));
+  uncharged_.insert(id);
+  return id;
+}
+
 absl::Status ArenaTable::Remove(ArenaId id) {
   std::shared_ptr<ArenaRecord> arena;  // released after the lock: freeing may be slow
   absl::MutexLock lock(&mu_);
@@ -61,7 +69,7 @@ absl::Status ArenaTable::Remove(ArenaId id) {
   }
   arena = std::move(it->second);
   arenas_.erase(it);
-  live_bytes_ -= arena->bytes();
+  if (uncharged_.erase(id) == 0) live_bytes_ -= arena->bytes();
   return absl::OkStatus();
 }
 
@@ -72,7 +80,7 @@ uint64_t ArenaTable::live_bytes() const {
 
 size_t ArenaTable::size() const {
   absl::MutexLock lock(&mu_);
-  return arenas_.size();
+  return arenas_.size() - uncharged_.size();
 }
 
 }  // namespace memra

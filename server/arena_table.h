@@ -10,6 +10,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -74,6 +75,9 @@ class ArenaTable {
   absl::StatusOr<std::shared_ptr<ArenaRecord>> FindRange(absl::string_view op, ArenaId id,
                                                          uint64_t offset, uint64_t bytes) const
       ABSL_LOCKS_EXCLUDED(mu_);
+  // Files memory the daemon does not own (an engine's pool, mapped for the block store): no
+  // charge against the capacity, not in live_bytes() or size().
+  ArenaId FileUncharged(std::shared_ptr<ArenaRecord> record) ABSL_LOCKS_EXCLUDED(mu_);
   // Forgets the arena and its charge; its memory is released with the last reference.
   absl::Status Remove(ArenaId id) ABSL_LOCKS_EXCLUDED(mu_);
 
@@ -90,6 +94,7 @@ class ArenaTable {
   uint64_t reserved_bytes_ ABSL_GUARDED_BY(mu_) = 0;  // being allocated, not yet filed
   uint64_t live_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   absl::flat_hash_map<ArenaId, std::shared_ptr<ArenaRecord>> arenas_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_set<ArenaId> uncharged_ ABSL_GUARDED_BY(mu_);  // FileUncharged's, in arenas_
 };
 
 }  // namespace memra

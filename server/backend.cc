@@ -28,6 +28,13 @@ absl::StatusOr<ArenaId> DeviceBackend::AdoptArenaFd(int fd, uint64_t bytes, std:
                    bytes, "-byte arena from a file descriptor (its arenas are not descriptors)"));
 }
 
+absl::StatusOr<MappedEngineBuffers> DeviceBackend::MapEngineBuffers(
+    absl::Span<const EngineBufferFd> buffers) {
+  return absl::FailedPreconditionError(absl::StrCat(
+      absl::string_view(Name().data(), Name().size()), " backend: cannot map ", buffers.size(),
+      " engine buffers from file descriptors (its engines' pools are not descriptors)"));
+}
+
 absl::Status CheckArenaRange(absl::string_view op, ArenaId arena, uint64_t arena_bytes,
                              uint64_t offset, uint64_t bytes) {
   uint64_t end;

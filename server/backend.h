@@ -13,6 +13,7 @@
 #include <string>
 #include <string_view>
 #include <utility>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -64,6 +65,18 @@ struct CopyRange {
 struct I32Write {
   uint64_t offset = 0;
   int32_t value = 0;
+};
+
+// One buffer of an engine's own pool that the daemon maps (DeviceBackend::MapEngineBuffers):
+// `bytes` from `offset` of the file behind `fd` (the caller keeps `fd`).
+struct EngineBufferFd {
+  int fd = -1;
+  uint64_t offset = 0;
+  uint64_t bytes = 0;
+};
+struct MappedEngineBuffers {
+  ArenaId arena;
+  std::vector<uint64_t> base;  // where each buffer starts in the arena
 };
 
 struct DeviceInfo {
@@ -118,6 +131,16 @@ class DeviceBackend {
   // smaller than `bytes`.
   virtual absl::StatusOr<ArenaId> AdoptArenaFd(int fd, uint64_t bytes,
                                                std::string export_handle);
+  // The block store (server/block_store.h): maps an engine's own pool memory, the descriptors
+  // it offered (checked regular files sealed against shrinking, each at least offset + bytes
+  // long), into ONE arena the daemon copies to and from with the ordinary data operations,
+  // buffer i at `base[i]`. The arena is the engine's memory: not charged against the capacity,
+  // not in AllocatedBytes() or ArenaCount(), never exported; FreeArena unmaps it (the engine's
+  // memory stays). INVALID_ARGUMENT for no buffers or a range that overflows;
+  // FAILED_PRECONDITION on a backend whose engine memory is not file descriptors (cuda: the
+  // pool's CUDA IPC handles, not built yet).
+  virtual absl::StatusOr<MappedEngineBuffers> MapEngineBuffers(
+      absl::Span<const EngineBufferFd> buffers);
   // Exported arenas stop being mappable by new clients; existing client mappings stay valid
   // until those clients unmap (host: the shm name is unlinked).
   virtual absl::Status FreeArena(ArenaId arena) = 0;

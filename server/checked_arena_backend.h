@@ -55,6 +55,10 @@ class CheckedArenaBackend : public DeviceBackend {
       uint64_t bytes, absl::FunctionRef<absl::StatusOr<std::shared_ptr<ArenaRecord>>(uint64_t)>
                           adopt);
 
+  // Files `record`, memory an engine owns (MapEngineBuffers), without a charge.
+  ArenaId FileEngineMemory(std::shared_ptr<ArenaRecord> record) {
+    return arenas_.FileUncharged(std::move(record));
+  }
   // A zero-filled arena of exactly `bytes` (already rounded); export_handle() set iff exported.
   virtual absl::StatusOr<std::shared_ptr<ArenaRecord>> Allocate(uint64_t bytes,
                                                                 ArenaVisibility visibility) = 0;

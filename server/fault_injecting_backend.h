@@ -71,6 +71,10 @@ class FaultInjectingBackend final : public DeviceBackend {
                                        std::string export_handle) override {
     return target_->AdoptArenaFd(fd, bytes, std::move(export_handle));
   }
+  absl::StatusOr<MappedEngineBuffers> MapEngineBuffers(
+      absl::Span<const EngineBufferFd> buffers) override {
+    return target_->MapEngineBuffers(buffers);
+  }
   absl::Status FreeArena(ArenaId arena) override;
 
   absl::Status Memset(ArenaId arena, uint64_t offset, uint8_t value, uint64_t bytes) override;

@@ -19,6 +19,7 @@
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
+#include "core/checked_math.h"
 #include "core/status_macros.h"
 #include "common/errors.h"
 #include "common/mapped_region.h"
@@ -86,7 +87,64 @@ class HostArena final : public ArenaRecord {
   ScopedFd memfd_;  // -1 for a private arena
 };
 
+// An engine's pool buffers mapped back to back (page-aligned) into one reserved range of the
+// daemon's address space; unmapped whole with the record.
+class EngineBuffersArena final : public ArenaRecord {
+ public:
+  EngineBuffersArena(uint8_t* data, uint64_t bytes) : ArenaRecord(data, bytes, "") {}
+  ~EngineBuffersArena() override { munmap(data(), bytes()); }
+};
+
 }  // namespace
+
+absl::StatusOr<MappedEngineBuffers> HostBackend::MapEngineBuffers(
+    absl::Span<const EngineBufferFd> buffers) {
+  if (buffers.empty()) {
+    return absl::InvalidArgumentError("host MapEngineBuffers: no buffers to map");
+  }
+  // Each buffer's mapping starts at its page-aligned file offset; the arena holds them all.
+  struct Placement {
+    uint64_t file_offset = 0;  // page-aligned
+    uint64_t length = 0;       // page-rounded
+    uint64_t at = 0;           // where the mapping starts in the arena
+  };
+  std::vector<Placement> placements;
+  MappedEngineBuffers mapped;
+  uint64_t total = 0;
+  for (size_t i = 0; i < buffers.size(); ++i) {
+    const EngineBufferFd& buffer = buffers[i];
+    Placement place;
+    place.file_offset = buffer.offset / page_size_ * page_size_;
+    const uint64_t lead = buffer.offset - place.file_offset;
+    ASSIGN_OR_RETURN(uint64_t span, CheckedAdd(lead, buffer.bytes, "engine buffer mapping"));
+    ASSIGN_OR_RETURN(place.length, CheckedAlignUp(span, page_size_, "engine buffer mapping"));
+    place.at = total;
+    mapped.base.push_back(total + lead);
+    ASSIGN_OR_RETURN(total, CheckedAdd(total, place.length, "engine buffer mappings"));
+    placements.push_back(place);
+  }
+  // One reservation, then each buffer MAP_FIXED over its part: a failure unmaps the whole.
+  void* reserved = mmap(nullptr, total, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
+                        -1, 0);
+  if (reserved == MAP_FAILED) {
+    return PosixError(absl::StrCat("reserving ", total, " bytes for engine buffers"), errno);
+  }
+  auto base = static_cast<uint8_t*>(reserved);
+  for (size_t i = 0; i < buffers.size(); ++i) {
+    const Placement& place = placements[i];
+    void* at = mmap(base + place.at, place.length, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED,
+                    buffers[i].fd, static_cast<off_t>(place.file_offset));
+    if (at == MAP_FAILED) {
+      const int err = errno;
+      munmap(reserved, total);
+      return PosixError(absl::StrCat("mapping engine buffer ", i, " (", buffers[i].bytes,
+                                     " bytes at offset ", buffers[i].offset, ")"),
+                        err);
+    }
+  }
+  mapped.arena = FileEngineMemory(std::make_shared<EngineBuffersArena>(base, total));
+  return mapped;
+}
 
 absl::StatusOr<std::unique_ptr<HostBackend>> HostBackend::Create(HostBackendOptions options) {
   RETURN_IF_ERROR(ValidateOptions(options));

@@ -48,6 +48,8 @@ class HostBackend final : public CheckedArenaBackend {
   absl::Status WaitForEngineEvent(absl::string_view ipc_event_handle) override;
   absl::StatusOr<ArenaId> AdoptArenaFd(int fd, uint64_t bytes,
                                        std::string export_handle) override;
+  absl::StatusOr<MappedEngineBuffers> MapEngineBuffers(
+      absl::Span<const EngineBufferFd> buffers) override;
 
  private:
   HostBackend(HostBackendOptions options, uint64_t page_size);

@@ -562,3 +562,47 @@ TEST_F(HostBackendTest, AdoptionRefusalsCloseTheDescriptorAndFileNothing) {
 
 }  // namespace
 }  // namespace memra
+
+namespace memra {
+namespace {
+
+TEST_F(HostBackendTest, EngineBuffersMapIntoOneUnchargedArenaOverTheEnginesMemory) {
+  const uint64_t page_bytes = page();
+  ScopedFd first(memfd_create("engine-pool-a", MFD_CLOEXEC));
+  ScopedFd second(memfd_create("engine-pool-b", MFD_CLOEXEC));
+  ASSERT_GE(first.get(), 0);
+  ASSERT_GE(second.get(), 0);
+  ASSERT_EQ(ftruncate(first.get(), static_cast<off_t>(page_bytes)), 0);
+  ASSERT_EQ(ftruncate(second.get(), static_cast<off_t>(3 * page_bytes)), 0);
+  ASSERT_EQ(pwrite(second.get(), "pool", 4, static_cast<off_t>(page_bytes + 10)), 4);
+  const uint64_t allocated_before = backend_->AllocatedBytes();
+  const size_t arenas_before = backend_->ArenaCount();
+  const std::vector<EngineBufferFd> buffers = {
+      {.fd = first.get(), .offset = 0, .bytes = 100},
+      // A view that starts inside a page: its base keeps the lead.
+      {.fd = second.get(), .offset = page_bytes + 10, .bytes = page_bytes}};
+  absl::StatusOr<MappedEngineBuffers> mapped = backend_->MapEngineBuffers(buffers);
+  ASSERT_THAT(mapped, IsOk());
+  ASSERT_EQ(mapped->base.size(), 2u);
+  EXPECT_EQ(mapped->base[0], 0u);
+  EXPECT_EQ(mapped->base[1], page_bytes + 10);
+  EXPECT_EQ(backend_->AllocatedBytes(), allocated_before);
+  EXPECT_EQ(backend_->ArenaCount(), arenas_before);
+  std::vector<uint8_t> read(4);
+  ASSERT_THAT(backend_->Read(mapped->arena, mapped->base[1], absl::MakeSpan(read)), IsOk());
+  EXPECT_EQ(std::string(read.begin(), read.end()), "pool");
+  const std::vector<uint8_t> written = {'d', 'a', 'e', 'm'};
+  ASSERT_THAT(backend_->Write(mapped->arena, mapped->base[0] + 5, written), IsOk());
+  char seen[4] = {};
+  ASSERT_EQ(pread(first.get(), seen, 4, 5), 4);
+  EXPECT_EQ(std::string(seen, 4), "daem");
+  EXPECT_THAT(backend_->Export(mapped->arena),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstrs("private")));
+  ASSERT_THAT(backend_->FreeArena(mapped->arena), IsOk());
+  EXPECT_EQ(backend_->ArenaCount(), arenas_before);
+  EXPECT_THAT(backend_->MapEngineBuffers({}),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstrs("no buffers")));
+}
+
+}  // namespace
+}  // namespace memra

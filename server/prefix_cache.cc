@@ -566,9 +566,69 @@ StorageMedium PrefixCache::MediumOf(const EntryView& entry) const {
   return MediumLocked(entry.blocks, entry.boundary);
 }
 
+absl::StatusOr<std::vector<PrefixCache::Stored>> PrefixCache::SealCopies(
+    ArenaId source, std::vector<PieceCopy>& pieces) {
+  size_t allocated = 0;
+  auto free_copies = [&] {
+    for (size_t i = 0; i < allocated; ++i) {
+      (void)slabs_->Release(pieces[i].storage.span.slab);
+      FreeStorage(pieces[i].storage.span);
+    }
+  };
+  for (; allocated < pieces.size(); ++allocated) {
+    absl::StatusOr<SlabSpan> span = slabs_->Allocate(pieces[allocated].bytes);
+    if (!span.ok()) {
+      free_copies();
+      return span.status();
+    }
+    pieces[allocated].storage.span = *span;
+  }
+  // Sealed as they are copied: the checksums come from the bytes the copy read.
+  absl::StatusOr<std::vector<std::vector<uint64_t>>> slices =
+      CopySlices(Direction::kCapture, source, pieces, /*checksum=*/true, EntryId{});
+  if (!slices.ok()) {
+    free_copies();
+    return slices.status();
+  }
+  std::vector<Stored> copies(pieces.size());
+  for (size_t i = 0; i < pieces.size(); ++i) {
+    copies[i].ref.checksum = PieceChecksum((*slices)[i]);
+    copies[i].storage.span = pieces[i].storage.span;
+    copies[i].storage.piece_bytes = pieces[i].bytes;
+    copies[i].storage.checksum = copies[i].ref.checksum;
+    if ((*slices)[i].size() > 1) copies[i].storage.slice_checksums = std::move((*slices)[i]);
+  }
+  return copies;
+}
+
+absl::StatusOr<CommitResult> PrefixCache::AdoptCopies(const CapturePlan& plan,
+                                                      std::vector<Stored>& copies,
+                                                      size_t new_blocks) {
+  CaptureCommit commit;
+  for (Stored& copy : copies) copy.ref.storage_handle = next_handle_++;
+  for (size_t i = 0; i < new_blocks; ++i) commit.new_blocks.push_back(copies[i].ref);
+  if (copies.size() > new_blocks) commit.boundary = copies.back().ref;
+  absl::StatusOr<CommitResult> committed =
+      index_.CommitCapture(plan, commit, tick_.fetch_add(1) + 1);
+  for (const Stored& copy : copies) {
+    (void)slabs_->Release(copy.storage.span.slab);
+    if (committed.ok()) {
+      storage_[copy.ref.storage_handle] = copy.storage;
+      device_stored_bytes_ += copy.storage.span.bytes;
+    } else {
+      FreeStorage(copy.storage.span);
+    }
+  }
+  if (!committed.ok()) return committed.status();
+  FreeHandles(committed->unused_handles);
+  FreeHandles(committed->evicted_handles);
+  return committed;
+}
+
 absl::StatusOr<PrefixCaptureResult> PrefixCache::CaptureLocked(
     const ScopedShape& shape, const SessionState& state, const SessionLayoutVersion& layout,
-    absl::Span<const int32_t> tokens, uint64_t boundary_tokens, bool allow_open_transaction) {
+    absl::Span<const int32_t> tokens, uint64_t boundary_tokens, bool allow_open_transaction,
+    uint64_t engine_id) {
   RETURN_IF_ERROR(state.EnsureUsable("prefix capture"));
   const std::optional<TransactionId>& active = state.kv().state().active();
   if (active.has_value() && !allow_open_transaction) {
@@ -614,56 +674,23 @@ absl::StatusOr<PrefixCaptureResult> PrefixCache::CaptureLocked(
       pieces.back().bytes = stored.boundary_bytes;
     }
   }
-  size_t allocated = 0;
-  auto free_copies = [&] {
-    for (size_t i = 0; i < allocated; ++i) {
-      (void)slabs_->Release(pieces[i].storage.span.slab);
-      FreeStorage(pieces[i].storage.span);
+  ASSIGN_OR_RETURN(std::vector<Stored> copies, SealCopies(layout.arena, pieces));
+  // What routers index (prefix.proto PrefixEvent 20-25): the new blocks' token ids and parent;
+  // their hashes are the block keys themselves.
+  plan.origin.block_tokens = static_cast<uint32_t>(block);
+  plan.origin.engine_id = engine_id;
+  if (!plan.already_present) {
+    plan.origin.token_ids.assign(tokens.begin() + plan.first_new_block * block,
+                                 tokens.begin() + boundary_tokens);
+    if (plan.first_new_block > 0) {
+      const BlockKey& parent = plan.chain[plan.first_new_block - 1];
+      plan.origin.parent_block_hash.assign(parent.begin(), parent.end());
     }
-  };
-  for (; allocated < pieces.size(); ++allocated) {
-    absl::StatusOr<SlabSpan> span = slabs_->Allocate(pieces[allocated].bytes);
-    if (!span.ok()) {
-      free_copies();
-      return span.status();
-    }
-    pieces[allocated].storage.span = *span;
-  }
-  // Sealed as they are copied: the checksums come from the bytes the copy read.
-  absl::StatusOr<std::vector<std::vector<uint64_t>>> slices =
-      CopySlices(Direction::kCapture, layout.arena, pieces, /*checksum=*/true, EntryId{});
-  if (!slices.ok()) {
-    free_copies();
-    return slices.status();
-  }
-  std::vector<Stored> copies(pieces.size());
-  for (size_t i = 0; i < pieces.size(); ++i) {
-    copies[i].ref.checksum = PieceChecksum((*slices)[i]);
-    copies[i].storage.span = pieces[i].storage.span;
-    copies[i].storage.piece_bytes = pieces[i].bytes;
-    copies[i].storage.checksum = copies[i].ref.checksum;
-    if ((*slices)[i].size() > 1) copies[i].storage.slice_checksums = std::move((*slices)[i]);
   }
   absl::MutexLock lock(&mu_);
-  CaptureCommit commit;
-  for (Stored& copy : copies) copy.ref.storage_handle = next_handle_++;
   const size_t new_blocks = plan.already_present ? 0 : plan.new_block_count();
-  for (size_t i = 0; i < new_blocks; ++i) commit.new_blocks.push_back(copies[i].ref);
-  if (copies.size() > new_blocks) commit.boundary = copies.back().ref;
-  absl::StatusOr<CommitResult> committed =
-      index_.CommitCapture(plan, commit, tick_.fetch_add(1) + 1);
-  for (const Stored& copy : copies) {
-    (void)slabs_->Release(copy.storage.span.slab);
-    if (committed.ok()) {
-      storage_[copy.ref.storage_handle] = copy.storage;
-      device_stored_bytes_ += copy.storage.span.bytes;
-    } else {
-      FreeStorage(copy.storage.span);
-    }
-  }
+  absl::StatusOr<CommitResult> committed = AdoptCopies(plan, copies, new_blocks);
   if (!committed.ok()) return committed.status();
-  FreeHandles(committed->unused_handles);
-  FreeHandles(committed->evicted_handles);
   position_addressed_[shape.key] = stored.position_addressed_only;
   scoped_shapes_[shape.key] = shape;
   if (!committed->already_present) ++captures_;
@@ -691,7 +718,7 @@ absl::StatusOr<PrefixCaptureResult> PrefixCache::Capture(DaemonSession& session,
         if (!committed_tokens.ok()) return committed_tokens.status();
         // Stored under what the session committed, never under the caller's word.
         result = CaptureLocked(shape, state, layout, *committed_tokens, boundary_tokens,
-                               /*allow_open_transaction=*/false);
+                               /*allow_open_transaction=*/false, session.owner().value);
         return result.status();
       }));
   return result;
@@ -724,7 +751,8 @@ absl::StatusOr<std::optional<PrefixCaptureResult>> PrefixCache::CaptureCommitted
         if (boundary == 0) return absl::OkStatus();
         ASSIGN_OR_RETURN(PrefixCaptureResult captured,
                          CaptureLocked(shape, state, layout, *tokens, boundary,
-                                       /*allow_open_transaction=*/position_addressed));
+                                       /*allow_open_transaction=*/position_addressed,
+                                       /*engine_id=*/0));
         result = captured;
         return absl::OkStatus();
       }));
@@ -968,7 +996,7 @@ absl::StatusOr<SessionState> PrefixCache::RestorePinned(SessionId session,
 
 absl::StatusOr<std::vector<std::vector<uint64_t>>> PrefixCache::CopySlices(
     Direction direction, ArenaId session_arena, const std::vector<PieceCopy>& pieces,
-    bool checksum, EntryId entry) const {
+    bool checksum, EntryId entry, std::vector<absl::Status>* piece_failures) const {
   const uint64_t slice_bytes = options_.checksum_slice_bytes;
   const bool toward_storage = direction == Direction::kCapture;
   // Every slice of every piece is an independent range of the destination, so slices are copied
@@ -982,6 +1010,7 @@ absl::StatusOr<std::vector<std::vector<uint64_t>>> PrefixCache::CopySlices(
   std::vector<Job> jobs;
   std::vector<std::vector<uint64_t>> checksums(pieces.size());
   uint64_t total = 0;
+  if (piece_failures != nullptr) piece_failures->assign(pieces.size(), absl::OkStatus());
   for (size_t p = 0; p < pieces.size(); ++p) {
     const uint64_t slices = SliceCount(pieces[p].bytes, slice_bytes);
     checksums[p].resize(slices);
@@ -1023,7 +1052,7 @@ absl::StatusOr<std::vector<std::vector<uint64_t>>> PrefixCache::CopySlices(
       return absl::DataLossError(absl::StrFormat(
           "prefix entry %d: stored piece %d (slab %d, offset %d), slice %d of %d (%d bytes), "
           "has xxHash3 %016x, captured as %016x; the entry is dropped, never served",
-          entry.value, job.piece, stored.value, piece.storage.span.offset, job.slice,
+          piece.entry.value != 0 ? piece.entry.value : entry.value, job.piece, stored.value, piece.storage.span.offset, job.slice,
           checksums[job.piece].size(), end - begin, digest, expected));
     }
     return absl::OkStatus();
@@ -1037,11 +1066,18 @@ absl::StatusOr<std::vector<std::vector<uint64_t>>> PrefixCache::CopySlices(
   std::vector<std::pair<size_t, absl::Status>> failures(workers, {jobs.size(), absl::OkStatus()});
   std::atomic<size_t> next_job{0};
   std::atomic<bool> failed{false};
+  absl::Mutex failures_mu;  // piece_failures: slices of one piece may fail at once
   auto run = [&](uint64_t worker) {
     while (!failed.load(std::memory_order_relaxed)) {
       const size_t i = next_job.fetch_add(1, std::memory_order_relaxed);
       if (i >= jobs.size()) return;
       absl::Status status = run_job(jobs[i]);
+      if (!status.ok() && piece_failures != nullptr) {
+        absl::MutexLock lock(&failures_mu);
+        absl::Status& first = (*piece_failures)[jobs[i].piece];
+        if (first.ok()) first = std::move(status);
+        continue;
+      }
       if (!status.ok()) {
         failures[worker] = {i, std::move(status)};
         failed.store(true, std::memory_order_relaxed);
@@ -1071,6 +1107,10 @@ ScopedEntry PrefixCache::Unscoped(EntryView view) const {
   if (auto it = scoped_shapes_.find(view.fingerprint); it != scoped_shapes_.end()) {
     out.cache_scope = it->second.scope;
     view.fingerprint = it->second.shape;
+    if (it->second.engine_pool) {
+      out.from_engine_pool = true;
+      view.boundary_tokens = view.blocks.size() * uint64_t{it->second.block_tokens};
+    }
   }
   out.view = std::move(view);
   return out;

@@ -112,12 +112,17 @@ struct ScopedShape {
   std::string scope;
   PlanFingerprint shape{};
   PlanFingerprint key{};  // ScopedShapeFingerprint(scope, shape)
+  // An engine pool's layout (block store), not a session shape; `shape` is then the layout
+  // fingerprint (block_layout.h) and entries are single blocks of block_tokens tokens.
+  bool engine_pool = false;
+  uint32_t block_tokens = 0;
 };
 
 // An entry or an event with its scope; `fingerprint` is the plain shape (the scope apart).
 struct ScopedEntry {
   std::string cache_scope;
   EntryView view;
+  bool from_engine_pool = false;  // a block store entry (view.origin says whose)
 };
 struct ScopedPrefixEvent {
   std::string cache_scope;
@@ -215,6 +220,37 @@ struct PrefixCacheStats {
   std::vector<PrefixTierStats> tiers;
 };
 
+
+// ---- Engine-pool blocks: the block store's narrow API (server/block_store.h) ----
+// An engine's registered pool is one arena (DeviceBackend::MapEngineBuffers). Each stored pool
+// block is its own prefix entry (a chain of one key, block_layout.h keys) in the key space of
+// the group's scoped layout, so blocks evict, pin and expire independently, and share the one
+// budget, LRU, slabs, tiers, checksums and events with session captures. A group's STATE
+// tensors for a boundary are an entry of their own under BoundaryStateKey(the block's key) in
+// BoundaryStateFingerprint(the key space).
+
+// One contiguous range of a pool block in the pool's arena.
+struct PoolPiece {
+  uint64_t pool_offset = 0;
+  uint64_t bytes = 0;
+};
+struct PoolBlock {
+  BlockKey key{};
+  std::vector<PoolPiece> pieces;  // in stored order
+  uint64_t bytes = 0;             // their sum
+  PrefixEventOrigin origin;       // StorePoolBlocks: this block's STORED event
+};
+struct PoolBlockResult {
+  absl::Status status;  // OK, NOT_FOUND, DATA_LOSS, RESOURCE_EXHAUSTED...
+  bool already_present = false;
+  uint64_t copied_bytes = 0;  // the block's (and its state's) bytes that moved
+};
+struct PoolLookupResult {
+  uint64_t matched_blocks = 0;
+  StorageMedium medium = StorageMedium::kDevice;
+  std::vector<EntryId> pinned;  // with pin: the matched entries (and the state's)
+};
+
 class PrefixCache {
  public:
   // `backend` must outlive the cache; `budget` may be null (no shared admission ledger).
@@ -267,6 +303,32 @@ class PrefixCache {
                                               std::optional<EntryId> entry,
                                               absl::Span<const int32_t> tokens)
       ABSL_LOCKS_EXCLUDED(mu_);
+
+  // ---- Engine-pool blocks (the block-store API above) ----
+  // Copies `blocks` from the pool arena `pool` into the store under `space` (`space.key` is
+  // the scoped layout; engine_pool and block_tokens set); `state` (its key set to the last
+  // block's) goes with the last block. One result per block (the state's failure is the last
+  // block's): already stored blocks are touched, not copied; RESOURCE_EXHAUSTED when no room is
+  // left even after eviction.
+  std::vector<PoolBlockResult> StorePoolBlocks(const ScopedShape& space, ArenaId pool,
+                                               const std::vector<PoolBlock>& blocks,
+                                               const std::optional<PoolBlock>& state)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // How many leading `keys` are stored (with `needs_state`: up to the last one whose boundary
+  // state is stored too); with `pin`, pins them (UnpinPoolEntries releases). Touches nothing.
+  PoolLookupResult LookupPoolBlocks(const ScopedShape& space, absl::Span<const BlockKey> keys,
+                                    bool needs_state, bool pin) ABSL_LOCKS_EXCLUDED(mu_);
+  void UnpinPoolEntries(absl::Span<const EntryId> entries) ABSL_LOCKS_EXCLUDED(mu_);
+  // Copies stored blocks into `pool` (each PoolBlock's pieces are its destination), verifying
+  // the checksums as it copies: one result per block, NOT_FOUND for one not stored (or whose
+  // `state` is not), DATA_LOSS for a corrupt one (its entry is dropped; its destination bytes
+  // are unspecified). Loaded entries move up the LRU.
+  std::vector<PoolBlockResult> LoadPoolBlocks(const ScopedShape& space, ArenaId pool,
+                                              const std::vector<PoolBlock>& blocks,
+                                              const std::optional<PoolBlock>& state)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // Test seam: the entry a pool block (or state) key is stored as.
+  std::optional<EntryId> PoolEntry(const BlockKey& key) const ABSL_LOCKS_EXCLUDED(mu_);
 
   // Operator calls: every scope.
   std::vector<ScopedEntry> ListEntries() const ABSL_LOCKS_EXCLUDED(mu_);
@@ -324,6 +386,7 @@ class PrefixCache {
     uint64_t bytes = 0;  // sum of the ranges' bytes
     Storage storage;
     uint64_t checksum = 0;  // restore: the StoredRef's
+    EntryId entry;          // pool loads: the piece's own entry (messages)
   };
   enum class Direction { kCapture, kRestore };
 
@@ -337,8 +400,18 @@ class PrefixCache {
                                                     const SessionLayoutVersion& layout,
                                                     absl::Span<const int32_t> tokens,
                                                     uint64_t boundary_tokens,
-                                                    bool allow_open_transaction)
+                                                    bool allow_open_transaction,
+                                                    uint64_t engine_id)
       ABSL_LOCKS_EXCLUDED(mu_);
+  // Allocates a held span for each piece and copies it from `source`, sealing its checksums;
+  // on failure nothing stays allocated.
+  absl::StatusOr<std::vector<Stored>> SealCopies(ArenaId source, std::vector<PieceCopy>& pieces)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // Commits `copies` (the first `new_blocks` are the plan's new blocks, a last one its boundary
+  // state) into the index: adopted spans join storage_, the rest and whatever the commit
+  // evicted are freed; every span's hold is released.
+  absl::StatusOr<CommitResult> AdoptCopies(const CapturePlan& plan, std::vector<Stored>& copies,
+                                           size_t new_blocks) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Validates, verifies and copies a pinned entry's first `matched_blocks` blocks (and its
   // boundary state) into the fresh session; returns the state it must adopt. REQUIRES the
   // destination's mutex (inside DaemonSession::RestoreLocked).
@@ -352,10 +425,12 @@ class PrefixCache {
   // several threads for a large copy (copy_threads, parallel_copy_bytes), checksumming each
   // slice as it goes unless `checksum` is false. Returns each piece's slice checksums. Capture:
   // fills nothing else; restore: compares each slice with the stored checksums (DATA_LOSS for
-  // the first mismatch, naming `entry`). A worker stops at its first failure.
+  // the first mismatch, naming `entry`). A worker stops at its first failure; with
+  // `piece_failures`, each piece's first failure goes there instead and the other pieces are
+  // still copied (the block store's per-block results).
   absl::StatusOr<std::vector<std::vector<uint64_t>>> CopySlices(
       Direction direction, ArenaId session_arena, const std::vector<PieceCopy>& pieces,
-      bool checksum, EntryId entry) const;
+      bool checksum, EntryId entry, std::vector<absl::Status>* piece_failures = nullptr) const;
   void FreeStorage(const SlabSpan& span);
   // Frees handles the index let go of (eviction, drop, unused), in whichever tier they are.
   void FreeHandles(const std::vector<uint64_t>& handles) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
