@@ -120,7 +120,10 @@ def test_a_capture_and_an_eviction_reach_a_zmq_subscriber_as_vllm_events(kvd):
             assert events == [expected_stored(stored_event)]
             hashes = events[0][1]
             assert len(hashes) == 2 and all(isinstance(h, bytes) for h in hashes)
-            if stored_event.token_ids:  # the daemon reports the stored blocks' tokens
+            # A memra session's blocks: hashes are its block keys (with their tokens once the
+            # daemon reports them: prefix.proto fields 22-23).
+            assert hashes == stored_event.block_keys and events[0][2] is None
+            if stored_event.token_ids:
                 assert events[0][3] == tokens(32) and events[0][4] == 16
 
             with daemon.admin() as admin:
@@ -139,7 +142,7 @@ def test_a_capture_and_an_eviction_reach_a_zmq_subscriber_as_vllm_events(kvd):
         sub.close(linger=0)
     finally:
         assert bridge.stop() == 0, bridge.log()
-        context.term()
+        context.destroy(linger=0)
 
 
 def test_a_gap_clears_every_block_and_reannounces_the_listing(kvd):
@@ -165,4 +168,4 @@ def test_a_gap_clears_every_block_and_reannounces_the_listing(kvd):
         finally:
             assert bridge.stop() == 0, bridge.log()
         session.release()
-    context.term()
+    context.destroy(linger=0)
