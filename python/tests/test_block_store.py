@@ -75,6 +75,13 @@ def test_vllm_caches_must_be_paged_contiguous_and_in_a_pool():
     strided = cache.transpose(0, 1, 3, 2, 4)  # HND view of NHD memory: tokens not contiguous
     assert "must be contiguous" in refused(grpc.StatusCode.INVALID_ARGUMENT, pool_layout,
                                            [KvCacheTensor.of("l0", strided)], [pool], "m")
+    assert refused(grpc.StatusCode.INVALID_ARGUMENT, pool_layout, [], [pool], "m") == (
+        "no KV caches to register")
+    half = pool.view(np.float16, (2, 2, 16, 2, 8))
+    assert refused(grpc.StatusCode.INVALID_ARGUMENT, pool_layout,
+                   [KvCacheTensor.of("l0", cache), KvCacheTensor.of("l1", half)], [pool],
+                   "m") == ("KV cache l1 is (2, 2, 16, 2, 8) float16 and l0 is (2, 4, 16, 2, 8) "
+                            "float16: one layout for every layer")
     outside = np.zeros((2, 4, 16, 2, 8), dtype=np.float16)
     message = refused(grpc.StatusCode.FAILED_PRECONDITION, pool_layout,
                       [KvCacheTensor.of("l0", outside)], [pool], "m")
@@ -88,6 +95,13 @@ def test_sglang_host_pools_are_whole_pages_in_a_pool():
     kv_buffer = pool.view(np.float16, (2, 2, 40, 2, 8))
     assert refused(grpc.StatusCode.INVALID_ARGUMENT, host_pool_layout, kv_buffer, pool, 16,
                    "m") == "a host pool of 40 tokens is not whole pages of 16"
+    assert refused(grpc.StatusCode.INVALID_ARGUMENT, host_pool_layout, kv_buffer[0], pool, 8,
+                   "m") == ("host KV buffer of shape (2, 40, 2, 8); the backend takes "
+                            "layer_first (2, layer_num, size, head_num, head_dim)")
+    every_other_token = kv_buffer[:, :, ::2]
+    assert refused(grpc.StatusCode.INVALID_ARGUMENT, host_pool_layout, every_other_token, pool,
+                   4, "m") == "host KV buffer strides (2560, 1280, 64, 16, 2): tokens must be " \
+                              "contiguous"
     layout = host_pool_layout(kv_buffer, pool, 8, "m")
     assert layout.num_blocks == 5
     assert [(t.layer, t.kind, t.offset) for t in layout.tensors] == [
