@@ -554,9 +554,10 @@ if KVConnectorBase_V1 is not None:
                     continue
                 computed[request_id] = (cached.num_computed_tokens[i]
                                         + scheduler_output.num_scheduled_tokens[request_id])
-                new_blocks = cached.new_block_ids[i]
-                block_ids = logic.block_ids(request_id) + (list(new_blocks[0]) if new_blocks
-                                                           else [])
+                new_blocks = list(cached.new_block_ids[i][0]) if cached.new_block_ids[i] else []
+                # A request resumed after preemption has new blocks, not more blocks.
+                resumed = request_id in getattr(cached, "resumed_req_ids", ())
+                block_ids = new_blocks if resumed else logic.block_ids(request_id) + new_blocks
                 logic.update_request(request_id, request.block_hashes, request.all_token_ids,
                                      block_ids)
             meta = logic.build_connector_meta(computed)
