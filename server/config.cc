@@ -317,6 +317,19 @@ const std::vector<KeySpec>& Keys() {
        .help = "Released session arenas kept per engine for its next sessions of the same size "
                "(bytes; evictable by admission, freed when its lease ends); 0 disables the pool.",
        .min = 0, .max = kPiB},
+      {.name = "block_store_engine_bytes", .field = &C::block_store_engine_bytes,
+       .syntax = Syntax::kBytes, .reloadable = false,
+       .help = "Bytes of its own KV pool one engine may offer and register with the block store "
+               "at once (RESOURCE_EXHAUSTED past it).",
+       .min = 1, .max = kPiB},
+      {.name = "block_store_max_registrations", .field = &C::block_store_max_registrations,
+       .syntax = Syntax::kInteger, .reloadable = false,
+       .help = "Block store registrations (RegisterEngineBuffers) one engine may hold at once.",
+       .min = 1, .max = 4096},
+      {.name = "block_store_max_pins", .field = &C::block_store_max_pins,
+       .syntax = Syntax::kInteger, .reloadable = false,
+       .help = "Block store pins (LookupBlocks with pin_ttl_ms) one engine may hold at once.",
+       .min = 1, .max = 1'000'000},
       {.name = "max_arenas", .field = &C::max_arenas, .syntax = Syntax::kInteger,
        .reloadable = false,
        .help = "Arenas (sessions, reservations, prefix storage) held at once, each a mapping "

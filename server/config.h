@@ -150,6 +150,11 @@ struct DaemonConfig {
   // (server/arena_pool.h); evictable by admission, freed when the engine's lease ends. 0 = no
   // pool: every CreateSession makes (and every engine maps) a new arena.
   uint64_t arena_pool_engine_bytes = uint64_t{4} << 30;
+  // The block store (server/block_store.h): bytes of its own KV pool one engine may have
+  // offered and registered at once, and registrations and pins per engine.
+  uint64_t block_store_engine_bytes = uint64_t{64} << 30;
+  uint64_t block_store_max_registrations = 16;
+  uint64_t block_store_max_pins = 1024;
   // Arenas (sessions, reservations, prefix storage) the daemon holds at once; each is a mapping
   // under the kernel's vm.max_map_count. 0 = derived at start: 3/4 of vm.max_map_count
   // (server/daemon.h ArenaLimitFor).

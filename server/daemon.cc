@@ -44,6 +44,14 @@ std::pair<uint64_t, std::string> BudgetFor(const DaemonConfig& config, DeviceBac
   return {bytes, absl::StrCat("host: budget_bytes ", bytes)};
 }
 
+BlockStoreLimits BlockStoreLimitsOf(const DaemonConfig& config) {
+  BlockStoreLimits limits;
+  limits.engine_bytes = config.block_store_engine_bytes;
+  limits.registrations_per_engine = static_cast<size_t>(config.block_store_max_registrations);
+  limits.pins_per_engine = static_cast<size_t>(config.block_store_max_pins);
+  return limits;
+}
+
 LeaseSettings LeaseSettingsOf(const DaemonConfig& config) {
   return LeaseSettings{absl::Milliseconds(config.lease_timeout_ms),
                        absl::Milliseconds(config.lease_grace_ms),
@@ -309,13 +317,21 @@ Daemon::Daemon(DaemonConfig config, std::unique_ptr<DeviceBackend> backend, Cloc
       sessions_(backend_.get(), budget_.get(), &leases_, &plans_, FormatDefaults(),
                 start_config_.prefix_capture_on_engine_death ? prefix_cache_.get() : nullptr,
                 start_config_.max_engine_sessions, &arena_pool_, restart_state_.get()),
-      handoff_(HandoffOptions(), LookupArena()),
+      block_store_(prefix_cache_.get(), backend_.get(), clock_, BlockStoreLimitsOf(start_config_),
+                   [this](uint64_t connection, uint64_t engine) {
+                     return handoff_.ServesEngine(connection, engine);
+                   }),
+      handoff_(HandoffOptions(), LookupArena(),
+               [this](uint64_t engine, uint64_t connection, uint64_t bytes, ScopedFd fd) {
+                 return block_store_.OfferBuffer(engine, connection, bytes, std::move(fd));
+               }),
       engine_prefix_service_(prefix_cache_.get(), backend_.get(), FindSession(), FindScope(),
                              ServedSocket{ServedSocket::Audience::kEngines, admin_socket_path_}),
       operator_prefix_service_(
           prefix_cache_.get(), backend_.get(), FindSession(), FindScope(),
           ServedSocket{ServedSocket::Audience::kOperators, admin_socket_path_}),
       cache_service_(&leases_, &plans_, &sessions_, backend_.get(), &handoff_, &scopes_, epoch_),
+      block_store_service_(&block_store_, backend_.get(), FindScope()),
       engine_admin_service_(
           AdminParts(ServedSocket{ServedSocket::Audience::kEngines, admin_socket_path_})),
       operator_admin_service_(
@@ -390,7 +406,8 @@ absl::Status Daemon::Start() {
   ASSIGN_OR_RETURN(auto interceptors, RegisterMetrics());
   ASSIGN_OR_RETURN(std::unique_ptr<grpc::Server> server,
                    Serve(socket_path_, start_config_.socket_group, start_config_.socket_mode,
-                         {&cache_service_, &engine_admin_service_, &engine_prefix_service_},
+                         {&cache_service_, &engine_admin_service_, &engine_prefix_service_,
+                          &block_store_service_},
                          std::move(interceptors)));
   absl::StatusOr<std::unique_ptr<grpc::Server>> admin_server =
       Serve(admin_socket_path_, start_config_.admin_socket_group,
@@ -460,6 +477,7 @@ void Daemon::LeaseLoop() {
 void Daemon::CheckLeases() {
   for (const ReclaimedEngine& engine : leases_.CollectReclaimable()) {
     handoff_.ForgetEngine(engine.id.value);
+    block_store_.ForgetEngine(engine.id.value);
     const ReleasedSessions released = sessions_.ReleaseOwnedBy(engine.id);
     const uint64_t reserved = leases_.ReturnReservations(engine.id);
     plans_.ForgetEngine(engine.id.value);
@@ -475,6 +493,12 @@ void Daemon::CheckLeases() {
 void Daemon::FreeUnusablePools() {
   absl::flat_hash_map<uint64_t, bool> lease_live;
   for (const EngineView& engine : leases_.Engines()) lease_live[engine.id.value] = engine.lease_live;
+  // Registrations and pins die with the lease; pins also with their TTL.
+  for (uint64_t engine : block_store_.Engines()) {
+    auto live = lease_live.find(engine);
+    if (live == lease_live.end() || !live->second) block_store_.ForgetEngine(engine);
+  }
+  block_store_.ExpirePins();
   for (const auto& [engine, stats] : arena_pool_.Stats()) {
     auto live = lease_live.find(engine);
     if (live == lease_live.end()) {
@@ -537,6 +561,7 @@ void Daemon::Shutdown() {
   }
   handoff_.Stop();  // after the servers: no Attach can claim a ticket any more
   leases_.ForgetAll();
+  for (uint64_t engine : block_store_.Engines()) block_store_.ForgetEngine(engine);
   const ReleasedSessions released = sessions_.ReleaseAll();
   // Slabs the prefix cache keeps empty for its next capture go too; those of stored entries are
   // freed with the cache.

@@ -49,6 +49,8 @@
 #include "server/admin_service.h"
 #include "server/arena_handoff.h"
 #include "server/arena_pool.h"
+#include "server/block_store.h"
+#include "server/block_store_service.h"
 #include "server/backend.h"
 #include "server/cache_scopes.h"
 #include "server/cache_service.h"
@@ -145,6 +147,7 @@ class Daemon {
   bool Healthy() const { return !shut_down_.load(); }
   // Null when the prefix cache is disabled (tests, metrics).
   PrefixCache* prefix_cache() const { return prefix_cache_.get(); }
+  const BlockStore& block_store() const { return block_store_; }
 
  private:
   Daemon(DaemonConfig config, std::unique_ptr<DeviceBackend> backend, Clock* clock,
@@ -163,7 +166,8 @@ class Daemon {
   // named with its token, and one of its arenas.
   ArenaHandoff::Options HandoffOptions() const;
   ArenaHandoff::ArenaLookup LookupArena();
-  // Frees the pooled arenas of engines whose lease ended or that were reclaimed.
+  // Frees the pooled arenas of engines whose lease ended or that were reclaimed, and their
+  // block store registrations and pins.
   void FreeUnusablePools();
   AdminService::Parts AdminParts(ServedSocket socket);
 
@@ -208,11 +212,15 @@ class Daemon {
   // Released session arenas per engine (arena_pool_engine_bytes); evicted before prefix entries.
   ArenaPool arena_pool_;
   SessionRegistry sessions_;
+  // Engines' own pools (block_store.proto); its offers come over handoff_, its bytes live in
+  // prefix_cache_.
+  BlockStore block_store_;
   ArenaHandoff handoff_;
   // One KvPrefixCache and one KvAdmin per socket (server/served_socket.h).
   PrefixService engine_prefix_service_;
   PrefixService operator_prefix_service_;
   CacheService cache_service_;
+  BlockStoreService block_store_service_;  // the engine socket only
   AdminService engine_admin_service_;
   AdminService operator_admin_service_;
 
