@@ -73,7 +73,7 @@ def vllm_pool():
 
 
 def block_bytes(caches, layer, kind, block_id):
-    return caches["model.layers.%d.self_attn.attn" % layer][kind, block_id].view(np.uint8)
+    return caches["model.layers.%d.self_attn.attn" % layer][kind, block_id].reshape(-1).view(np.uint8)
 
 
 def vllm_engine(socket, admin_socket, mode):
