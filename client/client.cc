@@ -199,11 +199,13 @@ struct KvClient::Rpc {
       : channel(std::move(channel_in)),
         cache(pb::KvCache::NewStub(channel)),
         admin(pb::KvAdmin::NewStub(channel)),
-        prefix(pb::KvPrefixCache::NewStub(channel)) {}
+        prefix(pb::KvPrefixCache::NewStub(channel)),
+        blocks(pb::KvBlockStore::NewStub(channel)) {}
   const std::shared_ptr<grpc::Channel> channel;
   const std::unique_ptr<pb::KvCache::Stub> cache;
   const std::unique_ptr<pb::KvAdmin::Stub> admin;
   const std::unique_ptr<pb::KvPrefixCache::Stub> prefix;
+  const std::unique_ptr<pb::KvBlockStore::Stub> blocks;
 };
 
 struct KvClient::LeaseStream {
@@ -785,6 +787,12 @@ absl::StatusOr<std::optional<PrefixCacheEvent>> PrefixEventStream::Next() {
   out.reason = event.reason();
   out.cache_scope = event.cache_scope();
   out.medium = MediumFromProto(event.medium());
+  out.origin.block_hashes.assign(event.block_hashes().begin(), event.block_hashes().end());
+  out.origin.parent_block_hash = event.parent_block_hash();
+  out.origin.token_ids.assign(event.token_ids().begin(), event.token_ids().end());
+  out.origin.block_tokens = event.block_tokens();
+  out.origin.engine_id = event.engine_id();
+  out.origin.from_engine_pool = event.from_engine_pool();
   return out;
 }
 
@@ -1127,5 +1135,162 @@ absl::StatusOr<uint64_t> Session::Release() {
   UnmapFreedPoolArenas(client_->mapper(), response.unmap_handles());
   return response.freed_bytes();
 }
+
+
+// ---- Block store ----
+
+namespace {
+
+void SetBlockKeys(const BlockStoreKeys& keys, pb::BlockKeys& out) {
+  for (const std::string& hash : keys.hashes) out.add_hashes(hash);
+  out.mutable_token_ids()->Add(keys.token_ids.begin(), keys.token_ids.end());
+}
+
+BlockStoreTransfer TransferFromProto(const pb::TransferBlocksResponse& response) {
+  BlockStoreTransfer out;
+  for (const pb::BlockResult& block : response.blocks()) {
+    const bool known = block.code() <= static_cast<uint32_t>(absl::StatusCode::kUnauthenticated);
+    out.blocks.push_back(
+        {.status = absl::Status(known ? static_cast<absl::StatusCode>(block.code())
+                                      : absl::StatusCode::kUnknown,
+                                block.message()),
+         .already_present = block.already_present()});
+  }
+  out.copied_bytes = response.copied_bytes();
+  return out;
+}
+
+}  // namespace
+
+absl::StatusOr<uint64_t> KvClient::OfferPoolBuffer(int fd, uint64_t bytes) {
+  std::shared_ptr<HandoffChannel> handoff;
+  {
+    absl::MutexLock lock(&mu_);
+    handoff = handoff_;
+  }
+  if (handoff == nullptr) {
+    return absl::FailedPreconditionError(
+        "offering a pool buffer before Attach: it goes over the engine's handoff connection");
+  }
+  return handoff->OfferBuffer(fd, bytes);
+}
+
+absl::StatusOr<RegisteredPool> KvClient::RegisterPool(const BlockPoolSpec& spec,
+                                                      absl::Span<const PoolBufferRef> buffers) {
+  ASSIGN_OR_RETURN(auto engine, AttachedEngine("RegisterPool"));
+  pb::RegisterEngineBuffersRequest request;
+  SetEngine(engine, *request.mutable_engine());
+  for (const PoolBufferRef& buffer : buffers) {
+    pb::EngineBufferRef* out = request.add_buffers();
+    out->set_handoff_buffer_id(buffer.handoff_buffer_id);
+    out->set_bytes(buffer.bytes);
+    out->set_offset_in_allocation(buffer.offset_in_allocation);
+  }
+  request.set_num_blocks(spec.num_blocks);
+  request.set_tokens_per_block(spec.tokens_per_block);
+  request.set_element_type(static_cast<pb::BlockElementType>(spec.element));
+  request.set_order(static_cast<pb::BlockOrder>(spec.order));
+  request.set_num_kv_heads(spec.num_kv_heads);
+  request.set_head_dim(spec.head_dim);
+  request.set_tp_rank(spec.tp_rank);
+  request.set_tp_size(spec.tp_size);
+  request.set_model(spec.model);
+  for (const BlockTensorSpec& tensor : spec.tensors) {
+    pb::BlockTensor* out = request.add_tensors();
+    out->set_layer(tensor.layer);
+    out->set_kind(static_cast<pb::BlockTensorKind>(tensor.role));
+    out->set_kv_group(tensor.kv_group);
+    out->set_buffer(tensor.buffer);
+    out->set_offset(tensor.offset);
+    out->set_block_stride(tensor.block_stride);
+    out->set_block_bytes(tensor.block_bytes);
+  }
+  pb::RegisterEngineBuffersResponse response;
+  RETURN_IF_ERROR(FromGrpcStatus(rpc_->blocks->RegisterEngineBuffers(
+      ClientInternals::NewContext(*this).get(), request, &response)));
+  RegisteredPool pool;
+  pool.registration_id = response.registration_id();
+  for (const pb::KvGroupLayout& group : response.groups()) {
+    RegisteredPoolGroup out;
+    out.kv_group = group.kv_group();
+    ASSIGN_OR_RETURN(out.layout_fingerprint, FingerprintFromBytes(group.layout_fingerprint()));
+    out.block_bytes = group.block_bytes();
+    out.state_bytes = group.state_bytes();
+    pool.groups.push_back(out);
+  }
+  return pool;
+}
+
+absl::Status KvClient::UnregisterPool(uint64_t registration_id) {
+  ASSIGN_OR_RETURN(auto engine, AttachedEngine("UnregisterPool"));
+  pb::UnregisterEngineBuffersRequest request;
+  SetEngine(engine, *request.mutable_engine());
+  request.set_registration_id(registration_id);
+  pb::UnregisterEngineBuffersResponse response;
+  return FromGrpcStatus(rpc_->blocks->UnregisterEngineBuffers(
+      ClientInternals::NewContext(*this).get(), request, &response));
+}
+
+absl::StatusOr<BlockStoreMatch> KvClient::LookupBlocks(const BlockStoreCall& call) {
+  ASSIGN_OR_RETURN(auto engine, AttachedEngine("LookupBlocks"));
+  pb::LookupBlocksRequest request;
+  SetEngine(engine, *request.mutable_engine());
+  request.set_registration_id(call.registration_id);
+  request.set_kv_group(call.kv_group);
+  SetBlockKeys(call.keys, *request.mutable_keys());
+  request.set_pin_ttl_ms(call.pin_ttl_ms);
+  pb::LookupBlocksResponse response;
+  RETURN_IF_ERROR(FromGrpcStatus(
+      rpc_->blocks->LookupBlocks(ClientInternals::NewContext(*this).get(), request, &response)));
+  return BlockStoreMatch{.matched_blocks = response.matched_blocks(),
+                         .pin_id = response.pin_id(),
+                         .medium = MediumFromProto(response.medium())};
+}
+
+absl::StatusOr<BlockStoreTransfer> KvClient::StoreBlocks(const BlockStoreCall& call) {
+  ASSIGN_OR_RETURN(auto engine, AttachedEngine("StoreBlocks"));
+  pb::StoreBlocksRequest request;
+  SetEngine(engine, *request.mutable_engine());
+  request.set_registration_id(call.registration_id);
+  request.set_kv_group(call.kv_group);
+  SetBlockKeys(call.keys, *request.mutable_keys());
+  request.mutable_block_ids()->Add(call.block_ids.begin(), call.block_ids.end());
+  request.set_skip_blocks(call.skip_blocks);
+  request.set_parent_hash(call.parent_hash);
+  request.mutable_event_token_ids()->Add(call.event_token_ids.begin(),
+                                         call.event_token_ids.end());
+  pb::TransferBlocksResponse response;
+  RETURN_IF_ERROR(FromGrpcStatus(
+      rpc_->blocks->StoreBlocks(ClientInternals::NewContext(*this).get(), request, &response)));
+  return TransferFromProto(response);
+}
+
+absl::StatusOr<BlockStoreTransfer> KvClient::LoadBlocks(const BlockStoreCall& call) {
+  ASSIGN_OR_RETURN(auto engine, AttachedEngine("LoadBlocks"));
+  pb::LoadBlocksRequest request;
+  SetEngine(engine, *request.mutable_engine());
+  request.set_registration_id(call.registration_id);
+  request.set_kv_group(call.kv_group);
+  SetBlockKeys(call.keys, *request.mutable_keys());
+  request.mutable_block_ids()->Add(call.block_ids.begin(), call.block_ids.end());
+  request.set_skip_blocks(call.skip_blocks);
+  request.set_pin_id(call.pin_id);
+  pb::TransferBlocksResponse response;
+  RETURN_IF_ERROR(FromGrpcStatus(
+      rpc_->blocks->LoadBlocks(ClientInternals::NewContext(*this).get(), request, &response)));
+  return TransferFromProto(response);
+}
+
+absl::Status KvClient::UnpinBlocks(uint64_t pin_id) {
+  ASSIGN_OR_RETURN(auto engine, AttachedEngine("UnpinBlocks"));
+  pb::UnpinBlocksRequest request;
+  SetEngine(engine, *request.mutable_engine());
+  request.set_pin_id(pin_id);
+  pb::UnpinBlocksResponse response;
+  return FromGrpcStatus(
+      rpc_->blocks->UnpinBlocks(ClientInternals::NewContext(*this).get(), request, &response));
+}
+
+pb::KvBlockStore::Stub& ClientInternals::Blocks(KvClient& client) { return *client.rpc_->blocks; }
 
 }  // namespace memra

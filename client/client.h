@@ -103,6 +103,7 @@
 #include "client/mapper.h"
 #include "common/daemon_restart.h"
 #include "core/model_plan.h"
+#include "core/block_layout.h"
 #include "core/prefix_index.h"
 #include "core/sizing.h"
 #include "core/transaction.h"
@@ -288,6 +289,10 @@ struct PrefixCacheEvent {
   std::string reason;
   std::string cache_scope;  // the entry's scope (the subscriber's own on the engine socket)
   StorageMedium medium = StorageMedium::kDevice;  // kMoved: where the bytes are now
+  // What routers index (prefix.proto PrefixEvent 20-25): the origin of the blocks, their
+  // identities as their engine knows them (block store hashes, else the block keys), the
+  // parent's, their token ids when known.
+  PrefixEventOrigin origin;
   bool operator==(const PrefixCacheEvent&) const = default;
 };
 
@@ -307,6 +312,63 @@ struct StepOutcome {
   uint64_t staged_len = 0;                 // Publish
   uint64_t committed_len = 0;              // Commit, Abort, Advance
   bool published = false;                  // Advance: it published the finished append
+};
+
+// ---- Block store (proto block_store.proto, docs/block-store.md) ----
+// An engine with its own paged KV pool registers it (memory offered over the handoff socket,
+// layout as core/block_layout.h's BlockPoolSpec) and stores and loads whole blocks by key:
+//   ASSIGN_OR_RETURN(uint64_t buffer, client->OfferPoolBuffer(memfd, bytes));  // sealed memfd
+//   ASSIGN_OR_RETURN(memra::RegisteredPool pool, client->RegisterPool(spec, {{buffer, bytes}}));
+//   ASSIGN_OR_RETURN(memra::BlockStoreMatch match, client->LookupBlocks(call));
+//   ASSIGN_OR_RETURN(memra::BlockStoreTransfer loaded, client->LoadBlocks(call));
+
+// One buffer of RegisterPool: an id OfferPoolBuffer answered, `bytes` from
+// offset_in_allocation of it.
+struct PoolBufferRef {
+  uint64_t handoff_buffer_id = 0;
+  uint64_t bytes = 0;
+  uint64_t offset_in_allocation = 0;
+};
+struct RegisteredPoolGroup {
+  uint32_t kv_group = 0;
+  PlanFingerprint layout_fingerprint{};
+  uint64_t block_bytes = 0;
+  uint64_t state_bytes = 0;
+};
+struct RegisteredPool {
+  uint64_t registration_id = 0;
+  std::vector<RegisteredPoolGroup> groups;  // ascending kv_group
+};
+// What a block store call names blocks by: the engine's own block hashes, or token ids from
+// position 0 (whole blocks).
+struct BlockStoreKeys {
+  std::vector<std::string> hashes;
+  std::vector<int32_t> token_ids;
+};
+// One LookupBlocks / StoreBlocks / LoadBlocks call (block_store.proto documents each field).
+struct BlockStoreCall {
+  uint64_t registration_id = 0;
+  uint32_t kv_group = 0;
+  BlockStoreKeys keys;
+  std::vector<uint32_t> block_ids;  // store / load
+  uint32_t skip_blocks = 0;         // store / load with token ids
+  uint32_t pin_ttl_ms = 0;          // lookup
+  uint64_t pin_id = 0;              // load: the lookup's pin it releases
+  std::string parent_hash;          // store: routers' event fields
+  std::vector<int32_t> event_token_ids;
+};
+struct BlockStoreMatch {
+  uint64_t matched_blocks = 0;
+  uint64_t pin_id = 0;
+  StorageMedium medium = StorageMedium::kDevice;
+};
+struct BlockStoreOutcome {
+  absl::Status status;  // OK, NOT_FOUND, DATA_LOSS... with the daemon's message
+  bool already_present = false;
+};
+struct BlockStoreTransfer {
+  std::vector<BlockStoreOutcome> blocks;  // one per block id
+  uint64_t copied_bytes = 0;
 };
 
 class KvClient;
@@ -541,6 +603,21 @@ class KvClient {
   // an attached engine's, of its cache scope only; on the admin socket every scope's.
   std::unique_ptr<PrefixEventStream> SubscribePrefixEvents(uint64_t epoch = 0,
                                                            uint64_t last_sequence = 0);
+
+  // ---- Block store (proto block_store.proto; refusals keep its codes and messages) ----
+  // REQUIRES: Attach() succeeded. Offers `fd` (a memfd sealed with F_SEAL_SHRINK, at least
+  // `bytes` long; the caller keeps it) over this engine's handoff connection; the buffer id
+  // RegisterPool names it by (single use, valid while the connection is).
+  absl::StatusOr<uint64_t> OfferPoolBuffer(int fd, uint64_t bytes) ABSL_LOCKS_EXCLUDED(mu_);
+  // RegisterEngineBuffers: `spec` without its buffer_bytes (`buffers` give them).
+  absl::StatusOr<RegisteredPool> RegisterPool(const BlockPoolSpec& spec,
+                                              absl::Span<const PoolBufferRef> buffers);
+  absl::Status UnregisterPool(uint64_t registration_id);
+  absl::StatusOr<BlockStoreMatch> LookupBlocks(const BlockStoreCall& call);
+  // The host backend's copies are done when these return.
+  absl::StatusOr<BlockStoreTransfer> StoreBlocks(const BlockStoreCall& call);
+  absl::StatusOr<BlockStoreTransfer> LoadBlocks(const BlockStoreCall& call);
+  absl::Status UnpinBlocks(uint64_t pin_id);
 
   ArenaMapper& mapper() { return *options_.mapper; }
 

@@ -286,8 +286,9 @@ PoolBlock BlockStore::PoolBlockOf(const Resolved& resolved, const BlockKey& key,
   PoolBlock block;
   block.key = state ? BoundaryStateKey(key) : key;
   // block_id < num_blocks (CheckBlockIds): BlockRanges cannot refuse it.
-  for (const PoolRange& range :
-       BlockRanges(registration.layout, *resolved.group, block_id, state).value()) {
+  const std::vector<PoolRange> ranges =
+      BlockRanges(registration.layout, *resolved.group, block_id, state).value();
+  for (const PoolRange& range : ranges) {
     block.pieces.push_back({.pool_offset = registration.base[range.buffer] + range.offset,
                             .bytes = range.bytes});
     block.bytes += range.bytes;
@@ -373,7 +374,11 @@ absl::StatusOr<BlockTransferResult> BlockStore::Store(uint64_t engine,
   std::optional<PoolBlock> state;
   if (resolved.group->state_bytes > 0 && count > 0) {
     state = PoolBlockOf(resolved, blocks.back().key, transfer.block_ids.back(), true);
-    state->origin = blocks.back().origin;
+    // Its own entry: its events must not name the block's hash (an evicted state is not an
+    // evicted block to a router).
+    state->origin.engine_id = engine;
+    state->origin.from_engine_pool = true;
+    state->origin.block_tokens = tokens_per_block;
   }
   BlockTransferResult result;
   result.blocks =

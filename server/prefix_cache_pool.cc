@@ -66,12 +66,13 @@ std::vector<PoolBlockResult> PrefixCache::StorePoolBlocks(const ScopedShape& spa
       const bool is_state = i == blocks.size();
       PrefixModelTraits traits;
       absl::StatusOr<uint64_t> rounded = slabs_->RoundedBytes(all[i]->bytes);
-      absl::StatusOr<CapturePlan> plan = rounded.status();
-      if (rounded.ok()) {
-        traits.block_bytes = *rounded;
-        plan = index_.PlanCaptureOfChain(is_state ? state_space.key : space.key, {all[i]->key},
-                                         traits);
+      if (!rounded.ok()) {
+        results[i].status = rounded.status();
+        continue;
       }
+      traits.block_bytes = *rounded;
+      absl::StatusOr<CapturePlan> plan = index_.PlanCaptureOfChain(
+          is_state ? state_space.key : space.key, {all[i]->key}, traits);
       if (!plan.ok()) {
         results[i].status = plan.status();
         continue;

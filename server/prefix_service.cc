@@ -58,6 +58,8 @@ void FillEntry(const ScopedEntry& entry, StorageMedium medium, bool with_keys,
   out->set_last_use_tick(view.last_use_tick);
   out->set_pins(view.pins);
   out->set_medium(MediumToProto(medium));
+  out->set_from_engine_pool(entry.from_engine_pool);
+  out->set_engine_id(view.origin.engine_id);
 }
 
 pb::PrefixEvent EventToProto(const ScopedPrefixEvent& scoped) {
@@ -85,6 +87,18 @@ pb::PrefixEvent EventToProto(const ScopedPrefixEvent& scoped) {
   for (const BlockKey& key : event.block_keys) out.add_block_keys(KeyBytes(key));
   if (event.boundary_key.has_value()) out.set_boundary_key(KeyBytes(*event.boundary_key));
   out.set_reason(event.reason);
+  // What routers index (fields 20-25): an engine pool's own hashes, else the keys themselves.
+  const PrefixEventOrigin& origin = event.origin;
+  if (!origin.block_hashes.empty()) {
+    for (const std::string& hash : origin.block_hashes) out.add_block_hashes(hash);
+  } else {
+    for (const BlockKey& key : event.block_keys) out.add_block_hashes(KeyBytes(key));
+  }
+  out.set_parent_block_hash(origin.parent_block_hash);
+  out.mutable_token_ids()->Add(origin.token_ids.begin(), origin.token_ids.end());
+  out.set_block_tokens(origin.block_tokens);
+  out.set_engine_id(origin.engine_id);
+  out.set_from_engine_pool(origin.from_engine_pool);
   return out;
 }
 

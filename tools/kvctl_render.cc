@@ -330,14 +330,19 @@ std::string RenderPrefixes(const pb::ListPrefixesResponse& prefixes) {
                    {"BOUNDARY BYTES", Align::kRight},
                    {"MEDIUM"},
                    {"PINS", Align::kRight},
-                   {"LAST USE", Align::kRight}});
+                   {"LAST USE", Align::kRight},
+                   {"SOURCE"}});
   for (const pb::PrefixEntry& entry : prefixes.entries()) {
+    // A block store entry is one block of an engine's own pool; SHAPE is then its layout.
+    const std::string source = entry.from_engine_pool()
+                                   ? absl::StrCat("engine ", entry.engine_id(), " pool block")
+                                   : "session";
     table.AddRow({absl::StrCat(entry.entry_id()), entry.cache_scope(),
                   HexBytes(entry.shape_fingerprint()).substr(0, 16),
                   absl::StrCat(entry.boundary_tokens()), absl::StrCat(entry.blocks()),
                   FormatBytes(entry.block_bytes()), FormatBytes(entry.boundary_bytes()),
                   MediumName(entry.medium()), absl::StrCat(entry.pins()),
-                  absl::StrCat(entry.last_use_tick())});
+                  absl::StrCat(entry.last_use_tick()), source});
   }
   return absl::StrCat(table.Render(), Count(prefixes.entries_size(), "entry", "entries"), "\n\n",
                       RenderPrefixStats(prefixes.stats()));

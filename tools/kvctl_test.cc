@@ -625,9 +625,15 @@ TEST(RenderTest, PrefixesShowTheirCacheScope) {
   pb::PrefixEntry* shared = prefixes.add_entries();
   shared->set_entry_id(8);
   shared->set_cache_scope("team-a");
+  pb::PrefixEntry* pooled = prefixes.add_entries();
+  pooled->set_entry_id(9);
+  pooled->set_cache_scope("team-a");
+  pooled->set_from_engine_pool(true);
+  pooled->set_engine_id(3);
   const std::string rendered = RenderPrefixes(prefixes);
   EXPECT_THAT(rendered, HasSubstrs("ENTRY  SCOPE     SHAPE", "    7  uid:1001  0101010101010101",
-                                   "    8  team-a", "2 entries"));
+                                   "    8  team-a", "session\n", "engine 3 pool block\n",
+                                   "3 entries"));
 }
 
 TEST(RenderTest, JsonPrintsEveryFieldWithProtoNames) {

@@ -1,0 +1,551 @@
+// The block store (block_store.proto) against the in-process daemon: engines register their own
+// memfd pools over the real handoff socket and store and load blocks through KvClient.
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "client/client.h"
+#include "core/block_layout.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "server/prefix_cache.h"
+#include "tests/service/test_daemon.h"
+#include "tests/status_matchers.h"
+
+namespace memra::testing {
+namespace {
+
+using ::testing::ElementsAre;
+using ::testing::HasSubstr;
+
+constexpr uint32_t kTokensPerBlock = 16;
+constexpr uint32_t kHeads = 2;
+constexpr uint32_t kHeadDim = 8;
+constexpr uint64_t kKvBlockBytes = kTokensPerBlock * kHeads * kHeadDim * 2;  // fp16: 512
+constexpr uint64_t kNumBlocks = 16;
+constexpr uint32_t kLayers = 2;
+constexpr uint64_t kStateBytes = 96;
+
+// An engine's own pool: a memfd (sealed against shrinking unless told otherwise) it maps.
+class Pool {
+ public:
+  Pool(uint64_t bytes, bool seal = true) : bytes_(bytes) {
+    fd_ = ScopedFd(memfd_create("engine-pool", MFD_CLOEXEC | MFD_ALLOW_SEALING));
+    EXPECT_GE(fd_.get(), 0);
+    EXPECT_EQ(ftruncate(fd_.get(), static_cast<off_t>(bytes)), 0);
+    if (seal) {
+      EXPECT_EQ(fcntl(fd_.get(), F_ADD_SEALS, F_SEAL_SHRINK), 0);
+    }
+    void* at = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd_.get(), 0);
+    EXPECT_NE(at, MAP_FAILED);
+    data_ = static_cast<uint8_t*>(at);
+  }
+  ~Pool() { munmap(data_, bytes_); }
+  int fd() const { return fd_.get(); }
+  uint64_t bytes() const { return bytes_; }
+  uint8_t* data() const { return data_; }
+
+ private:
+  ScopedFd fd_;
+  uint64_t bytes_;
+  uint8_t* data_ = nullptr;
+};
+
+// kLayers layers of K and V, one tensor after another (kNumBlocks blocks each), group 0; with
+// `hybrid`, group 1 holds one layer's K and V and a STATE tensor after them.
+BlockPoolSpec PoolSpec(bool hybrid = false) {
+  BlockPoolSpec spec;
+  spec.num_blocks = kNumBlocks;
+  spec.tokens_per_block = kTokensPerBlock;
+  spec.element = static_cast<uint32_t>(BlockElement::kFp16);
+  spec.order = static_cast<uint32_t>(BlockOrder::kNhd);
+  spec.num_kv_heads = kHeads;
+  spec.head_dim = kHeadDim;
+  spec.tp_size = 1;
+  spec.model = "block-store-test@1";
+  for (uint32_t i = 0; i < 2 * kLayers; ++i) {
+    spec.tensors.push_back(
+        {.layer = i / 2,
+         .role = static_cast<uint32_t>(i % 2 == 0 ? BlockTensorRole::kK : BlockTensorRole::kV),
+         .kv_group = hybrid && i >= 2 ? 1u : 0u,
+         .buffer = 0,
+         .offset = i * kNumBlocks * kKvBlockBytes,
+         .block_stride = kKvBlockBytes,
+         .block_bytes = kKvBlockBytes});
+  }
+  if (hybrid) {
+    spec.tensors.push_back({.layer = 9,
+                            .role = static_cast<uint32_t>(BlockTensorRole::kState),
+                            .kv_group = 1,
+                            .buffer = 0,
+                            .offset = 2 * kLayers * kNumBlocks * kKvBlockBytes,
+                            .block_stride = kStateBytes,
+                            .block_bytes = kStateBytes});
+  }
+  return spec;
+}
+
+constexpr uint64_t kPoolBytes = 2 * kLayers * kNumBlocks * kKvBlockBytes + kNumBlocks * kStateBytes;
+
+// Where tensor `tensor` of block `block` lies in a pool of PoolSpec().
+uint8_t* TensorBlock(const Pool& pool, uint32_t tensor, uint32_t block) {
+  return pool.data() + tensor * kNumBlocks * kKvBlockBytes + block * kKvBlockBytes;
+}
+uint8_t* StateSlot(const Pool& pool, uint32_t block) {
+  return pool.data() + 2 * kLayers * kNumBlocks * kKvBlockBytes + block * kStateBytes;
+}
+
+// Fills every tensor of `block` with bytes derived from `seed`.
+void Fill(const Pool& pool, uint32_t block, uint8_t seed) {
+  for (uint32_t t = 0; t < 2 * kLayers; ++t) {
+    for (uint64_t i = 0; i < kKvBlockBytes; ++i) {
+      TensorBlock(pool, t, block)[i] = static_cast<uint8_t>(seed * 31 + t * 7 + i);
+    }
+  }
+}
+
+bool SameBlock(const Pool& a, uint32_t block_a, const Pool& b, uint32_t block_b) {
+  for (uint32_t t = 0; t < 2 * kLayers; ++t) {
+    if (std::memcmp(TensorBlock(a, t, block_a), TensorBlock(b, t, block_b), kKvBlockBytes) != 0) {
+      return false;
+    }
+  }
+  return true;
+}
+
+std::vector<std::string> Hashes(int first, int count) {
+  std::vector<std::string> hashes;
+  for (int i = first; i < first + count; ++i) hashes.push_back(absl::StrCat("block-hash-", i));
+  return hashes;
+}
+
+class BlockStoreTest : public DaemonTest {
+ protected:
+  // The stored blocks' slabs go with the prefix cache, so with the daemon: gone before the
+  // fixture checks that the backend holds nothing.
+  void TearDown() override {
+    client_.reset();
+    operator_.reset();
+    if (daemon_ != nullptr) daemon_->Shutdown();
+    daemon_.reset();
+    DaemonTest::TearDown();
+  }
+
+  void ConfigureDaemon(DaemonConfig& config) override {
+    config.prefix_cache_budget_bytes = prefix_budget_;
+    config.prefix_slab_bytes = uint64_t{1} << 20;
+    config.cache_scope_allow = absl::StrCat("other:", getuid());
+    config.block_store_max_pins = 4;
+  }
+
+  // Offers `pool` and registers it with `spec`.
+  absl::StatusOr<RegisteredPool> Register(KvClient& client, const Pool& pool,
+                                          const BlockPoolSpec& spec) {
+    absl::StatusOr<uint64_t> buffer = client.OfferPoolBuffer(pool.fd(), pool.bytes());
+    if (!buffer.ok()) return buffer.status();
+    const PoolBufferRef ref{.handoff_buffer_id = *buffer, .bytes = pool.bytes()};
+    return client.RegisterPool(spec, {&ref, 1});
+  }
+
+  RegisteredPool MustRegister(KvClient& client, const Pool& pool, bool hybrid = false) {
+    absl::StatusOr<RegisteredPool> registered = Register(client, pool, PoolSpec(hybrid));
+    EXPECT_THAT(registered, IsOk());
+    return registered.value_or(RegisteredPool{});
+  }
+
+  static BlockStoreCall ByHashes(const RegisteredPool& pool, std::vector<std::string> hashes,
+                                 std::vector<uint32_t> block_ids = {}, uint32_t kv_group = 0) {
+    BlockStoreCall call;
+    call.registration_id = pool.registration_id;
+    call.kv_group = kv_group;
+    call.keys.hashes = std::move(hashes);
+    call.block_ids = std::move(block_ids);
+    return call;
+  }
+
+  static std::vector<absl::StatusCode> Codes(const BlockStoreTransfer& transfer) {
+    std::vector<absl::StatusCode> codes;
+    for (const BlockStoreOutcome& block : transfer.blocks) codes.push_back(block.status.code());
+    return codes;
+  }
+
+  uint64_t prefix_budget_ = uint64_t{4} << 20;
+};
+
+TEST_F(BlockStoreTest, BlocksStoredFromOneEnginesPoolLoadIntoAnothersByteForByte) {
+  std::unique_ptr<KvClient> a = NewClient("engine-a");
+  std::unique_ptr<KvClient> b = NewClient("engine-b");
+  ASSERT_NE(a, nullptr);
+  ASSERT_NE(b, nullptr);
+  Pool pool_a(kPoolBytes);
+  Pool pool_b(kPoolBytes);
+  const RegisteredPool registered_a = MustRegister(*a, pool_a);
+  const RegisteredPool registered_b = MustRegister(*b, pool_b);
+  ASSERT_EQ(registered_a.groups.size(), 1u);
+  EXPECT_EQ(registered_a.groups[0].block_bytes, 2 * kLayers * kKvBlockBytes);
+  EXPECT_EQ(registered_a.groups[0].layout_fingerprint, registered_b.groups[0].layout_fingerprint);
+  for (uint32_t block = 0; block < 4; ++block) Fill(pool_a, block, static_cast<uint8_t>(block + 1));
+
+  BlockStoreCall store = ByHashes(registered_a, Hashes(0, 4), {0, 1, 2, 3});
+  store.event_token_ids.assign(4 * kTokensPerBlock, 5);
+  absl::StatusOr<BlockStoreTransfer> stored = a->StoreBlocks(store);
+  ASSERT_THAT(stored, IsOk());
+  EXPECT_THAT(Codes(*stored), ElementsAre(absl::StatusCode::kOk, absl::StatusCode::kOk,
+                                          absl::StatusCode::kOk, absl::StatusCode::kOk));
+  EXPECT_EQ(stored->copied_bytes, 4 * 2 * kLayers * kKvBlockBytes);
+  // Stored again: nothing copied.
+  absl::StatusOr<BlockStoreTransfer> again = a->StoreBlocks(store);
+  ASSERT_THAT(again, IsOk());
+  EXPECT_EQ(again->copied_bytes, 0u);
+  EXPECT_TRUE(again->blocks[0].already_present);
+
+  // Engine B: a lookup of five hashes finds the four stored, pinned for its load.
+  BlockStoreCall lookup = ByHashes(registered_b, Hashes(0, 5));
+  lookup.pin_ttl_ms = 10'000;
+  absl::StatusOr<BlockStoreMatch> match = b->LookupBlocks(lookup);
+  ASSERT_THAT(match, IsOk());
+  EXPECT_EQ(match->matched_blocks, 4u);
+  EXPECT_NE(match->pin_id, 0u);
+  BlockStoreCall load = ByHashes(registered_b, Hashes(0, 4), {7, 6, 5, 4});
+  load.pin_id = match->pin_id;
+  absl::StatusOr<BlockStoreTransfer> loaded = b->LoadBlocks(load);
+  ASSERT_THAT(loaded, IsOk());
+  EXPECT_THAT(Codes(*loaded), ElementsAre(absl::StatusCode::kOk, absl::StatusCode::kOk,
+                                          absl::StatusCode::kOk, absl::StatusCode::kOk));
+  for (uint32_t i = 0; i < 4; ++i) EXPECT_TRUE(SameBlock(pool_a, i, pool_b, 7 - i)) << i;
+  EXPECT_EQ(daemon_->block_store().counts().pins, 0u);  // the load released the lookup's pin
+  EXPECT_THAT(b->UnpinBlocks(match->pin_id),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr(absl::StrCat("no pin ", match->pin_id))));
+
+  // The operator's view and the events tell engine-pool entries apart and carry the hashes.
+  size_t pool_entries = 0;
+  for (const ScopedEntry& entry : daemon_->prefix_cache()->ListEntries()) {
+    if (!entry.from_engine_pool) continue;
+    ++pool_entries;
+    EXPECT_EQ(entry.view.boundary_tokens, kTokensPerBlock);
+    EXPECT_EQ(entry.cache_scope, a->cache_scope());
+  }
+  EXPECT_EQ(pool_entries, 4u);
+  const ScopedEventReplay events = daemon_->prefix_cache()->EventsSince(0, 0, std::nullopt);
+  ASSERT_GE(events.events.size(), 4u);
+  const PrefixEventOrigin& first = events.events[0].event.origin;
+  EXPECT_TRUE(first.from_engine_pool);
+  EXPECT_EQ(first.engine_id, a->engine_id());
+  EXPECT_THAT(first.block_hashes, ElementsAre("block-hash-0"));
+  EXPECT_EQ(first.parent_block_hash, "");
+  EXPECT_EQ(first.token_ids.size(), kTokensPerBlock);
+  EXPECT_EQ(events.events[1].event.origin.parent_block_hash, "block-hash-0");
+  EXPECT_THAT(daemon_->prefix_cache()->CheckInvariants(), IsOk());
+  // And on the wire, as a router subscribed on the engine socket sees them.
+  std::unique_ptr<PrefixEventStream> stream = b->SubscribePrefixEvents();
+  absl::StatusOr<std::optional<PrefixCacheEvent>> wire = stream->Next();
+  ASSERT_THAT(wire, IsOk());
+  ASSERT_TRUE(wire->has_value());
+  EXPECT_EQ((*wire)->kind, PrefixEventKind::kStored);
+  EXPECT_EQ((*wire)->origin, first);
+  stream->Cancel();
+}
+
+TEST_F(BlockStoreTest, TokenIdKeysChainFromTheStartAndSkipWhatIsStored) {
+  std::unique_ptr<KvClient> a = NewClient("engine-a");
+  ASSERT_NE(a, nullptr);
+  Pool pool(kPoolBytes);
+  const RegisteredPool registered = MustRegister(*a, pool);
+  for (uint32_t block = 0; block < 3; ++block) Fill(pool, block, static_cast<uint8_t>(9 + block));
+  std::vector<int32_t> tokens(3 * kTokensPerBlock + 5);
+  for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<int32_t>(1000 + i);
+  BlockStoreCall store;
+  store.registration_id = registered.registration_id;
+  store.keys.token_ids.assign(tokens.begin(), tokens.begin() + 2 * kTokensPerBlock);
+  store.block_ids = {0, 1};
+  ASSERT_THAT(a->StoreBlocks(store), IsOk());
+  // The third block, after the two stored ones.
+  store.keys.token_ids = tokens;
+  store.skip_blocks = 2;
+  store.block_ids = {2};
+  absl::StatusOr<BlockStoreTransfer> third = a->StoreBlocks(store);
+  ASSERT_THAT(third, IsOk());
+  EXPECT_EQ(third->copied_bytes, 2 * kLayers * kKvBlockBytes);
+  BlockStoreCall lookup;
+  lookup.registration_id = registered.registration_id;
+  lookup.keys.token_ids = tokens;
+  EXPECT_THAT(a->LookupBlocks(lookup), IsOkAndHolds(::testing::Field(
+                                           &BlockStoreMatch::matched_blocks, 3u)));
+  // Another first block changes every key after it.
+  lookup.keys.token_ids[0] = 7;
+  EXPECT_THAT(a->LookupBlocks(lookup), IsOkAndHolds(::testing::Field(
+                                           &BlockStoreMatch::matched_blocks, 0u)));
+}
+
+TEST_F(BlockStoreTest, AnotherScopeOrLayoutSeesNothing) {
+  std::unique_ptr<KvClient> a = NewClient("engine-a");
+  ASSERT_NE(a, nullptr);
+  ClientOptions options;
+  options.cache_scope = "other";
+  absl::StatusOr<std::unique_ptr<KvClient>> other =
+      KvClient::Connect(daemon_->socket_path(), options);
+  ASSERT_THAT(other, IsOk());
+  ASSERT_THAT((*other)->Attach("engine-other"), IsOk());
+  Pool pool_a(kPoolBytes);
+  Pool pool_other(kPoolBytes);
+  const RegisteredPool registered_a = MustRegister(*a, pool_a);
+  const RegisteredPool registered_other = MustRegister(**other, pool_other);
+  ASSERT_THAT(a->StoreBlocks(ByHashes(registered_a, Hashes(0, 2), {0, 1})), IsOk());
+  EXPECT_THAT((*other)->LookupBlocks(ByHashes(registered_other, Hashes(0, 2))),
+              IsOkAndHolds(::testing::Field(&BlockStoreMatch::matched_blocks, 0u)));
+  // Same scope, another model: another layout fingerprint, other keys.
+  BlockPoolSpec spec = PoolSpec();
+  spec.model = "another-model";
+  Pool pool_model(kPoolBytes);
+  absl::StatusOr<RegisteredPool> registered_model = Register(*a, pool_model, spec);
+  ASSERT_THAT(registered_model, IsOk());
+  EXPECT_NE(registered_model->groups[0].layout_fingerprint,
+            registered_a.groups[0].layout_fingerprint);
+  EXPECT_THAT(a->LookupBlocks(ByHashes(*registered_model, Hashes(0, 2))),
+              IsOkAndHolds(::testing::Field(&BlockStoreMatch::matched_blocks, 0u)));
+  EXPECT_THAT(a->LookupBlocks(ByHashes(registered_a, Hashes(0, 2))),
+              IsOkAndHolds(::testing::Field(&BlockStoreMatch::matched_blocks, 2u)));
+}
+
+TEST_F(BlockStoreTest, BadOffersRegistrationsAndCallsAreRefusedWithTheirNumbersChangingNothing) {
+  std::unique_ptr<KvClient> a = NewClient("engine-a");
+  std::unique_ptr<KvClient> b = NewClient("engine-b");
+  ASSERT_NE(a, nullptr);
+  ASSERT_NE(b, nullptr);
+  // Offers: not sealed against shrinking; larger than the file.
+  Pool unsealed(kPoolBytes, /*seal=*/false);
+  EXPECT_THAT(a->OfferPoolBuffer(unsealed.fd(), kPoolBytes),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstrs("seals are 0x0", "F_SEAL_SHRINK")));
+  Pool pool(kPoolBytes);
+  EXPECT_THAT(a->OfferPoolBuffer(pool.fd(), kPoolBytes + 1),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstrs(absl::StrCat("holds ", kPoolBytes, " bytes; the offer says ",
+                                               kPoolBytes + 1))));
+  // Registrations: a layout outside the buffer, an unknown id, another engine's id.
+  absl::StatusOr<uint64_t> buffer = a->OfferPoolBuffer(pool.fd(), kPoolBytes);
+  ASSERT_THAT(buffer, IsOk());
+  BlockPoolSpec outside = PoolSpec();
+  outside.tensors[3].offset = kPoolBytes - kNumBlocks * kKvBlockBytes + 1;
+  const PoolBufferRef ref{.handoff_buffer_id = *buffer, .bytes = kPoolBytes};
+  EXPECT_THAT(a->RegisterPool(outside, {&ref, 1}),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstrs("tensor 3", absl::StrCat("holds ", kPoolBytes, " bytes"))));
+  const PoolBufferRef unknown{.handoff_buffer_id = 999, .bytes = kPoolBytes};
+  EXPECT_THAT(a->RegisterPool(PoolSpec(), {&unknown, 1}),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstrs("no offered buffer 999")));
+  EXPECT_THAT(b->RegisterPool(PoolSpec(), {&ref, 1}),
+              StatusIs(absl::StatusCode::kPermissionDenied,
+                       HasSubstrs(absl::StrCat("offered buffer ", *buffer, " is not engine ",
+                                               b->engine_id()))));
+  const PoolBufferRef too_long{.handoff_buffer_id = *buffer,
+                               .bytes = kPoolBytes,
+                               .offset_in_allocation = 4096};
+  EXPECT_THAT(a->RegisterPool(PoolSpec(), {&too_long, 1}),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstrs("at offset 4096", absl::StrCat("holds ", kPoolBytes))));
+  EXPECT_EQ(daemon_->block_store().counts().registrations, 0u);
+  // The refusals used nothing up: the offer still registers.
+  absl::StatusOr<RegisteredPool> registered = a->RegisterPool(PoolSpec(), {&ref, 1});
+  ASSERT_THAT(registered, IsOk());
+  EXPECT_THAT(a->RegisterPool(PoolSpec(), {&ref, 1}),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstrs("used up by one registration")));
+
+  // Calls: a block id past the pool, counts that differ, a duplicate id in a load, an unknown
+  // group, another engine's registration. Nothing is stored.
+  const PrefixCacheStats before = daemon_->prefix_cache()->Stats();
+  EXPECT_THAT(a->StoreBlocks(ByHashes(*registered, Hashes(0, 2), {0, 16})),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstrs("block id 16 (index 1) of a pool of 16 blocks")));
+  EXPECT_THAT(a->StoreBlocks(ByHashes(*registered, Hashes(0, 3), {0, 1})),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstrs("2 block ids for 3 blocks")));
+  EXPECT_THAT(a->LoadBlocks(ByHashes(*registered, Hashes(0, 2), {4, 4})),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstrs("block id 4 (index 1) appears twice")));
+  EXPECT_THAT(a->StoreBlocks(ByHashes(*registered, Hashes(0, 1), {0}, /*kv_group=*/3)),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstrs("kv_group 3 is not registered", "groups 0")));
+  EXPECT_THAT(a->StoreBlocks(ByHashes(*registered, {std::string(65, 'h')}, {0})),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstrs("block hash 0 is 65 bytes; 1 to 64")));
+  EXPECT_THAT(b->StoreBlocks(ByHashes(*registered, Hashes(0, 1), {0})),
+              StatusIs(absl::StatusCode::kPermissionDenied,
+                       HasSubstrs(absl::StrCat("registration ", registered->registration_id,
+                                               " is not engine ", b->engine_id()))));
+  EXPECT_THAT(b->UnregisterPool(registered->registration_id),
+              StatusIs(absl::StatusCode::kPermissionDenied, HasSubstr("is not engine")));
+  const PrefixCacheStats after = daemon_->prefix_cache()->Stats();
+  EXPECT_EQ(after.entries, before.entries);
+  EXPECT_EQ(after.stored_bytes, before.stored_bytes);
+  // Loading what was never stored is a per-block NOT_FOUND, not a refusal.
+  absl::StatusOr<BlockStoreTransfer> missing =
+      a->LoadBlocks(ByHashes(*registered, Hashes(40, 1), {0}));
+  ASSERT_THAT(missing, IsOk());
+  EXPECT_THAT(Codes(*missing), ElementsAre(absl::StatusCode::kNotFound));
+  EXPECT_THAT(missing->blocks[0].status.message(), HasSubstr("is not stored"));
+  ASSERT_THAT(a->UnregisterPool(registered->registration_id), IsOk());
+  EXPECT_THAT(a->UnregisterPool(registered->registration_id),
+              StatusIs(absl::StatusCode::kNotFound,
+                       HasSubstr(absl::StrCat("no registration ", registered->registration_id))));
+}
+
+TEST_F(BlockStoreTest, ACorruptStoredBlockIsDataLossForThatBlockAndDropped) {
+  std::unique_ptr<KvClient> a = NewClient("engine-a");
+  ASSERT_NE(a, nullptr);
+  Pool pool(kPoolBytes);
+  const RegisteredPool registered = MustRegister(*a, pool);
+  for (uint32_t block = 0; block < 3; ++block) Fill(pool, block, static_cast<uint8_t>(block + 40));
+  ASSERT_THAT(a->StoreBlocks(ByHashes(registered, Hashes(0, 3), {0, 1, 2})), IsOk());
+  // Flip a byte of block 1's stored copy.
+  const PlanFingerprint space =
+      ScopedShapeFingerprint(a->cache_scope(), registered.groups[0].layout_fingerprint);
+  const std::vector<BlockKey> keys = EngineHashKeys(space, Hashes(1, 1)).value();
+  const std::optional<EntryId> entry = daemon_->prefix_cache()->PoolEntry(keys[0]);
+  ASSERT_TRUE(entry.has_value());
+  absl::StatusOr<ScopedEntry> view = daemon_->prefix_cache()->Inspect(*entry);
+  ASSERT_THAT(view, IsOk());
+  absl::StatusOr<SlabSpan> span =
+      daemon_->prefix_cache()->StorageSpan(view->view.blocks[0].stored.storage_handle);
+  ASSERT_THAT(span, IsOk());
+  const std::vector<uint8_t> garbage = {0xde, 0xad};
+  ASSERT_THAT(host_->Write(span->slab, span->offset + 100, garbage), IsOk());
+
+  absl::StatusOr<BlockStoreTransfer> loaded =
+      a->LoadBlocks(ByHashes(registered, Hashes(0, 3), {10, 11, 12}));
+  ASSERT_THAT(loaded, IsOk());
+  EXPECT_THAT(Codes(*loaded), ElementsAre(absl::StatusCode::kOk, absl::StatusCode::kDataLoss,
+                                          absl::StatusCode::kOk));
+  EXPECT_THAT(loaded->blocks[1].status.message(), HasSubstrs("xxHash3", "never served"));
+  EXPECT_TRUE(SameBlock(pool, 0, pool, 10));
+  EXPECT_TRUE(SameBlock(pool, 2, pool, 12));
+  // Dropped: a lookup stops before it now.
+  EXPECT_THAT(a->LookupBlocks(ByHashes(registered, Hashes(0, 3))),
+              IsOkAndHolds(::testing::Field(&BlockStoreMatch::matched_blocks, 1u)));
+  EXPECT_THAT(daemon_->prefix_cache()->CheckInvariants(), IsOk());
+}
+
+TEST_F(BlockStoreTest, HybridStateGoesWithTheLastBlockAndLookupsStopAtAStoredState) {
+  std::unique_ptr<KvClient> a = NewClient("engine-a");
+  ASSERT_NE(a, nullptr);
+  Pool pool(kPoolBytes);
+  const RegisteredPool registered = MustRegister(*a, pool, /*hybrid=*/true);
+  ASSERT_EQ(registered.groups.size(), 2u);
+  EXPECT_EQ(registered.groups[1].state_bytes, kStateBytes);
+  std::memset(StateSlot(pool, 2), 0x5a, kStateBytes);
+  ASSERT_THAT(a->StoreBlocks(ByHashes(registered, Hashes(0, 3), {0, 1, 2}, 1)), IsOk());
+  EXPECT_THAT(a->LookupBlocks(ByHashes(registered, Hashes(0, 4), {}, 1)),
+              IsOkAndHolds(::testing::Field(&BlockStoreMatch::matched_blocks, 3u)));
+  // No state at the second block's boundary: nothing of the two is usable.
+  EXPECT_THAT(a->LookupBlocks(ByHashes(registered, Hashes(0, 2), {}, 1)),
+              IsOkAndHolds(::testing::Field(&BlockStoreMatch::matched_blocks, 0u)));
+  absl::StatusOr<BlockStoreTransfer> loaded =
+      a->LoadBlocks(ByHashes(registered, Hashes(0, 3), {5, 6, 7}, 1));
+  ASSERT_THAT(loaded, IsOk());
+  EXPECT_THAT(Codes(*loaded), ElementsAre(absl::StatusCode::kOk, absl::StatusCode::kOk,
+                                          absl::StatusCode::kOk));
+  EXPECT_EQ(std::memcmp(StateSlot(pool, 7), StateSlot(pool, 2), kStateBytes), 0);
+  // A load ending where no state is stored: the last block is NOT_FOUND.
+  absl::StatusOr<BlockStoreTransfer> short_load =
+      a->LoadBlocks(ByHashes(registered, Hashes(0, 2), {5, 6}, 1));
+  ASSERT_THAT(short_load, IsOk());
+  EXPECT_THAT(Codes(*short_load), ElementsAre(absl::StatusCode::kOk, absl::StatusCode::kNotFound));
+}
+
+TEST_F(BlockStoreTest, PinsAreCappedExpireAndBelongToTheirEngine) {
+  std::unique_ptr<KvClient> a = NewClient("engine-a");
+  std::unique_ptr<KvClient> b = NewClient("engine-b");
+  ASSERT_NE(a, nullptr);
+  ASSERT_NE(b, nullptr);
+  Pool pool(kPoolBytes);
+  const RegisteredPool registered = MustRegister(*a, pool);
+  ASSERT_THAT(a->StoreBlocks(ByHashes(registered, Hashes(0, 1), {0})), IsOk());
+  BlockStoreCall lookup = ByHashes(registered, Hashes(0, 1));
+  lookup.pin_ttl_ms = 1000;
+  std::vector<uint64_t> pins;
+  for (int i = 0; i < 4; ++i) {
+    absl::StatusOr<BlockStoreMatch> match = a->LookupBlocks(lookup);
+    ASSERT_THAT(match, IsOk());
+    pins.push_back(match->pin_id);
+  }
+  EXPECT_THAT(a->LookupBlocks(lookup),
+              StatusIs(absl::StatusCode::kResourceExhausted,
+                       HasSubstrs("holds 4 pins; the limit is 4")));
+  EXPECT_THAT(b->UnpinBlocks(pins[0]),
+              StatusIs(absl::StatusCode::kPermissionDenied,
+                       HasSubstrs(absl::StrCat("pin ", pins[0], " is not engine ", b->engine_id()))));
+  // A pinned block is not evicted.
+  const std::optional<EntryId> entry = daemon_->prefix_cache()->PoolEntry(
+      EngineHashKeys(ScopedShapeFingerprint(a->cache_scope(),
+                                            registered.groups[0].layout_fingerprint),
+                     Hashes(0, 1))
+          .value()[0]);
+  ASSERT_TRUE(entry.has_value());
+  EXPECT_THAT(daemon_->prefix_cache()->EvictEntry(*entry),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("pinned")));
+  ASSERT_THAT(a->UnpinBlocks(pins[0]), IsOk());
+  clock_.Advance(absl::Milliseconds(1001));
+  daemon_->CheckLeases();
+  EXPECT_EQ(daemon_->block_store().counts().pins, 0u);
+  EXPECT_THAT(daemon_->prefix_cache()->EvictEntry(*entry), IsOk());
+}
+
+TEST_F(BlockStoreTest, RegistrationsAndPinsDieWithTheEnginesLease) {
+  std::unique_ptr<KvClient> a = NewClient("engine-a");
+  client_ = NewClient("engine-survivor");
+  ASSERT_NE(a, nullptr);
+  Pool pool(kPoolBytes);
+  const RegisteredPool registered = MustRegister(*a, pool);
+  ASSERT_THAT(a->StoreBlocks(ByHashes(registered, Hashes(0, 2), {0, 1})), IsOk());
+  BlockStoreCall lookup = ByHashes(registered, Hashes(0, 2));
+  lookup.pin_ttl_ms = 60'000;
+  ASSERT_THAT(a->LookupBlocks(lookup), IsOk());
+  ASSERT_THAT(a->OfferPoolBuffer(pool.fd(), 4096), IsOk());
+  EXPECT_EQ(daemon_->block_store().counts().registrations, 1u);
+  KillEngine(*a);
+  const BlockStore::Counts counts = daemon_->block_store().counts();
+  EXPECT_EQ(counts.registrations, 0u);
+  EXPECT_EQ(counts.pins, 0u);
+  EXPECT_EQ(counts.offers, 0u);
+  // The stored blocks stay (they are the cache's), unpinned: evictable.
+  EXPECT_EQ(daemon_->prefix_cache()->Stats().pinned_bytes, 0u);
+  EXPECT_EQ(daemon_->prefix_cache()->Stats().entries, 2u);
+}
+
+class BlockStoreBudgetTest : public BlockStoreTest {
+ protected:
+  // Room for six blocks of 2 KiB (rounded to the slabs' 256-byte alignment: exactly).
+  BlockStoreBudgetTest() { prefix_budget_ = 6 * 2 * kLayers * kKvBlockBytes; }
+};
+
+TEST_F(BlockStoreBudgetTest, StoresPastTheBudgetEvictTheLeastRecentlyUsedBlocks) {
+  std::unique_ptr<KvClient> a = NewClient("engine-a");
+  ASSERT_NE(a, nullptr);
+  Pool pool(kPoolBytes);
+  const RegisteredPool registered = MustRegister(*a, pool);
+  for (int i = 0; i < 10; ++i) {
+    absl::StatusOr<BlockStoreTransfer> stored =
+        a->StoreBlocks(ByHashes(registered, Hashes(i, 1), {static_cast<uint32_t>(i)}));
+    ASSERT_THAT(stored, IsOk());
+    EXPECT_THAT(Codes(*stored), ElementsAre(absl::StatusCode::kOk)) << i;
+  }
+  const PrefixCacheStats stats = daemon_->prefix_cache()->Stats();
+  EXPECT_EQ(stats.entries, 6u);
+  EXPECT_LE(stats.stored_bytes, stats.budget_bytes);
+  EXPECT_GE(stats.evicted_entries, 4u);
+  EXPECT_THAT(a->LookupBlocks(ByHashes(registered, Hashes(0, 1))),
+              IsOkAndHolds(::testing::Field(&BlockStoreMatch::matched_blocks, 0u)));
+  EXPECT_THAT(a->LookupBlocks(ByHashes(registered, Hashes(4, 6))),
+              IsOkAndHolds(::testing::Field(&BlockStoreMatch::matched_blocks, 6u)));
+  EXPECT_THAT(daemon_->prefix_cache()->CheckInvariants(), IsOk());
+}
+
+}  // namespace
+}  // namespace memra::testing
