@@ -33,16 +33,28 @@ def test_blocks_saved_by_one_engine_load_into_another(kvd):
     assert loaded["block_digests"] == stored["block_digests"]
     assert all(loaded["pattern_ok"])
 
-    # Routers see the blocks under vLLM's own hashes, stored from an engine pool.
+    # Routers see the blocks under vLLM's own hashes, stored from an engine pool, each with
+    # its parent and tokens.
+    hashes = vllm_hashes(PROMPT)
+    stored_events = pool_store_events(daemon, WHOLE_BLOCKS)
+    assert [h for e in stored_events for h in e.block_hashes] == hashes
+    for i, event in enumerate(stored_events):
+        assert event.from_engine_pool and event.block_tokens == BLOCK
+        assert event.parent_block_hash == (hashes[i - 1] if i else b"")
+        assert event.token_ids == PROMPT[i * BLOCK:(i + 1) * BLOCK]
+
+
+def pool_store_events(daemon, blocks):
+    """The daemon's STORED events (admin socket: every scope) until `blocks` blocks."""
+    seen = []
     with daemon.admin() as admin:
         events = admin.events()
-        stored_event = next(events)
+        while sum(len(e.block_hashes) for e in seen) < blocks:
+            event = next(events)
+            if event.kind == "stored":
+                seen.append(event)
         events.cancel()
-    assert stored_event.kind == "stored" and stored_event.from_engine_pool
-    assert stored_event.block_hashes == vllm_hashes(PROMPT)
-    assert stored_event.parent_block_hash == b""
-    assert stored_event.token_ids == PROMPT[:WHOLE_BLOCKS * BLOCK]
-    assert stored_event.block_tokens == BLOCK
+    return seen
 
 
 def test_blocks_evicted_between_lookup_and_load_are_load_errors(kvd):
@@ -67,9 +79,8 @@ def test_caches_in_the_engines_own_memory_are_staged_both_ways(kvd):
     staged = run_engine(daemon, "vllm", "load-staged")
     assert (staged["loaded_blocks"], staged["load_errors"]) == (WHOLE_BLOCKS, [])
     assert staged["block_digests"] == loaded["block_digests"] == stored["block_digests"]
-    with daemon.admin() as admin:
-        events = admin.events()
-        stored_event = next(events)
-        events.cancel()
-    # Staged in a chunk of 3 and one of 1: two stores, the second's parent the third hash.
-    assert stored_event.block_hashes == vllm_hashes(PROMPT)[:3]
+    # Staged in a chunk of 3 and one of 1: the second chunk's parent is the third hash.
+    stored_events = pool_store_events(daemon, WHOLE_BLOCKS)
+    hashes = vllm_hashes(PROMPT)
+    assert [h for e in stored_events for h in e.block_hashes] == hashes
+    assert stored_events[3].parent_block_hash == hashes[2]
