@@ -15,6 +15,8 @@ import msgpack
 import zmq
 import zmq.utils.monitor
 
+from adapter_engine import BLOCK, PROMPT, vllm_hashes
+from contract import run_engine
 from kvtest import poll_until
 from prefix_patterns import commit_rows, plan_named, tokens
 
@@ -169,3 +171,23 @@ def test_a_gap_clears_every_block_and_reannounces_the_listing(kvd):
             assert bridge.stop() == 0, bridge.log()
         session.release()
     context.destroy(linger=0)
+
+
+def test_blocks_a_vllm_engine_stored_reach_routers_under_vllms_hashes(kvd):
+    """The router's whole path: a vLLM engine process stores a prompt's blocks through
+    memra_kv.vllm; the bridge publishes them as BlockStored with vLLM's own block hashes,
+    chained parents and tokens, as vLLM itself would."""
+    daemon = kvd(*DAEMON_FLAGS)
+    context = zmq.Context()
+    bridge = BridgeProcess(daemon, "pool")
+    try:
+        run_engine(daemon, "vllm", "store")
+        hashes = vllm_hashes(PROMPT)
+        assert poll_until(lambda: len(bridge.replay(context, 0)) >= len(hashes))
+        batches = [events for _, (_, events, _) in bridge.replay(context, 0)]
+        assert batches == [[["BlockStored", [h], hashes[i - 1] if i else None,
+                             PROMPT[i * BLOCK:(i + 1) * BLOCK], BLOCK, None, "GPU", None]]
+                           for i, h in enumerate(hashes)]
+    finally:
+        assert bridge.stop() == 0, bridge.log()
+        context.destroy(linger=0)
