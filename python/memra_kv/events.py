@@ -28,8 +28,10 @@ Translation (one batch per daemon event):
   EVICTED, DROPPED  -> BlockRemoved
   MOVED             -> BlockStored in the new medium (the blocks are still held: a router keeps
                        them; the daemon does not say which tier they left)
-  GAP               -> AllBlocksCleared, then (on the admin socket) one BlockStored per entry
-                       the daemon lists (ListPrefixes + InspectPrefix), by its block keys
+  GAP               -> AllBlocksCleared, then (on the admin socket) one BlockStored per memra
+                       session entry the daemon lists (ListPrefixes + InspectPrefix), by its
+                       block keys; engine-pool blocks come back with their next events (the
+                       listing does not carry the engines' hashes)
 Media: the daemon's device tier is vLLM's "GPU", pinned host memory "CPU", disk "DISK".
 """
 
@@ -203,6 +205,8 @@ class Bridge:
 
     def _republish_listing(self):
         for entry in self._client.list_prefixes().entries:
+            if entry.from_engine_pool:
+                continue  # known by block keys only, not by the engine's hashes routers index
             try:
                 inspected = self._client.inspect_prefix(entry.entry_id)
             except KvError as error:  # evicted since the listing: its event follows

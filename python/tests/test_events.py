@@ -122,11 +122,9 @@ def test_a_capture_and_an_eviction_reach_a_zmq_subscriber_as_vllm_events(kvd):
             assert events == [expected_stored(stored_event)]
             hashes = events[0][1]
             assert len(hashes) == 2 and all(isinstance(h, bytes) for h in hashes)
-            # A memra session's blocks: hashes are its block keys (with their tokens once the
-            # daemon reports them: prefix.proto fields 22-23).
+            # A memra session's blocks: hashes are its block keys, with their tokens.
             assert hashes == stored_event.block_keys and events[0][2] is None
-            if stored_event.token_ids:
-                assert events[0][3] == tokens(32) and events[0][4] == 16
+            assert events[0][3] == tokens(32) and events[0][4] == 16
 
             with daemon.admin() as admin:
                 (entry,) = admin.list_prefixes().entries
