@@ -3,7 +3,7 @@ read by a real ZMQ subscriber that decodes vLLM's wire format: a memra session's
 as BlockStored and an operator's eviction as BlockRemoved, both with the hashes the daemon's own
 events carry; the replay endpoint returns every buffered batch from a sequence, then the end
 marker; a bridge resuming from an epoch the daemon never had publishes AllBlocksCleared and
-re-announces what the daemon lists."""
+re-announces the memra-session entries the daemon lists."""
 
 import os
 import struct
@@ -145,7 +145,7 @@ def test_a_capture_and_an_eviction_reach_a_zmq_subscriber_as_vllm_events(kvd):
         context.destroy(linger=0)
 
 
-def test_a_gap_clears_every_block_and_reannounces_the_listing(kvd):
+def test_a_gap_clears_every_block_and_reannounces_the_sessions_listing(kvd):
     daemon = kvd(*DAEMON_FLAGS)
     context = zmq.Context()
     with daemon.client("py-gap") as client:
@@ -154,14 +154,16 @@ def test_a_gap_clears_every_block_and_reannounces_the_listing(kvd):
         commit_rows(session, tokens(64))
         client.capture_prefix(session, tokens(64), 64)
         (stored_event,) = daemon_events(client, 1)
+        run_engine(daemon, "vllm", "store")  # engine-pool blocks, listed by keys only
         # A bridge resuming from an epoch this daemon never had missed everything: a GAP.
         bridge = BridgeProcess(daemon, "gap", "--epoch", str(stored_event.epoch + 1),
                                "--last-sequence", "1")
         try:
             assert poll_until(lambda: len(bridge.replay(context, 0)) >= 2)
             batches = [events for _, (_, events, _) in bridge.replay(context, 0)]
-            # The GAP clears everything, then the listing is re-announced by its block keys
-            # (the daemon resumes the stream after the gap: the STORED event is not resent).
+            # The GAP clears everything, then the listing's memra-session entry is re-announced
+            # by its block keys (the daemon resumes the stream after the gap: the STORED event
+            # is not resent; the engine-pool blocks are not in terms routers index).
             assert batches == [[["AllBlocksCleared"]],
                                [["BlockStored", stored_event.block_keys, None, [], 16, None,
                                  "GPU", None]]]
