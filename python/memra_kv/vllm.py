@@ -484,10 +484,11 @@ if KVConnectorBase_V1 is not None:
         # -- worker side --
 
         def register_kv_caches(self, kv_caches):
-            parallel = self._vllm_config.parallel_config
-            self._worker.register_kv_caches(kv_caches, self._extra.get("memra_pools", ()),
-                                            self._model, getattr(parallel, "rank", 0),
-                                            parallel.tensor_parallel_size)
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+            self._worker.register_kv_caches(
+                kv_caches, self._extra.get("memra_pools", ()), self._model,
+                get_tensor_model_parallel_rank(),
+                self._vllm_config.parallel_config.tensor_parallel_size)
 
         def start_load_kv(self, forward_context, **kwargs):
             self._worker.start_load_kv(self._get_connector_metadata())
