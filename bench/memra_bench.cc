@@ -32,7 +32,8 @@ ABSL_FLAG(std::string, python_stepper, "", "bench/python_step.py (the python_ste
 ABSL_FLAG(std::string, python, "/usr/bin/python3", "the interpreter python_step.py runs on");
 ABSL_FLAG(std::string, python_path, "",
           "directory holding the memra_kv package with its generated stubs (python/)");
-ABSL_FLAG(std::string, sections, "hot_path,spec_decode,prefix_redis,admission,scale,python_step",
+ABSL_FLAG(std::string, sections,
+          "hot_path,spec_decode,prefix_redis,admission,scale,python_step,block_store",
           "comma-separated sections to run");
 ABSL_FLAG(bool, quick, false, "tiny iteration counts: checks the harness, measures nothing");
 ABSL_FLAG(uint64_t, scale_sessions, 10000, "live sessions the scale section grows to");
@@ -91,7 +92,8 @@ int Run() {
                                                  {"prefix_redis", RunPrefixAndRedis},
                                                  {"admission", RunAdmission},
                                                  {"scale", RunScale},
-                                                 {"python_step", RunPythonStep}};
+                                                 {"python_step", RunPythonStep},
+                                                 {"block_store", RunBlockStore}};
   const std::vector<std::string> wanted = absl::StrSplit(absl::GetFlag(FLAGS_sections), ',');
   bool failed = false;
   for (const auto& [name, run] : all) {

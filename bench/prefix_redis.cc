@@ -19,7 +19,6 @@
 // (between warm buffers, and into freshly mapped memory), measured in the same run, and the
 // Redis GET of 3a at the same tokens.
 
-#include <hiredis/hiredis.h>
 #include <sys/mman.h>
 #include <sys/time.h>
 
@@ -35,6 +34,7 @@
 #include "absl/time/clock.h"
 #include "bench/harness.h"
 #include "bench/kvd.h"
+#include "bench/redis_peer.h"
 #include "bench/sections.h"
 #include "client/internal.h"
 #include "common/grpc_status.h"
@@ -63,40 +63,6 @@ ModelPlan DenseModel() {
   ModelPlan plan = test_plans::DenseModel(16, 64, 8);
   plan.name = "llama-3.2-1b";
   return plan;
-}
-
-struct RedisDeleter {
-  void operator()(redisContext* context) const { redisFree(context); }
-};
-using RedisConnection = std::unique_ptr<redisContext, RedisDeleter>;
-
-struct ReplyDeleter {
-  void operator()(redisReply* reply) const { freeReplyObject(reply); }
-};
-using Reply = std::unique_ptr<redisReply, ReplyDeleter>;
-
-// One command; UNAVAILABLE when the connection failed, INTERNAL for an error reply.
-template <typename... Args>
-absl::StatusOr<Reply> Command(redisContext* redis, const char* format, Args... args) {
-  Reply reply(static_cast<redisReply*>(redisCommand(redis, format, args...)));
-  if (reply == nullptr) return absl::UnavailableError(absl::StrCat("redis: ", redis->errstr));
-  if (reply->type == REDIS_REPLY_ERROR) {
-    return absl::InternalError(absl::StrCat("redis: ", std::string(reply->str, reply->len)));
-  }
-  return reply;
-}
-
-absl::StatusOr<RedisConnection> ConnectRedis(int port, ChildProcess& server) {
-  const absl::Time deadline = absl::Now() + absl::Seconds(20);
-  while (true) {
-    RedisConnection redis(redisConnectWithTimeout("127.0.0.1", port, timeval{1, 0}));
-    if (redis != nullptr && redis->err == 0 && Command(redis.get(), "PING").ok()) return redis;
-    if (!server.Alive()) return absl::UnavailableError("redis-server exited at start-up");
-    if (absl::Now() >= deadline) {
-      return absl::UnavailableError(absl::StrCat("redis-server not answering on port ", port));
-    }
-    absl::SleepFor(absl::Milliseconds(20));
-  }
 }
 
 // [offset, offset + bytes) of each chunk of an entry of `tokens`.
@@ -181,24 +147,9 @@ absl::Status RunRedis(const BenchOptions& options, Json& json,
   uint64_t max_bytes = 0;
   for (const auto& entry : entries) max_bytes = std::max(max_bytes, entry.second);
 
-  ASSIGN_OR_RETURN(TempDir dir, TempDir::Create("memra-redis"));
-  ASSIGN_OR_RETURN(int port, FreeTcpPort());
-  // Persistence off: what LMCache's remote tier measures is memory, not disk.
-  ASSIGN_OR_RETURN(ChildProcess server,
-                   ChildProcess::Spawn({options.redis_binary, "--port", absl::StrCat(port),
-                                        "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                                        "--dir", dir.path(), "--loglevel", "warning"},
-                                       dir.File("redis.log")));
-  // `server` is stopped on every path out of this function (~ChildProcess), and killed with the
-  // benchmark if it dies (PR_SET_PDEATHSIG).
-  ASSIGN_OR_RETURN(RedisConnection redis, ConnectRedis(port, server));
-  ASSIGN_OR_RETURN(Reply info, Command(redis.get(), "INFO server"));
-  std::string version = "unknown";
-  if (info->type == REDIS_REPLY_STRING) {
-    const std::string text(info->str, info->len);
-    const size_t at = text.find("redis_version:");
-    if (at != std::string::npos) version = text.substr(at + 14, text.find('\r', at) - at - 14);
-  }
+  ASSIGN_OR_RETURN(std::unique_ptr<RedisPeer> peer, RedisPeer::Start(options));
+  redisContext* const redis = peer->connection();
+  const std::string& version = peer->version();
 
   std::vector<uint8_t> src(max_bytes), dst(max_bytes);
   std::mt19937_64 random(8);
@@ -212,7 +163,7 @@ absl::Status RunRedis(const BenchOptions& options, Json& json,
                "memcpy/GET"});
   for (const auto& [size, bytes] : entries) {
     const int reps = options.quick ? 1 : size.reps;
-    ASSIGN_OR_RETURN(EntryResult r, MeasureEntry(redis.get(), size, bytes, reps, src, dst));
+    ASSIGN_OR_RETURN(EntryResult r, MeasureEntry(redis, size, bytes, reps, src, dst));
     const double set = GBps(bytes, r.set.P50());
     const double get = GBps(bytes, r.get.P50());
     const double copy = GBps(bytes, r.copy.P50());

@@ -23,6 +23,8 @@ absl::StatusOr<Json> RunAdmission(const BenchOptions& options);
 absl::StatusOr<Json> RunScale(const BenchOptions& options);
 // 6. The Python client's decode step (python/memra_kv) vs the C++ client's, N = 1 and 256.
 absl::StatusOr<Json> RunPythonStep(const BenchOptions& options);
+// 7. The block store: an engine pool's blocks stored and loaded vs memcpy and Redis.
+absl::StatusOr<Json> RunBlockStore(const BenchOptions& options);
 
 }  // namespace memra::bench
 

@@ -7,9 +7,9 @@ runfiles="${TEST_SRCDIR}/memra_kv"
 out="${TEST_TMPDIR}/smoke.json"
 sections="hot_path,spec_decode,admission,scale,python_step"
 if [[ -x /usr/bin/redis-server ]]; then
-  sections="${sections},prefix_redis"
+  sections="${sections},prefix_redis,block_store"
 else
-  echo "smoke_test: /usr/bin/redis-server missing: the Redis section is SKIPPED"
+  echo "smoke_test: /usr/bin/redis-server missing: the Redis and block store sections are SKIPPED"
 fi
 
 "${runfiles}/bench/memra_bench" --quick \

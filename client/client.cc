@@ -1146,6 +1146,18 @@ void SetBlockKeys(const BlockStoreKeys& keys, pb::BlockKeys& out) {
   out.mutable_token_ids()->Add(keys.token_ids.begin(), keys.token_ids.end());
 }
 
+// The fields StoreBlocksRequest and LoadBlocksRequest share.
+template <typename Request>
+void SetTransfer(const std::pair<uint64_t, std::string>& engine, const BlockStoreCall& call,
+                 Request& request) {
+  SetEngine(engine, *request.mutable_engine());
+  request.set_registration_id(call.registration_id);
+  request.set_kv_group(call.kv_group);
+  SetBlockKeys(call.keys, *request.mutable_keys());
+  request.mutable_block_ids()->Add(call.block_ids.begin(), call.block_ids.end());
+  request.set_skip_blocks(call.skip_blocks);
+}
+
 BlockStoreTransfer TransferFromProto(const pb::TransferBlocksResponse& response) {
   BlockStoreTransfer out;
   for (const pb::BlockResult& block : response.blocks()) {
@@ -1250,12 +1262,7 @@ absl::StatusOr<BlockStoreMatch> KvClient::LookupBlocks(const BlockStoreCall& cal
 absl::StatusOr<BlockStoreTransfer> KvClient::StoreBlocks(const BlockStoreCall& call) {
   ASSIGN_OR_RETURN(auto engine, AttachedEngine("StoreBlocks"));
   pb::StoreBlocksRequest request;
-  SetEngine(engine, *request.mutable_engine());
-  request.set_registration_id(call.registration_id);
-  request.set_kv_group(call.kv_group);
-  SetBlockKeys(call.keys, *request.mutable_keys());
-  request.mutable_block_ids()->Add(call.block_ids.begin(), call.block_ids.end());
-  request.set_skip_blocks(call.skip_blocks);
+  SetTransfer(engine, call, request);
   request.set_parent_hash(call.parent_hash);
   request.mutable_event_token_ids()->Add(call.event_token_ids.begin(),
                                          call.event_token_ids.end());
@@ -1268,12 +1275,7 @@ absl::StatusOr<BlockStoreTransfer> KvClient::StoreBlocks(const BlockStoreCall& c
 absl::StatusOr<BlockStoreTransfer> KvClient::LoadBlocks(const BlockStoreCall& call) {
   ASSIGN_OR_RETURN(auto engine, AttachedEngine("LoadBlocks"));
   pb::LoadBlocksRequest request;
-  SetEngine(engine, *request.mutable_engine());
-  request.set_registration_id(call.registration_id);
-  request.set_kv_group(call.kv_group);
-  SetBlockKeys(call.keys, *request.mutable_keys());
-  request.mutable_block_ids()->Add(call.block_ids.begin(), call.block_ids.end());
-  request.set_skip_blocks(call.skip_blocks);
+  SetTransfer(engine, call, request);
   request.set_pin_id(call.pin_id);
   pb::TransferBlocksResponse response;
   RETURN_IF_ERROR(FromGrpcStatus(

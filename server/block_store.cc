@@ -280,6 +280,33 @@ absl::StatusOr<BlockStore::Resolved> BlockStore::Resolve(uint64_t engine,
   return resolved;
 }
 
+absl::StatusOr<BlockStore::Resolved> BlockStore::ResolveTransfer(uint64_t engine,
+                                                                 const BlockTransfer& transfer,
+                                                                 bool distinct) const {
+  ASSIGN_OR_RETURN(Resolved resolved,
+                   Resolve(engine, transfer.registration_id, transfer.kv_group, transfer.keys));
+  ASSIGN_OR_RETURN(resolved.first,
+                   CheckBlockIds(transfer.block_ids, resolved.keys.size(),
+                                 transfer.keys.hashes.empty(), transfer.skip_blocks,
+                                 resolved.registration->layout.num_blocks, distinct));
+  return resolved;
+}
+
+absl::StatusOr<BlockStore::Pin> BlockStore::TakePinLocked(uint64_t engine, uint64_t pin_id) {
+  auto it = pins_.find(pin_id);
+  if (it == pins_.end()) {
+    return absl::NotFoundError(
+        absl::StrCat("no pin ", pin_id, " (released, expired, or never made)"));
+  }
+  if (it->second.engine != engine) {
+    return absl::PermissionDeniedError(
+        absl::StrCat("pin ", pin_id, " is not engine ", engine, "'s"));
+  }
+  Pin pin = std::move(it->second);
+  pins_.erase(it);
+  return pin;
+}
+
 PoolBlock BlockStore::PoolBlockOf(const Resolved& resolved, const BlockKey& key,
                                   uint32_t block_id, bool state) const {
   const Registration& registration = *resolved.registration;
@@ -329,13 +356,8 @@ absl::StatusOr<BlockLookup> BlockStore::Lookup(uint64_t engine, uint64_t registr
 absl::StatusOr<BlockTransferResult> BlockStore::Store(uint64_t engine,
                                                       const BlockTransfer& transfer) {
   RETURN_IF_ERROR(Enabled());
-  ASSIGN_OR_RETURN(Resolved resolved,
-                   Resolve(engine, transfer.registration_id, transfer.kv_group, transfer.keys));
+  ASSIGN_OR_RETURN(Resolved resolved, ResolveTransfer(engine, transfer, /*distinct=*/false));
   const bool by_tokens = transfer.keys.hashes.empty();
-  const uint64_t num_blocks = resolved.registration->layout.num_blocks;
-  ASSIGN_OR_RETURN(resolved.first,
-                   CheckBlockIds(transfer.block_ids, resolved.keys.size(), by_tokens,
-                                 transfer.skip_blocks, num_blocks, /*distinct=*/false));
   const uint32_t tokens_per_block = resolved.registration->layout.tokens_per_block;
   const size_t count = transfer.block_ids.size();
   if (!by_tokens && !transfer.event_token_ids.empty() &&
@@ -390,26 +412,11 @@ absl::StatusOr<BlockTransferResult> BlockStore::Store(uint64_t engine,
 absl::StatusOr<BlockTransferResult> BlockStore::Load(uint64_t engine,
                                                      const BlockTransfer& transfer) {
   RETURN_IF_ERROR(Enabled());
-  ASSIGN_OR_RETURN(Resolved resolved,
-                   Resolve(engine, transfer.registration_id, transfer.kv_group, transfer.keys));
-  ASSIGN_OR_RETURN(resolved.first,
-                   CheckBlockIds(transfer.block_ids, resolved.keys.size(),
-                                 transfer.keys.hashes.empty(), transfer.skip_blocks,
-                                 resolved.registration->layout.num_blocks, /*distinct=*/true));
+  ASSIGN_OR_RETURN(Resolved resolved, ResolveTransfer(engine, transfer, /*distinct=*/true));
   std::optional<Pin> released;
   if (transfer.pin_id != 0) {
     absl::MutexLock lock(&mu_);
-    auto it = pins_.find(transfer.pin_id);
-    if (it == pins_.end()) {
-      return absl::NotFoundError(absl::StrCat("no pin ", transfer.pin_id,
-                                              " (released, expired, or never made)"));
-    }
-    if (it->second.engine != engine) {
-      return absl::PermissionDeniedError(
-          absl::StrCat("pin ", transfer.pin_id, " is not engine ", engine, "'s"));
-    }
-    released = std::move(it->second);
-    pins_.erase(it);
+    ASSIGN_OR_RETURN(released, TakePinLocked(engine, transfer.pin_id));
   }
   std::vector<PoolBlock> blocks;
   blocks.reserve(transfer.block_ids.size());
@@ -435,17 +442,7 @@ absl::Status BlockStore::Unpin(uint64_t engine, uint64_t pin_id) {
   Pin released;
   {
     absl::MutexLock lock(&mu_);
-    auto it = pins_.find(pin_id);
-    if (it == pins_.end()) {
-      return absl::NotFoundError(
-          absl::StrCat("no pin ", pin_id, " (released, expired, or never made)"));
-    }
-    if (it->second.engine != engine) {
-      return absl::PermissionDeniedError(
-          absl::StrCat("pin ", pin_id, " is not engine ", engine, "'s"));
-    }
-    released = std::move(it->second);
-    pins_.erase(it);
+    ASSIGN_OR_RETURN(released, TakePinLocked(engine, pin_id));
   }
   cache_->UnpinPoolEntries(released.entries);
   return absl::OkStatus();

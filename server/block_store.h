@@ -192,6 +192,12 @@ class BlockStore {
       const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::StatusOr<Resolved> Resolve(uint64_t engine, uint64_t registration_id, uint32_t kv_group,
                                    const BlockKeyRequest& keys) const ABSL_LOCKS_EXCLUDED(mu_);
+  // Resolve() and the call's block ids checked (CheckBlockIds; `distinct` for a load).
+  absl::StatusOr<Resolved> ResolveTransfer(uint64_t engine, const BlockTransfer& transfer,
+                                           bool distinct) const ABSL_LOCKS_EXCLUDED(mu_);
+  // Removes and returns pin `pin_id` of `engine`: NOT_FOUND, PERMISSION_DENIED another's.
+  absl::StatusOr<Pin> TakePinLocked(uint64_t engine, uint64_t pin_id)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The pool pieces of block `block_id` (or its state slot) of the resolved group.
   PoolBlock PoolBlockOf(const Resolved& resolved, const BlockKey& key, uint32_t block_id,
                         bool state) const;

@@ -17,6 +17,18 @@ BlockKeyRequest KeysOf(const pb::BlockKeys& keys) {
   return out;
 }
 
+// The fields StoreBlocksRequest and LoadBlocksRequest share.
+template <typename Request>
+BlockTransfer TransferOf(const Request& request) {
+  BlockTransfer transfer;
+  transfer.registration_id = request.registration_id();
+  transfer.kv_group = request.kv_group();
+  transfer.keys = KeysOf(request.keys());
+  transfer.block_ids.assign(request.block_ids().begin(), request.block_ids().end());
+  transfer.skip_blocks = request.skip_blocks();
+  return transfer;
+}
+
 void EncodeTransfer(const BlockTransferResult& result, pb::TransferBlocksResponse* response) {
   for (const PoolBlockResult& block : result.blocks) {
     pb::BlockResult* out = response->add_blocks();
@@ -116,12 +128,7 @@ grpc::Status BlockStoreService::StoreBlocks(grpc::ServerContext*,
     RETURN_IF_ERROR(find_scope_(request->engine()).status());
     // Authenticated first: nobody makes the daemon wait on an event for a pool not theirs.
     RETURN_IF_ERROR(backend_->WaitForEngineEvent(request->ordering().wait_event()));
-    BlockTransfer transfer;
-    transfer.registration_id = request->registration_id();
-    transfer.kv_group = request->kv_group();
-    transfer.keys = KeysOf(request->keys());
-    transfer.block_ids.assign(request->block_ids().begin(), request->block_ids().end());
-    transfer.skip_blocks = request->skip_blocks();
+    BlockTransfer transfer = TransferOf(*request);
     transfer.parent_hash = request->parent_hash();
     transfer.event_token_ids.assign(request->event_token_ids().begin(),
                                     request->event_token_ids().end());
@@ -139,12 +146,7 @@ grpc::Status BlockStoreService::LoadBlocks(grpc::ServerContext*,
   absl::Status status = [&]() -> absl::Status {
     RETURN_IF_ERROR(find_scope_(request->engine()).status());
     RETURN_IF_ERROR(backend_->WaitForEngineEvent(request->ordering().wait_event()));
-    BlockTransfer transfer;
-    transfer.registration_id = request->registration_id();
-    transfer.kv_group = request->kv_group();
-    transfer.keys = KeysOf(request->keys());
-    transfer.block_ids.assign(request->block_ids().begin(), request->block_ids().end());
-    transfer.skip_blocks = request->skip_blocks();
+    BlockTransfer transfer = TransferOf(*request);
     transfer.pin_id = request->pin_id();
     ASSIGN_OR_RETURN(BlockTransferResult result,
                      store_->Load(request->engine().engine_id(), transfer));

@@ -36,6 +36,30 @@ std::vector<CopyRange> PoolRanges(const PoolBlock& block, bool toward_storage) {
   return ranges;
 }
 
+// The blocks of a call, then its state (when it has blocks to go with).
+std::vector<const PoolBlock*> WithState(const std::vector<PoolBlock>& blocks,
+                                        const std::optional<PoolBlock>& state) {
+  std::vector<const PoolBlock*> all;
+  all.reserve(blocks.size() + 1);
+  for (const PoolBlock& block : blocks) all.push_back(&block);
+  if (state.has_value() && !blocks.empty()) all.push_back(&*state);
+  return all;
+}
+
+// A state's result (the last of `results` when `with_state`) is the last block's.
+void FoldStateResult(bool with_state, std::vector<PoolBlockResult>& results) {
+  if (!with_state) return;
+  PoolBlockResult state_result = std::move(results.back());
+  results.pop_back();
+  PoolBlockResult& last = results.back();
+  if (last.status.ok() && !state_result.status.ok()) {
+    last.status = absl::Status(state_result.status.code(),
+                               absl::StrCat("the boundary state of the last block: ",
+                                            state_result.status.message()));
+  }
+  last.copied_bytes += state_result.copied_bytes;
+}
+
 ScopedShape StateSpace(const ScopedShape& space) {
   ScopedShape state = space;
   state.key = BoundaryStateFingerprint(space.key);
@@ -53,9 +77,7 @@ std::vector<PoolBlockResult> PrefixCache::StorePoolBlocks(const ScopedShape& spa
                                                           const std::vector<PoolBlock>& blocks,
                                                           const std::optional<PoolBlock>& state) {
   // The state is one more piece, in its own key space; its result folds into the last block's.
-  std::vector<const PoolBlock*> all;
-  for (const PoolBlock& block : blocks) all.push_back(&block);
-  if (state.has_value() && !blocks.empty()) all.push_back(&*state);
+  const std::vector<const PoolBlock*> all = WithState(blocks, state);
   const ScopedShape state_space = StateSpace(space);
   std::vector<PoolBlockResult> results(all.size());
   std::vector<CapturePlan> plans(all.size());
@@ -85,6 +107,21 @@ std::vector<PoolBlockResult> PrefixCache::StorePoolBlocks(const ScopedShape& spa
         to_copy.push_back(i);
       }
     }
+    // Room first: the copies take slabs before they are committed (and the commit evicts only
+    // then), so a store into a full cache would otherwise need its size twice over.
+    uint64_t incoming = 0;
+    for (size_t i : to_copy) incoming += plans[i].new_bytes;
+    const uint64_t target = options_.budget_bytes > incoming ? options_.budget_bytes - incoming : 0;
+    if (disk_ != nullptr) {
+      DemoteDownTo(target);
+    } else if (index_.StoredBytes() > target) {
+      const uint64_t excess = std::min(index_.StoredBytes() - target, index_.EvictableBytes());
+      if (excess > 0) {
+        absl::StatusOr<EvictionResult> room = index_.Evict(excess);
+        if (room.ok()) FreeHandles(room->freed_handles);
+      }
+    }
+    // The emptied slabs stay (the slab allocator keeps them for the copies about to come).
   }
   // Copied without mu_, each piece sealed as it is read from the engine's pool; a piece whose
   // span cannot be had fails alone.
@@ -136,17 +173,7 @@ std::vector<PoolBlockResult> PrefixCache::StorePoolBlocks(const ScopedShape& spa
     }
   }
   DemoteDownTo(options_.budget_bytes);
-  if (all.size() > blocks.size()) {
-    PoolBlockResult state_result = std::move(results.back());
-    results.pop_back();
-    PoolBlockResult& last = results.back();
-    if (last.status.ok() && !state_result.status.ok()) {
-      last.status = absl::Status(state_result.status.code(),
-                                 absl::StrCat("the boundary state of the last block: ",
-                                              state_result.status.message()));
-    }
-    last.copied_bytes += state_result.copied_bytes;
-  }
+  FoldStateResult(all.size() > blocks.size(), results);
   return results;
 }
 
@@ -201,22 +228,20 @@ void PrefixCache::UnpinPoolEntries(absl::Span<const EntryId> entries) {
 std::vector<PoolBlockResult> PrefixCache::LoadPoolBlocks(const ScopedShape& space, ArenaId pool,
                                                          const std::vector<PoolBlock>& blocks,
                                                          const std::optional<PoolBlock>& state) {
-  std::vector<const PoolBlock*> all;
-  for (const PoolBlock& block : blocks) all.push_back(&block);
-  if (state.has_value() && !blocks.empty()) all.push_back(&*state);
+  const std::vector<const PoolBlock*> all = WithState(blocks, state);
   std::vector<PoolBlockResult> results(all.size());
   std::vector<std::optional<EntryView>> pinned(all.size());
   // 1. Pin what is stored: nothing below can free or demote it.
   {
     absl::MutexLock lock(&mu_);
     for (size_t i = 0; i < all.size(); ++i) {
-      const bool is_state = i == blocks.size();
+      const bool is_state = i == blocks.size();  // its message goes after FoldStateResult's
       std::optional<EntryId> id = index_.EntryEndingAt(all[i]->key);
       absl::StatusOr<EntryView> view =
           id.has_value() ? index_.GetEntry(*id)
                          : absl::StatusOr<EntryView>(absl::NotFoundError(absl::StrCat(
-                               is_state ? "the boundary state of block " : "block ",
-                               is_state ? blocks.size() - 1 : i, " (key ", KeyPrefix(all[i]->key),
+                               is_state ? "it" : absl::StrCat("block ", i), " (key ",
+                               KeyPrefix(all[i]->key),
                                "...) is not stored (never stored, or evicted)")));
       if (view.ok() && (view->blocks.size() != 1 ||
                         view->blocks[0].bytes != slabs_->RoundedBytes(all[i]->bytes).value_or(0))) {
@@ -302,13 +327,7 @@ std::vector<PoolBlockResult> PrefixCache::LoadPoolBlocks(const ScopedShape& spac
     FreeHandles(index_.EnforceBudget().freed_handles);
     DemoteDownTo(options_.budget_bytes);
   }
-  if (all.size() > blocks.size()) {
-    PoolBlockResult state_result = std::move(results.back());
-    results.pop_back();
-    PoolBlockResult& last = results.back();
-    if (last.status.ok() && !state_result.status.ok()) last.status = state_result.status;
-    last.copied_bytes += state_result.copied_bytes;
-  }
+  FoldStateResult(all.size() > blocks.size(), results);
   return results;
 }
 

@@ -1,7 +1,5 @@
 // The block store (block_store.proto) against the in-process daemon: engines register their own
 // memfd pools over the real handoff socket and store and load blocks through KvClient.
-#include <fcntl.h>
-#include <sys/mman.h>
 #include <unistd.h>
 
 #include <cstdint>
@@ -17,6 +15,7 @@
 #include "gtest/gtest.h"
 #include "server/prefix_cache.h"
 #include "tests/service/test_daemon.h"
+#include "tests/test_block_pool.h"
 #include "tests/status_matchers.h"
 
 namespace memra::testing {
@@ -25,105 +24,19 @@ namespace {
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
 
-constexpr uint32_t kTokensPerBlock = 16;
-constexpr uint32_t kHeads = 2;
-constexpr uint32_t kHeadDim = 8;
-constexpr uint64_t kKvBlockBytes = kTokensPerBlock * kHeads * kHeadDim * 2;  // fp16: 512
+const TestPoolShape kShape;                                  // group 0 only
+const TestPoolShape kHybrid{.hybrid = true};                // groups 0 and 1 (with STATE)
 constexpr uint64_t kNumBlocks = 16;
-constexpr uint32_t kLayers = 2;
-constexpr uint64_t kStateBytes = 96;
+constexpr uint32_t kTokensPerBlock = 16;
 
-// An engine's own pool: a memfd (sealed against shrinking unless told otherwise) it maps.
-class Pool {
- public:
-  Pool(uint64_t bytes, bool seal = true) : bytes_(bytes) {
-    fd_ = ScopedFd(memfd_create("engine-pool", MFD_CLOEXEC | MFD_ALLOW_SEALING));
-    EXPECT_GE(fd_.get(), 0);
-    EXPECT_EQ(ftruncate(fd_.get(), static_cast<off_t>(bytes)), 0);
-    if (seal) {
-      EXPECT_EQ(fcntl(fd_.get(), F_ADD_SEALS, F_SEAL_SHRINK), 0);
-    }
-    void* at = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd_.get(), 0);
-    EXPECT_NE(at, MAP_FAILED);
-    data_ = static_cast<uint8_t*>(at);
-  }
-  ~Pool() { munmap(data_, bytes_); }
-  int fd() const { return fd_.get(); }
-  uint64_t bytes() const { return bytes_; }
-  uint8_t* data() const { return data_; }
-
- private:
-  ScopedFd fd_;
-  uint64_t bytes_;
-  uint8_t* data_ = nullptr;
-};
-
-// kLayers layers of K and V, one tensor after another (kNumBlocks blocks each), group 0; with
-// `hybrid`, group 1 holds one layer's K and V and a STATE tensor after them.
-BlockPoolSpec PoolSpec(bool hybrid = false) {
-  BlockPoolSpec spec;
-  spec.num_blocks = kNumBlocks;
-  spec.tokens_per_block = kTokensPerBlock;
-  spec.element = static_cast<uint32_t>(BlockElement::kFp16);
-  spec.order = static_cast<uint32_t>(BlockOrder::kNhd);
-  spec.num_kv_heads = kHeads;
-  spec.head_dim = kHeadDim;
-  spec.tp_size = 1;
-  spec.model = "block-store-test@1";
-  for (uint32_t i = 0; i < 2 * kLayers; ++i) {
-    spec.tensors.push_back(
-        {.layer = i / 2,
-         .role = static_cast<uint32_t>(i % 2 == 0 ? BlockTensorRole::kK : BlockTensorRole::kV),
-         .kv_group = hybrid && i >= 2 ? 1u : 0u,
-         .buffer = 0,
-         .offset = i * kNumBlocks * kKvBlockBytes,
-         .block_stride = kKvBlockBytes,
-         .block_bytes = kKvBlockBytes});
-  }
-  if (hybrid) {
-    spec.tensors.push_back({.layer = 9,
-                            .role = static_cast<uint32_t>(BlockTensorRole::kState),
-                            .kv_group = 1,
-                            .buffer = 0,
-                            .offset = 2 * kLayers * kNumBlocks * kKvBlockBytes,
-                            .block_stride = kStateBytes,
-                            .block_bytes = kStateBytes});
-  }
-  return spec;
+TestBlockPool MustPool(const TestPoolShape& shape = kShape, bool seal = true) {
+  absl::StatusOr<TestBlockPool> pool = TestBlockPool::Create(shape, seal);
+  EXPECT_THAT(pool, IsOk());
+  return *std::move(pool);
 }
 
-constexpr uint64_t kPoolBytes = 2 * kLayers * kNumBlocks * kKvBlockBytes + kNumBlocks * kStateBytes;
-
-// Where tensor `tensor` of block `block` lies in a pool of PoolSpec().
-uint8_t* TensorBlock(const Pool& pool, uint32_t tensor, uint32_t block) {
-  return pool.data() + tensor * kNumBlocks * kKvBlockBytes + block * kKvBlockBytes;
-}
-uint8_t* StateSlot(const Pool& pool, uint32_t block) {
-  return pool.data() + 2 * kLayers * kNumBlocks * kKvBlockBytes + block * kStateBytes;
-}
-
-// Fills every tensor of `block` with bytes derived from `seed`.
-void Fill(const Pool& pool, uint32_t block, uint8_t seed) {
-  for (uint32_t t = 0; t < 2 * kLayers; ++t) {
-    for (uint64_t i = 0; i < kKvBlockBytes; ++i) {
-      TensorBlock(pool, t, block)[i] = static_cast<uint8_t>(seed * 31 + t * 7 + i);
-    }
-  }
-}
-
-bool SameBlock(const Pool& a, uint32_t block_a, const Pool& b, uint32_t block_b) {
-  for (uint32_t t = 0; t < 2 * kLayers; ++t) {
-    if (std::memcmp(TensorBlock(a, t, block_a), TensorBlock(b, t, block_b), kKvBlockBytes) != 0) {
-      return false;
-    }
-  }
-  return true;
-}
-
-std::vector<std::string> Hashes(int first, int count) {
-  std::vector<std::string> hashes;
-  for (int i = first; i < first + count; ++i) hashes.push_back(absl::StrCat("block-hash-", i));
-  return hashes;
+std::vector<std::string> Hashes(uint64_t first, uint64_t count) {
+  return TestBlockHashes(first, count);
 }
 
 class BlockStoreTest : public DaemonTest {
@@ -146,7 +59,7 @@ class BlockStoreTest : public DaemonTest {
   }
 
   // Offers `pool` and registers it with `spec`.
-  absl::StatusOr<RegisteredPool> Register(KvClient& client, const Pool& pool,
+  absl::StatusOr<RegisteredPool> Register(KvClient& client, const TestBlockPool& pool,
                                           const BlockPoolSpec& spec) {
     absl::StatusOr<uint64_t> buffer = client.OfferPoolBuffer(pool.fd(), pool.bytes());
     if (!buffer.ok()) return buffer.status();
@@ -154,8 +67,9 @@ class BlockStoreTest : public DaemonTest {
     return client.RegisterPool(spec, {&ref, 1});
   }
 
-  RegisteredPool MustRegister(KvClient& client, const Pool& pool, bool hybrid = false) {
-    absl::StatusOr<RegisteredPool> registered = Register(client, pool, PoolSpec(hybrid));
+  RegisteredPool MustRegister(KvClient& client, const TestBlockPool& pool,
+                              const TestPoolShape& shape = kShape) {
+    absl::StatusOr<RegisteredPool> registered = Register(client, pool, shape.Spec());
     EXPECT_THAT(registered, IsOk());
     return registered.value_or(RegisteredPool{});
   }
@@ -184,14 +98,14 @@ TEST_F(BlockStoreTest, BlocksStoredFromOneEnginesPoolLoadIntoAnothersByteForByte
   std::unique_ptr<KvClient> b = NewClient("engine-b");
   ASSERT_NE(a, nullptr);
   ASSERT_NE(b, nullptr);
-  Pool pool_a(kPoolBytes);
-  Pool pool_b(kPoolBytes);
+  TestBlockPool pool_a = MustPool();
+  TestBlockPool pool_b = MustPool();
   const RegisteredPool registered_a = MustRegister(*a, pool_a);
   const RegisteredPool registered_b = MustRegister(*b, pool_b);
   ASSERT_EQ(registered_a.groups.size(), 1u);
-  EXPECT_EQ(registered_a.groups[0].block_bytes, 2 * kLayers * kKvBlockBytes);
+  EXPECT_EQ(registered_a.groups[0].block_bytes, kShape.block_bytes());
   EXPECT_EQ(registered_a.groups[0].layout_fingerprint, registered_b.groups[0].layout_fingerprint);
-  for (uint32_t block = 0; block < 4; ++block) Fill(pool_a, block, static_cast<uint8_t>(block + 1));
+  for (uint32_t block = 0; block < 4; ++block) pool_a.Fill(block, static_cast<uint8_t>(block + 1));
 
   BlockStoreCall store = ByHashes(registered_a, Hashes(0, 4), {0, 1, 2, 3});
   store.event_token_ids.assign(4 * kTokensPerBlock, 5);
@@ -199,7 +113,7 @@ TEST_F(BlockStoreTest, BlocksStoredFromOneEnginesPoolLoadIntoAnothersByteForByte
   ASSERT_THAT(stored, IsOk());
   EXPECT_THAT(Codes(*stored), ElementsAre(absl::StatusCode::kOk, absl::StatusCode::kOk,
                                           absl::StatusCode::kOk, absl::StatusCode::kOk));
-  EXPECT_EQ(stored->copied_bytes, 4 * 2 * kLayers * kKvBlockBytes);
+  EXPECT_EQ(stored->copied_bytes, 4 * kShape.block_bytes());
   // Stored again: nothing copied.
   absl::StatusOr<BlockStoreTransfer> again = a->StoreBlocks(store);
   ASSERT_THAT(again, IsOk());
@@ -219,7 +133,7 @@ TEST_F(BlockStoreTest, BlocksStoredFromOneEnginesPoolLoadIntoAnothersByteForByte
   ASSERT_THAT(loaded, IsOk());
   EXPECT_THAT(Codes(*loaded), ElementsAre(absl::StatusCode::kOk, absl::StatusCode::kOk,
                                           absl::StatusCode::kOk, absl::StatusCode::kOk));
-  for (uint32_t i = 0; i < 4; ++i) EXPECT_TRUE(SameBlock(pool_a, i, pool_b, 7 - i)) << i;
+  for (uint32_t i = 0; i < 4; ++i) EXPECT_TRUE(pool_a.SameBlock(i, pool_b, 7 - i)) << i;
   EXPECT_EQ(daemon_->block_store().counts().pins, 0u);  // the load released the lookup's pin
   EXPECT_THAT(b->UnpinBlocks(match->pin_id),
               StatusIs(absl::StatusCode::kNotFound, HasSubstr(absl::StrCat("no pin ", match->pin_id))));
@@ -256,9 +170,9 @@ TEST_F(BlockStoreTest, BlocksStoredFromOneEnginesPoolLoadIntoAnothersByteForByte
 TEST_F(BlockStoreTest, TokenIdKeysChainFromTheStartAndSkipWhatIsStored) {
   std::unique_ptr<KvClient> a = NewClient("engine-a");
   ASSERT_NE(a, nullptr);
-  Pool pool(kPoolBytes);
+  TestBlockPool pool = MustPool();
   const RegisteredPool registered = MustRegister(*a, pool);
-  for (uint32_t block = 0; block < 3; ++block) Fill(pool, block, static_cast<uint8_t>(9 + block));
+  for (uint32_t block = 0; block < 3; ++block) pool.Fill(block, static_cast<uint8_t>(9 + block));
   std::vector<int32_t> tokens(3 * kTokensPerBlock + 5);
   for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<int32_t>(1000 + i);
   BlockStoreCall store;
@@ -272,7 +186,7 @@ TEST_F(BlockStoreTest, TokenIdKeysChainFromTheStartAndSkipWhatIsStored) {
   store.block_ids = {2};
   absl::StatusOr<BlockStoreTransfer> third = a->StoreBlocks(store);
   ASSERT_THAT(third, IsOk());
-  EXPECT_EQ(third->copied_bytes, 2 * kLayers * kKvBlockBytes);
+  EXPECT_EQ(third->copied_bytes, kShape.block_bytes());
   BlockStoreCall lookup;
   lookup.registration_id = registered.registration_id;
   lookup.keys.token_ids = tokens;
@@ -293,17 +207,17 @@ TEST_F(BlockStoreTest, AnotherScopeOrLayoutSeesNothing) {
       KvClient::Connect(daemon_->socket_path(), options);
   ASSERT_THAT(other, IsOk());
   ASSERT_THAT((*other)->Attach("engine-other"), IsOk());
-  Pool pool_a(kPoolBytes);
-  Pool pool_other(kPoolBytes);
+  TestBlockPool pool_a = MustPool();
+  TestBlockPool pool_other = MustPool();
   const RegisteredPool registered_a = MustRegister(*a, pool_a);
   const RegisteredPool registered_other = MustRegister(**other, pool_other);
   ASSERT_THAT(a->StoreBlocks(ByHashes(registered_a, Hashes(0, 2), {0, 1})), IsOk());
   EXPECT_THAT((*other)->LookupBlocks(ByHashes(registered_other, Hashes(0, 2))),
               IsOkAndHolds(::testing::Field(&BlockStoreMatch::matched_blocks, 0u)));
   // Same scope, another model: another layout fingerprint, other keys.
-  BlockPoolSpec spec = PoolSpec();
+  BlockPoolSpec spec = kShape.Spec();
   spec.model = "another-model";
-  Pool pool_model(kPoolBytes);
+  TestBlockPool pool_model = MustPool();
   absl::StatusOr<RegisteredPool> registered_model = Register(*a, pool_model, spec);
   ASSERT_THAT(registered_model, IsOk());
   EXPECT_NE(registered_model->groups[0].layout_fingerprint,
@@ -320,42 +234,42 @@ TEST_F(BlockStoreTest, BadOffersRegistrationsAndCallsAreRefusedWithTheirNumbersC
   ASSERT_NE(a, nullptr);
   ASSERT_NE(b, nullptr);
   // Offers: not sealed against shrinking; larger than the file.
-  Pool unsealed(kPoolBytes, /*seal=*/false);
-  EXPECT_THAT(a->OfferPoolBuffer(unsealed.fd(), kPoolBytes),
+  TestBlockPool unsealed = MustPool(kShape, /*seal=*/false);
+  EXPECT_THAT(a->OfferPoolBuffer(unsealed.fd(), kShape.pool_bytes()),
               StatusIs(absl::StatusCode::kFailedPrecondition,
                        HasSubstrs("seals are 0x0", "F_SEAL_SHRINK")));
-  Pool pool(kPoolBytes);
-  EXPECT_THAT(a->OfferPoolBuffer(pool.fd(), kPoolBytes + 1),
+  TestBlockPool pool = MustPool();
+  EXPECT_THAT(a->OfferPoolBuffer(pool.fd(), kShape.pool_bytes() + 1),
               StatusIs(absl::StatusCode::kFailedPrecondition,
-                       HasSubstrs(absl::StrCat("holds ", kPoolBytes, " bytes; the offer says ",
-                                               kPoolBytes + 1))));
+                       HasSubstrs(absl::StrCat("holds ", kShape.pool_bytes(), " bytes; the offer says ",
+                                               kShape.pool_bytes() + 1))));
   // Registrations: a layout outside the buffer, an unknown id, another engine's id.
-  absl::StatusOr<uint64_t> buffer = a->OfferPoolBuffer(pool.fd(), kPoolBytes);
+  absl::StatusOr<uint64_t> buffer = a->OfferPoolBuffer(pool.fd(), kShape.pool_bytes());
   ASSERT_THAT(buffer, IsOk());
-  BlockPoolSpec outside = PoolSpec();
-  outside.tensors[3].offset = kPoolBytes - kNumBlocks * kKvBlockBytes + 1;
-  const PoolBufferRef ref{.handoff_buffer_id = *buffer, .bytes = kPoolBytes};
+  BlockPoolSpec outside = kShape.Spec();
+  outside.tensors[3].offset = kShape.pool_bytes() - kShape.tensor_bytes() + 1;
+  const PoolBufferRef ref{.handoff_buffer_id = *buffer, .bytes = kShape.pool_bytes()};
   EXPECT_THAT(a->RegisterPool(outside, {&ref, 1}),
               StatusIs(absl::StatusCode::kInvalidArgument,
-                       HasSubstrs("tensor 3", absl::StrCat("holds ", kPoolBytes, " bytes"))));
-  const PoolBufferRef unknown{.handoff_buffer_id = 999, .bytes = kPoolBytes};
-  EXPECT_THAT(a->RegisterPool(PoolSpec(), {&unknown, 1}),
+                       HasSubstrs("tensor 3", absl::StrCat("holds ", kShape.pool_bytes(), " bytes"))));
+  const PoolBufferRef unknown{.handoff_buffer_id = 999, .bytes = kShape.pool_bytes()};
+  EXPECT_THAT(a->RegisterPool(kShape.Spec(), {&unknown, 1}),
               StatusIs(absl::StatusCode::kNotFound, HasSubstrs("no offered buffer 999")));
-  EXPECT_THAT(b->RegisterPool(PoolSpec(), {&ref, 1}),
+  EXPECT_THAT(b->RegisterPool(kShape.Spec(), {&ref, 1}),
               StatusIs(absl::StatusCode::kPermissionDenied,
                        HasSubstrs(absl::StrCat("offered buffer ", *buffer, " is not engine ",
                                                b->engine_id()))));
   const PoolBufferRef too_long{.handoff_buffer_id = *buffer,
-                               .bytes = kPoolBytes,
+                               .bytes = kShape.pool_bytes(),
                                .offset_in_allocation = 4096};
-  EXPECT_THAT(a->RegisterPool(PoolSpec(), {&too_long, 1}),
+  EXPECT_THAT(a->RegisterPool(kShape.Spec(), {&too_long, 1}),
               StatusIs(absl::StatusCode::kFailedPrecondition,
-                       HasSubstrs("at offset 4096", absl::StrCat("holds ", kPoolBytes))));
+                       HasSubstrs("at offset 4096", absl::StrCat("holds ", kShape.pool_bytes()))));
   EXPECT_EQ(daemon_->block_store().counts().registrations, 0u);
   // The refusals used nothing up: the offer still registers.
-  absl::StatusOr<RegisteredPool> registered = a->RegisterPool(PoolSpec(), {&ref, 1});
+  absl::StatusOr<RegisteredPool> registered = a->RegisterPool(kShape.Spec(), {&ref, 1});
   ASSERT_THAT(registered, IsOk());
-  EXPECT_THAT(a->RegisterPool(PoolSpec(), {&ref, 1}),
+  EXPECT_THAT(a->RegisterPool(kShape.Spec(), {&ref, 1}),
               StatusIs(absl::StatusCode::kNotFound, HasSubstrs("used up by one registration")));
 
   // Calls: a block id past the pool, counts that differ, a duplicate id in a load, an unknown
@@ -400,9 +314,9 @@ TEST_F(BlockStoreTest, BadOffersRegistrationsAndCallsAreRefusedWithTheirNumbersC
 TEST_F(BlockStoreTest, ACorruptStoredBlockIsDataLossForThatBlockAndDropped) {
   std::unique_ptr<KvClient> a = NewClient("engine-a");
   ASSERT_NE(a, nullptr);
-  Pool pool(kPoolBytes);
+  TestBlockPool pool = MustPool();
   const RegisteredPool registered = MustRegister(*a, pool);
-  for (uint32_t block = 0; block < 3; ++block) Fill(pool, block, static_cast<uint8_t>(block + 40));
+  for (uint32_t block = 0; block < 3; ++block) pool.Fill(block, static_cast<uint8_t>(block + 40));
   ASSERT_THAT(a->StoreBlocks(ByHashes(registered, Hashes(0, 3), {0, 1, 2})), IsOk());
   // Flip a byte of block 1's stored copy.
   const PlanFingerprint space =
@@ -424,8 +338,8 @@ TEST_F(BlockStoreTest, ACorruptStoredBlockIsDataLossForThatBlockAndDropped) {
   EXPECT_THAT(Codes(*loaded), ElementsAre(absl::StatusCode::kOk, absl::StatusCode::kDataLoss,
                                           absl::StatusCode::kOk));
   EXPECT_THAT(loaded->blocks[1].status.message(), HasSubstrs("xxHash3", "never served"));
-  EXPECT_TRUE(SameBlock(pool, 0, pool, 10));
-  EXPECT_TRUE(SameBlock(pool, 2, pool, 12));
+  EXPECT_TRUE(pool.SameBlock(0, pool, 10));
+  EXPECT_TRUE(pool.SameBlock(2, pool, 12));
   // Dropped: a lookup stops before it now.
   EXPECT_THAT(a->LookupBlocks(ByHashes(registered, Hashes(0, 3))),
               IsOkAndHolds(::testing::Field(&BlockStoreMatch::matched_blocks, 1u)));
@@ -435,11 +349,11 @@ TEST_F(BlockStoreTest, ACorruptStoredBlockIsDataLossForThatBlockAndDropped) {
 TEST_F(BlockStoreTest, HybridStateGoesWithTheLastBlockAndLookupsStopAtAStoredState) {
   std::unique_ptr<KvClient> a = NewClient("engine-a");
   ASSERT_NE(a, nullptr);
-  Pool pool(kPoolBytes);
-  const RegisteredPool registered = MustRegister(*a, pool, /*hybrid=*/true);
+  TestBlockPool pool = MustPool(kHybrid);
+  const RegisteredPool registered = MustRegister(*a, pool, kHybrid);
   ASSERT_EQ(registered.groups.size(), 2u);
-  EXPECT_EQ(registered.groups[1].state_bytes, kStateBytes);
-  std::memset(StateSlot(pool, 2), 0x5a, kStateBytes);
+  EXPECT_EQ(registered.groups[1].state_bytes, kHybrid.state_bytes);
+  std::memset(pool.StateSlot(2), 0x5a, kHybrid.state_bytes);
   ASSERT_THAT(a->StoreBlocks(ByHashes(registered, Hashes(0, 3), {0, 1, 2}, 1)), IsOk());
   EXPECT_THAT(a->LookupBlocks(ByHashes(registered, Hashes(0, 4), {}, 1)),
               IsOkAndHolds(::testing::Field(&BlockStoreMatch::matched_blocks, 3u)));
@@ -451,7 +365,7 @@ TEST_F(BlockStoreTest, HybridStateGoesWithTheLastBlockAndLookupsStopAtAStoredSta
   ASSERT_THAT(loaded, IsOk());
   EXPECT_THAT(Codes(*loaded), ElementsAre(absl::StatusCode::kOk, absl::StatusCode::kOk,
                                           absl::StatusCode::kOk));
-  EXPECT_EQ(std::memcmp(StateSlot(pool, 7), StateSlot(pool, 2), kStateBytes), 0);
+  EXPECT_EQ(std::memcmp(pool.StateSlot(7), pool.StateSlot(2), kHybrid.state_bytes), 0);
   // A load ending where no state is stored: the last block is NOT_FOUND.
   absl::StatusOr<BlockStoreTransfer> short_load =
       a->LoadBlocks(ByHashes(registered, Hashes(0, 2), {5, 6}, 1));
@@ -464,7 +378,7 @@ TEST_F(BlockStoreTest, PinsAreCappedExpireAndBelongToTheirEngine) {
   std::unique_ptr<KvClient> b = NewClient("engine-b");
   ASSERT_NE(a, nullptr);
   ASSERT_NE(b, nullptr);
-  Pool pool(kPoolBytes);
+  TestBlockPool pool = MustPool();
   const RegisteredPool registered = MustRegister(*a, pool);
   ASSERT_THAT(a->StoreBlocks(ByHashes(registered, Hashes(0, 1), {0})), IsOk());
   BlockStoreCall lookup = ByHashes(registered, Hashes(0, 1));
@@ -501,7 +415,7 @@ TEST_F(BlockStoreTest, RegistrationsAndPinsDieWithTheEnginesLease) {
   std::unique_ptr<KvClient> a = NewClient("engine-a");
   client_ = NewClient("engine-survivor");
   ASSERT_NE(a, nullptr);
-  Pool pool(kPoolBytes);
+  TestBlockPool pool = MustPool();
   const RegisteredPool registered = MustRegister(*a, pool);
   ASSERT_THAT(a->StoreBlocks(ByHashes(registered, Hashes(0, 2), {0, 1})), IsOk());
   BlockStoreCall lookup = ByHashes(registered, Hashes(0, 2));
@@ -522,13 +436,13 @@ TEST_F(BlockStoreTest, RegistrationsAndPinsDieWithTheEnginesLease) {
 class BlockStoreBudgetTest : public BlockStoreTest {
  protected:
   // Room for six blocks of 2 KiB (rounded to the slabs' 256-byte alignment: exactly).
-  BlockStoreBudgetTest() { prefix_budget_ = 6 * 2 * kLayers * kKvBlockBytes; }
+  BlockStoreBudgetTest() { prefix_budget_ = 6 * kShape.block_bytes(); }
 };
 
 TEST_F(BlockStoreBudgetTest, StoresPastTheBudgetEvictTheLeastRecentlyUsedBlocks) {
   std::unique_ptr<KvClient> a = NewClient("engine-a");
   ASSERT_NE(a, nullptr);
-  Pool pool(kPoolBytes);
+  TestBlockPool pool = MustPool();
   const RegisteredPool registered = MustRegister(*a, pool);
   for (int i = 0; i < 10; ++i) {
     absl::StatusOr<BlockStoreTransfer> stored =

@@ -1,0 +1,210 @@
+// Section 7: the block store (docs/block-store.md). An engine's own paged pool (a sealed memfd
+// this process maps, tests/test_block_pool.h: 8 layers of K and V, 8 KV heads of 64, fp16,
+// 16-token blocks of 256 KiB) is registered with memra-kvd (host backend); StoreBlocks and
+// LoadBlocks of 1k- and 32k-token sequences (64 and 2,048 blocks) between the pool and the
+// store are timed, the reply meaning the copies are done. Every store copies (each repetition
+// stores under new hashes; a cache at its budget evicts the oldest), every load is checked byte
+// for byte once. Baselines in the same run: memcpy of the same bytes between two warm buffers in
+// this process, and Redis (the peer of section 3) SET / GET of the same blocks, one key per
+// 16-token block.
+
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "bench/harness.h"
+#include "bench/kvd.h"
+#include "bench/redis_peer.h"
+#include "bench/sections.h"
+#include "client/client.h"
+#include "core/status_macros.h"
+#include "tests/test_block_pool.h"
+
+namespace memra::bench {
+namespace {
+
+using ::memra::testing::TestBlockPool;
+using ::memra::testing::TestPoolShape;
+
+struct SequenceSize {
+  uint64_t tokens;
+  int reps;
+};
+
+struct SequenceResult {
+  uint64_t tokens = 0;
+  uint64_t blocks = 0;
+  uint64_t bytes = 0;
+  Samples store, load, copy, redis_set, redis_get;
+};
+
+std::vector<std::string> SequenceHashes(uint64_t tokens, int rep, uint64_t blocks) {
+  std::vector<std::string> hashes;
+  hashes.reserve(blocks);
+  for (uint64_t i = 0; i < blocks; ++i) hashes.push_back(absl::StrCat(tokens, ":", rep, ":", i));
+  return hashes;
+}
+
+absl::Status CheckAll(const BlockStoreTransfer& transfer, absl::string_view what) {
+  for (size_t i = 0; i < transfer.blocks.size(); ++i) {
+    if (!transfer.blocks[i].status.ok()) {
+      return absl::Status(transfer.blocks[i].status.code(),
+                          absl::StrCat(what, " block ", i, ": ",
+                                       transfer.blocks[i].status.message()));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<SequenceResult> MeasureSequence(KvClient& client, const RegisteredPool& pool,
+                                               const TestBlockPool& memory,
+                                               const TestPoolShape& shape, redisContext* redis,
+                                               const SequenceSize& size, int reps) {
+  SequenceResult result;
+  result.tokens = size.tokens;
+  result.blocks = size.tokens / shape.tokens_per_block;
+  result.bytes = result.blocks * shape.block_bytes();
+  BlockStoreCall call;
+  call.registration_id = pool.registration_id;
+  for (uint64_t b = 0; b < result.blocks; ++b) call.block_ids.push_back(static_cast<uint32_t>(b));
+  for (int rep = 0; rep < reps; ++rep) {
+    call.keys.hashes = SequenceHashes(size.tokens, rep, result.blocks);
+    const int64_t start = NowNs();
+    ASSIGN_OR_RETURN(BlockStoreTransfer stored, client.StoreBlocks(call));
+    result.store.Add(NowNs() - start);
+    RETURN_IF_ERROR(CheckAll(stored, "store"));
+    if (stored.copied_bytes != result.bytes) {
+      return absl::InternalError(absl::StrCat("a store copied ", stored.copied_bytes,
+                                              " bytes, not ", result.bytes));
+    }
+  }
+  // Loads of the last stored sequence, each block into the mirror block id.
+  call.block_ids.clear();
+  for (uint64_t b = 0; b < result.blocks; ++b) {
+    call.block_ids.push_back(static_cast<uint32_t>(shape.num_blocks - 1 - b));
+  }
+  for (int rep = 0; rep < reps; ++rep) {
+    const int64_t start = NowNs();
+    ASSIGN_OR_RETURN(BlockStoreTransfer loaded, client.LoadBlocks(call));
+    result.load.Add(NowNs() - start);
+    RETURN_IF_ERROR(CheckAll(loaded, "load"));
+    if (rep == 0) {
+      for (uint64_t b = 0; b < result.blocks; ++b) {
+        if (!memory.Holds(shape.num_blocks - 1 - b, b)) {
+          return absl::DataLossError(absl::StrCat("loaded block ", b, " differs"));
+        }
+      }
+    }
+  }
+  // The pool as it was, for the next sequence's stores.
+  for (uint64_t b = 0; b < shape.num_blocks; ++b) memory.Fill(b, b);
+  std::vector<uint8_t> src(result.bytes), dst(result.bytes);
+  std::memset(src.data(), 0x3c, src.size());
+  std::memset(dst.data(), 0, dst.size());
+  for (int rep = 0; rep < std::max(reps, 3); ++rep) {
+    const int64_t start = NowNs();
+    std::memcpy(dst.data(), src.data(), result.bytes);
+    result.copy.Add(NowNs() - start);
+    KeepAlive(dst[result.bytes - 1]);
+  }
+  const uint64_t block_bytes = shape.block_bytes();
+  for (int rep = 0; rep < reps; ++rep) {
+    int64_t start = NowNs();
+    for (uint64_t b = 0; b < result.blocks; ++b) {
+      const std::string key = absl::StrCat("block:", size.tokens, ":", b);
+      RETURN_IF_ERROR(Command(redis, "SET %b %b", key.data(), key.size(),
+                              src.data() + b * block_bytes, static_cast<size_t>(block_bytes))
+                          .status());
+    }
+    result.redis_set.Add(NowNs() - start);
+    start = NowNs();
+    for (uint64_t b = 0; b < result.blocks; ++b) {
+      const std::string key = absl::StrCat("block:", size.tokens, ":", b);
+      ASSIGN_OR_RETURN(Reply reply, Command(redis, "GET %b", key.data(), key.size()));
+      if (reply->type != REDIS_REPLY_STRING || static_cast<uint64_t>(reply->len) != block_bytes) {
+        return absl::InternalError(absl::StrCat("GET ", key, " answered type ", reply->type));
+      }
+      std::memcpy(dst.data() + b * block_bytes, reply->str, block_bytes);
+    }
+    result.redis_get.Add(NowNs() - start);
+  }
+  RETURN_IF_ERROR(Command(redis, "FLUSHALL").status());
+  return result;
+}
+
+}  // namespace
+
+absl::StatusOr<Json> RunBlockStore(const BenchOptions& options) {
+  TestPoolShape shape;
+  shape.heads = 8;
+  shape.head_dim = 64;
+  shape.layers = 8;
+  shape.num_blocks = options.quick ? 64 : 2048;
+  shape.model = "bench-8x8x64";
+  std::vector<SequenceSize> sizes = {{1024, 10}};
+  if (!options.quick) sizes.push_back({32768, 4});
+  const uint64_t largest = sizes.back().tokens / shape.tokens_per_block * shape.block_bytes();
+  // Room for two of the largest sequences: later repetitions evict the oldest.
+  const uint64_t prefix_budget = 2 * largest + (uint64_t{64} << 20);
+  ASSIGN_OR_RETURN(std::unique_ptr<Kvd> kvd,
+                   Kvd::Start(options, prefix_budget + (uint64_t{256} << 20),
+                              {absl::StrCat("--prefix_cache_budget_bytes=", prefix_budget)}));
+  ASSIGN_OR_RETURN(std::unique_ptr<RedisPeer> peer, RedisPeer::Start(options));
+  ASSIGN_OR_RETURN(std::unique_ptr<KvClient> client, kvd->Attach("bench-block-store"));
+  ASSIGN_OR_RETURN(TestBlockPool memory, TestBlockPool::Create(shape));
+  for (uint64_t b = 0; b < shape.num_blocks; ++b) memory.Fill(b, b);
+  ASSIGN_OR_RETURN(uint64_t buffer, client->OfferPoolBuffer(memory.fd(), memory.bytes()));
+  const PoolBufferRef ref{.handoff_buffer_id = buffer, .bytes = memory.bytes()};
+  ASSIGN_OR_RETURN(RegisteredPool pool, client->RegisterPool(shape.Spec(), {&ref, 1}));
+
+  Json rows = Json::array();
+  Table table({"sequence", "bytes", "store GB/s", "load GB/s", "memcpy GB/s", "Redis SET GB/s",
+               "Redis GET GB/s", "store/memcpy", "load/memcpy", "load/GET"});
+  for (const SequenceSize& size : sizes) {
+    const int reps = options.quick ? 1 : size.reps;
+    ASSIGN_OR_RETURN(SequenceResult r, MeasureSequence(*client, pool, memory, shape,
+                                                       peer->connection(), size, reps));
+    const double store = GBps(r.bytes, r.store.P50());
+    const double load = GBps(r.bytes, r.load.P50());
+    const double copy = GBps(r.bytes, r.copy.P50());
+    const double set = GBps(r.bytes, r.redis_set.P50());
+    const double get = GBps(r.bytes, r.redis_get.P50());
+    rows.push_back(Json{{"tokens", r.tokens},
+                        {"blocks", r.blocks},
+                        {"bytes", r.bytes},
+                        {"store", r.store.ToJson()},
+                        {"load", r.load.ToJson()},
+                        {"memcpy", r.copy.ToJson()},
+                        {"redis_set", r.redis_set.ToJson()},
+                        {"redis_get", r.redis_get.ToJson()},
+                        {"store_gbps_p50", store},
+                        {"load_gbps_p50", load},
+                        {"memcpy_gbps_p50", copy},
+                        {"redis_get_gbps_p50", get},
+                        {"ratio_store_memcpy", store / copy},
+                        {"ratio_load_memcpy", load / copy},
+                        {"ratio_load_redis_get", load / get}});
+    table.Add({absl::StrCat(r.tokens / 1024, "k tokens"), absl::StrCat(r.bytes), Fixed(store, 2),
+               Fixed(load, 2), Fixed(copy, 2), Fixed(set, 2), Fixed(get, 2), Ratio(store / copy),
+               Ratio(load / copy), Ratio(load / get)});
+  }
+  RETURN_IF_ERROR(client->UnregisterPool(pool.registration_id));
+  client->Detach();
+  table.Print(absl::StrCat("7. Block store: an engine pool's 16-token blocks (",
+                           shape.block_bytes() / 1024,
+                           " KiB) stored and loaded through memra-kvd vs memcpy and Redis ",
+                           peer->version()));
+  return Json{{"pool", Json{{"layers", shape.layers},
+                            {"kv_heads", shape.heads},
+                            {"head_dim", shape.head_dim},
+                            {"element", "fp16"},
+                            {"tokens_per_block", shape.tokens_per_block},
+                            {"block_bytes", shape.block_bytes()},
+                            {"num_blocks", shape.num_blocks}}},
+              {"redis_version", peer->version()},
+              {"sequences", rows}};
+}
+
+}  // namespace memra::bench
