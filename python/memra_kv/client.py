@@ -122,6 +122,16 @@ class PrefixEvent:
     reason: str = ""
     cache_scope: str = ""
     medium: str = "device"  # "moved" events: the tier the bytes are in now
+    # What routers index (prefix.proto fields 20-25): the blocks' identities as their engine
+    # knows them (an engine pool's own hashes; for memra sessions the block keys), one per
+    # block key; "stored" events also the hash before the first block (b"" at a sequence's
+    # start), the blocks' token ids when known (block_tokens per block) and the storing engine.
+    block_hashes: List[bytes] = field(default_factory=list)
+    parent_block_hash: bytes = b""
+    token_ids: List[int] = field(default_factory=list)
+    block_tokens: int = 0
+    engine_id: int = 0
+    from_engine_pool: bool = False
 
 
 _EVENT_KINDS = {prefix_pb2.PrefixEvent.STORED: "stored", prefix_pb2.PrefixEvent.EVICTED: "evicted",
@@ -363,6 +373,15 @@ class Client:
             raise KvError(grpc.StatusCode.FAILED_PRECONDITION, "mapping a host arena before "
                           "attach: its descriptor comes over the engine's handoff connection")
         return lease.handoff.fetch_arena(session_id, token, handle)
+
+    def _offer_buffer(self, fd, nbytes):
+        """The block store's buffer id for descriptor `fd` of this engine's pool memory, over
+        the handoff connection attach opened (valid while it stays open)."""
+        lease = self._lease
+        if lease is None:
+            raise KvError(grpc.StatusCode.FAILED_PRECONDITION, "offering a pool buffer before "
+                          "attach: it goes over the engine's handoff connection")
+        return lease.handoff.offer_buffer(fd, nbytes)
 
     def _engine(self, what):
         lease = self._lease
@@ -811,7 +830,9 @@ class PrefixEvents:
         return PrefixEvent(event.sequence, event.epoch, kind, kind == "gap",
                            event.shape_fingerprint, list(event.block_keys), event.boundary_key,
                            event.reason, event.cache_scope,
-                           _MEDIA.get(event.medium, "device"))
+                           _MEDIA.get(event.medium, "device"), list(event.block_hashes),
+                           event.parent_block_hash, list(event.token_ids), event.block_tokens,
+                           event.engine_id, event.from_engine_pool)
 
     def _end(self, call):
         with self._lock:

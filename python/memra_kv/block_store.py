@@ -1,0 +1,314 @@
+"""memra_kv.block_store: memra-kvd as the shared cache tier of an engine with its own paged KV
+pool (proto/memra/kv/v1/block_store.proto, docs/block-store.md).
+
+An attached engine registers its pool once (BlockStore.register), then per request asks how
+many leading blocks of a sequence are stored (lookup), copies stored blocks into pool blocks it
+allocated (load) and computed pool blocks into the store (store). On the host backend the pool
+is shared memory the daemon maps: a HostPool (a memfd sealed against shrinking and growing,
+mapped here as a numpy array) whose descriptor travels over the handoff socket; never a name.
+
+Blocks are named by the engine's own chained block hashes (`hashes=`, opaque, 1..64 bytes each)
+or by token ids from position 0 (`token_ids=`, whole blocks). Every call raises KvError with
+the daemon's code and numbers when refused (a refused call changes nothing); a load's per-block
+failures (NOT_FOUND: no longer stored, DATA_LOSS: checksum mismatch) are in its Transfer.
+"""
+
+import fcntl
+import hashlib
+import mmap
+import os
+from dataclasses import dataclass, field
+from typing import List, Sequence
+
+import grpc
+import numpy as np
+
+from ._proto import block_store_pb2 as bs
+from ._proto import block_store_pb2_grpc
+from .client import _MEDIA, _call
+from .errors import KvError, code_from_value
+
+ELEMENT_TYPES = {"bf16": bs.BLOCK_ELEMENT_BF16, "fp16": bs.BLOCK_ELEMENT_FP16,
+                 "fp32": bs.BLOCK_ELEMENT_FP32, "fp8_e4m3": bs.BLOCK_ELEMENT_FP8_E4M3,
+                 "fp8_e5m2": bs.BLOCK_ELEMENT_FP8_E5M2, "int8": bs.BLOCK_ELEMENT_INT8}
+# Bytes per element of the unquantized types (the quantized ones are per 32-element block:
+# block_store.proto BlockElementType).
+ELEMENT_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8_e4m3": 1, "fp8_e5m2": 1, "int8": 1}
+ORDERS = {"NHD": bs.BLOCK_ORDER_NHD, "HND": bs.BLOCK_ORDER_HND}
+TENSOR_KINDS = {"K": bs.BLOCK_TENSOR_K, "V": bs.BLOCK_TENSOR_V, "KV": bs.BLOCK_TENSOR_KV,
+                "STATE": bs.BLOCK_TENSOR_STATE}
+
+
+class HostPool:
+    """`nbytes` of shared memory for an engine's KV pool: a memfd sealed with F_SEAL_SHRINK |
+    F_SEAL_GROW | F_SEAL_SEAL (so the daemon that maps it can never be made to fault), mapped
+    MAP_SHARED here. `array` is every byte as a uint8 numpy vector; `view(dtype, shape,
+    offset)` a typed view. close() unmaps and closes the descriptor (the daemon keeps its own
+    mapping until the registration ends)."""
+
+    def __init__(self, nbytes, name="memra-kv-pool"):
+        if nbytes <= 0:
+            raise KvError(grpc.StatusCode.INVALID_ARGUMENT,
+                          "a host pool of %d bytes; at least 1" % nbytes)
+        self.nbytes = nbytes
+        self.fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            os.ftruncate(self.fd, nbytes)
+            fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS,
+                        fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+            self._map = mmap.mmap(self.fd, nbytes, mmap.MAP_SHARED,
+                                  mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.close(self.fd)
+            raise
+        self.array = np.frombuffer(self._map, dtype=np.uint8)
+
+    def view(self, dtype, shape, offset=0):
+        """A typed array over the pool from byte `offset` (the engine's tensor)."""
+        dtype = np.dtype(dtype)
+        count = int(np.prod(shape))
+        if offset < 0 or offset + count * dtype.itemsize > self.nbytes:
+            raise KvError(grpc.StatusCode.INVALID_ARGUMENT, "a view of %d bytes at offset %d "
+                          "of a %d-byte pool" % (count * dtype.itemsize, offset, self.nbytes))
+        return np.frombuffer(self._map, dtype=dtype, count=count, offset=offset).reshape(shape)
+
+    def close(self):
+        self.array = None
+        try:
+            self._map.close()
+        except BufferError:  # views still exported: the mapping lives until they are gone
+            pass
+        os.close(self.fd)
+
+
+@dataclass
+class CudaBuffer:
+    """A cuda pool allocation: its cudaIpcMemHandle_t (64 bytes) and where the buffer starts."""
+    ipc_handle: bytes
+    nbytes: int
+    offset_in_allocation: int = 0
+
+
+@dataclass
+class TensorLayout:
+    """Where block b of one pool tensor lives: buffers[buffer] + offset + b * block_stride,
+    block_bytes contiguous bytes. kind: "K", "V", "KV" or "STATE"."""
+    layer: int
+    kind: str
+    offset: int
+    block_stride: int
+    block_bytes: int
+    kv_group: int = 0
+    buffer: int = 0
+
+
+@dataclass
+class PoolLayout:
+    """An engine pool's layout (RegisterEngineBuffersRequest without the memory)."""
+    num_blocks: int
+    tokens_per_block: int
+    element_type: str  # a key of ELEMENT_TYPES
+    num_kv_heads: int
+    head_dim: int
+    model: str
+    tensors: List[TensorLayout]
+    order: str = "NHD"
+    tp_rank: int = 0
+    tp_size: int = 1
+
+    @property
+    def token_bytes(self):
+        """Bytes of one token of one K or V tensor."""
+        return self.num_kv_heads * self.head_dim * ELEMENT_BYTES[self.element_type]
+
+    @property
+    def block_bytes(self):
+        """Bytes of one K or V block."""
+        return self.tokens_per_block * self.token_bytes
+
+
+def element_type_of(dtype):
+    """The block store's element name of a numpy or torch dtype's name ("bfloat16" -> "bf16")."""
+    name = str(dtype).replace("torch.", "")
+    names = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32",
+             "float": "fp32", "float8_e4m3fn": "fp8_e4m3", "float8_e5m2": "fp8_e5m2",
+             "int8": "int8", "uint8": "int8"}
+    if name not in names:
+        raise KvError(grpc.StatusCode.INVALID_ARGUMENT, "element type %s: the block store "
+                      "takes %s" % (name, ", ".join(sorted(names))))
+    return names[name]
+
+
+@dataclass
+class KvGroup:
+    kv_group: int
+    layout_fingerprint: bytes
+    block_bytes: int
+    state_bytes: int
+
+
+@dataclass
+class Registration:
+    id: int
+    layout: PoolLayout
+    groups: List[KvGroup]
+
+
+@dataclass
+class BlockMatch:
+    matched_blocks: int
+    pin_id: int = 0
+    medium: str = "device"
+
+
+@dataclass
+class BlockOutcome:
+    code: grpc.StatusCode  # OK, NOT_FOUND (no longer stored), DATA_LOSS (corrupt)
+    message: str = ""
+    already_present: bool = False  # store: it was stored before (nothing copied)
+
+    @property
+    def ok(self):
+        return self.code == grpc.StatusCode.OK
+
+
+@dataclass
+class Transfer:
+    """One StoreBlocks / LoadBlocks: an outcome per block id, in order."""
+    blocks: List[BlockOutcome] = field(default_factory=list)
+    copied_bytes: int = 0
+    completion_event: bytes = b""  # cuda: wait on it before using the blocks
+
+    @property
+    def ok(self):
+        return all(block.ok for block in self.blocks)
+
+    def failed(self):
+        """Indices (into the call's block ids) of the blocks that failed."""
+        return [i for i, block in enumerate(self.blocks) if not block.ok]
+
+
+def _keys(hashes, token_ids):
+    if (hashes is None) == (token_ids is None):
+        raise KvError(grpc.StatusCode.INVALID_ARGUMENT,
+                      "name the blocks by exactly one of hashes or token_ids")
+    if hashes is not None:
+        return bs.BlockKeys(hashes=[bytes(h) for h in hashes])
+    return bs.BlockKeys(token_ids=list(token_ids))
+
+
+def _transfer(response):
+    return Transfer([BlockOutcome(code_from_value(b.code), b.message, b.already_present)
+                     for b in response.blocks], response.copied_bytes, response.completion_event)
+
+
+class BlockStore:
+    """The block store calls of an attached memra_kv.Client. Thread-safe."""
+
+    def __init__(self, client):
+        self._client = client
+        self._stub = block_store_pb2_grpc.KvBlockStoreStub(client._channel)
+
+    def _t(self, timeout):
+        return self._client._timeout(timeout)
+
+    def _engine(self, what):
+        return self._client._engine(what)
+
+    def register(self, buffers: Sequence, layout: PoolLayout, timeout=None):
+        """Registers the pool: `buffers` HostPool (host backend: each descriptor is offered over
+        the handoff socket first) or CudaBuffer (cuda backend), `layout` what lives where.
+        Returns the Registration (its KV groups' layout fingerprints and stored block bytes)."""
+        request = bs.RegisterEngineBuffersRequest(
+            engine=self._engine("register"), num_blocks=layout.num_blocks,
+            tokens_per_block=layout.tokens_per_block,
+            element_type=ELEMENT_TYPES.get(layout.element_type, bs.BLOCK_ELEMENT_UNSPECIFIED),
+            order=ORDERS.get(layout.order, bs.BLOCK_ORDER_UNSPECIFIED),
+            num_kv_heads=layout.num_kv_heads, head_dim=layout.head_dim, tp_rank=layout.tp_rank,
+            tp_size=layout.tp_size, model=layout.model)
+        for buffer in buffers:
+            if isinstance(buffer, HostPool):
+                buffer_id = self._client._offer_buffer(buffer.fd, buffer.nbytes)
+                request.buffers.add(handoff_buffer_id=buffer_id, bytes=buffer.nbytes)
+            else:
+                request.buffers.add(cuda_ipc_handle=buffer.ipc_handle, bytes=buffer.nbytes,
+                                    offset_in_allocation=buffer.offset_in_allocation)
+        for tensor in layout.tensors:
+            request.tensors.add(layer=tensor.layer,
+                                kind=TENSOR_KINDS.get(tensor.kind, bs.BLOCK_TENSOR_UNSPECIFIED),
+                                kv_group=tensor.kv_group, buffer=tensor.buffer,
+                                offset=tensor.offset, block_stride=tensor.block_stride,
+                                block_bytes=tensor.block_bytes)
+        response = _call(self._stub.RegisterEngineBuffers, request, self._t(timeout))
+        return Registration(response.registration_id, layout,
+                            [KvGroup(g.kv_group, g.layout_fingerprint, g.block_bytes,
+                                     g.state_bytes) for g in response.groups])
+
+    def unregister(self, registration, timeout=None):
+        _call(self._stub.UnregisterEngineBuffers, bs.UnregisterEngineBuffersRequest(
+            engine=self._engine("unregister"), registration_id=_id(registration)),
+            self._t(timeout))
+
+    def lookup(self, registration, hashes=None, token_ids=None, kv_group=0, pin_ttl_ms=0,
+               timeout=None):
+        """How many leading blocks are stored (BlockMatch); with pin_ttl_ms, pinned for a
+        following load (BlockMatch.pin_id, released by it or unpin)."""
+        response = _call(self._stub.LookupBlocks, bs.LookupBlocksRequest(
+            engine=self._engine("lookup"), registration_id=_id(registration),
+            kv_group=kv_group, keys=_keys(hashes, token_ids), pin_ttl_ms=pin_ttl_ms),
+            self._t(timeout))
+        return BlockMatch(response.matched_blocks, response.pin_id,
+                          _MEDIA.get(response.medium, "device"))
+
+    def store(self, registration, block_ids, hashes=None, token_ids=None, kv_group=0,
+              skip_blocks=0, parent_hash=b"", event_token_ids=(), wait_event=b"",
+              timeout=None):
+        """Copies pool blocks `block_ids` into the store under the keys (block i of the keys
+        from block_ids[i]; with token_ids, after skip_blocks already stored). parent_hash and
+        event_token_ids are for routers' events only (with hashes)."""
+        request = bs.StoreBlocksRequest(
+            engine=self._engine("store"), registration_id=_id(registration),
+            kv_group=kv_group, keys=_keys(hashes, token_ids), block_ids=list(block_ids),
+            skip_blocks=skip_blocks, parent_hash=parent_hash,
+            event_token_ids=list(event_token_ids))
+        if wait_event:
+            request.ordering.wait_event = wait_event
+        return _transfer(_call(self._stub.StoreBlocks, request, self._t(timeout)))
+
+    def load(self, registration, block_ids, hashes=None, token_ids=None, kv_group=0,
+             skip_blocks=0, pin_id=0, wait_event=b"", timeout=None):
+        """Copies stored blocks into pool blocks `block_ids` (distinct); per-block outcomes."""
+        request = bs.LoadBlocksRequest(
+            engine=self._engine("load"), registration_id=_id(registration),
+            kv_group=kv_group, keys=_keys(hashes, token_ids), block_ids=list(block_ids),
+            skip_blocks=skip_blocks, pin_id=pin_id)
+        if wait_event:
+            request.ordering.wait_event = wait_event
+        return _transfer(_call(self._stub.LoadBlocks, request, self._t(timeout)))
+
+    def unpin(self, pin_id, timeout=None):
+        _call(self._stub.UnpinBlocks, bs.UnpinBlocksRequest(
+            engine=self._engine("unpin"), pin_id=pin_id), self._t(timeout))
+
+
+def _id(registration):
+    return getattr(registration, "id", registration)
+
+
+def page_key(key):
+    """An engine's block key as the block store's opaque hash: bytes as they are, a string as
+    its UTF-8 bytes (SGLang's 64-hex-digit page keys fit the 64-byte limit), an int (vLLM's
+    ExternalBlockHash may be one) as 16 signed big-endian bytes; longer than 64 bytes: its
+    SHA-256 (still binding the whole key)."""
+    if isinstance(key, int):
+        raw = key.to_bytes(16, "big", signed=True)
+    elif isinstance(key, (bytes, bytearray)):
+        raw = bytes(key)
+    else:
+        raw = str(key).encode()
+    return hashlib.sha256(raw).digest() if len(raw) > 64 else raw
+
+
+__all__ = ["BlockMatch", "BlockOutcome", "BlockStore", "CudaBuffer", "HostPool", "KvGroup",
+           "PoolLayout", "Registration", "TensorLayout", "Transfer", "element_type_of",
+           "page_key"]

@@ -1,0 +1,281 @@
+"""The KV-events bridge: memra-kvd's prefix events republished in vLLM's KV-event wire format, so
+prefix-aware routers that read vLLM engines' events can route by what each memra-kvd holds.
+
+    python3 -m memra_kv.events --socket /run/memra-kv/gpu0.admin.sock \\
+        --endpoint 'tcp://*:5557' --replay-endpoint 'tcp://*:5558'
+
+The wire (vLLM v0.15.0 vllm/distributed/kv_events.py, ZmqEventPublisher): a ZMQ PUB socket sends
+multipart messages (topic, sequence, payload): the sequence an 8-byte big-endian count from 0,
+the payload one KVEventBatch encoded by msgspec's msgpack encoder. The structs are msgspec
+`array_like=True` and the events `tag=True`, so a batch is the array [ts, events,
+data_parallel_rank] and each event an array led by its class name:
+
+    ["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium,
+     lora_name]
+    ["BlockRemoved", block_hashes, medium]
+    ["AllBlocksCleared"]
+
+(hashes are msgpack bin, as vLLM's ExternalBlockHash bytes; absent values nil). Decoders of the
+versions since (which append fields with defaults) and before (v0.11, without lora_name: msgspec
+ignores trailing elements) read it. The ROUTER replay endpoint answers a request (empty
+delimiter, 8-byte big-endian start sequence) with every buffered (sequence, payload) from there,
+then (-1, b"").
+
+Translation (one batch per daemon event):
+  STORED            -> BlockStored (the blocks' hashes as their engine knows them: an engine
+                       pool's own hashes, a memra session's block keys; parent, token ids,
+                       block size as the daemon reports them)
+  EVICTED, DROPPED  -> BlockRemoved
+  MOVED             -> BlockStored in the new medium (the blocks are still held: a router keeps
+                       them; the daemon does not say which tier they left)
+  GAP               -> AllBlocksCleared, then (on the admin socket) one BlockStored per memra
+                       session entry the daemon lists (ListPrefixes + InspectPrefix), by its
+                       block keys; engine-pool blocks come back with their next events (the
+                       listing does not carry the engines' hashes)
+Media: the daemon's device tier is vLLM's "GPU", pinned host memory "CPU", disk "DISK".
+"""
+
+import argparse
+import collections
+import logging
+import signal
+import struct
+import sys
+import threading
+import time
+
+import grpc
+import msgpack
+import zmq
+
+from ._proto import prefix_pb2
+from .client import Client
+from .errors import KvError
+
+END_SEQUENCE = struct.pack(">q", -1)
+MEDIA = {"device": "GPU", "pinned_host": "CPU", "disk": "DISK"}
+
+log = logging.getLogger("memra_kv.events")
+
+
+# ---- the events (vLLM's KVCacheEvent structs as msgspec lays them out) ----
+
+def block_stored(block_hashes, parent_block_hash, token_ids, block_size, medium):
+    """vLLM BlockStored: lora_id and lora_name are None (memra-kvd keys carry no LoRA)."""
+    return ["BlockStored", list(block_hashes), parent_block_hash or None, list(token_ids),
+            block_size, None, medium, None]
+
+
+def block_removed(block_hashes, medium):
+    return ["BlockRemoved", list(block_hashes), medium]
+
+
+def all_blocks_cleared():
+    return ["AllBlocksCleared"]
+
+
+def encode_batch(ts, events, data_parallel_rank):
+    """A KVEventBatch as msgspec's msgpack encoder writes it (floats as float64)."""
+    return msgpack.packb([float(ts), events, data_parallel_rank], use_bin_type=True)
+
+
+def medium_name(medium):
+    return MEDIA.get(medium, medium.upper())
+
+
+def translate(event):
+    """The vLLM events of one memra_kv.PrefixEvent (not GAP: the bridge resyncs those)."""
+    hashes = event.block_hashes or event.block_keys
+    if not hashes:
+        return []  # a boundary state alone: routers index blocks, not states
+    medium = medium_name(event.medium)
+    if event.kind == "stored":
+        return [block_stored(hashes, event.parent_block_hash, event.token_ids,
+                             event.block_tokens, medium)]
+    if event.kind == "moved":
+        return [block_stored(hashes, b"", (), event.block_tokens, medium)]
+    if event.kind in ("evicted", "dropped"):
+        return [block_removed(hashes, medium)]
+    return []
+
+
+# ---- the publisher ----
+
+def _bind_or_connect(sock, endpoint):
+    """vLLM's rule: bind a wildcard, ipc:// or inproc:// endpoint, connect to any other."""
+    if "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://")):
+        sock.bind(endpoint)
+    else:
+        sock.connect(endpoint)
+
+
+class ZmqPublisher:
+    """PUB socket (topic, sequence, payload) plus a ROUTER replay endpoint over the last
+    `buffer_steps` batches. publish() is called from one thread; the replay endpoint is served
+    on its own thread (its own socket; the buffer under a lock)."""
+
+    def __init__(self, endpoint, replay_endpoint=None, topic="", buffer_steps=10000,
+                 hwm=100000, data_parallel_rank=0, context=None):
+        self._context = context or zmq.Context.instance()
+        self._topic = topic.encode()
+        self._rank = data_parallel_rank
+        self._lock = threading.Lock()
+        self._buffer = collections.deque(maxlen=buffer_steps)  # (sequence, payload)
+        self._next_sequence = 0
+        self._pub = self._context.socket(zmq.PUB)
+        self._pub.set_hwm(hwm)
+        _bind_or_connect(self._pub, endpoint)
+        self.endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._stopping = threading.Event()
+        self._replay_thread = None
+        self.replay_endpoint = None
+        if replay_endpoint:
+            replay = self._context.socket(zmq.ROUTER)
+            replay.bind(replay_endpoint)
+            self.replay_endpoint = replay.getsockopt_string(zmq.LAST_ENDPOINT)
+            self._replay_thread = threading.Thread(target=self._serve_replay, args=(replay,),
+                                                   name="memra-kv-events-replay", daemon=True)
+            self._replay_thread.start()
+
+    def publish(self, events, ts=None):
+        """Sends one batch; returns its sequence."""
+        payload = encode_batch(time.time() if ts is None else ts, events, self._rank)
+        with self._lock:
+            sequence = self._next_sequence
+            self._next_sequence += 1
+            self._buffer.append((sequence, payload))
+        self._pub.send_multipart((self._topic, struct.pack(">Q", sequence), payload))
+        return sequence
+
+    def _serve_replay(self, replay):
+        try:
+            while not self._stopping.is_set():
+                if not replay.poll(100):
+                    continue
+                frames = replay.recv_multipart()
+                if len(frames) != 3 or len(frames[2]) != 8:
+                    log.warning("replay request of %d frames ignored", len(frames))
+                    continue
+                client, _, start = frames
+                start = struct.unpack(">Q", start)[0]
+                with self._lock:
+                    buffered = [entry for entry in self._buffer if entry[0] >= start]
+                for sequence, payload in buffered:
+                    replay.send_multipart((client, b"", struct.pack(">Q", sequence), payload))
+                replay.send_multipart((client, b"", END_SEQUENCE, b""))
+        finally:
+            replay.close(linger=0)
+
+    def close(self):
+        self._stopping.set()
+        if self._replay_thread is not None:
+            self._replay_thread.join()
+        self._pub.close(linger=0)
+
+
+# ---- the bridge ----
+
+class Bridge:
+    """Reads a memra_kv.Client's prefix events and publishes them. On a GAP it publishes
+    AllBlocksCleared and, when `resync` (the client is on the admin socket), re-announces every
+    entry the daemon lists."""
+
+    def __init__(self, client, publisher, resync, epoch=0, last_sequence=0):
+        self._client = client
+        self._publisher = publisher
+        self._resync = resync
+        self.events = client.events(epoch, last_sequence)
+        self.published = 0
+
+    def run(self):
+        """Until the event stream ends (stop(), or the daemon went away: KvError)."""
+        for event in self.events:
+            if event.gap:
+                self._publish([all_blocks_cleared()])
+                if self._resync:
+                    self._republish_listing()
+                continue
+            translated = translate(event)
+            if translated:
+                self._publish(translated)
+
+    def _publish(self, events):
+        self._publisher.publish(events)
+        self.published += 1
+
+    def _republish_listing(self):
+        for entry in self._client.list_prefixes().entries:
+            if entry.from_engine_pool:
+                continue  # known by block keys only, not by the engine's hashes routers index
+            try:
+                inspected = self._client.inspect_prefix(entry.entry_id)
+            except KvError as error:  # evicted since the listing: its event follows
+                if error.code == grpc.StatusCode.NOT_FOUND:
+                    continue
+                raise
+            keys = list(inspected.block_keys)
+            if keys:
+                block_size = entry.boundary_tokens // len(keys)
+                self._publish([block_stored(keys, b"", (), block_size,
+                                            medium_name(_medium(entry.medium)))])
+
+    def stop(self):
+        self.events.cancel()
+
+
+def _medium(value):
+    return {prefix_pb2.PREFIX_MEDIUM_DEVICE: "device",
+            prefix_pb2.PREFIX_MEDIUM_PINNED_HOST: "pinned_host",
+            prefix_pb2.PREFIX_MEDIUM_DISK: "disk"}.get(value, "device")
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(
+        prog="python3 -m memra_kv.events",
+        description="Republish memra-kvd's prefix events as vLLM KV events (ZMQ, msgpack).")
+    parser.add_argument("--socket", required=True,
+                        help="the daemon's admin socket (every scope's events; resync on a gap) "
+                             "or its engine socket with --engine-name (that engine's scope)")
+    parser.add_argument("--engine-name", default="",
+                        help="attach as this engine (engine socket): events of its cache scope")
+    parser.add_argument("--cache-scope", default="", help="with --engine-name: the scope")
+    parser.add_argument("--endpoint", default="tcp://*:5557", help="ZMQ PUB endpoint")
+    parser.add_argument("--replay-endpoint", default="",
+                        help="ZMQ ROUTER endpoint answering replay requests (none if empty)")
+    parser.add_argument("--topic", default="")
+    parser.add_argument("--buffer-steps", type=int, default=10000,
+                        help="batches kept for replay")
+    parser.add_argument("--hwm", type=int, default=100000, help="PUB high-water mark")
+    parser.add_argument("--data-parallel-rank", type=int, default=0)
+    parser.add_argument("--epoch", type=int, default=0,
+                        help="resume after this daemon epoch's --last-sequence")
+    parser.add_argument("--last-sequence", type=int, default=0)
+    parser.add_argument("--timeout", type=float, default=10.0, help="connect timeout (s)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="memra_kv.events: %(message)s")
+
+    client = Client.connect(args.socket, timeout=args.timeout)
+    if args.engine_name:
+        client.attach(args.engine_name, cache_scope=args.cache_scope)
+    publisher = ZmqPublisher(args.endpoint, args.replay_endpoint or None, args.topic,
+                             args.buffer_steps, args.hwm, args.data_parallel_rank)
+    bridge = Bridge(client, publisher, resync=not args.engine_name, epoch=args.epoch,
+                    last_sequence=args.last_sequence)
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: bridge.stop())
+    log.info("publishing on %s%s", publisher.endpoint,
+             ", replay on %s" % publisher.replay_endpoint if publisher.replay_endpoint else "")
+    status = 0
+    try:
+        bridge.run()
+    except KvError as error:
+        log.error("the event stream ended: %s", error)
+        status = 1
+    finally:
+        publisher.close()
+        client.close()
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,125 @@
+"""memra_kv.block_store and the adapters' layout rules: the host pool is a sealed memfd the
+engine cannot resize; what the client refuses before any call (codes and numbers); the block
+store calls refused before attach. The calls themselves are covered by the contract tests."""
+
+import fcntl
+import os
+
+import grpc
+import numpy as np
+import pytest
+
+from memra_kv import KvError
+from memra_kv.block_store import BlockStore, HostPool, element_type_of, page_key
+from memra_kv.sglang import MemraHiCache, host_pool_layout
+from memra_kv.vllm import KvCacheTensor, pool_layout
+
+
+def refused(code, call, *args, **kwargs):
+    with pytest.raises(KvError) as error:
+        call(*args, **kwargs)
+    assert error.value.code == code
+    return error.value.message
+
+
+def test_a_host_pool_is_a_sealed_shared_mapping():
+    pool = HostPool(8192)
+    seals = fcntl.fcntl(pool.fd, fcntl.F_GET_SEALS)
+    assert seals == fcntl.F_SEAL_SEAL | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+    with pytest.raises(PermissionError):
+        os.ftruncate(pool.fd, 4096)  # the daemon's mapping can never lose its pages
+    pool.view(np.uint16, (4,), 8)[:] = 0x0102
+    # The descriptor's pages are the mapping's: what another process maps, it sees.
+    assert os.pread(pool.fd, 8, 8) == bytes([2, 1] * 4)
+    assert pool.array.shape == (8192,)
+    pool.close()
+
+
+def test_host_pool_refusals_name_the_numbers():
+    assert refused(grpc.StatusCode.INVALID_ARGUMENT, HostPool, 0) == (
+        "a host pool of 0 bytes; at least 1")
+    pool = HostPool(4096)
+    assert refused(grpc.StatusCode.INVALID_ARGUMENT, pool.view, np.float16, (1024,), 2050) == (
+        "a view of 2048 bytes at offset 2050 of a 4096-byte pool")
+    pool.close()
+
+
+def test_keys_and_element_types_are_checked_before_any_call(kvd):
+    daemon = kvd()
+    with daemon.client() as client:
+        store = BlockStore(client)
+        assert refused(grpc.StatusCode.FAILED_PRECONDITION, store.lookup, 1,
+                       hashes=[b"x"]) == "lookup before attach: sessions need a lease"
+        client.attach("py-block-store")
+        for keys in ({}, {"hashes": [b"x"], "token_ids": [1]}):
+            assert refused(grpc.StatusCode.INVALID_ARGUMENT, store.lookup, 1, **keys) == (
+                "name the blocks by exactly one of hashes or token_ids")
+    assert element_type_of("torch.bfloat16") == "bf16" and element_type_of("float16") == "fp16"
+    message = refused(grpc.StatusCode.INVALID_ARGUMENT, element_type_of, "complex64")
+    assert message.startswith("element type complex64: the block store takes bfloat16, ")
+    assert page_key("ab" * 32) == b"ab" * 32  # SGLang's 64-hex-digit keys as they are
+    assert len(page_key("x" * 65)) == 32 and page_key(-1) == b"\xff" * 16
+
+
+def test_vllm_caches_must_be_paged_contiguous_and_in_a_pool():
+    pool = HostPool(2 * 4 * 16 * 2 * 8 * 2)
+    cache = pool.view(np.float16, (2, 4, 16, 2, 8))
+    layout = pool_layout([KvCacheTensor.of("model.layers.3.attn", cache)], [pool], "m")
+    assert [(t.layer, t.kind, t.offset, t.block_stride, t.block_bytes)
+            for t in layout.tensors] == [(3, "K", 0, 512, 512), (3, "V", 2048, 512, 512)]
+    assert (layout.num_blocks, layout.tokens_per_block, layout.element_type) == (4, 16, "fp16")
+    assert refused(grpc.StatusCode.INVALID_ARGUMENT, pool_layout,
+                   [KvCacheTensor.of("l0", cache[0])], [pool], "m") == (
+        "KV cache l0 of shape (4, 16, 2, 8); the connector takes (2, num_blocks, block_size, "
+        "num_kv_heads, head_dim)")
+    strided = cache.transpose(0, 1, 3, 2, 4)  # HND view of NHD memory: tokens not contiguous
+    assert "must be contiguous" in refused(grpc.StatusCode.INVALID_ARGUMENT, pool_layout,
+                                           [KvCacheTensor.of("l0", strided)], [pool], "m")
+    assert refused(grpc.StatusCode.INVALID_ARGUMENT, pool_layout, [], [pool], "m") == (
+        "no KV caches to register")
+    half = pool.view(np.float16, (2, 2, 16, 2, 8))
+    assert refused(grpc.StatusCode.INVALID_ARGUMENT, pool_layout,
+                   [KvCacheTensor.of("l0", cache), KvCacheTensor.of("l1", half)], [pool],
+                   "m") == ("KV cache l1 is (2, 2, 16, 2, 8) float16 and l0 is (2, 4, 16, 2, 8) "
+                            "float16: one layout for every layer")
+    outside = np.zeros((2, 4, 16, 2, 8), dtype=np.float16)
+    message = refused(grpc.StatusCode.FAILED_PRECONDITION, pool_layout,
+                      [KvCacheTensor.of("l0", outside)], [pool], "m")
+    assert message.startswith("KV cache l0 at 0x%x is not in a memra host pool"
+                              % outside.ctypes.data)
+    pool.close()
+
+
+def test_sglang_host_pools_are_whole_pages_in_a_pool():
+    pool = HostPool(2 * 2 * 40 * 2 * 8 * 2)
+    kv_buffer = pool.view(np.float16, (2, 2, 40, 2, 8))
+    assert refused(grpc.StatusCode.INVALID_ARGUMENT, host_pool_layout, kv_buffer, pool, 16,
+                   "m") == "a host pool of 40 tokens is not whole pages of 16"
+    assert refused(grpc.StatusCode.INVALID_ARGUMENT, host_pool_layout, kv_buffer[0], pool, 8,
+                   "m") == ("host KV buffer of shape (2, 40, 2, 8); the backend takes "
+                            "layer_first (2, layer_num, size, head_num, head_dim)")
+    every_other_token = kv_buffer[:, :, ::2]
+    assert refused(grpc.StatusCode.INVALID_ARGUMENT, host_pool_layout, every_other_token, pool,
+                   4, "m") == "host KV buffer strides (2560, 1280, 64, 16, 2): tokens must be " \
+                              "contiguous"
+    layout = host_pool_layout(kv_buffer, pool, 8, "m")
+    assert layout.num_blocks == 5
+    assert [(t.layer, t.kind, t.offset) for t in layout.tensors] == [
+        (0, "K", 0), (0, "V", 2 * 40 * 32), (1, "K", 40 * 32), (1, "V", 3 * 40 * 32)]
+    outside = np.zeros((2, 2, 40, 2, 8), dtype=np.float16)
+    assert "is not in the memra host pool" in refused(
+        grpc.StatusCode.FAILED_PRECONDITION, host_pool_layout, outside, pool, 8, "m")
+    pool.close()
+
+
+def test_sglang_calls_answer_misses_instead_of_raising(kvd):
+    """A refusal reaches SGLang's prefetch and backup threads as a miss, never an exception
+    (SGLang never restarts those threads)."""
+    daemon = kvd()
+    with daemon.client("py-hicache") as client:
+        backend = MemraHiCache(BlockStore(client))
+        backend.page_size = 16
+        assert backend.batch_get_v1(["a", "b"], np.arange(16)) == [False, False]  # 16 of 32
+        assert backend.batch_set_v1(["a"], np.arange(16)) == [False]  # nothing registered
+        assert backend.batch_exists(["a"]) == 0 and backend.exists("a") is False
+        assert backend.batch_get_v1([], np.arange(0)) == []

@@ -1,0 +1,86 @@
+"""Contract test of memra_kv.vllm (vLLM cannot be installed here): engine processes replay vLLM
+v0.15.0's KV-connector call order against the real daemon, numpy arrays in a memra HostPool
+standing in for vLLM's paged KV caches. One process computes a prompt and saves its blocks;
+another, with its own pool, looks them up, loads them into other block ids and finds the same
+bytes; blocks evicted between lookup and load surface through get_block_ids_with_load_errors."""
+
+from adapter_engine import BLOCK, HEADS, HEAD_DIM, LAYERS, PROMPT, vllm_hashes
+from contract import DAEMON_FLAGS, run_engine
+
+WHOLE_BLOCKS = len(PROMPT) // BLOCK  # 4
+BLOCK_BYTES = LAYERS * 2 * BLOCK * HEADS * HEAD_DIM * 2  # every layer's K and V, fp16
+
+
+def test_blocks_saved_by_one_engine_load_into_another(kvd):
+    daemon = kvd(*DAEMON_FLAGS)
+    stored = run_engine(daemon, "vllm", "store")
+    assert stored["groups"] == [BLOCK_BYTES]
+    assert (stored["matched_tokens"], stored["load_async"]) == (0, False)
+    assert stored["meta"] == {"loads": [], "saves": [WHOLE_BLOCKS]}
+    assert (stored["saved_blocks"], stored["loaded_blocks"]) == (WHOLE_BLOCKS, 0)
+    assert stored["finished"] == [None, None] and stored["load_errors"] == []
+    assert stored["request_finished"] == [False, None]
+    assert all(stored["pattern_ok"])
+
+    loaded = run_engine(daemon, "vllm", "load")
+    # Every whole block of the 70-token prompt; of a 64-token prompt the last block is left
+    # for vLLM to compute (it computes at least the last token).
+    assert loaded["matched_tokens"] == WHOLE_BLOCKS * BLOCK
+    assert loaded["matched_tokens_of_64"] == 3 * BLOCK
+    assert loaded["meta"] == {"loads": [WHOLE_BLOCKS], "saves": []}
+    assert (loaded["loaded_blocks"], loaded["load_errors"]) == (WHOLE_BLOCKS, [])
+    assert loaded["block_ids"][:WHOLE_BLOCKS] != stored["block_ids"][:WHOLE_BLOCKS]
+    assert loaded["block_digests"] == stored["block_digests"]
+    assert all(loaded["pattern_ok"])
+
+    # Routers see the blocks under vLLM's own hashes, stored from an engine pool, each with
+    # its parent and tokens.
+    hashes = vllm_hashes(PROMPT)
+    stored_events = pool_store_events(daemon, WHOLE_BLOCKS)
+    assert [h for e in stored_events for h in e.block_hashes] == hashes
+    for i, event in enumerate(stored_events):
+        assert event.from_engine_pool and event.block_tokens == BLOCK
+        assert event.parent_block_hash == (hashes[i - 1] if i else b"")
+        assert event.token_ids == PROMPT[i * BLOCK:(i + 1) * BLOCK]
+
+
+def pool_store_events(daemon, blocks):
+    """The daemon's STORED events (admin socket: every scope) until `blocks` blocks."""
+    seen = []
+    with daemon.admin() as admin:
+        events = admin.events()
+        while sum(len(e.block_hashes) for e in seen) < blocks:
+            event = next(events)
+            if event.kind == "stored":
+                seen.append(event)
+        events.cancel()
+    return seen
+
+
+def test_blocks_evicted_between_lookup_and_load_are_load_errors(kvd):
+    daemon = kvd(*DAEMON_FLAGS)
+    run_engine(daemon, "vllm", "store")
+    evicted = run_engine(daemon, "vllm", "load-evicted")
+    assert evicted["matched_tokens"] == WHOLE_BLOCKS * BLOCK
+    assert evicted["loaded_blocks"] == 0
+    # vLLM recomputes exactly the blocks it was told failed: the ones allocated for the load.
+    assert evicted["load_errors"] == sorted(evicted["block_ids"][:WHOLE_BLOCKS])
+    assert evicted["finished"] == [None, None]
+
+
+def test_caches_in_the_engines_own_memory_are_staged_both_ways(kvd):
+    """vLLM's caches are its own tensors the daemon cannot map: 4 blocks through a 3-block
+    staging pool, saved by one engine and loaded by another, same bytes as zero-copy."""
+    daemon = kvd(*DAEMON_FLAGS)
+    stored = run_engine(daemon, "vllm", "store-staged")
+    assert stored["saved_blocks"] == WHOLE_BLOCKS and all(stored["pattern_ok"])
+    loaded = run_engine(daemon, "vllm", "load")  # zero-copy reads what was staged
+    assert (loaded["loaded_blocks"], loaded["load_errors"]) == (WHOLE_BLOCKS, [])
+    staged = run_engine(daemon, "vllm", "load-staged")
+    assert (staged["loaded_blocks"], staged["load_errors"]) == (WHOLE_BLOCKS, [])
+    assert staged["block_digests"] == loaded["block_digests"] == stored["block_digests"]
+    # Staged in a chunk of 3 and one of 1: the second chunk's parent is the third hash.
+    stored_events = pool_store_events(daemon, WHOLE_BLOCKS)
+    hashes = vllm_hashes(PROMPT)
+    assert [h for e in stored_events for h in e.block_hashes] == hashes
+    assert stored_events[3].parent_block_hash == hashes[2]
