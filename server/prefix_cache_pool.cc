@@ -112,8 +112,8 @@ std::vector<PoolBlockResult> PrefixCache::StorePoolBlocks(const ScopedShape& spa
     uint64_t incoming = 0;
     for (size_t i : to_copy) incoming += plans[i].new_bytes;
     const uint64_t target = options_.budget_bytes > incoming ? options_.budget_bytes - incoming : 0;
-    if (disk_ != nullptr) {
-      DemoteDownTo(target);
+    if (TierBelow(StorageMedium::kDevice).has_value()) {
+      DemoteDownTo(StorageMedium::kDevice, target);
     } else if (index_.StoredBytes() > target) {
       const uint64_t excess = std::min(index_.StoredBytes() - target, index_.EvictableBytes());
       if (excess > 0) {
@@ -172,7 +172,7 @@ std::vector<PoolBlockResult> PrefixCache::StorePoolBlocks(const ScopedShape& spa
       ++captures_;
     }
   }
-  DemoteDownTo(options_.budget_bytes);
+  Rebalance();
   FoldStateResult(all.size() > blocks.size(), results);
   return results;
 }
@@ -222,7 +222,7 @@ void PrefixCache::UnpinPoolEntries(absl::Span<const EntryId> entries) {
     (void)index_.Unpin(id);
   }
   FreeHandles(index_.EnforceBudget().freed_handles);
-  DemoteDownTo(options_.budget_bytes);
+  Rebalance();
 }
 
 std::vector<PoolBlockResult> PrefixCache::LoadPoolBlocks(const ScopedShape& space, ArenaId pool,
@@ -325,7 +325,7 @@ std::vector<PoolBlockResult> PrefixCache::LoadPoolBlocks(const ScopedShape& spac
       }
     }
     FreeHandles(index_.EnforceBudget().freed_handles);
-    DemoteDownTo(options_.budget_bytes);
+    Rebalance();
   }
   FoldStateResult(all.size() > blocks.size(), results);
   return results;
