@@ -70,6 +70,7 @@ inline std::string RedisMissingMessage() {
 class LocalRedisCluster {
  public:
   static constexpr int kNodes = 6;  // 3 masters, 3 replicas
+  static constexpr int kStartAttempts = 3;
 
   // Picks the directory and the ports without starting anything: NodeList and password files
   // work from here on (a test can point a daemon at a cluster that is not up yet), and Start
@@ -87,33 +88,27 @@ class LocalRedisCluster {
   }
 
   // Starts the nodes and creates the cluster; false (and a test failure naming what) when it
-  // could not. REQUIRES: RedisInstalled().
+  // could not. REQUIRES: RedisInstalled(). A port picked free can be taken by another process
+  // before redis-server binds it (tests run in parallel): when Start picked the ports itself, a
+  // node that dies at start-up is retried on fresh ports (at most kStartAttempts times).
   bool Start() {
-    if (!Prepare()) return false;
-    for (int i = 0; i < kNodes; ++i) {
-      const std::string node_dir = absl::StrCat(dir_, "/", ports_[i]);
-      std::filesystem::create_directories(node_dir);
-      const std::string conf = absl::StrCat(node_dir, "/redis.conf");
-      std::ofstream(conf) << "port " << ports_[i] << "\nbind 127.0.0.1\n"
-                          << "cluster-enabled yes\ncluster-config-file nodes.conf\n"
-                          // Failover within ~2 s of a master's death; the other masters keep
-                          // serving their slots meanwhile.
-                          << "cluster-node-timeout 1000\ncluster-require-full-coverage no\n"
-                          << "dir " << node_dir << "\nsave \"\"\nappendonly no\n"
-                          << "requirepass \"" << EscapedPassword() << "\"\n"
-                          << "masterauth \"" << EscapedPassword() << "\"\n"
-                          << "user " << kRedisAclUser << " on >" << kRedisAclPassword
-                          << " ~* &* +@all\n";
-      pids_[i] = Spawn({kRedisServer, conf}, absl::StrCat(node_dir, "/stdout.log"),
-                       absl::StrCat(node_dir, "/stderr.log"));
-      if (pids_[i] <= 0) return false;
-    }
-    for (int i = 0; i < kNodes; ++i) {
-      if (!PollUntil([&] { return Command(ports_[i], {"PING"}).ok(); }, pids_[i])) {
-        ADD_FAILURE() << "redis-server on port " << ports_[i] << " did not answer PING; see "
-                      << dir_;
+    const bool ports_were_fixed = !ports_.empty();
+    for (int attempt = 1;; ++attempt) {
+      if (!Prepare()) return false;
+      const std::optional<std::string> failed = StartNodes();
+      if (!failed.has_value()) break;
+      if (ports_were_fixed || attempt == kStartAttempts) {
+        ADD_FAILURE() << *failed;
         return false;
       }
+      for (pid_t& pid : pids_) {
+        KillAndReap(pid);
+        pid = -1;
+      }
+      ports_.clear();
+      std::error_code ignored;
+      std::filesystem::remove_all(dir_, ignored);
+      dir_.clear();
     }
     std::vector<std::string> create = {kRedisCli, "--cluster", "create"};
     for (const int port : ports_) create.push_back(absl::StrCat("127.0.0.1:", port));
@@ -345,6 +340,45 @@ class LocalRedisCluster {
   }
 
   // kNodes ports p with p and p + 10000 (the cluster bus) free on loopback, all distinct.
+  // Spawns every node and waits for each to answer PING; what went wrong (with the node's own
+  // log), or nullopt.
+  std::optional<std::string> StartNodes() {
+    for (int i = 0; i < kNodes; ++i) {
+      const std::string node_dir = absl::StrCat(dir_, "/", ports_[i]);
+      std::filesystem::create_directories(node_dir);
+      const std::string conf = absl::StrCat(node_dir, "/redis.conf");
+      std::ofstream(conf) << "port " << ports_[i] << "\nbind 127.0.0.1\n"
+                          << "cluster-enabled yes\ncluster-config-file nodes.conf\n"
+                          // Failover within ~2 s of a master's death; the other masters keep
+                          // serving their slots meanwhile.
+                          << "cluster-node-timeout 1000\ncluster-require-full-coverage no\n"
+                          << "dir " << node_dir << "\nsave \"\"\nappendonly no\n"
+                          << "requirepass \"" << EscapedPassword() << "\"\n"
+                          << "masterauth \"" << EscapedPassword() << "\"\n"
+                          << "user " << kRedisAclUser << " on >" << kRedisAclPassword
+                          << " ~* &* +@all\n";
+      pids_[i] = Spawn({kRedisServer, conf}, absl::StrCat(node_dir, "/stdout.log"),
+                       absl::StrCat(node_dir, "/stderr.log"));
+      if (pids_[i] <= 0) return absl::StrCat("could not spawn ", kRedisServer);
+    }
+    for (int i = 0; i < kNodes; ++i) {
+      if (!PollUntil([&] { return Command(ports_[i], {"PING"}).ok(); }, pids_[i])) {
+        const std::string node_dir = absl::StrCat(dir_, "/", ports_[i]);
+        return absl::StrCat("redis-server on port ", ports_[i], " did not answer PING; its log: ",
+                            FileTail(absl::StrCat(node_dir, "/stdout.log")),
+                            FileTail(absl::StrCat(node_dir, "/stderr.log")));
+      }
+    }
+    return std::nullopt;
+  }
+
+  // The last 2 KiB of a log file (empty when it cannot be read).
+  static std::string FileTail(const std::string& path) {
+    std::ifstream in(path);
+    std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    return text.size() > 2048 ? text.substr(text.size() - 2048) : text;
+  }
+
   bool PickPorts() {
     for (int tries = 0; tries < 1000 && static_cast<int>(ports_.size()) < kNodes; ++tries) {
       const int port = BindLoopbackPort(0);
