@@ -226,7 +226,7 @@ const std::vector<KeySpec>& Keys() {
        .help = "Milliseconds live sessions may run after SIGTERM (the unit allows 45s to stop).",
        .min = 0, .max = 3'600'000},
       {.name = "prefix_cache_budget_bytes", .field = &C::prefix_cache_budget_bytes,
-       .syntax = Syntax::kBytes, .reloadable = true,
+       .syntax = Syntax::kBytes, .reloadable = false,
        .help = "Memory for prefix-cache entries (bytes); 0 disables the prefix cache.", .min = 0,
        .max = kPiB},
       {.name = "prefix_block_tokens", .field = &C::prefix_block_tokens,

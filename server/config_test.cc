@@ -70,7 +70,7 @@ TEST(ConfigTest, KeyListIsTheDocumentedOne) {
                           "handoff_socket_path", "cache_scope_allow"));
   EXPECT_THAT(reloadable, ElementsAre("budget_bytes", "cuda_memory_fraction", "cuda_reserve_bytes",
                                       "lease_timeout_ms", "reservation_ttl_ms", "log_level",
-                                      "drain_grace_ms", "prefix_cache_budget_bytes"));
+                                      "drain_grace_ms"));
 }
 
 TEST(ConfigTest, CudaExportModes) {
@@ -671,11 +671,16 @@ TEST(ConfigTest, PlanReloadAppliesLiveKeysAndListsTheRest) {
   reread.socket_path = "/run/memra-kv/other.sock";
   reread.backend = Backend::kCuda;
   reread.prefix_block_tokens = 128;
+  // The prefix cache's budget is fixed at start (its tiers are sized from it): a SIGHUP says so
+  // rather than claiming to apply it.
+  reread.prefix_cache_budget_bytes = 64 * kMiB;
 
   ReloadOutcome outcome = PlanReload(running, reread);
   EXPECT_THAT(outcome.applied_keys, ElementsAre("budget_bytes", "log_level", "drain_grace_ms"));
   EXPECT_THAT(outcome.not_reloadable_keys,
-              ElementsAre("backend", "socket_path", "prefix_block_tokens"));
+              ElementsAre("backend", "socket_path", "prefix_cache_budget_bytes",
+                          "prefix_block_tokens"));
+  EXPECT_EQ(outcome.applied.prefix_cache_budget_bytes, running.prefix_cache_budget_bytes);
   EXPECT_EQ(outcome.applied.log_level, LogLevel::kDebug);
   EXPECT_EQ(outcome.applied.budget_bytes, 16 * kGiB);
   EXPECT_EQ(outcome.applied.drain_grace_ms, 5000u);
