@@ -4,9 +4,14 @@
 // LoadBlocks of 1k- and 32k-token sequences (64 and 2,048 blocks) between the pool and the
 // store are timed, the reply meaning the copies are done. Every store copies (each repetition
 // stores under new hashes, after two untimed ones that fill the cache to its budget: the timed
-// ones evict the oldest and reuse their storage), every load is checked byte for byte once. Baselines in the same run: memcpy of the same bytes between two warm buffers in
-// this process, and Redis (the peer of section 3) SET / GET of the same blocks, one key per
-// 16-token block.
+// ones evict the oldest and reuse their storage), every load is checked byte for byte once.
+// Baselines in the same run: memcpy of the same bytes between two warm buffers in this process,
+// and Redis (the peer of section 3) SET / GET of the same blocks, one key per 16-token block.
+// Each timed store and load is followed at once by a memcpy of the same bytes and by the
+// daemon's own per-block work done in this process (xxHash3 of each 16 KiB piece, then its
+// memcpy; server/host_backend.cc CopyHashed): the pair's ratios are taken under the same load
+// (other tenants of this VM swing memcpy 2x between seconds, and a baseline timed apart then
+// moves every ratio).
 
 #include <cstring>
 #include <memory>
@@ -19,6 +24,7 @@
 #include "bench/redis_peer.h"
 #include "bench/sections.h"
 #include "client/client.h"
+#include "server/streaming_checksum.h"
 #include "core/status_macros.h"
 #include "tests/test_block_pool.h"
 
@@ -38,6 +44,57 @@ struct SequenceResult {
   uint64_t blocks = 0;
   uint64_t bytes = 0;
   Samples store, load, copy, redis_set, redis_get;
+  // Bandwidth ratios of each timed store / load to the memcpy and the hashed copy run right
+  // after it (PairedBaselines).
+  Samples store_vs_memcpy, load_vs_memcpy, store_vs_hashed, load_vs_hashed;
+};
+
+// Warm buffers of one sequence's bytes, and the two baselines a timed call is paired with.
+class PairedBaselines {
+ public:
+  PairedBaselines(uint64_t bytes, uint64_t block_bytes, uint64_t piece_bytes)
+      : block_bytes_(block_bytes), piece_bytes_(piece_bytes), src_(bytes, 0x3c), dst_(bytes, 0) {
+    std::memcpy(dst_.data(), src_.data(), bytes);
+  }
+  const std::vector<uint8_t>& src() const { return src_; }
+  std::vector<uint8_t>& dst() { return dst_; }
+
+  int64_t Memcpy() {
+    const int64_t start = NowNs();
+    std::memcpy(dst_.data(), src_.data(), src_.size());
+    const int64_t ns = NowNs() - start;
+    KeepAlive(dst_[dst_.size() - 1]);
+    return ns;
+  }
+  // What the daemon's copier does per block, on one thread: one checksum per block, each piece
+  // hashed, then copied while it is in cache.
+  absl::StatusOr<int64_t> HashedCopy() {
+    const int64_t start = NowNs();
+    uint64_t digests = 0;
+    for (uint64_t block = 0; block < src_.size(); block += block_bytes_) {
+      ASSIGN_OR_RETURN(StreamingChecksum checksum, StreamingChecksum::Create());
+      for (uint64_t piece = block; piece < block + block_bytes_; piece += piece_bytes_) {
+        checksum.Update(src_.data() + piece, piece_bytes_);
+        std::memcpy(dst_.data() + piece, src_.data() + piece, piece_bytes_);
+      }
+      digests ^= checksum.Digest();
+    }
+    const int64_t ns = NowNs() - start;
+    KeepAlive(digests);
+    return ns;
+  }
+  // Pairs a timed call of `call_ns` with both baselines: bandwidth ratios call/baseline.
+  absl::Status Pair(int64_t call_ns, Samples& vs_memcpy, Samples& vs_hashed) {
+    vs_memcpy.Add(static_cast<double>(Memcpy()) / static_cast<double>(call_ns));
+    ASSIGN_OR_RETURN(const int64_t hashed_ns, HashedCopy());
+    vs_hashed.Add(static_cast<double>(hashed_ns) / static_cast<double>(call_ns));
+    return absl::OkStatus();
+  }
+
+ private:
+  const uint64_t block_bytes_;
+  const uint64_t piece_bytes_;
+  std::vector<uint8_t> src_, dst_;
 };
 
 std::vector<std::string> SequenceHashes(uint64_t tokens, int rep, uint64_t blocks) {
@@ -66,6 +123,9 @@ absl::StatusOr<SequenceResult> MeasureSequence(KvClient& client, const Registere
   result.tokens = size.tokens;
   result.blocks = size.tokens / shape.tokens_per_block;
   result.bytes = result.blocks * shape.block_bytes();
+  // The pool's pieces: one K or V plane of one layer per block (tests/test_block_pool.h).
+  PairedBaselines baselines(result.bytes, shape.block_bytes(),
+                            shape.block_bytes() / (2 * shape.layers));
   BlockStoreCall call;
   call.registration_id = pool.registration_id;
   for (uint64_t b = 0; b < result.blocks; ++b) call.block_ids.push_back(static_cast<uint32_t>(b));
@@ -76,8 +136,12 @@ absl::StatusOr<SequenceResult> MeasureSequence(KvClient& client, const Registere
     call.keys.hashes = SequenceHashes(size.tokens, rep, result.blocks);
     const int64_t start = NowNs();
     ASSIGN_OR_RETURN(BlockStoreTransfer stored, client.StoreBlocks(call));
-    if (rep >= 0) result.store.Add(NowNs() - start);
+    const int64_t store_ns = NowNs() - start;
     RETURN_IF_ERROR(CheckAll(stored, "store"));
+    if (rep >= 0) {
+      result.store.Add(store_ns);
+      RETURN_IF_ERROR(baselines.Pair(store_ns, result.store_vs_memcpy, result.store_vs_hashed));
+    }
     if (stored.copied_bytes != result.bytes) {
       return absl::InternalError(absl::StrCat("a store copied ", stored.copied_bytes,
                                               " bytes, not ", result.bytes));
@@ -91,8 +155,10 @@ absl::StatusOr<SequenceResult> MeasureSequence(KvClient& client, const Registere
   for (int rep = 0; rep < reps; ++rep) {
     const int64_t start = NowNs();
     ASSIGN_OR_RETURN(BlockStoreTransfer loaded, client.LoadBlocks(call));
-    result.load.Add(NowNs() - start);
+    const int64_t load_ns = NowNs() - start;
+    result.load.Add(load_ns);
     RETURN_IF_ERROR(CheckAll(loaded, "load"));
+    RETURN_IF_ERROR(baselines.Pair(load_ns, result.load_vs_memcpy, result.load_vs_hashed));
     if (rep == 0) {
       for (uint64_t b = 0; b < result.blocks; ++b) {
         if (!memory.Holds(shape.num_blocks - 1 - b, b)) {
@@ -103,15 +169,9 @@ absl::StatusOr<SequenceResult> MeasureSequence(KvClient& client, const Registere
   }
   // The pool as it was, for the next sequence's stores.
   for (uint64_t b = 0; b < shape.num_blocks; ++b) memory.Fill(b, b);
-  std::vector<uint8_t> src(result.bytes), dst(result.bytes);
-  std::memset(src.data(), 0x3c, src.size());
-  std::memset(dst.data(), 0, dst.size());
-  for (int rep = 0; rep < std::max(reps, 3); ++rep) {
-    const int64_t start = NowNs();
-    std::memcpy(dst.data(), src.data(), result.bytes);
-    result.copy.Add(NowNs() - start);
-    KeepAlive(dst[result.bytes - 1]);
-  }
+  for (int rep = 0; rep < std::max(reps, 3); ++rep) result.copy.Add(baselines.Memcpy());
+  const std::vector<uint8_t>& src = baselines.src();
+  std::vector<uint8_t>& dst = baselines.dst();
   const uint64_t block_bytes = shape.block_bytes();
   for (int rep = 0; rep < reps; ++rep) {
     int64_t start = NowNs();
@@ -137,6 +197,14 @@ absl::StatusOr<SequenceResult> MeasureSequence(KvClient& client, const Registere
   return result;
 }
 
+// Paired ratios (bandwidth of the call / of its baseline): median and range over the pairs.
+Json RatioJson(const Samples& ratios) {
+  return Json{{"n", ratios.count()},
+              {"p50", ratios.P50()},
+              {"min", ratios.Percentile(0)},
+              {"max", ratios.Percentile(100)}};
+}
+
 }  // namespace
 
 absl::StatusOr<Json> RunBlockStore(const BenchOptions& options) {
@@ -147,7 +215,7 @@ absl::StatusOr<Json> RunBlockStore(const BenchOptions& options) {
   shape.num_blocks = options.quick ? 64 : 2048;
   shape.model = "bench-8x8x64";
   std::vector<SequenceSize> sizes = {{1024, 10}};
-  if (!options.quick) sizes.push_back({32768, 4});
+  if (!options.quick) sizes.push_back({32768, 8});
   const uint64_t largest = sizes.back().tokens / shape.tokens_per_block * shape.block_bytes();
   // Room for two of the largest sequences (later repetitions evict the oldest), in whole
   // 128 MiB slabs: the prefix cache keeps emptied slabs for reuse only up to its budget, so a
@@ -168,7 +236,8 @@ absl::StatusOr<Json> RunBlockStore(const BenchOptions& options) {
 
   Json rows = Json::array();
   Table table({"sequence", "bytes", "store GB/s", "load GB/s", "memcpy GB/s", "Redis SET GB/s",
-               "Redis GET GB/s", "store/memcpy", "load/memcpy", "load/GET"});
+               "Redis GET GB/s", "store/memcpy", "load/memcpy", "load/GET", "store/paired memcpy",
+               "load/paired memcpy", "store/paired hashed", "load/paired hashed"});
   for (const SequenceSize& size : sizes) {
     const int reps = options.quick ? 1 : size.reps;
     ASSIGN_OR_RETURN(SequenceResult r, MeasureSequence(*client, pool, memory, shape,
@@ -192,10 +261,16 @@ absl::StatusOr<Json> RunBlockStore(const BenchOptions& options) {
                         {"redis_get_gbps_p50", get},
                         {"ratio_store_memcpy", store / copy},
                         {"ratio_load_memcpy", load / copy},
-                        {"ratio_load_redis_get", load / get}});
+                        {"ratio_load_redis_get", load / get},
+                        {"ratio_store_paired_memcpy", RatioJson(r.store_vs_memcpy)},
+                        {"ratio_load_paired_memcpy", RatioJson(r.load_vs_memcpy)},
+                        {"ratio_store_paired_hashed_copy", RatioJson(r.store_vs_hashed)},
+                        {"ratio_load_paired_hashed_copy", RatioJson(r.load_vs_hashed)}});
     table.Add({absl::StrCat(r.tokens / 1024, "k tokens"), absl::StrCat(r.bytes), Fixed(store, 2),
                Fixed(load, 2), Fixed(copy, 2), Fixed(set, 2), Fixed(get, 2), Ratio(store / copy),
-               Ratio(load / copy), Ratio(load / get)});
+               Ratio(load / copy), Ratio(load / get), Ratio(r.store_vs_memcpy.P50()),
+               Ratio(r.load_vs_memcpy.P50()), Ratio(r.store_vs_hashed.P50()),
+               Ratio(r.load_vs_hashed.P50())});
   }
   RETURN_IF_ERROR(client->UnregisterPool(pool.registration_id));
   client->Detach();
