@@ -56,7 +56,8 @@ struct BlockStoreLimits {
 // buffer (host), or, when `cuda_ipc_handle` is set, an allocation of the engine's GPU memory.
 struct EngineBufferRequest {
   uint64_t handoff_buffer_id = 0;
-  std::string cuda_ipc_handle;  // cudaIpcMemHandle_t bytes (DeviceBackend::MapEngineIpcBuffers)
+  // cudaIpcMemHandle_t bytes (DeviceBackend::MapEngineIpcBuffers).
+  std::string cuda_ipc_handle = {};
   uint64_t bytes = 0;
   uint64_t offset_in_allocation = 0;
 };
