@@ -147,7 +147,7 @@ class DeviceBackend {
   // not in AllocatedBytes() or ArenaCount(), never exported; FreeArena unmaps it (the engine's
   // memory stays). INVALID_ARGUMENT for no buffers or a range that overflows;
   // FAILED_PRECONDITION on a backend whose engine memory is not file descriptors (cuda: the
-  // pool's CUDA IPC handles, not built yet).
+  // pool's CUDA IPC handles: MapEngineIpcBuffers).
   virtual absl::StatusOr<MappedEngineBuffers> MapEngineBuffers(
       absl::Span<const EngineBufferFd> buffers);
   // The same for a cuda engine's pool: opens each distinct IPC handle once (closed when the
