@@ -316,20 +316,13 @@ TEST(CudaEnginePoolTest, EnginePoolFromIpcHandle) {
   ASSERT_EQ(posix_spawn_file_actions_init(&actions), 0);
   ASSERT_EQ(posix_spawn_file_actions_adddup2(&actions, handle_pipe[1], kChildHandleFd), 0);
   ASSERT_EQ(posix_spawn_file_actions_adddup2(&actions, done_pipe[0], kChildDoneFd), 0);
-  std::vector<std::string> env = {absl::StrCat(kPoolHandleFdEnv, "=", kChildHandleFd),
-                                  absl::StrCat(kPoolDoneFdEnv, "=", kChildDoneFd)};
-  if (const char* visible = std::getenv("CUDA_VISIBLE_DEVICES")) {
-    env.push_back(absl::StrCat("CUDA_VISIBLE_DEVICES=", visible));
-  }
-  std::string exe = "/proc/self/exe";
-  std::string filter = "--gtest_filter=CudaEnginePoolChild.*";
-  std::vector<char*> argv = {exe.data(), filter.data(), nullptr};
-  std::vector<char*> envp;
-  for (std::string& entry : env) envp.push_back(entry.data());
-  envp.push_back(nullptr);
-  pid_t child = 0;
-  ASSERT_EQ(posix_spawn(&child, exe.c_str(), &actions, nullptr, argv.data(), envp.data()), 0);
+  const pid_t child = testing::SpawnFilteredSelf(
+      "CudaEnginePoolChild.*",
+      {absl::StrCat(kPoolHandleFdEnv, "=", kChildHandleFd),
+       absl::StrCat(kPoolDoneFdEnv, "=", kChildDoneFd)},
+      &actions);
   posix_spawn_file_actions_destroy(&actions);
+  ASSERT_GT(child, 0);
   close(handle_pipe[1]);
   close(done_pipe[0]);
   std::string hex;
