@@ -1158,6 +1158,7 @@ void SetTransfer(const std::pair<uint64_t, std::string>& engine, const BlockStor
   SetBlockKeys(call.keys, *request.mutable_keys());
   request.mutable_block_ids()->Add(call.block_ids.begin(), call.block_ids.end());
   request.set_skip_blocks(call.skip_blocks);
+  if (!call.wait_event.empty()) request.mutable_ordering()->set_wait_event(call.wait_event);
 }
 
 BlockStoreTransfer TransferFromProto(const pb::TransferBlocksResponse& response) {
@@ -1171,6 +1172,7 @@ BlockStoreTransfer TransferFromProto(const pb::TransferBlocksResponse& response)
          .already_present = block.already_present()});
   }
   out.copied_bytes = response.copied_bytes();
+  out.completion_event = response.completion_event();
   return out;
 }
 
@@ -1196,7 +1198,11 @@ absl::StatusOr<RegisteredPool> KvClient::RegisterPool(const BlockPoolSpec& spec,
   SetEngine(engine, *request.mutable_engine());
   for (const PoolBufferRef& buffer : buffers) {
     pb::EngineBufferRef* out = request.add_buffers();
-    out->set_handoff_buffer_id(buffer.handoff_buffer_id);
+    if (buffer.cuda_ipc_handle.empty()) {
+      out->set_handoff_buffer_id(buffer.handoff_buffer_id);
+    } else {
+      out->set_cuda_ipc_handle(buffer.cuda_ipc_handle);
+    }
     out->set_bytes(buffer.bytes);
     out->set_offset_in_allocation(buffer.offset_in_allocation);
   }

@@ -322,12 +322,14 @@ struct StepOutcome {
 //   ASSIGN_OR_RETURN(memra::BlockStoreMatch match, client->LookupBlocks(call));
 //   ASSIGN_OR_RETURN(memra::BlockStoreTransfer loaded, client->LoadBlocks(call));
 
-// One buffer of RegisterPool: an id OfferPoolBuffer answered, `bytes` from
+// One buffer of RegisterPool: an id OfferPoolBuffer answered (host) or, when
+// `cuda_ipc_handle` is set, the cudaIpcMemHandle_t of a GPU allocation (cuda); `bytes` from
 // offset_in_allocation of it.
 struct PoolBufferRef {
   uint64_t handoff_buffer_id = 0;
   uint64_t bytes = 0;
   uint64_t offset_in_allocation = 0;
+  std::string cuda_ipc_handle = {};
 };
 struct RegisteredPoolGroup {
   uint32_t kv_group = 0;
@@ -356,6 +358,8 @@ struct BlockStoreCall {
   uint64_t pin_id = 0;              // load: the lookup's pin it releases
   std::string parent_hash;          // store: routers' event fields
   std::vector<int32_t> event_token_ids;
+  // store / load on cuda: the engine's interprocess event the daemon waits on first.
+  std::string wait_event;
 };
 struct BlockStoreMatch {
   uint64_t matched_blocks = 0;
@@ -369,6 +373,8 @@ struct BlockStoreOutcome {
 struct BlockStoreTransfer {
   std::vector<BlockStoreOutcome> blocks;  // one per block id
   uint64_t copied_bytes = 0;
+  // cuda: cudaIpcEventHandle_t to wait on before using the blocks; empty on host.
+  std::string completion_event;
 };
 
 class KvClient;

@@ -88,20 +88,11 @@ TEST(CudaBackendIpcTest, CrossProcessMapping) {
   absl::StatusOr<ArenaExport> exported = backend->Export(*arena);
   ASSERT_THAT(exported, IsOk());
 
-  std::vector<std::string> env = {
-      absl::StrCat(kHandleEnv, "=", absl::BytesToHexString(exported->handle)),
-      absl::StrCat(kBytesEnv, "=", exported->bytes)};
-  if (const char* visible = std::getenv("CUDA_VISIBLE_DEVICES")) {
-    env.push_back(absl::StrCat("CUDA_VISIBLE_DEVICES=", visible));
-  }
-  std::string exe = "/proc/self/exe";
-  std::string filter = "--gtest_filter=CudaArenaMapperChild.*";
-  std::vector<char*> argv = {exe.data(), filter.data(), nullptr};
-  std::vector<char*> envp;
-  for (std::string& entry : env) envp.push_back(entry.data());
-  envp.push_back(nullptr);
-  pid_t child = 0;
-  ASSERT_EQ(posix_spawn(&child, exe.c_str(), nullptr, nullptr, argv.data(), envp.data()), 0);
+  const pid_t child = testing::SpawnFilteredSelf(
+      "CudaArenaMapperChild.*",
+      {absl::StrCat(kHandleEnv, "=", absl::BytesToHexString(exported->handle)),
+       absl::StrCat(kBytesEnv, "=", exported->bytes)});
+  ASSERT_GT(child, 0);
   int wstatus = 0;
   ASSERT_EQ(waitpid(child, &wstatus, 0), child);
   ASSERT_TRUE(WIFEXITED(wstatus));

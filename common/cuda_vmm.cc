@@ -33,6 +33,7 @@ struct DriverApi {
   decltype(&cuMemRelease) MemRelease = nullptr;
   decltype(&cuMemExportToShareableHandle) MemExportToShareableHandle = nullptr;
   decltype(&cuMemImportFromShareableHandle) MemImportFromShareableHandle = nullptr;
+  decltype(&cuMemGetAddressRange) MemGetAddressRange = nullptr;
   absl::Status loaded;
 };
 
@@ -72,7 +73,8 @@ const DriverApi& Driver() {
           Resolve("cuMemAddressFree", loaded->MemAddressFree),
           Resolve("cuMemRelease", loaded->MemRelease),
           Resolve("cuMemExportToShareableHandle", loaded->MemExportToShareableHandle),
-          Resolve("cuMemImportFromShareableHandle", loaded->MemImportFromShareableHandle)}) {
+          Resolve("cuMemImportFromShareableHandle", loaded->MemImportFromShareableHandle),
+          Resolve("cuMemGetAddressRange", loaded->MemGetAddressRange)}) {
       if (status.ok()) status = resolved;
     }
     loaded->loaded = status;
@@ -157,6 +159,22 @@ absl::StatusOr<uint64_t> VmmGranularity(int device) {
     return CuError(absl::StrCat("cuMemGetAllocationGranularity on device ", device), r);
   }
   return static_cast<uint64_t>(granularity);
+}
+
+absl::StatusOr<uint64_t> DeviceAllocationBytes(int device, const void* device_pointer) {
+  if (absl::Status status = UsePrimaryContext(device); !status.ok()) return status;
+  const auto address = reinterpret_cast<CUdeviceptr>(device_pointer);
+  CUdeviceptr base = 0;
+  size_t bytes = 0;
+  if (CUresult r = Driver().MemGetAddressRange(&base, &bytes, address); r != CUDA_SUCCESS) {
+    return CuError(absl::StrCat("cuMemGetAddressRange of device address ", address), r);
+  }
+  if (base != address) {
+    return absl::InvalidArgumentError(absl::StrCat("device address ", address,
+                                                   " is inside the allocation at ", base,
+                                                   ", not its start"));
+  }
+  return static_cast<uint64_t>(bytes);
 }
 
 absl::StatusOr<VmmMapping> VmmMapping::Map(int device, uint64_t handle, uint64_t bytes) {

@@ -27,6 +27,11 @@ inline constexpr absl::string_view kVmmHandlePrefix = "vmm-";
 // ordinal): every VMM arena's size is a multiple of it.
 absl::StatusOr<uint64_t> VmmGranularity(int device);
 
+// The bytes of the allocation that starts at `device_pointer` on `device`
+// (cuMemGetAddressRange): what a CUDA IPC handle opened there exports, so the block store checks
+// an engine's buffers against it. INVALID_ARGUMENT when the pointer is not an allocation's start.
+absl::StatusOr<uint64_t> DeviceAllocationBytes(int device, const void* device_pointer);
+
 // One VMM allocation mapped read-write on its device in this process. Move-only; unmaps, frees
 // the address range and releases the handle on destruction (the memory itself goes when the
 // last holder anywhere releases it).

@@ -13,6 +13,30 @@ absl::StatusOr<int> ArenaRecord::DuplicateFd() const {
       "in the owning engine's reply");
 }
 
+absl::Status ArenaRecord::CheckRange(absl::string_view op, ArenaId id, uint64_t offset,
+                                     uint64_t bytes) const {
+  return CheckArenaRange(op, id, bytes_, offset, bytes);
+}
+
+SegmentedArenaRecord::SegmentedArenaRecord(uint8_t* data, uint64_t bytes,
+                                           std::vector<Segment> segments)
+    : ArenaRecord(data, bytes, ""), segments_(std::move(segments)) {}
+
+absl::Status SegmentedArenaRecord::CheckRange(absl::string_view op, ArenaId id, uint64_t offset,
+                                              uint64_t bytes) const {
+  RETURN_IF_ERROR(ArenaRecord::CheckRange(op, id, offset, bytes));
+  // Not overflowing: the range lies inside the arena.
+  const uint64_t end = offset + bytes;
+  for (const Segment& segment : segments_) {
+    if (offset >= segment.offset && end <= segment.offset + segment.bytes) {
+      return absl::OkStatus();
+    }
+  }
+  return absl::InvalidArgumentError(absl::StrCat(
+      op, ": offset ", offset, " + ", bytes, " bytes of arena ", id.value,
+      " is not inside one of its ", segments_.size(), " engine buffers"));
+}
+
 absl::StatusOr<ArenaId> ArenaTable::Create(uint64_t bytes, Allocator allocate) {
   {
     absl::MutexLock lock(&mu_);
@@ -48,7 +72,7 @@ absl::StatusOr<std::shared_ptr<ArenaRecord>> ArenaTable::FindRange(absl::string_
                                                                    uint64_t offset,
                                                                    uint64_t bytes) const {
   ASSIGN_OR_RETURN(std::shared_ptr<ArenaRecord> arena, Find(op, id));
-  RETURN_IF_ERROR(CheckArenaRange(op, id, arena->bytes(), offset, bytes));
+  RETURN_IF_ERROR(arena->CheckRange(op, id, offset, bytes));
   return arena;
 }
 

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
@@ -39,11 +40,36 @@ class ArenaRecord {
   // A new O_CLOEXEC descriptor of the memory, owned by the caller (DeviceBackend::
   // DuplicateArenaFd). FAILED_PRECONDITION unless the backend's exports are descriptors.
   virtual absl::StatusOr<int> DuplicateFd() const;
+  // OK when [offset, offset + bytes) is memory of this arena (every data operation checks its
+  // ranges here first): CheckArenaRange against bytes(); SegmentedArenaRecord narrows it.
+  virtual absl::Status CheckRange(absl::string_view op, ArenaId id, uint64_t offset,
+                                  uint64_t bytes) const;
 
  private:
   uint8_t* const data_;
   const uint64_t bytes_;
   const std::string export_handle_;
+};
+
+// An arena whose memory is several separate regions at fixed addresses (a cuda engine's pool:
+// each CUDA IPC allocation opens wherever the driver maps it). data() is the lowest region's
+// start and an offset is an address difference from it, so data() + offset is the address as for
+// any arena; but only the segments are memory: a range in a gap between them, or across two, is
+// INVALID_ARGUMENT, never another allocation's bytes.
+class SegmentedArenaRecord : public ArenaRecord {
+ public:
+  struct Segment {
+    uint64_t offset = 0;  // from data()
+    uint64_t bytes = 0;
+  };
+  // `segments`: inside [0, bytes), in any order; overlapping ones are allowed (two buffers of
+  // one allocation).
+  SegmentedArenaRecord(uint8_t* data, uint64_t bytes, std::vector<Segment> segments);
+  absl::Status CheckRange(absl::string_view op, ArenaId id, uint64_t offset,
+                          uint64_t bytes) const override;
+
+ private:
+  const std::vector<Segment> segments_;
 };
 
 // Thread-safe. Records are held by shared_ptr so a data operation can use an arena's memory

@@ -74,6 +74,15 @@ struct EngineBufferFd {
   uint64_t offset = 0;
   uint64_t bytes = 0;
 };
+// One buffer of an engine's pool on the cuda backend (DeviceBackend::MapEngineIpcBuffers):
+// `bytes` from `offset_in_allocation` of the allocation whose cudaIpcMemHandle_t is `ipc_handle`
+// (kCudaIpcHandleBytes raw bytes).
+struct EngineBufferIpc {
+  std::string ipc_handle;
+  uint64_t offset_in_allocation = 0;
+  uint64_t bytes = 0;
+};
+inline constexpr size_t kCudaIpcHandleBytes = 64;  // sizeof(cudaIpcMemHandle_t), ...EventHandle_t
 struct MappedEngineBuffers {
   ArenaId arena;
   std::vector<uint64_t> base;  // where each buffer starts in the arena
@@ -138,9 +147,20 @@ class DeviceBackend {
   // not in AllocatedBytes() or ArenaCount(), never exported; FreeArena unmaps it (the engine's
   // memory stays). INVALID_ARGUMENT for no buffers or a range that overflows;
   // FAILED_PRECONDITION on a backend whose engine memory is not file descriptors (cuda: the
-  // pool's CUDA IPC handles, not built yet).
+  // pool's CUDA IPC handles: MapEngineIpcBuffers).
   virtual absl::StatusOr<MappedEngineBuffers> MapEngineBuffers(
       absl::Span<const EngineBufferFd> buffers);
+  // The same for a cuda engine's pool: opens each distinct IPC handle once (closed when the
+  // arena is freed) and checks every buffer lies inside its allocation. The arena's offsets are
+  // device address differences; only the buffers' ranges are reachable (a range outside them, or
+  // across two, is INVALID_ARGUMENT). INVALID_ARGUMENT for CheckEngineIpcBuffers' refusals or a
+  // buffer past its allocation; FAILED_PRECONDITION on a backend without CUDA IPC (host).
+  virtual absl::StatusOr<MappedEngineBuffers> MapEngineIpcBuffers(
+      absl::Span<const EngineBufferIpc> buffers);
+  // After a block store transfer: an interprocess event (cudaIpcEventHandle_t, 64 bytes) the
+  // engine waits on before touching the blocks (TransferBlocksResponse.completion_event). Empty
+  // where the copies are done when the call returns with nothing for an engine to wait on (host).
+  virtual absl::StatusOr<std::string> RecordCompletionEvent();
   // Exported arenas stop being mappable by new clients; existing client mappings stay valid
   // until those clients unmap (host: the shm name is unlinked).
   virtual absl::Status FreeArena(ArenaId arena) = 0;
@@ -182,6 +202,15 @@ class DeviceBackend {
 // INVALID_ARGUMENT naming `op`, the arena and the numbers. Overflow-checked.
 absl::Status CheckArenaRange(absl::string_view op, ArenaId arena, uint64_t arena_bytes,
                              uint64_t offset, uint64_t bytes);
+
+// The checks of MapEngineIpcBuffers that need no device: 1 .. 1,024 buffers, each handle
+// kCudaIpcHandleBytes, bytes > 0, offset_in_allocation + bytes not overflowing. INVALID_ARGUMENT
+// naming the buffer and the numbers.
+absl::Status CheckEngineIpcBuffers(absl::Span<const EngineBufferIpc> buffers);
+// OK when buffer `index` ([offset_in_allocation, + bytes)) lies inside its allocation of
+// `allocation_bytes` (what the driver reports for the opened handle); INVALID_ARGUMENT otherwise.
+absl::Status CheckEngineIpcBufferInAllocation(size_t index, const EngineBufferIpc& buffer,
+                                              uint64_t allocation_bytes);
 
 }  // namespace memra
 

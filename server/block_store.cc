@@ -132,7 +132,17 @@ absl::StatusOr<BlockStoreRegistration> BlockStore::Register(
   spec.buffer_bytes.clear();
   for (const EngineBufferRequest& buffer : buffers) spec.buffer_bytes.push_back(buffer.bytes);
   ASSIGN_OR_RETURN(BlockPoolLayout layout, ValidateBlockPool(spec, limits_.pool));
+  // ValidateBlockPool refused an empty list: buffers[0] exists.
+  const bool by_ipc_handle = !buffers[0].cuda_ipc_handle.empty();
+  for (size_t i = 1; i < buffers.size(); ++i) {
+    if (buffers[i].cuda_ipc_handle.empty() == by_ipc_handle) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "buffer 0 is ", by_ipc_handle ? "a CUDA IPC handle" : "a handoff buffer", " but buffer ",
+          i, " is not: a registration's buffers are all one kind"));
+    }
+  }
   std::vector<EngineBufferFd> to_map;
+  std::vector<EngineBufferIpc> to_open;
   uint64_t total = 0;
   {
     absl::MutexLock lock(&mu_);
@@ -142,7 +152,13 @@ absl::StatusOr<BlockStoreRegistration> BlockStore::Register(
           "engine ", engine, " holds ", registered, " registrations; the limit is ",
           limits_.registrations_per_engine));
     }
-    for (size_t i = 0; i < buffers.size(); ++i) {
+    for (size_t i = 0; i < buffers.size() && by_ipc_handle; ++i) {
+      ASSIGN_OR_RETURN(total, CheckedAdd(total, buffers[i].bytes, "registered bytes"));
+      to_open.push_back({.ipc_handle = buffers[i].cuda_ipc_handle,
+                         .offset_in_allocation = buffers[i].offset_in_allocation,
+                         .bytes = buffers[i].bytes});
+    }
+    for (size_t i = 0; i < buffers.size() && !by_ipc_handle; ++i) {
       const EngineBufferRequest& buffer = buffers[i];
       auto it = offers_.find(buffer.handoff_buffer_id);
       if (it == offers_.end()) {
@@ -184,7 +200,7 @@ absl::StatusOr<BlockStoreRegistration> BlockStore::Register(
     // The offers' bytes become the registration's: the cap counts them once.
     uint64_t offered = 0;
     for (const EngineBufferRequest& buffer : buffers) {
-      offered += offers_.at(buffer.handoff_buffer_id).bytes;
+      if (!by_ipc_handle) offered += offers_.at(buffer.handoff_buffer_id).bytes;
     }
     const uint64_t held = EngineBytesLocked(engine) - offered;
     if (total > limits_.engine_bytes || held > limits_.engine_bytes - total) {
@@ -192,9 +208,11 @@ absl::StatusOr<BlockStoreRegistration> BlockStore::Register(
           "engine ", engine, " registers ", total, " bytes and holds ", held,
           "; the limit is ", limits_.engine_bytes, " (block_store_engine_bytes)"));
     }
-    // Mapped under mu_ so no other registration takes these offers meanwhile; mapping is a
-    // few system calls per buffer.
-    ASSIGN_OR_RETURN(MappedEngineBuffers mapped, backend_->MapEngineBuffers(to_map));
+    // Mapped under mu_ so no other registration takes these offers (or this engine's byte
+    // allowance) meanwhile; mapping is a few system or driver calls per buffer.
+    ASSIGN_OR_RETURN(MappedEngineBuffers mapped, by_ipc_handle
+                                                     ? backend_->MapEngineIpcBuffers(to_open)
+                                                     : backend_->MapEngineBuffers(to_map));
     auto registration = std::make_shared<Registration>();
     registration->engine = engine;
     registration->arena = mapped.arena;
@@ -211,7 +229,9 @@ absl::StatusOr<BlockStoreRegistration> BlockStore::Register(
       space.block_tokens = registration->layout.tokens_per_block;
       registration->spaces.push_back(std::move(space));
     }
-    for (const EngineBufferRequest& buffer : buffers) offers_.erase(buffer.handoff_buffer_id);
+    if (!by_ipc_handle) {
+      for (const EngineBufferRequest& buffer : buffers) offers_.erase(buffer.handoff_buffer_id);
+    }
     const uint64_t id = next_id_++;
     registrations_[id] = registration;
     BlockStoreRegistration result;

@@ -52,9 +52,12 @@ struct BlockStoreLimits {
   BlockPoolLimits pool;
 };
 
-// One buffer of a registration as the engine names it (EngineBufferRef, host memory).
+// One buffer of a registration as the engine names it (EngineBufferRef): an offered handoff
+// buffer (host), or, when `cuda_ipc_handle` is set, an allocation of the engine's GPU memory.
 struct EngineBufferRequest {
   uint64_t handoff_buffer_id = 0;
+  // cudaIpcMemHandle_t bytes (DeviceBackend::MapEngineIpcBuffers).
+  std::string cuda_ipc_handle = {};
   uint64_t bytes = 0;
   uint64_t offset_in_allocation = 0;
 };
@@ -117,7 +120,9 @@ class BlockStore {
 
   // RegisterEngineBuffers for engine `engine` of cache scope `scope`: `spec.buffer_bytes` are
   // the buffers' bytes. Refusals (nothing changes, no offer is used up): the layout's
-  // (INVALID_ARGUMENT, core/block_layout.h); NOT_FOUND an unknown or used buffer id;
+  // (INVALID_ARGUMENT, core/block_layout.h); INVALID_ARGUMENT handoff buffers and CUDA IPC
+  // handles mixed, or MapEngineIpcBuffers' refusals (FAILED_PRECONDITION on the host backend);
+  // NOT_FOUND an unknown or used buffer id;
   // PERMISSION_DENIED another engine's; FAILED_PRECONDITION its connection closed or its file
   // smaller than offset_in_allocation + bytes; RESOURCE_EXHAUSTED past the per-engine limits.
   absl::StatusOr<BlockStoreRegistration> Register(uint64_t engine, const std::string& scope,

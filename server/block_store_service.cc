@@ -39,6 +39,16 @@ void EncodeTransfer(const BlockTransferResult& result, pb::TransferBlocksRespons
   response->set_copied_bytes(result.copied_bytes);
 }
 
+// A transfer's reply: its results and, on cuda, the event the engine waits on before touching
+// the blocks.
+absl::Status ReplyTransfer(DeviceBackend* backend, const BlockTransferResult& result,
+                           pb::TransferBlocksResponse* response) {
+  ASSIGN_OR_RETURN(std::string completion_event, backend->RecordCompletionEvent());
+  EncodeTransfer(result, response);
+  response->set_completion_event(std::move(completion_event));
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 grpc::Status BlockStoreService::RegisterEngineBuffers(
@@ -49,13 +59,13 @@ grpc::Status BlockStoreService::RegisterEngineBuffers(
     std::vector<EngineBufferRequest> buffers;
     for (int i = 0; i < request->buffers_size(); ++i) {
       const pb::EngineBufferRef& buffer = request->buffers(i);
-      if (buffer.memory_case() != pb::EngineBufferRef::kHandoffBufferId) {
-        // The cuda path (IPC handles opened through the backend) is not built yet.
+      if (buffer.memory_case() == pb::EngineBufferRef::MEMORY_NOT_SET) {
         return absl::InvalidArgumentError(absl::StrCat(
-            "buffer ", i, ": the ", std::string(backend_->Name()),
-            " backend registers handoff buffers (handoff_buffer_id) only"));
+            "buffer ", i, ": names no memory (handoff_buffer_id on the host backend, "
+            "cuda_ipc_handle on cuda)"));
       }
       buffers.push_back({.handoff_buffer_id = buffer.handoff_buffer_id(),
+                         .cuda_ipc_handle = buffer.cuda_ipc_handle(),
                          .bytes = buffer.bytes(),
                          .offset_in_allocation = buffer.offset_in_allocation()});
     }
@@ -134,8 +144,7 @@ grpc::Status BlockStoreService::StoreBlocks(grpc::ServerContext*,
                                     request->event_token_ids().end());
     ASSIGN_OR_RETURN(BlockTransferResult result,
                      store_->Store(request->engine().engine_id(), transfer));
-    EncodeTransfer(result, response);
-    return absl::OkStatus();
+    return ReplyTransfer(backend_, result, response);
   }();
   return Reply("StoreBlocks", status);
 }
@@ -150,8 +159,7 @@ grpc::Status BlockStoreService::LoadBlocks(grpc::ServerContext*,
     transfer.pin_id = request->pin_id();
     ASSIGN_OR_RETURN(BlockTransferResult result,
                      store_->Load(request->engine().engine_id(), transfer));
-    EncodeTransfer(result, response);
-    return absl::OkStatus();
+    return ReplyTransfer(backend_, result, response);
   }();
   return Reply("LoadBlocks", status);
 }

@@ -70,7 +70,7 @@ absl::Status CheckedArenaBackend::WriteI32s(ArenaId id, absl::Span<const I32Writ
   ASSIGN_OR_RETURN(std::shared_ptr<ArenaRecord> arena, arenas_.Find("WriteI32s", id));
   for (const I32Write& write : writes) {
     RETURN_IF_ERROR(
-        CheckArenaRange("WriteI32s", id, arena->bytes(), write.offset, sizeof(write.value)));
+        arena->CheckRange("WriteI32s", id, write.offset, sizeof(write.value)));
   }
   if (writes.empty()) return absl::OkStatus();
   return StoreI32s(arena->data(), writes);
@@ -103,10 +103,10 @@ absl::StatusOr<uint64_t> CheckedArenaBackend::CopyRangesChecksummed(
   ASSIGN_OR_RETURN(std::shared_ptr<ArenaRecord> src,
                    arenas_.Find("CopyRangesChecksummed source", src_id));
   for (const CopyRange& range : ranges) {
-    RETURN_IF_ERROR(CheckArenaRange("CopyRangesChecksummed destination", dst_id, dst->bytes(),
+    RETURN_IF_ERROR(dst->CheckRange("CopyRangesChecksummed destination", dst_id,
                                     range.dst_offset, range.bytes));
-    RETURN_IF_ERROR(CheckArenaRange("CopyRangesChecksummed source", src_id, src->bytes(),
-                                    range.src_offset, range.bytes));
+    RETURN_IF_ERROR(
+        src->CheckRange("CopyRangesChecksummed source", src_id, range.src_offset, range.bytes));
   }
   return CopyHashed(dst->data(), src->data(), ranges);
 }

@@ -80,6 +80,28 @@ class VmmArena final : public ArenaRecord {
   ScopedFd fd_;
 };
 
+// An engine's pool (MapEngineIpcBuffers): the allocations its IPC handles opened, closed with
+// the record (on their device; independently of the backend object).
+class IpcEngineArena final : public SegmentedArenaRecord {
+ public:
+  IpcEngineArena(int device, std::vector<void*> opened, uint8_t* data, uint64_t bytes,
+                 std::vector<Segment> segments)
+      : SegmentedArenaRecord(data, bytes, std::move(segments)),
+        device_(device),
+        opened_(std::move(opened)) {}
+  ~IpcEngineArena() override { CloseIpcMappings(device_, opened_); }
+
+  static void CloseIpcMappings(int device, const std::vector<void*>& opened) {
+    // Every call synchronized its copies, so nothing in flight uses them.
+    cudaSetDevice(device);
+    for (void* pointer : opened) cudaIpcCloseMemHandle(pointer);
+  }
+
+ private:
+  const int device_;
+  const std::vector<void*> opened_;
+};
+
 // kVmmHandlePrefix + 32 random hex characters: names a VMM arena to its engine (nothing else can open it
 // from the name: the memory comes only as a descriptor over the side channel).
 absl::StatusOr<std::string> NewVmmHandle() {
@@ -123,17 +145,37 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(CudaBackendOpti
       err != cudaSuccess) {
     return CudaError(absl::StrCat("cudaStreamCreate on device ", options.device), err);
   }
-  return std::unique_ptr<CudaBackend>(
-      new CudaBackend(options, stream, prop.name, FormatUuid(prop.uuid)));
+  cudaEvent_t completion = nullptr;
+  if (const cudaError_t err = cudaEventCreateWithFlags(
+          &completion, cudaEventInterprocess | cudaEventDisableTiming);
+      err != cudaSuccess) {
+    cudaStreamDestroy(stream);
+    return CudaError(absl::StrCat("creating the completion event on device ", options.device),
+                     err);
+  }
+  cudaIpcEventHandle_t completion_handle;
+  if (const cudaError_t err = cudaIpcGetEventHandle(&completion_handle, completion);
+      err != cudaSuccess) {
+    cudaEventDestroy(completion);
+    cudaStreamDestroy(stream);
+    return CudaError("cudaIpcGetEventHandle of the completion event", err);
+  }
+  return std::unique_ptr<CudaBackend>(new CudaBackend(
+      options, stream, completion,
+      std::string(reinterpret_cast<const char*>(&completion_handle), sizeof(completion_handle)),
+      prop.name, FormatUuid(prop.uuid)));
 }
 
 CudaBackend::CudaBackend(const CudaBackendOptions& options, cudaStream_t stream,
+                         cudaEvent_t completion, std::string completion_handle,
                          std::string name, std::string uuid)
     : CheckedArenaBackend("cuda", std::numeric_limits<uint64_t>::max()),  // the device decides
       device_(options.device),
       vmm_exports_(options.vmm_exports),
       batch_mirror_writes_(options.batch_mirror_writes),
       stream_(stream),
+      completion_event_(completion),
+      completion_handle_(std::move(completion_handle)),
       name_(std::move(name)),
       uuid_(std::move(uuid)) {}
 
@@ -144,6 +186,7 @@ CudaBackend::~CudaBackend() {
   }
   // Every call synchronizes before returning, so the stream is idle.
   cudaSetDevice(device_);
+  cudaEventDestroy(completion_event_);
   cudaStreamDestroy(stream_);
 }
 
@@ -218,6 +261,78 @@ absl::StatusOr<ArenaId> CudaBackend::AdoptArenaFd(int raw_fd, uint64_t bytes,
     ASSIGN_OR_RETURN(VmmMapping mapping, VmmMapping::Import(device_, fd.get(), size));
     return std::make_shared<VmmArena>(std::move(mapping), std::move(fd), std::move(export_handle));
   });
+}
+
+absl::StatusOr<MappedEngineBuffers> CudaBackend::MapEngineIpcBuffers(
+    absl::Span<const EngineBufferIpc> buffers) {
+  RETURN_IF_ERROR(CheckEngineIpcBuffers(buffers));
+  RETURN_IF_ERROR(SelectDevice());
+  // Each distinct handle opened once: cudaIpcOpenMemHandle refuses a second open of one handle
+  // in a process, and two tensors of one allocation are two buffers of one handle.
+  struct Opened {
+    uint8_t* data = nullptr;
+    uint64_t bytes = 0;
+  };
+  absl::flat_hash_map<std::string, Opened> by_handle;
+  std::vector<void*> opened;
+  auto close_opened = [&] { IpcEngineArena::CloseIpcMappings(device_, opened); };
+  std::vector<uint8_t*> starts;  // buffer i's device address
+  for (size_t i = 0; i < buffers.size(); ++i) {
+    const EngineBufferIpc& buffer = buffers[i];
+    auto it = by_handle.find(buffer.ipc_handle);
+    if (it == by_handle.end()) {
+      cudaIpcMemHandle_t handle;
+      std::memcpy(&handle, buffer.ipc_handle.data(), sizeof(handle));
+      void* pointer = nullptr;
+      if (const cudaError_t err =
+              cudaIpcOpenMemHandle(&pointer, handle, cudaIpcMemLazyEnablePeerAccess);
+          err != cudaSuccess) {
+        close_opened();
+        return CudaError(absl::StrCat("cudaIpcOpenMemHandle of buffer ", i,
+                                      "'s handle (an allocation of another process on device ",
+                                      device_, "?)"),
+                         err);
+      }
+      opened.push_back(pointer);
+      absl::StatusOr<uint64_t> bytes = DeviceAllocationBytes(device_, pointer);
+      if (!bytes.ok()) {
+        close_opened();
+        return bytes.status();
+      }
+      it = by_handle.emplace(buffer.ipc_handle, Opened{static_cast<uint8_t*>(pointer), *bytes})
+               .first;
+    }
+    if (absl::Status inside = CheckEngineIpcBufferInAllocation(i, buffer, it->second.bytes);
+        !inside.ok()) {
+      close_opened();
+      return inside;
+    }
+    starts.push_back(it->second.data + buffer.offset_in_allocation);
+  }
+  // The arena spans the opened allocations; offsets are address differences from the lowest.
+  uint8_t* low = nullptr;
+  uint8_t* high = nullptr;
+  for (const auto& [handle, region] : by_handle) {
+    if (low == nullptr || region.data < low) low = region.data;
+    if (high == nullptr || region.data + region.bytes > high) high = region.data + region.bytes;
+  }
+  MappedEngineBuffers mapped;
+  std::vector<SegmentedArenaRecord::Segment> segments;
+  for (size_t i = 0; i < buffers.size(); ++i) {
+    const uint64_t base = static_cast<uint64_t>(starts[i] - low);
+    mapped.base.push_back(base);
+    segments.push_back({.offset = base, .bytes = buffers[i].bytes});
+  }
+  mapped.arena = FileEngineMemory(std::make_shared<IpcEngineArena>(
+      device_, std::move(opened), low, static_cast<uint64_t>(high - low), std::move(segments)));
+  return mapped;
+}
+
+absl::StatusOr<std::string> CudaBackend::RecordCompletionEvent() {
+  RETURN_IF_ERROR(SelectDevice());
+  RETURN_IF_ERROR(Finish("recording the completion event",
+                         cudaEventRecord(completion_event_, stream_)));
+  return completion_handle_;
 }
 
 absl::Status CudaBackend::Synchronize() {

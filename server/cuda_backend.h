@@ -62,13 +62,23 @@ class CudaBackend final : public CheckedArenaBackend {
   // never held up by one engine's work.
   absl::Status WaitForEngineEvent(absl::string_view ipc_event_handle) override
       ABSL_LOCKS_EXCLUDED(events_mu_);
+  // A cuda engine's pool (block store): cudaIpcOpenMemHandle once per distinct handle of the
+  // call (cudaIpcMemLazyEnablePeerAccess), each allocation's size from the driver, every buffer
+  // checked inside its allocation; one SegmentedArenaRecord over the opened regions, which
+  // closes them when the arena is freed (unregistration, lease end). A failure closes what it
+  // opened. The handles per engine are bounded by the block store's registrations and buffers.
+  absl::StatusOr<MappedEngineBuffers> MapEngineIpcBuffers(
+      absl::Span<const EngineBufferIpc> buffers) override;
+  // Records the backend's one interprocess event on its stream (after a transfer's copies, which
+  // every call has already synchronized) and returns its cudaIpcEventHandle_t.
+  absl::StatusOr<std::string> RecordCompletionEvent() override;
   // VMM mode only (FAILED_PRECONDITION otherwise: IPC memory dies with its exporter).
   absl::StatusOr<ArenaId> AdoptArenaFd(int fd, uint64_t bytes,
                                        std::string export_handle) override;
 
  private:
-  CudaBackend(const CudaBackendOptions& options, cudaStream_t stream, std::string name,
-              std::string uuid);
+  CudaBackend(const CudaBackendOptions& options, cudaStream_t stream, cudaEvent_t completion,
+              std::string completion_handle, std::string name, std::string uuid);
 
   absl::StatusOr<std::shared_ptr<ArenaRecord>> Allocate(uint64_t bytes,
                                                         ArenaVisibility visibility) override;
@@ -95,6 +105,10 @@ class CudaBackend final : public CheckedArenaBackend {
   const bool vmm_exports_;
   const bool batch_mirror_writes_;
   const cudaStream_t stream_;  // CUDA streams are thread-safe; every call syncs it itself
+  // Interprocess (cudaEventInterprocess | cudaEventDisableTiming) event the block store's
+  // transfers record; engines open its handle once and wait on it after each reply.
+  const cudaEvent_t completion_event_;
+  const std::string completion_handle_;  // its cudaIpcEventHandle_t bytes
   const std::string name_;
   const std::string uuid_;
 

@@ -1,13 +1,20 @@
 #include "server/cuda_backend.h"
 
+#include <fcntl.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
 #include <xxhash.h>
 
 #include <cstdint>
+#include <cstdlib>
 #include <limits>
 #include <memory>
 #include <string>
 #include <vector>
 
+#include "absl/strings/escaping.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -27,6 +34,13 @@ using ::testing::HasSubstr;
 
 constexpr uint64_t kMiB = uint64_t{1} << 20;
 
+std::vector<uint8_t> ReadAllOf(DeviceBackend& backend, ArenaId arena, uint64_t offset,
+                               uint64_t bytes) {
+  std::vector<uint8_t> out(bytes);
+  EXPECT_THAT(backend.Read(arena, offset, absl::MakeSpan(out)), IsOk());
+  return out;
+}
+
 class CudaBackendTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -35,9 +49,7 @@ class CudaBackendTest : public ::testing::Test {
   }
 
   std::vector<uint8_t> ReadAll(ArenaId arena, uint64_t offset, uint64_t bytes) {
-    std::vector<uint8_t> out(bytes);
-    EXPECT_THAT(backend_->Read(arena, offset, absl::MakeSpan(out)), IsOk());
-    return out;
+    return ReadAllOf(*backend_, arena, offset, bytes);
   }
 
   std::unique_ptr<CudaBackend> backend_;
@@ -237,6 +249,134 @@ TEST(CudaVmmBackendTest, IpcModeCannotAdoptAndPrivateArenasHaveNoDescriptor) {
   ASSERT_THAT(private_arena, IsOk());
   EXPECT_THAT((*vmm)->DuplicateArenaFd(*private_arena),
               StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("is private")));
+}
+
+// --- An engine's pool mapped from its CUDA IPC handle (the block store on cuda) ---
+
+// The child half of EnginePoolFromIpcHandle reads these; unset in a normal run.
+constexpr char kPoolHandleFdEnv[] = "MEMRA_POOL_HANDLE_FD";  // writes the handle's hex here
+constexpr char kPoolDoneFdEnv[] = "MEMRA_POOL_DONE_FD";      // EOF: the daemon side is done
+constexpr uint64_t kPoolAllocationBytes = 4 * kMiB;
+constexpr uint64_t kPoolWriteOffset = 2 * kMiB;  // the daemon side writes 0x77 here
+constexpr uint8_t kPoolDaemonByte = 0x77;
+
+uint8_t PoolPattern(uint64_t i) { return static_cast<uint8_t>(i % 251); }
+
+// Runs only as the child of EnginePoolFromIpcHandle: the engine. Allocates its pool, fills it,
+// hands the IPC handle over, waits for the daemon side, then checks what the daemon wrote.
+TEST(CudaEnginePoolChild, ExportAndCheck) {
+  int handle_fd = -1;
+  int done_fd = -1;
+  const char* handle_text = std::getenv(kPoolHandleFdEnv);
+  const char* done_text = std::getenv(kPoolDoneFdEnv);
+  if (handle_text == nullptr || done_text == nullptr ||
+      !absl::SimpleAtoi(handle_text, &handle_fd) || !absl::SimpleAtoi(done_text, &done_fd)) {
+    GTEST_SKIP() << "runs only as the child of CudaEnginePoolTest.EnginePoolFromIpcHandle";
+  }
+  void* pool = nullptr;
+  ASSERT_EQ(cudaMalloc(&pool, kPoolAllocationBytes), cudaSuccess);
+  std::vector<uint8_t> pattern(kPoolAllocationBytes);
+  for (uint64_t i = 0; i < pattern.size(); ++i) pattern[i] = PoolPattern(i);
+  ASSERT_EQ(cudaMemcpy(pool, pattern.data(), pattern.size(), cudaMemcpyHostToDevice), cudaSuccess);
+  cudaIpcMemHandle_t handle;
+  ASSERT_EQ(cudaIpcGetMemHandle(&handle, pool), cudaSuccess);
+  const std::string hex = absl::StrCat(
+      absl::BytesToHexString(absl::string_view(reinterpret_cast<const char*>(&handle),
+                                               sizeof(handle))),
+      "\n");
+  ASSERT_EQ(write(handle_fd, hex.data(), hex.size()), static_cast<ssize_t>(hex.size()));
+  close(handle_fd);
+  char byte;
+  while (read(done_fd, &byte, 1) > 0) {
+  }
+  std::vector<uint8_t> back(4096);
+  ASSERT_EQ(cudaMemcpy(back.data(), static_cast<uint8_t*>(pool) + kPoolWriteOffset, back.size(),
+                       cudaMemcpyDeviceToHost),
+            cudaSuccess);
+  EXPECT_THAT(back, Each(kPoolDaemonByte));
+  ASSERT_EQ(cudaFree(pool), cudaSuccess);
+}
+
+// A CUDA process cannot open its own IPC export, so the engine runs in a child (this binary
+// again, filtered to CudaEnginePoolChild): two buffers of its one allocation map as one arena
+// (one open), copies read and write exactly the buffers, a range outside them or past the
+// allocation is refused, and the completion event is a 64-byte interprocess handle.
+TEST(CudaEnginePoolTest, EnginePoolFromIpcHandle) {
+  std::unique_ptr<CudaBackend> backend = testing::NewCudaBackendOrNull();
+  if (backend == nullptr) GTEST_SKIP();
+  // Close-on-exec everywhere; the child gets only its two ends, at fixed numbers, so the done
+  // pipe's EOF reaches it when this side closes.
+  int handle_pipe[2];
+  int done_pipe[2];
+  ASSERT_EQ(pipe2(handle_pipe, O_CLOEXEC), 0);
+  ASSERT_EQ(pipe2(done_pipe, O_CLOEXEC), 0);
+  constexpr int kChildHandleFd = 100;
+  constexpr int kChildDoneFd = 101;
+  posix_spawn_file_actions_t actions;
+  ASSERT_EQ(posix_spawn_file_actions_init(&actions), 0);
+  ASSERT_EQ(posix_spawn_file_actions_adddup2(&actions, handle_pipe[1], kChildHandleFd), 0);
+  ASSERT_EQ(posix_spawn_file_actions_adddup2(&actions, done_pipe[0], kChildDoneFd), 0);
+  const pid_t child = testing::SpawnFilteredSelf(
+      "CudaEnginePoolChild.*",
+      {absl::StrCat(kPoolHandleFdEnv, "=", kChildHandleFd),
+       absl::StrCat(kPoolDoneFdEnv, "=", kChildDoneFd)},
+      &actions);
+  posix_spawn_file_actions_destroy(&actions);
+  ASSERT_GT(child, 0);
+  close(handle_pipe[1]);
+  close(done_pipe[0]);
+  std::string hex;
+  char c;
+  while (read(handle_pipe[0], &c, 1) == 1 && c != '\n') hex.push_back(c);
+  close(handle_pipe[0]);
+  ASSERT_EQ(hex.size(), 2 * kCudaIpcHandleBytes) << "the engine child handed no handle";
+  const std::string handle = absl::HexStringToBytes(hex);
+
+  // Past the allocation: refused with the driver's size, nothing left open.
+  EXPECT_THAT(
+      backend->MapEngineIpcBuffers(std::vector<EngineBufferIpc>{
+          {.ipc_handle = handle, .offset_in_allocation = kPoolAllocationBytes - 10, .bytes = 20}}),
+      StatusIs(absl::StatusCode::kInvalidArgument,
+               HasSubstrs("buffer 0", "= 4194314", "CUDA allocation of 4194304")));
+  absl::StatusOr<MappedEngineBuffers> pool =
+      backend->MapEngineIpcBuffers(std::vector<EngineBufferIpc>{
+          {.ipc_handle = handle, .offset_in_allocation = 4096, .bytes = kMiB},
+          {.ipc_handle = handle, .offset_in_allocation = kPoolWriteOffset, .bytes = kMiB}});
+  ASSERT_THAT(pool, IsOk());
+  ASSERT_EQ(pool->base.size(), 2u);
+  EXPECT_EQ(pool->base[1] - pool->base[0], kPoolWriteOffset - 4096);
+  EXPECT_EQ(backend->ArenaCount(), 0u);  // the engine's memory, not charged
+
+  absl::StatusOr<ArenaId> store = backend->CreateArena(kMiB, ArenaVisibility::kPrivate);
+  ASSERT_THAT(store, IsOk());
+  std::vector<uint8_t> expected(8192);
+  for (uint64_t i = 0; i < expected.size(); ++i) expected[i] = PoolPattern(4096 + 100 + i);
+  EXPECT_THAT(backend->CopyRangesChecksummed(
+                  *store, pool->arena,
+                  std::vector<CopyRange>{{.dst_offset = 0, .src_offset = pool->base[0] + 100,
+                                          .bytes = expected.size()}}),
+              IsOkAndHolds(XXH3_64bits(expected.data(), expected.size())));
+  EXPECT_EQ(ReadAllOf(*backend, *store, 0, expected.size()), expected);
+  // The end of buffer 0 plus one byte: inside the arena's span, outside every buffer.
+  EXPECT_THAT(backend->CopyRangesChecksummed(
+                  *store, pool->arena,
+                  std::vector<CopyRange>{{.dst_offset = 0, .src_offset = pool->base[0] + kMiB - 1,
+                                          .bytes = 2}}),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstrs("not inside one of its 2 engine buffers")));
+  ASSERT_THAT(backend->Memset(pool->arena, pool->base[1], kPoolDaemonByte, 4096), IsOk());
+  absl::StatusOr<std::string> completion = backend->RecordCompletionEvent();
+  ASSERT_THAT(completion, IsOk());
+  EXPECT_EQ(completion->size(), sizeof(cudaIpcEventHandle_t));
+  ASSERT_THAT(backend->FreeArena(pool->arena), IsOk());  // closes the handle
+  EXPECT_THAT(backend->Memset(pool->arena, pool->base[1], 0, 1),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("no arena")));
+
+  close(done_pipe[1]);
+  int wstatus = 0;
+  ASSERT_EQ(waitpid(child, &wstatus, 0), child);
+  ASSERT_TRUE(WIFEXITED(wstatus));
+  EXPECT_EQ(WEXITSTATUS(wstatus), 0) << "the engine child's failures are in this test's log";
 }
 
 }  // namespace

@@ -75,6 +75,13 @@ class FaultInjectingBackend final : public DeviceBackend {
       absl::Span<const EngineBufferFd> buffers) override {
     return target_->MapEngineBuffers(buffers);
   }
+  absl::StatusOr<MappedEngineBuffers> MapEngineIpcBuffers(
+      absl::Span<const EngineBufferIpc> buffers) override {
+    return target_->MapEngineIpcBuffers(buffers);
+  }
+  absl::StatusOr<std::string> RecordCompletionEvent() override {
+    return target_->RecordCompletionEvent();
+  }
   absl::Status FreeArena(ArenaId arena) override;
 
   absl::Status Memset(ArenaId arena, uint64_t offset, uint8_t value, uint64_t bytes) override;

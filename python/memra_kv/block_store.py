@@ -89,6 +89,44 @@ class CudaBuffer:
     offset_in_allocation: int = 0
 
 
+CUDA_IPC_HANDLE_BYTES = 64  # sizeof(cudaIpcMemHandle_t)
+
+
+@dataclass
+class CudaRegion:
+    """A GPU buffer of the engine's pool: `buffer` as the daemon opens it, `address` the device
+    address where it starts in the engine (to locate the caches that lie in it)."""
+    address: int
+    buffer: CudaBuffer
+
+
+def ipc_memory_handle(handle):
+    """The 64 raw bytes of cudaIpcMemHandle_t in what PyTorch's storage._share_cuda_() returns:
+    the raw handle, or (newer PyTorch) a type byte b"c" (cudaMalloc memory) before it. KvError
+    INVALID_ARGUMENT for an expandable segment's handle (type b"e": not a CUDA IPC handle; run
+    without PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True) or any other size."""
+    handle = bytes(handle)
+    if len(handle) == CUDA_IPC_HANDLE_BYTES:
+        return handle
+    if len(handle) == CUDA_IPC_HANDLE_BYTES + 1 and handle[:1] == b"c":
+        return handle[1:]
+    kind = ("an expandable segment's handle" if handle[:1] == b"e" else
+            "a %d-byte handle" % len(handle))
+    raise KvError(grpc.StatusCode.INVALID_ARGUMENT, "%s: the cuda block store opens CUDA IPC "
+                  "memory handles (%d bytes) of cudaMalloc allocations"
+                  % (kind, CUDA_IPC_HANDLE_BYTES))
+
+
+def cuda_region_of(tensor):
+    """The CudaRegion of a CUDA tensor's whole storage, from PyTorch's
+    tensor.untyped_storage()._share_cuda_() (device, handle, storage bytes, storage offset in
+    its allocation, ...). Needs no import of torch: only the tensor's own methods."""
+    storage = tensor.untyped_storage()
+    shared = storage._share_cuda_()
+    return CudaRegion(storage.data_ptr(), CudaBuffer(ipc_memory_handle(shared[1]),
+                                                     int(shared[2]), int(shared[3])))
+
+
 @dataclass
 class TensorLayout:
     """Where block b of one pool tensor lives: buffers[buffer] + offset + b * block_stride,
@@ -209,6 +247,11 @@ class BlockStore:
         self._client = client
         self._stub = block_store_pb2_grpc.KvBlockStoreStub(client._channel)
 
+    @property
+    def backend(self):
+        """The daemon's backend ("host" or "cuda"), as announced at attach."""
+        return self._client.backend
+
     def _t(self, timeout):
         return self._client._timeout(timeout)
 
@@ -309,6 +352,7 @@ def page_key(key):
     return hashlib.sha256(raw).digest() if len(raw) > 64 else raw
 
 
-__all__ = ["BlockMatch", "BlockOutcome", "BlockStore", "CudaBuffer", "HostPool", "KvGroup",
+__all__ = ["BlockMatch", "BlockOutcome", "BlockStore", "CudaBuffer", "CudaRegion", "HostPool",
+           "KvGroup", "cuda_region_of", "ipc_memory_handle",
            "PoolLayout", "Registration", "TensorLayout", "Transfer", "element_type_of",
            "page_key"]

@@ -25,13 +25,18 @@ How it uses the block store:
     between lookup and load is a load error the worker reports through
     get_block_ids_with_load_errors, and vLLM recomputes it (its KV-load-failure recovery).
   * Loads run in start_load_kv and are complete when it returns (host backend: the daemon's
-    reply comes after the copies), so wait_for_layer_load has nothing to wait for; saves of
-    newly computed full blocks run in wait_for_save, after the forward pass wrote them.
+    reply comes after the copies; cuda: the engine's stream waits on the reply's completion
+    event), so wait_for_layer_load has nothing to wait for; saves of newly computed full blocks
+    run in wait_for_save, after the forward pass wrote them.
   * Memory: caches that lie in memra HostPools are registered themselves (the daemon maps their
-    memfds; blocks copy straight in and out). Any others (vLLM's own GPU or CPU tensors) go
-    through a registered staging HostPool, copied with torch (device <-> host): a daemon on the
-    host backend is then the GPU's CPU-memory tier. Registering CUDA tensors themselves (CUDA
-    IPC handles, for a daemon on the cuda backend) is not implemented yet.
+    memfds; blocks copy straight in and out). With a daemon on the cuda backend, caches that
+    are CUDA tensors are registered themselves too: each distinct storage's CUDA IPC handle
+    (torch's untyped_storage()._share_cuda_()), opened once by the daemon, which copies blocks
+    on its own stream after waiting on the worker's interprocess event (recorded on the current
+    stream before each call) and answers a completion event the worker's stream waits on. Any
+    others (vLLM's GPU tensors with a host daemon, or CPU tensors) go through a registered
+    staging HostPool, copied with torch (device <-> host): a daemon on the host backend is then
+    the GPU's CPU-memory tier.
 """
 
 import dataclasses
@@ -43,8 +48,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import grpc
 import numpy as np
 
-from .block_store import (ELEMENT_BYTES, BlockStore, HostPool, PoolLayout, TensorLayout,
-                          element_type_of, page_key)
+from .block_store import (ELEMENT_BYTES, BlockStore, CudaRegion, HostPool, PoolLayout,
+                          TensorLayout, cuda_region_of, element_type_of, page_key)
 from .errors import KvError
 
 VLLM_VERSION = "0.15.0"  # the KVConnectorBase_V1 method set this module implements
@@ -110,9 +115,10 @@ def layer_index(name, position):
     return int(match.group(1)) if match else position
 
 
-def pool_layout(caches: Sequence[KvCacheTensor], pools: Sequence[HostPool], model,
+def pool_layout(caches: Sequence[KvCacheTensor], pools: Sequence, model,
                 tp_rank=0, tp_size=1, staging_blocks=0):
-    """The block store layout of vLLM's per-layer caches lying in `pools` (HostPools); with
+    """The block store layout of vLLM's per-layer caches lying in `pools` (HostPools, or
+    CudaRegions: each buffer i is pools[i]); with
     staging_blocks instead, of a staging pool of that many blocks holding the caches' K and V
     planes one after the other (the caches themselves lie anywhere). KvError INVALID_ARGUMENT
     naming the layer and the numbers for a cache of another shape, a block whose tokens are
@@ -156,14 +162,59 @@ def pool_layout(caches: Sequence[KvCacheTensor], pools: Sequence[HostPool], mode
                       tp_rank=tp_rank, tp_size=tp_size)
 
 
+def _bounds(pool):
+    """(address, bytes) of a HostPool or a CudaRegion."""
+    if isinstance(pool, CudaRegion):
+        return pool.address, pool.buffer.nbytes
+    return pool.array.ctypes.data, pool.nbytes
+
+
 def _locate(cache, pools):
     for index, pool in enumerate(pools):
-        base = pool.array.ctypes.data
-        if base <= cache.address < base + pool.nbytes:
+        base, nbytes = _bounds(pool)
+        if base <= cache.address < base + nbytes:
             return index, cache.address - base
     raise KvError(grpc.StatusCode.FAILED_PRECONDITION, "KV cache %s at 0x%x is not in a memra "
-                  "host pool: the daemon can map only memory it was handed (memra_kv.block_store"
-                  ".HostPool)" % (cache.name, cache.address))
+                  "host pool or a registered CUDA region: the daemon can map only memory it was "
+                  "handed (memra_kv.block_store.HostPool, CudaRegion)"
+                  % (cache.name, cache.address))
+
+
+def cuda_regions(tensors):
+    """One CudaRegion per distinct storage of `tensors` (CUDA torch tensors), in first-seen
+    order: layers that share an allocation's storage share one buffer."""
+    regions = {}
+    for tensor in tensors:
+        region = cuda_region_of(tensor)
+        regions.setdefault(region.address, region)
+    return list(regions.values())
+
+
+class _CudaOrdering:
+    """The worker's side of the daemon's device ordering (cuda backend): an interprocess event
+    recorded on the current stream before each call (the daemon waits on it before touching the
+    pool) and the reply's completion event, opened once, that the current stream waits on
+    before anything uses the blocks. torch is imported here only (a CUDA pool means torch)."""
+
+    def __init__(self, device):
+        import torch
+        self._torch = torch
+        self._device = device
+        self._before = torch.cuda.Event(interprocess=True)
+        self._completions = {}
+
+    def before(self):
+        self._before.record(self._torch.cuda.current_stream(self._device))
+        return bytes(self._before.ipc_handle())
+
+    def after(self, completion_event):
+        if not completion_event:
+            return
+        event = self._completions.get(completion_event)
+        if event is None:
+            event = self._torch.cuda.Event.from_ipc_handle(self._device, completion_event)
+            self._completions[completion_event] = event
+        self._torch.cuda.current_stream(self._device).wait_event(event)
 
 
 def lookup_layout(layout):
@@ -348,6 +399,7 @@ class MemraWorker:
         self._store = store
         self._staging_blocks = staging_blocks
         self._staging = None
+        self._cuda = None  # _CudaOrdering when the pool is registered by CUDA IPC handle
         self.registration = None
         self._load_errors = set()
         self.saved_blocks = 0
@@ -356,12 +408,20 @@ class MemraWorker:
     def register_kv_caches(self, kv_caches, pools: Sequence[HostPool], model, tp_rank=0,
                            tp_size=1):
         """`kv_caches`: layer name -> (2, num_blocks, block_size, heads, head_dim) numpy array
-        or torch tensor, as vLLM passes them; `pools`: the HostPools they lie in, or none to
-        stage them."""
+        or torch tensor, as vLLM passes them; `pools`: the HostPools they lie in, or none: CUDA
+        tensors with a daemon on the cuda backend register by IPC handle, others are staged."""
         caches = [KvCacheTensor.of(name, tensor) for name, tensor in kv_caches.items()]
         if pools:
             layout = pool_layout(caches, pools, model, tp_rank, tp_size)
             self.registration = self._store.register(pools, layout)
+            return self.registration
+        tensors = list(kv_caches.values())
+        if (self._store.backend == "cuda" and tensors
+                and all(getattr(t, "is_cuda", False) for t in tensors)):
+            regions = cuda_regions(tensors)
+            layout = pool_layout(caches, regions, model, tp_rank, tp_size)
+            self.registration = self._store.register([r.buffer for r in regions], layout)
+            self._cuda = _CudaOrdering(tensors[0].device)
             return self.registration
         layout = pool_layout(caches, (), model, tp_rank, tp_size, self._staging_blocks)
         block_bytes = layout.block_bytes
@@ -375,11 +435,16 @@ class MemraWorker:
     def _transfer(self, loading, block_ids, hashes, parent_hash=b"", token_ids=()):
         """One outcome (True: done) per block; staged in chunks of the staging pool's size."""
         if self._staging is None:
+            wait_event = self._cuda.before() if self._cuda else b""
             if loading:
-                transfer = self._store.load(self.registration, block_ids, hashes=hashes)
+                transfer = self._store.load(self.registration, block_ids, hashes=hashes,
+                                            wait_event=wait_event)
             else:
                 transfer = self._store.store(self.registration, block_ids, hashes=hashes,
-                                             parent_hash=parent_hash, event_token_ids=token_ids)
+                                             parent_hash=parent_hash, event_token_ids=token_ids,
+                                             wait_event=wait_event)
+            if self._cuda:
+                self._cuda.after(transfer.completion_event)
             return [block.ok for block in transfer.blocks]
         slots = self._staging.slots
         tokens_per_block = len(token_ids) // len(hashes) if token_ids else 0

@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 
 from memra_kv import KvError
-from memra_kv.block_store import BlockStore, HostPool, element_type_of, page_key
+from memra_kv.block_store import (BlockStore, CudaBuffer, CudaRegion, HostPool, PoolLayout,
+                                  TensorLayout, element_type_of, ipc_memory_handle, page_key)
 from memra_kv.sglang import MemraHiCache, host_pool_layout
-from memra_kv.vllm import KvCacheTensor, pool_layout
+from memra_kv.vllm import KvCacheTensor, cuda_regions, pool_layout
 
 
 def refused(code, call, *args, **kwargs):
@@ -88,6 +89,68 @@ def test_vllm_caches_must_be_paged_contiguous_and_in_a_pool():
     assert message.startswith("KV cache l0 at 0x%x is not in a memra host pool"
                               % outside.ctypes.data)
     pool.close()
+
+
+class _FakeStorage:
+    """What cuda_region_of reads of a CUDA tensor's storage (PyTorch's _share_cuda_ tuple)."""
+
+    def __init__(self, address, handle, nbytes, offset):
+        self._address, self._shared = address, (0, handle, nbytes, offset, b"", 0, b"", False)
+
+    def data_ptr(self):
+        return self._address
+
+    def _share_cuda_(self):
+        return self._shared
+
+
+class _FakeCudaTensor:
+    def __init__(self, storage):
+        self._storage = storage
+
+    def untyped_storage(self):
+        return self._storage
+
+
+def test_cuda_pools_register_each_storage_by_its_ipc_handle():
+    raw = bytes(range(64))
+    assert ipc_memory_handle(raw) == raw and ipc_memory_handle(b"c" + raw) == raw
+    assert refused(grpc.StatusCode.INVALID_ARGUMENT, ipc_memory_handle, b"e" + raw).startswith(
+        "an expandable segment's handle: the cuda block store opens CUDA IPC memory handles "
+        "(64 bytes)")
+    assert refused(grpc.StatusCode.INVALID_ARGUMENT, ipc_memory_handle, raw[:10]).startswith(
+        "a 10-byte handle")
+    # Two layers in one storage, a third in its own: two buffers, each at its allocation offset.
+    shared = _FakeStorage(0x7f0000000000, b"c" + raw, 8192, 4096)
+    alone = _FakeStorage(0x7f0000100000, raw[::-1], 4096, 0)
+    regions = cuda_regions([_FakeCudaTensor(shared), _FakeCudaTensor(alone),
+                            _FakeCudaTensor(shared)])
+    assert regions == [CudaRegion(0x7f0000000000, CudaBuffer(raw, 8192, 4096)),
+                       CudaRegion(0x7f0000100000, CudaBuffer(raw[::-1], 4096, 0))]
+    shape, strides = (2, 4, 16, 2, 8), (2048, 512, 32, 16, 2)
+    caches = [KvCacheTensor("model.layers.0.attn", 0x7f0000000000, shape, strides, 2, "float16"),
+              KvCacheTensor("model.layers.1.attn", 0x7f0000100000, shape, strides, 2, "float16")]
+    layout = pool_layout(caches, regions, "m")
+    assert [(t.layer, t.kind, t.buffer, t.offset) for t in layout.tensors] == [
+        (0, "K", 0, 0), (0, "V", 0, 2048), (1, "K", 1, 0), (1, "V", 1, 2048)]
+    outside = KvCacheTensor("l9", 0x7f0000200000, shape, strides, 2, "float16")
+    assert "not in a memra host pool or a registered CUDA region" in refused(
+        grpc.StatusCode.FAILED_PRECONDITION, pool_layout, [outside], regions, "m")
+
+
+def test_a_host_daemon_refuses_cuda_ipc_buffers(kvd):
+    daemon = kvd("--prefix_cache_budget_bytes=4194304")
+    with daemon.client() as client:
+        client.attach("py-cuda-pool")
+        store = BlockStore(client)
+        assert store.backend == "host"
+        layout = PoolLayout(num_blocks=4, tokens_per_block=16, element_type="fp16",
+                            num_kv_heads=2, head_dim=8, model="m", order="NHD",
+                            tensors=[TensorLayout(0, "K", 0, 512, 512),
+                                     TensorLayout(0, "V", 2048, 512, 512)])
+        message = refused(grpc.StatusCode.FAILED_PRECONDITION, store.register,
+                          [CudaBuffer(bytes(64), 4096)], layout)
+        assert "host backend: cannot map 1 engine buffers from CUDA IPC handles" in message
 
 
 def test_sglang_host_pools_are_whole_pages_in_a_pool():

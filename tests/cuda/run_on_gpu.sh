@@ -6,7 +6,7 @@
 #   tests/cuda/run_on_gpu.sh            # from anywhere in the repository; root on a fresh machine
 #
 # The tests (tests/cuda/README.md): the cuda backend (create/export/copy/free, engine event
-# handles), the client mapper (a cross-process IPC mapping), //tests/cuda:cuda_e2e_test (the host
+# handles, an engine pool mapped from its CUDA IPC handle for the block store), the client mapper (a cross-process IPC mapping), //tests/cuda:cuda_e2e_test (the host
 # end-to-end scenario against memra-kvd --backend=cuda with engine processes writing through
 # CUDA copies ordered by interprocess events) and //tests/cuda:cuda_bandwidth_test, the benchmark,
 # whose copy bandwidths (each against the bare CUDA runtime in the same run) and mirror-store

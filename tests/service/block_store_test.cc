@@ -265,6 +265,17 @@ TEST_F(BlockStoreTest, BadOffersRegistrationsAndCallsAreRefusedWithTheirNumbersC
   EXPECT_THAT(a->RegisterPool(kShape.Spec(), {&too_long, 1}),
               StatusIs(absl::StatusCode::kFailedPrecondition,
                        HasSubstrs("at offset 4096", absl::StrCat("holds ", kShape.pool_bytes()))));
+  // CUDA IPC handles: the host backend opens none; mixed with handoff buffers in one
+  // registration they are refused before that.
+  const PoolBufferRef ipc{.bytes = kShape.pool_bytes(), .cuda_ipc_handle = std::string(64, 'h')};
+  EXPECT_THAT(a->RegisterPool(kShape.Spec(), {&ipc, 1}),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstrs("host backend: cannot map 1 engine buffers from CUDA IPC")));
+  BlockPoolSpec two_buffers = kShape.Spec();
+  const PoolBufferRef mixed[] = {ref, ipc};
+  EXPECT_THAT(a->RegisterPool(two_buffers, mixed),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstrs("buffer 0 is a handoff buffer but buffer 1 is not")));
   EXPECT_EQ(daemon_->block_store().counts().registrations, 0u);
   // The refusals used nothing up: the offer still registers.
   absl::StatusOr<RegisteredPool> registered = a->RegisterPool(kShape.Spec(), {&ref, 1});
