@@ -37,7 +37,7 @@ absl::StatusOr<std::unique_ptr<HandoffChannel>> HandoffChannel::Connect(const st
   }
   std::unique_ptr<HandoffChannel> channel(new HandoffChannel(std::move(socket), path, deadline));
   absl::MutexLock lock(&channel->mu_);
-  ScopedFd unexpected;
+  std::vector<ScopedFd> unexpected;
   ASSIGN_OR_RETURN(handoff::Frame frame, channel->ReadFrame(&unexpected));
   if (frame.kind == handoff::Kind::kRefusal) return handoff::DecodeRefusal(frame.body);
   if (frame.kind != handoff::Kind::kTicket) {
@@ -49,30 +49,55 @@ absl::StatusOr<std::unique_ptr<HandoffChannel>> HandoffChannel::Connect(const st
   return channel;
 }
 
-absl::StatusOr<ArenaFd> HandoffChannel::FetchArena(const handoff::ArenaRequest& request) {
-  ASSIGN_OR_RETURN(std::string frame, handoff::EncodeArenaRequest(request));
-  absl::MutexLock lock(&mu_);
+absl::StatusOr<handoff::Frame> HandoffChannel::Exchange(absl::string_view frame,
+                                                       handoff::Kind expected,
+                                                       std::vector<ScopedFd>* received) {
   if (absl::Status sent = handoff::SendFrame(socket_.get(), frame); !sent.ok()) {
     return absl::UnavailableError(absl::StrCat("handoff socket ", path_,
                                                ": the daemon closed the connection (",
                                                sent.message(), ")"));
   }
-  ScopedFd fd;
-  ASSIGN_OR_RETURN(handoff::Frame answer, ReadFrame(&fd));
+  ASSIGN_OR_RETURN(handoff::Frame answer, ReadFrame(received));
   if (answer.kind == handoff::Kind::kRefusal) return handoff::DecodeRefusal(answer.body);
-  if (answer.kind != handoff::Kind::kArena) {
+  if (answer.kind != expected) {
     return absl::InternalError(absl::StrCat("handoff socket ", path_, ": an answer of kind ",
-                                            static_cast<int>(answer.kind)));
+                                            static_cast<int>(answer.kind), ", expected ",
+                                            static_cast<int>(expected)));
   }
-  ASSIGN_OR_RETURN(const uint64_t bytes, handoff::DecodeArena(answer.body));
-  if (fd.get() < 0) {
-    return absl::DataLossError(absl::StrCat("handoff socket ", path_, ": the arena answer for \"",
-                                            request.handle, "\" came without a descriptor"));
-  }
-  return ArenaFd{.fd = std::move(fd), .bytes = bytes};
+  return answer;
 }
 
-absl::StatusOr<handoff::Frame> HandoffChannel::ReadFrame(ScopedFd* received) {
+absl::StatusOr<ArenaFd> HandoffChannel::FetchArena(const handoff::ArenaRequest& request) {
+  ASSIGN_OR_RETURN(std::string frame, handoff::EncodeArenaRequest(request));
+  absl::MutexLock lock(&mu_);
+  std::vector<ScopedFd> fds;
+  ASSIGN_OR_RETURN(handoff::Frame answer, Exchange(frame, handoff::Kind::kArena, &fds));
+  ASSIGN_OR_RETURN(const uint64_t bytes, handoff::DecodeArena(answer.body));
+  if (fds.size() != 1) {
+    return absl::DataLossError(absl::StrCat("handoff socket ", path_, ": the arena answer for \"",
+                                            request.handle, "\" came with ", fds.size(),
+                                            " descriptors, not 1"));
+  }
+  return ArenaFd{.fd = std::move(fds[0]), .bytes = bytes};
+}
+
+absl::StatusOr<handoff::StepChannelFds> HandoffChannel::OpenStepChannel() {
+  absl::MutexLock lock(&mu_);
+  std::vector<ScopedFd> fds;
+  ASSIGN_OR_RETURN(
+      handoff::Frame answer,
+      Exchange(handoff::EncodeStepChannelRequest(), handoff::Kind::kStepChannel, &fds));
+  ASSIGN_OR_RETURN(const uint64_t bytes, handoff::DecodeStepChannel(answer.body));
+  if (fds.size() != 2) {
+    return absl::DataLossError(absl::StrCat("handoff socket ", path_,
+                                            ": the step channel answer came with ", fds.size(),
+                                            " descriptors, not 2"));
+  }
+  return handoff::StepChannelFds{.region = ArenaFd{.fd = std::move(fds[0]), .bytes = bytes},
+                        .wake = std::move(fds[1])};
+}
+
+absl::StatusOr<handoff::Frame> HandoffChannel::ReadFrame(std::vector<ScopedFd>* received) {
   const absl::Time give_up = absl::Now() + deadline_;
   while (true) {
     ASSIGN_OR_RETURN(std::optional<handoff::Frame> frame, handoff::TakeFrame(input_));

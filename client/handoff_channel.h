@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
@@ -36,12 +37,24 @@ class HandoffChannel {
   absl::StatusOr<ArenaFd> FetchArena(const handoff::ArenaRequest& request)
       ABSL_LOCKS_EXCLUDED(mu_);
 
+  // The engine's step channel (docs/step-channel.md): the region's memfd and its bytes, and the
+  // eventfd that wakes the daemon. The daemon's refusal as it sent it; UNAVAILABLE as
+  // FetchArena's; DATA_LOSS when the answer came without both descriptors. Only after Attach
+  // offered the channel (Attached.step_channel): an older daemon closes the connection.
+  absl::StatusOr<handoff::StepChannelFds> OpenStepChannel() ABSL_LOCKS_EXCLUDED(mu_);
+
  private:
   HandoffChannel(ScopedFd socket, std::string path, absl::Duration deadline)
       : socket_(std::move(socket)), path_(std::move(path)), deadline_(deadline) {}
 
-  // The next frame (and the descriptor that came with it, if any), waiting up to deadline_.
-  absl::StatusOr<handoff::Frame> ReadFrame(ScopedFd* received) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The next frame (and the descriptors that came with it, if any), waiting up to deadline_.
+  absl::StatusOr<handoff::Frame> ReadFrame(std::vector<ScopedFd>* received)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Sends `frame` and reads the answer: a refusal becomes its status, another kind than
+  // `expected` INTERNAL.
+  absl::StatusOr<handoff::Frame> Exchange(absl::string_view frame, handoff::Kind expected,
+                                          std::vector<ScopedFd>* received)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const ScopedFd socket_;
   const std::string path_;

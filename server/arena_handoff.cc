@@ -51,8 +51,11 @@ int64_t Milliseconds(std::chrono::steady_clock::duration d) {
 
 }  // namespace
 
-ArenaHandoff::ArenaHandoff(Options options, ArenaLookup lookup)
-    : options_(std::move(options)), lookup_(std::move(lookup)) {}
+ArenaHandoff::ArenaHandoff(Options options, ArenaLookup lookup,
+                           StepChannelOpener open_step_channel)
+    : options_(std::move(options)),
+      lookup_(std::move(lookup)),
+      open_step_channel_(std::move(open_step_channel)) {}
 
 ArenaHandoff::~ArenaHandoff() { Stop(); }
 
@@ -352,11 +355,15 @@ bool ArenaHandoff::ReadFrom(uint64_t id, Connection& connection,
     connection.input.append(chunk, static_cast<size_t>(n));
     while (true) {
       absl::StatusOr<std::optional<handoff::Frame>> frame = handoff::TakeFrame(connection.input);
-      if (!frame.ok() || (frame->has_value() && (*frame)->kind != handoff::Kind::kArenaRequest)) {
+      const auto engine_kind = [](handoff::Kind kind) {
+        return kind == handoff::Kind::kArenaRequest || kind == handoff::Kind::kStepChannelRequest;
+      };
+      if (!frame.ok() || (frame->has_value() && !engine_kind((*frame)->kind))) {
         // Unparseable, or a kind only the daemon sends: refused, then closed.
         absl::Status refusal =
             frame.ok() ? absl::InvalidArgumentError(absl::StrCat(
-                             "handoff: an engine sends only arena requests (kind 2), got kind ",
+                             "handoff: an engine sends only arena requests (kind 2) and step "
+                             "channel requests (kind 5), got kind ",
                              static_cast<int>((*frame)->kind)))
                        : frame.status();
         pending.push_back({.connection = id,
@@ -368,10 +375,27 @@ bool ArenaHandoff::ReadFrom(uint64_t id, Connection& connection,
       }
       if (!frame->has_value()) break;
       deadline_restarts = true;  // whatever is left is the start of the next request
-      pending.push_back({.connection = id,
-                         .socket = connection.socket.get(),
-                         .engine_id = connection.engine_id,
-                         .request = handoff::DecodeArenaRequest((*frame)->body)});
+      PendingRequest request{.connection = id,
+                             .socket = connection.socket.get(),
+                             .engine_id = connection.engine_id,
+                             .request = absl::UnknownError("not decoded")};
+      if ((*frame)->kind == handoff::Kind::kArenaRequest) {
+        absl::StatusOr<handoff::ArenaRequest> arena = handoff::DecodeArenaRequest((*frame)->body);
+        if (arena.ok()) {
+          request.request = *std::move(arena);
+        } else {
+          request.request = arena.status();
+        }
+      } else {
+        absl::StatusOr<handoff::StepChannelRequest> channel =
+            handoff::DecodeStepChannelRequest((*frame)->body);
+        if (channel.ok()) {
+          request.request = *channel;
+        } else {
+          request.request = channel.status();
+        }
+      }
+      pending.push_back(std::move(request));
       if (!pending.back().request.ok()) {
         connection.input.clear();
         return true;
@@ -389,16 +413,37 @@ bool ArenaHandoff::Answer(const PendingRequest& pending) {
     (void)handoff::SendFrame(pending.socket, handoff::EncodeRefusal(pending.request.status()));
     return false;
   }
+  if (pending.engine_id == 0) {
+    return handoff::SendFrame(pending.socket,
+                              handoff::EncodeRefusal(absl::FailedPreconditionError(
+                                  "this handoff connection has no engine yet: Attach with its "
+                                  "ticket first")))
+        .ok();
+  }
+  if (std::holds_alternative<handoff::StepChannelRequest>(*pending.request)) {
+    return AnswerStepChannel(pending.socket, pending.engine_id);
+  }
   absl::StatusOr<ArenaFd> arena =
-      pending.engine_id == 0
-          ? absl::FailedPreconditionError(
-                "this handoff connection has no engine yet: Attach with its ticket first")
-          : lookup_(pending.engine_id, *pending.request);
+      lookup_(pending.engine_id, std::get<handoff::ArenaRequest>(*pending.request));
   if (!arena.ok()) {
     return handoff::SendFrame(pending.socket, handoff::EncodeRefusal(arena.status())).ok();
   }
   arenas_handed_.fetch_add(1, std::memory_order_relaxed);
-  return handoff::SendFrame(pending.socket, handoff::EncodeArena(arena->bytes), arena->fd.get())
+  return handoff::SendFrame(pending.socket, handoff::EncodeArena(arena->bytes), {arena->fd.get()})
+      .ok();
+}
+
+bool ArenaHandoff::AnswerStepChannel(int socket, uint64_t engine_id) {
+  absl::StatusOr<handoff::StepChannelFds> channel =
+      open_step_channel_ == nullptr
+          ? absl::FailedPreconditionError(
+                "this daemon offers no step channel (step_channel = false): use Step over gRPC")
+          : open_step_channel_(engine_id);
+  if (!channel.ok()) {
+    return handoff::SendFrame(socket, handoff::EncodeRefusal(channel.status())).ok();
+  }
+  return handoff::SendFrame(socket, handoff::EncodeStepChannel(channel->region.bytes),
+                            {channel->region.fd.get(), channel->wake.get()})
       .ok();
 }
 

@@ -7,7 +7,8 @@
 // stays open. Attach carries the ticket (ClaimTicket: single use), which binds those peer
 // credentials, and this connection, to the engine's lease (BindEngine). Over the connection the
 // engine then trades {session id, session token, arena handle} for a descriptor of the arena's
-// memfd (SCM_RIGHTS); the daemon's `ArenaLookup` hands one only for a session of the engine the
+// memfd (SCM_RIGHTS), and may ask for its step channel (docs/step-channel.md: a region and an
+// eventfd, from `StepChannelOpener`); the daemon's `ArenaLookup` hands one only for a session of the engine the
 // connection is bound to, after checking the session token. Every other request is a refusal
 // record on the channel, and the connection stays open.
 //
@@ -29,6 +30,7 @@
 #include <functional>
 #include <string>
 #include <thread>
+#include <variant>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -56,6 +58,10 @@ class ArenaHandoff {
   // to the engine as a refusal record).
   using ArenaLookup = std::function<absl::StatusOr<ArenaFd>(
       uint64_t engine_id, const handoff::ArenaRequest& request)>;
+  // Opens engine `engine_id`'s step channel (server/step_channel.h), or the refusal. Null: the
+  // daemon offers none (step_channel = false), and a request is FAILED_PRECONDITION.
+  using StepChannelOpener =
+      std::function<absl::StatusOr<handoff::StepChannelFds>(uint64_t engine_id)>;
 
   struct Options {
     std::string path;
@@ -70,7 +76,7 @@ class ArenaHandoff {
     absl::Duration claim_deadline = absl::Seconds(60);
   };
 
-  ArenaHandoff(Options options, ArenaLookup lookup);
+  ArenaHandoff(Options options, ArenaLookup lookup, StepChannelOpener open_step_channel = nullptr);
   ~ArenaHandoff();  // Stop()
   ArenaHandoff(const ArenaHandoff&) = delete;
   ArenaHandoff& operator=(const ArenaHandoff&) = delete;
@@ -93,6 +99,8 @@ class ArenaHandoff {
   void ForgetEngine(uint64_t engine_id) ABSL_LOCKS_EXCLUDED(mu_);
 
   const std::string& path() const { return options_.path; }
+  // Whether an engine may ask for a step channel (Attached.step_channel).
+  bool offers_step_channel() const { return open_step_channel_ != nullptr; }
   size_t connection_count() const ABSL_LOCKS_EXCLUDED(mu_);
   // Arena requests granted since start, counted as their descriptor is sent (metrics, tests).
   uint64_t arenas_handed() const { return arenas_handed_.load(std::memory_order_relaxed); }
@@ -116,7 +124,7 @@ class ArenaHandoff {
     uint64_t connection = 0;
     int socket = -1;  // stays open: only the serving thread closes
     uint64_t engine_id = 0;
-    absl::StatusOr<handoff::ArenaRequest> request;
+    absl::StatusOr<std::variant<handoff::ArenaRequest, handoff::StepChannelRequest>> request;
   };
 
   void Serve() ABSL_LOCKS_EXCLUDED(mu_);
@@ -126,11 +134,14 @@ class ArenaHandoff {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The answer to one request; false when it could not be sent (close the connection).
   bool Answer(const PendingRequest& pending);
+  // The answer to a step channel request of a connection bound to `engine_id`.
+  bool AnswerStepChannel(int socket, uint64_t engine_id);
   void Wake();
   void Close(uint64_t id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const Options options_;
   const ArenaLookup lookup_;
+  const StepChannelOpener open_step_channel_;
   std::atomic<uint64_t> arenas_handed_{0};
 
   ScopedFd listener_;  // set by Start(), closed by Stop()
