@@ -914,6 +914,11 @@ absl::StatusOr<ArenaFd> ClientInternals::FetchArenaFd(KvClient& client, uint64_t
   return client.FetchArenaFd(session_id, session_token, handle);
 }
 
+std::shared_ptr<StepChannelClient> ClientInternals::StepChannel(KvClient& client) {
+  absl::MutexLock lock(&client.mu_);
+  return client.step_channel_;
+}
+
 // ---- StepBatch ----
 
 StepBatch::StepBatch(StepAddressing addressing) : wire_(std::make_unique<Wire>()) {

@@ -86,6 +86,11 @@ bool StepChannelClient::Carries(const pb::StepRequest& request) {
   return true;
 }
 
+void StepChannelClient::RingDoorbell() const {
+  const uint64_t one = 1;
+  (void)!write(wake_.get(), &one, sizeof(one));
+}
+
 bool StepChannelClient::broken() const {
   absl::MutexLock lock(&mu_);
   return broken_;
@@ -265,10 +270,7 @@ absl::Status StepChannelClient::Run(const pb::StepRequest& request, pb::StepResp
         ++submitted;
       }
       header_->sq_tail.store(sq_tail_, std::memory_order_seq_cst);
-      if (header_->daemon_sleeping.load(std::memory_order_seq_cst) != 0) {
-        const uint64_t one = 1;
-        (void)!write(wake_.get(), &one, sizeof(one));
-      }
+      if (header_->daemon_sleeping.load(std::memory_order_seq_cst) != 0) RingDoorbell();
     }
     absl::StatusOr<uint32_t> tail = AwaitCompletions(give_up);
     if (!tail.ok()) {

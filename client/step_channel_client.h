@@ -46,9 +46,12 @@ class StepChannelClient {
 
   bool broken() const ABSL_LOCKS_EXCLUDED(mu_);
 
-  // The region's header (tests write into the rings through it).
+  // For bad-input tests that write the rings themselves (the channel is theirs afterwards: Run
+  // no longer knows the counters): the region, its header, and the daemon's doorbell (a write
+  // of its eventfd, which Run makes only while the daemon sleeps).
   step_channel::StepChannelHeader& header() const { return *header_; }
   uint8_t* region() const { return region_.data(); }
+  void RingDoorbell() const;
 
  private:
   StepChannelClient(MappedRegion region, ScopedFd wake);
