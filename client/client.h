@@ -64,6 +64,19 @@
 //     RETURN_IF_ERROR(client->Step(batch, outcomes));
 //   }
 //
+// The step channel (docs/step-channel.md): when the daemon offers one (config step_channel,
+// default on), Attach also maps a shared-memory ring pair handed to this engine alone, and Step
+// carries a slot-addressed batch through it as fixed-size records instead of a Step RPC: no
+// serialization, no socket round trip, a futex wake only when a side sleeps. Which path a batch
+// takes (KvClient::Step decides; StepBatch::ChannelEligible says):
+//   * the channel: StepAddressing::kSlot, no wait event, sessions of at most 128 K/V layers,
+//     at most 256 token ids per entry. The decode loop above, on the host backend.
+//   * gRPC: everything else (id + token addressing, a batch carrying a cuda wait event, huge
+//     models), ClientOptions::force_grpc_step, or a daemon without the channel.
+// Both paths reach the same dispatcher in the daemon: the same outcomes, codes and messages. A
+// channel failure (the daemon closed it, e.g. at a reclaim, or answered nothing within the
+// deadline) is that Step's UNAVAILABLE; the client then steps over gRPC.
+//
 // Arena pool: ReleaseSession keeps the session's arena in this engine's pool in the daemon
 // (arena_pool_engine_bytes), and this client keeps it mapped; the next CreateSession of the same
 // size gets it back under the same handle, so a request-per-session engine opens no new
