@@ -237,10 +237,7 @@ void StepChannels::Serve() {
     }
     bool pending = false;
     for (const std::shared_ptr<Channel>& channel : serving) {
-      if (!channel->closed.load(std::memory_order_relaxed) &&
-          channel->header->sq_tail.load(std::memory_order_seq_cst) != channel->sq_head) {
-        pending = true;
-      }
+      if (!channel->closed.load(std::memory_order_relaxed) && Servable(*channel)) pending = true;
     }
     if (!pending && generation_.load(std::memory_order_acquire) == seen) {
       sleeps_.fetch_add(1, std::memory_order_relaxed);
@@ -252,6 +249,14 @@ void StepChannels::Serve() {
     }
     last_work = SteadyClock::now();
   }
+}
+
+bool StepChannels::Servable(const Channel& channel) {
+  const StepChannelHeader& header = *channel.header;
+  const uint32_t submitted = header.sq_tail.load(std::memory_order_seq_cst) - channel.sq_head;
+  const uint32_t unread = channel.cq_tail - header.cq_head.load(std::memory_order_seq_cst);
+  // Absurd counters count as work: the round that finds them closes the channel.
+  return submitted != 0 && (submitted > kSlots || unread != kSlots);
 }
 
 bool StepChannels::ServeRound(Channel& channel) {

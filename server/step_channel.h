@@ -91,6 +91,9 @@ class StepChannels {
   void Serve() ABSL_LOCKS_EXCLUDED(mu_);
   // One round of `channel`: true when it served a record.
   bool ServeRound(Channel& channel);
+  // Whether a round of `channel` would find work: records submitted and room for their
+  // completions (an engine that frees room while records wait rings the doorbell).
+  static bool Servable(const Channel& channel);
   // The result of the record copied into `record` (ring index `index`), into `completion`.
   void RunRecord(Channel& channel, const step_channel::SubmissionRecord& record, uint32_t index,
                  const absl::Status& engine_check, step_channel::CompletionRecord& completion);

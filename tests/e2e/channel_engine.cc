@@ -1,8 +1,9 @@
 // An engine process for the step channel's end-to-end test (tests/e2e/step_channel_e2e_test.cc)
 // that misuses its own channel (docs/step-channel.md) the ways a buggy or hostile engine could:
 //   --mode=inflight  attach, create --sessions sessions, begin a step on each, then fill the
-//                    submission ring with Advance records for its own slots and never read a
-//                    completion; touch --ready and hold until killed (records in flight)
+//                    submission ring with Advance records for its own slots twice over and never
+//                    read a completion; touch --ready and hold until killed (a full ring in
+//                    flight, waiting for completion room)
 //   --mode=fuzz      for --seconds, attach (again each time its channel is closed), create a
 //                    session and write random bytes into its rings and header counters,
 //                    ringing the daemon; touch --ready after the first burst; exit 0
@@ -82,26 +83,35 @@ absl::Status RunInflight() {
   std::vector<StepOutcome> outcomes;
   RETURN_IF_ERROR(client->Step(batch, outcomes));  // over the channel
   for (const StepOutcome& outcome : outcomes) RETURN_IF_ERROR(outcome.status);
-  // The whole ring: each session's next Advance, then the same again (refused: stale), and no
-  // completion is ever read, so the daemon stops when the completion ring is full.
+  // The whole ring twice: each session's next Advance, then the same again (refused: stale),
+  // and no completion is ever read. The daemon serves the first ring-full, filling the
+  // completion ring; the second waits for room that never comes (the daemon must sleep).
   std::shared_ptr<StepChannelClient> channel = ClientInternals::StepChannel(*client);
   const step_channel::Layout layout = step_channel::LayoutFor(kSlots);
   uint32_t tail = channel->header().sq_tail.load();
-  for (uint32_t i = 0; i < kSlots; ++i) {
-    const size_t which = i % sessions.size();
-    SubmissionRecord record;
-    record.op = static_cast<uint8_t>(step_channel::Op::kAdvance);
-    record.slot = sessions[which]->slot();
-    record.generation = outcomes[which].begun.generation;
-    record.rows = 1;
-    record.next_rows = 1;
-    std::memcpy(channel->region() + layout.submissions_offset +
-                    uint64_t{tail % kSlots} * sizeof(SubmissionRecord),
-                &record, sizeof(record));
-    ++tail;
+  for (int pass = 0; pass < 2; ++pass) {
+    for (uint32_t i = 0; i < kSlots; ++i) {
+      const size_t which = i % sessions.size();
+      SubmissionRecord record;
+      record.op = static_cast<uint8_t>(step_channel::Op::kAdvance);
+      record.slot = sessions[which]->slot();
+      record.generation = outcomes[which].begun.generation;
+      record.rows = 1;
+      record.next_rows = 1;
+      std::memcpy(channel->region() + layout.submissions_offset +
+                      uint64_t{tail % kSlots} * sizeof(SubmissionRecord),
+                  &record, sizeof(record));
+      ++tail;
+    }
+    channel->header().sq_tail.store(tail);
+    channel->RingDoorbell();
+    // The daemon took them all before the next pass reuses their ring slots.
+    const absl::Time give_up = absl::Now() + absl::Seconds(30);
+    while (pass == 0 && channel->header().sq_head.load() != tail) {
+      if (absl::Now() > give_up) return absl::DeadlineExceededError("the daemon took no records");
+      absl::SleepFor(absl::Milliseconds(1));
+    }
   }
-  channel->header().sq_tail.store(tail);
-  channel->RingDoorbell();
   RETURN_IF_ERROR(Touch(absl::GetFlag(FLAGS_ready)));
   while (true) absl::SleepFor(absl::Seconds(1));  // until killed
 }

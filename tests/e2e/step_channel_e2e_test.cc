@@ -10,14 +10,17 @@
 //     stepped over its channel and over gRPC meanwhile, exactly as expected.
 
 #include <signal.h>
+#include <unistd.h>
 
 #include <cstdint>
+#include <fstream>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "client/client.h"
 #include "client/internal.h"
 #include "gtest/gtest.h"
@@ -33,6 +36,19 @@ namespace {
 namespace pb = ::memra::kv::v1;
 
 constexpr uint64_t kCapacity = 256;
+
+// CPU time (user + system) the process has used, from /proc/<pid>/stat; -1 when unreadable.
+int64_t CpuMilliseconds(pid_t pid) {
+  std::ifstream stat(absl::StrCat("/proc/", pid, "/stat"));
+  std::string line;
+  if (!std::getline(stat, line)) return -1;
+  // Fields after the command (which may hold spaces) start after the last ')'.
+  const std::vector<std::string> fields =
+      absl::StrSplit(line.substr(line.rfind(')') + 2), ' ', absl::SkipEmpty());
+  if (fields.size() < 13) return -1;
+  const int64_t ticks = std::stoll(fields[11]) + std::stoll(fields[12]);  // utime, stime
+  return ticks * 1000 / sysconf(_SC_CLK_TCK);
+}
 
 std::vector<std::string> DaemonFlags() {
   return {"--budget_bytes=256MiB", "--lease_timeout_ms=2000", "--lease_grace_ms=200"};
@@ -250,6 +266,13 @@ TEST_F(StepChannelProcessTest, AnEngineKilledWithRecordsInFlightIsReclaimed) {
   const pb::GetStatusResponse during = Status();
   EXPECT_EQ(during.sessions(), 8u);
   EXPECT_GT(during.admission().allocated_bytes(), 0u);
+  // The engine reads no completion: the daemon filled the completion ring and sleeps (no busy
+  // core while records wait for room).
+  absl::SleepFor(absl::Milliseconds(200));
+  const int64_t cpu_before = CpuMilliseconds(daemon_.pid());
+  absl::SleepFor(absl::Seconds(1));
+  const int64_t cpu_used = CpuMilliseconds(daemon_.pid()) - cpu_before;
+  EXPECT_LT(cpu_used, 200) << "the daemon used " << cpu_used << " ms of CPU in 1 s while idle";
   ASSERT_EQ(kill(engine_, SIGKILL), 0);
   EXPECT_EQ(WaitExit(engine_), 128 + SIGKILL);
   engine_ = -1;
