@@ -201,6 +201,14 @@ struct Measured {
   uint64_t floor_request_bytes = 0, floor_response_bytes = 0;
 };
 
+// The bytes the host backend charges one bench session of `model`.
+absl::StatusOr<uint64_t> BenchSessionBytes(const ModelPlan& model) {
+  SessionShape request;
+  request.capacity = kCapacity;
+  return SessionArenaBytes(model, FormatDefaults(), request,
+                           {.granularity = static_cast<uint64_t>(getpagesize())});
+}
+
 }  // namespace
 
 absl::StatusOr<Json> RunHotPath(const BenchOptions& options) {
@@ -208,9 +216,7 @@ absl::StatusOr<Json> RunHotPath(const BenchOptions& options) {
   SessionShape request;
   request.capacity = kCapacity;
   ASSIGN_OR_RETURN(SessionPlan session_plan, PlanSession(model, FormatDefaults(), request));
-  ASSIGN_OR_RETURN(uint64_t session_bytes,
-                   SessionArenaBytes(model, FormatDefaults(), request,
-                                     {.granularity = static_cast<uint64_t>(getpagesize())}));
+  ASSIGN_OR_RETURN(uint64_t session_bytes, BenchSessionBytes(model));
 
   ASSIGN_OR_RETURN(std::unique_ptr<Kvd> kvd,
                    Kvd::Start(options, kMaxSessions * session_bytes + (64 << 20)));
@@ -352,11 +358,7 @@ absl::StatusOr<Json> RunHotPath(const BenchOptions& options) {
 
 absl::StatusOr<Json> RunStepChannel(const BenchOptions& options) {
   const ModelPlan model = test_plans::Llama3_8B();
-  SessionShape request;
-  request.capacity = kCapacity;
-  ASSIGN_OR_RETURN(uint64_t session_bytes,
-                   SessionArenaBytes(model, FormatDefaults(), request,
-                                     {.granularity = static_cast<uint64_t>(getpagesize())}));
+  ASSIGN_OR_RETURN(uint64_t session_bytes, BenchSessionBytes(model));
   ASSIGN_OR_RETURN(std::unique_ptr<Kvd> kvd,
                    Kvd::Start(options, 2 * kMaxSessions * session_bytes + (64 << 20)));
   // Two engines of one daemon: one steps over its channel, one over gRPC (forced).

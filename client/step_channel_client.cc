@@ -24,9 +24,12 @@ using step_channel::SubmissionRecord;
 
 namespace {
 
-// Polls of cq_tail before FUTEX_WAIT: a decode step's answer usually comes within a few
-// microseconds while the daemon spins, cheaper to catch than a futex round trip.
+// Polls of cq_tail before FUTEX_WAIT: a small step's answer usually comes within a few
+// microseconds while the daemon spins, cheaper to catch than a futex round trip. With more
+// records outstanding the answer takes longer than a wake-up, and a spinning client would take
+// CPU from the daemon on a machine with few cores: it sleeps at once.
 constexpr int kSpinPolls = 2000;
+constexpr uint32_t kMaxRecordsToSpinFor = 16;
 // One FUTEX_WAIT at most this long: the deadline and `closed` are re-checked between waits.
 constexpr absl::Duration kMaxFutexWait = absl::Milliseconds(100);
 
@@ -148,6 +151,7 @@ void StepChannelClient::Submit(const pb::StepEntry& entry, uint64_t index) {
 }
 
 absl::StatusOr<uint32_t> StepChannelClient::AwaitCompletions(absl::Time give_up) {
+  const int spin_polls = sq_tail_ - cq_head_ <= kMaxRecordsToSpinFor ? kSpinPolls : 0;
   for (int polls = 0;; ++polls) {
     const uint32_t tail = header_->cq_tail.load(std::memory_order_acquire);
     if (tail != cq_head_) return tail;
@@ -157,7 +161,7 @@ absl::StatusOr<uint32_t> StepChannelClient::AwaitCompletions(absl::Time give_up)
                        "); records in flight may or may not have run: check the sessions' "
                        "state"));
     }
-    if (polls < kSpinPolls) continue;
+    if (polls < spin_polls) continue;
     const absl::Duration left = give_up - absl::Now();
     if (left <= absl::ZeroDuration()) {
       return absl::UnavailableError(absl::StrCat(

@@ -58,7 +58,7 @@ TEST(ConfigTest, KeyListIsTheDocumentedOne) {
                           "prefix_remote_redis_password_file", "prefix_remote_redis_tls",
                           "prefix_remote_redis_connect_timeout_ms",
                           "prefix_remote_redis_timeout_ms", "prefix_disk_dir", "prefix_disk_bytes",
-                          "watchdog", "keep_kv_across_restarts",
+                          "watchdog", "keep_kv_across_restarts", "step_channel",
                           "max_plan_layers",
                           "max_engine_sessions", "max_engine_plans", "max_engine_budget_share",
                           "max_attached_engines", "arena_pool_engine_bytes", "max_arenas",
