@@ -2,6 +2,7 @@
 
 #include <unistd.h>
 
+#include <chrono>
 #include <cstring>
 #include <string>
 #include <utility>
@@ -24,11 +25,11 @@ using step_channel::SubmissionRecord;
 
 namespace {
 
-// Polls of cq_tail before FUTEX_WAIT: a small step's answer usually comes within a few
-// microseconds while the daemon spins, cheaper to catch than a futex round trip. With more
-// records outstanding the answer takes longer than a wake-up, and a spinning client would take
-// CPU from the daemon on a machine with few cores: it sleeps at once.
-constexpr int kSpinPolls = 2000;
+// How long cq_tail is polled before FUTEX_WAIT: a small step's answer usually comes within a
+// few microseconds while the daemon spins, cheaper to catch than a futex round trip (~10-20 us
+// here). With more records outstanding the answer takes longer than a wake-up, and a spinning
+// client would take CPU from the daemon on a machine with few cores: it sleeps at once.
+constexpr std::chrono::microseconds kSpin{50};
 constexpr uint32_t kMaxRecordsToSpinFor = 16;
 // One FUTEX_WAIT at most this long: the deadline and `closed` are re-checked between waits.
 constexpr absl::Duration kMaxFutexWait = absl::Milliseconds(100);
@@ -151,8 +152,11 @@ void StepChannelClient::Submit(const pb::StepEntry& entry, uint64_t index) {
 }
 
 absl::StatusOr<uint32_t> StepChannelClient::AwaitCompletions(absl::Time give_up) {
-  const int spin_polls = sq_tail_ - cq_head_ <= kMaxRecordsToSpinFor ? kSpinPolls : 0;
-  for (int polls = 0;; ++polls) {
+  const auto spin_until = std::chrono::steady_clock::now() +
+                          (sq_tail_ - cq_head_ <= kMaxRecordsToSpinFor
+                               ? kSpin
+                               : std::chrono::microseconds::zero());
+  while (true) {
     const uint32_t tail = header_->cq_tail.load(std::memory_order_acquire);
     if (tail != cq_head_) return tail;
     if (const uint32_t closed = header_->closed.load(std::memory_order_acquire); closed != 0) {
@@ -161,7 +165,7 @@ absl::StatusOr<uint32_t> StepChannelClient::AwaitCompletions(absl::Time give_up)
                        "); records in flight may or may not have run: check the sessions' "
                        "state"));
     }
-    if (polls < spin_polls) continue;
+    if (std::chrono::steady_clock::now() < spin_until) continue;
     const absl::Duration left = give_up - absl::Now();
     if (left <= absl::ZeroDuration()) {
       return absl::UnavailableError(absl::StrCat(

@@ -4,8 +4,8 @@
 // The engine's end of its step channel (docs/step-channel.md; layout common/step_channel.h):
 // runs a slot-addressed Step as records in the shared submission ring and reads the results
 // from the completion ring, waking the daemon through its eventfd only when it sleeps, and
-// waiting for completions with a short spin, then FUTEX_WAIT on cq_tail. KvClient::Step uses it
-// for batches it can carry (Carries); everything else goes over gRPC.
+// waiting for completions with a short spin (small steps only), then FUTEX_WAIT on cq_tail.
+// KvClient::Step uses it for batches it can carry (Carries); everything else goes over gRPC.
 //
 // Thread-safe: one Run at a time (a mutex); a Run that failed (the daemon closed the channel,
 // no answer within the deadline) breaks the channel for good, since records may still be in

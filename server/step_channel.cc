@@ -307,12 +307,13 @@ bool StepChannels::ServeRound(Channel& channel) {
     ++channel.sq_head;
     ++channel.cq_tail;
   }
+  // Counted before the engine can see the completions (stats() is exact once it does).
+  records_.fetch_add(count, std::memory_order_relaxed);
   header.sq_head.store(channel.sq_head, std::memory_order_release);
   header.cq_tail.store(channel.cq_tail, std::memory_order_seq_cst);
   if (header.engine_waiting.load(std::memory_order_seq_cst) != 0) {
     step_channel::FutexWakeAll(header.cq_tail);
   }
-  records_.fetch_add(count, std::memory_order_relaxed);
   return true;
 }
 
