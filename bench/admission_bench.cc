@@ -7,10 +7,12 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "bench/echo_floor.h"
 #include "bench/harness.h"
 #include "bench/kvd.h"
 #include "bench/sections.h"
 #include "client/internal.h"
+#include "common/codec.h"
 #include "common/grpc_status.h"
 #include "core/admission.h"
 #include "core/status_macros.h"
@@ -50,6 +52,31 @@ absl::StatusOr<Samples> TimeOp(int iterations, int batch, Op op) {
   return samples;
 }
 
+// The two calls of a create+release through the client as raw RPCs, for their serialized
+// sizes (the gRPC floor's calls are shaped like them). The session is released again.
+struct LifecycleSizes {
+  uint64_t create_request = 0, create_response = 0;
+  uint64_t release_request = 0, release_response = 0;
+};
+absl::StatusOr<LifecycleSizes> MeasureLifecycleSizes(KvClient& client,
+                                                     const PlanFingerprint& fingerprint,
+                                                     uint64_t capacity) {
+  pb::CreateSessionRequest create;
+  ASSIGN_OR_RETURN(*create.mutable_engine(), ClientInternals::Engine(client));
+  create.set_plan_fingerprint(FingerprintToBytes(fingerprint));
+  create.set_capacity(capacity);
+  pb::CreateSessionResponse created;
+  RETURN_IF_ERROR(FromGrpcStatus(ClientInternals::Cache(client).CreateSession(
+      ClientInternals::NewContext(client).get(), create, &created)));
+  pb::SessionRequest release;
+  *release.mutable_session() = created.session();
+  pb::ReleaseSessionResponse released;
+  RETURN_IF_ERROR(FromGrpcStatus(ClientInternals::Cache(client).ReleaseSession(
+      ClientInternals::NewContext(client).get(), release, &released)));
+  return LifecycleSizes{create.ByteSizeLong(), created.ByteSizeLong(), release.ByteSizeLong(),
+                        released.ByteSizeLong()};
+}
+
 }  // namespace
 
 absl::StatusOr<Json> RunAdmission(const BenchOptions& options) {
@@ -65,14 +92,20 @@ absl::StatusOr<Json> RunAdmission(const BenchOptions& options) {
   // baseline: a new arena and a new mapping per session) and one with it (the default).
   struct PoolMode {
     const char* name;
+    bool pooled;
     std::vector<std::string> flags;
   };
-  const PoolMode modes[] = {{"no pool", {"--arena_pool_engine_bytes=0"}}, {"pool", {}}};
+  const PoolMode modes[] = {{"no pool", false, {"--arena_pool_engine_bytes=0"}},
+                            {"pool", true, {}}};
   std::unique_ptr<Kvd> kvd;
   std::unique_ptr<KvClient> client;
   std::vector<PlanFingerprint> fingerprints;
   std::vector<double> baseline_p50;  // per shape: create+release p50 without the pool
+  // With the pool, each create+release is followed by the gRPC floor of its two calls: two
+  // unary calls of the same sizes to bench/echo_server (alternating, so load lands on both).
+  ASSIGN_OR_RETURN(std::unique_ptr<EchoFloor> floor, EchoFloor::Start(options.echo_binary));
   for (const PoolMode& mode : modes) {
+    const bool pooled = mode.pooled;
     client.reset();
     kvd.reset();
     ASSIGN_OR_RETURN(kvd, Kvd::Start(options, uint64_t{2} << 30, mode.flags));
@@ -84,8 +117,16 @@ absl::StatusOr<Json> RunAdmission(const BenchOptions& options) {
       fingerprints.push_back(fingerprint);
       SessionOptions session_options;
       session_options.capacity = shape.capacity;
-      Samples create, release, both;
-      const int iterations = options.quick ? 3 : shape.iterations;
+      Samples create, release, both, floor_both;
+      // Pooled pairs are cheap: ten times the samples.
+      const int iterations = options.quick ? 3 : shape.iterations * (pooled ? 10 : 1);
+      EchoCall floor_create, floor_release;
+      if (pooled) {
+        ASSIGN_OR_RETURN(LifecycleSizes sizes,
+                         MeasureLifecycleSizes(*client, fingerprint, shape.capacity));
+        floor_create = EchoFloor::Shape(sizes.create_request, sizes.create_response);
+        floor_release = EchoFloor::Shape(sizes.release_request, sizes.release_response);
+      }
       const size_t opens_before = client->mapper().OpenCount();
       for (int i = 0; i < iterations + 2; ++i) {  // 2 warm-up pairs
         const int64_t start = NowNs();
@@ -94,10 +135,16 @@ absl::StatusOr<Json> RunAdmission(const BenchOptions& options) {
         const int64_t created = NowNs();
         RETURN_IF_ERROR(session->Release().status());
         const int64_t released = NowNs();
+        if (pooled) {
+          RETURN_IF_ERROR(floor->Call(floor_create));
+          RETURN_IF_ERROR(floor->Call(floor_release));
+        }
+        const int64_t floor_done = NowNs();
         if (i < 2) continue;
         create.Add(created - start);
         release.Add(released - created);
         both.Add(released - start);
+        if (pooled) floor_both.Add(floor_done - released);
       }
       const size_t new_mappings = client->mapper().OpenCount() - opens_before;
       SessionShape request;
@@ -112,6 +159,14 @@ absl::StatusOr<Json> RunAdmission(const BenchOptions& options) {
                  {"create", OpJson(create)},
                  {"release", OpJson(release)},
                  {"create_and_release", OpJson(both)}};
+      if (pooled) {
+        entry["floor_two_calls"] = OpJson(floor_both);
+        entry["create_and_release_p50_vs_floor"] = both.P50() / floor_both.P50();
+        entry["floor_bytes"] = Json{{"create_request", floor_create.request_size},
+                                    {"create_response", floor_create.response_size},
+                                    {"release_request", floor_release.request_size},
+                                    {"release_response", floor_release.response_size}};
+      }
       if (baseline_p50.size() > s) {
         entry["create_and_release_p50_vs_no_pool"] = both.P50() / baseline_p50[s];
       } else {
@@ -128,6 +183,16 @@ absl::StatusOr<Json> RunAdmission(const BenchOptions& options) {
       table.Add({absl::StrCat("  new mappings in the engine [", mode.name, "]: ", new_mappings,
                               " for ", iterations + 2, " sessions"),
                  "-", "-", "-"});
+      if (pooled) {
+        table.Add({absl::StrCat("  gRPC floor of the two calls (", floor_create.request_size, "+",
+                                floor_create.response_size, " B, ", floor_release.request_size,
+                                "+", floor_release.response_size, " B)"),
+                   Us(floor_both.P50()), Us(floor_both.P99()),
+                   Fixed(OpsPerSecond(floor_both), 0)});
+        table.Add({absl::StrCat("  create+release p50, pool / gRPC floor: ",
+                                Fixed(both.P50() / floor_both.P50(), 2), "x"),
+                   "-", "-", "-"});
+      }
       if (entry.contains("create_and_release_p50_vs_no_pool")) {
         table.Add({absl::StrCat("  create+release p50, pool / no pool: ",
                                 Fixed(both.P50() / baseline_p50[s], 3), "x"),

@@ -18,7 +18,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
-#include "bench/echo.grpc.pb.h"
+#include "bench/echo_floor.h"
 #include "bench/harness.h"
 #include "bench/kvd.h"
 #include "bench/sections.h"
@@ -27,8 +27,6 @@
 #include "core/sizing.h"
 #include "core/status_macros.h"
 #include "core/test_model_plans.h"
-#include "grpcpp/create_channel.h"
-#include "grpcpp/security/credentials.h"
 
 namespace memra::bench {
 namespace {
@@ -45,79 +43,6 @@ struct Shape {
 };
 constexpr Shape kShapes[] = {{1, 20}, {8, 15}, {64, 6}, {256, 3}};
 
-// The bare gRPC floor in its own process.
-class EchoFloor {
- public:
-  static absl::StatusOr<std::unique_ptr<EchoFloor>> Start(const BenchOptions& options) {
-    ASSIGN_OR_RETURN(TempDir dir, TempDir::Create("memra-echo"));
-    const std::string socket_path = dir.File("echo.sock");
-    ASSIGN_OR_RETURN(ChildProcess process,
-                     ChildProcess::Spawn({options.echo_binary, "--socket_path=" + socket_path},
-                                         dir.File("echo.log")));
-    RETURN_IF_ERROR(WaitForPath(socket_path, process, absl::Seconds(30)));
-    std::shared_ptr<grpc::Channel> channel =
-        grpc::CreateChannel(absl::StrCat("unix:", socket_path), grpc::InsecureChannelCredentials());
-    if (!channel->WaitForConnected(std::chrono::system_clock::now() + std::chrono::seconds(30))) {
-      return absl::UnavailableError("echo_server is not answering on unix:" + socket_path);
-    }
-    return std::unique_ptr<EchoFloor>(
-        new EchoFloor(std::move(dir), std::move(process), std::move(channel)));
-  }
-
-  // Sizes the next calls like a Step of `request_bytes` answered by `response_bytes` (both
-  // serialized). Returns the sizes reached (a varint length may leave them a byte short).
-  std::pair<uint64_t, uint64_t> Size(uint64_t request_bytes, uint64_t response_bytes) {
-    request_.set_reply_bytes(0);
-    request_.set_payload(std::string(request_bytes, 'r'));
-    reply_bytes_ = response_bytes;
-    memra::bench::EchoReply reply;
-    reply.set_payload(std::string(response_bytes, 'e'));
-    // Shrink each payload by its framing (tag, length varint, the reply_bytes field).
-    for (int i = 0; i < 3; ++i) {
-      request_.set_reply_bytes(reply_bytes_);
-      const uint64_t over = request_.ByteSizeLong() - std::min(request_bytes,
-                                                               request_.ByteSizeLong());
-      request_.mutable_payload()->resize(request_.payload().size() - over);
-      reply_bytes_ -= reply.ByteSizeLong() - std::min(response_bytes, reply.ByteSizeLong());
-      reply.mutable_payload()->resize(reply_bytes_);
-    }
-    request_.set_reply_bytes(reply_bytes_);
-    payload_ = request_.payload();
-    return {request_.ByteSizeLong(), reply.ByteSizeLong()};
-  }
-
-  pid_t pid() const { return process_.pid(); }
-
-  absl::Status Call() {
-    request_.set_payload(payload_);  // an engine builds its request every step
-    grpc::ClientContext context;
-    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
-    memra::bench::EchoReply reply;
-    const grpc::Status status = stub_->Echo(&context, request_, &reply);
-    if (!status.ok()) return absl::UnavailableError("Echo: " + status.error_message());
-    if (reply.payload().size() != reply_bytes_) {
-      return absl::InternalError(absl::StrCat("Echo answered ", reply.payload().size(),
-                                              " bytes for ", reply_bytes_));
-    }
-    return absl::OkStatus();
-  }
-
- private:
-  EchoFloor(TempDir dir, ChildProcess process, std::shared_ptr<grpc::Channel> channel)
-      : dir_(std::move(dir)),
-        process_(std::move(process)),
-        channel_(std::move(channel)),
-        stub_(memra::bench::Echo::NewStub(channel_)) {}
-
-  TempDir dir_;
-  ChildProcess process_;
-  std::shared_ptr<grpc::Channel> channel_;
-  std::unique_ptr<memra::bench::Echo::Stub> stub_;
-  memra::bench::EchoRequest request_;
-  std::string payload_;
-  uint64_t reply_bytes_ = 0;
-};
-
 // The in-process baseline: what DaemonSession runs under its lock, minus the daemon.
 class CoreSessions {
  public:
@@ -127,6 +52,7 @@ class CoreSessions {
       ASSIGN_OR_RETURN(SessionState state, SessionState::Create(i + 1, plan, kCapacity));
       core.states_.push_back(std::move(state));
     }
+    core.open_.assign(count, 0);
     return core;
   }
 
@@ -143,13 +69,28 @@ class CoreSessions {
     return absl::OkStatus();
   }
 
+  // The same step as one Advance per session (commit 1 row, prepare the next).
+  absl::Status Advance(size_t count) {
+    for (size_t i = 0; i < count; ++i) {
+      ASSIGN_OR_RETURN(AdvanceResult result,
+                       states_[i].Advance({open_[i], open_[i] == 0 ? 0u : 1u, 1}));
+      KeepAlive(result.prepared->layers.data());
+      open_[i] = result.begun->generation;
+    }
+    return absl::OkStatus();
+  }
+
   absl::Status ResetAll(size_t count) {
-    for (size_t i = 0; i < count; ++i) RETURN_IF_ERROR(states_[i].Reset());
+    for (size_t i = 0; i < count; ++i) {
+      RETURN_IF_ERROR(states_[i].Reset());
+      open_[i] = 0;
+    }
     return absl::OkStatus();
   }
 
  private:
   std::vector<SessionState> states_;
+  std::vector<uint64_t> open_;  // per session: the generation its Advance left open (0: none)
 };
 
 // Runs `body` `steps` times, adding each call's time to `samples` when `record`.
@@ -195,7 +136,8 @@ absl::Status TimeWithCpu(pid_t server, int steps, bool record, Samples& samples,
 
 struct Measured {
   size_t sessions = 0;
-  Samples daemon, advance, floor, core;  // advance: the daemon, one Advance entry per session
+  // advance: the daemon, one Advance entry per session; core_advance: Advance in process
+  Samples daemon, advance, floor, core, core_advance;
   CpuTime daemon_cpu, advance_cpu, floor_cpu;
   uint64_t request_bytes = 0, response_bytes = 0;
   uint64_t floor_request_bytes = 0, floor_response_bytes = 0;
@@ -226,7 +168,7 @@ absl::StatusOr<Json> RunHotPath(const BenchOptions& options) {
   session_options.capacity = kCapacity;
   ASSIGN_OR_RETURN(std::vector<std::unique_ptr<Session>> sessions,
                    CreateSessions(*client, fingerprint, session_options, kMaxSessions));
-  ASSIGN_OR_RETURN(std::unique_ptr<EchoFloor> floor, EchoFloor::Start(options));
+  ASSIGN_OR_RETURN(std::unique_ptr<EchoFloor> floor, EchoFloor::Start(options.echo_binary));
   ASSIGN_OR_RETURN(CoreSessions core, CoreSessions::Create(session_plan, kMaxSessions));
 
   const int steps = options.quick ? 3 : kStepsPerRound;
@@ -259,6 +201,9 @@ absl::StatusOr<Json> RunHotPath(const BenchOptions& options) {
       RETURN_IF_ERROR(TimeWithCpu(floor->pid(), steps, record, m.floor, m.floor_cpu,
                                   [&] { return floor->Call(); }));
       RETURN_IF_ERROR(Time(steps, record, m.core, [&] { return core.Step(shape.sessions); }));
+      RETURN_IF_ERROR(core.ResetAll(shape.sessions));
+      RETURN_IF_ERROR(
+          Time(steps, record, m.core_advance, [&] { return core.Advance(shape.sessions); }));
     }
     RETURN_IF_ERROR(advancer->ResetAll());  // no transaction left open for the next shape
     results.push_back(std::move(m));
@@ -285,6 +230,8 @@ absl::StatusOr<Json> RunHotPath(const BenchOptions& options) {
         {"advance_cpu_us_per_step", m.advance_cpu.ServerNsPerStep() / 1e3},
         {"ratio_advance_separate_p50", m.advance.P50() / m.daemon.P50()},
         {"ratio_advance_floor_p50", m.advance.P50() / m.floor.P50()},
+        {"core_advance_step", m.core_advance.ToJson()},
+        {"ratio_core_advance_core_p50", m.core_advance.P50() / m.core.P50()},
         {"daemon_per_session", m.daemon.ToJson(n)},
         {"floor_step", m.floor.ToJson()},
         {"daemon_cpu_us_per_step", m.daemon_cpu.ServerNsPerStep() / 1e3},
@@ -313,13 +260,15 @@ absl::StatusOr<Json> RunHotPath(const BenchOptions& options) {
   }
   json["by_sessions"] = rows;
   Table advance_table({"N", "advance p50", "p99", "4 entries p50", "advance/4 entries",
-                       "advance/floor", "per-session p50", "kvd cpu"});
+                       "advance/floor", "per-session p50", "kvd cpu", "core advance p50",
+                       "core advance/core 4 ops"});
   for (const Measured& m : results) {
     advance_table.Add({absl::StrCat(m.sessions), Us(m.advance.P50()), Us(m.advance.P99()),
                        Us(m.daemon.P50()), Ratio(m.advance.P50() / m.daemon.P50()),
                        Ratio(m.advance.P50() / m.floor.P50()),
                        Us(m.advance.P50() / static_cast<double>(m.sessions)),
-                       Us(m.advance_cpu.ServerNsPerStep())});
+                       Us(m.advance_cpu.ServerNsPerStep()), Us(m.core_advance.P50()),
+                       Ratio(m.core_advance.P50() / m.core.P50())});
   }
 
   // Marginal cost of one more session in the batch, from the ends of the sweep.
@@ -348,8 +297,9 @@ absl::StatusOr<Json> RunHotPath(const BenchOptions& options) {
                       "(times in us)");
   const double advance_marginal = marginal(&Measured::advance);
   json["marginal_per_session_p50_us"]["advance"] = advance_marginal / 1e3;
-  std::printf("marginal per extra session with Advance (p50): %s us\n",
-              Us(advance_marginal).c_str());
+  json["marginal_per_session_p50_us"]["core_advance"] = marginal(&Measured::core_advance) / 1e3;
+  std::printf("marginal per extra session with Advance (p50): %s us (core in process: %s us)\n",
+              Us(advance_marginal).c_str(), Us(marginal(&Measured::core_advance)).c_str());
   std::printf("target: daemon/floor at N=1 <= 1.5x: %s (%s); marginal < 2 us: %s (%s us)\n",
               ratio_at_one <= 1.5 ? "MET" : "MISSED", Ratio(ratio_at_one).c_str(),
               daemon_marginal <= 2000 ? "MET" : "MISSED", Us(daemon_marginal).c_str());
@@ -380,7 +330,7 @@ absl::StatusOr<Json> RunStepChannel(const BenchOptions& options) {
                    CreateSessions(*channel_client, channel_plan, session_options, kMaxSessions));
   ASSIGN_OR_RETURN(std::vector<std::unique_ptr<Session>> grpc_sessions,
                    CreateSessions(*grpc_client, grpc_plan, session_options, kMaxSessions));
-  ASSIGN_OR_RETURN(std::unique_ptr<EchoFloor> floor, EchoFloor::Start(options));
+  ASSIGN_OR_RETURN(std::unique_ptr<EchoFloor> floor, EchoFloor::Start(options.echo_binary));
 
   struct ChannelMeasured {
     size_t sessions = 0;

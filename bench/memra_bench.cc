@@ -93,7 +93,8 @@ int Run() {
                                                  {"prefix_redis", RunPrefixAndRedis},
                                                  {"admission", RunAdmission},
                                                  {"scale", RunScale},
-                                                 {"python_step", RunPythonStep}};
+                                                 {"python_step", RunPythonStep},
+                                                 {"prefix_tiers", RunPrefixTiers}};
   const std::vector<std::string> wanted = absl::StrSplit(absl::GetFlag(FLAGS_sections), ',');
   bool failed = false;
   for (const auto& [name, run] : all) {

@@ -35,6 +35,7 @@
 #include "absl/time/clock.h"
 #include "bench/harness.h"
 #include "bench/kvd.h"
+#include "bench/prefix_session.h"
 #include "bench/sections.h"
 #include "client/internal.h"
 #include "common/grpc_status.h"
@@ -57,13 +58,6 @@ struct EntrySize {
 };
 constexpr EntrySize kEntries[] = {{1024, 10}, {32768, 5}, {131072, 4}};
 
-// A dense model small enough that a 128k-token entry, its copy in Redis and the buffers on
-// this side fit this machine: Llama-3.2-1B's geometry (16 layers, 8 KV heads of 64).
-ModelPlan DenseModel() {
-  ModelPlan plan = test_plans::DenseModel(16, 64, 8);
-  plan.name = "llama-3.2-1b";
-  return plan;
-}
 
 struct RedisDeleter {
   void operator()(redisContext* context) const { redisFree(context); }
@@ -244,8 +238,6 @@ absl::Status RunRedis(const BenchOptions& options, Json& json,
 // ---- 3b. memra-kvd's prefix cache ----
 
 constexpr uint32_t kBlockTokens = 256;
-constexpr uint64_t kCommitChunk = 1024;  // rows per transaction while filling the source
-constexpr absl::Duration kPrefixDeadline = absl::Seconds(300);
 
 struct PrefixModel {
   std::string label;
@@ -261,42 +253,7 @@ std::vector<PrefixModel> PrefixModels() {
            test_plans::Qwen3NextStyle()}};
 }
 
-std::vector<int32_t> TokenIds(uint64_t n, uint64_t salt) {
-  std::vector<int32_t> tokens(n);
-  for (uint64_t i = 0; i < n; ++i) tokens[i] = static_cast<int32_t>((i * 7919 + salt) % 150000);
-  return tokens;
-}
 
-std::unique_ptr<grpc::ClientContext> PrefixContext() {
-  auto context = std::make_unique<grpc::ClientContext>();
-  context->set_deadline(absl::ToChronoTime(absl::Now() + kPrefixDeadline));
-  return context;
-}
-
-// Commits `tokens.size()` rows in chunks, each commit carrying its token ids, and writes a
-// non-zero byte pattern into every plane (rows' contents are irrelevant to the copy).
-absl::Status FillSession(Session& session, const std::vector<int32_t>& tokens) {
-  const uint64_t rows = tokens.size();
-  for (uint64_t done = 0; done < rows;) {
-    const uint64_t chunk = std::min<uint64_t>(rows - done, kCommitChunk);
-    ASSIGN_OR_RETURN(Transaction transaction, session.Begin());
-    RETURN_IF_ERROR(session.PrepareAppend(transaction.generation, chunk).status());
-    RETURN_IF_ERROR(session.PublishAppend(transaction.generation).status());
-    RETURN_IF_ERROR(session
-                        .Commit(transaction.generation, chunk,
-                                absl::MakeConstSpan(tokens).subspan(done, chunk))
-                        .status());
-    done += chunk;
-  }
-  for (const SessionLayer& layer : session.layout().layers) {
-    for (PlaneKind kind : {PlaneKind::kKeys, PlaneKind::kValues, PlaneKind::kConvState,
-                           PlaneKind::kSsmState}) {
-      absl::StatusOr<PlaneView> view = session.Plane(layer.layer, kind);
-      if (view.ok()) std::memset(view->data, 0x5a ^ static_cast<int>(kind), view->bytes);
-    }
-  }
-  return absl::OkStatus();
-}
 
 struct PrefixResult {
   std::string model;

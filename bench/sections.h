@@ -26,6 +26,8 @@ absl::StatusOr<Json> RunAdmission(const BenchOptions& options);
 absl::StatusOr<Json> RunScale(const BenchOptions& options);
 // 6. The Python client's decode step (python/memra_kv) vs the C++ client's, N = 1 and 256.
 absl::StatusOr<Json> RunPythonStep(const BenchOptions& options);
+// 7. Prefix restore by tier (device, disk, a Redis Cluster) vs memcpy and plain GET; capture.
+absl::StatusOr<Json> RunPrefixTiers(const BenchOptions& options);
 
 }  // namespace memra::bench
 

@@ -33,6 +33,8 @@ StorageMedium MediumFromProto(pb::PrefixMedium medium) {
       return StorageMedium::kPinnedHost;
     case pb::PREFIX_MEDIUM_DISK:
       return StorageMedium::kDisk;
+    case pb::PREFIX_MEDIUM_REMOTE:
+      return StorageMedium::kRemote;
     default:
       return StorageMedium::kDevice;
   }

@@ -401,6 +401,8 @@ std::string_view StorageMediumName(StorageMedium medium) {
       return "pinned_host";
     case StorageMedium::kDisk:
       return "disk";
+    case StorageMedium::kRemote:
+      return "remote";
   }
   return "unknown";
 }

@@ -128,9 +128,11 @@ struct CaptureCommit {
 enum class PrefixEventKind : uint8_t { kStored = 0, kEvicted = 1, kDropped = 2, kMoved = 3 };
 
 // The tier stored bytes live in, fastest first: the backend's own memory (a GPU's on cuda,
-// shared memory on the host backend), pinned host memory (cuda only), a local disk file.
-enum class StorageMedium : uint8_t { kDevice = 0, kPinnedHost = 1, kDisk = 2 };
-// "device", "pinned_host", "disk" (metrics labels, logs).
+// shared memory on the host backend), pinned host memory (cuda only), a local disk file, another
+// machine's store (the daemon's remote tier: a lookup may match there; a restore pulls the bytes
+// into the device tier first, so no stored piece is ever kRemote).
+enum class StorageMedium : uint8_t { kDevice = 0, kPinnedHost = 1, kDisk = 2, kRemote = 3 };
+// "device", "pinned_host", "disk", "remote" (metrics labels, logs).
 std::string_view StorageMediumName(StorageMedium medium);
 
 // What a cluster router hears. `block_keys` are the blocks whose bytes were stored, freed or

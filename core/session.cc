@@ -109,6 +109,12 @@ const LayerGeometry* SessionState::Geometry(uint32_t layer) const {
 
 std::vector<MirrorValue> SessionState::Mirrors() const {
   std::vector<MirrorValue> mirrors;
+  MirrorsInto(mirrors);
+  return mirrors;
+}
+
+void SessionState::MirrorsInto(std::vector<MirrorValue>& mirrors) const {
+  mirrors.clear();
   // Lengths are bounded by capacity <= INT32_MAX (KvTransactionCache::Create), so the
   // narrowing below is exact.
   for (size_t i = 0; i < kv_.layer_count(); ++i) {
@@ -122,7 +128,6 @@ std::vector<MirrorValue> SessionState::Mirrors() const {
   for (const LatentLayerState& layer : latent_) {
     mirrors.push_back({{layer.layer, PlaneKind::kLenMirror}, static_cast<int32_t>(layer.len)});
   }
-  return mirrors;
 }
 
 absl::Status SessionState::EnsureUsable(std::string_view what) const {
@@ -183,22 +188,32 @@ absl::StatusOr<AppendPlan> SessionState::PrepareAppend(uint64_t generation, uint
   return plan;
 }
 
-absl::Status SessionState::PublishAppend(uint64_t generation) {
+absl::Status SessionState::PublishPlan(uint64_t generation, const AppendPlan* plan,
+                                       KvTransactionCache::Undo& undo) {
   RETURN_IF_ERROR(EnsureUsable("publish append"));
   ASSIGN_OR_RETURN(TransactionId transaction, ActiveTransaction(generation));
-  if (!pending_append_.has_value() || pending_append_->transaction != transaction) {
+  if (plan == nullptr || plan->transaction != transaction) {
     return absl::FailedPreconditionError(
         absl::StrCat("no prepared append for transaction generation ", generation));
   }
-  KvTransactionCache next = kv_;
-  RETURN_IF_ERROR(next.PublishAppendRebase(*pending_append_));
-  RETURN_IF_ERROR(next.PublishAppendPlan(*pending_append_));
+  RETURN_IF_ERROR(kv_.PublishAppendRebase(*plan, &undo));
+  RETURN_IF_ERROR(kv_.PublishAppendPlan(*plan));
   // An earlier prepare of this transaction that was replaced unpublished may have lapped the
   // tail this append leaves live.
-  RETURN_IF_ERROR(CheckLatentTailsResident(next.staged_len()));
-  kv_ = std::move(next);
-  pending_append_.reset();
+  RETURN_IF_ERROR(CheckLatentTailsResident(kv_.staged_len()));
   SetLatentLengths(staged_len());
+  return absl::OkStatus();
+}
+
+absl::Status SessionState::PublishAppend(uint64_t generation) {
+  KvTransactionCache::Undo undo = kv_.SaveUndo();
+  absl::Status published =
+      PublishPlan(generation, pending_append_.has_value() ? &*pending_append_ : nullptr, undo);
+  if (!published.ok()) {
+    kv_.Restore(std::move(undo));
+    return published;
+  }
+  pending_append_.reset();
   return absl::OkStatus();
 }
 
@@ -225,25 +240,45 @@ absl::StatusOr<AdvanceResult> SessionState::Advance(
         "advance names neither a transaction to finish (generation 0) nor rows to prepare "
         "(next_rows 0)");
   }
-  // The parts run on a copy that replaces this state only when every part was accepted: a
-  // commit must not stay applied when the next prepare is refused.
-  SessionState next = *this;
+  // All or nothing without copying the state (this runs per session per token): the parts run
+  // in place, and when one is refused, what the earlier ones changed is put back. They change
+  // only the KV cache's transaction state and the rings a rebase moved (KvTransactionCache::
+  // Undo), the latent layers (empty for models without them), the pending append and the
+  // position; taint, the spec checkpoint and the layer tables are never written by them.
+  // The pending append moves out: a successful Advance always drops it (its Commit or its
+  // Begin would), and the publish part reads it from here.
+  KvTransactionCache::Undo kv_undo = kv_.SaveUndo();
+  std::vector<LatentLayerState> latent_before = latent_;
+  std::optional<AppendPlan> pending_before = std::move(pending_append_);
+  pending_append_.reset();
+  const uint64_t position_before = position_;
+  absl::StatusOr<AdvanceResult> result =
+      AdvanceInPlace(request, pending_before, kv_undo, check_commit);
+  if (!result.ok()) {
+    kv_.Restore(std::move(kv_undo));
+    latent_ = std::move(latent_before);
+    pending_append_ = std::move(pending_before);
+    position_ = position_before;
+  }
+  return result;
+}
+
+absl::StatusOr<AdvanceResult> SessionState::AdvanceInPlace(
+    const AdvanceRequest& request, const std::optional<AppendPlan>& pending,
+    KvTransactionCache::Undo& kv_undo, absl::FunctionRef<absl::Status()> check_commit) {
   AdvanceResult result;
   if (request.generation != 0) {
-    if (next.pending_append_.has_value() &&
-        next.pending_append_->transaction.generation == request.generation) {
-      RETURN_IF_ERROR(next.PublishAppend(request.generation));
+    if (pending.has_value() && pending->transaction.generation == request.generation) {
+      RETURN_IF_ERROR(PublishPlan(request.generation, &*pending, kv_undo));
       result.published = true;
     }
     RETURN_IF_ERROR(check_commit());
-    ASSIGN_OR_RETURN(result.committed, next.Commit(request.generation, request.accepted_rows));
+    ASSIGN_OR_RETURN(result.committed, Commit(request.generation, request.accepted_rows));
   }
   if (request.next_rows != 0) {
-    ASSIGN_OR_RETURN(result.begun, next.Begin());
-    ASSIGN_OR_RETURN(result.prepared, next.PrepareAppend(result.begun->generation,
-                                                         request.next_rows));
+    ASSIGN_OR_RETURN(result.begun, Begin());
+    ASSIGN_OR_RETURN(result.prepared, PrepareAppend(result.begun->generation, request.next_rows));
   }
-  *this = std::move(next);
   return result;
 }
 

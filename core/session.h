@@ -121,6 +121,9 @@ class SessionState {
 
   // Current values of every len/base mirror of this session.
   std::vector<MirrorValue> Mirrors() const;
+  // The same into `out` (cleared first), reusing its storage: the daemon calls it after every
+  // operation, per session per step.
+  void MirrorsInto(std::vector<MirrorValue>& out) const;
 
   // FAILED_PRECONDITION when tainted, naming `what`.
   absl::Status EnsureUsable(std::string_view what) const;
@@ -189,6 +192,17 @@ class SessionState {
   const LayerGeometry* Geometry(uint32_t layer) const;
 
   absl::StatusOr<TransactionId> ActiveTransaction(uint64_t generation) const;
+  // PublishAppend's checks and changes for `plan` (nullptr: none is prepared), leaving
+  // pending_append_ alone; the rings it rebases are recorded in `undo`, which the caller
+  // restores when this or a later part is refused.
+  absl::Status PublishPlan(uint64_t generation, const AppendPlan* plan,
+                           KvTransactionCache::Undo& undo);
+  // Advance's parts, in place; `pending` is the append prepared before it (moved out of
+  // pending_append_). On a refusal the caller puts the state back.
+  absl::StatusOr<AdvanceResult> AdvanceInPlace(const AdvanceRequest& request,
+                                               const std::optional<AppendPlan>& pending,
+                                               KvTransactionCache::Undo& kv_undo,
+                                               absl::FunctionRef<absl::Status()> check_commit);
   // Every latent layer's live indexer tail at `len` is resident (CheckIndexTailResident).
   absl::Status CheckLatentTailsResident(uint64_t len) const;
   void SetLatentLengths(uint64_t len);

@@ -571,6 +571,15 @@ TEST(IndexResidency, ResetMakesEveryRowWritableAgain) {
 }
 
 
+TEST(Session, MirrorsIntoReplacesWhatTheBufferHeldWithMirrors) {
+  SessionState session = MakeSession(64);
+  Step(session, 5, 3);
+  std::vector<MirrorValue> buffer = {{{99, PlaneKind::kLenMirror}, 7}};
+  session.MirrorsInto(buffer);
+  EXPECT_EQ(buffer, session.Mirrors());
+  EXPECT_FALSE(buffer.empty());
+}
+
 // ---- Advance: one operation per session per step ----
 
 TEST(Advance, FirstStepBeginsAndPreparesAndTheNextCommitsPublishingFirst) {
@@ -655,6 +664,34 @@ TEST(Advance, RefusalsChangeNothing) {
               StatusIs(absl::StatusCode::kFailedPrecondition,
                        HasSubstrs("begin transaction: session was tainted")));
   EXPECT_EQ(session, tainted);
+}
+
+// Advance runs its parts in place and puts back what a refused part's predecessors changed:
+// here the publish moved the sliding layer's ring (a rebase), then the commit was refused.
+TEST(Advance, ARefusalAfterAPublishThatRebasedARingPutsTheRingBack) {
+  SessionState session = MakeSession(10'000);
+  // Steps of 10 rows until the prepared one rebases the ring (the ring holds a few thousand).
+  absl::StatusOr<AdvanceResult> opened = session.Advance({0, 0, 10});
+  ASSERT_THAT(opened, IsOk());
+  for (int step = 0; step < 900; ++step) {
+    const std::optional<RingAppend>& ring = opened->prepared->layers[1].ring_append;
+    ASSERT_TRUE(ring.has_value());
+    if (ring->kind == RingAppend::Kind::kRebase) break;
+    opened = session.Advance({opened->begun->generation, 10, 10});
+    ASSERT_THAT(opened, IsOk());
+  }
+  ASSERT_EQ(opened->prepared->layers[1].ring_append->kind, RingAppend::Kind::kRebase);
+  const uint64_t base_before = session.kv().ring(1)->base();
+  const SessionState before = session;
+  EXPECT_THAT(session.Advance({opened->begun->generation, 11, 1}),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstrs("accepts 11 rows from a 10-row transaction")));
+  EXPECT_EQ(session.kv().ring(1)->base(), base_before);
+  EXPECT_EQ(session, before);
+  // Accepted, the same step publishes the rebase.
+  ASSERT_THAT(session.Advance({opened->begun->generation, 10, 1}), IsOk());
+  EXPECT_EQ(session.kv().ring(1)->base(), opened->prepared->layers[1].ring_append->new_base);
+  EXPECT_NE(session.kv().ring(1)->base(), base_before);
 }
 
 TEST(Advance, APublishOrCommitRefusedForIndexerResidencyChangesNothing) {

@@ -213,13 +213,22 @@ absl::StatusOr<std::pair<uint64_t, bool>> KvTransactionCache::PeekAppendRing(
   return std::make_pair(append.write_row, append.kind == RingAppend::Kind::kRebase);
 }
 
-absl::Status KvTransactionCache::PublishAppendRebase(const AppendPlan& plan) {
+void KvTransactionCache::Restore(Undo undo) {
+  state_ = undo.state;
+  for (auto it = undo.replaced_rings.rbegin(); it != undo.replaced_rings.rend(); ++it) {
+    rings_[it->first] = it->second;
+  }
+}
+
+absl::Status KvTransactionCache::PublishAppendRebase(const AppendPlan& plan, Undo* undo) {
   RETURN_IF_ERROR(state_.Validate(plan.transaction));
   if (plan.layers.size() != shapes_.size()) {
     return absl::InvalidArgumentError(absl::StrCat("KV append plan covers ", plan.layers.size(),
                                                    " layers, cache has ", shapes_.size()));
   }
-  std::vector<std::optional<KvRing>> rebased = rings_;
+  // Validated in full first, then applied: only the rebased rings are copied (most appends
+  // rebase none), never the whole ring table.
+  std::vector<std::pair<size_t, KvRing>> rebased;
   for (size_t i = 0; i < shapes_.size(); ++i) {
     const std::optional<RingAppend>& append = plan.layers[i].ring_append;
     const bool matches = plan.layers[i].layer == shapes_[i].layer &&
@@ -229,7 +238,7 @@ absl::Status KvTransactionCache::PublishAppendRebase(const AppendPlan& plan) {
                                                      "ring layout at layer ", shapes_[i].layer));
     }
     if (!append.has_value() || append->kind == RingAppend::Kind::kContiguous) continue;
-    KvRing& ring = *rebased[i];
+    KvRing ring = *rings_[i];
     if (append->keep_rows > ring.rows()) {
       return absl::InvalidArgumentError(absl::StrCat("layer ", shapes_[i].layer,
                                                      ": KV ring rebase keeps ", append->keep_rows,
@@ -241,8 +250,12 @@ absl::Status KvTransactionCache::PublishAppendRebase(const AppendPlan& plan) {
           absl::StrCat("layer ", shapes_[i].layer, ": KV ring rebase to ", append->new_base,
                        " laps transaction base ", plan.transaction.base_len));
     }
+    rebased.emplace_back(i, ring);
   }
-  rings_ = std::move(rebased);
+  for (auto& [index, ring] : rebased) {
+    if (undo != nullptr) undo->replaced_rings.emplace_back(index, *rings_[index]);
+    rings_[index] = ring;
+  }
   return absl::OkStatus();
 }
 

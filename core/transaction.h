@@ -24,6 +24,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -158,8 +159,23 @@ class KvTransactionCache {
                                            uint64_t rows) const;
   // Read-only look at the next append of `rows` for layer `index`: (write_row, would_rebase).
   absl::StatusOr<std::pair<uint64_t, bool>> PeekAppendRing(size_t index, uint64_t rows) const;
-  // Applies every ring layer's rebase (all validated before any is applied).
-  absl::Status PublishAppendRebase(const AppendPlan& plan);
+  // What the transaction operations below change (Begin, PublishAppendRebase,
+  // PublishAppendPlan, PublishAppend, PublishFinalize), saved so a compound operation can put
+  // it back when a later part is refused without copying the cache: the transaction state
+  // (a few words) and the rings a rebase replaced (none on most steps).
+  struct Undo {
+    TransactionState state;
+    std::vector<std::pair<size_t, KvRing>> replaced_rings;  // (layer slot, ring before)
+  };
+  Undo SaveUndo() const { return Undo{state_, {}}; }
+  // Puts back what was saved in `undo` (the rings in reverse, so a ring replaced twice gets its
+  // first value). REQUIRES: only the operations above ran since SaveUndo, with `undo` passed to
+  // every PublishAppendRebase among them.
+  void Restore(Undo undo);
+
+  // Applies every ring layer's rebase (all validated before any is applied); the rings it
+  // replaces are appended to `undo` when given.
+  absl::Status PublishAppendRebase(const AppendPlan& plan, Undo* undo = nullptr);
   // Publishes the staged length; refuses a plan whose rebases were not published first.
   absl::Status PublishAppendPlan(const AppendPlan& plan);
   absl::Status PublishAppend(const TransactionId& transaction, uint64_t target);

@@ -333,6 +333,30 @@ TEST(KvTransactionCache, PublishRefusalsChangeNothing) {
                        HasSubstrs("finalize target 20 is outside the resident")));
 }
 
+TEST(KvTransactionCache, RestoreUndoesAPublishedRebaseAndTheTransactionState) {
+  KvTransactionCache cache = SwaCache(10'000, 32);
+  Hydrate(cache, 8762, 4096);
+  const KvTransactionCache before = cache;
+  KvTransactionCache::Undo undo = cache.SaveUndo();
+  TransactionId transaction = *cache.Begin();
+  AppendPlan plan = *cache.PrepareAppend(transaction, 10);
+  ASSERT_THAT(cache.PublishAppendRebase(plan, &undo), IsOk());
+  ASSERT_THAT(cache.PublishAppendPlan(plan), IsOk());
+  ASSERT_THAT(cache.PublishFinalize(transaction, 8772), IsOk());
+  EXPECT_EQ(cache.ring(0)->base(), 8704u);
+  ASSERT_EQ(undo.replaced_rings.size(), 1u);
+  cache.Restore(std::move(undo));
+  EXPECT_EQ(cache.ring(0)->base(), 4096u);
+  EXPECT_EQ(cache, before);
+  // A contiguous append records no ring.
+  KvTransactionCache::Undo quiet = cache.SaveUndo();
+  TransactionId next = *cache.Begin();
+  AppendPlan contiguous = *cache.PrepareAppend(next, 1);
+  ASSERT_EQ(contiguous.layers[0].ring_append->kind, RingAppend::Kind::kContiguous);
+  ASSERT_THAT(cache.PublishAppendRebase(contiguous, &quiet), IsOk());
+  EXPECT_TRUE(quiet.replaced_rings.empty());
+}
+
 TEST(KvTransactionCache, HydrationRefusals) {
   KvTransactionCache flat = EmptyCache(8);
   const uint64_t one[] = {1};

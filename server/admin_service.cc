@@ -40,6 +40,11 @@ pb::GetStatusResponse AdminService::Status() const {
   out.set_arena_count(backend.ArenaCount());
   out.set_epoch(parts_.epoch);
   out.set_uptime_ms(absl::ToInt64Milliseconds(parts_.clock->Now() - parts_.started));
+  const std::optional<bool> remote_up =
+      parts_.remote_tier_up ? parts_.remote_tier_up() : std::nullopt;
+  out.set_prefix_remote_tier(!remote_up.has_value() ? pb::REMOTE_TIER_NONE
+                             : *remote_up           ? pb::REMOTE_TIER_UP
+                                                    : pb::REMOTE_TIER_DOWN);
   const AdmissionLedger ledger = parts_.budget->Snapshot();
   pb::AdmissionStatus* admission = out.mutable_admission();
   admission->set_budget_bytes(ledger.budget());

@@ -14,6 +14,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <memory>
 
 #include "absl/status/status.h"
@@ -51,6 +52,8 @@ class AdminService final : public memra::kv::v1::KvAdmin::Service {
     std::function<size_t(bool)> set_draining;
     // The socket this instance answers on.
     ServedSocket socket;
+    // Whether the prefix cache's remote tier answers; nullopt (or no function): no remote tier.
+    std::function<std::optional<bool>()> remote_tier_up;
   };
   // REQUIRES: every pointer outlives the service.
   explicit AdminService(Parts parts) : parts_(std::move(parts)) {}

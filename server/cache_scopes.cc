@@ -18,6 +18,7 @@ namespace {
 
 constexpr size_t kMaxScopeChars = 64;
 constexpr size_t kNameBufferBytes = 16 * 1024;
+constexpr size_t kMaxNameBufferBytes = 4 * 1024 * 1024;
 
 bool ValidScopeName(absl::string_view name) {
   return !name.empty() && name.size() <= kMaxScopeChars &&
@@ -29,23 +30,27 @@ bool ValidScopeName(absl::string_view name) {
 
 // Whether the peer belongs to `group`: its primary gid, or the group lists the peer's user.
 bool InGroup(const PeerCredentials& peer, const std::string& group) {
-  std::string buffer(kNameBufferBytes, '\0');
   struct group entry;
-  struct group* found = nullptr;
-  if (getgrnam_r(group.c_str(), &entry, buffer.data(), buffer.size(), &found) != 0 ||
-      found == nullptr) {
+  std::string buffer;
+  if (!cache_scopes_internal::LookupWithGrowingBuffer(
+          [&](struct group* out, char* data, size_t size, struct group** found) {
+            return getgrnam_r(group.c_str(), out, data, size, found);
+          },
+          entry, buffer, kNameBufferBytes, kMaxNameBufferBytes)) {
     return false;
   }
-  if (found->gr_gid == peer.gid) return true;
-  std::string user_buffer(kNameBufferBytes, '\0');
+  if (entry.gr_gid == peer.gid) return true;
   struct passwd user;
-  struct passwd* user_found = nullptr;
-  if (getpwuid_r(peer.uid, &user, user_buffer.data(), user_buffer.size(), &user_found) != 0 ||
-      user_found == nullptr) {
+  std::string user_buffer;
+  if (!cache_scopes_internal::LookupWithGrowingBuffer(
+          [&](struct passwd* out, char* data, size_t size, struct passwd** found) {
+            return getpwuid_r(peer.uid, out, data, size, found);
+          },
+          user, user_buffer, kNameBufferBytes, kMaxNameBufferBytes)) {
     return false;
   }
-  for (char** member = found->gr_mem; member != nullptr && *member != nullptr; ++member) {
-    if (user_found->pw_name == std::string(*member)) return true;
+  for (char** member = entry.gr_mem; member != nullptr && *member != nullptr; ++member) {
+    if (user.pw_name == std::string(*member)) return true;
   }
   return false;
 }

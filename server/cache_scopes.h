@@ -16,6 +16,7 @@
 
 #include <sys/types.h>
 
+#include <cerrno>
 #include <string>
 #include <vector>
 
@@ -24,6 +25,27 @@
 #include "server/peer_credentials.h"
 
 namespace memra {
+
+namespace cache_scopes_internal {
+
+// Runs a getgrnam_r / getpwuid_r style `lookup(&entry, buffer, size, &found)`, doubling the
+// buffer on ERANGE from `initial_bytes` up to `max_bytes` (a group of thousands of members
+// outgrows any fixed buffer; the pointers in `entry` point into `buffer`). False when the name
+// is unknown, the lookup fails otherwise, or it needs more than `max_bytes`.
+template <typename Entry, typename Lookup>
+bool LookupWithGrowingBuffer(Lookup lookup, Entry& entry, std::string& buffer,
+                             size_t initial_bytes, size_t max_bytes) {
+  for (size_t size = initial_bytes; size > 0 && size <= max_bytes; size *= 2) {
+    buffer.assign(size, '\0');
+    Entry* found = nullptr;
+    const int error = lookup(&entry, buffer.data(), buffer.size(), &found);
+    if (error == ERANGE) continue;
+    return error == 0 && found != nullptr;
+  }
+  return false;
+}
+
+}  // namespace cache_scopes_internal
 
 struct CacheScopeRule {
   std::string name;

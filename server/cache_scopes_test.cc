@@ -76,5 +76,20 @@ TEST(CacheScopesTest, NamedScopesAdmitTheirUidsAndGroupsOnly) {
               StatusIs(absl::StatusCode::kPermissionDenied, HasSubstrs("members are @")));
 }
 
+// The group database's answer for a group outgrowing the first buffer (ERANGE) is retried with a
+// bigger one, not read as "not a member": root's group from a 1-byte buffer.
+TEST(CacheScopesTest, GroupLookupGrowsItsBufferOnErange) {
+  auto by_gid = [](struct group* out, char* data, size_t size, struct group** found) {
+    return getgrgid_r(0, out, data, size, found);
+  };
+  struct group entry;
+  std::string buffer;
+  ASSERT_TRUE(cache_scopes_internal::LookupWithGrowingBuffer(by_gid, entry, buffer, 1, 1 << 20));
+  EXPECT_EQ(entry.gr_gid, 0u);
+  EXPECT_GT(buffer.size(), 1u);
+  // Bounded: a lookup that never fits within max_bytes fails instead of growing for ever.
+  EXPECT_FALSE(cache_scopes_internal::LookupWithGrowingBuffer(by_gid, entry, buffer, 1, 2));
+}
+
 }  // namespace
 }  // namespace memra

@@ -250,7 +250,7 @@ const std::vector<KeySpec>& Keys() {
       {.name = "prefix_remote_redis_nodes", .field = &C::prefix_remote_redis_nodes,
        .syntax = Syntax::kText, .reloadable = false,
        .help = "Redis Cluster seed nodes of the prefix cache's remote tier "
-               "(docs/remote-tier.md); empty = none. Not wired in yet: a list is refused.",
+               "(docs/remote-tier.md); empty = none. Needs prefix_cache_budget_bytes > 0.",
        .text_accepted = "host:port,... ([v6addr]:port for IPv6), or empty",
        .check_text = &CheckRedisNodes},
       {.name = "prefix_remote_redis_user", .field = &C::prefix_remote_redis_user,
@@ -273,6 +273,27 @@ const std::vector<KeySpec>& Keys() {
       {.name = "prefix_remote_redis_timeout_ms", .field = &C::prefix_remote_redis_timeout_ms,
        .syntax = Syntax::kInteger, .reloadable = false,
        .help = "Milliseconds one Redis command may take.", .min = 1, .max = 60'000},
+      {.name = "prefix_remote_queue_bytes", .field = &C::prefix_remote_queue_bytes,
+       .syntax = Syntax::kBytes, .reloadable = false,
+       .help = "Bytes of captured pieces queued for the remote tier's writer; past it a "
+               "capture's remote write is dropped (counted), the capture never waits.",
+       .min = 1 * kMiB, .max = 64 * kGiB},
+      {.name = "prefix_remote_lookup_timeout_ms",
+       .field = &C::prefix_remote_lookup_timeout_ms, .syntax = Syntax::kInteger,
+       .reloadable = false,
+       .help = "Milliseconds a prefix lookup waits for the remote tier before answering from "
+               "the local tiers.",
+       .min = 1, .max = 60'000},
+      {.name = "prefix_remote_fetch_timeout_ms", .field = &C::prefix_remote_fetch_timeout_ms,
+       .syntax = Syntax::kInteger, .reloadable = false,
+       .help = "Milliseconds a restore waits for the remote tier's values before restoring "
+               "what the local tiers hold.",
+       .min = 1, .max = 600'000},
+      {.name = "prefix_remote_ttl_s", .field = &C::prefix_remote_ttl_s,
+       .syntax = Syntax::kInteger, .reloadable = false,
+       .help = "Expiry of values the remote tier writes, in seconds; 0 = none (let the "
+               "cluster's maxmemory-policy evict).",
+       .min = 0, .max = 365 * 86'400},
       {.name = "prefix_disk_dir", .field = &C::prefix_disk_dir, .syntax = Syntax::kText,
        .reloadable = false,
        .help = "Directory of the prefix cache's disk tier (this daemon's own: created 0700, "
@@ -862,12 +883,11 @@ absl::Status ValidateConfig(const DaemonConfig& config) {
         "prefix_remote_redis_user = ", Quote(config.prefix_remote_redis_user),
         " needs prefix_remote_redis_password_file (an ACL user authenticates with a password)"));
   }
-  // Refused rather than accepted and ignored: the tier is not wired in yet.
-  if (!config.prefix_remote_redis_nodes.empty()) {
+  // The remote tier is a tier of the prefix cache: refused, not ignored, without one.
+  if (!config.prefix_remote_redis_nodes.empty() && config.prefix_cache_budget_bytes == 0) {
     return absl::InvalidArgumentError(absl::StrCat(
         "prefix_remote_redis_nodes = ", Quote(config.prefix_remote_redis_nodes),
-        ": the Redis Cluster remote tier is not wired into the prefix cache yet "
-        "(docs/remote-tier.md); leave it empty"));
+        " needs a prefix cache: prefix_cache_budget_bytes is 0"));
   }
   return absl::OkStatus();
 }

@@ -88,8 +88,8 @@ struct DaemonConfig {
   // charge) per slab instead of one per stored block. Capped at prefix_cache_budget_bytes.
   uint64_t prefix_slab_bytes = uint64_t{128} << 20;
   // ---- The prefix cache's remote tier in a Redis Cluster (docs/remote-tier.md) ----
-  // Seed nodes, "host:port,..." ("[v6addr]:port" for IPv6); empty = no remote tier. Until the
-  // tier is wired into the prefix cache, a non-empty list is refused (ValidateConfig).
+  // Seed nodes, "host:port,..." ("[v6addr]:port" for IPv6); empty = no remote tier. Needs a
+  // prefix cache (prefix_cache_budget_bytes > 0).
   std::string prefix_remote_redis_nodes;
   // ACL user for AUTH; empty = the requirepass password (the "default" user).
   std::string prefix_remote_redis_user;
@@ -101,6 +101,15 @@ struct DaemonConfig {
   // Milliseconds one connect to a node, and one command, may take.
   uint64_t prefix_remote_redis_connect_timeout_ms = 200;
   uint64_t prefix_remote_redis_timeout_ms = 500;
+  // Bytes of captured pieces queued for the remote tier's writer; a capture that would pass it
+  // drops its remote write (a later miss), never waits.
+  uint64_t prefix_remote_queue_bytes = uint64_t{256} << 20;
+  // How long a lookup (and the existence check before a restore) waits for the cluster before
+  // answering from the local tiers alone; how long a restore waits for the remote values.
+  uint64_t prefix_remote_lookup_timeout_ms = 20;
+  uint64_t prefix_remote_fetch_timeout_ms = 2000;
+  // Expiry of written values in seconds; 0 = none (the cluster's maxmemory policy evicts).
+  uint64_t prefix_remote_ttl_s = 0;
   // The prefix cache's disk tier: a directory this daemon owns (created 0700 when missing;
   // "*.piece" files in it are removed at start) and the bytes of files it may hold there. Empty
   // dir = no disk tier (prefix_disk_bytes must then be 0).

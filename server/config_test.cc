@@ -57,7 +57,9 @@ TEST(ConfigTest, KeyListIsTheDocumentedOne) {
                           "prefix_remote_redis_nodes", "prefix_remote_redis_user",
                           "prefix_remote_redis_password_file", "prefix_remote_redis_tls",
                           "prefix_remote_redis_connect_timeout_ms",
-                          "prefix_remote_redis_timeout_ms", "prefix_disk_dir", "prefix_disk_bytes",
+                          "prefix_remote_redis_timeout_ms", "prefix_remote_queue_bytes",
+                          "prefix_remote_lookup_timeout_ms", "prefix_remote_fetch_timeout_ms",
+                          "prefix_remote_ttl_s", "prefix_disk_dir", "prefix_disk_bytes",
                           "watchdog", "keep_kv_across_restarts", "step_channel",
                           "max_plan_layers",
                           "max_engine_sessions", "max_engine_plans", "max_engine_budget_share",
@@ -105,6 +107,10 @@ TEST(ConfigTest, Defaults) {
   EXPECT_FALSE(config.prefix_remote_redis_tls);
   EXPECT_EQ(config.prefix_remote_redis_connect_timeout_ms, 200u);
   EXPECT_EQ(config.prefix_remote_redis_timeout_ms, 500u);
+  EXPECT_EQ(config.prefix_remote_queue_bytes, uint64_t{256} << 20);
+  EXPECT_EQ(config.prefix_remote_lookup_timeout_ms, 20u);
+  EXPECT_EQ(config.prefix_remote_fetch_timeout_ms, 2000u);
+  EXPECT_EQ(config.prefix_remote_ttl_s, 0u);
   EXPECT_EQ(config.prefix_disk_dir, "");
   EXPECT_EQ(config.prefix_disk_bytes, 0u);
   EXPECT_TRUE(config.watchdog);
@@ -213,6 +219,10 @@ TEST(ConfigTest, RenderedNonDefaultsParseBack) {
   changed.prefix_remote_redis_tls = true;
   changed.prefix_remote_redis_connect_timeout_ms = 1;
   changed.prefix_remote_redis_timeout_ms = 60'000;
+  changed.prefix_remote_queue_bytes = 64 * kMiB;
+  changed.prefix_remote_lookup_timeout_ms = 50;
+  changed.prefix_remote_fetch_timeout_ms = 10'000;
+  changed.prefix_remote_ttl_s = 86'400;
   changed.prefix_disk_dir = "/var/cache/memra-kv/gpu7";
   changed.prefix_disk_bytes = 64 * kGiB;
   changed.watchdog = false;
@@ -528,14 +538,16 @@ TEST(ConfigTest, ValidateRefusesRedisTlsAndAUserWithoutPassword) {
   EXPECT_THAT(ValidateConfig(config), IsOk());
 }
 
-// Refused, not accepted and ignored, until the tier is wired into the prefix cache.
-TEST(ConfigTest, ValidateRefusesRedisNodesUntilTheTierIsWired) {
+// The remote tier is a tier of the prefix cache: refused, not ignored, without one.
+TEST(ConfigTest, ValidateRefusesRedisNodesWithoutAPrefixCache) {
   DaemonConfig config;
   config.prefix_remote_redis_nodes = "10.0.0.1:7000";
   EXPECT_THAT(ValidateConfig(config),
               StatusIs(absl::StatusCode::kInvalidArgument,
                        HasSubstrs("prefix_remote_redis_nodes = \"10.0.0.1:7000\"",
-                                  "not wired into the prefix cache yet")));
+                                  "needs a prefix cache", "prefix_cache_budget_bytes is 0")));
+  config.prefix_cache_budget_bytes = 64 * kMiB;
+  EXPECT_THAT(ValidateConfig(config), IsOk());
 }
 
 TEST(ConfigTest, ValidateRefusesAHalfConfiguredDiskTier) {

@@ -123,15 +123,16 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(CudaBackendOpti
       err != cudaSuccess) {
     return CudaError(absl::StrCat("cudaStreamCreate on device ", options.device), err);
   }
-  return std::unique_ptr<CudaBackend>(new CudaBackend(options.device, options.vmm_exports, stream,
-                                                      prop.name, FormatUuid(prop.uuid)));
+  return std::unique_ptr<CudaBackend>(
+      new CudaBackend(options, stream, prop.name, FormatUuid(prop.uuid)));
 }
 
-CudaBackend::CudaBackend(int device, bool vmm_exports, cudaStream_t stream, std::string name,
-                         std::string uuid)
+CudaBackend::CudaBackend(const CudaBackendOptions& options, cudaStream_t stream,
+                         std::string name, std::string uuid)
     : CheckedArenaBackend("cuda", std::numeric_limits<uint64_t>::max()),  // the device decides
-      device_(device),
-      vmm_exports_(vmm_exports),
+      device_(options.device),
+      vmm_exports_(options.vmm_exports),
+      batch_mirror_writes_(options.batch_mirror_writes),
       stream_(stream),
       name_(std::move(name)),
       uuid_(std::move(uuid)) {}
@@ -246,18 +247,89 @@ absl::Status CudaBackend::Download(absl::string_view op, const uint8_t* from,
   return Finish(op, cudaMemcpyAsync(out.data(), from, out.size(), cudaMemcpyDeviceToHost, stream_));
 }
 
-absl::Status CudaBackend::StoreI32s(uint8_t* base, absl::Span<const I32Write> writes) {
-  RETURN_IF_ERROR(SelectDevice());
-  // Pageable sources: each enqueue has copied its 4 bytes out before returning, and one stream
-  // sync covers them all.
+namespace {
+
+// Whether no two stores of `writes` target the same offset: copies within one batch run in no
+// particular order, so only then may they go as one batch (WriteI32s promises "in order").
+bool DistinctOffsets(absl::Span<const I32Write> writes) {
+  std::vector<uint64_t> offsets;
+  offsets.reserve(writes.size());
+  for (const I32Write& write : writes) offsets.push_back(write.offset);
+  std::sort(offsets.begin(), offsets.end());
+  return std::adjacent_find(offsets.begin(), offsets.end()) == offsets.end();
+}
+
+}  // namespace
+
+cudaError_t CudaBackend::EnqueueI32sOneByOne(uint8_t* base, absl::Span<const I32Write> writes,
+                                             uint64_t* failed_offset) const {
+  // Pageable sources: each enqueue has copied its 4 bytes out before returning.
   for (const I32Write& write : writes) {
     const cudaError_t err = cudaMemcpyAsync(base + write.offset, &write.value, sizeof(write.value),
                                             cudaMemcpyHostToDevice, stream_);
     if (err != cudaSuccess) {
-      return CudaError(absl::StrCat("WriteI32s at offset ", write.offset, " on device ", device_),
-                       err);
+      *failed_offset = write.offset;
+      return err;
     }
   }
+  return cudaSuccess;
+}
+
+cudaError_t CudaBackend::EnqueueI32sBatched(uint8_t* base,
+                                            absl::Span<const I32Write> writes) const {
+#if CUDART_VERSION >= 12080
+  // One submission for a session's changed mirrors (a decode step changes one length mirror per
+  // layer: 32 copies for Llama-3-8B). The values are read during the call (the sources are the
+  // caller's `writes`, which the stream sync after this outlives anyway).
+  std::vector<void*> dsts;
+  std::vector<const void*> srcs;
+  std::vector<size_t> sizes(writes.size(), sizeof(int32_t));
+  dsts.reserve(writes.size());
+  srcs.reserve(writes.size());
+  for (const I32Write& write : writes) {
+    dsts.push_back(base + write.offset);
+    srcs.push_back(&write.value);
+  }
+  cudaMemcpyAttributes attributes = {};
+  attributes.srcAccessOrder = cudaMemcpySrcAccessOrderDuringApiCall;
+  attributes.srcLocHint.type = cudaMemLocationTypeHost;
+  attributes.dstLocHint.type = cudaMemLocationTypeDevice;
+  attributes.dstLocHint.id = device_;
+  size_t first_copy = 0;  // the one attribute set applies from copy 0 on
+#if CUDART_VERSION >= 13000
+  return cudaMemcpyBatchAsync(dsts.data(), srcs.data(), sizes.data(), writes.size(), &attributes,
+                              &first_copy, 1, stream_);
+#else
+  size_t failed = 0;
+  return cudaMemcpyBatchAsync(dsts.data(), srcs.data(), sizes.data(), writes.size(), &attributes,
+                              &first_copy, 1, &failed, stream_);
+#endif
+#else
+  (void)base;
+  (void)writes;
+  return cudaErrorNotSupported;  // not reached: StoreI32s batches only from CUDA 12.8 on
+#endif
+}
+
+absl::Status CudaBackend::StoreI32s(uint8_t* base, absl::Span<const I32Write> writes) {
+  RETURN_IF_ERROR(SelectDevice());
+  constexpr bool kBatchApi = CUDART_VERSION >= 12080;
+  if (kBatchApi && batch_mirror_writes_ && writes.size() > 1 && DistinctOffsets(writes)) {
+    const cudaError_t err = EnqueueI32sBatched(base, writes);
+    if (err != cudaSuccess) {
+      return CudaError(absl::StrCat("WriteI32s: a batch of ", writes.size(),
+                                    " mirror stores on device ", device_),
+                       err);
+    }
+    return Finish("WriteI32s", cudaSuccess);
+  }
+  uint64_t failed_offset = 0;
+  if (const cudaError_t err = EnqueueI32sOneByOne(base, writes, &failed_offset);
+      err != cudaSuccess) {
+    return CudaError(absl::StrCat("WriteI32s at offset ", failed_offset, " on device ", device_),
+                     err);
+  }
+  // One stream sync covers every store.
   return Finish("WriteI32s", cudaSuccess);
 }
 

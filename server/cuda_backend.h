@@ -27,6 +27,10 @@ struct CudaBackendOptions {
   // export handle is "vmm-" + 32 random hex characters, traded for the descriptor over the fd
   // side channel; DuplicateArenaFd and AdoptArenaFd work, so they survive a daemon restart.
   bool vmm_exports = false;
+  // WriteI32s of several mirrors as one cudaMemcpyBatchAsync (CUDA 12.8+) instead of one
+  // cudaMemcpyAsync per mirror; false only to measure the per-mirror copies against it
+  // (tests/cuda/cuda_bandwidth_test). Toolkits before 12.8 always copy per mirror.
+  bool batch_mirror_writes = true;
 };
 
 // Thread-safe (see DeviceBackend). All device work runs on the backend's own non-blocking stream
@@ -63,7 +67,7 @@ class CudaBackend final : public CheckedArenaBackend {
                                        std::string export_handle) override;
 
  private:
-  CudaBackend(int device, bool vmm_exports, cudaStream_t stream, std::string name,
+  CudaBackend(const CudaBackendOptions& options, cudaStream_t stream, std::string name,
               std::string uuid);
 
   absl::StatusOr<std::shared_ptr<ArenaRecord>> Allocate(uint64_t bytes,
@@ -81,10 +85,15 @@ class CudaBackend final : public CheckedArenaBackend {
   absl::Status SelectDevice() const;
   // Checks `enqueued` (the status of an async call), then waits for the stream.
   absl::Status Finish(absl::string_view op, cudaError_t enqueued) const;
+  // StoreI32s' two ways of enqueuing the stores (the caller syncs).
+  cudaError_t EnqueueI32sOneByOne(uint8_t* base, absl::Span<const I32Write> writes,
+                                  uint64_t* failed_offset) const;
+  cudaError_t EnqueueI32sBatched(uint8_t* base, absl::Span<const I32Write> writes) const;
 
   // Constant after construction.
   const int device_;
   const bool vmm_exports_;
+  const bool batch_mirror_writes_;
   const cudaStream_t stream_;  // CUDA streams are thread-safe; every call syncs it itself
   const std::string name_;
   const std::string uuid_;

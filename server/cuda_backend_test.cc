@@ -19,6 +19,7 @@ namespace {
 
 using ::memra::testing::HasSubstrs;
 using ::memra::testing::IsOk;
+using ::memra::testing::IsOkAndHolds;
 using ::memra::testing::StatusIs;
 using ::testing::Each;
 using ::testing::ElementsAre;
@@ -132,6 +133,26 @@ TEST_F(CudaBackendTest, WriteI32sAndCopyRangesChecksummedMatchTheHost) {
   value = backend_->ReadI32(*arena, 0);
   ASSERT_THAT(value, IsOk());
   EXPECT_EQ(*value, 1);  // the refused batch stored nothing
+}
+
+// A session's mirrors as one batch (distinct offsets: cudaMemcpyBatchAsync from CUDA 12.8) and
+// one copy per mirror give the same device bytes.
+TEST_F(CudaBackendTest, MirrorStoresBatchedOrOneByOneLandTheSameValues) {
+  std::unique_ptr<CudaBackend> one_by_one =
+      testing::NewCudaBackendOrNull({.device = 0, .batch_mirror_writes = false});
+  ASSERT_NE(one_by_one, nullptr);
+  for (CudaBackend* backend : {backend_.get(), one_by_one.get()}) {
+    absl::StatusOr<ArenaId> arena = backend->CreateArena(2 * kMiB, ArenaVisibility::kPrivate);
+    ASSERT_THAT(arena, IsOk());
+    std::vector<I32Write> writes;
+    for (int32_t i = 0; i < 64; ++i) writes.push_back({uint64_t(i) * 256 + 4, 1000 + i * 7});
+    ASSERT_THAT(backend->WriteI32s(*arena, writes), IsOk());
+    for (const I32Write& write : writes) {
+      EXPECT_THAT(backend->ReadI32(*arena, write.offset), IsOkAndHolds(write.value));
+    }
+    EXPECT_THAT(backend->ReadI32(*arena, 0), IsOkAndHolds(0));  // nothing stored between them
+    EXPECT_THAT(backend->FreeArena(*arena), IsOk());
+  }
 }
 
 TEST_F(CudaBackendTest, OutOfRangeAndOverflowAreRefusedBeforeTheDevice) {

@@ -17,6 +17,8 @@
 #include "grpcpp/health_check_service_interface.h"
 #include "grpcpp/security/server_credentials.h"
 #include "grpcpp/server_builder.h"
+#include "server/redis_cluster.h"
+#include "server/remote_tier.h"
 #include "server/unix_socket.h"
 #include "spdlog/spdlog.h"
 
@@ -65,7 +67,9 @@ absl::StatusOr<uint64_t> RandomEpoch() {
 // The prefix cache the configuration asks for (null when prefix_cache_budget_bytes is 0). Its
 // storage is charged to the one admission budget; admissions demote (with a disk tier) or evict
 // LRU entries for room. A disk tier that cannot be set up (prefix_disk_dir unusable, too little
-// free space, no io_uring) refuses the start: the operator asked for it.
+// free space, no io_uring) refuses the start: the operator asked for it. So does a remote tier
+// whose options cannot work (a password file that cannot be read); a cluster that does not answer
+// does not: the daemon serves without it, reports it down and reconnects (server/remote_tier.h).
 absl::StatusOr<std::unique_ptr<PrefixCache>> MakePrefixCache(const DaemonConfig& config,
                                                              DeviceBackend* backend,
                                                              DeviceBudget* budget,
@@ -79,6 +83,22 @@ absl::StatusOr<std::unique_ptr<PrefixCache>> MakePrefixCache(const DaemonConfig&
   options.slab_bytes = config.prefix_slab_bytes;
   options.disk_dir = config.prefix_disk_dir;
   options.disk_bytes = config.prefix_disk_bytes;
+  if (!config.prefix_remote_redis_nodes.empty()) {
+    RemoteTierOptions remote;
+    ASSIGN_OR_RETURN(remote.cluster.seed_nodes,
+                     ParseRedisNodeList(config.prefix_remote_redis_nodes));
+    remote.cluster.user = config.prefix_remote_redis_user;
+    remote.cluster.password_file = config.prefix_remote_redis_password_file;
+    remote.cluster.tls = config.prefix_remote_redis_tls;
+    remote.cluster.connect_timeout =
+        absl::Milliseconds(config.prefix_remote_redis_connect_timeout_ms);
+    remote.cluster.command_timeout = absl::Milliseconds(config.prefix_remote_redis_timeout_ms);
+    remote.queue_bytes = config.prefix_remote_queue_bytes;
+    remote.ttl = absl::Seconds(config.prefix_remote_ttl_s);
+    options.remote = std::move(remote);
+    options.remote_lookup_timeout = absl::Milliseconds(config.prefix_remote_lookup_timeout_ms);
+    options.remote_fetch_timeout = absl::Milliseconds(config.prefix_remote_fetch_timeout_ms);
+  }
   // The daemon's random epoch: a router tells a restarted daemon from a reconnect (0 means
   // "any epoch" to a subscriber, so it is never used).
   options.epoch = epoch == 0 ? 1 : epoch;
@@ -374,7 +394,14 @@ AdminService::Parts Daemon::AdminParts(ServedSocket socket) {
                              .epoch = epoch_,
                              .started = started_,
                              .set_draining = [this](bool draining) { return SetDraining(draining); },
-                             .socket = std::move(socket)};
+                             .socket = std::move(socket),
+                             .remote_tier_up = [this]() -> std::optional<bool> {
+                               if (prefix_cache_ == nullptr ||
+                                   prefix_cache_->remote_tier() == nullptr) {
+                                 return std::nullopt;
+                               }
+                               return prefix_cache_->remote_tier()->Up();
+                             }};
 }
 
 Daemon::~Daemon() { Shutdown(); }

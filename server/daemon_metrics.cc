@@ -170,6 +170,83 @@ Daemon::RegisterMetrics() {
           return samples;
         })));
   }
+  // The remote tier (server/remote_tier.h): no samples without one.
+  auto remote = [prefix](auto read) {
+    return prefix([read](const PrefixCacheStats& s) -> std::vector<CallbackSample> {
+      if (!s.remote.has_value()) return {};
+      return read(*s.remote);
+    });
+  };
+  RETURN_IF_ERROR(metrics_.AddCallbackGaugeFamily(
+      "memra_prefix_remote_up",
+      "1 while the remote tier's Redis Cluster answers (client made, circuit breaker closed).",
+      {}, remote([](const RemoteTierStats& r) {
+        return std::vector<CallbackSample>{{.label_values = {}, .value = r.up ? 1.0 : 0.0}};
+      })));
+  RETURN_IF_ERROR(metrics_.AddCallbackGaugeFamily(
+      "memra_prefix_remote_writes",
+      "Remote-tier writes by result (written, dropped: queue full or tier down, error), since "
+      "start.",
+      {"result"}, remote([](const RemoteTierStats& r) {
+        return std::vector<CallbackSample>{
+            {.label_values = {"written"}, .value = static_cast<double>(r.writes)},
+            {.label_values = {"dropped"}, .value = static_cast<double>(r.dropped_writes)},
+            {.label_values = {"error"}, .value = static_cast<double>(r.write_errors)}};
+      })));
+  RETURN_IF_ERROR(metrics_.AddCallbackGaugeFamily(
+      "memra_prefix_remote_reads",
+      "Remote-tier reads by result (ok, error, timeout: past the caller's deadline, refused: "
+      "tier down or readers busy), since start.",
+      {"result"}, remote([](const RemoteTierStats& r) {
+        return std::vector<CallbackSample>{
+            {.label_values = {"ok"}, .value = static_cast<double>(r.reads)},
+            {.label_values = {"error"}, .value = static_cast<double>(r.read_errors)},
+            {.label_values = {"timeout"}, .value = static_cast<double>(r.read_timeouts)},
+            {.label_values = {"refused"}, .value = static_cast<double>(r.read_refusals)}};
+      })));
+  RETURN_IF_ERROR(metrics_.AddCallbackGaugeFamily(
+      "memra_prefix_remote_refused_values",
+      "Remote values refused by a restore (corrupt: DATA_LOSS, deleted; shape_mismatch: "
+      "another build or plan), since start.",
+      {"reason"}, remote([](const RemoteTierStats& r) {
+        return std::vector<CallbackSample>{
+            {.label_values = {"corrupt"}, .value = static_cast<double>(r.corrupt)},
+            {.label_values = {"shape_mismatch"},
+             .value = static_cast<double>(r.shape_mismatches)}};
+      })));
+  const std::pair<const char*, const char*> remote_help[] = {
+      {"memra_prefix_remote_written_bytes", "Bytes of values the remote tier wrote, since start."},
+      {"memra_prefix_remote_pulled_bytes",
+       "Bytes of verified pieces restores pulled from the remote tier, since start."},
+      {"memra_prefix_remote_queued_bytes", "Bytes queued for the remote tier's writer."},
+      {"memra_prefix_remote_breaker_opens",
+       "Times the remote tier's circuit breaker opened (cluster down), since start."},
+  };
+  uint64_t RemoteTierStats::*const remote_fields[] = {
+      &RemoteTierStats::written_bytes, &RemoteTierStats::pulled_bytes,
+      &RemoteTierStats::queued_bytes, &RemoteTierStats::breaker_opens};
+  for (size_t i = 0; i < std::size(remote_fields); ++i) {
+    RETURN_IF_ERROR(metrics_.AddCallbackGaugeFamily(
+        remote_help[i].first, remote_help[i].second, {},
+        remote([field = remote_fields[i]](const RemoteTierStats& r) {
+          return std::vector<CallbackSample>{
+              {.label_values = {}, .value = static_cast<double>(r.*field)}};
+        })));
+  }
+  RETURN_IF_ERROR(metrics_.AddCallbackGaugeFamily(
+      "memra_prefix_remote_cluster_events",
+      "The Redis Cluster client's counters (moved, ask: redirects followed; refresh: slot maps "
+      "applied; connect; connection_failure), since start.",
+      {"event"}, remote([](const RemoteTierStats& r) {
+        const RedisClusterStats& c = r.cluster;
+        return std::vector<CallbackSample>{
+            {.label_values = {"moved"}, .value = static_cast<double>(c.moved_redirects)},
+            {.label_values = {"ask"}, .value = static_cast<double>(c.ask_redirects)},
+            {.label_values = {"refresh"}, .value = static_cast<double>(c.slot_map_refreshes)},
+            {.label_values = {"connect"}, .value = static_cast<double>(c.connects)},
+            {.label_values = {"connection_failure"},
+             .value = static_cast<double>(c.connection_failures)}};
+      })));
   RETURN_IF_ERROR(metrics_.AddCallbackGaugeFamily(
       "memra_prefix_slab_fragmentation",
       "Share (0-1) of the bytes of occupied slabs that no stored piece uses.", {},

@@ -340,7 +340,8 @@ absl::Status DaemonSession::CheckLive() const {
 }
 
 absl::Status DaemonSession::SyncMirrors() {
-  const std::vector<MirrorValue> mirrors = state_.Mirrors();
+  state_.MirrorsInto(mirror_values_);
+  const std::vector<MirrorValue>& mirrors = mirror_values_;
   bool slots_match = mirror_slots_.size() == mirrors.size();
   for (size_t i = 0; slots_match && i < mirrors.size(); ++i) {
     slots_match = mirror_slots_[i].plane == mirrors[i].plane;
@@ -353,7 +354,8 @@ absl::Status DaemonSession::SyncMirrors() {
     }
   }
   // Only the mirrors whose value changed, in one backend call.
-  std::vector<I32Write> writes;
+  std::vector<I32Write>& writes = mirror_writes_;
+  writes.clear();
   for (size_t i = 0; i < mirrors.size(); ++i) {
     if (mirror_slots_[i].written != mirrors[i].value) {
       writes.push_back({mirror_slots_[i].offset, mirrors[i].value});

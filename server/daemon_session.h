@@ -245,6 +245,10 @@ class DaemonSession {
     std::optional<int32_t> written;
   };
   std::vector<MirrorSlot> mirror_slots_ ABSL_GUARDED_BY(mu_);
+  // SyncMirrors' working storage, kept between calls so an operation allocates nothing for its
+  // mirrors (contents meaningless outside SyncMirrors).
+  std::vector<MirrorValue> mirror_values_ ABSL_GUARDED_BY(mu_);
+  std::vector<I32Write> mirror_writes_ ABSL_GUARDED_BY(mu_);
   bool released_ ABSL_GUARDED_BY(mu_) = false;
   // What the journal last recorded (layout version, committed state, reason): unchanged state
   // is not written again.

@@ -111,17 +111,6 @@ uint64_t SliceCount(uint64_t bytes, uint64_t slice_bytes) {
   return bytes == 0 ? 1 : (bytes - 1) / slice_bytes + 1;
 }
 
-// A piece's checksum from its slices' (in order): the one slice's own, else the xxHash3-64 of
-// the slice checksums as little-endian u64s.
-uint64_t PieceChecksum(const std::vector<uint64_t>& slices) {
-  if (slices.size() == 1) return slices[0];
-  std::vector<uint8_t> bytes(slices.size() * 8);
-  for (size_t i = 0; i < slices.size(); ++i) {
-    for (int b = 0; b < 8; ++b) bytes[i * 8 + b] = static_cast<uint8_t>(slices[i] >> (8 * b));
-  }
-  return XXH3_64bits(bytes.data(), bytes.size());
-}
-
 // Appends a piece, adding its bytes to `total` (overflow-checked).
 absl::Status AddPiece(std::vector<StoredPiece>& pieces, uint64_t& total, PlaneRef plane,
                       uint64_t plane_offset, uint64_t bytes) {
@@ -153,6 +142,32 @@ absl::StatusOr<ScopedShape> ShapeOf(const DaemonSession& session) {
   out.shape = PrefixShapeFingerprint(model, params.shape);
   out.key = ScopedShapeFingerprint(out.scope, out.shape);
   return out;
+}
+
+// Whether every layer of `plan` is position-addressed (no per-boundary state: SWA ring,
+// recurrent state, latent indexer), so any block boundary of a stored chain restores.
+bool PositionAddressedPlan(const SessionPlan& plan) {
+  return std::all_of(plan.layers.begin(), plan.layers.end(), [](const LayerGeometry& g) {
+    return !(g.ring || g.kind == StateKind::kRecurrent ||
+             (g.kind == StateKind::kLatent && g.index_width > 0));
+  });
+}
+
+// xxHash3-64 of what a stored piece's bytes mean: the rows per block and, per piece in order, its
+// layer, plane kind and bytes (the remote tier's values carry it; another plan or build that
+// lays the same number of bytes out differently reads as a shape mismatch, never as KV).
+uint64_t LayoutDigest(const std::vector<StoredPiece>& pieces, uint64_t block_rows) {
+  std::vector<uint8_t> bytes;
+  auto put = [&](uint64_t value, int size) {
+    for (int i = 0; i < size; ++i) bytes.push_back(static_cast<uint8_t>(value >> (8 * i)));
+  };
+  put(block_rows, 8);
+  for (const StoredPiece& piece : pieces) {
+    put(piece.plane.layer, 4);
+    put(static_cast<uint8_t>(piece.plane.kind), 1);
+    put(piece.bytes, 8);
+  }
+  return XXH3_64bits(bytes.data(), bytes.size());
 }
 
 bool IsFresh(const SessionState& state) {
@@ -306,18 +321,32 @@ absl::StatusOr<std::unique_ptr<PrefixCache>> PrefixCache::Create(const PrefixCac
   index_options.epoch = options.epoch;
   index_options.event_capacity = options.event_capacity;
   ASSIGN_OR_RETURN(PrefixIndex index, PrefixIndex::Create(index_options));
+  std::unique_ptr<RemoteTier> remote;
+  if (options.remote.has_value()) {
+    if (options.remote_lookup_timeout <= absl::ZeroDuration() ||
+        options.remote_fetch_timeout <= absl::ZeroDuration()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "prefix remote lookup timeout (", absl::FormatDuration(options.remote_lookup_timeout),
+          ") and fetch timeout (", absl::FormatDuration(options.remote_fetch_timeout),
+          ") must be positive"));
+    }
+    ASSIGN_OR_RETURN(remote, RemoteTier::Create(*options.remote));
+  }
   return std::unique_ptr<PrefixCache>(new PrefixCache(options, std::move(index), backend, budget,
-                                                      std::move(slabs), std::move(disk)));
+                                                      std::move(slabs), std::move(disk),
+                                                      std::move(remote)));
 }
 
 PrefixCache::PrefixCache(const PrefixCacheOptions& options, PrefixIndex index,
                          DeviceBackend* backend, DeviceBudget* budget,
-                         std::unique_ptr<SlabAllocator> slabs, std::unique_ptr<DiskTier> disk)
+                         std::unique_ptr<SlabAllocator> slabs, std::unique_ptr<DiskTier> disk,
+                         std::unique_ptr<RemoteTier> remote)
     : options_(options),
       backend_(backend),
       budget_(budget),
       slabs_(std::move(slabs)),
       disk_(std::move(disk)),
+      remote_(std::move(remote)),
       index_(std::move(index)) {}
 
 // slabs_ frees every slab, its charge and the budget's evictable bytes; disk_ every file.
@@ -356,16 +385,6 @@ std::vector<uint64_t> EntryHandles(const EntryView& entry) {
   for (const LookupBlock& block : entry.blocks) handles.push_back(block.stored.storage_handle);
   if (entry.boundary.has_value()) handles.push_back(entry.boundary->storage_handle);
   return handles;
-}
-
-// A piece's slice checksums, as CopySlices takes them, from its bytes in memory.
-std::vector<uint64_t> SliceChecksums(absl::Span<const uint8_t> bytes, uint64_t slice_bytes) {
-  std::vector<uint64_t> slices;
-  for (uint64_t at = 0; at < bytes.size() || slices.empty(); at += slice_bytes) {
-    const uint64_t size = std::min<uint64_t>(slice_bytes, bytes.size() - at);
-    slices.push_back(XXH3_64bits(bytes.data() + at, size));
-  }
-  return slices;
 }
 
 }  // namespace
@@ -644,7 +663,30 @@ absl::StatusOr<PrefixCaptureResult> PrefixCache::CaptureLocked(
     copies[i].storage.checksum = copies[i].ref.checksum;
     if ((*slices)[i].size() > 1) copies[i].storage.slice_checksums = std::move((*slices)[i]);
   }
+  std::vector<std::pair<std::string, std::string>> remote_values =
+      RemoteValuesOf(shape, plan, stored, copies);
   absl::MutexLock lock(&mu_);
+  ASSIGN_OR_RETURN(CommitResult committed,
+                   AdoptLocked(shape, plan, std::move(copies), stored.position_addressed_only));
+  if (!committed.already_present) {
+    ++captures_;
+    for (auto& [key, value] : remote_values) remote_->Enqueue(std::move(key), std::move(value));
+  }
+  DemoteDownTo(options_.budget_bytes);
+  PrefixCaptureResult result;
+  result.entry = committed.entry;
+  result.boundary_tokens = boundary_tokens;
+  result.already_present = committed.already_present;
+  result.added_bytes = committed.added_bytes;
+  result.stored_bytes = index_.StoredBytes();
+  result.shape = shape.shape;
+  return result;
+}
+
+absl::StatusOr<CommitResult> PrefixCache::AdoptLocked(const ScopedShape& shape,
+                                                      const CapturePlan& plan,
+                                                      std::vector<Stored> copies,
+                                                      bool position_addressed) {
   CaptureCommit commit;
   for (Stored& copy : copies) copy.ref.storage_handle = next_handle_++;
   const size_t new_blocks = plan.already_present ? 0 : plan.new_block_count();
@@ -664,18 +706,231 @@ absl::StatusOr<PrefixCaptureResult> PrefixCache::CaptureLocked(
   if (!committed.ok()) return committed.status();
   FreeHandles(committed->unused_handles);
   FreeHandles(committed->evicted_handles);
-  position_addressed_[shape.key] = stored.position_addressed_only;
+  position_addressed_[shape.key] = position_addressed;
   scoped_shapes_[shape.key] = shape;
-  if (!committed->already_present) ++captures_;
-  DemoteDownTo(options_.budget_bytes);
-  PrefixCaptureResult result;
-  result.entry = committed->entry;
-  result.boundary_tokens = boundary_tokens;
-  result.already_present = committed->already_present;
-  result.added_bytes = committed->added_bytes;
-  result.stored_bytes = index_.StoredBytes();
-  result.shape = shape.shape;
-  return result;
+  return committed;
+}
+
+std::vector<std::pair<std::string, std::string>> PrefixCache::RemoteValuesOf(
+    const ScopedShape& shape, const CapturePlan& plan, const StoredLayout& stored,
+    const std::vector<Stored>& copies) const {
+  std::vector<std::pair<std::string, std::string>> values;
+  if (remote_ == nullptr || copies.empty()) return values;
+  uint64_t total = 0;
+  for (const Stored& copy : copies) total += kRemoteHeaderBytes + copy.storage.piece_bytes;
+  if (!remote_->AdmitWrite(total)) return values;
+  const size_t new_blocks = plan.already_present ? 0 : plan.new_block_count();
+  for (size_t i = 0; i < copies.size(); ++i) {
+    const bool block = i < new_blocks;
+    RemoteValueHeader header;
+    header.kind = block ? RemoteValueKind::kBlock : RemoteValueKind::kBoundary;
+    header.payload_bytes = copies[i].storage.piece_bytes;
+    header.shape_prefix = ShapePrefix(shape.key);
+    header.block_tokens = options_.block_tokens;
+    header.slice_bytes = static_cast<uint32_t>(options_.checksum_slice_bytes);
+    header.boundary_tokens = block ? 0 : plan.boundary_tokens;
+    header.checksum = copies[i].ref.checksum;
+    header.layout_digest = block ? LayoutDigest(stored.block_pieces, stored.block_rows)
+                                 : LayoutDigest(stored.boundary_pieces, stored.block_rows);
+    std::string value = NewRemoteValue(header);
+    const SlabSpan& span = copies[i].storage.span;
+    absl::Status read = backend_->Read(
+        span.slab, span.offset,
+        absl::MakeSpan(reinterpret_cast<uint8_t*>(value.data()) + kRemoteHeaderBytes,
+                       header.payload_bytes));
+    if (!read.ok()) {
+      spdlog::warn("prefix remote tier: reading a captured piece failed: {}", read.ToString());
+      return {};
+    }
+    values.emplace_back(block ? RemoteBlockKey(shape.scope, plan.chain[plan.first_new_block + i])
+                              : RemoteBoundaryKey(shape.scope, plan.chain.back()),
+                        std::move(value));
+  }
+  return values;
+}
+
+void PrefixCache::PullFromRemote(const ScopedShape& shape, const SessionState& state,
+                                 const SessionLayoutVersion& layout,
+                                 absl::Span<const int32_t> tokens,
+                                 const std::vector<BlockKey>& keys) {
+  const uint64_t block = options_.block_tokens;
+  const bool position_addressed = PositionAddressedPlan(layout.plan);
+  const uint64_t limit = std::min<uint64_t>(keys.size(), state.capacity() / block);
+  if (limit == 0) return;
+  // What this daemon's plan stores when `blocks` blocks are restored, and the index's plan for
+  // storing them (which blocks it holds already).
+  auto layout_at = [&](uint64_t blocks) -> absl::StatusOr<StoredLayout> {
+    SessionState hydrated = state;
+    RETURN_IF_ERROR(hydrated.Hydrate(blocks * block, {}));
+    return PlanStoredLayout(layout.plan, hydrated, blocks * block, block);
+  };
+  auto plan_at = [&](uint64_t blocks, const StoredLayout& stored) -> absl::StatusOr<CapturePlan> {
+    PrefixModelTraits traits;
+    traits.position_addressed_only = stored.position_addressed_only;
+    ASSIGN_OR_RETURN(traits.block_bytes, slabs_->RoundedBytes(stored.block_bytes));
+    if (!stored.position_addressed_only) {
+      ASSIGN_OR_RETURN(traits.boundary_bytes, slabs_->RoundedBytes(stored.boundary_bytes));
+    }
+    absl::MutexLock lock(&mu_);
+    return index_.PlanCapture(shape.key, tokens.subspan(0, blocks * block), blocks * block,
+                              traits);
+  };
+  auto skip = [&](const absl::Status& status) {
+    spdlog::debug("prefix remote tier: no pull for shape {}: {}", FingerprintHex(shape.shape),
+                  status.ToString());
+  };
+  // 1. How far the remote tier reaches (one ExistsEach round trip per node).
+  std::vector<std::string> names;
+  uint64_t first = 0;
+  if (position_addressed) {
+    absl::StatusOr<StoredLayout> stored = layout_at(limit);
+    if (!stored.ok()) return skip(stored.status());
+    absl::StatusOr<CapturePlan> plan = plan_at(limit, *stored);
+    if (!plan.ok()) return skip(plan.status());
+    first = plan->first_new_block;
+    if (first >= limit) return;  // every block is here
+    for (uint64_t i = first; i < limit; ++i) names.push_back(RemoteBlockKey(shape.scope, keys[i]));
+  } else {
+    for (uint64_t i = 0; i < limit; ++i) names.push_back(RemoteBlockKey(shape.scope, keys[i]));
+    for (uint64_t i = 0; i < limit; ++i) names.push_back(RemoteBoundaryKey(shape.scope, keys[i]));
+  }
+  absl::StatusOr<std::vector<bool>> exists =
+      remote_->ExistsEach(names, options_.remote_lookup_timeout);
+  if (!exists.ok()) return skip(exists.status());
+  uint64_t reach = 0;  // blocks the pull will store
+  std::optional<StoredLayout> stored;
+  std::optional<CapturePlan> plan;
+  if (position_addressed) {
+    reach = first;
+    while (reach < limit && (*exists)[reach - first]) ++reach;
+    if (reach == first) return;
+  } else {
+    for (uint64_t m = limit; m > 0 && !plan.has_value(); --m) {
+      if (!(*exists)[limit + m - 1]) continue;
+      absl::StatusOr<StoredLayout> at = layout_at(m);
+      if (!at.ok()) continue;
+      absl::StatusOr<CapturePlan> planned = plan_at(m, *at);
+      if (!planned.ok()) continue;
+      if (planned->already_present) return;  // the local tiers hold this boundary or longer
+      bool all = true;
+      for (uint64_t i = planned->first_new_block; i < m && all; ++i) all = (*exists)[i];
+      if (!all) continue;
+      reach = m;
+      stored = *std::move(at);
+      plan = *std::move(planned);
+    }
+    if (!plan.has_value()) return;
+  }
+  if (!stored.has_value()) {
+    absl::StatusOr<StoredLayout> at = layout_at(reach);
+    if (!at.ok()) return skip(at.status());
+    stored = *std::move(at);
+  }
+  if (!plan.has_value()) {
+    absl::StatusOr<CapturePlan> planned = plan_at(reach, *stored);
+    if (!planned.ok()) return skip(planned.status());
+    plan = *std::move(planned);
+  }
+  // 2. Fetch and verify: a piece that is absent, corrupt (DATA_LOSS: deleted) or of another
+  // shape ends the pull there; a boundary plan then pulls nothing.
+  std::vector<std::string> fetch;
+  for (uint64_t i = plan->first_new_block; i < plan->chain.size(); ++i) {
+    fetch.push_back(RemoteBlockKey(shape.scope, plan->chain[i]));
+  }
+  if (plan->needs_boundary_state) {
+    fetch.push_back(RemoteBoundaryKey(shape.scope, plan->chain.back()));
+  }
+  absl::StatusOr<std::vector<std::optional<std::string>>> values =
+      remote_->GetEach(fetch, options_.remote_fetch_timeout);
+  if (!values.ok()) return skip(values.status());
+  RemoteTier::PullCounts counts;
+  std::vector<VerifiedRemoteValue> verified;
+  for (size_t i = 0; i < fetch.size(); ++i) {
+    const bool is_block = !plan->needs_boundary_state || i + 1 < fetch.size();
+    RemoteValueHeader expected;
+    expected.kind = is_block ? RemoteValueKind::kBlock : RemoteValueKind::kBoundary;
+    expected.payload_bytes = is_block ? stored->block_bytes : stored->boundary_bytes;
+    expected.shape_prefix = ShapePrefix(shape.key);
+    expected.block_tokens = options_.block_tokens;
+    expected.boundary_tokens = is_block ? 0 : plan->boundary_tokens;
+    expected.layout_digest = is_block ? LayoutDigest(stored->block_pieces, stored->block_rows)
+                                      : LayoutDigest(stored->boundary_pieces, stored->block_rows);
+    if (!(*values)[i].has_value()) break;  // evicted or expired since EXISTS
+    absl::StatusOr<VerifiedRemoteValue> value = VerifyRemoteValue(fetch[i], *(*values)[i], expected);
+    if (!value.ok()) {
+      if (absl::IsDataLoss(value.status())) {
+        ++counts.corrupt;
+        remote_->Discard(fetch[i]);
+        spdlog::error("prefix remote tier: {}; deleted, the restore goes on without it",
+                      value.status().ToString());
+      } else {
+        ++counts.shape_mismatches;
+        spdlog::warn("prefix remote tier: {}", value.status().ToString());
+      }
+      break;
+    }
+    verified.push_back(*std::move(value));
+  }
+  if (verified.size() < fetch.size()) {
+    const uint64_t good_blocks = plan->first_new_block + verified.size();
+    if (!position_addressed || good_blocks == plan->first_new_block) {
+      remote_->RecordPull(counts);
+      return;
+    }
+    // A shorter chain: the blocks before the bad one.
+    verified.resize(good_blocks - plan->first_new_block);
+    absl::StatusOr<CapturePlan> shorter = plan_at(good_blocks, *stored);
+    if (!shorter.ok() || shorter->first_new_block != plan->first_new_block) {
+      remote_->RecordPull(counts);
+      return;
+    }
+    plan = *std::move(shorter);
+  }
+  // 3. Into slabs (held until adopted), checksummed as this daemon slices.
+  std::vector<Stored> copies;
+  auto free_copies = [&] {
+    for (const Stored& copy : copies) {
+      (void)slabs_->Release(copy.storage.span.slab);
+      FreeStorage(copy.storage.span);
+    }
+  };
+  for (VerifiedRemoteValue& value : verified) {
+    const absl::Span<const uint8_t> payload(
+        reinterpret_cast<const uint8_t*>(value.payload.data()), value.payload.size());
+    absl::StatusOr<SlabSpan> span = slabs_->Allocate(payload.size());
+    if (!span.ok()) {
+      free_copies();
+      return skip(span.status());
+    }
+    Stored& copy = copies.emplace_back();
+    copy.storage.span = *span;
+    if (absl::Status written = backend_->Write(span->slab, span->offset, payload); !written.ok()) {
+      free_copies();
+      return skip(written);
+    }
+    std::vector<uint64_t> slices = value.slice_bytes == options_.checksum_slice_bytes
+                                       ? std::move(value.slice_checksums)
+                                       : SliceChecksums(payload, options_.checksum_slice_bytes);
+    copy.ref.checksum = PieceChecksum(slices);
+    copy.storage.piece_bytes = payload.size();
+    copy.storage.checksum = copy.ref.checksum;
+    if (slices.size() > 1) copy.storage.slice_checksums = std::move(slices);
+    ++counts.pieces;
+    counts.bytes += payload.size();
+  }
+  {
+    absl::MutexLock lock(&mu_);
+    absl::StatusOr<CommitResult> committed =
+        AdoptLocked(shape, *plan, std::move(copies), position_addressed);
+    if (!committed.ok()) {
+      counts.pieces = 0;
+      counts.bytes = 0;
+      spdlog::warn("prefix remote tier: storing the pulled prefix failed: {}",
+                   committed.status().ToString());
+    }
+    DemoteDownTo(options_.budget_bytes);
+  }
+  remote_->RecordPull(counts);
 }
 
 absl::StatusOr<PrefixCaptureResult> PrefixCache::Capture(DaemonSession& session,
@@ -707,12 +962,7 @@ absl::StatusOr<std::optional<PrefixCaptureResult>> PrefixCache::CaptureCommitted
         if (!tokens.has_value() || tokens->size() != state.committed_len()) return absl::OkStatus();
         const uint64_t block = options_.block_tokens;
         const uint64_t committed = state.committed_len();
-        // Whether the plan keeps state per boundary (the layout at any boundary says so).
-        const bool position_addressed = std::all_of(
-            layout.plan.layers.begin(), layout.plan.layers.end(), [](const LayerGeometry& g) {
-              return !(g.ring || g.kind == StateKind::kRecurrent ||
-                       (g.kind == StateKind::kLatent && g.index_width > 0));
-            });
+        const bool position_addressed = PositionAddressedPlan(layout.plan);
         uint64_t boundary = committed / block * block;
         if (!position_addressed) {
           // Boundary state is only what the committed length left, and only when no staged
@@ -747,13 +997,57 @@ LookupResult PrefixCache::LookupLocked(const PlanFingerprint& shape,
 PrefixLookupResult PrefixCache::Lookup(absl::string_view scope, const PlanFingerprint& shape,
                                        absl::Span<const int32_t> tokens) {
   const PlanFingerprint key = ScopedShapeFingerprint(scope, shape);
-  absl::MutexLock lock(&mu_);
+  absl::ReleasableMutexLock lock(&mu_);
   const LookupResult found = LookupLocked(key, tokens);
   PrefixLookupResult result;
   result.outcome = found.outcome;
   result.entry = found.entry;
   result.matched_tokens = found.matched_tokens;
   result.medium = MediumLocked(found.blocks, found.boundary);
+  if (remote_ == nullptr || found.outcome == LookupOutcome::kHit) return result;
+  std::optional<bool> position_addressed;
+  if (auto it = position_addressed_.find(key); it != position_addressed_.end()) {
+    position_addressed = it->second;
+  }
+  lock.Release();
+  // Read-through: how far the remote tier reaches past the local match (a restore by tokens
+  // pulls it). A shape this daemon never stored is told apart by the boundary keys: only plans
+  // with per-boundary state write them.
+  const uint64_t block = options_.block_tokens;
+  absl::StatusOr<std::vector<BlockKey>> keys = ChainBlockKeys(key, tokens, block);
+  if (!keys.ok()) return result;
+  const uint64_t local = found.matched_tokens / block;
+  const uint64_t count = keys->size() - local;
+  std::vector<std::string> names;
+  for (uint64_t i = local; i < keys->size(); ++i) {
+    names.push_back(RemoteBlockKey(scope, (*keys)[i]));
+  }
+  if (position_addressed != true) {
+    for (uint64_t i = local; i < keys->size(); ++i) {
+      names.push_back(RemoteBoundaryKey(scope, (*keys)[i]));
+    }
+  }
+  absl::StatusOr<std::vector<bool>> exists =
+      remote_->ExistsEach(std::move(names), options_.remote_lookup_timeout);
+  if (!exists.ok()) return result;
+  uint64_t blocks = 0;  // remote blocks contiguous after the local match
+  while (blocks < count && (*exists)[blocks]) ++blocks;
+  uint64_t reach = local + blocks;
+  if (position_addressed != true) {
+    std::optional<uint64_t> boundary;
+    for (uint64_t i = count; i > 0 && !boundary.has_value(); --i) {
+      if ((*exists)[count + i - 1] && i <= blocks) boundary = local + i;
+    }
+    const bool boundary_plan =
+        position_addressed == false ||
+        std::any_of(exists->begin() + count, exists->end(), [](bool b) { return b; });
+    if (boundary_plan) reach = boundary.value_or(0);
+  }
+  if (reach <= local) return result;
+  result.matched_tokens = reach * block;
+  result.outcome = reach == keys->size() ? LookupOutcome::kHit : LookupOutcome::kPartial;
+  result.entry = std::nullopt;  // a restore by tokens pulls the remote part first
+  result.medium = StorageMedium::kRemote;
   return result;
 }
 
@@ -774,6 +1068,9 @@ absl::StatusOr<PrefixRestoreResult> PrefixCache::Restore(DaemonSession& session,
               state.staged_len(), " rows"));
         }
         ASSIGN_OR_RETURN(std::vector<BlockKey> keys, ChainBlockKeys(shape.key, tokens, block));
+        if (!requested.has_value() && remote_ != nullptr) {
+          PullFromRemote(shape, state, layout, tokens, keys);
+        }
         EntryView entry;
         uint64_t matched = 0;
         StorageMedium served_from = StorageMedium::kDevice;
@@ -1176,6 +1473,15 @@ PrefixCacheStats PrefixCache::Stats() const {
                            .hits = tier_hits_[kDisk],
                            .promotions = tier_promotions_[kDisk],
                            .demotions = tier_demotions_[kDisk]});
+  }
+  if (remote_ != nullptr) {
+    stats.remote = remote_->Stats();
+    stats.tiers.push_back({.medium = StorageMedium::kRemote,
+                           .stored_bytes = 0,
+                           .budget_bytes = 0,
+                           .hits = stats.remote->hits,
+                           .promotions = stats.remote->pulled_pieces,
+                           .demotions = stats.remote->writes});
   }
   return stats;
 }

@@ -22,6 +22,16 @@
 // (DATA_LOSS drops the entry as any corruption does). Only slabs are charged to the device
 // budget. On cuda the tier in between (pinned host memory) is not built yet: GPU -> disk.
 //
+// Remote tier (server/remote_tier.h, docs/remote-tier.md; optional): a Redis Cluster other
+// daemons share. Write-behind: a capture queues a copy of each new piece (read from its span while
+// the capture holds it) under its chained block key and scope; a full queue or a down tier drops
+// the copy, never the capture. Read-through: a Lookup that matches short locally asks the cluster
+// which of the next keys exist (within remote_lookup_timeout; medium kRemote when it reaches
+// further), and a Restore by tokens first pulls the pieces the cluster holds beyond the local
+// match (within remote_fetch_timeout), verifies each value (header, shape, checksum: a corrupt one
+// is refused and deleted, a mismatched one skipped) and stores them as a local entry (DEVICE,
+// a kStored event) before the normal restore. Any remote failure leaves the local answer.
+//
 // What is stored (StoredLayout):
 //  * per BLOCK of block_tokens rows, shared between entries: for every position-addressed layer
 //    in layer order, flat K rows then V rows, latent rows;
@@ -70,7 +80,9 @@
 #include "server/daemon_session.h"
 #include "server/device_budget.h"
 #include "server/disk_tier.h"
+#include "server/remote_tier.h"
 #include "server/slab_allocator.h"
+#include "server/streaming_checksum.h"
 
 namespace memra {
 
@@ -93,6 +105,11 @@ struct PrefixCacheOptions {
   std::string disk_dir;
   uint64_t disk_bytes = 0;
   uint32_t disk_queue_depth = 8;
+  // The remote tier: none when absent. A cluster down at start-up is not an error (the tier
+  // starts down and reconnects); options that cannot work are (RemoteTier::Create).
+  std::optional<RemoteTierOptions> remote;
+  absl::Duration remote_lookup_timeout = absl::Milliseconds(20);  // > 0
+  absl::Duration remote_fetch_timeout = absl::Seconds(2);         // > 0
 };
 
 // The shape a session's entries are keyed by: the model fingerprint for an unsharded session
@@ -210,9 +227,13 @@ struct PrefixCacheStats {
   uint64_t last_sequence = 0;
   uint32_t block_tokens = 0;
   SlabStats slabs;  // the device tier's storage (gauges)
-  // The device tier, then the disk tier when there is one. stored_bytes == the tiers' sum
-  // (the device tier's counts slab spans, the disk tier's the same rounded sizes).
+  // The device tier, then the disk tier when there is one, then the remote tier when there is
+  // one. stored_bytes == the tiers' sum (the device tier's counts slab spans, the disk tier's the
+  // same rounded sizes; the remote tier's is 0: what the cluster holds is the cluster's, not this
+  // daemon's; its hits are restores that pulled pieces, promotions the pieces pulled, demotions
+  // the pieces written).
   std::vector<PrefixTierStats> tiers;
+  std::optional<RemoteTierStats> remote;  // present iff the daemon has a remote tier
 };
 
 class PrefixCache {
@@ -281,6 +302,9 @@ class PrefixCache {
   // Installs EvictForAdmission as `budget`'s evictor (the budget must not outlive this cache).
   void InstallEvictor(DeviceBudget& budget);
 
+  // The remote tier, or null (tests and benches flush its writes).
+  RemoteTier* remote_tier() const { return remote_.get(); }
+
   // Returns the emptied slabs kept for reuse to the backend (shutdown); returns their bytes.
   uint64_t ReleaseEmptySlabs() ABSL_LOCKS_EXCLUDED(mu_);
 
@@ -329,7 +353,7 @@ class PrefixCache {
 
   PrefixCache(const PrefixCacheOptions& options, PrefixIndex index, DeviceBackend* backend,
               DeviceBudget* budget, std::unique_ptr<SlabAllocator> slabs,
-              std::unique_ptr<DiskTier> disk);
+              std::unique_ptr<DiskTier> disk, std::unique_ptr<RemoteTier> remote);
 
   // REQUIRES the session's mutex (runs inside DaemonSession::ViewLocked).
   absl::StatusOr<PrefixCaptureResult> CaptureLocked(const ScopedShape& shape,
@@ -339,6 +363,22 @@ class PrefixCache {
                                                     uint64_t boundary_tokens,
                                                     bool allow_open_transaction)
       ABSL_LOCKS_EXCLUDED(mu_);
+  // Hands a capture's or a pull's `copies` (spans held) to the index for `plan`: each is adopted
+  // or freed, its hold released either way; records the shape.
+  absl::StatusOr<CommitResult> AdoptLocked(const ScopedShape& shape, const CapturePlan& plan,
+                                           std::vector<Stored> copies, bool position_addressed)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Write-behind: the remote tier's (key, value) for each of a capture's `copies` (read from
+  // their held spans); empty without a remote tier or when its queue would not take them all.
+  std::vector<std::pair<std::string, std::string>> RemoteValuesOf(
+      const ScopedShape& shape, const CapturePlan& plan, const StoredLayout& stored,
+      const std::vector<Stored>& copies) const ABSL_LOCKS_EXCLUDED(mu_);
+  // Read-through before a restore by tokens (REQUIRES the fresh destination's mutex, not mu_):
+  // pulls what the remote tier holds beyond the local match of `keys` into a local entry.
+  // Failures are logged and counted, never returned: the restore then serves the local match.
+  void PullFromRemote(const ScopedShape& shape, const SessionState& state,
+                      const SessionLayoutVersion& layout, absl::Span<const int32_t> tokens,
+                      const std::vector<BlockKey>& keys) ABSL_LOCKS_EXCLUDED(mu_);
   // Validates, verifies and copies a pinned entry's first `matched_blocks` blocks (and its
   // boundary state) into the fresh session; returns the state it must adopt. REQUIRES the
   // destination's mutex (inside DaemonSession::RestoreLocked).
@@ -388,6 +428,7 @@ class PrefixCache {
   DeviceBudget* const budget_;
   const std::unique_ptr<SlabAllocator> slabs_;  // thread-safe itself
   const std::unique_ptr<DiskTier> disk_;         // null: no disk tier; thread-safe itself
+  const std::unique_ptr<RemoteTier> remote_;     // null: no remote tier; thread-safe itself
 
   std::atomic<uint64_t> tick_{0};  // LRU clock
 

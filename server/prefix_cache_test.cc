@@ -1,5 +1,6 @@
 #include "server/prefix_cache.h"
 
+#include <signal.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -24,6 +25,9 @@
 #include "gtest/gtest.h"
 #include "server/daemon_session.h"
 #include "server/device_budget.h"
+#include "server/redis_cluster.h"
+#include "server/remote_tier.h"
+#include "server/test_redis_cluster.h"
 #include "server/test_host_backend.h"
 #include "tests/seeded_random.h"
 #include "tests/status_matchers.h"
@@ -1341,6 +1345,221 @@ TEST_F(PrefixCacheTest, DiskTierRefusalsCarryCodesAndNumbers) {
   options.disk_dir = "relative";
   EXPECT_THAT(PrefixCache::Create(options, backend_.get(), nullptr).status(),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstrs("\"relative\"")));
+}
+
+// ---- The remote tier: two caches ("machines") sharing a real 3-master / 3-replica cluster ----
+
+class PrefixCacheRemoteTest : public testing::WithRedisCluster<PrefixCacheTest> {
+ protected:
+  void SetUp() override {
+    WithRedisCluster::SetUp();  // PrefixCacheTest::SetUp too
+    if (IsSkipped() || HasFatalFailure()) return;
+    ASSERT_TRUE(cluster_->WaitHealthy());
+    absl::StatusOr<std::vector<int>> masters = cluster_->MasterPorts();
+    ASSERT_THAT(masters, IsOk());
+    for (const int master : *masters) ASSERT_THAT(cluster_->Command(master, {"FLUSHALL"}), IsOk());
+    RedisClusterOptions options = ClusterOptions();
+    absl::StatusOr<std::unique_ptr<RedisClusterClient>> client =
+        RedisClusterClient::Create(options);
+    ASSERT_THAT(client, IsOk());
+    redis_ = *std::move(client);
+  }
+
+  static RedisClusterOptions ClusterOptions() {
+    RedisClusterOptions options;
+    options.seed_nodes = *ParseRedisNodeList(cluster_->NodeList());
+    options.password_file = cluster_->WritePasswordFile("default.pass", testing::kRedisPassword);
+    options.command_timeout = absl::Milliseconds(300);
+    return options;
+  }
+
+  // A cache with a remote tier on the cluster (checksum slices of `slice_bytes`).
+  std::unique_ptr<PrefixCache> MakeRemoteCache(uint64_t slice_bytes = uint64_t{8} << 20,
+                                               uint64_t queue_bytes = uint64_t{64} << 20) {
+    PrefixCacheOptions options;
+    options.budget_bytes = uint64_t{16} << 20;
+    options.block_tokens = kBlock;
+    options.slab_bytes = kSlabBytes;
+    options.checksum_slice_bytes = slice_bytes;
+    options.epoch = 78;
+    RemoteTierOptions remote;
+    remote.cluster = ClusterOptions();
+    remote.queue_bytes = queue_bytes;
+    options.remote = remote;
+    options.remote_lookup_timeout = absl::Seconds(2);  // no spurious misses on a loaded machine
+    absl::StatusOr<std::unique_ptr<PrefixCache>> cache =
+        PrefixCache::Create(options, backend_.get(), nullptr);
+    EXPECT_THAT(cache.status(), IsOk());
+    return cache.ok() ? *std::move(cache) : nullptr;
+  }
+
+  // Captures `blocks` blocks of `plan` on `cache` and waits for the write-behind.
+  void CaptureAndFlush(PrefixCache& cache, const ModelPlan& plan,
+                       const std::vector<int32_t>& tokens, uint64_t blocks) {
+    auto source = NewSession(plan, 256);
+    Append(*source, tokens, blocks * kBlock);
+    ASSERT_THAT(cache
+                    .Capture(*source, absl::MakeConstSpan(tokens).subspan(0, blocks * kBlock),
+                             blocks * kBlock)
+                    .status(),
+                IsOk());
+    ASSERT_TRUE(cache.remote_tier()->Flush(absl::Seconds(30)));
+  }
+
+  std::string BlockKeyName(const ModelPlan& plan, const std::vector<int32_t>& tokens,
+                           size_t block) {
+    const PlanFingerprint key = ScopedShapeFingerprint(kScope, Shape(plan));
+    return RemoteBlockKey(kScope, ChainBlockKeys(key, tokens, kBlock).value()[block]);
+  }
+
+  std::unique_ptr<RedisClusterClient> redis_;
+};
+
+TEST_F(PrefixCacheRemoteTest, CapturedOnOneCacheRestoresBitExactlyOnAnother) {
+  std::unique_ptr<PrefixCache> a = MakeRemoteCache();
+  // B slices checksums differently: it re-slices what it pulls, and still verifies.
+  std::unique_ptr<PrefixCache> b = MakeRemoteCache(/*slice_bytes=*/512);
+  ASSERT_NE(a, nullptr);
+  ASSERT_NE(b, nullptr);
+  const std::vector<int32_t> flat = Tokens(6 * kBlock);
+  const std::vector<int32_t> hybrid = Tokens(4 * kBlock, 7);
+  CaptureAndFlush(*a, FlatPlan(), flat, 6);
+  CaptureAndFlush(*a, HybridPlan(), hybrid, 4);
+  ASSERT_TRUE(a->Stats().remote.has_value());
+  EXPECT_EQ(a->Stats().remote->writes, 6u + 4u + 1u);
+
+  for (const auto& [plan, tokens] :
+       std::vector<std::pair<ModelPlan, std::vector<int32_t>>>{{FlatPlan(), flat},
+                                                               {HybridPlan(), hybrid}}) {
+    const PrefixLookupResult found = b->Lookup(kScope, Shape(plan), tokens);
+    EXPECT_EQ(found.outcome, LookupOutcome::kHit);
+    EXPECT_EQ(found.matched_tokens, tokens.size());
+    EXPECT_EQ(found.medium, StorageMedium::kRemote);
+    EXPECT_EQ(found.entry, std::nullopt);  // a restore by tokens pulls it
+    auto dest = NewSession(plan, 256);
+    absl::StatusOr<PrefixRestoreResult> restored = b->Restore(*dest, std::nullopt, tokens);
+    ASSERT_THAT(restored.status(), IsOk());
+    EXPECT_EQ(restored->restored_tokens, tokens.size());
+    ExpectRestored(*dest, tokens.size(), tokens.size());
+    EXPECT_EQ(b->Lookup(kScope, Shape(plan), tokens).medium, StorageMedium::kDevice);
+  }
+  const PrefixCacheStats stats = b->Stats();
+  EXPECT_EQ(stats.entries, 2u);
+  EXPECT_EQ(stats.captures, 0u);
+  EXPECT_EQ(stats.restores, 2u);
+  EXPECT_EQ(stats.remote->hits, 2u);
+  EXPECT_EQ(stats.remote->pulled_pieces, 11u);
+  EXPECT_EQ(stats.remote->corrupt, 0u);
+  ASSERT_EQ(stats.tiers.size(), 2u);
+  EXPECT_EQ(stats.tiers[1].medium, StorageMedium::kRemote);
+  EXPECT_EQ(stats.tiers[1].promotions, 11u);
+  // A router hears B's pulled entries as stored on B's device.
+  const ScopedEventReplay events = b->EventsSince(0, 0, std::nullopt);
+  ASSERT_EQ(events.events.size(), 2u);
+  EXPECT_EQ(events.events[0].event.kind, PrefixEventKind::kStored);
+  EXPECT_EQ(events.events[0].event.medium, StorageMedium::kDevice);
+  EXPECT_THAT(b->CheckInvariants(), IsOk());
+  // Another scope neither sees nor pulls it.
+  EXPECT_EQ(b->Lookup("uid:2000", Shape(FlatPlan()), flat).outcome, LookupOutcome::kMiss);
+}
+
+TEST_F(PrefixCacheRemoteTest, ACorruptValueIsDeletedAndAnotherShapesIsSkipped) {
+  std::unique_ptr<PrefixCache> a = MakeRemoteCache();
+  std::unique_ptr<PrefixCache> b = MakeRemoteCache();
+  ASSERT_NE(a, nullptr);
+  ASSERT_NE(b, nullptr);
+  const std::vector<int32_t> tokens = Tokens(6 * kBlock);
+  CaptureAndFlush(*a, FlatPlan(), tokens, 6);
+  // Block 4: one flipped payload byte. Block 2: a valid value of another layout.
+  const std::string corrupt_key = BlockKeyName(FlatPlan(), tokens, 4);
+  absl::StatusOr<std::optional<std::string>> value = redis_->Get(corrupt_key);
+  ASSERT_THAT(value, IsOk());
+  ASSERT_TRUE(value->has_value());
+  (**value)[kRemoteHeaderBytes + 10] ^= 1;
+  ASSERT_THAT(redis_->Set(corrupt_key, **value), IsOk());
+  const std::string foreign_key = BlockKeyName(FlatPlan(), tokens, 2);
+  absl::StatusOr<std::optional<std::string>> original = redis_->Get(foreign_key);
+  ASSERT_THAT(original, IsOk());
+  ASSERT_TRUE(original->has_value());
+  RemoteValueHeader foreign;
+  foreign.payload_bytes = kFlatBlockBytes;
+  foreign.block_tokens = kBlock;
+  foreign.slice_bytes = 1 << 20;
+  foreign.layout_digest = 12345;
+  ASSERT_THAT(redis_->Set(foreign_key, NewRemoteValue(foreign)), IsOk());
+
+  // The restore pulls blocks 0 and 1, refuses block 2 (another shape: skipped, kept).
+  auto first = NewSession(FlatPlan(), 256);
+  absl::StatusOr<PrefixRestoreResult> restored = b->Restore(*first, std::nullopt, tokens);
+  ASSERT_THAT(restored.status(), IsOk());
+  EXPECT_EQ(restored->restored_tokens, 2 * kBlock);
+  ExpectRestored(*first, 2 * kBlock, 0);
+  PrefixCacheStats stats = b->Stats();
+  EXPECT_EQ(stats.remote->shape_mismatches, 1u);
+  EXPECT_EQ(stats.remote->corrupt, 0u);
+  EXPECT_THAT(redis_->Get(foreign_key), testing::IsOkAndHolds(::testing::Optional(::testing::_)));
+
+  // Block 2's own value back: B pulls blocks 2 and 3 and refuses 4 as corrupt: never restored,
+  // deleted from the cluster.
+  ASSERT_THAT(redis_->Set(foreign_key, **original), IsOk());
+  auto second = NewSession(FlatPlan(), 256);
+  restored = b->Restore(*second, std::nullopt, tokens);
+  ASSERT_THAT(restored.status(), IsOk());
+  EXPECT_EQ(restored->restored_tokens, 4 * kBlock);
+  ExpectRestored(*second, 4 * kBlock, 0);
+  stats = b->Stats();
+  EXPECT_EQ(stats.remote->corrupt, 1u);
+  EXPECT_EQ(stats.remote->pulled_pieces, 4u);
+  ASSERT_TRUE(b->remote_tier()->Flush(absl::Seconds(30)));  // the delete rides the write queue
+  EXPECT_THAT(redis_->Get(corrupt_key), testing::IsOkAndHolds(std::nullopt));
+  EXPECT_THAT(b->CheckInvariants(), IsOk());
+}
+
+TEST_F(PrefixCacheRemoteTest, AFullQueueDropsTheRemoteWriteNeverTheCapture) {
+  // Room for less than one block's value: every capture's remote write is dropped.
+  std::unique_ptr<PrefixCache> a = MakeRemoteCache(uint64_t{8} << 20, /*queue_bytes=*/1024);
+  ASSERT_NE(a, nullptr);
+  const std::vector<int32_t> tokens = Tokens(2 * kBlock);
+  CaptureAndFlush(*a, FlatPlan(), tokens, 2);
+  const PrefixCacheStats stats = a->Stats();
+  EXPECT_EQ(stats.captures, 1u);
+  EXPECT_EQ(stats.remote->writes, 0u);
+  EXPECT_EQ(stats.remote->dropped_writes, 1u);
+  EXPECT_EQ(a->Lookup(kScope, Shape(FlatPlan()), tokens).medium, StorageMedium::kDevice);
+}
+
+// Stalled masters: a lookup that matches short locally answers with the local match at its
+// deadline; a restore by tokens restores the local match.
+TEST_F(PrefixCacheRemoteTest, AStalledClusterCostsALookupItsDeadlineAndServesLocally) {
+  PrefixCacheOptions options;
+  options.budget_bytes = uint64_t{16} << 20;
+  options.block_tokens = kBlock;
+  options.slab_bytes = kSlabBytes;
+  RemoteTierOptions remote;
+  remote.cluster = ClusterOptions();
+  options.remote = remote;
+  options.remote_lookup_timeout = absl::Milliseconds(50);
+  absl::StatusOr<std::unique_ptr<PrefixCache>> cache =
+      PrefixCache::Create(options, backend_.get(), nullptr);
+  ASSERT_THAT(cache.status(), IsOk());
+  const std::vector<int32_t> tokens = Tokens(4 * kBlock);
+  CaptureAndFlush(**cache, FlatPlan(), tokens, 2);
+  absl::StatusOr<std::vector<int>> masters = cluster_->MasterPorts();
+  ASSERT_THAT(masters, IsOk());
+  for (const int master : *masters) cluster_->Signal(master, SIGSTOP);
+  const absl::Time start = absl::Now();
+  const PrefixLookupResult found = (*cache)->Lookup(kScope, Shape(FlatPlan()), tokens);
+  const absl::Duration took = absl::Now() - start;
+  auto dest = NewSession(FlatPlan(), 256);
+  absl::StatusOr<PrefixRestoreResult> restored = (*cache)->Restore(*dest, std::nullopt, tokens);
+  for (const int master : *masters) cluster_->Signal(master, SIGCONT);
+  EXPECT_EQ(found.outcome, LookupOutcome::kPartial);
+  EXPECT_EQ(found.matched_tokens, 2 * kBlock);
+  EXPECT_EQ(found.medium, StorageMedium::kDevice);
+  EXPECT_LT(took, absl::Milliseconds(400));
+  ASSERT_THAT(restored.status(), IsOk());
+  EXPECT_EQ(restored->restored_tokens, 2 * kBlock);
+  EXPECT_GE((*cache)->Stats().remote->read_timeouts, 1u);
 }
 
 }  // namespace

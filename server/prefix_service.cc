@@ -33,6 +33,8 @@ pb::PrefixMedium MediumToProto(StorageMedium medium) {
       return pb::PREFIX_MEDIUM_PINNED_HOST;
     case StorageMedium::kDisk:
       return pb::PREFIX_MEDIUM_DISK;
+    case StorageMedium::kRemote:
+      return pb::PREFIX_MEDIUM_REMOTE;
   }
   return pb::PREFIX_MEDIUM_DEVICE;
 }
@@ -131,6 +133,27 @@ pb::PrefixCacheStats PrefixStatsToProto(const PrefixCacheStats& stats) {
     t->set_hits(tier.hits);
     t->set_promotions(tier.promotions);
     t->set_demotions(tier.demotions);
+  }
+  if (stats.remote.has_value()) {
+    const RemoteTierStats& r = *stats.remote;
+    pb::PrefixRemoteStats* remote = out.mutable_remote();
+    remote->set_up(r.up);
+    remote->set_queued_bytes(r.queued_bytes);
+    remote->set_queued_writes(r.queued_writes);
+    remote->set_writes(r.writes);
+    remote->set_written_bytes(r.written_bytes);
+    remote->set_dropped_writes(r.dropped_writes);
+    remote->set_write_errors(r.write_errors);
+    remote->set_reads(r.reads);
+    remote->set_read_errors(r.read_errors);
+    remote->set_read_timeouts(r.read_timeouts);
+    remote->set_read_refusals(r.read_refusals);
+    remote->set_breaker_opens(r.breaker_opens);
+    remote->set_hits(r.hits);
+    remote->set_pulled_pieces(r.pulled_pieces);
+    remote->set_pulled_bytes(r.pulled_bytes);
+    remote->set_corrupt(r.corrupt);
+    remote->set_shape_mismatches(r.shape_mismatches);
   }
   return out;
 }

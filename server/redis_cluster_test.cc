@@ -129,27 +129,8 @@ TEST(RedisClusterCreateTest, NobodyListeningIsUnavailable) {
 
 // ---- A real cluster, shared by the tests that leave it healthy ----
 
-class RedisClusterTest : public ::testing::Test {
+class RedisClusterTest : public testing::WithRedisCluster<> {
  protected:
-  static void SetUpTestSuite() {
-    if (!testing::RedisInstalled()) return;
-    cluster_ = new LocalRedisCluster();
-    if (!cluster_->Start()) {
-      delete cluster_;
-      cluster_ = nullptr;
-    }
-  }
-  static void TearDownTestSuite() {
-    delete cluster_;
-    cluster_ = nullptr;
-  }
-  void SetUp() override {
-    if (!testing::RedisInstalled()) {
-      GTEST_SKIP() << testing::RedisMissingMessage();
-    }
-    ASSERT_NE(cluster_, nullptr) << "the cluster did not start";
-  }
-
   RedisClusterOptions Options() const {
     RedisClusterOptions options;
     options.seed_nodes = *ParseRedisNodeList(cluster_->NodeList());
@@ -181,11 +162,8 @@ class RedisClusterTest : public ::testing::Test {
     }
     return 0;
   }
-
-  static LocalRedisCluster* cluster_;
 };
 
-LocalRedisCluster* RedisClusterTest::cluster_ = nullptr;
 
 TEST_F(RedisClusterTest, SlotsAgreeWithTheServer) {
   for (const std::string& key : std::vector<std::string>{"foo", "{tag}a", "a{tag}", "{}x",

@@ -7,7 +7,10 @@
 #include <cstdint>
 #include <memory>
 
+#include <vector>
+
 #include "absl/status/statusor.h"
+#include "absl/types/span.h"
 
 struct XXH3_state_s;  // xxhash.h's XXH3_state_t
 
@@ -31,6 +34,13 @@ class StreamingChecksum {
 
   std::unique_ptr<XXH3_state_s, FreeState> state_;
 };
+
+// A stored piece's checksums as the prefix cache seals it: one xxHash3-64 per `slice_bytes` slice
+// (one slice for an empty piece), and the piece's checksum from them: the one slice's own, else
+// the xxHash3-64 of the slice checksums as little-endian u64s. Shared by the local tiers and the
+// remote tier's values, so a value sealed by one daemon verifies on another.
+std::vector<uint64_t> SliceChecksums(absl::Span<const uint8_t> bytes, uint64_t slice_bytes);
+uint64_t PieceChecksum(const std::vector<uint64_t>& slices);
 
 }  // namespace memra
 

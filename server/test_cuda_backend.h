@@ -15,8 +15,9 @@
 
 namespace memra::testing {
 
-inline std::unique_ptr<CudaBackend> NewCudaBackendOrNull() {
-  absl::StatusOr<std::unique_ptr<CudaBackend>> backend = CudaBackend::Create({.device = 0});
+inline std::unique_ptr<CudaBackend> NewCudaBackendOrNull(
+    CudaBackendOptions options = {.device = 0}) {
+  absl::StatusOr<std::unique_ptr<CudaBackend>> backend = CudaBackend::Create(options);
   if (backend.ok()) return *std::move(backend);
   EXPECT_THAT(backend, StatusIs(absl::StatusCode::kFailedPrecondition,
                                 ::testing::HasSubstr("no usable CUDA device")));

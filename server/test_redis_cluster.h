@@ -71,9 +71,11 @@ class LocalRedisCluster {
  public:
   static constexpr int kNodes = 6;  // 3 masters, 3 replicas
 
-  // Starts the nodes and creates the cluster; false (and a test failure naming what) when it
-  // could not. REQUIRES: RedisInstalled().
-  bool Start() {
+  // Picks the directory and the ports without starting anything: NodeList and password files
+  // work from here on (a test can point a daemon at a cluster that is not up yet), and Start
+  // uses these ports. Idempotent; false (and a test failure) when it could not.
+  bool Prepare() {
+    if (!dir_.empty()) return true;
     const char* tmp = getenv("TEST_TMPDIR");
     std::string pattern = absl::StrCat(tmp != nullptr ? tmp : "/tmp", "/redis-cluster.XXXXXX");
     if (mkdtemp(pattern.data()) == nullptr) {
@@ -81,7 +83,13 @@ class LocalRedisCluster {
       return false;
     }
     dir_ = pattern;
-    if (!PickPorts()) return false;
+    return PickPorts();
+  }
+
+  // Starts the nodes and creates the cluster; false (and a test failure naming what) when it
+  // could not. REQUIRES: RedisInstalled().
+  bool Start() {
+    if (!Prepare()) return false;
     for (int i = 0; i < kNodes; ++i) {
       const std::string node_dir = absl::StrCat(dir_, "/", ports_[i]);
       std::filesystem::create_directories(node_dir);
@@ -356,6 +364,34 @@ class LocalRedisCluster {
   std::string dir_;
   std::vector<int> ports_;
   std::vector<pid_t> pids_;
+};
+
+// A test fixture whose suite shares one LocalRedisCluster (cluster_), started before its first
+// test and SIGKILLed after its last. SetUp skips the test where Redis is not installed, fails it
+// where the cluster did not start, then runs Base::SetUp; a derived SetUp calls this one first
+// and returns when it skipped or failed (IsSkipped() / HasFatalFailure()).
+template <typename Base = ::testing::Test>
+class WithRedisCluster : public Base {
+ protected:
+  static void SetUpTestSuite() {
+    if (!RedisInstalled()) return;
+    cluster_ = new LocalRedisCluster();
+    if (!cluster_->Start()) {
+      delete cluster_;
+      cluster_ = nullptr;
+    }
+  }
+  static void TearDownTestSuite() {
+    delete cluster_;
+    cluster_ = nullptr;
+  }
+  void SetUp() override {
+    if (!RedisInstalled()) GTEST_SKIP() << RedisMissingMessage();
+    ASSERT_NE(cluster_, nullptr) << "the cluster did not start";
+    Base::SetUp();
+  }
+
+  inline static LocalRedisCluster* cluster_ = nullptr;
 };
 
 }  // namespace memra::testing

@@ -111,6 +111,8 @@ std::string MediumName(pb::PrefixMedium medium) {
       return "pinned host";
     case pb::PREFIX_MEDIUM_DISK:
       return "disk";
+    case pb::PREFIX_MEDIUM_REMOTE:
+      return "remote";
     default:
       return absl::StrCat("medium ", static_cast<int>(medium));
   }
@@ -120,6 +122,11 @@ std::string MediumName(pb::PrefixMedium medium) {
 std::string RenderTiers(const pb::PrefixCacheStats& stats) {
   std::vector<std::string> tiers;
   for (const pb::PrefixTierStats& tier : stats.tiers()) {
+    if (tier.medium() == pb::PREFIX_MEDIUM_REMOTE) {
+      tiers.push_back(absl::StrCat("remote (", tier.hits(), " hits, ", tier.demotions(),
+                                   " written, ", tier.promotions(), " pulled)"));
+      continue;
+    }
     std::string moved;
     if (tier.medium() != pb::PREFIX_MEDIUM_DEVICE) {
       moved = absl::StrCat(", ", tier.demotions(), " in, ", tier.promotions(), " out");
@@ -130,6 +137,21 @@ std::string RenderTiers(const pb::PrefixCacheStats& stats) {
                                  moved, ")"));
   }
   return tiers.empty() ? "device only" : absl::StrJoin(tiers, "; ");
+}
+
+// "none", or "up; 12 written (3 MiB), 0 dropped, 0 errors; 4 pulled (1 MiB) in 2 restores; ...".
+std::string RenderRemote(const pb::PrefixCacheStats& stats) {
+  if (!stats.has_remote()) return "none";
+  const pb::PrefixRemoteStats& r = stats.remote();
+  return absl::StrCat(
+      r.up() ? "up" : "DOWN (serving from local tiers; reconnecting)", "; ", r.writes(),
+      " written (", FormatBytes(r.written_bytes()), "), ", r.dropped_writes(), " dropped, ",
+      r.write_errors(), " write errors, ", FormatBytes(r.queued_bytes()), " queued; ",
+      r.pulled_pieces(), " pulled (", FormatBytes(r.pulled_bytes()), ") in ", r.hits(),
+      " restores; reads ", r.reads(), " ok, ", r.read_errors(), " errors, ", r.read_timeouts(),
+      " timeouts, ", r.read_refusals(), " refused; ", r.corrupt(), " corrupt, ",
+      r.shape_mismatches(), " shape mismatches refused; breaker opened ", r.breaker_opens(),
+      " times");
 }
 
 std::string RenderPrefixStats(const pb::PrefixCacheStats& stats) {
@@ -153,6 +175,7 @@ std::string RenderPrefixStats(const pb::PrefixCacheStats& stats) {
                                     " from dead engines)"))
       .Add("evictions", absl::StrCat(stats.evicted_entries(), " evicted, ",
                                      stats.dropped_entries(), " dropped (checksum)"))
+      .Add("remote", RenderRemote(stats))
       .Render();
 }
 
@@ -190,6 +213,12 @@ std::string RenderStatus(const pb::GetStatusResponse& status) {
                              status.epoch()));
   fields.Add("state",
              status.draining() ? "DRAINING: new engines and sessions get UNAVAILABLE" : "serving");
+  if (status.prefix_remote_tier() == pb::REMOTE_TIER_UP) {
+    fields.Add("prefix remote tier", "up");
+  } else if (status.prefix_remote_tier() == pb::REMOTE_TIER_DOWN) {
+    fields.Add("prefix remote tier",
+               "DOWN: the Redis Cluster does not answer; serving from local tiers, reconnecting");
+  }
   fields.Add("sessions",
              absl::StrCat(status.sessions(), " in ", Count(status.arena_count(), "arena", "arenas"),
                           " of ", FormatBytes(status.allocated_bytes())));

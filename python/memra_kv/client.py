@@ -128,7 +128,7 @@ _EVENT_KINDS = {prefix_pb2.PrefixEvent.STORED: "stored", prefix_pb2.PrefixEvent.
                 prefix_pb2.PrefixEvent.DROPPED: "dropped", prefix_pb2.PrefixEvent.GAP: "gap",
                 prefix_pb2.PrefixEvent.MOVED: "moved"}
 _MEDIA = {prefix_pb2.PREFIX_MEDIUM_DEVICE: "device", prefix_pb2.PREFIX_MEDIUM_PINNED_HOST: "pinned_host",
-          prefix_pb2.PREFIX_MEDIUM_DISK: "disk"}
+          prefix_pb2.PREFIX_MEDIUM_DISK: "disk", prefix_pb2.PREFIX_MEDIUM_REMOTE: "remote"}
 _OUTCOMES = {prefix_pb2.LOOKUP_OUTCOME_HIT: "hit", prefix_pb2.LOOKUP_OUTCOME_PARTIAL: "partial",
              prefix_pb2.LOOKUP_OUTCOME_MISS: "miss"}
 

@@ -6,7 +6,7 @@
 Runs protoc with --python_out and grpc_python_plugin (Debian's /usr/bin ones by default; with
 --protoc=grpc_tools it runs the grpcio-tools module instead, for `pip install` where those are
 missing) over proto/memra/kv/v1/*.proto, and writes a flat package, default
-python/memra_kv/_proto/: {admin,cache,model_plan,prefix}_pb2.py, *_pb2_grpc.py, __init__.py.
+python/memra_kv/_proto/: {admin,block_store,cache,model_plan,prefix}_pb2.py, *_pb2_grpc.py, __init__.py.
 
 The .proto files import each other as "proto/memra/kv/v1/x.proto", which protoc turns into
 `from proto.memra.kv.v1 import x_pb2`; those imports are rewritten to relative ones so the
@@ -21,7 +21,7 @@ import subprocess
 import sys
 import tempfile
 
-PROTOS = ("admin", "cache", "model_plan", "prefix")
+PROTOS = ("admin", "block_store", "cache", "model_plan", "prefix")
 PROTO_PACKAGE_DIR = os.path.join("proto", "memra", "kv", "v1")
 IMPORT = re.compile(r"^from proto\.memra\.kv\.v1 import (\w+)", re.MULTILINE)
 

@@ -111,5 +111,48 @@ INSTANTIATE_TEST_SUITE_P(Sizes, CudaBandwidthTest,
                            return std::to_string(info.param / kMiB) + "MiB";
                          });
 
+// A session operation's mirror stores (WriteI32s) on the cuda backend: one cudaMemcpyBatchAsync
+// per call against one cudaMemcpyAsync per mirror (the backend before batching), for a decode
+// step of Llama-3-8B (32 length mirrors) and of a model whose 32 layers are rings (length and
+// base: 64). Prints one "MIRRORS" line per count for tests/cuda/run_on_gpu.sh (bench/README.md
+// "Mirrors on the cuda backend" says what the figures decide). Asserts only the stored values.
+TEST(CudaMirrorWrites, OneBatchPerCallAgainstOneCopyPerMirror) {
+  std::unique_ptr<CudaBackend> batched = testing::NewCudaBackendOrNull();
+  if (batched == nullptr) GTEST_SKIP();
+  std::unique_ptr<CudaBackend> one_by_one =
+      testing::NewCudaBackendOrNull({.device = 0, .batch_mirror_writes = false});
+  ASSERT_NE(one_by_one, nullptr);
+  constexpr int kCallsPerSample = 1000;
+  for (int mirrors : {32, 64}) {
+    double seconds[2] = {0, 0};
+    CudaBackend* backends[2] = {batched.get(), one_by_one.get()};
+    for (int b = 0; b < 2; ++b) {
+      absl::StatusOr<ArenaId> arena = backends[b]->CreateArena(2 * kMiB, ArenaVisibility::kPrivate);
+      ASSERT_THAT(arena, IsOk());
+      std::vector<I32Write> writes;
+      for (int i = 0; i < mirrors; ++i) writes.push_back({uint64_t(i) * 256, 0});
+      int32_t step = 0;
+      seconds[b] = MedianSeconds([&] {
+        for (int call = 0; call < kCallsPerSample; ++call) {
+          ++step;
+          for (I32Write& write : writes) write.value = step;
+          ASSERT_THAT(backends[b]->WriteI32s(*arena, writes), IsOk());
+        }
+      });
+      for (const I32Write& write : writes) {
+        absl::StatusOr<int32_t> value = backends[b]->ReadI32(*arena, write.offset);
+        ASSERT_THAT(value, IsOk());
+        EXPECT_EQ(*value, step);
+      }
+      EXPECT_THAT(backends[b]->FreeArena(*arena), IsOk());
+    }
+    const double batched_us = seconds[0] / kCallsPerSample * 1e6;
+    const double one_by_one_us = seconds[1] / kCallsPerSample * 1e6;
+    std::printf("MIRRORS %2d mirror stores per WriteI32s: one batch %7.2f us, one copy per mirror "
+                "%7.2f us, batch/per-mirror %.2f\n",
+                mirrors, batched_us, one_by_one_us, batched_us / one_by_one_us);
+  }
+}
+
 }  // namespace
 }  // namespace memra

@@ -9,7 +9,8 @@
 # handles), the client mapper (a cross-process IPC mapping), //tests/cuda:cuda_e2e_test (the host
 # end-to-end scenario against memra-kvd --backend=cuda with engine processes writing through
 # CUDA copies ordered by interprocess events) and //tests/cuda:cuda_bandwidth_test, the benchmark,
-# whose copy bandwidths (each against the bare CUDA runtime in the same run) end the summary.
+# whose copy bandwidths (each against the bare CUDA runtime in the same run) and mirror-store
+# costs (one batch per call against one copy per mirror) end the summary.
 #
 # Designed for under 5 minutes on one H200-class GPU from a fresh machine: deploy/dev.sh installs
 # what is missing, only the CUDA tests and what they depend on are built (not //...), and the
@@ -71,6 +72,13 @@ echo "---- copy bandwidths (backend vs bare CUDA runtime, same process, same run
 log="${testlogs}/tests/cuda/cuda_bandwidth_test/test.log"
 if [[ -f "${log}" ]] && grep -q '^BANDWIDTH' "${log}"; then
   grep '^BANDWIDTH' "${log}"
+else
+  echo "none measured (no device, or the bandwidth test did not run)"
+fi
+echo
+echo "---- mirror stores per session operation (one batch vs one copy per mirror, same run)"
+if [[ -f "${log}" ]] && grep -q '^MIRRORS' "${log}"; then
+  grep '^MIRRORS' "${log}"
 else
   echo "none measured (no device, or the bandwidth test did not run)"
 fi

@@ -8,7 +8,12 @@
 //            bytes, writes --out and holds its lease until killed (the daemon must capture the
 //            committed rows only);
 //   restore  creates a fresh session, Lookups the --tokens token ids (a HIT of all of them is
-//            required), Restores, and checks every restored byte, length and ring base.
+//            required), Restores, and checks every restored byte, length and ring base;
+//   restore_any  the same, but whatever the lookup says: restores by token ids (entry 0), a
+//            NOT_FOUND restore is "restored=0", and checks every byte of what was restored (the
+//            remote tier's tests: a miss is allowed, wrong bytes never).
+// restore and restore_any write lookup_medium (StorageMedium as a number), lookup_matched and
+// restored to --out.
 // --backend=cuda maps with CudaArenaMapper and writes / reads through CUDA copies on an engine
 // stream (--device: the ordinal); every request that lets the daemon touch the session's memory
 // carries the engine's interprocess event (DeviceOrdering). Default host.
@@ -36,7 +41,7 @@
 #include "tests/e2e/plane_memory.h"
 
 ABSL_FLAG(std::string, socket, "", "memra-kvd's Unix socket path");
-ABSL_FLAG(std::string, mode, "capture", "capture, hold or restore");
+ABSL_FLAG(std::string, mode, "capture", "capture, hold, restore or restore_any");
 ABSL_FLAG(std::string, plan, "flat", "flat, hybrid, swa or latent");
 ABSL_FLAG(uint64_t, tokens, 64, "committed / restored tokens (a multiple of the block)");
 ABSL_FLAG(uint64_t, capacity, 6000, "session capacity");
@@ -201,7 +206,7 @@ absl::Status CommitRows(Session& session, const std::vector<int32_t>& tokens, ui
 absl::Status Run() {
   const std::string socket = absl::GetFlag(FLAGS_socket);
   const std::string mode = absl::GetFlag(FLAGS_mode);
-  const uint64_t n = absl::GetFlag(FLAGS_tokens);
+  uint64_t n = absl::GetFlag(FLAGS_tokens);
   ASSIGN_OR_RETURN(EngineDevice device,
                    OpenEngineDevice(absl::GetFlag(FLAGS_backend), absl::GetFlag(FLAGS_device)));
   PlaneMemory& memory = *device.memory;
@@ -239,15 +244,25 @@ absl::Status Run() {
     while (true) absl::SleepFor(absl::Seconds(1));  // until SIGKILL
   }
 
-  // restore
+  // restore, restore_any
+  const bool any = absl::GetFlag(FLAGS_mode) == "restore_any";
   ASSIGN_OR_RETURN(PrefixMatch found, client->LookupPrefix(plan, options, tokens));
-  if (found.outcome != LookupOutcome::kHit || found.matched_tokens != n) {
+  const std::string looked_up =
+      absl::StrCat("lookup_medium=", static_cast<int>(found.medium),
+                   "\nlookup_matched=", found.matched_tokens, "\n");
+  if (!any && (found.outcome != LookupOutcome::kHit || found.matched_tokens != n)) {
     return absl::NotFoundError(absl::StrCat("lookup of ", n, " tokens: outcome ",
                                             static_cast<int>(found.outcome), ", matched ",
                                             found.matched_tokens));
   }
-  ASSIGN_OR_RETURN(PrefixRestored restored,
-                   client->RestorePrefix(*session, tokens, found.entry_id));
+  absl::StatusOr<PrefixRestored> restore =
+      client->RestorePrefix(*session, tokens, any ? 0 : found.entry_id);
+  if (any && absl::IsNotFound(restore.status())) {
+    RETURN_IF_ERROR(WriteFacts(absl::GetFlag(FLAGS_out), absl::StrCat(looked_up, "restored=0\n")));
+    return session->Release().status();
+  }
+  ASSIGN_OR_RETURN(PrefixRestored restored, std::move(restore));
+  if (any) n = restored.restored_tokens;
   if (restored.restored_tokens != n || restored.state.committed_len != n) {
     return absl::InternalError(absl::StrCat("restored ", restored.restored_tokens,
                                             " tokens, committed ", restored.state.committed_len,
@@ -261,7 +276,7 @@ absl::Status Run() {
   }
   RETURN_IF_ERROR(CheckPattern(*session, memory, restored.state));
   RETURN_IF_ERROR(WriteFacts(absl::GetFlag(FLAGS_out),
-                             absl::StrCat("restored=", restored.restored_tokens, "\n")));
+                             absl::StrCat(looked_up, "restored=", restored.restored_tokens, "\n")));
   return session->Release().status();
 }
 

@@ -1,0 +1,225 @@
+#ifndef MEMRA_SERVER_REMOTE_TIER_H_
+#define MEMRA_SERVER_REMOTE_TIER_H_
+
+// The prefix cache's remote tier: stored blocks and boundary states in a Redis Cluster
+// (server/redis_cluster.h), so a prefix captured by one daemon restores on another
+// (docs/remote-tier.md). This module owns the keys, the value format and every bound that keeps a
+// slow or dead cluster from blocking the cache: a write-behind queue bounded by bytes and entries
+// (full: the write is dropped and counted, the capture never waits), read-through calls answered
+// within a caller's deadline by a bounded pool of reader threads (past it: a miss), and a circuit
+// breaker (after kBreakerFailures consecutive transport failures the tier is down for a back-off
+// that doubles from breaker_initial to breaker_max; while down, reads are refused at once and
+// writes dropped; the writer thread probes the cluster when the back-off ends, re-creating the
+// client when the cluster was down at start-up). The prefix cache decides what to read and write
+// and verifies what it reads (VerifyRemoteValue) before any byte reaches a session.
+//
+// Thread-safety: thread-safe. mu_ guards the queues, the breaker, the client pointer and the
+// counters and is never held across network I/O (the one writer thread and the reader threads
+// copy the client's shared_ptr and call it without mu_).
+
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "absl/types/span.h"
+#include "core/prefix_index.h"
+#include "server/redis_cluster.h"
+
+namespace memra {
+
+// ---- Keys ----
+// memra-kv/v1/<scope>/b/<block key hex>: one stored block; .../s/<last chain key hex>: the boundary
+// state at the end of that chain. <scope> is the hex SHA-256 of the cache scope, a literal prefix
+// an operator can grant one ACL user (block keys already chain from the scoped shape, so the
+// prefix separates nothing the key does not; it is for ACLs and operators).
+std::string RemoteBlockKey(absl::string_view scope, const BlockKey& block);
+std::string RemoteBoundaryKey(absl::string_view scope, const BlockKey& last_block);
+
+// ---- Values ----
+// A 64-byte little-endian header, then the piece exactly as the local tier stores it:
+//   0 magic "MKVR" | 4 version u16 (1) | 6 kind u8 | 7 reserved u8 (0) | 8 payload bytes u64 |
+//   16 shape key prefix u64 (first 8 bytes of the scoped shape key) | 24 block_tokens u32 |
+//   28 checksum slice bytes u32 | 32 boundary tokens u64 (0 for a block) |
+//   40 payload checksum u64 (the local tier's: xxHash3 of the slice checksums, or the one slice's) |
+//   48 layout digest u64 (RemoteLayoutDigest of the pieces) | 56 xxHash3-64 of bytes [0, 56).
+inline constexpr uint64_t kRemoteHeaderBytes = 64;
+inline constexpr uint16_t kRemoteValueVersion = 1;
+
+enum class RemoteValueKind : uint8_t { kBlock = 1, kBoundary = 2 };
+
+// What a value says about itself; a reader fills every field but checksum and slice_bytes with
+// what its own plan expects.
+struct RemoteValueHeader {
+  RemoteValueKind kind = RemoteValueKind::kBlock;
+  uint64_t payload_bytes = 0;
+  uint64_t shape_prefix = 0;
+  uint32_t block_tokens = 0;
+  uint32_t slice_bytes = 0;  // checksum slice bytes the writer sealed the payload with
+  uint64_t boundary_tokens = 0;
+  uint64_t checksum = 0;
+  uint64_t layout_digest = 0;
+};
+
+// The first 8 bytes of a shape key as a little-endian u64.
+uint64_t ShapePrefix(const PlanFingerprint& key);
+
+// `header` then room for header.payload_bytes; the caller fills the payload at
+// kRemoteHeaderBytes (one copy from storage, no other).
+std::string NewRemoteValue(const RemoteValueHeader& header);
+
+// A verified value: its payload (a view into the value) and the slice checksums it was sealed
+// with (header.slice_bytes slices).
+struct VerifiedRemoteValue {
+  absl::string_view payload;
+  uint32_t slice_bytes = 0;
+  std::vector<uint64_t> slice_checksums;
+  uint64_t checksum = 0;
+};
+
+// Checks `value` against what this reader expects, in order: length and header checksum
+// (DATA_LOSS: the bytes are not what was written), magic, version, kind, payload bytes, shape
+// prefix, block_tokens, boundary tokens, layout digest (FAILED_PRECONDITION "shape mismatch": a
+// valid value of another build or plan), slice size (DATA_LOSS when 0), then the payload's
+// checksum (DATA_LOSS). Messages name the key, both numbers of a mismatch, never the bytes.
+absl::StatusOr<VerifiedRemoteValue> VerifyRemoteValue(absl::string_view key,
+                                                      absl::string_view value,
+                                                      const RemoteValueHeader& expected);
+
+// ---- The tier ----
+struct RemoteTierOptions {
+  RedisClusterOptions cluster;
+  uint64_t queue_bytes = uint64_t{256} << 20;  // > 0; values queued for the writer, at most
+  uint32_t queue_entries = 65536;               // > 0
+  absl::Duration ttl = absl::ZeroDuration();    // expiry of written values; 0: none
+  uint32_t reader_threads = 4;                  // 1..64
+  uint32_t reader_queue = 256;                  // read calls waiting for a reader, at most; > 0
+  absl::Duration breaker_initial = absl::Seconds(1);
+  absl::Duration breaker_max = absl::Seconds(30);
+};
+
+struct RemoteTierStats {
+  bool up = false;  // a client exists and the breaker is closed
+  uint64_t queued_bytes = 0;
+  uint64_t queued_writes = 0;  // queued or in flight (deletes of corrupt values included)
+  uint64_t writes = 0;          // values written
+  uint64_t written_bytes = 0;
+  uint64_t dropped_writes = 0;  // queue full or tier down
+  uint64_t write_errors = 0;
+  uint64_t reads = 0;           // EXISTS / GET calls answered
+  uint64_t read_errors = 0;     // failed calls (any code)
+  uint64_t read_timeouts = 0;   // calls the caller stopped waiting for (its deadline)
+  uint64_t read_refusals = 0;   // calls refused at once: tier down or reader queue full
+  uint64_t breaker_opens = 0;
+  uint64_t probes = 0;
+  // Counted by the prefix cache (RecordPull):
+  uint64_t hits = 0;               // restores that pulled pieces from the tier
+  uint64_t pulled_pieces = 0;
+  uint64_t pulled_bytes = 0;
+  uint64_t corrupt = 0;            // values refused as DATA_LOSS (deleted best-effort)
+  uint64_t shape_mismatches = 0;   // values of another build or plan (a miss)
+  RedisClusterStats cluster;
+};
+
+class RemoteTier {
+ public:
+  static constexpr int kBreakerFailures = 3;
+
+  // INVALID_ARGUMENT for options that cannot work (the client's own refusals: TLS, a password
+  // file that cannot be read, no seeds). A cluster that does not answer is NOT an error: the
+  // tier starts down (logged, Stats().up false) and the writer keeps probing.
+  static absl::StatusOr<std::unique_ptr<RemoteTier>> Create(RemoteTierOptions options);
+  // Stops and joins the threads: each is at most inside one bounded client call.
+  ~RemoteTier();
+  RemoteTier(const RemoteTier&) = delete;
+  RemoteTier& operator=(const RemoteTier&) = delete;
+
+  // Whether writes of `bytes` in all would be queued now (so a capture copies only what will go);
+  // false counts one dropped write.
+  bool AdmitWrite(uint64_t bytes) ABSL_LOCKS_EXCLUDED(mu_);
+  // Queues SET key value; never blocks. false: dropped (full or down) and counted. Writes go in
+  // order (a capture queues its blocks before its boundary state).
+  bool Enqueue(std::string key, std::string value) ABSL_LOCKS_EXCLUDED(mu_);
+  // Waits until the queue is empty and no write is in flight, or `timeout`; whether it emptied.
+  bool Flush(absl::Duration timeout) ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Read-through, answered within `deadline`: DEADLINE_EXCEEDED past it (the call goes on in its
+  // reader, bounded by the client's timeouts, and its answer is dropped), UNAVAILABLE at once
+  // while the tier is down or the reader queue is full, else the client's status.
+  absl::StatusOr<std::vector<bool>> ExistsEach(std::vector<std::string> keys,
+                                               absl::Duration deadline) ABSL_LOCKS_EXCLUDED(mu_);
+  // Values (nullopt: absent) of `keys`, fetched by up to reader_threads readers in parallel.
+  absl::StatusOr<std::vector<std::optional<std::string>>> GetEach(std::vector<std::string> keys,
+                                                                  absl::Duration deadline)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // Deletes a value found corrupt; best effort, queued behind the writes (never blocks).
+  void Discard(std::string key) ABSL_LOCKS_EXCLUDED(mu_);
+
+  // What a restore pulled and refused (the prefix cache counts; the tier reports).
+  struct PullCounts {
+    uint64_t pieces = 0;
+    uint64_t bytes = 0;
+    uint64_t corrupt = 0;
+    uint64_t shape_mismatches = 0;
+  };
+  void RecordPull(const PullCounts& counts) ABSL_LOCKS_EXCLUDED(mu_);
+
+  bool Up() const ABSL_LOCKS_EXCLUDED(mu_);
+  RemoteTierStats Stats() const ABSL_LOCKS_EXCLUDED(mu_);
+
+ private:
+  // One queued write (value empty: a DEL of a corrupt value).
+  struct Write {
+    std::string key;
+    std::string value;
+  };
+  // A read call shared by its caller and the readers; outlives an abandoned caller.
+  struct ReadCall;
+
+  RemoteTier(RemoteTierOptions options, std::shared_ptr<RedisClusterClient> client);
+  void WriterLoop() ABSL_LOCKS_EXCLUDED(mu_);
+  void ReaderLoop() ABSL_LOCKS_EXCLUDED(mu_);
+  // Runs `jobs` (one per reader task) on the readers and waits for all of them or the deadline.
+  absl::Status RunRead(std::vector<std::function<absl::Status(RedisClusterClient&)>> jobs,
+                       absl::Duration deadline) ABSL_LOCKS_EXCLUDED(mu_);
+  // The breaker's view of a call's status: transport failures count, anything else resets.
+  void Report(const absl::Status& status) ABSL_LOCKS_EXCLUDED(mu_);
+  void OpenBreakerLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  bool UpLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The writer's probe when the back-off has passed: a client (re-)created or its slot map
+  // refreshed closes the breaker.
+  void Probe() ABSL_LOCKS_EXCLUDED(mu_);
+
+  const RemoteTierOptions options_;
+
+  mutable absl::Mutex mu_;
+  std::shared_ptr<RedisClusterClient> client_ ABSL_GUARDED_BY(mu_);  // null: never reached
+  std::deque<Write> writes_ ABSL_GUARDED_BY(mu_);
+  uint64_t queued_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  bool writing_ ABSL_GUARDED_BY(mu_) = false;  // a write is in flight
+  std::deque<std::shared_ptr<ReadCall>> read_calls_ ABSL_GUARDED_BY(mu_);
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  // The breaker: open (down) until open_until_; backoff_ the next period.
+  int consecutive_failures_ ABSL_GUARDED_BY(mu_) = 0;
+  bool open_ ABSL_GUARDED_BY(mu_) = false;
+  absl::Time open_until_ ABSL_GUARDED_BY(mu_);
+  absl::Duration backoff_ ABSL_GUARDED_BY(mu_);
+  RemoteTierStats stats_ ABSL_GUARDED_BY(mu_);
+
+  std::thread writer_;
+  std::vector<std::thread> readers_;
+};
+
+}  // namespace memra
+
+#endif  // MEMRA_SERVER_REMOTE_TIER_H_

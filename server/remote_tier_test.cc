@@ -1,0 +1,328 @@
+#include "server/remote_tier.h"
+
+#include <signal.h>
+
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <xxhash.h>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "server/streaming_checksum.h"
+#include "server/test_redis_cluster.h"
+#include "tests/status_matchers.h"
+
+namespace memra {
+namespace {
+
+using ::memra::testing::HasSubstrs;
+using ::memra::testing::IsOk;
+using ::memra::testing::LocalRedisCluster;
+using ::memra::testing::StatusIs;
+using ::testing::ElementsAre;
+using ::testing::Optional;
+
+BlockKey KeyOf(uint8_t seed) {
+  BlockKey key{};
+  for (size_t i = 0; i < key.size(); ++i) key[i] = static_cast<uint8_t>(seed + i);
+  return key;
+}
+
+std::string Payload(size_t size, uint8_t seed) {
+  std::string bytes(size, '\0');
+  for (size_t i = 0; i < size; ++i) bytes[i] = static_cast<char>(seed + i * 7);
+  return bytes;
+}
+
+// A block value as a capture seals it: `slice_bytes` slices, the piece checksum from them.
+RemoteValueHeader HeaderFor(const std::string& payload, uint32_t slice_bytes) {
+  RemoteValueHeader header;
+  header.kind = RemoteValueKind::kBlock;
+  header.payload_bytes = payload.size();
+  header.shape_prefix = 0x1122334455667788;
+  header.block_tokens = 16;
+  header.slice_bytes = slice_bytes;
+  header.boundary_tokens = 0;
+  header.checksum = PieceChecksum(SliceChecksums(
+      absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(payload.data()), payload.size()),
+      slice_bytes));
+  header.layout_digest = 0xabcdef;
+  return header;
+}
+
+std::string ValueOf(const std::string& payload, const RemoteValueHeader& header) {
+  std::string value = NewRemoteValue(header);
+  value.replace(kRemoteHeaderBytes, payload.size(), payload);
+  return value;
+}
+
+// ---- Keys and values: no server needed ----
+
+TEST(RemoteKeysTest, ScopeIsHashedAndKindsDiffer) {
+  const std::string block = RemoteBlockKey("uid:1000", KeyOf(1));
+  const std::string boundary = RemoteBoundaryKey("uid:1000", KeyOf(1));
+  EXPECT_TRUE(absl::StartsWith(block, "memra-kv/v1/")) << block;
+  EXPECT_FALSE(absl::StrContains(block, "uid:1000")) << block;  // a hex digest, not the name
+  EXPECT_EQ(block.size(), std::string("memra-kv/v1/").size() + 64 + 3 + 64);
+  EXPECT_TRUE(absl::StrContains(block, "/b/0102030405")) << block;
+  EXPECT_TRUE(absl::StrContains(boundary, "/s/0102030405")) << boundary;
+  EXPECT_EQ(block.substr(0, 76), boundary.substr(0, 76));  // one scope prefix for ACLs
+  EXPECT_NE(RemoteBlockKey("uid:1001", KeyOf(1)).substr(0, 76), block.substr(0, 76));
+}
+
+TEST(RemoteValueTest, RoundTripsOneAndSeveralSlices) {
+  for (const uint32_t slice_bytes : {1u << 20, 1000u}) {
+    const std::string payload = Payload(4096, 3);
+    const RemoteValueHeader header = HeaderFor(payload, slice_bytes);
+    const std::string value = ValueOf(payload, header);
+    ASSERT_EQ(value.size(), kRemoteHeaderBytes + payload.size());
+    absl::StatusOr<VerifiedRemoteValue> verified = VerifyRemoteValue("k", value, header);
+    ASSERT_THAT(verified, IsOk());
+    EXPECT_EQ(verified->payload, payload);
+    EXPECT_EQ(verified->slice_bytes, slice_bytes);
+    EXPECT_EQ(verified->slice_checksums.size(), slice_bytes == 1000u ? 5u : 1u);
+    EXPECT_EQ(verified->checksum, header.checksum);
+  }
+}
+
+TEST(RemoteValueTest, CorruptBytesAreDataLoss) {
+  const std::string payload = Payload(4096, 5);
+  const RemoteValueHeader header = HeaderFor(payload, 1024);
+  const std::string value = ValueOf(payload, header);
+
+  EXPECT_THAT(VerifyRemoteValue("key-a", value.substr(0, 40), header),
+              StatusIs(absl::StatusCode::kDataLoss, HasSubstrs("key-a", "holds 40 bytes", "64")));
+  std::string bad_header = value;
+  bad_header[20] ^= 1;  // the shape prefix, under the header checksum
+  EXPECT_THAT(VerifyRemoteValue("key-b", bad_header, header),
+              StatusIs(absl::StatusCode::kDataLoss, HasSubstrs("key-b", "header xxHash3")));
+  std::string bad_payload = value;
+  bad_payload[kRemoteHeaderBytes + 3000] ^= 0x40;
+  EXPECT_THAT(VerifyRemoteValue("key-c", bad_payload, header),
+              StatusIs(absl::StatusCode::kDataLoss,
+                       HasSubstrs("key-c", "4096 payload bytes", "sealed as", "never served")));
+  EXPECT_THAT(VerifyRemoteValue("key-d", value.substr(0, value.size() - 1), header),
+              StatusIs(absl::StatusCode::kDataLoss,
+                       HasSubstrs("key-d", "4096 payload bytes", "holds 4095")));
+  RemoteValueHeader zero_slices = header;
+  zero_slices.slice_bytes = 0;
+  EXPECT_THAT(VerifyRemoteValue("key-e", ValueOf(payload, zero_slices), header),
+              StatusIs(absl::StatusCode::kDataLoss, HasSubstrs("key-e", "slice size 0")));
+}
+
+TEST(RemoteValueTest, AnotherShapeIsAMismatchNamingBothNumbers) {
+  const std::string payload = Payload(512, 9);
+  const RemoteValueHeader header = HeaderFor(payload, 1 << 20);
+  const std::string value = ValueOf(payload, header);
+  struct Case {
+    void (*change)(RemoteValueHeader&);
+    std::vector<std::string> words;
+  };
+  const Case cases[] = {
+      {[](RemoteValueHeader& h) { h.kind = RemoteValueKind::kBoundary; }, {"kind 1", "expects 2"}},
+      {[](RemoteValueHeader& h) { h.payload_bytes = 1024; }, {"payload bytes 512", "expects 1024"}},
+      {[](RemoteValueHeader& h) { h.shape_prefix = 7; }, {"shape key prefix", "expects 7"}},
+      {[](RemoteValueHeader& h) { h.block_tokens = 32; }, {"block_tokens 16", "expects 32"}},
+      {[](RemoteValueHeader& h) { h.boundary_tokens = 64; }, {"boundary tokens 0", "expects 64"}},
+      {[](RemoteValueHeader& h) { h.layout_digest = 1; }, {"layout digest 11259375", "expects 1"}},
+  };
+  for (const Case& c : cases) {
+    RemoteValueHeader expected = header;
+    c.change(expected);
+    std::vector<std::string> words = c.words;
+    words.push_back("shape mismatch");
+    words.push_back("key-s");
+    absl::Status status = VerifyRemoteValue("key-s", value, expected).status();
+    EXPECT_EQ(status.code(), absl::StatusCode::kFailedPrecondition) << status;
+    for (const std::string& word : words) {
+      EXPECT_TRUE(absl::StrContains(status.message(), word)) << status << " lacks " << word;
+    }
+  }
+  // A valid header of format 2 (its checksum re-sealed).
+  std::string resealed = NewRemoteValue(header);
+  resealed.replace(kRemoteHeaderBytes, payload.size(), payload);
+  resealed[4] = 2;
+  const uint64_t sum = XXH3_64bits(resealed.data(), 56);
+  for (int i = 0; i < 8; ++i) resealed[56 + i] = static_cast<char>((sum >> (8 * i)) & 0xff);
+  EXPECT_THAT(VerifyRemoteValue("key-v", resealed, header),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstrs("format version 2", "expects 1")));
+}
+
+TEST(RemoteTierOptionsTest, RefusesOptionsThatCannotWork) {
+  RemoteTierOptions options;
+  options.cluster.seed_nodes = {{"127.0.0.1", 1}};
+  options.queue_bytes = 0;
+  EXPECT_THAT(RemoteTier::Create(options),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstrs("queue_bytes (0)")));
+  options.queue_bytes = 1 << 20;
+  options.reader_threads = 65;
+  EXPECT_THAT(RemoteTier::Create(options),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstrs("reader_threads (65)")));
+  options.reader_threads = 2;
+  options.breaker_max = absl::Milliseconds(10);
+  EXPECT_THAT(RemoteTier::Create(options),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstrs("back-off 1s to 10ms")));
+  options.breaker_max = absl::Seconds(30);
+  options.cluster.tls = true;
+  EXPECT_THAT(RemoteTier::Create(options),
+              StatusIs(absl::StatusCode::kUnimplemented, HasSubstrs("hiredis 0.14")));
+}
+
+// Nothing listens on the seed: the tier starts down, refuses reads at once, drops writes.
+TEST(RemoteTierDownTest, AClusterDownAtStartIsNotAnErrorAndCostsNothingPerCall) {
+  RemoteTierOptions options;
+  const int port = testing::BindLoopbackPort(0);  // free now, and nothing binds it
+  ASSERT_GT(port, 0);
+  options.cluster.seed_nodes = {{"127.0.0.1", port}};
+  absl::StatusOr<std::unique_ptr<RemoteTier>> tier = RemoteTier::Create(options);
+  ASSERT_THAT(tier, IsOk());
+  EXPECT_FALSE((*tier)->Up());
+  const absl::Time start = absl::Now();
+  EXPECT_THAT((*tier)->ExistsEach({"a", "b"}, absl::Seconds(5)),
+              StatusIs(absl::StatusCode::kUnavailable, HasSubstrs("down")));
+  EXPECT_THAT((*tier)->GetEach({"a"}, absl::Seconds(5)),
+              StatusIs(absl::StatusCode::kUnavailable, HasSubstrs("down")));
+  EXPECT_LT(absl::Now() - start, absl::Milliseconds(100));
+  EXPECT_FALSE((*tier)->AdmitWrite(100));
+  EXPECT_FALSE((*tier)->Enqueue("k", "v"));
+  const RemoteTierStats stats = (*tier)->Stats();
+  EXPECT_FALSE(stats.up);
+  EXPECT_EQ(stats.read_refusals, 2u);
+  EXPECT_EQ(stats.dropped_writes, 2u);
+  EXPECT_EQ(stats.breaker_opens, 1u);
+}
+
+// ---- Against a real 3-master / 3-replica cluster ----
+
+class RemoteTierTest : public testing::WithRedisCluster<> {
+ protected:
+  void SetUp() override {
+    WithRedisCluster::SetUp();
+    if (IsSkipped() || HasFatalFailure()) return;
+    ASSERT_TRUE(cluster_->WaitHealthy());
+  }
+
+  RemoteTierOptions Options() const {
+    RemoteTierOptions options;
+    options.cluster.seed_nodes = *ParseRedisNodeList(cluster_->NodeList());
+    options.cluster.password_file =
+        cluster_->WritePasswordFile("default.pass", testing::kRedisPassword);
+    options.cluster.command_timeout = absl::Milliseconds(300);
+    options.breaker_initial = absl::Milliseconds(200);
+    options.breaker_max = absl::Milliseconds(800);
+    return options;
+  }
+
+  std::unique_ptr<RemoteTier> Make(const RemoteTierOptions& options) {
+    absl::StatusOr<std::unique_ptr<RemoteTier>> tier = RemoteTier::Create(options);
+    EXPECT_THAT(tier, IsOk());
+    return tier.ok() ? *std::move(tier) : nullptr;
+  }
+};
+
+TEST_F(RemoteTierTest, WritesBehindInOrderAndReadsBackAcrossSlots) {
+  std::unique_ptr<RemoteTier> tier = Make(Options());
+  ASSERT_NE(tier, nullptr);
+  EXPECT_TRUE(tier->Up());
+  std::vector<std::string> keys;
+  for (uint8_t i = 0; i < 12; ++i) {
+    keys.push_back(RemoteBlockKey("scope-w", KeyOf(i)));
+    ASSERT_TRUE(tier->AdmitWrite(1000));
+    ASSERT_TRUE(tier->Enqueue(keys.back(), Payload(1000 + i, i)));
+  }
+  ASSERT_TRUE(tier->Flush(absl::Seconds(10)));
+  std::vector<std::string> asked = keys;
+  asked.push_back(RemoteBlockKey("scope-w", KeyOf(200)));  // never written
+  absl::StatusOr<std::vector<bool>> exists = tier->ExistsEach(asked, absl::Seconds(2));
+  ASSERT_THAT(exists, IsOk());
+  EXPECT_EQ(std::count(exists->begin(), exists->end(), true), 12);
+  EXPECT_FALSE(exists->back());
+  absl::StatusOr<std::vector<std::optional<std::string>>> values =
+      tier->GetEach(asked, absl::Seconds(2));
+  ASSERT_THAT(values, IsOk());
+  for (uint8_t i = 0; i < 12; ++i) {
+    EXPECT_THAT((*values)[i], Optional(Payload(1000 + i, i))) << int{i};
+  }
+  EXPECT_EQ((*values)[12], std::nullopt);
+  // A discarded (corrupt) value is deleted behind the writes.
+  tier->Discard(keys[0]);
+  ASSERT_TRUE(tier->Flush(absl::Seconds(10)));
+  EXPECT_THAT(tier->ExistsEach({keys[0], keys[1]}, absl::Seconds(2)),
+              testing::IsOkAndHolds(ElementsAre(false, true)));
+  const RemoteTierStats stats = tier->Stats();
+  EXPECT_EQ(stats.writes, 12u);
+  EXPECT_GT(stats.written_bytes, 12000u);
+  EXPECT_EQ(stats.dropped_writes, 0u);
+  EXPECT_EQ(stats.queued_bytes, 0u);
+  EXPECT_GE(stats.reads, 1u + 13u + 1u);
+  EXPECT_GE(stats.cluster.connects, 3u);  // every master was written to
+}
+
+TEST_F(RemoteTierTest, AFullQueueDropsTheWriteAndCountsIt) {
+  RemoteTierOptions options = Options();
+  options.queue_bytes = 4096;
+  options.queue_entries = 1000;
+  std::unique_ptr<RemoteTier> tier = Make(options);
+  ASSERT_NE(tier, nullptr);
+  // Admission is all or nothing for a capture's pieces: more than the queue holds is refused.
+  EXPECT_FALSE(tier->AdmitWrite(4097));
+  EXPECT_TRUE(tier->AdmitWrite(4096));
+  EXPECT_EQ(tier->Stats().dropped_writes, 1u);
+  // Enqueue never waits: whatever does not fit now is dropped (400 enqueues take far less than
+  // the 200 round trips the queued ones would).
+  uint64_t queued = 0;
+  uint64_t dropped = 0;
+  for (int i = 0; i < 400; ++i) {
+    (tier->Enqueue(absl::StrCat("memra-kv/test/full/", i), Payload(2000, 1)) ? queued : dropped)++;
+  }
+  EXPECT_GT(dropped, 0u);
+  EXPECT_GE(queued, 2u);
+  ASSERT_TRUE(tier->Flush(absl::Seconds(10)));
+  const RemoteTierStats stats = tier->Stats();
+  EXPECT_EQ(stats.dropped_writes, 1u + dropped);
+  EXPECT_EQ(stats.writes, queued);
+}
+
+// A stopped master: reads past the caller's deadline answer DEADLINE_EXCEEDED at the deadline
+// (not the client's timeout); three failures open the breaker (reads refused at once, writes
+// dropped); once the master answers again the writer's probe closes it.
+TEST_F(RemoteTierTest, AStalledMasterCostsOneDeadlineThenTheBreakerRefusesUntilItAnswers) {
+  std::unique_ptr<RemoteTier> tier = Make(Options());
+  ASSERT_NE(tier, nullptr);
+  const std::string key = RemoteBlockKey("scope-stall", KeyOf(7));
+  const int owner = cluster_->OwnerOf(RedisKeySlot(key));
+  ASSERT_GT(owner, 0);
+  cluster_->Signal(owner, SIGSTOP);
+  for (int i = 0; i < RemoteTier::kBreakerFailures; ++i) {
+    const absl::Time start = absl::Now();
+    EXPECT_THAT(tier->ExistsEach({key}, absl::Milliseconds(20)),
+                StatusIs(absl::StatusCode::kDeadlineExceeded, HasSubstrs("20ms")));
+    EXPECT_LT(absl::Now() - start, absl::Milliseconds(250));
+  }
+  // The abandoned calls fail at the client's 300 ms timeout and open the breaker.
+  ASSERT_TRUE(testing::PollUntil([&] { return !tier->Up(); }));
+  const absl::Time start = absl::Now();
+  EXPECT_THAT(tier->ExistsEach({key}, absl::Seconds(1)),
+              StatusIs(absl::StatusCode::kUnavailable, HasSubstrs("circuit breaker open")));
+  EXPECT_LT(absl::Now() - start, absl::Milliseconds(50));
+  EXPECT_FALSE(tier->Enqueue(key, "v"));
+  RemoteTierStats stats = tier->Stats();
+  EXPECT_EQ(stats.read_timeouts, 3u);
+  EXPECT_GE(stats.read_refusals, 1u);
+  EXPECT_GE(stats.breaker_opens, 1u);
+  cluster_->Signal(owner, SIGCONT);
+  ASSERT_TRUE(testing::PollUntil([&] { return tier->Up(); }));
+  EXPECT_THAT(tier->ExistsEach({key}, absl::Seconds(2)), IsOk());
+  stats = tier->Stats();
+  EXPECT_GE(stats.probes, 1u);
+}
+
+}  // namespace
+}  // namespace memra
