@@ -143,6 +143,14 @@ struct Measured {
   uint64_t floor_request_bytes = 0, floor_response_bytes = 0;
 };
 
+// The bytes the host backend charges one bench session of `model`.
+absl::StatusOr<uint64_t> BenchSessionBytes(const ModelPlan& model) {
+  SessionShape request;
+  request.capacity = kCapacity;
+  return SessionArenaBytes(model, FormatDefaults(), request,
+                           {.granularity = static_cast<uint64_t>(getpagesize())});
+}
+
 }  // namespace
 
 absl::StatusOr<Json> RunHotPath(const BenchOptions& options) {
@@ -150,9 +158,7 @@ absl::StatusOr<Json> RunHotPath(const BenchOptions& options) {
   SessionShape request;
   request.capacity = kCapacity;
   ASSIGN_OR_RETURN(SessionPlan session_plan, PlanSession(model, FormatDefaults(), request));
-  ASSIGN_OR_RETURN(uint64_t session_bytes,
-                   SessionArenaBytes(model, FormatDefaults(), request,
-                                     {.granularity = static_cast<uint64_t>(getpagesize())}));
+  ASSIGN_OR_RETURN(uint64_t session_bytes, BenchSessionBytes(model));
 
   ASSIGN_OR_RETURN(std::unique_ptr<Kvd> kvd,
                    Kvd::Start(options, kMaxSessions * session_bytes + (64 << 20)));
@@ -297,6 +303,134 @@ absl::StatusOr<Json> RunHotPath(const BenchOptions& options) {
   std::printf("target: daemon/floor at N=1 <= 1.5x: %s (%s); marginal < 2 us: %s (%s us)\n",
               ratio_at_one <= 1.5 ? "MET" : "MISSED", Ratio(ratio_at_one).c_str(),
               daemon_marginal <= 2000 ? "MET" : "MISSED", Us(daemon_marginal).c_str());
+  return json;
+}
+
+absl::StatusOr<Json> RunStepChannel(const BenchOptions& options) {
+  const ModelPlan model = test_plans::Llama3_8B();
+  ASSIGN_OR_RETURN(uint64_t session_bytes, BenchSessionBytes(model));
+  ASSIGN_OR_RETURN(std::unique_ptr<Kvd> kvd,
+                   Kvd::Start(options, 2 * kMaxSessions * session_bytes + (64 << 20)));
+  // Two engines of one daemon: one steps over its channel, one over gRPC (forced).
+  ASSIGN_OR_RETURN(std::unique_ptr<KvClient> channel_client, kvd->Attach("bench-channel"));
+  if (!channel_client->step_channel_active()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "the daemon offered no step channel: ", channel_client->step_channel_status().ToString()));
+  }
+  ClientOptions grpc_options;
+  grpc_options.force_grpc_step = true;
+  ASSIGN_OR_RETURN(std::unique_ptr<KvClient> grpc_client,
+                   KvClient::Connect(kvd->socket_path(), grpc_options));
+  RETURN_IF_ERROR(grpc_client->Attach("bench-grpc"));
+  SessionOptions session_options;
+  session_options.capacity = kCapacity;
+  ASSIGN_OR_RETURN(PlanFingerprint channel_plan, channel_client->RegisterPlan(model));
+  ASSIGN_OR_RETURN(PlanFingerprint grpc_plan, grpc_client->RegisterPlan(model));
+  ASSIGN_OR_RETURN(std::vector<std::unique_ptr<Session>> channel_sessions,
+                   CreateSessions(*channel_client, channel_plan, session_options, kMaxSessions));
+  ASSIGN_OR_RETURN(std::vector<std::unique_ptr<Session>> grpc_sessions,
+                   CreateSessions(*grpc_client, grpc_plan, session_options, kMaxSessions));
+  ASSIGN_OR_RETURN(std::unique_ptr<EchoFloor> floor, EchoFloor::Start(options.echo_binary));
+
+  struct ChannelMeasured {
+    size_t sessions = 0;
+    Samples channel, grpc, floor;
+    CpuTime channel_cpu, grpc_cpu, floor_cpu;
+    uint64_t request_bytes = 0, response_bytes = 0;
+  };
+  const int steps = options.quick ? 3 : kStepsPerRound;
+  std::vector<ChannelMeasured> results;
+  for (const Shape& shape : kShapes) {
+    ChannelMeasured m;
+    m.sessions = shape.sessions;
+    std::vector<Session*> over_channel;
+    std::vector<Session*> over_grpc;
+    for (size_t i = 0; i < shape.sessions; ++i) {
+      over_channel.push_back(channel_sessions[i].get());
+      over_grpc.push_back(grpc_sessions[i].get());
+    }
+    ASSIGN_OR_RETURN(std::unique_ptr<DecodeStepper> channel_stepper,
+                     DecodeStepper::Create(*channel_client, over_channel, 1, StepForm::kAdvance,
+                                           StepAddressing::kSlot));
+    ASSIGN_OR_RETURN(std::unique_ptr<DecodeStepper> grpc_stepper,
+                     DecodeStepper::Create(*grpc_client, over_grpc, 1, StepForm::kAdvance,
+                                           StepAddressing::kSlot));
+    const int rounds = options.quick ? 1 : shape.rounds;
+    for (int round = 0; round <= rounds; ++round) {
+      const bool record = round > 0;  // round 0 warms up
+      RETURN_IF_ERROR(channel_stepper->ResetAll());
+      RETURN_IF_ERROR(grpc_stepper->ResetAll());
+      if (round == 0) {
+        // The floor carries what the gRPC Advance step carries.
+        RETURN_IF_ERROR(grpc_stepper->StepMeasuringSizes(&m.request_bytes, &m.response_bytes));
+        (void)floor->Size(m.request_bytes, m.response_bytes);
+      }
+      RETURN_IF_ERROR(TimeWithCpu(kvd->pid(), steps, record, m.channel, m.channel_cpu,
+                                  [&] { return channel_stepper->Step(); }));
+      RETURN_IF_ERROR(TimeWithCpu(kvd->pid(), steps, record, m.grpc, m.grpc_cpu,
+                                  [&] { return grpc_stepper->Step(); }));
+      RETURN_IF_ERROR(TimeWithCpu(floor->pid(), steps, record, m.floor, m.floor_cpu,
+                                  [&] { return floor->Call(); }));
+    }
+    RETURN_IF_ERROR(channel_stepper->ResetAll());
+    RETURN_IF_ERROR(grpc_stepper->ResetAll());
+    results.push_back(std::move(m));
+  }
+  channel_sessions.clear();
+  grpc_sessions.clear();
+  channel_client.reset();
+  grpc_client.reset();
+
+  Json json;
+  json["model"] = "llama-3-8b (32 K/V layers)";
+  json["step"] = "one Advance entry per session, addressed by slot";
+  json["steps_per_round"] = steps;
+  Table table({"N", "channel p50", "p99", "gRPC p50", "floor p50", "channel/floor",
+               "channel/gRPC", "per-session p50", "kvd cpu/session", "gRPC kvd cpu/session"});
+  Json rows = Json::array();
+  for (const ChannelMeasured& m : results) {
+    const double n = static_cast<double>(m.sessions);
+    rows.push_back(Json{
+        {"sessions", m.sessions},
+        {"channel_step", m.channel.ToJson()},
+        {"grpc_step", m.grpc.ToJson()},
+        {"floor_step", m.floor.ToJson()},
+        {"ratio_channel_floor_p50", m.channel.P50() / m.floor.P50()},
+        {"ratio_channel_grpc_p50", m.channel.P50() / m.grpc.P50()},
+        {"channel_per_session", m.channel.ToJson(n)},
+        {"channel_daemon_cpu_us_per_session", m.channel_cpu.ServerNsPerStep() / n / 1e3},
+        {"grpc_daemon_cpu_us_per_session", m.grpc_cpu.ServerNsPerStep() / n / 1e3},
+        {"channel_client_thread_cpu_us_per_step", m.channel_cpu.ClientNsPerStep() / 1e3},
+        {"step_request_bytes", m.request_bytes},
+        {"step_response_bytes", m.response_bytes},
+    });
+    table.Add({absl::StrCat(m.sessions), Us(m.channel.P50()), Us(m.channel.P99()),
+               Us(m.grpc.P50()), Us(m.floor.P50()), Ratio(m.channel.P50() / m.floor.P50()),
+               Ratio(m.channel.P50() / m.grpc.P50()), Us(m.channel.P50() / n),
+               Us(m.channel_cpu.ServerNsPerStep() / n), Us(m.grpc_cpu.ServerNsPerStep() / n)});
+  }
+  json["by_sessions"] = rows;
+  const ChannelMeasured& one = results.front();
+  const ChannelMeasured& most = results.back();
+  const double extra = static_cast<double>(most.sessions - one.sessions);
+  const double channel_marginal = (most.channel.P50() - one.channel.P50()) / extra;
+  const double grpc_marginal = (most.grpc.P50() - one.grpc.P50()) / extra;
+  const double ratio_at_one = one.channel.P50() / one.floor.P50();
+  json["marginal_per_session_p50_us"] =
+      Json{{"channel", channel_marginal / 1e3}, {"grpc", grpc_marginal / 1e3}};
+  json["targets"] = Json{
+      {"channel_within_0_3x_floor_at_n1",
+       Json{{"ratio", ratio_at_one}, {"met", ratio_at_one <= 0.3}}},
+      {"marginal_under_1us_at_n256",
+       Json{{"us", channel_marginal / 1e3}, {"met", channel_marginal <= 1000}}}};
+  table.Print("1c. decode step (one Advance per session) over the step channel vs over gRPC, and "
+              "the bare gRPC floor (times in us; kvd cpu = the daemon's CPU per session per step)");
+  std::printf("marginal per extra session (p50, N=%zu..%zu): channel %s us, gRPC %s us\n",
+              one.sessions, most.sessions, Us(channel_marginal).c_str(),
+              Us(grpc_marginal).c_str());
+  std::printf("target: channel/floor at N=1 <= 0.3x: %s (%s); marginal <= 1 us: %s (%s us)\n",
+              ratio_at_one <= 0.3 ? "MET" : "MISSED", Ratio(ratio_at_one).c_str(),
+              channel_marginal <= 1000 ? "MET" : "MISSED", Us(channel_marginal).c_str());
   return json;
 }
 

@@ -59,9 +59,10 @@ absl::StatusOr<std::vector<std::unique_ptr<Session>>> CreateSessions(
 }
 
 absl::StatusOr<std::unique_ptr<DecodeStepper>> DecodeStepper::Create(
-    KvClient& client, std::vector<Session*> sessions, uint64_t accepted_rows, StepForm form) {
+    KvClient& client, std::vector<Session*> sessions, uint64_t accepted_rows, StepForm form,
+    StepAddressing addressing) {
   std::unique_ptr<DecodeStepper> stepper(
-      new DecodeStepper(client, std::move(sessions), accepted_rows, form));
+      new DecodeStepper(client, std::move(sessions), accepted_rows, form, addressing));
   for (size_t i = 0; i < stepper->sessions_.size(); ++i) {
     ASSIGN_OR_RETURN(SessionSnapshot state, stepper->sessions_[i]->State());
     if (state.active_generation != 0) {
@@ -76,14 +77,15 @@ absl::StatusOr<std::unique_ptr<DecodeStepper>> DecodeStepper::Create(
 }
 
 DecodeStepper::DecodeStepper(KvClient& client, std::vector<Session*> sessions,
-                             uint64_t accepted_rows, StepForm form)
+                             uint64_t accepted_rows, StepForm form, StepAddressing addressing)
     : client_(client),
       sessions_(std::move(sessions)),
       accepted_rows_(accepted_rows),
       form_(form),
       next_generation_(sessions_.size(), 1),
       open_generation_(sessions_.size(), 0),
-      committed_(sessions_.size(), 0) {}
+      committed_(sessions_.size(), 0),
+      batch_(addressing) {}
 
 void DecodeStepper::Build() {
   batch_.Clear();
@@ -163,11 +165,29 @@ absl::Status DecodeStepper::Step() {
 absl::Status DecodeStepper::StepMeasuringSizes(uint64_t* request_bytes,
                                                uint64_t* response_bytes) {
   Build();
+  pb::StepRequest request = ClientInternals::Request(batch_);
+  ASSIGN_OR_RETURN(*request.mutable_engine(), ClientInternals::Engine(client_));
   pb::StepResponse response;
   RETURN_IF_ERROR(FromGrpcStatus(ClientInternals::Cache(client_).Step(
-      ClientInternals::NewContext(client_).get(), ClientInternals::Request(batch_), &response)));
-  *request_bytes = ClientInternals::Request(batch_).ByteSizeLong();
+      ClientInternals::NewContext(client_).get(), request, &response)));
+  *request_bytes = request.ByteSizeLong();
   *response_bytes = response.ByteSizeLong();
+  if (form_ == StepForm::kAdvance) {
+    if (static_cast<size_t>(response.results_size()) != sessions_.size()) {
+      return absl::InternalError(
+          absl::StrCat("Step answered ", response.results_size(), " of ", sessions_.size()));
+    }
+    for (size_t i = 0; i < sessions_.size(); ++i) {
+      const pb::StepResult& advance = response.results(static_cast<int>(i));
+      if (advance.code() != 0) {
+        return absl::InternalError(absl::StrCat("session ", sessions_[i]->id(),
+                                                ": size-probe step failed: ", advance.message()));
+      }
+      committed_[i] = advance.advance().committed_len();
+      open_generation_[i] = next_generation_[i]++;
+    }
+    return absl::OkStatus();
+  }
   if (static_cast<size_t>(response.results_size()) != 4 * sessions_.size()) {
     return absl::InternalError(
         absl::StrCat("Step answered ", response.results_size(), " of ", 4 * sessions_.size()));

@@ -86,21 +86,23 @@ class DecodeStepper {
  public:
   // Reads each session's next generation and committed length from the daemon.
   // REQUIRES: no transaction open on `sessions`; they outlive the stepper.
+  // `addressing`: kSlot lets the client carry the step over its step channel
+  // (docs/step-channel.md) when it has one.
   static absl::StatusOr<std::unique_ptr<DecodeStepper>> Create(
       KvClient& client, std::vector<Session*> sessions, uint64_t accepted_rows,
-      StepForm form = StepForm::kSeparateEntries);
+      StepForm form = StepForm::kSeparateEntries,
+      StepAddressing addressing = StepAddressing::kSessionToken);
 
   // Builds, sends and checks one step. INTERNAL when an outcome is not the expected one.
   absl::Status Step();
-  // The same step through the raw stub, reporting the serialized request/response sizes.
-  // REQUIRES: StepForm::kSeparateEntries.
+  // The same step through the raw stub (gRPC), reporting the serialized request/response sizes.
   absl::Status StepMeasuringSizes(uint64_t* request_bytes, uint64_t* response_bytes);
   // Reset every session (ending any open transaction); generations keep counting.
   absl::Status ResetAll();
 
  private:
   DecodeStepper(KvClient& client, std::vector<Session*> sessions, uint64_t accepted_rows,
-                StepForm form);
+                StepForm form, StepAddressing addressing);
   void Build();
   absl::Status Check(const std::vector<StepOutcome>& outcomes);
   absl::Status CheckAdvance(const std::vector<StepOutcome>& outcomes);

@@ -33,7 +33,7 @@ ABSL_FLAG(std::string, python, "/usr/bin/python3", "the interpreter python_step.
 ABSL_FLAG(std::string, python_path, "",
           "directory holding the memra_kv package with its generated stubs (python/)");
 ABSL_FLAG(std::string, sections,
-          "hot_path,spec_decode,prefix_redis,admission,scale,python_step,block_store",
+          "hot_path,step_channel,spec_decode,prefix_redis,admission,scale,python_step,block_store",
           "comma-separated sections to run");
 ABSL_FLAG(bool, quick, false, "tiny iteration counts: checks the harness, measures nothing");
 ABSL_FLAG(uint64_t, scale_sessions, 10000, "live sessions the scale section grows to");
@@ -88,6 +88,7 @@ int Run() {
 
   using Section = absl::StatusOr<Json> (*)(const BenchOptions&);
   const std::pair<const char*, Section> all[] = {{"hot_path", RunHotPath},
+                                                 {"step_channel", RunStepChannel},
                                                  {"spec_decode", RunSpecDecode},
                                                  {"prefix_redis", RunPrefixAndRedis},
                                                  {"admission", RunAdmission},

@@ -13,6 +13,9 @@ namespace memra::bench {
 
 // 1. Decode step for N sessions: memra-kvd vs the bare gRPC floor vs core/ in process.
 absl::StatusOr<Json> RunHotPath(const BenchOptions& options);
+// 1c. The decode step (one Advance per session, by slot) over the step channel vs over gRPC
+// and the bare gRPC floor; the daemon's CPU per session.
+absl::StatusOr<Json> RunStepChannel(const BenchOptions& options);
 // 2. SpecSnapshot + SpecRollback of a hybrid model's recurrent state vs memcpy.
 absl::StatusOr<Json> RunSpecDecode(const BenchOptions& options);
 // 3. Prefix restore/capture (pending) and the Redis peer: SET/GET vs memcpy.

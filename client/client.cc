@@ -4,12 +4,15 @@
 
 #include <algorithm>
 #include <chrono>
+#include <tuple>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
 #include "absl/time/clock.h"
 #include "client/internal.h"
+#include "client/step_channel_client.h"
+#include "common/step_channel.h"
 #include "common/codec.h"
 #include "common/grpc_status.h"
 #include "core/status_macros.h"
@@ -154,6 +157,7 @@ struct StepBatch::Wire {
   pb::StepResponse* NewReply();
   void RecycleReply();
   pb::StepEntry* Add(const Session& session) {
+    if (session.layout().layers.size() > step_channel::kMaxKvLayers) fits_channel = false;
     pb::StepEntry* entry = request.add_entries();
     if (addressing == StepAddressing::kSlot) {
       entry->set_slot(session.slot());
@@ -165,6 +169,8 @@ struct StepBatch::Wire {
 
   StepAddressing addressing = StepAddressing::kSessionToken;
   pb::StepRequest request;
+  // No session of the batch has more layers than a channel completion carries plans for.
+  bool fits_channel = true;
   std::vector<char> reply_block;
   std::unique_ptr<google::protobuf::Arena> reply_arena;
 };
@@ -286,6 +292,8 @@ absl::Status KvClient::Attach(const std::string& engine_name) {
   lease->hello.mutable_hello()->set_cache_scope(options_.cache_scope);
   RETURN_IF_ERROR(OpenLease(*lease));
   const pb::Attached attached = lease->attached;
+  std::tie(step_channel_, step_channel_status_) =
+      OpenStepChannel(*handoff, attached.step_channel());
   lease_stream_ = std::move(lease);
   handoff_ = std::move(handoff);
   engine_id_ = attached.engine().engine_id();
@@ -382,9 +390,15 @@ bool KvClient::Reattach() {
     absl::StatusOr<std::unique_ptr<HandoffChannel>> handoff =
         HandoffChannel::Connect(options_.handoff_socket_path, options_.deadline);
     absl::Status opened = handoff.status();
+    std::pair<std::shared_ptr<StepChannelClient>, absl::Status> step_channel;
     if (handoff.ok()) {
       lease->hello.mutable_hello()->set_handoff_ticket((*handoff)->ticket());
       opened = OpenLease(*lease);
+      // A fresh channel with the fresh lease: the earlier one belonged to the daemon (or the
+      // handoff connection) that broke, and a new one replaces it in the daemon.
+      if (opened.ok()) {
+        step_channel = OpenStepChannel(**handoff, lease->attached.step_channel());
+      }
     }
     absl::MutexLock write_lock(&write_mu_);  // the old stream goes: no heartbeat is on it
     absl::MutexLock lock(&mu_);
@@ -401,6 +415,7 @@ bool KvClient::Reattach() {
       lease_timeout_ = absl::Milliseconds(lease->attached.lease_timeout_ms());
       lease_stream_ = std::move(lease);
       handoff_ = *std::move(handoff);
+      std::tie(step_channel_, step_channel_status_) = std::move(step_channel);
       reattaches_.fetch_add(1);
       lease_alive_.store(true);
       return true;
@@ -463,7 +478,36 @@ void KvClient::Detach() {
   if (!lease_stream_->finished) (void)lease_stream_->stream->Finish();
   lease_stream_.reset();
   handoff_.reset();
+  step_channel_.reset();
+  step_channel_status_ = absl::FailedPreconditionError("detached");
   lease_alive_.store(false);
+}
+
+std::pair<std::shared_ptr<StepChannelClient>, absl::Status> KvClient::OpenStepChannel(
+    HandoffChannel& handoff, bool offered) {
+  if (options_.force_grpc_step) {
+    return {nullptr, absl::FailedPreconditionError("ClientOptions::force_grpc_step is set")};
+  }
+  if (!offered) {
+    return {nullptr, absl::FailedPreconditionError(
+                         "the daemon offers no step channel (Attached.step_channel)")};
+  }
+  absl::StatusOr<handoff::StepChannelFds> fds = handoff.OpenStepChannel();
+  if (!fds.ok()) return {nullptr, fds.status()};
+  absl::StatusOr<std::unique_ptr<StepChannelClient>> channel =
+      StepChannelClient::Map(*std::move(fds));
+  if (!channel.ok()) return {nullptr, channel.status()};
+  return {std::shared_ptr<StepChannelClient>(*std::move(channel)), absl::OkStatus()};
+}
+
+bool KvClient::step_channel_active() const {
+  absl::MutexLock lock(&mu_);
+  return step_channel_ != nullptr && !step_channel_->broken();
+}
+
+absl::Status KvClient::step_channel_status() const {
+  absl::MutexLock lock(&mu_);
+  return step_channel_status_;
 }
 
 absl::StatusOr<ArenaFd> KvClient::FetchArenaFd(uint64_t session_id,
@@ -598,8 +642,23 @@ absl::Status KvClient::Step(StepBatch& batch, std::vector<StepOutcome>& outcomes
   }
   pb::StepResponse* response = batch.wire_->NewReply();
   const pb::StepRequest& request = batch.wire_->request;
-  absl::Status status = FromGrpcStatus(
-      rpc_->cache->Step(ClientInternals::NewContext(*this).get(), request, response));
+  std::shared_ptr<StepChannelClient> channel;
+  if (batch.ChannelEligible()) {
+    absl::MutexLock lock(&mu_);
+    channel = step_channel_;
+  }
+  absl::Status status =
+      channel != nullptr && !channel->broken()
+          ? channel->Run(request, response, options_.deadline)
+          : FromGrpcStatus(
+                rpc_->cache->Step(ClientInternals::NewContext(*this).get(), request, response));
+  if (!status.ok() && channel != nullptr) {
+    absl::MutexLock lock(&mu_);
+    if (step_channel_ == channel) {
+      step_channel_status_ = status;
+      step_channel_.reset();
+    }
+  }
   if (status.ok() && response->results_size() != request.entries_size()) {
     status = absl::InternalError(absl::StrCat("Step answered ", response->results_size(),
                                               " results for ", request.entries_size(), " entries"));
@@ -865,6 +924,11 @@ absl::StatusOr<ArenaFd> ClientInternals::FetchArenaFd(KvClient& client, uint64_t
   return client.FetchArenaFd(session_id, session_token, handle);
 }
 
+std::shared_ptr<StepChannelClient> ClientInternals::StepChannel(KvClient& client) {
+  absl::MutexLock lock(&client.mu_);
+  return client.step_channel_;
+}
+
 // ---- StepBatch ----
 
 StepBatch::StepBatch(StepAddressing addressing) : wire_(std::make_unique<Wire>()) {
@@ -878,7 +942,15 @@ void StepBatch::SetWaitEvent(std::string ipc_event_handle) {
 
 size_t StepBatch::size() const { return static_cast<size_t>(wire_->request.entries_size()); }
 
-void StepBatch::Clear() { wire_->request.Clear(); }
+void StepBatch::Clear() {
+  wire_->request.Clear();
+  wire_->fits_channel = true;
+}
+
+bool StepBatch::ChannelEligible() const {
+  return wire_->addressing == StepAddressing::kSlot && wire_->fits_channel &&
+         StepChannelClient::Carries(wire_->request);
+}
 
 void StepBatch::Begin(const Session& session) { wire_->Add(session)->mutable_begin(); }
 

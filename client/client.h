@@ -64,6 +64,19 @@
 //     RETURN_IF_ERROR(client->Step(batch, outcomes));
 //   }
 //
+// The step channel (docs/step-channel.md): when the daemon offers one (config step_channel,
+// default on), Attach also maps a shared-memory ring pair handed to this engine alone, and Step
+// carries a slot-addressed batch through it as fixed-size records instead of a Step RPC: no
+// serialization, no socket round trip, a futex wake only when a side sleeps. Which path a batch
+// takes (KvClient::Step decides; StepBatch::ChannelEligible says):
+//   * the channel: StepAddressing::kSlot, no wait event, sessions of at most 128 K/V layers,
+//     at most 256 token ids per entry. The decode loop above, on the host backend.
+//   * gRPC: everything else (id + token addressing, a batch carrying a cuda wait event, huge
+//     models), ClientOptions::force_grpc_step, or a daemon without the channel.
+// Both paths reach the same dispatcher in the daemon: the same outcomes, codes and messages. A
+// channel failure (the daemon closed it, e.g. at a reclaim, or answered nothing within the
+// deadline) is that Step's UNAVAILABLE; the client then steps over gRPC.
+//
 // Arena pool: ReleaseSession keeps the session's arena in this engine's pool in the daemon
 // (arena_pool_engine_bytes), and this client keeps it mapped; the next CreateSession of the same
 // size gets it back under the same handle, so a request-per-session engine opens no new
@@ -124,6 +137,10 @@ struct ClientOptions {
   // The prefix-cache scope to attach in (proto Hello.cache_scope): empty = this user's own
   // ("uid:<uid>"); a named one must be allowed by the daemon's cache_scope_allow.
   std::string cache_scope;
+  // Step over gRPC even when the daemon offers the step channel (docs/step-channel.md):
+  // KvClient::Step then never uses shared memory. For comparisons and for a daemon whose
+  // channel an operator wants unused.
+  bool force_grpc_step = false;
 };
 
 // The handoff socket beside `socket_path` when none is configured (ClientOptions).
@@ -379,6 +396,7 @@ struct BlockStoreTransfer {
 
 class KvClient;
 class ClientInternals;
+class StepChannelClient;
 
 // Cache events as they come (KvClient::SubscribePrefixEvents). Thread-compatible; Cancel() may
 // be called from another thread to end a Next() that is waiting.
@@ -520,6 +538,10 @@ class StepBatch {
   size_t size() const;
   // Empties the batch for the next step; its storage is kept (protobuf keeps cleared entries).
   void Clear();
+  // Whether KvClient::Step may carry this batch over the step channel: addressed by slot, no
+  // wait event, every session of at most step_channel::kMaxKvLayers layers and every entry's
+  // token ids within a record's side span (256). Otherwise it goes over gRPC.
+  bool ChannelEligible() const;
 
  private:
   friend class KvClient;
@@ -580,7 +602,11 @@ class KvClient {
   // Returns the reservation's bytes to the budget.
   absl::StatusOr<uint64_t> CancelReservation(uint64_t reservation_id) ABSL_LOCKS_EXCLUDED(mu_);
   // Runs a batch; one outcome per entry, in order, into `outcomes` (resized). The RPC's own
-  // failure is the returned status. For a decode loop: keep one StepBatch (Clear() it between
+  // failure is the returned status. A batch the step channel can carry (StepBatch::
+  // ChannelEligible) goes over it when the daemon offered one and force_grpc_step is off: the
+  // same outcomes, codes and messages as over gRPC (one dispatcher in the daemon), without an
+  // RPC; a channel failure (the daemon closed it, no answer within the deadline) is the
+  // returned UNAVAILABLE, and later steps go over gRPC. For a decode loop: keep one StepBatch (Clear() it between
   // steps) and one outcomes vector, and a step reuses their memory instead of allocating.
   // Not concurrently on one batch.
   absl::Status Step(StepBatch& batch, std::vector<StepOutcome>& outcomes);
@@ -627,6 +653,12 @@ class KvClient {
 
   ArenaMapper& mapper() { return *options_.mapper; }
 
+  // Whether Step uses the step channel now (offered, opened, not broken, not forced off).
+  bool step_channel_active() const ABSL_LOCKS_EXCLUDED(mu_);
+  // Why no channel is in use: OK when one is, or the refusal that kept it closed (not offered,
+  // forced off, the open failed, it broke).
+  absl::Status step_channel_status() const ABSL_LOCKS_EXCLUDED(mu_);
+
  private:
   friend class Session;
   friend class ClientInternals;
@@ -654,6 +686,10 @@ class KvClient {
   // Attach opened (FAILED_PRECONDITION before Attach; the daemon's refusal as it sent it).
   absl::StatusOr<ArenaFd> FetchArenaFd(uint64_t session_id, absl::string_view session_token,
                                        absl::string_view handle) ABSL_LOCKS_EXCLUDED(mu_);
+  // The step channel over `handoff` when the daemon `offered` it and the options allow it, or
+  // null and why not. Takes no lock of this class.
+  std::pair<std::shared_ptr<StepChannelClient>, absl::Status> OpenStepChannel(
+      HandoffChannel& handoff, bool offered);
   // The engine's identity (id, token); FAILED_PRECONDITION before Attach (`what` names the call).
   absl::StatusOr<std::pair<uint64_t, std::string>> AttachedEngine(absl::string_view what) const
       ABSL_LOCKS_EXCLUDED(mu_);
@@ -683,6 +719,10 @@ class KvClient {
   // Opened by Attach (and by each re-attach), closed by Detach; shared so a fetch in flight
   // outlives a Detach.
   std::shared_ptr<HandoffChannel> handoff_ ABSL_GUARDED_BY(mu_);
+  // Opened with each attach when offered (null otherwise); shared so a Step in flight outlives
+  // a re-attach that replaces it.
+  std::shared_ptr<StepChannelClient> step_channel_ ABSL_GUARDED_BY(mu_);
+  absl::Status step_channel_status_ ABSL_GUARDED_BY(mu_);
   std::thread lease_thread_ ABSL_GUARDED_BY(mu_);
   std::thread heartbeat_thread_ ABSL_GUARDED_BY(mu_);
 };

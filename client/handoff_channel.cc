@@ -37,7 +37,7 @@ absl::StatusOr<std::unique_ptr<HandoffChannel>> HandoffChannel::Connect(const st
   }
   std::unique_ptr<HandoffChannel> channel(new HandoffChannel(std::move(socket), path, deadline));
   absl::MutexLock lock(&channel->mu_);
-  ScopedFd unexpected;
+  std::vector<ScopedFd> unexpected;
   ASSIGN_OR_RETURN(handoff::Frame frame, channel->ReadFrame(&unexpected));
   if (frame.kind == handoff::Kind::kRefusal) return handoff::DecodeRefusal(frame.body);
   if (frame.kind != handoff::Kind::kTicket) {
@@ -49,49 +49,68 @@ absl::StatusOr<std::unique_ptr<HandoffChannel>> HandoffChannel::Connect(const st
   return channel;
 }
 
-absl::StatusOr<ArenaFd> HandoffChannel::FetchArena(const handoff::ArenaRequest& request) {
-  ASSIGN_OR_RETURN(std::string frame, handoff::EncodeArenaRequest(request));
-  absl::MutexLock lock(&mu_);
-  if (absl::Status sent = handoff::SendFrame(socket_.get(), frame); !sent.ok()) {
+absl::StatusOr<handoff::Frame> HandoffChannel::Exchange(absl::string_view frame,
+                                                       handoff::Kind expected,
+                                                       std::vector<ScopedFd>* received,
+                                                       absl::Span<const int> pass_fds) {
+  if (absl::Status sent = handoff::SendFrame(socket_.get(), frame, pass_fds); !sent.ok()) {
     return absl::UnavailableError(absl::StrCat("handoff socket ", path_,
                                                ": the daemon closed the connection (",
                                                sent.message(), ")"));
   }
-  ScopedFd fd;
-  ASSIGN_OR_RETURN(handoff::Frame answer, ReadFrame(&fd));
+  ASSIGN_OR_RETURN(handoff::Frame answer, ReadFrame(received));
   if (answer.kind == handoff::Kind::kRefusal) return handoff::DecodeRefusal(answer.body);
-  if (answer.kind != handoff::Kind::kArena) {
+  if (answer.kind != expected) {
     return absl::InternalError(absl::StrCat("handoff socket ", path_, ": an answer of kind ",
-                                            static_cast<int>(answer.kind)));
+                                            static_cast<int>(answer.kind), ", expected ",
+                                            static_cast<int>(expected)));
   }
+  return answer;
+}
+
+absl::StatusOr<ArenaFd> HandoffChannel::FetchArena(const handoff::ArenaRequest& request) {
+  ASSIGN_OR_RETURN(std::string frame, handoff::EncodeArenaRequest(request));
+  absl::MutexLock lock(&mu_);
+  std::vector<ScopedFd> fds;
+  ASSIGN_OR_RETURN(handoff::Frame answer, Exchange(frame, handoff::Kind::kArena, &fds));
   ASSIGN_OR_RETURN(const uint64_t bytes, handoff::DecodeArena(answer.body));
-  if (fd.get() < 0) {
+  if (fds.size() != 1) {
     return absl::DataLossError(absl::StrCat("handoff socket ", path_, ": the arena answer for \"",
-                                            request.handle, "\" came without a descriptor"));
+                                            request.handle, "\" came with ", fds.size(),
+                                            " descriptors, not 1"));
   }
-  return ArenaFd{.fd = std::move(fd), .bytes = bytes};
+  return ArenaFd{.fd = std::move(fds[0]), .bytes = bytes};
+}
+
+absl::StatusOr<handoff::StepChannelFds> HandoffChannel::OpenStepChannel() {
+  absl::MutexLock lock(&mu_);
+  std::vector<ScopedFd> fds;
+  ASSIGN_OR_RETURN(
+      handoff::Frame answer,
+      Exchange(handoff::EncodeStepChannelRequest(), handoff::Kind::kStepChannel, &fds));
+  ASSIGN_OR_RETURN(const uint64_t bytes, handoff::DecodeStepChannel(answer.body));
+  if (fds.size() != 2) {
+    return absl::DataLossError(absl::StrCat("handoff socket ", path_,
+                                            ": the step channel answer came with ", fds.size(),
+                                            " descriptors, not 2"));
+  }
+  return handoff::StepChannelFds{.region = ArenaFd{.fd = std::move(fds[0]), .bytes = bytes},
+                        .wake = std::move(fds[1])};
 }
 
 absl::StatusOr<uint64_t> HandoffChannel::OfferBuffer(int fd, uint64_t bytes) {
   ASSIGN_OR_RETURN(std::string frame, handoff::EncodeBufferOffer(bytes));
   absl::MutexLock lock(&mu_);
-  if (absl::Status sent = handoff::SendFrame(socket_.get(), frame, fd); !sent.ok()) {
-    return absl::UnavailableError(absl::StrCat("handoff socket ", path_,
-                                               ": the daemon closed the connection (",
-                                               sent.message(), ")"));
-  }
-  ScopedFd unexpected;  // the daemon sends no descriptor with this answer; closed if it did
-  ASSIGN_OR_RETURN(handoff::Frame answer, ReadFrame(&unexpected));
-  if (answer.kind == handoff::Kind::kRefusal) return handoff::DecodeRefusal(answer.body);
-  if (answer.kind != handoff::Kind::kBufferId) {
-    return absl::InternalError(absl::StrCat("handoff socket ", path_,
-                                            ": a buffer offer answered with kind ",
-                                            static_cast<int>(answer.kind)));
-  }
+  std::vector<ScopedFd> unexpected;  // the daemon sends no descriptor with this answer: closed
+  // fd -1 sends the offer without a descriptor (the daemon refuses it; tests).
+  const absl::Span<const int> pass_fds =
+      fd >= 0 ? absl::Span<const int>(&fd, 1) : absl::Span<const int>();
+  ASSIGN_OR_RETURN(handoff::Frame answer,
+                   Exchange(frame, handoff::Kind::kBufferId, &unexpected, pass_fds));
   return handoff::DecodeBufferId(answer.body);
 }
 
-absl::StatusOr<handoff::Frame> HandoffChannel::ReadFrame(ScopedFd* received) {
+absl::StatusOr<handoff::Frame> HandoffChannel::ReadFrame(std::vector<ScopedFd>* received) {
   const absl::Time give_up = absl::Now() + deadline_;
   while (true) {
     ASSIGN_OR_RETURN(std::optional<handoff::Frame> frame, handoff::TakeFrame(input_));

@@ -7,12 +7,14 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "absl/types/span.h"
 #include "common/handoff_wire.h"
 #include "common/mapped_region.h"
 
@@ -42,12 +44,25 @@ class HandoffChannel {
   // refusal as it sent it; UNAVAILABLE as FetchArena.
   absl::StatusOr<uint64_t> OfferBuffer(int fd, uint64_t bytes) ABSL_LOCKS_EXCLUDED(mu_);
 
+  // The engine's step channel (docs/step-channel.md): the region's memfd and its bytes, and the
+  // eventfd that wakes the daemon. The daemon's refusal as it sent it; UNAVAILABLE as
+  // FetchArena's; DATA_LOSS when the answer came without both descriptors. Only after Attach
+  // offered the channel (Attached.step_channel): an older daemon closes the connection.
+  absl::StatusOr<handoff::StepChannelFds> OpenStepChannel() ABSL_LOCKS_EXCLUDED(mu_);
+
  private:
   HandoffChannel(ScopedFd socket, std::string path, absl::Duration deadline)
       : socket_(std::move(socket)), path_(std::move(path)), deadline_(deadline) {}
 
-  // The next frame (and the descriptor that came with it, if any), waiting up to deadline_.
-  absl::StatusOr<handoff::Frame> ReadFrame(ScopedFd* received) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The next frame (and the descriptors that came with it, if any), waiting up to deadline_.
+  absl::StatusOr<handoff::Frame> ReadFrame(std::vector<ScopedFd>* received)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Sends `frame` (with `pass_fds` attached) and reads the answer: a refusal becomes its status,
+  // another kind than `expected` INTERNAL.
+  absl::StatusOr<handoff::Frame> Exchange(absl::string_view frame, handoff::Kind expected,
+                                          std::vector<ScopedFd>* received,
+                                          absl::Span<const int> pass_fds = {})
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const ScopedFd socket_;
   const std::string path_;

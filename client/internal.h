@@ -11,6 +11,7 @@
 
 #include "absl/status/statusor.h"
 #include "client/client.h"
+#include "client/step_channel_client.h"
 #include "grpcpp/client_context.h"
 #include "proto/memra/kv/v1/admin.grpc.pb.h"
 #include "proto/memra/kv/v1/block_store.grpc.pb.h"
@@ -45,6 +46,9 @@ class ClientInternals {
   static absl::StatusOr<ArenaFd> FetchArenaFd(KvClient& client, uint64_t session_id,
                                               absl::string_view session_token,
                                               absl::string_view handle);
+  // The client's step channel (null when none is open): the bad-input tests write its rings
+  // themselves (after which the client must not step over it again).
+  static std::shared_ptr<StepChannelClient> StepChannel(KvClient& client);
 };
 
 // The daemon's messages as client.h's types. INVALID_ARGUMENT naming the field for an enum out

@@ -117,9 +117,17 @@ std::string EncodeBufferId(uint64_t buffer_id) {
 
 bool KnownKind(uint8_t kind) {
   return (kind >= static_cast<uint8_t>(Kind::kTicket) &&
-          kind <= static_cast<uint8_t>(Kind::kRefusal)) ||
+          kind <= static_cast<uint8_t>(Kind::kStepChannel)) ||
          kind == static_cast<uint8_t>(Kind::kBufferOffer) ||
          kind == static_cast<uint8_t>(Kind::kBufferId);
+}
+
+std::string EncodeStepChannelRequest() { return MakeFrame(Kind::kStepChannelRequest, ""); }
+
+std::string EncodeStepChannel(uint64_t region_bytes) {
+  std::string body;
+  PutU64(body, region_bytes);
+  return MakeFrame(Kind::kStepChannel, body);
 }
 
 std::string EncodeRefusal(const absl::Status& refusal) {
@@ -148,7 +156,7 @@ absl::StatusOr<std::optional<Frame>> TakeFrame(std::string& buffer) {
   }
   if (!KnownKind(kind)) {
     return absl::InvalidArgumentError(
-        absl::StrCat("handoff frame of unknown kind ", kind, " (kinds are 1 to 4, 16 and 17)"));
+        absl::StrCat("handoff frame of unknown kind ", kind, " (kinds are 1 to 6, 16 and 17)"));
   }
   Frame frame{.kind = static_cast<Kind>(kind),
               .body = buffer.substr(kLengthBytes + 2, length - 2)};
@@ -208,6 +216,18 @@ absl::StatusOr<uint64_t> DecodeBufferId(absl::string_view body) {
   return id;
 }
 
+absl::StatusOr<StepChannelRequest> DecodeStepChannelRequest(absl::string_view body) {
+  RETURN_IF_ERROR(BodyReader("step channel request", body).End());
+  return StepChannelRequest{};
+}
+
+absl::StatusOr<uint64_t> DecodeStepChannel(absl::string_view body) {
+  BodyReader reader("step channel", body);
+  ASSIGN_OR_RETURN(const uint64_t bytes, reader.Integer("region_bytes", 8));
+  RETURN_IF_ERROR(reader.End());
+  return bytes;
+}
+
 absl::Status DecodeRefusal(absl::string_view body) {
   BodyReader reader("refusal", body);
   ASSIGN_OR_RETURN(const uint64_t code, reader.Integer("code", 4));
@@ -220,20 +240,25 @@ absl::Status DecodeRefusal(absl::string_view body) {
                       message);
 }
 
-absl::Status SendFrame(int socket, absl::string_view frame, int pass_fd) {
+absl::Status SendFrame(int socket, absl::string_view frame, absl::Span<const int> pass_fds) {
+  if (pass_fds.size() > kMaxDescriptors) {
+    return absl::InvalidArgumentError(absl::StrCat("handoff socket: a frame carries at most ",
+                                                   kMaxDescriptors, " descriptors, not ",
+                                                   pass_fds.size()));
+  }
   iovec io{.iov_base = const_cast<char*>(frame.data()), .iov_len = frame.size()};
   msghdr message{};
   message.msg_iov = &io;
   message.msg_iovlen = 1;
-  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
-  if (pass_fd >= 0) {
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * kMaxDescriptors)] = {};
+  if (!pass_fds.empty()) {
     message.msg_control = control;
-    message.msg_controllen = sizeof(control);
+    message.msg_controllen = CMSG_SPACE(sizeof(int) * pass_fds.size());
     cmsghdr* header = CMSG_FIRSTHDR(&message);
     header->cmsg_level = SOL_SOCKET;
     header->cmsg_type = SCM_RIGHTS;
-    header->cmsg_len = CMSG_LEN(sizeof(int));
-    std::memcpy(CMSG_DATA(header), &pass_fd, sizeof(int));
+    header->cmsg_len = CMSG_LEN(sizeof(int) * pass_fds.size());
+    std::memcpy(CMSG_DATA(header), pass_fds.data(), sizeof(int) * pass_fds.size());
   }
   ssize_t sent;
   do {
@@ -250,9 +275,12 @@ absl::Status SendFrame(int socket, absl::string_view frame, int pass_fd) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<size_t> ReceiveBytes(int socket, absl::Span<char> buffer, ScopedFd* received) {
+absl::StatusOr<size_t> ReceiveBytes(int socket, absl::Span<char> buffer,
+                                    std::vector<ScopedFd>* received) {
   iovec io{.iov_base = buffer.data(), .iov_len = buffer.size()};
-  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))];
+  // Room for more than a frame carries, so a sender's extras are received (and closed), not cut
+  // (MSG_CTRUNC would leak nothing, but would hide that they were sent).
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * (kMaxDescriptors + 2))];
   msghdr message{};
   message.msg_iov = &io;
   message.msg_iovlen = 1;
@@ -276,10 +304,10 @@ absl::StatusOr<size_t> ReceiveBytes(int socket, absl::Span<char> buffer, ScopedF
     for (size_t i = 0; i < count; ++i) {
       int fd;
       std::memcpy(&fd, CMSG_DATA(header) + i * sizeof(int), sizeof(int));
-      if (received->get() < 0) {
-        *received = ScopedFd(fd);
+      if (received->size() < kMaxDescriptors) {
+        received->emplace_back(fd);
       } else {
-        ScopedFd extra(fd);  // one descriptor per answer: any other is closed
+        ScopedFd extra(fd);  // more than a frame carries: closed
       }
     }
   }

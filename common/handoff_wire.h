@@ -20,12 +20,17 @@
 //   kRefusal       daemon -> engine, the answer to one request (or the last frame before the
 //                  daemon closes): u32 code (absl / gRPC status code numbering) | u16 len |
 //                  message (UTF-8, the daemon's words with the numbers)
+//   kStepChannelRequest  engine -> daemon: empty body (docs/step-channel.md; only when Attached
+//                  offered the channel: an older daemon refuses the kind and closes)
+//   kStepChannel   daemon -> engine, the answer to a step channel request, with exactly two
+//                  descriptors attached (the region's sealed memfd, then the eventfd that wakes
+//                  the daemon): u64 region bytes
 //   kBufferOffer   engine -> daemon, with exactly one descriptor attached (SCM_RIGHTS): u64
 //                  bytes. The block store's "buffer offer" (docs/block-store.md): a memfd of
 //                  the engine's own KV pool, sealed with F_SEAL_SHRINK, at least `bytes` long.
 //   kBufferId      daemon -> engine, the answer to one offer: u64 buffer id (single use, for
 //                  RegisterEngineBuffers while this connection stays open)
-// Kinds 5..15 are left to the step channel; the block store's start at 16.
+// Kinds 7..15 are free; the block store's start at 16.
 //
 // Requests are answered one at a time, in order. A frame the daemon cannot parse (length out of
 // range, another version, an unknown kind, a malformed body) is refused (INVALID_ARGUMENT) and
@@ -35,6 +40,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -58,16 +64,30 @@ enum class Kind : uint8_t {
   kArenaRequest = 2,
   kArena = 3,
   kRefusal = 4,
+  kStepChannelRequest = 5,
+  kStepChannel = 6,
   kBufferOffer = 16,
   kBufferId = 17,
 };
-// Whether `kind` is one this side knows.
+// Whether `kind` is one this side knows (1 to 6, 16 and 17).
 bool KnownKind(uint8_t kind);
+// Descriptors one frame carries at most (kStepChannel's two).
+inline constexpr size_t kMaxDescriptors = 2;
 
 struct ArenaRequest {
   uint64_t session_id = 0;
   std::string session_token;
   std::string handle;
+};
+
+// An engine asked for its step channel (kind 5; the body is empty).
+struct StepChannelRequest {};
+
+// What a kStepChannel answer carries: the region (its memfd and bytes) and the eventfd that
+// wakes the daemon.
+struct StepChannelFds {
+  ArenaFd region;
+  ScopedFd wake;
 };
 
 struct Frame {
@@ -83,6 +103,8 @@ std::string EncodeArena(uint64_t bytes);
 // INVALID_ARGUMENT for 0 bytes.
 absl::StatusOr<std::string> EncodeBufferOffer(uint64_t bytes);
 std::string EncodeBufferId(uint64_t buffer_id);
+std::string EncodeStepChannelRequest();
+std::string EncodeStepChannel(uint64_t region_bytes);
 // REQUIRES: !refusal.ok(). The message is cut at kMaxMessageBytes.
 std::string EncodeRefusal(const absl::Status& refusal);
 
@@ -98,20 +120,25 @@ absl::StatusOr<uint64_t> DecodeArena(absl::string_view body);
 // INVALID_ARGUMENT for 0 bytes too.
 absl::StatusOr<uint64_t> DecodeBufferOffer(absl::string_view body);
 absl::StatusOr<uint64_t> DecodeBufferId(absl::string_view body);
+absl::StatusOr<StepChannelRequest> DecodeStepChannelRequest(absl::string_view body);
+absl::StatusOr<uint64_t> DecodeStepChannel(absl::string_view body);  // region bytes
 // The refusal as the status it carries; never OK (a code of 0 or out of range is UNKNOWN, a
 // malformed body INVALID_ARGUMENT saying so).
 absl::Status DecodeRefusal(absl::string_view body);
 
-// Sends one whole frame on the Unix stream socket `socket`, with `pass_fd` attached (SCM_RIGHTS)
-// unless it is -1. Never raises SIGPIPE. UNAVAILABLE when the peer is gone or the frame could not
-// go in one call (a non-blocking socket whose peer does not read: the daemon then closes it).
-absl::Status SendFrame(int socket, absl::string_view frame, int pass_fd = -1);
+// Sends one whole frame on the Unix stream socket `socket`, with `pass_fds` attached (SCM_RIGHTS;
+// at most kMaxDescriptors). Never raises SIGPIPE. UNAVAILABLE when the peer is gone or the frame
+// could not go in one call (a non-blocking socket whose peer does not read: the daemon then
+// closes it).
+absl::Status SendFrame(int socket, absl::string_view frame, absl::Span<const int> pass_fds = {});
 
 // Receives up to buffer.size() bytes from the Unix stream socket `socket` (one recvmsg, retried
-// on EINTR); a descriptor that came with them (SCM_RIGHTS) goes to `*received`, O_CLOEXEC
-// (extra descriptors are closed). 0 when the peer closed; UNAVAILABLE naming the errno, which
-// is left in `errno`.
-absl::StatusOr<size_t> ReceiveBytes(int socket, absl::Span<char> buffer, ScopedFd* received);
+// on EINTR); descriptors that came with them (SCM_RIGHTS) are appended to `*received`, O_CLOEXEC,
+// up to kMaxDescriptors in all (extra descriptors are closed). 0 when the peer closed;
+// UNAVAILABLE naming the errno, which is left in `errno` (a non-blocking reader tells EAGAIN by
+// it).
+absl::StatusOr<size_t> ReceiveBytes(int socket, absl::Span<char> buffer,
+                                    std::vector<ScopedFd>* received);
 
 }  // namespace memra::handoff
 

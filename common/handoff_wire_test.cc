@@ -7,6 +7,7 @@
 #include <cstring>
 #include <string>
 
+#include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "tests/status_matchers.h"
 
@@ -75,9 +76,15 @@ TEST(HandoffWireTest, RefusesBadLengthVersionAndKind) {
   std::string version("\x02\x00\x00\x00\x09\x01", 6);
   EXPECT_THAT(TakeFrame(version), StatusIs(absl::StatusCode::kInvalidArgument,
                                            HasSubstrs("protocol version 9", "speaks version 1")));
-  std::string kind("\x02\x00\x00\x00\x01\x12", 6);
-  EXPECT_THAT(TakeFrame(kind), StatusIs(absl::StatusCode::kInvalidArgument,
-                                        HasSubstrs("unknown kind 18", "1 to 4, 16 and 17")));
+  // The kinds between the step channel's and the block store's, and past the block store's.
+  for (const uint8_t unknown : {uint8_t{7}, uint8_t{15}, uint8_t{18}}) {
+    std::string kind("\x02\x00\x00\x00\x01", 5);
+    kind.push_back(static_cast<char>(unknown));
+    EXPECT_THAT(TakeFrame(kind),
+                StatusIs(absl::StatusCode::kInvalidArgument,
+                         HasSubstrs(absl::StrCat("unknown kind ", static_cast<int>(unknown)),
+                                    "1 to 6, 16 and 17")));
+  }
 }
 
 TEST(HandoffWireTest, BufferOfferAndIdRoundTrip) {
@@ -142,15 +149,15 @@ TEST(HandoffWireTest, SendFrameCarriesADescriptor) {
   ASSERT_EQ(socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, pair), 0);
   int pipe_fds[2];
   ASSERT_EQ(pipe(pipe_fds), 0);
-  ASSERT_THAT(SendFrame(pair[0], EncodeArena(4096), pipe_fds[1]), IsOk());
+  ASSERT_THAT(SendFrame(pair[0], EncodeArena(4096), {pipe_fds[1]}), IsOk());
   char data[64];
-  ScopedFd received;
+  std::vector<ScopedFd> received;
   ASSERT_THAT(ReceiveBytes(pair[1], absl::MakeSpan(data), &received),
               IsOkAndHolds(EncodeArena(4096).size()));
-  ASSERT_GE(received.get(), 0);
-  EXPECT_EQ(fcntl(received.get(), F_GETFD) & FD_CLOEXEC, FD_CLOEXEC);
+  ASSERT_EQ(received.size(), 1u);
+  EXPECT_EQ(fcntl(received[0].get(), F_GETFD) & FD_CLOEXEC, FD_CLOEXEC);
   // The received descriptor is the pipe's write end: what goes in comes out of the read end.
-  ASSERT_EQ(write(received.get(), "z", 1), 1);
+  ASSERT_EQ(write(received[0].get(), "z", 1), 1);
   char c = 0;
   ASSERT_EQ(read(pipe_fds[0], &c, 1), 1);
   EXPECT_EQ(c, 'z');
@@ -159,6 +166,45 @@ TEST(HandoffWireTest, SendFrameCarriesADescriptor) {
   EXPECT_THAT(SendFrame(pair[1], EncodeArena(1)),
               StatusIs(absl::StatusCode::kUnavailable, HasSubstrs("sending a 14-byte frame")));
   close(pair[1]);
+}
+
+TEST(HandoffWireTest, StepChannelFramesCarryTwoDescriptorsInOrder) {
+  std::string buffer = EncodeStepChannelRequest() + EncodeStepChannel(4849664);
+  Frame request = Take(buffer);
+  EXPECT_EQ(request.kind, Kind::kStepChannelRequest);
+  EXPECT_THAT(DecodeStepChannelRequest(request.body).status(), IsOk());
+  Frame channel = Take(buffer);
+  EXPECT_EQ(channel.kind, Kind::kStepChannel);
+  EXPECT_THAT(DecodeStepChannel(channel.body), IsOkAndHolds(4849664u));
+  EXPECT_THAT(DecodeStepChannelRequest("x").status(),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstrs("1 bytes left")));
+  EXPECT_THAT(DecodeStepChannel("1234"),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstrs("region_bytes needs 8 bytes, 4 are left")));
+
+  int pair[2];
+  ASSERT_EQ(socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, pair), 0);
+  int first[2];
+  int second[2];
+  ASSERT_EQ(pipe(first), 0);
+  ASSERT_EQ(pipe(second), 0);
+  ASSERT_THAT(SendFrame(pair[0], EncodeStepChannel(1), {first[1], second[1]}), IsOk());
+  EXPECT_THAT(SendFrame(pair[0], EncodeStepChannel(1), {first[1], second[1], first[0]}),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstrs("at most 2 descriptors, not 3")));
+  char data[64];
+  std::vector<ScopedFd> received;
+  ASSERT_THAT(ReceiveBytes(pair[1], absl::MakeSpan(data), &received), IsOk());
+  ASSERT_EQ(received.size(), 2u);
+  // In the order sent: the first is the first pipe's write end.
+  ASSERT_EQ(write(received[0].get(), "a", 1), 1);
+  ASSERT_EQ(write(received[1].get(), "b", 1), 1);
+  char c = 0;
+  ASSERT_EQ(read(first[0], &c, 1), 1);
+  EXPECT_EQ(c, 'a');
+  ASSERT_EQ(read(second[0], &c, 1), 1);
+  EXPECT_EQ(c, 'b');
+  for (int fd : {first[0], first[1], second[0], second[1], pair[0], pair[1]}) close(fd);
 }
 
 }  // namespace

@@ -1,5 +1,6 @@
 #include "common/mapped_region.h"
 
+#include <fcntl.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -22,6 +23,20 @@ absl::StatusOr<uint8_t*> Mmap(int fd, uint64_t bytes, int flags, absl::string_vi
 }
 
 }  // namespace
+
+absl::StatusOr<ScopedFd> CreateSealedMemfd(const char* name, uint64_t bytes) {
+  ScopedFd fd(memfd_create(name, MFD_CLOEXEC | MFD_ALLOW_SEALING));
+  if (fd.get() < 0) return PosixError(absl::StrCat("memfd_create ", name), errno);
+  // Fresh pages read as zero.
+  if (const int err = posix_fallocate(fd.get(), 0, static_cast<off_t>(bytes)); err != 0) {
+    return PosixError(absl::StrCat("posix_fallocate ", bytes, " bytes for memfd ", name), err);
+  }
+  if (fcntl(fd.get(), F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0) {
+    return PosixError(absl::StrCat("sealing memfd ", name, " (F_SEAL_SHRINK | F_SEAL_GROW)"),
+                      errno);
+  }
+  return fd;
+}
 
 ScopedFd& ScopedFd::operator=(ScopedFd&& other) noexcept {
   if (this != &other) {

@@ -33,6 +33,12 @@ struct ArenaFd {
   uint64_t bytes = 0;
 };
 
+// A memfd of `bytes` (allocated now: posix_fallocate, so a short tmpfs fails here, not with
+// SIGBUS at first touch) sealed at its size (F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL): whoever
+// is handed the descriptor can neither shrink it under another process's mapping nor grow it.
+// No name in any file system reaches it. `name` shows in /proc/<pid>/fd only.
+absl::StatusOr<ScopedFd> CreateSealedMemfd(const char* name, uint64_t bytes);
+
 // Whether the page tables are filled, writable, when the region is mapped (MADV_POPULATE_WRITE):
 // one kernel pass at map time instead of a page fault per page on first write, which on a VM
 // costs more than copying the page itself. For memory written in full right away.

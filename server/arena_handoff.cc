@@ -53,8 +53,12 @@ int64_t Milliseconds(std::chrono::steady_clock::duration d) {
 
 }  // namespace
 
-ArenaHandoff::ArenaHandoff(Options options, ArenaLookup lookup, BufferIntake intake)
-    : options_(std::move(options)), lookup_(std::move(lookup)), intake_(std::move(intake)) {}
+ArenaHandoff::ArenaHandoff(Options options, ArenaLookup lookup, BufferIntake intake,
+                           StepChannelOpener open_step_channel)
+    : options_(std::move(options)),
+      lookup_(std::move(lookup)),
+      intake_(std::move(intake)),
+      open_step_channel_(std::move(open_step_channel)) {}
 
 ArenaHandoff::~ArenaHandoff() { Stop(); }
 
@@ -349,15 +353,17 @@ bool ArenaHandoff::ReadFrom(uint64_t id, Connection& connection,
                             std::vector<PendingRequest>& pending) {
   char chunk[kReadChunkBytes];
   for (size_t total = 0; total < kMaxReadPerRound;) {
-    ScopedFd received;
+    std::vector<ScopedFd> received;
     absl::StatusOr<size_t> got =
         handoff::ReceiveBytes(connection.socket.get(), absl::MakeSpan(chunk), &received);
     if (!got.ok()) return errno == EAGAIN || errno == EWOULDBLOCK;
     if (*got == 0) return false;  // the engine closed its side
     // A descriptor arrives with the bytes of the frame it was sent with, so offers take them in
     // order; past the bound (offers never sent) they are closed.
-    if (received.get() >= 0 && connection.descriptors.size() < kMaxPendingDescriptors) {
-      connection.descriptors.push_back(std::move(received));
+    for (ScopedFd& fd : received) {
+      if (connection.descriptors.size() < kMaxPendingDescriptors) {
+        connection.descriptors.push_back(std::move(fd));
+      }
     }
     const ssize_t n = static_cast<ssize_t>(*got);
     total += static_cast<size_t>(n);
@@ -365,62 +371,68 @@ bool ArenaHandoff::ReadFrom(uint64_t id, Connection& connection,
     connection.input.append(chunk, static_cast<size_t>(n));
     while (true) {
       absl::StatusOr<std::optional<handoff::Frame>> frame = handoff::TakeFrame(connection.input);
-      const bool engine_kind =
-          frame.ok() && frame->has_value() &&
-          ((*frame)->kind == handoff::Kind::kArenaRequest ||
-           (*frame)->kind == handoff::Kind::kBufferOffer);
-      if (!frame.ok() || (frame->has_value() && !engine_kind)) {
+      const auto engine_kind = [](handoff::Kind kind) {
+        return kind == handoff::Kind::kArenaRequest ||
+               kind == handoff::Kind::kStepChannelRequest || kind == handoff::Kind::kBufferOffer;
+      };
+      if (!frame.ok() || (frame->has_value() && !engine_kind((*frame)->kind))) {
         // Unparseable, or a kind only the daemon sends: refused, then closed.
         absl::Status refusal =
             frame.ok() ? absl::InvalidArgumentError(absl::StrCat(
-                             "handoff: an engine sends only arena requests (kind 2) and buffer "
-                             "offers (kind 16), got kind ",
+                             "handoff: an engine sends only arena requests (kind 2), step "
+                             "channel requests (kind 5) and buffer offers (kind 16), got kind ",
                              static_cast<int>((*frame)->kind)))
                        : frame.status();
         pending.push_back({.connection = id,
                            .socket = connection.socket.get(),
                            .engine_id = connection.engine_id,
-                           .request = std::move(refusal),
-                           .offer = false,
-                           .offer_bytes = 0,
-                           .offer_fd = ScopedFd()});
+                           .request = std::move(refusal)});
         connection.input.clear();
         return true;  // the refusal is sent before the close (Serve)
       }
       if (!frame->has_value()) break;
       deadline_restarts = true;  // whatever is left is the start of the next request
-      if ((*frame)->kind == handoff::Kind::kBufferOffer) {
-        PendingRequest offer{.connection = id,
+      PendingRequest request{.connection = id,
                              .socket = connection.socket.get(),
                              .engine_id = connection.engine_id,
-                             .request = handoff::ArenaRequest{},
-                             .offer = true,
-                             .offer_bytes = 0,
-                             .offer_fd = ScopedFd()};
-        absl::StatusOr<uint64_t> bytes = handoff::DecodeBufferOffer((*frame)->body);
-        if (bytes.ok()) {
-          offer.offer_bytes = *bytes;
+                             .request = absl::UnknownError("not decoded")};
+      switch ((*frame)->kind) {
+        case handoff::Kind::kArenaRequest: {
+          absl::StatusOr<handoff::ArenaRequest> arena =
+              handoff::DecodeArenaRequest((*frame)->body);
+          if (arena.ok()) {
+            request.request = *std::move(arena);
+          } else {
+            request.request = arena.status();
+          }
+          break;
+        }
+        case handoff::Kind::kStepChannelRequest: {
+          absl::StatusOr<handoff::StepChannelRequest> channel =
+              handoff::DecodeStepChannelRequest((*frame)->body);
+          if (channel.ok()) {
+            request.request = *channel;
+          } else {
+            request.request = channel.status();
+          }
+          break;
+        }
+        default: {  // kBufferOffer (engine_kind)
+          absl::StatusOr<uint64_t> bytes = handoff::DecodeBufferOffer((*frame)->body);
+          if (!bytes.ok()) {
+            request.request = bytes.status();
+            break;
+          }
+          PendingRequest::BufferOffer offer{.bytes = *bytes, .fd = ScopedFd()};
           if (!connection.descriptors.empty()) {
-            offer.offer_fd = std::move(connection.descriptors.front());
+            offer.fd = std::move(connection.descriptors.front());
             connection.descriptors.pop_front();
           }
-        } else {
-          offer.request = bytes.status();
+          request.request = std::move(offer);
+          break;
         }
-        pending.push_back(std::move(offer));
-        if (!pending.back().request.ok()) {
-          connection.input.clear();
-          return true;
-        }
-        continue;
       }
-      pending.push_back({.connection = id,
-                         .socket = connection.socket.get(),
-                         .engine_id = connection.engine_id,
-                         .request = handoff::DecodeArenaRequest((*frame)->body),
-                           .offer = false,
-                           .offer_bytes = 0,
-                           .offer_fd = ScopedFd()});
+      pending.push_back(std::move(request));
       if (!pending.back().request.ok()) {
         connection.input.clear();
         return true;
@@ -438,36 +450,56 @@ bool ArenaHandoff::Answer(PendingRequest& pending) {
     (void)handoff::SendFrame(pending.socket, handoff::EncodeRefusal(pending.request.status()));
     return false;
   }
-  if (pending.offer) return AnswerOffer(pending);
+  if (pending.engine_id == 0) {
+    return handoff::SendFrame(pending.socket,
+                              handoff::EncodeRefusal(absl::FailedPreconditionError(
+                                  "this handoff connection has no engine yet: Attach with its "
+                                  "ticket first")))
+        .ok();
+  }
+  if (std::holds_alternative<handoff::StepChannelRequest>(*pending.request)) {
+    return AnswerStepChannel(pending.socket, pending.engine_id);
+  }
+  if (std::holds_alternative<PendingRequest::BufferOffer>(*pending.request)) {
+    return AnswerOffer(pending);
+  }
   absl::StatusOr<ArenaFd> arena =
-      pending.engine_id == 0
-          ? absl::FailedPreconditionError(
-                "this handoff connection has no engine yet: Attach with its ticket first")
-          : lookup_(pending.engine_id, *pending.request);
+      lookup_(pending.engine_id, std::get<handoff::ArenaRequest>(*pending.request));
   if (!arena.ok()) {
     return handoff::SendFrame(pending.socket, handoff::EncodeRefusal(arena.status())).ok();
   }
   arenas_handed_.fetch_add(1, std::memory_order_relaxed);
-  return handoff::SendFrame(pending.socket, handoff::EncodeArena(arena->bytes), arena->fd.get())
+  return handoff::SendFrame(pending.socket, handoff::EncodeArena(arena->bytes), {arena->fd.get()})
+      .ok();
+}
+
+bool ArenaHandoff::AnswerStepChannel(int socket, uint64_t engine_id) {
+  absl::StatusOr<handoff::StepChannelFds> channel =
+      open_step_channel_ == nullptr
+          ? absl::FailedPreconditionError(
+                "this daemon offers no step channel (step_channel = false): use Step over gRPC")
+          : open_step_channel_(engine_id);
+  if (!channel.ok()) {
+    return handoff::SendFrame(socket, handoff::EncodeRefusal(channel.status())).ok();
+  }
+  return handoff::SendFrame(socket, handoff::EncodeStepChannel(channel->region.bytes),
+                            {channel->region.fd.get(), channel->wake.get()})
       .ok();
 }
 
 bool ArenaHandoff::AnswerOffer(PendingRequest& pending) {
+  PendingRequest::BufferOffer& offer = std::get<PendingRequest::BufferOffer>(*pending.request);
   absl::StatusOr<uint64_t> id = absl::InternalError("unanswered");
-  if (pending.engine_id == 0) {
-    id = absl::FailedPreconditionError(
-        "this handoff connection has no engine yet: Attach with its ticket first");
-  } else if (pending.offer_fd.get() < 0) {
+  if (offer.fd.get() < 0) {
     id = absl::InvalidArgumentError(absl::StrCat(
-        "a buffer offer of ", pending.offer_bytes,
+        "a buffer offer of ", offer.bytes,
         " bytes came without a descriptor (send exactly one with it, SCM_RIGHTS)"));
   } else if (intake_ == nullptr) {
     id = absl::FailedPreconditionError(
         "this daemon has no block store (prefix_cache_budget_bytes is 0): buffer offers are "
         "refused");
   } else {
-    id = intake_(pending.engine_id, pending.connection, pending.offer_bytes,
-                 std::move(pending.offer_fd));
+    id = intake_(pending.engine_id, pending.connection, offer.bytes, std::move(offer.fd));
   }
   if (!id.ok()) return handoff::SendFrame(pending.socket, handoff::EncodeRefusal(id.status())).ok();
   return handoff::SendFrame(pending.socket, handoff::EncodeBufferId(*id)).ok();

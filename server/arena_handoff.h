@@ -7,14 +7,16 @@
 // stays open. Attach carries the ticket (ClaimTicket: single use), which binds those peer
 // credentials, and this connection, to the engine's lease (BindEngine). Over the connection the
 // engine then trades {session id, session token, arena handle} for a descriptor of the arena's
-// memfd (SCM_RIGHTS); the daemon's `ArenaLookup` hands one only for a session of the engine the
-// connection is bound to, after checking the session token. Every other request is a refusal
-// record on the channel, and the connection stays open.
+// memfd (SCM_RIGHTS), and may ask for its step channel (docs/step-channel.md: a region and an
+// eventfd, from `StepChannelOpener`); the daemon's `ArenaLookup` hands an arena only for a
+// session of the engine the connection is bound to, after checking the session token. Every
+// other request is a refusal record on the channel, and the connection stays open.
 //
 // Buffer offers (the block store, docs/block-store.md): an engine bound to a connection sends
 // a descriptor of its own KV pool's memory with a kBufferOffer frame; `BufferIntake` checks and
 // files it and the engine gets the buffer id (or the refusal). Descriptors that come with any
-// other frame, or more than one per offer, are closed; an offer without one is refused.
+// frame wait (in arrival order, at most four; more are closed) for the offers that take them, the
+// oldest first; an offer with none waiting is refused.
 //
 // One thread serves every connection (poll over non-blocking sockets): at most
 // `max_connections` at once (a connection past it gets a RESOURCE_EXHAUSTED refusal and is
@@ -35,6 +37,7 @@
 #include <functional>
 #include <string>
 #include <thread>
+#include <variant>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -62,6 +65,10 @@ class ArenaHandoff {
   // to the engine as a refusal record).
   using ArenaLookup = std::function<absl::StatusOr<ArenaFd>(
       uint64_t engine_id, const handoff::ArenaRequest& request)>;
+  // Opens engine `engine_id`'s step channel (server/step_channel.h), or the refusal. Null: the
+  // daemon offers none (step_channel = false), and a request is FAILED_PRECONDITION.
+  using StepChannelOpener =
+      std::function<absl::StatusOr<handoff::StepChannelFds>(uint64_t engine_id)>;
 
   // Checks and files the descriptor engine `engine_id` offered over `connection`; returns the
   // buffer id or the refusal (it goes to the engine as a refusal record).
@@ -82,7 +89,9 @@ class ArenaHandoff {
   };
 
   // `intake` may be null: offers are then refused (FAILED_PRECONDITION: no block store).
-  ArenaHandoff(Options options, ArenaLookup lookup, BufferIntake intake = nullptr);
+  // `open_step_channel` may be null: step channel requests are then refused.
+  ArenaHandoff(Options options, ArenaLookup lookup, BufferIntake intake = nullptr,
+               StepChannelOpener open_step_channel = nullptr);
   ~ArenaHandoff();  // Stop()
   ArenaHandoff(const ArenaHandoff&) = delete;
   ArenaHandoff& operator=(const ArenaHandoff&) = delete;
@@ -105,6 +114,8 @@ class ArenaHandoff {
   void ForgetEngine(uint64_t engine_id) ABSL_LOCKS_EXCLUDED(mu_);
 
   const std::string& path() const { return options_.path; }
+  // Whether an engine may ask for a step channel (Attached.step_channel).
+  bool offers_step_channel() const { return open_step_channel_ != nullptr; }
   size_t connection_count() const ABSL_LOCKS_EXCLUDED(mu_);
   // Whether `connection` is open and serves engine `engine_id` (a buffer offer's id is valid
   // only while its connection is).
@@ -133,11 +144,13 @@ class ArenaHandoff {
     uint64_t connection = 0;
     int socket = -1;  // stays open: only the serving thread closes
     uint64_t engine_id = 0;
-    absl::StatusOr<handoff::ArenaRequest> request;
-    // A buffer offer (request is then OK and empty): its bytes and descriptor (-1: none came).
-    bool offer = false;
-    uint64_t offer_bytes = 0;
-    ScopedFd offer_fd;
+    // A buffer offer's bytes and its descriptor (-1: none was waiting).
+    struct BufferOffer {
+      uint64_t bytes = 0;
+      ScopedFd fd;
+    };
+    absl::StatusOr<std::variant<handoff::ArenaRequest, handoff::StepChannelRequest, BufferOffer>>
+        request;
   };
 
   void Serve() ABSL_LOCKS_EXCLUDED(mu_);
@@ -147,7 +160,9 @@ class ArenaHandoff {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The answer to one request; false when it could not be sent (close the connection).
   bool Answer(PendingRequest& pending);
-  // The answer to a buffer offer; false when it could not be sent.
+  // The answer to a step channel request of a connection bound to `engine_id`.
+  bool AnswerStepChannel(int socket, uint64_t engine_id);
+  // The answer to a buffer offer of a connection bound to an engine.
   bool AnswerOffer(PendingRequest& pending);
   void Wake();
   void Close(uint64_t id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -155,6 +170,7 @@ class ArenaHandoff {
   const Options options_;
   const ArenaLookup lookup_;
   const BufferIntake intake_;
+  const StepChannelOpener open_step_channel_;
   std::atomic<uint64_t> arenas_handed_{0};
 
   ScopedFd listener_;  // set by Start(), closed by Stop()

@@ -12,6 +12,7 @@
 #include <memory>
 #include <string>
 #include <system_error>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
@@ -50,7 +51,8 @@ class ArenaHandoffTest : public ::testing::Test {
     std::filesystem::remove_all(dir_, error);
   }
 
-  void StartHandoff(ArenaHandoff::Options options = {}) {
+  void StartHandoff(ArenaHandoff::Options options = {},
+                    ArenaHandoff::StepChannelOpener open_step_channel = nullptr) {
     options.path = dir_ + "/kvd.handoff.sock";
     options.mode = 0600;
     handoff_ = std::make_unique<ArenaHandoff>(
@@ -83,7 +85,8 @@ class ArenaHandoffTest : public ::testing::Test {
           absl::MutexLock lock(&mu_);
           offers_.push_back({engine, connection, bytes});
           return 100 + offers_.size();
-        });
+        },
+        std::move(open_step_channel));
     ASSERT_THAT(handoff_->Start(), IsOk());
   }
 
@@ -393,9 +396,68 @@ TEST_F(ArenaHandoffTest, MalformedFrameIsRefusedAndClosed) {
             static_cast<ssize_t>(ticket.size()));
   EXPECT_THAT(LastRefusalBeforeClose(ticket_sender),
               StatusIs(absl::StatusCode::kInvalidArgument,
-                       HasSubstrs("only arena requests (kind 2) and buffer offers (kind 16), "
-                                  "got kind 1")));
+                       HasSubstrs("only arena requests (kind 2), step channel requests "
+                                  "(kind 5) and buffer offers (kind 16), got kind 1")));
   close(ticket_sender);
+}
+
+TEST_F(ArenaHandoffTest, StepChannelRequestsAreAnsweredWithTwoDescriptorsForABoundEngine) {
+  // The opener hands the test memfd (as the region) and a pipe's write end (as the eventfd).
+  int pipe_fds[2];
+  ASSERT_EQ(pipe(pipe_fds), 0);
+  ScopedFd pipe_read(pipe_fds[0]);
+  ScopedFd pipe_write(pipe_fds[1]);
+  std::vector<uint64_t> opened_for;
+  StartHandoff({}, [&](uint64_t engine) -> absl::StatusOr<handoff::StepChannelFds> {
+    opened_for.push_back(engine);
+    if (engine != kEngine) {
+      return absl::FailedPreconditionError(absl::StrCat("engine ", engine, " is not attached"));
+    }
+    return handoff::StepChannelFds{
+        .region = ArenaFd{.fd = ScopedFd(dup(memfd_.get())), .bytes = kArenaBytes},
+        .wake = ScopedFd(dup(pipe_write.get()))};
+  });
+  EXPECT_TRUE(handoff_->offers_step_channel());
+  std::unique_ptr<HandoffChannel> channel = Connect();
+  ASSERT_NE(channel, nullptr);
+  // No engine bound yet: refused without asking the opener, and the connection stays open.
+  EXPECT_THAT(channel->OpenStepChannel().status(),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstrs("no engine yet")));
+  EXPECT_TRUE(opened_for.empty());
+  absl::StatusOr<HandoffClaim> claim = handoff_->ClaimTicket(channel->ticket());
+  ASSERT_THAT(claim, IsOk());
+  handoff_->BindEngine(claim->connection, kEngine);
+  absl::StatusOr<handoff::StepChannelFds> fds = channel->OpenStepChannel();
+  ASSERT_THAT(fds, IsOk());
+  EXPECT_EQ(opened_for, std::vector<uint64_t>{kEngine});
+  EXPECT_EQ(fds->region.bytes, kArenaBytes);
+  struct stat region;
+  struct stat memfd;
+  ASSERT_EQ(fstat(fds->region.fd.get(), &region), 0);
+  ASSERT_EQ(fstat(memfd_.get(), &memfd), 0);
+  EXPECT_EQ(region.st_ino, memfd.st_ino);  // the first descriptor is the region
+  ASSERT_EQ(write(fds->wake.get(), "w", 1), 1);  // the second the wake-up descriptor
+  char c = 0;
+  ASSERT_EQ(read(pipe_read.get(), &c, 1), 1);
+  EXPECT_EQ(c, 'w');
+  // Arena requests still work on the same connection afterwards.
+  EXPECT_THAT(channel->FetchArena({.session_id = 1, .session_token = "t", .handle = "h"}).status(),
+              IsOk());
+}
+
+TEST_F(ArenaHandoffTest, StepChannelRequestWithoutAnOpenerIsRefusedAndTheConnectionStays) {
+  StartHandoff();
+  EXPECT_FALSE(handoff_->offers_step_channel());
+  std::unique_ptr<HandoffChannel> channel = Connect();
+  ASSERT_NE(channel, nullptr);
+  absl::StatusOr<HandoffClaim> claim = handoff_->ClaimTicket(channel->ticket());
+  ASSERT_THAT(claim, IsOk());
+  handoff_->BindEngine(claim->connection, kEngine);
+  EXPECT_THAT(channel->OpenStepChannel().status(),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstrs("offers no step channel", "step_channel = false")));
+  EXPECT_THAT(channel->FetchArena({.session_id = 1, .session_token = "t", .handle = "h"}).status(),
+              IsOk());
 }
 
 TEST_F(ArenaHandoffTest, ForgetEngineClosesItsConnectionAndStopRemovesTheSocket) {

@@ -11,6 +11,7 @@
 #include "common/daemon_restart.h"
 #include "core/status_macros.h"
 #include "server/rpc_reply.h"
+#include "server/step_entry.h"
 #include "spdlog/spdlog.h"
 
 namespace memra {
@@ -127,6 +128,7 @@ class AttachReactor final
     attached->set_backend(std::string(backend_));
     attached->set_cache_scope(lease->cache_scope);
     attached->set_epoch(epoch_);
+    attached->set_step_channel(handoff_->offers_step_channel());
     return absl::OkStatus();
   }
 
@@ -326,74 +328,9 @@ grpc::Status CacheService::Step(grpc::ServerContext*, const pb::StepRequest* req
   }
   response->mutable_results()->Reserve(request->entries_size());
   for (const pb::StepEntry& entry : request->entries()) {
-    pb::StepResult* result = response->add_results();
-    RunStepEntry(entry, slot_engine, result);
-    if (result->code() != 0) {
-      spdlog::info("Step entry for {} {} refused: {} {}",
-                   entry.has_slot() ? "slot" : "session",
-                   entry.has_slot() ? uint64_t{entry.slot()} : entry.session().session_id(),
-                   absl::StatusCodeToString(static_cast<absl::StatusCode>(result->code())),
-                   result->message());
-    }
+    RunStepEntry(*sessions_, entry, slot_engine, response->add_results());
   }
   return grpc::Status::OK;
-}
-
-void CacheService::RunStepEntry(const pb::StepEntry& entry,
-                                absl::FunctionRef<absl::StatusOr<EngineId>()> slot_engine,
-                                pb::StepResult* result) {
-  std::optional<SessionOp> op;
-  switch (entry.op_case()) {
-    case pb::StepEntry::kBegin:
-      op = BeginOp{result->mutable_begin()};
-      break;
-    case pb::StepEntry::kPrepare:
-      op = PrepareAppendOp{entry.prepare().generation(), entry.prepare().rows(),
-                           result->mutable_prepare()};
-      break;
-    case pb::StepEntry::kPublish:
-      op = PublishAppendOp{entry.publish().generation(), result->mutable_publish()};
-      break;
-    case pb::StepEntry::kCommit:
-      op = CommitOp{entry.commit().generation(), entry.commit().accepted_rows(),
-                    SpanOf(entry.commit().token_ids()), result->mutable_commit()};
-      break;
-    case pb::StepEntry::kAbort:
-      op = AbortOp{entry.abort().generation(), result->mutable_abort()};
-      break;
-    case pb::StepEntry::kAdvance:
-      op = AdvanceOp{{entry.advance().generation(), entry.advance().accepted_rows(),
-                      entry.advance().next_rows()},
-                     SpanOf(entry.advance().token_ids()),
-                     result->mutable_advance()};
-      break;
-    case pb::StepEntry::OP_NOT_SET:
-      break;
-  }
-  absl::Status status = [&]() -> absl::Status {
-    if (entry.has_slot()) {
-      ASSIGN_OR_RETURN(EngineId engine, slot_engine());
-      const SessionSlot slot{engine, entry.slot()};
-      if (op.has_value()) return sessions_->Run(slot, *op);
-      RETURN_IF_ERROR(sessions_->Find(slot).status());
-      return absl::InvalidArgumentError(
-          absl::StrCat("Step entry for slot ", entry.slot(), " names no operation"));
-    }
-    const SessionCredentials session = SessionCredentialsOf(entry.session());
-    if (op.has_value()) return sessions_->Run(session, *op);
-    RETURN_IF_ERROR(sessions_->Find(session).status());
-    return absl::InvalidArgumentError(absl::StrCat(
-        "Step entry for session ", entry.session().session_id(), " names no operation"));
-  }();
-  if (!status.ok()) {
-    result->clear_payload();
-    result->set_code(static_cast<int32_t>(status.code()));
-    result->set_message(std::string(status.message()));
-    if (std::optional<DaemonRestart> restart = GetDaemonRestart(status); restart.has_value()) {
-      result->mutable_daemon_restart()->set_previous_epoch(restart->previous_epoch);
-      result->mutable_daemon_restart()->set_epoch(restart->epoch);
-    }
-  }
 }
 
 grpc::Status CacheService::Rewind(grpc::ServerContext*, const pb::RewindRequest* request,

@@ -109,11 +109,6 @@ class CacheService final
   // Runs `op` on the session once the engine's device work is complete (`ordering`).
   grpc::Status RunOrdered(absl::string_view rpc, const memra::kv::v1::SessionRef& ref,
                           const memra::kv::v1::DeviceOrdering& ordering, const SessionOp& op);
-  // One Step entry, decoded into its operation and run on the session it names (by id and
-  // token, or by slot for the engine `slot_engine` authenticates); its status into the result.
-  void RunStepEntry(const memra::kv::v1::StepEntry& entry,
-                    absl::FunctionRef<absl::StatusOr<EngineId>()> slot_engine,
-                    memra::kv::v1::StepResult* result);
   // The engine's work on the memory this call touches is complete (DeviceOrdering).
   absl::Status WaitForEngine(const memra::kv::v1::DeviceOrdering& ordering);
 

@@ -323,6 +323,10 @@ const std::vector<KeySpec>& Keys() {
        .syntax = Syntax::kBool, .reloadable = false,
        .help = "Under systemd or memra-kv-supervise: keep arenas and a journal in the fd store "
                "and re-adopt sessions after a restart."},
+      {.name = "step_channel", .field = &C::step_channel, .syntax = Syntax::kBool,
+       .reloadable = false,
+       .help = "Offer engines the shared-memory step channel (docs/step-channel.md); false = "
+               "Step over gRPC only."},
       {.name = "max_plan_layers", .field = &C::max_plan_layers, .syntax = Syntax::kInteger,
        .reloadable = false,
        .help = "Layers (trunk + MTP) a model plan may have; larger plans are refused "

@@ -131,6 +131,10 @@ struct DaemonConfig {
   // Under a service manager (systemd, memra-kv-supervise): keep session arenas and the restart
   // journal in its fd store, and re-adopt them after a restart (server/restart_state.h).
   bool keep_kv_across_restarts = true;
+  // Offer attached engines a shared-memory step channel (docs/step-channel.md): Step entries
+  // addressed by slot as records in a ring, served by one daemon thread. false: Step over gRPC
+  // only (Attached.step_channel tells the engine).
+  bool step_channel = true;
   // The operators' Unix socket (KvAdmin and KvPrefixCache in full: drain, undrain, eviction,
   // plan import with registration, the lists of sessions, engines and prefixes); the engine
   // socket refuses those calls (PERMISSION_DENIED naming this path). Empty = beside the engine

@@ -353,10 +353,12 @@ Daemon::Daemon(DaemonConfig config, std::unique_ptr<DeviceBackend> backend, Cloc
                    [this](uint64_t connection, uint64_t engine) {
                      return handoff_.ServesEngine(connection, engine);
                    }),
+      step_channels_(&sessions_, &leases_, StepChannels::Options{}),
       handoff_(HandoffOptions(), LookupArena(),
                [this](uint64_t engine, uint64_t connection, uint64_t bytes, ScopedFd fd) {
                  return block_store_.OfferBuffer(engine, connection, bytes, std::move(fd));
-               }),
+               },
+               OpenStepChannel()),
       engine_prefix_service_(prefix_cache_.get(), backend_.get(), FindSession(), FindScope(),
                              ServedSocket{ServedSocket::Audience::kEngines, admin_socket_path_}),
       operator_prefix_service_(
@@ -406,6 +408,11 @@ ArenaHandoff::ArenaLookup Daemon::LookupArena() {
   };
 }
 
+ArenaHandoff::StepChannelOpener Daemon::OpenStepChannel() {
+  if (!start_config_.step_channel) return nullptr;
+  return [this](uint64_t engine_id) { return step_channels_.Open(EngineId{engine_id}); };
+}
+
 AdminService::Parts Daemon::AdminParts(ServedSocket socket) {
   return AdminService::Parts{.leases = &leases_,
                              .plans = &plans_,
@@ -437,6 +444,7 @@ absl::Status Daemon::Start() {
   }
   RETURN_IF_ERROR(PrepareSocketPath(socket_path_));
   RETURN_IF_ERROR(PrepareSocketPath(admin_socket_path_));
+  if (start_config_.step_channel) RETURN_IF_ERROR(step_channels_.Start());
   // Bound before the engine socket: an engine that finds the engine socket finds its ticket.
   RETURN_IF_ERROR(handoff_.Start());
   grpc::EnableDefaultHealthCheckService(true);
@@ -517,6 +525,7 @@ void Daemon::CheckLeases() {
   for (const ReclaimedEngine& engine : leases_.CollectReclaimable()) {
     handoff_.ForgetEngine(engine.id.value);
     block_store_.ForgetEngine(engine.id.value);
+    step_channels_.Close(engine.id);  // before its sessions go: no record reaches them after
     const ReleasedSessions released = sessions_.ReleaseOwnedBy(engine.id);
     const uint64_t reserved = leases_.ReturnReservations(engine.id);
     plans_.ForgetEngine(engine.id.value);
@@ -599,6 +608,7 @@ void Daemon::Shutdown() {
     if (serving != nullptr) serving->Wait();
   }
   handoff_.Stop();  // after the servers: no Attach can claim a ticket any more
+  step_channels_.Stop();  // no channel opens any more; none reads a session after this
   leases_.ForgetAll();
   for (uint64_t engine : block_store_.Engines()) block_store_.ForgetEngine(engine);
   const ReleasedSessions released = sessions_.ReleaseAll();

@@ -67,6 +67,7 @@
 #include "server/sd_notify.h"
 #include "server/served_socket.h"
 #include "server/session_registry.h"
+#include "server/step_channel.h"
 
 namespace memra {
 
@@ -142,6 +143,8 @@ class Daemon {
   const std::string& handoff_socket_path() const { return handoff_.path(); }
   // Connections and descriptors handed (tests, metrics).
   const ArenaHandoff& handoff() const { return handoff_; }
+  // Step channel figures (tests, metrics).
+  StepChannelStats step_channel_stats() const { return step_channels_.stats(); }
   DeviceBackend& backend() const { return *backend_; }
   // False once shutting down (the watchdog stops its keep-alives).
   bool Healthy() const { return !shut_down_.load(); }
@@ -166,6 +169,8 @@ class Daemon {
   // named with its token, and one of its arenas.
   ArenaHandoff::Options HandoffOptions() const;
   ArenaHandoff::ArenaLookup LookupArena();
+  // The handoff socket's step channel opener; null without step_channel.
+  ArenaHandoff::StepChannelOpener OpenStepChannel();
   // Frees the pooled arenas of engines whose lease ended or that were reclaimed, and their
   // block store registrations and pins.
   void FreeUnusablePools();
@@ -215,6 +220,9 @@ class Daemon {
   // Engines' own pools (block_store.proto); its offers come over handoff_, its bytes live in
   // prefix_cache_.
   BlockStore block_store_;
+  // The engines' shared-memory step channels (docs/step-channel.md); started only with
+  // step_channel (config), when the handoff socket offers them.
+  StepChannels step_channels_;
   ArenaHandoff handoff_;
   // One KvPrefixCache and one KvAdmin per socket (server/served_socket.h).
   PrefixService engine_prefix_service_;

@@ -167,18 +167,27 @@ void EngineLeases::EndStream(EngineId id, uint64_t stream) {
   }
 }
 
-absl::Status EngineLeases::CheckLocked(const EngineCredentials& engine) const {
-  auto it = engines_.find(engine.id.value);
-  if (it == engines_.end()) return UnknownEngineLocked(engine.id, "is not attached");
-  if (!TokensEqual(engine.token, it->second.token)) {
+absl::Status EngineLeases::CheckLocked(EngineId engine, const absl::string_view* token) const {
+  auto it = engines_.find(engine.value);
+  if (it == engines_.end()) return UnknownEngineLocked(engine, "is not attached");
+  if (token != nullptr && !TokensEqual(*token, it->second.token)) {
     return absl::PermissionDeniedError(
-        absl::StrCat("wrong engine token for engine ", engine.id.value));
+        absl::StrCat("wrong engine token for engine ", engine.value));
   }
   if (it->second.lease_ended.has_value()) {
     return absl::FailedPreconditionError(
-        absl::StrCat("engine ", engine.id.value, ": its lease has ended"));
+        absl::StrCat("engine ", engine.value, ": its lease has ended"));
   }
   return absl::OkStatus();
+}
+
+absl::Status EngineLeases::CheckLocked(const EngineCredentials& engine) const {
+  return CheckLocked(engine.id, &engine.token);
+}
+
+absl::Status EngineLeases::CheckBound(EngineId engine) const {
+  absl::MutexLock lock(&mu_);
+  return CheckLocked(engine, nullptr);
 }
 
 absl::Status EngineLeases::Check(const EngineCredentials& engine) const {

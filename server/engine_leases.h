@@ -143,6 +143,9 @@ class EngineLeases {
   // OK when the credentials name an attached engine whose lease is live: NOT_FOUND unknown
   // engine, PERMISSION_DENIED wrong token, FAILED_PRECONDITION lease ended.
   absl::Status Check(const EngineCredentials& engine) const ABSL_LOCKS_EXCLUDED(mu_);
+  // Check() for a binding that already proved the engine's identity (its step channel, handed
+  // to it alone): the same refusals but the token's.
+  absl::Status CheckBound(EngineId engine) const ABSL_LOCKS_EXCLUDED(mu_);
   // Check(), then the engine's prefix-cache scope.
   absl::StatusOr<std::string> CacheScope(const EngineCredentials& engine) const
       ABSL_LOCKS_EXCLUDED(mu_);
@@ -199,6 +202,9 @@ class EngineLeases {
 
   // Records the engine for a restart (its id, token and identity).
   void JournalEngineLocked(const Engine& engine) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // `token` null: the caller's binding proved the engine (CheckBound).
+  absl::Status CheckLocked(EngineId engine, const absl::string_view* token) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status CheckLocked(const EngineCredentials& engine) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // NOT_FOUND for an engine this daemon does not know, or the restart error for one the

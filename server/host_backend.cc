@@ -174,18 +174,11 @@ absl::StatusOr<std::shared_ptr<ArenaRecord>> HostBackend::CreateSharedArena(uint
   ASSIGN_OR_RETURN(std::string handle, NewExportHandle());
   // No name anywhere: only a descriptor reaches this memory, and the daemon hands one only to
   // the engine that owns the session (server/arena_handoff.h).
-  ScopedFd fd(memfd_create(options_.name_prefix.c_str(), MFD_CLOEXEC | MFD_ALLOW_SEALING));
-  if (fd.get() < 0) return PosixError(absl::StrCat("memfd_create ", options_.name_prefix), errno);
-  // Allocate the pages now: tmpfs would otherwise accept the size and raise SIGBUS on first
-  // touch when memory is short. Fresh pages read as zero.
-  if (const int err = posix_fallocate(fd.get(), 0, static_cast<off_t>(bytes)); err != 0) {
-    return PosixError(absl::StrCat("posix_fallocate ", bytes, " bytes for an arena"), err);
-  }
-  // Sealed at its size: an engine holding the descriptor cannot ftruncate it (a shrink would
-  // turn the daemon's next touch past the new end into SIGBUS) nor grow it past its charge.
-  if (fcntl(fd.get(), F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0) {
-    return PosixError("sealing an arena's memfd (F_SEAL_SHRINK | F_SEAL_GROW)", errno);
-  }
+  // Allocated now (tmpfs would otherwise accept the size and raise SIGBUS on first touch when
+  // memory is short) and sealed at its size: an engine holding the descriptor cannot ftruncate
+  // it (a shrink would turn the daemon's next touch past the new end into SIGBUS) nor grow it
+  // past its charge.
+  ASSIGN_OR_RETURN(ScopedFd fd, CreateSealedMemfd(options_.name_prefix.c_str(), bytes));
   // Not prefaulted: the engine writes most of a session's pages, and the daemon only its mirrors
   // and restored ranges. (Prefaulting each bulk copy's destination with MADV_POPULATE_WRITE
   // halved the steady-state copy rate into already-mapped pages: bench/README.md.)

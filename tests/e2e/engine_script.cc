@@ -199,13 +199,30 @@ absl::StatusOr<ScriptResult> RunScript(Session& session, PlaneMemory& memory,
   return result;
 }
 
-absl::Status RunIdleRound(Session& session, PlaneMemory& memory, uint64_t round) {
-  ASSIGN_OR_RETURN(Transaction tx, session.Begin());
+absl::Status RunIdleRound(KvClient& client, Session& session, PlaneMemory& memory,
+                          uint64_t round) {
   const uint64_t rows = 1 + round % 3;
-  ASSIGN_OR_RETURN(PreparedAppend append, session.PrepareAppend(tx.generation, rows));
-  RETURN_IF_ERROR(WriteAppend(session, memory, append, tx.base_len, rows));
-  RETURN_IF_ERROR(session.PublishAppend(tx.generation).status());
-  RETURN_IF_ERROR(session.Commit(tx.generation, rows).status());
+  StepBatch batch(StepAddressing::kSlot);
+  // The daemon writes mirrors when the second step publishes: it waits for the engine's event.
+  if (!session.wait_event().empty()) batch.SetWaitEvent(session.wait_event());
+  batch.Advance(session, /*generation=*/0, 0, rows);  // begin and prepare
+  std::vector<StepOutcome> outcomes;
+  RETURN_IF_ERROR(client.Step(batch, outcomes));
+  RETURN_IF_ERROR(outcomes[0].status);
+  const Transaction tx = outcomes[0].begun;
+  if (!outcomes[0].prepared.has_value()) {
+    return absl::InternalError("an Advance with next rows prepared no append");
+  }
+  RETURN_IF_ERROR(WriteAppend(session, memory, *outcomes[0].prepared, tx.base_len, rows));
+  batch.Clear();
+  if (!session.wait_event().empty()) batch.SetWaitEvent(session.wait_event());
+  batch.Advance(session, tx.generation, rows, /*next_rows=*/0);  // publish and commit
+  RETURN_IF_ERROR(client.Step(batch, outcomes));
+  RETURN_IF_ERROR(outcomes[0].status);
+  if (outcomes[0].committed_len != tx.base_len + rows) {
+    return absl::InternalError(absl::StrCat("committed ", outcomes[0].committed_len, " after ",
+                                            rows, " rows on ", tx.base_len));
+  }
   return session.Rewind(tx.base_len).status();
 }
 

@@ -45,8 +45,11 @@ struct ScriptResult {
 absl::StatusOr<ScriptResult> RunScript(Session& session, PlaneMemory& memory,
                                        const ScriptOptions& options = {});
 
-// One more transaction that commits and rewinds back: the session ends as it began.
-absl::Status RunIdleRound(Session& session, PlaneMemory& memory, uint64_t round);
+// One more transaction that commits and rewinds back: the session ends as it began. The
+// transaction is two slot-addressed Advance steps through `client` (over the step channel when
+// the daemon offers it and the session has no wait event; docs/step-channel.md).
+absl::Status RunIdleRound(KvClient& client, Session& session, PlaneMemory& memory,
+                          uint64_t round);
 
 using PlaneLookup = std::function<absl::StatusOr<PlaneView>(uint32_t layer, PlaneKind kind)>;
 

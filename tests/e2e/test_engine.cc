@@ -4,7 +4,8 @@
 // publishes what a checker needs to --out, then holds its lease:
 //   --until=FILE   hold until FILE exists, then release the session and exit 0
 //   (no --until)   hold until killed
-//   --work         while holding, keep running transactions and re-verifying
+//   --work         while holding, keep running transactions (slot-addressed Advance steps,
+//                  over the step channel when offered) and re-verifying
 //   --spec         the session has spec snapshot buffers and the script runs speculative rounds
 //   --backend=cuda map with CudaArenaMapper and write through CUDA copies on an engine stream
 //                  (--device: the ordinal), recording an interprocess event the daemon waits on
@@ -91,7 +92,7 @@ absl::Status Run() {
   for (uint64_t round = 0; until.empty() || access(until.c_str(), F_OK) != 0; ++round) {
     if (!client->lease_alive()) return absl::UnavailableError("the daemon ended the lease");
     if (absl::GetFlag(FLAGS_work)) {
-      RETURN_IF_ERROR(RunIdleRound(*session, memory, round));
+      RETURN_IF_ERROR(RunIdleRound(*client, *session, memory, round));
       if (round % 10 == 0) RETURN_IF_ERROR(Verify(*session, memory, result.recurrent_fill));
     }
     absl::SleepFor(absl::Milliseconds(10));

@@ -1,0 +1,28 @@
+#ifndef MEMRA_SERVER_STEP_ENTRY_H_
+#define MEMRA_SERVER_STEP_ENTRY_H_
+
+// One Step entry, whichever path carried it: the Step RPC decodes its protobuf into a
+// pb::StepEntry, the step channel (server/step_channel.h) decodes a shared-memory record into
+// one; both run it here, through SessionRegistry::Run (the one dispatcher), and encode its
+// outcome as a pb::StepResult. So every rule, refusal code and message is the same on both.
+//
+// Thread-safety: as SessionRegistry's.
+
+#include "absl/functional/function_ref.h"
+#include "absl/status/statusor.h"
+#include "proto/memra/kv/v1/cache.pb.h"
+#include "server/daemon_session.h"
+#include "server/session_registry.h"
+
+namespace memra {
+
+// Runs `entry` and writes its result (code and message on a refusal, the payload otherwise).
+// `slot_engine`: the engine a slot-addressed entry acts for, or why none (called only for such
+// entries). A refused entry is logged at info.
+void RunStepEntry(SessionRegistry& sessions, const memra::kv::v1::StepEntry& entry,
+                  absl::FunctionRef<absl::StatusOr<EngineId>()> slot_engine,
+                  memra::kv::v1::StepResult* result);
+
+}  // namespace memra
+
+#endif  // MEMRA_SERVER_STEP_ENTRY_H_
