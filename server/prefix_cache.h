@@ -27,9 +27,10 @@
 // as any corruption does). Only slabs are charged to the device budget.
 //
 // Remote tier (server/remote_tier.h, docs/remote-tier.md; optional): a Redis Cluster other
-// daemons share. Write-behind: a capture queues a copy of each new piece (read from its span while
-// the capture holds it) under its chained block key and scope; a full queue or a down tier drops
-// the copy, never the capture. Read-through: a Lookup that matches short locally asks the cluster
+// daemons share. Write-behind: a capture queues a reference to each new piece under its chained
+// block key and scope; the tier's writer thread reads it from its device span, held until then
+// (its free deferred: RemoteWritesOf); a full queue or a down tier drops the write, never the
+// capture. Read-through: a Lookup that matches short locally asks the cluster
 // which of the next keys exist (within remote_lookup_timeout; medium kRemote when it reaches
 // further), and a Restore by tokens first pulls the pieces the cluster holds beyond the local
 // match (within remote_fetch_timeout), verifies each value (header, shape, checksum: a corrupt one
@@ -62,9 +63,10 @@
 // tiers; the device pieces are live spans of slabs_ (so slabs_'s used bytes equal the device
 // tier's when no capture, promotion or demotion is in flight), the disk pieces files of disk_;
 // tier_leaving_bytes_[m] is the bytes of moving_'s unreleased pieces from tier m; (3) the slabs
-// of a pinned entry's spans, of a capture in flight and of a piece being demoted are held
-// (SlabAllocator::Hold), so the budget's evictable bytes (the slabs no hold keeps) are exactly
-// what evicting every unpinned entry returns.
+// of a pinned entry's spans, of a capture in flight, of a piece being demoted and of a piece a
+// queued remote write will read are held (SlabAllocator::Hold), so the budget's evictable bytes
+// (the slabs no hold keeps) are exactly what evicting every unpinned entry returns; (4) slabs_'s
+// used bytes beyond the device tier's (2) are the spans remote_holds_ deferred the free of.
 
 #include <array>
 #include <atomic>
