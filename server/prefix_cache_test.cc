@@ -1908,6 +1908,14 @@ class PrefixCacheRemoteTest : public testing::WithRedisCluster<PrefixCacheTest> 
     return RemoteBlockKey(kScope, ChainBlockKeys(key, tokens, kBlock).value()[block]);
   }
 
+  // A flat session of `tokens` (all committed) holding random bytes from `seed`.
+  std::unique_ptr<DaemonSession> RandomSource(const std::vector<int32_t>& tokens, uint64_t seed) {
+    auto source = NewSession(FlatPlan(), 256);
+    Append(*source, tokens, tokens.size());
+    FillRandom(*source, seed, 0);
+    return source;
+  }
+
   std::unique_ptr<RedisClusterClient> redis_;
 };
 
@@ -2092,9 +2100,7 @@ TEST_F(PrefixCacheRemoteTest, AnEntryEvictedWhileItsWritesAreQueuedIsWrittenFrom
   ASSERT_NE(a, nullptr);
   ASSERT_NE(b, nullptr);
   const std::vector<int32_t> evicted_tokens = Tokens(4 * kBlock, 21);
-  auto evicted_source = NewSession(FlatPlan(), 256);
-  Append(*evicted_source, evicted_tokens, 4 * kBlock);
-  FillRandom(*evicted_source, 31, 0);
+  auto evicted_source = RandomSource(evicted_tokens, 31);
   absl::StatusOr<PrefixCaptureResult> evicted =
       a->Capture(*evicted_source, evicted_tokens, 4 * kBlock);
   ASSERT_THAT(evicted.status(), IsOk());
@@ -2107,9 +2113,7 @@ TEST_F(PrefixCacheRemoteTest, AnEntryEvictedWhileItsWritesAreQueuedIsWrittenFrom
   EXPECT_THAT(a->CheckInvariants(), IsOk());
   // The next capture cannot land in those spans.
   const std::vector<int32_t> next_tokens = Tokens(4 * kBlock, 22);
-  auto next_source = NewSession(FlatPlan(), 256);
-  Append(*next_source, next_tokens, 4 * kBlock);
-  FillRandom(*next_source, 32, 0);
+  auto next_source = RandomSource(next_tokens, 32);
   ASSERT_THAT(a->Capture(*next_source, next_tokens, 4 * kBlock).status(), IsOk());
   EXPECT_EQ(a->Stats().slabs.used_bytes, 2 * used_with_entry);
   gate.Release();
@@ -2145,16 +2149,12 @@ TEST_F(PrefixCacheRemoteTest, PiecesDemotedWhileTheirWritesAreQueuedAreWrittenAn
   ASSERT_NE(a, nullptr);
   ASSERT_NE(b, nullptr);
   const std::vector<int32_t> old_tokens = Tokens(3 * kBlock, 23);
-  auto old_source = NewSession(FlatPlan(), 256);
-  Append(*old_source, old_tokens, 3 * kBlock);
-  FillRandom(*old_source, 33, 0);
+  auto old_source = RandomSource(old_tokens, 33);
   absl::StatusOr<PrefixCaptureResult> old_entry = a->Capture(*old_source, old_tokens, 3 * kBlock);
   ASSERT_THAT(old_entry.status(), IsOk());
   ASSERT_TRUE(gate.WriterWaits());
   const std::vector<int32_t> new_tokens = Tokens(3 * kBlock, 24);
-  auto new_source = NewSession(FlatPlan(), 256);
-  Append(*new_source, new_tokens, 3 * kBlock);
-  FillRandom(*new_source, 34, 0);
+  auto new_source = RandomSource(new_tokens, 34);
   ASSERT_THAT(a->Capture(*new_source, new_tokens, 3 * kBlock).status(), IsOk());
   absl::StatusOr<EntryView> view = ViewOf(a->Inspect(old_entry->entry));
   ASSERT_THAT(view.status(), IsOk());
