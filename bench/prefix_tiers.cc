@@ -13,8 +13,8 @@
 // same bytes and a plain GET of the same values (the remote keys, one by one, through one
 // RedisClusterClient: no verification, no copy), both measured in the same run. Capture: the
 // captures after an eviction of the same entry (recycled slab storage) against memcpy, on a
-// daemon without a remote tier (C) and on A, whose captures also copy each new piece into the
-// remote tier's write-behind queue.
+// daemon without a remote tier (C) and on A, whose captures also queue each new piece for the
+// remote tier's writer thread (which reads it from its slab; the eviction waits for that).
 
 #include <hiredis/hiredis.h>
 
@@ -196,8 +196,24 @@ absl::Status Evict(Daemon& daemon, uint64_t entry_id) {
                             .EvictPrefix(PrefixContext().get(), evict, &evicted));
 }
 
-// Fills a source session and captures it `captures` times (evicting in between); the capture
-// times after the first (recycled storage) go to `recycled`. Returns the kept entry's id.
+// Waits (at most 120 s) until `daemon`'s remote write-behind queue is empty: every queued piece
+// read and written (or dropped), so its storage is free again.
+absl::Status AwaitWriteBehind(Daemon& daemon) {
+  const absl::Time deadline = absl::Now() + absl::Seconds(120);
+  while (true) {
+    ASSIGN_OR_RETURN(pb::ListPrefixesResponse listed, List(daemon));
+    if (!listed.stats().has_remote() || listed.stats().remote().queued_writes() == 0) {
+      return absl::OkStatus();
+    }
+    if (absl::Now() > deadline) return absl::DeadlineExceededError("remote write-behind");
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+}
+
+// Fills a source session and captures it `captures` times (evicting in between, once the
+// previous capture's write-behind has read its pieces: their storage is recycled only then);
+// the capture times after the first (recycled storage) go to `recycled`. Returns the kept
+// entry's id.
 absl::StatusOr<uint64_t> CaptureEntry(Daemon& daemon, const std::vector<int32_t>& ids,
                                       int captures, Samples* recycled) {
   SessionOptions session_options;
@@ -207,7 +223,10 @@ absl::StatusOr<uint64_t> CaptureEntry(Daemon& daemon, const std::vector<int32_t>
   RETURN_IF_ERROR(FillSession(*source, ids));
   uint64_t entry_id = 0;
   for (int rep = 0; rep < captures; ++rep) {
-    if (entry_id != 0) RETURN_IF_ERROR(Evict(daemon, entry_id));
+    if (entry_id != 0) {
+      RETURN_IF_ERROR(AwaitWriteBehind(daemon));
+      RETURN_IF_ERROR(Evict(daemon, entry_id));
+    }
     const int64_t start = NowNs();
     ASSIGN_OR_RETURN(PrefixCaptured captured,
                      daemon.client->CapturePrefix(*source, ids, ids.size()));
@@ -287,17 +306,12 @@ absl::StatusOr<Json> RunPrefixTiers(const BenchOptions& options) {
   RETURN_IF_ERROR(FromGrpcStatus(ClientInternals::Prefix(*a.operator_client)
                                      .InspectPrefix(PrefixContext().get(), inspect, &entry)));
   const uint64_t bytes = entry.block_bytes() + entry.boundary_bytes();
-  const absl::Time drain_deadline = absl::Now() + absl::Seconds(120);
-  while (true) {
+  RETURN_IF_ERROR(AwaitWriteBehind(a));
+  {
     ASSIGN_OR_RETURN(pb::ListPrefixesResponse listed, List(a));
-    if (listed.stats().remote().queued_writes() == 0) {
-      if (listed.stats().remote().writes() == 0) {
-        return absl::InternalError("daemon A wrote nothing to the remote tier");
-      }
-      break;
+    if (listed.stats().remote().writes() == 0) {
+      return absl::InternalError("daemon A wrote nothing to the remote tier");
     }
-    if (absl::Now() > drain_deadline) return absl::DeadlineExceededError("remote write-behind");
-    absl::SleepFor(absl::Milliseconds(20));
   }
   RETURN_IF_ERROR(TimeRestores(a, ids, StorageMedium::kDevice, 3, reps, device, nullptr));
   RETURN_IF_ERROR(StopDaemon(a));

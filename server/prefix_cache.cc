@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstring>
+#include <memory>
 #include <string_view>
 #include <system_error>
 #include <thread>
@@ -384,6 +386,16 @@ PrefixCache::PrefixCache(const PrefixCacheOptions& options, PrefixIndex index,
 PrefixCache::~PrefixCache() = default;
 
 void PrefixCache::FreeStorage(const SlabSpan& span) {
+  absl::MutexLock lock(&remote_holds_mu_);
+  if (auto held = remote_holds_.find({span.slab.value, span.offset}); held != remote_holds_.end()) {
+    // A queued remote write still reads it: freed when the writer releases it.
+    if (!held->second) {
+      held->second = true;
+      ++remote_deferred_spans_;
+      remote_deferred_bytes_ += span.bytes;
+    }
+    return;
+  }
   if (absl::Status freed = slabs_->Free(span); !freed.ok()) {
     spdlog::error("prefix cache: freeing its storage failed: {}", freed.ToString());
   }
@@ -944,21 +956,28 @@ absl::StatusOr<PrefixCaptureResult> PrefixCache::CaptureLocked(
       plan.origin.parent_block_hash.assign(parent.begin(), parent.end());
     }
   }
-  std::vector<std::pair<std::string, std::string>> remote_values =
-      RemoteValuesOf(shape, plan, stored, copies);
-  absl::MutexLock lock(&mu_);
-  ASSIGN_OR_RETURN(CommitResult committed,
-                   AdoptLocked(shape, plan, std::move(copies), stored.position_addressed_only));
-  if (!committed.already_present) {
-    ++captures_;
-    for (auto& [key, value] : remote_values) remote_->Enqueue(std::move(key), std::move(value));
-  }
+  // Held before the index adopts the spans, so that whatever frees one from here on (an
+  // eviction, a concurrent capture's dedup) leaves it readable until its write is read.
+  std::vector<RemoteWrite> remote_writes = RemoteWritesOf(shape, plan, stored, copies);
+  for (const RemoteWrite& write : remote_writes) HoldForRemote(write.span);
   PrefixCaptureResult result;
-  result.entry = committed.entry;
+  {
+    absl::MutexLock lock(&mu_);
+    absl::StatusOr<CommitResult> committed =
+        AdoptLocked(shape, plan, std::move(copies), stored.position_addressed_only);
+    if (!committed.ok() || committed->already_present) {
+      for (const RemoteWrite& write : remote_writes) ReleaseRemoteHold(write.span);
+      remote_writes.clear();
+    }
+    RETURN_IF_ERROR(committed.status());
+    if (!committed->already_present) ++captures_;
+    result.entry = committed->entry;
+    result.already_present = committed->already_present;
+    result.added_bytes = committed->added_bytes;
+    result.stored_bytes = index_.StoredBytes();
+  }
+  QueueRemoteWrites(std::move(remote_writes));
   result.boundary_tokens = boundary_tokens;
-  result.already_present = committed.already_present;
-  result.added_bytes = committed.added_bytes;
-  result.stored_bytes = index_.StoredBytes();
   result.shape = shape.shape;
   return result;
 }
@@ -991,14 +1010,35 @@ absl::StatusOr<CommitResult> PrefixCache::AdoptLocked(const ScopedShape& shape,
   return committed;
 }
 
-std::vector<std::pair<std::string, std::string>> PrefixCache::RemoteValuesOf(
+// Reads a held piece for the remote tier's writer: the header, then the span's bytes (a D2H
+// copy on cuda), without the cache's lock: the hold keeps the span live and unchanged.
+class PrefixCache::RemotePieceSource : public RemoteValueSource {
+ public:
+  RemotePieceSource(PrefixCache* cache, RemoteWrite write)
+      : cache_(cache), write_(std::move(write)) {}
+  ~RemotePieceSource() override { cache_->ReleaseRemoteHold(write_.span); }
+  uint64_t bytes() const override { return kRemoteHeaderBytes + write_.payload_bytes; }
+  absl::Status Read(absl::Span<char> value) override {
+    std::memcpy(value.data(), write_.header.data(), kRemoteHeaderBytes);
+    return cache_->backend_->Read(
+        write_.span.slab, write_.span.offset,
+        absl::MakeSpan(reinterpret_cast<uint8_t*>(value.data()) + kRemoteHeaderBytes,
+                       write_.payload_bytes));
+  }
+
+ private:
+  PrefixCache* const cache_;
+  const RemoteWrite write_;
+};
+
+std::vector<PrefixCache::RemoteWrite> PrefixCache::RemoteWritesOf(
     const ScopedShape& shape, const CapturePlan& plan, const StoredLayout& stored,
     const std::vector<Stored>& copies) const {
-  std::vector<std::pair<std::string, std::string>> values;
-  if (remote_ == nullptr || copies.empty()) return values;
+  std::vector<RemoteWrite> writes;
+  if (remote_ == nullptr || copies.empty()) return writes;
   uint64_t total = 0;
   for (const Stored& copy : copies) total += kRemoteHeaderBytes + copy.storage.piece_bytes;
-  if (!remote_->AdmitWrite(total)) return values;
+  if (!remote_->AdmitWrite(total)) return writes;
   const size_t new_blocks = plan.already_present ? 0 : plan.new_block_count();
   for (size_t i = 0; i < copies.size(); ++i) {
     const bool block = i < new_blocks;
@@ -1012,21 +1052,52 @@ std::vector<std::pair<std::string, std::string>> PrefixCache::RemoteValuesOf(
     header.checksum = copies[i].ref.checksum;
     header.layout_digest = block ? LayoutDigest(stored.block_pieces, stored.block_rows)
                                  : LayoutDigest(stored.boundary_pieces, stored.block_rows);
-    std::string value = NewRemoteValue(header);
-    const SlabSpan& span = copies[i].storage.span;
-    absl::Status read = backend_->Read(
-        span.slab, span.offset,
-        absl::MakeSpan(reinterpret_cast<uint8_t*>(value.data()) + kRemoteHeaderBytes,
-                       header.payload_bytes));
-    if (!read.ok()) {
-      spdlog::warn("prefix remote tier: reading a captured piece failed: {}", read.ToString());
-      return {};
-    }
-    values.emplace_back(block ? RemoteBlockKey(shape.scope, plan.chain[plan.first_new_block + i])
-                              : RemoteBoundaryKey(shape.scope, plan.chain.back()),
-                        std::move(value));
+    RemoteWrite& write = writes.emplace_back();
+    write.key = block ? RemoteBlockKey(shape.scope, plan.chain[plan.first_new_block + i])
+                      : RemoteBoundaryKey(shape.scope, plan.chain.back());
+    write.header = EncodeRemoteHeader(header);
+    write.span = copies[i].storage.span;
+    write.payload_bytes = header.payload_bytes;
   }
-  return values;
+  return writes;
+}
+
+void PrefixCache::HoldForRemote(const SlabSpan& span) {
+  absl::MutexLock lock(&remote_holds_mu_);
+  // The capture holds the slab already (Allocate's hold), so this cannot fail.
+  if (absl::Status held = slabs_->Hold(span.slab); !held.ok()) {
+    spdlog::error("prefix cache: {}", held.ToString());
+  }
+  remote_holds_.emplace(std::make_pair(span.slab.value, span.offset), false);
+}
+
+void PrefixCache::ReleaseRemoteHold(const SlabSpan& span) {
+  absl::MutexLock lock(&remote_holds_mu_);
+  auto held = remote_holds_.find({span.slab.value, span.offset});
+  if (held == remote_holds_.end()) {
+    spdlog::error("prefix cache: no remote hold on slab {} offset {}", span.slab.value,
+                  span.offset);
+    return;
+  }
+  const bool deferred = held->second;
+  remote_holds_.erase(held);
+  // The slab's hold goes first, so that an emptied slab is returned or kept as any other.
+  if (absl::Status released = slabs_->Release(span.slab); !released.ok()) {
+    spdlog::error("prefix cache: {}", released.ToString());
+  }
+  if (!deferred) return;
+  --remote_deferred_spans_;
+  remote_deferred_bytes_ -= span.bytes;
+  if (absl::Status freed = slabs_->Free(span); !freed.ok()) {
+    spdlog::error("prefix cache: freeing its storage failed: {}", freed.ToString());
+  }
+}
+
+void PrefixCache::QueueRemoteWrites(std::vector<RemoteWrite> writes) {
+  for (RemoteWrite& write : writes) {
+    std::string key = write.key;
+    remote_->Enqueue(std::move(key), std::make_unique<RemotePieceSource>(this, std::move(write)));
+  }
 }
 
 void PrefixCache::PullFromRemote(const ScopedShape& shape, const SessionState& state,
@@ -1904,10 +1975,21 @@ absl::Status PrefixCache::CheckInvariants() const {
   if (!moving_.empty()) return absl::OkStatus();  // the rest holds once no demotion is in flight
   constexpr size_t kDevice = static_cast<size_t>(StorageMedium::kDevice);
   const SlabStats slabs = slabs_->Stats();
-  if (slabs.used_bytes != bytes[kDevice] || slabs.spans != pieces[kDevice]) {
+  // Spans the index let go of while a remote write was queued are freed when it is read.
+  uint64_t deferred_spans = 0;
+  uint64_t deferred_bytes = 0;
+  {
+    absl::MutexLock holds(&remote_holds_mu_);
+    deferred_spans = remote_deferred_spans_;
+    deferred_bytes = remote_deferred_bytes_;
+  }
+  if (slabs.used_bytes != bytes[kDevice] + deferred_bytes ||
+      slabs.spans != pieces[kDevice] + deferred_spans) {
     return absl::InternalError(absl::StrCat(
-        "prefix device tier: ", pieces[kDevice], " pieces hold ", bytes[kDevice],
-        " bytes; the slabs hold ", slabs.used_bytes, " bytes in ", slabs.spans, " spans"));
+        "prefix device tier: ", pieces[kDevice], " pieces hold ", bytes[kDevice], " bytes (",
+        deferred_spans, " spans of ", deferred_bytes,
+        " bytes more wait for the remote writer); the slabs hold ", slabs.used_bytes,
+        " bytes in ", slabs.spans, " spans"));
   }
   if (tier_incoming_bytes_ != std::array<uint64_t, kMedia>{}) {
     return absl::InternalError(absl::StrCat(

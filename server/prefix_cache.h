@@ -27,9 +27,10 @@
 // as any corruption does). Only slabs are charged to the device budget.
 //
 // Remote tier (server/remote_tier.h, docs/remote-tier.md; optional): a Redis Cluster other
-// daemons share. Write-behind: a capture queues a copy of each new piece (read from its span while
-// the capture holds it) under its chained block key and scope; a full queue or a down tier drops
-// the copy, never the capture. Read-through: a Lookup that matches short locally asks the cluster
+// daemons share. Write-behind: a capture queues a reference to each new piece under its chained
+// block key and scope; the tier's writer thread reads it from its device span, held until then
+// (its free deferred: RemoteWritesOf); a full queue or a down tier drops the write, never the
+// capture. Read-through: a Lookup that matches short locally asks the cluster
 // which of the next keys exist (within remote_lookup_timeout; medium kRemote when it reaches
 // further), and a Restore by tokens first pulls the pieces the cluster holds beyond the local
 // match (within remote_fetch_timeout), verifies each value (header, shape, checksum: a corrupt one
@@ -62,9 +63,10 @@
 // tiers; the device pieces are live spans of slabs_ (so slabs_'s used bytes equal the device
 // tier's when no capture, promotion or demotion is in flight), the disk pieces files of disk_;
 // tier_leaving_bytes_[m] is the bytes of moving_'s unreleased pieces from tier m; (3) the slabs
-// of a pinned entry's spans, of a capture in flight and of a piece being demoted are held
-// (SlabAllocator::Hold), so the budget's evictable bytes (the slabs no hold keeps) are exactly
-// what evicting every unpinned entry returns.
+// of a pinned entry's spans, of a capture in flight, of a piece being demoted and of a piece a
+// queued remote write will read are held (SlabAllocator::Hold), so the budget's evictable bytes
+// (the slabs no hold keeps) are exactly what evicting every unpinned entry returns; (4) slabs_'s
+// used bytes beyond the device tier's (2) are the spans remote_holds_ deferred the free of.
 
 #include <array>
 #include <atomic>
@@ -73,6 +75,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -464,11 +467,34 @@ class PrefixCache {
   absl::StatusOr<CommitResult> AdoptLocked(const ScopedShape& shape, const CapturePlan& plan,
                                            std::vector<Stored> copies, bool position_addressed)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Write-behind: the remote tier's (key, value) for each of a capture's `copies` (read from
-  // their held spans); empty without a remote tier or when its queue would not take them all.
-  std::vector<std::pair<std::string, std::string>> RemoteValuesOf(
-      const ScopedShape& shape, const CapturePlan& plan, const StoredLayout& stored,
-      const std::vector<Stored>& copies) const ABSL_LOCKS_EXCLUDED(mu_);
+  // Write-behind (docs/remote-tier.md): a queued write reads its piece from the capture's
+  // device span on the remote tier's writer thread. The span is held from before the index
+  // adopts it until the writer has read it or dropped the write: a SlabAllocator hold on its
+  // slab (not evictable device memory, as a capture's spans) and a record in remote_holds_, by
+  // which FreeStorage defers the span's free (an eviction, a drop, a demotion's commit) to
+  // the release. So a piece evicted or demoted while its write is queued is still written, from
+  // the bytes the capture sealed, and its device memory returns once they are read. What is
+  // held is bounded by the tier's queue (bytes and entries), as the copies were.
+  class RemotePieceSource;
+  struct RemoteWrite {
+    std::string key;
+    std::string header;  // EncodeRemoteHeader of the piece
+    SlabSpan span;
+    uint64_t payload_bytes = 0;
+  };
+  // The remote tier's writes for each of a capture's `copies` (spans held by the capture);
+  // empty without a remote tier or when its queue would not take them all (one drop counted).
+  std::vector<RemoteWrite> RemoteWritesOf(const ScopedShape& shape, const CapturePlan& plan,
+                                          const StoredLayout& stored,
+                                          const std::vector<Stored>& copies) const
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // Holds `span` for a queued write (above); ReleaseRemoteHold frees it when its free was
+  // deferred meanwhile.
+  void HoldForRemote(const SlabSpan& span) ABSL_LOCKS_EXCLUDED(remote_holds_mu_);
+  void ReleaseRemoteHold(const SlabSpan& span) ABSL_LOCKS_EXCLUDED(remote_holds_mu_);
+  // Queues `writes` (held by HoldForRemote): each hold passes to its source, which the tier
+  // destroys, releasing it, once the write leaves the queue.
+  void QueueRemoteWrites(std::vector<RemoteWrite> writes) ABSL_LOCKS_EXCLUDED(mu_);
   // Read-through before a restore by tokens (REQUIRES the fresh destination's mutex, not mu_):
   // pulls what the remote tier holds beyond the local match of `keys` into a local entry.
   // Failures are logged and counted, never returned: the restore then serves the local match.
@@ -582,6 +608,15 @@ class PrefixCache {
   // The host tier (null: none): its memory, and the allocator over it (destroyed first).
   const std::unique_ptr<HostTierMemory> host_memory_;
   const std::unique_ptr<SlabAllocator> host_slabs_;
+  // Device spans queued remote writes will read (RemoteWritesOf), by (slab, offset) -> whether
+  // their free was deferred (FreeStorage) until the writer releases them. Its own mutex: the
+  // writer thread releases holds without mu_. Lock order: mu_ -> remote_holds_mu_ ->
+  // SlabAllocator's mutex. Declared before remote_, whose queued sources release into it.
+  mutable absl::Mutex remote_holds_mu_;
+  absl::flat_hash_map<std::pair<uint64_t, uint64_t>, bool> remote_holds_
+      ABSL_GUARDED_BY(remote_holds_mu_);
+  uint64_t remote_deferred_spans_ ABSL_GUARDED_BY(remote_holds_mu_) = 0;
+  uint64_t remote_deferred_bytes_ ABSL_GUARDED_BY(remote_holds_mu_) = 0;
   // null: no remote tier; thread-safe itself. Declared last so its writer thread stops first.
   const std::unique_ptr<RemoteTier> remote_;
 

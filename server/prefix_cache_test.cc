@@ -19,6 +19,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "core/index_ring.h"
 #include "core/kv_ring.h"
@@ -1855,11 +1856,23 @@ class PrefixCacheRemoteTest : public testing::WithRedisCluster<PrefixCacheTest> 
     return options;
   }
 
-  // A cache with a remote tier on the cluster (checksum slices of `slice_bytes`).
+  // A cache with a remote tier on the cluster (checksum slices of `slice_bytes`); with
+  // `disk_bytes`, a disk tier below a device tier of `device_bytes`; `before_write_read` the
+  // tier's seam.
   std::unique_ptr<PrefixCache> MakeRemoteCache(uint64_t slice_bytes = uint64_t{8} << 20,
-                                               uint64_t queue_bytes = uint64_t{64} << 20) {
+                                               uint64_t queue_bytes = uint64_t{64} << 20,
+                                               uint64_t disk_bytes = 0,
+                                               std::function<void()> before_write_read = {},
+                                               uint64_t device_bytes = uint64_t{16} << 20) {
     PrefixCacheOptions options;
-    options.budget_bytes = uint64_t{16} << 20;
+    if (disk_bytes > 0) {
+      const char* tmp = std::getenv("TEST_TMPDIR");
+      disk_dir_ = absl::StrCat(tmp != nullptr ? tmp : "/tmp", "/remote-disk");
+      std::system(absl::StrCat("rm -rf '", disk_dir_, "'").c_str());
+      options.disk_dir = disk_dir_;
+      options.disk_bytes = disk_bytes;
+    }
+    options.budget_bytes = device_bytes;
     options.block_tokens = kBlock;
     options.slab_bytes = kSlabBytes;
     options.checksum_slice_bytes = slice_bytes;
@@ -1867,6 +1880,7 @@ class PrefixCacheRemoteTest : public testing::WithRedisCluster<PrefixCacheTest> 
     RemoteTierOptions remote;
     remote.cluster = ClusterOptions();
     remote.queue_bytes = queue_bytes;
+    remote.before_write_read = std::move(before_write_read);
     options.remote = remote;
     options.remote_lookup_timeout = absl::Seconds(2);  // no spurious misses on a loaded machine
     absl::StatusOr<std::unique_ptr<PrefixCache>> cache =
@@ -1892,6 +1906,14 @@ class PrefixCacheRemoteTest : public testing::WithRedisCluster<PrefixCacheTest> 
                            size_t block) {
     const PlanFingerprint key = ScopedShapeFingerprint(kScope, Shape(plan));
     return RemoteBlockKey(kScope, ChainBlockKeys(key, tokens, kBlock).value()[block]);
+  }
+
+  // A flat session of `tokens` (all committed) holding random bytes from `seed`.
+  std::unique_ptr<DaemonSession> RandomSource(const std::vector<int32_t>& tokens, uint64_t seed) {
+    auto source = NewSession(FlatPlan(), 256);
+    Append(*source, tokens, tokens.size());
+    FillRandom(*source, seed, 0);
+    return source;
   }
 
   std::unique_ptr<RedisClusterClient> redis_;
@@ -2042,6 +2064,141 @@ TEST_F(PrefixCacheRemoteTest, AStalledClusterCostsALookupItsDeadlineAndServesLoc
   ASSERT_THAT(restored.status(), IsOk());
   EXPECT_EQ(restored->restored_tokens, 2 * kBlock);
   EXPECT_GE((*cache)->Stats().remote->read_timeouts, 1u);
+}
+
+// Holds the remote tier's writer before it reads a queued value until Release() (at most
+// testing::kPatience, so a failed test still ends).
+class WriterGate {
+ public:
+  std::function<void()> Seam() {
+    return [this] {
+      waiting_.fetch_add(1);
+      released_.WaitForNotificationWithTimeout(testing::kPatience);
+    };
+  }
+  // Whether the writer has stopped at the gate (its first queued value unread).
+  bool WriterWaits() {
+    return testing::PollUntil([&] { return waiting_.load() > 0; });
+  }
+  void Release() {
+    if (!released_.HasBeenNotified()) released_.Notify();
+  }
+
+ private:
+  std::atomic<int> waiting_{0};
+  absl::Notification released_;
+};
+
+// The queue holds references, not copies: an entry evicted while its writes wait is still
+// written from the bytes the capture sealed (their spans freed only once read, never reused
+// meanwhile by the next capture), and its device memory returns after.
+TEST_F(PrefixCacheRemoteTest, AnEntryEvictedWhileItsWritesAreQueuedIsWrittenFromItsSealedBytes) {
+  WriterGate gate;
+  std::unique_ptr<PrefixCache> a =
+      MakeRemoteCache(uint64_t{8} << 20, uint64_t{64} << 20, 0, gate.Seam());
+  std::unique_ptr<PrefixCache> b = MakeRemoteCache();
+  ASSERT_NE(a, nullptr);
+  ASSERT_NE(b, nullptr);
+  const std::vector<int32_t> evicted_tokens = Tokens(4 * kBlock, 21);
+  auto evicted_source = RandomSource(evicted_tokens, 31);
+  absl::StatusOr<PrefixCaptureResult> evicted =
+      a->Capture(*evicted_source, evicted_tokens, 4 * kBlock);
+  ASSERT_THAT(evicted.status(), IsOk());
+  ASSERT_TRUE(gate.WriterWaits());
+  const uint64_t used_with_entry = a->Stats().slabs.used_bytes;
+  ASSERT_THAT(a->EvictEntry(evicted->entry), IsOk());
+  EXPECT_EQ(a->Stats().entries, 0u);
+  // The index let go; the spans wait for the writer (counted by the invariants).
+  EXPECT_EQ(a->Stats().slabs.used_bytes, used_with_entry);
+  EXPECT_THAT(a->CheckInvariants(), IsOk());
+  // The next capture cannot land in those spans.
+  const std::vector<int32_t> next_tokens = Tokens(4 * kBlock, 22);
+  auto next_source = RandomSource(next_tokens, 32);
+  ASSERT_THAT(a->Capture(*next_source, next_tokens, 4 * kBlock).status(), IsOk());
+  EXPECT_EQ(a->Stats().slabs.used_bytes, 2 * used_with_entry);
+  gate.Release();
+  ASSERT_TRUE(a->remote_tier()->Flush(absl::Seconds(30)));
+  const PrefixCacheStats stats = a->Stats();
+  EXPECT_EQ(stats.remote->writes, 8u);
+  EXPECT_EQ(stats.remote->write_errors, 0u);
+  EXPECT_EQ(stats.remote->dropped_writes, 0u);
+  EXPECT_EQ(stats.slabs.used_bytes, used_with_entry);  // the evicted spans are free now
+  EXPECT_THAT(a->CheckInvariants(), IsOk());
+  // B restores both from the cluster, each bit-exactly its own.
+  for (const auto& [tokens, source] :
+       {std::pair{&evicted_tokens, evicted_source.get()}, std::pair{&next_tokens, next_source.get()}}) {
+    auto dest = NewSession(FlatPlan(), 256);
+    absl::StatusOr<PrefixRestoreResult> restored = b->Restore(*dest, std::nullopt, *tokens);
+    ASSERT_THAT(restored.status(), IsOk());
+    EXPECT_EQ(restored->restored_tokens, 4 * kBlock);
+    EXPECT_EQ(KvRows(*dest, 4 * kBlock), KvRows(*source, 4 * kBlock));
+  }
+  EXPECT_THAT(b->CheckInvariants(), IsOk());
+}
+
+// Pieces demoted to disk while their writes wait: the demotion goes ahead (the index counts
+// them on disk at once), the writer reads the device bytes the demotion left to it, then they
+// are freed; both the local disk copy and the remote one restore bit-exactly.
+TEST_F(PrefixCacheRemoteTest, PiecesDemotedWhileTheirWritesAreQueuedAreWrittenAndStayOnDisk) {
+  WriterGate gate;
+  // Room for 4 blocks on the device: a second 3-block capture demotes 2 of the first's.
+  std::unique_ptr<PrefixCache> a = MakeRemoteCache(uint64_t{8} << 20, uint64_t{64} << 20,
+                                                   /*disk_bytes=*/8 << 20, gate.Seam(),
+                                                   /*device_bytes=*/4 * kFlatSpanBytes);
+  std::unique_ptr<PrefixCache> b = MakeRemoteCache();
+  ASSERT_NE(a, nullptr);
+  ASSERT_NE(b, nullptr);
+  const std::vector<int32_t> old_tokens = Tokens(3 * kBlock, 23);
+  auto old_source = RandomSource(old_tokens, 33);
+  absl::StatusOr<PrefixCaptureResult> old_entry = a->Capture(*old_source, old_tokens, 3 * kBlock);
+  ASSERT_THAT(old_entry.status(), IsOk());
+  ASSERT_TRUE(gate.WriterWaits());
+  const std::vector<int32_t> new_tokens = Tokens(3 * kBlock, 24);
+  auto new_source = RandomSource(new_tokens, 34);
+  ASSERT_THAT(a->Capture(*new_source, new_tokens, 3 * kBlock).status(), IsOk());
+  absl::StatusOr<EntryView> view = ViewOf(a->Inspect(old_entry->entry));
+  ASSERT_THAT(view.status(), IsOk());
+  EXPECT_EQ(PieceMedium(*a, view->blocks[0].stored.storage_handle), StorageMedium::kDisk);
+  EXPECT_EQ(PieceMedium(*a, view->blocks[1].stored.storage_handle), StorageMedium::kDisk);
+  PrefixCacheStats stats = a->Stats();
+  EXPECT_EQ(stats.tiers[0].stored_bytes, 4 * kFlatSpanBytes);
+  EXPECT_EQ(stats.tiers[1].demotions, 2u);
+  // The demoted pieces' device spans still wait for the writer.
+  EXPECT_EQ(stats.slabs.used_bytes, 6 * kFlatSpanBytes);
+  EXPECT_THAT(a->CheckInvariants(), IsOk());
+  gate.Release();
+  ASSERT_TRUE(a->remote_tier()->Flush(absl::Seconds(30)));
+  stats = a->Stats();
+  EXPECT_EQ(stats.remote->writes, 6u);
+  EXPECT_EQ(stats.slabs.used_bytes, 4 * kFlatSpanBytes);
+  EXPECT_THAT(a->CheckInvariants(), IsOk());
+  auto local = NewSession(FlatPlan(), 256);
+  ASSERT_THAT(a->Restore(*local, old_entry->entry, old_tokens).status(), IsOk());
+  EXPECT_EQ(KvRows(*local, 3 * kBlock), KvRows(*old_source, 3 * kBlock));
+  auto remote = NewSession(FlatPlan(), 256);
+  absl::StatusOr<PrefixRestoreResult> restored = b->Restore(*remote, std::nullopt, old_tokens);
+  ASSERT_THAT(restored.status(), IsOk());
+  EXPECT_EQ(restored->restored_tokens, 3 * kBlock);
+  EXPECT_EQ(KvRows(*remote, 3 * kBlock), KvRows(*old_source, 3 * kBlock));
+}
+
+// A cache destroyed with writes still queued (of an evicted entry): the tier drops them as it
+// stops, and each releases its span into slabs that still exist (run under --config=asan).
+TEST_F(PrefixCacheRemoteTest, ACacheDestroyedWithWritesQueuedReleasesThem) {
+  WriterGate gate;
+  std::unique_ptr<PrefixCache> a =
+      MakeRemoteCache(uint64_t{8} << 20, uint64_t{64} << 20, 0, gate.Seam());
+  ASSERT_NE(a, nullptr);
+  const std::vector<int32_t> tokens = Tokens(2 * kBlock, 24);
+  auto source = NewSession(FlatPlan(), 256);
+  Append(*source, tokens, 2 * kBlock);
+  absl::StatusOr<PrefixCaptureResult> captured = a->Capture(*source, tokens, 2 * kBlock);
+  ASSERT_THAT(captured.status(), IsOk());
+  ASSERT_TRUE(gate.WriterWaits());
+  ASSERT_THAT(a->EvictEntry(captured->entry), IsOk());
+  EXPECT_GT(a->Stats().slabs.used_bytes, 0u);
+  gate.Release();
+  a.reset();
 }
 
 }  // namespace

@@ -44,6 +44,20 @@ bool IsTransportFailure(const absl::Status& status) {
   return absl::IsUnavailable(status) || absl::IsDeadlineExceeded(status);
 }
 
+// A value already in memory.
+class OwnedValueSource : public RemoteValueSource {
+ public:
+  explicit OwnedValueSource(std::string value) : value_(std::move(value)) {}
+  uint64_t bytes() const override { return value_.size(); }
+  absl::Status Read(absl::Span<char> value) override {
+    std::memcpy(value.data(), value_.data(), value_.size());
+    return absl::OkStatus();
+  }
+
+ private:
+  const std::string value_;
+};
+
 }  // namespace
 
 std::string RemoteBlockKey(absl::string_view scope, const BlockKey& block) {
@@ -59,9 +73,9 @@ uint64_t ShapePrefix(const PlanFingerprint& key) {
   return GetLe(reinterpret_cast<const char*>(key.data()), 8);
 }
 
-std::string NewRemoteValue(const RemoteValueHeader& header) {
-  std::string value(kRemoteHeaderBytes + header.payload_bytes, '\0');
-  char* h = value.data();
+std::string EncodeRemoteHeader(const RemoteValueHeader& header) {
+  std::string encoded(kRemoteHeaderBytes, '\0');
+  char* h = encoded.data();
   std::memcpy(h, kMagic, 4);
   PutLe(h + 4, kRemoteValueVersion, 2);
   PutLe(h + 6, static_cast<uint8_t>(header.kind), 1);
@@ -74,6 +88,12 @@ std::string NewRemoteValue(const RemoteValueHeader& header) {
   PutLe(h + 40, header.checksum, 8);
   PutLe(h + 48, header.layout_digest, 8);
   PutLe(h + 56, XXH3_64bits(h, kHeaderChecksummed), 8);
+  return encoded;
+}
+
+std::string NewRemoteValue(const RemoteValueHeader& header) {
+  std::string value = EncodeRemoteHeader(header);
+  value.resize(kRemoteHeaderBytes + header.payload_bytes, '\0');
   return value;
 }
 
@@ -247,23 +267,30 @@ bool RemoteTier::AdmitWrite(uint64_t bytes) {
   return false;
 }
 
-bool RemoteTier::Enqueue(std::string key, std::string value) {
+bool RemoteTier::Enqueue(std::string key, std::unique_ptr<RemoteValueSource> source) {
+  // A refused source is destroyed after mu_ is left (its destructor releases the caller's hold).
+  std::unique_ptr<RemoteValueSource> refused;
   absl::MutexLock lock(&mu_);
-  const uint64_t bytes = value.size();
+  const uint64_t bytes = source->bytes();
   if (!UpLocked() || writes_.size() >= options_.queue_entries ||
       bytes > options_.queue_bytes - std::min(queued_bytes_, options_.queue_bytes)) {
     ++stats_.dropped_writes;
+    refused = std::move(source);
     return false;
   }
   queued_bytes_ += bytes;
-  writes_.push_back({std::move(key), std::move(value)});
+  writes_.push_back({std::move(key), std::move(source)});
   return true;
+}
+
+bool RemoteTier::Enqueue(std::string key, std::string value) {
+  return Enqueue(std::move(key), std::make_unique<OwnedValueSource>(std::move(value)));
 }
 
 void RemoteTier::Discard(std::string key) {
   absl::MutexLock lock(&mu_);
   if (!UpLocked() || writes_.size() >= options_.queue_entries) return;
-  writes_.push_back({std::move(key), std::string()});
+  writes_.push_back({std::move(key), nullptr});
 }
 
 bool RemoteTier::Flush(absl::Duration timeout) {
@@ -303,8 +330,11 @@ void RemoteTier::Probe() {
 }
 
 void RemoteTier::WriterLoop() {
+  // One buffer for every value: the writer reads each source into it, then SETs it.
+  std::string value;
   while (true) {
     Write write;
+    std::deque<Write> dropped;  // destroyed below, outside mu_ (their sources release holds)
     std::shared_ptr<RedisClusterClient> client;
     bool probe = false;
     {
@@ -316,40 +346,53 @@ void RemoteTier::WriterLoop() {
       const absl::Duration wait =
           open_ ? std::max(open_until_ - absl::Now(), absl::ZeroDuration()) : absl::Seconds(1);
       mu_.AwaitWithTimeout(absl::Condition(&ready), wait);
-      if (stopping_) return;
+      if (stopping_) {
+        dropped.swap(writes_);
+        queued_bytes_ = 0;
+        break;
+      }
       if (open_) {
         // Down: queued writes are dropped (a lost write is a later miss), then one probe.
         stats_.dropped_writes += std::count_if(writes_.begin(), writes_.end(),
-                                               [](const Write& w) { return !w.value.empty(); });
-        writes_.clear();
+                                               [](const Write& w) { return w.source != nullptr; });
+        dropped.swap(writes_);
         queued_bytes_ = 0;
         probe = absl::Now() >= open_until_;
       } else if (!writes_.empty()) {
         write = std::move(writes_.front());
         writes_.pop_front();
-        queued_bytes_ -= write.value.size();
+        if (write.source != nullptr) queued_bytes_ -= write.source->bytes();
         writing_ = true;
         client = client_;
       }
     }
+    dropped.clear();
     if (probe) {
       Probe();
       continue;
     }
     if (client == nullptr) continue;
     absl::Status status;
-    if (write.value.empty()) {
+    const bool deletion = write.source == nullptr;
+    if (deletion) {
       status = client->Del(write.key).status();
+      Report(status);
     } else {
-      status = client->Set(write.key, write.value, options_.ttl);
+      if (options_.before_write_read) options_.before_write_read();
+      value.resize(write.source->bytes());
+      status = write.source->Read(absl::MakeSpan(value.data(), value.size()));
+      write.source.reset();  // the bytes are read: the caller's hold goes before the round trip
+      if (status.ok()) {
+        status = client->Set(write.key, value, options_.ttl);
+        Report(status);
+      }
     }
-    Report(status);
     absl::MutexLock lock(&mu_);
     writing_ = false;
-    if (write.value.empty()) continue;
+    if (deletion) continue;
     if (status.ok()) {
       ++stats_.writes;
-      stats_.written_bytes += write.value.size();
+      stats_.written_bytes += value.size();
     } else {
       ++stats_.write_errors;
       spdlog::warn("prefix remote tier: write of {} failed: {}", write.key, status.ToString());

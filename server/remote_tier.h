@@ -74,8 +74,10 @@ struct RemoteValueHeader {
 // The first 8 bytes of a shape key as a little-endian u64.
 uint64_t ShapePrefix(const PlanFingerprint& key);
 
-// `header` then room for header.payload_bytes; the caller fills the payload at
-// kRemoteHeaderBytes (one copy from storage, no other).
+// The kRemoteHeaderBytes of `header`, sealed (its own checksum last).
+std::string EncodeRemoteHeader(const RemoteValueHeader& header);
+// EncodeRemoteHeader(header) then room for header.payload_bytes; the caller fills the payload
+// at kRemoteHeaderBytes.
 std::string NewRemoteValue(const RemoteValueHeader& header);
 
 // A verified value: its payload (a view into the value) and the slice checksums it was sealed
@@ -97,6 +99,21 @@ absl::StatusOr<VerifiedRemoteValue> VerifyRemoteValue(absl::string_view key,
                                                       const RemoteValueHeader& expected);
 
 // ---- The tier ----
+
+// Where a queued write's value comes from: bytes the caller keeps readable (a piece of local
+// storage it holds) until this object is destroyed, so a capture queues a reference, not a
+// copy. The tier calls Read at most once, on its writer thread, and destroys the source as soon
+// as the write leaves the queue, whichever way: read (before the SET goes out, so the hold
+// covers the queue and the read, not the round trip), dropped (breaker open) or the tier
+// destroyed. Never destroyed, nor read, under the tier's mutex.
+class RemoteValueSource {
+ public:
+  virtual ~RemoteValueSource() = default;
+  // The value's bytes (what the queue counts); constant.
+  virtual uint64_t bytes() const = 0;
+  // Fills `value` (bytes() long). An error drops the write (counted as a write error).
+  virtual absl::Status Read(absl::Span<char> value) = 0;
+};
 struct RemoteTierOptions {
   RedisClusterOptions cluster;
   uint64_t queue_bytes = uint64_t{256} << 20;  // > 0; values queued for the writer, at most
@@ -106,6 +123,9 @@ struct RemoteTierOptions {
   uint32_t reader_queue = 256;                  // read calls waiting for a reader, at most; > 0
   absl::Duration breaker_initial = absl::Seconds(1);
   absl::Duration breaker_max = absl::Seconds(30);
+  // Fault-injection seam for tests (empty in production): called on the writer thread, without
+  // the tier's lock, before it reads a queued value's source, so a test can keep writes queued.
+  std::function<void()> before_write_read;
 };
 
 struct RemoteTierStats {
@@ -147,8 +167,12 @@ class RemoteTier {
   // Whether writes of `bytes` in all would be queued now (so a capture copies only what will go);
   // false counts one dropped write.
   bool AdmitWrite(uint64_t bytes) ABSL_LOCKS_EXCLUDED(mu_);
-  // Queues SET key value; never blocks. false: dropped (full or down) and counted. Writes go in
-  // order (a capture queues its blocks before its boundary state).
+  // Queues SET key <source's value>; never blocks. false: dropped (full or down) and counted,
+  // the source destroyed before returning. Writes go in order (a capture queues its blocks
+  // before its boundary state).
+  bool Enqueue(std::string key, std::unique_ptr<RemoteValueSource> source)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // The same for a value already in memory.
   bool Enqueue(std::string key, std::string value) ABSL_LOCKS_EXCLUDED(mu_);
   // Waits until the queue is empty and no write is in flight, or `timeout`; whether it emptied.
   bool Flush(absl::Duration timeout) ABSL_LOCKS_EXCLUDED(mu_);
@@ -178,10 +202,10 @@ class RemoteTier {
   RemoteTierStats Stats() const ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
-  // One queued write (value empty: a DEL of a corrupt value).
+  // One queued write (source null: a DEL of a corrupt value).
   struct Write {
     std::string key;
-    std::string value;
+    std::unique_ptr<RemoteValueSource> source;
   };
   // A read call shared by its caller and the readers; outlives an abandoned caller.
   struct ReadCall;

@@ -2,9 +2,13 @@
 
 #include <signal.h>
 
+#include <atomic>
+#include <cstring>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <xxhash.h>
@@ -61,6 +65,44 @@ std::string ValueOf(const std::string& payload, const RemoteValueHeader& header)
   value.replace(kRemoteHeaderBytes, payload.size(), payload);
   return value;
 }
+
+// A value source that counts its reads and its destruction (shared with the test), and reads
+// as `read_status` says; `on_destroy` runs in its destructor (on the thread that drops it).
+struct SourceLog {
+  std::atomic<int> reads{0};
+  std::atomic<int> destroyed{0};
+  std::atomic<bool> read_off_writer{false};  // read on the thread that queued it
+};
+
+class LoggedSource : public RemoteValueSource {
+ public:
+  LoggedSource(std::string value, std::shared_ptr<SourceLog> log,
+               absl::Status read_status = absl::OkStatus(), std::function<void()> on_destroy = {})
+      : value_(std::move(value)),
+        log_(std::move(log)),
+        read_status_(std::move(read_status)),
+        on_destroy_(std::move(on_destroy)),
+        queued_on_(std::this_thread::get_id()) {}
+  ~LoggedSource() override {
+    if (on_destroy_) on_destroy_();
+    log_->destroyed.fetch_add(1);
+  }
+  uint64_t bytes() const override { return value_.size(); }
+  absl::Status Read(absl::Span<char> value) override {
+    log_->reads.fetch_add(1);
+    if (std::this_thread::get_id() == queued_on_) log_->read_off_writer = true;
+    if (!read_status_.ok()) return read_status_;
+    std::memcpy(value.data(), value_.data(), value_.size());
+    return absl::OkStatus();
+  }
+
+ private:
+  const std::string value_;
+  const std::shared_ptr<SourceLog> log_;
+  const absl::Status read_status_;
+  const std::function<void()> on_destroy_;
+  const std::thread::id queued_on_;
+};
 
 // ---- Keys and values: no server needed ----
 
@@ -192,10 +234,15 @@ TEST(RemoteTierDownTest, AClusterDownAtStartIsNotAnErrorAndCostsNothingPerCall) 
   EXPECT_LT(absl::Now() - start, absl::Milliseconds(100));
   EXPECT_FALSE((*tier)->AdmitWrite(100));
   EXPECT_FALSE((*tier)->Enqueue("k", "v"));
+  // A refused source is never read and is destroyed (its hold released) before Enqueue returns.
+  auto log = std::make_shared<SourceLog>();
+  EXPECT_FALSE((*tier)->Enqueue("k", std::make_unique<LoggedSource>("v", log)));
+  EXPECT_EQ(log->reads.load(), 0);
+  EXPECT_EQ(log->destroyed.load(), 1);
   const RemoteTierStats stats = (*tier)->Stats();
   EXPECT_FALSE(stats.up);
   EXPECT_EQ(stats.read_refusals, 2u);
-  EXPECT_EQ(stats.dropped_writes, 2u);
+  EXPECT_EQ(stats.dropped_writes, 3u);
   EXPECT_EQ(stats.breaker_opens, 1u);
 }
 
@@ -263,6 +310,52 @@ TEST_F(RemoteTierTest, WritesBehindInOrderAndReadsBackAcrossSlots) {
   EXPECT_EQ(stats.queued_bytes, 0u);
   EXPECT_GE(stats.reads, 1u + 13u + 1u);
   EXPECT_GE(stats.cluster.connects, 3u);  // every master was written to
+}
+
+// Queued sources are read once, on the writer thread, and destroyed (the caller's hold
+// released) before their SET is sent; a source whose read fails is a write error and nothing is
+// written under its key.
+TEST_F(RemoteTierTest, SourcesAreReadOnTheWriterAndReleasedBeforeTheirSet) {
+  std::unique_ptr<RemoteTier> tier = Make(Options());
+  ASSERT_NE(tier, nullptr);
+  RedisClusterOptions observer_options = Options().cluster;
+  absl::StatusOr<std::unique_ptr<RedisClusterClient>> observer =
+      RedisClusterClient::Create(observer_options);
+  ASSERT_THAT(observer, IsOk());
+  auto log = std::make_shared<SourceLog>();
+  std::atomic<int> present_at_release{0};
+  std::vector<std::string> keys;
+  for (uint8_t i = 0; i < 6; ++i) {
+    keys.push_back(RemoteBlockKey("scope-src", KeyOf(i)));
+    const std::string key = keys.back();
+    auto on_destroy = [&present_at_release, &observer, key] {
+      absl::StatusOr<std::optional<std::string>> value = (*observer)->Get(key);
+      if (!value.ok() || value->has_value()) present_at_release.fetch_add(1);
+    };
+    ASSERT_TRUE(tier->Enqueue(
+        key, std::make_unique<LoggedSource>(Payload(3000 + i, i), log, absl::OkStatus(),
+                                            on_destroy)));
+  }
+  const std::string failing = RemoteBlockKey("scope-src", KeyOf(99));
+  ASSERT_TRUE(tier->Enqueue(
+      failing, std::make_unique<LoggedSource>(
+                   Payload(100, 1), log, absl::DataLossError("the piece could not be read"))));
+  ASSERT_TRUE(tier->Flush(absl::Seconds(10)));
+  EXPECT_EQ(log->reads.load(), 7);
+  EXPECT_EQ(log->destroyed.load(), 7);
+  EXPECT_FALSE(log->read_off_writer.load());
+  EXPECT_EQ(present_at_release.load(), 0);  // every key written after its source went
+  absl::StatusOr<std::vector<std::optional<std::string>>> values =
+      tier->GetEach(keys, absl::Seconds(2));
+  ASSERT_THAT(values, IsOk());
+  for (uint8_t i = 0; i < 6; ++i) EXPECT_THAT((*values)[i], Optional(Payload(3000 + i, i)));
+  EXPECT_THAT(tier->ExistsEach({failing}, absl::Seconds(2)),
+              testing::IsOkAndHolds(ElementsAre(false)));
+  const RemoteTierStats stats = tier->Stats();
+  EXPECT_EQ(stats.writes, 6u);
+  EXPECT_EQ(stats.write_errors, 1u);
+  EXPECT_EQ(stats.queued_bytes, 0u);
+  EXPECT_EQ(stats.queued_writes, 0u);
 }
 
 TEST_F(RemoteTierTest, AFullQueueDropsTheWriteAndCountsIt) {
