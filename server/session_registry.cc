@@ -353,6 +353,17 @@ absl::Status SessionRegistry::Run(const SessionSlot& slot, const SessionOp& op) 
   return ApplyAndJournal(*session, op);
 }
 
+std::optional<absl::Status> SessionRegistry::TryRun(const SessionSlot& slot,
+                                                    const SessionOp& op) {
+  absl::StatusOr<std::shared_ptr<DaemonSession>> session = Find(slot);
+  if (!session.ok()) return session.status();
+  absl::Status status;
+  if (!(*session)->RunUnlessBusy([&] { status = ApplyAndJournal(**session, op); })) {
+    return std::nullopt;
+  }
+  return status;
+}
+
 absl::Status SessionRegistry::ApplyAndJournal(DaemonSession& session, const SessionOp& op) {
   absl::Status status = Apply(session, op);
   // Before the reply: what the engine is told happened is what a restart brings back.

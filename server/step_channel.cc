@@ -34,6 +34,8 @@ using step_channel::SubmissionRecord;
 namespace {
 
 constexpr int kMaxEvents = 64;
+// How often a channel whose record waits for a busy session is tried again while idle.
+constexpr int kParkedRetryMilliseconds = 1;
 constexpr uint64_t kWakeEvent = 0;  // epoll data of wake_; a channel's is its engine id (>= 1)
 
 bool AllZero(const uint8_t* bytes, size_t size) {
@@ -79,6 +81,9 @@ struct StepChannels::Channel {
   // the entry / result every record is decoded into and answered from, reused.
   uint32_t sq_head = 0;
   uint32_t cq_tail = 0;
+  // The last round stopped at a record whose session was busy (a long operation): the
+  // thread retries it every kParkedRetryMilliseconds instead of sleeping until a doorbell.
+  bool parked = false;
   pb::StepEntry entry;
   pb::StepResult result;
 };
@@ -223,8 +228,14 @@ void StepChannels::Serve() {
       for (const auto& [engine, channel] : channels_) serving.push_back(channel);
     }
     bool worked = false;
-    for (const std::shared_ptr<Channel>& channel : serving) worked |= ServeRound(*channel);
+    bool parked = false;
+    for (const std::shared_ptr<Channel>& channel : serving) {
+      worked |= ServeRound(*channel);
+      parked |= channel->parked;
+    }
     const SteadyClock::time_point now = SteadyClock::now();
+    // Spins only after a round that did work: doorbells that bring none (an engine may ring
+    // as often as it likes) put the thread straight back to sleep.
     if (worked) {
       last_work = now;
       continue;
@@ -237,17 +248,21 @@ void StepChannels::Serve() {
     }
     bool pending = false;
     for (const std::shared_ptr<Channel>& channel : serving) {
-      if (!channel->closed.load(std::memory_order_relaxed) && Servable(*channel)) pending = true;
+      // A parked channel is servable but waits for its session, not for the thread.
+      if (!channel->closed.load(std::memory_order_relaxed) && !channel->parked &&
+          Servable(*channel)) {
+        pending = true;
+      }
     }
     if (!pending && generation_.load(std::memory_order_acquire) == seen) {
       sleeps_.fetch_add(1, std::memory_order_relaxed);
-      const int ready = epoll_wait(epoll_.get(), events, kMaxEvents, -1);
+      const int ready = epoll_wait(epoll_.get(), events, kMaxEvents,
+                                   parked ? kParkedRetryMilliseconds : -1);
       if (ready < 0 && errno != EINTR) spdlog::error("step channels: epoll_wait: {}", strerror(errno));
     }
     for (const std::shared_ptr<Channel>& channel : serving) {
       channel->header->daemon_sleeping.store(0, std::memory_order_relaxed);
     }
-    last_work = SteadyClock::now();
   }
 }
 
@@ -260,6 +275,7 @@ bool StepChannels::Servable(const Channel& channel) {
 }
 
 bool StepChannels::ServeRound(Channel& channel) {
+  channel.parked = false;
   if (channel.closed.load(std::memory_order_relaxed)) return false;
   StepChannelHeader& header = *channel.header;
   // The engine's counters, read once; free-running, so differences are what count.
@@ -293,22 +309,29 @@ bool StepChannels::ServeRound(Channel& channel) {
   if (count == 0) return false;  // the engine has not read its completions yet
   // Authenticated once per round, as the Step RPC does once per call.
   const absl::Status engine_check = leases_->CheckBound(channel.engine);
-  for (uint32_t i = 0; i < count; ++i) {
+  uint32_t served = 0;
+  for (; served < count; ++served) {
     const uint32_t sq_index = channel.sq_head % kSlots;
     // The one read of the record: everything below uses this copy.
     SubmissionRecord record;
     std::memcpy(&record, channel.submissions + uint64_t{sq_index} * sizeof(SubmissionRecord),
                 sizeof(record));
     CompletionRecord completion;
-    RunRecord(channel, record, sq_index, engine_check, completion);
+    if (!RunRecord(channel, record, sq_index, engine_check, completion)) {
+      // Its session is busy in a long operation: the record stays unconsumed (read again,
+      // as the engine left it, next time) and the others' channels are served meanwhile.
+      channel.parked = true;
+      break;
+    }
     std::memcpy(channel.completions +
                     uint64_t{channel.cq_tail % kSlots} * sizeof(CompletionRecord),
                 &completion, sizeof(completion));
     ++channel.sq_head;
     ++channel.cq_tail;
   }
+  if (served == 0) return false;
   // Counted before the engine can see the completions (stats() is exact once it does).
-  records_.fetch_add(count, std::memory_order_relaxed);
+  records_.fetch_add(served, std::memory_order_relaxed);
   header.sq_head.store(channel.sq_head, std::memory_order_release);
   header.cq_tail.store(channel.cq_tail, std::memory_order_seq_cst);
   if (header.engine_waiting.load(std::memory_order_seq_cst) != 0) {
@@ -317,7 +340,7 @@ bool StepChannels::ServeRound(Channel& channel) {
   return true;
 }
 
-void StepChannels::RunRecord(Channel& channel, const SubmissionRecord& record, uint32_t sq_index,
+bool StepChannels::RunRecord(Channel& channel, const SubmissionRecord& record, uint32_t sq_index,
                              const absl::Status& engine_check, CompletionRecord& completion) {
   const uint32_t cq_index = channel.cq_tail % kSlots;
   completion.user_data = record.user_data;
@@ -405,15 +428,18 @@ void StepChannels::RunRecord(Channel& channel, const SubmissionRecord& record, u
     PutSide(channel.completion_side, cq_index, decoded.message(), CompletionSide::kMessage,
             completion);
     spdlog::info("engine {}: {}", channel.engine.value, std::string(decoded.message()));
-    return;
+    return true;
   }
   result.Clear();
-  RunStepEntry(*sessions_, entry,
-               [&]() -> absl::StatusOr<EngineId> {
-                 RETURN_IF_ERROR(engine_check);
-                 return channel.engine;
-               },
-               &result);
+  if (!RunStepEntry(
+          *sessions_, entry,
+          [&]() -> absl::StatusOr<EngineId> {
+            RETURN_IF_ERROR(engine_check);
+            return channel.engine;
+          },
+          &result, BusySession::kSkip)) {
+    return false;
+  }
   completion.code = result.code();
   if (result.code() != 0) {
     PutSide(channel.completion_side, cq_index, result.message(), CompletionSide::kMessage,
@@ -422,7 +448,7 @@ void StepChannels::RunRecord(Channel& channel, const SubmissionRecord& record, u
       completion.restart_previous_epoch = result.daemon_restart().previous_epoch();
       completion.restart_epoch = result.daemon_restart().epoch();
     }
-    return;
+    return true;
   }
   completion.payload = static_cast<uint8_t>(result.payload_case());
   const pb::PrepareAppendResponse* prepared = nullptr;
@@ -461,7 +487,7 @@ void StepChannels::RunRecord(Channel& channel, const SubmissionRecord& record, u
       // limit (docs/step-channel.md) gets here, and it alone loses the plan.
       completion.side_kind = static_cast<uint8_t>(CompletionSide::kLayersTooLarge);
       completion.side_length = static_cast<uint32_t>(bytes);
-      return;
+      return true;
     }
     const uint64_t offset = uint64_t{cq_index} * kCompletionSideBytes;
     prepared->SerializeWithCachedSizesToArray(channel.completion_side + offset);
@@ -469,6 +495,7 @@ void StepChannels::RunRecord(Channel& channel, const SubmissionRecord& record, u
     completion.side_offset = offset;
     completion.side_length = static_cast<uint32_t>(bytes);
   }
+  return true;
 }
 
 }  // namespace memra

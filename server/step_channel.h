@@ -14,7 +14,9 @@
 // `max_records_per_round` records (so one engine cannot starve the others), spins for
 // `spin` after the last round that found work, then sleeps in epoll_wait on the channels'
 // eventfds (the engines write them when they publish records while daemon_sleeping is set): no
-// busy core when idle.
+// busy core when idle. It never waits for a session: a record whose session a long operation
+// (Grow, a prefix copy) holds stays in the ring, its channel's round ends there, and the thread
+// tries it again every millisecond while it serves the other engines.
 //
 // Bad input: the daemon keeps its own ring counters (sq_head, cq_tail) and never reads them
 // back; it reads the engine's (sq_tail, cq_head) once per round. A counter claiming more records
@@ -89,13 +91,15 @@ class StepChannels {
   struct Channel;
 
   void Serve() ABSL_LOCKS_EXCLUDED(mu_);
-  // One round of `channel`: true when it served a record.
+  // One round of `channel`: true when it served a record. A record whose session a long
+  // operation holds ends the round unconsumed and parks the channel (Channel::parked).
   bool ServeRound(Channel& channel);
   // Whether a round of `channel` would find work: records submitted and room for their
   // completions (an engine that frees room while records wait rings the doorbell).
   static bool Servable(const Channel& channel);
-  // The result of the record copied into `record` (ring index `index`), into `completion`.
-  void RunRecord(Channel& channel, const step_channel::SubmissionRecord& record, uint32_t index,
+  // The result of the record copied into `record` (ring index `index`), into `completion`;
+  // false (nothing run) when its session is busy in a long operation.
+  bool RunRecord(Channel& channel, const step_channel::SubmissionRecord& record, uint32_t index,
                  const absl::Status& engine_check, step_channel::CompletionRecord& completion);
   // Closes `channel` for `reason` (and wakes its engine). Serving thread or under mu_.
   static void MarkClosed(Channel& channel, step_channel::CloseReason reason);

@@ -9,6 +9,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -413,6 +414,54 @@ TEST_F(StepChannelTest, RandomBytesInOneEnginesRingsLeaveAnotherEnginesSessionsE
   EXPECT_EQ(StateOf(*victim_rpc).committed_len, rpc_len);
   EXPECT_EQ(daemon_->step_channel_stats().open, 1u);
   EXPECT_EQ(daemon_->GetStatus().sessions(), 2u);
+}
+
+// The one serving thread never waits for a session: while a Grow holds engine-raw's session
+// (its arena allocation held in the backend), engine-raw's record for that session waits in
+// its ring and every other engine's channel steps go on; the record runs once the Grow ends.
+TEST_F(StepChannelTest, ASessionBusyInAGrowStallsOnlyItsOwnEnginesRecords) {
+  std::unique_ptr<KvClient> raw_client = NewClient("engine-raw");
+  ASSERT_NE(raw_client, nullptr);
+  std::unique_ptr<Session> growing = NewSession(*raw_client, kCapacity);
+  ASSERT_NE(growing, nullptr);
+  std::unique_ptr<Session> other = NewSession(*client_, kCapacity);
+  ASSERT_NE(other, nullptr);
+  RawRing ring(ClientInternals::StepChannel(*raw_client));
+
+  faults_->Hold(BackendOp::kCreateArena);
+  absl::StatusOr<SessionSnapshot> grown;
+  std::thread grow([&] { grown = growing->Grow(kCapacity * 2); });
+  ASSERT_TRUE(WaitFor([&] { return faults_->HeldCalls(BackendOp::kCreateArena) == 1; }));
+  absl::StatusOr<CompletionRecord> begun;
+  std::thread begin([&] { begun = ring.Run(Record(step_channel::Op::kBegin, growing->slot())); });
+  ASSERT_TRUE(WaitFor([&] { return ring.channel().header().sq_tail.load() == 1; }));
+
+  const uint64_t records_before = daemon_->step_channel_stats().records;
+  const absl::Time start = absl::Now();
+  uint64_t generation = 0;
+  for (uint64_t step = 0; step < 5; ++step) {
+    StepBatch batch(StepAddressing::kSlot);
+    batch.Advance(*other, generation, generation == 0 ? 0 : 1, 1);
+    absl::StatusOr<std::vector<StepOutcome>> outcomes = client_->Step(batch);
+    ASSERT_THAT(outcomes, IsOk());
+    ASSERT_THAT((*outcomes)[0].status, IsOk());
+    generation = (*outcomes)[0].begun.generation;
+  }
+  EXPECT_LT(absl::Now() - start, absl::Seconds(2));
+  EXPECT_TRUE(client_->step_channel_active());
+  EXPECT_EQ(daemon_->step_channel_stats().records, records_before + 5);
+  EXPECT_EQ(StateOf(*other).committed_len, 4u);
+  EXPECT_EQ(ring.channel().header().cq_tail.load(), 0u) << "the busy session's record waits";
+  EXPECT_EQ(ring.channel().header().sq_head.load(), 0u);
+
+  faults_->Unhold(BackendOp::kCreateArena);
+  grow.join();
+  begin.join();
+  ASSERT_THAT(grown, IsOk());
+  EXPECT_EQ(grown->capacity, kCapacity * 2);
+  ASSERT_THAT(begun, IsOk());
+  EXPECT_EQ(begun->code, 0) << ring.Message(*begun);
+  EXPECT_EQ(begun->payload, static_cast<uint8_t>(pb::StepResult::kBegin));
 }
 
 TEST_F(StepChannelTest, ReclaimClosesTheChannelAndNoRecordReachesTheSessionsAfter) {
