@@ -34,6 +34,9 @@ inline constexpr uint32_t kSlots = 512;  // records in flight per ring; a power 
 inline constexpr uint32_t kSubmissionSideBytes = 1024;  // per slot: 256 token ids
 inline constexpr uint32_t kCompletionSideBytes = 8192;  // per slot: a message or layer plans
 inline constexpr size_t kHeaderBytes = 4096;
+// The most entries one Step may carry, on either path: the Step RPC refuses more
+// (server/cache_service.h), and the engine library sends such a Step over gRPC for that refusal.
+inline constexpr int kMaxStepEntries = 65536;
 
 // Submission record operations: one per StepEntry op (proto StepEntry.op).
 enum class Op : uint8_t {
@@ -103,7 +106,7 @@ static_assert(sizeof(CompletionRecord) == 96);
 enum class CloseReason : uint32_t {
   kOpen = 0,
   kEngineReclaimed = 1,  // the lease ended and the engine was reclaimed
-  kReplaced = 2,         // the engine opened a new channel
+  kReplaced = 2,         // not sent since a second channel per engine is refused; kept reserved
   kCorrupt = 3,          // an absurd counter: the engine broke the protocol
   kShutdown = 4,         // the daemon stopped
 };

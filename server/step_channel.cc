@@ -34,6 +34,9 @@ using step_channel::SubmissionRecord;
 namespace {
 
 constexpr int kMaxEvents = 64;
+// Refusals logged per channel and second (the rest are counted, then logged as a count): a
+// misbehaving engine cannot flood the log from the thread that serves every engine.
+constexpr uint32_t kRefusalsLoggedPerSecond = 10;
 // How often a channel whose record waits for a busy session is tried again while idle.
 constexpr int kParkedRetryMilliseconds = 1;
 constexpr uint64_t kWakeEvent = 0;  // epoll data of wake_; a channel's is its engine id (>= 1)
@@ -84,6 +87,7 @@ struct StepChannels::Channel {
   // The last round stopped at a record whose session was busy (a long operation): the
   // thread retries it every kParkedRetryMilliseconds instead of sleeping until a doorbell.
   bool parked = false;
+  RefusalLog refusal_log;
   pb::StepEntry entry;
   pb::StepResult result;
 };
@@ -137,8 +141,20 @@ void StepChannels::MarkClosed(Channel& channel, CloseReason reason) {
   step_channel::FutexWakeAll(channel.header->cq_tail);
 }
 
+absl::Status StepChannels::CheckFirstOpenLocked(EngineId engine) const {
+  if (!opened_.contains(engine.value)) return absl::OkStatus();
+  return absl::FailedPreconditionError(absl::StrCat(
+      "engine ", engine.value,
+      " already opened its step channel: one per attachment (re-attach for a new one)"));
+}
+
 absl::StatusOr<handoff::StepChannelFds> StepChannels::Open(EngineId engine) {
   RETURN_IF_ERROR(leases_->CheckBound(engine));
+  {
+    // Before the region is created: a refused request costs the daemon nothing.
+    absl::MutexLock lock(&mu_);
+    RETURN_IF_ERROR(CheckFirstOpenLocked(engine));
+  }
   const uint64_t bytes = step_channel::LayoutFor(kSlots).region_bytes;
   ASSIGN_OR_RETURN(ScopedFd memfd, CreateSealedMemfd("memra-kv-step-channel", bytes));
   ASSIGN_OR_RETURN(MappedRegion region,
@@ -154,19 +170,15 @@ absl::StatusOr<handoff::StepChannelFds> StepChannels::Open(EngineId engine) {
     if (!started_ || stopping_) {
       return absl::UnavailableError("the daemon's step channels are not serving (stopping)");
     }
-    auto it = channels_.find(engine.value);
-    if (it != channels_.end()) {
-      MarkClosed(*it->second, CloseReason::kReplaced);
-      (void)epoll_ctl(epoll_.get(), EPOLL_CTL_DEL, it->second->wake.get(), nullptr);
-    }
+    // Again: two requests of one engine may have raced past the first check.
+    RETURN_IF_ERROR(CheckFirstOpenLocked(engine));
     // Edge-triggered: every engine write wakes the thread, which never reads the eventfd (the
     // engine shares its file status flags and could make a read block).
     epoll_event event{.events = EPOLLIN | EPOLLET, .data = {.u64 = engine.value}};
     if (epoll_ctl(epoll_.get(), EPOLL_CTL_ADD, channel->wake.get(), &event) != 0) {
-      if (it != channels_.end()) channels_.erase(it);
-      generation_.fetch_add(1, std::memory_order_release);
       return PosixError("epoll_ctl ADD for a step channel", errno);
     }
+    opened_.insert(engine.value);
     channels_[engine.value] = channel;
     generation_.fetch_add(1, std::memory_order_release);
   }
@@ -193,6 +205,7 @@ absl::StatusOr<handoff::StepChannelFds> StepChannels::Open(EngineId engine) {
 void StepChannels::Close(EngineId engine) {
   {
     absl::MutexLock lock(&mu_);
+    opened_.erase(engine.value);  // engine ids are never reused: the entry is done with
     auto it = channels_.find(engine.value);
     if (it == channels_.end()) return;
     MarkClosed(*it->second, CloseReason::kEngineReclaimed);
@@ -340,6 +353,24 @@ bool StepChannels::ServeRound(Channel& channel) {
   return true;
 }
 
+void StepChannels::LogRefusal(Channel& channel, absl::string_view message) {
+  const absl::Time now = absl::Now();
+  RefusalLog& log = channel.refusal_log;
+  if (now - log.window_start >= absl::Seconds(1)) {
+    if (log.suppressed != 0) {
+      spdlog::info("engine {}: {} more step channel refusals not logged", channel.engine.value,
+                   log.suppressed);
+    }
+    log = RefusalLog{.window_start = now};
+  }
+  if (log.logged >= kRefusalsLoggedPerSecond) {
+    ++log.suppressed;
+    return;
+  }
+  ++log.logged;
+  spdlog::info("engine {}: {}", channel.engine.value, std::string(message));
+}
+
 bool StepChannels::RunRecord(Channel& channel, const SubmissionRecord& record, uint32_t sq_index,
                              const absl::Status& engine_check, CompletionRecord& completion) {
   const uint32_t cq_index = channel.cq_tail % kSlots;
@@ -427,7 +458,7 @@ bool StepChannels::RunRecord(Channel& channel, const SubmissionRecord& record, u
     completion.code = static_cast<int32_t>(decoded.code());
     PutSide(channel.completion_side, cq_index, decoded.message(), CompletionSide::kMessage,
             completion);
-    spdlog::info("engine {}: {}", channel.engine.value, std::string(decoded.message()));
+    LogRefusal(channel, decoded.message());
     return true;
   }
   result.Clear();
@@ -437,11 +468,15 @@ bool StepChannels::RunRecord(Channel& channel, const SubmissionRecord& record, u
             RETURN_IF_ERROR(engine_check);
             return channel.engine;
           },
-          &result, BusySession::kSkip)) {
+          &result, {.busy = BusySession::kSkip, .log_refusal = false})) {
     return false;
   }
   completion.code = result.code();
   if (result.code() != 0) {
+    LogRefusal(channel, absl::StrCat("step channel record for slot ", record.slot, " refused: ",
+                                     absl::StatusCodeToString(
+                                         static_cast<absl::StatusCode>(result.code())),
+                                     " ", result.message()));
     PutSide(channel.completion_side, cq_index, result.message(), CompletionSide::kMessage,
             completion);
     if (result.has_daemon_restart()) {

@@ -35,8 +35,10 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "common/handoff_wire.h"
@@ -77,8 +79,10 @@ class StepChannels {
   void Stop() ABSL_LOCKS_EXCLUDED(mu_);
 
   // Engine `engine`'s channel: a new region and eventfd (duplicates for the engine; this keeps
-  // its own). An earlier channel of the engine is closed (kReplaced): one per engine. The
-  // engine's refusal (EngineLeases::CheckBound) when it is not attached with a live lease;
+  // its own). One per engine lease, ever: FAILED_PRECONDITION naming the engine for a second
+  // request (each region is 4.8 MB of shared memory the engine keeps mapped, so replacements
+  // would let one engine pin unbounded memory), also after its channel was closed as corrupt.
+  // The engine's refusal (EngineLeases::CheckBound) when it is not attached with a live lease;
   // UNAVAILABLE before Start or after Stop.
   absl::StatusOr<handoff::StepChannelFds> Open(EngineId engine) ABSL_LOCKS_EXCLUDED(mu_);
   // The engine was reclaimed: its channel is closed (kEngineReclaimed). The engine's mapping
@@ -103,7 +107,18 @@ class StepChannels {
                  const absl::Status& engine_check, step_channel::CompletionRecord& completion);
   // Closes `channel` for `reason` (and wakes its engine). Serving thread or under mu_.
   static void MarkClosed(Channel& channel, step_channel::CloseReason reason);
+  // FAILED_PRECONDITION when `engine` already opened a channel.
+  absl::Status CheckFirstOpenLocked(EngineId engine) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Wake();
+  // Logs a refusal of `channel`'s record at info, at most kRefusalsLoggedPerSecond a second
+  // (the rest counted and logged as a count). Serving thread only.
+  static void LogRefusal(Channel& channel, absl::string_view message);
+
+  struct RefusalLog {
+    absl::Time window_start = absl::InfinitePast();
+    uint32_t logged = 0;       // in this window
+    uint64_t suppressed = 0;   // in this window, not logged
+  };
 
   SessionRegistry* const sessions_;
   const EngineLeases* const leases_;
@@ -121,6 +136,8 @@ class StepChannels {
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   // Engine id -> its open channel.
   absl::flat_hash_map<uint64_t, std::shared_ptr<Channel>> channels_ ABSL_GUARDED_BY(mu_);
+  // Engines that opened a channel (open or closed since), until Close (their reclaim).
+  absl::flat_hash_set<uint64_t> opened_ ABSL_GUARDED_BY(mu_);
   // Bumped on every change of channels_: the serving thread re-reads the table when it moved.
   std::atomic<uint64_t> generation_{0};
 };

@@ -15,7 +15,7 @@ namespace pb = ::memra::kv::v1;
 
 bool RunStepEntry(SessionRegistry& sessions, const pb::StepEntry& entry,
                   absl::FunctionRef<absl::StatusOr<EngineId>()> slot_engine,
-                  pb::StepResult* result, BusySession busy) {
+                  pb::StepResult* result, StepEntryMode mode) {
   std::optional<SessionOp> op;
   switch (entry.op_case()) {
     case pb::StepEntry::kBegin:
@@ -49,7 +49,7 @@ bool RunStepEntry(SessionRegistry& sessions, const pb::StepEntry& entry,
     if (entry.has_slot()) {
       ASSIGN_OR_RETURN(EngineId engine, slot_engine());
       const SessionSlot slot{engine, entry.slot()};
-      if (op.has_value() && busy == BusySession::kSkip) {
+      if (op.has_value() && mode.busy == BusySession::kSkip) {
         std::optional<absl::Status> ran = sessions.TryRun(slot, *op);
         skipped = !ran.has_value();
         return ran.value_or(absl::OkStatus());
@@ -78,6 +78,7 @@ bool RunStepEntry(SessionRegistry& sessions, const pb::StepEntry& entry,
     result->mutable_daemon_restart()->set_previous_epoch(restart->previous_epoch);
     result->mutable_daemon_restart()->set_epoch(restart->epoch);
   }
+  if (!mode.log_refusal) return true;
   spdlog::info("Step entry for {} {} refused: {} {}", entry.has_slot() ? "slot" : "session",
                entry.has_slot() ? uint64_t{entry.slot()} : entry.session().session_id(),
                absl::StatusCodeToString(status.code()), std::string(status.message()));
