@@ -106,7 +106,7 @@ static_assert(sizeof(CompletionRecord) == 96);
 enum class CloseReason : uint32_t {
   kOpen = 0,
   kEngineReclaimed = 1,  // the lease ended and the engine was reclaimed
-  kReplaced = 2,         // not sent since a second channel per engine is refused; kept reserved
+  kReplaced = 2,         // the engine opened a new channel
   kCorrupt = 3,          // an absurd counter: the engine broke the protocol
   kShutdown = 4,         // the daemon stopped
 };

@@ -37,6 +37,9 @@ constexpr int kMaxEvents = 64;
 // Refusals logged per channel and second (the rest are counted, then logged as a count): a
 // misbehaving engine cannot flood the log from the thread that serves every engine.
 constexpr uint32_t kRefusalsLoggedPerSecond = 10;
+// Channels one engine lease may open: each pins a region the engine may keep mapped, so an
+// engine that re-opens (a re-attach that resumed its lease) may, a few times, and no more.
+constexpr uint32_t kMaxOpensPerEngine = 4;
 // How often a channel whose record waits for a busy session is tried again while idle.
 constexpr int kParkedRetryMilliseconds = 1;
 constexpr uint64_t kWakeEvent = 0;  // epoll data of wake_; a channel's is its engine id (>= 1)
@@ -141,11 +144,13 @@ void StepChannels::MarkClosed(Channel& channel, CloseReason reason) {
   step_channel::FutexWakeAll(channel.header->cq_tail);
 }
 
-absl::Status StepChannels::CheckFirstOpenLocked(EngineId engine) const {
-  if (!opened_.contains(engine.value)) return absl::OkStatus();
+absl::Status StepChannels::CheckMayOpenLocked(EngineId engine) const {
+  auto it = opens_.find(engine.value);
+  if (it == opens_.end() || it->second < kMaxOpensPerEngine) return absl::OkStatus();
   return absl::FailedPreconditionError(absl::StrCat(
-      "engine ", engine.value,
-      " already opened its step channel: one per attachment (re-attach for a new one)"));
+      "engine ", engine.value, " opened a step channel ", it->second,
+      " times, the most one engine lease may (each pins ",
+      step_channel::LayoutFor(kSlots).region_bytes, " bytes of shared memory): step over gRPC"));
 }
 
 absl::StatusOr<handoff::StepChannelFds> StepChannels::Open(EngineId engine) {
@@ -153,7 +158,7 @@ absl::StatusOr<handoff::StepChannelFds> StepChannels::Open(EngineId engine) {
   {
     // Before the region is created: a refused request costs the daemon nothing.
     absl::MutexLock lock(&mu_);
-    RETURN_IF_ERROR(CheckFirstOpenLocked(engine));
+    RETURN_IF_ERROR(CheckMayOpenLocked(engine));
   }
   const uint64_t bytes = step_channel::LayoutFor(kSlots).region_bytes;
   ASSIGN_OR_RETURN(ScopedFd memfd, CreateSealedMemfd("memra-kv-step-channel", bytes));
@@ -170,15 +175,22 @@ absl::StatusOr<handoff::StepChannelFds> StepChannels::Open(EngineId engine) {
     if (!started_ || stopping_) {
       return absl::UnavailableError("the daemon's step channels are not serving (stopping)");
     }
-    // Again: two requests of one engine may have raced past the first check.
-    RETURN_IF_ERROR(CheckFirstOpenLocked(engine));
+    // Again: requests of one engine may have raced past the first check.
+    RETURN_IF_ERROR(CheckMayOpenLocked(engine));
+    auto it = channels_.find(engine.value);
+    if (it != channels_.end()) {
+      MarkClosed(*it->second, CloseReason::kReplaced);
+      (void)epoll_ctl(epoll_.get(), EPOLL_CTL_DEL, it->second->wake.get(), nullptr);
+    }
     // Edge-triggered: every engine write wakes the thread, which never reads the eventfd (the
     // engine shares its file status flags and could make a read block).
     epoll_event event{.events = EPOLLIN | EPOLLET, .data = {.u64 = engine.value}};
     if (epoll_ctl(epoll_.get(), EPOLL_CTL_ADD, channel->wake.get(), &event) != 0) {
+      if (it != channels_.end()) channels_.erase(it);
+      generation_.fetch_add(1, std::memory_order_release);
       return PosixError("epoll_ctl ADD for a step channel", errno);
     }
-    opened_.insert(engine.value);
+    ++opens_[engine.value];
     channels_[engine.value] = channel;
     generation_.fetch_add(1, std::memory_order_release);
   }
@@ -205,7 +217,7 @@ absl::StatusOr<handoff::StepChannelFds> StepChannels::Open(EngineId engine) {
 void StepChannels::Close(EngineId engine) {
   {
     absl::MutexLock lock(&mu_);
-    opened_.erase(engine.value);  // engine ids are never reused: the entry is done with
+    opens_.erase(engine.value);  // the lease is over: the count is done with
     auto it = channels_.find(engine.value);
     if (it == channels_.end()) return;
     MarkClosed(*it->second, CloseReason::kEngineReclaimed);

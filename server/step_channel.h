@@ -35,7 +35,6 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
-#include "absl/container/flat_hash_set.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
@@ -79,9 +78,10 @@ class StepChannels {
   void Stop() ABSL_LOCKS_EXCLUDED(mu_);
 
   // Engine `engine`'s channel: a new region and eventfd (duplicates for the engine; this keeps
-  // its own). One per engine lease, ever: FAILED_PRECONDITION naming the engine for a second
-  // request (each region is 4.8 MB of shared memory the engine keeps mapped, so replacements
-  // would let one engine pin unbounded memory), also after its channel was closed as corrupt.
+  // its own). An earlier channel of the engine is closed (kReplaced): one per engine at a time.
+  // At most kMaxOpensPerEngine (4) per engine lease: then FAILED_PRECONDITION naming the engine
+  // and the count (each region is 4.8 MB of shared memory the engine may keep mapped, so
+  // unbounded replacements would let one engine pin unbounded memory).
   // The engine's refusal (EngineLeases::CheckBound) when it is not attached with a live lease;
   // UNAVAILABLE before Start or after Stop.
   absl::StatusOr<handoff::StepChannelFds> Open(EngineId engine) ABSL_LOCKS_EXCLUDED(mu_);
@@ -107,8 +107,8 @@ class StepChannels {
                  const absl::Status& engine_check, step_channel::CompletionRecord& completion);
   // Closes `channel` for `reason` (and wakes its engine). Serving thread or under mu_.
   static void MarkClosed(Channel& channel, step_channel::CloseReason reason);
-  // FAILED_PRECONDITION when `engine` already opened a channel.
-  absl::Status CheckFirstOpenLocked(EngineId engine) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // FAILED_PRECONDITION when `engine` opened the most channels a lease may.
+  absl::Status CheckMayOpenLocked(EngineId engine) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Wake();
   // Logs a refusal of `channel`'s record at info, at most kRefusalsLoggedPerSecond a second
   // (the rest counted and logged as a count). Serving thread only.
@@ -136,8 +136,8 @@ class StepChannels {
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   // Engine id -> its open channel.
   absl::flat_hash_map<uint64_t, std::shared_ptr<Channel>> channels_ ABSL_GUARDED_BY(mu_);
-  // Engines that opened a channel (open or closed since), until Close (their reclaim).
-  absl::flat_hash_set<uint64_t> opened_ ABSL_GUARDED_BY(mu_);
+  // Engine id -> channels it opened, until Close (its reclaim).
+  absl::flat_hash_map<uint64_t, uint32_t> opens_ ABSL_GUARDED_BY(mu_);
   // Bumped on every change of channels_: the serving thread re-reads the table when it moved.
   std::atomic<uint64_t> generation_{0};
 };

@@ -496,25 +496,37 @@ TEST_F(StepChannelTest, ReclaimClosesTheChannelAndNoRecordReachesTheSessionsAfte
   session.reset();
 }
 
-TEST_F(StepChannelTest, ASecondChannelOfAnEngineIsRefusedAndTheFirstServesOn) {
-  ASSERT_TRUE(client_->step_channel_active());
-  std::unique_ptr<Session> session = NewSession(*client_, kCapacity);
-  ASSERT_NE(session, nullptr);
+TEST_F(StepChannelTest, AnEngineLeaseOpensAtMostFourChannels) {
+  ASSERT_TRUE(client_->step_channel_active());  // its first
+  std::vector<handoff::StepChannelFds> replacements;
+  for (int i = 0; i < 3; ++i) {
+    absl::StatusOr<handoff::StepChannelFds> opened =
+        ClientInternals::OpenAnotherStepChannel(*client_);
+    ASSERT_THAT(opened, IsOk()) << i;
+    replacements.push_back(*std::move(opened));
+  }
   for (int i = 0; i < 3; ++i) {
     EXPECT_THAT(ClientInternals::OpenAnotherStepChannel(*client_).status(),
                 StatusIs(absl::StatusCode::kFailedPrecondition,
                          HasSubstr(absl::StrCat("engine ", client_->engine_id(),
-                                                " already opened its step channel"))));
+                                                " opened a step channel 4 times"))));
   }
   EXPECT_EQ(daemon_->step_channel_stats().open, 1u);
-  ASSERT_TRUE(client_->step_channel_active());
-  const uint64_t records = daemon_->step_channel_stats().records;
+  // The client's own channel was replaced: its Step says so, and the next goes over gRPC.
+  std::unique_ptr<Session> session = NewSession(*client_, kCapacity);
+  ASSERT_NE(session, nullptr);
   StepBatch batch(StepAddressing::kSlot);
   batch.Advance(*session, 0, 0, 1);
+  EXPECT_THAT(client_->Step(batch).status(),
+              StatusIs(absl::StatusCode::kUnavailable,
+                       HasSubstr("the engine opened another channel")));
   absl::StatusOr<std::vector<StepOutcome>> outcomes = client_->Step(batch);
   ASSERT_THAT(outcomes, IsOk());
   EXPECT_THAT((*outcomes)[0].status, IsOk());
-  EXPECT_EQ(daemon_->step_channel_stats().records, records + 1);
+  // Another engine opens its own as before.
+  std::unique_ptr<KvClient> other = NewClient("engine-b");
+  ASSERT_NE(other, nullptr);
+  EXPECT_TRUE(other->step_channel_active()) << other->step_channel_status();
 }
 
 // A Run waiting for completions the daemon will never write (here: a record parked behind a
