@@ -355,6 +355,10 @@ absl::Status SessionRegistry::Run(const SessionSlot& slot, const SessionOp& op) 
 
 std::optional<absl::Status> SessionRegistry::TryRun(const SessionSlot& slot,
                                                     const SessionOp& op) {
+  if (std::holds_alternative<GrowOp>(op)) {
+    // Grow takes the lock RunUnlessBusy holds: refused, never a self-deadlock.
+    return absl::InvalidArgumentError("TryRun runs short operations only; Grow is a long one");
+  }
   absl::StatusOr<std::shared_ptr<DaemonSession>> session = Find(slot);
   if (!session.ok()) return session.status();
   absl::Status status;
