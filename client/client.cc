@@ -323,6 +323,7 @@ void KvClient::KeepLease() {
     while (stream->Read(&ack)) {
     }
     lease_alive_.store(false);
+    AbandonStepChannel();  // its daemon end is gone with the lease: Steps fail now, not at deadline
     if (!Reattach()) break;
   }
   lease_alive_.store(false);
@@ -478,6 +479,7 @@ void KvClient::Detach() {
   if (!lease_stream_->finished) (void)lease_stream_->stream->Finish();
   lease_stream_.reset();
   handoff_.reset();
+  if (step_channel_ != nullptr) step_channel_->Abandon();
   step_channel_.reset();
   step_channel_status_ = absl::FailedPreconditionError("detached");
   lease_alive_.store(false);
@@ -500,8 +502,17 @@ std::pair<std::shared_ptr<StepChannelClient>, absl::Status> KvClient::OpenStepCh
   return {std::shared_ptr<StepChannelClient>(*std::move(channel)), absl::OkStatus()};
 }
 
-bool KvClient::step_channel_active() const {
+void KvClient::AbandonStepChannel() {
   absl::MutexLock lock(&mu_);
+  if (step_channel_ == nullptr) return;
+  step_channel_->Abandon();
+  step_channel_status_ = absl::UnavailableError(
+      "the lease stream broke: the step channel was abandoned (a re-attach opens a new one)");
+  step_channel_.reset();
+}
+
+bool KvClient::step_channel_active() const {
+  absl::MutexLock lock(&mu_);  // broken() takes no lock: no wait for a Run in progress
   return step_channel_ != nullptr && !step_channel_->broken();
 }
 
@@ -647,9 +658,12 @@ absl::Status KvClient::Step(StepBatch& batch, std::vector<StepOutcome>& outcomes
     absl::MutexLock lock(&mu_);
     channel = step_channel_;
   }
+  // nullopt: no channel, or one broken before this step could start (nothing submitted).
+  std::optional<absl::Status> over_channel;
+  if (channel != nullptr) over_channel = channel->Run(request, response, options_.deadline);
   absl::Status status =
-      channel != nullptr && !channel->broken()
-          ? channel->Run(request, response, options_.deadline)
+      over_channel.has_value()
+          ? *std::move(over_channel)
           : FromGrpcStatus(
                 rpc_->cache->Step(ClientInternals::NewContext(*this).get(), request, response));
   if (!status.ok() && channel != nullptr) {
@@ -927,6 +941,17 @@ absl::StatusOr<ArenaFd> ClientInternals::FetchArenaFd(KvClient& client, uint64_t
 std::shared_ptr<StepChannelClient> ClientInternals::StepChannel(KvClient& client) {
   absl::MutexLock lock(&client.mu_);
   return client.step_channel_;
+}
+
+absl::StatusOr<handoff::StepChannelFds> ClientInternals::OpenAnotherStepChannel(
+    KvClient& client) {
+  std::shared_ptr<HandoffChannel> handoff;
+  {
+    absl::MutexLock lock(&client.mu_);
+    handoff = client.handoff_;
+  }
+  if (handoff == nullptr) return absl::FailedPreconditionError("no handoff connection");
+  return handoff->OpenStepChannel();
 }
 
 // ---- StepBatch ----

@@ -686,6 +686,9 @@ class KvClient {
   // Attach opened (FAILED_PRECONDITION before Attach; the daemon's refusal as it sent it).
   absl::StatusOr<ArenaFd> FetchArenaFd(uint64_t session_id, absl::string_view session_token,
                                        absl::string_view handle) ABSL_LOCKS_EXCLUDED(mu_);
+  // The lease stream broke: the step channel is abandoned (StepChannelClient::Abandon) and
+  // dropped; Steps go over gRPC until a re-attach opens a new one.
+  void AbandonStepChannel() ABSL_LOCKS_EXCLUDED(mu_);
   // The step channel over `handoff` when the daemon `offered` it and the options allow it, or
   // null and why not. Takes no lock of this class.
   std::pair<std::shared_ptr<StepChannelClient>, absl::Status> OpenStepChannel(

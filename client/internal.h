@@ -49,6 +49,9 @@ class ClientInternals {
   // The client's step channel (null when none is open): the bad-input tests write its rings
   // themselves (after which the client must not step over it again).
   static std::shared_ptr<StepChannelClient> StepChannel(KvClient& client);
+  // A further step channel request over the client's handoff connection (the daemon's
+  // one-per-engine refusal).
+  static absl::StatusOr<handoff::StepChannelFds> OpenAnotherStepChannel(KvClient& client);
 };
 
 // The daemon's messages as client.h's types. INVALID_ARGUMENT naming the field for an enum out

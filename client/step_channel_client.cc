@@ -81,6 +81,8 @@ absl::StatusOr<std::unique_ptr<StepChannelClient>> StepChannelClient::Map(
 
 bool StepChannelClient::Carries(const pb::StepRequest& request) {
   if (!request.ordering().wait_event().empty()) return false;
+  // Over the limit: the Step RPC's refusal, the same on both paths.
+  if (request.entries_size() > step_channel::kMaxStepEntries) return false;
   for (const pb::StepEntry& entry : request.entries()) {
     if (!entry.has_slot() || entry.op_case() == pb::StepEntry::OP_NOT_SET) return false;
     if (static_cast<uint64_t>(TokenCount(entry)) * sizeof(int32_t) > kSubmissionSideBytes) {
@@ -95,9 +97,11 @@ void StepChannelClient::RingDoorbell() const {
   (void)!write(wake_.get(), &one, sizeof(one));
 }
 
-bool StepChannelClient::broken() const {
-  absl::MutexLock lock(&mu_);
-  return broken_;
+void StepChannelClient::Abandon() {
+  abandoned_.store(true, std::memory_order_seq_cst);
+  broken_.store(true, std::memory_order_release);
+  // A Run in FUTEX_WAIT on cq_tail wakes and sees abandoned_.
+  step_channel::FutexWakeAll(header_->cq_tail);
 }
 
 void StepChannelClient::Submit(const pb::StepEntry& entry, uint64_t index) {
@@ -159,6 +163,12 @@ absl::StatusOr<uint32_t> StepChannelClient::AwaitCompletions(absl::Time give_up)
   while (true) {
     const uint32_t tail = header_->cq_tail.load(std::memory_order_acquire);
     if (tail != cq_head_) return tail;
+    if (abandoned_.load(std::memory_order_seq_cst)) {
+      return absl::UnavailableError(absl::StrCat(
+          "this engine's step channel was abandoned: its lease stream to the daemon broke (the "
+          "daemon died or restarted) or it detached; records in flight (", sq_tail_ - cq_head_,
+          ") may or may not have run: check the sessions' state"));
+    }
     if (const uint32_t closed = header_->closed.load(std::memory_order_acquire); closed != 0) {
       return absl::UnavailableError(
           absl::StrCat("the daemon closed this engine's step channel (", CloseReasonName(closed),
@@ -175,7 +185,8 @@ absl::StatusOr<uint32_t> StepChannelClient::AwaitCompletions(absl::Time give_up)
     // Announce the wait, then look again before sleeping: the daemon publishes cq_tail before
     // reading engine_waiting.
     header_->engine_waiting.store(1, std::memory_order_seq_cst);
-    if (header_->cq_tail.load(std::memory_order_seq_cst) == cq_head_) {
+    if (header_->cq_tail.load(std::memory_order_seq_cst) == cq_head_ &&
+        !abandoned_.load(std::memory_order_seq_cst)) {
       step_channel::FutexWait(header_->cq_tail, cq_head_, std::min(left, kMaxFutexWait));
     }
     header_->engine_waiting.store(0, std::memory_order_relaxed);
@@ -258,12 +269,11 @@ absl::Status StepChannelClient::Complete(pb::StepResponse* response, int entries
   return absl::OkStatus();
 }
 
-absl::Status StepChannelClient::Run(const pb::StepRequest& request, pb::StepResponse* response,
-                                    absl::Duration deadline) {
+std::optional<absl::Status> StepChannelClient::Run(const pb::StepRequest& request,
+                                                   pb::StepResponse* response,
+                                                   absl::Duration deadline) {
   absl::MutexLock lock(&mu_);
-  if (broken_) {
-    return absl::UnavailableError("this engine's step channel broke earlier: step over gRPC");
-  }
+  if (broken_.load(std::memory_order_acquire)) return std::nullopt;
   const int entries = request.entries_size();
   response->mutable_results()->Reserve(entries);
   for (int i = response->results_size(); i < entries; ++i) response->add_results();
@@ -297,7 +307,7 @@ absl::Status StepChannelClient::Run(const pb::StepRequest& request, pb::StepResp
     header_->cq_head.store(cq_head_, std::memory_order_release);
     if (!status.ok()) break;
   }
-  if (!status.ok()) broken_ = true;
+  if (!status.ok()) broken_.store(true, std::memory_order_release);
   return status;
 }
 

@@ -8,11 +8,13 @@
 // KvClient::Step uses it for batches it can carry (Carries); everything else goes over gRPC.
 //
 // Thread-safe: one Run at a time (a mutex); a Run that failed (the daemon closed the channel,
-// no answer within the deadline) breaks the channel for good, since records may still be in
-// flight: the client then steps over gRPC.
+// no answer within the deadline, the client abandoned it) breaks the channel for good, since
+// records may still be in flight: the client then steps over gRPC.
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
+#include <optional>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
@@ -31,20 +33,29 @@ class StepChannelClient {
   // Maps the region the daemon handed over and checks its header (CheckHeader's refusals).
   static absl::StatusOr<std::unique_ptr<StepChannelClient>> Map(handoff::StepChannelFds fds);
 
-  // Whether `request` can go over the channel: no wait event, every entry addressed by slot and
-  // naming an operation, token ids within a record's side span. (The layer limit,
+  // Whether `request` can go over the channel: no wait event, at most kMaxStepEntries entries,
+  // every entry addressed by slot and naming an operation, token ids within a record's side
+  // span. (The layer limit,
   // step_channel::kMaxKvLayers, is the caller's: it knows the sessions.)
   static bool Carries(const memra::kv::v1::StepRequest& request);
 
   // Runs `request`'s entries in order; one result per entry into `response` (as the Step RPC
-  // answers). UNAVAILABLE when the daemon closed the channel (saying why) or answered nothing
-  // within `deadline`; INTERNAL when its completions break the protocol. After any error the
-  // channel is broken (broken()).
-  absl::Status Run(const memra::kv::v1::StepRequest& request,
-                   memra::kv::v1::StepResponse* response, absl::Duration deadline)
+  // answers). UNAVAILABLE when the daemon closed the channel (saying why), answered nothing
+  // within `deadline` or the channel was abandoned meanwhile; INTERNAL when its completions
+  // break the protocol. After any error the channel is broken (broken()). nullopt, with nothing
+  // submitted and `response` untouched, when it was broken before this Run could start (by
+  // another thread's Run it waited for, or Abandon): the caller steps over gRPC instead.
+  std::optional<absl::Status> Run(const memra::kv::v1::StepRequest& request,
+                                  memra::kv::v1::StepResponse* response, absl::Duration deadline)
       ABSL_LOCKS_EXCLUDED(mu_);
 
-  bool broken() const ABSL_LOCKS_EXCLUDED(mu_);
+  // Lock-free: callers holding their own locks (KvClient's) never wait for a Run.
+  bool broken() const { return broken_.load(std::memory_order_acquire); }
+
+  // The client's lease stream to the daemon broke (the daemon died or restarted) or the client
+  // detached: the daemon will answer no more. Breaks the channel and wakes a Run waiting for
+  // completions, which fails at once (UNAVAILABLE) instead of at its deadline.
+  void Abandon();
 
   // For bad-input tests that write the rings themselves (the channel is theirs afterwards: Run
   // no longer knows the counters): the region, its header, and the daemon's doorbell (a write
@@ -75,7 +86,8 @@ class StepChannelClient {
   // This side's own counters (never read back from the region).
   uint32_t sq_tail_ ABSL_GUARDED_BY(mu_) = 0;
   uint32_t cq_head_ ABSL_GUARDED_BY(mu_) = 0;
-  bool broken_ ABSL_GUARDED_BY(mu_) = false;
+  std::atomic<bool> broken_{false};
+  std::atomic<bool> abandoned_{false};
 };
 
 }  // namespace memra

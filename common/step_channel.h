@@ -34,6 +34,9 @@ inline constexpr uint32_t kSlots = 512;  // records in flight per ring; a power 
 inline constexpr uint32_t kSubmissionSideBytes = 1024;  // per slot: 256 token ids
 inline constexpr uint32_t kCompletionSideBytes = 8192;  // per slot: a message or layer plans
 inline constexpr size_t kHeaderBytes = 4096;
+// The most entries one Step may carry, on either path: the Step RPC refuses more
+// (server/cache_service.h), and the engine library sends such a Step over gRPC for that refusal.
+inline constexpr int kMaxStepEntries = 65536;
 
 // Submission record operations: one per StepEntry op (proto StepEntry.op).
 enum class Op : uint8_t {

@@ -9,6 +9,7 @@
 //
 // Thread-safety: thread-safe (everything it calls is).
 
+#include "common/step_channel.h"
 #include "grpcpp/server_context.h"
 #include "grpcpp/support/server_callback.h"
 #include "proto/memra/kv/v1/cache.grpc.pb.h"
@@ -27,8 +28,8 @@ namespace memra {
 class CacheService final
     : public memra::kv::v1::KvCache::WithCallbackMethod_Attach<memra::kv::v1::KvCache::Service> {
  public:
-  // The most entries one Step may carry.
-  static constexpr int kMaxStepEntries = 65536;
+  // The most entries one Step may carry (the step channel's limit too).
+  static constexpr int kMaxStepEntries = step_channel::kMaxStepEntries;
 
   // REQUIRES: every pointer outlives the service. `backend` waits on the engines' events;
   // `handoff` redeems the attach tickets.

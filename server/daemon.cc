@@ -525,7 +525,10 @@ void Daemon::CheckLeases() {
   for (const ReclaimedEngine& engine : leases_.CollectReclaimable()) {
     handoff_.ForgetEngine(engine.id.value);
     block_store_.ForgetEngine(engine.id.value);
-    step_channels_.Close(engine.id);  // before its sessions go: no record reaches them after
+    // Before its sessions go: no new round of its channel starts. A record the serving thread
+    // is running now may still reach a session; Release orders after it (the session's lock),
+    // and records after the release find no session (NOT_FOUND).
+    step_channels_.Close(engine.id);
     const ReleasedSessions released = sessions_.ReleaseOwnedBy(engine.id);
     const uint64_t reserved = leases_.ReturnReservations(engine.id);
     plans_.ForgetEngine(engine.id.value);

@@ -547,6 +547,7 @@ absl::Status DaemonSession::Taint(absl::string_view reason) {
 }
 
 absl::Status DaemonSession::Grow(uint64_t target_capacity, pb::GrowResponse* out) {
+  absl::MutexLock long_op(&long_op_mu_);
   absl::MutexLock lock(&mu_);
   RETURN_IF_ERROR(CheckLive());
   if (previous_.has_value()) {
@@ -619,6 +620,13 @@ absl::Status DaemonSession::GetState(pb::SessionState* state, pb::SessionLayout*
   return absl::OkStatus();
 }
 
+bool DaemonSession::RunUnlessBusy(absl::FunctionRef<void()> run) {
+  if (!long_op_mu_.TryLock()) return false;
+  run();
+  long_op_mu_.Unlock();
+  return true;
+}
+
 absl::Status DaemonSession::FreeLayout(const SessionLayoutVersion& layout) {
   // The journal stops keeping the arena first: a restart never adopts freed memory.
   if (params_.journal != nullptr) params_.journal->ArenaFreed(layout.arena);
@@ -634,6 +642,7 @@ absl::Status DaemonSession::FreeLayout(const SessionLayoutVersion& layout) {
 }
 
 uint64_t DaemonSession::Release() {
+  absl::MutexLock long_op(&long_op_mu_);
   absl::MutexLock lock(&mu_);
   if (released_) return 0;
   // The record goes before the arenas it names.
@@ -675,12 +684,14 @@ void DaemonSession::TruncateCommittedTokens() {
 }
 
 absl::Status DaemonSession::ViewLocked(LockedView view) {
+  absl::MutexLock long_op(&long_op_mu_);
   absl::MutexLock lock(&mu_);
   RETURN_IF_ERROR(CheckLive());
   return view(state_, current_, committed_tokens_);
 }
 
 absl::Status DaemonSession::RestoreLocked(Restorer restore, absl::Span<const int32_t> token_ids) {
+  absl::MutexLock long_op(&long_op_mu_);
   absl::MutexLock lock(&mu_);
   RETURN_IF_ERROR(CheckLive());
   if (previous_.has_value()) {

@@ -158,6 +158,12 @@ class DaemonSession {
   absl::Status GetState(memra::kv::v1::SessionState* state, memra::kv::v1::SessionLayout* layout)
       ABSL_LOCKS_EXCLUDED(mu_);
 
+  // Runs `run` (operations of this session) unless a long operation (Grow, a prefix view or
+  // restore, Release: allocation and copies, seconds on a device) holds the session now; false,
+  // with nothing run, when one does. For the step channel's one serving thread, which must
+  // not wait for one engine's session while it serves every engine.
+  bool RunUnlessBusy(absl::FunctionRef<void()> run) ABSL_LOCKS_EXCLUDED(long_op_mu_, mu_);
+
   // A new descriptor of the arena whose export handle is `handle` (the current layout's, or the
   // previous one's while a grow awaits acknowledgement), for the handoff socket. Under the
   // session's mutex, so the arena cannot be freed meanwhile. NOT_FOUND when the session was
@@ -232,6 +238,9 @@ class DaemonSession {
 
   std::atomic<uint64_t> arena_bytes_{0};
 
+  // Held, before mu_, by the long operations (Grow, ViewLocked, RestoreLocked, Release) and by
+  // RunUnlessBusy, which only tries it: so RunUnlessBusy waits on mu_ for short operations only.
+  absl::Mutex long_op_mu_ ABSL_ACQUIRED_BEFORE(mu_);
   mutable absl::Mutex mu_;
   SessionState state_ ABSL_GUARDED_BY(mu_);
   SessionLayoutVersion current_ ABSL_GUARDED_BY(mu_);

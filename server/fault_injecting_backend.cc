@@ -56,6 +56,21 @@ void FaultInjectingBackend::Disarm(BackendOp op) {
   arms_[static_cast<size_t>(op)].reset();
 }
 
+void FaultInjectingBackend::Hold(BackendOp op) {
+  absl::MutexLock lock(&mu_);
+  held_[static_cast<size_t>(op)] = true;
+}
+
+void FaultInjectingBackend::Unhold(BackendOp op) {
+  absl::MutexLock lock(&mu_);
+  held_[static_cast<size_t>(op)] = false;
+}
+
+uint64_t FaultInjectingBackend::HeldCalls(BackendOp op) const {
+  absl::MutexLock lock(&mu_);
+  return waiting_[static_cast<size_t>(op)];
+}
+
 uint64_t FaultInjectingBackend::CallCount(BackendOp op) const {
   absl::MutexLock lock(&mu_);
   return calls_[static_cast<size_t>(op)];
@@ -70,6 +85,12 @@ absl::Status FaultInjectingBackend::Enter(BackendOp op) {
   absl::MutexLock lock(&mu_);
   const size_t index = static_cast<size_t>(op);
   ++calls_[index];
+  if (held_[index]) {
+    ++waiting_[index];
+    mu_.Await(absl::Condition(
+        +[](bool* held) { return !*held; }, &held_[index]));
+    --waiting_[index];
+  }
   std::optional<Arm>& arm = arms_[index];
   if (!arm.has_value() || --arm->calls_left > 0) return absl::OkStatus();
   absl::Status status = std::move(arm->status);

@@ -52,6 +52,11 @@ class FaultInjectingBackend final : public DeviceBackend {
   // earlier arming of `op`. INVALID_ARGUMENT when n == 0 or `status` is OK.
   absl::Status FailNthCall(BackendOp op, uint64_t n, absl::Status status) ABSL_LOCKS_EXCLUDED(mu_);
   void Disarm(BackendOp op) ABSL_LOCKS_EXCLUDED(mu_);
+  // Holds `op`: its calls from now wait (before reaching the wrapped backend) until
+  // Unhold(op), so a test can keep a long operation in progress. HeldCalls: calls waiting now.
+  void Hold(BackendOp op) ABSL_LOCKS_EXCLUDED(mu_);
+  void Unhold(BackendOp op) ABSL_LOCKS_EXCLUDED(mu_);
+  uint64_t HeldCalls(BackendOp op) const ABSL_LOCKS_EXCLUDED(mu_);
   // Calls of `op` seen so far, injected failures included.
   uint64_t CallCount(BackendOp op) const ABSL_LOCKS_EXCLUDED(mu_);
   // Failures injected so far, over all ops.
@@ -115,6 +120,8 @@ class FaultInjectingBackend final : public DeviceBackend {
   std::array<uint64_t, kBackendOpCount> calls_ ABSL_GUARDED_BY(mu_) = {};
   std::array<std::optional<Arm>, kBackendOpCount> arms_ ABSL_GUARDED_BY(mu_);
   uint64_t injected_ ABSL_GUARDED_BY(mu_) = 0;
+  std::array<bool, kBackendOpCount> held_ ABSL_GUARDED_BY(mu_) = {};
+  std::array<uint64_t, kBackendOpCount> waiting_ ABSL_GUARDED_BY(mu_) = {};
 };
 
 }  // namespace memra

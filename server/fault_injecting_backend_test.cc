@@ -104,6 +104,25 @@ TEST_F(FaultInjectingBackendTest, ArmsArePerOpAndCanBeReplacedOrDisarmed) {
   EXPECT_EQ(faulty_->InjectedFailures(), 1u);
 }
 
+TEST_F(FaultInjectingBackendTest, AHeldOpWaitsUntilUnheldAndOthersGoOn) {
+  const ArenaId arena = MustCreate();
+  faulty_->Hold(BackendOp::kMemset);
+  std::atomic<bool> done{false};
+  std::thread held([&] {
+    EXPECT_THAT(faulty_->Memset(arena, 0, 7, 1), IsOk());
+    done = true;
+  });
+  while (faulty_->HeldCalls(BackendOp::kMemset) == 0) std::this_thread::yield();
+  EXPECT_THAT(faulty_->Copy(arena, 0, arena, 1, 1), IsOk());  // another op is not held
+  EXPECT_FALSE(done.load());
+  EXPECT_EQ(faulty_->HeldCalls(BackendOp::kMemset), 1u);
+  faulty_->Unhold(BackendOp::kMemset);
+  held.join();
+  EXPECT_TRUE(done.load());
+  EXPECT_EQ(faulty_->HeldCalls(BackendOp::kMemset), 0u);
+  EXPECT_EQ(faulty_->CallCount(BackendOp::kMemset), 1u);
+}
+
 TEST_F(FaultInjectingBackendTest, BadArmingIsRefused) {
   EXPECT_THAT(
       faulty_->FailNthCall(BackendOp::kRead, 0, absl::InternalError("x")),

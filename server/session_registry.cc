@@ -353,6 +353,21 @@ absl::Status SessionRegistry::Run(const SessionSlot& slot, const SessionOp& op) 
   return ApplyAndJournal(*session, op);
 }
 
+std::optional<absl::Status> SessionRegistry::TryRun(const SessionSlot& slot,
+                                                    const SessionOp& op) {
+  if (std::holds_alternative<GrowOp>(op)) {
+    // Grow takes the lock RunUnlessBusy holds: refused, never a self-deadlock.
+    return absl::InvalidArgumentError("TryRun runs short operations only; Grow is a long one");
+  }
+  absl::StatusOr<std::shared_ptr<DaemonSession>> session = Find(slot);
+  if (!session.ok()) return session.status();
+  absl::Status status;
+  if (!(*session)->RunUnlessBusy([&] { status = ApplyAndJournal(**session, op); })) {
+    return std::nullopt;
+  }
+  return status;
+}
+
 absl::Status SessionRegistry::ApplyAndJournal(DaemonSession& session, const SessionOp& op) {
   absl::Status status = Apply(session, op);
   // Before the reply: what the engine is told happened is what a restart brings back.

@@ -224,6 +224,11 @@ class SessionRegistry {
   absl::Status Run(const SessionCredentials& session, const SessionOp& op)
       ABSL_LOCKS_EXCLUDED(mu_);
   absl::Status Run(const SessionSlot& slot, const SessionOp& op) ABSL_LOCKS_EXCLUDED(mu_);
+  // As Run(slot, op), but never waits for a session a long operation holds
+  // (DaemonSession::RunUnlessBusy): nullopt, with nothing run, when one does. For short
+  // operations: INVALID_ARGUMENT for a GrowOp (itself a long one).
+  std::optional<absl::Status> TryRun(const SessionSlot& slot, const SessionOp& op)
+      ABSL_LOCKS_EXCLUDED(mu_);
 
   // Removes and releases every session of `engine` (its lease was reclaimed), each exactly
   // once, then frees its arena pool.

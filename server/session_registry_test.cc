@@ -3,11 +3,13 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
 #include "absl/synchronization/mutex.h"
 #include "core/test_model_plans.h"
 #include "gmock/gmock.h"
@@ -233,6 +235,51 @@ TEST_F(SessionRegistryTest, OperationsBySlotAreJournaledBeforeTheReply) {
   EXPECT_EQ(commit.committed_len(), 5u);
   EXPECT_EQ(journal.Committed((*session)->id().value), std::optional<uint64_t>(5));
   registry.ReleaseAll();
+}
+
+TEST_F(SessionRegistryTest, TryRunRunsNothingWhileALongOperationHoldsTheSession) {
+  const EngineLease a = Attach("a");
+  const EngineLease b = Attach("b");
+  std::shared_ptr<DaemonSession> session = Create(a);
+  ASSERT_NE(session, nullptr);
+  std::shared_ptr<DaemonSession> theirs = Create(b);
+  ASSERT_NE(theirs, nullptr);
+  const SessionSlot slot{a.id, session->slot()};
+  absl::Notification viewing;
+  absl::Notification done;
+  std::thread view([&] {
+    EXPECT_THAT(session->ViewLocked([&](const SessionState&, const SessionLayoutVersion&,
+                                        const std::optional<std::vector<int32_t>>&) {
+      viewing.Notify();
+      done.WaitForNotification();
+      return absl::OkStatus();
+    }),
+                IsOk());
+  });
+  viewing.WaitForNotification();
+  pb::BeginResponse begun;
+  EXPECT_FALSE(registry_->TryRun(slot, BeginOp{&begun}).has_value());
+  // Refusals before the session is reached are answered as Run's.
+  std::optional<absl::Status> foreign =
+      registry_->TryRun(SessionSlot{a.id, theirs->slot()}, BeginOp{&begun});
+  ASSERT_TRUE(foreign.has_value());
+  EXPECT_THAT(*foreign, StatusIs(absl::StatusCode::kPermissionDenied,
+                                 HasSubstr(absl::StrCat("slot ", theirs->slot(),
+                                                        " holds no session of engine ",
+                                                        a.id.value))));
+  pb::GrowResponse grown;
+  std::optional<absl::Status> grow = registry_->TryRun(slot, GrowOp{512, &grown});
+  ASSERT_TRUE(grow.has_value());
+  EXPECT_THAT(*grow, StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("Grow is a long one")));
+  done.Notify();
+  view.join();
+  pb::SessionState state;
+  ASSERT_THAT(SessionRegistry::Apply(*session, GetStateOp{&state}), IsOk());
+  EXPECT_EQ(state.next_generation(), 1u) << "the busy Begin began nothing";
+  std::optional<absl::Status> ran = registry_->TryRun(slot, BeginOp{&begun});
+  ASSERT_TRUE(ran.has_value());
+  EXPECT_THAT(*ran, IsOk());
+  EXPECT_EQ(begun.generation(), 1u);
 }
 
 TEST_F(SessionRegistryTest, CreateRefusalsAllocateNothing) {

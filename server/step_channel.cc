@@ -34,6 +34,14 @@ using step_channel::SubmissionRecord;
 namespace {
 
 constexpr int kMaxEvents = 64;
+// Refusals logged per channel and second (the rest are counted, then logged as a count): a
+// misbehaving engine cannot flood the log from the thread that serves every engine.
+constexpr uint32_t kRefusalsLoggedPerSecond = 10;
+// Channels one engine lease may open: each pins a region the engine may keep mapped, so an
+// engine that re-opens (a re-attach that resumed its lease) may, a few times, and no more.
+constexpr uint32_t kMaxOpensPerEngine = 4;
+// How often a channel whose record waits for a busy session is tried again while idle.
+constexpr int kParkedRetryMilliseconds = 1;
 constexpr uint64_t kWakeEvent = 0;  // epoll data of wake_; a channel's is its engine id (>= 1)
 
 bool AllZero(const uint8_t* bytes, size_t size) {
@@ -79,6 +87,10 @@ struct StepChannels::Channel {
   // the entry / result every record is decoded into and answered from, reused.
   uint32_t sq_head = 0;
   uint32_t cq_tail = 0;
+  // The last round stopped at a record whose session was busy (a long operation): the
+  // thread retries it every kParkedRetryMilliseconds instead of sleeping until a doorbell.
+  bool parked = false;
+  RefusalLog refusal_log;
   pb::StepEntry entry;
   pb::StepResult result;
 };
@@ -132,8 +144,22 @@ void StepChannels::MarkClosed(Channel& channel, CloseReason reason) {
   step_channel::FutexWakeAll(channel.header->cq_tail);
 }
 
+absl::Status StepChannels::CheckMayOpenLocked(EngineId engine) const {
+  auto it = opens_.find(engine.value);
+  if (it == opens_.end() || it->second < kMaxOpensPerEngine) return absl::OkStatus();
+  return absl::FailedPreconditionError(absl::StrCat(
+      "engine ", engine.value, " opened a step channel ", it->second,
+      " times, the most one engine lease may (each pins ",
+      step_channel::LayoutFor(kSlots).region_bytes, " bytes of shared memory): step over gRPC"));
+}
+
 absl::StatusOr<handoff::StepChannelFds> StepChannels::Open(EngineId engine) {
   RETURN_IF_ERROR(leases_->CheckBound(engine));
+  {
+    // Before the region is created: a refused request costs the daemon nothing.
+    absl::MutexLock lock(&mu_);
+    RETURN_IF_ERROR(CheckMayOpenLocked(engine));
+  }
   const uint64_t bytes = step_channel::LayoutFor(kSlots).region_bytes;
   ASSIGN_OR_RETURN(ScopedFd memfd, CreateSealedMemfd("memra-kv-step-channel", bytes));
   ASSIGN_OR_RETURN(MappedRegion region,
@@ -149,6 +175,8 @@ absl::StatusOr<handoff::StepChannelFds> StepChannels::Open(EngineId engine) {
     if (!started_ || stopping_) {
       return absl::UnavailableError("the daemon's step channels are not serving (stopping)");
     }
+    // Again: requests of one engine may have raced past the first check.
+    RETURN_IF_ERROR(CheckMayOpenLocked(engine));
     auto it = channels_.find(engine.value);
     if (it != channels_.end()) {
       MarkClosed(*it->second, CloseReason::kReplaced);
@@ -162,6 +190,7 @@ absl::StatusOr<handoff::StepChannelFds> StepChannels::Open(EngineId engine) {
       generation_.fetch_add(1, std::memory_order_release);
       return PosixError("epoll_ctl ADD for a step channel", errno);
     }
+    ++opens_[engine.value];
     channels_[engine.value] = channel;
     generation_.fetch_add(1, std::memory_order_release);
   }
@@ -188,6 +217,7 @@ absl::StatusOr<handoff::StepChannelFds> StepChannels::Open(EngineId engine) {
 void StepChannels::Close(EngineId engine) {
   {
     absl::MutexLock lock(&mu_);
+    opens_.erase(engine.value);  // the lease is over: the count is done with
     auto it = channels_.find(engine.value);
     if (it == channels_.end()) return;
     MarkClosed(*it->second, CloseReason::kEngineReclaimed);
@@ -223,8 +253,14 @@ void StepChannels::Serve() {
       for (const auto& [engine, channel] : channels_) serving.push_back(channel);
     }
     bool worked = false;
-    for (const std::shared_ptr<Channel>& channel : serving) worked |= ServeRound(*channel);
+    bool parked = false;
+    for (const std::shared_ptr<Channel>& channel : serving) {
+      worked |= ServeRound(*channel);
+      parked |= channel->parked;
+    }
     const SteadyClock::time_point now = SteadyClock::now();
+    // Spins only after a round that did work: doorbells that bring none (an engine may ring
+    // as often as it likes) put the thread straight back to sleep.
     if (worked) {
       last_work = now;
       continue;
@@ -237,17 +273,21 @@ void StepChannels::Serve() {
     }
     bool pending = false;
     for (const std::shared_ptr<Channel>& channel : serving) {
-      if (!channel->closed.load(std::memory_order_relaxed) && Servable(*channel)) pending = true;
+      // A parked channel is servable but waits for its session, not for the thread.
+      if (!channel->closed.load(std::memory_order_relaxed) && !channel->parked &&
+          Servable(*channel)) {
+        pending = true;
+      }
     }
     if (!pending && generation_.load(std::memory_order_acquire) == seen) {
       sleeps_.fetch_add(1, std::memory_order_relaxed);
-      const int ready = epoll_wait(epoll_.get(), events, kMaxEvents, -1);
+      const int ready = epoll_wait(epoll_.get(), events, kMaxEvents,
+                                   parked ? kParkedRetryMilliseconds : -1);
       if (ready < 0 && errno != EINTR) spdlog::error("step channels: epoll_wait: {}", strerror(errno));
     }
     for (const std::shared_ptr<Channel>& channel : serving) {
       channel->header->daemon_sleeping.store(0, std::memory_order_relaxed);
     }
-    last_work = SteadyClock::now();
   }
 }
 
@@ -260,6 +300,7 @@ bool StepChannels::Servable(const Channel& channel) {
 }
 
 bool StepChannels::ServeRound(Channel& channel) {
+  channel.parked = false;
   if (channel.closed.load(std::memory_order_relaxed)) return false;
   StepChannelHeader& header = *channel.header;
   // The engine's counters, read once; free-running, so differences are what count.
@@ -293,22 +334,29 @@ bool StepChannels::ServeRound(Channel& channel) {
   if (count == 0) return false;  // the engine has not read its completions yet
   // Authenticated once per round, as the Step RPC does once per call.
   const absl::Status engine_check = leases_->CheckBound(channel.engine);
-  for (uint32_t i = 0; i < count; ++i) {
+  uint32_t served = 0;
+  for (; served < count; ++served) {
     const uint32_t sq_index = channel.sq_head % kSlots;
     // The one read of the record: everything below uses this copy.
     SubmissionRecord record;
     std::memcpy(&record, channel.submissions + uint64_t{sq_index} * sizeof(SubmissionRecord),
                 sizeof(record));
     CompletionRecord completion;
-    RunRecord(channel, record, sq_index, engine_check, completion);
+    if (!RunRecord(channel, record, sq_index, engine_check, completion)) {
+      // Its session is busy in a long operation: the record stays unconsumed (read again,
+      // as the engine left it, next time) and the others' channels are served meanwhile.
+      channel.parked = true;
+      break;
+    }
     std::memcpy(channel.completions +
                     uint64_t{channel.cq_tail % kSlots} * sizeof(CompletionRecord),
                 &completion, sizeof(completion));
     ++channel.sq_head;
     ++channel.cq_tail;
   }
+  if (served == 0) return false;
   // Counted before the engine can see the completions (stats() is exact once it does).
-  records_.fetch_add(count, std::memory_order_relaxed);
+  records_.fetch_add(served, std::memory_order_relaxed);
   header.sq_head.store(channel.sq_head, std::memory_order_release);
   header.cq_tail.store(channel.cq_tail, std::memory_order_seq_cst);
   if (header.engine_waiting.load(std::memory_order_seq_cst) != 0) {
@@ -317,7 +365,25 @@ bool StepChannels::ServeRound(Channel& channel) {
   return true;
 }
 
-void StepChannels::RunRecord(Channel& channel, const SubmissionRecord& record, uint32_t sq_index,
+void StepChannels::LogRefusal(Channel& channel, absl::string_view message) {
+  const absl::Time now = absl::Now();
+  RefusalLog& log = channel.refusal_log;
+  if (now - log.window_start >= absl::Seconds(1)) {
+    if (log.suppressed != 0) {
+      spdlog::info("engine {}: {} more step channel refusals not logged", channel.engine.value,
+                   log.suppressed);
+    }
+    log = RefusalLog{.window_start = now};
+  }
+  if (log.logged >= kRefusalsLoggedPerSecond) {
+    ++log.suppressed;
+    return;
+  }
+  ++log.logged;
+  spdlog::info("engine {}: {}", channel.engine.value, std::string(message));
+}
+
+bool StepChannels::RunRecord(Channel& channel, const SubmissionRecord& record, uint32_t sq_index,
                              const absl::Status& engine_check, CompletionRecord& completion) {
   const uint32_t cq_index = channel.cq_tail % kSlots;
   completion.user_data = record.user_data;
@@ -404,25 +470,32 @@ void StepChannels::RunRecord(Channel& channel, const SubmissionRecord& record, u
     completion.code = static_cast<int32_t>(decoded.code());
     PutSide(channel.completion_side, cq_index, decoded.message(), CompletionSide::kMessage,
             completion);
-    spdlog::info("engine {}: {}", channel.engine.value, std::string(decoded.message()));
-    return;
+    LogRefusal(channel, decoded.message());
+    return true;
   }
   result.Clear();
-  RunStepEntry(*sessions_, entry,
-               [&]() -> absl::StatusOr<EngineId> {
-                 RETURN_IF_ERROR(engine_check);
-                 return channel.engine;
-               },
-               &result);
+  if (!RunStepEntry(
+          *sessions_, entry,
+          [&]() -> absl::StatusOr<EngineId> {
+            RETURN_IF_ERROR(engine_check);
+            return channel.engine;
+          },
+          &result, {.busy = BusySession::kSkip, .log_refusal = false})) {
+    return false;
+  }
   completion.code = result.code();
   if (result.code() != 0) {
+    LogRefusal(channel, absl::StrCat("step channel record for slot ", record.slot, " refused: ",
+                                     absl::StatusCodeToString(
+                                         static_cast<absl::StatusCode>(result.code())),
+                                     " ", result.message()));
     PutSide(channel.completion_side, cq_index, result.message(), CompletionSide::kMessage,
             completion);
     if (result.has_daemon_restart()) {
       completion.restart_previous_epoch = result.daemon_restart().previous_epoch();
       completion.restart_epoch = result.daemon_restart().epoch();
     }
-    return;
+    return true;
   }
   completion.payload = static_cast<uint8_t>(result.payload_case());
   const pb::PrepareAppendResponse* prepared = nullptr;
@@ -461,7 +534,7 @@ void StepChannels::RunRecord(Channel& channel, const SubmissionRecord& record, u
       // limit (docs/step-channel.md) gets here, and it alone loses the plan.
       completion.side_kind = static_cast<uint8_t>(CompletionSide::kLayersTooLarge);
       completion.side_length = static_cast<uint32_t>(bytes);
-      return;
+      return true;
     }
     const uint64_t offset = uint64_t{cq_index} * kCompletionSideBytes;
     prepared->SerializeWithCachedSizesToArray(channel.completion_side + offset);
@@ -469,6 +542,7 @@ void StepChannels::RunRecord(Channel& channel, const SubmissionRecord& record, u
     completion.side_offset = offset;
     completion.side_length = static_cast<uint32_t>(bytes);
   }
+  return true;
 }
 
 }  // namespace memra

@@ -14,7 +14,9 @@
 // `max_records_per_round` records (so one engine cannot starve the others), spins for
 // `spin` after the last round that found work, then sleeps in epoll_wait on the channels'
 // eventfds (the engines write them when they publish records while daemon_sleeping is set): no
-// busy core when idle.
+// busy core when idle. It never waits for a session: a record whose session a long operation
+// (Grow, a prefix copy) holds stays in the ring, its channel's round ends there, and the thread
+// tries it again every millisecond while it serves the other engines.
 //
 // Bad input: the daemon keeps its own ring counters (sq_head, cq_tail) and never reads them
 // back; it reads the engine's (sq_tail, cq_head) once per round. A counter claiming more records
@@ -35,6 +37,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "common/handoff_wire.h"
@@ -75,8 +78,11 @@ class StepChannels {
   void Stop() ABSL_LOCKS_EXCLUDED(mu_);
 
   // Engine `engine`'s channel: a new region and eventfd (duplicates for the engine; this keeps
-  // its own). An earlier channel of the engine is closed (kReplaced): one per engine. The
-  // engine's refusal (EngineLeases::CheckBound) when it is not attached with a live lease;
+  // its own). An earlier channel of the engine is closed (kReplaced): one per engine at a time.
+  // At most kMaxOpensPerEngine (4) per engine lease: then FAILED_PRECONDITION naming the engine
+  // and the count (each region is 4.8 MB of shared memory the engine may keep mapped, so
+  // unbounded replacements would let one engine pin unbounded memory).
+  // The engine's refusal (EngineLeases::CheckBound) when it is not attached with a live lease;
   // UNAVAILABLE before Start or after Stop.
   absl::StatusOr<handoff::StepChannelFds> Open(EngineId engine) ABSL_LOCKS_EXCLUDED(mu_);
   // The engine was reclaimed: its channel is closed (kEngineReclaimed). The engine's mapping
@@ -89,17 +95,30 @@ class StepChannels {
   struct Channel;
 
   void Serve() ABSL_LOCKS_EXCLUDED(mu_);
-  // One round of `channel`: true when it served a record.
+  // One round of `channel`: true when it served a record. A record whose session a long
+  // operation holds ends the round unconsumed and parks the channel (Channel::parked).
   bool ServeRound(Channel& channel);
   // Whether a round of `channel` would find work: records submitted and room for their
   // completions (an engine that frees room while records wait rings the doorbell).
   static bool Servable(const Channel& channel);
-  // The result of the record copied into `record` (ring index `index`), into `completion`.
-  void RunRecord(Channel& channel, const step_channel::SubmissionRecord& record, uint32_t index,
+  // The result of the record copied into `record` (ring index `index`), into `completion`;
+  // false (nothing run) when its session is busy in a long operation.
+  bool RunRecord(Channel& channel, const step_channel::SubmissionRecord& record, uint32_t index,
                  const absl::Status& engine_check, step_channel::CompletionRecord& completion);
   // Closes `channel` for `reason` (and wakes its engine). Serving thread or under mu_.
   static void MarkClosed(Channel& channel, step_channel::CloseReason reason);
+  // FAILED_PRECONDITION when `engine` opened the most channels a lease may.
+  absl::Status CheckMayOpenLocked(EngineId engine) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Wake();
+  // Logs a refusal of `channel`'s record at info, at most kRefusalsLoggedPerSecond a second
+  // (the rest counted and logged as a count). Serving thread only.
+  static void LogRefusal(Channel& channel, absl::string_view message);
+
+  struct RefusalLog {
+    absl::Time window_start = absl::InfinitePast();
+    uint32_t logged = 0;       // in this window
+    uint64_t suppressed = 0;   // in this window, not logged
+  };
 
   SessionRegistry* const sessions_;
   const EngineLeases* const leases_;
@@ -117,6 +136,8 @@ class StepChannels {
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   // Engine id -> its open channel.
   absl::flat_hash_map<uint64_t, std::shared_ptr<Channel>> channels_ ABSL_GUARDED_BY(mu_);
+  // Engine id -> channels it opened, until Close (its reclaim).
+  absl::flat_hash_map<uint64_t, uint32_t> opens_ ABSL_GUARDED_BY(mu_);
   // Bumped on every change of channels_: the serving thread re-reads the table when it moved.
   std::atomic<uint64_t> generation_{0};
 };

@@ -13,9 +13,9 @@ namespace memra {
 
 namespace pb = ::memra::kv::v1;
 
-void RunStepEntry(SessionRegistry& sessions, const pb::StepEntry& entry,
+bool RunStepEntry(SessionRegistry& sessions, const pb::StepEntry& entry,
                   absl::FunctionRef<absl::StatusOr<EngineId>()> slot_engine,
-                  pb::StepResult* result) {
+                  pb::StepResult* result, StepEntryMode mode) {
   std::optional<SessionOp> op;
   switch (entry.op_case()) {
     case pb::StepEntry::kBegin:
@@ -44,10 +44,16 @@ void RunStepEntry(SessionRegistry& sessions, const pb::StepEntry& entry,
     case pb::StepEntry::OP_NOT_SET:
       break;
   }
+  bool skipped = false;
   absl::Status status = [&]() -> absl::Status {
     if (entry.has_slot()) {
       ASSIGN_OR_RETURN(EngineId engine, slot_engine());
       const SessionSlot slot{engine, entry.slot()};
+      if (op.has_value() && mode.busy == BusySession::kSkip) {
+        std::optional<absl::Status> ran = sessions.TryRun(slot, *op);
+        skipped = !ran.has_value();
+        return ran.value_or(absl::OkStatus());
+      }
       if (op.has_value()) return sessions.Run(slot, *op);
       RETURN_IF_ERROR(sessions.Find(slot).status());
       return absl::InvalidArgumentError(
@@ -60,7 +66,11 @@ void RunStepEntry(SessionRegistry& sessions, const pb::StepEntry& entry,
     return absl::InvalidArgumentError(absl::StrCat(
         "Step entry for session ", entry.session().session_id(), " names no operation"));
   }();
-  if (status.ok()) return;
+  if (skipped) {
+    result->Clear();  // an op may have pointed its reply into it; nothing ran
+    return false;
+  }
+  if (status.ok()) return true;
   result->clear_payload();
   result->set_code(static_cast<int32_t>(status.code()));
   result->set_message(std::string(status.message()));
@@ -68,9 +78,11 @@ void RunStepEntry(SessionRegistry& sessions, const pb::StepEntry& entry,
     result->mutable_daemon_restart()->set_previous_epoch(restart->previous_epoch);
     result->mutable_daemon_restart()->set_epoch(restart->epoch);
   }
+  if (!mode.log_refusal) return true;
   spdlog::info("Step entry for {} {} refused: {} {}", entry.has_slot() ? "slot" : "session",
                entry.has_slot() ? uint64_t{entry.slot()} : entry.session().session_id(),
                absl::StatusCodeToString(status.code()), std::string(status.message()));
+  return true;
 }
 
 }  // namespace memra

@@ -260,6 +260,34 @@ class StepChannelProcessTest : public ::testing::Test {
   pid_t engine_ = -1;
 };
 
+// A daemon that dies leaves no Step waiting for the channel's 10 s deadline: the client's
+// lease stream breaks, the channel is abandoned, and Steps fail fast (over gRPC, to no daemon).
+TEST_F(StepChannelProcessTest, AKilledDaemonAbandonsTheChannelAndStepsFailFast) {
+  std::unique_ptr<KvClient> client = Attach(daemon_, "survivor", /*force_grpc=*/false);
+  ASSERT_NE(client, nullptr);
+  absl::StatusOr<PlanFingerprint> plan = client->RegisterPlan(HybridTestPlan());
+  ASSERT_THAT(plan, IsOk());
+  SessionOptions options;
+  options.capacity = kCapacity;
+  absl::StatusOr<std::unique_ptr<Session>> session = client->CreateSession(*plan, options);
+  ASSERT_THAT(session, IsOk());
+  ASSERT_TRUE(client->step_channel_active()) << client->step_channel_status();
+  ASSERT_TRUE(daemon_.Signal(SIGKILL));
+  EXPECT_EQ(daemon_.WaitExit(), 128 + SIGKILL);
+  const absl::Time killed = absl::Now();
+  while (client->step_channel_active() && absl::Now() - killed < absl::Seconds(5)) {
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  EXPECT_FALSE(client->step_channel_active());
+  EXPECT_THAT(client->step_channel_status(),
+              StatusIs(absl::StatusCode::kUnavailable, HasSubstrs("lease stream broke")));
+  StepBatch batch(StepAddressing::kSlot);
+  batch.Advance(**session, 0, 0, 1);
+  const absl::Time start = absl::Now();
+  EXPECT_FALSE(client->Step(batch).ok());
+  EXPECT_LT(absl::Now() - start, absl::Seconds(5));
+}
+
 TEST_F(StepChannelProcessTest, AnEngineKilledWithRecordsInFlightIsReclaimed) {
   engine_ = SpawnChannelEngine({"--mode=inflight", "--sessions=8"});
   ASSERT_TRUE(PollUntil([&] { return Exists(daemon_.dir() + "/ready"); }, engine_));

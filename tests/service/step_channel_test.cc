@@ -8,7 +8,9 @@
 #include <cstring>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -56,14 +58,19 @@ class RawRing {
     return channel_->region() + layout_.submission_side_offset + offset;
   }
 
-  // Writes `record` at the tail, publishes it, rings and waits for its completion.
-  absl::StatusOr<CompletionRecord> Run(const SubmissionRecord& record) {
+  // Writes `record` at the tail, publishes it and rings.
+  void Publish(const SubmissionRecord& record) {
     std::memcpy(channel_->region() + layout_.submissions_offset +
                     uint64_t{next_index()} * sizeof(SubmissionRecord),
                 &record, sizeof(record));
     ++tail_;
     channel_->header().sq_tail.store(tail_);
     channel_->RingDoorbell();
+  }
+
+  // Publish, then waits for its completion.
+  absl::StatusOr<CompletionRecord> Run(const SubmissionRecord& record) {
+    Publish(record);
     for (int i = 0; i < 5000; ++i) {
       if (channel_->header().cq_tail.load() == tail_) {
         CompletionRecord completion;
@@ -415,6 +422,54 @@ TEST_F(StepChannelTest, RandomBytesInOneEnginesRingsLeaveAnotherEnginesSessionsE
   EXPECT_EQ(daemon_->GetStatus().sessions(), 2u);
 }
 
+// The one serving thread never waits for a session: while a Grow holds engine-raw's session
+// (its arena allocation held in the backend), engine-raw's record for that session waits in
+// its ring and every other engine's channel steps go on; the record runs once the Grow ends.
+TEST_F(StepChannelTest, ASessionBusyInAGrowStallsOnlyItsOwnEnginesRecords) {
+  std::unique_ptr<KvClient> raw_client = NewClient("engine-raw");
+  ASSERT_NE(raw_client, nullptr);
+  std::unique_ptr<Session> growing = NewSession(*raw_client, kCapacity);
+  ASSERT_NE(growing, nullptr);
+  std::unique_ptr<Session> other = NewSession(*client_, kCapacity);
+  ASSERT_NE(other, nullptr);
+  RawRing ring(ClientInternals::StepChannel(*raw_client));
+
+  faults_->Hold(BackendOp::kCreateArena);
+  absl::StatusOr<SessionSnapshot> grown;
+  std::thread grow([&] { grown = growing->Grow(kCapacity * 2); });
+  ASSERT_TRUE(WaitFor([&] { return faults_->HeldCalls(BackendOp::kCreateArena) == 1; }));
+  absl::StatusOr<CompletionRecord> begun;
+  std::thread begin([&] { begun = ring.Run(Record(step_channel::Op::kBegin, growing->slot())); });
+  ASSERT_TRUE(WaitFor([&] { return ring.channel().header().sq_tail.load() == 1; }));
+
+  const uint64_t records_before = daemon_->step_channel_stats().records;
+  const absl::Time start = absl::Now();
+  uint64_t generation = 0;
+  for (uint64_t step = 0; step < 5; ++step) {
+    StepBatch batch(StepAddressing::kSlot);
+    batch.Advance(*other, generation, generation == 0 ? 0 : 1, 1);
+    absl::StatusOr<std::vector<StepOutcome>> outcomes = client_->Step(batch);
+    ASSERT_THAT(outcomes, IsOk());
+    ASSERT_THAT((*outcomes)[0].status, IsOk());
+    generation = (*outcomes)[0].begun.generation;
+  }
+  EXPECT_LT(absl::Now() - start, absl::Seconds(2));
+  EXPECT_TRUE(client_->step_channel_active());
+  EXPECT_EQ(daemon_->step_channel_stats().records, records_before + 5);
+  EXPECT_EQ(StateOf(*other).committed_len, 4u);
+  EXPECT_EQ(ring.channel().header().cq_tail.load(), 0u) << "the busy session's record waits";
+  EXPECT_EQ(ring.channel().header().sq_head.load(), 0u);
+
+  faults_->Unhold(BackendOp::kCreateArena);
+  grow.join();
+  begin.join();
+  ASSERT_THAT(grown, IsOk());
+  EXPECT_EQ(grown->capacity, kCapacity * 2);
+  ASSERT_THAT(begun, IsOk());
+  EXPECT_EQ(begun->code, 0) << ring.Message(*begun);
+  EXPECT_EQ(begun->payload, static_cast<uint8_t>(pb::StepResult::kBegin));
+}
+
 TEST_F(StepChannelTest, ReclaimClosesTheChannelAndNoRecordReachesTheSessionsAfter) {
   std::unique_ptr<KvClient> doomed = NewClient("doomed");
   ASSERT_NE(doomed, nullptr);
@@ -426,14 +481,106 @@ TEST_F(StepChannelTest, ReclaimClosesTheChannelAndNoRecordReachesTheSessionsAfte
   KillEngine(*doomed);
   EXPECT_EQ(channel->header().closed.load(), static_cast<uint32_t>(CloseReason::kEngineReclaimed));
   EXPECT_EQ(daemon_->step_channel_stats().open, 1u);
+  // The client abandoned the channel at its detach: a Run submits nothing.
   pb::StepRequest request;
   request.add_entries()->set_slot(session->slot());
   request.mutable_entries(0)->mutable_begin();
   pb::StepResponse response;
-  EXPECT_THAT(channel->Run(request, &response, absl::Seconds(2)),
-              StatusIs(absl::StatusCode::kUnavailable, HasSubstr("the engine was reclaimed")));
+  EXPECT_FALSE(channel->Run(request, &response, absl::Seconds(2)).has_value());
+  // A record written into the ring anyway is never taken.
+  RawRing ring(channel);
+  ring.Publish(Record(step_channel::Op::kBegin, session->slot()));
+  absl::SleepFor(absl::Milliseconds(50));
+  EXPECT_EQ(channel->header().sq_head.load(), 0u);
   EXPECT_EQ(channel->header().cq_tail.load(), 0u);
   session.reset();
+}
+
+TEST_F(StepChannelTest, AnEngineLeaseOpensAtMostFourChannels) {
+  ASSERT_TRUE(client_->step_channel_active());  // its first
+  std::vector<handoff::StepChannelFds> replacements;
+  for (int i = 0; i < 3; ++i) {
+    absl::StatusOr<handoff::StepChannelFds> opened =
+        ClientInternals::OpenAnotherStepChannel(*client_);
+    ASSERT_THAT(opened, IsOk()) << i;
+    replacements.push_back(*std::move(opened));
+  }
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_THAT(ClientInternals::OpenAnotherStepChannel(*client_).status(),
+                StatusIs(absl::StatusCode::kFailedPrecondition,
+                         HasSubstr(absl::StrCat("engine ", client_->engine_id(),
+                                                " opened a step channel 4 times"))));
+  }
+  EXPECT_EQ(daemon_->step_channel_stats().open, 1u);
+  // The client's own channel was replaced: its Step says so, and the next goes over gRPC.
+  std::unique_ptr<Session> session = NewSession(*client_, kCapacity);
+  ASSERT_NE(session, nullptr);
+  StepBatch batch(StepAddressing::kSlot);
+  batch.Advance(*session, 0, 0, 1);
+  EXPECT_THAT(client_->Step(batch).status(),
+              StatusIs(absl::StatusCode::kUnavailable,
+                       HasSubstr("the engine opened another channel")));
+  absl::StatusOr<std::vector<StepOutcome>> outcomes = client_->Step(batch);
+  ASSERT_THAT(outcomes, IsOk());
+  EXPECT_THAT((*outcomes)[0].status, IsOk());
+  // Another engine opens its own as before.
+  std::unique_ptr<KvClient> other = NewClient("engine-b");
+  ASSERT_NE(other, nullptr);
+  EXPECT_TRUE(other->step_channel_active()) << other->step_channel_status();
+}
+
+// A Run waiting for completions the daemon will never write (here: a record parked behind a
+// held Grow) fails at once when the client abandons the channel, not at its deadline.
+TEST_F(StepChannelTest, AbandonWakesAWaitingRunAtOnce) {
+  std::unique_ptr<Session> session = NewSession(*client_, kCapacity);
+  ASSERT_NE(session, nullptr);
+  std::shared_ptr<StepChannelClient> channel = ClientInternals::StepChannel(*client_);
+  ASSERT_NE(channel, nullptr);
+  faults_->Hold(BackendOp::kCreateArena);
+  absl::StatusOr<SessionSnapshot> grown;
+  std::thread grow([&] { grown = session->Grow(kCapacity * 2); });
+  ASSERT_TRUE(WaitFor([&] { return faults_->HeldCalls(BackendOp::kCreateArena) == 1; }));
+  pb::StepRequest request;
+  request.add_entries()->set_slot(session->slot());
+  request.mutable_entries(0)->mutable_begin();
+  pb::StepResponse response;
+  std::optional<absl::Status> ran;
+  absl::Duration took;
+  std::thread run([&] {
+    const absl::Time start = absl::Now();
+    ran = channel->Run(request, &response, absl::Seconds(30));
+    took = absl::Now() - start;
+  });
+  ASSERT_TRUE(WaitFor([&] { return channel->header().sq_tail.load() == 1; }));
+  absl::SleepFor(absl::Milliseconds(20));
+  channel->Abandon();
+  run.join();
+  faults_->Unhold(BackendOp::kCreateArena);
+  grow.join();
+  EXPECT_THAT(grown, IsOk());
+  ASSERT_TRUE(ran.has_value());
+  EXPECT_THAT(*ran, StatusIs(absl::StatusCode::kUnavailable,
+                             HasSubstr("step channel was abandoned")));
+  EXPECT_LT(took, absl::Seconds(5));
+  EXPECT_TRUE(channel->broken());
+  EXPECT_FALSE(channel->Run(request, &response, absl::Seconds(1)).has_value());
+}
+
+TEST_F(StepChannelTest, AStepOverTheEntryLimitGetsTheStepRpcsRefusal) {
+  std::unique_ptr<Session> session = NewSession(*client_, kCapacity);
+  ASSERT_NE(session, nullptr);
+  StepBatch batch(StepAddressing::kSlot);
+  for (int i = 0; i <= step_channel::kMaxStepEntries; ++i) batch.Begin(*session);
+  EXPECT_FALSE(batch.ChannelEligible());
+  const uint64_t records = daemon_->step_channel_stats().records;
+  EXPECT_THAT(client_->Step(batch).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr(absl::StrCat("Step carries ", step_channel::kMaxStepEntries + 1,
+                                              " entries; the limit is ",
+                                              step_channel::kMaxStepEntries))));
+  EXPECT_EQ(daemon_->step_channel_stats().records, records);
+  EXPECT_EQ(StateOf(*session).active_generation, 0u);
+  EXPECT_TRUE(client_->step_channel_active());
 }
 
 TEST_F(StepChannelTest, ForceGrpcStepOpensNoChannel) {
