@@ -469,12 +469,17 @@ class PrefixCache {
   std::vector<std::pair<std::string, std::string>> RemoteValuesOf(
       const ScopedShape& shape, const CapturePlan& plan, const StoredLayout& stored,
       const std::vector<Stored>& copies) const ABSL_LOCKS_EXCLUDED(mu_);
+  // Values a pull fetches per round (each copied into its slab and dropped before the next).
+  static constexpr size_t kPullWindowValues = 8;
   // Read-through before a restore by tokens (REQUIRES the fresh destination's mutex, not mu_):
   // pulls what the remote tier holds beyond the local match of `keys` into a local entry.
   // Failures are logged and counted, never returned: the restore then serves the local match.
+  // Bounded: it pulls at most what the device tier's budget holds, fetching kPullWindowValues
+  // values at a time; the new entry's events name `engine_id` (the restoring engine).
   void PullFromRemote(const ScopedShape& shape, const SessionState& state,
                       const SessionLayoutVersion& layout, absl::Span<const int32_t> tokens,
-                      const std::vector<BlockKey>& keys) ABSL_LOCKS_EXCLUDED(mu_);
+                      const std::vector<BlockKey>& keys, uint64_t engine_id)
+      ABSL_LOCKS_EXCLUDED(mu_);
   // Validates, verifies and copies a pinned entry's first `matched_blocks` blocks (and its
   // boundary state) into the fresh session; returns the state it must adopt. REQUIRES the
   // destination's mutex (inside DaemonSession::RestoreLocked).

@@ -1857,9 +1857,10 @@ class PrefixCacheRemoteTest : public testing::WithRedisCluster<PrefixCacheTest> 
 
   // A cache with a remote tier on the cluster (checksum slices of `slice_bytes`).
   std::unique_ptr<PrefixCache> MakeRemoteCache(uint64_t slice_bytes = uint64_t{8} << 20,
-                                               uint64_t queue_bytes = uint64_t{64} << 20) {
+                                               uint64_t queue_bytes = uint64_t{64} << 20,
+                                               uint64_t budget_bytes = uint64_t{16} << 20) {
     PrefixCacheOptions options;
-    options.budget_bytes = uint64_t{16} << 20;
+    options.budget_bytes = budget_bytes;
     options.block_tokens = kBlock;
     options.slab_bytes = kSlabBytes;
     options.checksum_slice_bytes = slice_bytes;
@@ -1943,6 +1944,74 @@ TEST_F(PrefixCacheRemoteTest, CapturedOnOneCacheRestoresBitExactlyOnAnother) {
   EXPECT_THAT(b->CheckInvariants(), IsOk());
   // Another scope neither sees nor pulls it.
   EXPECT_EQ(b->Lookup("uid:2000", Shape(FlatPlan()), flat).outcome, LookupOutcome::kMiss);
+}
+
+// A pulled entry's STORED event tells a router what a captured one does: the tokens of the
+// blocks it added, the block before them and the engine whose restore pulled them.
+TEST_F(PrefixCacheRemoteTest, APulledEntrysEventNamesItsTokensParentAndEngine) {
+  std::unique_ptr<PrefixCache> a = MakeRemoteCache();
+  std::unique_ptr<PrefixCache> b = MakeRemoteCache();
+  ASSERT_NE(a, nullptr);
+  ASSERT_NE(b, nullptr);
+  const std::vector<int32_t> tokens = Tokens(6 * kBlock);
+  CaptureAndFlush(*a, FlatPlan(), tokens, 6);
+  CaptureAndFlush(*b, FlatPlan(), tokens, 2);  // B holds blocks 0 and 1 itself
+  auto dest = NewSession(FlatPlan(), 256);     // owned by engine 1
+  absl::StatusOr<PrefixRestoreResult> restored = b->Restore(*dest, std::nullopt, tokens);
+  ASSERT_THAT(restored.status(), IsOk());
+  EXPECT_EQ(restored->restored_tokens, 6 * kBlock);
+  EXPECT_EQ(b->Stats().remote->pulled_pieces, 4u);
+  const ScopedEventReplay events = b->EventsSince(0, 0, std::nullopt);
+  ASSERT_EQ(events.events.size(), 2u);
+  const PrefixEvent& pulled = events.events[1].event;
+  EXPECT_EQ(pulled.kind, PrefixEventKind::kStored);
+  ASSERT_EQ(pulled.block_keys.size(), 4u);
+  EXPECT_EQ(pulled.origin.block_tokens, kBlock);
+  EXPECT_EQ(pulled.origin.engine_id, 1u);
+  EXPECT_EQ(pulled.origin.token_ids,
+            std::vector<int32_t>(tokens.begin() + 2 * kBlock, tokens.end()));
+  const PlanFingerprint key = ScopedShapeFingerprint(kScope, Shape(FlatPlan()));
+  const BlockKey parent = ChainBlockKeys(key, tokens, kBlock).value()[1];
+  EXPECT_EQ(pulled.origin.parent_block_hash, std::string(parent.begin(), parent.end()));
+}
+
+// A pull never takes more than the device tier's budget: the blocks that fit are pulled (and
+// restored), the rest stays remote.
+TEST_F(PrefixCacheRemoteTest, APullLargerThanTheDeviceBudgetPullsWhatFits) {
+  std::unique_ptr<PrefixCache> a = MakeRemoteCache();
+  std::unique_ptr<PrefixCache> b = MakeRemoteCache(uint64_t{8} << 20, uint64_t{64} << 20,
+                                                   /*budget_bytes=*/3 * kFlatSpanBytes);
+  ASSERT_NE(a, nullptr);
+  ASSERT_NE(b, nullptr);
+  const std::vector<int32_t> tokens = Tokens(6 * kBlock);
+  CaptureAndFlush(*a, FlatPlan(), tokens, 6);
+  auto dest = NewSession(FlatPlan(), 256);
+  absl::StatusOr<PrefixRestoreResult> restored = b->Restore(*dest, std::nullopt, tokens);
+  ASSERT_THAT(restored.status(), IsOk());
+  EXPECT_EQ(restored->restored_tokens, 3 * kBlock);
+  ExpectRestored(*dest, 3 * kBlock, 0);
+  const PrefixCacheStats stats = b->Stats();
+  EXPECT_EQ(stats.remote->pulled_pieces, 3u);
+  EXPECT_EQ(stats.remote->pulled_bytes, 3 * kFlatBlockBytes);
+  EXPECT_LE(stats.tiers[0].stored_bytes, 3 * kFlatSpanBytes);
+  EXPECT_THAT(b->CheckInvariants(), IsOk());
+}
+
+// A boundary-state model whose whole match is local restores without asking the cluster.
+TEST_F(PrefixCacheRemoteTest, AWhollyLocalBoundaryEntryRestoresWithoutAskingTheCluster) {
+  std::unique_ptr<PrefixCache> b = MakeRemoteCache();
+  ASSERT_NE(b, nullptr);
+  const std::vector<int32_t> tokens = Tokens(4 * kBlock, 7);
+  CaptureAndFlush(*b, HybridPlan(), tokens, 4);
+  const RemoteTierStats before = *b->Stats().remote;
+  auto dest = NewSession(HybridPlan(), 256);
+  absl::StatusOr<PrefixRestoreResult> restored = b->Restore(*dest, std::nullopt, tokens);
+  ASSERT_THAT(restored.status(), IsOk());
+  EXPECT_EQ(restored->restored_tokens, 4 * kBlock);
+  const RemoteTierStats after = *b->Stats().remote;
+  EXPECT_EQ(after.reads, before.reads);
+  EXPECT_EQ(after.read_errors + after.read_timeouts + after.read_refusals,
+            before.read_errors + before.read_timeouts + before.read_refusals);
 }
 
 TEST_F(PrefixCacheRemoteTest, ACorruptValueIsDeletedAndAnotherShapesIsSkipped) {
