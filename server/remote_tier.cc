@@ -220,17 +220,24 @@ void RemoteTier::OpenBreakerLocked() {
   open_ = true;
   open_until_ = absl::Now() + backoff_;
   backoff_ = std::min(backoff_ * 2, options_.breaker_max);
-  consecutive_failures_ = 0;
+  consecutive_read_failures_ = 0;
+  consecutive_write_failures_ = 0;
 }
 
-void RemoteTier::Report(const absl::Status& status) {
+void RemoteTier::Report(CallPath path, const absl::Status& status) {
   absl::MutexLock lock(&mu_);
+  ReportLocked(path, status);
+}
+
+void RemoteTier::ReportLocked(CallPath path, const absl::Status& status) {
+  int& failures =
+      path == CallPath::kRead ? consecutive_read_failures_ : consecutive_write_failures_;
   if (!IsTransportFailure(status)) {
-    consecutive_failures_ = 0;
+    failures = 0;
     return;
   }
   if (open_) return;  // a call that started before the breaker opened
-  if (++consecutive_failures_ >= kBreakerFailures) {
+  if (++failures >= kBreakerFailures) {
     spdlog::warn("prefix remote tier: {} consecutive failures (last: {}); down for {}",
                  kBreakerFailures, status.ToString(), absl::FormatDuration(backoff_));
     OpenBreakerLocked();
@@ -294,7 +301,8 @@ void RemoteTier::Probe() {
   if (status.ok()) {
     client_ = std::move(client);
     open_ = false;
-    consecutive_failures_ = 0;
+    consecutive_read_failures_ = 0;
+    consecutive_write_failures_ = 0;
     backoff_ = options_.breaker_initial;
     spdlog::info("prefix remote tier: the Redis Cluster answers; the tier is up");
   } else {
@@ -343,7 +351,7 @@ void RemoteTier::WriterLoop() {
     } else {
       status = client->Set(write.key, write.value, options_.ttl);
     }
-    Report(status);
+    Report(CallPath::kWrite, status);
     absl::MutexLock lock(&mu_);
     writing_ = false;
     if (write.value.empty()) continue;
@@ -385,8 +393,9 @@ void RemoteTier::ReaderLoop() {
     absl::Status status = client == nullptr
                               ? absl::UnavailableError("remote tier: no Redis Cluster client")
                               : call->jobs[job](*client);
-    Report(status);
     absl::MutexLock lock(&mu_);
+    // An abandoned call's caller already counted its deadline as the failure.
+    if (!call->abandoned) ReportLocked(CallPath::kRead, status);
     if (!status.ok() && call->status.ok()) call->status = status;
     if (status.ok()) {
       ++stats_.reads;
@@ -418,9 +427,13 @@ absl::Status RemoteTier::RunRead(std::vector<std::function<absl::Status(RedisClu
   if (!mu_.AwaitWithTimeout(absl::Condition(&done), deadline)) {
     call->abandoned = true;
     ++stats_.read_timeouts;
-    return absl::DeadlineExceededError(absl::StrCat(
+    absl::Status expired = absl::DeadlineExceededError(absl::StrCat(
         "remote tier: no answer within ", absl::FormatDuration(deadline), " (",
         call->remaining, " of ", call->jobs.size(), " calls outstanding)"));
+    // A stalled node answers no one in time: the breaker must hear it now, not when (or
+    // whether) the client's own timeout fails the call.
+    ReportLocked(CallPath::kRead, expired);
+    return expired;
   }
   return call->status;
 }

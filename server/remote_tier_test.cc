@@ -324,5 +324,48 @@ TEST_F(RemoteTierTest, AStalledMasterCostsOneDeadlineThenTheBreakerRefusesUntilI
   EXPECT_GE(stats.probes, 1u);
 }
 
+// A master that stops answering opens the breaker through its callers' deadlines alone, though
+// the writer keeps writing to the healthy masters and the client's own timeout has not passed:
+// lookups stop paying their deadline after kBreakerFailures of them.
+TEST_F(RemoteTierTest, CallerDeadlinesOpenTheBreakerWhileWritesToHealthyMastersSucceed) {
+  RemoteTierOptions options = Options();
+  options.cluster.command_timeout = absl::Seconds(3);  // the client's own failure comes too late
+  std::unique_ptr<RemoteTier> tier = Make(options);
+  ASSERT_NE(tier, nullptr);
+  const std::string stalled_key = RemoteBlockKey("scope-deadline", KeyOf(7));
+  const int owner = cluster_->OwnerOf(RedisKeySlot(stalled_key));
+  ASSERT_GT(owner, 0);
+  std::string healthy_key;
+  for (uint8_t i = 8; healthy_key.empty() && i < 200; ++i) {
+    const std::string key = RemoteBlockKey("scope-deadline", KeyOf(i));
+    if (cluster_->OwnerOf(RedisKeySlot(key)) != owner) healthy_key = key;
+  }
+  ASSERT_FALSE(healthy_key.empty());
+  cluster_->Signal(owner, SIGSTOP);
+  bool up_after_deadlines = true;
+  uint64_t writes = 0;
+  for (int i = 0; i < RemoteTier::kBreakerFailures; ++i) {
+    // A successful write between the failed reads resets nothing on the read path.
+    EXPECT_TRUE(tier->Enqueue(healthy_key, Payload(100, i)));
+    EXPECT_TRUE(tier->Flush(absl::Seconds(2)));
+    writes = tier->Stats().writes;
+    EXPECT_THAT(tier->ExistsEach({stalled_key}, absl::Milliseconds(30)),
+                StatusIs(absl::StatusCode::kDeadlineExceeded, HasSubstrs("30ms")));
+  }
+  up_after_deadlines = tier->Up();
+  const absl::Time start = absl::Now();
+  const absl::Status refused = tier->ExistsEach({stalled_key}, absl::Seconds(1)).status();
+  const absl::Duration took = absl::Now() - start;
+  cluster_->Signal(owner, SIGCONT);
+  EXPECT_EQ(writes, static_cast<uint64_t>(RemoteTier::kBreakerFailures));
+  EXPECT_FALSE(up_after_deadlines);
+  EXPECT_THAT(refused, StatusIs(absl::StatusCode::kUnavailable, HasSubstrs("circuit breaker")));
+  EXPECT_LT(took, absl::Milliseconds(50));
+  const RemoteTierStats stats = tier->Stats();
+  EXPECT_EQ(stats.read_timeouts, static_cast<uint64_t>(RemoteTier::kBreakerFailures));
+  EXPECT_EQ(stats.breaker_opens, 1u);
+  ASSERT_TRUE(testing::PollUntil([&] { return tier->Up(); }));
+}
+
 }  // namespace
 }  // namespace memra
