@@ -587,7 +587,9 @@ class PrefixCache {
   // The host tier (null: none): its memory, and the allocator over it (destroyed first).
   const std::unique_ptr<HostTierMemory> host_memory_;
   const std::unique_ptr<SlabAllocator> host_slabs_;
-  // null: no remote tier; thread-safe itself. Declared last so its writer thread stops first.
+  // null: no remote tier; thread-safe itself. Members are destroyed in reverse order: this one
+  // (its threads joined) after mu_ and the index below, before the tiers' memory above; its
+  // threads touch none of them (queued values are copies).
   const std::unique_ptr<RemoteTier> remote_;
 
   std::atomic<uint64_t> tick_{0};  // LRU clock

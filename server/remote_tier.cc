@@ -275,10 +275,29 @@ void RemoteTier::Discard(std::string key) {
 
 bool RemoteTier::Flush(absl::Duration timeout) {
   absl::MutexLock lock(&mu_);
+  return AwaitDrainedLocked(timeout);
+}
+
+bool RemoteTier::AwaitDrainedLocked(absl::Duration timeout) {
   auto drained = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     return writes_.empty() && !writing_;
   };
   return mu_.AwaitWithTimeout(absl::Condition(&drained), timeout);
+}
+
+uint64_t RemoteTier::FlushOrDrop(absl::Duration timeout) {
+  absl::MutexLock lock(&mu_);
+  AwaitDrainedLocked(timeout);
+  return DropQueuedLocked();
+}
+
+uint64_t RemoteTier::DropQueuedLocked() {
+  const uint64_t dropped = std::count_if(writes_.begin(), writes_.end(),
+                                         [](const Write& w) { return !w.value.empty(); });
+  stats_.dropped_writes += dropped;
+  writes_.clear();
+  queued_bytes_ = 0;
+  return dropped;
 }
 
 void RemoteTier::Probe() {
@@ -327,10 +346,7 @@ void RemoteTier::WriterLoop() {
       if (stopping_) return;
       if (open_) {
         // Down: queued writes are dropped (a lost write is a later miss), then one probe.
-        stats_.dropped_writes += std::count_if(writes_.begin(), writes_.end(),
-                                               [](const Write& w) { return !w.value.empty(); });
-        writes_.clear();
-        queued_bytes_ = 0;
+        DropQueuedLocked();
         probe = absl::Now() >= open_until_;
       } else if (!writes_.empty()) {
         write = std::move(writes_.front());

@@ -153,6 +153,9 @@ class RemoteTier {
   bool Enqueue(std::string key, std::string value) ABSL_LOCKS_EXCLUDED(mu_);
   // Waits until the queue is empty and no write is in flight, or `timeout`; whether it emptied.
   bool Flush(absl::Duration timeout) ABSL_LOCKS_EXCLUDED(mu_);
+  // Shutdown: Flush(timeout), then drops what is still queued (a write in flight finishes),
+  // counted in dropped_writes; returns how many writes it dropped.
+  uint64_t FlushOrDrop(absl::Duration timeout) ABSL_LOCKS_EXCLUDED(mu_);
 
   // Read-through, answered within `deadline`: DEADLINE_EXCEEDED past it (the call goes on in its
   // reader, bounded by the client's timeouts, and its answer is dropped), UNAVAILABLE at once
@@ -200,6 +203,10 @@ class RemoteTier {
   void Report(CallPath path, const absl::Status& status) ABSL_LOCKS_EXCLUDED(mu_);
   void ReportLocked(CallPath path, const absl::Status& status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void OpenBreakerLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Flush's wait, under mu_: whether the queue emptied (no write in flight) within `timeout`.
+  bool AwaitDrainedLocked(absl::Duration timeout) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Empties the queue, counting its values (not deletes) in dropped_writes; returns that count.
+  uint64_t DropQueuedLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   bool UpLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The writer's probe when the back-off has passed: a client (re-)created or its slot map
   // refreshed closes the breaker.

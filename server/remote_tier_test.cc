@@ -324,6 +324,39 @@ TEST_F(RemoteTierTest, AStalledMasterCostsOneDeadlineThenTheBreakerRefusesUntilI
   EXPECT_GE(stats.probes, 1u);
 }
 
+// Shutdown's flush: what the cluster takes within the bound is written, the rest dropped and
+// counted, never waited for.
+TEST_F(RemoteTierTest, FlushOrDropWritesWhatItCanAndCountsTheRestAsDropped) {
+  RemoteTierOptions options = Options();
+  options.cluster.command_timeout = absl::Seconds(2);
+  std::unique_ptr<RemoteTier> tier = Make(options);
+  ASSERT_NE(tier, nullptr);
+  for (uint8_t i = 0; i < 4; ++i) {
+    ASSERT_TRUE(tier->Enqueue(RemoteBlockKey("scope-drain", KeyOf(i)), Payload(100, i)));
+  }
+  EXPECT_EQ(tier->FlushOrDrop(absl::Seconds(10)), 0u);
+  EXPECT_EQ(tier->Stats().writes, 4u);
+
+  const std::string stalled_key = RemoteBlockKey("scope-drain", KeyOf(9));
+  const int owner = cluster_->OwnerOf(RedisKeySlot(stalled_key));
+  ASSERT_GT(owner, 0);
+  cluster_->Signal(owner, SIGSTOP);
+  for (int i = 0; i < 3; ++i) EXPECT_TRUE(tier->Enqueue(stalled_key, Payload(100, i)));
+  // The first write is in flight to the stopped master; the two behind it are dropped.
+  ASSERT_TRUE(testing::PollUntil([&] { return tier->Stats().queued_writes == 3 &&
+                                              tier->Stats().queued_bytes == 200; }));
+  const absl::Time start = absl::Now();
+  const uint64_t dropped = tier->FlushOrDrop(absl::Milliseconds(200));
+  const absl::Duration took = absl::Now() - start;
+  cluster_->Signal(owner, SIGCONT);
+  EXPECT_EQ(dropped, 2u);
+  EXPECT_GE(took, absl::Milliseconds(200));
+  EXPECT_LT(took, absl::Seconds(1));
+  const RemoteTierStats stats = tier->Stats();
+  EXPECT_EQ(stats.dropped_writes, 2u);
+  EXPECT_EQ(stats.queued_bytes, 0u);
+}
+
 // A master that stops answering opens the breaker through its callers' deadlines alone, though
 // the writer keeps writing to the healthy masters and the client's own timeout has not passed:
 // lookups stop paying their deadline after kBreakerFailures of them.
