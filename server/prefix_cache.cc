@@ -1432,8 +1432,11 @@ absl::StatusOr<PrefixRestoreResult> PrefixCache::Restore(DaemonSession& session,
           MarkPinned(entry, +1);
           served_from = MediumLocked(entry.blocks, entry.boundary);
         }
-        // Pinned: nothing below can free or demote the entry's pieces. Every path unpins.
-        absl::Status promoted = PromotePinned(entry);
+        // Pinned: nothing below can free or demote the entry's pieces. Every path unpins. A
+        // restore that cannot go refuses before any piece is promoted.
+        absl::StatusOr<RestoreTarget> target =
+            PlanRestore(session.params().id, state, layout, entry, matched);
+        absl::Status promoted = target.ok() ? PromotePinned(entry) : target.status();
         std::vector<ArenaId> held;
         if (promoted.ok()) {
           absl::MutexLock lock(&mu_);
@@ -1447,7 +1450,7 @@ absl::StatusOr<PrefixRestoreResult> PrefixCache::Restore(DaemonSession& session,
           FreeHandles(index_.EnforceBudget().freed_handles);
         };
         absl::StatusOr<SessionState> restored =
-            promoted.ok() ? RestorePinned(session.params().id, state, layout, entry, matched)
+            promoted.ok() ? RestorePinned(layout, entry, matched, *std::move(target))
                           : absl::StatusOr<SessionState>(promoted);
         unpin();
         if (restored.ok()) {
@@ -1473,14 +1476,11 @@ absl::StatusOr<PrefixRestoreResult> PrefixCache::Restore(DaemonSession& session,
   return result;
 }
 
-absl::StatusOr<SessionState> PrefixCache::RestorePinned(SessionId session,
-                                                        const SessionState& state,
-                                                        const SessionLayoutVersion& layout,
-                                                        const EntryView& entry,
-                                                        uint64_t matched_blocks) {
+absl::StatusOr<PrefixCache::RestoreTarget> PrefixCache::PlanRestore(
+    SessionId session, const SessionState& state, const SessionLayoutVersion& layout,
+    const EntryView& entry, uint64_t matched_blocks) const {
   const uint64_t block = options_.block_tokens;
   const uint64_t rows = matched_blocks * block;
-  // 1. Validate every layer; nothing moves yet.
   if (rows > state.capacity()) {
     return absl::InvalidArgumentError(absl::StrCat(
         "restoring ", rows, " tokens of prefix entry ", entry.id.value, " needs capacity ", rows,
@@ -1515,6 +1515,16 @@ absl::StatusOr<SessionState> PrefixCache::RestorePinned(SessionId session,
                                             " carries no boundary state but the session's "
                                             "plan needs ", target.boundary_bytes, " bytes of it"));
   }
+  return RestoreTarget{std::move(hydrated), std::move(target)};
+}
+
+absl::StatusOr<SessionState> PrefixCache::RestorePinned(const SessionLayoutVersion& layout,
+                                                        const EntryView& entry,
+                                                        uint64_t matched_blocks,
+                                                        RestoreTarget restore) {
+  // 1. Validated by PlanRestore; nothing has moved yet.
+  const StoredLayout& target = restore.layout;
+  SessionState& hydrated = restore.hydrated;
   // Every destination range, then where each piece is stored (pinned: it stays there).
   std::vector<PieceCopy> pieces;
   std::vector<const StoredRef*> refs;
@@ -1577,7 +1587,7 @@ absl::StatusOr<SessionState> PrefixCache::RestorePinned(SessionId session,
   RETURN_IF_ERROR(CopySlices(Direction::kRestore, layout.arena, pieces, options_.verify_checksums,
                              entry.id)
                       .status());
-  return hydrated;
+  return std::move(hydrated);
 }
 
 absl::StatusOr<std::vector<std::vector<uint64_t>>> PrefixCache::CopySlices(

@@ -480,13 +480,25 @@ class PrefixCache {
                       const SessionLayoutVersion& layout, absl::Span<const int32_t> tokens,
                       const std::vector<BlockKey>& keys, uint64_t engine_id)
       ABSL_LOCKS_EXCLUDED(mu_);
-  // Validates, verifies and copies a pinned entry's first `matched_blocks` blocks (and its
-  // boundary state) into the fresh session; returns the state it must adopt. REQUIRES the
-  // destination's mutex (inside DaemonSession::RestoreLocked).
-  absl::StatusOr<SessionState> RestorePinned(SessionId session, const SessionState& state,
-                                             const SessionLayoutVersion& layout,
-                                             const EntryView& entry, uint64_t matched_blocks)
-      ABSL_LOCKS_EXCLUDED(mu_);
+  // What restoring an entry's first `matched_blocks` blocks makes of a fresh session: the state
+  // it adopts and the layout its pieces land in.
+  struct RestoreTarget {
+    SessionState hydrated;
+    StoredLayout layout;
+  };
+  // Validates such a restore before any piece moves (so a refusal changes nothing, promotions
+  // included): capacity, every layer, the entry's piece sizes against the destination's
+  // (DATA_LOSS: a truncated entry). Reads only the session and the entry view.
+  absl::StatusOr<RestoreTarget> PlanRestore(SessionId session, const SessionState& state,
+                                            const SessionLayoutVersion& layout,
+                                            const EntryView& entry,
+                                            uint64_t matched_blocks) const;
+  // Verifies and copies a pinned, promoted entry's first `matched_blocks` blocks (and its
+  // boundary state) into the fresh session as `target` (PlanRestore's) says; returns the state
+  // it must adopt. REQUIRES the destination's mutex (inside DaemonSession::RestoreLocked).
+  absl::StatusOr<SessionState> RestorePinned(const SessionLayoutVersion& layout,
+                                             const EntryView& entry, uint64_t matched_blocks,
+                                             RestoreTarget target) ABSL_LOCKS_EXCLUDED(mu_);
   LookupResult LookupLocked(const PlanFingerprint& shape, absl::Span<const int32_t> tokens)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Copies every slice of every piece between the session arena and the pieces' spans, over

@@ -1146,6 +1146,16 @@ TEST_F(PrefixCacheTest, AnEntryDemotedToDiskRestoresBitExactly) {
   EXPECT_EQ(moved.events[0].event.medium, StorageMedium::kDisk);
   EXPECT_EQ(moved.events[0].event.block_keys.size(), 2u);
 
+  // A restore the destination cannot take is refused before anything is promoted: the pieces
+  // stay on disk and no event is sent.
+  auto small = NewSession(FlatPlan(), 32);
+  EXPECT_THAT(cache_->Restore(*small, old_entry->entry, old_tokens).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("restoring 64 tokens of prefix entry 1 needs capacity 64")));
+  EXPECT_EQ(PieceMedium(*cache_, demoted), StorageMedium::kDisk);
+  EXPECT_EQ(cache_->Stats().tiers[1].promotions, 0u);
+  EXPECT_TRUE(cache_->EventsSince(77, 3, std::nullopt).events.empty());
+
   auto dest = NewSession(FlatPlan(), 128);
   absl::StatusOr<PrefixRestoreResult> restored =
       cache_->Restore(*dest, old_entry->entry, old_tokens);
