@@ -1839,6 +1839,25 @@ TEST_F(PrefixCacheTest, DiskTierRefusalsCarryCodesAndNumbers) {
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstrs("\"relative\"")));
 }
 
+TEST_F(PrefixCacheTest, RefusesNonPositiveRemoteTimeouts) {
+  PrefixCacheOptions options;
+  options.budget_bytes = uint64_t{16} << 20;
+  options.block_tokens = kBlock;
+  options.slab_bytes = kSlabBytes;
+  RemoteTierOptions remote;
+  remote.cluster.seed_nodes = {{"127.0.0.1", 1}};  // never reached: refused first
+  options.remote = remote;
+  options.remote_lookup_timeout = absl::ZeroDuration();
+  EXPECT_THAT(PrefixCache::Create(options, backend_.get(), nullptr).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstrs("lookup timeout (0)", "must be positive")));
+  options.remote_lookup_timeout = absl::Milliseconds(50);
+  options.remote_fetch_timeout = absl::Milliseconds(-5);
+  EXPECT_THAT(PrefixCache::Create(options, backend_.get(), nullptr).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstrs("lookup timeout (50ms)", "fetch timeout (-5ms)")));
+}
+
 // ---- The remote tier: two caches ("machines") sharing a real 3-master / 3-replica cluster ----
 
 class PrefixCacheRemoteTest : public testing::WithRedisCluster<PrefixCacheTest> {

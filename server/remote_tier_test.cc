@@ -162,6 +162,17 @@ TEST(RemoteTierOptionsTest, RefusesOptionsThatCannotWork) {
   EXPECT_THAT(RemoteTier::Create(options),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstrs("queue_bytes (0)")));
   options.queue_bytes = 1 << 20;
+  options.queue_entries = 0;
+  EXPECT_THAT(RemoteTier::Create(options),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstrs("queue_entries (0)")));
+  options.queue_entries = 16;
+  options.reader_queue = 0;
+  EXPECT_THAT(RemoteTier::Create(options),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstrs("reader_queue (0)")));
+  options.reader_queue = 16;
+  options.reader_threads = 0;
+  EXPECT_THAT(RemoteTier::Create(options),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstrs("reader_threads (0)")));
   options.reader_threads = 65;
   EXPECT_THAT(RemoteTier::Create(options),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstrs("reader_threads (65)")));
@@ -322,6 +333,36 @@ TEST_F(RemoteTierTest, AStalledMasterCostsOneDeadlineThenTheBreakerRefusesUntilI
   EXPECT_THAT(tier->ExistsEach({key}, absl::Seconds(2)), IsOk());
   stats = tier->Stats();
   EXPECT_GE(stats.probes, 1u);
+}
+
+// One reader stuck on a stopped master and one call waiting for it: a further read is refused
+// at once, naming the queue, rather than waiting its deadline too.
+TEST_F(RemoteTierTest, AFullReaderQueueRefusesAReadAtOnce) {
+  RemoteTierOptions options = Options();
+  options.cluster.command_timeout = absl::Seconds(2);
+  options.reader_threads = 1;
+  options.reader_queue = 1;
+  std::unique_ptr<RemoteTier> tier = Make(options);
+  ASSERT_NE(tier, nullptr);
+  const std::string key = RemoteBlockKey("scope-queue", KeyOf(3));
+  const int owner = cluster_->OwnerOf(RedisKeySlot(key));
+  ASSERT_GT(owner, 0);
+  cluster_->Signal(owner, SIGSTOP);
+  // The first call holds the one reader; the second waits in the queue past its deadline.
+  const absl::Status first = tier->ExistsEach({key}, absl::Milliseconds(30)).status();
+  const absl::Status second = tier->ExistsEach({key}, absl::Milliseconds(30)).status();
+  const absl::Time start = absl::Now();
+  const absl::Status third = tier->GetEach({key}, absl::Seconds(1)).status();
+  const absl::Duration took = absl::Now() - start;
+  cluster_->Signal(owner, SIGCONT);
+  EXPECT_THAT(first, StatusIs(absl::StatusCode::kDeadlineExceeded, HasSubstrs("30ms")));
+  EXPECT_THAT(second, StatusIs(absl::StatusCode::kDeadlineExceeded, HasSubstrs("30ms")));
+  EXPECT_THAT(third, StatusIs(absl::StatusCode::kUnavailable,
+                              HasSubstrs("1 read calls already wait for a reader")));
+  EXPECT_LT(took, absl::Milliseconds(50));
+  const RemoteTierStats stats = tier->Stats();
+  EXPECT_EQ(stats.read_refusals, 1u);
+  EXPECT_EQ(stats.read_timeouts, 2u);
 }
 
 // Shutdown's flush: what the cluster takes within the bound is written, the rest dropped and
