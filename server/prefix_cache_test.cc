@@ -1918,6 +1918,17 @@ class PrefixCacheRemoteTest : public testing::WithRedisCluster<PrefixCacheTest> 
     ASSERT_TRUE(cache.remote_tier()->Flush(absl::Seconds(30)));
   }
 
+  // Two caches ("machines") on the cluster, `a` having captured and flushed `blocks` blocks of
+  // FlatPlan's `tokens`.
+  void CapturedOnA(const std::vector<int32_t>& tokens, uint64_t blocks,
+                   std::unique_ptr<PrefixCache>& a, std::unique_ptr<PrefixCache>& b) {
+    a = MakeRemoteCache();
+    b = MakeRemoteCache();
+    ASSERT_NE(a, nullptr);
+    ASSERT_NE(b, nullptr);
+    CaptureAndFlush(*a, FlatPlan(), tokens, blocks);
+  }
+
   std::string BlockKeyName(const ModelPlan& plan, const std::vector<int32_t>& tokens,
                            size_t block) {
     const PlanFingerprint key = ScopedShapeFingerprint(kScope, Shape(plan));
@@ -1978,12 +1989,9 @@ TEST_F(PrefixCacheRemoteTest, CapturedOnOneCacheRestoresBitExactlyOnAnother) {
 // A pulled entry's STORED event tells a router what a captured one does: the tokens of the
 // blocks it added, the block before them and the engine whose restore pulled them.
 TEST_F(PrefixCacheRemoteTest, APulledEntrysEventNamesItsTokensParentAndEngine) {
-  std::unique_ptr<PrefixCache> a = MakeRemoteCache();
-  std::unique_ptr<PrefixCache> b = MakeRemoteCache();
-  ASSERT_NE(a, nullptr);
-  ASSERT_NE(b, nullptr);
   const std::vector<int32_t> tokens = Tokens(6 * kBlock);
-  CaptureAndFlush(*a, FlatPlan(), tokens, 6);
+  std::unique_ptr<PrefixCache> a, b;
+  ASSERT_NO_FATAL_FAILURE(CapturedOnA(tokens, 6, a, b));
   CaptureAndFlush(*b, FlatPlan(), tokens, 2);  // B holds blocks 0 and 1 itself
   auto dest = NewSession(FlatPlan(), 256);     // owned by engine 1
   absl::StatusOr<PrefixRestoreResult> restored = b->Restore(*dest, std::nullopt, tokens);
@@ -2044,12 +2052,9 @@ TEST_F(PrefixCacheRemoteTest, AWhollyLocalBoundaryEntryRestoresWithoutAskingTheC
 }
 
 TEST_F(PrefixCacheRemoteTest, ACorruptValueIsDeletedAndAnotherShapesIsSkipped) {
-  std::unique_ptr<PrefixCache> a = MakeRemoteCache();
-  std::unique_ptr<PrefixCache> b = MakeRemoteCache();
-  ASSERT_NE(a, nullptr);
-  ASSERT_NE(b, nullptr);
   const std::vector<int32_t> tokens = Tokens(6 * kBlock);
-  CaptureAndFlush(*a, FlatPlan(), tokens, 6);
+  std::unique_ptr<PrefixCache> a, b;
+  ASSERT_NO_FATAL_FAILURE(CapturedOnA(tokens, 6, a, b));
   // Block 4: one flipped payload byte. Block 2: a valid value of another layout.
   const std::string corrupt_key = BlockKeyName(FlatPlan(), tokens, 4);
   absl::StatusOr<std::optional<std::string>> value = redis_->Get(corrupt_key);

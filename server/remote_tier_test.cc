@@ -220,15 +220,22 @@ class RemoteTierTest : public testing::WithRedisCluster<> {
     ASSERT_TRUE(cluster_->WaitHealthy());
   }
 
-  RemoteTierOptions Options() const {
+  RemoteTierOptions Options(absl::Duration command_timeout = absl::Milliseconds(300)) const {
     RemoteTierOptions options;
     options.cluster.seed_nodes = *ParseRedisNodeList(cluster_->NodeList());
     options.cluster.password_file =
         cluster_->WritePasswordFile("default.pass", testing::kRedisPassword);
-    options.cluster.command_timeout = absl::Milliseconds(300);
+    options.cluster.command_timeout = command_timeout;
     options.breaker_initial = absl::Milliseconds(200);
     options.breaker_max = absl::Milliseconds(800);
     return options;
+  }
+
+  // Stops (SIGSTOP) the master owning `key`'s slot; returns its port (0: none owns it).
+  int StopOwnerOf(const std::string& key) {
+    const int owner = cluster_->OwnerOf(RedisKeySlot(key));
+    if (owner > 0) cluster_->Signal(owner, SIGSTOP);
+    return owner;
   }
 
   std::unique_ptr<RemoteTier> Make(const RemoteTierOptions& options) {
@@ -308,9 +315,8 @@ TEST_F(RemoteTierTest, AStalledMasterCostsOneDeadlineThenTheBreakerRefusesUntilI
   std::unique_ptr<RemoteTier> tier = Make(Options());
   ASSERT_NE(tier, nullptr);
   const std::string key = RemoteBlockKey("scope-stall", KeyOf(7));
-  const int owner = cluster_->OwnerOf(RedisKeySlot(key));
+  const int owner = StopOwnerOf(key);
   ASSERT_GT(owner, 0);
-  cluster_->Signal(owner, SIGSTOP);
   for (int i = 0; i < RemoteTier::kBreakerFailures; ++i) {
     const absl::Time start = absl::Now();
     EXPECT_THAT(tier->ExistsEach({key}, absl::Milliseconds(20)),
@@ -338,16 +344,14 @@ TEST_F(RemoteTierTest, AStalledMasterCostsOneDeadlineThenTheBreakerRefusesUntilI
 // One reader stuck on a stopped master and one call waiting for it: a further read is refused
 // at once, naming the queue, rather than waiting its deadline too.
 TEST_F(RemoteTierTest, AFullReaderQueueRefusesAReadAtOnce) {
-  RemoteTierOptions options = Options();
-  options.cluster.command_timeout = absl::Seconds(2);
+  RemoteTierOptions options = Options(/*command_timeout=*/absl::Seconds(2));
   options.reader_threads = 1;
   options.reader_queue = 1;
   std::unique_ptr<RemoteTier> tier = Make(options);
   ASSERT_NE(tier, nullptr);
   const std::string key = RemoteBlockKey("scope-queue", KeyOf(3));
-  const int owner = cluster_->OwnerOf(RedisKeySlot(key));
+  const int owner = StopOwnerOf(key);
   ASSERT_GT(owner, 0);
-  cluster_->Signal(owner, SIGSTOP);
   // The first call holds the one reader; the second waits in the queue past its deadline.
   const absl::Status first = tier->ExistsEach({key}, absl::Milliseconds(30)).status();
   const absl::Status second = tier->ExistsEach({key}, absl::Milliseconds(30)).status();
@@ -368,9 +372,7 @@ TEST_F(RemoteTierTest, AFullReaderQueueRefusesAReadAtOnce) {
 // Shutdown's flush: what the cluster takes within the bound is written, the rest dropped and
 // counted, never waited for.
 TEST_F(RemoteTierTest, FlushOrDropWritesWhatItCanAndCountsTheRestAsDropped) {
-  RemoteTierOptions options = Options();
-  options.cluster.command_timeout = absl::Seconds(2);
-  std::unique_ptr<RemoteTier> tier = Make(options);
+  std::unique_ptr<RemoteTier> tier = Make(Options(/*command_timeout=*/absl::Seconds(2)));
   ASSERT_NE(tier, nullptr);
   for (uint8_t i = 0; i < 4; ++i) {
     ASSERT_TRUE(tier->Enqueue(RemoteBlockKey("scope-drain", KeyOf(i)), Payload(100, i)));
@@ -379,9 +381,8 @@ TEST_F(RemoteTierTest, FlushOrDropWritesWhatItCanAndCountsTheRestAsDropped) {
   EXPECT_EQ(tier->Stats().writes, 4u);
 
   const std::string stalled_key = RemoteBlockKey("scope-drain", KeyOf(9));
-  const int owner = cluster_->OwnerOf(RedisKeySlot(stalled_key));
+  const int owner = StopOwnerOf(stalled_key);
   ASSERT_GT(owner, 0);
-  cluster_->Signal(owner, SIGSTOP);
   for (int i = 0; i < 3; ++i) EXPECT_TRUE(tier->Enqueue(stalled_key, Payload(100, i)));
   // The first write is in flight to the stopped master; the two behind it are dropped.
   ASSERT_TRUE(testing::PollUntil([&] { return tier->Stats().queued_writes == 3 &&
@@ -402,20 +403,19 @@ TEST_F(RemoteTierTest, FlushOrDropWritesWhatItCanAndCountsTheRestAsDropped) {
 // the writer keeps writing to the healthy masters and the client's own timeout has not passed:
 // lookups stop paying their deadline after kBreakerFailures of them.
 TEST_F(RemoteTierTest, CallerDeadlinesOpenTheBreakerWhileWritesToHealthyMastersSucceed) {
-  RemoteTierOptions options = Options();
-  options.cluster.command_timeout = absl::Seconds(3);  // the client's own failure comes too late
-  std::unique_ptr<RemoteTier> tier = Make(options);
+  // The client's own failure comes too late to matter.
+  std::unique_ptr<RemoteTier> tier = Make(Options(/*command_timeout=*/absl::Seconds(3)));
   ASSERT_NE(tier, nullptr);
   const std::string stalled_key = RemoteBlockKey("scope-deadline", KeyOf(7));
-  const int owner = cluster_->OwnerOf(RedisKeySlot(stalled_key));
-  ASSERT_GT(owner, 0);
+  const int stalled_owner = cluster_->OwnerOf(RedisKeySlot(stalled_key));
   std::string healthy_key;
   for (uint8_t i = 8; healthy_key.empty() && i < 200; ++i) {
     const std::string key = RemoteBlockKey("scope-deadline", KeyOf(i));
-    if (cluster_->OwnerOf(RedisKeySlot(key)) != owner) healthy_key = key;
+    if (cluster_->OwnerOf(RedisKeySlot(key)) != stalled_owner) healthy_key = key;
   }
   ASSERT_FALSE(healthy_key.empty());
-  cluster_->Signal(owner, SIGSTOP);
+  const int owner = StopOwnerOf(stalled_key);
+  ASSERT_GT(owner, 0);
   bool up_after_deadlines = true;
   uint64_t writes = 0;
   for (int i = 0; i < RemoteTier::kBreakerFailures; ++i) {
