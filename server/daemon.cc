@@ -9,6 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/container/flat_hash_set.h"
+#include "absl/time/time.h"
 #include "common/codec.h"
 #include "common/daemon_restart.h"
 #include "common/errors.h"
@@ -615,6 +616,16 @@ void Daemon::Shutdown() {
   leases_.ForgetAll();
   for (uint64_t engine : block_store_.Engines()) block_store_.ForgetEngine(engine);
   const ReleasedSessions released = sessions_.ReleaseAll();
+  // The remote tier's write-behind (what the released sessions' deaths captured too) gets a
+  // bounded chance to reach the cluster; the rest is dropped and counted, never waited for.
+  if (prefix_cache_ != nullptr && prefix_cache_->remote_tier() != nullptr) {
+    constexpr absl::Duration kRemoteFlushAtShutdown = absl::Seconds(2);
+    const uint64_t dropped = prefix_cache_->remote_tier()->FlushOrDrop(kRemoteFlushAtShutdown);
+    if (dropped > 0) {
+      spdlog::warn("shut down: {} remote tier writes not written within {}; dropped", dropped,
+                   absl::FormatDuration(kRemoteFlushAtShutdown));
+    }
+  }
   // Slabs the prefix cache keeps empty for its next capture go too; those of stored entries are
   // freed with the cache.
   if (prefix_cache_ != nullptr) prefix_cache_->ReleaseEmptySlabs();

@@ -136,6 +136,22 @@ absl::StatusOr<const LatentLayerState*> LatentLayer(const SessionState& state, u
 }
 
 // The session's shape in its owner's cache scope.
+// What routers index (prefix.proto PrefixEvent 20-25) of the blocks `plan` adds, whether a
+// capture or a remote pull adds them: their token ids, parent and the engine that stored them;
+// their hashes are the block keys themselves. `tokens` covers at least plan.boundary_tokens.
+void FillOrigin(CapturePlan& plan, absl::Span<const int32_t> tokens, uint64_t block,
+                uint64_t engine_id) {
+  plan.origin.block_tokens = static_cast<uint32_t>(block);
+  plan.origin.engine_id = engine_id;
+  if (plan.already_present) return;
+  plan.origin.token_ids.assign(tokens.begin() + plan.first_new_block * block,
+                               tokens.begin() + plan.boundary_tokens);
+  if (plan.first_new_block > 0) {
+    const BlockKey& parent = plan.chain[plan.first_new_block - 1];
+    plan.origin.parent_block_hash.assign(parent.begin(), parent.end());
+  }
+}
+
 absl::StatusOr<ScopedShape> ShapeOf(const DaemonSession& session) {
   const DaemonSession::Params& params = session.params();
   ASSIGN_OR_RETURN(PlanFingerprint model, FingerprintModelPlan(*params.model, params.defaults));
@@ -944,18 +960,7 @@ absl::StatusOr<PrefixCaptureResult> PrefixCache::CaptureLocked(
     }
   }
   ASSIGN_OR_RETURN(std::vector<Stored> copies, SealCopies(layout.arena, pieces));
-  // What routers index (prefix.proto PrefixEvent 20-25): the new blocks' token ids and parent;
-  // their hashes are the block keys themselves.
-  plan.origin.block_tokens = static_cast<uint32_t>(block);
-  plan.origin.engine_id = engine_id;
-  if (!plan.already_present) {
-    plan.origin.token_ids.assign(tokens.begin() + plan.first_new_block * block,
-                                 tokens.begin() + boundary_tokens);
-    if (plan.first_new_block > 0) {
-      const BlockKey& parent = plan.chain[plan.first_new_block - 1];
-      plan.origin.parent_block_hash.assign(parent.begin(), parent.end());
-    }
-  }
+  FillOrigin(plan, tokens, block, engine_id);
   // Held before the index adopts the spans, so that whatever frees one from here on (an
   // eviction, a concurrent capture's dedup) leaves it readable until its write is read.
   std::vector<RemoteWrite> remote_writes = RemoteWritesOf(shape, plan, stored, copies);
@@ -1103,11 +1108,9 @@ void PrefixCache::QueueRemoteWrites(std::vector<RemoteWrite> writes) {
 void PrefixCache::PullFromRemote(const ScopedShape& shape, const SessionState& state,
                                  const SessionLayoutVersion& layout,
                                  absl::Span<const int32_t> tokens,
-                                 const std::vector<BlockKey>& keys) {
+                                 const std::vector<BlockKey>& keys, uint64_t engine_id) {
   const uint64_t block = options_.block_tokens;
   const bool position_addressed = PositionAddressedPlan(layout.plan);
-  const uint64_t limit = std::min<uint64_t>(keys.size(), state.capacity() / block);
-  if (limit == 0) return;
   // What this daemon's plan stores when `blocks` blocks are restored, and the index's plan for
   // storing them (which blocks it holds already).
   auto layout_at = [&](uint64_t blocks) -> absl::StatusOr<StoredLayout> {
@@ -1130,16 +1133,35 @@ void PrefixCache::PullFromRemote(const ScopedShape& shape, const SessionState& s
     spdlog::debug("prefix remote tier: no pull for shape {}: {}", FingerprintHex(shape.shape),
                   status.ToString());
   };
-  // 1. How far the remote tier reaches (one ExistsEach round trip per node).
+  // 1. How far the remote tier reaches (one ExistsEach round trip per node), asked only when
+  // the local tiers lack some of the match. A pull stores what it fetches in the device tier:
+  // never more blocks than its budget holds (the index refuses a plan beyond it, whose pieces
+  // would all be fetched first).
+  uint64_t limit = std::min<uint64_t>(keys.size(), state.capacity() / block);
+  if (limit == 0) return;
   std::vector<std::string> names;
   uint64_t first = 0;
-  if (position_addressed) {
+  {
     absl::StatusOr<StoredLayout> stored = layout_at(limit);
     if (!stored.ok()) return skip(stored.status());
+    if (position_addressed) {
+      absl::StatusOr<uint64_t> block_bytes = slabs_->RoundedBytes(stored->block_bytes);
+      if (!block_bytes.ok()) return skip(block_bytes.status());
+      if (*block_bytes != 0) {
+        limit = std::min(limit, TierBudget(StorageMedium::kDevice) / *block_bytes);
+      }
+      if (limit == 0) return;
+    }
     absl::StatusOr<CapturePlan> plan = plan_at(limit, *stored);
-    if (!plan.ok()) return skip(plan.status());
-    first = plan->first_new_block;
-    if (first >= limit) return;  // every block is here
+    if (plan.ok()) {
+      if (plan->already_present) return;  // every block and the boundary state are here
+      first = plan->first_new_block;
+      if (position_addressed && first >= limit) return;  // every block is here
+    } else if (position_addressed || !absl::IsResourceExhausted(plan.status())) {
+      return skip(plan.status());
+    }  // else a boundary plan whose whole match is over budget: a shorter one may fit
+  }
+  if (position_addressed) {
     for (uint64_t i = first; i < limit; ++i) names.push_back(RemoteBlockKey(shape.scope, keys[i]));
   } else {
     for (uint64_t i = 0; i < limit; ++i) names.push_back(RemoteBlockKey(shape.scope, keys[i]));
@@ -1155,6 +1177,12 @@ void PrefixCache::PullFromRemote(const ScopedShape& shape, const SessionState& s
     reach = first;
     while (reach < limit && (*exists)[reach - first]) ++reach;
     if (reach == first) return;
+    absl::StatusOr<StoredLayout> at = layout_at(reach);
+    if (!at.ok()) return skip(at.status());
+    stored = *std::move(at);
+    absl::StatusOr<CapturePlan> planned = plan_at(reach, *stored);
+    if (!planned.ok()) return skip(planned.status());
+    plan = *std::move(planned);
   } else {
     for (uint64_t m = limit; m > 0 && !plan.has_value(); --m) {
       if (!(*exists)[limit + m - 1]) continue;
@@ -1172,18 +1200,10 @@ void PrefixCache::PullFromRemote(const ScopedShape& shape, const SessionState& s
     }
     if (!plan.has_value()) return;
   }
-  if (!stored.has_value()) {
-    absl::StatusOr<StoredLayout> at = layout_at(reach);
-    if (!at.ok()) return skip(at.status());
-    stored = *std::move(at);
-  }
-  if (!plan.has_value()) {
-    absl::StatusOr<CapturePlan> planned = plan_at(reach, *stored);
-    if (!planned.ok()) return skip(planned.status());
-    plan = *std::move(planned);
-  }
-  // 2. Fetch and verify: a piece that is absent, corrupt (DATA_LOSS: deleted) or of another
-  // shape ends the pull there; a boundary plan then pulls nothing.
+  // 2. Fetch, verify and copy into slabs (held until adopted) a window of values at a time,
+  // each value dropped once copied: what is in flight stays bounded. A piece that is absent,
+  // corrupt (DATA_LOSS: deleted) or of another shape ends the pull there; a boundary plan then
+  // pulls nothing.
   std::vector<std::string> fetch;
   for (uint64_t i = plan->first_new_block; i < plan->chain.size(); ++i) {
     fetch.push_back(RemoteBlockKey(shape.scope, plan->chain[i]));
@@ -1191,74 +1211,23 @@ void PrefixCache::PullFromRemote(const ScopedShape& shape, const SessionState& s
   if (plan->needs_boundary_state) {
     fetch.push_back(RemoteBoundaryKey(shape.scope, plan->chain.back()));
   }
-  absl::StatusOr<std::vector<std::optional<std::string>>> values =
-      remote_->GetEach(fetch, options_.remote_fetch_timeout);
-  if (!values.ok()) return skip(values.status());
   RemoteTier::PullCounts counts;
-  std::vector<VerifiedRemoteValue> verified;
-  for (size_t i = 0; i < fetch.size(); ++i) {
-    const bool is_block = !plan->needs_boundary_state || i + 1 < fetch.size();
-    RemoteValueHeader expected;
-    expected.kind = is_block ? RemoteValueKind::kBlock : RemoteValueKind::kBoundary;
-    expected.payload_bytes = is_block ? stored->block_bytes : stored->boundary_bytes;
-    expected.shape_prefix = ShapePrefix(shape.key);
-    expected.block_tokens = options_.block_tokens;
-    expected.boundary_tokens = is_block ? 0 : plan->boundary_tokens;
-    expected.layout_digest = is_block ? LayoutDigest(stored->block_pieces, stored->block_rows)
-                                      : LayoutDigest(stored->boundary_pieces, stored->block_rows);
-    if (!(*values)[i].has_value()) break;  // evicted or expired since EXISTS
-    absl::StatusOr<VerifiedRemoteValue> value = VerifyRemoteValue(fetch[i], *(*values)[i], expected);
-    if (!value.ok()) {
-      if (absl::IsDataLoss(value.status())) {
-        ++counts.corrupt;
-        remote_->Discard(fetch[i]);
-        spdlog::error("prefix remote tier: {}; deleted, the restore goes on without it",
-                      value.status().ToString());
-      } else {
-        ++counts.shape_mismatches;
-        spdlog::warn("prefix remote tier: {}", value.status().ToString());
-      }
-      break;
-    }
-    verified.push_back(*std::move(value));
-  }
-  if (verified.size() < fetch.size()) {
-    const uint64_t good_blocks = plan->first_new_block + verified.size();
-    if (!position_addressed || good_blocks == plan->first_new_block) {
-      remote_->RecordPull(counts);
-      return;
-    }
-    // A shorter chain: the blocks before the bad one.
-    verified.resize(good_blocks - plan->first_new_block);
-    absl::StatusOr<CapturePlan> shorter = plan_at(good_blocks, *stored);
-    if (!shorter.ok() || shorter->first_new_block != plan->first_new_block) {
-      remote_->RecordPull(counts);
-      return;
-    }
-    plan = *std::move(shorter);
-  }
-  // 3. Into slabs (held until adopted), checksummed as this daemon slices.
   std::vector<Stored> copies;
   auto free_copies = [&] {
     for (const Stored& copy : copies) {
       (void)slabs_->Release(copy.storage.span.slab);
       FreeStorage(copy.storage.span);
     }
+    copies.clear();
   };
-  for (VerifiedRemoteValue& value : verified) {
+  // Copies one verified payload into a new slab span, checksummed as this daemon slices.
+  auto copy_in = [&](VerifiedRemoteValue& value) -> absl::Status {
     const absl::Span<const uint8_t> payload(
         reinterpret_cast<const uint8_t*>(value.payload.data()), value.payload.size());
-    absl::StatusOr<SlabSpan> span = slabs_->Allocate(payload.size());
-    if (!span.ok()) {
-      free_copies();
-      return skip(span.status());
-    }
+    ASSIGN_OR_RETURN(SlabSpan span, slabs_->Allocate(payload.size()));
     Stored& copy = copies.emplace_back();
-    copy.storage.span = *span;
-    if (absl::Status written = backend_->Write(span->slab, span->offset, payload); !written.ok()) {
-      free_copies();
-      return skip(written);
-    }
+    copy.storage.span = span;
+    RETURN_IF_ERROR(backend_->Write(span.slab, span.offset, payload));
     std::vector<uint64_t> slices = value.slice_bytes == options_.checksum_slice_bytes
                                        ? std::move(value.slice_checksums)
                                        : SliceChecksums(payload, options_.checksum_slice_bytes);
@@ -1268,18 +1237,83 @@ void PrefixCache::PullFromRemote(const ScopedShape& shape, const SessionState& s
     if (slices.size() > 1) copy.storage.slice_checksums = std::move(slices);
     ++counts.pieces;
     counts.bytes += payload.size();
+    return absl::OkStatus();
+  };
+  const absl::Time fetch_deadline = absl::Now() + options_.remote_fetch_timeout;
+  bool ended = false;  // a piece was missing or refused: the pull ends before it
+  for (size_t start = 0; start < fetch.size() && !ended; start += kPullWindowValues) {
+    const size_t end = std::min(fetch.size(), start + kPullWindowValues);
+    const absl::Duration left = fetch_deadline - absl::Now();
+    if (left <= absl::ZeroDuration()) break;
+    absl::StatusOr<std::vector<std::optional<std::string>>> values = remote_->GetEach(
+        std::vector<std::string>(fetch.begin() + start, fetch.begin() + end), left);
+    if (!values.ok()) {
+      skip(values.status());
+      break;
+    }
+    for (size_t i = start; i < end && !ended; ++i) {
+      std::optional<std::string>& fetched = (*values)[i - start];
+      const bool is_block = !plan->needs_boundary_state || i + 1 < fetch.size();
+      RemoteValueHeader expected;
+      expected.kind = is_block ? RemoteValueKind::kBlock : RemoteValueKind::kBoundary;
+      expected.payload_bytes = is_block ? stored->block_bytes : stored->boundary_bytes;
+      expected.shape_prefix = ShapePrefix(shape.key);
+      expected.block_tokens = options_.block_tokens;
+      expected.boundary_tokens = is_block ? 0 : plan->boundary_tokens;
+      expected.layout_digest = is_block ? LayoutDigest(stored->block_pieces, stored->block_rows)
+                                        : LayoutDigest(stored->boundary_pieces, stored->block_rows);
+      if (!fetched.has_value()) {  // evicted or expired since EXISTS
+        ended = true;
+        break;
+      }
+      absl::StatusOr<VerifiedRemoteValue> value = VerifyRemoteValue(fetch[i], *fetched, expected);
+      if (!value.ok()) {
+        if (absl::IsDataLoss(value.status())) {
+          ++counts.corrupt;
+          remote_->Discard(fetch[i]);
+          spdlog::error("prefix remote tier: {}; deleted, the restore goes on without it",
+                        value.status().ToString());
+        } else {
+          ++counts.shape_mismatches;
+          spdlog::warn("prefix remote tier: {}", value.status().ToString());
+        }
+        ended = true;
+        break;
+      }
+      if (absl::Status copied = copy_in(*value); !copied.ok()) {
+        free_copies();
+        remote_->RecordPull(counts);
+        return skip(copied);
+      }
+      fetched.reset();
+    }
   }
-  {
-    absl::MutexLock lock(&mu_);
-    absl::StatusOr<CommitResult> committed =
-        AdoptLocked(shape, *plan, std::move(copies), position_addressed);
-    if (!committed.ok()) {
+  if (copies.size() < fetch.size()) {
+    const uint64_t good_blocks = plan->first_new_block + copies.size();
+    absl::StatusOr<CapturePlan> shorter = absl::FailedPreconditionError("no shorter chain");
+    if (position_addressed && good_blocks > plan->first_new_block) {
+      // A shorter chain: the blocks before the bad one.
+      shorter = plan_at(good_blocks, *stored);
+    }
+    if (!shorter.ok() || shorter->first_new_block != plan->first_new_block) {
+      free_copies();
       counts.pieces = 0;
       counts.bytes = 0;
-      spdlog::warn("prefix remote tier: storing the pulled prefix failed: {}",
-                   committed.status().ToString());
+      remote_->RecordPull(counts);
+      return;
     }
-    Rebalance();
+    plan = *std::move(shorter);
+  }
+  FillOrigin(*plan, tokens, block, engine_id);
+  // Tiers are rebalanced by the caller, outside the destination session's mutex.
+  absl::MutexLock lock(&mu_);
+  absl::StatusOr<CommitResult> committed =
+      AdoptLocked(shape, *plan, std::move(copies), position_addressed);
+  if (!committed.ok()) {
+    counts.pieces = 0;
+    counts.bytes = 0;
+    spdlog::warn("prefix remote tier: storing the pulled prefix failed: {}",
+                 committed.status().ToString());
   }
   remote_->RecordPull(counts);
 }
@@ -1421,7 +1455,7 @@ absl::StatusOr<PrefixRestoreResult> PrefixCache::Restore(DaemonSession& session,
         }
         ASSIGN_OR_RETURN(std::vector<BlockKey> keys, ChainBlockKeys(shape.key, tokens, block));
         if (!requested.has_value() && remote_ != nullptr) {
-          PullFromRemote(shape, state, layout, tokens, keys);
+          PullFromRemote(shape, state, layout, tokens, keys, session.owner().value);
         }
         EntryView entry;
         uint64_t matched = 0;
@@ -1469,8 +1503,11 @@ absl::StatusOr<PrefixRestoreResult> PrefixCache::Restore(DaemonSession& session,
           MarkPinned(entry, +1);
           served_from = MediumLocked(entry.blocks, entry.boundary);
         }
-        // Pinned: nothing below can free or demote the entry's pieces. Every path unpins.
-        absl::Status promoted = PromotePinned(entry);
+        // Pinned: nothing below can free or demote the entry's pieces. Every path unpins. A
+        // restore that cannot go refuses before any piece is promoted.
+        absl::StatusOr<RestoreTarget> target =
+            PlanRestore(session.params().id, state, layout, entry, matched);
+        absl::Status promoted = target.ok() ? PromotePinned(entry) : target.status();
         std::vector<ArenaId> held;
         if (promoted.ok()) {
           absl::MutexLock lock(&mu_);
@@ -1484,7 +1521,7 @@ absl::StatusOr<PrefixRestoreResult> PrefixCache::Restore(DaemonSession& session,
           FreeHandles(index_.EnforceBudget().freed_handles);
         };
         absl::StatusOr<SessionState> restored =
-            promoted.ok() ? RestorePinned(session.params().id, state, layout, entry, matched)
+            promoted.ok() ? RestorePinned(layout, entry, matched, *std::move(target))
                           : absl::StatusOr<SessionState>(promoted);
         unpin();
         if (restored.ok()) {
@@ -1510,14 +1547,11 @@ absl::StatusOr<PrefixRestoreResult> PrefixCache::Restore(DaemonSession& session,
   return result;
 }
 
-absl::StatusOr<SessionState> PrefixCache::RestorePinned(SessionId session,
-                                                        const SessionState& state,
-                                                        const SessionLayoutVersion& layout,
-                                                        const EntryView& entry,
-                                                        uint64_t matched_blocks) {
+absl::StatusOr<PrefixCache::RestoreTarget> PrefixCache::PlanRestore(
+    SessionId session, const SessionState& state, const SessionLayoutVersion& layout,
+    const EntryView& entry, uint64_t matched_blocks) const {
   const uint64_t block = options_.block_tokens;
   const uint64_t rows = matched_blocks * block;
-  // 1. Validate every layer; nothing moves yet.
   if (rows > state.capacity()) {
     return absl::InvalidArgumentError(absl::StrCat(
         "restoring ", rows, " tokens of prefix entry ", entry.id.value, " needs capacity ", rows,
@@ -1552,6 +1586,16 @@ absl::StatusOr<SessionState> PrefixCache::RestorePinned(SessionId session,
                                             " carries no boundary state but the session's "
                                             "plan needs ", target.boundary_bytes, " bytes of it"));
   }
+  return RestoreTarget{std::move(hydrated), std::move(target)};
+}
+
+absl::StatusOr<SessionState> PrefixCache::RestorePinned(const SessionLayoutVersion& layout,
+                                                        const EntryView& entry,
+                                                        uint64_t matched_blocks,
+                                                        RestoreTarget restore) {
+  // 1. Validated by PlanRestore; nothing has moved yet.
+  const StoredLayout& target = restore.layout;
+  SessionState& hydrated = restore.hydrated;
   // Every destination range, then where each piece is stored (pinned: it stays there).
   std::vector<PieceCopy> pieces;
   std::vector<const StoredRef*> refs;
@@ -1614,7 +1658,7 @@ absl::StatusOr<SessionState> PrefixCache::RestorePinned(SessionId session,
   RETURN_IF_ERROR(CopySlices(Direction::kRestore, layout.arena, pieces, options_.verify_checksums,
                              entry.id)
                       .status());
-  return hydrated;
+  return std::move(hydrated);
 }
 
 absl::StatusOr<std::vector<std::vector<uint64_t>>> PrefixCache::CopySlices(

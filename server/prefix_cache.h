@@ -495,19 +495,36 @@ class PrefixCache {
   // Queues `writes` (held by HoldForRemote): each hold passes to its source, which the tier
   // destroys, releasing it, once the write leaves the queue.
   void QueueRemoteWrites(std::vector<RemoteWrite> writes) ABSL_LOCKS_EXCLUDED(mu_);
+  // Values a pull fetches per round (each copied into its slab and dropped before the next).
+  static constexpr size_t kPullWindowValues = 8;
   // Read-through before a restore by tokens (REQUIRES the fresh destination's mutex, not mu_):
   // pulls what the remote tier holds beyond the local match of `keys` into a local entry.
   // Failures are logged and counted, never returned: the restore then serves the local match.
+  // Bounded: it pulls at most what the device tier's budget holds, fetching kPullWindowValues
+  // values at a time; the new entry's events name `engine_id` (the restoring engine).
   void PullFromRemote(const ScopedShape& shape, const SessionState& state,
                       const SessionLayoutVersion& layout, absl::Span<const int32_t> tokens,
-                      const std::vector<BlockKey>& keys) ABSL_LOCKS_EXCLUDED(mu_);
-  // Validates, verifies and copies a pinned entry's first `matched_blocks` blocks (and its
-  // boundary state) into the fresh session; returns the state it must adopt. REQUIRES the
-  // destination's mutex (inside DaemonSession::RestoreLocked).
-  absl::StatusOr<SessionState> RestorePinned(SessionId session, const SessionState& state,
-                                             const SessionLayoutVersion& layout,
-                                             const EntryView& entry, uint64_t matched_blocks)
+                      const std::vector<BlockKey>& keys, uint64_t engine_id)
       ABSL_LOCKS_EXCLUDED(mu_);
+  // What restoring an entry's first `matched_blocks` blocks makes of a fresh session: the state
+  // it adopts and the layout its pieces land in.
+  struct RestoreTarget {
+    SessionState hydrated;
+    StoredLayout layout;
+  };
+  // Validates such a restore before any piece moves (so a refusal changes nothing, promotions
+  // included): capacity, every layer, the entry's piece sizes against the destination's
+  // (DATA_LOSS: a truncated entry). Reads only the session and the entry view.
+  absl::StatusOr<RestoreTarget> PlanRestore(SessionId session, const SessionState& state,
+                                            const SessionLayoutVersion& layout,
+                                            const EntryView& entry,
+                                            uint64_t matched_blocks) const;
+  // Verifies and copies a pinned, promoted entry's first `matched_blocks` blocks (and its
+  // boundary state) into the fresh session as `target` (PlanRestore's) says; returns the state
+  // it must adopt. REQUIRES the destination's mutex (inside DaemonSession::RestoreLocked).
+  absl::StatusOr<SessionState> RestorePinned(const SessionLayoutVersion& layout,
+                                             const EntryView& entry, uint64_t matched_blocks,
+                                             RestoreTarget target) ABSL_LOCKS_EXCLUDED(mu_);
   LookupResult LookupLocked(const PlanFingerprint& shape, absl::Span<const int32_t> tokens)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Copies every slice of every piece between the session arena and the pieces' spans, over
@@ -617,7 +634,9 @@ class PrefixCache {
       ABSL_GUARDED_BY(remote_holds_mu_);
   uint64_t remote_deferred_spans_ ABSL_GUARDED_BY(remote_holds_mu_) = 0;
   uint64_t remote_deferred_bytes_ ABSL_GUARDED_BY(remote_holds_mu_) = 0;
-  // null: no remote tier; thread-safe itself. Declared last so its writer thread stops first.
+  // null: no remote tier; thread-safe itself. Members are destroyed in reverse order: this one
+  // (its threads joined, its queued sources released) after mu_ and the index below, before
+  // remote_holds_ and the tiers' memory above, which those sources release their holds into.
   const std::unique_ptr<RemoteTier> remote_;
 
   std::atomic<uint64_t> tick_{0};  // LRU clock

@@ -1147,6 +1147,16 @@ TEST_F(PrefixCacheTest, AnEntryDemotedToDiskRestoresBitExactly) {
   EXPECT_EQ(moved.events[0].event.medium, StorageMedium::kDisk);
   EXPECT_EQ(moved.events[0].event.block_keys.size(), 2u);
 
+  // A restore the destination cannot take is refused before anything is promoted: the pieces
+  // stay on disk and no event is sent.
+  auto small = NewSession(FlatPlan(), 32);
+  EXPECT_THAT(cache_->Restore(*small, old_entry->entry, old_tokens).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("restoring 64 tokens of prefix entry 1 needs capacity 64")));
+  EXPECT_EQ(PieceMedium(*cache_, demoted), StorageMedium::kDisk);
+  EXPECT_EQ(cache_->Stats().tiers[1].promotions, 0u);
+  EXPECT_TRUE(cache_->EventsSince(77, 3, std::nullopt).events.empty());
+
   auto dest = NewSession(FlatPlan(), 128);
   absl::StatusOr<PrefixRestoreResult> restored =
       cache_->Restore(*dest, old_entry->entry, old_tokens);
@@ -1830,6 +1840,25 @@ TEST_F(PrefixCacheTest, DiskTierRefusalsCarryCodesAndNumbers) {
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstrs("\"relative\"")));
 }
 
+TEST_F(PrefixCacheTest, RefusesNonPositiveRemoteTimeouts) {
+  PrefixCacheOptions options;
+  options.budget_bytes = uint64_t{16} << 20;
+  options.block_tokens = kBlock;
+  options.slab_bytes = kSlabBytes;
+  RemoteTierOptions remote;
+  remote.cluster.seed_nodes = {{"127.0.0.1", 1}};  // never reached: refused first
+  options.remote = remote;
+  options.remote_lookup_timeout = absl::ZeroDuration();
+  EXPECT_THAT(PrefixCache::Create(options, backend_.get(), nullptr).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstrs("lookup timeout (0)", "must be positive")));
+  options.remote_lookup_timeout = absl::Milliseconds(50);
+  options.remote_fetch_timeout = absl::Milliseconds(-5);
+  EXPECT_THAT(PrefixCache::Create(options, backend_.get(), nullptr).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstrs("lookup timeout (50ms)", "fetch timeout (-5ms)")));
+}
+
 // ---- The remote tier: two caches ("machines") sharing a real 3-master / 3-replica cluster ----
 
 class PrefixCacheRemoteTest : public testing::WithRedisCluster<PrefixCacheTest> {
@@ -1902,6 +1931,17 @@ class PrefixCacheRemoteTest : public testing::WithRedisCluster<PrefixCacheTest> 
     ASSERT_TRUE(cache.remote_tier()->Flush(absl::Seconds(30)));
   }
 
+  // Two caches ("machines") on the cluster, `a` having captured and flushed `blocks` blocks of
+  // FlatPlan's `tokens`.
+  void CapturedOnA(const std::vector<int32_t>& tokens, uint64_t blocks,
+                   std::unique_ptr<PrefixCache>& a, std::unique_ptr<PrefixCache>& b) {
+    a = MakeRemoteCache();
+    b = MakeRemoteCache();
+    ASSERT_NE(a, nullptr);
+    ASSERT_NE(b, nullptr);
+    CaptureAndFlush(*a, FlatPlan(), tokens, blocks);
+  }
+
   std::string BlockKeyName(const ModelPlan& plan, const std::vector<int32_t>& tokens,
                            size_t block) {
     const PlanFingerprint key = ScopedShapeFingerprint(kScope, Shape(plan));
@@ -1967,13 +2007,76 @@ TEST_F(PrefixCacheRemoteTest, CapturedOnOneCacheRestoresBitExactlyOnAnother) {
   EXPECT_EQ(b->Lookup("uid:2000", Shape(FlatPlan()), flat).outcome, LookupOutcome::kMiss);
 }
 
-TEST_F(PrefixCacheRemoteTest, ACorruptValueIsDeletedAndAnotherShapesIsSkipped) {
+// A pulled entry's STORED event tells a router what a captured one does: the tokens of the
+// blocks it added, the block before them and the engine whose restore pulled them.
+TEST_F(PrefixCacheRemoteTest, APulledEntrysEventNamesItsTokensParentAndEngine) {
+  const std::vector<int32_t> tokens = Tokens(6 * kBlock);
+  std::unique_ptr<PrefixCache> a, b;
+  ASSERT_NO_FATAL_FAILURE(CapturedOnA(tokens, 6, a, b));
+  CaptureAndFlush(*b, FlatPlan(), tokens, 2);  // B holds blocks 0 and 1 itself
+  auto dest = NewSession(FlatPlan(), 256);     // owned by engine 1
+  absl::StatusOr<PrefixRestoreResult> restored = b->Restore(*dest, std::nullopt, tokens);
+  ASSERT_THAT(restored.status(), IsOk());
+  EXPECT_EQ(restored->restored_tokens, 6 * kBlock);
+  EXPECT_EQ(b->Stats().remote->pulled_pieces, 4u);
+  const ScopedEventReplay events = b->EventsSince(0, 0, std::nullopt);
+  ASSERT_EQ(events.events.size(), 2u);
+  const PrefixEvent& pulled = events.events[1].event;
+  EXPECT_EQ(pulled.kind, PrefixEventKind::kStored);
+  ASSERT_EQ(pulled.block_keys.size(), 4u);
+  EXPECT_EQ(pulled.origin.block_tokens, kBlock);
+  EXPECT_EQ(pulled.origin.engine_id, 1u);
+  EXPECT_EQ(pulled.origin.token_ids,
+            std::vector<int32_t>(tokens.begin() + 2 * kBlock, tokens.end()));
+  const PlanFingerprint key = ScopedShapeFingerprint(kScope, Shape(FlatPlan()));
+  const BlockKey parent = ChainBlockKeys(key, tokens, kBlock).value()[1];
+  EXPECT_EQ(pulled.origin.parent_block_hash, std::string(parent.begin(), parent.end()));
+}
+
+// A pull never takes more than the device tier's budget: the blocks that fit are pulled (and
+// restored), the rest stays remote.
+TEST_F(PrefixCacheRemoteTest, APullLargerThanTheDeviceBudgetPullsWhatFits) {
   std::unique_ptr<PrefixCache> a = MakeRemoteCache();
-  std::unique_ptr<PrefixCache> b = MakeRemoteCache();
+  std::unique_ptr<PrefixCache> b = MakeRemoteCache(uint64_t{8} << 20, uint64_t{64} << 20,
+                                                   /*disk_bytes=*/0, {},
+                                                   /*device_bytes=*/3 * kFlatSpanBytes);
   ASSERT_NE(a, nullptr);
   ASSERT_NE(b, nullptr);
   const std::vector<int32_t> tokens = Tokens(6 * kBlock);
   CaptureAndFlush(*a, FlatPlan(), tokens, 6);
+  auto dest = NewSession(FlatPlan(), 256);
+  absl::StatusOr<PrefixRestoreResult> restored = b->Restore(*dest, std::nullopt, tokens);
+  ASSERT_THAT(restored.status(), IsOk());
+  EXPECT_EQ(restored->restored_tokens, 3 * kBlock);
+  ExpectRestored(*dest, 3 * kBlock, 0);
+  const PrefixCacheStats stats = b->Stats();
+  EXPECT_EQ(stats.remote->pulled_pieces, 3u);
+  EXPECT_EQ(stats.remote->pulled_bytes, 3 * kFlatBlockBytes);
+  EXPECT_LE(stats.tiers[0].stored_bytes, 3 * kFlatSpanBytes);
+  EXPECT_THAT(b->CheckInvariants(), IsOk());
+}
+
+// A boundary-state model whose whole match is local restores without asking the cluster.
+TEST_F(PrefixCacheRemoteTest, AWhollyLocalBoundaryEntryRestoresWithoutAskingTheCluster) {
+  std::unique_ptr<PrefixCache> b = MakeRemoteCache();
+  ASSERT_NE(b, nullptr);
+  const std::vector<int32_t> tokens = Tokens(4 * kBlock, 7);
+  CaptureAndFlush(*b, HybridPlan(), tokens, 4);
+  const RemoteTierStats before = *b->Stats().remote;
+  auto dest = NewSession(HybridPlan(), 256);
+  absl::StatusOr<PrefixRestoreResult> restored = b->Restore(*dest, std::nullopt, tokens);
+  ASSERT_THAT(restored.status(), IsOk());
+  EXPECT_EQ(restored->restored_tokens, 4 * kBlock);
+  const RemoteTierStats after = *b->Stats().remote;
+  EXPECT_EQ(after.reads, before.reads);
+  EXPECT_EQ(after.read_errors + after.read_timeouts + after.read_refusals,
+            before.read_errors + before.read_timeouts + before.read_refusals);
+}
+
+TEST_F(PrefixCacheRemoteTest, ACorruptValueIsDeletedAndAnotherShapesIsSkipped) {
+  const std::vector<int32_t> tokens = Tokens(6 * kBlock);
+  std::unique_ptr<PrefixCache> a, b;
+  ASSERT_NO_FATAL_FAILURE(CapturedOnA(tokens, 6, a, b));
   // Block 4: one flipped payload byte. Block 2: a valid value of another layout.
   const std::string corrupt_key = BlockKeyName(FlatPlan(), tokens, 4);
   absl::StatusOr<std::optional<std::string>> value = redis_->Get(corrupt_key);

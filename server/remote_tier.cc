@@ -240,17 +240,24 @@ void RemoteTier::OpenBreakerLocked() {
   open_ = true;
   open_until_ = absl::Now() + backoff_;
   backoff_ = std::min(backoff_ * 2, options_.breaker_max);
-  consecutive_failures_ = 0;
+  consecutive_read_failures_ = 0;
+  consecutive_write_failures_ = 0;
 }
 
-void RemoteTier::Report(const absl::Status& status) {
+void RemoteTier::Report(CallPath path, const absl::Status& status) {
   absl::MutexLock lock(&mu_);
+  ReportLocked(path, status);
+}
+
+void RemoteTier::ReportLocked(CallPath path, const absl::Status& status) {
+  int& failures =
+      path == CallPath::kRead ? consecutive_read_failures_ : consecutive_write_failures_;
   if (!IsTransportFailure(status)) {
-    consecutive_failures_ = 0;
+    failures = 0;
     return;
   }
   if (open_) return;  // a call that started before the breaker opened
-  if (++consecutive_failures_ >= kBreakerFailures) {
+  if (++failures >= kBreakerFailures) {
     spdlog::warn("prefix remote tier: {} consecutive failures (last: {}); down for {}",
                  kBreakerFailures, status.ToString(), absl::FormatDuration(backoff_));
     OpenBreakerLocked();
@@ -295,10 +302,31 @@ void RemoteTier::Discard(std::string key) {
 
 bool RemoteTier::Flush(absl::Duration timeout) {
   absl::MutexLock lock(&mu_);
+  return AwaitDrainedLocked(timeout);
+}
+
+bool RemoteTier::AwaitDrainedLocked(absl::Duration timeout) {
   auto drained = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     return writes_.empty() && !writing_;
   };
   return mu_.AwaitWithTimeout(absl::Condition(&drained), timeout);
+}
+
+uint64_t RemoteTier::FlushOrDrop(absl::Duration timeout) {
+  std::deque<Write> dropped;  // destroyed after mu_ is released (their sources release holds)
+  absl::MutexLock lock(&mu_);
+  AwaitDrainedLocked(timeout);
+  return DropQueuedLocked(dropped);
+}
+
+uint64_t RemoteTier::DropQueuedLocked(std::deque<Write>& dropped) {
+  const uint64_t writes = std::count_if(writes_.begin(), writes_.end(),
+                                        [](const Write& w) { return w.source != nullptr; });
+  stats_.dropped_writes += writes;
+  dropped.swap(writes_);
+  writes_.clear();
+  queued_bytes_ = 0;
+  return writes;
 }
 
 void RemoteTier::Probe() {
@@ -321,7 +349,8 @@ void RemoteTier::Probe() {
   if (status.ok()) {
     client_ = std::move(client);
     open_ = false;
-    consecutive_failures_ = 0;
+    consecutive_read_failures_ = 0;
+    consecutive_write_failures_ = 0;
     backoff_ = options_.breaker_initial;
     spdlog::info("prefix remote tier: the Redis Cluster answers; the tier is up");
   } else {
@@ -353,10 +382,7 @@ void RemoteTier::WriterLoop() {
       }
       if (open_) {
         // Down: queued writes are dropped (a lost write is a later miss), then one probe.
-        stats_.dropped_writes += std::count_if(writes_.begin(), writes_.end(),
-                                               [](const Write& w) { return w.source != nullptr; });
-        dropped.swap(writes_);
-        queued_bytes_ = 0;
+        DropQueuedLocked(dropped);
         probe = absl::Now() >= open_until_;
       } else if (!writes_.empty()) {
         write = std::move(writes_.front());
@@ -376,7 +402,7 @@ void RemoteTier::WriterLoop() {
     const bool deletion = write.source == nullptr;
     if (deletion) {
       status = client->Del(write.key).status();
-      Report(status);
+      Report(CallPath::kWrite, status);
     } else {
       if (options_.before_write_read) options_.before_write_read();
       value.resize(write.source->bytes());
@@ -384,7 +410,7 @@ void RemoteTier::WriterLoop() {
       write.source.reset();  // the bytes are read: the caller's hold goes before the round trip
       if (status.ok()) {
         status = client->Set(write.key, value, options_.ttl);
-        Report(status);
+        Report(CallPath::kWrite, status);
       }
     }
     absl::MutexLock lock(&mu_);
@@ -428,8 +454,9 @@ void RemoteTier::ReaderLoop() {
     absl::Status status = client == nullptr
                               ? absl::UnavailableError("remote tier: no Redis Cluster client")
                               : call->jobs[job](*client);
-    Report(status);
     absl::MutexLock lock(&mu_);
+    // An abandoned call's caller already counted its deadline as the failure.
+    if (!call->abandoned) ReportLocked(CallPath::kRead, status);
     if (!status.ok() && call->status.ok()) call->status = status;
     if (status.ok()) {
       ++stats_.reads;
@@ -461,9 +488,13 @@ absl::Status RemoteTier::RunRead(std::vector<std::function<absl::Status(RedisClu
   if (!mu_.AwaitWithTimeout(absl::Condition(&done), deadline)) {
     call->abandoned = true;
     ++stats_.read_timeouts;
-    return absl::DeadlineExceededError(absl::StrCat(
+    absl::Status expired = absl::DeadlineExceededError(absl::StrCat(
         "remote tier: no answer within ", absl::FormatDuration(deadline), " (",
         call->remaining, " of ", call->jobs.size(), " calls outstanding)"));
+    // A stalled node answers no one in time: the breaker must hear it now, not when (or
+    // whether) the client's own timeout fails the call.
+    ReportLocked(CallPath::kRead, expired);
+    return expired;
   }
   return call->status;
 }

@@ -7,7 +7,8 @@
 // slow or dead cluster from blocking the cache: a write-behind queue bounded by bytes and entries
 // (full: the write is dropped and counted, the capture never waits), read-through calls answered
 // within a caller's deadline by a bounded pool of reader threads (past it: a miss), and a circuit
-// breaker (after kBreakerFailures consecutive transport failures the tier is down for a back-off
+// breaker (after kBreakerFailures consecutive transport failures of reads, a caller's deadline
+// passing included, or of writes, the tier is down for a back-off
 // that doubles from breaker_initial to breaker_max; while down, reads are refused at once and
 // writes dropped; the writer thread probes the cluster when the back-off ends, re-creating the
 // client when the cluster was down at start-up). The prefix cache decides what to read and write
@@ -176,6 +177,9 @@ class RemoteTier {
   bool Enqueue(std::string key, std::string value) ABSL_LOCKS_EXCLUDED(mu_);
   // Waits until the queue is empty and no write is in flight, or `timeout`; whether it emptied.
   bool Flush(absl::Duration timeout) ABSL_LOCKS_EXCLUDED(mu_);
+  // Shutdown: Flush(timeout), then drops what is still queued (a write in flight finishes),
+  // counted in dropped_writes; returns how many writes it dropped.
+  uint64_t FlushOrDrop(absl::Duration timeout) ABSL_LOCKS_EXCLUDED(mu_);
 
   // Read-through, answered within `deadline`: DEADLINE_EXCEEDED past it (the call goes on in its
   // reader, bounded by the client's timeouts, and its answer is dropped), UNAVAILABLE at once
@@ -216,9 +220,18 @@ class RemoteTier {
   // Runs `jobs` (one per reader task) on the readers and waits for all of them or the deadline.
   absl::Status RunRead(std::vector<std::function<absl::Status(RedisClusterClient&)>> jobs,
                        absl::Duration deadline) ABSL_LOCKS_EXCLUDED(mu_);
-  // The breaker's view of a call's status: transport failures count, anything else resets.
-  void Report(const absl::Status& status) ABSL_LOCKS_EXCLUDED(mu_);
+  // The breaker's view of a call's status: transport failures count, anything else resets the
+  // count of its own path only (writer SETs to healthy masters say nothing of whether reads get
+  // answered). kBreakerFailures consecutive failures on either path open the breaker.
+  enum class CallPath { kRead, kWrite };
+  void Report(CallPath path, const absl::Status& status) ABSL_LOCKS_EXCLUDED(mu_);
+  void ReportLocked(CallPath path, const absl::Status& status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void OpenBreakerLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Flush's wait, under mu_: whether the queue emptied (no write in flight) within `timeout`.
+  bool AwaitDrainedLocked(absl::Duration timeout) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Moves the queue into `dropped` (destroy it after mu_ is released: sources release their
+  // holds), counting its values (not deletes) in dropped_writes; returns that count.
+  uint64_t DropQueuedLocked(std::deque<Write>& dropped) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   bool UpLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The writer's probe when the back-off has passed: a client (re-)created or its slot map
   // refreshed closes the breaker.
@@ -234,7 +247,8 @@ class RemoteTier {
   std::deque<std::shared_ptr<ReadCall>> read_calls_ ABSL_GUARDED_BY(mu_);
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   // The breaker: open (down) until open_until_; backoff_ the next period.
-  int consecutive_failures_ ABSL_GUARDED_BY(mu_) = 0;
+  int consecutive_read_failures_ ABSL_GUARDED_BY(mu_) = 0;   // a caller's deadline counts
+  int consecutive_write_failures_ ABSL_GUARDED_BY(mu_) = 0;
   bool open_ ABSL_GUARDED_BY(mu_) = false;
   absl::Time open_until_ ABSL_GUARDED_BY(mu_);
   absl::Duration backoff_ ABSL_GUARDED_BY(mu_);

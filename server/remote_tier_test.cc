@@ -204,6 +204,17 @@ TEST(RemoteTierOptionsTest, RefusesOptionsThatCannotWork) {
   EXPECT_THAT(RemoteTier::Create(options),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstrs("queue_bytes (0)")));
   options.queue_bytes = 1 << 20;
+  options.queue_entries = 0;
+  EXPECT_THAT(RemoteTier::Create(options),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstrs("queue_entries (0)")));
+  options.queue_entries = 16;
+  options.reader_queue = 0;
+  EXPECT_THAT(RemoteTier::Create(options),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstrs("reader_queue (0)")));
+  options.reader_queue = 16;
+  options.reader_threads = 0;
+  EXPECT_THAT(RemoteTier::Create(options),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstrs("reader_threads (0)")));
   options.reader_threads = 65;
   EXPECT_THAT(RemoteTier::Create(options),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstrs("reader_threads (65)")));
@@ -256,15 +267,22 @@ class RemoteTierTest : public testing::WithRedisCluster<> {
     ASSERT_TRUE(cluster_->WaitHealthy());
   }
 
-  RemoteTierOptions Options() const {
+  RemoteTierOptions Options(absl::Duration command_timeout = absl::Milliseconds(300)) const {
     RemoteTierOptions options;
     options.cluster.seed_nodes = *ParseRedisNodeList(cluster_->NodeList());
     options.cluster.password_file =
         cluster_->WritePasswordFile("default.pass", testing::kRedisPassword);
-    options.cluster.command_timeout = absl::Milliseconds(300);
+    options.cluster.command_timeout = command_timeout;
     options.breaker_initial = absl::Milliseconds(200);
     options.breaker_max = absl::Milliseconds(800);
     return options;
+  }
+
+  // Stops (SIGSTOP) the master owning `key`'s slot; returns its port (0: none owns it).
+  int StopOwnerOf(const std::string& key) {
+    const int owner = cluster_->OwnerOf(RedisKeySlot(key));
+    if (owner > 0) cluster_->Signal(owner, SIGSTOP);
+    return owner;
   }
 
   std::unique_ptr<RemoteTier> Make(const RemoteTierOptions& options) {
@@ -390,9 +408,8 @@ TEST_F(RemoteTierTest, AStalledMasterCostsOneDeadlineThenTheBreakerRefusesUntilI
   std::unique_ptr<RemoteTier> tier = Make(Options());
   ASSERT_NE(tier, nullptr);
   const std::string key = RemoteBlockKey("scope-stall", KeyOf(7));
-  const int owner = cluster_->OwnerOf(RedisKeySlot(key));
+  const int owner = StopOwnerOf(key);
   ASSERT_GT(owner, 0);
-  cluster_->Signal(owner, SIGSTOP);
   for (int i = 0; i < RemoteTier::kBreakerFailures; ++i) {
     const absl::Time start = absl::Now();
     EXPECT_THAT(tier->ExistsEach({key}, absl::Milliseconds(20)),
@@ -415,6 +432,106 @@ TEST_F(RemoteTierTest, AStalledMasterCostsOneDeadlineThenTheBreakerRefusesUntilI
   EXPECT_THAT(tier->ExistsEach({key}, absl::Seconds(2)), IsOk());
   stats = tier->Stats();
   EXPECT_GE(stats.probes, 1u);
+}
+
+// One reader stuck on a stopped master and one call waiting for it: a further read is refused
+// at once, naming the queue, rather than waiting its deadline too.
+TEST_F(RemoteTierTest, AFullReaderQueueRefusesAReadAtOnce) {
+  RemoteTierOptions options = Options(/*command_timeout=*/absl::Seconds(2));
+  options.reader_threads = 1;
+  options.reader_queue = 1;
+  std::unique_ptr<RemoteTier> tier = Make(options);
+  ASSERT_NE(tier, nullptr);
+  const std::string key = RemoteBlockKey("scope-queue", KeyOf(3));
+  const int owner = StopOwnerOf(key);
+  ASSERT_GT(owner, 0);
+  // The first call holds the one reader; the second waits in the queue past its deadline.
+  const absl::Status first = tier->ExistsEach({key}, absl::Milliseconds(30)).status();
+  const absl::Status second = tier->ExistsEach({key}, absl::Milliseconds(30)).status();
+  const absl::Time start = absl::Now();
+  const absl::Status third = tier->GetEach({key}, absl::Seconds(1)).status();
+  const absl::Duration took = absl::Now() - start;
+  cluster_->Signal(owner, SIGCONT);
+  EXPECT_THAT(first, StatusIs(absl::StatusCode::kDeadlineExceeded, HasSubstrs("30ms")));
+  EXPECT_THAT(second, StatusIs(absl::StatusCode::kDeadlineExceeded, HasSubstrs("30ms")));
+  EXPECT_THAT(third, StatusIs(absl::StatusCode::kUnavailable,
+                              HasSubstrs("1 read calls already wait for a reader")));
+  EXPECT_LT(took, absl::Milliseconds(50));
+  const RemoteTierStats stats = tier->Stats();
+  EXPECT_EQ(stats.read_refusals, 1u);
+  EXPECT_EQ(stats.read_timeouts, 2u);
+}
+
+// Shutdown's flush: what the cluster takes within the bound is written, the rest dropped and
+// counted, never waited for.
+TEST_F(RemoteTierTest, FlushOrDropWritesWhatItCanAndCountsTheRestAsDropped) {
+  std::unique_ptr<RemoteTier> tier = Make(Options(/*command_timeout=*/absl::Seconds(2)));
+  ASSERT_NE(tier, nullptr);
+  for (uint8_t i = 0; i < 4; ++i) {
+    ASSERT_TRUE(tier->Enqueue(RemoteBlockKey("scope-drain", KeyOf(i)), Payload(100, i)));
+  }
+  EXPECT_EQ(tier->FlushOrDrop(absl::Seconds(10)), 0u);
+  EXPECT_EQ(tier->Stats().writes, 4u);
+
+  const std::string stalled_key = RemoteBlockKey("scope-drain", KeyOf(9));
+  const int owner = StopOwnerOf(stalled_key);
+  ASSERT_GT(owner, 0);
+  for (int i = 0; i < 3; ++i) EXPECT_TRUE(tier->Enqueue(stalled_key, Payload(100, i)));
+  // The first write is in flight to the stopped master; the two behind it are dropped.
+  ASSERT_TRUE(testing::PollUntil([&] { return tier->Stats().queued_writes == 3 &&
+                                              tier->Stats().queued_bytes == 200; }));
+  const absl::Time start = absl::Now();
+  const uint64_t dropped = tier->FlushOrDrop(absl::Milliseconds(200));
+  const absl::Duration took = absl::Now() - start;
+  cluster_->Signal(owner, SIGCONT);
+  EXPECT_EQ(dropped, 2u);
+  EXPECT_GE(took, absl::Milliseconds(200));
+  EXPECT_LT(took, absl::Seconds(1));
+  const RemoteTierStats stats = tier->Stats();
+  EXPECT_EQ(stats.dropped_writes, 2u);
+  EXPECT_EQ(stats.queued_bytes, 0u);
+}
+
+// A master that stops answering opens the breaker through its callers' deadlines alone, though
+// the writer keeps writing to the healthy masters and the client's own timeout has not passed:
+// lookups stop paying their deadline after kBreakerFailures of them.
+TEST_F(RemoteTierTest, CallerDeadlinesOpenTheBreakerWhileWritesToHealthyMastersSucceed) {
+  // The client's own failure comes too late to matter.
+  std::unique_ptr<RemoteTier> tier = Make(Options(/*command_timeout=*/absl::Seconds(3)));
+  ASSERT_NE(tier, nullptr);
+  const std::string stalled_key = RemoteBlockKey("scope-deadline", KeyOf(7));
+  const int stalled_owner = cluster_->OwnerOf(RedisKeySlot(stalled_key));
+  std::string healthy_key;
+  for (uint8_t i = 8; healthy_key.empty() && i < 200; ++i) {
+    const std::string key = RemoteBlockKey("scope-deadline", KeyOf(i));
+    if (cluster_->OwnerOf(RedisKeySlot(key)) != stalled_owner) healthy_key = key;
+  }
+  ASSERT_FALSE(healthy_key.empty());
+  const int owner = StopOwnerOf(stalled_key);
+  ASSERT_GT(owner, 0);
+  bool up_after_deadlines = true;
+  uint64_t writes = 0;
+  for (int i = 0; i < RemoteTier::kBreakerFailures; ++i) {
+    // A successful write between the failed reads resets nothing on the read path.
+    EXPECT_TRUE(tier->Enqueue(healthy_key, Payload(100, i)));
+    EXPECT_TRUE(tier->Flush(absl::Seconds(2)));
+    writes = tier->Stats().writes;
+    EXPECT_THAT(tier->ExistsEach({stalled_key}, absl::Milliseconds(30)),
+                StatusIs(absl::StatusCode::kDeadlineExceeded, HasSubstrs("30ms")));
+  }
+  up_after_deadlines = tier->Up();
+  const absl::Time start = absl::Now();
+  const absl::Status refused = tier->ExistsEach({stalled_key}, absl::Seconds(1)).status();
+  const absl::Duration took = absl::Now() - start;
+  cluster_->Signal(owner, SIGCONT);
+  EXPECT_EQ(writes, static_cast<uint64_t>(RemoteTier::kBreakerFailures));
+  EXPECT_FALSE(up_after_deadlines);
+  EXPECT_THAT(refused, StatusIs(absl::StatusCode::kUnavailable, HasSubstrs("circuit breaker")));
+  EXPECT_LT(took, absl::Milliseconds(50));
+  const RemoteTierStats stats = tier->Stats();
+  EXPECT_EQ(stats.read_timeouts, static_cast<uint64_t>(RemoteTier::kBreakerFailures));
+  EXPECT_EQ(stats.breaker_opens, 1u);
+  ASSERT_TRUE(testing::PollUntil([&] { return tier->Up(); }));
 }
 
 }  // namespace
