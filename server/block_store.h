@@ -109,9 +109,9 @@ class BlockStore {
   BlockStore(const BlockStore&) = delete;
   BlockStore& operator=(const BlockStore&) = delete;
 
-  // The handoff socket's intake (ArenaHandoff::BufferIntake). FAILED_PRECONDITION: not a
-  // regular file, smaller than `bytes`, not sealed with F_SEAL_SHRINK (naming the seals),
-  // no block store; RESOURCE_EXHAUSTED past offers_per_engine or engine_bytes.
+  // The handoff socket's intake (ArenaHandoff::BufferIntake). FAILED_PRECONDITION, checked in
+  // this order: not sealed with F_SEAL_SHRINK (naming the seals), not on tmpfs (hugetlbfs and
+  // others), not a regular file, smaller than `bytes`; no block store; RESOURCE_EXHAUSTED past offers_per_engine or engine_bytes.
   absl::StatusOr<uint64_t> OfferBuffer(uint64_t engine, uint64_t connection, uint64_t bytes,
                                        ScopedFd fd) ABSL_LOCKS_EXCLUDED(mu_);
 
@@ -159,8 +159,7 @@ class BlockStore {
     uint64_t engine = 0;
     uint64_t connection = 0;
     uint64_t bytes = 0;
-    uint64_t file_bytes = 0;
-    ScopedFd fd;
+    ScopedFd fd;  // sealed against shrinking (OfferBuffer)
   };
   struct Registration {
     uint64_t engine = 0;

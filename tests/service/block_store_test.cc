@@ -1,6 +1,11 @@
 // The block store (block_store.proto) against the in-process daemon: engines register their own
 // memfd pools over the real handoff socket and store and load blocks through KvClient.
+#include <fcntl.h>
+#include <linux/magic.h>
+#include <sys/mman.h>
 #include <unistd.h>
+
+#include <cerrno>
 
 #include <cstdint>
 #include <cstring>
@@ -9,6 +14,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "client/client.h"
 #include "core/block_layout.h"
 #include "gmock/gmock.h"
@@ -309,6 +315,30 @@ TEST_F(BlockStoreTest, BadOffersRegistrationsAndCallsAreRefusedWithTheirNumbersC
   EXPECT_THAT(a->UnregisterPool(registered->registration_id),
               StatusIs(absl::StatusCode::kNotFound,
                        HasSubstr(absl::StrCat("no registration ", registered->registration_id))));
+}
+
+TEST_F(BlockStoreTest, OffersAreCheckedSealsFirstThenTheirFileSystem) {
+  std::unique_ptr<KvClient> a = NewClient("engine-a");
+  ASSERT_NE(a, nullptr);
+  // A pipe: refused by its seals before anything stats it (fstat of a FUSE file can block).
+  int pipe_fds[2];
+  ASSERT_EQ(pipe(pipe_fds), 0);
+  const ScopedFd read_end(pipe_fds[0]);
+  const ScopedFd write_end(pipe_fds[1]);
+  EXPECT_THAT(a->OfferPoolBuffer(read_end.get(), 4096),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstrs("seals are unavailable", "F_SEAL_SHRINK")));
+  // A sealed memfd on hugetlbfs: its pages can run out under the mapping.
+  const int huge = memfd_create("block-store-huge", MFD_HUGETLB | MFD_ALLOW_SEALING);
+  if (huge < 0) GTEST_SKIP() << "no hugetlb memfd here: " << strerror(errno);
+  const ScopedFd huge_fd(huge);
+  ASSERT_EQ(ftruncate(huge_fd.get(), 2 << 20), 0) << strerror(errno);
+  ASSERT_EQ(fcntl(huge_fd.get(), F_ADD_SEALS, F_SEAL_SHRINK), 0) << strerror(errno);
+  EXPECT_THAT(a->OfferPoolBuffer(huge_fd.get(), 4096),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstrs(absl::StrFormat("file system 0x%x, not tmpfs (0x%x)",
+                                                  HUGETLBFS_MAGIC, TMPFS_MAGIC))));
+  EXPECT_EQ(daemon_->block_store().counts().offers, 0u);
 }
 
 TEST_F(BlockStoreTest, ACorruptStoredBlockIsDataLossForThatBlockAndDropped) {
