@@ -66,7 +66,8 @@ struct BlockPoolSpec {
 };
 
 struct BlockPoolLimits {
-  size_t max_buffers = 1024;
+  // Buffers of one registration, each a mapping: per-layer K and V of the largest models fit.
+  size_t max_buffers = 256;
   size_t max_tensors = 4096;
   size_t max_model_bytes = 256;
   uint64_t max_num_blocks = uint64_t{1} << 32;  // block ids are u32 on the wire

@@ -122,7 +122,7 @@ TEST(BlockLayoutTest, EveryRefusalNamesItsNumbers) {
     std::vector<std::string> words;
   };
   const std::vector<Case> cases = {
-      {"no buffers", [](BlockPoolSpec& s) { s.buffer_bytes.clear(); }, {"0 buffers", "1 to 1024"}},
+      {"no buffers", [](BlockPoolSpec& s) { s.buffer_bytes.clear(); }, {"0 buffers", "1 to 256"}},
       {"empty buffer", [](BlockPoolSpec& s) { s.buffer_bytes[0] = 0; }, {"buffer 0 is 0 bytes"}},
       {"no blocks", [](BlockPoolSpec& s) { s.num_blocks = 0; }, {"num_blocks 0"}},
       {"no tokens", [](BlockPoolSpec& s) { s.tokens_per_block = 0; }, {"tokens_per_block 0", "1 to 4096"}},

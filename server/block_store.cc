@@ -125,6 +125,11 @@ absl::StatusOr<uint64_t> BlockStore::OfferBuffer(uint64_t engine, uint64_t conne
         "the offered buffer holds ", file_bytes, " bytes; the offer says ", bytes));
   }
   absl::MutexLock lock(&mu_);
+  if (offers_.size() >= limits_.max_offers) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "the daemon holds ", offers_.size(), " unregistered buffer offers of all engines; the "
+        "limit is ", limits_.max_offers, " (block_store_max_offers)"));
+  }
   const size_t offers = CountOf(offers_, engine);
   if (offers >= limits_.offers_per_engine) {
     return absl::ResourceExhaustedError(absl::StrCat("engine ", engine, " holds ", offers,
@@ -162,6 +167,17 @@ absl::StatusOr<BlockStoreRegistration> BlockStore::Register(
       return absl::ResourceExhaustedError(absl::StrCat(
           "engine ", engine, " holds ", registered, " registrations; the limit is ",
           limits_.registrations_per_engine));
+    }
+    size_t mapped_buffers = 0;
+    for (const auto& [id, registration] : registrations_) {
+      mapped_buffers += registration->base.size();
+    }
+    if (mapped_buffers > limits_.max_mapped_buffers ||
+        buffers.size() > limits_.max_mapped_buffers - mapped_buffers) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "registering ", buffers.size(), " buffers: the daemon maps ", mapped_buffers,
+          " of all engines; the limit is ", limits_.max_mapped_buffers,
+          " (block_store_max_mapped_buffers)"));
     }
     for (size_t i = 0; i < buffers.size(); ++i) {
       const EngineBufferRequest& buffer = buffers[i];

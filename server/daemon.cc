@@ -52,6 +52,8 @@ BlockStoreLimits BlockStoreLimitsOf(const DaemonConfig& config) {
   limits.engine_bytes = config.block_store_engine_bytes;
   limits.registrations_per_engine = static_cast<size_t>(config.block_store_max_registrations);
   limits.pins_per_engine = static_cast<size_t>(config.block_store_max_pins);
+  limits.max_offers = static_cast<size_t>(config.block_store_max_offers);
+  limits.max_mapped_buffers = static_cast<size_t>(config.block_store_max_mapped_buffers);
   return limits;
 }
 

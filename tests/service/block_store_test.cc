@@ -463,6 +463,43 @@ TEST_F(BlockStoreTest, RegistrationsAndPinsDieWithTheEnginesLease) {
   EXPECT_EQ(daemon_->prefix_cache()->Stats().entries, 2u);
 }
 
+class BlockStoreDaemonWideTest : public BlockStoreTest {
+ protected:
+  void ConfigureDaemon(DaemonConfig& config) override {
+    BlockStoreTest::ConfigureDaemon(config);
+    config.block_store_max_offers = 2;
+    config.block_store_max_mapped_buffers = 1;
+  }
+};
+
+TEST_F(BlockStoreDaemonWideTest, OffersAndMappedBuffersAreCappedAcrossEngines) {
+  std::unique_ptr<KvClient> a = NewClient("engine-a");
+  std::unique_ptr<KvClient> b = NewClient("engine-b");
+  ASSERT_NE(a, nullptr);
+  ASSERT_NE(b, nullptr);
+  TestBlockPool pool_a = MustPool();
+  TestBlockPool pool_b = MustPool();
+  absl::StatusOr<uint64_t> offer_a = a->OfferPoolBuffer(pool_a.fd(), pool_a.bytes());
+  absl::StatusOr<uint64_t> offer_b = b->OfferPoolBuffer(pool_b.fd(), pool_b.bytes());
+  ASSERT_THAT(offer_a, IsOk());
+  ASSERT_THAT(offer_b, IsOk());
+  // Each engine is far below its own limits; the daemon's descriptors are not.
+  EXPECT_THAT(a->OfferPoolBuffer(pool_a.fd(), 4096),
+              StatusIs(absl::StatusCode::kResourceExhausted,
+                       HasSubstrs("the daemon holds 2 unregistered buffer offers of all engines; "
+                                  "the limit is 2 (block_store_max_offers)")));
+  const PoolBufferRef ref_a{.handoff_buffer_id = *offer_a, .bytes = pool_a.bytes()};
+  const PoolBufferRef ref_b{.handoff_buffer_id = *offer_b, .bytes = pool_b.bytes()};
+  ASSERT_THAT(a->RegisterPool(kShape.Spec(), {&ref_a, 1}), IsOk());
+  EXPECT_THAT(b->RegisterPool(kShape.Spec(), {&ref_b, 1}),
+              StatusIs(absl::StatusCode::kResourceExhausted,
+                       HasSubstrs("registering 1 buffers: the daemon maps 1 of all engines; the "
+                                  "limit is 1 (block_store_max_mapped_buffers)")));
+  const BlockStore::Counts counts = daemon_->block_store().counts();
+  EXPECT_EQ(counts.registrations, 1u);
+  EXPECT_EQ(counts.offers, 1u);  // b's, unused by the refusal
+}
+
 class BlockStoreBudgetTest : public BlockStoreTest {
  protected:
   // Room for six blocks of 2 KiB (rounded to the slabs' 256-byte alignment: exactly).
