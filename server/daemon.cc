@@ -534,10 +534,11 @@ void Daemon::CheckLeases() {
 void Daemon::FreeUnusablePools() {
   absl::flat_hash_map<uint64_t, bool> lease_live;
   for (const EngineView& engine : leases_.Engines()) lease_live[engine.id.value] = engine.lease_live;
-  // Registrations and pins die with the lease; pins also with their TTL.
+  // Registrations and pins die with the engine (reclaimed: unknown here), not with its stream:
+  // an engine that re-attaches within its grace keeps them as it keeps its sessions. Pins also
+  // die with their TTL.
   for (uint64_t engine : block_store_.Engines()) {
-    auto live = lease_live.find(engine);
-    if (live == lease_live.end() || !live->second) block_store_.ForgetEngine(engine);
+    if (!lease_live.contains(engine)) block_store_.ForgetEngine(engine);
   }
   block_store_.ExpirePins();
   for (const auto& [engine, stats] : arena_pool_.Stats()) {

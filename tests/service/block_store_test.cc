@@ -463,6 +463,28 @@ TEST_F(BlockStoreTest, RegistrationsAndPinsDieWithTheEnginesLease) {
   EXPECT_EQ(daemon_->prefix_cache()->Stats().entries, 2u);
 }
 
+TEST_F(BlockStoreTest, AnEngineThatReattachesWithinItsGraceKeepsItsRegistration) {
+  std::unique_ptr<KvClient> a = NewClient("engine-a");
+  ASSERT_NE(a, nullptr);
+  TestBlockPool pool = MustPool();
+  const RegisteredPool registered = MustRegister(*a, pool);
+  ASSERT_THAT(a->StoreBlocks(ByHashes(registered, Hashes(0, 1), {0})), IsOk());
+  // The lease lapses (its stream is cancelled); the client re-attaches as the same engine
+  // within the grace while the daemon checks its leases.
+  clock_.Advance(absl::Milliseconds(kLeaseTimeoutMs + 1));
+  for (int i = 0; i < 3000 && a->reattaches() == 0; ++i) {
+    daemon_->CheckLeases();
+    absl::SleepFor(absl::Milliseconds(1));
+  }
+  ASSERT_GE(a->reattaches(), 1u) << a->lease_lost();
+  daemon_->CheckLeases();
+  EXPECT_EQ(daemon_->block_store().counts().registrations, 1u);
+  absl::StatusOr<BlockStoreTransfer> stored =
+      a->StoreBlocks(ByHashes(registered, Hashes(1, 1), {1}));
+  ASSERT_THAT(stored, IsOk());
+  EXPECT_THAT(Codes(*stored), ElementsAre(absl::StatusCode::kOk));
+}
+
 class BlockStoreDaemonWideTest : public BlockStoreTest {
  protected:
   void ConfigureDaemon(DaemonConfig& config) override {
