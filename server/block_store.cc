@@ -468,10 +468,11 @@ absl::StatusOr<BlockTransferResult> BlockStore::Load(uint64_t engine,
     state = PoolBlockOf(resolved, blocks.back().key, transfer.block_ids.back(), true);
   }
   BlockTransferResult result;
-  result.blocks =
-      cache_->LoadPoolBlocks(*resolved.space, resolved.registration->arena, blocks, state);
-  // The lookup's pin is released after the load holds its own.
-  if (released.has_value()) cache_->UnpinPoolEntries(released->entries);
+  // The lookup's pin is released after the load holds its own, before a corrupt block drops.
+  result.blocks = cache_->LoadPoolBlocks(
+      *resolved.space, resolved.registration->arena, blocks, state,
+      released.has_value() ? absl::Span<const EntryId>(released->entries)
+                           : absl::Span<const EntryId>());
   for (const PoolBlockResult& block : result.blocks) result.copied_bytes += block.copied_bytes;
   return result;
 }

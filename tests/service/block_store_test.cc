@@ -362,9 +362,17 @@ TEST_F(BlockStoreTest, ACorruptStoredBlockIsDataLossForThatBlockAndDropped) {
   const std::vector<uint8_t> garbage = {0xde, 0xad};
   ASSERT_THAT(host_->Write(span->slab, span->offset + 100, garbage), IsOk());
 
-  absl::StatusOr<BlockStoreTransfer> loaded =
-      a->LoadBlocks(ByHashes(registered, Hashes(0, 3), {10, 11, 12}));
+  // Loaded with its lookup's pin: the pin is released before the corrupt entry drops.
+  BlockStoreCall lookup = ByHashes(registered, Hashes(0, 3));
+  lookup.pin_ttl_ms = 10'000;
+  absl::StatusOr<BlockStoreMatch> match = a->LookupBlocks(lookup);
+  ASSERT_THAT(match, IsOk());
+  ASSERT_EQ(match->matched_blocks, 3u);
+  BlockStoreCall load = ByHashes(registered, Hashes(0, 3), {10, 11, 12});
+  load.pin_id = match->pin_id;
+  absl::StatusOr<BlockStoreTransfer> loaded = a->LoadBlocks(load);
   ASSERT_THAT(loaded, IsOk());
+  EXPECT_EQ(daemon_->prefix_cache()->Stats().pinned_bytes, 0u);
   EXPECT_THAT(Codes(*loaded), ElementsAre(absl::StatusCode::kOk, absl::StatusCode::kDataLoss,
                                           absl::StatusCode::kOk));
   EXPECT_THAT(loaded->blocks[1].status.message(), HasSubstrs("xxHash3", "never served"));
