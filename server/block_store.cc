@@ -534,6 +534,19 @@ void BlockStore::ExpirePins() {
   if (!expired.empty()) cache_->UnpinPoolEntries(expired);
 }
 
+void BlockStore::ExpireOffers() {
+  std::vector<ScopedFd> closed;  // closed after the lock
+  absl::MutexLock lock(&mu_);
+  for (auto it = offers_.begin(); it != offers_.end();) {
+    if (!connection_open_(it->second.connection, it->second.engine)) {
+      closed.push_back(std::move(it->second.fd));
+      offers_.erase(it++);
+    } else {
+      ++it;
+    }
+  }
+}
+
 std::vector<uint64_t> BlockStore::Engines() const {
   absl::MutexLock lock(&mu_);
   std::vector<uint64_t> engines;

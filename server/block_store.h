@@ -149,6 +149,9 @@ class BlockStore {
   void ForgetEngine(uint64_t engine) ABSL_LOCKS_EXCLUDED(mu_);
   // Releases pins whose TTL passed (the daemon's lease thread).
   void ExpirePins() ABSL_LOCKS_EXCLUDED(mu_);
+  // Closes offers whose handoff connection no longer serves their engine (it closed, or a
+  // re-attach replaced it): they could never register (the daemon's lease thread).
+  void ExpireOffers() ABSL_LOCKS_EXCLUDED(mu_);
   // Engines holding anything here (the daemon checks their leases).
   std::vector<uint64_t> Engines() const ABSL_LOCKS_EXCLUDED(mu_);
 

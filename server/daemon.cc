@@ -541,6 +541,7 @@ void Daemon::FreeUnusablePools() {
     if (!lease_live.contains(engine)) block_store_.ForgetEngine(engine);
   }
   block_store_.ExpirePins();
+  block_store_.ExpireOffers();
   for (const auto& [engine, stats] : arena_pool_.Stats()) {
     auto live = lease_live.find(engine);
     if (live == lease_live.end()) {

@@ -477,6 +477,7 @@ TEST_F(BlockStoreTest, AnEngineThatReattachesWithinItsGraceKeepsItsRegistration)
   TestBlockPool pool = MustPool();
   const RegisteredPool registered = MustRegister(*a, pool);
   ASSERT_THAT(a->StoreBlocks(ByHashes(registered, Hashes(0, 1), {0})), IsOk());
+  ASSERT_THAT(a->OfferPoolBuffer(pool.fd(), 4096), IsOk());  // its connection is replaced below
   // The lease lapses (its stream is cancelled); the client re-attaches as the same engine
   // within the grace while the daemon checks its leases.
   clock_.Advance(absl::Milliseconds(kLeaseTimeoutMs + 1));
@@ -487,6 +488,9 @@ TEST_F(BlockStoreTest, AnEngineThatReattachesWithinItsGraceKeepsItsRegistration)
   ASSERT_GE(a->reattaches(), 1u) << a->lease_lost();
   daemon_->CheckLeases();
   EXPECT_EQ(daemon_->block_store().counts().registrations, 1u);
+  // The re-attach's new handoff connection replaced the one the offer came over: the offer
+  // could never register, and holds no descriptor or bytes any more.
+  EXPECT_EQ(daemon_->block_store().counts().offers, 0u);
   absl::StatusOr<BlockStoreTransfer> stored =
       a->StoreBlocks(ByHashes(registered, Hashes(1, 1), {1}));
   ASSERT_THAT(stored, IsOk());
