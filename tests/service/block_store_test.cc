@@ -497,6 +497,111 @@ TEST_F(BlockStoreTest, AnEngineThatReattachesWithinItsGraceKeepsItsRegistration)
   EXPECT_THAT(Codes(*stored), ElementsAre(absl::StatusCode::kOk));
 }
 
+TEST_F(BlockStoreTest, MalformedKeysAndEventFieldsAreRefusedWithTheirNumbers) {
+  std::unique_ptr<KvClient> a = NewClient("engine-a");
+  std::unique_ptr<KvClient> b = NewClient("engine-b");
+  ASSERT_NE(a, nullptr);
+  ASSERT_NE(b, nullptr);
+  TestBlockPool pool = MustPool();
+  const RegisteredPool registered = MustRegister(*a, pool);
+  BlockStoreCall both = ByHashes(registered, Hashes(0, 1), {0});
+  both.keys.token_ids.assign(kTokensPerBlock, 1);
+  EXPECT_THAT(a->StoreBlocks(both),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstrs("keys give both 1 block hashes and 16 token ids")));
+  BlockStoreCall many = ByHashes(registered, Hashes(0, 65537));
+  EXPECT_THAT(a->LookupBlocks(many),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstrs("keys name 65537 blocks; a call names at most 65536")));
+  BlockStoreCall parent = ByHashes(registered, Hashes(0, 1), {0});
+  parent.parent_hash = std::string(65, 'p');
+  EXPECT_THAT(a->StoreBlocks(parent),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstrs("parent_hash is 65 bytes; at most 64")));
+  BlockStoreCall tokens = ByHashes(registered, Hashes(0, 2), {0, 1});
+  tokens.event_token_ids.assign(3, 7);
+  EXPECT_THAT(a->StoreBlocks(tokens),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstrs("3 event token ids for 2 blocks of 16 tokens (give none or 32)")));
+  BlockStoreCall skip_hashes = ByHashes(registered, Hashes(0, 2), {1});
+  skip_hashes.skip_blocks = 1;
+  EXPECT_THAT(a->StoreBlocks(skip_hashes),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstrs("skip_blocks 1 with block hashes")));
+  BlockStoreCall skip_past;
+  skip_past.registration_id = registered.registration_id;
+  skip_past.keys.token_ids.assign(2 * kTokensPerBlock, 3);
+  skip_past.skip_blocks = 3;
+  EXPECT_THAT(a->StoreBlocks(skip_past),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstrs("skip_blocks 3 exceeds the 2 whole blocks")));
+  EXPECT_EQ(daemon_->prefix_cache()->Stats().entries, 0u);
+  // Another engine's pin is not a load's to release.
+  ASSERT_THAT(a->StoreBlocks(ByHashes(registered, Hashes(0, 1), {0})), IsOk());
+  BlockStoreCall lookup = ByHashes(registered, Hashes(0, 1));
+  lookup.pin_ttl_ms = 10'000;
+  absl::StatusOr<BlockStoreMatch> match = a->LookupBlocks(lookup);
+  ASSERT_THAT(match, IsOk());
+  TestBlockPool pool_b = MustPool();
+  const RegisteredPool registered_b = MustRegister(*b, pool_b);
+  BlockStoreCall load = ByHashes(registered_b, Hashes(0, 1), {3});
+  load.pin_id = match->pin_id;
+  EXPECT_THAT(b->LoadBlocks(load),
+              StatusIs(absl::StatusCode::kPermissionDenied,
+                       HasSubstrs(absl::StrCat("pin ", match->pin_id, " is not engine ",
+                                               b->engine_id()))));
+  EXPECT_EQ(daemon_->block_store().counts().pins, 1u);
+}
+
+TEST_F(BlockStoreTest, PerEngineOfferAndRegistrationCountsAreCapped) {
+  std::unique_ptr<KvClient> a = NewClient("engine-a");
+  ASSERT_NE(a, nullptr);
+  std::vector<TestBlockPool> pools;
+  for (int i = 0; i < 16; ++i) {
+    pools.push_back(MustPool());
+    MustRegister(*a, pools.back());
+  }
+  TestBlockPool extra = MustPool();
+  EXPECT_THAT(Register(*a, extra, kShape.Spec()),
+              StatusIs(absl::StatusCode::kResourceExhausted,
+                       HasSubstrs(absl::StrCat("engine ", a->engine_id(),
+                                               " holds 16 registrations; the limit is 16"))));
+  // The refused registration left its offer: 255 more fill the engine's 256.
+  for (int i = 0; i < 255; ++i) ASSERT_THAT(a->OfferPoolBuffer(extra.fd(), 4096), IsOk()) << i;
+  EXPECT_THAT(a->OfferPoolBuffer(extra.fd(), 4096),
+              StatusIs(absl::StatusCode::kResourceExhausted,
+                       HasSubstrs(absl::StrCat("engine ", a->engine_id(), " holds 256 unregistered "
+                                               "buffer offers; the limit is 256"))));
+}
+
+class BlockStoreEngineBytesTest : public BlockStoreTest {
+ protected:
+  void ConfigureDaemon(DaemonConfig& config) override {
+    BlockStoreTest::ConfigureDaemon(config);
+    config.block_store_engine_bytes = 8192;
+  }
+};
+
+TEST_F(BlockStoreEngineBytesTest, OffersAndRegistrationsAreCappedByTheEnginesBytes) {
+  std::unique_ptr<KvClient> a = NewClient("engine-a");
+  ASSERT_NE(a, nullptr);
+  TestBlockPool pool = MustPool();
+  absl::StatusOr<uint64_t> offer = a->OfferPoolBuffer(pool.fd(), 4096);
+  ASSERT_THAT(offer, IsOk());
+  EXPECT_THAT(a->OfferPoolBuffer(pool.fd(), 8192),
+              StatusIs(absl::StatusCode::kResourceExhausted,
+                       HasSubstrs(absl::StrCat("engine ", a->engine_id(), " offers 8192 bytes and "
+                                               "holds 4096 offered or registered; the limit is "
+                                               "8192 (block_store_engine_bytes)"))));
+  // Registering the whole file over a 4096-byte offer: the registration's bytes count.
+  const PoolBufferRef ref{.handoff_buffer_id = *offer, .bytes = pool.bytes()};
+  EXPECT_THAT(a->RegisterPool(kShape.Spec(), {&ref, 1}),
+              StatusIs(absl::StatusCode::kResourceExhausted,
+                       HasSubstrs(absl::StrCat("engine ", a->engine_id(), " registers ",
+                                               pool.bytes(), " bytes and holds 0; the limit is "
+                                               "8192 (block_store_engine_bytes)"))));
+  EXPECT_EQ(daemon_->block_store().counts().registrations, 0u);
+}
+
 class BlockStoreDaemonWideTest : public BlockStoreTest {
  protected:
   void ConfigureDaemon(DaemonConfig& config) override {
