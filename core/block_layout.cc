@@ -120,7 +120,10 @@ absl::StatusOr<BlockPoolLayout> ValidateBlockPool(const BlockPoolSpec& spec,
   if (spec.num_blocks == 0 || spec.num_blocks > limits.max_num_blocks) {
     return refuse("num_blocks ", spec.num_blocks, "; 1 to ", limits.max_num_blocks);
   }
-  if (spec.tokens_per_block == 0) return refuse("tokens_per_block is 0");
+  if (spec.tokens_per_block == 0 || spec.tokens_per_block > limits.max_tokens_per_block) {
+    return refuse("tokens_per_block ", spec.tokens_per_block, "; 1 to ",
+                  limits.max_tokens_per_block);
+  }
   if (spec.num_kv_heads == 0 || spec.head_dim == 0) {
     return refuse("num_kv_heads ", spec.num_kv_heads, " and head_dim ", spec.head_dim,
                   " must both be at least 1");

@@ -66,10 +66,13 @@ struct BlockPoolSpec {
 };
 
 struct BlockPoolLimits {
-  size_t max_buffers = 1024;
+  // Buffers of one registration, each a mapping: per-layer K and V of the largest models fit.
+  size_t max_buffers = 256;
   size_t max_tensors = 4096;
   size_t max_model_bytes = 256;
   uint64_t max_num_blocks = uint64_t{1} << 32;  // block ids are u32 on the wire
+  // A stored block's STORED event carries its token ids: this bounds them per block.
+  uint32_t max_tokens_per_block = 4096;
 };
 
 // One contiguous range of one block (or boundary state) in the engine's pool.

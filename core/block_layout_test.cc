@@ -122,10 +122,12 @@ TEST(BlockLayoutTest, EveryRefusalNamesItsNumbers) {
     std::vector<std::string> words;
   };
   const std::vector<Case> cases = {
-      {"no buffers", [](BlockPoolSpec& s) { s.buffer_bytes.clear(); }, {"0 buffers", "1 to 1024"}},
+      {"no buffers", [](BlockPoolSpec& s) { s.buffer_bytes.clear(); }, {"0 buffers", "1 to 256"}},
       {"empty buffer", [](BlockPoolSpec& s) { s.buffer_bytes[0] = 0; }, {"buffer 0 is 0 bytes"}},
       {"no blocks", [](BlockPoolSpec& s) { s.num_blocks = 0; }, {"num_blocks 0"}},
-      {"no tokens", [](BlockPoolSpec& s) { s.tokens_per_block = 0; }, {"tokens_per_block is 0"}},
+      {"no tokens", [](BlockPoolSpec& s) { s.tokens_per_block = 0; }, {"tokens_per_block 0", "1 to 4096"}},
+      {"too many tokens", [](BlockPoolSpec& s) { s.tokens_per_block = 4097; },
+       {"tokens_per_block 4097", "1 to 4096"}},
       {"no heads", [](BlockPoolSpec& s) { s.num_kv_heads = 0; }, {"num_kv_heads 0", "head_dim 4"}},
       {"order", [](BlockPoolSpec& s) { s.order = 3; }, {"unknown block order 3"}},
       {"element", [](BlockPoolSpec& s) { s.element = 0; }, {"unknown block element type 0"}},

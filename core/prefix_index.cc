@@ -243,7 +243,11 @@ absl::StatusOr<CommitResult> PrefixIndex::CommitCapture(const CapturePlan& plan,
   entry.chain = plan.chain;
   entry.epoch = options_.epoch;
   entry.last_use_tick = now_tick;
-  entry.origin = plan.origin;
+  // The entry keeps only what its removal event names (the engine's hashes, the engine): the
+  // token ids and parent were news once, in STORED, and would hold heap for the entry's life.
+  entry.origin.block_hashes = plan.origin.block_hashes;
+  entry.origin.engine_id = plan.origin.engine_id;
+  entry.origin.from_engine_pool = plan.origin.from_engine_pool;
   PrefixEvent stored;
   stored.kind = PrefixEventKind::kStored;
   stored.fingerprint = plan.fingerprint;
@@ -405,10 +409,8 @@ PrefixIndex::Removal PrefixIndex::RemoveEntry(EntryId id) {
     removal.handles.push_back(entry.boundary->storage_handle);
     removal.boundary_key = entry.chain.back();
   }
-  // Removal events name the blocks as their engine knows them, not what a store's call said.
-  removal.origin.block_hashes = std::move(entry.origin.block_hashes);
-  removal.origin.engine_id = entry.origin.engine_id;
-  removal.origin.from_engine_pool = entry.origin.from_engine_pool;
+  // Removal events name the blocks as their engine knows them (all the entry keeps).
+  removal.origin = std::move(entry.origin);
   by_boundary_.erase(entry.chain.back());
   lru_.erase({entry.last_use_tick, id});
   entries_.erase(it);

@@ -354,7 +354,7 @@ class PrefixIndex {
     uint64_t epoch = 0;
     uint64_t last_use_tick = 0;
     uint32_t pins = 0;
-    PrefixEventOrigin origin;
+    PrefixEventOrigin origin;  // block_hashes, engine_id, from_engine_pool only
   };
   // Freed by removing one entry (before it becomes an event or a result).
   struct Removal {

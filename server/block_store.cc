@@ -1,7 +1,9 @@
 #include "server/block_store.h"
 
 #include <fcntl.h>
+#include <linux/magic.h>
 #include <sys/stat.h>
+#include <sys/vfs.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -19,6 +21,39 @@ namespace memra {
 namespace {
 
 std::string KeyBytes(const BlockKey& key) { return std::string(key.begin(), key.end()); }
+
+// Without F_SEAL_SHRINK the engine could truncate the file under the daemon's mapping, and the
+// daemon's next copy would fault (SIGBUS) instead of refusing.
+absl::Status CheckCannotShrink(int fd) {
+  const int seals = fcntl(fd, F_GET_SEALS);
+  if (seals >= 0 && (seals & F_SEAL_SHRINK) != 0) return absl::OkStatus();
+  return absl::FailedPreconditionError(absl::StrFormat(
+      "the offered buffer's seals are %s; it must be sealed with F_SEAL_SHRINK (memfd_create "
+      "with MFD_ALLOW_SEALING, then fcntl F_ADD_SEALS) so it cannot shrink under the daemon",
+      seals < 0 ? absl::StrCat("unavailable (", strerror(errno), ")")
+                : absl::StrFormat("0x%x", seals)));
+}
+
+// The size of a sealed memfd. Only tmpfs (plain memfd) is accepted: hugetlbfs pages can run out
+// under a mapping (SIGBUS on first touch) and other file systems are not what an engine's pool
+// lives in.
+absl::StatusOr<uint64_t> MemfdBytes(int fd) {
+  struct statfs filesystem {};
+  if (fstatfs(fd, &filesystem) != 0) return PosixError("fstatfs of an offered buffer", errno);
+  if (static_cast<uint64_t>(filesystem.f_type) != TMPFS_MAGIC) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "the offered buffer is on file system 0x%x, not tmpfs (0x%x): offer a memfd created "
+        "without MFD_HUGETLB",
+        static_cast<uint64_t>(filesystem.f_type), static_cast<uint64_t>(TMPFS_MAGIC)));
+  }
+  struct stat info {};
+  if (fstat(fd, &info) != 0) return PosixError("fstat of an offered buffer", errno);
+  if (!S_ISREG(info.st_mode)) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "the offered buffer is not a regular file (mode %o): offer a memfd", info.st_mode));
+  }
+  return static_cast<uint64_t>(std::max<off_t>(info.st_size, 0));
+}
 
 }  // namespace
 
@@ -81,28 +116,20 @@ uint64_t BlockStore::EngineBytesLocked(uint64_t engine) const {
 absl::StatusOr<uint64_t> BlockStore::OfferBuffer(uint64_t engine, uint64_t connection,
                                                  uint64_t bytes, ScopedFd fd) {
   RETURN_IF_ERROR(Enabled());
-  struct stat info {};
-  if (fstat(fd.get(), &info) != 0) return PosixError("fstat of an offered buffer", errno);
-  if (!S_ISREG(info.st_mode)) {
-    return absl::FailedPreconditionError(absl::StrFormat(
-        "the offered buffer is not a regular file (mode %o): offer a memfd", info.st_mode));
-  }
-  const uint64_t file_bytes = static_cast<uint64_t>(std::max<off_t>(info.st_size, 0));
+  // The seals first: a file that cannot shrink keeps the size read after them, and anything but
+  // a sealable memfd is refused before a call (fstat on FUSE) that could block this thread.
+  RETURN_IF_ERROR(CheckCannotShrink(fd.get()));
+  ASSIGN_OR_RETURN(const uint64_t file_bytes, MemfdBytes(fd.get()));
   if (file_bytes < bytes) {
     return absl::FailedPreconditionError(absl::StrCat(
         "the offered buffer holds ", file_bytes, " bytes; the offer says ", bytes));
   }
-  // Without F_SEAL_SHRINK the engine could truncate the file under the daemon's mapping, and
-  // the daemon's next copy would fault (SIGBUS) instead of refusing.
-  const int seals = fcntl(fd.get(), F_GET_SEALS);
-  if (seals < 0 || (seals & F_SEAL_SHRINK) == 0) {
-    return absl::FailedPreconditionError(absl::StrFormat(
-        "the offered buffer's seals are %s; it must be sealed with F_SEAL_SHRINK (memfd_create "
-        "with MFD_ALLOW_SEALING, then fcntl F_ADD_SEALS) so it cannot shrink under the daemon",
-        seals < 0 ? absl::StrCat("unavailable (", strerror(errno), ")")
-                  : absl::StrFormat("0x%x", seals)));
-  }
   absl::MutexLock lock(&mu_);
+  if (offers_.size() >= limits_.max_offers) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "the daemon holds ", offers_.size(), " unregistered buffer offers of all engines; the "
+        "limit is ", limits_.max_offers, " (block_store_max_offers)"));
+  }
   const size_t offers = CountOf(offers_, engine);
   if (offers >= limits_.offers_per_engine) {
     return absl::ResourceExhaustedError(absl::StrCat("engine ", engine, " holds ", offers,
@@ -120,7 +147,6 @@ absl::StatusOr<uint64_t> BlockStore::OfferBuffer(uint64_t engine, uint64_t conne
   offers_[id] = Offer{.engine = engine,
                       .connection = connection,
                       .bytes = bytes,
-                      .file_bytes = file_bytes,
                       .fd = std::move(fd)};
   return id;
 }
@@ -152,6 +178,17 @@ absl::StatusOr<BlockStoreRegistration> BlockStore::Register(
           "engine ", engine, " holds ", registered, " registrations; the limit is ",
           limits_.registrations_per_engine));
     }
+    size_t mapped_buffers = 0;
+    for (const auto& [id, registration] : registrations_) {
+      mapped_buffers += registration->base.size();
+    }
+    if (mapped_buffers > limits_.max_mapped_buffers ||
+        buffers.size() > limits_.max_mapped_buffers - mapped_buffers) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "registering ", buffers.size(), " buffers: the daemon maps ", mapped_buffers,
+          " of all engines; the limit is ", limits_.max_mapped_buffers,
+          " (block_store_max_mapped_buffers)"));
+    }
     for (size_t i = 0; i < buffers.size() && by_ipc_handle; ++i) {
       ASSIGN_OR_RETURN(total, CheckedAdd(total, buffers[i].bytes, "registered bytes"));
       to_open.push_back({.ipc_handle = buffers[i].cuda_ipc_handle,
@@ -178,12 +215,14 @@ absl::StatusOr<BlockStoreRegistration> BlockStore::Register(
             "connection ", offer.connection, ", which is closed (an offer is valid while its "
             "connection is)"));
       }
+      // Read again right before mapping: the mapping must lie inside the file as it is now.
+      ASSIGN_OR_RETURN(const uint64_t file_bytes, MemfdBytes(offer.fd.get()));
       absl::StatusOr<uint64_t> end =
           CheckedAdd(buffer.offset_in_allocation, buffer.bytes, "buffer range");
-      if (!end.ok() || *end > offer.file_bytes) {
+      if (!end.ok() || *end > file_bytes) {
         return absl::FailedPreconditionError(absl::StrCat(
             "buffer ", i, ": ", buffer.bytes, " bytes at offset ", buffer.offset_in_allocation,
-            " of offered buffer ", buffer.handoff_buffer_id, ", which holds ", offer.file_bytes));
+            " of offered buffer ", buffer.handoff_buffer_id, ", which holds ", file_bytes));
       }
       for (size_t j = 0; j < i; ++j) {
         if (buffers[j].handoff_buffer_id == buffer.handoff_buffer_id) {
@@ -449,10 +488,11 @@ absl::StatusOr<BlockTransferResult> BlockStore::Load(uint64_t engine,
     state = PoolBlockOf(resolved, blocks.back().key, transfer.block_ids.back(), true);
   }
   BlockTransferResult result;
-  result.blocks =
-      cache_->LoadPoolBlocks(*resolved.space, resolved.registration->arena, blocks, state);
-  // The lookup's pin is released after the load holds its own.
-  if (released.has_value()) cache_->UnpinPoolEntries(released->entries);
+  // The lookup's pin is released after the load holds its own, before a corrupt block drops.
+  result.blocks = cache_->LoadPoolBlocks(
+      *resolved.space, resolved.registration->arena, blocks, state,
+      released.has_value() ? absl::Span<const EntryId>(released->entries)
+                           : absl::Span<const EntryId>());
   for (const PoolBlockResult& block : result.blocks) result.copied_bytes += block.copied_bytes;
   return result;
 }
@@ -512,6 +552,19 @@ void BlockStore::ExpirePins() {
     }
   }
   if (!expired.empty()) cache_->UnpinPoolEntries(expired);
+}
+
+void BlockStore::ExpireOffers() {
+  std::vector<ScopedFd> closed;  // closed after the lock
+  absl::MutexLock lock(&mu_);
+  for (auto it = offers_.begin(); it != offers_.end();) {
+    if (!connection_open_(it->second.connection, it->second.engine)) {
+      closed.push_back(std::move(it->second.fd));
+      offers_.erase(it++);
+    } else {
+      ++it;
+    }
+  }
 }
 
 std::vector<uint64_t> BlockStore::Engines() const {

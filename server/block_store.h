@@ -44,8 +44,12 @@ namespace memra {
 struct BlockStoreLimits {
   // Bytes an engine may have offered and registered at once (block_store_engine_bytes).
   uint64_t engine_bytes = uint64_t{64} << 30;
-  size_t offers_per_engine = 1024;
+  // One registration's worth (BlockPoolLimits::max_buffers): each offer holds a descriptor.
+  size_t offers_per_engine = 256;
   size_t registrations_per_engine = 16;
+  // Daemon-wide, all engines together: offers (descriptors) and registered buffers (mappings).
+  size_t max_offers = 512;
+  size_t max_mapped_buffers = 4096;
   size_t pins_per_engine = 1024;
   absl::Duration max_pin_ttl = absl::Seconds(60);
   size_t max_keys = 65536;  // per call
@@ -112,9 +116,10 @@ class BlockStore {
   BlockStore(const BlockStore&) = delete;
   BlockStore& operator=(const BlockStore&) = delete;
 
-  // The handoff socket's intake (ArenaHandoff::BufferIntake). FAILED_PRECONDITION: not a
-  // regular file, smaller than `bytes`, not sealed with F_SEAL_SHRINK (naming the seals),
-  // no block store; RESOURCE_EXHAUSTED past offers_per_engine or engine_bytes.
+  // The handoff socket's intake (ArenaHandoff::BufferIntake). FAILED_PRECONDITION, checked in
+  // this order: not sealed with F_SEAL_SHRINK (naming the seals), not on tmpfs (hugetlbfs and
+  // others), not a regular file, smaller than `bytes`; no block store. RESOURCE_EXHAUSTED past
+  // offers_per_engine, max_offers or engine_bytes.
   absl::StatusOr<uint64_t> OfferBuffer(uint64_t engine, uint64_t connection, uint64_t bytes,
                                        ScopedFd fd) ABSL_LOCKS_EXCLUDED(mu_);
 
@@ -124,7 +129,8 @@ class BlockStore {
   // handles mixed, or MapEngineIpcBuffers' refusals (FAILED_PRECONDITION on the host backend);
   // NOT_FOUND an unknown or used buffer id;
   // PERMISSION_DENIED another engine's; FAILED_PRECONDITION its connection closed or its file
-  // smaller than offset_in_allocation + bytes; RESOURCE_EXHAUSTED past the per-engine limits.
+  // smaller than offset_in_allocation + bytes; RESOURCE_EXHAUSTED past the per-engine limits or
+  // max_mapped_buffers.
   absl::StatusOr<BlockStoreRegistration> Register(uint64_t engine, const std::string& scope,
                                                   BlockPoolSpec spec,
                                                   absl::Span<const EngineBufferRequest> buffers)
@@ -148,6 +154,9 @@ class BlockStore {
   void ForgetEngine(uint64_t engine) ABSL_LOCKS_EXCLUDED(mu_);
   // Releases pins whose TTL passed (the daemon's lease thread).
   void ExpirePins() ABSL_LOCKS_EXCLUDED(mu_);
+  // Closes offers whose handoff connection no longer serves their engine (it closed, or a
+  // re-attach replaced it): they could never register (the daemon's lease thread).
+  void ExpireOffers() ABSL_LOCKS_EXCLUDED(mu_);
   // Engines holding anything here (the daemon checks their leases).
   std::vector<uint64_t> Engines() const ABSL_LOCKS_EXCLUDED(mu_);
 
@@ -164,8 +173,7 @@ class BlockStore {
     uint64_t engine = 0;
     uint64_t connection = 0;
     uint64_t bytes = 0;
-    uint64_t file_bytes = 0;
-    ScopedFd fd;
+    ScopedFd fd;  // sealed against shrinking (OfferBuffer)
   };
   struct Registration {
     uint64_t engine = 0;

@@ -368,6 +368,16 @@ const std::vector<KeySpec>& Keys() {
        .syntax = Syntax::kInteger, .reloadable = false,
        .help = "Block store pins (LookupBlocks with pin_ttl_ms) one engine may hold at once.",
        .min = 1, .max = 1'000'000},
+      {.name = "block_store_max_offers", .field = &C::block_store_max_offers,
+       .syntax = Syntax::kInteger, .reloadable = false,
+       .help = "Unregistered block store buffer offers (each holding a descriptor) of all "
+               "engines together (RESOURCE_EXHAUSTED past it).",
+       .min = 1, .max = 1'000'000},
+      {.name = "block_store_max_mapped_buffers", .field = &C::block_store_max_mapped_buffers,
+       .syntax = Syntax::kInteger, .reloadable = false,
+       .help = "Registered block store buffers (each a mapping under vm.max_map_count) of all "
+               "engines together (RESOURCE_EXHAUSTED past it).",
+       .min = 1, .max = 1'000'000},
       {.name = "max_arenas", .field = &C::max_arenas, .syntax = Syntax::kInteger,
        .reloadable = false,
        .help = "Arenas (sessions, reservations, prefix storage) held at once, each a mapping "

@@ -179,6 +179,10 @@ struct DaemonConfig {
   uint64_t block_store_engine_bytes = uint64_t{64} << 30;
   uint64_t block_store_max_registrations = 16;
   uint64_t block_store_max_pins = 1024;
+  // Daemon-wide: unregistered offers (each holds a descriptor) and registered buffers (each a
+  // mapping) of all engines together.
+  uint64_t block_store_max_offers = 512;
+  uint64_t block_store_max_mapped_buffers = 4096;
   // Arenas (sessions, reservations, prefix storage) the daemon holds at once; each is a mapping
   // under the kernel's vm.max_map_count. 0 = derived at start: 3/4 of vm.max_map_count
   // (server/daemon.h ArenaLimitFor).

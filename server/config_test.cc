@@ -64,9 +64,9 @@ TEST(ConfigTest, KeyListIsTheDocumentedOne) {
                           "watchdog", "keep_kv_across_restarts", "step_channel",
                           "max_plan_layers",
                           "max_engine_sessions", "max_engine_plans", "max_engine_budget_share",
-                          "max_attached_engines", "arena_pool_engine_bytes",
-                          "block_store_engine_bytes", "block_store_max_registrations",
-                          "block_store_max_pins", "max_arenas",
+                          "max_attached_engines", "arena_pool_engine_bytes", "block_store_engine_bytes",
+                          "block_store_max_registrations", "block_store_max_pins",
+                          "block_store_max_offers", "block_store_max_mapped_buffers", "max_arenas",
                           "admin_socket_path", "admin_socket_mode", "admin_socket_group",
                           "handoff_socket_path", "cache_scope_allow"));
   EXPECT_THAT(reloadable, ElementsAre("budget_bytes", "cuda_memory_fraction", "cuda_reserve_bytes",

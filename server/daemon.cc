@@ -53,6 +53,8 @@ BlockStoreLimits BlockStoreLimitsOf(const DaemonConfig& config) {
   limits.engine_bytes = config.block_store_engine_bytes;
   limits.registrations_per_engine = static_cast<size_t>(config.block_store_max_registrations);
   limits.pins_per_engine = static_cast<size_t>(config.block_store_max_pins);
+  limits.max_offers = static_cast<size_t>(config.block_store_max_offers);
+  limits.max_mapped_buffers = static_cast<size_t>(config.block_store_max_mapped_buffers);
   return limits;
 }
 
@@ -545,12 +547,14 @@ void Daemon::CheckLeases() {
 void Daemon::FreeUnusablePools() {
   absl::flat_hash_map<uint64_t, bool> lease_live;
   for (const EngineView& engine : leases_.Engines()) lease_live[engine.id.value] = engine.lease_live;
-  // Registrations and pins die with the lease; pins also with their TTL.
+  // Registrations and pins die with the engine (reclaimed: unknown here), not with its stream:
+  // an engine that re-attaches within its grace keeps them as it keeps its sessions. Pins also
+  // die with their TTL.
   for (uint64_t engine : block_store_.Engines()) {
-    auto live = lease_live.find(engine);
-    if (live == lease_live.end() || !live->second) block_store_.ForgetEngine(engine);
+    if (!lease_live.contains(engine)) block_store_.ForgetEngine(engine);
   }
   block_store_.ExpirePins();
+  block_store_.ExpireOffers();
   for (const auto& [engine, stats] : arena_pool_.Stats()) {
     auto live = lease_live.find(engine);
     if (live == lease_live.end()) {

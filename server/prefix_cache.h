@@ -368,10 +368,13 @@ class PrefixCache {
   // Copies stored blocks into `pool` (each PoolBlock's pieces are its destination), verifying
   // the checksums as it copies: one result per block, NOT_FOUND for one not stored (or whose
   // `state` is not), DATA_LOSS for a corrupt one (its entry is dropped; its destination bytes
-  // are unspecified). Loaded entries move up the LRU.
+  // are unspecified). Loaded entries move up the LRU. `release_pins`: a LookupPoolBlocks pin
+  // this load ends, released once the load holds its own and before a corrupt entry is dropped
+  // (an entry still pinned could not be).
   std::vector<PoolBlockResult> LoadPoolBlocks(const ScopedShape& space, ArenaId pool,
                                               const std::vector<PoolBlock>& blocks,
-                                              const std::optional<PoolBlock>& state)
+                                              const std::optional<PoolBlock>& state,
+                                              absl::Span<const EntryId> release_pins = {})
       ABSL_LOCKS_EXCLUDED(mu_);
   // Test seam: the entry a pool block (or state) key is stored as.
   std::optional<EntryId> PoolEntry(const BlockKey& key) const ABSL_LOCKS_EXCLUDED(mu_);
@@ -546,6 +549,9 @@ class PrefixCache {
   // for ReleaseSlabs.
   std::vector<ArenaId> HoldEntry(const EntryView& entry) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void ReleaseSlabs(const std::vector<ArenaId>& slabs);
+  // UnpinPoolEntries' unpinning without its budget enforcement.
+  void UnpinPoolEntriesLocked(absl::Span<const EntryId> entries)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Marks (+1) or unmarks (-1) the pieces of a pinned entry: they are never demoted.
   void MarkPinned(const EntryView& entry, int delta) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 

@@ -213,21 +213,26 @@ PoolLookupResult PrefixCache::LookupPoolBlocks(const ScopedShape& space,
   return result;
 }
 
-void PrefixCache::UnpinPoolEntries(absl::Span<const EntryId> entries) {
-  absl::MutexLock lock(&mu_);
+void PrefixCache::UnpinPoolEntriesLocked(absl::Span<const EntryId> entries) {
   for (EntryId id : entries) {
     absl::StatusOr<EntryView> view = index_.GetEntry(id);
     if (!view.ok() || view->pins == 0) continue;
     MarkPinned(*view, -1);
     (void)index_.Unpin(id);
   }
+}
+
+void PrefixCache::UnpinPoolEntries(absl::Span<const EntryId> entries) {
+  absl::MutexLock lock(&mu_);
+  UnpinPoolEntriesLocked(entries);
   FreeHandles(index_.EnforceBudget().freed_handles);
   Rebalance();
 }
 
 std::vector<PoolBlockResult> PrefixCache::LoadPoolBlocks(const ScopedShape& space, ArenaId pool,
                                                          const std::vector<PoolBlock>& blocks,
-                                                         const std::optional<PoolBlock>& state) {
+                                                         const std::optional<PoolBlock>& state,
+                                                         absl::Span<const EntryId> release_pins) {
   const std::vector<const PoolBlock*> all = WithState(blocks, state);
   std::vector<PoolBlockResult> results(all.size());
   std::vector<std::optional<EntryView>> pinned(all.size());
@@ -306,10 +311,11 @@ std::vector<PoolBlockResult> PrefixCache::LoadPoolBlocks(const ScopedShape& spac
     status = !copied.ok() ? copied : failures[k];
     if (status.ok()) results[piece_of[k]].copied_bytes = pieces[k].bytes;
   }
-  // 4. Unpin; a corrupt entry is dropped (never served again).
+  // 4. Unpin (the lookup's pin too, first); a corrupt entry is dropped (never served again).
   ReleaseSlabs(held);
   {
     absl::MutexLock lock(&mu_);
+    UnpinPoolEntriesLocked(release_pins);
     for (size_t i = 0; i < all.size(); ++i) {
       if (!pinned[i].has_value()) continue;
       MarkPinned(*pinned[i], -1);

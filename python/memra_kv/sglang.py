@@ -23,6 +23,7 @@ its memfd) is copied straight; SGLang's own (torch) host pool through a staging 
 """
 
 import logging
+import threading
 from typing import List, Optional, Sequence
 
 import grpc
@@ -87,6 +88,9 @@ class MemraHiCache:
         self._staging_pages = staging_pages
         self._staging = None  # the staging pool's (2, layers, pages * page_size, heads, dim)
         self._host = None  # the engine's host pool, when staged
+        # SGLang's prefetch (get) and backup (set) threads share the one staging pool: a chunk
+        # holds it from its first copy in to its last copy out.
+        self._staging_lock = threading.Lock()
         self.registration = None
         self.page_size = 0
 
@@ -154,6 +158,10 @@ class MemraHiCache:
 
     def _staged(self, call, loading, keys, pages):
         """One chunk through the staging pool: its pages 0..len(keys)-1."""
+        with self._staging_lock:
+            return self._staged_locked(call, loading, keys, pages)
+
+    def _staged_locked(self, call, loading, keys, pages):
         size = self.page_size
         tokens = np.concatenate([np.arange(p * size, (p + 1) * size) for p in pages])
         staged = slice(0, len(tokens))

@@ -242,6 +242,46 @@ def scheduler_layout(num_layers, block_size, num_kv_heads, head_dim, element_typ
     return lookup_layout(layout)
 
 
+# vLLM's cache_dtype -> the torch dtype it allocates the KV cache as (vllm/utils
+# STR_DTYPE_TO_TORCH_DTYPE): fp8 caches are uint8 bytes, so the workers register "int8".
+_CACHE_DTYPE_ALLOCATED = {"half": "float16", "float16": "float16", "bfloat16": "bfloat16",
+                          "float": "float32", "float32": "float32", "fp8": "uint8",
+                          "fp8_e4m3": "uint8", "fp8_e5m2": "uint8", "fp8_ds_mla": "uint8",
+                          "int8": "int8", "fp8_inc": "float8_e4m3fn"}
+
+
+def cache_element_type(cache_dtype, model_dtype):
+    """The element type vLLM's workers register for cache_config.cache_dtype ("auto": the
+    model's dtype), as the scheduler must name it for its lookups to match. KvError
+    INVALID_ARGUMENT for a cache dtype vLLM does not allocate."""
+    if str(cache_dtype) == "auto":
+        return element_type_of(model_dtype)
+    allocated = _CACHE_DTYPE_ALLOCATED.get(str(cache_dtype))
+    if allocated is None:
+        raise KvError(grpc.StatusCode.INVALID_ARGUMENT, "KV cache dtype %s: the connector "
+                      "takes auto, %s" % (cache_dtype, ", ".join(sorted(_CACHE_DTYPE_ALLOCATED))))
+    return element_type_of(allocated)
+
+
+class LazyScheduler:
+    """The scheduler's lookup registration, made on first use by `make()` (-> MemraScheduler):
+    a refusal or an unreachable daemon leaves it unmade (get() is None: every request a miss)
+    and it is tried again at the next call, never raising into vLLM's scheduler loop."""
+
+    def __init__(self, make):
+        self._make = make
+        self._scheduler = None
+
+    def get(self) -> Optional["MemraScheduler"]:
+        if self._scheduler is None:
+            try:
+                self._scheduler = self._make()
+            except (KvError, grpc.RpcError, OSError) as error:
+                log.warning("the scheduler's lookup registration failed (retried at the next "
+                            "request): %s", error)
+        return self._scheduler
+
+
 # ---- scheduler side ----
 
 @dataclass
@@ -542,7 +582,8 @@ if KVConnectorBase_V1 is not None:
             self._client.attach(extra.get("memra_engine_name", "vllm-%s" % role.name.lower()),
                                 cache_scope=extra.get("memra_cache_scope", ""))
             self._store = BlockStore(self._client)
-            self._scheduler = None
+            self._scheduler = LazyScheduler(self._make_scheduler)
+            self._requests = {}
             self._worker = (MemraWorker(self._store, int(extra.get("memra_staging_blocks", 64)))
                             if role == KVConnectorRole.WORKER else None)
 
@@ -575,36 +616,39 @@ if KVConnectorBase_V1 is not None:
 
         # -- scheduler side --
 
-        def _scheduler_logic(self):
-            if self._scheduler is None:
-                model_config = self._vllm_config.model_config
-                parallel = self._vllm_config.parallel_config
-                packed, nbytes = scheduler_layout(
-                    model_config.get_num_layers(parallel), self._block_size,
-                    model_config.get_num_kv_heads(parallel), model_config.get_head_size(),
-                    element_type_of(self._vllm_config.cache_config.cache_dtype
-                                    if self._vllm_config.cache_config.cache_dtype != "auto"
-                                    else model_config.dtype),
-                    self._model, parallel.tensor_parallel_size)
-                self._lookup_pool = HostPool(nbytes, "memra-kv-lookup")
-                registration = self._store.register([self._lookup_pool], packed)
-                self._scheduler = MemraScheduler(self._store, registration, self._block_size)
-                self._requests = {}
-            return self._scheduler
+        def _make_scheduler(self):
+            model_config = self._vllm_config.model_config
+            parallel = self._vllm_config.parallel_config
+            packed, nbytes = scheduler_layout(
+                model_config.get_num_layers(parallel), self._block_size,
+                model_config.get_num_kv_heads(parallel), model_config.get_head_size(),
+                cache_element_type(self._vllm_config.cache_config.cache_dtype,
+                                   model_config.dtype),
+                self._model, parallel.tensor_parallel_size)
+            self._lookup_pool = HostPool(nbytes, "memra-kv-lookup")
+            registration = self._store.register([self._lookup_pool], packed)
+            return MemraScheduler(self._store, registration, self._block_size)
 
         def get_num_new_matched_tokens(self, request, num_computed_tokens):
-            logic = self._scheduler_logic()
+            logic = self._scheduler.get()
+            if logic is None:
+                return 0, False
             self._requests[request.request_id] = request
             return logic.get_num_new_matched_tokens(
                 request.request_id, request.block_hashes, request.all_token_ids,
                 num_computed_tokens)
 
         def update_state_after_alloc(self, request, blocks, num_external_tokens):
-            self._scheduler_logic().update_state_after_alloc(
+            logic = self._scheduler.get()
+            if logic is None:
+                return
+            logic.update_state_after_alloc(
                 request.request_id, blocks.get_block_ids()[0], num_external_tokens)
 
         def build_connector_meta(self, scheduler_output):
-            logic = self._scheduler_logic()
+            logic = self._scheduler.get()
+            if logic is None:
+                return _Metadata([], [])
             computed = {}
             for new in scheduler_output.scheduled_new_reqs:
                 computed[new.req_id] = (new.num_computed_tokens
@@ -631,4 +675,5 @@ if KVConnectorBase_V1 is not None:
 
         def request_finished(self, request, block_ids):
             self._requests.pop(request.request_id, None)
-            return self._scheduler_logic().request_finished(request.request_id)
+            logic = self._scheduler.get()
+            return (False, None) if logic is None else logic.request_finished(request.request_id)

@@ -10,7 +10,8 @@ between lookup and load: load errors); store-staged and load-staged with caches 
 memory (staged through a 3-block HostPool). ENGINE sglang: MODE set (host pages backed up), get
 (prefetched into other pages, the bytes checked), get-partial (unstored pages after the stored
 ones; then every page evicted between batch_exists and batch_get_v1); set-staged and
-get-staged with a host pool that is plain memory (staged through a 3-page HostPool).
+get-staged with a host pool that is plain memory (staged through a 3-page HostPool);
+concurrent-staged: batch_get_v1 and batch_set_v1 from two threads through that staging pool.
 
 Every block's bytes are a function of (its position in the sequence, layer, K or V), never of
 the pool block it sits in, so a process can check what another one stored.
@@ -20,6 +21,7 @@ import hashlib
 import json
 import os
 import sys
+import threading
 
 import numpy as np
 
@@ -186,6 +188,23 @@ def host_indices(pages):
         np.zeros(0, dtype=np.int64)
 
 
+def fill_pages(kv_buffer, pages, first_position):
+    """Host pages `pages` hold sequence positions first_position, first_position + 1, ..."""
+    for position, page in enumerate(pages, first_position):
+        for layer in range(LAYERS):
+            for kind in (0, 1):
+                target = page_bytes(kv_buffer, layer, kind, page)
+                target[...] = pattern(position, layer, kind, target.shape)
+
+
+def pages_hold(kv_buffer, pages, first_position):
+    """Per page of `pages`: whether it holds what fill_pages(first_position) wrote."""
+    return [all(np.array_equal(page_bytes(kv_buffer, layer, kind, page),
+                               pattern(position, layer, kind, (PAGE * HEADS * HEAD_DIM * 2,)))
+                for layer in range(LAYERS) for kind in (0, 1))
+            for position, page in enumerate(pages, first_position)]
+
+
 def sglang_engine(socket, admin_socket, mode):
     facts = {}
     tokens = [(i * 13 + 5) % 997 for i in range(6 * PAGE)]
@@ -220,6 +239,39 @@ def sglang_engine(socket, admin_socket, mode):
             facts["exists"] = hit
             facts["get"] = backend.batch_get_v1(keys[:hit], host_indices(pages[:hit]))
             facts["exists_one"] = backend.exists(keys[0])
+        elif mode == "concurrent":
+            # SGLang's prefetch thread (batch_get_v1) and backup thread (batch_set_v1) at once,
+            # both through the one staging pool: every page set and got keeps its own bytes.
+            fill_pages(kv_buffer, pages, 0)
+            facts["set"] = backend.batch_set_v1(keys, host_indices(pages))
+            set_pages, got_pages, rounds = [4, 5, 6], [20, 21, 22], 25
+            fill_pages(kv_buffer, set_pages, 10)
+            set_keys = [sglang_keys([r * 1000 + 7 + t for t in range(3 * PAGE)])
+                        for r in range(rounds)]
+            got, sets = [], []
+
+            def prefetch():
+                for _ in range(rounds):
+                    got.append(backend.batch_get_v1(keys[:3], host_indices(got_pages)))
+                    got.append(pages_hold(kv_buffer, got_pages, 0))
+
+            def backup():
+                for round_keys in set_keys:
+                    sets.append(backend.batch_set_v1(round_keys, host_indices(set_pages)))
+
+            threads = [threading.Thread(target=prefetch), threading.Thread(target=backup)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+            facts["concurrent_got"] = got
+            facts["concurrent_set"] = sets
+            check_pages = [24, 25, 26]
+            facts["concurrent_set_bytes_ok"] = []
+            for round_keys in set_keys:
+                loaded = backend.batch_get_v1(round_keys, host_indices(check_pages))
+                facts["concurrent_set_bytes_ok"].append(
+                    loaded + pages_hold(kv_buffer, check_pages, 10))
         else:  # get-partial
             more = sglang_keys(tokens)  # 6 pages: the last 2 never stored
             facts["exists"] = backend.batch_exists(more)

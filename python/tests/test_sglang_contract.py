@@ -43,3 +43,14 @@ def test_a_host_pool_in_the_engines_own_memory_is_staged_both_ways(kvd):
     staged = run_engine(daemon, "sglang", "get-staged")
     assert staged["get"] == [True] * 4 and all(staged["pattern_ok"])
     assert staged["page_digests"] == fetched["page_digests"] == stored["page_digests"]
+
+
+def test_concurrent_gets_and_sets_through_the_staging_pool_keep_their_bytes(kvd):
+    """SGLang calls batch_get_v1 (prefetch) and batch_set_v1 (backup) from different threads:
+    a set must store its own pages' bytes, never what a get is staging meanwhile."""
+    daemon = kvd(*DAEMON_FLAGS)
+    facts = run_engine(daemon, "sglang", "concurrent-staged")
+    assert facts["set"] == [True] * 4
+    assert all(all(round_ok) for round_ok in facts["concurrent_got"])
+    assert all(all(round_ok) for round_ok in facts["concurrent_set"])
+    assert all(all(round_ok) for round_ok in facts["concurrent_set_bytes_ok"])

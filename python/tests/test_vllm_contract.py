@@ -84,3 +84,52 @@ def test_caches_in_the_engines_own_memory_are_staged_both_ways(kvd):
     hashes = vllm_hashes(PROMPT)
     assert [h for e in stored_events for h in e.block_hashes] == hashes
     assert stored_events[3].parent_block_hash == hashes[2]
+
+
+def test_the_scheduler_names_an_fp8_cache_as_its_workers_register_it():
+    """vLLM allocates an fp8 KV cache as torch.uint8: the workers register "int8" bytes, so the
+    scheduler's lookup layout must say the same (it once raised on "fp8")."""
+    import numpy as np
+    import pytest
+    from memra_kv.block_store import element_type_of
+    from memra_kv.errors import KvError
+    from memra_kv.vllm import cache_element_type
+    registered = element_type_of(np.dtype(np.uint8))  # a worker's torch.uint8 cache
+    for cache_dtype in ("fp8", "fp8_e4m3", "fp8_e5m2"):
+        assert cache_element_type(cache_dtype, "torch.bfloat16") == registered
+    assert cache_element_type("auto", "torch.bfloat16") == "bf16"
+    assert cache_element_type("bfloat16", "torch.float16") == "bf16"
+    with pytest.raises(KvError) as refused:
+        cache_element_type("fp4", "torch.bfloat16")
+    assert "KV cache dtype fp4" in str(refused.value)
+
+
+def test_a_scheduler_registration_that_fails_is_a_miss_and_is_retried(kvd):
+    """The lookup registration is made on first use: while the daemon refuses it (here: no
+    prefix cache, so no block store) every request is a miss, nothing raises into vLLM, and
+    the next call tries again."""
+    import memra_kv
+    from memra_kv.block_store import BlockStore, HostPool
+    from memra_kv.vllm import LazyScheduler, MemraScheduler, scheduler_layout
+    without_store = kvd("--budget_bytes=64MiB", "--prefix_cache_budget_bytes=0")
+    with_store = kvd(*DAEMON_FLAGS)
+    packed, nbytes = scheduler_layout(LAYERS, BLOCK, HEADS, HEAD_DIM, "fp16", "contract-model")
+    pool = HostPool(nbytes)
+    tries = []
+    clients = []
+
+    def make():
+        socket = without_store.socket if not tries else with_store.socket
+        tries.append(socket)
+        client = memra_kv.connect(socket)
+        clients.append(client)
+        client.attach("vllm-scheduler")
+        store = BlockStore(client)
+        return MemraScheduler(store, store.register([pool], packed), BLOCK)
+
+    lazy = LazyScheduler(make)
+    assert lazy.get() is None
+    assert lazy.get() is not None
+    assert lazy.get() is lazy.get() and len(tries) == 2
+    for client in clients:
+        client.close()

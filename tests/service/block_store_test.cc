@@ -1,6 +1,11 @@
 // The block store (block_store.proto) against the in-process daemon: engines register their own
 // memfd pools over the real handoff socket and store and load blocks through KvClient.
+#include <fcntl.h>
+#include <linux/magic.h>
+#include <sys/mman.h>
 #include <unistd.h>
+
+#include <cerrno>
 
 #include <cstdint>
 #include <cstring>
@@ -9,6 +14,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "client/client.h"
 #include "core/block_layout.h"
 #include "gmock/gmock.h"
@@ -322,6 +328,30 @@ TEST_F(BlockStoreTest, BadOffersRegistrationsAndCallsAreRefusedWithTheirNumbersC
                        HasSubstr(absl::StrCat("no registration ", registered->registration_id))));
 }
 
+TEST_F(BlockStoreTest, OffersAreCheckedSealsFirstThenTheirFileSystem) {
+  std::unique_ptr<KvClient> a = NewClient("engine-a");
+  ASSERT_NE(a, nullptr);
+  // A pipe: refused by its seals before anything stats it (fstat of a FUSE file can block).
+  int pipe_fds[2];
+  ASSERT_EQ(pipe(pipe_fds), 0);
+  const ScopedFd read_end(pipe_fds[0]);
+  const ScopedFd write_end(pipe_fds[1]);
+  EXPECT_THAT(a->OfferPoolBuffer(read_end.get(), 4096),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstrs("seals are unavailable", "F_SEAL_SHRINK")));
+  // A sealed memfd on hugetlbfs: its pages can run out under the mapping.
+  const int huge = memfd_create("block-store-huge", MFD_HUGETLB | MFD_ALLOW_SEALING);
+  if (huge < 0) GTEST_SKIP() << "no hugetlb memfd here: " << strerror(errno);
+  const ScopedFd huge_fd(huge);
+  ASSERT_EQ(ftruncate(huge_fd.get(), 2 << 20), 0) << strerror(errno);
+  ASSERT_EQ(fcntl(huge_fd.get(), F_ADD_SEALS, F_SEAL_SHRINK), 0) << strerror(errno);
+  EXPECT_THAT(a->OfferPoolBuffer(huge_fd.get(), 4096),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstrs(absl::StrFormat("file system 0x%x, not tmpfs (0x%x)",
+                                                  HUGETLBFS_MAGIC, TMPFS_MAGIC))));
+  EXPECT_EQ(daemon_->block_store().counts().offers, 0u);
+}
+
 TEST_F(BlockStoreTest, ACorruptStoredBlockIsDataLossForThatBlockAndDropped) {
   std::unique_ptr<KvClient> a = NewClient("engine-a");
   ASSERT_NE(a, nullptr);
@@ -343,9 +373,17 @@ TEST_F(BlockStoreTest, ACorruptStoredBlockIsDataLossForThatBlockAndDropped) {
   const std::vector<uint8_t> garbage = {0xde, 0xad};
   ASSERT_THAT(host_->Write(span->slab, span->offset + 100, garbage), IsOk());
 
-  absl::StatusOr<BlockStoreTransfer> loaded =
-      a->LoadBlocks(ByHashes(registered, Hashes(0, 3), {10, 11, 12}));
+  // Loaded with its lookup's pin: the pin is released before the corrupt entry drops.
+  BlockStoreCall lookup = ByHashes(registered, Hashes(0, 3));
+  lookup.pin_ttl_ms = 10'000;
+  absl::StatusOr<BlockStoreMatch> match = a->LookupBlocks(lookup);
+  ASSERT_THAT(match, IsOk());
+  ASSERT_EQ(match->matched_blocks, 3u);
+  BlockStoreCall load = ByHashes(registered, Hashes(0, 3), {10, 11, 12});
+  load.pin_id = match->pin_id;
+  absl::StatusOr<BlockStoreTransfer> loaded = a->LoadBlocks(load);
   ASSERT_THAT(loaded, IsOk());
+  EXPECT_EQ(daemon_->prefix_cache()->Stats().pinned_bytes, 0u);
   EXPECT_THAT(Codes(*loaded), ElementsAre(absl::StatusCode::kOk, absl::StatusCode::kDataLoss,
                                           absl::StatusCode::kOk));
   EXPECT_THAT(loaded->blocks[1].status.message(), HasSubstrs("xxHash3", "never served"));
@@ -442,6 +480,174 @@ TEST_F(BlockStoreTest, RegistrationsAndPinsDieWithTheEnginesLease) {
   // The stored blocks stay (they are the cache's), unpinned: evictable.
   EXPECT_EQ(daemon_->prefix_cache()->Stats().pinned_bytes, 0u);
   EXPECT_EQ(daemon_->prefix_cache()->Stats().entries, 2u);
+}
+
+TEST_F(BlockStoreTest, AnEngineThatReattachesWithinItsGraceKeepsItsRegistration) {
+  std::unique_ptr<KvClient> a = NewClient("engine-a");
+  ASSERT_NE(a, nullptr);
+  TestBlockPool pool = MustPool();
+  const RegisteredPool registered = MustRegister(*a, pool);
+  ASSERT_THAT(a->StoreBlocks(ByHashes(registered, Hashes(0, 1), {0})), IsOk());
+  ASSERT_THAT(a->OfferPoolBuffer(pool.fd(), 4096), IsOk());  // its connection is replaced below
+  // The lease lapses (its stream is cancelled); the client re-attaches as the same engine
+  // within the grace while the daemon checks its leases.
+  clock_.Advance(absl::Milliseconds(kLeaseTimeoutMs + 1));
+  for (int i = 0; i < 3000 && a->reattaches() == 0; ++i) {
+    daemon_->CheckLeases();
+    absl::SleepFor(absl::Milliseconds(1));
+  }
+  ASSERT_GE(a->reattaches(), 1u) << a->lease_lost();
+  daemon_->CheckLeases();
+  EXPECT_EQ(daemon_->block_store().counts().registrations, 1u);
+  // The re-attach's new handoff connection replaced the one the offer came over: the offer
+  // could never register, and holds no descriptor or bytes any more.
+  EXPECT_EQ(daemon_->block_store().counts().offers, 0u);
+  absl::StatusOr<BlockStoreTransfer> stored =
+      a->StoreBlocks(ByHashes(registered, Hashes(1, 1), {1}));
+  ASSERT_THAT(stored, IsOk());
+  EXPECT_THAT(Codes(*stored), ElementsAre(absl::StatusCode::kOk));
+}
+
+TEST_F(BlockStoreTest, MalformedKeysAndEventFieldsAreRefusedWithTheirNumbers) {
+  std::unique_ptr<KvClient> a = NewClient("engine-a");
+  std::unique_ptr<KvClient> b = NewClient("engine-b");
+  ASSERT_NE(a, nullptr);
+  ASSERT_NE(b, nullptr);
+  TestBlockPool pool = MustPool();
+  const RegisteredPool registered = MustRegister(*a, pool);
+  BlockStoreCall both = ByHashes(registered, Hashes(0, 1), {0});
+  both.keys.token_ids.assign(kTokensPerBlock, 1);
+  EXPECT_THAT(a->StoreBlocks(both),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstrs("keys give both 1 block hashes and 16 token ids")));
+  BlockStoreCall many = ByHashes(registered, Hashes(0, 65537));
+  EXPECT_THAT(a->LookupBlocks(many),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstrs("keys name 65537 blocks; a call names at most 65536")));
+  BlockStoreCall parent = ByHashes(registered, Hashes(0, 1), {0});
+  parent.parent_hash = std::string(65, 'p');
+  EXPECT_THAT(a->StoreBlocks(parent),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstrs("parent_hash is 65 bytes; at most 64")));
+  BlockStoreCall tokens = ByHashes(registered, Hashes(0, 2), {0, 1});
+  tokens.event_token_ids.assign(3, 7);
+  EXPECT_THAT(a->StoreBlocks(tokens),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstrs("3 event token ids for 2 blocks of 16 tokens (give none or 32)")));
+  BlockStoreCall skip_hashes = ByHashes(registered, Hashes(0, 2), {1});
+  skip_hashes.skip_blocks = 1;
+  EXPECT_THAT(a->StoreBlocks(skip_hashes),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstrs("skip_blocks 1 with block hashes")));
+  BlockStoreCall skip_past;
+  skip_past.registration_id = registered.registration_id;
+  skip_past.keys.token_ids.assign(2 * kTokensPerBlock, 3);
+  skip_past.skip_blocks = 3;
+  EXPECT_THAT(a->StoreBlocks(skip_past),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstrs("skip_blocks 3 exceeds the 2 whole blocks")));
+  EXPECT_EQ(daemon_->prefix_cache()->Stats().entries, 0u);
+  // Another engine's pin is not a load's to release.
+  ASSERT_THAT(a->StoreBlocks(ByHashes(registered, Hashes(0, 1), {0})), IsOk());
+  BlockStoreCall lookup = ByHashes(registered, Hashes(0, 1));
+  lookup.pin_ttl_ms = 10'000;
+  absl::StatusOr<BlockStoreMatch> match = a->LookupBlocks(lookup);
+  ASSERT_THAT(match, IsOk());
+  TestBlockPool pool_b = MustPool();
+  const RegisteredPool registered_b = MustRegister(*b, pool_b);
+  BlockStoreCall load = ByHashes(registered_b, Hashes(0, 1), {3});
+  load.pin_id = match->pin_id;
+  EXPECT_THAT(b->LoadBlocks(load),
+              StatusIs(absl::StatusCode::kPermissionDenied,
+                       HasSubstrs(absl::StrCat("pin ", match->pin_id, " is not engine ",
+                                               b->engine_id()))));
+  EXPECT_EQ(daemon_->block_store().counts().pins, 1u);
+}
+
+TEST_F(BlockStoreTest, PerEngineOfferAndRegistrationCountsAreCapped) {
+  std::unique_ptr<KvClient> a = NewClient("engine-a");
+  ASSERT_NE(a, nullptr);
+  std::vector<TestBlockPool> pools;
+  for (int i = 0; i < 16; ++i) {
+    pools.push_back(MustPool());
+    MustRegister(*a, pools.back());
+  }
+  TestBlockPool extra = MustPool();
+  EXPECT_THAT(Register(*a, extra, kShape.Spec()),
+              StatusIs(absl::StatusCode::kResourceExhausted,
+                       HasSubstrs(absl::StrCat("engine ", a->engine_id(),
+                                               " holds 16 registrations; the limit is 16"))));
+  // The refused registration left its offer: 255 more fill the engine's 256.
+  for (int i = 0; i < 255; ++i) ASSERT_THAT(a->OfferPoolBuffer(extra.fd(), 4096), IsOk()) << i;
+  EXPECT_THAT(a->OfferPoolBuffer(extra.fd(), 4096),
+              StatusIs(absl::StatusCode::kResourceExhausted,
+                       HasSubstrs(absl::StrCat("engine ", a->engine_id(), " holds 256 unregistered "
+                                               "buffer offers; the limit is 256"))));
+}
+
+class BlockStoreEngineBytesTest : public BlockStoreTest {
+ protected:
+  void ConfigureDaemon(DaemonConfig& config) override {
+    BlockStoreTest::ConfigureDaemon(config);
+    config.block_store_engine_bytes = 8192;
+  }
+};
+
+TEST_F(BlockStoreEngineBytesTest, OffersAndRegistrationsAreCappedByTheEnginesBytes) {
+  std::unique_ptr<KvClient> a = NewClient("engine-a");
+  ASSERT_NE(a, nullptr);
+  TestBlockPool pool = MustPool();
+  absl::StatusOr<uint64_t> offer = a->OfferPoolBuffer(pool.fd(), 4096);
+  ASSERT_THAT(offer, IsOk());
+  EXPECT_THAT(a->OfferPoolBuffer(pool.fd(), 8192),
+              StatusIs(absl::StatusCode::kResourceExhausted,
+                       HasSubstrs(absl::StrCat("engine ", a->engine_id(), " offers 8192 bytes and "
+                                               "holds 4096 offered or registered; the limit is "
+                                               "8192 (block_store_engine_bytes)"))));
+  // Registering the whole file over a 4096-byte offer: the registration's bytes count.
+  const PoolBufferRef ref{.handoff_buffer_id = *offer, .bytes = pool.bytes()};
+  EXPECT_THAT(a->RegisterPool(kShape.Spec(), {&ref, 1}),
+              StatusIs(absl::StatusCode::kResourceExhausted,
+                       HasSubstrs(absl::StrCat("engine ", a->engine_id(), " registers ",
+                                               pool.bytes(), " bytes and holds 0; the limit is "
+                                               "8192 (block_store_engine_bytes)"))));
+  EXPECT_EQ(daemon_->block_store().counts().registrations, 0u);
+}
+
+class BlockStoreDaemonWideTest : public BlockStoreTest {
+ protected:
+  void ConfigureDaemon(DaemonConfig& config) override {
+    BlockStoreTest::ConfigureDaemon(config);
+    config.block_store_max_offers = 2;
+    config.block_store_max_mapped_buffers = 1;
+  }
+};
+
+TEST_F(BlockStoreDaemonWideTest, OffersAndMappedBuffersAreCappedAcrossEngines) {
+  std::unique_ptr<KvClient> a = NewClient("engine-a");
+  std::unique_ptr<KvClient> b = NewClient("engine-b");
+  ASSERT_NE(a, nullptr);
+  ASSERT_NE(b, nullptr);
+  TestBlockPool pool_a = MustPool();
+  TestBlockPool pool_b = MustPool();
+  absl::StatusOr<uint64_t> offer_a = a->OfferPoolBuffer(pool_a.fd(), pool_a.bytes());
+  absl::StatusOr<uint64_t> offer_b = b->OfferPoolBuffer(pool_b.fd(), pool_b.bytes());
+  ASSERT_THAT(offer_a, IsOk());
+  ASSERT_THAT(offer_b, IsOk());
+  // Each engine is far below its own limits; the daemon's descriptors are not.
+  EXPECT_THAT(a->OfferPoolBuffer(pool_a.fd(), 4096),
+              StatusIs(absl::StatusCode::kResourceExhausted,
+                       HasSubstrs("the daemon holds 2 unregistered buffer offers of all engines; "
+                                  "the limit is 2 (block_store_max_offers)")));
+  const PoolBufferRef ref_a{.handoff_buffer_id = *offer_a, .bytes = pool_a.bytes()};
+  const PoolBufferRef ref_b{.handoff_buffer_id = *offer_b, .bytes = pool_b.bytes()};
+  ASSERT_THAT(a->RegisterPool(kShape.Spec(), {&ref_a, 1}), IsOk());
+  EXPECT_THAT(b->RegisterPool(kShape.Spec(), {&ref_b, 1}),
+              StatusIs(absl::StatusCode::kResourceExhausted,
+                       HasSubstrs("registering 1 buffers: the daemon maps 1 of all engines; the "
+                                  "limit is 1 (block_store_max_mapped_buffers)")));
+  const BlockStore::Counts counts = daemon_->block_store().counts();
+  EXPECT_EQ(counts.registrations, 1u);
+  EXPECT_EQ(counts.offers, 1u);  // b's, unused by the refusal
 }
 
 class BlockStoreBudgetTest : public BlockStoreTest {
