@@ -390,12 +390,7 @@ absl::StatusOr<BlockLookup> BlockStore::Lookup(uint64_t engine, uint64_t registr
   const bool pin = pin_ttl > absl::ZeroDuration();
   if (pin) {
     absl::MutexLock lock(&mu_);
-    const size_t pins = CountOf(pins_, engine);
-    if (pins >= limits_.pins_per_engine) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "engine ", engine, " holds ", pins, " pins; the limit is ", limits_.pins_per_engine,
-          " (load or unpin them)"));
-    }
+    RETURN_IF_ERROR(CheckPinRoomLocked(engine, 0));
   }
   PoolLookupResult found = cache_->LookupPoolBlocks(*resolved.space, resolved.keys,
                                                     resolved.group->state_bytes > 0, pin);
@@ -403,13 +398,54 @@ absl::StatusOr<BlockLookup> BlockStore::Lookup(uint64_t engine, uint64_t registr
   result.matched_blocks = found.matched_blocks;
   result.medium = found.medium;
   if (!found.pinned.empty()) {
-    absl::MutexLock lock(&mu_);
-    result.pin_id = next_id_++;
-    pins_[result.pin_id] = Pin{.engine = engine,
-                               .entries = std::move(found.pinned),
-                               .expires = clock_->Now() + std::min(pin_ttl, limits_.max_pin_ttl)};
+    // matched_blocks <= max_keys and block / state bytes are bounded by the registration.
+    const uint64_t bytes =
+        found.matched_blocks * resolved.group->block_bytes +
+        (found.pinned.size() > found.matched_blocks ? resolved.group->state_bytes : 0);
+    absl::Status room;
+    {
+      // Checked again with the pin's own bytes, and taken in the same hold of mu_: concurrent
+      // lookups of one engine cannot together pass the limits.
+      absl::MutexLock lock(&mu_);
+      room = CheckPinRoomLocked(engine, bytes);
+      if (room.ok()) {
+        result.pin_id = next_id_++;
+        pins_[result.pin_id] =
+            Pin{.engine = engine,
+                .entries = std::move(found.pinned),
+                .bytes = bytes,
+                .expires = clock_->Now() + std::min(pin_ttl, limits_.max_pin_ttl)};
+      }
+    }
+    if (!room.ok()) {
+      cache_->UnpinPoolEntries(found.pinned);
+      return room;
+    }
   }
   return result;
+}
+
+absl::Status BlockStore::CheckPinRoomLocked(uint64_t engine, uint64_t bytes) const {
+  size_t pins = 0;
+  uint64_t pinned_bytes = 0;
+  for (const auto& [id, held] : pins_) {
+    if (held.engine != engine) continue;
+    ++pins;
+    pinned_bytes += held.bytes;
+  }
+  if (pins >= limits_.pins_per_engine) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "engine ", engine, " holds ", pins, " pins; the limit is ", limits_.pins_per_engine,
+        " (load or unpin them)"));
+  }
+  if (bytes > limits_.pinned_bytes_per_engine ||
+      pinned_bytes > limits_.pinned_bytes_per_engine - bytes) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "engine ", engine, " holds ", pinned_bytes, " pinned bytes and this lookup would pin ",
+        bytes, " more; the limit is ", limits_.pinned_bytes_per_engine,
+        " (a quarter of prefix_cache_budget_bytes; load or unpin them)"));
+  }
+  return absl::OkStatus();
 }
 
 absl::StatusOr<BlockTransferResult> BlockStore::Store(uint64_t engine,

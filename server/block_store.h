@@ -51,6 +51,10 @@ struct BlockStoreLimits {
   size_t max_offers = 512;
   size_t max_mapped_buffers = 4096;
   size_t pins_per_engine = 1024;
+  // Bytes one engine may hold pinned at once (a pin keeps its entries from eviction and
+  // demotion, so without a bound one engine could hold the whole cache for everyone): the daemon
+  // sets a quarter of prefix_cache_budget_bytes. 0: no pins at all.
+  uint64_t pinned_bytes_per_engine = uint64_t{1} << 40;
   absl::Duration max_pin_ttl = absl::Seconds(60);
   size_t max_keys = 65536;  // per call
   BlockPoolLimits pool;
@@ -188,6 +192,7 @@ class BlockStore {
   struct Pin {
     uint64_t engine = 0;
     std::vector<EntryId> entries;
+    uint64_t bytes = 0;  // the pinned blocks' (and state's) stored bytes
     absl::Time expires;
   };
   // A transfer resolved against its registration: keys, the blocks' pool pieces.
@@ -209,6 +214,10 @@ class BlockStore {
   absl::StatusOr<Resolved> ResolveTransfer(uint64_t engine, const BlockTransfer& transfer,
                                            bool distinct) const ABSL_LOCKS_EXCLUDED(mu_);
   // Removes and returns pin `pin_id` of `engine`: NOT_FOUND, PERMISSION_DENIED another's.
+  // RESOURCE_EXHAUSTED when `engine` holds pins_per_engine pins, or pinning `bytes` more would
+  // pass pinned_bytes_per_engine (both numbers named).
+  absl::Status CheckPinRoomLocked(uint64_t engine, uint64_t bytes) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::StatusOr<Pin> TakePinLocked(uint64_t engine, uint64_t pin_id)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The pool pieces of block `block_id` (or its state slot) of the resolved group.

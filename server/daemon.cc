@@ -53,6 +53,8 @@ BlockStoreLimits BlockStoreLimitsOf(const DaemonConfig& config) {
   limits.engine_bytes = config.block_store_engine_bytes;
   limits.registrations_per_engine = static_cast<size_t>(config.block_store_max_registrations);
   limits.pins_per_engine = static_cast<size_t>(config.block_store_max_pins);
+  // One engine may keep at most a quarter of the device tier's budget from eviction.
+  limits.pinned_bytes_per_engine = config.prefix_cache_budget_bytes / 4;
   limits.max_offers = static_cast<size_t>(config.block_store_max_offers);
   limits.max_mapped_buffers = static_cast<size_t>(config.block_store_max_mapped_buffers);
   return limits;

@@ -460,6 +460,50 @@ TEST_F(BlockStoreTest, PinsAreCappedExpireAndBelongToTheirEngine) {
   EXPECT_THAT(daemon_->prefix_cache()->EvictEntry(*entry), IsOk());
 }
 
+// A pin keeps its entries from eviction: one engine may hold at most a quarter of the prefix
+// cache's budget pinned (64 KiB here: 16384 bytes, 8 blocks of 2048), so it cannot lock the
+// cache for everyone. A refused lookup leaves nothing pinned.
+class BlockStoreSmallCacheTest : public BlockStoreTest {
+ protected:
+  BlockStoreSmallCacheTest() { prefix_budget_ = uint64_t{64} << 10; }
+};
+
+TEST_F(BlockStoreSmallCacheTest, AnEnginesPinnedBytesAreCapped) {
+  std::unique_ptr<KvClient> a = NewClient("engine-a");
+  ASSERT_NE(a, nullptr);
+  TestBlockPool pool = MustPool();
+  const RegisteredPool registered = MustRegister(*a, pool);
+  ASSERT_EQ(registered.groups[0].block_bytes, 2048u);
+  std::vector<uint32_t> ids(12);
+  for (uint32_t i = 0; i < 12; ++i) ids[i] = i;
+  ASSERT_THAT(a->StoreBlocks(ByHashes(registered, Hashes(0, 12), ids)), IsOk());
+  BlockStoreCall all = ByHashes(registered, Hashes(0, 12));
+  all.pin_ttl_ms = 10'000;
+  EXPECT_THAT(a->LookupBlocks(all),
+              StatusIs(absl::StatusCode::kResourceExhausted,
+                       HasSubstrs("holds 0 pinned bytes and this lookup would pin 24576 more",
+                                  "the limit is 16384")));
+  EXPECT_EQ(daemon_->block_store().counts().pins, 0u);
+  BlockStoreCall first = ByHashes(registered, Hashes(0, 6));
+  first.pin_ttl_ms = 10'000;
+  ASSERT_THAT(a->LookupBlocks(first), IsOk());
+  BlockStoreCall more = ByHashes(registered, Hashes(6, 3));
+  more.pin_ttl_ms = 10'000;
+  EXPECT_THAT(a->LookupBlocks(more),
+              StatusIs(absl::StatusCode::kResourceExhausted,
+                       HasSubstrs("holds 12288 pinned bytes and this lookup would pin 6144 more",
+                                  "the limit is 16384")));
+  EXPECT_EQ(daemon_->block_store().counts().pins, 1u);
+  // The refused lookup's entries were unpinned again: evictable.
+  const std::optional<EntryId> entry = daemon_->prefix_cache()->PoolEntry(
+      EngineHashKeys(ScopedShapeFingerprint(a->cache_scope(),
+                                            registered.groups[0].layout_fingerprint),
+                     Hashes(6, 1))
+          .value()[0]);
+  ASSERT_TRUE(entry.has_value());
+  EXPECT_THAT(daemon_->prefix_cache()->EvictEntry(*entry), IsOk());
+}
+
 TEST_F(BlockStoreTest, RegistrationsAndPinsDieWithTheEnginesLease) {
   std::unique_ptr<KvClient> a = NewClient("engine-a");
   client_ = NewClient("engine-survivor");
