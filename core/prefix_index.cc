@@ -450,7 +450,45 @@ void PrefixIndex::RecordMoved(const PlanFingerprint& fingerprint, std::vector<Bl
   AppendEvent(std::move(event));
 }
 
+namespace {
+
+// The identity a router knows a stored block by: the engine's hash, else the block key.
+std::string LastBlockHash(const PrefixEvent& event) {
+  if (!event.origin.block_hashes.empty()) return event.origin.block_hashes.back();
+  if (event.block_keys.empty()) return std::string();
+  const BlockKey& key = event.block_keys.back();
+  return std::string(reinterpret_cast<const char*>(key.data()), key.size());
+}
+
+// Whether `next` continues `last`'s run of engine-pool blocks (set_coalesce_pool_stored).
+bool ContinuesPoolRun(const PrefixEvent& last, const PrefixEvent& next) {
+  return last.kind == PrefixEventKind::kStored && next.kind == PrefixEventKind::kStored &&
+         last.origin.from_engine_pool && next.origin.from_engine_pool &&
+         last.fingerprint == next.fingerprint && last.origin.engine_id == next.origin.engine_id &&
+         last.origin.block_tokens == next.origin.block_tokens && !last.boundary_key.has_value() &&
+         !next.boundary_key.has_value() && last.medium == next.medium &&
+         last.origin.block_hashes.empty() == next.origin.block_hashes.empty() &&
+         last.origin.token_ids.empty() == next.origin.token_ids.empty() &&
+         !next.origin.parent_block_hash.empty() &&
+         next.origin.parent_block_hash == LastBlockHash(last);
+}
+
+}  // namespace
+
 void PrefixIndex::AppendEvent(PrefixEvent event) {
+  if (coalesce_pool_stored_ && !events_.empty() &&
+      events_.back().sequence >= coalesce_from_sequence_ &&
+      ContinuesPoolRun(events_.back(), event)) {
+    PrefixEvent& last = events_.back();
+    last.block_keys.insert(last.block_keys.end(), event.block_keys.begin(),
+                           event.block_keys.end());
+    last.origin.block_hashes.insert(last.origin.block_hashes.end(),
+                                    event.origin.block_hashes.begin(),
+                                    event.origin.block_hashes.end());
+    last.origin.token_ids.insert(last.origin.token_ids.end(), event.origin.token_ids.begin(),
+                                 event.origin.token_ids.end());
+    return;
+  }
   event.sequence = next_sequence_++;
   event.epoch = options_.epoch;
   events_.push_back(std::move(event));

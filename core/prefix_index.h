@@ -326,6 +326,19 @@ class PrefixIndex {
   void RecordMoved(const PlanFingerprint& fingerprint, std::vector<BlockKey> block_keys,
                    std::optional<BlockKey> boundary_key, StorageMedium medium);
 
+  // While on, a STORED event of engine-pool blocks that continues the previous event's run
+  // (same key space, engine and block size, its parent the run's last block, neither a boundary)
+  // is folded into that event instead of appended: one StoreBlocks of thousands of blocks is
+  // then one event (one BlockStored for a router), not thousands that would push every
+  // subscriber of every scope past the replay buffer. The caller turns it on only while no
+  // subscriber can read between the events it folds (one hold of its lock).
+  // Only events appended since it was turned on are folded into: one a subscriber may have read
+  // never changes.
+  void set_coalesce_pool_stored(bool on) {
+    coalesce_pool_stored_ = on;
+    coalesce_from_sequence_ = next_sequence_;
+  }
+
   // Missed events after `last_sequence` of `epoch` (0 = from the start), or a gap marker.
   EventReplay EventsSince(uint64_t epoch, uint64_t last_sequence) const;
   uint64_t LastSequence() const { return next_sequence_ - 1; }
@@ -392,6 +405,8 @@ class PrefixIndex {
   uint64_t next_block_ = 1;
   uint64_t next_sequence_ = 1;
   std::deque<PrefixEvent> events_;  // the newest event_capacity events
+  bool coalesce_pool_stored_ = false;
+  uint64_t coalesce_from_sequence_ = 0;  // the first sequence this batch may fold into
   uint64_t lookup_hits_ = 0;
   uint64_t lookup_partials_ = 0;
   uint64_t lookup_misses_ = 0;

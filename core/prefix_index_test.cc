@@ -460,6 +460,41 @@ TEST_F(PrefixIndexTest, GivenChainsAreFoundByTheirLastKeyAndCarryTheirOriginInto
   EXPECT_THAT(index_->CheckInvariants(), IsOk());
 }
 
+// While coalescing, engine-pool blocks that continue a run fold into one STORED event; a block
+// whose parent is not the run's last, and any event from before the batch, are not folded into.
+TEST_F(PrefixIndexTest, CoalescedPoolBlocksAreOneStoredEventPerRunWithinABatch) {
+  auto store = [&](const std::string& hash, const std::string& parent, int32_t token,
+                   uint64_t tick) {
+    auto plan = index_->PlanCaptureOfChain(Fingerprint(3), {Sha256Of(hash)}, kFlat);
+    ASSERT_THAT(plan, IsOk());
+    plan->origin = PrefixEventOrigin{.block_hashes = {hash},
+                                     .parent_block_hash = parent,
+                                     .token_ids = {token, token, token, token},
+                                     .block_tokens = 4,
+                                     .engine_id = 12,
+                                     .from_engine_pool = true};
+    ASSERT_THAT(index_->CommitCapture(*plan, CommitFor(*plan), tick), IsOk());
+  };
+  store("h0", "", 0, 1);  // before the batch: never folded into
+  index_->set_coalesce_pool_stored(true);
+  store("h1", "h0", 1, 2);
+  store("h2", "h1", 2, 3);
+  store("x0", "elsewhere", 9, 4);  // not the run's next block: its own event
+  index_->set_coalesce_pool_stored(false);
+  store("x1", "x0", 10, 5);  // after the batch: its own event
+  const EventReplay replay = index_->EventsSince(9, 0);
+  ASSERT_EQ(replay.events.size(), 4u);
+  EXPECT_THAT(replay.events[0].origin.block_hashes, ElementsAre("h0"));
+  EXPECT_THAT(replay.events[1].origin.block_hashes, ElementsAre("h1", "h2"));
+  EXPECT_EQ(replay.events[1].block_keys.size(), 2u);
+  EXPECT_EQ(replay.events[1].origin.parent_block_hash, "h0");
+  EXPECT_THAT(replay.events[1].origin.token_ids, ElementsAre(1, 1, 1, 1, 2, 2, 2, 2));
+  EXPECT_THAT(replay.events[2].origin.block_hashes, ElementsAre("x0"));
+  EXPECT_THAT(replay.events[3].origin.block_hashes, ElementsAre("x1"));
+  // Sequences stay dense: a folded block takes none.
+  EXPECT_EQ(replay.events[3].sequence, replay.events[0].sequence + 3);
+}
+
 TEST_F(PrefixIndexTest, EventsAreSequencedReplayedAndGapped) {
   Reset(PrefixIndexOptions{
       .block_tokens = 4, .budget_bytes = 1 << 20, .epoch = 9, .event_capacity = 3});

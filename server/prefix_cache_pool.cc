@@ -152,6 +152,9 @@ std::vector<PoolBlockResult> PrefixCache::StorePoolBlocks(const ScopedShape& spa
     copied = std::move(kept);
   }
   absl::MutexLock lock(&mu_);
+  // One STORED event per run of this call's blocks (PrefixIndex::set_coalesce_pool_stored): no
+  // subscriber reads between them, as mu_ is held throughout.
+  index_.set_coalesce_pool_stored(true);
   std::vector<size_t> copy_of(all.size(), copied.size());  // all[i]'s copy, if any
   for (size_t k = 0; k < copied.size(); ++k) copy_of[copied[k]] = k;
   for (size_t i = 0; i < all.size(); ++i) {
@@ -172,6 +175,7 @@ std::vector<PoolBlockResult> PrefixCache::StorePoolBlocks(const ScopedShape& spa
       ++captures_;
     }
   }
+  index_.set_coalesce_pool_stored(false);
   Rebalance();
   FoldStateResult(all.size() > blocks.size(), results);
   return results;

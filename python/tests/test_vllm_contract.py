@@ -33,15 +33,18 @@ def test_blocks_saved_by_one_engine_load_into_another(kvd):
     assert loaded["block_digests"] == stored["block_digests"]
     assert all(loaded["pattern_ok"])
 
-    # Routers see the blocks under vLLM's own hashes, stored from an engine pool, each with
-    # its parent and tokens.
+    # Routers see the blocks under vLLM's own hashes, stored from an engine pool: one event
+    # per store call's run of blocks, with the parent of its first block and their tokens.
     hashes = vllm_hashes(PROMPT)
     stored_events = pool_store_events(daemon, WHOLE_BLOCKS)
     assert [h for e in stored_events for h in e.block_hashes] == hashes
-    for i, event in enumerate(stored_events):
+    position = 0
+    for event in stored_events:
+        blocks = len(event.block_hashes)
         assert event.from_engine_pool and event.block_tokens == BLOCK
-        assert event.parent_block_hash == (hashes[i - 1] if i else b"")
-        assert event.token_ids == PROMPT[i * BLOCK:(i + 1) * BLOCK]
+        assert event.parent_block_hash == (hashes[position - 1] if position else b"")
+        assert event.token_ids == PROMPT[position * BLOCK:(position + blocks) * BLOCK]
+        position += blocks
 
 
 def pool_store_events(daemon, blocks):
@@ -83,7 +86,8 @@ def test_caches_in_the_engines_own_memory_are_staged_both_ways(kvd):
     stored_events = pool_store_events(daemon, WHOLE_BLOCKS)
     hashes = vllm_hashes(PROMPT)
     assert [h for e in stored_events for h in e.block_hashes] == hashes
-    assert stored_events[3].parent_block_hash == hashes[2]
+    assert [len(e.block_hashes) for e in stored_events] == [3, 1]
+    assert stored_events[1].parent_block_hash == hashes[2]
 
 
 def test_the_scheduler_names_an_fp8_cache_as_its_workers_register_it():
