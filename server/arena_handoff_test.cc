@@ -150,7 +150,8 @@ TEST_F(ArenaHandoffTest, BufferOffersGoToTheIntakeWithTheirDescriptorOnlyFromABo
   std::unique_ptr<HandoffChannel> channel = Connect();
   ASSERT_NE(channel, nullptr);
   EXPECT_THAT(channel->OfferBuffer(memfd_.get(), kArenaBytes),
-              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstrs("Attach with its ticket")));
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstrs("this handoff connection has no engine yet", "Attach with its ticket")));
   absl::StatusOr<HandoffClaim> claim = handoff_->ClaimTicket(channel->ticket());
   ASSERT_THAT(claim, IsOk());
   handoff_->BindEngine(claim->connection, kEngine);
@@ -227,7 +228,8 @@ TEST_F(ArenaHandoffTest, HandsTheArenaOnlyToTheBoundEngine) {
   const handoff::ArenaRequest request{.session_id = 1, .session_token = "t", .handle = "h"};
   // Before Attach bound it: refused, and the connection stays usable.
   EXPECT_THAT(channel->FetchArena(request),
-              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstrs("Attach with its ticket")));
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstrs("this handoff connection has no engine yet", "Attach with its ticket")));
   EXPECT_EQ(lookups(), 0);
   absl::StatusOr<HandoffClaim> claim = handoff_->ClaimTicket(channel->ticket());
   ASSERT_THAT(claim, IsOk());

@@ -560,6 +560,24 @@ TEST_F(BlockStoreTest, AnEngineThatReattachesWithinItsGraceKeepsItsRegistration)
   EXPECT_THAT(Codes(*stored), ElementsAre(absl::StatusCode::kOk));
 }
 
+// One offered buffer is one mapping of one registration: naming it twice is refused with both
+// positions and the id, and the offer stays usable.
+TEST_F(BlockStoreTest, ARegistrationNamingOneOfferTwiceIsRefused) {
+  std::unique_ptr<KvClient> a = NewClient("engine-a");
+  ASSERT_NE(a, nullptr);
+  TestBlockPool pool = MustPool();
+  absl::StatusOr<uint64_t> offer = a->OfferPoolBuffer(pool.fd(), pool.bytes());
+  ASSERT_THAT(offer, IsOk());
+  const PoolBufferRef ref{.handoff_buffer_id = *offer, .bytes = pool.bytes()};
+  const PoolBufferRef twice[] = {ref, ref};
+  EXPECT_THAT(a->RegisterPool(kShape.Spec(), twice),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstrs(absl::StrCat("buffers 0 and 1 name the same offered buffer ",
+                                               *offer))));
+  EXPECT_EQ(daemon_->block_store().counts().registrations, 0u);
+  EXPECT_THAT(a->RegisterPool(kShape.Spec(), {&ref, 1}), IsOk());
+}
+
 TEST_F(BlockStoreTest, MalformedKeysAndEventFieldsAreRefusedWithTheirNumbers) {
   std::unique_ptr<KvClient> a = NewClient("engine-a");
   std::unique_ptr<KvClient> b = NewClient("engine-b");
