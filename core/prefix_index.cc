@@ -460,9 +460,16 @@ std::string LastBlockHash(const PrefixEvent& event) {
   return std::string(reinterpret_cast<const char*>(key.data()), key.size());
 }
 
+// A folded event stays small (the replay buffer is bounded by its count): at most this many
+// blocks and token ids, as a router's batch would be; a longer run continues in the next event.
+constexpr size_t kMaxFoldedBlocks = 1024;
+constexpr size_t kMaxFoldedTokenIds = 16384;
+
 // Whether `next` continues `last`'s run of engine-pool blocks (set_coalesce_pool_stored).
 bool ContinuesPoolRun(const PrefixEvent& last, const PrefixEvent& next) {
-  return last.kind == PrefixEventKind::kStored && next.kind == PrefixEventKind::kStored &&
+  return last.block_keys.size() + next.block_keys.size() <= kMaxFoldedBlocks &&
+         last.origin.token_ids.size() + next.origin.token_ids.size() <= kMaxFoldedTokenIds &&
+         last.kind == PrefixEventKind::kStored && next.kind == PrefixEventKind::kStored &&
          last.origin.from_engine_pool && next.origin.from_engine_pool &&
          last.fingerprint == next.fingerprint && last.origin.engine_id == next.origin.engine_id &&
          last.origin.block_tokens == next.origin.block_tokens && !last.boundary_key.has_value() &&

@@ -495,6 +495,34 @@ TEST_F(PrefixIndexTest, CoalescedPoolBlocksAreOneStoredEventPerRunWithinABatch) 
   EXPECT_EQ(replay.events[3].sequence, replay.events[0].sequence + 3);
 }
 
+// A folded event stays bounded (the replay buffer bounds events by count): a run longer than
+// 1,024 blocks continues in a second event.
+TEST_F(PrefixIndexTest, AFoldedRunIsCutAt1024Blocks) {
+  Reset(PrefixIndexOptions{
+      .block_tokens = 4, .budget_bytes = uint64_t{1} << 30, .epoch = 9, .event_capacity = 64});
+  index_->set_coalesce_pool_stored(true);
+  std::string parent;
+  for (int i = 0; i < 1025; ++i) {
+    const std::string hash = absl::StrCat("run-", i);
+    auto plan = index_->PlanCaptureOfChain(Fingerprint(3), {Sha256Of(hash)}, kFlat);
+    ASSERT_THAT(plan, IsOk());
+    plan->origin = PrefixEventOrigin{.block_hashes = {hash},
+                                     .parent_block_hash = parent,
+                                     .token_ids = {},
+                                     .block_tokens = 4,
+                                     .engine_id = 12,
+                                     .from_engine_pool = true};
+    ASSERT_THAT(index_->CommitCapture(*plan, CommitFor(*plan), i + 1), IsOk());
+    parent = hash;
+  }
+  index_->set_coalesce_pool_stored(false);
+  const EventReplay replay = index_->EventsSince(9, 0);
+  ASSERT_EQ(replay.events.size(), 2u);
+  EXPECT_EQ(replay.events[0].origin.block_hashes.size(), 1024u);
+  EXPECT_THAT(replay.events[1].origin.block_hashes, ElementsAre("run-1024"));
+  EXPECT_EQ(replay.events[1].origin.parent_block_hash, "run-1023");
+}
+
 TEST_F(PrefixIndexTest, EventsAreSequencedReplayedAndGapped) {
   Reset(PrefixIndexOptions{
       .block_tokens = 4, .budget_bytes = 1 << 20, .epoch = 9, .event_capacity = 3});
