@@ -17,6 +17,8 @@
 
 #include <filesystem>
 #include <fstream>
+#include <iostream>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -30,6 +32,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/time.h"
+#include "gtest/gtest.h"
 #include "tests/subprocess.h"
 
 namespace memra::testing {
@@ -128,6 +131,9 @@ class LocalRedisCluster {
   }
 
   ~LocalRedisCluster() {
+    // A failed test's log carries each node's own view and log tail: the directory is gone
+    // after this destructor, and a failover that did not happen is explained only there.
+    if (::testing::UnitTest::GetInstance()->failed_test_count() > 0) DumpNodes();
     for (const pid_t pid : pids_) KillAndReap(pid);
     if (!dir_.empty()) {
       std::error_code ignored;
@@ -135,7 +141,10 @@ class LocalRedisCluster {
     }
   }
 
-  // Every live node reports cluster_state:ok and every slot has a live master.
+  // Healthy: every live node reports cluster_state:ok; in the first live node's view, three
+  // masters that are running (a killed one counts only until the others flag it) own every
+  // slot; and every running replica of each of them is in sync (INFO replication state=online),
+  // so a master killed next can fail over (a replica that never synced refuses to, for good).
   bool WaitHealthy() {
     const bool healthy = PollUntil([&] {
       for (int i = 0; i < kNodes; ++i) {
@@ -143,8 +152,7 @@ class LocalRedisCluster {
         absl::StatusOr<std::string> info = Command(ports_[i], {"CLUSTER", "INFO"});
         if (!info.ok() || !absl::StrContains(*info, "cluster_state:ok")) return false;
       }
-      absl::StatusOr<std::vector<int>> masters = MasterPorts();
-      return masters.ok() && masters->size() == 3;
+      return LiveMastersOwnEverySlotWithReplicasInSync();
     });
     if (!healthy) ADD_FAILURE() << "cluster not healthy within " << kPatience << "; see " << dir_;
     return healthy;
@@ -180,6 +188,55 @@ class LocalRedisCluster {
     absl::StatusOr<std::string> auth = Run(context.get(), {"AUTH", kRedisPassword});
     if (!auth.ok()) return auth;
     return Run(context.get(), argv);
+  }
+
+  bool LiveMastersOwnEverySlotWithReplicasInSync() const {
+    absl::StatusOr<std::string> nodes = ClusterNodes();
+    if (!nodes.ok()) return false;
+    struct Master {
+      int port = 0;
+      int replicas = 0;  // running, unflagged replicas
+    };
+    std::map<std::string, Master> masters;  // by node id
+    std::vector<std::pair<std::string, int>> replica_of;  // (master id, replica port)
+    int owned_slots = 0;
+    for (absl::string_view line : absl::StrSplit(*nodes, '\n', absl::SkipEmpty())) {
+      const std::vector<absl::string_view> fields = absl::StrSplit(line, ' ');
+      if (fields.size() < 8) return false;
+      const int port = PortOf(fields[1]);
+      if (!Running(port) || absl::StrContains(fields[2], "fail")) continue;
+      if (absl::StrContains(fields[2], "slave")) {
+        replica_of.emplace_back(std::string(fields[3]), port);
+        continue;
+      }
+      if (fields.size() < 9) continue;  // a master without slots
+      masters[std::string(fields[0])].port = port;
+      for (size_t f = 8; f < fields.size(); ++f) {
+        if (fields[f].front() == '[') continue;
+        const std::vector<absl::string_view> range = absl::StrSplit(fields[f], '-');
+        int first = 0;
+        int last = 0;
+        if (!absl::SimpleAtoi(range[0], &first)) return false;
+        last = first;
+        if (range.size() == 2 && !absl::SimpleAtoi(range[1], &last)) return false;
+        owned_slots += last - first + 1;
+      }
+    }
+    if (masters.size() != 3 || owned_slots != 16384) return false;
+    for (const auto& [master_id, port] : replica_of) {
+      auto it = masters.find(master_id);
+      if (it != masters.end()) ++it->second.replicas;
+    }
+    for (const auto& [id, master] : masters) {
+      absl::StatusOr<std::string> info = Command(master.port, {"INFO", "replication"});
+      if (!info.ok()) return false;
+      int online = 0;
+      for (absl::string_view line : absl::StrSplit(*info, '\n')) {
+        if (absl::StartsWith(line, "slave") && absl::StrContains(line, "state=online")) ++online;
+      }
+      if (online < master.replicas) return false;
+    }
+    return true;
   }
 
   // Masters with slots, by port, from CLUSTER NODES of the first live node.
@@ -220,6 +277,22 @@ class LocalRedisCluster {
   }
 
   absl::StatusOr<std::string> NodeId(int port) const { return Command(port, {"CLUSTER", "MYID"}); }
+
+  // The port of a running replica of the master on `port` (0 when it has none), from CLUSTER
+  // NODES.
+  int ReplicaOf(int master_port) const {
+    absl::StatusOr<std::string> master_id = NodeId(master_port);
+    absl::StatusOr<std::string> nodes = ClusterNodes();
+    if (!master_id.ok() || !nodes.ok()) return 0;
+    for (absl::string_view line : absl::StrSplit(*nodes, '\n', absl::SkipEmpty())) {
+      const std::vector<absl::string_view> fields = absl::StrSplit(line, ' ');
+      if (fields.size() >= 4 && absl::StrContains(fields[2], "slave") &&
+          fields[3] == *master_id && Running(PortOf(fields[1]))) {
+        return PortOf(fields[1]);
+      }
+    }
+    return 0;
+  }
 
   // Starts moving `slot` from `from` to `to` (IMPORTING on `to`, MIGRATING on `from`) and
   // moves the given keys; `finish` then assigns the slot to `to` on every live node.
@@ -274,6 +347,13 @@ class LocalRedisCluster {
   }
 
  private:
+  bool Running(int port) const {
+    for (int i = 0; i < static_cast<int>(ports_.size()); ++i) {
+      if (ports_[i] == port) return pids_[i] > 0;
+    }
+    return false;
+  }
+
   static int PortOf(absl::string_view address) {  // "127.0.0.1:7000@17000"
     address = address.substr(0, address.find('@'));
     int port = 0;
@@ -352,6 +432,9 @@ class LocalRedisCluster {
                           // Failover within ~2 s of a master's death; the other masters keep
                           // serving their slots meanwhile.
                           << "cluster-node-timeout 1000\ncluster-require-full-coverage no\n"
+                          // A replica syncs at once: one killed before its first sync
+                          // would never fail over (its data counts as infinitely old).
+                          << "repl-diskless-sync-delay 0\n"
                           << "dir " << node_dir << "\nsave \"\"\nappendonly no\n"
                           << "requirepass \"" << EscapedPassword() << "\"\n"
                           << "masterauth \"" << EscapedPassword() << "\"\n"
@@ -370,6 +453,22 @@ class LocalRedisCluster {
       }
     }
     return std::nullopt;
+  }
+
+  // Each node's CLUSTER NODES (live ones) and the tail of its log, to stderr.
+  void DumpNodes() const {
+    for (int i = 0; i < static_cast<int>(ports_.size()); ++i) {
+      const std::string node_dir = absl::StrCat(dir_, "/", ports_[i]);
+      std::string view = "(not running)";
+      if (i < static_cast<int>(pids_.size()) && pids_[i] > 0) {
+        absl::StatusOr<std::string> nodes = Command(ports_[i], {"CLUSTER", "NODES"});
+        view = nodes.ok() ? *nodes : nodes.status().ToString();
+      }
+      std::cerr << "---- redis node " << ports_[i] << ": CLUSTER NODES\n"
+                << view << "\n---- its log (tail)\n"
+                << FileTail(absl::StrCat(node_dir, "/stdout.log"))
+                << FileTail(absl::StrCat(node_dir, "/stderr.log")) << "\n";
+    }
   }
 
   // The last 2 KiB of a log file (empty when it cannot be read).

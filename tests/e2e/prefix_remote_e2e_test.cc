@@ -259,7 +259,7 @@ TEST_F(PrefixRemoteE2eTest, AKilledMasterFailsOverWhileBothDaemonsKeepServing) {
   ASSERT_THAT(masters, IsOk());
   // Let the replicas catch up before their master dies (replication is asynchronous).
   for (const int master : *masters) {
-    ASSERT_THAT(cluster_->Command(master, {"WAIT", "1", "2000"}), IsOk());
+    ASSERT_THAT(cluster_->Command(master, {"WAIT", "1", "5000"}), IsOkAndHolds("1"));
   }
   cluster_->Signal(masters->front(), SIGKILL);
 
