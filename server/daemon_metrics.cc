@@ -236,7 +236,8 @@ Daemon::RegisterMetrics() {
   RETURN_IF_ERROR(metrics_.AddCallbackGaugeFamily(
       "memra_prefix_remote_cluster_events",
       "The Redis Cluster client's counters (moved, ask: redirects followed; refresh: slot maps "
-      "applied; connect; connection_failure), since start.",
+      "applied; connect; connection_failure; node_down_refusal: calls refused without I/O "
+      "while their node was in back-off), since start.",
       {"event"}, remote([](const RemoteTierStats& r) {
         const RedisClusterStats& c = r.cluster;
         return std::vector<CallbackSample>{
@@ -245,7 +246,9 @@ Daemon::RegisterMetrics() {
             {.label_values = {"refresh"}, .value = static_cast<double>(c.slot_map_refreshes)},
             {.label_values = {"connect"}, .value = static_cast<double>(c.connects)},
             {.label_values = {"connection_failure"},
-             .value = static_cast<double>(c.connection_failures)}};
+             .value = static_cast<double>(c.connection_failures)},
+            {.label_values = {"node_down_refusal"},
+             .value = static_cast<double>(c.node_down_refusals)}};
       })));
   RETURN_IF_ERROR(metrics_.AddCallbackGaugeFamily(
       "memra_prefix_slab_fragmentation",

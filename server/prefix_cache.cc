@@ -1060,7 +1060,7 @@ std::vector<PrefixCache::RemoteWrite> PrefixCache::RemoteWritesOf(
     RemoteWrite& write = writes.emplace_back();
     write.key = block ? RemoteBlockKey(shape.scope, plan.chain[plan.first_new_block + i])
                       : RemoteBoundaryKey(shape.scope, plan.chain.back());
-    write.header = EncodeRemoteHeader(header);
+    write.header = EncodeRemoteHeader(write.key, header);
     write.span = copies[i].storage.span;
     write.payload_bytes = header.payload_bytes;
   }

@@ -2093,7 +2093,7 @@ TEST_F(PrefixCacheRemoteTest, ACorruptValueIsDeletedAndAnotherShapesIsSkipped) {
   foreign.block_tokens = kBlock;
   foreign.slice_bytes = 1 << 20;
   foreign.layout_digest = 12345;
-  ASSERT_THAT(redis_->Set(foreign_key, NewRemoteValue(foreign)), IsOk());
+  ASSERT_THAT(redis_->Set(foreign_key, NewRemoteValue(foreign_key, foreign)), IsOk());
 
   // The restore pulls blocks 0 and 1, refuses block 2 (another shape: skipped, kept).
   auto first = NewSession(FlatPlan(), 256);

@@ -11,6 +11,7 @@
 #include <utility>
 
 #include "absl/strings/ascii.h"
+#include "absl/strings/cord.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -92,7 +93,15 @@ absl::StatusOr<RedisNodeAddress> ParseEndpoint(absl::string_view endpoint,
 
 absl::string_view ReplyText(const redisReply& reply) { return {reply.str, reply.len}; }
 
+// Marks a refusal made without I/O because the node is in back-off (the payload's value is
+// unused; its presence is the mark).
+constexpr char kNodeDownPayload[] = "memra.kv/redis-node-in-back-off";
+
 }  // namespace
+
+bool IsRedisNodeDownRefusal(const absl::Status& status) {
+  return status.GetPayload(kNodeDownPayload).has_value();
+}
 
 absl::string_view RedisTlsUnsupportedReason() {
   return "this build's Redis client is Debian's hiredis 0.14, which has no TLS (hiredis_ssl "
@@ -182,6 +191,12 @@ absl::StatusOr<std::unique_ptr<RedisClusterClient>> RedisClusterClient::Create(
                      absl::FormatDuration(options.connect_timeout), ", command ",
                      absl::FormatDuration(options.command_timeout), ")"));
   }
+  if (options.node_retry_initial <= absl::ZeroDuration() ||
+      options.node_retry_max < options.node_retry_initial) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "redis cluster: node back-off ", absl::FormatDuration(options.node_retry_initial),
+        " to ", absl::FormatDuration(options.node_retry_max), " must be positive and not shrink"));
+  }
   if (options.max_redirects < 0) {
     return absl::InvalidArgumentError(absl::StrCat("redis cluster: max_redirects ",
                                                    options.max_redirects, " is negative"));
@@ -267,8 +282,12 @@ absl::StatusOr<bool> RedisClusterClient::Del(absl::string_view key) {
   return reply->integer > 0;
 }
 
-absl::StatusOr<std::vector<bool>> RedisClusterClient::ExistsEach(
-    absl::Span<const std::string> keys) {
+RedisExistsResult RedisClusterClient::ExistsEach(absl::Span<const std::string> keys) {
+  RedisExistsResult result;
+  result.exists.resize(keys.size());
+  const auto unanswered = [&result](absl::Status why) {
+    if (result.unanswered++ == 0) result.first_failure = std::move(why);
+  };
   const absl::Status refreshed = RefreshIfStale();
   struct Group {
     std::shared_ptr<Node> node;
@@ -279,41 +298,53 @@ absl::StatusOr<std::vector<bool>> RedisClusterClient::ExistsEach(
     const uint16_t slot = RedisKeySlot(keys[i]);
     std::shared_ptr<Node> node = NodeForKeySlot(slot);
     if (node == nullptr) {
-      if (!refreshed.ok()) return refreshed;
-      return absl::UnavailableError(
-          absl::StrCat("redis cluster EXISTS: no node owns slot ", slot, " (key ", i, ")"));
+      unanswered(refreshed.ok() ? absl::UnavailableError(absl::StrCat(
+                                      "redis cluster EXISTS: no node owns slot ", slot,
+                                      " (key ", i, ")"))
+                                : refreshed);
+      continue;
     }
     Group& group = groups[node->name];
     group.node = std::move(node);
     group.key_indexes.push_back(i);
   }
-  std::vector<bool> exists(keys.size(), false);
   for (auto& [name, group] : groups) {
     std::vector<std::vector<absl::string_view>> commands;
     commands.reserve(group.key_indexes.size());
     for (const size_t i : group.key_indexes) commands.push_back({"EXISTS", keys[i]});
-    ASSIGN_OR_RETURN(std::vector<ReplyPtr> replies,
-                     RunOnNode(*group.node, "EXISTS", std::nullopt, commands));
-    for (size_t j = 0; j < replies.size(); ++j) {
+    absl::StatusOr<std::vector<ReplyPtr>> replies =
+        RunOnNode(*group.node, "EXISTS", std::nullopt, commands);
+    if (!replies.ok()) {
+      for (size_t j = 0; j < group.key_indexes.size(); ++j) unanswered(replies.status());
+      continue;
+    }
+    for (size_t j = 0; j < replies->size(); ++j) {
       const size_t i = group.key_indexes[j];
-      ReplyPtr reply = std::move(replies[j]);
+      ReplyPtr reply = std::move((*replies)[j]);
       if (reply->type == REDIS_REPLY_ERROR) {
         if (!IsRedirect(ReplyText(*reply))) {
-          return ErrorReplyStatus("EXISTS", Where(name, RedisKeySlot(keys[i])),
-                                  ReplyText(*reply));
+          unanswered(ErrorReplyStatus("EXISTS", Where(name, RedisKeySlot(keys[i])),
+                                      ReplyText(*reply)));
+          continue;
         }
-        ASSIGN_OR_RETURN(reply, Execute("EXISTS", keys[i], {"EXISTS", keys[i]}));
+        absl::StatusOr<ReplyPtr> redirected = Execute("EXISTS", keys[i], {"EXISTS", keys[i]});
+        if (!redirected.ok()) {
+          unanswered(redirected.status());
+          continue;
+        }
+        reply = *std::move(redirected);
       }
       if (reply->type != REDIS_REPLY_INTEGER) {
-        return absl::InternalError(absl::StrCat("redis cluster EXISTS: ",
-                                                Where(name, RedisKeySlot(keys[i])),
-                                                ": reply of type ", reply->type,
-                                                ", expected an integer"));
+        unanswered(absl::InternalError(absl::StrCat("redis cluster EXISTS: ",
+                                                    Where(name, RedisKeySlot(keys[i])),
+                                                    ": reply of type ", reply->type,
+                                                    ", expected an integer")));
+        continue;
       }
-      exists[i] = reply->integer > 0;
+      result.exists[i] = reply->integer > 0;
     }
   }
-  return exists;
+  return result;
 }
 
 absl::StatusOr<RedisClusterClient::ReplyPtr> RedisClusterClient::Execute(
@@ -380,6 +411,24 @@ absl::StatusOr<std::vector<RedisClusterClient::ReplyPtr>> RedisClusterClient::Ru
     Node& node, absl::string_view operation, std::optional<uint16_t> slot,
     const std::vector<std::vector<absl::string_view>>& commands) {
   absl::MutexLock node_lock(&node.mu);
+  if (node.context == nullptr) {
+    const absl::Time now = absl::Now();
+    if (node.InBackOff(now)) {
+      {
+        absl::MutexLock lock(&mu_);
+        ++stats_.node_down_refusals;
+        if (now - last_refresh_ >= kDownNodeRefreshInterval) slot_map_stale_ = true;
+      }
+      const absl::Duration left =
+          absl::FromUnixNanos(node.retry_after_ns.load(std::memory_order_relaxed)) - now;
+      absl::Status refused = absl::UnavailableError(absl::StrCat(
+          "redis cluster ", operation, ": ", Where(node.name, slot),
+          ": not tried for another ", absl::ToInt64Milliseconds(absl::Ceil(left, absl::Milliseconds(1))),
+          " ms (back-off after: ", node.last_failure, ")"));
+      refused.SetPayload(kNodeDownPayload, absl::Cord());
+      return refused;
+    }
+  }
   // A connection that worked before may have been closed by the node since (a restart, an
   // idle timeout): it gets one fresh connection before the call fails. A timeout does not
   // (it would double the wait on a stalled node).
@@ -417,30 +466,46 @@ absl::StatusOr<std::vector<RedisClusterClient::ReplyPtr>> RedisClusterClient::Ru
     }
     if (!failed) {
       node.answered.store(true);
+      node.retry_backoff = absl::ZeroDuration();  // a reply: the next failure starts afresh
       return replies;
     }
     const absl::Status status =
         ContextStatus(*context, operation, Where(node.name, slot), options_.command_timeout);
+    if (!may_reconnect || status.code() == absl::StatusCode::kDeadlineExceeded) {
+      return NodeFailedLocked(node, status);
+    }
     redisFree(node.context);
     node.context = nullptr;
-    node.answered.store(false);
     {
       absl::MutexLock lock(&mu_);
       ++stats_.connection_failures;
       slot_map_stale_ = true;
     }
-    if (!may_reconnect || status.code() == absl::StatusCode::kDeadlineExceeded) return status;
     may_reconnect = false;
   }
 }
 
+absl::Status RedisClusterClient::NodeFailedLocked(Node& node, absl::Status status) {
+  if (node.context != nullptr) {
+    redisFree(node.context);
+    node.context = nullptr;
+  }
+  node.answered.store(false);
+  node.retry_backoff = node.retry_backoff == absl::ZeroDuration()
+                           ? options_.node_retry_initial
+                           : std::min(node.retry_backoff * 2, options_.node_retry_max);
+  node.retry_after_ns.store(absl::ToUnixNanos(absl::Now() + node.retry_backoff),
+                            std::memory_order_relaxed);
+  node.last_failure = std::string(status.message());
+  absl::MutexLock lock(&mu_);
+  ++stats_.connection_failures;
+  slot_map_stale_ = true;
+  return status;
+}
+
 absl::Status RedisClusterClient::ConnectLocked(Node& node, absl::string_view operation) {
-  const auto fail = [&](absl::Status status) {
-    node.answered.store(false);
-    absl::MutexLock lock(&mu_);
-    ++stats_.connection_failures;
-    slot_map_stale_ = true;
-    return status;
+  const auto fail = [&](absl::Status status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(node.mu) {
+    return NodeFailedLocked(node, std::move(status));
   };
   const std::string where = Where(node.name, std::nullopt);
   redisContext* context = redisConnectWithTimeout(node.address.host.c_str(), node.address.port,
@@ -477,9 +542,9 @@ absl::Status RedisClusterClient::ConnectLocked(Node& node, absl::string_view ope
       const std::string who =
           options_.user.empty() ? "the requirepass password"
                                 : absl::StrCat("user '", options_.user, "' and its password");
-      return absl::UnauthenticatedError(
+      return fail(absl::UnauthenticatedError(
           absl::StrCat("redis cluster ", operation, ": ", where, " refused ", who, " from ",
-                       options_.password_file, ": ", ReplyText(*reply)));
+                       options_.password_file, ": ", ReplyText(*reply))));
     }
   }
   node.context = owned.release();
@@ -504,13 +569,20 @@ absl::Status RedisClusterClient::RefreshIfStale() {
     if (!slot_map_stale_) return absl::OkStatus();
     for (const auto& [name, node] : nodes_) candidates.push_back(node);
   }
-  // Nodes that answered last time first; a dead node is asked only when the live ones fail.
-  std::stable_partition(candidates.begin(), candidates.end(),
-                        [](const std::shared_ptr<Node>& node) { return node->answered.load(); });
+  // Nodes that answered last time first, then the others; a node in back-off last (it is
+  // refused without I/O, so it does not count among the kMaxRefreshNodes asked).
+  const absl::Time now = absl::Now();
+  const auto rank = [now](const std::shared_ptr<Node>& node) {
+    return node->InBackOff(now) ? 2 : node->answered.load() ? 0 : 1;
+  };
+  std::stable_sort(candidates.begin(), candidates.end(),
+                   [&](const std::shared_ptr<Node>& a, const std::shared_ptr<Node>& b) {
+                     return rank(a) < rank(b);
+                   });
   absl::Status last = absl::UnavailableError("redis cluster: no node to ask for the slot map");
   int asked = 0;
   for (const std::shared_ptr<Node>& node : candidates) {
-    if (asked++ == kMaxRefreshNodes) break;
+    if (rank(node) != 2 && asked++ == kMaxRefreshNodes) break;
     last = RefreshSlotMapFrom(node);
     if (last.ok() || last.code() == absl::StatusCode::kUnauthenticated) return last;
   }
@@ -568,6 +640,7 @@ absl::Status RedisClusterClient::RefreshSlotMapFrom(const std::shared_ptr<Node>&
   }
   slot_owner_ = std::move(owners);
   slot_map_stale_ = false;
+  last_refresh_ = absl::Now();
   ++stats_.slot_map_refreshes;
   return absl::OkStatus();
 }

@@ -10,7 +10,9 @@
 //
 // Status codes, chosen by what the caller does next:
 //   UNAVAILABLE        a node refused or dropped the connection, the cluster is down
-//                      (CLUSTERDOWN), or redirects ran past max_redirects: retry later.
+//                      (CLUSTERDOWN), or redirects ran past max_redirects: retry later. Also
+//                      a call refused at once because its node is in back-off after a failure
+//                      (IsRedisNodeDownRefusal): no I/O was done.
 //   DEADLINE_EXCEEDED  a connect or command ran past its timeout: retry later.
 //   UNAUTHENTICATED    the node refused the credentials (or wants some and has none).
 //   INTERNAL           a reply the protocol does not allow here (our bug or a foreign server).
@@ -76,6 +78,22 @@ struct RedisClusterOptions {
   absl::Duration command_timeout = absl::Milliseconds(500);
   // MOVED / ASK / TRYAGAIN replies followed for one call before it fails UNAVAILABLE.
   int max_redirects = 5;
+  // A node whose connect or command failed (I/O or a timeout) is not tried again for a
+  // back-off that doubles from node_retry_initial to node_retry_max and is reset by a reply:
+  // meanwhile calls for its slots fail at once (UNAVAILABLE, IsRedisNodeDownRefusal) instead
+  // of each paying a connect or command timeout, and the other nodes' slots keep serving.
+  absl::Duration node_retry_initial = absl::Milliseconds(100);
+  absl::Duration node_retry_max = absl::Seconds(2);
+};
+
+// Whether `status` is a call refused without any I/O because its node was in back-off.
+bool IsRedisNodeDownRefusal(const absl::Status& status);
+
+// ExistsEach's answer: one entry per key, in order.
+struct RedisExistsResult {
+  std::vector<std::optional<bool>> exists;  // nullopt: the key's node could not be asked
+  size_t unanswered = 0;                    // keys left nullopt
+  absl::Status first_failure;               // why the first of them was not answered
 };
 
 // Counters since Create (monotonic), for metrics and tests.
@@ -85,6 +103,7 @@ struct RedisClusterStats {
   uint64_t slot_map_refreshes = 0;  // CLUSTER SLOTS answered and applied
   uint64_t connects = 0;            // connections made (first ones and re-made ones)
   uint64_t connection_failures = 0;  // connects or commands that failed for I/O or a timeout
+  uint64_t node_down_refusals = 0;   // calls refused at once: their node was in back-off
 };
 
 // Thread-safe: any number of threads may call any method at once. A call holds mu_ only to read
@@ -117,8 +136,9 @@ class RedisClusterClient {
   absl::StatusOr<bool> Del(absl::string_view key);
   // Existence of each key, in order. Keys may lie in any slots: they are grouped by the node
   // owning their slot and each node gets its EXISTS commands in one pipelined round trip; a
-  // key whose reply is a redirect is retried alone through the redirect rules.
-  absl::StatusOr<std::vector<bool>> ExistsEach(absl::Span<const std::string> keys);
+  // key whose reply is a redirect is retried alone through the redirect rules. A node that
+  // fails leaves only its own keys unanswered: the others' answers stand.
+  RedisExistsResult ExistsEach(absl::Span<const std::string> keys);
 
   // Asks the cluster for its slot map now (normally done on demand: at Create, after MOVED,
   // after a connection failure).
@@ -141,9 +161,18 @@ class RedisClusterClient {
     // Whether the last connect or command on this node worked: slot-map refreshes ask the
     // nodes that answered last time first.
     std::atomic<bool> answered{true};
+    // Unix ns before which no connect is tried (the back-off after a failure); atomic so a
+    // refresh can order candidates without taking every node's mutex.
+    std::atomic<int64_t> retry_after_ns{0};
 
     absl::Mutex mu;
     redisContext* context ABSL_GUARDED_BY(mu) = nullptr;  // null: not connected
+    absl::Duration retry_backoff ABSL_GUARDED_BY(mu);     // zero: no failure since a reply
+    std::string last_failure ABSL_GUARDED_BY(mu);         // the message that started it
+
+    bool InBackOff(absl::Time now) const {
+      return absl::ToUnixNanos(now) < retry_after_ns.load(std::memory_order_relaxed);
+    }
   };
   struct ReplyDeleter {
     void operator()(redisReply* reply) const;
@@ -169,6 +198,10 @@ class RedisClusterClient {
       const std::vector<std::vector<absl::string_view>>& commands);
   absl::Status ConnectLocked(Node& node, absl::string_view operation)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(node.mu);
+  // A connect or command on `node` failed with `status`: closes its connection, starts or
+  // doubles its back-off, counts the failure and marks the slot map stale. Returns `status`.
+  absl::Status NodeFailedLocked(Node& node, absl::Status status)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(node.mu) ABSL_LOCKS_EXCLUDED(mu_);
 
   // Fetches CLUSTER SLOTS from one node and installs it.
   absl::Status RefreshSlotMapFrom(const std::shared_ptr<Node>& node);
@@ -187,6 +220,11 @@ class RedisClusterClient {
   std::vector<std::string> slot_owner_ ABSL_GUARDED_BY(mu_);
   // Set by a connection failure: the next call refreshes the map before its first attempt.
   bool slot_map_stale_ ABSL_GUARDED_BY(mu_) = true;
+  // When a slot map was last applied. A call refused for a node in back-off marks the map
+  // stale only when it is older than kDownNodeRefreshInterval: a failover is learned that
+  // soon after it happens, without one CLUSTER SLOTS per refused call.
+  absl::Time last_refresh_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
+  static constexpr absl::Duration kDownNodeRefreshInterval = absl::Milliseconds(250);
   RedisClusterStats stats_ ABSL_GUARDED_BY(mu_);
 };
 

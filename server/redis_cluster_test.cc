@@ -2,6 +2,7 @@
 
 #include <signal.h>
 
+#include <functional>
 #include <memory>
 #include <optional>
 #include <random>
@@ -29,6 +30,26 @@ using ::memra::testing::StatusIs;
 using ::testing::HasSubstr;
 using ::testing::Not;
 using ::testing::Optional;
+
+// ExistsEach's answer where every key was answered (a test failure otherwise).
+std::vector<bool> AllAnswered(const RedisExistsResult& result) {
+  EXPECT_EQ(result.unanswered, 0u) << result.first_failure;
+  std::vector<bool> exists;
+  for (const std::optional<bool>& answer : result.exists) exists.push_back(answer.value_or(false));
+  return exists;
+}
+
+// Writes keys "<prefix>0".."<prefix><count - 1>" with value_of(i); the keys (a test failure
+// for a write that fails).
+std::vector<std::string> WriteKeys(RedisClusterClient& client, absl::string_view prefix,
+                                   int count, const std::function<std::string(int)>& value_of) {
+  std::vector<std::string> keys;
+  for (int i = 0; i < count; ++i) {
+    keys.push_back(absl::StrCat(prefix, i));
+    EXPECT_THAT(client.Set(keys.back(), value_of(i)), IsOk()) << keys.back();
+  }
+  return keys;
+}
 
 std::string RandomBytes(size_t size, uint32_t seed) {
   std::mt19937 random(seed);
@@ -113,6 +134,18 @@ TEST(RedisClusterCreateTest, RefusesOptionsThatCannotWork) {
   options.password_file = empty_file;
   EXPECT_THAT(RedisClusterClient::Create(options),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstrs(empty_file, "holds 0 bytes")));
+}
+
+TEST(RedisClusterCreateTest, RefusesANodeBackOffThatCannotWork) {
+  RedisClusterOptions options;
+  options.seed_nodes = {{"127.0.0.1", 7000}};
+  options.node_retry_initial = absl::ZeroDuration();
+  EXPECT_THAT(RedisClusterClient::Create(options),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstrs("node back-off 0 to 2s", "must be positive and not shrink")));
+  options.node_retry_initial = absl::Seconds(3);
+  EXPECT_THAT(RedisClusterClient::Create(options),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstrs("node back-off 3s to 2s")));
 }
 
 TEST(RedisClusterCreateTest, NobodyListeningIsUnavailable) {
@@ -205,9 +238,9 @@ TEST_F(RedisClusterTest, KeysSpreadOverAllMastersAndExistAcrossSlots) {
 
   std::vector<std::string> probe = {keys[0], "spread:absent:1", keys[150], "spread:absent:2",
                                     keys[299]};
-  EXPECT_THAT(client->ExistsEach(probe),
-              IsOkAndHolds(std::vector<bool>{true, false, true, false, true}));
-  EXPECT_THAT(client->ExistsEach({}), IsOkAndHolds(std::vector<bool>{}));
+  EXPECT_EQ(AllAnswered(client->ExistsEach(probe)),
+            (std::vector<bool>{true, false, true, false, true}));
+  EXPECT_EQ(AllAnswered(client->ExistsEach({})), std::vector<bool>{});
   EXPECT_THAT(client->Get(keys[7]), IsOkAndHolds(Optional(std::string("value 7"))));
   EXPECT_THAT(client->Del(keys[7]), IsOkAndHolds(true));
   EXPECT_THAT(client->Del(keys[7]), IsOkAndHolds(false));
@@ -286,8 +319,8 @@ TEST_F(RedisClusterTest, FollowsAskWhileASlotMigrates) {
   // A new key of a migrating slot is created on the importing node.
   ASSERT_THAT(client->Set("{asking}new", "born during the move"), IsOk());
   EXPECT_EQ(client->Stats().ask_redirects, 2u);
-  EXPECT_THAT(client->ExistsEach({moved_key, staying_key, "{asking}new", "{asking}absent"}),
-              IsOkAndHolds(std::vector<bool>{true, true, true, false}));
+  EXPECT_EQ(AllAnswered(client->ExistsEach({moved_key, staying_key, "{asking}new", "{asking}absent"})),
+            (std::vector<bool>{true, true, true, false}));
   EXPECT_EQ(client->NodeForSlot(slot)->port, from);  // ASK does not change the map
   EXPECT_EQ(client->Stats().moved_redirects, 0u);
 
@@ -371,11 +404,8 @@ TEST(RedisClusterFailoverTest, DeadMasterFailsFastThenItsReplicaServes) {
   RedisClusterClient& client = **created;
 
   constexpr int kKeys = 60;
-  std::vector<std::string> keys;
-  for (int i = 0; i < kKeys; ++i) {
-    keys.push_back(absl::StrCat("failover:", i));
-    ASSERT_THAT(client.Set(keys.back(), RandomBytes(1000 + i, i)), IsOk());
-  }
+  const std::vector<std::string> keys =
+      WriteKeys(client, "failover:", kKeys, [](int i) { return RandomBytes(1000 + i, i); });
   const uint16_t victim_slot = RedisKeySlot(keys[0]);
   const int victim = cluster.OwnerOf(victim_slot);
   // Every write has reached the victim's replica before the victim dies.
@@ -425,6 +455,89 @@ TEST(RedisClusterFailoverTest, DeadMasterFailsFastThenItsReplicaServes) {
   }
   EXPECT_GT(client.Stats().connection_failures, 0u);
   EXPECT_GT(client.Stats().slot_map_refreshes, 1u);
+}
+
+// A master dead with its replica (no failover can happen): the first call for its slots fails
+// for real and starts the node's back-off; calls during it are refused without I/O (marked
+// IsRedisNodeDownRefusal), EXISTS over many keys answers every other node's keys, and the
+// other masters serve. After the back-off one call tries the node again.
+TEST(RedisClusterFailoverTest, ADeadNodeWithoutReplicaIsRefusedAtOnceWhileTheOthersServe) {
+  if (!testing::RedisInstalled()) {
+    GTEST_SKIP() << testing::RedisMissingMessage();
+  }
+  LocalRedisCluster cluster;
+  ASSERT_TRUE(cluster.Start());
+  RedisClusterOptions options;
+  // Masters only as seeds: a refresh then never dials the replica killed below, so the
+  // connection-failure count below is the victim's alone.
+  absl::StatusOr<std::vector<int>> masters = cluster.MasterPorts();
+  ASSERT_THAT(masters, IsOk());
+  for (const int port : *masters) options.seed_nodes.push_back({"127.0.0.1", port});
+  options.password_file = cluster.WritePasswordFile("default.pass", testing::kRedisPassword);
+  // Long enough that the checks below all run inside the first back-off, even under TSan.
+  options.node_retry_initial = absl::Seconds(2);
+  options.node_retry_max = absl::Seconds(2);
+  absl::StatusOr<std::unique_ptr<RedisClusterClient>> created =
+      RedisClusterClient::Create(options);
+  ASSERT_THAT(created, IsOk());
+  RedisClusterClient& client = **created;
+
+  const std::vector<std::string> keys =
+      WriteKeys(client, "isolated:", 60, [](int i) { return absl::StrCat(i); });
+  const uint16_t victim_slot = RedisKeySlot(keys[0]);
+  const int victim = cluster.OwnerOf(victim_slot);
+  const int replica = cluster.ReplicaOf(victim);
+  ASSERT_GT(victim, 0);
+  ASSERT_GT(replica, 0);
+  std::vector<bool> on_victim;
+  size_t victim_keys = 0;
+  std::string survivor_key;
+  for (const std::string& key : keys) {
+    on_victim.push_back(cluster.OwnerOf(RedisKeySlot(key)) == victim);
+    victim_keys += on_victim.back();
+    if (!on_victim.back()) survivor_key = key;
+  }
+  ASSERT_FALSE(survivor_key.empty());
+  cluster.Signal(replica, SIGKILL);
+  cluster.Signal(victim, SIGKILL);
+
+  // The first call finds the node dead (its connection closed, the reconnect refused).
+  const absl::Status first = client.Get(keys[0]).status();
+  EXPECT_THAT(first, StatusIs(absl::StatusCode::kUnavailable,
+                              HasSubstr(absl::StrCat("node 127.0.0.1:", victim))));
+  EXPECT_FALSE(IsRedisNodeDownRefusal(first));
+  const RedisClusterStats after_first = client.Stats();
+
+  // During the back-off: refused without I/O, naming the node, the slot and why.
+  const absl::Status refused = client.Get(keys[0]).status();
+  EXPECT_THAT(refused, StatusIs(absl::StatusCode::kUnavailable,
+                                HasSubstrs(absl::StrCat("node 127.0.0.1:", victim),
+                                           absl::StrCat("slot ", victim_slot),
+                                           "not tried for another", "Connection refused")));
+  EXPECT_TRUE(IsRedisNodeDownRefusal(refused));
+  const RedisExistsResult exists = client.ExistsEach(keys);
+  ASSERT_EQ(exists.exists.size(), keys.size());
+  EXPECT_EQ(exists.unanswered, victim_keys);
+  EXPECT_TRUE(IsRedisNodeDownRefusal(exists.first_failure)) << exists.first_failure;
+  for (size_t i = 0; i < keys.size(); ++i) {
+    if (on_victim[i]) {
+      EXPECT_EQ(exists.exists[i], std::nullopt) << keys[i];
+    } else {
+      EXPECT_EQ(exists.exists[i], std::optional<bool>(true)) << keys[i];
+    }
+  }
+  EXPECT_THAT(client.Get(survivor_key), IsOk());
+  RedisClusterStats stats = client.Stats();
+  EXPECT_EQ(stats.connection_failures, after_first.connection_failures);  // no I/O to it
+  EXPECT_GE(stats.node_down_refusals, 2u);
+
+  // After the back-off the node is tried once more (and found dead again: a real failure).
+  absl::SleepFor(options.node_retry_max + absl::Milliseconds(100));
+  const absl::Status retried = client.Get(keys[0]).status();
+  EXPECT_THAT(retried, StatusIs(absl::StatusCode::kUnavailable,
+                                HasSubstr(absl::StrCat("node 127.0.0.1:", victim))));
+  EXPECT_FALSE(IsRedisNodeDownRefusal(retried));
+  EXPECT_GT(client.Stats().connection_failures, stats.connection_failures);
 }
 
 }  // namespace

@@ -17,7 +17,7 @@ namespace memra {
 namespace {
 
 constexpr char kMagic[4] = {'M', 'K', 'V', 'R'};
-constexpr uint64_t kHeaderChecksummed = 56;
+constexpr uint64_t kHeaderChecksummed = 64;
 
 std::string Hex(const uint8_t* bytes, size_t size) {
   return absl::BytesToHexString(absl::string_view(reinterpret_cast<const char*>(bytes), size));
@@ -73,7 +73,9 @@ uint64_t ShapePrefix(const PlanFingerprint& key) {
   return GetLe(reinterpret_cast<const char*>(key.data()), 8);
 }
 
-std::string EncodeRemoteHeader(const RemoteValueHeader& header) {
+uint64_t RemoteKeyDigest(absl::string_view key) { return XXH3_64bits(key.data(), key.size()); }
+
+std::string EncodeRemoteHeader(absl::string_view key, const RemoteValueHeader& header) {
   std::string encoded(kRemoteHeaderBytes, '\0');
   char* h = encoded.data();
   std::memcpy(h, kMagic, 4);
@@ -87,12 +89,13 @@ std::string EncodeRemoteHeader(const RemoteValueHeader& header) {
   PutLe(h + 32, header.boundary_tokens, 8);
   PutLe(h + 40, header.checksum, 8);
   PutLe(h + 48, header.layout_digest, 8);
-  PutLe(h + 56, XXH3_64bits(h, kHeaderChecksummed), 8);
+  PutLe(h + 56, RemoteKeyDigest(key), 8);
+  PutLe(h + kHeaderChecksummed, XXH3_64bits(h, kHeaderChecksummed), 8);
   return encoded;
 }
 
-std::string NewRemoteValue(const RemoteValueHeader& header) {
-  std::string value = EncodeRemoteHeader(header);
+std::string NewRemoteValue(absl::string_view key, const RemoteValueHeader& header) {
+  std::string value = EncodeRemoteHeader(key, header);
   value.resize(kRemoteHeaderBytes + header.payload_bytes, '\0');
   return value;
 }
@@ -107,10 +110,10 @@ absl::StatusOr<VerifiedRemoteValue> VerifyRemoteValue(absl::string_view key,
   }
   const char* h = value.data();
   const uint64_t header_sum = XXH3_64bits(h, kHeaderChecksummed);
-  if (header_sum != GetLe(h + 56, 8)) {
+  if (header_sum != GetLe(h + kHeaderChecksummed, 8)) {
     return absl::DataLossError(absl::StrFormat(
         "remote value %s: header xxHash3 %016x, sealed as %016x", key, header_sum,
-        GetLe(h + 56, 8)));
+        GetLe(h + kHeaderChecksummed, 8)));
   }
   auto mismatch = [&](absl::string_view field, uint64_t found, uint64_t wanted) {
     return absl::FailedPreconditionError(absl::StrCat(
@@ -120,6 +123,12 @@ absl::StatusOr<VerifiedRemoteValue> VerifyRemoteValue(absl::string_view key,
   if (std::memcmp(h, kMagic, 4) != 0) return mismatch("magic", GetLe(h, 4), GetLe(kMagic, 4));
   if (GetLe(h + 4, 2) != kRemoteValueVersion) {
     return mismatch("format version", GetLe(h + 4, 2), kRemoteValueVersion);
+  }
+  if (GetLe(h + 56, 8) != RemoteKeyDigest(key)) {
+    return absl::DataLossError(absl::StrFormat(
+        "remote value %s was written under another key (key digest %016x, this key's %016x); "
+        "refused, never served",
+        key, GetLe(h + 56, 8), RemoteKeyDigest(key)));
   }
   if (GetLe(h + 6, 1) != static_cast<uint8_t>(expected.kind)) {
     return mismatch("kind", GetLe(h + 6, 1), static_cast<uint8_t>(expected.kind));
@@ -249,7 +258,19 @@ void RemoteTier::Report(CallPath path, const absl::Status& status) {
   ReportLocked(path, status);
 }
 
+bool RemoteTier::AdmitLogLocked(LogWindow& window, uint64_t& skipped) {
+  const absl::Time now = absl::Now();
+  if (now - window.last < kLogInterval) {
+    ++window.skipped;
+    return false;
+  }
+  skipped = window.skipped;
+  window = LogWindow{.last = now, .skipped = 0};
+  return true;
+}
+
 void RemoteTier::ReportLocked(CallPath path, const absl::Status& status) {
+  if (IsRedisNodeDownRefusal(status)) return;
   int& failures =
       path == CallPath::kRead ? consecutive_read_failures_ : consecutive_write_failures_;
   if (!IsTransportFailure(status)) {
@@ -421,7 +442,11 @@ void RemoteTier::WriterLoop() {
       stats_.written_bytes += value.size();
     } else {
       ++stats_.write_errors;
-      spdlog::warn("prefix remote tier: write of {} failed: {}", write.key, status.ToString());
+      if (uint64_t skipped = 0; AdmitLogLocked(write_failure_log_, skipped)) {
+        spdlog::warn("prefix remote tier: write of {} failed: {} ({} failed writes not logged "
+                     "in the {} before)",
+                     write.key, status.ToString(), skipped, absl::FormatDuration(kLogInterval));
+      }
     }
   }
 }
@@ -501,18 +526,34 @@ absl::Status RemoteTier::RunRead(std::vector<std::function<absl::Status(RedisClu
 
 absl::StatusOr<std::vector<bool>> RemoteTier::ExistsEach(std::vector<std::string> keys,
                                                          absl::Duration deadline) {
-  auto result = std::make_shared<std::vector<bool>>();
+  auto result = std::make_shared<RedisExistsResult>();
   auto shared_keys = std::make_shared<std::vector<std::string>>(std::move(keys));
   std::vector<std::function<absl::Status(RedisClusterClient&)>> jobs;
   jobs.push_back([result, shared_keys](RedisClusterClient& client) -> absl::Status {
-    absl::StatusOr<std::vector<bool>> exists = client.ExistsEach(*shared_keys);
-    if (!exists.ok()) return exists.status();
-    *result = *std::move(exists);
+    RedisExistsResult answered = client.ExistsEach(*shared_keys);
+    // Not one key answered: the call failed (the breaker hears why). Some answered: the
+    // cluster is reachable, and the keys of the node that is not read as misses.
+    if (!shared_keys->empty() && answered.unanswered == shared_keys->size()) {
+      return answered.first_failure;
+    }
+    *result = std::move(answered);
     return absl::OkStatus();
   });
   absl::Status status = RunRead(std::move(jobs), deadline);
   if (!status.ok()) return status;
-  return *result;
+  if (result->unanswered > 0) {
+    absl::MutexLock lock(&mu_);
+    ++stats_.read_errors;
+    if (uint64_t skipped = 0; AdmitLogLocked(partial_lookup_log_, skipped)) {
+      spdlog::warn("prefix remote tier: {} of {} keys unanswered, read as misses (first: {}; "
+                   "{} such lookups not logged in the {} before)",
+                   result->unanswered, result->exists.size(), result->first_failure.ToString(),
+                   skipped, absl::FormatDuration(kLogInterval));
+    }
+  }
+  std::vector<bool> exists(result->exists.size());
+  for (size_t i = 0; i < exists.size(); ++i) exists[i] = result->exists[i].value_or(false);
+  return exists;
 }
 
 absl::StatusOr<std::vector<std::optional<std::string>>> RemoteTier::GetEach(

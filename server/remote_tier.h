@@ -48,14 +48,19 @@ std::string RemoteBlockKey(absl::string_view scope, const BlockKey& block);
 std::string RemoteBoundaryKey(absl::string_view scope, const BlockKey& last_block);
 
 // ---- Values ----
-// A 64-byte little-endian header, then the piece exactly as the local tier stores it:
-//   0 magic "MKVR" | 4 version u16 (1) | 6 kind u8 | 7 reserved u8 (0) | 8 payload bytes u64 |
+// A 72-byte little-endian header, then the piece exactly as the local tier stores it:
+//   0 magic "MKVR" | 4 version u16 (2) | 6 kind u8 | 7 reserved u8 (0) | 8 payload bytes u64 |
 //   16 shape key prefix u64 (first 8 bytes of the scoped shape key) | 24 block_tokens u32 |
 //   28 checksum slice bytes u32 | 32 boundary tokens u64 (0 for a block) |
 //   40 payload checksum u64 (the local tier's: xxHash3 of the slice checksums, or the one slice's) |
-//   48 layout digest u64 (RemoteLayoutDigest of the pieces) | 56 xxHash3-64 of bytes [0, 56).
-inline constexpr uint64_t kRemoteHeaderBytes = 64;
-inline constexpr uint16_t kRemoteValueVersion = 1;
+//   48 layout digest u64 (RemoteLayoutDigest of the pieces) |
+//   56 key digest u64 (RemoteKeyDigest of the key it was written under) |
+//   64 xxHash3-64 of bytes [0, 64).
+// The key digest binds a value to its key: every other field and both checksums hold for a
+// value copied or renamed to another key of the same shape, whose bytes would then restore as
+// another prefix's. Version 1 (no key digest) reads as another build's value: a miss.
+inline constexpr uint64_t kRemoteHeaderBytes = 72;
+inline constexpr uint16_t kRemoteValueVersion = 2;
 
 enum class RemoteValueKind : uint8_t { kBlock = 1, kBoundary = 2 };
 
@@ -74,12 +79,15 @@ struct RemoteValueHeader {
 
 // The first 8 bytes of a shape key as a little-endian u64.
 uint64_t ShapePrefix(const PlanFingerprint& key);
+// xxHash3-64 of a value's key (the header field that binds the value to it).
+uint64_t RemoteKeyDigest(absl::string_view key);
 
-// The kRemoteHeaderBytes of `header`, sealed (its own checksum last).
-std::string EncodeRemoteHeader(const RemoteValueHeader& header);
-// EncodeRemoteHeader(header) then room for header.payload_bytes; the caller fills the payload
-// at kRemoteHeaderBytes.
-std::string NewRemoteValue(const RemoteValueHeader& header);
+// The kRemoteHeaderBytes of `header` for a value written under `key`, sealed (its own checksum
+// last).
+std::string EncodeRemoteHeader(absl::string_view key, const RemoteValueHeader& header);
+// EncodeRemoteHeader(key, header) then room for header.payload_bytes; the caller fills the
+// payload at kRemoteHeaderBytes.
+std::string NewRemoteValue(absl::string_view key, const RemoteValueHeader& header);
 
 // A verified value: its payload (a view into the value) and the slice checksums it was sealed
 // with (header.slice_bytes slices).
@@ -90,11 +98,13 @@ struct VerifiedRemoteValue {
   uint64_t checksum = 0;
 };
 
-// Checks `value` against what this reader expects, in order: length and header checksum
-// (DATA_LOSS: the bytes are not what was written), magic, version, kind, payload bytes, shape
-// prefix, block_tokens, boundary tokens, layout digest (FAILED_PRECONDITION "shape mismatch": a
-// valid value of another build or plan), slice size (DATA_LOSS when 0), then the payload's
-// checksum (DATA_LOSS). Messages name the key, both numbers of a mismatch, never the bytes.
+// Checks `value`, read from `key`, against what this reader expects, in order: length and
+// header checksum (DATA_LOSS: the bytes are not what was written), magic, version
+// (FAILED_PRECONDITION), key digest (DATA_LOSS: written under another key), kind, payload
+// bytes, shape prefix, block_tokens, boundary tokens, layout digest (FAILED_PRECONDITION "shape
+// mismatch": a valid value of another build or plan), slice size (DATA_LOSS when 0), then the
+// payload's checksum (DATA_LOSS). Messages name the key, both numbers of a mismatch, never the
+// bytes.
 absl::StatusOr<VerifiedRemoteValue> VerifyRemoteValue(absl::string_view key,
                                                       absl::string_view value,
                                                       const RemoteValueHeader& expected);
@@ -138,7 +148,8 @@ struct RemoteTierStats {
   uint64_t dropped_writes = 0;  // queue full or tier down
   uint64_t write_errors = 0;
   uint64_t reads = 0;           // EXISTS / GET calls answered
-  uint64_t read_errors = 0;     // failed calls (any code)
+  uint64_t read_errors = 0;     // failed calls (any code), and lookups some keys of which
+                                // went unanswered (their node down: those keys read as misses)
   uint64_t read_timeouts = 0;   // calls the caller stopped waiting for (its deadline)
   uint64_t read_refusals = 0;   // calls refused at once: tier down or reader queue full
   uint64_t breaker_opens = 0;
@@ -222,7 +233,10 @@ class RemoteTier {
                        absl::Duration deadline) ABSL_LOCKS_EXCLUDED(mu_);
   // The breaker's view of a call's status: transport failures count, anything else resets the
   // count of its own path only (writer SETs to healthy masters say nothing of whether reads get
-  // answered). kBreakerFailures consecutive failures on either path open the breaker.
+  // answered). kBreakerFailures consecutive failures on either path open the breaker. A call
+  // the client refused without I/O because its node is in back-off says nothing either way:
+  // one dead node is the client's to isolate (its slots miss), not a reason to stop serving
+  // every other node's slots.
   enum class CallPath { kRead, kWrite };
   void Report(CallPath path, const absl::Status& status) ABSL_LOCKS_EXCLUDED(mu_);
   void ReportLocked(CallPath path, const absl::Status& status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -253,6 +267,17 @@ class RemoteTier {
   absl::Time open_until_ ABSL_GUARDED_BY(mu_);
   absl::Duration backoff_ ABSL_GUARDED_BY(mu_);
   RemoteTierStats stats_ ABSL_GUARDED_BY(mu_);
+  // Failed writes and partly answered lookups are logged at most once per kLogInterval each
+  // (a dead node fails every call for its slots); the lines skipped are counted in the next.
+  struct LogWindow {
+    absl::Time last = absl::InfinitePast();
+    uint64_t skipped = 0;
+  };
+  static constexpr absl::Duration kLogInterval = absl::Seconds(10);
+  // Whether a line may be logged now; `skipped` is then the count to report (and is reset).
+  bool AdmitLogLocked(LogWindow& window, uint64_t& skipped) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  LogWindow write_failure_log_ ABSL_GUARDED_BY(mu_);
+  LogWindow partial_lookup_log_ ABSL_GUARDED_BY(mu_);
 
   std::thread writer_;
   std::vector<std::thread> readers_;

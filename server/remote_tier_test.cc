@@ -15,6 +15,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -27,6 +28,7 @@ namespace {
 
 using ::memra::testing::HasSubstrs;
 using ::memra::testing::IsOk;
+using ::memra::testing::IsOkAndHolds;
 using ::memra::testing::LocalRedisCluster;
 using ::memra::testing::StatusIs;
 using ::testing::ElementsAre;
@@ -60,8 +62,9 @@ RemoteValueHeader HeaderFor(const std::string& payload, uint32_t slice_bytes) {
   return header;
 }
 
-std::string ValueOf(const std::string& payload, const RemoteValueHeader& header) {
-  std::string value = NewRemoteValue(header);
+std::string ValueOf(absl::string_view key, const std::string& payload,
+                    const RemoteValueHeader& header) {
+  std::string value = NewRemoteValue(key, header);
   value.replace(kRemoteHeaderBytes, payload.size(), payload);
   return value;
 }
@@ -122,7 +125,7 @@ TEST(RemoteValueTest, RoundTripsOneAndSeveralSlices) {
   for (const uint32_t slice_bytes : {1u << 20, 1000u}) {
     const std::string payload = Payload(4096, 3);
     const RemoteValueHeader header = HeaderFor(payload, slice_bytes);
-    const std::string value = ValueOf(payload, header);
+    const std::string value = ValueOf("k", payload, header);
     ASSERT_EQ(value.size(), kRemoteHeaderBytes + payload.size());
     absl::StatusOr<VerifiedRemoteValue> verified = VerifyRemoteValue("k", value, header);
     ASSERT_THAT(verified, IsOk());
@@ -136,32 +139,49 @@ TEST(RemoteValueTest, RoundTripsOneAndSeveralSlices) {
 TEST(RemoteValueTest, CorruptBytesAreDataLoss) {
   const std::string payload = Payload(4096, 5);
   const RemoteValueHeader header = HeaderFor(payload, 1024);
-  const std::string value = ValueOf(payload, header);
+  const std::string value = ValueOf("key", payload, header);
 
-  EXPECT_THAT(VerifyRemoteValue("key-a", value.substr(0, 40), header),
-              StatusIs(absl::StatusCode::kDataLoss, HasSubstrs("key-a", "holds 40 bytes", "64")));
+  EXPECT_THAT(VerifyRemoteValue("key", value.substr(0, 40), header),
+              StatusIs(absl::StatusCode::kDataLoss, HasSubstrs("key", "holds 40 bytes", "72")));
   std::string bad_header = value;
   bad_header[20] ^= 1;  // the shape prefix, under the header checksum
-  EXPECT_THAT(VerifyRemoteValue("key-b", bad_header, header),
-              StatusIs(absl::StatusCode::kDataLoss, HasSubstrs("key-b", "header xxHash3")));
+  EXPECT_THAT(VerifyRemoteValue("key", bad_header, header),
+              StatusIs(absl::StatusCode::kDataLoss, HasSubstrs("key", "header xxHash3")));
   std::string bad_payload = value;
   bad_payload[kRemoteHeaderBytes + 3000] ^= 0x40;
-  EXPECT_THAT(VerifyRemoteValue("key-c", bad_payload, header),
+  EXPECT_THAT(VerifyRemoteValue("key", bad_payload, header),
               StatusIs(absl::StatusCode::kDataLoss,
-                       HasSubstrs("key-c", "4096 payload bytes", "sealed as", "never served")));
-  EXPECT_THAT(VerifyRemoteValue("key-d", value.substr(0, value.size() - 1), header),
+                       HasSubstrs("key", "4096 payload bytes", "sealed as", "never served")));
+  EXPECT_THAT(VerifyRemoteValue("key", value.substr(0, value.size() - 1), header),
               StatusIs(absl::StatusCode::kDataLoss,
-                       HasSubstrs("key-d", "4096 payload bytes", "holds 4095")));
+                       HasSubstrs("key", "4096 payload bytes", "holds 4095")));
   RemoteValueHeader zero_slices = header;
   zero_slices.slice_bytes = 0;
-  EXPECT_THAT(VerifyRemoteValue("key-e", ValueOf(payload, zero_slices), header),
-              StatusIs(absl::StatusCode::kDataLoss, HasSubstrs("key-e", "slice size 0")));
+  EXPECT_THAT(VerifyRemoteValue("key", ValueOf("key", payload, zero_slices), header),
+              StatusIs(absl::StatusCode::kDataLoss, HasSubstrs("key", "slice size 0")));
+}
+
+// A whole, valid value copied to another key of the same shape: every field and both checksums
+// hold, only the key digest tells it is another prefix's bytes.
+TEST(RemoteValueTest, AValueUnderAnotherKeyIsDataLossNamingBothDigests) {
+  const std::string payload = Payload(2048, 6);
+  const RemoteValueHeader header = HeaderFor(payload, 1 << 20);
+  const std::string written_as = RemoteBlockKey("scope", KeyOf(1));
+  const std::string read_as = RemoteBlockKey("scope", KeyOf(2));
+  const std::string value = ValueOf(written_as, payload, header);
+  ASSERT_THAT(VerifyRemoteValue(written_as, value, header), IsOk());
+  EXPECT_THAT(VerifyRemoteValue(read_as, value, header),
+              StatusIs(absl::StatusCode::kDataLoss,
+                       HasSubstrs(read_as, "written under another key",
+                                  absl::StrFormat("%016x", RemoteKeyDigest(written_as)),
+                                  absl::StrFormat("%016x", RemoteKeyDigest(read_as)),
+                                  "never served")));
 }
 
 TEST(RemoteValueTest, AnotherShapeIsAMismatchNamingBothNumbers) {
   const std::string payload = Payload(512, 9);
   const RemoteValueHeader header = HeaderFor(payload, 1 << 20);
-  const std::string value = ValueOf(payload, header);
+  const std::string value = ValueOf("key-s", payload, header);
   struct Case {
     void (*change)(RemoteValueHeader&);
     std::vector<std::string> words;
@@ -186,15 +206,15 @@ TEST(RemoteValueTest, AnotherShapeIsAMismatchNamingBothNumbers) {
       EXPECT_TRUE(absl::StrContains(status.message(), word)) << status << " lacks " << word;
     }
   }
-  // A valid header of format 2 (its checksum re-sealed).
-  std::string resealed = NewRemoteValue(header);
+  // A valid header of format 3 (its checksum re-sealed).
+  std::string resealed = NewRemoteValue("key-v", header);
   resealed.replace(kRemoteHeaderBytes, payload.size(), payload);
-  resealed[4] = 2;
-  const uint64_t sum = XXH3_64bits(resealed.data(), 56);
-  for (int i = 0; i < 8; ++i) resealed[56 + i] = static_cast<char>((sum >> (8 * i)) & 0xff);
+  resealed[4] = 3;
+  const uint64_t sum = XXH3_64bits(resealed.data(), 64);
+  for (int i = 0; i < 8; ++i) resealed[64 + i] = static_cast<char>((sum >> (8 * i)) & 0xff);
   EXPECT_THAT(VerifyRemoteValue("key-v", resealed, header),
               StatusIs(absl::StatusCode::kFailedPrecondition,
-                       HasSubstrs("format version 2", "expects 1")));
+                       HasSubstrs("format version 3", "expects 2")));
 }
 
 TEST(RemoteTierOptionsTest, RefusesOptionsThatCannotWork) {
@@ -429,7 +449,8 @@ TEST_F(RemoteTierTest, AStalledMasterCostsOneDeadlineThenTheBreakerRefusesUntilI
   EXPECT_GE(stats.breaker_opens, 1u);
   cluster_->Signal(owner, SIGCONT);
   ASSERT_TRUE(testing::PollUntil([&] { return tier->Up(); }));
-  EXPECT_THAT(tier->ExistsEach({key}, absl::Seconds(2)), IsOk());
+  // Answered once the client's back-off for that node has passed (at most node_retry_max).
+  EXPECT_TRUE(testing::PollUntil([&] { return tier->ExistsEach({key}, absl::Seconds(2)).ok(); }));
   stats = tier->Stats();
   EXPECT_GE(stats.probes, 1u);
 }
@@ -532,6 +553,63 @@ TEST_F(RemoteTierTest, CallerDeadlinesOpenTheBreakerWhileWritesToHealthyMastersS
   EXPECT_EQ(stats.read_timeouts, static_cast<uint64_t>(RemoteTier::kBreakerFailures));
   EXPECT_EQ(stats.breaker_opens, 1u);
   ASSERT_TRUE(testing::PollUntil([&] { return tier->Up(); }));
+}
+
+// A master dead with its replica (no failover can come): the tier stays up. Lookups answer the
+// other masters' keys and read the dead one's as misses; writes to its slots fail and are
+// counted without opening the breaker; writes to the others land. One dead node costs its own
+// slots, never the whole tier.
+TEST(RemoteTierPartialTest, ADeadMasterWithoutReplicaCostsOnlyItsOwnSlots) {
+  if (!testing::RedisInstalled()) GTEST_SKIP() << testing::RedisMissingMessage();
+  LocalRedisCluster cluster;
+  ASSERT_TRUE(cluster.Start());
+  RemoteTierOptions options;
+  options.cluster.seed_nodes = *ParseRedisNodeList(cluster.NodeList());
+  options.cluster.password_file =
+      cluster.WritePasswordFile("default.pass", testing::kRedisPassword);
+  options.breaker_initial = absl::Milliseconds(200);
+  options.breaker_max = absl::Milliseconds(800);
+  absl::StatusOr<std::unique_ptr<RemoteTier>> created = RemoteTier::Create(options);
+  ASSERT_THAT(created, IsOk());
+  RemoteTier& tier = **created;
+
+  constexpr uint8_t kKeys = 24;
+  std::vector<std::string> keys;
+  for (uint8_t i = 0; i < kKeys; ++i) {
+    keys.push_back(RemoteBlockKey("scope-partial", KeyOf(i)));
+    ASSERT_TRUE(tier.Enqueue(keys.back(), Payload(100, i)));
+  }
+  ASSERT_TRUE(tier.Flush(absl::Seconds(10)));
+  ASSERT_EQ(tier.Stats().writes, kKeys);
+  const int victim = cluster.OwnerOf(RedisKeySlot(keys[0]));
+  const int replica = cluster.ReplicaOf(victim);
+  ASSERT_GT(victim, 0);
+  ASSERT_GT(replica, 0);
+  std::vector<bool> expected;  // what a lookup can say: present unless on the dead master
+  std::string healthy_key;
+  for (const std::string& key : keys) {
+    expected.push_back(cluster.OwnerOf(RedisKeySlot(key)) != victim);
+    if (expected.back()) healthy_key = key;
+  }
+  ASSERT_FALSE(healthy_key.empty());
+  cluster.Signal(replica, SIGKILL);
+  cluster.Signal(victim, SIGKILL);
+
+  // Many lookups and writes, each touching the dead master: the breaker never opens.
+  for (int round = 0; round < 4 * RemoteTier::kBreakerFailures; ++round) {
+    EXPECT_THAT(tier.ExistsEach(keys, absl::Seconds(2)), IsOkAndHolds(expected)) << round;
+    EXPECT_TRUE(tier.Enqueue(keys[0], Payload(100, 0)));
+    EXPECT_TRUE(tier.Enqueue(healthy_key, Payload(100, 1)));
+    ASSERT_TRUE(tier.Flush(absl::Seconds(5)));
+    EXPECT_TRUE(tier.Up()) << round;
+  }
+  const RemoteTierStats stats = tier.Stats();
+  EXPECT_EQ(stats.breaker_opens, 0u);
+  EXPECT_EQ(stats.writes, kKeys + 4u * RemoteTier::kBreakerFailures);
+  EXPECT_EQ(stats.write_errors, 4u * RemoteTier::kBreakerFailures);
+  EXPECT_EQ(stats.read_errors, 4u * RemoteTier::kBreakerFailures);  // each lookup partly answered
+  EXPECT_GE(stats.cluster.node_down_refusals, 1u);
+  EXPECT_EQ(stats.read_refusals, 0u);
 }
 
 }  // namespace
