@@ -314,10 +314,11 @@ absl::StatusOr<std::unique_ptr<PrefixCache>> PrefixCache::Create(
     return absl::InvalidArgumentError("prefix cache budget is 0 bytes (0 disables the cache)");
   }
   if (options.copy_threads == 0 || options.parallel_copy_bytes == 0 ||
-      options.checksum_slice_bytes == 0) {
+      options.checksum_slice_bytes == 0 || options.demotion_chunk_bytes == 0) {
     return absl::InvalidArgumentError(absl::StrCat(
         "prefix copy_threads (", options.copy_threads, "), parallel_copy_bytes (",
-        options.parallel_copy_bytes, ") and checksum_slice_bytes (", options.checksum_slice_bytes,
+        options.parallel_copy_bytes, "), checksum_slice_bytes (", options.checksum_slice_bytes,
+        ") and demotion_chunk_bytes (", options.demotion_chunk_bytes,
         ") must all be at least 1"));
   }
   SlabAllocatorOptions slab_options;
@@ -663,11 +664,30 @@ absl::StatusOr<PrefixCache::Storage> PrefixCache::CopyDown(uint64_t handle, cons
 }
 
 size_t PrefixCache::RunMoves(const std::vector<uint64_t>& handles) {
-  std::vector<std::pair<uint64_t, Move>> planned;
-  for (uint64_t handle : handles) planned.emplace_back(handle, moving_.at(handle));
+  // Committed a chunk at a time: a restore waiting for a moving piece (PromotePinned) waits
+  // for that piece's chunk, about demotion_chunk_bytes of copying, not the whole batch.
+  size_t committed = 0;
+  std::vector<std::pair<uint64_t, Move>> chunk;
+  uint64_t chunk_bytes = 0;
+  for (size_t i = 0; i < handles.size(); ++i) {
+    const Move& move = moving_.at(handles[i]);
+    chunk_bytes += move.source.piece_bytes;
+    chunk.emplace_back(handles[i], move);
+    if (chunk_bytes >= options_.demotion_chunk_bytes || i + 1 == handles.size()) {
+      committed += MoveChunk(chunk);
+      chunk.clear();
+      chunk_bytes = 0;
+    }
+  }
+  return committed;
+}
+
+size_t PrefixCache::MoveChunk(const std::vector<std::pair<uint64_t, Move>>& planned) {
   // The bytes move without mu_: lookups, captures and restores of other pieces go on. The
   // sources stay put meanwhile: FreeHandles leaves a moving piece to us, a restore that pins
   // one waits for us (PromotePinned) or reads it where it is, and no other demotion plans it.
+  // The chunk commits, and its kMoved events are recorded, in one hold of mu_: no reader sees
+  // a committed piece before its event.
   std::vector<absl::StatusOr<Storage>> copies;
   mu_.Unlock();
   for (const auto& [handle, move] : planned) copies.push_back(CopyDown(handle, move.source, move.to));

@@ -112,6 +112,10 @@ struct PrefixCacheOptions {
   uint64_t parallel_copy_bytes = uint64_t{64} << 20;
   // A stored piece is checksummed (and so copied) in slices of this many bytes; > 0.
   uint64_t checksum_slice_bytes = uint64_t{8} << 20;
+  // A demotion batch commits a chunk of pieces at a time, each chunk once about this many
+  // bytes (at least one piece) have been copied down: a restore that needs a moving piece
+  // waits for its chunk, not for the whole batch. > 0.
+  uint64_t demotion_chunk_bytes = uint64_t{8} << 20;
   // Storage slabs (SlabAllocatorOptions::slab_bytes); capped at the budget. > 0.
   uint64_t slab_bytes = uint64_t{128} << 20;
   uint64_t epoch = 0;            // this daemon's epoch, on entries and events
@@ -599,10 +603,14 @@ class PrefixCache {
   // Evicts LRU entries with pieces on disk until the disk tier has room for the bytes on their
   // way to it (tier_incoming_bytes_); false when that cannot be done.
   bool MakeDiskRoom() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Copies the planned pieces down without mu_ and commits each under mu_ (a piece pinned
-  // meanwhile stays where it was; one released meanwhile is freed in both tiers). Returns how
-  // many moved.
+  // Copies the planned pieces down without mu_ and commits them under mu_, a chunk of about
+  // options_.demotion_chunk_bytes at a time (a piece pinned meanwhile stays where it was; one
+  // released meanwhile is freed in both tiers). Returns how many moved.
   size_t RunMoves(const std::vector<uint64_t>& handles) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // One chunk of RunMoves: `planned` (handle, its moving_ entry as planned) copied without mu_,
+  // then committed with its kMoved events in one hold of mu_.
+  size_t MoveChunk(const std::vector<std::pair<uint64_t, Move>>& planned)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The copy itself (no lock held): `source`'s bytes into a new home in tier `to`. Returns the
   // new storage (a span in that tier's slabs, or the disk file's ledger size).
   absl::StatusOr<Storage> CopyDown(uint64_t handle, const Storage& source, StorageMedium to)

@@ -208,6 +208,7 @@ class PrefixCacheTest : public ::testing::Test {
       options.disk_queue_depth = 2;
     }
     options.host_tier_bytes = host_bytes;
+    options.demotion_chunk_bytes = demotion_chunk_bytes_;
     options.before_demotion_copy = std::move(before_demotion_copy);
     return PrefixCache::Create(options, backend_.get(), device_budget,
                                host_bytes > 0 ? NewPlainHostMemory() : nullptr);
@@ -411,6 +412,8 @@ class PrefixCacheTest : public ::testing::Test {
   std::unique_ptr<PrefixCache> cache_;
   uint64_t next_id_ = 1;
   std::string disk_dir_;
+  // What MakeTierChain's caches commit a demotion batch in (PrefixCacheOptions).
+  uint64_t demotion_chunk_bytes_ = PrefixCacheOptions{}.demotion_chunk_bytes;
 };
 
 TEST_F(PrefixCacheTest, ScopesShareNothingButTheStore) {
@@ -809,8 +812,16 @@ TEST_F(PrefixCacheTest, ZeroRestoreThreadsIsRefused) {
   options.copy_threads = 0;
   EXPECT_THAT(PrefixCache::Create(options, backend_.get(), nullptr).status(),
               StatusIs(absl::StatusCode::kInvalidArgument,
-                       HasSubstr("copy_threads (0), parallel_copy_bytes (67108864) and "
-                                 "checksum_slice_bytes (8388608) must all be at least 1")));
+                       HasSubstr("copy_threads (0), parallel_copy_bytes (67108864), "
+                                 "checksum_slice_bytes (8388608) and demotion_chunk_bytes "
+                                 "(8388608) must all be at least 1")));
+  options.copy_threads = 1;
+  options.demotion_chunk_bytes = 0;
+  EXPECT_THAT(PrefixCache::Create(options, backend_.get(), nullptr).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("copy_threads (1), parallel_copy_bytes (67108864), "
+                                 "checksum_slice_bytes (8388608) and demotion_chunk_bytes (0) "
+                                 "must all be at least 1")));
 }
 
 TEST_F(PrefixCacheTest, LruEvictionUnderTheBudget) {
@@ -1405,15 +1416,17 @@ TEST_F(PrefixCacheTest, ConcurrentRestoresPromoteSharedDiskPiecesOnce) {
   EXPECT_GT(stats.tiers[1].promotions, 0u);
 }
 
-// A gate a demotion waits at (the before_demotion_copy seam): the first piece copied down
-// blocks there until the test opens it; later ones pass.
+// A gate a demotion waits at (the before_demotion_copy seam): the `hold_copy`th piece copied
+// down (the first by default) blocks there until the test opens it; the others pass.
 class DemotionGate {
  public:
+  explicit DemotionGate(uint64_t hold_copy = 1) : hold_copy_(hold_copy) {}
+
   std::function<void(uint64_t, StorageMedium)> Hook() {
     return [this](uint64_t, StorageMedium to) {
       absl::MutexLock lock(&mu_);
       ++copies_;
-      if (copies_ > 1) return;
+      if (copies_ != hold_copy_) return;
       last_to_ = to;
       entered_ = true;
       mu_.Await(absl::Condition(&open_));
@@ -1433,6 +1446,7 @@ class DemotionGate {
   }
 
  private:
+  const uint64_t hold_copy_;
   absl::Mutex mu_;
   bool entered_ ABSL_GUARDED_BY(mu_) = false;
   bool open_ ABSL_GUARDED_BY(mu_) = false;
@@ -1499,6 +1513,67 @@ TEST_F(PrefixCacheTest, ADemotionCopiesWithoutHoldingTheCacheLock) {
   auto old_dest = NewSession(FlatPlan(), 128);
   ASSERT_THAT(cache_->Restore(*old_dest, old_entry->entry, old_tokens).status(), IsOk());
   EXPECT_EQ(KvRows(*old_dest, 64), KvRows(*old_source, 64));
+  EXPECT_THAT(cache_->CheckInvariants(), IsOk());
+}
+
+// A demotion batch commits a chunk at a time (here one piece each): while a later piece of the
+// batch is held mid-copy, the earlier ones are on disk, counted, and their entry restores from
+// there; a restore needing only those never waits for the rest of the batch.
+TEST_F(PrefixCacheTest, ADemotionBatchCommitsChunkByChunk) {
+  DemotionGate gate(/*hold_copy=*/3);
+  demotion_chunk_bytes_ = 1;
+  absl::StatusOr<std::unique_ptr<PrefixCache>> tiered =
+      MakeTieredCache(8 * kFlatSpanBytes, 1 << 20, nullptr, "chunked", gate.Hook());
+  ASSERT_THAT(tiered.status(), IsOk());
+  cache_ = *std::move(tiered);
+  // A (2 blocks, least recently used), B (2 blocks), C (4 blocks): the device tier is full.
+  struct Captured {
+    std::vector<int32_t> tokens;
+    std::unique_ptr<DaemonSession> source;
+  };
+  std::vector<Captured> entries;
+  for (const auto& [blocks, salt] : std::vector<std::pair<uint64_t, int32_t>>{{2, 1}, {2, 2}, {4, 3}}) {
+    Captured& entry = entries.emplace_back();
+    entry.tokens = Tokens(blocks * kBlock, salt);
+    entry.source = NewSession(FlatPlan(), 128);
+    Append(*entry.source, entry.tokens, blocks * kBlock);
+    FillRandom(*entry.source, 40 + salt, 0);
+    ASSERT_THAT(cache_->Capture(*entry.source, entry.tokens, blocks * kBlock).status(), IsOk());
+  }
+  const Captured& a = entries[0];
+  const Captured& b = entries[1];
+  // D (4 blocks) on another thread: its demotion's batch is A's two pieces, then B's two; the
+  // third copy (B's first piece) is held.
+  const std::vector<int32_t> d_tokens = Tokens(4 * kBlock, 4);
+  auto d_source = NewSession(FlatPlan(), 128);
+  Append(*d_source, d_tokens, 4 * kBlock);
+  FillRandom(*d_source, 44, 0);
+  absl::Status captured;
+  std::thread capture([&] { captured = cache_->Capture(*d_source, d_tokens, 4 * kBlock).status(); });
+  gate.AwaitEntered();
+  EXPECT_EQ(cache_->Lookup(kScope, Shape(FlatPlan()), a.tokens).medium, StorageMedium::kDisk);
+  EXPECT_EQ(cache_->Lookup(kScope, Shape(FlatPlan()), b.tokens).medium, StorageMedium::kDevice);
+  PrefixCacheStats stats = cache_->Stats();
+  EXPECT_EQ(stats.tiers[1].demotions, 2u);
+  EXPECT_EQ(stats.tiers[1].stored_bytes, 2 * kFlatSpanBytes);
+  // A restores from disk while B's copy is still held (bounded: a wait for the whole batch
+  // would never end before the gate opens).
+  absl::Notification restored;
+  absl::Status restore_status;
+  auto a_dest = NewSession(FlatPlan(), 128);
+  std::thread restore([&] {
+    restore_status = cache_->Restore(*a_dest, std::nullopt, a.tokens).status();
+    restored.Notify();
+  });
+  const bool restored_while_held = restored.WaitForNotificationWithTimeout(absl::Seconds(30));
+  gate.Open();
+  restore.join();
+  capture.join();
+  EXPECT_TRUE(restored_while_held);
+  ASSERT_THAT(restore_status, IsOk());
+  ASSERT_THAT(captured, IsOk());
+  EXPECT_EQ(KvRows(*a_dest, 2 * kBlock), KvRows(*a.source, 2 * kBlock));
+  EXPECT_EQ(cache_->Lookup(kScope, Shape(FlatPlan()), b.tokens).medium, StorageMedium::kDisk);
   EXPECT_THAT(cache_->CheckInvariants(), IsOk());
 }
 
