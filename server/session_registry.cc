@@ -233,16 +233,14 @@ absl::StatusOr<std::shared_ptr<DaemonSession>> SessionRegistry::Find(
 absl::StatusOr<std::shared_ptr<DaemonSession>> SessionRegistry::Find(
     const SessionSlot& slot) const {
   absl::MutexLock lock(&mu_);
-  if (slot.slot >= slots_.size() || slots_[slot.slot] == nullptr) {
-    return absl::NotFoundError(absl::StrCat("slot ", slot.slot, " holds no session"));
+  // An empty slot and another engine's are one refusal, word for word: an engine must not
+  // learn which slots other engines' sessions hold.
+  if (slot.slot >= slots_.size() || slots_[slot.slot] == nullptr ||
+      !(slots_[slot.slot]->owner() == slot.engine)) {
+    return absl::NotFoundError(absl::StrCat("slot ", slot.slot, " holds no session of engine ",
+                                            slot.engine.value));
   }
-  const std::shared_ptr<DaemonSession>& session = slots_[slot.slot];
-  if (!(session->owner() == slot.engine)) {
-    return absl::PermissionDeniedError(absl::StrCat("slot ", slot.slot,
-                                                    " holds no session of engine ",
-                                                    slot.engine.value));
-  }
-  return session;
+  return slots_[slot.slot];
 }
 
 absl::StatusOr<SessionRelease> SessionRegistry::Release(const SessionCredentials& credentials) {

@@ -203,8 +203,8 @@ class SessionRegistry {
   // PERMISSION_DENIED wrong token.
   absl::StatusOr<std::shared_ptr<DaemonSession>> Find(const SessionCredentials& session) const
       ABSL_LOCKS_EXCLUDED(mu_);
-  // The session in the slot: NOT_FOUND for an empty slot, PERMISSION_DENIED for a slot another
-  // engine's session holds.
+  // The session in the slot: NOT_FOUND "slot N holds no session of engine E" both for an empty
+  // slot and for one another engine's session holds (indistinguishable to the caller).
   absl::StatusOr<std::shared_ptr<DaemonSession>> Find(const SessionSlot& slot) const
       ABSL_LOCKS_EXCLUDED(mu_);
   // Removes and releases the session.

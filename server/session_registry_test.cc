@@ -9,6 +9,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_replace.h"
 #include "absl/synchronization/notification.h"
 #include "absl/synchronization/mutex.h"
 #include "core/test_model_plans.h"
@@ -120,11 +121,16 @@ TEST_F(SessionRegistryTest, SlotsAreDenseReusedAfterReleaseAndOnlyTheirEnginesTo
   ASSERT_THAT(found, IsOk());
   EXPECT_EQ(*found, sessions[2]);
 
-  // Engine a naming b's slot: refused, and the session is untouched.
+  // Engine a naming b's slot: refused exactly as an empty slot is (a learns nothing of b's
+  // slots), and the session is untouched.
   pb::BeginResponse begun;
-  EXPECT_THAT(registry_->Run(SessionSlot{a.id, 1}, BeginOp{&begun}),
-              StatusIs(absl::StatusCode::kPermissionDenied,
+  const absl::Status foreign_slot = registry_->Run(SessionSlot{a.id, 1}, BeginOp{&begun});
+  EXPECT_THAT(foreign_slot,
+              StatusIs(absl::StatusCode::kNotFound,
                        HasSubstr(absl::StrCat("slot 1 holds no session of engine ", a.id.value))));
+  const absl::Status empty_slot = registry_->Run(SessionSlot{a.id, 1000}, BeginOp{&begun});
+  EXPECT_EQ(empty_slot.code(), foreign_slot.code());
+  EXPECT_EQ(absl::StrReplaceAll(empty_slot.message(), {{"1000", "1"}}), foreign_slot.message());
   pb::SessionState state;
   ASSERT_THAT(SessionRegistry::Apply(*sessions[1], GetStateOp{&state}), IsOk());
   EXPECT_EQ(state.next_generation(), 1u) << "the refused Begin began nothing";
@@ -139,7 +145,7 @@ TEST_F(SessionRegistryTest, SlotsAreDenseReusedAfterReleaseAndOnlyTheirEnginesTo
   ASSERT_NE(reused, nullptr);
   EXPECT_EQ(reused->slot(), 1u);
   EXPECT_THAT(registry_->Find(SessionSlot{b.id, 1}),
-              StatusIs(absl::StatusCode::kPermissionDenied, HasSubstr("slot 1")))
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("slot 1")))
       << "b's old slot is a's now";
   // A refused creation gives its reserved slot back.
   EXPECT_THAT(registry_->Create(Engine(a), plan_, Shape(0), std::nullopt), ::testing::Not(IsOk()));
@@ -263,7 +269,7 @@ TEST_F(SessionRegistryTest, TryRunRunsNothingWhileALongOperationHoldsTheSession)
   std::optional<absl::Status> foreign =
       registry_->TryRun(SessionSlot{a.id, theirs->slot()}, BeginOp{&begun});
   ASSERT_TRUE(foreign.has_value());
-  EXPECT_THAT(*foreign, StatusIs(absl::StatusCode::kPermissionDenied,
+  EXPECT_THAT(*foreign, StatusIs(absl::StatusCode::kNotFound,
                                  HasSubstr(absl::StrCat("slot ", theirs->slot(),
                                                         " holds no session of engine ",
                                                         a.id.value))));

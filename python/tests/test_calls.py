@@ -201,7 +201,7 @@ def test_step_by_slot_is_for_the_owning_engine_only(small):
     try:
         before = sessions[1].state()
         outcome = other.step(batch)[1]
-        assert outcome.error.code == grpc.StatusCode.PERMISSION_DENIED
+        assert outcome.error.code == grpc.StatusCode.NOT_FOUND
         assert "slot %d holds no session of engine %d" % (
             sessions[1].slot, other.engine_id) in outcome.error.message
         assert sessions[1].state() == before

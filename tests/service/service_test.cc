@@ -1015,11 +1015,11 @@ TEST_F(ServiceTest, StepBySlotRunsTheOwnersSessionsAndRefusesEveryoneElse) {
   ASSERT_THAT(refused, IsOk());
   for (const StepOutcome& outcome : *refused) {
     EXPECT_THAT(outcome.status,
-                StatusIs(absl::StatusCode::kPermissionDenied,
+                StatusIs(absl::StatusCode::kNotFound,
                          HasSubstr(absl::StrCat("holds no session of engine ",
                                                 other->engine_id()))));
   }
-  EXPECT_THAT((*refused)[0].status, StatusIs(absl::StatusCode::kPermissionDenied,
+  EXPECT_THAT((*refused)[0].status, StatusIs(absl::StatusCode::kNotFound,
                                              HasSubstr(absl::StrCat("slot ", second->slot()))));
   EXPECT_EQ(Snapshot(*first), first_before);
   EXPECT_EQ(Snapshot(*second), second_before);

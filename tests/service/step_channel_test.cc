@@ -227,7 +227,7 @@ TEST_F(StepChannelTest, RefusalsAreTheStepRpcsWordForWord) {
   ASSERT_EQ(outcomes.size(), 6u);
   for (const std::string& outcome : outcomes) EXPECT_NE(outcome.substr(0, 2), "0 ") << outcome;
   EXPECT_THAT(outcomes[3], HasSubstr(absl::StrCat(static_cast<int>(
-                                                      absl::StatusCode::kPermissionDenied),
+                                                      absl::StatusCode::kNotFound),
                                                   " ")));
   EXPECT_THAT(outcomes[3], HasSubstr(absl::StrCat("slot ", theirs->slot())));
   EXPECT_EQ(absl::StrCat(StateOf(*mine).committed_len, " ", StateOf(*mine).staged_len, " ",
@@ -296,13 +296,13 @@ TEST_F(StepChannelTest, CorruptRecordsAreRefusedWithTheirNumbersAndChangeNothing
   ASSERT_THAT(done, IsOk());
   EXPECT_THAT(ring.Message(*done), HasSubstr("side_length 6 is not a multiple of 4"));
 
-  // A record naming another engine's slot: the Step RPC's PERMISSION_DENIED.
+  // A record naming another engine's slot: the Step RPC's NOT_FOUND (as for an empty slot).
   std::unique_ptr<Session> foreign = NewSession(*client_, kCapacity);
   ASSERT_NE(foreign, nullptr);
   const SessionSnapshot foreign_before = StateOf(*foreign);
   done = ring.Run(Record(step_channel::Op::kBegin, foreign->slot()));
   ASSERT_THAT(done, IsOk());
-  EXPECT_EQ(done->code, static_cast<int32_t>(absl::StatusCode::kPermissionDenied));
+  EXPECT_EQ(done->code, static_cast<int32_t>(absl::StatusCode::kNotFound));
   EXPECT_THAT(ring.Message(*done), HasSubstr(absl::StrCat("slot ", foreign->slot())));
   EXPECT_EQ(StateOf(*foreign), foreign_before);
 
