@@ -288,8 +288,9 @@ void Daemon::Readopt(PreviousDaemon previous) {
         absl::StatusOr<std::unique_ptr<DaemonSession>> session =
             DaemonSession::Adopt(std::move(params), backend_.get(), budget_.get(), *arena,
                                  record.arena_bytes(), record.layout_version(), committed);
-        absl::Status filed = session.ok() ? sessions_.Readopt(*std::move(session))
-                                          : session.status();
+        absl::Status filed = session.ok()
+                                 ? sessions_.Readopt(*std::move(session), previous.journal_slots)
+                                 : session.status();
         if (!filed.ok()) {
           reason = std::string(filed.message());
           if (restart_state_ != nullptr) restart_state_->ArenaFreed(*arena);

@@ -57,6 +57,9 @@ struct PreviousDaemon {
   uint64_t next_engine_id = 1;
   uint64_t next_session_id = 1;
   std::string journal_name;
+  // Records the journal holds: above the most sessions it could hold, so above every session's
+  // slot (SessionRegistry::Readopt refuses a slot past it).
+  uint64_t journal_slots = 0;
   std::vector<memra::kvd::journal::EngineRecord> engines;
   std::vector<memra::kvd::journal::SessionRecord> sessions;
   // fd name -> the plan it holds (a plan that does not parse or validate is in `problems`).

@@ -45,8 +45,14 @@ DaemonSession::Params SessionRegistry::BaseParams() const {
   return params;
 }
 
-absl::Status SessionRegistry::Readopt(std::shared_ptr<DaemonSession> session) {
+absl::Status SessionRegistry::Readopt(std::shared_ptr<DaemonSession> session,
+                                      uint64_t slot_limit) {
   const uint64_t id = session->id().value;
+  if (session->slot() >= slot_limit) {
+    return absl::OutOfRangeError(absl::StrCat(
+        "session ", id, ": slot ", session->slot(), " is not below ", slot_limit,
+        ", the most sessions the previous daemon could hold (a corrupt record)"));
+  }
   RaiseNextSessionId(id + 1);
   {
     absl::MutexLock lock(&mu_);

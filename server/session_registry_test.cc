@@ -485,7 +485,7 @@ TEST_F(SessionRegistryTest, AReadoptedSessionIsFoundAtItsCommittedLength) {
   absl::StatusOr<std::unique_ptr<DaemonSession>> adopted = DaemonSession::Adopt(
       params, backend_.get(), &budget_, *arena, arena_bytes, 1, CommittedRecord{10, 2, {0, 0}, false});
   ASSERT_THAT(adopted, IsOk());
-  ASSERT_THAT(registry_->Readopt(*std::move(adopted)), IsOk());
+  ASSERT_THAT(registry_->Readopt(*std::move(adopted), /*slot_limit=*/3), IsOk());
   EXPECT_EQ(budget_.Snapshot().allocated(), arena_bytes);
   ASSERT_THAT(registry_->Run(credentials, GetStateOp{&state, nullptr}), IsOk());
   EXPECT_EQ(state.committed_len(), 10u);
@@ -508,10 +508,26 @@ TEST_F(SessionRegistryTest, AReadoptedSessionIsFoundAtItsCommittedLength) {
   absl::StatusOr<std::unique_ptr<DaemonSession>> clashing = DaemonSession::Adopt(
       clash, backend_.get(), &budget_, *other, arena_bytes, 1, CommittedRecord{10, 2, {0, 0}, false});
   ASSERT_THAT(clashing, IsOk());
-  EXPECT_THAT(registry_->Readopt(*std::move(clashing)),
+  EXPECT_THAT(registry_->Readopt(*std::move(clashing), /*slot_limit=*/3),
               StatusIs(absl::StatusCode::kAlreadyExists,
                        HasSubstr(absl::StrCat("session ", clash.id.value, ": slot ", clash.slot,
                                               " already holds session ", next->id().value))));
+  // A record whose slot is past what the previous daemon could hold is corrupt: refused before
+  // the slot table grows to its number.
+  DaemonSession::Params far = params;
+  far.id = SessionId{next->id().value + 20};
+  far.slot = 4'000'000'000u;
+  absl::StatusOr<ArenaId> far_arena = backend_->CreateArena(arena_bytes, ArenaVisibility::kExported);
+  ASSERT_THAT(far_arena, IsOk());
+  absl::StatusOr<std::unique_ptr<DaemonSession>> far_session = DaemonSession::Adopt(
+      far, backend_.get(), &budget_, *far_arena, arena_bytes, 1, CommittedRecord{10, 2, {0, 0}, false});
+  ASSERT_THAT(far_session, IsOk());
+  EXPECT_THAT(registry_->Readopt(*std::move(far_session), /*slot_limit=*/3),
+              StatusIs(absl::StatusCode::kOutOfRange,
+                       HasSubstr(absl::StrCat("session ", far.id.value,
+                                              ": slot 4000000000 is not below 3"))));
+  EXPECT_THAT(registry_->Find(SessionSlot{engine.id, 3}),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("slot 3")));
 }
 
 TEST_F(SessionRegistryTest, ASessionARestartDidNotReadoptGetsTheRestartError) {
