@@ -295,7 +295,10 @@ void ArenaHandoff::Serve() {
 }
 
 void ArenaHandoff::AcceptAll() {
-  while (true) {
+  // At most kAcceptsPerRound a round: a client connecting as fast as it can (each one refused)
+  // must not keep this thread from serving the connections already open. The listener stays
+  // readable, so the next poll round takes the rest.
+  for (int accepted = 0; accepted < kAcceptsPerRound; ++accepted) {
     ScopedFd socket(accept4(listener_.get(), nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC));
     if (socket.get() < 0) {
       if (errno == EINTR || errno == ECONNABORTED) continue;

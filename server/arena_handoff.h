@@ -75,6 +75,10 @@ class ArenaHandoff {
   using BufferIntake = std::function<absl::StatusOr<uint64_t>(
       uint64_t engine_id, uint64_t connection, uint64_t bytes, ScopedFd fd)>;
 
+  // Connections accepted per poll round at most (the rest wait for the next round): a client
+  // connecting as fast as it can cannot keep the serving thread from open connections.
+  static constexpr int kAcceptsPerRound = 32;
+
   struct Options {
     std::string path;
     // chown/chmod of the socket file (the engine socket's socket_group / socket_mode).
@@ -154,6 +158,7 @@ class ArenaHandoff {
   };
 
   void Serve() ABSL_LOCKS_EXCLUDED(mu_);
+  // Accepts what the listener holds, at most kAcceptsPerRound connections per poll round.
   void AcceptAll() ABSL_LOCKS_EXCLUDED(mu_);
   // Reads what `connection` sent; complete requests go to `pending`. False: close it.
   bool ReadFrom(uint64_t id, Connection& connection, std::vector<PendingRequest>& pending)

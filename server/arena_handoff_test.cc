@@ -277,6 +277,40 @@ TEST_F(ArenaHandoffTest, ConnectionsPastTheLimitAreRefused) {
   EXPECT_NE(Connect(), nullptr);  // a slot came free
 }
 
+// A backlog of several accept rounds (at most kAcceptsPerRound each, so a flood of connects
+// cannot hold the serving thread) is taken whole over the following rounds: every connection
+// gets its ticket.
+TEST_F(ArenaHandoffTest, ABacklogLongerThanOneAcceptRoundIsServedWhole) {
+  ArenaHandoff::Options options;
+  options.max_unbound_per_uid = 1000;
+  StartHandoff(options);
+  const int kConnections = 3 * ArenaHandoff::kAcceptsPerRound + 5;
+  std::vector<ScopedFd> raw;
+  for (int i = 0; i < kConnections; ++i) {
+    raw.emplace_back(ConnectRaw());
+    ASSERT_GE(raw.back().get(), 0) << i;
+  }
+  for (int i = 0; i < 400 && handoff_->connection_count() < static_cast<size_t>(kConnections);
+       ++i) {
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  EXPECT_EQ(handoff_->connection_count(), static_cast<size_t>(kConnections));
+  for (int i = 0; i < kConnections; ++i) {
+    std::string input;
+    char data[512];
+    std::optional<handoff::Frame> first;
+    while (!first.has_value()) {
+      const ssize_t n = read(raw[i].get(), data, sizeof(data));
+      ASSERT_GT(n, 0) << "connection " << i << " closed before its ticket";
+      input.append(data, static_cast<size_t>(n));
+      absl::StatusOr<std::optional<handoff::Frame>> frame = handoff::TakeFrame(input);
+      ASSERT_THAT(frame, IsOk());
+      first = *std::move(frame);
+    }
+    EXPECT_EQ(first->kind, handoff::Kind::kTicket) << "connection " << i;
+  }
+}
+
 TEST_F(ArenaHandoffTest, OneUidCannotHoldManyConnectionsWithoutAttaching) {
   ArenaHandoff::Options options;
   options.max_unbound_per_uid = 2;
