@@ -80,8 +80,12 @@ std::optional<PreviousDaemon> ReadPreviousDaemon(std::vector<ListenedFd> passed)
     for (auto& [name, fd] : previous.arenas) previous.leftovers.push_back(name);
     for (auto& [name, fd] : plans) previous.leftovers.push_back(name);
     if (!previous.leftovers.empty()) {
-      spdlog::warn("{} descriptors were passed but no restart journal: nothing is re-adopted",
-                   previous.leftovers.size());
+      spdlog::warn("{} descriptors were passed but no restart journal that opens: nothing is "
+                   "re-adopted, and they leave the fd store", previous.leftovers.size());
+    }
+    for (const std::string& problem : previous.problems) spdlog::warn("restart: {}", problem);
+    for (const std::string& name : previous.leftovers) {
+      if (!name.empty()) (void)SdNotify(absl::StrCat("FDSTOREREMOVE=1\nFDNAME=", name));
     }
     return std::nullopt;
   }

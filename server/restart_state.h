@@ -71,9 +71,11 @@ struct PreviousDaemon {
   std::vector<std::string> problems;  // what could not be read, for the log
 };
 
-// Reads `passed` (TakeListenFds). nullopt when it holds no journal (a first start, or a restart
-// without a service manager): every passed descriptor is then a leftover (closed here; the
-// caller removes the names from the store). Takes ownership of every descriptor.
+// Reads `passed` (TakeListenFds). nullopt when it holds no journal that opens (a first start, a
+// restart without a service manager, a journal of another format): every passed descriptor is
+// then a leftover, closed here and removed from the service manager's store (FDSTOREREMOVE),
+// or the arena memory the store keeps would stay pinned there for good. Takes ownership of
+// every descriptor.
 std::optional<PreviousDaemon> ReadPreviousDaemon(std::vector<ListenedFd> passed);
 
 class RestartState final : public StateJournal {

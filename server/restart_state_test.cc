@@ -13,6 +13,7 @@
 
 #include "absl/strings/escaping.h"
 #include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
 #include "common/codec.h"
 #include "core/test_model_plans.h"
 #include "gtest/gtest.h"
@@ -302,6 +303,21 @@ TEST_F(RestartStateTest, ADaemonKeepingNoJournalDropsThePreviousDaemonsState) {
   EXPECT_EQ((*daemon)->readopted().sessions, 0u);
   EXPECT_TRUE(store_.Drain().empty());
   (*daemon)->Shutdown();
+}
+
+// Kept arena memory passed back with no journal that opens (here: a journal of another format)
+// leaves the service manager's store too: otherwise the store would pin it for good.
+TEST(ReadPreviousDaemon, WithoutAJournalThatOpensThePassedNamesLeaveTheStore) {
+  ServiceManagerStore store;
+  for (const char* name : {"arena-1-1", "journal-7"}) {
+    ScopedFd memfd(memfd_create(name, MFD_CLOEXEC));
+    ASSERT_GE(memfd.get(), 0);
+    ASSERT_EQ(ftruncate(memfd.get(), 4096), 0);  // a journal of 4096 zero bytes: no magic
+    ASSERT_THAT(SdNotifyWithFds(absl::StrCat("FDSTORE=1\nFDNAME=", name), {memfd.get()}), IsOk());
+  }
+  ASSERT_EQ(store.Drain().size(), 2u);
+  EXPECT_FALSE(ReadPreviousDaemon(store.Passed()).has_value());
+  EXPECT_TRUE(store.Drain().empty());
 }
 
 TEST(ReadPreviousDaemon, WithoutAJournalNothingIsReadoptedAndEverythingIsALeftover) {
