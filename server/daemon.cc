@@ -214,6 +214,7 @@ void Daemon::Readopt(PreviousDaemon previous) {
   for (const std::string& problem : previous.problems) {
     spdlog::warn("restart: {}", problem);
   }
+  if (restart_state_ != nullptr) restart_state_->CarrySessionSlotLimit(previous.session_slot_limit);
   // Plans, by the fingerprint the previous daemon recorded.
   absl::flat_hash_map<std::string, std::shared_ptr<const ModelPlan>> plans;
   absl::flat_hash_map<std::string, std::string> plan_names;
@@ -288,9 +289,9 @@ void Daemon::Readopt(PreviousDaemon previous) {
         absl::StatusOr<std::unique_ptr<DaemonSession>> session =
             DaemonSession::Adopt(std::move(params), backend_.get(), budget_.get(), *arena,
                                  record.arena_bytes(), record.layout_version(), committed);
-        absl::Status filed = session.ok()
-                                 ? sessions_.Readopt(*std::move(session), previous.journal_slots)
-                                 : session.status();
+        absl::Status filed =
+            session.ok() ? sessions_.Readopt(*std::move(session), previous.session_slot_limit)
+                         : session.status();
         if (!filed.ok()) {
           reason = std::string(filed.message());
           if (restart_state_ != nullptr) restart_state_->ArenaFreed(*arena);

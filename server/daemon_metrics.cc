@@ -221,10 +221,14 @@ Daemon::RegisterMetrics() {
       {"memra_prefix_remote_queued_bytes", "Bytes queued for the remote tier's writer."},
       {"memra_prefix_remote_breaker_opens",
        "Times the remote tier's circuit breaker opened (cluster down), since start."},
+      {"memra_prefix_remote_partial_lookups",
+       "Remote-tier lookups answered for some keys only (a node down or in back-off: its keys "
+       "read as misses; also counted as reads ok), since start."},
   };
   uint64_t RemoteTierStats::*const remote_fields[] = {
       &RemoteTierStats::written_bytes, &RemoteTierStats::pulled_bytes,
-      &RemoteTierStats::queued_bytes, &RemoteTierStats::breaker_opens};
+      &RemoteTierStats::queued_bytes, &RemoteTierStats::breaker_opens,
+      &RemoteTierStats::partial_lookups};
   for (size_t i = 0; i < std::size(remote_fields); ++i) {
     RETURN_IF_ERROR(metrics_.AddCallbackGaugeFamily(
         remote_help[i].first, remote_help[i].second, {},

@@ -160,6 +160,7 @@ pb::PrefixCacheStats PrefixStatsToProto(const PrefixCacheStats& stats) {
     remote->set_write_errors(r.write_errors);
     remote->set_reads(r.reads);
     remote->set_read_errors(r.read_errors);
+    remote->set_partial_lookups(r.partial_lookups);
     remote->set_read_timeouts(r.read_timeouts);
     remote->set_read_refusals(r.read_refusals);
     remote->set_breaker_opens(r.breaker_opens);

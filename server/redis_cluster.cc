@@ -103,6 +103,25 @@ bool IsRedisNodeDownRefusal(const absl::Status& status) {
   return status.GetPayload(kNodeDownPayload).has_value();
 }
 
+namespace {
+
+absl::Status MarkedRefusal(std::string message) {
+  absl::Status refused = absl::UnavailableError(std::move(message));
+  refused.SetPayload(kNodeDownPayload, absl::Cord());
+  return refused;
+}
+
+// `call`, unless it is a back-off refusal and `refreshed` (the same call's map refresh) failed
+// for real: then that failure, the I/O this call did.
+absl::Status PreferRealFailure(absl::Status call, const absl::Status& refreshed) {
+  if (IsRedisNodeDownRefusal(call) && !refreshed.ok() && !IsRedisNodeDownRefusal(refreshed)) {
+    return refreshed;
+  }
+  return call;
+}
+
+}  // namespace
+
 absl::string_view RedisTlsUnsupportedReason() {
   return "this build's Redis client is Debian's hiredis 0.14, which has no TLS (hiredis_ssl "
          "arrived in hiredis 1.0); refusing rather than sending KV bytes and the password in "
@@ -285,8 +304,12 @@ absl::StatusOr<bool> RedisClusterClient::Del(absl::string_view key) {
 RedisExistsResult RedisClusterClient::ExistsEach(absl::Span<const std::string> keys) {
   RedisExistsResult result;
   result.exists.resize(keys.size());
+  // The first failure that did I/O wins over a back-off refusal, whatever came first.
   const auto unanswered = [&result](absl::Status why) {
-    if (result.unanswered++ == 0) result.first_failure = std::move(why);
+    if (result.unanswered++ == 0 || (IsRedisNodeDownRefusal(result.first_failure) &&
+                                     !IsRedisNodeDownRefusal(why))) {
+      result.first_failure = std::move(why);
+    }
   };
   const absl::Status refreshed = RefreshIfStale();
   struct Group {
@@ -344,6 +367,9 @@ RedisExistsResult RedisClusterClient::ExistsEach(absl::Span<const std::string> k
       result.exists[i] = reply->integer > 0;
     }
   }
+  if (result.unanswered > 0) {
+    result.first_failure = PreferRealFailure(std::move(result.first_failure), refreshed);
+  }
   return result;
 }
 
@@ -361,9 +387,10 @@ absl::StatusOr<RedisClusterClient::ReplyPtr> RedisClusterClient::Execute(
     std::vector<std::vector<absl::string_view>> commands;
     if (target.asking) commands.push_back({"ASKING"});
     commands.push_back(argv);
-    ASSIGN_OR_RETURN(std::vector<ReplyPtr> replies,
-                     RunOnNode(*target.node, operation, slot, commands));
-    ReplyPtr reply = std::move(replies.back());
+    absl::StatusOr<std::vector<ReplyPtr>> replies =
+        RunOnNode(*target.node, operation, slot, commands);
+    if (!replies.ok()) return PreferRealFailure(replies.status(), refreshed);
+    ReplyPtr reply = std::move(replies->back());
     if (reply->type != REDIS_REPLY_ERROR) return reply;
     const absl::string_view error = ReplyText(*reply);
     if (!IsRedirect(error)) {
@@ -407,26 +434,50 @@ absl::StatusOr<RedisClusterClient::ReplyPtr> RedisClusterClient::Execute(
   }
 }
 
+absl::Status RedisClusterClient::BackOffRefusal(const Node& node, absl::string_view operation,
+                                                std::optional<uint16_t> slot,
+                                                absl::string_view why) {
+  const absl::Time now = absl::Now();
+  {
+    absl::MutexLock lock(&mu_);
+    ++stats_.node_down_refusals;
+    if (now - last_refresh_ >= kDownNodeRefreshInterval) slot_map_stale_ = true;
+  }
+  return MarkedRefusal(
+      absl::StrCat("redis cluster ", operation, ": ", Where(node.name, slot), ": ", why));
+}
+
 absl::StatusOr<std::vector<RedisClusterClient::ReplyPtr>> RedisClusterClient::RunOnNode(
     Node& node, absl::string_view operation, std::optional<uint16_t> slot,
     const std::vector<std::vector<absl::string_view>>& commands) {
-  absl::MutexLock node_lock(&node.mu);
+  if (!node.mu.TryLock()) {
+    // Busy. When its last call failed, the holder is the one retry of a failed node: wait for
+    // nothing (a stalled node would hold every queued caller for its whole timeout).
+    if (!node.answered.load()) {
+      return BackOffRefusal(node, operation, slot,
+                            "its last call failed and its one retry is in flight");
+    }
+    node.mu.Lock();
+  }
+  absl::StatusOr<std::vector<ReplyPtr>> replies =
+      RunOnNodeLocked(node, operation, slot, commands);
+  node.mu.Unlock();
+  return replies;
+}
+
+absl::StatusOr<std::vector<RedisClusterClient::ReplyPtr>> RedisClusterClient::RunOnNodeLocked(
+    Node& node, absl::string_view operation, std::optional<uint16_t> slot,
+    const std::vector<std::vector<absl::string_view>>& commands) {
   if (node.context == nullptr) {
     const absl::Time now = absl::Now();
     if (node.InBackOff(now)) {
-      {
-        absl::MutexLock lock(&mu_);
-        ++stats_.node_down_refusals;
-        if (now - last_refresh_ >= kDownNodeRefreshInterval) slot_map_stale_ = true;
-      }
       const absl::Duration left =
           absl::FromUnixNanos(node.retry_after_ns.load(std::memory_order_relaxed)) - now;
-      absl::Status refused = absl::UnavailableError(absl::StrCat(
-          "redis cluster ", operation, ": ", Where(node.name, slot),
-          ": not tried for another ", absl::ToInt64Milliseconds(absl::Ceil(left, absl::Milliseconds(1))),
-          " ms (back-off after: ", node.last_failure, ")"));
-      refused.SetPayload(kNodeDownPayload, absl::Cord());
-      return refused;
+      return BackOffRefusal(
+          node, operation, slot,
+          absl::StrCat("not tried for another ",
+                       absl::ToInt64Milliseconds(absl::Ceil(left, absl::Milliseconds(1))),
+                       " ms (back-off after: ", node.last_failure, ")"));
     }
   }
   // A connection that worked before may have been closed by the node since (a restart, an
@@ -542,9 +593,10 @@ absl::Status RedisClusterClient::ConnectLocked(Node& node, absl::string_view ope
       const std::string who =
           options_.user.empty() ? "the requirepass password"
                                 : absl::StrCat("user '", options_.user, "' and its password");
-      return fail(absl::UnauthenticatedError(
+      // The node answered: a configuration problem, not the node's failure (no back-off).
+      return absl::UnauthenticatedError(
           absl::StrCat("redis cluster ", operation, ": ", where, " refused ", who, " from ",
-                       options_.password_file, ": ", ReplyText(*reply))));
+                       options_.password_file, ": ", ReplyText(*reply)));
     }
   }
   node.context = owned.release();
@@ -569,24 +621,33 @@ absl::Status RedisClusterClient::RefreshIfStale() {
     if (!slot_map_stale_) return absl::OkStatus();
     for (const auto& [name, node] : nodes_) candidates.push_back(node);
   }
-  // Nodes that answered last time first, then the others; a node in back-off last (it is
-  // refused without I/O, so it does not count among the kMaxRefreshNodes asked).
+  // Nodes that answered last time first, then the others; a node in back-off is not asked (it
+  // would be refused without I/O). Ranks are taken once: other threads change them meanwhile.
   const absl::Time now = absl::Now();
-  const auto rank = [now](const std::shared_ptr<Node>& node) {
-    return node->InBackOff(now) ? 2 : node->answered.load() ? 0 : 1;
-  };
-  std::stable_sort(candidates.begin(), candidates.end(),
-                   [&](const std::shared_ptr<Node>& a, const std::shared_ptr<Node>& b) {
-                     return rank(a) < rank(b);
-                   });
-  absl::Status last = absl::UnavailableError("redis cluster: no node to ask for the slot map");
-  int asked = 0;
-  for (const std::shared_ptr<Node>& node : candidates) {
-    if (rank(node) != 2 && asked++ == kMaxRefreshNodes) break;
-    last = RefreshSlotMapFrom(node);
-    if (last.ok() || last.code() == absl::StatusCode::kUnauthenticated) return last;
+  std::vector<std::pair<int, std::shared_ptr<Node>>> ranked;
+  size_t in_back_off = 0;
+  for (std::shared_ptr<Node>& node : candidates) {
+    if (node->InBackOff(now)) {
+      ++in_back_off;
+      continue;
+    }
+    ranked.emplace_back(node->answered.load() ? 0 : 1, std::move(node));
   }
-  return last;
+  std::stable_sort(ranked.begin(), ranked.end(),
+                   [](const auto& a, const auto& b) { return a.first < b.first; });
+  absl::Status first_failure;
+  int asked = 0;
+  for (const auto& [rank, node] : ranked) {
+    if (asked++ == kMaxRefreshNodes) break;
+    absl::Status refreshed = RefreshSlotMapFrom(node);
+    if (refreshed.ok() || refreshed.code() == absl::StatusCode::kUnauthenticated) {
+      return refreshed;
+    }
+    if (first_failure.ok()) first_failure = std::move(refreshed);
+  }
+  if (!first_failure.ok()) return first_failure;
+  return MarkedRefusal(absl::StrCat("redis cluster: the slot map is stale and all ", in_back_off,
+                                    " known nodes are in back-off"));
 }
 
 absl::Status RedisClusterClient::RefreshSlotMapFrom(const std::shared_ptr<Node>& node) {
@@ -660,6 +721,21 @@ std::shared_ptr<RedisClusterClient::Node> RedisClusterClient::NodeForKeySlot(uin
   if (owner.empty()) return nullptr;
   auto it = nodes_.find(owner);
   return it != nodes_.end() ? it->second : nullptr;
+}
+
+absl::Status RedisClusterClient::KeyNodeBackOff(absl::string_view key) const {
+  const uint16_t slot = RedisKeySlot(key);
+  std::shared_ptr<Node> node;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = nodes_.find(slot_owner_[slot]);
+    if (it == nodes_.end()) return absl::OkStatus();
+    node = it->second;
+  }
+  const absl::Time now = absl::Now();
+  if (!node->InBackOff(now)) return absl::OkStatus();
+  return MarkedRefusal(absl::StrCat("redis cluster: ", Where(node->name, slot),
+                                    " is in back-off"));
 }
 
 std::optional<RedisNodeAddress> RedisClusterClient::NodeForSlot(uint16_t slot) const {

@@ -81,7 +81,9 @@ struct RedisClusterOptions {
   // A node whose connect or command failed (I/O or a timeout) is not tried again for a
   // back-off that doubles from node_retry_initial to node_retry_max and is reset by a reply:
   // meanwhile calls for its slots fail at once (UNAVAILABLE, IsRedisNodeDownRefusal) instead
-  // of each paying a connect or command timeout, and the other nodes' slots keep serving.
+  // of each paying a connect or command timeout, and the other nodes' slots keep serving. A
+  // call that finds a failed node's one retry in flight is refused the same way rather than
+  // queue behind it. (A refused AUTH is not a failure of the node: no back-off.)
   absl::Duration node_retry_initial = absl::Milliseconds(100);
   absl::Duration node_retry_max = absl::Seconds(2);
 };
@@ -137,8 +139,12 @@ class RedisClusterClient {
   // Existence of each key, in order. Keys may lie in any slots: they are grouped by the node
   // owning their slot and each node gets its EXISTS commands in one pipelined round trip; a
   // key whose reply is a redirect is retried alone through the redirect rules. A node that
-  // fails leaves only its own keys unanswered: the others' answers stand.
+  // fails leaves only its own keys unanswered: the others' answers stand. first_failure is the
+  // first failure that did I/O when there is one (else a back-off refusal).
   RedisExistsResult ExistsEach(absl::Span<const std::string> keys);
+  // OK, or the back-off refusal a call for `key` would get now without any I/O (its node is
+  // in back-off): lets a caller skip preparing a call that cannot go out.
+  absl::Status KeyNodeBackOff(absl::string_view key) const;
 
   // Asks the cluster for its slot map now (normally done on demand: at Create, after MOVED,
   // after a connection failure).
@@ -187,7 +193,10 @@ class RedisClusterClient {
   RedisClusterClient(RedisClusterOptions options, std::string password);
 
   // Runs `argv` (argv[1] is the key) on the node owning the key's slot, following redirects.
-  // A non-redirect error reply is returned as a Status; any other reply is returned as is.
+  // A non-redirect error reply is returned as a Status; any other reply is returned as is. A
+  // back-off refusal is returned only when this call did no I/O that failed: when its map
+  // refresh failed for real, that failure is returned instead (so a cluster whose every node
+  // is dead is reported as such, not as refusals a breaker ignores).
   absl::StatusOr<ReplyPtr> Execute(absl::string_view operation, absl::string_view key,
                                    std::vector<absl::string_view> argv);
   // Sends the commands in one write and reads their replies in order, (re)connecting first when
@@ -195,7 +204,15 @@ class RedisClusterClient {
   // and the slot map is marked stale.
   absl::StatusOr<std::vector<ReplyPtr>> RunOnNode(
       Node& node, absl::string_view operation, std::optional<uint16_t> slot,
-      const std::vector<std::vector<absl::string_view>>& commands);
+      const std::vector<std::vector<absl::string_view>>& commands) ABSL_LOCKS_EXCLUDED(node.mu);
+  absl::StatusOr<std::vector<ReplyPtr>> RunOnNodeLocked(
+      Node& node, absl::string_view operation, std::optional<uint16_t> slot,
+      const std::vector<std::vector<absl::string_view>>& commands)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(node.mu);
+  // A back-off refusal of a call for `node` (counted; marked IsRedisNodeDownRefusal).
+  absl::Status BackOffRefusal(const Node& node, absl::string_view operation,
+                              std::optional<uint16_t> slot, absl::string_view why)
+      ABSL_LOCKS_EXCLUDED(mu_);
   absl::Status ConnectLocked(Node& node, absl::string_view operation)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(node.mu);
   // A connect or command on `node` failed with `status`: closes its connection, starts or
@@ -205,6 +222,8 @@ class RedisClusterClient {
 
   // Fetches CLUSTER SLOTS from one node and installs it.
   absl::Status RefreshSlotMapFrom(const std::shared_ptr<Node>& node);
+  // OK when the map is fresh or was refreshed; else the first real failure of the nodes asked,
+  // or a back-off refusal when every known node is in back-off (none asked).
   absl::Status RefreshIfStale();
   std::shared_ptr<Node> NodeFor(const RedisNodeAddress& address) ABSL_LOCKS_EXCLUDED(mu_);
   std::shared_ptr<Node> NodeForKeySlot(uint16_t slot) ABSL_LOCKS_EXCLUDED(mu_);

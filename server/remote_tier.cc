@@ -61,11 +61,11 @@ class OwnedValueSource : public RemoteValueSource {
 }  // namespace
 
 std::string RemoteBlockKey(absl::string_view scope, const BlockKey& block) {
-  return absl::StrCat("memra-kv/v1/", ScopeHex(scope), "/b/", Hex(block.data(), block.size()));
+  return absl::StrCat("memra-kv/v2/", ScopeHex(scope), "/b/", Hex(block.data(), block.size()));
 }
 
 std::string RemoteBoundaryKey(absl::string_view scope, const BlockKey& last_block) {
-  return absl::StrCat("memra-kv/v1/", ScopeHex(scope), "/s/",
+  return absl::StrCat("memra-kv/v2/", ScopeHex(scope), "/s/",
                       Hex(last_block.data(), last_block.size()));
 }
 
@@ -103,26 +103,30 @@ std::string NewRemoteValue(absl::string_view key, const RemoteValueHeader& heade
 absl::StatusOr<VerifiedRemoteValue> VerifyRemoteValue(absl::string_view key,
                                                       absl::string_view value,
                                                       const RemoteValueHeader& expected) {
-  if (value.size() < kRemoteHeaderBytes) {
+  const auto short_value = [&] {
     return absl::DataLossError(absl::StrCat("remote value ", key, " holds ", value.size(),
                                             " bytes, under the ", kRemoteHeaderBytes,
                                             "-byte header"));
-  }
+  };
+  if (value.size() < 6) return short_value();
   const char* h = value.data();
-  const uint64_t header_sum = XXH3_64bits(h, kHeaderChecksummed);
-  if (header_sum != GetLe(h + kHeaderChecksummed, 8)) {
-    return absl::DataLossError(absl::StrFormat(
-        "remote value %s: header xxHash3 %016x, sealed as %016x", key, header_sum,
-        GetLe(h + kHeaderChecksummed, 8)));
-  }
   auto mismatch = [&](absl::string_view field, uint64_t found, uint64_t wanted) {
     return absl::FailedPreconditionError(absl::StrCat(
         "remote value ", key, ": shape mismatch: ", field, " ", found, ", this daemon expects ",
         wanted, " (another build or plan wrote it)"));
   };
+  // Magic and version first: another format's header is sealed elsewhere (format 1 at 56), so
+  // its checksum would read as corruption and the value would be deleted, not skipped.
   if (std::memcmp(h, kMagic, 4) != 0) return mismatch("magic", GetLe(h, 4), GetLe(kMagic, 4));
   if (GetLe(h + 4, 2) != kRemoteValueVersion) {
     return mismatch("format version", GetLe(h + 4, 2), kRemoteValueVersion);
+  }
+  if (value.size() < kRemoteHeaderBytes) return short_value();
+  const uint64_t header_sum = XXH3_64bits(h, kHeaderChecksummed);
+  if (header_sum != GetLe(h + kHeaderChecksummed, 8)) {
+    return absl::DataLossError(absl::StrFormat(
+        "remote value %s: header xxHash3 %016x, sealed as %016x", key, header_sum,
+        GetLe(h + kHeaderChecksummed, 8)));
   }
   if (GetLe(h + 56, 8) != RemoteKeyDigest(key)) {
     return absl::DataLossError(absl::StrFormat(
@@ -425,9 +429,13 @@ void RemoteTier::WriterLoop() {
       status = client->Del(write.key).status();
       Report(CallPath::kWrite, status);
     } else {
-      if (options_.before_write_read) options_.before_write_read();
-      value.resize(write.source->bytes());
-      status = write.source->Read(absl::MakeSpan(value.data(), value.size()));
+      // A key whose node is in back-off would be refused without I/O: not worth reading.
+      status = client->KeyNodeBackOff(write.key);
+      if (status.ok()) {
+        if (options_.before_write_read) options_.before_write_read();
+        value.resize(write.source->bytes());
+        status = write.source->Read(absl::MakeSpan(value.data(), value.size()));
+      }
       write.source.reset();  // the bytes are read: the caller's hold goes before the round trip
       if (status.ok()) {
         status = client->Set(write.key, value, options_.ttl);
@@ -543,7 +551,7 @@ absl::StatusOr<std::vector<bool>> RemoteTier::ExistsEach(std::vector<std::string
   if (!status.ok()) return status;
   if (result->unanswered > 0) {
     absl::MutexLock lock(&mu_);
-    ++stats_.read_errors;
+    ++stats_.partial_lookups;
     if (uint64_t skipped = 0; AdmitLogLocked(partial_lookup_log_, skipped)) {
       spdlog::warn("prefix remote tier: {} of {} keys unanswered, read as misses (first: {}; "
                    "{} such lookups not logged in the {} before)",

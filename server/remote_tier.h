@@ -40,10 +40,11 @@
 namespace memra {
 
 // ---- Keys ----
-// memra-kv/v1/<scope>/b/<block key hex>: one stored block; .../s/<last chain key hex>: the boundary
-// state at the end of that chain. <scope> is the hex SHA-256 of the cache scope, a literal prefix
-// an operator can grant one ACL user (block keys already chain from the scoped shape, so the
-// prefix separates nothing the key does not; it is for ACLs and operators).
+// memra-kv/v2/<scope>/b/<block key hex>: one stored block; .../s/<last chain key hex>: the
+// boundary state at the end of that chain. <scope> is the hex SHA-256 of the cache scope, a
+// literal prefix an operator can grant one ACL user (block keys already chain from the scoped
+// shape, so the prefix separates nothing the key does not; it is for ACLs and operators). v2
+// is the value format (below): a format change moves to a new prefix.
 std::string RemoteBlockKey(absl::string_view scope, const BlockKey& block);
 std::string RemoteBoundaryKey(absl::string_view scope, const BlockKey& last_block);
 
@@ -58,7 +59,9 @@ std::string RemoteBoundaryKey(absl::string_view scope, const BlockKey& last_bloc
 //   64 xxHash3-64 of bytes [0, 64).
 // The key digest binds a value to its key: every other field and both checksums hold for a
 // value copied or renamed to another key of the same shape, whose bytes would then restore as
-// another prefix's. Version 1 (no key digest) reads as another build's value: a miss.
+// another prefix's. Format 1 values (64-byte header, no key digest) live under memra-kv/v1/
+// keys, which this build never reads (so neither build deletes the other's values during a
+// rolling upgrade); one found under a v2 key reads as another build's value: a miss.
 inline constexpr uint64_t kRemoteHeaderBytes = 72;
 inline constexpr uint16_t kRemoteValueVersion = 2;
 
@@ -98,13 +101,13 @@ struct VerifiedRemoteValue {
   uint64_t checksum = 0;
 };
 
-// Checks `value`, read from `key`, against what this reader expects, in order: length and
-// header checksum (DATA_LOSS: the bytes are not what was written), magic, version
-// (FAILED_PRECONDITION), key digest (DATA_LOSS: written under another key), kind, payload
-// bytes, shape prefix, block_tokens, boundary tokens, layout digest (FAILED_PRECONDITION "shape
-// mismatch": a valid value of another build or plan), slice size (DATA_LOSS when 0), then the
-// payload's checksum (DATA_LOSS). Messages name the key, both numbers of a mismatch, never the
-// bytes.
+// Checks `value`, read from `key`, against what this reader expects, in order: magic and
+// version (FAILED_PRECONDITION: another format, whose checksum lies elsewhere), length and
+// header checksum (DATA_LOSS: the bytes are not what was written), key digest (DATA_LOSS:
+// written under another key), kind, payload bytes, shape prefix, block_tokens, boundary
+// tokens, layout digest (FAILED_PRECONDITION "shape mismatch": a valid value of another build
+// or plan), slice size (DATA_LOSS when 0), then the payload's checksum (DATA_LOSS). Messages
+// name the key, both numbers of a mismatch, never the bytes.
 absl::StatusOr<VerifiedRemoteValue> VerifyRemoteValue(absl::string_view key,
                                                       absl::string_view value,
                                                       const RemoteValueHeader& expected);
@@ -148,8 +151,10 @@ struct RemoteTierStats {
   uint64_t dropped_writes = 0;  // queue full or tier down
   uint64_t write_errors = 0;
   uint64_t reads = 0;           // EXISTS / GET calls answered
-  uint64_t read_errors = 0;     // failed calls (any code), and lookups some keys of which
-                                // went unanswered (their node down: those keys read as misses)
+  uint64_t read_errors = 0;     // failed calls (any code)
+  // Lookups answered for some keys only (their node down or in back-off: those keys read as
+  // misses); also counted in reads.
+  uint64_t partial_lookups = 0;
   uint64_t read_timeouts = 0;   // calls the caller stopped waiting for (its deadline)
   uint64_t read_refusals = 0;   // calls refused at once: tier down or reader queue full
   uint64_t breaker_opens = 0;

@@ -112,9 +112,9 @@ class LoggedSource : public RemoteValueSource {
 TEST(RemoteKeysTest, ScopeIsHashedAndKindsDiffer) {
   const std::string block = RemoteBlockKey("uid:1000", KeyOf(1));
   const std::string boundary = RemoteBoundaryKey("uid:1000", KeyOf(1));
-  EXPECT_TRUE(absl::StartsWith(block, "memra-kv/v1/")) << block;
+  EXPECT_TRUE(absl::StartsWith(block, "memra-kv/v2/")) << block;
   EXPECT_FALSE(absl::StrContains(block, "uid:1000")) << block;  // a hex digest, not the name
-  EXPECT_EQ(block.size(), std::string("memra-kv/v1/").size() + 64 + 3 + 64);
+  EXPECT_EQ(block.size(), std::string("memra-kv/v2/").size() + 64 + 3 + 64);
   EXPECT_TRUE(absl::StrContains(block, "/b/0102030405")) << block;
   EXPECT_TRUE(absl::StrContains(boundary, "/s/0102030405")) << boundary;
   EXPECT_EQ(block.substr(0, 76), boundary.substr(0, 76));  // one scope prefix for ACLs
@@ -159,6 +159,26 @@ TEST(RemoteValueTest, CorruptBytesAreDataLoss) {
   zero_slices.slice_bytes = 0;
   EXPECT_THAT(VerifyRemoteValue("key", ValueOf("key", payload, zero_slices), header),
               StatusIs(absl::StatusCode::kDataLoss, HasSubstrs("key", "slice size 0")));
+}
+
+// A format-1 value (64-byte header sealed over [0, 56), no key digest: what the previous build
+// wrote) is another build's value, a miss left in place, never DATA_LOSS (which deletes it).
+TEST(RemoteValueTest, AFormat1ValueIsAnotherBuildsNotCorrupt) {
+  const std::string payload = Payload(2048, 6);
+  const RemoteValueHeader header = HeaderFor(payload, 1 << 20);
+  const std::string key = RemoteBlockKey("scope", KeyOf(1));
+  const std::string v2 = ValueOf(key, payload, header);
+  std::string v1 = v2.substr(0, 56);
+  v1[4] = 1;
+  const uint64_t sum = XXH3_64bits(v1.data(), 56);
+  for (int i = 0; i < 8; ++i) v1.push_back(static_cast<char>((sum >> (8 * i)) & 0xff));
+  v1 += payload;
+  EXPECT_THAT(VerifyRemoteValue(key, v1, header),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstrs(key, "format version 1", "expects 2")));
+  // Too short even for magic and version: corrupt.
+  EXPECT_THAT(VerifyRemoteValue(key, v2.substr(0, 5), header),
+              StatusIs(absl::StatusCode::kDataLoss, HasSubstrs("holds 5 bytes", "72")));
 }
 
 // A whole, valid value copied to another key of the same shape: every field and both checksums
@@ -555,6 +575,30 @@ TEST_F(RemoteTierTest, CallerDeadlinesOpenTheBreakerWhileWritesToHealthyMastersS
   ASSERT_TRUE(testing::PollUntil([&] { return tier->Up(); }));
 }
 
+// Options for a tier on its own cluster (`seeds`: the client's seed nodes), with a short
+// breaker back-off.
+RemoteTierOptions OwnClusterOptions(const LocalRedisCluster& cluster,
+                                    std::vector<RedisNodeAddress> seeds) {
+  RemoteTierOptions options;
+  options.cluster.seed_nodes = std::move(seeds);
+  options.cluster.password_file =
+      cluster.WritePasswordFile("default.pass", testing::kRedisPassword);
+  options.breaker_initial = absl::Milliseconds(200);
+  options.breaker_max = absl::Milliseconds(800);
+  return options;
+}
+
+// `count` keys of `scope` written through `tier` and flushed; the keys.
+std::vector<std::string> WriteAndFlush(RemoteTier& tier, const std::string& scope, uint8_t count) {
+  std::vector<std::string> keys;
+  for (uint8_t i = 0; i < count; ++i) {
+    keys.push_back(RemoteBlockKey(scope, KeyOf(i)));
+    EXPECT_TRUE(tier.Enqueue(keys.back(), Payload(100, i)));
+  }
+  EXPECT_TRUE(tier.Flush(absl::Seconds(10)));
+  return keys;
+}
+
 // A master dead with its replica (no failover can come): the tier stays up. Lookups answer the
 // other masters' keys and read the dead one's as misses; writes to its slots fail and are
 // counted without opening the breaker; writes to the others land. One dead node costs its own
@@ -563,23 +607,13 @@ TEST(RemoteTierPartialTest, ADeadMasterWithoutReplicaCostsOnlyItsOwnSlots) {
   if (!testing::RedisInstalled()) GTEST_SKIP() << testing::RedisMissingMessage();
   LocalRedisCluster cluster;
   ASSERT_TRUE(cluster.Start());
-  RemoteTierOptions options;
-  options.cluster.seed_nodes = *ParseRedisNodeList(cluster.NodeList());
-  options.cluster.password_file =
-      cluster.WritePasswordFile("default.pass", testing::kRedisPassword);
-  options.breaker_initial = absl::Milliseconds(200);
-  options.breaker_max = absl::Milliseconds(800);
-  absl::StatusOr<std::unique_ptr<RemoteTier>> created = RemoteTier::Create(options);
+  absl::StatusOr<std::unique_ptr<RemoteTier>> created =
+      RemoteTier::Create(OwnClusterOptions(cluster, *ParseRedisNodeList(cluster.NodeList())));
   ASSERT_THAT(created, IsOk());
   RemoteTier& tier = **created;
 
   constexpr uint8_t kKeys = 24;
-  std::vector<std::string> keys;
-  for (uint8_t i = 0; i < kKeys; ++i) {
-    keys.push_back(RemoteBlockKey("scope-partial", KeyOf(i)));
-    ASSERT_TRUE(tier.Enqueue(keys.back(), Payload(100, i)));
-  }
-  ASSERT_TRUE(tier.Flush(absl::Seconds(10)));
+  const std::vector<std::string> keys = WriteAndFlush(tier, "scope-partial", kKeys);
   ASSERT_EQ(tier.Stats().writes, kKeys);
   const int victim = cluster.OwnerOf(RedisKeySlot(keys[0]));
   const int replica = cluster.ReplicaOf(victim);
@@ -607,9 +641,41 @@ TEST(RemoteTierPartialTest, ADeadMasterWithoutReplicaCostsOnlyItsOwnSlots) {
   EXPECT_EQ(stats.breaker_opens, 0u);
   EXPECT_EQ(stats.writes, kKeys + 4u * RemoteTier::kBreakerFailures);
   EXPECT_EQ(stats.write_errors, 4u * RemoteTier::kBreakerFailures);
-  EXPECT_EQ(stats.read_errors, 4u * RemoteTier::kBreakerFailures);  // each lookup partly answered
+  EXPECT_EQ(stats.partial_lookups, 4u * RemoteTier::kBreakerFailures);  // each one partly answered
+  EXPECT_EQ(stats.read_errors, 0u);
   EXPECT_GE(stats.cluster.node_down_refusals, 1u);
   EXPECT_EQ(stats.read_refusals, 0u);
+}
+
+// Every node dies after the tier is up, and the client knows only the masters (the refresh
+// has no node left to ask but ones it just put in back-off): the breaker still opens, from
+// the failures the calls' own refreshes meet, rather than reading every call as a refusal of
+// one node in back-off.
+TEST(RemoteTierPartialTest, AClusterThatDiesWholeOpensTheBreaker) {
+  if (!testing::RedisInstalled()) GTEST_SKIP() << testing::RedisMissingMessage();
+  LocalRedisCluster cluster;
+  ASSERT_TRUE(cluster.Start());
+  absl::StatusOr<std::vector<int>> masters = cluster.MasterPorts();
+  ASSERT_THAT(masters, IsOk());
+  std::vector<RedisNodeAddress> seeds;
+  for (const int port : *masters) seeds.push_back({"127.0.0.1", port});
+  absl::StatusOr<std::unique_ptr<RemoteTier>> created =
+      RemoteTier::Create(OwnClusterOptions(cluster, std::move(seeds)));
+  ASSERT_THAT(created, IsOk());
+  RemoteTier& tier = **created;
+  const std::vector<std::string> keys = WriteAndFlush(tier, "scope-dead", 24);
+  for (const int port : cluster.ports()) cluster.Signal(port, SIGKILL);
+  int rounds = 0;
+  EXPECT_TRUE(testing::PollUntil([&] {
+    ++rounds;
+    (void)tier.ExistsEach(keys, absl::Milliseconds(20));
+    (void)tier.Enqueue(keys[rounds % keys.size()], Payload(100, 0));
+    return !tier.Up();
+  })) << "the breaker never opened in " << rounds << " rounds with every node dead";
+  const RemoteTierStats stats = tier.Stats();
+  EXPECT_GE(stats.breaker_opens, 1u);
+  EXPECT_THAT(tier.ExistsEach(keys, absl::Seconds(1)),
+              StatusIs(absl::StatusCode::kUnavailable, HasSubstrs("circuit breaker open")));
 }
 
 }  // namespace

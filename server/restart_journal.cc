@@ -64,6 +64,9 @@ struct RestartJournal::Header {
   std::atomic<uint64_t> generation;
   std::atomic<uint64_t> next_engine_id;
   std::atomic<uint64_t> next_session_id;
+  // Added within format 1 (the header's spare bytes read as zero in older journals: 0 means
+  // `slots`). See session_slot_limit().
+  std::atomic<uint64_t> session_slot_limit;
 };
 
 absl::StatusOr<std::unique_ptr<RestartJournal>> RestartJournal::Create(uint64_t slots,
@@ -94,6 +97,7 @@ absl::StatusOr<std::unique_ptr<RestartJournal>> RestartJournal::Create(uint64_t 
   header->generation.store(generation);
   header->next_engine_id.store(1);
   header->next_session_id.store(1);
+  header->session_slot_limit.store(slots);
   return journal;
 }
 
@@ -150,6 +154,13 @@ void Raise(std::atomic<uint64_t>& mark, uint64_t next) {
 
 void RestartJournal::RaiseNextEngineId(uint64_t next) { Raise(header()->next_engine_id, next); }
 void RestartJournal::RaiseNextSessionId(uint64_t next) { Raise(header()->next_session_id, next); }
+
+uint64_t RestartJournal::session_slot_limit() const {
+  return std::max(header()->session_slot_limit.load(), slots_);
+}
+void RestartJournal::RaiseSessionSlotLimit(uint64_t limit) {
+  Raise(header()->session_slot_limit, limit);
+}
 
 absl::Status RestartJournal::Write(uint64_t slot, absl::string_view payload) {
   if (slot >= slots_) {

@@ -57,6 +57,12 @@ class RestartJournal {
   uint64_t next_session_id() const;
   void RaiseNextEngineId(uint64_t next);
   void RaiseNextSessionId(uint64_t next);
+  // Above every session slot (SessionRegistry's dense slot numbers) any session this journal
+  // records can hold: at least slots() (a daemon holds fewer sessions than its journal has
+  // records), raised to the previous daemon's limit by a daemon that re-adopts its sessions
+  // (they keep their slots, whatever this daemon's own size). A record past it is corrupt.
+  uint64_t session_slot_limit() const;
+  void RaiseSessionSlotLimit(uint64_t limit);
 
   // Writes `payload` into `slot`. INVALID_ARGUMENT for a slot out of range or a payload over
   // kMaxPayloadBytes. REQUIRES: this journal was created by this process (a restarted daemon

@@ -50,6 +50,26 @@ TEST(RestartJournal, RecordsSurviveAReopenAndTheNewestWins) {
   EXPECT_FALSE(reopened->Read(2).torn);
 }
 
+// The limit on session slots starts at the journal's own size, is raised (never lowered) to
+// carry a previous daemon's, and survives a reopen; a journal whose header predates the field
+// (zero there) reads its size.
+TEST(RestartJournal, TheSessionSlotLimitIsCarriedAcrossRestarts) {
+  absl::StatusOr<std::unique_ptr<RestartJournal>> journal = RestartJournal::Create(8, 77, 3);
+  ASSERT_THAT(journal, IsOk());
+  EXPECT_EQ((*journal)->session_slot_limit(), 8u);
+  (*journal)->RaiseSessionSlotLimit(1001);
+  (*journal)->RaiseSessionSlotLimit(20);  // never lowers
+  std::unique_ptr<RestartJournal> reopened = Reopen(**journal);
+  ASSERT_NE(reopened, nullptr);
+  EXPECT_EQ(reopened->session_slot_limit(), 1001u);
+  // The field is the header's u64 at offset 56 (after magic, format + slot bytes, slots,
+  // epoch, generation and the two id marks): zero it as an older journal has it.
+  const uint64_t zero = 0;
+  ASSERT_EQ(pwrite((*journal)->fd(), &zero, sizeof(zero), 7 * sizeof(uint64_t)),
+            static_cast<ssize_t>(sizeof(zero)));
+  EXPECT_EQ(Reopen(**journal)->session_slot_limit(), 8u);
+}
+
 TEST(RestartJournal, ATornWriteLeavesThePreviousRecord) {
   absl::StatusOr<std::unique_ptr<RestartJournal>> journal = RestartJournal::Create(4, 1, 1);
   ASSERT_THAT(journal, IsOk());

@@ -93,7 +93,7 @@ std::optional<PreviousDaemon> ReadPreviousDaemon(std::vector<ListenedFd> passed)
   previous.generation = journal->generation();
   previous.next_engine_id = journal->next_engine_id();
   previous.next_session_id = journal->next_session_id();
-  previous.journal_slots = journal->slots();
+  previous.session_slot_limit = journal->session_slot_limit();
   for (uint64_t slot = 0; slot < journal->slots(); ++slot) {
     RestartJournal::SlotContent content = journal->Read(slot);
     if (content.torn) ++previous.torn_records;

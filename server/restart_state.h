@@ -57,9 +57,9 @@ struct PreviousDaemon {
   uint64_t next_engine_id = 1;
   uint64_t next_session_id = 1;
   std::string journal_name;
-  // Records the journal holds: above the most sessions it could hold, so above every session's
-  // slot (SessionRegistry::Readopt refuses a slot past it).
-  uint64_t journal_slots = 0;
+  // The journal's session_slot_limit(): above every session slot it records
+  // (SessionRegistry::Readopt refuses a slot past it as corrupt).
+  uint64_t session_slot_limit = 0;
   std::vector<memra::kvd::journal::EngineRecord> engines;
   std::vector<memra::kvd::journal::SessionRecord> sessions;
   // fd name -> the plan it holds (a plan that does not parse or validate is in `problems`).
@@ -102,6 +102,10 @@ class RestartState final : public StateJournal {
   void NameAdoptedArena(ArenaId arena, std::string fd_name) ABSL_LOCKS_EXCLUDED(mu_);
   // A re-adopted plan keeps the name its memfd is stored under.
   void NameAdoptedPlan(std::string fingerprint, std::string fd_name) ABSL_LOCKS_EXCLUDED(mu_);
+  // Re-adopted sessions keep their slots: this journal's limit on session slots takes the
+  // previous journal's (RestartJournal::session_slot_limit), so the next restart accepts them.
+  void CarrySessionSlotLimit(uint64_t limit) { journal_->RaiseSessionSlotLimit(limit); }
+  uint64_t session_slot_limit() const { return journal_->session_slot_limit(); }
   // Stores this daemon's journal ("journal-<generation>"): from now on a restart finds it.
   absl::Status Publish() ABSL_LOCKS_EXCLUDED(mu_);
   // Removes `fd_name` from the store (the previous daemon's leftovers).

@@ -150,6 +150,7 @@ TEST_F(RestartStateTest, EverythingARestartNeedsReachesTheStoreAndReadsBack) {
   EXPECT_EQ(previous->next_engine_id, 2u);
   EXPECT_EQ(previous->next_session_id, 6u);
   EXPECT_EQ(previous->journal_name, "journal-3");
+  EXPECT_EQ(previous->session_slot_limit, 4u);  // the journal's own size
   ASSERT_EQ(previous->engines.size(), 1u);
   EXPECT_EQ(previous->engines[0].token(), "engine-token-16b");
   EXPECT_EQ(previous->engines[0].name(), "engine-a");
@@ -180,6 +181,25 @@ TEST_F(RestartStateTest, EverythingARestartNeedsReachesTheStoreAndReadsBack) {
   std::vector<uint8_t> byte(1);
   ASSERT_THAT(next->Read(*adopted, 100, absl::MakeSpan(byte)), IsOk());
   EXPECT_EQ(byte[0], 42);
+}
+
+// A daemon that re-adopted sessions of a larger one keeps their slots, so its journal carries
+// the larger daemon's slot limit: the next restart accepts a slot past this journal's size.
+TEST_F(RestartStateTest, ACarriedSessionSlotLimitReachesTheNextDaemon) {
+  absl::StatusOr<ArenaId> arena = backend_->CreateArena(4096, ArenaVisibility::kExported);
+  ASSERT_THAT(arena, IsOk());
+  state_->CarrySessionSlotLimit(1000);
+  EXPECT_EQ(state_->session_slot_limit(), 1000u);
+  state_->EngineAttached(1, "engine-token-16b", "engine-a", PeerCredentials{}, "uid:0");
+  state_->ArenaCreated(*arena);
+  JournaledSession session = Session(5, *arena);
+  session.slot = 900;  // given by the larger daemon; this journal has 4 records
+  state_->SessionChanged(session);
+  std::optional<PreviousDaemon> previous = ReadPreviousDaemon(store_.Passed());
+  ASSERT_TRUE(previous.has_value());
+  EXPECT_EQ(previous->session_slot_limit, 1000u);
+  ASSERT_EQ(previous->sessions.size(), 1u);
+  EXPECT_EQ(previous->sessions[0].slot(), 900u);
 }
 
 TEST_F(RestartStateTest, ReleasesRemoveWhatTheyKept) {

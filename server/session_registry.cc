@@ -51,7 +51,7 @@ absl::Status SessionRegistry::Readopt(std::shared_ptr<DaemonSession> session,
   if (session->slot() >= slot_limit) {
     return absl::OutOfRangeError(absl::StrCat(
         "session ", id, ": slot ", session->slot(), " is not below ", slot_limit,
-        ", the most sessions the previous daemon could hold (a corrupt record)"));
+        ", the previous journal's limit on session slots (a corrupt record)"));
   }
   RaiseNextSessionId(id + 1);
   {

@@ -188,8 +188,8 @@ class SessionRegistry {
   // ---- Restart survival (server/restart_state.h) ----
   // Files a session a restarted daemon re-adopted (DaemonSession::Adopt) in the slot it had
   // (engines address it by that slot); ids issued later are above it. ALREADY_EXISTS for an id
-  // or a slot already filed; OUT_OF_RANGE for a slot not below `slot_limit` (the most sessions
-  // the previous daemon could hold: slots are dense, so a slot past it is a corrupt record, and
+  // or a slot already filed; OUT_OF_RANGE for a slot not below `slot_limit` (the previous
+  // journal's session_slot_limit: slots are dense, so a slot past it is a corrupt record, and
   // filing it would grow the slot table to its number).
   absl::Status Readopt(std::shared_ptr<DaemonSession> session, uint64_t slot_limit)
       ABSL_LOCKS_EXCLUDED(mu_);

@@ -148,7 +148,8 @@ std::string RenderRemote(const pb::PrefixCacheStats& stats) {
       " written (", FormatBytes(r.written_bytes()), "), ", r.dropped_writes(), " dropped, ",
       r.write_errors(), " write errors, ", FormatBytes(r.queued_bytes()), " queued; ",
       r.pulled_pieces(), " pulled (", FormatBytes(r.pulled_bytes()), ") in ", r.hits(),
-      " restores; reads ", r.reads(), " ok, ", r.read_errors(), " errors, ", r.read_timeouts(),
+      " restores; reads ", r.reads(), " ok (", r.partial_lookups(), " partly), ",
+      r.read_errors(), " errors, ", r.read_timeouts(),
       " timeouts, ", r.read_refusals(), " refused; ", r.corrupt(), " corrupt, ",
       r.shape_mismatches(), " shape mismatches refused; breaker opened ", r.breaker_opens(),
       " times");
