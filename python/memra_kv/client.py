@@ -223,6 +223,7 @@ class Client:
         self._mapper = mapper
         self._lock = threading.Lock()
         self._lease = None  # _Lease while attached
+        self._attached_as = None  # (engine_name, cache_scope) the first attach asked for
         self.backend = None
 
     @classmethod
@@ -280,16 +281,42 @@ class Client:
             if self._lease is not None:
                 raise KvError(grpc.StatusCode.FAILED_PRECONDITION,
                               "already attached as engine %d" % self._lease.engine_id)
-            handoff = HandoffChannel(self.handoff_path, self._timeout(timeout))
-            try:
-                lease = _Lease(self.cache, engine_name, self._timeout(timeout), handoff,
-                               cache_scope)
-            except BaseException:
-                handoff.close()
-                raise
-            self._lease = lease
-            self.backend = lease.backend
+            return self._attach_locked(engine_name, timeout, cache_scope)
+
+    def _attach_locked(self, engine_name, timeout, cache_scope):
+        handoff = HandoffChannel(self.handoff_path, self._timeout(timeout))
+        try:
+            lease = _Lease(self.cache, engine_name, self._timeout(timeout), handoff, cache_scope)
+        except BaseException:
+            handoff.close()
+            raise
+        self._lease = lease
+        self._attached_as = (engine_name, cache_scope)
+        self.backend = lease.backend
         return lease.engine_id
+
+    def attach_anew(self, timeout=None):
+        """Once the lease is lost for good (lease_lost: the daemon restarted without this
+        engine, or reclaimed it), attaches again as a new engine with the name and cache scope
+        attach was given; what the old engine held (sessions, block store registrations, pins)
+        is gone with it. Returns the engine id: the new one, or the current one when the lease
+        is not lost (another caller attached anew first). KvError FAILED_PRECONDITION before
+        attach; attach's errors (the lost lease stays lost)."""
+        with self._lock:
+            lease = self._lease
+            if lease is None:
+                raise KvError(grpc.StatusCode.FAILED_PRECONDITION,
+                              "attach_anew before attach: there is no engine to replace")
+            if lease.lost is None:
+                return lease.engine_id
+            engine_name, cache_scope = self._attached_as
+            lease.stop()  # its thread has ended (re-attaching stopped): closes the handoff
+            self._lease = None
+            try:
+                return self._attach_locked(engine_name, timeout, cache_scope)
+            except BaseException:
+                self._lease = lease  # still lost: a later call may try again
+                raise
 
     def detach(self):
         """Ends the lease: the daemon frees this engine's sessions after its grace period."""
