@@ -402,13 +402,21 @@ class Client:
         return lease.handoff.fetch_arena(session_id, token, handle)
 
     def _offer_buffer(self, fd, nbytes):
-        """The block store's buffer id for descriptor `fd` of this engine's pool memory, over
-        the handoff connection attach opened (valid while it stays open)."""
+        """(buffer id, connection): the block store's buffer id for descriptor `fd` of this
+        engine's pool memory and the handoff connection it was offered over (the lease's now;
+        the id is valid while that connection stays open)."""
         lease = self._lease
         if lease is None:
             raise KvError(grpc.StatusCode.FAILED_PRECONDITION, "offering a pool buffer before "
                           "attach: it goes over the engine's handoff connection")
-        return lease.handoff.offer_buffer(fd, nbytes)
+        handoff = lease.handoff
+        return handoff.offer_buffer(fd, nbytes), handoff
+
+    def _handoff_connection(self):
+        """The lease's handoff connection now (each re-attach opens a new one); None before
+        attach."""
+        lease = self._lease
+        return lease.handoff if lease is not None else None
 
     def _engine(self, what):
         lease = self._lease
