@@ -15,8 +15,11 @@ failures (NOT_FOUND: no longer stored, DATA_LOSS: checksum mismatch) are in its 
 
 import fcntl
 import hashlib
+import logging
 import mmap
 import os
+import threading
+import weakref
 from dataclasses import dataclass, field
 from typing import List, Sequence
 
@@ -37,6 +40,8 @@ ELEMENT_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8_e4m3": 1, "fp8_e5m2": 1, 
 ORDERS = {"NHD": bs.BLOCK_ORDER_NHD, "HND": bs.BLOCK_ORDER_HND}
 TENSOR_KINDS = {"K": bs.BLOCK_TENSOR_K, "V": bs.BLOCK_TENSOR_V, "KV": bs.BLOCK_TENSOR_KV,
                 "STATE": bs.BLOCK_TENSOR_STATE}
+
+log = logging.getLogger("memra_kv.block_store")
 
 
 class HostPool:
@@ -246,6 +251,13 @@ class BlockStore:
     def __init__(self, client):
         self._client = client
         self._stub = block_store_pb2_grpc.KvBlockStoreStub(client._channel)
+        # Offers a refused registration left unconsumed: HostPool -> (handoff connection,
+        # buffer id). The daemon keeps an offer until a registration consumes it (an id is
+        # used up by one registration) or its connection closes, so the pool's next register
+        # over the same connection names it again instead of leaving one more offer behind
+        # (each counts against the engine's offer and byte caps until the connection closes).
+        self._unconsumed_offers = weakref.WeakKeyDictionary()  # guarded by _offers_lock
+        self._offers_lock = threading.Lock()
 
     @property
     def backend(self):
@@ -261,7 +273,12 @@ class BlockStore:
     def register(self, buffers: Sequence, layout: PoolLayout, timeout=None):
         """Registers the pool: `buffers` HostPool (host backend: each descriptor is offered over
         the handoff socket first) or CudaBuffer (cuda backend), `layout` what lives where.
-        Returns the Registration (its KV groups' layout fingerprints and stored block bytes)."""
+        Returns the Registration (its KV groups' layout fingerprints and stored block bytes).
+
+        Each register offers the HostPools anew: a registration uses its offers up, so one id
+        never serves two registrations. Only the offers of a registration the daemon refused
+        for its limits or layout (RESOURCE_EXHAUSTED, INVALID_ARGUMENT: nothing consumed) are
+        named again, by the next register over the same handoff connection."""
         request = bs.RegisterEngineBuffersRequest(
             engine=self._engine("register"), num_blocks=layout.num_blocks,
             tokens_per_block=layout.tokens_per_block,
@@ -269,23 +286,44 @@ class BlockStore:
             order=ORDERS.get(layout.order, bs.BLOCK_ORDER_UNSPECIFIED),
             num_kv_heads=layout.num_kv_heads, head_dim=layout.head_dim, tp_rank=layout.tp_rank,
             tp_size=layout.tp_size, model=layout.model)
-        for buffer in buffers:
-            if isinstance(buffer, HostPool):
-                buffer_id = self._client._offer_buffer(buffer.fd, buffer.nbytes)
-                request.buffers.add(handoff_buffer_id=buffer_id, bytes=buffer.nbytes)
-            else:
-                request.buffers.add(cuda_ipc_handle=buffer.ipc_handle, bytes=buffer.nbytes,
-                                    offset_in_allocation=buffer.offset_in_allocation)
         for tensor in layout.tensors:
             request.tensors.add(layer=tensor.layer,
                                 kind=TENSOR_KINDS.get(tensor.kind, bs.BLOCK_TENSOR_UNSPECIFIED),
                                 kv_group=tensor.kv_group, buffer=tensor.buffer,
                                 offset=tensor.offset, block_stride=tensor.block_stride,
                                 block_bytes=tensor.block_bytes)
-        response = _call(self._stub.RegisterEngineBuffers, request, self._t(timeout))
+        offered = []  # (pool, connection, buffer id)
+        sent = False
+        try:
+            for buffer in buffers:
+                if isinstance(buffer, HostPool):
+                    connection, buffer_id = self._offer(buffer)
+                    offered.append((buffer, connection, buffer_id))
+                    request.buffers.add(handoff_buffer_id=buffer_id, bytes=buffer.nbytes)
+                else:
+                    request.buffers.add(cuda_ipc_handle=buffer.ipc_handle, bytes=buffer.nbytes,
+                                        offset_in_allocation=buffer.offset_in_allocation)
+            sent = True
+            response = _call(self._stub.RegisterEngineBuffers, request, self._t(timeout))
+        except KvError as error:
+            if not sent or error.code in _REFUSED_UNCONSUMED:
+                with self._offers_lock:
+                    for pool, connection, buffer_id in offered:
+                        self._unconsumed_offers[pool] = (connection, buffer_id)
+            raise
         return Registration(response.registration_id, layout,
                             [KvGroup(g.kv_group, g.layout_fingerprint, g.block_bytes,
                                      g.state_bytes) for g in response.groups])
+
+    def _offer(self, pool):
+        """(connection, buffer id) naming `pool` for one registration: its unconsumed offer
+        over the lease's handoff connection now, else a new offer."""
+        with self._offers_lock:
+            unconsumed = self._unconsumed_offers.pop(pool, None)
+        if unconsumed is not None and unconsumed[0] is self._client._handoff_connection():
+            return unconsumed
+        buffer_id, connection = self._client._offer_buffer(pool.fd, pool.nbytes)
+        return connection, buffer_id
 
     def unregister(self, registration, timeout=None):
         _call(self._stub.UnregisterEngineBuffers, bs.UnregisterEngineBuffersRequest(
@@ -338,6 +376,112 @@ def _id(registration):
     return getattr(registration, "id", registration)
 
 
+# A registration refused with these codes was refused before the daemon took its offers (its
+# limits, its layout): they stay valid for the next registration.
+_REFUSED_UNCONSUMED = (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.INVALID_ARGUMENT)
+
+
+class KeptRegistration:
+    """A pool's registration an adapter keeps for the engine's life: lookup, store and load
+    with it, made again once when the daemon no longer has it.
+
+    The daemon forgets a registration behind the engine's back: it restarted (registrations
+    are not journaled), the engine's lease was lost and the client attached anew, an operator
+    or another call unregistered it. A call refused for that (NOT_FOUND "no registration N",
+    or any refusal once the client's lease is lost for good), or made while the client's
+    engine or daemon epoch is not the one registered under (whose registration ids name
+    another daemon's or engine's registrations: never used), re-registers the same buffers and
+    layout first (Client.attach_anew first when the lease is lost) and is made once more. At
+    most one re-registration and one retry a call, never a loop: a second refusal, or the
+    re-registration's own, is raised. Blocks stored under the old registration may be gone: a
+    load then misses, its bytes are never another pool's. Thread-safe: concurrent calls that
+    find the registration gone re-register it once."""
+
+    def __init__(self, store: "BlockStore", buffers: Sequence, layout: PoolLayout, timeout=None):
+        self._store = store
+        self._client = store._client
+        self._buffers = list(buffers)  # kept alive: re-registering offers them again
+        self._layout = layout
+        self._timeout = timeout
+        self._lock = threading.Lock()
+        self.reregistrations = 0
+        self._registration, self._made_under = self._register()  # guarded by _lock
+
+    @property
+    def registration(self) -> Registration:
+        with self._lock:
+            return self._registration
+
+    def _register(self):
+        """A new Registration and the (engine id, epoch) it was made under, read before the
+        call: a re-attach racing it leaves the pair stale, so the next call registers again
+        rather than name an id of a daemon that may not be the one answering."""
+        made_under = (self._client.engine_id, self._client.epoch)
+        return self._store.register(self._buffers, self._layout, self._timeout), made_under
+
+    def _stale_locked(self):
+        """Why the registration cannot be named now (a phrase), or None."""
+        lost = self._client.lease_lost
+        if lost is not None:
+            return "the lease was lost (%s)" % lost
+        engine_id, epoch = self._made_under
+        if self._client.engine_id != engine_id:
+            return "the client is engine %d now, not engine %d" % (self._client.engine_id,
+                                                                   engine_id)
+        if self._client.epoch != epoch:
+            return "the daemon restarted (epoch %d -> %d)" % (epoch, self._client.epoch)
+        return None
+
+    def _renew_locked(self, why):
+        old = self._registration
+        old_engine = self._made_under[0]
+        if self._client.lease_lost is not None:
+            self._client.attach_anew(self._timeout)
+        self._registration, self._made_under = self._register()
+        self.reregistrations += 1
+        log.warning("re-registered the pool (%s): registration %d of engine %d -> "
+                    "registration %d of engine %d", why, old.id, old_engine,
+                    self._registration.id, self._made_under[0])
+        return self._registration
+
+    def _forgotten(self, error, registration):
+        return self._client.lease_lost is not None or (
+            error.code == grpc.StatusCode.NOT_FOUND
+            and error.message.startswith("no registration %d " % registration.id))
+
+    def call(self, method, *args, **kwargs):
+        """method(registration, *args, **kwargs): a BlockStore call with the registration now,
+        made again once when the daemon lost it."""
+        with self._lock:
+            registration = self._registration
+            why = self._stale_locked()
+            if why is not None:
+                registration = self._renew_locked(why)
+        try:
+            return method(registration, *args, **kwargs)
+        except KvError as error:
+            if why is not None or not self._forgotten(error, registration):
+                raise
+            why = error.message
+        with self._lock:
+            if self._registration is registration:  # else another call re-registered it
+                self._renew_locked(why)
+            registration = self._registration
+        return method(registration, *args, **kwargs)
+
+    def lookup(self, **kwargs) -> BlockMatch:
+        """BlockStore.lookup with the registration."""
+        return self.call(self._store.lookup, **kwargs)
+
+    def store(self, block_ids, **kwargs) -> Transfer:
+        """BlockStore.store with the registration."""
+        return self.call(self._store.store, block_ids, **kwargs)
+
+    def load(self, block_ids, **kwargs) -> Transfer:
+        """BlockStore.load with the registration."""
+        return self.call(self._store.load, block_ids, **kwargs)
+
+
 def page_key(key):
     """An engine's block key as the block store's opaque hash: bytes as they are, a string as
     its UTF-8 bytes (SGLang's 64-hex-digit page keys fit the 64-byte limit), an int (vLLM's
@@ -353,6 +497,6 @@ def page_key(key):
 
 
 __all__ = ["BlockMatch", "BlockOutcome", "BlockStore", "CudaBuffer", "CudaRegion", "HostPool",
-           "KvGroup", "cuda_region_of", "ipc_memory_handle",
+           "KeptRegistration", "KvGroup", "cuda_region_of", "ipc_memory_handle",
            "PoolLayout", "Registration", "TensorLayout", "Transfer", "element_type_of",
            "page_key"]

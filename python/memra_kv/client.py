@@ -223,6 +223,7 @@ class Client:
         self._mapper = mapper
         self._lock = threading.Lock()
         self._lease = None  # _Lease while attached
+        self._attached_as = None  # (engine_name, cache_scope) the first attach asked for
         self.backend = None
 
     @classmethod
@@ -280,16 +281,42 @@ class Client:
             if self._lease is not None:
                 raise KvError(grpc.StatusCode.FAILED_PRECONDITION,
                               "already attached as engine %d" % self._lease.engine_id)
-            handoff = HandoffChannel(self.handoff_path, self._timeout(timeout))
-            try:
-                lease = _Lease(self.cache, engine_name, self._timeout(timeout), handoff,
-                               cache_scope)
-            except BaseException:
-                handoff.close()
-                raise
-            self._lease = lease
-            self.backend = lease.backend
+            return self._attach_locked(engine_name, timeout, cache_scope)
+
+    def _attach_locked(self, engine_name, timeout, cache_scope):
+        handoff = HandoffChannel(self.handoff_path, self._timeout(timeout))
+        try:
+            lease = _Lease(self.cache, engine_name, self._timeout(timeout), handoff, cache_scope)
+        except BaseException:
+            handoff.close()
+            raise
+        self._lease = lease
+        self._attached_as = (engine_name, cache_scope)
+        self.backend = lease.backend
         return lease.engine_id
+
+    def attach_anew(self, timeout=None):
+        """Once the lease is lost for good (lease_lost: the daemon restarted without this
+        engine, or reclaimed it), attaches again as a new engine with the name and cache scope
+        attach was given; what the old engine held (sessions, block store registrations, pins)
+        is gone with it. Returns the engine id: the new one, or the current one when the lease
+        is not lost (another caller attached anew first). KvError FAILED_PRECONDITION before
+        attach; attach's errors (the lost lease stays lost)."""
+        with self._lock:
+            lease = self._lease
+            if lease is None:
+                raise KvError(grpc.StatusCode.FAILED_PRECONDITION,
+                              "attach_anew before attach: there is no engine to replace")
+            if lease.lost is None:
+                return lease.engine_id
+            engine_name, cache_scope = self._attached_as
+            lease.stop()  # its thread has ended (re-attaching stopped): closes the handoff
+            self._lease = None
+            try:
+                return self._attach_locked(engine_name, timeout, cache_scope)
+            except BaseException:
+                self._lease = lease  # still lost: a later call may try again
+                raise
 
     def detach(self):
         """Ends the lease: the daemon frees this engine's sessions after its grace period."""
@@ -375,13 +402,21 @@ class Client:
         return lease.handoff.fetch_arena(session_id, token, handle)
 
     def _offer_buffer(self, fd, nbytes):
-        """The block store's buffer id for descriptor `fd` of this engine's pool memory, over
-        the handoff connection attach opened (valid while it stays open)."""
+        """(buffer id, connection): the block store's buffer id for descriptor `fd` of this
+        engine's pool memory and the handoff connection it was offered over (the lease's now;
+        the id is valid while that connection stays open)."""
         lease = self._lease
         if lease is None:
             raise KvError(grpc.StatusCode.FAILED_PRECONDITION, "offering a pool buffer before "
                           "attach: it goes over the engine's handoff connection")
-        return lease.handoff.offer_buffer(fd, nbytes)
+        handoff = lease.handoff
+        return handoff.offer_buffer(fd, nbytes), handoff
+
+    def _handoff_connection(self):
+        """The lease's handoff connection now (each re-attach opens a new one); None before
+        attach."""
+        lease = self._lease
+        return lease.handoff if lease is not None else None
 
     def _engine(self, what):
         lease = self._lease

@@ -29,8 +29,8 @@ from typing import List, Optional, Sequence
 import grpc
 import numpy as np
 
-from .block_store import (BlockStore, HostPool, PoolLayout, TensorLayout, element_type_of,
-                          page_key)
+from .block_store import (BlockStore, HostPool, KeptRegistration, PoolLayout, TensorLayout,
+                          element_type_of, page_key)
 from .errors import KvError
 
 SGLANG_INTERFACE = "sglang main 001067f (0.5 series) HiCacheStorage"
@@ -81,7 +81,8 @@ class MemraHiCache:
 
     A host pool that lies in a HostPool is registered itself (pages copy straight between it
     and the store); any other (SGLang's own torch memory) is served through a registered
-    staging HostPool of `staging_pages` pages: one more copy a page, in chunks of that many."""
+    staging HostPool of `staging_pages` pages: one more copy a page, in chunks of that many.
+    A registration the daemon lost is made again (KeptRegistration)."""
 
     def __init__(self, store: BlockStore, staging_pages=64):
         self._store = store
@@ -91,8 +92,13 @@ class MemraHiCache:
         # SGLang's prefetch (get) and backup (set) threads share the one staging pool: a chunk
         # holds it from its first copy in to its last copy out.
         self._staging_lock = threading.Lock()
-        self.registration = None
+        self._kept = None  # KeptRegistration once register_host_pool ran
         self.page_size = 0
+
+    @property
+    def registration(self):
+        """The host pool's Registration now (None before register_host_pool)."""
+        return self._kept.registration if self._kept is not None else None
 
     def register_host_pool(self, kv_buffer, pool: Optional[HostPool], page_size, model,
                            tp_rank=0, tp_size=1, element_type=None):
@@ -106,7 +112,7 @@ class MemraHiCache:
             self._host = kv_buffer
         layout = host_pool_layout(registered, pool, page_size, model, tp_rank, tp_size,
                                   element_type)
-        self.registration = self._store.register([pool], layout)
+        self._kept = KeptRegistration(self._store, [pool], layout)
         self.page_size = page_size
         return self.registration
 
@@ -123,8 +129,8 @@ class MemraHiCache:
         if not keys:
             return 0
         try:
-            return self._store.lookup(self.registration,
-                                      hashes=[page_key(k) for k in keys]).matched_blocks
+            return self._registered("batch_exists").lookup(
+                hashes=[page_key(k) for k in keys]).matched_blocks
         except KvError as error:
             log.warning("batch_exists of %d pages: %s", len(keys), error)
             return 0
@@ -132,20 +138,29 @@ class MemraHiCache:
     def batch_get_v1(self, keys: Sequence[str], host_indices) -> List[bool]:
         """Copies stored pages into the host pool pages of `host_indices`; True per page that
         arrived (a page no longer stored or corrupt is False, as is every page of a refusal)."""
-        return self._transfer(self._store.load, True, keys, host_indices)
+        return self._transfer(True, keys, host_indices)
 
     def batch_set_v1(self, keys: Sequence[str], host_indices) -> List[bool]:
         """Copies host pool pages into the store; True per page stored (or already there)."""
-        return self._transfer(self._store.store, False, keys, host_indices)
+        return self._transfer(False, keys, host_indices)
 
-    def _transfer(self, call, loading, keys, host_indices):
+    def _registered(self, what):
+        """The KeptRegistration; KvError FAILED_PRECONDITION before register_host_pool."""
+        if self._kept is None:
+            raise KvError(grpc.StatusCode.FAILED_PRECONDITION, "%s before "
+                          "register_mem_pool_host: no host pool is registered" % what)
+        return self._kept
+
+    def _transfer(self, loading, keys, host_indices):
         what = "batch_get_v1" if loading else "batch_set_v1"
         if not keys:
             return []
         try:
             pages = self._pages(keys, host_indices)
+            kept = self._registered(what)
+            call = kept.load if loading else kept.store
             if self._staging is None:
-                transfer = call(self.registration, pages, hashes=[page_key(k) for k in keys])
+                transfer = call(pages, hashes=[page_key(k) for k in keys])
                 return [block.ok for block in transfer.blocks]
             results = []
             for start in range(0, len(keys), self._staging_pages):
@@ -167,8 +182,7 @@ class MemraHiCache:
         staged = slice(0, len(tokens))
         if not loading:
             self._staging[:, :, staged] = self._host[:, :, tokens]
-        transfer = call(self.registration, list(range(len(keys))),
-                        hashes=[page_key(k) for k in keys])
+        transfer = call(list(range(len(keys))), hashes=[page_key(k) for k in keys])
         ok = [block.ok for block in transfer.blocks]
         if loading:
             arrived = [i for i, good in enumerate(ok) if good]

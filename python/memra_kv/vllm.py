@@ -48,8 +48,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import grpc
 import numpy as np
 
-from .block_store import (ELEMENT_BYTES, BlockStore, CudaRegion, HostPool, PoolLayout,
-                          TensorLayout, cuda_region_of, element_type_of, page_key)
+from .block_store import (ELEMENT_BYTES, BlockStore, CudaRegion, HostPool, KeptRegistration,
+                          PoolLayout, TensorLayout, cuda_region_of, element_type_of, page_key)
 from .errors import KvError
 
 VLLM_VERSION = "0.15.0"  # the KVConnectorBase_V1 method set this module implements
@@ -295,11 +295,10 @@ class _Tracked:
 
 
 class MemraScheduler:
-    """The scheduler side on plain values. `store` a BlockStore of an attached client and
-    `registration` its lookup registration (lookup_layout)."""
+    """The scheduler side on plain values. `registration`: the lookup registration
+    (lookup_layout) of an attached client's BlockStore, made again when the daemon lost it."""
 
-    def __init__(self, store: BlockStore, registration, block_size):
-        self._store = store
+    def __init__(self, registration: KeptRegistration, block_size):
         self._registration = registration
         self.block_size = block_size
         self._requests: Dict[str, _Tracked] = {}
@@ -318,8 +317,7 @@ class MemraScheduler:
         matched = 0
         if loadable > computed_blocks:
             try:
-                matched = self._store.lookup(self._registration,
-                                             hashes=hashes[:loadable]).matched_blocks
+                matched = self._registration.lookup(hashes=hashes[:loadable]).matched_blocks
             except KvError as error:  # the store is a cache: unreachable means a miss
                 log.warning("lookup of request %s: %s", request_id, error)
         tracked.external_blocks = max(0, min(matched, loadable) - computed_blocks)
@@ -433,14 +431,15 @@ def _copy(dst, src):
 class MemraWorker:
     """The worker side on plain values: registers the pool, loads and saves whole blocks.
     Caches that lie in HostPools are registered themselves (blocks copy straight between them
-    and the store); any others go through a staging HostPool of `staging_blocks` blocks."""
+    and the store); any others go through a staging HostPool of `staging_blocks` blocks. A
+    registration the daemon lost is made again (KeptRegistration)."""
 
     def __init__(self, store: BlockStore, staging_blocks=64):
         self._store = store
         self._staging_blocks = staging_blocks
         self._staging = None
         self._cuda = None  # _CudaOrdering when the pool is registered by CUDA IPC handle
-        self.registration = None
+        self._kept = None  # KeptRegistration once register_kv_caches ran
         self._load_errors = set()
         self.saved_blocks = 0
         self.loaded_blocks = 0
@@ -453,14 +452,14 @@ class MemraWorker:
         caches = [KvCacheTensor.of(name, tensor) for name, tensor in kv_caches.items()]
         if pools:
             layout = pool_layout(caches, pools, model, tp_rank, tp_size)
-            self.registration = self._store.register(pools, layout)
+            self._kept = KeptRegistration(self._store, pools, layout)
             return self.registration
         tensors = list(kv_caches.values())
         if (self._store.backend == "cuda" and tensors
                 and all(getattr(t, "is_cuda", False) for t in tensors)):
             regions = cuda_regions(tensors)
             layout = pool_layout(caches, regions, model, tp_rank, tp_size)
-            self.registration = self._store.register([r.buffer for r in regions], layout)
+            self._kept = KeptRegistration(self._store, [r.buffer for r in regions], layout)
             self._cuda = _CudaOrdering(tensors[0].device)
             return self.registration
         layout = pool_layout(caches, (), model, tp_rank, tp_size, self._staging_blocks)
@@ -469,20 +468,26 @@ class MemraWorker:
                         "memra-kv-staging")
         planes = [(tensor, kind) for tensor in kv_caches.values() for kind in (0, 1)]
         self._staging = _Staging(pool, planes, block_bytes, self._staging_blocks)
-        self.registration = self._store.register([pool], layout)
+        self._kept = KeptRegistration(self._store, [pool], layout)
         return self.registration
+
+    @property
+    def registration(self):
+        """The pool's Registration now (None before register_kv_caches)."""
+        return self._kept.registration if self._kept is not None else None
 
     def _transfer(self, loading, block_ids, hashes, parent_hash=b"", token_ids=()):
         """One outcome (True: done) per block; staged in chunks of the staging pool's size."""
+        if self._kept is None:
+            raise KvError(grpc.StatusCode.FAILED_PRECONDITION, "a %s before register_kv_caches: "
+                          "no KV cache is registered" % ("load" if loading else "save"))
         if self._staging is None:
             wait_event = self._cuda.before() if self._cuda else b""
             if loading:
-                transfer = self._store.load(self.registration, block_ids, hashes=hashes,
-                                            wait_event=wait_event)
+                transfer = self._kept.load(block_ids, hashes=hashes, wait_event=wait_event)
             else:
-                transfer = self._store.store(self.registration, block_ids, hashes=hashes,
-                                             parent_hash=parent_hash, event_token_ids=token_ids,
-                                             wait_event=wait_event)
+                transfer = self._kept.store(block_ids, hashes=hashes, parent_hash=parent_hash,
+                                            event_token_ids=token_ids, wait_event=wait_event)
             if self._cuda:
                 self._cuda.after(transfer.completion_event)
             return [block.ok for block in transfer.blocks]
@@ -493,13 +498,13 @@ class MemraWorker:
             ids, chunk = block_ids[start:start + slots], hashes[start:start + slots]
             staged = list(range(len(ids)))
             if loading:
-                transfer = self._store.load(self.registration, staged, hashes=chunk)
+                transfer = self._kept.load(staged, hashes=chunk)
                 ok = [block.ok for block in transfer.blocks]
                 self._staging.scatter(ids, ok)
             else:
                 self._staging.gather(ids)
-                transfer = self._store.store(
-                    self.registration, staged, hashes=chunk,
+                transfer = self._kept.store(
+                    staged, hashes=chunk,
                     parent_hash=hashes[start - 1] if start else parent_hash,
                     event_token_ids=token_ids[start * tokens_per_block:
                                               (start + len(ids)) * tokens_per_block])
@@ -625,9 +630,9 @@ if KVConnectorBase_V1 is not None:
                 cache_element_type(self._vllm_config.cache_config.cache_dtype,
                                    model_config.dtype),
                 self._model, parallel.tensor_parallel_size)
-            self._lookup_pool = HostPool(nbytes, "memra-kv-lookup")
-            registration = self._store.register([self._lookup_pool], packed)
-            return MemraScheduler(self._store, registration, self._block_size)
+            registration = KeptRegistration(self._store, [HostPool(nbytes, "memra-kv-lookup")],
+                                            packed)
+            return MemraScheduler(registration, self._block_size)
 
         def get_num_new_matched_tokens(self, request, num_computed_tokens):
             logic = self._scheduler.get()

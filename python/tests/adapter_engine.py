@@ -26,7 +26,7 @@ import threading
 import numpy as np
 
 import memra_kv
-from memra_kv.block_store import BlockStore, HostPool
+from memra_kv.block_store import BlockStore, HostPool, KeptRegistration
 from memra_kv.sglang import MemraHiCache
 from memra_kv.vllm import MemraScheduler, MemraWorker, lookup_layout
 
@@ -100,7 +100,7 @@ def vllm_engine(socket, admin_socket, mode):
         packed, nbytes = lookup_layout(registration.layout)
         lookup_pool = HostPool(nbytes)
         store = BlockStore(sched_client)
-        scheduler = MemraScheduler(store, store.register([lookup_pool], packed), BLOCK)
+        scheduler = MemraScheduler(KeptRegistration(store, [lookup_pool], packed), BLOCK)
 
         hashes = vllm_hashes(PROMPT)
         request = "req-0"

@@ -3,6 +3,7 @@ engine cannot resize; what the client refuses before any call (codes and numbers
 store calls refused before attach. The calls themselves are covered by the contract tests."""
 
 import fcntl
+import logging
 import os
 
 import grpc
@@ -13,7 +14,8 @@ from memra_kv import KvError
 from memra_kv.block_store import (BlockStore, CudaBuffer, CudaRegion, HostPool, PoolLayout,
                                   TensorLayout, element_type_of, ipc_memory_handle, page_key)
 from memra_kv.sglang import MemraHiCache, host_pool_layout
-from memra_kv.vllm import KvCacheTensor, cuda_regions, pool_layout
+from memra_kv.vllm import (KvCacheTensor, LoadSpec, MemraConnectorMetadata, MemraWorker,
+                           SaveSpec, cuda_regions, pool_layout)
 
 
 def refused(code, call, *args, **kwargs):
@@ -175,9 +177,10 @@ def test_sglang_host_pools_are_whole_pages_in_a_pool():
     pool.close()
 
 
-def test_sglang_calls_answer_misses_instead_of_raising(kvd):
+def test_sglang_calls_answer_misses_instead_of_raising(kvd, caplog):
     """A refusal reaches SGLang's prefetch and backup threads as a miss, never an exception
     (SGLang never restarts those threads)."""
+    caplog.set_level(logging.WARNING, logger="memra_kv.sglang")
     daemon = kvd()
     with daemon.client("py-hicache") as client:
         backend = MemraHiCache(BlockStore(client))
@@ -186,3 +189,25 @@ def test_sglang_calls_answer_misses_instead_of_raising(kvd):
         assert backend.batch_set_v1(["a"], np.arange(16)) == [False]  # nothing registered
         assert backend.batch_exists(["a"]) == 0 and backend.exists("a") is False
         assert backend.batch_get_v1([], np.arange(0)) == []
+    assert [r.getMessage() for r in caplog.records] == [
+        "batch_get_v1 of 2 pages: INVALID_ARGUMENT: 16 host indices for 2 pages of 16 tokens",
+        "batch_set_v1 of 1 pages: FAILED_PRECONDITION: batch_set_v1 before "
+        "register_mem_pool_host: no host pool is registered"] + [
+        "batch_exists of 1 pages: FAILED_PRECONDITION: batch_exists before "
+        "register_mem_pool_host: no host pool is registered"] * 2
+
+
+def test_vllm_worker_calls_before_registration_are_load_errors_not_exceptions(caplog):
+    caplog.set_level(logging.WARNING, logger="memra_kv.vllm")
+    worker = MemraWorker(store=None)
+    meta = MemraConnectorMetadata([LoadSpec("r", [b"h"], [3])],
+                                  [SaveSpec("r", [b"h"], [3], b"", [])])
+    worker.start_load_kv(meta)
+    worker.wait_for_save(meta)
+    assert worker.get_block_ids_with_load_errors() == {3}
+    assert (worker.loaded_blocks, worker.saved_blocks) == (0, 0)
+    assert [r.getMessage() for r in caplog.records] == [
+        "load of request r: FAILED_PRECONDITION: a load before register_kv_caches: no KV cache "
+        "is registered",
+        "save of request r: FAILED_PRECONDITION: a save before register_kv_caches: no KV cache "
+        "is registered"]

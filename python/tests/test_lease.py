@@ -241,3 +241,25 @@ def test_attach_binds_the_peer_credentials_and_the_cache_scope(kvd):
         assert not_allowed.value.code == grpc.StatusCode.PERMISSION_DENIED
         assert ('cache scope "elsewhere" is not allowed to uid %d' % os.getuid()
                 in not_allowed.value.message)
+
+
+def test_attach_anew_replaces_an_engine_the_daemon_no_longer_knows(kvd):
+    """A lease lost for good (the daemon restarted without a supervisor) is replaced by a new
+    engine of the same name and cache scope; a live lease is kept; before attach, refused."""
+    daemon = kvd("--lease_timeout_ms=60000", "--cache_scope_allow=team:%d" % os.getuid())
+    with daemon.client() as engine:
+        with pytest.raises(KvError) as refused:
+            engine.attach_anew()
+        assert refused.value.code == grpc.StatusCode.FAILED_PRECONDITION
+        assert refused.value.message == "attach_anew before attach: there is no engine to replace"
+        first = engine.attach("py-anew", cache_scope="team")
+        assert engine.attach_anew() == first and engine.reattaches == 0  # live: kept
+        daemon.kill_and_start_again()
+        assert poll_until(lambda: engine.lease_lost is not None)
+        again = engine.attach_anew()
+        assert engine.engine_id == again and engine.lease_alive and engine.lease_lost is None
+        assert engine.cache_scope == "team"
+        with daemon.admin() as admin:
+            assert [(e.engine_id, e.engine_name, e.lease_live) for e in admin.engines()] == [
+                (again, "py-anew", True)]
+        assert engine.attach_anew() == again  # live again: kept

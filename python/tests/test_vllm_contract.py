@@ -113,7 +113,7 @@ def test_a_scheduler_registration_that_fails_is_a_miss_and_is_retried(kvd):
     prefix cache, so no block store) every request is a miss, nothing raises into vLLM, and
     the next call tries again."""
     import memra_kv
-    from memra_kv.block_store import BlockStore, HostPool
+    from memra_kv.block_store import BlockStore, HostPool, KeptRegistration
     from memra_kv.vllm import LazyScheduler, MemraScheduler, scheduler_layout
     without_store = kvd("--budget_bytes=64MiB", "--prefix_cache_budget_bytes=0")
     with_store = kvd(*DAEMON_FLAGS)
@@ -129,7 +129,7 @@ def test_a_scheduler_registration_that_fails_is_a_miss_and_is_retried(kvd):
         clients.append(client)
         client.attach("vllm-scheduler")
         store = BlockStore(client)
-        return MemraScheduler(store, store.register([pool], packed), BLOCK)
+        return MemraScheduler(KeptRegistration(store, [pool], packed), BLOCK)
 
     lazy = LazyScheduler(make)
     assert lazy.get() is None
