@@ -64,12 +64,13 @@ BlockStore::Registration::~Registration() {
 }
 
 BlockStore::BlockStore(PrefixCache* cache, DeviceBackend* backend, Clock* clock,
-                       BlockStoreLimits limits, ConnectionCheck connection_open)
+                       BlockStoreLimits limits, ConnectionCheck connection_open, uint64_t epoch)
     : cache_(cache),
       backend_(backend),
       clock_(clock),
       limits_(std::move(limits)),
-      connection_open_(std::move(connection_open)) {}
+      connection_open_(std::move(connection_open)),
+      next_id_(FirstIdOfEpoch(epoch)) {}
 
 BlockStore::~BlockStore() {
   std::vector<std::vector<EntryId>> pinned;

@@ -113,9 +113,17 @@ class BlockStore {
   using ConnectionCheck = std::function<bool(uint64_t connection, uint64_t engine)>;
 
   // `cache` null: every call but OfferBuffer is FAILED_PRECONDITION (no prefix cache). `cache`,
-  // `backend` and `clock` outlive this.
+  // `backend` and `clock` outlive this. Offer, registration and pin ids count up from
+  // FirstIdOfEpoch(epoch).
   BlockStore(PrefixCache* cache, DeviceBackend* backend, Clock* clock, BlockStoreLimits limits,
-             ConnectionCheck connection_open);
+             ConnectionCheck connection_open, uint64_t epoch = 0);
+
+  // The first id a daemon of `epoch` issues. Consecutive epochs' ids lie 2^40 apart, so an id a
+  // client kept from the previous daemon (a supervised restart keeps the engine and bumps the
+  // epoch) names nothing here, never a new registration, offer or pin of the same engine.
+  static uint64_t FirstIdOfEpoch(uint64_t epoch) {
+    return ((epoch % (uint64_t{1} << 23)) << 40) + 1;
+  }
   ~BlockStore();  // unmaps every registration
   BlockStore(const BlockStore&) = delete;
   BlockStore& operator=(const BlockStore&) = delete;
@@ -235,7 +243,7 @@ class BlockStore {
   const ConnectionCheck connection_open_;
 
   mutable absl::Mutex mu_;
-  uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;  // offers, registrations and pins
+  uint64_t next_id_ ABSL_GUARDED_BY(mu_);  // offers, registrations and pins
   absl::flat_hash_map<uint64_t, Offer> offers_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<uint64_t, std::shared_ptr<Registration>> registrations_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<uint64_t, Pin> pins_ ABSL_GUARDED_BY(mu_);

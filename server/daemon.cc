@@ -359,7 +359,8 @@ Daemon::Daemon(DaemonConfig config, std::unique_ptr<DeviceBackend> backend, Cloc
       block_store_(prefix_cache_.get(), backend_.get(), clock_, BlockStoreLimitsOf(start_config_),
                    [this](uint64_t connection, uint64_t engine) {
                      return handoff_.ServesEngine(connection, engine);
-                   }),
+                   },
+                   epoch_),
       step_channels_(&sessions_, &leases_, StepChannels::Options{}),
       handoff_(HandoffOptions(), LookupArena(),
                [this](uint64_t engine, uint64_t connection, uint64_t bytes, ScopedFd fd) {

@@ -19,6 +19,7 @@
 #include "core/block_layout.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "server/block_store.h"
 #include "server/prefix_cache.h"
 #include "tests/service/test_daemon.h"
 #include "tests/test_block_pool.h"
@@ -108,6 +109,10 @@ TEST_F(BlockStoreTest, BlocksStoredFromOneEnginesPoolLoadIntoAnothersByteForByte
   TestBlockPool pool_b = MustPool();
   const RegisteredPool registered_a = MustRegister(*a, pool_a);
   const RegisteredPool registered_b = MustRegister(*b, pool_b);
+  // Ids count up from the epoch's own base: a kept id of a previous daemon names nothing here.
+  EXPECT_GT(registered_a.registration_id, BlockStore::FirstIdOfEpoch(a->epoch()));
+  EXPECT_LT(registered_a.registration_id, BlockStore::FirstIdOfEpoch(a->epoch()) + 100);
+  EXPECT_EQ(BlockStore::FirstIdOfEpoch(78) - BlockStore::FirstIdOfEpoch(77), uint64_t{1} << 40);
   ASSERT_EQ(registered_a.groups.size(), 1u);
   EXPECT_EQ(registered_a.groups[0].block_bytes, kShape.block_bytes());
   EXPECT_EQ(registered_a.groups[0].layout_fingerprint, registered_b.groups[0].layout_fingerprint);
