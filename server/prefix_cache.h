@@ -81,6 +81,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
+#include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
@@ -597,9 +598,13 @@ class PrefixCache {
   // LRU pieces of `from` worth at least `bytes`, marked moving (in moving_); empty when none.
   std::vector<uint64_t> PlanMoves(StorageMedium from, StorageMedium to, uint64_t bytes)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Evicts the least recently used unpinned entry with a piece (not moving) in `medium`; false
-  // when there is none.
-  bool EvictLruEntryIn(StorageMedium medium) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Evicts least recently used unpinned entries whose eviction frees a piece stored in `medium`
+  // (and not being moved down) until `has_room()`, in one pass over the LRU order: an entry
+  // whose pieces there are all shared with a sibling (a prefix and its extension) would leave
+  // the cache for no room, so it stays. Each entry is judged when visited (evicting an earlier
+  // one may have left it sole user of a shared piece). Returns how many entries it evicted.
+  size_t EvictForRoomIn(StorageMedium medium, absl::FunctionRef<bool()> has_room)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Evicts LRU entries with pieces on disk until the disk tier has room for the bytes on their
   // way to it (tier_incoming_bytes_); false when that cannot be done.
   bool MakeDiskRoom() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
