@@ -22,7 +22,8 @@
 // used pieces no pinned entry uses are demoted one tier down until each tier is within its own
 // budget: the tier below makes room first (the host tier demotes to disk, a full disk tier
 // evicts LRU entries with pieces there) and the last tier evicts LRU entries (the index's
-// budget is the tiers' sum). A restore first promotes the entry's host and disk pieces back
+// budget is the tiers' sum); only entries whose eviction frees a piece in that tier
+// (EvictForRoomIn). A restore first promotes the entry's host and disk pieces back
 // into slabs, verifying each against the checksums taken at capture (DATA_LOSS drops the entry
 // as any corruption does). Only slabs are charged to the device budget.
 //

@@ -387,6 +387,51 @@ class PrefixCacheTest : public ::testing::Test {
     sources[captured->entry.value] = ChurnSource{std::move(session), tokens, len};
   }
 
+  // A cache of 4 device block pieces over `below` (disk, or the host tier as the last one) of 4
+  // and slack that is no fifth piece but keeps the index's budget (the tiers' sum) above 8
+  // pieces. Slabs of 2 pieces: an admission returns a slab once both of its pieces moved down.
+  void UseFourPieceTiers(StorageMedium below, const std::string& dir_name) {
+    constexpr uint64_t kFourPiecesAndSlack = 4 * kFlatSpanBytes + 1000;
+    const bool disk = below == StorageMedium::kDisk;
+    tier_slab_bytes_ = 2 * kFlatSpanBytes;
+    absl::StatusOr<std::unique_ptr<PrefixCache>> tiered =
+        MakeTierChain(4 * kFlatSpanBytes, disk ? 0 : kFourPiecesAndSlack,
+                      disk ? kFourPiecesAndSlack : 0, nullptr, dir_name);
+    ASSERT_THAT(tiered.status(), IsOk());
+    cache_ = *std::move(tiered);
+  }
+
+  // A session of `blocks` blocks of random content (`seed`) under tokens salted `salt`.
+  ChurnSource BlocksSource(uint64_t blocks, int32_t salt, uint64_t seed) {
+    ChurnSource source{NewSession(FlatPlan(), 128), Tokens(blocks * kBlock, salt), blocks * kBlock};
+    Append(*source.session, source.tokens, source.len);
+    FillRandom(*source.session, seed, 0);
+    return source;
+  }
+
+  // Captures `source`'s tokens [0, rows); the ledgers agree after.
+  EntryId CaptureChecked(const ChurnSource& source, uint64_t rows) {
+    absl::StatusOr<PrefixCaptureResult> captured =
+        cache_->Capture(*source.session, source.tokens, rows);
+    EXPECT_THAT(captured.status(), IsOk());
+    EXPECT_THAT(cache_->CheckInvariants(), IsOk());
+    return captured.ok() ? captured->entry : EntryId{};
+  }
+
+  // A 2-block entry sharing nothing (tokens salted `salt`); its source goes into `sources`.
+  EntryId CaptureOwnEntry(int32_t salt, ChurnSources& sources) {
+    ChurnSource source = BlocksSource(2, salt, 30 + salt);
+    const EntryId entry = CaptureChecked(source, source.len);
+    sources[entry.value] = std::move(source);
+    return entry;
+  }
+
+  std::vector<EntryId> ListedIds() {
+    std::vector<EntryId> ids;
+    for (const ScopedEntry& entry : cache_->ListEntries()) ids.push_back(entry.view.id);
+    return ids;
+  }
+
   // Every entry the cache still holds restores bit-exactly.
   void ExpectEveryEntryRestores(const ChurnSources& sources) {
     for (const ScopedEntry& scoped : cache_->ListEntries()) {
@@ -1836,51 +1881,25 @@ TEST_F(PrefixCacheTest, AnEntryDemotedThroughTheHostTierToDiskRestoresBitExactly
   EXPECT_LE(stats.tiers[1].stored_bytes, 4 * kFlatSpanBytes);
 }
 
-// A tier below the device (disk, or the host tier as the last one) of 4 block pieces, with
-// slack that is no fifth piece but keeps the index's budget (the tiers' sum) above 8 pieces.
-// Slabs of 2 pieces: an admission returns a slab once both of its pieces moved down.
-constexpr uint64_t kFourPiecesBelow = 4 * kFlatSpanBytes + 1000;
-
 // A full tier makes room by evicting only entries whose eviction frees a piece there: a prefix
 // whose pieces there are all shared with its (more recently used) extension would leave the
 // cache for no room, so it stays, and the next LRU entry, whose pieces are its own, goes.
 TEST_F(PrefixCacheTest, AFullTierEvictsOnlyEntriesThatFreeRoomThere) {
   for (const StorageMedium below : {StorageMedium::kDisk, StorageMedium::kPinnedHost}) {
     SCOPED_TRACE(StorageMediumName(below));
-    const bool disk = below == StorageMedium::kDisk;
-    tier_slab_bytes_ = 2 * kFlatSpanBytes;
-    absl::StatusOr<std::unique_ptr<PrefixCache>> tiered =
-        MakeTierChain(4 * kFlatSpanBytes, disk ? 0 : kFourPiecesBelow, disk ? kFourPiecesBelow : 0,
-                      nullptr, "frees-room");
-    ASSERT_THAT(tiered.status(), IsOk());
-    cache_ = *std::move(tiered);
-    // The long entry's session holds 4 blocks; the short entry is its first 2 (shared).
-    const std::vector<int32_t> long_tokens = Tokens(4 * kBlock, 1);
-    auto long_source = NewSession(FlatPlan(), 128);
-    Append(*long_source, long_tokens, 4 * kBlock);
-    FillRandom(*long_source, 21, 0);
-    auto capture = [&](DaemonSession& session, const std::vector<int32_t>& tokens,
-                       uint64_t rows) -> EntryId {
-      absl::StatusOr<PrefixCaptureResult> captured = cache_->Capture(session, tokens, rows);
-      EXPECT_THAT(captured.status(), IsOk());
-      EXPECT_THAT(cache_->CheckInvariants(), IsOk());
-      return captured.ok() ? captured->entry : EntryId{};
-    };
-    auto own_entry = [&](int32_t salt) {
-      const std::vector<int32_t> tokens = Tokens(2 * kBlock, salt);
-      auto session = NewSession(FlatPlan(), 64);
-      Append(*session, tokens, 2 * kBlock);
-      FillRandom(*session, 30 + salt, 0);
-      return capture(*session, tokens, 2 * kBlock);
-    };
-    const EntryId shorter = capture(*long_source, long_tokens, 2 * kBlock);
-    const EntryId longer = capture(*long_source, long_tokens, 4 * kBlock);
+    ASSERT_NO_FATAL_FAILURE(UseFourPieceTiers(below, "frees-room"));
+    // The shorter entry is the longer one's first 2 blocks (shared).
+    const ChurnSource long_source = BlocksSource(4, 1, 21);
+    const EntryId shorter = CaptureChecked(long_source, 2 * kBlock);
+    const EntryId longer = CaptureChecked(long_source, 4 * kBlock);
+    ChurnSources own;
     // 6 pieces for 4: the shared 2 (the LRU entry's) go below.
-    const EntryId own = own_entry(2);
-    // The longer entry is used again (an identical capture touches it): LRU shorter, own, longer.
-    EXPECT_EQ(capture(*long_source, long_tokens, 4 * kBlock), longer);
-    // 6 pieces for 4 again: the own entry's 2 go below, which is now full.
-    const EntryId newest = own_entry(3);
+    const EntryId evictable = CaptureOwnEntry(2, own);
+    // The longer entry is used again (an identical capture touches it): LRU shorter, evictable,
+    // longer.
+    EXPECT_EQ(CaptureChecked(long_source, 4 * kBlock), longer);
+    // 6 pieces for 4 again: the evictable entry's 2 go below, which is now full.
+    const EntryId newest = CaptureOwnEntry(3, own);
     PrefixCacheStats stats = cache_->Stats();
     ASSERT_EQ(stats.tiers.size(), 2u);
     ASSERT_EQ(stats.tiers[1].medium, below);
@@ -1889,32 +1908,31 @@ TEST_F(PrefixCacheTest, AFullTierEvictsOnlyEntriesThatFreeRoomThere) {
 
     // An admission takes one more slab: the longer entry's own 2 blocks go below, which must
     // make room for them. The shorter entry is the LRU one with pieces there, but they are all
-    // shared with the longer entry: evicting it would free nothing there. The own entry's
+    // shared with the longer entry: evicting it would free nothing there. The next entry's
     // pieces are its own: it goes.
     cache_->ReleaseEmptySlabs();
     EXPECT_EQ(cache_->EvictForAdmission(2 * kFlatSpanBytes), 2 * kFlatSpanBytes);
-    std::vector<EntryId> listed;
-    for (const ScopedEntry& entry : cache_->ListEntries()) listed.push_back(entry.view.id);
-    EXPECT_THAT(listed, ::testing::UnorderedElementsAre(shorter, longer, newest));
+    EXPECT_THAT(ListedIds(), ::testing::UnorderedElementsAre(shorter, longer, newest));
     stats = cache_->Stats();
     EXPECT_EQ(stats.evicted_entries, 1u);
     EXPECT_EQ(stats.tiers[0].stored_bytes, 2 * kFlatSpanBytes);
     EXPECT_EQ(stats.tiers[1].stored_bytes, 4 * kFlatSpanBytes);  // the shared 2 + the moved 2
     EXPECT_EQ(stats.stored_bytes, 6 * kFlatSpanBytes);
-    EXPECT_THAT(cache_->Inspect(own).status(), StatusIs(absl::StatusCode::kNotFound,
-                                                        HasSubstr("prefix entry 3 not found")));
+    EXPECT_THAT(cache_->Inspect(evictable).status(),
+                StatusIs(absl::StatusCode::kNotFound, HasSubstr("prefix entry 3 not found")));
     EXPECT_THAT(cache_->CheckInvariants(), IsOk());
 
     // The kept prefix restores bit-exactly from the tier below, and so does its extension.
     auto dest = NewSession(FlatPlan(), 128);
-    absl::StatusOr<PrefixRestoreResult> restored = cache_->Restore(*dest, shorter, long_tokens);
+    absl::StatusOr<PrefixRestoreResult> restored =
+        cache_->Restore(*dest, shorter, long_source.tokens);
     ASSERT_THAT(restored.status(), IsOk());
     EXPECT_EQ(restored->restored_tokens, 2 * kBlock);
-    EXPECT_EQ(KvRows(*dest, 2 * kBlock), KvRows(*long_source, 2 * kBlock));
+    EXPECT_EQ(KvRows(*dest, 2 * kBlock), KvRows(*long_source.session, 2 * kBlock));
     EXPECT_EQ(cache_->Stats().tiers[1].hits, 1u);
     auto dest_long = NewSession(FlatPlan(), 128);
-    ASSERT_THAT(cache_->Restore(*dest_long, longer, long_tokens).status(), IsOk());
-    EXPECT_EQ(KvRows(*dest_long, 4 * kBlock), KvRows(*long_source, 4 * kBlock));
+    ASSERT_THAT(cache_->Restore(*dest_long, longer, long_source.tokens).status(), IsOk());
+    EXPECT_EQ(KvRows(*dest_long, 4 * kBlock), KvRows(*long_source.session, 4 * kBlock));
     EXPECT_THAT(cache_->CheckInvariants(), IsOk());
     cache_.reset();
   }
@@ -1926,38 +1944,14 @@ TEST_F(PrefixCacheTest, AFullTierEvictsOnlyEntriesThatFreeRoomThere) {
 TEST_F(PrefixCacheTest, EvictingAnExtensionMakesItsPrefixFreeRoomWhenReached) {
   for (const StorageMedium below : {StorageMedium::kDisk, StorageMedium::kPinnedHost}) {
     SCOPED_TRACE(StorageMediumName(below));
-    const bool disk = below == StorageMedium::kDisk;
-    tier_slab_bytes_ = 2 * kFlatSpanBytes;
-    absl::StatusOr<std::unique_ptr<PrefixCache>> tiered =
-        MakeTierChain(4 * kFlatSpanBytes, disk ? 0 : kFourPiecesBelow, disk ? kFourPiecesBelow : 0,
-                      nullptr, "rejudged");
-    ASSERT_THAT(tiered.status(), IsOk());
-    cache_ = *std::move(tiered);
-    const std::vector<int32_t> long_tokens = Tokens(4 * kBlock, 1);
-    auto long_source = NewSession(FlatPlan(), 128);
-    Append(*long_source, long_tokens, 4 * kBlock);
-    FillRandom(*long_source, 21, 0);
-    std::vector<std::unique_ptr<DaemonSession>> sources;
-    std::vector<std::vector<int32_t>> source_tokens;
-    auto capture = [&](DaemonSession& session, const std::vector<int32_t>& tokens,
-                       uint64_t rows) -> EntryId {
-      absl::StatusOr<PrefixCaptureResult> captured = cache_->Capture(session, tokens, rows);
-      EXPECT_THAT(captured.status(), IsOk());
-      EXPECT_THAT(cache_->CheckInvariants(), IsOk());
-      return captured.ok() ? captured->entry : EntryId{};
-    };
-    auto own_entry = [&](int32_t salt) {
-      source_tokens.push_back(Tokens(2 * kBlock, salt));
-      sources.push_back(NewSession(FlatPlan(), 64));
-      Append(*sources.back(), source_tokens.back(), 2 * kBlock);
-      FillRandom(*sources.back(), 30 + salt, 0);
-      return capture(*sources.back(), source_tokens.back(), 2 * kBlock);
-    };
+    ASSERT_NO_FATAL_FAILURE(UseFourPieceTiers(below, "rejudged"));
     // The extension first: LRU longer, shorter.
-    const EntryId longer = capture(*long_source, long_tokens, 4 * kBlock);
-    const EntryId shorter = capture(*long_source, long_tokens, 2 * kBlock);
-    const EntryId first = own_entry(2);   // the shared 2 go below
-    const EntryId second = own_entry(3);  // the longer entry's own 2 go below: it is full
+    const ChurnSource long_source = BlocksSource(4, 1, 21);
+    const EntryId longer = CaptureChecked(long_source, 4 * kBlock);
+    const EntryId shorter = CaptureChecked(long_source, 2 * kBlock);
+    ChurnSources own;
+    const EntryId first = CaptureOwnEntry(2, own);   // the shared 2 go below
+    const EntryId second = CaptureOwnEntry(3, own);  // the longer one's own 2 go below: full
     EXPECT_EQ(cache_->Stats().tiers[1].stored_bytes, 4 * kFlatSpanBytes);
 
     // An admission takes both slabs: the own entries' 4 pieces move down, so the tier below
@@ -1965,23 +1959,17 @@ TEST_F(PrefixCacheTest, EvictingAnExtensionMakesItsPrefixFreeRoomWhenReached) {
     // one, reached next, is then the only user of the shared 2, and frees them.
     cache_->ReleaseEmptySlabs();
     EXPECT_EQ(cache_->EvictForAdmission(4 * kFlatSpanBytes), 4 * kFlatSpanBytes);
-    std::vector<EntryId> listed;
-    for (const ScopedEntry& entry : cache_->ListEntries()) listed.push_back(entry.view.id);
-    EXPECT_THAT(listed, ::testing::UnorderedElementsAre(first, second));
+    EXPECT_THAT(ListedIds(), ::testing::UnorderedElementsAre(first, second));
     const PrefixCacheStats stats = cache_->Stats();
     EXPECT_EQ(stats.evicted_entries, 2u);
     EXPECT_EQ(stats.tiers[0].stored_bytes, 0u);
     EXPECT_EQ(stats.tiers[1].stored_bytes, 4 * kFlatSpanBytes);
-    EXPECT_THAT(cache_->Inspect(longer).status(), StatusIs(absl::StatusCode::kNotFound,
-                                                           HasSubstr("prefix entry 1 not found")));
-    EXPECT_THAT(cache_->Inspect(shorter).status(), StatusIs(absl::StatusCode::kNotFound,
-                                                            HasSubstr("prefix entry 2 not found")));
+    EXPECT_THAT(cache_->Inspect(longer).status(),
+                StatusIs(absl::StatusCode::kNotFound, HasSubstr("prefix entry 1 not found")));
+    EXPECT_THAT(cache_->Inspect(shorter).status(),
+                StatusIs(absl::StatusCode::kNotFound, HasSubstr("prefix entry 2 not found")));
     EXPECT_THAT(cache_->CheckInvariants(), IsOk());
-    for (size_t i = 0; i < sources.size(); ++i) {
-      auto dest = NewSession(FlatPlan(), 64);
-      ASSERT_THAT(cache_->Restore(*dest, std::nullopt, source_tokens[i]).status(), IsOk());
-      EXPECT_EQ(KvRows(*dest, 2 * kBlock), KvRows(*sources[i], 2 * kBlock));
-    }
+    ExpectEveryEntryRestores(own);
     EXPECT_THAT(cache_->CheckInvariants(), IsOk());
     cache_.reset();
   }
