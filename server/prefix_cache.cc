@@ -564,8 +564,7 @@ size_t PrefixCache::EvictForRoomIn(StorageMedium medium, absl::FunctionRef<bool(
   while (next.has_value() && !has_room()) {
     const EntryId id = *next;
     // Read before `id` may leave the index (evicting it removes no other entry).
-    absl::StatusOr<std::optional<EntryId>> after = index_.EntryUsedAfter(id);
-    next = after.ok() ? *after : std::nullopt;
+    next = index_.EntryUsedAfter(id).value_or(std::nullopt);
     // Pinned: a refusal, skipped.
     absl::StatusOr<std::vector<uint64_t>> freed = index_.HandlesFreedByEvicting(id);
     if (!freed.ok()) continue;
@@ -598,9 +597,11 @@ std::vector<uint64_t> PrefixCache::PlanMoves(StorageMedium from, StorageMedium t
                                              uint64_t bytes) {
   std::vector<uint64_t> planned;
   uint64_t planned_bytes = 0;
-  for (EntryId id : index_.EntryIdsLeastRecentFirst()) {
-    if (planned_bytes >= bytes) break;
-    absl::StatusOr<EntryView> view = index_.GetEntry(id);
+  // The LRU order walked in place (a copy of it would cost every entry per plan).
+  for (std::optional<EntryId> id = index_.LeastRecentEntry();
+       id.has_value() && planned_bytes < bytes;
+       id = index_.EntryUsedAfter(*id).value_or(std::nullopt)) {
+    absl::StatusOr<EntryView> view = index_.GetEntry(*id);
     if (!view.ok() || view->pins > 0) continue;
     const std::vector<uint64_t> handles = EntryHandles(*view);
     for (size_t i = 0; i < handles.size() && planned_bytes < bytes; ++i) {
