@@ -588,7 +588,7 @@ bool PrefixCache::MakeDiskRoom() {
                tier_incoming_bytes_[static_cast<size_t>(StorageMedium::kDisk)] <=
            budget;
   };
-  // The least recently used entries with pieces on disk leave the cache.
+  // The least recently used entries whose eviction frees a piece on disk leave the cache.
   EvictForRoomIn(StorageMedium::kDisk, has_room);
   return has_room();
 }
