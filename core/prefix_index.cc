@@ -439,6 +439,21 @@ std::vector<EntryId> PrefixIndex::EntryIdsLeastRecentFirst() const {
   return ids;
 }
 
+std::optional<EntryId> PrefixIndex::LeastRecentEntry() const {
+  if (lru_.empty()) return std::nullopt;
+  return lru_.begin()->second;
+}
+
+absl::StatusOr<std::optional<EntryId>> PrefixIndex::EntryUsedAfter(EntryId id) const {
+  auto it = entries_.find(id);
+  if (it == entries_.end()) {
+    return EntryNotFound(id);
+  }
+  auto next = lru_.upper_bound({it->second.last_use_tick, id});
+  if (next == lru_.end()) return std::nullopt;
+  return next->second;
+}
+
 void PrefixIndex::RecordMoved(const PlanFingerprint& fingerprint, std::vector<BlockKey> block_keys,
                               std::optional<BlockKey> boundary_key, StorageMedium medium) {
   PrefixEvent event;
@@ -556,7 +571,7 @@ absl::StatusOr<EvictionResult> PrefixIndex::Evict(uint64_t bytes_needed) {
   return result;
 }
 
-absl::StatusOr<EvictionResult> PrefixIndex::EvictEntry(EntryId id) {
+absl::StatusOr<const PrefixIndex::Entry*> PrefixIndex::EvictableEntry(EntryId id) const {
   auto it = entries_.find(id);
   if (it == entries_.end()) {
     return EntryNotFound(id);
@@ -565,9 +580,26 @@ absl::StatusOr<EvictionResult> PrefixIndex::EvictEntry(EntryId id) {
     return absl::FailedPreconditionError(
         absl::StrCat("prefix entry ", id.value, " is pinned by ", it->second.pins, " restores"));
   }
+  return &it->second;
+}
+
+absl::StatusOr<EvictionResult> PrefixIndex::EvictEntry(EntryId id) {
+  RETURN_IF_ERROR(EvictableEntry(id).status());
   EvictionResult result;
   RemoveInto(id, PrefixEventKind::kEvicted, "", result);
   return result;
+}
+
+absl::StatusOr<std::vector<uint64_t>> PrefixIndex::HandlesFreedByEvicting(EntryId id) const {
+  ASSIGN_OR_RETURN(const Entry* entry, EvictableEntry(id));
+  // RemoveEntry frees a block once its last user leaves: here, the blocks `id` alone uses.
+  std::vector<uint64_t> handles;
+  for (const BlockKey& key : entry->chain) {
+    const Block& block = blocks_.at(key);
+    if (block.users.size() == 1) handles.push_back(block.stored.storage_handle);
+  }
+  if (entry->boundary.has_value()) handles.push_back(entry->boundary->storage_handle);
+  return handles;
 }
 
 absl::StatusOr<EvictionResult> PrefixIndex::DropEntry(EntryId id, std::string_view reason) {

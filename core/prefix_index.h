@@ -303,6 +303,11 @@ class PrefixIndex {
   absl::StatusOr<EvictionResult> Evict(uint64_t bytes_needed);
   // Admin eviction of one entry: NOT_FOUND, or FAILED_PRECONDITION when pinned.
   absl::StatusOr<EvictionResult> EvictEntry(EntryId entry);
+  // The storage handles EvictEntry(entry) would free now, changing nothing: its blocks no other
+  // entry's chain contains (chain order), then its boundary state. Empty when every block is
+  // shared with a sibling (a prefix and its extensions share their common blocks): evicting it
+  // would free no bytes. EvictEntry's refusals: NOT_FOUND, FAILED_PRECONDITION when pinned.
+  absl::StatusOr<std::vector<uint64_t>> HandlesFreedByEvicting(EntryId entry) const;
   // A restore found a checksum mismatch in this entry (the daemon answers DATA_LOSS): removes it
   // and frees the blocks only it used; the event is kDropped. The restoring caller Unpins first:
   // FAILED_PRECONDITION while pinned (another restore is still reading its bytes); NOT_FOUND.
@@ -321,6 +326,11 @@ class PrefixIndex {
   std::vector<EntryId> EntryIds() const;
   // Every entry id, least recently used first (pinned ones included): the order tiers demote in.
   std::vector<EntryId> EntryIdsLeastRecentFirst() const;
+  // The same order one entry at a time, copying nothing: the least recently used entry, and the
+  // one used next after `entry` (nullopt: none). A walk that may evict the entry it is at reads
+  // the next one first. EntryUsedAfter: NOT_FOUND for an unknown entry.
+  std::optional<EntryId> LeastRecentEntry() const;
+  absl::StatusOr<std::optional<EntryId>> EntryUsedAfter(EntryId entry) const;
   // Announces that the bytes of `block_keys` (and the boundary state of the chain ending at
   // `boundary_key`) of shape `fingerprint` now live in `medium`; changes no bookkeeping.
   void RecordMoved(const PlanFingerprint& fingerprint, std::vector<BlockKey> block_keys,
@@ -382,6 +392,8 @@ class PrefixIndex {
   explicit PrefixIndex(const PrefixIndexOptions& options) : options_(options) {}
 
   absl::Status ValidateTraits(const PrefixModelTraits& traits) const;
+  // The entry EvictEntry may remove: NOT_FOUND, or FAILED_PRECONDITION when pinned.
+  absl::StatusOr<const Entry*> EvictableEntry(EntryId id) const;
   void Touch(Entry& entry, uint64_t now_tick);
   void SetPinned(Entry& entry, bool pinned);
   Removal RemoveEntry(EntryId id);

@@ -18,6 +18,7 @@ namespace {
 
 using ::memra::testing::HasSubstrs;
 using ::memra::testing::IsOk;
+using ::memra::testing::IsOkAndHolds;
 using ::memra::testing::StatusIs;
 using ::testing::ElementsAre;
 using ::testing::IsEmpty;
@@ -587,6 +588,73 @@ TEST_F(PrefixIndexTest, LeastRecentFirstOrderAndMovedEventsChangeNoBookkeeping) 
   EXPECT_THAT(index_->CheckInvariants(), IsOk());
 }
 
+// A walk of the LRU order one entry at a time visits EntryIdsLeastRecentFirst's order, and
+// survives evicting the entry it is at when it reads the next one first.
+TEST_F(PrefixIndexTest, TheLruOrderWalkedOneEntryAtATimeSurvivesEvictingAsItGoes) {
+  EXPECT_EQ(index_->LeastRecentEntry(), std::nullopt);
+  const EntryId e1 = MustCapture(Seq(100, 4), 4, kFlat, 10);
+  const EntryId e2 = MustCapture(Seq(200, 4), 4, kFlat, 20);
+  const EntryId e3 = MustCapture(Seq(300, 4), 4, kFlat, 20);  // the same tick: by id
+  ASSERT_THAT(index_->Pin(e1, 40), IsOk());
+  std::vector<EntryId> walked;
+  for (std::optional<EntryId> at = index_->LeastRecentEntry(); at.has_value();) {
+    walked.push_back(*at);
+    absl::StatusOr<std::optional<EntryId>> next = index_->EntryUsedAfter(*at);
+    ASSERT_THAT(next, IsOk());
+    if (*at == e2) {
+      ASSERT_THAT(index_->EvictEntry(e2), IsOk());
+    }
+    at = *next;
+  }
+  EXPECT_THAT(walked, ElementsAre(e2, e3, e1));  // pinned included
+  EXPECT_THAT(index_->EntryIdsLeastRecentFirst(), ElementsAre(e3, e1));
+  EXPECT_THAT(index_->EntryUsedAfter(e1), IsOkAndHolds(std::nullopt));
+  EXPECT_THAT(index_->EntryUsedAfter(e2),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstrs("prefix entry 2 not found")));
+  EXPECT_THAT(index_->CheckInvariants(), IsOk());
+}
+
+// What evicting an entry would free: only the blocks no sibling shares, and its boundary state.
+TEST_F(PrefixIndexTest, HandlesFreedByEvictingAreWhatOnlyThatEntryHolds) {
+  // A prefix (handles 1, 2) and its extension (shares them, adds 3, 4).
+  const EntryId shorter = MustCapture(Seq(0, 8), 8, kFlat, 1);
+  const EntryId longer = MustCapture(Seq(0, 16), 16, kFlat, 2);
+  // A boundary-state plan: a prefix (blocks 5, 6, boundary 7) and its extension (8, boundary 9).
+  const EntryId hybrid_shorter = MustCapture(Seq(500, 8), 8, Hybrid(30), 3, 2);
+  const EntryId hybrid_longer = MustCapture(Seq(500, 12), 12, Hybrid(30), 4, 2);
+  const uint64_t stored = index_->StoredBytes();
+  const uint64_t sequence = index_->LastSequence();
+  EXPECT_THAT(index_->HandlesFreedByEvicting(shorter), IsOkAndHolds(IsEmpty()));
+  EXPECT_THAT(index_->HandlesFreedByEvicting(longer), IsOkAndHolds(ElementsAre(3u, 4u)));
+  EXPECT_THAT(index_->HandlesFreedByEvicting(hybrid_shorter), IsOkAndHolds(ElementsAre(7u)));
+  EXPECT_THAT(index_->HandlesFreedByEvicting(hybrid_longer), IsOkAndHolds(ElementsAre(8u, 9u)));
+  // A pure query: nothing changed, no event.
+  EXPECT_EQ(index_->StoredBytes(), stored);
+  EXPECT_EQ(index_->LastSequence(), sequence);
+  EXPECT_EQ(index_->EntryCount(), 4u);
+
+  // Once the extension is gone the prefix's blocks are its own; eviction frees exactly them.
+  absl::StatusOr<EvictionResult> evicted = index_->EvictEntry(longer);
+  ASSERT_THAT(evicted, IsOk());
+  EXPECT_THAT(evicted->freed_handles, ElementsAre(3u, 4u));
+  EXPECT_THAT(index_->HandlesFreedByEvicting(shorter), IsOkAndHolds(ElementsAre(1u, 2u)));
+  evicted = index_->EvictEntry(shorter);
+  ASSERT_THAT(evicted, IsOk());
+  EXPECT_THAT(evicted->freed_handles, ElementsAre(1u, 2u));
+
+  // EvictEntry's refusals, with the entry's id (and its pins).
+  ASSERT_THAT(index_->Pin(hybrid_shorter, 5), IsOk());
+  ASSERT_THAT(index_->Pin(hybrid_shorter, 6), IsOk());
+  EXPECT_THAT(index_->HandlesFreedByEvicting(hybrid_shorter),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstrs("prefix entry 3 is pinned by 2 restores")));
+  EXPECT_THAT(index_->HandlesFreedByEvicting(longer),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstrs("prefix entry 2 not found")));
+  EXPECT_THAT(index_->HandlesFreedByEvicting(EntryId{99}),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstrs("prefix entry 99 not found")));
+  EXPECT_THAT(index_->CheckInvariants(), IsOk());
+}
+
 // Seeded random sequences of capture / lookup / pin / unpin / evict / budget / drop over a
 // small vocabulary (so chains share), checked against an independent model of live handles.
 TEST_F(PrefixIndexTest, RandomOperationsKeepTheLedgerAndNeverFreePinnedBytes) {
@@ -709,13 +777,18 @@ TEST_F(PrefixIndexTest, RandomOperationsKeepTheLedgerAndNeverFreePinnedBytes) {
             const std::vector<EntryId> ids = index_->EntryIds();
             if (ids.empty()) break;
             const EntryId victim = ids[rng() % ids.size()];
+            // The query agrees with what removing the entry then frees.
+            auto would_free = index_->HandlesFreedByEvicting(victim);
             auto dropped = index_->DropEntry(victim, "random");
             if (pins.contains(victim)) {
               EXPECT_THAT(dropped,
                           StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstrs("pinned by")));
+              EXPECT_THAT(would_free,
+                          StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstrs("pinned by")));
               break;
             }
             ASSERT_THAT(dropped, IsOk());
+            EXPECT_THAT(would_free, IsOkAndHolds(dropped->freed_handles));
             free_handles(dropped->freed_handles);
           }
           break;

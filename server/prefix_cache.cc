@@ -558,41 +558,50 @@ void PrefixCache::MakeHostRoom() {
   DemoteDownTo(StorageMedium::kPinnedHost, budget > incoming ? budget - incoming : 0);
 }
 
-bool PrefixCache::EvictLruEntryIn(StorageMedium medium) {
-  for (EntryId id : index_.EntryIdsLeastRecentFirst()) {
-    absl::StatusOr<EntryView> view = index_.GetEntry(id);
-    if (!view.ok() || view->pins > 0) continue;
-    const std::vector<uint64_t> handles = EntryHandles(*view);
-    const bool holds_some = std::any_of(handles.begin(), handles.end(), [&](uint64_t handle) {
+size_t PrefixCache::EvictForRoomIn(StorageMedium medium, absl::FunctionRef<bool()> has_room) {
+  size_t evicted = 0;
+  std::optional<EntryId> next = index_.LeastRecentEntry();
+  while (next.has_value() && !has_room()) {
+    const EntryId id = *next;
+    // Read before `id` may leave the index (evicting it removes no other entry).
+    next = index_.EntryUsedAfter(id).value_or(std::nullopt);
+    // Pinned: a refusal, skipped.
+    absl::StatusOr<std::vector<uint64_t>> freed = index_.HandlesFreedByEvicting(id);
+    if (!freed.ok()) continue;
+    const bool frees_room = std::any_of(freed->begin(), freed->end(), [&](uint64_t handle) {
       auto it = storage_.find(handle);
       return it != storage_.end() && it->second.medium == medium && !moving_.contains(handle);
     });
-    if (!holds_some) continue;
-    absl::StatusOr<EvictionResult> evicted = index_.EvictEntry(id);
-    if (!evicted.ok()) continue;
-    FreeHandles(evicted->freed_handles);
-    return true;
+    if (!frees_room) continue;
+    absl::StatusOr<EvictionResult> eviction = index_.EvictEntry(id);
+    if (!eviction.ok()) continue;
+    FreeHandles(eviction->freed_handles);
+    ++evicted;
   }
-  return false;
+  return evicted;
 }
 
 bool PrefixCache::MakeDiskRoom() {
   const uint64_t budget = disk_->budget_bytes();
-  // The least recently used entries with pieces on disk leave the cache.
-  while (disk_->stored_bytes() + tier_incoming_bytes_[static_cast<size_t>(StorageMedium::kDisk)] >
-         budget) {
-    if (!EvictLruEntryIn(StorageMedium::kDisk)) return false;
-  }
-  return true;
+  auto has_room = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return disk_->stored_bytes() +
+               tier_incoming_bytes_[static_cast<size_t>(StorageMedium::kDisk)] <=
+           budget;
+  };
+  // The least recently used entries whose eviction frees a piece on disk leave the cache.
+  EvictForRoomIn(StorageMedium::kDisk, has_room);
+  return has_room();
 }
 
 std::vector<uint64_t> PrefixCache::PlanMoves(StorageMedium from, StorageMedium to,
                                              uint64_t bytes) {
   std::vector<uint64_t> planned;
   uint64_t planned_bytes = 0;
-  for (EntryId id : index_.EntryIdsLeastRecentFirst()) {
-    if (planned_bytes >= bytes) break;
-    absl::StatusOr<EntryView> view = index_.GetEntry(id);
+  // The LRU order walked in place (a copy of it would cost every entry per plan).
+  for (std::optional<EntryId> id = index_.LeastRecentEntry();
+       id.has_value() && planned_bytes < bytes;
+       id = index_.EntryUsedAfter(*id).value_or(std::nullopt)) {
+    absl::StatusOr<EntryView> view = index_.GetEntry(*id);
     if (!view.ok() || view->pins > 0) continue;
     const std::vector<uint64_t> handles = EntryHandles(*view);
     for (size_t i = 0; i < handles.size() && planned_bytes < bytes; ++i) {
@@ -758,9 +767,9 @@ size_t PrefixCache::DemoteDownTo(StorageMedium from, uint64_t target) {
     const uint64_t excess = tier_stored_bytes_[tier] - tier_leaving_bytes_[tier] - target;
     if (!to.has_value()) {
       // The last tier: its least recently used entries leave the cache.
-      if (!EvictLruEntryIn(from)) return moved;
-      ++moved;
-      continue;
+      return moved + EvictForRoomIn(from, [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+               return tier_stored_bytes_[tier] - tier_leaving_bytes_[tier] <= target;
+             });
     }
     std::vector<uint64_t> planned = PlanMoves(from, *to, excess);
     if (planned.empty()) return moved;  // nothing demotable (pinned, promoting or moving)

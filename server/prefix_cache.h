@@ -22,9 +22,10 @@
 // used pieces no pinned entry uses are demoted one tier down until each tier is within its own
 // budget: the tier below makes room first (the host tier demotes to disk, a full disk tier
 // evicts LRU entries with pieces there) and the last tier evicts LRU entries (the index's
-// budget is the tiers' sum). A restore first promotes the entry's host and disk pieces back
-// into slabs, verifying each against the checksums taken at capture (DATA_LOSS drops the entry
-// as any corruption does). Only slabs are charged to the device budget.
+// budget is the tiers' sum); room in a tier is made only by evicting entries whose eviction
+// frees a piece there (EvictForRoomIn). A restore first promotes the entry's host and disk
+// pieces back into slabs, verifying each against the checksums taken at capture (DATA_LOSS
+// drops the entry as any corruption does). Only slabs are charged to the device budget.
 //
 // Remote tier (server/remote_tier.h, docs/remote-tier.md; optional): a Redis Cluster other
 // daemons share. Write-behind: a capture queues a reference to each new piece under its chained
@@ -81,6 +82,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
+#include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
@@ -597,11 +599,15 @@ class PrefixCache {
   // LRU pieces of `from` worth at least `bytes`, marked moving (in moving_); empty when none.
   std::vector<uint64_t> PlanMoves(StorageMedium from, StorageMedium to, uint64_t bytes)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Evicts the least recently used unpinned entry with a piece (not moving) in `medium`; false
-  // when there is none.
-  bool EvictLruEntryIn(StorageMedium medium) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Evicts LRU entries with pieces on disk until the disk tier has room for the bytes on their
-  // way to it (tier_incoming_bytes_); false when that cannot be done.
+  // Evicts least recently used unpinned entries whose eviction frees a piece stored in `medium`
+  // (and not being moved down) until `has_room()`, in one pass over the LRU order: an entry
+  // whose pieces there are all shared with a sibling (a prefix and its extension) would leave
+  // the cache for no room, so it stays. Each entry is judged when visited (evicting an earlier
+  // one may have left it sole user of a shared piece). Returns how many entries it evicted.
+  size_t EvictForRoomIn(StorageMedium medium, absl::FunctionRef<bool()> has_room)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Evicts LRU entries whose eviction frees a piece on disk until the disk tier has room for
+  // the bytes on their way to it (tier_incoming_bytes_); false when that cannot be done.
   bool MakeDiskRoom() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Copies the planned pieces down without mu_ and commits them under mu_, a chunk of about
   // options_.demotion_chunk_bytes at a time (a piece pinned meanwhile stays where it was; one

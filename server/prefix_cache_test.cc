@@ -194,7 +194,7 @@ class PrefixCacheTest : public ::testing::Test {
     PrefixCacheOptions options;
     options.copy_threads = 2;
     options.checksum_slice_bytes = 512;  // a block is 4 slices: each verified on its own
-    options.slab_bytes = 16 << 10;
+    options.slab_bytes = tier_slab_bytes_;
     options.parallel_copy_bytes = 1;
     options.budget_bytes = device_bytes;
     options.block_tokens = kBlock;
@@ -387,6 +387,51 @@ class PrefixCacheTest : public ::testing::Test {
     sources[captured->entry.value] = ChurnSource{std::move(session), tokens, len};
   }
 
+  // A cache of 4 device block pieces over `below` (disk, or the host tier as the last one) of 4
+  // and slack that is no fifth piece but keeps the index's budget (the tiers' sum) above 8
+  // pieces. Slabs of 2 pieces: an admission returns a slab once both of its pieces moved down.
+  void UseFourPieceTiers(StorageMedium below, const std::string& dir_name) {
+    constexpr uint64_t kFourPiecesAndSlack = 4 * kFlatSpanBytes + 1000;
+    const bool disk = below == StorageMedium::kDisk;
+    tier_slab_bytes_ = 2 * kFlatSpanBytes;
+    absl::StatusOr<std::unique_ptr<PrefixCache>> tiered =
+        MakeTierChain(4 * kFlatSpanBytes, disk ? 0 : kFourPiecesAndSlack,
+                      disk ? kFourPiecesAndSlack : 0, nullptr, dir_name);
+    ASSERT_THAT(tiered.status(), IsOk());
+    cache_ = *std::move(tiered);
+  }
+
+  // A session of `blocks` blocks of random content (`seed`) under tokens salted `salt`.
+  ChurnSource BlocksSource(uint64_t blocks, int32_t salt, uint64_t seed) {
+    ChurnSource source{NewSession(FlatPlan(), 128), Tokens(blocks * kBlock, salt), blocks * kBlock};
+    Append(*source.session, source.tokens, source.len);
+    FillRandom(*source.session, seed, 0);
+    return source;
+  }
+
+  // Captures `source`'s tokens [0, rows); the ledgers agree after.
+  EntryId CaptureChecked(const ChurnSource& source, uint64_t rows) {
+    absl::StatusOr<PrefixCaptureResult> captured =
+        cache_->Capture(*source.session, source.tokens, rows);
+    EXPECT_THAT(captured.status(), IsOk());
+    EXPECT_THAT(cache_->CheckInvariants(), IsOk());
+    return captured.ok() ? captured->entry : EntryId{};
+  }
+
+  // A 2-block entry sharing nothing (tokens salted `salt`); its source goes into `sources`.
+  EntryId CaptureOwnEntry(int32_t salt, ChurnSources& sources) {
+    ChurnSource source = BlocksSource(2, salt, 30 + salt);
+    const EntryId entry = CaptureChecked(source, source.len);
+    sources[entry.value] = std::move(source);
+    return entry;
+  }
+
+  std::vector<EntryId> ListedIds() {
+    std::vector<EntryId> ids;
+    for (const ScopedEntry& entry : cache_->ListEntries()) ids.push_back(entry.view.id);
+    return ids;
+  }
+
   // Every entry the cache still holds restores bit-exactly.
   void ExpectEveryEntryRestores(const ChurnSources& sources) {
     for (const ScopedEntry& scoped : cache_->ListEntries()) {
@@ -414,6 +459,7 @@ class PrefixCacheTest : public ::testing::Test {
   std::string disk_dir_;
   // What MakeTierChain's caches commit a demotion batch in (PrefixCacheOptions).
   uint64_t demotion_chunk_bytes_ = PrefixCacheOptions{}.demotion_chunk_bytes;
+  uint64_t tier_slab_bytes_ = 16 << 10;  // MakeTierChain's slabs
 };
 
 TEST_F(PrefixCacheTest, ScopesShareNothingButTheStore) {
@@ -1833,6 +1879,100 @@ TEST_F(PrefixCacheTest, AnEntryDemotedThroughTheHostTierToDiskRestoresBitExactly
   EXPECT_EQ(stats.restores, 3u);
   EXPECT_EQ(stats.tiers[0].hits + stats.tiers[1].hits + stats.tiers[2].hits, 3u);
   EXPECT_LE(stats.tiers[1].stored_bytes, 4 * kFlatSpanBytes);
+}
+
+// A full tier makes room by evicting only entries whose eviction frees a piece there: a prefix
+// whose pieces there are all shared with its (more recently used) extension would leave the
+// cache for no room, so it stays, and the next LRU entry, whose pieces are its own, goes.
+TEST_F(PrefixCacheTest, AFullTierEvictsOnlyEntriesThatFreeRoomThere) {
+  for (const StorageMedium below : {StorageMedium::kDisk, StorageMedium::kPinnedHost}) {
+    SCOPED_TRACE(StorageMediumName(below));
+    ASSERT_NO_FATAL_FAILURE(UseFourPieceTiers(below, "frees-room"));
+    // The shorter entry is the longer one's first 2 blocks (shared).
+    const ChurnSource long_source = BlocksSource(4, 1, 21);
+    const EntryId shorter = CaptureChecked(long_source, 2 * kBlock);
+    const EntryId longer = CaptureChecked(long_source, 4 * kBlock);
+    ChurnSources own;
+    // 6 pieces for 4: the shared 2 (the LRU entry's) go below.
+    const EntryId evictable = CaptureOwnEntry(2, own);
+    // The longer entry is used again (an identical capture touches it): LRU shorter, evictable,
+    // longer.
+    EXPECT_EQ(CaptureChecked(long_source, 4 * kBlock), longer);
+    // 6 pieces for 4 again: the evictable entry's 2 go below, which is now full.
+    const EntryId newest = CaptureOwnEntry(3, own);
+    PrefixCacheStats stats = cache_->Stats();
+    ASSERT_EQ(stats.tiers.size(), 2u);
+    ASSERT_EQ(stats.tiers[1].medium, below);
+    EXPECT_EQ(stats.tiers[1].stored_bytes, 4 * kFlatSpanBytes);
+    EXPECT_EQ(stats.evicted_entries, 0u);
+
+    // An admission takes one more slab: the longer entry's own 2 blocks go below, which must
+    // make room for them. The shorter entry is the LRU one with pieces there, but they are all
+    // shared with the longer entry: evicting it would free nothing there. The next entry's
+    // pieces are its own: it goes.
+    cache_->ReleaseEmptySlabs();
+    EXPECT_EQ(cache_->EvictForAdmission(2 * kFlatSpanBytes), 2 * kFlatSpanBytes);
+    EXPECT_THAT(ListedIds(), ::testing::UnorderedElementsAre(shorter, longer, newest));
+    stats = cache_->Stats();
+    EXPECT_EQ(stats.evicted_entries, 1u);
+    EXPECT_EQ(stats.tiers[0].stored_bytes, 2 * kFlatSpanBytes);
+    EXPECT_EQ(stats.tiers[1].stored_bytes, 4 * kFlatSpanBytes);  // the shared 2 + the moved 2
+    EXPECT_EQ(stats.stored_bytes, 6 * kFlatSpanBytes);
+    EXPECT_THAT(cache_->Inspect(evictable).status(),
+                StatusIs(absl::StatusCode::kNotFound, HasSubstr("prefix entry 3 not found")));
+    EXPECT_THAT(cache_->CheckInvariants(), IsOk());
+
+    // The kept prefix restores bit-exactly from the tier below, and so does its extension.
+    auto dest = NewSession(FlatPlan(), 128);
+    absl::StatusOr<PrefixRestoreResult> restored =
+        cache_->Restore(*dest, shorter, long_source.tokens);
+    ASSERT_THAT(restored.status(), IsOk());
+    EXPECT_EQ(restored->restored_tokens, 2 * kBlock);
+    EXPECT_EQ(KvRows(*dest, 2 * kBlock), KvRows(*long_source.session, 2 * kBlock));
+    EXPECT_EQ(cache_->Stats().tiers[1].hits, 1u);
+    auto dest_long = NewSession(FlatPlan(), 128);
+    ASSERT_THAT(cache_->Restore(*dest_long, longer, long_source.tokens).status(), IsOk());
+    EXPECT_EQ(KvRows(*dest_long, 4 * kBlock), KvRows(*long_source.session, 4 * kBlock));
+    EXPECT_THAT(cache_->CheckInvariants(), IsOk());
+    cache_.reset();
+  }
+}
+
+// Room is made in one pass over the LRU order, each entry judged when it is reached: evicting
+// an extension leaves its prefix the only user of their shared pieces, so the prefix, reached
+// next, frees room too and goes, while the entries whose pieces are moving down stay.
+TEST_F(PrefixCacheTest, EvictingAnExtensionMakesItsPrefixFreeRoomWhenReached) {
+  for (const StorageMedium below : {StorageMedium::kDisk, StorageMedium::kPinnedHost}) {
+    SCOPED_TRACE(StorageMediumName(below));
+    ASSERT_NO_FATAL_FAILURE(UseFourPieceTiers(below, "rejudged"));
+    // The extension first: LRU longer, shorter.
+    const ChurnSource long_source = BlocksSource(4, 1, 21);
+    const EntryId longer = CaptureChecked(long_source, 4 * kBlock);
+    const EntryId shorter = CaptureChecked(long_source, 2 * kBlock);
+    ChurnSources own;
+    const EntryId first = CaptureOwnEntry(2, own);   // the shared 2 go below
+    const EntryId second = CaptureOwnEntry(3, own);  // the longer one's own 2 go below: full
+    EXPECT_EQ(cache_->Stats().tiers[1].stored_bytes, 4 * kFlatSpanBytes);
+
+    // An admission takes both slabs: the own entries' 4 pieces move down, so the tier below
+    // must let go of all it holds. The longer entry frees its own 2, not enough; the shorter
+    // one, reached next, is then the only user of the shared 2, and frees them.
+    cache_->ReleaseEmptySlabs();
+    EXPECT_EQ(cache_->EvictForAdmission(4 * kFlatSpanBytes), 4 * kFlatSpanBytes);
+    EXPECT_THAT(ListedIds(), ::testing::UnorderedElementsAre(first, second));
+    const PrefixCacheStats stats = cache_->Stats();
+    EXPECT_EQ(stats.evicted_entries, 2u);
+    EXPECT_EQ(stats.tiers[0].stored_bytes, 0u);
+    EXPECT_EQ(stats.tiers[1].stored_bytes, 4 * kFlatSpanBytes);
+    EXPECT_THAT(cache_->Inspect(longer).status(),
+                StatusIs(absl::StatusCode::kNotFound, HasSubstr("prefix entry 1 not found")));
+    EXPECT_THAT(cache_->Inspect(shorter).status(),
+                StatusIs(absl::StatusCode::kNotFound, HasSubstr("prefix entry 2 not found")));
+    EXPECT_THAT(cache_->CheckInvariants(), IsOk());
+    ExpectEveryEntryRestores(own);
+    EXPECT_THAT(cache_->CheckInvariants(), IsOk());
+    cache_.reset();
+  }
 }
 
 // Random captures, restores and evictions over device -> host (-> disk): after every step each
