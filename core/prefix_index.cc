@@ -544,14 +544,49 @@ void PrefixIndex::RemoveInto(EntryId id, PrefixEventKind kind, std::string_view 
   }
 }
 
+bool PrefixIndex::FreesBytes(EntryId id, const Entry& entry) const {
+  if (entry.boundary.has_value()) return true;
+  for (const BlockKey& key : entry.chain) {
+    const Block& block = blocks_.at(key);
+    if (block.users.size() == 1 && block.users.contains(id)) return true;
+  }
+  return false;
+}
+
+void PrefixIndex::EvictLruUntil(absl::FunctionRef<bool(const EvictionResult&)> done,
+                                EvictionResult& result) {
+  // Entries passed over, in LRU order. Each eviction can make earlier ones free something (an
+  // extension gone leaves its prefix's blocks to the prefix): they are looked at again first.
+  std::vector<EntryId> passed_over;
+  const auto take_passed_over = [&] {
+    for (size_t i = 0; i < passed_over.size() && !done(result);) {
+      const EntryId id = passed_over[i];
+      if (!FreesBytes(id, entries_.at(id))) {
+        ++i;
+        continue;
+      }
+      passed_over.erase(passed_over.begin() + static_cast<std::ptrdiff_t>(i));
+      RemoveInto(id, PrefixEventKind::kEvicted, "", result);
+      i = 0;
+    }
+  };
+  for (auto it = lru_.begin(); it != lru_.end() && !done(result);) {
+    const EntryId id = it->second;
+    ++it;  // RemoveInto erases only the removed entries' elements; `it` is none of them
+    const Entry& entry = entries_.at(id);
+    if (entry.pins > 0) continue;
+    if (!FreesBytes(id, entry)) {
+      passed_over.push_back(id);
+      continue;
+    }
+    RemoveInto(id, PrefixEventKind::kEvicted, "", result);
+    take_passed_over();
+  }
+}
+
 EvictionResult PrefixIndex::EvictDownTo(uint64_t target) {
   EvictionResult result;
-  for (auto it = lru_.begin(); it != lru_.end() && stored_bytes_ > target;) {
-    const EntryId id = it->second;
-    ++it;  // RemoveInto erases only id's element; `it` stays valid
-    if (entries_.at(id).pins > 0) continue;
-    RemoveInto(id, PrefixEventKind::kEvicted, "", result);
-  }
+  EvictLruUntil([&](const EvictionResult&) { return stored_bytes_ <= target; }, result);
   return result;
 }
 
@@ -562,12 +597,8 @@ absl::StatusOr<EvictionResult> PrefixIndex::Evict(uint64_t bytes_needed) {
                      " of ", stored_bytes_, " stored bytes are unpinned"));
   }
   EvictionResult result;
-  for (auto it = lru_.begin(); it != lru_.end() && result.freed_bytes < bytes_needed;) {
-    const EntryId id = it->second;
-    ++it;
-    if (entries_.at(id).pins > 0) continue;
-    RemoveInto(id, PrefixEventKind::kEvicted, "", result);
-  }
+  EvictLruUntil([&](const EvictionResult& so_far) { return so_far.freed_bytes >= bytes_needed; },
+                result);
   return result;
 }
 

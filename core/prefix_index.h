@@ -46,6 +46,7 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
+#include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
@@ -299,7 +300,11 @@ class PrefixIndex {
 
   // Evicts LRU unpinned entries (oldest tick first, then lowest id) until at least
   // `bytes_needed` are freed. All or nothing: RESOURCE_EXHAUSTED (needed, evictable) when
-  // EvictableBytes() < bytes_needed, evicting nothing.
+  // EvictableBytes() < bytes_needed, evicting nothing. An entry whose eviction would free
+  // nothing now (every block shared with a sibling, no boundary state: a prefix of a longer
+  // entry) is passed over, and taken only once an eviction has made some of its bytes its own:
+  // a chat's older, shorter prefixes outlive the tail of its newest, longest one, instead of
+  // all going for the bytes that tail alone frees. (Budget eviction follows the same rule.)
   absl::StatusOr<EvictionResult> Evict(uint64_t bytes_needed);
   // Admin eviction of one entry: NOT_FOUND, or FAILED_PRECONDITION when pinned.
   absl::StatusOr<EvictionResult> EvictEntry(EntryId entry);
@@ -403,6 +408,12 @@ class PrefixIndex {
                   EvictionResult& result);
   // Evicts LRU unpinned entries while StoredBytes() > target; returns what it freed.
   EvictionResult EvictDownTo(uint64_t target);
+  // The eviction order both use: LRU unpinned entries that free bytes, until `done()`; an
+  // entry that would free nothing is passed over and taken (in LRU order among those passed
+  // over) as soon as an eviction makes it free something.
+  void EvictLruUntil(absl::FunctionRef<bool(const EvictionResult&)> done, EvictionResult& result);
+  // Whether removing `entry` now frees bytes: a block only it uses, or its boundary state.
+  bool FreesBytes(EntryId id, const Entry& entry) const;
 
   // Constant after construction, except budget_bytes (SetBudget).
   PrefixIndexOptions options_;

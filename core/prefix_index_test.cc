@@ -353,6 +353,34 @@ TEST_F(PrefixIndexTest, LruEvictsOldestTickFirstAndPinTouches) {
   EXPECT_EQ(index_->Stats().evicted_entries, 3u);
 }
 
+// A chat's captures nest: each turn's entry is a prefix of the next one's. Eviction for a few
+// blocks takes the newest, longest entry's tail (the only bytes anything frees) and keeps the
+// older prefixes, which the LRU order alone would have thrown away first for nothing.
+TEST_F(PrefixIndexTest, EvictionPassesOverEntriesThatWouldFreeNothing) {
+  const EntryId turn1 = MustCapture(Seq(0, 8), 8, kFlat, 1);    // blocks 1, 2
+  const EntryId turn2 = MustCapture(Seq(0, 12), 12, kFlat, 2);  // + block 3
+  const EntryId turn3 = MustCapture(Seq(0, 16), 16, kFlat, 3);  // + block 4
+  absl::StatusOr<EvictionResult> trimmed = index_->Evict(100);  // one block's bytes
+  ASSERT_THAT(trimmed, IsOk());
+  EXPECT_THAT(trimmed->entries, ElementsAre(turn3));
+  EXPECT_THAT(trimmed->freed_handles, ElementsAre(4u));
+  EXPECT_TRUE(index_->GetEntry(turn1).ok());
+  EXPECT_TRUE(index_->GetEntry(turn2).ok());
+  // More than the tail: each eviction leaves the next prefix its own blocks, taken in turn.
+  absl::StatusOr<EvictionResult> rest = index_->Evict(300);
+  ASSERT_THAT(rest, IsOk());
+  EXPECT_THAT(rest->entries, ElementsAre(turn2, turn1));
+  EXPECT_THAT(rest->freed_handles, ElementsAre(3u, 1u, 2u));
+  EXPECT_EQ(index_->StoredBytes(), 0u);
+  // A budget squeeze follows the same rule.
+  const EntryId short_again = MustCapture(Seq(0, 8), 8, kFlat, 4);
+  const EntryId long_again = MustCapture(Seq(0, 16), 16, kFlat, 5);
+  EvictionResult squeezed = index_->SetBudget(200);
+  EXPECT_THAT(squeezed.entries, ElementsAre(long_again));
+  EXPECT_TRUE(index_->GetEntry(short_again).ok());
+  EXPECT_THAT(index_->CheckInvariants(), IsOk());
+}
+
 TEST_F(PrefixIndexTest, PinnedEntriesAndTheirSharedBlocksSurviveEvictionPressure) {
   const std::vector<int32_t> system = Seq(1000, 8);
   const EntryId a = MustCapture(Tokens({system, Seq(1, 4)}), 12, kFlat, 1);
