@@ -545,42 +545,44 @@ void PrefixIndex::RemoveInto(EntryId id, PrefixEventKind kind, std::string_view 
 }
 
 bool PrefixIndex::FreesBytes(EntryId id, const Entry& entry) const {
-  if (entry.boundary.has_value()) return true;
-  for (const BlockKey& key : entry.chain) {
-    const Block& block = blocks_.at(key);
-    if (block.users.size() == 1 && block.users.contains(id)) return true;
-  }
-  return false;
+  if (entry.boundary.has_value() || entry.chain.empty()) return true;
+  // Block keys chain every token before them, so an entry sharing any block shares all the
+  // blocks before it: the entry frees some block iff it is the only user of its last one.
+  const Block& last = blocks_.at(entry.chain.back());
+  return last.users.size() == 1 && last.users.contains(id);
 }
 
 void PrefixIndex::EvictLruUntil(absl::FunctionRef<bool(const EvictionResult&)> done,
                                 EvictionResult& result) {
-  // Entries passed over, in LRU order. Each eviction can make earlier ones free something (an
-  // extension gone leaves its prefix's blocks to the prefix): they are looked at again first.
-  std::vector<EntryId> passed_over;
-  const auto take_passed_over = [&] {
-    for (size_t i = 0; i < passed_over.size() && !done(result);) {
-      const EntryId id = passed_over[i];
-      if (!FreesBytes(id, entries_.at(id))) {
-        ++i;
-        continue;
-      }
-      passed_over.erase(passed_over.begin() + static_cast<std::ptrdiff_t>(i));
-      RemoveInto(id, PrefixEventKind::kEvicted, "", result);
-      i = 0;
+  // Entries passed over (they would free nothing), and those of them an eviction has since
+  // left the only user of a block (ready, taken least recent first, before the walk goes on).
+  absl::flat_hash_set<EntryId> passed_over;
+  std::set<std::pair<uint64_t, EntryId>> ready;
+  const auto evict = [&](EntryId id) {
+    const std::vector<BlockKey> chain = entries_.at(id).chain;
+    RemoveInto(id, PrefixEventKind::kEvicted, "", result);
+    for (const BlockKey& key : chain) {
+      auto block = blocks_.find(key);
+      if (block == blocks_.end() || block->second.users.size() != 1) continue;
+      const EntryId user = *block->second.users.begin();
+      if (passed_over.erase(user) > 0) ready.insert({entries_.at(user).last_use_tick, user});
     }
   };
   for (auto it = lru_.begin(); it != lru_.end() && !done(result);) {
     const EntryId id = it->second;
-    ++it;  // RemoveInto erases only the removed entries' elements; `it` is none of them
+    ++it;  // only `id` and entries passed over (all behind `it`) are removed below
     const Entry& entry = entries_.at(id);
     if (entry.pins > 0) continue;
     if (!FreesBytes(id, entry)) {
-      passed_over.push_back(id);
+      passed_over.insert(id);
       continue;
     }
-    RemoveInto(id, PrefixEventKind::kEvicted, "", result);
-    take_passed_over();
+    evict(id);
+    while (!ready.empty() && !done(result)) {
+      const EntryId next = ready.begin()->second;
+      ready.erase(ready.begin());
+      evict(next);
+    }
   }
 }
 

@@ -559,25 +559,41 @@ void PrefixCache::MakeHostRoom() {
 }
 
 size_t PrefixCache::EvictForRoomIn(StorageMedium medium, absl::FunctionRef<bool()> has_room) {
-  size_t evicted = 0;
-  std::optional<EntryId> next = index_.LeastRecentEntry();
-  while (next.has_value() && !has_room()) {
-    const EntryId id = *next;
-    // Read before `id` may leave the index (evicting it removes no other entry).
-    next = index_.EntryUsedAfter(id).value_or(std::nullopt);
-    // Pinned: a refusal, skipped.
+  const auto in_medium = [&](uint64_t handle) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    auto it = storage_.find(handle);
+    return it != storage_.end() && it->second.medium == medium && !moving_.contains(handle);
+  };
+  // One pass over the LRU order, evicting the entries `qualifies` accepts.
+  const auto pass = [&](auto qualifies) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    size_t evicted = 0;
+    std::optional<EntryId> next = index_.LeastRecentEntry();
+    while (next.has_value() && !has_room()) {
+      const EntryId id = *next;
+      // Read before `id` may leave the index (evicting it removes no other entry).
+      next = index_.EntryUsedAfter(id).value_or(std::nullopt);
+      if (!qualifies(id)) continue;
+      absl::StatusOr<EvictionResult> eviction = index_.EvictEntry(id);
+      if (!eviction.ok()) continue;  // pinned
+      FreeHandles(eviction->freed_handles);
+      ++evicted;
+    }
+    return evicted;
+  };
+  // First: only entries whose eviction frees a piece there (HandlesFreedByEvicting refuses a
+  // pinned entry).
+  size_t evicted = pass([&](EntryId id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     absl::StatusOr<std::vector<uint64_t>> freed = index_.HandlesFreedByEvicting(id);
-    if (!freed.ok()) continue;
-    const bool frees_room = std::any_of(freed->begin(), freed->end(), [&](uint64_t handle) {
-      auto it = storage_.find(handle);
-      return it != storage_.end() && it->second.medium == medium && !moving_.contains(handle);
-    });
-    if (!frees_room) continue;
-    absl::StatusOr<EvictionResult> eviction = index_.EvictEntry(id);
-    if (!eviction.ok()) continue;
-    FreeHandles(eviction->freed_handles);
-    ++evicted;
-  }
+    return freed.ok() && std::any_of(freed->begin(), freed->end(), in_medium);
+  });
+  if (has_room()) return evicted;
+  // Then entries holding a piece there: a prefix and its extension go in LRU order until the
+  // pieces they share are freed.
+  evicted += pass([&](EntryId id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    absl::StatusOr<EntryView> view = index_.GetEntry(id);
+    if (!view.ok() || view->pins > 0) return false;
+    const std::vector<uint64_t> handles = EntryHandles(*view);
+    return std::any_of(handles.begin(), handles.end(), in_medium);
+  });
   return evicted;
 }
 

@@ -603,7 +603,10 @@ class PrefixCache {
   // (and not being moved down) until `has_room()`, in one pass over the LRU order: an entry
   // whose pieces there are all shared with a sibling (a prefix and its extension) would leave
   // the cache for no room, so it stays. Each entry is judged when visited (evicting an earlier
-  // one may have left it sole user of a shared piece). Returns how many entries it evicted.
+  // one may have left it sole user of a shared piece). When that pass leaves no room (the
+  // shared pieces there belong to a prefix and an extension whose own pieces lie elsewhere:
+  // neither alone frees them), a second pass evicts LRU entries holding a piece there, so the
+  // tier never stays full for good. Returns how many entries it evicted.
   size_t EvictForRoomIn(StorageMedium medium, absl::FunctionRef<bool()> has_room)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Evicts LRU entries whose eviction frees a piece on disk until the disk tier has room for

@@ -1938,6 +1938,46 @@ TEST_F(PrefixCacheTest, AFullTierEvictsOnlyEntriesThatFreeRoomThere) {
   }
 }
 
+// The tier below holds only pieces that prefixes share with their extensions, whose own pieces
+// are above: no entry alone frees one. Room is still made (the second pass takes prefixes and
+// extensions holding pieces there, LRU first), instead of the tier staying full for good and
+// every demotion to it failing.
+TEST_F(PrefixCacheTest, ATierFullOfSharedPiecesStillMakesRoom) {
+  for (const StorageMedium below : {StorageMedium::kDisk, StorageMedium::kPinnedHost}) {
+    SCOPED_TRACE(StorageMediumName(below));
+    ASSERT_NO_FATAL_FAILURE(UseFourPieceTiers(below, "shared-full"));
+    const ChurnSource first = BlocksSource(4, 1, 21);
+    const ChurnSource second = BlocksSource(4, 2, 22);
+    const EntryId first_prefix = CaptureChecked(first, 2 * kBlock);
+    const EntryId first_whole = CaptureChecked(first, 4 * kBlock);
+    CaptureChecked(second, 2 * kBlock);  // the first prefix's 2 pieces go below
+    EXPECT_EQ(CaptureChecked(first, 4 * kBlock), first_whole);  // used again
+    const EntryId second_whole = CaptureChecked(second, 4 * kBlock);  // the second prefix's go
+    PrefixCacheStats stats = cache_->Stats();
+    ASSERT_EQ(stats.tiers.size(), 2u);
+    ASSERT_EQ(stats.tiers[1].stored_bytes, 4 * kFlatSpanBytes);  // full: 4 shared pieces
+    ASSERT_EQ(stats.tiers[0].stored_bytes, 4 * kFlatSpanBytes);  // the two extensions' own
+    EXPECT_EQ(stats.evicted_entries, 0u);
+
+    // An admission: the first extension's own pieces must go below, which is full of shared
+    // pieces: the first prefix and extension (least recently used) leave for room.
+    cache_->ReleaseEmptySlabs();
+    EXPECT_EQ(cache_->EvictForAdmission(2 * kFlatSpanBytes), 2 * kFlatSpanBytes);
+    EXPECT_THAT(cache_->Inspect(first_prefix).status(),
+                StatusIs(absl::StatusCode::kNotFound, HasSubstr("not found")));
+    stats = cache_->Stats();
+    EXPECT_LE(stats.tiers[1].stored_bytes, 4 * kFlatSpanBytes);
+    EXPECT_LE(stats.tiers[0].stored_bytes, 2 * kFlatSpanBytes);
+    EXPECT_THAT(cache_->CheckInvariants(), IsOk());
+    // The newest entry is whole and restores bit-exactly.
+    auto dest = NewSession(FlatPlan(), 128);
+    ASSERT_THAT(cache_->Restore(*dest, second_whole, second.tokens).status(), IsOk());
+    EXPECT_EQ(KvRows(*dest, 4 * kBlock), KvRows(*second.session, 4 * kBlock));
+    EXPECT_THAT(cache_->CheckInvariants(), IsOk());
+    cache_.reset();
+  }
+}
+
 // Room is made in one pass over the LRU order, each entry judged when it is reached: evicting
 // an extension leaves its prefix the only user of their shared pieces, so the prefix, reached
 // next, frees room too and goes, while the entries whose pieces are moving down stay.

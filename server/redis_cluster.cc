@@ -450,19 +450,20 @@ absl::Status RedisClusterClient::BackOffRefusal(const Node& node, absl::string_v
 absl::StatusOr<std::vector<RedisClusterClient::ReplyPtr>> RedisClusterClient::RunOnNode(
     Node& node, absl::string_view operation, std::optional<uint16_t> slot,
     const std::vector<std::vector<absl::string_view>>& commands) {
-  if (!node.mu.TryLock()) {
-    // Busy. When its last call failed, the holder is the one retry of a failed node: wait for
-    // nothing (a stalled node would hold every queued caller for its whole timeout).
-    if (!node.answered.load()) {
-      return BackOffRefusal(node, operation, slot,
-                            "its last call failed and its one retry is in flight");
-    }
-    node.mu.Lock();
+  // A call in flight on a node whose last call failed is that node's one retry: wait for
+  // nothing (a stalled node would hold every queued caller for its whole timeout). A caller
+  // that races past this check queues as any caller of a busy node does.
+  if (!node.answered.load() && node.in_flight.load()) {
+    return BackOffRefusal(node, operation, slot,
+                          "its last call failed and its one retry is in flight");
   }
-  absl::StatusOr<std::vector<ReplyPtr>> replies =
-      RunOnNodeLocked(node, operation, slot, commands);
-  node.mu.Unlock();
-  return replies;
+  absl::MutexLock node_lock(&node.mu);
+  struct InFlight {
+    std::atomic<bool>& flag;
+    explicit InFlight(std::atomic<bool>& f) : flag(f) { flag.store(true); }
+    ~InFlight() { flag.store(false); }
+  } in_flight(node.in_flight);
+  return RunOnNodeLocked(node, operation, slot, commands);
 }
 
 absl::StatusOr<std::vector<RedisClusterClient::ReplyPtr>> RedisClusterClient::RunOnNodeLocked(
@@ -594,6 +595,7 @@ absl::Status RedisClusterClient::ConnectLocked(Node& node, absl::string_view ope
           options_.user.empty() ? "the requirepass password"
                                 : absl::StrCat("user '", options_.user, "' and its password");
       // The node answered: a configuration problem, not the node's failure (no back-off).
+      node.answered.store(true);
       return absl::UnauthenticatedError(
           absl::StrCat("redis cluster ", operation, ": ", where, " refused ", who, " from ",
                        options_.password_file, ": ", ReplyText(*reply)));

@@ -170,6 +170,9 @@ class RedisClusterClient {
     // Unix ns before which no connect is tried (the back-off after a failure); atomic so a
     // refresh can order candidates without taking every node's mutex.
     std::atomic<int64_t> retry_after_ns{0};
+    // A call holds the node's connection (set and cleared under mu): with `answered` false,
+    // that call is the failed node's one retry and other callers are refused, not queued.
+    std::atomic<bool> in_flight{false};
 
     absl::Mutex mu;
     redisContext* context ABSL_GUARDED_BY(mu) = nullptr;  // null: not connected
@@ -204,7 +207,7 @@ class RedisClusterClient {
   // and the slot map is marked stale.
   absl::StatusOr<std::vector<ReplyPtr>> RunOnNode(
       Node& node, absl::string_view operation, std::optional<uint16_t> slot,
-      const std::vector<std::vector<absl::string_view>>& commands) ABSL_LOCKS_EXCLUDED(node.mu);
+      const std::vector<std::vector<absl::string_view>>& commands);
   absl::StatusOr<std::vector<ReplyPtr>> RunOnNodeLocked(
       Node& node, absl::string_view operation, std::optional<uint16_t> slot,
       const std::vector<std::vector<absl::string_view>>& commands)

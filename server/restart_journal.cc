@@ -156,7 +156,8 @@ void RestartJournal::RaiseNextEngineId(uint64_t next) { Raise(header()->next_eng
 void RestartJournal::RaiseNextSessionId(uint64_t next) { Raise(header()->next_session_id, next); }
 
 uint64_t RestartJournal::session_slot_limit() const {
-  return std::max(header()->session_slot_limit.load(), slots_);
+  // Clamped: a header word is no license to grow a slot table past what any journal holds.
+  return std::min(std::max(header()->session_slot_limit.load(), slots_), kMaxSlots);
 }
 void RestartJournal::RaiseSessionSlotLimit(uint64_t limit) {
   Raise(header()->session_slot_limit, limit);

@@ -60,7 +60,8 @@ class RestartJournal {
   // Above every session slot (SessionRegistry's dense slot numbers) any session this journal
   // records can hold: at least slots() (a daemon holds fewer sessions than its journal has
   // records), raised to the previous daemon's limit by a daemon that re-adopts its sessions
-  // (they keep their slots, whatever this daemon's own size). A record past it is corrupt.
+  // (they keep their slots, whatever this daemon's own size); at most kMaxSlots. A record past
+  // it is corrupt.
   uint64_t session_slot_limit() const;
   void RaiseSessionSlotLimit(uint64_t limit);
 

@@ -62,6 +62,9 @@ TEST(RestartJournal, TheSessionSlotLimitIsCarriedAcrossRestarts) {
   std::unique_ptr<RestartJournal> reopened = Reopen(**journal);
   ASSERT_NE(reopened, nullptr);
   EXPECT_EQ(reopened->session_slot_limit(), 1001u);
+  // Never past what any journal could hold, whatever the header says.
+  reopened->RaiseSessionSlotLimit(uint64_t{1} << 40);
+  EXPECT_EQ(reopened->session_slot_limit(), RestartJournal::kMaxSlots);
   // The field is the header's u64 at offset 56 (after magic, format + slot bytes, slots,
   // epoch, generation and the two id marks): zero it as an older journal has it.
   const uint64_t zero = 0;
