@@ -18,6 +18,7 @@ import hashlib
 import logging
 import mmap
 import os
+import re
 import threading
 import weakref
 from dataclasses import dataclass, field
@@ -252,10 +253,11 @@ class BlockStore:
         self._client = client
         self._stub = block_store_pb2_grpc.KvBlockStoreStub(client._channel)
         # Offers a refused registration left unconsumed: HostPool -> (handoff connection,
-        # buffer id). The daemon keeps an offer until a registration consumes it (an id is
-        # used up by one registration) or its connection closes, so the pool's next register
-        # over the same connection names it again instead of leaving one more offer behind
-        # (each counts against the engine's offer and byte caps until the connection closes).
+        # buffer id). The daemon erases offers only when a registration succeeds (an id is
+        # used up by one registration) or their connection closes: every refusal leaves them
+        # waiting, so the pool's next register over the same connection names them again
+        # instead of leaving one more offer behind (each counts against the engine's offer
+        # and byte caps until the connection closes).
         self._unconsumed_offers = weakref.WeakKeyDictionary()  # guarded by _offers_lock
         self._offers_lock = threading.Lock()
 
@@ -275,10 +277,11 @@ class BlockStore:
         the handoff socket first) or CudaBuffer (cuda backend), `layout` what lives where.
         Returns the Registration (its KV groups' layout fingerprints and stored block bytes).
 
-        Each register offers the HostPools anew: a registration uses its offers up, so one id
-        never serves two registrations. Only the offers of a registration the daemon refused
-        for its limits or layout (RESOURCE_EXHAUSTED, INVALID_ARGUMENT: nothing consumed) are
-        named again, by the next register over the same handoff connection."""
+        A registration uses its offers up, so one id never serves two registrations. A refused
+        one consumed none: whatever the refusal (limits, layout, a buffer range, a deadline),
+        the next register of the same pools over the same handoff connection names those
+        offers again, except an offer the daemon answered NOT_FOUND for (used up, say by a
+        registration whose answer was lost): that pool is offered anew."""
         request = bs.RegisterEngineBuffersRequest(
             engine=self._engine("register"), num_blocks=layout.num_blocks,
             tokens_per_block=layout.tokens_per_block,
@@ -306,9 +309,10 @@ class BlockStore:
             sent = True
             response = _call(self._stub.RegisterEngineBuffers, request, self._t(timeout))
         except KvError as error:
-            if not sent or error.code in _REFUSED_UNCONSUMED:
-                with self._offers_lock:
-                    for pool, connection, buffer_id in offered:
+            unknown = _unknown_offer(error) if sent else None
+            with self._offers_lock:
+                for pool, connection, buffer_id in offered:
+                    if unknown is None or unknown not in (_ANY_OFFER, buffer_id):
                         self._unconsumed_offers[pool] = (connection, buffer_id)
             raise
         return Registration(response.registration_id, layout,
@@ -376,9 +380,20 @@ def _id(registration):
     return getattr(registration, "id", registration)
 
 
-# A registration refused with these codes was refused before the daemon took its offers (its
-# limits, its layout): they stay valid for the next registration.
-_REFUSED_UNCONSUMED = (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.INVALID_ARGUMENT)
+# RegisterEngineBuffers' NOT_FOUND for an offer id it does not hold (server/block_store.cc
+# BlockStore::Register): "buffer I: no offered buffer ID (...".
+_NO_OFFER = re.compile(r"buffer \d+: no offered buffer (\d+) ")
+_ANY_OFFER = -1
+
+
+def _unknown_offer(error):
+    """The offer id a refused registration names as unknown or used up (NOT_FOUND), _ANY_OFFER
+    for a NOT_FOUND that names none this client can read, None for any other refusal (the
+    daemon took no offer: they all stay valid)."""
+    if error.code != grpc.StatusCode.NOT_FOUND:
+        return None
+    match = _NO_OFFER.match(error.message)
+    return int(match.group(1)) if match else _ANY_OFFER
 
 
 class KeptRegistration:

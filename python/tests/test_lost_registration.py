@@ -5,8 +5,10 @@ epoch). The next save or load through the vLLM and the SGLang adapter re-registe
 pool once and works, with the pool's bytes; a re-registration the daemon refuses surfaces with
 its code and numbers, and its offer is named again by the next try."""
 
+import dataclasses
 import logging
 import os
+import re
 import signal
 
 import grpc
@@ -342,3 +344,72 @@ def test_refusals_that_are_not_a_lost_registration_are_not_retried(kvd, caplog):
                                          "groups 0)")
         assert kept.registration is registration and kept.reregistrations == 0
         assert reregistrations(caplog) == []
+
+
+# ---- offers a refused registration leaves waiting ----
+
+def offered_buffer_of(message):
+    return int(re.search(r"offered buffer (\d+)", message).group(1))
+
+
+def test_a_registration_refused_for_its_buffer_range_names_its_offer_again(kvd):
+    """The daemon keeps an offer through any refusal of the registration naming it (only a
+    registration that succeeds uses it up): after FAILED_PRECONDITION, as after
+    RESOURCE_EXHAUSTED, the next register names the same offer. One waiting offer of all
+    engines here: a second offer of the pool would be refused by that limit instead."""
+    daemon = kvd(*DAEMON_FLAGS, *ONE_SLOT)
+    with daemon.client("py-offers") as client:
+        pool, kv_buffer = sglang_pool()
+        layout = host_pool_layout(kv_buffer, pool, PAGE, MODEL)
+        store = BlockStore(client)
+        other = take_the_slot(client)
+        with pytest.raises(KvError) as full:
+            store.register([pool], layout)
+        assert full.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert full.value.message == slot_refusal(client)
+        store.unregister(other)
+
+        # An engine that states its pool 4 KiB larger than the file: a range past the buffer.
+        file_bytes = pool.nbytes
+        pool.nbytes = file_bytes + 4096
+        with pytest.raises(KvError) as past:
+            store.register([pool], layout)
+        pool.nbytes = file_bytes
+        assert past.value.code == grpc.StatusCode.FAILED_PRECONDITION
+        offer = offered_buffer_of(past.value.message)
+        assert past.value.message == ("buffer 0: %d bytes at offset 0 of offered buffer %d, "
+                                      "which holds %d" % (file_bytes + 4096, offer, file_bytes))
+
+        registration = store.register([pool], layout)
+        assert store.lookup(registration, hashes=[b"x"]).matched_blocks == 0
+        # The offer was used up by that registration: the limit has room for a new one.
+        store.unregister(registration)
+        assert store.register([pool], layout).id > registration.id
+
+
+def test_an_offer_the_daemon_no_longer_holds_is_offered_anew(kvd):
+    """A register refused NOT_FOUND for its kept offer (used up by a registration whose
+    answer the client never read) names that id no more: the next register offers the pool
+    anew and succeeds (naming the id again would be NOT_FOUND again)."""
+    daemon = kvd(*DAEMON_FLAGS, "--block_store_max_offers=1")
+    with daemon.client("py-offers") as client:
+        pool, kv_buffer = sglang_pool()
+        layout = host_pool_layout(kv_buffer, pool, PAGE, MODEL)
+        store = BlockStore(client)
+        with pytest.raises(KvError) as bad_layout:  # twice the blocks the pool holds
+            store.register([pool], dataclasses.replace(layout, num_blocks=2 * layout.num_blocks))
+        assert bad_layout.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        # The registration whose answer was lost: made with the same offer id, by another
+        # BlockStore of the engine that was handed it.
+        lost_answer = BlockStore(client)
+        lost_answer._unconsumed_offers[pool] = store._unconsumed_offers[pool]
+        offer = store._unconsumed_offers[pool][1]
+        consumed = lost_answer.register([pool], layout)
+
+        with pytest.raises(KvError) as gone:
+            store.register([pool], layout)
+        assert gone.value.code == grpc.StatusCode.NOT_FOUND
+        assert gone.value.message.startswith("buffer 0: no offered buffer %d " % offer)
+        registration = store.register([pool], layout)
+        assert registration.id > consumed.id
+        assert store.lookup(registration, hashes=[b"x"]).matched_blocks == 0
