@@ -196,6 +196,7 @@ class Registration:
     id: int
     layout: PoolLayout
     groups: List[KvGroup]
+    engine_id: int = 0  # the engine that registered it (the request's)
 
 
 @dataclass
@@ -317,7 +318,8 @@ class BlockStore:
             raise
         return Registration(response.registration_id, layout,
                             [KvGroup(g.kv_group, g.layout_fingerprint, g.block_bytes,
-                                     g.state_bytes) for g in response.groups])
+                                     g.state_bytes) for g in response.groups],
+                            request.engine.engine_id)
 
     def _offer(self, pool):
         """(connection, buffer id) naming `pool` for one registration: its unconsumed offer
@@ -403,10 +405,13 @@ class KeptRegistration:
     The daemon forgets a registration behind the engine's back: it restarted (registrations
     are not journaled), the engine's lease was lost and the client attached anew, an operator
     or another call unregistered it. A call refused for that (NOT_FOUND "no registration N",
-    or any refusal once the client's lease is lost for good), or made while the client's
-    engine or daemon epoch is not the one registered under (whose registration ids name
-    another daemon's or engine's registrations: never used), re-registers the same buffers and
-    layout first (Client.attach_anew first when the lease is lost) and is made once more. At
+    or any refusal once the client's lease is lost for good), or made while the client is
+    another engine than the one that registered, re-registers the same buffers and layout
+    first (Client.attach_anew first when the lease is lost) and is made once more. A daemon
+    restart alone is no reason: registration ids count up from a per-epoch base
+    (BlockStore::FirstIdOfEpoch), so the old id sent once to the new daemon is answered
+    NOT_FOUND, never names another pool's registration, and re-registering only then leaves
+    no second registration behind (the epoch read around a racing re-attach could). At
     most one re-registration and one retry a call, never a loop: a second refusal, or the
     re-registration's own, is raised. Blocks stored under the old registration may be gone: a
     load then misses, its bytes are never another pool's. Thread-safe: concurrent calls that
@@ -420,7 +425,7 @@ class KeptRegistration:
         self._timeout = timeout
         self._lock = threading.Lock()
         self.reregistrations = 0
-        self._registration, self._made_under = self._register()  # guarded by _lock
+        self._registration = self._register()  # guarded by _lock
 
     @property
     def registration(self) -> Registration:
@@ -428,35 +433,36 @@ class KeptRegistration:
             return self._registration
 
     def _register(self):
-        """A new Registration and the (engine id, epoch) it was made under, read before the
-        call: a re-attach racing it leaves the pair stale, so the next call registers again
-        rather than name an id of a daemon that may not be the one answering."""
-        made_under = (self._client.engine_id, self._client.epoch)
-        return self._store.register(self._buffers, self._layout, self._timeout), made_under
+        return self._store.register(self._buffers, self._layout, self._timeout)
 
     def _stale_locked(self):
-        """Why the registration cannot be named now (a phrase), or None."""
+        """Why the registration cannot be named now (a phrase), or None.
+
+        An engine id other than the registering one (another thread's attach_anew replaced
+        the lost engine) is checked, not left to the daemon: that daemon ended the old
+        engine, but until its registrations are dropped with it the old id is answered
+        PERMISSION_DENIED (another engine's), which is not a lost registration and would be
+        raised. Nothing leaks: the new engine holds none, the old one's end with it. The
+        engine id is the one the register request carried, so a racing re-attach cannot make
+        it stale."""
         lost = self._client.lease_lost
         if lost is not None:
             return "the lease was lost (%s)" % lost
-        engine_id, epoch = self._made_under
+        engine_id = self._registration.engine_id
         if self._client.engine_id != engine_id:
             return "the client is engine %d now, not engine %d" % (self._client.engine_id,
                                                                    engine_id)
-        if self._client.epoch != epoch:
-            return "the daemon restarted (epoch %d -> %d)" % (epoch, self._client.epoch)
         return None
 
     def _renew_locked(self, why):
         old = self._registration
-        old_engine = self._made_under[0]
         if self._client.lease_lost is not None:
             self._client.attach_anew(self._timeout)
-        self._registration, self._made_under = self._register()
+        self._registration = self._register()
         self.reregistrations += 1
         log.warning("re-registered the pool (%s): registration %d of engine %d -> "
-                    "registration %d of engine %d", why, old.id, old_engine,
-                    self._registration.id, self._made_under[0])
+                    "registration %d of engine %d", why, old.id, old.engine_id,
+                    self._registration.id, self._registration.engine_id)
         return self._registration
 
     def _forgotten(self, error, registration):

@@ -203,9 +203,13 @@ def test_sglang_sets_and_gets_after_its_registration_was_unregistered(kvd, caplo
 
 def test_sglang_carries_on_after_a_supervised_restart_as_the_same_engine(kvd, caplog):
     """Under memra-kv-supervise the engine comes back (same id, the next epoch) but the
-    registration does not: its old id is never named to the new daemon."""
+    registration does not: the first call names the old id once, the new daemon answers
+    NOT_FOUND (ids are per epoch), and the pool is registered again, once. One registration
+    an engine here: a second one left behind would make the re-registration or the check
+    after it fail."""
     caplog.set_level(logging.WARNING, logger="memra_kv.block_store")
-    daemon = kvd("--lease_timeout_ms=60000", *DAEMON_FLAGS, supervised=True)
+    daemon = kvd("--lease_timeout_ms=60000", *DAEMON_FLAGS, "--block_store_max_registrations=1",
+                 supervised=True)
     with daemon.client("sglang-tp0") as client:
         backend, kv_buffer = sglang_backend(client, staged=False)
         fill_pages(kv_buffer, [0, 1, 2, 3], 0)
@@ -218,9 +222,14 @@ def test_sglang_carries_on_after_a_supervised_restart_as_the_same_engine(kvd, ca
         assert backend.batch_set_v1(SGLANG_KEYS, host_indices([0, 1, 2, 3])) == [True] * 4
         assert backend.batch_get_v1(SGLANG_KEYS, host_indices([4, 9, 1, 20])) == [True] * 4
         assert pages_hold(kv_buffer, [4, 9, 1, 20], 0) == [True] * 4
+        assert backend.registration.id != old
         assert reregistrations(caplog) == [REREGISTERED % (
-            "the daemon restarted (epoch %d -> %d)" % (epoch, epoch + 1), old, engine,
+            "no registration %d (unregistered, or its engine's lease ended)" % old, old, engine,
             backend.registration.id, engine)]
+        with pytest.raises(KvError) as full:
+            take_the_slot(client)
+        assert full.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert full.value.message == slot_refusal(client)
 
 
 # ---- what is not re-made, and what is not retried ----
@@ -381,6 +390,7 @@ def test_a_registration_refused_for_its_buffer_range_names_its_offer_again(kvd):
                                       "which holds %d" % (file_bytes + 4096, offer, file_bytes))
 
         registration = store.register([pool], layout)
+        assert registration.engine_id == client.engine_id
         assert store.lookup(registration, hashes=[b"x"]).matched_blocks == 0
         # The offer was used up by that registration: the limit has room for a new one.
         store.unregister(registration)
