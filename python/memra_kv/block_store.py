@@ -18,6 +18,7 @@ import hashlib
 import logging
 import mmap
 import os
+import re
 import threading
 import weakref
 from dataclasses import dataclass, field
@@ -195,6 +196,7 @@ class Registration:
     id: int
     layout: PoolLayout
     groups: List[KvGroup]
+    engine_id: int = 0  # the engine that registered it (the request's)
 
 
 @dataclass
@@ -252,10 +254,11 @@ class BlockStore:
         self._client = client
         self._stub = block_store_pb2_grpc.KvBlockStoreStub(client._channel)
         # Offers a refused registration left unconsumed: HostPool -> (handoff connection,
-        # buffer id). The daemon keeps an offer until a registration consumes it (an id is
-        # used up by one registration) or its connection closes, so the pool's next register
-        # over the same connection names it again instead of leaving one more offer behind
-        # (each counts against the engine's offer and byte caps until the connection closes).
+        # buffer id). The daemon erases offers only when a registration succeeds (an id is
+        # used up by one registration) or their connection closes: every refusal leaves them
+        # waiting, so the pool's next register over the same connection names them again
+        # instead of leaving one more offer behind (each counts against the engine's offer
+        # and byte caps until the connection closes).
         self._unconsumed_offers = weakref.WeakKeyDictionary()  # guarded by _offers_lock
         self._offers_lock = threading.Lock()
 
@@ -275,10 +278,11 @@ class BlockStore:
         the handoff socket first) or CudaBuffer (cuda backend), `layout` what lives where.
         Returns the Registration (its KV groups' layout fingerprints and stored block bytes).
 
-        Each register offers the HostPools anew: a registration uses its offers up, so one id
-        never serves two registrations. Only the offers of a registration the daemon refused
-        for its limits or layout (RESOURCE_EXHAUSTED, INVALID_ARGUMENT: nothing consumed) are
-        named again, by the next register over the same handoff connection."""
+        A registration uses its offers up, so one id never serves two registrations. A refused
+        one consumed none: whatever the refusal (limits, layout, a buffer range, a deadline),
+        the next register of the same pools over the same handoff connection names those
+        offers again, except an offer the daemon answered NOT_FOUND for (used up, say by a
+        registration whose answer was lost): that pool is offered anew."""
         request = bs.RegisterEngineBuffersRequest(
             engine=self._engine("register"), num_blocks=layout.num_blocks,
             tokens_per_block=layout.tokens_per_block,
@@ -306,14 +310,16 @@ class BlockStore:
             sent = True
             response = _call(self._stub.RegisterEngineBuffers, request, self._t(timeout))
         except KvError as error:
-            if not sent or error.code in _REFUSED_UNCONSUMED:
-                with self._offers_lock:
-                    for pool, connection, buffer_id in offered:
+            unknown = _unknown_offer(error) if sent else None
+            with self._offers_lock:
+                for pool, connection, buffer_id in offered:
+                    if unknown is None or unknown not in (_ANY_OFFER, buffer_id):
                         self._unconsumed_offers[pool] = (connection, buffer_id)
             raise
         return Registration(response.registration_id, layout,
                             [KvGroup(g.kv_group, g.layout_fingerprint, g.block_bytes,
-                                     g.state_bytes) for g in response.groups])
+                                     g.state_bytes) for g in response.groups],
+                            request.engine.engine_id)
 
     def _offer(self, pool):
         """(connection, buffer id) naming `pool` for one registration: its unconsumed offer
@@ -376,9 +382,20 @@ def _id(registration):
     return getattr(registration, "id", registration)
 
 
-# A registration refused with these codes was refused before the daemon took its offers (its
-# limits, its layout): they stay valid for the next registration.
-_REFUSED_UNCONSUMED = (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.INVALID_ARGUMENT)
+# RegisterEngineBuffers' NOT_FOUND for an offer id it does not hold (server/block_store.cc
+# BlockStore::Register): "buffer I: no offered buffer ID (...".
+_NO_OFFER = re.compile(r"buffer \d+: no offered buffer (\d+) ")
+_ANY_OFFER = -1
+
+
+def _unknown_offer(error):
+    """The offer id a refused registration names as unknown or used up (NOT_FOUND), _ANY_OFFER
+    for a NOT_FOUND that names none this client can read, None for any other refusal (the
+    daemon took no offer: they all stay valid)."""
+    if error.code != grpc.StatusCode.NOT_FOUND:
+        return None
+    match = _NO_OFFER.match(error.message)
+    return int(match.group(1)) if match else _ANY_OFFER
 
 
 class KeptRegistration:
@@ -388,10 +405,13 @@ class KeptRegistration:
     The daemon forgets a registration behind the engine's back: it restarted (registrations
     are not journaled), the engine's lease was lost and the client attached anew, an operator
     or another call unregistered it. A call refused for that (NOT_FOUND "no registration N",
-    or any refusal once the client's lease is lost for good), or made while the client's
-    engine or daemon epoch is not the one registered under (whose registration ids name
-    another daemon's or engine's registrations: never used), re-registers the same buffers and
-    layout first (Client.attach_anew first when the lease is lost) and is made once more. At
+    or any refusal once the client's lease is lost for good), or made while the client is
+    another engine than the one that registered, re-registers the same buffers and layout
+    first (Client.attach_anew first when the lease is lost) and is made once more. A daemon
+    restart alone is no reason: registration ids count up from a per-epoch base
+    (BlockStore::FirstIdOfEpoch), so the old id sent once to the new daemon is answered
+    NOT_FOUND, never names another pool's registration, and re-registering only then leaves
+    no second registration behind (the epoch read around a racing re-attach could). At
     most one re-registration and one retry a call, never a loop: a second refusal, or the
     re-registration's own, is raised. Blocks stored under the old registration may be gone: a
     load then misses, its bytes are never another pool's. Thread-safe: concurrent calls that
@@ -405,7 +425,7 @@ class KeptRegistration:
         self._timeout = timeout
         self._lock = threading.Lock()
         self.reregistrations = 0
-        self._registration, self._made_under = self._register()  # guarded by _lock
+        self._registration = self._register()  # guarded by _lock
 
     @property
     def registration(self) -> Registration:
@@ -413,35 +433,36 @@ class KeptRegistration:
             return self._registration
 
     def _register(self):
-        """A new Registration and the (engine id, epoch) it was made under, read before the
-        call: a re-attach racing it leaves the pair stale, so the next call registers again
-        rather than name an id of a daemon that may not be the one answering."""
-        made_under = (self._client.engine_id, self._client.epoch)
-        return self._store.register(self._buffers, self._layout, self._timeout), made_under
+        return self._store.register(self._buffers, self._layout, self._timeout)
 
     def _stale_locked(self):
-        """Why the registration cannot be named now (a phrase), or None."""
+        """Why the registration cannot be named now (a phrase), or None.
+
+        An engine id other than the registering one (another thread's attach_anew replaced
+        the lost engine) is checked, not left to the daemon: that daemon ended the old
+        engine, but until its registrations are dropped with it the old id is answered
+        PERMISSION_DENIED (another engine's), which is not a lost registration and would be
+        raised. Nothing leaks: the new engine holds none, the old one's end with it. The
+        engine id is the one the register request carried, so a racing re-attach cannot make
+        it stale."""
         lost = self._client.lease_lost
         if lost is not None:
             return "the lease was lost (%s)" % lost
-        engine_id, epoch = self._made_under
+        engine_id = self._registration.engine_id
         if self._client.engine_id != engine_id:
             return "the client is engine %d now, not engine %d" % (self._client.engine_id,
                                                                    engine_id)
-        if self._client.epoch != epoch:
-            return "the daemon restarted (epoch %d -> %d)" % (epoch, self._client.epoch)
         return None
 
     def _renew_locked(self, why):
         old = self._registration
-        old_engine = self._made_under[0]
         if self._client.lease_lost is not None:
             self._client.attach_anew(self._timeout)
-        self._registration, self._made_under = self._register()
+        self._registration = self._register()
         self.reregistrations += 1
         log.warning("re-registered the pool (%s): registration %d of engine %d -> "
-                    "registration %d of engine %d", why, old.id, old_engine,
-                    self._registration.id, self._made_under[0])
+                    "registration %d of engine %d", why, old.id, old.engine_id,
+                    self._registration.id, self._registration.engine_id)
         return self._registration
 
     def _forgotten(self, error, registration):

@@ -5,8 +5,10 @@ epoch). The next save or load through the vLLM and the SGLang adapter re-registe
 pool once and works, with the pool's bytes; a re-registration the daemon refuses surfaces with
 its code and numbers, and its offer is named again by the next try."""
 
+import dataclasses
 import logging
 import os
+import re
 import signal
 
 import grpc
@@ -201,9 +203,13 @@ def test_sglang_sets_and_gets_after_its_registration_was_unregistered(kvd, caplo
 
 def test_sglang_carries_on_after_a_supervised_restart_as_the_same_engine(kvd, caplog):
     """Under memra-kv-supervise the engine comes back (same id, the next epoch) but the
-    registration does not: its old id is never named to the new daemon."""
+    registration does not: the first call names the old id once, the new daemon answers
+    NOT_FOUND (ids are per epoch), and the pool is registered again, once. One registration
+    an engine here: a second one left behind would make the re-registration or the check
+    after it fail."""
     caplog.set_level(logging.WARNING, logger="memra_kv.block_store")
-    daemon = kvd("--lease_timeout_ms=60000", *DAEMON_FLAGS, supervised=True)
+    daemon = kvd("--lease_timeout_ms=60000", *DAEMON_FLAGS, "--block_store_max_registrations=1",
+                 supervised=True)
     with daemon.client("sglang-tp0") as client:
         backend, kv_buffer = sglang_backend(client, staged=False)
         fill_pages(kv_buffer, [0, 1, 2, 3], 0)
@@ -216,9 +222,14 @@ def test_sglang_carries_on_after_a_supervised_restart_as_the_same_engine(kvd, ca
         assert backend.batch_set_v1(SGLANG_KEYS, host_indices([0, 1, 2, 3])) == [True] * 4
         assert backend.batch_get_v1(SGLANG_KEYS, host_indices([4, 9, 1, 20])) == [True] * 4
         assert pages_hold(kv_buffer, [4, 9, 1, 20], 0) == [True] * 4
+        assert backend.registration.id != old
         assert reregistrations(caplog) == [REREGISTERED % (
-            "the daemon restarted (epoch %d -> %d)" % (epoch, epoch + 1), old, engine,
+            "no registration %d (unregistered, or its engine's lease ended)" % old, old, engine,
             backend.registration.id, engine)]
+        with pytest.raises(KvError) as full:
+            take_the_slot(client)
+        assert full.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert full.value.message == slot_refusal(client)
 
 
 # ---- what is not re-made, and what is not retried ----
@@ -342,3 +353,73 @@ def test_refusals_that_are_not_a_lost_registration_are_not_retried(kvd, caplog):
                                          "groups 0)")
         assert kept.registration is registration and kept.reregistrations == 0
         assert reregistrations(caplog) == []
+
+
+# ---- offers a refused registration leaves waiting ----
+
+def offered_buffer_of(message):
+    return int(re.search(r"offered buffer (\d+)", message).group(1))
+
+
+def test_a_registration_refused_for_its_buffer_range_names_its_offer_again(kvd):
+    """The daemon keeps an offer through any refusal of the registration naming it (only a
+    registration that succeeds uses it up): after FAILED_PRECONDITION, as after
+    RESOURCE_EXHAUSTED, the next register names the same offer. One waiting offer of all
+    engines here: a second offer of the pool would be refused by that limit instead."""
+    daemon = kvd(*DAEMON_FLAGS, *ONE_SLOT)
+    with daemon.client("py-offers") as client:
+        pool, kv_buffer = sglang_pool()
+        layout = host_pool_layout(kv_buffer, pool, PAGE, MODEL)
+        store = BlockStore(client)
+        other = take_the_slot(client)
+        with pytest.raises(KvError) as full:
+            store.register([pool], layout)
+        assert full.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert full.value.message == slot_refusal(client)
+        store.unregister(other)
+
+        # An engine that states its pool 4 KiB larger than the file: a range past the buffer.
+        file_bytes = pool.nbytes
+        pool.nbytes = file_bytes + 4096
+        with pytest.raises(KvError) as past:
+            store.register([pool], layout)
+        pool.nbytes = file_bytes
+        assert past.value.code == grpc.StatusCode.FAILED_PRECONDITION
+        offer = offered_buffer_of(past.value.message)
+        assert past.value.message == ("buffer 0: %d bytes at offset 0 of offered buffer %d, "
+                                      "which holds %d" % (file_bytes + 4096, offer, file_bytes))
+
+        registration = store.register([pool], layout)
+        assert registration.engine_id == client.engine_id
+        assert store.lookup(registration, hashes=[b"x"]).matched_blocks == 0
+        # The offer was used up by that registration: the limit has room for a new one.
+        store.unregister(registration)
+        assert store.register([pool], layout).id > registration.id
+
+
+def test_an_offer_the_daemon_no_longer_holds_is_offered_anew(kvd):
+    """A register refused NOT_FOUND for its kept offer (used up by a registration whose
+    answer the client never read) names that id no more: the next register offers the pool
+    anew and succeeds (naming the id again would be NOT_FOUND again)."""
+    daemon = kvd(*DAEMON_FLAGS, "--block_store_max_offers=1")
+    with daemon.client("py-offers") as client:
+        pool, kv_buffer = sglang_pool()
+        layout = host_pool_layout(kv_buffer, pool, PAGE, MODEL)
+        store = BlockStore(client)
+        with pytest.raises(KvError) as bad_layout:  # twice the blocks the pool holds
+            store.register([pool], dataclasses.replace(layout, num_blocks=2 * layout.num_blocks))
+        assert bad_layout.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        # The registration whose answer was lost: made with the same offer id, by another
+        # BlockStore of the engine that was handed it.
+        lost_answer = BlockStore(client)
+        lost_answer._unconsumed_offers[pool] = store._unconsumed_offers[pool]
+        offer = store._unconsumed_offers[pool][1]
+        consumed = lost_answer.register([pool], layout)
+
+        with pytest.raises(KvError) as gone:
+            store.register([pool], layout)
+        assert gone.value.code == grpc.StatusCode.NOT_FOUND
+        assert gone.value.message.startswith("buffer 0: no offered buffer %d " % offer)
+        registration = store.register([pool], layout)
+        assert registration.id > consumed.id
+        assert store.lookup(registration, hashes=[b"x"]).matched_blocks == 0
