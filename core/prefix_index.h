@@ -411,7 +411,7 @@ class PrefixIndex {
   // The eviction order both use: LRU unpinned entries that free bytes, until `done()`; an
   // entry that would free nothing is passed over and taken (in LRU order among those passed
   // over) as soon as an eviction makes it free something. Costs O(1) per entry walked plus the
-  // chain of each entry evicted.
+  // chain of each entry evicted (and O(log n) per entry woken).
   void EvictLruUntil(absl::FunctionRef<bool(const EvictionResult&)> done, EvictionResult& result);
   // Whether removing `entry` now frees bytes: a block only it uses, or its boundary state. O(1).
   bool FreesBytes(EntryId id, const Entry& entry) const;

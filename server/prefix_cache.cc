@@ -563,6 +563,12 @@ size_t PrefixCache::EvictForRoomIn(StorageMedium medium, absl::FunctionRef<bool(
     auto it = storage_.find(handle);
     return it != storage_.end() && it->second.medium == medium && !moving_.contains(handle);
   };
+  // A piece there that evictions can free: not one a pinned entry uses (nor being promoted
+  // for one), whose holders would be evicted for nothing.
+  const auto freeable_in_medium = [&](uint64_t handle) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return in_medium(handle) && !pinned_handles_.contains(handle) &&
+           !promoting_.contains(handle);
+  };
   // One pass over the LRU order, evicting the entries `qualifies` accepts.
   const auto pass = [&](auto qualifies) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     size_t evicted = 0;
@@ -592,7 +598,7 @@ size_t PrefixCache::EvictForRoomIn(StorageMedium medium, absl::FunctionRef<bool(
     absl::StatusOr<EntryView> view = index_.GetEntry(id);
     if (!view.ok() || view->pins > 0) return false;
     const std::vector<uint64_t> handles = EntryHandles(*view);
-    return std::any_of(handles.begin(), handles.end(), in_medium);
+    return std::any_of(handles.begin(), handles.end(), freeable_in_medium);
   });
   return evicted;
 }
@@ -713,9 +719,19 @@ size_t PrefixCache::MoveChunk(const std::vector<std::pair<uint64_t, Move>>& plan
   // one waits for us (PromotePinned) or reads it where it is, and no other demotion plans it.
   // The chunk commits, and its kMoved events are recorded, in one hold of mu_: no reader sees
   // a committed piece before its event.
+  // A piece evicted since it was planned (FreeHandles marked it released) is not copied: the
+  // commit below frees its source either way.
+  std::vector<bool> released;
+  released.reserve(planned.size());
+  for (const auto& [handle, move] : planned) released.push_back(moving_.at(handle).released);
   std::vector<absl::StatusOr<Storage>> copies;
   mu_.Unlock();
-  for (const auto& [handle, move] : planned) copies.push_back(CopyDown(handle, move.source, move.to));
+  for (size_t i = 0; i < planned.size(); ++i) {
+    const auto& [handle, move] = planned[i];
+    copies.push_back(released[i] ? absl::StatusOr<Storage>(absl::CancelledError(
+                                       "evicted before its copy"))
+                                 : CopyDown(handle, move.source, move.to));
+  }
   mu_.Lock();
   size_t committed = 0;
   // Per entry fingerprint: the keys that moved (one kMoved event each).

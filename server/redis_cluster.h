@@ -207,7 +207,7 @@ class RedisClusterClient {
   // and the slot map is marked stale.
   absl::StatusOr<std::vector<ReplyPtr>> RunOnNode(
       Node& node, absl::string_view operation, std::optional<uint16_t> slot,
-      const std::vector<std::vector<absl::string_view>>& commands);
+      const std::vector<std::vector<absl::string_view>>& commands) ABSL_LOCKS_EXCLUDED(node.mu);
   absl::StatusOr<std::vector<ReplyPtr>> RunOnNodeLocked(
       Node& node, absl::string_view operation, std::optional<uint16_t> slot,
       const std::vector<std::vector<absl::string_view>>& commands)

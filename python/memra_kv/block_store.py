@@ -18,7 +18,6 @@ import hashlib
 import logging
 import mmap
 import os
-import re
 import threading
 import weakref
 from dataclasses import dataclass, field
@@ -310,10 +309,9 @@ class BlockStore:
             sent = True
             response = _call(self._stub.RegisterEngineBuffers, request, self._t(timeout))
         except KvError as error:
-            unknown = _unknown_offer(error) if sent else None
-            with self._offers_lock:
-                for pool, connection, buffer_id in offered:
-                    if unknown is None or unknown not in (_ANY_OFFER, buffer_id):
+            if not (sent and _offers_are_dead(error)):
+                with self._offers_lock:
+                    for pool, connection, buffer_id in offered:
                         self._unconsumed_offers[pool] = (connection, buffer_id)
             raise
         return Registration(response.registration_id, layout,
@@ -382,20 +380,19 @@ def _id(registration):
     return getattr(registration, "id", registration)
 
 
-# RegisterEngineBuffers' NOT_FOUND for an offer id it does not hold (server/block_store.cc
-# BlockStore::Register): "buffer I: no offered buffer ID (...".
-_NO_OFFER = re.compile(r"buffer \d+: no offered buffer (\d+) ")
-_ANY_OFFER = -1
+# RegisterEngineBuffers' refusal of an offer that came over a handoff connection the daemon has
+# since closed (server/block_store.cc).
+_CLOSED_CONNECTION = "which is closed"
 
 
-def _unknown_offer(error):
-    """The offer id a refused registration names as unknown or used up (NOT_FOUND), _ANY_OFFER
-    for a NOT_FOUND that names none this client can read, None for any other refusal (the
-    daemon took no offer: they all stay valid)."""
-    if error.code != grpc.StatusCode.NOT_FOUND:
-        return None
-    match = _NO_OFFER.match(error.message)
-    return int(match.group(1)) if match else _ANY_OFFER
+def _offers_are_dead(error):
+    """Whether a refused registration's offers can never be named again: one is unknown or used
+    up (NOT_FOUND; the daemon uses up a registration's offers together, so after a lost answer
+    all of them went with it), they came over a connection the daemon closed, or they are not
+    this engine's (PERMISSION_DENIED). Any other refusal leaves every offer waiting."""
+    return (error.code == grpc.StatusCode.NOT_FOUND or
+            error.code == grpc.StatusCode.PERMISSION_DENIED or
+            _CLOSED_CONNECTION in error.message)
 
 
 class KeptRegistration:
