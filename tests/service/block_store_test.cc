@@ -81,6 +81,18 @@ class BlockStoreTest : public DaemonTest {
     return registered.value_or(RegisteredPool{});
   }
 
+  // An attached engine and one pool of `shape` it registered.
+  struct EngineWithPool {
+    std::unique_ptr<KvClient> client;
+    TestBlockPool pool;
+    RegisteredPool registered;
+  };
+  EngineWithPool MustEngineWithPool(const std::string& name, const TestPoolShape& shape = kShape) {
+    EngineWithPool engine{NewClient(name), MustPool(shape), {}};
+    if (engine.client != nullptr) engine.registered = MustRegister(*engine.client, engine.pool, shape);
+    return engine;
+  }
+
   static BlockStoreCall ByHashes(const RegisteredPool& pool, std::vector<std::string> hashes,
                                  std::vector<uint32_t> block_ids = {}, uint32_t kv_group = 0) {
     BlockStoreCall call;
@@ -187,10 +199,8 @@ TEST_F(BlockStoreTest, BlocksStoredFromOneEnginesPoolLoadIntoAnothersByteForByte
 }
 
 TEST_F(BlockStoreTest, TokenIdKeysChainFromTheStartAndSkipWhatIsStored) {
-  std::unique_ptr<KvClient> a = NewClient("engine-a");
+  auto [a, pool, registered] = MustEngineWithPool("engine-a");
   ASSERT_NE(a, nullptr);
-  TestBlockPool pool = MustPool();
-  const RegisteredPool registered = MustRegister(*a, pool);
   for (uint32_t block = 0; block < 3; ++block) pool.Fill(block, static_cast<uint8_t>(9 + block));
   std::vector<int32_t> tokens(3 * kTokensPerBlock + 5);
   for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<int32_t>(1000 + i);
@@ -366,10 +376,8 @@ TEST_F(BlockStoreTest, OffersAreCheckedSealsFirstThenTheirFileSystem) {
 }
 
 TEST_F(BlockStoreTest, ACorruptStoredBlockIsDataLossForThatBlockAndDropped) {
-  std::unique_ptr<KvClient> a = NewClient("engine-a");
+  auto [a, pool, registered] = MustEngineWithPool("engine-a");
   ASSERT_NE(a, nullptr);
-  TestBlockPool pool = MustPool();
-  const RegisteredPool registered = MustRegister(*a, pool);
   for (uint32_t block = 0; block < 3; ++block) pool.Fill(block, static_cast<uint8_t>(block + 40));
   ASSERT_THAT(a->StoreBlocks(ByHashes(registered, Hashes(0, 3), {0, 1, 2})), IsOk());
   // Flip a byte of block 1's stored copy.
@@ -436,12 +444,10 @@ TEST_F(BlockStoreTest, HybridStateGoesWithTheLastBlockAndLookupsStopAtAStoredSta
 }
 
 TEST_F(BlockStoreTest, PinsAreCappedExpireAndBelongToTheirEngine) {
-  std::unique_ptr<KvClient> a = NewClient("engine-a");
+  auto [a, pool, registered] = MustEngineWithPool("engine-a");
   std::unique_ptr<KvClient> b = NewClient("engine-b");
   ASSERT_NE(a, nullptr);
   ASSERT_NE(b, nullptr);
-  TestBlockPool pool = MustPool();
-  const RegisteredPool registered = MustRegister(*a, pool);
   ASSERT_THAT(a->StoreBlocks(ByHashes(registered, Hashes(0, 1), {0})), IsOk());
   BlockStoreCall lookup = ByHashes(registered, Hashes(0, 1));
   lookup.pin_ttl_ms = 1000;
@@ -482,10 +488,8 @@ class BlockStoreSmallCacheTest : public BlockStoreTest {
 };
 
 TEST_F(BlockStoreSmallCacheTest, AnEnginesPinnedBytesAreCapped) {
-  std::unique_ptr<KvClient> a = NewClient("engine-a");
+  auto [a, pool, registered] = MustEngineWithPool("engine-a");
   ASSERT_NE(a, nullptr);
-  TestBlockPool pool = MustPool();
-  const RegisteredPool registered = MustRegister(*a, pool);
   ASSERT_EQ(registered.groups[0].block_bytes, 2048u);
   std::vector<uint32_t> ids(12);
   for (uint32_t i = 0; i < 12; ++i) ids[i] = i;
@@ -540,10 +544,8 @@ TEST_F(BlockStoreTest, RegistrationsAndPinsDieWithTheEnginesLease) {
 }
 
 TEST_F(BlockStoreTest, AnEngineThatReattachesWithinItsGraceKeepsItsRegistration) {
-  std::unique_ptr<KvClient> a = NewClient("engine-a");
+  auto [a, pool, registered] = MustEngineWithPool("engine-a");
   ASSERT_NE(a, nullptr);
-  TestBlockPool pool = MustPool();
-  const RegisteredPool registered = MustRegister(*a, pool);
   ASSERT_THAT(a->StoreBlocks(ByHashes(registered, Hashes(0, 1), {0})), IsOk());
   ASSERT_THAT(a->OfferPoolBuffer(pool.fd(), 4096), IsOk());  // its connection is replaced below
   // The lease lapses (its stream is cancelled); the client re-attaches as the same engine
@@ -584,12 +586,10 @@ TEST_F(BlockStoreTest, ARegistrationNamingOneOfferTwiceIsRefused) {
 }
 
 TEST_F(BlockStoreTest, MalformedKeysAndEventFieldsAreRefusedWithTheirNumbers) {
-  std::unique_ptr<KvClient> a = NewClient("engine-a");
+  auto [a, pool, registered] = MustEngineWithPool("engine-a");
   std::unique_ptr<KvClient> b = NewClient("engine-b");
   ASSERT_NE(a, nullptr);
   ASSERT_NE(b, nullptr);
-  TestBlockPool pool = MustPool();
-  const RegisteredPool registered = MustRegister(*a, pool);
   BlockStoreCall both = ByHashes(registered, Hashes(0, 1), {0});
   both.keys.token_ids.assign(kTokensPerBlock, 1);
   EXPECT_THAT(a->StoreBlocks(both),
@@ -732,10 +732,8 @@ class BlockStoreBudgetTest : public BlockStoreTest {
 };
 
 TEST_F(BlockStoreBudgetTest, StoresPastTheBudgetEvictTheLeastRecentlyUsedBlocks) {
-  std::unique_ptr<KvClient> a = NewClient("engine-a");
+  auto [a, pool, registered] = MustEngineWithPool("engine-a");
   ASSERT_NE(a, nullptr);
-  TestBlockPool pool = MustPool();
-  const RegisteredPool registered = MustRegister(*a, pool);
   for (int i = 0; i < 10; ++i) {
     absl::StatusOr<BlockStoreTransfer> stored =
         a->StoreBlocks(ByHashes(registered, Hashes(i, 1), {static_cast<uint32_t>(i)}));
