@@ -16,6 +16,7 @@
 #include "gtest/gtest.h"
 #include "proto/memra/kv/v1/prefix.grpc.pb.h"
 #include "tests/daemon_process.h"
+#include "tests/e2e/operator_view.h"
 #include "tests/e2e/facts.h"
 #include "tests/status_matchers.h"
 #include "tests/subprocess.h"
@@ -51,13 +52,7 @@ class BlockStoreE2eTest : public ::testing::Test {
     return WaitExit(Spawn(args));
   }
 
-  pb::ListPrefixesResponse List() {
-    pb::ListPrefixesResponse response;
-    EXPECT_THAT(FromGrpcStatus(ClientInternals::Prefix(*checker_).ListPrefixes(
-                    ClientInternals::NewContext(*checker_).get(), {}, &response)),
-                IsOk());
-    return response;
-  }
+  pb::ListPrefixesResponse List() { return ListPrefixes(*checker_); }
 
   DaemonProcess daemon_{"blk"};
   std::unique_ptr<KvClient> checker_;

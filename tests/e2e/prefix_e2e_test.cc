@@ -24,6 +24,7 @@
 #include "gtest/gtest.h"
 #include "proto/memra/kv/v1/prefix.grpc.pb.h"
 #include "tests/daemon_process.h"
+#include "tests/e2e/operator_view.h"
 #include "tests/status_matchers.h"
 #include "tests/subprocess.h"
 
@@ -58,13 +59,7 @@ class PrefixE2eTest : public ::testing::Test {
   }
 
   // The operator view (memra-kvctl prefixes): a raw call.
-  pb::ListPrefixesResponse List() {
-    pb::ListPrefixesResponse response;
-    EXPECT_THAT(FromGrpcStatus(ClientInternals::Prefix(*checker_).ListPrefixes(
-                    ClientInternals::NewContext(*checker_).get(), {}, &response)),
-                IsOk());
-    return response;
-  }
+  pb::ListPrefixesResponse List() { return ListPrefixes(*checker_); }
 
   DaemonProcess daemon_{"pfx"};  // stopped, its directory removed, after TearDown
   const std::string& dir_ = daemon_.dir();

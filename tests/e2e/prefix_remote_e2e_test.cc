@@ -30,6 +30,7 @@
 #include "proto/memra/kv/v1/prefix.grpc.pb.h"
 #include "server/test_redis_cluster.h"
 #include "tests/daemon_process.h"
+#include "tests/e2e/operator_view.h"
 #include "tests/e2e/facts.h"
 #include "tests/status_matchers.h"
 #include "tests/subprocess.h"
@@ -91,13 +92,7 @@ class Machine {
     return code;
   }
 
-  pb::ListPrefixesResponse List() {
-    pb::ListPrefixesResponse response;
-    EXPECT_THAT(FromGrpcStatus(ClientInternals::Prefix(*client_).ListPrefixes(
-                    ClientInternals::NewContext(*client_).get(), {}, &response)),
-                IsOk());
-    return response;
-  }
+  pb::ListPrefixesResponse List() { return ListPrefixes(*client_); }
   pb::PrefixRemoteStats Remote() { return List().stats().remote(); }
 
   pb::RemoteTierState TierState() {

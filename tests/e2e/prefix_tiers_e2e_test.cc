@@ -27,6 +27,7 @@
 #include "gtest/gtest.h"
 #include "proto/memra/kv/v1/prefix.grpc.pb.h"
 #include "tests/daemon_process.h"
+#include "tests/e2e/operator_view.h"
 #include "tests/status_matchers.h"
 #include "tests/subprocess.h"
 
@@ -78,13 +79,7 @@ class PrefixTiersE2eTest : public ::testing::Test {
                            absl::StrCat("--tokens=", tokens), "--out=" + out}));
   }
 
-  pb::ListPrefixesResponse List() {
-    pb::ListPrefixesResponse response;
-    EXPECT_THAT(FromGrpcStatus(ClientInternals::Prefix(*checker_).ListPrefixes(
-                    ClientInternals::NewContext(*checker_).get(), {}, &response)),
-                IsOk());
-    return response;
-  }
+  pb::ListPrefixesResponse List() { return ListPrefixes(*checker_); }
 
   // Entry medium by boundary tokens (each model kind below captures a different length).
   std::map<uint64_t, pb::PrefixMedium> Media() {
