@@ -248,11 +248,39 @@ absl::Status CheckIndexTailResident(const LatentLayerState& layer, uint64_t len)
       layer.index_resident_from));
 }
 
+absl::Status CheckAppendSparesLiveTails(const LatentLayerState& layer, uint64_t base_len,
+                                        uint64_t first_row, uint64_t rows) {
+  if (layer.index_width == 0 || layer.index_ring_rows == 0 || rows == 0) return absl::OkStatus();
+  ASSIGN_OR_RETURN(uint64_t ring, EffectiveIndexRingRows(layer.index_ring_rows, layer.index_pool));
+  ASSIGN_OR_RETURN(uint64_t end, CheckedAdd(first_row, rows, "indexer append end"));
+  if (end <= ring) return absl::OkStatus();
+  const uint64_t lapped_below = end - ring;  // rows under this lose their ring slots
+  // The base's tail starts at or below the staged length's, so it is checked first.
+  for (const uint64_t kept_len : {base_len, first_row}) {
+    const uint64_t tail_start = LiveIndexTailStart(layer, kept_len);
+    if (tail_start >= kept_len || lapped_below <= tail_start) continue;
+    const uint64_t room = tail_start + ring > first_row ? tail_start + ring - first_row : 0;
+    return absl::FailedPreconditionError(absl::StrCat(
+        "layer ", layer.layer, ": preparing ", rows, " rows at row ", first_row,
+        " would overwrite indexer rows [", tail_start, ", ", std::min(kept_len, lapped_below),
+        ") of the live tail at length ", kept_len,
+        kept_len == base_len ? " (the transaction's base: an abort returns there)"
+                             : " (the staged length: a commit of every published row ends there)",
+        "; the tail ring of ", ring, " rows leaves room for ", room,
+        " rows in this transaction: prepare at most that, or commit at a pool boundary (a "
+        "multiple of ",
+        layer.index_pool, ") and append the rest in the next transaction"));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status NoteIndexRowsWritable(LatentLayerState& layer, uint64_t first_row, uint64_t rows) {
   if (layer.index_width == 0 || layer.index_ring_rows == 0 || rows == 0) return absl::OkStatus();
   ASSIGN_OR_RETURN(uint64_t ring, EffectiveIndexRingRows(layer.index_ring_rows, layer.index_pool));
   ASSIGN_OR_RETURN(uint64_t end, CheckedAdd(first_row, rows, "indexer append end"));
-  if (end > ring) layer.index_resident_from = std::max(layer.index_resident_from, end - ring);
+  uint64_t resident_from = std::min(layer.index_resident_from, first_row);
+  if (end > ring) resident_from = std::max(resident_from, end - ring);
+  layer.index_resident_from = resident_from;
   return absl::OkStatus();
 }
 

@@ -105,9 +105,21 @@ uint64_t LiveIndexTailStart(const LatentLayerState& layer, uint64_t len);
 // OK when the layer has no indexer, when the live tail at `len` is empty, or when every row of
 // it is resident; FAILED_PRECONDITION naming the rows, the resident start and what is legal.
 absl::Status CheckIndexTailResident(const LatentLayerState& layer, uint64_t len);
+// A prepared append of indexer rows [first_row, first_row + rows) in a transaction based at
+// `base_len` must leave the way out open: an abort (back to `base_len`) and a commit of every
+// published row (at `first_row`, the staged length) must stay legal, so the append may not lap
+// the live tail at either length. OK without an indexer tail ring, or when those tails are empty
+// or out of the append's reach; FAILED_PRECONDITION naming the rows it would overwrite, the
+// length that needs them and the most rows the ring leaves room for (ring minus the tail still
+// owed, the reference's index_ring_take). A pool-boundary base has an empty tail: from there
+// one transaction may append any number of rows.
+absl::Status CheckAppendSparesLiveTails(const LatentLayerState& layer, uint64_t base_len,
+                                        uint64_t first_row, uint64_t rows);
 // Records that the engine may now write indexer rows [first_row, first_row + rows) (a prepared
 // append): on a tail ring those writes land in the slots of rows one effective ring below, so
-// rows under first_row + rows - ring stop being resident. Nothing changes on a refusal.
+// rows under first_row + rows - ring stop being resident. Rows from first_row up are rewritten by
+// this append before they can be live, so an earlier, replaced prepare's laps above first_row
+// no longer count. Nothing changes on a refusal.
 absl::Status NoteIndexRowsWritable(LatentLayerState& layer, uint64_t first_row, uint64_t rows);
 
 

@@ -158,11 +158,12 @@ absl::Status SessionState::CheckLatentTailsResident(uint64_t len) const {
 
 void SessionState::SetLatentLengths(uint64_t len) {
   for (LatentLayerState& layer : latent_) {
-    const bool shrank = len < layer.len;
     if (layer.index_width != 0) layer.index_pools_ready = IndexPoolsReadyAt(layer, len);
     layer.len = len;
-    // Rows from `len` up are rewritten by the next append before they can be live again.
-    if (shrank) layer.index_resident_from = std::min(layer.index_resident_from, len);
+    // Rows from `len` up are rewritten by the next append before they can be live again. Also
+    // when the length did not move: an unpublished prepare may have raised the resident start
+    // above it (ending that prepare must not leave the raised start behind).
+    layer.index_resident_from = std::min(layer.index_resident_from, len);
   }
 }
 
@@ -181,6 +182,7 @@ absl::StatusOr<AppendPlan> SessionState::PrepareAppend(uint64_t generation, uint
   // abort after the writes must see the ring slots they overwrote.
   std::vector<LatentLayerState> latent = latent_;
   for (LatentLayerState& layer : latent) {
+    RETURN_IF_ERROR(CheckAppendSparesLiveTails(layer, transaction.base_len, staged_len(), rows));
     RETURN_IF_ERROR(NoteIndexRowsWritable(layer, staged_len(), rows));
   }
   latent_ = std::move(latent);

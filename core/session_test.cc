@@ -432,50 +432,92 @@ Observable Observe(const SessionState& session) {
           session.Mirrors()};
 }
 
-TEST(IndexResidency, LappedTailRefusesAbortAndCommittingEverythingStillWorks) {
+TEST(IndexResidency, APrepareThatWouldLapTheBaseTailIsRefusedUpFront) {
+  // Issue 26, 2b: the reference lets rows 4..9 overwrite row 3's ring slot; an abort back to 4
+  // then finds its live tail [3, 4) gone and the transaction could never end. The prepare is
+  // refused instead, naming the room the 6-row ring leaves beside the 1-row tail.
   SessionState session = MakeDsaSession(64);
   Step(session, 4, 4);
   EXPECT_EQ(session.latent()[0].index_pools_ready, 1u);
-  const uint64_t generation = Staged(session, 6);  // rows 4..9: row 9 lands in row 3's slot
-  EXPECT_EQ(session.latent()[0].index_resident_from, 4u);
-  const Observable before = Observe(session);
-  EXPECT_THAT(session.Abort(generation),
-              StatusIs(absl::StatusCode::kFailedPrecondition,
-                       HasSubstrs("layer 0: latent length 4 would make indexer rows [3, 4) live",
-                                  "holds rows only from 4")));
-  EXPECT_EQ(Observe(session), before);
-  EXPECT_THAT(session.Commit(generation, 6), IsOkAndHolds(10u));
-}
-
-TEST(IndexResidency, LappedTailRefusesAnAbortEvenBeforePublish) {
-  SessionState session = MakeDsaSession(64);
-  Step(session, 4, 4);
   absl::StatusOr<TransactionId> transaction = session.Begin();
   ASSERT_THAT(transaction, IsOk());
-  // The engine may write from here on: the slots are gone whether or not it publishes.
-  ASSERT_THAT(session.PrepareAppend(transaction->generation, 6), IsOk());
-  EXPECT_THAT(session.Abort(transaction->generation),
-              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstrs("rows [3, 4) live")));
+  const Observable before = Observe(session);
+  EXPECT_THAT(session.PrepareAppend(transaction->generation, 6),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstrs("layer 0: preparing 6 rows at row 4 would overwrite indexer "
+                                  "rows [3, 4) of the live tail at length 4",
+                                  "an abort returns there", "tail ring of 6 rows leaves room "
+                                  "for 5 rows", "multiple of 3")));
+  EXPECT_EQ(Observe(session), before);
+  ASSERT_THAT(session.PrepareAppend(transaction->generation, 5), IsOk());
+  ASSERT_THAT(session.PublishAppend(transaction->generation), IsOk());
+  EXPECT_THAT(session.Abort(transaction->generation), IsOk());
   EXPECT_EQ(session.committed_len(), 4u);
+  EXPECT_EQ(session.latent()[0].index_resident_from, 3u);
+}
+
+TEST(IndexResidency, AStagedTailIsSparedForACommitOfEveryPublishedRow) {
+  SessionState session = MakeDsaSession(64);
+  Step(session, 3, 3);  // a pool boundary: the base's tail is empty
+  absl::StatusOr<TransactionId> transaction = session.Begin();
+  ASSERT_THAT(transaction, IsOk());
+  ASSERT_THAT(session.PrepareAppend(transaction->generation, 2), IsOk());
+  ASSERT_THAT(session.PublishAppend(transaction->generation), IsOk());  // staged 5, tail [3, 5)
+  const Observable before = Observe(session);
+  EXPECT_THAT(session.PrepareAppend(transaction->generation, 5),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstrs("preparing 5 rows at row 5 would overwrite indexer rows [3, 4) "
+                                  "of the live tail at length 5",
+                                  "a commit of every published row ends there",
+                                  "leaves room for 4 rows")));
+  EXPECT_EQ(Observe(session), before);
+  EXPECT_THAT(session.Commit(transaction->generation, 2), IsOkAndHolds(5u));
+}
+
+TEST(IndexResidency, FromAPoolBoundaryOneTransactionMayAppendPastTheRing) {
+  // Issue 26, 2: a prepare longer than the ring, ended without a publish, left the resident
+  // start raised (1) at length 0, so the next 1-row append was refused at publish.
+  SessionState session = MakeDsaSession(64);
+  absl::StatusOr<TransactionId> first = session.Begin();
+  ASSERT_THAT(first, IsOk());
+  ASSERT_THAT(session.PrepareAppend(first->generation, 7), IsOk());  // row 6 laps row 0
+  ASSERT_THAT(session.Abort(first->generation), IsOk());
+  EXPECT_EQ(session.latent()[0].index_resident_from, 0u);
+  Step(session, 1, 1);
+  EXPECT_EQ(session.committed_len(), 1u);
+
+  // The same through Rewind and Commit(0), and with a 2-row append after.
+  for (int ending = 0; ending < 2; ++ending) {
+    SessionState other = MakeDsaSession(64);
+    absl::StatusOr<TransactionId> begun = other.Begin();
+    ASSERT_THAT(begun, IsOk());
+    ASSERT_THAT(other.PrepareAppend(begun->generation, 7), IsOk());
+    ASSERT_THAT(ending == 0 ? other.Rewind(0) : other.Commit(begun->generation, 0).status(),
+                IsOk());
+    Step(other, 2, 2);
+    EXPECT_EQ(other.committed_len(), 2u);
+  }
 }
 
 TEST(IndexResidency, LappedTailRefusesAPartialCommitIntoIt) {
   SessionState session = MakeDsaSession(64);
-  Step(session, 4, 4);
-  const uint64_t generation = Staged(session, 6);
+  Step(session, 6, 6);                             // a pool boundary: nothing to spare
+  const uint64_t generation = Staged(session, 8);  // rows 6..13: rows below 8 lose their slots
+  EXPECT_EQ(session.latent()[0].index_resident_from, 8u);
   const Observable before = Observe(session);
   EXPECT_THAT(session.Commit(generation, 1),
               StatusIs(absl::StatusCode::kFailedPrecondition,
-                       HasSubstrs("latent length 5 would make indexer rows [3, 4) live")));
+                       HasSubstrs("latent length 7 would make indexer rows [6, 7) live",
+                                  "holds rows only from 8")));
   EXPECT_EQ(Observe(session), before);
-  EXPECT_THAT(session.Commit(generation, 2), IsOkAndHolds(6u)) << "a pool boundary is legal";
-  EXPECT_EQ(session.latent()[0].index_pools_ready, 2u);
+  EXPECT_THAT(session.Commit(generation, 3), IsOkAndHolds(9u)) << "a pool boundary is legal";
+  EXPECT_EQ(session.latent()[0].index_pools_ready, 3u);
 }
 
 TEST(IndexResidency, LappedTailRefusesRewindAndCanRewindAgrees) {
   SessionState session = MakeDsaSession(64);
-  Step(session, 4, 4);
-  Step(session, 6, 6);
+  Step(session, 3, 3);
+  Step(session, 7, 7);  // rows 3..9: rows below 4 lose their slots
   const Observable before = Observe(session);
   EXPECT_THAT(session.Rewind(4),
               StatusIs(absl::StatusCode::kFailedPrecondition,
@@ -493,32 +535,31 @@ TEST(IndexResidency, LappedTailRefusesRewindAndCanRewindAgrees) {
 
 TEST(IndexResidency, LappedTailRefusesASpecRollbackIntoIt) {
   SessionState session = MakeDsaSession(64);
-  Step(session, 4, 4);
+  Step(session, 3, 3);
   ASSERT_THAT(session.SpecSnapshot(), IsOk());
-  Step(session, 6, 6);
+  Step(session, 7, 7);
   const Observable before = Observe(session);
-  EXPECT_THAT(session.SpecRollback(0),
+  EXPECT_THAT(session.SpecRollback(1),
               StatusIs(absl::StatusCode::kFailedPrecondition,
                        HasSubstrs("latent length 4 would make indexer rows [3, 4) live")));
   EXPECT_EQ(Observe(session), before);
-  EXPECT_THAT(session.SpecRollback(2), IsOk());
+  EXPECT_THAT(session.SpecRollback(3), IsOk());
   EXPECT_EQ(session.committed_len(), 6u);
 }
 
-TEST(IndexResidency, AReplacedUnpublishedPrepareStillCountsAtPublish) {
+TEST(IndexResidency, AReplacedUnpublishedPrepareIsRewrittenByItsReplacement) {
   SessionState session = MakeDsaSession(64);
-  Step(session, 7, 7);  // pools_ready 2, live tail [6, 7)
+  Step(session, 6, 6);  // a pool boundary
   absl::StatusOr<TransactionId> transaction = session.Begin();
   ASSERT_THAT(transaction, IsOk());
-  ASSERT_THAT(session.PrepareAppend(transaction->generation, 16), IsOk());  // laps row 6
-  ASSERT_THAT(session.PrepareAppend(transaction->generation, 1), IsOk());   // replaces it
-  const Observable before = Observe(session);
-  EXPECT_THAT(session.PublishAppend(transaction->generation),
-              StatusIs(absl::StatusCode::kFailedPrecondition,
-                       HasSubstrs("latent length 8 would make indexer rows [6, 8) live",
-                                  "holds rows only from 17")));
-  EXPECT_EQ(Observe(session), before);
-  EXPECT_THAT(session.Rewind(6), IsOk()) << "a pool boundary is always reachable";
+  ASSERT_THAT(session.PrepareAppend(transaction->generation, 16), IsOk());  // laps rows below 16
+  EXPECT_EQ(session.latent()[0].index_resident_from, 16u);
+  ASSERT_THAT(session.PrepareAppend(transaction->generation, 1), IsOk());  // writes row 6 again
+  EXPECT_EQ(session.latent()[0].index_resident_from, 6u);
+  EXPECT_THAT(session.PublishAppend(transaction->generation), IsOk());
+  EXPECT_THAT(session.Commit(transaction->generation, 1), IsOkAndHolds(7u));
+  EXPECT_FALSE(session.CanRewindTo(5)) << "rows [3, 5) were lapped by the replaced prepare";
+  EXPECT_TRUE(session.CanRewindTo(6));
 }
 
 TEST(IndexResidency, AFlatIndexPlaneOrASmallAppendNeverLaps) {
@@ -694,30 +735,29 @@ TEST(Advance, ARefusalAfterAPublishThatRebasedARingPutsTheRingBack) {
   EXPECT_NE(session.kv().ring(1)->base(), base_before);
 }
 
-TEST(Advance, APublishOrCommitRefusedForIndexerResidencyChangesNothing) {
-  // Publish: an earlier, replaced prepare lapped the tail the published append leaves live.
+TEST(Advance, APrepareOrCommitRefusedForIndexerResidencyChangesNothing) {
+  // Prepare: the next append would lap the live tail [6, 7) an abort needs.
   SessionState session = MakeDsaSession(64);
   Step(session, 7, 7);
-  absl::StatusOr<AdvanceResult> opened = session.Advance({0, 0, 16});  // laps row 6
+  absl::StatusOr<AdvanceResult> opened = session.Advance({0, 0, 1});
   ASSERT_THAT(opened, IsOk());
-  ASSERT_THAT(session.PrepareAppend(opened->begun->generation, 1), IsOk());  // replaces it
-  const SessionState before_publish = session;
-  EXPECT_THAT(session.Advance({opened->begun->generation, 1, 1}),
+  const SessionState before_prepare = session;
+  EXPECT_THAT(session.Advance({opened->begun->generation, 1, 16}),
               StatusIs(absl::StatusCode::kFailedPrecondition,
-                       HasSubstrs("latent length 8 would make indexer rows [6, 8) live")));
-  EXPECT_EQ(session, before_publish);
+                       HasSubstrs("preparing 16 rows at row 8 would overwrite indexer rows [6, ")));
+  EXPECT_EQ(session, before_prepare);
 
-  // Commit: a partial commit into the lapped tail.
+  // Commit: a partial commit into a tail lapped from a pool boundary.
   SessionState other = MakeDsaSession(64);
-  Step(other, 4, 4);
-  absl::StatusOr<AdvanceResult> staged = other.Advance({0, 0, 6});
+  Step(other, 6, 6);
+  absl::StatusOr<AdvanceResult> staged = other.Advance({0, 0, 8});
   ASSERT_THAT(staged, IsOk());
   const SessionState before_commit = other;
   EXPECT_THAT(other.Advance({staged->begun->generation, 1, 1}),
               StatusIs(absl::StatusCode::kFailedPrecondition,
-                       HasSubstrs("latent length 5 would make indexer rows [3, 4) live")));
+                       HasSubstrs("latent length 7 would make indexer rows [6, 7) live")));
   EXPECT_EQ(other, before_commit);
-  EXPECT_THAT(other.Advance({staged->begun->generation, 2, 1}), IsOk());
+  EXPECT_THAT(other.Advance({staged->begun->generation, 3, 1}), IsOk());
 }
 
 // The separate operations Advance is made of, each applied as the engine would send them: the
