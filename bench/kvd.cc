@@ -2,6 +2,7 @@
 
 #include <utility>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
 #include "client/internal.h"
@@ -11,6 +12,19 @@
 namespace memra::bench {
 
 namespace pb = ::memra::kv::v1;
+
+absl::StatusOr<DaemonConfig> BenchDaemonConfig(const std::vector<std::string>& extra_flags) {
+  DaemonConfig config;
+  for (const std::string& flag : extra_flags) {
+    const size_t equals = flag.find('=');
+    if (!absl::StartsWith(flag, "--") || equals == std::string::npos) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("bench daemon flag \"", flag, "\" is not --key=value"));
+    }
+    RETURN_IF_ERROR(ApplyOverride(config, flag.substr(2, equals - 2), flag.substr(equals + 1)));
+  }
+  return config;
+}
 
 absl::StatusOr<std::unique_ptr<Kvd>> Kvd::Start(const BenchOptions& options,
                                                 uint64_t budget_bytes,

@@ -16,6 +16,7 @@
 #include "bench/harness.h"
 #include "client/client.h"
 #include "core/model_plan.h"
+#include "server/config.h"
 
 namespace memra::bench {
 
@@ -34,6 +35,11 @@ struct BenchOptions {
   uint64_t prefix_blocks = 100000;
   uint64_t redis_max_tokens = 131072;
 };
+
+// The configuration a bench daemon started with `extra_flags` runs with: the daemon's defaults
+// with those flags applied, exactly as its own command line applies them. INVALID_ARGUMENT for a
+// flag that is not a config key.
+absl::StatusOr<DaemonConfig> BenchDaemonConfig(const std::vector<std::string>& extra_flags);
 
 // memra-kvd (host backend) on a socket in a private directory; its log is daemon.log there.
 // `extra_flags` are appended to its command line (e.g. --prefix_cache_budget_bytes=N).

@@ -36,6 +36,9 @@ ABSL_FLAG(std::string, sections,
           "hot_path,step_channel,spec_decode,prefix_redis,admission,scale,python_step,block_store",
           "comma-separated sections to run");
 ABSL_FLAG(bool, quick, false, "tiny iteration counts: checks the harness, measures nothing");
+ABSL_FLAG(bool, check_limits, false,
+          "only check, for the options given, that each population fits its daemon's limits "
+          "(exit 0 when it does), then exit: runs no section");
 ABSL_FLAG(uint64_t, scale_sessions, 10000, "live sessions the scale section grows to");
 ABSL_FLAG(uint64_t, prefix_blocks, 100000, "prefix-index blocks the scale section grows to");
 ABSL_FLAG(uint64_t, redis_max_tokens, 131072, "largest entry (tokens) of the Redis comparison");
@@ -74,6 +77,16 @@ int Run() {
   if (options.scale_sessions < 2 || options.prefix_blocks < 64) {
     std::fprintf(stderr, "memra_bench: --scale_sessions >= 2 and --prefix_blocks >= 64\n");
     return 2;
+  }
+
+  if (absl::GetFlag(FLAGS_check_limits)) {
+    if (absl::Status fits = CheckScaleLimits(options); !fits.ok()) {
+      std::fprintf(stderr, "memra_bench: %s\n", fits.ToString().c_str());
+      return 1;
+    }
+    std::printf("memra_bench: every population fits its daemon's limits (scale: %llu sessions)\n",
+                static_cast<unsigned long long>(options.scale_sessions));
+    return 0;
   }
 
   Json report;

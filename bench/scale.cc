@@ -62,7 +62,38 @@ absl::StatusOr<Samples> TimeSteps(KvClient& client, std::vector<Session*> sessio
   return samples;
 }
 
+// The section's daemon: one engine grows the population to --scale_sessions, so the per-engine
+// session limit (a policy for shared GPUs, 4096 by default) is raised to it; the section measures
+// what a daemon pays per live session, not that policy.
+std::vector<std::string> ScaleDaemonFlags(const BenchOptions& options) {
+  return {absl::StrCat("--max_engine_sessions=", options.scale_sessions)};
+}
+
+}  // namespace
+
+absl::Status CheckScaleLimits(const BenchOptions& options) {
+  ASSIGN_OR_RETURN(DaemonConfig config, BenchDaemonConfig(ScaleDaemonFlags(options)));
+  RETURN_IF_ERROR(ValidateConfig(config));
+  const uint64_t arenas = EffectiveMaxArenas(config);
+  for (uint64_t stage : Stages(100, options.scale_sessions)) {
+    if (stage > config.max_engine_sessions) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "scale: the stage of ", stage, " sessions on one engine is past the bench daemon's "
+          "max_engine_sessions ", config.max_engine_sessions));
+    }
+    if (stage > arenas) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "scale: the stage of ", stage, " sessions (one arena each) is past the bench "
+          "daemon's arena limit ", arenas, " (max_arenas, or 3/4 of vm.max_map_count)"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+namespace {
+
 absl::StatusOr<Json> RunSessionScale(const BenchOptions& options, Table& table) {
+  RETURN_IF_ERROR(CheckScaleLimits(options));
   const ModelPlan model = test_plans::DenseModel(1, 32, 1);
   SessionShape request;
   request.capacity = kTinyCapacity;
@@ -70,7 +101,8 @@ absl::StatusOr<Json> RunSessionScale(const BenchOptions& options, Table& table) 
                    SessionArenaBytes(model, FormatDefaults(), request,
                                      {.granularity = static_cast<uint64_t>(getpagesize())}));
   ASSIGN_OR_RETURN(std::unique_ptr<Kvd> kvd,
-                   Kvd::Start(options, options.scale_sessions * session_bytes + (64 << 20)));
+                   Kvd::Start(options, options.scale_sessions * session_bytes + (64 << 20),
+                              ScaleDaemonFlags(options)));
   ASSIGN_OR_RETURN(std::unique_ptr<KvClient> client, kvd->Attach("bench-scale"));
   ASSIGN_OR_RETURN(PlanFingerprint fingerprint, client->RegisterPlan(model));
   SessionOptions session_options;

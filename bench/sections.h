@@ -24,6 +24,10 @@ absl::StatusOr<Json> RunPrefixAndRedis(const BenchOptions& options);
 absl::StatusOr<Json> RunAdmission(const BenchOptions& options);
 // 5. Scale: many live sessions in the daemon; many blocks in core's PrefixIndex.
 absl::StatusOr<Json> RunScale(const BenchOptions& options);
+// Checks, before anything starts, that every stage of the scale section's population fits the
+// limits its daemon will run with (FAILED_PRECONDITION naming the stage and the limit): a full
+// run (--scale_sessions=10000) that a moved daemon default would break fails here, at once.
+absl::Status CheckScaleLimits(const BenchOptions& options);
 // 6. The Python client's decode step (python/memra_kv) vs the C++ client's, N = 1 and 256.
 absl::StatusOr<Json> RunPythonStep(const BenchOptions& options);
 // 7. Prefix restore by tier (device, disk, a Redis Cluster) vs memcpy and plain GET; capture.

@@ -12,6 +12,11 @@ else
   echo "smoke_test: /usr/bin/redis-server missing: the Redis and block store sections are SKIPPED"
 fi
 
+# The full run's populations (the defaults bench/run.sh uses) against the daemon's limits: a
+# moved default that would stop a full run fails here, although --quick stays far below it.
+"${runfiles}/bench/memra_bench" --check_limits \
+  --kvd="${runfiles}/server/memra-kvd" --echo_server="${runfiles}/bench/echo_server"
+
 "${runfiles}/bench/memra_bench" --quick \
   --kvd="${runfiles}/server/memra-kvd" --echo_server="${runfiles}/bench/echo_server" \
   --python_stepper="${runfiles}/bench/python_step.py" --python_path="${runfiles}/python" \
