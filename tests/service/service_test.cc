@@ -1412,6 +1412,17 @@ TEST_F(ServiceTest, ClientGrowRemapsAndKeepsCommittedBytes) {
   }
   EXPECT_EQ(ReadMirror(*session, kFlatLayer, PlaneKind::kLenMirror), 17);
   EXPECT_EQ(host_->ArenaCount(), 1u);
+  // A chunk longer than the indexer's 16-row tail ring starts at a pool boundary (docs/rules.md,
+  // "Indexer residency": from inside a pool it would lap the tail an abort needs).
+  absl::StatusOr<Transaction> chunk = session->Begin();
+  ASSERT_THAT(chunk, IsOk());
+  EXPECT_THAT(session->PrepareAppend(chunk->generation, 300),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstrs("preparing 300 rows at row 17 would overwrite indexer rows "
+                                  "[16, 17)",
+                                  "leaves room for 15 rows")));
+  EXPECT_THAT(session->Abort(chunk->generation).status(), IsOk());
+  AppendAndCommit(*session, 3, 3);
   AppendAndCommit(*session, 300, 300);  // past the old capacity
 }
 
