@@ -91,12 +91,13 @@ def test_cuda_planes_are_torch_tensors_over_the_arena(kvd):
         assert (keys.dtype, tuple(keys.shape)) == (torch.uint8, tuple(plane.shape))
         tx = session.begin()
         session.prepare_append(tx.generation, 24)
-        rows = (torch.arange(24 * keys.shape[1], device="cuda") % 251).to(torch.uint8)
-        rows = rows.reshape(24, -1)
         stream = torch.cuda.Stream()
         with torch.cuda.stream(stream):
+            rows = (torch.arange(24 * keys.shape[1], device="cuda") % 251).to(torch.uint8)
+            rows = rows.reshape(24, -1)
             keys[:24].copy_(rows)
             client.mapper.runtime.record(event, stream.cuda_stream)
+        torch.cuda.current_stream().wait_stream(stream)  # this process reads keys below
         session.publish_append(tx.generation)
         assert session.commit(tx.generation, 24) == 24
         mirror = torch.as_tensor(session.plane(1, memra_kv.LEN_MIRROR), device="cuda")

@@ -17,13 +17,15 @@
 #   DIR/memra_kv/    that runfiles tree (TEST_SRCDIR=DIR finds every binary where Bazel would)
 #   DIR/lib/         every shared library they load but the C library set below (Bazel's own
 #                    _solib_k8 libraries, gRPC, protobuf, Abseil, spdlog, fmt, libstdc++, the CUDA
-#                    runtime ...), RUNPATH $ORIGIN; binaries get RUNPATH $ORIGIN/<up>/lib
+#                    runtime ...), RPATH $ORIGIN; binaries get RPATH $ORIGIN/<up>/lib (DT_RPATH,
+#                    not RUNPATH: it wins over an LD_LIBRARY_PATH the GPU machine may set, and
+#                    LD_LIBRARY_PATH still finds the driver's libcuda.so.1 there)
 #   DIR/cuda/lib64/libcudart.so   CUDA_PATH=DIR/cuda for the Python package's ctypes runtime
 #   DIR/MANIFEST     provenance, the glibc it needs, and the tests: "gtest PATH" / "pytest PATH"
 # Everything is stripped (what travels is capped): an -c opt bundle must stay under 60 MiB.
 #
-# The self-check: (1) every ELF file's libraries resolve (ldd, no LD_LIBRARY_PATH) inside DIR or
-# to the C library set; (2) in a user + mount namespace whose /usr/lib/x86_64-linux-gnu holds only
+# The self-check: (1) every ELF file's libraries resolve (ldd, with no LD_LIBRARY_PATH and with
+# one naming this machine's library and CUDA folders) inside DIR or to the C library set; (2) in a user + mount namespace whose /usr/lib/x86_64-linux-gnu holds only
 # the C library and whose /usr/local/lib and CUDA toolkit are empty (a system binary that needs
 # one of the hidden libraries must then fail to start: the hiding is real), every executable's
 # libraries resolve, each GoogleTest binary starts and skips for want of a CUDA device, and a
@@ -42,10 +44,11 @@ die() {
 
 is_elf() { [[ -f "$1" && ! -L "$1" && "$(LC_ALL=C head -c 4 "$1" 2>/dev/null)" == $'\x7fELF' ]]; }
 
-# ldd_pairs FILE: "NAME PATH" per library FILE loads ("NAME -" when it is not found; the
-# loader and the vDSO print their own path or none).
+# ldd_pairs FILE [LIBRARY_PATH]: "NAME PATH" per library FILE loads, with LD_LIBRARY_PATH empty
+# or LIBRARY_PATH ("NAME -" when it is not found; the loader and the vDSO print their own path or
+# none).
 ldd_pairs() {
-  env -i PATH=/usr/bin:/bin ldd "$1" | awk '
+  env -i PATH=/usr/bin:/bin ${2:+"LD_LIBRARY_PATH=$2"} ldd "$1" | awk '
     $1 == "statically" { next }
     $2 == "=>" && $3 == "not" { print $1, "-"; next }
     $2 == "=>" { print $1, $3; next }
@@ -86,11 +89,11 @@ gather() {
 
   for file in "${out}/lib"/*; do
     strip --strip-unneeded "${file}"
-    patchelf --set-rpath '$ORIGIN' "${file}"
+    patchelf --force-rpath --set-rpath '$ORIGIN' "${file}"
   done
   for file in "${elves[@]}"; do
     strip --strip-all "${file}"
-    patchelf --set-rpath "\$ORIGIN/$(realpath --relative-to="$(dirname "${file}")" "${out}/lib")" \
+    patchelf --force-rpath --set-rpath "\$ORIGIN/$(realpath --relative-to="$(dirname "${file}")" "${out}/lib")" \
       "${file}"
   done
   local cudart
@@ -131,23 +134,29 @@ write_manifest() {
   } >"${out}/MANIFEST"
 }
 
-# check_ldd DIR: every ELF file's libraries resolve inside DIR or to the C library set.
+# check_ldd DIR: every ELF file's libraries resolve inside DIR or to the C library set, with no
+# LD_LIBRARY_PATH and with the system's copies first on it.
 check_ldd() {
-  local dir="$1" file name path bad=0 files=0
+  local dir="$1" file name path bad=0 files=0 library_path
+  local hostile="${SYSTEM_LIB_DIR}:/usr/local/lib:${CUDA_PATH:-/usr/local/cuda}/lib64"
   while IFS= read -r -d '' file; do
     is_elf "${file}" || continue
     files=$((files + 1))
-    while read -r name path; do
-      [[ "${name}" =~ ${C_LIBRARY} ]] && continue
-      case "${path}" in
-        "${dir}"/*) ;;
-        -) echo "  ${file#"${dir}/"}: ${name} not found"; bad=1 ;;
-        *) echo "  ${file#"${dir}/"}: ${name} from outside the bundle: ${path}"; bad=1 ;;
-      esac
-    done < <(ldd_pairs "${file}")
+    for library_path in "" "${hostile}"; do
+      while read -r name path; do
+        [[ "${name}" =~ ${C_LIBRARY} ]] && continue
+        case "${path}" in
+          "${dir}"/*) ;;
+          -) echo "  ${file#"${dir}/"}: ${name} not found"; bad=1 ;;
+          *) echo "  ${file#"${dir}/"}: ${name} from outside the bundle: ${path}" \
+            "(LD_LIBRARY_PATH=${library_path})"; bad=1 ;;
+        esac
+      done < <(ldd_pairs "${file}" "${library_path}")
+    done
   done < <(find "${dir}" -type f -print0)
   ((bad == 0)) || return 1
-  echo "ldd: ${files} ELF files, every library inside the bundle or the C library set"
+  echo "ldd: ${files} ELF files, every library inside the bundle or the C library set (with no" \
+    "LD_LIBRARY_PATH and with LD_LIBRARY_PATH=${hostile})"
 }
 
 # The part of the check that runs with the system's libraries hidden (inside unshare; $1 = DIR,

@@ -25,6 +25,10 @@ bundle="$(cd "${1:-${repo}/gpu-bundle}" 2>/dev/null && pwd)" || {
   exit 2
 }
 [[ -f "${bundle}/MANIFEST" ]] || { echo "run_on_gpu: ${bundle} has no MANIFEST" >&2; exit 2; }
+# In case a copy dropped the modes: every ELF file of the bundle's tree is a program or library.
+while IFS= read -r -d '' file; do
+  [[ "$(LC_ALL=C head -c 4 "${file}")" == $'\x7fELF' ]] && chmod u+x "${file}"
+done < <(find "${bundle}/memra_kv" -type f -print0)
 out="${OUT:-$(mktemp -d /tmp/memra-gpu-run.XXXXXX)}"
 mkdir -p "${out}/logs"
 scratch="$(mktemp -d /tmp/mg.XXXXXX)"  # short: Unix socket paths are < 108 bytes
