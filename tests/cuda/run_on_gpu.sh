@@ -79,7 +79,17 @@ if [[ -n "${nvcc}" ]]; then
 else
   say "toolkit: no nvcc (the bundle brings its own CUDA runtime)"
 fi
-say "glibc here: $(ldd --version 2>&1 | head -n 1)"
+# The C library is the one thing the bundle takes from this machine: too old a one fails every
+# binary at load time, so say it once here.
+glibc_here="$(getconf GNU_LIBC_VERSION 2>/dev/null | awk '{ print $2 }')"
+glibc_needed="$(sed -nE 's/^needs glibc >= ([0-9.]+) .*/\1/p' "${bundle}/MANIFEST")"
+if [[ -n "${glibc_here}" && -n "${glibc_needed}" &&
+  "$(printf '%s\n' "${glibc_needed}" "${glibc_here}" | sort -V | head -n 1)" != "${glibc_needed}" ]]; then
+  say "FAILED: glibc ${glibc_here} here, the bundle needs ${glibc_needed}: its binaries will not load"
+  status=1
+else
+  say "glibc ${glibc_here:-unknown} here (the bundle needs ${glibc_needed:-?})"
+fi
 
 # The daemon itself on the GPU, before any test: memra-kvd --backend=cuda answers kvctl status.
 # smoke_daemon: prints kvctl's answer, or FAILED with the daemon's log.
@@ -165,20 +175,32 @@ say "---- Python CUDA planes (torch CUDA tensors through __cuda_array_interface_
 python="${PYTHON:-$(command -v python3 || true)}"
 export PYTHONPATH="${bundle}/memra_kv/python:${bundle}/memra_kv/python/tests"
 export CUDA_PATH="${bundle}/cuda"
-if [[ -z "${python}" ]]; then
-  say "FAILED: no python3"
-  status=1
-elif ! versions="$(timeout -k 5 "$(within 60)" "${python}" -c '
+# The interpreter's versions, and whether the bundle's package imports there at all.
+read -r -d '' versions_script <<'PY'
 import sys, grpc, google.protobuf as pb, numpy
 import memra_kv
 try:
     import torch
-    t = "torch %s (cuda %s, available %s)" % (torch.__version__, torch.version.cuda, torch.cuda.is_available())
+    t = "torch %s (cuda %s, available %s)" % (torch.__version__, torch.version.cuda,
+                                              torch.cuda.is_available())
 except ImportError as e:
     t = "no torch (%s)" % e
-print("python %s, grpcio %s, protobuf %s, numpy %s, %s" % (sys.version.split()[0], grpc.__version__, pb.__version__, numpy.__version__, t))
-' 2>&1)"; then
-  say "FAILED: memra_kv does not import on this python3 (the stubs need protobuf >= 3.20 and grpcio):"
+print("python %s, grpcio %s, protobuf %s, numpy %s, %s" % (
+    sys.version.split()[0], grpc.__version__, pb.__version__, numpy.__version__, t))
+PY
+versions_rc=127
+versions="no python3"
+if [[ -n "${python}" ]]; then
+  versions="$(timeout -k 5 "$(within 60)" "${python}" -c "${versions_script}" 2>&1)"
+  versions_rc=$?
+fi
+if ((versions_rc != 0)); then
+  if ((versions_rc == 124 || versions_rc == 137)); then
+    say "TIMEOUT: importing memra_kv, grpc and torch"
+  else
+    say "FAILED: memra_kv does not import on ${python:-python3} (its stubs need protobuf >= 3.20," \
+      "and grpcio):"
+  fi
   say "${versions}"
   status=1
 else
