@@ -25,9 +25,10 @@
 # Everything is stripped (what travels is capped): an -c opt bundle must stay under 60 MiB.
 #
 # The self-check: (1) every ELF file's libraries resolve (ldd, with no LD_LIBRARY_PATH and with
-# one naming this machine's library and CUDA folders) inside DIR or to the C library set; (2) in a user + mount namespace whose /usr/lib/x86_64-linux-gnu holds only
-# the C library and whose /usr/local/lib and CUDA toolkit are empty (a system binary that needs
-# one of the hidden libraries must then fail to start: the hiding is real), every executable's
+# one naming this machine's library and CUDA folders) inside DIR or to the C library set; (2) in
+# a user + mount namespace whose /usr/lib/x86_64-linux-gnu holds only the C library and whose
+# /usr/local/lib and CUDA toolkit are empty (a system binary that needs one of the hidden
+# libraries must then fail to start: the hiding is real), every executable's
 # libraries resolve, each GoogleTest binary starts and skips for want of a CUDA device, and a
 # host-backend memra-kvd answers memra-kvctl status; (3) the Python CUDA test runs from DIR with
 # the bundle's CUDA runtime and skips its device cases.
@@ -289,6 +290,9 @@ check() {
   fi
   check_ldd "${dir}" || die "libraries resolve outside the bundle (above)"
 
+  unshare --user --map-root-user --mount true 2>/dev/null ||
+    die "unshare --user --map-root-user --mount is refused here (user namespaces off?): the" \
+      "check cannot hide the system's libraries"
   local scratch
   scratch="$(mktemp -d "${TMPDIR:-/tmp}/memra-bundle-check.XXXXXX")"
   # shellcheck disable=SC2064
