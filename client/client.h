@@ -449,6 +449,10 @@ class Session {
   absl::StatusOr<uint8_t*> PlanePointer(uint32_t layer, PlaneKind kind) const;
 
   absl::StatusOr<Transaction> Begin();
+  // On a DSA indexer tail ring, a prepare that would overwrite the live tail an Abort (or a
+  // commit of every published row) needs is FAILED_PRECONDITION naming the room left: start a
+  // chunk longer than the ring at a pool boundary (docs/rules.md, "Indexer residency"). Abort
+  // is then never refused for residency.
   absl::StatusOr<PreparedAppend> PrepareAppend(uint64_t generation, uint64_t rows);
   absl::StatusOr<uint64_t> PublishAppend(uint64_t generation);                   // staged rows
   // `token_ids`: the accepted rows' token ids, in order (exactly accepted_rows of them), or none
