@@ -395,6 +395,7 @@ ArenaHandoff::Options Daemon::HandoffOptions() const {
   options.group = start_config_.socket_group;
   options.mode = start_config_.socket_mode;
   options.max_connections = static_cast<size_t>(start_config_.max_attached_engines);
+  options.instance = epoch_;
   return options;
 }
 
