@@ -82,6 +82,7 @@ pb::GetStatusResponse AdminService::Status() const {
     status->set_gid(engine.peer.gid);
     status->set_cache_scope(engine.cache_scope);
     status->set_lease_live(engine.lease_live);
+    status->set_awaiting_reattach(engine.awaiting_reattach);
     status->set_last_heartbeat_age_ms(absl::ToInt64Milliseconds(engine.heartbeat_age));
     if (auto reserved = reserved_by_engine.find(engine.id.value);
         reserved != reserved_by_engine.end()) {

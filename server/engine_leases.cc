@@ -308,6 +308,7 @@ std::vector<EngineView> EngineLeases::Engines() const {
     views.push_back(EngineView{
         engine.id, engine.identity.name, engine.identity.peer, engine.identity.cache_scope,
         !engine.lease_ended.has_value() && now - engine.last_heartbeat <= settings_.timeout,
+        !engine.lease_ended.has_value() && engine.stream == 0,
         now - (engine.lease_ended.has_value() ? *engine.lease_ended : engine.last_heartbeat)});
   }
   return views;

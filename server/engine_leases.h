@@ -85,6 +85,8 @@ struct EngineView {
   PeerCredentials peer;
   std::string cache_scope;
   bool lease_live = false;
+  // Re-adopted after a restart, no Attach stream yet (the lease runs from the restart).
+  bool awaiting_reattach = false;
   absl::Duration heartbeat_age;  // since the last heartbeat, or since the lease ended
 };
 

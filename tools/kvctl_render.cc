@@ -44,7 +44,9 @@ std::string EngineTable(const google::protobuf::RepeatedPtrField<pb::EngineStatu
   for (const pb::EngineStatus& engine : engines) {
     table.AddRow({absl::StrCat(engine.engine_id()), engine.engine_name(),
                   absl::StrCat(engine.pid()), absl::StrCat(engine.uid()), engine.cache_scope(),
-                  engine.lease_live() ? "live" : "ended",
+                  engine.awaiting_reattach() ? "re-adopted"
+                  : engine.lease_live()      ? "live"
+                                             : "ended",
                   absl::StrCat(engine.sessions()), FormatBytes(engine.allocated_bytes()),
                   FormatBytes(engine.reserved_bytes()), absl::StrCat(engine.reservations()),
                   Age(engine.last_heartbeat_age_ms())});
