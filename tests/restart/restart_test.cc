@@ -25,15 +25,6 @@ namespace {
 
 namespace pb = ::memra::kv::v1;
 
-uint64_t Number(const std::map<std::string, std::string>& facts, const std::string& key) {
-  uint64_t value = 0;
-  auto it = facts.find(key);
-  if (it == facts.end() || !absl::SimpleAtoi(it->second, &value)) {
-    ADD_FAILURE() << "no number \"" << key << "\" in the engine's facts";
-  }
-  return value;
-}
-
 pid_t StartEngine(const SupervisedDaemon& daemon, const std::string& name, uint64_t seed,
                   const std::vector<std::string>& extra = {}) {
   std::vector<std::string> args = {Runfile("tests/restart/restart_engine"),
