@@ -308,9 +308,33 @@ void Daemon::Readopt(PreviousDaemon previous) {
                  record.owner(), reason);
     not_readopted[record.id()] = std::move(reason);
   }
+  const size_t lost_now = not_readopted.size();
+  // Why sessions were not re-adopted outlives this daemon: the next one tells their engines too
+  // (issue 26), until the engine is reclaimed. Earlier restarts' reasons come along, naming the
+  // restart they were lost in.
+  for (const auto& lost : previous.lost_sessions) {
+    if (!engines.contains(lost.owner()) || not_readopted.contains(lost.id())) continue;
+    not_readopted[lost.id()] =
+        absl::StrCat(lost.reason(), " (at the restart from epoch ", lost.lost_from_epoch(),
+                     " to ", lost.lost_at_epoch(), ")");
+    if (restart_state_ != nullptr) restart_state_->SessionLost(lost);
+  }
+  if (restart_state_ != nullptr) {
+    for (const auto& record : previous.sessions) {
+      auto lost = not_readopted.find(record.id());
+      if (lost == not_readopted.end() || !engines.contains(record.owner())) continue;
+      memra::kvd::journal::LostSessionRecord journaled;
+      journaled.set_id(record.id());
+      journaled.set_owner(record.owner());
+      journaled.set_reason(lost->second);
+      journaled.set_lost_from_epoch(previous.epoch);
+      journaled.set_lost_at_epoch(epoch_);
+      restart_state_->SessionLost(journaled);
+    }
+  }
   readopted_.previous_epoch = previous.epoch;
   readopted_.engines = engines.size();
-  readopted_.not_readopted = not_readopted.size();
+  readopted_.not_readopted = lost_now;
   readopted_.torn_records = previous.torn_records;
   sessions_.SetRestart(restart, std::move(not_readopted));
   leases_.SetRestart(restart, {});

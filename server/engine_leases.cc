@@ -139,6 +139,11 @@ void EngineLeases::SetRestart(DaemonRestart restart,
   not_readopted_ = std::move(not_readopted);
 }
 
+std::optional<DaemonRestart> EngineLeases::restart() const {
+  absl::MutexLock lock(&mu_);
+  return restart_;
+}
+
 absl::Status EngineLeases::Heartbeat(EngineId id) {
   absl::MutexLock lock(&mu_);
   auto it = engines_.find(id.value);

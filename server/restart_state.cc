@@ -105,6 +105,7 @@ std::optional<PreviousDaemon> ReadPreviousDaemon(std::vector<ListenedFd> passed)
     }
     if (record.has_engine()) previous.engines.push_back(record.engine());
     if (record.has_session()) previous.sessions.push_back(record.session());
+    if (record.has_lost_session()) previous.lost_sessions.push_back(record.lost_session());
   }
   for (auto& [name, fd] : plans) {
     absl::StatusOr<std::string> bytes = ReadAll(fd.get());
@@ -205,6 +206,34 @@ void RestartState::EngineAttached(uint64_t id, absl::string_view token, absl::st
 void RestartState::EngineForgotten(uint64_t id) {
   absl::MutexLock lock(&mu_);
   FreeSlotLocked(EngineKey(id));
+  if (auto lost = lost_by_owner_.find(id); lost != lost_by_owner_.end()) {
+    for (uint64_t session : lost->second) FreeSlotLocked(SessionKey(session));
+    lost_by_owner_.erase(lost);
+  }
+}
+
+void RestartState::SessionLost(const jr::LostSessionRecord& lost) {
+  jr::Record record;
+  *record.mutable_lost_session() = lost;
+  std::string payload = record.SerializeAsString();
+  if (payload.size() > RestartJournal::kMaxPayloadBytes) {  // a long reason: cut, still valid
+    const size_t over = payload.size() - RestartJournal::kMaxPayloadBytes;
+    record.mutable_lost_session()->mutable_reason()->resize(
+        lost.reason().size() > over + 3 ? lost.reason().size() - over - 3 : 0);
+    payload = record.SerializeAsString();
+  }
+  absl::MutexLock lock(&mu_);
+  std::optional<uint64_t> slot = TakeSlotLocked(SessionKey(lost.id()));
+  if (!slot.has_value()) {
+    FailLocked(absl::StrCat("journal full (", journal_->slots(), " slots): why session ",
+                            lost.id(), " was not re-adopted will not be told after a restart"));
+    return;
+  }
+  if (absl::Status written = journal_->Write(*slot, payload); !written.ok()) {
+    FailLocked(absl::StrCat("lost session ", lost.id(), ": ", written.message()));
+    return;
+  }
+  lost_by_owner_[lost.owner()].push_back(lost.id());
 }
 
 void RestartState::ArenaCreated(ArenaId arena) {

@@ -62,6 +62,8 @@ struct PreviousDaemon {
   uint64_t session_slot_limit = 0;
   std::vector<memra::kvd::journal::EngineRecord> engines;
   std::vector<memra::kvd::journal::SessionRecord> sessions;
+  // Sessions an earlier restart did not re-adopt (their engines still get the restart error).
+  std::vector<memra::kvd::journal::LostSessionRecord> lost_sessions;
   // fd name -> the plan it holds (a plan that does not parse or validate is in `problems`).
   absl::flat_hash_map<std::string, ModelPlan> plans;
   absl::flat_hash_map<std::string, ScopedFd> arenas;  // fd name -> descriptor
@@ -98,6 +100,9 @@ class RestartState final : public StateJournal {
   void SessionReleased(uint64_t id) override ABSL_LOCKS_EXCLUDED(mu_);
 
   // ---- Re-adoption (the daemon, before it serves) ----
+  // Journals a session that was not re-adopted (at this restart or an earlier one), so the next
+  // daemon answers its engine with the restart error too; dropped when its engine is forgotten.
+  void SessionLost(const memra::kvd::journal::LostSessionRecord& lost) ABSL_LOCKS_EXCLUDED(mu_);
   // A re-adopted arena keeps the name its descriptor is stored under.
   void NameAdoptedArena(ArenaId arena, std::string fd_name) ABSL_LOCKS_EXCLUDED(mu_);
   // A re-adopted plan keeps the name its memfd is stored under.
@@ -150,6 +155,8 @@ class RestartState final : public StateJournal {
   };
   absl::flat_hash_map<std::string, StoredPlan> plans_ ABSL_GUARDED_BY(mu_);  // by fingerprint
   absl::flat_hash_map<uint64_t, std::string> session_plans_ ABSL_GUARDED_BY(mu_);  // id -> fp
+  // Engine id -> the lost sessions journaled for it (SessionLost), freed with the engine.
+  absl::flat_hash_map<uint64_t, std::vector<uint64_t>> lost_by_owner_ ABSL_GUARDED_BY(mu_);
   bool published_ ABSL_GUARDED_BY(mu_) = false;
   uint64_t failures_ ABSL_GUARDED_BY(mu_) = 0;
 };
