@@ -336,7 +336,13 @@ void Daemon::Readopt(PreviousDaemon previous) {
   readopted_.engines = engines.size();
   readopted_.not_readopted = lost_now;
   readopted_.torn_records = previous.torn_records;
-  sessions_.SetRestart(restart, std::move(not_readopted));
+  if (previous.unreadable_records > 0) {
+    spdlog::warn("restart: {} journal records could not be read; sessions below id {} that are "
+                 "not re-adopted answer the restart error",
+                 previous.unreadable_records, previous.next_session_id);
+  }
+  sessions_.SetRestart(restart, std::move(not_readopted), previous.unreadable_records,
+                       previous.next_session_id);
   leases_.SetRestart(restart, {});
   if (restart_state_ != nullptr) {
     // This daemon's journal first, then the previous daemon's leftovers go: a crash in between

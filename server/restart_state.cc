@@ -97,11 +97,38 @@ std::optional<PreviousDaemon> ReadPreviousDaemon(std::vector<ListenedFd> passed)
   for (uint64_t slot = 0; slot < journal->slots(); ++slot) {
     RestartJournal::SlotContent content = journal->Read(slot);
     if (content.torn) ++previous.torn_records;
-    if (!content.payload.has_value()) continue;
+    if (!content.payload.has_value()) {
+      if (content.newest_damaged) {
+        ++previous.unreadable_records;
+        spdlog::warn("restart: journal slot {}: every copy of its record is damaged; the "
+                     "session or engine it held is lost and cannot be named",
+                     slot);
+      }
+      continue;
+    }
     jr::Record record;
     if (!record.ParseFromString(*content.payload)) {
-      previous.problems.push_back(absl::StrCat("journal slot ", slot, " does not parse"));
+      ++previous.unreadable_records;
+      spdlog::warn("restart: journal slot {} does not parse; the session or engine it held is "
+                   "lost and cannot be named",
+                   slot);
       continue;
+    }
+    if (record.has_session() && content.newest_damaged) {
+      // The whole copy may be older than what the engine was told (a session would come back
+      // at length 10 after its engine was told 30): not re-adopted, and its engine told why.
+      spdlog::warn("restart: session {} of engine {}: its newest journal record is damaged; the "
+                   "older one (committed length {}) may be older than what its engine was told, "
+                   "so it is not re-adopted",
+                   record.session().id(), record.session().owner(),
+                   record.session().committed_len());
+      record.mutable_session()->set_not_recoverable(
+          "its newest restart journal record was damaged (it fails its checksum), so the state "
+          "it was last acknowledged at is not known");
+    } else if (content.torn) {
+      spdlog::info("restart: journal slot {}: a write was torn by the crash; the record before "
+                   "it is used (a change in flight comes back undone)",
+                   slot);
     }
     if (record.has_engine()) previous.engines.push_back(record.engine());
     if (record.has_session()) previous.sessions.push_back(record.session());

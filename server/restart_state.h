@@ -69,7 +69,9 @@ struct PreviousDaemon {
   absl::flat_hash_map<std::string, ScopedFd> arenas;  // fd name -> descriptor
   // Every other passed name (older journals, unknown names): removed from the store.
   std::vector<std::string> leftovers;
-  size_t torn_records = 0;  // slots whose newest write was torn (the previous record was used)
+  size_t torn_records = 0;  // slots with a torn half (a write in flight, or damage)
+  // Slots whose every copy is damaged or does not parse: what they held cannot be named.
+  size_t unreadable_records = 0;
   std::vector<std::string> problems;  // what could not be read, for the log
 };
 

@@ -303,6 +303,68 @@ TEST_F(RestartStateTest, WhatCannotBeKeptIsRecordedAsSuch) {
             "its arena's memory was not kept in the fd store");
 }
 
+// Issue 26: why a session was not re-adopted is journaled, so the daemon after the next restart
+// still tells its engine; the record goes when its engine is forgotten.
+TEST_F(RestartStateTest, LostSessionsReachTheNextDaemonUntilTheirEngineIsForgotten) {
+  state_->EngineAttached(1, "engine-token-16b", "engine-a", PeerCredentials{}, "uid:0");
+  memra::kvd::journal::LostSessionRecord lost;
+  lost.set_id(6);
+  lost.set_owner(1);
+  lost.set_reason("a transaction was open on recurrent layer 2");
+  lost.set_lost_from_epoch(10);
+  lost.set_lost_at_epoch(11);
+  state_->SessionLost(lost);
+  std::optional<PreviousDaemon> previous = ReadPreviousDaemon(store_.Passed());
+  ASSERT_TRUE(previous.has_value());
+  ASSERT_EQ(previous->lost_sessions.size(), 1u);
+  EXPECT_EQ(previous->lost_sessions[0].id(), 6u);
+  EXPECT_EQ(previous->lost_sessions[0].owner(), 1u);
+  EXPECT_EQ(previous->lost_sessions[0].reason(), "a transaction was open on recurrent layer 2");
+  EXPECT_EQ(previous->lost_sessions[0].lost_from_epoch(), 10u);
+  EXPECT_EQ(previous->lost_sessions[0].lost_at_epoch(), 11u);
+  EXPECT_TRUE(previous->sessions.empty());
+  state_->EngineForgotten(1);
+  previous = ReadPreviousDaemon(store_.Passed());
+  ASSERT_TRUE(previous.has_value());
+  EXPECT_TRUE(previous->lost_sessions.empty());
+  EXPECT_TRUE(previous->engines.empty());
+}
+
+// Issue 26: a damaged newest record would bring a session back older than its engine was told
+// (length 40 after it was told 41): it is not re-adopted, with why; a slot with no readable
+// copy is counted, since nothing names what it held.
+TEST_F(RestartStateTest, ASessionWhoseNewestRecordIsDamagedIsNotBroughtBack) {
+  absl::StatusOr<ArenaId> arena = backend_->CreateArena(4096, ArenaVisibility::kExported);
+  ASSERT_THAT(arena, IsOk());
+  state_->EngineAttached(1, "engine-token-16b", "engine-a", PeerCredentials{}, "uid:0");  // slot 0
+  state_->ArenaCreated(*arena);
+  JournaledSession session = Session(5, *arena);
+  state_->SessionChanged(session);  // slot 1, half 0
+  session.committed.committed_len = 41;
+  state_->SessionChanged(session);  // slot 1, half 1: the newest
+  const int journal = store_.Drain().at("journal-3");
+  const off_t slot1 = RestartJournal::kHeaderBytes + RestartJournal::kSlotBytes;
+  const off_t newest = slot1 + RestartJournal::kHalfBytes + RestartJournal::kHalfHeaderBytes;
+  ASSERT_EQ(pwrite(journal, "X", 1, newest), 1);
+  std::optional<PreviousDaemon> previous = ReadPreviousDaemon(store_.Passed());
+  ASSERT_TRUE(previous.has_value());
+  ASSERT_EQ(previous->sessions.size(), 1u);
+  EXPECT_EQ(previous->sessions[0].id(), 5u);
+  EXPECT_EQ(previous->sessions[0].committed_len(), 40u);
+  EXPECT_EQ(previous->sessions[0].not_recoverable(),
+            "its newest restart journal record was damaged (it fails its checksum), so the state "
+            "it was last acknowledged at is not known");
+  EXPECT_EQ(previous->torn_records, 1u);
+  EXPECT_EQ(previous->unreadable_records, 0u);
+  // The older copy damaged too: nothing names the session any more.
+  ASSERT_EQ(pwrite(journal, "X", 1, slot1 + RestartJournal::kHalfHeaderBytes), 1);
+  previous = ReadPreviousDaemon(store_.Passed());
+  ASSERT_TRUE(previous.has_value());
+  EXPECT_TRUE(previous->sessions.empty());
+  EXPECT_EQ(previous->unreadable_records, 1u);
+  EXPECT_EQ(previous->engines.size(), 1u);
+}
+
 // A daemon that keeps no journal itself re-adopts nothing and drops what the previous one kept:
 // a later restart must never bring back records over memory this daemon changed.
 TEST_F(RestartStateTest, ADaemonKeepingNoJournalDropsThePreviousDaemonsState) {
