@@ -45,6 +45,12 @@ pb::GetStatusResponse AdminService::Status() const {
   out.set_prefix_remote_tier(!remote_up.has_value() ? pb::REMOTE_TIER_NONE
                              : *remote_up           ? pb::REMOTE_TIER_UP
                                                     : pb::REMOTE_TIER_DOWN);
+  const RestartSurvival survival =
+      parts_.restart_survival ? parts_.restart_survival() : RestartSurvival{};
+  out.set_restart_survival(survival.state == RestartSurvival::State::kOn   ? pb::RESTART_SURVIVAL_ON
+                           : survival.state == RestartSurvival::State::kLost ? pb::RESTART_SURVIVAL_LOST
+                                                                        : pb::RESTART_SURVIVAL_OFF);
+  out.set_restart_survival_detail(survival.detail);
   const AdmissionLedger ledger = parts_.budget->Snapshot();
   pb::AdmissionStatus* admission = out.mutable_admission();
   admission->set_budget_bytes(ledger.budget());

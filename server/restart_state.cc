@@ -426,6 +426,24 @@ void RestartState::Forget(const std::string& fd_name) {
   RemoveLocked(fd_name);
 }
 
+void RestartState::ProbeStore() {
+  absl::MutexLock lock(&mu_);
+  if (store_lost_.has_value()) return;
+  // Unknown assignments are ignored by systemd and memra-kv-supervise alike.
+  const absl::Status answered = send_("MEMRA_KV_PROBE=1", {});
+  if (answered.ok()) return;
+  store_lost_ = absl::StrCat("the service manager stopped answering on NOTIFY_SOCKET (",
+                             answered.message(),
+                             "): what its fd store kept is gone, and KV will not survive the "
+                             "next restart of this daemon");
+  spdlog::error("restart survival is off: {}", *store_lost_);
+}
+
+std::optional<std::string> RestartState::store_lost() const {
+  absl::MutexLock lock(&mu_);
+  return store_lost_;
+}
+
 uint64_t RestartState::failures() const {
   absl::MutexLock lock(&mu_);
   return failures_;

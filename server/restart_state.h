@@ -120,6 +120,14 @@ class RestartState final : public StateJournal {
   // Removes the stored plans no journaled session uses.
   void ForgetUnusedPlans() ABSL_LOCKS_EXCLUDED(mu_);
 
+  // Sends the service manager a notification that asks nothing, to learn whether it still
+  // answers (the daemon's lease thread, every second). The first that fails (memra-kv-supervise
+  // was killed: its socket refuses) turns restart survival off for good, logged once: the store
+  // went with the service manager, and a new one would not hold this daemon's arenas.
+  void ProbeStore() ABSL_LOCKS_EXCLUDED(mu_);
+  // Why the service manager's store was lost (ProbeStore); nullopt while it answers.
+  std::optional<std::string> store_lost() const ABSL_LOCKS_EXCLUDED(mu_);
+
   uint64_t generation() const { return journal_->generation(); }
   // Failures to keep something (a full journal, a refused store): each is logged; a session
   // whose arena could not be kept is journaled as not recoverable.
@@ -160,6 +168,7 @@ class RestartState final : public StateJournal {
   // Engine id -> the lost sessions journaled for it (SessionLost), freed with the engine.
   absl::flat_hash_map<uint64_t, std::vector<uint64_t>> lost_by_owner_ ABSL_GUARDED_BY(mu_);
   bool published_ ABSL_GUARDED_BY(mu_) = false;
+  std::optional<std::string> store_lost_ ABSL_GUARDED_BY(mu_);
   uint64_t failures_ ABSL_GUARDED_BY(mu_) = 0;
 };
 

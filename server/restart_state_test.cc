@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <cstring>
+#include <filesystem>
 #include <map>
 #include <string>
 #include <vector>
@@ -26,6 +27,7 @@
 #include "server/plan_registry.h"
 #include "server/session_registry.h"
 #include "server/test_host_backend.h"
+#include "tests/http_get.h"
 #include "tests/status_matchers.h"
 
 namespace memra {
@@ -72,6 +74,14 @@ class ServiceManagerStore {
       for (int fd : received->fds) close(fd);
     }
     return fds_;
+  }
+
+  // The service manager dies (memra-kv-supervise SIGKILLed): its socket is gone, and with it
+  // what it kept.
+  void Die() {
+    for (auto& [name, fd] : fds_) close(fd);
+    fds_.clear();
+    listener_.reset();
   }
 
   // What a restarted daemon would be passed: duplicates of every stored descriptor.
@@ -363,6 +373,66 @@ TEST_F(RestartStateTest, ASessionWhoseNewestRecordIsDamagedIsNotBroughtBack) {
   EXPECT_TRUE(previous->sessions.empty());
   EXPECT_EQ(previous->unreadable_records, 1u);
   EXPECT_EQ(previous->engines.size(), 1u);
+}
+
+// Issue 26: with the supervisor SIGKILLed the daemon serves on without restart survival; its
+// status and its metrics say so (not just "serving").
+TEST_F(RestartStateTest, ADaemonWhoseServiceManagerDiedSaysRestartSurvivalIsLost) {
+  char pattern[] = "/tmp/memra-survival-XXXXXX";
+  ASSERT_NE(mkdtemp(pattern), nullptr);
+  const std::string dir = pattern;
+  DaemonConfig config;
+  config.socket_path = dir + "/kvd.sock";
+  config.metrics_address = "127.0.0.1:0";
+  FakeClock clock;
+  absl::StatusOr<std::unique_ptr<Daemon>> daemon =
+      Daemon::Create(config, NewTestHostBackend(TestHostBackendOptions(1 << 24)), &clock);
+  ASSERT_THAT(daemon, IsOk());
+  ASSERT_THAT((*daemon)->Start(), IsOk());
+  memra::kv::v1::GetStatusResponse status = (*daemon)->GetStatus();
+  EXPECT_EQ(status.restart_survival(), memra::kv::v1::RESTART_SURVIVAL_ON);
+  EXPECT_EQ(status.restart_survival_detail(),
+            "journal-1 and 1 descriptors in the service manager's fd store");
+  EXPECT_THAT(testing::HttpGet((*daemon)->metrics_port(), "/metrics"),
+              ::testing::HasSubstr("\nmemra_restart_survival 1\n"));
+
+  store_.Die();
+  // The lease thread asks the service manager every second: wait for the state it reports.
+  const absl::Time give_up = absl::Now() + absl::Seconds(60);
+  while ((*daemon)->GetStatus().restart_survival() != memra::kv::v1::RESTART_SURVIVAL_LOST &&
+         absl::Now() < give_up) {
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  status = (*daemon)->GetStatus();
+  EXPECT_EQ(status.restart_survival(), memra::kv::v1::RESTART_SURVIVAL_LOST);
+  EXPECT_THAT(status.restart_survival_detail(),
+              HasSubstrs("the service manager stopped answering on NOTIFY_SOCKET",
+                         "KV will not survive the next restart"));
+  EXPECT_THAT(testing::HttpGet((*daemon)->metrics_port(), "/metrics"),
+              ::testing::HasSubstr("\nmemra_restart_survival 0\n"));
+  EXPECT_FALSE(status.draining()) << "it serves on";
+  (*daemon)->Shutdown();
+  daemon->reset();
+  std::error_code ignored;
+  std::filesystem::remove_all(dir, ignored);
+}
+
+// Without a service manager nothing survives, and the status says why.
+TEST(RestartSurvival, WithoutAServiceManagerItIsOffAndSaysWhy) {
+  ASSERT_EQ(getenv("NOTIFY_SOCKET"), nullptr);
+  DaemonConfig config;
+  FakeClock clock;
+  absl::StatusOr<std::unique_ptr<Daemon>> daemon =
+      Daemon::Create(config, NewTestHostBackend(TestHostBackendOptions(1 << 24)), &clock);
+  ASSERT_THAT(daemon, IsOk());
+  const memra::kv::v1::GetStatusResponse status = (*daemon)->GetStatus();
+  EXPECT_EQ(status.restart_survival(), memra::kv::v1::RESTART_SURVIVAL_OFF);
+  EXPECT_THAT(status.restart_survival_detail(), HasSubstrs("no service manager"));
+  config.keep_kv_across_restarts = false;
+  absl::StatusOr<std::unique_ptr<Daemon>> off =
+      Daemon::Create(config, NewTestHostBackend(TestHostBackendOptions(1 << 24)), &clock);
+  ASSERT_THAT(off, IsOk());
+  EXPECT_EQ((*off)->GetStatus().restart_survival_detail(), "keep_kv_across_restarts = false");
 }
 
 // A daemon that keeps no journal itself re-adopts nothing and drops what the previous one kept:

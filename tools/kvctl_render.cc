@@ -216,6 +216,16 @@ std::string RenderStatus(const pb::GetStatusResponse& status) {
                              status.epoch()));
   fields.Add("state",
              status.draining() ? "DRAINING: new engines and sessions get UNAVAILABLE" : "serving");
+  // Whether the KV survives a daemon crash (docs/failure-model.md#the-daemon-dies).
+  if (status.restart_survival() == pb::RESTART_SURVIVAL_ON) {
+    fields.Add("restarts", absl::StrCat("KV survives a daemon crash (",
+                                        status.restart_survival_detail(), ")"));
+  } else if (status.restart_survival() == pb::RESTART_SURVIVAL_LOST) {
+    fields.Add("restarts", absl::StrCat("SURVIVAL LOST: ", status.restart_survival_detail()));
+  } else if (status.restart_survival() == pb::RESTART_SURVIVAL_OFF) {
+    fields.Add("restarts", absl::StrCat("KV does not survive a daemon crash (",
+                                        status.restart_survival_detail(), ")"));
+  }
   if (status.prefix_remote_tier() == pb::REMOTE_TIER_UP) {
     fields.Add("prefix remote tier", "up");
   } else if (status.prefix_remote_tier() == pb::REMOTE_TIER_DOWN) {
