@@ -57,7 +57,7 @@ TEST(DaemonRestart, SessionsComeBackAtTheirCommittedLengthAndEnginesCarryOn) {
     ASSERT_TRUE(PollUntil([&] { return Exists(daemon.Path(name + ".ready")); }))
         << Log(daemon, name + ".log");
   }
-  absl::SleepFor(absl::Milliseconds(300));  // steps run
+  // Ready: each engine's sessions exist and hold committed rows.
   absl::StatusOr<pb::GetStatusResponse> before = daemon.Status();
   ASSERT_TRUE(before.ok()) << before.status();
   EXPECT_EQ(before->sessions(), 4u);
@@ -79,7 +79,15 @@ TEST(DaemonRestart, SessionsComeBackAtTheirCommittedLengthAndEnginesCarryOn) {
   std::printf("restart-to-serving (SIGKILL to GetStatus answering): %.1f ms\n",
               absl::ToDoubleMilliseconds(restart_to_serving));
 
-  absl::SleepFor(absl::Milliseconds(500));  // the engines re-attach and step on
+  // The engines re-attach (none awaits it any more) and step on.
+  ASSERT_TRUE(PollUntil([&] {
+    absl::StatusOr<pb::ListEnginesResponse> known = daemon.Engines();
+    if (!known.ok() || known->engines_size() != 2) return false;
+    for (const auto& engine : known->engines()) {
+      if (engine.awaiting_reattach() || !engine.lease_live()) return false;
+    }
+    return true;
+  })) << Log(daemon, "supervise.log.out");
   std::ofstream(daemon.Path("stop")) << "stop\n";
   for (size_t i = 0; i < engines.size(); ++i) {
     EXPECT_EQ(WaitExit(engines[i]), 0) << Log(daemon, names[i] + ".log");
