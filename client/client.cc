@@ -427,7 +427,9 @@ bool KvClient::Reattach() {
       lease_lost_ = opened;  // the daemon will never know this engine again
       return false;
     }
-    // UNAVAILABLE (no daemon yet), a stream still held: try again.
+    // UNAVAILABLE: no daemon yet, or the ticket came from a daemon that died before this Attach
+    // reached the next one (a crash loop; the daemon names both instances): try again with a
+    // fresh ticket, until the daemon answering accepts the engine or says it will not.
   }
 }
 

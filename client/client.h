@@ -575,6 +575,8 @@ class KvClient {
   // a daemon that still knows the engine (or re-adopted it from its restart journal) gives the
   // lease back and the engine carries on with the same sessions and mappings; one that does not
   // answers with the restart error, which lease_lost() then holds, and re-attaching stops.
+  // UNAVAILABLE goes on: no daemon yet, or (a crash loop) a ticket of a daemon that died before
+  // the Attach reached the next one, which refuses another instance's ticket so.
   absl::Status Attach(const std::string& engine_name) ABSL_LOCKS_EXCLUDED(mu_);
   // Ends the lease: the daemon frees this engine's sessions after its grace period.
   void Detach() ABSL_LOCKS_EXCLUDED(mu_);

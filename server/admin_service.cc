@@ -45,6 +45,12 @@ pb::GetStatusResponse AdminService::Status() const {
   out.set_prefix_remote_tier(!remote_up.has_value() ? pb::REMOTE_TIER_NONE
                              : *remote_up           ? pb::REMOTE_TIER_UP
                                                     : pb::REMOTE_TIER_DOWN);
+  const RestartSurvival survival =
+      parts_.restart_survival ? parts_.restart_survival() : RestartSurvival{};
+  out.set_restart_survival(survival.state == RestartSurvival::State::kOn   ? pb::RESTART_SURVIVAL_ON
+                           : survival.state == RestartSurvival::State::kLost ? pb::RESTART_SURVIVAL_LOST
+                                                                        : pb::RESTART_SURVIVAL_OFF);
+  out.set_restart_survival_detail(survival.detail);
   const AdmissionLedger ledger = parts_.budget->Snapshot();
   pb::AdmissionStatus* admission = out.mutable_admission();
   admission->set_budget_bytes(ledger.budget());
@@ -82,6 +88,7 @@ pb::GetStatusResponse AdminService::Status() const {
     status->set_gid(engine.peer.gid);
     status->set_cache_scope(engine.cache_scope);
     status->set_lease_live(engine.lease_live);
+    status->set_awaiting_reattach(engine.awaiting_reattach);
     status->set_last_heartbeat_age_ms(absl::ToInt64Milliseconds(engine.heartbeat_age));
     if (auto reserved = reserved_by_engine.find(engine.id.value);
         reserved != reserved_by_engine.end()) {

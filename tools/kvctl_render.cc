@@ -44,7 +44,9 @@ std::string EngineTable(const google::protobuf::RepeatedPtrField<pb::EngineStatu
   for (const pb::EngineStatus& engine : engines) {
     table.AddRow({absl::StrCat(engine.engine_id()), engine.engine_name(),
                   absl::StrCat(engine.pid()), absl::StrCat(engine.uid()), engine.cache_scope(),
-                  engine.lease_live() ? "live" : "ended",
+                  engine.awaiting_reattach() ? "re-adopted"
+                  : engine.lease_live()      ? "live"
+                                             : "ended",
                   absl::StrCat(engine.sessions()), FormatBytes(engine.allocated_bytes()),
                   FormatBytes(engine.reserved_bytes()), absl::StrCat(engine.reservations()),
                   Age(engine.last_heartbeat_age_ms())});
@@ -214,6 +216,16 @@ std::string RenderStatus(const pb::GetStatusResponse& status) {
                              status.epoch()));
   fields.Add("state",
              status.draining() ? "DRAINING: new engines and sessions get UNAVAILABLE" : "serving");
+  // Whether the KV survives a daemon crash (docs/failure-model.md#the-daemon-dies).
+  if (status.restart_survival() == pb::RESTART_SURVIVAL_ON) {
+    fields.Add("restarts", absl::StrCat("KV survives a daemon crash (",
+                                        status.restart_survival_detail(), ")"));
+  } else if (status.restart_survival() == pb::RESTART_SURVIVAL_LOST) {
+    fields.Add("restarts", absl::StrCat("SURVIVAL LOST: ", status.restart_survival_detail()));
+  } else if (status.restart_survival() == pb::RESTART_SURVIVAL_OFF) {
+    fields.Add("restarts", absl::StrCat("KV does not survive a daemon crash (",
+                                        status.restart_survival_detail(), ")"));
+  }
   if (status.prefix_remote_tier() == pb::REMOTE_TIER_UP) {
     fields.Add("prefix remote tier", "up");
   } else if (status.prefix_remote_tier() == pb::REMOTE_TIER_DOWN) {

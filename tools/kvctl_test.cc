@@ -416,6 +416,28 @@ TEST(RenderTest, Status) {
       "   0  1m1s ago\n");
 }
 
+// Issue 26: a daemon whose supervisor died serves on, and the status says its KV will not
+// survive the next crash (not just "serving").
+TEST(RenderTest, StatusSaysWhetherTheKvSurvivesADaemonCrash) {
+  pb::GetStatusResponse status = CannedStatus();
+  status.clear_engine_status();
+  status.set_restart_survival(pb::RESTART_SURVIVAL_LOST);
+  status.set_restart_survival_detail("the service manager stopped answering on NOTIFY_SOCKET");
+  EXPECT_THAT(RenderStatus(status),
+              HasSubstr("state          serving\n"
+                        "restarts       SURVIVAL LOST: the service manager stopped answering on "
+                        "NOTIFY_SOCKET\n"));
+  status.set_restart_survival(pb::RESTART_SURVIVAL_ON);
+  status.set_restart_survival_detail("journal-4 and 7 descriptors in the service manager's fd store");
+  EXPECT_THAT(RenderStatus(status),
+              HasSubstr("restarts       KV survives a daemon crash (journal-4 and 7 descriptors "
+                        "in the service manager's fd store)\n"));
+  status.set_restart_survival(pb::RESTART_SURVIVAL_OFF);
+  status.set_restart_survival_detail("keep_kv_across_restarts = false");
+  EXPECT_THAT(RenderStatus(status), HasSubstr("restarts       KV does not survive a daemon crash "
+                                              "(keep_kv_across_restarts = false)\n"));
+}
+
 TEST(RenderTest, StatusOnADeviceOverBudgetWhileDraining) {
   pb::GetStatusResponse status = CannedStatus();
   status.set_backend("cuda");

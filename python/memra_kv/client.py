@@ -799,7 +799,9 @@ class _Lease:
                             grpc.StatusCode.NOT_FOUND, grpc.StatusCode.PERMISSION_DENIED)):
                         self.lost = error  # the daemon will never know this engine again
                         return False
-                    # UNAVAILABLE (no daemon yet), a stream still held, or stop(): again.
+                    # UNAVAILABLE (no daemon yet, or a ticket of a daemon that died before
+                    # this Attach reached the next one), a stream still held, or stop(): again,
+                    # with a fresh ticket.
             with self._lock:
                 self._reattaching = None
                 if self._stopping:

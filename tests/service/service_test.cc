@@ -193,7 +193,7 @@ TEST_F(ServiceTest, AttachNeedsAValidSingleUseHandoffTicket) {
   EXPECT_THAT(attach(""), StatusIs(absl::StatusCode::kPermissionDenied,
                                    HasSubstrs("no handoff ticket", daemon_->handoff_socket_path())));
   EXPECT_THAT(attach("forged"), StatusIs(absl::StatusCode::kPermissionDenied,
-                                         HasSubstr("ticket is 24 bytes, got 6")));
+                                         HasSubstr("ticket is 32 bytes, got 6")));
   std::unique_ptr<HandoffChannel> handoff = NewHandoff();
   ASSERT_NE(handoff, nullptr);
   ASSERT_THAT(attach(handoff->ticket()), IsOk());
