@@ -22,10 +22,11 @@ How it uses the block store:
     resolved KVCacheLayout; every block-compact layout (LBNHC, BLNHC: NHD pages; LBHNC, BLHNC:
     HND pages) is registered as one fused KV tensor per layer. The scheduler derives the same
     layout from its KVCacheConfig and registers a one-block lookup pool of it (same layout
-    fingerprint) to answer get_num_new_matched_tokens; it never pins (a pin is one engine's),
-    so a block evicted between lookup and load is a load error the worker reports through
-    get_block_ids_with_load_errors (vLLM's kv_load_failure_policy decides: "recompute" or
-    "fail").
+    fingerprint) to answer get_num_new_matched_tokens. Its lookup pins what it found until the
+    request finishes (a TTL'd block-store pin: memra_lookup_pin_ms), so our own eviction never
+    fails a load; a block gone anyway (the pin refused or expired) is a load error the worker
+    reports through get_block_ids_with_load_errors (vLLM's kv_load_failure_policy decides:
+    "recompute" or "fail").
   * Loads run in start_load_kv and are complete when it returns (host backend: the daemon's
     reply comes after the copies; cuda: the engine's stream waits on the reply's completion
     event), so wait_for_layer_load has nothing to wait for; saves of newly computed full blocks
@@ -350,15 +351,24 @@ class _Tracked:
     computed_tokens: int = 0  # when get_num_new_matched_tokens was asked
     external_blocks: int = 0  # blocks the store can give beyond the computed ones
     done_blocks: int = 0  # leading blocks loaded or saved (never saved again)
+    pin_id: int = 0  # the lookup's pin until the request ends (0: none)
 
 
 class MemraScheduler:
     """The scheduler side on plain values. `registration`: the lookup registration
-    (lookup_layout) of an attached client's BlockStore, made again when the daemon lost it."""
+    (lookup_layout) of an attached client's BlockStore, made again when the daemon lost it.
 
-    def __init__(self, registration: KeptRegistration, block_size):
+    With `pin_ttl_ms` > 0 a lookup holds what it found until the load: the matched blocks are
+    pinned (the block store's pins: they keep entries from eviction, expire after the TTL,
+    at most 60 s, and are bounded per engine) and released when the request finishes, when vLLM
+    loads nothing for it, or when it is looked up again. A lookup the pin limits refuse
+    (RESOURCE_EXHAUSTED) is made again without a pin: a block evicted before its load is then
+    a load error, as without the lease."""
+
+    def __init__(self, registration: KeptRegistration, block_size, pin_ttl_ms=0):
         self._registration = registration
         self.block_size = block_size
+        self.pin_ttl_ms = pin_ttl_ms
         self._requests: Dict[str, _Tracked] = {}
         self._loads: List[LoadSpec] = []
 
@@ -370,16 +380,37 @@ class MemraScheduler:
         tracked = self._requests.setdefault(request_id, _Tracked(hashes, list(token_ids)))
         tracked.hashes, tracked.token_ids = hashes, list(token_ids)
         tracked.computed_tokens = num_computed_tokens
+        self._unpin(tracked)
         computed_blocks = num_computed_tokens // self.block_size
         loadable = min(len(hashes), max(0, (len(token_ids) - 1) // self.block_size))
         matched = 0
         if loadable > computed_blocks:
             try:
-                matched = self._registration.lookup(hashes=hashes[:loadable]).matched_blocks
+                match = self._lookup(hashes[:loadable])
+                matched, tracked.pin_id = match.matched_blocks, match.pin_id
             except KvError as error:  # the store is a cache: unreachable means a miss
                 log.warning("lookup of request %s: %s", request_id, error)
         tracked.external_blocks = max(0, min(matched, loadable) - computed_blocks)
         return tracked.external_blocks * self.block_size, False
+
+    def _lookup(self, hashes):
+        if self.pin_ttl_ms > 0:
+            try:
+                return self._registration.lookup(hashes=hashes, pin_ttl_ms=self.pin_ttl_ms)
+            except KvError as error:
+                if error.code != grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    raise
+                log.debug("a pinned lookup refused (%s): looked up unpinned", error)
+        return self._registration.lookup(hashes=hashes)
+
+    def _unpin(self, tracked):
+        """Releases the request's lookup pin, if any (a failure: the TTL releases it)."""
+        pin_id, tracked.pin_id = tracked.pin_id, 0
+        if pin_id:
+            try:
+                self._registration.unpin(pin_id)
+            except KvError as error:
+                log.debug("unpin %d: %s", pin_id, error)
 
     def update_state_after_alloc(self, request_id, block_ids, num_external_tokens):
         """`block_ids`: the request's blocks (KV group 0) after this allocation."""
@@ -388,6 +419,7 @@ class MemraScheduler:
             return
         tracked.block_ids = list(block_ids)
         if num_external_tokens <= 0:
+            self._unpin(tracked)  # vLLM loads nothing of what the lookup held
             return
         first = tracked.computed_tokens // self.block_size
         count = num_external_tokens // self.block_size
@@ -430,8 +462,11 @@ class MemraScheduler:
         return meta
 
     def request_finished(self, request_id) -> Tuple[bool, Optional[dict]]:
-        """Saves are synchronous (wait_for_save): vLLM may free the blocks now."""
-        self._requests.pop(request_id, None)
+        """Saves are synchronous (wait_for_save): vLLM may free the blocks now. Its lookup pin
+        is released: the load ran before any save of this request."""
+        tracked = self._requests.pop(request_id, None)
+        if tracked is not None:
+            self._unpin(tracked)
         return False, None
 
 
@@ -704,7 +739,8 @@ if KVConnectorBase_V1 is not None:
         """vLLM's view of MemraScheduler / MemraWorker. kv_connector_extra_config (strings and
         numbers only: vLLM pickles its config to worker processes): memra_socket (default
         /run/memra-kv/gpu0.sock), memra_engine_name, memra_cache_scope, memra_staging_blocks
-        (64), memra_timeout_s (2: how long a
+        (64), memra_lookup_pin_ms (30000: how long a lookup holds what it found for the load;
+        0: no pin), memra_timeout_s (2: how long a
         connection try waits for the daemon).
 
         The daemon is a cache: one that is down, unreachable or refuses the pool leaves vLLM
@@ -869,7 +905,8 @@ if KVConnectorBase_V1 is not None:
             except (KvError, grpc.RpcError, OSError) as error:
                 self._degraded("registering the scheduler's lookup pool", error)
                 raise
-            return MemraScheduler(registration, self._block_size)
+            return MemraScheduler(registration, self._block_size,
+                                  int(self._extra.get("memra_lookup_pin_ms", 30000)))
 
         def _keys(self, request):
             """The request's content keys now, or None when its tokens do not name its KV

@@ -2,6 +2,8 @@
 vLLM 0.33 does (python/engines/vllm/test_vllm_connector.py runs it as a separate process):
 
     instance.py SOCKET LAYOUT PROMPT_JSON [--hash-algo sha256] [--cache-salt S] [--mla]
+                [--repeat N [--pause-before I]] [--lookup-pin-ms MS] [--load-failure-policy P]
+                [--evict-with ADMIN_SOCKET]
 
 * VllmConfig of an offline model directory (model/config.json, HF_HUB_OFFLINE=1) with
   --kv-transfer-config's fields: kv_connector "MemraKVConnector", kv_connector_module_path
@@ -58,7 +60,10 @@ NUM_BLOCKS = 64
 EOS = 2
 
 
-def vllm_config(socket, layout, hash_algo):
+def vllm_config(socket, layout, hash_algo, lookup_pin_ms=None, load_failure_policy="fail"):
+    extra = {"memra_socket": socket, "memra_timeout_s": 2}
+    if lookup_pin_ms is not None:
+        extra["memra_lookup_pin_ms"] = lookup_pin_ms
     model = ModelConfig(model=MODEL_DIR, dtype="float16", seed=0, skip_tokenizer_init=True)
     cache = CacheConfig(block_size=BLOCK_SIZE, gpu_memory_utilization=0.9, cache_dtype="auto",
                         enable_prefix_caching=True, prefix_caching_hash_algo=hash_algo)
@@ -71,8 +76,8 @@ def vllm_config(socket, layout, hash_algo):
                                          is_encoder_decoder=False),
         kv_transfer_config=KVTransferConfig(
             kv_connector="MemraKVConnector", kv_connector_module_path="memra_kv.vllm",
-            kv_role="kv_both", kv_connector_extra_config={"memra_socket": socket,
-                                                          "memra_timeout_s": 2}))
+            kv_role="kv_both", kv_load_failure_policy=load_failure_policy,
+            kv_connector_extra_config=extra))
     return config
 
 
@@ -116,6 +121,20 @@ def forward(kv_caches, scheduler_output, requests, block_ids):
                 cell.copy_((values + layer * 1000 + token * 7 + position) % 2048)
 
 
+def evict_everything(admin_socket):
+    """An operator evicting every stored block (memra-kvctl evict): the refusals, as
+    [code, message]."""
+    import memra_kv
+    refusals = []
+    with memra_kv.Client.connect(admin_socket, timeout=10) as admin:
+        for entry in admin.list_prefixes().entries:
+            try:
+                admin.evict_prefix(entry.entry_id)
+            except memra_kv.KvError as error:
+                refusals.append([error.code.name, error.message])
+    return refusals
+
+
 def page_digests(kv_caches, block_ids, order):
     """SHA-256 of each block's pages, every layer, in memory order."""
     digests = []
@@ -138,10 +157,19 @@ def main(argv):
     parser.add_argument("--hash-algo", default="sha256")
     parser.add_argument("--cache-salt", default=None)
     parser.add_argument("--mla", action="store_true")
+    parser.add_argument("--lookup-pin-ms", type=int, default=None)
+    parser.add_argument("--load-failure-policy", default="fail")
+    parser.add_argument("--evict-with", default=None,
+                        help="an admin socket: evict every stored block between the scheduler's "
+                             "lookup and the worker's load (the refusals are reported)")
+    parser.add_argument("--repeat", type=int, default=1, help="requests of PROMPT, one by one")
+    parser.add_argument("--pause-before", type=int, default=-1,
+                        help="before this request, print PAUSED and wait for a line on stdin")
     args = parser.parse_args(argv)
     prompt = json.loads(args.prompt)
 
-    config = vllm_config(args.socket, args.layout, args.hash_algo)
+    config = vllm_config(args.socket, args.layout, args.hash_algo, args.lookup_pin_ms,
+                         args.load_failure_policy)
     kv_config = kv_cache_config(config, args.layout, args.mla)
 
     # Worker: a one-process gloo group (vLLM's TP group: the connector asks its rank), vLLM's
@@ -163,17 +191,33 @@ def main(argv):
                           block_size=BLOCK_SIZE, log_stats=True)
     hash_fn = get_hash_fn_by_name(args.hash_algo)
     init_none_hash(hash_fn)
+    connectors = [type(scheduler.connector).__module__, type(scheduler.connector).__name__,
+                  type(worker).__name__]
+    results = []
+    for index in range(args.repeat):
+        if index == args.pause_before:
+            # The test changes the world (restarts the daemon) and answers on stdin.
+            print("PAUSED", flush=True)
+            sys.stdin.readline()
+        scheduler.reset_prefix_cache()  # a hit must come from memra-kvd, not vLLM's own cache
+        results.append(run_request(config, scheduler, worker, kv_caches, args, prompt, hash_fn,
+                                   "req-%d" % index))
+    facts = dict(results[0], connector=connectors, requests=results)
+    print("FACTS " + json.dumps(facts))
+
+
+def run_request(config, scheduler, worker, kv_caches, args, prompt, hash_fn, request_id):
+    """One request of `prompt` through vLLM's scheduler and the worker side until it ends;
+    what it saw."""
+    logic = worker._worker
+    before = (logic.saved_blocks, logic.loaded_blocks) if logic is not None else (0, 0)
     sampling = SamplingParams(max_tokens=1)
     sampling.update_from_generation_config({}, EOS)
-    request = Request(request_id="req-0", prompt_token_ids=prompt, sampling_params=sampling,
+    request = Request(request_id=request_id, prompt_token_ids=prompt, sampling_params=sampling,
                       pooling_params=None, cache_salt=args.cache_salt,
                       block_hasher=get_request_block_hasher(BLOCK_SIZE, hash_fn))
     scheduler.add_request(request)
-
-    facts = {"connector": [type(scheduler.connector).__module__,
-                           type(scheduler.connector).__name__,
-                           type(worker).__name__],
-             "vllm_block_hashes": [bytes(h).hex() for h in request.block_hashes]}
+    facts = {"vllm_block_hashes": [bytes(h).hex() for h in request.block_hashes]}
     block_ids = {}
     steps = 0
     while scheduler.has_requests() and steps < 8:
@@ -185,6 +229,8 @@ def main(argv):
         meta = output.kv_connector_metadata
         facts.setdefault("meta", []).append({"loads": [len(l.block_ids) for l in meta.loads],
                                              "saves": [len(s.block_ids) for s in meta.saves]})
+        if args.evict_with and meta.loads:
+            facts["evict_refusals"] = evict_everything(args.evict_with)
         output = pickle.loads(pickle.dumps(output))  # as it crosses to the worker process
         with set_forward_context(None, config):
             with KVConnectorModelRunnerMixin._get_kv_connector_output(output) as kv_output:
@@ -199,13 +245,14 @@ def main(argv):
 
     whole = len(prompt) // BLOCK_SIZE
     order = {"LBNHC": "NHD", "BLNHC": "NHD"}.get(args.layout, "HND")
-    facts["block_ids"] = block_ids["req-0"]
-    facts["digests"] = page_digests(kv_caches, block_ids["req-0"][:whole], order)
+    facts["block_ids"] = block_ids[request_id]
+    facts["digests"] = page_digests(kv_caches, block_ids[request_id][:whole], order)
     logic = worker._worker
-    facts["worker"] = None if logic is None else {"saved_blocks": logic.saved_blocks,
-                                                  "loaded_blocks": logic.loaded_blocks}
+    facts["worker"] = None if logic is None else {
+        "saved_blocks": logic.saved_blocks - before[0],
+        "loaded_blocks": logic.loaded_blocks - before[1]}
     facts["finished"] = not scheduler.has_requests()
-    print("FACTS " + json.dumps(facts))
+    return facts
 
 
 if __name__ == "__main__":

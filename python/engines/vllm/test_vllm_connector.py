@@ -116,3 +116,57 @@ def test_a_daemon_without_a_prefix_cache_is_named_and_vllm_runs_on(kvd):
     assert len(warnings) == 2, stderr[-3000:]
     assert all("FAILED_PRECONDITION" in line and "no prefix cache" in line
                for line in warnings), warnings
+
+
+def test_a_daemon_restarted_mid_run_is_used_again(kvd):
+    """Three requests of one prompt in one vLLM instance; between the first and the second the
+    daemon is killed and started again (empty: nothing kept). The connector attaches and
+    registers anew on its own: the second request misses and saves, the third loads."""
+    daemon = kvd(*DAEMON_FLAGS)
+    env = dict(os.environ, PYTHONHASHSEED="1", HF_HUB_OFFLINE="1")
+    process = subprocess.Popen(
+        [sys.executable, os.path.join(HERE, "instance.py"), daemon.socket, "LBNHC",
+         json.dumps(PROMPT), "--repeat", "3", "--pause-before", "1"],
+        env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True)
+    paused = process.stdout.readline()
+    assert paused == "PAUSED\n", paused + process.stderr.read()[-3000:]
+    daemon.kill_and_start_again()
+    out, err = process.communicate("go\n", timeout=600)
+    assert process.returncode == 0, err[-6000:]
+    (line,) = [l for l in out.splitlines() if l.startswith("FACTS ")]
+    first, second, third = json.loads(line[6:])["requests"]
+    assert (first["matched_tokens"], first["worker"]["saved_blocks"]) == (0, WHOLE_BLOCKS)
+    assert second["matched_tokens"] == 0  # the new daemon kept nothing
+    assert second["worker"] == {"saved_blocks": WHOLE_BLOCKS, "loaded_blocks": 0}, err[-3000:]
+    assert third["matched_tokens"] == WHOLE_BLOCKS * 16
+    assert third["worker"] == {"saved_blocks": 0, "loaded_blocks": WHOLE_BLOCKS}
+    assert third["digests"] == first["digests"] and third["invalid_block_ids"] == []
+
+
+def test_the_lookup_holds_its_blocks_until_vllm_loads_them(kvd):
+    """An operator evicts every block between vLLM's scheduling (the lookup) and the worker's
+    load: the lookup's pins refuse it and the load gets every block, under vLLM's default
+    kv_load_failure_policy "fail"."""
+    daemon = kvd(*DAEMON_FLAGS)
+    first, _ = instance(daemon.socket, "LBNHC")
+    held, _ = instance(daemon.socket, "LBNHC", "--evict-with", daemon.admin_socket, seed="2")
+    assert held["matched_tokens"] == WHOLE_BLOCKS * 16
+    assert len(held["evict_refusals"]) == WHOLE_BLOCKS
+    assert all(code == "FAILED_PRECONDITION" and "is pinned by 1 restores" in message
+               for code, message in held["evict_refusals"]), held["evict_refusals"]
+    assert held["worker"]["loaded_blocks"] == WHOLE_BLOCKS and held["invalid_block_ids"] == []
+    assert held["digests"] == first["digests"] and held["finished"]
+
+
+def test_without_the_lease_an_evicted_block_is_recomputed_under_recompute(kvd):
+    """memra_lookup_pin_ms 0: the eviction goes through, the load fails, vLLM is told which
+    blocks (get_block_ids_with_load_errors) and recomputes them."""
+    daemon = kvd(*DAEMON_FLAGS)
+    first, _ = instance(daemon.socket, "LBNHC")
+    lost, _ = instance(daemon.socket, "LBNHC", "--evict-with", daemon.admin_socket,
+                       "--lookup-pin-ms", "0", "--load-failure-policy", "recompute", seed="2")
+    assert lost["matched_tokens"] == WHOLE_BLOCKS * 16 and lost["evict_refusals"] == []
+    assert lost["worker"]["loaded_blocks"] == 0
+    assert lost["invalid_block_ids"] == sorted(lost["block_ids"][:WHOLE_BLOCKS])
+    assert lost["finished"] and lost["digests"] == first["digests"]  # recomputed
