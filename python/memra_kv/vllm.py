@@ -768,6 +768,7 @@ if KVConnectorBase_V1 is not None:
             self._scheduler = LazyScheduler(self._make_scheduler, quiet=True)
             self._worker = None  # MemraWorker once the caches are registered
             self._kv_caches = None
+            self._unloaded = set()  # block ids of loads made while no worker was registered
 
         # -- the daemon, connected on first use --
 
@@ -850,8 +851,8 @@ if KVConnectorBase_V1 is not None:
             worker = self._ensure_worker()
             if worker is not None:
                 worker.start_load_kv(meta)
-            else:  # nothing can arrive: vLLM recomputes what it was told to load
-                self._unloaded = {b for load in meta.loads for b in load.block_ids}
+            else:  # nothing can arrive: vLLM is told, as for any failed load
+                self._unloaded |= {b for load in meta.loads for b in load.block_ids}
 
         def wait_for_layer_load(self, layer_name):
             """Loads are complete when start_load_kv returns."""
@@ -867,8 +868,7 @@ if KVConnectorBase_V1 is not None:
             return None, None
 
         def get_block_ids_with_load_errors(self):
-            errors = set(getattr(self, "_unloaded", ()))
-            self._unloaded = set()
+            errors, self._unloaded = self._unloaded, set()
             if self._worker is not None:
                 errors |= self._worker.get_block_ids_with_load_errors()
             return errors
