@@ -325,6 +325,20 @@ class Client:
         if lease is not None:
             lease.stop()
 
+    def await_lease_settled(self, timeout):
+        """Waits up to `timeout` seconds until the lease is alive or lost for good (lease_lost),
+        as the lease thread finds out after the lease stream broke; True once it is. A call the
+        daemon refused because it does not know this engine (it restarted, or reclaimed it) can
+        come before the lease thread's verdict: this waits for it."""
+        deadline = time.monotonic() + timeout
+        while True:
+            lease = self._lease
+            if lease is None or lease.alive or lease.lost is not None:
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.01)
+
     @property
     def lease_alive(self):
         lease = self._lease
