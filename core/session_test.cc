@@ -193,7 +193,28 @@ TEST(Session, SpecRollbackRefusesALappedRingAndChangesNothing) {
   const std::vector<MirrorValue> before = session.Mirrors();
   EXPECT_THAT(session.SpecRollback(0),
               StatusIs(absl::StatusCode::kFailedPrecondition,
-                       HasSubstrs("checkpoint has been lapped", "rollback target 0")));
+                       HasSubstrs("SWA ring rewind checkpoint has been lapped; full re-prime "
+                                  "required (rollback target 0: layer 1 window 32 starts at "
+                                  "row 0, below ring base 12256)")));
+  EXPECT_EQ(session.committed_len(), len);
+  EXPECT_EQ(session.Mirrors(), before);
+}
+
+// docs/rules.md#rewind: a rewind into a window the ring has lapped names the lap (as a spec
+// rollback does), not the capacity; the session is unchanged.
+TEST(Session, RewindIntoALappedRingWindowNamesTheLapAndChangesNothing) {
+  SessionState session = MakeSession(100'000);
+  uint64_t len = 0;
+  for (int i = 0; i < 4; ++i) len = Step(session, 4096, 4096);
+  ASSERT_EQ(len, 16'384u);
+  ASSERT_EQ(session.kv().ring(1)->base(), 12'256u);
+  const std::vector<MirrorValue> before = session.Mirrors();
+  EXPECT_FALSE(session.CanRewindTo(100));
+  EXPECT_THAT(session.Rewind(100),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstrs("SWA ring rewind checkpoint has been lapped; full re-prime "
+                                  "required (rewind target 100: layer 1 window 32 starts at "
+                                  "row 64, below ring base 12256)")));
   EXPECT_EQ(session.committed_len(), len);
   EXPECT_EQ(session.Mirrors(), before);
 }

@@ -221,9 +221,18 @@ TEST(KvTransactionCache, SwaTransactionRebasePreservesTheRollbackWindow) {
   ASSERT_THAT(cache.PublishFinalize(transaction, rollback), IsOk());
   EXPECT_EQ(cache.committed_len(), 8762u);
   EXPECT_EQ(cache.staged_len(), 8762u);
+  // A rewind into the lapped window names the lap; a length past the capacity names that.
   EXPECT_THAT(cache.RewindTo(8200),
               StatusIs(absl::StatusCode::kFailedPrecondition,
-                       HasSubstrs("target 8200 is outside the resident cache window")));
+                       HasSubstrs("SWA ring rewind checkpoint has been lapped",
+                                  "rewind target 8200: layer 0 window 32 starts at row 8160, "
+                                  "below ring base 8704")));
+  EXPECT_FALSE(cache.CanRewindTo(8200));
+  EXPECT_THAT(cache.CheckResident(10'001, "rewind target"),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstrs("KV rewind target 10001 is past the capacity 10000")));
+  EXPECT_THAT(cache.CheckResident(8762, "rewind target"), IsOk());
+  EXPECT_EQ(cache.committed_len(), 8762u);
 }
 
 // Reference: swa_grow_normalizes_only_the_live_prefix_and_preserves_generation.
@@ -330,7 +339,8 @@ TEST(KvTransactionCache, PublishRefusalsChangeNothing) {
   EXPECT_EQ(cache.staged_len(), 8762u);
   EXPECT_THAT(cache.PublishFinalize(transaction, 20),
               StatusIs(absl::StatusCode::kFailedPrecondition,
-                       HasSubstrs("finalize target 20 is outside the resident")));
+                       HasSubstrs("has been lapped", "finalize target 20: layer 0 window 32 "
+                                  "starts at row 0, below ring base 4096")));
 }
 
 TEST(KvTransactionCache, RestoreUndoesAPublishedRebaseAndTheTransactionState) {
