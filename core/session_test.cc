@@ -185,6 +185,40 @@ TEST(Session, SpecRefusals) {
                        HasSubstrs("without spec snapshot buffers (1 recurrent layers")));
 }
 
+// docs/rules.md#spec-snapshot-and-rollback: `spec_snapshot` is optional at create. A session
+// with recurrent layers created without it decodes and rewinds; only SpecSnapshot refuses (and
+// so SpecRollback, having nothing to roll back to). A plan without recurrent layers needs no
+// buffers to speculate: its snapshot records lengths only.
+TEST(Session, SpecBuffersAreNeededOnlyToSnapshotRecurrentLayers) {
+  SessionState without = MakeSession(10'000, /*spec_snapshot=*/false);
+  EXPECT_FALSE(without.has_spec_buffers());
+  EXPECT_EQ(Step(without, 9, 9), 9u);
+  ASSERT_THAT(without.Rewind(5), IsOk());
+  const std::vector<MirrorValue> before = without.Mirrors();
+  EXPECT_THAT(without.SpecSnapshot(),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstrs("spec snapshot: the session was created without spec snapshot "
+                                  "buffers (1 recurrent layers need them)")));
+  EXPECT_FALSE(without.spec_snapshot_valid());
+  EXPECT_THAT(without.SpecRollback(0),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstrs("spec rollback: no spec snapshot was taken")));
+  EXPECT_EQ(without.committed_len(), 5u);
+  EXPECT_EQ(without.Mirrors(), before);
+
+  ModelPlan attention_only = HybridPlan();
+  attention_only.layers.erase(attention_only.layers.begin() + 2);  // the recurrent layer
+  attention_only.layers[2].index = 2;
+  SessionState plain = SessionOf(attention_only, 10'000, /*spec_snapshot=*/false, 2);
+  Step(plain, 6, 6);
+  absl::StatusOr<std::vector<PlaneCopy>> snapshot = plain.SpecSnapshot();
+  ASSERT_THAT(snapshot, IsOk());
+  EXPECT_TRUE(snapshot->empty()) << "no recurrent state to copy";
+  Step(plain, 4, 4);
+  EXPECT_THAT(plain.SpecRollback(1), IsOkAndHolds(::testing::IsEmpty()));
+  EXPECT_EQ(plain.committed_len(), 7u);
+}
+
 TEST(Session, SpecRollbackRefusesALappedRingAndChangesNothing) {
   SessionState session = MakeSession(100'000);
   ASSERT_THAT(session.SpecSnapshot(), IsOk());
