@@ -160,6 +160,64 @@ TEST(Session, SpecRollbackCoversAllFourPlaneKindsClosingTheReferenceHole) {
   EXPECT_THAT(session.Mirrors(), Contains(MirrorValue{{3, PlaneKind::kLenMirror}, 9}));
 }
 
+// docs/rules.md#spec-snapshot-and-rollback: a rollback does not use the snapshot up. Every
+// rollback (and a refused one, a rewind or a commit between them) leaves it valid and returns
+// the same restore copies; only a new SpecSnapshot, Reset, Hydrate or Grow (the target) ends it.
+TEST(Session, ASpecSnapshotStaysValidAcrossRollbacksUntilReplaced) {
+  SessionState session = MakeSession(10'000);
+  Step(session, 7, 7);
+  ASSERT_THAT(session.SpecSnapshot(), IsOk());
+  const std::vector<PlaneCopy> restore = {
+      {{2, PlaneKind::kSpecConv}, 0, {2, PlaneKind::kConvState}, 0, 48},
+      {{2, PlaneKind::kSpecSsm}, 0, {2, PlaneKind::kSsmState}, 0, 32}};
+
+  Step(session, 5, 5);  // round 1: 5 drafts staged and committed, 2 accepted
+  EXPECT_THAT(session.SpecRollback(2), IsOkAndHolds(restore));
+  EXPECT_EQ(session.committed_len(), 9u);
+  EXPECT_EQ(session.position(), 7u);
+  EXPECT_TRUE(session.spec_snapshot_valid());
+
+  Step(session, 3, 3);  // round 2 from the same snapshot: 12 rows, none accepted
+  EXPECT_THAT(session.SpecRollback(0), IsOkAndHolds(restore));
+  EXPECT_EQ(session.committed_len(), 7u);
+  EXPECT_EQ(session.position(), 7u);
+  EXPECT_TRUE(session.spec_snapshot_valid());
+
+  // A refused rollback, a rewind and a commit leave it valid too.
+  EXPECT_THAT(session.SpecRollback(2),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstrs("target 9 (snapshot 7 + accepted 2) is past the staged length 7")));
+  Step(session, 4, 4);
+  ASSERT_THAT(session.Rewind(10), IsOk());
+  EXPECT_TRUE(session.spec_snapshot_valid());
+  EXPECT_THAT(session.SpecRollback(1), IsOkAndHolds(restore));
+  EXPECT_EQ(session.committed_len(), 8u);
+
+  // A new snapshot replaces it: rollbacks now return to 8.
+  ASSERT_THAT(session.SpecSnapshot(), IsOk());
+  Step(session, 2, 2);
+  EXPECT_THAT(session.SpecRollback(0), IsOkAndHolds(restore));
+  EXPECT_EQ(session.committed_len(), 8u);
+
+  ASSERT_THAT(session.Reset(), IsOk());
+  EXPECT_FALSE(session.spec_snapshot_valid());
+  EXPECT_THAT(session.SpecRollback(0),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstrs("spec rollback: no spec snapshot was taken")));
+
+  ASSERT_THAT(session.SpecSnapshot(), IsOk());  // at length 0, on a fresh session
+  ASSERT_THAT(session.Hydrate(40, {}), IsOk());
+  EXPECT_FALSE(session.spec_snapshot_valid()) << "hydration ends it";
+
+  SessionState source = MakeSession(10'000, true, 1);
+  Step(source, 6, 6);
+  ASSERT_THAT(source.SpecSnapshot(), IsOk());
+  SessionState target = MakeSession(20'000, true, 2);
+  ASSERT_THAT(SessionState::Grow(source, target), IsOk());
+  EXPECT_TRUE(source.spec_snapshot_valid()) << "the source is never changed";
+  EXPECT_FALSE(target.spec_snapshot_valid()) << "the grown session starts without one";
+}
+
 TEST(Session, SpecRefusals) {
   SessionState session = MakeSession(10'000);
   EXPECT_THAT(session.SpecRollback(0),
