@@ -337,11 +337,7 @@ absl::StatusOr<std::vector<PlaneCopy>> SessionState::SpecRollback(uint64_t accep
         "spec rollback target ", target, " (snapshot ", spec_->committed_len, " + accepted ",
         accept_len, ") is past the staged length ", staged_len()));
   }
-  if (!kv_.CanRewindTo(target)) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("SWA ring rewind checkpoint has been lapped; full re-prime required ",
-                     "(rollback target ", target, ")"));
-  }
+  RETURN_IF_ERROR(kv_.CheckResident(target, "rollback target"));
   RETURN_IF_ERROR(CheckLatentTailsResident(target));
   RETURN_IF_ERROR(kv_.RewindTo(target));
   pending_append_.reset();

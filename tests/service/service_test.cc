@@ -295,6 +295,13 @@ TEST_F(ServiceTest, CreateSessionReturnsEveryPlaneMapped) {
     }
   }
   EXPECT_THAT(session->Plane(kFlatLayer, PlaneKind::kKeys)->rows, kCapacity);
+  // docs/rules.md#swa-ring: a capacity not above window + 4,639 rows clamps the ring to the
+  // capacity; the layout still says `ring`, and physical_rows == capacity says it saves nothing.
+  const SessionLayer& sliding = layout.layers[kSlidingLayer];
+  EXPECT_EQ(sliding.layer, kSlidingLayer);
+  EXPECT_TRUE(sliding.ring);
+  EXPECT_EQ(sliding.physical_rows, kCapacity);
+  EXPECT_THAT(session->Plane(kSlidingLayer, PlaneKind::kBaseMirror), IsOk());
   EXPECT_THAT(session->Plane(kRecurrentLayer, PlaneKind::kKeys),
               StatusIs(absl::StatusCode::kNotFound, HasSubstr("layer 2 has no keys plane")));
   const SessionSnapshot state = StateOf(*session);
