@@ -253,7 +253,8 @@ absl::StatusOr<StoredLayout> PlanStoredLayout(const SessionPlan& plan, const Ses
         break;
       }
       case StateKind::kLatent: {
-        ASSIGN_OR_RETURN(uint64_t row_bytes, CheckedMul(layer.latent_width, kF32, "latent row"));
+        ASSIGN_OR_RETURN(uint64_t row_bytes, FormatBytes(LayoutOf(layer.latent_format),
+                                                         layer.latent_width, "latent row"));
         ASSIGN_OR_RETURN(uint64_t bytes, CheckedMul(block_rows, row_bytes, "block latent rows"));
         RETURN_IF_ERROR(
             AddPiece(out.block_pieces, out.block_bytes, {il, PlaneKind::kLatentRows}, 0, bytes));
