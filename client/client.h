@@ -20,6 +20,9 @@
 //   ASSIGN_OR_RETURN(std::unique_ptr<memra::Session> session,
 //                    client->CreateSession(plan, options));
 //   ASSIGN_OR_RETURN(memra::PlaneView k0, session->Plane(0, memra::PlaneKind::kKeys));
+//   // A plan in an element format (bf16, f16, f32, fp8): the same plane as an array,
+//   // element type + shape (rows, heads, head_dim) + byte strides (docs/rules.md#formats).
+//   ASSIGN_OR_RETURN(memra::TypedPlaneView k0t, session->TypedPlane(0, memra::PlaneKind::kKeys));
 //   ASSIGN_OR_RETURN(memra::Transaction tx, session->Begin());
 //   ASSIGN_OR_RETURN(memra::PreparedAppend append, session->PrepareAppend(tx.generation, 4));
 //   ... kernels write 4 rows at append.layers[i].write_row (after any ring rebase copy) ...
