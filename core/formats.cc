@@ -9,7 +9,6 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/string_view.h"
 #include "core/checked_math.h"
-#include "core/status_macros.h"
 
 namespace memra {
 namespace {

@@ -1055,8 +1055,11 @@ class Session:
         if self.released:
             raise KvError(grpc.StatusCode.FAILED_PRECONDITION, "session %d was released" % self.id)
         typed = self.typed_geometry(layer, kind)
-        dtype = typed.element.storage if storage else numpy_dtype(typed.element)
-        return self._client.mapper.typed_plane(self._bases[typed.plane.arena], typed, dtype)
+        mapper = self._client.mapper
+        # A CudaPlane carries bf16 / fp8 as their bits anyway: no ml_dtypes needed there.
+        bits = storage or mapper.backend == "cuda"
+        dtype = typed.element.storage if bits else numpy_dtype(typed.element)
+        return mapper.typed_plane(self._bases[typed.plane.arena], typed, dtype)
 
     def torch_plane(self, layer, kind):
         """The plane as a torch tensor (rows, heads, head_dim) of its element type, no copy: on
