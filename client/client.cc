@@ -1135,7 +1135,8 @@ absl::StatusOr<TypedPlaneView> ResolveTypedPlane(const SessionLayout& layout,
   }
   ASSIGN_OR_RETURN(PlaneTyping typing, TypingOf(*entry, kind));  // ResolvePlane found the layer
   const uint64_t element_bytes = LayoutOf(typing.element).block_bytes;
-  const uint64_t head_dim = typing.head_dim != 0 ? typing.head_dim : plane.row_bytes / element_bytes;
+  const uint64_t head_dim =
+      typing.head_dim != 0 ? typing.head_dim : plane.row_bytes / element_bytes;
   // The daemon's layout must agree with itself; a row that is not heads x head_dim elements
   // is a layout this client cannot type (an older daemon that sends no head geometry).
   if (typing.heads == 0 || head_dim == 0 ||

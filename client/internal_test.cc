@@ -92,7 +92,8 @@ TEST(SessionLayoutFromProtoTest, RefusesKindsOutOfRange) {
   unknown_format.mutable_layers(0)->mutable_formats()->set_v(static_cast<pb::VFormat>(9));
   EXPECT_THAT(SessionLayoutFromProto(unknown_format),
               StatusIs(absl::StatusCode::kInvalidArgument,
-                       HasSubstr("layout formats.v is 9: unspecified or unknown (accepted 1 to 8)")));
+                       HasSubstr("layout formats.v is 9: unspecified or unknown (accepted 1 "
+                                 "to 8)")));
   // A layout from before element formats carries none: the block default, raw views only.
   pb::SessionLayout no_formats = RingLayout();
   no_formats.mutable_layers(0)->clear_formats();

@@ -62,7 +62,8 @@ struct LatentSnapshot {
 
 enum class LatentPlane : uint8_t { kRows = 0, kIndexRows = 1, kPoolKeys = 2 };
 
-// One element range copy (elements of the plane's own format) between a live plane and a snapshot buffer of the same kind.
+// One element range copy (elements of the plane's own format) between a live plane and a
+// snapshot buffer of the same kind.
 struct LatentCopy {
   LatentPlane plane = LatentPlane::kRows;
   uint64_t plane_offset_elems = 0;  // offset in the live layer's plane

@@ -94,8 +94,8 @@ absl::Status CheckScale(const LayerPlan& layer, absl::string_view name,
   if (scale.size() != 1 && scale.size() != heads) {
     const std::string expected =
         heads == 1 ? "1 (per tensor)" : absl::StrCat("1 (per tensor) or ", heads, " (per head)");
-    return LayerError(layer,
-                      absl::StrCat(name, " has ", scale.size(), " values: ", expected, " expected"));
+    return LayerError(
+        layer, absl::StrCat(name, " has ", scale.size(), " values: ", expected, " expected"));
   }
   for (size_t i = 0; i < scale.size(); ++i) {
     if (!std::isfinite(scale[i]) || scale[i] <= 0) {
@@ -427,7 +427,8 @@ std::string PlanFormatsSummary(const ModelPlan& plan, const FormatDefaults& defa
   for (const LayerPlan* layer : plan.AllLayers()) {
     if (HasKv(layer->kind)) {
       const KvFormats formats = ResolveLayerFormats(*layer, defaults);
-      add_distinct(kv, absl::StrCat(std::string(KFormatName(formats.k)), "/", std::string(VFormatName(formats.v))));
+      add_distinct(kv, absl::StrCat(std::string(KFormatName(formats.k)), "/",
+                                    std::string(VFormatName(formats.v))));
     } else if (layer->kind == StateKind::kLatent) {
       add_distinct(latent, std::string(ElementFormatName(layer->latent_format)));
     }

@@ -615,7 +615,8 @@ absl::StatusOr<std::pair<KvDtypeChoice, std::string>> AutoKvDtype(const Fields& 
             "\" is not an fp8 KV cache (FP8); say --kv-dtype"));
       }
       return std::make_pair(AllIn(ElementFormat::kFp8E4m3),
-                            absl::StrCat("fp8_e4m3 from ", quantization.Path("kv_cache_quant_algo")));
+                            absl::StrCat("fp8_e4m3 from ",
+                                         quantization.Path("kv_cache_quant_algo")));
     }
   }
   // The text model's dtype first (a multimodal config's text_config), then the top level's.

@@ -107,6 +107,25 @@ TEST_F(ElementFormatsTest, TypedViewsAreRowsByHeadsByHeadDimInTheElementType) {
   EXPECT_THAT(fp8_keys->scale, ElementsAre(0.5f, 0.25f));
 }
 
+TEST_F(ElementFormatsTest, SwaRingLayersTypeTheirPhysicalRows) {
+  ModelPlan plan;
+  plan.swa_ring = true;
+  plan.layers = {test_plans::SlidingLayer(0, kHeadDim, kHeads, /*window=*/4)};
+  const PlanFingerprint ring =
+      Register(*client_, test_plans::InElementFormat(plan, ElementFormat::kF16));
+  absl::StatusOr<std::unique_ptr<Session>> session =
+      client_->CreateSession(ring, Options(/*capacity=*/16384, /*spec_snapshot=*/false));
+  ASSERT_THAT(session.status(), IsOk());
+  absl::StatusOr<PlaneView> raw = (*session)->Plane(0, PlaneKind::kValues);
+  absl::StatusOr<TypedPlaneView> typed = (*session)->TypedPlane(0, PlaneKind::kValues);
+  ASSERT_THAT(raw.status(), IsOk());
+  ASSERT_THAT(typed.status(), IsOk());
+  // The ring's rows, not the capacity: physical row = absolute row - ring base.
+  EXPECT_LT(raw->rows, 16384u);
+  EXPECT_THAT(typed->shape, ElementsAre(raw->rows, kHeads, kHeadDim));
+  EXPECT_EQ(typed->element, ElementFormat::kF16);
+}
+
 TEST_F(ElementFormatsTest, BlockFormatsAndMirrorsHaveNoTypedView) {
   std::unique_ptr<Session> session = NewSession(*client_, 64);  // the fixture's q8_0/q5_1 plan
   ASSERT_NE(session, nullptr);
