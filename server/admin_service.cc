@@ -309,7 +309,12 @@ absl::Status AdminService::Import(const pb::ImportModelRequest& request,
   options.swa_ring = request.swa_ring();
   if (request.has_index_ring_rows()) options.index_ring_rows = request.index_ring_rows();
   if (request.index_pool() != 0) options.index_pool = request.index_pool();
-  ASSIGN_OR_RETURN(ModelPlan plan, ImportHuggingFaceConfig(request.hf_config_json(), options));
+  options.kv_dtype = request.kv_dtype();
+  ASSIGN_OR_RETURN(ImportedModel imported,
+                   ImportHuggingFaceModel(request.hf_config_json(), options));
+  ModelPlan plan = std::move(imported.plan);
+  response->set_kv_dtype(imported.kv_dtype);
+  response->set_kv_formats(PlanFormatsSummary(plan, parts_.sessions->format_defaults()));
   // The importer's own bound is 4096 layers; the daemon's cap may be lower.
   RETURN_IF_ERROR(parts_.plans->CheckLayerCount(plan.TotalLayers()));
   ASSIGN_OR_RETURN(std::string architecture, HuggingFaceArchitecture(request.hf_config_json()));

@@ -347,6 +347,7 @@ std::string RenderImport(const pb::ImportModelResponse& imported) {
                                : "no (--register keeps it in the daemon)");
   fields.Add("layers",
              absl::StrCat(plan.layers_size(), " trunk + ", plan.mtp_blocks_size(), " MTP"));
+  fields.Add("kv formats", absl::StrCat(imported.kv_formats(), " (", imported.kv_dtype(), ")"));
   fields.Add("swa ring", plan.swa_ring() ? "on" : "off");
   fields.Add("index ring", plan.has_index_ring_rows()
                                ? absl::StrCat(plan.index_ring_rows(), " rows")

@@ -21,7 +21,8 @@ from .client import (Client, LayerAppend, PrefixCaptured, PrefixEvent, PrefixEve
                      PrefixRestored, PreparedAppend, Reservation, Session, StepBatch, StepOutcome,
                      Transaction)
 from .errors import KvError
-from .planes import CudaArenaMapper, CudaPlane, CudaRuntime, HostArenaMapper, PlaneGeometry
+from .planes import (CudaArenaMapper, CudaPlane, CudaRuntime, HostArenaMapper, PlaneGeometry,
+                     TypedGeometry, bf16_bits, float32_from_bf16_bits)
 from . import plans
 
 # Plane kinds (cache.proto PlaneKind), for Session.plane(layer, kind).

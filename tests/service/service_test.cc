@@ -1978,7 +1978,7 @@ TEST_F(BadInputTest, CreateRegisterAndStepRefuseAndChangeNothing) {
       {"RegisterPlan, empty plan", absl::StatusCode::kInvalidArgument, "model plan has no layers",
        [&](S& s, C* c) { return s.RegisterPlan(c, empty_plan, &registered); }},
       {"RegisterPlan, unknown K format", absl::StatusCode::kInvalidArgument,
-       "plan.layers[0].formats.k is 17: unspecified or unknown (accepted 1 to 2)",
+       "plan.layers[0].formats.k is 17: unspecified or unknown (accepted 1 to 7)",
        [&](S& s, C* c) { return s.RegisterPlan(c, bad_format, &registered); }},
       {"Step, too many entries", absl::StatusCode::kInvalidArgument,
        "Step carries 65537 entries; the limit is 65536",
