@@ -304,9 +304,11 @@ TEST_F(StepChannelProcessTest, AnEngineKilledWithRecordsInFlightIsReclaimed) {
   ASSERT_EQ(kill(engine_, SIGKILL), 0);
   EXPECT_EQ(WaitExit(engine_), 128 + SIGKILL);
   engine_ = -1;
+  // Reclaim ends the lease, then the sessions, then the engine's pooled arenas: wait for the
+  // last of them, not only for the counts that fall first.
   ASSERT_TRUE(PollUntil([&] {
     const pb::GetStatusResponse status = Status();
-    return status.engines() == 0 && status.sessions() == 0;
+    return status.engines() == 0 && status.sessions() == 0 && status.arena_count() == 0;
   }));
   const pb::GetStatusResponse after = Status();
   EXPECT_EQ(after.admission().allocated_bytes(), 0u);
