@@ -111,7 +111,7 @@ class AdminService final : public memra::kv::v1::KvAdmin::Service {
 
   const Parts parts_;
   // Parses of client-supplied config.json running on this socket.
-  mutable ConcurrencyLimit config_parses_{kMaxConcurrentModelConfigParses, "config.json parses",
+  mutable ConcurrencyLimit config_parses_{"config.json parses", kMaxConcurrentModelConfigParses,
                                           "kMaxConcurrentModelConfigParses per socket"};
 };
 

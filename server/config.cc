@@ -350,6 +350,16 @@ const std::vector<KeySpec>& Keys() {
        .syntax = Syntax::kInteger, .reloadable = false,
        .help = "Engines attached at once, each an Attach stream (RESOURCE_EXHAUSTED past it).",
        .min = 1, .max = 65'536},
+      {.name = "max_engine_event_streams", .field = &C::max_engine_event_streams,
+       .syntax = Syntax::kInteger, .reloadable = false,
+       .help = "KvPrefixCache.SubscribeEvents streams one engine may hold open, each a daemon "
+               "thread (RESOURCE_EXHAUSTED past it).",
+       .min = 1, .max = 1024},
+      {.name = "max_event_streams", .field = &C::max_event_streams, .syntax = Syntax::kInteger,
+       .reloadable = false,
+       .help = "KvPrefixCache.SubscribeEvents streams open at once on each socket, all engines "
+               "(or operators) together (RESOURCE_EXHAUSTED past it).",
+       .min = 1, .max = 1024},
       {.name = "arena_pool_engine_bytes", .field = &C::arena_pool_engine_bytes,
        .syntax = Syntax::kBytes, .reloadable = false,
        .help = "Released session arenas kept per engine for its next sessions of the same size "

@@ -170,6 +170,10 @@ struct DaemonConfig {
   // Engines attached at once (each holds an Attach stream; streams share gRPC's callback
   // threads).
   uint64_t max_attached_engines = 256;
+  // KvPrefixCache.SubscribeEvents streams open at once, per engine and per socket (each holds a
+  // daemon thread while open; a stream ends with the lease that opened it).
+  uint64_t max_engine_event_streams = 4;
+  uint64_t max_event_streams = 64;
   // Bytes of released session arenas kept per engine for its next sessions of the same size
   // (server/arena_pool.h); evictable by admission, freed when the engine's lease ends. 0 = no
   // pool: every CreateSession makes (and every engine maps) a new arena.

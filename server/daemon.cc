@@ -16,6 +16,7 @@
 #include "core/status_macros.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/health_check_service_interface.h"
+#include "grpcpp/resource_quota.h"
 #include "grpcpp/security/server_credentials.h"
 #include "grpcpp/server_builder.h"
 #include "server/pinned_host_memory.h"
@@ -47,6 +48,28 @@ std::pair<uint64_t, std::string> BudgetFor(const DaemonConfig& config, DeviceBac
   }
   return {bytes, absl::StrCat("host: budget_bytes ", bytes)};
 }
+
+// SubscribeEvents streams of one socket: per engine on the engine socket, and all together.
+ConcurrencyLimit::Limits EventStreamLimits(const DaemonConfig& config, bool per_engine) {
+  return {.total = static_cast<size_t>(config.max_event_streams),
+          .total_name = "max_event_streams, per socket",
+          .per_key = per_engine ? static_cast<size_t>(config.max_engine_event_streams) : 0,
+          .per_key_name = "max_engine_event_streams"};
+}
+
+// Leaves server reflection out of one server. Linking gRPC's reflection library registers its
+// plugin for every server; its streams are synchronous (a thread each, opened by any client),
+// and it is the operators' tool (grpcurl), so only the admin socket keeps it.
+class WithoutReflection final : public grpc::ServerBuilderOption {
+ public:
+  void UpdateArguments(grpc::ChannelArguments*) override {}
+  void UpdatePlugins(std::vector<std::unique_ptr<grpc::ServerBuilderPlugin>>* plugins) override {
+    const std::string reflection = grpc::reflection::ProtoServerReflectionPlugin().name();
+    std::erase_if(*plugins, [&](const std::unique_ptr<grpc::ServerBuilderPlugin>& plugin) {
+      return plugin->name() == reflection;
+    });
+  }
+};
 
 BlockStoreLimits BlockStoreLimitsOf(const DaemonConfig& config) {
   BlockStoreLimits limits;
@@ -368,10 +391,12 @@ Daemon::Daemon(DaemonConfig config, std::unique_ptr<DeviceBackend> backend, Cloc
                },
                OpenStepChannel()),
       engine_prefix_service_(prefix_cache_.get(), backend_.get(), FindSession(), FindScope(),
-                             ServedSocket{ServedSocket::Audience::kEngines, admin_socket_path_}),
+                             ServedSocket{ServedSocket::Audience::kEngines, admin_socket_path_},
+                             EventStreamLimits(start_config_, /*per_engine=*/true)),
       operator_prefix_service_(
           prefix_cache_.get(), backend_.get(), FindSession(), FindScope(),
-          ServedSocket{ServedSocket::Audience::kOperators, admin_socket_path_}),
+          ServedSocket{ServedSocket::Audience::kOperators, admin_socket_path_},
+          EventStreamLimits(start_config_, /*per_engine=*/false)),
       cache_service_(&leases_, &plans_, &sessions_, backend_.get(), &handoff_, &scopes_, epoch_),
       block_store_service_(&block_store_, backend_.get(), FindScope()),
       engine_admin_service_(
@@ -461,12 +486,13 @@ absl::Status Daemon::Start() {
   ASSIGN_OR_RETURN(auto interceptors, RegisterMetrics());
   ASSIGN_OR_RETURN(std::unique_ptr<grpc::Server> server,
                    Serve(socket_path_, start_config_.socket_group, start_config_.socket_mode,
+                         /*reflection=*/false,
                          {&cache_service_, &engine_admin_service_, &engine_prefix_service_,
                           &block_store_service_},
                          std::move(interceptors)));
   absl::StatusOr<std::unique_ptr<grpc::Server>> admin_server =
       Serve(admin_socket_path_, start_config_.admin_socket_group,
-            start_config_.admin_socket_mode,
+            start_config_.admin_socket_mode, /*reflection=*/true,
             {&operator_admin_service_, &operator_prefix_service_}, {});
   if (!admin_server.ok()) {
     server->Shutdown();
@@ -491,13 +517,19 @@ absl::Status Daemon::Start() {
 }
 
 absl::StatusOr<std::unique_ptr<grpc::Server>> Daemon::Serve(
-    const std::string& path, const std::string& group, uint32_t mode,
+    const std::string& path, const std::string& group, uint32_t mode, bool reflection,
     const std::vector<grpc::Service*>& services,
     std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>>
         interceptors) {
   grpc::ServerBuilder builder;
   builder.AddListeningPort(absl::StrCat("unix:", path), grpc::InsecureServerCredentials());
   for (grpc::Service* service : services) builder.RegisterService(service);
+  if (!reflection) builder.SetOption(std::make_unique<WithoutReflection>());
+  // Every synchronous call in flight holds a thread: without a cap, open streams (reflection,
+  // SubscribeEvents) grew the daemon by a thread each.
+  grpc::ResourceQuota threads(absl::StrCat("memra-kvd ", path));
+  threads.SetMaxThreads(kMaxRpcThreadsPerSocket);
+  builder.SetResourceQuota(threads);
   if (!interceptors.empty()) {
     builder.experimental().SetInterceptorCreators(std::move(interceptors));
   }

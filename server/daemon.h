@@ -71,6 +71,11 @@
 
 namespace memra {
 
+// Threads the synchronous gRPC handlers of one socket may use at once (grpc::ResourceQuota); a
+// call past them is RESOURCE_EXHAUSTED. Long streams are capped well below it
+// (max_event_streams), so short calls always find a thread.
+inline constexpr int kMaxRpcThreadsPerSocket = 256;
+
 class Daemon {
  public:
   // Uses config.SocketPath(), socket_mode, socket_group, AdminSocketPath(), admin_socket_mode,
@@ -185,9 +190,11 @@ class Daemon {
   // Serves metrics_ on metrics_address; a failure is logged, not fatal (the cache matters more
   // than its metrics).
   void StartMetricsHttp() ABSL_LOCKS_EXCLUDED(mu_);
-  // Binds `path`, serves `services` there and applies `group`/`mode` to the socket file.
+  // Binds `path`, serves `services` there (and server reflection when `reflection`) and applies
+  // `group`/`mode` to the socket file. The synchronous handlers share at most
+  // kMaxRpcThreadsPerSocket threads; a call past them is RESOURCE_EXHAUSTED.
   static absl::StatusOr<std::unique_ptr<grpc::Server>> Serve(
-      const std::string& path, const std::string& group, uint32_t mode,
+      const std::string& path, const std::string& group, uint32_t mode, bool reflection,
       const std::vector<grpc::Service*>& services,
       std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>>
           interceptors);

@@ -2,17 +2,25 @@
 // resource driven past its bound by one client, which gets a clean refusal naming its numbers,
 // while a second engine in the same test keeps being served.
 
+#include <chrono>
 #include <cstdint>
+#include <filesystem>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "client/client.h"
 #include "client/internal.h"
 #include "common/grpc_status.h"
 #include "gmock/gmock.h"
+#include "grpcpp/create_channel.h"
+#include "grpcpp/generic/generic_stub.h"
+#include "grpcpp/security/credentials.h"
+#include "grpcpp/support/byte_buffer.h"
 #include "gtest/gtest.h"
 #include "proto/memra/kv/v1/admin.grpc.pb.h"
+#include "proto/memra/kv/v1/prefix.grpc.pb.h"
 #include "server/model_config_bounds.h"
 #include "tests/service/test_daemon.h"
 #include "tests/status_matchers.h"
@@ -24,6 +32,21 @@ namespace pb = ::memra::kv::v1;
 
 constexpr auto kInvalid = absl::StatusCode::kInvalidArgument;
 constexpr auto kExhausted = absl::StatusCode::kResourceExhausted;
+
+// Threads of this process (the in-process daemon's, and the test's own few).
+size_t ProcessThreads() {
+  size_t threads = 0;
+  for (const auto& entry : std::filesystem::directory_iterator("/proc/self/task")) {
+    (void)entry;
+    ++threads;
+  }
+  return threads;
+}
+
+grpc::ClientContext* WithDeadline(grpc::ClientContext* context) {
+  context->set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+  return context;
+}
 
 constexpr char kLlamaConfig[] = R"({
     "architectures": ["LlamaForCausalLM"], "model_type": "llama",
@@ -91,6 +114,148 @@ TEST_F(ModelConfigBoundsTest, OversizeAndOverdeepConfigsAreRefusedBeforeParsing)
     EXPECT_THAT(Import(**unattached, kLlamaConfig), IsOk()) << i;
   }
   EXPECT_THAT(honest->CreateSession(plan_, Options(64)).status(), IsOk());
+}
+
+// ---- 5. Long streams: a thread each, so capped per engine and per socket, and ended with the
+// lease that opened them; server reflection only on the admin socket. ----
+
+class LongStreamsTest : public DaemonTest {
+ protected:
+  static constexpr uint64_t kPerEngine = 4;
+  static constexpr uint64_t kPerSocket = 6;
+  void ConfigureDaemon(DaemonConfig& config) override {
+    config.prefix_cache_budget_bytes = uint64_t{8} << 20;
+    config.max_engine_event_streams = kPerEngine;
+    config.max_event_streams = kPerSocket;
+  }
+
+  struct EventStream {
+    grpc::ClientContext context;
+    std::unique_ptr<grpc::ClientReader<pb::PrefixEvent>> reader;
+  };
+  // A SubscribeEvents stream of `client`'s engine, once the daemon answered it: open (the
+  // daemon sent its headers) or ended (Finish tells why).
+  std::unique_ptr<EventStream> Subscribe(KvClient& client) {
+    auto stream = std::make_unique<EventStream>();
+    pb::SubscribePrefixEventsRequest request;
+    absl::StatusOr<pb::EngineRef> engine = ClientInternals::Engine(client);
+    EXPECT_THAT(engine.status(), IsOk());
+    if (engine.ok()) *request.mutable_engine() = *engine;
+    stream->reader =
+        ClientInternals::Prefix(client).SubscribeEvents(WithDeadline(&stream->context), request);
+    stream->reader->WaitForInitialMetadata();
+    return stream;
+  }
+  static absl::Status Ended(EventStream& stream) {
+    pb::PrefixEvent event;
+    while (stream.reader->Read(&event)) {
+    }
+    return FromGrpcStatus(stream.reader->Finish());
+  }
+  static void Cancel(std::vector<std::unique_ptr<EventStream>>& streams) {
+    for (auto& stream : streams) {
+      stream->context.TryCancel();
+      (void)stream->reader->Finish();
+    }
+  }
+};
+
+// 300 subscriptions from one engine held 300 daemon threads: now it holds its 4, the 296 others
+// are refused at once, and another engine subscribes and works.
+TEST_F(LongStreamsTest, OneEngineHoldsAtMostItsShareOfEventStreams) {
+  std::unique_ptr<KvClient> honest = NewClient("honest");
+  ASSERT_NE(honest, nullptr);
+  const size_t before = ProcessThreads();
+  std::vector<std::unique_ptr<EventStream>> open;
+  for (uint64_t i = 0; i < kPerEngine; ++i) open.push_back(Subscribe(*client_));
+  const std::string refusal =
+      absl::StrCat("SubscribeEvents streams of engine ", client_->engine_id(),
+                   ": 4 are open and the limit is 4 per engine (max_engine_event_streams)");
+  for (int i = 0; i < 296; ++i) {
+    std::unique_ptr<EventStream> refused = Subscribe(*client_);
+    ASSERT_THAT(Ended(*refused), StatusIs(kExhausted, HasSubstrs(refusal))) << i;
+  }
+  std::unique_ptr<EventStream> honest_stream = Subscribe(*honest);
+  const size_t during = ProcessThreads();
+  EXPECT_LT(during, before + kPerEngine + 16)
+      << before << " threads before, " << during << " with 300 subscriptions asked for";
+  EXPECT_THAT(honest->CreateSession(plan_, Options(64)).status(), IsOk());
+  // The per-socket cap: 5 are open, one more fits, then every engine is refused.
+  std::unique_ptr<EventStream> sixth = Subscribe(*honest);
+  EXPECT_THAT(Ended(*Subscribe(*honest)),
+              StatusIs(kExhausted, HasSubstrs("SubscribeEvents streams: 6 are running",
+                                              "limit is 6 (max_event_streams, per socket)")));
+  // Streams that end give their place back.
+  Cancel(open);
+  open.clear();
+  std::unique_ptr<EventStream> again = Subscribe(*client_);
+  honest_stream->context.TryCancel();
+  sixth->context.TryCancel();
+  again->context.TryCancel();
+  for (EventStream* stream : {honest_stream.get(), sixth.get(), again.get()}) {
+    EXPECT_THAT(Ended(*stream), StatusIs(absl::StatusCode::kCancelled, ::testing::_));
+  }
+}
+
+// Event streams were checked only when opened: they outlived the lease. Now they end with it
+// (the engine detached, in its grace: its lease has ended), and the honest engine's stays open.
+TEST_F(LongStreamsTest, EventStreamsEndWithTheLeaseThatOpenedThem) {
+  std::unique_ptr<KvClient> honest = NewClient("honest");
+  ASSERT_NE(honest, nullptr);
+  std::unique_ptr<EventStream> hostile_stream = Subscribe(*client_);
+  std::unique_ptr<EventStream> honest_stream = Subscribe(*honest);
+  const uint64_t hostile_id = client_->engine_id();
+  client_->Detach();
+  EXPECT_THAT(Ended(*hostile_stream),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstrs(absl::StrCat("engine ", hostile_id, ": its lease has ended"))));
+  EXPECT_THAT(honest->CreateSession(plan_, Options(64)).status(), IsOk());
+  // The honest stream was still open: it ends by its own cancel, not the daemon's word.
+  honest_stream->context.TryCancel();
+  EXPECT_THAT(Ended(*honest_stream), StatusIs(absl::StatusCode::kCancelled, ::testing::_));
+}
+
+constexpr char kReflectionInfo[] =
+    "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo";
+
+// One ServerReflectionInfo call (a list_services request, then half-close) on `socket_path`.
+absl::Status ReflectOnce(const std::string& socket_path) {
+  std::shared_ptr<grpc::Channel> channel =
+      grpc::CreateChannel(absl::StrCat("unix:", socket_path), grpc::InsecureChannelCredentials());
+  grpc::GenericStub stub(channel);
+  grpc::CompletionQueue queue;
+  grpc::ClientContext context;
+  // ServerReflectionRequest{list_services = ""}: field 7, length 0.
+  const std::string list_services("\x3a\x00", 2);
+  grpc::Slice slice(list_services);
+  grpc::ByteBuffer request(&slice, 1);
+  grpc::ByteBuffer response;
+  grpc::Status status;
+  std::unique_ptr<grpc::GenericClientAsyncResponseReader> call =
+      stub.PrepareUnaryCall(WithDeadline(&context), kReflectionInfo, request, &queue);
+  call->StartCall();
+  call->Finish(&response, &status, &queue);
+  void* tag = nullptr;
+  bool ok = false;
+  queue.Next(&tag, &ok);
+  queue.Shutdown();
+  while (queue.Next(&tag, &ok)) {
+  }
+  return FromGrpcStatus(status);
+}
+
+// 300 reflection streams from an unattached client held 300 threads: the engine socket no
+// longer serves reflection (the admin socket does, for operators' tools).
+TEST_F(LongStreamsTest, ReflectionIsServedOnTheAdminSocketOnly) {
+  const size_t before = ProcessThreads();
+  for (int i = 0; i < 300; ++i) {
+    ASSERT_THAT(ReflectOnce(daemon_->socket_path()),
+                StatusIs(absl::StatusCode::kUnimplemented, ::testing::_))
+        << i;
+  }
+  EXPECT_LT(ProcessThreads(), before + 16);
+  EXPECT_THAT(ReflectOnce(daemon_->admin_socket_path()), IsOk());
+  EXPECT_THAT(client_->CreateSession(plan_, Options(64)).status(), IsOk());
 }
 
 }  // namespace
