@@ -80,6 +80,12 @@ BlockStoreLimits BlockStoreLimitsOf(const DaemonConfig& config) {
   limits.pinned_bytes_per_engine = config.prefix_cache_budget_bytes / 4;
   limits.max_offers = static_cast<size_t>(config.block_store_max_offers);
   limits.max_mapped_buffers = static_cast<size_t>(config.block_store_max_mapped_buffers);
+  // Daemon-wide caps split fairly (docs/security-model.md#resources): one engine may map a
+  // quarter of the buffers, and hold half of the offers (at most a registration's worth).
+  limits.mapped_buffers_per_engine =
+      std::max<size_t>(1, limits.max_mapped_buffers / kBlockStoreEngineShareDivisor);
+  limits.offers_per_engine =
+      std::clamp<size_t>(limits.max_offers / 2, 1, limits.offers_per_engine);
   return limits;
 }
 

@@ -4,7 +4,6 @@
 
 #include <chrono>
 #include <cstdint>
-#include <filesystem>
 #include <memory>
 #include <string>
 #include <vector>
@@ -32,16 +31,6 @@ namespace pb = ::memra::kv::v1;
 
 constexpr auto kInvalid = absl::StatusCode::kInvalidArgument;
 constexpr auto kExhausted = absl::StatusCode::kResourceExhausted;
-
-// Threads of this process (the in-process daemon's, and the test's own few).
-size_t ProcessThreads() {
-  size_t threads = 0;
-  for (const auto& entry : std::filesystem::directory_iterator("/proc/self/task")) {
-    (void)entry;
-    ++threads;
-  }
-  return threads;
-}
 
 grpc::ClientContext* WithDeadline(grpc::ClientContext* context) {
   context->set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
