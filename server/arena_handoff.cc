@@ -67,31 +67,8 @@ absl::Status ArenaHandoff::Start() {
     absl::MutexLock lock(&mu_);
     if (started_) return absl::FailedPreconditionError("the handoff socket was already started");
   }
-  RETURN_IF_ERROR(PrepareSocketPath(options_.path));
-  sockaddr_un address{};
-  address.sun_family = AF_UNIX;
-  if (options_.path.size() >= sizeof(address.sun_path)) {
-    return absl::InvalidArgumentError(absl::StrCat("handoff socket ", options_.path, " is ",
-                                                   options_.path.size(), " bytes; the limit is ",
-                                                   sizeof(address.sun_path) - 1));
-  }
-  std::memcpy(address.sun_path, options_.path.c_str(), options_.path.size() + 1);
-  ScopedFd listener(socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
-  if (listener.get() < 0) return PosixError("socket for the handoff socket", errno);
-  if (bind(listener.get(), reinterpret_cast<sockaddr*>(&address), sizeof(address)) != 0) {
-    return PosixError(absl::StrCat("bind ", options_.path), errno);
-  }
-  if (listen(listener.get(), SOMAXCONN) != 0) {
-    const int err = errno;
-    unlink(options_.path.c_str());
-    return PosixError(absl::StrCat("listen ", options_.path), err);
-  }
-  if (absl::Status permissions =
-          ApplySocketPermissions(options_.path, options_.group, options_.mode);
-      !permissions.ok()) {
-    unlink(options_.path.c_str());
-    return permissions;
-  }
+  ASSIGN_OR_RETURN(ScopedFd listener, ListenOnUnixSocket(options_.path, options_.group,
+                                                         options_.mode, "handoff socket"));
   ScopedFd wake(eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC));
   if (wake.get() < 0) {
     const int err = errno;

@@ -360,6 +360,21 @@ const std::vector<KeySpec>& Keys() {
        .help = "KvPrefixCache.SubscribeEvents streams open at once on each socket, all engines "
                "(or operators) together (RESOURCE_EXHAUSTED past it).",
        .min = 1, .max = 1024},
+      {.name = "max_connections", .field = &C::max_connections, .syntax = Syntax::kInteger,
+       .reloadable = false,
+       .help = "gRPC connections each socket serves at once; past it a new connection is closed "
+               "at once (the client sees UNAVAILABLE) and the daemon logs the numbers.",
+       .min = 1, .max = 1'000'000},
+      {.name = "max_connections_per_uid", .field = &C::max_connections_per_uid,
+       .syntax = Syntax::kInteger, .reloadable = false,
+       .help = "gRPC connections each socket serves at once from one uid (the kernel's peer "
+               "credentials); past it that uid's new connection is closed at once.",
+       .min = 1, .max = 1'000'000},
+      {.name = "connection_idle_timeout_ms", .field = &C::connection_idle_timeout_ms,
+       .syntax = Syntax::kInteger, .reloadable = false,
+       .help = "A gRPC connection with no call open for this long is closed (GOAWAY); clients "
+               "reconnect on their next call.",
+       .min = 1'000, .max = 86'400'000},
       {.name = "arena_pool_engine_bytes", .field = &C::arena_pool_engine_bytes,
        .syntax = Syntax::kBytes, .reloadable = false,
        .help = "Released session arenas kept per engine for its next sessions of the same size "

@@ -174,6 +174,12 @@ struct DaemonConfig {
   // daemon thread while open; a stream ends with the lease that opened it).
   uint64_t max_engine_event_streams = 4;
   uint64_t max_event_streams = 64;
+  // gRPC connections each socket accepts at once, in all and from one uid (SO_PEERCRED); past
+  // them a new connection is closed at once. A connection with no call for
+  // connection_idle_timeout_ms is closed by the daemon.
+  uint64_t max_connections = 512;
+  uint64_t max_connections_per_uid = 256;
+  uint64_t connection_idle_timeout_ms = 300'000;
   // Bytes of released session arenas kept per engine for its next sessions of the same size
   // (server/arena_pool.h); evictable by admission, freed when the engine's lease ends. 0 = no
   // pool: every CreateSession makes (and every engine maps) a new arena.

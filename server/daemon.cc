@@ -490,19 +490,21 @@ absl::Status Daemon::Start() {
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   // The RPC metrics count the engine socket's calls (the hot path); operators' calls are few.
   ASSIGN_OR_RETURN(auto interceptors, RegisterMetrics());
+  std::unique_ptr<ConnectionGate> gate;
+  std::unique_ptr<ConnectionGate> admin_gate;
   ASSIGN_OR_RETURN(std::unique_ptr<grpc::Server> server,
                    Serve(socket_path_, start_config_.socket_group, start_config_.socket_mode,
                          /*reflection=*/false,
                          {&cache_service_, &engine_admin_service_, &engine_prefix_service_,
                           &block_store_service_},
-                         std::move(interceptors)));
+                         std::move(interceptors), &gate));
   absl::StatusOr<std::unique_ptr<grpc::Server>> admin_server =
       Serve(admin_socket_path_, start_config_.admin_socket_group,
             start_config_.admin_socket_mode, /*reflection=*/true,
-            {&operator_admin_service_, &operator_prefix_service_}, {});
+            {&operator_admin_service_, &operator_prefix_service_}, {}, &admin_gate);
   if (!admin_server.ok()) {
+    gate->Stop();
     server->Shutdown();
-    unlink(socket_path_.c_str());
     handoff_.Stop();
     return admin_server.status();
   }
@@ -510,6 +512,8 @@ absl::Status Daemon::Start() {
     absl::MutexLock lock(&mu_);
     server_ = std::move(server);
     admin_server_ = *std::move(admin_server);
+    gate_ = std::move(gate);
+    admin_gate_ = std::move(admin_gate);
   }
   lease_thread_ = std::thread([this] { LeaseLoop(); });
   StartMetricsHttp();
@@ -522,13 +526,26 @@ absl::Status Daemon::Start() {
   return absl::OkStatus();
 }
 
+ConnectionGate::Counts Daemon::engine_socket_connections() const {
+  absl::MutexLock lock(&mu_);
+  return gate_ == nullptr ? ConnectionGate::Counts{} : gate_->counts();
+}
+
 absl::StatusOr<std::unique_ptr<grpc::Server>> Daemon::Serve(
     const std::string& path, const std::string& group, uint32_t mode, bool reflection,
     const std::vector<grpc::Service*>& services,
     std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>>
-        interceptors) {
+        interceptors,
+    std::unique_ptr<ConnectionGate>* gate) const {
+  // The gate binds the socket (and applies its permissions) before any call can arrive; gRPC
+  // listens on no port of its own and serves only what the gate hands it.
+  ASSIGN_OR_RETURN(
+      *gate,
+      ConnectionGate::Listen(
+          path, group, mode, absl::StrCat("socket ", path),
+          {.max_connections = static_cast<size_t>(start_config_.max_connections),
+           .max_connections_per_uid = static_cast<size_t>(start_config_.max_connections_per_uid)}));
   grpc::ServerBuilder builder;
-  builder.AddListeningPort(absl::StrCat("unix:", path), grpc::InsecureServerCredentials());
   for (grpc::Service* service : services) builder.RegisterService(service);
   if (!reflection) builder.SetOption(std::make_unique<WithoutReflection>());
   // Every synchronous call in flight holds a thread: without a cap, open streams (reflection,
@@ -536,20 +553,19 @@ absl::StatusOr<std::unique_ptr<grpc::Server>> Daemon::Serve(
   grpc::ResourceQuota threads(absl::StrCat("memra-kvd ", path));
   threads.SetMaxThreads(kMaxRpcThreadsPerSocket);
   builder.SetResourceQuota(threads);
+  // A connection with no call for this long is closed (GOAWAY): idle connections hold
+  // descriptors.
+  builder.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_IDLE_MS,
+                             static_cast<int>(start_config_.connection_idle_timeout_ms));
   if (!interceptors.empty()) {
     builder.experimental().SetInterceptorCreators(std::move(interceptors));
   }
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (server == nullptr) {
-    return absl::UnavailableError(absl::StrCat("could not listen on unix:", path,
-                                               " (does the directory exist and is it writable?)"));
+    (*gate)->Stop();
+    return absl::UnavailableError(absl::StrCat("could not start the gRPC server for unix:", path));
   }
-  // Calls may already be arriving: no lock is held while the server could wait for them.
-  if (absl::Status permissions = ApplySocketPermissions(path, group, mode); !permissions.ok()) {
-    server->Shutdown();
-    unlink(path.c_str());
-    return permissions;
-  }
+  (*gate)->Start(server.get());
   return server;
 }
 
@@ -643,12 +659,20 @@ void Daemon::Shutdown() {
   leases_.CancelStreams();
   std::unique_ptr<grpc::Server> server;
   std::unique_ptr<grpc::Server> admin_server;
+  std::unique_ptr<ConnectionGate> gate;
+  std::unique_ptr<ConnectionGate> admin_gate;
   std::unique_ptr<metrics::MetricsHttpServer> metrics_http;
   {
     absl::MutexLock lock(&mu_);
     metrics_http = std::move(metrics_http_);
     server = std::move(server_);
     admin_server = std::move(admin_server_);
+    gate = std::move(gate_);
+    admin_gate = std::move(admin_gate_);
+  }
+  // No new connections first (the gates also remove the socket files).
+  for (ConnectionGate* door : {gate.get(), admin_gate.get()}) {
+    if (door != nullptr) door->Stop();
   }
   metrics_http.reset();  // joins its threads: no scrape reads the daemon after this
   const auto deadline = std::chrono::system_clock::now() + std::chrono::milliseconds(500);
@@ -676,8 +700,6 @@ void Daemon::Shutdown() {
   // Slabs the prefix cache keeps empty for its next capture go too; those of stored entries are
   // freed with the cache.
   if (prefix_cache_ != nullptr) prefix_cache_->ReleaseEmptySlabs();
-  if (server != nullptr) unlink(socket_path_.c_str());
-  if (admin_server != nullptr) unlink(admin_socket_path_.c_str());
   spdlog::info("shut down: released {} sessions ({} bytes); backend holds {} arenas, {} bytes",
                released.sessions, released.bytes, backend_->ArenaCount(),
                backend_->AllocatedBytes());

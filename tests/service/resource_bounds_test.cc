@@ -2,7 +2,16 @@
 // resource driven past its bound by one client, which gets a clean refusal naming its numbers,
 // while a second engine in the same test keeps being served.
 
+#include <fcntl.h>
+#include <grp.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include <chrono>
+#include <cstring>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -245,6 +254,133 @@ TEST_F(LongStreamsTest, ReflectionIsServedOnTheAdminSocketOnly) {
   EXPECT_LT(ProcessThreads(), before + 16);
   EXPECT_THAT(ReflectOnce(daemon_->admin_socket_path()), IsOk());
   EXPECT_THAT(client_->CreateSession(plan_, Options(64)).status(), IsOk());
+}
+
+// ---- 3. gRPC connections: per socket, per uid, and idle ones closed ----
+
+// Connects to `path`, sends the HTTP/2 client preface and an empty SETTINGS frame, and reads:
+// 'S' (served: the server's SETTINGS came back) or 'C' (closed at the door: EOF), 'E' on a local
+// error. The connection stays open in `*fd`. Stack only, system calls only: safe in a forked
+// child of this multi-threaded process.
+char TryConnection(const char* path, int* fd) {
+  *fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (*fd < 0) return 'E';
+  sockaddr_un address{};
+  address.sun_family = AF_UNIX;
+  std::strncpy(address.sun_path, path, sizeof(address.sun_path) - 1);
+  if (connect(*fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)) != 0) return 'E';
+  static constexpr char kPreface[] =
+      "PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\0\0\0\x04\0\0\0\0\0";  // + SETTINGS, empty
+  if (write(*fd, kPreface, sizeof(kPreface) - 1) != static_cast<ssize_t>(sizeof(kPreface) - 1)) {
+    return 'C';  // closed before the preface went out
+  }
+  char reply[64];
+  const ssize_t got = read(*fd, reply, sizeof(reply));
+  return got > 0 ? 'S' : got == 0 || errno == ECONNRESET ? 'C' : 'E';
+}
+
+class ConnectionLimitsTest : public DaemonTest {
+ protected:
+  static constexpr uid_t kNobody = 65534;
+  static constexpr uint64_t kPerUid = 4;
+  static constexpr uint64_t kPerSocket = 6;
+  void ConfigureDaemon(DaemonConfig& config) override {
+    config.socket_mode = 0666;  // the other uid connects too
+    ASSERT_EQ(chmod(dir_.c_str(), 0711), 0);
+    config.max_connections = kPerSocket;
+    config.max_connections_per_uid = kPerUid;
+    config.connection_idle_timeout_ms = 1000;
+  }
+
+  // Waits (on the daemon's count) until the engine socket holds `open` connections; the count
+  // it saw last.
+  size_t AwaitConnections(size_t open) {
+    size_t now = 0;
+    for (int i = 0; i < 3000; ++i) {
+      now = daemon_->engine_socket_connections().connections;
+      if (now == open) break;
+      absl::SleepFor(absl::Milliseconds(10));
+    }
+    return now;
+  }
+};
+
+// 1,100 idle connections filled a daemon's descriptors. Now another uid gets its 4, its 5th is
+// closed at the door; the socket's 6 are a cap for everyone; idle connections are closed by the
+// daemon; the attached engines keep being served throughout.
+TEST_F(ConnectionLimitsTest, ConnectionsAreCappedPerUidAndPerSocketAndIdleOnesClosed) {
+  if (geteuid() != 0) GTEST_SKIP() << "needs root (a child connects as uid 65534)";
+  std::unique_ptr<KvClient> honest = NewClient("honest");
+  ASSERT_NE(honest, nullptr);
+  // client_'s and honest's (gRPC may share one connection between channels of one process).
+  const size_t engines = daemon_->engine_socket_connections().connections;
+  ASSERT_GE(engines, 1u);
+  ASSERT_LE(engines, 2u);
+  int results[2];
+  int hold[2];
+  ASSERT_EQ(pipe2(results, O_CLOEXEC), 0);
+  ASSERT_EQ(pipe2(hold, O_CLOEXEC), 0);
+  const std::string path = daemon_->socket_path();
+  const pid_t child = fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    close(results[0]);
+    close(hold[1]);
+    if (setgroups(0, nullptr) != 0 || setgid(kNobody) != 0 || setuid(kNobody) != 0) {
+      (void)!write(results[1], "X", 1);
+      _exit(1);
+    }
+    for (uint64_t i = 0; i < kPerUid + 1; ++i) {
+      int fd;
+      const char outcome = TryConnection(path.c_str(), &fd);
+      (void)!write(results[1], &outcome, 1);
+    }
+    char done;
+    (void)!read(hold[0], &done, 1);  // holds its connections until the test is done
+    _exit(0);
+  }
+  close(results[1]);
+  close(hold[0]);
+  std::string outcomes(kPerUid + 1, '?');
+  size_t got = 0;
+  while (got < outcomes.size()) {
+    const ssize_t n = read(results[0], outcomes.data() + got, outcomes.size() - got);
+    if (n <= 0) break;
+    got += static_cast<size_t>(n);
+  }
+  close(results[0]);
+  if (outcomes[0] == 'X') {
+    close(hold[1]);
+    waitpid(child, nullptr, 0);
+    GTEST_SKIP() << "could not setuid to 65534 here";
+  }
+  EXPECT_EQ(outcomes, "SSSSC") << "uid 65534's 4 connections served, its 5th closed at the door";
+  EXPECT_EQ(AwaitConnections(engines + kPerUid), engines + kPerUid);
+  EXPECT_EQ(daemon_->engine_socket_connections().refused, 1u);
+  // Root's connections fill the socket's 6; then a connection of any uid is closed too.
+  std::vector<int> fill;
+  for (size_t open = engines + kPerUid; open < kPerSocket; ++open) {
+    fill.push_back(-1);
+    EXPECT_EQ(TryConnection(path.c_str(), &fill.back()), 'S');
+  }
+  int extra;
+  EXPECT_EQ(TryConnection(path.c_str(), &extra), 'C');
+  close(extra);
+  EXPECT_EQ(daemon_->engine_socket_connections().refused, 2u);
+  // The attached engines are served meanwhile.
+  EXPECT_THAT(honest->CreateSession(plan_, Options(64)).status(), IsOk());
+  EXPECT_THAT(client_->CreateSession(plan_, Options(64)).status(), IsOk());
+  // uid 65534's connections make no call: the daemon closes them after the idle timeout, and
+  // the door opens again. The engines' (each with its Attach stream) stay.
+  EXPECT_EQ(AwaitConnections(engines), engines);
+  for (int fd : fill) close(fd);
+  int again;
+  EXPECT_EQ(TryConnection(path.c_str(), &again), 'S');
+  close(again);
+  close(hold[1]);
+  int status = 0;
+  EXPECT_EQ(waitpid(child, &status, 0), child);
+  EXPECT_THAT(honest->CreateSession(plan_, Options(64)).status(), IsOk());
 }
 
 }  // namespace
