@@ -26,6 +26,8 @@ constexpr size_t kReadChunkBytes = 4096;
 // one busy engine cannot keep the thread from the others.
 constexpr size_t kMaxReadPerRound = 16 * 1024;
 constexpr int kMaxPollMs = 1000;
+// How long the listener rests after accept ran out of descriptors.
+constexpr int kAcceptBackoffMs = 100;
 constexpr size_t kConnectionNumberBytes = 8;
 // Descriptors a connection may have received ahead of the offers that take them.
 constexpr size_t kMaxPendingDescriptors = 4;
@@ -233,7 +235,11 @@ void ArenaHandoff::Serve() {
       }
       for (uint64_t id : to_close) Close(id);
     }
-    polled.push_back({.fd = listener_.get(), .events = POLLIN, .revents = 0});
+    // Out of descriptors, the listener stays readable: it is left out of the poll for
+    // kAcceptBackoff instead of spinning on accept's EMFILE.
+    const bool backing_off = std::chrono::steady_clock::now() < accept_resumes_;
+    if (backing_off) timeout_ms = std::min<int>(timeout_ms, kAcceptBackoffMs);
+    polled.push_back({.fd = backing_off ? -1 : listener_.get(), .events = POLLIN, .revents = 0});
     polled.push_back({.fd = wake_.get(), .events = POLLIN, .revents = 0});
     const int ready = poll(polled.data(), polled.size(), timeout_ms);
     if (ready < 0) {
@@ -279,7 +285,12 @@ void ArenaHandoff::AcceptAll() {
     ScopedFd socket(accept4(listener_.get(), nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC));
     if (socket.get() < 0) {
       if (errno == EINTR || errno == ECONNABORTED) continue;
-      if (errno != EAGAIN && errno != EWOULDBLOCK) {
+      if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM) {
+        spdlog::warn("handoff socket: accept: {}; next accept in {} ms", strerror(errno),
+                     kAcceptBackoffMs);
+        accept_resumes_ =
+            std::chrono::steady_clock::now() + std::chrono::milliseconds(kAcceptBackoffMs);
+      } else if (errno != EAGAIN && errno != EWOULDBLOCK) {
         spdlog::warn("handoff socket: accept: {}", strerror(errno));
       }
       return;

@@ -181,6 +181,8 @@ class ArenaHandoff {
   ScopedFd listener_;  // set by Start(), closed by Stop()
   ScopedFd wake_;      // eventfd: ForgetEngine and Stop interrupt poll()
   std::thread thread_;
+  // Only the serving thread: no accept before this (accept ran out of descriptors).
+  SteadyTime accept_resumes_{};
 
   mutable absl::Mutex mu_;
   bool started_ ABSL_GUARDED_BY(mu_) = false;

@@ -845,6 +845,13 @@ uint64_t EffectiveMaxArenas(const DaemonConfig& config, const std::string& max_m
   return std::max<uint64_t>(1, max_map_count / 4 * 3);
 }
 
+DescriptorShares ShareDescriptors(uint64_t open_files) {
+  const uint64_t shared = open_files > kReservedDescriptors ? open_files - kReservedDescriptors : 0;
+  return {.open_files = open_files,
+          .arenas = std::max<uint64_t>(1, shared / 2),
+          .connections = std::max<uint64_t>(1, shared / 16)};
+}
+
 absl::Status ApplyOverride(DaemonConfig& config, std::string_view key_view,
                            std::string_view value_view) {
   absl::string_view key = AsAbsl(key_view), value = AsAbsl(value_view);

@@ -222,6 +222,21 @@ inline constexpr uint64_t kDefaultMaxMapCount = 65530;
 uint64_t EffectiveMaxArenas(const DaemonConfig& config,
                             const std::string& max_map_count_path = "/proc/sys/vm/max_map_count");
 
+// Descriptors the daemon keeps for itself (libraries, listeners, eventfds, logs, metrics) before
+// it shares out its RLIMIT_NOFILE.
+inline constexpr uint64_t kReservedDescriptors = 128;
+// What the daemon's own RLIMIT_NOFILE (read at start) allows, so that running out of
+// descriptors is a limit's clean refusal, not EMFILE somewhere: of what is left after
+// kReservedDescriptors, half for arenas (a memfd each on the host backend), a sixteenth for each
+// socket's gRPC connections (two sockets, two descriptors each: a quarter in all); the last
+// quarter is for handoff connections, step channels and block store offers.
+struct DescriptorShares {
+  uint64_t open_files = 0;       // RLIMIT_NOFILE (soft)
+  uint64_t arenas = 0;           // caps max_arenas
+  uint64_t connections = 0;      // caps max_connections (per socket)
+};
+DescriptorShares ShareDescriptors(uint64_t open_files);
+
 // One configuration key, for help text and flag definitions.
 struct ConfigKeyInfo {
   std::string_view name;

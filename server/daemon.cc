@@ -1,6 +1,7 @@
 #include "server/daemon.h"
 
 #include <sys/random.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -47,6 +48,27 @@ std::pair<uint64_t, std::string> BudgetFor(const DaemonConfig& config, DeviceBac
                                 " capped at the backend's start-up capacity ", info.total_bytes)};
   }
   return {bytes, absl::StrCat("host: budget_bytes ", bytes)};
+}
+
+// Caps max_arenas and max_connections by the daemon's own RLIMIT_NOFILE (ShareDescriptors) and
+// says so.
+void LimitByDescriptors(DaemonConfig& config) {
+  rlimit open_files{};
+  uint64_t limit = UINT64_MAX;
+  if (getrlimit(RLIMIT_NOFILE, &open_files) == 0 && open_files.rlim_cur != RLIM_INFINITY) {
+    limit = open_files.rlim_cur;
+  }
+  const DescriptorShares shares = ShareDescriptors(limit);
+  const uint64_t arenas = EffectiveMaxArenas(config);
+  config.max_arenas = std::min(arenas, shares.arenas);
+  config.max_connections = std::min(config.max_connections, shares.connections);
+  config.max_connections_per_uid = std::min(config.max_connections_per_uid, config.max_connections);
+  spdlog::info(
+      "descriptors: RLIMIT_NOFILE {} ({} kept for the daemon): at most {} arenas (max_arenas or "
+      "vm.max_map_count: {}; descriptors: {}), {} gRPC connections per socket and {} per uid "
+      "(max_connections or descriptors: {})",
+      limit, kReservedDescriptors, config.max_arenas, arenas, shares.arenas,
+      config.max_connections, config.max_connections_per_uid, shares.connections);
 }
 
 // SubscribeEvents streams of one socket: per engine on the engine socket, and all together.
@@ -172,6 +194,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Create(DaemonConfig config,
     return absl::InvalidArgumentError("Daemon::Create needs a backend and a clock");
   }
   RETURN_IF_ERROR(ValidateConfig(config));
+  LimitByDescriptors(config);
   std::optional<PreviousDaemon> previous = ReadPreviousDaemon(std::move(passed));
   ASSIGN_OR_RETURN(uint64_t epoch, RandomEpoch());
   ASSIGN_OR_RETURN(CacheScopes scopes, CacheScopes::Create(config.cache_scope_allow));

@@ -4,6 +4,7 @@
 
 #include <fcntl.h>
 #include <grp.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -381,6 +382,55 @@ TEST_F(ConnectionLimitsTest, ConnectionsAreCappedPerUidAndPerSocketAndIdleOnesCl
   int status = 0;
   EXPECT_EQ(waitpid(child, &status, 0), child);
   EXPECT_THAT(honest->CreateSession(plan_, Options(64)).status(), IsOk());
+}
+
+// ---- 4. The descriptor budget: limits derived from the daemon's own RLIMIT_NOFILE ----
+
+class DescriptorBudgetTest : public DaemonTest {
+ protected:
+  static constexpr rlim_t kOpenFiles = 512;  // (512 - 128) / 2 = 192 arenas
+  void ConfigureDaemon(DaemonConfig&) override {
+    ASSERT_EQ(getrlimit(RLIMIT_NOFILE, &saved_), 0);
+    rlimit lowered = saved_;
+    lowered.rlim_cur = std::min<rlim_t>(kOpenFiles, saved_.rlim_max);
+    ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &lowered), 0);
+  }
+  void TearDown() override {
+    DaemonTest::TearDown();
+    setrlimit(RLIMIT_NOFILE, &saved_);
+  }
+  rlimit saved_{};
+};
+
+// With 2,048 descriptors an engine's ~2,000 sessions ended in INTERNAL EMFILE for every engine.
+// Now the daemon derives max_arenas from its RLIMIT_NOFILE: the flood ends in the arena limit's
+// clean refusal, and the other engine's session keeps working and it is refused the same way,
+// then served once an arena is free.
+TEST_F(DescriptorBudgetTest, ArenasAreBoundedByTheDescriptorsTheDaemonHas) {
+  std::unique_ptr<KvClient> honest = NewClient("honest");
+  ASSERT_NE(honest, nullptr);
+  std::unique_ptr<Session> kept = NewSession(*honest, 64, /*spec_snapshot=*/false);
+  ASSERT_NE(kept, nullptr);
+  std::vector<std::unique_ptr<Session>> flood;
+  absl::Status refused;
+  for (int i = 0; i < 400 && refused.ok(); ++i) {
+    absl::StatusOr<std::unique_ptr<Session>> session =
+        client_->CreateSession(plan_, Options(64, /*spec_snapshot=*/false));
+    if (session.ok()) {
+      flood.push_back(*std::move(session));
+    } else {
+      refused = session.status();
+    }
+  }
+  EXPECT_THAT(refused, StatusIs(kExhausted, HasSubstrs("holds 192 arenas", "limit is 192",
+                                                       "max_arenas", "RLIMIT_NOFILE")));
+  EXPECT_EQ(flood.size(), 191u);
+  EXPECT_THAT(kept->State().status(), IsOk());
+  EXPECT_THAT(honest->CreateSession(plan_, Options(64, false)).status(),
+              StatusIs(kExhausted, HasSubstrs("limit is 192")));
+  ASSERT_THAT(flood.back()->Release().status(), IsOk());
+  flood.pop_back();
+  EXPECT_THAT(honest->CreateSession(plan_, Options(64, false)).status(), IsOk());
 }
 
 }  // namespace
