@@ -3,6 +3,8 @@
 #include <poll.h>
 #include <sys/eventfd.h>
 #include <sys/socket.h>
+#include <linux/sockios.h>
+#include <sys/ioctl.h>
 #include <sys/un.h>
 #include <unistd.h>
 
@@ -26,6 +28,8 @@ constexpr size_t kReadChunkBytes = 4096;
 // one busy engine cannot keep the thread from the others.
 constexpr size_t kMaxReadPerRound = 16 * 1024;
 constexpr int kMaxPollMs = 1000;
+// Answers with descriptors one connection may leave unread (a step channel answer counts once).
+constexpr size_t kMaxUnreadDescriptorAnswers = 16;
 // How long the listener rests after accept ran out of descriptors.
 constexpr int kAcceptBackoffMs = 100;
 constexpr size_t kConnectionNumberBytes = 8;
@@ -448,11 +452,14 @@ bool ArenaHandoff::Answer(PendingRequest& pending) {
                                   "ticket first")))
         .ok();
   }
-  if (std::holds_alternative<handoff::StepChannelRequest>(*pending.request)) {
-    return AnswerStepChannel(pending.socket, pending.engine_id);
-  }
   if (std::holds_alternative<PendingRequest::BufferOffer>(*pending.request)) {
     return AnswerOffer(pending);
+  }
+  if (absl::Status admitted = AdmitDescriptorAnswer(pending); !admitted.ok()) {
+    return handoff::SendFrame(pending.socket, handoff::EncodeRefusal(admitted)).ok();
+  }
+  if (std::holds_alternative<handoff::StepChannelRequest>(*pending.request)) {
+    return AnswerStepChannel(pending.socket, pending.engine_id);
   }
   absl::StatusOr<ArenaFd> arena =
       lookup_(pending.engine_id, std::get<handoff::ArenaRequest>(*pending.request));
@@ -462,6 +469,24 @@ bool ArenaHandoff::Answer(PendingRequest& pending) {
   arenas_handed_.fetch_add(1, std::memory_order_relaxed);
   return handoff::SendFrame(pending.socket, handoff::EncodeArena(arena->bytes), {arena->fd.get()})
       .ok();
+}
+
+absl::Status ArenaHandoff::AdmitDescriptorAnswer(const PendingRequest& pending) {
+  int unsent = 1;  // SIOCOUTQ unknown: count as unread
+  if (ioctl(pending.socket, SIOCOUTQ, &unsent) != 0) unsent = 1;
+  absl::MutexLock lock(&mu_);
+  auto it = connections_.find(pending.connection);
+  if (it == connections_.end()) return absl::NotFoundError("the handoff connection was closed");
+  size_t& unread = it->second.unread_descriptor_answers;
+  if (unsent == 0) unread = 0;  // the engine read everything sent so far
+  if (unread >= kMaxUnreadDescriptorAnswers) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "engine ", pending.engine_id, " has not read ", unread,
+        " answers carrying descriptors on this handoff connection and the limit is ",
+        kMaxUnreadDescriptorAnswers, " (kMaxUnreadDescriptorAnswers): read them first"));
+  }
+  ++unread;
+  return absl::OkStatus();
 }
 
 bool ArenaHandoff::AnswerStepChannel(int socket, uint64_t engine_id) {

@@ -4,6 +4,7 @@
 
 #include <fcntl.h>
 #include <grp.h>
+#include <poll.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -16,12 +17,15 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "client/client.h"
 #include "client/internal.h"
 #include "common/grpc_status.h"
+#include "common/handoff_wire.h"
+#include "server/fault_injecting_backend.h"
 #include "gmock/gmock.h"
 #include "grpcpp/create_channel.h"
 #include "grpcpp/generic/generic_stub.h"
@@ -431,6 +435,99 @@ TEST_F(DescriptorBudgetTest, ArenasAreBoundedByTheDescriptorsTheDaemonHas) {
   ASSERT_THAT(flood.back()->Release().status(), IsOk());
   flood.pop_back();
   EXPECT_THAT(honest->CreateSession(plan_, Options(64, false)).status(), IsOk());
+}
+
+// ---- 1. Descriptors in flight, 6. the handoff thread and session locks ----
+
+using HandoffBoundsTest = DaemonTest;
+
+// An engine that asked for its arena ~280 times and read nothing exhausted the daemon's uid's
+// in-flight descriptors, and every engine's next SCM_RIGHTS send failed. Now a connection gets
+// 16 unread answers with descriptors, then refusals without; another engine is served.
+TEST_F(HandoffBoundsTest, UnreadDescriptorAnswersAreBoundedPerConnection) {
+  std::unique_ptr<KvClient> honest = NewClient("honest");
+  ASSERT_NE(honest, nullptr);
+  std::unique_ptr<Session> mine = NewSession(*client_, 64, /*spec_snapshot=*/false);
+  ASSERT_NE(mine, nullptr);
+  handoff::ArenaRequest request;
+  request.session_id = mine->id();
+  request.session_token = ClientInternals::Ref(*mine).session_token();
+  request.handle = mine->layout().arenas[0].handle;
+  absl::StatusOr<std::string> frame = handoff::EncodeArenaRequest(request);
+  ASSERT_THAT(frame.status(), IsOk());
+  const int socket = ClientInternals::HandoffSocket(*client_);
+  ASSERT_GE(socket, 0);
+  constexpr int kRequests = 40;
+  for (int i = 0; i < kRequests; ++i) ASSERT_THAT(handoff::SendFrame(socket, *frame), IsOk());
+  // The honest engine's sessions (their arenas come over its own handoff connection) are served.
+  std::unique_ptr<Session> theirs = NewSession(*honest, 64, /*spec_snapshot=*/false);
+  ASSERT_NE(theirs, nullptr);
+  EXPECT_THAT(ClientInternals::FetchArenaFd(*honest, theirs->id(),
+                                            ClientInternals::Ref(*theirs).session_token(),
+                                            theirs->layout().arenas[0].handle)
+                  .status(),
+              IsOk());
+  // Now the hostile engine reads: 16 arenas, then the refusals.
+  std::string input;
+  int arenas = 0;
+  std::vector<absl::Status> refusals;
+  while (arenas + static_cast<int>(refusals.size()) < kRequests) {
+    absl::StatusOr<std::optional<handoff::Frame>> taken = handoff::TakeFrame(input);
+    ASSERT_THAT(taken.status(), IsOk());
+    if (taken->has_value()) {
+      if ((*taken)->kind == handoff::Kind::kArena) {
+        ++arenas;
+      } else {
+        ASSERT_EQ((*taken)->kind, handoff::Kind::kRefusal);
+        refusals.push_back(handoff::DecodeRefusal((*taken)->body));
+      }
+      continue;
+    }
+    pollfd readable{.fd = socket, .events = POLLIN, .revents = 0};
+    ASSERT_EQ(poll(&readable, 1, -1), 1);
+    char chunk[4096];
+    std::vector<ScopedFd> received;  // closed at once
+    absl::StatusOr<size_t> got =
+        handoff::ReceiveBytes(socket, absl::MakeSpan(chunk), &received);
+    if (!got.ok() && (errno == EAGAIN || errno == EWOULDBLOCK)) continue;
+    ASSERT_THAT(got.status(), IsOk());
+    ASSERT_GT(*got, 0u);
+    input.append(chunk, *got);
+  }
+  EXPECT_EQ(arenas, 16);
+  ASSERT_EQ(refusals.size(), 24u);
+  EXPECT_THAT(refusals[0],
+              StatusIs(kExhausted, HasSubstrs(absl::StrCat("engine ", client_->engine_id(),
+                                                           " has not read 16 answers"),
+                                              "limit is 16", "kMaxUnreadDescriptorAnswers")));
+  // Read now: the connection is served again.
+  EXPECT_THAT(ClientInternals::FetchArenaFd(*client_, mine->id(), request.session_token,
+                                            request.handle)
+                  .status(),
+              IsOk());
+}
+
+// The handoff thread waited on a session's lock while that session grew (seconds for a large
+// arena), and every Attach's ticket waited with it. Now a Grow held inside the session's lock
+// (its new arena's creation held by the test) stalls neither that session's own descriptor nor
+// a new engine's Attach.
+TEST_F(HandoffBoundsTest, AGrowHoldingItsSessionDoesNotStallTheHandoffThread) {
+  std::unique_ptr<Session> growing = NewSession(*client_, 64, /*spec_snapshot=*/false);
+  ASSERT_NE(growing, nullptr);
+  const std::string token = ClientInternals::Ref(*growing).session_token();
+  const std::string handle = growing->layout().arenas[0].handle;
+  faults_->Hold(BackendOp::kCreateArena);
+  absl::StatusOr<SessionSnapshot> grown = absl::UnknownError("not run");
+  std::thread grow([&] { grown = growing->Grow(256); });
+  while (faults_->HeldCalls(BackendOp::kCreateArena) == 0) absl::SleepFor(absl::Milliseconds(1));
+  // The Grow holds the session's lock now.
+  EXPECT_THAT(ClientInternals::FetchArenaFd(*client_, growing->id(), token, handle).status(),
+              IsOk());
+  std::unique_ptr<KvClient> honest = NewClient("honest");
+  EXPECT_NE(honest, nullptr);
+  faults_->Unhold(BackendOp::kCreateArena);
+  grow.join();
+  EXPECT_THAT(grown.status(), IsOk());
 }
 
 }  // namespace
