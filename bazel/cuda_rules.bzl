@@ -13,3 +13,7 @@ def cuda_cc_library(**kwargs):
 def cuda_cc_test(**kwargs):
     if HAS_CUDA:
         native.cc_test(**kwargs)
+
+def cuda_sh_test(**kwargs):
+    if HAS_CUDA:
+        native.sh_test(**kwargs)

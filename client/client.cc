@@ -108,6 +108,19 @@ absl::StatusOr<SessionLayout> SessionLayoutFromProto(const pb::SessionLayout& pr
     SessionLayer& layer = layout.layers.emplace_back();
     layer.layer = entry.layer();
     ASSIGN_OR_RETURN(layer.kind, StateKindFromProto(entry.kind()));
+    // A layout without formats (a daemon from before element formats) keeps the block
+    // default: the raw views work, a typed view is refused.
+    if (entry.has_formats() &&
+        (layer.kind == StateKind::kKv || layer.kind == StateKind::kSlidingKv)) {
+      ASSIGN_OR_RETURN(layer.formats, KvFormatsFromProto(entry.formats(), "layout formats"));
+    }
+    layer.head_dim_k = entry.head_dim_k();
+    layer.head_dim_v = entry.head_dim_v();
+    layer.n_head_kv = entry.n_head_kv();
+    layer.k_scale.assign(entry.k_scale().begin(), entry.k_scale().end());
+    layer.v_scale.assign(entry.v_scale().begin(), entry.v_scale().end());
+    ASSIGN_OR_RETURN(layer.latent_format,
+                     ElementFormatFromProto(entry.latent_format(), "layout latent_format"));
     layer.k_token_bytes = entry.k_token_bytes();
     layer.v_token_bytes = entry.v_token_bytes();
     layer.window = entry.window();
@@ -427,7 +440,9 @@ bool KvClient::Reattach() {
       lease_lost_ = opened;  // the daemon will never know this engine again
       return false;
     }
-    // UNAVAILABLE (no daemon yet), a stream still held: try again.
+    // UNAVAILABLE: no daemon yet, or the ticket came from a daemon that died before this Attach
+    // reached the next one (a crash loop; the daemon names both instances): try again with a
+    // fresh ticket, until the daemon answering accepts the engine or says it will not.
   }
 }
 
@@ -1068,8 +1083,92 @@ absl::StatusOr<PlaneView> ResolvePlane(const SessionLayout& layout,
       absl::StrCat("layer ", layer, " has no ", std::string(PlaneKindName(kind)), " plane"));
 }
 
+namespace {
+
+// What a typed view of `kind` in `layer` holds: its element format, heads, head dim and scale.
+struct PlaneTyping {
+  ElementFormat element = ElementFormat::kF32;
+  uint64_t heads = 1;
+  uint64_t head_dim = 0;  // 0: row_bytes / element bytes
+  std::vector<float> scale;
+};
+
+absl::StatusOr<PlaneTyping> TypingOf(const SessionLayer& layer, PlaneKind kind) {
+  const auto block = [&](std::string_view name) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "layer ", layer.layer, " ", std::string(PlaneKindName(kind)), " are ", std::string(name),
+        ", a block format: no typed view (read the bytes through Plane(); "
+        "docs/rules.md#formats)"));
+  };
+  switch (kind) {
+    case PlaneKind::kKeys: {
+      const FormatLayout format = LayoutOf(layer.formats.k);
+      if (!format.element.has_value()) return block(format.name);
+      return PlaneTyping{*format.element, layer.n_head_kv, layer.head_dim_k, layer.k_scale};
+    }
+    case PlaneKind::kValues: {
+      const FormatLayout format = LayoutOf(layer.formats.v);
+      if (!format.element.has_value()) return block(format.name);
+      return PlaneTyping{*format.element, layer.n_head_kv, layer.head_dim_v, layer.v_scale};
+    }
+    case PlaneKind::kLatentRows:
+      return PlaneTyping{layer.latent_format, 1, layer.latent_width, layer.k_scale};
+    case PlaneKind::kLenMirror:
+    case PlaneKind::kBaseMirror:
+      return absl::FailedPreconditionError(
+          absl::StrCat("layer ", layer.layer, " ", std::string(PlaneKindName(kind)),
+                       " is an i32 mirror the daemon owns: no typed view"));
+    case PlaneKind::kConvState:
+    case PlaneKind::kSsmState:
+    case PlaneKind::kSsmStateAlt:
+    case PlaneKind::kIndexRows:
+    case PlaneKind::kPoolKeys:
+    case PlaneKind::kSpecConv:
+    case PlaneKind::kSpecSsm:
+      break;
+  }
+  return PlaneTyping{};  // f32 rows
+}
+
+}  // namespace
+
+absl::StatusOr<TypedPlaneView> ResolveTypedPlane(const SessionLayout& layout,
+                                                 const std::vector<uint8_t*>& bases,
+                                                 uint32_t layer, PlaneKind kind) {
+  ASSIGN_OR_RETURN(const PlaneView plane, ResolvePlane(layout, bases, layer, kind));
+  const SessionLayer* entry = nullptr;
+  for (const SessionLayer& candidate : layout.layers) {
+    if (candidate.layer == layer) entry = &candidate;
+  }
+  ASSIGN_OR_RETURN(PlaneTyping typing, TypingOf(*entry, kind));  // ResolvePlane found the layer
+  const uint64_t element_bytes = LayoutOf(typing.element).block_bytes;
+  const uint64_t head_dim =
+      typing.head_dim != 0 ? typing.head_dim : plane.row_bytes / element_bytes;
+  // The daemon's layout must agree with itself; a row that is not heads x head_dim elements
+  // is a layout this client cannot type (an older daemon that sends no head geometry).
+  if (typing.heads == 0 || head_dim == 0 ||
+      typing.heads * head_dim * element_bytes != plane.row_bytes) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "layer ", layer, " ", std::string(PlaneKindName(kind)), ": rows of ", plane.row_bytes,
+        " bytes are not ", typing.heads, " heads x ", head_dim, " x ", element_bytes,
+        "-byte elements (a daemon without head geometry in its layouts?)"));
+  }
+  TypedPlaneView view;
+  view.data = plane.data;
+  view.element = typing.element;
+  view.element_bytes = element_bytes;
+  view.shape = {plane.rows, typing.heads, head_dim};
+  view.strides = {plane.row_bytes, head_dim * element_bytes, element_bytes};
+  view.scale = std::move(typing.scale);
+  return view;
+}
+
 absl::StatusOr<PlaneView> Session::Plane(uint32_t layer, PlaneKind kind) const {
   return ResolvePlane(layout_, arena_bases_, layer, kind);
+}
+
+absl::StatusOr<TypedPlaneView> Session::TypedPlane(uint32_t layer, PlaneKind kind) const {
+  return ResolveTypedPlane(layout_, arena_bases_, layer, kind);
 }
 
 absl::StatusOr<uint8_t*> Session::PlanePointer(uint32_t layer, PlaneKind kind) const {

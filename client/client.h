@@ -20,6 +20,9 @@
 //   ASSIGN_OR_RETURN(std::unique_ptr<memra::Session> session,
 //                    client->CreateSession(plan, options));
 //   ASSIGN_OR_RETURN(memra::PlaneView k0, session->Plane(0, memra::PlaneKind::kKeys));
+//   // A plan in an element format (bf16, f16, f32, fp8): the same plane as an array,
+//   // element type + shape (rows, heads, head_dim) + byte strides (docs/rules.md#formats).
+//   ASSIGN_OR_RETURN(memra::TypedPlaneView k0t, session->TypedPlane(0, memra::PlaneKind::kKeys));
 //   ASSIGN_OR_RETURN(memra::Transaction tx, session->Begin());
 //   ASSIGN_OR_RETURN(memra::PreparedAppend append, session->PrepareAppend(tx.generation, 4));
 //   ... kernels write 4 rows at append.layers[i].write_row (after any ring rebase copy) ...
@@ -96,6 +99,7 @@
 // Every such call replies only after the daemon's own copies are complete in device memory. On
 // the host backend the call order is the order.
 
+#include <array>
 #include <atomic>
 #include <cstdint>
 #include <memory>
@@ -204,8 +208,15 @@ struct SessionPlane {
 struct SessionLayer {
   uint32_t layer = 0;
   StateKind kind = StateKind::kNone;
+  KvFormats formats;           // K/V layers: resolved formats (docs/rules.md#formats)
   uint64_t k_token_bytes = 0;  // rank-local
   uint64_t v_token_bytes = 0;
+  uint64_t head_dim_k = 0;     // K/V layers: elements per head
+  uint64_t head_dim_v = 0;
+  uint64_t n_head_kv = 0;      // rank-local heads
+  std::vector<float> k_scale;  // fp8 element formats: the plan's scales (empty = 1.0)
+  std::vector<float> v_scale;
+  ElementFormat latent_format = ElementFormat::kF32;  // latent layers
   uint64_t window = 0;         // sliding layers
   uint64_t physical_rows = 0;  // K/V rows allocated: ring rows, or capacity
   bool ring = false;           // physical row = absolute row - ring base
@@ -265,6 +276,27 @@ struct PlaneView {
 absl::StatusOr<PlaneView> ResolvePlane(const SessionLayout& layout,
                                        const std::vector<uint8_t*>& bases, uint32_t layer,
                                        PlaneKind kind);
+
+// A plane of element-format values seen as an array, as a kernel or torch indexes it: element
+// [row][head][i] is at data + row * strides[0] + head * strides[1] + i * strides[2] (strides in
+// bytes). K / V planes: (rows, rank-local n_head_kv, head_dim_k / head_dim_v) in the layer's
+// element format; latent rows: (rows, 1, latent_width) in its latent format; the f32 indexer,
+// pool-key, conv and SSM planes: (rows, 1, row_bytes / 4) f32. `data` is a device pointer on
+// the cuda backend. The 8-byte tail pad of K/V planes is outside the shape.
+struct TypedPlaneView {
+  uint8_t* data = nullptr;
+  ElementFormat element = ElementFormat::kF32;
+  uint64_t element_bytes = 0;
+  std::array<uint64_t, 3> shape{};    // rows, heads, head_dim
+  std::array<uint64_t, 3> strides{};  // bytes
+  std::vector<float> scale;           // fp8: the plan's k_scale / v_scale (empty = 1.0)
+};
+// FAILED_PRECONDITION for a plane in a block format (q8_0, q5_1, q4_0, fp8: read them as bytes
+// through ResolvePlane; layouts in docs/rules.md#formats) and for the i32 mirrors, naming the
+// layer, plane and format; NOT_FOUND as ResolvePlane.
+absl::StatusOr<TypedPlaneView> ResolveTypedPlane(const SessionLayout& layout,
+                                                 const std::vector<uint8_t*>& bases,
+                                                 uint32_t layer, PlaneKind kind);
 
 // ---- Prefix cache results (proto prefix.proto) ----
 
@@ -446,9 +478,16 @@ class Session {
   // A plane of `layer` resolved to this process's mapping. NOT_FOUND when the layer has no such
   // plane. Pointers stay valid until Grow() or Release().
   absl::StatusOr<PlaneView> Plane(uint32_t layer, PlaneKind kind) const;
+  // The same plane typed (ResolveTypedPlane): shape (rows, heads, head_dim), element type,
+  // strides. Valid as long as Plane()'s pointers.
+  absl::StatusOr<TypedPlaneView> TypedPlane(uint32_t layer, PlaneKind kind) const;
   absl::StatusOr<uint8_t*> PlanePointer(uint32_t layer, PlaneKind kind) const;
 
   absl::StatusOr<Transaction> Begin();
+  // On a DSA indexer tail ring, a prepare that would overwrite the live tail an Abort (or a
+  // commit of every published row) needs is FAILED_PRECONDITION naming the room left: start a
+  // chunk longer than the ring at a pool boundary (docs/rules.md, "Indexer residency"). Abort
+  // is then never refused for residency.
   absl::StatusOr<PreparedAppend> PrepareAppend(uint64_t generation, uint64_t rows);
   absl::StatusOr<uint64_t> PublishAppend(uint64_t generation);                   // staged rows
   // `token_ids`: the accepted rows' token ids, in order (exactly accepted_rows of them), or none
@@ -571,6 +610,8 @@ class KvClient {
   // a daemon that still knows the engine (or re-adopted it from its restart journal) gives the
   // lease back and the engine carries on with the same sessions and mappings; one that does not
   // answers with the restart error, which lease_lost() then holds, and re-attaching stops.
+  // UNAVAILABLE goes on: no daemon yet, or (a crash loop) a ticket of a daemon that died before
+  // the Attach reached the next one, which refuses another instance's ticket so.
   absl::Status Attach(const std::string& engine_name) ABSL_LOCKS_EXCLUDED(mu_);
   // Ends the lease: the daemon frees this engine's sessions after its grace period.
   void Detach() ABSL_LOCKS_EXCLUDED(mu_);

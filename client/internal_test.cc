@@ -31,6 +31,12 @@ pb::SessionLayout RingLayout() {
   layer->set_window(64);
   layer->set_physical_rows(4703);
   layer->set_ring(true);
+  layer->mutable_formats()->set_k(pb::K_FORMAT_BF16);
+  layer->mutable_formats()->set_v(pb::V_FORMAT_FP8_E4M3);
+  layer->set_head_dim_k(64);
+  layer->set_head_dim_v(64);
+  layer->set_n_head_kv(2);
+  layer->add_v_scale(0.5f);
   pb::Plane* plane = layer->add_planes();
   plane->set_kind(pb::PLANE_KIND_BASE_MIRROR);
   plane->set_arena(0);
@@ -59,6 +65,13 @@ TEST(SessionLayoutFromProtoTest, CarriesEveryField) {
   EXPECT_EQ(layer.window, 64u);
   EXPECT_EQ(layer.physical_rows, 4703u);
   EXPECT_TRUE(layer.ring);
+  EXPECT_EQ(layer.formats, (KvFormats{KFormat::kBf16, VFormat::kFp8E4m3}));
+  EXPECT_EQ(layer.head_dim_k, 64u);
+  EXPECT_EQ(layer.head_dim_v, 64u);
+  EXPECT_EQ(layer.n_head_kv, 2u);
+  EXPECT_TRUE(layer.k_scale.empty());
+  EXPECT_EQ(layer.v_scale, std::vector<float>{0.5f});
+  EXPECT_EQ(layer.latent_format, ElementFormat::kF32);
   ASSERT_EQ(layer.planes.size(), 1u);
   EXPECT_EQ(layer.planes[0],
             (SessionPlane{PlaneKind::kBaseMirror, 0, 4096, 4, /*rows=*/1, /*row_bytes=*/4}));
@@ -75,6 +88,17 @@ TEST(SessionLayoutFromProtoTest, RefusesKindsOutOfRange) {
   EXPECT_THAT(SessionLayoutFromProto(unknown_plane),
               StatusIs(absl::StatusCode::kInvalidArgument,
                        HasSubstr("plane kind is 99: unspecified or unknown (accepted 1 to 12)")));
+  pb::SessionLayout unknown_format = RingLayout();
+  unknown_format.mutable_layers(0)->mutable_formats()->set_v(static_cast<pb::VFormat>(9));
+  EXPECT_THAT(SessionLayoutFromProto(unknown_format),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("layout formats.v is 9: unspecified or unknown (accepted 1 "
+                                 "to 8)")));
+  // A layout from before element formats carries none: the block default, raw views only.
+  pb::SessionLayout no_formats = RingLayout();
+  no_formats.mutable_layers(0)->clear_formats();
+  ASSERT_THAT(SessionLayoutFromProto(no_formats), IsOk());
+  EXPECT_EQ(SessionLayoutFromProto(no_formats)->layers[0].formats, KvFormats{});
 }
 
 TEST(SessionSnapshotFromProtoTest, CarriesEveryField) {

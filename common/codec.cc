@@ -46,6 +46,11 @@ pb::LayerPlan LayerToProto(const LayerPlan& layer) {
   out.set_index_width(layer.index_width);
   out.set_index_pool(layer.index_pool);
   out.set_shares_kv_with(layer.shares_kv_with);
+  out.mutable_k_scale()->Add(layer.k_scale.begin(), layer.k_scale.end());
+  out.mutable_v_scale()->Add(layer.v_scale.begin(), layer.v_scale.end());
+  if (layer.kind == StateKind::kLatent) {
+    out.set_latent_format(ElementFormatToProto(layer.latent_format));
+  }
   return out;
 }
 
@@ -64,12 +69,8 @@ absl::StatusOr<LayerPlan> LayerFromProto(const pb::LayerPlan& proto, absl::strin
   layer.head_dim_v = proto.head_dim_v();
   layer.n_head_kv = proto.n_head_kv();
   if (proto.has_formats()) {
-    KvFormats formats;
-    ASSIGN_OR_RETURN(formats.k, EnumFromProto(proto.formats().k(), KFormat::kFp8,
-                                              absl::StrCat(where, ".formats.k")));
-    ASSIGN_OR_RETURN(formats.v, EnumFromProto(proto.formats().v(), VFormat::kFp8,
-                                              absl::StrCat(where, ".formats.v")));
-    layer.formats = formats;
+    ASSIGN_OR_RETURN(layer.formats,
+                     KvFormatsFromProto(proto.formats(), absl::StrCat(where, ".formats")));
   }
   layer.window = proto.window();
   layer.conv_width = proto.conv_width();
@@ -79,6 +80,11 @@ absl::StatusOr<LayerPlan> LayerFromProto(const pb::LayerPlan& proto, absl::strin
   layer.index_width = proto.index_width();
   layer.index_pool = proto.index_pool();
   layer.shares_kv_with = proto.shares_kv_with();
+  layer.k_scale.assign(proto.k_scale().begin(), proto.k_scale().end());
+  layer.v_scale.assign(proto.v_scale().begin(), proto.v_scale().end());
+  ASSIGN_OR_RETURN(layer.latent_format,
+                   ElementFormatFromProto(proto.latent_format(),
+                                          absl::StrCat(where, ".latent_format")));
   return layer;
 }
 
@@ -88,6 +94,25 @@ pb::StateKind StateKindToProto(StateKind kind) { return EnumToProto<pb::StateKin
 
 absl::StatusOr<StateKind> StateKindFromProto(pb::StateKind kind) {
   return EnumFromProto(kind, StateKind::kSharedKv, "state kind");
+}
+
+absl::StatusOr<KvFormats> KvFormatsFromProto(const pb::KvFormats& formats,
+                                             absl::string_view field) {
+  KvFormats out;
+  ASSIGN_OR_RETURN(out.k, EnumFromProto(formats.k(), kLastKFormat, absl::StrCat(field, ".k")));
+  ASSIGN_OR_RETURN(out.v, EnumFromProto(formats.v(), kLastVFormat, absl::StrCat(field, ".v")));
+  return out;
+}
+
+pb::ElementFormat ElementFormatToProto(ElementFormat format) {
+  return EnumToProto<pb::ElementFormat>(format);
+}
+
+absl::StatusOr<ElementFormat> ElementFormatFromProto(pb::ElementFormat format,
+                                                     absl::string_view field) {
+  // Unspecified is the reference's f32 row: plans from before the field keep their meaning.
+  if (format == pb::ELEMENT_FORMAT_UNSPECIFIED) return ElementFormat::kF32;
+  return EnumFromProto(format, kLastElementFormat, field);
 }
 
 pb::KvFormats KvFormatsToProto(const KvFormats& formats) {

@@ -33,6 +33,14 @@ absl::StatusOr<PlaneKind> PlaneKindFromProto(memra::kv::v1::PlaneKind kind);
 memra::kv::v1::StateKind StateKindToProto(StateKind kind);
 absl::StatusOr<StateKind> StateKindFromProto(memra::kv::v1::StateKind kind);
 memra::kv::v1::KvFormats KvFormatsToProto(const KvFormats& formats);
+// INVALID_ARGUMENT naming `field` (".k" / ".v" appended) for an unspecified or unknown value.
+absl::StatusOr<KvFormats> KvFormatsFromProto(const memra::kv::v1::KvFormats& formats,
+                                             absl::string_view field);
+memra::kv::v1::ElementFormat ElementFormatToProto(ElementFormat format);
+// UNSPECIFIED reads as f32 (the reference's latent row); an unknown value is INVALID_ARGUMENT
+// naming `field`.
+absl::StatusOr<ElementFormat> ElementFormatFromProto(memra::kv::v1::ElementFormat format,
+                                                     absl::string_view field);
 
 // An append plan's per-layer entries (`layers` in layer order) as LayerAppendPlan messages, one
 // per distinct plan: layers whose plans are equal but for the layer id share one message

@@ -66,6 +66,45 @@ TEST(LayerAppendCodecTest, NoLayersIsNoMessages) {
   EXPECT_EQ(wire.size(), 0);
 }
 
+TEST(ModelPlanCodecTest, ElementFormatsScalesAndLatentFormatsRoundTrip) {
+  ModelPlan plan;
+  LayerPlan kv;
+  kv.index = 0;
+  kv.kind = StateKind::kKv;
+  kv.head_dim_k = 80;
+  kv.head_dim_v = 80;
+  kv.n_head_kv = 2;
+  kv.formats = KvFormats{KFormat::kFp8E4m3, VFormat::kFp8E5m2};
+  kv.k_scale = {0.5f};
+  kv.v_scale = {0.25f, 2.0f};
+  LayerPlan latent;
+  latent.index = 1;
+  latent.kind = StateKind::kLatent;
+  latent.latent_width = 576;
+  latent.latent_format = ElementFormat::kBf16;
+  plan.layers = {kv, latent};
+  const pb::ModelPlan wire = ModelPlanToProto(plan);
+  EXPECT_EQ(wire.layers(0).formats().k(), pb::K_FORMAT_FP8_E4M3);
+  EXPECT_EQ(wire.layers(0).formats().v(), pb::V_FORMAT_FP8_E5M2);
+  EXPECT_EQ(wire.layers(1).latent_format(), pb::ELEMENT_FORMAT_BF16);
+  EXPECT_EQ(wire.layers(0).latent_format(), pb::ELEMENT_FORMAT_UNSPECIFIED);
+  absl::StatusOr<ModelPlan> decoded = ModelPlanFromProto(wire);
+  ASSERT_TRUE(decoded.ok()) << decoded.status();
+  EXPECT_EQ(decoded->layers[0].formats, kv.formats);
+  EXPECT_EQ(decoded->layers[0].k_scale, kv.k_scale);
+  EXPECT_EQ(decoded->layers[0].v_scale, kv.v_scale);
+  EXPECT_EQ(decoded->layers[1].latent_format, ElementFormat::kBf16);
+
+  // A plan from before the field: an unspecified latent format is the reference's f32 row.
+  pb::ModelPlan old = wire;
+  old.mutable_layers(1)->clear_latent_format();
+  EXPECT_EQ(ModelPlanFromProto(old)->layers[1].latent_format, ElementFormat::kF32);
+  pb::ModelPlan unknown = wire;
+  unknown.mutable_layers(1)->set_latent_format(static_cast<pb::ElementFormat>(9));
+  EXPECT_EQ(ModelPlanFromProto(unknown).status().message(),
+            "plan.layers[1].latent_format is 9: unspecified or unknown (accepted 1 to 5)");
+}
+
 TEST(SessionShapeFromProtoTest, EveryShapeMessageDecodesTheSameWayAndZeroRanksIsUnsharded) {
   pb::CreateSessionRequest create;
   create.set_capacity(4096);

@@ -12,7 +12,9 @@
 //               body (kind-specific, integers little-endian)
 //
 //   kTicket        daemon -> engine, once, right after connect:
-//                  ticket[24] = u64 connection number | 16 random bytes
+//                  ticket[32] = u64 daemon instance (its epoch) | u64 connection number |
+//                  16 random bytes. Opaque to engines: a ticket is valid for the daemon
+//                  instance that issued it while its connection stays open.
 //   kArenaRequest  engine -> daemon: u64 session_id | u8 token_len | token | u16 handle_len |
 //                  handle (token <= 64 bytes, handle 1..256 bytes)
 //   kArena         daemon -> engine, the answer to one request, with exactly one descriptor
@@ -54,7 +56,7 @@ inline constexpr uint8_t kVersion = 1;
 inline constexpr size_t kLengthBytes = 4;
 // Bounds every frame a reader accepts (version + kind + body), so a reader's buffer is bounded.
 inline constexpr uint32_t kMaxFrameBytes = 1024;
-inline constexpr size_t kTicketBytes = 24;
+inline constexpr size_t kTicketBytes = 32;
 inline constexpr size_t kMaxTokenBytes = 64;
 inline constexpr size_t kMaxHandleBytes = 256;
 inline constexpr size_t kMaxMessageBytes = 900;  // longer refusal messages are cut

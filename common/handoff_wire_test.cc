@@ -110,7 +110,7 @@ TEST(HandoffWireTest, BufferOfferAndIdRoundTrip) {
 
 TEST(HandoffWireTest, RefusesMalformedBodies) {
   EXPECT_THAT(DecodeTicket("short"),
-              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstrs("ticket of 5 bytes", "24")));
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstrs("ticket of 5 bytes", "32")));
   EXPECT_THAT(DecodeArenaRequest(std::string(7, '\0')),
               StatusIs(absl::StatusCode::kInvalidArgument,
                        HasSubstrs("session_id needs 8 bytes, 7 are left")));

@@ -445,7 +445,15 @@ std::vector<ModelPlan> AllTestPlans() {
           test_plans::GlmStyleWithIndexer(),
           test_plans::GlmStyleWithIndexer(0),
           test_plans::GlmStyleWithIndexer(64),
-          test_plans::Qwen3NextStyle()};
+          test_plans::Qwen3NextStyle(),
+          // The element formats on every plane kind that takes one: flat K/V, the SWA ring,
+          // latent rows beside an f32 indexer, and K/V beside recurrent state.
+          test_plans::InElementFormat(test_plans::Llama3_8B(), ElementFormat::kBf16),
+          test_plans::InElementFormat(test_plans::GemmaStyle(true), ElementFormat::kF16),
+          test_plans::InElementFormat(test_plans::GemmaStyle(false), ElementFormat::kF32),
+          test_plans::InElementFormat(test_plans::DeepSeekV3Style(), ElementFormat::kBf16),
+          test_plans::InElementFormat(test_plans::GlmStyleWithIndexer(), ElementFormat::kFp8E4m3),
+          test_plans::InElementFormat(test_plans::Qwen3NextStyle(), ElementFormat::kFp8E5m2)};
 }
 
 SessionShape AtCapacity(uint64_t capacity) {

@@ -22,17 +22,85 @@ TEST(FormatsTest, BlockBytesMatchKvBlkBytes) {
   EXPECT_EQ(VBlockBytes(VFormat::kFp8), 32u);
 }
 
+// The element formats are blocks of one element: docs/rules.md#formats's per-row table.
+TEST(FormatsTest, ElementFormatsAreOneElementPerValue) {
+  const struct {
+    KFormat k;
+    VFormat v;
+    uint32_t bytes;
+    bool scaled;
+  } cases[] = {{KFormat::kBf16, VFormat::kBf16, 2, false},
+               {KFormat::kF16, VFormat::kF16, 2, false},
+               {KFormat::kF32, VFormat::kF32, 4, false},
+               {KFormat::kFp8E4m3, VFormat::kFp8E4m3, 1, true},
+               {KFormat::kFp8E5m2, VFormat::kFp8E5m2, 1, true}};
+  for (const auto& c : cases) {
+    for (const FormatLayout& layout : {LayoutOf(c.k), LayoutOf(c.v)}) {
+      EXPECT_FALSE(layout.IsBlock()) << layout.name;
+      EXPECT_EQ(layout.block_elems, 1u) << layout.name;
+      EXPECT_EQ(layout.block_bytes, c.bytes) << layout.name;
+      EXPECT_EQ(layout.scaled, c.scaled) << layout.name;
+      ASSERT_TRUE(layout.element.has_value()) << layout.name;
+      EXPECT_EQ(LayoutOf(*layout.element).block_bytes, c.bytes);
+    }
+  }
+  for (KFormat k : {KFormat::kQ8_0, KFormat::kFp8}) {
+    EXPECT_TRUE(LayoutOf(k).IsBlock());
+    EXPECT_FALSE(LayoutOf(k).element.has_value());
+  }
+  // 128 elements: a Llama head.
+  EXPECT_EQ(*FormatBytes(LayoutOf(KFormat::kBf16), 128, "head"), 256u);
+  EXPECT_EQ(*FormatBytes(LayoutOf(KFormat::kQ8_0), 128, "head"), 136u);
+  EXPECT_EQ(*FormatBytes(LayoutOf(VFormat::kQ5_1), 128, "head"), 96u);
+  EXPECT_EQ(*FormatBytes(LayoutOf(VFormat::kFp8E5m2), 80, "head"), 80u);
+  EXPECT_THAT(FormatBytes(LayoutOf(VFormat::kQ4_0), 80, "layer 3 V head"),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstrs("layer 3 V head: format q4_0 stores 32-element blocks, and 80 "
+                                  "elements are not whole blocks")));
+}
+
+// The doors keep the reference's meaning: element formats are not door values.
+TEST(FormatsTest, DoorsRefuseElementFormats) {
+  FormatEnvironment k_env;
+  k_env.kv_k = "bf16";
+  EXPECT_THAT(FormatDefaultsFromEnvironment(k_env),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstrs("MEMRA_KV_K=bf16 unsupported (q8_0 | fp8)")));
+  FormatEnvironment v_env;
+  v_env.kv_v = "fp8_e4m3";
+  EXPECT_THAT(FormatDefaultsFromEnvironment(v_env),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstrs("MEMRA_KV_V=fp8_e4m3 unsupported (q5_1 | q4_0 | fp8)")));
+}
+
 TEST(FormatsTest, NamesRoundTripThroughParse) {
-  for (KFormat format : {KFormat::kQ8_0, KFormat::kFp8}) {
+  for (uint8_t value = 0; value <= static_cast<uint8_t>(kLastKFormat); ++value) {
+    const KFormat format = static_cast<KFormat>(value);
     EXPECT_EQ(*ParseKFormat(KFormatName(format)), format);
   }
-  for (VFormat format : {VFormat::kQ5_1, VFormat::kQ4_0, VFormat::kFp8}) {
+  for (uint8_t value = 0; value <= static_cast<uint8_t>(kLastVFormat); ++value) {
+    const VFormat format = static_cast<VFormat>(value);
     EXPECT_EQ(*ParseVFormat(VFormatName(format)), format);
   }
+  for (uint8_t value = 0; value <= static_cast<uint8_t>(kLastElementFormat); ++value) {
+    const ElementFormat format = static_cast<ElementFormat>(value);
+    EXPECT_EQ(*ParseElementFormat(ElementFormatName(format)), format);
+    // K and V name an element format by the same word, one element per value.
+    EXPECT_EQ(KFormatName(KFormatOf(format)), ElementFormatName(format));
+    EXPECT_EQ(VFormatName(VFormatOf(format)), ElementFormatName(format));
+  }
   EXPECT_THAT(ParseKFormat("q4_0"),
-              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstrs("q4_0", "q8_0 | fp8")));
-  EXPECT_THAT(ParseVFormat("f16"),
-              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstrs("f16", "q5_1 | q4_0 | fp8")));
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstrs("K format \"q4_0\" unsupported (q8_0 | fp8 | bf16 | f16 | f32 | "
+                                  "fp8_e4m3 | fp8_e5m2)")));
+  EXPECT_THAT(ParseVFormat("q8_0"),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstrs("V format \"q8_0\" unsupported (q5_1 | q4_0 | fp8 | bf16 | f16 "
+                                  "| f32 | fp8_e4m3 | fp8_e5m2)")));
+  EXPECT_THAT(ParseElementFormat("fp16"),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstrs("element format \"fp16\" unsupported (f32 | bf16 | f16 | "
+                                  "fp8_e4m3 | fp8_e5m2)")));
 }
 
 TEST(FormatsTest, EmptyEnvironmentIsTheShippedDefault) {

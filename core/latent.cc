@@ -10,7 +10,12 @@
 namespace memra {
 
 uint64_t LatentSnapshot::Bytes() const {
-  return (rows_elems + tail_elems.value_or(0) + keys_elems.value_or(0)) * sizeof(float);
+  return rows_elems * LayoutOf(row_format).block_bytes +
+         (tail_elems.value_or(0) + keys_elems.value_or(0)) * sizeof(float);
+}
+
+uint64_t LatentElementBytes(const LatentLayerState& layer, LatentPlane plane) {
+  return plane == LatentPlane::kRows ? LayoutOf(layer.row_format).block_bytes : sizeof(float);
 }
 
 absl::StatusOr<LatentCapturePlan> PlanLatentCapture(const LatentLayerState& layer) {
@@ -23,11 +28,13 @@ absl::StatusOr<LatentCapturePlan> PlanLatentCapture(const LatentLayerState& laye
   ASSIGN_OR_RETURN(uint64_t row_elems, CheckedMul(len, width, "latent snapshot rows"));
   if (layer.rows_elems < row_elems) {
     return absl::InternalError(absl::StrCat("layer ", layer.layer, ": latent plane holds ",
-                                            layer.rows_elems, " f32 but len ", len, " x width ",
+                                            layer.rows_elems, " elements but len ", len,
+                                            " x width ",
                                             width, " requires ", row_elems));
   }
   LatentCapturePlan plan;
   plan.snapshot.width = width;
+  plan.snapshot.row_format = layer.row_format;
   plan.snapshot.len = len;
   plan.snapshot.rows_elems = row_elems;
   plan.copies.push_back({LatentPlane::kRows, 0, 0, row_elems});
@@ -94,6 +101,12 @@ absl::Status ValidateLatentRestore(const LatentLayerState& destination,
                                                    snapshot.width, " != destination width ",
                                                    destination.width));
   }
+  if (destination.row_format != snapshot.row_format) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "layer ", il, ": snapshot latent rows are ",
+        std::string(ElementFormatName(snapshot.row_format)), ", destination latent rows are ",
+        std::string(ElementFormatName(destination.row_format))));
+  }
   if (snapshot.len == 0 || snapshot.len > max_ctx) {
     return absl::InvalidArgumentError(absl::StrCat("layer ", il, ": snapshot len ", snapshot.len,
                                                    " outside [1,", max_ctx, "]"));
@@ -101,13 +114,13 @@ absl::Status ValidateLatentRestore(const LatentLayerState& destination,
   ASSIGN_OR_RETURN(uint64_t need, CheckedMul(snapshot.len, snapshot.width, "snapshot rows"));
   if (snapshot.rows_elems < need) {
     return absl::DataLossError(absl::StrCat(
-        "layer ", il, ": snapshot rows plane holds ", snapshot.rows_elems, " f32 but len ",
+        "layer ", il, ": snapshot rows plane holds ", snapshot.rows_elems, " elements but len ",
         snapshot.len, " x width ", snapshot.width, " requires ", need, " (truncated capture)"));
   }
   if (destination.rows_elems < need) {
     return absl::InvalidArgumentError(absl::StrCat("layer ", il, ": destination latent plane holds ",
                                                    destination.rows_elems,
-                                                   " f32 but the restore requires ", need));
+                                                   " elements but the restore requires ", need));
   }
   if (destination.index_width != snapshot.index_width) {
     return absl::InvalidArgumentError(absl::StrCat("layer ", il, ": snapshot index width ",

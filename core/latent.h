@@ -5,7 +5,8 @@
 // restore_plane / truncate_index_pool_keys), expressed over plane descriptors so every rule is
 // testable without memory. Copies are described, not performed: the backend executes them.
 //
-// The three asymmetries against an ordinary K/V plane: (1) rows are unquantized f32;
+// The three asymmetries against an ordinary K/V plane: (1) rows are unquantized elements of
+// one element format (f32 as in the reference, or the plan's latent_format);
 // (2) the indexer plane is a TAIL RING whose rows below pools_ready * pool are overwritten by
 // design, so a capture carries the DERIVED pool keys plus the < pool live tail rows, never the
 // plane; (3) pool keys are final once their pool's last row lands (append-only), so a capture
@@ -19,13 +20,16 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "core/formats.h"
 
 namespace memra {
 
-// A live latent layer. Element counts are f32 elements of the planes actually allocated.
+// A live latent layer. Element counts are elements of the planes actually allocated: latent rows
+// in `row_format`, indexer rows and pool keys f32.
 struct LatentLayerState {
   uint32_t layer = 0;
-  uint64_t width = 0;              // f32 per latent row
+  uint64_t width = 0;              // elements per latent row
+  ElementFormat row_format = ElementFormat::kF32;
   uint64_t len = 0;                // rows [0, len) are valid in both planes
   uint64_t index_width = 0;        // 0 = no indexer
   uint64_t index_ring_rows = 0;    // booked physical indexer rows when a tail ring; 0 = flat
@@ -44,6 +48,7 @@ struct LatentLayerState {
 // What a captured latent layer holds (the reference's LatentPlaneSnapshot, sizes only).
 struct LatentSnapshot {
   uint64_t width = 0;
+  ElementFormat row_format = ElementFormat::kF32;
   uint64_t len = 0;
   uint64_t index_width = 0;
   uint64_t index_pool = 0;          // 0 iff no indexer
@@ -57,7 +62,8 @@ struct LatentSnapshot {
 
 enum class LatentPlane : uint8_t { kRows = 0, kIndexRows = 1, kPoolKeys = 2 };
 
-// One f32-element range copy between a live plane and a snapshot buffer of the same kind.
+// One element range copy (elements of the plane's own format) between a live plane and a
+// snapshot buffer of the same kind.
 struct LatentCopy {
   LatentPlane plane = LatentPlane::kRows;
   uint64_t plane_offset_elems = 0;  // offset in the live layer's plane
@@ -65,6 +71,9 @@ struct LatentCopy {
   uint64_t elems = 0;
   bool operator==(const LatentCopy&) const = default;
 };
+
+// Bytes of one element of `plane`: the row format's for latent rows, 4 (f32) for the indexer.
+uint64_t LatentElementBytes(const LatentLayerState& layer, LatentPlane plane);
 
 struct LatentCapturePlan {
   LatentSnapshot snapshot;

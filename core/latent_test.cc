@@ -123,12 +123,12 @@ TEST(LatentRestore, EveryRefusalNamesItsNumbers) {
   truncated.rows_elems -= 1;
   EXPECT_THAT(ValidateLatentRestore(fresh, truncated, 64),
               StatusIs(absl::StatusCode::kDataLoss,
-                       HasSubstrs("holds 11775 f32", "requires 11776 (truncated capture)")));
+                       HasSubstrs("holds 11775 elements", "requires 11776 (truncated capture)")));
   LatentLayerState small = fresh;
   small.rows_elems = 16 * 512;
   EXPECT_THAT(ValidateLatentRestore(small, good, 64),
               StatusIs(absl::StatusCode::kInvalidArgument,
-                       HasSubstrs("holds 8192 f32 but the restore requires 11776")));
+                       HasSubstrs("holds 8192 elements but the restore requires 11776")));
   LatentLayerState no_indexer = fresh;
   no_indexer.index_width = 0;
   EXPECT_THAT(ValidateLatentRestore(no_indexer, good, 64),

@@ -1,9 +1,14 @@
 #include "core/model_plan.h"
 
+#include <algorithm>
 #include <array>
+#include <cmath>
+#include <cstring>
 
 #include "absl/status/status.h"
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/string_view.h"
 #include "core/index_ring.h"
 #include "core/sha256.h"
@@ -52,14 +57,72 @@ std::array<LayerField, 11> LayerFields(const LayerPlan& layer) {
   }};
 }
 
-absl::Status ValidateKvLayer(const LayerPlan& layer) {
-  // A quantized block is 32 elements and never straddles a head (the reference's KVQUANT rule;
-  // docs/rules.md#model-plans-and-fingerprints).
-  if (layer.head_dim_k % 32 != 0 || layer.head_dim_v % 32 != 0) {
+// A block format's 32-element block never straddles a head (the reference's KVQUANT rule;
+// docs/rules.md#model-plans-and-fingerprints). Unset formats resolve to the defaults, which the
+// doors keep to block formats, so they are held to the rule as the reference holds them.
+absl::Status CheckHeadDimHoldsBlocks(const LayerPlan& layer) {
+  if (!layer.formats.has_value()) {
+    if (layer.head_dim_k % 32 == 0 && layer.head_dim_v % 32 == 0) return absl::OkStatus();
     return LayerError(layer, absl::StrCat("KVQUANT requires head_dim_k%32==0 && "
                                           "head_dim_v%32==0 (k=",
                                           layer.head_dim_k, " v=", layer.head_dim_v, ")"));
   }
+  const auto check = [&layer](absl::string_view side, const FormatLayout& format,
+                              uint32_t head_dim) -> absl::Status {
+    if (head_dim % format.block_elems == 0) return absl::OkStatus();
+    return LayerError(layer, absl::StrCat(side, " format ", std::string(format.name), " stores ",
+                                          format.block_elems, "-element blocks, which head_dim_",
+                                          absl::AsciiStrToLower(side), " ", head_dim,
+                                          " cannot hold whole (KVQUANT)"));
+  };
+  RETURN_IF_ERROR(check("K", LayoutOf(layer.formats->k), layer.head_dim_k));
+  return check("V", LayoutOf(layer.formats->v), layer.head_dim_v);
+}
+
+// `scale` may be set only for an fp8 element format (`format` null: the kind stores no such
+// side), with 1 or `heads` finite positive values.
+absl::Status CheckScale(const LayerPlan& layer, absl::string_view name,
+                        const std::vector<float>& scale, const std::optional<FormatLayout>& format,
+                        uint32_t heads) {
+  if (scale.empty()) return absl::OkStatus();
+  if (!format.has_value() || !format->scaled) {
+    return LayerError(layer, absl::StrCat(name, " has ", scale.size(), " values but the ",
+                                          format.has_value() ? "format " : "layer",
+                                          format.has_value() ? std::string(format->name) : "",
+                                          " takes no scale (fp8_e4m3 | fp8_e5m2 only)"));
+  }
+  if (scale.size() != 1 && scale.size() != heads) {
+    const std::string expected =
+        heads == 1 ? "1 (per tensor)" : absl::StrCat("1 (per tensor) or ", heads, " (per head)");
+    return LayerError(
+        layer, absl::StrCat(name, " has ", scale.size(), " values: ", expected, " expected"));
+  }
+  for (size_t i = 0; i < scale.size(); ++i) {
+    if (!std::isfinite(scale[i]) || scale[i] <= 0) {
+      return LayerError(layer, absl::StrCat(name, "[", i, "] = ", scale[i],
+                                            " must be finite and positive"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ValidateScales(const LayerPlan& layer) {
+  std::optional<FormatLayout> k;
+  std::optional<FormatLayout> v;
+  uint32_t k_heads = 1;
+  if (HasKv(layer.kind) && layer.formats.has_value()) {
+    k = LayoutOf(layer.formats->k);
+    v = LayoutOf(layer.formats->v);
+    k_heads = layer.n_head_kv;
+  } else if (layer.kind == StateKind::kLatent) {
+    k = LayoutOf(layer.latent_format);  // one MQA row: a per-tensor scale only
+  }
+  RETURN_IF_ERROR(CheckScale(layer, "k_scale", layer.k_scale, k, k_heads));
+  return CheckScale(layer, "v_scale", layer.v_scale, v, layer.n_head_kv);
+}
+
+absl::Status ValidateKvLayer(const LayerPlan& layer) {
+  RETURN_IF_ERROR(CheckHeadDimHoldsBlocks(layer));
   // The reference derives the class from the state: Gemma windowed = sliding, global = full.
   const bool class_fits_kind =
       layer.attention == AttentionClass::kOrdinary ||
@@ -119,11 +182,14 @@ absl::Status ValidateEnums(const LayerPlan& layer) {
   if (layer.attention > AttentionClass::kGemmaWindowed) {
     return unknown("attention class", static_cast<uint8_t>(layer.attention));
   }
-  if (layer.formats.has_value() && layer.formats->k > KFormat::kFp8) {
+  if (layer.formats.has_value() && layer.formats->k > kLastKFormat) {
     return unknown("K format", static_cast<uint8_t>(layer.formats->k));
   }
-  if (layer.formats.has_value() && layer.formats->v > VFormat::kFp8) {
+  if (layer.formats.has_value() && layer.formats->v > kLastVFormat) {
     return unknown("V format", static_cast<uint8_t>(layer.formats->v));
+  }
+  if (layer.latent_format > kLastElementFormat) {
+    return unknown("latent format", static_cast<uint8_t>(layer.latent_format));
   }
   return absl::OkStatus();
 }
@@ -147,6 +213,12 @@ absl::Status ValidateLayer(const LayerPlan& layer, const ModelPlan& plan) {
                               " is set but unused"));
     }
   }
+  if (layer.kind != StateKind::kLatent && layer.latent_format != ElementFormat::kF32) {
+    return LayerError(layer, absl::StrCat("latent_format ",
+                                          std::string(ElementFormatName(layer.latent_format)),
+                                          " is set but this kind does not use it"));
+  }
+  RETURN_IF_ERROR(ValidateScales(layer));
   switch (layer.kind) {
     case StateKind::kKv:
     case StateKind::kSlidingKv:
@@ -169,6 +241,11 @@ class CanonicalEncoder {
   void U32(uint32_t value) {
     for (int i = 0; i < 4; ++i) U8(static_cast<uint8_t>(value >> (8 * i)));
   }
+  void F32(float value) {
+    uint32_t bits;
+    std::memcpy(&bits, &value, sizeof(bits));
+    U32(bits);
+  }
   void Text(absl::string_view text) {
     U32(static_cast<uint32_t>(text.size()));
     bytes_.append(text.data(), text.size());
@@ -181,6 +258,9 @@ class CanonicalEncoder {
 
 // Bump when the encoding or the meaning of a field changes: old fingerprints must not match.
 constexpr absl::string_view kFingerprintVersion = "memra.kv.model_plan.v1";
+// Appended only by plans that use what v1 could not say (model_plan.h): v1 plans keep their
+// fingerprints.
+constexpr absl::string_view kFingerprintExtension = "memra.kv.model_plan.v1.ext";
 constexpr uint8_t kNoFormat = 0xff;
 
 void EncodeLayer(const LayerPlan& layer, const FormatDefaults& defaults, CanonicalEncoder& out) {
@@ -317,10 +397,46 @@ absl::StatusOr<PlanFingerprint> FingerprintModelPlan(const ModelPlan& plan,
   out.U32(indexer ? plan.index_ring_rows.value_or(kIndexRingWorkingRows) : 0);
   out.U32(static_cast<uint32_t>(plan.layers.size()));
   out.U32(static_cast<uint32_t>(plan.mtp_blocks.size()));
-  for (const LayerPlan* layer : plan.AllLayers()) EncodeLayer(*layer, defaults, out);
+  const std::vector<const LayerPlan*> all = plan.AllLayers();
+  for (const LayerPlan* layer : all) EncodeLayer(*layer, defaults, out);
+  const bool extended = std::any_of(all.begin(), all.end(), [](const LayerPlan* layer) {
+    return layer->latent_format != ElementFormat::kF32 || !layer->k_scale.empty() ||
+           !layer->v_scale.empty();
+  });
+  if (extended) {
+    out.Text(kFingerprintExtension);
+    for (const LayerPlan* layer : all) {
+      out.U8(static_cast<uint8_t>(layer->latent_format));
+      for (const std::vector<float>* scale : {&layer->k_scale, &layer->v_scale}) {
+        out.U32(static_cast<uint32_t>(scale->size()));
+        for (float value : *scale) out.F32(value);
+      }
+    }
+  }
   return Sha256Of(out.bytes());
 }
 
 std::string FingerprintHex(const PlanFingerprint& fingerprint) { return Sha256Hex(fingerprint); }
+
+std::string PlanFormatsSummary(const ModelPlan& plan, const FormatDefaults& defaults) {
+  std::vector<std::string> kv;
+  std::vector<std::string> latent;
+  const auto add_distinct = [](std::vector<std::string>& list, std::string name) {
+    if (std::find(list.begin(), list.end(), name) == list.end()) list.push_back(std::move(name));
+  };
+  for (const LayerPlan* layer : plan.AllLayers()) {
+    if (HasKv(layer->kind)) {
+      const KvFormats formats = ResolveLayerFormats(*layer, defaults);
+      add_distinct(kv, absl::StrCat(std::string(KFormatName(formats.k)), "/",
+                                    std::string(VFormatName(formats.v))));
+    } else if (layer->kind == StateKind::kLatent) {
+      add_distinct(latent, std::string(ElementFormatName(layer->latent_format)));
+    }
+  }
+  std::vector<std::string> parts;
+  if (!kv.empty()) parts.push_back(absl::StrCat("K/V ", absl::StrJoin(kv, ", ")));
+  if (!latent.empty()) parts.push_back(absl::StrCat("latent ", absl::StrJoin(latent, ", ")));
+  return parts.empty() ? "no K/V or latent planes" : absl::StrJoin(parts, "; ");
+}
 
 }  // namespace memra

@@ -44,13 +44,20 @@ struct LayerPlan {
   uint32_t index = 0;  // absolute layer index; trunk layers are 0..n-1, MTP blocks follow
   StateKind kind = StateKind::kNone;
 
-  // kKv / kSlidingKv. K/V elements per token are head_dim * n_head_kv; for quantized formats
-  // head dims must be multiples of 32 (a 32-element block never straddles a head).
+  // kKv / kSlidingKv. K/V elements per token are head_dim * n_head_kv; for block formats
+  // head dims must be multiples of 32 (a 32-element block never straddles a head; unset formats
+  // are block formats: the defaults are).
   AttentionClass attention = AttentionClass::kOrdinary;
   uint32_t head_dim_k = 0;
   uint32_t head_dim_v = 0;
   uint32_t n_head_kv = 0;
   std::optional<KvFormats> formats;  // unset: FormatDefaults for `attention` decide
+  // Dequantization scales of the fp8 element formats (fp8_e4m3 / fp8_e5m2), as the engine
+  // supplies them (vLLM's k_scale / v_scale): empty = 1.0, one value = per tensor, n_head_kv
+  // values = per head. k_scale also scales an fp8 latent row (one value). Part of the
+  // fingerprint: K/V written under another scale is not interchangeable.
+  std::vector<float> k_scale;
+  std::vector<float> v_scale;
   uint32_t window = 0;               // kSlidingKv only: attention window in tokens (> 0)
 
   // kRecurrent: conv state is conv_width * (conv_kernel - 1) f32, SSM state state_width f32.
@@ -58,9 +65,11 @@ struct LayerPlan {
   uint32_t conv_kernel = 0;
   uint32_t state_width = 0;
 
-  // kLatent: one f32 row of `latent_width` per token; `index_width` f32 per token in the DSA
-  // indexer plane (0 = no indexer); `index_pool` tokens per pool key (required iff indexer).
+  // kLatent: one row of `latent_width` elements of `latent_format` per token; `index_width` f32
+  // per token in the DSA indexer plane (0 = no indexer); `index_pool` tokens per pool key
+  // (required iff indexer). The indexer stays f32: its pool keys are built from it.
   uint32_t latent_width = 0;
+  ElementFormat latent_format = ElementFormat::kF32;
   uint32_t index_width = 0;
   uint32_t index_pool = 0;
 
@@ -95,7 +104,9 @@ bool IsSwaRingLayer(const ModelPlan& plan, const LayerPlan& layer);
 KvFormats ResolveLayerFormats(const LayerPlan& layer, const FormatDefaults& defaults);
 
 // Checks every structural rule: at least one layer, contiguous indices, kind-specific dims
-// nonzero, head dims % 32 for quantized planes, window > 0, index_width even, pool > 0 iff
+// nonzero, head dims % 32 for block formats (unset formats count as block formats), scales only
+// on fp8 element formats (1 or n_head_kv finite positive values), a latent format only on
+// latent layers, window > 0, index_width even, pool > 0 iff
 // indexer, an indexer pool no larger than the indexer ring (when the ring is not disabled),
 // shared-KV targets earlier KV layers, Gemma classes on their own kinds (global = kKv,
 // windowed = kSlidingKv, as the reference derives them), and every field the layer's kind does
@@ -115,10 +126,18 @@ absl::Status ValidateModelPlan(const ModelPlan& plan);
 // format (resolved; 0xff for layers without K/V), then u32 head_dim_k, head_dim_v, n_head_kv,
 // window, conv_width, conv_kernel, state_width, latent_width, index_width, index_pool,
 // shares_kv_with. `name` is not encoded.
+// Extension (plans with an element-format scale or a non-f32 latent row; every other plan
+// encodes exactly as before, so its fingerprint is unchanged): after the last layer,
+// u32 length + "memra.kv.model_plan.v1.ext", then per layer in index order: u8 latent format,
+// u32 count + f32 bits of k_scale, u32 count + f32 bits of v_scale.
 using PlanFingerprint = std::array<uint8_t, 32>;
 absl::StatusOr<PlanFingerprint> FingerprintModelPlan(const ModelPlan& plan,
                                                      const FormatDefaults& defaults);
 std::string FingerprintHex(const PlanFingerprint& fingerprint);
+
+// The formats a plan stores, for messages: distinct resolved K/V pairs and latent formats in
+// layer order, e.g. "K/V bf16/bf16" or "K/V q8_0/q5_1, fp8/fp8; latent f32".
+std::string PlanFormatsSummary(const ModelPlan& plan, const FormatDefaults& defaults);
 
 }  // namespace memra
 

@@ -1,6 +1,9 @@
 #include "core/model_plan.h"
 
+#include <limits>
+#include <set>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "core/test_model_plans.h"
@@ -225,13 +228,17 @@ TEST(ModelPlanTest, RefusesEnumValuesWithoutAName) {
   EXPECT_THAT(ValidateModelPlan(attention),
               StatusIs(kInvalid, HasSubstrs("layer 1", "unknown attention class 3")));
   ModelPlan k_format = Llama3_8B();
-  k_format.layers[2].formats = KvFormats{static_cast<KFormat>(2), VFormat::kQ5_1};
+  k_format.layers[2].formats = KvFormats{static_cast<KFormat>(7), VFormat::kQ5_1};
   EXPECT_THAT(ValidateModelPlan(k_format),
-              StatusIs(kInvalid, HasSubstrs("layer 2", "unknown K format 2")));
+              StatusIs(kInvalid, HasSubstrs("layer 2", "unknown K format 7")));
   ModelPlan v_format = Llama3_8B();
-  v_format.layers[3].formats = KvFormats{KFormat::kQ8_0, static_cast<VFormat>(7)};
+  v_format.layers[3].formats = KvFormats{KFormat::kQ8_0, static_cast<VFormat>(8)};
   EXPECT_THAT(ValidateModelPlan(v_format),
-              StatusIs(kInvalid, HasSubstrs("layer 3", "unknown V format 7")));
+              StatusIs(kInvalid, HasSubstrs("layer 3", "unknown V format 8")));
+  ModelPlan latent_format = DeepSeekV3Style();
+  latent_format.layers[0].latent_format = static_cast<ElementFormat>(5);
+  EXPECT_THAT(ValidateModelPlan(latent_format),
+              StatusIs(kInvalid, HasSubstrs("layer 0", "unknown latent format 5")));
 }
 
 TEST(ModelPlanTest, ExplicitFormatsWinOverClassDefaults) {
@@ -252,6 +259,128 @@ TEST(ModelPlanTest, FingerprintIsPinnedSoEncodingChangesMustBumpTheVersion) {
   // per-layer fields little-endian) with Python's hashlib.
   EXPECT_EQ(Fingerprint(Llama3_8B()),
             "e36a62053ac54b52cb17a4f866f528ca3e76c3efafeb014fc6cc219e5b7c5417");
+}
+
+TEST(ModelPlanTest, ElementFormatFingerprintIsPinnedToTheDocumentedExtension) {
+  // One fp8_e4m3 layer with a per-tensor k_scale of 0.5, recomputed with Python's hashlib from
+  // model_plan.h's encoding (v1 bytes, then the extension).
+  ModelPlan plan = DenseModel(1, 128, 8);
+  plan.layers[0].formats = KvFormats{KFormat::kFp8E4m3, VFormat::kFp8E4m3};
+  plan.layers[0].k_scale = {0.5f};
+  EXPECT_EQ(Fingerprint(plan), "77bc5aaa4e16fe3bfd2e1e269bbcfa6ae1a2be2cb3c26ee7562e70192d004e9e");
+}
+
+TEST(ModelPlanTest, FingerprintTellsEveryFormatScaleAndLatentFormatApart) {
+  std::set<std::string> seen;
+  for (uint8_t k = 0; k <= static_cast<uint8_t>(kLastKFormat); ++k) {
+    for (uint8_t v = 0; v <= static_cast<uint8_t>(kLastVFormat); ++v) {
+      ModelPlan plan = Llama3_8B();
+      plan.layers[0].formats = KvFormats{static_cast<KFormat>(k), static_cast<VFormat>(v)};
+      EXPECT_TRUE(seen.insert(Fingerprint(plan)).second) << int(k) << "/" << int(v);
+    }
+  }
+  ModelPlan scaled = InElementFormat(Llama3_8B(), ElementFormat::kFp8E4m3);
+  const std::string unscaled = Fingerprint(scaled);
+  scaled.layers[4].v_scale = {0.25f};
+  const std::string per_tensor = Fingerprint(scaled);
+  scaled.layers[4].v_scale = std::vector<float>(8, 0.25f);
+  const std::string per_head = Fingerprint(scaled);
+  scaled.layers[4].v_scale[7] = 0.125f;
+  EXPECT_EQ((std::set<std::string>{unscaled, per_tensor, per_head, Fingerprint(scaled)}).size(),
+            4u);
+  std::set<std::string> latent;
+  for (uint8_t e = 0; e <= static_cast<uint8_t>(kLastElementFormat); ++e) {
+    latent.insert(Fingerprint(InElementFormat(DeepSeekV3Style(), static_cast<ElementFormat>(e))));
+  }
+  EXPECT_EQ(latent.size(), 5u);
+  // f32 latent rows are the v1 plan: its fingerprint does not move.
+  EXPECT_EQ(Fingerprint(InElementFormat(DeepSeekV3Style(), ElementFormat::kF32)),
+            Fingerprint(DeepSeekV3Style()));
+}
+
+TEST(ModelPlanTest, ElementFormatsHoldAnyHeadDimBlockFormatsRefuseWithTheirNames) {
+  EXPECT_THAT(ValidateModelPlan(InElementFormat(DenseModel(2, 80, 8), ElementFormat::kBf16)),
+              IsOk());
+  ModelPlan v_block = InElementFormat(DenseModel(2, 80, 8), ElementFormat::kBf16);
+  v_block.layers[1].formats->v = VFormat::kQ4_0;
+  EXPECT_THAT(ValidateModelPlan(v_block),
+              StatusIs(kInvalid, HasSubstrs("layer 1 (kv): V format q4_0 stores 32-element "
+                                            "blocks, which head_dim_v 80 cannot hold whole")));
+  ModelPlan k_block = InElementFormat(DenseModel(2, 80, 8), ElementFormat::kF16);
+  k_block.layers[0].formats->k = KFormat::kFp8;
+  EXPECT_THAT(ValidateModelPlan(k_block),
+              StatusIs(kInvalid, HasSubstrs("layer 0 (kv): K format fp8 stores 32-element "
+                                            "blocks, which head_dim_k 80 cannot hold whole")));
+}
+
+TEST(ModelPlanTest, ScalesBelongToFp8ElementFormatsOnly) {
+  ModelPlan plan = InElementFormat(Llama3_8B(), ElementFormat::kFp8E5m2);
+  plan.layers[0].k_scale = {0.5f};
+  plan.layers[1].v_scale = std::vector<float>(8, 2.0f);
+  EXPECT_THAT(ValidateModelPlan(plan), IsOk());
+
+  ModelPlan bf16 = InElementFormat(Llama3_8B(), ElementFormat::kBf16);
+  bf16.layers[2].k_scale = {0.5f};
+  EXPECT_THAT(ValidateModelPlan(bf16),
+              StatusIs(kInvalid, HasSubstrs("layer 2 (kv): k_scale has 1 values but the format "
+                                            "bf16 takes no scale (fp8_e4m3 | fp8_e5m2 only)")));
+  ModelPlan defaulted = Llama3_8B();  // formats unset: the block defaults take no scale
+  defaulted.layers[0].v_scale = {0.5f};
+  EXPECT_THAT(ValidateModelPlan(defaulted),
+              StatusIs(kInvalid, HasSubstrs("layer 0 (kv): v_scale has 1 values but the layer "
+                                            "takes no scale")));
+  ModelPlan wrong_count = plan;
+  wrong_count.layers[3].k_scale = {1.0f, 2.0f, 3.0f};
+  EXPECT_THAT(ValidateModelPlan(wrong_count),
+              StatusIs(kInvalid, HasSubstrs("layer 3 (kv): k_scale has 3 values: 1 (per tensor) "
+                                            "or 8 (per head) expected")));
+  ModelPlan negative = plan;
+  negative.layers[3].v_scale = {-1.0f};
+  EXPECT_THAT(ValidateModelPlan(negative),
+              StatusIs(kInvalid, HasSubstrs("layer 3 (kv): v_scale[0] = -1 must be finite and "
+                                            "positive")));
+  ModelPlan infinite = plan;
+  infinite.layers[3].k_scale = {std::numeric_limits<float>::infinity()};
+  EXPECT_THAT(ValidateModelPlan(infinite),
+              StatusIs(kInvalid, HasSubstrs("layer 3 (kv): k_scale[0] = inf must be finite")));
+
+  // A latent row takes one per-tensor k_scale in fp8, never a v_scale.
+  ModelPlan latent = InElementFormat(DeepSeekV3Style(), ElementFormat::kFp8E4m3);
+  latent.layers[0].k_scale = {0.5f};
+  EXPECT_THAT(ValidateModelPlan(latent), IsOk());
+  latent.layers[0].k_scale = {0.5f, 0.5f};
+  EXPECT_THAT(ValidateModelPlan(latent),
+              StatusIs(kInvalid, HasSubstrs("layer 0 (latent): k_scale has 2 values: 1 (per "
+                                            "tensor) expected")));
+  latent.layers[0].k_scale = {};
+  latent.layers[0].v_scale = {0.5f};
+  EXPECT_THAT(ValidateModelPlan(latent),
+              StatusIs(kInvalid, HasSubstrs("layer 0 (latent): v_scale has 1 values but the "
+                                            "layer takes no scale")));
+  ModelPlan recurrent = Qwen3NextStyle();
+  recurrent.layers[0].k_scale = {1.0f};
+  EXPECT_THAT(ValidateModelPlan(recurrent),
+              StatusIs(kInvalid, HasSubstrs("layer 0 (recurrent): k_scale has 1 values")));
+}
+
+TEST(ModelPlanTest, LatentFormatOnlyOnLatentLayers) {
+  ModelPlan plan = Llama3_8B();
+  plan.layers[6].latent_format = ElementFormat::kBf16;
+  EXPECT_THAT(ValidateModelPlan(plan),
+              StatusIs(kInvalid, HasSubstrs("layer 6 (kv): latent_format bf16 is set but this "
+                                            "kind does not use it")));
+}
+
+TEST(ModelPlanTest, FormatsSummaryNamesDistinctFormatsInLayerOrder) {
+  const FormatDefaults defaults;
+  EXPECT_EQ(PlanFormatsSummary(InElementFormat(Llama3_8B(), ElementFormat::kBf16), defaults),
+            "K/V bf16/bf16");
+  EXPECT_EQ(PlanFormatsSummary(GemmaStyle(false), defaults), "K/V fp8/fp8");
+  ModelPlan mixed = Llama3_8B();
+  mixed.layers[1].formats = KvFormats{KFormat::kFp8E4m3, VFormat::kFp8E4m3};
+  EXPECT_EQ(PlanFormatsSummary(mixed, defaults), "K/V q8_0/q5_1, fp8_e4m3/fp8_e4m3");
+  EXPECT_EQ(PlanFormatsSummary(DeepSeekV3Style(), defaults), "latent f32");
+  EXPECT_EQ(PlanFormatsSummary(Qwen3NextStyle(), defaults), "K/V q8_0/q5_1");
 }
 
 TEST(ModelPlanTest, FingerprintIgnoresTheName) {

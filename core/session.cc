@@ -77,7 +77,9 @@ absl::StatusOr<SessionState> SessionState::Create(uint64_t cache_id, const Sessi
         // The plan carries the pool, so it is resident from creation (the reference learns it
         // on the engine's first indexer call).
         state.index_pool = layer.index_pool;
-        state.rows_elems = plane_bytes(layer.layer, PlaneKind::kLatentRows) / kF32;
+        state.row_format = layer.latent_format;
+        state.rows_elems = plane_bytes(layer.layer, PlaneKind::kLatentRows) /
+                           LayoutOf(layer.latent_format).block_bytes;
         state.index_rows_elems = plane_bytes(layer.layer, PlaneKind::kIndexRows) / kF32;
         state.pool_keys_elems = plane_bytes(layer.layer, PlaneKind::kPoolKeys) / kF32;
         latent.push_back(state);
@@ -337,11 +339,7 @@ absl::StatusOr<std::vector<PlaneCopy>> SessionState::SpecRollback(uint64_t accep
         "spec rollback target ", target, " (snapshot ", spec_->committed_len, " + accepted ",
         accept_len, ") is past the staged length ", staged_len()));
   }
-  if (!kv_.CanRewindTo(target)) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("SWA ring rewind checkpoint has been lapped; full re-prime required ",
-                     "(rollback target ", target, ")"));
-  }
+  RETURN_IF_ERROR(kv_.CheckResident(target, "rollback target"));
   RETURN_IF_ERROR(CheckLatentTailsResident(target));
   RETURN_IF_ERROR(kv_.RewindTo(target));
   pending_append_.reset();
@@ -489,8 +487,10 @@ absl::StatusOr<std::vector<PlaneCopy>> SessionState::Grow(const SessionState& so
       for (const LatentCopy& in : restore.copies) {
         if (in.plane != out.plane) continue;
         const PlaneKind kind = LatentPlaneKind(out.plane);
-        copies.push_back({{from.layer, kind}, out.plane_offset_elems * kF32,
-                          {from.layer, kind}, in.plane_offset_elems * kF32, out.elems * kF32});
+        const uint64_t element_bytes = LatentElementBytes(from, out.plane);
+        copies.push_back({{from.layer, kind}, out.plane_offset_elems * element_bytes,
+                          {from.layer, kind}, in.plane_offset_elems * element_bytes,
+                          out.elems * element_bytes});
       }
     }
     restored[i] = restore.restored;

@@ -160,6 +160,64 @@ TEST(Session, SpecRollbackCoversAllFourPlaneKindsClosingTheReferenceHole) {
   EXPECT_THAT(session.Mirrors(), Contains(MirrorValue{{3, PlaneKind::kLenMirror}, 9}));
 }
 
+// docs/rules.md#spec-snapshot-and-rollback: a rollback does not use the snapshot up. Every
+// rollback (and a refused one, a rewind or a commit between them) leaves it valid and returns
+// the same restore copies; only a new SpecSnapshot, Reset, Hydrate or Grow (the target) ends it.
+TEST(Session, ASpecSnapshotStaysValidAcrossRollbacksUntilReplaced) {
+  SessionState session = MakeSession(10'000);
+  Step(session, 7, 7);
+  ASSERT_THAT(session.SpecSnapshot(), IsOk());
+  const std::vector<PlaneCopy> restore = {
+      {{2, PlaneKind::kSpecConv}, 0, {2, PlaneKind::kConvState}, 0, 48},
+      {{2, PlaneKind::kSpecSsm}, 0, {2, PlaneKind::kSsmState}, 0, 32}};
+
+  Step(session, 5, 5);  // round 1: 5 drafts staged and committed, 2 accepted
+  EXPECT_THAT(session.SpecRollback(2), IsOkAndHolds(restore));
+  EXPECT_EQ(session.committed_len(), 9u);
+  EXPECT_EQ(session.position(), 7u);
+  EXPECT_TRUE(session.spec_snapshot_valid());
+
+  Step(session, 3, 3);  // round 2 from the same snapshot: 12 rows, none accepted
+  EXPECT_THAT(session.SpecRollback(0), IsOkAndHolds(restore));
+  EXPECT_EQ(session.committed_len(), 7u);
+  EXPECT_EQ(session.position(), 7u);
+  EXPECT_TRUE(session.spec_snapshot_valid());
+
+  // A refused rollback, a rewind and a commit leave it valid too.
+  EXPECT_THAT(session.SpecRollback(2),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstrs("target 9 (snapshot 7 + accepted 2) is past the staged length 7")));
+  Step(session, 4, 4);
+  ASSERT_THAT(session.Rewind(10), IsOk());
+  EXPECT_TRUE(session.spec_snapshot_valid());
+  EXPECT_THAT(session.SpecRollback(1), IsOkAndHolds(restore));
+  EXPECT_EQ(session.committed_len(), 8u);
+
+  // A new snapshot replaces it: rollbacks now return to 8.
+  ASSERT_THAT(session.SpecSnapshot(), IsOk());
+  Step(session, 2, 2);
+  EXPECT_THAT(session.SpecRollback(0), IsOkAndHolds(restore));
+  EXPECT_EQ(session.committed_len(), 8u);
+
+  ASSERT_THAT(session.Reset(), IsOk());
+  EXPECT_FALSE(session.spec_snapshot_valid());
+  EXPECT_THAT(session.SpecRollback(0),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstrs("spec rollback: no spec snapshot was taken")));
+
+  ASSERT_THAT(session.SpecSnapshot(), IsOk());  // at length 0, on a fresh session
+  ASSERT_THAT(session.Hydrate(40, {}), IsOk());
+  EXPECT_FALSE(session.spec_snapshot_valid()) << "hydration ends it";
+
+  SessionState source = MakeSession(10'000, true, 1);
+  Step(source, 6, 6);
+  ASSERT_THAT(source.SpecSnapshot(), IsOk());
+  SessionState target = MakeSession(20'000, true, 2);
+  ASSERT_THAT(SessionState::Grow(source, target), IsOk());
+  EXPECT_TRUE(source.spec_snapshot_valid()) << "the source is never changed";
+  EXPECT_FALSE(target.spec_snapshot_valid()) << "the grown session starts without one";
+}
+
 TEST(Session, SpecRefusals) {
   SessionState session = MakeSession(10'000);
   EXPECT_THAT(session.SpecRollback(0),
@@ -185,6 +243,40 @@ TEST(Session, SpecRefusals) {
                        HasSubstrs("without spec snapshot buffers (1 recurrent layers")));
 }
 
+// docs/rules.md#spec-snapshot-and-rollback: `spec_snapshot` is optional at create. A session
+// with recurrent layers created without it decodes and rewinds; only SpecSnapshot refuses (and
+// so SpecRollback, having nothing to roll back to). A plan without recurrent layers needs no
+// buffers to speculate: its snapshot records lengths only.
+TEST(Session, SpecBuffersAreNeededOnlyToSnapshotRecurrentLayers) {
+  SessionState without = MakeSession(10'000, /*spec_snapshot=*/false);
+  EXPECT_FALSE(without.has_spec_buffers());
+  EXPECT_EQ(Step(without, 9, 9), 9u);
+  ASSERT_THAT(without.Rewind(5), IsOk());
+  const std::vector<MirrorValue> before = without.Mirrors();
+  EXPECT_THAT(without.SpecSnapshot(),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstrs("spec snapshot: the session was created without spec snapshot "
+                                  "buffers (1 recurrent layers need them)")));
+  EXPECT_FALSE(without.spec_snapshot_valid());
+  EXPECT_THAT(without.SpecRollback(0),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstrs("spec rollback: no spec snapshot was taken")));
+  EXPECT_EQ(without.committed_len(), 5u);
+  EXPECT_EQ(without.Mirrors(), before);
+
+  ModelPlan attention_only = HybridPlan();
+  attention_only.layers.erase(attention_only.layers.begin() + 2);  // the recurrent layer
+  attention_only.layers[2].index = 2;
+  SessionState plain = SessionOf(attention_only, 10'000, /*spec_snapshot=*/false, 2);
+  Step(plain, 6, 6);
+  absl::StatusOr<std::vector<PlaneCopy>> snapshot = plain.SpecSnapshot();
+  ASSERT_THAT(snapshot, IsOk());
+  EXPECT_TRUE(snapshot->empty()) << "no recurrent state to copy";
+  Step(plain, 4, 4);
+  EXPECT_THAT(plain.SpecRollback(1), IsOkAndHolds(::testing::IsEmpty()));
+  EXPECT_EQ(plain.committed_len(), 7u);
+}
+
 TEST(Session, SpecRollbackRefusesALappedRingAndChangesNothing) {
   SessionState session = MakeSession(100'000);
   ASSERT_THAT(session.SpecSnapshot(), IsOk());
@@ -193,7 +285,28 @@ TEST(Session, SpecRollbackRefusesALappedRingAndChangesNothing) {
   const std::vector<MirrorValue> before = session.Mirrors();
   EXPECT_THAT(session.SpecRollback(0),
               StatusIs(absl::StatusCode::kFailedPrecondition,
-                       HasSubstrs("checkpoint has been lapped", "rollback target 0")));
+                       HasSubstrs("SWA ring rewind checkpoint has been lapped; full re-prime "
+                                  "required (rollback target 0: layer 1 window 32 starts at "
+                                  "row 0, below ring base 12256)")));
+  EXPECT_EQ(session.committed_len(), len);
+  EXPECT_EQ(session.Mirrors(), before);
+}
+
+// docs/rules.md#rewind: a rewind into a window the ring has lapped names the lap (as a spec
+// rollback does), not the capacity; the session is unchanged.
+TEST(Session, RewindIntoALappedRingWindowNamesTheLapAndChangesNothing) {
+  SessionState session = MakeSession(100'000);
+  uint64_t len = 0;
+  for (int i = 0; i < 4; ++i) len = Step(session, 4096, 4096);
+  ASSERT_EQ(len, 16'384u);
+  ASSERT_EQ(session.kv().ring(1)->base(), 12'256u);
+  const std::vector<MirrorValue> before = session.Mirrors();
+  EXPECT_FALSE(session.CanRewindTo(100));
+  EXPECT_THAT(session.Rewind(100),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstrs("SWA ring rewind checkpoint has been lapped; full re-prime "
+                                  "required (rewind target 100: layer 1 window 32 starts at "
+                                  "row 64, below ring base 12256)")));
   EXPECT_EQ(session.committed_len(), len);
   EXPECT_EQ(session.Mirrors(), before);
 }

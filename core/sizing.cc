@@ -111,8 +111,22 @@ absl::Status PlanKvLayer(const LayerPlan& layer, const ModelPlan& plan,
       TpKvRankAllocationShape(kv_dim_k, kv_dim_v, request.tp_ranks, geometry.formats);
   if (!shape.ok()) return ForLayer(layer.index, shape.status());
 
+  // An element-format shard is typed as (rows, heads, head_dim): it must split whole heads.
+  const bool element_k = !LayoutOf(geometry.formats.k).IsBlock();
+  const bool element_v = !LayoutOf(geometry.formats.v).IsBlock();
+  if ((element_k || element_v) && layer.n_head_kv % request.tp_ranks != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        prefix, "K/V formats ", std::string(KFormatName(geometry.formats.k)), "/",
+        std::string(VFormatName(geometry.formats.v)), " shard whole heads: n_head_kv ",
+        layer.n_head_kv, " is not divisible by tp_ranks ", request.tp_ranks));
+  }
   geometry.kv_dim_k = shape->kv_dim_k;
   geometry.kv_dim_v = shape->kv_dim_v;
+  geometry.head_dim_k = layer.head_dim_k;
+  geometry.head_dim_v = layer.head_dim_v;
+  geometry.n_head_kv = layer.n_head_kv / request.tp_ranks;
+  geometry.k_scale = layer.k_scale;
+  geometry.v_scale = layer.v_scale;
   geometry.k_token_bytes = shape->k_token_bytes;
   geometry.v_token_bytes = shape->v_token_bytes;
   geometry.window = layer.window;
@@ -166,8 +180,12 @@ absl::Status PlanLatentLayer(const LayerPlan& layer, const ModelPlan& plan,
   geometry.index_pool = layer.index_pool;
   PlaneWriter out(session, layer.index);
   RETURN_IF_ERROR(out.AddMirror(PlaneKind::kLenMirror));
-  // One f32 row per token for the whole layer (MQA): no per-head planes, no V plane.
-  ASSIGN_OR_RETURN(const uint64_t latent_row_bytes, out.F32Bytes(layer.latent_width, "latent row"));
+  // One row per token for the whole layer (MQA): no per-head planes, no V plane.
+  geometry.latent_format = layer.latent_format;
+  geometry.k_scale = layer.k_scale;
+  ASSIGN_OR_RETURN(const uint64_t latent_row_bytes,
+                   FormatBytes(LayoutOf(layer.latent_format), layer.latent_width,
+                               absl::StrCat("layer ", layer.index, " latent row")));
   RETURN_IF_ERROR(out.Add(PlaneKind::kLatentRows, request.capacity, latent_row_bytes, 0, true));
 
   if (layer.index_width > 0) {
@@ -228,14 +246,14 @@ absl::StatusOr<TpKvRankShape> TpKvRankAllocationShape(uint64_t kv_dim_k, uint64_
   TpKvRankShape shape;
   shape.kv_dim_k = kv_dim_k / ranks;
   shape.kv_dim_v = kv_dim_v / ranks;
-  if (shape.kv_dim_k % 32 != 0 || shape.kv_dim_v % 32 != 0) {
+  const FormatLayout k = LayoutOf(formats.k);
+  const FormatLayout v = LayoutOf(formats.v);
+  if (shape.kv_dim_k % k.block_elems != 0 || shape.kv_dim_v % v.block_elems != 0) {
     return absl::InvalidArgumentError(absl::StrCat("TP KV local dimensions k=", shape.kv_dim_k,
                                                    " v=", shape.kv_dim_v, " must be 32-aligned"));
   }
-  ASSIGN_OR_RETURN(shape.k_token_bytes,
-                   CheckedMul(shape.kv_dim_k / 32, KBlockBytes(formats.k), "TP KV K token bytes"));
-  ASSIGN_OR_RETURN(shape.v_token_bytes,
-                   CheckedMul(shape.kv_dim_v / 32, VBlockBytes(formats.v), "TP KV V token bytes"));
+  ASSIGN_OR_RETURN(shape.k_token_bytes, FormatBytes(k, shape.kv_dim_k, "TP KV K token bytes"));
+  ASSIGN_OR_RETURN(shape.v_token_bytes, FormatBytes(v, shape.kv_dim_v, "TP KV V token bytes"));
   // Two byte planes keep their 8-byte tail pads, plus one i32 length mirror.
   shape.fixed_bytes = 2 * kKvPlaneTailPadBytes + kMirrorBytes;
   return shape;

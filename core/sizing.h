@@ -31,7 +31,8 @@ struct TpKvRankShape {
   uint64_t AllocationBytes(uint64_t capacity) const;  // saturating, as the reference
 };
 // INVALID_ARGUMENT when a dim or `ranks` is zero, a dim is not divisible by `ranks`, or a local
-// dim is not 32-aligned (message carries k, v, ranks / local dims like the reference's).
+// dim is not whole blocks of a block format (32-aligned; message carries k, v, ranks / local dims
+// like the reference's).
 absl::StatusOr<TpKvRankShape> TpKvRankAllocationShape(uint64_t kv_dim_k, uint64_t kv_dim_v,
                                                       uint64_t ranks, KvFormats formats);
 
@@ -47,7 +48,7 @@ enum class PlaneKind : uint8_t {
   kConvState = 4,     // f32 conv_width * (conv_kernel - 1)
   kSsmState = 5,      // f32 state_width
   kSsmStateAlt = 6,   // f32 state_width (the ping-pong partner)
-  kLatentRows = 7,    // f32 capacity x latent_width
+  kLatentRows = 7,    // capacity x latent_width of the layer's latent format (f32 default)
   kIndexRows = 8,     // f32 (index ring rows or capacity) x index_width
   kPoolKeys = 9,      // f32 max(1, capacity / pool * index_width / 2); rows = whole pools
   kSpecConv = 10,     // spec-decode snapshot copy of kConvState
@@ -87,10 +88,18 @@ struct LayerGeometry {
   uint64_t kv_dim_v = 0;
   uint64_t k_token_bytes = 0;
   uint64_t v_token_bytes = 0;
+  // K/V head geometry (typed plane views: rows x heads x head_dim): rank-local heads, so
+  // kv_dim_k == n_head_kv x head_dim_k.
+  uint64_t head_dim_k = 0;
+  uint64_t head_dim_v = 0;
+  uint64_t n_head_kv = 0;
+  std::vector<float> k_scale;     // the plan's fp8 element scales (model_plan.h)
+  std::vector<float> v_scale;
   uint64_t window = 0;            // sliding layers
   uint64_t physical_rows = 0;     // K/V rows allocated: ring rows, or capacity
   bool ring = false;              // a KvRing addresses this layer (IsSwaRingLayer)
   uint64_t latent_width = 0;
+  ElementFormat latent_format = ElementFormat::kF32;
   uint64_t index_width = 0;
   uint64_t index_pool = 0;
   uint64_t index_physical_rows = 0;  // indexer rows allocated (0 = no indexer)

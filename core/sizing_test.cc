@@ -128,6 +128,16 @@ TEST(TpKvRankShapeTest, TokenBytesFollowTheFormats) {
   EXPECT_EQ(q4->BytesPerToken(), 136u + 72u);  // V: 4 blocks x 18
 }
 
+TEST(TpKvRankShapeTest, ElementFormatsHaveNoBlockAlignment) {
+  // 1024 / 64 = 16 local elements: no q8_0 block fits, 16 bf16 values do (32 B).
+  const absl::StatusOr<TpKvRankShape> shape =
+      TpKvRankAllocationShape(1024, 1024, 64, {KFormat::kBf16, VFormat::kFp8E4m3});
+  ASSERT_THAT(shape, IsOk());
+  EXPECT_EQ(shape->k_token_bytes, 32u);
+  EXPECT_EQ(shape->v_token_bytes, 16u);
+  EXPECT_EQ(shape->fixed_bytes, 20u);
+}
+
 TEST(TpKvRankShapeTest, PerTokenAndAllocationSaturateLikeTheReference) {
   TpKvRankShape shape;
   shape.k_token_bytes = std::numeric_limits<uint64_t>::max();
@@ -194,6 +204,97 @@ TEST(SizingTest, Llama3_8BDenseIsFlatKvOnly) {
 
   // At 128k: 59392 x 131072 + 640 = 7,784,628,864 (~7.25 GiB).
   EXPECT_EQ(Size(Llama3_8B(), Capacity(131'072)).cost.total_bytes, 7'784'628'864u);
+}
+
+TEST(SizingTest, Llama3_8BInElementFormatsIsElementsTimesTheirBytes) {
+  // bf16: kv_dim 1024 x 2 B = 2048 for K and for V -> 4096 B/token/layer, x 32 = 131072.
+  // At 8192: 131072 x 8192 + 640 = 1,073,742,464 (exactly 1 GiB + the fixed 640).
+  const Sized bf16 = Size(InElementFormat(Llama3_8B(), ElementFormat::kBf16), Capacity(8192));
+  EXPECT_EQ(bf16.cost.bytes_per_token, 131'072u);
+  EXPECT_EQ(bf16.cost.kv_bytes_per_token, 131'072u);
+  EXPECT_EQ(bf16.cost.fixed_bytes, 640u);
+  EXPECT_EQ(bf16.session.total_bytes, 1'073'742'464u);
+  const LayerGeometry* geometry = FindGeometry(bf16.session, 3);
+  ASSERT_NE(geometry, nullptr);
+  EXPECT_EQ(geometry->formats, (KvFormats{KFormat::kBf16, VFormat::kBf16}));
+  EXPECT_EQ(geometry->k_token_bytes, 2048u);
+  EXPECT_EQ(geometry->head_dim_k, 128u);
+  EXPECT_EQ(geometry->head_dim_v, 128u);
+  EXPECT_EQ(geometry->n_head_kv, 8u);
+  const PlaneSpec* keys = FindPlane(bf16.session, 3, PlaneKind::kKeys);
+  ASSERT_NE(keys, nullptr);
+  EXPECT_EQ(keys->bytes, 8192u * 2048 + 8);  // the reference's tail pad stays
+
+  // f16 costs what bf16 does; f32 twice; fp8 e4m3 / e5m2 half: 1024 + 1024 = 2048 x 32 = 65536.
+  EXPECT_EQ(Size(InElementFormat(Llama3_8B(), ElementFormat::kF16), Capacity(8192))
+                .cost.bytes_per_token,
+            131'072u);
+  EXPECT_EQ(Size(InElementFormat(Llama3_8B(), ElementFormat::kF32), Capacity(8192))
+                .cost.bytes_per_token,
+            262'144u);
+  const Sized fp8 = Size(InElementFormat(Llama3_8B(), ElementFormat::kFp8E4m3), Capacity(8192));
+  EXPECT_EQ(fp8.cost.bytes_per_token, 65'536u);
+  EXPECT_EQ(fp8.session.total_bytes, 65'536u * 8192 + 640);
+  EXPECT_EQ(Size(InElementFormat(Llama3_8B(), ElementFormat::kFp8E5m2), Capacity(8192))
+                .cost.bytes_per_token,
+            65'536u);
+}
+
+TEST(SizingTest, KAndVTakeTheirFormatsIndependently) {
+  // K bf16: 1024 x 2 = 2048; V q4_0: 1024 / 32 x 18 = 576 -> 2624 B/token/layer.
+  ModelPlan plan = Llama3_8B();
+  for (LayerPlan& layer : plan.layers) layer.formats = KvFormats{KFormat::kBf16, VFormat::kQ4_0};
+  EXPECT_EQ(Size(plan, Capacity(1024)).cost.bytes_per_token, 32u * 2624);
+}
+
+TEST(SizingTest, ElementFormatsHoldHeadDimsNoBlockCould) {
+  // head_dim 80 (Phi-style): 640 elements per token; bf16 = 1280 B for K and for V.
+  const Sized sized = Size(InElementFormat(DenseModel(2, 80, 8), ElementFormat::kBf16),
+                           Capacity(100));
+  EXPECT_EQ(sized.cost.bytes_per_token, 2u * 2560);
+  EXPECT_EQ(sized.session.total_bytes, 2u * (2 * (100 * 1280 + 8) + 4));
+}
+
+TEST(SizingTest, ElementFormatShardsSplitWholeHeads) {
+  // TP-2 of Llama-3-8B in bf16: 4 local heads of 128 -> 1024 B for K per token per layer.
+  SessionShape two = Capacity(4096);
+  two.tp_ranks = 2;
+  const Sized sized = Size(InElementFormat(Llama3_8B(), ElementFormat::kBf16), two);
+  const LayerGeometry* geometry = FindGeometry(sized.session, 0);
+  ASSERT_NE(geometry, nullptr);
+  EXPECT_EQ(geometry->n_head_kv, 4u);
+  EXPECT_EQ(geometry->kv_dim_k, 512u);
+  EXPECT_EQ(geometry->k_token_bytes, 1024u);
+  // TP-16 would split each of the 8 heads in two: refused, naming the formats and numbers (the
+  // reference's block rule alone would accept its 64-element shards).
+  SessionShape sixteen = Capacity(4096);
+  sixteen.tp_ranks = 16;
+  EXPECT_THAT(PlanSession(InElementFormat(Llama3_8B(), ElementFormat::kBf16), {}, sixteen),
+              StatusIs(kInvalid, ::testing::Eq("layer 0 K/V formats bf16/bf16 shard whole heads: "
+                                               "n_head_kv 8 is not divisible by tp_ranks 16")));
+  EXPECT_THAT(PlanSession(Llama3_8B(), {}, sixteen), IsOk());
+}
+
+TEST(SizingTest, DeepSeekV3LatentRowsInBf16AreHalfTheF32Rows) {
+  // 576 bf16 = 1152 B/token per layer x 62 = 71,424 B/token; at 163840:
+  // 71,424 x 163,840 + 248 = 11,702,108,408.
+  const Sized sized =
+      Size(InElementFormat(DeepSeekV3Style(), ElementFormat::kBf16), Capacity(163'840));
+  EXPECT_EQ(sized.cost.latent_bytes_per_token, 71'424u);
+  EXPECT_EQ(sized.cost.total_bytes, 11'702'108'408u);
+  const PlaneSpec* rows = FindPlane(sized.session, 61, PlaneKind::kLatentRows);
+  ASSERT_NE(rows, nullptr);
+  EXPECT_EQ(rows->row_bytes, 1152u);
+  EXPECT_EQ(FindGeometry(sized.session, 61)->latent_format, ElementFormat::kBf16);
+  // fp8 e4m3 rows: 576 x 62 = 35,712 B/token.
+  EXPECT_EQ(Size(InElementFormat(DeepSeekV3Style(), ElementFormat::kFp8E4m3), Capacity(1024))
+                .cost.latent_bytes_per_token,
+            35'712u);
+  // The indexer stays f32 beside bf16 rows: 1152 + 256 x 4 + (128 x 4) / 4 = 2304 per layer.
+  SessionShape flat = Capacity(4096);
+  EXPECT_EQ(Size(InElementFormat(GlmStyleWithIndexer(0), ElementFormat::kBf16), flat)
+                .cost.latent_bytes_per_token,
+            12u * (1152 + 1024 + 128));
 }
 
 TEST(SizingTest, LayerRangeHoldsOnlyItsLayers) {

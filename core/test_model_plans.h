@@ -6,6 +6,8 @@
 
 #include <cstdint>
 #include <optional>
+#include <string>
+#include <vector>
 
 #include "core/model_plan.h"
 
@@ -133,6 +135,22 @@ inline ModelPlan Qwen3NextStyle() {
     plan.layers.push_back(i % 4 == 3 ? KvLayer(i, 256, 2)
                                      : RecurrentLayer(i, 8192, 4, 128 * 128 * 32));
   }
+  return plan;
+}
+
+// `plan` with every K/V layer stored in `element` (one value per element, K and V alike) and
+// every latent row in `element`: how an engine that keeps its cache in the model dtype plans.
+inline ModelPlan InElementFormat(ModelPlan plan, ElementFormat element) {
+  for (std::vector<LayerPlan>* group : {&plan.layers, &plan.mtp_blocks}) {
+    for (LayerPlan& layer : *group) {
+      if (layer.kind == StateKind::kKv || layer.kind == StateKind::kSlidingKv) {
+        layer.formats = KvFormats{KFormatOf(element), VFormatOf(element)};
+      } else if (layer.kind == StateKind::kLatent) {
+        layer.latent_format = element;
+      }
+    }
+  }
+  plan.name += std::string(".") + std::string(ElementFormatName(element));
   return plan;
 }
 

@@ -290,10 +290,7 @@ absl::StatusOr<uint64_t> KvTransactionCache::CommitTarget(const TransactionId& t
 absl::Status KvTransactionCache::PublishFinalize(const TransactionId& transaction,
                                                  uint64_t target) {
   RETURN_IF_ERROR(state_.Validate(transaction));
-  if (!CanRewindTo(target)) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "KV finalize target ", target, " is outside the resident cache window/capacity"));
-  }
+  RETURN_IF_ERROR(CheckResident(target, "finalize target"));
   return state_.PublishFinalize(transaction, target);
 }
 
@@ -324,15 +321,29 @@ absl::Status KvTransactionCache::RewindTo(uint64_t target) {
         absl::StrCat("KV rewind target ", target, " is past the staged length ",
                      state_.staged_len(), " (only hydration may set unwritten rows)"));
   }
-  return SetLength(target);
+  return SetLength(target, "rewind target");
 }
 
-absl::Status KvTransactionCache::SetLength(uint64_t target) {
-  if (!CanRewindTo(target)) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "KV rewind target ", target, " is outside the resident cache window/capacity ",
-        capacity_));
+absl::Status KvTransactionCache::CheckResident(uint64_t target, absl::string_view what) const {
+  if (CanRewindTo(target)) return absl::OkStatus();
+  if (target > capacity_) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("KV ", what, " ", target, " is past the capacity ", capacity_));
   }
+  for (size_t i = 0; i < rings_.size(); ++i) {
+    if (!rings_[i].has_value() || rings_[i]->CanRewindTo(target)) continue;
+    const KvRing& ring = *rings_[i];
+    return absl::FailedPreconditionError(absl::StrCat(
+        "SWA ring rewind checkpoint has been lapped; full re-prime required (", what, " ",
+        target, ": layer ", shapes_[i].layer, " window ", ring.window(), " starts at row ",
+        AlignedWindowStart(target, ring.window()), ", below ring base ", ring.base(), ")"));
+  }
+  return absl::InternalError(
+      absl::StrCat("KV ", what, " ", target, " refused with no lapped ring and no capacity"));
+}
+
+absl::Status KvTransactionCache::SetLength(uint64_t target, absl::string_view what) {
+  RETURN_IF_ERROR(CheckResident(target, what));
   return state_.Rewind(target, capacity_);
 }
 
@@ -456,7 +467,7 @@ absl::Status KvTransactionCache::PublishHydration(uint64_t logical_len,
     }
   }
   const std::vector<std::optional<KvRing>> previous = std::exchange(rings_, std::move(hydrated));
-  absl::Status status = SetLength(logical_len);
+  absl::Status status = SetLength(logical_len, "hydration length");
   if (!status.ok()) rings_ = previous;  // a refused hydration changes nothing
   return status;
 }

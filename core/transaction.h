@@ -29,6 +29,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/types/span.h"
 #include "core/kv_ring.h"
 
@@ -187,6 +188,12 @@ class KvTransactionCache {
   absl::StatusOr<RowRange> PhysicalRange(size_t index, uint64_t start, uint64_t end) const;
   // target <= capacity and every ring layer still holds the aligned window at `target`.
   bool CanRewindTo(uint64_t target) const;
+  // OK exactly when CanRewindTo(target); otherwise FAILED_PRECONDITION saying why, for a length
+  // change named `what` ("rewind target", "rollback target", ...): past the capacity ("KV
+  // rewind target T is past the capacity C"), or a ring window lapped ("SWA ring rewind
+  // checkpoint has been lapped; full re-prime required (rewind target T: layer L window W starts
+  // at row S, below ring base B)": the first such layer).
+  absl::Status CheckResident(uint64_t target, absl::string_view what) const;
   // Engine-facing rewind: target <= staged_len, CanRewindTo(target). Ends any transaction.
   absl::Status RewindTo(uint64_t target);
 
@@ -208,7 +215,7 @@ class KvTransactionCache {
         shapes_(std::move(shapes)),
         rings_(std::move(rings)) {}
 
-  absl::Status SetLength(uint64_t target);
+  absl::Status SetLength(uint64_t target, absl::string_view what);
 
   uint64_t cache_id_;
   uint64_t capacity_;

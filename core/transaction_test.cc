@@ -1,5 +1,6 @@
 #include "core/transaction.h"
 
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
@@ -221,9 +222,51 @@ TEST(KvTransactionCache, SwaTransactionRebasePreservesTheRollbackWindow) {
   ASSERT_THAT(cache.PublishFinalize(transaction, rollback), IsOk());
   EXPECT_EQ(cache.committed_len(), 8762u);
   EXPECT_EQ(cache.staged_len(), 8762u);
+  // A rewind into the lapped window names the lap; a length past the capacity names that.
   EXPECT_THAT(cache.RewindTo(8200),
               StatusIs(absl::StatusCode::kFailedPrecondition,
-                       HasSubstrs("target 8200 is outside the resident cache window")));
+                       HasSubstrs("SWA ring rewind checkpoint has been lapped",
+                                  "rewind target 8200: layer 0 window 32 starts at row 8160, "
+                                  "below ring base 8704")));
+  EXPECT_FALSE(cache.CanRewindTo(8200));
+  EXPECT_THAT(cache.CheckResident(10'001, "rewind target"),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstrs("KV rewind target 10001 is past the capacity 10000")));
+  EXPECT_THAT(cache.CheckResident(8762, "rewind target"), IsOk());
+  EXPECT_EQ(cache.committed_len(), 8762u);
+}
+
+// docs/rules.md#swa-ring: the ring saves rows only when the capacity exceeds window + 4,639.
+// At that capacity (window 32: 4,671) it is clamped to the capacity, never rebases and every
+// length stays rewindable, as a flat plane; one row more and the same appends rebase.
+TEST(KvTransactionCache, ARingNoLongerThanTheCapacityNeverRebases) {
+  const uint64_t cap = SwaRingRows(32, UINT64_MAX);
+  ASSERT_EQ(cap, 4671u);
+  for (const uint64_t capacity : {cap, cap + 1}) {
+    KvTransactionCache cache = SwaCache(capacity, 32);
+    EXPECT_EQ(cache.physical_rows(0), std::min(capacity, cap));
+    bool rebased = false;
+    for (const uint64_t rows : {uint64_t{4096}, capacity - 4096}) {
+      TransactionId transaction = *cache.Begin();
+      absl::StatusOr<AppendPlan> plan = cache.PrepareAppend(transaction, rows);
+      ASSERT_THAT(plan, IsOk());
+      rebased |= plan->layers[0].ring_append->kind == RingAppend::Kind::kRebase;
+      ASSERT_THAT(cache.PublishAppendRebase(*plan), IsOk());
+      ASSERT_THAT(cache.PublishAppendPlan(*plan), IsOk());
+      ASSERT_THAT(cache.PublishFinalize(transaction, plan->target), IsOk());
+    }
+    EXPECT_EQ(cache.committed_len(), capacity);
+    if (capacity == cap) {
+      EXPECT_FALSE(rebased) << "capacity " << capacity;
+      EXPECT_EQ(cache.ring(0)->base(), 0u);
+      EXPECT_TRUE(cache.CanRewindTo(0));
+    } else {
+      EXPECT_TRUE(rebased) << "capacity " << capacity;
+      // The rebase keeps the window at the transaction's base 4096: (4096 - 31) & ~31.
+      EXPECT_EQ(cache.ring(0)->base(), 4064u);
+      EXPECT_FALSE(cache.CanRewindTo(0));
+    }
+  }
 }
 
 // Reference: swa_grow_normalizes_only_the_live_prefix_and_preserves_generation.
@@ -330,7 +373,8 @@ TEST(KvTransactionCache, PublishRefusalsChangeNothing) {
   EXPECT_EQ(cache.staged_len(), 8762u);
   EXPECT_THAT(cache.PublishFinalize(transaction, 20),
               StatusIs(absl::StatusCode::kFailedPrecondition,
-                       HasSubstrs("finalize target 20 is outside the resident")));
+                       HasSubstrs("has been lapped", "finalize target 20: layer 0 window 32 "
+                                  "starts at row 0, below ring base 4096")));
 }
 
 TEST(KvTransactionCache, RestoreUndoesAPublishedRebaseAndTheTransactionState) {

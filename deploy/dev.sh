@@ -4,7 +4,10 @@
 #   deploy/dev.sh run [--<key>=<value> ...]   install missing packages, build memra-kvd and run it
 #                                            in the foreground on the host backend (Ctrl-C drains)
 #   deploy/dev.sh test [<bazel test args>]    install missing packages, `bazel test //...` (or the
-#                                            given targets), then one closing line:
+#                                            given targets), then with no targets (or the
+#                                            target "engines") the tests under real engines
+#                                            from PyPI (python/engines/run_engine_tests.sh),
+#                                            then one closing line:
 #                                            "N passed, N failed[, N skipped]"
 #   deploy/dev.sh bootstrap                   only install missing packages (deploy/bootstrap.sh)
 #
@@ -19,6 +22,7 @@ cd "${root}"
 # every sandboxed action and keeps the sandbox directories. Turning it off changes no sandboxing.
 BAZEL_FLAGS=(--nosandbox_debug)
 out=""  # cmd_test's captured bazel output, removed on exit
+engine_logs=""  # cmd_test's engine test logs (python/engines/run_engine_tests.sh)
 
 readonly DAEMON_SOCKET=/tmp/memra-kv/gpu0.sock
 readonly DAEMON_FLAGS=(--backend=host "--socket_path=${DAEMON_SOCKET}" --budget_bytes=1GiB)
@@ -94,14 +98,29 @@ skip_reasons() {
 
 cmd_test() {
   bootstrap
-  local targets=("$@")
-  ((${#targets[@]} > 0)) || targets=(//...)
+  local targets=() engines=0 arg
+  for arg in "$@"; do
+    if [[ "${arg}" == engines ]]; then engines=1; else targets+=("${arg}"); fi
+  done
+  if (($# == 0)); then targets=(//...) engines=1; fi
 
   out="$(mktemp "${TMPDIR:-/tmp}/memra-kv-test.XXXXXX")"
+  # Kept after the run (a failure's line names its log), replaced by the next engine run.
+  engine_logs="${XDG_CACHE_HOME:-${HOME}/.cache}/memra-kv/engine-test-logs"
   trap 'rm -f "${out}"' EXIT
   local status=0
-  bazel test "${BAZEL_FLAGS[@]}" --keep_going --test_output=errors --test_summary=short \
-    "${targets[@]}" 2>&1 | tee "${out}" || status="${PIPESTATUS[0]}"
+  if ((${#targets[@]} > 0)); then
+    bazel test "${BAZEL_FLAGS[@]}" --keep_going --test_output=errors --test_summary=short \
+      "${targets[@]}" 2>&1 | tee "${out}" || status="${PIPESTATUS[0]}"
+  fi
+  if ((engines)); then
+    # Engine tests (real vLLM from PyPI, its own venv): lines "engine:<engine>/<file> RESULT".
+    rm -rf "${engine_logs}"
+    mkdir -p "${engine_logs}"
+    bazel build "${BAZEL_FLAGS[@]}" //server:memra-kvd || status=$?
+    python/engines/run_engine_tests.sh "${engine_logs}" 2>&1 | tee -a "${out}" ||
+      status="${PIPESTATUS[0]}"
+  fi
 
   local testlogs output_base
   testlogs="$(bazel info "${BAZEL_FLAGS[@]}" bazel-testlogs 2>/dev/null || true)"
@@ -116,7 +135,9 @@ cmd_test() {
         logs=()
         dir="${testlogs}/${label#//}"
         dir="${dir/://}"
-        if [[ -n "${testlogs}" && -d "${dir}" ]]; then
+        if [[ "${label}" == engine:* ]]; then
+          logs=("${engine_logs}/${label#engine:}.log")
+        elif [[ -n "${testlogs}" && -d "${dir}" ]]; then
           mapfile -t logs < <(find "${dir}" -maxdepth 2 -name test.log | sort)
         fi
         ran=0 skips=0
@@ -138,7 +159,8 @@ cmd_test() {
         notes+=("failed: ${label}: ${result}")
         ;;
     esac
-  done < <(sed -nE 's/^(\/\/[^ ]+) +(\(cached\) )?([A-Z].*)$/\1 \3/p' "${out}" | sort -u)
+  done < <(sed -nE 's/^(\/\/[^ ]+|engine:[^ ]+) +(\(cached\) )?([A-Z].*)$/\1 \3/p' "${out}" |
+    sort -u)
 
   echo
   echo "---- memra-kv test summary"

@@ -46,6 +46,12 @@ pb::GetStatusResponse AdminService::Status() const {
   out.set_prefix_remote_tier(!remote_up.has_value() ? pb::REMOTE_TIER_NONE
                              : *remote_up           ? pb::REMOTE_TIER_UP
                                                     : pb::REMOTE_TIER_DOWN);
+  const RestartSurvival survival =
+      parts_.restart_survival ? parts_.restart_survival() : RestartSurvival{};
+  out.set_restart_survival(survival.state == RestartSurvival::State::kOn   ? pb::RESTART_SURVIVAL_ON
+                           : survival.state == RestartSurvival::State::kLost ? pb::RESTART_SURVIVAL_LOST
+                                                                        : pb::RESTART_SURVIVAL_OFF);
+  out.set_restart_survival_detail(survival.detail);
   const AdmissionLedger ledger = parts_.budget->Snapshot();
   pb::AdmissionStatus* admission = out.mutable_admission();
   admission->set_budget_bytes(ledger.budget());
@@ -83,6 +89,7 @@ pb::GetStatusResponse AdminService::Status() const {
     status->set_gid(engine.peer.gid);
     status->set_cache_scope(engine.cache_scope);
     status->set_lease_live(engine.lease_live);
+    status->set_awaiting_reattach(engine.awaiting_reattach);
     status->set_last_heartbeat_age_ms(absl::ToInt64Milliseconds(engine.heartbeat_age));
     if (auto reserved = reserved_by_engine.find(engine.id.value);
         reserved != reserved_by_engine.end()) {
@@ -313,7 +320,12 @@ absl::Status AdminService::Import(const pb::ImportModelRequest& request,
   options.swa_ring = request.swa_ring();
   if (request.has_index_ring_rows()) options.index_ring_rows = request.index_ring_rows();
   if (request.index_pool() != 0) options.index_pool = request.index_pool();
-  ASSIGN_OR_RETURN(ModelPlan plan, ImportHuggingFaceConfig(request.hf_config_json(), options));
+  options.kv_dtype = request.kv_dtype();
+  ASSIGN_OR_RETURN(ImportedModel imported,
+                   ImportHuggingFaceModel(request.hf_config_json(), options));
+  ModelPlan plan = std::move(imported.plan);
+  response->set_kv_dtype(imported.kv_dtype);
+  response->set_kv_formats(PlanFormatsSummary(plan, parts_.sessions->format_defaults()));
   // The importer's own bound is 4096 layers; the daemon's cap may be lower.
   RETURN_IF_ERROR(parts_.plans->CheckLayerCount(plan.TotalLayers()));
   ASSIGN_OR_RETURN(std::string architecture, HuggingFaceArchitecture(request.hf_config_json()));

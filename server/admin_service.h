@@ -54,6 +54,8 @@ class AdminService final : public memra::kv::v1::KvAdmin::Service {
     std::function<size_t(bool)> set_draining;
     // The socket this instance answers on.
     ServedSocket socket;
+    // Whether KV survives the daemon's crash (no function: reported OFF).
+    std::function<RestartSurvival()> restart_survival;
     // Whether the prefix cache's remote tier answers; nullopt (or no function): no remote tier.
     std::function<std::optional<bool>()> remote_tier_up;
   };

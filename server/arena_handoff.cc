@@ -32,25 +32,32 @@ constexpr int kMaxPollMs = 1000;
 constexpr size_t kMaxUnreadDescriptorAnswers = 16;
 // How long the listener rests after accept ran out of descriptors.
 constexpr int kAcceptBackoffMs = 100;
-constexpr size_t kConnectionNumberBytes = 8;
+constexpr size_t kTicketWordBytes = 8;
+// The secret's offset in a ticket: after the instance and the connection number.
+constexpr size_t kTicketSecretAt = 2 * kTicketWordBytes;
+static_assert(handoff::kTicketBytes > kTicketSecretAt);
 // Descriptors a connection may have received ahead of the offers that take them.
 constexpr size_t kMaxPendingDescriptors = 4;
 
-std::string TicketFor(uint64_t connection, absl::string_view secret) {
+// A ticket: u64 instance | u64 connection | the connection's secret (handoff_wire.h).
+std::string TicketFor(uint64_t instance, uint64_t connection, absl::string_view secret) {
   std::string ticket;
-  for (size_t i = 0; i < kConnectionNumberBytes; ++i) {
-    ticket.push_back(static_cast<char>((connection >> (8 * i)) & 0xff));
+  for (uint64_t word : {instance, connection}) {
+    for (size_t i = 0; i < kTicketWordBytes; ++i) {
+      ticket.push_back(static_cast<char>((word >> (8 * i)) & 0xff));
+    }
   }
   ticket.append(secret.data(), secret.size());
   return ticket;
 }
 
-uint64_t ConnectionOf(absl::string_view ticket) {
-  uint64_t connection = 0;
-  for (size_t i = kConnectionNumberBytes; i-- > 0;) {
-    connection = (connection << 8) | static_cast<uint8_t>(ticket[i]);
+// The little-endian u64 at `at` of a ticket. REQUIRES: at + 8 <= ticket.size().
+uint64_t TicketWord(absl::string_view ticket, size_t at) {
+  uint64_t word = 0;
+  for (size_t i = kTicketWordBytes; i-- > 0;) {
+    word = (word << 8) | static_cast<uint8_t>(ticket[at + i]);
   }
-  return connection;
+  return word;
 }
 
 int64_t Milliseconds(std::chrono::steady_clock::duration d) {
@@ -121,7 +128,16 @@ absl::StatusOr<HandoffClaim> ArenaHandoff::ClaimTicket(absl::string_view ticket)
                                                     handoff::kTicketBytes, " bytes, got ",
                                                     ticket.size()));
   }
-  const uint64_t id = ConnectionOf(ticket);
+  // Another daemon's ticket first: connection numbers start at 1 in every daemon, so only the
+  // instance tells a ticket of the daemon that died from one of this daemon. The engine did
+  // nothing wrong (its re-attach straddled a restart): it retries with a fresh ticket.
+  if (const uint64_t instance = TicketWord(ticket, 0); instance != options_.instance) {
+    return absl::UnavailableError(absl::StrCat(
+        "the attach ticket was issued by memra-kvd instance (epoch) ", instance,
+        "; this daemon is instance ", options_.instance,
+        " (the daemon restarted since): connect to the handoff socket again for a fresh ticket"));
+  }
+  const uint64_t id = TicketWord(ticket, kTicketWordBytes);
   absl::MutexLock lock(&mu_);
   auto it = connections_.find(id);
   if (it == connections_.end() || it->second.closing) {
@@ -130,7 +146,7 @@ absl::StatusOr<HandoffClaim> ArenaHandoff::ClaimTicket(absl::string_view ticket)
                      ", which is not open (a ticket is valid while its connection is)"));
   }
   Connection& connection = it->second;
-  if (!TokensEqual(ticket.substr(kConnectionNumberBytes), connection.secret)) {
+  if (!TokensEqual(ticket.substr(kTicketSecretAt), connection.secret)) {
     return absl::PermissionDeniedError(
         absl::StrCat("the attach ticket for handoff connection ", id, " does not match"));
   }
@@ -333,7 +349,7 @@ void ArenaHandoff::AcceptAll() {
       continue;
     }
     const uint64_t id = next_connection_++;
-    if (!handoff::SendFrame(socket.get(), handoff::EncodeTicket(TicketFor(id, *secret))).ok()) {
+    if (!handoff::SendFrame(socket.get(), handoff::EncodeTicket(TicketFor(options_.instance, id, *secret))).ok()) {
       continue;
     }
     Connection& connection = connections_[id];

@@ -90,6 +90,10 @@ class ArenaHandoff {
     size_t max_unbound_per_uid = 8;
     absl::Duration request_deadline = absl::Seconds(2);
     absl::Duration claim_deadline = absl::Seconds(60);
+    // This daemon instance (its epoch), carried in every ticket: a ticket another instance
+    // issued (a re-attach that straddled a restart) is refused UNAVAILABLE, never confused
+    // with one of this daemon's connections of the same number.
+    uint64_t instance = 1;
   };
 
   // `intake` may be null: offers are then refused (FAILED_PRECONDITION: no block store).
@@ -107,9 +111,10 @@ class ArenaHandoff {
   // Stops the thread, closes every connection and removes the socket file. Idempotent.
   void Stop() ABSL_LOCKS_EXCLUDED(mu_);
 
-  // Attach: the peer behind `ticket`, which is used up. PERMISSION_DENIED (saying why, with the
-  // numbers) for an empty ticket, one of the wrong size, of no open connection, used already, or
-  // whose secret is wrong.
+  // Attach: the peer behind `ticket`, which is used up. UNAVAILABLE (both instances named) for a
+  // ticket another daemon instance issued: the engine retries with a fresh ticket.
+  // PERMISSION_DENIED (saying why, with the numbers) for an empty ticket, one of the wrong size,
+  // of no open connection, used already, or whose secret is wrong.
   absl::StatusOr<HandoffClaim> ClaimTicket(absl::string_view ticket) ABSL_LOCKS_EXCLUDED(mu_);
   // The connection now serves engine `engine_id` (a no-op when it closed meanwhile); any other
   // connection bound to that engine (before a re-attach) is closed.

@@ -202,7 +202,7 @@ TEST_F(ArenaHandoffTest, RefusesMissingMalformedForgedAndClosedTickets) {
                        HasSubstrs("no handoff ticket", handoff_->path())));
   EXPECT_THAT(handoff_->ClaimTicket("short"),
               StatusIs(absl::StatusCode::kPermissionDenied,
-                       HasSubstrs("ticket is 24 bytes, got 5")));
+                       HasSubstrs("ticket is 32 bytes, got 5")));
   std::unique_ptr<HandoffChannel> channel = Connect();
   ASSERT_NE(channel, nullptr);
   std::string forged = channel->ticket();
@@ -210,7 +210,7 @@ TEST_F(ArenaHandoffTest, RefusesMissingMalformedForgedAndClosedTickets) {
   EXPECT_THAT(handoff_->ClaimTicket(forged),
               StatusIs(absl::StatusCode::kPermissionDenied, HasSubstrs("does not match")));
   std::string elsewhere = channel->ticket();
-  elsewhere[0] ^= 0x40;  // another connection number
+  elsewhere[8] ^= 0x40;  // another connection number (after the u64 instance)
   EXPECT_THAT(handoff_->ClaimTicket(elsewhere),
               StatusIs(absl::StatusCode::kPermissionDenied, HasSubstrs("which is not open")));
   // A ticket is valid only while its connection is open.
@@ -219,6 +219,35 @@ TEST_F(ArenaHandoffTest, RefusesMissingMalformedForgedAndClosedTickets) {
   for (int i = 0; i < 200 && handoff_->connection_count() > 0; ++i) absl::SleepFor(absl::Milliseconds(5));
   EXPECT_THAT(handoff_->ClaimTicket(ticket),
               StatusIs(absl::StatusCode::kPermissionDenied, HasSubstrs("which is not open")));
+}
+
+// Issue 26: a re-attach that straddles a second restart presents the ticket of the daemon that
+// died to the next one, whose connection numbers start at 1 again. The ticket names its
+// instance, so it is refused UNAVAILABLE (retry with a fresh ticket), naming both instances,
+// not PERMISSION_DENIED against an unrelated connection of the same number.
+TEST_F(ArenaHandoffTest, RefusesATicketOfAnotherInstanceAsUnavailable) {
+  ArenaHandoff::Options first;
+  first.instance = 41;
+  StartHandoff(first);
+  std::unique_ptr<HandoffChannel> old_channel = Connect();
+  ASSERT_NE(old_channel, nullptr);
+  const std::string old_ticket = old_channel->ticket();
+  old_channel.reset();
+  handoff_.reset();  // the daemon died
+
+  ArenaHandoff::Options second;
+  second.instance = 42;
+  StartHandoff(second);
+  std::unique_ptr<HandoffChannel> channel = Connect();  // connection 1 again
+  ASSERT_NE(channel, nullptr);
+  EXPECT_THAT(handoff_->ClaimTicket(old_ticket),
+              StatusIs(absl::StatusCode::kUnavailable,
+                       HasSubstrs("issued by memra-kvd instance (epoch) 41",
+                                  "this daemon is instance 42", "fresh ticket")));
+  // The refusal claimed nothing: this daemon's own ticket for connection 1 still attaches.
+  absl::StatusOr<HandoffClaim> claim = handoff_->ClaimTicket(channel->ticket());
+  ASSERT_THAT(claim, IsOk());
+  EXPECT_EQ(claim->connection, 1u);
 }
 
 TEST_F(ArenaHandoffTest, HandsTheArenaOnlyToTheBoundEngine) {

@@ -108,12 +108,20 @@ class AttachReactor final
     }
     if (!lease.ok() && hello.has_resume() && hello.resume_epoch() != 0 &&
         hello.resume_epoch() != epoch_ && !GetDaemonRestart(lease.status()).has_value()) {
-      // A daemon that knows nothing of the engine's daemon (no journal, or not this lineage):
-      // the engine still learns it was a restart, with both epochs.
+      // A daemon that does not have the engine of an earlier daemon: the engine still learns
+      // it was a restart, with both epochs, and why this daemon does not have it (docs/
+      // failure-model.md, "The restart error").
+      const std::string why =
+          leases_->restart().has_value()
+              ? absl::StrCat("engine ", hello.resume().engine_id(),
+                             " was not in the restart journal it re-adopted (",
+                             lease.status().message(), ")")
+              : std::string("it kept nothing of an earlier daemon (no service manager kept its "
+                            "state, or keep_kv_across_restarts = false); attach as a new engine");
       return DaemonRestartedError(
           DaemonRestart{hello.resume_epoch(), epoch_},
-          absl::StrCat("engine ", hello.resume().engine_id(), " was not re-adopted: ",
-                       lease.status().message()));
+          absl::StrCat("this engine attached to epoch ", hello.resume_epoch(),
+                       " and the daemon answering does not have it: ", why));
     }
     RETURN_IF_ERROR(lease.status());
     engine_ = lease->id;

@@ -201,12 +201,18 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Create(DaemonConfig config,
   // "Bumped": a router tells the restart from a reconnect; 0 is never an epoch.
   if (previous.has_value()) epoch = previous->epoch + 1 == 0 ? 1 : previous->epoch + 1;
   std::unique_ptr<RestartState> restart_state;
-  if (config.keep_kv_across_restarts && UnderServiceManager() &&
-      config.backend == Backend::kCuda && config.cuda_export == CudaExport::kIpc) {
+  std::string survival_off;
+  if (!config.keep_kv_across_restarts) {
+    survival_off = "keep_kv_across_restarts = false";
+  } else if (!UnderServiceManager()) {
+    survival_off = "no service manager ($NOTIFY_SOCKET unset): run under systemd or "
+                   "memra-kv-supervise";
+  } else if (config.backend == Backend::kCuda && config.cuda_export == CudaExport::kIpc) {
     // Legacy CUDA IPC memory dies with the exporting process: nothing to keep.
     spdlog::warn("KV does not survive a restart on the {} backend with CUDA IPC exports",
                  backend->Name());
-  } else if (config.keep_kv_across_restarts && UnderServiceManager()) {
+    survival_off = "cuda_export = ipc: that memory dies with the daemon";
+  } else {
     // Every session holds an arena and every known engine a slot: max_arenas + engines bounds
     // the records (the file is sparse: unused slots cost no memory).
     const uint64_t slots = std::min<uint64_t>(
@@ -217,6 +223,8 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Create(DaemonConfig config,
       restart_state = *std::move(created);
     } else {  // serve anyway: the cache matters more than surviving the next restart
       spdlog::error("KV will not survive a restart: {}", created.status().ToString());
+      survival_off =
+          absl::StrCat("the restart journal could not be made: ", created.status().message());
     }
   }
   if (previous.has_value() && restart_state == nullptr) {
@@ -250,6 +258,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Create(DaemonConfig config,
       new Daemon(std::move(config), std::move(backend), clock,
                  std::move(budget), epoch, std::move(scopes), std::move(restart_state),
                  *std::move(prefix_cache)));
+  daemon->survival_off_ = std::move(survival_off);
   if (previous.has_value()) {
     daemon->Readopt(*std::move(previous));
   } else if (daemon->restart_state_ != nullptr) {
@@ -360,11 +369,41 @@ void Daemon::Readopt(PreviousDaemon previous) {
                  record.owner(), reason);
     not_readopted[record.id()] = std::move(reason);
   }
+  const size_t lost_now = not_readopted.size();
+  // Why sessions were not re-adopted outlives this daemon: the next one tells their engines too
+  // (issue 26), until the engine is reclaimed. Earlier restarts' reasons come along, naming the
+  // restart they were lost in.
+  for (const auto& lost : previous.lost_sessions) {
+    if (!engines.contains(lost.owner()) || not_readopted.contains(lost.id())) continue;
+    not_readopted[lost.id()] =
+        absl::StrCat(lost.reason(), " (at the restart from epoch ", lost.lost_from_epoch(),
+                     " to ", lost.lost_at_epoch(), ")");
+    if (restart_state_ != nullptr) restart_state_->SessionLost(lost);
+  }
+  if (restart_state_ != nullptr) {
+    for (const auto& record : previous.sessions) {
+      auto lost = not_readopted.find(record.id());
+      if (lost == not_readopted.end() || !engines.contains(record.owner())) continue;
+      memra::kvd::journal::LostSessionRecord journaled;
+      journaled.set_id(record.id());
+      journaled.set_owner(record.owner());
+      journaled.set_reason(lost->second);
+      journaled.set_lost_from_epoch(previous.epoch);
+      journaled.set_lost_at_epoch(epoch_);
+      restart_state_->SessionLost(journaled);
+    }
+  }
   readopted_.previous_epoch = previous.epoch;
   readopted_.engines = engines.size();
-  readopted_.not_readopted = not_readopted.size();
+  readopted_.not_readopted = lost_now;
   readopted_.torn_records = previous.torn_records;
-  sessions_.SetRestart(restart, std::move(not_readopted));
+  if (previous.unreadable_records > 0) {
+    spdlog::warn("restart: {} journal records could not be read; sessions below id {} that are "
+                 "not re-adopted answer the restart error",
+                 previous.unreadable_records, previous.next_session_id);
+  }
+  sessions_.SetRestart(restart, std::move(not_readopted), previous.unreadable_records,
+                       previous.next_session_id);
   leases_.SetRestart(restart, {});
   if (restart_state_ != nullptr) {
     // This daemon's journal first, then the previous daemon's leftovers go: a crash in between
@@ -435,6 +474,20 @@ Daemon::Daemon(DaemonConfig config, std::unique_ptr<DeviceBackend> backend, Cloc
   arena_pool_.InstallEvictor(*budget_);
 }
 
+RestartSurvival Daemon::restart_survival() const {
+  if (restart_state_ == nullptr) {
+    return RestartSurvival{.state = RestartSurvival::State::kOff, .detail = survival_off_};
+  }
+  if (std::optional<std::string> lost = restart_state_->store_lost(); lost.has_value()) {
+    return RestartSurvival{.state = RestartSurvival::State::kLost, .detail = *std::move(lost)};
+  }
+  return RestartSurvival{
+      .state = RestartSurvival::State::kOn,
+      .detail = absl::StrCat("journal-", restart_state_->generation(), " and ",
+                             restart_state_->stored_fds(),
+                             " descriptors in the service manager's fd store")};
+}
+
 PrefixService::SessionFinder Daemon::FindSession() {
   return [this](const pb::SessionRef& ref) { return sessions_.Find(SessionCredentialsOf(ref)); };
 }
@@ -449,6 +502,7 @@ ArenaHandoff::Options Daemon::HandoffOptions() const {
   options.group = start_config_.socket_group;
   options.mode = start_config_.socket_mode;
   options.max_connections = static_cast<size_t>(start_config_.max_attached_engines);
+  options.instance = epoch_;
   return options;
 }
 
@@ -486,6 +540,7 @@ AdminService::Parts Daemon::AdminParts(ServedSocket socket) {
                              .started = started_,
                              .set_draining = [this](bool draining) { return SetDraining(draining); },
                              .socket = std::move(socket),
+                             .restart_survival = [this] { return restart_survival(); },
                              .remote_tier_up = [this]() -> std::optional<bool> {
                                if (prefix_cache_ == nullptr ||
                                    prefix_cache_->remote_tier() == nullptr) {
@@ -593,7 +648,15 @@ absl::StatusOr<std::unique_ptr<grpc::Server>> Daemon::Serve(
 }
 
 void Daemon::LeaseLoop() {
+  // Whether the service manager still keeps what this daemon stores, asked every second (real
+  // time: a test's FakeClock does not move it).
+  constexpr absl::Duration kStoreProbePeriod = absl::Seconds(1);
+  absl::Time next_store_probe = absl::Now();
   while (true) {
+    if (restart_state_ != nullptr && absl::Now() >= next_store_probe) {
+      restart_state_->ProbeStore();
+      next_store_probe = absl::Now() + kStoreProbePeriod;
+    }
     const LeaseSettings lease = leases_.settings();
     const absl::Duration period =
         std::clamp(std::min(lease.timeout, lease.grace + absl::Milliseconds(1)) / 5,

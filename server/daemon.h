@@ -138,6 +138,8 @@ class Daemon {
   uint64_t epoch() const { return epoch_; }
   // Null when this daemon keeps nothing for a restart.
   const RestartState* restart_state() const { return restart_state_.get(); }
+  // Whether KV survives this daemon's crash now, and why not.
+  RestartSurvival restart_survival() const;
 
   // What KvAdmin.GetStatus answers.
   memra::kv::v1::GetStatusResponse GetStatus() const { return operator_admin_service_.Status(); }
@@ -220,6 +222,8 @@ class Daemon {
   // that report to it.
   const std::unique_ptr<RestartState> restart_state_;
   Readopted readopted_;  // set by Readopt() before serving, constant after
+  // Why restart_state_ is null (set by Create() before serving, constant after).
+  std::string survival_off_;
   // Every metric of this daemon (server/daemon_metrics.cc). Filled by Start().
   metrics::Registry metrics_;
   PlanRegistry plans_;

@@ -170,6 +170,13 @@ Daemon::RegisterMetrics() {
           return samples;
         })));
   }
+  RETURN_IF_ERROR(metrics_.AddCallbackGauge(
+      "memra_restart_survival",
+      "1 while the KV would survive this daemon's crash (a service manager keeps its journal and "
+      "arenas); 0 when it would not (none configured, or the service manager stopped answering).",
+      [this] {
+        return restart_survival().state == RestartSurvival::State::kOn ? 1.0 : 0.0;
+      }));
   // The remote tier (server/remote_tier.h): no samples without one.
   auto remote = [prefix](auto read) {
     return prefix([read](const PrefixCacheStats& s) -> std::vector<CallbackSample> {

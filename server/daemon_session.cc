@@ -799,6 +799,14 @@ void DaemonSession::FillLayout(const SessionLayoutVersion& layout, pb::SessionLa
     layer->set_index_pool(geometry.index_pool);
     layer->set_index_physical_rows(geometry.index_physical_rows);
     layer->set_index_ring(geometry.index_ring);
+    layer->set_head_dim_k(geometry.head_dim_k);
+    layer->set_head_dim_v(geometry.head_dim_v);
+    layer->set_n_head_kv(geometry.n_head_kv);
+    layer->mutable_k_scale()->Add(geometry.k_scale.begin(), geometry.k_scale.end());
+    layer->mutable_v_scale()->Add(geometry.v_scale.begin(), geometry.v_scale.end());
+    if (geometry.kind == StateKind::kLatent) {
+      layer->set_latent_format(ElementFormatToProto(geometry.latent_format));
+    }
   }
   for (size_t i = 0; i < layout.plan.planes.size(); ++i) {
     const PlaneSpec& spec = layout.plan.planes[i];

@@ -139,6 +139,11 @@ void EngineLeases::SetRestart(DaemonRestart restart,
   not_readopted_ = std::move(not_readopted);
 }
 
+std::optional<DaemonRestart> EngineLeases::restart() const {
+  absl::MutexLock lock(&mu_);
+  return restart_;
+}
+
 absl::Status EngineLeases::Heartbeat(EngineId id) {
   absl::MutexLock lock(&mu_);
   auto it = engines_.find(id.value);
@@ -308,6 +313,7 @@ std::vector<EngineView> EngineLeases::Engines() const {
     views.push_back(EngineView{
         engine.id, engine.identity.name, engine.identity.peer, engine.identity.cache_scope,
         !engine.lease_ended.has_value() && now - engine.last_heartbeat <= settings_.timeout,
+        !engine.lease_ended.has_value() && engine.stream == 0,
         now - (engine.lease_ended.has_value() ? *engine.lease_ended : engine.last_heartbeat)});
   }
   return views;

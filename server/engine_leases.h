@@ -85,6 +85,8 @@ struct EngineView {
   PeerCredentials peer;
   std::string cache_scope;
   bool lease_live = false;
+  // Re-adopted after a restart, no Attach stream yet (the lease runs from the restart).
+  bool awaiting_reattach = false;
   absl::Duration heartbeat_age;  // since the last heartbeat, or since the lease ended
 };
 
@@ -139,6 +141,9 @@ class EngineLeases {
   // why) get the restart error instead of NOT_FOUND.
   void SetRestart(DaemonRestart restart, absl::flat_hash_map<uint64_t, std::string> not_readopted)
       ABSL_LOCKS_EXCLUDED(mu_);
+  // The restart this daemon re-adopted the previous daemon's state from; nullopt when it kept
+  // nothing of an earlier daemon.
+  std::optional<DaemonRestart> restart() const ABSL_LOCKS_EXCLUDED(mu_);
 
   // OK when the credentials name an attached engine whose lease is live: NOT_FOUND unknown
   // engine, PERMISSION_DENIED wrong token, FAILED_PRECONDITION lease ended.

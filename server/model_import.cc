@@ -568,7 +568,114 @@ absl::StatusOr<Json> ParseConfigObject(absl::string_view json_text) {
   return root;
 }
 
+// An element format by any name an engine or a config uses for it.
+std::optional<ElementFormat> ElementFormatByAlias(absl::string_view name) {
+  static const std::pair<absl::string_view, ElementFormat> kAliases[] = {
+      {"bf16", ElementFormat::kBf16},         {"bfloat16", ElementFormat::kBf16},
+      {"f16", ElementFormat::kF16},           {"fp16", ElementFormat::kF16},
+      {"float16", ElementFormat::kF16},       {"half", ElementFormat::kF16},
+      {"f32", ElementFormat::kF32},           {"fp32", ElementFormat::kF32},
+      {"float32", ElementFormat::kF32},       {"float", ElementFormat::kF32},
+      {"fp8_e4m3", ElementFormat::kFp8E4m3},  {"fp8_e5m2", ElementFormat::kFp8E5m2},
+  };
+  for (const auto& [alias, format] : kAliases) {
+    if (name == alias) return format;
+  }
+  return std::nullopt;
+}
+
+KvDtypeChoice AllIn(ElementFormat element) {
+  return {KvDtypeChoice::Mode::kExplicit, {KFormatOf(element), VFormatOf(element)}, element};
+}
+
+// What --kv-dtype=auto means for this config, and the words that say why.
+absl::StatusOr<std::pair<KvDtypeChoice, std::string>> AutoKvDtype(const Fields& top,
+                                                                  const Fields& text) {
+  if (top.Has("quantization_config")) {
+    ASSIGN_OR_RETURN(const Fields quantization, top.Object("quantization_config"));
+    if (quantization.Has("kv_cache_scheme")) {
+      ASSIGN_OR_RETURN(const Fields scheme, quantization.Object("kv_cache_scheme"));
+      ASSIGN_OR_RETURN(std::optional<std::string> type, scheme.OptionalString("type"));
+      ASSIGN_OR_RETURN(std::optional<uint32_t> bits, scheme.OptionalUint("num_bits"));
+      if (type != "float" || bits != 8) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "field ", quantization.Path("kv_cache_scheme"), ": type ", type.value_or("(unset)"),
+            " with num_bits ", bits.has_value() ? absl::StrCat(*bits) : "(unset)",
+            " is not an fp8 KV cache (float, 8 bits); say --kv-dtype"));
+      }
+      return std::make_pair(AllIn(ElementFormat::kFp8E4m3),
+                            absl::StrCat("fp8_e4m3 from ", quantization.Path("kv_cache_scheme")));
+    }
+    ASSIGN_OR_RETURN(std::optional<std::string> algo,
+                     quantization.OptionalString("kv_cache_quant_algo"));
+    if (algo.has_value()) {
+      if (*algo != "FP8") {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "field ", quantization.Path("kv_cache_quant_algo"), ": \"", *algo,
+            "\" is not an fp8 KV cache (FP8); say --kv-dtype"));
+      }
+      return std::make_pair(AllIn(ElementFormat::kFp8E4m3),
+                            absl::StrCat("fp8_e4m3 from ",
+                                         quantization.Path("kv_cache_quant_algo")));
+    }
+  }
+  // The text model's dtype first (a multimodal config's text_config), then the top level's.
+  for (const Fields* fields : {&text, &top}) {
+    for (absl::string_view key : {"torch_dtype", "dtype"}) {
+      ASSIGN_OR_RETURN(std::optional<std::string> dtype, fields->OptionalString(key));
+      if (!dtype.has_value()) continue;
+      const std::optional<ElementFormat> element = ElementFormatByAlias(*dtype);
+      if (!element.has_value() || LayoutOf(*element).scaled) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "field ", fields->Path(key), ": \"", *dtype,
+            "\" is not a KV cache dtype (bfloat16 | float16 | float32); say --kv-dtype"));
+      }
+      return std::make_pair(AllIn(*element),
+                            absl::StrCat(std::string(ElementFormatName(*element)), " from ",
+                                         fields->Path(key), " ", *dtype));
+    }
+  }
+  // Nothing to go by: the daemon's defaults decide, as before this option existed.
+  return std::make_pair(KvDtypeChoice{KvDtypeChoice::Mode::kReference, {}, {}},
+                        std::string("reference: the config names no torch_dtype"));
+}
+
+void ApplyKvDtype(const KvDtypeChoice& choice, ModelPlan& plan) {
+  if (choice.mode != KvDtypeChoice::Mode::kExplicit) return;
+  for (std::vector<LayerPlan>* group : {&plan.layers, &plan.mtp_blocks}) {
+    for (LayerPlan& layer : *group) {
+      if (layer.kind == StateKind::kKv || layer.kind == StateKind::kSlidingKv) {
+        layer.formats = choice.formats;
+      } else if (layer.kind == StateKind::kLatent && choice.latent.has_value()) {
+        layer.latent_format = *choice.latent;
+      }
+    }
+  }
+}
+
 }  // namespace
+
+absl::StatusOr<KvDtypeChoice> ParseKvDtype(absl::string_view text) {
+  if (text.empty() || text == "auto") return KvDtypeChoice{};
+  if (text == "reference") return KvDtypeChoice{KvDtypeChoice::Mode::kReference, {}, {}};
+  if (const std::optional<ElementFormat> element = ElementFormatByAlias(text)) {
+    return AllIn(*element);
+  }
+  const size_t slash = text.find('/');
+  if (slash != absl::string_view::npos) {
+    absl::StatusOr<KFormat> k = ParseKFormat(std::string(text.substr(0, slash)));
+    absl::StatusOr<VFormat> v = ParseVFormat(std::string(text.substr(slash + 1)));
+    if (k.ok() && v.ok()) {
+      return KvDtypeChoice{KvDtypeChoice::Mode::kExplicit, {*k, *v}, std::nullopt};
+    }
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--kv-dtype ", std::string(text), ": ", (k.ok() ? v.status() : k.status()).message()));
+  }
+  return absl::InvalidArgumentError(absl::StrCat(
+      "--kv-dtype ", std::string(text),
+      " unsupported (auto | reference | bf16 | fp16 | f32 | fp8_e4m3 | fp8_e5m2 | a K/V pair "
+      "such as q8_0/q5_1)"));
+}
 
 std::vector<std::string> SupportedHuggingFaceArchitectures() {
   std::vector<std::string> names;
@@ -584,6 +691,13 @@ absl::StatusOr<std::string> HuggingFaceArchitecture(absl::string_view json_text)
 
 absl::StatusOr<ModelPlan> ImportHuggingFaceConfig(absl::string_view json_text,
                                                   const ImportOptions& options) {
+  ASSIGN_OR_RETURN(ImportedModel imported, ImportHuggingFaceModel(json_text, options));
+  return std::move(imported.plan);
+}
+
+absl::StatusOr<ImportedModel> ImportHuggingFaceModel(absl::string_view json_text,
+                                                     const ImportOptions& options) {
+  ASSIGN_OR_RETURN(const KvDtypeChoice asked, ParseKvDtype(options.kv_dtype));
   ASSIGN_OR_RETURN(const Json root, ParseConfigObject(json_text));
   const Fields top(&root, "");
   ASSIGN_OR_RETURN(const Architecture* architecture, FindArchitecture(top));
@@ -627,14 +741,37 @@ absl::StatusOr<ModelPlan> ImportHuggingFaceConfig(absl::string_view json_text,
   plan->swa_ring = options.swa_ring;
   plan->index_ring_rows = options.index_ring_rows;
 
+  ImportedModel imported;
+  KvDtypeChoice choice = asked;
+  switch (asked.mode) {
+    case KvDtypeChoice::Mode::kAuto: {
+      absl::StatusOr<std::pair<KvDtypeChoice, std::string>> automatic = AutoKvDtype(top, fields);
+      if (!automatic.ok()) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(architecture->name, ": ", automatic.status().message()));
+      }
+      choice = automatic->first;
+      imported.kv_dtype = automatic->second;
+      break;
+    }
+    case KvDtypeChoice::Mode::kReference:
+      imported.kv_dtype = "reference: the daemon's format defaults per attention class";
+      break;
+    case KvDtypeChoice::Mode::kExplicit:
+      imported.kv_dtype = absl::StrCat("--kv-dtype ", options.kv_dtype);
+      break;
+  }
+  ApplyKvDtype(choice, *plan);
+
   // The geometry came from a file: a plan that breaks a structural rule (e.g. head_dim not a
-  // multiple of 32 for the quantized formats) is the config's problem, reported as such.
+  // multiple of 32 for a block format) is the config's problem, reported as such.
   absl::Status valid = ValidateModelPlan(*plan);
   if (!valid.ok()) {
     return absl::InvalidArgumentError(
         absl::StrCat(architecture->name, ": the imported plan is not valid: ", valid.message()));
   }
-  return plan;
+  imported.plan = *std::move(plan);
+  return imported;
 }
 
 }  // namespace memra

@@ -41,7 +41,21 @@
 //              d_inner = mamba_expand x hidden_size, conv_width = d_inner,
 //              conv_kernel = mamba_d_conv, state_width = d_inner x mamba_d_state.
 //
-// K/V formats are left unset: FormatDefaults decide per attention class, as for any plan.
+// K/V formats follow ImportOptions::kv_dtype (ParseKvDtype):
+//   auto       (the default) the dtype the engine keeps its cache in: an fp8 KV cache when the
+//              config's `quantization_config` declares one (compressed-tensors `kv_cache_scheme`
+//              {type: float, num_bits: 8}, or ModelOpt `kv_cache_quant_algo` "FP8") -> fp8_e4m3
+//              (the per-tensor / per-head scales live in the checkpoint: the engine puts them
+//              in the plan's k_scale / v_scale); else `torch_dtype` (or `dtype`; the text
+//              config's first): bfloat16 -> bf16, float16 -> f16, float32 -> f32. Every K/V
+//              layer and every latent row takes that element format. A config that names no
+//              dtype gets `reference` (below), as imports did before this option.
+//   reference  formats left unset: the daemon's FormatDefaults (the reference's environment
+//              doors) decide per attention class, with the reference's block formats; latent
+//              rows f32.
+//   ELEMENT    bf16 | f16 (fp16) | f32 | fp8_e4m3 | fp8_e5m2: every K/V layer and latent row.
+//   K/V        a pair of K and V format names (q8_0/q5_1, fp8/fp8, bf16/q4_0, ...): every K/V
+//              layer; latent rows f32.
 // Every refusal is INVALID_ARGUMENT naming the field (dotted path, e.g. "text_config.head_dim")
 // or architecture and the value. The result passes ValidateModelPlan.
 //
@@ -68,11 +82,35 @@ struct ImportOptions {
   std::optional<uint32_t> index_ring_rows;
   // DSA indexer pool (tokens per pool key) when the config has no `index_kpool`.
   std::optional<uint32_t> index_pool;
+  // Which K/V formats the plan gets (the header comment; ParseKvDtype): "" means "auto".
+  std::string kv_dtype;
 };
+
+// A parsed --kv-dtype. kAuto reads the config; kReference leaves formats unset; kExplicit sets
+// `formats` on every K/V layer and `latent` (when set) on every latent row.
+struct KvDtypeChoice {
+  enum class Mode { kAuto, kReference, kExplicit };
+  Mode mode = Mode::kAuto;
+  KvFormats formats;
+  std::optional<ElementFormat> latent;
+};
+// INVALID_ARGUMENT naming the value and the accepted forms.
+absl::StatusOr<KvDtypeChoice> ParseKvDtype(absl::string_view text);
+
+// An imported plan and what chose its K/V formats, for the operator ("bf16 from torch_dtype
+// bfloat16", "fp8_e4m3 from quantization_config.kv_cache_scheme", "--kv-dtype q8_0/q5_1",
+// "reference: the daemon's format defaults").
+struct ImportedModel {
+  ModelPlan plan;
+  std::string kv_dtype;
+};
+absl::StatusOr<ImportedModel> ImportHuggingFaceModel(absl::string_view json_text,
+                                                     const ImportOptions& options);
 
 // The values of architectures[0] this importer accepts, for help text.
 std::vector<std::string> SupportedHuggingFaceArchitectures();
 
+// ImportHuggingFaceModel's plan.
 absl::StatusOr<ModelPlan> ImportHuggingFaceConfig(absl::string_view json_text,
                                                   const ImportOptions& options);
 

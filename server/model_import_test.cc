@@ -7,6 +7,8 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "core/admission.h"
+#include "core/arena_layout.h"
 #include "core/formats.h"
 #include "core/model_plan.h"
 #include "core/sizing.h"
@@ -32,7 +34,14 @@ std::string ReadConfig(const std::string& file) {
   return text.str();
 }
 
-ModelPlan Import(const std::string& file, const ImportOptions& options = {}) {
+// The reference's formats: FormatDefaults decide (what the geometry tests below work out).
+ImportOptions Reference() {
+  ImportOptions options;
+  options.kv_dtype = "reference";
+  return options;
+}
+
+ModelPlan Import(const std::string& file, const ImportOptions& options = Reference()) {
   absl::StatusOr<ModelPlan> plan = ImportHuggingFaceConfig(ReadConfig(file), options);
   EXPECT_THAT(plan, IsOk()) << file;
   return plan.ok() ? *std::move(plan) : ModelPlan{};
@@ -124,6 +133,189 @@ TEST(ImportHuggingFaceConfigTest, PublishedConfigsImportWithTheirWorkedBytesPerT
   }
 }
 
+// Admission at capacity 8192 in the dtype an engine keeps its cache in, worked out by hand, for
+// the four families of docs/rules.md#formats: plane bytes, the per-token coefficient, and the
+// arena admission charges (planes 256-aligned in layer order, the arena rounded to 4 KiB pages):
+// cost == charge == allocation.
+struct DtypeAdmission {
+  const char* file;
+  const char* kv_dtype;
+  uint64_t bytes_per_token;
+  uint64_t total_bytes;  // planes, unrounded
+  uint64_t arena_bytes;  // what admission charges and the daemon allocates
+};
+
+const DtypeAdmission kDtypeAdmissions[] = {
+    // Llama-3.1-8B, 32 x 8 KV heads x 128 = 1024 elements for K and for V.
+    // bf16: 2048 + 2048 = 4096 B/token/layer, x 32 = 131072. Planes: K and V 8192 x 2048 + 8
+    // (tail pad) = 16,777,224 each, len mirror 4: 131072 x 8192 + 32 x 20 = 1,073,742,464.
+    // Arena: per layer 2 x 16,777,472 (next 256) + 256 = 33,555,200, x 32 = 1,073,766,400,
+    // minus the last mirror's 252 unused bytes = 1,073,766,148, up to 4096: 1,073,766,400.
+    {"llama-3.1-8b.json", "auto", 131'072, 1'073'742'464, 1'073'766'400},
+    // fp8_e4m3: 1024 + 1024 = 2048 x 32 = 65536; planes 8,388,616 (-> 8,388,864):
+    // 65536 x 8192 + 640 = 536,871,552; arena 32 x 16,777,984 = 536,895,488.
+    {"llama-3.1-8b.json", "fp8_e4m3", 65'536, 536'871'552, 536'895'488},
+    // Qwen2.5-7B, 28 x 4 KV heads x 128 = 512 elements. bf16: 2048 x 28 = 57344;
+    // 57344 x 8192 + 28 x 20 = 469,762,608; arena 28 x 16,777,984 = 469,783,552 - 252, up to
+    // 4096: 469,786,624.
+    {"qwen2.5-7b.json", "bf16", 57'344, 469'762'608, 469'786'624},
+    // fp8: 1024 x 28 = 28672; 234,881,024 + 560 = 234,881,584; arena 28 x 8,389,120 =
+    // 234,895,360 - 252, up to 4096: 234,905,600.
+    {"qwen2.5-7b.json", "fp8_e4m3", 28'672, 234'881'584, 234'905'600},
+    // Qwen3-Next-80B-A3B: 12 full-attention layers + 1 MTP block of 2 KV heads x 256 = 512
+    // elements: bf16 2048 x 13 = 26624 B/token. Fixed: 13 x 20 + 36 Gated DeltaNet layers of
+    // conv 8192 x 3 f32 (98,304) + 2 SSM 32 x 128 x 128 f32 (2 x 2,097,152) = 154,534,148.
+    // 26624 x 8192 + 154,534,148 = 372,637,956; arena (every plane but the mirrors and the
+    // K/V tail pads already 256-multiples): 372,649,984.
+    {"qwen3-next-80b-a3b.json", "auto", 26'624, 372'637'956, 372'649'984},
+    // fp8: 1024 x 13 = 13312; 109,051,904 + 154,534,148 = 263,586,052; arena 263,598,080.
+    {"qwen3-next-80b-a3b.json", "fp8_e4m3", 13'312, 263'586'052, 263'598'080},
+    // DeepSeek-V3: 61 MLA layers + 1 NextN block, one latent row of 512 + 64 = 576 elements.
+    // bf16: 1152 x 62 = 71424; 71424 x 8192 + 62 x 4 = 585,105,656; arena per layer 256
+    // (mirror) + 8192 x 1152 = 9,437,440, x 62 = 585,121,280, up to 4096: 585,121,792.
+    {"deepseek-v3.json", "auto", 71'424, 585'105'656, 585'121'792},
+    // fp8: 576 x 62 = 35712; 292,552,704 + 248 = 292,552,952; arena 62 x 4,718,848 =
+    // 292,568,576, up to 4096: 292,569,088.
+    {"deepseek-v3.json", "fp8_e4m3", 35'712, 292'552'952, 292'569'088},
+};
+
+TEST(ImportHuggingFaceConfigTest, AdmissionInTheEnginesDtypeIsWorkedOutByHand) {
+  constexpr ArenaRounding kPages{kPlaneAlignment, 4096};
+  for (const DtypeAdmission& expected : kDtypeAdmissions) {
+    SCOPED_TRACE(absl::StrCat(expected.file, " ", expected.kv_dtype));
+    ImportOptions options;
+    options.kv_dtype = expected.kv_dtype;
+    const ModelPlan plan = Import(expected.file, options);
+    SessionShape request;
+    request.capacity = 8192;
+    absl::StatusOr<CostReport> cost = SessionCost(plan, FormatDefaults{}, request, kPages);
+    ASSERT_THAT(cost, IsOk());
+    EXPECT_EQ(cost->breakdown.bytes_per_token, expected.bytes_per_token);
+    EXPECT_EQ(cost->breakdown.total_bytes, expected.total_bytes);
+    EXPECT_EQ(cost->arena_bytes, expected.arena_bytes);
+    // The allocation is that arena, and the ledger admits exactly it.
+    absl::StatusOr<SessionPlan> session = PlanSession(plan, FormatDefaults{}, request);
+    ASSERT_THAT(session, IsOk());
+    absl::StatusOr<ArenaLayout> layout =
+        LayoutArena(session->planes, kPages.alignment, kPages.granularity);
+    ASSERT_THAT(layout, IsOk());
+    EXPECT_EQ(layout->bytes, expected.arena_bytes);
+    AdmissionLedger ledger(expected.arena_bytes);
+    absl::StatusOr<ReservationId> reservation =
+        ledger.Reserve(1, cost->arena_bytes, absl::UnixEpoch(), absl::Seconds(1));
+    ASSERT_THAT(reservation, IsOk());
+    ASSERT_THAT(ledger.Commit(*reservation, layout->bytes), IsOk());
+    EXPECT_EQ(ledger.free(), 0u);
+  }
+}
+
+TEST(ImportHuggingFaceConfigTest, AutoTakesTorchDtypeForEveryKvLayerAndLatentRow) {
+  absl::StatusOr<ImportedModel> llama =
+      ImportHuggingFaceModel(ReadConfig("llama-3.1-8b.json"), ImportOptions{});
+  ASSERT_THAT(llama, IsOk());
+  EXPECT_EQ(llama->kv_dtype, "bf16 from torch_dtype bfloat16");
+  for (const LayerPlan* layer : llama->plan.AllLayers()) {
+    EXPECT_EQ(layer->formats, (KvFormats{KFormat::kBf16, VFormat::kBf16}));
+  }
+  // Gemma's classes are bypassed: every owner of K/V is bf16, globals and windowed alike.
+  const ModelPlan gemma = Import("gemma-3-27b-it.json", ImportOptions{});
+  EXPECT_EQ(PlanFormatsSummary(gemma, FormatDefaults{}), "K/V bf16/bf16");
+  const ModelPlan deepseek = Import("deepseek-v3.2-exp.json", ImportOptions{});
+  EXPECT_EQ(PlanFormatsSummary(deepseek, FormatDefaults{}), "latent bf16");
+  // The indexer stays f32: 62 x (1152 + 512 pool-key bytes per token; the tail ring is fixed).
+  EXPECT_EQ(Cost(deepseek).bytes_per_token, 62u * (1152 + 512));
+}
+
+TEST(ImportHuggingFaceConfigTest, KvDtypeOverridesAndPairs) {
+  const auto imported = [](const std::string& kv_dtype) {
+    ImportOptions options;
+    options.kv_dtype = kv_dtype;
+    return Import("llama-3.1-8b.json", options);
+  };
+  EXPECT_EQ(imported("fp16").layers[0].formats, (KvFormats{KFormat::kF16, VFormat::kF16}));
+  EXPECT_EQ(imported("float32").layers[0].formats, (KvFormats{KFormat::kF32, VFormat::kF32}));
+  EXPECT_EQ(imported("fp8_e5m2").layers[0].formats,
+            (KvFormats{KFormat::kFp8E5m2, VFormat::kFp8E5m2}));
+  EXPECT_EQ(imported("q8_0/q4_0").layers[0].formats, (KvFormats{KFormat::kQ8_0, VFormat::kQ4_0}));
+  EXPECT_EQ(imported("bf16/q5_1").layers[0].formats, (KvFormats{KFormat::kBf16, VFormat::kQ5_1}));
+  EXPECT_FALSE(imported("reference").layers[0].formats.has_value());
+  // A pair leaves latent rows at the reference's f32.
+  ImportOptions pair;
+  pair.kv_dtype = "fp8/fp8";
+  EXPECT_EQ(PlanFormatsSummary(Import("deepseek-v3.json", pair), FormatDefaults{}),
+            "latent f32");
+}
+
+TEST(ImportHuggingFaceConfigTest, Fp8KvCacheInTheQuantizationConfigWinsOverTorchDtype) {
+  for (const char* quantization :
+       {R"("quantization_config": {"quant_method": "compressed-tensors",
+            "kv_cache_scheme": {"type": "float", "num_bits": 8, "strategy": "tensor"}})",
+        R"("quantization_config": {"quant_method": "modelopt", "kv_cache_quant_algo": "FP8"})"}) {
+    SCOPED_TRACE(quantization);
+    const std::string config = absl::StrCat(R"({"architectures": ["LlamaForCausalLM"],
+        "num_hidden_layers": 2, "num_attention_heads": 32, "num_key_value_heads": 8,
+        "hidden_size": 4096, "torch_dtype": "bfloat16", )",
+                                            quantization, "}");
+    absl::StatusOr<ImportedModel> model = ImportHuggingFaceModel(config, ImportOptions{});
+    ASSERT_THAT(model, IsOk());
+    EXPECT_THAT(model->kv_dtype, ::testing::StartsWith("fp8_e4m3 from quantization_config."));
+    EXPECT_EQ(model->plan.layers[1].formats, (KvFormats{KFormat::kFp8E4m3, VFormat::kFp8E4m3}));
+    EXPECT_TRUE(model->plan.layers[1].k_scale.empty());  // the engine supplies its scales
+  }
+  // Weight-only quantization (DeepSeek's fp8 weights) says nothing about the KV cache.
+  absl::StatusOr<ImportedModel> weights = ImportHuggingFaceModel(R"({
+      "architectures": ["LlamaForCausalLM"], "num_hidden_layers": 2, "num_attention_heads": 32,
+      "hidden_size": 4096, "torch_dtype": "float16",
+      "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}})",
+                                                                 ImportOptions{});
+  ASSERT_THAT(weights, IsOk());
+  EXPECT_EQ(weights->kv_dtype, "f16 from torch_dtype float16");
+}
+
+TEST(ImportHuggingFaceConfigTest, KvDtypeRefusalsNameTheValue) {
+  const std::string llama = ReadConfig("llama-3.1-8b.json");
+  ImportOptions unknown;
+  unknown.kv_dtype = "int4";
+  EXPECT_THAT(ImportHuggingFaceModel(llama, unknown),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstrs("--kv-dtype int4 unsupported (auto | reference | bf16 | fp16")));
+  ImportOptions bad_pair;
+  bad_pair.kv_dtype = "q8_0/q8_0";
+  EXPECT_THAT(ImportHuggingFaceModel(llama, bad_pair),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstrs("--kv-dtype q8_0/q8_0: V format \"q8_0\" unsupported")));
+  ImportOptions block_head;  // Phi-2's head dim 80 cannot hold q4_0 blocks
+  block_head.kv_dtype = "bf16/q4_0";
+  EXPECT_THAT(ImportHuggingFaceModel(R"({"architectures": ["LlamaForCausalLM"],
+      "num_hidden_layers": 2, "num_attention_heads": 32, "hidden_size": 2560})",
+                                     block_head),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstrs("LlamaForCausalLM: the imported plan is not valid: layer 0 (kv): "
+                                  "V format q4_0 stores 32-element blocks, which head_dim_v 80 "
+                                  "cannot hold whole")));
+  EXPECT_THAT(ImportHuggingFaceModel(R"({"architectures": ["LlamaForCausalLM"],
+      "num_hidden_layers": 2, "num_attention_heads": 32, "hidden_size": 4096,
+      "torch_dtype": "int8"})",
+                                     ImportOptions{}),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstrs("field torch_dtype: \"int8\" is not a KV cache dtype")));
+  EXPECT_THAT(ImportHuggingFaceModel(R"({"architectures": ["LlamaForCausalLM"],
+      "num_hidden_layers": 2, "num_attention_heads": 32, "hidden_size": 4096,
+      "quantization_config": {"kv_cache_scheme": {"type": "int", "num_bits": 8}}})",
+                                     ImportOptions{}),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstrs("field quantization_config.kv_cache_scheme: type int with "
+                                  "num_bits 8 is not an fp8 KV cache")));
+  // No dtype at all: the daemon's defaults, as before --kv-dtype existed.
+  absl::StatusOr<ImportedModel> bare = ImportHuggingFaceModel(R"({
+      "architectures": ["LlamaForCausalLM"], "num_hidden_layers": 2, "num_attention_heads": 32,
+      "hidden_size": 4096})",
+                                                              ImportOptions{});
+  ASSERT_THAT(bare, IsOk());
+  EXPECT_EQ(bare->kv_dtype, "reference: the config names no torch_dtype");
+  EXPECT_FALSE(bare->plan.layers[0].formats.has_value());
+}
+
 TEST(ImportHuggingFaceConfigTest, DenseGeometry) {
   const ModelPlan llama = Import("llama-3.1-8b.json");
   EXPECT_EQ(llama.name, "llama");  // no _name_or_path: model_type
@@ -135,7 +327,7 @@ TEST(ImportHuggingFaceConfigTest, DenseGeometry) {
 
 TEST(ImportHuggingFaceConfigTest, SwaRingOptionMovesSlidingBytesToTheRing) {
   EXPECT_EQ(Import("mistral-7b-v0.1.json").layers[31].window, 4096u);
-  ImportOptions ring;
+  ImportOptions ring = Reference();
   ring.swa_ring = true;
   const ModelPlan mistral = Import("mistral-7b-v0.1.json", ring);
   EXPECT_TRUE(mistral.swa_ring);
@@ -181,7 +373,7 @@ TEST(ImportHuggingFaceConfigTest, DsaIndexerPoolAndRingOptions) {
   EXPECT_EQ(plan.layers[0].index_pool, 1u);
   // GLM's k-pool of 4 (given as an option here; `index_kpool` in the file wins): pool keys
   // 512 / 4 = 128 B -> (2304 + 128) x 62 = 150784 B/token.
-  ImportOptions pooled;
+  ImportOptions pooled = Reference();
   pooled.index_pool = 4;
   const ModelPlan glm_style = Import("deepseek-v3.2-exp.json", pooled);
   EXPECT_EQ(glm_style.layers[0].index_pool, 4u);
@@ -197,7 +389,7 @@ TEST(ImportHuggingFaceConfigTest, IndexKpoolInTheFileWinsOverTheOption) {
   constexpr char kGlmStyle[] = R"({"architectures": ["DeepseekV32ForCausalLM"],
       "num_hidden_layers": 2, "kv_lora_rank": 512, "qk_rope_head_dim": 0,
       "index_head_dim": 128, "index_kpool": 4})";
-  ImportOptions options;
+  ImportOptions options = Reference();
   options.index_pool = 8;
   absl::StatusOr<ModelPlan> plan = ImportHuggingFaceConfig(kGlmStyle, options);
   ASSERT_THAT(plan, IsOk());
@@ -235,7 +427,7 @@ TEST(ImportHuggingFaceConfigTest, JambaMambaGeometry) {
 }
 
 TEST(ImportHuggingFaceConfigTest, NameOptionDoesNotChangeTheFingerprint) {
-  ImportOptions named;
+  ImportOptions named = Reference();
   named.name = "my-llama";
   const ModelPlan plan = Import("llama-3.1-8b.json", named);
   EXPECT_EQ(plan.name, "my-llama");

@@ -159,6 +159,7 @@ absl::StatusOr<ScopedShape> ShapeOf(const DaemonSession& session) {
   out.scope = params.cache_scope;
   out.shape = PrefixShapeFingerprint(model, params.shape);
   out.key = ScopedShapeFingerprint(out.scope, out.shape);
+  out.formats = PlanFormatsSummary(*params.model, params.defaults);
   return out;
 }
 
@@ -253,7 +254,8 @@ absl::StatusOr<StoredLayout> PlanStoredLayout(const SessionPlan& plan, const Ses
         break;
       }
       case StateKind::kLatent: {
-        ASSIGN_OR_RETURN(uint64_t row_bytes, CheckedMul(layer.latent_width, kF32, "latent row"));
+        ASSIGN_OR_RETURN(uint64_t row_bytes, FormatBytes(LayoutOf(layer.latent_format),
+                                                         layer.latent_width, "latent row"));
         ASSIGN_OR_RETURN(uint64_t bytes, CheckedMul(block_rows, row_bytes, "block latent rows"));
         RETURN_IF_ERROR(
             AddPiece(out.block_pieces, out.block_bytes, {il, PlaneKind::kLatentRows}, 0, bytes));
@@ -1540,10 +1542,18 @@ absl::StatusOr<PrefixRestoreResult> PrefixCache::Restore(DaemonSession& session,
               return absl::NotFoundError(absl::StrCat("prefix entry ", id->value,
                                                       " is not in cache scope ", shape.scope));
             }
+            // A shape differs by its formats as by any layout field; name them, since a
+            // format mismatch is the one an engine most often makes.
+            const auto known = scoped_shapes_.find(entry.fingerprint);
+            const std::string stored_formats =
+                known == scoped_shapes_.end() || known->second.formats.empty()
+                    ? "formats unknown"
+                    : known->second.formats;
             return absl::InvalidArgumentError(absl::StrCat(
                 "prefix entry ", id->value, " was captured for shape ",
-                FingerprintHex(stored.view.fingerprint), "; session ",
-                session.params().id.value, " has shape ", FingerprintHex(shape.shape)));
+                FingerprintHex(stored.view.fingerprint), " (", stored_formats, "); session ",
+                session.params().id.value, " has shape ", FingerprintHex(shape.shape), " (",
+                shape.formats, ")"));
           }
           while (matched < entry.blocks.size() && matched < keys.size() &&
                  entry.blocks[matched].key == keys[matched]) {

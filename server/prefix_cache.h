@@ -158,6 +158,9 @@ struct ScopedShape {
   std::string scope;
   PlanFingerprint shape{};
   PlanFingerprint key{};  // ScopedShapeFingerprint(scope, shape)
+  // The formats its sessions store (PlanFormatsSummary), for refusals that name them; empty
+  // where not known (engine pools, shapes known only from the journal or a remote tier).
+  std::string formats;
   // An engine pool's layout (block store), not a session shape; `shape` is then the layout
   // fingerprint (block_layout.h) and entries are single blocks of block_tokens tokens.
   bool engine_pool = false;

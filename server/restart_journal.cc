@@ -19,6 +19,8 @@ namespace {
 
 constexpr uint64_t kMagic = 0x4a564b41524d454dULL;  // "MEMRAKVJ" little-endian
 constexpr uint32_t kFormat = 1;
+// The seals that fix a journal's size, so its mapping can never fault.
+constexpr int kSizeSeals = F_SEAL_SHRINK | F_SEAL_GROW;
 
 // One half of a slot. `checksum` covers sequence, length and the payload bytes.
 struct HalfHeader {
@@ -34,7 +36,8 @@ uint64_t Checksum(uint64_t sequence, uint32_t length, const uint8_t* payload) {
   return XXH3_64bits_withSeed(payload, length, sequence * 0x9E3779B97F4A7C15ULL ^ length);
 }
 
-// A half's record when it is whole; nullopt when never written or torn (`torn` set then).
+// A half's record when it is whole; nullopt when never written or torn (`torn` set then;
+// `sequence` is then what its header claims, which a whole header still tells).
 struct HalfRead {
   uint64_t sequence = 0;
   bool valid = false;
@@ -48,7 +51,7 @@ HalfRead ReadHalf(const uint8_t* at) {
   if (header.length > RestartJournal::kMaxPayloadBytes ||
       Checksum(header.sequence, header.length, at + RestartJournal::kHalfHeaderBytes) !=
           header.checksum) {
-    return HalfRead{.sequence = 0, .valid = false, .torn = true};
+    return HalfRead{.sequence = header.sequence, .valid = false, .torn = true};
   }
   return HalfRead{.sequence = header.sequence, .valid = true, .torn = false};
 }
@@ -76,12 +79,17 @@ absl::StatusOr<std::unique_ptr<RestartJournal>> RestartJournal::Create(uint64_t 
     return absl::InvalidArgumentError(
         absl::StrCat("restart journal: ", slots, " slots requested; 1..", kMaxSlots, " allowed"));
   }
-  const int raw = memfd_create("memra-kv-journal", MFD_CLOEXEC);
+  const int raw = memfd_create("memra-kv-journal", MFD_CLOEXEC | MFD_ALLOW_SEALING);
   if (raw < 0) return PosixError("memfd_create for the restart journal", errno);
   ScopedFd fd(raw);
   const uint64_t bytes = kHeaderBytes + slots * kSlotBytes;
   if (ftruncate(fd.get(), static_cast<off_t>(bytes)) != 0) {
     return PosixError(absl::StrCat("ftruncate the restart journal to ", bytes, " bytes"), errno);
+  }
+  // Its size is fixed from here: a truncation (anyone holding the descriptor, the fd store's
+  // owner included) would make a write or a read of the mapping fault (SIGBUS) instead of fail.
+  if (fcntl(fd.get(), F_ADD_SEALS, kSizeSeals) != 0) {
+    return PosixError("sealing the restart journal's size (F_SEAL_SHRINK | F_SEAL_GROW)", errno);
   }
   ASSIGN_OR_RETURN(MappedRegion region,
                    MappedRegion::MapShared(fd.get(), bytes, "the restart journal"));
@@ -102,6 +110,10 @@ absl::StatusOr<std::unique_ptr<RestartJournal>> RestartJournal::Create(uint64_t 
 }
 
 absl::StatusOr<std::unique_ptr<RestartJournal>> RestartJournal::Open(ScopedFd fd) {
+  // Seal first (a journal of this build is sealed already; one that allows sealing gets the
+  // seals now), then read the size the seals fix.
+  (void)fcntl(fd.get(), F_ADD_SEALS, kSizeSeals);
+  const int seals = fcntl(fd.get(), F_GET_SEALS);
   struct stat info {};
   if (fstat(fd.get(), &info) != 0) return PosixError("fstat of a kept restart journal", errno);
   const uint64_t size = static_cast<uint64_t>(info.st_size);
@@ -124,6 +136,12 @@ absl::StatusOr<std::unique_ptr<RestartJournal>> RestartJournal::Open(ScopedFd fd
       size != kHeaderBytes + copy.slots * kSlotBytes) {
     return absl::InvalidArgumentError(absl::StrCat("kept restart journal of ", size,
                                                    " bytes claims ", copy.slots, " slots"));
+  }
+  if (seals < 0 || (seals & kSizeSeals) != kSizeSeals) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "kept restart journal's seals are 0x", absl::Hex(seals < 0 ? 0 : seals),
+        " and cannot be made to include F_SEAL_SHRINK | F_SEAL_GROW (0x", absl::Hex(kSizeSeals),
+        "): a truncation could fault (SIGBUS) its reader, so it is not mapped"));
   }
   ASSIGN_OR_RETURN(MappedRegion region,
                    MappedRegion::MapShared(fd.get(), size, "a kept restart journal"));
@@ -201,6 +219,16 @@ RestartJournal::SlotContent RestartJournal::Read(uint64_t slot) const {
     if (halves[which].valid &&
         (newest < 0 || halves[which].sequence > halves[newest].sequence)) {
       newest = which;
+    }
+  }
+  // A write lays the payload down before the header, so a write the daemon died in leaves the
+  // older header (a lower sequence) over a torn payload. A torn half claiming a higher sequence
+  // than the whole one finished its write and was damaged since, or its header write was torn:
+  // either way the whole half may be older than what the engine was told.
+  for (int which = 0; which < 2; ++which) {
+    if (halves[which].torn &&
+        (newest < 0 || halves[which].sequence > halves[newest].sequence)) {
+      content.newest_damaged = true;
     }
   }
   if (newest < 0) return content;

@@ -40,12 +40,14 @@ class RestartJournal {
   static constexpr uint64_t kMaxSlots = uint64_t{1} << 24;
 
   // A new journal of `slots` slots (1..kMaxSlots) in a new memfd, stamped with `epoch` and
-  // `generation`. The file is sparse: pages exist only for slots written.
+  // `generation`, its size sealed. The file is sparse: pages exist only for slots written.
   static absl::StatusOr<std::unique_ptr<RestartJournal>> Create(uint64_t slots, uint64_t epoch,
                                                                 uint64_t generation);
   // Maps a journal a previous daemon kept (takes `fd`). INVALID_ARGUMENT naming what is wrong
   // for a file that is not a journal of this format (bad magic, format, or a size that does not
-  // match its slot count).
+  // match its slot count); FAILED_PRECONDITION for one whose size is not sealed
+  // (F_SEAL_SHRINK | F_SEAL_GROW, added here when the file still allows it). A journal this
+  // class creates is sealed so: truncating it fails (EPERM) instead of faulting its readers.
   static absl::StatusOr<std::unique_ptr<RestartJournal>> Open(ScopedFd fd);
 
   int fd() const { return fd_.get(); }
@@ -75,6 +77,10 @@ class RestartJournal {
   struct SlotContent {
     std::optional<std::string> payload;  // nullopt: empty (never written, or cleared)
     bool torn = false;  // a half failed its checksum (a write the daemon died in)
+    // A torn half claims a newer record than `payload` (or there is no whole half): the
+    // newest record was damaged, and `payload` (if any) may be older than what the daemon
+    // acknowledged. A write the daemon died in is not this (it leaves the older header).
+    bool newest_damaged = false;
   };
   SlotContent Read(uint64_t slot) const;
 

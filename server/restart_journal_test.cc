@@ -87,7 +87,73 @@ TEST(RestartJournal, ATornWriteLeavesThePreviousRecord) {
   ASSERT_NE(reopened, nullptr);
   const RestartJournal::SlotContent content = reopened->Read(1);
   EXPECT_TRUE(content.torn);
+  EXPECT_FALSE(content.newest_damaged) << "the older header still says it is the older half";
   EXPECT_EQ(content.payload, "committed 20 rows");
+}
+
+// Issue 26: a damaged newest record (its write had finished: its header claims the newer
+// sequence) leaves only an older record, which may be older than what the engine was told. The
+// reader says so, so the daemon refuses the session rather than roll it back silently.
+TEST(RestartJournal, ADamagedNewestRecordIsToldFromATornWrite) {
+  absl::StatusOr<std::unique_ptr<RestartJournal>> journal = RestartJournal::Create(4, 1, 1);
+  ASSERT_THAT(journal, IsOk());
+  ASSERT_THAT((*journal)->Write(1, "committed 10 rows"), IsOk());  // half 0, sequence 1
+  ASSERT_THAT((*journal)->Write(1, "committed 30 rows"), IsOk());  // half 1, sequence 2
+  const off_t newest_payload = RestartJournal::kHeaderBytes + 1 * RestartJournal::kSlotBytes +
+                               RestartJournal::kHalfBytes + RestartJournal::kHalfHeaderBytes;
+  ASSERT_EQ(pwrite((*journal)->fd(), "X", 1, newest_payload), 1);
+  std::unique_ptr<RestartJournal> reopened = Reopen(**journal);
+  ASSERT_NE(reopened, nullptr);
+  const RestartJournal::SlotContent content = reopened->Read(1);
+  EXPECT_TRUE(content.torn);
+  EXPECT_TRUE(content.newest_damaged);
+  EXPECT_EQ(content.payload, "committed 10 rows");
+  // Both halves damaged: nothing to read, and the reader says the newest is damaged.
+  const off_t older_payload = newest_payload - static_cast<off_t>(RestartJournal::kHalfBytes);
+  ASSERT_EQ(pwrite((*journal)->fd(), "X", 1, older_payload), 1);
+  const RestartJournal::SlotContent gone = Reopen(**journal)->Read(1);
+  EXPECT_TRUE(gone.newest_damaged);
+  EXPECT_FALSE(gone.payload.has_value());
+}
+
+// Issue 26: truncating the journal under the daemon (root can, through the fd store) used to
+// kill it with SIGBUS at its next write. Its size is sealed: truncation and growth fail.
+TEST(RestartJournal, ItsSizeIsSealedSoTruncationCannotFaultItsReaders) {
+  absl::StatusOr<std::unique_ptr<RestartJournal>> journal = RestartJournal::Create(4, 1, 1);
+  ASSERT_THAT(journal, IsOk());
+  const int seals = fcntl((*journal)->fd(), F_GET_SEALS);
+  EXPECT_EQ(seals & (F_SEAL_SHRINK | F_SEAL_GROW), F_SEAL_SHRINK | F_SEAL_GROW);
+  struct stat before {};
+  ASSERT_EQ(fstat((*journal)->fd(), &before), 0);
+  EXPECT_EQ(ftruncate((*journal)->fd(), 0), -1);
+  EXPECT_EQ(errno, EPERM);
+  EXPECT_EQ(ftruncate((*journal)->fd(), before.st_size + 4096), -1);
+  EXPECT_EQ(errno, EPERM);
+  ASSERT_THAT((*journal)->Write(3, "still writable"), IsOk());
+  EXPECT_EQ(Reopen(**journal)->Read(3).payload, "still writable");
+
+  // A kept journal that is not sealed (an older build's) is sealed when it allows it ...
+  struct stat info {};
+  ASSERT_EQ(fstat((*journal)->fd(), &info), 0);
+  std::string bytes(static_cast<size_t>(info.st_size), '\0');
+  ASSERT_EQ(pread((*journal)->fd(), bytes.data(), bytes.size(), 0), info.st_size);
+  const int sealable = memfd_create("unsealed", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+  ASSERT_GE(sealable, 0);
+  ASSERT_EQ(write(sealable, bytes.data(), bytes.size()), static_cast<ssize_t>(bytes.size()));
+  absl::StatusOr<std::unique_ptr<RestartJournal>> opened =
+      RestartJournal::Open(ScopedFd(fcntl(sealable, F_DUPFD_CLOEXEC, 0)));
+  ASSERT_THAT(opened, IsOk());
+  EXPECT_EQ(ftruncate(sealable, 0), -1);
+  EXPECT_EQ((*opened)->Read(3).payload, "still writable");
+  close(sealable);
+  // ... and refused when it cannot be sealed (mapping it could fault).
+  const int unsealable = memfd_create("unsealable", MFD_CLOEXEC);
+  ASSERT_GE(unsealable, 0);
+  ASSERT_EQ(write(unsealable, bytes.data(), bytes.size()), static_cast<ssize_t>(bytes.size()));
+  EXPECT_THAT(RestartJournal::Open(ScopedFd(unsealable)),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstrs("seals are 0x1", "F_SEAL_SHRINK | F_SEAL_GROW (0x6)",
+                                  "SIGBUS")));
 }
 
 TEST(RestartJournal, AClearedSlotReadsEmptyEvenIfTheClearIsTheOnlyWholeHalf) {

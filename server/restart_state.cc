@@ -97,14 +97,42 @@ std::optional<PreviousDaemon> ReadPreviousDaemon(std::vector<ListenedFd> passed)
   for (uint64_t slot = 0; slot < journal->slots(); ++slot) {
     RestartJournal::SlotContent content = journal->Read(slot);
     if (content.torn) ++previous.torn_records;
-    if (!content.payload.has_value()) continue;
+    if (!content.payload.has_value()) {
+      if (content.newest_damaged) {
+        ++previous.unreadable_records;
+        spdlog::warn("restart: journal slot {}: every copy of its record is damaged; the "
+                     "session or engine it held is lost and cannot be named",
+                     slot);
+      }
+      continue;
+    }
     jr::Record record;
     if (!record.ParseFromString(*content.payload)) {
-      previous.problems.push_back(absl::StrCat("journal slot ", slot, " does not parse"));
+      ++previous.unreadable_records;
+      spdlog::warn("restart: journal slot {} does not parse; the session or engine it held is "
+                   "lost and cannot be named",
+                   slot);
       continue;
+    }
+    if (record.has_session() && content.newest_damaged) {
+      // The whole copy may be older than what the engine was told (a session would come back
+      // at length 10 after its engine was told 30): not re-adopted, and its engine told why.
+      spdlog::warn("restart: session {} of engine {}: its newest journal record is damaged; the "
+                   "older one (committed length {}) may be older than what its engine was told, "
+                   "so it is not re-adopted",
+                   record.session().id(), record.session().owner(),
+                   record.session().committed_len());
+      record.mutable_session()->set_not_recoverable(
+          "its newest restart journal record was damaged (it fails its checksum), so the state "
+          "it was last acknowledged at is not known");
+    } else if (content.torn) {
+      spdlog::info("restart: journal slot {}: a write was torn by the crash; the record before "
+                   "it is used (a change in flight comes back undone)",
+                   slot);
     }
     if (record.has_engine()) previous.engines.push_back(record.engine());
     if (record.has_session()) previous.sessions.push_back(record.session());
+    if (record.has_lost_session()) previous.lost_sessions.push_back(record.lost_session());
   }
   for (auto& [name, fd] : plans) {
     absl::StatusOr<std::string> bytes = ReadAll(fd.get());
@@ -205,6 +233,34 @@ void RestartState::EngineAttached(uint64_t id, absl::string_view token, absl::st
 void RestartState::EngineForgotten(uint64_t id) {
   absl::MutexLock lock(&mu_);
   FreeSlotLocked(EngineKey(id));
+  if (auto lost = lost_by_owner_.find(id); lost != lost_by_owner_.end()) {
+    for (uint64_t session : lost->second) FreeSlotLocked(SessionKey(session));
+    lost_by_owner_.erase(lost);
+  }
+}
+
+void RestartState::SessionLost(const jr::LostSessionRecord& lost) {
+  jr::Record record;
+  *record.mutable_lost_session() = lost;
+  std::string payload = record.SerializeAsString();
+  if (payload.size() > RestartJournal::kMaxPayloadBytes) {  // a long reason: cut, still valid
+    const size_t over = payload.size() - RestartJournal::kMaxPayloadBytes;
+    record.mutable_lost_session()->mutable_reason()->resize(
+        lost.reason().size() > over + 3 ? lost.reason().size() - over - 3 : 0);
+    payload = record.SerializeAsString();
+  }
+  absl::MutexLock lock(&mu_);
+  std::optional<uint64_t> slot = TakeSlotLocked(SessionKey(lost.id()));
+  if (!slot.has_value()) {
+    FailLocked(absl::StrCat("journal full (", journal_->slots(), " slots): why session ",
+                            lost.id(), " was not re-adopted will not be told after a restart"));
+    return;
+  }
+  if (absl::Status written = journal_->Write(*slot, payload); !written.ok()) {
+    FailLocked(absl::StrCat("lost session ", lost.id(), ": ", written.message()));
+    return;
+  }
+  lost_by_owner_[lost.owner()].push_back(lost.id());
 }
 
 void RestartState::ArenaCreated(ArenaId arena) {
@@ -368,6 +424,24 @@ absl::Status RestartState::Publish() {
 void RestartState::Forget(const std::string& fd_name) {
   absl::MutexLock lock(&mu_);
   RemoveLocked(fd_name);
+}
+
+void RestartState::ProbeStore() {
+  absl::MutexLock lock(&mu_);
+  if (store_lost_.has_value()) return;
+  // Unknown assignments are ignored by systemd and memra-kv-supervise alike.
+  const absl::Status answered = send_("MEMRA_KV_PROBE=1", {});
+  if (answered.ok()) return;
+  store_lost_ = absl::StrCat("the service manager stopped answering on NOTIFY_SOCKET (",
+                             answered.message(),
+                             "): what its fd store kept is gone, and KV will not survive the "
+                             "next restart of this daemon");
+  spdlog::error("restart survival is off: {}", *store_lost_);
+}
+
+std::optional<std::string> RestartState::store_lost() const {
+  absl::MutexLock lock(&mu_);
+  return store_lost_;
 }
 
 uint64_t RestartState::failures() const {

@@ -62,12 +62,16 @@ struct PreviousDaemon {
   uint64_t session_slot_limit = 0;
   std::vector<memra::kvd::journal::EngineRecord> engines;
   std::vector<memra::kvd::journal::SessionRecord> sessions;
+  // Sessions an earlier restart did not re-adopt (their engines still get the restart error).
+  std::vector<memra::kvd::journal::LostSessionRecord> lost_sessions;
   // fd name -> the plan it holds (a plan that does not parse or validate is in `problems`).
   absl::flat_hash_map<std::string, ModelPlan> plans;
   absl::flat_hash_map<std::string, ScopedFd> arenas;  // fd name -> descriptor
   // Every other passed name (older journals, unknown names): removed from the store.
   std::vector<std::string> leftovers;
-  size_t torn_records = 0;  // slots whose newest write was torn (the previous record was used)
+  size_t torn_records = 0;  // slots with a torn half (a write in flight, or damage)
+  // Slots whose every copy is damaged or does not parse: what they held cannot be named.
+  size_t unreadable_records = 0;
   std::vector<std::string> problems;  // what could not be read, for the log
 };
 
@@ -98,6 +102,9 @@ class RestartState final : public StateJournal {
   void SessionReleased(uint64_t id) override ABSL_LOCKS_EXCLUDED(mu_);
 
   // ---- Re-adoption (the daemon, before it serves) ----
+  // Journals a session that was not re-adopted (at this restart or an earlier one), so the next
+  // daemon answers its engine with the restart error too; dropped when its engine is forgotten.
+  void SessionLost(const memra::kvd::journal::LostSessionRecord& lost) ABSL_LOCKS_EXCLUDED(mu_);
   // A re-adopted arena keeps the name its descriptor is stored under.
   void NameAdoptedArena(ArenaId arena, std::string fd_name) ABSL_LOCKS_EXCLUDED(mu_);
   // A re-adopted plan keeps the name its memfd is stored under.
@@ -112,6 +119,14 @@ class RestartState final : public StateJournal {
   void Forget(const std::string& fd_name) ABSL_LOCKS_EXCLUDED(mu_);
   // Removes the stored plans no journaled session uses.
   void ForgetUnusedPlans() ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Sends the service manager a notification that asks nothing, to learn whether it still
+  // answers (the daemon's lease thread, every second). The first that fails (memra-kv-supervise
+  // was killed: its socket refuses) turns restart survival off for good, logged once: the store
+  // went with the service manager, and a new one would not hold this daemon's arenas.
+  void ProbeStore() ABSL_LOCKS_EXCLUDED(mu_);
+  // Why the service manager's store was lost (ProbeStore); nullopt while it answers.
+  std::optional<std::string> store_lost() const ABSL_LOCKS_EXCLUDED(mu_);
 
   uint64_t generation() const { return journal_->generation(); }
   // Failures to keep something (a full journal, a refused store): each is logged; a session
@@ -150,7 +165,10 @@ class RestartState final : public StateJournal {
   };
   absl::flat_hash_map<std::string, StoredPlan> plans_ ABSL_GUARDED_BY(mu_);  // by fingerprint
   absl::flat_hash_map<uint64_t, std::string> session_plans_ ABSL_GUARDED_BY(mu_);  // id -> fp
+  // Engine id -> the lost sessions journaled for it (SessionLost), freed with the engine.
+  absl::flat_hash_map<uint64_t, std::vector<uint64_t>> lost_by_owner_ ABSL_GUARDED_BY(mu_);
   bool published_ ABSL_GUARDED_BY(mu_) = false;
+  std::optional<std::string> store_lost_ ABSL_GUARDED_BY(mu_);
   uint64_t failures_ ABSL_GUARDED_BY(mu_) = 0;
 };
 

@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <cstring>
+#include <filesystem>
 #include <map>
 #include <string>
 #include <vector>
@@ -26,6 +27,7 @@
 #include "server/plan_registry.h"
 #include "server/session_registry.h"
 #include "server/test_host_backend.h"
+#include "tests/http_get.h"
 #include "tests/status_matchers.h"
 
 namespace memra {
@@ -72,6 +74,14 @@ class ServiceManagerStore {
       for (int fd : received->fds) close(fd);
     }
     return fds_;
+  }
+
+  // The service manager dies (memra-kv-supervise SIGKILLed): its socket is gone, and with it
+  // what it kept.
+  void Die() {
+    for (auto& [name, fd] : fds_) close(fd);
+    fds_.clear();
+    listener_.reset();
   }
 
   // What a restarted daemon would be passed: duplicates of every stored descriptor.
@@ -301,6 +311,128 @@ TEST_F(RestartStateTest, WhatCannotBeKeptIsRecordedAsSuch) {
   ASSERT_EQ(previous->sessions.size(), 4u);
   EXPECT_EQ(previous->sessions[0].not_recoverable(),
             "its arena's memory was not kept in the fd store");
+}
+
+// Issue 26: why a session was not re-adopted is journaled, so the daemon after the next restart
+// still tells its engine; the record goes when its engine is forgotten.
+TEST_F(RestartStateTest, LostSessionsReachTheNextDaemonUntilTheirEngineIsForgotten) {
+  state_->EngineAttached(1, "engine-token-16b", "engine-a", PeerCredentials{}, "uid:0");
+  memra::kvd::journal::LostSessionRecord lost;
+  lost.set_id(6);
+  lost.set_owner(1);
+  lost.set_reason("a transaction was open on recurrent layer 2");
+  lost.set_lost_from_epoch(10);
+  lost.set_lost_at_epoch(11);
+  state_->SessionLost(lost);
+  std::optional<PreviousDaemon> previous = ReadPreviousDaemon(store_.Passed());
+  ASSERT_TRUE(previous.has_value());
+  ASSERT_EQ(previous->lost_sessions.size(), 1u);
+  EXPECT_EQ(previous->lost_sessions[0].id(), 6u);
+  EXPECT_EQ(previous->lost_sessions[0].owner(), 1u);
+  EXPECT_EQ(previous->lost_sessions[0].reason(), "a transaction was open on recurrent layer 2");
+  EXPECT_EQ(previous->lost_sessions[0].lost_from_epoch(), 10u);
+  EXPECT_EQ(previous->lost_sessions[0].lost_at_epoch(), 11u);
+  EXPECT_TRUE(previous->sessions.empty());
+  state_->EngineForgotten(1);
+  previous = ReadPreviousDaemon(store_.Passed());
+  ASSERT_TRUE(previous.has_value());
+  EXPECT_TRUE(previous->lost_sessions.empty());
+  EXPECT_TRUE(previous->engines.empty());
+}
+
+// Issue 26: a damaged newest record would bring a session back older than its engine was told
+// (length 40 after it was told 41): it is not re-adopted, with why; a slot with no readable
+// copy is counted, since nothing names what it held.
+TEST_F(RestartStateTest, ASessionWhoseNewestRecordIsDamagedIsNotBroughtBack) {
+  absl::StatusOr<ArenaId> arena = backend_->CreateArena(4096, ArenaVisibility::kExported);
+  ASSERT_THAT(arena, IsOk());
+  state_->EngineAttached(1, "engine-token-16b", "engine-a", PeerCredentials{}, "uid:0");  // slot 0
+  state_->ArenaCreated(*arena);
+  JournaledSession session = Session(5, *arena);
+  state_->SessionChanged(session);  // slot 1, half 0
+  session.committed.committed_len = 41;
+  state_->SessionChanged(session);  // slot 1, half 1: the newest
+  const int journal = store_.Drain().at("journal-3");
+  const off_t slot1 = RestartJournal::kHeaderBytes + RestartJournal::kSlotBytes;
+  const off_t newest = slot1 + RestartJournal::kHalfBytes + RestartJournal::kHalfHeaderBytes;
+  ASSERT_EQ(pwrite(journal, "X", 1, newest), 1);
+  std::optional<PreviousDaemon> previous = ReadPreviousDaemon(store_.Passed());
+  ASSERT_TRUE(previous.has_value());
+  ASSERT_EQ(previous->sessions.size(), 1u);
+  EXPECT_EQ(previous->sessions[0].id(), 5u);
+  EXPECT_EQ(previous->sessions[0].committed_len(), 40u);
+  EXPECT_EQ(previous->sessions[0].not_recoverable(),
+            "its newest restart journal record was damaged (it fails its checksum), so the state "
+            "it was last acknowledged at is not known");
+  EXPECT_EQ(previous->torn_records, 1u);
+  EXPECT_EQ(previous->unreadable_records, 0u);
+  // The older copy damaged too: nothing names the session any more.
+  ASSERT_EQ(pwrite(journal, "X", 1, slot1 + RestartJournal::kHalfHeaderBytes), 1);
+  previous = ReadPreviousDaemon(store_.Passed());
+  ASSERT_TRUE(previous.has_value());
+  EXPECT_TRUE(previous->sessions.empty());
+  EXPECT_EQ(previous->unreadable_records, 1u);
+  EXPECT_EQ(previous->engines.size(), 1u);
+}
+
+// Issue 26: with the supervisor SIGKILLed the daemon serves on without restart survival; its
+// status and its metrics say so (not just "serving").
+TEST_F(RestartStateTest, ADaemonWhoseServiceManagerDiedSaysRestartSurvivalIsLost) {
+  char pattern[] = "/tmp/memra-survival-XXXXXX";
+  ASSERT_NE(mkdtemp(pattern), nullptr);
+  const std::string dir = pattern;
+  DaemonConfig config;
+  config.socket_path = dir + "/kvd.sock";
+  config.metrics_address = "127.0.0.1:0";
+  FakeClock clock;
+  absl::StatusOr<std::unique_ptr<Daemon>> daemon =
+      Daemon::Create(config, NewTestHostBackend(TestHostBackendOptions(1 << 24)), &clock);
+  ASSERT_THAT(daemon, IsOk());
+  ASSERT_THAT((*daemon)->Start(), IsOk());
+  memra::kv::v1::GetStatusResponse status = (*daemon)->GetStatus();
+  EXPECT_EQ(status.restart_survival(), memra::kv::v1::RESTART_SURVIVAL_ON);
+  EXPECT_EQ(status.restart_survival_detail(),
+            "journal-1 and 1 descriptors in the service manager's fd store");
+  EXPECT_THAT(testing::HttpGet((*daemon)->metrics_port(), "/metrics"),
+              ::testing::HasSubstr("\nmemra_restart_survival 1\n"));
+
+  store_.Die();
+  // The lease thread asks the service manager every second: wait for the state it reports.
+  const absl::Time give_up = absl::Now() + absl::Seconds(60);
+  while ((*daemon)->GetStatus().restart_survival() != memra::kv::v1::RESTART_SURVIVAL_LOST &&
+         absl::Now() < give_up) {
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  status = (*daemon)->GetStatus();
+  EXPECT_EQ(status.restart_survival(), memra::kv::v1::RESTART_SURVIVAL_LOST);
+  EXPECT_THAT(status.restart_survival_detail(),
+              HasSubstrs("the service manager stopped answering on NOTIFY_SOCKET",
+                         "KV will not survive the next restart"));
+  EXPECT_THAT(testing::HttpGet((*daemon)->metrics_port(), "/metrics"),
+              ::testing::HasSubstr("\nmemra_restart_survival 0\n"));
+  EXPECT_FALSE(status.draining()) << "it serves on";
+  (*daemon)->Shutdown();
+  daemon->reset();
+  std::error_code ignored;
+  std::filesystem::remove_all(dir, ignored);
+}
+
+// Without a service manager nothing survives, and the status says why.
+TEST(RestartSurvival, WithoutAServiceManagerItIsOffAndSaysWhy) {
+  ASSERT_EQ(getenv("NOTIFY_SOCKET"), nullptr);
+  DaemonConfig config;
+  FakeClock clock;
+  absl::StatusOr<std::unique_ptr<Daemon>> daemon =
+      Daemon::Create(config, NewTestHostBackend(TestHostBackendOptions(1 << 24)), &clock);
+  ASSERT_THAT(daemon, IsOk());
+  const memra::kv::v1::GetStatusResponse status = (*daemon)->GetStatus();
+  EXPECT_EQ(status.restart_survival(), memra::kv::v1::RESTART_SURVIVAL_OFF);
+  EXPECT_THAT(status.restart_survival_detail(), HasSubstrs("no service manager"));
+  config.keep_kv_across_restarts = false;
+  absl::StatusOr<std::unique_ptr<Daemon>> off =
+      Daemon::Create(config, NewTestHostBackend(TestHostBackendOptions(1 << 24)), &clock);
+  ASSERT_THAT(off, IsOk());
+  EXPECT_EQ((*off)->GetStatus().restart_survival_detail(), "keep_kv_across_restarts = false");
 }
 
 // A daemon that keeps no journal itself re-adopts nothing and drops what the previous one kept:

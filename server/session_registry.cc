@@ -87,10 +87,13 @@ void SessionRegistry::RaiseNextSessionId(uint64_t next) {
 }
 
 void SessionRegistry::SetRestart(DaemonRestart restart,
-                                 absl::flat_hash_map<uint64_t, std::string> not_readopted) {
+                                 absl::flat_hash_map<uint64_t, std::string> not_readopted,
+                                 uint64_t unreadable_records, uint64_t issued_below) {
   absl::MutexLock lock(&mu_);
   restart_ = restart;
   not_readopted_ = std::move(not_readopted);
+  unreadable_records_ = unreadable_records;
+  issued_below_ = issued_below;
 }
 
 absl::StatusOr<uint32_t> SessionRegistry::BeginCreating(EngineId engine) {
@@ -222,6 +225,14 @@ absl::StatusOr<std::shared_ptr<DaemonSession>> SessionRegistry::Find(
           return DaemonRestartedError(*restart_, absl::StrCat("session ", credentials.id.value,
                                                               " was not re-adopted: ",
                                                               lost->second));
+        }
+        if (unreadable_records_ > 0 && credentials.id.value < issued_below_) {
+          return DaemonRestartedError(
+              *restart_, absl::StrCat("session ", credentials.id.value,
+                                      " was not re-adopted: it is not in the restart journal, ",
+                                      unreadable_records_,
+                                      " of whose records were damaged beyond reading (it may "
+                                      "have been one of them)"));
         }
       }
       return absl::NotFoundError(

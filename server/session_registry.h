@@ -196,8 +196,11 @@ class SessionRegistry {
   // Ids issued from now on are >= `next` (the previous daemon's high-water mark).
   void RaiseNextSessionId(uint64_t next);
   // This daemon restarted from `restart.previous_epoch`; sessions in `not_readopted` (id -> why)
-  // get the restart error instead of NOT_FOUND.
-  void SetRestart(DaemonRestart restart, absl::flat_hash_map<uint64_t, std::string> not_readopted)
+  // get the restart error instead of NOT_FOUND. `unreadable_records` journal records could not
+  // be read (every copy damaged): an unknown id below `issued_below` (the previous daemon's
+  // next session id) may have been one of them, and gets the restart error saying so.
+  void SetRestart(DaemonRestart restart, absl::flat_hash_map<uint64_t, std::string> not_readopted,
+                  uint64_t unreadable_records = 0, uint64_t issued_below = 0)
       ABSL_LOCKS_EXCLUDED(mu_);
   // The session parameters every session of this registry gets (the journal, the defaults).
   DaemonSession::Params BaseParams() const;
@@ -301,6 +304,8 @@ class SessionRegistry {
   absl::flat_hash_map<uint64_t, uint64_t> creating_ ABSL_GUARDED_BY(mu_);
   std::optional<DaemonRestart> restart_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<uint64_t, std::string> not_readopted_ ABSL_GUARDED_BY(mu_);
+  uint64_t unreadable_records_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t issued_below_ ABSL_GUARDED_BY(mu_) = 0;
   // Dense slots: slots_[i] is the live session in slot i, or null (free, or reserved by a
   // session being created). Its size never exceeds the most sessions live or being created
   // at once: a slot is reused (free_slots_, last freed first) before a new one is added.

@@ -543,5 +543,21 @@ TEST_F(SessionRegistryTest, ASessionARestartDidNotReadoptGetsTheRestartError) {
               StatusIs(absl::StatusCode::kNotFound, HasSubstr("session 4 does not exist")));
 }
 
+// Issue 26: journal records no copy of which could be read name no session; an unknown id the
+// previous daemon had issued may have been one of them, so it gets the restart error too.
+TEST_F(SessionRegistryTest, AnUnknownSessionOfADamagedJournalGetsTheRestartError) {
+  registry_->SetRestart(DaemonRestart{.previous_epoch = 8, .epoch = 9}, {},
+                        /*unreadable_records=*/2, /*issued_below=*/10);
+  const absl::Status refused = registry_->Find(SessionCredentials{SessionId{7}, "t"}).status();
+  EXPECT_THAT(refused, StatusIs(absl::StatusCode::kFailedPrecondition,
+                                HasSubstr("memra-kvd restarted (epoch 8 -> 9); session 7 was not "
+                                          "re-adopted: it is not in the restart journal, 2 of "
+                                          "whose records were damaged beyond reading")));
+  EXPECT_EQ(GetDaemonRestart(refused), (DaemonRestart{8, 9}));
+  // An id the previous daemon never issued is simply unknown.
+  EXPECT_THAT(registry_->Find(SessionCredentials{SessionId{10}, "t"}),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("session 10 does not exist")));
+}
+
 }  // namespace
 }  // namespace memra

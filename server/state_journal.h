@@ -23,6 +23,17 @@
 
 namespace memra {
 
+// Whether KV survives this daemon's crash, and why not (KvAdmin.GetStatus, metrics).
+struct RestartSurvival {
+  enum class State {
+    kOn,    // a service manager keeps the journal and the arenas
+    kOff,   // never on: no service manager, keep_kv_across_restarts = false, no journal
+    kLost,  // was on; the service manager stopped answering (what it kept went with it)
+  };
+  State state = State::kOff;
+  std::string detail;
+};
+
 // One session's record: who owns it, its plan and shape, where its memory is, its committed state.
 struct JournaledSession {
   uint64_t id = 0;

@@ -116,6 +116,7 @@ absl::StatusOr<pb::ImportModelRequest> ImportRequest(const Invocation& invocatio
   request.set_index_pool(invocation.index_pool);
   request.set_register_(invocation.register_plan);
   request.set_swa_ring(invocation.swa_ring);
+  request.set_kv_dtype(invocation.kv_dtype);
   if (invocation.index_ring_rows.has_value())
     request.set_index_ring_rows(*invocation.index_ring_rows);
   return request;

@@ -79,6 +79,11 @@ constexpr FlagSpec kIndexRingRowsFlag{"--index-ring-rows", "N",
 constexpr FlagSpec kSwaRingFlag{"--swa-ring", "",
                                 "sliding-window layers use the SWA ring (rows capped near the "
                                 "window instead of the full context)"};
+constexpr FlagSpec kKvDtypeFlag{
+    "--kv-dtype", "DTYPE",
+    "K/V formats: auto (default: the config's torch_dtype, or fp8_e4m3 for an fp8 KV cache), "
+    "bf16 | fp16 | f32 | fp8_e4m3 | fp8_e5m2, a K/V pair (q8_0/q5_1, fp8/fp8, ...), or "
+    "reference (the daemon's format defaults, set by its MEMRA_KV_* environment)"};
 constexpr FlagSpec kRegisterFlag{"--register", "",
                                  "also register the plan with the daemon, so --model=FINGERPRINT "
                                  "names it"};
@@ -172,18 +177,20 @@ const std::vector<CommandSpec>& Commands() {
       {"import-model",
        "Hugging Face config.json -> model plan (optionally registered)",
        "--hf-config=PATH [--name=NAME] [--index-pool=N]\n"
-       "    [--index-ring-rows=N] [--swa-ring] [--register]",
+       "    [--index-ring-rows=N] [--swa-ring] [--kv-dtype=DTYPE] [--register]",
        {&kHfConfigFlag, &kNameFlag, &kIndexPoolFlag, &kIndexRingRowsFlag, &kSwaRingFlag,
-        &kRegisterFlag},
+        &kKvDtypeFlag, &kRegisterFlag},
        "Turns a model's Hugging Face config.json into the daemon's model plan: dense (Llama,\n"
        "Qwen, Mistral), Gemma sliding-window + global, MLA (DeepSeek, GLM with an indexer),\n"
-       "hybrid linear attention (Qwen3-Next, Jamba). An unsupported field or architecture is\n"
-       "refused with its name (exit 4).",
+       "hybrid linear attention (Qwen3-Next, Jamba). K/V planes (and MLA latent rows) take the\n"
+       "dtype the engine keeps its cache in (--kv-dtype; docs/rules.md#formats). An unsupported\n"
+       "field, architecture or dtype is refused with its name (exit 4).",
        "memra-kvctl import-model --hf-config=llama-3.1-8b/config.json --register",
-       "architecture, name and fingerprint of the plan, and its layers per state kind with their\n"
-       "indices. With --register, `cost/fit/max-context --model=FINGERPRINT` name it (engines\n"
-       "registering the same plan get the same fingerprint). --json prints the response, the\n"
-       "ModelPlan included (`jq .plan` gives a file for --plan)."},
+       "architecture, name and fingerprint of the plan, its K/V formats and what chose them, and\n"
+       "its layers per state kind with their indices. With --register,\n"
+       "`cost/fit/max-context --model=FINGERPRINT` name it (engines registering the same plan\n"
+       "get the same fingerprint). --json prints the response, the ModelPlan included (`jq\n"
+       ".plan` gives a file for --plan)."},
       {"prefixes",
        "prefix-cache entries and the cache's counters",
        "",
@@ -446,6 +453,9 @@ absl::Status ApplyFlag(const FlagSpec& flag, absl::string_view value, Invocation
     invocation.index_ring_rows = static_cast<uint32_t>(rows);
   } else if (name == "--swa-ring") {
     invocation.swa_ring = true;
+  } else if (name == "--kv-dtype") {
+    if (value.empty()) return Usage("--kv-dtype= needs a dtype (omit it for auto)");
+    invocation.kv_dtype = std::string(value);
   } else if (name == "--register") {
     invocation.register_plan = true;
   } else {

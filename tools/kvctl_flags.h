@@ -62,6 +62,7 @@ struct Invocation {
   uint32_t index_pool = 0;
   std::optional<uint32_t> index_ring_rows;
   bool swa_ring = false;
+  std::string kv_dtype;  // import-model --kv-dtype ("" = auto)
   bool register_plan = false;
 };
 

@@ -44,7 +44,9 @@ std::string EngineTable(const google::protobuf::RepeatedPtrField<pb::EngineStatu
   for (const pb::EngineStatus& engine : engines) {
     table.AddRow({absl::StrCat(engine.engine_id()), engine.engine_name(),
                   absl::StrCat(engine.pid()), absl::StrCat(engine.uid()), engine.cache_scope(),
-                  engine.lease_live() ? "live" : "ended",
+                  engine.awaiting_reattach() ? "re-adopted"
+                  : engine.lease_live()      ? "live"
+                                             : "ended",
                   absl::StrCat(engine.sessions()), FormatBytes(engine.allocated_bytes()),
                   FormatBytes(engine.reserved_bytes()), absl::StrCat(engine.reservations()),
                   Age(engine.last_heartbeat_age_ms())});
@@ -214,6 +216,16 @@ std::string RenderStatus(const pb::GetStatusResponse& status) {
                              status.epoch()));
   fields.Add("state",
              status.draining() ? "DRAINING: new engines and sessions get UNAVAILABLE" : "serving");
+  // Whether the KV survives a daemon crash (docs/failure-model.md#the-daemon-dies).
+  if (status.restart_survival() == pb::RESTART_SURVIVAL_ON) {
+    fields.Add("restarts", absl::StrCat("KV survives a daemon crash (",
+                                        status.restart_survival_detail(), ")"));
+  } else if (status.restart_survival() == pb::RESTART_SURVIVAL_LOST) {
+    fields.Add("restarts", absl::StrCat("SURVIVAL LOST: ", status.restart_survival_detail()));
+  } else if (status.restart_survival() == pb::RESTART_SURVIVAL_OFF) {
+    fields.Add("restarts", absl::StrCat("KV does not survive a daemon crash (",
+                                        status.restart_survival_detail(), ")"));
+  }
   if (status.prefix_remote_tier() == pb::REMOTE_TIER_UP) {
     fields.Add("prefix remote tier", "up");
   } else if (status.prefix_remote_tier() == pb::REMOTE_TIER_DOWN) {
@@ -335,6 +347,7 @@ std::string RenderImport(const pb::ImportModelResponse& imported) {
                                : "no (--register keeps it in the daemon)");
   fields.Add("layers",
              absl::StrCat(plan.layers_size(), " trunk + ", plan.mtp_blocks_size(), " MTP"));
+  fields.Add("kv formats", absl::StrCat(imported.kv_formats(), " (", imported.kv_dtype(), ")"));
   fields.Add("swa ring", plan.swa_ring() ? "on" : "off");
   fields.Add("index ring", plan.has_index_ring_rows()
                                ? absl::StrCat(plan.index_ring_rows(), " rows")

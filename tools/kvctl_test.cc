@@ -170,8 +170,9 @@ TEST(ParseArgsTest, ModelFingerprintAsHexOrBase64AndOpenEndedLayers) {
 TEST(ParseArgsTest, ImportModelAndSessionsFlags) {
   absl::StatusOr<Invocation> import =
       ParseArgs({"import-model", "--hf-config=c.json", "--name=mine", "--index-pool=4",
-                 "--index-ring-rows=0", "--swa-ring", "--register"});
+                 "--index-ring-rows=0", "--swa-ring", "--kv-dtype=q8_0/q5_1", "--register"});
   ASSERT_TRUE(import.ok()) << import.status();
+  EXPECT_EQ(import->kv_dtype, "q8_0/q5_1");
   EXPECT_EQ(import->name, "mine");
   EXPECT_EQ(import->index_pool, 4u);
   EXPECT_EQ(import->index_ring_rows, 0u);
@@ -416,6 +417,28 @@ TEST(RenderTest, Status) {
       "   0  1m1s ago\n");
 }
 
+// Issue 26: a daemon whose supervisor died serves on, and the status says its KV will not
+// survive the next crash (not just "serving").
+TEST(RenderTest, StatusSaysWhetherTheKvSurvivesADaemonCrash) {
+  pb::GetStatusResponse status = CannedStatus();
+  status.clear_engine_status();
+  status.set_restart_survival(pb::RESTART_SURVIVAL_LOST);
+  status.set_restart_survival_detail("the service manager stopped answering on NOTIFY_SOCKET");
+  EXPECT_THAT(RenderStatus(status),
+              HasSubstr("state          serving\n"
+                        "restarts       SURVIVAL LOST: the service manager stopped answering on "
+                        "NOTIFY_SOCKET\n"));
+  status.set_restart_survival(pb::RESTART_SURVIVAL_ON);
+  status.set_restart_survival_detail("journal-4 and 7 descriptors in the service manager's fd store");
+  EXPECT_THAT(RenderStatus(status),
+              HasSubstr("restarts       KV survives a daemon crash (journal-4 and 7 descriptors "
+                        "in the service manager's fd store)\n"));
+  status.set_restart_survival(pb::RESTART_SURVIVAL_OFF);
+  status.set_restart_survival_detail("keep_kv_across_restarts = false");
+  EXPECT_THAT(RenderStatus(status), HasSubstr("restarts       KV does not survive a daemon crash "
+                                              "(keep_kv_across_restarts = false)\n"));
+}
+
 TEST(RenderTest, StatusOnADeviceOverBudgetWhileDraining) {
   pb::GetStatusResponse status = CannedStatus();
   status.set_backend("cuda");
@@ -582,6 +605,8 @@ pb::ImportModelResponse CannedImport() {
   pb::LayerPlan& mtp = *plan.add_mtp_blocks();
   mtp.set_index(12);
   mtp.set_kind(pb::STATE_KIND_KV);
+  imported.set_kv_dtype("bf16 from text_config.torch_dtype bfloat16");
+  imported.set_kv_formats("K/V bf16/bf16");
   return imported;
 }
 
@@ -592,6 +617,7 @@ TEST(RenderTest, ImportAndDrain) {
             "fingerprint   000102030405060708090a0b0c0d0e0f101112131415161718191a1b1c1d1e1f\n"
             "registered    no (--register keeps it in the daemon)\n"
             "layers        12 trunk + 1 MTP\n"
+            "kv formats    K/V bf16/bf16 (bf16 from text_config.torch_dtype bfloat16)\n"
             "swa ring      on\n"
             "index ring    default working rows\n"
             "\n"
@@ -655,7 +681,8 @@ TEST(RenderTest, JsonPrintsEveryFieldWithProtoNames) {
               HasSubstrs("{\"plan\":{\"name\":\"gemma-3-27b-it\",\"layers\":[{\"index\":0,",
                          "\"kind\":\"STATE_KIND_SLIDING_KV\"",
                          "\"plan_fingerprint\":\"AAECAwQFBgcICQoLDA0ODxAREhMUFRYXGBkaGxwdHh8=\"",
-                         "\"architecture\":\"Gemma3ForCausalLM\",\"registered\":false}"));
+                         "\"architecture\":\"Gemma3ForCausalLM\",\"registered\":false,",
+                         "\"kv_formats\":\"K/V bf16/bf16\"}"));
 }
 
 // ---- RunKvctl against a fake daemon ---------------------------------------------------------
@@ -870,7 +897,7 @@ TEST_F(FakeDaemonTest, FlagsBecomeTheRequest) {
   EXPECT_EQ(State().max_context_request.shape().capacity(), 0u);
 
   ASSERT_EQ(Kvctl({"import-model", "--hf-config=" + config, "--name=mine", "--index-pool=8",
-                   "--index-ring-rows=0", "--swa-ring", "--register"})
+                   "--index-ring-rows=0", "--swa-ring", "--kv-dtype=fp8_e4m3", "--register"})
                 .exit_code,
             kExitOk);
   const pb::ImportModelRequest import = State().import_request;
@@ -880,6 +907,7 @@ TEST_F(FakeDaemonTest, FlagsBecomeTheRequest) {
   ASSERT_TRUE(import.has_index_ring_rows());
   EXPECT_EQ(import.index_ring_rows(), 0u);
   EXPECT_TRUE(import.swa_ring());
+  EXPECT_EQ(import.kv_dtype(), "fp8_e4m3");
   EXPECT_TRUE(import.register_());
 
   ASSERT_EQ(Kvctl({"sessions", "--engine=5"}).exit_code, kExitOk);

@@ -1,11 +1,28 @@
 """memra_kv: Python engines and operators on memra-kvd (python/README.md)."""
 
-from ._proto import admin_pb2, cache_pb2, model_plan_pb2, prefix_pb2
+try:
+    import grpc  # noqa: F401
+    import google.protobuf  # noqa: F401
+    import numpy  # noqa: F401
+except ImportError as _missing:
+    raise ImportError(
+        "memra_kv needs grpcio, protobuf and numpy (%s): `pip install ./python` from a checkout "
+        "installs them with the package; on Debian: apt install python3-grpcio python3-protobuf "
+        "python3-numpy" % _missing) from _missing
+try:
+    from ._proto import admin_pb2, cache_pb2, model_plan_pb2, prefix_pb2
+except ImportError as _missing:
+    raise ImportError(
+        "memra_kv's gRPC stubs (memra_kv._proto, generated from proto/, never checked in) are "
+        "missing or were generated for another protobuf (%s): install the package with `pip "
+        "install ./python` (or `pip install -e ./python`), depend on //python:memra_kv under "
+        "Bazel, or run python/tools/gen_protos.py in a checkout" % _missing) from _missing
 from .client import (Client, LayerAppend, PrefixCaptured, PrefixEvent, PrefixEvents, PrefixMatch,
                      PrefixRestored, PreparedAppend, Reservation, Session, StepBatch, StepOutcome,
                      Transaction)
 from .errors import KvError
-from .planes import CudaArenaMapper, CudaPlane, CudaRuntime, HostArenaMapper, PlaneGeometry
+from .planes import (CudaArenaMapper, CudaPlane, CudaRuntime, HostArenaMapper, PlaneGeometry,
+                     TypedGeometry, bf16_bits, float32_from_bf16_bits)
 from . import plans
 
 # Plane kinds (cache.proto PlaneKind), for Session.plane(layer, kind).

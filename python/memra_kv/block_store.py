@@ -408,7 +408,9 @@ class KeptRegistration:
     restart alone is no reason: registration ids count up from a per-epoch base
     (BlockStore::FirstIdOfEpoch), so the old id sent once to the new daemon is answered
     NOT_FOUND, never names another pool's registration, and re-registering only then leaves
-    no second registration behind (the epoch read around a racing re-attach could). At
+    no second registration behind. A call refused with NOT_FOUND "engine N is not attached"
+    (the daemon restarted before the lease thread noticed) waits for the lease thread's verdict
+    (Client.await_lease_settled) and then re-registers the same way (the epoch read around a racing re-attach could). At
     most one re-registration and one retry a call, never a loop: a second refusal, or the
     re-registration's own, is raised. Blocks stored under the old registration may be gone: a
     load then misses, its bytes are never another pool's. Thread-safe: concurrent calls that
@@ -463,6 +465,12 @@ class KeptRegistration:
         return self._registration
 
     def _forgotten(self, error, registration):
+        if error.code == grpc.StatusCode.NOT_FOUND and error.message.startswith(
+                "engine %d is not attached" % registration.engine_id):
+            # The daemon does not know the engine (restarted, or reclaimed it) and the lease
+            # thread has not said so yet: its verdict decides how _renew_locked re-registers.
+            self._client.await_lease_settled(self._timeout or 10.0)
+            return True
         return self._client.lease_lost is not None or (
             error.code == grpc.StatusCode.NOT_FOUND
             and error.message.startswith("no registration %d " % registration.id))
@@ -498,6 +506,11 @@ class KeptRegistration:
     def load(self, block_ids, **kwargs) -> Transfer:
         """BlockStore.load with the registration."""
         return self.call(self._store.load, block_ids, **kwargs)
+
+    def unpin(self, pin_id):
+        """BlockStore.unpin: pins are the engine's, not the registration's (a pin of an engine
+        the client replaced is gone with it: NOT_FOUND)."""
+        self._store.unpin(pin_id, self._timeout)
 
 
 def page_key(key):

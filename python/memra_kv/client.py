@@ -12,11 +12,12 @@ from typing import List
 
 import grpc
 
-from ._proto import admin_pb2, admin_pb2_grpc, cache_pb2, cache_pb2_grpc, prefix_pb2
-from ._proto import prefix_pb2_grpc
+from ._proto import admin_pb2, admin_pb2_grpc, cache_pb2, cache_pb2_grpc, model_plan_pb2
+from ._proto import prefix_pb2, prefix_pb2_grpc
 from .errors import KvError, code_from_value, from_rpc_error
 from .handoff import HandoffChannel, default_handoff_path
-from .planes import CudaArenaMapper, HostArenaMapper, PlaneGeometry
+from .planes import (CudaArenaMapper, HostArenaMapper, PlaneGeometry, numpy_dtype,
+                     torch_dtype, typed_geometry)
 
 pb = cache_pb2
 
@@ -325,6 +326,20 @@ class Client:
         if lease is not None:
             lease.stop()
 
+    def await_lease_settled(self, timeout):
+        """Waits up to `timeout` seconds until the lease is alive or lost for good (lease_lost),
+        as the lease thread finds out after the lease stream broke; True once it is. A call the
+        daemon refused because it does not know this engine (it restarted, or reclaimed it) can
+        come before the lease thread's verdict: this waits for it."""
+        deadline = time.monotonic() + timeout
+        while True:
+            lease = self._lease
+            if lease is None or lease.alive or lease.lost is not None:
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.01)
+
     @property
     def lease_alive(self):
         lease = self._lease
@@ -434,15 +449,19 @@ class Client:
         return _call(self.cache.RegisterPlan, request, self._timeout(timeout)).fingerprint
 
     def import_model(self, hf_config_json, name="", index_pool=0, register=True, swa_ring=False,
-                     index_ring_rows=None, timeout=None):
+                     index_ring_rows=None, kv_dtype="", timeout=None):
         """The plan of a Hugging Face config.json (its text, or a path to it) as the daemon
         imports it; registered (with register_plan, as this engine) unless register=False.
-        Returns ImportModelResponse (plan, plan_fingerprint, architecture, registered).
+        kv_dtype: "" / "auto" (the config's torch_dtype, or fp8_e4m3 for an fp8 KV cache),
+        "bf16", "fp16", "f32", "fp8_e4m3", "fp8_e5m2", a K/V pair ("q8_0/q5_1") or "reference"
+        (docs/rules.md#formats). Returns ImportModelResponse (plan, plan_fingerprint,
+        architecture, registered, kv_dtype: what chose the formats, kv_formats).
         The daemon's own registering import is an operator's call (its admin socket); an
         engine converts, then registers the plan like any other."""
         request = admin_pb2.ImportModelRequest(hf_config_json=_json_text(hf_config_json),
                                                name=name, index_pool=index_pool,
-                                               register=False, swa_ring=swa_ring)
+                                               register=False, swa_ring=swa_ring,
+                                               kv_dtype=kv_dtype)
         if index_ring_rows is not None:
             request.index_ring_rows = index_ring_rows
         imported = _call(self.admin_stub.ImportModel, request, self._timeout(timeout))
@@ -799,7 +818,9 @@ class _Lease:
                             grpc.StatusCode.NOT_FOUND, grpc.StatusCode.PERMISSION_DENIED)):
                         self.lost = error  # the daemon will never know this engine again
                         return False
-                    # UNAVAILABLE (no daemon yet), a stream still held, or stop(): again.
+                    # UNAVAILABLE (no daemon yet, or a ticket of a daemon that died before
+                    # this Attach reached the next one), a stream still held, or stop(): again,
+                    # with a fresh ticket.
             with self._lock:
                 self._reattaching = None
                 if self._stopping:
@@ -995,13 +1016,17 @@ class Session:
                                                                          handle)))
         planes = {}
         for entry in layout.layers:
+            # Latent rows in another element type than f32 have no f32 raw view: their bytes.
+            raw_latent = entry.latent_format not in (model_plan_pb2.ELEMENT_FORMAT_UNSPECIFIED,
+                                                     model_plan_pb2.ELEMENT_FORMAT_F32)
             for plane in entry.planes:
                 if plane.arena >= len(bases):
                     raise KvError(grpc.StatusCode.INTERNAL, "plane of layer %d names arena %d of "
                                   "%d" % (entry.layer, plane.arena, len(bases)))
                 planes[(entry.layer, plane.kind)] = PlaneGeometry(
                     plane.kind, plane.arena, plane.offset, plane.bytes, plane.rows,
-                    plane.row_bytes)
+                    plane.row_bytes,
+                    raw=raw_latent and plane.kind == pb.PLANE_KIND_LATENT_ROWS)
         self.layout, self._bases, self._planes = layout, bases, planes
 
     def geometry(self, layer, kind):
@@ -1028,6 +1053,39 @@ class Session:
         """The plane's every byte, tail pad included, as one uint8 vector."""
         geometry = self.geometry(layer, kind)
         return self._client.mapper.plane_bytes(self._bases[geometry.arena], geometry)
+
+    def typed_geometry(self, layer, kind):
+        """The plane as an array (planes.TypedGeometry): element type, shape (rows, heads,
+        head_dim), byte strides and the plan's fp8 scale. KvError FAILED_PRECONDITION for a
+        block format or a mirror; NOT_FOUND when the layer has no such plane."""
+        return typed_geometry(self.layer_layout(layer), self.geometry(layer, kind))
+
+    def typed_plane(self, layer, kind, storage=False):
+        """The plane as numpy (rows, heads, head_dim) of its element type, over the shared
+        memory (docs/rules.md#formats): K/V in bf16 / f16 / f32 / fp8_e4m3 / fp8_e5m2, latent
+        rows, and the f32 state planes. bf16 and fp8 need the ml_dtypes package
+        (ml_dtypes.bfloat16, float8_e4m3fn, float8_e5m2); storage=True gives their bits as
+        uint16 / uint8 instead (planes.bf16_bits converts f32 to bf16 bits). On cuda a CudaPlane
+        of that shape (bf16 / fp8 as their storage bits: __cuda_array_interface__ has no such
+        typestr). Valid as long as plane()'s arrays."""
+        if self.released:
+            raise KvError(grpc.StatusCode.FAILED_PRECONDITION, "session %d was released" % self.id)
+        typed = self.typed_geometry(layer, kind)
+        mapper = self._client.mapper
+        # A CudaPlane carries bf16 / fp8 as their bits anyway: no ml_dtypes needed there.
+        bits = storage or mapper.backend == "cuda"
+        dtype = typed.element.storage if bits else numpy_dtype(typed.element)
+        return mapper.typed_plane(self._bases[typed.plane.arena], typed, dtype)
+
+    def torch_plane(self, layer, kind):
+        """The plane as a torch tensor (rows, heads, head_dim) of its element type, no copy: on
+        the host backend a CPU tensor over the shared memory, on cuda a CUDA tensor through
+        __cuda_array_interface__. KvError FAILED_PRECONDITION when torch is not installed."""
+        if self.released:
+            raise KvError(grpc.StatusCode.FAILED_PRECONDITION, "session %d was released" % self.id)
+        typed = self.typed_geometry(layer, kind)
+        return self._client.mapper.torch_plane(self._bases[typed.plane.arena], typed,
+                                               torch_dtype(typed.element))
 
     def layer_layout(self, layer):
         for entry in self.layout.layers:

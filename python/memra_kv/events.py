@@ -4,22 +4,22 @@ prefix-aware routers that read vLLM engines' events can route by what each memra
     python3 -m memra_kv.events --socket /run/memra-kv/gpu0.admin.sock \\
         --endpoint 'tcp://*:5557' --replay-endpoint 'tcp://*:5558'
 
-The wire (vLLM v0.15.0 vllm/distributed/kv_events.py, ZmqEventPublisher): a ZMQ PUB socket sends
-multipart messages (topic, sequence, payload): the sequence an 8-byte big-endian count from 0,
-the payload one KVEventBatch encoded by msgspec's msgpack encoder. The structs are msgspec
-`array_like=True` and the events `tag=True`, so a batch is the array [ts, events,
-data_parallel_rank] and each event an array led by its class name:
+The wire (vLLM 0.33.0 vllm/distributed/kv_events.py, ZmqEventPublisher; checked by decoding
+with vLLM's own KVEventBatch and its replay protocol, python/engines/vllm/test_vllm_events.py): a
+ZMQ PUB socket sends multipart messages (topic, sequence, payload): the sequence an 8-byte
+big-endian count from 0, the payload one KVEventBatch encoded by msgspec's msgpack encoder. The
+batch is `array_like`, the events are tagged maps (`tag=True`, `omit_defaults=True`), so a batch
+is the array [ts, events, data_parallel_rank] and each event a map led by its class name:
 
-    ["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium,
-     lora_name]
-    ["BlockRemoved", block_hashes, medium]
-    ["AllBlocksCleared"]
+    {"type": "BlockStored", "block_hashes": [...], "parent_block_hash": ..., "token_ids": [...],
+     "block_size": n, "lora_id": nil, "medium": "CPU", "lora_name": nil}
+    {"type": "BlockRemoved", "block_hashes": [...], "medium": "CPU"}
+    {"type": "AllBlocksCleared"}
 
-(hashes are msgpack bin, as vLLM's ExternalBlockHash bytes; absent values nil). Decoders of the
-versions since (which append fields with defaults) and before (v0.11, without lora_name: msgspec
-ignores trailing elements) read it. The ROUTER replay endpoint answers a request (empty
-delimiter, 8-byte big-endian start sequence) with every buffered (sequence, payload) from there,
-then (-1, b"").
+(hashes are msgpack bin, as vLLM's ExternalBlockHash bytes; absent values nil; the fields vLLM
+gives defaults are omitted). The ROUTER replay endpoint answers a request (client, empty
+delimiter, 8-byte big-endian start sequence) with every buffered (topic, sequence, payload)
+from there, then (b"", -1, b"") (vLLM's END_SEQ): the frames vLLM's publisher sends.
 
 Translation (one batch per daemon event):
   STORED            -> BlockStored (the blocks' hashes as their engine knows them: an engine
@@ -32,7 +32,9 @@ Translation (one batch per daemon event):
                        session entry the daemon lists (ListPrefixes + InspectPrefix), by its
                        block keys; engine-pool blocks come back with their next events (the
                        listing does not carry the engines' hashes)
-Media: the daemon's device tier is vLLM's "GPU", pinned host memory "CPU", disk "DISK".
+Media (vLLM's MEDIUM_GPU / MEDIUM_CPU / MEDIUM_STORAGE): the daemon's device tier is "GPU" on
+the cuda backend and "CPU" on the host backend (its "device" memory is host memory: --backend,
+default host), pinned host memory "CPU", disk "STORAGE".
 """
 
 import argparse
@@ -53,7 +55,8 @@ from .client import Client
 from .errors import KvError
 
 END_SEQUENCE = struct.pack(">q", -1)
-MEDIA = {"device": "GPU", "pinned_host": "CPU", "disk": "DISK"}
+MEDIA = {"pinned_host": "CPU", "disk": "STORAGE"}
+DEVICE_MEDIA = {"cuda": "GPU", "host": "CPU"}  # the daemon's backend -> its device tier's medium
 
 log = logging.getLogger("memra_kv.events")
 
@@ -62,16 +65,17 @@ log = logging.getLogger("memra_kv.events")
 
 def block_stored(block_hashes, parent_block_hash, token_ids, block_size, medium):
     """vLLM BlockStored: lora_id and lora_name are None (memra-kvd keys carry no LoRA)."""
-    return ["BlockStored", list(block_hashes), parent_block_hash or None, list(token_ids),
-            block_size, None, medium, None]
+    return {"type": "BlockStored", "block_hashes": list(block_hashes),
+            "parent_block_hash": parent_block_hash or None, "token_ids": list(token_ids),
+            "block_size": block_size, "lora_id": None, "medium": medium, "lora_name": None}
 
 
 def block_removed(block_hashes, medium):
-    return ["BlockRemoved", list(block_hashes), medium]
+    return {"type": "BlockRemoved", "block_hashes": list(block_hashes), "medium": medium}
 
 
 def all_blocks_cleared():
-    return ["AllBlocksCleared"]
+    return {"type": "AllBlocksCleared"}
 
 
 def encode_batch(ts, events, data_parallel_rank):
@@ -79,16 +83,20 @@ def encode_batch(ts, events, data_parallel_rank):
     return msgpack.packb([float(ts), events, data_parallel_rank], use_bin_type=True)
 
 
-def medium_name(medium):
+def medium_name(medium, backend="host"):
+    """vLLM's medium of a daemon tier ("device" is the backend's memory: host memory on the
+    host backend)."""
+    if medium == "device":
+        return DEVICE_MEDIA.get(backend, "GPU")
     return MEDIA.get(medium, medium.upper())
 
 
-def translate(event):
+def translate(event, backend="host"):
     """The vLLM events of one memra_kv.PrefixEvent (not GAP: the bridge resyncs those)."""
     hashes = event.block_hashes or event.block_keys
     if not hashes:
         return []  # a boundary state alone: routers index blocks, not states
-    medium = medium_name(event.medium)
+    medium = medium_name(event.medium, backend)
     if event.kind == "stored":
         return [block_stored(hashes, event.parent_block_hash, event.token_ids,
                              event.block_tokens, medium)]
@@ -161,8 +169,9 @@ class ZmqPublisher:
                 with self._lock:
                     buffered = [entry for entry in self._buffer if entry[0] >= start]
                 for sequence, payload in buffered:
-                    replay.send_multipart((client, b"", struct.pack(">Q", sequence), payload))
-                replay.send_multipart((client, b"", END_SEQUENCE, b""))
+                    replay.send_multipart((client, b"", self._topic,
+                                           struct.pack(">Q", sequence), payload))
+                replay.send_multipart((client, b"", b"", END_SEQUENCE, b""))
         finally:
             replay.close(linger=0)
 
@@ -178,12 +187,14 @@ class ZmqPublisher:
 class Bridge:
     """Reads a memra_kv.Client's prefix events and publishes them. On a GAP it publishes
     AllBlocksCleared and, when `resync` (the client is on the admin socket), re-announces every
-    entry the daemon lists."""
+    entry the daemon lists. The daemon's backend (GetStatus, served on both sockets) names its
+    device tier's medium."""
 
     def __init__(self, client, publisher, resync, epoch=0, last_sequence=0):
         self._client = client
         self._publisher = publisher
         self._resync = resync
+        self.backend = client.status().backend
         self.events = client.events(epoch, last_sequence)
         self.published = 0
 
@@ -195,7 +206,7 @@ class Bridge:
                 if self._resync:
                     self._republish_listing()
                 continue
-            translated = translate(event)
+            translated = translate(event, self.backend)
             if translated:
                 self._publish(translated)
 
@@ -217,7 +228,7 @@ class Bridge:
             if keys:
                 block_size = entry.boundary_tokens // len(keys)
                 self._publish([block_stored(keys, b"", (), block_size,
-                                            medium_name(_medium(entry.medium)))])
+                                            medium_name(_medium(entry.medium), self.backend))])
 
     def stop(self):
         self.events.cancel()

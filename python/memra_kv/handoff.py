@@ -23,7 +23,7 @@ KIND_TICKET, KIND_ARENA_REQUEST, KIND_ARENA, KIND_REFUSAL = 1, 2, 3, 4
 # descriptor attached; daemon -> engine u64 buffer id.
 KIND_BUFFER_OFFER, KIND_BUFFER_ID = 16, 17
 MAX_FRAME_BYTES = 1024
-TICKET_BYTES = 24
+TICKET_BYTES = 32  # u64 daemon instance | u64 connection | 16 random bytes (opaque here)
 MAX_TOKEN_BYTES = 64
 MAX_HANDLE_BYTES = 256
 

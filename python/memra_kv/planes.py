@@ -18,10 +18,11 @@ import grpc
 import numpy as np
 
 from ._proto import cache_pb2
+from ._proto import model_plan_pb2
 from .errors import KvError
 
-# Planes whose rows are f32 elements (cache.proto PlaneKind); K/V rows are quantized bytes and
-# the mirrors one int32.
+# Planes whose rows are f32 elements (cache.proto PlaneKind; latent rows unless the layer's
+# latent_format says otherwise); K/V rows are bytes in the raw view and the mirrors one int32.
 F32_KINDS = frozenset([
     cache_pb2.PLANE_KIND_CONV_STATE, cache_pb2.PLANE_KIND_SSM_STATE,
     cache_pb2.PLANE_KIND_SSM_STATE_ALT, cache_pb2.PLANE_KIND_LATENT_ROWS,
@@ -33,13 +34,16 @@ MIRROR_KINDS = frozenset([cache_pb2.PLANE_KIND_LEN_MIRROR, cache_pb2.PLANE_KIND_
 
 @dataclass(frozen=True)
 class PlaneGeometry:
-    """One plane of a layer (cache.proto Plane): `bytes` at `offset` of arena `arena`."""
+    """One plane of a layer (cache.proto Plane): `bytes` at `offset` of arena `arena`.
+    `raw`: the plane's rows are not f32 whatever its kind (latent rows in a non-f32
+    latent_format), so the raw view gives their bytes."""
     kind: int
     arena: int
     offset: int
     bytes: int
     rows: int
     row_bytes: int
+    raw: bool = False
 
     def dtype_and_shape(self):
         """The plane's element type and row shape: (rows, row_bytes) uint8 for K/V, (rows,
@@ -47,9 +51,144 @@ class PlaneGeometry:
         bytes, an empty pool-key plane's 4) are outside the shape."""
         if self.kind in MIRROR_KINDS:
             return np.dtype("<i4"), (self.rows,)
-        if self.kind in F32_KINDS:
+        if self.kind in F32_KINDS and not self.raw:
             return np.dtype("<f4"), (self.rows, self.row_bytes // 4)
         return np.dtype(np.uint8), (self.rows, self.row_bytes)
+
+
+# ---- typed views (docs/rules.md#formats) ----
+
+@dataclass(frozen=True)
+class ElementType:
+    """One element format: its name, bytes, the numpy dtype holding its bits (`storage`), and
+    the names of its real type in ml_dtypes and torch (None where numpy has it natively)."""
+    name: str
+    bytes: int
+    storage: np.dtype
+    ml_dtypes_name: object  # str or None
+    torch_name: str
+
+
+# By wire value (model_plan.proto ElementFormat; UNSPECIFIED is f32).
+ELEMENT_TYPES = {
+    model_plan_pb2.ELEMENT_FORMAT_F32: ElementType("f32", 4, np.dtype("<f4"), None, "float32"),
+    model_plan_pb2.ELEMENT_FORMAT_BF16: ElementType("bf16", 2, np.dtype("<u2"), "bfloat16",
+                                                    "bfloat16"),
+    model_plan_pb2.ELEMENT_FORMAT_F16: ElementType("f16", 2, np.dtype("<f2"), None, "float16"),
+    model_plan_pb2.ELEMENT_FORMAT_FP8_E4M3: ElementType("fp8_e4m3", 1, np.dtype(np.uint8),
+                                                        "float8_e4m3fn", "float8_e4m3fn"),
+    model_plan_pb2.ELEMENT_FORMAT_FP8_E5M2: ElementType("fp8_e5m2", 1, np.dtype(np.uint8),
+                                                        "float8_e5m2", "float8_e5m2"),
+}
+ELEMENT_TYPES[model_plan_pb2.ELEMENT_FORMAT_UNSPECIFIED] = \
+    ELEMENT_TYPES[model_plan_pb2.ELEMENT_FORMAT_F32]
+
+# K / V formats that store one element per value, by wire value; the block formats (q8_0, fp8,
+# q5_1, q4_0) are absent: they have no typed view.
+_K_ELEMENTS = {
+    model_plan_pb2.K_FORMAT_BF16: model_plan_pb2.ELEMENT_FORMAT_BF16,
+    model_plan_pb2.K_FORMAT_F16: model_plan_pb2.ELEMENT_FORMAT_F16,
+    model_plan_pb2.K_FORMAT_F32: model_plan_pb2.ELEMENT_FORMAT_F32,
+    model_plan_pb2.K_FORMAT_FP8_E4M3: model_plan_pb2.ELEMENT_FORMAT_FP8_E4M3,
+    model_plan_pb2.K_FORMAT_FP8_E5M2: model_plan_pb2.ELEMENT_FORMAT_FP8_E5M2,
+}
+_V_ELEMENTS = {
+    model_plan_pb2.V_FORMAT_BF16: model_plan_pb2.ELEMENT_FORMAT_BF16,
+    model_plan_pb2.V_FORMAT_F16: model_plan_pb2.ELEMENT_FORMAT_F16,
+    model_plan_pb2.V_FORMAT_F32: model_plan_pb2.ELEMENT_FORMAT_F32,
+    model_plan_pb2.V_FORMAT_FP8_E4M3: model_plan_pb2.ELEMENT_FORMAT_FP8_E4M3,
+    model_plan_pb2.V_FORMAT_FP8_E5M2: model_plan_pb2.ELEMENT_FORMAT_FP8_E5M2,
+}
+
+
+@dataclass(frozen=True)
+class TypedGeometry:
+    """A plane as an array (client.h TypedPlaneView): element [row][head][i] at offset
+    row * strides[0] + head * strides[1] + i * strides[2] bytes. `scale`: the plan's fp8 scale
+    (empty: 1.0)."""
+    plane: PlaneGeometry
+    element: ElementType
+    shape: tuple
+    strides: tuple
+    scale: tuple
+
+
+def typed_geometry(entry, plane):
+    """The TypedGeometry of `plane` of layer layout `entry` (cache.proto LayerLayout):
+    (rows, n_head_kv, head_dim) for element-format K/V, (rows, 1, latent_width) for latent rows,
+    (rows, 1, row_bytes / 4) f32 for the indexer, pool-key, conv and SSM planes. KvError
+    FAILED_PRECONDITION for block formats and mirrors, naming layer, plane and format."""
+    kind_name = cache_pb2.PlaneKind.Name(plane.kind).replace("PLANE_KIND_", "").lower()
+    if plane.kind in MIRROR_KINDS:
+        raise _bad(grpc.StatusCode.FAILED_PRECONDITION, "layer %d %s is an i32 mirror the daemon "
+                   "owns: no typed view" % (entry.layer, kind_name))
+    heads, head_dim, scale = 1, None, ()
+    if plane.kind in (cache_pb2.PLANE_KIND_KEYS, cache_pb2.PLANE_KIND_VALUES):
+        keys = plane.kind == cache_pb2.PLANE_KIND_KEYS
+        wire = entry.formats.k if keys else entry.formats.v
+        element = (_K_ELEMENTS if keys else _V_ELEMENTS).get(wire)
+        if element is None:
+            name = (model_plan_pb2.KFormat.Name(wire) if keys
+                    else model_plan_pb2.VFormat.Name(wire)).split("_FORMAT_")[1].lower()
+            raise _bad(grpc.StatusCode.FAILED_PRECONDITION,
+                       "layer %d %s are %s, a block format: no typed view (read the bytes "
+                       "through plane(); docs/rules.md#formats)" % (entry.layer, kind_name, name))
+        heads = entry.n_head_kv
+        head_dim = entry.head_dim_k if keys else entry.head_dim_v
+        scale = tuple(entry.k_scale if keys else entry.v_scale)
+    elif plane.kind == cache_pb2.PLANE_KIND_LATENT_ROWS:
+        element, head_dim, scale = entry.latent_format, entry.latent_width, tuple(entry.k_scale)
+    else:
+        element = model_plan_pb2.ELEMENT_FORMAT_F32
+    element = ELEMENT_TYPES[element]
+    if head_dim is None:
+        head_dim = plane.row_bytes // element.bytes
+    if heads == 0 or head_dim == 0 or heads * head_dim * element.bytes != plane.row_bytes:
+        raise _bad(grpc.StatusCode.FAILED_PRECONDITION,
+                   "layer %d %s: rows of %d bytes are not %d heads x %d x %d-byte elements (a "
+                   "daemon without head geometry in its layouts?)"
+                   % (entry.layer, kind_name, plane.row_bytes, heads, head_dim, element.bytes))
+    return TypedGeometry(plane, element, (plane.rows, heads, head_dim),
+                         (plane.row_bytes, head_dim * element.bytes, element.bytes), scale)
+
+
+def numpy_dtype(element):
+    """The numpy dtype of `element`'s real values: native for f32 / f16, ml_dtypes' for bf16 and
+    the fp8 formats (KvError FAILED_PRECONDITION naming the package when it is missing)."""
+    if element.ml_dtypes_name is None:
+        return element.storage
+    try:
+        import ml_dtypes
+    except ImportError:
+        raise _bad(grpc.StatusCode.FAILED_PRECONDITION,
+                   "%s planes as numpy need the ml_dtypes package (pip install ml-dtypes); "
+                   "storage=True gives the %s bits, torch_plane() a torch tensor"
+                   % (element.name, element.storage.name)) from None
+    return np.dtype(getattr(ml_dtypes, element.ml_dtypes_name))
+
+
+def torch_dtype(element):
+    """torch's dtype for `element` (KvError FAILED_PRECONDITION when torch is not installed)."""
+    try:
+        import torch
+    except ImportError:
+        raise _bad(grpc.StatusCode.FAILED_PRECONDITION,
+                   "torch_plane() needs torch; typed_plane() gives numpy arrays") from None
+    return getattr(torch, element.torch_name)
+
+
+def bf16_bits(values):
+    """float32 values -> their bf16 bits (uint16), rounded to nearest even: the encoding of a
+    bf16 plane for engines without ml_dtypes or torch (NaN stays NaN)."""
+    bits = np.ascontiguousarray(values, dtype="<f4").view("<u4").astype(np.uint64)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+    nan = np.isnan(np.asarray(values, dtype=np.float32))
+    return np.where(nan, (bits >> 16) | 0x40, rounded).astype("<u2")
+
+
+def float32_from_bf16_bits(bits):
+    """bf16 bits (uint16) -> float32 values: the decoding of bf16_bits."""
+    return (np.asarray(bits, dtype="<u2").astype("<u4") << 16).view("<f4")
 
 
 def _bad(code, message):
@@ -141,6 +280,19 @@ class HostArenaMapper(_CachingArenaMapper):
     def plane_bytes(self, base, geometry):
         return np.frombuffer(base, dtype=np.uint8, count=geometry.bytes, offset=geometry.offset)
 
+    def typed_plane(self, base, typed, dtype):
+        """numpy (rows, heads, head_dim) of `dtype` over the shared memory."""
+        count = int(np.prod(typed.shape))
+        return np.frombuffer(base, dtype=dtype, count=count,
+                             offset=typed.plane.offset).reshape(typed.shape)
+
+    def torch_plane(self, base, typed, dtype):
+        """A torch CPU tensor over the shared memory itself (no copy)."""
+        import torch
+        count = typed.shape[0] * typed.plane.row_bytes
+        raw = torch.frombuffer(base, dtype=torch.uint8, count=count, offset=typed.plane.offset)
+        return raw.view(dtype).view(typed.shape)
+
 
 # ---- cuda ----
 
@@ -224,10 +376,11 @@ class CudaRuntime:
 
 
 class CudaPlane:
-    """A plane in device memory: __cuda_array_interface__ (v3) with the plane's row shape."""
+    """A plane in device memory: __cuda_array_interface__ (v3) with the plane's row shape (or a
+    typed view's shape and storage dtype)."""
 
-    def __init__(self, pointer, geometry, runtime):
-        dtype, shape = geometry.dtype_and_shape()
+    def __init__(self, pointer, geometry, runtime, dtype_and_shape=None):
+        dtype, shape = dtype_and_shape or geometry.dtype_and_shape()
         self.pointer = pointer
         self.shape = shape
         self.dtype = dtype
@@ -276,3 +429,17 @@ class CudaArenaMapper(_CachingArenaMapper):
         flat = PlaneGeometry(cache_pb2.PLANE_KIND_KEYS, geometry.arena, geometry.offset,
                              geometry.bytes, 1, geometry.bytes)
         return CudaPlane(base + geometry.offset, flat, self.runtime)
+
+    def typed_plane(self, base, typed, dtype):
+        """A CudaPlane of the typed shape. __cuda_array_interface__ has no bf16 / fp8 typestr,
+        so those travel as their storage bits (torch_plane() views them as the real type)."""
+        if typed.element.ml_dtypes_name is not None:
+            dtype = typed.element.storage
+        return CudaPlane(base + typed.plane.offset, typed.plane, self.runtime,
+                         (dtype, typed.shape))
+
+    def torch_plane(self, base, typed, dtype):
+        """A torch CUDA tensor over the device memory (__cuda_array_interface__, no copy)."""
+        import torch
+        storage = self.typed_plane(base, typed, typed.element.storage)
+        return torch.as_tensor(storage, device="cuda").view(dtype)

@@ -4,30 +4,35 @@
         "kv_connector_module_path": "memra_kv.vllm", "kv_role": "kv_both",
         "kv_connector_extra_config": {"memra_socket": "/run/memra-kv/gpu0.sock"}}'
 
-The method set is vLLM v0.15.0's KVConnectorBase_V1 (vllm/distributed/kv_transfer/kv_connector/
-v1/base.py; python/README.md): scheduler side get_num_new_matched_tokens,
-update_state_after_alloc, build_connector_meta, request_finished; worker side
-register_kv_caches, start_load_kv, wait_for_layer_load, save_kv_layer, wait_for_save,
-get_finished, get_block_ids_with_load_errors.
-
-The logic is in MemraScheduler and MemraWorker, which work on plain ints, lists and numpy arrays
-and never import vLLM (the contract tests drive them in vLLM's call order); MemraKVConnector,
-the KVConnectorBase_V1 subclass vLLM loads, exists only where vLLM is importable and only
-translates vLLM's objects.
+MemraKVConnector subclasses the installed vLLM's KVConnectorBase_V1 (and SupportsHMA); it is
+written and tested against vLLM 0.33.0 from PyPI (docs/engine-adapters.md lists every member of
+that base class and what the connector does with it). The logic is in MemraScheduler and
+MemraWorker, which work on plain ints, lists, numpy arrays and torch tensors and never import
+vLLM; MemraKVConnector exists only where vLLM is importable and translates vLLM's objects.
 
 How it uses the block store:
-  * Blocks are keyed by vLLM's own chained block hashes (Request.block_hashes), so every vLLM
-    of one model, layout and cache scope shares them; a stored block is every layer's K and V
-    of that block (the block store's unit), so loads and saves are whole blocks, once per step.
-  * The scheduler attaches as its own engine and registers a one-block pool of the workers'
-    layout (same layout fingerprint: offsets, strides and block counts are not part of it) to
-    answer get_num_new_matched_tokens; it never pins (a pin is one engine's), so a block evicted
-    between lookup and load is a load error the worker reports through
-    get_block_ids_with_load_errors, and vLLM recomputes it (its KV-load-failure recovery).
+  * Blocks are keyed by content (ContentKeys): SHA-256 chained over each whole block's token
+    ids from a root binding the request's cache_salt and LoRA adapter; the daemon scopes every
+    key by the pool's layout fingerprint (model, element type, page order, block size, heads,
+    TP) and the cache scope. vLLM's own block hashes are not used: they are seeded per process
+    unless PYTHONHASHSEED is set (non-cryptographic algorithms), and change with
+    prefix_caching_hash_algo and across vLLM versions. A stored block is every layer's page of
+    that block (the block store's unit), so loads and saves are whole blocks, once per step.
+  * vLLM 0.33 hands each layer's cache as a (num_blocks, heads, block_size, content) view in the
+    resolved KVCacheLayout; every block-compact layout (LBNHC, BLNHC: NHD pages; LBHNC, BLHNC:
+    HND pages) is registered as one fused KV tensor per layer. The scheduler derives the same
+    layout from its KVCacheConfig and registers a one-block lookup pool of it (same layout
+    fingerprint) to answer get_num_new_matched_tokens. Its lookup pins what it found until the
+    request finishes (a TTL'd block-store pin: memra_lookup_pin_ms), so our own eviction never
+    fails a load; a block gone anyway (the pin refused or expired) is a load error the worker
+    reports through get_block_ids_with_load_errors (vLLM's kv_load_failure_policy decides:
+    "recompute" or "fail").
   * Loads run in start_load_kv and are complete when it returns (host backend: the daemon's
     reply comes after the copies; cuda: the engine's stream waits on the reply's completion
     event), so wait_for_layer_load has nothing to wait for; saves of newly computed full blocks
     run in wait_for_save, after the forward pass wrote them.
+  * The daemon is a cache: down, unreachable or refusing the pool, vLLM runs on without it
+    (one warning per process) and the connector tries again, at most every RETRY_S seconds.
   * Memory: caches that lie in memra HostPools are registered themselves (the daemon maps their
     memfds; blocks copy straight in and out). With a daemon on the cuda backend, caches that
     are CUDA tensors are registered themselves too: each distinct storage's CUDA IPC handle
@@ -40,8 +45,11 @@ How it uses the block store:
 """
 
 import dataclasses
+import hashlib
 import logging
+import os
 import re
+import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -52,7 +60,7 @@ from .block_store import (ELEMENT_BYTES, BlockStore, CudaRegion, HostPool, KeptR
                           PoolLayout, TensorLayout, cuda_region_of, element_type_of, page_key)
 from .errors import KvError
 
-VLLM_VERSION = "0.15.0"  # the KVConnectorBase_V1 method set this module implements
+VLLM_VERSION = "0.33.0"  # the KVConnectorBase_V1 this module is written and tested against
 
 log = logging.getLogger("memra_kv.vllm")
 
@@ -85,8 +93,15 @@ class MemraConnectorMetadata:
 
 @dataclass
 class KvCacheTensor:
-    """One layer's KV cache as vLLM's FlashAttention backend allocates it: shape (2, num_blocks,
-    block_size, num_kv_heads, head_dim), index 0 K and 1 V; strides in bytes."""
+    """One layer's KV cache as vLLM hands it to register_kv_caches, strides in bytes. Two shapes:
+
+    * vLLM >= 0.33 (kv_cache_interface.create_kv_cache_views): (num_blocks, heads, block_size,
+      content) per layer, content = K's and V's head dims of one (head, token) cell, in the
+      strides of the resolved KVCacheLayout. A block's page ([H, N, C] in its physical order) is
+      one run of bytes in every block-compact layout (LBNHC, LBHNC, BLNHC, BLHNC): it is stored
+      as the layer's one fused "KV" tensor, ordered NHD (tokens outer) or HND (heads outer).
+    * vLLM 0.15's FlashAttention shape (2, num_blocks, block_size, heads, head_dim), index 0 K
+      and 1 V: stored as the layer's "K" and "V" tensors."""
     name: str
     address: int
     shape: Tuple[int, ...]
@@ -104,6 +119,28 @@ class KvCacheTensor:
         return cls(name, tensor.data_ptr(), tuple(tensor.shape),
                    tuple(s * itemsize for s in tensor.stride()), itemsize, str(tensor.dtype))
 
+    @property
+    def fused(self):
+        """vLLM >= 0.33's per-layer (blocks, heads, tokens, content) page view."""
+        return len(self.shape) == 4
+
+    def page_order(self):
+        """A fused cache's page order: "NHD" or "HND". KvError INVALID_ARGUMENT naming the layer
+        and the strides when a block's page is not one dense run with the content innermost
+        (the layouts BHLNC and LHBNC scatter a page per head)."""
+        _, heads, tokens, content = self.shape
+        cell = content * self.itemsize
+        _, head_stride, token_stride, content_stride = self.strides
+        if content_stride == self.itemsize:
+            if token_stride == cell and head_stride == tokens * cell:
+                return "HND"
+            if head_stride == cell and token_stride == heads * cell:
+                return "NHD"
+        raise KvError(grpc.StatusCode.INVALID_ARGUMENT, "KV cache %s has strides %s for shape %s:"
+                      " a block's page must be one dense run (KV cache layouts LBNHC, LBHNC, "
+                      "BLNHC or BLHNC; set VLLM_KV_CACHE_LAYOUT)" % (self.name, self.strides,
+                                                                    self.shape))
+
 
 _LAYER_NUMBER = re.compile(r"(\d+)(?!.*\d)")
 
@@ -118,48 +155,65 @@ def layer_index(name, position):
 def pool_layout(caches: Sequence[KvCacheTensor], pools: Sequence, model,
                 tp_rank=0, tp_size=1, staging_blocks=0):
     """The block store layout of vLLM's per-layer caches lying in `pools` (HostPools, or
-    CudaRegions: each buffer i is pools[i]); with
-    staging_blocks instead, of a staging pool of that many blocks holding the caches' K and V
-    planes one after the other (the caches themselves lie anywhere). KvError INVALID_ARGUMENT
-    naming the layer and the numbers for a cache of another shape, a block whose tokens are
-    not contiguous, or caches that disagree; FAILED_PRECONDITION for a cache outside every
-    pool."""
+    CudaRegions: each buffer i is pools[i]); with staging_blocks instead, of a staging pool of
+    that many blocks holding the caches' planes (a layer's KV page, or its K and V blocks) one
+    after the other (the caches themselves lie anywhere). KvError INVALID_ARGUMENT naming the
+    layer and the numbers for a cache of another shape, a block whose bytes are not one run, or
+    caches that disagree; FAILED_PRECONDITION for a cache outside every pool."""
     if not caches:
         raise KvError(grpc.StatusCode.INVALID_ARGUMENT, "no KV caches to register")
     first = caches[0]
+    order = first.page_order() if first.fused else "NHD"
     tensors = []
     for position, cache in enumerate(caches):
-        if len(cache.shape) != 5 or cache.shape[0] != 2:
-            raise KvError(grpc.StatusCode.INVALID_ARGUMENT, "KV cache %s of shape %s; the "
-                          "connector takes (2, num_blocks, block_size, num_kv_heads, head_dim)"
-                          % (cache.name, cache.shape))
         if cache.shape != first.shape or cache.dtype != first.dtype:
             raise KvError(grpc.StatusCode.INVALID_ARGUMENT, "KV cache %s is %s %s and %s is %s "
                           "%s: one layout for every layer" % (cache.name, cache.shape,
                                                               cache.dtype, first.name,
                                                               first.shape, first.dtype))
-        _, num_blocks, block_size, heads, head_dim = cache.shape
-        # A block's tokens, heads and dims contiguous (NHD): its bytes are one range.
-        contiguous = (head_dim * cache.itemsize, cache.itemsize)
-        if cache.strides[3:] != contiguous or cache.strides[2] != heads * head_dim * cache.itemsize:
-            raise KvError(grpc.StatusCode.INVALID_ARGUMENT, "KV cache %s has strides %s: a "
-                          "block's (block_size, heads, head_dim) must be contiguous"
-                          % (cache.name, cache.strides))
         layer = layer_index(cache.name, position)
-        block_bytes = block_size * heads * head_dim * cache.itemsize
-        for kind, plane in (("K", 0), ("V", 1)):
+        for kind, plane_offset, block_stride, block_bytes in _planes(cache, order):
             if staging_blocks:
                 tensors.append(TensorLayout(layer, kind, len(tensors) * staging_blocks
                                             * block_bytes, block_bytes, block_bytes))
                 continue
             buffer, offset = _locate(cache, pools)
-            tensors.append(TensorLayout(layer, kind, offset + plane * cache.strides[0],
-                                        cache.strides[1], block_bytes, buffer=buffer))
-    _, num_blocks, block_size, heads, head_dim = first.shape
+            tensors.append(TensorLayout(layer, kind, offset + plane_offset, block_stride,
+                                        block_bytes, buffer=buffer))
+    if first.fused:
+        num_blocks, heads, block_size, head_dim = first.shape
+    else:
+        _, num_blocks, block_size, heads, head_dim = first.shape
     return PoolLayout(num_blocks=staging_blocks or num_blocks, tokens_per_block=block_size,
                       element_type=element_type_of(first.dtype), num_kv_heads=heads,
-                      head_dim=head_dim, model=model, tensors=tensors, order="NHD",
+                      head_dim=head_dim, model=model, tensors=tensors, order=order,
                       tp_rank=tp_rank, tp_size=tp_size)
+
+
+def _planes(cache, order):
+    """(kind, byte offset of block 0, block stride, block bytes) of each stored plane of one
+    layer's cache."""
+    if cache.fused:
+        if cache.page_order() != order:
+            raise KvError(grpc.StatusCode.INVALID_ARGUMENT, "KV cache %s is %s and the first "
+                          "layer %s: one layout for every layer" % (cache.name,
+                                                                    cache.page_order(), order))
+        num_blocks, heads, tokens, content = cache.shape
+        return [("KV", 0, cache.strides[0], heads * tokens * content * cache.itemsize)]
+    if len(cache.shape) != 5 or cache.shape[0] != 2:
+        raise KvError(grpc.StatusCode.INVALID_ARGUMENT, "KV cache %s of shape %s; the connector "
+                      "takes (num_blocks, heads, block_size, content) or (2, num_blocks, "
+                      "block_size, num_kv_heads, head_dim)" % (cache.name, cache.shape))
+    _, num_blocks, block_size, heads, head_dim = cache.shape
+    # A block's tokens, heads and dims contiguous (NHD): its bytes are one range.
+    contiguous = (head_dim * cache.itemsize, cache.itemsize)
+    if cache.strides[3:] != contiguous or cache.strides[2] != heads * head_dim * cache.itemsize:
+        raise KvError(grpc.StatusCode.INVALID_ARGUMENT, "KV cache %s has strides %s: a block's "
+                      "(block_size, heads, head_dim) must be contiguous"
+                      % (cache.name, cache.strides))
+    block_bytes = block_size * heads * head_dim * cache.itemsize
+    return [(kind, plane * cache.strides[0], cache.strides[1], block_bytes)
+            for kind, plane in (("K", 0), ("V", 1))]
 
 
 def _bounds(pool):
@@ -266,19 +320,24 @@ def cache_element_type(cache_dtype, model_dtype):
 class LazyScheduler:
     """The scheduler's lookup registration, made on first use by `make()` (-> MemraScheduler):
     a refusal or an unreachable daemon leaves it unmade (get() is None: every request a miss)
-    and it is tried again at the next call, never raising into vLLM's scheduler loop."""
+    and it is tried again at the next call, never raising into vLLM's scheduler loop. The first
+    failure is a warning (quiet: a debug line, where the caller warns itself), later ones are
+    debug lines (the connector paces the tries)."""
 
-    def __init__(self, make):
+    def __init__(self, make, quiet=False):
         self._make = make
         self._scheduler = None
+        self._warned = quiet
 
     def get(self) -> Optional["MemraScheduler"]:
         if self._scheduler is None:
             try:
                 self._scheduler = self._make()
             except (KvError, grpc.RpcError, OSError) as error:
-                log.warning("the scheduler's lookup registration failed (retried at the next "
-                            "request): %s", error)
+                (log.debug if self._warned else log.warning)(
+                    "the scheduler's lookup registration failed (retried at the next "
+                    "request): %s", error)
+                self._warned = True
         return self._scheduler
 
 
@@ -292,15 +351,24 @@ class _Tracked:
     computed_tokens: int = 0  # when get_num_new_matched_tokens was asked
     external_blocks: int = 0  # blocks the store can give beyond the computed ones
     done_blocks: int = 0  # leading blocks loaded or saved (never saved again)
+    pin_id: int = 0  # the lookup's pin until the request ends (0: none)
 
 
 class MemraScheduler:
     """The scheduler side on plain values. `registration`: the lookup registration
-    (lookup_layout) of an attached client's BlockStore, made again when the daemon lost it."""
+    (lookup_layout) of an attached client's BlockStore, made again when the daemon lost it.
 
-    def __init__(self, registration: KeptRegistration, block_size):
+    With `pin_ttl_ms` > 0 a lookup holds what it found until the load: the matched blocks are
+    pinned (the block store's pins: they keep entries from eviction, expire after the TTL,
+    at most 60 s, and are bounded per engine) and released when the request finishes, when vLLM
+    loads nothing for it, or when it is looked up again. A lookup the pin limits refuse
+    (RESOURCE_EXHAUSTED) is made again without a pin: a block evicted before its load is then
+    a load error, as without the lease."""
+
+    def __init__(self, registration: KeptRegistration, block_size, pin_ttl_ms=0):
         self._registration = registration
         self.block_size = block_size
+        self.pin_ttl_ms = pin_ttl_ms
         self._requests: Dict[str, _Tracked] = {}
         self._loads: List[LoadSpec] = []
 
@@ -312,16 +380,37 @@ class MemraScheduler:
         tracked = self._requests.setdefault(request_id, _Tracked(hashes, list(token_ids)))
         tracked.hashes, tracked.token_ids = hashes, list(token_ids)
         tracked.computed_tokens = num_computed_tokens
+        self._unpin(tracked)
         computed_blocks = num_computed_tokens // self.block_size
         loadable = min(len(hashes), max(0, (len(token_ids) - 1) // self.block_size))
         matched = 0
         if loadable > computed_blocks:
             try:
-                matched = self._registration.lookup(hashes=hashes[:loadable]).matched_blocks
+                match = self._lookup(hashes[:loadable])
+                matched, tracked.pin_id = match.matched_blocks, match.pin_id
             except KvError as error:  # the store is a cache: unreachable means a miss
                 log.warning("lookup of request %s: %s", request_id, error)
         tracked.external_blocks = max(0, min(matched, loadable) - computed_blocks)
         return tracked.external_blocks * self.block_size, False
+
+    def _lookup(self, hashes):
+        if self.pin_ttl_ms > 0:
+            try:
+                return self._registration.lookup(hashes=hashes, pin_ttl_ms=self.pin_ttl_ms)
+            except KvError as error:
+                if error.code != grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    raise
+                log.debug("a pinned lookup refused (%s): looked up unpinned", error)
+        return self._registration.lookup(hashes=hashes)
+
+    def _unpin(self, tracked):
+        """Releases the request's lookup pin, if any (a failure: the TTL releases it)."""
+        pin_id, tracked.pin_id = tracked.pin_id, 0
+        if pin_id:
+            try:
+                self._registration.unpin(pin_id)
+            except KvError as error:
+                log.debug("unpin %d: %s", pin_id, error)
 
     def update_state_after_alloc(self, request_id, block_ids, num_external_tokens):
         """`block_ids`: the request's blocks (KV group 0) after this allocation."""
@@ -330,6 +419,7 @@ class MemraScheduler:
             return
         tracked.block_ids = list(block_ids)
         if num_external_tokens <= 0:
+            self._unpin(tracked)  # vLLM loads nothing of what the lookup held
             return
         first = tracked.computed_tokens // self.block_size
         count = num_external_tokens // self.block_size
@@ -372,8 +462,11 @@ class MemraScheduler:
         return meta
 
     def request_finished(self, request_id) -> Tuple[bool, Optional[dict]]:
-        """Saves are synchronous (wait_for_save): vLLM may free the blocks now."""
-        self._requests.pop(request_id, None)
+        """Saves are synchronous (wait_for_save): vLLM may free the blocks now. Its lookup pin
+        is released: the load ran before any save of this request."""
+        tracked = self._requests.pop(request_id, None)
+        if tracked is not None:
+            self._unpin(tracked)
         return False, None
 
 
@@ -387,7 +480,8 @@ class _Staging:
 
     def __init__(self, pool, planes, block_bytes, slots):
         self.pool = pool
-        self.planes = planes  # (cache tensor, 0 K | 1 V), layout order
+        # (cache tensor, 0 K | 1 V) or (fused cache tensor, its page order), layout order
+        self.planes = planes
         self.block_bytes = block_bytes
         self.slots = slots
         self._bytes = pool.array
@@ -400,12 +494,19 @@ class _Staging:
         return self._bytes[start:start + self.block_bytes]
 
     def _block(self, plane, block_id):
+        """The plane's block as uint8 bytes in memory order (a view: copies land in the cache)."""
         tensor, kind = self.planes[plane]
-        block = tensor[kind, block_id].reshape(-1)
+        if kind in ("NHD", "HND"):  # a fused page (blocks, heads, tokens, content)
+            block = tensor[block_id]
+            if kind == "NHD":  # tokens outer in memory
+                block = block.transpose(1, 0, 2) if isinstance(block, np.ndarray) \
+                    else block.permute(1, 0, 2)
+        else:
+            block = tensor[kind, block_id]
         if isinstance(block, np.ndarray):
-            return block.view(np.uint8)
+            return block.reshape(-1).view(np.uint8)
         import torch
-        return block.view(torch.uint8)
+        return block.reshape(-1).view(torch.uint8)
 
     def gather(self, block_ids):
         """Cache blocks block_ids into slots 0.. (before a store)."""
@@ -466,7 +567,8 @@ class MemraWorker:
         block_bytes = layout.block_bytes
         pool = HostPool(len(layout.tensors) * self._staging_blocks * block_bytes,
                         "memra-kv-staging")
-        planes = [(tensor, kind) for tensor in kv_caches.values() for kind in (0, 1)]
+        planes = [(tensor, kind) for tensor in kv_caches.values()
+                  for kind in ((layout.order,) if caches[0].fused else (0, 1))]
         self._staging = _Staging(pool, planes, block_bytes, self._staging_blocks)
         self._kept = KeptRegistration(self._store, [pool], layout)
         return self.registration
@@ -555,130 +657,326 @@ class MemraWorker:
         return errors
 
 
+# ---- content keys: independent of vLLM's hash seed, algorithm and version ----
+
+CONTENT_KEY_DOMAIN = b"memra-kv/vllm-content/v1"
+
+
+class ContentKeys:
+    """A request's block keys: SHA-256 chained over its whole blocks of token ids from a root
+    binding the request's salt (vLLM's cache_salt and LoRA adapter), so the same tokens under
+    another salt never share. The daemon scopes every key by the pool's layout fingerprint
+    (model identity, element type, order, block size, heads, tp) and the engine's cache scope,
+    so keys need not bind those again. vLLM's own block hashes are never used as keys: vLLM
+    seeds them per process unless PYTHONHASHSEED is set (non-cryptographic hash functions),
+    and they change with prefix_caching_hash_algo and vLLM's version. Extends incrementally."""
+
+    def __init__(self, block_size, salt=b""):
+        self.block_size = block_size
+        root = hashlib.sha256(CONTENT_KEY_DOMAIN)
+        root.update(len(salt).to_bytes(4, "little"))
+        root.update(salt)
+        self._root = root.digest()
+        self.keys: List[bytes] = []
+
+    def extend(self, token_ids) -> List[bytes]:
+        """The keys of token_ids' whole blocks (token_ids starts with the tokens already keyed)."""
+        for block in range(len(self.keys), len(token_ids) // self.block_size):
+            parent = self.keys[-1] if self.keys else self._root
+            tokens = token_ids[block * self.block_size:(block + 1) * self.block_size]
+            self.keys.append(hashlib.sha256(
+                parent + np.asarray(tokens, dtype="<i8").tobytes()).digest())
+        return self.keys
+
+
+def request_salt(cache_salt, lora_name):
+    """The salt of a request's keys: its cache_salt and LoRA adapter, length-prefixed."""
+    salt = b""
+    for part in (cache_salt or "", lora_name or ""):
+        raw = str(part).encode()
+        salt += len(raw).to_bytes(4, "little") + raw
+    return salt
+
+
+def fused_lookup_layout(layer_names, block_size, heads, content, element_type, order, model,
+                        tp_size=1):
+    """The scheduler's lookup layout for vLLM >= 0.33 (one fused KV page per layer), derived
+    from its KVCacheConfig and resolved layout: the same fingerprint as rank 0's workers'
+    pool_layout of their caches."""
+    block_bytes = heads * block_size * content * ELEMENT_BYTES[element_type]
+    tensors = [TensorLayout(layer_index(name, position), "KV", 0, block_bytes, block_bytes)
+               for position, name in enumerate(layer_names)]
+    layout = PoolLayout(num_blocks=1, tokens_per_block=block_size, element_type=element_type,
+                        num_kv_heads=heads, head_dim=content, model=model, tensors=tensors,
+                        order=order, tp_rank=0, tp_size=tp_size)
+    return lookup_layout(layout)
+
+
+# The page order of each block-compact KVCacheLayout (vllm/v1/kv_cache_layout.py: logical
+# [L, B, H, N, C], N the block's tokens).
+LAYOUT_ORDERS = {"LBNHC": "NHD", "BLNHC": "NHD", "LBHNC": "HND", "BLHNC": "HND"}
+
+
 # ---- the vLLM class, where vLLM is importable ----
+
+RETRY_S = 5.0  # the pace of connection tries while the daemon is away
 
 try:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: F401
-        KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole)
+        KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole, SupportsHMA)
 except ImportError:  # vLLM is not installed: the logic above is all there is
     KVConnectorBase_V1 = None
 
 if KVConnectorBase_V1 is not None:
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
     from .client import Client
 
     class _Metadata(KVConnectorMetadata, MemraConnectorMetadata):
         pass
 
-    class MemraKVConnector(KVConnectorBase_V1):
-        """vLLM's view of MemraScheduler / MemraWorker (kv_connector_extra_config:
-        memra_socket, memra_engine_name, memra_cache_scope; memra_pools: the HostPools the
-        worker's caches live in, for an engine that allocated them there)."""
+    class MemraKVConnector(KVConnectorBase_V1, SupportsHMA):
+        """vLLM's view of MemraScheduler / MemraWorker. kv_connector_extra_config (strings and
+        numbers only: vLLM pickles its config to worker processes): memra_socket (default
+        /run/memra-kv/gpu0.sock), memra_engine_name, memra_cache_scope, memra_staging_blocks
+        (64), memra_lookup_pin_ms (30000: how long a lookup holds what it found for the load;
+        0: no pin), memra_timeout_s (2: how long a
+        connection try waits for the daemon).
+
+        The daemon is a cache: one that is down, unreachable or refuses the pool leaves vLLM
+        running without it (one warning; every request a miss, nothing saved) and is tried
+        again at the next request or step."""
+
+        # vLLM's hit metrics: the daemon serves from host memory (its host backend; a cuda
+        # backend's hits are counted here too).
+        _cache_hit_source = CacheHitSource.HOST
 
         def __init__(self, vllm_config, role, kv_cache_config=None):
-            try:
-                super().__init__(vllm_config, role, kv_cache_config)
-            except TypeError:  # before kv_cache_config was an argument
-                super().__init__(vllm_config, role)
-            extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
+            super().__init__(vllm_config, role, kv_cache_config)
+            extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
             self._extra = extra
             self._model = str(vllm_config.model_config.model)
             self._block_size = vllm_config.cache_config.block_size
-            self._client = Client.connect(extra.get("memra_socket", "/run/memra-kv/gpu0.sock"))
-            self._client.attach(extra.get("memra_engine_name", "vllm-%s" % role.name.lower()),
-                                cache_scope=extra.get("memra_cache_scope", ""))
-            self._store = BlockStore(self._client)
-            self._scheduler = LazyScheduler(self._make_scheduler)
-            self._requests = {}
-            self._worker = (MemraWorker(self._store, int(extra.get("memra_staging_blocks", 64)))
-                            if role == KVConnectorRole.WORKER else None)
+            self._socket = str(extra.get("memra_socket", "/run/memra-kv/gpu0.sock"))
+            self._timeout = float(extra.get("memra_timeout_s", 2))
+            self._engine_name = str(extra.get("memra_engine_name",
+                                              "vllm-%s" % role.name.lower()))
+            self._store = None  # BlockStore once connected
+            self._next_try = 0.0  # time.monotonic() of the next connection try
+            self._warned = False
+            self._requests = {}  # request id -> (Request, ContentKeys): scheduler side
+            self._scheduler = LazyScheduler(self._make_scheduler, quiet=True)
+            self._worker = None  # MemraWorker once the caches are registered
+            self._kv_caches = None
+            self._unloaded = set()  # block ids of loads made while no worker was registered
+
+        # -- the daemon, connected on first use --
+
+        def _connected_store(self):
+            """The attached BlockStore. While the daemon is away, a try at most every
+            RETRY_S seconds (KvError UNAVAILABLE in between), none that waits for a socket
+            file that does not exist: vLLM's loops never stall on it."""
+            if self._store is None:
+                now = time.monotonic()
+                if now < self._next_try:
+                    raise KvError(grpc.StatusCode.UNAVAILABLE, "memra-kvd at %s: tried %.1fs "
+                                  "ago, next try in %.1fs" % (self._socket,
+                                                              now - self._next_try + RETRY_S,
+                                                              self._next_try - now))
+                self._next_try = now + RETRY_S
+                if not os.path.exists(self._socket):
+                    raise KvError(grpc.StatusCode.UNAVAILABLE, "no memra-kvd socket at %s "
+                                  "(kv_connector_extra_config memra_socket)" % self._socket)
+                client = Client.connect(self._socket, timeout=self._timeout)
+                try:
+                    client.attach(self._engine_name,
+                                  cache_scope=str(self._extra.get("memra_cache_scope", "")))
+                except BaseException:
+                    client.close()
+                    raise
+                self._store = BlockStore(client)
+            return self._store
+
+        def _degraded(self, what, error):
+            """One warning for the connector's life: the daemon is unusable, vLLM goes on."""
+            if not self._warned:
+                self._warned = True
+                log.warning("memra-kvd at %s is unusable (%s: %s): vLLM runs without the "
+                            "external KV cache and tries again at each request", self._socket,
+                            what, error)
+            if self._store is not None:
+                try:
+                    self._store._client.close()
+                except Exception:  # noqa: BLE001  (already gone)
+                    pass
+                self._store = None
+
+        def _group_layers(self):
+            groups = self._kv_cache_config.kv_cache_groups
+            return list(groups[0].layer_names), groups[0].kv_cache_spec
+
+        def _single_group(self):
+            return len(self._kv_cache_config.kv_cache_groups) == 1
 
         # -- worker side --
 
         def register_kv_caches(self, kv_caches):
-            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
-            self._worker.register_kv_caches(
-                kv_caches, self._extra.get("memra_pools", ()), self._model,
-                get_tensor_model_parallel_rank(),
-                self._vllm_config.parallel_config.tensor_parallel_size)
+            layer_names, _ = self._group_layers()
+            self._kv_caches = {name: kv_caches[name] for name in layer_names
+                               if name in kv_caches}
+            self._ensure_worker()
+
+        def _ensure_worker(self):
+            if self._worker is None and self._kv_caches:
+                try:
+                    worker = MemraWorker(self._connected_store(),
+                                         int(self._extra.get("memra_staging_blocks", 64)))
+                    worker.register_kv_caches(
+                        self._kv_caches, (), self._model, self._tp_rank(),
+                        self._vllm_config.parallel_config.tensor_parallel_size)
+                    self._worker = worker
+                except (KvError, grpc.RpcError, OSError) as error:
+                    self._degraded("registering the KV caches", error)
+            return self._worker
+
+        def _tp_rank(self):
+            try:
+                from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+                return get_tensor_model_parallel_rank()
+            except AssertionError:  # no model-parallel group (a single process): rank 0
+                return 0
 
         def start_load_kv(self, forward_context, **kwargs):
-            self._worker.start_load_kv(self._get_connector_metadata())
+            meta = self._get_connector_metadata()
+            worker = self._ensure_worker()
+            if worker is not None:
+                worker.start_load_kv(meta)
+            else:  # nothing can arrive: vLLM is told, as for any failed load
+                self._unloaded |= {b for load in meta.loads for b in load.block_ids}
 
         def wait_for_layer_load(self, layer_name):
-            self._worker.wait_for_layer_load(layer_name)
+            """Loads are complete when start_load_kv returns."""
 
         def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs):
-            self._worker.save_kv_layer(layer_name)
+            """A stored block holds every layer: blocks are saved whole, in wait_for_save."""
 
         def wait_for_save(self):
-            self._worker.wait_for_save(self._get_connector_metadata())
+            if self._worker is not None and self.has_connector_metadata():
+                self._worker.wait_for_save(self._get_connector_metadata())
 
         def get_finished(self, finished_req_ids):
-            return self._worker.get_finished(finished_req_ids)
+            return None, None
 
         def get_block_ids_with_load_errors(self):
-            return self._worker.get_block_ids_with_load_errors()
+            errors, self._unloaded = self._unloaded, set()
+            if self._worker is not None:
+                errors |= self._worker.get_block_ids_with_load_errors()
+            return errors
+
+        @property
+        def requires_kv_delivery(self):
+            """A best-effort cache: a dropped save is a later miss."""
+            return False
+
+        def shutdown(self):
+            if self._store is not None:
+                self._store._client.close()
+                self._store = None
 
         # -- scheduler side --
 
         def _make_scheduler(self):
-            model_config = self._vllm_config.model_config
-            parallel = self._vllm_config.parallel_config
-            packed, nbytes = scheduler_layout(
-                model_config.get_num_layers(parallel), self._block_size,
-                model_config.get_num_kv_heads(parallel), model_config.get_head_size(),
-                cache_element_type(self._vllm_config.cache_config.cache_dtype,
-                                   model_config.dtype),
-                self._model, parallel.tensor_parallel_size)
-            registration = KeptRegistration(self._store, [HostPool(nbytes, "memra-kv-lookup")],
-                                            packed)
-            return MemraScheduler(registration, self._block_size)
+            layer_names, spec = self._group_layers()
+            cache_config = self._vllm_config.cache_config
+            layout = cache_config.get_resolved_kv_cache_layout().name
+            if layout not in LAYOUT_ORDERS:
+                raise KvError(grpc.StatusCode.FAILED_PRECONDITION, "KV cache layout %s scatters "
+                              "a block's page; the connector takes %s (VLLM_KV_CACHE_LAYOUT)"
+                              % (layout, ", ".join(sorted(LAYOUT_ORDERS))))
+            element_type = element_type_of(spec.dtype)
+            content = spec.state_content_size_bytes // ELEMENT_BYTES[element_type]
+            packed, nbytes = fused_lookup_layout(
+                layer_names, self._block_size, spec.num_heads, content, element_type,
+                LAYOUT_ORDERS[layout], self._model,
+                self._vllm_config.parallel_config.tensor_parallel_size)
+            try:
+                registration = KeptRegistration(self._connected_store(),
+                                                [HostPool(nbytes, "memra-kv-lookup")], packed)
+            except (KvError, grpc.RpcError, OSError) as error:
+                self._degraded("registering the scheduler's lookup pool", error)
+                raise
+            return MemraScheduler(registration, self._block_size,
+                                  int(self._extra.get("memra_lookup_pin_ms", 30000)))
+
+        def _keys(self, request):
+            """The request's content keys now, or None when its tokens do not name its KV
+            (multimodal inputs, prompt embeddings): such a request never uses the store."""
+            entry = self._requests.get(request.request_id)
+            if entry is None:
+                if getattr(request, "mm_features", None) or \
+                        getattr(request, "prompt_embeds", None) is not None:
+                    keys = None
+                else:
+                    lora = getattr(request, "lora_request", None)
+                    keys = ContentKeys(self._block_size, request_salt(
+                        getattr(request, "cache_salt", None),
+                        getattr(lora, "lora_name", None)))
+                entry = self._requests[request.request_id] = (request, keys)
+            keys = entry[1]
+            return None if keys is None else keys.extend(request.all_token_ids)
 
         def get_num_new_matched_tokens(self, request, num_computed_tokens):
+            keys = self._keys(request)
+            if keys is None or not self._single_group():
+                return 0, False
             logic = self._scheduler.get()
             if logic is None:
                 return 0, False
-            self._requests[request.request_id] = request
             return logic.get_num_new_matched_tokens(
-                request.request_id, request.block_hashes, request.all_token_ids,
-                num_computed_tokens)
+                request.request_id, keys, request.all_token_ids, num_computed_tokens)
 
         def update_state_after_alloc(self, request, blocks, num_external_tokens):
-            logic = self._scheduler.get()
+            logic = self._scheduler.get() if self._single_group() else None
             if logic is None:
                 return
             logic.update_state_after_alloc(
                 request.request_id, blocks.get_block_ids()[0], num_external_tokens)
 
         def build_connector_meta(self, scheduler_output):
-            logic = self._scheduler.get()
+            logic = self._scheduler.get() if self._single_group() else None
             if logic is None:
                 return _Metadata([], [])
             computed = {}
             for new in scheduler_output.scheduled_new_reqs:
                 computed[new.req_id] = (new.num_computed_tokens
                                         + scheduler_output.num_scheduled_tokens[new.req_id])
-                request = self._requests.get(new.req_id)
-                if request is not None:
-                    logic.update_request(new.req_id, request.block_hashes,
-                                         request.all_token_ids, new.block_ids[0])
+                entry = self._requests.get(new.req_id)
+                if entry is not None and entry[1] is not None:
+                    logic.update_request(new.req_id, self._keys(entry[0]),
+                                         entry[0].all_token_ids, new.block_ids[0])
             cached = scheduler_output.scheduled_cached_reqs
             for i, request_id in enumerate(cached.req_ids):
-                request = self._requests.get(request_id)
-                if request is None:
+                entry = self._requests.get(request_id)
+                if entry is None or entry[1] is None:
                     continue
+                request = entry[0]
                 computed[request_id] = (cached.num_computed_tokens[i]
                                         + scheduler_output.num_scheduled_tokens[request_id])
                 new_blocks = list(cached.new_block_ids[i][0]) if cached.new_block_ids[i] else []
                 # A request resumed after preemption has new blocks, not more blocks.
                 resumed = request_id in getattr(cached, "resumed_req_ids", ())
                 block_ids = new_blocks if resumed else logic.block_ids(request_id) + new_blocks
-                logic.update_request(request_id, request.block_hashes, request.all_token_ids,
+                logic.update_request(request_id, self._keys(request), request.all_token_ids,
                                      block_ids)
             meta = logic.build_connector_meta(computed)
             return _Metadata(meta.loads, meta.saves)
 
         def request_finished(self, request, block_ids):
             self._requests.pop(request.request_id, None)
-            logic = self._scheduler.get()
+            logic = self._scheduler.get() if self._single_group() else None
             return (False, None) if logic is None else logic.request_finished(request.request_id)
+
+        def request_finished_all_groups(self, request, block_ids):
+            """SupportsHMA: the store serves single-group models only (a hybrid model's other
+            groups are never loaded), so this is request_finished."""
+            return self.request_finished(request, block_ids[0] if block_ids else [])

@@ -5,8 +5,9 @@ the engine's paged KV pool, and writes what it saw as JSON to OUT.
     adapter_engine.py SOCKET ADMIN_SOCKET OUT ENGINE MODE
 
 ENGINE vllm: MODE store (a request's prompt computed and saved), load (the same prompt from a
-fresh pool: its blocks loaded, the bytes checked), load-evicted (the stored blocks evicted
-between lookup and load: load errors); store-staged and load-staged with caches in plain
+fresh pool: its blocks loaded, the bytes checked), load-evicted (an operator evicts the stored
+blocks between lookup and load: the lookup's pin refuses it, the load succeeds),
+load-evicted-unpinned (the same with a scheduler that does not pin: load errors); store-staged and load-staged with caches in plain
 memory (staged through a 3-block HostPool). ENGINE sglang: MODE set (host pages backed up), get
 (prefetched into other pages, the bytes checked), get-partial (unstored pages after the stored
 ones; then every page evicted between batch_exists and batch_get_v1); set-staged and
@@ -82,6 +83,7 @@ def vllm_engine(socket, admin_socket, mode):
     facts = {}
     staged = mode.endswith("-staged")
     mode = mode[:-len("-staged")] if staged else mode
+    pin_ttl_ms = 0 if mode.endswith("-unpinned") else 30000
     with memra_kv.connect(socket) as sched_client, memra_kv.connect(socket) as worker_client:
         sched_client.attach("vllm-scheduler")
         worker_client.attach("vllm-worker-0")
@@ -100,7 +102,8 @@ def vllm_engine(socket, admin_socket, mode):
         packed, nbytes = lookup_layout(registration.layout)
         lookup_pool = HostPool(nbytes)
         store = BlockStore(sched_client)
-        scheduler = MemraScheduler(KeptRegistration(store, [lookup_pool], packed), BLOCK)
+        scheduler = MemraScheduler(KeptRegistration(store, [lookup_pool], packed), BLOCK,
+                                   pin_ttl_ms)
 
         hashes = vllm_hashes(PROMPT)
         request = "req-0"
@@ -116,10 +119,14 @@ def vllm_engine(socket, admin_socket, mode):
         meta = scheduler.build_connector_meta({request: len(PROMPT)})
         facts["meta"] = {"loads": [len(l.block_ids) for l in meta.loads],
                          "saves": [len(s.block_ids) for s in meta.saves]}
-        if mode == "load-evicted":
+        if mode.startswith("load-evicted"):
+            facts["evict_refusals"] = []
             with memra_kv.connect(admin_socket) as admin:
                 for entry in admin.list_prefixes().entries:
-                    admin.evict_prefix(entry.entry_id)
+                    try:
+                        admin.evict_prefix(entry.entry_id)
+                    except memra_kv.KvError as error:
+                        facts["evict_refusals"].append([error.code.name, error.message])
 
         # Worker step: bind metadata, start loads, per layer wait / compute / save, wait.
         worker.start_load_kv(meta)
@@ -211,6 +218,7 @@ def sglang_engine(socket, admin_socket, mode):
     keys = sglang_keys(tokens)[:4]
     staged = mode.endswith("-staged")
     mode = mode[:-len("-staged")] if staged else mode
+    pin_ttl_ms = 0 if mode.endswith("-unpinned") else 30000
     with memra_kv.connect(socket) as client:
         client.attach("sglang-tp0")
         if staged:  # SGLang's own memory, not a HostPool: pages go through a staging pool

@@ -72,9 +72,9 @@ def test_vllm_caches_must_be_paged_contiguous_and_in_a_pool():
             for t in layout.tensors] == [(3, "K", 0, 512, 512), (3, "V", 2048, 512, 512)]
     assert (layout.num_blocks, layout.tokens_per_block, layout.element_type) == (4, 16, "fp16")
     assert refused(grpc.StatusCode.INVALID_ARGUMENT, pool_layout,
-                   [KvCacheTensor.of("l0", cache[0])], [pool], "m") == (
-        "KV cache l0 of shape (4, 16, 2, 8); the connector takes (2, num_blocks, block_size, "
-        "num_kv_heads, head_dim)")
+                   [KvCacheTensor.of("l0", cache[0, 0])], [pool], "m") == (
+        "KV cache l0 of shape (16, 2, 8); the connector takes (num_blocks, heads, block_size, "
+        "content) or (2, num_blocks, block_size, num_kv_heads, head_dim)")
     strided = cache.transpose(0, 1, 3, 2, 4)  # HND view of NHD memory: tokens not contiguous
     assert "must be contiguous" in refused(grpc.StatusCode.INVALID_ARGUMENT, pool_layout,
                                            [KvCacheTensor.of("l0", strided)], [pool], "m")
@@ -90,6 +90,29 @@ def test_vllm_caches_must_be_paged_contiguous_and_in_a_pool():
                       [KvCacheTensor.of("l0", outside)], [pool], "m")
     assert message.startswith("KV cache l0 at 0x%x is not in a memra host pool"
                               % outside.ctypes.data)
+    pool.close()
+
+
+def test_vllm_033_pages_are_one_fused_tensor_per_layer_in_either_order():
+    """vLLM 0.33's (num_blocks, heads, block_size, content) views: HND and NHD pages are one KV
+    tensor each; a layout that scatters a page per head is refused, naming the strides."""
+    pool = HostPool(4 * 2 * 16 * 16 * 2)
+    hnd = pool.view(np.float16, (4, 2, 16, 16))
+    layout = pool_layout([KvCacheTensor.of("model.layers.1.attn", hnd)], [pool], "m")
+    assert layout.order == "HND" and (layout.num_kv_heads, layout.head_dim) == (2, 16)
+    assert [(t.layer, t.kind, t.offset, t.block_stride, t.block_bytes)
+            for t in layout.tensors] == [(1, "KV", 0, 1024, 1024)]
+    nhd = pool.view(np.float16, (4, 16, 2, 16)).transpose(0, 2, 1, 3)  # tokens outer in memory
+    assert pool_layout([KvCacheTensor.of("l0", nhd)], [pool], "m").order == "NHD"
+    scattered = pool.view(np.float16, (2, 4, 16, 16)).transpose(1, 0, 2, 3)  # heads outermost
+    message = refused(grpc.StatusCode.INVALID_ARGUMENT, pool_layout,
+                      [KvCacheTensor.of("l0", scattered)], [pool], "m")
+    assert message == ("KV cache l0 has strides (512, 2048, 32, 2) for shape (4, 2, 16, 16): a "
+                       "block's page must be one dense run (KV cache layouts LBNHC, LBHNC, "
+                       "BLNHC or BLHNC; set VLLM_KV_CACHE_LAYOUT)")
+    mixed = [KvCacheTensor.of("l0", hnd), KvCacheTensor.of("l1", nhd)]
+    assert refused(grpc.StatusCode.INVALID_ARGUMENT, pool_layout, mixed, [pool], "m") == (
+        "KV cache l1 is NHD and the first layer HND: one layout for every layer")
     pool.close()
 
 

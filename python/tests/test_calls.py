@@ -14,8 +14,14 @@ from kvtest import FLAT_LAYER, dense_plan, hybrid_test_plan, repo_root
 MiB = 1 << 20
 LLAMA_CONFIG = os.path.join(repo_root(), "tests", "data", "hf_configs", "llama-3.1-8b.json")
 # README.md's memra-kvctl example: the same config through the C++ tool.
-LLAMA_FINGERPRINT = "e36a62053ac54b52cb17a4f866f528ca3e76c3efafeb014fc6cc219e5b7c5417"
-LLAMA_32K_BYTES = 1946181632
+# Imported as the engine keeps it, in its torch_dtype (bf16: docs/rules.md#formats): the
+# documented fingerprint encoding with K/V formats 2 / 3, and 32 layers x (2 planes of
+# 32768 x 2048 + 8, 256-aligned, + a 4-byte mirror), rounded to 4 KiB.
+LLAMA_FINGERPRINT = "46260ee1cb42062730b9ebd75d00f9811fdce7f1b48bcc99ed513072449314ad"
+LLAMA_32K_BYTES = 4294991872
+# The same model in the reference's q8_0 / q5_1 (import_model(kv_dtype="reference")).
+LLAMA_REFERENCE_FINGERPRINT = "e36a62053ac54b52cb17a4f866f528ca3e76c3efafeb014fc6cc219e5b7c5417"
+LLAMA_REFERENCE_32K_BYTES = 1946181632
 
 
 @pytest.fixture
@@ -39,6 +45,11 @@ def test_import_model_from_a_hf_config_and_its_cost(small):
     assert small.cost(32768, plan=imported.plan).arena_bytes == LLAMA_32K_BYTES
     # Registering the imported plan again answers the same fingerprint.
     assert small.register_plan(imported.plan) == imported.plan_fingerprint
+    reference = small.import_model(LLAMA_CONFIG, kv_dtype="reference")
+    assert reference.plan_fingerprint.hex() == LLAMA_REFERENCE_FINGERPRINT
+    assert reference.kv_formats == "K/V q8_0/q5_1"
+    assert small.cost(32768, fingerprint=reference.plan_fingerprint).arena_bytes == \
+        LLAMA_REFERENCE_32K_BYTES
 
 
 def test_admission_refusal_raises_with_its_numbers(small):
@@ -229,7 +240,8 @@ def test_a_steady_request_stream_reuses_the_pooled_arena_and_its_mapping(small):
 
 
 def test_admin_fit_max_context_and_drain(small):
-    plan = small.import_model(LLAMA_CONFIG).plan_fingerprint
+    # The reference's q8_0 / q5_1: sessions small enough for the 64 MiB budget's arithmetic.
+    plan = small.import_model(LLAMA_CONFIG, kv_dtype="reference").plan_fingerprint
     fit = small.fit(4096, fingerprint=plan)
     per_session = small.cost(4096, fingerprint=plan).arena_bytes
     assert fit.session_bytes == per_session and fit.budget_bytes == 64 * MiB

@@ -59,3 +59,51 @@ def test_cuda_session_planes_open_once_and_hold_what_is_written(kvd):
         assert client.mapper.opens == 1, "a plane lookup re-opened the arena"
         assert append.layers[0].write_row == 0
         session.release()
+
+
+def torch_cuda_or_skip():
+    """torch with a CUDA device (the GPU machine's image has it), or a skip saying why."""
+    try:
+        import torch
+    except ImportError as error:
+        pytest.skip("no torch: %s" % error)
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device: torch.cuda.is_available() is False")
+    return torch
+
+
+def test_cuda_planes_are_torch_tensors_over_the_arena(kvd):
+    """An engine's view: torch tensors over the planes (zero copy through
+    __cuda_array_interface__), written on a torch stream, the interprocess event recorded on that
+    stream; the daemon's commit and length mirror see the bytes."""
+    runtime = cuda_or_skip()
+    torch = torch_cuda_or_skip()
+    daemon = kvd("--backend=cuda")
+    with memra_kv.Client.connect(daemon.socket,
+                                 mapper=memra_kv.CudaArenaMapper(runtime.device)) as client:
+        client.attach("py-torch")
+        event, handle = client.mapper.runtime.interprocess_event()
+        session = client.create_session(client.register_plan(dense_plan(2, 32, 1)), 256)
+        session.set_wait_event(handle)
+        plane = session.plane(1, memra_kv.KEYS)
+        keys = torch.as_tensor(plane, device="cuda")
+        assert keys.data_ptr() == plane.pointer, "torch copied the plane instead of viewing it"
+        assert (keys.dtype, tuple(keys.shape)) == (torch.uint8, tuple(plane.shape))
+        tx = session.begin()
+        session.prepare_append(tx.generation, 24)
+        stream = torch.cuda.Stream()
+        with torch.cuda.stream(stream):
+            rows = (torch.arange(24 * keys.shape[1], device="cuda") % 251).to(torch.uint8)
+            rows = rows.reshape(24, -1)
+            keys[:24].copy_(rows)
+            client.mapper.runtime.record(event, stream.cuda_stream)
+        torch.cuda.current_stream().wait_stream(stream)  # this process reads keys below
+        session.publish_append(tx.generation)
+        assert session.commit(tx.generation, 24) == 24
+        mirror = torch.as_tensor(session.plane(1, memra_kv.LEN_MIRROR), device="cuda")
+        assert mirror.dtype == torch.int32
+        assert int(mirror[0].item()) == 24
+        assert torch.equal(keys[:24], rows)
+        assert (session.plane(1, memra_kv.KEYS).to_host()[:24] == rows.cpu().numpy()).all()
+        assert client.mapper.opens == 1
+        session.release()

@@ -30,6 +30,7 @@ class BridgeProcess:
         self.endpoint = "ipc://%s/%s.pub" % (daemon.dir, name)
         self.replay_endpoint = "ipc://%s/%s.replay" % (daemon.dir, name)
         self.log_path = os.path.join(daemon.dir, name + ".log")
+        self.topic = ("kv@" + name).encode()
         self._log = open(self.log_path, "w")
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
         self.process = subprocess.Popen(
@@ -52,11 +53,12 @@ class BridgeProcess:
         answered = []
         while True:
             assert dealer.poll(10000), "no replay answer within 10 s"
-            delimiter, sequence, payload = dealer.recv_multipart()
+            delimiter, topic, sequence, payload = dealer.recv_multipart()
             assert delimiter == b""
             if sequence == END:
-                assert payload == b""
+                assert (topic, payload) == (b"", b"")
                 break
+            assert topic == self.topic
             answered.append((struct.unpack(">Q", sequence)[0], msgpack.unpackb(payload)))
         dealer.close(linger=0)
         return answered
@@ -97,10 +99,17 @@ def daemon_events(client, count):
     return seen
 
 
+def stored(block_hashes, parent, token_ids, block_size, medium="CPU"):
+    """vLLM 0.33's BlockStored as msgspec encodes it (a tagged map, defaults omitted); "CPU":
+    the host backend's device tier is host memory."""
+    return {"type": "BlockStored", "block_hashes": block_hashes, "parent_block_hash": parent,
+            "token_ids": token_ids, "block_size": block_size, "lora_id": None,
+            "medium": medium, "lora_name": None}
+
+
 def expected_stored(event):
-    return ["BlockStored", event.block_hashes or event.block_keys,
-            event.parent_block_hash or None, event.token_ids, event.block_tokens, None, "GPU",
-            None]
+    return stored(event.block_hashes or event.block_keys, event.parent_block_hash or None,
+                  event.token_ids, event.block_tokens)
 
 
 def test_a_capture_and_an_eviction_reach_a_zmq_subscriber_as_vllm_events(kvd):
@@ -120,22 +129,22 @@ def test_a_capture_and_an_eviction_reach_a_zmq_subscriber_as_vllm_events(kvd):
             assert isinstance(ts, float) and abs(ts - time.time()) < 60 and rank == 0
             (stored_event,) = daemon_events(client, 1)
             assert events == [expected_stored(stored_event)]
-            hashes = events[0][1]
+            hashes = events[0]["block_hashes"]
             assert len(hashes) == 2 and all(isinstance(h, bytes) for h in hashes)
             # A memra session's blocks: hashes are its block keys, with their tokens.
-            assert hashes == stored_event.block_keys and events[0][2] is None
-            assert events[0][3] == tokens(32) and events[0][4] == 16
+            assert hashes == stored_event.block_keys and events[0]["parent_block_hash"] is None
+            assert events[0]["token_ids"] == tokens(32) and events[0]["block_size"] == 16
 
             with daemon.admin() as admin:
                 (entry,) = admin.list_prefixes().entries
                 admin.evict_prefix(entry.entry_id)
             sequence, (_, events, _) = receive(sub, "kv@live")
             assert sequence == 1
-            assert events == [["BlockRemoved", hashes, "GPU"]]
+            assert events == [{"type": "BlockRemoved", "block_hashes": hashes, "medium": "CPU"}]
 
             replayed = bridge.replay(context, 0)
             assert [s for s, _ in replayed] == [0, 1]
-            assert replayed[1][1][1] == [["BlockRemoved", hashes, "GPU"]]
+            assert replayed[1][1][1] == [{"type": "BlockRemoved", "block_hashes": hashes, "medium": "CPU"}]
             assert [s for s, _ in bridge.replay(context, 1)] == [1]
             assert bridge.replay(context, 2) == []
             session.release()
@@ -164,9 +173,8 @@ def test_a_gap_clears_every_block_and_reannounces_the_sessions_listing(kvd):
             # The GAP clears everything, then the listing's memra-session entry is re-announced
             # by its block keys (the daemon resumes the stream after the gap: the STORED event
             # is not resent; the engine-pool blocks are not in terms routers index).
-            assert batches == [[["AllBlocksCleared"]],
-                               [["BlockStored", stored_event.block_keys, None, [], 16, None,
-                                 "GPU", None]]]
+            assert batches == [[{"type": "AllBlocksCleared"}],
+                               [stored(stored_event.block_keys, None, [], 16)]]
         finally:
             assert bridge.stop() == 0, bridge.log()
         session.release()
@@ -186,8 +194,7 @@ def test_blocks_a_vllm_engine_stored_reach_routers_under_vllms_hashes(kvd):
         # One store call, one BlockStored carrying the whole run (as vLLM batches them).
         assert poll_until(lambda: len(bridge.replay(context, 0)) >= 1)
         batches = [events for _, (_, events, _) in bridge.replay(context, 0)]
-        assert batches == [[["BlockStored", hashes, None, PROMPT[:len(hashes) * BLOCK], BLOCK,
-                             None, "GPU", None]]]
+        assert batches == [[stored(hashes, None, PROMPT[:len(hashes) * BLOCK], BLOCK)]]
     finally:
         assert bridge.stop() == 0, bridge.log()
         context.destroy(linger=0)

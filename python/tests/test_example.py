@@ -7,7 +7,8 @@ from kvtest import repo_root
 
 
 def test_the_readme_example_runs(kvd, monkeypatch):
-    daemon = kvd("--budget_bytes=1GiB", "--prefix_cache_budget_bytes=256MiB")
+    # Two 4096-token bf16 Llama sessions (512 MiB each: the config's torch_dtype) and the cache.
+    daemon = kvd("--budget_bytes=2GiB", "--prefix_cache_budget_bytes=256MiB")
     monkeypatch.setenv("MEMRA_KV_SOCKET", daemon.socket)
     monkeypatch.setenv("HF_CONFIG", os.path.join(repo_root(), "tests", "data", "hf_configs",
                                                  "llama-3.1-8b.json"))

@@ -190,6 +190,44 @@ def test_after_a_daemon_restart_sessions_come_back_or_say_why_not(kvd):
         kept.release()
 
 
+def test_why_a_session_was_not_re_adopted_survives_a_second_restart(kvd):
+    """Issue 26: a session lost at one restart is still answered with the restart error, and
+    why, by the daemon after the next restart (the reason is journaled again), never a bare
+    NOT_FOUND; the engine keeps its lease and its other session through both."""
+    daemon = kvd("--lease_timeout_ms=5000", supervised=True)
+    with daemon.admin() as admin, daemon.client() as engine:
+        engine.attach("py-twice")
+        before = admin.status().epoch
+        plan = engine.register_plan(kvtest.hybrid_test_plan())
+        kept = engine.create_session(plan, 256)
+        transaction = kept.begin()
+        kept.prepare_append(transaction.generation, 4)
+        kept.publish_append(transaction.generation)
+        assert kept.commit(transaction.generation, 4) == 4
+        lost = engine.create_session(plan, 256)
+        lost.prepare_append(lost.begin().generation, 2)
+
+        os.kill(daemon.daemon_pid(), signal.SIGKILL)
+        assert poll_until(_restarted(admin, before))
+        os.kill(daemon.daemon_pid(), signal.SIGKILL)  # before the engine asked about `lost`
+        assert poll_until(_restarted(admin, before + 1))
+        assert admin.status().epoch == before + 2
+        assert poll_until(lambda: engine.epoch == before + 2), engine.lease_lost
+        assert engine.lease_alive and engine.lease_lost is None
+        assert kept.state().committed_len == 4
+        with pytest.raises(KvError) as refused:
+            lost.state()
+        error = refused.value
+        assert error.code == grpc.StatusCode.FAILED_PRECONDITION and error.is_daemon_restarted
+        assert (error.previous_epoch, error.epoch) == (before + 1, before + 2)
+        assert error.message == (
+            "memra-kvd restarted (epoch %d -> %d); session %d was not re-adopted: a transaction "
+            "was open on recurrent layer 2, whose state the engine updates in place (at the "
+            "restart from epoch %d to %d)" % (
+                before + 1, before + 2, lost.id, before, before + 1)), error.message
+        kept.release()
+
+
 def test_an_engine_whose_daemon_restarted_without_a_supervisor_gets_the_restart_error(kvd):
     """Without a service manager nothing of the daemon survives its SIGKILL: the engine's
     re-attach is refused with the restart error naming both epochs (lease_lost), and its
@@ -207,8 +245,13 @@ def test_an_engine_whose_daemon_restarted_without_a_supervisor_gets_the_restart_
         lost = engine.lease_lost
         assert lost.code == grpc.StatusCode.FAILED_PRECONDITION and lost.is_daemon_restarted
         assert (lost.previous_epoch, lost.epoch) == (first, now)
-        assert lost.message.startswith("memra-kvd restarted (epoch %d -> %d); engine %d was not "
-                                       "re-adopted: " % (first, now, engine_id)), lost.message
+        # Issue 26: the words docs/failure-model.md promises, not "engine 1 was reclaimed".
+        assert lost.message == (
+            "memra-kvd restarted (epoch %d -> %d); this engine attached to epoch %d and the daemon "
+            "answering does not have it: it kept nothing of an earlier daemon (no service manager "
+            "kept its state, or keep_kv_across_restarts = false); attach as a new engine"
+            % (first, now, first)), lost.message
+        assert "engine %d" % engine_id not in lost.message
         with pytest.raises(KvError) as refused:
             session.state()
         error = refused.value

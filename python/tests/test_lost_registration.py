@@ -161,6 +161,24 @@ def test_vllm_carries_on_after_a_daemon_restart_that_lost_its_engines(kvd, caplo
     engine.close()
 
 
+def test_vllm_calls_right_after_a_daemon_restart_wait_for_the_leases_verdict(kvd, caplog):
+    """The first calls after the restart may reach the new daemon before the lease threads
+    noticed (NOT_FOUND "engine N is not attached"): they wait for the verdict, attach anew and
+    re-register instead of failing (vLLM's connector calls without waiting for anything)."""
+    caplog.set_level(logging.WARNING, logger="memra_kv.block_store")
+    daemon = kvd("--lease_timeout_ms=60000", *DAEMON_FLAGS)
+    engine = VllmEngine(daemon)
+    assert engine.save("req-0", [2, 5, 0, 11, 6]) == WHOLE_BLOCKS
+    daemon.kill_and_start_again()
+    assert engine.matched_blocks("req-1") == 0  # no poll for the lease threads first
+    engine.scheduler.request_finished("req-1")
+    assert engine.save("req-2", [2, 5, 0, 11, 6]) == WHOLE_BLOCKS
+    assert engine.load("req-3", [9, 3, 7, 1, 12]) == (WHOLE_BLOCKS, [], True)
+    messages = reregistrations(caplog)
+    assert len(messages) == 2 and all(m.startswith("re-registered the pool (") for m in messages)
+    engine.close()
+
+
 # ---- SGLang ----
 
 def sglang_backend(client, staged):

@@ -60,10 +60,29 @@ def pool_store_events(daemon, blocks):
     return seen
 
 
-def test_blocks_evicted_between_lookup_and_load_are_load_errors(kvd):
+def test_the_lookup_holds_its_blocks_until_the_load(kvd):
+    """The scheduler's lookup pins what it found: an operator's eviction between lookup and
+    load is refused (each block its own entry), the load gets every block."""
     daemon = kvd(*DAEMON_FLAGS)
     run_engine(daemon, "vllm", "store")
-    evicted = run_engine(daemon, "vllm", "load-evicted")
+    held = run_engine(daemon, "vllm", "load-evicted")
+    assert held["matched_tokens"] == WHOLE_BLOCKS * BLOCK
+    assert len(held["evict_refusals"]) == WHOLE_BLOCKS
+    for code, message in held["evict_refusals"]:
+        assert code == "FAILED_PRECONDITION" and " is pinned by 1 restores" in message, message
+    assert (held["loaded_blocks"], held["load_errors"]) == (WHOLE_BLOCKS, [])
+    # The pins are gone with the request (and the engine): the blocks evict now.
+    with daemon.admin() as admin:
+        for entry in admin.list_prefixes().entries:
+            admin.evict_prefix(entry.entry_id)
+        assert len(admin.list_prefixes().entries) == 0
+
+
+def test_blocks_evicted_between_an_unpinned_lookup_and_load_are_load_errors(kvd):
+    daemon = kvd(*DAEMON_FLAGS)
+    run_engine(daemon, "vllm", "store")
+    evicted = run_engine(daemon, "vllm", "load-evicted-unpinned")
+    assert evicted["evict_refusals"] == []
     assert evicted["matched_tokens"] == WHOLE_BLOCKS * BLOCK
     assert evicted["loaded_blocks"] == 0
     # vLLM recomputes exactly the blocks it was told failed: the ones allocated for the load.

@@ -140,48 +140,126 @@ absl::Status Resync(KvClient& client, Tracked& tracked, int index, const absl::S
   }
 }
 
+// How long an engine keeps retrying a call the daemon answered UNAVAILABLE (no daemon: it is
+// restarting) before it gives up; a daemon restart takes well under a second here.
+constexpr absl::Duration kRetryFor = absl::Seconds(30);
+constexpr absl::Duration kRetryPeriod = absl::Milliseconds(20);
+
+const absl::Status& StatusOf(const absl::Status& status) { return status; }
+template <typename T>
+const absl::Status& StatusOf(const absl::StatusOr<T>& result) {
+  return result.status();
+}
+
+// Runs `call` until it answers anything but UNAVAILABLE (docs/failure-model.md: every call fails
+// UNAVAILABLE until the new daemon serves, and an engine retries it), the lease is lost, or
+// kRetryFor passes. `retried` counts the UNAVAILABLE answers (a create that failed so may
+// still have been applied).
+template <typename Call>
+auto RetryUnavailable(KvClient* client, Call call, int* retried = nullptr) -> decltype(call()) {
+  const absl::Time give_up = absl::Now() + kRetryFor;
+  while (true) {
+    auto result = call();
+    if (result.ok() || StatusOf(result).code() != absl::StatusCode::kUnavailable ||
+        absl::Now() > give_up) {
+      return result;
+    }
+    if (client != nullptr && !client->lease_lost().ok()) return client->lease_lost();
+    if (retried != nullptr) ++*retried;
+    absl::SleepFor(kRetryPeriod);
+  }
+}
+
+// One step of session `i`, or, when it fails (the daemon died, or is restarting), the resync
+// that checks the daemon kept what it acknowledged. `resyncs` counts those.
+absl::Status StepOrResync(KvClient& client, Tracked& tracked, int index, uint64_t* steps,
+                          uint64_t* resyncs) {
+  absl::Status stepped = Step(tracked, index);
+  if (stepped.ok()) {
+    ++*steps;
+    return absl::OkStatus();
+  }
+  absl::Status resynced = Resync(client, tracked, index, stepped);
+  if (absl::GetFlag(FLAGS_expect_restart_error)) {
+    const absl::Status& error = IsDaemonRestarted(stepped) ? stepped : resynced;
+    std::optional<DaemonRestart> restart = GetDaemonRestart(error);
+    if (!restart.has_value()) {
+      return absl::InternalError(absl::StrCat("expected the restart error, got ",
+                                              stepped.ToString(), " then ", resynced.ToString()));
+    }
+    return absl::AbortedError(absl::StrCat(
+        "restart_error=1\nprevious_epoch=", restart->previous_epoch, "\nepoch=", restart->epoch,
+        "\nmessage=", error.message(), "\n"));
+  }
+  RETURN_IF_ERROR(resynced);
+  ++*resyncs;
+  return absl::OkStatus();
+}
+
 absl::Status Run() {
   ClientOptions options;
   options.deadline = absl::Seconds(5);
+  // Set-up may meet a daemon restart too (the chaos test kills the daemon at any time): every
+  // call answered UNAVAILABLE is retried, as the contract asks of an engine.
   ASSIGN_OR_RETURN(std::unique_ptr<KvClient> client,
-                   KvClient::Connect(absl::GetFlag(FLAGS_socket), options));
-  RETURN_IF_ERROR(client->Attach(absl::GetFlag(FLAGS_name)));
+                   RetryUnavailable(nullptr, [&] {
+                     return KvClient::Connect(absl::GetFlag(FLAGS_socket), options);
+                   }));
+  RETURN_IF_ERROR(
+      RetryUnavailable(nullptr, [&] { return client->Attach(absl::GetFlag(FLAGS_name)); }));
   const uint64_t first_epoch = client->epoch();
-  ASSIGN_OR_RETURN(PlanFingerprint plan, client->RegisterPlan(test_plans::DenseModel(kLayers, 64, 2)));
   SessionOptions shape;
   shape.capacity = absl::GetFlag(FLAGS_capacity);
   std::vector<Tracked> sessions(absl::GetFlag(FLAGS_sessions));
+  // Creates answered UNAVAILABLE: each may have created a session this engine never learnt of
+  // (the daemon died before the reply), which the daemon frees when the engine goes.
+  int uncertain_creates = 0;
   for (Tracked& tracked : sessions) {
-    ASSIGN_OR_RETURN(tracked.session, client->CreateSession(plan, shape));
+    while (tracked.session == nullptr) {
+      // A restarted daemon keeps only the plans its re-adopted sessions use: register (again)
+      // before each create; a create refused NOT_FOUND after a restart registers again.
+      ASSIGN_OR_RETURN(PlanFingerprint plan, RetryUnavailable(client.get(), [&] {
+                         return client->RegisterPlan(test_plans::DenseModel(kLayers, 64, 2));
+                       }));
+      const uint64_t registered_at = client->reattaches();
+      absl::StatusOr<std::unique_ptr<Session>> created = RetryUnavailable(
+          client.get(), [&] { return client->CreateSession(plan, shape); }, &uncertain_creates);
+      if (created.ok()) {
+        tracked.session = *std::move(created);
+      } else if (created.status().code() != absl::StatusCode::kNotFound ||
+                 client->reattaches() == registered_at) {
+        return created.status();
+      }
+    }
   }
-  for (size_t i = 0; i < sessions.size(); ++i) RETURN_IF_ERROR(Step(sessions[i], i));
-  RETURN_IF_ERROR(WriteFacts(absl::GetFlag(FLAGS_ready), absl::StrCat("epoch=", first_epoch, "\n")));
-  const std::string until = absl::GetFlag(FLAGS_until);
   uint64_t steps = 0;
   uint64_t resyncs = 0;
+  auto ended = [first_epoch](const absl::Status& status) -> absl::Status {
+    // The restart error an engine was told to expect ends it with its facts.
+    if (status.code() == absl::StatusCode::kAborted && absl::GetFlag(FLAGS_expect_restart_error)) {
+      return WriteFacts(absl::GetFlag(FLAGS_out),
+                        absl::StrCat(status.message(), "first_epoch=", first_epoch, "\n"));
+    }
+    return status;
+  };
+  for (size_t i = 0; i < sessions.size(); ++i) {
+    while (sessions[i].acked == 0) {
+      if (absl::Status status = StepOrResync(*client, sessions[i], i, &steps, &resyncs);
+          !status.ok()) {
+        return ended(status);
+      }
+    }
+  }
+  std::string ready = absl::StrCat("epoch=", first_epoch, "\nengine_id=", client->engine_id(),
+                                   "\nuncertain_creates=", uncertain_creates, "\n");
+  RETURN_IF_ERROR(WriteFacts(absl::GetFlag(FLAGS_ready), ready));
+  const std::string until = absl::GetFlag(FLAGS_until);
   while (until.empty() || access(until.c_str(), F_OK) != 0) {
     for (size_t i = 0; i < sessions.size(); ++i) {
-      absl::Status stepped = Step(sessions[i], i);
-      if (stepped.ok()) {
-        ++steps;
-        continue;
+      if (absl::Status status = StepOrResync(*client, sessions[i], i, &steps, &resyncs);
+          !status.ok()) {
+        return ended(status);
       }
-      absl::Status resynced = Resync(*client, sessions[i], i, stepped);
-      if (absl::GetFlag(FLAGS_expect_restart_error)) {
-        const absl::Status& error = IsDaemonRestarted(stepped) ? stepped : resynced;
-        std::optional<DaemonRestart> restart = GetDaemonRestart(error);
-        if (!restart.has_value()) {
-          return absl::InternalError(absl::StrCat("expected the restart error, got ",
-                                                  stepped.ToString(), " then ",
-                                                  resynced.ToString()));
-        }
-        return WriteFacts(absl::GetFlag(FLAGS_out),
-                          absl::StrCat("restart_error=1\nprevious_epoch=", restart->previous_epoch,
-                                       "\nepoch=", restart->epoch, "\nfirst_epoch=", first_epoch,
-                                       "\nmessage=", error.message(), "\n"));
-      }
-      RETURN_IF_ERROR(resynced);
-      ++resyncs;
     }
     absl::SleepFor(absl::Milliseconds(2));
   }

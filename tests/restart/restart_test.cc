@@ -25,15 +25,6 @@ namespace {
 
 namespace pb = ::memra::kv::v1;
 
-uint64_t Number(const std::map<std::string, std::string>& facts, const std::string& key) {
-  uint64_t value = 0;
-  auto it = facts.find(key);
-  if (it == facts.end() || !absl::SimpleAtoi(it->second, &value)) {
-    ADD_FAILURE() << "no number \"" << key << "\" in the engine's facts";
-  }
-  return value;
-}
-
 pid_t StartEngine(const SupervisedDaemon& daemon, const std::string& name, uint64_t seed,
                   const std::vector<std::string>& extra = {}) {
   std::vector<std::string> args = {Runfile("tests/restart/restart_engine"),
@@ -66,7 +57,7 @@ TEST(DaemonRestart, SessionsComeBackAtTheirCommittedLengthAndEnginesCarryOn) {
     ASSERT_TRUE(PollUntil([&] { return Exists(daemon.Path(name + ".ready")); }))
         << Log(daemon, name + ".log");
   }
-  absl::SleepFor(absl::Milliseconds(300));  // steps run
+  // Ready: each engine's sessions exist and hold committed rows.
   absl::StatusOr<pb::GetStatusResponse> before = daemon.Status();
   ASSERT_TRUE(before.ok()) << before.status();
   EXPECT_EQ(before->sessions(), 4u);
@@ -88,7 +79,15 @@ TEST(DaemonRestart, SessionsComeBackAtTheirCommittedLengthAndEnginesCarryOn) {
   std::printf("restart-to-serving (SIGKILL to GetStatus answering): %.1f ms\n",
               absl::ToDoubleMilliseconds(restart_to_serving));
 
-  absl::SleepFor(absl::Milliseconds(500));  // the engines re-attach and step on
+  // The engines re-attach (none awaits it any more) and step on.
+  ASSERT_TRUE(PollUntil([&] {
+    absl::StatusOr<pb::ListEnginesResponse> known = daemon.Engines();
+    if (!known.ok() || known->engines_size() != 2) return false;
+    for (const auto& engine : known->engines()) {
+      if (engine.awaiting_reattach() || !engine.lease_live()) return false;
+    }
+    return true;
+  })) << Log(daemon, "supervise.log.out");
   std::ofstream(daemon.Path("stop")) << "stop\n";
   for (size_t i = 0; i < engines.size(); ++i) {
     EXPECT_EQ(WaitExit(engines[i]), 0) << Log(daemon, names[i] + ".log");

@@ -12,8 +12,10 @@
 #include <signal.h>
 #include <stdlib.h>
 
+#include <chrono>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <memory>
 #include <string>
 #include <system_error>
@@ -25,6 +27,9 @@
 #include "client/client.h"
 #include "client/internal.h"
 #include "gtest/gtest.h"
+#include "grpcpp/create_channel.h"
+#include "grpcpp/security/credentials.h"
+#include "proto/memra/kv/v1/admin.grpc.pb.h"
 #include "proto/memra/kv/v1/admin.pb.h"
 #include "tests/subprocess.h"
 
@@ -41,6 +46,17 @@ inline int OpenFds(pid_t pid) {
   }
   closedir(dir);
   return count - 1;  // the DIR's own descriptor when pid is this process; harmless otherwise
+}
+
+// The number `key` of an engine's facts (tests/e2e/facts.h); a test failure, and 0, when it is
+// missing or not a number.
+inline uint64_t Number(const std::map<std::string, std::string>& facts, const std::string& key) {
+  uint64_t value = 0;
+  auto it = facts.find(key);
+  if (it == facts.end() || !absl::SimpleAtoi(it->second, &value)) {
+    ADD_FAILURE() << "no number \"" << key << "\" in the engine's facts";
+  }
+  return value;
 }
 
 class SupervisedDaemon {
@@ -105,6 +121,20 @@ class SupervisedDaemon {
     absl::StatusOr<std::unique_ptr<KvClient>> admin = KvClient::Connect(admin_socket(), options);
     if (!admin.ok()) return admin.status();
     return ClientInternals::GetStatus(**admin);
+  }
+
+  // The engines the daemon knows (ListEngines on the admin socket).
+  absl::StatusOr<memra::kv::v1::ListEnginesResponse> Engines() {
+    auto channel = grpc::CreateChannel("unix:" + admin_socket(), grpc::InsecureChannelCredentials());
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(500));
+    memra::kv::v1::ListEnginesResponse response;
+    const grpc::Status status = memra::kv::v1::KvAdmin::NewStub(channel)->ListEngines(
+        &context, memra::kv::v1::ListEnginesRequest(), &response);
+    if (!status.ok()) {
+      return absl::UnavailableError(absl::StrCat("ListEngines: ", status.error_message()));
+    }
+    return response;
   }
 
   // The daemon's pid now (the supervisor's child; the process itself without a supervisor).

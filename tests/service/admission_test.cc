@@ -4,9 +4,6 @@
 
 #include "core/admission.h"
 
-#include <arpa/inet.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
 #include <unistd.h>
 
 #include <cstdint>
@@ -26,6 +23,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "proto/memra/kv/v1/admin.grpc.pb.h"
+#include "tests/http_get.h"
 #include "tests/seeded_random.h"
 #include "tests/service/test_daemon.h"
 #include "tests/status_matchers.h"
@@ -606,26 +604,6 @@ TEST_F(AdmissionTest, ReloadedBudgetShrinkBelowUsageBlocksAdmissionUntilReleases
 
 namespace memra::testing {
 namespace {
-
-// GET http://127.0.0.1:port/path, the whole response ("" when it cannot connect).
-std::string HttpGet(int port, const std::string& path) {
-  const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  sockaddr_in address{};
-  address.sin_family = AF_INET;
-  address.sin_port = htons(static_cast<uint16_t>(port));
-  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  std::string response;
-  if (connect(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)) == 0) {
-    const std::string request =
-        absl::StrCat("GET ", path, " HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n");
-    if (write(fd, request.data(), request.size()) == static_cast<ssize_t>(request.size())) {
-      char buffer[4096];
-      for (ssize_t got; (got = read(fd, buffer, sizeof(buffer))) > 0;) response.append(buffer, got);
-    }
-  }
-  close(fd);
-  return response;
-}
 
 // The Prometheus endpoint shows the ledger, the sessions and every call, read at scrape time.
 TEST_F(AdmissionTest, MetricsShowTheLedgerSessionsAndCalls) {

@@ -48,12 +48,7 @@ class OperatorSocketTest : public DaemonTest {
 
   // The prefix cache's arenas are freed before the fixture counts what is left.
   void TearDown() override {
-    if (daemon_ != nullptr && daemon_->prefix_cache() != nullptr) {
-      PrefixCache& cache = *daemon_->prefix_cache();
-      for (const ScopedEntry& entry : cache.ListEntries()) {
-        EXPECT_THAT(cache.EvictEntry(entry.view.id).status(), IsOk());
-      }
-    }
+    EvictAllPrefixEntries();
     DaemonTest::TearDown();
   }
 

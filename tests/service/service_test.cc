@@ -193,7 +193,7 @@ TEST_F(ServiceTest, AttachNeedsAValidSingleUseHandoffTicket) {
   EXPECT_THAT(attach(""), StatusIs(absl::StatusCode::kPermissionDenied,
                                    HasSubstrs("no handoff ticket", daemon_->handoff_socket_path())));
   EXPECT_THAT(attach("forged"), StatusIs(absl::StatusCode::kPermissionDenied,
-                                         HasSubstr("ticket is 24 bytes, got 6")));
+                                         HasSubstr("ticket is 32 bytes, got 6")));
   std::unique_ptr<HandoffChannel> handoff = NewHandoff();
   ASSERT_NE(handoff, nullptr);
   ASSERT_THAT(attach(handoff->ticket()), IsOk());
@@ -295,6 +295,13 @@ TEST_F(ServiceTest, CreateSessionReturnsEveryPlaneMapped) {
     }
   }
   EXPECT_THAT(session->Plane(kFlatLayer, PlaneKind::kKeys)->rows, kCapacity);
+  // docs/rules.md#swa-ring: a capacity not above window + 4,639 rows clamps the ring to the
+  // capacity; the layout still says `ring`, and physical_rows == capacity says it saves nothing.
+  const SessionLayer& sliding = layout.layers[kSlidingLayer];
+  EXPECT_EQ(sliding.layer, kSlidingLayer);
+  EXPECT_TRUE(sliding.ring);
+  EXPECT_EQ(sliding.physical_rows, kCapacity);
+  EXPECT_THAT(session->Plane(kSlidingLayer, PlaneKind::kBaseMirror), IsOk());
   EXPECT_THAT(session->Plane(kRecurrentLayer, PlaneKind::kKeys),
               StatusIs(absl::StatusCode::kNotFound, HasSubstr("layer 2 has no keys plane")));
   const SessionSnapshot state = StateOf(*session);
@@ -1412,6 +1419,17 @@ TEST_F(ServiceTest, ClientGrowRemapsAndKeepsCommittedBytes) {
   }
   EXPECT_EQ(ReadMirror(*session, kFlatLayer, PlaneKind::kLenMirror), 17);
   EXPECT_EQ(host_->ArenaCount(), 1u);
+  // A chunk longer than the indexer's 16-row tail ring starts at a pool boundary (docs/rules.md,
+  // "Indexer residency": from inside a pool it would lap the tail an abort needs).
+  absl::StatusOr<Transaction> chunk = session->Begin();
+  ASSERT_THAT(chunk, IsOk());
+  EXPECT_THAT(session->PrepareAppend(chunk->generation, 300),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstrs("preparing 300 rows at row 17 would overwrite indexer rows "
+                                  "[16, 17)",
+                                  "leaves room for 15 rows")));
+  EXPECT_THAT(session->Abort(chunk->generation).status(), IsOk());
+  AppendAndCommit(*session, 3, 3);
   AppendAndCommit(*session, 300, 300);  // past the old capacity
 }
 
@@ -1960,7 +1978,7 @@ TEST_F(BadInputTest, CreateRegisterAndStepRefuseAndChangeNothing) {
       {"RegisterPlan, empty plan", absl::StatusCode::kInvalidArgument, "model plan has no layers",
        [&](S& s, C* c) { return s.RegisterPlan(c, empty_plan, &registered); }},
       {"RegisterPlan, unknown K format", absl::StatusCode::kInvalidArgument,
-       "plan.layers[0].formats.k is 17: unspecified or unknown (accepted 1 to 2)",
+       "plan.layers[0].formats.k is 17: unspecified or unknown (accepted 1 to 7)",
        [&](S& s, C* c) { return s.RegisterPlan(c, bad_format, &registered); }},
       {"Step, too many entries", absl::StatusCode::kInvalidArgument,
        "Step carries 65537 entries; the limit is 65536",

@@ -25,6 +25,7 @@
 #include "server/daemon.h"
 #include "server/fault_injecting_backend.h"
 #include "server/host_backend.h"
+#include "server/prefix_cache.h"
 #include "server/test_host_backend.h"
 #include "tests/service/test_plans.h"
 
@@ -99,6 +100,16 @@ class DaemonTest : public ::testing::Test {
     }
     daemon_.reset();
     rmdir(dir_.c_str());
+  }
+
+  // Evicts every prefix entry, so the cache's arenas are freed before TearDown counts what is
+  // left (fixtures that configure a prefix cache call it first in their TearDown).
+  void EvictAllPrefixEntries() {
+    if (daemon_ == nullptr || daemon_->prefix_cache() == nullptr) return;
+    PrefixCache& cache = *daemon_->prefix_cache();
+    for (const ScopedEntry& entry : cache.ListEntries()) {
+      EXPECT_TRUE(cache.EvictEntry(entry.view.id).ok()) << "entry " << entry.view.id.value;
+    }
   }
 
   // A fixture's changes to the daemon's configuration, applied before it starts.
