@@ -953,6 +953,11 @@ absl::StatusOr<ArenaFd> ClientInternals::FetchArenaFd(KvClient& client, uint64_t
   return client.FetchArenaFd(session_id, session_token, handle);
 }
 
+int ClientInternals::HandoffSocket(KvClient& client) {
+  absl::MutexLock lock(&client.mu_);
+  return client.handoff_ == nullptr ? -1 : client.handoff_->socket_.get();
+}
+
 std::shared_ptr<StepChannelClient> ClientInternals::StepChannel(KvClient& client) {
   absl::MutexLock lock(&client.mu_);
   return client.step_channel_;

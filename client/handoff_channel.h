@@ -51,6 +51,7 @@ class HandoffChannel {
   absl::StatusOr<handoff::StepChannelFds> OpenStepChannel() ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
+  friend class ClientInternals;  // the socket, for the tests' raw frames
   HandoffChannel(ScopedFd socket, std::string path, absl::Duration deadline)
       : socket_(std::move(socket)), path_(std::move(path)), deadline_(deadline) {}
 

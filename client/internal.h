@@ -46,6 +46,9 @@ class ClientInternals {
   static absl::StatusOr<ArenaFd> FetchArenaFd(KvClient& client, uint64_t session_id,
                                               absl::string_view session_token,
                                               absl::string_view handle);
+  // The descriptor of the client's handoff connection (-1 when not attached), for the tests'
+  // raw frames.
+  static int HandoffSocket(KvClient& client);
   // The client's step channel (null when none is open): the bad-input tests write its rings
   // themselves (after which the client must not step over it again).
   static std::shared_ptr<StepChannelClient> StepChannel(KvClient& client);

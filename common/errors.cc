@@ -16,6 +16,9 @@ absl::Status PosixError(std::string_view context, int err) {
   switch (err) {
     case ENOMEM:
     case ENOSPC:
+    case EMFILE:  // the process's descriptors (RLIMIT_NOFILE)
+    case ENFILE:  // the system's
+    case ETOOMANYREFS:  // descriptors in flight (SCM_RIGHTS)
       return absl::ResourceExhaustedError(message);
     case EACCES:
     case EPERM:

@@ -142,7 +142,8 @@ absl::Status AdmissionLedger::CheckArenaRoom(const char* what) const {
   absl::Status status = absl::ResourceExhaustedError(absl::StrCat(
       what, " refused: the daemon holds ", reservations_.size() + allocations_.size(),
       " arenas (sessions, reservations and prefix storage) and the limit is ",
-      limits_.max_arenas, " (max_arenas; each is a mapping under vm.max_map_count)"));
+      limits_.max_arenas, " (max_arenas; each is a mapping under vm.max_map_count and a descriptor under "
+                          "RLIMIT_NOFILE)"));
   status.SetPayload(kArenaRefusalTypeUrl, absl::Cord());
   return status;
 }

@@ -10,6 +10,7 @@
 #include "core/admission.h"
 #include "core/sizing.h"
 #include "core/status_macros.h"
+#include "server/model_config_bounds.h"
 #include "server/model_import.h"
 #include "server/rpc_reply.h"
 
@@ -211,6 +212,8 @@ absl::StatusOr<std::shared_ptr<const ModelPlan>> AdminService::ResolveModel(
       return std::make_shared<const ModelPlan>(std::move(plan));
     }
     case pb::ModelSelector::kHfConfigJson: {
+      ASSIGN_OR_RETURN(std::unique_ptr<ConcurrencyLimit::Permit> parsing,
+                       AdmitConfigParse(selector.hf_config_json()));
       ASSIGN_OR_RETURN(ModelPlan plan,
                        ImportHuggingFaceConfig(selector.hf_config_json(), ImportOptions{}));
       RETURN_IF_ERROR(parts_.plans->CheckLayerCount(plan.TotalLayers()));
@@ -221,6 +224,12 @@ absl::StatusOr<std::shared_ptr<const ModelPlan>> AdminService::ResolveModel(
   }
   return absl::InvalidArgumentError(
       "no model: give a plan_fingerprint, an inline plan or a Hugging Face config.json");
+}
+
+absl::StatusOr<std::unique_ptr<ConcurrencyLimit::Permit>> AdminService::AdmitConfigParse(
+    absl::string_view json_text) const {
+  RETURN_IF_ERROR(CheckModelConfigBounds(json_text));
+  return config_parses_.TryAcquire();
 }
 
 absl::Status AdminService::Cost(const pb::CostRequest& request, pb::CostResponse* response) {
@@ -304,6 +313,8 @@ absl::Status AdminService::Import(const pb::ImportModelRequest& request,
   if (request.register_()) {
     RETURN_IF_ERROR(parts_.socket.AllowOperatorCall("KvAdmin.ImportModel with register = true"));
   }
+  ASSIGN_OR_RETURN(std::unique_ptr<ConcurrencyLimit::Permit> parsing,
+                   AdmitConfigParse(request.hf_config_json()));
   ImportOptions options;
   options.name = request.name();
   options.swa_ring = request.swa_ring();

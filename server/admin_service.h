@@ -28,8 +28,10 @@
 #include "proto/memra/kv/v1/admin.grpc.pb.h"
 #include "server/backend.h"
 #include "server/clock.h"
+#include "server/concurrency_limit.h"
 #include "server/device_budget.h"
 #include "server/engine_leases.h"
+#include "server/model_config_bounds.h"
 #include "server/plan_registry.h"
 #include "server/served_socket.h"
 #include "server/session_registry.h"
@@ -100,11 +102,19 @@ class AdminService final : public memra::kv::v1::KvAdmin::Service {
   };
   absl::StatusOr<Pricing> PricingFor(const memra::kv::v1::ModelSelector& model,
                                      const memra::kv::v1::SessionShape& shape) const;
+  // A client's config.json may be parsed: its size and depth are within bounds
+  // (server/model_config_bounds.h) and a parse slot of this socket's is free; the permit holds
+  // the slot until the parse is done.
+  absl::StatusOr<std::unique_ptr<ConcurrencyLimit::Permit>> AdmitConfigParse(
+      absl::string_view json_text) const;
   // A query's model: a registered plan, an inline plan or a HF config.json.
   absl::StatusOr<std::shared_ptr<const ModelPlan>> ResolveModel(
       const memra::kv::v1::ModelSelector& selector) const;
 
   const Parts parts_;
+  // Parses of client-supplied config.json running on this socket.
+  mutable ConcurrencyLimit config_parses_{"config.json parses", kMaxConcurrentModelConfigParses,
+                                          "kMaxConcurrentModelConfigParses per socket"};
 };
 
 }  // namespace memra

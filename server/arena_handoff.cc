@@ -3,6 +3,8 @@
 #include <poll.h>
 #include <sys/eventfd.h>
 #include <sys/socket.h>
+#include <linux/sockios.h>
+#include <sys/ioctl.h>
 #include <sys/un.h>
 #include <unistd.h>
 
@@ -26,6 +28,10 @@ constexpr size_t kReadChunkBytes = 4096;
 // one busy engine cannot keep the thread from the others.
 constexpr size_t kMaxReadPerRound = 16 * 1024;
 constexpr int kMaxPollMs = 1000;
+// Answers with descriptors one connection may leave unread (a step channel answer counts once).
+constexpr size_t kMaxUnreadDescriptorAnswers = 16;
+// How long the listener rests after accept ran out of descriptors.
+constexpr int kAcceptBackoffMs = 100;
 constexpr size_t kTicketWordBytes = 8;
 // The secret's offset in a ticket: after the instance and the connection number.
 constexpr size_t kTicketSecretAt = 2 * kTicketWordBytes;
@@ -74,31 +80,8 @@ absl::Status ArenaHandoff::Start() {
     absl::MutexLock lock(&mu_);
     if (started_) return absl::FailedPreconditionError("the handoff socket was already started");
   }
-  RETURN_IF_ERROR(PrepareSocketPath(options_.path));
-  sockaddr_un address{};
-  address.sun_family = AF_UNIX;
-  if (options_.path.size() >= sizeof(address.sun_path)) {
-    return absl::InvalidArgumentError(absl::StrCat("handoff socket ", options_.path, " is ",
-                                                   options_.path.size(), " bytes; the limit is ",
-                                                   sizeof(address.sun_path) - 1));
-  }
-  std::memcpy(address.sun_path, options_.path.c_str(), options_.path.size() + 1);
-  ScopedFd listener(socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
-  if (listener.get() < 0) return PosixError("socket for the handoff socket", errno);
-  if (bind(listener.get(), reinterpret_cast<sockaddr*>(&address), sizeof(address)) != 0) {
-    return PosixError(absl::StrCat("bind ", options_.path), errno);
-  }
-  if (listen(listener.get(), SOMAXCONN) != 0) {
-    const int err = errno;
-    unlink(options_.path.c_str());
-    return PosixError(absl::StrCat("listen ", options_.path), err);
-  }
-  if (absl::Status permissions =
-          ApplySocketPermissions(options_.path, options_.group, options_.mode);
-      !permissions.ok()) {
-    unlink(options_.path.c_str());
-    return permissions;
-  }
+  ASSIGN_OR_RETURN(ScopedFd listener, ListenOnUnixSocket(options_.path, options_.group,
+                                                         options_.mode, "handoff socket"));
   ScopedFd wake(eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC));
   if (wake.get() < 0) {
     const int err = errno;
@@ -272,7 +255,11 @@ void ArenaHandoff::Serve() {
       }
       for (uint64_t id : to_close) Close(id);
     }
-    polled.push_back({.fd = listener_.get(), .events = POLLIN, .revents = 0});
+    // Out of descriptors, the listener stays readable: it is left out of the poll for
+    // kAcceptBackoff instead of spinning on accept's EMFILE.
+    const bool backing_off = std::chrono::steady_clock::now() < accept_resumes_;
+    if (backing_off) timeout_ms = std::min<int>(timeout_ms, kAcceptBackoffMs);
+    polled.push_back({.fd = backing_off ? -1 : listener_.get(), .events = POLLIN, .revents = 0});
     polled.push_back({.fd = wake_.get(), .events = POLLIN, .revents = 0});
     const int ready = poll(polled.data(), polled.size(), timeout_ms);
     if (ready < 0) {
@@ -318,7 +305,12 @@ void ArenaHandoff::AcceptAll() {
     ScopedFd socket(accept4(listener_.get(), nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC));
     if (socket.get() < 0) {
       if (errno == EINTR || errno == ECONNABORTED) continue;
-      if (errno != EAGAIN && errno != EWOULDBLOCK) {
+      if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM) {
+        spdlog::warn("handoff socket: accept: {}; next accept in {} ms", strerror(errno),
+                     kAcceptBackoffMs);
+        accept_resumes_ =
+            std::chrono::steady_clock::now() + std::chrono::milliseconds(kAcceptBackoffMs);
+      } else if (errno != EAGAIN && errno != EWOULDBLOCK) {
         spdlog::warn("handoff socket: accept: {}", strerror(errno));
       }
       return;
@@ -476,11 +468,14 @@ bool ArenaHandoff::Answer(PendingRequest& pending) {
                                   "ticket first")))
         .ok();
   }
-  if (std::holds_alternative<handoff::StepChannelRequest>(*pending.request)) {
-    return AnswerStepChannel(pending.socket, pending.engine_id);
-  }
   if (std::holds_alternative<PendingRequest::BufferOffer>(*pending.request)) {
     return AnswerOffer(pending);
+  }
+  if (absl::Status admitted = AdmitDescriptorAnswer(pending); !admitted.ok()) {
+    return handoff::SendFrame(pending.socket, handoff::EncodeRefusal(admitted)).ok();
+  }
+  if (std::holds_alternative<handoff::StepChannelRequest>(*pending.request)) {
+    return AnswerStepChannel(pending.socket, pending.engine_id);
   }
   absl::StatusOr<ArenaFd> arena =
       lookup_(pending.engine_id, std::get<handoff::ArenaRequest>(*pending.request));
@@ -490,6 +485,24 @@ bool ArenaHandoff::Answer(PendingRequest& pending) {
   arenas_handed_.fetch_add(1, std::memory_order_relaxed);
   return handoff::SendFrame(pending.socket, handoff::EncodeArena(arena->bytes), {arena->fd.get()})
       .ok();
+}
+
+absl::Status ArenaHandoff::AdmitDescriptorAnswer(const PendingRequest& pending) {
+  int unsent = 1;  // SIOCOUTQ unknown: count as unread
+  if (ioctl(pending.socket, SIOCOUTQ, &unsent) != 0) unsent = 1;
+  absl::MutexLock lock(&mu_);
+  auto it = connections_.find(pending.connection);
+  if (it == connections_.end()) return absl::NotFoundError("the handoff connection was closed");
+  size_t& unread = it->second.unread_descriptor_answers;
+  if (unsent == 0) unread = 0;  // the engine read everything sent so far
+  if (unread >= kMaxUnreadDescriptorAnswers) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "engine ", pending.engine_id, " has not read ", unread,
+        " answers carrying descriptors on this handoff connection and the limit is ",
+        kMaxUnreadDescriptorAnswers, " (kMaxUnreadDescriptorAnswers): read them first"));
+  }
+  ++unread;
+  return absl::OkStatus();
 }
 
 bool ArenaHandoff::AnswerStepChannel(int socket, uint64_t engine_id) {

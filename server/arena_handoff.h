@@ -147,6 +147,9 @@ class ArenaHandoff {
     bool closing = false;    // ForgetEngine asked; the serving thread closes it
     // Descriptors received and not yet taken by a buffer offer, in arrival order (bounded).
     std::deque<ScopedFd> descriptors;
+    // Answers carrying descriptors sent since the engine was last seen to have read everything
+    // (SIOCOUTQ 0): at least as many as it has not read (AdmitDescriptorAnswer).
+    size_t unread_descriptor_answers = 0;
   };
   // A complete request taken off a connection, answered outside the lock.
   struct PendingRequest {
@@ -176,6 +179,11 @@ class ArenaHandoff {
   bool AnswerOffer(PendingRequest& pending);
   void Wake();
   void Close(uint64_t id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Before an answer that carries descriptors: OK, or RESOURCE_EXHAUSTED when the engine left
+  // kMaxUnreadDescriptorAnswers of them unread. Descriptors queued in a socket count against
+  // the daemon's uid (Linux's in-flight limit follows its RLIMIT_NOFILE): without this bound
+  // one engine that never read made every later SCM_RIGHTS send fail for every engine.
+  absl::Status AdmitDescriptorAnswer(const PendingRequest& pending) ABSL_LOCKS_EXCLUDED(mu_);
 
   const Options options_;
   const ArenaLookup lookup_;
@@ -186,6 +194,8 @@ class ArenaHandoff {
   ScopedFd listener_;  // set by Start(), closed by Stop()
   ScopedFd wake_;      // eventfd: ForgetEngine and Stop interrupt poll()
   std::thread thread_;
+  // Only the serving thread: no accept before this (accept ran out of descriptors).
+  SteadyTime accept_resumes_{};
 
   mutable absl::Mutex mu_;
   bool started_ ABSL_GUARDED_BY(mu_) = false;

@@ -135,7 +135,10 @@ absl::StatusOr<uint64_t> BlockStore::OfferBuffer(uint64_t engine, uint64_t conne
   if (offers >= limits_.offers_per_engine) {
     return absl::ResourceExhaustedError(absl::StrCat("engine ", engine, " holds ", offers,
                                                      " unregistered buffer offers; the limit is ",
-                                                     limits_.offers_per_engine));
+                                                     limits_.offers_per_engine,
+                                                     " per engine (its share of "
+                                                     "block_store_max_offers ",
+                                                     limits_.max_offers, ")"));
   }
   const uint64_t held = EngineBytesLocked(engine);
   if (bytes > limits_.engine_bytes || held > limits_.engine_bytes - bytes) {
@@ -180,8 +183,18 @@ absl::StatusOr<BlockStoreRegistration> BlockStore::Register(
           limits_.registrations_per_engine));
     }
     size_t mapped_buffers = 0;
+    size_t engine_mapped_buffers = 0;
     for (const auto& [id, registration] : registrations_) {
       mapped_buffers += registration->base.size();
+      if (registration->engine == engine) engine_mapped_buffers += registration->base.size();
+    }
+    if (engine_mapped_buffers > limits_.mapped_buffers_per_engine ||
+        buffers.size() > limits_.mapped_buffers_per_engine - engine_mapped_buffers) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "registering ", buffers.size(), " buffers: engine ", engine, " maps ",
+          engine_mapped_buffers, "; one engine may map at most ",
+          limits_.mapped_buffers_per_engine, " (its share of block_store_max_mapped_buffers ",
+          limits_.max_mapped_buffers, ")"));
     }
     if (mapped_buffers > limits_.max_mapped_buffers ||
         buffers.size() > limits_.max_mapped_buffers - mapped_buffers) {

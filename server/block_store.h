@@ -41,6 +41,9 @@
 
 namespace memra {
 
+// An engine's share of block_store_max_mapped_buffers: 1 / this (at least one buffer).
+inline constexpr size_t kBlockStoreEngineShareDivisor = 4;
+
 struct BlockStoreLimits {
   // Bytes an engine may have offered and registered at once (block_store_engine_bytes).
   uint64_t engine_bytes = uint64_t{64} << 30;
@@ -50,6 +53,9 @@ struct BlockStoreLimits {
   // Daemon-wide, all engines together: offers (descriptors) and registered buffers (mappings).
   size_t max_offers = 512;
   size_t max_mapped_buffers = 4096;
+  // One engine's share of max_mapped_buffers (the daemon sets a quarter of it, at least 1), so
+  // no single engine can take the whole daemon-wide cap.
+  size_t mapped_buffers_per_engine = 1024;
   size_t pins_per_engine = 1024;
   // Bytes one engine may hold pinned at once (a pin keeps its entries from eviction and
   // demotion, so without a bound one engine could hold the whole cache for everyone): the daemon

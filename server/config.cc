@@ -350,6 +350,31 @@ const std::vector<KeySpec>& Keys() {
        .syntax = Syntax::kInteger, .reloadable = false,
        .help = "Engines attached at once, each an Attach stream (RESOURCE_EXHAUSTED past it).",
        .min = 1, .max = 65'536},
+      {.name = "max_engine_event_streams", .field = &C::max_engine_event_streams,
+       .syntax = Syntax::kInteger, .reloadable = false,
+       .help = "KvPrefixCache.SubscribeEvents streams one engine may hold open, each a daemon "
+               "thread (RESOURCE_EXHAUSTED past it).",
+       .min = 1, .max = 1024},
+      {.name = "max_event_streams", .field = &C::max_event_streams, .syntax = Syntax::kInteger,
+       .reloadable = false,
+       .help = "KvPrefixCache.SubscribeEvents streams open at once on each socket, all engines "
+               "(or operators) together (RESOURCE_EXHAUSTED past it).",
+       .min = 1, .max = 1024},
+      {.name = "max_connections", .field = &C::max_connections, .syntax = Syntax::kInteger,
+       .reloadable = false,
+       .help = "gRPC connections each socket serves at once; past it a new connection is closed "
+               "at once (the client sees UNAVAILABLE) and the daemon logs the numbers.",
+       .min = 1, .max = 1'000'000},
+      {.name = "max_connections_per_uid", .field = &C::max_connections_per_uid,
+       .syntax = Syntax::kInteger, .reloadable = false,
+       .help = "gRPC connections each socket serves at once from one uid (the kernel's peer "
+               "credentials); past it that uid's new connection is closed at once.",
+       .min = 1, .max = 1'000'000},
+      {.name = "connection_idle_timeout_ms", .field = &C::connection_idle_timeout_ms,
+       .syntax = Syntax::kInteger, .reloadable = false,
+       .help = "A gRPC connection with no call open for this long is closed (GOAWAY); clients "
+               "reconnect on their next call.",
+       .min = 1'000, .max = 86'400'000},
       {.name = "arena_pool_engine_bytes", .field = &C::arena_pool_engine_bytes,
        .syntax = Syntax::kBytes, .reloadable = false,
        .help = "Released session arenas kept per engine for its next sessions of the same size "
@@ -818,6 +843,13 @@ uint64_t EffectiveMaxArenas(const DaemonConfig& config, const std::string& max_m
     max_map_count = kDefaultMaxMapCount;
   }
   return std::max<uint64_t>(1, max_map_count / 4 * 3);
+}
+
+DescriptorShares ShareDescriptors(uint64_t open_files) {
+  const uint64_t shared = open_files > kReservedDescriptors ? open_files - kReservedDescriptors : 0;
+  return {.open_files = open_files,
+          .arenas = std::max<uint64_t>(1, shared / 2),
+          .connections = std::max<uint64_t>(1, shared / 16)};
 }
 
 absl::Status ApplyOverride(DaemonConfig& config, std::string_view key_view,

@@ -170,6 +170,16 @@ struct DaemonConfig {
   // Engines attached at once (each holds an Attach stream; streams share gRPC's callback
   // threads).
   uint64_t max_attached_engines = 256;
+  // KvPrefixCache.SubscribeEvents streams open at once, per engine and per socket (each holds a
+  // daemon thread while open; a stream ends with the lease that opened it).
+  uint64_t max_engine_event_streams = 4;
+  uint64_t max_event_streams = 64;
+  // gRPC connections each socket accepts at once, in all and from one uid (SO_PEERCRED); past
+  // them a new connection is closed at once. A connection with no call for
+  // connection_idle_timeout_ms is closed by the daemon.
+  uint64_t max_connections = 512;
+  uint64_t max_connections_per_uid = 256;
+  uint64_t connection_idle_timeout_ms = 300'000;
   // Bytes of released session arenas kept per engine for its next sessions of the same size
   // (server/arena_pool.h); evictable by admission, freed when the engine's lease ends. 0 = no
   // pool: every CreateSession makes (and every engine maps) a new arena.
@@ -211,6 +221,21 @@ inline constexpr uint64_t kDefaultMaxMapCount = 65530;
 // stacks, heap).
 uint64_t EffectiveMaxArenas(const DaemonConfig& config,
                             const std::string& max_map_count_path = "/proc/sys/vm/max_map_count");
+
+// Descriptors the daemon keeps for itself (libraries, listeners, eventfds, logs, metrics) before
+// it shares out its RLIMIT_NOFILE.
+inline constexpr uint64_t kReservedDescriptors = 128;
+// What the daemon's own RLIMIT_NOFILE (read at start) allows, so that running out of
+// descriptors is a limit's clean refusal, not EMFILE somewhere: of what is left after
+// kReservedDescriptors, half for arenas (a memfd each on the host backend), a sixteenth for each
+// socket's gRPC connections (two sockets, two descriptors each: a quarter in all); the last
+// quarter is for handoff connections, step channels and block store offers.
+struct DescriptorShares {
+  uint64_t open_files = 0;       // RLIMIT_NOFILE (soft)
+  uint64_t arenas = 0;           // caps max_arenas
+  uint64_t connections = 0;      // caps max_connections (per socket)
+};
+DescriptorShares ShareDescriptors(uint64_t open_files);
 
 // One configuration key, for help text and flag definitions.
 struct ConfigKeyInfo {

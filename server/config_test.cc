@@ -64,7 +64,9 @@ TEST(ConfigTest, KeyListIsTheDocumentedOne) {
                           "watchdog", "keep_kv_across_restarts", "step_channel",
                           "max_plan_layers",
                           "max_engine_sessions", "max_engine_plans", "max_engine_budget_share",
-                          "max_attached_engines", "arena_pool_engine_bytes", "block_store_engine_bytes",
+                          "max_attached_engines", "max_engine_event_streams", "max_event_streams",
+                          "max_connections", "max_connections_per_uid", "connection_idle_timeout_ms",
+                          "arena_pool_engine_bytes", "block_store_engine_bytes",
                           "block_store_max_registrations", "block_store_max_pins",
                           "block_store_max_offers", "block_store_max_mapped_buffers", "max_arenas",
                           "admin_socket_path", "admin_socket_mode", "admin_socket_group",
@@ -124,6 +126,11 @@ TEST(ConfigTest, Defaults) {
   EXPECT_EQ(config.max_engine_plans, 64u);
   EXPECT_EQ(config.max_engine_budget_share, 100u);
   EXPECT_EQ(config.max_attached_engines, 256u);
+  EXPECT_EQ(config.max_engine_event_streams, 4u);
+  EXPECT_EQ(config.max_event_streams, 64u);
+  EXPECT_EQ(config.max_connections, 512u);
+  EXPECT_EQ(config.max_connections_per_uid, 256u);
+  EXPECT_EQ(config.connection_idle_timeout_ms, 300'000u);
   EXPECT_EQ(config.max_arenas, 0u);
   EXPECT_EQ(config.AdminSocketPath(), "/run/memra-kv/gpu0.admin.sock");
   EXPECT_EQ(config.admin_socket_mode, 0600u);

@@ -1,6 +1,7 @@
 #include "server/daemon.h"
 
 #include <sys/random.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -16,6 +17,7 @@
 #include "core/status_macros.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/health_check_service_interface.h"
+#include "grpcpp/resource_quota.h"
 #include "grpcpp/security/server_credentials.h"
 #include "grpcpp/server_builder.h"
 #include "server/pinned_host_memory.h"
@@ -48,6 +50,49 @@ std::pair<uint64_t, std::string> BudgetFor(const DaemonConfig& config, DeviceBac
   return {bytes, absl::StrCat("host: budget_bytes ", bytes)};
 }
 
+// Caps max_arenas and max_connections by the daemon's own RLIMIT_NOFILE (ShareDescriptors) and
+// says so.
+void LimitByDescriptors(DaemonConfig& config) {
+  rlimit open_files{};
+  uint64_t limit = UINT64_MAX;
+  if (getrlimit(RLIMIT_NOFILE, &open_files) == 0 && open_files.rlim_cur != RLIM_INFINITY) {
+    limit = open_files.rlim_cur;
+  }
+  const DescriptorShares shares = ShareDescriptors(limit);
+  const uint64_t arenas = EffectiveMaxArenas(config);
+  config.max_arenas = std::min(arenas, shares.arenas);
+  config.max_connections = std::min(config.max_connections, shares.connections);
+  config.max_connections_per_uid = std::min(config.max_connections_per_uid, config.max_connections);
+  spdlog::info(
+      "descriptors: RLIMIT_NOFILE {} ({} kept for the daemon): at most {} arenas (max_arenas or "
+      "vm.max_map_count: {}; descriptors: {}), {} gRPC connections per socket and {} per uid "
+      "(max_connections or descriptors: {})",
+      limit, kReservedDescriptors, config.max_arenas, arenas, shares.arenas,
+      config.max_connections, config.max_connections_per_uid, shares.connections);
+}
+
+// SubscribeEvents streams of one socket: per engine on the engine socket, and all together.
+ConcurrencyLimit::Limits EventStreamLimits(const DaemonConfig& config, bool per_engine) {
+  return {.total = static_cast<size_t>(config.max_event_streams),
+          .total_name = "max_event_streams, per socket",
+          .per_key = per_engine ? static_cast<size_t>(config.max_engine_event_streams) : 0,
+          .per_key_name = "max_engine_event_streams"};
+}
+
+// Leaves server reflection out of one server. Linking gRPC's reflection library registers its
+// plugin for every server; its streams are synchronous (a thread each, opened by any client),
+// and it is the operators' tool (grpcurl), so only the admin socket keeps it.
+class WithoutReflection final : public grpc::ServerBuilderOption {
+ public:
+  void UpdateArguments(grpc::ChannelArguments*) override {}
+  void UpdatePlugins(std::vector<std::unique_ptr<grpc::ServerBuilderPlugin>>* plugins) override {
+    const std::string reflection = grpc::reflection::ProtoServerReflectionPlugin().name();
+    std::erase_if(*plugins, [&](const std::unique_ptr<grpc::ServerBuilderPlugin>& plugin) {
+      return plugin->name() == reflection;
+    });
+  }
+};
+
 BlockStoreLimits BlockStoreLimitsOf(const DaemonConfig& config) {
   BlockStoreLimits limits;
   limits.engine_bytes = config.block_store_engine_bytes;
@@ -57,6 +102,12 @@ BlockStoreLimits BlockStoreLimitsOf(const DaemonConfig& config) {
   limits.pinned_bytes_per_engine = config.prefix_cache_budget_bytes / 4;
   limits.max_offers = static_cast<size_t>(config.block_store_max_offers);
   limits.max_mapped_buffers = static_cast<size_t>(config.block_store_max_mapped_buffers);
+  // Daemon-wide caps split fairly (docs/security-model.md#resources): one engine may map a
+  // quarter of the buffers, and hold half of the offers (at most a registration's worth).
+  limits.mapped_buffers_per_engine =
+      std::max<size_t>(1, limits.max_mapped_buffers / kBlockStoreEngineShareDivisor);
+  limits.offers_per_engine =
+      std::clamp<size_t>(limits.max_offers / 2, 1, limits.offers_per_engine);
   return limits;
 }
 
@@ -143,6 +194,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Create(DaemonConfig config,
     return absl::InvalidArgumentError("Daemon::Create needs a backend and a clock");
   }
   RETURN_IF_ERROR(ValidateConfig(config));
+  LimitByDescriptors(config);
   std::optional<PreviousDaemon> previous = ReadPreviousDaemon(std::move(passed));
   ASSIGN_OR_RETURN(uint64_t epoch, RandomEpoch());
   ASSIGN_OR_RETURN(CacheScopes scopes, CacheScopes::Create(config.cache_scope_allow));
@@ -407,10 +459,12 @@ Daemon::Daemon(DaemonConfig config, std::unique_ptr<DeviceBackend> backend, Cloc
                },
                OpenStepChannel()),
       engine_prefix_service_(prefix_cache_.get(), backend_.get(), FindSession(), FindScope(),
-                             ServedSocket{ServedSocket::Audience::kEngines, admin_socket_path_}),
+                             ServedSocket{ServedSocket::Audience::kEngines, admin_socket_path_},
+                             EventStreamLimits(start_config_, /*per_engine=*/true)),
       operator_prefix_service_(
           prefix_cache_.get(), backend_.get(), FindSession(), FindScope(),
-          ServedSocket{ServedSocket::Audience::kOperators, admin_socket_path_}),
+          ServedSocket{ServedSocket::Audience::kOperators, admin_socket_path_},
+          EventStreamLimits(start_config_, /*per_engine=*/false)),
       cache_service_(&leases_, &plans_, &sessions_, backend_.get(), &handoff_, &scopes_, epoch_),
       block_store_service_(&block_store_, backend_.get(), FindScope()),
       engine_admin_service_(
@@ -514,18 +568,21 @@ absl::Status Daemon::Start() {
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   // The RPC metrics count the engine socket's calls (the hot path); operators' calls are few.
   ASSIGN_OR_RETURN(auto interceptors, RegisterMetrics());
+  std::unique_ptr<ConnectionGate> gate;
+  std::unique_ptr<ConnectionGate> admin_gate;
   ASSIGN_OR_RETURN(std::unique_ptr<grpc::Server> server,
                    Serve(socket_path_, start_config_.socket_group, start_config_.socket_mode,
+                         /*reflection=*/false,
                          {&cache_service_, &engine_admin_service_, &engine_prefix_service_,
                           &block_store_service_},
-                         std::move(interceptors)));
+                         std::move(interceptors), &gate));
   absl::StatusOr<std::unique_ptr<grpc::Server>> admin_server =
       Serve(admin_socket_path_, start_config_.admin_socket_group,
-            start_config_.admin_socket_mode,
-            {&operator_admin_service_, &operator_prefix_service_}, {});
+            start_config_.admin_socket_mode, /*reflection=*/true,
+            {&operator_admin_service_, &operator_prefix_service_}, {}, &admin_gate);
   if (!admin_server.ok()) {
+    gate->Stop();
     server->Shutdown();
-    unlink(socket_path_.c_str());
     handoff_.Stop();
     return admin_server.status();
   }
@@ -533,6 +590,8 @@ absl::Status Daemon::Start() {
     absl::MutexLock lock(&mu_);
     server_ = std::move(server);
     admin_server_ = *std::move(admin_server);
+    gate_ = std::move(gate);
+    admin_gate_ = std::move(admin_gate);
   }
   lease_thread_ = std::thread([this] { LeaseLoop(); });
   StartMetricsHttp();
@@ -545,28 +604,46 @@ absl::Status Daemon::Start() {
   return absl::OkStatus();
 }
 
+ConnectionGate::Counts Daemon::engine_socket_connections() const {
+  absl::MutexLock lock(&mu_);
+  return gate_ == nullptr ? ConnectionGate::Counts{} : gate_->counts();
+}
+
 absl::StatusOr<std::unique_ptr<grpc::Server>> Daemon::Serve(
-    const std::string& path, const std::string& group, uint32_t mode,
+    const std::string& path, const std::string& group, uint32_t mode, bool reflection,
     const std::vector<grpc::Service*>& services,
     std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>>
-        interceptors) {
+        interceptors,
+    std::unique_ptr<ConnectionGate>* gate) const {
+  // The gate binds the socket (and applies its permissions) before any call can arrive; gRPC
+  // listens on no port of its own and serves only what the gate hands it.
+  ASSIGN_OR_RETURN(
+      *gate,
+      ConnectionGate::Listen(
+          path, group, mode, absl::StrCat("socket ", path),
+          {.max_connections = static_cast<size_t>(start_config_.max_connections),
+           .max_connections_per_uid = static_cast<size_t>(start_config_.max_connections_per_uid)}));
   grpc::ServerBuilder builder;
-  builder.AddListeningPort(absl::StrCat("unix:", path), grpc::InsecureServerCredentials());
   for (grpc::Service* service : services) builder.RegisterService(service);
+  if (!reflection) builder.SetOption(std::make_unique<WithoutReflection>());
+  // Every synchronous call in flight holds a thread: without a cap, open streams (reflection,
+  // SubscribeEvents) grew the daemon by a thread each.
+  grpc::ResourceQuota threads(absl::StrCat("memra-kvd ", path));
+  threads.SetMaxThreads(kMaxRpcThreadsPerSocket);
+  builder.SetResourceQuota(threads);
+  // A connection with no call for this long is closed (GOAWAY): idle connections hold
+  // descriptors.
+  builder.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_IDLE_MS,
+                             static_cast<int>(start_config_.connection_idle_timeout_ms));
   if (!interceptors.empty()) {
     builder.experimental().SetInterceptorCreators(std::move(interceptors));
   }
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (server == nullptr) {
-    return absl::UnavailableError(absl::StrCat("could not listen on unix:", path,
-                                               " (does the directory exist and is it writable?)"));
+    (*gate)->Stop();
+    return absl::UnavailableError(absl::StrCat("could not start the gRPC server for unix:", path));
   }
-  // Calls may already be arriving: no lock is held while the server could wait for them.
-  if (absl::Status permissions = ApplySocketPermissions(path, group, mode); !permissions.ok()) {
-    server->Shutdown();
-    unlink(path.c_str());
-    return permissions;
-  }
+  (*gate)->Start(server.get());
   return server;
 }
 
@@ -668,12 +745,20 @@ void Daemon::Shutdown() {
   leases_.CancelStreams();
   std::unique_ptr<grpc::Server> server;
   std::unique_ptr<grpc::Server> admin_server;
+  std::unique_ptr<ConnectionGate> gate;
+  std::unique_ptr<ConnectionGate> admin_gate;
   std::unique_ptr<metrics::MetricsHttpServer> metrics_http;
   {
     absl::MutexLock lock(&mu_);
     metrics_http = std::move(metrics_http_);
     server = std::move(server_);
     admin_server = std::move(admin_server_);
+    gate = std::move(gate_);
+    admin_gate = std::move(admin_gate_);
+  }
+  // No new connections first (the gates also remove the socket files).
+  for (ConnectionGate* door : {gate.get(), admin_gate.get()}) {
+    if (door != nullptr) door->Stop();
   }
   metrics_http.reset();  // joins its threads: no scrape reads the daemon after this
   const auto deadline = std::chrono::system_clock::now() + std::chrono::milliseconds(500);
@@ -701,8 +786,6 @@ void Daemon::Shutdown() {
   // Slabs the prefix cache keeps empty for its next capture go too; those of stored entries are
   // freed with the cache.
   if (prefix_cache_ != nullptr) prefix_cache_->ReleaseEmptySlabs();
-  if (server != nullptr) unlink(socket_path_.c_str());
-  if (admin_server != nullptr) unlink(admin_socket_path_.c_str());
   spdlog::info("shut down: released {} sessions ({} bytes); backend holds {} arenas, {} bytes",
                released.sessions, released.bytes, backend_->ArenaCount(),
                backend_->AllocatedBytes());

@@ -56,6 +56,7 @@
 #include "server/cache_service.h"
 #include "server/clock.h"
 #include "server/config.h"
+#include "server/connection_gate.h"
 #include "server/device_budget.h"
 #include "server/engine_leases.h"
 #include "server/metrics.h"
@@ -70,6 +71,11 @@
 #include "server/step_channel.h"
 
 namespace memra {
+
+// Threads the synchronous gRPC handlers of one socket may use at once (grpc::ResourceQuota); a
+// call past them is RESOURCE_EXHAUSTED. Long streams are capped well below it
+// (max_event_streams), so short calls always find a thread.
+inline constexpr int kMaxRpcThreadsPerSocket = 256;
 
 class Daemon {
  public:
@@ -143,6 +149,8 @@ class Daemon {
   const std::string& socket_path() const { return socket_path_; }
   const std::string& admin_socket_path() const { return admin_socket_path_; }
   const std::string& handoff_socket_path() const { return handoff_.path(); }
+  // The engine socket's connections (open, refused at the door); zeros before Start.
+  ConnectionGate::Counts engine_socket_connections() const ABSL_LOCKS_EXCLUDED(mu_);
   // Connections and descriptors handed (tests, metrics).
   const ArenaHandoff& handoff() const { return handoff_; }
   // Step channel figures (tests, metrics).
@@ -187,12 +195,17 @@ class Daemon {
   // Serves metrics_ on metrics_address; a failure is logged, not fatal (the cache matters more
   // than its metrics).
   void StartMetricsHttp() ABSL_LOCKS_EXCLUDED(mu_);
-  // Binds `path`, serves `services` there and applies `group`/`mode` to the socket file.
-  static absl::StatusOr<std::unique_ptr<grpc::Server>> Serve(
-      const std::string& path, const std::string& group, uint32_t mode,
+  // Binds `path`, serves `services` there (and server reflection when `reflection`) and applies
+  // `group`/`mode` to the socket file. The synchronous handlers share at most
+  // kMaxRpcThreadsPerSocket threads; a call past them is RESOURCE_EXHAUSTED.
+  // Connections come through a ConnectionGate (max_connections, max_connections_per_uid), set
+  // in `*gate`; idle ones are closed after connection_idle_timeout_ms.
+  absl::StatusOr<std::unique_ptr<grpc::Server>> Serve(
+      const std::string& path, const std::string& group, uint32_t mode, bool reflection,
       const std::vector<grpc::Service*>& services,
       std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>>
-          interceptors);
+          interceptors,
+      std::unique_ptr<ConnectionGate>* gate) const;
 
   // Constant after construction; declared in construction order (each part is destroyed
   // before what it points to).
@@ -241,6 +254,9 @@ class Daemon {
   mutable absl::Mutex mu_;
   std::unique_ptr<grpc::Server> server_ ABSL_GUARDED_BY(mu_);        // the engine socket
   std::unique_ptr<grpc::Server> admin_server_ ABSL_GUARDED_BY(mu_);  // the admin socket
+  // Their doors: each accepts the connections its server serves.
+  std::unique_ptr<ConnectionGate> gate_ ABSL_GUARDED_BY(mu_);
+  std::unique_ptr<ConnectionGate> admin_gate_ ABSL_GUARDED_BY(mu_);
   // Stopped in Shutdown() before anything its callbacks read goes away.
   std::unique_ptr<metrics::MetricsHttpServer> metrics_http_ ABSL_GUARDED_BY(mu_);
 

@@ -316,20 +316,38 @@ void DaemonSession::UpdateArenaBytes() {
     if (previous_.has_value()) bytes += previous_->exported.bytes;
   }
   arena_bytes_.store(bytes, std::memory_order_relaxed);
+  absl::MutexLock exports(&exports_mu_);
+  exports_.clear();
+  exports_released_ = released_;
+  exports_version_ = current_.version;
+  if (released_) return;
+  for (const SessionLayoutVersion* layout : {&current_, previous_ ? &*previous_ : nullptr}) {
+    if (layout == nullptr) continue;
+    exports_.push_back({.handle = layout->exported.handle,
+                        .arena = layout->arena,
+                        .bytes = layout->exported.bytes});
+  }
 }
 
 absl::StatusOr<ArenaFd> DaemonSession::DuplicateArenaFd(absl::string_view handle) {
-  absl::MutexLock lock(&mu_);
-  RETURN_IF_ERROR(CheckLive());
-  for (const SessionLayoutVersion* layout : {&current_, previous_ ? &*previous_ : nullptr}) {
-    if (layout == nullptr || layout->exported.handle != handle) continue;
-    ASSIGN_OR_RETURN(const int fd, backend_->DuplicateArenaFd(layout->arena));
-    return ArenaFd{.fd = ScopedFd(fd), .bytes = layout->exported.bytes};
+  ExportedArena found;
+  {
+    absl::MutexLock lock(&exports_mu_);
+    if (exports_released_) {
+      return absl::NotFoundError(absl::StrCat("session ", params_.id.value, " was released"));
+    }
+    auto it = std::find_if(exports_.begin(), exports_.end(),
+                           [&](const ExportedArena& exported) { return exported.handle == handle; });
+    if (it == exports_.end()) {
+      return absl::NotFoundError(absl::StrCat("session ", params_.id.value,
+                                              " has no arena with handle \"",
+                                              absl::CHexEscape(handle), "\" (layout version ",
+                                              exports_version_, ")"));
+    }
+    found = *it;
   }
-  return absl::NotFoundError(absl::StrCat("session ", params_.id.value,
-                                          " has no arena with handle \"",
-                                          absl::CHexEscape(handle), "\" (layout version ",
-                                          current_.version, ")"));
+  ASSIGN_OR_RETURN(const int fd, backend_->DuplicateArenaFd(found.arena));
+  return ArenaFd{.fd = ScopedFd(fd), .bytes = found.bytes};
 }
 
 absl::Status DaemonSession::CheckLive() const {

@@ -165,8 +165,10 @@ class DaemonSession {
   bool RunUnlessBusy(absl::FunctionRef<void()> run) ABSL_LOCKS_EXCLUDED(long_op_mu_, mu_);
 
   // A new descriptor of the arena whose export handle is `handle` (the current layout's, or the
-  // previous one's while a grow awaits acknowledgement), for the handoff socket. Under the
-  // session's mutex, so the arena cannot be freed meanwhile. NOT_FOUND when the session was
+  // previous one's while a grow awaits acknowledgement), for the handoff socket. Never waits on
+  // the session's mutex (the handoff thread serves every engine: a Grow holding it for seconds
+  // stalled every Attach): it reads the exports' own snapshot, and an arena freed meanwhile is
+  // the backend's NOT_FOUND (arena ids are never reused). NOT_FOUND when the session was
   // released or has no arena with that handle; the backend's refusal (cuda: FAILED_PRECONDITION,
   // its exports are IPC handles).
   absl::StatusOr<ArenaFd> DuplicateArenaFd(absl::string_view handle) ABSL_LOCKS_EXCLUDED(mu_);
@@ -237,6 +239,18 @@ class DaemonSession {
   ArenaPool* const pool_;  // null: arenas are freed on release
 
   std::atomic<uint64_t> arena_bytes_{0};
+
+  // What DuplicateArenaFd reads: the exported arenas as of the last layout change
+  // (UpdateArenaBytes), under a mutex of their own that is held for no work.
+  struct ExportedArena {
+    std::string handle;
+    ArenaId arena;
+    uint64_t bytes = 0;
+  };
+  mutable absl::Mutex exports_mu_ ABSL_ACQUIRED_AFTER(mu_);
+  std::vector<ExportedArena> exports_ ABSL_GUARDED_BY(exports_mu_);
+  uint64_t exports_version_ ABSL_GUARDED_BY(exports_mu_) = 0;  // the current layout's
+  bool exports_released_ ABSL_GUARDED_BY(exports_mu_) = false;
 
   // Held, before mu_, by the long operations (Grow, ViewLocked, RestoreLocked, Release) and by
   // RunUnlessBusy, which only tries it: so RunUnlessBusy waits on mu_ for short operations only.

@@ -175,12 +175,13 @@ pb::PrefixCacheStats PrefixStatsToProto(const PrefixCacheStats& stats) {
 
 PrefixService::PrefixService(PrefixCache* cache, DeviceBackend* backend,
                              SessionFinder find_session, ScopeFinder find_scope,
-                             ServedSocket socket)
+                             ServedSocket socket, ConcurrencyLimit::Limits event_streams)
     : cache_(cache),
       backend_(backend),
       find_session_(std::move(find_session)),
       find_scope_(std::move(find_scope)),
-      socket_(std::move(socket)) {}
+      socket_(std::move(socket)),
+      event_streams_("SubscribeEvents streams", std::move(event_streams)) {}
 
 absl::StatusOr<std::optional<std::string>> PrefixService::ReaderScope(
     const pb::EngineRef& engine, const std::string& requested) const {
@@ -293,9 +294,23 @@ grpc::Status PrefixService::SubscribeEvents(grpc::ServerContext* context,
   absl::StatusOr<std::optional<std::string>> scope =
       ReaderScope(request->engine(), request->cache_scope());
   if (!scope.ok()) return Reply("SubscribeEvents", scope.status());
+  // A stream holds one of the synchronous server's threads until it ends: bounded per engine
+  // (authenticated above) and per socket.
+  std::optional<uint64_t> engine;
+  if (!socket_.for_operators()) engine = request->engine().engine_id();
+  absl::StatusOr<std::unique_ptr<ConcurrencyLimit::Permit>> open = event_streams_.TryAcquire(engine);
+  if (!open.ok()) return Reply("SubscribeEvents", open.status());
+  // Tells the subscriber the stream is open (it holds its permit) before any event comes.
+  writer->SendInitialMetadata();
   uint64_t epoch = request->epoch();
   uint64_t last = request->last_sequence();
   while (!context->IsCancelled() && !stopping_.load()) {
+    // The stream lives no longer than the lease that opened it.
+    if (engine.has_value()) {
+      if (absl::StatusOr<std::string> still = find_scope_(request->engine()); !still.ok()) {
+        return Reply("SubscribeEvents", still.status());
+      }
+    }
     const ScopedEventReplay replay = cache_->EventsSince(epoch, last, *scope);
     if (replay.gap) {
       // Resync from here on: the subscriber lists the entries, then follows live events.

@@ -18,6 +18,7 @@
 #include "proto/memra/kv/v1/prefix.grpc.pb.h"
 #include "proto/memra/kv/v1/prefix.pb.h"
 #include "server/backend.h"
+#include "server/concurrency_limit.h"
 #include "server/daemon_session.h"
 #include "server/prefix_cache.h"
 #include "server/served_socket.h"
@@ -35,9 +36,11 @@ class PrefixService final : public memra::kv::v1::KvPrefixCache::Service {
 
   // `cache` null: the daemon runs without a prefix cache (every call FAILED_PRECONDITION).
   // `cache` and `backend` (the engines' events are waited on through it) must outlive the
-  // service. `socket`: the socket this instance answers on.
+  // service. `socket`: the socket this instance answers on. `event_streams`: SubscribeEvents
+  // streams open at once on this socket (per_key: per engine; each holds a gRPC thread).
   PrefixService(PrefixCache* cache, DeviceBackend* backend, SessionFinder find_session,
-                ScopeFinder find_scope, ServedSocket socket);
+                ScopeFinder find_scope, ServedSocket socket,
+                ConcurrencyLimit::Limits event_streams);
 
   // Ends open SubscribeEvents streams within one poll period (daemon shutdown).
   void Stop() { stopping_.store(true); }
@@ -79,6 +82,8 @@ class PrefixService final : public memra::kv::v1::KvPrefixCache::Service {
   const ScopeFinder find_scope_;
   const ServedSocket socket_;
 
+  // SubscribeEvents streams open on this socket.
+  ConcurrencyLimit event_streams_;
   std::atomic<bool> stopping_{false};
 };
 

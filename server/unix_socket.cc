@@ -11,6 +11,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/errors.h"
+#include "core/status_macros.h"
 #include "spdlog/spdlog.h"
 
 namespace memra {
@@ -72,6 +73,34 @@ absl::Status ApplySocketPermissions(const std::string& path, const std::string& 
     return PosixError(absl::StrCat("chmod ", path), errno);
   }
   return absl::OkStatus();
+}
+
+absl::StatusOr<ScopedFd> ListenOnUnixSocket(const std::string& path, const std::string& group,
+                                            uint32_t mode, const std::string& what) {
+  RETURN_IF_ERROR(PrepareSocketPath(path));
+  sockaddr_un address{};
+  address.sun_family = AF_UNIX;
+  if (path.size() >= sizeof(address.sun_path)) {
+    return absl::InvalidArgumentError(absl::StrCat(what, " ", path, " is ", path.size(),
+                                                   " bytes; the limit is ",
+                                                   sizeof(address.sun_path) - 1));
+  }
+  std::memcpy(address.sun_path, path.c_str(), path.size() + 1);
+  ScopedFd listener(socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
+  if (listener.get() < 0) return PosixError(absl::StrCat("socket for the ", what), errno);
+  if (bind(listener.get(), reinterpret_cast<sockaddr*>(&address), sizeof(address)) != 0) {
+    return PosixError(absl::StrCat("bind ", path), errno);
+  }
+  if (listen(listener.get(), SOMAXCONN) != 0) {
+    const int err = errno;
+    unlink(path.c_str());
+    return PosixError(absl::StrCat("listen ", path), err);
+  }
+  if (absl::Status permissions = ApplySocketPermissions(path, group, mode); !permissions.ok()) {
+    unlink(path.c_str());
+    return permissions;
+  }
+  return listener;
 }
 
 }  // namespace memra

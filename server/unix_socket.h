@@ -9,6 +9,8 @@
 #include <string>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "common/mapped_region.h"
 
 namespace memra {
 
@@ -20,6 +22,12 @@ absl::Status PrepareSocketPath(const std::string& path);
 // chown to `group` (unless empty; FAILED_PRECONDITION when no such group) and chmod to `mode`.
 absl::Status ApplySocketPermissions(const std::string& path, const std::string& group,
                                     uint32_t mode);
+
+// A non-blocking, close-on-exec listening socket bound at `path` (PrepareSocketPath first) with
+// `group` and `mode` applied; the file is removed again on failure. `what` names the socket in
+// errors ("handoff socket").
+absl::StatusOr<ScopedFd> ListenOnUnixSocket(const std::string& path, const std::string& group,
+                                            uint32_t mode, const std::string& what);
 
 }  // namespace memra
 

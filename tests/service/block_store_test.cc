@@ -725,6 +725,49 @@ TEST_F(BlockStoreDaemonWideTest, OffersAndMappedBuffersAreCappedAcrossEngines) {
   EXPECT_EQ(counts.offers, 1u);  // b's, unused by the refusal
 }
 
+class BlockStoreEngineShareTest : public BlockStoreTest {
+ protected:
+  void ConfigureDaemon(DaemonConfig& config) override {
+    BlockStoreTest::ConfigureDaemon(config);
+    config.block_store_max_mapped_buffers = 8;  // an engine's share: 2
+    config.block_store_max_offers = 6;          // an engine's share: 3
+  }
+};
+
+// 16 registrations x 256 offers took all of block_store_max_mapped_buffers from one engine: now
+// an engine maps its quarter and holds half of the offers, and another engine still registers.
+TEST_F(BlockStoreEngineShareTest, OneEngineTakesOnlyItsShareOfTheDaemonWideCaps) {
+  std::unique_ptr<KvClient> hostile = NewClient("hostile");
+  ASSERT_NE(hostile, nullptr);
+  std::vector<TestBlockPool> pools;
+  for (int i = 0; i < 2; ++i) {
+    pools.push_back(MustPool());
+    MustRegister(*hostile, pools.back());
+  }
+  TestBlockPool extra = MustPool();
+  EXPECT_THAT(Register(*hostile, extra, kShape.Spec()),
+              StatusIs(absl::StatusCode::kResourceExhausted,
+                       HasSubstrs(absl::StrCat("registering 1 buffers: engine ",
+                                               hostile->engine_id(), " maps 2"),
+                                  "may map at most 2",
+                                  "share of block_store_max_mapped_buffers 8")));
+  // The refused registration left its offer: two more fill the engine's 3 of the daemon's 6.
+  for (int i = 0; i < 2; ++i) ASSERT_THAT(hostile->OfferPoolBuffer(extra.fd(), 4096), IsOk());
+  EXPECT_THAT(hostile->OfferPoolBuffer(extra.fd(), 4096),
+              StatusIs(absl::StatusCode::kResourceExhausted,
+                       HasSubstrs(absl::StrCat("engine ", hostile->engine_id(),
+                                               " holds 3 unregistered buffer offers"),
+                                  "limit is 3 per engine",
+                                  "share of block_store_max_offers 6")));
+  EngineWithPool honest = MustEngineWithPool("honest");
+  ASSERT_NE(honest.client, nullptr);
+  EXPECT_GT(honest.registered.registration_id, 0u);
+  BlockStoreCall store = ByHashes(honest.registered, Hashes(0, 1), {0});
+  store.event_token_ids.assign(kTokensPerBlock, 5);
+  EXPECT_THAT(honest.client->StoreBlocks(store), IsOk());
+  EXPECT_EQ(daemon_->block_store().counts().registrations, 3u);
+}
+
 class BlockStoreBudgetTest : public BlockStoreTest {
  protected:
   // Room for six blocks of 2 KiB (rounded to the slabs' 256-byte alignment: exactly).

@@ -4,7 +4,6 @@
 // budget, engines attached and arenas held. Every refusal names its count and its limit.
 
 #include <cstdint>
-#include <filesystem>
 #include <memory>
 #include <string>
 #include <vector>
@@ -352,15 +351,6 @@ TEST_F(EngineLimitsTest, ArenasAreCountedInAdmissionAndFitSaysSo) {
 }
 
 // ---- Lease streams cost no thread each ----
-
-size_t ProcessThreads() {
-  size_t threads = 0;
-  for (const auto& entry : std::filesystem::directory_iterator("/proc/self/task")) {
-    (void)entry;
-    ++threads;
-  }
-  return threads;
-}
 
 // 64 engines hold their Attach streams open: the daemon (in this process) serves them without
 // a thread each. (With a synchronous handler per stream this process grew by 64+ threads.)

@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <cstdint>
+#include <filesystem>
 #include <memory>
 #include <optional>
 #include <string>
@@ -36,6 +37,16 @@ inline std::string MakeSocketDir() {
   char path[] = "/tmp/memra-test-XXXXXX";
   EXPECT_NE(mkdtemp(path), nullptr);
   return path;
+}
+
+// Threads of this process: the in-process daemon's, and the test's own few.
+inline size_t ProcessThreads() {
+  size_t threads = 0;
+  for (const auto& entry : std::filesystem::directory_iterator("/proc/self/task")) {
+    (void)entry;
+    ++threads;
+  }
+  return threads;
 }
 
 inline SessionOptions Options(uint64_t capacity, bool spec_snapshot = true) {

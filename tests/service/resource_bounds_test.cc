@@ -1,0 +1,534 @@
+// What one client can make the daemon hold (docs/security-model.md#resources, issue 31): each
+// resource driven past its bound by one client, which gets a clean refusal naming its numbers,
+// while a second engine in the same test keeps being served.
+
+#include <fcntl.h>
+#include <grp.h>
+#include <poll.h>
+#include <sys/resource.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstring>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "client/client.h"
+#include "client/internal.h"
+#include "common/grpc_status.h"
+#include "common/handoff_wire.h"
+#include "server/fault_injecting_backend.h"
+#include "gmock/gmock.h"
+#include "grpcpp/create_channel.h"
+#include "grpcpp/generic/generic_stub.h"
+#include "grpcpp/security/credentials.h"
+#include "grpcpp/support/byte_buffer.h"
+#include "gtest/gtest.h"
+#include "proto/memra/kv/v1/admin.grpc.pb.h"
+#include "proto/memra/kv/v1/prefix.grpc.pb.h"
+#include "server/model_config_bounds.h"
+#include "tests/service/test_daemon.h"
+#include "tests/status_matchers.h"
+
+namespace memra::testing {
+namespace {
+
+namespace pb = ::memra::kv::v1;
+
+constexpr auto kInvalid = absl::StatusCode::kInvalidArgument;
+constexpr auto kExhausted = absl::StatusCode::kResourceExhausted;
+
+grpc::ClientContext* WithDeadline(grpc::ClientContext* context) {
+  context->set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+  return context;
+}
+
+constexpr char kLlamaConfig[] = R"({
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+    "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 2,
+    "hidden_size": 512, "head_dim": 64})";
+
+// ---- 2. Client-supplied config.json: size, depth, parses at once ----
+
+class ModelConfigBoundsTest : public DaemonTest {
+ protected:
+  absl::Status Cost(KvClient& client, const std::string& config) {
+    pb::CostRequest request;
+    request.mutable_model()->set_hf_config_json(config);
+    request.mutable_shape()->set_capacity(128);
+    pb::CostResponse response;
+    return FromGrpcStatus(ClientInternals::Admin(client).GetCost(
+        ClientInternals::NewContext(client).get(), request, &response));
+  }
+  absl::Status Import(KvClient& client, const std::string& config) {
+    pb::ImportModelRequest request;
+    request.set_hf_config_json(config);
+    pb::ImportModelResponse response;
+    return FromGrpcStatus(ClientInternals::Admin(client).ImportModel(
+        ClientInternals::NewContext(client).get(), request, &response));
+  }
+};
+
+// Today's 4 MB of "[" took seconds and hundreds of MiB: an over-size or over-deep config is
+// refused before it is parsed, on every call that takes one, and another engine's queries and
+// an unattached client's are served meanwhile and afterwards (parse slots are not leaked).
+TEST_F(ModelConfigBoundsTest, OversizeAndOverdeepConfigsAreRefusedBeforeParsing) {
+  std::unique_ptr<KvClient> honest = NewClient("honest");
+  ASSERT_NE(honest, nullptr);
+  absl::StatusOr<std::unique_ptr<KvClient>> unattached = KvClient::Connect(daemon_->socket_path());
+  ASSERT_THAT(unattached.status(), IsOk());
+
+  const std::string oversize(kMaxModelConfigBytes + 1, '[');
+  const std::string overdeep(100'000, '[');  // 100 KB: under the size bound
+  const auto too_big = StatusIs(kExhausted, HasSubstrs("config.json is 1048577 bytes",
+                                                       "limit is 1048576", "kMaxModelConfigBytes"));
+  const auto too_deep = StatusIs(kInvalid, HasSubstrs("config.json nests 33 deep at byte 32",
+                                                      "limit is 32", "kMaxModelConfigDepth"));
+  for (KvClient* hostile : {client_.get(), unattached->get()}) {
+    EXPECT_THAT(Cost(*hostile, oversize), too_big);
+    EXPECT_THAT(Cost(*hostile, overdeep), too_deep);
+    EXPECT_THAT(Import(*hostile, oversize), too_big);
+    EXPECT_THAT(Import(*hostile, overdeep), too_deep);
+    pb::MaxContextRequest max_context;
+    max_context.mutable_model()->set_hf_config_json(overdeep);
+    pb::MaxContextResponse max_context_reply;
+    EXPECT_THAT(FromGrpcStatus(ClientInternals::Admin(*hostile).GetMaxContext(
+                    ClientInternals::NewContext(*hostile).get(), max_context, &max_context_reply)),
+                too_deep);
+    pb::FitRequest fit;
+    fit.mutable_model()->set_hf_config_json(oversize);
+    fit.mutable_shape()->set_capacity(128);
+    pb::FitResponse fitted;
+    EXPECT_THAT(FromGrpcStatus(ClientInternals::Admin(*hostile).GetFit(
+                    ClientInternals::NewContext(*hostile).get(), fit, &fitted)),
+                too_big);
+  }
+  // More calls than there are parse slots, one after another: each slot came back.
+  for (size_t i = 0; i < kMaxConcurrentModelConfigParses + 2; ++i) {
+    EXPECT_THAT(Cost(*honest, kLlamaConfig), IsOk()) << i;
+    EXPECT_THAT(Import(**unattached, kLlamaConfig), IsOk()) << i;
+  }
+  EXPECT_THAT(honest->CreateSession(plan_, Options(64)).status(), IsOk());
+}
+
+// ---- 5. Long streams: a thread each, so capped per engine and per socket, and ended with the
+// lease that opened them; server reflection only on the admin socket. ----
+
+class LongStreamsTest : public DaemonTest {
+ protected:
+  static constexpr uint64_t kPerEngine = 4;
+  static constexpr uint64_t kPerSocket = 6;
+  void ConfigureDaemon(DaemonConfig& config) override {
+    config.prefix_cache_budget_bytes = uint64_t{8} << 20;
+    config.max_engine_event_streams = kPerEngine;
+    config.max_event_streams = kPerSocket;
+  }
+
+  struct EventStream {
+    grpc::ClientContext context;
+    std::unique_ptr<grpc::ClientReader<pb::PrefixEvent>> reader;
+  };
+  // A SubscribeEvents stream of `client`'s engine, once the daemon answered it: open (the
+  // daemon sent its headers) or ended (Finish tells why).
+  std::unique_ptr<EventStream> Subscribe(KvClient& client) {
+    auto stream = std::make_unique<EventStream>();
+    pb::SubscribePrefixEventsRequest request;
+    absl::StatusOr<pb::EngineRef> engine = ClientInternals::Engine(client);
+    EXPECT_THAT(engine.status(), IsOk());
+    if (engine.ok()) *request.mutable_engine() = *engine;
+    stream->reader =
+        ClientInternals::Prefix(client).SubscribeEvents(WithDeadline(&stream->context), request);
+    stream->reader->WaitForInitialMetadata();
+    return stream;
+  }
+  static absl::Status Ended(EventStream& stream) {
+    pb::PrefixEvent event;
+    while (stream.reader->Read(&event)) {
+    }
+    return FromGrpcStatus(stream.reader->Finish());
+  }
+  static void Cancel(std::vector<std::unique_ptr<EventStream>>& streams) {
+    for (auto& stream : streams) {
+      stream->context.TryCancel();
+      (void)stream->reader->Finish();
+    }
+  }
+};
+
+// 300 subscriptions from one engine held 300 daemon threads: now it holds its 4, the 296 others
+// are refused at once, and another engine subscribes and works.
+TEST_F(LongStreamsTest, OneEngineHoldsAtMostItsShareOfEventStreams) {
+  std::unique_ptr<KvClient> honest = NewClient("honest");
+  ASSERT_NE(honest, nullptr);
+  const size_t before = ProcessThreads();
+  std::vector<std::unique_ptr<EventStream>> open;
+  for (uint64_t i = 0; i < kPerEngine; ++i) open.push_back(Subscribe(*client_));
+  const std::string refusal =
+      absl::StrCat("SubscribeEvents streams of engine ", client_->engine_id(),
+                   ": 4 are open and the limit is 4 per engine (max_engine_event_streams)");
+  for (int i = 0; i < 296; ++i) {
+    std::unique_ptr<EventStream> refused = Subscribe(*client_);
+    ASSERT_THAT(Ended(*refused), StatusIs(kExhausted, HasSubstrs(refusal))) << i;
+  }
+  std::unique_ptr<EventStream> honest_stream = Subscribe(*honest);
+  const size_t during = ProcessThreads();
+  EXPECT_LT(during, before + kPerEngine + 16)
+      << before << " threads before, " << during << " with 300 subscriptions asked for";
+  EXPECT_THAT(honest->CreateSession(plan_, Options(64)).status(), IsOk());
+  // The per-socket cap: 5 are open, one more fits, then every engine is refused.
+  std::unique_ptr<EventStream> sixth = Subscribe(*honest);
+  EXPECT_THAT(Ended(*Subscribe(*honest)),
+              StatusIs(kExhausted, HasSubstrs("SubscribeEvents streams: 6 are running",
+                                              "limit is 6 (max_event_streams, per socket)")));
+  // Streams that end give their place back.
+  Cancel(open);
+  open.clear();
+  std::unique_ptr<EventStream> again = Subscribe(*client_);
+  honest_stream->context.TryCancel();
+  sixth->context.TryCancel();
+  again->context.TryCancel();
+  for (EventStream* stream : {honest_stream.get(), sixth.get(), again.get()}) {
+    EXPECT_THAT(Ended(*stream), StatusIs(absl::StatusCode::kCancelled, ::testing::_));
+  }
+}
+
+// Event streams were checked only when opened: they outlived the lease. Now they end with it
+// (the engine detached, in its grace: its lease has ended), and the honest engine's stays open.
+TEST_F(LongStreamsTest, EventStreamsEndWithTheLeaseThatOpenedThem) {
+  std::unique_ptr<KvClient> honest = NewClient("honest");
+  ASSERT_NE(honest, nullptr);
+  std::unique_ptr<EventStream> hostile_stream = Subscribe(*client_);
+  std::unique_ptr<EventStream> honest_stream = Subscribe(*honest);
+  const uint64_t hostile_id = client_->engine_id();
+  client_->Detach();
+  EXPECT_THAT(Ended(*hostile_stream),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstrs(absl::StrCat("engine ", hostile_id, ": its lease has ended"))));
+  EXPECT_THAT(honest->CreateSession(plan_, Options(64)).status(), IsOk());
+  // The honest stream was still open: it ends by its own cancel, not the daemon's word.
+  honest_stream->context.TryCancel();
+  EXPECT_THAT(Ended(*honest_stream), StatusIs(absl::StatusCode::kCancelled, ::testing::_));
+}
+
+constexpr char kReflectionInfo[] =
+    "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo";
+
+// One ServerReflectionInfo call (a list_services request, then half-close) on `socket_path`.
+absl::Status ReflectOnce(const std::string& socket_path) {
+  std::shared_ptr<grpc::Channel> channel =
+      grpc::CreateChannel(absl::StrCat("unix:", socket_path), grpc::InsecureChannelCredentials());
+  grpc::GenericStub stub(channel);
+  grpc::CompletionQueue queue;
+  grpc::ClientContext context;
+  // ServerReflectionRequest{list_services = ""}: field 7, length 0.
+  const std::string list_services("\x3a\x00", 2);
+  grpc::Slice slice(list_services);
+  grpc::ByteBuffer request(&slice, 1);
+  grpc::ByteBuffer response;
+  grpc::Status status;
+  std::unique_ptr<grpc::GenericClientAsyncResponseReader> call =
+      stub.PrepareUnaryCall(WithDeadline(&context), kReflectionInfo, request, &queue);
+  call->StartCall();
+  call->Finish(&response, &status, &queue);
+  void* tag = nullptr;
+  bool ok = false;
+  queue.Next(&tag, &ok);
+  queue.Shutdown();
+  while (queue.Next(&tag, &ok)) {
+  }
+  return FromGrpcStatus(status);
+}
+
+// 300 reflection streams from an unattached client held 300 threads: the engine socket no
+// longer serves reflection (the admin socket does, for operators' tools).
+TEST_F(LongStreamsTest, ReflectionIsServedOnTheAdminSocketOnly) {
+  const size_t before = ProcessThreads();
+  for (int i = 0; i < 300; ++i) {
+    ASSERT_THAT(ReflectOnce(daemon_->socket_path()),
+                StatusIs(absl::StatusCode::kUnimplemented, ::testing::_))
+        << i;
+  }
+  EXPECT_LT(ProcessThreads(), before + 16);
+  EXPECT_THAT(ReflectOnce(daemon_->admin_socket_path()), IsOk());
+  EXPECT_THAT(client_->CreateSession(plan_, Options(64)).status(), IsOk());
+}
+
+// ---- 3. gRPC connections: per socket, per uid, and idle ones closed ----
+
+// Connects to `path`, sends the HTTP/2 client preface and an empty SETTINGS frame, and reads:
+// 'S' (served: the server's SETTINGS came back) or 'C' (closed at the door: EOF), 'E' on a local
+// error. The connection stays open in `*fd`. Stack only, system calls only: safe in a forked
+// child of this multi-threaded process.
+char TryConnection(const char* path, int* fd) {
+  *fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (*fd < 0) return 'E';
+  sockaddr_un address{};
+  address.sun_family = AF_UNIX;
+  std::strncpy(address.sun_path, path, sizeof(address.sun_path) - 1);
+  if (connect(*fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)) != 0) return 'E';
+  static constexpr char kPreface[] =
+      "PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\0\0\0\x04\0\0\0\0\0";  // + SETTINGS, empty
+  if (write(*fd, kPreface, sizeof(kPreface) - 1) != static_cast<ssize_t>(sizeof(kPreface) - 1)) {
+    return 'C';  // closed before the preface went out
+  }
+  char reply[64];
+  const ssize_t got = read(*fd, reply, sizeof(reply));
+  return got > 0 ? 'S' : got == 0 || errno == ECONNRESET ? 'C' : 'E';
+}
+
+class ConnectionLimitsTest : public DaemonTest {
+ protected:
+  static constexpr uid_t kNobody = 65534;
+  static constexpr uint64_t kPerUid = 4;
+  static constexpr uint64_t kPerSocket = 6;
+  void ConfigureDaemon(DaemonConfig& config) override {
+    config.socket_mode = 0666;  // the other uid connects too
+    ASSERT_EQ(chmod(dir_.c_str(), 0711), 0);
+    config.max_connections = kPerSocket;
+    config.max_connections_per_uid = kPerUid;
+    config.connection_idle_timeout_ms = 1000;
+  }
+
+  // Waits (on the daemon's count) until the engine socket holds `open` connections; the count
+  // it saw last.
+  size_t AwaitConnections(size_t open) {
+    size_t now = 0;
+    for (int i = 0; i < 3000; ++i) {
+      now = daemon_->engine_socket_connections().connections;
+      if (now == open) break;
+      absl::SleepFor(absl::Milliseconds(10));
+    }
+    return now;
+  }
+};
+
+// 1,100 idle connections filled a daemon's descriptors. Now another uid gets its 4, its 5th is
+// closed at the door; the socket's 6 are a cap for everyone; idle connections are closed by the
+// daemon; the attached engines keep being served throughout.
+TEST_F(ConnectionLimitsTest, ConnectionsAreCappedPerUidAndPerSocketAndIdleOnesClosed) {
+  if (geteuid() != 0) GTEST_SKIP() << "needs root (a child connects as uid 65534)";
+  std::unique_ptr<KvClient> honest = NewClient("honest");
+  ASSERT_NE(honest, nullptr);
+  // client_'s and honest's (gRPC may share one connection between channels of one process).
+  const size_t engines = daemon_->engine_socket_connections().connections;
+  ASSERT_GE(engines, 1u);
+  ASSERT_LE(engines, 2u);
+  int results[2];
+  int hold[2];
+  ASSERT_EQ(pipe2(results, O_CLOEXEC), 0);
+  ASSERT_EQ(pipe2(hold, O_CLOEXEC), 0);
+  const std::string path = daemon_->socket_path();
+  const pid_t child = fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    close(results[0]);
+    close(hold[1]);
+    if (setgroups(0, nullptr) != 0 || setgid(kNobody) != 0 || setuid(kNobody) != 0) {
+      (void)!write(results[1], "X", 1);
+      _exit(1);
+    }
+    for (uint64_t i = 0; i < kPerUid + 1; ++i) {
+      int fd;
+      const char outcome = TryConnection(path.c_str(), &fd);
+      (void)!write(results[1], &outcome, 1);
+    }
+    char done;
+    (void)!read(hold[0], &done, 1);  // holds its connections until the test is done
+    _exit(0);
+  }
+  close(results[1]);
+  close(hold[0]);
+  std::string outcomes(kPerUid + 1, '?');
+  size_t got = 0;
+  while (got < outcomes.size()) {
+    const ssize_t n = read(results[0], outcomes.data() + got, outcomes.size() - got);
+    if (n <= 0) break;
+    got += static_cast<size_t>(n);
+  }
+  close(results[0]);
+  if (outcomes[0] == 'X') {
+    close(hold[1]);
+    waitpid(child, nullptr, 0);
+    GTEST_SKIP() << "could not setuid to 65534 here";
+  }
+  EXPECT_EQ(outcomes, "SSSSC") << "uid 65534's 4 connections served, its 5th closed at the door";
+  EXPECT_EQ(AwaitConnections(engines + kPerUid), engines + kPerUid);
+  EXPECT_EQ(daemon_->engine_socket_connections().refused, 1u);
+  // Root's connections fill the socket's 6; then a connection of any uid is closed too.
+  std::vector<int> fill;
+  for (size_t open = engines + kPerUid; open < kPerSocket; ++open) {
+    fill.push_back(-1);
+    EXPECT_EQ(TryConnection(path.c_str(), &fill.back()), 'S');
+  }
+  int extra;
+  EXPECT_EQ(TryConnection(path.c_str(), &extra), 'C');
+  close(extra);
+  EXPECT_EQ(daemon_->engine_socket_connections().refused, 2u);
+  // The attached engines are served meanwhile.
+  EXPECT_THAT(honest->CreateSession(plan_, Options(64)).status(), IsOk());
+  EXPECT_THAT(client_->CreateSession(plan_, Options(64)).status(), IsOk());
+  // uid 65534's connections make no call: the daemon closes them after the idle timeout, and
+  // the door opens again. The engines' (each with its Attach stream) stay.
+  EXPECT_EQ(AwaitConnections(engines), engines);
+  for (int fd : fill) close(fd);
+  int again;
+  EXPECT_EQ(TryConnection(path.c_str(), &again), 'S');
+  close(again);
+  close(hold[1]);
+  int status = 0;
+  EXPECT_EQ(waitpid(child, &status, 0), child);
+  EXPECT_THAT(honest->CreateSession(plan_, Options(64)).status(), IsOk());
+}
+
+// ---- 4. The descriptor budget: limits derived from the daemon's own RLIMIT_NOFILE ----
+
+class DescriptorBudgetTest : public DaemonTest {
+ protected:
+  static constexpr rlim_t kOpenFiles = 512;  // (512 - 128) / 2 = 192 arenas
+  void ConfigureDaemon(DaemonConfig&) override {
+    ASSERT_EQ(getrlimit(RLIMIT_NOFILE, &saved_), 0);
+    rlimit lowered = saved_;
+    lowered.rlim_cur = std::min<rlim_t>(kOpenFiles, saved_.rlim_max);
+    ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &lowered), 0);
+  }
+  void TearDown() override {
+    DaemonTest::TearDown();
+    setrlimit(RLIMIT_NOFILE, &saved_);
+  }
+  rlimit saved_{};
+};
+
+// With 2,048 descriptors an engine's ~2,000 sessions ended in INTERNAL EMFILE for every engine.
+// Now the daemon derives max_arenas from its RLIMIT_NOFILE: the flood ends in the arena limit's
+// clean refusal, and the other engine's session keeps working and it is refused the same way,
+// then served once an arena is free.
+TEST_F(DescriptorBudgetTest, ArenasAreBoundedByTheDescriptorsTheDaemonHas) {
+  std::unique_ptr<KvClient> honest = NewClient("honest");
+  ASSERT_NE(honest, nullptr);
+  std::unique_ptr<Session> kept = NewSession(*honest, 64, /*spec_snapshot=*/false);
+  ASSERT_NE(kept, nullptr);
+  std::vector<std::unique_ptr<Session>> flood;
+  absl::Status refused;
+  for (int i = 0; i < 400 && refused.ok(); ++i) {
+    absl::StatusOr<std::unique_ptr<Session>> session =
+        client_->CreateSession(plan_, Options(64, /*spec_snapshot=*/false));
+    if (session.ok()) {
+      flood.push_back(*std::move(session));
+    } else {
+      refused = session.status();
+    }
+  }
+  EXPECT_THAT(refused, StatusIs(kExhausted, HasSubstrs("holds 192 arenas", "limit is 192",
+                                                       "max_arenas", "RLIMIT_NOFILE")));
+  EXPECT_EQ(flood.size(), 191u);
+  EXPECT_THAT(kept->State().status(), IsOk());
+  EXPECT_THAT(honest->CreateSession(plan_, Options(64, false)).status(),
+              StatusIs(kExhausted, HasSubstrs("limit is 192")));
+  ASSERT_THAT(flood.back()->Release().status(), IsOk());
+  flood.pop_back();
+  EXPECT_THAT(honest->CreateSession(plan_, Options(64, false)).status(), IsOk());
+}
+
+// ---- 1. Descriptors in flight, 6. the handoff thread and session locks ----
+
+using HandoffBoundsTest = DaemonTest;
+
+// An engine that asked for its arena ~280 times and read nothing exhausted the daemon's uid's
+// in-flight descriptors, and every engine's next SCM_RIGHTS send failed. Now a connection gets
+// 16 unread answers with descriptors, then refusals without; another engine is served.
+TEST_F(HandoffBoundsTest, UnreadDescriptorAnswersAreBoundedPerConnection) {
+  std::unique_ptr<KvClient> honest = NewClient("honest");
+  ASSERT_NE(honest, nullptr);
+  std::unique_ptr<Session> mine = NewSession(*client_, 64, /*spec_snapshot=*/false);
+  ASSERT_NE(mine, nullptr);
+  handoff::ArenaRequest request;
+  request.session_id = mine->id();
+  request.session_token = ClientInternals::Ref(*mine).session_token();
+  request.handle = mine->layout().arenas[0].handle;
+  absl::StatusOr<std::string> frame = handoff::EncodeArenaRequest(request);
+  ASSERT_THAT(frame.status(), IsOk());
+  const int socket = ClientInternals::HandoffSocket(*client_);
+  ASSERT_GE(socket, 0);
+  constexpr int kRequests = 40;
+  for (int i = 0; i < kRequests; ++i) ASSERT_THAT(handoff::SendFrame(socket, *frame), IsOk());
+  // The honest engine's sessions (their arenas come over its own handoff connection) are served.
+  std::unique_ptr<Session> theirs = NewSession(*honest, 64, /*spec_snapshot=*/false);
+  ASSERT_NE(theirs, nullptr);
+  EXPECT_THAT(ClientInternals::FetchArenaFd(*honest, theirs->id(),
+                                            ClientInternals::Ref(*theirs).session_token(),
+                                            theirs->layout().arenas[0].handle)
+                  .status(),
+              IsOk());
+  // Now the hostile engine reads: 16 arenas, then the refusals.
+  std::string input;
+  int arenas = 0;
+  std::vector<absl::Status> refusals;
+  while (arenas + static_cast<int>(refusals.size()) < kRequests) {
+    absl::StatusOr<std::optional<handoff::Frame>> taken = handoff::TakeFrame(input);
+    ASSERT_THAT(taken.status(), IsOk());
+    if (taken->has_value()) {
+      if ((*taken)->kind == handoff::Kind::kArena) {
+        ++arenas;
+      } else {
+        ASSERT_EQ((*taken)->kind, handoff::Kind::kRefusal);
+        refusals.push_back(handoff::DecodeRefusal((*taken)->body));
+      }
+      continue;
+    }
+    pollfd readable{.fd = socket, .events = POLLIN, .revents = 0};
+    ASSERT_EQ(poll(&readable, 1, -1), 1);
+    char chunk[4096];
+    std::vector<ScopedFd> received;  // closed at once
+    absl::StatusOr<size_t> got =
+        handoff::ReceiveBytes(socket, absl::MakeSpan(chunk), &received);
+    if (!got.ok() && (errno == EAGAIN || errno == EWOULDBLOCK)) continue;
+    ASSERT_THAT(got.status(), IsOk());
+    ASSERT_GT(*got, 0u);
+    input.append(chunk, *got);
+  }
+  EXPECT_EQ(arenas, 16);
+  ASSERT_EQ(refusals.size(), 24u);
+  EXPECT_THAT(refusals[0],
+              StatusIs(kExhausted, HasSubstrs(absl::StrCat("engine ", client_->engine_id(),
+                                                           " has not read 16 answers"),
+                                              "limit is 16", "kMaxUnreadDescriptorAnswers")));
+  // Read now: the connection is served again.
+  EXPECT_THAT(ClientInternals::FetchArenaFd(*client_, mine->id(), request.session_token,
+                                            request.handle)
+                  .status(),
+              IsOk());
+}
+
+// The handoff thread waited on a session's lock while that session grew (seconds for a large
+// arena), and every Attach's ticket waited with it. Now a Grow held inside the session's lock
+// (its new arena's creation held by the test) stalls neither that session's own descriptor nor
+// a new engine's Attach.
+TEST_F(HandoffBoundsTest, AGrowHoldingItsSessionDoesNotStallTheHandoffThread) {
+  std::unique_ptr<Session> growing = NewSession(*client_, 64, /*spec_snapshot=*/false);
+  ASSERT_NE(growing, nullptr);
+  const std::string token = ClientInternals::Ref(*growing).session_token();
+  const std::string handle = growing->layout().arenas[0].handle;
+  faults_->Hold(BackendOp::kCreateArena);
+  absl::StatusOr<SessionSnapshot> grown = absl::UnknownError("not run");
+  std::thread grow([&] { grown = growing->Grow(256); });
+  while (faults_->HeldCalls(BackendOp::kCreateArena) == 0) absl::SleepFor(absl::Milliseconds(1));
+  // The Grow holds the session's lock now.
+  EXPECT_THAT(ClientInternals::FetchArenaFd(*client_, growing->id(), token, handle).status(),
+              IsOk());
+  std::unique_ptr<KvClient> honest = NewClient("honest");
+  EXPECT_NE(honest, nullptr);
+  faults_->Unhold(BackendOp::kCreateArena);
+  grow.join();
+  EXPECT_THAT(grown.status(), IsOk());
+}
+
+}  // namespace
+}  // namespace memra::testing
