@@ -28,6 +28,27 @@ def expected_rows(layer, plane, rows, heads, head_dim):
     return ((layer * 7 + plane * 3 + r * 5 + h * 2 + i) % 256 / 8.0 - 16.0).astype(np.float32)
 
 
+def assert_another_process_reads_the_rows_back(daemon):
+    """formats_reader.py, in its own process, restores the captured TOKENS prefix of the
+    imported Llama-3.1-8B into a fresh session and reads every layer's K/V rows: they must be
+    expected_rows."""
+    out = os.path.join(daemon.dir, "reader.npz")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([HERE] + sys.path))
+    reader = subprocess.run([sys.executable, os.path.join(HERE, "formats_reader.py"),
+                             daemon.socket, LLAMA_CONFIG, out, ",".join(map(str, TOKENS))],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            timeout=120)
+    assert reader.returncode == 0, reader.stdout
+    read = np.load(out)
+    assert int(read["restored"]) == len(TOKENS)
+    assert tuple(read["shape"]) == (16, 8, 128)
+    for layer in range(32):
+        np.testing.assert_array_equal(read["keys"][layer],
+                                      expected_rows(layer, 0, len(TOKENS), 8, 128))
+        np.testing.assert_array_equal(read["values"][layer],
+                                      expected_rows(layer, 1, len(TOKENS), 8, 128))
+
+
 def test_bf16_helpers_round_to_nearest_even():
     bits = memra_kv.bf16_bits(np.array([1.5, -0.3, 0.0, 3.0e38, np.inf], dtype=np.float32))
     assert [hex(b) for b in bits] == ["0x3fc0", "0xbe9a", "0x0", "0x7f62", "0x7f80"]
@@ -63,21 +84,7 @@ def test_a_bf16_prefix_written_through_the_typed_view_is_read_back_by_another_pr
     session.commit(tx.generation, len(TOKENS), TOKENS)
     captured = writer.capture_prefix(session, TOKENS, len(TOKENS))
 
-    out = os.path.join(daemon.dir, "reader.npz")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([HERE] + sys.path))
-    reader = subprocess.run([sys.executable, os.path.join(HERE, "formats_reader.py"),
-                             daemon.socket, LLAMA_CONFIG, out, ",".join(map(str, TOKENS))],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            timeout=120)
-    assert reader.returncode == 0, reader.stdout
-    read = np.load(out)
-    assert int(read["restored"]) == len(TOKENS)
-    assert tuple(read["shape"]) == (16, 8, 128)
-    for layer in range(32):
-        np.testing.assert_array_equal(read["keys"][layer],
-                                      expected_rows(layer, 0, len(TOKENS), 8, 128))
-        np.testing.assert_array_equal(read["values"][layer],
-                                      expected_rows(layer, 1, len(TOKENS), 8, 128))
+    assert_another_process_reads_the_rows_back(daemon)
 
     # The same model in fp8: another shape. A lookup misses; restoring the bf16 entry by id is
     # refused naming both formats.

@@ -153,6 +153,20 @@ def test_an_engine_carries_on_after_a_daemon_sigkill_with_the_same_bytes(kvd):
         assert admin.status().admission.allocated_bytes == 0
 
 
+def _kept_and_lost_sessions(engine):
+    """Two sessions of the hybrid plan: one holding 4 committed rows (a restart keeps it), one
+    with a transaction open on its recurrent layer (a restart cannot keep it)."""
+    plan = engine.register_plan(kvtest.hybrid_test_plan())
+    kept = engine.create_session(plan, 256)
+    transaction = kept.begin()
+    kept.prepare_append(transaction.generation, 4)
+    kept.publish_append(transaction.generation)
+    assert kept.commit(transaction.generation, 4) == 4
+    lost = engine.create_session(plan, 256)
+    lost.prepare_append(lost.begin().generation, 2)
+    return kept, lost
+
+
 def test_after_a_daemon_restart_sessions_come_back_or_say_why_not(kvd):
     """Under memra-kv-supervise a SIGKILLed daemon comes back with the sessions it could keep;
     one that could not come back (a transaction was open on a recurrent layer, which the engine
@@ -161,15 +175,7 @@ def test_after_a_daemon_restart_sessions_come_back_or_say_why_not(kvd):
     with daemon.admin() as admin, daemon.client() as engine:
         engine.attach("py-restart")
         before = admin.status().epoch
-        plan = engine.register_plan(kvtest.hybrid_test_plan())
-        kept = engine.create_session(plan, 256)
-        transaction = kept.begin()
-        kept.prepare_append(transaction.generation, 4)
-        kept.publish_append(transaction.generation)
-        assert kept.commit(transaction.generation, 4) == 4
-        lost = engine.create_session(plan, 256)
-        open_transaction = lost.begin()
-        lost.prepare_append(open_transaction.generation, 2)
+        kept, lost = _kept_and_lost_sessions(engine)
 
         os.kill(daemon.daemon_pid(), signal.SIGKILL)
 
@@ -198,14 +204,7 @@ def test_why_a_session_was_not_re_adopted_survives_a_second_restart(kvd):
     with daemon.admin() as admin, daemon.client() as engine:
         engine.attach("py-twice")
         before = admin.status().epoch
-        plan = engine.register_plan(kvtest.hybrid_test_plan())
-        kept = engine.create_session(plan, 256)
-        transaction = kept.begin()
-        kept.prepare_append(transaction.generation, 4)
-        kept.publish_append(transaction.generation)
-        assert kept.commit(transaction.generation, 4) == 4
-        lost = engine.create_session(plan, 256)
-        lost.prepare_append(lost.begin().generation, 2)
+        kept, lost = _kept_and_lost_sessions(engine)
 
         os.kill(daemon.daemon_pid(), signal.SIGKILL)
         assert poll_until(_restarted(admin, before))

@@ -5,17 +5,14 @@ captures them, and a second engine process restores the prefix and reads them ba
 (python/tests/formats_reader.py); then python/tests/test_formats.py's own cases run here too, so
 their torch branches run for real instead of their "torch missing" refusal."""
 
-import os
-import subprocess
-import sys
-
 import numpy as np
 import torch
 
 import memra_kv
-from test_formats import (DAEMON_FLAGS, HERE, LLAMA_CONFIG, TOKENS, expected_rows,  # noqa: F401
-                          test_a_bf16_prefix_written_through_the_typed_view_is_read_back_by_another_process,
-                          test_typed_views_of_other_planes_and_the_refusals)
+from test_formats import (  # noqa: F401 (the two test_ names run here too)
+    DAEMON_FLAGS, LLAMA_CONFIG, TOKENS, assert_another_process_reads_the_rows_back, expected_rows,
+    test_a_bf16_prefix_written_through_the_typed_view_is_read_back_by_another_process,
+    test_typed_views_of_other_planes_and_the_refusals)
 
 
 def test_bf16_rows_written_through_torch_are_read_back_by_another_process(kvd):
@@ -43,20 +40,6 @@ def test_bf16_rows_written_through_torch_are_read_back_by_another_process(kvd):
     session.commit(tx.generation, len(TOKENS), TOKENS)
     writer.capture_prefix(session, TOKENS, len(TOKENS))
 
-    out = os.path.join(daemon.dir, "torch-reader.npz")
-    tests = os.path.dirname(os.path.abspath(sys.modules["test_formats"].__file__))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([tests] + sys.path))
-    reader = subprocess.run([sys.executable, os.path.join(tests, "formats_reader.py"),
-                             daemon.socket, LLAMA_CONFIG, out, ",".join(map(str, TOKENS))],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            timeout=120)
-    assert reader.returncode == 0, reader.stdout
-    read = np.load(out)
-    assert int(read["restored"]) == len(TOKENS)
-    for layer in range(32):
-        np.testing.assert_array_equal(read["keys"][layer],
-                                      expected_rows(layer, 0, len(TOKENS), 8, 128))
-        np.testing.assert_array_equal(read["values"][layer],
-                                      expected_rows(layer, 1, len(TOKENS), 8, 128))
+    assert_another_process_reads_the_rows_back(daemon)
     session.release()
     writer.close()
