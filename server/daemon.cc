@@ -481,11 +481,12 @@ RestartSurvival Daemon::restart_survival() const {
   if (std::optional<std::string> lost = restart_state_->store_lost(); lost.has_value()) {
     return RestartSurvival{.state = RestartSurvival::State::kLost, .detail = *std::move(lost)};
   }
+  const size_t stored = restart_state_->stored_fds();
   return RestartSurvival{
       .state = RestartSurvival::State::kOn,
-      .detail = absl::StrCat("journal-", restart_state_->generation(), " and ",
-                             restart_state_->stored_fds(),
-                             " descriptors in the service manager's fd store")};
+      .detail = absl::StrCat("journal-", restart_state_->generation(), ": ", stored,
+                             stored == 1 ? " descriptor" : " descriptors",
+                             " (journal, arenas, plans) in the service manager's fd store")};
 }
 
 PrefixService::SessionFinder Daemon::FindSession() {

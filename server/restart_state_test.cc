@@ -392,7 +392,8 @@ TEST_F(RestartStateTest, ADaemonWhoseServiceManagerDiedSaysRestartSurvivalIsLost
   memra::kv::v1::GetStatusResponse status = (*daemon)->GetStatus();
   EXPECT_EQ(status.restart_survival(), memra::kv::v1::RESTART_SURVIVAL_ON);
   EXPECT_EQ(status.restart_survival_detail(),
-            "journal-1 and 1 descriptors in the service manager's fd store");
+            "journal-1: 1 descriptor (journal, arenas, plans) in the service manager's fd "
+            "store");
   EXPECT_THAT(testing::HttpGet((*daemon)->metrics_port(), "/metrics"),
               ::testing::HasSubstr("\nmemra_restart_survival 1\n"));
 

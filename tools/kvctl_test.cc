@@ -429,10 +429,11 @@ TEST(RenderTest, StatusSaysWhetherTheKvSurvivesADaemonCrash) {
                         "restarts       SURVIVAL LOST: the service manager stopped answering on "
                         "NOTIFY_SOCKET\n"));
   status.set_restart_survival(pb::RESTART_SURVIVAL_ON);
-  status.set_restart_survival_detail("journal-4 and 7 descriptors in the service manager's fd store");
+  status.set_restart_survival_detail(
+      "journal-4: 7 descriptors (journal, arenas, plans) in the service manager's fd store");
   EXPECT_THAT(RenderStatus(status),
-              HasSubstr("restarts       KV survives a daemon crash (journal-4 and 7 descriptors "
-                        "in the service manager's fd store)\n"));
+              HasSubstr("restarts       KV survives a daemon crash (journal-4: 7 descriptors "
+                        "(journal, arenas, plans) in the service manager's fd store)\n"));
   status.set_restart_survival(pb::RESTART_SURVIVAL_OFF);
   status.set_restart_survival_detail("keep_kv_across_restarts = false");
   EXPECT_THAT(RenderStatus(status), HasSubstr("restarts       KV does not survive a daemon crash "
