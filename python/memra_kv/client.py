@@ -16,6 +16,7 @@ from ._proto import admin_pb2, admin_pb2_grpc, cache_pb2, cache_pb2_grpc, model_
 from ._proto import prefix_pb2, prefix_pb2_grpc
 from .errors import KvError, code_from_value, from_rpc_error
 from .handoff import HandoffChannel, default_handoff_path
+from . import step_channel
 from .planes import (CudaArenaMapper, HostArenaMapper, PlaneGeometry, numpy_dtype,
                      torch_dtype, typed_geometry)
 
@@ -209,13 +210,98 @@ class StepOutcome:
         return self._result.commit.committed_len
 
 
+class _ChannelStepOutcome:
+    """StepOutcome's interface over a step channel completion (step_channel.ChannelResult):
+    the same values the Step RPC's StepResult gives, read off the record when asked for."""
+
+    __slots__ = ("_record", "_side", "_prepared", "_explain")
+
+    def __init__(self, result, explain):
+        self._record = result.record
+        self._side = result.side
+        self._prepared = None
+        self._explain = explain
+
+    @property
+    def ok(self):
+        return self._record[step_channel.C_CODE] == 0
+
+    @property
+    def error(self):
+        record = self._record
+        if record[step_channel.C_CODE] == 0:
+            return None
+        restart = None
+        if record[step_channel.C_RESTART_EPOCH] != 0:
+            restart = pb.DaemonRestart(previous_epoch=record[step_channel.C_RESTART_PREVIOUS_EPOCH],
+                                       epoch=record[step_channel.C_RESTART_EPOCH])
+        error = KvError(code_from_value(record[step_channel.C_CODE]),
+                        self._side.decode("utf-8", "replace"), None, restart)
+        return error if restart is not None else self._explain(error)
+
+    def _has_plan(self):
+        record = self._record
+        payload = record[step_channel.C_PAYLOAD]
+        return payload == step_channel.PAYLOAD_PREPARE or (
+            payload == step_channel.PAYLOAD_ADVANCE and record[step_channel.C_HAS_PREPARED])
+
+    @property
+    def begun(self):
+        """begin, advance with next rows: the Transaction."""
+        record = self._record
+        payload = record[step_channel.C_PAYLOAD]
+        if payload == step_channel.PAYLOAD_ADVANCE and record[step_channel.C_HAS_PREPARED]:
+            return Transaction(record[step_channel.C_GENERATION],
+                               record[step_channel.C_COMMITTED_LEN])
+        if payload != step_channel.PAYLOAD_BEGIN:
+            return None
+        return Transaction(record[step_channel.C_GENERATION], record[step_channel.C_BASE_LEN])
+
+    @property
+    def prepared(self):
+        """prepare, advance with next rows: the PreparedAppend."""
+        if self._prepared is None and self._has_plan():
+            try:
+                plan = pb.PrepareAppendResponse.FromString(self._side)
+            except Exception:  # the daemon's bytes, checked like the C++ client's parse
+                raise KvError(grpc.StatusCode.INTERNAL, "step channel completion: its prepared "
+                              "plan of %d bytes does not parse" % len(self._side)) from None
+            self._prepared = _prepared_from_proto(plan)
+        return self._prepared
+
+    @property
+    def published(self):
+        """advance: whether it published the finished transaction's append."""
+        return (self._record[step_channel.C_PAYLOAD] == step_channel.PAYLOAD_ADVANCE
+                and self._record[step_channel.C_PUBLISHED] != 0)
+
+    @property
+    def staged_len(self):
+        """publish: the staged length."""
+        if self._record[step_channel.C_PAYLOAD] != step_channel.PAYLOAD_PUBLISH:
+            return 0
+        return self._record[step_channel.C_STAGED_LEN]
+
+    @property
+    def committed_len(self):
+        """commit, abort, advance: the committed length."""
+        if self._record[step_channel.C_PAYLOAD] not in _COMMITTING_PAYLOADS:
+            return 0
+        return self._record[step_channel.C_COMMITTED_LEN]
+
+
+_COMMITTING_PAYLOADS = (step_channel.PAYLOAD_COMMIT, step_channel.PAYLOAD_ABORT,
+                        step_channel.PAYLOAD_ADVANCE)
+
+
 # ---- the client ----
 
 class Client:
     """Thread-safe. Use as a context manager, or close() it (detaches, closes the channel)."""
 
-    def __init__(self, channel, default_timeout, mapper, handoff_path):
+    def __init__(self, channel, default_timeout, mapper, handoff_path, force_grpc_step=False):
         self._channel = channel
+        self.force_grpc_step = force_grpc_step
         self.handoff_path = handoff_path
         self.default_timeout = default_timeout
         self.cache = cache_pb2_grpc.KvCacheStub(channel)
@@ -228,12 +314,14 @@ class Client:
         self.backend = None
 
     @classmethod
-    def connect(cls, socket_path, timeout=10.0, mapper=None, handoff_path=None):
+    def connect(cls, socket_path, timeout=10.0, mapper=None, handoff_path=None,
+                force_grpc_step=False):
         """Connects to the daemon's Unix socket, waiting up to `timeout` seconds for it
         (KvError UNAVAILABLE). `mapper`: None picks HostArenaMapper or CudaArenaMapper by the
         backend the daemon announces at attach. `handoff_path`: the daemon's handoff socket
         (attach gets its ticket there; host arenas' descriptors come over it); None: beside
-        `socket_path` (".sock" -> ".handoff.sock"), as the daemon puts it by default."""
+        `socket_path` (".sock" -> ".handoff.sock"), as the daemon puts it by default.
+        `force_grpc_step`: never open the step channel; every step goes over the Step RPC."""
         channel = grpc.insecure_channel("unix:" + socket_path, options=_CHANNEL_OPTIONS)
         try:
             grpc.channel_ready_future(channel).result(timeout=timeout)
@@ -242,7 +330,7 @@ class Client:
             raise KvError(grpc.StatusCode.UNAVAILABLE, "memra-kvd is not answering on unix:%s "
                           "within %gs" % (socket_path, timeout)) from None
         return cls(channel, timeout, mapper,
-                   handoff_path or default_handoff_path(socket_path))
+                   handoff_path or default_handoff_path(socket_path), force_grpc_step)
 
     def __enter__(self):
         return self
@@ -287,7 +375,8 @@ class Client:
     def _attach_locked(self, engine_name, timeout, cache_scope):
         handoff = HandoffChannel(self.handoff_path, self._timeout(timeout))
         try:
-            lease = _Lease(self.cache, engine_name, self._timeout(timeout), handoff, cache_scope)
+            lease = _Lease(self.cache, engine_name, self._timeout(timeout), handoff, cache_scope,
+                           self.force_grpc_step)
         except BaseException:
             handoff.close()
             raise
@@ -380,6 +469,26 @@ class Client:
     def lease_timeout_ms(self):
         lease = self._lease
         return lease.lease_timeout_ms if lease else 0
+
+    @property
+    def step_channel_active(self):
+        """Whether steps by slot go over the engine's step channel (docs/step-channel.md)."""
+        lease = self._lease
+        return lease is not None and lease.step_channel is not None and \
+            not lease.step_channel.broken
+
+    @property
+    def step_channel_status(self):
+        """Why there is no step channel (a KvError), or None while one is open: no attach yet,
+        force_grpc_step, a daemon that offers none, another platform, or the failure that
+        broke it (steps go over gRPC from then on)."""
+        lease = self._lease
+        if lease is None:
+            return KvError(grpc.StatusCode.FAILED_PRECONDITION, "not attached")
+        channel = lease.step_channel
+        if channel is not None and channel.broken and lease.step_channel_status is None:
+            return KvError(grpc.StatusCode.UNAVAILABLE, "the step channel broke")
+        return lease.step_channel_status
 
     def _explain(self, error):
         """A session call's NOT_FOUND or PERMISSION_DENIED as the restart error when the daemon
@@ -515,15 +624,27 @@ class Client:
             self.mapper.unmap(handle)  # nothing when this process already dropped it
 
     def step(self, batch, timeout=None):
-        """Runs a StepBatch as one Step RPC; one StepOutcome per entry, in order. The RPC's own
+        """Runs a StepBatch as one Step; one StepOutcome per entry, in order. The step's own
         failure raises; entries fail independently (StepOutcome.error). A batch by slot carries
-        this client's engine credentials."""
+        this client's engine credentials, and goes over the engine's step channel when it has
+        one (no wait event, sessions of at most 128 K/V layers, at most 256 token ids per
+        entry; docs/step-channel.md); anything else is one Step RPC. Same outcomes either way.
+        A channel failure (UNAVAILABLE, INTERNAL) raises: records in flight may or may not
+        have run; later steps go over gRPC."""
         if batch.by_slot:
-            batch.request.engine.CopyFrom(self._engine("step by slot"))
-        response = _call(self.cache.Step, batch.request, self._timeout(timeout))
-        if len(response.results) != len(batch.request.entries):
+            lease = self._lease
+            channel = lease.step_channel if lease is not None else None
+            if channel is not None and batch._channel_eligible():
+                results = channel.send(batch._entries, self._timeout(timeout))
+                if results is not None:
+                    return [_ChannelStepOutcome(result, self._explain) for result in results]
+        request = batch.request
+        if batch.by_slot:
+            request.engine.CopyFrom(self._engine("step by slot"))
+        response = _call(self.cache.Step, request, self._timeout(timeout))
+        if len(response.results) != len(request.entries):
             raise KvError(grpc.StatusCode.INTERNAL, "Step answered %d results for %d entries"
-                          % (len(response.results), len(batch.request.entries)))
+                          % (len(response.results), len(request.entries)))
         return [StepOutcome(result, self._explain) for result in response.results]
 
     # -- prefix cache --
@@ -732,10 +853,16 @@ class _Lease:
     the engine (it re-adopted it from its restart journal) gives the lease back: the sessions
     and their mappings carry on. One that does not answers with the restart error (or NOT_FOUND
     when it reclaimed the engine, PERMISSION_DENIED for a wrong token): `lost` holds it and
-    re-attaching stops."""
+    re-attaching stops.
 
-    def __init__(self, stub, engine_name, timeout, handoff, cache_scope):
+    It also holds the engine's step channel (step_channel.StepChannel), opened over the handoff
+    connection of each attach the daemon offers one to, abandoned when the stream breaks."""
+
+    def __init__(self, stub, engine_name, timeout, handoff, cache_scope, force_grpc_step=False):
         self._stub = stub
+        self._force_grpc_step = force_grpc_step
+        self.step_channel = None  # step_channel.StepChannel while one is open
+        self.step_channel_status = None  # KvError: why there is none
         self._timeout = timeout
         self.handoff = handoff  # replaced by each re-attach; closed by stop()
         self._lock = threading.Lock()
@@ -764,6 +891,7 @@ class _Lease:
         self.lost = None  # KvError: why re-attaching stopped
         self.reattaches = 0
         self._take(stream, attached)
+        self._open_step_channel(handoff, attached)
         self._thread = threading.Thread(target=self._keep, name="memra-kv-lease", daemon=True)
         self._thread.start()
 
@@ -775,10 +903,42 @@ class _Lease:
         stream.attached(attached.lease_timeout_ms)
         self.alive = True
 
+    def _open_step_channel(self, handoff, attached):
+        """Opens a step channel over `handoff` when the daemon offers one (client/client.cc
+        OpenStepChannel); otherwise, or when that fails, step_channel_status says why and steps
+        go over gRPC."""
+        channel, status = None, None
+        unsupported = step_channel.supported()
+        if self._force_grpc_step:
+            status = KvError(grpc.StatusCode.FAILED_PRECONDITION, "force_grpc_step is set")
+        elif not attached.step_channel:
+            status = KvError(grpc.StatusCode.FAILED_PRECONDITION, "the daemon offers no step "
+                             "channel (Attached.step_channel)")
+        elif unsupported is not None:
+            status = KvError(grpc.StatusCode.FAILED_PRECONDITION, unsupported)
+        else:
+            try:
+                region_fd, nbytes, wake_fd = handoff.open_step_channel()
+                channel = step_channel.StepChannel(region_fd, nbytes, wake_fd)
+            except KvError as error:
+                status = error
+        old, self.step_channel, self.step_channel_status = self.step_channel, channel, status
+        if old is not None:
+            old.close()
+
+    def _abandon_step_channel(self):
+        """Its daemon end is gone with the lease stream: a step waiting on it fails now."""
+        channel = self.step_channel
+        if channel is not None:
+            channel.abandon()
+            self.step_channel_status = KvError(grpc.StatusCode.UNAVAILABLE, "the lease stream "
+                                               "broke: the step channel was abandoned")
+
     def _keep(self):
         while True:
             self._stream.await_end()
             self.alive = False
+            self._abandon_step_channel()
             if not self._reattach():
                 return
 
@@ -832,6 +992,7 @@ class _Lease:
                     self.handoff.close()
                     self.handoff = handoff
                     self._take(stream, attached)
+                    self._open_step_channel(handoff, attached)
                     self.reattaches += 1
                     return True
             time.sleep(_REATTACH_RETRY_S)
@@ -843,6 +1004,8 @@ class _Lease:
             if self._reattaching is not None:
                 self._reattaching.close()
         self._thread.join()
+        if self.step_channel is not None:
+            self.step_channel.close()
         self.handoff.close()
         self.alive = False
 
@@ -904,45 +1067,84 @@ class PrefixEvents:
 
 
 class StepBatch:
-    """Per-step transaction calls for many sessions, sent as one Step RPC (Client.step).
+    """Per-step transaction calls for many sessions, sent as one Step (Client.step).
     by_slot: name each session by its dense slot (Session.slot; cheaper for the daemon, and only
-    for the attached engine that created it) instead of its id and token."""
+    for the attached engine that created it) instead of its id and token; such a batch goes
+    over the engine's step channel when it has one (docs/step-channel.md).
+
+    Entries are kept as plain tuples (step_channel.StepChannel.send's form); the Step RPC's
+    protobuf request is built only when the batch goes over gRPC (`request`), so a decode loop
+    on the channel builds no protobuf per step. Numbers out of range raise ValueError at
+    Client.step, before anything is sent, on either path."""
 
     def __init__(self, by_slot=False):
-        self.request = pb.StepRequest()
         self.by_slot = by_slot
+        self._entries = []  # (op, slot, generation, rows, next_rows, token_ids)
+        self._sessions = []  # the session of each entry (by id and token over gRPC)
+        self._wait_event = b""
+        self._fits_channel = True  # no session has more K/V layers than a completion carries
+
+    @property
+    def request(self):
+        """The batch as the Step RPC's memra.kv.v1.StepRequest (engine credentials not set)."""
+        request = pb.StepRequest()
+        if self._wait_event:
+            request.ordering.wait_event = self._wait_event
+        for (op, slot, generation, rows, next_rows, token_ids), session in zip(
+                self._entries, self._sessions):
+            entry = request.entries.add()
+            if self.by_slot:
+                entry.slot = slot
+            else:
+                entry.session.session_id = session.id
+                entry.session.session_token = session.token
+            if op == step_channel.OP_BEGIN:
+                entry.begin.SetInParent()
+            elif op == step_channel.OP_PREPARE:
+                entry.prepare.generation = generation
+                entry.prepare.rows = rows
+            elif op == step_channel.OP_PUBLISH:
+                entry.publish.generation = generation
+            elif op == step_channel.OP_COMMIT:
+                entry.commit.generation = generation
+                entry.commit.accepted_rows = rows
+                entry.commit.token_ids.extend(token_ids)
+            elif op == step_channel.OP_ABORT:
+                entry.abort.generation = generation
+            else:
+                entry.advance.generation = generation
+                entry.advance.accepted_rows = rows
+                entry.advance.next_rows = next_rows
+                entry.advance.token_ids.extend(token_ids)
+        return request
+
+    def _channel_eligible(self):
+        return (not self._wait_event and self._fits_channel
+                and step_channel.StepChannel.carries(self._entries))
 
     def set_wait_event(self, ipc_event_handle):
-        self.request.ordering.wait_event = ipc_event_handle
+        self._wait_event = ipc_event_handle
 
-    def _add(self, session):
-        entry = self.request.entries.add()
-        if self.by_slot:
-            entry.slot = session.slot
-        else:
-            entry.session.session_id = session.id
-            entry.session.session_token = session.token
-        return entry
+    def _add(self, session, op, generation=0, rows=0, next_rows=0, token_ids=()):
+        if session._kv_layers > step_channel.MAX_KV_LAYERS:
+            self._fits_channel = False
+        self._entries.append((op, session.slot, generation, rows, next_rows, token_ids))
+        self._sessions.append(session)
 
     def begin(self, session):
-        self._add(session).begin.SetInParent()
+        self._add(session, step_channel.OP_BEGIN)
 
     def prepare(self, session, generation, rows):
-        op = self._add(session).prepare
-        op.generation = generation
-        op.rows = rows
+        self._add(session, step_channel.OP_PREPARE, generation, rows)
 
     def publish(self, session, generation):
-        self._add(session).publish.generation = generation
+        self._add(session, step_channel.OP_PUBLISH, generation)
 
     def commit(self, session, generation, accepted_rows, token_ids=()):
-        op = self._add(session).commit
-        op.generation = generation
-        op.accepted_rows = accepted_rows
-        op.token_ids.extend(token_ids)
+        self._add(session, step_channel.OP_COMMIT, generation, accepted_rows, 0, token_ids)
 
     def abort(self, session, generation):
-        self._add(session).abort.generation = generation
+        self._add(session, step_channel.OP_ABORT, generation)
 
     def advance(self, session, generation, accepted_rows, next_rows, token_ids=()):
         """One decode step of `session` in one entry (cache.proto StepAdvance): finishes
@@ -950,17 +1152,16 @@ class StepBatch:
         then committing accepted_rows with their token ids, or none) and begins the next,
         preparing next_rows. generation 0: nothing to finish; next_rows 0: begin none. The
         separate entries' rules and refusals, all or nothing."""
-        op = self._add(session).advance
-        op.generation = generation
-        op.accepted_rows = accepted_rows
-        op.next_rows = next_rows
-        op.token_ids.extend(token_ids)
+        self._add(session, step_channel.OP_ADVANCE, generation, accepted_rows, next_rows,
+                  token_ids)
 
     def __len__(self):
-        return len(self.request.entries)
+        return len(self._entries)
 
     def clear(self):
-        del self.request.entries[:]
+        self._entries.clear()
+        self._sessions.clear()
+        self._fits_channel = True
 
 
 class Session:
@@ -978,6 +1179,7 @@ class Session:
         self.layout = None
         self._bases = []
         self._planes = {}  # (layer, kind) -> PlaneGeometry
+        self._kv_layers = 0  # layers of its layout: over step_channel.MAX_KV_LAYERS, gRPC steps
         self.released = False
 
     def __enter__(self):
@@ -1028,6 +1230,7 @@ class Session:
                     plane.row_bytes,
                     raw=raw_latent and plane.kind == pb.PLANE_KIND_LATENT_ROWS)
         self.layout, self._bases, self._planes = layout, bases, planes
+        self._kv_layers = len(layout.layers)
 
     def geometry(self, layer, kind):
         """The PlaneGeometry of a plane; KvError NOT_FOUND when the layer has none."""

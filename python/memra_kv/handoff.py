@@ -19,6 +19,10 @@ from .errors import KvError, code_from_value
 
 VERSION = 1
 KIND_TICKET, KIND_ARENA_REQUEST, KIND_ARENA, KIND_REFUSAL = 1, 2, 3, 4
+# The step channel (docs/step-channel.md): engine -> daemon an empty request; daemon -> engine
+# u64 region bytes with two descriptors (the region's sealed memfd, then the daemon's eventfd).
+KIND_STEP_CHANNEL_REQUEST, KIND_STEP_CHANNEL = 5, 6
+MAX_DESCRIPTORS = 2  # one frame carries at most (the step channel answer's two)
 # The block store's buffer offer (docs/block-store.md): engine -> daemon u64 bytes with one
 # descriptor attached; daemon -> engine u64 buffer id.
 KIND_BUFFER_OFFER, KIND_BUFFER_ID = 16, 17
@@ -57,6 +61,11 @@ def decode_refusal(body):
     return KvError(code_from_value(code) if code else grpc.StatusCode.UNKNOWN, message)
 
 
+def _close_all(fds):
+    for fd in fds:
+        os.close(fd)
+
+
 class HandoffChannel:
     """One connection to the handoff socket. Thread-safe (requests are serialised)."""
 
@@ -73,9 +82,8 @@ class HandoffChannel:
             except OSError as error:
                 raise KvError(grpc.StatusCode.UNAVAILABLE, "memra-kvd's handoff socket %s does "
                               "not answer: %s" % (path, error.strerror or error)) from None
-            kind, body, fd = self._read_frame()
-            if fd is not None:
-                os.close(fd)
+            kind, body, fds = self._read_frame()
+            _close_all(fds)
             if kind == KIND_REFUSAL:
                 raise decode_refusal(body)
             if kind != KIND_TICKET or len(body) != TICKET_BYTES:
@@ -92,27 +100,26 @@ class HandoffChannel:
     def fetch_arena(self, session_id, token, handle):
         """(descriptor, bytes) of arena `handle` of session `session_id`; the caller closes
         the descriptor. KvError with the daemon's code and message when it refuses."""
-        request = encode_arena_request(session_id, token, handle)
-        with self._lock:
-            try:
-                self._sock.sendall(request)
-            except OSError as error:
-                raise KvError(grpc.StatusCode.UNAVAILABLE, "handoff socket %s: the daemon closed "
-                              "the connection (%s)" % (self.path, error)) from None
-            kind, body, fd = self._read_frame()
-        if kind == KIND_REFUSAL:
-            if fd is not None:
-                os.close(fd)
-            raise decode_refusal(body)
-        if kind != KIND_ARENA or len(body) != 8:
-            if fd is not None:
-                os.close(fd)
-            raise KvError(grpc.StatusCode.INTERNAL, "handoff socket %s: an answer of kind %d"
-                          % (self.path, kind))
-        if fd is None:
+        nbytes, fds = self._exchange(encode_arena_request(session_id, token, handle),
+                                     KIND_ARENA, "an arena request")
+        if not fds:
             raise KvError(grpc.StatusCode.DATA_LOSS, "handoff socket %s: the arena answer came "
                           "without a descriptor" % self.path)
-        return fd, struct.unpack("<Q", body)[0]
+        _close_all(fds[1:])
+        return fds[0], nbytes
+
+    def open_step_channel(self):
+        """(region descriptor, region bytes, wake descriptor) of a new step channel for the
+        engine this connection is bound to (docs/step-channel.md; ask only when Attached
+        offered one); the caller closes both descriptors. A second request replaces the first
+        channel. KvError with the daemon's code and message when it refuses."""
+        nbytes, fds = self._exchange(struct.pack("<IBB", 2, VERSION, KIND_STEP_CHANNEL_REQUEST),
+                                     KIND_STEP_CHANNEL, "a step channel request")
+        if len(fds) != 2:
+            _close_all(fds)
+            raise KvError(grpc.StatusCode.DATA_LOSS, "handoff socket %s: the step channel answer "
+                          "came with %d descriptors, not 2" % (self.path, len(fds)))
+        return fds[0], nbytes, fds[1]
 
     def offer_buffer(self, fd, nbytes):
         """Offers the engine's own pool memory to the block store: `fd` (kept open by the
@@ -123,24 +130,36 @@ class HandoffChannel:
             raise KvError(grpc.StatusCode.INVALID_ARGUMENT, "handoff buffer offer of %d bytes"
                           % nbytes)
         frame = struct.pack("<IBBQ", 2 + 8, VERSION, KIND_BUFFER_OFFER, nbytes)
+        buffer_id, extra = self._exchange(frame, KIND_BUFFER_ID, "a buffer offer", [fd])
+        _close_all(extra)
+        return buffer_id
+
+    def _exchange(self, frame, answer_kind, what, pass_fds=()):
+        """Sends one request frame (with `pass_fds`) and reads its answer: (the answer's u64
+        body, the descriptors that came with it, the caller's to close). KvError with the
+        daemon's code and message for a refusal; INTERNAL for another kind or body."""
         with self._lock:
             try:
-                socket.send_fds(self._sock, [frame], [fd])
+                if pass_fds:
+                    socket.send_fds(self._sock, [frame], list(pass_fds))
+                else:
+                    self._sock.sendall(frame)
             except OSError as error:
                 raise KvError(grpc.StatusCode.UNAVAILABLE, "handoff socket %s: the daemon closed "
                               "the connection (%s)" % (self.path, error)) from None
-            kind, body, extra = self._read_frame()
-        if extra is not None:
-            os.close(extra)
+            kind, body, fds = self._read_frame()
         if kind == KIND_REFUSAL:
+            _close_all(fds)
             raise decode_refusal(body)
-        if kind != KIND_BUFFER_ID or len(body) != 8:
-            raise KvError(grpc.StatusCode.INTERNAL, "handoff socket %s: a buffer offer answered "
-                          "with kind %d" % (self.path, kind))
-        return struct.unpack("<Q", body)[0]
+        if kind != answer_kind or len(body) != 8:
+            _close_all(fds)
+            raise KvError(grpc.StatusCode.INTERNAL, "handoff socket %s: %s answered with kind %d "
+                          "of %d bytes" % (self.path, what, kind, len(body)))
+        return struct.unpack("<Q", body)[0], fds
 
     def _read_frame(self):
-        fd = None
+        """(kind, body, descriptors that came with it: at most MAX_DESCRIPTORS, extras closed)."""
+        fds = []
         while True:
             if len(self._input) >= 4:
                 (length,) = struct.unpack_from("<I", self._input)
@@ -155,18 +174,19 @@ class HandoffChannel:
                         raise KvError(grpc.StatusCode.INTERNAL, "handoff frame of protocol "
                                       "version %d; this side speaks version %d"
                                       % (version, VERSION))
-                    return kind, body, fd
+                    return kind, body, fds
             try:
-                data, fds, _, _ = socket.recv_fds(self._sock, 4 + MAX_FRAME_BYTES, 1)
+                data, received, _, _ = socket.recv_fds(self._sock, 4 + MAX_FRAME_BYTES,
+                                                       MAX_DESCRIPTORS)
             except socket.timeout:
                 raise KvError(grpc.StatusCode.UNAVAILABLE, "handoff socket %s: no answer within "
                               "%gs" % (self.path, self._timeout)) from None
             except OSError as error:
                 raise KvError(grpc.StatusCode.UNAVAILABLE, "handoff socket %s: %s"
                               % (self.path, error)) from None
-            for extra in fds:
-                if fd is None:
-                    fd = extra
+            for extra in received:
+                if len(fds) < MAX_DESCRIPTORS:
+                    fds.append(extra)
                 else:
                     os.close(extra)
             if not data:
