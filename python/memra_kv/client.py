@@ -4,6 +4,7 @@ Every call takes `timeout` (seconds; None: the client's default_timeout) and rai
 refusal. Sessions map their arenas once (planes.py); Reset reuses the arena, Grow maps a new one.
 """
 
+import functools
 import os
 import threading
 import time
@@ -216,9 +217,9 @@ class _ChannelStepOutcome:
 
     __slots__ = ("_record", "_side", "_prepared", "_explain")
 
-    def __init__(self, result, explain):
-        self._record = result.record
-        self._side = result.side
+    def __init__(self, record, side, explain):
+        self._record = record
+        self._side = side
         self._prepared = None
         self._explain = explain
 
@@ -635,9 +636,11 @@ class Client:
             lease = self._lease
             channel = lease.step_channel if lease is not None else None
             if channel is not None and batch._channel_eligible():
-                results = channel.send(batch._entries, self._timeout(timeout))
-                if results is not None:
-                    return [_ChannelStepOutcome(result, self._explain) for result in results]
+                outcomes = channel.send(batch._entries, self._timeout(timeout),
+                                        functools.partial(_ChannelStepOutcome,
+                                                          explain=self._explain))
+                if outcomes is not None:
+                    return outcomes
         request = batch.request
         if batch.by_slot:
             request.engine.CopyFrom(self._engine("step by slot"))
@@ -1119,14 +1122,16 @@ class StepBatch:
         return request
 
     def _channel_eligible(self):
+        # step_channel.StepChannel.carries, kept up to date entry by entry.
         return (not self._wait_event and self._fits_channel
-                and step_channel.StepChannel.carries(self._entries))
+                and len(self._entries) <= step_channel.MAX_STEP_ENTRIES)
 
     def set_wait_event(self, ipc_event_handle):
         self._wait_event = ipc_event_handle
 
     def _add(self, session, op, generation=0, rows=0, next_rows=0, token_ids=()):
-        if session._kv_layers > step_channel.MAX_KV_LAYERS:
+        if (session._kv_layers > step_channel.MAX_KV_LAYERS
+                or len(token_ids) > step_channel.MAX_TOKEN_IDS):
             self._fits_channel = False
         self._entries.append((op, session.slot, generation, rows, next_rows, token_ids))
         self._sessions.append(session)

@@ -77,6 +77,13 @@ SUBMISSION = struct.Struct("<QIB3xQQQQI12x")
 COMPLETION = struct.Struct("<QiBBBBQQQQQQQQI12x")
 assert SUBMISSION.size == 64 and COMPLETION.size == 96
 
+# How long a send polls cq_tail before FUTEX_WAIT, and for how many records in flight at most
+# (client/step_channel_client.cc's kSpin and kMaxRecordsToSpinFor, for the same reasons); one
+# FUTEX_WAIT at most this long (the deadline and `closed` are re-checked between waits).
+_SPIN_S = 50e-6
+_MAX_RECORDS_TO_SPIN_FOR = 16
+_MAX_FUTEX_WAIT_S = 0.1
+
 # Indexes into a completion tuple (COMPLETION.unpack_from): what ChannelResult reads.
 (C_USER_DATA, C_CODE, C_PAYLOAD, C_PUBLISHED, C_HAS_PREPARED, C_SIDE_KIND, C_GENERATION,
  C_BASE_LEN, C_TARGET, C_STAGED_LEN, C_COMMITTED_LEN, C_RESTART_PREVIOUS_EPOCH, C_RESTART_EPOCH,
@@ -276,8 +283,9 @@ class StepChannel:
         except OSError:
             pass  # a full counter still wakes the daemon's edge-triggered epoll
 
-    def send(self, entries, timeout_s):
-        """Runs `entries` in order, as one Step; one ChannelResult per entry, in order.
+    def send(self, entries, timeout_s, make_result=ChannelResult):
+        """Runs `entries` in order, as one Step; one result per entry, in order:
+        make_result(record, side) of its completion (ChannelResult's arguments).
 
         entries: a sequence of (op, slot, generation, rows, next_rows, token_ids) with op one of
         OP_*; rows are prepare rows or commit / advance accepted rows; token_ids a sequence of
@@ -292,41 +300,49 @@ class StepChannel:
             if self.broken:
                 return None
             try:
-                return self._run(entries, time.monotonic() + timeout_s)
+                return self._run(entries, time.monotonic() + timeout_s, make_result)
             except KvError:
                 self.broken = True
                 raise
 
     # -- the ring protocol (callers hold _lock) --
 
-    def _run(self, entries, give_up):
+    def _run(self, entries, give_up, make_result):
         count = len(entries)
         if count > SLOTS - (self._sq_tail - self._cq_head):
             # Records go out window by window: a bad number must refuse the whole step before
             # the first window is published.
-            scratch = bytearray(SUBMISSION.size)
-            for index, entry in enumerate(entries):
-                self._pack(scratch, 0, index, entry, 0)
+            for index in range(count):
+                error = self._refusal(entries, index)
+                if error is not None:
+                    raise error
         results = [None] * count
-        region = self._region
         submitted = completed = 0
         while completed < count:
             if submitted < count and self._sq_tail - self._cq_head < SLOTS:
                 submitted = self._submit(entries, submitted)
-                _U32.pack_into(region, SQ_TAIL, self._sq_tail & 0xFFFFFFFF)
-                self._rang = _U32.unpack_from(region, DAEMON_SLEEPING)[0] != 0
-                if self._rang:
-                    self.ring_doorbell()
             tail = self._await_completions(give_up)
-            if (tail - self._cq_head) & 0xFFFFFFFF > self._sq_tail - self._cq_head:
+            available = (tail - self._cq_head) & 0xFFFFFFFF
+            if available > self._sq_tail - self._cq_head:
                 raise KvError(grpc.StatusCode.INTERNAL, "step channel: completion tail %d is "
                               "past the %d records written" % (tail, self._sq_tail & 0xFFFFFFFF))
-            completed += self._complete(results, (tail - self._cq_head) & 0xFFFFFFFF)
-            _U32.pack_into(region, CQ_HEAD, self._cq_head & 0xFFFFFFFF)
+            self._complete(results, available, make_result)
+            completed += available
+            _U32.pack_into(self._region, CQ_HEAD, self._cq_head & 0xFFFFFFFF)
         return results
 
-    def _pack(self, region, offset, index, entry, side_offset):
-        op, slot, generation, rows, next_rows, token_ids = entry
+    def _publish(self, sq_tail):
+        """Stores sq_tail (the records before it are written) and rings a sleeping daemon."""
+        region = self._region
+        _U32.pack_into(region, SQ_TAIL, sq_tail & 0xFFFFFFFF)
+        self._rang = _U32.unpack_from(region, DAEMON_SLEEPING)[0] != 0
+        if self._rang:
+            self.ring_doorbell()
+
+    def _pack(self, region, offset, index, entries, side_offset):
+        """Writes entries[index] as the record at `offset`; ValueError naming the entry for a
+        number the record cannot hold."""
+        op, slot, generation, rows, next_rows, token_ids = entries[index]
         try:
             SUBMISSION.pack_into(region, offset, index, slot, op, generation, rows, next_rows,
                                  side_offset, 4 * len(token_ids))
@@ -336,35 +352,59 @@ class StepChannel:
                              % (index, slot, generation, rows, next_rows)) from None
 
     def _submit(self, entries, first):
-        """Writes entries[first:] while the ring has room; returns the index after the last."""
+        """Writes entries[first:] while the ring has room, then publishes them; returns the
+        index after the last. (Publishing the first records while writing the rest would let
+        the daemon start sooner, but a bad number later in the window could then no longer
+        refuse the whole step.)"""
         region = self._region
-        room = SLOTS - (self._sq_tail - self._cq_head)
-        end = min(len(entries), first + room)
-        sq_tail = self._sq_tail
-        for index in range(first, end):
-            entry = entries[index]
-            ring = (sq_tail + index - first) % SLOTS
-            token_ids = entry[5]
-            side_offset = 0
-            if token_ids:
-                side_offset = ring * SUBMISSION_SIDE_BYTES
-                start = self._submission_side + side_offset
-                try:
-                    struct.pack_into("<%di" % len(token_ids), region, start, *token_ids)
-                except struct.error:
-                    raise ValueError("step entry %d: a token id out of int32 range" % index) \
-                        from None
-            self._pack(region, self._submissions + ring * SUBMISSION.size, index, entry,
-                       side_offset)
-        self._sq_tail = sq_tail + (end - first)
+        pack_into = SUBMISSION.pack_into
+        submissions = self._submissions
+        end = min(len(entries), first + SLOTS - (self._sq_tail - self._cq_head))
+        ring = self._sq_tail % SLOTS
+        index = first
+        try:
+            while index < end:
+                op, slot, generation, rows, next_rows, token_ids = entries[index]
+                if token_ids:
+                    side_offset = ring * SUBMISSION_SIDE_BYTES
+                    struct.pack_into("<%di" % len(token_ids), region,
+                                     self._submission_side + side_offset, *token_ids)
+                    pack_into(region, submissions + ring * 64, index, slot, op, generation, rows,
+                              next_rows, side_offset, 4 * len(token_ids))
+                else:
+                    pack_into(region, submissions + ring * 64, index, slot, op, generation, rows,
+                              next_rows, 0, 0)
+                index += 1
+                ring = (ring + 1) % SLOTS
+        except struct.error:
+            # Nothing of this window is visible to the daemon (sq_tail is not stored), and
+            # _run checked every window past the first before writing any.
+            raise self._refusal(entries, index) or ValueError(
+                "step entry %d: a record cannot hold it" % index) from None
+        self._sq_tail += end - first
+        self._publish(self._sq_tail)
         return end
+
+    def _refusal(self, entries, index):
+        """The ValueError entries[index] gets (a number its record cannot hold), or None."""
+        token_ids = entries[index][5]
+        try:
+            struct.pack("<%di" % len(token_ids), *token_ids)
+        except struct.error:
+            return ValueError("step entry %d: a token id out of int32 range" % index)
+        try:
+            self._pack(bytearray(SUBMISSION.size), 0, index, entries, 0)
+        except ValueError as error:
+            return error
+        return None
 
     def _await_completions(self, give_up):
         """Waits until the daemon wrote a completion past _cq_head: its tail, or KvError."""
         region = self._region
         cq_head = self._cq_head & 0xFFFFFFFF
         outstanding = self._sq_tail - self._cq_head
-        spin_until = time.perf_counter() + (50e-6 if outstanding <= 16 else 0.0)
+        spin_until = time.perf_counter() + (_SPIN_S if outstanding <= _MAX_RECORDS_TO_SPIN_FOR
+                                            else 0.0)
         while True:
             tail = _U32.unpack_from(region, CQ_TAIL)[0]
             if tail != cq_head:
@@ -395,41 +435,58 @@ class StepChannel:
                 self._rang = True
             _U32.pack_into(region, ENGINE_WAITING, 1)
             if _U32.unpack_from(region, CQ_TAIL)[0] == cq_head and not self._abandoned:
-                self._futex.wait(self._cq_tail_address, cq_head, min(left, 0.1))
+                self._futex.wait(self._cq_tail_address, cq_head, min(left, _MAX_FUTEX_WAIT_S))
             _U32.pack_into(region, ENGINE_WAITING, 0)
 
-    def _complete(self, results, available):
-        """Reads `available` completions from _cq_head into `results`; returns how many."""
+    def _complete(self, results, available, make_result):
+        """Reads `available` completions from _cq_head into `results`."""
         region = self._region
         count = len(results)
-        for _ in range(available):
-            ring = self._cq_head % SLOTS
-            record = COMPLETION.unpack_from(region, self._completions + ring * COMPLETION.size)
-            self._cq_head += 1
-            index = record[C_USER_DATA]
-            if index >= count:
-                raise KvError(grpc.StatusCode.INTERNAL, "step channel completion for entry %d "
-                              "of a step of %d" % (index, count))
-            own = ring * COMPLETION_SIDE_BYTES
-            length = record[C_SIDE_LENGTH]
-            in_span = record[C_SIDE_OFFSET] == own and length <= COMPLETION_SIDE_BYTES
-            side = b""
-            payload = record[C_PAYLOAD]
-            planned = record[C_CODE] == 0 and (
-                payload == PAYLOAD_PREPARE or (payload == PAYLOAD_ADVANCE
-                                               and record[C_HAS_PREPARED]))
-            if planned and record[C_SIDE_KIND] == SIDE_LAYERS_TOO_LARGE:
-                record = _too_large(record)
-                side = record[-1]
-                record = record[:-1]
-            elif record[C_CODE] != 0 or planned:
-                if in_span:
-                    start = self._completion_side + own
-                    side = region[start:start + length]
-                if planned and (record[C_SIDE_KIND] != SIDE_LAYERS or not in_span):
+        completion_side = self._completion_side
+        ring = self._cq_head % SLOTS
+        while available:
+            # The contiguous run up to the ring's end, unpacked in one call.
+            run = min(available, SLOTS - ring)
+            start = self._completions + ring * 96
+            for record in COMPLETION.iter_unpack(region[start:start + run * 96]):
+                index = record[0]  # C_USER_DATA
+                if index >= count:
                     raise KvError(grpc.StatusCode.INTERNAL, "step channel completion for entry "
-                                  "%d: its prepared plan is not in its side span (kind %d, "
-                                  "offset %d, %d bytes)" % (index, record[C_SIDE_KIND],
-                                                            record[C_SIDE_OFFSET], length))
-            results[index] = ChannelResult(record, side)
-        return available
+                                  "%d of a step of %d" % (index, count))
+                side = b""
+                if record[1] != 0 or record[4]:  # C_CODE, C_HAS_PREPARED
+                    own = ring * COMPLETION_SIDE_BYTES
+                    if (record[1] == 0 and record[5] == SIDE_LAYERS and record[13] == own
+                            and record[14] <= COMPLETION_SIDE_BYTES):
+                        # A plan where it belongs (the common case): its bytes.
+                        side = region[completion_side + own:
+                                      completion_side + own + record[14]]
+                    else:
+                        record, side = self._side(record, ring, completion_side)
+                results[index] = make_result(record, side)
+                ring += 1
+            ring %= SLOTS
+            available -= run
+            self._cq_head += run
+
+    def _side(self, record, ring, completion_side):
+        """(record, side bytes) of a refusal or a prepared plan: the side span checked as the
+        C++ client checks it; a plan too large for it as DATA_LOSS."""
+        own = ring * COMPLETION_SIDE_BYTES
+        length = record[C_SIDE_LENGTH]
+        in_span = record[C_SIDE_OFFSET] == own and length <= COMPLETION_SIDE_BYTES
+        payload = record[C_PAYLOAD]
+        planned = record[C_CODE] == 0 and (
+            payload == PAYLOAD_PREPARE or (payload == PAYLOAD_ADVANCE and record[C_HAS_PREPARED]))
+        if planned and record[C_SIDE_KIND] == SIDE_LAYERS_TOO_LARGE:
+            changed = _too_large(record)
+            return changed[:-1], changed[-1]
+        if planned and (record[C_SIDE_KIND] != SIDE_LAYERS or not in_span):
+            raise KvError(grpc.StatusCode.INTERNAL, "step channel completion for entry %d: its "
+                          "prepared plan is not in its side span (kind %d, offset %d, %d bytes)"
+                          % (record[C_USER_DATA], record[C_SIDE_KIND], record[C_SIDE_OFFSET],
+                             length))
+        if not in_span:
+            return record, b""
+        start = completion_side + own
+        return record, self._region[start:start + length]
