@@ -33,7 +33,8 @@ ABSL_FLAG(std::string, python, "/usr/bin/python3", "the interpreter python_step.
 ABSL_FLAG(std::string, python_path, "",
           "directory holding the memra_kv package with its generated stubs (python/)");
 ABSL_FLAG(std::string, sections,
-          "hot_path,step_channel,spec_decode,prefix_redis,admission,scale,python_step,block_store",
+          "hot_path,step_channel,spec_decode,prefix_redis,admission,scale,python_step,"
+          "python_restore,block_store",
           "comma-separated sections to run");
 ABSL_FLAG(bool, quick, false, "tiny iteration counts: checks the harness, measures nothing");
 ABSL_FLAG(bool, check_limits, false,
@@ -107,6 +108,7 @@ int Run() {
                                                  {"admission", RunAdmission},
                                                  {"scale", RunScale},
                                                  {"python_step", RunPythonStep},
+                                                 {"python_restore", RunPythonRestore},
                                                  {"prefix_tiers", RunPrefixTiers},
                                                  {"block_store", RunBlockStore}};
   const std::vector<std::string> wanted = absl::StrSplit(absl::GetFlag(FLAGS_sections), ',');

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/time.h"
 #include "bench/harness.h"
@@ -168,6 +169,88 @@ absl::StatusOr<Json> RunPythonStep(const BenchOptions& options) {
   json["step"] = "one Advance entry per session (commit 1 row, prepare 1 row)";
   json["steps_per_round"] = steps;
   json["by_sessions"] = std::move(rows);
+  return json;
+}
+
+// Section 6b: restore throughput from Python. bench/python_restore.py (beside python_step.py)
+// restores a prefix into a recycled and a fresh session and loads blocks from the block store
+// through python/memra_kv, each paired with a numpy copy of the same bytes in its own process,
+// against a daemon that verifies restored pieces (its default) and one that does not.
+absl::StatusOr<Json> RunPythonRestore(const BenchOptions& options) {
+  if (options.python_stepper.empty()) {
+    return absl::InvalidArgumentError(
+        "python_restore needs --python_stepper=bench/python_step.py (its directory holds "
+        "python_restore.py) and --python_path (run.sh)");
+  }
+  const std::string script =
+      options.python_stepper.substr(0, options.python_stepper.rfind('/') + 1) +
+      "python_restore.py";
+  const int tokens = options.quick ? 512 : 4096;
+  const int repetitions = options.quick ? 2 : 10;
+  Table table({"verify", "restore MB", "recycled ms", "memcpy ms", "restore/memcpy",
+               "fresh ms", "first-touch memcpy ms", "Python build + RPC floor ms",
+               "block load MB", "load ms", "memcpy ms", "load/memcpy"});
+  Json runs = Json::array();
+  double recycled_ratio_verified = 0;
+  for (const bool verify : {true, false}) {
+    const std::string verify_flag =
+        absl::StrCat("--prefix_verify_checksums=", verify ? "true" : "false");
+    ASSIGN_OR_RETURN(std::unique_ptr<Kvd> kvd,
+                     Kvd::Start(options, uint64_t{3} << 30,
+                                {"--prefix_cache_budget_bytes=1GiB", "--prefix_block_tokens=256",
+                                 verify_flag}));
+    ASSIGN_OR_RETURN(TempDir dir, TempDir::Create("memra-pyrestore"));
+    const std::string out = dir.File("figures.json");
+    ASSIGN_OR_RETURN(ChildProcess python,
+                     ChildProcess::Spawn({options.python, script,
+                                          "--socket=" + kvd->socket_path(),
+                                          "--python_path=" + options.python_path,
+                                          "--out=" + out, absl::StrCat("--tokens=", tokens),
+                                          absl::StrCat("--repetitions=", repetitions)},
+                                         dir.File("python.log")));
+    RETURN_IF_ERROR(WaitForPath(out, python, absl::Minutes(10)));
+    python.Stop();
+    std::ifstream in(out);
+    const Json figures = Json::parse(in, nullptr, /*allow_exceptions=*/false);
+    if (figures.is_discarded() || !figures.contains("restore") ||
+        !figures.contains("block_load")) {
+      return absl::InternalError(absl::StrCat(out, " is not the script's figures"));
+    }
+    const Json& restore = figures["restore"];
+    const Json& load = figures["block_load"];
+    const double ratio = restore["memcpy_warm_ms"].get<double>() /
+                         restore["recycled_ms"].get<double>();
+    if (verify) recycled_ratio_verified = ratio;
+    const double load_ratio =
+        load["memcpy_warm_ms"].get<double>() / load["load_ms"].get<double>();
+    runs.push_back(Json{{"verify_checksums", verify},
+                        {"restore", restore},
+                        {"block_load", load},
+                        {"ratio_restore_memcpy", ratio},
+                        {"ratio_load_memcpy", load_ratio}});
+    const auto ms = [](const Json& value) {
+      return absl::StrFormat("%.1f", value.get<double>());
+    };
+    const auto megabytes = [](const Json& value) {
+      return absl::StrFormat("%.1f", value.get<double>() / 1e6);
+    };
+    table.Add({verify ? "yes" : "no", megabytes(restore["bytes"]),
+               ms(restore["recycled_ms"]), ms(restore["memcpy_warm_ms"]), Ratio(ratio),
+               ms(restore["fresh_ms"]), ms(restore["memcpy_first_touch_ms"]),
+               absl::StrFormat("%.2f + %.2f", restore["request_build_ms"].get<double>(),
+                               restore["rpc_floor_ms"].get<double>()),
+               megabytes(load["bytes"]), ms(load["load_ms"]),
+               ms(load["memcpy_warm_ms"]), Ratio(load_ratio)});
+  }
+  table.Print("6b. restore and block-store load from Python (python/memra_kv) vs a numpy copy of "
+              "the same bytes, paired, same process; with and without the daemon's checksum "
+              "verification");
+  std::printf("target: a verified restore from Python >= 0.7x memcpy: %s (%s)\n",
+              recycled_ratio_verified >= 0.7 ? "MET" : "MISSED",
+              Ratio(recycled_ratio_verified).c_str());
+  Json json;
+  json["model"] = "llama-3.2-1b K/V geometry (16 layers, 8 heads of 64, bf16), 256-token blocks";
+  json["runs"] = std::move(runs);
   return json;
 }
 

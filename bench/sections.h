@@ -30,6 +30,8 @@ absl::StatusOr<Json> RunScale(const BenchOptions& options);
 absl::Status CheckScaleLimits(const BenchOptions& options);
 // 6. The Python client's decode step (python/memra_kv) vs the C++ client's, N = 1 and 256.
 absl::StatusOr<Json> RunPythonStep(const BenchOptions& options);
+// 6b. Restore and block-store load throughput from Python vs a numpy copy of the same bytes.
+absl::StatusOr<Json> RunPythonRestore(const BenchOptions& options);
 // 7. Prefix restore by tier (device, disk, a Redis Cluster) vs memcpy and plain GET; capture.
 absl::StatusOr<Json> RunPrefixTiers(const BenchOptions& options);
 // 8. The block store: an engine pool's blocks stored and loaded vs memcpy and Redis.

@@ -5,7 +5,7 @@ set -euo pipefail
 
 runfiles="${TEST_SRCDIR}/memra_kv"
 out="${TEST_TMPDIR}/smoke.json"
-sections="hot_path,spec_decode,admission,scale,python_step"
+sections="hot_path,spec_decode,admission,scale,python_step,python_restore"
 if [[ -x /usr/bin/redis-server ]]; then
   sections="${sections},prefix_redis,block_store"
 else
