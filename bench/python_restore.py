@@ -1,13 +1,13 @@
 #!/usr/bin/python3
 """Restore throughput from Python, for memra_bench's python_restore section (bench/README.md).
 
-    python_restore.py --socket=S --python_path=P --out=FILE --tokens=4096 --repetitions=10
+    python_restore.py --socket=S --python_path=P --out=FILE --tokens=2048 --repetitions=10
 
 Attaches to memra-kvd with memra_kv and measures, each against a numpy copy of the same bytes in
 the same process, paired repetition by repetition:
 - a prefix restore (Client.restore_prefix: one Restore RPC, the daemon copies) of a dense
-  model's `tokens`-token entry (Llama-3.2-1B's K/V geometry: 16 layers of 8 heads of 64, bf16;
-  256-token blocks) into a RECYCLED session (reset between restores, after two warm-up
+  model's `tokens`-token entry (Llama-3.2-1B's K/V geometry: 16 layers of 8 heads of 64, in bf16
+  as an engine keeps them: 32 KiB a token; 256-token blocks) into a RECYCLED session (reset between restores, after two warm-up
   restores), against a copy between two warm buffers;
 - the same restore into a FRESH session (created just before, untimed, released after; its
   arena comes from the daemon's pool once one was released), against a copy into a fresh
@@ -17,7 +17,8 @@ the same process, paired repetition by repetition:
   into pool blocks the engine has written before, against a copy between warm buffers;
 - what Python itself adds per call: building the request (the token ids into protobuf) and the
   round trip of a call that copies nothing (GetSessionState).
-Writes the figures (ms, p50 over the repetitions) as JSON to FILE.
+Writes the figures (ms, p50 over the repetitions; ratios: p50 of each repetition's memcpy time
+over its call's, the pair run back to back) as JSON to FILE.
 """
 
 import argparse
@@ -30,6 +31,11 @@ import time
 
 def p50(samples):
     return sorted(samples)[len(samples) // 2]
+
+
+def paired_ratio(copies, calls):
+    """p50 over repetitions of memcpy time / call time: the pair saw the same neighbours."""
+    return p50([copy / call for copy, call in zip(copies, calls)])
 
 
 def timed(call):
@@ -57,8 +63,8 @@ def main():
     with memra_kv.Client.connect(args.socket) as client:
         client.attach("bench-python-restore")
         # ---- prefix restore ----
-        plan = client.register_plan(plans.model_plan(
-            [plans.kv_layer(i, 64, 8) for i in range(16)], name="llama-3.2-1b-kv"))
+        plan = client.register_plan(plans.in_element_format(plans.model_plan(
+            [plans.kv_layer(i, 64, 8) for i in range(16)], name="llama-3.2-1b-kv"), "bf16"))
         tokens = [7 + 5 * i for i in range(args.tokens)]
         source = client.create_session(plan, args.tokens)
         begun = source.advance(0, 0, args.tokens).begun
@@ -106,7 +112,9 @@ def main():
             "recycled_ms": p50(restore) * 1e3, "memcpy_warm_ms": p50(copy) * 1e3,
             "fresh_ms": p50(fresh_restore) * 1e3,
             "memcpy_first_touch_ms": p50(fresh_copy) * 1e3,
-            "request_build_ms": p50(build) * 1e3, "rpc_floor_ms": p50(floor) * 1e3}
+            "request_build_ms": p50(build) * 1e3, "rpc_floor_ms": p50(floor) * 1e3,
+            "ratio_recycled_memcpy": paired_ratio(copy, restore),
+            "ratio_fresh_first_touch_memcpy": paired_ratio(fresh_copy, fresh_restore)}
 
         # ---- block store load ----
         layers, heads, head_dim, block_tokens, blocks, loaded = 8, 8, 64, 16, 2048, 256
@@ -143,7 +151,8 @@ def main():
         pool.close()
         figures["block_load"] = {"bytes": load_bytes, "blocks": loaded,
                                  "load_ms": p50(load) * 1e3,
-                                 "memcpy_warm_ms": p50(load_copy) * 1e3}
+                                 "memcpy_warm_ms": p50(load_copy) * 1e3,
+                                 "ratio_load_memcpy": paired_ratio(load_copy, load)}
     with open(args.out + ".tmp", "w") as f:
         json.dump(figures, f)
     os.rename(args.out + ".tmp", args.out)
