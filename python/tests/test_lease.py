@@ -123,6 +123,8 @@ def test_an_engine_carries_on_after_a_daemon_sigkill_with_the_same_bytes(kvd):
         commit_rows(session, tokens(64))
         write_pattern(session, session.state())
         written = _all_plane_bytes(session)
+        assert engine.step_channel_active, engine.step_channel_status
+        old_channel = engine._lease.step_channel
 
         killed = time.monotonic()
         os.kill(daemon.daemon_pid(), signal.SIGKILL)
@@ -147,6 +149,14 @@ def test_an_engine_carries_on_after_a_daemon_sigkill_with_the_same_bytes(kvd):
         assert check_pattern(session, session.state()) > 0
         commit_rows(session, tokens(128)[64:])
         assert session.state().committed_len == 128
+        # The broken stream abandoned the old step channel; the re-attach opened a new one
+        # with the restarted daemon, and steps by slot go over it.
+        assert old_channel.broken
+        assert engine.step_channel_active and engine._lease.step_channel is not old_channel
+        batch = memra_kv.StepBatch(by_slot=True)
+        batch.advance(session, 0, 0, 1)
+        stepped = engine.step(batch)[0]
+        assert stepped.ok and stepped.begun.base_len == 128 and stepped.prepared.target == 129
         session.release()
         engine.detach()
         assert poll_until(lambda: admin.sessions() == [] and admin.engines() == [])
