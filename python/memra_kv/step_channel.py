@@ -28,6 +28,7 @@ import platform
 import struct
 import threading
 import time
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, TypeVar
 
 import grpc
 
@@ -67,6 +68,7 @@ _HEADER_FIELDS = ("magic", "version", "slots", "submission_record_bytes",
 SQ_TAIL, SQ_HEAD, CQ_TAIL, ENGINE_WAITING, CQ_HEAD, DAEMON_SLEEPING, CLOSED = (
     128, 192, 256, 260, 320, 384, 388)
 _U32 = struct.Struct("<I")
+_DOORBELL = struct.pack("<Q", 1)  # one eventfd write
 
 # SubmissionRecord (64 bytes): user_data, slot, op, reserved[3], generation, rows, next_rows,
 # side_offset, side_length, reserved2, reserved3.
@@ -84,18 +86,24 @@ _SPIN_S = 50e-6
 _MAX_RECORDS_TO_SPIN_FOR = 16
 _MAX_FUTEX_WAIT_S = 0.1
 
+# One Step entry as send() takes it: (op, slot, generation, rows, next_rows, token_ids).
+Entry = Tuple[int, int, int, int, int, Sequence[int]]
+# A completion record as COMPLETION unpacks it (index it with the C_* constants).
+Record = Tuple[int, ...]
+Result = TypeVar("Result")
+
 # Indexes into a completion tuple (COMPLETION.unpack_from): what ChannelResult reads.
 (C_USER_DATA, C_CODE, C_PAYLOAD, C_PUBLISHED, C_HAS_PREPARED, C_SIDE_KIND, C_GENERATION,
  C_BASE_LEN, C_TARGET, C_STAGED_LEN, C_COMMITTED_LEN, C_RESTART_PREVIOUS_EPOCH, C_RESTART_EPOCH,
  C_SIDE_OFFSET, C_SIDE_LENGTH) = range(15)
 
 
-def _page_aligned(n):
+def _page_aligned(n: int) -> int:
     page = mmap.PAGESIZE
     return (n + page - 1) // page * page
 
 
-def layout():
+def layout() -> Tuple[int, int, int, int, int]:
     """(submissions, completions, submission side, completion side, region bytes): the offsets
     of common/step_channel.h LayoutFor(SLOTS)."""
     submissions = HEADER_BYTES
@@ -106,14 +114,14 @@ def layout():
     return submissions, completions, submission_side, completion_side, region
 
 
-def check_header(region, nbytes):
+def check_header(region: "bytes | bytearray | mmap.mmap", nbytes: int) -> None:
     """step_channel::CheckHeader: KvError INVALID_ARGUMENT naming the field and both values
     when the region's constant fields disagree with this module's layout, or the region is
     smaller than its layout needs."""
     if nbytes < _HEADER.size:
         raise KvError(grpc.StatusCode.INVALID_ARGUMENT, "step channel region of %d bytes: "
                       "smaller than its header" % nbytes)
-    got = dict(zip(_HEADER_FIELDS, _HEADER.unpack_from(region, 0)))
+    got: Dict[str, int] = dict(zip(_HEADER_FIELDS, _HEADER.unpack_from(region, 0)))
     submissions, completions, submission_side, completion_side, region_bytes = layout()
     want = (("magic", MAGIC), ("version", VERSION), ("slots", SLOTS),
             ("submission_record_bytes", SUBMISSION.size),
@@ -132,7 +140,7 @@ def check_header(region, nbytes):
                       "layout needs %d" % (nbytes, region_bytes))
 
 
-def supported():
+def supported() -> Optional[str]:
     """Why this process cannot use a step channel (a sentence), or None when it can: the
     ordering argument above holds on x86-64 Linux only."""
     if not platform.system() == "Linux" or platform.machine() not in ("x86_64", "AMD64"):
@@ -151,12 +159,12 @@ class _Futex:
     class _Timespec(ctypes.Structure):
         _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
 
-    def __init__(self):
+    def __init__(self) -> None:
         libc = ctypes.CDLL(None, use_errno=True)
         self._syscall = libc.syscall
         self._syscall.restype = ctypes.c_long
 
-    def wait(self, address, expected, timeout_s):
+    def wait(self, address: int, expected: int, timeout_s: float) -> None:
         """Returns after a wake, the timeout, a signal, or at once when the word differs from
         `expected`; callers re-check what they wait for."""
         seconds = int(timeout_s)
@@ -165,16 +173,16 @@ class _Futex:
                       ctypes.c_int(self._WAIT), ctypes.c_uint32(expected),
                       ctypes.byref(relative), None, ctypes.c_int(0))
 
-    def wake_all(self, address):
+    def wake_all(self, address: int) -> None:
         self._syscall(ctypes.c_long(self._SYS_FUTEX), ctypes.c_void_p(address),
                       ctypes.c_int(self._WAKE), ctypes.c_int(2 ** 31 - 1), None, None,
                       ctypes.c_int(0))
 
 
-def _too_large(record):
+def _too_large(record: Record) -> Tuple[Record, bytes]:
     """A prepared append whose plan did not fit the side span (only sessions over
     MAX_KV_LAYERS, which the client steps over gRPC): DATA_LOSS, as the C++ client reports it.
-    Returns the record with that code and no payload, its message bytes appended."""
+    Returns the record with that code and no payload, and the message's bytes."""
     message = ("the append was prepared (generation %d, target %d) but its plan of %d bytes "
                "does not fit the step channel; step sessions of more than %d K/V layers over "
                "gRPC" % (record[C_GENERATION], record[C_TARGET], record[C_SIDE_LENGTH],
@@ -182,7 +190,7 @@ def _too_large(record):
     changed = list(record)
     changed[C_CODE] = grpc.StatusCode.DATA_LOSS.value[0]
     changed[C_PAYLOAD] = 0
-    return tuple(changed) + (message.encode(),)
+    return tuple(changed), message.encode()
 
 
 class ChannelResult:
@@ -192,16 +200,18 @@ class ChannelResult:
 
     __slots__ = ("record", "side")
 
-    def __init__(self, record, side):
+    def __init__(self, record: Record, side: bytes) -> None:
         self.record = record
         self.side = side
 
     @property
-    def code(self):
+    def code(self) -> int:
+        """google.rpc.Code (0 = OK)."""
         return self.record[C_CODE]
 
     @property
-    def message(self):
+    def message(self) -> str:
+        """The refusal's message ("" when OK)."""
         return self.side.decode("utf-8", "replace") if self.record[C_CODE] != 0 else ""
 
 
@@ -211,7 +221,7 @@ class StepChannel:
     breaks the channel for good, since records may still be in flight: the client then steps
     over gRPC."""
 
-    def __init__(self, region_fd, nbytes, wake_fd):
+    def __init__(self, region_fd: int, nbytes: int, wake_fd: int) -> None:
         """Maps the region (the descriptors of the handoff's step channel answer; this object
         owns both from here on, also when it raises) and checks its header."""
         try:
@@ -245,7 +255,7 @@ class StepChannel:
         self.broken = False
         self._abandoned = False
 
-    def close(self):
+    def close(self) -> None:
         """Abandons the channel and unmaps it (the daemon's end closes with the lease or when
         the engine opens another)."""
         self.abandon()
@@ -257,7 +267,7 @@ class StepChannel:
                 self._wake_fd = -1
 
     @staticmethod
-    def carries(entries):
+    def carries(entries: Sequence[Entry]) -> bool:
         """Whether `entries` (send's tuples) can go over the channel: at most MAX_STEP_ENTRIES,
         each naming an operation, token ids within a record's side span. The layer limit
         (MAX_KV_LAYERS) and the wait event are the caller's: it knows the sessions."""
@@ -268,7 +278,7 @@ class StepChannel:
                 return False
         return True
 
-    def abandon(self):
+    def abandon(self) -> None:
         """The lease stream broke (the daemon died or restarted) or the engine detached: the
         daemon will answer no more. Breaks the channel and wakes a send waiting for
         completions, which fails at once (UNAVAILABLE) instead of at its deadline."""
@@ -277,15 +287,17 @@ class StepChannel:
         if not self._region.closed:
             self._futex.wake_all(self._cq_tail_address)
 
-    def ring_doorbell(self):
+    def ring_doorbell(self) -> None:
+        """Wakes the daemon's serving thread (a write of its eventfd)."""
         try:
-            os.eventfd_write(self._wake_fd, 1)
+            os.write(self._wake_fd, _DOORBELL)
         except OSError:
             pass  # a full counter still wakes the daemon's edge-triggered epoll
 
-    def send(self, entries, timeout_s, make_result=ChannelResult):
+    def send(self, entries: Sequence[Entry], timeout_s: float,
+             make_result: Callable[[Record, bytes], Result]) -> Optional[List[Result]]:
         """Runs `entries` in order, as one Step; one result per entry, in order:
-        make_result(record, side) of its completion (ChannelResult's arguments).
+        make_result(record, side) of its completion (ChannelResult, or the caller's outcome).
 
         entries: a sequence of (op, slot, generation, rows, next_rows, token_ids) with op one of
         OP_*; rows are prepare rows or commit / advance accepted rows; token_ids a sequence of
@@ -307,7 +319,8 @@ class StepChannel:
 
     # -- the ring protocol (callers hold _lock) --
 
-    def _run(self, entries, give_up, make_result):
+    def _run(self, entries: Sequence[Entry], give_up: float,
+             make_result: Callable[[Record, bytes], Result]) -> List[Result]:
         count = len(entries)
         if count > SLOTS - (self._sq_tail - self._cq_head):
             # Records go out window by window: a bad number must refuse the whole step before
@@ -316,7 +329,7 @@ class StepChannel:
                 error = self._refusal(entries, index)
                 if error is not None:
                     raise error
-        results = [None] * count
+        results: List[Optional[Result]] = [None] * count
         submitted = completed = 0
         while completed < count:
             if submitted < count and self._sq_tail - self._cq_head < SLOTS:
@@ -329,9 +342,9 @@ class StepChannel:
             self._complete(results, available, make_result)
             completed += available
             _U32.pack_into(self._region, CQ_HEAD, self._cq_head & 0xFFFFFFFF)
-        return results
+        return results  # type: ignore[return-value]  # every entry completed: none is None
 
-    def _publish(self, sq_tail):
+    def _publish(self, sq_tail: int) -> None:
         """Stores sq_tail (the records before it are written) and rings a sleeping daemon."""
         region = self._region
         _U32.pack_into(region, SQ_TAIL, sq_tail & 0xFFFFFFFF)
@@ -339,7 +352,8 @@ class StepChannel:
         if self._rang:
             self.ring_doorbell()
 
-    def _pack(self, region, offset, index, entries, side_offset):
+    def _pack(self, region: "bytearray | mmap.mmap", offset: int, index: int,
+              entries: Sequence[Entry], side_offset: int) -> None:
         """Writes entries[index] as the record at `offset`; ValueError naming the entry for a
         number the record cannot hold."""
         op, slot, generation, rows, next_rows, token_ids = entries[index]
@@ -351,7 +365,7 @@ class StepChannel:
                              "number out of range (slot u32, the others u64)"
                              % (index, slot, generation, rows, next_rows)) from None
 
-    def _submit(self, entries, first):
+    def _submit(self, entries: Sequence[Entry], first: int) -> int:
         """Writes entries[first:] while the ring has room, then publishes them; returns the
         index after the last. (Publishing the first records while writing the rest would let
         the daemon start sooner, but a bad number later in the window could then no longer
@@ -385,7 +399,7 @@ class StepChannel:
         self._publish(self._sq_tail)
         return end
 
-    def _refusal(self, entries, index):
+    def _refusal(self, entries: Sequence[Entry], index: int) -> Optional[ValueError]:
         """The ValueError entries[index] gets (a number its record cannot hold), or None."""
         token_ids = entries[index][5]
         try:
@@ -398,7 +412,7 @@ class StepChannel:
             return error
         return None
 
-    def _await_completions(self, give_up):
+    def _await_completions(self, give_up: float) -> int:
         """Waits until the daemon wrote a completion past _cq_head: its tail, or KvError."""
         region = self._region
         cq_head = self._cq_head & 0xFFFFFFFF
@@ -406,7 +420,7 @@ class StepChannel:
         spin_until = time.perf_counter() + (_SPIN_S if outstanding <= _MAX_RECORDS_TO_SPIN_FOR
                                             else 0.0)
         while True:
-            tail = _U32.unpack_from(region, CQ_TAIL)[0]
+            tail: int = _U32.unpack_from(region, CQ_TAIL)[0]
             if tail != cq_head:
                 return tail
             if self._abandoned:
@@ -438,7 +452,8 @@ class StepChannel:
                 self._futex.wait(self._cq_tail_address, cq_head, min(left, _MAX_FUTEX_WAIT_S))
             _U32.pack_into(region, ENGINE_WAITING, 0)
 
-    def _complete(self, results, available, make_result):
+    def _complete(self, results: List[Optional[Result]], available: int,
+                  make_result: Callable[[Record, bytes], Result]) -> None:
         """Reads `available` completions from _cq_head into `results`."""
         region = self._region
         count = len(results)
@@ -469,7 +484,7 @@ class StepChannel:
             available -= run
             self._cq_head += run
 
-    def _side(self, record, ring, completion_side):
+    def _side(self, record: Record, ring: int, completion_side: int) -> Tuple[Record, bytes]:
         """(record, side bytes) of a refusal or a prepared plan: the side span checked as the
         C++ client checks it; a plan too large for it as DATA_LOSS."""
         own = ring * COMPLETION_SIDE_BYTES
@@ -479,8 +494,7 @@ class StepChannel:
         planned = record[C_CODE] == 0 and (
             payload == PAYLOAD_PREPARE or (payload == PAYLOAD_ADVANCE and record[C_HAS_PREPARED]))
         if planned and record[C_SIDE_KIND] == SIDE_LAYERS_TOO_LARGE:
-            changed = _too_large(record)
-            return changed[:-1], changed[-1]
+            return _too_large(record)
         if planned and (record[C_SIDE_KIND] != SIDE_LAYERS or not in_span):
             raise KvError(grpc.StatusCode.INTERNAL, "step channel completion for entry %d: its "
                           "prepared plan is not in its side span (kind %d, offset %d, %d bytes)"
