@@ -4,14 +4,17 @@ with their codes and numbers included), big batches window by window, bad number
 before anything is sent, and a channel the daemon closed failing its step and handing the
 engine back to gRPC."""
 
+import os
 import random
+import signal
+import threading
 
 import grpc
 import pytest
 
 import memra_kv
 from memra_kv import KvError, step_channel
-from kvtest import FLAT_LAYER, hybrid_test_plan
+from kvtest import FLAT_LAYER, hybrid_test_plan, poll_until
 
 CAPACITY = 256  # as tests/e2e/step_channel_e2e_test.cc
 DAEMON_FLAGS = ("--budget_bytes=256MiB", "--lease_timeout_ms=2000")
@@ -247,6 +250,72 @@ def test_a_channel_the_daemon_closed_fails_its_step_and_later_steps_go_over_grpc
             assert session.plane(FLAT_LAYER, memra_kv.LEN_MIRROR)[0] == 1
         finally:
             second.close()
+
+
+def test_a_step_the_daemon_does_not_answer_fails_at_its_deadline_and_the_record_runs_later(kvd):
+    daemon = kvd(*DAEMON_FLAGS)
+    with connect(daemon, "stalled", False) as client:
+        plan = client.register_plan(hybrid_test_plan())
+        session = client.create_session(plan, CAPACITY)
+        batch = memra_kv.StepBatch(by_slot=True)
+        batch.advance(session, 0, 0, 1)
+        first = client.step(batch)[0]
+        assert first.ok
+        os.kill(daemon.process.pid, signal.SIGSTOP)
+        try:
+            batch.clear()
+            batch.advance(session, first.begun.generation, 1, 1)
+            with pytest.raises(KvError) as late:
+                client.step(batch, timeout=0.5)
+            assert late.value.code == grpc.StatusCode.UNAVAILABLE
+            assert ("the daemon answered no step channel record within the deadline (1 "
+                    "completions read, 2 records written)") in late.value.message
+            assert not client.step_channel_active
+        finally:
+            os.kill(daemon.process.pid, signal.SIGCONT)
+        # The record was in the ring: the daemon runs it once it goes on.
+        assert poll_until(lambda: session.state().committed_len == 1)
+        second = session.state().active_generation
+        assert second == first.begun.generation + 1
+        # Later steps by slot go over gRPC, under the same rules.
+        batch.clear()
+        batch.advance(session, second, 1, 0)
+        outcome = client.step(batch)[0]
+        assert outcome.ok and outcome.committed_len == 2
+
+
+def test_abandoning_the_channel_wakes_a_waiting_step_at_once(kvd):
+    """What the lease thread does when the lease stream breaks: a step waiting in FUTEX_WAIT
+    for a daemon that will never answer fails now, not at its deadline."""
+    daemon = kvd(*DAEMON_FLAGS)
+    with connect(daemon, "abandoned", False) as client:
+        plan = client.register_plan(hybrid_test_plan())
+        session = client.create_session(plan, CAPACITY)
+        channel = client._lease.step_channel
+        batch = memra_kv.StepBatch(by_slot=True)
+        batch.advance(session, 0, 0, 1)
+        failures = []
+
+        def waiting_step():
+            try:
+                client.step(batch, timeout=600)
+            except KvError as error:
+                failures.append(error)
+
+        os.kill(daemon.process.pid, signal.SIGSTOP)
+        try:
+            stepper = threading.Thread(target=waiting_step)
+            stepper.start()
+            # Its record is published: the step now waits for its completion.
+            assert poll_until(lambda: channel._sq_tail == 1)
+            channel.abandon()
+            stepper.join(60)
+            assert not stepper.is_alive()
+        finally:
+            os.kill(daemon.process.pid, signal.SIGCONT)
+        assert len(failures) == 1 and failures[0].code == grpc.StatusCode.UNAVAILABLE
+        assert "this engine's step channel was abandoned" in failures[0].message
+        assert "records in flight (1) may or may not have run" in failures[0].message
 
 
 def test_a_region_of_another_layout_is_refused_with_both_numbers():
