@@ -252,6 +252,23 @@ def test_a_channel_the_daemon_closed_fails_its_step_and_later_steps_go_over_grpc
             second.close()
 
 
+def stop_process(pid):
+    """SIGSTOP, then wait until every thread of `pid` is stopped (the signal is asynchronous:
+    a thread running on another CPU goes on for a moment)."""
+    os.kill(pid, signal.SIGSTOP)
+
+    def stopped():
+        tasks = os.listdir("/proc/%d/task" % pid)
+        for task in tasks:
+            with open("/proc/%d/task/%s/stat" % (pid, task)) as f:
+                # The state follows the command's closing parenthesis.
+                if f.read().rsplit(")", 1)[1].split()[0] not in ("T", "t"):
+                    return False
+        return True
+
+    assert poll_until(stopped)
+
+
 def test_a_step_the_daemon_does_not_answer_fails_at_its_deadline_and_the_record_runs_later(kvd):
     daemon = kvd(*DAEMON_FLAGS)
     with connect(daemon, "stalled", False) as client:
@@ -261,7 +278,7 @@ def test_a_step_the_daemon_does_not_answer_fails_at_its_deadline_and_the_record_
         batch.advance(session, 0, 0, 1)
         first = client.step(batch)[0]
         assert first.ok
-        os.kill(daemon.process.pid, signal.SIGSTOP)
+        stop_process(daemon.process.pid)
         try:
             batch.clear()
             batch.advance(session, first.begun.generation, 1, 1)
@@ -302,7 +319,7 @@ def test_abandoning_the_channel_wakes_a_waiting_step_at_once(kvd):
             except KvError as error:
                 failures.append(error)
 
-        os.kill(daemon.process.pid, signal.SIGSTOP)
+        stop_process(daemon.process.pid)
         try:
             stepper = threading.Thread(target=waiting_step)
             stepper.start()
