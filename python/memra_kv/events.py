@@ -50,7 +50,6 @@ import grpc
 import msgpack
 import zmq
 
-from ._proto import prefix_pb2
 from .client import Client
 from .errors import KvError
 
@@ -228,16 +227,11 @@ class Bridge:
             if keys:
                 block_size = entry.boundary_tokens // len(keys)
                 self._publish([block_stored(keys, b"", (), block_size,
-                                            medium_name(_medium(entry.medium), self.backend))])
+                                            medium_name(entry.medium, self.backend))])
 
     def stop(self):
         self.events.cancel()
 
-
-def _medium(value):
-    return {prefix_pb2.PREFIX_MEDIUM_DEVICE: "device",
-            prefix_pb2.PREFIX_MEDIUM_PINNED_HOST: "pinned_host",
-            prefix_pb2.PREFIX_MEDIUM_DISK: "disk"}.get(value, "device")
 
 
 def main(argv=None):
