@@ -1000,6 +1000,7 @@ class _Lease:
                 self._reattaching = stream
             attached = None
             if stream is not None:
+                assert handoff is not None  # a stream is opened with a handoff only
                 try:
                     attached = stream.first_answer()
                 except KvError as error:
@@ -1014,12 +1015,15 @@ class _Lease:
                     # with a fresh ticket.
             with self._lock:
                 self._reattaching = None
-                if self._stopping:
-                    if attached is not None:
+                if attached is None:
+                    if self._stopping:
+                        return False
+                else:
+                    assert stream is not None and handoff is not None  # what answered
+                    if self._stopping:
                         stream.close()
                         handoff.close()
-                    return False
-                if attached is not None:
+                        return False
                     self.handoff.close()
                     self.handoff = handoff
                     self._take(stream, attached)

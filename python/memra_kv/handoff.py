@@ -14,7 +14,9 @@ import struct
 import threading
 from typing import Optional, Tuple
 
-from .errors import ErrorCode, KvError, MemraKvError, code_from_value
+import grpc
+
+from .errors import KvError, MemraKvError, code_from_value
 
 VERSION = 1
 KIND_TICKET, KIND_ARENA_REQUEST, KIND_ARENA, KIND_REFUSAL = 1, 2, 3, 4
@@ -36,10 +38,10 @@ def default_handoff_path(socket_path: str) -> str:
 
 def encode_arena_request(session_id: int, token: bytes, handle: bytes) -> bytes:
     if len(token) > MAX_TOKEN_BYTES:
-        raise KvError(ErrorCode.INVALID_ARGUMENT, "handoff arena request: a session token "
+        raise KvError(grpc.StatusCode.INVALID_ARGUMENT, "handoff arena request: a session token "
                       "of %d bytes; at most %d" % (len(token), MAX_TOKEN_BYTES))
     if not 1 <= len(handle) <= MAX_HANDLE_BYTES:
-        raise KvError(ErrorCode.INVALID_ARGUMENT, "handoff arena request: an arena handle "
+        raise KvError(grpc.StatusCode.INVALID_ARGUMENT, "handoff arena request: an arena handle "
                       "of %d bytes; 1 to %d" % (len(handle), MAX_HANDLE_BYTES))
     body = (struct.pack("<QB", session_id, len(token)) + token
             + struct.pack("<H", len(handle)) + handle)
@@ -49,11 +51,11 @@ def encode_arena_request(session_id: int, token: bytes, handle: bytes) -> bytes:
 def decode_refusal(body: bytes) -> MemraKvError:
     """The KvError a refusal record carries."""
     if len(body) < 6:
-        return KvError(ErrorCode.INTERNAL, "handoff refusal of %d bytes" % len(body))
+        return KvError(grpc.StatusCode.INTERNAL, "handoff refusal of %d bytes" % len(body))
     code, length = struct.unpack_from("<IH", body)
     message = body[6:6 + length].decode("utf-8", "replace")
     # Code 0 (OK) is never a refusal: UNKNOWN, like an unknown code.
-    return KvError(code_from_value(code) if code else ErrorCode.UNKNOWN, message)
+    return KvError(code_from_value(code) if code else grpc.StatusCode.UNKNOWN, message)
 
 
 class HandoffChannel:
@@ -70,7 +72,7 @@ class HandoffChannel:
             try:
                 self._sock.connect(path)
             except OSError as error:
-                raise KvError(ErrorCode.UNAVAILABLE, "memra-kvd's handoff socket %s does "
+                raise KvError(grpc.StatusCode.UNAVAILABLE, "memra-kvd's handoff socket %s does "
                               "not answer: %s" % (path, error.strerror or error)) from None
             kind, body, fd = self._read_frame()
             if fd is not None:
@@ -78,7 +80,7 @@ class HandoffChannel:
             if kind == KIND_REFUSAL:
                 raise decode_refusal(body)
             if kind != KIND_TICKET or len(body) != TICKET_BYTES:
-                raise KvError(ErrorCode.INTERNAL, "handoff socket %s: the first frame is "
+                raise KvError(grpc.StatusCode.INTERNAL, "handoff socket %s: the first frame is "
                               "kind %d of %d bytes, not a ticket" % (path, kind, len(body)))
             self.ticket = body
         except BaseException:
@@ -96,7 +98,7 @@ class HandoffChannel:
             try:
                 self._sock.sendall(request)
             except OSError as error:
-                raise KvError(ErrorCode.UNAVAILABLE, "handoff socket %s: the daemon closed "
+                raise KvError(grpc.StatusCode.UNAVAILABLE, "handoff socket %s: the daemon closed "
                               "the connection (%s)" % (self.path, error)) from None
             kind, body, fd = self._read_frame()
         if kind == KIND_REFUSAL:
@@ -106,10 +108,10 @@ class HandoffChannel:
         if kind != KIND_ARENA or len(body) != 8:
             if fd is not None:
                 os.close(fd)
-            raise KvError(ErrorCode.INTERNAL, "handoff socket %s: an answer of kind %d"
+            raise KvError(grpc.StatusCode.INTERNAL, "handoff socket %s: an answer of kind %d"
                           % (self.path, kind))
         if fd is None:
-            raise KvError(ErrorCode.DATA_LOSS, "handoff socket %s: the arena answer came "
+            raise KvError(grpc.StatusCode.DATA_LOSS, "handoff socket %s: the arena answer came "
                           "without a descriptor" % self.path)
         return fd, int(struct.unpack("<Q", body)[0])
 
@@ -119,14 +121,14 @@ class HandoffChannel:
         buffer id RegisterEngineBuffers names it by (single use, valid while this connection
         is open). KvError with the daemon's code and message when it refuses."""
         if nbytes <= 0:
-            raise KvError(ErrorCode.INVALID_ARGUMENT, "handoff buffer offer of %d bytes"
+            raise KvError(grpc.StatusCode.INVALID_ARGUMENT, "handoff buffer offer of %d bytes"
                           % nbytes)
         frame = struct.pack("<IBBQ", 2 + 8, VERSION, KIND_BUFFER_OFFER, nbytes)
         with self._lock:
             try:
                 socket.send_fds(self._sock, [frame], [fd])
             except OSError as error:
-                raise KvError(ErrorCode.UNAVAILABLE, "handoff socket %s: the daemon closed "
+                raise KvError(grpc.StatusCode.UNAVAILABLE, "handoff socket %s: the daemon closed "
                               "the connection (%s)" % (self.path, error)) from None
             kind, body, extra = self._read_frame()
         if extra is not None:
@@ -134,7 +136,7 @@ class HandoffChannel:
         if kind == KIND_REFUSAL:
             raise decode_refusal(body)
         if kind != KIND_BUFFER_ID or len(body) != 8:
-            raise KvError(ErrorCode.INTERNAL, "handoff socket %s: a buffer offer answered "
+            raise KvError(grpc.StatusCode.INTERNAL, "handoff socket %s: a buffer offer answered "
                           "with kind %d" % (self.path, kind))
         return int(struct.unpack("<Q", body)[0])
 
@@ -144,24 +146,24 @@ class HandoffChannel:
             if len(self._input) >= 4:
                 (length,) = struct.unpack_from("<I", self._input)
                 if not 2 <= length <= MAX_FRAME_BYTES:
-                    raise KvError(ErrorCode.INTERNAL, "handoff frame of %d bytes; a frame "
+                    raise KvError(grpc.StatusCode.INTERNAL, "handoff frame of %d bytes; a frame "
                                   "holds 2 to %d" % (length, MAX_FRAME_BYTES))
                 if len(self._input) >= 4 + length:
                     version, kind = self._input[4], self._input[5]
                     body = self._input[6:4 + length]
                     self._input = self._input[4 + length:]
                     if version != VERSION:
-                        raise KvError(ErrorCode.INTERNAL, "handoff frame of protocol "
+                        raise KvError(grpc.StatusCode.INTERNAL, "handoff frame of protocol "
                                       "version %d; this side speaks version %d"
                                       % (version, VERSION))
                     return kind, body, fd
             try:
                 data, fds, _, _ = socket.recv_fds(self._sock, 4 + MAX_FRAME_BYTES, 1)
             except socket.timeout:
-                raise KvError(ErrorCode.UNAVAILABLE, "handoff socket %s: no answer within "
+                raise KvError(grpc.StatusCode.UNAVAILABLE, "handoff socket %s: no answer within "
                               "%gs" % (self.path, self._timeout)) from None
             except OSError as error:
-                raise KvError(ErrorCode.UNAVAILABLE, "handoff socket %s: %s"
+                raise KvError(grpc.StatusCode.UNAVAILABLE, "handoff socket %s: %s"
                               % (self.path, error)) from None
             for extra in fds:
                 if fd is None:
@@ -169,6 +171,6 @@ class HandoffChannel:
                 else:
                     os.close(extra)
             if not data:
-                raise KvError(ErrorCode.UNAVAILABLE, "handoff socket %s: the daemon closed "
+                raise KvError(grpc.StatusCode.UNAVAILABLE, "handoff socket %s: the daemon closed "
                               "the connection" % self.path)
             self._input += data

@@ -13,7 +13,7 @@ import dataclasses
 import functools
 import typing
 from dataclasses import dataclass
-from typing import Any, Dict, Optional, Tuple, Type, TypeVar
+from typing import Any, Dict, List, Optional, Tuple, Type, TypeVar
 
 _Result = TypeVar("_Result")
 
@@ -318,7 +318,7 @@ class PrefixEvicted:
 def from_message(cls: Type[_Result], message: Any) -> _Result:
     """A `cls` (one of the dataclasses above) with its fields read off the protobuf `message`
     of the same field names: the one place replies become results."""
-    hints = _field_hints(cls)
+    hints = _field_hints(cls)  # type: ignore[arg-type]  # a class is hashable
     values: Dict[str, Any] = {}
     for name, hint in hints.items():
         field = message.DESCRIPTOR.fields_by_name[name]
@@ -364,7 +364,7 @@ def _enum_prefix(enum_type: Any) -> str:
     cached = _ENUM_PREFIXES.get(enum_type.full_name)
     if cached is not None:
         return cached
-    names = [value.name for value in enum_type.values]
+    names: List[str] = [str(value.name) for value in enum_type.values]
     prefix = names[0]
     for name in names[1:]:
         while not name.startswith(prefix):
@@ -378,4 +378,5 @@ def _enum_name(enum_type: Any, number: int) -> str:
     value = enum_type.values_by_number.get(number)
     if value is None:
         return str(number)  # a value newer than this client
-    return str(value.name[len(_enum_prefix(enum_type)):].lower())
+    name: str = value.name
+    return name[len(_enum_prefix(enum_type)):].lower()
