@@ -185,6 +185,7 @@ class ZmqPublisher:
             replay.close(linger=0)
 
     def close(self) -> None:
+        """Stops the replay thread and closes the sockets."""
         self._stopping.set()
         if self._replay_thread is not None:
             self._replay_thread.join()
@@ -241,11 +242,13 @@ class Bridge:
                                             medium_name(entry.medium, self.backend))])
 
     def stop(self) -> None:
+        """Ends run(): cancels the event stream (from any thread or a signal handler)."""
         self.events.cancel()
 
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    """`python3 -m memra_kv.events`: runs the bridge until a signal or the stream ends; the exit status."""
     parser = argparse.ArgumentParser(
         prog="python3 -m memra_kv.events",
         description="Republish memra-kvd's prefix events as vLLM KV events (ZMQ, msgpack).")

@@ -37,6 +37,7 @@ def default_handoff_path(socket_path: str) -> str:
 
 
 def encode_arena_request(session_id: int, token: bytes, handle: bytes) -> bytes:
+    """The frame asking for a host arena's descriptor (docs/handoff.md)."""
     if len(token) > MAX_TOKEN_BYTES:
         raise KvError(grpc.StatusCode.INVALID_ARGUMENT, "handoff arena request: a session token "
                       "of %d bytes; at most %d" % (len(token), MAX_TOKEN_BYTES))
@@ -88,6 +89,7 @@ class HandoffChannel:
             raise
 
     def close(self) -> None:
+        """Closes the connection (the daemon drops what it bound to it)."""
         self._sock.close()
 
     def fetch_arena(self, session_id: int, token: bytes, handle: bytes) -> Tuple[int, int]:

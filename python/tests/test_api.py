@@ -213,3 +213,35 @@ def test_a_spec_snapshot_stays_valid_across_rollbacks(engine):
             state = session.spec_rollback(accepted)
             assert state.committed_len == 8 + accepted and state.spec_snapshot_valid
         assert not session.reset().spec_snapshot_valid
+
+
+# ---- documentation ----
+
+# Adapters the vllm2 / sglang branches are reworking now: documented when they land.
+UNDOCUMENTED_FOR_NOW = {"vllm.py", "sglang.py"}
+
+
+def test_every_public_name_has_a_docstring():
+    import ast
+    import os
+    package = os.path.dirname(memra_kv.__file__)
+    missing = []
+    for name in sorted(os.listdir(package)):
+        if not name.endswith(".py") or name in UNDOCUMENTED_FOR_NOW:
+            continue
+        tree = ast.parse(open(os.path.join(package, name)).read())
+        if ast.get_docstring(tree) is None:
+            missing.append(name)
+        scopes = [(tree, name + ":")]
+        while scopes:
+            scope, prefix = scopes.pop()
+            for node in ast.iter_child_nodes(scope):
+                if not isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+                    continue
+                if node.name.startswith("_"):
+                    continue
+                if ast.get_docstring(node) is None:
+                    missing.append(prefix + node.name)
+                if isinstance(node, ast.ClassDef):
+                    scopes.append((node, prefix + node.name + "."))
+    assert missing == []
