@@ -673,7 +673,8 @@ class Client:
                    timeout: Optional[float]) -> List[Advanced]:
         """The transport of Session.advance and advance_many: one Step RPC of advance entries
         by slot (the shared-memory step channel may replace this one call). One Advanced per
-        step, in order; wait events of the sessions that have one are the batch's."""
+        step, in order. A Step carries one ordering event (cuda): the last of the sessions'
+        wait events, as an engine records one event after the kernels of a step."""
         batch = StepBatch(by_slot=True)
         for step in steps:
             if step.session.wait_event:
@@ -1175,7 +1176,8 @@ class TransactionScope:
     Inside `with`: prepare(rows) says where the rows go, the engine writes them, then
     publish() and commit(accepted_rows, token_ids), or abort(). Leaving the block:
       - by an exception: an unfinished transaction is aborted (the session is as it was before
-        begin) and the exception propagates (an abort the daemon refuses is chained to it);
+        begin) and the exception propagates (should the daemon refuse the abort, that refusal
+        is raised instead, with the block's exception as its __context__);
       - normally: an unfinished transaction is committed whole: its prepared append is
         published when it was not, and every staged row is accepted (no token ids); one with
         nothing prepared is aborted (there is nothing to commit).

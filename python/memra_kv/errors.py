@@ -73,6 +73,7 @@ class ErrorCode(enum.Enum):
                 getattr(other, "name", None) == self.name)
 
     def __hash__(self) -> int:
+        # Enum's own hash (of the name), as grpc.StatusCode's: equal members hash equally.
         return hash(self.name)
 
 

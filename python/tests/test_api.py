@@ -48,6 +48,7 @@ def test_codes_pick_their_class_and_equal_grpc_codes():
         assert type(error).__name__.upper() == code.name.replace("_", ""), code
         assert error.code == getattr(grpc.StatusCode, code.name)
         assert getattr(grpc.StatusCode, code.name) == error.code
+        assert {getattr(grpc.StatusCode, code.name): code}.get(error.code) is code
         assert error.code != grpc.StatusCode.OK
     # Constructed with a grpc code (code written before ErrorCode) it is the same.
     legacy = memra_kv.KvError(grpc.StatusCode.NOT_FOUND, "m")
