@@ -246,3 +246,19 @@ def test_every_public_name_has_a_docstring():
                 if isinstance(node, ast.ClassDef):
                     scopes.append((node, prefix + node.name + "."))
     assert missing == []
+
+
+def test_a_released_session_steps_nowhere(engine):
+    plan = engine.register_plan(dense_plan(2, 64, 2))
+    session = engine.create_session(plan, 64)
+    other = engine.create_session(plan, 64)
+    session.release()
+    with pytest.raises(memra_kv.FailedPrecondition) as released:
+        session.advance(next_rows=1)
+    assert "session %d was released" % session.id in released.value.message
+    with pytest.raises(memra_kv.InvalidArgument) as batch:
+        engine.advance_many([memra_kv.AdvanceStep(other, next_rows=1),
+                             memra_kv.AdvanceStep(session, next_rows=1)])
+    assert "advance_many: session %d is released" % session.id in batch.value.message
+    assert other.state().active_generation == 0  # nothing was sent
+    other.release()
