@@ -58,9 +58,9 @@ GIB = 1 << 30
 SLAB_BYTES = 128 * MIB  # memra-kvd's prefix_slab_bytes default
 CHUNK_TOKENS = 256  # LMCache's default chunk; one pool block of the workload
 PIN_TTL_MS = 30000
-# Untimed stores first: they fill the cache's budget (two prefixes), so every timed store writes
-# memory the cache already touched (memra: slabs its evictions emptied), not fresh pages.
-WARM_UP_STORES = 2
+# The caches' budget, in prefixes: memra-kvd refuses a lookup that would pin more than a quarter
+# of its budget (one engine must not lock the cache), and the loads pin the whole prefix.
+BUDGET_PREFIXES = 4
 PATIENCE_S = 120.0
 
 
@@ -322,22 +322,24 @@ def engine_process(args):
             fill_pattern(engine.layer_arrays, args.seed)
             memcpy = PairedMemcpy(engine.layer_arrays)
             stores, store_memcpys = [], []
-            for repetition in range(WARM_UP_STORES + args.reps):
+            # Untimed stores first fill the budget, so every timed store writes memory the cache
+            # already touched (memra: slabs its evictions emptied), not fresh pages.
+            for repetition in range(args.warm_up_stores + args.reps):
                 engine.make_room()
                 started = time.perf_counter()
                 engine.store(prefix_id(args.tag, repetition))
                 elapsed = time.perf_counter() - started
-                if repetition >= WARM_UP_STORES:
+                if repetition >= args.warm_up_stores:
                     stores.append(elapsed)
                     store_memcpys.append(memcpy.timed(True))
-            last = prefix_id(args.tag, WARM_UP_STORES + args.reps - 1)
+            last = prefix_id(args.tag, args.warm_up_stores + args.reps - 1)
             out.update(store_s=stores, store_memcpy_s=store_memcpys)
             loads = timed_loads(engine, memcpy, last, args.reps)
             out.update(loads)
             mismatch = pattern_mismatch(engine.layer_arrays, args.seed)
         else:
             # A pool of its own, every page written before it is registered or loaded into.
-            last = prefix_id(args.tag, WARM_UP_STORES + args.reps - 1)
+            last = prefix_id(args.tag, args.warm_up_stores + args.reps - 1)
             memcpy = PairedMemcpy(engine.layer_arrays)
             for array in engine.layer_arrays:
                 array.fill(0)
@@ -449,7 +451,8 @@ def start_lmcache(args, directory, budget):
 def run_engine(args, system, role, endpoint, tokens, tag):
     command = [sys.executable, os.path.abspath(__file__), "--engine", role, "--system", system,
                "--endpoint", endpoint, "--tokens", str(tokens), "--tag", tag,
-               "--reps", str(args.reps), "--seed", str(tokens)] + geometry_flags(args)
+               "--reps", str(args.reps), "--warm-up-stores", str(args.warm_up_stores),
+               "--seed", str(tokens)] + geometry_flags(args)
     env = dict(os.environ, LMCACHE_DISABLE_BANNER="1", PYTHONWARNINGS="ignore")
     done = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                           env=env, timeout=1800)
@@ -501,8 +504,9 @@ def orchestrate(args):
     load_before = os.getloadavg()
     rows, raw, budgets = {}, [], {}
     for tokens in sizes:  # both systems at one size before the next: the same load on both
-        # Room for two prefixes of this size: the warm-up stores fill it, later stores evict.
-        budget = 2 * Geometry.of(args, tokens).total_bytes + 64 * MIB
+        prefix_bytes = Geometry.of(args, tokens).total_bytes
+        budget = BUDGET_PREFIXES * prefix_bytes + 64 * MIB
+        args.warm_up_stores = budget // prefix_bytes  # they fill it; later stores evict
         for system in systems:
             directory = tempfile.mkdtemp(prefix="memra-lmc-", dir="/tmp")
             service = None
@@ -515,7 +519,7 @@ def orchestrate(args):
                         args, directory, budget)
                 tag = "%s-%d-%d" % (system, tokens, os.getpid())
                 log("%s, %d tokens: engine A stores %d prefixes, loads the last" % (
-                    system, tokens, WARM_UP_STORES + args.reps))
+                    system, tokens, args.warm_up_stores + args.reps))
                 store = run_engine(args, system, "store", endpoint, tokens, tag)
                 log("%s, %d tokens: engine B loads what A stored" % (system, tokens))
                 load = run_engine(args, system, "load", endpoint, tokens, tag)
@@ -539,7 +543,7 @@ def orchestrate(args):
         "load_average_before": load_before, "load_average_after": os.getloadavg(),
         "geometry": {"layers": args.layers, "kv_heads": args.kv_heads, "head_dim": args.head_dim,
                      "dtype": "bf16", "block_tokens": args.block_tokens},
-        "reps": args.reps, "warm_up_stores": WARM_UP_STORES,
+        "reps": args.reps, "warm_up_stores": args.warm_up_stores,
         "budget_bytes": {"%s/%d" % key: value for key, value in budgets.items()},
         "versions": versions(systems),
         "rows": [dict(system=s, tokens=t, **r) for (s, t), r in rows.items()],
@@ -572,9 +576,9 @@ def print_table(report, rows, systems, sizes):
     for tokens in sizes:
         for system in systems:
             r = rows[(system, tokens)]
-            print("| %s | %dk | %d | %.2f | %.2fx | %.2f | %.2fx | %.2f | %.2f | %.2fx | %.1f | "
+            print("| %s | %s | %.0f | %.2f | %.2fx | %.2f | %.2fx | %.2f | %.2f | %.2fx | %.1f | "
                   "%.2f | %s |" % (
-                      system, tokens // 1024, r["bytes"] // MIB, r["store_gbps"],
+                      system, tokens_label(tokens), r["bytes"] / MIB, r["store_gbps"],
                       r["store_vs_memcpy"], r["own_load_gbps"], r["own_load_vs_memcpy"],
                       r["second_first_load_gbps"], r["second_load_gbps"],
                       r["second_load_vs_memcpy"], r["second_lookup_ms"], r["memcpy_gbps"],
@@ -583,12 +587,16 @@ def print_table(report, rows, systems, sizes):
         print("\nmemra / LMCache (GB/s over GB/s):")
         for tokens in sizes:
             m, l = rows[("memra", tokens)], rows[("lmcache", tokens)]
-            print("  %dk: store %.2fx, own load %.2fx, second-process load %.2fx "
+            print("  %s: store %.2fx, own load %.2fx, second-process load %.2fx "
                   "(first %.2fx)" % (
-                      tokens // 1024, m["store_gbps"] / l["store_gbps"],
+                      tokens_label(tokens), m["store_gbps"] / l["store_gbps"],
                       m["own_load_gbps"] / l["own_load_gbps"],
                       m["second_load_gbps"] / l["second_load_gbps"],
                       m["second_first_load_gbps"] / l["second_first_load_gbps"]))
+
+
+def tokens_label(tokens):
+    return "%dk" % (tokens // 1024) if tokens % 1024 == 0 else str(tokens)
 
 
 def log(message):
@@ -618,6 +626,7 @@ def main(argv=None):
     parser.add_argument("--tokens", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--tag", help=argparse.SUPPRESS)
     parser.add_argument("--seed", type=int, default=1, help=argparse.SUPPRESS)
+    parser.add_argument("--warm-up-stores", type=int, default=1, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.engine:
         args.role = args.engine
