@@ -5,7 +5,7 @@
 #   bench/lmcache/run.sh --reps=3 --json=out.json
 #
 # Builds memra-kvd -c opt, the LMCache venv (python/engines/engine_venv.sh with
-# bench/lmcache/lmcache-requirements.txt: the first time ~3 minutes and ~8 GB, reused after),
+# bench/lmcache/lmcache-requirements.txt: the first time ~3 minutes and 6.3 GB, reused after),
 # installs memra_kv from this checkout into a scratch directory with the venv's grpcio-tools,
 # then runs the script with the venv's interpreter. Arguments pass through to the script.
 set -euo pipefail
