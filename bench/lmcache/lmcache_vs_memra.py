@@ -156,7 +156,9 @@ class MemraEngine:
         self.client = Client.connect(endpoint, timeout=30)
         self.client.attach(name)
         self.store_api = BlockStore(self.client)
+        started = time.perf_counter()
         self.registration = self.store_api.register([self.pool], layout, timeout=60)
+        self.register_s = time.perf_counter() - started
         self.block_ids = g.block_ids
 
     def make_room(self):
@@ -229,6 +231,7 @@ class LmcacheEngine:
         self.transfer = create_transfer_context(self.kv_caches, mode="lmcache_driven",
                                                 instance_id=instance_id, req_client=self.client)
         # Registration re-points every tensor at a POSIX shared-memory segment the server maps.
+        started = time.perf_counter()
         self.transfer.register(
             self.kv_caches, "lmcache-vs-memra-llama3-8b", 1, 1, PATIENCE_S,
             layout_hints={"kv_layout": "NHD"},
@@ -236,6 +239,7 @@ class LmcacheEngine:
                                                 layer_indices=tuple(range(g.layers)),
                                                 tokens_per_block=g.block_tokens)],
             engine_type=EngineType.VLLM)
+        self.register_s = time.perf_counter() - started
         self.layer_arrays = [t[half, 1:].view(torch.uint8).reshape(-1).numpy()
                              for t in self.kv_caches.values() for half in (0, 1)]
         self.requests = 0
@@ -315,7 +319,7 @@ def engine_process(args):
         engine = LmcacheEngine(args.endpoint, geometry, name,
                                1000 + (0 if args.role == "store" else 1))
     out = {"system": args.system, "role": args.role, "tokens": args.tokens,
-           "bytes": geometry.total_bytes}
+           "bytes": geometry.total_bytes, "register_s": engine.register_s}
     memcpy = None
     try:
         if args.role == "store":
@@ -492,6 +496,7 @@ def summarize(store, load):
         "second_load_gbps": gbps(nbytes, median(load["load_s"])),
         "second_load_vs_memcpy": paired(load["load_s"], load["load_memcpy_s"]),
         "second_lookup_ms": 1e3 * median(load["lookup_s"]),
+        "second_register_ms": 1e3 * load["register_s"],
         "memcpy_gbps": gbps(nbytes, median(store["store_memcpy_s"] + load["load_memcpy_s"])),
         "verified": store["verified"] and load["verified"],
     }
