@@ -67,8 +67,8 @@ def main():
             [plans.kv_layer(i, 64, 8) for i in range(16)], name="llama-3.2-1b-kv"), "bf16"))
         tokens = [7 + 5 * i for i in range(args.tokens)]
         source = client.create_session(plan, args.tokens)
-        begun = source.advance(0, 0, args.tokens).begun
-        source.advance(begun.generation, args.tokens, 0, tokens)
+        source.advance(next_rows=args.tokens)
+        source.advance(args.tokens, token_ids=tokens)
         captured = client.capture_prefix(source, tokens, args.tokens)
         source.release()
         nbytes = captured.stored_bytes

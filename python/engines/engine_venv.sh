@@ -45,3 +45,4 @@ fi
 [[ "${PIPESTATUS[0]}" == 0 ]] || { echo "engine_venv.sh: pip install -r ${requirements} failed" >&2; exit 1; }
 echo "engine_venv.sh: installed in $((SECONDS - started))s" >&2
 touch "${staging}/.complete"
+echo "${venv}"

@@ -17,12 +17,19 @@ except ImportError as _missing:
         "missing or were generated for another protobuf (%s): install the package with `pip "
         "install ./python` (or `pip install -e ./python`), depend on //python:memra_kv under "
         "Bazel, or run python/tools/gen_protos.py in a checkout" % _missing) from _missing
-from .client import (Client, LayerAppend, PrefixCaptured, PrefixEvent, PrefixEvents, PrefixMatch,
-                     PrefixRestored, PreparedAppend, Reservation, Session, StepBatch, StepOutcome,
-                     Transaction)
-from .errors import KvError
+from .client import (AdvanceStep, Advanced, Client, LayerAppend, PrefixCaptured, PrefixEvent,
+                     PrefixEvents, PrefixMatch, PrefixRestored, PreparedAppend, Reservation,
+                     Session, StepBatch, StepOutcome, Transaction, TransactionScope)
+from .errors import (Aborted, AdmissionRefused, AlreadyExists, Cancelled, DaemonRestarted, DataLoss,
+                     DeadlineExceeded, ErrorCode, FailedPrecondition, Internal, InvalidArgument,
+                     KvError, MemraKvError, NotFound, OutOfRange, PermissionDenied,
+                     ResourceExhausted, Unauthenticated, Unavailable, Unimplemented, Unknown)
 from .planes import (CudaArenaMapper, CudaPlane, CudaRuntime, HostArenaMapper, PlaneGeometry,
                      TypedGeometry, bf16_bits, float32_from_bf16_bits)
+from .results import (AdmissionStatus, Cost, CostBreakdown, EngineStatus, Fit, ImportedModel,
+                      LayerState, MaxContext, PrefixCacheStats, PrefixEntry, PrefixEvicted,
+                      PrefixListing, PrefixRemoteStats, PrefixTierStats, SessionState,
+                      SessionSummary, Status)
 from . import plans
 
 # Plane kinds (cache.proto PlaneKind), for Session.plane(layer, kind).
@@ -40,3 +47,4 @@ SPEC_CONV = cache_pb2.PLANE_KIND_SPEC_CONV
 SPEC_SSM = cache_pb2.PLANE_KIND_SPEC_SSM
 
 connect = Client.connect
+"""memra_kv.connect(socket_path, timeout=10.0): Client.connect."""

@@ -78,6 +78,7 @@ class HostPool:
         return np.frombuffer(self._map, dtype=dtype, count=count, offset=offset).reshape(shape)
 
     def close(self):
+        """Unmaps the pool and closes its memfd."""
         self.array = None
         try:
             self._map.close()
@@ -184,6 +185,7 @@ def element_type_of(dtype):
 
 @dataclass
 class KvGroup:
+    """One KV group of a registration: its layout fingerprint and per-block bytes."""
     kv_group: int
     layout_fingerprint: bytes
     block_bytes: int
@@ -192,6 +194,7 @@ class KvGroup:
 
 @dataclass
 class Registration:
+    """A registered pool layout (BlockStore.register): its id and KV groups."""
     id: int
     layout: PoolLayout
     groups: List[KvGroup]
@@ -200,6 +203,7 @@ class Registration:
 
 @dataclass
 class BlockMatch:
+    """BlockStore.lookup: the leading blocks stored, and the pin holding them when asked."""
     matched_blocks: int
     pin_id: int = 0
     medium: str = "device"
@@ -207,12 +211,14 @@ class BlockMatch:
 
 @dataclass
 class BlockOutcome:
+    """One block's result in a Transfer."""
     code: grpc.StatusCode  # OK, NOT_FOUND (no longer stored), DATA_LOSS (corrupt)
     message: str = ""
     already_present: bool = False  # store: it was stored before (nothing copied)
 
     @property
     def ok(self):
+        """Stored or loaded."""
         return self.code == grpc.StatusCode.OK
 
 
@@ -225,6 +231,7 @@ class Transfer:
 
     @property
     def ok(self):
+        """Every block succeeded."""
         return all(block.ok for block in self.blocks)
 
     def failed(self):
@@ -330,6 +337,7 @@ class BlockStore:
         return connection, buffer_id
 
     def unregister(self, registration, timeout=None):
+        """Drops the registration (the daemon forgets the pool's buffers)."""
         _call(self._stub.UnregisterEngineBuffers, bs.UnregisterEngineBuffersRequest(
             engine=self._engine("unregister"), registration_id=_id(registration)),
             self._t(timeout))
@@ -372,6 +380,7 @@ class BlockStore:
         return _transfer(_call(self._stub.LoadBlocks, request, self._t(timeout)))
 
     def unpin(self, pin_id, timeout=None):
+        """Releases a pin a lookup took."""
         _call(self._stub.UnpinBlocks, bs.UnpinBlocksRequest(
             engine=self._engine("unpin"), pin_id=pin_id), self._t(timeout))
 
@@ -428,6 +437,7 @@ class KeptRegistration:
 
     @property
     def registration(self) -> Registration:
+        """The live registration (re-registered once when the daemon lost it)."""
         with self._lock:
             return self._registration
 
@@ -508,6 +518,7 @@ class KeptRegistration:
         return self.call(self._store.load, block_ids, **kwargs)
 
     def unpin(self, pin_id):
+        """Releases a pin a lookup took."""
         """BlockStore.unpin: pins are the engine's, not the registration's (a pin of an engine
         the client replaced is gone with it: NOT_FOUND)."""
         self._store.unpin(pin_id, self._timeout)

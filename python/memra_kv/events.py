@@ -45,14 +45,13 @@ import struct
 import sys
 import threading
 import time
+from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
 
-import grpc
 import msgpack
 import zmq
 
-from ._proto import prefix_pb2
 from .client import Client
-from .errors import KvError
+from .errors import ErrorCode, KvError
 
 END_SEQUENCE = struct.pack(">q", -1)
 MEDIA = {"pinned_host": "CPU", "disk": "STORAGE"}
@@ -63,27 +62,35 @@ log = logging.getLogger("memra_kv.events")
 
 # ---- the events (vLLM's KVCacheEvent structs as msgspec lays them out) ----
 
-def block_stored(block_hashes, parent_block_hash, token_ids, block_size, medium):
+# One vLLM event as msgspec lays it out: a dict of its fields.
+Event = Dict[str, Any]
+
+
+def block_stored(block_hashes: Sequence[bytes], parent_block_hash: bytes,
+                 token_ids: Sequence[int], block_size: int, medium: str) -> Event:
     """vLLM BlockStored: lora_id and lora_name are None (memra-kvd keys carry no LoRA)."""
     return {"type": "BlockStored", "block_hashes": list(block_hashes),
             "parent_block_hash": parent_block_hash or None, "token_ids": list(token_ids),
             "block_size": block_size, "lora_id": None, "medium": medium, "lora_name": None}
 
 
-def block_removed(block_hashes, medium):
+def block_removed(block_hashes: Sequence[bytes], medium: str) -> Event:
+    """vLLM BlockRemoved."""
     return {"type": "BlockRemoved", "block_hashes": list(block_hashes), "medium": medium}
 
 
-def all_blocks_cleared():
+def all_blocks_cleared() -> Event:
+    """vLLM AllBlocksCleared."""
     return {"type": "AllBlocksCleared"}
 
 
-def encode_batch(ts, events, data_parallel_rank):
+def encode_batch(ts: float, events: List[Event], data_parallel_rank: int) -> bytes:
     """A KVEventBatch as msgspec's msgpack encoder writes it (floats as float64)."""
-    return msgpack.packb([float(ts), events, data_parallel_rank], use_bin_type=True)
+    packed: bytes = msgpack.packb([float(ts), events, data_parallel_rank], use_bin_type=True)
+    return packed
 
 
-def medium_name(medium, backend="host"):
+def medium_name(medium: str, backend: str = "host") -> str:
     """vLLM's medium of a daemon tier ("device" is the backend's memory: host memory on the
     host backend)."""
     if medium == "device":
@@ -91,7 +98,7 @@ def medium_name(medium, backend="host"):
     return MEDIA.get(medium, medium.upper())
 
 
-def translate(event, backend="host"):
+def translate(event: Any, backend: str = "host") -> List[Event]:
     """The vLLM events of one memra_kv.PrefixEvent (not GAP: the bridge resyncs those)."""
     hashes = event.block_hashes or event.block_keys
     if not hashes:
@@ -109,7 +116,7 @@ def translate(event, backend="host"):
 
 # ---- the publisher ----
 
-def _bind_or_connect(sock, endpoint):
+def _bind_or_connect(sock: Any, endpoint: str) -> None:
     """vLLM's rule: bind a wildcard, ipc:// or inproc:// endpoint, connect to any other."""
     if "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://")):
         sock.bind(endpoint)
@@ -122,13 +129,15 @@ class ZmqPublisher:
     `buffer_steps` batches. publish() is called from one thread; the replay endpoint is served
     on its own thread (its own socket; the buffer under a lock)."""
 
-    def __init__(self, endpoint, replay_endpoint=None, topic="", buffer_steps=10000,
-                 hwm=100000, data_parallel_rank=0, context=None):
+    def __init__(self, endpoint: str, replay_endpoint: Optional[str] = None, topic: str = "",
+                 buffer_steps: int = 10000, hwm: int = 100000, data_parallel_rank: int = 0,
+                 context: Any = None) -> None:
         self._context = context or zmq.Context.instance()
         self._topic = topic.encode()
         self._rank = data_parallel_rank
         self._lock = threading.Lock()
-        self._buffer = collections.deque(maxlen=buffer_steps)  # (sequence, payload)
+        # (sequence, payload)
+        self._buffer: Deque[Tuple[int, bytes]] = collections.deque(maxlen=buffer_steps)
         self._next_sequence = 0
         self._pub = self._context.socket(zmq.PUB)
         self._pub.set_hwm(hwm)
@@ -145,7 +154,7 @@ class ZmqPublisher:
                                                    name="memra-kv-events-replay", daemon=True)
             self._replay_thread.start()
 
-    def publish(self, events, ts=None):
+    def publish(self, events: List[Event], ts: Optional[float] = None) -> int:
         """Sends one batch; returns its sequence."""
         payload = encode_batch(time.time() if ts is None else ts, events, self._rank)
         with self._lock:
@@ -155,7 +164,7 @@ class ZmqPublisher:
         self._pub.send_multipart((self._topic, struct.pack(">Q", sequence), payload))
         return sequence
 
-    def _serve_replay(self, replay):
+    def _serve_replay(self, replay: Any) -> None:
         try:
             while not self._stopping.is_set():
                 if not replay.poll(100):
@@ -175,7 +184,8 @@ class ZmqPublisher:
         finally:
             replay.close(linger=0)
 
-    def close(self):
+    def close(self) -> None:
+        """Stops the replay thread and closes the sockets."""
         self._stopping.set()
         if self._replay_thread is not None:
             self._replay_thread.join()
@@ -190,7 +200,8 @@ class Bridge:
     entry the daemon lists. The daemon's backend (GetStatus, served on both sockets) names its
     device tier's medium."""
 
-    def __init__(self, client, publisher, resync, epoch=0, last_sequence=0):
+    def __init__(self, client: Client, publisher: ZmqPublisher, resync: bool, epoch: int = 0,
+                 last_sequence: int = 0) -> None:
         self._client = client
         self._publisher = publisher
         self._resync = resync
@@ -198,7 +209,7 @@ class Bridge:
         self.events = client.events(epoch, last_sequence)
         self.published = 0
 
-    def run(self):
+    def run(self) -> None:
         """Until the event stream ends (stop(), or the daemon went away: KvError)."""
         for event in self.events:
             if event.gap:
@@ -210,37 +221,34 @@ class Bridge:
             if translated:
                 self._publish(translated)
 
-    def _publish(self, events):
+    def _publish(self, events: List[Event]) -> None:
         self._publisher.publish(events)
         self.published += 1
 
-    def _republish_listing(self):
+    def _republish_listing(self) -> None:
         for entry in self._client.list_prefixes().entries:
             if entry.from_engine_pool:
                 continue  # known by block keys only, not by the engine's hashes routers index
             try:
                 inspected = self._client.inspect_prefix(entry.entry_id)
             except KvError as error:  # evicted since the listing: its event follows
-                if error.code == grpc.StatusCode.NOT_FOUND:
+                if error.code == ErrorCode.NOT_FOUND:
                     continue
                 raise
             keys = list(inspected.block_keys)
             if keys:
                 block_size = entry.boundary_tokens // len(keys)
                 self._publish([block_stored(keys, b"", (), block_size,
-                                            medium_name(_medium(entry.medium), self.backend))])
+                                            medium_name(entry.medium, self.backend))])
 
-    def stop(self):
+    def stop(self) -> None:
+        """Ends run(): cancels the event stream (from any thread or a signal handler)."""
         self.events.cancel()
 
 
-def _medium(value):
-    return {prefix_pb2.PREFIX_MEDIUM_DEVICE: "device",
-            prefix_pb2.PREFIX_MEDIUM_PINNED_HOST: "pinned_host",
-            prefix_pb2.PREFIX_MEDIUM_DISK: "disk"}.get(value, "device")
 
-
-def main(argv=None):
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """`python3 -m memra_kv.events`: runs the bridge until a signal or the stream ends; the exit status."""
     parser = argparse.ArgumentParser(
         prog="python3 -m memra_kv.events",
         description="Republish memra-kvd's prefix events as vLLM KV events (ZMQ, msgpack).")

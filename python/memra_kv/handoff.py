@@ -12,10 +12,11 @@ import os
 import socket
 import struct
 import threading
+from typing import List, Sequence, Tuple
 
 import grpc
 
-from .errors import KvError, code_from_value
+from .errors import KvError, MemraKvError, code_from_value
 
 VERSION = 1
 KIND_TICKET, KIND_ARENA_REQUEST, KIND_ARENA, KIND_REFUSAL = 1, 2, 3, 4
@@ -32,14 +33,15 @@ MAX_TOKEN_BYTES = 64
 MAX_HANDLE_BYTES = 256
 
 
-def default_handoff_path(socket_path):
+def default_handoff_path(socket_path: str) -> str:
     """The handoff socket beside `socket_path`, as the daemon derives it when
     handoff_socket_path is not configured: ".sock" replaced by ".handoff.sock"."""
     stem = socket_path[:-len(".sock")] if socket_path.endswith(".sock") else socket_path
     return stem + ".handoff.sock"
 
 
-def encode_arena_request(session_id, token, handle):
+def encode_arena_request(session_id: int, token: bytes, handle: bytes) -> bytes:
+    """The frame asking for a host arena's descriptor (docs/handoff.md)."""
     if len(token) > MAX_TOKEN_BYTES:
         raise KvError(grpc.StatusCode.INVALID_ARGUMENT, "handoff arena request: a session token "
                       "of %d bytes; at most %d" % (len(token), MAX_TOKEN_BYTES))
@@ -51,7 +53,7 @@ def encode_arena_request(session_id, token, handle):
     return struct.pack("<IBB", 2 + len(body), VERSION, KIND_ARENA_REQUEST) + body
 
 
-def decode_refusal(body):
+def decode_refusal(body: bytes) -> MemraKvError:
     """The KvError a refusal record carries."""
     if len(body) < 6:
         return KvError(grpc.StatusCode.INTERNAL, "handoff refusal of %d bytes" % len(body))
@@ -61,7 +63,7 @@ def decode_refusal(body):
     return KvError(code_from_value(code) if code else grpc.StatusCode.UNKNOWN, message)
 
 
-def _close_all(fds):
+def _close_all(fds: Sequence[int]) -> None:
     for fd in fds:
         os.close(fd)
 
@@ -69,7 +71,7 @@ def _close_all(fds):
 class HandoffChannel:
     """One connection to the handoff socket. Thread-safe (requests are serialised)."""
 
-    def __init__(self, path, timeout):
+    def __init__(self, path: str, timeout: float) -> None:
         self.path = path
         self._timeout = timeout
         self._lock = threading.Lock()
@@ -94,10 +96,11 @@ class HandoffChannel:
             self._sock.close()
             raise
 
-    def close(self):
+    def close(self) -> None:
+        """Closes the connection (the daemon drops what it bound to it)."""
         self._sock.close()
 
-    def fetch_arena(self, session_id, token, handle):
+    def fetch_arena(self, session_id: int, token: bytes, handle: bytes) -> Tuple[int, int]:
         """(descriptor, bytes) of arena `handle` of session `session_id`; the caller closes
         the descriptor. KvError with the daemon's code and message when it refuses."""
         nbytes, fds = self._exchange(encode_arena_request(session_id, token, handle),
@@ -108,7 +111,7 @@ class HandoffChannel:
         _close_all(fds[1:])
         return fds[0], nbytes
 
-    def open_step_channel(self):
+    def open_step_channel(self) -> Tuple[int, int, int]:
         """(region descriptor, region bytes, wake descriptor) of a new step channel for the
         engine this connection is bound to (docs/step-channel.md; ask only when Attached
         offered one); the caller closes both descriptors. A second request replaces the first
@@ -121,7 +124,7 @@ class HandoffChannel:
                           "came with %d descriptors, not 2" % (self.path, len(fds)))
         return fds[0], nbytes, fds[1]
 
-    def offer_buffer(self, fd, nbytes):
+    def offer_buffer(self, fd: int, nbytes: int) -> int:
         """Offers the engine's own pool memory to the block store: `fd` (kept open by the
         caller) is a memfd sealed with F_SEAL_SHRINK and at least `nbytes` long. Returns the
         buffer id RegisterEngineBuffers names it by (single use, valid while this connection
@@ -134,7 +137,8 @@ class HandoffChannel:
         _close_all(extra)
         return buffer_id
 
-    def _exchange(self, frame, answer_kind, what, pass_fds=()):
+    def _exchange(self, frame: bytes, answer_kind: int, what: str,
+                  pass_fds: Sequence[int] = ()) -> Tuple[int, List[int]]:
         """Sends one request frame (with `pass_fds`) and reads its answer: (the answer's u64
         body, the descriptors that came with it, the caller's to close). KvError with the
         daemon's code and message for a refusal; INTERNAL for another kind or body."""
@@ -155,11 +159,11 @@ class HandoffChannel:
             _close_all(fds)
             raise KvError(grpc.StatusCode.INTERNAL, "handoff socket %s: %s answered with kind %d "
                           "of %d bytes" % (self.path, what, kind, len(body)))
-        return struct.unpack("<Q", body)[0], fds
+        return int(struct.unpack("<Q", body)[0]), fds
 
-    def _read_frame(self):
+    def _read_frame(self) -> Tuple[int, bytes, List[int]]:
         """(kind, body, descriptors that came with it: at most MAX_DESCRIPTORS, extras closed)."""
-        fds = []
+        fds: List[int] = []
         while True:
             if len(self._input) >= 4:
                 (length,) = struct.unpack_from("<I", self._input)

@@ -162,42 +162,48 @@ def test_session_refusals_name_the_session_and_generation(small):
 def test_advance_is_one_entry_per_session_per_step_and_all_or_nothing(small):
     plan = small.register_plan(hybrid_test_plan())
     sessions = [small.create_session(plan, 256) for _ in range(2)]
-    batch = memra_kv.StepBatch()
-    for session in sessions:
-        batch.advance(session, 0, 0, 4)
-    outcomes = small.step(batch)
+    outcomes = small.advance_many([memra_kv.AdvanceStep(s, next_rows=4) for s in sessions])
     assert [o.ok for o in outcomes] == [True, True]
-    assert outcomes[0].begun.generation == 1 and outcomes[0].prepared.target == 4
+    assert outcomes[0].transaction.generation == 1 and outcomes[0].prepared.target == 4
     committed = 0
     for step in range(1, 6):
         accepted = 4 if step % 2 else 2
-        batch.clear()
-        for session, outcome in zip(sessions, outcomes):
-            batch.advance(session, outcome.begun.generation, accepted, 4,
-                          token_ids=[step] * accepted)
-        outcomes = small.step(batch)
+        outcomes = small.advance_many([memra_kv.AdvanceStep(s, accepted, 4, [step] * accepted)
+                                       for s in sessions])
         committed += accepted
         for session, outcome in zip(sessions, outcomes):
             assert outcome.ok and outcome.published
             assert outcome.committed_len == committed
-            assert outcome.begun.base_len == committed and outcome.prepared.target == committed + 4
+            assert outcome.transaction.base_len == committed
+            assert outcome.prepared.target == committed + 4
+            assert session.open_generation == outcome.transaction.generation
             assert session.plane(FLAT_LAYER, memra_kv.LEN_MIRROR)[0] == committed
     session = sessions[0]
-    generation = outcomes[0].begun.generation
+    generation = session.open_generation
     before = session.state()
     # The commit alone would be accepted; the next prepare is not, so nothing is applied.
-    with pytest.raises(KvError) as refused:
-        session.advance(generation, 4, 256)
-    assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    with pytest.raises(memra_kv.InvalidArgument) as refused:
+        session.advance(4, 256)
+    assert refused.value.code == memra_kv.ErrorCode.INVALID_ARGUMENT
     assert "KV append exceeds capacity: %d > 256" % (committed + 4 + 256) in refused.value.message
-    with pytest.raises(KvError) as tokens:
-        session.advance(generation, 4, 1, token_ids=[1, 2])
-    assert tokens.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    with pytest.raises(memra_kv.InvalidArgument) as tokens:
+        session.advance(4, 1, token_ids=[1, 2])
     assert "commit carries 2 token ids for 4 accepted rows" in tokens.value.message
-    assert session.state() == before
-    done = session.advance(generation, 4, 0)
-    assert done.committed_len == committed + 4 and done.begun is None and done.prepared is None
+    assert session.state() == before and session.open_generation == generation
+    # In a batch a refused entry is its own: the other session's step is applied.
+    mixed = small.advance_many([memra_kv.AdvanceStep(session, 4, 256),
+                                memra_kv.AdvanceStep(sessions[1], 4, 4)])
+    assert isinstance(mixed[0].error, memra_kv.InvalidArgument) and mixed[1].ok
+    assert "KV append exceeds capacity" in mixed[0].error.message
+    assert session.state() == before and session.open_generation == generation
+    assert sessions[1].state().committed_len == committed + 4
+    done = session.advance(4)
+    assert done.committed_len == committed + 4 and done.transaction is None
+    assert done.prepared is None and session.open_generation == 0
     assert session.state().active_generation == 0
+    with pytest.raises(memra_kv.InvalidArgument) as twice:
+        small.advance_many([memra_kv.AdvanceStep(sessions[1], 4, 1)] * 2)
+    assert "advance_many: session %d is named twice" % sessions[1].id in twice.value.message
 
 
 def test_step_by_slot_is_for_the_owning_engine_only(small):
@@ -229,8 +235,8 @@ def test_a_steady_request_stream_reuses_the_pooled_arena_and_its_mapping(small):
         handles.add(session.layout.arenas[0].handle)
         assert session.state().committed_len == 0
         assert session.plane(FLAT_LAYER, memra_kv.LEN_MIRROR)[0] == 0
-        outcome = session.advance(0, 0, 3)
-        session.advance(outcome.begun.generation, 3, 0)
+        session.advance(next_rows=3)
+        session.advance(3)
         session.release()
     assert len(handles) == 1, "every request got the pooled arena back"
     assert small.mapper.opens == opens + 1 and small.mapper.mapped_count == 1

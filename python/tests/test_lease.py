@@ -252,6 +252,7 @@ def test_an_engine_whose_daemon_restarted_without_a_supervisor_gets_the_restart_
             now = admin.status().epoch
         assert now != first and not engine.lease_alive and engine.reattaches == 0
         lost = engine.lease_lost
+        assert isinstance(lost, memra_kv.DaemonRestarted)  # a FailedPrecondition
         assert lost.code == grpc.StatusCode.FAILED_PRECONDITION and lost.is_daemon_restarted
         assert (lost.previous_epoch, lost.epoch) == (first, now)
         # Issue 26: the words docs/failure-model.md promises, not "engine 1 was reclaimed".
@@ -261,7 +262,7 @@ def test_an_engine_whose_daemon_restarted_without_a_supervisor_gets_the_restart_
             "kept its state, or keep_kv_across_restarts = false); attach as a new engine"
             % (first, now, first)), lost.message
         assert "engine %d" % engine_id not in lost.message
-        with pytest.raises(KvError) as refused:
+        with pytest.raises(memra_kv.DaemonRestarted) as refused:
             session.state()
         error = refused.value
         assert error.code == grpc.StatusCode.FAILED_PRECONDITION and error.is_daemon_restarted
@@ -273,7 +274,7 @@ def test_an_engine_whose_daemon_restarted_without_a_supervisor_gets_the_restart_
         batch = memra_kv.StepBatch()
         batch.begin(session)
         [outcome] = engine.step(batch)
-        assert outcome.error.is_daemon_restarted
+        assert isinstance(outcome.error, memra_kv.DaemonRestarted)
         assert (outcome.error.previous_epoch, outcome.error.epoch) == (first, now)
 
 
