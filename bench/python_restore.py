@@ -1,7 +1,8 @@
 #!/usr/bin/python3
 """Restore throughput from Python, for memra_bench's python_restore section (bench/README.md).
 
-    python_restore.py --socket=S --python_path=P --out=FILE --tokens=2048 --repetitions=10
+    python_restore.py --socket=S --python_path=P --out=FILE --tokens=2048 --load_blocks=256 \
+        --repetitions=20
 
 Attaches to memra-kvd with memra_kv and measures, each against a numpy copy of the same bytes in
 the same process, paired repetition by repetition:
@@ -12,9 +13,10 @@ the same process, paired repetition by repetition:
 - the same restore into a FRESH session (created just before, untimed, released after; its
   arena comes from the daemon's pool once one was released), against a copy into a fresh
   memfd mapping (first touch, as the daemon's copy into never-touched arena pages pays);
-- a block-store load (BlockStore.load: one LoadBlocks RPC) of 256 blocks of an engine pool of
-  section 8's geometry (8 layers of K and V, 8 heads of 64, fp16, 16-token blocks, 64 MiB)
-  into pool blocks the engine has written before, against a copy between warm buffers;
+- a block-store load (BlockStore.load: one LoadBlocks RPC) of `load_blocks` blocks of an engine
+  pool of section 8's geometry (8 layers of K and V, 8 heads of 64, fp16, 16-token blocks: 256
+  KiB a block) into pool blocks the engine has written before, against a copy between warm
+  buffers;
 - what Python itself adds per call: building the request (the token ids into protobuf) and the
   round trip of a call that copies nothing (GetSessionState).
 Writes the figures (ms, p50 over the repetitions; ratios: p50 of each repetition's memcpy time
@@ -49,6 +51,7 @@ def main():
     for flag in ("socket", "python_path", "out"):
         parser.add_argument("--" + flag, required=True)
     parser.add_argument("--tokens", type=int, required=True)
+    parser.add_argument("--load_blocks", type=int, required=True)
     parser.add_argument("--repetitions", type=int, required=True)
     args = parser.parse_args()
     sys.path.insert(0, args.python_path)
@@ -117,7 +120,8 @@ def main():
             "ratio_fresh_first_touch_memcpy": paired_ratio(fresh_copy, fresh_restore)}
 
         # ---- block store load ----
-        layers, heads, head_dim, block_tokens, blocks, loaded = 8, 8, 64, 16, 2048, 256
+        loaded = args.load_blocks
+        layers, heads, head_dim, block_tokens, blocks = 8, 8, 64, 16, 2 * loaded
         block_bytes = block_tokens * heads * head_dim * 2
         tensors = []
         for layer in range(layers):

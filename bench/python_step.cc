@@ -187,6 +187,7 @@ absl::StatusOr<Json> RunPythonRestore(const BenchOptions& options) {
       "python_restore.py";
   const int tokens = options.quick ? 512 : 2048;  // 64 MiB: the 58 MB restore
   const int repetitions = options.quick ? 2 : 20;
+  const int load_blocks = options.quick ? 8 : 256;  // 64 MiB
   Table table({"verify", "restore MB", "recycled ms", "memcpy ms", "restore/memcpy",
                "fresh ms", "first-touch memcpy ms", "fresh/first-touch",
                "Python build + RPC floor ms", "block load MB", "load ms", "memcpy ms",
@@ -207,6 +208,7 @@ absl::StatusOr<Json> RunPythonRestore(const BenchOptions& options) {
                                           "--socket=" + kvd->socket_path(),
                                           "--python_path=" + options.python_path,
                                           "--out=" + out, absl::StrCat("--tokens=", tokens),
+                                          absl::StrCat("--load_blocks=", load_blocks),
                                           absl::StrCat("--repetitions=", repetitions)},
                                          dir.File("python.log")));
     RETURN_IF_ERROR(WaitForPath(out, python, absl::Minutes(10)));
