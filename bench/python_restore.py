@@ -8,8 +8,8 @@ Attaches to memra-kvd with memra_kv and measures, each against a numpy copy of t
 the same process, paired repetition by repetition:
 - a prefix restore (Client.restore_prefix: one Restore RPC, the daemon copies) of a dense
   model's `tokens`-token entry (Llama-3.2-1B's K/V geometry: 16 layers of 8 heads of 64, in bf16
-  as an engine keeps them: 32 KiB a token; 256-token blocks) into a RECYCLED session (reset between restores, after two warm-up
-  restores), against a copy between two warm buffers;
+  as an engine keeps them: 32 KiB a token; 256-token blocks) into a RECYCLED session (reset
+  between restores, after two warm-up restores), against a copy between two warm buffers;
 - the same restore into a FRESH session (created just before, untimed, released after; its
   arena comes from the daemon's pool once one was released), against a copy into a fresh
   memfd mapping (first touch, as the daemon's copy into never-touched arena pages pays);

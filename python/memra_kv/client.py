@@ -755,13 +755,14 @@ class Client:
             self.mapper.unmap(handle)  # nothing when this process already dropped it
 
     def step(self, batch: "StepBatch", timeout: Optional[float] = None) -> List[StepOutcome]:
-        """Runs a StepBatch as one Step; one StepOutcome per entry, in order. The step's own failure raises; entries fail independently (StepOutcome.error).
-        A batch by slot carries this client's engine credentials, and goes over the engine's
-        step channel when it has one (no wait event, sessions of at most 128 K/V layers, at
-        most 256 token ids per entry; docs/step-channel.md); anything else is one Step RPC.
-        The same outcomes either way. A channel failure raises Unavailable (or Internal):
-        records in flight may or may not have run; later steps go over gRPC. ValueError,
-        nothing sent, for a number an entry cannot carry."""
+        """Runs a StepBatch as one Step; one StepOutcome per entry, in order. The step's own
+        failure raises; entries fail independently (StepOutcome.error). A batch by slot
+        carries this client's engine credentials, and goes over the engine's step channel when
+        it has one (no wait event, sessions of at most 128 K/V layers, at most 256 token ids
+        per entry; docs/step-channel.md); anything else is one Step RPC. The same outcomes
+        either way. A channel failure raises Unavailable (or Internal): records in flight may
+        or may not have run; later steps go over gRPC. ValueError, nothing sent, for a number
+        an entry cannot carry."""
         if batch.by_slot:
             lease = self._lease
             channel = lease.step_channel if lease is not None else None
