@@ -65,6 +65,7 @@ void CatchTerm() {
   sigemptyset(&action.sa_mask);
   sigaction(SIGTERM, &action, nullptr);
   sigaction(SIGINT, &action, nullptr);
+  signal(SIGPIPE, SIG_IGN);  // a socket the daemon closed is an error to handle, not death
 }
 
 void Pause() { absl::SleepFor(absl::Milliseconds(absl::GetFlag(FLAGS_pace_ms))); }

@@ -66,7 +66,9 @@ char TryConnection(const char* path, int* fd) {
   if (connect(*fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)) != 0) return 'E';
   static constexpr char kPreface[] =
       "PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\0\0\0\x04\0\0\0\0\0";  // + SETTINGS, empty
-  if (write(*fd, kPreface, sizeof(kPreface) - 1) != static_cast<ssize_t>(sizeof(kPreface) - 1)) {
+  // MSG_NOSIGNAL: a connection the daemon already closed at the door is EPIPE, not SIGPIPE.
+  if (send(*fd, kPreface, sizeof(kPreface) - 1, MSG_NOSIGNAL) !=
+      static_cast<ssize_t>(sizeof(kPreface) - 1)) {
     return 'C';  // closed before the preface went out
   }
   char reply[64];
