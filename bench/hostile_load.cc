@@ -9,6 +9,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <memory>
 #include <string>
 #include <vector>
@@ -141,9 +142,11 @@ absl::StatusOr<Json> RunHostileLoad(const BenchOptions& options) {
   auto await_ready = [&](Engine& engine) -> absl::StatusOr<std::string> {
     if (absl::Status ready = WaitForPath(engine.ready_file, engine.process, absl::Seconds(120));
         !ready.ok()) {
+      std::ifstream log(work.File(engine.name + ".log"));
+      const std::string said((std::istreambuf_iterator<char>(log)),
+                             std::istreambuf_iterator<char>());
       return absl::UnavailableError(absl::StrCat(engine.name, " never got ready (",
-                                                 ready.message(), "); see its log in ",
-                                                 work.path()));
+                                                 ready.message(), "); it said: ", said));
     }
     return ReadLine(engine.ready_file);
   };
