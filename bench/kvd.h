@@ -24,6 +24,7 @@ struct BenchOptions {
   std::string kvd_binary;    // //server:memra-kvd
   std::string echo_binary;   // //bench:echo_server
   std::string redis_binary;  // redis-server
+  std::string load_engine_binary;  // //bench:load_engine (the hostile section's engines)
   // The python_step section: bench/python_step.py, the interpreter it runs on, and the directory
   // holding the memra_kv package (with its generated stubs: python/tools/gen_protos.py).
   std::string python_stepper;

@@ -24,6 +24,7 @@
 
 ABSL_FLAG(std::string, kvd, "", "path of the memra-kvd binary (//server:memra-kvd)");
 ABSL_FLAG(std::string, echo_server, "", "path of //bench:echo_server");
+ABSL_FLAG(std::string, load_engine, "", "path of //bench:load_engine (the hostile section)");
 ABSL_FLAG(std::string, redis_server, "/usr/bin/redis-server", "path of redis-server");
 ABSL_FLAG(std::string, json_out, "", "write the results as JSON here");
 ABSL_FLAG(std::string, plot_data, "",
@@ -34,7 +35,7 @@ ABSL_FLAG(std::string, python_path, "",
           "directory holding the memra_kv package with its generated stubs (python/)");
 ABSL_FLAG(std::string, sections,
           "hot_path,step_channel,spec_decode,prefix_redis,admission,scale,python_step,"
-          "python_restore,block_store",
+          "python_restore,block_store,hostile",
           "comma-separated sections to run");
 ABSL_FLAG(bool, quick, false, "tiny iteration counts: checks the harness, measures nothing");
 ABSL_FLAG(bool, check_limits, false,
@@ -63,6 +64,7 @@ int Run() {
   BenchOptions options;
   options.kvd_binary = absl::GetFlag(FLAGS_kvd);
   options.echo_binary = absl::GetFlag(FLAGS_echo_server);
+  options.load_engine_binary = absl::GetFlag(FLAGS_load_engine);
   options.redis_binary = absl::GetFlag(FLAGS_redis_server);
   options.quick = absl::GetFlag(FLAGS_quick);
   options.scale_sessions = absl::GetFlag(FLAGS_scale_sessions);
@@ -110,7 +112,8 @@ int Run() {
                                                  {"python_step", RunPythonStep},
                                                  {"python_restore", RunPythonRestore},
                                                  {"prefix_tiers", RunPrefixTiers},
-                                                 {"block_store", RunBlockStore}};
+                                                 {"block_store", RunBlockStore},
+                                                 {"hostile", RunHostileLoad}};
   const std::vector<std::string> wanted = absl::StrSplit(absl::GetFlag(FLAGS_sections), ',');
   bool failed = false;
   for (const auto& [name, run] : all) {

@@ -8,7 +8,8 @@ cd "$(dirname "$0")/.."
 
 # (bazel/copts.bzl keeps GCC 12's -O2 -Wmaybe-uninitialized false positives from being fatal.)
 opt=(-c opt)
-bazel build "${opt[@]}" //bench:memra_bench //bench:echo_server //server:memra-kvd
+bazel build "${opt[@]}" //bench:memra_bench //bench:echo_server //bench:load_engine \
+  //server:memra-kvd
 # The python_step section's memra_kv runs from this checkout: its stubs into python/memra_kv/_proto.
 /usr/bin/python3 python/tools/gen_protos.py
 bin="$(bazel info "${opt[@]}" bazel-bin 2>/dev/null)"
@@ -17,6 +18,7 @@ results=bench/results
 mkdir -p "${results}"
 status=0
 "${bin}/bench/memra_bench" --kvd="${bin}/server/memra-kvd" --echo_server="${bin}/bench/echo_server" \
+  --load_engine="${bin}/bench/load_engine" \
   --python_stepper=bench/python_step.py --python_path=python \
   --json_out="${results}/latest.json" --plot_data="${results}/latency_vs_n.dat" "$@" \
   | tee "${results}/latest.txt" || status=$?

@@ -36,6 +36,8 @@ absl::StatusOr<Json> RunPythonRestore(const BenchOptions& options);
 absl::StatusOr<Json> RunPrefixTiers(const BenchOptions& options);
 // 8. The block store: an engine pool's blocks stored and loaded vs memcpy and Redis.
 absl::StatusOr<Json> RunBlockStore(const BenchOptions& options);
+// 9. Two honest engines' decode step with and without one hostile engine per resource.
+absl::StatusOr<Json> RunHostileLoad(const BenchOptions& options);
 
 }  // namespace memra::bench
 

@@ -5,7 +5,7 @@ set -euo pipefail
 
 runfiles="${TEST_SRCDIR}/memra_kv"
 out="${TEST_TMPDIR}/smoke.json"
-sections="hot_path,spec_decode,admission,scale,python_step,python_restore"
+sections="hot_path,spec_decode,admission,scale,python_step,python_restore,hostile"
 if [[ -x /usr/bin/redis-server ]]; then
   sections="${sections},prefix_redis,block_store"
 else
@@ -19,6 +19,7 @@ fi
 
 "${runfiles}/bench/memra_bench" --quick \
   --kvd="${runfiles}/server/memra-kvd" --echo_server="${runfiles}/bench/echo_server" \
+  --load_engine="${runfiles}/bench/load_engine" \
   --python_stepper="${runfiles}/bench/python_step.py" --python_path="${runfiles}/python" \
   --sections="${sections}" --scale_sessions=150 --prefix_blocks=1500 --redis_max_tokens=1024 \
   --json_out="${out}" --plot_data="${TEST_TMPDIR}/plot.dat"

@@ -84,17 +84,16 @@ ArenaId ArenaTable::FileUncharged(std::shared_ptr<ArenaRecord> record) {
   return id;
 }
 
-absl::Status ArenaTable::Remove(ArenaId id) {
-  std::shared_ptr<ArenaRecord> arena;  // released after the lock: freeing may be slow
+absl::StatusOr<std::shared_ptr<ArenaRecord>> ArenaTable::Remove(ArenaId id) {
   absl::MutexLock lock(&mu_);
   auto it = arenas_.find(id);
   if (it == arenas_.end()) {
     return absl::NotFoundError(absl::StrCat(backend_, " FreeArena: no arena ", id.value));
   }
-  arena = std::move(it->second);
+  std::shared_ptr<ArenaRecord> arena = std::move(it->second);
   arenas_.erase(it);
   if (uncharged_.erase(id) == 0) live_bytes_ -= arena->bytes();
-  return absl::OkStatus();
+  return arena;  // released by the caller, after the lock: freeing may be slow
 }
 
 uint64_t ArenaTable::live_bytes() const {

@@ -44,6 +44,11 @@ class ArenaRecord {
   // ranges here first): CheckArenaRange against bytes(); SegmentedArenaRecord narrows it.
   virtual absl::Status CheckRange(absl::string_view op, ArenaId id, uint64_t offset,
                                   uint64_t bytes) const;
+  // Called once when FreeArena forgets the arena (never when a backend is destroyed with arenas
+  // left, nor for one a crashed daemon left in the fd store): memory an engine may still reach
+  // through its own mapping stops being the daemon's (host: the memfd's pages are punched out;
+  // docs/security-model.md#resources). Default: nothing.
+  virtual absl::Status Retire() { return absl::OkStatus(); }
 
  private:
   uint8_t* const data_;
@@ -104,8 +109,9 @@ class ArenaTable {
   // Files memory the daemon does not own (an engine's pool, mapped for the block store): no
   // charge against the capacity, not in live_bytes() or size().
   ArenaId FileUncharged(std::shared_ptr<ArenaRecord> record) ABSL_LOCKS_EXCLUDED(mu_);
-  // Forgets the arena and its charge; its memory is released with the last reference.
-  absl::Status Remove(ArenaId id) ABSL_LOCKS_EXCLUDED(mu_);
+  // Forgets the arena and its charge and returns its record (the caller retires it); its memory
+  // is released with the last reference.
+  absl::StatusOr<std::shared_ptr<ArenaRecord>> Remove(ArenaId id) ABSL_LOCKS_EXCLUDED(mu_);
 
   uint64_t live_bytes() const ABSL_LOCKS_EXCLUDED(mu_);
   size_t size() const ABSL_LOCKS_EXCLUDED(mu_);

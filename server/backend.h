@@ -161,8 +161,11 @@ class DeviceBackend {
   // engine waits on before touching the blocks (TransferBlocksResponse.completion_event). Empty
   // where the copies are done when the call returns with nothing for an engine to wait on (host).
   virtual absl::StatusOr<std::string> RecordCompletionEvent();
-  // Exported arenas stop being mappable by new clients; existing client mappings stay valid
-  // until those clients unmap (host: the shm name is unlinked).
+  // Exported arenas stop being mappable by new clients. What an engine still maps is no longer
+  // the daemon's memory: host: the memfd's pages are punched out, so an engine's stale mapping
+  // stays valid memory (no SIGBUS) that reads zeros, and any page it touches again is its own
+  // (its memory cgroup); cuda: docs/security-model.md#resources says what the driver keeps.
+  // Pooled arenas (server/arena_pool.h) are not freed, so they keep their bytes.
   virtual absl::Status FreeArena(ArenaId arena) = 0;
 
   virtual absl::Status Memset(ArenaId arena, uint64_t offset, uint8_t value, uint64_t bytes) = 0;

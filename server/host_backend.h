@@ -32,10 +32,11 @@ struct HostBackendOptions {
 };
 
 // Thread-safe (see DeviceBackend). Data operations run outside the arena-table lock on a
-// reference to the arena's mapping. The destructor frees every remaining arena. A memfd's pages
-// live while any descriptor or mapping of it does (the daemon's, or an engine's), so freeing an
-// arena never pulls memory from under an engine that still maps it, and the pages are never
-// given to anything else meanwhile; nothing outlives a crashed daemon but its engines' mappings.
+// reference to the arena's mapping. The destructor frees every remaining arena. FreeArena punches
+// an exported arena's pages out of its memfd: an engine that still maps it keeps valid memory
+// that reads zeros (no SIGBUS; what it touches again is charged to the engine, not the daemon),
+// so no engine holds daemon memory past the admission budget, and no page is ever given to
+// anything else. A crashed daemon frees nothing: the fd store keeps its arenas whole.
 class HostBackend final : public CheckedArenaBackend {
  public:
   // INVALID_ARGUMENT for bad options.

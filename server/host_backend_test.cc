@@ -6,6 +6,7 @@
 #include <unistd.h>
 #include <xxhash.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <cstdint>
@@ -16,6 +17,7 @@
 #include <set>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -201,13 +203,53 @@ TEST_F(HostBackendTest, AnotherMappingOfTheDescriptorSeesTheSameBytes) {
   EXPECT_EQ(std::vector<uint8_t>(bytes + 100, bytes + 105), message);
   bytes[200] = 42;  // an engine's kernel writing
   EXPECT_THAT(backend_->ReadI32(arena, 200), IsOkAndHolds(42));
-
-  // Freed by the daemon, the memory stays the engine's while it maps it: never pulled away,
-  // never anyone else's.
-  ASSERT_THAT(backend_->FreeArena(arena), IsOk());
-  EXPECT_EQ(bytes[200], 42);
-  bytes[201] = 7;
   munmap(mapped, page());
+  ASSERT_THAT(backend_->FreeArena(arena), IsOk());
+}
+
+// Issue 31 item 8: an engine that kept its mapping and descriptor of a released arena kept the
+// daemon's pages alive outside the budget. Freed, the arena's pages are punched out: the stale
+// mapping stays valid memory that reads zeros, the memfd keeps its size and holds no blocks,
+// and only what the engine touches again is allocated (its own memory). Private arenas and
+// arenas not freed are untouched.
+TEST_F(HostBackendTest, AFreedArenaTakesItsPagesFromEveryMappingThatOutlivesIt) {
+  const uint64_t bytes = 8 * page();
+  const ArenaId arena = MustCreate(bytes);
+  const ArenaId kept = MustCreate(bytes);
+  const ArenaId private_arena = backend_->CreateArena(bytes, ArenaVisibility::kPrivate).value();
+  std::vector<uint8_t> pattern(bytes, 0x5a);
+  for (ArenaId id : {arena, kept, private_arena}) {
+    ASSERT_THAT(backend_->Write(id, 0, pattern), IsOk());
+  }
+
+  absl::StatusOr<int> fd = backend_->DuplicateArenaFd(arena);
+  ASSERT_THAT(fd, IsOk());
+  ScopedFd engine_fd(*fd);
+  void* mapped = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, engine_fd.get(), 0);
+  ASSERT_NE(mapped, MAP_FAILED);
+  auto* view = static_cast<uint8_t*>(mapped);
+  struct stat before {};
+  ASSERT_EQ(fstat(engine_fd.get(), &before), 0);
+  EXPECT_GE(static_cast<uint64_t>(before.st_blocks) * 512, bytes);
+
+  ASSERT_THAT(backend_->FreeArena(arena), IsOk());
+  struct stat after {};
+  ASSERT_EQ(fstat(engine_fd.get(), &after), 0);
+  EXPECT_EQ(after.st_blocks, 0) << "the engine's descriptor still holds the daemon's pages";
+  EXPECT_EQ(static_cast<uint64_t>(after.st_size), bytes);
+  // Touching it again faults fresh pages in (the engine's own): zeros, and writable.
+  EXPECT_EQ(std::count(view, view + bytes, 0), static_cast<std::ptrdiff_t>(bytes));
+  view[3 * page()] = 7;
+  EXPECT_EQ(view[3 * page()], 7);
+  munmap(mapped, bytes);
+
+  // The arenas not freed keep every byte.
+  std::vector<uint8_t> read(bytes);
+  for (ArenaId id : {kept, private_arena}) {
+    ASSERT_THAT(backend_->Read(id, 0, absl::MakeSpan(read)), IsOk());
+    EXPECT_EQ(read, pattern) << id;
+    ASSERT_THAT(backend_->FreeArena(id), IsOk());
+  }
 }
 
 TEST_F(HostBackendTest, HandlesComeFromTheConfiguredSource) {
@@ -517,8 +559,9 @@ TEST_F(HostBackendTest, AKeptDescriptorIsAdoptedWithItsBytesAndHandle) {
   ASSERT_THAT(backend_->Write(arena, page() + 7, bytes), IsOk());
   absl::StatusOr<int> kept = backend_->DuplicateArenaFd(arena);
   ASSERT_THAT(kept, IsOk());
-  // The previous daemon goes: its arena is freed (name unlinked), the kept fd holds the memory.
-  ASSERT_THAT(backend_->FreeArena(arena), IsOk());
+  // The previous daemon dies: a crash frees nothing (FreeArena would punch the pages out), and
+  // its backend's records go with the process; the kept fd holds the memory.
+  std::exchange(backend_, MakeBackend(DefaultOptions())).reset();
   std::unique_ptr<HostBackend> next = MakeBackend(DefaultOptions());
   absl::StatusOr<ArenaId> adopted = next->AdoptArenaFd(*kept, 2 * page(), handle);
   ASSERT_THAT(adopted, IsOk());

@@ -8,12 +8,10 @@
 #include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
-#include <sys/un.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <chrono>
-#include <cstring>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -35,6 +33,8 @@
 #include "proto/memra/kv/v1/admin.grpc.pb.h"
 #include "proto/memra/kv/v1/prefix.grpc.pb.h"
 #include "server/model_config_bounds.h"
+#include "tests/daemon_process.h"
+#include "tests/hostile_engines.h"
 #include "tests/service/test_daemon.h"
 #include "tests/status_matchers.h"
 
@@ -58,24 +58,7 @@ constexpr char kLlamaConfig[] = R"({
 
 // ---- 2. Client-supplied config.json: size, depth, parses at once ----
 
-class ModelConfigBoundsTest : public DaemonTest {
- protected:
-  absl::Status Cost(KvClient& client, const std::string& config) {
-    pb::CostRequest request;
-    request.mutable_model()->set_hf_config_json(config);
-    request.mutable_shape()->set_capacity(128);
-    pb::CostResponse response;
-    return FromGrpcStatus(ClientInternals::Admin(client).GetCost(
-        ClientInternals::NewContext(client).get(), request, &response));
-  }
-  absl::Status Import(KvClient& client, const std::string& config) {
-    pb::ImportModelRequest request;
-    request.set_hf_config_json(config);
-    pb::ImportModelResponse response;
-    return FromGrpcStatus(ClientInternals::Admin(client).ImportModel(
-        ClientInternals::NewContext(client).get(), request, &response));
-  }
-};
+using ModelConfigBoundsTest = DaemonTest;
 
 // Today's 4 MB of "[" took seconds and hundreds of MiB: an over-size or over-deep config is
 // refused before it is parsed, on every call that takes one, and another engine's queries and
@@ -86,17 +69,17 @@ TEST_F(ModelConfigBoundsTest, OversizeAndOverdeepConfigsAreRefusedBeforeParsing)
   absl::StatusOr<std::unique_ptr<KvClient>> unattached = KvClient::Connect(daemon_->socket_path());
   ASSERT_THAT(unattached.status(), IsOk());
 
-  const std::string oversize(kMaxModelConfigBytes + 1, '[');
-  const std::string overdeep(100'000, '[');  // 100 KB: under the size bound
+  const std::string oversize = OversizeModelConfig();
+  const std::string overdeep = OverdeepModelConfig();  // 100 KB: under the size bound
   const auto too_big = StatusIs(kExhausted, HasSubstrs("config.json is 1048577 bytes",
                                                        "limit is 1048576", "kMaxModelConfigBytes"));
   const auto too_deep = StatusIs(kInvalid, HasSubstrs("config.json nests 33 deep at byte 32",
                                                       "limit is 32", "kMaxModelConfigDepth"));
   for (KvClient* hostile : {client_.get(), unattached->get()}) {
-    EXPECT_THAT(Cost(*hostile, oversize), too_big);
-    EXPECT_THAT(Cost(*hostile, overdeep), too_deep);
-    EXPECT_THAT(Import(*hostile, oversize), too_big);
-    EXPECT_THAT(Import(*hostile, overdeep), too_deep);
+    EXPECT_THAT(GetCostOf(*hostile, oversize), too_big);
+    EXPECT_THAT(GetCostOf(*hostile, overdeep), too_deep);
+    EXPECT_THAT(ImportModelOf(*hostile, oversize), too_big);
+    EXPECT_THAT(ImportModelOf(*hostile, overdeep), too_deep);
     pb::MaxContextRequest max_context;
     max_context.mutable_model()->set_hf_config_json(overdeep);
     pb::MaxContextResponse max_context_reply;
@@ -113,8 +96,8 @@ TEST_F(ModelConfigBoundsTest, OversizeAndOverdeepConfigsAreRefusedBeforeParsing)
   }
   // More calls than there are parse slots, one after another: each slot came back.
   for (size_t i = 0; i < kMaxConcurrentModelConfigParses + 2; ++i) {
-    EXPECT_THAT(Cost(*honest, kLlamaConfig), IsOk()) << i;
-    EXPECT_THAT(Import(**unattached, kLlamaConfig), IsOk()) << i;
+    EXPECT_THAT(GetCostOf(*honest, kLlamaConfig), IsOk()) << i;
+    EXPECT_THAT(ImportModelOf(**unattached, kLlamaConfig), IsOk()) << i;
   }
   EXPECT_THAT(honest->CreateSession(plan_, Options(64)).status(), IsOk());
 }
@@ -132,29 +115,6 @@ class LongStreamsTest : public DaemonTest {
     config.max_event_streams = kPerSocket;
   }
 
-  struct EventStream {
-    grpc::ClientContext context;
-    std::unique_ptr<grpc::ClientReader<pb::PrefixEvent>> reader;
-  };
-  // A SubscribeEvents stream of `client`'s engine, once the daemon answered it: open (the
-  // daemon sent its headers) or ended (Finish tells why).
-  std::unique_ptr<EventStream> Subscribe(KvClient& client) {
-    auto stream = std::make_unique<EventStream>();
-    pb::SubscribePrefixEventsRequest request;
-    absl::StatusOr<pb::EngineRef> engine = ClientInternals::Engine(client);
-    EXPECT_THAT(engine.status(), IsOk());
-    if (engine.ok()) *request.mutable_engine() = *engine;
-    stream->reader =
-        ClientInternals::Prefix(client).SubscribeEvents(WithDeadline(&stream->context), request);
-    stream->reader->WaitForInitialMetadata();
-    return stream;
-  }
-  static absl::Status Ended(EventStream& stream) {
-    pb::PrefixEvent event;
-    while (stream.reader->Read(&event)) {
-    }
-    return FromGrpcStatus(stream.reader->Finish());
-  }
   static void Cancel(std::vector<std::unique_ptr<EventStream>>& streams) {
     for (auto& stream : streams) {
       stream->context.TryCancel();
@@ -170,33 +130,33 @@ TEST_F(LongStreamsTest, OneEngineHoldsAtMostItsShareOfEventStreams) {
   ASSERT_NE(honest, nullptr);
   const size_t before = ProcessThreads();
   std::vector<std::unique_ptr<EventStream>> open;
-  for (uint64_t i = 0; i < kPerEngine; ++i) open.push_back(Subscribe(*client_));
+  for (uint64_t i = 0; i < kPerEngine; ++i) open.push_back(SubscribeEvents(*client_));
   const std::string refusal =
       absl::StrCat("SubscribeEvents streams of engine ", client_->engine_id(),
                    ": 4 are open and the limit is 4 per engine (max_engine_event_streams)");
   for (int i = 0; i < 296; ++i) {
-    std::unique_ptr<EventStream> refused = Subscribe(*client_);
-    ASSERT_THAT(Ended(*refused), StatusIs(kExhausted, HasSubstrs(refusal))) << i;
+    std::unique_ptr<EventStream> refused = SubscribeEvents(*client_);
+    ASSERT_THAT(EndOf(*refused), StatusIs(kExhausted, HasSubstrs(refusal))) << i;
   }
-  std::unique_ptr<EventStream> honest_stream = Subscribe(*honest);
+  std::unique_ptr<EventStream> honest_stream = SubscribeEvents(*honest);
   const size_t during = ProcessThreads();
   EXPECT_LT(during, before + kPerEngine + 16)
       << before << " threads before, " << during << " with 300 subscriptions asked for";
   EXPECT_THAT(honest->CreateSession(plan_, Options(64)).status(), IsOk());
   // The per-socket cap: 5 are open, one more fits, then every engine is refused.
-  std::unique_ptr<EventStream> sixth = Subscribe(*honest);
-  EXPECT_THAT(Ended(*Subscribe(*honest)),
+  std::unique_ptr<EventStream> sixth = SubscribeEvents(*honest);
+  EXPECT_THAT(EndOf(*SubscribeEvents(*honest)),
               StatusIs(kExhausted, HasSubstrs("SubscribeEvents streams: 6 are running",
                                               "limit is 6 (max_event_streams, per socket)")));
   // Streams that end give their place back.
   Cancel(open);
   open.clear();
-  std::unique_ptr<EventStream> again = Subscribe(*client_);
+  std::unique_ptr<EventStream> again = SubscribeEvents(*client_);
   honest_stream->context.TryCancel();
   sixth->context.TryCancel();
   again->context.TryCancel();
   for (EventStream* stream : {honest_stream.get(), sixth.get(), again.get()}) {
-    EXPECT_THAT(Ended(*stream), StatusIs(absl::StatusCode::kCancelled, ::testing::_));
+    EXPECT_THAT(EndOf(*stream), StatusIs(absl::StatusCode::kCancelled, ::testing::_));
   }
 }
 
@@ -205,17 +165,17 @@ TEST_F(LongStreamsTest, OneEngineHoldsAtMostItsShareOfEventStreams) {
 TEST_F(LongStreamsTest, EventStreamsEndWithTheLeaseThatOpenedThem) {
   std::unique_ptr<KvClient> honest = NewClient("honest");
   ASSERT_NE(honest, nullptr);
-  std::unique_ptr<EventStream> hostile_stream = Subscribe(*client_);
-  std::unique_ptr<EventStream> honest_stream = Subscribe(*honest);
+  std::unique_ptr<EventStream> hostile_stream = SubscribeEvents(*client_);
+  std::unique_ptr<EventStream> honest_stream = SubscribeEvents(*honest);
   const uint64_t hostile_id = client_->engine_id();
   client_->Detach();
-  EXPECT_THAT(Ended(*hostile_stream),
+  EXPECT_THAT(EndOf(*hostile_stream),
               StatusIs(absl::StatusCode::kFailedPrecondition,
                        HasSubstrs(absl::StrCat("engine ", hostile_id, ": its lease has ended"))));
   EXPECT_THAT(honest->CreateSession(plan_, Options(64)).status(), IsOk());
   // The honest stream was still open: it ends by its own cancel, not the daemon's word.
   honest_stream->context.TryCancel();
-  EXPECT_THAT(Ended(*honest_stream), StatusIs(absl::StatusCode::kCancelled, ::testing::_));
+  EXPECT_THAT(EndOf(*honest_stream), StatusIs(absl::StatusCode::kCancelled, ::testing::_));
 }
 
 constexpr char kReflectionInfo[] =
@@ -262,27 +222,6 @@ TEST_F(LongStreamsTest, ReflectionIsServedOnTheAdminSocketOnly) {
 }
 
 // ---- 3. gRPC connections: per socket, per uid, and idle ones closed ----
-
-// Connects to `path`, sends the HTTP/2 client preface and an empty SETTINGS frame, and reads:
-// 'S' (served: the server's SETTINGS came back) or 'C' (closed at the door: EOF), 'E' on a local
-// error. The connection stays open in `*fd`. Stack only, system calls only: safe in a forked
-// child of this multi-threaded process.
-char TryConnection(const char* path, int* fd) {
-  *fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (*fd < 0) return 'E';
-  sockaddr_un address{};
-  address.sun_family = AF_UNIX;
-  std::strncpy(address.sun_path, path, sizeof(address.sun_path) - 1);
-  if (connect(*fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)) != 0) return 'E';
-  static constexpr char kPreface[] =
-      "PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\0\0\0\x04\0\0\0\0\0";  // + SETTINGS, empty
-  if (write(*fd, kPreface, sizeof(kPreface) - 1) != static_cast<ssize_t>(sizeof(kPreface) - 1)) {
-    return 'C';  // closed before the preface went out
-  }
-  char reply[64];
-  const ssize_t got = read(*fd, reply, sizeof(reply));
-  return got > 0 ? 'S' : got == 0 || errno == ECONNRESET ? 'C' : 'E';
-}
 
 class ConnectionLimitsTest : public DaemonTest {
  protected:
@@ -437,6 +376,69 @@ TEST_F(DescriptorBudgetTest, ArenasAreBoundedByTheDescriptorsTheDaemonHas) {
   EXPECT_THAT(honest->CreateSession(plan_, Options(64, false)).status(), IsOk());
 }
 
+// ---- 8. Host memory an engine keeps mapped after release ----
+
+// A live engine that kept each released arena mapped (and its descriptor) and created the next
+// held 447 MiB of the daemon's pages against a 64 MiB budget in 10 rounds while the ledger
+// showed 0. Now a freed arena's pages are punched out: the real memra-kvd, with no arena pool
+// (every release frees) and a 16 MiB budget, hands this process (the hostile engine) arenas
+// worth three budgets, and the descriptors it kept hold none of them; its stale mappings read
+// zeros; another engine is served between the rounds and after them.
+TEST(KeptMappingsTest, ArenasAnEngineKeepsMappedAfterReleaseHoldNoneOfTheDaemonsMemory) {
+  constexpr uint64_t kBudget = uint64_t{16} << 20;
+  DaemonProcess daemon("kept");
+  ASSERT_TRUE(daemon.Start({absl::StrCat("--budget_bytes=", kBudget),
+                            "--arena_pool_engine_bytes=0"}));
+  auto attach = [&](const std::string& name) -> std::unique_ptr<KvClient> {
+    absl::StatusOr<std::unique_ptr<KvClient>> client = KvClient::Connect(daemon.socket());
+    EXPECT_THAT(client.status(), IsOk());
+    if (!client.ok() || !(*client)->Attach(name).ok()) return nullptr;
+    return *std::move(client);
+  };
+  std::unique_ptr<KvClient> hostile = attach("hostile");
+  std::unique_ptr<KvClient> honest = attach("honest");
+  ASSERT_NE(hostile, nullptr);
+  ASSERT_NE(honest, nullptr);
+  absl::StatusOr<PlanFingerprint> plan = hostile->RegisterPlan(HybridTestPlan());
+  ASSERT_THAT(plan.status(), IsOk());
+  ASSERT_THAT(honest->RegisterPlan(HybridTestPlan()).status(), IsOk());
+  absl::StatusOr<std::unique_ptr<Session>> served = honest->CreateSession(*plan, Options(64));
+  ASSERT_THAT(served.status(), IsOk());
+
+  std::vector<KeptArena> kept;
+  uint64_t handed_out = 0;
+  while (handed_out <= 3 * kBudget) {
+    ASSERT_LT(kept.size(), 64u) << "arenas too small for the budget";
+    absl::StatusOr<std::unique_ptr<Session>> session =
+        hostile->CreateSession(*plan, Options(16384, /*spec_snapshot=*/false));
+    ASSERT_THAT(session.status(), IsOk()) << "round " << kept.size();
+    absl::StatusOr<KeptArena> arena = KeptArena::Keep(*hostile, **session, 0xa5);
+    ASSERT_THAT(arena.status(), IsOk());
+    handed_out += arena->bytes();
+    ASSERT_THAT((*session)->Release().status(), IsOk());
+    kept.push_back(*std::move(arena));
+    absl::StatusOr<std::unique_ptr<Session>> between =
+        honest->CreateSession(*plan, Options(64, /*spec_snapshot=*/false));
+    ASSERT_THAT(between.status(), IsOk()) << "round " << kept.size();
+    ASSERT_THAT((*between)->Release().status(), IsOk());
+  }
+  uint64_t held = 0;
+  for (const KeptArena& arena : kept) {
+    absl::StatusOr<uint64_t> allocated = arena.AllocatedBytes();
+    ASSERT_THAT(allocated.status(), IsOk());
+    held += *allocated;
+  }
+  EXPECT_EQ(held, 0u) << kept.size() << " released arenas (" << handed_out
+                      << " bytes) kept by the engine still hold " << held
+                      << " bytes of the daemon's memory; the budget is " << kBudget;
+  for (const KeptArena& arena : kept) {
+    EXPECT_EQ(arena.data()[0], 0);
+    EXPECT_EQ(arena.data()[arena.bytes() - 1], 0);
+  }
+  EXPECT_THAT((*served)->State().status(), IsOk());
+  EXPECT_THAT(honest->CreateSession(*plan, Options(64)).status(), IsOk());
+}
+
 // ---- 1. Descriptors in flight, 6. the handoff thread and session locks ----
 
 using HandoffBoundsTest = DaemonTest;
@@ -449,16 +451,9 @@ TEST_F(HandoffBoundsTest, UnreadDescriptorAnswersAreBoundedPerConnection) {
   ASSERT_NE(honest, nullptr);
   std::unique_ptr<Session> mine = NewSession(*client_, 64, /*spec_snapshot=*/false);
   ASSERT_NE(mine, nullptr);
-  handoff::ArenaRequest request;
-  request.session_id = mine->id();
-  request.session_token = ClientInternals::Ref(*mine).session_token();
-  request.handle = mine->layout().arenas[0].handle;
-  absl::StatusOr<std::string> frame = handoff::EncodeArenaRequest(request);
-  ASSERT_THAT(frame.status(), IsOk());
-  const int socket = ClientInternals::HandoffSocket(*client_);
-  ASSERT_GE(socket, 0);
   constexpr int kRequests = 40;
-  for (int i = 0; i < kRequests; ++i) ASSERT_THAT(handoff::SendFrame(socket, *frame), IsOk());
+  ASSERT_THAT(SendUnreadArenaRequests(*client_, *mine, kRequests), IsOk());
+  const int socket = ClientInternals::HandoffSocket(*client_);
   // The honest engine's sessions (their arenas come over its own handoff connection) are served.
   std::unique_ptr<Session> theirs = NewSession(*honest, 64, /*spec_snapshot=*/false);
   ASSERT_NE(theirs, nullptr);
@@ -501,8 +496,9 @@ TEST_F(HandoffBoundsTest, UnreadDescriptorAnswersAreBoundedPerConnection) {
                                                            " has not read 16 answers"),
                                               "limit is 16", "kMaxUnreadDescriptorAnswers")));
   // Read now: the connection is served again.
-  EXPECT_THAT(ClientInternals::FetchArenaFd(*client_, mine->id(), request.session_token,
-                                            request.handle)
+  EXPECT_THAT(ClientInternals::FetchArenaFd(*client_, mine->id(),
+                                            ClientInternals::Ref(*mine).session_token(),
+                                            mine->layout().arenas[0].handle)
                   .status(),
               IsOk());
 }
