@@ -8,11 +8,12 @@ ENGINE vllm: MODE store (a request's prompt computed and saved), load (the same 
 fresh pool: its blocks loaded, the bytes checked), load-evicted (an operator evicts the stored
 blocks between lookup and load: the lookup's pin refuses it, the load succeeds),
 load-evicted-unpinned (the same with a scheduler that does not pin: load errors); store-staged and load-staged with caches in plain
-memory (staged through a 3-block HostPool). ENGINE sglang: MODE set (host pages backed up), get
-(prefetched into other pages, the bytes checked), get-partial (unstored pages after the stored
-ones; then every page evicted between batch_exists and batch_get_v1); set-staged and
-get-staged with a host pool that is plain memory (staged through a 3-page HostPool);
-concurrent-staged: batch_get_v1 and batch_set_v1 from two threads through that staging pool.
+memory (staged through a 3-block HostPool). ENGINE sglang: memra_kv.sglang.PageTier, the
+page store under MemraHiCacheStorage, with SGLang's page calls made on a numpy layer_first host
+pool (SglangPages; the real SGLang drives the backend in python/engines/sglang/): MODE set
+(host pages backed up), get (loaded into other pages, the bytes checked), get-partial (unstored
+pages after the stored ones; then every page evicted between the lookup and the load);
+concurrent: loads and stores from two threads at once, each through its own staging slots.
 
 Every block's bytes are a function of (its position in the sequence, layer, K or V), never of
 the pool block it sits in, so a process can check what another one stored.
@@ -27,8 +28,9 @@ import threading
 import numpy as np
 
 import memra_kv
-from memra_kv.block_store import BlockStore, HostPool, KeptRegistration
-from memra_kv.sglang import MemraHiCache
+from memra_kv.block_store import (BlockStore, HostPool, KeptRegistration, PoolLayout,
+                                  TensorLayout)
+from memra_kv.sglang import PageFormat, PageTier, model_identity
 from memra_kv.vllm import MemraScheduler, MemraWorker, lookup_layout
 
 MODEL = "contract-model/rev1"
@@ -186,6 +188,63 @@ def sglang_pool():
     return pool, pool.view(np.float16, shape)
 
 
+class SglangPages:
+    """SGLang's page calls (batch_exists, exists, batch_get_v1, batch_set_v1: page keys and host
+    token indices, page_size a key) on a numpy layer_first host pool `kv_buffer` (2, layers,
+    tokens, heads, head_dim), made the way MemraHiCacheStorage makes them: through a PageTier
+    whose page is the host pool's flat page (every layer's K and V of its tokens)."""
+
+    def __init__(self, client, kv_buffer, staging_pages=3):
+        _, layers, _, heads, head_dim = kv_buffer.shape
+        self.page_shape = (2, layers, PAGE, heads, head_dim)
+        page_format = PageFormat(
+            page_bytes=int(np.prod(self.page_shape)) * kv_buffer.itemsize,
+            tokens_per_page=PAGE, element_type="fp16", heads=heads, head_dim=head_dim,
+            identity=model_identity(MODEL, "contract:layer_first:float16"))
+        self.tier = PageTier(BlockStore(client), page_format, staging_pages)
+        self.kv_buffer = kv_buffer
+
+    @property
+    def registration(self):
+        return self.tier.registration
+
+    def _starts(self, keys, indices):
+        indices = np.asarray(indices).reshape(-1)
+        assert len(indices) == len(keys) * PAGE
+        return [int(i) for i in indices[::PAGE]]
+
+    def _page(self, slot):
+        return slot.view(self.kv_buffer.dtype).reshape(self.page_shape)
+
+    def batch_set_v1(self, keys, indices):
+        starts = self._starts(keys, indices)
+
+        def copy_out(i, slot):
+            self._page(slot)[...] = self.kv_buffer[:, :, starts[i]:starts[i] + PAGE]
+        return self.tier.store(keys, copy_out)
+
+    def batch_get_v1(self, keys, indices):
+        starts = self._starts(keys, indices)
+
+        def copy_in(i, slot):
+            self.kv_buffer[:, :, starts[i]:starts[i] + PAGE] = self._page(slot)
+        return self.tier.load(keys, copy_in)
+
+    def batch_exists(self, keys):
+        return self.tier.leading(keys)
+
+    def exists(self, key):
+        return self.tier.leading([key]) == 1
+
+
+def page_layout(pool):
+    """A PoolLayout of sglang_pool()'s HostPool as whole flat pages (a "KV" tensor a page)."""
+    page = 2 * LAYERS * PAGE * HEADS * HEAD_DIM * 2
+    return PoolLayout(num_blocks=pool.nbytes // page, tokens_per_block=PAGE,
+                      element_type="fp16", num_kv_heads=HEADS, head_dim=HEAD_DIM, model=MODEL,
+                      tensors=[TensorLayout(0, "KV", 0, page, page)])
+
+
 def page_bytes(kv_buffer, layer, kind, page):
     return kv_buffer[kind, layer, page * PAGE:(page + 1) * PAGE].view(np.uint8).reshape(-1)
 
@@ -216,19 +275,11 @@ def sglang_engine(socket, admin_socket, mode):
     facts = {}
     tokens = [(i * 13 + 5) % 997 for i in range(6 * PAGE)]
     keys = sglang_keys(tokens)[:4]
-    staged = mode.endswith("-staged")
-    mode = mode[:-len("-staged")] if staged else mode
-    pin_ttl_ms = 0 if mode.endswith("-unpinned") else 30000
     with memra_kv.connect(socket) as client:
         client.attach("sglang-tp0")
-        if staged:  # SGLang's own memory, not a HostPool: pages go through a staging pool
-            pool, kv_buffer = None, np.zeros((2, LAYERS, HOST_TOKENS, HEADS, HEAD_DIM),
-                                             dtype=np.float16)
-        else:
-            pool, kv_buffer = sglang_pool()
-        backend = MemraHiCache(BlockStore(client), staging_pages=3)
+        kv_buffer = np.zeros((2, LAYERS, HOST_TOKENS, HEADS, HEAD_DIM), dtype=np.float16)
         # SGLang: the cache controller registers its host pool with the backend once.
-        backend.register_host_pool(kv_buffer, pool, PAGE, MODEL)
+        backend = SglangPages(client, kv_buffer, staging_pages=3)
         pages = [4, 9, 1, 20] if mode.startswith("get") else [0, 1, 2, 3]
         if mode == "set":
             # write-through backup: host pages hold the device's KV; batch_exists, then set.

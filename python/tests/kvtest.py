@@ -92,9 +92,17 @@ class Daemon:
     def kill_and_start_again(self):
         """An unsupervised daemon SIGKILLed and started again on the same sockets: a new daemon
         that kept nothing of the old one (no service manager kept its journal)."""
+        self.kill()
+        self.start_again()
+
+    def kill(self):
+        """An unsupervised daemon SIGKILLed (its socket files stay, answering nothing)."""
         assert not os.path.exists(self.pid_file), "supervised: kill daemon_pid() instead"
         self.process.kill()
         self.process.wait()
+
+    def start_again(self):
+        """After kill(): a new daemon on the same sockets that kept nothing of the old one."""
         for path in (self.socket, self.admin_socket):  # the dead daemon's: wait for new ones
             os.unlink(path)
         self._start()

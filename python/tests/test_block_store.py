@@ -13,7 +13,7 @@ import pytest
 from memra_kv import KvError
 from memra_kv.block_store import (BlockStore, CudaBuffer, CudaRegion, HostPool, PoolLayout,
                                   TensorLayout, element_type_of, ipc_memory_handle, page_key)
-from memra_kv.sglang import MemraHiCache, host_pool_layout
+from memra_kv.sglang import PageFormat, PageTier, model_identity
 from memra_kv.vllm import (KvCacheTensor, LoadSpec, MemraConnectorMetadata, MemraWorker,
                            SaveSpec, cuda_regions, pool_layout)
 
@@ -178,46 +178,60 @@ def test_a_host_daemon_refuses_cuda_ipc_buffers(kvd):
         assert "host backend: cannot map 1 engine buffers from CUDA IPC handles" in message
 
 
-def test_sglang_host_pools_are_whole_pages_in_a_pool():
-    pool = HostPool(2 * 2 * 40 * 2 * 8 * 2)
-    kv_buffer = pool.view(np.float16, (2, 2, 40, 2, 8))
-    assert refused(grpc.StatusCode.INVALID_ARGUMENT, host_pool_layout, kv_buffer, pool, 16,
-                   "m") == "a host pool of 40 tokens is not whole pages of 16"
-    assert refused(grpc.StatusCode.INVALID_ARGUMENT, host_pool_layout, kv_buffer[0], pool, 8,
-                   "m") == ("host KV buffer of shape (2, 40, 2, 8); the backend takes "
-                            "layer_first (2, layer_num, size, head_num, head_dim)")
-    every_other_token = kv_buffer[:, :, ::2]
-    assert refused(grpc.StatusCode.INVALID_ARGUMENT, host_pool_layout, every_other_token, pool,
-                   4, "m") == "host KV buffer strides (2560, 1280, 64, 16, 2): tokens must be " \
-                              "contiguous"
-    layout = host_pool_layout(kv_buffer, pool, 8, "m")
-    assert layout.num_blocks == 5
-    assert [(t.layer, t.kind, t.offset) for t in layout.tensors] == [
-        (0, "K", 0), (0, "V", 2 * 40 * 32), (1, "K", 40 * 32), (1, "V", 3 * 40 * 32)]
-    outside = np.zeros((2, 2, 40, 2, 8), dtype=np.float16)
-    assert "is not in the memra host pool" in refused(
-        grpc.StatusCode.FAILED_PRECONDITION, host_pool_layout, outside, pool, 8, "m")
-    pool.close()
+def sglang_page_format(page_bytes=2048, tokens=16, identity="m"):
+    return PageFormat(page_bytes=page_bytes, tokens_per_page=tokens, element_type="fp16",
+                      heads=2, head_dim=8, identity=identity)
+
+
+def test_sglang_page_tiers_hold_whole_token_rows_and_a_bounded_identity(kvd):
+    daemon = kvd()
+    with daemon.client("py-hicache") as client:
+        store = BlockStore(client)
+        assert refused(grpc.StatusCode.INVALID_ARGUMENT, PageTier, store,
+                       sglang_page_format(page_bytes=2050)) == (
+            "a page of 2050 bytes is not whole rows of 16 tokens")
+        assert refused(grpc.StatusCode.INVALID_ARGUMENT, PageTier, store,
+                       sglang_page_format(), staging_pages=0) == "0 staging pages; at least 1"
+    page_format = "sglang:kv:MHATokenToKVPoolHost:layer_first:bfloat16"
+    assert model_identity("org/model", page_format) == page_format + "|org/model"
+    long_name = "x" * 300  # past the block store's 256 bytes: bound by its SHA-256
+    bound = model_identity(long_name, page_format)
+    assert bound.startswith(page_format + "|sha256:") and len(bound) == len(page_format) + 72
+    assert refused(grpc.StatusCode.INVALID_ARGUMENT, model_identity, "m", "f" * 300) == (
+        "a page format of 300 bytes (%s); the block store's model identity holds 256"
+        % ("f" * 300))
 
 
 def test_sglang_calls_answer_misses_instead_of_raising(kvd, caplog):
-    """A refusal reaches SGLang's prefetch and backup threads as a miss, never an exception
-    (SGLang never restarts those threads)."""
+    """A refusal reaches SGLang's prefetch and backup threads as a miss, never an exception:
+    here a daemon without a prefix cache refuses the tier's registration (at SGLang's attach),
+    and a daemon gone mid-run makes every call a miss."""
     caplog.set_level(logging.WARNING, logger="memra_kv.sglang")
-    daemon = kvd()
+    no_cache = kvd("--prefix_cache_budget_bytes=0")
+    with no_cache.client("py-hicache") as client:
+        assert "no prefix cache" in refused(grpc.StatusCode.FAILED_PRECONDITION, PageTier,
+                                            BlockStore(client), sglang_page_format())
+    daemon = kvd("--prefix_cache_budget_bytes=32MiB")
     with daemon.client("py-hicache") as client:
-        backend = MemraHiCache(BlockStore(client))
-        backend.page_size = 16
-        assert backend.batch_get_v1(["a", "b"], np.arange(16)) == [False, False]  # 16 of 32
-        assert backend.batch_set_v1(["a"], np.arange(16)) == [False]  # nothing registered
-        assert backend.batch_exists(["a"]) == 0 and backend.exists("a") is False
-        assert backend.batch_get_v1([], np.arange(0)) == []
-    assert [r.getMessage() for r in caplog.records] == [
-        "batch_get_v1 of 2 pages: INVALID_ARGUMENT: 16 host indices for 2 pages of 16 tokens",
-        "batch_set_v1 of 1 pages: FAILED_PRECONDITION: batch_set_v1 before "
-        "register_mem_pool_host: no host pool is registered"] + [
-        "batch_exists of 1 pages: FAILED_PRECONDITION: batch_exists before "
-        "register_mem_pool_host: no host pool is registered"] * 2
+        tier = PageTier(BlockStore(client), sglang_page_format(), staging_pages=2)
+        copied = []
+        assert tier.store(["a", "b", "c"], lambda i, slot: slot.fill(i + 1)) == [True] * 3
+        assert tier.leading(["a", "b", "z", "c"]) == 2
+        assert tier.present(["a", "z", "c"]) == [True, False, True]
+        assert tier.load(["c", "z", "a"], lambda i, slot: copied.append((i, int(slot[0])))) \
+            == [True, False, True]
+        assert copied == [(0, 3), (2, 1)]  # copy_in only for the pages that arrived
+        assert tier.load([], copied.append) == [] and tier.leading([]) == 0
+        assert caplog.records == []
+        daemon.kill()
+        assert tier.leading(["a"]) == 0 and tier.present(["a"]) == [False]
+        assert tier.load(["a", "b", "c"], copied.append) == [False] * 3
+        assert tier.store(["d"], lambda i, slot: None) == [False]
+        assert len(copied) == 2
+        warnings = [r.getMessage().split(": ")[0] for r in caplog.records]
+        assert warnings == ["kv", "kv", "kv", "kv", "kv"]  # two chunks of the load
+        assert all(": UNAVAILABLE: " in r.getMessage() for r in caplog.records)
+        daemon.start_again()
 
 
 def test_vllm_worker_calls_before_registration_are_load_errors_not_exceptions(caplog):

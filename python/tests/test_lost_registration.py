@@ -17,11 +17,10 @@ import pytest
 
 from memra_kv import KvError
 from memra_kv.block_store import BlockStore, HostPool, KeptRegistration
-from memra_kv.sglang import MemraHiCache, host_pool_layout
 from memra_kv.vllm import MemraScheduler, MemraWorker, lookup_layout
 
-from adapter_engine import (BLOCK, HEAD_DIM, HEADS, LAYERS, MODEL, PAGE, PROMPT, block_bytes,
-                            fill_pages,
+from adapter_engine import (BLOCK, HEAD_DIM, HEADS, LAYERS, MODEL, PAGE, PROMPT, SglangPages,
+                            block_bytes, fill_pages, page_layout,
                             host_indices, pages_hold, pattern, sglang_keys, sglang_pool,
                             vllm_hashes, vllm_pool)
 from contract import DAEMON_FLAGS
@@ -181,25 +180,19 @@ def test_vllm_calls_right_after_a_daemon_restart_wait_for_the_leases_verdict(kvd
 
 # ---- SGLang ----
 
-def sglang_backend(client, staged):
-    if staged:  # SGLang's own host pool, staged through a registered HostPool of 3 pages
-        pool, kv_buffer = None, np.zeros((2, LAYERS, 32 * PAGE, 2, 8), dtype=np.float16)
-    else:
-        pool, kv_buffer = sglang_pool()
-    backend = MemraHiCache(BlockStore(client), staging_pages=3)
-    backend.register_host_pool(kv_buffer, pool, PAGE, MODEL)
-    return backend, kv_buffer
+def sglang_backend(client):
+    kv_buffer = np.zeros((2, LAYERS, 32 * PAGE, 2, 8), dtype=np.float16)
+    return SglangPages(client, kv_buffer), kv_buffer
 
 
 SGLANG_KEYS = sglang_keys([(i * 13 + 5) % 997 for i in range(4 * PAGE)])
 
 
-@pytest.mark.parametrize("staged", [False, True], ids=["zero-copy", "staged"])
-def test_sglang_sets_and_gets_after_its_registration_was_unregistered(kvd, caplog, staged):
+def test_sglang_sets_and_gets_after_its_registration_was_unregistered(kvd, caplog):
     caplog.set_level(logging.WARNING, logger="memra_kv.block_store")
     daemon = kvd(*DAEMON_FLAGS)
     with daemon.client("sglang-tp0") as client:
-        backend, kv_buffer = sglang_backend(client, staged)
+        backend, kv_buffer = sglang_backend(client)
         ids = [backend.registration.id]
         fill_pages(kv_buffer, [0, 1, 2, 3], 0)
         unregister_behind_the_back(client, ids[-1])
@@ -229,7 +222,7 @@ def test_sglang_carries_on_after_a_supervised_restart_as_the_same_engine(kvd, ca
     daemon = kvd("--lease_timeout_ms=60000", *DAEMON_FLAGS, "--block_store_max_registrations=1",
                  supervised=True)
     with daemon.client("sglang-tp0") as client:
-        backend, kv_buffer = sglang_backend(client, staged=False)
+        backend, kv_buffer = sglang_backend(client)
         fill_pages(kv_buffer, [0, 1, 2, 3], 0)
         assert backend.batch_set_v1(SGLANG_KEYS, host_indices([0, 1, 2, 3])) == [True] * 4
         engine, epoch, old = client.engine_id, client.epoch, backend.registration.id
@@ -261,7 +254,7 @@ def take_the_slot(client):
     """Another pool of the same engine registered in the only slot; its Registration."""
     pool, kv_buffer = sglang_pool()
     store = BlockStore(client)
-    return store.register([pool], host_pool_layout(kv_buffer, pool, PAGE, MODEL))
+    return store.register([pool], page_layout(pool))
 
 
 def slot_refusal(client):
@@ -272,16 +265,17 @@ def test_a_registration_that_cannot_be_re_made_is_the_sglang_adapters_miss(kvd, 
     caplog.set_level(logging.WARNING)
     daemon = kvd(*DAEMON_FLAGS, *ONE_SLOT)
     with daemon.client("sglang-tp0") as client:
-        backend, kv_buffer = sglang_backend(client, staged=False)
+        backend, kv_buffer = sglang_backend(client)
         first = backend.registration
         unregister_behind_the_back(client, first)
         other = take_the_slot(client)
         assert backend.batch_set_v1(SGLANG_KEYS, host_indices([0, 1, 2, 3])) == [False] * 4
         assert backend.batch_exists(SGLANG_KEYS) == 0
         warnings = [r.getMessage() for r in caplog.records if r.name == "memra_kv.sglang"]
-        assert warnings == [
-            "batch_set_v1 of 4 pages: RESOURCE_EXHAUSTED: " + slot_refusal(client),
-            "batch_exists of 4 pages: RESOURCE_EXHAUSTED: " + slot_refusal(client)]
+        assert warnings == [  # the store in chunks of 3 staging pages
+            "kv: store of 3 pages: RESOURCE_EXHAUSTED: " + slot_refusal(client),
+            "kv: store of 1 pages: RESOURCE_EXHAUSTED: " + slot_refusal(client),
+            "kv: lookup of 4 pages: RESOURCE_EXHAUSTED: " + slot_refusal(client)]
         assert backend.registration is first and reregistrations(caplog) == []
         BlockStore(client).unregister(other)
         fill_pages(kv_buffer, [0, 1, 2, 3], 0)
@@ -314,7 +308,7 @@ def test_a_refused_re_registration_is_raised_at_each_call_and_names_its_offer_ag
     with daemon.client("py-kept") as client:
         pool, kv_buffer = sglang_pool()
         store = BlockStore(client)
-        kept = KeptRegistration(store, [pool], host_pool_layout(kv_buffer, pool, PAGE, MODEL))
+        kept = KeptRegistration(store, [pool], page_layout(pool))
         first = kept.registration
         store.unregister(first)
         other = take_the_slot(client)
@@ -337,7 +331,7 @@ def test_a_second_refusal_after_the_re_registration_is_raised_not_retried(kvd, c
     with daemon.client("py-kept") as client:
         pool, kv_buffer = sglang_pool()
         store = BlockStore(client)
-        kept = KeptRegistration(store, [pool], host_pool_layout(kv_buffer, pool, PAGE, MODEL))
+        kept = KeptRegistration(store, [pool], page_layout(pool))
         first = kept.registration
         tried = []
 
@@ -362,7 +356,7 @@ def test_refusals_that_are_not_a_lost_registration_are_not_retried(kvd, caplog):
     with daemon.client("py-kept") as client:
         pool, kv_buffer = sglang_pool()
         kept = KeptRegistration(BlockStore(client), [pool],
-                                host_pool_layout(kv_buffer, pool, PAGE, MODEL))
+                                page_layout(pool))
         registration = kept.registration
         with pytest.raises(KvError) as refused:
             kept.lookup(hashes=[b"x"], kv_group=5)
@@ -387,7 +381,7 @@ def test_a_registration_refused_for_its_buffer_range_names_its_offer_again(kvd):
     daemon = kvd(*DAEMON_FLAGS, *ONE_SLOT)
     with daemon.client("py-offers") as client:
         pool, kv_buffer = sglang_pool()
-        layout = host_pool_layout(kv_buffer, pool, PAGE, MODEL)
+        layout = page_layout(pool)
         store = BlockStore(client)
         other = take_the_slot(client)
         with pytest.raises(KvError) as full:
@@ -422,7 +416,7 @@ def test_an_offer_the_daemon_no_longer_holds_is_offered_anew(kvd):
     daemon = kvd(*DAEMON_FLAGS, "--block_store_max_offers=1")
     with daemon.client("py-offers") as client:
         pool, kv_buffer = sglang_pool()
-        layout = host_pool_layout(kv_buffer, pool, PAGE, MODEL)
+        layout = page_layout(pool)
         store = BlockStore(client)
         with pytest.raises(KvError) as bad_layout:  # twice the blocks the pool holds
             store.register([pool], dataclasses.replace(layout, num_blocks=2 * layout.num_blocks))
