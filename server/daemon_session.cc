@@ -16,8 +16,6 @@ namespace {
 
 namespace pb = ::memra::kv::v1;
 
-uint64_t PlaneKey(const PlaneRef& ref) { return PlaneKey(ref.layer, ref.kind); }
-
 // cache_id binds core transactions to one session and layout version, daemon-wide.
 uint64_t NextCacheId() {
   static std::atomic<uint64_t> next{1};
@@ -100,32 +98,6 @@ std::string NotRecoverableReason(const SessionState& state) {
                         state.committed_len(), " (a spec rollback awaited its replay)");
   }
   return "";
-}
-
-struct PlaneAt {
-  uint64_t offset;
-  uint64_t bytes;
-};
-
-absl::StatusOr<PlaneAt> FindPlane(const SessionLayoutVersion& layout, const PlaneRef& ref) {
-  auto it = layout.index.find(PlaneKey(ref));
-  if (it == layout.index.end()) {
-    return absl::InternalError(absl::StrCat("layout version ", layout.version, " has no ",
-                                            PlaneKindName(ref.kind).data(), " plane for layer ",
-                                            ref.layer));
-  }
-  return PlaneAt{layout.offsets[it->second], layout.plan.planes[it->second].bytes};
-}
-
-// Offset of [offset, offset + bytes) of `plane` in its arena; INTERNAL when core asked for a
-// range outside the plane (a broken invariant, but never a stray write).
-absl::StatusOr<uint64_t> RangeInPlane(const PlaneAt& plane, uint64_t offset, uint64_t bytes) {
-  ASSIGN_OR_RETURN(uint64_t end, CheckedAdd(offset, bytes, "plane copy range"));
-  if (end > plane.bytes) {
-    return absl::InternalError(absl::StrCat("plane copy [", offset, ", ", end,
-                                            ") exceeds the plane's ", plane.bytes, " bytes"));
-  }
-  return plane.offset + offset;
 }
 
 }  // namespace
@@ -725,17 +697,6 @@ absl::Status DaemonSession::RestoreLocked(Restorer restore, absl::Span<const int
   absl::Status mirrors = TaintAfter("prefix restore", SyncMirrors());
   JournalLocked();
   return mirrors;
-}
-
-absl::StatusOr<uint64_t> PlaneRangeOffset(const SessionLayoutVersion& layout,
-                                          const PlaneRef& plane, uint64_t offset, uint64_t bytes) {
-  ASSIGN_OR_RETURN(PlaneAt at, FindPlane(layout, plane));
-  return RangeInPlane(at, offset, bytes);
-}
-
-uint64_t PlaneBytes(const SessionLayoutVersion& layout, const PlaneRef& plane) {
-  absl::StatusOr<PlaneAt> at = FindPlane(layout, plane);
-  return at.ok() ? at->bytes : 0;
 }
 
 void DaemonSession::FillState(pb::SessionState* out) const {

@@ -37,33 +37,15 @@
 #include "server/arena_pool.h"
 #include "server/backend.h"
 #include "server/device_budget.h"
+#include "server/ids.h"
+#include "server/placement.h"
+#include "server/prefix_session.h"
 #include "server/secret_token.h"
 #include "server/state_journal.h"
 
 namespace memra {
 
-// Strong ids (never reused within a daemon's life; 0 is never issued).
-struct SessionId {
-  uint64_t value = 0;
-};
-struct EngineId {
-  uint64_t value = 0;
-  friend bool operator==(EngineId a, EngineId b) { return a.value == b.value; }
-};
-
-// Where a session's planes are: one exported arena per layout version.
-struct SessionLayoutVersion {
-  uint64_t version = 0;
-  SessionPlan plan;
-  std::vector<uint64_t> offsets;                // byte offset of plan.planes[i] in the arena
-  absl::flat_hash_map<uint64_t, size_t> index;  // PlaneKey(layer, kind) -> plan.planes index
-  uint64_t arena_bytes = 0;  // the arena's exact bytes: what admission charged
-  AllocationId charge;       // this arena's entry in the admission budget
-  ArenaId arena;
-  ArenaExport exported;
-};
-
-class DaemonSession {
+class DaemonSession final : public PrefixSession {
  public:
   struct Params {
     SessionId id;
@@ -113,9 +95,13 @@ class DaemonSession {
   // RestoreLocked). No-op without a journal or after Release.
   void JournalNow() ABSL_LOCKS_EXCLUDED(mu_);
 
-  SessionId id() const { return params_.id; }
+  SessionId id() const override { return params_.id; }
   const Params& params() const { return params_; }
-  EngineId owner() const { return params_.owner; }
+  EngineId owner() const override { return params_.owner; }
+  absl::string_view cache_scope() const override { return params_.cache_scope; }
+  const ModelPlan& model_plan() const override { return *params_.model; }
+  const FormatDefaults& format_defaults() const override { return params_.defaults; }
+  const SessionShape& session_shape() const override { return params_.shape; }
   uint32_t slot() const { return params_.slot; }
   // Constant-time comparison (the token is a secret).
   bool TokenMatches(absl::string_view token) const;
@@ -179,21 +165,9 @@ class DaemonSession {
   // The export handles of the arenas Release() pooled (the engine may keep them mapped).
   std::vector<std::string> pooled_handles() const ABSL_LOCKS_EXCLUDED(mu_);
 
-  // ---- Prefix cache hooks (server/prefix_cache.h holds the rules) ----
-  // `committed_tokens`: the token ids of rows [0, committed_len) as commits reported them, or
-  // nullopt when unknown (a commit without token ids, a hydration).
-  using LockedView = absl::FunctionRef<absl::Status(
-      const SessionState& state, const SessionLayoutVersion& layout,
-      const std::optional<std::vector<int32_t>>& committed_tokens)>;
-  // Runs `view` under this session's mutex (no state change interleaves with its reads).
-  absl::Status ViewLocked(LockedView view) ABSL_LOCKS_EXCLUDED(mu_);
-  // `restore` validates against the state, performs the device copies and returns the state the
-  // session adopts; then the mirrors are written and the committed tokens become
-  // token_ids[0, committed_len). Refused while a grow awaits acknowledgement; a refusal of
-  // `restore` changes nothing.
-  using Restorer = absl::FunctionRef<absl::StatusOr<SessionState>(
-      const SessionState& state, const SessionLayoutVersion& layout)>;
-  absl::Status RestoreLocked(Restorer restore, absl::Span<const int32_t> token_ids)
+  // ---- Prefix cache hooks (PrefixSession; server/prefix_cache.h holds the rules) ----
+  absl::Status ViewLocked(LockedView view) override ABSL_LOCKS_EXCLUDED(mu_);
+  absl::Status RestoreLocked(Restorer restore, absl::Span<const int32_t> token_ids) override
       ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
@@ -287,13 +261,6 @@ class DaemonSession {
   std::optional<std::vector<int32_t>> committed_tokens_ ABSL_GUARDED_BY(mu_) =
       std::vector<int32_t>();
 };
-
-// Arena offset of [offset, offset + bytes) of `plane` in `layout`: INTERNAL when the layout has
-// no such plane or the range leaves it (never a stray access).
-absl::StatusOr<uint64_t> PlaneRangeOffset(const SessionLayoutVersion& layout,
-                                          const PlaneRef& plane, uint64_t offset, uint64_t bytes);
-// Bytes of `plane` in `layout` (0 when absent).
-uint64_t PlaneBytes(const SessionLayoutVersion& layout, const PlaneRef& plane);
 
 }  // namespace memra
 

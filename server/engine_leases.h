@@ -30,7 +30,7 @@
 #include "absl/time/time.h"
 #include "core/admission.h"
 #include "server/clock.h"
-#include "server/daemon_session.h"
+#include "server/ids.h"
 #include "server/device_budget.h"
 #include "server/state_journal.h"
 #include "common/daemon_restart.h"

@@ -25,26 +25,10 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/types/span.h"
 #include "server/backend.h"
+#include "server/host_memory.h"
 #include "server/slab_allocator.h"
 
 namespace memra {
-
-// Where host-tier memory comes from. Thread-safe.
-class HostMemoryProvider {
- public:
-  virtual ~HostMemoryProvider() = default;
-  // "host" (plain memory) or "cuda_pinned" (logs, stats).
-  virtual std::string_view Name() const = 0;
-  // Allocation sizes are multiples of this (a nonzero power of two).
-  virtual uint64_t Granularity() const = 0;
-  // `bytes` (a multiple of Granularity()) of zero-filled memory. RESOURCE_EXHAUSTED when the
-  // system has none to give.
-  virtual absl::StatusOr<uint8_t*> Allocate(uint64_t bytes) = 0;
-  virtual void Free(uint8_t* memory, uint64_t bytes) = 0;
-};
-
-// Anonymous private mappings (mmap), page-granular.
-std::unique_ptr<HostMemoryProvider> NewPlainHostMemory();
 
 class HostTierMemory final : public SlabSource {
  public:

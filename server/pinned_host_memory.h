@@ -9,7 +9,7 @@
 #include <memory>
 
 #include "absl/status/statusor.h"
-#include "server/host_tier_memory.h"
+#include "server/host_memory.h"
 
 namespace memra {
 

@@ -152,14 +152,14 @@ void FillOrigin(CapturePlan& plan, absl::Span<const int32_t> tokens, uint64_t bl
   }
 }
 
-absl::StatusOr<ScopedShape> ShapeOf(const DaemonSession& session) {
-  const DaemonSession::Params& params = session.params();
-  ASSIGN_OR_RETURN(PlanFingerprint model, FingerprintModelPlan(*params.model, params.defaults));
+absl::StatusOr<ScopedShape> ShapeOf(const PrefixSession& session) {
+  ASSIGN_OR_RETURN(PlanFingerprint model,
+                   FingerprintModelPlan(session.model_plan(), session.format_defaults()));
   ScopedShape out;
-  out.scope = params.cache_scope;
-  out.shape = PrefixShapeFingerprint(model, params.shape);
+  out.scope = std::string(session.cache_scope());
+  out.shape = PrefixShapeFingerprint(model, session.session_shape());
   out.key = ScopedShapeFingerprint(out.scope, out.shape);
-  out.formats = PlanFormatsSummary(*params.model, params.defaults);
+  out.formats = PlanFormatsSummary(session.model_plan(), session.format_defaults());
   return out;
 }
 
@@ -1381,7 +1381,7 @@ void PrefixCache::PullFromRemote(const ScopedShape& shape, const SessionState& s
   remote_->RecordPull(counts);
 }
 
-absl::StatusOr<PrefixCaptureResult> PrefixCache::Capture(DaemonSession& session,
+absl::StatusOr<PrefixCaptureResult> PrefixCache::Capture(PrefixSession& session,
                                                          absl::Span<const int32_t> tokens,
                                                          uint64_t boundary_tokens) {
   ASSIGN_OR_RETURN(ScopedShape shape, ShapeOf(session));
@@ -1390,7 +1390,7 @@ absl::StatusOr<PrefixCaptureResult> PrefixCache::Capture(DaemonSession& session,
       [&](const SessionState& state, const SessionLayoutVersion& layout,
           const std::optional<std::vector<int32_t>>& committed) {
         absl::StatusOr<absl::Span<const int32_t>> committed_tokens =
-            CommittedTokensMatching(session.params().id, state, committed, tokens);
+            CommittedTokensMatching(session.id(), state, committed, tokens);
         if (!committed_tokens.ok()) return committed_tokens.status();
         // Stored under what the session committed, never under the caller's word.
         result = CaptureLocked(shape, state, layout, *committed_tokens, boundary_tokens,
@@ -1402,7 +1402,7 @@ absl::StatusOr<PrefixCaptureResult> PrefixCache::Capture(DaemonSession& session,
 }
 
 absl::StatusOr<std::optional<PrefixCaptureResult>> PrefixCache::CaptureCommitted(
-    DaemonSession& session) {
+    PrefixSession& session) {
   ASSIGN_OR_RETURN(ScopedShape shape, ShapeOf(session));
   std::optional<PrefixCaptureResult> result;
   RETURN_IF_ERROR(session.ViewLocked(
@@ -1500,7 +1500,7 @@ PrefixLookupResult PrefixCache::Lookup(absl::string_view scope, const PlanFinger
   return result;
 }
 
-absl::StatusOr<PrefixRestoreResult> PrefixCache::Restore(DaemonSession& session,
+absl::StatusOr<PrefixRestoreResult> PrefixCache::Restore(PrefixSession& session,
                                                          std::optional<EntryId> requested,
                                                          absl::Span<const int32_t> tokens) {
   ASSIGN_OR_RETURN(ScopedShape shape, ShapeOf(session));
@@ -1513,7 +1513,7 @@ absl::StatusOr<PrefixRestoreResult> PrefixCache::Restore(DaemonSession& session,
         if (!IsFresh(state)) {
           return absl::FailedPreconditionError(absl::StrCat(
               "prefix restore needs a fresh destination: session ",
-              session.params().id.value, " has committed ", state.committed_len(), ", staged ",
+              session.id().value, " has committed ", state.committed_len(), ", staged ",
               state.staged_len(), " rows"));
         }
         ASSIGN_OR_RETURN(std::vector<BlockKey> keys, ChainBlockKeys(shape.key, tokens, block));
@@ -1552,7 +1552,7 @@ absl::StatusOr<PrefixRestoreResult> PrefixCache::Restore(DaemonSession& session,
             return absl::InvalidArgumentError(absl::StrCat(
                 "prefix entry ", id->value, " was captured for shape ",
                 FingerprintHex(stored.view.fingerprint), " (", stored_formats, "); session ",
-                session.params().id.value, " has shape ", FingerprintHex(shape.shape), " (",
+                session.id().value, " has shape ", FingerprintHex(shape.shape), " (",
                 shape.formats, ")"));
           }
           while (matched < entry.blocks.size() && matched < keys.size() &&
@@ -1577,7 +1577,7 @@ absl::StatusOr<PrefixRestoreResult> PrefixCache::Restore(DaemonSession& session,
         // Pinned: nothing below can free or demote the entry's pieces. Every path unpins. A
         // restore that cannot go refuses before any piece is promoted.
         absl::StatusOr<RestoreTarget> target =
-            PlanRestore(session.params().id, state, layout, entry, matched);
+            PlanRestore(session.id(), state, layout, entry, matched);
         absl::Status promoted = target.ok() ? PromotePinned(entry) : target.status();
         std::vector<ArenaId> held;
         if (promoted.ok()) {

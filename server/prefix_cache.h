@@ -48,7 +48,7 @@
 // sets lengths, ring bases and latent pools; ValidateLatentRestore / PlanLatentRestore place the
 // indexer state), this class only moves bytes.
 //
-// Thread-safety: thread-safe. Lock order: a session's own mutex (DaemonSession) -> mu_ ->
+// Thread-safety: thread-safe. Lock order: a session's own mutex (PrefixSession) -> mu_ ->
 // SlabAllocator's mutex -> DeviceBudget's mutex. mu_ is never held while a session mutex is
 // taken, nor across any copy: a capture or restore (PlanCapture / Pin under mu_; spans
 // allocated and copied without it; CommitCapture / Unpin under mu_ again), a promotion
@@ -93,10 +93,11 @@
 #include "core/session.h"
 #include "core/sizing.h"
 #include "server/backend.h"
-#include "server/daemon_session.h"
 #include "server/device_budget.h"
 #include "server/disk_tier.h"
 #include "server/host_tier_memory.h"
+#include "server/placement.h"
+#include "server/prefix_session.h"
 #include "server/remote_tier.h"
 #include "server/slab_allocator.h"
 #include "server/streaming_checksum.h"
@@ -321,7 +322,7 @@ class PrefixCache {
   uint64_t epoch() const { return options_.epoch; }
 
   // Captures tokens[0, boundary_tokens) of `session`'s committed state, in the session's cache
-  // scope (DaemonSession::Params::cache_scope), keyed by the token ids
+  // scope (PrefixSession::cache_scope), keyed by the token ids
   // the session's commits carried (never by `tokens`, which must agree with them). REQUIRES
   // (else refused, nothing stored): the session's committed ids known (every commit carried its
   // ids: FAILED_PRECONDITION), `tokens` equal to them position by position and no longer
@@ -329,7 +330,7 @@ class PrefixCache {
   // tainted), no open transaction, recurrent position == committed length; boundary_tokens > 0,
   // a multiple of block_tokens, <= committed length and <= tokens.size(); plans with recurrent
   // or indexer layers: boundary == committed length.
-  absl::StatusOr<PrefixCaptureResult> Capture(DaemonSession& session,
+  absl::StatusOr<PrefixCaptureResult> Capture(PrefixSession& session,
                                               absl::Span<const int32_t> tokens,
                                               uint64_t boundary_tokens) ABSL_LOCKS_EXCLUDED(mu_);
 
@@ -338,7 +339,7 @@ class PrefixCache {
   // with a transaction open: staged rows lie above it and are never read); exactly the
   // committed length, with no transaction open, otherwise. nullopt when there is nothing to
   // capture (tokens unknown, under one block, not at a capturable boundary).
-  absl::StatusOr<std::optional<PrefixCaptureResult>> CaptureCommitted(DaemonSession& session)
+  absl::StatusOr<std::optional<PrefixCaptureResult>> CaptureCommitted(PrefixSession& session)
       ABSL_LOCKS_EXCLUDED(mu_);
 
   // Longest restorable prefix in cache scope `scope` for sessions of `shape`
@@ -354,7 +355,7 @@ class PrefixCache {
   // entry of a boundary-state plan whose boundary the tokens do not reach. DATA_LOSS: a stored
   // checksum mismatch; the entry is dropped (unless another restore still pins it) and the
   // destination stays fresh.
-  absl::StatusOr<PrefixRestoreResult> Restore(DaemonSession& session,
+  absl::StatusOr<PrefixRestoreResult> Restore(PrefixSession& session,
                                               std::optional<EntryId> entry,
                                               absl::Span<const int32_t> tokens)
       ABSL_LOCKS_EXCLUDED(mu_);
@@ -461,7 +462,7 @@ class PrefixCache {
               std::unique_ptr<DiskTier> disk, std::unique_ptr<HostTierMemory> host_memory,
               std::unique_ptr<SlabAllocator> host_slabs, std::unique_ptr<RemoteTier> remote);
 
-  // REQUIRES the session's mutex (runs inside DaemonSession::ViewLocked).
+  // REQUIRES the session's mutex (runs inside PrefixSession::ViewLocked).
   absl::StatusOr<PrefixCaptureResult> CaptureLocked(const ScopedShape& shape,
                                                     const SessionState& state,
                                                     const SessionLayoutVersion& layout,
@@ -533,7 +534,7 @@ class PrefixCache {
                                             uint64_t matched_blocks) const;
   // Verifies and copies a pinned, promoted entry's first `matched_blocks` blocks (and its
   // boundary state) into the fresh session as `target` (PlanRestore's) says; returns the state
-  // it must adopt. REQUIRES the destination's mutex (inside DaemonSession::RestoreLocked).
+  // it must adopt. REQUIRES the destination's mutex (inside PrefixSession::RestoreLocked).
   absl::StatusOr<SessionState> RestorePinned(const SessionLayoutVersion& layout,
                                              const EntryView& entry, uint64_t matched_blocks,
                                              RestoreTarget target) ABSL_LOCKS_EXCLUDED(mu_);
