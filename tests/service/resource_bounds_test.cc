@@ -25,7 +25,7 @@
 #include "client/internal.h"
 #include "common/grpc_status.h"
 #include "common/handoff_wire.h"
-#include "server/fault_injecting_backend.h"
+#include "server/testing/fault_injecting_backend.h"
 #include "gmock/gmock.h"
 #include "grpcpp/create_channel.h"
 #include "grpcpp/generic/generic_stub.h"
@@ -34,7 +34,7 @@
 #include "gtest/gtest.h"
 #include "proto/memra/kv/v1/admin.grpc.pb.h"
 #include "proto/memra/kv/v1/prefix.grpc.pb.h"
-#include "server/model_config_bounds.h"
+#include "server/edge/model_config_bounds.h"
 #include "tests/service/test_daemon.h"
 #include "tests/status_matchers.h"
 
