@@ -9,8 +9,8 @@
 // and Redis (the peer of section 3) SET / GET of the same blocks, one key per 16-token block.
 // Each timed store and load is followed at once by a memcpy of the same bytes and by the
 // daemon's own per-block work done in this process (xxHash3 of each 16 KiB piece, then its
-// memcpy; server/host_backend.cc CopyHashed): the pair's ratios are taken under the same load
-// (other tenants of this VM swing memcpy 2x between seconds, and a baseline timed apart then
+// memcpy; server/device/host_backend.cc CopyHashed): the pair's ratios are taken under the same
+// load (other tenants of this VM swing memcpy 2x between seconds, and a baseline timed apart then
 // moves every ratio).
 
 #include <cstring>
@@ -24,7 +24,7 @@
 #include "bench/redis_peer.h"
 #include "bench/sections.h"
 #include "client/client.h"
-#include "server/streaming_checksum.h"
+#include "server/base/streaming_checksum.h"
 #include "core/status_macros.h"
 #include "tests/test_block_pool.h"
 

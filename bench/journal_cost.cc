@@ -1,8 +1,8 @@
 // What keeping KV across a restart costs per step (docs/failure-model.md#the-daemon-dies): one
 // decode step for N sessions (Begin, PrepareAppend of one row, PublishAppend, Commit) through the
 // daemon's one dispatcher (SessionRegistry::Run, as every Step entry reaches it), with the
-// restart journal (server/restart_state.h: a slot rewritten in place after each operation that
-// changed the committed state) and without it, in the same process, interleaved round by round
+// restart journal (server/restart/restart_state.h: a slot rewritten in place after each operation
+// that changed the committed state) and without it, in the same process, interleaved round by round
 // so the machine's load falls on both alike. The fd store is a real datagram socket drained by a
 // thread (what systemd or memra-kv-supervise is); only session creation talks to it.
 //
@@ -25,14 +25,14 @@
 #include "bench/harness.h"
 #include "core/test_model_plans.h"
 #include "proto/memra/kv/v1/cache.pb.h"
-#include "server/clock.h"
-#include "server/device_budget.h"
-#include "server/engine_leases.h"
-#include "server/host_backend.h"
-#include "server/plan_registry.h"
-#include "server/restart_state.h"
-#include "server/sd_notify.h"
-#include "server/session_registry.h"
+#include "server/base/clock.h"
+#include "server/device/device_budget.h"
+#include "server/session/engine_leases.h"
+#include "server/device/host_backend.h"
+#include "server/session/plan_registry.h"
+#include "server/restart/restart_state.h"
+#include "server/base/sd_notify.h"
+#include "server/session/session_registry.h"
 
 namespace memra::bench {
 namespace {

@@ -42,7 +42,7 @@
 #include "core/admission.h"
 #include "core/status_macros.h"
 #include "proto/memra/kv/v1/prefix.grpc.pb.h"
-#include "server/redis_cluster.h"
+#include "server/store/remote/redis_cluster.h"
 
 namespace memra::bench {
 namespace {

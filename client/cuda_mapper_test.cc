@@ -15,8 +15,8 @@
 #include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "server/cuda_backend.h"
-#include "server/test_cuda_backend.h"
+#include "server/device/cuda_backend.h"
+#include "server/testing/test_cuda_backend.h"
 #include "tests/status_matchers.h"
 
 namespace memra {

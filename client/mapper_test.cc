@@ -11,8 +11,8 @@
 #include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "server/host_backend.h"
-#include "server/test_host_backend.h"
+#include "server/device/host_backend.h"
+#include "server/testing/test_host_backend.h"
 #include "tests/status_matchers.h"
 
 namespace memra {

@@ -7,7 +7,7 @@
 // each side mapping it with cuMemAddressReserve + cuMemMap + cuMemSetAccess. Unlike legacy IPC
 // memory, an allocation lives while any process (or kept descriptor) holds it, so the daemon's
 // arenas survive its restart (the fd store keeps the descriptors) and are handed to engines over
-// the same side channel as host memfds. The daemon (server/cuda_backend.h) and the engine
+// the same side channel as host memfds. The daemon (server/device/cuda_backend.h) and the engine
 // library (client/cuda_mapper.h) both use this. Built only where the toolkit is (HAS_CUDA).
 // The driver API is reached through the runtime (cudaGetDriverEntryPointByVersion), never
 // linked: a binary built with the toolkit still starts on a machine without the driver.

@@ -3,7 +3,7 @@
 
 // The handoff socket's protocol (docs/handoff.md; cache.proto "Arena" describes where it fits):
 // the one side channel gRPC cannot be, because it carries file descriptors (SCM_RIGHTS). The
-// daemon (server/arena_handoff.h) and both clients (client/handoff_channel.h, the Python
+// daemon (server/edge/arena_handoff.h) and both clients (client/handoff_channel.h, the Python
 // package's handoff.py) speak it.
 //
 // Every frame:  u32 length (little-endian; the bytes that follow, 2..kMaxFrameBytes)

@@ -2,7 +2,7 @@
 #define MEMRA_COMMON_STEP_CHANNEL_H_
 
 // The step channel's shared-memory layout (docs/step-channel.md): the one definition the daemon
-// (server/step_channel.h) and the engine library (client/step_channel_client.h) both use.
+// (server/edge/step_channel.h) and the engine library (client/step_channel_client.h) both use.
 //
 // The daemon creates one region per engine (a sealed memfd, handed to that engine only over the
 // handoff socket, with an eventfd the engine writes to wake the daemon). The region holds
@@ -35,7 +35,8 @@ inline constexpr uint32_t kSubmissionSideBytes = 1024;  // per slot: 256 token i
 inline constexpr uint32_t kCompletionSideBytes = 8192;  // per slot: a message or layer plans
 inline constexpr size_t kHeaderBytes = 4096;
 // The most entries one Step may carry, on either path: the Step RPC refuses more
-// (server/cache_service.h), and the engine library sends such a Step over gRPC for that refusal.
+// (server/edge/cache_service.h), and the engine library sends such a Step over gRPC for that
+// refusal.
 inline constexpr int kMaxStepEntries = 65536;
 
 // Submission record operations: one per StepEntry op (proto StepEntry.op).

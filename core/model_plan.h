@@ -113,7 +113,7 @@ KvFormats ResolveLayerFormats(const LayerPlan& layer, const FormatDefaults& defa
 // not use left at zero/unset (a stray `window` on a kKv layer is a mis-typed plan, and it would
 // otherwise be silently ignored), and no enum value without a name (plans arrive over the wire).
 // INVALID_ARGUMENT naming the layer and the numbers. Linear in the layers (any size; the daemon
-// caps the size first: server/plan_registry.h CheckPlanLayers).
+// caps the size first: server/session/plan_registry.h CheckPlanLayers).
 absl::Status ValidateModelPlan(const ModelPlan& plan);
 
 // SHA-256 over the canonical encoding (every layout-relevant field, formats resolved with

@@ -57,7 +57,7 @@ struct MirrorValue {
 };
 
 // What a restarted daemon needs to bring a session back at its committed length
-// (server/restart_state.h journals it; SessionState::Committed / Recover).
+// (server/restart/restart_state.h journals it; SessionState::Committed / Recover).
 struct CommittedRecord {
   uint64_t committed_len = 0;
   uint64_t next_generation = 1;

@@ -3,7 +3,7 @@
 #include <string>
 #include <utility>
 
-#include "server/host_backend.h"
+#include "server/device/host_backend.h"
 #include "server/instance.h"
 
 namespace memra {

@@ -8,7 +8,7 @@
 #include <memory>
 
 #include "absl/status/statusor.h"
-#include "server/backend.h"
+#include "server/device/backend.h"
 #include "server/config.h"
 
 namespace memra {

@@ -25,8 +25,8 @@
 #include "absl/strings/str_replace.h"
 #include "absl/strings/strip.h"
 #include "core/status_macros.h"
-#include "server/cache_scopes.h"
-#include "server/redis_cluster.h"
+#include "server/session/cache_scopes.h"
+#include "server/store/remote/redis_cluster.h"
 
 // toml11 reports errors by throwing; every call into it stays inside ParseConfig's try block.
 #include <toml.hpp>

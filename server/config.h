@@ -129,7 +129,7 @@ struct DaemonConfig {
   // Send systemd watchdog keep-alives when the service manager asks for them (WATCHDOG_USEC).
   bool watchdog = true;
   // Under a service manager (systemd, memra-kv-supervise): keep session arenas and the restart
-  // journal in its fd store, and re-adopt them after a restart (server/restart_state.h).
+  // journal in its fd store, and re-adopt them after a restart (server/restart/restart_state.h).
   bool keep_kv_across_restarts = true;
   // Offer attached engines a shared-memory step channel (docs/step-channel.md): Step entries
   // addressed by slot as records in a ring, served by one daemon thread. false: Step over gRPC
@@ -146,13 +146,13 @@ struct DaemonConfig {
   // Group owning the admin socket; empty = the daemon's primary group. Must be one of the
   // daemon's groups (no CAP_CHOWN).
   std::string admin_socket_group;
-  // The engines' handoff socket (server/arena_handoff.h): an engine connects here before
+  // The engines' handoff socket (server/edge/arena_handoff.h): an engine connects here before
   // Attach, gets the ticket that binds its peer credentials (SO_PEERCRED) to its lease, and
   // trades its sessions' arena handles for memfd descriptors (SCM_RIGHTS). Same mode and group
   // as the engine socket. Empty = socket_path with ".sock" replaced by ".handoff.sock"
   // (HandoffSocketPath()). "{device}" is replaced by `device`.
   std::string handoff_socket_path;
-  // Named prefix-cache scopes and who may attach in them (server/cache_scopes.h):
+  // Named prefix-cache scopes and who may attach in them (server/session/cache_scopes.h):
   // "name:uid,uid,@group; name2:@group2". Empty: every engine's scope is its uid's.
   std::string cache_scope_allow;
 
@@ -181,10 +181,10 @@ struct DaemonConfig {
   uint64_t max_connections_per_uid = 256;
   uint64_t connection_idle_timeout_ms = 300'000;
   // Bytes of released session arenas kept per engine for its next sessions of the same size
-  // (server/arena_pool.h); evictable by admission, freed when the engine's lease ends. 0 = no
-  // pool: every CreateSession makes (and every engine maps) a new arena.
+  // (server/session/arena_pool.h); evictable by admission, freed when the engine's lease ends. 0 =
+  // no pool: every CreateSession makes (and every engine maps) a new arena.
   uint64_t arena_pool_engine_bytes = uint64_t{4} << 30;
-  // The block store (server/block_store.h): bytes of its own KV pool one engine may have
+  // The block store (server/store/block_store.h): bytes of its own KV pool one engine may have
   // offered and registered at once, and registrations and pins per engine.
   uint64_t block_store_engine_bytes = uint64_t{64} << 30;
   uint64_t block_store_max_registrations = 16;

@@ -5,7 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "server/backend_factory.h"
-#include "server/cuda_backend.h"
+#include "server/device/cuda_backend.h"
 
 namespace memra {
 

@@ -20,10 +20,10 @@
 #include "grpcpp/resource_quota.h"
 #include "grpcpp/security/server_credentials.h"
 #include "grpcpp/server_builder.h"
-#include "server/pinned_host_memory.h"
-#include "server/redis_cluster.h"
-#include "server/remote_tier.h"
-#include "server/unix_socket.h"
+#include "server/device/pinned_host_memory.h"
+#include "server/store/remote/redis_cluster.h"
+#include "server/store/remote/remote_tier.h"
+#include "server/base/unix_socket.h"
 #include "spdlog/spdlog.h"
 
 namespace memra {
@@ -136,7 +136,7 @@ absl::StatusOr<uint64_t> RandomEpoch() {
 // cannot be set up (prefix_disk_dir unusable, too little free space, no io_uring) refuses the
 // start: the operator asked for it. So does a remote tier whose options cannot work (a password
 // file that cannot be read); a cluster that does not answer does not: the daemon serves without
-// it, reports it down and reconnects (server/remote_tier.h).
+// it, reports it down and reconnects (server/store/remote/remote_tier.h).
 absl::StatusOr<std::unique_ptr<PrefixCache>> MakePrefixCache(const DaemonConfig& config,
                                                              DeviceBackend* backend,
                                                              DeviceBudget* budget,

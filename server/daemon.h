@@ -6,21 +6,21 @@
 // drain, reload, the lease thread, shutdown. The engine socket (socket_path) serves KvCache,
 // KvAdmin and KvPrefixCache with the operator calls refused; the admin socket
 // (admin_socket_path, mode 0600 by default) serves KvAdmin and KvPrefixCache in full
-// (server/served_socket.h, docs/security-model.md); the handoff socket (handoff_socket_path,
+// (server/edge/served_socket.h, docs/security-model.md); the handoff socket (handoff_socket_path,
 // the engine socket's mode and group) issues the attach tickets and hands arena descriptors to
-// the engines that own them (server/arena_handoff.h).
+// the engines that own them (server/edge/arena_handoff.h).
 // Both serve the standard health service and reflection. server/main.cc wraps it with configuration, signals and systemd; tests run
 // it in-process with a FakeClock. The parts own their state and locks:
-//   PlanRegistry (server/plan_registry.h)       registered model plans, bounded
-//   EngineLeases (server/engine_leases.h)       engines, leases, reservations, draining
-//   SessionRegistry (server/session_registry.h) sessions and the one operation dispatcher
+//   PlanRegistry (server/session/plan_registry.h)       registered model plans, bounded
+//   EngineLeases (server/session/engine_leases.h)       engines, leases, reservations, draining
+//   SessionRegistry (server/session/session_registry.h) sessions and the one operation dispatcher
 //   CacheService / AdminService / PrefixService the wire edges
 //   unix_socket.h                               the socket file before and after binding
 //
 // Thread-safety: thread-safe. `mu_` guards only the servers and the metrics endpoint; the parts'
-// lock order is SessionRegistry's before EngineLeases' (server/session_registry.h).
+// lock order is SessionRegistry's before EngineLeases' (server/session/session_registry.h).
 //
-// Admission: one DeviceBudget (server/device_budget.h) per daemon. Every session arena is
+// Admission: one DeviceBudget (server/device/device_budget.h) per daemon. Every session arena is
 // charged its exact bytes before it is allocated (DaemonSession::Create / Grow) and released
 // with it; an engine's reservations lapse after reservation_ttl_ms and go with the engine when it
 // is reclaimed. The admin queries (cost, fit, max-context) price with the same sizing function
@@ -46,29 +46,29 @@
 #include "grpcpp/server.h"
 #include "grpcpp/support/server_interceptor.h"
 #include "proto/memra/kv/v1/admin.pb.h"
-#include "server/admin_service.h"
-#include "server/arena_handoff.h"
-#include "server/arena_pool.h"
-#include "server/block_store.h"
-#include "server/block_store_service.h"
-#include "server/backend.h"
-#include "server/cache_scopes.h"
-#include "server/cache_service.h"
-#include "server/clock.h"
+#include "server/edge/admin_service.h"
+#include "server/edge/arena_handoff.h"
+#include "server/session/arena_pool.h"
+#include "server/store/block_store.h"
+#include "server/edge/block_store_service.h"
+#include "server/device/backend.h"
+#include "server/session/cache_scopes.h"
+#include "server/edge/cache_service.h"
+#include "server/base/clock.h"
 #include "server/config.h"
-#include "server/connection_gate.h"
-#include "server/device_budget.h"
-#include "server/engine_leases.h"
-#include "server/metrics.h"
-#include "server/metrics_http.h"
-#include "server/plan_registry.h"
-#include "server/prefix_cache.h"
-#include "server/prefix_service.h"
-#include "server/restart_state.h"
-#include "server/sd_notify.h"
-#include "server/served_socket.h"
-#include "server/session_registry.h"
-#include "server/step_channel.h"
+#include "server/edge/connection_gate.h"
+#include "server/device/device_budget.h"
+#include "server/session/engine_leases.h"
+#include "server/metrics/metrics.h"
+#include "server/metrics/metrics_http.h"
+#include "server/session/plan_registry.h"
+#include "server/store/prefix_cache.h"
+#include "server/edge/prefix_service.h"
+#include "server/restart/restart_state.h"
+#include "server/base/sd_notify.h"
+#include "server/edge/served_socket.h"
+#include "server/session/session_registry.h"
+#include "server/edge/step_channel.h"
 
 namespace memra {
 
@@ -82,10 +82,10 @@ class Daemon {
   // Uses config.SocketPath(), socket_mode, socket_group, AdminSocketPath(), admin_socket_mode,
   // admin_socket_group, lease_timeout_ms, lease_grace_ms.
   // `passed`: the descriptors the service manager handed over at start (TakeListenFds). When
-  // they hold a previous daemon's journal (server/restart_state.h), its engines and sessions are
-  // re-adopted before this returns and the epoch is the previous one + 1; sessions that cannot
-  // come back answer with the restart error (common/daemon_restart.h). Under a service manager
-  // with keep_kv_across_restarts, this daemon keeps its own state there for the next one.
+  // they hold a previous daemon's journal (server/restart/restart_state.h), its engines and
+  // sessions are re-adopted before this returns and the epoch is the previous one + 1; sessions
+  // that cannot come back answer with the restart error (common/daemon_restart.h). Under a service
+  // manager with keep_kv_across_restarts, this daemon keeps its own state there for the next one.
   // REQUIRES: `clock` outlives the daemon.
   static absl::StatusOr<std::unique_ptr<Daemon>> Create(DaemonConfig config,
                                                         std::unique_ptr<DeviceBackend> backend,
@@ -229,7 +229,7 @@ class Daemon {
   PlanRegistry plans_;
   EngineLeases leases_;
   // Null when prefix_cache_budget_bytes is 0. Its arenas live in backend_; its lock comes after
-  // a session's own mutex (server/prefix_cache.h).
+  // a session's own mutex (server/store/prefix_cache.h).
   const std::unique_ptr<PrefixCache> prefix_cache_;
   // Released session arenas per engine (arena_pool_engine_bytes); evicted before prefix entries.
   ArenaPool arena_pool_;
@@ -241,7 +241,7 @@ class Daemon {
   // step_channel (config), when the handoff socket offers them.
   StepChannels step_channels_;
   ArenaHandoff handoff_;
-  // One KvPrefixCache and one KvAdmin per socket (server/served_socket.h).
+  // One KvPrefixCache and one KvAdmin per socket (server/edge/served_socket.h).
   PrefixService engine_prefix_service_;
   PrefixService operator_prefix_service_;
   CacheService cache_service_;

@@ -1,6 +1,7 @@
 // The daemon's Prometheus metrics: what it holds (read from the ledger, the session map and the
 // prefix cache at scrape time, so a scrape never shows stale numbers), what happened (counters),
-// and every gRPC call counted and timed by server/rpc_metrics.h. README.md "Metrics" lists them.
+// and every gRPC call counted and timed by server/metrics/rpc_metrics.h. README.md "Metrics" lists
+// them.
 
 #include <iterator>
 #include <string>
@@ -12,7 +13,7 @@
 #include "proto/memra/kv/v1/cache.grpc.pb.h"
 #include "proto/memra/kv/v1/prefix.grpc.pb.h"
 #include "server/daemon.h"
-#include "server/rpc_metrics.h"
+#include "server/metrics/rpc_metrics.h"
 #include "spdlog/spdlog.h"
 
 namespace memra {
@@ -129,7 +130,7 @@ Daemon::RegisterMetrics() {
           return one(s.*field);
         })));
   }
-  // Slab storage under the stored bytes (server/slab_allocator.h).
+  // Slab storage under the stored bytes (server/store/slab_allocator.h).
   const std::pair<const char*, const char*> slab_help[] = {
       {"memra_prefix_slabs", "Slabs (arenas) the prefix cache's storage lives in."},
       {"memra_prefix_slab_bytes", "Bytes of those slabs: what the device budget is charged."},
@@ -146,7 +147,7 @@ Daemon::RegisterMetrics() {
           return one(s.slabs.*field);
         })));
   }
-  // Tiers (server/prefix_cache.h): one sample per tier the daemon has, labelled by medium.
+  // Tiers (server/store/prefix_cache.h): one sample per tier the daemon has, labelled by medium.
   const std::pair<const char*, const char*> tier_help[] = {
       {"memra_prefix_tier_stored_bytes", "Bytes of prefix pieces in each tier (device, disk)."},
       {"memra_prefix_tier_budget_bytes", "Each prefix tier's budget."},
@@ -177,7 +178,7 @@ Daemon::RegisterMetrics() {
       [this] {
         return restart_survival().state == RestartSurvival::State::kOn ? 1.0 : 0.0;
       }));
-  // The remote tier (server/remote_tier.h): no samples without one.
+  // The remote tier (server/store/remote/remote_tier.h): no samples without one.
   auto remote = [prefix](auto read) {
     return prefix([read](const PrefixCacheStats& s) -> std::vector<CallbackSample> {
       if (!s.remote.has_value()) return {};

@@ -21,7 +21,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
-#include "server/sd_notify.h"
+#include "server/base/sd_notify.h"
 
 namespace memra {
 

@@ -23,12 +23,12 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "server/backend_factory.h"
-#include "server/clock.h"
+#include "server/base/clock.h"
 #include "server/config.h"
 #include "server/daemon.h"
 #include "server/instance.h"
 #include "server/lifecycle.h"
-#include "server/sd_notify.h"
+#include "server/base/sd_notify.h"
 #include "spdlog/spdlog.h"
 
 ABSL_FLAG(std::string, config, "",

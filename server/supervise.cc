@@ -41,7 +41,7 @@
 #include "absl/strings/strip.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
-#include "server/sd_notify.h"
+#include "server/base/sd_notify.h"
 
 namespace {
 

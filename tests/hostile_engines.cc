@@ -18,7 +18,7 @@
 #include "common/handoff_wire.h"
 #include "core/status_macros.h"
 #include "proto/memra/kv/v1/admin.grpc.pb.h"
-#include "server/model_config_bounds.h"
+#include "server/edge/model_config_bounds.h"
 
 namespace memra::testing {
 

@@ -390,7 +390,7 @@ def _id(registration):
 
 
 # RegisterEngineBuffers' refusal of an offer that came over a handoff connection the daemon has
-# since closed (server/block_store.cc).
+# since closed (server/store/block_store.cc).
 _CLOSED_CONNECTION = "which is closed"
 
 

@@ -17,8 +17,8 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "gtest/gtest.h"
-#include "server/cuda_backend.h"
-#include "server/test_cuda_backend.h"
+#include "server/device/cuda_backend.h"
+#include "server/testing/test_cuda_backend.h"
 #include "tests/status_matchers.h"
 
 namespace memra {

@@ -1,5 +1,5 @@
 // End to end, the prefix cache's remote tier: a real 3-master / 3-replica Redis Cluster on
-// loopback ports (server/test_redis_cluster.h) shared by TWO real memra-kvd daemons (two
+// loopback ports (server/testing/test_redis_cluster.h) shared by TWO real memra-kvd daemons (two
 // "machines", host backend), and separate prefix_engine processes. A prefix captured through
 // daemon A is written behind to the cluster and restored bit-exactly through daemon B (its
 // lookup says REMOTE; the restore pulls the pieces into B's device tier, verified); a corrupted
@@ -28,7 +28,7 @@
 #include "gtest/gtest.h"
 #include "proto/memra/kv/v1/admin.pb.h"
 #include "proto/memra/kv/v1/prefix.grpc.pb.h"
-#include "server/test_redis_cluster.h"
+#include "server/testing/test_redis_cluster.h"
 #include "tests/daemon_process.h"
 #include "tests/e2e/operator_view.h"
 #include "tests/e2e/facts.h"

@@ -22,7 +22,7 @@
 #include "core/transaction.h"
 #include "proto/memra/kv/v1/admin.pb.h"
 #include "proto/memra/kv/v1/cache.pb.h"
-#include "server/model_import.h"
+#include "server/session/model_import.h"
 
 namespace memra::fuzz {
 namespace {

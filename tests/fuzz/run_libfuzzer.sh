@@ -27,7 +27,7 @@ cp -r "tests/fuzz/corpus/${target}" "${work}/corpus"
 
 sources=(
   tests/fuzz/libfuzzer_main.cc tests/fuzz/fuzz_targets.cc common/codec.cc
-  server/model_import.cc
+  server/session/model_import.cc
 )
 for source in core/*.cc; do
   [[ "${source}" == *_test.cc ]] || sources+=("${source}")

@@ -15,7 +15,7 @@
 #include "core/test_model_plans.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "server/prefix_cache.h"
+#include "server/store/prefix_cache.h"
 #include "tests/service/test_daemon.h"
 #include "tests/status_matchers.h"
 

@@ -1,4 +1,4 @@
-// The two sockets of one daemon (server/served_socket.h): the engine socket refuses every call
+// The two sockets of one daemon (server/edge/served_socket.h): the engine socket refuses every call
 // that affects or reveals other engines, naming the admin socket, and still answers the
 // read-only queries; the admin socket serves those calls. And a prefix capture is keyed by the
 // token ids the session committed, not by the request's.

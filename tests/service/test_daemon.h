@@ -21,12 +21,12 @@
 #include "core/model_plan.h"
 #include "gtest/gtest.h"
 #include "proto/memra/kv/v1/admin.grpc.pb.h"
-#include "server/clock.h"
+#include "server/base/clock.h"
 #include "server/daemon.h"
-#include "server/fault_injecting_backend.h"
-#include "server/host_backend.h"
-#include "server/prefix_cache.h"
-#include "server/test_host_backend.h"
+#include "server/testing/fault_injecting_backend.h"
+#include "server/device/host_backend.h"
+#include "server/store/prefix_cache.h"
+#include "server/testing/test_host_backend.h"
 #include "tests/service/test_plans.h"
 
 namespace memra::testing {

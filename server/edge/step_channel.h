@@ -1,0 +1,147 @@
+#ifndef MEMRA_SERVER_STEP_CHANNEL_H_
+#define MEMRA_SERVER_STEP_CHANNEL_H_
+
+// The daemon's end of the engines' step channels (docs/step-channel.md; the layout is
+// common/step_channel.h): per attached engine at most one shared-memory region, created here (a
+// sealed memfd, handed over the handoff socket to that engine alone), whose submission ring
+// carries slot-addressed Step entries as fixed-size records and whose completion ring carries
+// their results. A record is copied out of shared memory once, into a local struct, before
+// anything reads it; it is decoded into the same pb::StepEntry the Step RPC decodes protobuf
+// into, and run by the same RunStepEntry (server/edge/step_entry.h), so rules, codes and messages
+// are identical. gRPC stays the control plane and the fallback.
+//
+// Threads: ONE serving thread for every channel. It serves each open channel a round of at most
+// `max_records_per_round` records (so one engine cannot starve the others), spins for
+// `spin` after the last round that found work, then sleeps in epoll_wait on the channels'
+// eventfds (the engines write them when they publish records while daemon_sleeping is set): no
+// busy core when idle. It never waits for a session: a record whose session a long operation
+// (Grow, a prefix copy) holds stays in the ring, its channel's round ends there, and the thread
+// tries it again every millisecond while it serves the other engines.
+//
+// Bad input: the daemon keeps its own ring counters (sq_head, cq_tail) and never reads them
+// back; it reads the engine's (sq_tail, cq_head) once per round. A counter claiming more records
+// than the ring holds closes the channel (CloseReason::kCorrupt) for that engine only; a corrupt
+// record (operation, reserved bytes, side span outside the record's own) gets an
+// INVALID_ARGUMENT completion naming the numbers and changes nothing.
+//
+// Thread-safety: thread-safe. `mu_` guards the channel table; the serving thread takes it only
+// to pick up changes (a generation counter says when), never while serving records.
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "common/handoff_wire.h"
+#include "common/mapped_region.h"
+#include "common/step_channel.h"
+#include "proto/memra/kv/v1/cache.pb.h"
+#include "server/session/daemon_session.h"
+#include "server/session/engine_leases.h"
+#include "server/session/session_registry.h"
+
+namespace memra {
+
+// Figures for metrics and tests.
+struct StepChannelStats {
+  size_t open = 0;             // channels served now
+  uint64_t records = 0;        // records served since start
+  uint64_t corrupt_closed = 0;  // channels closed for an absurd counter
+  uint64_t sleeps = 0;         // times the serving thread slept (went idle)
+};
+
+class StepChannels {
+ public:
+  struct Options {
+    uint32_t max_records_per_round = 64;
+    // How long the serving thread keeps polling after its last work before it sleeps.
+    absl::Duration spin = absl::Microseconds(50);
+  };
+
+  // REQUIRES: `sessions` and `leases` outlive this.
+  StepChannels(SessionRegistry* sessions, const EngineLeases* leases, Options options);
+  ~StepChannels();  // Stop()
+  StepChannels(const StepChannels&) = delete;
+  StepChannels& operator=(const StepChannels&) = delete;
+
+  // Starts the serving thread. FAILED_PRECONDITION when started twice.
+  absl::Status Start() ABSL_LOCKS_EXCLUDED(mu_);
+  // Stops the thread; every channel is closed (CloseReason::kShutdown). Idempotent.
+  void Stop() ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Engine `engine`'s channel: a new region and eventfd (duplicates for the engine; this keeps
+  // its own). An earlier channel of the engine is closed (kReplaced): one per engine at a time.
+  // At most kMaxOpensPerEngine (4) per engine lease: then FAILED_PRECONDITION naming the engine
+  // and the count (each region is 4.8 MB of shared memory the engine may keep mapped, so
+  // unbounded replacements would let one engine pin unbounded memory).
+  // The engine's refusal (EngineLeases::CheckBound) when it is not attached with a live lease;
+  // UNAVAILABLE before Start or after Stop.
+  absl::StatusOr<handoff::StepChannelFds> Open(EngineId engine) ABSL_LOCKS_EXCLUDED(mu_);
+  // The engine was reclaimed: its channel is closed (kEngineReclaimed). The engine's mapping
+  // stays valid memory; the daemon reads it no more.
+  void Close(EngineId engine) ABSL_LOCKS_EXCLUDED(mu_);
+
+  StepChannelStats stats() const ABSL_LOCKS_EXCLUDED(mu_);
+
+ private:
+  struct Channel;
+
+  void Serve() ABSL_LOCKS_EXCLUDED(mu_);
+  // One round of `channel`: true when it served a record. A record whose session a long
+  // operation holds ends the round unconsumed and parks the channel (Channel::parked).
+  bool ServeRound(Channel& channel);
+  // Whether a round of `channel` would find work: records submitted and room for their
+  // completions (an engine that frees room while records wait rings the doorbell).
+  static bool Servable(const Channel& channel);
+  // The result of the record copied into `record` (ring index `index`), into `completion`;
+  // false (nothing run) when its session is busy in a long operation.
+  bool RunRecord(Channel& channel, const step_channel::SubmissionRecord& record, uint32_t index,
+                 const absl::Status& engine_check, step_channel::CompletionRecord& completion);
+  // Closes `channel` for `reason` (and wakes its engine). Serving thread or under mu_.
+  static void MarkClosed(Channel& channel, step_channel::CloseReason reason);
+  // FAILED_PRECONDITION when `engine` opened the most channels a lease may.
+  absl::Status CheckMayOpenLocked(EngineId engine) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void Wake();
+  // Logs a refusal of `channel`'s record at info, at most kRefusalsLoggedPerSecond a second
+  // (the rest counted and logged as a count). Serving thread only.
+  static void LogRefusal(Channel& channel, absl::string_view message);
+
+  struct RefusalLog {
+    absl::Time window_start = absl::InfinitePast();
+    uint32_t logged = 0;       // in this window
+    uint64_t suppressed = 0;   // in this window, not logged
+  };
+
+  SessionRegistry* const sessions_;
+  const EngineLeases* const leases_;
+  const Options options_;
+
+  ScopedFd epoll_;  // the channels' eventfds and wake_
+  ScopedFd wake_;   // eventfd: Open, Close and Stop interrupt the serving thread's sleep
+  std::thread thread_;
+  std::atomic<uint64_t> records_{0};
+  std::atomic<uint64_t> corrupt_closed_{0};
+  std::atomic<uint64_t> sleeps_{0};
+
+  mutable absl::Mutex mu_;
+  bool started_ ABSL_GUARDED_BY(mu_) = false;
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  // Engine id -> its open channel.
+  absl::flat_hash_map<uint64_t, std::shared_ptr<Channel>> channels_ ABSL_GUARDED_BY(mu_);
+  // Engine id -> channels it opened, until Close (its reclaim).
+  absl::flat_hash_map<uint64_t, uint32_t> opens_ ABSL_GUARDED_BY(mu_);
+  // Bumped on every change of channels_: the serving thread re-reads the table when it moved.
+  std::atomic<uint64_t> generation_{0};
+};
+
+}  // namespace memra
+
+#endif  // MEMRA_SERVER_STEP_CHANNEL_H_
