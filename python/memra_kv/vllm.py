@@ -535,37 +535,55 @@ class _Staging:
             self._bytes = torch.from_numpy(pool.array)
             self._cuda = bool(getattr(planes[0][0], "is_cuda", False))
 
-    def _slot(self, plane, slot):
-        start = (plane * self.slots + slot) * self.block_bytes
-        return self._bytes[start:start + self.block_bytes]
-
-    def _block(self, plane, block_id):
-        """The plane's block as uint8 bytes in memory order (a view: copies land in the cache)."""
+    def _paged(self, plane, count):
+        """(the plane's cache as (num_blocks, page...) with each block's page in memory order,
+        slots 0..count-1 of the plane as (count, page...) of the cache's dtype)."""
         tensor, kind = self.planes[plane]
-        if kind in ("NHD", "HND"):  # a fused page (blocks, heads, tokens, content)
-            block = tensor[block_id]
-            if kind == "NHD":  # tokens outer in memory
-                block = block.transpose(1, 0, 2) if isinstance(block, np.ndarray) \
-                    else block.permute(1, 0, 2)
-        else:
-            block = tensor[kind, block_id]
-        if isinstance(block, np.ndarray):
-            return block.reshape(-1).view(np.uint8)
-        import torch
-        return block.reshape(-1).view(torch.uint8)
+        numpy = isinstance(tensor, np.ndarray)
+        if kind == "NHD":  # a fused (blocks, heads, tokens, content) view, tokens outer in memory
+            base = tensor.transpose(0, 2, 1, 3) if numpy else tensor.permute(0, 2, 1, 3)
+        elif kind == "HND":
+            base = tensor
+        else:  # (2, blocks, tokens, heads, head_dim): K or V
+            base = tensor[kind]
+        start = plane * self.slots * self.block_bytes
+        raw = self._bytes[start:start + count * self.block_bytes]
+        staged = raw.view(tensor.dtype).reshape((count,) + tuple(base.shape[1:]))
+        return base, staged
 
     def gather(self, block_ids, planes=None):
-        """Cache blocks block_ids into slots 0.. (before a store)."""
+        """Cache blocks block_ids into slots 0.. (before a store): one indexed copy a plane."""
+        if not block_ids:
+            return
         for plane in range(len(self.planes)) if planes is None else sorted(planes):
-            for slot, block_id in enumerate(block_ids):
-                _copy(self._slot(plane, slot), self._block(plane, block_id))
+            base, staged = self._paged(plane, len(block_ids))
+            if isinstance(base, np.ndarray):
+                np.take(base, block_ids, axis=0, out=staged)
+            else:
+                import torch
+                index = torch.as_tensor(block_ids, device=base.device)
+                if base.device.type == "cpu":
+                    torch.index_select(base, 0, index, out=staged)
+                else:  # gathered on the device, then one copy to host
+                    staged.copy_(base.index_select(0, index))
 
     def scatter(self, block_ids, arrived, planes=None):
-        """Slots 0.. into cache blocks block_ids, where `arrived` (after a load)."""
+        """Slots 0.. into cache blocks block_ids, where `arrived` (after a load): one indexed
+        copy a plane."""
+        slots = [slot for slot, ok in enumerate(arrived) if ok]
+        if not slots:
+            return
+        targets = [block_ids[slot] for slot in slots]
         for plane in range(len(self.planes)) if planes is None else sorted(planes):
-            for slot, block_id in enumerate(block_ids):
-                if arrived[slot]:
-                    _copy(self._block(plane, block_id), self._slot(plane, slot))
+            base, staged = self._paged(plane, len(block_ids))
+            if len(slots) < len(block_ids):
+                staged = staged[slots]
+            if isinstance(base, np.ndarray):
+                base[targets] = staged
+            else:
+                import torch
+                base.index_copy_(0, torch.as_tensor(targets, device=base.device),
+                                 staged.to(base.device))
 
     def settle(self):
         """Waits for this thread's copies into a CUDA cache (its current stream): called before
@@ -573,13 +591,6 @@ class _Staging:
         if self._cuda:
             import torch
             torch.cuda.current_stream(self.planes[0][0].device).synchronize()
-
-
-def _copy(dst, src):
-    if isinstance(dst, np.ndarray):
-        np.copyto(dst, src)
-    else:
-        dst.copy_(src)
 
 
 @dataclass
