@@ -266,18 +266,20 @@ class _CudaOrdering:
         self._torch = torch
         self._device = device
         self._before = torch.cuda.Event(interprocess=True)
-        self._completions = {}
+        self._lock = threading.Lock()  # the worker's and the loader thread's calls
+        self._completions = {}  # guarded by _lock
 
     def before(self):
         self._before.record(self._torch.cuda.current_stream(self._device))
         return bytes(self._before.ipc_handle())
 
     def _opened(self, completion_event):
-        event = self._completions.get(completion_event)
-        if event is None:
-            event = self._torch.cuda.Event.from_ipc_handle(self._device, completion_event)
-            self._completions[completion_event] = event
-        return event
+        with self._lock:
+            event = self._completions.get(completion_event)
+            if event is None:
+                event = self._torch.cuda.Event.from_ipc_handle(self._device, completion_event)
+                self._completions[completion_event] = event
+            return event
 
     def after(self, completion_event):
         if completion_event:
