@@ -996,7 +996,7 @@ LAYOUT_ORDERS = {"LBNHC": "NHD", "BLNHC": "NHD", "LBHNC": "HND", "BLHNC": "HND"}
 # ---- the vLLM class, where vLLM is importable ----
 
 RETRY_S = 5.0  # the pace of connection tries while the daemon is away
-ASYNC_LOAD_MIN_TOKENS = 256  # memra_async_load_min_tokens' default (bench/README.md, vLLM)
+ASYNC_LOAD_MIN_TOKENS = 1024  # memra_async_load_min_tokens' default (bench/README.md, vLLM)
 
 try:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: F401
@@ -1017,7 +1017,7 @@ if KVConnectorBase_V1 is not None:
         numbers only: vLLM pickles its config to worker processes): memra_socket (default
         /run/memra-kv/gpu0.sock), memra_engine_name, memra_cache_scope, memra_staging_blocks
         (64), memra_lookup_pin_ms (30000: how long a lookup holds what it found for the load;
-        0: no pin), memra_async_load_min_tokens (256: loads of at least that many tokens are
+        0: no pin), memra_async_load_min_tokens (1024: loads of at least that many tokens are
         asynchronous; 0: none), memra_layerwise (1: staged copies per layer in the layer
         hooks; 0: whole steps), memra_timeout_s (2: how long a connection try waits for the
         daemon).
