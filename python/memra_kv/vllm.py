@@ -619,9 +619,9 @@ class MemraWorker:
     and the store); any others go through a staging HostPool of `staging_blocks` blocks. A
     registration the daemon lost is made again (KeptRegistration).
 
-    Loads marked asynchronous (LoadSpec.asynchronous) run on one loader thread, each through
-    its own staging pool (registered on the first one), and are reported done, failed blocks
-    included, by get_finished. With `layerwise` on the staging path, a sync load's last chunk
+    Loads marked asynchronous (LoadSpec.asynchronous) run one after another on one loader
+    thread, through the loader's own staging pool (registered at the first one), and are
+    reported done, failed blocks included, by get_finished. With `layerwise` on the staging path, a sync load's last chunk
     is copied into each layer's cache at wait_for_layer_load, and the step's first saved blocks
     are copied out of each layer at save_kv_layer; the block store's calls stay whole blocks
     (every layer), once a step.
