@@ -1475,6 +1475,8 @@ absl::StatusOr<BlockStoreTransfer> KvClient::StoreBlocks(const BlockStoreCall& c
   request.set_parent_hash(call.parent_hash);
   request.mutable_event_token_ids()->Add(call.event_token_ids.begin(),
                                          call.event_token_ids.end());
+  request.mutable_event_block_hashes()->Add(call.event_block_hashes.begin(),
+                                            call.event_block_hashes.end());
   pb::TransferBlocksResponse response;
   RETURN_IF_ERROR(FromGrpcStatus(
       rpc_->blocks->StoreBlocks(ClientInternals::NewContext(*this).get(), request, &response)));

@@ -407,6 +407,7 @@ struct BlockStoreCall {
   uint64_t pin_id = 0;              // load: the lookup's pin it releases
   std::string parent_hash;          // store: routers' event fields
   std::vector<int32_t> event_token_ids;
+  std::vector<std::string> event_block_hashes;  // store: routers' hashes (none: keys.hashes)
   // store / load on cuda: the engine's interprocess event the daemon waits on first.
   std::string wait_event;
 };

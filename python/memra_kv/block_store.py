@@ -355,15 +355,17 @@ class BlockStore:
 
     def store(self, registration, block_ids, hashes=None, token_ids=None, kv_group=0,
               skip_blocks=0, parent_hash=b"", event_token_ids=(), wait_event=b"",
-              timeout=None):
+              timeout=None, event_hashes=()):
         """Copies pool blocks `block_ids` into the store under the keys (block i of the keys
-        from block_ids[i]; with token_ids, after skip_blocks already stored). parent_hash and
-        event_token_ids are for routers' events only (with hashes)."""
+        from block_ids[i]; with token_ids, after skip_blocks already stored). parent_hash,
+        event_token_ids and event_hashes (the blocks' names in routers' events when not the
+        keys: none or one per block) are for routers' events only (with hashes)."""
         request = bs.StoreBlocksRequest(
             engine=self._engine("store"), registration_id=_id(registration),
             kv_group=kv_group, keys=_keys(hashes, token_ids), block_ids=list(block_ids),
             skip_blocks=skip_blocks, parent_hash=parent_hash,
-            event_token_ids=list(event_token_ids))
+            event_token_ids=list(event_token_ids),
+            event_block_hashes=[bytes(h) for h in event_hashes])
         if wait_event:
             request.ordering.wait_event = wait_event
         return _transfer(_call(self._stub.StoreBlocks, request, self._t(timeout)))

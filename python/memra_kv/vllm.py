@@ -27,10 +27,15 @@ How it uses the block store:
     fails a load; a block gone anyway (the pin refused or expired) is a load error the worker
     reports through get_block_ids_with_load_errors (vLLM's kv_load_failure_policy decides:
     "recompute" or "fail").
-  * Loads run in start_load_kv and are complete when it returns (host backend: the daemon's
-    reply comes after the copies; cuda: the engine's stream waits on the reply's completion
-    event), so wait_for_layer_load has nothing to wait for; saves of newly computed full blocks
-    run in wait_for_save, after the forward pass wrote them.
+  * A load of at least memra_async_load_min_tokens tokens is asynchronous: vLLM parks the
+    request until get_finished reports it, and the worker's loader thread makes the load
+    meanwhile (its own staging pool), beside the forward passes of other requests. Smaller
+    loads run in start_load_kv, before the forward (host backend: the daemon's reply comes
+    after the copies; cuda: the engine's stream waits on the reply's completion event).
+  * Layer hooks: the block store's calls are whole blocks (every layer), so the layer-wise part
+    is the staging copies: a sync load's last staged chunk goes into each layer's cache at
+    wait_for_layer_load, and the step's first saved blocks come out of each layer at
+    save_kv_layer; the StoreBlocks call is made in wait_for_save, after the forward pass.
   * The daemon is a cache: down, unreachable or refusing the pool, vLLM runs on without it
     (one warning per process) and the connector tries again, at most every RETRY_S seconds.
   * Memory: caches that lie in memra HostPools are registered themselves (the daemon maps their
@@ -44,11 +49,13 @@ How it uses the block store:
     the GPU's CPU-memory tier.
 """
 
+import concurrent.futures
 import dataclasses
 import hashlib
 import logging
 import os
 import re
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -72,6 +79,7 @@ class LoadSpec:
     request_id: str
     hashes: List[bytes]  # the stored blocks to load, in order
     block_ids: List[int]  # the pool blocks vLLM allocated for them
+    asynchronous: bool = False  # off the forward path, reported done by get_finished
 
 
 @dataclass
@@ -79,8 +87,11 @@ class SaveSpec:
     request_id: str
     hashes: List[bytes]
     block_ids: List[int]
-    parent_hash: bytes  # the hash of the block before the first (b"" at the start)
+    parent_hash: bytes  # routers' hash of the block before the first (b"" at the start)
     token_ids: List[int]  # the blocks' tokens (for routers' events)
+    # vLLM's own block hashes of the blocks, for routers' events (empty: the events carry
+    # `hashes`); parent_hash is then vLLM's too.
+    event_hashes: List[bytes] = field(default_factory=list)
 
 
 @dataclass
@@ -255,20 +266,31 @@ class _CudaOrdering:
         self._torch = torch
         self._device = device
         self._before = torch.cuda.Event(interprocess=True)
-        self._completions = {}
+        self._lock = threading.Lock()  # the worker's and the loader thread's calls
+        self._completions = {}  # guarded by _lock
 
     def before(self):
         self._before.record(self._torch.cuda.current_stream(self._device))
         return bytes(self._before.ipc_handle())
 
+    def _opened(self, completion_event):
+        with self._lock:
+            event = self._completions.get(completion_event)
+            if event is None:
+                event = self._torch.cuda.Event.from_ipc_handle(self._device, completion_event)
+                self._completions[completion_event] = event
+            return event
+
     def after(self, completion_event):
-        if not completion_event:
-            return
-        event = self._completions.get(completion_event)
-        if event is None:
-            event = self._torch.cuda.Event.from_ipc_handle(self._device, completion_event)
-            self._completions[completion_event] = event
-        self._torch.cuda.current_stream(self._device).wait_event(event)
+        if completion_event:
+            self._torch.cuda.current_stream(self._device).wait_event(
+                self._opened(completion_event))
+
+    def settle(self, completion_event):
+        """Blocks the calling (loader) thread until the daemon's copies are done: an
+        asynchronous load is reported only then, so any stream may use the blocks."""
+        if completion_event:
+            self._opened(completion_event).synchronize()
 
 
 def lookup_layout(layout):
@@ -352,6 +374,8 @@ class _Tracked:
     external_blocks: int = 0  # blocks the store can give beyond the computed ones
     done_blocks: int = 0  # leading blocks loaded or saved (never saved again)
     pin_id: int = 0  # the lookup's pin until the request ends (0: none)
+    load_async: bool = False  # what get_num_new_matched_tokens answered
+    event_hashes: List[bytes] = field(default_factory=list)  # vLLM's own, per whole block
 
 
 class MemraScheduler:
@@ -363,22 +387,30 @@ class MemraScheduler:
     at most 60 s, and are bounded per engine) and released when the request finishes, when vLLM
     loads nothing for it, or when it is looked up again. A lookup the pin limits refuse
     (RESOURCE_EXHAUSTED) is made again without a pin: a block evicted before its load is then
-    a load error, as without the lease."""
+    a load error, as without the lease.
 
-    def __init__(self, registration: KeptRegistration, block_size, pin_ttl_ms=0):
+    A load of at least `async_load_min_tokens` tokens (0: none) is asynchronous: vLLM parks the
+    request (WAITING_FOR_REMOTE_KVS) and schedules it once the worker reports the load done,
+    so the load runs beside other requests' forward passes instead of before them."""
+
+    def __init__(self, registration: KeptRegistration, block_size, pin_ttl_ms=0,
+                 async_load_min_tokens=0):
         self._registration = registration
         self.block_size = block_size
         self.pin_ttl_ms = pin_ttl_ms
+        self.async_load_min_tokens = async_load_min_tokens
         self._requests: Dict[str, _Tracked] = {}
         self._loads: List[LoadSpec] = []
 
     def get_num_new_matched_tokens(self, request_id, block_hashes, token_ids,
-                                   num_computed_tokens) -> Tuple[int, bool]:
-        """Tokens beyond num_computed_tokens the store holds, in whole blocks, never the
-        request's last token (vLLM computes at least one); loads are synchronous (False)."""
+                                   num_computed_tokens, event_hashes=()) -> Tuple[int, bool]:
+        """(Tokens beyond num_computed_tokens the store holds, in whole blocks, never the
+        request's last token (vLLM computes at least one); whether their load is asynchronous).
+        `event_hashes`: vLLM's own hashes of the whole blocks, for routers' events."""
         hashes = [page_key(h) for h in block_hashes]
         tracked = self._requests.setdefault(request_id, _Tracked(hashes, list(token_ids)))
         tracked.hashes, tracked.token_ids = hashes, list(token_ids)
+        tracked.event_hashes = [bytes(h) for h in event_hashes]
         tracked.computed_tokens = num_computed_tokens
         self._unpin(tracked)
         computed_blocks = num_computed_tokens // self.block_size
@@ -391,7 +423,9 @@ class MemraScheduler:
             except KvError as error:  # the store is a cache: unreachable means a miss
                 log.warning("lookup of request %s: %s", request_id, error)
         tracked.external_blocks = max(0, min(matched, loadable) - computed_blocks)
-        return tracked.external_blocks * self.block_size, False
+        tokens = tracked.external_blocks * self.block_size
+        tracked.load_async = 0 < self.async_load_min_tokens <= tokens
+        return tokens, tracked.load_async
 
     def _lookup(self, hashes):
         if self.pin_ttl_ms > 0:
@@ -424,17 +458,24 @@ class MemraScheduler:
         first = tracked.computed_tokens // self.block_size
         count = num_external_tokens // self.block_size
         self._loads.append(LoadSpec(request_id, tracked.hashes[first:first + count],
-                                    tracked.block_ids[first:first + count]))
+                                    tracked.block_ids[first:first + count],
+                                    tracked.load_async))
         tracked.done_blocks = first + count
 
-    def update_request(self, request_id, block_hashes, token_ids, block_ids):
-        """What a running request has now (its hashes grow with its computed tokens)."""
+    def update_request(self, request_id, block_hashes, token_ids, block_ids,
+                       event_hashes=(), computed_tokens=None):
+        """What a running request has now (its hashes grow with its computed tokens).
+        `computed_tokens`, for a request scheduled anew: what vLLM holds computed, less than
+        the loaded blocks after a failed load (those are saved again once recomputed)."""
         tracked = self._requests.get(request_id)
         if tracked is None:
             tracked = self._requests[request_id] = _Tracked([], [])
         tracked.hashes = [page_key(h) for h in block_hashes]
         tracked.token_ids = list(token_ids)
         tracked.block_ids = list(block_ids)
+        tracked.event_hashes = [bytes(h) for h in event_hashes]
+        if computed_tokens is not None:
+            tracked.done_blocks = min(tracked.done_blocks, computed_tokens // self.block_size)
 
     def block_ids(self, request_id):
         tracked = self._requests.get(request_id)
@@ -454,16 +495,20 @@ class MemraScheduler:
             if full <= tracked.done_blocks:
                 continue
             first = tracked.done_blocks
+            # Routers key by vLLM's own hashes: the events carry them where vLLM gave them.
+            routed = tracked.event_hashes if len(tracked.event_hashes) >= full else []
             meta.saves.append(SaveSpec(
                 request_id, tracked.hashes[first:full], tracked.block_ids[first:full],
-                tracked.hashes[first - 1] if first else b"",
-                tracked.token_ids[first * self.block_size:full * self.block_size]))
+                (routed or tracked.hashes)[first - 1] if first else b"",
+                tracked.token_ids[first * self.block_size:full * self.block_size],
+                routed[first:full]))
             tracked.done_blocks = full
         return meta
 
     def request_finished(self, request_id) -> Tuple[bool, Optional[dict]]:
-        """Saves are synchronous (wait_for_save): vLLM may free the blocks now. Its lookup pin
-        is released: the load ran before any save of this request."""
+        """Saves are synchronous (wait_for_save): vLLM may free the blocks now (a request
+        finished while its asynchronous load runs: vLLM itself keeps the blocks until the worker
+        reports the load). Its lookup pin is released."""
         tracked = self._requests.pop(request_id, None)
         if tracked is not None:
             self._unpin(tracked)
@@ -476,7 +521,8 @@ class _Staging:
     """A registered HostPool of `slots` blocks through which caches the daemon cannot map (a
     GPU's, an engine's own host memory) are stored and loaded: plane i (layer, K or V in layout
     order) of slot j is bytes [(i * slots + j) * block_bytes, +block_bytes). Copies go through
-    the caches' own library (torch copy_, which moves device <-> host; numpy copyto)."""
+    the caches' own library (torch copy_, which moves device <-> host; numpy copyto). `planes`
+    may be a subset (a layer's planes, for the layer hooks): None is every plane."""
 
     def __init__(self, pool, planes, block_bytes, slots):
         self.pool = pool
@@ -485,65 +531,138 @@ class _Staging:
         self.block_bytes = block_bytes
         self.slots = slots
         self._bytes = pool.array
+        self._cuda = False
         if planes and not isinstance(planes[0][0], np.ndarray):
             import torch
             self._bytes = torch.from_numpy(pool.array)
+            self._cuda = bool(getattr(planes[0][0], "is_cuda", False))
 
-    def _slot(self, plane, slot):
-        start = (plane * self.slots + slot) * self.block_bytes
-        return self._bytes[start:start + self.block_bytes]
-
-    def _block(self, plane, block_id):
-        """The plane's block as uint8 bytes in memory order (a view: copies land in the cache)."""
+    def _paged(self, plane, count):
+        """(the plane's cache as (num_blocks, page...) with each block's page in memory order,
+        slots 0..count-1 of the plane as (count, page...) of the cache's dtype)."""
         tensor, kind = self.planes[plane]
-        if kind in ("NHD", "HND"):  # a fused page (blocks, heads, tokens, content)
-            block = tensor[block_id]
-            if kind == "NHD":  # tokens outer in memory
-                block = block.transpose(1, 0, 2) if isinstance(block, np.ndarray) \
-                    else block.permute(1, 0, 2)
-        else:
-            block = tensor[kind, block_id]
-        if isinstance(block, np.ndarray):
-            return block.reshape(-1).view(np.uint8)
-        import torch
-        return block.reshape(-1).view(torch.uint8)
+        numpy = isinstance(tensor, np.ndarray)
+        if kind == "NHD":  # a fused (blocks, heads, tokens, content) view, tokens outer in memory
+            base = tensor.transpose(0, 2, 1, 3) if numpy else tensor.permute(0, 2, 1, 3)
+        elif kind == "HND":
+            base = tensor
+        else:  # (2, blocks, tokens, heads, head_dim): K or V
+            base = tensor[kind]
+        start = plane * self.slots * self.block_bytes
+        raw = self._bytes[start:start + count * self.block_bytes]
+        staged = raw.view(tensor.dtype).reshape((count,) + tuple(base.shape[1:]))
+        return base, staged
 
-    def gather(self, block_ids):
-        """Cache blocks block_ids into slots 0.. (before a store)."""
-        for plane in range(len(self.planes)):
-            for slot, block_id in enumerate(block_ids):
-                _copy(self._slot(plane, slot), self._block(plane, block_id))
+    def gather(self, block_ids, planes=None):
+        """Cache blocks block_ids into slots 0.. (before a store): one indexed copy a plane."""
+        if not block_ids:
+            return
+        for plane in range(len(self.planes)) if planes is None else sorted(planes):
+            base, staged = self._paged(plane, len(block_ids))
+            if isinstance(base, np.ndarray):
+                np.take(base, block_ids, axis=0, out=staged)
+            else:
+                import torch
+                index = torch.as_tensor(block_ids, device=base.device)
+                if base.device.type == "cpu":
+                    torch.index_select(base, 0, index, out=staged)
+                else:  # gathered on the device, then one copy to host
+                    staged.copy_(base.index_select(0, index))
 
-    def scatter(self, block_ids, arrived):
-        """Slots 0.. into cache blocks block_ids, where `arrived` (after a load)."""
-        for plane in range(len(self.planes)):
-            for slot, block_id in enumerate(block_ids):
-                if arrived[slot]:
-                    _copy(self._block(plane, block_id), self._slot(plane, slot))
+    def scatter(self, block_ids, arrived, planes=None):
+        """Slots 0.. into cache blocks block_ids, where `arrived` (after a load): one indexed
+        copy a plane."""
+        slots = [slot for slot, ok in enumerate(arrived) if ok]
+        if not slots:
+            return
+        targets = [block_ids[slot] for slot in slots]
+        for plane in range(len(self.planes)) if planes is None else sorted(planes):
+            base, staged = self._paged(plane, len(block_ids))
+            if len(slots) < len(block_ids):
+                staged = staged[slots]
+            if isinstance(base, np.ndarray):
+                base[targets] = staged
+            else:
+                import torch
+                base.index_copy_(0, torch.as_tensor(targets, device=base.device),
+                                 staged.to(base.device))
+
+    def settle(self):
+        """Waits for this thread's copies into a CUDA cache (its current stream): called before
+        an asynchronous load says it is done, so the blocks are there for any stream."""
+        if self._cuda:
+            import torch
+            torch.cuda.current_stream(self.planes[0][0].device).synchronize()
 
 
-def _copy(dst, src):
-    if isinstance(dst, np.ndarray):
-        np.copyto(dst, src)
-    else:
-        dst.copy_(src)
+@dataclass
+class _HeldLoad:
+    """A sync load's last staged chunk, scattered into the cache layer by layer as vLLM's
+    forward reaches each layer (wait_for_layer_load)."""
+    block_ids: List[int]
+    arrived: List[bool]
+    planes_left: set
+
+
+@dataclass
+class _GatheredSaves:
+    """The step's first saved blocks (at most the staging pool's slots, in the order of the
+    step's SaveSpecs), gathered into the staging slots 0.. layer by layer as vLLM's forward
+    finishes each layer (save_kv_layer)."""
+    block_ids: List[int]
+    planes_done: set
 
 
 class MemraWorker:
     """The worker side on plain values: registers the pool, loads and saves whole blocks.
     Caches that lie in HostPools are registered themselves (blocks copy straight between them
     and the store); any others go through a staging HostPool of `staging_blocks` blocks. A
-    registration the daemon lost is made again (KeptRegistration)."""
+    registration the daemon lost is made again (KeptRegistration).
 
-    def __init__(self, store: BlockStore, staging_blocks=64):
+    Loads marked asynchronous (LoadSpec.asynchronous) run one after another on one loader
+    thread, through the loader's own staging pool (registered at the first one), and are
+    reported done, failed blocks included, by get_finished. With `layerwise` on the staging path, a sync load's last chunk
+    is copied into each layer's cache at wait_for_layer_load, and the step's first saved blocks
+    are copied out of each layer at save_kv_layer; the block store's calls stay whole blocks
+    (every layer), once a step.
+
+    Thread-safety: every method is called by vLLM's worker thread; the loader thread only runs
+    _load_async and hands its outcomes over through _finished (guarded by _lock)."""
+
+    def __init__(self, store: BlockStore, staging_blocks=64, layerwise=True):
         self._store = store
         self._staging_blocks = staging_blocks
+        self._layerwise = layerwise
         self._staging = None
         self._cuda = None  # _CudaOrdering when the pool is registered by CUDA IPC handle
         self._kept = None  # KeptRegistration once register_kv_caches ran
+        self._layout = None
+        self._planes_of_layer: Dict[str, List[int]] = {}  # layer name -> staging planes
         self._load_errors = set()
         self.saved_blocks = 0
-        self.loaded_blocks = 0
+        # Staging planes (a layer's K, V or fused page of a chunk) copied by the layer hooks.
+        self.planes_loaded_by_layer_hooks = 0
+        self.planes_saved_by_layer_hooks = 0
+        # The step's layer-wise state (staging path): bound by bind() or start_load_kv.
+        self._meta: Optional[MemraConnectorMetadata] = None
+        self._held: Optional[_HeldLoad] = None
+        self._gathered: Optional[_GatheredSaves] = None
+        # Asynchronous loads.
+        self._loader = None  # ThreadPoolExecutor of one thread, on the first async load
+        self._async_kept = None  # the loader's staging registration
+        self._async_staging = None
+        self._lock = threading.Lock()
+        self._finished: Dict[str, set] = {}  # request id -> failed block ids; guarded by _lock
+        self._loaded_blocks = 0  # guarded by _lock
+
+    @property
+    def loaded_blocks(self):
+        with self._lock:
+            return self._loaded_blocks
+
+    def _count_loaded(self, count):
+        with self._lock:
+            self._loaded_blocks += count
 
     def register_kv_caches(self, kv_caches, pools: Sequence[HostPool], model, tp_rank=0,
                            tp_size=1):
@@ -564,97 +683,254 @@ class MemraWorker:
             self._cuda = _CudaOrdering(tensors[0].device)
             return self.registration
         layout = pool_layout(caches, (), model, tp_rank, tp_size, self._staging_blocks)
-        block_bytes = layout.block_bytes
-        pool = HostPool(len(layout.tensors) * self._staging_blocks * block_bytes,
-                        "memra-kv-staging")
-        planes = [(tensor, kind) for tensor in kv_caches.values()
-                  for kind in ((layout.order,) if caches[0].fused else (0, 1))]
-        self._staging = _Staging(pool, planes, block_bytes, self._staging_blocks)
-        self._kept = KeptRegistration(self._store, [pool], layout)
+        kinds = (layout.order,) if caches[0].fused else (0, 1)
+        planes = []
+        for name, tensor in kv_caches.items():
+            self._planes_of_layer[name] = list(range(len(planes), len(planes) + len(kinds)))
+            planes += [(tensor, kind) for kind in kinds]
+        self._layout, self._planes = layout, planes
+        self._staging, self._kept = self._staging_pool("memra-kv-staging")
         return self.registration
+
+    def _staging_pool(self, name):
+        """A new registered staging pool of the caches' layout: (_Staging, KeptRegistration)."""
+        layout = self._layout
+        pool = HostPool(len(layout.tensors) * self._staging_blocks * layout.block_bytes, name)
+        staging = _Staging(pool, self._planes, layout.block_bytes, self._staging_blocks)
+        return staging, KeptRegistration(self._store, [pool], layout)
 
     @property
     def registration(self):
         """The pool's Registration now (None before register_kv_caches)."""
         return self._kept.registration if self._kept is not None else None
 
-    def _transfer(self, loading, block_ids, hashes, parent_hash=b"", token_ids=()):
-        """One outcome (True: done) per block; staged in chunks of the staging pool's size."""
+    def _require_registered(self, what):
         if self._kept is None:
             raise KvError(grpc.StatusCode.FAILED_PRECONDITION, "a %s before register_kv_caches: "
-                          "no KV cache is registered" % ("load" if loading else "save"))
-        if self._staging is None:
-            wait_event = self._cuda.before() if self._cuda else b""
-            if loading:
-                transfer = self._kept.load(block_ids, hashes=hashes, wait_event=wait_event)
-            else:
-                transfer = self._kept.store(block_ids, hashes=hashes, parent_hash=parent_hash,
-                                            event_token_ids=token_ids, wait_event=wait_event)
-            if self._cuda:
-                self._cuda.after(transfer.completion_event)
-            return [block.ok for block in transfer.blocks]
-        slots = self._staging.slots
-        tokens_per_block = len(token_ids) // len(hashes) if token_ids else 0
-        done = []
+                          "no KV cache is registered" % what)
+
+    # -- loads --
+
+    def _load_direct(self, kept, block_ids, hashes, wait_event):
+        """A load straight into caches the daemon maps: one outcome (True: arrived) per block."""
+        transfer = kept.load(block_ids, hashes=hashes, wait_event=wait_event)
+        return [block.ok for block in transfer.blocks], transfer.completion_event
+
+    def _load_staged(self, kept, staging, block_ids, hashes, hold_last=False):
+        """A load through `staging` in chunks of its slots: one outcome per block. With
+        hold_last, the last chunk stays staged (returned as a _HeldLoad) for the layer hooks."""
+        slots = staging.slots
+        arrived, held = [], None
         for start in range(0, len(block_ids), slots):
             ids, chunk = block_ids[start:start + slots], hashes[start:start + slots]
-            staged = list(range(len(ids)))
-            if loading:
-                transfer = self._kept.load(staged, hashes=chunk)
-                ok = [block.ok for block in transfer.blocks]
-                self._staging.scatter(ids, ok)
+            transfer = kept.load(list(range(len(ids))), hashes=chunk)
+            ok = [block.ok for block in transfer.blocks]
+            if hold_last and start + slots >= len(block_ids):
+                held = _HeldLoad(ids, ok, set(range(len(staging.planes))))
             else:
-                self._staging.gather(ids)
-                transfer = self._kept.store(
-                    staged, hashes=chunk,
-                    parent_hash=hashes[start - 1] if start else parent_hash,
-                    event_token_ids=token_ids[start * tokens_per_block:
-                                              (start + len(ids)) * tokens_per_block])
-                ok = [block.ok for block in transfer.blocks]
-            done += ok
-        return done
+                staging.scatter(ids, ok)
+            arrived += ok
+        return arrived, held
+
+    def bind(self, meta: MemraConnectorMetadata):
+        """The step's metadata, before its forward (vLLM's bind_connector_metadata): the layer
+        hooks work on it."""
+        if self._staging is not None:  # a held chunk the last step's hooks left: never lost
+            self._scatter_held(range(len(self._staging.planes)))
+        self._meta = meta
+        self._held = self._gathered = None
 
     def start_load_kv(self, meta: MemraConnectorMetadata):
-        """Every load of the step, done when this returns; failed blocks (no longer stored,
-        corrupt, or the call refused) are kept for get_block_ids_with_load_errors."""
+        """The step's synchronous loads, done when this returns (on the staging path with the
+        layer hooks: but for the last chunk's copies into the cache, made per layer); its
+        asynchronous ones handed to the loader thread. Failed blocks (no longer stored,
+        corrupt, or the call refused) are kept for get_block_ids_with_load_errors; an
+        asynchronous load's, once get_finished reports its request."""
+        if meta is not self._meta:
+            self.bind(meta)
+        sync_loads = [load for load in meta.loads if load.block_ids and not load.asynchronous]
         for load in meta.loads:
-            if not load.block_ids:
-                continue
+            if load.block_ids and load.asynchronous:
+                self._submit_async(load)
+        for index, load in enumerate(sync_loads):
             try:
-                arrived = self._transfer(True, load.block_ids, load.hashes)
+                self._require_registered("load")
+                if self._staging is None:
+                    wait_event = self._cuda.before() if self._cuda else b""
+                    arrived, completion = self._load_direct(self._kept, load.block_ids,
+                                                            load.hashes, wait_event)
+                    if self._cuda:
+                        self._cuda.after(completion)
+                else:
+                    last = self._layerwise and index == len(sync_loads) - 1
+                    arrived, self._held = self._load_staged(self._kept, self._staging,
+                                                            load.block_ids, load.hashes, last)
             except KvError as error:
                 log.warning("load of request %s: %s", load.request_id, error)
                 self._load_errors.update(load.block_ids)
                 continue
             self._load_errors.update(b for b, ok in zip(load.block_ids, arrived) if not ok)
-            self.loaded_blocks += sum(arrived)
+            self._count_loaded(sum(arrived))
 
     def wait_for_layer_load(self, layer_name):
-        """Loads are complete when start_load_kv returns."""
+        """The held chunk's pages of this layer into the cache (staging path); otherwise the
+        loads were complete when start_load_kv returned."""
+        self._scatter_held(self._planes_of_layer.get(layer_name, ()), in_hook=True)
 
-    def save_kv_layer(self, layer_name):
-        """A stored block holds every layer: blocks are saved whole, in wait_for_save."""
+    def _scatter_held(self, planes, in_hook=False):
+        held = self._held
+        if held is None:
+            return
+        planes = held.planes_left.intersection(planes)
+        if planes:
+            self._staging.scatter(held.block_ids, held.arrived, planes)
+            held.planes_left -= planes
+            if in_hook:
+                self.planes_loaded_by_layer_hooks += len(planes)
+        if not held.planes_left:
+            self._held = None
 
-    def wait_for_save(self, meta: MemraConnectorMetadata):
-        """Stores the step's newly computed full blocks. A refusal (no room, the daemon gone)
-        costs a later cache miss, nothing else."""
-        for save in meta.saves:
-            try:
-                stored = self._transfer(False, save.block_ids, save.hashes, save.parent_hash,
-                                        save.token_ids)
-            except KvError as error:
-                log.warning("save of request %s: %s", save.request_id, error)
-                continue
-            self.saved_blocks += sum(stored)
+    # -- asynchronous loads --
+
+    def _submit_async(self, load):
+        """Hands one load to the loader thread; on the staging path through the loader's own
+        staging pool, registered here on the first one. A refusal to start it is that load's
+        failure, reported as any other (get_finished)."""
+        try:
+            self._require_registered("load")
+            if self._staging is not None and self._async_staging is None:
+                self._async_staging, self._async_kept = self._staging_pool(
+                    "memra-kv-async-staging")
+            wait_event = self._cuda.before() if self._cuda else b""
+        except (KvError, grpc.RpcError, OSError) as error:
+            log.warning("asynchronous load of request %s: %s", load.request_id, error)
+            self._finish_async(load.request_id, set(load.block_ids), 0)
+            return
+        if self._loader is None:
+            self._loader = concurrent.futures.ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix="memra-kv-loader")
+        self._loader.submit(self._load_async, load, wait_event)
+
+    def _load_async(self, load, wait_event):
+        """On the loader thread: the whole load, the blocks in the cache before it is reported.
+        Whatever goes wrong fails its blocks, never the report: vLLM waits for it."""
+        try:
+            if self._async_staging is None:
+                arrived, completion = self._load_direct(self._kept, load.block_ids, load.hashes,
+                                                        wait_event)
+                if self._cuda and completion:
+                    self._cuda.settle(completion)
+            else:
+                arrived, _ = self._load_staged(self._async_kept, self._async_staging,
+                                               load.block_ids, load.hashes)
+                self._async_staging.settle()
+        except Exception as error:  # noqa: BLE001  (reported as the load's failure)
+            log.warning("asynchronous load of request %s: %s", load.request_id, error)
+            arrived = [False] * len(load.block_ids)
+        self._finish_async(load.request_id,
+                           {b for b, ok in zip(load.block_ids, arrived) if not ok}, sum(arrived))
+
+    def _finish_async(self, request_id, failed, loaded):
+        with self._lock:
+            self._finished.setdefault(request_id, set()).update(failed)
+            self._loaded_blocks += loaded
 
     def get_finished(self, finished_request_ids):
-        """Nothing is asynchronous: no request waits on this connector."""
-        return None, None
+        """(None, the requests whose asynchronous loads ended since the last call, or None).
+        Their failed blocks join get_block_ids_with_load_errors' answer of the same step, as
+        vLLM requires (no later than the step that reports the request)."""
+        with self._lock:
+            finished, self._finished = self._finished, {}
+        for failed in finished.values():
+            self._load_errors |= failed
+        return None, (set(finished) or None)
 
     def get_block_ids_with_load_errors(self):
         """Block ids whose load failed since the last call (vLLM recomputes them)."""
         errors, self._load_errors = self._load_errors, set()
         return errors
+
+    # -- saves --
+
+    def save_kv_layer(self, layer_name):
+        """Staging path with the layer hooks: this layer's pages of the step's first saved
+        blocks (up to the staging pool's slots) copied into the staging pool now, while the
+        forward goes on; the store call itself is whole blocks, in wait_for_save."""
+        planes = self._planes_of_layer.get(layer_name, ())
+        # The slots of these planes are free once their load is out.
+        self._scatter_held(planes, in_hook=True)
+        if not self._layerwise or self._staging is None or self._meta is None or not planes:
+            return
+        if self._gathered is None:
+            self._gathered = _GatheredSaves(
+                [b for save in self._meta.saves for b in save.block_ids][:self._staging.slots],
+                set())
+        todo = set(planes) - self._gathered.planes_done
+        if todo and self._gathered.block_ids:
+            self._staging.gather(self._gathered.block_ids, todo)
+            self.planes_saved_by_layer_hooks += len(todo)
+        self._gathered.planes_done |= todo
+
+    def _store_args(self, save, start, end):
+        """The router fields of blocks [start, end) of a SaveSpec: the parent (of vLLM's own
+        hashes when the spec carries them), the tokens, vLLM's hashes."""
+        routed = save.event_hashes or save.hashes
+        tokens_per_block = len(save.token_ids) // len(save.hashes) if save.token_ids else 0
+        return dict(parent_hash=routed[start - 1] if start else save.parent_hash,
+                    event_token_ids=save.token_ids[start * tokens_per_block:
+                                                   end * tokens_per_block],
+                    event_hashes=save.event_hashes[start:end])
+
+    def wait_for_save(self, meta: MemraConnectorMetadata):
+        """Stores the step's newly computed full blocks (what the layer hooks did not copy out
+        yet first). A refusal (no room, the daemon gone) costs a later cache miss, nothing
+        else."""
+        if meta is not self._meta:
+            self.bind(meta)
+        self._scatter_held(range(len(self._staging.planes)) if self._staging else ())
+        gathered = self._gathered
+        if self._staging is not None and gathered is not None and gathered.block_ids:
+            rest = set(range(len(self._staging.planes))) - gathered.planes_done
+            if rest:
+                self._staging.gather(gathered.block_ids, rest)
+        pregathered = len(gathered.block_ids) if gathered is not None else 0
+        slot = 0
+        for save in meta.saves:
+            try:
+                self._require_registered("save")
+                if self._staging is None:
+                    wait_event = self._cuda.before() if self._cuda else b""
+                    transfer = self._kept.store(save.block_ids, hashes=save.hashes,
+                                                wait_event=wait_event,
+                                                **self._store_args(save, 0, len(save.hashes)))
+                    if self._cuda:
+                        self._cuda.after(transfer.completion_event)
+                    self.saved_blocks += sum(block.ok for block in transfer.blocks)
+                    continue
+                # Blocks the layer hooks gathered are in slots [first_slot, +ready); a save
+                # with blocks beyond them comes after every gathered one (they are the step's
+                # first), so the chunks below may overwrite the slots.
+                ready = max(0, min(len(save.block_ids), pregathered - slot))
+                first_slot, slot = slot, slot + ready
+                if ready:
+                    self._store_staged(save, 0, ready, list(range(first_slot, slot)))
+                for start in range(ready, len(save.block_ids), self._staging.slots):
+                    end = min(start + self._staging.slots, len(save.block_ids))
+                    self._staging.gather(save.block_ids[start:end])
+                    self._store_staged(save, start, end, list(range(end - start)))
+            except KvError as error:
+                log.warning("save of request %s: %s", save.request_id, error)
+        self._gathered = None
+
+    def _store_staged(self, save, start, end, slots):
+        transfer = self._kept.store(slots, hashes=save.hashes[start:end],
+                                    **self._store_args(save, start, end))
+        self.saved_blocks += sum(block.ok for block in transfer.blocks)
+
+    def shutdown(self):
+        """Waits for the loader thread's loads (vLLM is shutting down: nobody asks for them)."""
+        if self._loader is not None:
+            self._loader.shutdown(wait=True)
 
 
 # ---- content keys: independent of vLLM's hash seed, algorithm and version ----
@@ -720,6 +996,7 @@ LAYOUT_ORDERS = {"LBNHC": "NHD", "BLNHC": "NHD", "LBHNC": "HND", "BLHNC": "HND"}
 # ---- the vLLM class, where vLLM is importable ----
 
 RETRY_S = 5.0  # the pace of connection tries while the daemon is away
+ASYNC_LOAD_MIN_TOKENS = 1024  # memra_async_load_min_tokens' default (bench/README.md, vLLM)
 
 try:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: F401
@@ -740,8 +1017,10 @@ if KVConnectorBase_V1 is not None:
         numbers only: vLLM pickles its config to worker processes): memra_socket (default
         /run/memra-kv/gpu0.sock), memra_engine_name, memra_cache_scope, memra_staging_blocks
         (64), memra_lookup_pin_ms (30000: how long a lookup holds what it found for the load;
-        0: no pin), memra_timeout_s (2: how long a
-        connection try waits for the daemon).
+        0: no pin), memra_async_load_min_tokens (1024: loads of at least that many tokens are
+        asynchronous; 0: none), memra_layerwise (1: staged copies per layer in the layer
+        hooks; 0: whole steps), memra_timeout_s (2: how long a connection try waits for the
+        daemon).
 
         The daemon is a cache: one that is down, unreachable or refuses the pool leaves vLLM
         running without it (one warning; every request a miss, nothing saved) and is tried
@@ -769,6 +1048,7 @@ if KVConnectorBase_V1 is not None:
             self._worker = None  # MemraWorker once the caches are registered
             self._kv_caches = None
             self._unloaded = set()  # block ids of loads made while no worker was registered
+            self._unloaded_requests = set()  # their asynchronous loads' requests, to report
 
         # -- the daemon, connected on first use --
 
@@ -830,7 +1110,8 @@ if KVConnectorBase_V1 is not None:
             if self._worker is None and self._kv_caches:
                 try:
                     worker = MemraWorker(self._connected_store(),
-                                         int(self._extra.get("memra_staging_blocks", 64)))
+                                         int(self._extra.get("memra_staging_blocks", 64)),
+                                         bool(int(self._extra.get("memra_layerwise", 1))))
                     worker.register_kv_caches(
                         self._kv_caches, (), self._model, self._tp_rank(),
                         self._vllm_config.parallel_config.tensor_parallel_size)
@@ -846,6 +1127,11 @@ if KVConnectorBase_V1 is not None:
             except AssertionError:  # no model-parallel group (a single process): rank 0
                 return 0
 
+        def bind_connector_metadata(self, connector_metadata):
+            super().bind_connector_metadata(connector_metadata)
+            if self._worker is not None:
+                self._worker.bind(connector_metadata)
+
         def start_load_kv(self, forward_context, **kwargs):
             meta = self._get_connector_metadata()
             worker = self._ensure_worker()
@@ -853,19 +1139,26 @@ if KVConnectorBase_V1 is not None:
                 worker.start_load_kv(meta)
             else:  # nothing can arrive: vLLM is told, as for any failed load
                 self._unloaded |= {b for load in meta.loads for b in load.block_ids}
+                self._unloaded_requests |= {load.request_id for load in meta.loads
+                                            if load.asynchronous}
 
         def wait_for_layer_load(self, layer_name):
-            """Loads are complete when start_load_kv returns."""
+            if self._worker is not None:
+                self._worker.wait_for_layer_load(layer_name)
 
         def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs):
-            """A stored block holds every layer: blocks are saved whole, in wait_for_save."""
+            if self._worker is not None and self.has_connector_metadata():
+                self._worker.save_kv_layer(layer_name)
 
         def wait_for_save(self):
             if self._worker is not None and self.has_connector_metadata():
                 self._worker.wait_for_save(self._get_connector_metadata())
 
         def get_finished(self, finished_req_ids):
-            return None, None
+            finished, self._unloaded_requests = self._unloaded_requests, set()
+            if self._worker is not None:
+                finished |= self._worker.get_finished(finished_req_ids)[1] or set()
+            return None, (finished or None)
 
         def get_block_ids_with_load_errors(self):
             errors, self._unloaded = self._unloaded, set()
@@ -879,6 +1172,8 @@ if KVConnectorBase_V1 is not None:
             return False
 
         def shutdown(self):
+            if self._worker is not None:
+                self._worker.shutdown()
             if self._store is not None:
                 self._store._client.close()
                 self._store = None
@@ -905,8 +1200,9 @@ if KVConnectorBase_V1 is not None:
             except (KvError, grpc.RpcError, OSError) as error:
                 self._degraded("registering the scheduler's lookup pool", error)
                 raise
-            return MemraScheduler(registration, self._block_size,
-                                  int(self._extra.get("memra_lookup_pin_ms", 30000)))
+            return MemraScheduler(
+                registration, self._block_size, int(self._extra.get("memra_lookup_pin_ms", 30000)),
+                int(self._extra.get("memra_async_load_min_tokens", ASYNC_LOAD_MIN_TOKENS)))
 
         def _keys(self, request):
             """The request's content keys now, or None when its tokens do not name its KV
@@ -933,7 +1229,8 @@ if KVConnectorBase_V1 is not None:
             if logic is None:
                 return 0, False
             return logic.get_num_new_matched_tokens(
-                request.request_id, keys, request.all_token_ids, num_computed_tokens)
+                request.request_id, keys, request.all_token_ids, num_computed_tokens,
+                request.block_hashes)
 
         def update_state_after_alloc(self, request, blocks, num_external_tokens):
             logic = self._scheduler.get() if self._single_group() else None
@@ -953,7 +1250,8 @@ if KVConnectorBase_V1 is not None:
                 entry = self._requests.get(new.req_id)
                 if entry is not None and entry[1] is not None:
                     logic.update_request(new.req_id, self._keys(entry[0]),
-                                         entry[0].all_token_ids, new.block_ids[0])
+                                         entry[0].all_token_ids, new.block_ids[0],
+                                         entry[0].block_hashes, new.num_computed_tokens)
             cached = scheduler_output.scheduled_cached_reqs
             for i, request_id in enumerate(cached.req_ids):
                 entry = self._requests.get(request_id)
@@ -967,7 +1265,7 @@ if KVConnectorBase_V1 is not None:
                 resumed = request_id in getattr(cached, "resumed_req_ids", ())
                 block_ids = new_blocks if resumed else logic.block_ids(request_id) + new_blocks
                 logic.update_request(request_id, self._keys(request), request.all_token_ids,
-                                     block_ids)
+                                     block_ids, request.block_hashes)
             meta = logic.build_connector_meta(computed)
             return _Metadata(meta.loads, meta.saves)
 

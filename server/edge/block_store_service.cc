@@ -142,6 +142,8 @@ grpc::Status BlockStoreService::StoreBlocks(grpc::ServerContext*,
     transfer.parent_hash = request->parent_hash();
     transfer.event_token_ids.assign(request->event_token_ids().begin(),
                                     request->event_token_ids().end());
+    transfer.event_block_hashes.assign(request->event_block_hashes().begin(),
+                                       request->event_block_hashes().end());
     ASSIGN_OR_RETURN(BlockTransferResult result,
                      store_->Store(request->engine().engine_id(), transfer));
     return ReplyTransfer(backend_, result, response);

@@ -479,6 +479,20 @@ absl::StatusOr<BlockTransferResult> BlockStore::Store(uint64_t engine,
     return absl::InvalidArgumentError(absl::StrCat("parent_hash is ", transfer.parent_hash.size(),
                                                    " bytes; at most ", kMaxEngineHashBytes));
   }
+  const std::vector<std::string>& routed = transfer.event_block_hashes;
+  if (!routed.empty() && (by_tokens || routed.size() != count)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        routed.size(), " event block hashes for ", count, " blocks",
+        by_tokens ? " named by token ids (give them with block hashes only)"
+                  : absl::StrCat(" (give none or ", count, ")")));
+  }
+  for (size_t i = 0; i < routed.size(); ++i) {
+    if (routed[i].empty() || routed[i].size() > kMaxEngineHashBytes) {
+      return absl::InvalidArgumentError(absl::StrCat("event block hash ", i, " is ",
+                                                     routed[i].size(), " bytes; 1 to ",
+                                                     kMaxEngineHashBytes));
+    }
+  }
   std::vector<PoolBlock> blocks;
   blocks.reserve(count);
   for (size_t i = 0; i < count; ++i) {
@@ -493,8 +507,10 @@ absl::StatusOr<BlockTransferResult> BlockStore::Store(uint64_t engine,
       const auto from = transfer.keys.token_ids.begin() + k * tokens_per_block;
       origin.token_ids.assign(from, from + tokens_per_block);
     } else {
-      origin.block_hashes = {transfer.keys.hashes[k]};
-      origin.parent_block_hash = k == 0 ? transfer.parent_hash : transfer.keys.hashes[k - 1];
+      // Routers' identities: the event hashes where given, else the keys themselves.
+      const std::vector<std::string>& chain = routed.empty() ? transfer.keys.hashes : routed;
+      origin.block_hashes = {chain[k]};
+      origin.parent_block_hash = k == 0 ? transfer.parent_hash : chain[k - 1];
       if (!transfer.event_token_ids.empty()) {
         const auto from = transfer.event_token_ids.begin() + i * tokens_per_block;
         origin.token_ids.assign(from, from + tokens_per_block);

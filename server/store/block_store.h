@@ -103,6 +103,7 @@ struct BlockTransfer {
   // Store: routers' event fields (never keys).
   std::string parent_hash;
   std::vector<int32_t> event_token_ids;
+  std::vector<std::string> event_block_hashes;  // none, or one per block (else keys.hashes)
   // Load: the LookupBlocks pin this call releases (0: none).
   uint64_t pin_id = 0;
 };

@@ -198,6 +198,30 @@ TEST_F(BlockStoreTest, BlocksStoredFromOneEnginesPoolLoadIntoAnothersByteForByte
   stream->Cancel();
 }
 
+TEST_F(BlockStoreTest, EventBlockHashesNameTheBlocksInEventsNotInKeys) {
+  auto [a, pool, registered] = MustEngineWithPool("engine-a");
+  ASSERT_NE(a, nullptr);
+  BlockStoreCall store = ByHashes(registered, Hashes(0, 3), {0, 1, 2});
+  store.parent_hash = "vllm-parent";
+  store.event_block_hashes = {"vllm-0", "vllm-1", "vllm-2"};
+  ASSERT_THAT(a->StoreBlocks(store), IsOk());
+  const ScopedEventReplay events = daemon_->prefix_cache()->EventsSince(0, 0, std::nullopt);
+  ASSERT_EQ(events.events.size(), 1u);
+  const PrefixEventOrigin& origin = events.events[0].event.origin;
+  EXPECT_THAT(origin.block_hashes, ElementsAre("vllm-0", "vllm-1", "vllm-2"));
+  EXPECT_EQ(origin.parent_block_hash, "vllm-parent");
+  // The keys are still the engine's: a lookup by them finds the blocks, vLLM's name nothing.
+  absl::StatusOr<BlockStoreMatch> by_keys = a->LookupBlocks(ByHashes(registered, Hashes(0, 3)));
+  ASSERT_THAT(by_keys, IsOk());
+  EXPECT_EQ(by_keys->matched_blocks, 3u);
+  BlockStoreCall by_routed;
+  by_routed.registration_id = registered.registration_id;
+  by_routed.keys.hashes = store.event_block_hashes;
+  absl::StatusOr<BlockStoreMatch> by_event_hashes = a->LookupBlocks(by_routed);
+  ASSERT_THAT(by_event_hashes, IsOk());
+  EXPECT_EQ(by_event_hashes->matched_blocks, 0u);
+}
+
 TEST_F(BlockStoreTest, TokenIdKeysChainFromTheStartAndSkipWhatIsStored) {
   auto [a, pool, registered] = MustEngineWithPool("engine-a");
   ASSERT_NE(a, nullptr);
@@ -620,6 +644,23 @@ TEST_F(BlockStoreTest, MalformedKeysAndEventFieldsAreRefusedWithTheirNumbers) {
   skip_past.skip_blocks = 3;
   EXPECT_THAT(a->StoreBlocks(skip_past),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstrs("skip_blocks 3 exceeds the 2 whole blocks")));
+  BlockStoreCall routed = ByHashes(registered, Hashes(0, 2), {0, 1});
+  routed.event_block_hashes = {"vllm-0"};
+  EXPECT_THAT(a->StoreBlocks(routed),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstrs("1 event block hashes for 2 blocks (give none or 2)")));
+  routed.event_block_hashes = {"vllm-0", std::string(65, 'v')};
+  EXPECT_THAT(a->StoreBlocks(routed),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstrs("event block hash 1 is 65 bytes; 1 to 64")));
+  BlockStoreCall routed_tokens;
+  routed_tokens.registration_id = registered.registration_id;
+  routed_tokens.keys.token_ids.assign(kTokensPerBlock, 3);
+  routed_tokens.block_ids = {0};
+  routed_tokens.event_block_hashes = {"vllm-0"};
+  EXPECT_THAT(a->StoreBlocks(routed_tokens),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstrs("1 event block hashes for 1 blocks named by token ids")));
   EXPECT_EQ(daemon_->prefix_cache()->Stats().entries, 0u);
   // Another engine's pin is not a load's to release.
   ASSERT_THAT(a->StoreBlocks(ByHashes(registered, Hashes(0, 1), {0})), IsOk());

@@ -3,7 +3,8 @@ vLLM 0.33 does (python/engines/vllm/test_vllm_connector.py runs it as a separate
 
     instance.py SOCKET LAYOUT PROMPT_JSON [--hash-algo sha256] [--cache-salt S] [--mla]
                 [--repeat N [--pause-before I]] [--lookup-pin-ms MS] [--load-failure-policy P]
-                [--evict-with ADMIN_SOCKET]
+                [--evict-with ADMIN_SOCKET] [--async-load-min-tokens N] [--layerwise 0|1]
+                [--pause-before-load]
 
 * VllmConfig of an offline model directory (model/config.json, HF_HUB_OFFLINE=1) with
   --kv-transfer-config's fields: kv_connector "MemraKVConnector", kv_connector_module_path
@@ -17,6 +18,10 @@ vLLM 0.33 does (python/engines/vllm/test_vllm_connector.py runs it as a separate
   the forward, wait_for_save, get_transfer_results, load errors); the "forward" writes each
   scheduled token's K and V (a pattern of layer, position and token id) into its slot; the
   ModelRunnerOutput goes back through Scheduler.update_from_output until the request ends.
+  The forward stand-in calls the layer hooks per layer as vLLM's attention layers do
+  (maybe_transfer_kv_layer: wait_for_layer_load, the layer, save_kv_layer). A request whose
+  load is asynchronous waits (WAITING_FOR_REMOTE_KVS) while steps run without it, as vLLM's
+  engine loop goes on stepping, until the worker's get_finished reports the load.
 
 Prints one JSON object: what vLLM saw (matched tokens, block ids), the SHA-256 of each of the
 request's whole blocks' pages (every layer, memory order), and what the connector did."""
@@ -48,7 +53,7 @@ from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig,  # noq
                                         KVCacheGroupSpec, KVCacheTensor, MLAAttentionSpec)
 from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 from vllm.v1.outputs import ModelRunnerOutput  # noqa: E402
-from vllm.v1.request import Request  # noqa: E402
+from vllm.v1.request import Request, RequestStatus  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 from vllm.v1.worker.kv_connector_model_runner_mixin import \
     KVConnectorModelRunnerMixin  # noqa: E402
@@ -60,10 +65,15 @@ NUM_BLOCKS = 64
 EOS = 2
 
 
-def vllm_config(socket, layout, hash_algo, lookup_pin_ms=None, load_failure_policy="fail"):
+def vllm_config(socket, layout, hash_algo, lookup_pin_ms=None, load_failure_policy="fail",
+                async_load_min_tokens=None, layerwise=None):
     extra = {"memra_socket": socket, "memra_timeout_s": 2}
     if lookup_pin_ms is not None:
         extra["memra_lookup_pin_ms"] = lookup_pin_ms
+    if async_load_min_tokens is not None:
+        extra["memra_async_load_min_tokens"] = async_load_min_tokens
+    if layerwise is not None:
+        extra["memra_layerwise"] = layerwise
     model = ModelConfig(model=MODEL_DIR, dtype="float16", seed=0, skip_tokenizer_init=True)
     cache = CacheConfig(block_size=BLOCK_SIZE, gpu_memory_utilization=0.9, cache_dtype="auto",
                         enable_prefix_caching=True, prefix_caching_hash_algo=hash_algo)
@@ -104,21 +114,27 @@ def kv_cache_config(config, layout, mla):
                          kv_cache_layout=layout)
 
 
-def forward(kv_caches, scheduler_output, requests, block_ids):
-    """The model's attention writing K and V of each scheduled token into its slot."""
+def forward(connector, kv_caches, scheduler_output, requests, block_ids):
+    """The model's attention layers, each writing K and V of each scheduled token into its
+    slot, between the connector's layer hooks as vLLM's maybe_transfer_kv_layer calls them (it
+    does so only in a step with a forward and connector metadata)."""
+    if not scheduler_output.num_scheduled_tokens:
+        return
     starts = {new.req_id: new.num_computed_tokens for new in scheduler_output.scheduled_new_reqs}
     cached = scheduler_output.scheduled_cached_reqs
     starts.update(zip(cached.req_ids, cached.num_computed_tokens))
-    for request_id, count in scheduler_output.num_scheduled_tokens.items():
-        request = requests[request_id]
-        start = starts[request_id]
-        for position in range(start, start + count):
-            token = request.all_token_ids[position]
-            block, slot = block_ids[request_id][position // BLOCK_SIZE], position % BLOCK_SIZE
-            for layer, cache in enumerate(kv_caches.values()):
-                cell = cache[block, :, slot, :]  # (heads, content)
+    for layer, (name, cache) in enumerate(kv_caches.items()):
+        connector.wait_for_layer_load(name)
+        for request_id, count in scheduler_output.num_scheduled_tokens.items():
+            request = requests[request_id]
+            start = starts[request_id]
+            for position in range(start, start + count):
+                token = request.all_token_ids[position]
+                block = block_ids[request_id][position // BLOCK_SIZE]
+                cell = cache[block, :, position % BLOCK_SIZE, :]  # (heads, content)
                 values = torch.arange(cell.numel(), dtype=torch.float32).reshape(cell.shape)
                 cell.copy_((values + layer * 1000 + token * 7 + position) % 2048)
+        connector.save_kv_layer(name, cache, attn_metadata=None)
 
 
 def evict_everything(admin_socket):
@@ -165,11 +181,16 @@ def main(argv):
     parser.add_argument("--repeat", type=int, default=1, help="requests of PROMPT, one by one")
     parser.add_argument("--pause-before", type=int, default=-1,
                         help="before this request, print PAUSED and wait for a line on stdin")
+    parser.add_argument("--async-load-min-tokens", type=int, default=None)
+    parser.add_argument("--layerwise", type=int, default=None)
+    parser.add_argument("--pause-before-load", action="store_true",
+                        help="once the scheduler planned a load, before the worker starts it: "
+                             "print LOAD-PLANNED and wait for a line on stdin")
     args = parser.parse_args(argv)
     prompt = json.loads(args.prompt)
 
     config = vllm_config(args.socket, args.layout, args.hash_algo, args.lookup_pin_ms,
-                         args.load_failure_policy)
+                         args.load_failure_policy, args.async_load_min_tokens, args.layerwise)
     kv_config = kv_cache_config(config, args.layout, args.mla)
 
     # Worker: a one-process gloo group (vLLM's TP group: the connector asks its rank), vLLM's
@@ -210,7 +231,9 @@ def run_request(config, scheduler, worker, kv_caches, args, prompt, hash_fn, req
     """One request of `prompt` through vLLM's scheduler and the worker side until it ends;
     what it saw."""
     logic = worker._worker
-    before = (logic.saved_blocks, logic.loaded_blocks) if logic is not None else (0, 0)
+    counters = ("saved_blocks", "loaded_blocks", "planes_saved_by_layer_hooks",
+                "planes_loaded_by_layer_hooks")
+    before = {name: getattr(logic, name) if logic is not None else 0 for name in counters}
     sampling = SamplingParams(max_tokens=1)
     sampling.update_from_generation_config({}, EOS)
     request = Request(request_id=request_id, prompt_token_ids=prompt, sampling_params=sampling,
@@ -219,23 +242,43 @@ def run_request(config, scheduler, worker, kv_caches, args, prompt, hash_fn, req
     scheduler.add_request(request)
     facts = {"vllm_block_hashes": [bytes(h).hex() for h in request.block_hashes]}
     block_ids = {}
+    facts["async_waiting_steps"] = 0
+    facts["invalid_block_ids"] = []
+    facts["finished_recving"] = []
     steps = 0
-    while scheduler.has_requests() and steps < 8:
+    # vLLM's engine loop steps while requests are unfinished; a request waiting for its
+    # asynchronous load is unfinished until the worker reports it (the loader thread ends it,
+    # success or failure), so this ends. The bound only turns a connector that never reports
+    # into a failed test instead of a hang.
+    while scheduler.has_requests() and steps < 100000:
         steps += 1
         output = scheduler.schedule()
         for new in output.scheduled_new_reqs:
             block_ids[new.req_id] = list(new.block_ids[0])
             facts.setdefault("matched_tokens", new.num_computed_tokens)
+        waiting = scheduler.requests.get(request_id)
+        if waiting is not None and waiting.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+            facts["async_waiting_steps"] += 1
+            facts.setdefault("async_matched_tokens", waiting.num_computed_tokens)
+            facts.setdefault("async_block_ids",
+                             list(scheduler.kv_cache_manager.get_block_ids(request_id)[0]))
         meta = output.kv_connector_metadata
-        facts.setdefault("meta", []).append({"loads": [len(l.block_ids) for l in meta.loads],
-                                             "saves": [len(s.block_ids) for s in meta.saves]})
+        if meta.loads or meta.saves:
+            facts.setdefault("meta", []).append({
+                "loads": [len(l.block_ids) for l in meta.loads],
+                "async_loads": [l.asynchronous for l in meta.loads],
+                "saves": [len(s.block_ids) for s in meta.saves]})
         if args.evict_with and meta.loads:
             facts["evict_refusals"] = evict_everything(args.evict_with)
+        if args.pause_before_load and meta.loads:
+            print("LOAD-PLANNED", flush=True)  # the test changes the world, answers on stdin
+            sys.stdin.readline()
         output = pickle.loads(pickle.dumps(output))  # as it crosses to the worker process
         with set_forward_context(None, config):
             with KVConnectorModelRunnerMixin._get_kv_connector_output(output) as kv_output:
-                forward(kv_caches, output, scheduler.requests, block_ids)
-        facts.setdefault("invalid_block_ids", []).extend(sorted(kv_output.invalid_block_ids))
+                forward(worker, kv_caches, output, scheduler.requests, block_ids)
+        facts["invalid_block_ids"].extend(sorted(kv_output.invalid_block_ids))
+        facts["finished_recving"].extend(sorted(kv_output.finished_recving or ()))
         runner = ModelRunnerOutput(
             req_ids=list(output.num_scheduled_tokens),
             req_id_to_index={r: i for i, r in enumerate(output.num_scheduled_tokens)},
@@ -249,8 +292,9 @@ def run_request(config, scheduler, worker, kv_caches, args, prompt, hash_fn, req
     facts["digests"] = page_digests(kv_caches, block_ids[request_id][:whole], order)
     logic = worker._worker
     facts["worker"] = None if logic is None else {
-        "saved_blocks": logic.saved_blocks - before[0],
-        "loaded_blocks": logic.loaded_blocks - before[1]}
+        name: getattr(logic, name) - before[name] for name in counters[:2]}
+    facts["layer_hooks"] = None if logic is None else {
+        name: getattr(logic, name) - before[name] for name in counters[2:]}
     facts["finished"] = not scheduler.has_requests()
     return facts
 

@@ -34,6 +34,24 @@ def instance(socket, layout="LBNHC", *flags, seed="1", prompt=PROMPT):
     return json.loads(facts[0]), done.stderr
 
 
+def instance_across_a_daemon_restart(daemon, flags, pause_line, seed="1"):
+    """Runs one vLLM instance with `flags` naming a pause; when it prints `pause_line` the
+    daemon is SIGKILLed and started again (empty); the instance's FACTS and its stderr."""
+    env = dict(os.environ, PYTHONHASHSEED=seed, HF_HUB_OFFLINE="1")
+    process = subprocess.Popen(
+        [sys.executable, os.path.join(HERE, "instance.py"), daemon.socket, "LBNHC",
+         json.dumps(PROMPT)] + list(flags),
+        env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True)
+    paused = process.stdout.readline()
+    assert paused == pause_line + "\n", paused + process.stderr.read()[-3000:]
+    daemon.kill_and_start_again()
+    out, err = process.communicate("go\n", timeout=600)
+    assert process.returncode == 0, err[-6000:]
+    (line,) = [l for l in out.splitlines() if l.startswith("FACTS ")]
+    return json.loads(line[6:]), err
+
+
 def test_vllms_factory_loads_the_connector_and_its_members_are_complete():
     from vllm.config import KVTransferConfig
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
@@ -59,14 +77,14 @@ def test_a_second_instance_loads_the_firsts_blocks_byte_identical(kvd):
     first, _ = instance(daemon.socket, "LBNHC", seed="1")
     assert first["connector"] == ["memra_kv.vllm", "MemraKVConnector", "MemraKVConnector"]
     assert first["matched_tokens"] == 0 and first["finished"]
-    assert first["meta"][0] == {"loads": [], "saves": [WHOLE_BLOCKS]}
+    assert first["meta"][0] == {"loads": [], "async_loads": [], "saves": [WHOLE_BLOCKS]}
     assert first["worker"] == {"saved_blocks": WHOLE_BLOCKS, "loaded_blocks": 0}
     assert len(set(first["digests"])) == WHOLE_BLOCKS  # the pages differ from each other
 
     second, _ = instance(daemon.socket, "LBNHC", "--hash-algo", "sha256_cbor", seed="2")
     assert second["vllm_block_hashes"] != first["vllm_block_hashes"]
     assert second["matched_tokens"] == WHOLE_BLOCKS * 16
-    assert second["meta"][0] == {"loads": [WHOLE_BLOCKS], "saves": []}
+    assert second["meta"][0] == {"loads": [WHOLE_BLOCKS], "async_loads": [False], "saves": []}
     assert second["worker"] == {"saved_blocks": 0, "loaded_blocks": WHOLE_BLOCKS}
     assert second["invalid_block_ids"] == []
     assert second["digests"] == first["digests"]
@@ -123,19 +141,9 @@ def test_a_daemon_restarted_mid_run_is_used_again(kvd):
     daemon is killed and started again (empty: nothing kept). The connector attaches and
     registers anew on its own: the second request misses and saves, the third loads."""
     daemon = kvd(*DAEMON_FLAGS)
-    env = dict(os.environ, PYTHONHASHSEED="1", HF_HUB_OFFLINE="1")
-    process = subprocess.Popen(
-        [sys.executable, os.path.join(HERE, "instance.py"), daemon.socket, "LBNHC",
-         json.dumps(PROMPT), "--repeat", "3", "--pause-before", "1"],
-        env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True)
-    paused = process.stdout.readline()
-    assert paused == "PAUSED\n", paused + process.stderr.read()[-3000:]
-    daemon.kill_and_start_again()
-    out, err = process.communicate("go\n", timeout=600)
-    assert process.returncode == 0, err[-6000:]
-    (line,) = [l for l in out.splitlines() if l.startswith("FACTS ")]
-    first, second, third = json.loads(line[6:])["requests"]
+    facts, err = instance_across_a_daemon_restart(
+        daemon, ("--repeat", "3", "--pause-before", "1"), "PAUSED")
+    first, second, third = facts["requests"]
     assert (first["matched_tokens"], first["worker"]["saved_blocks"]) == (0, WHOLE_BLOCKS)
     assert second["matched_tokens"] == 0  # the new daemon kept nothing
     assert second["worker"] == {"saved_blocks": WHOLE_BLOCKS, "loaded_blocks": 0}, err[-3000:]
@@ -144,13 +152,17 @@ def test_a_daemon_restarted_mid_run_is_used_again(kvd):
     assert third["digests"] == first["digests"] and third["invalid_block_ids"] == []
 
 
-def test_the_lookup_holds_its_blocks_until_vllm_loads_them(kvd):
+@pytest.mark.parametrize("load_flags", [(), ("--async-load-min-tokens", "16")],
+                         ids=["sync-load", "async-load"])
+def test_the_lookup_holds_its_blocks_until_vllm_loads_them(kvd, load_flags):
     """An operator evicts every block between vLLM's scheduling (the lookup) and the worker's
     load: the lookup's pins refuse it and the load gets every block, under vLLM's default
-    kv_load_failure_policy "fail"."""
+    kv_load_failure_policy "fail". An asynchronous load's pin lasts while vLLM waits for it."""
     daemon = kvd(*DAEMON_FLAGS)
     first, _ = instance(daemon.socket, "LBNHC")
-    held, _ = instance(daemon.socket, "LBNHC", "--evict-with", daemon.admin_socket, seed="2")
+    held, _ = instance(daemon.socket, "LBNHC", "--evict-with", daemon.admin_socket,
+                       *load_flags, seed="2")
+    assert held["meta"][0]["async_loads"] == [bool(load_flags)]
     assert held["matched_tokens"] == WHOLE_BLOCKS * 16
     assert len(held["evict_refusals"]) == WHOLE_BLOCKS
     assert all(code == "FAILED_PRECONDITION" and "is pinned by 1 restores" in message

@@ -1,7 +1,8 @@
 """The KV-events bridge (`python -m memra_kv.events`, a real process) read the way vLLM 0.33's
 own subscribers read vLLM's publisher: batches decoded by msgspec with vLLM's KVEventBatch,
 replay frames as ZmqEventPublisher sends them (topic, sequence, payload; then END_SEQ). The
-blocks come from a real vLLM instance's saves (instance.py)."""
+blocks come from a real vLLM instance's saves (instance.py), announced under vLLM's own block
+hashes."""
 
 import os
 import subprocess
@@ -42,7 +43,7 @@ def test_stored_blocks_decode_with_vllms_event_classes_live_and_replayed(kvd, tm
         sub.disable_monitor()
         time.sleep(0.2)  # the subscription reaches the publisher after the connection
 
-        instance(daemon.socket, "LBNHC")
+        facts, _ = instance(daemon.socket, "LBNHC")
         decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
         assert sub.poll(60000), "no KV event batch"
         topic, sequence, payload = sub.recv_multipart()
@@ -50,8 +51,12 @@ def test_stored_blocks_decode_with_vllms_event_classes_live_and_replayed(kvd, tm
         live = decoder.decode(payload)
         (event,) = live.events
         assert isinstance(event, BlockStored)
+        # Routers key by vLLM's own block hashes: the events carry them, while the store keys
+        # the blocks by the connector's content keys (which name nothing in the events).
+        vllm_hashes = [bytes.fromhex(h) for h in facts["vllm_block_hashes"][:WHOLE_BLOCKS]]
+        assert event.block_hashes == vllm_hashes
         keys = ContentKeys(16, request_salt(None, None)).extend(PROMPT)
-        assert event.block_hashes == keys[:WHOLE_BLOCKS]
+        assert not set(keys) & set(event.block_hashes)
         assert event.parent_block_hash is None
         assert event.token_ids == PROMPT[:WHOLE_BLOCKS * 16] and event.block_size == 16
         assert event.medium == MEDIUM_CPU  # the host backend's device tier
