@@ -28,6 +28,7 @@ from .planes import (CudaArenaMapper, CudaPlane, CudaRuntime, HostArenaMapper, P
                      TypedGeometry, bf16_bits, float32_from_bf16_bits)
 from .results import (AdmissionStatus, Cost, CostBreakdown, EngineStatus, Fit, ImportedModel,
                       LayerState, MaxContext, PrefixCacheStats, PrefixEntry, PrefixEvicted,
+                      PrefixesEvicted,
                       PrefixListing, PrefixRemoteStats, PrefixTierStats, SessionState,
                       SessionSummary, Status)
 from . import plans

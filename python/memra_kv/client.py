@@ -26,7 +26,8 @@ from . import step_channel
 from .planes import (CudaArenaMapper, HostArenaMapper, PlaneGeometry, TypedGeometry,
                      numpy_dtype, torch_dtype, typed_geometry)
 from .results import (Cost, EngineStatus, Fit, ImportedModel, MaxContext, PrefixEntry,
-                      PrefixEvicted, PrefixListing, SessionState, SessionSummary, Status,
+                      PrefixEvicted, PrefixesEvicted, PrefixListing, SessionState,
+                      SessionSummary, Status,
                       from_message)
 
 pb = cache_pb2
@@ -881,6 +882,21 @@ class Client:
         return from_message(PrefixEvicted, _call(self.prefix.EvictPrefix,
                                                  prefix_pb2.EvictPrefixRequest(entry_id=entry_id),
                                                  self._timeout(timeout)))
+
+    def evict_all_prefixes(self, timeout: Optional[float] = None) -> PrefixesEvicted:
+        """Evicts every entry (admin socket), one EvictPrefix each: an entry the daemon refuses
+        to evict (pinned by an engine's lookup or restore) is listed in `refused` with its
+        error, and the rest still go."""
+        evicted = 0
+        freed = 0
+        refused: List[Tuple[int, MemraKvError]] = []
+        for entry in self.list_prefixes(timeout).entries:
+            try:
+                freed += self.evict_prefix(entry.entry_id, timeout).freed_bytes
+                evicted += 1
+            except MemraKvError as error:
+                refused.append((entry.entry_id, error))
+        return PrefixesEvicted(evicted_entries=evicted, freed_bytes=freed, refused=tuple(refused))
 
     # -- admin (memra-kvctl's calls). status, cost, fit and max_context are served on the
     # engine socket too (status without the per-engine list); sessions, engines, drain, undrain

@@ -15,6 +15,8 @@ import typing
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple, Type, TypeVar
 
+from .errors import MemraKvError
+
 _Result = TypeVar("_Result")
 
 
@@ -311,6 +313,18 @@ class PrefixEvicted:
 
     freed_bytes: int
     stats: Optional[PrefixCacheStats]
+
+
+@dataclass(frozen=True)
+class PrefixesEvicted:
+    """Client.evict_all_prefixes: what went and what the daemon refused to evict.
+
+    `refused` holds one (entry_id, error) per entry the daemon kept, e.g. FailedPrecondition
+    "... is pinned by 1 restores" while an engine's lookup or restore holds it."""
+
+    evicted_entries: int
+    freed_bytes: int
+    refused: Tuple[Tuple[int, MemraKvError], ...]
 
 
 # ---- from the wire ----

@@ -122,13 +122,9 @@ def vllm_engine(socket, admin_socket, mode):
         facts["meta"] = {"loads": [len(l.block_ids) for l in meta.loads],
                          "saves": [len(s.block_ids) for s in meta.saves]}
         if mode.startswith("load-evicted"):
-            facts["evict_refusals"] = []
             with memra_kv.connect(admin_socket) as admin:
-                for entry in admin.list_prefixes().entries:
-                    try:
-                        admin.evict_prefix(entry.entry_id)
-                    except memra_kv.KvError as error:
-                        facts["evict_refusals"].append([error.code.name, error.message])
+                facts["evict_refusals"] = [[error.code.name, error.message]
+                                           for _, error in admin.evict_all_prefixes().refused]
 
         # Worker step: bind metadata, start loads, per layer wait / compute / save, wait.
         worker.start_load_kv(meta)
@@ -336,8 +332,7 @@ def sglang_engine(socket, admin_socket, mode):
             facts["exists"] = backend.batch_exists(more)
             facts["get"] = backend.batch_get_v1(more[:5], host_indices([4, 9, 1, 20, 22]))
             with memra_kv.connect(admin_socket) as admin:
-                for entry in admin.list_prefixes().entries:
-                    admin.evict_prefix(entry.entry_id)
+                assert admin.evict_all_prefixes().refused == ()
             facts["get_after_eviction"] = backend.batch_get_v1(keys, host_indices(pages))
             facts["exists_after_eviction"] = backend.batch_exists(keys)
         facts["page_digests"] = [

@@ -73,9 +73,9 @@ def test_the_lookup_holds_its_blocks_until_the_load(kvd):
     assert (held["loaded_blocks"], held["load_errors"]) == (WHOLE_BLOCKS, [])
     # The pins are gone with the request (and the engine): the blocks evict now.
     with daemon.admin() as admin:
-        for entry in admin.list_prefixes().entries:
-            admin.evict_prefix(entry.entry_id)
-        assert len(admin.list_prefixes().entries) == 0
+        evicted = admin.evict_all_prefixes()
+        assert evicted.refused == () and evicted.evicted_entries == WHOLE_BLOCKS
+        assert evicted.freed_bytes > 0 and len(admin.list_prefixes().entries) == 0
 
 
 def test_blocks_evicted_between_an_unpinned_lookup_and_load_are_load_errors(kvd):

@@ -244,14 +244,9 @@ def digest(pool, index):
 def evict_everything(admin_socket):
     """An operator evicting every stored block (memra-kvctl evict): the refusals."""
     import memra_kv
-    refusals = []
     with memra_kv.Client.connect(admin_socket, timeout=10) as admin:
-        for entry in admin.list_prefixes().entries:
-            try:
-                admin.evict_prefix(entry.entry_id)
-            except memra_kv.KvError as error:
-                refusals.append([error.code.name, error.message])
-    return refusals
+        refused = admin.evict_all_prefixes().refused
+    return [[error.code.name, error.message] for _, error in refused]
 
 
 def main(argv):
