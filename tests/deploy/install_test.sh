@@ -37,7 +37,7 @@ install_into "$root" >"$TEST_DIR/out" || fail "install.sh failed: $(cat "$TEST_D
 grep -q "DESTDIR is set: not creating" "$TEST_DIR/out" || fail "no DESTDIR notice"
 python_files=()
 for module in __init__ __main__ block_store client errors events handoff planes plans results \
-    sglang vllm; do
+    sglang step_channel vllm; do
   python_files+=("./usr/lib/python3/dist-packages/memra_kv/$module.py")
 done
 for stub in __init__.py {admin,block_store,cache,model_plan,prefix}_pb2{,_grpc}.py; do
