@@ -13,6 +13,8 @@ the daemon's code and numbers when refused (a refused call changes nothing); a l
 failures (NOT_FOUND: no longer stored, DATA_LOSS: checksum mismatch) are in its Transfer.
 """
 
+from __future__ import annotations
+
 import fcntl
 import hashlib
 import logging
@@ -21,7 +23,8 @@ import os
 import threading
 import weakref
 from dataclasses import dataclass, field
-from typing import List, Sequence
+from typing import (TYPE_CHECKING, Any, Callable, Iterable, List, Optional, Sequence,
+                    Tuple, TypeVar, Union, cast)
 
 import grpc
 import numpy as np
@@ -30,6 +33,10 @@ from ._proto import block_store_pb2 as bs
 from ._proto import block_store_pb2_grpc
 from .client import _MEDIA, _call
 from .errors import KvError, code_from_value
+from .handoff import HandoffChannel
+
+if TYPE_CHECKING:
+    from .client import Client
 
 ELEMENT_TYPES = {"bf16": bs.BLOCK_ELEMENT_BF16, "fp16": bs.BLOCK_ELEMENT_FP16,
                  "fp32": bs.BLOCK_ELEMENT_FP32, "fp8_e4m3": bs.BLOCK_ELEMENT_FP8_E4M3,
@@ -51,7 +58,7 @@ class HostPool:
     offset)` a typed view. close() unmaps and closes the descriptor (the daemon keeps its own
     mapping until the registration ends)."""
 
-    def __init__(self, nbytes, name="memra-kv-pool"):
+    def __init__(self, nbytes: int, name: str = "memra-kv-pool") -> None:
         if nbytes <= 0:
             raise KvError(grpc.StatusCode.INVALID_ARGUMENT,
                           "a host pool of %d bytes; at least 1" % nbytes)
@@ -66,9 +73,11 @@ class HostPool:
         except BaseException:
             os.close(self.fd)
             raise
-        self.array = np.frombuffer(self._map, dtype=np.uint8)
+        # None once closed.
+        self.array: Optional[np.ndarray[Any, np.dtype[np.uint8]]] = np.frombuffer(
+            self._map, dtype=np.uint8)
 
-    def view(self, dtype, shape, offset=0):
+    def view(self, dtype: Any, shape: Any, offset: int = 0) -> np.ndarray[Any, Any]:
         """A typed array over the pool from byte `offset` (the engine's tensor)."""
         dtype = np.dtype(dtype)
         count = int(np.prod(shape))
@@ -77,7 +86,7 @@ class HostPool:
                           "of a %d-byte pool" % (count * dtype.itemsize, offset, self.nbytes))
         return np.frombuffer(self._map, dtype=dtype, count=count, offset=offset).reshape(shape)
 
-    def close(self):
+    def close(self) -> None:
         """Unmaps the pool and closes its memfd."""
         self.array = None
         try:
@@ -106,7 +115,7 @@ class CudaRegion:
     buffer: CudaBuffer
 
 
-def ipc_memory_handle(handle):
+def ipc_memory_handle(handle: Iterable[int]) -> bytes:
     """The 64 raw bytes of cudaIpcMemHandle_t in what PyTorch's storage._share_cuda_() returns:
     the raw handle, or (newer PyTorch) a type byte b"c" (cudaMalloc memory) before it. KvError
     INVALID_ARGUMENT for an expandable segment's handle (type b"e": not a CUDA IPC handle; run
@@ -123,7 +132,7 @@ def ipc_memory_handle(handle):
                   % (kind, CUDA_IPC_HANDLE_BYTES))
 
 
-def cuda_region_of(tensor):
+def cuda_region_of(tensor: Any) -> CudaRegion:
     """The CudaRegion of a CUDA tensor's whole storage, from PyTorch's
     tensor.untyped_storage()._share_cuda_() (device, handle, storage bytes, storage offset in
     its allocation, ...). Needs no import of torch: only the tensor's own methods."""
@@ -161,17 +170,17 @@ class PoolLayout:
     tp_size: int = 1
 
     @property
-    def token_bytes(self):
+    def token_bytes(self) -> int:
         """Bytes of one token of one K or V tensor."""
         return self.num_kv_heads * self.head_dim * ELEMENT_BYTES[self.element_type]
 
     @property
-    def block_bytes(self):
+    def block_bytes(self) -> int:
         """Bytes of one K or V block."""
         return self.tokens_per_block * self.token_bytes
 
 
-def element_type_of(dtype):
+def element_type_of(dtype: Any) -> str:
     """The block store's element name of a numpy or torch dtype's name ("bfloat16" -> "bf16")."""
     name = str(dtype).replace("torch.", "")
     names = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32",
@@ -201,6 +210,12 @@ class Registration:
     engine_id: int = 0  # the engine that registered it (the request's)
 
 
+# A registration, or its id (what BlockStore calls name).
+RegistrationRef = Union[Registration, int]
+# What a KeptRegistration.call returns: its method's result.
+_Result = TypeVar("_Result")
+
+
 @dataclass
 class BlockMatch:
     """BlockStore.lookup: the leading blocks stored, and the pin holding them when asked."""
@@ -217,9 +232,9 @@ class BlockOutcome:
     already_present: bool = False  # store: it was stored before (nothing copied)
 
     @property
-    def ok(self):
+    def ok(self) -> bool:
         """Stored or loaded."""
-        return self.code == grpc.StatusCode.OK
+        return bool(self.code == grpc.StatusCode.OK)
 
 
 @dataclass
@@ -230,25 +245,25 @@ class Transfer:
     completion_event: bytes = b""  # cuda: wait on it before using the blocks
 
     @property
-    def ok(self):
+    def ok(self) -> bool:
         """Every block succeeded."""
         return all(block.ok for block in self.blocks)
 
-    def failed(self):
+    def failed(self) -> List[int]:
         """Indices (into the call's block ids) of the blocks that failed."""
         return [i for i, block in enumerate(self.blocks) if not block.ok]
 
 
-def _keys(hashes, token_ids):
+def _keys(hashes: Optional[Iterable[Any]], token_ids: Optional[Iterable[int]]) -> Any:
     if (hashes is None) == (token_ids is None):
         raise KvError(grpc.StatusCode.INVALID_ARGUMENT,
                       "name the blocks by exactly one of hashes or token_ids")
     if hashes is not None:
         return bs.BlockKeys(hashes=[bytes(h) for h in hashes])
-    return bs.BlockKeys(token_ids=list(token_ids))
+    return bs.BlockKeys(token_ids=list(cast(Iterable[int], token_ids)))
 
 
-def _transfer(response):
+def _transfer(response: Any) -> Transfer:
     return Transfer([BlockOutcome(code_from_value(b.code), b.message, b.already_present)
                      for b in response.blocks], response.copied_bytes, response.completion_event)
 
@@ -256,7 +271,7 @@ def _transfer(response):
 class BlockStore:
     """The block store calls of an attached memra_kv.Client. Thread-safe."""
 
-    def __init__(self, client):
+    def __init__(self, client: Client) -> None:
         self._client = client
         self._stub = block_store_pb2_grpc.KvBlockStoreStub(client._channel)
         # Offers a refused registration left unconsumed: HostPool -> (handoff connection,
@@ -265,21 +280,24 @@ class BlockStore:
         # waiting, so the pool's next register over the same connection names them again
         # instead of leaving one more offer behind (each counts against the engine's offer
         # and byte caps until the connection closes).
-        self._unconsumed_offers = weakref.WeakKeyDictionary()  # guarded by _offers_lock
+        # Guarded by _offers_lock.
+        self._unconsumed_offers: weakref.WeakKeyDictionary[
+            HostPool, Tuple[HandoffChannel, int]] = weakref.WeakKeyDictionary()
         self._offers_lock = threading.Lock()
 
     @property
-    def backend(self):
+    def backend(self) -> Optional[str]:
         """The daemon's backend ("host" or "cuda"), as announced at attach."""
         return self._client.backend
 
-    def _t(self, timeout):
+    def _t(self, timeout: Optional[float]) -> float:
         return self._client._timeout(timeout)
 
-    def _engine(self, what):
+    def _engine(self, what: str) -> Any:
         return self._client._engine(what)
 
-    def register(self, buffers: Sequence, layout: PoolLayout, timeout=None):
+    def register(self, buffers: Sequence[Union[HostPool, CudaBuffer]], layout: PoolLayout,
+                 timeout: Optional[float] = None) -> Registration:
         """Registers the pool: `buffers` HostPool (host backend: each descriptor is offered over
         the handoff socket first) or CudaBuffer (cuda backend), `layout` what lives where.
         Returns the Registration (its KV groups' layout fingerprints and stored block bytes).
@@ -302,7 +320,7 @@ class BlockStore:
                                 kv_group=tensor.kv_group, buffer=tensor.buffer,
                                 offset=tensor.offset, block_stride=tensor.block_stride,
                                 block_bytes=tensor.block_bytes)
-        offered = []  # (pool, connection, buffer id)
+        offered: List[Tuple[HostPool, HandoffChannel, int]] = []  # (pool, connection, buffer id)
         sent = False
         try:
             for buffer in buffers:
@@ -326,7 +344,7 @@ class BlockStore:
                                      g.state_bytes) for g in response.groups],
                             request.engine.engine_id)
 
-    def _offer(self, pool):
+    def _offer(self, pool: HostPool) -> Tuple[HandoffChannel, int]:
         """(connection, buffer id) naming `pool` for one registration: its unconsumed offer
         over the lease's handoff connection now, else a new offer."""
         with self._offers_lock:
@@ -336,14 +354,15 @@ class BlockStore:
         buffer_id, connection = self._client._offer_buffer(pool.fd, pool.nbytes)
         return connection, buffer_id
 
-    def unregister(self, registration, timeout=None):
+    def unregister(self, registration: RegistrationRef, timeout: Optional[float] = None) -> None:
         """Drops the registration (the daemon forgets the pool's buffers)."""
         _call(self._stub.UnregisterEngineBuffers, bs.UnregisterEngineBuffersRequest(
             engine=self._engine("unregister"), registration_id=_id(registration)),
             self._t(timeout))
 
-    def lookup(self, registration, hashes=None, token_ids=None, kv_group=0, pin_ttl_ms=0,
-               timeout=None):
+    def lookup(self, registration: RegistrationRef, hashes: Optional[Iterable[Any]] = None,
+               token_ids: Optional[Iterable[int]] = None, kv_group: int = 0,
+               pin_ttl_ms: int = 0, timeout: Optional[float] = None) -> BlockMatch:
         """How many leading blocks are stored (BlockMatch); with pin_ttl_ms, pinned for a
         following load (BlockMatch.pin_id, released by it or unpin)."""
         response = _call(self._stub.LookupBlocks, bs.LookupBlocksRequest(
@@ -353,9 +372,11 @@ class BlockStore:
         return BlockMatch(response.matched_blocks, response.pin_id,
                           _MEDIA.get(response.medium, "device"))
 
-    def store(self, registration, block_ids, hashes=None, token_ids=None, kv_group=0,
-              skip_blocks=0, parent_hash=b"", event_token_ids=(), wait_event=b"",
-              timeout=None, event_hashes=()):
+    def store(self, registration: RegistrationRef, block_ids: Iterable[int],
+              hashes: Optional[Iterable[Any]] = None, token_ids: Optional[Iterable[int]] = None,
+              kv_group: int = 0, skip_blocks: int = 0, parent_hash: bytes = b"",
+              event_token_ids: Iterable[int] = (), wait_event: bytes = b"",
+              timeout: Optional[float] = None, event_hashes: Iterable[Any] = ()) -> Transfer:
         """Copies pool blocks `block_ids` into the store under the keys (block i of the keys
         from block_ids[i]; with token_ids, after skip_blocks already stored). parent_hash,
         event_token_ids and event_hashes (the blocks' names in routers' events when not the
@@ -370,8 +391,10 @@ class BlockStore:
             request.ordering.wait_event = wait_event
         return _transfer(_call(self._stub.StoreBlocks, request, self._t(timeout)))
 
-    def load(self, registration, block_ids, hashes=None, token_ids=None, kv_group=0,
-             skip_blocks=0, pin_id=0, wait_event=b"", timeout=None):
+    def load(self, registration: RegistrationRef, block_ids: Iterable[int],
+             hashes: Optional[Iterable[Any]] = None, token_ids: Optional[Iterable[int]] = None,
+             kv_group: int = 0, skip_blocks: int = 0, pin_id: int = 0, wait_event: bytes = b"",
+             timeout: Optional[float] = None) -> Transfer:
         """Copies stored blocks into pool blocks `block_ids` (distinct); per-block outcomes."""
         request = bs.LoadBlocksRequest(
             engine=self._engine("load"), registration_id=_id(registration),
@@ -381,14 +404,14 @@ class BlockStore:
             request.ordering.wait_event = wait_event
         return _transfer(_call(self._stub.LoadBlocks, request, self._t(timeout)))
 
-    def unpin(self, pin_id, timeout=None):
+    def unpin(self, pin_id: int, timeout: Optional[float] = None) -> None:
         """Releases a pin a lookup took."""
         _call(self._stub.UnpinBlocks, bs.UnpinBlocksRequest(
             engine=self._engine("unpin"), pin_id=pin_id), self._t(timeout))
 
 
-def _id(registration):
-    return getattr(registration, "id", registration)
+def _id(registration: RegistrationRef) -> int:
+    return cast(int, getattr(registration, "id", cast(Any, registration)))
 
 
 # RegisterEngineBuffers' refusal of an offer that came over a handoff connection the daemon has
@@ -396,14 +419,14 @@ def _id(registration):
 _CLOSED_CONNECTION = "which is closed"
 
 
-def _offers_are_dead(error):
+def _offers_are_dead(error: KvError) -> bool:
     """Whether a refused registration's offers can never be named again: one is unknown or used
     up (NOT_FOUND; the daemon uses up a registration's offers together, so after a lost answer
     all of them went with it), they came over a connection the daemon closed, or they are not
     this engine's (PERMISSION_DENIED). Any other refusal leaves every offer waiting."""
-    return (error.code == grpc.StatusCode.NOT_FOUND or
-            error.code == grpc.StatusCode.PERMISSION_DENIED or
-            _CLOSED_CONNECTION in error.message)
+    return bool(error.code == grpc.StatusCode.NOT_FOUND or
+                error.code == grpc.StatusCode.PERMISSION_DENIED or
+                _CLOSED_CONNECTION in error.message)
 
 
 class KeptRegistration:
@@ -427,7 +450,8 @@ class KeptRegistration:
     load then misses, its bytes are never another pool's. Thread-safe: concurrent calls that
     find the registration gone re-register it once."""
 
-    def __init__(self, store: "BlockStore", buffers: Sequence, layout: PoolLayout, timeout=None):
+    def __init__(self, store: BlockStore, buffers: Sequence[Union[HostPool, CudaBuffer]],
+                 layout: PoolLayout, timeout: Optional[float] = None) -> None:
         self._store = store
         self._client = store._client
         self._buffers = list(buffers)  # kept alive: re-registering offers them again
@@ -443,10 +467,10 @@ class KeptRegistration:
         with self._lock:
             return self._registration
 
-    def _register(self):
+    def _register(self) -> Registration:
         return self._store.register(self._buffers, self._layout, self._timeout)
 
-    def _stale_locked(self):
+    def _stale_locked(self) -> Optional[str]:
         """Why the registration cannot be named now (a phrase), or None.
 
         An engine id other than the registering one (another thread's attach_anew replaced
@@ -465,7 +489,7 @@ class KeptRegistration:
                                                                    engine_id)
         return None
 
-    def _renew_locked(self, why):
+    def _renew_locked(self, why: str) -> Registration:
         old = self._registration
         if self._client.lease_lost is not None:
             self._client.attach_anew(self._timeout)
@@ -476,7 +500,7 @@ class KeptRegistration:
                     self._registration.id, self._registration.engine_id)
         return self._registration
 
-    def _forgotten(self, error, registration):
+    def _forgotten(self, error: KvError, registration: Registration) -> bool:
         if error.code == grpc.StatusCode.NOT_FOUND and error.message.startswith(
                 "engine %d is not attached" % registration.engine_id):
             # The daemon does not know the engine (restarted, or reclaimed it) and the lease
@@ -487,7 +511,7 @@ class KeptRegistration:
             error.code == grpc.StatusCode.NOT_FOUND
             and error.message.startswith("no registration %d " % registration.id))
 
-    def call(self, method, *args, **kwargs):
+    def call(self, method: Callable[..., _Result], *args: Any, **kwargs: Any) -> _Result:
         """method(registration, *args, **kwargs): a BlockStore call with the registration now,
         made again once when the daemon lost it."""
         with self._lock:
@@ -507,26 +531,25 @@ class KeptRegistration:
             registration = self._registration
         return method(registration, *args, **kwargs)
 
-    def lookup(self, **kwargs) -> BlockMatch:
+    def lookup(self, **kwargs: Any) -> BlockMatch:
         """BlockStore.lookup with the registration."""
         return self.call(self._store.lookup, **kwargs)
 
-    def store(self, block_ids, **kwargs) -> Transfer:
+    def store(self, block_ids: Iterable[int], **kwargs: Any) -> Transfer:
         """BlockStore.store with the registration."""
         return self.call(self._store.store, block_ids, **kwargs)
 
-    def load(self, block_ids, **kwargs) -> Transfer:
+    def load(self, block_ids: Iterable[int], **kwargs: Any) -> Transfer:
         """BlockStore.load with the registration."""
         return self.call(self._store.load, block_ids, **kwargs)
 
-    def unpin(self, pin_id):
-        """Releases a pin a lookup took."""
-        """BlockStore.unpin: pins are the engine's, not the registration's (a pin of an engine
-        the client replaced is gone with it: NOT_FOUND)."""
+    def unpin(self, pin_id: int) -> None:
+        """Releases a pin a lookup took (BlockStore.unpin): pins are the engine's, not the
+        registration's (a pin of an engine the client replaced is gone with it: NOT_FOUND)."""
         self._store.unpin(pin_id, self._timeout)
 
 
-def page_key(key):
+def page_key(key: Any) -> bytes:
     """An engine's block key as the block store's opaque hash: bytes as they are, a string as
     its UTF-8 bytes (SGLang's 64-hex-digit page keys fit the 64-byte limit), an int (vLLM's
     ExternalBlockHash may be one) as 16 signed big-endian bytes; longer than 64 bytes: its

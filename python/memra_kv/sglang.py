@@ -26,17 +26,19 @@ SGLang or torch; MemraHiCacheStorage, the HiCacheStorage subclass, exists only w
 importable.
 """
 
+from __future__ import annotations
+
 import hashlib
 import logging
 import threading
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, cast
 
 import grpc
 import numpy as np
 
-from .block_store import (BlockStore, HostPool, KeptRegistration, PoolLayout, TensorLayout,
-                          element_type_of, page_key)
+from .block_store import (BlockStore, HostPool, KeptRegistration, PoolLayout, Registration,
+                          TensorLayout, element_type_of, page_key)
 from .errors import KvError
 
 SGLANG_INTERFACE = "sglang 0.5.23 HiCacheStorage (v1 page API, per-page calls, v2 pools)"
@@ -46,7 +48,7 @@ log = logging.getLogger("memra_kv.sglang")
 
 # copy(i, page_bytes): moves page i of a call between the engine's pool and page_bytes, a
 # writable uint8 numpy view of one staging slot.
-PageCopy = Callable[[int, np.ndarray], None]
+PageCopy = Callable[[int, "np.ndarray[Any, np.dtype[np.uint8]]"], None]
 
 
 @dataclass(frozen=True)
@@ -63,7 +65,7 @@ class PageFormat:
     tp_size: int = 1
 
 
-def model_identity(model, page_format):
+def model_identity(model: str, page_format: str) -> str:
     """`model` and the page format as one block-store model identity of at most 256 bytes (a
     model name that would not fit is replaced by its SHA-256, which still binds it)."""
     identity = "%s|%s" % (page_format, model)
@@ -87,8 +89,8 @@ class PageTier:
     refusal or an unreachable daemon is a miss (0 pages, False), logged, never an exception
     into SGLang's threads. A registration the daemon lost is made again (KeptRegistration)."""
 
-    def __init__(self, store: BlockStore, page_format: PageFormat, staging_pages=64,
-                 name="kv"):
+    def __init__(self, store: BlockStore, page_format: PageFormat, staging_pages: int = 64,
+                 name: str = "kv") -> None:
         if staging_pages <= 0:
             raise KvError(grpc.StatusCode.INVALID_ARGUMENT, "%d staging pages; at least 1"
                           % staging_pages)
@@ -117,13 +119,16 @@ class PageTier:
         self._store_lock = threading.Lock()
 
     @property
-    def registration(self):
+    def registration(self) -> Registration:
+        """The staging pool's live registration (made again when the daemon lost it)."""
         return self._kept.registration
 
-    def slot(self, block):
+    def slot(self, block: int) -> np.ndarray[Any, np.dtype[np.uint8]]:
         """Staging block `block` as a writable uint8 view."""
         size = self.format.page_bytes
-        return self._staging.array[block * size:(block + 1) * size]
+        # The staging pool is open while the tier lives (array is None only once closed).
+        array = cast("np.ndarray[Any, np.dtype[np.uint8]]", self._staging.array)
+        return array[block * size:(block + 1) * size]
 
     def leading(self, keys: Sequence[str]) -> int:
         """How many leading pages of `keys` are stored (0 on any refusal)."""
@@ -151,8 +156,8 @@ class PageTier:
         copy_in is not called for it)."""
         return self._chunks(True, keys, copy_in)
 
-    def _chunks(self, loading, keys, copy):
-        results = []
+    def _chunks(self, loading: bool, keys: Sequence[str], copy: PageCopy) -> List[bool]:
+        results: List[bool] = []
         for start in range(0, len(keys), self.staging_pages):
             chunk = keys[start:start + self.staging_pages]
             try:
@@ -163,7 +168,8 @@ class PageTier:
                 results += [False] * len(chunk)
         return results
 
-    def _chunk(self, loading, start, keys, copy):
+    def _chunk(self, loading: bool, start: int, keys: Sequence[str],
+               copy: PageCopy) -> List[bool]:
         base = 0 if loading else self.staging_pages
         blocks = list(range(base, base + len(keys)))
         hashes = [page_key(k) for k in keys]
@@ -181,7 +187,7 @@ class PageTier:
             return [outcome.ok for outcome in transfer.blocks]
 
 
-def pool_page_format(pool, storage_config, name, model):
+def pool_page_format(pool: Any, storage_config: Any, name: str, model: str) -> PageFormat:
     """The PageFormat of SGLang host pool `pool` (a HostKVCache) registered under `name`.
     KvError INVALID_ARGUMENT for a pool without host pages (an allocator-only MLA pool)."""
     if getattr(pool, "kv_buffer", True) is None:
@@ -197,7 +203,7 @@ def pool_page_format(pool, storage_config, name, model):
     except KvError:  # a pool of other elements (int32 state, say): stored as its bytes
         element_type = "int8"
     replicated = bool(storage_config.is_mla_model) and name == "kv"
-    shard = []
+    shard: List[str] = []
     if storage_config.pp_size > 1:
         shard.append("pp%d/%d" % (storage_config.pp_rank, storage_config.pp_size))
     if storage_config.attn_cp_size > 1:
@@ -230,16 +236,17 @@ if HiCacheStorage is not None:
 
     from .client import Client
 
-    def _slot_tensor(slot, dtype):
+    def _slot_tensor(slot: np.ndarray[Any, np.dtype[np.uint8]], dtype: Any) -> Any:
         """A staging slot (uint8 numpy view) as a flat torch tensor of `dtype`, same memory."""
         return torch.from_numpy(slot).view(dtype)
 
-    class MemraHiCacheStorage(HiCacheStorage):
+    # HiCacheStorage is SGLang's, untyped here (Any): the subclass is checked, its base not.
+    class MemraHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         """SGLang's L3 over memra-kvd. Extra config keys (beside SGLang's backend_name,
         module_path, class_name, interface_v1): memra_socket, memra_engine_name,
         memra_cache_scope, memra_staging_pages, memra_timeout_s."""
 
-        def __init__(self, storage_config, kwargs=None):
+        def __init__(self, storage_config: Any, kwargs: Any = None) -> None:
             extra = storage_config.extra_config or {}
             self._config = storage_config
             self._staging_pages = int(extra.get("memra_staging_pages", 64))
@@ -256,21 +263,23 @@ if HiCacheStorage is not None:
             self._client.attach(name, cache_scope=extra.get("memra_cache_scope", ""))
             self._store = BlockStore(self._client)
             self._tiers: Dict[str, PageTier] = {}  # pool name -> its tier
-            self._pools = {}  # pool name -> SGLang host pool
+            self._pools: Dict[str, Any] = {}  # pool name -> SGLang host pool
 
         # ---- host pools ----
 
-        def register_mem_pool_host(self, mem_pool_host):
+        def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+            """SGLang's KV host pool: its pages become the KV tier."""
             super().register_mem_pool_host(mem_pool_host)
             self._register(str(PoolName.KV), mem_pool_host)
 
-        def register_mem_host_pool_v2(self, host_pool, host_pool_name):
+        def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
+            """A named host pool of a hybrid model: its pages become one more tier."""
             super().register_mem_host_pool_v2(host_pool, host_pool_name)
             name = str(host_pool_name)
             if self._pools.get(name) is not host_pool:
                 self._register(name, host_pool)
 
-        def _register(self, name, pool):
+        def _register(self, name: str, pool: Any) -> None:
             page_format = pool_page_format(pool, self._config, name, self._model)
             self._tiers[name] = PageTier(self._store, page_format, self._staging_pages, name)
             self._pools[name] = pool
@@ -278,7 +287,7 @@ if HiCacheStorage is not None:
                      name, type(pool).__name__, getattr(pool, "layout", ""),
                      page_format.page_bytes, page_format.tokens_per_page)
 
-        def _tier(self, name, what):
+        def _tier(self, name: Any, what: str) -> Optional[PageTier]:
             tier = self._tiers.get(str(name))
             if tier is None:
                 log.warning("%s for host pool %s, which was never registered (registered: %s)",
@@ -286,7 +295,8 @@ if HiCacheStorage is not None:
             return tier
 
         @staticmethod
-        def _page_starts(what, keys, host_indices, page_size):
+        def _page_starts(what: str, keys: Sequence[str], host_indices: Any,
+                         page_size: int) -> Optional[List[int]]:
             """The host index where each key's page starts, or None (logged) when host_indices
             does not hold page_size indices a key."""
             count = 0 if host_indices is None else int(host_indices.numel())
@@ -294,50 +304,61 @@ if HiCacheStorage is not None:
                 log.warning("%s: %d host indices for %d pages of %d tokens", what, count,
                             len(keys), page_size)
                 return None
-            return host_indices.reshape(-1)[::page_size].tolist()
+            return cast(List[int], host_indices.reshape(-1)[::page_size].tolist())
 
-        def _pages(self, loading, name, keys, host_indices):
+        def _pages(self, loading: bool, name: Any, keys: Sequence[str],
+                   host_indices: Any) -> List[bool]:
             what = "batch_get" if loading else "batch_set"
             tier = self._tier(name, what)
-            pool = self._pools.get(str(name))
+            pool: Any = self._pools.get(str(name))
             if not keys:
                 return []
             starts = None if tier is None else self._page_starts(
                 "%s of %s" % (what, name), keys, host_indices, pool.page_size)
             if starts is None:
                 return [False] * len(keys)
+            # From here tier and starts are set (starts is None whenever tier is); the casts
+            # say so where mypy cannot see it (in the closures, and tier through starts).
             if loading:
                 dtype = pool.get_dummy_flat_data_page().dtype
 
-                def copy_in(i, slot):
-                    pool.set_from_flat_data_page(starts[i], _slot_tensor(slot, dtype))
-                return tier.load(keys, copy_in)
+                def copy_in(i: int, slot: np.ndarray[Any, np.dtype[np.uint8]]) -> None:
+                    pool.set_from_flat_data_page(cast(List[int], starts)[i],
+                                                 _slot_tensor(slot, dtype))
+                return cast(PageTier, tier).load(keys, copy_in)
 
-            def copy_out(i, slot):
-                page = pool.get_data_page(starts[i], flat=False)
+            def copy_out(i: int, slot: np.ndarray[Any, np.dtype[np.uint8]]) -> None:
+                page = pool.get_data_page(cast(List[int], starts)[i], flat=False)
                 _slot_tensor(slot, page.dtype).view(page.shape).copy_(page)
-            return tier.store(keys, copy_out)
+            return cast(PageTier, tier).store(keys, copy_out)
 
         # ---- the v1 page API (interface_v1) ----
 
-        def batch_get_v1(self, keys, host_indices, extra_info=None):
+        def batch_get_v1(self, keys: List[str], host_indices: Any,
+                         extra_info: Any = None) -> List[bool]:
+            """Loads each stored page into the KV pool at its host indices: True per page."""
             return self._pages(True, PoolName.KV, keys, host_indices)
 
-        def batch_set_v1(self, keys, host_indices, extra_info=None):
+        def batch_set_v1(self, keys: List[str], host_indices: Any,
+                         extra_info: Any = None) -> List[bool]:
+            """Stores each page of the KV pool at its host indices: True per page stored."""
             return self._pages(False, PoolName.KV, keys, host_indices)
 
         # ---- lookups ----
 
-        def batch_exists(self, keys, extra_info=None):
+        def batch_exists(self, keys: List[str], extra_info: Any = None) -> int:
+            """How many leading pages of `keys` are stored."""
             tier = self._tier(PoolName.KV, "batch_exists")
             return 0 if tier is None else tier.leading(keys)
 
-        def exists(self, key):
+        def exists(self, key: str) -> bool:
+            """Whether page `key` is stored."""
             return self.batch_exists([key]) == 1
 
         # ---- the per-page calls (SGLang's controller without interface_v1) ----
 
-        def batch_get(self, keys, target_locations=None, target_sizes=None):
+        def batch_get(self, keys: List[str], target_locations: Any = None,
+                      target_sizes: Any = None) -> List[Any]:
             """Each stored page's bytes into its target (a flat page tensor, as SGLang's
             get_dummy_flat_data_page makes): the target per page that arrived, else None."""
             tier = self._tier(PoolName.KV, "batch_get")
@@ -354,16 +375,18 @@ if HiCacheStorage is not None:
                             tier.format.page_bytes)
                 return [None] * len(keys)
 
-            def copy_in(i, slot):
+            def copy_in(i: int, slot: np.ndarray[Any, np.dtype[np.uint8]]) -> None:
                 targets[i].view(-1).view(torch.uint8).copy_(torch.from_numpy(slot))
             ok = tier.load(keys, copy_in)
             return [target if arrived else None for target, arrived in zip(targets, ok)]
 
-        def get(self, key, target_location=None, target_sizes=None):
+        def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> Any:
+            """One page's bytes into target_location (or a new flat page): it, or None."""
             return self.batch_get([key], None if target_location is None
                                   else [target_location])[0]
 
-        def batch_set(self, keys, values=None, target_locations=None, target_sizes=None):
+        def batch_set(self, keys: List[str], values: Any = None, target_locations: Any = None,
+                      target_sizes: Any = None) -> bool:
             """Stores each page's bytes (flat page tensors, as get_data_page gives them): True
             when every page is stored."""
             tier = self._tier(PoolName.KV, "batch_set")
@@ -375,17 +398,20 @@ if HiCacheStorage is not None:
                             tier.format.page_bytes)
                 return False
 
-            def copy_out(i, slot):
+            def copy_out(i: int, slot: np.ndarray[Any, np.dtype[np.uint8]]) -> None:
                 value = values[i].reshape(-1)
                 _slot_tensor(slot, value.dtype).copy_(value)
             return all(tier.store(keys, copy_out))
 
-        def set(self, key, value=None, target_location=None, target_sizes=None):
+        def set(self, key: str, value: Any = None, target_location: Any = None,
+                target_sizes: Any = None) -> bool:
+            """Stores one page's bytes: True when stored."""
             return self.batch_set([key], [value])
 
         # ---- the v2 calls (hybrid models: one tier per host pool) ----
 
-        def batch_exists_v2(self, keys, pool_transfers=None, extra_info=None):
+        def batch_exists_v2(self, keys: List[str], pool_transfers: Any = None,
+                            extra_info: Any = None) -> Any:
             """The longest KV prefix whose every extra pool also holds what its hit policy asks
             (SGLang's HiCacheFile semantics): ALL_PAGES every page up to it, TRAILING_PAGES the
             last len(transfer.keys) pages before it. BLOCK_GROUPS is not served: such a pool
@@ -420,16 +446,18 @@ if HiCacheStorage is not None:
             ordered = sorted(restorable)
             return PoolTransferResult(ordered[-1] if ordered else 0, hits, ordered)
 
-        def batch_get_v2(self, transfers, extra_info=None):
+        def batch_get_v2(self, transfers: Any, extra_info: Any = None) -> Dict[Any, List[bool]]:
+            """Loads each transfer's pages into its named host pool: True per page, by pool."""
             return {t.name: self._pages(True, t.name, t.keys or [], t.host_indices)
                     for t in transfers}
 
-        def batch_set_v2(self, transfers, extra_info=None):
+        def batch_set_v2(self, transfers: Any, extra_info: Any = None) -> Dict[Any, List[bool]]:
+            """Stores each transfer's pages of its named host pool: True per page, by pool."""
             return {t.name: self._pages(False, t.name, t.keys or [], t.host_indices)
                     for t in transfers}
 
         # ---- lifetime ----
 
-        def close(self):
+        def close(self) -> None:
             """SGLang's detach: ends the lease (the daemon drops the registrations with it)."""
             self._client.close()

@@ -49,6 +49,8 @@ How it uses the block store:
     the GPU's CPU-memory tier.
 """
 
+from __future__ import annotations
+
 import concurrent.futures
 import dataclasses
 import hashlib
@@ -58,13 +60,15 @@ import re
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import (Any, Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple,
+                    Union, cast)
 
 import grpc
 import numpy as np
 
-from .block_store import (ELEMENT_BYTES, BlockStore, CudaRegion, HostPool, KeptRegistration,
-                          PoolLayout, TensorLayout, cuda_region_of, element_type_of, page_key)
+from .block_store import (ELEMENT_BYTES, BlockMatch, BlockStore, CudaRegion, HostPool,
+                          KeptRegistration, PoolLayout, Registration, TensorLayout,
+                          cuda_region_of, element_type_of, page_key)
 from .errors import KvError
 
 VLLM_VERSION = "0.33.0"  # the KVConnectorBase_V1 this module is written and tested against
@@ -76,6 +80,7 @@ log = logging.getLogger("memra_kv.vllm")
 
 @dataclass
 class LoadSpec:
+    """One request's blocks to load this step."""
     request_id: str
     hashes: List[bytes]  # the stored blocks to load, in order
     block_ids: List[int]  # the pool blocks vLLM allocated for them
@@ -84,6 +89,7 @@ class LoadSpec:
 
 @dataclass
 class SaveSpec:
+    """One request's newly computed full blocks to store this step."""
     request_id: str
     hashes: List[bytes]
     block_ids: List[int]
@@ -96,6 +102,7 @@ class SaveSpec:
 
 @dataclass
 class MemraConnectorMetadata:
+    """One step's loads and saves, from the scheduler to the workers."""
     loads: List[LoadSpec] = field(default_factory=list)
     saves: List[SaveSpec] = field(default_factory=list)
 
@@ -121,7 +128,7 @@ class KvCacheTensor:
     dtype: str
 
     @classmethod
-    def of(cls, name, tensor):
+    def of(cls, name: str, tensor: Any) -> KvCacheTensor:
         """From a numpy array or a torch tensor."""
         if isinstance(tensor, np.ndarray):
             return cls(name, tensor.ctypes.data, tuple(tensor.shape), tuple(tensor.strides),
@@ -131,11 +138,11 @@ class KvCacheTensor:
                    tuple(s * itemsize for s in tensor.stride()), itemsize, str(tensor.dtype))
 
     @property
-    def fused(self):
+    def fused(self) -> bool:
         """vLLM >= 0.33's per-layer (blocks, heads, tokens, content) page view."""
         return len(self.shape) == 4
 
-    def page_order(self):
+    def page_order(self) -> str:
         """A fused cache's page order: "NHD" or "HND". KvError INVALID_ARGUMENT naming the layer
         and the strides when a block's page is not one dense run with the content innermost
         (the layouts BHLNC and LHBNC scatter a page per head)."""
@@ -156,15 +163,16 @@ class KvCacheTensor:
 _LAYER_NUMBER = re.compile(r"(\d+)(?!.*\d)")
 
 
-def layer_index(name, position):
+def layer_index(name: str, position: int) -> int:
     """The layer number in a vLLM layer name ("model.layers.7.self_attn.attn" -> 7), else its
     position among the caches."""
     match = _LAYER_NUMBER.search(name)
     return int(match.group(1)) if match else position
 
 
-def pool_layout(caches: Sequence[KvCacheTensor], pools: Sequence, model,
-                tp_rank=0, tp_size=1, staging_blocks=0):
+def pool_layout(caches: Sequence[KvCacheTensor], pools: Sequence[Union[HostPool, CudaRegion]],
+                model: str, tp_rank: int = 0, tp_size: int = 1,
+                staging_blocks: int = 0) -> PoolLayout:
     """The block store layout of vLLM's per-layer caches lying in `pools` (HostPools, or
     CudaRegions: each buffer i is pools[i]); with staging_blocks instead, of a staging pool of
     that many blocks holding the caches' planes (a layer's KV page, or its K and V blocks) one
@@ -175,7 +183,7 @@ def pool_layout(caches: Sequence[KvCacheTensor], pools: Sequence, model,
         raise KvError(grpc.StatusCode.INVALID_ARGUMENT, "no KV caches to register")
     first = caches[0]
     order = first.page_order() if first.fused else "NHD"
-    tensors = []
+    tensors: List[TensorLayout] = []
     for position, cache in enumerate(caches):
         if cache.shape != first.shape or cache.dtype != first.dtype:
             raise KvError(grpc.StatusCode.INVALID_ARGUMENT, "KV cache %s is %s %s and %s is %s "
@@ -201,7 +209,7 @@ def pool_layout(caches: Sequence[KvCacheTensor], pools: Sequence, model,
                       tp_rank=tp_rank, tp_size=tp_size)
 
 
-def _planes(cache, order):
+def _planes(cache: KvCacheTensor, order: str) -> List[Tuple[str, int, int, int]]:
     """(kind, byte offset of block 0, block stride, block bytes) of each stored plane of one
     layer's cache."""
     if cache.fused:
@@ -227,14 +235,16 @@ def _planes(cache, order):
             for kind, plane in (("K", 0), ("V", 1))]
 
 
-def _bounds(pool):
+def _bounds(pool: Union[HostPool, CudaRegion]) -> Tuple[int, int]:
     """(address, bytes) of a HostPool or a CudaRegion."""
     if isinstance(pool, CudaRegion):
         return pool.address, pool.buffer.nbytes
-    return pool.array.ctypes.data, pool.nbytes
+    # An open pool (array is None only once closed).
+    return cast("np.ndarray[Any, np.dtype[np.uint8]]", pool.array).ctypes.data, pool.nbytes
 
 
-def _locate(cache, pools):
+def _locate(cache: KvCacheTensor,
+            pools: Sequence[Union[HostPool, CudaRegion]]) -> Tuple[int, int]:
     for index, pool in enumerate(pools):
         base, nbytes = _bounds(pool)
         if base <= cache.address < base + nbytes:
@@ -245,10 +255,10 @@ def _locate(cache, pools):
                   % (cache.name, cache.address))
 
 
-def cuda_regions(tensors):
+def cuda_regions(tensors: Iterable[Any]) -> List[CudaRegion]:
     """One CudaRegion per distinct storage of `tensors` (CUDA torch tensors), in first-seen
     order: layers that share an allocation's storage share one buffer."""
-    regions = {}
+    regions: Dict[int, CudaRegion] = {}
     for tensor in tensors:
         region = cuda_region_of(tensor)
         regions.setdefault(region.address, region)
@@ -261,19 +271,20 @@ class _CudaOrdering:
     pool) and the reply's completion event, opened once, that the current stream waits on
     before anything uses the blocks. torch is imported here only (a CUDA pool means torch)."""
 
-    def __init__(self, device):
+    def __init__(self, device: Any) -> None:
         import torch
         self._torch = torch
         self._device = device
         self._before = torch.cuda.Event(interprocess=True)
         self._lock = threading.Lock()  # the worker's and the loader thread's calls
-        self._completions = {}  # guarded by _lock
+        self._completions: Dict[bytes, Any] = {}  # guarded by _lock
 
-    def before(self):
+    def before(self) -> bytes:
+        """Records the event the daemon waits on; its IPC handle for the request."""
         self._before.record(self._torch.cuda.current_stream(self._device))
         return bytes(self._before.ipc_handle())
 
-    def _opened(self, completion_event):
+    def _opened(self, completion_event: bytes) -> Any:
         with self._lock:
             event = self._completions.get(completion_event)
             if event is None:
@@ -281,22 +292,23 @@ class _CudaOrdering:
                 self._completions[completion_event] = event
             return event
 
-    def after(self, completion_event):
+    def after(self, completion_event: bytes) -> None:
+        """Makes the current stream wait on the daemon's completion event, if any."""
         if completion_event:
             self._torch.cuda.current_stream(self._device).wait_event(
                 self._opened(completion_event))
 
-    def settle(self, completion_event):
+    def settle(self, completion_event: bytes) -> None:
         """Blocks the calling (loader) thread until the daemon's copies are done: an
         asynchronous load is reported only then, so any stream may use the blocks."""
         if completion_event:
             self._opened(completion_event).synchronize()
 
 
-def lookup_layout(layout):
+def lookup_layout(layout: PoolLayout) -> Tuple[PoolLayout, int]:
     """`layout` with one block, its tensors packed back to back: the scheduler's lookup-only
     registration (the same layout fingerprint as the workers')."""
-    tensors = []
+    tensors: List[TensorLayout] = []
     offset = 0
     for tensor in layout.tensors:
         tensors.append(TensorLayout(tensor.layer, tensor.kind, offset, tensor.block_bytes,
@@ -305,8 +317,9 @@ def lookup_layout(layout):
     return dataclasses.replace(layout, num_blocks=1, tensors=tensors), offset
 
 
-def scheduler_layout(num_layers, block_size, num_kv_heads, head_dim, element_type, model,
-                     tp_size=1):
+def scheduler_layout(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
+                     element_type: str, model: str,
+                     tp_size: int = 1) -> Tuple[PoolLayout, int]:
     """The lookup layout the scheduler derives from the model's config alone: one block of
     layers 0..num_layers-1, K and V each, as rank 0's workers register them (pool_layout)."""
     block_bytes = block_size * num_kv_heads * head_dim * ELEMENT_BYTES[element_type]
@@ -326,7 +339,7 @@ _CACHE_DTYPE_ALLOCATED = {"half": "float16", "float16": "float16", "bfloat16": "
                           "int8": "int8", "fp8_inc": "float8_e4m3fn"}
 
 
-def cache_element_type(cache_dtype, model_dtype):
+def cache_element_type(cache_dtype: Any, model_dtype: Any) -> str:
     """The element type vLLM's workers register for cache_config.cache_dtype ("auto": the
     model's dtype), as the scheduler must name it for its lookups to match. KvError
     INVALID_ARGUMENT for a cache dtype vLLM does not allocate."""
@@ -346,12 +359,13 @@ class LazyScheduler:
     failure is a warning (quiet: a debug line, where the caller warns itself), later ones are
     debug lines (the connector paces the tries)."""
 
-    def __init__(self, make, quiet=False):
+    def __init__(self, make: Callable[[], MemraScheduler], quiet: bool = False) -> None:
         self._make = make
-        self._scheduler = None
+        self._scheduler: Optional[MemraScheduler] = None
         self._warned = quiet
 
-    def get(self) -> Optional["MemraScheduler"]:
+    def get(self) -> Optional[MemraScheduler]:
+        """The scheduler, made now if it is not yet (None while it cannot be)."""
         if self._scheduler is None:
             try:
                 self._scheduler = self._make()
@@ -393,8 +407,8 @@ class MemraScheduler:
     request (WAITING_FOR_REMOTE_KVS) and schedules it once the worker reports the load done,
     so the load runs beside other requests' forward passes instead of before them."""
 
-    def __init__(self, registration: KeptRegistration, block_size, pin_ttl_ms=0,
-                 async_load_min_tokens=0):
+    def __init__(self, registration: KeptRegistration, block_size: int, pin_ttl_ms: int = 0,
+                 async_load_min_tokens: int = 0) -> None:
         self._registration = registration
         self.block_size = block_size
         self.pin_ttl_ms = pin_ttl_ms
@@ -402,8 +416,9 @@ class MemraScheduler:
         self._requests: Dict[str, _Tracked] = {}
         self._loads: List[LoadSpec] = []
 
-    def get_num_new_matched_tokens(self, request_id, block_hashes, token_ids,
-                                   num_computed_tokens, event_hashes=()) -> Tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request_id: str, block_hashes: Iterable[Any],
+                                   token_ids: Sequence[int], num_computed_tokens: int,
+                                   event_hashes: Iterable[Any] = ()) -> Tuple[int, bool]:
         """(Tokens beyond num_computed_tokens the store holds, in whole blocks, never the
         request's last token (vLLM computes at least one); whether their load is asynchronous).
         `event_hashes`: vLLM's own hashes of the whole blocks, for routers' events."""
@@ -427,7 +442,7 @@ class MemraScheduler:
         tracked.load_async = 0 < self.async_load_min_tokens <= tokens
         return tokens, tracked.load_async
 
-    def _lookup(self, hashes):
+    def _lookup(self, hashes: List[bytes]) -> BlockMatch:
         if self.pin_ttl_ms > 0:
             try:
                 return self._registration.lookup(hashes=hashes, pin_ttl_ms=self.pin_ttl_ms)
@@ -437,7 +452,7 @@ class MemraScheduler:
                 log.debug("a pinned lookup refused (%s): looked up unpinned", error)
         return self._registration.lookup(hashes=hashes)
 
-    def _unpin(self, tracked):
+    def _unpin(self, tracked: _Tracked) -> None:
         """Releases the request's lookup pin, if any (a failure: the TTL releases it)."""
         pin_id, tracked.pin_id = tracked.pin_id, 0
         if pin_id:
@@ -446,7 +461,8 @@ class MemraScheduler:
             except KvError as error:
                 log.debug("unpin %d: %s", pin_id, error)
 
-    def update_state_after_alloc(self, request_id, block_ids, num_external_tokens):
+    def update_state_after_alloc(self, request_id: str, block_ids: Iterable[int],
+                                 num_external_tokens: int) -> None:
         """`block_ids`: the request's blocks (KV group 0) after this allocation."""
         tracked = self._requests.get(request_id)
         if tracked is None:
@@ -462,8 +478,10 @@ class MemraScheduler:
                                     tracked.load_async))
         tracked.done_blocks = first + count
 
-    def update_request(self, request_id, block_hashes, token_ids, block_ids,
-                       event_hashes=(), computed_tokens=None):
+    def update_request(self, request_id: str, block_hashes: Iterable[Any],
+                       token_ids: Iterable[int], block_ids: Iterable[int],
+                       event_hashes: Iterable[Any] = (),
+                       computed_tokens: Optional[int] = None) -> None:
         """What a running request has now (its hashes grow with its computed tokens).
         `computed_tokens`, for a request scheduled anew: what vLLM holds computed, less than
         the loaded blocks after a failed load (those are saved again once recomputed)."""
@@ -477,7 +495,8 @@ class MemraScheduler:
         if computed_tokens is not None:
             tracked.done_blocks = min(tracked.done_blocks, computed_tokens // self.block_size)
 
-    def block_ids(self, request_id):
+    def block_ids(self, request_id: str) -> List[int]:
+        """The request's blocks (KV group 0) as last told; [] for an unknown request."""
         tracked = self._requests.get(request_id)
         return list(tracked.block_ids) if tracked else []
 
@@ -505,7 +524,7 @@ class MemraScheduler:
             tracked.done_blocks = full
         return meta
 
-    def request_finished(self, request_id) -> Tuple[bool, Optional[dict]]:
+    def request_finished(self, request_id: str) -> Tuple[bool, Optional[Dict[str, Any]]]:
         """Saves are synchronous (wait_for_save): vLLM may free the blocks now (a request
         finished while its asynchronous load runs: vLLM itself keeps the blocks until the worker
         reports the load). Its lookup pin is released."""
@@ -517,6 +536,10 @@ class MemraScheduler:
 
 # ---- worker side ----
 
+# A staging plane: (cache tensor, 0 K | 1 V) or (fused cache tensor, its page order "NHD" |
+# "HND"); the tensor a numpy array or a torch tensor.
+Plane = Tuple[Any, Union[int, str]]
+
 class _Staging:
     """A registered HostPool of `slots` blocks through which caches the daemon cannot map (a
     GPU's, an engine's own host memory) are stored and loaded: plane i (layer, K or V in layout
@@ -524,20 +547,21 @@ class _Staging:
     the caches' own library (torch copy_, which moves device <-> host; numpy copyto). `planes`
     may be a subset (a layer's planes, for the layer hooks): None is every plane."""
 
-    def __init__(self, pool, planes, block_bytes, slots):
+    def __init__(self, pool: HostPool, planes: List[Plane], block_bytes: int,
+                 slots: int) -> None:
         self.pool = pool
         # (cache tensor, 0 K | 1 V) or (fused cache tensor, its page order), layout order
         self.planes = planes
         self.block_bytes = block_bytes
         self.slots = slots
-        self._bytes = pool.array
+        self._bytes: Any = pool.array  # a numpy byte vector, or torch's view of it
         self._cuda = False
         if planes and not isinstance(planes[0][0], np.ndarray):
             import torch
             self._bytes = torch.from_numpy(pool.array)
             self._cuda = bool(getattr(planes[0][0], "is_cuda", False))
 
-    def _paged(self, plane, count):
+    def _paged(self, plane: int, count: int) -> Tuple[Any, Any]:
         """(the plane's cache as (num_blocks, page...) with each block's page in memory order,
         slots 0..count-1 of the plane as (count, page...) of the cache's dtype)."""
         tensor, kind = self.planes[plane]
@@ -553,7 +577,7 @@ class _Staging:
         staged = raw.view(tensor.dtype).reshape((count,) + tuple(base.shape[1:]))
         return base, staged
 
-    def gather(self, block_ids, planes=None):
+    def gather(self, block_ids: Sequence[int], planes: Optional[Iterable[int]] = None) -> None:
         """Cache blocks block_ids into slots 0.. (before a store): one indexed copy a plane."""
         if not block_ids:
             return
@@ -569,7 +593,8 @@ class _Staging:
                 else:  # gathered on the device, then one copy to host
                     staged.copy_(base.index_select(0, index))
 
-    def scatter(self, block_ids, arrived, planes=None):
+    def scatter(self, block_ids: Sequence[int], arrived: Sequence[bool],
+                planes: Optional[Iterable[int]] = None) -> None:
         """Slots 0.. into cache blocks block_ids, where `arrived` (after a load): one indexed
         copy a plane."""
         slots = [slot for slot, ok in enumerate(arrived) if ok]
@@ -587,7 +612,7 @@ class _Staging:
                 base.index_copy_(0, torch.as_tensor(targets, device=base.device),
                                  staged.to(base.device))
 
-    def settle(self):
+    def settle(self) -> None:
         """Waits for this thread's copies into a CUDA cache (its current stream): called before
         an asynchronous load says it is done, so the blocks are there for any stream."""
         if self._cuda:
@@ -601,7 +626,7 @@ class _HeldLoad:
     forward reaches each layer (wait_for_layer_load)."""
     block_ids: List[int]
     arrived: List[bool]
-    planes_left: set
+    planes_left: Set[int]
 
 
 @dataclass
@@ -610,7 +635,7 @@ class _GatheredSaves:
     step's SaveSpecs), gathered into the staging slots 0.. layer by layer as vLLM's forward
     finishes each layer (save_kv_layer)."""
     block_ids: List[int]
-    planes_done: set
+    planes_done: Set[int]
 
 
 class MemraWorker:
@@ -629,16 +654,18 @@ class MemraWorker:
     Thread-safety: every method is called by vLLM's worker thread; the loader thread only runs
     _load_async and hands its outcomes over through _finished (guarded by _lock)."""
 
-    def __init__(self, store: BlockStore, staging_blocks=64, layerwise=True):
+    def __init__(self, store: BlockStore, staging_blocks: int = 64,
+                 layerwise: bool = True) -> None:
         self._store = store
         self._staging_blocks = staging_blocks
         self._layerwise = layerwise
-        self._staging = None
-        self._cuda = None  # _CudaOrdering when the pool is registered by CUDA IPC handle
-        self._kept = None  # KeptRegistration once register_kv_caches ran
-        self._layout = None
+        self._staging: Optional[_Staging] = None
+        # _CudaOrdering when the pool is registered by CUDA IPC handle
+        self._cuda: Optional[_CudaOrdering] = None
+        self._kept: Optional[KeptRegistration] = None  # once register_kv_caches ran
+        self._layout: Optional[PoolLayout] = None
         self._planes_of_layer: Dict[str, List[int]] = {}  # layer name -> staging planes
-        self._load_errors = set()
+        self._load_errors: Set[int] = set()
         self.saved_blocks = 0
         # Staging planes (a layer's K, V or fused page of a chunk) copied by the layer hooks.
         self.planes_loaded_by_layer_hooks = 0
@@ -648,24 +675,28 @@ class MemraWorker:
         self._held: Optional[_HeldLoad] = None
         self._gathered: Optional[_GatheredSaves] = None
         # Asynchronous loads.
-        self._loader = None  # ThreadPoolExecutor of one thread, on the first async load
-        self._async_kept = None  # the loader's staging registration
-        self._async_staging = None
+        # A ThreadPoolExecutor of one thread, on the first async load.
+        self._loader: Optional[concurrent.futures.ThreadPoolExecutor] = None
+        # The loader's staging registration.
+        self._async_kept: Optional[KeptRegistration] = None
+        self._async_staging: Optional[_Staging] = None
         self._lock = threading.Lock()
-        self._finished: Dict[str, set] = {}  # request id -> failed block ids; guarded by _lock
+        self._finished: Dict[str, Set[int]] = {}  # request id -> failed block ids; guarded by _lock
         self._loaded_blocks = 0  # guarded by _lock
 
     @property
-    def loaded_blocks(self):
+    def loaded_blocks(self) -> int:
+        """Blocks loaded into the caches so far (sync and asynchronous loads)."""
         with self._lock:
             return self._loaded_blocks
 
-    def _count_loaded(self, count):
+    def _count_loaded(self, count: int) -> None:
         with self._lock:
             self._loaded_blocks += count
 
-    def register_kv_caches(self, kv_caches, pools: Sequence[HostPool], model, tp_rank=0,
-                           tp_size=1):
+    def register_kv_caches(self, kv_caches: Dict[str, Any], pools: Sequence[HostPool],
+                           model: str, tp_rank: int = 0,
+                           tp_size: int = 1) -> Optional[Registration]:
         """`kv_caches`: layer name -> (2, num_blocks, block_size, heads, head_dim) numpy array
         or torch tensor, as vLLM passes them; `pools`: the HostPools they lie in, or none: CUDA
         tensors with a daemon on the cuda backend register by IPC handle, others are staged."""
@@ -683,8 +714,9 @@ class MemraWorker:
             self._cuda = _CudaOrdering(tensors[0].device)
             return self.registration
         layout = pool_layout(caches, (), model, tp_rank, tp_size, self._staging_blocks)
-        kinds = (layout.order,) if caches[0].fused else (0, 1)
-        planes = []
+        kinds = cast(Tuple[Union[int, str], ...],
+                     (layout.order,) if caches[0].fused else (0, 1))
+        planes: List[Plane] = []
         for name, tensor in kv_caches.items():
             self._planes_of_layer[name] = list(range(len(planes), len(planes) + len(kinds)))
             planes += [(tensor, kind) for kind in kinds]
@@ -692,35 +724,39 @@ class MemraWorker:
         self._staging, self._kept = self._staging_pool("memra-kv-staging")
         return self.registration
 
-    def _staging_pool(self, name):
+    def _staging_pool(self, name: str) -> Tuple[_Staging, KeptRegistration]:
         """A new registered staging pool of the caches' layout: (_Staging, KeptRegistration)."""
-        layout = self._layout
+        layout = cast(PoolLayout, self._layout)  # set before any staging pool is made
         pool = HostPool(len(layout.tensors) * self._staging_blocks * layout.block_bytes, name)
         staging = _Staging(pool, self._planes, layout.block_bytes, self._staging_blocks)
         return staging, KeptRegistration(self._store, [pool], layout)
 
     @property
-    def registration(self):
+    def registration(self) -> Optional[Registration]:
         """The pool's Registration now (None before register_kv_caches)."""
         return self._kept.registration if self._kept is not None else None
 
-    def _require_registered(self, what):
+    def _require_registered(self, what: str) -> None:
         if self._kept is None:
             raise KvError(grpc.StatusCode.FAILED_PRECONDITION, "a %s before register_kv_caches: "
                           "no KV cache is registered" % what)
 
     # -- loads --
 
-    def _load_direct(self, kept, block_ids, hashes, wait_event):
+    def _load_direct(self, kept: KeptRegistration, block_ids: List[int], hashes: List[bytes],
+                     wait_event: bytes) -> Tuple[List[bool], bytes]:
         """A load straight into caches the daemon maps: one outcome (True: arrived) per block."""
         transfer = kept.load(block_ids, hashes=hashes, wait_event=wait_event)
         return [block.ok for block in transfer.blocks], transfer.completion_event
 
-    def _load_staged(self, kept, staging, block_ids, hashes, hold_last=False):
+    def _load_staged(self, kept: KeptRegistration, staging: _Staging, block_ids: List[int],
+                     hashes: List[bytes],
+                     hold_last: bool = False) -> Tuple[List[bool], Optional[_HeldLoad]]:
         """A load through `staging` in chunks of its slots: one outcome per block. With
         hold_last, the last chunk stays staged (returned as a _HeldLoad) for the layer hooks."""
         slots = staging.slots
-        arrived, held = [], None
+        arrived: List[bool] = []
+        held: Optional[_HeldLoad] = None
         for start in range(0, len(block_ids), slots):
             ids, chunk = block_ids[start:start + slots], hashes[start:start + slots]
             transfer = kept.load(list(range(len(ids))), hashes=chunk)
@@ -732,7 +768,7 @@ class MemraWorker:
             arrived += ok
         return arrived, held
 
-    def bind(self, meta: MemraConnectorMetadata):
+    def bind(self, meta: MemraConnectorMetadata) -> None:
         """The step's metadata, before its forward (vLLM's bind_connector_metadata): the layer
         hooks work on it."""
         if self._staging is not None:  # a held chunk the last step's hooks left: never lost
@@ -740,7 +776,7 @@ class MemraWorker:
         self._meta = meta
         self._held = self._gathered = None
 
-    def start_load_kv(self, meta: MemraConnectorMetadata):
+    def start_load_kv(self, meta: MemraConnectorMetadata) -> None:
         """The step's synchronous loads, done when this returns (on the staging path with the
         layer hooks: but for the last chunk's copies into the cache, made per layer); its
         asynchronous ones handed to the loader thread. Failed blocks (no longer stored,
@@ -757,14 +793,17 @@ class MemraWorker:
                 self._require_registered("load")
                 if self._staging is None:
                     wait_event = self._cuda.before() if self._cuda else b""
-                    arrived, completion = self._load_direct(self._kept, load.block_ids,
-                                                            load.hashes, wait_event)
+                    # Registered (checked above): _kept is set from here on.
+                    arrived, completion = self._load_direct(
+                        cast(KeptRegistration, self._kept), load.block_ids, load.hashes,
+                        wait_event)
                     if self._cuda:
                         self._cuda.after(completion)
                 else:
                     last = self._layerwise and index == len(sync_loads) - 1
-                    arrived, self._held = self._load_staged(self._kept, self._staging,
-                                                            load.block_ids, load.hashes, last)
+                    arrived, self._held = self._load_staged(
+                        cast(KeptRegistration, self._kept), self._staging, load.block_ids,
+                        load.hashes, last)
             except KvError as error:
                 log.warning("load of request %s: %s", load.request_id, error)
                 self._load_errors.update(load.block_ids)
@@ -772,18 +811,19 @@ class MemraWorker:
             self._load_errors.update(b for b, ok in zip(load.block_ids, arrived) if not ok)
             self._count_loaded(sum(arrived))
 
-    def wait_for_layer_load(self, layer_name):
+    def wait_for_layer_load(self, layer_name: str) -> None:
         """The held chunk's pages of this layer into the cache (staging path); otherwise the
         loads were complete when start_load_kv returned."""
         self._scatter_held(self._planes_of_layer.get(layer_name, ()), in_hook=True)
 
-    def _scatter_held(self, planes, in_hook=False):
+    def _scatter_held(self, planes: Iterable[int], in_hook: bool = False) -> None:
         held = self._held
         if held is None:
             return
         planes = held.planes_left.intersection(planes)
         if planes:
-            self._staging.scatter(held.block_ids, held.arrived, planes)
+            # A held chunk is a staged load's: the staging pool exists.
+            cast(_Staging, self._staging).scatter(held.block_ids, held.arrived, planes)
             held.planes_left -= planes
             if in_hook:
                 self.planes_loaded_by_layer_hooks += len(planes)
@@ -792,7 +832,7 @@ class MemraWorker:
 
     # -- asynchronous loads --
 
-    def _submit_async(self, load):
+    def _submit_async(self, load: LoadSpec) -> None:
         """Hands one load to the loader thread; on the staging path through the loader's own
         staging pool, registered here on the first one. A refusal to start it is that load's
         failure, reported as any other (get_finished)."""
@@ -811,17 +851,19 @@ class MemraWorker:
                 max_workers=1, thread_name_prefix="memra-kv-loader")
         self._loader.submit(self._load_async, load, wait_event)
 
-    def _load_async(self, load, wait_event):
+    def _load_async(self, load: LoadSpec, wait_event: bytes) -> None:
         """On the loader thread: the whole load, the blocks in the cache before it is reported.
         Whatever goes wrong fails its blocks, never the report: vLLM waits for it."""
         try:
             if self._async_staging is None:
-                arrived, completion = self._load_direct(self._kept, load.block_ids, load.hashes,
-                                                        wait_event)
+                # _submit_async checked the registration (and made the loader's staging).
+                arrived, completion = self._load_direct(
+                    cast(KeptRegistration, self._kept), load.block_ids, load.hashes, wait_event)
                 if self._cuda and completion:
                     self._cuda.settle(completion)
             else:
-                arrived, _ = self._load_staged(self._async_kept, self._async_staging,
+                arrived, _ = self._load_staged(cast(KeptRegistration, self._async_kept),
+                                               self._async_staging,
                                                load.block_ids, load.hashes)
                 self._async_staging.settle()
         except Exception as error:  # noqa: BLE001  (reported as the load's failure)
@@ -830,12 +872,12 @@ class MemraWorker:
         self._finish_async(load.request_id,
                            {b for b, ok in zip(load.block_ids, arrived) if not ok}, sum(arrived))
 
-    def _finish_async(self, request_id, failed, loaded):
+    def _finish_async(self, request_id: str, failed: Set[int], loaded: int) -> None:
         with self._lock:
             self._finished.setdefault(request_id, set()).update(failed)
             self._loaded_blocks += loaded
 
-    def get_finished(self, finished_request_ids):
+    def get_finished(self, finished_request_ids: Any) -> Tuple[None, Optional[Set[str]]]:
         """(None, the requests whose asynchronous loads ended since the last call, or None).
         Their failed blocks join get_block_ids_with_load_errors' answer of the same step, as
         vLLM requires (no later than the step that reports the request)."""
@@ -845,14 +887,14 @@ class MemraWorker:
             self._load_errors |= failed
         return None, (set(finished) or None)
 
-    def get_block_ids_with_load_errors(self):
+    def get_block_ids_with_load_errors(self) -> Set[int]:
         """Block ids whose load failed since the last call (vLLM recomputes them)."""
         errors, self._load_errors = self._load_errors, set()
         return errors
 
     # -- saves --
 
-    def save_kv_layer(self, layer_name):
+    def save_kv_layer(self, layer_name: str) -> None:
         """Staging path with the layer hooks: this layer's pages of the step's first saved
         blocks (up to the staging pool's slots) copied into the staging pool now, while the
         forward goes on; the store call itself is whole blocks, in wait_for_save."""
@@ -871,7 +913,7 @@ class MemraWorker:
             self.planes_saved_by_layer_hooks += len(todo)
         self._gathered.planes_done |= todo
 
-    def _store_args(self, save, start, end):
+    def _store_args(self, save: SaveSpec, start: int, end: int) -> Dict[str, Any]:
         """The router fields of blocks [start, end) of a SaveSpec: the parent (of vLLM's own
         hashes when the spec carries them), the tokens, vLLM's hashes."""
         routed = save.event_hashes or save.hashes
@@ -881,7 +923,7 @@ class MemraWorker:
                                                    end * tokens_per_block],
                     event_hashes=save.event_hashes[start:end])
 
-    def wait_for_save(self, meta: MemraConnectorMetadata):
+    def wait_for_save(self, meta: MemraConnectorMetadata) -> None:
         """Stores the step's newly computed full blocks (what the layer hooks did not copy out
         yet first). A refusal (no room, the daemon gone) costs a later cache miss, nothing
         else."""
@@ -900,9 +942,9 @@ class MemraWorker:
                 self._require_registered("save")
                 if self._staging is None:
                     wait_event = self._cuda.before() if self._cuda else b""
-                    transfer = self._kept.store(save.block_ids, hashes=save.hashes,
-                                                wait_event=wait_event,
-                                                **self._store_args(save, 0, len(save.hashes)))
+                    transfer = cast(KeptRegistration, self._kept).store(
+                        save.block_ids, hashes=save.hashes, wait_event=wait_event,
+                        **self._store_args(save, 0, len(save.hashes)))
                     if self._cuda:
                         self._cuda.after(transfer.completion_event)
                     self.saved_blocks += sum(block.ok for block in transfer.blocks)
@@ -922,12 +964,13 @@ class MemraWorker:
                 log.warning("save of request %s: %s", save.request_id, error)
         self._gathered = None
 
-    def _store_staged(self, save, start, end, slots):
-        transfer = self._kept.store(slots, hashes=save.hashes[start:end],
+    def _store_staged(self, save: SaveSpec, start: int, end: int, slots: List[int]) -> None:
+        # Called after _require_registered: _kept is set.
+        transfer = cast(KeptRegistration, self._kept).store(slots, hashes=save.hashes[start:end],
                                     **self._store_args(save, start, end))
         self.saved_blocks += sum(block.ok for block in transfer.blocks)
 
-    def shutdown(self):
+    def shutdown(self) -> None:
         """Waits for the loader thread's loads (vLLM is shutting down: nobody asks for them)."""
         if self._loader is not None:
             self._loader.shutdown(wait=True)
@@ -947,7 +990,7 @@ class ContentKeys:
     seeds them per process unless PYTHONHASHSEED is set (non-cryptographic hash functions),
     and they change with prefix_caching_hash_algo and vLLM's version. Extends incrementally."""
 
-    def __init__(self, block_size, salt=b""):
+    def __init__(self, block_size: int, salt: bytes = b"") -> None:
         self.block_size = block_size
         root = hashlib.sha256(CONTENT_KEY_DOMAIN)
         root.update(len(salt).to_bytes(4, "little"))
@@ -955,7 +998,7 @@ class ContentKeys:
         self._root = root.digest()
         self.keys: List[bytes] = []
 
-    def extend(self, token_ids) -> List[bytes]:
+    def extend(self, token_ids: Sequence[int]) -> List[bytes]:
         """The keys of token_ids' whole blocks (token_ids starts with the tokens already keyed)."""
         for block in range(len(self.keys), len(token_ids) // self.block_size):
             parent = self.keys[-1] if self.keys else self._root
@@ -965,7 +1008,7 @@ class ContentKeys:
         return self.keys
 
 
-def request_salt(cache_salt, lora_name):
+def request_salt(cache_salt: Any, lora_name: Any) -> bytes:
     """The salt of a request's keys: its cache_salt and LoRA adapter, length-prefixed."""
     salt = b""
     for part in (cache_salt or "", lora_name or ""):
@@ -974,8 +1017,9 @@ def request_salt(cache_salt, lora_name):
     return salt
 
 
-def fused_lookup_layout(layer_names, block_size, heads, content, element_type, order, model,
-                        tp_size=1):
+def fused_lookup_layout(layer_names: Iterable[str], block_size: int, heads: int, content: int,
+                        element_type: str, order: str, model: str,
+                        tp_size: int = 1) -> Tuple[PoolLayout, int]:
     """The scheduler's lookup layout for vLLM >= 0.33 (one fused KV page per layer), derived
     from its KVCacheConfig and resolved layout: the same fingerprint as rank 0's workers'
     pool_layout of their caches."""
@@ -1009,10 +1053,11 @@ if KVConnectorBase_V1 is not None:
 
     from .client import Client
 
-    class _Metadata(KVConnectorMetadata, MemraConnectorMetadata):
-        pass
+    # vLLM's base classes are untyped here (Any): the subclasses are checked, their bases not.
+    class _Metadata(KVConnectorMetadata, MemraConnectorMetadata):  # type: ignore[misc]
+        """MemraConnectorMetadata as vLLM's KVConnectorMetadata."""
 
-    class MemraKVConnector(KVConnectorBase_V1, SupportsHMA):
+    class MemraKVConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         """vLLM's view of MemraScheduler / MemraWorker. kv_connector_extra_config (strings and
         numbers only: vLLM pickles its config to worker processes): memra_socket (default
         /run/memra-kv/gpu0.sock), memra_engine_name, memra_cache_scope, memra_staging_blocks
@@ -1030,7 +1075,7 @@ if KVConnectorBase_V1 is not None:
         # backend's hits are counted here too).
         _cache_hit_source = CacheHitSource.HOST
 
-        def __init__(self, vllm_config, role, kv_cache_config=None):
+        def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
             super().__init__(vllm_config, role, kv_cache_config)
             extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
             self._extra = extra
@@ -1040,19 +1085,23 @@ if KVConnectorBase_V1 is not None:
             self._timeout = float(extra.get("memra_timeout_s", 2))
             self._engine_name = str(extra.get("memra_engine_name",
                                               "vllm-%s" % role.name.lower()))
-            self._store = None  # BlockStore once connected
+            self._store: Optional[BlockStore] = None  # once connected
             self._next_try = 0.0  # time.monotonic() of the next connection try
             self._warned = False
-            self._requests = {}  # request id -> (Request, ContentKeys): scheduler side
+            # request id -> (Request, ContentKeys): scheduler side
+            self._requests: Dict[str, Tuple[Any, Optional[ContentKeys]]] = {}
             self._scheduler = LazyScheduler(self._make_scheduler, quiet=True)
-            self._worker = None  # MemraWorker once the caches are registered
-            self._kv_caches = None
-            self._unloaded = set()  # block ids of loads made while no worker was registered
-            self._unloaded_requests = set()  # their asynchronous loads' requests, to report
+            # Once the caches are registered.
+            self._worker: Optional[MemraWorker] = None
+            self._kv_caches: Optional[Dict[str, Any]] = None
+            # Block ids of loads made while no worker was registered.
+            self._unloaded: Set[int] = set()
+            # Their asynchronous loads' requests, to report.
+            self._unloaded_requests: Set[str] = set()
 
         # -- the daemon, connected on first use --
 
-        def _connected_store(self):
+        def _connected_store(self) -> BlockStore:
             """The attached BlockStore. While the daemon is away, a try at most every
             RETRY_S seconds (KvError UNAVAILABLE in between), none that waits for a socket
             file that does not exist: vLLM's loops never stall on it."""
@@ -1077,7 +1126,7 @@ if KVConnectorBase_V1 is not None:
                 self._store = BlockStore(client)
             return self._store
 
-        def _degraded(self, what, error):
+        def _degraded(self, what: str, error: BaseException) -> None:
             """One warning for the connector's life: the daemon is unusable, vLLM goes on."""
             if not self._warned:
                 self._warned = True
@@ -1091,22 +1140,24 @@ if KVConnectorBase_V1 is not None:
                     pass
                 self._store = None
 
-        def _group_layers(self):
+        def _group_layers(self) -> Tuple[List[str], Any]:
             groups = self._kv_cache_config.kv_cache_groups
             return list(groups[0].layer_names), groups[0].kv_cache_spec
 
-        def _single_group(self):
+        def _single_group(self) -> bool:
             return len(self._kv_cache_config.kv_cache_groups) == 1
 
         # -- worker side --
 
-        def register_kv_caches(self, kv_caches):
+        def register_kv_caches(self, kv_caches: Dict[str, Any]) -> None:
+            """vLLM's per-layer caches (KV group 0's layers): registered with the daemon now, or
+            at the next step while it is away."""
             layer_names, _ = self._group_layers()
             self._kv_caches = {name: kv_caches[name] for name in layer_names
                                if name in kv_caches}
             self._ensure_worker()
 
-        def _ensure_worker(self):
+        def _ensure_worker(self) -> Optional[MemraWorker]:
             if self._worker is None and self._kv_caches:
                 try:
                     worker = MemraWorker(self._connected_store(),
@@ -1120,19 +1171,21 @@ if KVConnectorBase_V1 is not None:
                     self._degraded("registering the KV caches", error)
             return self._worker
 
-        def _tp_rank(self):
+        def _tp_rank(self) -> int:
             try:
                 from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
-                return get_tensor_model_parallel_rank()
+                return cast(int, get_tensor_model_parallel_rank())
             except AssertionError:  # no model-parallel group (a single process): rank 0
                 return 0
 
-        def bind_connector_metadata(self, connector_metadata):
+        def bind_connector_metadata(self, connector_metadata: Any) -> None:
+            """The step's metadata, before its forward: for the worker's layer hooks too."""
             super().bind_connector_metadata(connector_metadata)
             if self._worker is not None:
                 self._worker.bind(connector_metadata)
 
-        def start_load_kv(self, forward_context, **kwargs):
+        def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+            """The step's loads (MemraWorker.start_load_kv); with no worker, each a failure."""
             meta = self._get_connector_metadata()
             worker = self._ensure_worker()
             if worker is not None:
@@ -1142,36 +1195,43 @@ if KVConnectorBase_V1 is not None:
                 self._unloaded_requests |= {load.request_id for load in meta.loads
                                             if load.asynchronous}
 
-        def wait_for_layer_load(self, layer_name):
+        def wait_for_layer_load(self, layer_name: str) -> None:
+            """MemraWorker.wait_for_layer_load."""
             if self._worker is not None:
                 self._worker.wait_for_layer_load(layer_name)
 
-        def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs):
+        def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any,
+                          **kwargs: Any) -> None:
+            """MemraWorker.save_kv_layer."""
             if self._worker is not None and self.has_connector_metadata():
                 self._worker.save_kv_layer(layer_name)
 
-        def wait_for_save(self):
+        def wait_for_save(self) -> None:
+            """MemraWorker.wait_for_save with the step's metadata."""
             if self._worker is not None and self.has_connector_metadata():
                 self._worker.wait_for_save(self._get_connector_metadata())
 
-        def get_finished(self, finished_req_ids):
+        def get_finished(self, finished_req_ids: Any) -> Tuple[None, Optional[Set[str]]]:
+            """(None, the requests whose asynchronous loads ended, or None)."""
             finished, self._unloaded_requests = self._unloaded_requests, set()
             if self._worker is not None:
                 finished |= self._worker.get_finished(finished_req_ids)[1] or set()
             return None, (finished or None)
 
-        def get_block_ids_with_load_errors(self):
+        def get_block_ids_with_load_errors(self) -> Set[int]:
+            """Block ids whose load failed since the last call (vLLM recomputes them)."""
             errors, self._unloaded = self._unloaded, set()
             if self._worker is not None:
                 errors |= self._worker.get_block_ids_with_load_errors()
             return errors
 
         @property
-        def requires_kv_delivery(self):
+        def requires_kv_delivery(self) -> bool:
             """A best-effort cache: a dropped save is a later miss."""
             return False
 
-        def shutdown(self):
+        def shutdown(self) -> None:
+            """Waits for the worker's loads and ends the lease."""
             if self._worker is not None:
                 self._worker.shutdown()
             if self._store is not None:
@@ -1180,7 +1240,7 @@ if KVConnectorBase_V1 is not None:
 
         # -- scheduler side --
 
-        def _make_scheduler(self):
+        def _make_scheduler(self) -> MemraScheduler:
             layer_names, spec = self._group_layers()
             cache_config = self._vllm_config.cache_config
             layout = cache_config.get_resolved_kv_cache_layout().name
@@ -1204,7 +1264,7 @@ if KVConnectorBase_V1 is not None:
                 registration, self._block_size, int(self._extra.get("memra_lookup_pin_ms", 30000)),
                 int(self._extra.get("memra_async_load_min_tokens", ASYNC_LOAD_MIN_TOKENS)))
 
-        def _keys(self, request):
+        def _keys(self, request: Any) -> Optional[List[bytes]]:
             """The request's content keys now, or None when its tokens do not name its KV
             (multimodal inputs, prompt embeddings): such a request never uses the store."""
             entry = self._requests.get(request.request_id)
@@ -1221,7 +1281,9 @@ if KVConnectorBase_V1 is not None:
             keys = entry[1]
             return None if keys is None else keys.extend(request.all_token_ids)
 
-        def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        def get_num_new_matched_tokens(self, request: Any,
+                                       num_computed_tokens: int) -> Tuple[int, bool]:
+            """MemraScheduler.get_num_new_matched_tokens; (0, False) without the store."""
             keys = self._keys(request)
             if keys is None or not self._single_group():
                 return 0, False
@@ -1232,24 +1294,28 @@ if KVConnectorBase_V1 is not None:
                 request.request_id, keys, request.all_token_ids, num_computed_tokens,
                 request.block_hashes)
 
-        def update_state_after_alloc(self, request, blocks, num_external_tokens):
+        def update_state_after_alloc(self, request: Any, blocks: Any,
+                                     num_external_tokens: int) -> None:
+            """MemraScheduler.update_state_after_alloc with KV group 0's blocks."""
             logic = self._scheduler.get() if self._single_group() else None
             if logic is None:
                 return
             logic.update_state_after_alloc(
                 request.request_id, blocks.get_block_ids()[0], num_external_tokens)
 
-        def build_connector_meta(self, scheduler_output):
+        def build_connector_meta(self, scheduler_output: Any) -> _Metadata:
+            """The step's loads and saves (MemraScheduler.build_connector_meta)."""
             logic = self._scheduler.get() if self._single_group() else None
             if logic is None:
                 return _Metadata([], [])
-            computed = {}
+            computed: Dict[str, int] = {}
             for new in scheduler_output.scheduled_new_reqs:
                 computed[new.req_id] = (new.num_computed_tokens
                                         + scheduler_output.num_scheduled_tokens[new.req_id])
                 entry = self._requests.get(new.req_id)
+                # A request with ContentKeys (entry[1]) has keys: _keys is not None for it.
                 if entry is not None and entry[1] is not None:
-                    logic.update_request(new.req_id, self._keys(entry[0]),
+                    logic.update_request(new.req_id, cast(List[bytes], self._keys(entry[0])),
                                          entry[0].all_token_ids, new.block_ids[0],
                                          entry[0].block_hashes, new.num_computed_tokens)
             cached = scheduler_output.scheduled_cached_reqs
@@ -1264,17 +1330,20 @@ if KVConnectorBase_V1 is not None:
                 # A request resumed after preemption has new blocks, not more blocks.
                 resumed = request_id in getattr(cached, "resumed_req_ids", ())
                 block_ids = new_blocks if resumed else logic.block_ids(request_id) + new_blocks
-                logic.update_request(request_id, self._keys(request), request.all_token_ids,
-                                     block_ids, request.block_hashes)
+                logic.update_request(request_id, cast(List[bytes], self._keys(request)),
+                                     request.all_token_ids, block_ids, request.block_hashes)
             meta = logic.build_connector_meta(computed)
             return _Metadata(meta.loads, meta.saves)
 
-        def request_finished(self, request, block_ids):
+        def request_finished(self, request: Any,
+                             block_ids: Any) -> Tuple[bool, Optional[Dict[str, Any]]]:
+            """MemraScheduler.request_finished: vLLM may free the blocks now."""
             self._requests.pop(request.request_id, None)
             logic = self._scheduler.get() if self._single_group() else None
             return (False, None) if logic is None else logic.request_finished(request.request_id)
 
-        def request_finished_all_groups(self, request, block_ids):
+        def request_finished_all_groups(
+                self, request: Any, block_ids: Any) -> Tuple[bool, Optional[Dict[str, Any]]]:
             """SupportsHMA: the store serves single-group models only (a hybrid model's other
             groups are never loaded), so this is request_finished."""
             return self.request_finished(request, block_ids[0] if block_ids else [])
