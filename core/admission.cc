@@ -137,6 +137,28 @@ uint64_t AdmissionLedger::owner_bytes(uint64_t owner) const {
   return it == owner_bytes_.end() ? 0 : it->second;
 }
 
+uint64_t AdmissionLedger::owner_arenas(uint64_t owner) const {
+  auto it = owner_arenas_.find(owner);
+  return it == owner_arenas_.end() ? 0 : it->second;
+}
+
+absl::Status AdmissionLedger::CheckOwnerArenas(uint64_t owner, const char* what) const {
+  if (owner == kUncappedOwner) return absl::OkStatus();
+  const uint64_t held = owner_arenas(owner);
+  if (held < limits_.max_owner_arenas) return absl::OkStatus();
+  // No arena-refusal payload: evicting prefix storage frees none of this engine's arenas.
+  return absl::ResourceExhaustedError(absl::StrCat(
+      what, " refused: engine ", owner, " holds ", held, " arenas and the limit is ",
+      limits_.max_owner_arenas, " per engine (max_engine_arenas, a share of the ",
+      limits_.max_arenas, " max_arenas); release one first"));
+}
+
+void AdmissionLedger::RemoveOwnerArena(uint64_t owner) {
+  auto it = owner_arenas_.find(owner);
+  if (it == owner_arenas_.end()) return;
+  if (--it->second == 0) owner_arenas_.erase(it);
+}
+
 absl::Status AdmissionLedger::CheckArenaRoom(const char* what) const {
   if (arenas_left() > 0) return absl::OkStatus();
   absl::Status status = absl::ResourceExhaustedError(absl::StrCat(
@@ -183,12 +205,14 @@ absl::StatusOr<ReservationId> AdmissionLedger::Reserve(uint64_t owner, uint64_t 
         absl::StrCat("reservation ttl ", absl::FormatDuration(ttl), " must be positive"));
   }
   RETURN_IF_ERROR(CheckArenaRoom("reservation"));
+  RETURN_IF_ERROR(CheckOwnerArenas(owner, "reservation"));
   RETURN_IF_ERROR(CheckOwnerShare(owner, bytes, "reservation"));
   RETURN_IF_ERROR(CheckFits(bytes, "reservation"));
   const ReservationId id{next_id_++};
   reservations_.emplace(id, Reservation{owner, bytes, now + ttl});
   reserved_ += bytes;
   AddOwnerBytes(owner, bytes);
+  ++owner_arenas_[owner];
   return id;
 }
 
@@ -218,12 +242,14 @@ absl::StatusOr<AllocationId> AdmissionLedger::Allocate(uint64_t owner, uint64_t 
     return absl::InvalidArgumentError("allocation of 0 bytes: a session costs at least 1");
   }
   RETURN_IF_ERROR(CheckArenaRoom("allocation"));
+  RETURN_IF_ERROR(CheckOwnerArenas(owner, "allocation"));
   RETURN_IF_ERROR(CheckOwnerShare(owner, bytes, "allocation"));
   RETURN_IF_ERROR(CheckFits(bytes, "allocation"));
   const AllocationId id{next_id_++};
   allocations_.emplace(id, Allocation{owner, bytes});
   allocated_ += bytes;
   AddOwnerBytes(owner, bytes);
+  ++owner_arenas_[owner];
   return id;
 }
 
@@ -254,6 +280,7 @@ absl::Status AdmissionLedger::Release(AllocationId allocation) {
   }
   allocated_ -= it->second.bytes;
   RemoveOwnerBytes(it->second.owner, it->second.bytes);
+  RemoveOwnerArena(it->second.owner);
   allocations_.erase(it);
   return absl::OkStatus();
 }
@@ -266,6 +293,7 @@ absl::Status AdmissionLedger::Cancel(ReservationId reservation) {
   }
   reserved_ -= it->second.bytes;
   RemoveOwnerBytes(it->second.owner, it->second.bytes);
+  RemoveOwnerArena(it->second.owner);
   reservations_.erase(it);
   return absl::OkStatus();
 }
@@ -276,6 +304,7 @@ uint64_t AdmissionLedger::ReleaseOwner(uint64_t owner) {
   reserved_ -= from_reservations;
   allocated_ -= from_allocations;
   owner_bytes_.erase(owner);
+  owner_arenas_.erase(owner);
   return from_reservations + from_allocations;
 }
 
@@ -289,6 +318,7 @@ std::vector<ExpiredReservation> AdmissionLedger::Expire(absl::Time now) {
     expired.push_back(ExpiredReservation{it->first, it->second});
     reserved_ -= it->second.bytes;
     RemoveOwnerBytes(it->second.owner, it->second.bytes);
+    RemoveOwnerArena(it->second.owner);
     it = reservations_.erase(it);
   }
   return expired;

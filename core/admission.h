@@ -129,6 +129,9 @@ struct AdmissionLimits {
   // Percent (1..100) of the budget one owner's reservations + allocations may hold. Owner
   // kUncappedOwner (0) is exempt.
   uint32_t owner_share_percent = 100;
+  // Arenas one owner's reservations + allocations may be, so that no engine takes every arena.
+  // Owner kUncappedOwner (0) is exempt.
+  uint64_t max_owner_arenas = UINT64_MAX;
   bool operator==(const AdmissionLimits&) const = default;
 };
 // The owner no share applies to: the daemon's own prefix storage, bounded by its own budget.
@@ -149,7 +152,7 @@ inline constexpr uint64_t kUncappedOwner = 0;
 //      what the other owners hold.
 //  (6) After any successful admission, reservation_count() + allocation_count() <= max_arenas,
 //      and the admitted owner (unless kUncappedOwner) holds at most owner_share_percent of the
-//      budget. Lowering the limits revokes nothing. Refusals for these are RESOURCE_EXHAUSTED
+//      budget and at most max_owner_arenas arenas. Lowering the limits revokes nothing. Refusals for these are RESOURCE_EXHAUSTED
 //      without an AdmissionRefusal payload; the arena refusal carries kArenaRefusalTypeUrl
 //      (evicting any prefix entry frees arenas).
 //
@@ -216,6 +219,8 @@ class AdmissionLedger {
   uint64_t arenas_left() const;
   // Bytes `owner` holds (reservations + allocations).
   uint64_t owner_bytes(uint64_t owner) const;
+  // Arenas `owner` holds (reservations + allocations).
+  uint64_t owner_arenas(uint64_t owner) const;
 
  private:
   // OK when `bytes` fits in free(); else RESOURCE_EXHAUSTED for `what` with the refusal payload.
@@ -224,8 +229,11 @@ class AdmissionLedger {
   absl::Status CheckArenaRoom(const char* what) const;
   // OK when `owner` may hold `extra` more bytes under owner_share_percent.
   absl::Status CheckOwnerShare(uint64_t owner, uint64_t extra, const char* what) const;
+  // OK when `owner` may hold one more arena under max_owner_arenas.
+  absl::Status CheckOwnerArenas(uint64_t owner, const char* what) const;
   void AddOwnerBytes(uint64_t owner, uint64_t bytes);
   void RemoveOwnerBytes(uint64_t owner, uint64_t bytes);
+  void RemoveOwnerArena(uint64_t owner);
 
   uint64_t budget_;
   uint64_t evictable_ = 0;
@@ -237,6 +245,8 @@ class AdmissionLedger {
   AdmissionLimits limits_;
   // Owner -> the bytes of its reservations + allocations; owners holding nothing are absent.
   std::map<uint64_t, uint64_t> owner_bytes_;
+  // Owner -> its reservations + allocations (arenas); owners holding none are absent.
+  std::map<uint64_t, uint64_t> owner_arenas_;
 };
 
 // ---------------------------------------------------------------------------------------------

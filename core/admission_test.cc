@@ -384,6 +384,45 @@ TEST(AdmissionLedgerTest, PropertyRandomOperationsNeverExceedTheBudget) {
   }
 }
 
+// One engine's arenas stop at max_owner_arenas while another owner (and the uncapped prefix
+// storage) keeps being admitted; every way an arena ends gives the engine its room back.
+TEST(AdmissionLedgerTest, OwnerArenaShareStopsOneEngineOnly) {
+  AdmissionLedger ledger(10'000, AdmissionLimits{.max_arenas = 10, .max_owner_arenas = 3});
+  absl::StatusOr<ReservationId> reserved = ledger.Reserve(7, 100, kT0, absl::Seconds(5));
+  ASSERT_THAT(reserved, IsOk());
+  absl::StatusOr<AllocationId> first = ledger.Allocate(7, 100);
+  ASSERT_THAT(first, IsOk());
+  ASSERT_THAT(ledger.Allocate(7, 100), IsOk());
+  EXPECT_EQ(ledger.owner_arenas(7), 3u);
+  const absl::Status refused = ledger.Allocate(7, 100).status();
+  EXPECT_THAT(refused, StatusIs(absl::StatusCode::kResourceExhausted,
+                                HasSubstrs("allocation refused: engine 7 holds 3 arenas",
+                                           "limit is 3 per engine", "max_engine_arenas",
+                                           "10 max_arenas")));
+  EXPECT_FALSE(IsArenaRefusal(refused));  // evicting prefix storage frees none of engine 7's
+  EXPECT_THAT(ledger.Reserve(7, 100, kT0, absl::Seconds(5)).status(),
+              StatusIs(absl::StatusCode::kResourceExhausted,
+                       HasSubstrs("reservation refused: engine 7 holds 3 arenas")));
+  EXPECT_EQ(ledger.used(), 300u);  // the refusals changed nothing
+  EXPECT_THAT(ledger.Allocate(8, 100), IsOk());
+  EXPECT_THAT(ledger.Allocate(kUncappedOwner, 100), IsOk());
+
+  // Commit keeps the count (a reservation becomes its arena); release, cancel and expiry free one.
+  ASSERT_THAT(ledger.Commit(*reserved, 50), IsOk());
+  EXPECT_EQ(ledger.owner_arenas(7), 3u);
+  ASSERT_THAT(ledger.Release(*first), IsOk());
+  EXPECT_EQ(ledger.owner_arenas(7), 2u);
+  absl::StatusOr<ReservationId> again = ledger.Reserve(7, 100, kT0, absl::Seconds(5));
+  ASSERT_THAT(again, IsOk());
+  ASSERT_THAT(ledger.Cancel(*again), IsOk());
+  ASSERT_THAT(ledger.Reserve(7, 100, kT0, absl::Seconds(5)), IsOk());
+  EXPECT_EQ(ledger.Expire(kT0 + absl::Seconds(5)).size(), 1u);
+  EXPECT_EQ(ledger.owner_arenas(7), 2u);
+  ledger.ReleaseOwner(7);
+  EXPECT_EQ(ledger.owner_arenas(7), 0u);
+  EXPECT_EQ(ledger.owner_arenas(8), 1u);
+}
+
 TEST(AdmissionLedgerTest, ArenaLimitCountsReservationsAndAllocations) {
   AdmissionLedger ledger(10'000, AdmissionLimits{.max_arenas = 2});
   ASSERT_THAT(ledger.Reserve(1, 100, kT0, absl::Seconds(5)), IsOk());
