@@ -63,10 +63,11 @@ absl::StatusOr<Samples> TimeSteps(KvClient& client, std::vector<Session*> sessio
 }
 
 // The section's daemon: one engine grows the population to --scale_sessions, so the per-engine
-// session limit (a policy for shared GPUs, 4096 by default) is raised to it; the section measures
-// what a daemon pays per live session, not that policy.
+// session and arena limits (policies for shared GPUs: 4096 sessions, half the arenas by default)
+// are raised to it; the section measures what a daemon pays per live session, not that policy.
 std::vector<std::string> ScaleDaemonFlags(const BenchOptions& options) {
-  return {absl::StrCat("--max_engine_sessions=", options.scale_sessions)};
+  return {absl::StrCat("--max_engine_sessions=", options.scale_sessions),
+          absl::StrCat("--max_engine_arenas=", options.scale_sessions)};
 }
 
 }  // namespace
@@ -80,6 +81,11 @@ absl::Status CheckScaleLimits(const BenchOptions& options) {
       return absl::FailedPreconditionError(absl::StrCat(
           "scale: the stage of ", stage, " sessions on one engine is past the bench daemon's "
           "max_engine_sessions ", config.max_engine_sessions));
+    }
+    if (stage > EffectiveMaxEngineArenas(config, arenas)) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "scale: the stage of ", stage, " sessions on one engine is past the bench daemon's "
+          "max_engine_arenas ", EffectiveMaxEngineArenas(config, arenas)));
     }
     if (stage > arenas) {
       return absl::FailedPreconditionError(absl::StrCat(

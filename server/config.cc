@@ -409,6 +409,11 @@ const std::vector<KeySpec>& Keys() {
                "under vm.max_map_count (RESOURCE_EXHAUSTED past it); 0 = 3/4 of "
                "vm.max_map_count, read at start.",
        .min = 0, .max = 100'000'000},
+      {.name = "max_engine_arenas", .field = &C::max_engine_arenas, .syntax = Syntax::kInteger,
+       .reloadable = false,
+       .help = "Arenas (sessions, reservations) one engine may hold at once (RESOURCE_EXHAUSTED "
+               "past it); 0 = half of the arena limit in force.",
+       .min = 0, .max = 100'000'000},
       {.name = "admin_socket_path", .field = &C::admin_socket_path, .syntax = Syntax::kText,
        .reloadable = false,
        .help = "Unix socket operators (memra-kvctl) connect to; empty = socket_path with .sock "
@@ -833,6 +838,11 @@ absl::StatusOr<DaemonConfig> ParseConfig(std::string_view text_view, std::string
 absl::StatusOr<DaemonConfig> LoadConfigFile(const std::string& path) {
   ASSIGN_OR_RETURN(std::string text, ReadWholeFile(path, "config file"));
   return ParseConfig(text, path);
+}
+
+uint64_t EffectiveMaxEngineArenas(const DaemonConfig& config, uint64_t max_arenas) {
+  if (config.max_engine_arenas != 0) return config.max_engine_arenas;
+  return std::max<uint64_t>(1, max_arenas / 2);
 }
 
 uint64_t EffectiveMaxArenas(const DaemonConfig& config, const std::string& max_map_count_path) {

@@ -197,6 +197,9 @@ struct DaemonConfig {
   // under the kernel's vm.max_map_count. 0 = derived at start: 3/4 of vm.max_map_count
   // (server/daemon.h ArenaLimitFor).
   uint64_t max_arenas = 0;
+  // Arenas one engine may hold of those (sessions, its reservations), so that no engine takes
+  // every arena. 0 = half of the arena limit in force (EffectiveMaxEngineArenas).
+  uint64_t max_engine_arenas = 0;
 
   // socket_path with "{device}" replaced.
   std::string SocketPath() const;
@@ -221,6 +224,10 @@ inline constexpr uint64_t kDefaultMaxMapCount = 65530;
 // stacks, heap).
 uint64_t EffectiveMaxArenas(const DaemonConfig& config,
                             const std::string& max_map_count_path = "/proc/sys/vm/max_map_count");
+
+// The per-engine arena limit in force: max_engine_arenas when set, else half of `max_arenas`
+// (the daemon-wide limit in force), at least 1.
+uint64_t EffectiveMaxEngineArenas(const DaemonConfig& config, uint64_t max_arenas);
 
 // Descriptors the daemon keeps for itself (libraries, listeners, eventfds, logs, metrics) before
 // it shares out its RLIMIT_NOFILE.

@@ -69,6 +69,7 @@ TEST(ConfigTest, KeyListIsTheDocumentedOne) {
                           "arena_pool_engine_bytes", "block_store_engine_bytes",
                           "block_store_max_registrations", "block_store_max_pins",
                           "block_store_max_offers", "block_store_max_mapped_buffers", "max_arenas",
+                          "max_engine_arenas",
                           "admin_socket_path", "admin_socket_mode", "admin_socket_group",
                           "handoff_socket_path", "cache_scope_allow"));
   EXPECT_THAT(reloadable, ElementsAre("budget_bytes", "cuda_memory_fraction", "cuda_reserve_bytes",
@@ -132,6 +133,7 @@ TEST(ConfigTest, Defaults) {
   EXPECT_EQ(config.max_connections_per_uid, 256u);
   EXPECT_EQ(config.connection_idle_timeout_ms, 300'000u);
   EXPECT_EQ(config.max_arenas, 0u);
+  EXPECT_EQ(config.max_engine_arenas, 0u);
   EXPECT_EQ(config.AdminSocketPath(), "/run/memra-kv/gpu0.admin.sock");
   EXPECT_EQ(config.admin_socket_mode, 0600u);
   EXPECT_EQ(config.admin_socket_group, "");
@@ -427,6 +429,8 @@ INSTANTIATE_TEST_SUITE_P(
         BadValueCase{"max_attached_engines = 0",
                      {"max_attached_engines = 0", "out of range", "from 1 to 65536"}},
         BadValueCase{"max_arenas = -1", {"max_arenas = -1", "from 0 to 100000000"}},
+        BadValueCase{"max_engine_arenas = -1",
+                     {"max_engine_arenas = -1", "from 0 to 100000000"}},
         BadValueCase{"drain_grace_ms = [1, 2]",
                      {"drain_grace_ms is a TOML array", "from 0 to 3600000"}}));
 
@@ -668,6 +672,14 @@ TEST_F(ConfigFileTest, ArenaLimitIsSetOrThreeQuartersOfMaxMapCount) {
   EXPECT_EQ(EffectiveMaxArenas(config, Write("garbage", "many\n")), kDefaultMaxMapCount / 4 * 3);
   config.max_arenas = 10;
   EXPECT_EQ(EffectiveMaxArenas(config, Write("max_map_count", "262144\n")), 10u);
+}
+
+TEST(ConfigTest, EngineArenaLimitIsSetOrHalfTheArenaLimit) {
+  DaemonConfig config;
+  EXPECT_EQ(EffectiveMaxEngineArenas(config, 49'146), 24'573u);
+  EXPECT_EQ(EffectiveMaxEngineArenas(config, 1), 1u);  // never 0: an engine gets an arena
+  config.max_engine_arenas = 10'000;
+  EXPECT_EQ(EffectiveMaxEngineArenas(config, 49'146), 10'000u);
 }
 
 TEST(ConfigTest, PlanReloadAppliesLiveKeysAndListsTheRest) {

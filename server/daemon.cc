@@ -243,10 +243,14 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Create(DaemonConfig config,
     previous.reset();
   }
   auto [budget_bytes, rule] = BudgetFor(config, *backend);
-  const AdmissionLimits limits{.max_arenas = EffectiveMaxArenas(config),
-                               .owner_share_percent = config.max_engine_budget_share};
-  spdlog::info("admission budget {} bytes ({}); at most {} arenas, {}% of the budget per engine",
-               budget_bytes, rule, limits.max_arenas, limits.owner_share_percent);
+  const uint64_t max_arenas = EffectiveMaxArenas(config);
+  const AdmissionLimits limits{.max_arenas = max_arenas,
+                               .owner_share_percent = config.max_engine_budget_share,
+                               .max_owner_arenas = EffectiveMaxEngineArenas(config, max_arenas)};
+  spdlog::info(
+      "admission budget {} bytes ({}); at most {} arenas ({} per engine), {}% of the budget per "
+      "engine",
+      budget_bytes, rule, limits.max_arenas, limits.max_owner_arenas, limits.owner_share_percent);
   auto budget = std::make_unique<DeviceBudget>(budget_bytes, rule, limits);
   absl::StatusOr<std::unique_ptr<PrefixCache>> prefix_cache =
       MakePrefixCache(config, backend.get(), budget.get(), epoch);

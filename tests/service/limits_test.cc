@@ -221,6 +221,7 @@ class EngineLimitsTest : public DaemonTest {
     config.max_engine_budget_share = kSharePercent;
     config.max_attached_engines = kEngines;
     config.max_arenas = kArenas;
+    config.max_engine_arenas = kArenas;  // the daemon-wide limit is tested here, not the share
   }
 };
 

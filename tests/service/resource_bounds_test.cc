@@ -332,7 +332,9 @@ TEST_F(ConnectionLimitsTest, ConnectionsAreCappedPerUidAndPerSocketAndIdleOnesCl
 class DescriptorBudgetTest : public DaemonTest {
  protected:
   static constexpr rlim_t kOpenFiles = 512;  // (512 - 128) / 2 = 192 arenas
-  void ConfigureDaemon(DaemonConfig&) override {
+  void ConfigureDaemon(DaemonConfig& config) override {
+    // One engine floods to the daemon-wide limit here; the per-engine share is tested below.
+    config.max_engine_arenas = kOpenFiles;
     ASSERT_EQ(getrlimit(RLIMIT_NOFILE, &saved_), 0);
     rlimit lowered = saved_;
     lowered.rlim_cur = std::min<rlim_t>(kOpenFiles, saved_.rlim_max);
@@ -374,6 +376,46 @@ TEST_F(DescriptorBudgetTest, ArenasAreBoundedByTheDescriptorsTheDaemonHas) {
   ASSERT_THAT(flood.back()->Release().status(), IsOk());
   flood.pop_back();
   EXPECT_THAT(honest->CreateSession(plan_, Options(64, false)).status(), IsOk());
+}
+
+// ---- 7. A daemon-wide cap split fairly: one engine's share of max_arenas ----
+
+// One engine could hold every arena under max_arenas, and every other engine's CreateSession was
+// refused. Now an engine holds at most max_engine_arenas (by default half of max_arenas),
+// reservations included: past it the refusal names the engine, its count and the limit, and a
+// second engine keeps creating sessions in the half left.
+class EngineArenaShareTest : public DaemonTest {
+ protected:
+  static constexpr uint64_t kArenas = 8;  // max_engine_arenas 0: half, 4 per engine
+  void ConfigureDaemon(DaemonConfig& config) override { config.max_arenas = kArenas; }
+};
+
+TEST_F(EngineArenaShareTest, OneEngineHoldsAtMostItsShareOfTheArenas) {
+  std::unique_ptr<KvClient> honest = NewClient("honest");
+  ASSERT_NE(honest, nullptr);
+  std::vector<std::unique_ptr<Session>> flood;
+  for (int i = 0; i < 3; ++i) flood.push_back(NewSession(*client_, 64, /*spec_snapshot=*/false));
+  absl::StatusOr<SessionReservation> reserved = client_->Reserve(plan_, Options(64, false));
+  ASSERT_THAT(reserved.status(), IsOk());  // a reservation is an arena to come: 4 of 4
+  const std::string engine = absl::StrCat("engine ", client_->engine_id(), " holds 4 arenas");
+  EXPECT_THAT(client_->CreateSession(plan_, Options(64, false)).status(),
+              StatusIs(kExhausted, HasSubstrs("allocation refused", engine,
+                                              "limit is 4 per engine", "max_engine_arenas",
+                                              "8 max_arenas")));
+  EXPECT_THAT(client_->Reserve(plan_, Options(64, false)).status(),
+              StatusIs(kExhausted, HasSubstrs("reservation refused", engine, "limit is 4")));
+  // The second engine is served in the half left, up to its own share.
+  std::vector<std::unique_ptr<Session>> served;
+  for (int i = 0; i < 4; ++i) {
+    absl::StatusOr<std::unique_ptr<Session>> session =
+        honest->CreateSession(plan_, Options(64, false));
+    ASSERT_THAT(session.status(), IsOk()) << "honest session " << i;
+    served.push_back(*std::move(session));
+  }
+  ASSERT_THAT(flood.back()->Release().status(), IsOk());
+  flood.pop_back();
+  EXPECT_THAT(client_->CreateSession(plan_, Options(64, false)).status(), IsOk())
+      << "a released arena makes room again";
 }
 
 // ---- 8. Host memory an engine keeps mapped after release ----
