@@ -152,9 +152,9 @@ inline constexpr uint64_t kUncappedOwner = 0;
 //      what the other owners hold.
 //  (6) After any successful admission, reservation_count() + allocation_count() <= max_arenas,
 //      and the admitted owner (unless kUncappedOwner) holds at most owner_share_percent of the
-//      budget and at most max_owner_arenas arenas. Lowering the limits revokes nothing. Refusals for these are RESOURCE_EXHAUSTED
-//      without an AdmissionRefusal payload; the arena refusal carries kArenaRefusalTypeUrl
-//      (evicting any prefix entry frees arenas).
+//      budget and at most max_owner_arenas arenas. Lowering the limits revokes nothing.
+//      Refusals for these are RESOURCE_EXHAUSTED without an AdmissionRefusal payload; the
+//      arena refusal carries kArenaRefusalTypeUrl (evicting any prefix entry frees arenas).
 //
 // Evictable bytes are memory already charged to this budget (the prefix cache allocates its
 // storage through Allocate like any owner) that the prefix cache could free on demand. The
