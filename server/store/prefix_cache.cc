@@ -1,12 +1,9 @@
 #include "server/store/prefix_cache.h"
 
 #include <algorithm>
-#include <atomic>
 #include <cstring>
 #include <memory>
 #include <string_view>
-#include <system_error>
-#include <thread>
 #include <utility>
 #include <vector>
 
@@ -85,32 +82,6 @@ absl::StatusOr<std::vector<CopyRange>> PieceRanges(const SessionLayoutVersion& l
     stored_at += piece.bytes;
   }
   return ranges;
-}
-
-// The part of `ranges` (as PieceRanges made them) that copies stored bytes [begin, end), the
-// stored side moved to `stored_offset` (where the piece's span starts in its slab).
-std::vector<CopyRange> SliceRanges(const std::vector<CopyRange>& ranges, bool toward_storage,
-                                   uint64_t stored_offset, uint64_t begin, uint64_t end) {
-  std::vector<CopyRange> slice;
-  uint64_t at = 0;
-  for (const CopyRange& range : ranges) {
-    const uint64_t lo = std::max(at, begin);
-    const uint64_t hi = std::min(at + range.bytes, end);
-    if (lo < hi) {
-      const uint64_t skip = lo - at;
-      CopyRange part{.dst_offset = range.dst_offset + skip,
-                     .src_offset = range.src_offset + skip,
-                     .bytes = hi - lo};
-      (toward_storage ? part.dst_offset : part.src_offset) += stored_offset;
-      slice.push_back(part);
-    }
-    at += range.bytes;
-  }
-  return slice;
-}
-
-uint64_t SliceCount(uint64_t bytes, uint64_t slice_bytes) {
-  return bytes == 0 ? 1 : (bytes - 1) / slice_bytes + 1;
 }
 
 // Appends a piece, adding its bytes to `total` (overflow-checked).
@@ -393,6 +364,9 @@ PrefixCache::PrefixCache(const PrefixCacheOptions& options, PrefixIndex index,
     : options_(options),
       backend_(backend),
       budget_(budget),
+      copier_(backend, SliceCopierOptions{.copy_threads = options.copy_threads,
+                                          .parallel_copy_bytes = options.parallel_copy_bytes,
+                                          .slice_bytes = options.checksum_slice_bytes}),
       slabs_(std::move(slabs)),
       disk_(std::move(disk)),
       host_memory_(std::move(host_memory)),
@@ -943,8 +917,8 @@ absl::StatusOr<std::vector<PrefixCache::Stored>> PrefixCache::SealCopies(
   size_t allocated = 0;
   auto free_copies = [&] {
     for (size_t i = 0; i < allocated; ++i) {
-      (void)slabs_->Release(pieces[i].storage.span.slab);
-      FreeStorage(pieces[i].storage.span);
+      (void)slabs_->Release(pieces[i].span.slab);
+      FreeStorage(pieces[i].span);
     }
   };
   for (; allocated < pieces.size(); ++allocated) {
@@ -953,11 +927,11 @@ absl::StatusOr<std::vector<PrefixCache::Stored>> PrefixCache::SealCopies(
       free_copies();
       return span.status();
     }
-    pieces[allocated].storage.span = *span;
+    pieces[allocated].span = *span;
   }
   // Sealed as they are copied: the checksums come from the bytes the copy read.
   absl::StatusOr<std::vector<std::vector<uint64_t>>> slices =
-      CopySlices(Direction::kCapture, source, pieces, /*checksum=*/true, EntryId{});
+      copier_.Copy(CopyDirection::kToStorage, source, pieces, /*checksum=*/true, EntryId{});
   if (!slices.ok()) {
     free_copies();
     return slices.status();
@@ -965,7 +939,7 @@ absl::StatusOr<std::vector<PrefixCache::Stored>> PrefixCache::SealCopies(
   std::vector<Stored> copies(pieces.size());
   for (size_t i = 0; i < pieces.size(); ++i) {
     copies[i].ref.checksum = PieceChecksum((*slices)[i]);
-    copies[i].storage.span = pieces[i].storage.span;
+    copies[i].storage.span = pieces[i].span;
     copies[i].storage.piece_bytes = pieces[i].bytes;
     copies[i].storage.checksum = copies[i].ref.checksum;
     if ((*slices)[i].size() > 1) copies[i].storage.slice_checksums = std::move((*slices)[i]);
@@ -1696,13 +1670,14 @@ absl::StatusOr<SessionState> PrefixCache::RestorePinned(const SessionLayoutVersi
                                                 ": pinned storage handle ",
                                                 refs[i]->storage_handle, " is not in a slab"));
       }
-      pieces[i].storage = it->second;
+      pieces[i].span = it->second.span;
+      pieces[i].slice_checksums = it->second.slice_checksums;
       pieces[i].checksum = refs[i]->checksum;
     }
   }
   for (size_t i = 0; i < pieces.size(); ++i) {
     // The slice checksums must be the ones the piece was sealed with.
-    const std::vector<uint64_t>& slices = pieces[i].storage.slice_checksums;
+    const std::vector<uint64_t>& slices = pieces[i].slice_checksums;
     if (!slices.empty() && PieceChecksum(slices) != pieces[i].checksum) {
       return absl::DataLossError(absl::StrFormat(
           "prefix entry %d: the %d slice checksums of stored piece %d hash to %016x, sealed as "
@@ -1726,118 +1701,11 @@ absl::StatusOr<SessionState> PrefixCache::RestorePinned(const SessionLayoutVersi
   // much as the copy). A mismatch or device failure leaves the session's state fresh (it adopts
   // `hydrated` only on success); the bytes already copied are unspecified content of a fresh
   // session, as any fresh session's bytes are.
-  RETURN_IF_ERROR(CopySlices(Direction::kRestore, layout.arena, pieces, options_.verify_checksums,
-                             entry.id)
+  RETURN_IF_ERROR(copier_
+                      .Copy(CopyDirection::kFromStorage, layout.arena, pieces,
+                            options_.verify_checksums, entry.id)
                       .status());
   return std::move(hydrated);
-}
-
-absl::StatusOr<std::vector<std::vector<uint64_t>>> PrefixCache::CopySlices(
-    Direction direction, ArenaId session_arena, const std::vector<PieceCopy>& pieces,
-    bool checksum, EntryId entry, std::vector<absl::Status>* piece_failures) const {
-  const uint64_t slice_bytes = options_.checksum_slice_bytes;
-  const bool toward_storage = direction == Direction::kCapture;
-  // Every slice of every piece is an independent range of the destination, so slices are copied
-  // concurrently (DeviceBackend is thread-safe). Workers take the next job in piece order as
-  // they finish one: on a loaded machine a thread that gets less CPU takes fewer slices instead
-  // of holding up the copy.
-  struct Job {
-    uint32_t piece;
-    uint32_t slice;
-  };
-  std::vector<Job> jobs;
-  std::vector<std::vector<uint64_t>> checksums(pieces.size());
-  uint64_t total = 0;
-  if (piece_failures != nullptr) piece_failures->assign(pieces.size(), absl::OkStatus());
-  for (size_t p = 0; p < pieces.size(); ++p) {
-    const uint64_t slices = SliceCount(pieces[p].bytes, slice_bytes);
-    checksums[p].resize(slices);
-    if (direction == Direction::kRestore) {
-      const size_t stored = pieces[p].storage.slice_checksums.size();
-      if (stored != (slices == 1 ? 0 : slices)) {
-        return absl::DataLossError(absl::StrCat(
-            "prefix entry ", entry.value, ": stored piece ", p, " of ", pieces[p].bytes,
-            " bytes carries ", stored, " slice checksums; ", slice_bytes,
-            "-byte slices make ", slices, "; the entry is dropped, never served"));
-      }
-    }
-    for (uint64_t s = 0; s < slices; ++s) {
-      jobs.push_back({static_cast<uint32_t>(p), static_cast<uint32_t>(s)});
-    }
-    total += pieces[p].bytes;
-  }
-  auto run_job = [&](const Job& job) -> absl::Status {
-    const PieceCopy& piece = pieces[job.piece];
-    const uint64_t begin = uint64_t{job.slice} * slice_bytes;
-    const uint64_t end = std::min(begin + slice_bytes, piece.bytes);
-    const std::vector<CopyRange> ranges =
-        SliceRanges(piece.ranges, toward_storage, piece.storage.span.offset, begin, end);
-    const ArenaId stored = piece.storage.span.slab;
-    const ArenaId dst = toward_storage ? stored : session_arena;
-    const ArenaId src = toward_storage ? session_arena : stored;
-    if (!checksum) {
-      for (const CopyRange& range : ranges) {
-        RETURN_IF_ERROR(backend_->Copy(dst, range.dst_offset, src, range.src_offset, range.bytes));
-      }
-      return absl::OkStatus();
-    }
-    ASSIGN_OR_RETURN(const uint64_t digest, backend_->CopyRangesChecksummed(dst, src, ranges));
-    checksums[job.piece][job.slice] = digest;
-    if (direction == Direction::kCapture) return absl::OkStatus();
-    const std::vector<uint64_t>& sealed = piece.storage.slice_checksums;
-    const uint64_t expected = sealed.empty() ? piece.checksum : sealed[job.slice];
-    if (digest != expected) {
-      return absl::DataLossError(absl::StrFormat(
-          "prefix entry %d: stored piece %d (slab %d, offset %d), slice %d of %d (%d bytes), "
-          "has xxHash3 %016x, captured as %016x; the entry is dropped, never served",
-          piece.entry.value != 0 ? piece.entry.value : entry.value, job.piece, stored.value, piece.storage.span.offset, job.slice,
-          checksums[job.piece].size(), end - begin, digest, expected));
-    }
-    return absl::OkStatus();
-  };
-  uint64_t workers = 1;
-  if (jobs.size() > 1 && total >= options_.parallel_copy_bytes) {
-    workers = std::min<uint64_t>({options_.copy_threads, jobs.size(),
-                                  std::max(1u, std::thread::hardware_concurrency())});
-  }
-  // Each worker's first failure and its job; the first failure in job order is returned.
-  std::vector<std::pair<size_t, absl::Status>> failures(workers, {jobs.size(), absl::OkStatus()});
-  std::atomic<size_t> next_job{0};
-  std::atomic<bool> failed{false};
-  absl::Mutex failures_mu;  // piece_failures: slices of one piece may fail at once
-  auto run = [&](uint64_t worker) {
-    while (!failed.load(std::memory_order_relaxed)) {
-      const size_t i = next_job.fetch_add(1, std::memory_order_relaxed);
-      if (i >= jobs.size()) return;
-      absl::Status status = run_job(jobs[i]);
-      if (!status.ok() && piece_failures != nullptr) {
-        absl::MutexLock lock(&failures_mu);
-        absl::Status& first = (*piece_failures)[jobs[i].piece];
-        if (first.ok()) first = std::move(status);
-        continue;
-      }
-      if (!status.ok()) {
-        failures[worker] = {i, std::move(status)};
-        failed.store(true, std::memory_order_relaxed);
-      }
-    }
-  };
-  std::vector<std::thread> threads;
-  threads.reserve(workers - 1);
-  for (uint64_t worker = 1; worker < workers; ++worker) {
-    try {
-      threads.emplace_back(run, worker);
-    } catch (const std::system_error&) {
-      run(worker);  // no thread to be had: this one does the run itself
-    }
-  }
-  run(0);
-  for (std::thread& thread : threads) thread.join();
-  const auto first = std::min_element(
-      failures.begin(), failures.end(),
-      [](const auto& a, const auto& b) { return a.first < b.first; });
-  RETURN_IF_ERROR(first->second);
-  return checksums;
 }
 
 ScopedEntry PrefixCache::Unscoped(EntryView view) const {

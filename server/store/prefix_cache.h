@@ -100,6 +100,7 @@
 #include "server/store/prefix_session.h"
 #include "server/store/remote/remote_tier.h"
 #include "server/store/slab_allocator.h"
+#include "server/store/slice_copier.h"
 #include "server/base/streaming_checksum.h"
 
 namespace memra {
@@ -446,17 +447,6 @@ class PrefixCache {
     StoredRef ref;
     Storage storage;
   };
-  // One stored piece a capture or restore copies: `ranges` in piece order, the stored side at
-  // offsets from 0 (SliceRanges moves them into `storage.span`).
-  struct PieceCopy {
-    std::vector<CopyRange> ranges;
-    uint64_t bytes = 0;  // sum of the ranges' bytes
-    Storage storage;
-    uint64_t checksum = 0;  // restore: the StoredRef's
-    EntryId entry;          // pool loads: the piece's own entry (messages)
-  };
-  enum class Direction { kCapture, kRestore };
-
   PrefixCache(const PrefixCacheOptions& options, PrefixIndex index, DeviceBackend* backend,
               DeviceBudget* budget, std::unique_ptr<SlabAllocator> slabs,
               std::unique_ptr<DiskTier> disk, std::unique_ptr<HostTierMemory> host_memory,
@@ -540,16 +530,6 @@ class PrefixCache {
                                              RestoreTarget target) ABSL_LOCKS_EXCLUDED(mu_);
   LookupResult LookupLocked(const PlanFingerprint& shape, absl::Span<const int32_t> tokens)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Copies every slice of every piece between the session arena and the pieces' spans, over
-  // several threads for a large copy (copy_threads, parallel_copy_bytes), checksumming each
-  // slice as it goes unless `checksum` is false. Returns each piece's slice checksums. Capture:
-  // fills nothing else; restore: compares each slice with the stored checksums (DATA_LOSS for
-  // the first mismatch, naming `entry`). A worker stops at its first failure; with
-  // `piece_failures`, each piece's first failure goes there instead and the other pieces are
-  // still copied (the block store's per-block results).
-  absl::StatusOr<std::vector<std::vector<uint64_t>>> CopySlices(
-      Direction direction, ArenaId session_arena, const std::vector<PieceCopy>& pieces,
-      bool checksum, EntryId entry, std::vector<absl::Status>* piece_failures = nullptr) const;
   void FreeStorage(const SlabSpan& span);
   // Frees handles the index let go of (eviction, drop, unused), in whichever tier they are.
   void FreeHandles(const std::vector<uint64_t>& handles) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -647,6 +627,7 @@ class PrefixCache {
   const PrefixCacheOptions options_;
   DeviceBackend* const backend_;
   DeviceBudget* const budget_;
+  const SliceCopier copier_;
   const std::unique_ptr<SlabAllocator> slabs_;  // thread-safe itself
   const std::unique_ptr<DiskTier> disk_;         // null: no disk tier; thread-safe itself
   // The host tier (null: none): its memory, and the allocator over it (destroyed first).

@@ -298,7 +298,8 @@ std::vector<PoolBlockResult> PrefixCache::LoadPoolBlocks(const ScopedShape& spac
       PieceCopy piece;
       piece.ranges = PoolRanges(*all[i], /*toward_storage=*/false);
       piece.bytes = all[i]->bytes;
-      piece.storage = it->second;
+      piece.span = it->second.span;
+      piece.slice_checksums = it->second.slice_checksums;
       piece.checksum = ref.checksum;
       piece.entry = pinned[i]->id;
       pieces.push_back(std::move(piece));
@@ -307,8 +308,9 @@ std::vector<PoolBlockResult> PrefixCache::LoadPoolBlocks(const ScopedShape& spac
   }
   // 3. Copy and verify in one pass; each piece fails alone.
   std::vector<absl::Status> failures;
-  absl::Status copied = CopySlices(Direction::kRestore, pool, pieces, options_.verify_checksums,
-                                   EntryId{}, &failures)
+  absl::Status copied = copier_
+                            .Copy(CopyDirection::kFromStorage, pool, pieces,
+                                  options_.verify_checksums, EntryId{}, &failures)
                             .status();
   for (size_t k = 0; k < pieces.size(); ++k) {
     absl::Status& status = results[piece_of[k]].status;
