@@ -38,15 +38,10 @@
 // deleted, a mismatched one skipped) and stores them as a local entry (DEVICE, a kStored event)
 // before the normal restore. Any remote failure leaves the local answer.
 //
-// What is stored (StoredLayout):
-//  * per BLOCK of block_tokens rows, shared between entries: for every position-addressed layer
-//    in layer order, flat K rows then V rows, latent rows;
-//  * per BOUNDARY: for every layer in layer order, the SWA ring's aligned live window (K then V;
-//    KvRing::RestorePlan), recurrent conv then ssm state, the latent indexer's final pool keys
-//    then its live tail rows (PlanLatentCapture).
-// Restore replays the same layout into a fresh session: core decides (SessionState::Hydrate
-// sets lengths, ring bases and latent pools; ValidateLatentRestore / PlanLatentRestore place the
-// indexer state), this class only moves bytes.
+// What is stored, per block and per boundary: server/store/stored_layout.h. Restore replays the
+// same layout into a fresh session: core decides (SessionState::Hydrate sets lengths, ring bases
+// and latent pools; ValidateLatentRestore / PlanLatentRestore place the indexer state), this
+// class only moves bytes.
 //
 // Thread-safety: thread-safe. Lock order: a session's own mutex (PrefixSession) -> mu_ ->
 // SlabAllocator's mutex -> DeviceBudget's mutex. mu_ is never held while a session mutex is
@@ -101,6 +96,7 @@
 #include "server/store/remote/remote_tier.h"
 #include "server/store/slab_allocator.h"
 #include "server/store/slice_copier.h"
+#include "server/store/stored_layout.h"
 #include "server/base/streaming_checksum.h"
 
 namespace memra {
@@ -143,18 +139,6 @@ struct PrefixCacheOptions {
   std::function<void(uint64_t handle, StorageMedium to)> before_demotion_copy;
 };
 
-// The shape a session's entries are keyed by: the model fingerprint for an unsharded session
-// over every layer, else SHA-256 of the domain, the fingerprint, layer_lo, layer_hi (0xffffffff
-// = all) and tp_ranks (prefix.proto documents the encoding). `shape` as decoded by
-// SessionShapeFromProto (common/codec.h): tp_ranks >= 1, the wire's 0 already made 1.
-PlanFingerprint PrefixShapeFingerprint(const PlanFingerprint& model, const SessionShape& shape);
-
-// Cache scopes (server/session/cache_scopes.h) are part of the key namespace: an entry of `shape`
-// captured in `scope` is stored under SHA-256("memra-kv/cache-scope/v1" || u32 scope bytes ||
-// scope || shape) (little-endian), and its block keys chain from that. So there is one store,
-// one LRU and one budget, and an entry of another scope never matches.
-PlanFingerprint ScopedShapeFingerprint(absl::string_view scope, const PlanFingerprint& shape);
-
 // A shape in a scope, and the key its entries are stored under.
 struct ScopedShape {
   std::string scope;
@@ -184,32 +168,6 @@ struct ScopedEventReplay {
   std::vector<ScopedPrefixEvent> events;
   uint64_t last_sequence = 0;
 };
-
-// One contiguous range of one plane, in the order it sits in a stored buffer.
-struct StoredPiece {
-  PlaneRef plane;
-  uint64_t plane_offset = 0;  // bytes into the plane
-  uint64_t bytes = 0;
-};
-
-// What a session stores for one block and at one boundary (StoredLayout in the class comment).
-struct StoredLayout {
-  bool position_addressed_only = true;
-  uint64_t block_rows = 0;
-  // Block i's pieces are block_pieces with plane_offset += i * piece.bytes (rows are
-  // position-addressed: block i's rows start at i * block_rows).
-  std::vector<StoredPiece> block_pieces;
-  uint64_t block_bytes = 0;
-  std::vector<StoredPiece> boundary_pieces;  // source ranges at the capture boundary
-  uint64_t boundary_bytes = 0;
-};
-
-// The capture side: what `state` (quiescent at `boundary` rows, see Capture) stores.
-// INVALID_ARGUMENT: no position-addressed layer; FAILED_PRECONDITION: a lapped SWA window, an
-// undrained latent boundary (PlanLatentCapture's message), recurrent or indexer state asked
-// for at a boundary other than the committed length.
-absl::StatusOr<StoredLayout> PlanStoredLayout(const SessionPlan& plan, const SessionState& state,
-                                              uint64_t boundary, uint64_t block_rows);
 
 struct PrefixCaptureResult {
   EntryId entry;
