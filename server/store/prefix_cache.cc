@@ -63,6 +63,19 @@ void FillOrigin(CapturePlan& plan, absl::Span<const int32_t> tokens, uint64_t bl
   }
 }
 
+// The store's local tiers: the device's slabs, then the host tier and the disk where there are.
+TierChain ChainOf(const PrefixCacheOptions& options, DeviceBackend* backend, SlabAllocator* slabs,
+                  SlabAllocator* host_slabs, HostTierMemory* host_memory, DiskTier* disk,
+                  std::function<void(const SlabSpan&)> free_device_span) {
+  TierChain chain;
+  chain.Add(DeviceStoreTier(backend, slabs, options.budget_bytes, std::move(free_device_span)));
+  if (host_slabs != nullptr) {
+    chain.Add(HostStoreTier(host_slabs, host_memory, options.host_tier_bytes));
+  }
+  if (disk != nullptr) chain.Add(DiskStoreTier(disk));
+  return chain;
+}
+
 // The session's shape in its owner's cache scope.
 absl::StatusOr<ScopedShape> ShapeOf(const PrefixSession& session) {
   ASSIGN_OR_RETURN(PlanFingerprint model,
@@ -180,6 +193,8 @@ PrefixCache::PrefixCache(const PrefixCacheOptions& options, PrefixIndex index,
       disk_(std::move(disk)),
       host_memory_(std::move(host_memory)),
       host_slabs_(std::move(host_slabs)),
+      tiers_(ChainOf(options, backend, slabs_.get(), host_slabs_.get(), host_memory_.get(),
+                     disk_.get(), [this](const SlabSpan& span) { FreeStorage(span); })),
       remote_(std::move(remote)),
       index_(std::move(index)) {}
 
@@ -204,24 +219,13 @@ void PrefixCache::FreeStorage(const SlabSpan& span) {
 }
 
 void PrefixCache::FreeInTier(uint64_t handle, const Storage& storage) {
-  switch (storage.medium) {
-    case StorageMedium::kDevice:
-      FreeStorage(storage.span);
-      break;
-    case StorageMedium::kPinnedHost:
-      if (absl::Status freed = host_slabs_->Free(storage.span); !freed.ok()) {
-        spdlog::error("prefix cache: freeing host-tier storage failed: {}", freed.ToString());
-      }
-      break;
-    case StorageMedium::kDisk:
-      if (absl::Status removed = disk_->Remove(handle); !removed.ok()) {
-        spdlog::error("prefix cache: {}", removed.ToString());
-      }
-      break;
-    case StorageMedium::kRemote:  // never a stored piece's medium (pulled into DEVICE first)
-      spdlog::error("prefix cache: piece {} claims the remote tier", handle);
-      break;
+  StoreTier* tier = tiers_.tier(storage.medium);
+  if (tier == nullptr) {  // kRemote: never a stored piece's medium (pulled into DEVICE first)
+    spdlog::error("prefix cache: piece {} claims the {} tier, which this store has not", handle,
+                  StorageMediumName(storage.medium));
+    return;
   }
+  tier->Erase(handle, storage);
 }
 
 void PrefixCache::FreeHandles(const std::vector<uint64_t>& handles) {
@@ -288,37 +292,8 @@ void PrefixCache::MarkPinned(const EntryView& entry, int delta) {
   }
 }
 
-std::optional<StorageMedium> PrefixCache::TierBelow(StorageMedium medium) const {
-  switch (medium) {
-    case StorageMedium::kDevice:
-      if (host_slabs_ != nullptr) return StorageMedium::kPinnedHost;
-      [[fallthrough]];
-    case StorageMedium::kPinnedHost:
-      if (disk_ != nullptr) return StorageMedium::kDisk;
-      return std::nullopt;
-    case StorageMedium::kDisk:
-    case StorageMedium::kRemote:  // a replica beside the local tiers, never below them
-      return std::nullopt;
-  }
-  return std::nullopt;
-}
-
-uint64_t PrefixCache::IncomingBytes(const Move& move) {
-  return move.to == StorageMedium::kDisk ? move.source.piece_bytes : move.source.span.bytes;
-}
-
-uint64_t PrefixCache::TierBudget(StorageMedium medium) const {
-  switch (medium) {
-    case StorageMedium::kDevice:
-      return options_.budget_bytes;
-    case StorageMedium::kPinnedHost:
-      return host_slabs_ == nullptr ? 0 : options_.host_tier_bytes;
-    case StorageMedium::kDisk:
-      return disk_ == nullptr ? 0 : disk_->budget_bytes();
-    case StorageMedium::kRemote:  // the cluster's, not this daemon's
-      return 0;
-  }
-  return 0;
+uint64_t PrefixCache::IncomingBytes(const Move& move) const {
+  return tiers_.tier(move.to)->IncomingBytes(move.source);
 }
 
 void PrefixCache::RebalanceTiers() {
@@ -330,9 +305,9 @@ void PrefixCache::Rebalance() {
   // Top down: what the device tier pushes out lands in the tier below, which makes room first
   // (the host tier demotes its own LRU pieces, the disk tier evicts LRU entries); then the
   // host tier is brought within its budget in case room could not be made before.
-  DemoteDownTo(StorageMedium::kDevice, TierBudget(StorageMedium::kDevice));
+  DemoteDownTo(StorageMedium::kDevice, tiers_.Budget(StorageMedium::kDevice));
   if (host_slabs_ != nullptr) {
-    DemoteDownTo(StorageMedium::kPinnedHost, TierBudget(StorageMedium::kPinnedHost));
+    DemoteDownTo(StorageMedium::kPinnedHost, tiers_.Budget(StorageMedium::kPinnedHost));
   }
 }
 
@@ -445,38 +420,15 @@ std::vector<uint64_t> PrefixCache::PlanMoves(StorageMedium from, StorageMedium t
 absl::StatusOr<PrefixCache::Storage> PrefixCache::CopyDown(uint64_t handle, const Storage& source,
                                                            StorageMedium to) {
   if (options_.before_demotion_copy) options_.before_demotion_copy(handle, to);
-  Storage moved = source;
-  moved.medium = to;
-  if (to == StorageMedium::kPinnedHost) {
-    // Device -> host: straight into the host span (on cuda a DMA copy into pinned memory).
-    ASSIGN_OR_RETURN(moved.span, host_slabs_->Allocate(source.piece_bytes));
-    (void)host_slabs_->Release(moved.span.slab);  // holds mean nothing without a budget
-    absl::Status copied = [&]() -> absl::Status {
-      ASSIGN_OR_RETURN(absl::Span<uint8_t> host,
-                       host_memory_->Bytes(moved.span.slab, moved.span.offset, source.piece_bytes));
-      return backend_->Read(source.span.slab, source.span.offset, host);
-    }();
-    if (!copied.ok()) {
-      FreeInTier(handle, moved);
-      return copied;
-    }
-    return moved;
-  }
-  // -> disk, from the host tier's memory as it is, or read out of the device first.
-  std::vector<uint8_t> buffer;
-  absl::Span<const uint8_t> bytes;
-  if (source.medium == StorageMedium::kPinnedHost) {
-    ASSIGN_OR_RETURN(bytes, host_memory_->Bytes(source.span.slab, source.span.offset,
-                                                source.piece_bytes));
-  } else {
-    buffer.resize(source.piece_bytes);
-    RETURN_IF_ERROR(backend_->Read(source.span.slab, source.span.offset, absl::MakeSpan(buffer)));
-    bytes = buffer;
-  }
-  RETURN_IF_ERROR(disk_->Write(handle, bytes));
-  moved.span.slab = ArenaId{};
-  moved.span.offset = 0;  // span.bytes stays: the rounded size the index counts
-  return moved;
+  const StoreTier& from = *tiers_.tier(source.medium);
+  // The host tier's memory is read in place; a device piece is read into the tier below's memory
+  // (host) or a buffer (disk).
+  ASSIGN_OR_RETURN(std::optional<absl::Span<const uint8_t>> view, from.View(handle, source));
+  return tiers_.tier(to)->Insert(
+      handle, source,
+      PieceSource{.view = view, .read_into = [&](absl::Span<uint8_t> out) {
+                    return from.ReadInto(handle, source, out);
+                  }});
 }
 
 size_t PrefixCache::RunMoves(const std::vector<uint64_t>& handles) {
@@ -577,7 +529,7 @@ size_t PrefixCache::MoveChunk(const std::vector<std::pair<uint64_t, Move>>& plan
 
 size_t PrefixCache::DemoteDownTo(StorageMedium from, uint64_t target) {
   const size_t tier = static_cast<size_t>(from);
-  const std::optional<StorageMedium> to = TierBelow(from);
+  const std::optional<StorageMedium> to = tiers_.Below(from);
   size_t moved = 0;
   // Each round demotes or evicts something, else it stops.
   while (tier_stored_bytes_[tier] - tier_leaving_bytes_[tier] > target) {
@@ -628,25 +580,13 @@ absl::Status PrefixCache::PromotePinned(const EntryView& entry) {
   for (const auto& [handle, storage] : claimed) {
     // The piece's bytes: the host tier's memory as it is (claimed: nothing frees it), or the
     // disk file read back.
+    const StoreTier& from = *tiers_.tier(storage.medium);
     std::vector<uint8_t> buffer;
-    absl::Span<const uint8_t> bytes;
-    std::string where;
-    if (storage.medium == StorageMedium::kPinnedHost) {
-      absl::StatusOr<absl::Span<uint8_t>> host =
-          host_memory_->Bytes(storage.span.slab, storage.span.offset, storage.piece_bytes);
-      status = host.status();
-      if (!status.ok()) break;
-      bytes = *host;
-      where = absl::StrFormat("host-tier piece (%s memory, slab %d, offset %d)",
-                              host_memory_->provider_name(), storage.span.slab.value,
-                              storage.span.offset);
-    } else {
-      buffer.resize(storage.piece_bytes);
-      status = disk_->Read(handle, absl::MakeSpan(buffer));
-      if (!status.ok()) break;
-      bytes = buffer;
-      where = absl::StrCat("disk file ", disk_->PathOf(handle));
-    }
+    absl::StatusOr<absl::Span<const uint8_t>> read = from.Read(handle, storage, buffer);
+    status = read.status();
+    if (!status.ok()) break;
+    const absl::Span<const uint8_t> bytes = *read;
+    const std::string where = from.Describe(handle, storage);
     const std::vector<uint64_t> slices = SliceChecksums(bytes, options_.checksum_slice_bytes);
     const std::vector<uint64_t>& sealed =
         storage.slice_checksums.empty() ? std::vector<uint64_t>{storage.checksum}
@@ -663,18 +603,18 @@ absl::Status PrefixCache::PromotePinned(const EntryView& entry) {
           slice < slices.size() ? slices[slice] : 0, slice < sealed.size() ? sealed[slice] : 0));
       break;
     }
-    absl::StatusOr<SlabSpan> span = slabs_->Allocate(storage.piece_bytes);
-    if (!span.ok()) {
-      status = span.status();
+    absl::StatusOr<Storage> home = tiers_.tier(StorageMedium::kDevice)
+                                       ->Insert(handle, storage,
+                                                PieceSource{.view = bytes,
+                                                            .read_into = [&](absl::Span<uint8_t> out) {
+                                                              return from.ReadInto(handle, storage,
+                                                                                   out);
+                                                            }});
+    if (!home.ok()) {
+      status = home.status();
       break;
     }
-    status = backend_->Write(span->slab, span->offset, bytes);
-    if (!status.ok()) {
-      (void)slabs_->Release(span->slab);
-      FreeStorage(*span);
-      break;
-    }
-    promoted.emplace_back(handle, *span);
+    promoted.emplace_back(handle, home->span);
   }
   absl::MutexLock lock(&mu_);
   std::vector<BlockKey> moved_blocks;
@@ -994,7 +934,7 @@ void PrefixCache::PullFromRemote(const ScopedShape& shape, const SessionState& s
       absl::StatusOr<uint64_t> block_bytes = slabs_->RoundedBytes(stored->block_bytes);
       if (!block_bytes.ok()) return skip(block_bytes.status());
       if (*block_bytes != 0) {
-        limit = std::min(limit, TierBudget(StorageMedium::kDevice) / *block_bytes);
+        limit = std::min(limit, tiers_.Budget(StorageMedium::kDevice) / *block_bytes);
       }
       if (limit == 0) return;
     }
@@ -1564,7 +1504,7 @@ uint64_t PrefixCache::EvictForAdmission(uint64_t bytes) {
   // With a tier below, LRU pieces move down before any entry leaves the cache (the copies run
   // without mu_; the admission waits for them).
   constexpr size_t kDevice = static_cast<size_t>(StorageMedium::kDevice);
-  while (TierBelow(StorageMedium::kDevice).has_value() && returned() < bytes) {
+  while (tiers_.Below(StorageMedium::kDevice).has_value() && returned() < bytes) {
     const uint64_t staying = tier_stored_bytes_[kDevice] - tier_leaving_bytes_[kDevice];
     if (staying == 0) break;
     const uint64_t short_by = bytes - returned();
@@ -1625,11 +1565,11 @@ PrefixCacheStats PrefixCache::Stats() const {
   stats.block_tokens = index_.block_tokens();
   stats.slabs = slabs_->Stats();
   for (std::optional<StorageMedium> medium = StorageMedium::kDevice; medium.has_value();
-       medium = TierBelow(*medium)) {
+       medium = tiers_.Below(*medium)) {
     const size_t tier = static_cast<size_t>(*medium);
     stats.tiers.push_back({.medium = *medium,
                            .stored_bytes = tier_stored_bytes_[tier],
-                           .budget_bytes = TierBudget(*medium),
+                           .budget_bytes = tiers_.Budget(*medium),
                            .hits = tier_hits_[tier],
                            .promotions = tier_promotions_[tier],
                            .demotions = tier_demotions_[tier]});

@@ -13,7 +13,8 @@
 // holds (rounded to the slab alignment); the device budget is charged per slab, whole, so
 // admission counts what the device holds, slab free space included (reported as fragmentation).
 //
-// Tiers, fastest first (StorageMedium): the device's slabs; the host tier (host_tier_bytes:
+// Tiers, fastest first (StorageMedium; server/store/store_tier.h: one StoreTier per medium, in a
+// TierChain; this class decides what moves where and when): the device's slabs; the host tier (host_tier_bytes:
 // spans of host_slabs_, a SlabAllocator over HostTierMemory, whose memory a HostMemoryProvider
 // gives: pinned memory on cuda, plain memory in tests and on request on the host backend, where
 // the device tier already is host memory and the tier is off by default); the disk tier
@@ -96,6 +97,7 @@
 #include "server/store/remote/remote_tier.h"
 #include "server/store/slab_allocator.h"
 #include "server/store/slice_copier.h"
+#include "server/store/store_tier.h"
 #include "server/store/stored_layout.h"
 #include "server/base/streaming_checksum.h"
 
@@ -391,15 +393,7 @@ class PrefixCache {
   absl::Status CheckInvariants() const ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
-  struct Storage {
-    StorageMedium medium = StorageMedium::kDevice;
-    SlabSpan span;             // kDevice: in slabs_; kPinnedHost: in host_slabs_; kDisk: bytes only
-    uint64_t piece_bytes = 0;  // the piece's own bytes (a disk file's size)
-    uint64_t checksum = 0;     // the StoredRef's (verified when a disk file is read back)
-    // One xxHash3 per checksum_slice_bytes slice of a piece of several slices (the StoredRef's
-    // checksum is then the xxHash3 of these); empty for a piece of one slice.
-    std::vector<uint64_t> slice_checksums;
-  };
+  using Storage = PieceStorage;
   // A capture's fresh copy, its span held until the index adopts it or it is freed.
   struct Stored {
     StoredRef ref;
@@ -520,12 +514,8 @@ class PrefixCache {
     BlockKey key{};
     bool boundary = false;
   };
-  // The tier a piece of `medium` is demoted to (nullopt: the last tier, which evicts instead).
-  std::optional<StorageMedium> TierBelow(StorageMedium medium) const;
-  uint64_t TierBudget(StorageMedium medium) const;
-  // What `move` adds to its destination tier's budget: a disk file's own bytes, a span's
-  // rounded bytes in a memory tier.
-  static uint64_t IncomingBytes(const Move& move);
+  // What `move` adds to its destination tier's budget (StoreTier::IncomingBytes).
+  uint64_t IncomingBytes(const Move& move) const;
   // Demotes LRU host-tier pieces until the bytes on their way into it fit its budget too.
   void MakeHostRoom() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Every tier within its budget: each tier's LRU pieces move down (the last one's entries are
@@ -562,11 +552,11 @@ class PrefixCache {
   // then committed with its kMoved events in one hold of mu_.
   size_t MoveChunk(const std::vector<std::pair<uint64_t, Move>>& planned)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // The copy itself (no lock held): `source`'s bytes into a new home in tier `to`. Returns the
-  // new storage (a span in that tier's slabs, or the disk file's ledger size).
+  // The copy itself (no lock held): `source`'s bytes into a new home in tier `to`
+  // (StoreTier::Insert). Returns the new storage.
   absl::StatusOr<Storage> CopyDown(uint64_t handle, const Storage& source, StorageMedium to)
       ABSL_LOCKS_EXCLUDED(mu_);
-  // Frees `storage` in its tier (a slab span, a disk file) without touching the ledger.
+  // Frees `storage` in its tier (StoreTier::Erase) without touching the ledger.
   void FreeInTier(uint64_t handle, const Storage& storage);
   // Moves the disk pieces of the PINNED `entry` into slabs, reading and verifying them without
   // mu_ (a piece another restore is promoting, or a demotion is moving, is waited for).
@@ -591,6 +581,8 @@ class PrefixCache {
   // The host tier (null: none): its memory, and the allocator over it (destroyed first).
   const std::unique_ptr<HostTierMemory> host_memory_;
   const std::unique_ptr<SlabAllocator> host_slabs_;
+  // The local tiers over the above, fastest first (the device tier frees through FreeStorage).
+  const TierChain tiers_;
   // Device spans queued remote writes will read (RemoteWritesOf), by (slab, offset) -> whether
   // their free was deferred (FreeStorage) until the writer releases them. Its own mutex: the
   // writer thread releases holds without mu_. Lock order: mu_ -> remote_holds_mu_ ->

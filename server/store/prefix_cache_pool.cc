@@ -112,7 +112,7 @@ std::vector<PoolBlockResult> PrefixCache::StorePoolBlocks(const ScopedShape& spa
     uint64_t incoming = 0;
     for (size_t i : to_copy) incoming += plans[i].new_bytes;
     const uint64_t target = options_.budget_bytes > incoming ? options_.budget_bytes - incoming : 0;
-    if (TierBelow(StorageMedium::kDevice).has_value()) {
+    if (tiers_.Below(StorageMedium::kDevice).has_value()) {
       DemoteDownTo(StorageMedium::kDevice, target);
     } else if (index_.StoredBytes() > target) {
       const uint64_t excess = std::min(index_.StoredBytes() - target, index_.EvictableBytes());
