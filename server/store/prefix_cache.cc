@@ -12,6 +12,7 @@
 #include "absl/strings/str_format.h"
 #include "core/checked_math.h"
 #include "core/status_macros.h"
+#include "server/store/remote/read_through.h"
 #include "spdlog/spdlog.h"
 
 namespace memra {
@@ -964,7 +965,6 @@ void PrefixCache::PullFromRemote(const ScopedShape& shape, const SessionState& s
   if (plan->needs_boundary_state) {
     fetch.push_back(RemoteBoundaryKey(shape.scope, plan->chain.back()));
   }
-  RemoteTier::PullCounts counts;
   std::vector<Stored> copies;
   auto free_copies = [&] {
     for (Stored& copy : copies) {
@@ -973,8 +973,20 @@ void PrefixCache::PullFromRemote(const ScopedShape& shape, const SessionState& s
     }
     copies.clear();
   };
+  auto expected = [&](size_t i) {
+    const bool is_block = !plan->needs_boundary_state || i + 1 < fetch.size();
+    RemoteValueHeader header;
+    header.kind = is_block ? RemoteValueKind::kBlock : RemoteValueKind::kBoundary;
+    header.payload_bytes = is_block ? stored->block_bytes : stored->boundary_bytes;
+    header.shape_prefix = ShapePrefix(shape.key);
+    header.block_tokens = options_.block_tokens;
+    header.boundary_tokens = is_block ? 0 : plan->boundary_tokens;
+    header.layout_digest = is_block ? LayoutDigest(stored->block_pieces, stored->block_rows)
+                                    : LayoutDigest(stored->boundary_pieces, stored->block_rows);
+    return header;
+  };
   // Copies one verified payload into a new slab span, checksummed as this daemon slices.
-  auto copy_in = [&](VerifiedRemoteValue& value) -> absl::Status {
+  auto copy_in = [&](size_t, VerifiedRemoteValue& value) -> absl::Status {
     const absl::Span<const uint8_t> payload(
         reinterpret_cast<const uint8_t*>(value.payload.data()), value.payload.size());
     ASSIGN_OR_RETURN(SlabSpan span, slabs_->Allocate(payload.size()));
@@ -989,58 +1001,15 @@ void PrefixCache::PullFromRemote(const ScopedShape& shape, const SessionState& s
     copy.storage.piece_bytes = payload.size();
     copy.storage.checksum = copy.ref.checksum;
     if (slices.size() > 1) copy.storage.slice_checksums = std::move(slices);
-    ++counts.pieces;
-    counts.bytes += payload.size();
     return absl::OkStatus();
   };
-  const absl::Time fetch_deadline = absl::Now() + options_.remote_fetch_timeout;
-  bool ended = false;  // a piece was missing or refused: the pull ends before it
-  for (size_t start = 0; start < fetch.size() && !ended; start += kPullWindowValues) {
-    const size_t end = std::min(fetch.size(), start + kPullWindowValues);
-    const absl::Duration left = fetch_deadline - absl::Now();
-    if (left <= absl::ZeroDuration()) break;
-    absl::StatusOr<std::vector<std::optional<std::string>>> values = remote_->GetEach(
-        std::vector<std::string>(fetch.begin() + start, fetch.begin() + end), left);
-    if (!values.ok()) {
-      skip(values.status());
-      break;
-    }
-    for (size_t i = start; i < end && !ended; ++i) {
-      std::optional<std::string>& fetched = (*values)[i - start];
-      const bool is_block = !plan->needs_boundary_state || i + 1 < fetch.size();
-      RemoteValueHeader expected;
-      expected.kind = is_block ? RemoteValueKind::kBlock : RemoteValueKind::kBoundary;
-      expected.payload_bytes = is_block ? stored->block_bytes : stored->boundary_bytes;
-      expected.shape_prefix = ShapePrefix(shape.key);
-      expected.block_tokens = options_.block_tokens;
-      expected.boundary_tokens = is_block ? 0 : plan->boundary_tokens;
-      expected.layout_digest = is_block ? LayoutDigest(stored->block_pieces, stored->block_rows)
-                                        : LayoutDigest(stored->boundary_pieces, stored->block_rows);
-      if (!fetched.has_value()) {  // evicted or expired since EXISTS
-        ended = true;
-        break;
-      }
-      absl::StatusOr<VerifiedRemoteValue> value = VerifyRemoteValue(fetch[i], *fetched, expected);
-      if (!value.ok()) {
-        if (absl::IsDataLoss(value.status())) {
-          ++counts.corrupt;
-          remote_->Discard(fetch[i]);
-          spdlog::error("prefix remote tier: {}; deleted, the restore goes on without it",
-                        value.status().ToString());
-        } else {
-          ++counts.shape_mismatches;
-          spdlog::warn("prefix remote tier: {}", value.status().ToString());
-        }
-        ended = true;
-        break;
-      }
-      if (absl::Status copied = copy_in(*value); !copied.ok()) {
-        free_copies();
-        remote_->RecordPull(counts);
-        return skip(copied);
-      }
-      fetched.reset();
-    }
+  ReadThroughResult pulled =
+      ReadThrough(*remote_, fetch, expected, options_.remote_fetch_timeout, copy_in);
+  RemoteTier::PullCounts& counts = pulled.counts;
+  if (!pulled.adopt_failure.ok()) {
+    free_copies();
+    remote_->RecordPull(counts);
+    return skip(pulled.adopt_failure);
   }
   if (copies.size() < fetch.size()) {
     const uint64_t good_blocks = plan->first_new_block + copies.size();

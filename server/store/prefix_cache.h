@@ -454,13 +454,11 @@ class PrefixCache {
   // Queues `writes` (each under its kRemoteWrite hold): each hold passes to its source, which the tier
   // destroys, releasing it, once the write leaves the queue.
   void QueueRemoteWrites(std::vector<RemoteWrite> writes) ABSL_LOCKS_EXCLUDED(mu_);
-  // Values a pull fetches per round (each copied into its slab and dropped before the next).
-  static constexpr size_t kPullWindowValues = 8;
   // Read-through before a restore by tokens (REQUIRES the fresh destination's mutex, not mu_):
   // pulls what the remote tier holds beyond the local match of `keys` into a local entry.
   // Failures are logged and counted, never returned: the restore then serves the local match.
-  // Bounded: it pulls at most what the device tier's budget holds, fetching kPullWindowValues
-  // values at a time; the new entry's events name `engine_id` (the restoring engine).
+  // Bounded: it pulls at most what the device tier's budget holds, fetching values a window at a
+  // time (server/store/remote/read_through.h); the new entry's events name `engine_id` (the restoring engine).
   void PullFromRemote(const ScopedShape& shape, const SessionState& state,
                       const SessionLayoutVersion& layout, absl::Span<const int32_t> tokens,
                       const std::vector<BlockKey>& keys, uint64_t engine_id)
