@@ -89,6 +89,12 @@ class ReadThroughTest : public testing::WithRedisCluster<> {
     return keys;
   }
 
+  // Replaces the value under `key` (written through the tier's queue).
+  void Overwrite(const std::string& key, const std::string& value) {
+    ASSERT_TRUE(tier_->Enqueue(key, value));
+    ASSERT_TRUE(tier_->Flush(absl::Seconds(10)));
+  }
+
   // Pulls `keys`, keeping each adopted payload (in `adopted`).
   ReadThroughResult Pull(const std::vector<std::string>& keys, std::vector<std::string>& adopted,
                          std::optional<size_t> refuse_at = std::nullopt) {
@@ -136,8 +142,7 @@ TEST_F(ReadThroughTest, ACorruptValueIsCountedDeletedAndEndsThePull) {
   // Value 1's payload flipped after sealing: its checksum no longer matches.
   std::string bad = ValueOf(keys[1], Payload(kPayload, 1), Expected(kPayload));
   bad[kRemoteHeaderBytes + 17] ^= 0x40;
-  ASSERT_TRUE(tier_->Enqueue(keys[1], bad));
-  ASSERT_TRUE(tier_->Flush(absl::Seconds(10)));
+  Overwrite(keys[1], bad);
   std::vector<std::string> adopted;
   const ReadThroughResult result = Pull(keys, adopted);
   EXPECT_EQ(result.adopted, 1u);
@@ -152,8 +157,7 @@ TEST_F(ReadThroughTest, AValueOfAnotherShapeIsAMismatchAndStays) {
   std::vector<std::string> keys = Write("scope-rt-shape", 3);
   RemoteValueHeader other = Expected(kPayload);
   other.shape_prefix ^= 1;
-  ASSERT_TRUE(tier_->Enqueue(keys[0], ValueOf(keys[0], Payload(kPayload, 0), other)));
-  ASSERT_TRUE(tier_->Flush(absl::Seconds(10)));
+  Overwrite(keys[0], ValueOf(keys[0], Payload(kPayload, 0), other));
   std::vector<std::string> adopted;
   const ReadThroughResult result = Pull(keys, adopted);
   EXPECT_EQ(result.adopted, 0u);
