@@ -73,15 +73,7 @@ class OperatorSocketTest : public DaemonTest {
     return Committed(*client_, tokens);
   }
   std::unique_ptr<Session> Committed(KvClient& client, const std::vector<int32_t>& tokens) {
-    std::unique_ptr<Session> session = NewSession(client, kCapacity, /*spec_snapshot=*/false);
-    if (session == nullptr) return nullptr;
-    absl::StatusOr<Transaction> transaction = session->Begin();
-    EXPECT_THAT(transaction.status(), IsOk());
-    if (!transaction.ok()) return nullptr;
-    EXPECT_THAT(session->PrepareAppend(transaction->generation, tokens.size()).status(), IsOk());
-    EXPECT_THAT(session->PublishAppend(transaction->generation).status(), IsOk());
-    EXPECT_THAT(session->Commit(transaction->generation, tokens.size(), tokens).status(), IsOk());
-    return session;
+    return CommittedSession(client, kCapacity, tokens);
   }
 
   // A refusal of the engine socket: PERMISSION_DENIED naming the call and the admin socket.
