@@ -9,10 +9,8 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "absl/container/flat_hash_set.h"
 #include "absl/time/time.h"
 #include "common/codec.h"
-#include "common/daemon_restart.h"
 #include "common/errors.h"
 #include "core/status_macros.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
@@ -228,18 +226,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Create(DaemonConfig config,
     }
   }
   if (previous.has_value() && restart_state == nullptr) {
-    // Nothing would journal what re-adopted sessions do from now on, so a later restart would
-    // bring this start's records back over changed memory: the kept state is dropped instead.
-    spdlog::warn("restart: the previous daemon's {} sessions are not re-adopted: this daemon "
-                 "keeps no restart journal (keep_kv_across_restarts, or the journal failed)",
-                 previous->sessions.size());
-    std::vector<std::string> names = previous->leftovers;
-    names.push_back(previous->journal_name);
-    for (const auto& [name, fd] : previous->arenas) names.push_back(name);
-    for (const auto& [name, plan] : previous->plans) names.push_back(name);
-    for (const std::string& name : names) {
-      if (!name.empty()) (void)SdNotify(absl::StrCat("FDSTOREREMOVE=1\nFDNAME=", name));
-    }
+    DropPreviousDaemon(*std::move(previous));
     previous.reset();
   }
   auto [budget_bytes, rule] = BudgetFor(config, *backend);
@@ -264,169 +251,20 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Create(DaemonConfig config,
                  *std::move(prefix_cache)));
   daemon->survival_off_ = std::move(survival_off);
   if (previous.has_value()) {
-    daemon->Readopt(*std::move(previous));
+    daemon->readopted_ = Readopt(*std::move(previous),
+                                 ReadoptParts{.plans = &daemon->plans_,
+                                              .leases = &daemon->leases_,
+                                              .sessions = &daemon->sessions_,
+                                              .backend = daemon->backend_.get(),
+                                              .budget = daemon->budget_.get(),
+                                              .restart_state = daemon->restart_state_.get(),
+                                              .epoch = daemon->epoch_});
   } else if (daemon->restart_state_ != nullptr) {
     if (absl::Status published = daemon->restart_state_->Publish(); !published.ok()) {
       spdlog::error("restart journal not kept: {}", published.ToString());
     }
   }
   return daemon;
-}
-
-void Daemon::Readopt(PreviousDaemon previous) {
-  const absl::Time start = absl::Now();
-  const DaemonRestart restart{previous.epoch, epoch_};
-  for (const std::string& problem : previous.problems) {
-    spdlog::warn("restart: {}", problem);
-  }
-  if (restart_state_ != nullptr) restart_state_->CarrySessionSlotLimit(previous.session_slot_limit);
-  // Plans, by the fingerprint the previous daemon recorded.
-  absl::flat_hash_map<std::string, std::shared_ptr<const ModelPlan>> plans;
-  absl::flat_hash_map<std::string, std::string> plan_names;
-  for (auto& [name, plan] : previous.plans) {
-    absl::StatusOr<PlanFingerprint> fingerprint = plans_.Register(plan);
-    if (!fingerprint.ok()) {
-      spdlog::warn("restart: kept plan {} not registered: {}", name,
-                   fingerprint.status().ToString());
-      continue;
-    }
-    absl::StatusOr<std::shared_ptr<const ModelPlan>> found = plans_.Find(*fingerprint);
-    if (!found.ok()) continue;
-    const std::string bytes = FingerprintToBytes(*fingerprint);
-    plans[bytes] = *found;
-    plan_names[bytes] = name;
-  }
-  absl::flat_hash_map<uint64_t, std::string> engines;  // id -> its cache scope
-  for (const auto& engine : previous.engines) {
-    leases_.Readopt(EngineId{engine.id()}, engine.token(),
-                    EngineIdentity{.name = engine.name(),
-                                   .peer = PeerCredentials{.uid = engine.uid(),
-                                                           .gid = engine.gid(),
-                                                           .pid = static_cast<pid_t>(engine.pid())},
-                                   .cache_scope = engine.cache_scope()});
-    engines.emplace(engine.id(), engine.cache_scope());
-  }
-  leases_.RaiseNextEngineId(previous.next_engine_id);
-  sessions_.RaiseNextSessionId(previous.next_session_id);
-  absl::flat_hash_map<uint64_t, std::string> not_readopted;
-  for (const auto& record : previous.sessions) {
-    auto plan = plans.find(record.plan_fingerprint());
-    auto arena_fd = previous.arenas.find(record.arena_fd_name());
-    std::string reason;
-    if (!record.not_recoverable().empty()) {
-      reason = record.not_recoverable();
-    } else if (!engines.contains(record.owner())) {
-      reason = absl::StrCat("its engine ", record.owner(), " was not in the journal");
-    } else if (plan == plans.end()) {
-      reason = "its model plan was not kept (or its fingerprint changed with the configuration)";
-    } else if (arena_fd == previous.arenas.end()) {
-      reason = absl::StrCat("its arena's memory (", record.arena_fd_name(), ") was not kept");
-    }
-    if (reason.empty()) {
-      absl::StatusOr<ArenaId> arena = backend_->AdoptArenaFd(
-          arena_fd->second.release(), record.arena_bytes(), record.arena_handle());
-      previous.arenas.erase(arena_fd);
-      if (!arena.ok()) {
-        reason = absl::StrCat("its arena could not be mapped again: ", arena.status().message());
-      } else {
-        DaemonSession::Params params = sessions_.BaseParams();
-        params.id = SessionId{record.id()};
-        params.owner = EngineId{record.owner()};
-        params.slot = record.slot();
-        params.cache_scope = engines[record.owner()];
-        params.token = record.token();
-        params.model = plan->second;
-        params.fingerprint = record.plan_fingerprint();
-        params.shape.capacity = record.capacity();
-        params.shape.layer_lo = record.layer_lo();
-        if (record.has_layer_hi()) params.shape.layer_hi = record.layer_hi();
-        params.shape.tp_ranks = record.tp_ranks();
-        params.shape.spec_snapshot = record.spec_snapshot();
-        const CommittedRecord committed{
-            .committed_len = record.committed_len(),
-            .next_generation = record.next_generation(),
-            .ring_bases = {record.ring_bases().begin(), record.ring_bases().end()},
-            .tainted = record.tainted()};
-        if (restart_state_ != nullptr) {
-          restart_state_->NameAdoptedArena(*arena, record.arena_fd_name());
-          restart_state_->NameAdoptedPlan(record.plan_fingerprint(), plan_names[plan->first]);
-        }
-        absl::StatusOr<std::unique_ptr<DaemonSession>> session =
-            DaemonSession::Adopt(std::move(params), backend_.get(), budget_.get(), *arena,
-                                 record.arena_bytes(), record.layout_version(), committed);
-        absl::Status filed =
-            session.ok() ? sessions_.Readopt(*std::move(session), previous.session_slot_limit)
-                         : session.status();
-        if (!filed.ok()) {
-          reason = std::string(filed.message());
-          if (restart_state_ != nullptr) restart_state_->ArenaFreed(*arena);
-          (void)backend_->FreeArena(*arena);
-        } else {
-          (void)plans_.Register(*plan->second, record.owner());  // counts for its engine again
-          ++readopted_.sessions;
-          readopted_.bytes += record.arena_bytes();
-          continue;
-        }
-      }
-    }
-    spdlog::warn("restart: session {} of engine {} not re-adopted: {}", record.id(),
-                 record.owner(), reason);
-    not_readopted[record.id()] = std::move(reason);
-  }
-  const size_t lost_now = not_readopted.size();
-  // Why sessions were not re-adopted outlives this daemon: the next one tells their engines too
-  // (issue 26), until the engine is reclaimed. Earlier restarts' reasons come along, naming the
-  // restart they were lost in.
-  for (const auto& lost : previous.lost_sessions) {
-    if (!engines.contains(lost.owner()) || not_readopted.contains(lost.id())) continue;
-    not_readopted[lost.id()] =
-        absl::StrCat(lost.reason(), " (at the restart from epoch ", lost.lost_from_epoch(),
-                     " to ", lost.lost_at_epoch(), ")");
-    if (restart_state_ != nullptr) restart_state_->SessionLost(lost);
-  }
-  if (restart_state_ != nullptr) {
-    for (const auto& record : previous.sessions) {
-      auto lost = not_readopted.find(record.id());
-      if (lost == not_readopted.end() || !engines.contains(record.owner())) continue;
-      memra::kvd::journal::LostSessionRecord journaled;
-      journaled.set_id(record.id());
-      journaled.set_owner(record.owner());
-      journaled.set_reason(lost->second);
-      journaled.set_lost_from_epoch(previous.epoch);
-      journaled.set_lost_at_epoch(epoch_);
-      restart_state_->SessionLost(journaled);
-    }
-  }
-  readopted_.previous_epoch = previous.epoch;
-  readopted_.engines = engines.size();
-  readopted_.not_readopted = lost_now;
-  readopted_.torn_records = previous.torn_records;
-  if (previous.unreadable_records > 0) {
-    spdlog::warn("restart: {} journal records could not be read; sessions below id {} that are "
-                 "not re-adopted answer the restart error",
-                 previous.unreadable_records, previous.next_session_id);
-  }
-  sessions_.SetRestart(restart, std::move(not_readopted), previous.unreadable_records,
-                       previous.next_session_id);
-  leases_.SetRestart(restart, {});
-  if (restart_state_ != nullptr) {
-    // This daemon's journal first, then the previous daemon's leftovers go: a crash in between
-    // leaves two journals and the next start takes the newer.
-    if (absl::Status published = restart_state_->Publish(); !published.ok()) {
-      spdlog::error("restart journal not kept: {}", published.ToString());
-    }
-    restart_state_->ForgetUnusedPlans();
-    restart_state_->Forget(previous.journal_name);
-    for (const auto& [name, fd] : previous.arenas) restart_state_->Forget(name);
-    for (const std::string& name : previous.leftovers) restart_state_->Forget(name);
-  }
-  readopted_.took = absl::Now() - start;
-  spdlog::info(
-      "restart: epoch {} -> {} (generation {}): re-adopted {} engines and {} sessions ({} bytes) "
-      "in {} ms; {} sessions not re-adopted, {} torn journal records, {} unused arenas freed",
-      previous.epoch, epoch_, previous.generation + 1, readopted_.engines, readopted_.sessions,
-      readopted_.bytes, absl::ToDoubleMilliseconds(readopted_.took), readopted_.not_readopted,
-      readopted_.torn_records, previous.arenas.size());
 }
 
 Daemon::Daemon(DaemonConfig config, std::unique_ptr<DeviceBackend> backend, Clock* clock,

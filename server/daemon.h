@@ -64,6 +64,7 @@
 #include "server/session/plan_registry.h"
 #include "server/store/prefix_cache.h"
 #include "server/edge/prefix_service.h"
+#include "server/restart/readopt.h"
 #include "server/restart/restart_state.h"
 #include "server/base/sd_notify.h"
 #include "server/edge/served_socket.h"
@@ -124,16 +125,7 @@ class Daemon {
   // tests call it after moving a FakeClock.
   void CheckLeases();
 
-  // What the start re-adopted from a previous daemon (all zero on a first start).
-  struct Readopted {
-    uint64_t previous_epoch = 0;  // 0: nothing was re-adopted
-    size_t engines = 0;
-    size_t sessions = 0;
-    uint64_t bytes = 0;
-    size_t not_readopted = 0;
-    size_t torn_records = 0;
-    absl::Duration took;
-  };
+  // What the start re-adopted from a previous daemon (server/restart/readopt.h).
   Readopted readopted() const { return readopted_; }
   uint64_t epoch() const { return epoch_; }
   // Null when this daemon keeps nothing for a restart.
@@ -167,10 +159,6 @@ class Daemon {
          std::unique_ptr<DeviceBudget> budget, uint64_t epoch, CacheScopes scopes,
          std::unique_ptr<RestartState> restart_state,
          std::unique_ptr<PrefixCache> prefix_cache);
-
-  // Re-adopts what `previous` kept (before serving): plans, engines, sessions at their committed
-  // length; publishes this daemon's journal and removes the previous daemon's leftovers.
-  void Readopt(PreviousDaemon previous);
 
   // The session finder and the KvAdmin parts of this daemon (one service instance per socket).
   PrefixService::SessionFinder FindSession();
@@ -221,7 +209,7 @@ class Daemon {
   // Null unless under a service manager with keep_kv_across_restarts. Declared before the parts
   // that report to it.
   const std::unique_ptr<RestartState> restart_state_;
-  Readopted readopted_;  // set by Readopt() before serving, constant after
+  Readopted readopted_;  // set by Create() before serving, constant after
   // Why restart_state_ is null (set by Create() before serving, constant after).
   std::string survival_off_;
   // Every metric of this daemon (server/daemon_metrics.cc). Filled by Start().
