@@ -7,13 +7,18 @@
 #include <unistd.h>
 
 #include <cstdint>
+#include <cstdlib>
+#include <fstream>
+#include <iterator>
 #include <map>
 #include <memory>
 #include <optional>
 #include <string>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "client/client.h"
 #include "client/internal.h"
 #include "common/codec.h"
@@ -633,6 +638,31 @@ TEST_F(AdmissionTest, MetricsShowTheLedgerSessionsAndCalls) {
   EXPECT_THAT(scrape, HasSubstr("memra_rpc_duration_seconds_count{method=\"/memra.kv.v1.KvCache/"
                                 "CreateSession\"} 2\n"));
   EXPECT_THAT(HttpGet(port, "/nothing"), HasSubstr("HTTP/1.1 404"));
+}
+
+// Metric names, types and help texts are an interface (dashboards, alerts, README.md
+// "Metrics"): every family the daemon registers, wherever its part registers it, is exactly the
+// one in tests/service/metric_families.txt (sorted by name; families render in registration
+// order, which is not part of the interface). Regenerate only for a deliberate change.
+TEST_F(AdmissionTest, EveryMetricFamilyKeepsItsNameTypeAndHelp) {
+  const int port = daemon_->metrics_port();
+  ASSERT_GT(port, 0);
+  std::map<std::string, std::string> families;  // name -> its HELP and TYPE lines
+  for (absl::string_view line : absl::StrSplit(HttpGet(port, "/metrics"), '\n')) {
+    if (!absl::StartsWith(line, "# HELP ") && !absl::StartsWith(line, "# TYPE ")) continue;
+    const std::vector<absl::string_view> words = absl::StrSplit(line, absl::MaxSplits(' ', 3));
+    ASSERT_GE(words.size(), 3u) << line;
+    absl::StrAppend(&families[std::string(words[2])], line, "\n");
+  }
+  std::string scraped;
+  for (const auto& [name, lines] : families) scraped += lines;
+  const char* srcdir = std::getenv("TEST_SRCDIR");
+  ASSERT_NE(srcdir, nullptr);
+  std::ifstream file(absl::StrCat(srcdir, "/memra_kv/tests/service/metric_families.txt"));
+  ASSERT_TRUE(file.good());
+  const std::string expected((std::istreambuf_iterator<char>(file)),
+                             std::istreambuf_iterator<char>());
+  EXPECT_EQ(scraped, expected);
 }
 
 // rpc_metrics off (the default): the daemon's own metrics are served, but calls are neither
