@@ -12,6 +12,9 @@
 #include "absl/time/time.h"
 #include "common/codec.h"
 #include "common/errors.h"
+#include "proto/memra/kv/v1/admin.grpc.pb.h"
+#include "proto/memra/kv/v1/cache.grpc.pb.h"
+#include "proto/memra/kv/v1/prefix.grpc.pb.h"
 #include "core/status_macros.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/health_check_service_interface.h"
@@ -22,6 +25,11 @@
 #include "server/store/remote/redis_cluster.h"
 #include "server/store/remote/remote_tier.h"
 #include "server/base/unix_socket.h"
+#include "server/device/budget_metrics.h"
+#include "server/metrics/rpc_metrics.h"
+#include "server/restart/restart_metrics.h"
+#include "server/session/session_metrics.h"
+#include "server/store/prefix_cache_metrics.h"
 #include "spdlog/spdlog.h"
 
 namespace memra {
@@ -647,6 +655,48 @@ void Daemon::ApplyReload(const DaemonConfig& config) {
                  "until releases bring usage under it",
                  change.used_bytes, change.over_budget_bytes);
   }
+}
+
+absl::StatusOr<std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>>>
+Daemon::RegisterMetrics() {
+  RETURN_IF_ERROR(RegisterBudgetMetrics(budget_.get(), metrics_));
+  RETURN_IF_ERROR(RegisterSessionMetrics(&sessions_, metrics_));
+  RETURN_IF_ERROR(RegisterLeaseMetrics(&leases_, metrics_));
+  RETURN_IF_ERROR(RegisterArenaPoolMetrics(&arena_pool_, metrics_));
+  RETURN_IF_ERROR(RegisterPrefixCacheMetrics(prefix_cache_.get(), metrics_));
+  RETURN_IF_ERROR(RegisterRestartMetrics([this] { return restart_survival(); }, metrics_));
+  if (!start_config_.rpc_metrics || start_config_.metrics_address.empty()) {
+    return std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>>();
+  }
+  std::vector<std::string> methods(metrics::kHealthServiceMethods.begin(),
+                                   metrics::kHealthServiceMethods.end());
+  for (const char* service :
+       {pb::KvCache::service_full_name(), pb::KvAdmin::service_full_name(),
+        pb::KvPrefixCache::service_full_name(), "grpc.reflection.v1alpha.ServerReflection"}) {
+    ASSIGN_OR_RETURN(std::vector<std::string> served, metrics::ProtoServiceMethods(service));
+    methods.insert(methods.end(), served.begin(), served.end());
+  }
+  return metrics::MakeRpcMetricsInterceptors(&metrics_, methods);
+}
+
+void Daemon::StartMetricsHttp() {
+  if (start_config_.metrics_address.empty()) return;
+  absl::StatusOr<std::unique_ptr<metrics::MetricsHttpServer>> http =
+      metrics::MetricsHttpServer::Start(start_config_.metrics_address, &metrics_);
+  if (!http.ok()) {
+    spdlog::error("metrics are off: {} (memra-kvd keeps serving; fix metrics_address)",
+                  http.status().ToString());
+    return;
+  }
+  spdlog::info("metrics on http://{}/metrics (port {})", start_config_.metrics_address,
+               (*http)->bound_port());
+  absl::MutexLock lock(&mu_);
+  metrics_http_ = *std::move(http);
+}
+
+int Daemon::metrics_port() const {
+  absl::MutexLock lock(&mu_);
+  return metrics_http_ == nullptr ? 0 : metrics_http_->bound_port();
 }
 
 }  // namespace memra

@@ -175,8 +175,8 @@ class Daemon {
   AdminService::Parts AdminParts(ServedSocket socket);
 
   void LeaseLoop() ABSL_LOCKS_EXCLUDED(stop_mu_);
-  // Registers the daemon's gauges and counters (read at scrape time) and returns the gRPC
-  // interceptors that count and time every call (server/daemon_metrics.cc).
+  // Has each part register its gauges and counters (read at scrape time; the part's
+  // *_metrics.h) and returns the gRPC interceptors that count and time every call.
   absl::StatusOr<
       std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>>>
   RegisterMetrics();
@@ -212,7 +212,7 @@ class Daemon {
   Readopted readopted_;  // set by Create() before serving, constant after
   // Why restart_state_ is null (set by Create() before serving, constant after).
   std::string survival_off_;
-  // Every metric of this daemon (server/daemon_metrics.cc). Filled by Start().
+  // Every metric of this daemon. Filled by Start() (RegisterMetrics).
   metrics::Registry metrics_;
   PlanRegistry plans_;
   EngineLeases leases_;
