@@ -43,14 +43,15 @@ namespace pb = ::memra::kv::v1;
 std::pair<uint64_t, std::string> BudgetFor(const DaemonConfig& config, DeviceBackend& backend) {
   const DeviceInfo info = backend.Info();
   if (config.backend == Backend::kCuda) {
-    return {UsableCudaBudget(info.total_bytes, config.cuda_memory_fraction,
-                             config.cuda_reserve_bytes),
-            absl::StrCat("cuda: ", config.cuda_memory_fraction, " x ", info.total_bytes,
-                         " total - ", config.cuda_reserve_bytes, " reserve")};
+    return {UsableCudaBudget(info.total_bytes, config.admission.cuda_memory_fraction,
+                             config.admission.cuda_reserve_bytes),
+            absl::StrCat("cuda: ", config.admission.cuda_memory_fraction, " x ", info.total_bytes,
+                         " total - ", config.admission.cuda_reserve_bytes, " reserve")};
   }
-  const uint64_t bytes = std::min(UsableHostBudget(config.budget_bytes), info.total_bytes);
-  if (bytes < config.budget_bytes) {
-    return {bytes, absl::StrCat("host: budget_bytes ", config.budget_bytes,
+  const uint64_t bytes =
+      std::min(UsableHostBudget(config.admission.budget_bytes), info.total_bytes);
+  if (bytes < config.admission.budget_bytes) {
+    return {bytes, absl::StrCat("host: budget_bytes ", config.admission.budget_bytes,
                                 " capped at the backend's start-up capacity ", info.total_bytes)};
   }
   return {bytes, absl::StrCat("host: budget_bytes ", bytes)};
@@ -66,22 +67,24 @@ void LimitByDescriptors(DaemonConfig& config) {
   }
   const DescriptorShares shares = ShareDescriptors(limit);
   const uint64_t arenas = EffectiveMaxArenas(config);
-  config.max_arenas = std::min(arenas, shares.arenas);
-  config.max_connections = std::min(config.max_connections, shares.connections);
-  config.max_connections_per_uid = std::min(config.max_connections_per_uid, config.max_connections);
+  config.admission.max_arenas = std::min(arenas, shares.arenas);
+  ConnectionGate::Limits& connections = config.connections;
+  connections.max_connections = std::min(connections.max_connections, shares.connections);
+  connections.max_connections_per_uid =
+      std::min(connections.max_connections_per_uid, connections.max_connections);
   spdlog::info(
       "descriptors: RLIMIT_NOFILE {} ({} kept for the daemon): at most {} arenas (max_arenas or "
       "vm.max_map_count: {}; descriptors: {}), {} gRPC connections per socket and {} per uid "
       "(max_connections or descriptors: {})",
-      limit, kReservedDescriptors, config.max_arenas, arenas, shares.arenas,
-      config.max_connections, config.max_connections_per_uid, shares.connections);
+      limit, kReservedDescriptors, config.admission.max_arenas, arenas, shares.arenas,
+      connections.max_connections, connections.max_connections_per_uid, shares.connections);
 }
 
 // SubscribeEvents streams of one socket: per engine on the engine socket, and all together.
 ConcurrencyLimit::Limits EventStreamLimits(const DaemonConfig& config, bool per_engine) {
-  return {.total = static_cast<size_t>(config.max_event_streams),
+  return {.total = config.sockets.max_event_streams,
           .total_name = "max_event_streams, per socket",
-          .per_key = per_engine ? static_cast<size_t>(config.max_engine_event_streams) : 0,
+          .per_key = per_engine ? config.sockets.max_engine_event_streams : 0,
           .per_key_name = "max_engine_event_streams"};
 }
 
@@ -99,29 +102,18 @@ class WithoutReflection final : public grpc::ServerBuilderOption {
   }
 };
 
+// The block store's limits: the configured ones, and the per-engine shares derived from them.
 BlockStoreLimits BlockStoreLimitsOf(const DaemonConfig& config) {
-  BlockStoreLimits limits;
-  limits.engine_bytes = config.block_store_engine_bytes;
-  limits.registrations_per_engine = static_cast<size_t>(config.block_store_max_registrations);
-  limits.pins_per_engine = static_cast<size_t>(config.block_store_max_pins);
+  BlockStoreLimits limits = config.block_store;
   // One engine may keep at most a quarter of the device tier's budget from eviction.
-  limits.pinned_bytes_per_engine = config.prefix_cache_budget_bytes / 4;
-  limits.max_offers = static_cast<size_t>(config.block_store_max_offers);
-  limits.max_mapped_buffers = static_cast<size_t>(config.block_store_max_mapped_buffers);
+  limits.pinned_bytes_per_engine = config.prefix.budget_bytes / 4;
   // Daemon-wide caps split fairly (docs/security-model.md#resources): one engine may map a
   // quarter of the buffers, and hold half of the offers (at most a registration's worth).
   limits.mapped_buffers_per_engine =
       std::max<size_t>(1, limits.max_mapped_buffers / kBlockStoreEngineShareDivisor);
   limits.offers_per_engine =
-      std::clamp<size_t>(limits.max_offers / 2, 1, limits.offers_per_engine);
+      std::clamp<size_t>(limits.max_offers / 2, 1, BlockStoreLimits{}.offers_per_engine);
   return limits;
-}
-
-LeaseSettings LeaseSettingsOf(const DaemonConfig& config) {
-  return LeaseSettings{absl::Milliseconds(config.lease_timeout_ms),
-                       absl::Milliseconds(config.lease_grace_ms),
-                       absl::Milliseconds(config.reservation_ttl_ms),
-                       static_cast<size_t>(config.max_attached_engines)};
 }
 
 absl::StatusOr<uint64_t> RandomEpoch() {
@@ -147,34 +139,11 @@ absl::StatusOr<std::unique_ptr<PrefixCache>> MakePrefixCache(const DaemonConfig&
                                                              DeviceBackend* backend,
                                                              DeviceBudget* budget,
                                                              uint64_t epoch) {
-  if (config.prefix_cache_budget_bytes == 0) return nullptr;
-  PrefixCacheOptions options;
-  options.budget_bytes = config.prefix_cache_budget_bytes;
-  options.block_tokens = config.prefix_block_tokens;
-  options.verify_checksums = config.prefix_verify_checksums;
-  options.copy_threads = static_cast<uint32_t>(config.prefix_copy_threads);
-  options.slab_bytes = config.prefix_slab_bytes;
-  options.disk_dir = config.prefix_disk_dir;
-  options.disk_bytes = config.prefix_disk_bytes;
-  if (!config.prefix_remote_redis_nodes.empty()) {
-    RemoteTierOptions remote;
-    ASSIGN_OR_RETURN(remote.cluster.seed_nodes,
-                     ParseRedisNodeList(config.prefix_remote_redis_nodes));
-    remote.cluster.user = config.prefix_remote_redis_user;
-    remote.cluster.password_file = config.prefix_remote_redis_password_file;
-    remote.cluster.tls = config.prefix_remote_redis_tls;
-    remote.cluster.connect_timeout =
-        absl::Milliseconds(config.prefix_remote_redis_connect_timeout_ms);
-    remote.cluster.command_timeout = absl::Milliseconds(config.prefix_remote_redis_timeout_ms);
-    remote.queue_bytes = config.prefix_remote_queue_bytes;
-    remote.ttl = absl::Seconds(config.prefix_remote_ttl_s);
-    options.remote = std::move(remote);
-    options.remote_lookup_timeout = absl::Milliseconds(config.prefix_remote_lookup_timeout_ms);
-    options.remote_fetch_timeout = absl::Milliseconds(config.prefix_remote_fetch_timeout_ms);
-  }
-  options.host_tier_bytes = config.prefix_host_tier_bytes;
+  if (config.prefix.budget_bytes == 0) return nullptr;
+  PrefixCacheOptions options = config.prefix;
+  if (!config.prefix_remote.cluster.seed_nodes.empty()) options.remote = config.prefix_remote;
   std::unique_ptr<HostMemoryProvider> host_memory;
-  if (config.prefix_host_tier_bytes > 0) {
+  if (config.prefix.host_tier_bytes > 0) {
     if (config.prefix_host_tier_memory == PrefixHostMemory::kPinned) {
       ASSIGN_OR_RETURN(host_memory, NewCudaPinnedHostMemory());
     } else {
@@ -222,7 +191,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Create(DaemonConfig config,
     // Every session holds an arena and every known engine a slot: max_arenas + engines bounds
     // the records (the file is sparse: unused slots cost no memory).
     const uint64_t slots = std::min<uint64_t>(
-        EffectiveMaxArenas(config) + config.max_attached_engines + 1, RestartJournal::kMaxSlots);
+        EffectiveMaxArenas(config) + config.leases.max_engines + 1, RestartJournal::kMaxSlots);
     absl::StatusOr<std::unique_ptr<RestartState>> created = RestartState::Create(
         slots, epoch, previous.has_value() ? previous->generation + 1 : 1, backend.get());
     if (created.ok()) {
@@ -240,7 +209,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Create(DaemonConfig config,
   auto [budget_bytes, rule] = BudgetFor(config, *backend);
   const uint64_t max_arenas = EffectiveMaxArenas(config);
   const AdmissionLimits limits{.max_arenas = max_arenas,
-                               .owner_share_percent = config.max_engine_budget_share,
+                               .owner_share_percent = config.admission.max_engine_budget_share,
                                .max_owner_arenas = EffectiveMaxEngineArenas(config, max_arenas)};
   spdlog::info(
       "admission budget {} bytes ({}); at most {} arenas ({} per engine), {}% of the budget per "
@@ -289,14 +258,15 @@ Daemon::Daemon(DaemonConfig config, std::unique_ptr<DeviceBackend> backend, Cloc
       scopes_(std::move(scopes)),
       started_(clock->Now()),
       restart_state_(std::move(restart_state)),
-      plans_(FormatDefaults(), start_config_.max_plan_layers,
-             static_cast<size_t>(start_config_.max_engine_plans)),
-      leases_(clock_, budget_.get(), LeaseSettingsOf(start_config_), restart_state_.get()),
+      plans_(FormatDefaults(), start_config_.sessions.max_plan_layers,
+             start_config_.sessions.max_engine_plans),
+      leases_(clock_, budget_.get(), start_config_.leases, restart_state_.get()),
       prefix_cache_(std::move(prefix_cache)),
-      arena_pool_(backend_.get(), budget_.get(), start_config_.arena_pool_engine_bytes),
+      arena_pool_(backend_.get(), budget_.get(), start_config_.sessions.arena_pool_engine_bytes),
       sessions_(backend_.get(), budget_.get(), &leases_, &plans_, FormatDefaults(),
-                start_config_.prefix_capture_on_engine_death ? prefix_cache_.get() : nullptr,
-                start_config_.max_engine_sessions, &arena_pool_, restart_state_.get()),
+                start_config_.sessions.prefix_capture_on_engine_death ? prefix_cache_.get()
+                                                                      : nullptr,
+                start_config_.sessions.max_engine_sessions, &arena_pool_, restart_state_.get()),
       block_store_(prefix_cache_.get(), backend_.get(), clock_, BlockStoreLimitsOf(start_config_),
                    [this](uint64_t connection, uint64_t engine) {
                      return handoff_.ServesEngine(connection, engine);
@@ -350,9 +320,9 @@ PrefixService::ScopeFinder Daemon::FindScope() {
 ArenaHandoff::Options Daemon::HandoffOptions() const {
   ArenaHandoff::Options options;
   options.path = start_config_.HandoffSocketPath();
-  options.group = start_config_.socket_group;
-  options.mode = start_config_.socket_mode;
-  options.max_connections = static_cast<size_t>(start_config_.max_attached_engines);
+  options.group = start_config_.sockets.socket_group;
+  options.mode = start_config_.sockets.socket_mode;
+  options.max_connections = start_config_.leases.max_engines;
   options.instance = epoch_;
   return options;
 }
@@ -422,14 +392,15 @@ absl::Status Daemon::Start() {
   std::unique_ptr<ConnectionGate> gate;
   std::unique_ptr<ConnectionGate> admin_gate;
   ASSIGN_OR_RETURN(std::unique_ptr<grpc::Server> server,
-                   Serve(socket_path_, start_config_.socket_group, start_config_.socket_mode,
+                   Serve(socket_path_, start_config_.sockets.socket_group,
+                         start_config_.sockets.socket_mode,
                          /*reflection=*/false,
                          {&cache_service_, &engine_admin_service_, &engine_prefix_service_,
                           &block_store_service_},
                          std::move(interceptors), &gate));
   absl::StatusOr<std::unique_ptr<grpc::Server>> admin_server =
-      Serve(admin_socket_path_, start_config_.admin_socket_group,
-            start_config_.admin_socket_mode, /*reflection=*/true,
+      Serve(admin_socket_path_, start_config_.sockets.admin_socket_group,
+            start_config_.sockets.admin_socket_mode, /*reflection=*/true,
             {&operator_admin_service_, &operator_prefix_service_}, {}, &admin_gate);
   if (!admin_server.ok()) {
     gate->Stop();
@@ -472,8 +443,7 @@ absl::StatusOr<std::unique_ptr<grpc::Server>> Daemon::Serve(
       *gate,
       ConnectionGate::Listen(
           path, group, mode, absl::StrCat("socket ", path),
-          {.max_connections = static_cast<size_t>(start_config_.max_connections),
-           .max_connections_per_uid = static_cast<size_t>(start_config_.max_connections_per_uid)}));
+          start_config_.connections));
   grpc::ServerBuilder builder;
   for (grpc::Service* service : services) builder.RegisterService(service);
   if (!reflection) builder.SetOption(std::make_unique<WithoutReflection>());
@@ -485,7 +455,7 @@ absl::StatusOr<std::unique_ptr<grpc::Server>> Daemon::Serve(
   // A connection with no call for this long is closed (GOAWAY): idle connections hold
   // descriptors.
   builder.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_IDLE_MS,
-                             static_cast<int>(start_config_.connection_idle_timeout_ms));
+                             static_cast<int>(start_config_.sockets.connection_idle_timeout_ms));
   if (!interceptors.empty()) {
     builder.experimental().SetInterceptorCreators(std::move(interceptors));
   }
@@ -643,7 +613,7 @@ void Daemon::Shutdown() {
 }
 
 void Daemon::ApplyReload(const DaemonConfig& config) {
-  leases_.ApplySettings(LeaseSettingsOf(config));
+  leases_.ApplySettings(config.leases);
   auto [budget_bytes, rule] = BudgetFor(config, *backend_);
   const BudgetChange change = budget_->SetBudget(budget_bytes, rule);
   if (change.old_budget != change.new_budget) {
@@ -665,7 +635,7 @@ Daemon::RegisterMetrics() {
   RETURN_IF_ERROR(RegisterArenaPoolMetrics(&arena_pool_, metrics_));
   RETURN_IF_ERROR(RegisterPrefixCacheMetrics(prefix_cache_.get(), metrics_));
   RETURN_IF_ERROR(RegisterRestartMetrics([this] { return restart_survival(); }, metrics_));
-  if (!start_config_.rpc_metrics || start_config_.metrics_address.empty()) {
+  if (!start_config_.metrics.rpc_metrics || start_config_.metrics.metrics_address.empty()) {
     return std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>>();
   }
   std::vector<std::string> methods(metrics::kHealthServiceMethods.begin(),
@@ -680,15 +650,15 @@ Daemon::RegisterMetrics() {
 }
 
 void Daemon::StartMetricsHttp() {
-  if (start_config_.metrics_address.empty()) return;
+  if (start_config_.metrics.metrics_address.empty()) return;
   absl::StatusOr<std::unique_ptr<metrics::MetricsHttpServer>> http =
-      metrics::MetricsHttpServer::Start(start_config_.metrics_address, &metrics_);
+      metrics::MetricsHttpServer::Start(start_config_.metrics.metrics_address, &metrics_);
   if (!http.ok()) {
     spdlog::error("metrics are off: {} (memra-kvd keeps serving; fix metrics_address)",
                   http.status().ToString());
     return;
   }
-  spdlog::info("metrics on http://{}/metrics (port {})", start_config_.metrics_address,
+  spdlog::info("metrics on http://{}/metrics (port {})", start_config_.metrics.metrics_address,
                (*http)->bound_port());
   absl::MutexLock lock(&mu_);
   metrics_http_ = *std::move(http);
