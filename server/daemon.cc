@@ -1,7 +1,6 @@
 #include "server/daemon.h"
 
 #include <sys/random.h>
-#include <sys/resource.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -12,109 +11,26 @@
 #include "absl/time/time.h"
 #include "common/codec.h"
 #include "common/errors.h"
-#include "proto/memra/kv/v1/admin.grpc.pb.h"
-#include "proto/memra/kv/v1/cache.grpc.pb.h"
-#include "proto/memra/kv/v1/prefix.grpc.pb.h"
 #include "core/status_macros.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/health_check_service_interface.h"
-#include "grpcpp/resource_quota.h"
-#include "grpcpp/security/server_credentials.h"
-#include "grpcpp/server_builder.h"
-#include "server/device/pinned_host_memory.h"
-#include "server/store/remote/redis_cluster.h"
-#include "server/store/remote/remote_tier.h"
+#include "proto/memra/kv/v1/admin.grpc.pb.h"
+#include "proto/memra/kv/v1/cache.grpc.pb.h"
+#include "proto/memra/kv/v1/prefix.grpc.pb.h"
 #include "server/base/unix_socket.h"
 #include "server/device/budget_metrics.h"
 #include "server/metrics/rpc_metrics.h"
+#include "server/parts_factory.h"
 #include "server/restart/restart_metrics.h"
 #include "server/session/session_metrics.h"
 #include "server/store/prefix_cache_metrics.h"
+#include "server/store/remote/remote_tier.h"
 #include "spdlog/spdlog.h"
 
 namespace memra {
 namespace {
 
 namespace pb = ::memra::kv::v1;
-
-// The admission budget the configuration and the device allow, and how it was derived.
-// Host: budget_bytes, capped at the capacity the backend was created with (it cannot grow).
-// CUDA: cuda_memory_fraction of the device's TOTAL memory minus cuda_reserve_bytes.
-std::pair<uint64_t, std::string> BudgetFor(const DaemonConfig& config, DeviceBackend& backend) {
-  const DeviceInfo info = backend.Info();
-  if (config.backend == Backend::kCuda) {
-    return {UsableCudaBudget(info.total_bytes, config.admission.cuda_memory_fraction,
-                             config.admission.cuda_reserve_bytes),
-            absl::StrCat("cuda: ", config.admission.cuda_memory_fraction, " x ", info.total_bytes,
-                         " total - ", config.admission.cuda_reserve_bytes, " reserve")};
-  }
-  const uint64_t bytes =
-      std::min(UsableHostBudget(config.admission.budget_bytes), info.total_bytes);
-  if (bytes < config.admission.budget_bytes) {
-    return {bytes, absl::StrCat("host: budget_bytes ", config.admission.budget_bytes,
-                                " capped at the backend's start-up capacity ", info.total_bytes)};
-  }
-  return {bytes, absl::StrCat("host: budget_bytes ", bytes)};
-}
-
-// Caps max_arenas and max_connections by the daemon's own RLIMIT_NOFILE (ShareDescriptors) and
-// says so.
-void LimitByDescriptors(DaemonConfig& config) {
-  rlimit open_files{};
-  uint64_t limit = UINT64_MAX;
-  if (getrlimit(RLIMIT_NOFILE, &open_files) == 0 && open_files.rlim_cur != RLIM_INFINITY) {
-    limit = open_files.rlim_cur;
-  }
-  const DescriptorShares shares = ShareDescriptors(limit);
-  const uint64_t arenas = EffectiveMaxArenas(config);
-  config.admission.max_arenas = std::min(arenas, shares.arenas);
-  ConnectionGate::Limits& connections = config.connections;
-  connections.max_connections = std::min(connections.max_connections, shares.connections);
-  connections.max_connections_per_uid =
-      std::min(connections.max_connections_per_uid, connections.max_connections);
-  spdlog::info(
-      "descriptors: RLIMIT_NOFILE {} ({} kept for the daemon): at most {} arenas (max_arenas or "
-      "vm.max_map_count: {}; descriptors: {}), {} gRPC connections per socket and {} per uid "
-      "(max_connections or descriptors: {})",
-      limit, kReservedDescriptors, config.admission.max_arenas, arenas, shares.arenas,
-      connections.max_connections, connections.max_connections_per_uid, shares.connections);
-}
-
-// SubscribeEvents streams of one socket: per engine on the engine socket, and all together.
-ConcurrencyLimit::Limits EventStreamLimits(const DaemonConfig& config, bool per_engine) {
-  return {.total = config.sockets.max_event_streams,
-          .total_name = "max_event_streams, per socket",
-          .per_key = per_engine ? config.sockets.max_engine_event_streams : 0,
-          .per_key_name = "max_engine_event_streams"};
-}
-
-// Leaves server reflection out of one server. Linking gRPC's reflection library registers its
-// plugin for every server; its streams are synchronous (a thread each, opened by any client),
-// and it is the operators' tool (grpcurl), so only the admin socket keeps it.
-class WithoutReflection final : public grpc::ServerBuilderOption {
- public:
-  void UpdateArguments(grpc::ChannelArguments*) override {}
-  void UpdatePlugins(std::vector<std::unique_ptr<grpc::ServerBuilderPlugin>>* plugins) override {
-    const std::string reflection = grpc::reflection::ProtoServerReflectionPlugin().name();
-    std::erase_if(*plugins, [&](const std::unique_ptr<grpc::ServerBuilderPlugin>& plugin) {
-      return plugin->name() == reflection;
-    });
-  }
-};
-
-// The block store's limits: the configured ones, and the per-engine shares derived from them.
-BlockStoreLimits BlockStoreLimitsOf(const DaemonConfig& config) {
-  BlockStoreLimits limits = config.block_store;
-  // One engine may keep at most a quarter of the device tier's budget from eviction.
-  limits.pinned_bytes_per_engine = config.prefix.budget_bytes / 4;
-  // Daemon-wide caps split fairly (docs/security-model.md#resources): one engine may map a
-  // quarter of the buffers, and hold half of the offers (at most a registration's worth).
-  limits.mapped_buffers_per_engine =
-      std::max<size_t>(1, limits.max_mapped_buffers / kBlockStoreEngineShareDivisor);
-  limits.offers_per_engine =
-      std::clamp<size_t>(limits.max_offers / 2, 1, BlockStoreLimits{}.offers_per_engine);
-  return limits;
-}
 
 absl::StatusOr<uint64_t> RandomEpoch() {
   uint64_t epoch = 0;
@@ -125,38 +41,6 @@ absl::StatusOr<uint64_t> RandomEpoch() {
     }
   }
   return epoch;
-}
-
-// The prefix cache the configuration asks for (null when prefix_cache_budget_bytes is 0). Its
-// device storage is charged to the one admission budget; admissions demote (with a tier below)
-// or evict LRU entries for room. A host tier (prefix_host_tier_bytes) sits between the device
-// and the disk: pinned host memory on cuda, plain memory when asked for. A disk tier that
-// cannot be set up (prefix_disk_dir unusable, too little free space, no io_uring) refuses the
-// start: the operator asked for it. So does a remote tier whose options cannot work (a password
-// file that cannot be read); a cluster that does not answer does not: the daemon serves without
-// it, reports it down and reconnects (server/store/remote/remote_tier.h).
-absl::StatusOr<std::unique_ptr<PrefixCache>> MakePrefixCache(const DaemonConfig& config,
-                                                             DeviceBackend* backend,
-                                                             DeviceBudget* budget,
-                                                             uint64_t epoch) {
-  if (config.prefix.budget_bytes == 0) return nullptr;
-  PrefixCacheOptions options = config.prefix;
-  if (!config.prefix_remote.cluster.seed_nodes.empty()) options.remote = config.prefix_remote;
-  std::unique_ptr<HostMemoryProvider> host_memory;
-  if (config.prefix.host_tier_bytes > 0) {
-    if (config.prefix_host_tier_memory == PrefixHostMemory::kPinned) {
-      ASSIGN_OR_RETURN(host_memory, NewCudaPinnedHostMemory());
-    } else {
-      host_memory = NewPlainHostMemory();
-    }
-  }
-  // The daemon's random epoch: a router tells a restarted daemon from a reconnect (0 means
-  // "any epoch" to a subscriber, so it is never used).
-  options.epoch = epoch == 0 ? 1 : epoch;
-  ASSIGN_OR_RETURN(std::unique_ptr<PrefixCache> cache,
-                   PrefixCache::Create(options, backend, budget, std::move(host_memory)));
-  cache->InstallEvictor(*budget);
-  return cache;
 }
 
 }  // namespace
@@ -175,47 +59,19 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Create(DaemonConfig config,
   ASSIGN_OR_RETURN(CacheScopes scopes, CacheScopes::Create(config.cache_scope_allow));
   // "Bumped": a router tells the restart from a reconnect; 0 is never an epoch.
   if (previous.has_value()) epoch = previous->epoch + 1 == 0 ? 1 : previous->epoch + 1;
-  std::unique_ptr<RestartState> restart_state;
-  std::string survival_off;
-  if (!config.keep_kv_across_restarts) {
-    survival_off = "keep_kv_across_restarts = false";
-  } else if (!UnderServiceManager()) {
-    survival_off = "no service manager ($NOTIFY_SOCKET unset): run under systemd or "
-                   "memra-kv-supervise";
-  } else if (config.backend == Backend::kCuda && config.cuda_export == CudaExport::kIpc) {
-    // Legacy CUDA IPC memory dies with the exporting process: nothing to keep.
-    spdlog::warn("KV does not survive a restart on the {} backend with CUDA IPC exports",
-                 backend->Name());
-    survival_off = "cuda_export = ipc: that memory dies with the daemon";
-  } else {
-    // Every session holds an arena and every known engine a slot: max_arenas + engines bounds
-    // the records (the file is sparse: unused slots cost no memory).
-    const uint64_t slots = std::min<uint64_t>(
-        EffectiveMaxArenas(config) + config.leases.max_engines + 1, RestartJournal::kMaxSlots);
-    absl::StatusOr<std::unique_ptr<RestartState>> created = RestartState::Create(
-        slots, epoch, previous.has_value() ? previous->generation + 1 : 1, backend.get());
-    if (created.ok()) {
-      restart_state = *std::move(created);
-    } else {  // serve anyway: the cache matters more than surviving the next restart
-      spdlog::error("KV will not survive a restart: {}", created.status().ToString());
-      survival_off =
-          absl::StrCat("the restart journal could not be made: ", created.status().message());
-    }
-  }
-  if (previous.has_value() && restart_state == nullptr) {
-    DropPreviousDaemon(*std::move(previous));
-    previous.reset();
-  }
-  auto [budget_bytes, rule] = BudgetFor(config, *backend);
-  const uint64_t max_arenas = EffectiveMaxArenas(config);
-  const AdmissionLimits limits{.max_arenas = max_arenas,
-                               .owner_share_percent = config.admission.max_engine_budget_share,
-                               .max_owner_arenas = EffectiveMaxEngineArenas(config, max_arenas)};
-  spdlog::info(
-      "admission budget {} bytes ({}); at most {} arenas ({} per engine), {}% of the budget per "
-      "engine",
-      budget_bytes, rule, limits.max_arenas, limits.max_owner_arenas, limits.owner_share_percent);
-  auto budget = std::make_unique<DeviceBudget>(budget_bytes, rule, limits);
+  // Every session holds an arena and every known engine a slot: max_arenas + engines bounds the
+  // journal's records (the file is sparse: unused slots cost no memory).
+  RestartKeeping keeping = KeepForRestart(
+      {.keep = config.keep_kv_across_restarts,
+       // Legacy CUDA IPC memory dies with the exporting process: nothing to keep.
+       .memory_dies = config.backend == Backend::kCuda && config.cuda_export == CudaExport::kIpc
+                          ? "cuda_export = ipc: that memory dies with the daemon"
+                          : "",
+       .slots = std::min<uint64_t>(EffectiveMaxArenas(config) + config.leases.max_engines + 1,
+                                   RestartJournal::kMaxSlots),
+       .epoch = epoch},
+      previous, backend.get());
+  std::unique_ptr<DeviceBudget> budget = MakeDeviceBudget(config, *backend);
   absl::StatusOr<std::unique_ptr<PrefixCache>> prefix_cache =
       MakePrefixCache(config, backend.get(), budget.get(), epoch);
   if (!prefix_cache.ok()) {
@@ -224,9 +80,9 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Create(DaemonConfig config,
   }
   std::unique_ptr<Daemon> daemon(
       new Daemon(std::move(config), std::move(backend), clock,
-                 std::move(budget), epoch, std::move(scopes), std::move(restart_state),
+                 std::move(budget), epoch, std::move(scopes), std::move(keeping.state),
                  *std::move(prefix_cache)));
-  daemon->survival_off_ = std::move(survival_off);
+  daemon->survival_off_ = std::move(keeping.off);
   if (previous.has_value()) {
     daemon->readopted_ = Readopt(*std::move(previous),
                                  ReadoptParts{.plans = &daemon->plans_,
@@ -376,7 +232,7 @@ Daemon::~Daemon() { Shutdown(); }
 absl::Status Daemon::Start() {
   {
     absl::MutexLock lock(&mu_);
-    if (server_ != nullptr || shut_down_.load()) {
+    if (engine_socket_.server != nullptr || shut_down_.load()) {
       return absl::FailedPreconditionError("the daemon was already started");
     }
   }
@@ -389,31 +245,35 @@ absl::Status Daemon::Start() {
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   // The RPC metrics count the engine socket's calls (the hot path); operators' calls are few.
   ASSIGN_OR_RETURN(auto interceptors, RegisterMetrics());
-  std::unique_ptr<ConnectionGate> gate;
-  std::unique_ptr<ConnectionGate> admin_gate;
-  ASSIGN_OR_RETURN(std::unique_ptr<grpc::Server> server,
-                   Serve(socket_path_, start_config_.sockets.socket_group,
-                         start_config_.sockets.socket_mode,
-                         /*reflection=*/false,
-                         {&cache_service_, &engine_admin_service_, &engine_prefix_service_,
-                          &block_store_service_},
-                         std::move(interceptors), &gate));
-  absl::StatusOr<std::unique_ptr<grpc::Server>> admin_server =
-      Serve(admin_socket_path_, start_config_.sockets.admin_socket_group,
-            start_config_.sockets.admin_socket_mode, /*reflection=*/true,
-            {&operator_admin_service_, &operator_prefix_service_}, {}, &admin_gate);
-  if (!admin_server.ok()) {
-    gate->Stop();
-    server->Shutdown();
+  const ConnectionGate::Limits& limits = start_config_.connections;
+  const uint64_t idle_ms = start_config_.sockets.connection_idle_timeout_ms;
+  ASSIGN_OR_RETURN(GrpcSocket engine_socket,
+                   ServeGrpcSocket({.path = socket_path_,
+                                    .group = start_config_.sockets.socket_group,
+                                    .mode = start_config_.sockets.socket_mode,
+                                    .limits = limits,
+                                    .idle_timeout_ms = idle_ms},
+                                   {&cache_service_, &engine_admin_service_,
+                                    &engine_prefix_service_, &block_store_service_},
+                                   std::move(interceptors)));
+  absl::StatusOr<GrpcSocket> admin_socket =
+      ServeGrpcSocket({.path = admin_socket_path_,
+                       .group = start_config_.sockets.admin_socket_group,
+                       .mode = start_config_.sockets.admin_socket_mode,
+                       .reflection = true,
+                       .limits = limits,
+                       .idle_timeout_ms = idle_ms},
+                      {&operator_admin_service_, &operator_prefix_service_}, {});
+  if (!admin_socket.ok()) {
+    engine_socket.gate->Stop();
+    engine_socket.server->Shutdown();
     handoff_.Stop();
-    return admin_server.status();
+    return admin_socket.status();
   }
   {
     absl::MutexLock lock(&mu_);
-    server_ = std::move(server);
-    admin_server_ = *std::move(admin_server);
-    gate_ = std::move(gate);
-    admin_gate_ = std::move(admin_gate);
+    engine_socket_ = std::move(engine_socket);
+    admin_socket_ = *std::move(admin_socket);
   }
   lease_thread_ = std::thread([this] { LeaseLoop(); });
   StartMetricsHttp();
@@ -428,44 +288,8 @@ absl::Status Daemon::Start() {
 
 ConnectionGate::Counts Daemon::engine_socket_connections() const {
   absl::MutexLock lock(&mu_);
-  return gate_ == nullptr ? ConnectionGate::Counts{} : gate_->counts();
-}
-
-absl::StatusOr<std::unique_ptr<grpc::Server>> Daemon::Serve(
-    const std::string& path, const std::string& group, uint32_t mode, bool reflection,
-    const std::vector<grpc::Service*>& services,
-    std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>>
-        interceptors,
-    std::unique_ptr<ConnectionGate>* gate) const {
-  // The gate binds the socket (and applies its permissions) before any call can arrive; gRPC
-  // listens on no port of its own and serves only what the gate hands it.
-  ASSIGN_OR_RETURN(
-      *gate,
-      ConnectionGate::Listen(
-          path, group, mode, absl::StrCat("socket ", path),
-          start_config_.connections));
-  grpc::ServerBuilder builder;
-  for (grpc::Service* service : services) builder.RegisterService(service);
-  if (!reflection) builder.SetOption(std::make_unique<WithoutReflection>());
-  // Every synchronous call in flight holds a thread: without a cap, open streams (reflection,
-  // SubscribeEvents) grew the daemon by a thread each.
-  grpc::ResourceQuota threads(absl::StrCat("memra-kvd ", path));
-  threads.SetMaxThreads(kMaxRpcThreadsPerSocket);
-  builder.SetResourceQuota(threads);
-  // A connection with no call for this long is closed (GOAWAY): idle connections hold
-  // descriptors.
-  builder.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_IDLE_MS,
-                             static_cast<int>(start_config_.sockets.connection_idle_timeout_ms));
-  if (!interceptors.empty()) {
-    builder.experimental().SetInterceptorCreators(std::move(interceptors));
-  }
-  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
-  if (server == nullptr) {
-    (*gate)->Stop();
-    return absl::UnavailableError(absl::StrCat("could not start the gRPC server for unix:", path));
-  }
-  (*gate)->Start(server.get());
-  return server;
+  return engine_socket_.gate == nullptr ? ConnectionGate::Counts{}
+                                        : engine_socket_.gate->counts();
 }
 
 void Daemon::LeaseLoop() {
@@ -537,7 +361,7 @@ size_t Daemon::SetDraining(bool draining) {
   leases_.SetDraining(draining);
   {
     absl::MutexLock lock(&mu_);
-    for (grpc::Server* server : {server_.get(), admin_server_.get()}) {
+    for (grpc::Server* server : {engine_socket_.server.get(), admin_socket_.server.get()}) {
       if (server != nullptr) server->GetHealthCheckService()->SetServingStatus(!draining);
     }
   }
@@ -564,30 +388,25 @@ void Daemon::Shutdown() {
   operator_prefix_service_.Stop();
   leases_.SetDraining(true);
   leases_.CancelStreams();
-  std::unique_ptr<grpc::Server> server;
-  std::unique_ptr<grpc::Server> admin_server;
-  std::unique_ptr<ConnectionGate> gate;
-  std::unique_ptr<ConnectionGate> admin_gate;
+  GrpcSocket sockets[2];
   std::unique_ptr<metrics::MetricsHttpServer> metrics_http;
   {
     absl::MutexLock lock(&mu_);
     metrics_http = std::move(metrics_http_);
-    server = std::move(server_);
-    admin_server = std::move(admin_server_);
-    gate = std::move(gate_);
-    admin_gate = std::move(admin_gate_);
+    sockets[0] = std::move(engine_socket_);
+    sockets[1] = std::move(admin_socket_);
   }
   // No new connections first (the gates also remove the socket files).
-  for (ConnectionGate* door : {gate.get(), admin_gate.get()}) {
-    if (door != nullptr) door->Stop();
+  for (GrpcSocket& socket : sockets) {
+    if (socket.gate != nullptr) socket.gate->Stop();
   }
   metrics_http.reset();  // joins its threads: no scrape reads the daemon after this
   const auto deadline = std::chrono::system_clock::now() + std::chrono::milliseconds(500);
-  for (grpc::Server* serving : {server.get(), admin_server.get()}) {
-    if (serving != nullptr) serving->Shutdown(deadline);
+  for (GrpcSocket& socket : sockets) {
+    if (socket.server != nullptr) socket.server->Shutdown(deadline);
   }
-  for (grpc::Server* serving : {server.get(), admin_server.get()}) {
-    if (serving != nullptr) serving->Wait();
+  for (GrpcSocket& socket : sockets) {
+    if (socket.server != nullptr) socket.server->Wait();
   }
   handoff_.Stop();  // after the servers: no Attach can claim a ticket any more
   step_channels_.Stop();  // no channel opens any more; none reads a session after this

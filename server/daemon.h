@@ -57,6 +57,7 @@
 #include "server/base/clock.h"
 #include "server/config.h"
 #include "server/edge/connection_gate.h"
+#include "server/edge/grpc_socket.h"
 #include "server/device/device_budget.h"
 #include "server/session/engine_leases.h"
 #include "server/metrics/metrics.h"
@@ -72,11 +73,6 @@
 #include "server/edge/step_channel.h"
 
 namespace memra {
-
-// Threads the synchronous gRPC handlers of one socket may use at once (grpc::ResourceQuota); a
-// call past them is RESOURCE_EXHAUSTED. Long streams are capped well below it
-// (max_event_streams), so short calls always find a thread.
-inline constexpr int kMaxRpcThreadsPerSocket = 256;
 
 class Daemon {
  public:
@@ -183,17 +179,6 @@ class Daemon {
   // Serves metrics_ on metrics_address; a failure is logged, not fatal (the cache matters more
   // than its metrics).
   void StartMetricsHttp() ABSL_LOCKS_EXCLUDED(mu_);
-  // Binds `path`, serves `services` there (and server reflection when `reflection`) and applies
-  // `group`/`mode` to the socket file. The synchronous handlers share at most
-  // kMaxRpcThreadsPerSocket threads; a call past them is RESOURCE_EXHAUSTED.
-  // Connections come through a ConnectionGate (max_connections, max_connections_per_uid), set
-  // in `*gate`; idle ones are closed after connection_idle_timeout_ms.
-  absl::StatusOr<std::unique_ptr<grpc::Server>> Serve(
-      const std::string& path, const std::string& group, uint32_t mode, bool reflection,
-      const std::vector<grpc::Service*>& services,
-      std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>>
-          interceptors,
-      std::unique_ptr<ConnectionGate>* gate) const;
 
   // Constant after construction; declared in construction order (each part is destroyed
   // before what it points to).
@@ -240,11 +225,9 @@ class Daemon {
   std::atomic<bool> shut_down_{false};
 
   mutable absl::Mutex mu_;
-  std::unique_ptr<grpc::Server> server_ ABSL_GUARDED_BY(mu_);        // the engine socket
-  std::unique_ptr<grpc::Server> admin_server_ ABSL_GUARDED_BY(mu_);  // the admin socket
-  // Their doors: each accepts the connections its server serves.
-  std::unique_ptr<ConnectionGate> gate_ ABSL_GUARDED_BY(mu_);
-  std::unique_ptr<ConnectionGate> admin_gate_ ABSL_GUARDED_BY(mu_);
+  // Each a gRPC server behind its door (server/edge/grpc_socket.h); empty before Start.
+  GrpcSocket engine_socket_ ABSL_GUARDED_BY(mu_);
+  GrpcSocket admin_socket_ ABSL_GUARDED_BY(mu_);
   // Stopped in Shutdown() before anything its callbacks read goes away.
   std::unique_ptr<metrics::MetricsHttpServer> metrics_http_ ABSL_GUARDED_BY(mu_);
 

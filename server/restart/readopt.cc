@@ -175,6 +175,37 @@ Readopted Readopt(PreviousDaemon previous, const ReadoptParts& parts) {
   return readopted;
 }
 
+RestartKeeping KeepForRestart(const RestartKeepingOptions& options,
+                              std::optional<PreviousDaemon>& previous, DeviceBackend* backend) {
+  RestartKeeping keeping;
+  if (!options.keep) {
+    keeping.off = "keep_kv_across_restarts = false";
+  } else if (!UnderServiceManager()) {
+    keeping.off = "no service manager ($NOTIFY_SOCKET unset): run under systemd or "
+                  "memra-kv-supervise";
+  } else if (!options.memory_dies.empty()) {
+    spdlog::warn("KV does not survive a restart on the {} backend: {}", backend->Name(),
+                 options.memory_dies);
+    keeping.off = options.memory_dies;
+  } else {
+    absl::StatusOr<std::unique_ptr<RestartState>> created =
+        RestartState::Create(options.slots, options.epoch,
+                             previous.has_value() ? previous->generation + 1 : 1, backend);
+    if (created.ok()) {
+      keeping.state = *std::move(created);
+    } else {
+      spdlog::error("KV will not survive a restart: {}", created.status().ToString());
+      keeping.off =
+          absl::StrCat("the restart journal could not be made: ", created.status().message());
+    }
+  }
+  if (previous.has_value() && keeping.state == nullptr) {
+    DropPreviousDaemon(*std::move(previous));
+    previous.reset();
+  }
+  return keeping;
+}
+
 void DropPreviousDaemon(PreviousDaemon previous) {
   spdlog::warn("restart: the previous daemon's {} sessions are not re-adopted: this daemon "
                "keeps no restart journal (keep_kv_across_restarts, or the journal failed)",

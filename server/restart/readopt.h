@@ -11,6 +11,9 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
 
 #include "absl/time/time.h"
 #include "server/device/backend.h"
@@ -44,6 +47,26 @@ struct ReadoptParts {
   RestartState* restart_state;
   uint64_t epoch;  // this daemon's
 };
+
+// What this daemon keeps for the next one: its journal, or why nothing.
+struct RestartKeeping {
+  std::unique_ptr<RestartState> state;  // null: nothing is kept
+  std::string off;                      // why `state` is null (KvAdmin status, metrics)
+};
+struct RestartKeepingOptions {
+  bool keep = true;  // keep_kv_across_restarts
+  // Why the device memory cannot outlive this daemon (cuda_export = ipc); empty: it can.
+  std::string memory_dies;
+  uint64_t slots = 0;  // journal records: arenas + engines
+  uint64_t epoch = 0;  // this daemon's
+};
+// Decides whether this daemon keeps its state for a restart (configured, under a service
+// manager, memory that outlives it) and makes the journal, generation after `previous`'s. A
+// journal that cannot be made is logged and named in `off`, never fatal: the cache matters more
+// than surviving the next restart. When nothing is kept, `previous` is dropped
+// (DropPreviousDaemon) and reset. REQUIRES: `backend` outlives the state.
+RestartKeeping KeepForRestart(const RestartKeepingOptions& options,
+                              std::optional<PreviousDaemon>& previous, DeviceBackend* backend);
 
 // Re-adopts what `previous` kept: plans, engines, sessions at their committed length; publishes
 // this daemon's journal and removes the previous daemon's leftovers from the store.
