@@ -1,9 +1,11 @@
 #include "server/restart/readopt.h"
 
 #include <fcntl.h>
+#include <stdlib.h>
 #include <unistd.h>
 
 #include <map>
+#include <optional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -228,6 +230,58 @@ TEST_F(ReadoptTest, ASessionOfAnEngineMissingFromTheJournalIsNotReadopted) {
               StatusIs(absl::StatusCode::kFailedPrecondition,
                        HasSubstr(absl::StrCat("its engine ", engine_.id.value,
                                               " was not in the journal"))));
+}
+
+// NOTIFY_SOCKET as a test sets it, restored after.
+class ScopedNotifySocket {
+ public:
+  explicit ScopedNotifySocket(const char* value) {
+    if (const char* old = getenv("NOTIFY_SOCKET")) old_ = old;
+    if (value == nullptr) {
+      unsetenv("NOTIFY_SOCKET");
+    } else {
+      setenv("NOTIFY_SOCKET", value, 1);
+    }
+  }
+  ~ScopedNotifySocket() {
+    if (old_.has_value()) {
+      setenv("NOTIFY_SOCKET", old_->c_str(), 1);
+    } else {
+      unsetenv("NOTIFY_SOCKET");
+    }
+  }
+
+ private:
+  std::optional<std::string> old_;
+};
+
+TEST_F(ReadoptTest, ADaemonThatKeepsNothingSaysWhyAndDropsWhatThePreviousOneKept) {
+  Parts next(next_store_, kPreviousEpoch + 1, kPreviousGeneration + 1);
+  struct Case {
+    const char* notify_socket;
+    RestartKeepingOptions options;
+    std::string off;
+  };
+  const Case cases[] = {
+      {"/run/memra-kv-test/notify", {.keep = false, .memory_dies = "", .slots = 16, .epoch = 9},
+       "keep_kv_across_restarts = false"},
+      {nullptr, {.keep = true, .memory_dies = "", .slots = 16, .epoch = 9},
+       "no service manager ($NOTIFY_SOCKET unset)"},
+      {"/run/memra-kv-test/notify",
+       {.keep = true, .memory_dies = "cuda_export = ipc: that memory dies", .slots = 16,
+        .epoch = 9},
+       "cuda_export = ipc: that memory dies"},
+  };
+  for (const Case& c : cases) {
+    ScopedNotifySocket notify(c.notify_socket);
+    std::optional<PreviousDaemon> kept = ReadPreviousDaemon(previous_store_.Passed());
+    ASSERT_TRUE(kept.has_value());
+    const RestartKeeping keeping = KeepForRestart(c.options, kept, next.backend.get());
+    EXPECT_EQ(keeping.state, nullptr) << c.off;
+    EXPECT_THAT(keeping.off, HasSubstr(c.off));
+    // Nothing would journal re-adopted sessions from now on: the kept state is not re-adopted.
+    EXPECT_FALSE(kept.has_value()) << c.off;
+  }
 }
 
 }  // namespace
