@@ -77,10 +77,10 @@ absl::Status CheckScaleLimits(const BenchOptions& options) {
   RETURN_IF_ERROR(ValidateConfig(config));
   const uint64_t arenas = EffectiveMaxArenas(config);
   for (uint64_t stage : Stages(100, options.scale_sessions)) {
-    if (stage > config.max_engine_sessions) {
+    if (stage > config.sessions.max_engine_sessions) {
       return absl::FailedPreconditionError(absl::StrCat(
           "scale: the stage of ", stage, " sessions on one engine is past the bench daemon's "
-          "max_engine_sessions ", config.max_engine_sessions));
+          "max_engine_sessions ", config.sessions.max_engine_sessions));
     }
     if (stage > EffectiveMaxEngineArenas(config, arenas)) {
       return absl::FailedPreconditionError(absl::StrCat(

@@ -11,7 +11,7 @@ namespace {
 
 absl::StatusOr<std::unique_ptr<DeviceBackend>> MakeHostBackend(const DaemonConfig& config) {
   HostBackendOptions options;
-  options.total_bytes = config.budget_bytes;
+  options.total_bytes = config.admission.budget_bytes;
   options.name_prefix = ShmPrefix(config);
   absl::StatusOr<std::unique_ptr<HostBackend>> backend = HostBackend::Create(std::move(options));
   if (!backend.ok()) return backend.status();

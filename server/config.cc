@@ -57,11 +57,19 @@ using RawValue = std::variant<int64_t, double, bool, std::string>;
 // A value after the key's rules: unsigned fields and enum indices are uint64_t.
 using TypedValue = std::variant<uint64_t, double, bool, std::string>;
 
-using FieldPtr =
-    std::variant<uint64_t DaemonConfig::*, uint32_t DaemonConfig::*, double DaemonConfig::*,
-                 bool DaemonConfig::*, std::string DaemonConfig::*, Backend DaemonConfig::*,
-                 LogLevel DaemonConfig::*, CudaExport DaemonConfig::*,
-                 PrefixHostMemory DaemonConfig::*>;
+// Where a key's value lives: a field of the config or of one of its sections.
+using FieldRef =
+    std::variant<uint64_t*, uint32_t*, double*, bool*, std::string*, Backend*, LogLevel*,
+                 CudaExport*, PrefixHostMemory*, absl::Duration*, std::vector<RedisNodeAddress>*>;
+// size_t fields (the parts' counts) are uint64_t fields here.
+static_assert(std::is_same_v<size_t, uint64_t>);
+
+// The field at the end of a path of member pointers: At<&DaemonConfig::prefix,
+// &PrefixCacheOptions::budget_bytes> is config.prefix.budget_bytes.
+template <auto... kPath>
+FieldRef At(DaemonConfig& config) {
+  return &(config.*....*kPath);
+}
 
 // How a key's value is written; decides parsing, rendering and the "accepted" text.
 enum class Syntax {
@@ -76,12 +84,14 @@ enum class Syntax {
 
 struct KeySpec {
   absl::string_view name;
-  FieldPtr field;
+  FieldRef (*field)(DaemonConfig&);
   Syntax syntax;
   bool reloadable;
   absl::string_view help;
   uint64_t min = 0;  // kInteger, kBytes
   uint64_t max = 0;
+  // kInteger into an absl::Duration field: what one unit of the written number is.
+  absl::Duration unit = absl::ZeroDuration();
   absl::Span<const absl::string_view> choices = {};  // kChoice
   // kText: what is accepted, and the check (nullopt = fine, else the problem).
   absl::string_view text_accepted = {};
@@ -159,282 +169,378 @@ std::optional<std::string> CheckOptionalAbsolutePath(absl::string_view path) {
   return CheckSocketPath(path);
 }
 
-// The one table of keys, in file order. Adding a setting = a field in DaemonConfig + a row here.
+// The one table of keys, in file order. Adding a setting = a field in DaemonConfig (or one of
+// its sections) + a row here.
 const std::vector<KeySpec>& Keys() {
   using C = DaemonConfig;
+  using Remote = RemoteTierOptions;
   // One key per paragraph reads better than clang-format's one field per line.
   // clang-format off
   static const auto* const keys = new std::vector<KeySpec>{
-      {.name = "backend", .field = &C::backend, .syntax = Syntax::kChoice, .reloadable = false,
+      {.name = "backend",
+       .field = &At<&C::backend>,
+       .syntax = Syntax::kChoice, .reloadable = false,
        .help = "Device backend: host (host memory, handed to engines as memfds) or cuda.",
        .choices = kBackendNames},
-      {.name = "device", .field = &C::device, .syntax = Syntax::kInteger, .reloadable = false,
+      {.name = "device",
+       .field = &At<&C::device>,
+       .syntax = Syntax::kInteger, .reloadable = false,
        .help = "GPU index this instance serves; the unit passes --device=%i.", .min = 0,
        .max = 1023},
-      {.name = "socket_path", .field = &C::socket_path, .syntax = Syntax::kText,
+      {.name = "socket_path",
+       .field = &At<&C::sockets, &SocketsConfig::socket_path>,
+       .syntax = Syntax::kText,
        .reloadable = false, .help = "Unix socket engines connect to.",
        .text_accepted = "an absolute path; \"{device}\" is replaced by the GPU index",
        .check_text = &CheckSocketPath},
-      {.name = "socket_mode", .field = &C::socket_mode, .syntax = Syntax::kMode,
+      {.name = "socket_mode",
+       .field = &At<&C::sockets, &SocketsConfig::socket_mode>,
+       .syntax = Syntax::kMode,
        .reloadable = false, .help = "Permission bits of the socket."},
-      {.name = "socket_group", .field = &C::socket_group, .syntax = Syntax::kText,
+      {.name = "socket_group",
+       .field = &At<&C::sockets, &SocketsConfig::socket_group>,
+       .syntax = Syntax::kText,
        .reloadable = false,
        .help = "Group owning the socket (one of the daemon's groups); empty = the daemon's group.",
        .text_accepted = "a group name or gid, or empty", .check_text = &CheckGroup},
-      {.name = "budget_bytes", .field = &C::budget_bytes, .syntax = Syntax::kBytes,
+      {.name = "budget_bytes",
+       .field = &At<&C::admission, &AdmissionConfig::budget_bytes>,
+       .syntax = Syntax::kBytes,
        .reloadable = true,
        .help = "Host backend: the admission budget (bytes); SIGHUP can lower it, raising it "
                "past the start-up value needs a restart.",
        .min = kMiB, .max = kPiB},
-      {.name = "cuda_memory_fraction", .field = &C::cuda_memory_fraction,
+      {.name = "cuda_memory_fraction",
+       .field = &At<&C::admission, &AdmissionConfig::cuda_memory_fraction>,
        .syntax = Syntax::kFraction, .reloadable = true,
        .help = "CUDA backend: fraction of the device's total memory in the budget, before "
                "cuda_reserve_bytes comes off."},
-      {.name = "cuda_reserve_bytes", .field = &C::cuda_reserve_bytes, .syntax = Syntax::kBytes,
+      {.name = "cuda_reserve_bytes",
+       .field = &At<&C::admission, &AdmissionConfig::cuda_reserve_bytes>,
+       .syntax = Syntax::kBytes,
        .reloadable = true,
        .help = "CUDA backend: memory left for the driver and other processes (bytes).", .min = 0,
        .max = kTiB},
-      {.name = "cuda_export", .field = &C::cuda_export, .syntax = Syntax::kChoice,
+      {.name = "cuda_export",
+       .field = &At<&C::cuda_export>,
+       .syntax = Syntax::kChoice,
        .reloadable = false,
        .help = "CUDA backend: how arenas reach engines: ipc (CUDA IPC handles) or vmm (cuMemCreate "
                "shared as file descriptors; survives a daemon restart).",
        .choices = kCudaExportNames},
-      {.name = "lease_timeout_ms", .field = &C::lease_timeout_ms, .syntax = Syntax::kInteger,
+      {.name = "lease_timeout_ms",
+       .field = &At<&C::leases, &LeaseSettings::timeout>,
+       .syntax = Syntax::kInteger,
        .reloadable = true,
        .help = "Milliseconds without an engine heartbeat before its lease expires.", .min = 100,
-       .max = 3'600'000},
-      {.name = "lease_grace_ms", .field = &C::lease_grace_ms, .syntax = Syntax::kInteger,
+       .max = 3'600'000, .unit = absl::Milliseconds(1)},
+      {.name = "lease_grace_ms",
+       .field = &At<&C::leases, &LeaseSettings::grace>,
+       .syntax = Syntax::kInteger,
        .reloadable = false,
        .help = "Milliseconds after a lease ends before its sessions are reclaimed.", .min = 0,
-       .max = 600'000},
-      {.name = "reservation_ttl_ms", .field = &C::reservation_ttl_ms, .syntax = Syntax::kInteger,
+       .max = 600'000, .unit = absl::Milliseconds(1)},
+      {.name = "reservation_ttl_ms",
+       .field = &At<&C::leases, &LeaseSettings::reservation_ttl>,
+       .syntax = Syntax::kInteger,
        .reloadable = true,
        .help = "Milliseconds an admission reservation is held without a session.", .min = 100,
-       .max = 86'400'000},
-      {.name = "log_level", .field = &C::log_level, .syntax = Syntax::kChoice, .reloadable = true,
+       .max = 86'400'000, .unit = absl::Milliseconds(1)},
+      {.name = "log_level",
+       .field = &At<&C::log_level>,
+       .syntax = Syntax::kChoice, .reloadable = true,
        .help = "Log level.", .choices = kLogLevelNames},
-      {.name = "metrics_address", .field = &C::metrics_address, .syntax = Syntax::kText,
+      {.name = "metrics_address",
+       .field = &At<&C::metrics, &MetricsConfig::metrics_address>,
+       .syntax = Syntax::kText,
        .reloadable = false, .help = "Prometheus endpoint; empty disables metrics.",
        .text_accepted = "host:port ([v6addr]:port for IPv6), or empty",
        .check_text = &CheckHostPort},
-      {.name = "rpc_metrics", .field = &C::rpc_metrics, .syntax = Syntax::kBool,
+      {.name = "rpc_metrics",
+       .field = &At<&C::metrics, &MetricsConfig::rpc_metrics>,
+       .syntax = Syntax::kBool,
        .reloadable = false,
        .help = "Per-RPC counts and latency histograms (a gRPC interceptor on every call: about "
                "25 us each)."},
-      {.name = "drain_grace_ms", .field = &C::drain_grace_ms, .syntax = Syntax::kInteger,
+      {.name = "drain_grace_ms",
+       .field = &At<&C::drain_grace_ms>,
+       .syntax = Syntax::kInteger,
        .reloadable = true,
        .help = "Milliseconds live sessions may run after SIGTERM (the unit allows 45s to stop).",
        .min = 0, .max = 3'600'000},
-      {.name = "prefix_cache_budget_bytes", .field = &C::prefix_cache_budget_bytes,
+      {.name = "prefix_cache_budget_bytes",
+       .field = &At<&C::prefix, &PrefixCacheOptions::budget_bytes>,
        .syntax = Syntax::kBytes, .reloadable = false,
        .help = "Memory for prefix-cache entries (bytes); 0 disables the prefix cache.", .min = 0,
        .max = kPiB},
-      {.name = "prefix_block_tokens", .field = &C::prefix_block_tokens,
+      {.name = "prefix_block_tokens",
+       .field = &At<&C::prefix, &PrefixCacheOptions::block_tokens>,
        .syntax = Syntax::kInteger, .reloadable = false,
        .help = "Tokens per prefix-cache block (the granularity of prefix matches).", .min = 1,
        .max = 65536},
-      {.name = "prefix_capture_on_engine_death", .field = &C::prefix_capture_on_engine_death,
+      {.name = "prefix_capture_on_engine_death",
+       .field = &At<&C::sessions, &SessionsConfig::prefix_capture_on_engine_death>,
        .syntax = Syntax::kBool, .reloadable = false,
        .help = "Capture a dead engine's sessions into the prefix cache before freeing them."},
-      {.name = "prefix_verify_checksums", .field = &C::prefix_verify_checksums,
+      {.name = "prefix_verify_checksums",
+       .field = &At<&C::prefix, &PrefixCacheOptions::verify_checksums>,
        .syntax = Syntax::kBool, .reloadable = false,
        .help = "Verify checksums when restoring a prefix."},
-      {.name = "prefix_copy_threads", .field = &C::prefix_copy_threads,
+      {.name = "prefix_copy_threads",
+       .field = &At<&C::prefix, &PrefixCacheOptions::copy_threads>,
        .syntax = Syntax::kInteger, .reloadable = false,
        .help = "Threads a prefix capture or restore of 64 MiB or more splits its blocks over "
                "(capped by the CPUs).",
        .min = 1, .max = 256},
-      {.name = "prefix_slab_bytes", .field = &C::prefix_slab_bytes, .syntax = Syntax::kBytes,
+      {.name = "prefix_slab_bytes",
+       .field = &At<&C::prefix, &PrefixCacheOptions::slab_bytes>,
+       .syntax = Syntax::kBytes,
        .reloadable = false,
        .help = "Size of the slabs prefix-cache storage is sub-allocated from (one arena each; "
                "capped at prefix_cache_budget_bytes; a larger piece gets a slab of its own).",
        .min = 64 * kKiB, .max = kTiB},
-      {.name = "prefix_remote_redis_nodes", .field = &C::prefix_remote_redis_nodes,
+      {.name = "prefix_remote_redis_nodes",
+       .field = &At<&C::prefix_remote, &Remote::cluster, &RedisClusterOptions::seed_nodes>,
        .syntax = Syntax::kText, .reloadable = false,
        .help = "Redis Cluster seed nodes of the prefix cache's remote tier "
                "(docs/remote-tier.md); empty = none. Needs prefix_cache_budget_bytes > 0.",
        .text_accepted = "host:port,... ([v6addr]:port for IPv6), or empty",
        .check_text = &CheckRedisNodes},
-      {.name = "prefix_remote_redis_user", .field = &C::prefix_remote_redis_user,
+      {.name = "prefix_remote_redis_user",
+       .field = &At<&C::prefix_remote, &Remote::cluster, &RedisClusterOptions::user>,
        .syntax = Syntax::kText, .reloadable = false,
        .help = "Redis ACL user the remote tier authenticates as; empty = the requirepass "
                "password (the default user).",
        .text_accepted = "an ACL user name (printable, no spaces), or empty",
        .check_text = &CheckRedisUser},
-      {.name = "prefix_remote_redis_password_file", .field = &C::prefix_remote_redis_password_file,
+      {.name = "prefix_remote_redis_password_file",
+       .field = &At<&C::prefix_remote, &Remote::cluster, &RedisClusterOptions::password_file>,
        .syntax = Syntax::kText, .reloadable = false,
        .help = "File holding the Redis password (mode 0600, the daemon's user); empty = no AUTH.",
        .text_accepted = "an absolute path, or empty", .check_text = &CheckOptionalAbsolutePath},
-      {.name = "prefix_remote_redis_tls", .field = &C::prefix_remote_redis_tls,
+      {.name = "prefix_remote_redis_tls",
+       .field = &At<&C::prefix_remote, &Remote::cluster, &RedisClusterOptions::tls>,
        .syntax = Syntax::kBool, .reloadable = false,
        .help = "TLS to the Redis Cluster; true is refused (Debian's hiredis 0.14 has no TLS)."},
       {.name = "prefix_remote_redis_connect_timeout_ms",
-       .field = &C::prefix_remote_redis_connect_timeout_ms, .syntax = Syntax::kInteger,
+       .field = &At<&C::prefix_remote, &Remote::cluster, &RedisClusterOptions::connect_timeout>,
+       .syntax = Syntax::kInteger,
        .reloadable = false, .help = "Milliseconds one connect to a Redis node may take.",
-       .min = 1, .max = 60'000},
-      {.name = "prefix_remote_redis_timeout_ms", .field = &C::prefix_remote_redis_timeout_ms,
+       .min = 1, .max = 60'000, .unit = absl::Milliseconds(1)},
+      {.name = "prefix_remote_redis_timeout_ms",
+       .field = &At<&C::prefix_remote, &Remote::cluster, &RedisClusterOptions::command_timeout>,
        .syntax = Syntax::kInteger, .reloadable = false,
-       .help = "Milliseconds one Redis command may take.", .min = 1, .max = 60'000},
-      {.name = "prefix_remote_queue_bytes", .field = &C::prefix_remote_queue_bytes,
+       .help = "Milliseconds one Redis command may take.", .min = 1, .max = 60'000,
+       .unit = absl::Milliseconds(1)},
+      {.name = "prefix_remote_queue_bytes",
+       .field = &At<&C::prefix_remote, &Remote::queue_bytes>,
        .syntax = Syntax::kBytes, .reloadable = false,
        .help = "Bytes of captured pieces queued for the remote tier's writer; past it a "
                "capture's remote write is dropped (counted), the capture never waits.",
        .min = 1 * kMiB, .max = 64 * kGiB},
       {.name = "prefix_remote_lookup_timeout_ms",
-       .field = &C::prefix_remote_lookup_timeout_ms, .syntax = Syntax::kInteger,
+       .field = &At<&C::prefix, &PrefixCacheOptions::remote_lookup_timeout>,
+       .syntax = Syntax::kInteger,
        .reloadable = false,
        .help = "Milliseconds a prefix lookup waits for the remote tier before answering from "
                "the local tiers.",
-       .min = 1, .max = 60'000},
-      {.name = "prefix_remote_fetch_timeout_ms", .field = &C::prefix_remote_fetch_timeout_ms,
+       .min = 1, .max = 60'000, .unit = absl::Milliseconds(1)},
+      {.name = "prefix_remote_fetch_timeout_ms",
+       .field = &At<&C::prefix, &PrefixCacheOptions::remote_fetch_timeout>,
        .syntax = Syntax::kInteger, .reloadable = false,
        .help = "Milliseconds a restore waits for the remote tier's values before restoring "
                "what the local tiers hold.",
-       .min = 1, .max = 600'000},
-      {.name = "prefix_remote_ttl_s", .field = &C::prefix_remote_ttl_s,
+       .min = 1, .max = 600'000, .unit = absl::Milliseconds(1)},
+      {.name = "prefix_remote_ttl_s",
+       .field = &At<&C::prefix_remote, &Remote::ttl>,
        .syntax = Syntax::kInteger, .reloadable = false,
        .help = "Expiry of values the remote tier writes, in seconds; 0 = none (let the "
                "cluster's maxmemory-policy evict).",
-       .min = 0, .max = 365 * 86'400},
-      {.name = "prefix_disk_dir", .field = &C::prefix_disk_dir, .syntax = Syntax::kText,
+       .min = 0, .max = 365 * 86'400, .unit = absl::Seconds(1)},
+      {.name = "prefix_disk_dir",
+       .field = &At<&C::prefix, &PrefixCacheOptions::disk_dir>,
+       .syntax = Syntax::kText,
        .reloadable = false,
        .help = "Directory of the prefix cache's disk tier (this daemon's own: created 0700, "
                "*.piece files removed at start); empty = no disk tier.",
        .text_accepted = "an absolute path, or empty", .check_text = &CheckDiskDir},
-      {.name = "prefix_disk_bytes", .field = &C::prefix_disk_bytes, .syntax = Syntax::kBytes,
+      {.name = "prefix_disk_bytes",
+       .field = &At<&C::prefix, &PrefixCacheOptions::disk_bytes>,
+       .syntax = Syntax::kBytes,
        .reloadable = false,
        .help = "Bytes of prefix-cache pieces the disk tier may hold (LRU pieces are demoted "
                "there from prefix_cache_budget_bytes); needs prefix_disk_dir.",
        .min = 0, .max = 64 * kTiB},
-      {.name = "prefix_host_tier_bytes", .field = &C::prefix_host_tier_bytes,
+      {.name = "prefix_host_tier_bytes",
+       .field = &At<&C::prefix, &PrefixCacheOptions::host_tier_bytes>,
        .syntax = Syntax::kBytes, .reloadable = false,
        .help = "Bytes of host memory the prefix cache's middle tier may hold (LRU pieces move "
                "GPU -> host -> disk; not charged to budget_bytes); 0 = no host tier.",
        .min = 0, .max = 64 * kTiB},
-      {.name = "prefix_host_tier_memory", .field = &C::prefix_host_tier_memory,
+      {.name = "prefix_host_tier_memory",
+       .field = &At<&C::prefix_host_tier_memory>,
        .syntax = Syntax::kChoice, .reloadable = false,
        .help = "Memory of the host tier: pinned (cudaHostAlloc; cuda backend only) or plain "
                "(anonymous memory; on the host backend the device tier already is host memory, "
                "so this only adds a copy).",
        .choices = kPrefixHostMemoryNames},
-      {.name = "watchdog", .field = &C::watchdog, .syntax = Syntax::kBool, .reloadable = false,
+      {.name = "watchdog",
+       .field = &At<&C::watchdog>,
+       .syntax = Syntax::kBool, .reloadable = false,
        .help = "Send systemd watchdog keep-alives when asked to (false needs WatchdogSec=0)."},
-      {.name = "keep_kv_across_restarts", .field = &C::keep_kv_across_restarts,
+      {.name = "keep_kv_across_restarts",
+       .field = &At<&C::keep_kv_across_restarts>,
        .syntax = Syntax::kBool, .reloadable = false,
        .help = "Under systemd or memra-kv-supervise: keep arenas and a journal in the fd store "
                "and re-adopt sessions after a restart."},
-      {.name = "step_channel", .field = &C::step_channel, .syntax = Syntax::kBool,
+      {.name = "step_channel",
+       .field = &At<&C::step_channel>,
+       .syntax = Syntax::kBool,
        .reloadable = false,
        .help = "Offer engines the shared-memory step channel (docs/step-channel.md); false = "
                "Step over gRPC only."},
-      {.name = "max_plan_layers", .field = &C::max_plan_layers, .syntax = Syntax::kInteger,
+      {.name = "max_plan_layers",
+       .field = &At<&C::sessions, &SessionsConfig::max_plan_layers>,
+       .syntax = Syntax::kInteger,
        .reloadable = false,
        .help = "Layers (trunk + MTP) a model plan may have; larger plans are refused "
                "(INVALID_ARGUMENT).",
        .min = 1, .max = kMaxPlanLayersAccepted},
-      {.name = "max_engine_sessions", .field = &C::max_engine_sessions,
+      {.name = "max_engine_sessions",
+       .field = &At<&C::sessions, &SessionsConfig::max_engine_sessions>,
        .syntax = Syntax::kInteger, .reloadable = false,
        .help = "Sessions one engine may hold at once (RESOURCE_EXHAUSTED past it).", .min = 1,
        .max = 10'000'000},
-      {.name = "max_engine_plans", .field = &C::max_engine_plans, .syntax = Syntax::kInteger,
+      {.name = "max_engine_plans",
+       .field = &At<&C::sessions, &SessionsConfig::max_engine_plans>,
+       .syntax = Syntax::kInteger,
        .reloadable = false,
        .help = "Model plans one engine may have registered at once, of the daemon's 1024 "
                "(RESOURCE_EXHAUSTED past it).",
        .min = 1, .max = 1024},
-      {.name = "max_engine_budget_share", .field = &C::max_engine_budget_share,
+      {.name = "max_engine_budget_share",
+       .field = &At<&C::admission, &AdmissionConfig::max_engine_budget_share>,
        .syntax = Syntax::kInteger, .reloadable = false,
        .help = "Percent of the admission budget one engine's reservations and sessions may hold "
                "(RESOURCE_EXHAUSTED past it); 100 = no cap.",
        .min = 1, .max = 100},
-      {.name = "max_attached_engines", .field = &C::max_attached_engines,
+      {.name = "max_attached_engines",
+       .field = &At<&C::leases, &LeaseSettings::max_engines>,
        .syntax = Syntax::kInteger, .reloadable = false,
        .help = "Engines attached at once, each an Attach stream (RESOURCE_EXHAUSTED past it).",
        .min = 1, .max = 65'536},
-      {.name = "max_engine_event_streams", .field = &C::max_engine_event_streams,
+      {.name = "max_engine_event_streams",
+       .field = &At<&C::sockets, &SocketsConfig::max_engine_event_streams>,
        .syntax = Syntax::kInteger, .reloadable = false,
        .help = "KvPrefixCache.SubscribeEvents streams one engine may hold open, each a daemon "
                "thread (RESOURCE_EXHAUSTED past it).",
        .min = 1, .max = 1024},
-      {.name = "max_event_streams", .field = &C::max_event_streams, .syntax = Syntax::kInteger,
+      {.name = "max_event_streams",
+       .field = &At<&C::sockets, &SocketsConfig::max_event_streams>,
+       .syntax = Syntax::kInteger,
        .reloadable = false,
        .help = "KvPrefixCache.SubscribeEvents streams open at once on each socket, all engines "
                "(or operators) together (RESOURCE_EXHAUSTED past it).",
        .min = 1, .max = 1024},
-      {.name = "max_connections", .field = &C::max_connections, .syntax = Syntax::kInteger,
+      {.name = "max_connections",
+       .field = &At<&C::connections, &ConnectionGate::Limits::max_connections>,
+       .syntax = Syntax::kInteger,
        .reloadable = false,
        .help = "gRPC connections each socket serves at once; past it a new connection is closed "
                "at once (the client sees UNAVAILABLE) and the daemon logs the numbers.",
        .min = 1, .max = 1'000'000},
-      {.name = "max_connections_per_uid", .field = &C::max_connections_per_uid,
+      {.name = "max_connections_per_uid",
+       .field = &At<&C::connections, &ConnectionGate::Limits::max_connections_per_uid>,
        .syntax = Syntax::kInteger, .reloadable = false,
        .help = "gRPC connections each socket serves at once from one uid (the kernel's peer "
                "credentials); past it that uid's new connection is closed at once.",
        .min = 1, .max = 1'000'000},
-      {.name = "connection_idle_timeout_ms", .field = &C::connection_idle_timeout_ms,
+      {.name = "connection_idle_timeout_ms",
+       .field = &At<&C::sockets, &SocketsConfig::connection_idle_timeout_ms>,
        .syntax = Syntax::kInteger, .reloadable = false,
        .help = "A gRPC connection with no call open for this long is closed (GOAWAY); clients "
                "reconnect on their next call.",
        .min = 1'000, .max = 86'400'000},
-      {.name = "arena_pool_engine_bytes", .field = &C::arena_pool_engine_bytes,
+      {.name = "arena_pool_engine_bytes",
+       .field = &At<&C::sessions, &SessionsConfig::arena_pool_engine_bytes>,
        .syntax = Syntax::kBytes, .reloadable = false,
        .help = "Released session arenas kept per engine for its next sessions of the same size "
                "(bytes; evictable by admission, freed when its lease ends); 0 disables the pool.",
        .min = 0, .max = kPiB},
-      {.name = "block_store_engine_bytes", .field = &C::block_store_engine_bytes,
+      {.name = "block_store_engine_bytes",
+       .field = &At<&C::block_store, &BlockStoreLimits::engine_bytes>,
        .syntax = Syntax::kBytes, .reloadable = false,
        .help = "Bytes of its own KV pool one engine may offer and register with the block store "
                "at once (RESOURCE_EXHAUSTED past it).",
        .min = 1, .max = kPiB},
-      {.name = "block_store_max_registrations", .field = &C::block_store_max_registrations,
+      {.name = "block_store_max_registrations",
+       .field = &At<&C::block_store, &BlockStoreLimits::registrations_per_engine>,
        .syntax = Syntax::kInteger, .reloadable = false,
        .help = "Block store registrations (RegisterEngineBuffers) one engine may hold at once.",
        .min = 1, .max = 4096},
-      {.name = "block_store_max_pins", .field = &C::block_store_max_pins,
+      {.name = "block_store_max_pins",
+       .field = &At<&C::block_store, &BlockStoreLimits::pins_per_engine>,
        .syntax = Syntax::kInteger, .reloadable = false,
        .help = "Block store pins (LookupBlocks with pin_ttl_ms) one engine may hold at once.",
        .min = 1, .max = 1'000'000},
-      {.name = "block_store_max_offers", .field = &C::block_store_max_offers,
+      {.name = "block_store_max_offers",
+       .field = &At<&C::block_store, &BlockStoreLimits::max_offers>,
        .syntax = Syntax::kInteger, .reloadable = false,
        .help = "Unregistered block store buffer offers (each holding a descriptor) of all "
                "engines together (RESOURCE_EXHAUSTED past it).",
        .min = 1, .max = 1'000'000},
-      {.name = "block_store_max_mapped_buffers", .field = &C::block_store_max_mapped_buffers,
+      {.name = "block_store_max_mapped_buffers",
+       .field = &At<&C::block_store, &BlockStoreLimits::max_mapped_buffers>,
        .syntax = Syntax::kInteger, .reloadable = false,
        .help = "Registered block store buffers (each a mapping under vm.max_map_count) of all "
                "engines together (RESOURCE_EXHAUSTED past it).",
        .min = 1, .max = 1'000'000},
-      {.name = "max_arenas", .field = &C::max_arenas, .syntax = Syntax::kInteger,
+      {.name = "max_arenas",
+       .field = &At<&C::admission, &AdmissionConfig::max_arenas>,
+       .syntax = Syntax::kInteger,
        .reloadable = false,
        .help = "Arenas (sessions, reservations, prefix storage) held at once, each a mapping "
                "under vm.max_map_count (RESOURCE_EXHAUSTED past it); 0 = 3/4 of "
                "vm.max_map_count, read at start.",
        .min = 0, .max = 100'000'000},
-      {.name = "max_engine_arenas", .field = &C::max_engine_arenas, .syntax = Syntax::kInteger,
+      {.name = "max_engine_arenas",
+       .field = &At<&C::admission, &AdmissionConfig::max_engine_arenas>,
+       .syntax = Syntax::kInteger,
        .reloadable = false,
        .help = "Arenas (sessions, reservations) one engine may hold at once (RESOURCE_EXHAUSTED "
                "past it); 0 = half of the arena limit in force.",
        .min = 0, .max = 100'000'000},
-      {.name = "admin_socket_path", .field = &C::admin_socket_path, .syntax = Syntax::kText,
+      {.name = "admin_socket_path",
+       .field = &At<&C::sockets, &SocketsConfig::admin_socket_path>,
+       .syntax = Syntax::kText,
        .reloadable = false,
        .help = "Unix socket operators (memra-kvctl) connect to; empty = socket_path with .sock "
                "replaced by .admin.sock.",
        .text_accepted = "an absolute path (\"{device}\" is replaced by the GPU index), or empty",
        .check_text = &CheckDerivedSocketPath},
-      {.name = "admin_socket_mode", .field = &C::admin_socket_mode, .syntax = Syntax::kMode,
+      {.name = "admin_socket_mode",
+       .field = &At<&C::sockets, &SocketsConfig::admin_socket_mode>,
+       .syntax = Syntax::kMode,
        .reloadable = false, .help = "Permission bits of the admin socket."},
-      {.name = "admin_socket_group", .field = &C::admin_socket_group, .syntax = Syntax::kText,
+      {.name = "admin_socket_group",
+       .field = &At<&C::sockets, &SocketsConfig::admin_socket_group>,
+       .syntax = Syntax::kText,
        .reloadable = false,
        .help = "Group owning the admin socket (one of the daemon's groups); empty = the daemon's "
                "group.",
        .text_accepted = "a group name or gid, or empty", .check_text = &CheckGroup},
-      {.name = "handoff_socket_path", .field = &C::handoff_socket_path, .syntax = Syntax::kText,
+      {.name = "handoff_socket_path",
+       .field = &At<&C::sockets, &SocketsConfig::handoff_socket_path>,
+       .syntax = Syntax::kText,
        .reloadable = false,
        .help = "Unix socket engines get their attach ticket and their arenas' descriptors from "
                "(socket_mode and socket_group apply); empty = socket_path with .sock replaced "
                "by .handoff.sock.",
        .text_accepted = "an absolute path (\"{device}\" is replaced by the GPU index), or empty",
        .check_text = &CheckDerivedSocketPath},
-      {.name = "cache_scope_allow", .field = &C::cache_scope_allow, .syntax = Syntax::kText,
+      {.name = "cache_scope_allow",
+       .field = &At<&C::cache_scope_allow>,
+       .syntax = Syntax::kText,
        .reloadable = false,
        .help = "Named prefix-cache scopes engines may attach in, and who may: "
                "\"name:uid,uid,@group; name2:@group\"; empty = each engine's scope is its uid's.",
@@ -653,28 +759,39 @@ absl::StatusOr<TypedValue> Interpret(const KeySpec& spec, const RawValue& raw) {
   return absl::InternalError("unhandled syntax");
 }
 
+// The field `spec` sets in `config`, for reading. (The locators take a mutable config; nothing
+// is written through the result.)
+FieldRef Read(const KeySpec& spec, const DaemonConfig& config) {
+  return spec.field(const_cast<DaemonConfig&>(config));
+}
+
 // Narrowing is safe: each key's range fits its field (uint32 keys have max <= UINT32_MAX, enum
-// indices are below the choice count).
+// indices are below the choice count, durations are at most a year of their unit).
 void Store(const KeySpec& spec, const TypedValue& value, DaemonConfig& config) {
   std::visit(
-      [&](auto member) {
-        auto& field = config.*member;
-        using T = std::remove_reference_t<decltype(field)>;
-        if constexpr (std::is_same_v<T, uint64_t> || std::is_same_v<T, uint32_t> ||
-                      std::is_enum_v<T>) {
-          field = static_cast<T>(std::get<uint64_t>(value));
+      [&](auto* field) {
+        using T = std::remove_pointer_t<decltype(field)>;
+        if constexpr (std::is_same_v<T, absl::Duration>) {
+          *field = spec.unit * static_cast<int64_t>(std::get<uint64_t>(value));
+        } else if constexpr (std::is_same_v<T, std::vector<RedisNodeAddress>>) {
+          // Interpret checked the list (CheckRedisNodes); empty is no node at all.
+          const std::string& text = std::get<std::string>(value);
+          *field = text.empty() ? T{} : *ParseRedisNodeList(text);
+        } else if constexpr (std::is_same_v<T, uint64_t> || std::is_same_v<T, uint32_t> ||
+                             std::is_enum_v<T>) {
+          *field = static_cast<T>(std::get<uint64_t>(value));
         } else {
-          field = std::get<T>(value);
+          *field = std::get<T>(value);
         }
       },
-      spec.field);
+      spec.field(config));
 }
 
 // The value's TOML text, as RenderConfig writes it.
 std::string RenderValue(const KeySpec& spec, const DaemonConfig& config) {
   return std::visit(
-      [&](auto member) -> std::string {
-        const auto& field = config.*member;
+      [&](const auto* field_pointer) -> std::string {
+        const auto& field = *field_pointer;
         using T = std::remove_cvref_t<decltype(field)>;
         if constexpr (std::is_same_v<T, bool>) {
           return field ? "true" : "false";
@@ -684,6 +801,14 @@ std::string RenderValue(const KeySpec& spec, const DaemonConfig& config) {
           return Quote(field);
         } else if constexpr (std::is_enum_v<T>) {
           return Quote(spec.choices[static_cast<size_t>(field)]);
+        } else if constexpr (std::is_same_v<T, absl::Duration>) {
+          absl::Duration remainder;
+          return absl::StrCat(absl::IDivDuration(field, spec.unit, &remainder));
+        } else if constexpr (std::is_same_v<T, std::vector<RedisNodeAddress>>) {
+          return Quote(absl::StrJoin(
+              field, ",", [](std::string* out, const RedisNodeAddress& node) {
+                absl::StrAppend(out, node.ToString());
+              }));
         } else if (spec.syntax == Syntax::kMode) {
           return Quote(FormatMode(field));
         } else if (spec.syntax == Syntax::kBytes && FormatBytes(field) != absl::StrCat(field)) {
@@ -692,15 +817,19 @@ std::string RenderValue(const KeySpec& spec, const DaemonConfig& config) {
           return absl::StrCat(field);
         }
       },
-      spec.field);
+      Read(spec, config));
 }
 
 bool SameValue(const KeySpec& spec, const DaemonConfig& a, const DaemonConfig& b) {
-  return std::visit([&](auto member) { return a.*member == b.*member; }, spec.field);
+  const FieldRef other = Read(spec, b);
+  return std::visit(
+      [&](auto* field) { return *field == *std::get<decltype(field)>(other); },
+      Read(spec, a));
 }
 
 void CopyValue(const KeySpec& spec, const DaemonConfig& from, DaemonConfig& to) {
-  std::visit([&](auto member) { to.*member = from.*member; }, spec.field);
+  const FieldRef source = Read(spec, from);
+  std::visit([&](auto* field) { *field = *std::get<decltype(field)>(source); }, spec.field(to));
 }
 
 // Interprets and stores one value; errors read "<subject>: <problem>; accepted: ...".
@@ -753,7 +882,7 @@ std::string_view LogLevelName(LogLevel level) {
 }
 
 std::string DaemonConfig::SocketPath() const {
-  return absl::StrReplaceAll(socket_path, {{"{device}", absl::StrCat(device)}});
+  return absl::StrReplaceAll(sockets.socket_path, {{"{device}", absl::StrCat(device)}});
 }
 
 namespace {
@@ -774,11 +903,16 @@ std::string DerivedSocketPath(const DaemonConfig& config, const std::string& con
 }  // namespace
 
 std::string DaemonConfig::AdminSocketPath() const {
-  return DerivedSocketPath(*this, admin_socket_path, ".admin.sock");
+  return DerivedSocketPath(*this, sockets.admin_socket_path, ".admin.sock");
 }
 
 std::string DaemonConfig::HandoffSocketPath() const {
-  return DerivedSocketPath(*this, handoff_socket_path, ".handoff.sock");
+  return DerivedSocketPath(*this, sockets.handoff_socket_path, ".handoff.sock");
+}
+
+bool DaemonConfig::operator==(const DaemonConfig& other) const {
+  return std::all_of(Keys().begin(), Keys().end(),
+                     [&](const KeySpec& spec) { return SameValue(spec, *this, other); });
 }
 
 std::vector<ConfigKeyInfo> ConfigKeys() {
@@ -841,12 +975,12 @@ absl::StatusOr<DaemonConfig> LoadConfigFile(const std::string& path) {
 }
 
 uint64_t EffectiveMaxEngineArenas(const DaemonConfig& config, uint64_t max_arenas) {
-  if (config.max_engine_arenas != 0) return config.max_engine_arenas;
+  if (config.admission.max_engine_arenas != 0) return config.admission.max_engine_arenas;
   return std::max<uint64_t>(1, max_arenas / 2);
 }
 
 uint64_t EffectiveMaxArenas(const DaemonConfig& config, const std::string& max_map_count_path) {
-  if (config.max_arenas != 0) return config.max_arenas;
+  if (config.admission.max_arenas != 0) return config.admission.max_arenas;
   uint64_t max_map_count = kDefaultMaxMapCount;
   absl::StatusOr<std::string> text = ReadWholeFile(max_map_count_path, "vm.max_map_count");
   if (!text.ok() || !absl::SimpleAtoi(absl::StripAsciiWhitespace(*text), &max_map_count)) {
@@ -907,7 +1041,8 @@ absl::Status ValidateConfig(const DaemonConfig& config) {
   std::string socket = config.SocketPath();
   if (socket.size() >= sizeof(sockaddr_un{}.sun_path)) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "socket_path = ", Quote(config.socket_path), " with device = ", config.device, " is ",
+        "socket_path = ", Quote(config.sockets.socket_path), " with device = ", config.device,
+        " is ",
         Quote(socket), " (", socket.size(), " bytes); a Unix socket path holds at most ",
         sizeof(sockaddr_un{}.sun_path) - 1, " bytes"));
   }
@@ -918,8 +1053,9 @@ absl::Status ValidateConfig(const DaemonConfig& config) {
     std::string path;
   };
   const DerivedSocket derived[] = {
-      {"admin", "admin_socket_path", config.admin_socket_path, config.AdminSocketPath()},
-      {"handoff", "handoff_socket_path", config.handoff_socket_path, config.HandoffSocketPath()},
+      {"admin", "admin_socket_path", config.sockets.admin_socket_path, config.AdminSocketPath()},
+      {"handoff", "handoff_socket_path", config.sockets.handoff_socket_path,
+       config.HandoffSocketPath()},
   };
   for (const DerivedSocket& other : derived) {
     if (other.path.size() >= sizeof(sockaddr_un{}.sun_path)) {
@@ -940,50 +1076,52 @@ absl::Status ValidateConfig(const DaemonConfig& config) {
         absl::StrCat("admin_socket_path and handoff_socket_path are both ", Quote(derived[0].path),
                      "; operators and the handoff need separate sockets"));
   }
-  if (config.prefix_disk_dir.empty() != (config.prefix_disk_bytes == 0) ||
-      (!config.prefix_disk_dir.empty() && config.prefix_cache_budget_bytes == 0)) {
+  if (config.prefix.disk_dir.empty() != (config.prefix.disk_bytes == 0) ||
+      (!config.prefix.disk_dir.empty() && config.prefix.budget_bytes == 0)) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "prefix_disk_dir = ", Quote(config.prefix_disk_dir), ", prefix_disk_bytes = ",
-        config.prefix_disk_bytes, " and prefix_cache_budget_bytes = ",
-        config.prefix_cache_budget_bytes,
+        "prefix_disk_dir = ", Quote(config.prefix.disk_dir), ", prefix_disk_bytes = ",
+        config.prefix.disk_bytes, " and prefix_cache_budget_bytes = ",
+        config.prefix.budget_bytes,
         ": a disk tier needs a directory, a byte budget and a prefix cache; no disk tier needs "
         "an empty directory and 0 bytes"));
   }
-  if (config.prefix_host_tier_bytes > 0 && config.prefix_cache_budget_bytes == 0) {
+  if (config.prefix.host_tier_bytes > 0 && config.prefix.budget_bytes == 0) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "prefix_host_tier_bytes = ", config.prefix_host_tier_bytes,
+        "prefix_host_tier_bytes = ", config.prefix.host_tier_bytes,
         " needs a prefix cache (prefix_cache_budget_bytes is 0)"));
   }
-  if (config.prefix_host_tier_bytes > 0 &&
+  if (config.prefix.host_tier_bytes > 0 &&
       config.prefix_host_tier_memory == PrefixHostMemory::kPinned &&
       config.backend != Backend::kCuda) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "prefix_host_tier_bytes = ", config.prefix_host_tier_bytes,
+        "prefix_host_tier_bytes = ", config.prefix.host_tier_bytes,
         " with prefix_host_tier_memory = pinned needs backend = cuda; the host backend's "
         "device tier already is host memory (prefix_host_tier_memory = plain runs the tier "
         "there anyway)"));
   }
   // Prefix-cache entries are counted against the admission budget (they are evicted to admit).
-  if (config.backend == Backend::kHost && config.prefix_cache_budget_bytes > config.budget_bytes) {
+  if (config.backend == Backend::kHost &&
+      config.prefix.budget_bytes > config.admission.budget_bytes) {
     return absl::InvalidArgumentError(
-        absl::StrCat("prefix_cache_budget_bytes = ", config.prefix_cache_budget_bytes,
-                     " exceeds budget_bytes = ", config.budget_bytes,
+        absl::StrCat("prefix_cache_budget_bytes = ", config.prefix.budget_bytes,
+                     " exceeds budget_bytes = ", config.admission.budget_bytes,
                      "; the host backend's prefix cache lives inside its budget"));
   }
-  if (config.prefix_remote_redis_tls) {
+  if (config.prefix_remote.cluster.tls) {
     return absl::InvalidArgumentError(
         absl::StrCat("prefix_remote_redis_tls = true: ", RedisTlsUnsupportedReason()));
   }
-  if (!config.prefix_remote_redis_user.empty() &&
-      config.prefix_remote_redis_password_file.empty()) {
+  if (!config.prefix_remote.cluster.user.empty() &&
+      config.prefix_remote.cluster.password_file.empty()) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "prefix_remote_redis_user = ", Quote(config.prefix_remote_redis_user),
+        "prefix_remote_redis_user = ", Quote(config.prefix_remote.cluster.user),
         " needs prefix_remote_redis_password_file (an ACL user authenticates with a password)"));
   }
   // The remote tier is a tier of the prefix cache: refused, not ignored, without one.
-  if (!config.prefix_remote_redis_nodes.empty() && config.prefix_cache_budget_bytes == 0) {
+  if (!config.prefix_remote.cluster.seed_nodes.empty() && config.prefix.budget_bytes == 0) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "prefix_remote_redis_nodes = ", Quote(config.prefix_remote_redis_nodes),
+        "prefix_remote_redis_nodes = ",
+        RenderValue(*FindKey("prefix_remote_redis_nodes"), config),
         " needs a prefix cache: prefix_cache_budget_bytes is 0"));
   }
   return absl::OkStatus();

@@ -18,7 +18,13 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/time/time.h"
 #include "absl/types/span.h"
+#include "server/edge/connection_gate.h"
+#include "server/session/engine_leases.h"
+#include "server/store/block_store.h"
+#include "server/store/prefix_cache.h"
+#include "server/store/remote/remote_tier.h"
 
 namespace memra {
 
@@ -38,20 +44,8 @@ std::string_view CudaExportName(CudaExport mode);  // "ipc" | "vmm"
 std::string_view PrefixHostMemoryName(PrefixHostMemory memory);  // "pinned" | "plain"
 std::string_view LogLevelName(LogLevel level);  // "trace" ... "off"
 
-// Every daemon setting, with its default. Key names in the file and on the command line are the
-// field names. Plain data: copy freely.
-struct DaemonConfig {
-  // Device backend: "host" (sealed memfds handed to engines as descriptors; the default and what tests use) or "cuda".
-  Backend backend = Backend::kHost;
-  // GPU index this instance serves (the systemd instance name, %i).
-  uint32_t device = 0;
-  // Unix socket path; "{device}" is replaced by `device` (see SocketPath()). Absolute.
-  std::string socket_path = "/run/memra-kv/gpu{device}.sock";
-  // Permission bits of the socket (octal). 0660: the daemon's group may connect.
-  uint32_t socket_mode = 0660;
-  // Group owning the socket; empty = the daemon's primary group. Must be one of the daemon's
-  // groups (no CAP_CHOWN).
-  std::string socket_group;
+// Admission (core/admission.h, server/device/device_budget.h): the budget and how it is shared.
+struct AdmissionConfig {
   // Host backend: bytes of memory the daemon may hand out (admission budget).
   uint64_t budget_bytes = uint64_t{8} << 30;
   // CUDA backend: budget = floor(fraction x the device's TOTAL memory) - cuda_reserve_bytes
@@ -59,82 +53,27 @@ struct DaemonConfig {
   double cuda_memory_fraction = 0.9;
   // CUDA backend: bytes left free for the driver and other processes, taken off the budget.
   uint64_t cuda_reserve_bytes = uint64_t{1} << 30;
-  // CUDA backend: "ipc" (cudaIpcGetMemHandle) or "vmm" (cuMemCreate, shared as descriptors;
-  // needed for KV to survive a daemon restart on a GPU).
-  CudaExport cuda_export = CudaExport::kIpc;
-  // Milliseconds without an engine heartbeat before its lease expires.
-  uint64_t lease_timeout_ms = 10000;
-  // Milliseconds after a lease ends (stream broke or expired) before its sessions are reclaimed.
-  uint64_t lease_grace_ms = 2000;
-  // Milliseconds an admission reservation is held without a session being created from it.
-  uint64_t reservation_ttl_ms = 30000;
-  LogLevel log_level = LogLevel::kInfo;
-  // Prometheus endpoint as host:port ("[v6addr]:port" for IPv6); empty disables metrics.
-  std::string metrics_address = "127.0.0.1:9464";
-  // Per-RPC call counts and latency histograms (memra_rpc_*). They need a gRPC server
-  // interceptor on every call, which costs ~25 us of CPU per call on a 2-vCPU VM (more than a
-  // whole one-session Step's own work: bench/README.md), so they are off unless asked for.
-  bool rpc_metrics = false;
-  // Milliseconds live sessions may run after SIGTERM before everything is freed. The unit's
-  // TimeoutStopSec (45s) must cover it, or the daemon must extend the stop timeout.
-  uint64_t drain_grace_ms = 30000;
-  // Bytes of prefix-cache entries kept; 0 disables the prefix cache.
-  uint64_t prefix_cache_budget_bytes = 0;
-  // Tokens per prefix-cache block (the granularity of prefix matches).
-  uint32_t prefix_block_tokens = 256;
-  // Capture a dying engine's sessions into the prefix cache before freeing them.
-  bool prefix_capture_on_engine_death = true;
-  // Verify stored checksums when restoring a prefix (costs a read of the entry).
-  bool prefix_verify_checksums = true;
-  // Threads a large prefix capture or restore (>= 64 MiB of blocks) splits its blocks over.
-  uint64_t prefix_copy_threads = 4;
-  // Slabs the prefix cache sub-allocates its storage from: one arena (one mapping, one budget
-  // charge) per slab instead of one per stored block. Capped at prefix_cache_budget_bytes.
-  uint64_t prefix_slab_bytes = uint64_t{128} << 20;
-  // ---- The prefix cache's remote tier in a Redis Cluster (docs/remote-tier.md) ----
-  // Seed nodes, "host:port,..." ("[v6addr]:port" for IPv6); empty = no remote tier. Needs a
-  // prefix cache (prefix_cache_budget_bytes > 0).
-  std::string prefix_remote_redis_nodes;
-  // ACL user for AUTH; empty = the requirepass password (the "default" user).
-  std::string prefix_remote_redis_user;
-  // Absolute path of the file holding the Redis password (never a config value: it would be
-  // logged and rendered); empty = no AUTH.
-  std::string prefix_remote_redis_password_file;
-  // TLS to the cluster. true is refused: Debian's hiredis 0.14 has no TLS.
-  bool prefix_remote_redis_tls = false;
-  // Milliseconds one connect to a node, and one command, may take.
-  uint64_t prefix_remote_redis_connect_timeout_ms = 200;
-  uint64_t prefix_remote_redis_timeout_ms = 500;
-  // Bytes of captured pieces queued for the remote tier's writer; a capture that would pass it
-  // drops its remote write (a later miss), never waits.
-  uint64_t prefix_remote_queue_bytes = uint64_t{256} << 20;
-  // How long a lookup (and the existence check before a restore) waits for the cluster before
-  // answering from the local tiers alone; how long a restore waits for the remote values.
-  uint64_t prefix_remote_lookup_timeout_ms = 20;
-  uint64_t prefix_remote_fetch_timeout_ms = 2000;
-  // Expiry of written values in seconds; 0 = none (the cluster's maxmemory policy evicts).
-  uint64_t prefix_remote_ttl_s = 0;
-  // The prefix cache's disk tier: a directory this daemon owns (created 0700 when missing;
-  // "*.piece" files in it are removed at start) and the bytes of files it may hold there. Empty
-  // dir = no disk tier (prefix_disk_bytes must then be 0).
-  std::string prefix_disk_dir;
-  uint64_t prefix_disk_bytes = 0;
-  // The prefix cache's host tier, between the device tier and the disk tier: the bytes of host
-  // memory it may hold (0 = none; not charged to budget_bytes) and where that memory comes
-  // from. On cuda it is pinned host memory (GPU -> pinned host -> disk). The host backend's
-  // device tier already is host memory, so there the tier is off; "plain" memory turns it on
-  // anyway (tests, trying the chain), at the cost of one more host copy per demotion.
-  uint64_t prefix_host_tier_bytes = 0;
-  PrefixHostMemory prefix_host_tier_memory = PrefixHostMemory::kPinned;
-  // Send systemd watchdog keep-alives when the service manager asks for them (WATCHDOG_USEC).
-  bool watchdog = true;
-  // Under a service manager (systemd, memra-kv-supervise): keep session arenas and the restart
-  // journal in its fd store, and re-adopt them after a restart (server/restart/restart_state.h).
-  bool keep_kv_across_restarts = true;
-  // Offer attached engines a shared-memory step channel (docs/step-channel.md): Step entries
-  // addressed by slot as records in a ring, served by one daemon thread. false: Step over gRPC
-  // only (Attached.step_channel tells the engine).
-  bool step_channel = true;
+  // Percent of the admission budget one engine's reservations + sessions may hold.
+  uint32_t max_engine_budget_share = 100;
+  // Arenas (sessions, reservations, prefix storage) the daemon holds at once; each is a mapping
+  // under the kernel's vm.max_map_count. 0 = derived at start: 3/4 of vm.max_map_count
+  // (EffectiveMaxArenas).
+  uint64_t max_arenas = 0;
+  // Arenas one engine may hold of those (sessions, its reservations), so that no engine takes
+  // every arena. 0 = half of the arena limit in force (EffectiveMaxEngineArenas).
+  uint64_t max_engine_arenas = 0;
+};
+
+// The three Unix sockets (server/edge/served_socket.h, server/edge/arena_handoff.h) and what one
+// socket serves at once.
+struct SocketsConfig {
+  // Unix socket path; "{device}" is replaced by `device` (see SocketPath()). Absolute.
+  std::string socket_path = "/run/memra-kv/gpu{device}.sock";
+  // Permission bits of the socket (octal). 0660: the daemon's group may connect.
+  uint32_t socket_mode = 0660;
+  // Group owning the socket; empty = the daemon's primary group. Must be one of the daemon's
+  // groups (no CAP_CHOWN).
+  std::string socket_group;
   // The operators' Unix socket (KvAdmin and KvPrefixCache in full: drain, undrain, eviction,
   // plan import with registration, the lists of sessions, engines and prefixes); the engine
   // socket refuses those calls (PERMISSION_DENIED naming this path). Empty = beside the engine
@@ -152,54 +91,112 @@ struct DaemonConfig {
   // as the engine socket. Empty = socket_path with ".sock" replaced by ".handoff.sock"
   // (HandoffSocketPath()). "{device}" is replaced by `device`.
   std::string handoff_socket_path;
-  // Named prefix-cache scopes and who may attach in them (server/session/cache_scopes.h):
-  // "name:uid,uid,@group; name2:@group2". Empty: every engine's scope is its uid's.
-  std::string cache_scope_allow;
+  // Milliseconds a gRPC connection with no call may stay open before the daemon closes it.
+  uint64_t connection_idle_timeout_ms = 300'000;
+  // KvPrefixCache.SubscribeEvents streams open at once, per socket and per engine (each holds a
+  // daemon thread while open; a stream ends with the lease that opened it).
+  uint64_t max_event_streams = 64;
+  uint64_t max_engine_event_streams = 4;
+};
 
-  // ---- Limits: what one client can make the daemon hold (docs/security-model.md#limits) ----
+// The session layer (server/session/): what one engine may hold, and what happens at its death.
+struct SessionsConfig {
   // Layers (trunk + MTP) a model plan may have, everywhere a plan arrives. The largest real
   // models have ~130; the maximum keeps a CreateSession reply (the layout) under the client's
   // 4 MiB receive limit.
   uint32_t max_plan_layers = 4096;
-  // Sessions one engine may hold at once.
-  uint64_t max_engine_sessions = 4096;
   // Model plans one engine may have registered in the daemon's table (of 1,024) at once.
   uint64_t max_engine_plans = 64;
-  // Percent of the admission budget one engine's reservations + sessions may hold.
-  uint32_t max_engine_budget_share = 100;
-  // Engines attached at once (each holds an Attach stream; streams share gRPC's callback
-  // threads).
-  uint64_t max_attached_engines = 256;
-  // KvPrefixCache.SubscribeEvents streams open at once, per engine and per socket (each holds a
-  // daemon thread while open; a stream ends with the lease that opened it).
-  uint64_t max_engine_event_streams = 4;
-  uint64_t max_event_streams = 64;
-  // gRPC connections each socket accepts at once, in all and from one uid (SO_PEERCRED); past
-  // them a new connection is closed at once. A connection with no call for
-  // connection_idle_timeout_ms is closed by the daemon.
-  uint64_t max_connections = 512;
-  uint64_t max_connections_per_uid = 256;
-  uint64_t connection_idle_timeout_ms = 300'000;
+  // Sessions one engine may hold at once.
+  uint64_t max_engine_sessions = 4096;
   // Bytes of released session arenas kept per engine for its next sessions of the same size
   // (server/session/arena_pool.h); evictable by admission, freed when the engine's lease ends. 0 =
   // no pool: every CreateSession makes (and every engine maps) a new arena.
   uint64_t arena_pool_engine_bytes = uint64_t{4} << 30;
-  // The block store (server/store/block_store.h): bytes of its own KV pool one engine may have
-  // offered and registered at once, and registrations and pins per engine.
-  uint64_t block_store_engine_bytes = uint64_t{64} << 30;
-  uint64_t block_store_max_registrations = 16;
-  uint64_t block_store_max_pins = 1024;
-  // Daemon-wide: unregistered offers (each holds a descriptor) and registered buffers (each a
-  // mapping) of all engines together.
-  uint64_t block_store_max_offers = 512;
-  uint64_t block_store_max_mapped_buffers = 4096;
-  // Arenas (sessions, reservations, prefix storage) the daemon holds at once; each is a mapping
-  // under the kernel's vm.max_map_count. 0 = derived at start: 3/4 of vm.max_map_count
-  // (server/daemon.h ArenaLimitFor).
-  uint64_t max_arenas = 0;
-  // Arenas one engine may hold of those (sessions, its reservations), so that no engine takes
-  // every arena. 0 = half of the arena limit in force (EffectiveMaxEngineArenas).
-  uint64_t max_engine_arenas = 0;
+  // Capture a dying engine's sessions into the prefix cache before freeing them.
+  bool prefix_capture_on_engine_death = true;
+};
+
+// Prometheus metrics (server/metrics/).
+struct MetricsConfig {
+  // Prometheus endpoint as host:port ("[v6addr]:port" for IPv6); empty disables metrics.
+  std::string metrics_address = "127.0.0.1:9464";
+  // Per-RPC call counts and latency histograms (memra_rpc_*). They need a gRPC server
+  // interceptor on every call, which costs ~25 us of CPU per call on a 2-vCPU VM (more than a
+  // whole one-session Step's own work: bench/README.md), so they are off unless asked for.
+  bool rpc_metrics = false;
+};
+
+// Every daemon setting, with its default. Plain data: copy freely.
+//
+// Sections: each part's settings are one member, and where a part takes an options struct the
+// section IS that struct (leases, connections, prefix, prefix_remote, block_store), so the
+// daemon hands it over as it is. The sections the config owns name their fields as the keys.
+// Key names in the file and on the command line stay flat (config.cc's table maps each to its
+// field): prefix_cache_budget_bytes is prefix.budget_bytes, lease_timeout_ms is
+// leases.timeout, prefix_remote_redis_nodes is prefix_remote.cluster.seed_nodes (parsed).
+struct DaemonConfig {
+  // Device backend: "host" (sealed memfds handed to engines as descriptors; the default and what
+  // tests use) or "cuda".
+  Backend backend = Backend::kHost;
+  // GPU index this instance serves (the systemd instance name, %i).
+  uint32_t device = 0;
+  // CUDA backend: "ipc" (cudaIpcGetMemHandle) or "vmm" (cuMemCreate, shared as descriptors;
+  // needed for KV to survive a daemon restart on a GPU).
+  CudaExport cuda_export = CudaExport::kIpc;
+  LogLevel log_level = LogLevel::kInfo;
+  // Milliseconds live sessions may run after SIGTERM before everything is freed. The unit's
+  // TimeoutStopSec (45s) must cover it, or the daemon must extend the stop timeout.
+  uint64_t drain_grace_ms = 30000;
+  // Where the prefix cache's host tier (prefix.host_tier_bytes) gets its memory: pinned on cuda
+  // (GPU -> pinned host -> disk); on the host backend the device tier already is host memory,
+  // so "plain" turns the tier on anyway (tests, trying the chain) at one more host copy.
+  PrefixHostMemory prefix_host_tier_memory = PrefixHostMemory::kPinned;
+  // Send systemd watchdog keep-alives when the service manager asks for them (WATCHDOG_USEC).
+  bool watchdog = true;
+  // Under a service manager (systemd, memra-kv-supervise): keep session arenas and the restart
+  // journal in its fd store, and re-adopt them after a restart (server/restart/restart_state.h).
+  bool keep_kv_across_restarts = true;
+  // Offer attached engines a shared-memory step channel (docs/step-channel.md): Step entries
+  // addressed by slot as records in a ring, served by one daemon thread. false: Step over gRPC
+  // only (Attached.step_channel tells the engine).
+  bool step_channel = true;
+  // Named prefix-cache scopes and who may attach in them (server/session/cache_scopes.h):
+  // "name:uid,uid,@group; name2:@group2". Empty: every engine's scope is its uid's.
+  std::string cache_scope_allow;
+  AdmissionConfig admission;
+  // lease_timeout_ms (timeout: without a heartbeat before its lease expires), lease_grace_ms
+  // (grace: after a lease ends before its sessions are reclaimed), reservation_ttl_ms
+  // (reservation_ttl: an admission reservation held without a session), max_attached_engines
+  // (max_engines: engines attached at once, each an Attach stream).
+  LeaseSettings leases{.timeout = absl::Milliseconds(10000),
+                       .grace = absl::Milliseconds(2000),
+                       .reservation_ttl = absl::Milliseconds(30000),
+                       .max_engines = 256};
+  SocketsConfig sockets;
+  // max_connections, max_connections_per_uid: gRPC connections each socket accepts at once, in
+  // all and from one uid (SO_PEERCRED); past them a new connection is closed at once.
+  ConnectionGate::Limits connections{.max_connections = 512, .max_connections_per_uid = 256};
+  SessionsConfig sessions;
+  // The prefix cache: prefix_cache_budget_bytes (budget_bytes; 0 disables the prefix cache),
+  // prefix_block_tokens, prefix_verify_checksums, prefix_copy_threads, prefix_slab_bytes, the
+  // host tier (prefix_host_tier_bytes; its memory is prefix_host_tier_memory), the disk tier
+  // (prefix_disk_dir, prefix_disk_bytes) and how long it waits for the remote tier
+  // (prefix_remote_lookup_timeout_ms, prefix_remote_fetch_timeout_ms). The daemon sets its
+  // epoch.
+  PrefixCacheOptions prefix;
+  // The prefix cache's remote tier in a Redis Cluster (docs/remote-tier.md); none while
+  // cluster.seed_nodes is empty: prefix_remote_redis_nodes, _user, _password_file (the
+  // password is never a config value: it would be logged and rendered), _tls (true is refused:
+  // Debian's hiredis 0.14 has no TLS), _connect_timeout_ms, _timeout_ms,
+  // prefix_remote_queue_bytes (a capture that would pass it drops its remote write, never
+  // waits), prefix_remote_ttl_s (0 = none: the cluster's maxmemory policy evicts).
+  RemoteTierOptions prefix_remote;
+  // The block store (server/store/block_store.h): block_store_engine_bytes (engine_bytes),
+  // block_store_max_registrations and block_store_max_pins (per engine), block_store_max_offers
+  // and block_store_max_mapped_buffers (daemon-wide). The daemon derives the per-engine shares.
+  BlockStoreLimits block_store;
+  MetricsConfig metrics;
 
   // socket_path with "{device}" replaced.
   std::string SocketPath() const;
@@ -208,7 +205,8 @@ struct DaemonConfig {
   // handoff_socket_path with "{device}" replaced, or (empty) derived from SocketPath().
   std::string HandoffSocketPath() const;
 
-  bool operator==(const DaemonConfig&) const = default;
+  // Equal in every key (fields no key sets, such as prefix.epoch, are not compared).
+  bool operator==(const DaemonConfig& other) const;
 };
 
 // The largest max_plan_layers accepted: a CreateSession reply lists every plane of every layer,

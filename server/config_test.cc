@@ -90,53 +90,53 @@ TEST(ConfigTest, Defaults) {
   EXPECT_EQ(config.backend, Backend::kHost);
   EXPECT_EQ(config.device, 0u);
   EXPECT_EQ(config.SocketPath(), "/run/memra-kv/gpu0.sock");
-  EXPECT_EQ(config.socket_mode, 0660u);
-  EXPECT_EQ(config.budget_bytes, 8 * kGiB);
-  EXPECT_EQ(config.cuda_memory_fraction, 0.9);
-  EXPECT_EQ(config.cuda_reserve_bytes, kGiB);
-  EXPECT_EQ(config.lease_timeout_ms, 10000u);
-  EXPECT_EQ(config.lease_grace_ms, 2000u);
-  EXPECT_EQ(config.reservation_ttl_ms, 30000u);
+  EXPECT_EQ(config.sockets.socket_mode, 0660u);
+  EXPECT_EQ(config.admission.budget_bytes, 8 * kGiB);
+  EXPECT_EQ(config.admission.cuda_memory_fraction, 0.9);
+  EXPECT_EQ(config.admission.cuda_reserve_bytes, kGiB);
+  EXPECT_EQ(config.leases.timeout, absl::Milliseconds(10000));
+  EXPECT_EQ(config.leases.grace, absl::Milliseconds(2000));
+  EXPECT_EQ(config.leases.reservation_ttl, absl::Milliseconds(30000));
   EXPECT_EQ(config.log_level, LogLevel::kInfo);
-  EXPECT_EQ(config.metrics_address, "127.0.0.1:9464");
-  EXPECT_FALSE(config.rpc_metrics);
+  EXPECT_EQ(config.metrics.metrics_address, "127.0.0.1:9464");
+  EXPECT_FALSE(config.metrics.rpc_metrics);
   EXPECT_EQ(config.drain_grace_ms, 30000u);
-  EXPECT_EQ(config.prefix_cache_budget_bytes, 0u);
-  EXPECT_EQ(config.prefix_block_tokens, 256u);
-  EXPECT_TRUE(config.prefix_capture_on_engine_death);
-  EXPECT_TRUE(config.prefix_verify_checksums);
-  EXPECT_EQ(config.prefix_copy_threads, 4u);
-  EXPECT_EQ(config.prefix_slab_bytes, uint64_t{128} << 20);
-  EXPECT_EQ(config.prefix_remote_redis_nodes, "");
-  EXPECT_EQ(config.prefix_remote_redis_user, "");
-  EXPECT_EQ(config.prefix_remote_redis_password_file, "");
-  EXPECT_FALSE(config.prefix_remote_redis_tls);
-  EXPECT_EQ(config.prefix_remote_redis_connect_timeout_ms, 200u);
-  EXPECT_EQ(config.prefix_remote_redis_timeout_ms, 500u);
-  EXPECT_EQ(config.prefix_remote_queue_bytes, uint64_t{256} << 20);
-  EXPECT_EQ(config.prefix_remote_lookup_timeout_ms, 20u);
-  EXPECT_EQ(config.prefix_remote_fetch_timeout_ms, 2000u);
-  EXPECT_EQ(config.prefix_remote_ttl_s, 0u);
-  EXPECT_EQ(config.prefix_disk_dir, "");
-  EXPECT_EQ(config.prefix_disk_bytes, 0u);
-  EXPECT_EQ(config.prefix_host_tier_bytes, 0u);
+  EXPECT_EQ(config.prefix.budget_bytes, 0u);
+  EXPECT_EQ(config.prefix.block_tokens, 256u);
+  EXPECT_TRUE(config.sessions.prefix_capture_on_engine_death);
+  EXPECT_TRUE(config.prefix.verify_checksums);
+  EXPECT_EQ(config.prefix.copy_threads, 4u);
+  EXPECT_EQ(config.prefix.slab_bytes, uint64_t{128} << 20);
+  EXPECT_TRUE(config.prefix_remote.cluster.seed_nodes.empty());
+  EXPECT_EQ(config.prefix_remote.cluster.user, "");
+  EXPECT_EQ(config.prefix_remote.cluster.password_file, "");
+  EXPECT_FALSE(config.prefix_remote.cluster.tls);
+  EXPECT_EQ(config.prefix_remote.cluster.connect_timeout, absl::Milliseconds(200));
+  EXPECT_EQ(config.prefix_remote.cluster.command_timeout, absl::Milliseconds(500));
+  EXPECT_EQ(config.prefix_remote.queue_bytes, uint64_t{256} << 20);
+  EXPECT_EQ(config.prefix.remote_lookup_timeout, absl::Milliseconds(20));
+  EXPECT_EQ(config.prefix.remote_fetch_timeout, absl::Milliseconds(2000));
+  EXPECT_EQ(config.prefix_remote.ttl, absl::Seconds(0));
+  EXPECT_EQ(config.prefix.disk_dir, "");
+  EXPECT_EQ(config.prefix.disk_bytes, 0u);
+  EXPECT_EQ(config.prefix.host_tier_bytes, 0u);
   EXPECT_EQ(config.prefix_host_tier_memory, PrefixHostMemory::kPinned);
   EXPECT_TRUE(config.watchdog);
-  EXPECT_EQ(config.max_plan_layers, 4096u);
-  EXPECT_EQ(config.max_engine_sessions, 4096u);
-  EXPECT_EQ(config.max_engine_plans, 64u);
-  EXPECT_EQ(config.max_engine_budget_share, 100u);
-  EXPECT_EQ(config.max_attached_engines, 256u);
-  EXPECT_EQ(config.max_engine_event_streams, 4u);
-  EXPECT_EQ(config.max_event_streams, 64u);
-  EXPECT_EQ(config.max_connections, 512u);
-  EXPECT_EQ(config.max_connections_per_uid, 256u);
-  EXPECT_EQ(config.connection_idle_timeout_ms, 300'000u);
-  EXPECT_EQ(config.max_arenas, 0u);
-  EXPECT_EQ(config.max_engine_arenas, 0u);
+  EXPECT_EQ(config.sessions.max_plan_layers, 4096u);
+  EXPECT_EQ(config.sessions.max_engine_sessions, 4096u);
+  EXPECT_EQ(config.sessions.max_engine_plans, 64u);
+  EXPECT_EQ(config.admission.max_engine_budget_share, 100u);
+  EXPECT_EQ(config.leases.max_engines, 256u);
+  EXPECT_EQ(config.sockets.max_engine_event_streams, 4u);
+  EXPECT_EQ(config.sockets.max_event_streams, 64u);
+  EXPECT_EQ(config.connections.max_connections, 512u);
+  EXPECT_EQ(config.connections.max_connections_per_uid, 256u);
+  EXPECT_EQ(config.sockets.connection_idle_timeout_ms, 300'000u);
+  EXPECT_EQ(config.admission.max_arenas, 0u);
+  EXPECT_EQ(config.admission.max_engine_arenas, 0u);
   EXPECT_EQ(config.AdminSocketPath(), "/run/memra-kv/gpu0.admin.sock");
-  EXPECT_EQ(config.admin_socket_mode, 0600u);
-  EXPECT_EQ(config.admin_socket_group, "");
+  EXPECT_EQ(config.sockets.admin_socket_mode, 0600u);
+  EXPECT_EQ(config.sockets.admin_socket_group, "");
   EXPECT_EQ(config.HandoffSocketPath(), "/run/memra-kv/gpu0.handoff.sock");
   EXPECT_THAT(ValidateConfig(config), IsOk());
 }
@@ -144,36 +144,36 @@ TEST(ConfigTest, Defaults) {
 TEST(ConfigTest, AdminSocketIsBesideTheEngineSocketUnlessGiven) {
   DaemonConfig config;
   config.device = 3;
-  config.socket_path = "/tmp/kvd.sock";
+  config.sockets.socket_path = "/tmp/kvd.sock";
   EXPECT_EQ(config.AdminSocketPath(), "/tmp/kvd.admin.sock");
-  config.socket_path = "/tmp/engines-{device}";  // no ".sock" to replace: appended
+  config.sockets.socket_path = "/tmp/engines-{device}";  // no ".sock" to replace: appended
   EXPECT_EQ(config.AdminSocketPath(), "/tmp/engines-3.admin.sock");
-  config.admin_socket_path = "/run/ops/gpu{device}.sock";
+  config.sockets.admin_socket_path = "/run/ops/gpu{device}.sock";
   EXPECT_EQ(config.AdminSocketPath(), "/run/ops/gpu3.sock");
 }
 
 TEST(ConfigTest, HandoffSocketIsBesideTheEngineSocketUnlessGiven) {
   DaemonConfig config;
   config.device = 3;
-  config.socket_path = "/tmp/kvd.sock";
+  config.sockets.socket_path = "/tmp/kvd.sock";
   EXPECT_EQ(config.HandoffSocketPath(), "/tmp/kvd.handoff.sock");
-  config.handoff_socket_path = "/run/fds/gpu{device}.sock";
+  config.sockets.handoff_socket_path = "/run/fds/gpu{device}.sock";
   EXPECT_EQ(config.HandoffSocketPath(), "/run/fds/gpu3.sock");
 }
 
 TEST(ConfigTest, ValidateRefusesHandoffSocketThatIsAnotherSocketOrTooLong) {
   DaemonConfig config;
-  config.handoff_socket_path = "/run/memra-kv/gpu{device}.sock";
+  config.sockets.handoff_socket_path = "/run/memra-kv/gpu{device}.sock";
   EXPECT_THAT(ValidateConfig(config),
               StatusIs(absl::StatusCode::kInvalidArgument,
                        HasSubstrs("handoff_socket_path and socket_path are both",
                                   "/run/memra-kv/gpu0.sock", "separate sockets")));
-  config.handoff_socket_path = "/run/memra-kv/gpu{device}.admin.sock";
+  config.sockets.handoff_socket_path = "/run/memra-kv/gpu{device}.admin.sock";
   EXPECT_THAT(ValidateConfig(config),
               StatusIs(absl::StatusCode::kInvalidArgument,
                        HasSubstrs("admin_socket_path and handoff_socket_path are both",
                                   "/run/memra-kv/gpu0.admin.sock")));
-  config.handoff_socket_path = "/run/" + std::string(103, 'x');  // 108 bytes
+  config.sockets.handoff_socket_path = "/run/" + std::string(103, 'x');  // 108 bytes
   EXPECT_THAT(ValidateConfig(config),
               StatusIs(absl::StatusCode::kInvalidArgument,
                        HasSubstrs("the handoff socket", "is 108 bytes", "at most 107")));
@@ -181,12 +181,12 @@ TEST(ConfigTest, ValidateRefusesHandoffSocketThatIsAnotherSocketOrTooLong) {
 
 TEST(ConfigTest, ValidateRefusesAdminSocketThatIsTheEngineSocketOrTooLong) {
   DaemonConfig config;
-  config.admin_socket_path = "/run/memra-kv/gpu{device}.sock";
+  config.sockets.admin_socket_path = "/run/memra-kv/gpu{device}.sock";
   EXPECT_THAT(ValidateConfig(config),
               StatusIs(absl::StatusCode::kInvalidArgument,
                        HasSubstrs("admin_socket_path and socket_path are both",
                                   "/run/memra-kv/gpu0.sock", "separate sockets")));
-  config.admin_socket_path = "/run/" + std::string(103, 'x');  // 108 bytes
+  config.sockets.admin_socket_path = "/run/" + std::string(103, 'x');  // 108 bytes
   EXPECT_THAT(ValidateConfig(config),
               StatusIs(absl::StatusCode::kInvalidArgument,
                        HasSubstrs("the admin socket", "is 108 bytes", "at most 107")));
@@ -211,41 +211,41 @@ TEST(ConfigTest, RenderedNonDefaultsParseBack) {
   DaemonConfig changed;
   changed.backend = Backend::kCuda;
   changed.device = 7;
-  changed.socket_path = "/run/x \"quoted\\\" {device}.sock";
-  changed.socket_mode = 0;
-  changed.socket_group = "engines";
-  changed.budget_bytes = 3 * kMiB + 1;  // not a whole unit: rendered as plain bytes
-  changed.cuda_memory_fraction = 0.1 + 0.2;
-  changed.cuda_reserve_bytes = 0;
-  changed.lease_timeout_ms = 100;
-  changed.lease_grace_ms = 0;
-  changed.reservation_ttl_ms = 86'400'000;
+  changed.sockets.socket_path = "/run/x \"quoted\\\" {device}.sock";
+  changed.sockets.socket_mode = 0;
+  changed.sockets.socket_group = "engines";
+  changed.admission.budget_bytes = 3 * kMiB + 1;  // not a whole unit: rendered as plain bytes
+  changed.admission.cuda_memory_fraction = 0.1 + 0.2;
+  changed.admission.cuda_reserve_bytes = 0;
+  changed.leases.timeout = absl::Milliseconds(100);
+  changed.leases.grace = absl::Milliseconds(0);
+  changed.leases.reservation_ttl = absl::Milliseconds(86'400'000);
   changed.log_level = LogLevel::kOff;
-  changed.metrics_address = "";
+  changed.metrics.metrics_address = "";
   changed.drain_grace_ms = 0;
-  changed.prefix_cache_budget_bytes = 512 * kMiB;
-  changed.prefix_block_tokens = 1;
-  changed.prefix_capture_on_engine_death = false;
-  changed.prefix_verify_checksums = false;
-  changed.prefix_remote_redis_nodes = "10.0.0.1:7000, [::1]:7001";
-  changed.prefix_remote_redis_user = "memra-tier";
-  changed.prefix_remote_redis_password_file = "/etc/memra-kv/redis.pass";
-  changed.prefix_remote_redis_tls = true;
-  changed.prefix_remote_redis_connect_timeout_ms = 1;
-  changed.prefix_remote_redis_timeout_ms = 60'000;
-  changed.prefix_remote_queue_bytes = 64 * kMiB;
-  changed.prefix_remote_lookup_timeout_ms = 50;
-  changed.prefix_remote_fetch_timeout_ms = 10'000;
-  changed.prefix_remote_ttl_s = 86'400;
-  changed.prefix_disk_dir = "/var/cache/memra-kv/gpu7";
-  changed.prefix_disk_bytes = 64 * kGiB;
-  changed.prefix_host_tier_bytes = 96 * kGiB;
+  changed.prefix.budget_bytes = 512 * kMiB;
+  changed.prefix.block_tokens = 1;
+  changed.sessions.prefix_capture_on_engine_death = false;
+  changed.prefix.verify_checksums = false;
+  changed.prefix_remote.cluster.seed_nodes = {{"10.0.0.1", 7000}, {"::1", 7001}};
+  changed.prefix_remote.cluster.user = "memra-tier";
+  changed.prefix_remote.cluster.password_file = "/etc/memra-kv/redis.pass";
+  changed.prefix_remote.cluster.tls = true;
+  changed.prefix_remote.cluster.connect_timeout = absl::Milliseconds(1);
+  changed.prefix_remote.cluster.command_timeout = absl::Milliseconds(60'000);
+  changed.prefix_remote.queue_bytes = 64 * kMiB;
+  changed.prefix.remote_lookup_timeout = absl::Milliseconds(50);
+  changed.prefix.remote_fetch_timeout = absl::Milliseconds(10'000);
+  changed.prefix_remote.ttl = absl::Seconds(86'400);
+  changed.prefix.disk_dir = "/var/cache/memra-kv/gpu7";
+  changed.prefix.disk_bytes = 64 * kGiB;
+  changed.prefix.host_tier_bytes = 96 * kGiB;
   changed.prefix_host_tier_memory = PrefixHostMemory::kPlain;
   changed.watchdog = false;
-  changed.admin_socket_path = "/run/ops/{device}.sock";
-  changed.admin_socket_mode = 0660;
-  changed.admin_socket_group = "operators";
-  changed.handoff_socket_path = "/run/fds/{device}.sock";
+  changed.sockets.admin_socket_path = "/run/ops/{device}.sock";
+  changed.sockets.admin_socket_mode = 0660;
+  changed.sockets.admin_socket_group = "operators";
+  changed.sockets.handoff_socket_path = "/run/fds/{device}.sock";
   changed.cache_scope_allow = "team:1001,@ml; drafts:@inference";
   absl::StatusOr<DaemonConfig> config = ParseConfig(RenderConfig(changed), "rendered");
   ASSERT_THAT(config, IsOk());
@@ -283,15 +283,15 @@ watchdog = false
   EXPECT_EQ(config->backend, Backend::kCuda);
   EXPECT_EQ(config->device, 3u);
   EXPECT_EQ(config->SocketPath(), "/run/memra-kv/custom.sock");
-  EXPECT_EQ(config->socket_mode, 0600u);
-  EXPECT_EQ(config->socket_group, "inference");
-  EXPECT_EQ(config->budget_bytes, 64 * kGiB);
-  EXPECT_EQ(config->cuda_reserve_bytes, 512 * kMiB);
-  EXPECT_EQ(config->prefix_cache_budget_bytes, kMiB);
-  EXPECT_EQ(config->cuda_memory_fraction, 1.0);
+  EXPECT_EQ(config->sockets.socket_mode, 0600u);
+  EXPECT_EQ(config->sockets.socket_group, "inference");
+  EXPECT_EQ(config->admission.budget_bytes, 64 * kGiB);
+  EXPECT_EQ(config->admission.cuda_reserve_bytes, 512 * kMiB);
+  EXPECT_EQ(config->prefix.budget_bytes, kMiB);
+  EXPECT_EQ(config->admission.cuda_memory_fraction, 1.0);
   EXPECT_EQ(config->log_level, LogLevel::kDebug);
-  EXPECT_EQ(config->metrics_address, "[::1]:9100");
-  EXPECT_EQ(config->lease_timeout_ms, 20000u);
+  EXPECT_EQ(config->metrics.metrics_address, "[::1]:9100");
+  EXPECT_EQ(config->leases.timeout, absl::Milliseconds(20000));
   EXPECT_FALSE(config->watchdog);
 }
 
@@ -453,12 +453,12 @@ TEST(ConfigTest, OverridesUseTheSameKeysAndRules) {
   EXPECT_THAT(ApplyOverride(config, "watchdog", "false"), IsOk());
   EXPECT_THAT(ApplyOverride(config, "log_level", "warn"), IsOk());
   EXPECT_THAT(ApplyOverride(config, "metrics_address", ""), IsOk());
-  EXPECT_EQ(config.budget_bytes, 64 * kGiB);
-  EXPECT_EQ(config.cuda_memory_fraction, 0.5);
-  EXPECT_EQ(config.socket_mode, 0640u);
+  EXPECT_EQ(config.admission.budget_bytes, 64 * kGiB);
+  EXPECT_EQ(config.admission.cuda_memory_fraction, 0.5);
+  EXPECT_EQ(config.sockets.socket_mode, 0640u);
   EXPECT_FALSE(config.watchdog);
   EXPECT_EQ(config.log_level, LogLevel::kWarn);
-  EXPECT_EQ(config.metrics_address, "");
+  EXPECT_EQ(config.metrics.metrics_address, "");
 
   DaemonConfig before = config;
   EXPECT_THAT(ApplyOverride(config, "lease_timeout_ms", "5"),
@@ -480,11 +480,11 @@ TEST(ConfigTest, EveryRenderedKeyIsAnOverride) {
   DaemonConfig source;
   source.backend = Backend::kCuda;
   source.device = 2;
-  source.budget_bytes = 12 * kGiB;
-  source.cuda_memory_fraction = 0.75;
+  source.admission.budget_bytes = 12 * kGiB;
+  source.admission.cuda_memory_fraction = 0.75;
   source.log_level = LogLevel::kError;
-  source.socket_mode = 0600;
-  source.prefix_verify_checksums = false;
+  source.sockets.socket_mode = 0600;
+  source.prefix.verify_checksums = false;
   DaemonConfig rebuilt = DaemonConfig{};
   rebuilt.watchdog = false;  // differs from `source`: proves the override wrote it
   int applied = 0;
@@ -522,9 +522,10 @@ TEST(ConfigTest, SplitConfigFlagsTakesKeysAndLeavesTheRest) {
 
 TEST(ConfigTest, ValidateRefusesSocketPathTooLongForItsDevice) {
   DaemonConfig config;
-  config.socket_path = "/run/" + std::string(95, 'x') + "/{device}.sock";  // 107 bytes for device 0
-  config.admin_socket_path = "/run/admin.sock";
-  config.handoff_socket_path = "/run/handoff.sock";
+  // 107 bytes for device 0.
+  config.sockets.socket_path = "/run/" + std::string(95, 'x') + "/{device}.sock";
+  config.sockets.admin_socket_path = "/run/admin.sock";
+  config.sockets.handoff_socket_path = "/run/handoff.sock";
   EXPECT_THAT(ValidateConfig(config), IsOk());
   config.device = 100;
   EXPECT_THAT(ValidateConfig(config),
@@ -534,8 +535,8 @@ TEST(ConfigTest, ValidateRefusesSocketPathTooLongForItsDevice) {
 
 TEST(ConfigTest, ValidateRefusesPrefixBudgetAboveHostBudget) {
   DaemonConfig config;
-  config.budget_bytes = kGiB;
-  config.prefix_cache_budget_bytes = 2 * kGiB;
+  config.admission.budget_bytes = kGiB;
+  config.prefix.budget_bytes = 2 * kGiB;
   EXPECT_THAT(ValidateConfig(config), StatusIs(absl::StatusCode::kInvalidArgument,
                                                HasSubstrs("prefix_cache_budget_bytes = 2147483648",
                                                           "budget_bytes = 1073741824")));
@@ -545,52 +546,52 @@ TEST(ConfigTest, ValidateRefusesPrefixBudgetAboveHostBudget) {
 
 TEST(ConfigTest, ValidateRefusesRedisTlsAndAUserWithoutPassword) {
   DaemonConfig config;
-  config.prefix_remote_redis_tls = true;
+  config.prefix_remote.cluster.tls = true;
   EXPECT_THAT(ValidateConfig(config),
               StatusIs(absl::StatusCode::kInvalidArgument,
                        HasSubstrs("prefix_remote_redis_tls = true", "hiredis 0.14", "no TLS",
                                   "hiredis_ssl", "hiredis 1.0")));
-  config.prefix_remote_redis_tls = false;
-  config.prefix_remote_redis_user = "memra-tier";
+  config.prefix_remote.cluster.tls = false;
+  config.prefix_remote.cluster.user = "memra-tier";
   EXPECT_THAT(ValidateConfig(config),
               StatusIs(absl::StatusCode::kInvalidArgument,
                        HasSubstrs("prefix_remote_redis_user = \"memra-tier\"",
                                   "needs prefix_remote_redis_password_file")));
-  config.prefix_remote_redis_password_file = "/etc/memra-kv/redis.pass";
+  config.prefix_remote.cluster.password_file = "/etc/memra-kv/redis.pass";
   EXPECT_THAT(ValidateConfig(config), IsOk());
 }
 
 // The remote tier is a tier of the prefix cache: refused, not ignored, without one.
 TEST(ConfigTest, ValidateRefusesRedisNodesWithoutAPrefixCache) {
   DaemonConfig config;
-  config.prefix_remote_redis_nodes = "10.0.0.1:7000";
+  config.prefix_remote.cluster.seed_nodes = {{"10.0.0.1", 7000}};
   EXPECT_THAT(ValidateConfig(config),
               StatusIs(absl::StatusCode::kInvalidArgument,
                        HasSubstrs("prefix_remote_redis_nodes = \"10.0.0.1:7000\"",
                                   "needs a prefix cache", "prefix_cache_budget_bytes is 0")));
-  config.prefix_cache_budget_bytes = 64 * kMiB;
+  config.prefix.budget_bytes = 64 * kMiB;
   EXPECT_THAT(ValidateConfig(config), IsOk());
 }
 
 TEST(ConfigTest, ValidateRefusesAHalfConfiguredDiskTier) {
   DaemonConfig config;
-  config.prefix_cache_budget_bytes = kGiB;
-  config.prefix_disk_dir = "/var/cache/memra-kv";
+  config.prefix.budget_bytes = kGiB;
+  config.prefix.disk_dir = "/var/cache/memra-kv";
   EXPECT_THAT(ValidateConfig(config),
               StatusIs(absl::StatusCode::kInvalidArgument,
                        HasSubstrs("prefix_disk_dir = \"/var/cache/memra-kv\"",
                                   "prefix_disk_bytes = 0", "needs a directory, a byte budget")));
-  config.prefix_disk_dir = "";
-  config.prefix_disk_bytes = kGiB;
+  config.prefix.disk_dir = "";
+  config.prefix.disk_bytes = kGiB;
   EXPECT_THAT(ValidateConfig(config),
               StatusIs(absl::StatusCode::kInvalidArgument,
                        HasSubstrs("prefix_disk_dir = \"\"", "prefix_disk_bytes = 1073741824")));
-  config.prefix_disk_dir = "/var/cache/memra-kv";
-  config.prefix_cache_budget_bytes = 0;
+  config.prefix.disk_dir = "/var/cache/memra-kv";
+  config.prefix.budget_bytes = 0;
   EXPECT_THAT(ValidateConfig(config),
               StatusIs(absl::StatusCode::kInvalidArgument,
                        HasSubstrs("prefix_cache_budget_bytes = 0", "and a prefix cache")));
-  config.prefix_cache_budget_bytes = kGiB;
+  config.prefix.budget_bytes = kGiB;
   EXPECT_THAT(ValidateConfig(config), IsOk());
 }
 
@@ -598,13 +599,13 @@ TEST(ConfigTest, ValidateRefusesAHalfConfiguredDiskTier) {
 // backend's device tier already is host memory; "plain" runs the tier there on request).
 TEST(ConfigTest, ValidateRefusesAHostTierItCannotServe) {
   DaemonConfig config;
-  config.prefix_host_tier_bytes = 8 * kGiB;
+  config.prefix.host_tier_bytes = 8 * kGiB;
   config.prefix_host_tier_memory = PrefixHostMemory::kPlain;
   EXPECT_THAT(ValidateConfig(config),
               StatusIs(absl::StatusCode::kInvalidArgument,
                        HasSubstrs("prefix_host_tier_bytes = 8589934592",
                                   "prefix_cache_budget_bytes is 0")));
-  config.prefix_cache_budget_bytes = kGiB;
+  config.prefix.budget_bytes = kGiB;
   EXPECT_THAT(ValidateConfig(config), IsOk());
   config.prefix_host_tier_memory = PrefixHostMemory::kPinned;
   EXPECT_THAT(ValidateConfig(config),
@@ -612,7 +613,7 @@ TEST(ConfigTest, ValidateRefusesAHostTierItCannotServe) {
                        HasSubstrs("prefix_host_tier_bytes = 8589934592",
                                   "prefix_host_tier_memory = pinned needs backend = cuda",
                                   "prefix_host_tier_memory = plain")));
-  config.prefix_host_tier_bytes = 0;
+  config.prefix.host_tier_bytes = 0;
   EXPECT_THAT(ValidateConfig(config), IsOk());
 }
 
@@ -642,7 +643,7 @@ TEST_F(ConfigFileTest, FlagsOverrideTheFileAndValidateRunsLast) {
   ASSERT_THAT(config, IsOk());
   EXPECT_EQ(config->device, 3u);
   EXPECT_EQ(config->SocketPath(), "/run/memra-kv/gpu3.sock");
-  EXPECT_EQ(config->budget_bytes, 4 * kGiB);
+  EXPECT_EQ(config->admission.budget_bytes, 4 * kGiB);
 
   EXPECT_THAT(LoadDaemonConfig(path, {}),
               StatusIs(absl::StatusCode::kInvalidArgument,
@@ -670,7 +671,7 @@ TEST_F(ConfigFileTest, ArenaLimitIsSetOrThreeQuartersOfMaxMapCount) {
   EXPECT_EQ(EffectiveMaxArenas(config, Write("max_map_count", "262144\n")), 196'608u);
   EXPECT_EQ(EffectiveMaxArenas(config, dir_ + "/absent"), kDefaultMaxMapCount / 4 * 3);
   EXPECT_EQ(EffectiveMaxArenas(config, Write("garbage", "many\n")), kDefaultMaxMapCount / 4 * 3);
-  config.max_arenas = 10;
+  config.admission.max_arenas = 10;
   EXPECT_EQ(EffectiveMaxArenas(config, Write("max_map_count", "262144\n")), 10u);
 }
 
@@ -678,7 +679,7 @@ TEST(ConfigTest, EngineArenaLimitIsSetOrHalfTheArenaLimit) {
   DaemonConfig config;
   EXPECT_EQ(EffectiveMaxEngineArenas(config, 49'146), 24'573u);
   EXPECT_EQ(EffectiveMaxEngineArenas(config, 1), 1u);  // never 0: an engine gets an arena
-  config.max_engine_arenas = 10'000;
+  config.admission.max_engine_arenas = 10'000;
   EXPECT_EQ(EffectiveMaxEngineArenas(config, 49'146), 10'000u);
 }
 
@@ -686,27 +687,27 @@ TEST(ConfigTest, PlanReloadAppliesLiveKeysAndListsTheRest) {
   DaemonConfig running;
   DaemonConfig reread = running;
   reread.log_level = LogLevel::kDebug;
-  reread.budget_bytes = 16 * kGiB;
+  reread.admission.budget_bytes = 16 * kGiB;
   reread.drain_grace_ms = 5000;
-  reread.socket_path = "/run/memra-kv/other.sock";
+  reread.sockets.socket_path = "/run/memra-kv/other.sock";
   reread.backend = Backend::kCuda;
-  reread.prefix_block_tokens = 128;
+  reread.prefix.block_tokens = 128;
   // The prefix cache's budget is fixed at start (its tiers are sized from it): a SIGHUP says so
   // rather than claiming to apply it.
-  reread.prefix_cache_budget_bytes = 64 * kMiB;
+  reread.prefix.budget_bytes = 64 * kMiB;
 
   ReloadOutcome outcome = PlanReload(running, reread);
   EXPECT_THAT(outcome.applied_keys, ElementsAre("budget_bytes", "log_level", "drain_grace_ms"));
   EXPECT_THAT(outcome.not_reloadable_keys,
               ElementsAre("backend", "socket_path", "prefix_cache_budget_bytes",
                           "prefix_block_tokens"));
-  EXPECT_EQ(outcome.applied.prefix_cache_budget_bytes, running.prefix_cache_budget_bytes);
+  EXPECT_EQ(outcome.applied.prefix.budget_bytes, running.prefix.budget_bytes);
   EXPECT_EQ(outcome.applied.log_level, LogLevel::kDebug);
-  EXPECT_EQ(outcome.applied.budget_bytes, 16 * kGiB);
+  EXPECT_EQ(outcome.applied.admission.budget_bytes, 16 * kGiB);
   EXPECT_EQ(outcome.applied.drain_grace_ms, 5000u);
-  EXPECT_EQ(outcome.applied.socket_path, running.socket_path);
+  EXPECT_EQ(outcome.applied.sockets.socket_path, running.sockets.socket_path);
   EXPECT_EQ(outcome.applied.backend, Backend::kHost);
-  EXPECT_EQ(outcome.applied.prefix_block_tokens, 256u);
+  EXPECT_EQ(outcome.applied.prefix.block_tokens, 256u);
 
   ReloadOutcome unchanged = PlanReload(running, running);
   EXPECT_THAT(unchanged.applied_keys, IsEmpty());

@@ -57,6 +57,7 @@
 #include "server/base/clock.h"
 #include "server/config.h"
 #include "server/edge/connection_gate.h"
+#include "server/edge/grpc_socket.h"
 #include "server/device/device_budget.h"
 #include "server/session/engine_leases.h"
 #include "server/metrics/metrics.h"
@@ -64,6 +65,7 @@
 #include "server/session/plan_registry.h"
 #include "server/store/prefix_cache.h"
 #include "server/edge/prefix_service.h"
+#include "server/restart/readopt.h"
 #include "server/restart/restart_state.h"
 #include "server/base/sd_notify.h"
 #include "server/edge/served_socket.h"
@@ -71,11 +73,6 @@
 #include "server/edge/step_channel.h"
 
 namespace memra {
-
-// Threads the synchronous gRPC handlers of one socket may use at once (grpc::ResourceQuota); a
-// call past them is RESOURCE_EXHAUSTED. Long streams are capped well below it
-// (max_event_streams), so short calls always find a thread.
-inline constexpr int kMaxRpcThreadsPerSocket = 256;
 
 class Daemon {
  public:
@@ -124,16 +121,7 @@ class Daemon {
   // tests call it after moving a FakeClock.
   void CheckLeases();
 
-  // What the start re-adopted from a previous daemon (all zero on a first start).
-  struct Readopted {
-    uint64_t previous_epoch = 0;  // 0: nothing was re-adopted
-    size_t engines = 0;
-    size_t sessions = 0;
-    uint64_t bytes = 0;
-    size_t not_readopted = 0;
-    size_t torn_records = 0;
-    absl::Duration took;
-  };
+  // What the start re-adopted from a previous daemon (server/restart/readopt.h).
   Readopted readopted() const { return readopted_; }
   uint64_t epoch() const { return epoch_; }
   // Null when this daemon keeps nothing for a restart.
@@ -168,10 +156,6 @@ class Daemon {
          std::unique_ptr<RestartState> restart_state,
          std::unique_ptr<PrefixCache> prefix_cache);
 
-  // Re-adopts what `previous` kept (before serving): plans, engines, sessions at their committed
-  // length; publishes this daemon's journal and removes the previous daemon's leftovers.
-  void Readopt(PreviousDaemon previous);
-
   // The session finder and the KvAdmin parts of this daemon (one service instance per socket).
   PrefixService::SessionFinder FindSession();
   PrefixService::ScopeFinder FindScope();
@@ -187,25 +171,14 @@ class Daemon {
   AdminService::Parts AdminParts(ServedSocket socket);
 
   void LeaseLoop() ABSL_LOCKS_EXCLUDED(stop_mu_);
-  // Registers the daemon's gauges and counters (read at scrape time) and returns the gRPC
-  // interceptors that count and time every call (server/daemon_metrics.cc).
+  // Has each part register its gauges and counters (read at scrape time; the part's
+  // *_metrics.h) and returns the gRPC interceptors that count and time every call.
   absl::StatusOr<
       std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>>>
   RegisterMetrics();
   // Serves metrics_ on metrics_address; a failure is logged, not fatal (the cache matters more
   // than its metrics).
   void StartMetricsHttp() ABSL_LOCKS_EXCLUDED(mu_);
-  // Binds `path`, serves `services` there (and server reflection when `reflection`) and applies
-  // `group`/`mode` to the socket file. The synchronous handlers share at most
-  // kMaxRpcThreadsPerSocket threads; a call past them is RESOURCE_EXHAUSTED.
-  // Connections come through a ConnectionGate (max_connections, max_connections_per_uid), set
-  // in `*gate`; idle ones are closed after connection_idle_timeout_ms.
-  absl::StatusOr<std::unique_ptr<grpc::Server>> Serve(
-      const std::string& path, const std::string& group, uint32_t mode, bool reflection,
-      const std::vector<grpc::Service*>& services,
-      std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>>
-          interceptors,
-      std::unique_ptr<ConnectionGate>* gate) const;
 
   // Constant after construction; declared in construction order (each part is destroyed
   // before what it points to).
@@ -221,10 +194,10 @@ class Daemon {
   // Null unless under a service manager with keep_kv_across_restarts. Declared before the parts
   // that report to it.
   const std::unique_ptr<RestartState> restart_state_;
-  Readopted readopted_;  // set by Readopt() before serving, constant after
+  Readopted readopted_;  // set by Create() before serving, constant after
   // Why restart_state_ is null (set by Create() before serving, constant after).
   std::string survival_off_;
-  // Every metric of this daemon (server/daemon_metrics.cc). Filled by Start().
+  // Every metric of this daemon. Filled by Start() (RegisterMetrics).
   metrics::Registry metrics_;
   PlanRegistry plans_;
   EngineLeases leases_;
@@ -252,11 +225,9 @@ class Daemon {
   std::atomic<bool> shut_down_{false};
 
   mutable absl::Mutex mu_;
-  std::unique_ptr<grpc::Server> server_ ABSL_GUARDED_BY(mu_);        // the engine socket
-  std::unique_ptr<grpc::Server> admin_server_ ABSL_GUARDED_BY(mu_);  // the admin socket
-  // Their doors: each accepts the connections its server serves.
-  std::unique_ptr<ConnectionGate> gate_ ABSL_GUARDED_BY(mu_);
-  std::unique_ptr<ConnectionGate> admin_gate_ ABSL_GUARDED_BY(mu_);
+  // Each a gRPC server behind its door (server/edge/grpc_socket.h); empty before Start.
+  GrpcSocket engine_socket_ ABSL_GUARDED_BY(mu_);
+  GrpcSocket admin_socket_ ABSL_GUARDED_BY(mu_);
   // Stopped in Shutdown() before anything its callbacks read goes away.
   std::unique_ptr<metrics::MetricsHttpServer> metrics_http_ ABSL_GUARDED_BY(mu_);
 

@@ -33,13 +33,13 @@ bool Exists(const std::string& path) { return access(path.c_str(), F_OK) == 0; }
 
 TEST(ShmPrefixTest, DependsOnDeviceAndSocketOnly) {
   DaemonConfig config;
-  config.socket_path = "/run/memra-kv/gpu{device}.sock";
+  config.sockets.socket_path = "/run/memra-kv/gpu{device}.sock";
   config.device = 3;
   const std::string prefix = ShmPrefix(config);
   EXPECT_THAT(prefix, ::testing::MatchesRegex("memra-kv-gpu3-[0-9a-f]{8}"));
-  config.budget_bytes = 1;
+  config.admission.budget_bytes = 1;
   EXPECT_EQ(ShmPrefix(config), prefix);
-  config.socket_path = "/tmp/other.sock";
+  config.sockets.socket_path = "/tmp/other.sock";
   EXPECT_NE(ShmPrefix(config), prefix);
 }
 

@@ -12,12 +12,12 @@ set -euo pipefail
 # Daemon, config); it may include every layer.
 declare -A ALLOWED=(
   [base]=""
-  [device]="base"
+  [device]="metrics base"
   [metrics]="base"
-  [store/remote]="device base"
-  [store]="store/remote device base"
-  [session]="store store/remote device base"
-  [restart]="session store store/remote device base"
+  [store/remote]="device metrics base"
+  [store]="store/remote device metrics base"
+  [session]="store store/remote device metrics base"
+  [restart]="session store store/remote device metrics base"
   [edge]="restart session store store/remote device metrics base"
   [testing]="store/remote device base"
   [root]="edge restart session store store/remote device metrics testing base"

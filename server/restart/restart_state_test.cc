@@ -382,8 +382,8 @@ TEST_F(RestartStateTest, ADaemonWhoseServiceManagerDiedSaysRestartSurvivalIsLost
   ASSERT_NE(mkdtemp(pattern), nullptr);
   const std::string dir = pattern;
   DaemonConfig config;
-  config.socket_path = dir + "/kvd.sock";
-  config.metrics_address = "127.0.0.1:0";
+  config.sockets.socket_path = dir + "/kvd.sock";
+  config.metrics.metrics_address = "127.0.0.1:0";
   FakeClock clock;
   absl::StatusOr<std::unique_ptr<Daemon>> daemon =
       Daemon::Create(config, NewTestHostBackend(TestHostBackendOptions(1 << 24)), &clock);

@@ -258,7 +258,7 @@ TEST_F(E2eTest, FrozenEngineLosesItsLeaseWhenHeartbeatsStop) {
 
 TEST_F(E2eTest, StartRemovesAPredecessorsStaleObjectsAndRefusesASecondDaemon) {
   DaemonConfig config;
-  config.socket_path = socket_;
+  config.sockets.socket_path = socket_;
   const std::string stale = absl::StrCat("/dev/shm/", ShmPrefix(config), "-", std::string(32, 'a'));
   std::ofstream(stale).put('\n');  // what a crashed memra-kvd on this socket leaves behind
   ASSERT_TRUE(Exists(stale));

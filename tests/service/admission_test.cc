@@ -7,13 +7,18 @@
 #include <unistd.h>
 
 #include <cstdint>
+#include <cstdlib>
+#include <fstream>
+#include <iterator>
 #include <map>
 #include <memory>
 #include <optional>
 #include <string>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "client/client.h"
 #include "client/internal.h"
 #include "common/codec.h"
@@ -46,7 +51,9 @@ class AdmissionTest : public DaemonTest {
  protected:
   // Every session here gets a fresh arena, so each admission is measured against what the
   // backend allocates for it (reusing pooled arenas is tested in service_test).
-  void ConfigureDaemon(DaemonConfig& config) override { config.arena_pool_engine_bytes = 0; }
+  void ConfigureDaemon(DaemonConfig& config) override {
+    config.sessions.arena_pool_engine_bytes = 0;
+  }
 
   ArenaRounding Rounding() const {
     return ArenaRounding{kPlaneAlignment, daemon_->backend().AllocationGranularity()};
@@ -225,11 +232,11 @@ TEST_F(AdmissionTest, ReservationRefusalsLeaveItLive) {
 TEST_F(AdmissionTest, UnusedReservationExpiresAfterItsTtl) {
   // A ttl shorter than the lease timeout: the engine stays alive, only the reservation lapses.
   DaemonConfig config;
-  config.socket_path = dir_ + "/kvd.sock";
-  config.budget_bytes = kBudgetBytes;
-  config.lease_timeout_ms = kLeaseTimeoutMs;
-  config.lease_grace_ms = kLeaseGraceMs;
-  config.reservation_ttl_ms = 400;
+  config.sockets.socket_path = dir_ + "/kvd.sock";
+  config.admission.budget_bytes = kBudgetBytes;
+  config.leases.timeout = absl::Milliseconds(kLeaseTimeoutMs);
+  config.leases.grace = absl::Milliseconds(kLeaseGraceMs);
+  config.leases.reservation_ttl = absl::Milliseconds(400);
   daemon_->ApplyReload(config);
   absl::StatusOr<SessionReservation> reservation = client_->Reserve(plan_, Options(64));
   ASSERT_TRUE(reservation.ok()) << reservation.status();
@@ -581,8 +588,8 @@ TEST_F(AdmissionTest, ReloadedBudgetShrinkBelowUsageBlocksAdmissionUntilReleases
   ASSERT_NE(session, nullptr);
   const uint64_t used = Admission().allocated_bytes();
   DaemonConfig smaller;
-  smaller.socket_path = dir_ + "/kvd.sock";
-  smaller.budget_bytes = used / 2;
+  smaller.sockets.socket_path = dir_ + "/kvd.sock";
+  smaller.admission.budget_bytes = used / 2;
   daemon_->ApplyReload(smaller);
   EXPECT_EQ(Admission().budget_bytes(), used / 2);
   EXPECT_EQ(Admission().over_budget_bytes(), used - used / 2);
@@ -593,7 +600,7 @@ TEST_F(AdmissionTest, ReloadedBudgetShrinkBelowUsageBlocksAdmissionUntilReleases
   EXPECT_TRUE(client_->CreateSession(plan_, Options(64)).ok());
   // Growing past the host backend's start-up capacity is capped there.
   DaemonConfig larger = smaller;
-  larger.budget_bytes = kBudgetBytes * 4;
+  larger.admission.budget_bytes = kBudgetBytes * 4;
   daemon_->ApplyReload(larger);
   EXPECT_EQ(Admission().budget_bytes(), kBudgetBytes);
   EXPECT_THAT(Admission().budget_rule(), HasSubstr("capped"));
@@ -635,22 +642,47 @@ TEST_F(AdmissionTest, MetricsShowTheLedgerSessionsAndCalls) {
   EXPECT_THAT(HttpGet(port, "/nothing"), HasSubstr("HTTP/1.1 404"));
 }
 
+// Metric names, types and help texts are an interface (dashboards, alerts, README.md
+// "Metrics"): every family the daemon registers, wherever its part registers it, is exactly the
+// one in tests/service/metric_families.txt (sorted by name; families render in registration
+// order, which is not part of the interface). Regenerate only for a deliberate change.
+TEST_F(AdmissionTest, EveryMetricFamilyKeepsItsNameTypeAndHelp) {
+  const int port = daemon_->metrics_port();
+  ASSERT_GT(port, 0);
+  std::map<std::string, std::string> families;  // name -> its HELP and TYPE lines
+  for (absl::string_view line : absl::StrSplit(HttpGet(port, "/metrics"), '\n')) {
+    if (!absl::StartsWith(line, "# HELP ") && !absl::StartsWith(line, "# TYPE ")) continue;
+    const std::vector<absl::string_view> words = absl::StrSplit(line, absl::MaxSplits(' ', 3));
+    ASSERT_GE(words.size(), 3u) << line;
+    absl::StrAppend(&families[std::string(words[2])], line, "\n");
+  }
+  std::string scraped;
+  for (const auto& [name, lines] : families) scraped += lines;
+  const char* srcdir = std::getenv("TEST_SRCDIR");
+  ASSERT_NE(srcdir, nullptr);
+  std::ifstream file(absl::StrCat(srcdir, "/memra_kv/tests/service/metric_families.txt"));
+  ASSERT_TRUE(file.good());
+  const std::string expected((std::istreambuf_iterator<char>(file)),
+                             std::istreambuf_iterator<char>());
+  EXPECT_EQ(scraped, expected);
+}
+
 // rpc_metrics off (the default): the daemon's own metrics are served, but calls are neither
 // counted nor timed (no interceptor runs).
 TEST(AdmissionMetricsTest, RpcMetricsOffServesNoCallSeries) {
   const std::string dir = MakeSocketDir();
   constexpr uint64_t kBudget = uint64_t{16} << 20;
   DaemonConfig config;
-  config.socket_path = dir + "/kvd.sock";
-  config.budget_bytes = kBudget;
-  config.metrics_address = "127.0.0.1:0";
-  ASSERT_FALSE(config.rpc_metrics);
+  config.sockets.socket_path = dir + "/kvd.sock";
+  config.admission.budget_bytes = kBudget;
+  config.metrics.metrics_address = "127.0.0.1:0";
+  ASSERT_FALSE(config.metrics.rpc_metrics);
   FakeClock clock;
   absl::StatusOr<std::unique_ptr<Daemon>> daemon =
       Daemon::Create(config, NewTestHostBackend(TestHostBackendOptions(kBudget)), &clock);
   ASSERT_TRUE(daemon.ok()) << daemon.status();
   ASSERT_TRUE((*daemon)->Start().ok());
-  absl::StatusOr<std::unique_ptr<KvClient>> client = KvClient::Connect(config.socket_path);
+  absl::StatusOr<std::unique_ptr<KvClient>> client = KvClient::Connect(config.sockets.socket_path);
   ASSERT_TRUE(client.ok()) << client.status();
   ASSERT_TRUE(ClientInternals::GetStatus(**client).ok());
   const std::string scrape = HttpGet((*daemon)->metrics_port(), "/metrics");

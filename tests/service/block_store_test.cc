@@ -61,10 +61,10 @@ class BlockStoreTest : public DaemonTest {
   }
 
   void ConfigureDaemon(DaemonConfig& config) override {
-    config.prefix_cache_budget_bytes = prefix_budget_;
-    config.prefix_slab_bytes = uint64_t{1} << 20;
+    config.prefix.budget_bytes = prefix_budget_;
+    config.prefix.slab_bytes = uint64_t{1} << 20;
     config.cache_scope_allow = absl::StrCat("other:", getuid());
-    config.block_store_max_pins = 4;
+    config.block_store.pins_per_engine = 4;
   }
 
   // Offers `pool` and registers it with `spec`.
@@ -712,7 +712,7 @@ class BlockStoreEngineBytesTest : public BlockStoreTest {
  protected:
   void ConfigureDaemon(DaemonConfig& config) override {
     BlockStoreTest::ConfigureDaemon(config);
-    config.block_store_engine_bytes = 8192;
+    config.block_store.engine_bytes = 8192;
   }
 };
 
@@ -741,8 +741,8 @@ class BlockStoreDaemonWideTest : public BlockStoreTest {
  protected:
   void ConfigureDaemon(DaemonConfig& config) override {
     BlockStoreTest::ConfigureDaemon(config);
-    config.block_store_max_offers = 2;
-    config.block_store_max_mapped_buffers = 1;
+    config.block_store.max_offers = 2;
+    config.block_store.max_mapped_buffers = 1;
   }
 };
 
@@ -778,8 +778,8 @@ class BlockStoreEngineShareTest : public BlockStoreTest {
  protected:
   void ConfigureDaemon(DaemonConfig& config) override {
     BlockStoreTest::ConfigureDaemon(config);
-    config.block_store_max_mapped_buffers = 8;  // an engine's share: 2
-    config.block_store_max_offers = 6;          // an engine's share: 3
+    config.block_store.max_mapped_buffers = 8;  // an engine's share: 2
+    config.block_store.max_offers = 6;          // an engine's share: 3
   }
 };
 

@@ -54,8 +54,8 @@ uint16_t* At(const TypedPlaneView& view, uint64_t row, uint64_t head, uint64_t i
 class ElementFormatsTest : public DaemonTest {
  protected:
   void ConfigureDaemon(DaemonConfig& config) override {
-    config.prefix_cache_budget_bytes = uint64_t{8} << 20;
-    config.prefix_block_tokens = kBlockTokens;
+    config.prefix.budget_bytes = uint64_t{8} << 20;
+    config.prefix.block_tokens = kBlockTokens;
   }
 
   void TearDown() override {

@@ -44,7 +44,7 @@ constexpr size_t kClientReceiveLimit = size_t{4} << 20;
 class PlanLayerCapTest : public DaemonTest {
  protected:
   static constexpr uint32_t kCap = 40;
-  void ConfigureDaemon(DaemonConfig& config) override { config.max_plan_layers = kCap; }
+  void ConfigureDaemon(DaemonConfig& config) override { config.sessions.max_plan_layers = kCap; }
 };
 
 TEST_F(PlanLayerCapTest, RegisterPlanRefusesPlansOverTheCapNamingBothNumbers) {
@@ -124,7 +124,7 @@ class PlansPerEngineTest : public DaemonTest {
  protected:
   static constexpr uint64_t kPlansPerEngine = 3;  // the fixture's own plan is one of them
   void ConfigureDaemon(DaemonConfig& config) override {
-    config.max_engine_plans = kPlansPerEngine;
+    config.sessions.max_engine_plans = kPlansPerEngine;
   }
 };
 
@@ -164,7 +164,7 @@ TEST_F(PlansPerEngineTest, AnEngineRegistersAtMostItsQuotaAndOnlyWhenAttached) {
 class ReplySizeBoundTest : public DaemonTest {
  protected:
   void ConfigureDaemon(DaemonConfig& config) override {
-    config.max_plan_layers = kMaxPlanLayersAccepted;
+    config.sessions.max_plan_layers = kMaxPlanLayersAccepted;
   }
 
   // One kind of layer, repeated to the cap.
@@ -217,11 +217,12 @@ class EngineLimitsTest : public DaemonTest {
   static constexpr uint64_t kEngines = 3;
   static constexpr uint64_t kArenas = 5;
   void ConfigureDaemon(DaemonConfig& config) override {
-    config.max_engine_sessions = kSessionsPerEngine;
-    config.max_engine_budget_share = kSharePercent;
-    config.max_attached_engines = kEngines;
-    config.max_arenas = kArenas;
-    config.max_engine_arenas = kArenas;  // the daemon-wide limit is tested here, not the share
+    config.sessions.max_engine_sessions = kSessionsPerEngine;
+    config.admission.max_engine_budget_share = kSharePercent;
+    config.leases.max_engines = kEngines;
+    config.admission.max_arenas = kArenas;
+    // The daemon-wide limit is tested here, not the share.
+    config.admission.max_engine_arenas = kArenas;
   }
 };
 

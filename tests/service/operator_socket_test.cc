@@ -42,8 +42,8 @@ const char kTinyQwen[] = R"({
 class OperatorSocketTest : public DaemonTest {
  protected:
   void ConfigureDaemon(DaemonConfig& config) override {
-    config.prefix_cache_budget_bytes = uint64_t{8} << 20;
-    config.prefix_block_tokens = kBlockTokens;
+    config.prefix.budget_bytes = uint64_t{8} << 20;
+    config.prefix.block_tokens = kBlockTokens;
     config.cache_scope_allow = absl::StrCat("shared:", getuid());
   }
 

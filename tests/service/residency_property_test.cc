@@ -136,8 +136,8 @@ bool HoldsTag(const uint8_t* at, uint64_t bytes, uint64_t tag) {
 class ResidencyPropertyTest : public DaemonTest {
  protected:
   void ConfigureDaemon(DaemonConfig& config) override {
-    config.prefix_cache_budget_bytes = uint64_t{16} << 20;
-    config.prefix_block_tokens = kBlockTokens;
+    config.prefix.budget_bytes = uint64_t{16} << 20;
+    config.prefix.block_tokens = kBlockTokens;
   }
 };
 

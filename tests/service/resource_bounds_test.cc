@@ -110,9 +110,9 @@ class LongStreamsTest : public DaemonTest {
   static constexpr uint64_t kPerEngine = 4;
   static constexpr uint64_t kPerSocket = 6;
   void ConfigureDaemon(DaemonConfig& config) override {
-    config.prefix_cache_budget_bytes = uint64_t{8} << 20;
-    config.max_engine_event_streams = kPerEngine;
-    config.max_event_streams = kPerSocket;
+    config.prefix.budget_bytes = uint64_t{8} << 20;
+    config.sockets.max_engine_event_streams = kPerEngine;
+    config.sockets.max_event_streams = kPerSocket;
   }
 
   static void Cancel(std::vector<std::unique_ptr<EventStream>>& streams) {
@@ -229,11 +229,11 @@ class ConnectionLimitsTest : public DaemonTest {
   static constexpr uint64_t kPerUid = 4;
   static constexpr uint64_t kPerSocket = 6;
   void ConfigureDaemon(DaemonConfig& config) override {
-    config.socket_mode = 0666;  // the other uid connects too
+    config.sockets.socket_mode = 0666;  // the other uid connects too
     ASSERT_EQ(chmod(dir_.c_str(), 0711), 0);
-    config.max_connections = kPerSocket;
-    config.max_connections_per_uid = kPerUid;
-    config.connection_idle_timeout_ms = 1000;
+    config.connections.max_connections = kPerSocket;
+    config.connections.max_connections_per_uid = kPerUid;
+    config.sockets.connection_idle_timeout_ms = 1000;
   }
 
   // Waits (on the daemon's count) until the engine socket holds `open` connections; the count
@@ -334,7 +334,7 @@ class DescriptorBudgetTest : public DaemonTest {
   static constexpr rlim_t kOpenFiles = 512;  // (512 - 128) / 2 = 192 arenas
   void ConfigureDaemon(DaemonConfig& config) override {
     // One engine floods to the daemon-wide limit here; the per-engine share is tested below.
-    config.max_engine_arenas = kOpenFiles;
+    config.admission.max_engine_arenas = kOpenFiles;
     ASSERT_EQ(getrlimit(RLIMIT_NOFILE, &saved_), 0);
     rlimit lowered = saved_;
     lowered.rlim_cur = std::min<rlim_t>(kOpenFiles, saved_.rlim_max);
@@ -387,7 +387,7 @@ TEST_F(DescriptorBudgetTest, ArenasAreBoundedByTheDescriptorsTheDaemonHas) {
 class EngineArenaShareTest : public DaemonTest {
  protected:
   static constexpr uint64_t kArenas = 8;  // max_engine_arenas 0: half, 4 per engine
-  void ConfigureDaemon(DaemonConfig& config) override { config.max_arenas = kArenas; }
+  void ConfigureDaemon(DaemonConfig& config) override { config.admission.max_arenas = kArenas; }
 };
 
 TEST_F(EngineArenaShareTest, OneEngineHoldsAtMostItsShareOfTheArenas) {

@@ -127,7 +127,9 @@ class ServiceTest : public DaemonTest {
 // Without an arena pool: a release frees its arena.
 class UnpooledServiceTest : public DaemonTest {
  protected:
-  void ConfigureDaemon(DaemonConfig& config) override { config.arena_pool_engine_bytes = 0; }
+  void ConfigureDaemon(DaemonConfig& config) override {
+    config.sessions.arena_pool_engine_bytes = 0;
+  }
 };
 
 std::set<std::string> DevShmEntries() {

@@ -70,13 +70,13 @@ class DaemonTest : public ::testing::Test {
     auto faults = std::make_unique<FaultInjectingBackend>(host_.get());
     faults_ = faults.get();
     DaemonConfig config;
-    config.socket_path = dir_ + "/kvd.sock";
-    config.socket_mode = 0600;
-    config.budget_bytes = kBudgetBytes;
-    config.lease_timeout_ms = kLeaseTimeoutMs;
-    config.lease_grace_ms = kLeaseGraceMs;
-    config.metrics_address = "127.0.0.1:0";  // an ephemeral port: tests run side by side
-    config.rpc_metrics = true;                // off by default; the metrics tests count calls
+    config.sockets.socket_path = dir_ + "/kvd.sock";
+    config.sockets.socket_mode = 0600;
+    config.admission.budget_bytes = kBudgetBytes;
+    config.leases.timeout = absl::Milliseconds(kLeaseTimeoutMs);
+    config.leases.grace = absl::Milliseconds(kLeaseGraceMs);
+    config.metrics.metrics_address = "127.0.0.1:0";  // an ephemeral port: tests run side by side
+    config.metrics.rpc_metrics = true;  // off by default; the metrics tests count calls
     ConfigureDaemon(config);
     absl::StatusOr<std::unique_ptr<Daemon>> daemon =
         Daemon::Create(config, std::move(faults), &clock_);
