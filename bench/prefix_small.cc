@@ -14,7 +14,9 @@
 //    untimed) and restores into a recycled session (Reset between them, untimed; after four
 //    untimed warm-ups), each paired with a memcpy of the entry's bytes right after it; the
 //    same connection's GetSessionState round trip (a call that copies nothing) as the RPC's
-//    fixed share. The machine's load average is recorded with every run: ratios move with it.
+//    fixed share. Two daemons (the default, and prefix_copy_threads=1) are measured alternately
+//    rep by rep, so both see the same load. The machine's load average is recorded with every
+//    run: ratios move with it.
 
 #include <sys/sysinfo.h>
 
