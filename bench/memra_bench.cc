@@ -107,6 +107,7 @@ int Run() {
                                                  {"step_channel", RunStepChannel},
                                                  {"spec_decode", RunSpecDecode},
                                                  {"prefix_redis", RunPrefixAndRedis},
+                                                 {"prefix_small", RunPrefixSmall},
                                                  {"admission", RunAdmission},
                                                  {"scale", RunScale},
                                                  {"python_step", RunPythonStep},

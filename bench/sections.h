@@ -20,6 +20,8 @@ absl::StatusOr<Json> RunStepChannel(const BenchOptions& options);
 absl::StatusOr<Json> RunSpecDecode(const BenchOptions& options);
 // 3. Prefix restore/capture (pending) and the Redis peer: SET/GET vs memcpy.
 absl::StatusOr<Json> RunPrefixAndRedis(const BenchOptions& options);
+// 3c. A small (1k-token) entry's capture and restore vs paired memcpy, and where its time goes.
+absl::StatusOr<Json> RunPrefixSmall(const BenchOptions& options);
 // 4. Session create/release and admission queries.
 absl::StatusOr<Json> RunAdmission(const BenchOptions& options);
 // 5. Scale: many live sessions in the daemon; many blocks in core's PrefixIndex.

@@ -289,8 +289,8 @@ const std::vector<KeySpec>& Keys() {
       {.name = "prefix_copy_threads",
        .field = &At<&C::prefix, &PrefixCacheOptions::copy_threads>,
        .syntax = Syntax::kInteger, .reloadable = false,
-       .help = "Threads a prefix capture or restore of 64 MiB or more splits its blocks over "
-               "(capped by the CPUs).",
+       .help = "Most threads a prefix capture or restore (or a block-store transfer) is split "
+               "over: one per 32 MiB it moves (capped by the CPUs).",
        .min = 1, .max = 256},
       {.name = "prefix_slab_bytes",
        .field = &At<&C::prefix, &PrefixCacheOptions::slab_bytes>,

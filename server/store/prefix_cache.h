@@ -113,11 +113,11 @@ struct PrefixCacheOptions {
   uint64_t budget_bytes = 0;     // > 0 (0 means the daemon has no prefix cache at all)
   uint32_t block_tokens = 256;   // > 0
   bool verify_checksums = true;  // xxHash3 check of each stored piece as a restore copies it
-  // A capture or restore of at least `parallel_copy_bytes` of blocks splits them over up to
-  // `copy_threads` threads (the calling one included): hashing and copying on one core runs
-  // at a third to a half of memcpy (bench/README.md). Both >= 1.
-  uint32_t copy_threads = 4;
-  uint64_t parallel_copy_bytes = uint64_t{64} << 20;
+  // A capture or restore (and a pool load or store) runs on one more copy thread for every
+  // `parallel_copy_bytes` it moves, up to `copy_threads` (the calling one included; hashing and
+  // copying on one core runs at a third to a half of memcpy): SliceCopierOptions. Both >= 1.
+  uint32_t copy_threads = SliceCopierOptions{}.copy_threads;
+  uint64_t parallel_copy_bytes = SliceCopierOptions{}.parallel_copy_bytes;
   // A stored piece is checksummed (and so copied) in slices of this many bytes; > 0.
   uint64_t checksum_slice_bytes = uint64_t{8} << 20;
   // A demotion batch commits a chunk of pieces at a time, each chunk once about this many

@@ -858,14 +858,14 @@ TEST_F(PrefixCacheTest, ZeroRestoreThreadsIsRefused) {
   options.copy_threads = 0;
   EXPECT_THAT(PrefixCache::Create(options, backend_.get(), nullptr).status(),
               StatusIs(absl::StatusCode::kInvalidArgument,
-                       HasSubstr("copy_threads (0), parallel_copy_bytes (67108864), "
+                       HasSubstr("copy_threads (0), parallel_copy_bytes (33554432), "
                                  "checksum_slice_bytes (8388608) and demotion_chunk_bytes "
                                  "(8388608) must all be at least 1")));
   options.copy_threads = 1;
   options.demotion_chunk_bytes = 0;
   EXPECT_THAT(PrefixCache::Create(options, backend_.get(), nullptr).status(),
               StatusIs(absl::StatusCode::kInvalidArgument,
-                       HasSubstr("copy_threads (1), parallel_copy_bytes (67108864), "
+                       HasSubstr("copy_threads (1), parallel_copy_bytes (33554432), "
                                  "checksum_slice_bytes (8388608) and demotion_chunk_bytes (0) "
                                  "must all be at least 1")));
 }

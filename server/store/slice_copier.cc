@@ -6,6 +6,7 @@
 #include <thread>
 #include <utility>
 
+#include "absl/container/inlined_vector.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/synchronization/mutex.h"
@@ -15,10 +16,12 @@ namespace memra {
 namespace {
 
 // The part of `ranges` (as PieceRanges made them) that copies stored bytes [begin, end), the
-// stored side moved to `stored_offset` (where the piece's span starts in its slab).
-std::vector<CopyRange> SliceRanges(const std::vector<CopyRange>& ranges, bool toward_storage,
-                                   uint64_t stored_offset, uint64_t begin, uint64_t end) {
-  std::vector<CopyRange> slice;
+// stored side moved to `stored_offset` (where the piece's span starts in its slab), into
+// `slice` (cleared first: a thread's buffer reused job after job, so a copy allocates none).
+void SliceRanges(const std::vector<CopyRange>& ranges, bool toward_storage,
+                 uint64_t stored_offset, uint64_t begin, uint64_t end,
+                 std::vector<CopyRange>& slice) {
+  slice.clear();
   uint64_t at = 0;
   for (const CopyRange& range : ranges) {
     const uint64_t lo = std::max(at, begin);
@@ -33,13 +36,72 @@ std::vector<CopyRange> SliceRanges(const std::vector<CopyRange>& ranges, bool to
     }
     at += range.bytes;
   }
-  return slice;
 }
 
 }  // namespace
 
 uint64_t SliceCount(uint64_t bytes, uint64_t slice_bytes) {
   return bytes == 0 ? 1 : (bytes - 1) / slice_bytes + 1;
+}
+
+SliceCopier::~SliceCopier() {
+  std::vector<std::thread> helpers;
+  {
+    absl::MutexLock lock(&pool_mu_);
+    stopping_ = true;
+    helpers.swap(helpers_);
+  }
+  for (std::thread& helper : helpers) helper.join();
+}
+
+uint64_t SliceCopier::ThreadsFor(uint64_t bytes, uint64_t jobs) const {
+  const uint64_t cpus = std::max(1u, std::thread::hardware_concurrency());
+  const uint64_t paid = bytes / options_.parallel_copy_bytes;
+  return std::max<uint64_t>(1, std::min<uint64_t>({options_.copy_threads, paid, jobs, cpus}));
+}
+
+void SliceCopier::HelperLoop() const {
+  absl::MutexLock lock(&pool_mu_);
+  auto has_work = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(pool_mu_) {
+    return stopping_ || !pending_.empty();
+  };
+  while (true) {
+    pool_mu_.Await(absl::Condition(&has_work));
+    if (stopping_) return;
+    SharedWork* work = pending_.front();
+    const uint64_t slot = ++work->joined;
+    if (work->joined == work->wanted) pending_.pop_front();
+    ++work->active;
+    pool_mu_.Unlock();
+    work->run(slot);
+    pool_mu_.Lock();
+    --work->active;
+  }
+}
+
+void SliceCopier::RunShared(uint64_t helpers, absl::FunctionRef<void(uint64_t slot)> run) const {
+  SharedWork work{.run = run, .wanted = helpers};
+  {
+    absl::MutexLock lock(&pool_mu_);
+    // Grown to the most helpers any copy has wanted; a thread that cannot be had leaves the
+    // pool smaller (the caller's own run still does every job).
+    while (helpers_.size() < helpers && !stopping_) {
+      try {
+        helpers_.emplace_back([this] { HelperLoop(); });
+      } catch (const std::system_error&) {
+        break;
+      }
+    }
+    pending_.push_back(&work);
+  }
+  run(0);
+  absl::MutexLock lock(&pool_mu_);
+  // Helpers that have not joined by now find no job left: they are not waited for.
+  if (work.joined < work.wanted) {
+    pending_.erase(std::find(pending_.begin(), pending_.end(), &work));
+  }
+  auto done = [&work]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(pool_mu_) { return work.active == 0; };
+  pool_mu_.Await(absl::Condition(&done));
 }
 
 
@@ -56,7 +118,7 @@ absl::StatusOr<std::vector<std::vector<uint64_t>>> SliceCopier::Copy(
     uint32_t piece;
     uint32_t slice;
   };
-  std::vector<Job> jobs;
+  absl::InlinedVector<Job, 32> jobs;
   std::vector<std::vector<uint64_t>> checksums(pieces.size());
   uint64_t total = 0;
   if (piece_failures != nullptr) piece_failures->assign(pieces.size(), absl::OkStatus());
@@ -81,8 +143,8 @@ absl::StatusOr<std::vector<std::vector<uint64_t>>> SliceCopier::Copy(
     const PieceCopy& piece = pieces[job.piece];
     const uint64_t begin = uint64_t{job.slice} * slice_bytes;
     const uint64_t end = std::min(begin + slice_bytes, piece.bytes);
-    const std::vector<CopyRange> ranges =
-        SliceRanges(piece.ranges, toward_storage, piece.span.offset, begin, end);
+    thread_local std::vector<CopyRange> ranges;
+    SliceRanges(piece.ranges, toward_storage, piece.span.offset, begin, end, ranges);
     const ArenaId stored = piece.span.slab;
     const ArenaId dst = toward_storage ? stored : arena;
     const ArenaId src = toward_storage ? arena : stored;
@@ -107,13 +169,10 @@ absl::StatusOr<std::vector<std::vector<uint64_t>>> SliceCopier::Copy(
     }
     return absl::OkStatus();
   };
-  uint64_t workers = 1;
-  if (jobs.size() > 1 && total >= options_.parallel_copy_bytes) {
-    workers = std::min<uint64_t>({options_.copy_threads, jobs.size(),
-                                  std::max(1u, std::thread::hardware_concurrency())});
-  }
+  const uint64_t workers = ThreadsFor(total, jobs.size());
   // Each worker's first failure and its job; the first failure in job order is returned.
-  std::vector<std::pair<size_t, absl::Status>> failures(workers, {jobs.size(), absl::OkStatus()});
+  absl::InlinedVector<std::pair<size_t, absl::Status>, 4> failures(
+      workers, {jobs.size(), absl::OkStatus()});
   std::atomic<size_t> next_job{0};
   std::atomic<bool> failed{false};
   absl::Mutex failures_mu;  // piece_failures: slices of one piece may fail at once
@@ -134,17 +193,11 @@ absl::StatusOr<std::vector<std::vector<uint64_t>>> SliceCopier::Copy(
       }
     }
   };
-  std::vector<std::thread> threads;
-  threads.reserve(workers - 1);
-  for (uint64_t worker = 1; worker < workers; ++worker) {
-    try {
-      threads.emplace_back(run, worker);
-    } catch (const std::system_error&) {
-      run(worker);  // no thread to be had: this one does the run itself
-    }
+  if (workers == 1) {
+    run(0);  // a small copy: no helper is woken
+  } else {
+    RunShared(workers - 1, run);
   }
-  run(0);
-  for (std::thread& thread : threads) thread.join();
   const auto first = std::min_element(
       failures.begin(), failures.end(),
       [](const auto& a, const auto& b) { return a.first < b.first; });

@@ -3,18 +3,29 @@
 
 // The store's copy engine: moves stored pieces between an arena (a session's, an engine pool's)
 // and their slab spans, checksumming each slice of a piece (xxHash3-64, StreamingChecksum's) in
-// the same pass as the copy, so every byte is read from memory once. A large copy is split over
-// several threads (hashing and copying on one core runs at a third to a half of memcpy,
-// bench/README.md): every slice of every piece is an independent job.
+// the same pass as the copy, so every byte is read from memory once. A copy is split over as
+// many threads as its size pays for (hashing and copying on one core runs at a third to a half
+// of memcpy, bench/README.md): every slice of every piece is an independent job.
 //
-// Thread-safety: thread-safe (constant after construction; DeviceBackend is thread-safe). Copy
-// takes no lock of its caller's: callers copy without their own mutex held.
+// Helper threads are kept (started at the first copy that wants them, joined at destruction),
+// so a copy wakes sleeping helpers instead of creating threads; a copy too small to pay for a
+// helper runs on the calling thread alone and wakes none.
+//
+// Thread-safety: thread-safe (options constant after construction; DeviceBackend is
+// thread-safe; the helper pool guarded by pool_mu_). Copy takes no lock of its caller's:
+// callers copy without their own mutex held. Concurrent copies share the helpers; each caller
+// works on its own copy too, so a copy never waits for a helper to become free.
 
 #include <cstdint>
+#include <deque>
+#include <thread>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/base/thread_annotations.h"
+#include "absl/functional/function_ref.h"
+#include "absl/synchronization/mutex.h"
 #include "core/prefix_index.h"
 #include "server/device/backend.h"
 #include "server/store/slab_allocator.h"
@@ -22,10 +33,14 @@
 namespace memra {
 
 struct SliceCopierOptions {
-  // A copy of at least `parallel_copy_bytes` splits its slices over up to `copy_threads`
-  // threads (the calling one included). Both >= 1.
+  // A copy of B bytes runs on min(copy_threads, B / parallel_copy_bytes, its job count, the
+  // CPUs) threads, at least 1 (the calling one included): every `parallel_copy_bytes` of it pays
+  // for one more thread. Both >= 1. The default is measured (bench/README.md, "Small entries"):
+  // a pooled hand-off costs 12 us on an idle core, but on a loaded machine a woken helper that
+  // takes a slice and is then preempted holds the copy up for milliseconds, so a helper must
+  // have at least ~3 ms of hashing and copying to share (a 1k-token, 15 MB entry has 1.6 ms).
   uint32_t copy_threads = 4;
-  uint64_t parallel_copy_bytes = uint64_t{64} << 20;
+  uint64_t parallel_copy_bytes = uint64_t{32} << 20;
   // A stored piece is checksummed (and so copied) in slices of this many bytes; > 0.
   uint64_t slice_bytes = uint64_t{8} << 20;
 };
@@ -54,8 +69,14 @@ class SliceCopier {
   // `backend` must outlive the copier; options as SliceCopierOptions says (the caller validates).
   SliceCopier(DeviceBackend* backend, const SliceCopierOptions& options)
       : backend_(backend), options_(options) {}
+  ~SliceCopier();  // stops and joins the helpers (no copy may be running)
+  SliceCopier(const SliceCopier&) = delete;
+  SliceCopier& operator=(const SliceCopier&) = delete;
 
   uint64_t slice_bytes() const { return options_.slice_bytes; }
+
+  // How many threads (the caller's included) a copy of `bytes` in `jobs` slices runs on.
+  uint64_t ThreadsFor(uint64_t bytes, uint64_t jobs) const;
 
   // Copies every slice of every piece between `arena` and the pieces' spans, checksumming each
   // slice as it goes unless `checksum` is false. Returns each piece's slice checksums (all 0
@@ -70,8 +91,31 @@ class SliceCopier {
       bool checksum, EntryId entry, std::vector<absl::Status>* piece_failures = nullptr) const;
 
  private:
+  // One copy's work as helpers see it: `run(slot)` takes jobs until none is left. Lives on the
+  // calling thread's stack; the caller takes it off pending_ and waits for active == 0 before
+  // returning, so no helper touches it afterwards.
+  struct SharedWork {
+    absl::FunctionRef<void(uint64_t slot)> run;
+    uint64_t wanted = 0;  // helpers still to join (slots 1..wanted)
+    uint64_t joined = 0;
+    uint64_t active = 0;  // helpers inside run()
+  };
+
+  // Runs `run(0)` here and `run(1..helpers)` on up to `helpers` pool threads (fewer when not
+  // all join before the caller's own run ends: the jobs are shared, so none is left undone).
+  void RunShared(uint64_t helpers, absl::FunctionRef<void(uint64_t slot)> run) const
+      ABSL_LOCKS_EXCLUDED(pool_mu_);
+  void HelperLoop() const ABSL_LOCKS_EXCLUDED(pool_mu_);
+
+  // Constant after construction.
   DeviceBackend* const backend_;
   const SliceCopierOptions options_;
+
+  // The helper pool (copy_threads - 1 threads at most, started on demand).
+  mutable absl::Mutex pool_mu_;
+  mutable std::vector<std::thread> helpers_ ABSL_GUARDED_BY(pool_mu_);
+  mutable std::deque<SharedWork*> pending_ ABSL_GUARDED_BY(pool_mu_);
+  mutable bool stopping_ ABSL_GUARDED_BY(pool_mu_) = false;
 };
 
 }  // namespace memra

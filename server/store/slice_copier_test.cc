@@ -1,10 +1,13 @@
 #include "server/store/slice_copier.h"
 
 #include <cstdint>
+#include <algorithm>
 #include <memory>
+#include <thread>
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
 #include "absl/types/span.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -136,6 +139,57 @@ TEST_F(SliceCopierTest, SealsEachSliceOfTheStoredBytesSeriallyAndInParallelAlike
     EXPECT_EQ((*sealed)[0].size(), 3u);
     EXPECT_EQ((*sealed)[1].size(), 1u);
     EXPECT_EQ((*sealed)[2].size(), 2u);
+  }
+}
+
+TEST(SliceCopierThreadsTest, EveryParallelCopyBytesPaysForOneMoreThreadUpToTheLimits) {
+  SliceCopier copier(nullptr, {.copy_threads = 4, .parallel_copy_bytes = 1000, .slice_bytes = 1});
+  const uint64_t cpus = std::max(1u, std::thread::hardware_concurrency());
+  EXPECT_EQ(copier.ThreadsFor(0, 8), 1u);
+  EXPECT_EQ(copier.ThreadsFor(999, 8), 1u);  // too small to pay for a helper: none is woken
+  EXPECT_EQ(copier.ThreadsFor(2999, 8), std::min<uint64_t>(2, cpus));
+  EXPECT_EQ(copier.ThreadsFor(3000, 8), std::min<uint64_t>(3, cpus));
+  EXPECT_EQ(copier.ThreadsFor(uint64_t{1} << 40, 8), std::min<uint64_t>(4, cpus));  // copy_threads
+  EXPECT_EQ(copier.ThreadsFor(uint64_t{1} << 40, 2), std::min<uint64_t>(2, cpus));  // the jobs
+  EXPECT_EQ(copier.ThreadsFor(uint64_t{1} << 40, 1), 1u);
+}
+
+TEST_F(SliceCopierTest, ConcurrentCopiesShareTheHelpersAndEachSealsItsOwnBytes) {
+  SliceCopier serial(backend_.get(), Serial());
+  absl::StatusOr<std::vector<std::vector<uint64_t>>> expected = serial.Copy(
+      CopyDirection::kToStorage, session_, Pieces(CopyDirection::kToStorage), true, EntryId{});
+  ASSERT_THAT(expected.status(), IsOk());
+  const std::vector<uint8_t> expected_bytes = Read(storage_, 0, kArenaBytes);
+  SliceCopier copier(backend_.get(), Parallel());
+  constexpr int kCallers = 4;
+  constexpr int kRounds = 20;
+  std::vector<ArenaId> storages;
+  for (int c = 0; c < kCallers; ++c) {
+    absl::StatusOr<ArenaId> storage = backend_->CreateArena(kArenaBytes, ArenaVisibility::kPrivate);
+    ASSERT_THAT(storage.status(), IsOk());
+    storages.push_back(*storage);
+  }
+  std::vector<absl::Status> failures(kCallers);
+  std::vector<std::thread> callers;
+  for (int c = 0; c < kCallers; ++c) {
+    callers.emplace_back([&, c] {
+      std::vector<PieceCopy> pieces = Pieces(CopyDirection::kToStorage);
+      for (PieceCopy& piece : pieces) piece.span.slab = storages[c];
+      for (int round = 0; round < kRounds && failures[c].ok(); ++round) {
+        absl::StatusOr<std::vector<std::vector<uint64_t>>> sealed =
+            copier.Copy(CopyDirection::kToStorage, session_, pieces, true, EntryId{});
+        if (!sealed.ok()) {
+          failures[c] = sealed.status();
+        } else if (*sealed != *expected) {
+          failures[c] = absl::InternalError(absl::StrCat("round ", round, " sealed other sums"));
+        }
+      }
+    });
+  }
+  for (std::thread& caller : callers) caller.join();
+  for (int c = 0; c < kCallers; ++c) {
+    EXPECT_THAT(failures[c], IsOk()) << "caller " << c;
+    EXPECT_EQ(Read(storages[c], 0, kArenaBytes), expected_bytes) << "caller " << c;
   }
 }
 
