@@ -275,9 +275,8 @@ std::optional<ReservationId> AdmissionLedger::FindGroupRank(uint64_t owner,
   return std::nullopt;
 }
 
-absl::StatusOr<ReservationId> AdmissionLedger::ConfirmGroupRank(uint64_t owner,
-                                                                uint64_t group_id,
-                                                                absl::Time now) {
+absl::StatusOr<HeldReservation> AdmissionLedger::GroupRank(uint64_t owner,
+                                                              uint64_t group_id) const {
   std::optional<ReservationId> id = FindGroupRank(owner, group_id);
   if (!id.has_value()) {
     return absl::NotFoundError(absl::StrCat(
@@ -285,8 +284,15 @@ absl::StatusOr<ReservationId> AdmissionLedger::ConfirmGroupRank(uint64_t owner,
         " holds no reservation for it (never made, released, used, freed at its deadline, or "
         "lost in a daemon restart)"));
   }
-  Reservation& reservation = reservations_.at(*id);
-  if (reservation.confirmed) return *id;
+  return HeldReservation{*id, reservations_.at(*id)};
+}
+
+absl::StatusOr<ReservationId> AdmissionLedger::ConfirmGroupRank(uint64_t owner,
+                                                                uint64_t group_id,
+                                                                absl::Time now) {
+  ASSIGN_OR_RETURN(HeldReservation held, GroupRank(owner, group_id));
+  Reservation& reservation = reservations_.at(held.id);
+  if (reservation.confirmed) return held.id;
   if (reservation.expiry <= now) {
     return absl::NotFoundError(absl::StrCat(
         GroupRankName(*reservation.group), ": its deadline passed ",
@@ -295,7 +301,13 @@ absl::StatusOr<ReservationId> AdmissionLedger::ConfirmGroupRank(uint64_t owner,
   }
   reservation.confirmed = true;
   reservation.expiry = absl::InfiniteFuture();
-  return *id;
+  return held.id;
+}
+
+absl::StatusOr<uint64_t> AdmissionLedger::ReleaseGroupRank(uint64_t owner, uint64_t group_id) {
+  ASSIGN_OR_RETURN(HeldReservation held, GroupRank(owner, group_id));
+  RETURN_IF_ERROR(Cancel(held.id));
+  return held.reservation.bytes;
 }
 
 absl::StatusOr<AllocationId> AdmissionLedger::Commit(ReservationId reservation,

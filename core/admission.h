@@ -126,10 +126,12 @@ struct Allocation {
   uint64_t bytes = 0;
 };
 
-struct ExpiredReservation {
+// A reservation with its id (a listing's row; what Expire dropped).
+struct HeldReservation {
   ReservationId id;
   Reservation reservation;
 };
+using ExpiredReservation = HeldReservation;
 
 // What SetBudget changed. `over_budget_bytes` > 0: usage exceeds the new budget (a shrink below
 // usage); nothing is admitted until releases bring usage back under it. Nothing is revoked.
@@ -205,6 +207,11 @@ class AdmissionLedger {
                                                  absl::Time now);
   // `owner`'s reservation for `group_id`, if it holds one.
   std::optional<ReservationId> FindGroupRank(uint64_t owner, uint64_t group_id) const;
+  // The same, or NOT_FOUND saying what may have become of it.
+  absl::StatusOr<HeldReservation> GroupRank(uint64_t owner, uint64_t group_id) const;
+  // Cancels `owner`'s reservation for `group_id`, confirmed or not; its bytes. NOT_FOUND as
+  // GroupRank.
+  absl::StatusOr<uint64_t> ReleaseGroupRank(uint64_t owner, uint64_t group_id);
 
   // Turns a live reservation into an allocation of `actual_bytes` (the difference returns to
   // free). NOT_FOUND for an unknown/expired/cancelled reservation; INVALID_ARGUMENT when

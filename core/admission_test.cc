@@ -202,6 +202,9 @@ TEST(AdmissionLedgerGroupTest, ConfirmedIsHeldPastTheDeadlineUntilCommitted) {
   EXPECT_EQ(ledger.reserved(), 400u);
   ASSERT_THAT(ledger.Commit(id, 400), IsOk());
   EXPECT_EQ(ledger.allocated(), 400u);
+  EXPECT_THAT(ledger.GroupRank(1, 0x5eed),
+              StatusIs(absl::StatusCode::kNotFound,
+                       HasSubstrs("group 0x5eed: engine 1 holds no reservation")));
   EXPECT_EQ(ledger.FindGroupRank(1, 0x5eed), std::nullopt);
 }
 
@@ -234,6 +237,11 @@ TEST(AdmissionLedgerGroupTest, RefusalsNameTheGroupRankAndTheNumbers) {
   // Another engine may hold the same group id (its own rank on this daemon).
   EXPECT_THAT(ledger.ReserveGroupRank(2, 10, {7, 1, 4}, kT0, absl::Seconds(5)), IsOk());
   EXPECT_EQ(ledger.reserved(), 20u);
+  EXPECT_THAT(ledger.ReleaseGroupRank(1, 7), IsOkAndHolds(Eq(10u)));
+  EXPECT_THAT(ledger.ReleaseGroupRank(1, 7),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstrs("group 0x7: engine 1 holds no")));
+  EXPECT_EQ(ledger.reserved(), 10u);
+  EXPECT_EQ(ledger.owner_arenas(1), 0u);
 }
 
 TEST(AdmissionLedgerTest, ReleaseOwnerFreesEverythingItHeld) {
