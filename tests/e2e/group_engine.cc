@@ -9,6 +9,11 @@
 //   restore    A fresh group session: restore the group prefix on every rank, then check every
 //              restored byte of every rank against what capture wrote. A group miss is a fact.
 //   admit-hold Admit and create the group session, write the facts, then wait to be killed.
+//   restart-reserve   (tests/restart) Reserve every rank, touch --ready, wait for --until,
+//              then Confirm; facts: the confirm's outcome.
+//   restart-session   (tests/restart) A group session with --tokens committed rows, touch
+//              --ready, wait for --until, then commit --tokens more on every rank and check
+//              every rank's bytes; facts: the lengths and whether the bytes are identical.
 // The facts file (tests/e2e/facts.h) is written once, at the end (or before waiting).
 
 #include <signal.h>
@@ -21,6 +26,8 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "absl/types/span.h"
 #include "client/group.h"
 #include "client/group_file.h"
 #include "core/admission.h"
@@ -36,6 +43,8 @@ ABSL_FLAG(uint64_t, tokens, 64, "rows committed (capture) and looked up (restore
 ABSL_FLAG(uint64_t, token_seed, 1, "token ids are seed * 100000 + position");
 ABSL_FLAG(int64_t, deadline_ms, 10000, "admission deadline");
 ABSL_FLAG(std::string, out, "", "the facts file");
+ABSL_FLAG(std::string, ready, "", "restart modes: the file touched once set up");
+ABSL_FLAG(std::string, until, "", "restart modes: the file whose existence says go on");
 
 namespace memra::testing {
 namespace {
@@ -114,6 +123,33 @@ void WaitToBeKilled() {
   while (true) pause();
 }
 
+// Touches --ready, then waits until --until exists (the test creates it once the daemon it
+// killed serves again and this engine re-attached): a state, polled, not a time.
+absl::Status ReadyThenWait() {
+  RETURN_IF_ERROR(WriteFacts(absl::GetFlag(FLAGS_ready), "ready=1\n"));
+  const std::string until = absl::GetFlag(FLAGS_until);
+  const absl::Time give_up = absl::Now() + absl::Minutes(2);
+  while (access(until.c_str(), F_OK) != 0) {
+    if (absl::Now() > give_up) return absl::DeadlineExceededError("no " + until + " in 2 min");
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  return absl::OkStatus();
+}
+
+// One transaction of `rows` rows on every rank, writing the pattern rows [base, base + rows).
+absl::StatusOr<uint64_t> CommitRows(GroupSession& session, uint64_t base, uint64_t rows,
+                                    absl::Span<const int32_t> ids) {
+  ASSIGN_OR_RETURN(GroupTransaction transaction, session.Begin());
+  if (transaction.base_len != base) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("the group's base is ", transaction.base_len, ", expected ", base));
+  }
+  RETURN_IF_ERROR(session.PrepareAppend(transaction, rows));
+  RETURN_IF_ERROR(WriteRows(session, base + rows));
+  RETURN_IF_ERROR(session.PublishAppend(transaction));
+  return session.Commit(transaction, rows, ids.subspan(base, rows));
+}
+
 absl::Status Run() {
   const std::string mode = absl::GetFlag(FLAGS_mode);
   const std::string out = absl::GetFlag(FLAGS_out);
@@ -150,28 +186,55 @@ absl::Status Run() {
     RETURN_IF_ERROR(WriteFacts(out, absl::StrCat("group_id=", session->group_id(), "\n")));
     WaitToBeKilled();
   }
-  const std::vector<int32_t> ids = TokenIds(tokens);
+  if (mode == "restart-reserve") {
+    ASSIGN_OR_RETURN(GroupAdmission reserved, group->Reserve(plan, capacity));
+    RETURN_IF_ERROR(ReadyThenWait());
+    const absl::Status confirmed = group->Confirm(reserved);
+    if (!confirmed.ok()) return WriteFacts(out, RefusalFacts(confirmed));
+    RETURN_IF_ERROR(group->Release(reserved).status());
+    return WriteFacts(out, "ok=1\n");
+  }
+  const std::vector<int32_t> ids = TokenIds(2 * tokens);
+  if (mode == "restart-session") {
+    ASSIGN_OR_RETURN(std::unique_ptr<GroupSession> session,
+                     group->CreateSession(plan, capacity));
+    RETURN_IF_ERROR(CommitRows(*session, 0, tokens, ids).status());
+    RETURN_IF_ERROR(ReadyThenWait());
+    ASSIGN_OR_RETURN(uint64_t committed, CommitRows(*session, tokens, tokens, ids));
+    ASSIGN_OR_RETURN(std::vector<SessionSnapshot> states, session->State());
+    std::string facts = absl::StrCat("ok=1\ncommitted=", committed, "\n");
+    for (uint32_t r = 0; r < states.size(); ++r) {
+      absl::StrAppend(&facts, "committed", r, "=", states[r].committed_len, "\n",
+                      "reattaches", r, "=", group->rank(r).reattaches(), "\n");
+    }
+    const absl::Status identical = CheckRows(*session, committed);
+    absl::StrAppend(&facts, "identical=", identical.ok() ? 1 : 0, "\nmismatch=",
+                    identical.message(), "\n");
+    RETURN_IF_ERROR(session->Release().status());
+    return WriteFacts(out, facts);
+  }
   if (mode == "capture" || mode == "capture0") {
     ASSIGN_OR_RETURN(std::unique_ptr<GroupSession> session,
                      group->CreateSession(plan, capacity));
-    ASSIGN_OR_RETURN(GroupTransaction transaction, session->Begin());
-    RETURN_IF_ERROR(session->PrepareAppend(transaction, tokens));
-    RETURN_IF_ERROR(WriteRows(*session, tokens));
-    RETURN_IF_ERROR(session->PublishAppend(transaction));
-    ASSIGN_OR_RETURN(uint64_t committed, session->Commit(transaction, tokens, ids));
+    ASSIGN_OR_RETURN(uint64_t committed, CommitRows(*session, 0, tokens, ids));
     if (mode == "capture") {
-      RETURN_IF_ERROR(group->CapturePrefix(*session, ids, tokens));
+      RETURN_IF_ERROR(
+          group->CapturePrefix(*session, absl::MakeSpan(ids).subspan(0, tokens), tokens));
     } else {
-      RETURN_IF_ERROR(group->rank(0).CapturePrefix(session->rank(0), ids, tokens).status());
+      RETURN_IF_ERROR(group->rank(0)
+                          .CapturePrefix(session->rank(0), absl::MakeSpan(ids).subspan(0, tokens),
+                                         tokens)
+                          .status());
     }
     ASSIGN_OR_RETURN(uint64_t freed, session->Release());
     return WriteFacts(out, absl::StrCat("committed=", committed, "\nfreed=", freed, "\n"));
   }
   if (mode == "restore") {
-    ASSIGN_OR_RETURN(GroupPrefixMatch match, group->LookupPrefix(plan, capacity, ids));
+    const absl::Span<const int32_t> asked = absl::MakeSpan(ids).subspan(0, tokens);
+    ASSIGN_OR_RETURN(GroupPrefixMatch match, group->LookupPrefix(plan, capacity, asked));
     ASSIGN_OR_RETURN(std::unique_ptr<GroupSession> session,
                      group->CreateSession(plan, capacity));
-    absl::StatusOr<uint64_t> restored = group->RestorePrefix(plan, *session, ids);
+    absl::StatusOr<uint64_t> restored = group->RestorePrefix(plan, *session, asked);
     if (!restored.ok()) {
       return WriteFacts(out, absl::StrCat("matched=", match.matched_tokens, "\n",
                                           RefusalFacts(restored.status())));
