@@ -474,7 +474,13 @@ Daemon::Daemon(DaemonConfig config, std::unique_ptr<DeviceBackend> backend, Cloc
       engine_admin_service_(
           AdminParts(ServedSocket{ServedSocket::Audience::kEngines, admin_socket_path_})),
       operator_admin_service_(
-          AdminParts(ServedSocket{ServedSocket::Audience::kOperators, admin_socket_path_})) {
+          AdminParts(ServedSocket{ServedSocket::Audience::kOperators, admin_socket_path_})),
+      engine_group_service_(&leases_, &sessions_,
+                            ServedSocket{ServedSocket::Audience::kEngines, admin_socket_path_},
+                            socket_path_),
+      operator_group_service_(
+          &leases_, &sessions_,
+          ServedSocket{ServedSocket::Audience::kOperators, admin_socket_path_}, socket_path_) {
   arena_pool_.InstallEvictor(*budget_);
 }
 
@@ -579,12 +585,13 @@ absl::Status Daemon::Start() {
                    Serve(socket_path_, start_config_.socket_group, start_config_.socket_mode,
                          /*reflection=*/false,
                          {&cache_service_, &engine_admin_service_, &engine_prefix_service_,
-                          &block_store_service_},
+                          &block_store_service_, &engine_group_service_},
                          std::move(interceptors), &gate));
   absl::StatusOr<std::unique_ptr<grpc::Server>> admin_server =
       Serve(admin_socket_path_, start_config_.admin_socket_group,
             start_config_.admin_socket_mode, /*reflection=*/true,
-            {&operator_admin_service_, &operator_prefix_service_}, {}, &admin_gate);
+            {&operator_admin_service_, &operator_prefix_service_, &operator_group_service_}, {},
+            &admin_gate);
   if (!admin_server.ok()) {
     gate->Stop();
     server->Shutdown();
