@@ -221,12 +221,14 @@ struct KvClient::Rpc {
         cache(pb::KvCache::NewStub(channel)),
         admin(pb::KvAdmin::NewStub(channel)),
         prefix(pb::KvPrefixCache::NewStub(channel)),
-        blocks(pb::KvBlockStore::NewStub(channel)) {}
+        blocks(pb::KvBlockStore::NewStub(channel)),
+        group(pb::KvGroup::NewStub(channel)) {}
   const std::shared_ptr<grpc::Channel> channel;
   const std::unique_ptr<pb::KvCache::Stub> cache;
   const std::unique_ptr<pb::KvAdmin::Stub> admin;
   const std::unique_ptr<pb::KvPrefixCache::Stub> prefix;
   const std::unique_ptr<pb::KvBlockStore::Stub> blocks;
+  const std::unique_ptr<pb::KvGroup::Stub> group;
 };
 
 struct KvClient::LeaseStream {
@@ -909,6 +911,7 @@ std::unique_ptr<PrefixEventStream> KvClient::SubscribePrefixEvents(uint64_t epoc
 pb::KvCache::Stub& ClientInternals::Cache(KvClient& client) { return *client.rpc_->cache; }
 pb::KvAdmin::Stub& ClientInternals::Admin(KvClient& client) { return *client.rpc_->admin; }
 pb::KvPrefixCache::Stub& ClientInternals::Prefix(KvClient& client) { return *client.rpc_->prefix; }
+pb::KvGroup::Stub& ClientInternals::Group(KvClient& client) { return *client.rpc_->group; }
 
 std::unique_ptr<grpc::ClientContext> ClientInternals::NewContext(const KvClient& client) {
   auto context = std::make_unique<grpc::ClientContext>();

@@ -23,6 +23,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "core/formats.h"
+#include "core/group_layout.h"
 #include "core/model_plan.h"
 #include "core/sizing.h"
 
@@ -105,7 +106,6 @@ struct GroupRankKey {
   uint32_t ranks = 0;     // 1..kMaxGroupRanks
   bool operator==(const GroupRankKey&) const = default;
 };
-inline constexpr uint32_t kMaxGroupRanks = 4096;
 // The longest a group reservation may stay unconfirmed.
 inline constexpr absl::Duration kMaxGroupDeadline = absl::Minutes(10);
 // "group 0x2a rank 2/4", as every group refusal names it.
