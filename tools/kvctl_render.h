@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -29,6 +30,41 @@ std::string RenderImport(const kv::v1::ImportModelResponse& imported);
 std::string RenderDrain(const kv::v1::DrainResponse& drained);
 std::string RenderPrefixes(const kv::v1::ListPrefixesResponse& prefixes);
 std::string RenderEvict(const kv::v1::EvictPrefixResponse& evicted);
+
+// One rank of a group as memra-kvctl shows it (docs/groups.md#memra-kvctl).
+struct GroupRankRow {
+  uint32_t rank = 0;
+  std::string socket;  // the socket memra-kvctl asked
+  uint32_t stage = 0;  // rank / tp
+  uint32_t tp_rank = 0;
+  // The rank's shard (fit, max-context; status has no model): layers [lo, hi) and which of
+  // kv_shards K/V head shards it holds.
+  bool has_shard = false;
+  uint32_t layer_lo = 0;
+  uint32_t layer_hi = 0;
+  uint32_t kv_shard = 0;
+  uint32_t kv_shards = 1;
+};
+struct GroupView {
+  std::string name;
+  uint32_t tp = 1;
+  uint32_t pp = 1;
+  std::vector<GroupRankRow> ranks;  // by rank
+};
+
+// A group's answers, one per rank in rank order (REQUIRES: as many as view.ranks, at least
+// one). Each prints one row per rank, then the group's answer: the least over the ranks, and
+// the rank that decides it.
+std::string RenderGroupStatus(const GroupView& view,
+                              const std::vector<kv::v1::GetStatusResponse>& ranks);
+std::string RenderGroupFit(const GroupView& view, const std::vector<kv::v1::FitResponse>& ranks,
+                           uint64_t context);
+std::string RenderGroupMaxContext(const GroupView& view,
+                                  const std::vector<kv::v1::MaxContextResponse>& ranks);
+// --json of a group: {"group", "tp", "pp", "ranks": [{"rank", "socket", "stage", "tp_rank",
+// ("layer_lo", "layer_hi", "kv_shard", "kv_shards"), "answer": the rank's protobuf JSON}]}.
+absl::StatusOr<std::string> RenderGroupJson(
+    const GroupView& view, const std::vector<const google::protobuf::Message*>& answers);
 
 // --json: protobuf JSON, every primitive field printed, field names as in the .proto, one line.
 absl::StatusOr<std::string> RenderJson(const google::protobuf::Message& message);
