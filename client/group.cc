@@ -362,20 +362,22 @@ absl::StatusOr<GroupTransaction> GroupSession::Begin() {
   return transaction;
 }
 
+std::vector<uint32_t> GroupSession::AbortEveryRank(const GroupTransaction& transaction,
+                                                   uint32_t refused) {
+  std::vector<uint32_t> moved;
+  for (uint32_t r = 0; r < ranks(); ++r) {
+    // Ranks from `refused` on never got this call: an abort refused there moved nothing.
+    if (!sessions_[r]->Abort(transaction.generations[r]).ok() && r < refused) moved.push_back(r);
+  }
+  return moved;
+}
+
 absl::Status GroupSession::PrepareAppend(const GroupTransaction& transaction, uint64_t rows) {
   moved_.clear();
   for (uint32_t r = 0; r < ranks(); ++r) {
     absl::StatusOr<PreparedAppend> prepared =
         sessions_[r]->PrepareAppend(transaction.generations[r], rows);
-    if (!prepared.ok()) {
-      std::vector<uint32_t> moved;
-      for (uint32_t every = 0; every < ranks(); ++every) {
-        if (!sessions_[every]->Abort(transaction.generations[every]).ok() && every < r) {
-          moved.push_back(every);
-        }
-      }
-      return Refused(r, prepared.status(), std::move(moved));
-    }
+    if (!prepared.ok()) return Refused(r, prepared.status(), AbortEveryRank(transaction, r));
   }
   return absl::OkStatus();
 }
@@ -384,15 +386,7 @@ absl::Status GroupSession::PublishAppend(const GroupTransaction& transaction) {
   moved_.clear();
   for (uint32_t r = 0; r < ranks(); ++r) {
     absl::StatusOr<uint64_t> published = sessions_[r]->PublishAppend(transaction.generations[r]);
-    if (!published.ok()) {
-      std::vector<uint32_t> moved;
-      for (uint32_t every = 0; every < ranks(); ++every) {
-        if (!sessions_[every]->Abort(transaction.generations[every]).ok() && every < r) {
-          moved.push_back(every);
-        }
-      }
-      return Refused(r, published.status(), std::move(moved));
-    }
+    if (!published.ok()) return Refused(r, published.status(), AbortEveryRank(transaction, r));
   }
   return absl::OkStatus();
 }

@@ -130,6 +130,9 @@ class GroupSession {
       : client_(client), group_id_(group_id), sessions_(std::move(sessions)) {}
   // Rank r's refusal as the group reports it, with the ranks left moved.
   absl::Status Refused(uint32_t r, const absl::Status& status, std::vector<uint32_t> moved);
+  // Aborts `transaction` on every rank after rank `refused` refused a call of it; the ranks
+  // before `refused` whose abort failed (left moved).
+  std::vector<uint32_t> AbortEveryRank(const GroupTransaction& transaction, uint32_t refused);
 
   GroupClient* const client_;
   const uint64_t group_id_;

@@ -70,14 +70,18 @@ uint8_t Pattern(uint32_t rank, uint32_t layer, PlaneKind kind, uint64_t row, uin
 
 constexpr PlaneKind kKvPlanes[] = {PlaneKind::kKeys, PlaneKind::kValues};
 
-absl::Status WriteRows(GroupSession& session, uint64_t rows) {
+// Calls visit(rank, layer, kind, row, byte offset, the byte) for every byte of rows [0, rows) of
+// every K/V plane of every rank; stops at the first refusal.
+template <typename Visit>
+absl::Status ForEachRowByte(GroupSession& session, uint64_t rows, Visit visit) {
   for (uint32_t r = 0; r < session.ranks(); ++r) {
     for (const SessionLayer& layer : session.rank(r).layout().layers) {
       for (PlaneKind kind : kKvPlanes) {
         ASSIGN_OR_RETURN(PlaneView plane, session.rank(r).Plane(layer.layer, kind));
         for (uint64_t row = 0; row < rows; ++row) {
           for (uint64_t b = 0; b < plane.row_bytes; ++b) {
-            plane.data[row * plane.row_bytes + b] = Pattern(r, layer.layer, kind, row, b);
+            RETURN_IF_ERROR(
+                visit(r, layer.layer, kind, row, b, plane.data[row * plane.row_bytes + b]));
           }
         }
       }
@@ -86,27 +90,26 @@ absl::Status WriteRows(GroupSession& session, uint64_t rows) {
   return absl::OkStatus();
 }
 
+absl::Status WriteRows(GroupSession& session, uint64_t rows) {
+  return ForEachRowByte(session, rows,
+                        [](uint32_t r, uint32_t layer, PlaneKind kind, uint64_t row, uint64_t b,
+                           uint8_t& byte) {
+                          byte = Pattern(r, layer, kind, row, b);
+                          return absl::OkStatus();
+                        });
+}
+
 // The first byte of any rank's rows that is not what capture wrote, or OK.
 absl::Status CheckRows(GroupSession& session, uint64_t rows) {
-  for (uint32_t r = 0; r < session.ranks(); ++r) {
-    for (const SessionLayer& layer : session.rank(r).layout().layers) {
-      for (PlaneKind kind : kKvPlanes) {
-        ASSIGN_OR_RETURN(PlaneView plane, session.rank(r).Plane(layer.layer, kind));
-        for (uint64_t row = 0; row < rows; ++row) {
-          for (uint64_t b = 0; b < plane.row_bytes; ++b) {
-            const uint8_t want = Pattern(r, layer.layer, kind, row, b);
-            const uint8_t got = plane.data[row * plane.row_bytes + b];
-            if (got != want) {
-              return absl::DataLossError(absl::StrCat("rank ", r, " layer ", layer.layer,
-                                                      " plane ", static_cast<int>(kind), " row ",
-                                                      row, " byte ", b, ": ", got, " != ", want));
-            }
-          }
-        }
-      }
-    }
-  }
-  return absl::OkStatus();
+  return ForEachRowByte(
+      session, rows,
+      [](uint32_t r, uint32_t layer, PlaneKind kind, uint64_t row, uint64_t b, uint8_t& byte) {
+        const uint8_t want = Pattern(r, layer, kind, row, b);
+        if (byte == want) return absl::OkStatus();
+        return absl::DataLossError(absl::StrCat("rank ", r, " layer ", layer, " plane ",
+                                                static_cast<int>(kind), " row ", row, " byte ", b,
+                                                ": ", byte, " != ", want));
+      });
 }
 
 std::string RefusalFacts(const absl::Status& status) {
