@@ -19,6 +19,13 @@ GroupService::GroupService(EngineLeases* leases, SessionRegistry* sessions, Serv
                            std::string daemon)
     : leases_(leases), sessions_(sessions), socket_(std::move(socket)), daemon_(std::move(daemon)) {}
 
+absl::Status GroupService::AllowEngineCall(absl::string_view rpc) const {
+  if (!socket_.for_operators()) return absl::OkStatus();
+  return absl::UnimplementedError(absl::StrCat(
+      "KvGroup.", rpc, " is an engine call: served on the engine socket only (an operator cannot "
+      "attach on the admin socket)"));
+}
+
 grpc::Status GroupService::Answer(const char* rpc, const absl::Status& status) const {
   if (status.ok()) return Reply(rpc, status);
   absl::Status named(status.code(), absl::StrCat("memra-kvd ", daemon_, ": ", status.message()));
@@ -52,6 +59,7 @@ grpc::Status GroupService::ReserveGroupRank(grpc::ServerContext*,
                                             const pb::ReserveGroupRankRequest* request,
                                             pb::GroupRankState* response) {
   absl::Status status = [&]() -> absl::Status {
+    RETURN_IF_ERROR(AllowEngineCall("ReserveGroupRank"));
     const GroupRankKey group{request->group().group_id(), request->group().rank(),
                              request->group().ranks()};
     // Bounded here as well as in the ledger: a huge value must not overflow the Duration.
@@ -79,6 +87,9 @@ grpc::Status GroupService::ReserveGroupRank(grpc::ServerContext*,
 grpc::Status GroupService::ConfirmGroupRank(grpc::ServerContext*,
                                             const pb::GroupRankRequest* request,
                                             pb::GroupRankState* response) {
+  if (absl::Status allowed = AllowEngineCall("ConfirmGroupRank"); !allowed.ok()) {
+    return Answer("ConfirmGroupRank", allowed);
+  }
   absl::StatusOr<HeldReservation> held =
       leases_->ConfirmGroupRank(EngineCredentialsOf(request->engine()), request->group_id());
   if (held.ok()) FillState(*held, leases_->Now(), response);
@@ -88,6 +99,9 @@ grpc::Status GroupService::ConfirmGroupRank(grpc::ServerContext*,
 grpc::Status GroupService::ReleaseGroupRank(grpc::ServerContext*,
                                             const pb::GroupRankRequest* request,
                                             pb::ReleaseGroupRankResponse* response) {
+  if (absl::Status allowed = AllowEngineCall("ReleaseGroupRank"); !allowed.ok()) {
+    return Answer("ReleaseGroupRank", allowed);
+  }
   absl::StatusOr<uint64_t> freed =
       leases_->ReleaseGroupRank(EngineCredentialsOf(request->engine()), request->group_id());
   if (freed.ok()) response->set_freed_bytes(*freed);
@@ -96,6 +110,9 @@ grpc::Status GroupService::ReleaseGroupRank(grpc::ServerContext*,
 
 grpc::Status GroupService::GetGroupRank(grpc::ServerContext*, const pb::GroupRankRequest* request,
                                         pb::GroupRankState* response) {
+  if (absl::Status allowed = AllowEngineCall("GetGroupRank"); !allowed.ok()) {
+    return Answer("GetGroupRank", allowed);
+  }
   absl::StatusOr<HeldReservation> held =
       leases_->GroupRank(EngineCredentialsOf(request->engine()), request->group_id());
   if (held.ok()) FillState(*held, leases_->Now(), response);

@@ -46,6 +46,8 @@ class GroupService final : public memra::kv::v1::KvGroup::Service {
   // `held` as the wire states it, its deadline counted from `now`.
   void FillState(const HeldReservation& held, absl::Time now,
                  memra::kv::v1::GroupRankState* state) const;
+  // UNIMPLEMENTED on the admin socket for the engine calls (as KvCache is not served there).
+  absl::Status AllowEngineCall(absl::string_view rpc) const;
   // Replies `status` for `rpc`, its message prefixed with this daemon's name (payloads kept).
   grpc::Status Answer(const char* rpc, const absl::Status& status) const;
 

@@ -320,6 +320,11 @@ TEST_F(GroupE2eTest, AnUnconfirmedGroupReservationCreatesNoSessionAndRefusalsNam
                   ClientInternals::NewContext(**engine).get(), {}, &listing)),
               StatusIs(absl::StatusCode::kPermissionDenied,
                        HasSubstrs("KvGroup.ListGroupRanks", daemons_[1]->admin_socket())));
+  // And the engine calls are the engine socket's: not served on the admin socket.
+  EXPECT_THAT(FromGrpcStatus(ClientInternals::Group(*operators_[1]).GetGroupRank(
+                  ClientInternals::NewContext(*operators_[1]).get(), rank, &state)),
+              StatusIs(absl::StatusCode::kUnimplemented,
+                       HasSubstrs("KvGroup.GetGroupRank is an engine call")));
 }
 
 }  // namespace
