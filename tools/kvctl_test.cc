@@ -1086,7 +1086,7 @@ TEST(UsageErrorTest, GroupFlagsThatDoNotGoTogether) {
        "a group's layout needs the plan's layers, which --model leaves in the daemon: give "
        "--hf-config=PATH or --plan=PATH"},
       {{"fit", "--socket=/a,/b", "--pp=0", "--plan=p", "--context=1"},
-       "--pp=0: want a whole number in 1..4096"},
+       "--pp=0: want a whole number in 1..1024"},
       {{"fit", "--socket=/a,/b", "--stage-layers=3,x", "--plan=p", "--context=1"},
        "--stage-layers=x: want a whole number in 1..4294967295"},
       {{"status", "--group=/nonexistent/g.group"},
