@@ -3,11 +3,8 @@
 // checked against what that daemon answers on its own for the rank's shard (memra-kvctl's
 // single-daemon query with --layers and --tp), never against figures worked out here.
 
-#include <unistd.h>
-
 #include <fstream>
 #include <memory>
-#include <sstream>
 #include <string>
 #include <vector>
 
@@ -21,6 +18,7 @@
 #include "tests/daemon_process.h"
 #include "tests/status_matchers.h"
 #include "tests/subprocess.h"
+#include "tools/kvctl_process.h"
 
 namespace memra::kvctl {
 namespace {
@@ -28,8 +26,6 @@ namespace {
 namespace pb = ::memra::kv::v1;
 using ::memra::testing::HasSubstrs;
 using ::memra::testing::Runfile;
-using ::memra::testing::Spawn;
-using ::memra::testing::WaitExit;
 using ::testing::ContainsRegex;
 using ::testing::HasSubstr;
 
@@ -38,18 +34,7 @@ constexpr int kRanks = 4;
 // Rank r's budget: 256 MiB + r x 64 MiB, so rank 0 is always the tightest.
 uint64_t BudgetOf(int rank) { return (uint64_t{256} + 64 * rank) << 20; }
 
-struct Outcome {
-  int exit_code = -1;
-  std::string out;
-  std::string err;
-};
-
-std::string ReadAll(const std::string& path) {
-  std::ifstream in(path);
-  std::stringstream text;
-  text << in.rdbuf();
-  return text.str();
-}
+using Outcome = ::memra::testing::KvctlOutcome;
 
 class KvctlGroupE2eTest : public ::testing::Test {
  protected:
@@ -62,16 +47,7 @@ class KvctlGroupE2eTest : public ::testing::Test {
   }
 
   Outcome Kvctl(std::vector<std::string> args) {
-    args.insert(args.begin(), Runfile("tools/memra-kvctl"));
-    const std::string out_path = daemons_[0]->dir() + "/out";
-    const std::string err_path = daemons_[0]->dir() + "/err";
-    Outcome outcome;
-    const pid_t pid = Spawn(args, out_path, err_path);
-    if (pid < 0) return outcome;
-    outcome.exit_code = WaitExit(pid);
-    outcome.out = ReadAll(out_path);
-    outcome.err = ReadAll(err_path);
-    return outcome;
+    return ::memra::testing::RunKvctlBinary(std::move(args), daemons_[0]->dir());
   }
 
   // One daemon's own answer, parsed from --json.
