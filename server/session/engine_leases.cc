@@ -259,7 +259,8 @@ absl::StatusOr<uint64_t> EngineLeases::ReleaseGroupRank(const EngineCredentials&
 
 std::vector<HeldReservation> EngineLeases::GroupRanks() const {
   std::vector<HeldReservation> ranks;
-  for (const auto& [id, reservation] : budget_->Snapshot().reservations()) {
+  const AdmissionLedger ledger = budget_->Snapshot();  // outlives the loop (not a temporary)
+  for (const auto& [id, reservation] : ledger.reservations()) {
     if (reservation.group.has_value()) ranks.push_back(HeldReservation{id, reservation});
   }
   return ranks;
