@@ -14,6 +14,10 @@
 #include "google/protobuf/struct.pb.h"
 #include "google/protobuf/util/json_util.h"
 #include "gtest/gtest.h"
+#include "client/group.h"
+#include "client/group_file.h"
+#include "core/group_layout.h"
+#include "core/test_model_plans.h"
 #include "proto/memra/kv/v1/admin.pb.h"
 #include "tests/daemon_process.h"
 #include "tests/status_matchers.h"
@@ -117,6 +121,45 @@ TEST_F(KvctlGroupE2eTest, StatusShowsEveryRankAndTheLeastFree) {
     EXPECT_EQ(ranks[rank].admission().budget_bytes(), BudgetOf(rank)) << rank;
     EXPECT_EQ(ranks[rank].backend(), "host");
   }
+}
+
+TEST_F(KvctlGroupE2eTest, StatusShowsAGroupReservationOnEveryRank) {
+  std::vector<std::string> sockets;
+  std::vector<std::string> admin_sockets;
+  for (const auto& daemon : daemons_) {
+    sockets.push_back(daemon->socket());
+    admin_sockets.push_back(daemon->admin_socket());
+  }
+  GroupShape shape;
+  shape.tp = 2;
+  shape.pp = 2;
+  absl::StatusOr<::memra::GroupFile> file = GroupFromSockets("held", shape, sockets, "test");
+  ASSERT_TRUE(file.ok()) << file.status();
+  absl::StatusOr<std::unique_ptr<GroupClient>> group = GroupClient::Connect(*file);
+  ASSERT_TRUE(group.ok()) << group.status();
+  absl::StatusOr<GroupPlan> plan = (*group)->RegisterPlan(test_plans::DenseModel(4, 128, 8));
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  absl::StatusOr<GroupAdmission> admission = (*group)->Reserve(*plan, 1024);
+  ASSERT_TRUE(admission.ok()) << admission.status();
+
+  const Outcome human = Kvctl({"status", "--socket=" + absl::StrJoin(admin_sockets, ",")});
+  EXPECT_EQ(human.exit_code, 0) << human.err;
+  for (int rank = 0; rank < kRanks; ++rank) {
+    EXPECT_THAT(human.out, HasSubstr(absl::StrCat("1 pending (", admission->bytes[rank], " B)  ",
+                                                  admin_sockets[rank], "\n")))
+        << rank;
+  }
+  // The engine sockets do not list group reservations (the operators' call): "-".
+  const Outcome engine_side = Kvctl({"status", "--socket=" + absl::StrJoin(sockets, ",")});
+  EXPECT_EQ(engine_side.exit_code, 0) << engine_side.err;
+  EXPECT_THAT(engine_side.out, ContainsRegex(absl::StrCat("  -  +", sockets[0], "\n")));
+
+  ASSERT_TRUE((*group)->Confirm(*admission).ok());
+  const Outcome confirmed = Kvctl({"status", "--socket=" + absl::StrJoin(admin_sockets, ",")});
+  EXPECT_THAT(confirmed.out,
+              HasSubstr(absl::StrCat("1 confirmed (", admission->bytes[3], " B)  ",
+                                     admin_sockets[3], "\n")));
+  ASSERT_TRUE((*group)->Release(*admission).ok());
 }
 
 TEST_F(KvctlGroupE2eTest, FitAndMaxContextPriceEachRanksShardOnItsOwnDaemon) {
