@@ -272,3 +272,28 @@ def test_connect_names_a_rank_that_does_not_answer(kvd):
         Group.connect(group_file, "py-group", timeout=0.5)
     assert (raised.value.rank, raised.value.daemon) == (1, missing)
     assert raised.value.code == memra_kv.ErrorCode.UNAVAILABLE
+
+
+def test_a_rank_refusing_commit_leaves_every_rank_at_the_base(kvd):
+    daemons = start_ranks(kvd)
+    with Group.connect(write_group_file(daemons, 4, 1), "py-group") as group:
+        fingerprint = group.register_plan(group_plan())
+        with group.create_session(fingerprint, CAPACITY) as session:
+            commit_tokens(session, list(range(8)))
+            transaction = session.begin()
+            assert transaction.base_len == 8
+            session.prepare(transaction, 4)
+            session.publish(transaction)
+            session.sessions[2].taint("pytest: rank 2's memory is suspect")
+            with pytest.raises(GroupRankError) as raised:
+                session.commit(transaction, 4, [1, 2, 3, 4])
+            error = raised.value
+            # Ranks 0 and 1 had committed: rewound to the base; 2 refused; 3 aborted.
+            assert (error.rank, error.moved) == (2, ())
+            assert error.code == memra_kv.ErrorCode.FAILED_PRECONDITION
+            assert "group 0x%x rank 2/4 (%s)" % (session.group_id, daemons[2].socket) in str(error)
+            assert "[ranks left moved: none]" in str(error)
+            assert [s.committed_len for s in session.states()] == [8] * 4
+            with pytest.raises(GroupRankError) as begin:  # the tainted rank refuses, others undo
+                session.begin()
+            assert (begin.value.rank, begin.value.moved) == (2, ())
