@@ -100,10 +100,10 @@ TEST(GroupFileTest, RefusesBadLinesNamingTheLine) {
 TEST(GroupFileTest, RefusesGroupSizesOutOfRange) {
   EXPECT_THAT(ParseError("group g\ntp 0\npp 1\n"),
               StatusIs(absl::StatusCode::kInvalidArgument,
-                       HasSubstr("line 2: tp 0 x pp 1 is not a group of 1..4096 ranks")));
-  EXPECT_THAT(ParseError("group g\npp 64\ntp 128\n"),
+                       HasSubstr("line 2: tp 0 x pp 1 is not a group of 1..1024 ranks")));
+  EXPECT_THAT(ParseError("group g\npp 64\ntp 64\n"),
               StatusIs(absl::StatusCode::kInvalidArgument,
-                       HasSubstr("line 3: tp 128 x pp 64 is not a group of 1..4096 ranks")));
+                       HasSubstr("line 3: tp 64 x pp 64 is not a group of 1..1024 ranks")));
   EXPECT_THAT(ParseError("group g\ntp 2\npp 2\nstage_layers 10,10,10\n"),
               StatusIs(absl::StatusCode::kInvalidArgument,
                        HasSubstr("line 4: stage_layers lists 3 stages for pp 2")));

@@ -27,12 +27,15 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "core/admission.h"  // kMaxGroupRanks, the protocol's bound
 #include "core/formats.h"
 #include "core/model_plan.h"
 #include "core/sizing.h"
 
 namespace memra {
+
+// One daemon serves one rank; a group larger than this is a mistyped file (the protocol's
+// bound too: group.proto, core/admission.h).
+inline constexpr uint32_t kMaxGroupRanks = 1024;
 
 struct GroupShape {
   uint32_t tp = 1;

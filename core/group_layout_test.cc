@@ -155,10 +155,10 @@ TEST(GroupLayoutTest, RefusesEmptyAndOversizedGroups) {
   const ModelPlan plan = test_plans::Llama3_8B();
   EXPECT_THAT(PlanGroupLayout(plan, Group(0, 1)),
               StatusIs(absl::StatusCode::kInvalidArgument,
-                       HasSubstr("tp 0 x pp 1 is not a group of 1..4096 ranks")));
-  EXPECT_THAT(PlanGroupLayout(plan, Group(128, 64)),
+                       HasSubstr("tp 0 x pp 1 is not a group of 1..1024 ranks")));
+  EXPECT_THAT(PlanGroupLayout(plan, Group(128, 16)),
               StatusIs(absl::StatusCode::kInvalidArgument,
-                       HasSubstr("tp 128 x pp 64 is not a group of 1..4096 ranks")));
+                       HasSubstr("tp 128 x pp 16 is not a group of 1..1024 ranks")));
   EXPECT_THAT(PlanGroupLayout(plan, Group(0xffffffffu, 0xffffffffu)),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("x pp 4294967295")));
 }

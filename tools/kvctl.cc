@@ -1,6 +1,7 @@
 #include "tools/kvctl.h"
 
 #include <algorithm>
+#include <optional>
 #include <cerrno>
 #include <cstdio>
 #include <string>
@@ -284,6 +285,26 @@ int RunGroupQuery(const Invocation& invocation, const GroupFile& group, absl::st
   return kExitOk;
 }
 
+// Each rank's group reservations (KvGroup.ListGroupRanks), where its daemon lists them: the
+// admin socket does, the engine socket refuses (nullopt: the table shows "-").
+std::vector<std::optional<pb::ListGroupRanksResponse>> GroupReservationsOf(
+    const Invocation& invocation, const GroupFile& group) {
+  std::vector<std::optional<pb::ListGroupRanksResponse>> listed;
+  for (const GroupRankEndpoint& endpoint : group.ranks) {
+    listed.emplace_back();
+    absl::StatusOr<Connection> connection = Connect(ForRank(invocation, endpoint));
+    if (!connection.ok()) continue;
+    grpc::ClientContext context;
+    context.set_deadline(connection->deadline);
+    pb::ListGroupRanksResponse response;
+    if (connection->group_stub->ListGroupRanks(&context, pb::ListGroupRanksRequest(), &response)
+            .ok()) {
+      listed.back() = std::move(response);
+    }
+  }
+  return listed;
+}
+
 int RunGroup(const Invocation& invocation, std::ostream& out, std::ostream& err) {
   absl::StatusOr<GroupFile> group = ResolveGroup(invocation);
   if (!group.ok()) return UsageFailure(group.status(), invocation.command, err);
@@ -294,8 +315,15 @@ int RunGroup(const Invocation& invocation, std::ostream& out, std::ostream& err)
         invocation, *group, "GetStatus", &Stub::GetStatus,
         std::vector<pb::GetStatusRequest>(group->ranks.size()), responses, err);
     if (called != kExitOk) return called;
+    const std::vector<std::optional<pb::ListGroupRanksResponse>> reservations =
+        GroupReservationsOf(invocation, *group);
     const GroupView view = ViewOf(invocation, *group, nullptr);
-    return PrintGroup(invocation, view, responses, RenderGroupStatus(view, responses), out, err);
+    std::vector<const google::protobuf::Message*> answers;
+    for (const pb::GetStatusResponse& response : responses) answers.push_back(&response);
+    return PrintAnswer(invocation,
+                       invocation.json ? RenderGroupJson(view, answers, reservations)
+                                       : absl::StatusOr<std::string>(""),
+                       RenderGroupStatus(view, responses, reservations), out, err);
   }
   if (invocation.command == "fit") {
     return RunGroupQuery(

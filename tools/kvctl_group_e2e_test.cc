@@ -3,11 +3,8 @@
 // checked against what that daemon answers on its own for the rank's shard (memra-kvctl's
 // single-daemon query with --layers and --tp), never against figures worked out here.
 
-#include <unistd.h>
-
 #include <fstream>
 #include <memory>
-#include <sstream>
 #include <string>
 #include <vector>
 
@@ -17,10 +14,15 @@
 #include "google/protobuf/struct.pb.h"
 #include "google/protobuf/util/json_util.h"
 #include "gtest/gtest.h"
+#include "client/group.h"
+#include "client/group_file.h"
+#include "core/group_layout.h"
+#include "core/test_model_plans.h"
 #include "proto/memra/kv/v1/admin.pb.h"
 #include "tests/daemon_process.h"
 #include "tests/status_matchers.h"
 #include "tests/subprocess.h"
+#include "tools/kvctl_process.h"
 
 namespace memra::kvctl {
 namespace {
@@ -28,8 +30,6 @@ namespace {
 namespace pb = ::memra::kv::v1;
 using ::memra::testing::HasSubstrs;
 using ::memra::testing::Runfile;
-using ::memra::testing::Spawn;
-using ::memra::testing::WaitExit;
 using ::testing::ContainsRegex;
 using ::testing::HasSubstr;
 
@@ -38,18 +38,7 @@ constexpr int kRanks = 4;
 // Rank r's budget: 256 MiB + r x 64 MiB, so rank 0 is always the tightest.
 uint64_t BudgetOf(int rank) { return (uint64_t{256} + 64 * rank) << 20; }
 
-struct Outcome {
-  int exit_code = -1;
-  std::string out;
-  std::string err;
-};
-
-std::string ReadAll(const std::string& path) {
-  std::ifstream in(path);
-  std::stringstream text;
-  text << in.rdbuf();
-  return text.str();
-}
+using Outcome = ::memra::testing::KvctlOutcome;
 
 class KvctlGroupE2eTest : public ::testing::Test {
  protected:
@@ -62,16 +51,7 @@ class KvctlGroupE2eTest : public ::testing::Test {
   }
 
   Outcome Kvctl(std::vector<std::string> args) {
-    args.insert(args.begin(), Runfile("tools/memra-kvctl"));
-    const std::string out_path = daemons_[0]->dir() + "/out";
-    const std::string err_path = daemons_[0]->dir() + "/err";
-    Outcome outcome;
-    const pid_t pid = Spawn(args, out_path, err_path);
-    if (pid < 0) return outcome;
-    outcome.exit_code = WaitExit(pid);
-    outcome.out = ReadAll(out_path);
-    outcome.err = ReadAll(err_path);
-    return outcome;
+    return ::memra::testing::RunKvctlBinary(std::move(args), daemons_[0]->dir());
   }
 
   // One daemon's own answer, parsed from --json.
@@ -141,6 +121,45 @@ TEST_F(KvctlGroupE2eTest, StatusShowsEveryRankAndTheLeastFree) {
     EXPECT_EQ(ranks[rank].admission().budget_bytes(), BudgetOf(rank)) << rank;
     EXPECT_EQ(ranks[rank].backend(), "host");
   }
+}
+
+TEST_F(KvctlGroupE2eTest, StatusShowsAGroupReservationOnEveryRank) {
+  std::vector<std::string> sockets;
+  std::vector<std::string> admin_sockets;
+  for (const auto& daemon : daemons_) {
+    sockets.push_back(daemon->socket());
+    admin_sockets.push_back(daemon->admin_socket());
+  }
+  GroupShape shape;
+  shape.tp = 2;
+  shape.pp = 2;
+  absl::StatusOr<::memra::GroupFile> file = GroupFromSockets("held", shape, sockets, "test");
+  ASSERT_TRUE(file.ok()) << file.status();
+  absl::StatusOr<std::unique_ptr<GroupClient>> group = GroupClient::Connect(*file);
+  ASSERT_TRUE(group.ok()) << group.status();
+  absl::StatusOr<GroupPlan> plan = (*group)->RegisterPlan(test_plans::DenseModel(4, 128, 8));
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  absl::StatusOr<GroupAdmission> admission = (*group)->Reserve(*plan, 1024);
+  ASSERT_TRUE(admission.ok()) << admission.status();
+
+  const Outcome human = Kvctl({"status", "--socket=" + absl::StrJoin(admin_sockets, ",")});
+  EXPECT_EQ(human.exit_code, 0) << human.err;
+  for (int rank = 0; rank < kRanks; ++rank) {
+    EXPECT_THAT(human.out, HasSubstr(absl::StrCat("1 pending (", admission->bytes[rank], " B)  ",
+                                                  admin_sockets[rank], "\n")))
+        << rank;
+  }
+  // The engine sockets do not list group reservations (the operators' call): "-".
+  const Outcome engine_side = Kvctl({"status", "--socket=" + absl::StrJoin(sockets, ",")});
+  EXPECT_EQ(engine_side.exit_code, 0) << engine_side.err;
+  EXPECT_THAT(engine_side.out, ContainsRegex(absl::StrCat("  -  +", sockets[0], "\n")));
+
+  ASSERT_TRUE((*group)->Confirm(*admission).ok());
+  const Outcome confirmed = Kvctl({"status", "--socket=" + absl::StrJoin(admin_sockets, ",")});
+  EXPECT_THAT(confirmed.out,
+              HasSubstr(absl::StrCat("1 confirmed (", admission->bytes[3], " B)  ",
+                                     admin_sockets[3], "\n")));
+  ASSERT_TRUE((*group)->Release(*admission).ok());
 }
 
 TEST_F(KvctlGroupE2eTest, FitAndMaxContextPriceEachRanksShardOnItsOwnDaemon) {

@@ -229,7 +229,7 @@ std::string RankTable(const GroupView& view, const std::vector<Response>& ranks,
   TextTable table(std::move(columns));
   for (size_t i = 0; i < ranks.size() && i < view.ranks.size(); ++i) {
     std::vector<std::string> cells = RankCells(view.ranks[i]);
-    for (std::string& cell : answer_cells(ranks[i])) cells.push_back(std::move(cell));
+    for (std::string& cell : answer_cells(ranks[i], i)) cells.push_back(std::move(cell));
     cells.push_back(view.ranks[i].socket);
     table.AddRow(std::move(cells));
   }
@@ -254,8 +254,31 @@ std::string JsonString(absl::string_view text) {
 
 }  // namespace
 
-std::string RenderGroupStatus(const GroupView& view,
-                              const std::vector<pb::GetStatusResponse>& ranks) {
+// "2 pending (1024 B), 1 confirmed (4096 B)", "none", or "-" when not listed.
+std::string GroupReservations(const std::optional<pb::ListGroupRanksResponse>& listed) {
+  if (!listed.has_value()) return "-";
+  uint64_t pending = 0, pending_bytes = 0, confirmed = 0, confirmed_bytes = 0;
+  for (const pb::GroupRankState& state : listed->ranks()) {
+    if (state.phase() == pb::GROUP_RANK_PHASE_PENDING) {
+      ++pending;
+      pending_bytes += state.bytes();
+    } else {
+      ++confirmed;
+      confirmed_bytes += state.bytes();
+    }
+  }
+  if (pending + confirmed == 0) return "none";
+  std::vector<std::string> parts;
+  if (pending > 0) parts.push_back(absl::StrCat(pending, " pending (", pending_bytes, " B)"));
+  if (confirmed > 0) {
+    parts.push_back(absl::StrCat(confirmed, " confirmed (", confirmed_bytes, " B)"));
+  }
+  return absl::StrJoin(parts, ", ");
+}
+
+std::string RenderGroupStatus(
+    const GroupView& view, const std::vector<pb::GetStatusResponse>& ranks,
+    const std::vector<std::optional<pb::ListGroupRanksResponse>>& reservations) {
   std::vector<pb::AdmissionStatus> admissions;
   for (const pb::GetStatusResponse& rank : ranks) admissions.push_back(rank.admission());
   FieldList fields;
@@ -278,8 +301,9 @@ std::string RenderGroupStatus(const GroupView& view,
        {"FREE", Align::kRight},
        {"EVICTABLE", Align::kRight},
        {"SESSIONS", Align::kRight},
-       {"ENGINES", Align::kRight}},
-      [](const pb::GetStatusResponse& rank) -> std::vector<std::string> {
+       {"ENGINES", Align::kRight},
+       {"GROUP RESERVATIONS"}},
+      [&](const pb::GetStatusResponse& rank, size_t index) -> std::vector<std::string> {
         const pb::AdmissionStatus& admission = rank.admission();
         return {rank.draining() ? "draining" : "serving",
                 absl::StrCat(admission.budget_bytes()),
@@ -288,7 +312,9 @@ std::string RenderGroupStatus(const GroupView& view,
                 absl::StrCat(admission.free_bytes()),
                 absl::StrCat(admission.evictable_bytes()),
                 absl::StrCat(rank.sessions()),
-                absl::StrCat(rank.engines())};
+                absl::StrCat(rank.engines()),
+                GroupReservations(index < reservations.size() ? reservations[index]
+                                                              : std::nullopt)};
       });
   return absl::StrCat(GroupHeading(view), table, "\n", fields.Render());
 }
@@ -302,7 +328,7 @@ std::string RenderGroupFit(const GroupView& view, const std::vector<pb::FitRespo
        {"NOW", Align::kRight},
        {"AFTER EVICTION", Align::kRight},
        {"WHEN EMPTY", Align::kRight}},
-      [](const pb::FitResponse& fit) -> std::vector<std::string> {
+      [](const pb::FitResponse& fit, size_t) -> std::vector<std::string> {
         return {absl::StrCat(fit.session_bytes()), absl::StrCat(fit.free_bytes()),
                 absl::StrCat(fit.sessions_now()), absl::StrCat(fit.sessions_after_eviction()),
                 absl::StrCat(fit.sessions_when_empty())};
@@ -327,7 +353,7 @@ std::string RenderGroupMaxContext(const GroupView& view,
        {"NOW", Align::kRight},
        {"AFTER EVICTION", Align::kRight},
        {"WHEN EMPTY", Align::kRight}},
-      [](const pb::MaxContextResponse& max) -> std::vector<std::string> {
+      [](const pb::MaxContextResponse& max, size_t) -> std::vector<std::string> {
         return {absl::StrCat(max.free_bytes()), absl::StrCat(max.max_context_now()),
                 absl::StrCat(max.max_context_after_eviction()),
                 absl::StrCat(max.max_context_when_empty())};
@@ -342,7 +368,8 @@ std::string RenderGroupMaxContext(const GroupView& view,
 }
 
 absl::StatusOr<std::string> RenderGroupJson(
-    const GroupView& view, const std::vector<const google::protobuf::Message*>& answers) {
+    const GroupView& view, const std::vector<const google::protobuf::Message*>& answers,
+    const std::vector<std::optional<pb::ListGroupRanksResponse>>& reservations) {
   std::vector<std::string> ranks;
   for (size_t i = 0; i < view.ranks.size() && i < answers.size(); ++i) {
     const GroupRankRow& row = view.ranks[i];
@@ -352,9 +379,14 @@ absl::StatusOr<std::string> RenderGroupJson(
       shard = absl::StrCat("\"layer_lo\":", row.layer_lo, ",\"layer_hi\":", row.layer_hi,
                            ",\"kv_shard\":", row.kv_shard, ",\"kv_shards\":", row.kv_shards, ",");
     }
+    std::string listed;
+    if (i < reservations.size() && reservations[i].has_value()) {
+      ASSIGN_OR_RETURN(const std::string json, RenderJson(*reservations[i]));
+      listed = absl::StrCat(",\"group_reservations\":", json);
+    }
     ranks.push_back(absl::StrCat("{\"rank\":", row.rank, ",\"socket\":", JsonString(row.socket),
                                  ",\"stage\":", row.stage, ",\"tp_rank\":", row.tp_rank, ",",
-                                 shard, "\"answer\":", answer, "}"));
+                                 shard, "\"answer\":", answer, listed, "}"));
   }
   return absl::StrCat("{\"group\":", JsonString(view.name), ",\"tp\":", view.tp,
                       ",\"pp\":", view.pp, ",\"ranks\":[", absl::StrJoin(ranks, ","), "]}");

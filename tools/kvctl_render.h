@@ -7,6 +7,7 @@
 // Thread-safety: pure functions.
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -14,6 +15,7 @@
 #include "absl/status/statusor.h"
 #include "google/protobuf/message.h"
 #include "proto/memra/kv/v1/admin.pb.h"
+#include "proto/memra/kv/v1/group.pb.h"
 #include "proto/memra/kv/v1/prefix.pb.h"
 
 namespace memra::kvctl {
@@ -55,16 +57,21 @@ struct GroupView {
 // A group's answers, one per rank in rank order (REQUIRES: as many as view.ranks, at least
 // one). Each prints one row per rank, then the group's answer: the least over the ranks, and
 // the rank that decides it.
-std::string RenderGroupStatus(const GroupView& view,
-                              const std::vector<kv::v1::GetStatusResponse>& ranks);
+// `reservations`: each rank's group reservations (KvGroup.ListGroupRanks), nullopt where the
+// daemon was asked on its engine socket (the listing is the operators').
+std::string RenderGroupStatus(
+    const GroupView& view, const std::vector<kv::v1::GetStatusResponse>& ranks,
+    const std::vector<std::optional<kv::v1::ListGroupRanksResponse>>& reservations);
 std::string RenderGroupFit(const GroupView& view, const std::vector<kv::v1::FitResponse>& ranks,
                            uint64_t context);
 std::string RenderGroupMaxContext(const GroupView& view,
                                   const std::vector<kv::v1::MaxContextResponse>& ranks);
 // --json of a group: {"group", "tp", "pp", "ranks": [{"rank", "socket", "stage", "tp_rank",
-// ("layer_lo", "layer_hi", "kv_shard", "kv_shards"), "answer": the rank's protobuf JSON}]}.
+// ("layer_lo", "layer_hi", "kv_shard", "kv_shards"), "answer": the rank's protobuf JSON,
+// ("group_reservations": its ListGroupRanksResponse, where `reservations` has it)}]}.
 absl::StatusOr<std::string> RenderGroupJson(
-    const GroupView& view, const std::vector<const google::protobuf::Message*>& answers);
+    const GroupView& view, const std::vector<const google::protobuf::Message*>& answers,
+    const std::vector<std::optional<kv::v1::ListGroupRanksResponse>>& reservations = {});
 
 // --json: protobuf JSON, every primitive field printed, field names as in the .proto, one line.
 absl::StatusOr<std::string> RenderJson(const google::protobuf::Message& message);

@@ -29,6 +29,7 @@
 #include "gtest/gtest.h"
 #include "proto/memra/kv/v1/admin.grpc.pb.h"
 #include "proto/memra/kv/v1/cache.pb.h"
+#include "proto/memra/kv/v1/group.pb.h"
 #include "tests/status_matchers.h"
 #include "tools/text_format.h"
 
@@ -1086,7 +1087,7 @@ TEST(UsageErrorTest, GroupFlagsThatDoNotGoTogether) {
        "a group's layout needs the plan's layers, which --model leaves in the daemon: give "
        "--hf-config=PATH or --plan=PATH"},
       {{"fit", "--socket=/a,/b", "--pp=0", "--plan=p", "--context=1"},
-       "--pp=0: want a whole number in 1..4096"},
+       "--pp=0: want a whole number in 1..1024"},
       {{"fit", "--socket=/a,/b", "--stage-layers=3,x", "--plan=p", "--context=1"},
        "--stage-layers=x: want a whole number in 1..4294967295"},
       {{"status", "--group=/nonexistent/g.group"},
@@ -1136,13 +1137,25 @@ TEST(RenderTest, GroupStatusShowsEveryRankAndTheLeastFree) {
     ranks[i].set_sessions(i);
   }
   ranks[3].set_draining(true);
-  const std::string text = RenderGroupStatus(TwoByTwo(false), ranks);
+  std::vector<std::optional<pb::ListGroupRanksResponse>> reservations(4);
+  reservations[0].emplace();
+  pb::GroupRankState* pending = reservations[0]->add_ranks();
+  pending->set_phase(pb::GROUP_RANK_PHASE_PENDING);
+  pending->set_bytes(100);
+  pb::GroupRankState* confirmed = reservations[0]->add_ranks();
+  confirmed->set_phase(pb::GROUP_RANK_PHASE_CONFIRMED);
+  confirmed->set_bytes(200);
+  reservations[1].emplace();  // listed, none held; ranks 2 and 3 not listed (engine socket)
+  const std::string text = RenderGroupStatus(TwoByTwo(false), ranks, reservations);
   EXPECT_THAT(text, StartsWith("group g: tp 2 x pp 2 = 4 ranks\n\n"
                                "RANK  STAGE  TP  STATE     BUDGET  ALLOCATED  RESERVED  FREE  "
-                               "EVICTABLE  SESSIONS  ENGINES  SOCKET\n"
-                               "   0      0   0  serving     1000        600         0   400  "
-                               "        0         0        0  /run/memra-kv/gpu0.sock\n"));
+                               "EVICTABLE  SESSIONS  ENGINES  GROUP RESERVATIONS"));
+  EXPECT_THAT(text, HasSubstr("   0      0   0  serving     1000        600         0   400  "
+                              "        0         0        0  1 pending (100 B), 1 confirmed "
+                              "(200 B)  /run/memra-kv/gpu0.sock\n"));
+  EXPECT_THAT(text, HasSubstr("        0         1        0  none"));
   EXPECT_THAT(text, HasSubstr("   3      1   1  draining    1000        700         0   300"));
+  EXPECT_THAT(text, ::testing::ContainsRegex("  -  +/run/memra-kv/gpu3.sock\n"));
   EXPECT_THAT(text, HasSubstr("least free       100 (rank 2) B: a group request fits only "
                               "where every rank's shard fits on its own daemon\n"));
   EXPECT_THAT(text, HasSubstr("state            DRAINING on 1 rank(s): the group admits nothing "

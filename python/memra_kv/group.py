@@ -14,9 +14,9 @@ A tensor- x pipeline-parallel group of tp x pp ranks talks to one daemon per ran
   apply to every rank) and group prefixes (found only when every rank holds the prefix,
   restored on every rank or on none).
 
-Errors: a rank's refusal is a GroupRankError naming the group, the rank, its daemon and the
-daemon's error (its code and numbers), with `moved`: the ranks the operation had already
-changed when it stopped (empty where the group is as it was; see each method).
+Semantics and messages follow the C++ group client (client/group.h): a rank's refusal is a
+GroupRankError naming the group id, the rank, its daemon and the daemon's error (its code and
+numbers); a group session's refusal also says which ranks it left moved (GroupSession).
 """
 
 from __future__ import annotations
@@ -24,15 +24,15 @@ from __future__ import annotations
 import random
 import re
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from ._proto import group_pb2, group_pb2_grpc, model_plan_pb2
-from .client import Client, PrefixCaptured, PrefixMatch, Session, TransactionScope, _call
+from .client import Client, PrefixCaptured, PrefixMatch, PreparedAppend, Session, _call
 from .errors import ErrorCode, KvError, MemraKvError
 from .results import SessionState
 
 # The protocol's bounds (group.proto ReserveGroupRankRequest; core/admission.h).
-MAX_GROUP_RANKS = 4096
+MAX_GROUP_RANKS = 1024
 MAX_GROUP_DEADLINE_MS = 600000
 DEFAULT_GROUP_DEADLINE_MS = 10000
 # A group file's bounds (client/group_file.h).
@@ -361,23 +361,26 @@ def plan_group_layout(plan: Any, tp: int, pp: int,
 # ---- errors and results ----------------------------------------------------------------------
 
 class GroupRankError(Exception):
-    """A rank refused (or did not answer) a group operation.
+    """A rank refused (or did not answer) a group operation; the message is client/group.h's:
+    "group 0x<id> rank r/N (<socket>): CODE: <the daemon's message>", and for a group session's
+    operations " [ranks left moved: ...]".
 
-    group, rank, daemon (the rank's socket), error (the daemon's MemraKvError: its code,
-    message and numbers), moved (the ranks the operation had already changed when it stopped;
-    () where the group is as it was)."""
+    group_id (0 outside an admission), rank, ranks, daemon (the rank's socket), error (the
+    daemon's MemraKvError: its code, message and numbers, e.g. AdmissionRefused.needed), moved
+    (the ranks the operation left changed: () where every rank is in the same state)."""
 
-    def __init__(self, group: str, rank: int, daemon: str, error: MemraKvError,
-                 moved: Sequence[int] = ()) -> None:
-        self.group = group
+    def __init__(self, group_id: int, rank: int, ranks: int, daemon: str, error: MemraKvError,
+                 moved: Optional[Sequence[int]] = None) -> None:
+        self.group_id = group_id
         self.rank = rank
+        self.ranks = ranks
         self.daemon = daemon
         self.error = error
-        self.moved: Tuple[int, ...] = tuple(moved)
-        moved_text = (" (ranks %s had already moved)" % ", ".join(map(str, self.moved))
-                      if self.moved else "")
-        super().__init__("group %s rank %d (%s): %s: %s%s" % (
-            group, rank, daemon, error.code.name, error.message, moved_text))
+        self.moved: Tuple[int, ...] = tuple(moved or ())
+        suffix = ("" if moved is None else " [ranks left moved: %s]" % (
+            ", ".join(map(str, self.moved)) or "none"))
+        super().__init__("group 0x%x rank %d/%d (%s): %s: %s%s" % (
+            group_id, rank, ranks, daemon, error.code.name, error.message, suffix))
 
     @property
     def code(self) -> ErrorCode:
@@ -420,15 +423,24 @@ class GroupAdmission:
 
 @dataclass(frozen=True)
 class GroupPrefixMatch:
-    """Group.lookup_prefix: `matched_tokens` every rank holds (0: a miss on some rank) and
-    each rank's own match."""
+    """Group.lookup_prefix: the boundary every rank holds (0: a miss) and each rank's entry
+    holding it (empty on a miss)."""
 
     matched_tokens: int
-    ranks: Tuple[PrefixMatch, ...]
+    entry_ids: Tuple[int, ...]
 
     @property
     def hit(self) -> bool:
         return self.matched_tokens > 0
+
+
+@dataclass(frozen=True)
+class GroupTransaction:
+    """A transaction open on every rank: each rank's generation, and the committed rows when
+    it began (every rank's)."""
+
+    generations: Tuple[int, ...]
+    base_len: int
 
 
 # ---- the group ------------------------------------------------------------------------------
@@ -440,41 +452,48 @@ class _Rank:
     stub: Any  # KvGroupStub on the client's channel
 
 
-class Group:
-    """One engine's clients to every rank's daemon, attached, and the group's operations.
+def _quietly(call: Any) -> bool:
+    """call(); whether it succeeded (a refusal is swallowed: best-effort cleanup)."""
+    try:
+        call()
+        return True
+    except MemraKvError:
+        return False
 
-    Thread-safety: as Client (each call drives the ranks one after another). close() detaches
-    every rank (a daemon then reclaims what the engine left after its lease grace)."""
+
+class Group:
+    """The group client (client/group.h GroupClient in Python): one engine's clients to every
+    rank's daemon, attached, and the group's operations with one answer each.
+
+    Thread-safety: one thread at a time (as GroupClient); the Clients underneath are
+    thread-safe. close() detaches every rank (a daemon then reclaims what the engine left after
+    its lease grace)."""
 
     def __init__(self, group_file: GroupFile, ranks: List[_Rank]) -> None:
         """Use Group.connect."""
         self.file = group_file
         self._ranks = ranks
-        self._plans: Dict[bytes, Any] = {}  # fingerprint -> the registered ModelPlan
+        self._layouts: Dict[bytes, GroupLayout] = {}  # fingerprint -> layout
 
     @classmethod
-    def connect(cls, group: "GroupFile | str", engine_name: str, timeout: float = 10.0,
-                cache_scope: str = "") -> "Group":
+    def connect(cls, group: Union[GroupFile, str], engine_name: str = "memra-group",
+                timeout: float = 10.0, cache_scope: str = "") -> "Group":
         """Connects to and attaches on every rank's daemon (a group file's path, or a
-        GroupFile). A rank that does not answer is a GroupRankError; the ranks already
-        attached are detached."""
+        GroupFile), each as "<engine_name> rank <r>". The first rank that cannot be reached or
+        attached is a GroupRankError; nothing stays attached then."""
         group_file = read_group_file(group) if isinstance(group, str) else group
         ranks: List[_Rank] = []
         try:
             for endpoint in group_file.ranks:
                 try:
                     client = Client.connect(endpoint.socket, timeout=timeout)
-                except MemraKvError as error:
-                    raise GroupRankError(group_file.name, endpoint.rank, endpoint.socket,
-                                         error) from None
-                ranks.append(_Rank(endpoint, client,
-                                   group_pb2_grpc.KvGroupStub(client._channel)))
-                try:
-                    client.attach("%s/rank%d" % (engine_name, endpoint.rank), timeout=timeout,
+                    ranks.append(_Rank(endpoint, client,
+                                       group_pb2_grpc.KvGroupStub(client._channel)))
+                    client.attach("%s rank %d" % (engine_name, endpoint.rank), timeout=timeout,
                                   cache_scope=cache_scope)
                 except MemraKvError as error:
-                    raise GroupRankError(group_file.name, endpoint.rank, endpoint.socket,
-                                         error) from None
+                    raise GroupRankError(0, endpoint.rank, len(group_file.ranks),
+                                         endpoint.socket, error) from None
         except BaseException:
             for rank in ranks:
                 rank.client.close()
@@ -496,45 +515,47 @@ class Group:
         """Each rank's Client, by rank."""
         return [rank.client for rank in self._ranks]
 
-    def _error(self, rank: int, error: MemraKvError, moved: Sequence[int] = ()) -> GroupRankError:
-        return GroupRankError(self.file.name, rank, self._ranks[rank].endpoint.socket, error,
-                              moved)
+    def rank_error(self, group_id: int, rank: int, error: MemraKvError,
+                   moved: Optional[Sequence[int]] = None) -> GroupRankError:
+        """Rank `rank`'s refusal as the group reports it."""
+        return GroupRankError(group_id, rank, len(self._ranks),
+                              self._ranks[rank].endpoint.socket, error, moved)
 
     # -- plans and layout --
 
     def register_plan(self, plan: Any, timeout: Optional[float] = None) -> bytes:
-        """Registers `plan` on every rank (each daemon sizes its own shard of it) and lays the
-        group out (plan_group_layout: InvalidArgument for a layout the model cannot take,
-        before any daemon is asked). Returns the fingerprint, the same on every rank."""
+        """Lays the group out (plan_group_layout: InvalidArgument for a layout the model cannot
+        take, before any daemon is asked) and registers `plan` on every rank. Returns the
+        fingerprint, the same on every rank (FailedPrecondition naming the rank otherwise)."""
         layout = plan_group_layout(plan, self.file.tp, self.file.pp, self.file.stage_layers)
         fingerprint = b""
         for index, rank in enumerate(self._ranks):
             try:
                 got = rank.client.register_plan(plan, timeout=timeout)
             except MemraKvError as error:
-                raise self._error(index, error) from None
+                raise self.rank_error(0, index, error) from None
             if fingerprint and got != fingerprint:
-                raise self._error(index, MemraKvError(
+                raise self.rank_error(0, index, MemraKvError(
                     ErrorCode.FAILED_PRECONDITION,
                     "fingerprint %s differs from rank 0's %s: the daemons resolve the plan's "
                     "formats differently (their MEMRA_KV_* defaults)" % (got.hex(),
                                                                         fingerprint.hex())))
             fingerprint = got
-        self._plans[fingerprint] = (plan, layout)
+        self._layouts[fingerprint] = layout
         return fingerprint
 
     def layout(self, fingerprint: bytes) -> GroupLayout:
         """The layout of a plan registered through this group."""
-        entry = self._plans.get(fingerprint)
-        if entry is None:
+        layout = self._layouts.get(fingerprint)
+        if layout is None:
             raise KvError(ErrorCode.FAILED_PRECONDITION,
                           "plan %s was not registered through this group (register_plan)" %
                           fingerprint.hex())
-        return entry[1]  # type: ignore[no-any-return]
+        return layout
 
-    def costs(self, fingerprint: bytes, capacity: int, spec_snapshot: bool = False,
+    def price(self, fingerprint: bytes, capacity: int, spec_snapshot: bool = False,
               timeout: Optional[float] = None) -> List[int]:
-        """Each rank's exact arena bytes for its shard at `capacity` tokens, by rank."""
+        """Each rank's exact arena bytes for its shard at `capacity`, as its daemon prices it."""
         out = []
         for shard in self.layout(fingerprint).ranks:
             try:
@@ -543,22 +564,23 @@ class Group:
                     layer_hi=shard.layer_hi, tp_ranks=shard.tp_ranks,
                     spec_snapshot=spec_snapshot, timeout=timeout)
             except MemraKvError as error:
-                raise self._error(shard.rank, error) from None
+                raise self.rank_error(0, shard.rank, error) from None
             out.append(int(cost.arena_bytes))
         return out
 
     # -- admission --
 
-    def reserve(self, fingerprint: bytes, capacity: int, deadline_ms: int =
-                DEFAULT_GROUP_DEADLINE_MS, spec_snapshot: bool = False,
+    def reserve(self, fingerprint: bytes, capacity: int, spec_snapshot: bool = False,
+                deadline_ms: int = DEFAULT_GROUP_DEADLINE_MS,
                 timeout: Optional[float] = None) -> GroupAdmission:
-        """Phase one: prices every rank's shard, then holds it on every rank (PENDING until
-        `deadline_ms`, after which each daemon frees it by itself). A rank's refusal releases
-        the ranks that reserved and raises GroupRankError (moved = ()): nothing is held."""
+        """Phase one: prices every rank's shard, then holds it on every rank under a fresh group
+        id (PENDING until `deadline_ms`, after which each daemon frees it by itself). A rank's
+        refusal releases the ranks that reserved and raises GroupRankError naming it: nothing
+        is held."""
         if not 1 <= deadline_ms <= MAX_GROUP_DEADLINE_MS:
             raise _refuse("deadline_ms %d is outside 1..%d" % (deadline_ms, MAX_GROUP_DEADLINE_MS))
         layout = self.layout(fingerprint)
-        expected = self.costs(fingerprint, capacity, spec_snapshot, timeout)
+        expected = self.price(fingerprint, capacity, spec_snapshot, timeout)
         group_id = random.getrandbits(64) or 1
         held: List[GroupRankState] = []
         for shard in layout.ranks:
@@ -575,14 +597,14 @@ class Group:
                                               rank.client._timeout(timeout))))
             except MemraKvError as error:
                 self._release_ranks(group_id, [state.rank for state in held], timeout)
-                raise self._error(shard.rank, error) from None
+                raise self.rank_error(group_id, shard.rank, error) from None
         return GroupAdmission(group_id, fingerprint, capacity, spec_snapshot, tuple(held))
 
     def confirm(self, admission: GroupAdmission,
                 timeout: Optional[float] = None) -> GroupAdmission:
         """Phase two: CONFIRMED on every rank (held with no deadline). A rank that refuses (its
-        deadline passed, its daemon restarted) releases every rank and raises GroupRankError
-        (moved = ()): the group's answer is no."""
+        deadline passed, its daemon restarted) releases every rank and raises GroupRankError:
+        the group's answer is no."""
         confirmed: List[GroupRankState] = []
         for state in admission.ranks:
             rank = self._ranks[state.rank]
@@ -593,20 +615,21 @@ class Group:
                                                    rank.client._timeout(timeout))))
             except MemraKvError as error:
                 self.release(admission, timeout)
-                raise self._error(state.rank, error) from None
+                raise self.rank_error(admission.group_id, state.rank, error) from None
         return GroupAdmission(admission.group_id, admission.fingerprint, admission.capacity,
                               admission.spec_snapshot, tuple(confirmed))
 
-    def admit(self, fingerprint: bytes, capacity: int,
-              deadline_ms: int = DEFAULT_GROUP_DEADLINE_MS, spec_snapshot: bool = False,
+    def admit(self, fingerprint: bytes, capacity: int, spec_snapshot: bool = False,
+              deadline_ms: int = DEFAULT_GROUP_DEADLINE_MS,
               timeout: Optional[float] = None) -> GroupAdmission:
-        """reserve then confirm: one yes (every rank holds its shard) or one no
+        """reserve then confirm: the group's one yes (every rank holds its shard) or no
         (GroupRankError naming the rank that refused; nothing held anywhere)."""
-        return self.confirm(self.reserve(fingerprint, capacity, deadline_ms, spec_snapshot,
+        return self.confirm(self.reserve(fingerprint, capacity, spec_snapshot, deadline_ms,
                                          timeout), timeout)
 
     def release(self, admission: GroupAdmission, timeout: Optional[float] = None) -> int:
-        """Frees the admission on every rank that still holds it; the bytes freed in all."""
+        """Frees the admission on every rank that still holds it (a rank that holds nothing,
+        NotFound, is not a refusal); the bytes freed in all."""
         return self._release_ranks(admission.group_id,
                                    [state.rank for state in admission.ranks], timeout)
 
@@ -635,65 +658,111 @@ class Group:
     # -- sessions --
 
     def create_session(self, fingerprint: bytes, capacity: int, spec_snapshot: bool = False,
-                       deadline_ms: int = DEFAULT_GROUP_DEADLINE_MS,
+                       admission: Optional[GroupAdmission] = None,
                        timeout: Optional[float] = None) -> "GroupSession":
-        """Admits the group, then creates each rank's session of its shard from its
-        reservation. One yes, or GroupRankError with nothing held on any rank (sessions
-        already created are released, the other reservations too)."""
-        admission = self.admit(fingerprint, capacity, deadline_ms, spec_snapshot, timeout)
+        """One session per rank, each of its shard, from `admission` (confirmed; consumed) or
+        from a fresh admit. A rank's refusal releases the sessions created and the reservations
+        left: nothing stays held (GroupRankError naming the rank)."""
+        if admission is None:
+            admission = self.admit(fingerprint, capacity, spec_snapshot, timeout=timeout)
         layout = self.layout(fingerprint)
         sessions: List[Session] = []
         for shard, state in zip(layout.ranks, admission.ranks):
             try:
                 sessions.append(self._ranks[shard.rank].client.create_session(
-                    fingerprint, capacity, layer_lo=shard.layer_lo, layer_hi=shard.layer_hi,
-                    tp_ranks=shard.tp_ranks, spec_snapshot=spec_snapshot,
-                    reservation=state.reservation_id, timeout=timeout))
+                    fingerprint, admission.capacity, layer_lo=shard.layer_lo,
+                    layer_hi=shard.layer_hi, tp_ranks=shard.tp_ranks,
+                    spec_snapshot=admission.spec_snapshot, reservation=state.reservation_id,
+                    timeout=timeout))
             except MemraKvError as error:
                 for session in sessions:
                     _quietly(session.release)
                 self._release_ranks(admission.group_id,
                                     [s.rank for s in admission.ranks[len(sessions):]], timeout)
-                raise self._error(shard.rank, error) from None
-        return GroupSession(self, fingerprint, layout, sessions)
+                raise self.rank_error(admission.group_id, shard.rank, error) from None
+        return GroupSession(self, admission.group_id, fingerprint, layout, sessions)
 
     # -- prefixes --
 
+    def capture_prefix(self, session: "GroupSession", token_ids: Sequence[int],
+                       boundary_tokens: int,
+                       timeout: Optional[float] = None) -> List[PrefixCaptured]:
+        """Captures every rank's shard at `boundary_tokens`, each on its own daemon. A rank's
+        refusal names it; the ranks before it hold their shard, which no group lookup finds
+        without the others (LRU evicts it)."""
+        out = []
+        for index, rank_session in enumerate(session.sessions):
+            try:
+                out.append(self._ranks[index].client.capture_prefix(
+                    rank_session, token_ids, boundary_tokens, timeout))
+            except MemraKvError as error:
+                raise self.rank_error(session.group_id, index, error) from None
+        return out
+
     def lookup_prefix(self, fingerprint: bytes, token_ids: Sequence[int],
                       timeout: Optional[float] = None) -> GroupPrefixMatch:
-        """The prefix of `token_ids` every rank holds for its shard: the least matched tokens
-        over the ranks (0 when any rank misses)."""
-        matches = []
-        for shard in self.layout(fingerprint).ranks:
+        """The longest boundary every rank holds for `token_ids` (each rank's own shard shape):
+        each rank answers its longest; asked again below the shortest until all answer the same
+        one (each round lowers the bound, so it ends; a miss at 0)."""
+        asked = list(token_ids)
+        while True:
+            matches: List[PrefixMatch] = []
+            for shard in self.layout(fingerprint).ranks:
+                try:
+                    matches.append(self._ranks[shard.rank].client.lookup_prefix(
+                        fingerprint, asked, layer_lo=shard.layer_lo, layer_hi=shard.layer_hi,
+                        tp_ranks=shard.tp_ranks, timeout=timeout))
+                except MemraKvError as error:
+                    raise self.rank_error(0, shard.rank, error) from None
+            lengths = [m.matched_tokens if m.outcome != "miss" else 0 for m in matches]
+            if min(lengths) == 0:
+                return GroupPrefixMatch(0, ())
+            if len(set(lengths)) == 1:
+                return GroupPrefixMatch(lengths[0], tuple(m.entry_id for m in matches))
+            asked = asked[:min(lengths)]
+
+    def restore_prefix(self, session: "GroupSession", token_ids: Sequence[int],
+                       timeout: Optional[float] = None) -> int:
+        """Restores the longest group hit into the FRESH `session` on every rank, or on none: a
+        rank's refusal resets the ranks already restored (fresh again; those a reset fails on
+        are its `moved`). The restored length; NotFound on a group miss."""
+        match = self.lookup_prefix(session.fingerprint, token_ids, timeout)
+        if not match.hit:
+            raise KvError(ErrorCode.NOT_FOUND, "group 0x%x: no prefix of the %d tokens is held by "
+                          "all %d ranks" % (session.group_id, len(token_ids), len(self._ranks)))
+        prefix = list(token_ids[:match.matched_tokens])
+        for index, rank_session in enumerate(session.sessions):
             try:
-                matches.append(self._ranks[shard.rank].client.lookup_prefix(
-                    fingerprint, token_ids, layer_lo=shard.layer_lo, layer_hi=shard.layer_hi,
-                    tp_ranks=shard.tp_ranks, timeout=timeout))
+                self._ranks[index].client.restore_prefix(rank_session, prefix,
+                                                         match.entry_ids[index], timeout)
             except MemraKvError as error:
-                raise self._error(shard.rank, error) from None
-        least = min(match.matched_tokens if match.outcome != "miss" else 0 for match in matches)
-        return GroupPrefixMatch(least, tuple(matches))
-
-
-def _quietly(call: Any) -> None:
-    try:
-        call()
-    except MemraKvError:
-        pass
+                moved = [done for done in range(index)
+                         if not _quietly(lambda: session.sessions[done].reset(timeout))]
+                raise self.rank_error(session.group_id, index, error, moved) from None
+        return match.matched_tokens
 
 
 class GroupSession:
-    """A session on every rank of a group, each of its rank's shard, in rank order.
+    """One session per rank of a group, each of its rank's shard, by rank
+    (client/group.h GroupSession). Every operation runs on the ranks in rank order and has one
+    answer. What a refusal at rank k leaves (its GroupRankError.moved; docs/groups.md):
 
-    Outcomes (docs/groups.md#python): every method validates what it can on every rank before
-    changing any; a refusal after some ranks changed raises GroupRankError whose `moved` names
-    exactly those ranks (each daemon commits on its own, so a step cannot be undone on the ranks
-    that took it; the engine rewinds them, or releases the group session). Releasing always
-    reaches every rank."""
+      begin                  ranks < k aborted again: as it was.
+      prepare, publish       the transaction is aborted on every rank: the group is at the
+                             committed state it had before begin.
+      commit                 k = 0: nothing moved (the transaction stays open). k > 0: ranks
+                             >= k abort, ranks < k are rewound to the base: as before begin;
+                             a rank that cannot rewind (a recurrent or lapped layer) stays moved.
+      abort, rewind,
+      spec_snapshot,
+      spec_rollback          ranks < k moved (rewind first asks can_rewind of every rank, so a
+                             target some rank cannot reach moves nothing).
+    release tries every rank and raises the first refusal after."""
 
-    def __init__(self, group: Group, fingerprint: bytes, layout: GroupLayout,
+    def __init__(self, group: Group, group_id: int, fingerprint: bytes, layout: GroupLayout,
                  sessions: List[Session]) -> None:
         self.group = group
+        self.group_id = group_id
         self.fingerprint = fingerprint
         self.layout = layout
         self.sessions = sessions  # by rank
@@ -705,88 +774,143 @@ class GroupSession:
         if not all(session.released for session in self.sessions):
             self.release()
 
-    def _each(self, what: str, call: Any) -> List[Any]:
-        """call(session) on every rank in order; a refusal names the rank and the ranks moved."""
+    def _refused(self, rank: int, error: MemraKvError, moved: Sequence[int]) -> GroupRankError:
+        return self.group.rank_error(self.group_id, rank, error, moved)
+
+    def _each(self, call: Any) -> List[Any]:
+        """call(session) on every rank in order; a refusal at k leaves ranks < k moved."""
         out = []
         for index, session in enumerate(self.sessions):
             try:
                 out.append(call(session))
             except MemraKvError as error:
-                raise self.group._error(index, error, moved=range(index)) from None
+                raise self._refused(index, error, range(index)) from None
         return out
 
     def states(self, timeout: Optional[float] = None) -> List[SessionState]:
-        """Each rank's session state."""
-        return self._each("state", lambda s: s.state(timeout))
+        """Each rank's session state, by rank."""
+        return self._each(lambda s: s.state(timeout))
 
     def committed_len(self, timeout: Optional[float] = None) -> int:
-        """The committed length every rank agrees on; FailedPrecondition when they differ (a
-        step that some ranks took: GroupRankError.moved said which)."""
+        """The committed length every rank agrees on; FailedPrecondition when they differ."""
         lengths = [state.committed_len for state in self.states(timeout)]
         if len(set(lengths)) != 1:
             raise KvError(ErrorCode.FAILED_PRECONDITION,
-                          "group %s ranks disagree on the committed length: %s" % (
-                              self.group.file.name, lengths))
+                          "group 0x%x ranks disagree on the committed length: %s" % (
+                              self.group_id, lengths))
         return int(lengths[0])
 
-    def transactions(self, timeout: Optional[float] = None) -> List[TransactionScope]:
-        """Begins a transaction on every rank (a TransactionScope each, by rank). A refusal
-        aborts the ones begun (moved = ())."""
-        scopes: List[TransactionScope] = []
+    def _abort_all(self, transaction: GroupTransaction, below: int,
+                   timeout: Optional[float]) -> List[int]:
+        """Aborts every rank's transaction; the ranks < `below` an abort failed on."""
+        return [every for every, session in enumerate(self.sessions)
+                if not _quietly(lambda: session.abort(transaction.generations[every], timeout))
+                and every < below]
+
+    def begin(self, timeout: Optional[float] = None) -> GroupTransaction:
+        """Begins a transaction on every rank."""
+        generations: List[int] = []
+        base_len = 0
         for index, session in enumerate(self.sessions):
             try:
-                scopes.append(session.transaction(timeout))
+                begun = session.begin(timeout)
             except MemraKvError as error:
-                for scope in scopes:
-                    _quietly(scope.abort)
-                raise self.group._error(index, error) from None
-        return scopes
+                moved = [done for done in range(index) if not _quietly(
+                    lambda: self.sessions[done].abort(generations[done], timeout))]
+                raise self._refused(index, error, moved) from None
+            generations.append(begun.generation)
+            base_len = begun.base_len
+        return GroupTransaction(tuple(generations), base_len)
 
-    def commit(self, scopes: Sequence[TransactionScope], accepted_rows: int,
-               token_ids: Sequence[int] = ()) -> int:
-        """Commits every rank's transaction (publishing its prepared append first). A refusal
-        aborts the ranks not yet committed and names the ranks committed (moved). Returns the
-        committed length."""
-        committed = 0
-        for index, scope in enumerate(scopes):
+    def prepare(self, transaction: GroupTransaction, rows: int,
+                timeout: Optional[float] = None) -> List[PreparedAppend]:
+        """PrepareAppend of `rows` on every rank: where each rank's K/V rows go, by rank."""
+        out = []
+        for index, session in enumerate(self.sessions):
             try:
-                if scope.prepared is not None and not scope.published:
-                    scope.publish()
-                committed = scope.commit(accepted_rows, token_ids)
+                out.append(session.prepare_append(transaction.generations[index], rows, timeout))
             except MemraKvError as error:
-                for rest in scopes[index:]:
-                    if not rest.finished:
-                        _quietly(rest.abort)
-                raise self.group._error(index, error, moved=range(index)) from None
+                raise self._refused(index, error,
+                                    self._abort_all(transaction, index, timeout)) from None
+        return out
+
+    def publish(self, transaction: GroupTransaction, timeout: Optional[float] = None) -> None:
+        """Publishes every rank's prepared append."""
+        for index, session in enumerate(self.sessions):
+            try:
+                session.publish_append(transaction.generations[index], timeout)
+            except MemraKvError as error:
+                raise self._refused(index, error,
+                                    self._abort_all(transaction, index, timeout)) from None
+
+    def commit(self, transaction: GroupTransaction, accepted_rows: int,
+               token_ids: Sequence[int] = (), timeout: Optional[float] = None) -> int:
+        """Commits every rank's transaction; the committed length (every rank's)."""
+        committed = 0
+        for index, session in enumerate(self.sessions):
+            try:
+                committed = session.commit(transaction.generations[index], accepted_rows,
+                                           token_ids, timeout)
+            except MemraKvError as error:
+                if index == 0:
+                    raise self._refused(index, error, ()) from None  # still open
+                for later in range(index, len(self.sessions)):
+                    _quietly(lambda: self.sessions[later].abort(transaction.generations[later],
+                                                                timeout))
+                moved = [earlier for earlier in range(index)
+                         if not self._rewound(self.sessions[earlier], transaction.base_len,
+                                              timeout)]
+                raise self._refused(index, error, moved) from None
         return committed
 
-    def rewind(self, target: int, timeout: Optional[float] = None) -> List[SessionState]:
-        """Rewinds every rank to `target` tokens, after checking every rank can (a rank that
-        cannot is FailedPrecondition naming it, and nothing moved)."""
-        for index, session in enumerate(self.sessions):
+    @staticmethod
+    def _rewound(session: Session, target: int, timeout: Optional[float]) -> bool:
+        try:
             if not session.can_rewind(target, timeout):
-                raise self.group._error(index, MemraKvError(
+                return False
+            session.rewind(target, timeout)
+            return True
+        except MemraKvError:
+            return False
+
+    def abort(self, transaction: GroupTransaction, timeout: Optional[float] = None) -> int:
+        """Aborts every rank's transaction; the committed length."""
+        committed = 0
+        for index, session in enumerate(self.sessions):
+            try:
+                committed = session.abort(transaction.generations[index], timeout)
+            except MemraKvError as error:
+                raise self._refused(index, error, range(index)) from None
+        return committed
+
+    def rewind(self, target: int, timeout: Optional[float] = None) -> int:
+        """Rewinds every rank to `target` tokens, after asking every rank can_rewind (a rank
+        that cannot is FailedPrecondition naming it, and no rank moved)."""
+        for index, session in enumerate(self.sessions):
+            try:
+                can = session.can_rewind(target, timeout)
+            except MemraKvError as error:
+                raise self._refused(index, error, ()) from None
+            if not can:
+                raise self._refused(index, MemraKvError(
                     ErrorCode.FAILED_PRECONDITION,
-                    "cannot rewind to %d tokens (its committed length is %d)" % (
-                        target, session.state(timeout).committed_len)))
-        return self._each("rewind", lambda s: s.rewind(target, timeout))
+                    "cannot rewind to %d rows (can_rewind: a recurrent or lapped layer); no "
+                    "rank was rewound" % target), ())
+        states = self._each(lambda s: s.rewind(target, timeout))
+        return int(states[-1].committed_len)
 
-    def spec_snapshot(self, timeout: Optional[float] = None) -> List[SessionState]:
+    def spec_snapshot(self, timeout: Optional[float] = None) -> None:
         """A spec-decode snapshot on every rank."""
-        return self._each("spec_snapshot", lambda s: s.spec_snapshot(timeout))
+        self._each(lambda s: s.spec_snapshot(timeout))
 
-    def spec_rollback(self, accept_len: int,
-                      timeout: Optional[float] = None) -> List[SessionState]:
-        """Rolls every rank back to its snapshot plus accept_len tokens."""
-        return self._each("spec_rollback", lambda s: s.spec_rollback(accept_len, timeout))
-
-    def reset(self, timeout: Optional[float] = None) -> List[SessionState]:
-        """Empties every rank's session (same arenas)."""
-        return self._each("reset", lambda s: s.reset(timeout))
+    def spec_rollback(self, accept_len: int, timeout: Optional[float] = None) -> int:
+        """Rolls every rank back to its snapshot plus accept_len tokens; the committed length."""
+        states = self._each(lambda s: s.spec_rollback(accept_len, timeout))
+        return int(states[-1].committed_len)
 
     def release(self, timeout: Optional[float] = None) -> int:
-        """Releases every rank's session, whatever any one answers; the bytes freed. The first
-        refusal is raised after all were tried."""
+        """Releases every rank's session (each is tried); the bytes freed on all ranks. The
+        first refusal, naming its rank, after all were tried."""
         freed = 0
         first: Optional[GroupRankError] = None
         for index, session in enumerate(self.sessions):
@@ -795,56 +919,16 @@ class GroupSession:
             try:
                 freed += session.release(timeout)
             except MemraKvError as error:
-                first = first or self.group._error(index, error)
+                first = first or self._refused(index, error, ())
         if first is not None:
             raise first
         return freed
-
-    # -- prefixes --
-
-    def capture_prefix(self, token_ids: Sequence[int], boundary_tokens: int,
-                       timeout: Optional[float] = None) -> List[PrefixCaptured]:
-        """Captures the committed prefix on every rank, each rank's shard on its own daemon.
-        A refusal names the ranks that captured (moved); the group lookup never finds a prefix
-        that not every rank holds."""
-        return self._each("capture_prefix", lambda s: s._client.capture_prefix(
-            s, token_ids, boundary_tokens, timeout))
-
-    def restore_prefix(self, token_ids: Sequence[int],
-                       timeout: Optional[float] = None) -> int:
-        """Restores into this FRESH group session the prefix of `token_ids` that every rank
-        holds, on every rank or on none: a miss on any rank restores nothing (returns 0); a
-        rank that fails or restores a different length resets every rank (GroupRankError,
-        moved = ()). Returns the restored tokens."""
-        match = self.group.lookup_prefix(self.fingerprint, token_ids, timeout)
-        if not match.hit:
-            return 0
-        tokens = list(token_ids[:match.matched_tokens])
-        restored: List[int] = []
-        for index, session in enumerate(self.sessions):
-            try:
-                got = session._client.restore_prefix(session, tokens, timeout=timeout)
-            except MemraKvError as error:
-                self._reset_quietly(timeout)
-                raise self.group._error(index, error) from None
-            if got.restored_tokens != match.matched_tokens:
-                self._reset_quietly(timeout)
-                raise self.group._error(index, MemraKvError(
-                    ErrorCode.ABORTED,
-                    "restored %d tokens where every rank holds %d: the group restored "
-                    "nothing" % (got.restored_tokens, match.matched_tokens)))
-            restored.append(got.restored_tokens)
-        return restored[0]
-
-    def _reset_quietly(self, timeout: Optional[float]) -> None:
-        for session in self.sessions:
-            _quietly(lambda: session.reset(timeout))
 
 
 __all__ = [
     "GroupRankEndpoint", "GroupFile", "parse_group_file", "read_group_file",
     "group_from_sockets", "StageLayout", "RankShard", "GroupLayout", "default_stage_layers",
     "plan_group_layout", "GroupRankError", "GroupRankState", "GroupAdmission",
-    "GroupPrefixMatch", "Group", "GroupSession", "MAX_GROUP_RANKS", "MAX_GROUP_DEADLINE_MS",
-    "DEFAULT_GROUP_DEADLINE_MS",
+    "GroupPrefixMatch", "GroupTransaction", "Group", "GroupSession", "MAX_GROUP_RANKS",
+    "MAX_GROUP_DEADLINE_MS", "DEFAULT_GROUP_DEADLINE_MS",
 ]

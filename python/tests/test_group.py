@@ -63,7 +63,7 @@ def test_group_file_parses_and_refuses_as_the_cpp_parser():
         "group g\ntp 2\ntp 4\n": "line 3: `tp` given twice (line 2 and here)",
         "group g\ntp -2\n": 'line 2: tp "-2" is not a whole number of at most 4294967295',
         "group g/h\n": 'line 1: group name "g/h" is not 1..64 of [A-Za-z0-9._-]',
-        "group g\ntp 0\npp 1\n": "line 2: tp 0 x pp 1 is not a group of 1..4096 ranks",
+        "group g\ntp 0\npp 1\n": "line 2: tp 0 x pp 1 is not a group of 1..1024 ranks",
         "group g\ntp 2\npp 2\nstage_layers 10,10,10\n":
             "line 4: stage_layers lists 3 stages for pp 2",
         "group g\ntp 2\npp 2\nrank 4 /s4\n": "line 4: rank 4 is outside tp 2 x pp 2 = 4 ranks",
@@ -111,7 +111,7 @@ def test_tp4_admission_holds_each_ranks_shard_and_releases_all(kvd):
     daemons = start_ranks(kvd)
     with Group.connect(write_group_file(daemons, 4, 1), "py-group") as group:
         fingerprint = group.register_plan(group_plan())
-        costs = group.costs(fingerprint, CAPACITY)
+        costs = group.price(fingerprint, CAPACITY)
         with daemons[0].client() as client:  # a quarter of the heads on every rank
             whole = client.cost(CAPACITY, plan=group_plan())
             quarter = client.cost(CAPACITY, plan=group_plan(), tp_ranks=4)
@@ -131,7 +131,7 @@ def test_a_full_rank_refuses_the_group_and_nothing_is_held(kvd):
     capacity = 4096  # 4 MiB a shard: more than rank 3's whole budget
     with Group.connect(write_group_file(daemons, 4, 1), "py-group") as group:
         fingerprint = group.register_plan(group_plan())
-        cost = group.costs(fingerprint, capacity)[3]
+        cost = group.price(fingerprint, capacity)[3]
         with pytest.raises(GroupRankError) as raised:
             group.admit(fingerprint, capacity)
         error = raised.value
@@ -139,7 +139,8 @@ def test_a_full_rank_refuses_the_group_and_nothing_is_held(kvd):
         assert error.code == memra_kv.ErrorCode.RESOURCE_EXHAUSTED
         assert isinstance(error.error, memra_kv.AdmissionRefused)
         assert error.error.needed == cost and error.error.budget == 1 << 20
-        assert "group pytest rank 3 (%s): RESOURCE_EXHAUSTED" % daemons[3].socket in str(error)
+        assert "group 0x%x rank 3/4 (%s): RESOURCE_EXHAUSTED: " % (
+            error.group_id, daemons[3].socket) in str(error)
         assert [reserved(daemon) for daemon in daemons] == [0] * 4
         with pytest.raises(GroupRankError) as creating:
             group.create_session(fingerprint, capacity)
@@ -177,9 +178,9 @@ def test_a_client_killed_between_reserve_and_confirm_leaks_nothing_after_the_dea
 
 def commit_tokens(group_session, token_ids):
     """Commits token_ids on every rank, writing each rank's own bytes: (rank, layer, kind, row)."""
-    scopes = group_session.transactions()
-    for rank, scope in enumerate(scopes):
-        append = scope.prepare(len(token_ids))
+    transaction = group_session.begin()
+    appends = group_session.prepare(transaction, len(token_ids))
+    for rank, append in enumerate(appends):
         session = group_session.sessions[rank]
         for layer in append.layers:
             for kind in (memra_kv.KEYS, memra_kv.VALUES):
@@ -187,7 +188,8 @@ def commit_tokens(group_session, token_ids):
                 for row in range(len(token_ids)):
                     rows[layer.write_row + row] = np.uint8(
                         (rank * 61 + layer.layer * 17 + kind * 5 + row) % 251)
-    return group_session.commit(scopes, len(token_ids), token_ids)
+    group_session.publish(transaction)
+    return group_session.commit(transaction, len(token_ids), token_ids)
 
 
 def live_bytes(group_session, rows):
@@ -214,24 +216,27 @@ def test_tp2_pp2_session_prefix_restores_byte_identically_on_every_rank(kvd):
             assert source.committed_len() == 64
             written = live_bytes(source, 64)
             assert len({data for _, _, _, data in written}) == len(written)  # all distinct
-            captured = source.capture_prefix(tokens, 64)
+            captured = group.capture_prefix(source, tokens, 64)
             assert [c.boundary_tokens for c in captured] == [64] * 4
 
-        assert group.lookup_prefix(fingerprint, tokens).matched_tokens == 64
+        match = group.lookup_prefix(fingerprint, tokens)
+        assert match.matched_tokens == 64 and len(match.entry_ids) == 4
         assert not group.lookup_prefix(fingerprint, [9] * 64).hit
         with group.create_session(fingerprint, CAPACITY) as target:
-            assert target.restore_prefix(tokens) == 64
+            assert group.restore_prefix(target, tokens) == 64
             assert target.committed_len() == 64
             assert live_bytes(target, 64) == written
 
         # Rewind and spec rollback move every rank together.
         with group.create_session(fingerprint, CAPACITY) as session:
             commit_tokens(session, tokens[:32])
-            assert [s.committed_len for s in session.rewind(16)] == [16] * 4
+            assert session.rewind(16) == 16
+            assert [s.committed_len for s in session.states()] == [16] * 4
             with pytest.raises(GroupRankError) as too_far:
                 session.rewind(40)
             assert too_far.value.rank == 0 and too_far.value.moved == ()
-            assert "cannot rewind to 40 tokens (its committed length is 16)" in str(too_far.value)
+            assert "cannot rewind to 40 rows" in str(too_far.value)
+            assert "[ranks left moved: none]" in str(too_far.value)
             assert session.committed_len() == 16
 
 
@@ -245,11 +250,17 @@ def test_a_prefix_not_every_rank_holds_is_a_miss_and_restores_nothing(kvd):
             for rank in (0, 1, 2):  # rank 3 never captures
                 session = source.sessions[rank]
                 session._client.capture_prefix(session, tokens, 32)
+        for rank in (0, 1, 2):  # each daemon alone holds it
+            shard = group.layout(fingerprint).ranks[rank]
+            assert group.clients[rank].lookup_prefix(
+                fingerprint, tokens, layer_lo=shard.layer_lo, layer_hi=shard.layer_hi,
+                tp_ranks=shard.tp_ranks).outcome == "hit"
         match = group.lookup_prefix(fingerprint, tokens)
-        assert match.matched_tokens == 0
-        assert [m.outcome for m in match.ranks] == ["hit", "hit", "hit", "miss"]
+        assert (match.matched_tokens, match.entry_ids) == (0, ())
         with group.create_session(fingerprint, CAPACITY) as target:
-            assert target.restore_prefix(tokens) == 0
+            with pytest.raises(memra_kv.NotFound) as missed:
+                group.restore_prefix(target, tokens)
+            assert "no prefix of the 32 tokens is held by all 4 ranks" in missed.value.message
             assert [s.committed_len for s in target.states()] == [0] * 4
 
 
@@ -261,3 +272,28 @@ def test_connect_names_a_rank_that_does_not_answer(kvd):
         Group.connect(group_file, "py-group", timeout=0.5)
     assert (raised.value.rank, raised.value.daemon) == (1, missing)
     assert raised.value.code == memra_kv.ErrorCode.UNAVAILABLE
+
+
+def test_a_rank_refusing_commit_leaves_every_rank_at_the_base(kvd):
+    daemons = start_ranks(kvd)
+    with Group.connect(write_group_file(daemons, 4, 1), "py-group") as group:
+        fingerprint = group.register_plan(group_plan())
+        with group.create_session(fingerprint, CAPACITY) as session:
+            commit_tokens(session, list(range(8)))
+            transaction = session.begin()
+            assert transaction.base_len == 8
+            session.prepare(transaction, 4)
+            session.publish(transaction)
+            session.sessions[2].taint("pytest: rank 2's memory is suspect")
+            with pytest.raises(GroupRankError) as raised:
+                session.commit(transaction, 4, [1, 2, 3, 4])
+            error = raised.value
+            # Ranks 0 and 1 had committed: rewound to the base; 2 refused; 3 aborted.
+            assert (error.rank, error.moved) == (2, ())
+            assert error.code == memra_kv.ErrorCode.FAILED_PRECONDITION
+            assert "group 0x%x rank 2/4 (%s)" % (session.group_id, daemons[2].socket) in str(error)
+            assert "[ranks left moved: none]" in str(error)
+            assert [s.committed_len for s in session.states()] == [8] * 4
+            with pytest.raises(GroupRankError) as begin:  # the tainted rank refuses, others undo
+                session.begin()
+            assert (begin.value.rank, begin.value.moved) == (2, ())
