@@ -23,6 +23,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "core/formats.h"
+#include "core/group_layout.h"  // kMaxGroupRanks
 #include "core/model_plan.h"
 #include "core/sizing.h"
 
@@ -107,9 +108,6 @@ struct GroupRankKey {
 };
 // The longest a group reservation may stay unconfirmed.
 inline constexpr absl::Duration kMaxGroupDeadline = absl::Minutes(10);
-// The most ranks a group may have (one daemon serves one rank); the group file and layout
-// (core/group_layout.h) use the same bound.
-inline constexpr uint32_t kMaxGroupRanks = 4096;
 // "group 0x2a rank 2/4", as every group refusal names it.
 std::string GroupRankName(const GroupRankKey& group);
 

@@ -221,9 +221,9 @@ TEST(AdmissionLedgerGroupTest, RefusalsNameTheGroupRankAndTheNumbers) {
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstrs("group id 0")));
   EXPECT_THAT(ledger.ReserveGroupRank(1, 10, {7, 4, 4}, kT0, absl::Seconds(5)),
               StatusIs(absl::StatusCode::kInvalidArgument,
-                       HasSubstrs("group 0x7 rank 4/4", "ranks in [1, 4096]")));
-  EXPECT_THAT(ledger.ReserveGroupRank(1, 10, {7, 0, 4097}, kT0, absl::Seconds(5)),
-              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstrs("rank 0/4097")));
+                       HasSubstrs("group 0x7 rank 4/4", "ranks in [1, 1024]")));
+  EXPECT_THAT(ledger.ReserveGroupRank(1, 10, {7, 0, 1025}, kT0, absl::Seconds(5)),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstrs("rank 0/1025")));
   EXPECT_THAT(ledger.ReserveGroupRank(1, 10, {7, 0, 4}, kT0, absl::Minutes(11)),
               StatusIs(absl::StatusCode::kInvalidArgument,
                        HasSubstrs("deadline 660000 ms outside [1, 600000] ms")));

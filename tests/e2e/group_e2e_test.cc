@@ -276,7 +276,7 @@ TEST_F(GroupE2eTest, AnUnconfirmedGroupReservationCreatesNoSessionAndRefusalsNam
   pb::GroupRankState state;
   EXPECT_THAT(reserve(7, 4, 4, 1000, 0, &state),
               StatusIs(absl::StatusCode::kInvalidArgument,
-                       HasSubstrs(daemon + "group 0x7 rank 4/4", "ranks in [1, 4096]")));
+                       HasSubstrs(daemon + "group 0x7 rank 4/4", "ranks in [1, 1024]")));
   EXPECT_THAT(reserve(7, 1, 4, 600001, 0, &state),
               StatusIs(absl::StatusCode::kInvalidArgument,
                        HasSubstrs("deadline 600001 ms outside [1, 600000] ms")));
