@@ -389,6 +389,7 @@ pb::KvPrefixCache::Stub& ClientInternals::Prefix(KvClient& client) {
 pb::KvBlockStore::Stub& ClientInternals::Blocks(KvClient& client) {
   return client.connection_->blocks();
 }
+pb::KvGroup::Stub& ClientInternals::Group(KvClient& client) { return client.connection_->group(); }
 
 std::unique_ptr<grpc::ClientContext> ClientInternals::NewContext(const KvClient& client) {
   return client.connection_->NewContext();

@@ -54,7 +54,8 @@ ClientConnection::ClientConnection(ClientOptions options, std::shared_ptr<grpc::
       cache_(pb::KvCache::NewStub(channel_)),
       admin_(pb::KvAdmin::NewStub(channel_)),
       prefix_(pb::KvPrefixCache::NewStub(channel_)),
-      blocks_(pb::KvBlockStore::NewStub(channel_)) {}
+      blocks_(pb::KvBlockStore::NewStub(channel_)),
+      group_(pb::KvGroup::NewStub(channel_)) {}
 
 ClientConnection::~ClientConnection() { Detach(); }
 

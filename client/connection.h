@@ -37,6 +37,7 @@
 #include "proto/memra/kv/v1/admin.grpc.pb.h"
 #include "proto/memra/kv/v1/block_store.grpc.pb.h"
 #include "proto/memra/kv/v1/cache.grpc.pb.h"
+#include "proto/memra/kv/v1/group.grpc.pb.h"
 #include "proto/memra/kv/v1/prefix.grpc.pb.h"
 
 namespace memra {
@@ -73,6 +74,7 @@ class ClientConnection {
   memra::kv::v1::KvAdmin::Stub& admin() const { return *admin_; }
   memra::kv::v1::KvPrefixCache::Stub& prefix() const { return *prefix_; }
   memra::kv::v1::KvBlockStore::Stub& blocks() const { return *blocks_; }
+  memra::kv::v1::KvGroup::Stub& group() const { return *group_; }
   const ClientOptions& options() const { return options_; }
   ArenaMapper& mapper() const { return *options_.mapper; }
   // A context whose deadline is options().deadline from now.
@@ -151,6 +153,7 @@ class ClientConnection {
   const std::unique_ptr<memra::kv::v1::KvAdmin::Stub> admin_;
   const std::unique_ptr<memra::kv::v1::KvPrefixCache::Stub> prefix_;
   const std::unique_ptr<memra::kv::v1::KvBlockStore::Stub> blocks_;
+  const std::unique_ptr<memra::kv::v1::KvGroup::Stub> group_;
 
   std::atomic<bool> lease_alive_{false};
   std::atomic<uint64_t> reattaches_{0};

@@ -18,6 +18,7 @@
 #include "proto/memra/kv/v1/admin.grpc.pb.h"
 #include "proto/memra/kv/v1/block_store.grpc.pb.h"
 #include "proto/memra/kv/v1/cache.grpc.pb.h"
+#include "proto/memra/kv/v1/group.grpc.pb.h"
 #include "proto/memra/kv/v1/prefix.grpc.pb.h"
 
 namespace memra {
@@ -28,6 +29,7 @@ class ClientInternals {
   static memra::kv::v1::KvAdmin::Stub& Admin(KvClient& client);
   static memra::kv::v1::KvPrefixCache::Stub& Prefix(KvClient& client);
   static memra::kv::v1::KvBlockStore::Stub& Blocks(KvClient& client);
+  static memra::kv::v1::KvGroup::Stub& Group(KvClient& client);
   // A context whose deadline is the client's ClientOptions::deadline from now.
   static std::unique_ptr<grpc::ClientContext> NewContext(const KvClient& client);
 

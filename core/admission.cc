@@ -115,7 +115,7 @@ uint64_t AdmissionLedger::free() const {
   return used >= budget_ ? 0 : budget_ - used;
 }
 
-absl::Status AdmissionLedger::CheckFits(uint64_t bytes, const char* what) const {
+absl::Status AdmissionLedger::CheckFits(uint64_t bytes, absl::string_view what) const {
   const uint64_t available = free();
   if (bytes <= available) return absl::OkStatus();
   AdmissionRefusal refusal;
@@ -142,7 +142,7 @@ uint64_t AdmissionLedger::owner_arenas(uint64_t owner) const {
   return it == owner_arenas_.end() ? 0 : it->second;
 }
 
-absl::Status AdmissionLedger::CheckOwnerArenas(uint64_t owner, const char* what) const {
+absl::Status AdmissionLedger::CheckOwnerArenas(uint64_t owner, absl::string_view what) const {
   if (owner == kUncappedOwner) return absl::OkStatus();
   const uint64_t held = owner_arenas(owner);
   if (held < limits_.max_owner_arenas) return absl::OkStatus();
@@ -159,7 +159,7 @@ void AdmissionLedger::RemoveOwnerArena(uint64_t owner) {
   if (--it->second == 0) owner_arenas_.erase(it);
 }
 
-absl::Status AdmissionLedger::CheckArenaRoom(const char* what) const {
+absl::Status AdmissionLedger::CheckArenaRoom(absl::string_view what) const {
   if (arenas_left() > 0) return absl::OkStatus();
   absl::Status status = absl::ResourceExhaustedError(absl::StrCat(
       what, " refused: the daemon holds ", reservations_.size() + allocations_.size(),
@@ -171,7 +171,7 @@ absl::Status AdmissionLedger::CheckArenaRoom(const char* what) const {
 }
 
 absl::Status AdmissionLedger::CheckOwnerShare(uint64_t owner, uint64_t extra,
-                                              const char* what) const {
+                                              absl::string_view what) const {
   if (owner == kUncappedOwner || limits_.owner_share_percent >= 100) return absl::OkStatus();
   // budget <= 2^64 / 100 is not guaranteed: split so the product cannot overflow.
   const uint64_t percent = limits_.owner_share_percent;
@@ -195,25 +195,119 @@ void AdmissionLedger::RemoveOwnerBytes(uint64_t owner, uint64_t bytes) {
   if (it->second == 0) owner_bytes_.erase(it);
 }
 
+std::string GroupRankName(const GroupRankKey& group) {
+  return absl::StrCat("group 0x", absl::Hex(group.group_id), " rank ", group.rank, "/",
+                      group.ranks);
+}
+
 absl::StatusOr<ReservationId> AdmissionLedger::Reserve(uint64_t owner, uint64_t bytes,
                                                        absl::Time now, absl::Duration ttl) {
-  if (bytes == 0) {
-    return absl::InvalidArgumentError("reservation of 0 bytes: a session costs at least 1");
-  }
   if (ttl <= absl::ZeroDuration()) {
     return absl::InvalidArgumentError(
         absl::StrCat("reservation ttl ", absl::FormatDuration(ttl), " must be positive"));
   }
-  RETURN_IF_ERROR(CheckArenaRoom("reservation"));
-  RETURN_IF_ERROR(CheckOwnerArenas(owner, "reservation"));
-  RETURN_IF_ERROR(CheckOwnerShare(owner, bytes, "reservation"));
-  RETURN_IF_ERROR(CheckFits(bytes, "reservation"));
+  Reservation reservation;
+  reservation.owner = owner;
+  reservation.bytes = bytes;
+  reservation.expiry = now + ttl;
+  return AddReservation(owner, bytes, std::move(reservation), "reservation");
+}
+
+absl::StatusOr<ReservationId> AdmissionLedger::ReserveGroupRank(uint64_t owner, uint64_t bytes,
+                                                                GroupRankKey group,
+                                                                absl::Time now,
+                                                                absl::Duration deadline) {
+  const std::string what = GroupRankName(group);
+  if (group.group_id == 0) {
+    return absl::InvalidArgumentError("group id 0: a group id is non-zero");
+  }
+  if (group.ranks == 0 || group.ranks > kMaxGroupRanks || group.rank >= group.ranks) {
+    return absl::InvalidArgumentError(absl::StrCat(what, ": rank must be below ranks and ranks in [1, ",
+                                                   kMaxGroupRanks, "]"));
+  }
+  if (deadline <= absl::ZeroDuration() || deadline > kMaxGroupDeadline) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        what, ": deadline ", absl::ToInt64Milliseconds(deadline), " ms outside [1, ",
+        absl::ToInt64Milliseconds(kMaxGroupDeadline), "] ms"));
+  }
+  if (std::optional<ReservationId> held = FindGroupRank(owner, group.group_id)) {
+    const Reservation& other = reservations_.at(*held);
+    return absl::AlreadyExistsError(absl::StrCat(
+        what, ": engine ", owner, " already holds ", GroupRankName(*other.group), " (reservation ",
+        held->value, ", ", other.bytes, " bytes); a new admission takes a new group id"));
+  }
+  Reservation reservation;
+  reservation.owner = owner;
+  reservation.bytes = bytes;
+  reservation.expiry = now + deadline;
+  reservation.group = group;
+  return AddReservation(owner, bytes, std::move(reservation), what);
+}
+
+absl::StatusOr<ReservationId> AdmissionLedger::AddReservation(uint64_t owner, uint64_t bytes,
+                                                              Reservation reservation,
+                                                              absl::string_view what) {
+  if (bytes == 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, " of 0 bytes: a session costs at least 1"));
+  }
+  RETURN_IF_ERROR(CheckArenaRoom(what));
+  RETURN_IF_ERROR(CheckOwnerArenas(owner, what));
+  RETURN_IF_ERROR(CheckOwnerShare(owner, bytes, what));
+  RETURN_IF_ERROR(CheckFits(bytes, what));
   const ReservationId id{next_id_++};
-  reservations_.emplace(id, Reservation{owner, bytes, now + ttl});
+  reservations_.emplace(id, std::move(reservation));
   reserved_ += bytes;
   AddOwnerBytes(owner, bytes);
   ++owner_arenas_[owner];
   return id;
+}
+
+std::optional<ReservationId> AdmissionLedger::FindGroupRank(uint64_t owner,
+                                                            uint64_t group_id) const {
+  // Linear: reservations are bounded by max_arenas and a group call is once per request.
+  for (const auto& [id, reservation] : reservations_) {
+    if (reservation.owner == owner && reservation.group.has_value() &&
+        reservation.group->group_id == group_id) {
+      return id;
+    }
+  }
+  return std::nullopt;
+}
+
+absl::StatusOr<HeldReservation> AdmissionLedger::GroupRank(uint64_t owner,
+                                                              uint64_t group_id) const {
+  std::optional<ReservationId> id = FindGroupRank(owner, group_id);
+  if (!id.has_value()) {
+    return absl::NotFoundError(absl::StrCat(
+        "group 0x", absl::Hex(group_id), ": engine ", owner,
+        " holds no reservation for it (never made, released, used, freed at its deadline, or "
+        "lost in a daemon restart)"));
+  }
+  return HeldReservation{*id, reservations_.at(*id)};
+}
+
+absl::StatusOr<ReservationId> AdmissionLedger::ConfirmGroupRank(uint64_t owner,
+                                                                uint64_t group_id,
+                                                                absl::Time now) {
+  ASSIGN_OR_RETURN(HeldReservation held, GroupRank(owner, group_id));
+  Reservation& reservation = reservations_.at(held.id);
+  if (reservation.confirmed) return held.id;
+  if (reservation.expiry <= now) {
+    return absl::NotFoundError(absl::StrCat(
+        GroupRankName(*reservation.group), ": its deadline passed ",
+        absl::ToInt64Milliseconds(now - reservation.expiry),
+        " ms ago; its bytes are freed, not held"));
+  }
+  reservation.confirmed = true;
+  reservation.expiry = absl::InfiniteFuture();
+  return held.id;
+}
+
+absl::StatusOr<uint64_t> AdmissionLedger::ReleaseGroupRank(uint64_t owner, uint64_t group_id) {
+  ASSIGN_OR_RETURN(HeldReservation held, GroupRank(owner, group_id));
+  RETURN_IF_ERROR(Cancel(held.id));
+  return held.reservation.bytes;
 }
 
 absl::StatusOr<AllocationId> AdmissionLedger::Commit(ReservationId reservation,
@@ -222,6 +316,11 @@ absl::StatusOr<AllocationId> AdmissionLedger::Commit(ReservationId reservation,
   if (it == reservations_.end()) {
     return absl::NotFoundError(absl::StrCat("reservation ", reservation.value,
                                             " is not held (never issued, used, or expired)"));
+  }
+  if (it->second.group.has_value() && !it->second.confirmed) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "reservation ", reservation.value, " is ", GroupRankName(*it->second.group),
+        ", not confirmed: a session is created only from a group's confirmed reservation"));
   }
   if (actual_bytes == 0 || actual_bytes > it->second.bytes) {
     return absl::InvalidArgumentError(absl::StrCat("reservation ", reservation.value, " holds ",

@@ -14,13 +14,16 @@
 #include <map>
 #include <optional>
 #include <ostream>
+#include <string>
 #include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "core/formats.h"
+#include "core/group_layout.h"  // kMaxGroupRanks
 #include "core/model_plan.h"
 #include "core/sizing.h"
 
@@ -95,10 +98,27 @@ void AttachAdmissionRefusal(absl::Status& status, const AdmissionRefusal& refusa
 // ---------------------------------------------------------------------------------------------
 // The ledger
 
+// One rank of a group admission (docs/groups.md): engines spanning GPUs reserve each rank's
+// shard on that GPU's daemon under one client-chosen group id.
+struct GroupRankKey {
+  uint64_t group_id = 0;  // non-zero
+  uint32_t rank = 0;      // < ranks
+  uint32_t ranks = 0;     // 1..kMaxGroupRanks
+  bool operator==(const GroupRankKey&) const = default;
+};
+// The longest a group reservation may stay unconfirmed.
+inline constexpr absl::Duration kMaxGroupDeadline = absl::Minutes(10);
+// "group 0x2a rank 2/4", as every group refusal names it.
+std::string GroupRankName(const GroupRankKey& group);
+
 struct Reservation {
   uint64_t owner = 0;  // engine id
   uint64_t bytes = 0;
   absl::Time expiry;  // Expire(now) drops it once now >= expiry
+  // Set for a group rank's reservation. Unconfirmed, it lapses at `expiry` (the group's
+  // deadline) and cannot be committed; confirmed, expiry is InfiniteFuture.
+  std::optional<GroupRankKey> group;
+  bool confirmed = false;
 };
 
 struct Allocation {
@@ -106,10 +126,12 @@ struct Allocation {
   uint64_t bytes = 0;
 };
 
-struct ExpiredReservation {
+// A reservation with its id (a listing's row; what Expire dropped).
+struct HeldReservation {
   ReservationId id;
   Reservation reservation;
 };
+using ExpiredReservation = HeldReservation;
 
 // What SetBudget changed. `over_budget_bytes` > 0: usage exceeds the new budget (a shrink below
 // usage); nothing is admitted until releases bring usage back under it. Nothing is revoked.
@@ -144,8 +166,9 @@ inline constexpr uint64_t kUncappedOwner = 0;
 //  (1) After any successful admission (Reserve, Allocate, Grow), reserved() + allocated() <=
 //      budget(). Only SetBudget can make usage exceed the budget, and then no admission succeeds
 //      until usage is back under it.
-//  (2) Commit never fails for a live reservation and actual_bytes in [1, reserved bytes]: an
-//      admitted reservation can always be created (its bytes are already counted).
+//  (2) Commit never fails for a live reservation (a group rank's once confirmed) and
+//      actual_bytes in [1, reserved bytes]: an admitted reservation can always be created (its
+//      bytes are already counted).
 //  (3) Ids are never reused; a released, cancelled, committed or expired id is NOT_FOUND.
 //  (4) Every operation that returns an error changes nothing.
 //  (5) ReleaseOwner(o) leaves no reservation or allocation of o; accounting returns to exactly
@@ -170,9 +193,30 @@ class AdmissionLedger {
   // (without) past max_arenas or the owner's share.
   absl::StatusOr<ReservationId> Reserve(uint64_t owner, uint64_t bytes, absl::Time now,
                                         absl::Duration ttl);
+  // A group rank's reservation (docs/groups.md): as Reserve, held until `now + deadline` unless
+  // confirmed. INVALID_ARGUMENT for group id 0, rank >= ranks, ranks outside
+  // [1, kMaxGroupRanks], deadline outside (0, kMaxGroupDeadline]; ALREADY_EXISTS when `owner`
+  // already holds a reservation for the group id.
+  absl::StatusOr<ReservationId> ReserveGroupRank(uint64_t owner, uint64_t bytes,
+                                                 GroupRankKey group, absl::Time now,
+                                                 absl::Duration deadline);
+  // `owner`'s reservation for `group_id`: confirmed, it no longer lapses (idempotent).
+  // NOT_FOUND when owner holds none, or (changing nothing) when its deadline is <= now: the next
+  // Expire frees it.
+  absl::StatusOr<ReservationId> ConfirmGroupRank(uint64_t owner, uint64_t group_id,
+                                                 absl::Time now);
+  // `owner`'s reservation for `group_id`, if it holds one.
+  std::optional<ReservationId> FindGroupRank(uint64_t owner, uint64_t group_id) const;
+  // The same, or NOT_FOUND saying what may have become of it.
+  absl::StatusOr<HeldReservation> GroupRank(uint64_t owner, uint64_t group_id) const;
+  // Cancels `owner`'s reservation for `group_id`, confirmed or not; its bytes. NOT_FOUND as
+  // GroupRank.
+  absl::StatusOr<uint64_t> ReleaseGroupRank(uint64_t owner, uint64_t group_id);
+
   // Turns a live reservation into an allocation of `actual_bytes` (the difference returns to
   // free). NOT_FOUND for an unknown/expired/cancelled reservation; INVALID_ARGUMENT when
-  // actual_bytes is 0 or exceeds the reserved bytes. Never RESOURCE_EXHAUSTED (invariant 2).
+  // actual_bytes is 0 or exceeds the reserved bytes; FAILED_PRECONDITION for an unconfirmed
+  // group rank's. Never RESOURCE_EXHAUSTED (invariant 2).
   absl::StatusOr<AllocationId> Commit(ReservationId reservation, uint64_t actual_bytes);
   // Admit and create in one step. INVALID_ARGUMENT for 0 bytes; RESOURCE_EXHAUSTED as Reserve.
   absl::StatusOr<AllocationId> Allocate(uint64_t owner, uint64_t bytes);
@@ -224,13 +268,16 @@ class AdmissionLedger {
 
  private:
   // OK when `bytes` fits in free(); else RESOURCE_EXHAUSTED for `what` with the refusal payload.
-  absl::Status CheckFits(uint64_t bytes, const char* what) const;
+  absl::Status CheckFits(uint64_t bytes, absl::string_view what) const;
   // OK when one more arena is within max_arenas.
-  absl::Status CheckArenaRoom(const char* what) const;
+  absl::Status CheckArenaRoom(absl::string_view what) const;
   // OK when `owner` may hold `extra` more bytes under owner_share_percent.
-  absl::Status CheckOwnerShare(uint64_t owner, uint64_t extra, const char* what) const;
+  absl::Status CheckOwnerShare(uint64_t owner, uint64_t extra, absl::string_view what) const;
   // OK when `owner` may hold one more arena under max_owner_arenas.
-  absl::Status CheckOwnerArenas(uint64_t owner, const char* what) const;
+  absl::Status CheckOwnerArenas(uint64_t owner, absl::string_view what) const;
+  // Reserve's checks and bookkeeping, `what` naming the reservation in refusals.
+  absl::StatusOr<ReservationId> AddReservation(uint64_t owner, uint64_t bytes,
+                                               Reservation reservation, absl::string_view what);
   void AddOwnerBytes(uint64_t owner, uint64_t bytes);
   void RemoveOwnerBytes(uint64_t owner, uint64_t bytes);
   void RemoveOwnerArena(uint64_t owner);

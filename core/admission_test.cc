@@ -164,6 +164,86 @@ TEST(AdmissionLedgerTest, ReservationsExpireAndCancel) {
   EXPECT_THAT(ledger.Commit(late, 200), IsOk());
 }
 
+// --- Group ranks (docs/groups.md) --------------------------------------------------------------
+
+constexpr GroupRankKey kGroupRank2{0x5eed, 2, 4};
+
+TEST(AdmissionLedgerGroupTest, UnconfirmedLapsesAtItsDeadlineAndCannotBeCommitted) {
+  AdmissionLedger ledger(1000);
+  ReservationId id = *ledger.ReserveGroupRank(1, 400, kGroupRank2, kT0, absl::Seconds(5));
+  EXPECT_EQ(ledger.reserved(), 400u);
+  EXPECT_THAT(ledger.FindGroupRank(1, 0x5eed), Optional(Eq(id)));
+  EXPECT_EQ(ledger.FindGroupRank(2, 0x5eed), std::nullopt);  // another engine's group
+  EXPECT_THAT(ledger.Commit(id, 400),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstrs("reservation 1 is group 0x5eed rank 2/4, not confirmed")));
+  EXPECT_TRUE(ledger.Expire(kT0 + absl::Milliseconds(4999)).empty());
+  // Past the deadline a confirm is refused and changes nothing; the sweep frees it.
+  EXPECT_THAT(ledger.ConfirmGroupRank(1, 0x5eed, kT0 + absl::Milliseconds(5250)),
+              StatusIs(absl::StatusCode::kNotFound,
+                       HasSubstrs("group 0x5eed rank 2/4", "deadline passed 250 ms ago")));
+  EXPECT_EQ(ledger.reserved(), 400u);
+  std::vector<ExpiredReservation> expired = ledger.Expire(kT0 + absl::Seconds(5));
+  ASSERT_EQ(expired.size(), 1u);
+  EXPECT_EQ(expired[0].reservation.group, kGroupRank2);
+  EXPECT_EQ(ledger.used(), 0u);
+  EXPECT_EQ(ledger.owner_arenas(1), 0u);
+  EXPECT_THAT(ledger.ConfirmGroupRank(1, 0x5eed, kT0 + absl::Seconds(6)),
+              StatusIs(absl::StatusCode::kNotFound,
+                       HasSubstrs("group 0x5eed: engine 1 holds no reservation")));
+}
+
+TEST(AdmissionLedgerGroupTest, ConfirmedIsHeldPastTheDeadlineUntilCommitted) {
+  AdmissionLedger ledger(1000);
+  ReservationId id = *ledger.ReserveGroupRank(1, 400, kGroupRank2, kT0, absl::Seconds(5));
+  EXPECT_THAT(ledger.ConfirmGroupRank(1, 0x5eed, kT0 + absl::Seconds(1)), IsOkAndHolds(Eq(id)));
+  EXPECT_THAT(ledger.ConfirmGroupRank(1, 0x5eed, kT0 + absl::Seconds(2)), IsOkAndHolds(Eq(id)));
+  EXPECT_TRUE(ledger.Expire(kT0 + absl::Hours(1)).empty());
+  EXPECT_EQ(ledger.reserved(), 400u);
+  ASSERT_THAT(ledger.Commit(id, 400), IsOk());
+  EXPECT_EQ(ledger.allocated(), 400u);
+  EXPECT_THAT(ledger.GroupRank(1, 0x5eed),
+              StatusIs(absl::StatusCode::kNotFound,
+                       HasSubstrs("group 0x5eed: engine 1 holds no reservation")));
+  EXPECT_EQ(ledger.FindGroupRank(1, 0x5eed), std::nullopt);
+}
+
+TEST(AdmissionLedgerGroupTest, RefusalsNameTheGroupRankAndTheNumbers) {
+  AdmissionLedger ledger(1000);
+  absl::StatusOr<ReservationId> full =
+      ledger.ReserveGroupRank(1, 1200, kGroupRank2, kT0, absl::Seconds(5));
+  EXPECT_THAT(full, StatusIs(absl::StatusCode::kResourceExhausted,
+                             HasSubstrs("group 0x5eed rank 2/4 needs 1200 bytes, 1000 free",
+                                        "of 1000 budget")));
+  EXPECT_THAT(GetAdmissionRefusal(full.status()),
+              Optional(AdmissionRefusal{1200, 1000, 0, 1000, 0}));
+  EXPECT_THAT(ledger.ReserveGroupRank(1, 10, {0, 0, 1}, kT0, absl::Seconds(5)),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstrs("group id 0")));
+  EXPECT_THAT(ledger.ReserveGroupRank(1, 10, {7, 4, 4}, kT0, absl::Seconds(5)),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstrs("group 0x7 rank 4/4", "ranks in [1, 1024]")));
+  EXPECT_THAT(ledger.ReserveGroupRank(1, 10, {7, 0, 1025}, kT0, absl::Seconds(5)),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstrs("rank 0/1025")));
+  EXPECT_THAT(ledger.ReserveGroupRank(1, 10, {7, 0, 4}, kT0, absl::Minutes(11)),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstrs("deadline 660000 ms outside [1, 600000] ms")));
+  EXPECT_THAT(ledger.ReserveGroupRank(1, 0, {7, 0, 4}, kT0, absl::Seconds(5)),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstrs("group 0x7 rank 0/4 of 0 bytes")));
+  ASSERT_THAT(ledger.ReserveGroupRank(1, 10, {7, 0, 4}, kT0, absl::Seconds(5)), IsOk());
+  EXPECT_THAT(ledger.ReserveGroupRank(1, 10, {7, 1, 4}, kT0, absl::Seconds(5)),
+              StatusIs(absl::StatusCode::kAlreadyExists,
+                       HasSubstrs("engine 1 already holds group 0x7 rank 0/4", "10 bytes")));
+  // Another engine may hold the same group id (its own rank on this daemon).
+  EXPECT_THAT(ledger.ReserveGroupRank(2, 10, {7, 1, 4}, kT0, absl::Seconds(5)), IsOk());
+  EXPECT_EQ(ledger.reserved(), 20u);
+  EXPECT_THAT(ledger.ReleaseGroupRank(1, 7), IsOkAndHolds(Eq(10u)));
+  EXPECT_THAT(ledger.ReleaseGroupRank(1, 7),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstrs("group 0x7: engine 1 holds no")));
+  EXPECT_EQ(ledger.reserved(), 10u);
+  EXPECT_EQ(ledger.owner_arenas(1), 0u);
+}
+
 TEST(AdmissionLedgerTest, ReleaseOwnerFreesEverythingItHeld) {
   AdmissionLedger ledger(1000);
   ASSERT_THAT(ledger.Allocate(1, 100), IsOk());

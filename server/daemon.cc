@@ -146,7 +146,13 @@ Daemon::Daemon(DaemonConfig config, std::unique_ptr<DeviceBackend> backend, Cloc
       engine_admin_service_(
           AdminParts(ServedSocket{ServedSocket::Audience::kEngines, admin_socket_path_})),
       operator_admin_service_(
-          AdminParts(ServedSocket{ServedSocket::Audience::kOperators, admin_socket_path_})) {
+          AdminParts(ServedSocket{ServedSocket::Audience::kOperators, admin_socket_path_})),
+      engine_group_service_(&leases_, &sessions_,
+                            ServedSocket{ServedSocket::Audience::kEngines, admin_socket_path_},
+                            socket_path_),
+      operator_group_service_(
+          &leases_, &sessions_,
+          ServedSocket{ServedSocket::Audience::kOperators, admin_socket_path_}, socket_path_) {
   arena_pool_.InstallEvictor(*budget_);
 }
 
@@ -254,7 +260,8 @@ absl::Status Daemon::Start() {
                                     .limits = limits,
                                     .idle_timeout_ms = idle_ms},
                                    {&cache_service_, &engine_admin_service_,
-                                    &engine_prefix_service_, &block_store_service_},
+                                    &engine_prefix_service_, &block_store_service_,
+                                    &engine_group_service_},
                                    std::move(interceptors)));
   absl::StatusOr<GrpcSocket> admin_socket =
       ServeGrpcSocket({.path = admin_socket_path_,
@@ -263,7 +270,8 @@ absl::Status Daemon::Start() {
                        .reflection = true,
                        .limits = limits,
                        .idle_timeout_ms = idle_ms},
-                      {&operator_admin_service_, &operator_prefix_service_}, {});
+                      {&operator_admin_service_, &operator_prefix_service_,
+                       &operator_group_service_}, {});
   if (!admin_socket.ok()) {
     engine_socket.gate->Stop();
     engine_socket.server->Shutdown();

@@ -58,6 +58,7 @@
 #include "server/config.h"
 #include "server/edge/connection_gate.h"
 #include "server/edge/grpc_socket.h"
+#include "server/edge/group_service.h"
 #include "server/device/device_budget.h"
 #include "server/session/engine_leases.h"
 #include "server/metrics/metrics.h"
@@ -221,6 +222,9 @@ class Daemon {
   BlockStoreService block_store_service_;  // the engine socket only
   AdminService engine_admin_service_;
   AdminService operator_admin_service_;
+  // One KvGroup per socket: group reservations on the engine socket, their listing on the admin.
+  GroupService engine_group_service_;
+  GroupService operator_group_service_;
 
   std::atomic<bool> shut_down_{false};
 

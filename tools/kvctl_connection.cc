@@ -72,6 +72,7 @@ absl::StatusOr<Connection> Connect(const Invocation& invocation) {
   }
   connection.stub = pb::KvAdmin::NewStub(channel);
   connection.prefix_stub = pb::KvPrefixCache::NewStub(channel);
+  connection.group_stub = pb::KvGroup::NewStub(channel);
   return connection;
 }
 

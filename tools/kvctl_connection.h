@@ -13,6 +13,7 @@
 #include "absl/status/statusor.h"
 #include "grpcpp/client_context.h"
 #include "proto/memra/kv/v1/admin.grpc.pb.h"
+#include "proto/memra/kv/v1/group.grpc.pb.h"
 #include "proto/memra/kv/v1/prefix.grpc.pb.h"
 #include "tools/kvctl_flags.h"
 
@@ -25,6 +26,7 @@ std::string UnreachableHint(const std::string& socket_path, absl::StatusCode cod
 struct Connection {
   std::unique_ptr<kv::v1::KvAdmin::Stub> stub;
   std::unique_ptr<kv::v1::KvPrefixCache::Stub> prefix_stub;
+  std::unique_ptr<kv::v1::KvGroup::Stub> group_stub;
   std::chrono::system_clock::time_point deadline;
 };
 
@@ -41,6 +43,8 @@ template <typename Stub>
 Stub& StubOf(Connection& connection) {
   if constexpr (std::is_same_v<Stub, kv::v1::KvPrefixCache::Stub>) {
     return *connection.prefix_stub;
+  } else if constexpr (std::is_same_v<Stub, kv::v1::KvGroup::Stub>) {
+    return *connection.group_stub;
   } else {
     return *connection.stub;
   }

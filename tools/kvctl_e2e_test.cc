@@ -28,6 +28,7 @@
 #include "tests/daemon_process.h"
 #include "tests/status_matchers.h"
 #include "tests/subprocess.h"
+#include "tools/kvctl_process.h"
 #include "tools/text_format.h"
 
 namespace memra::kvctl {
@@ -37,8 +38,6 @@ namespace pb = ::memra::kv::v1;
 using ::memra::testing::HasSubstrs;
 using ::memra::testing::IsOk;
 using ::memra::testing::Runfile;
-using ::memra::testing::Spawn;
-using ::memra::testing::WaitExit;
 using ::testing::ContainsRegex;
 using ::testing::HasSubstr;
 using ::testing::StartsWith;
@@ -46,18 +45,7 @@ using ::testing::StartsWith;
 constexpr uint64_t kBudgetBytes = uint64_t{256} << 20;
 constexpr char kLlamaConfig[] = "tests/data/hf_configs/llama-3.1-8b.json";
 
-std::string ReadAll(const std::string& path) {
-  std::ifstream in(path);
-  std::stringstream text;
-  text << in.rdbuf();
-  return text.str();
-}
-
-struct Outcome {
-  int exit_code = -1;
-  std::string out;
-  std::string err;
-};
+using Outcome = ::memra::testing::KvctlOutcome;
 
 // The answer of `memra-kvctl ... --json`, parsed.
 template <typename Response>
@@ -80,17 +68,8 @@ class KvctlE2eTest : public ::testing::Test {
   // Runs the real memra-kvctl with `args` and --socket=<this daemon's admin socket> (unless
   // `socket` says otherwise); stdout and stderr go through files.
   Outcome Kvctl(std::vector<std::string> args, const std::string& socket = "") {
-    args.insert(args.begin(), Runfile("tools/memra-kvctl"));
     args.push_back("--socket=" + (socket.empty() ? admin_socket_ : socket));
-    const std::string out_path = dir_ + "/out";
-    const std::string err_path = dir_ + "/err";
-    Outcome outcome;
-    const pid_t pid = Spawn(args, out_path, err_path);
-    if (pid < 0) return outcome;
-    outcome.exit_code = WaitExit(pid);
-    outcome.out = ReadAll(out_path);
-    outcome.err = ReadAll(err_path);
-    return outcome;
+    return ::memra::testing::RunKvctlBinary(std::move(args), dir_);
   }
 
   // Kvctl that must succeed (exit 0) with --json; the parsed answer.

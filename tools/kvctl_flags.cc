@@ -15,6 +15,7 @@
 #include "absl/strings/str_replace.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
+#include "core/group_layout.h"
 #include "core/status_macros.h"
 #include "tools/text_format.h"
 
@@ -32,7 +33,9 @@ struct FlagSpec {
 };
 
 constexpr FlagSpec kSocketFlag{"--socket", "PATH",
-                               "the daemon's admin socket (default /run/memra-kv/gpu0.admin.sock)"};
+                               "the daemon's admin socket (default /run/memra-kv/gpu0.admin.sock); "
+                               "status, fit and max-context take several, PATH,PATH,...: a group "
+                               "of daemons in rank order"};
 constexpr FlagSpec kGpuFlag{"--gpu", "N",
                             "the admin socket of GPU N's daemon: /run/memra-kv/gpuN.admin.sock"};
 constexpr FlagSpec kJsonFlag{"--json", "",
@@ -60,7 +63,16 @@ constexpr FlagSpec kLayersFlag{"--layers", "LO:HI",
                                "layer, MTP blocks included (default: all)"};
 constexpr FlagSpec kTpFlag{"--tp", "N",
                            "tensor-parallel ranks sharing the K/V heads: the cost of one rank's "
-                           "shard (default 1)"};
+                           "shard (default 1); with a group, its TP degree (default: ranks / pp)"};
+constexpr FlagSpec kGroupFlag{"--group", "FILE",
+                              "a group file (docs/groups.md#the-group-file): the daemon of every "
+                              "rank of a TP x PP group, and its tp, pp and stage layers"};
+constexpr FlagSpec kPpFlag{"--pp", "N",
+                           "with several --socket paths: pipeline stages (default 1); ranks = tp "
+                           "x pp, rank = stage x tp + tp rank"};
+constexpr FlagSpec kStageLayersFlag{"--stage-layers", "N,N,...",
+                                    "with several --socket paths: trunk layers per stage "
+                                    "(default: vLLM's split; MTP blocks go to the last stage)"};
 constexpr FlagSpec kSpecSnapshotFlag{"--spec-snapshot", "",
                                      "include the spec-decode snapshot buffers"};
 
@@ -104,20 +116,31 @@ struct CommandSpec {
 const std::vector<const FlagSpec*> kModelShapeFlags = {
     &kModelFlag,  &kHfConfigFlag, &kPlanFlag,        &kContextFlag,
     &kLayersFlag, &kTpFlag,       &kSpecSnapshotFlag};
+// fit and max-context answer for a group too.
+const std::vector<const FlagSpec*> kGroupLayoutFlags = {&kGroupFlag, &kPpFlag, &kStageLayersFlag};
+
+std::vector<const FlagSpec*> Concat(std::vector<const FlagSpec*> a,
+                                    const std::vector<const FlagSpec*>& b) {
+  a.insert(a.end(), b.begin(), b.end());
+  return a;
+}
 
 const std::vector<CommandSpec>& Commands() {
   static const std::vector<CommandSpec> commands = {
       {"status",
-       "backend, device, admission ledger and engines",
-       "",
-       {},
+       "backend, device, admission ledger and engines (or a group's, rank by rank)",
+       "[--group=FILE]",
+       {&kGroupFlag},
        "What the daemon holds right now: its backend and device, the admission ledger and the\n"
-       "attached engines.",
-       "memra-kvctl --gpu=1 status",
+       "attached engines. For a group (--group=FILE or --socket=A,B,...): one row per rank and\n"
+       "the rank with the least free bytes, which decides what the group can still admit.",
+       "memra-kvctl --gpu=1 status\n"
+       "memra-kvctl status --group=/etc/memra-kv/llama-70b.group",
        "budget = allocated + reserved + free (when a reload shrank the budget below what is held,\n"
        "free is 0 and 'over budget' says by how much). allocated: live arenas and prefix-cache\n"
-       "storage; reserved: admission reservations not yet sessions; evictable: prefix-cache bytes\n"
-       "admission may evict to make room. granularity: every arena is a multiple of it."},
+       "storage; reserved: admission reservations not yet sessions (group reservations\n"
+       "included); evictable: prefix-cache bytes admission may evict to make room. granularity:\n"
+       "every arena is a multiple of it."},
       {"sessions",
        "live sessions: engine, model, capacity, length, bytes",
        "[--engine=ID]",
@@ -154,26 +177,41 @@ const std::vector<CommandSpec>& Commands() {
        "backend's granularity."},
       {"fit", "how many sessions of a context fit now, after eviction, when empty",
        "(--model=FINGERPRINT | --hf-config=PATH | --plan=PATH) --context=TOKENS\n"
-       "    [--layers=LO:HI] [--tp=N] [--spec-snapshot]",
-       kModelShapeFlags,
+       "    [--layers=LO:HI] [--tp=N] [--spec-snapshot]\n"
+       "    [--group=FILE | --socket=A,B,... [--tp=N] [--pp=N] [--stage-layers=N,N,...]]",
+       Concat(kModelShapeFlags, kGroupLayoutFlags),
        "How many sessions of one shape fit in this GPU's budget, and how many context tokens of\n"
-       "the model that is (the question an engine scheduler asks).",
-       "memra-kvctl fit --model=3f5c...e1 --context=128k || echo \"no room now\"",
+       "the model that is (the question an engine scheduler asks). For a TP x PP group, each\n"
+       "rank's daemon prices its own shard (its stage's layers, its share of the K/V heads) and\n"
+       "the tightest rank decides the group's answer (the plan comes from --hf-config or --plan:\n"
+       "kvctl needs its layers to lay the group out).",
+       "memra-kvctl fit --model=3f5c...e1 --context=128k || echo \"no room now\"\n"
+       "memra-kvctl fit --group=llama-70b.group --hf-config=llama-3.1-70b.json --context=128k",
        "sessions: whole sessions that fit in the free bytes now / after evicting every evictable\n"
        "prefix-cache byte / in the whole budget with nothing else held. total tokens: context\n"
        "tokens that fit when packed as full sessions plus one shorter session in the remainder.\n"
+       "A group: one row per rank (stage, TP rank, layers, its share of the heads, its daemon's\n"
+       "answer), then the group's answer, the least over the ranks, and the rank that decides it.\n"
        "Exits 5 when no session fits now."},
       {"max-context",
        "the largest context one session could have",
        "(--model=FINGERPRINT | --hf-config=PATH | --plan=PATH)\n"
-       "    [--layers=LO:HI] [--tp=N] [--spec-snapshot]",
-       {&kModelFlag, &kHfConfigFlag, &kPlanFlag, &kLayersFlag, &kTpFlag, &kSpecSnapshotFlag},
+       "    [--layers=LO:HI] [--tp=N] [--spec-snapshot]\n"
+       "    [--group=FILE | --socket=A,B,... [--tp=N] [--pp=N] [--stage-layers=N,N,...]]",
+       Concat({&kModelFlag, &kHfConfigFlag, &kPlanFlag, &kLayersFlag, &kTpFlag,
+               &kSpecSnapshotFlag},
+              kGroupLayoutFlags),
        "The largest capacity one session of a model could be created with now, after evicting\n"
        "the prefix cache, and with the GPU's budget empty. (The context is the answer here, so\n"
-       "--context is not taken.)",
-       "memra-kvctl max-context --hf-config=gemma-3-27b-it/config.json",
+       "--context is not taken.) For a TP x PP group, the largest context every rank can hold\n"
+       "(as fit: the plan from --hf-config or --plan).",
+       "memra-kvctl max-context --hf-config=gemma-3-27b-it/config.json\n"
+       "memra-kvctl max-context --socket=/run/memra-kv/gpu0.sock,/run/memra-kv/gpu1.sock \\\n"
+       "    --tp=2 --hf-config=llama-3.1-70b.json",
        "max context: tokens, now / after eviction / when empty. session bytes: the arena of a\n"
-       "session at the max context now. Exits 5 when not even a 1-token session fits now."},
+       "session at the max context now. A group: one row per rank, then the group's max context\n"
+       "(the least over the ranks) and the rank that decides it. Exits 5 when not even a 1-token\n"
+       "session fits now."},
       {"import-model",
        "Hugging Face config.json -> model plan (optionally registered)",
        "--hf-config=PATH [--name=NAME] [--index-pool=N]\n"
@@ -413,7 +451,26 @@ absl::Status ApplyFlag(const FlagSpec& flag, absl::string_view value, Invocation
   const absl::string_view name = flag.name;
   if (name == "--socket") {
     if (value.empty()) return Usage("--socket= needs a path");
-    invocation.socket_path = std::string(value);
+    const std::vector<std::string> paths = absl::StrSplit(value, ',');
+    for (const std::string& path : paths) {
+      if (path.empty()) {
+        return Usage(absl::StrCat("--socket=", value, ": an empty path in the list (a group's "
+                                  "sockets are PATH,PATH,... in rank order)"));
+      }
+    }
+    invocation.socket_path = paths.front();
+    if (paths.size() > 1) invocation.group_sockets = paths;
+  } else if (name == "--group") {
+    if (value.empty()) return Usage("--group= needs a group file's path");
+    invocation.group_path = std::string(value);
+  } else if (name == "--pp") {
+    ASSIGN_OR_RETURN(const uint64_t stages, ParseWhole(name, value, 1, kMaxGroupRanks));
+    invocation.pp = static_cast<uint32_t>(stages);
+  } else if (name == "--stage-layers") {
+    for (const absl::string_view item : absl::StrSplit(value, ',')) {
+      ASSIGN_OR_RETURN(const uint64_t layers, ParseWhole(name, item, 1, UINT32_MAX));
+      invocation.stage_layers.push_back(static_cast<uint32_t>(layers));
+    }
   } else if (name == "--gpu") {
     ASSIGN_OR_RETURN(const uint64_t gpu, ParseWhole(name, value, 0, 1023));
     invocation.socket_path = absl::StrFormat(kDefaultSocketPattern, gpu);
@@ -464,12 +521,49 @@ absl::Status ApplyFlag(const FlagSpec& flag, absl::string_view value, Invocation
   return absl::OkStatus();
 }
 
+// The group flags' combinations (docs/groups.md#memra-kvctl).
+absl::Status CheckGroup(const Invocation& invocation, const std::set<std::string>& given) {
+  const absl::string_view command = invocation.command;
+  if (!invocation.group_sockets.empty() && command != "status" && command != "fit" &&
+      command != "max-context") {
+    return Usage(absl::StrCat(command, " answers for one daemon: several --socket paths are for "
+                              "status, fit and max-context"));
+  }
+  if (!invocation.IsGroup()) {
+    for (const char* flag : {"--pp", "--stage-layers"}) {
+      if (given.count(flag)) {
+        return Usage(absl::StrCat(flag, " lays out a group: give --socket=A,B,... (or "
+                                  "--group=FILE, which sets it)"));
+      }
+    }
+    return absl::OkStatus();
+  }
+  if (!invocation.group_path.empty()) {
+    for (const char* flag : {"--socket", "--gpu", "--tp", "--pp", "--stage-layers"}) {
+      if (given.count(flag)) {
+        return Usage(absl::StrCat("--group=", invocation.group_path, " names every rank's "
+                                  "daemon, tp, pp and stage layers: it does not take ", flag));
+      }
+    }
+  }
+  if (given.count("--layers")) {
+    return Usage("with a group the layout gives every rank its layers: --stage-layers=N,N,... "
+                 "instead of --layers");
+  }
+  if (given.count("--model")) {
+    return Usage("a group's layout needs the plan's layers, which --model leaves in the daemon: "
+                 "give --hf-config=PATH or --plan=PATH");
+  }
+  return absl::OkStatus();
+}
+
 // What the command needs beyond well-formed flags.
 absl::Status CheckRequired(const Invocation& invocation, const std::set<std::string>& given) {
   if (given.count("--socket") && given.count("--gpu")) {
     return Usage("give --socket=PATH or --gpu=N, not both");
   }
   const absl::string_view command = invocation.command;
+  RETURN_IF_ERROR(CheckGroup(invocation, given));
   if (command == "cost" || command == "fit" || command == "max-context") {
     const int models = given.count("--model") + given.count("--hf-config") + given.count("--plan");
     if (models != 1) {

@@ -35,6 +35,13 @@ struct Invocation {
 
   // Common.
   std::string socket_path;  // --socket, or --gpu's admin socket, or GPU 0's
+  // A group of daemons (status, fit, max-context; docs/groups.md): --socket with several
+  // comma-separated paths in rank order, or a group file. socket_path is then the first path.
+  std::vector<std::string> group_sockets;  // --socket=A,B,...: two or more
+  std::string group_path;                  // --group
+  uint32_t pp = 0;                         // --pp (0: not given)
+  std::vector<uint32_t> stage_layers;      // --stage-layers
+  bool IsGroup() const { return !group_sockets.empty() || !group_path.empty(); }
   absl::Duration timeout = kDefaultTimeout;
   bool json = false;
 
@@ -48,7 +55,7 @@ struct Invocation {
   uint64_t context = 0;  // --context; required by cost and fit
   uint32_t layer_lo = 0;
   std::optional<uint32_t> layer_hi;
-  uint32_t tp_ranks = 0;
+  uint32_t tp_ranks = 0;  // --tp; with a group, the group's TP degree
   bool spec_snapshot = false;
 
   // sessions.

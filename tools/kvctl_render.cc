@@ -11,6 +11,8 @@
 #include "absl/strings/strip.h"
 #include "absl/time/time.h"
 #include "core/admission.h"
+#include "core/group_layout.h"
+#include "core/status_macros.h"
 #include "google/protobuf/util/json_util.h"
 #include "tools/text_format.h"
 
@@ -182,7 +184,213 @@ std::string RenderPrefixStats(const pb::PrefixCacheStats& stats) {
       .Render();
 }
 
+// The least of one column over a group's ranks and the rank holding it, "N (rank R)".
+template <typename Response>
+std::string Least(const std::vector<Response>& ranks, uint64_t (Response::*field)() const) {
+  std::vector<uint64_t> values;
+  for (const Response& rank : ranks) values.push_back((rank.*field)());
+  const uint32_t tightest = TightestRank(values).value_or(0);
+  return absl::StrCat(values.empty() ? 0 : values[tightest], " (rank ", tightest, ")");
+}
+
+std::string GroupHeading(const GroupView& view) {
+  return absl::StrCat("group ", view.name, ": tp ", view.tp, " x pp ", view.pp, " = ",
+                      Count(view.ranks.size(), "rank", "ranks"), "\n\n");
+}
+
+// The rank columns every group table starts with.
+std::vector<TextTable::Column> RankColumns(bool with_shard) {
+  std::vector<TextTable::Column> columns = {
+      {"RANK", Align::kRight}, {"STAGE", Align::kRight}, {"TP", Align::kRight}};
+  if (with_shard) {
+    columns.push_back({"LAYERS"});
+    columns.push_back({"HEADS"});
+  }
+  return columns;
+}
+
+std::vector<std::string> RankCells(const GroupRankRow& row) {
+  std::vector<std::string> cells = {absl::StrCat(row.rank), absl::StrCat(row.stage),
+                                    absl::StrCat(row.tp_rank)};
+  if (row.has_shard) {
+    cells.push_back(absl::StrCat(row.layer_lo, "-", row.layer_hi - 1));
+    cells.push_back(absl::StrCat(row.kv_shard + 1, "/", row.kv_shards));
+  }
+  return cells;
+}
+
+template <typename Response, typename Cells>
+std::string RankTable(const GroupView& view, const std::vector<Response>& ranks,
+                      std::vector<TextTable::Column> answer_columns, Cells answer_cells) {
+  const bool with_shard = !view.ranks.empty() && view.ranks[0].has_shard;
+  std::vector<TextTable::Column> columns = RankColumns(with_shard);
+  columns.insert(columns.end(), answer_columns.begin(), answer_columns.end());
+  columns.push_back({"SOCKET"});
+  TextTable table(std::move(columns));
+  for (size_t i = 0; i < ranks.size() && i < view.ranks.size(); ++i) {
+    std::vector<std::string> cells = RankCells(view.ranks[i]);
+    for (std::string& cell : answer_cells(ranks[i], i)) cells.push_back(std::move(cell));
+    cells.push_back(view.ranks[i].socket);
+    table.AddRow(std::move(cells));
+  }
+  return table.Render();
+}
+
+// JSON string literal (socket paths and names are the only free text here).
+std::string JsonString(absl::string_view text) {
+  std::string out = "\"";
+  for (const char c : text) {
+    if (c == '"' || c == '\\') {
+      absl::StrAppend(&out, "\\", std::string(1, c));
+    } else if (static_cast<unsigned char>(c) < 0x20) {
+      absl::StrAppend(&out, absl::StrFormat("\\u%04x", static_cast<unsigned char>(c)));
+    } else {
+      out.push_back(c);
+    }
+  }
+  out.push_back('"');
+  return out;
+}
+
 }  // namespace
+
+// "2 pending (1024 B), 1 confirmed (4096 B)", "none", or "-" when not listed.
+std::string GroupReservations(const std::optional<pb::ListGroupRanksResponse>& listed) {
+  if (!listed.has_value()) return "-";
+  uint64_t pending = 0, pending_bytes = 0, confirmed = 0, confirmed_bytes = 0;
+  for (const pb::GroupRankState& state : listed->ranks()) {
+    if (state.phase() == pb::GROUP_RANK_PHASE_PENDING) {
+      ++pending;
+      pending_bytes += state.bytes();
+    } else {
+      ++confirmed;
+      confirmed_bytes += state.bytes();
+    }
+  }
+  if (pending + confirmed == 0) return "none";
+  std::vector<std::string> parts;
+  if (pending > 0) parts.push_back(absl::StrCat(pending, " pending (", pending_bytes, " B)"));
+  if (confirmed > 0) {
+    parts.push_back(absl::StrCat(confirmed, " confirmed (", confirmed_bytes, " B)"));
+  }
+  return absl::StrJoin(parts, ", ");
+}
+
+std::string RenderGroupStatus(
+    const GroupView& view, const std::vector<pb::GetStatusResponse>& ranks,
+    const std::vector<std::optional<pb::ListGroupRanksResponse>>& reservations) {
+  std::vector<pb::AdmissionStatus> admissions;
+  for (const pb::GetStatusResponse& rank : ranks) admissions.push_back(rank.admission());
+  FieldList fields;
+  fields.Add("least free", absl::StrCat(Least(admissions, &pb::AdmissionStatus::free_bytes),
+                                        " B: a group request fits only where every rank's shard "
+                                        "fits on its own daemon"));
+  fields.Add("least evictable",
+             absl::StrCat(Least(admissions, &pb::AdmissionStatus::evictable_bytes), " B"));
+  uint32_t draining = 0;
+  for (const pb::GetStatusResponse& rank : ranks) draining += rank.draining() ? 1 : 0;
+  fields.Add("state", draining == 0 ? "serving"
+                                    : absl::StrCat("DRAINING on ", draining,
+                                                   " rank(s): the group admits nothing new"));
+  const std::string table = RankTable(
+      view, ranks,
+      {{"STATE"},
+       {"BUDGET", Align::kRight},
+       {"ALLOCATED", Align::kRight},
+       {"RESERVED", Align::kRight},
+       {"FREE", Align::kRight},
+       {"EVICTABLE", Align::kRight},
+       {"SESSIONS", Align::kRight},
+       {"ENGINES", Align::kRight},
+       {"GROUP RESERVATIONS"}},
+      [&](const pb::GetStatusResponse& rank, size_t index) -> std::vector<std::string> {
+        const pb::AdmissionStatus& admission = rank.admission();
+        return {rank.draining() ? "draining" : "serving",
+                absl::StrCat(admission.budget_bytes()),
+                absl::StrCat(admission.allocated_bytes()),
+                absl::StrCat(admission.reserved_bytes()),
+                absl::StrCat(admission.free_bytes()),
+                absl::StrCat(admission.evictable_bytes()),
+                absl::StrCat(rank.sessions()),
+                absl::StrCat(rank.engines()),
+                GroupReservations(index < reservations.size() ? reservations[index]
+                                                              : std::nullopt)};
+      });
+  return absl::StrCat(GroupHeading(view), table, "\n", fields.Render());
+}
+
+std::string RenderGroupFit(const GroupView& view, const std::vector<pb::FitResponse>& ranks,
+                           uint64_t context) {
+  const std::string table = RankTable(
+      view, ranks,
+      {{"SESSION", Align::kRight},
+       {"FREE", Align::kRight},
+       {"NOW", Align::kRight},
+       {"AFTER EVICTION", Align::kRight},
+       {"WHEN EMPTY", Align::kRight}},
+      [](const pb::FitResponse& fit, size_t) -> std::vector<std::string> {
+        return {absl::StrCat(fit.session_bytes()), absl::StrCat(fit.free_bytes()),
+                absl::StrCat(fit.sessions_now()), absl::StrCat(fit.sessions_after_eviction()),
+                absl::StrCat(fit.sessions_when_empty())};
+      });
+  OutlookTable outlook;
+  outlook.Add("sessions", Least(ranks, &pb::FitResponse::sessions_now),
+              Least(ranks, &pb::FitResponse::sessions_after_eviction),
+              Least(ranks, &pb::FitResponse::sessions_when_empty));
+  outlook.Add("total tokens", Least(ranks, &pb::FitResponse::total_tokens_now), "-",
+              Least(ranks, &pb::FitResponse::total_tokens_when_empty));
+  return absl::StrCat(GroupHeading(view), "session of ", Count(context, "token", "tokens"),
+                      " on every rank (bytes of each rank's shard)\n\n", table,
+                      "\ngroup (the least over the ranks, and the rank that decides it):\n",
+                      outlook.Render());
+}
+
+std::string RenderGroupMaxContext(const GroupView& view,
+                                  const std::vector<pb::MaxContextResponse>& ranks) {
+  const std::string table = RankTable(
+      view, ranks,
+      {{"FREE", Align::kRight},
+       {"NOW", Align::kRight},
+       {"AFTER EVICTION", Align::kRight},
+       {"WHEN EMPTY", Align::kRight}},
+      [](const pb::MaxContextResponse& max, size_t) -> std::vector<std::string> {
+        return {absl::StrCat(max.free_bytes()), absl::StrCat(max.max_context_now()),
+                absl::StrCat(max.max_context_after_eviction()),
+                absl::StrCat(max.max_context_when_empty())};
+      });
+  OutlookTable outlook;
+  outlook.Add("max context", Least(ranks, &pb::MaxContextResponse::max_context_now),
+              Least(ranks, &pb::MaxContextResponse::max_context_after_eviction),
+              Least(ranks, &pb::MaxContextResponse::max_context_when_empty));
+  return absl::StrCat(GroupHeading(view), "max context tokens of each rank's shard\n\n", table,
+                      "\ngroup (the least over the ranks, and the rank that decides it):\n",
+                      outlook.Render());
+}
+
+absl::StatusOr<std::string> RenderGroupJson(
+    const GroupView& view, const std::vector<const google::protobuf::Message*>& answers,
+    const std::vector<std::optional<pb::ListGroupRanksResponse>>& reservations) {
+  std::vector<std::string> ranks;
+  for (size_t i = 0; i < view.ranks.size() && i < answers.size(); ++i) {
+    const GroupRankRow& row = view.ranks[i];
+    ASSIGN_OR_RETURN(const std::string answer, RenderJson(*answers[i]));
+    std::string shard;
+    if (row.has_shard) {
+      shard = absl::StrCat("\"layer_lo\":", row.layer_lo, ",\"layer_hi\":", row.layer_hi,
+                           ",\"kv_shard\":", row.kv_shard, ",\"kv_shards\":", row.kv_shards, ",");
+    }
+    std::string listed;
+    if (i < reservations.size() && reservations[i].has_value()) {
+      ASSIGN_OR_RETURN(const std::string json, RenderJson(*reservations[i]));
+      listed = absl::StrCat(",\"group_reservations\":", json);
+    }
+    ranks.push_back(absl::StrCat("{\"rank\":", row.rank, ",\"socket\":", JsonString(row.socket),
+                                 ",\"stage\":", row.stage, ",\"tp_rank\":", row.tp_rank, ",",
+                                 shard, "\"answer\":", answer, listed, "}"));
+  }
+  return absl::StrCat("{\"group\":", JsonString(view.name), ",\"tp\":", view.tp,
+                      ",\"pp\":", view.pp, ",\"ranks\":[", absl::StrJoin(ranks, ","), "]}");
+}
 
 absl::StatusOr<std::string> RenderJson(const google::protobuf::Message& message) {
   google::protobuf::util::JsonPrintOptions options;

@@ -29,6 +29,7 @@
 #include "gtest/gtest.h"
 #include "proto/memra/kv/v1/admin.grpc.pb.h"
 #include "proto/memra/kv/v1/cache.pb.h"
+#include "proto/memra/kv/v1/group.pb.h"
 #include "tests/status_matchers.h"
 #include "tools/text_format.h"
 
@@ -198,7 +199,9 @@ TEST(UsageErrorTest, EveryRefusalSaysWhatAndPrintsTheUsage) {
       {{}, "no command given", kList},
       {{"--json"}, "no command given", kList},
       {{"frob"}, "unknown command 'frob'", kList},
-      {{"status", "--frob"}, "unknown flag --frob", "Usage: memra-kvctl status [common flags]"},
+      {{"status", "--frob"},
+       "unknown flag --frob",
+       "Usage: memra-kvctl status [--group=FILE] [common flags]"},
       {{"status", "--context=1"}, "status does not take --context", "Usage: memra-kvctl status"},
       {{"max-context", "--hf-config=c", "--context=1k"},
        "max-context does not take --context",
@@ -1040,6 +1043,178 @@ TEST_F(FakeDaemonTest, UnreachableSocketsExitThreeNamingSocketAndUnit) {
                                                   ": no gRPC connection within 300ms\n")));
   close(fd);
 }
+
+// ---- groups (docs/groups.md#memra-kvctl) ---------------------------------------------------
+
+TEST(ParseArgsTest, SeveralSocketsOrAGroupFileMakeAGroup) {
+  absl::StatusOr<Invocation> listed = ParseArgs({"fit", "--socket=/a,/b,/c,/d", "--tp=2", "--pp=2",
+                                                 "--stage-layers=10,22", "--plan=/p.json",
+                                                 "--context=1k"});
+  ASSERT_TRUE(listed.ok()) << listed.status();
+  EXPECT_TRUE(listed->IsGroup());
+  EXPECT_THAT(listed->group_sockets, ::testing::ElementsAre("/a", "/b", "/c", "/d"));
+  EXPECT_EQ(listed->socket_path, "/a");
+  EXPECT_EQ(listed->tp_ranks, 2u);
+  EXPECT_EQ(listed->pp, 2u);
+  EXPECT_THAT(listed->stage_layers, ::testing::ElementsAre(10, 22));
+
+  absl::StatusOr<Invocation> one = ParseArgs({"status", "--socket=/a"});
+  ASSERT_TRUE(one.ok()) << one.status();
+  EXPECT_FALSE(one->IsGroup());
+
+  absl::StatusOr<Invocation> filed = ParseArgs({"status", "--group=/etc/g.group"});
+  ASSERT_TRUE(filed.ok()) << filed.status();
+  EXPECT_TRUE(filed->IsGroup());
+  EXPECT_EQ(filed->group_path, "/etc/g.group");
+}
+
+TEST(UsageErrorTest, GroupFlagsThatDoNotGoTogether) {
+  const std::vector<std::pair<std::vector<std::string>, std::string>> refusals = {
+      {{"cost", "--socket=/a,/b", "--plan=p", "--context=1"},
+       "cost answers for one daemon: several --socket paths are for status, fit and max-context"},
+      {{"status", "--socket=/a,,/b"}, "--socket=/a,,/b: an empty path in the list"},
+      {{"fit", "--socket=/a", "--pp=2", "--plan=p", "--context=1"},
+       "--pp lays out a group: give --socket=A,B,... (or --group=FILE, which sets it)"},
+      {{"fit", "--stage-layers=1,2", "--plan=p", "--context=1"},
+       "--stage-layers lays out a group"},
+      {{"fit", "--group=g", "--tp=2", "--plan=p", "--context=1"},
+       "--group=g names every rank's daemon, tp, pp and stage layers: it does not take --tp"},
+      {{"status", "--group=g", "--socket=/a"}, "--group=g names every rank's daemon"},
+      {{"fit", "--socket=/a,/b", "--layers=0:4", "--plan=p", "--context=1"},
+       "with a group the layout gives every rank its layers: --stage-layers=N,N,... instead of "
+       "--layers"},
+      {{"max-context", "--socket=/a,/b", "--model=" + std::string(kTestFingerprintHex)},
+       "a group's layout needs the plan's layers, which --model leaves in the daemon: give "
+       "--hf-config=PATH or --plan=PATH"},
+      {{"fit", "--socket=/a,/b", "--pp=0", "--plan=p", "--context=1"},
+       "--pp=0: want a whole number in 1..1024"},
+      {{"fit", "--socket=/a,/b", "--stage-layers=3,x", "--plan=p", "--context=1"},
+       "--stage-layers=x: want a whole number in 1..4294967295"},
+      {{"status", "--group=/nonexistent/g.group"},
+       "group file /nonexistent/g.group: No such file or directory"},
+  };
+  for (const auto& [args, message] : refusals) {
+    const Outcome outcome = RunCli(args);
+    const std::string joined = absl::StrJoin(args, " ");
+    EXPECT_EQ(outcome.exit_code, kExitUsage) << joined << ": " << outcome.err;
+    EXPECT_THAT(outcome.err, StartsWith(absl::StrCat("memra-kvctl: ", message))) << joined;
+    EXPECT_EQ(outcome.out, "") << joined;
+  }
+  // Three sockets cannot be tp x pp 2: the list's own refusal, with the numbers.
+  const Outcome odd = RunCli({"fit", "--socket=/a,/b,/c", "--pp=2", "--plan=p", "--context=1"});
+  EXPECT_EQ(odd.exit_code, kExitUsage);
+  EXPECT_THAT(odd.err, StartsWith("memra-kvctl: --socket: 3 sockets for tp 1 x pp 2 = 2 ranks"));
+  const Outcome shared = RunCli({"status", "--socket=/a,/a"});
+  EXPECT_EQ(shared.exit_code, kExitUsage);
+  EXPECT_THAT(shared.err, HasSubstr("--socket entry 1: socket /a of rank 1 is rank 0's too"));
+}
+
+GroupView TwoByTwo(bool with_shard) {
+  GroupView view{"g", 2, 2, {}};
+  for (uint32_t rank = 0; rank < 4; ++rank) {
+    GroupRankRow row;
+    row.rank = rank;
+    row.socket = absl::StrCat("/run/memra-kv/gpu", rank, ".sock");
+    row.stage = rank / 2;
+    row.tp_rank = rank % 2;
+    row.has_shard = with_shard;
+    row.layer_lo = row.stage * 16;
+    row.layer_hi = row.layer_lo + 16;
+    row.kv_shard = row.tp_rank;
+    row.kv_shards = 2;
+    view.ranks.push_back(row);
+  }
+  return view;
+}
+
+TEST(RenderTest, GroupStatusShowsEveryRankAndTheLeastFree) {
+  std::vector<pb::GetStatusResponse> ranks(4);
+  const uint64_t free[] = {400, 300, 100, 300};
+  for (size_t i = 0; i < 4; ++i) {
+    ranks[i].mutable_admission()->set_budget_bytes(1000);
+    ranks[i].mutable_admission()->set_free_bytes(free[i]);
+    ranks[i].mutable_admission()->set_allocated_bytes(1000 - free[i]);
+    ranks[i].set_sessions(i);
+  }
+  ranks[3].set_draining(true);
+  std::vector<std::optional<pb::ListGroupRanksResponse>> reservations(4);
+  reservations[0].emplace();
+  pb::GroupRankState* pending = reservations[0]->add_ranks();
+  pending->set_phase(pb::GROUP_RANK_PHASE_PENDING);
+  pending->set_bytes(100);
+  pb::GroupRankState* confirmed = reservations[0]->add_ranks();
+  confirmed->set_phase(pb::GROUP_RANK_PHASE_CONFIRMED);
+  confirmed->set_bytes(200);
+  reservations[1].emplace();  // listed, none held; ranks 2 and 3 not listed (engine socket)
+  const std::string text = RenderGroupStatus(TwoByTwo(false), ranks, reservations);
+  EXPECT_THAT(text, StartsWith("group g: tp 2 x pp 2 = 4 ranks\n\n"
+                               "RANK  STAGE  TP  STATE     BUDGET  ALLOCATED  RESERVED  FREE  "
+                               "EVICTABLE  SESSIONS  ENGINES  GROUP RESERVATIONS"));
+  EXPECT_THAT(text, HasSubstr("   0      0   0  serving     1000        600         0   400  "
+                              "        0         0        0  1 pending (100 B), 1 confirmed "
+                              "(200 B)  /run/memra-kv/gpu0.sock\n"));
+  EXPECT_THAT(text, HasSubstr("        0         1        0  none"));
+  EXPECT_THAT(text, HasSubstr("   3      1   1  draining    1000        700         0   300"));
+  EXPECT_THAT(text, ::testing::ContainsRegex("  -  +/run/memra-kv/gpu3.sock\n"));
+  EXPECT_THAT(text, HasSubstr("least free       100 (rank 2) B: a group request fits only "
+                              "where every rank's shard fits on its own daemon\n"));
+  EXPECT_THAT(text, HasSubstr("state            DRAINING on 1 rank(s): the group admits nothing "
+                              "new\n"));
+}
+
+TEST(RenderTest, GroupFitAndMaxContextNameTheRankThatDecides) {
+  std::vector<pb::FitResponse> fits(4);
+  const uint64_t now[] = {5, 3, 3, 9};
+  for (size_t i = 0; i < 4; ++i) {
+    fits[i].set_session_bytes(1000 + i);
+    fits[i].set_free_bytes(5000);
+    fits[i].set_sessions_now(now[i]);
+    fits[i].set_sessions_after_eviction(10 - i);
+    fits[i].set_sessions_when_empty(20);
+    fits[i].set_total_tokens_now(now[i] * 1024);
+    fits[i].set_total_tokens_when_empty(20 * 1024);
+  }
+  const std::string fit = RenderGroupFit(TwoByTwo(true), fits, 1024);
+  EXPECT_THAT(fit, HasSubstr("session of 1024 tokens on every rank (bytes of each rank's "
+                             "shard)\n\n"
+                             "RANK  STAGE  TP  LAYERS  HEADS  SESSION  FREE  NOW  AFTER EVICTION  "
+                             "WHEN EMPTY  SOCKET\n"
+                             "   0      0   0  0-15    1/2       1000  5000    5              10  "
+                             "        20  /run/memra-kv/gpu0.sock\n"));
+  EXPECT_THAT(fit, HasSubstr("   3      1   1  16-31   2/2       1003  5000    9               7"));
+  EXPECT_THAT(fit, HasSubstr("sessions         3 (rank 1)      7 (rank 3)     20 (rank 0)\n"
+                             "total tokens  3072 (rank 1)               -  20480 (rank 0)\n"));
+
+  std::vector<pb::MaxContextResponse> maxes(4);
+  const uint64_t tokens[] = {8191, 10239, 4095, 14335};
+  for (size_t i = 0; i < 4; ++i) {
+    maxes[i].set_max_context_now(tokens[i]);
+    maxes[i].set_max_context_after_eviction(tokens[i]);
+    maxes[i].set_max_context_when_empty(tokens[i] + 1);
+  }
+  EXPECT_THAT(RenderGroupMaxContext(TwoByTwo(true), maxes),
+              HasSubstr("max context  4095 (rank 2)   4095 (rank 2)  4096 (rank 2)\n"));
+}
+
+TEST(RenderTest, GroupJsonCarriesEveryRanksAnswer) {
+  std::vector<pb::MaxContextResponse> maxes(4);
+  std::vector<const google::protobuf::Message*> answers;
+  for (size_t i = 0; i < 4; ++i) {
+    maxes[i].set_max_context_now(100 + i);
+    answers.push_back(&maxes[i]);
+  }
+  GroupView view = TwoByTwo(true);
+  view.ranks[1].socket = "/odd \"path\"";
+  absl::StatusOr<std::string> json = RenderGroupJson(view, answers);
+  ASSERT_TRUE(json.ok()) << json.status();
+  EXPECT_THAT(*json, StartsWith("{\"group\":\"g\",\"tp\":2,\"pp\":2,\"ranks\":[{\"rank\":0,"
+                                "\"socket\":\"/run/memra-kv/gpu0.sock\",\"stage\":0,\"tp_rank\":0,"
+                                "\"layer_lo\":0,\"layer_hi\":16,\"kv_shard\":0,\"kv_shards\":2,"
+                                "\"answer\":{\"max_context_now\":\"100\""));
+  EXPECT_THAT(*json, HasSubstr("\"socket\":\"/odd \\\"path\\\"\""));
+  EXPECT_THAT(*json, HasSubstr("\"max_context_now\":\"103\""));
+}
+
 
 }  // namespace
 }  // namespace memra::kvctl

@@ -21,7 +21,7 @@ import subprocess
 import sys
 import tempfile
 
-PROTOS = ("admin", "block_store", "cache", "model_plan", "prefix")
+PROTOS = ("admin", "block_store", "cache", "group", "model_plan", "prefix")
 PROTO_PACKAGE_DIR = os.path.join("proto", "memra", "kv", "v1")
 IMPORT = re.compile(r"^from proto\.memra\.kv\.v1 import (\w+)", re.MULTILINE)
 

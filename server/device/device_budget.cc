@@ -5,6 +5,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "core/status_macros.h"
 #include "spdlog/spdlog.h"
 
 namespace memra {
@@ -80,6 +81,32 @@ absl::StatusOr<ReservationId> DeviceBudget::Reserve(uint64_t owner, uint64_t byt
                                                     absl::Time now, absl::Duration ttl) {
   return AdmitEvicting<ReservationId>(
       [&](AdmissionLedger& ledger) { return ledger.Reserve(owner, bytes, now, ttl); });
+}
+
+absl::StatusOr<ReservationId> DeviceBudget::ReserveGroupRank(uint64_t owner, uint64_t bytes,
+                                                             GroupRankKey group, absl::Time now,
+                                                             absl::Duration deadline) {
+  return AdmitEvicting<ReservationId>([&](AdmissionLedger& ledger) {
+    return ledger.ReserveGroupRank(owner, bytes, group, now, deadline);
+  });
+}
+
+absl::StatusOr<HeldReservation> DeviceBudget::ConfirmGroupRank(uint64_t owner,
+                                                               uint64_t group_id,
+                                                               absl::Time now) {
+  absl::MutexLock lock(&mu_);
+  RETURN_IF_ERROR(ledger_.ConfirmGroupRank(owner, group_id, now).status());
+  return ledger_.GroupRank(owner, group_id);
+}
+
+absl::StatusOr<HeldReservation> DeviceBudget::GroupRank(uint64_t owner, uint64_t group_id) const {
+  absl::MutexLock lock(&mu_);
+  return ledger_.GroupRank(owner, group_id);
+}
+
+absl::StatusOr<uint64_t> DeviceBudget::ReleaseGroupRank(uint64_t owner, uint64_t group_id) {
+  absl::MutexLock lock(&mu_);
+  return ledger_.ReleaseGroupRank(owner, group_id);
 }
 
 absl::StatusOr<AllocationId> DeviceBudget::Commit(ReservationId reservation, uint64_t owner,

@@ -54,6 +54,18 @@ class DeviceBudget {
   // AdmissionLedger::Reserve, evicting for room first when that helps.
   absl::StatusOr<ReservationId> Reserve(uint64_t owner, uint64_t bytes, absl::Time now,
                                         absl::Duration ttl) ABSL_LOCKS_EXCLUDED(mu_);
+  // AdmissionLedger::ReserveGroupRank, evicting for room first when that helps.
+  absl::StatusOr<ReservationId> ReserveGroupRank(uint64_t owner, uint64_t bytes,
+                                                 GroupRankKey group, absl::Time now,
+                                                 absl::Duration deadline) ABSL_LOCKS_EXCLUDED(mu_);
+  // AdmissionLedger::ConfirmGroupRank; the confirmed reservation.
+  absl::StatusOr<HeldReservation> ConfirmGroupRank(uint64_t owner, uint64_t group_id,
+                                                   absl::Time now) ABSL_LOCKS_EXCLUDED(mu_);
+  // AdmissionLedger::GroupRank and ReleaseGroupRank.
+  absl::StatusOr<HeldReservation> GroupRank(uint64_t owner, uint64_t group_id) const
+      ABSL_LOCKS_EXCLUDED(mu_);
+  absl::StatusOr<uint64_t> ReleaseGroupRank(uint64_t owner, uint64_t group_id)
+      ABSL_LOCKS_EXCLUDED(mu_);
   // AdmissionLedger::Commit for a reservation `owner` holds (NOT_FOUND otherwise: an engine can
   // neither see nor use another engine's reservation). `actual_bytes` must equal the reserved
   // bytes' session cost; the ledger refuses more.

@@ -232,11 +232,50 @@ absl::StatusOr<uint64_t> EngineLeases::CancelReservation(const EngineCredentials
   return budget_->Cancel(reservation, engine.id.value);
 }
 
+absl::StatusOr<ReservationId> EngineLeases::ReserveGroupRank(const EngineCredentials& engine,
+                                                             uint64_t bytes, GroupRankKey group,
+                                                             absl::Duration deadline) {
+  RETURN_IF_ERROR(Admit(engine, "the daemon is draining; no new group reservations"));
+  return budget_->ReserveGroupRank(engine.id.value, bytes, group, clock_->Now(), deadline);
+}
+
+absl::StatusOr<HeldReservation> EngineLeases::ConfirmGroupRank(const EngineCredentials& engine,
+                                                               uint64_t group_id) {
+  RETURN_IF_ERROR(Check(engine));
+  return budget_->ConfirmGroupRank(engine.id.value, group_id, clock_->Now());
+}
+
+absl::StatusOr<HeldReservation> EngineLeases::GroupRank(const EngineCredentials& engine,
+                                                        uint64_t group_id) const {
+  RETURN_IF_ERROR(Check(engine));
+  return budget_->GroupRank(engine.id.value, group_id);
+}
+
+absl::StatusOr<uint64_t> EngineLeases::ReleaseGroupRank(const EngineCredentials& engine,
+                                                        uint64_t group_id) {
+  RETURN_IF_ERROR(Check(engine));
+  return budget_->ReleaseGroupRank(engine.id.value, group_id);
+}
+
+std::vector<HeldReservation> EngineLeases::GroupRanks() const {
+  std::vector<HeldReservation> ranks;
+  const AdmissionLedger ledger = budget_->Snapshot();  // outlives the loop (not a temporary)
+  for (const auto& [id, reservation] : ledger.reservations()) {
+    if (reservation.group.has_value()) ranks.push_back(HeldReservation{id, reservation});
+  }
+  return ranks;
+}
+
 void EngineLeases::ExpireReservations() {
   for (const ExpiredReservation& expired : budget_->Expire(clock_->Now())) {
     reservations_expired_.fetch_add(1, std::memory_order_relaxed);
-    spdlog::info("reservation {} of engine {} expired unused: {} bytes returned",
-                 expired.id.value, expired.reservation.owner, expired.reservation.bytes);
+    spdlog::info("reservation {}{} of engine {} expired unused: {} bytes returned",
+                 expired.id.value,
+                 expired.reservation.group.has_value()
+                     ? absl::StrCat(" (", GroupRankName(*expired.reservation.group),
+                                    ", not confirmed by its deadline)")
+                     : "",
+                 expired.reservation.owner, expired.reservation.bytes);
   }
 }
 

@@ -168,6 +168,23 @@ class EngineLeases {
   // Drops reservations whose ttl has passed, logging each once.
   void ExpireReservations() ABSL_LOCKS_EXCLUDED(mu_);
 
+  // ---- Group ranks (docs/groups.md): the engine's Check() first, then the budget's ----
+  // Holds `bytes` for one rank of a group until `deadline` from now unless confirmed;
+  // UNAVAILABLE while draining.
+  absl::StatusOr<ReservationId> ReserveGroupRank(const EngineCredentials& engine, uint64_t bytes,
+                                                 GroupRankKey group, absl::Duration deadline)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  absl::StatusOr<HeldReservation> ConfirmGroupRank(const EngineCredentials& engine,
+                                                   uint64_t group_id) ABSL_LOCKS_EXCLUDED(mu_);
+  absl::StatusOr<HeldReservation> GroupRank(const EngineCredentials& engine,
+                                            uint64_t group_id) const ABSL_LOCKS_EXCLUDED(mu_);
+  absl::StatusOr<uint64_t> ReleaseGroupRank(const EngineCredentials& engine, uint64_t group_id)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // Every engine's group rank reservations, by id.
+  std::vector<HeldReservation> GroupRanks() const ABSL_LOCKS_EXCLUDED(mu_);
+  // Now, on the clock deadlines are kept by.
+  absl::Time Now() const { return clock_->Now(); }
+
   // At clock->Now(): ends the leases of silent engines (cancelling their streams) and forgets
   // every engine whose grace has passed, returning each exactly once.
   std::vector<ReclaimedEngine> CollectReclaimable() ABSL_LOCKS_EXCLUDED(mu_);

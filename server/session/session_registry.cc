@@ -213,6 +213,26 @@ absl::StatusOr<ArenaReservation> SessionRegistry::Reserve(const EngineCredential
   return ArenaReservation{reserved.id, bytes, reserved.ttl};
 }
 
+absl::StatusOr<ArenaReservation> SessionRegistry::ReserveGroupRank(
+    const EngineCredentials& engine, const PlanFingerprint& plan, const SessionShape& shape,
+    GroupRankKey group, absl::Duration deadline, uint64_t expected_bytes) {
+  RETURN_IF_ERROR(leases_->Admit(engine, "the daemon is draining; no new group reservations"));
+  ASSIGN_OR_RETURN(std::shared_ptr<const ModelPlan> model, plans_->Find(plan));
+  ASSIGN_OR_RETURN(uint64_t bytes, SessionArenaBytes(*model, defaults_, shape, rounding()));
+  if (expected_bytes != 0 && expected_bytes != bytes) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        GroupRankName(group), ": this daemon prices the shard (capacity ", shape.capacity,
+        " tokens) at ", bytes, " bytes, the group client expected ", expected_bytes,
+        " (another plan or shape than it priced)"));
+  }
+  ASSIGN_OR_RETURN(ReservationId id, leases_->ReserveGroupRank(engine, bytes, group, deadline));
+  spdlog::info("{} reserved for engine {}: {} bytes (capacity {} tokens), reservation {}, {} ms "
+               "to confirm",
+               GroupRankName(group), engine.id.value, bytes, shape.capacity, id.value,
+               absl::ToInt64Milliseconds(deadline));
+  return ArenaReservation{id, bytes, deadline};
+}
+
 absl::StatusOr<std::shared_ptr<DaemonSession>> SessionRegistry::Find(
     const SessionCredentials& credentials) const {
   std::shared_ptr<DaemonSession> session;

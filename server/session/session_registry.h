@@ -184,6 +184,15 @@ class SessionRegistry {
   absl::StatusOr<ArenaReservation> Reserve(const EngineCredentials& engine,
                                              const PlanFingerprint& plan,
                                              const SessionShape& shape) ABSL_LOCKS_EXCLUDED(mu_);
+  // The same for one rank of a group (docs/groups.md), held until `deadline` unless confirmed
+  // (ArenaReservation::ttl is the deadline). `expected_bytes` > 0 must equal the shape's price
+  // (FAILED_PRECONDITION naming both).
+  absl::StatusOr<ArenaReservation> ReserveGroupRank(const EngineCredentials& engine,
+                                                    const PlanFingerprint& plan,
+                                                    const SessionShape& shape, GroupRankKey group,
+                                                    absl::Duration deadline,
+                                                    uint64_t expected_bytes)
+      ABSL_LOCKS_EXCLUDED(mu_);
 
   // ---- Restart survival (server/restart/restart_state.h) ----
   // Files a session a restarted daemon re-adopted (DaemonSession::Adopt) in the slot it had
