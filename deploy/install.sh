@@ -89,7 +89,7 @@ if [[ -n "$PYTHON_DIR" ]]; then
     [[ -d "$PYTHON_STUBS_DIR" ]] || PYTHON_STUBS_DIR="$python_package_dir/_proto"
   fi
   [[ -f "$python_package_dir/__init__.py" ]] || die "no Python package at $python_package_dir"
-  for stub in __init__.py {admin,block_store,cache,model_plan,prefix}_pb2{,_grpc}.py; do
+  for stub in __init__.py {admin,block_store,cache,group,model_plan,prefix}_pb2{,_grpc}.py; do
     [[ -f "$PYTHON_STUBS_DIR/$stub" ]] ||
       die "no $PYTHON_STUBS_DIR/$stub; generate memra_kv's stubs (bazel build //python:memra_kv," \
           "or python/tools/gen_protos.py), set PYTHON_STUBS_DIR, or set PYTHON_DIR= to skip" \

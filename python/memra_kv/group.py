@@ -261,6 +261,8 @@ class RankShard:
 
 @dataclass(frozen=True)
 class GroupLayout:
+    """A tp x pp group's stages and every rank's shard, by rank (plan_group_layout)."""
+
     tp: int
     pp: int
     stages: Tuple[StageLayout, ...]
@@ -431,6 +433,7 @@ class GroupPrefixMatch:
 
     @property
     def hit(self) -> bool:
+        """Every rank holds a prefix of the tokens."""
         return self.matched_tokens > 0
 
 
@@ -507,6 +510,7 @@ class Group:
         self.close()
 
     def close(self) -> None:
+        """Detaches from and disconnects every rank."""
         for rank in self._ranks:
             rank.client.close()
 

@@ -36,11 +36,11 @@ root="$TEST_DIR/root"
 install_into "$root" >"$TEST_DIR/out" || fail "install.sh failed: $(cat "$TEST_DIR/out")"
 grep -q "DESTDIR is set: not creating" "$TEST_DIR/out" || fail "no DESTDIR notice"
 python_files=()
-for module in __init__ __main__ block_store client errors events handoff planes plans results \
+for module in __init__ __main__ block_store client errors events group handoff planes plans results \
     sglang step_channel vllm; do
   python_files+=("./usr/lib/python3/dist-packages/memra_kv/$module.py")
 done
-for stub in __init__.py {admin,block_store,cache,model_plan,prefix}_pb2{,_grpc}.py; do
+for stub in __init__.py {admin,block_store,cache,group,model_plan,prefix}_pb2{,_grpc}.py; do
   python_files+=("./usr/lib/python3/dist-packages/memra_kv/_proto/$stub")
 done
 expected_files="$(printf '%s\n' \
