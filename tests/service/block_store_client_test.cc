@@ -37,8 +37,8 @@ class BlockStoreClientTest : public DaemonTest {
   }
 
   void ConfigureDaemon(DaemonConfig& config) override {
-    config.prefix_cache_budget_bytes = uint64_t{4} << 20;
-    config.prefix_slab_bytes = uint64_t{1} << 20;
+    config.prefix.budget_bytes = uint64_t{4} << 20;
+    config.prefix.slab_bytes = uint64_t{1} << 20;
   }
 
   TestBlockPool MustPool() {

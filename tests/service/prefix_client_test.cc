@@ -27,8 +27,8 @@ constexpr uint64_t kCapacity = 64;
 class PrefixClientTest : public DaemonTest {
  protected:
   void ConfigureDaemon(DaemonConfig& config) override {
-    config.prefix_cache_budget_bytes = uint64_t{8} << 20;
-    config.prefix_block_tokens = kBlockTokens;
+    config.prefix.budget_bytes = uint64_t{8} << 20;
+    config.prefix.block_tokens = kBlockTokens;
   }
 
   // The prefix cache's arenas are freed before the fixture counts what is left.
