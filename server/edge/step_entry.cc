@@ -70,20 +70,14 @@ void PayloadToProto(pb::StepEntry::OpCase op, const SessionResult& result,
 
 }  // namespace
 
-bool RunStepEntry(SessionRegistry& sessions, const pb::StepEntry& entry,
+void RunStepEntry(SessionRegistry& sessions, const pb::StepEntry& entry,
                   absl::FunctionRef<absl::StatusOr<EngineId>()> slot_engine,
-                  pb::StepResult* result, StepEntryMode mode) {
+                  pb::StepResult* result) {
   const std::optional<SessionOp> op = OpOf(entry);
-  bool skipped = false;
   absl::StatusOr<SessionResult> outcome = [&]() -> absl::StatusOr<SessionResult> {
     if (entry.has_slot()) {
       ASSIGN_OR_RETURN(EngineId engine, slot_engine());
       const SessionSlot slot{engine, entry.slot()};
-      if (op.has_value() && mode.busy == BusySession::kSkip) {
-        std::optional<absl::StatusOr<SessionResult>> ran = sessions.TryRun(slot, *op);
-        skipped = !ran.has_value();
-        return skipped ? SessionResult() : *std::move(ran);
-      }
       if (op.has_value()) return sessions.Run(slot, *op);
       RETURN_IF_ERROR(sessions.Find(slot).status());
       return absl::InvalidArgumentError(
@@ -96,10 +90,9 @@ bool RunStepEntry(SessionRegistry& sessions, const pb::StepEntry& entry,
     return absl::InvalidArgumentError(absl::StrCat(
         "Step entry for session ", entry.session().session_id(), " names no operation"));
   }();
-  if (skipped) return false;  // nothing ran
   if (outcome.ok()) {
     PayloadToProto(entry.op_case(), *outcome, result);
-    return true;
+    return;
   }
   const absl::Status& status = outcome.status();
   result->set_code(static_cast<int32_t>(status.code()));
@@ -108,11 +101,9 @@ bool RunStepEntry(SessionRegistry& sessions, const pb::StepEntry& entry,
     result->mutable_daemon_restart()->set_previous_epoch(restart->previous_epoch);
     result->mutable_daemon_restart()->set_epoch(restart->epoch);
   }
-  if (!mode.log_refusal) return true;
   spdlog::info("Step entry for {} {} refused: {} {}", entry.has_slot() ? "slot" : "session",
                entry.has_slot() ? uint64_t{entry.slot()} : entry.session().session_id(),
                absl::StatusCodeToString(status.code()), std::string(status.message()));
-  return true;
 }
 
 }  // namespace memra

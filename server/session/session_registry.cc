@@ -254,10 +254,25 @@ absl::StatusOr<std::shared_ptr<DaemonSession>> SessionRegistry::Find(
   // learn which slots other engines' sessions hold.
   if (slot.slot >= slots_.size() || slots_[slot.slot] == nullptr ||
       !(slots_[slot.slot]->owner() == slot.engine)) {
-    return absl::NotFoundError(absl::StrCat("slot ", slot.slot, " holds no session of engine ",
-                                            slot.engine.value));
+    return SlotRefusal(slot);
   }
   return slots_[slot.slot];
+}
+
+absl::Status SessionRegistry::SlotRefusal(const SessionSlot& slot) {
+  return absl::NotFoundError(
+      absl::StrCat("slot ", slot.slot, " holds no session of engine ", slot.engine.value));
+}
+
+void SessionRegistry::FindSlots(EngineId engine, absl::Span<const uint32_t> slots,
+                                absl::Span<std::shared_ptr<DaemonSession>> out) const {
+  absl::MutexLock lock(&mu_);
+  for (size_t i = 0; i < slots.size() && i < out.size(); ++i) {
+    const uint32_t slot = slots[i];
+    const bool owned = slot < slots_.size() && slots_[slot] != nullptr &&
+                       slots_[slot]->owner() == engine;
+    out[i] = owned ? slots_[slot] : nullptr;
+  }
 }
 
 absl::StatusOr<SessionRelease> SessionRegistry::Release(const SessionCredentials& credentials) {
@@ -389,17 +404,20 @@ absl::StatusOr<SessionResult> SessionRegistry::Run(const SessionSlot& slot,
 
 std::optional<absl::StatusOr<SessionResult>> SessionRegistry::TryRun(const SessionSlot& slot,
                                                                      const SessionOp& op) {
+  absl::StatusOr<std::shared_ptr<DaemonSession>> session = Find(slot);
+  if (!session.ok()) return absl::StatusOr<SessionResult>(session.status());
+  return TryApply(**session, op);
+}
+
+std::optional<absl::StatusOr<SessionResult>> SessionRegistry::TryApply(DaemonSession& session,
+                                                                       const SessionOp& op) {
   if (std::holds_alternative<GrowOp>(op)) {
     // Grow takes the lock RunUnlessBusy holds: refused, never a self-deadlock.
     return absl::StatusOr<SessionResult>(
         absl::InvalidArgumentError("TryRun runs short operations only; Grow is a long one"));
   }
-  absl::StatusOr<std::shared_ptr<DaemonSession>> session = Find(slot);
-  if (!session.ok()) return absl::StatusOr<SessionResult>(session.status());
   std::optional<absl::StatusOr<SessionResult>> ran;
-  if (!(*session)->RunUnlessBusy([&] { ran = ApplyAndJournal(**session, op); })) {
-    return std::nullopt;
-  }
+  if (!session.RunUnlessBusy([&] { ran = ApplyAndJournal(session, op); })) return std::nullopt;
   return ran;
 }
 

@@ -166,6 +166,19 @@ class SessionRegistry {
       ABSL_LOCKS_EXCLUDED(mu_);
   absl::StatusOr<SessionResult> Run(const SessionSlot& slot, const SessionOp& op)
       ABSL_LOCKS_EXCLUDED(mu_);
+  // The sessions in `slots` (of engine `engine`), each in the same place of `out` (null where
+  // Find(slot) would refuse: SlotRefusal says how), under ONE acquisition of the registry's
+  // lock: the step channel resolves a round of records with it. REQUIRES: out.size() ==
+  // slots.size().
+  void FindSlots(EngineId engine, absl::Span<const uint32_t> slots,
+                 absl::Span<std::shared_ptr<DaemonSession>> out) const ABSL_LOCKS_EXCLUDED(mu_);
+  // Find(slot)'s refusal for a slot that holds no session of the engine.
+  static absl::Status SlotRefusal(const SessionSlot& slot);
+  // As Run on a session found already, but never waits for a long operation holding it
+  // (DaemonSession::RunUnlessBusy): nullopt, with nothing run, when one does. For short
+  // operations: INVALID_ARGUMENT for a GrowOp (itself a long one).
+  static std::optional<absl::StatusOr<SessionResult>> TryApply(DaemonSession& session,
+                                                               const SessionOp& op);
   // As Run(slot, op), but never waits for a session a long operation holds
   // (DaemonSession::RunUnlessBusy): nullopt, with nothing run, when one does. For short
   // operations: INVALID_ARGUMENT for a GrowOp (itself a long one).
