@@ -273,11 +273,12 @@ absl::Status StepChannelClient::Complete(pb::StepResponse* response, int entries
   }
   prepared->set_generation(completion.generation);
   prepared->set_target(completion.target);
-  layers_.clear();
-  for (size_t offset = 0; offset < side.size(); offset += sizeof(LayerAppendRecord)) {
-    LayerAppendRecord record;
-    std::memcpy(&record, side.data() + offset, sizeof(record));
-    layers_.push_back(step_channel::FromRecord(record));
+  plan_records_.resize(side.size() / sizeof(LayerAppendRecord));
+  std::memcpy(plan_records_.data(), side.data(), side.size());
+  if (absl::Status plan = step_channel::RecordsToPlan(plan_records_, layers_); !plan.ok()) {
+    return absl::InternalError(absl::StrCat("step channel completion for entry ",
+                                            completion.user_data, ": its prepared plan: ",
+                                            plan.message()));
   }
   // The client's Step outcomes read the Step RPC's message (KvClient decodes it once).
   LayerAppendsToProto(layers_, prepared->mutable_layers());

@@ -90,6 +90,7 @@ class StepChannelClient {
   uint32_t cq_head_ ABSL_GUARDED_BY(mu_) = 0;
   // Complete's working storage for a plan's layers, reused (contents meaningless outside it).
   std::vector<LayerAppend> layers_ ABSL_GUARDED_BY(mu_);
+  std::vector<step_channel::LayerAppendRecord> plan_records_ ABSL_GUARDED_BY(mu_);
   std::atomic<bool> broken_{false};
   std::atomic<bool> abandoned_{false};
 };

@@ -22,9 +22,11 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/time/time.h"
+#include "absl/types/span.h"
 #include "core/transaction.h"
 
 namespace memra::step_channel {
@@ -56,7 +58,7 @@ inline constexpr int kMaxStepEntries = 65536;
 // create) must also end the daemon's batch of slot lookups (server/edge/step_channel.h).
 enum class Op : uint8_t {
   kBegin = 1,    // -> generation, base_len
-  kPrepare = 2,  // -> generation, target, the plan (LayerAppendRecord[] in the side span)
+  kPrepare = 2,  // -> generation, target, the plan (LayerAppendRecord runs in the side span)
   kPublish = 3,  // -> staged_len
   kCommit = 4,   // -> committed_len
   kAbort = 5,    // -> committed_len
@@ -68,17 +70,21 @@ inline constexpr uint8_t kMaxOp = 6;
 enum class CompletionSide : uint8_t {
   kNone = 0,
   kMessage = 1,  // the refusal message (UTF-8)
-  kLayers = 2,   // the prepared append's plan: LayerAppendRecord[side_length / 40], layer order
+  kLayers = 2,   // the prepared append's plan: LayerAppendRecord[side_length / 40] (runs)
   // The append was prepared but its plan (side_length bytes) does not fit the side span: only
   // for a session over kMaxKvLayers, which engines step over gRPC instead.
   kLayersTooLarge = 3,
 };
 
-// One K/V layer of a prepared append (core's LayerAppend): where its rows go.
+// A run of K/V layers of a prepared append (core's LayerAppends): the `layers` consecutive
+// layer ids from `layer` whose appends are equal but for the layer id. A dense model's step is
+// one record; layers of other geometries (rings of another window) or with gaps between their
+// ids start new runs. Records come in layer order, their runs never overlap.
 struct LayerAppendRecord {
-  uint32_t layer = 0;
-  uint8_t flags = 0;  // kLayerRing | kLayerRebase
-  uint8_t reserved[3] = {};
+  uint32_t layer = 0;  // the run's first layer
+  uint8_t flags = 0;   // kLayerRing | kLayerRebase
+  uint8_t reserved = 0;
+  uint16_t layers = 1;     // the run's length, >= 1
   uint64_t write_row = 0;  // physical row of the first appended row
   uint64_t src_row = 0;    // a rebase: move keep_rows rows from src_row to row 0 first
   uint64_t keep_rows = 0;
@@ -87,9 +93,12 @@ struct LayerAppendRecord {
 static_assert(sizeof(LayerAppendRecord) == 40);
 inline constexpr uint8_t kLayerRing = 1;    // a ring layer (core: ring_append is set)
 inline constexpr uint8_t kLayerRebase = 2;  // its append rebases the ring first
+// The most layers a plan's records may expand to (a reader's bound on what it allocates).
+inline constexpr uint32_t kMaxPlanLayers = 65536;
 
 // Sessions of at most this many K/V layers are stepped over the channel: their prepared plan
-// always fits a completion side span (128 x 40 bytes < kCompletionSideBytes).
+// always fits a completion side span (at most one record per layer: 128 x 40 bytes <
+// kCompletionSideBytes).
 inline constexpr uint32_t kMaxKvLayers = 128;
 static_assert(kMaxKvLayers * sizeof(LayerAppendRecord) <= kCompletionSideBytes);
 
@@ -184,9 +193,14 @@ struct Layout {
 // The layout of a channel of `slots` ring slots (every part page-aligned).
 Layout LayoutFor(uint32_t slots);
 
-// Core's LayerAppend as a record and back (the one conversion, for the daemon and the client).
-LayerAppendRecord ToRecord(const LayerAppend& layer);
-LayerAppend FromRecord(const LayerAppendRecord& record);
+// A plan's layers (core's LayerAppends, in layer order) as records, into `out` (cleared; its
+// capacity is reused): the one conversion, for the daemon.
+void PlanToRecords(absl::Span<const LayerAppend> layers, std::vector<LayerAppendRecord>& out);
+// The inverse, into `out` (cleared), for the engine libraries: INVALID_ARGUMENT naming the
+// record and its numbers for a run of no layers, one past the last layer id, runs out of layer
+// order or overlapping, or more than kMaxPlanLayers layers in all.
+absl::Status RecordsToPlan(absl::Span<const LayerAppendRecord> records,
+                           std::vector<LayerAppend>& out);
 
 // Writes the constant fields and zeroes the counters. REQUIRES: `region` holds
 // LayoutFor(kSlots).region_bytes zeroed bytes.

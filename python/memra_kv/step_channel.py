@@ -77,9 +77,11 @@ SUBMISSION = struct.Struct("<QIBB2xQQQQI12x")
 # generation, base_len, target, staged_len, committed_len, restart_previous_epoch,
 # restart_epoch, side_offset, side_length, reserved, reserved2.
 COMPLETION = struct.Struct("<QiBBBBQQQQQQQQI12x")
-# LayerAppendRecord (40 bytes), a prepared plan's layers in the side span: layer, flags
-# (LAYER_RING | LAYER_REBASE), reserved[3], write_row, src_row, keep_rows, new_base.
-LAYER_APPEND = struct.Struct("<IB3xQQQQ")
+# LayerAppendRecord (40 bytes), a prepared plan's layers in the side span as runs: layer (the
+# run's first), flags (LAYER_RING | LAYER_REBASE), reserved, layers (the run's length: ids
+# layer .. layer + layers - 1 share the plan), write_row, src_row, keep_rows, new_base.
+LAYER_APPEND = struct.Struct("<IBxHQQQQ")
+MAX_PLAN_LAYERS = 65536  # the most layers a plan's records may expand to
 assert SUBMISSION.size == 64 and COMPLETION.size == 96 and LAYER_APPEND.size == 40
 
 # How long a send polls cq_tail before FUTEX_WAIT, and for how many records in flight at most
@@ -184,11 +186,23 @@ class _Futex:
 
 def plan_layers(side: bytes) -> List[Tuple[int, int, int, int, int, int]]:
     """A prepared plan's side span as (layer, flags, write_row, src_row, keep_rows, new_base)
-    tuples, in layer order. REQUIRES: len(side) is a multiple of LAYER_APPEND.size (the
-    completion reader checked it)."""
-    return [(layer, flags, write_row, src_row, keep_rows, new_base)
-            for layer, flags, write_row, src_row, keep_rows, new_base
-            in LAYER_APPEND.iter_unpack(side)]
+    tuples, one per layer, in layer order (its runs expanded, as step_channel::RecordsToPlan).
+    KvError INTERNAL naming the record for a run of no layers, out of layer order or overlapping,
+    or more than MAX_PLAN_LAYERS in all. REQUIRES: len(side) is a multiple of LAYER_APPEND.size
+    (the completion reader checked it)."""
+    layers: List[Tuple[int, int, int, int, int, int]] = []
+    next_layer = 0
+    records = LAYER_APPEND.iter_unpack(side)
+    for index, (first, flags, count, write_row, src_row, keep_rows, new_base) in enumerate(records):
+        if count == 0 or first < next_layer or len(layers) + count > MAX_PLAN_LAYERS:
+            raise KvError(grpc.StatusCode.INTERNAL, "step channel completion: plan record %d: a "
+                          "run of %d layers from layer %d (runs are non-empty, in layer order, "
+                          "from %d on, at most %d layers in all)"
+                          % (index, count, first, next_layer, MAX_PLAN_LAYERS))
+        layers.extend((layer, flags, write_row, src_row, keep_rows, new_base)
+                      for layer in range(first, first + count))
+        next_layer = first + count
+    return layers
 
 
 def _too_large(record: Record) -> Tuple[Record, bytes]:

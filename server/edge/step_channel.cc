@@ -97,6 +97,7 @@ struct StepChannels::Channel {
   std::vector<uint32_t> slots;
   std::vector<std::shared_ptr<DaemonSession>> sessions;
   std::vector<int32_t> token_ids;
+  std::vector<LayerAppendRecord> plan_records;  // WriteResult's, for the record being answered
 };
 
 StepChannels::StepChannels(SessionRegistry* sessions, const EngineLeases* leases, Options options)
@@ -405,50 +406,52 @@ void StepChannels::LogRefusal(Channel& channel, absl::string_view message) {
 absl::StatusOr<SessionOp> StepChannels::DecodeRecord(Channel& channel,
                                                      const SubmissionRecord& record,
                                                      uint32_t sq_index) {
-  const std::string which =
-      absl::StrCat("step channel record ", channel.sq_head, " (ring slot ", sq_index, ")");
+  // Built only for a refusal: a valid record formats nothing.
+  const auto which = [&] {
+    return absl::StrCat("step channel record ", channel.sq_head, " (ring slot ", sq_index, ")");
+  };
   if (record.version != step_channel::kVersion) {
     if (record.version == 0) {
       return absl::InvalidArgumentError(absl::StrCat(
-          which, ": a step channel version ", step_channel::kPreviousVersion,
+          which(), ": a step channel version ", step_channel::kPreviousVersion,
           " record (no version byte); this daemon speaks version ", step_channel::kVersion,
           ": update the engine library"));
     }
-    return absl::InvalidArgumentError(absl::StrCat(which, ": record version ", record.version,
+    return absl::InvalidArgumentError(absl::StrCat(which(), ": record version ", record.version,
                                                    "; this daemon speaks version ",
                                                    step_channel::kVersion));
   }
   if (record.op < 1 || record.op > step_channel::kMaxOp) {
-    return absl::InvalidArgumentError(absl::StrCat(which, ": operation ", record.op,
+    return absl::InvalidArgumentError(absl::StrCat(which(), ": operation ", record.op,
                                                    " is not one of 1 to ", step_channel::kMaxOp));
   }
   if (!AllZero(record.reserved, sizeof(record.reserved)) || record.reserved2 != 0 ||
       record.reserved3 != 0) {
-    return absl::InvalidArgumentError(absl::StrCat(which, ": reserved fields are not zero"));
+    return absl::InvalidArgumentError(absl::StrCat(which(), ": reserved fields are not zero"));
   }
   const Op op = static_cast<Op>(record.op);
   channel.token_ids.clear();
   if (record.side_length != 0) {
     if (op != Op::kCommit && op != Op::kAdvance) {
-      return absl::InvalidArgumentError(absl::StrCat(which, ": operation ", record.op,
+      return absl::InvalidArgumentError(absl::StrCat(which(), ": operation ", record.op,
                                                      " carries no token ids, but side_length is ",
                                                      record.side_length));
     }
     if (record.side_length % sizeof(int32_t) != 0) {
       return absl::InvalidArgumentError(absl::StrCat(
-          which, ": side_length ", record.side_length, " is not a multiple of 4 (int32 ids)"));
+          which(), ": side_length ", record.side_length, " is not a multiple of 4 (int32 ids)"));
     }
     const uint64_t area = uint64_t{kSlots} * kSubmissionSideBytes;
     if (record.side_offset > area || record.side_length > area - record.side_offset) {
       return absl::InvalidArgumentError(absl::StrCat(
-          which, ": side span at offset ", record.side_offset, " of ", record.side_length,
+          which(), ": side span at offset ", record.side_offset, " of ", record.side_length,
           " bytes lies beyond the submission side area of ", area, " bytes"));
     }
     const uint64_t own = uint64_t{sq_index} * kSubmissionSideBytes;
     if (record.side_offset < own ||
         record.side_offset + record.side_length > own + kSubmissionSideBytes) {
       return absl::InvalidArgumentError(absl::StrCat(
-          which, ": side span [", record.side_offset, ", ",
+          which(), ": side span [", record.side_offset, ", ",
           record.side_offset + record.side_length, ") is outside its ring slot's span [", own,
           ", ", own + kSubmissionSideBytes, ")"));
     }
@@ -477,7 +480,7 @@ absl::StatusOr<SessionOp> StepChannels::DecodeRecord(Channel& channel,
                                    .next_rows = record.next_rows},
                        .token_ids = token_ids};
   }
-  return absl::InternalError(absl::StrCat(which, ": operation ", record.op, " has no decoding"));
+  return absl::InternalError(absl::StrCat(which(), ": operation ", record.op, " has no decoding"));
 }
 
 void StepChannels::WriteResult(Channel& channel, uint32_t cq_index, const SessionResult& result,
@@ -501,7 +504,8 @@ void StepChannels::WriteResult(Channel& channel, uint32_t cq_index, const Sessio
   completion.has_prepared = 1;
   completion.generation = prepared->transaction.generation;
   completion.target = prepared->target;
-  const uint64_t bytes = uint64_t{prepared->layers.size()} * sizeof(LayerAppendRecord);
+  step_channel::PlanToRecords(prepared->layers, channel.plan_records);
+  const uint64_t bytes = uint64_t{channel.plan_records.size()} * sizeof(LayerAppendRecord);
   if (bytes > kCompletionSideBytes) {
     // Applied, but the plan does not fit: only an engine that ignored the channel's layer
     // limit (docs/step-channel.md) gets here, and it alone loses the plan.
@@ -510,12 +514,7 @@ void StepChannels::WriteResult(Channel& channel, uint32_t cq_index, const Sessio
     return;
   }
   const uint64_t offset = uint64_t{cq_index} * kCompletionSideBytes;
-  uint8_t* side = channel.completion_side + offset;
-  for (const LayerAppend& layer : prepared->layers) {
-    const LayerAppendRecord record = step_channel::ToRecord(layer);
-    std::memcpy(side, &record, sizeof(record));
-    side += sizeof(record);
-  }
+  std::memcpy(channel.completion_side + offset, channel.plan_records.data(), bytes);
   completion.side_kind = static_cast<uint8_t>(CompletionSide::kLayers);
   completion.side_offset = offset;
   completion.side_length = static_cast<uint32_t>(bytes);
