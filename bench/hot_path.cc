@@ -331,10 +331,15 @@ absl::StatusOr<Json> RunStepChannel(const BenchOptions& options) {
   ASSIGN_OR_RETURN(std::vector<std::unique_ptr<Session>> grpc_sessions,
                    CreateSessions(*grpc_client, grpc_plan, session_options, kMaxSessions));
   ASSIGN_OR_RETURN(std::unique_ptr<EchoFloor> floor, EchoFloor::Start(options.echo_binary));
+  // The in-process baseline of the same step: core's Advance on each session, in this process.
+  SessionShape request;
+  request.capacity = kCapacity;
+  ASSIGN_OR_RETURN(SessionPlan session_plan, PlanSession(model, FormatDefaults(), request));
+  ASSIGN_OR_RETURN(CoreSessions core, CoreSessions::Create(session_plan, kMaxSessions));
 
   struct ChannelMeasured {
     size_t sessions = 0;
-    Samples channel, grpc, floor;
+    Samples channel, grpc, floor, core_advance;
     CpuTime channel_cpu, grpc_cpu, floor_cpu;
     uint64_t request_bytes = 0, response_bytes = 0;
   };
@@ -371,6 +376,9 @@ absl::StatusOr<Json> RunStepChannel(const BenchOptions& options) {
                                   [&] { return grpc_stepper->Step(); }));
       RETURN_IF_ERROR(TimeWithCpu(floor->pid(), steps, record, m.floor, m.floor_cpu,
                                   [&] { return floor->Call(); }));
+      RETURN_IF_ERROR(core.ResetAll(shape.sessions));
+      RETURN_IF_ERROR(
+          Time(steps, record, m.core_advance, [&] { return core.Advance(shape.sessions); }));
     }
     RETURN_IF_ERROR(channel_stepper->ResetAll());
     RETURN_IF_ERROR(grpc_stepper->ResetAll());
@@ -385,8 +393,9 @@ absl::StatusOr<Json> RunStepChannel(const BenchOptions& options) {
   json["model"] = "llama-3-8b (32 K/V layers)";
   json["step"] = "one Advance entry per session, addressed by slot";
   json["steps_per_round"] = steps;
-  Table table({"N", "channel p50", "p99", "gRPC p50", "floor p50", "channel/floor",
-               "channel/gRPC", "per-session p50", "kvd cpu/session", "gRPC kvd cpu/session"});
+  Table table({"N", "channel p50", "p99", "gRPC p50", "floor p50", "core advance p50",
+               "channel/floor", "channel/gRPC", "per-session p50", "kvd cpu/session",
+               "gRPC kvd cpu/session"});
   Json rows = Json::array();
   for (const ChannelMeasured& m : results) {
     const double n = static_cast<double>(m.sessions);
@@ -395,6 +404,7 @@ absl::StatusOr<Json> RunStepChannel(const BenchOptions& options) {
         {"channel_step", m.channel.ToJson()},
         {"grpc_step", m.grpc.ToJson()},
         {"floor_step", m.floor.ToJson()},
+        {"core_advance_step", m.core_advance.ToJson()},
         {"ratio_channel_floor_p50", m.channel.P50() / m.floor.P50()},
         {"ratio_channel_grpc_p50", m.channel.P50() / m.grpc.P50()},
         {"channel_per_session", m.channel.ToJson(n)},
@@ -405,7 +415,8 @@ absl::StatusOr<Json> RunStepChannel(const BenchOptions& options) {
         {"step_response_bytes", m.response_bytes},
     });
     table.Add({absl::StrCat(m.sessions), Us(m.channel.P50()), Us(m.channel.P99()),
-               Us(m.grpc.P50()), Us(m.floor.P50()), Ratio(m.channel.P50() / m.floor.P50()),
+               Us(m.grpc.P50()), Us(m.floor.P50()), Us(m.core_advance.P50()),
+               Ratio(m.channel.P50() / m.floor.P50()),
                Ratio(m.channel.P50() / m.grpc.P50()), Us(m.channel.P50() / n),
                Us(m.channel_cpu.ServerNsPerStep() / n), Us(m.grpc_cpu.ServerNsPerStep() / n)});
   }
@@ -415,22 +426,40 @@ absl::StatusOr<Json> RunStepChannel(const BenchOptions& options) {
   const double extra = static_cast<double>(most.sessions - one.sessions);
   const double channel_marginal = (most.channel.P50() - one.channel.P50()) / extra;
   const double grpc_marginal = (most.grpc.P50() - one.grpc.P50()) / extra;
+  const double core_marginal = (most.core_advance.P50() - one.core_advance.P50()) / extra;
   const double ratio_at_one = one.channel.P50() / one.floor.P50();
-  json["marginal_per_session_p50_us"] =
-      Json{{"channel", channel_marginal / 1e3}, {"grpc", grpc_marginal / 1e3}};
+  const double marginal_over_core = channel_marginal / core_marginal;
+  // The daemon's CPU per session per step at the largest N (its spin between steps weighs
+  // least there).
+  const double cpu_per_session =
+      most.channel_cpu.ServerNsPerStep() / static_cast<double>(most.sessions);
+  json["marginal_per_session_p50_us"] = Json{{"channel", channel_marginal / 1e3},
+                                             {"grpc", grpc_marginal / 1e3},
+                                             {"core_advance", core_marginal / 1e3}};
   json["targets"] = Json{
       {"channel_within_0_3x_floor_at_n1",
        Json{{"ratio", ratio_at_one}, {"met", ratio_at_one <= 0.3}}},
       {"marginal_under_1us_at_n256",
-       Json{{"us", channel_marginal / 1e3}, {"met", channel_marginal <= 1000}}}};
+       Json{{"us", channel_marginal / 1e3}, {"met", channel_marginal <= 1000}}},
+      {"marginal_within_3x_core_advance",
+       Json{{"ratio", marginal_over_core}, {"met", marginal_over_core <= 3.0}}},
+      {"daemon_cpu_per_session_under_1us_at_n256",
+       Json{{"us", cpu_per_session / 1e3}, {"met", cpu_per_session <= 1000}}}};
   table.Print("1c. decode step (one Advance per session) over the step channel vs over gRPC, and "
               "the bare gRPC floor (times in us; kvd cpu = the daemon's CPU per session per step)");
-  std::printf("marginal per extra session (p50, N=%zu..%zu): channel %s us, gRPC %s us\n",
-              one.sessions, most.sessions, Us(channel_marginal).c_str(),
-              Us(grpc_marginal).c_str());
+  std::printf(
+      "marginal per extra session (p50, N=%zu..%zu): channel %s us, gRPC %s us, core Advance in "
+      "process %s us\n",
+      one.sessions, most.sessions, Us(channel_marginal).c_str(), Us(grpc_marginal).c_str(),
+      Us(core_marginal).c_str());
   std::printf("target: channel/floor at N=1 <= 0.3x: %s (%s); marginal <= 1 us: %s (%s us)\n",
               ratio_at_one <= 0.3 ? "MET" : "MISSED", Ratio(ratio_at_one).c_str(),
               channel_marginal <= 1000 ? "MET" : "MISSED", Us(channel_marginal).c_str());
+  std::printf("target: marginal <= 3x core Advance: %s (%s); daemon CPU per session per step "
+              "at N=%zu <= 1 us: %s (%s us)\n",
+              marginal_over_core <= 3.0 ? "MET" : "MISSED", Ratio(marginal_over_core).c_str(),
+              most.sessions, cpu_per_session <= 1000 ? "MET" : "MISSED",
+              Us(cpu_per_session).c_str());
   return json;
 }
 

@@ -33,6 +33,80 @@ Layout LayoutFor(uint32_t slots) {
   return layout;
 }
 
+namespace {
+
+// `layer`'s plan as a record of a run of one.
+LayerAppendRecord RecordOf(const LayerAppend& layer) {
+  LayerAppendRecord record;
+  record.layer = layer.layer;
+  record.write_row = layer.write_row;
+  if (layer.ring_append.has_value()) {
+    const RingAppend& ring = *layer.ring_append;
+    record.flags = kLayerRing;
+    if (ring.kind == RingAppend::Kind::kRebase) {
+      record.flags |= kLayerRebase;
+      record.src_row = ring.src_row;
+      record.keep_rows = ring.keep_rows;
+      record.new_base = ring.new_base;
+    }
+  }
+  return record;
+}
+
+// Whether `layer` extends `run` (the next layer id, the same plan but for the id).
+bool Extends(const LayerAppendRecord& run, const LayerAppend& layer) {
+  if (uint64_t{run.layer} + run.layers != layer.layer || run.layers == UINT16_MAX) return false;
+  LayerAppendRecord same = RecordOf(layer);
+  same.layer = run.layer;
+  same.layers = run.layers;
+  return std::memcmp(&same, &run, sizeof(same)) == 0;
+}
+
+}  // namespace
+
+void PlanToRecords(absl::Span<const LayerAppend> layers, std::vector<LayerAppendRecord>& out) {
+  out.clear();
+  for (const LayerAppend& layer : layers) {
+    if (!out.empty() && Extends(out.back(), layer)) {
+      ++out.back().layers;
+    } else {
+      out.push_back(RecordOf(layer));
+    }
+  }
+}
+
+absl::Status RecordsToPlan(absl::Span<const LayerAppendRecord> records,
+                           std::vector<LayerAppend>& out) {
+  out.clear();
+  uint64_t next_layer = 0;  // the lowest layer id the next run may start at
+  for (size_t i = 0; i < records.size(); ++i) {
+    const LayerAppendRecord& record = records[i];
+    const uint64_t end = uint64_t{record.layer} + record.layers;
+    if (record.layers == 0 || end > uint64_t{UINT32_MAX} + 1 || record.layer < next_layer ||
+        out.size() + record.layers > kMaxPlanLayers) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "plan record ", i, " of ", records.size(), ": a run of ", record.layers,
+          " layers from layer ", record.layer, " (runs are non-empty, in layer order, from ",
+          next_layer, " on, at most ", kMaxPlanLayers, " layers in all; ", out.size(),
+          " so far)"));
+    }
+    LayerAppend layer;
+    layer.write_row = record.write_row;
+    if ((record.flags & kLayerRing) != 0) {
+      layer.ring_append = (record.flags & kLayerRebase) != 0
+                              ? RingAppend::Rebase(record.src_row, record.keep_rows,
+                                                   record.new_base, record.write_row)
+                              : RingAppend::Contiguous(record.write_row);
+    }
+    for (uint64_t id = record.layer; id < end; ++id) {
+      layer.layer = static_cast<uint32_t>(id);
+      out.push_back(layer);
+    }
+    next_layer = end;
+  }
+  return absl::OkStatus();
+}
+
 void InitializeHeader(void* region) {
   const Layout layout = LayoutFor(kSlots);
   auto* header = new (region) StepChannelHeader();

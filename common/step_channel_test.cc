@@ -58,10 +58,11 @@ TEST(StepChannelLayoutTest, EveryConstantFieldIsCheckedWithBothValues) {
   std::vector<uint8_t> region(layout.region_bytes, 0);
   InitializeHeader(region.data());
   auto& header = *reinterpret_cast<StepChannelHeader*>(region.data());
-  header.version = 2;
+  // A version-1 daemon's region, met by this (version 2) library.
+  header.version = kPreviousVersion;
   EXPECT_THAT(CheckHeader(header, layout.region_bytes),
               StatusIs(absl::StatusCode::kInvalidArgument,
-                       HasSubstrs("version is 2", "speaks 1")));
+                       HasSubstrs("version is 1", "speaks 2")));
   header.version = kVersion;
   header.magic = 0;
   EXPECT_THAT(CheckHeader(header, layout.region_bytes),
@@ -99,6 +100,93 @@ TEST(StepChannelFutexTest, AWaitEndsAtItsTimeoutOrAtAWake) {
   EXPECT_TRUE(woke);
   EXPECT_LT(absl::Now() - start, absl::Seconds(10));
   munmap(memory, 4096);
+}
+
+// A prepared plan's layers go through the completion side span as LayerAppendRecords: runs of
+// consecutive layers with one plan share a record, and every kind of core LayerAppend comes
+// back equal, with its flags and numbers where the layout says.
+TEST(StepChannelLayoutTest, LayerAppendRecordsCarryPlansAsRunsOfLayers) {
+  // A dense model's step: 32 layers, one plan, one record.
+  std::vector<LayerAppend> dense;
+  for (uint32_t layer = 0; layer < 32; ++layer) {
+    dense.push_back(LayerAppend{.layer = layer, .write_row = 17, .ring_append = std::nullopt});
+  }
+  std::vector<LayerAppendRecord> records;
+  PlanToRecords(dense, records);
+  ASSERT_EQ(records.size(), 1u);
+  EXPECT_EQ(records[0].layer, 0u);
+  EXPECT_EQ(records[0].layers, 32u);
+  EXPECT_EQ(records[0].flags, 0u);
+  EXPECT_EQ(records[0].write_row, 17u);
+  std::vector<LayerAppend> back;
+  ASSERT_THAT(RecordsToPlan(records, back), IsOk());
+  EXPECT_EQ(back, dense);
+
+  // Flat layers, rings (contiguous, then a rebase), a gap in the ids: a run each.
+  const std::vector<LayerAppend> mixed = {
+      LayerAppend{.layer = 0, .write_row = 5, .ring_append = std::nullopt},
+      LayerAppend{.layer = 1, .write_row = 5, .ring_append = std::nullopt},
+      LayerAppend{.layer = 2, .write_row = 9, .ring_append = RingAppend::Contiguous(9)},
+      LayerAppend{.layer = 3, .write_row = 9, .ring_append = RingAppend::Contiguous(9)},
+      LayerAppend{.layer = 4, .write_row = 2, .ring_append = RingAppend::Rebase(4096, 511, 8192, 2)},
+      LayerAppend{.layer = 6, .write_row = 5, .ring_append = std::nullopt},
+  };
+  PlanToRecords(mixed, records);
+  ASSERT_EQ(records.size(), 4u);
+  EXPECT_EQ(records[1].layer, 2u);
+  EXPECT_EQ(records[1].layers, 2u);
+  EXPECT_EQ(records[1].flags, kLayerRing);
+  const LayerAppendRecord& rebase = records[2];
+  EXPECT_EQ(rebase.layer, 4u);
+  EXPECT_EQ(rebase.layers, 1u);
+  EXPECT_EQ(rebase.flags, kLayerRing | kLayerRebase);
+  EXPECT_EQ(rebase.write_row, 2u);
+  EXPECT_EQ(rebase.src_row, 4096u);
+  EXPECT_EQ(rebase.keep_rows, 511u);
+  EXPECT_EQ(rebase.new_base, 8192u);
+  EXPECT_EQ(records[3].layer, 6u);  // the gap at 5 starts a new run
+  // As the side span carries them: bytes.
+  std::vector<uint8_t> bytes(records.size() * sizeof(LayerAppendRecord));
+  std::memcpy(bytes.data(), records.data(), bytes.size());
+  std::vector<LayerAppendRecord> read(records.size());
+  std::memcpy(read.data(), bytes.data(), bytes.size());
+  ASSERT_THAT(RecordsToPlan(read, back), IsOk());
+  EXPECT_EQ(back, mixed);
+}
+
+// What an engine library refuses in a plan's records (a daemon's bug, or memory gone bad).
+TEST(StepChannelLayoutTest, RecordsToPlanRefusesRunsOutOfOrderEmptyOrTooLong) {
+  std::vector<LayerAppend> out;
+  LayerAppendRecord empty;
+  empty.layer = 3;
+  empty.layers = 0;
+  EXPECT_THAT(RecordsToPlan({empty}, out),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstrs("plan record 0 of 1: a run of 0 layers from layer 3")));
+  LayerAppendRecord first;
+  first.layer = 0;
+  first.layers = 4;
+  LayerAppendRecord overlapping;
+  overlapping.layer = 2;
+  overlapping.layers = 1;
+  EXPECT_THAT(RecordsToPlan({first, overlapping}, out),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstrs("plan record 1 of 2: a run of 1 layers from layer 2",
+                                  "from 4 on")));
+  LayerAppendRecord past_the_ids;
+  past_the_ids.layer = UINT32_MAX;
+  past_the_ids.layers = 2;
+  EXPECT_THAT(RecordsToPlan({past_the_ids}, out),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstrs("a run of 2 layers from layer 4294967295")));
+  std::vector<LayerAppendRecord> huge(2);
+  huge[0].layer = 0;
+  huge[0].layers = UINT16_MAX;
+  huge[1].layer = UINT16_MAX;
+  huge[1].layers = 2;
+  EXPECT_THAT(RecordsToPlan(huge, out),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstrs("at most 65536 layers in all; 65535 so far")));
 }
 
 }  // namespace
