@@ -185,9 +185,9 @@ absl::StatusOr<std::shared_ptr<DaemonSession>> SessionRegistry::AllocateSession(
   params.shape = shape;
   absl::StatusOr<std::unique_ptr<DaemonSession>> session =
       DaemonSession::Create(params, backend_, budget_, reservation, pool_);
-  // Refused for room (bytes, arenas or the engine's share) while the engine's own pool holds
-  // arenas of other sizes: those go first (other engines' pooled bytes are evicted by
-  // admission itself), then one retry.
+  // Admission already frees the engine's own pooled arenas before refusing it (DeviceBudget);
+  // this covers the backend's own refusal (no memory for the new arena) while the engine's pool
+  // holds arenas of other sizes: those go, then one retry.
   if (session.status().code() == absl::StatusCode::kResourceExhausted && pool_ != nullptr &&
       pool_->pooled_bytes(engine.id.value) > 0) {
     const uint64_t drained = pool_->DrainEngine(engine.id.value, /*forget=*/false);

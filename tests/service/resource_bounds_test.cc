@@ -418,6 +418,39 @@ TEST_F(EngineArenaShareTest, OneEngineHoldsAtMostItsShareOfTheArenas) {
       << "a released arena makes room again";
 }
 
+// An engine's pooled (released, kept for reuse) arenas count toward its share, and it was
+// refused a reservation at its share although every arena it held was its own idle pool. Now a
+// refusal for its share frees its own pooled arenas first and admits it; the other engine is
+// refused at its own share only, and served up to it.
+TEST_F(EngineArenaShareTest, AnEnginesOwnPooledArenasGoFirstAtItsShare) {
+  std::unique_ptr<KvClient> honest = NewClient("honest");
+  ASSERT_NE(honest, nullptr);
+  for (int i = 0; i < 4; ++i) {
+    std::unique_ptr<Session> session = NewSession(*client_, 64, /*spec_snapshot=*/false);
+    ASSERT_NE(session, nullptr);
+    ASSERT_THAT(session->Release().status(), IsOk());
+  }
+  // Engine a's four pooled arenas still hold its share and half of max_arenas: the other
+  // engine has its own four, and no more.
+  std::vector<std::unique_ptr<Session>> served;
+  for (int i = 0; i < 4; ++i) {
+    served.push_back(NewSession(*honest, 64, /*spec_snapshot=*/false));
+    ASSERT_NE(served.back(), nullptr) << "honest session " << i;
+  }
+  EXPECT_THAT(honest->CreateSession(plan_, Options(64, false)).status(),
+              StatusIs(kExhausted, HasSubstrs(absl::StrCat("engine ", honest->engine_id(),
+                                                           " holds 4 arenas"),
+                                              "limit is 4 per engine")));
+  // Engine a, at its share with nothing but its idle pool: a reservation and a session of
+  // another size are admitted, its pool freed for them.
+  absl::StatusOr<SessionReservation> reserved = client_->Reserve(plan_, Options(128, false));
+  EXPECT_THAT(reserved.status(), IsOk());
+  EXPECT_THAT(client_->CreateSession(plan_, Options(256, false)).status(), IsOk());
+  for (const std::unique_ptr<Session>& session : served) {
+    EXPECT_THAT(session->State().status(), IsOk());
+  }
+}
+
 // ---- 8. Host memory an engine keeps mapped after release ----
 
 // A live engine that kept each released arena mapped (and its descriptor) and created the next
