@@ -414,6 +414,12 @@ const std::vector<KeySpec>& Keys() {
        .help = "Arenas (sessions, reservations) one engine may hold at once (RESOURCE_EXHAUSTED "
                "past it); 0 = half of the arena limit in force.",
        .min = 0, .max = 100'000'000},
+      {.name = "max_engine_cpu_percent", .field = &C::max_engine_cpu_percent,
+       .syntax = Syntax::kInteger, .reloadable = false,
+       .help = "Percent of one core's time the daemon may spend in one engine's session "
+               "operations, 2 s of it banked for bursts (RESOURCE_EXHAUSTED past it, until the "
+               "engine has earned time back); 0 = no bound.",
+       .min = 0, .max = 6'400},
       {.name = "admin_socket_path", .field = &C::admin_socket_path, .syntax = Syntax::kText,
        .reloadable = false,
        .help = "Unix socket operators (memra-kvctl) connect to; empty = socket_path with .sock "

@@ -200,6 +200,10 @@ struct DaemonConfig {
   // Arenas one engine may hold of those (sessions, its reservations), so that no engine takes
   // every arena. 0 = half of the arena limit in force (EffectiveMaxEngineArenas).
   uint64_t max_engine_arenas = 0;
+  // Percent of one core's time the daemon may spend in one engine's session operations
+  // (server/session/engine_time_shares.h), with 2 s of it banked for bursts; past it the
+  // engine's calls are RESOURCE_EXHAUSTED until it has earned time back. 0 = no bound.
+  uint32_t max_engine_cpu_percent = 100;
 
   // socket_path with "{device}" replaced.
   std::string SocketPath() const;

@@ -448,9 +448,11 @@ Daemon::Daemon(DaemonConfig config, std::unique_ptr<DeviceBackend> backend, Cloc
       leases_(clock_, budget_.get(), LeaseSettingsOf(start_config_), restart_state_.get()),
       prefix_cache_(std::move(prefix_cache)),
       arena_pool_(backend_.get(), budget_.get(), start_config_.arena_pool_engine_bytes),
+      time_shares_(EngineTimeShares::LimitsFor(start_config_.max_engine_cpu_percent), clock_),
       sessions_(backend_.get(), budget_.get(), &leases_, &plans_, FormatDefaults(),
                 start_config_.prefix_capture_on_engine_death ? prefix_cache_.get() : nullptr,
-                start_config_.max_engine_sessions, &arena_pool_, restart_state_.get()),
+                start_config_.max_engine_sessions, &arena_pool_, restart_state_.get(),
+                &time_shares_),
       block_store_(prefix_cache_.get(), backend_.get(), clock_, BlockStoreLimitsOf(start_config_),
                    [this](uint64_t connection, uint64_t engine) {
                      return handoff_.ServesEngine(connection, engine);

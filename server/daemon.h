@@ -67,6 +67,7 @@
 #include "server/restart/restart_state.h"
 #include "server/base/sd_notify.h"
 #include "server/edge/served_socket.h"
+#include "server/session/engine_time_shares.h"
 #include "server/session/session_registry.h"
 #include "server/edge/step_channel.h"
 
@@ -233,6 +234,8 @@ class Daemon {
   const std::unique_ptr<PrefixCache> prefix_cache_;
   // Released session arenas per engine (arena_pool_engine_bytes); evicted before prefix entries.
   ArenaPool arena_pool_;
+  // Each engine's share of the daemon's time (max_engine_cpu_percent), charged by sessions_.
+  EngineTimeShares time_shares_;
   SessionRegistry sessions_;
   // Engines' own pools (block_store.proto); its offers come over handoff_, its bytes live in
   // prefix_cache_.

@@ -27,7 +27,7 @@ SessionRegistry::SessionRegistry(DeviceBackend* backend, DeviceBudget* budget,
                                  EngineLeases* leases, PlanRegistry* plans,
                                  FormatDefaults defaults, PrefixCache* capture_on_reclaim,
                                  uint64_t max_sessions_per_engine, ArenaPool* pool,
-                                 StateJournal* journal)
+                                 StateJournal* journal, EngineTimeShares* time_shares)
     : backend_(backend),
       budget_(budget),
       leases_(leases),
@@ -36,7 +36,8 @@ SessionRegistry::SessionRegistry(DeviceBackend* backend, DeviceBudget* budget,
       capture_on_reclaim_(capture_on_reclaim),
       max_sessions_per_engine_(max_sessions_per_engine),
       pool_(pool),
-      journal_(journal) {}
+      journal_(journal),
+      time_shares_(time_shares) {}
 
 DaemonSession::Params SessionRegistry::BaseParams() const {
   DaemonSession::Params params;
@@ -141,6 +142,8 @@ absl::StatusOr<std::shared_ptr<DaemonSession>> SessionRegistry::Create(
     const EngineCredentials& engine, const PlanFingerprint& plan, const SessionShape& shape,
     std::optional<ReservationId> reservation) {
   RETURN_IF_ERROR(leases_->Admit(engine, "the daemon is draining; no new sessions"));
+  RETURN_IF_ERROR(AdmitWork(engine.id));
+  TimeCharge charge(time_shares_, engine.id);
   ASSIGN_OR_RETURN(const uint32_t slot, BeginCreating(engine.id));
   absl::StatusOr<std::shared_ptr<DaemonSession>> session =
       AllocateSession(engine, slot, plan, shape, reservation);
@@ -347,7 +350,9 @@ absl::Status SessionRegistry::Run(const SessionCredentials& credentials,
                                   absl::Span<const SessionOp> ops,
                                   absl::FunctionRef<absl::Status()> before) {
   ASSIGN_OR_RETURN(std::shared_ptr<DaemonSession> session, Find(credentials));
-  RETURN_IF_ERROR(before());
+  RETURN_IF_ERROR(AdmitWork(session->owner()));
+  RETURN_IF_ERROR(before());  // waiting for the engine's device event is not the daemon's work
+  TimeCharge charge(time_shares_, session->owner());
   absl::Status status;
   for (const SessionOp& op : ops) {
     status = Apply(*session, op);
@@ -383,7 +388,13 @@ std::optional<absl::Status> SessionRegistry::TryRun(const SessionSlot& slot,
   return status;
 }
 
+absl::Status SessionRegistry::AdmitWork(EngineId engine) {
+  return time_shares_ == nullptr ? absl::OkStatus() : time_shares_->Admit(engine);
+}
+
 absl::Status SessionRegistry::ApplyAndJournal(DaemonSession& session, const SessionOp& op) {
+  RETURN_IF_ERROR(AdmitWork(session.owner()));
+  TimeCharge charge(time_shares_, session.owner());
   absl::Status status = Apply(session, op);
   // Before the reply: what the engine is told happened is what a restart brings back.
   session.JournalNow();
@@ -419,6 +430,7 @@ ReleasedSessions SessionRegistry::ReleaseOwnedBy(EngineId engine) {
   }
   // After the sessions: their arenas went to the pool, which now goes back to the device.
   if (pool_ != nullptr) pool_->DrainEngine(engine.value, /*forget=*/true);
+  if (time_shares_ != nullptr) time_shares_->Forget(engine);
   return released;
 }
 

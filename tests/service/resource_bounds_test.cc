@@ -601,5 +601,78 @@ TEST_F(HandoffBoundsTest, AGrowHoldingItsSessionDoesNotStallTheHandoffThread) {
   EXPECT_THAT(grown.status(), IsOk());
 }
 
+// ---- 9. The daemon's time: each engine's share ----
+
+// No client's call rate or CPU was bounded: an engine calling from many threads took as much of
+// the daemon as it asked for. Now the time the daemon spends in an engine's operations is
+// charged to it (max_engine_cpu_percent of one core, 2 s of it banked): past its share the
+// engine's calls, gRPC and step channel alike, are refused with the numbers until it has earned
+// time back, and another engine is served meanwhile. The daemon's clock is the test's: a
+// CreateSession held in the backend while the clock moves 450 ms is 450 ms of the daemon's time,
+// no sleeping.
+class EngineTimeShareTest : public DaemonTest {
+ protected:
+  void ConfigureDaemon(DaemonConfig& config) override { config.max_engine_cpu_percent = 10; }
+
+  // Moves the daemon's clock by `by` (at most the lease grace), then waits until every engine
+  // has heartbeated since, so that the next move cannot expire a lease.
+  void AdvanceKeepingLeases(absl::Duration by) {
+    clock_.Advance(by);
+    for (int i = 0; i < 500; ++i) {
+      bool fresh = true;
+      const pb::GetStatusResponse status = daemon_->GetStatus();
+      for (const pb::EngineStatus& engine : status.engine_status()) {
+        fresh = fresh && engine.last_heartbeat_age_ms() == 0;
+      }
+      if (fresh) return;
+      absl::SleepFor(absl::Milliseconds(10));
+    }
+    ADD_FAILURE() << "the engines did not heartbeat after the clock moved";
+  }
+};
+
+TEST_F(EngineTimeShareTest, AnEngineBeyondItsShareOfTheDaemonsTimeIsRefusedUntilItEarnsItBack) {
+  std::unique_ptr<KvClient> honest = NewClient("honest");
+  ASSERT_NE(honest, nullptr);
+  std::unique_ptr<Session> theirs = NewSession(*honest, 64, /*spec_snapshot=*/false);
+  ASSERT_NE(theirs, nullptr);
+  // Engine a's CreateSession, its arena's creation held while the clock moves.
+  faults_->Hold(BackendOp::kCreateArena);
+  absl::StatusOr<std::unique_ptr<Session>> created = absl::UnknownError("not run");
+  std::thread create([&] { created = client_->CreateSession(plan_, Options(64, false)); });
+  while (faults_->HeldCalls(BackendOp::kCreateArena) == 0) absl::SleepFor(absl::Milliseconds(1));
+  clock_.Advance(absl::Milliseconds(450));
+  faults_->Unhold(BackendOp::kCreateArena);
+  create.join();
+  ASSERT_THAT(created.status(), IsOk());
+  Session& mine = **created;
+
+  // 200 ms banked (2 s at 10%) less 450 ms: 250 ms of debt, 2.5 s of the clock to earn back.
+  const auto numbers = HasSubstrs(
+      absl::StrCat("engine ", client_->engine_id(), " has used its share of the daemon's time"),
+      "250 ms more than it has earned", "10% of one core", "max_engine_cpu_percent",
+      "200 ms banked", "served again in 2500 ms");
+  EXPECT_THAT(client_->CreateSession(plan_, Options(64, false)).status(),
+              StatusIs(kExhausted, numbers));
+  EXPECT_THAT(mine.State().status(), StatusIs(kExhausted, numbers));
+  StepBatch batch(StepAddressing::kSlot);
+  batch.Advance(mine, 0, 0, 1);
+  std::vector<StepOutcome> outcomes;
+  ASSERT_THAT(client_->Step(batch, outcomes), IsOk());
+  EXPECT_THAT(outcomes.at(0).status, StatusIs(kExhausted, numbers));
+  // The other engine is served meanwhile, over gRPC and over its step channel.
+  EXPECT_THAT(theirs->State().status(), IsOk());
+  StepBatch honest_batch(StepAddressing::kSlot);
+  honest_batch.Advance(*theirs, 0, 0, 1);
+  ASSERT_THAT(honest->Step(honest_batch, outcomes), IsOk());
+  EXPECT_THAT(outcomes.at(0).status, IsOk());
+  EXPECT_THAT(honest->CreateSession(plan_, Options(64, false)).status(), IsOk());
+
+  // Earned back on the daemon's clock: served again.
+  for (int i = 0; i < 5; ++i) AdvanceKeepingLeases(absl::Milliseconds(500));
+  EXPECT_THAT(mine.State().status(), IsOk());
+  EXPECT_THAT(client_->CreateSession(plan_, Options(64, false)).status(), IsOk());
+}
+
 }  // namespace
 }  // namespace memra::testing
