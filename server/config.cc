@@ -865,7 +865,11 @@ DescriptorShares ShareDescriptors(uint64_t open_files) {
   const uint64_t shared = open_files > kReservedDescriptors ? open_files - kReservedDescriptors : 0;
   return {.open_files = open_files,
           .arenas = std::max<uint64_t>(1, shared / 2),
-          .connections = std::max<uint64_t>(1, shared / 16)};
+          .connections = std::max<uint64_t>(1, shared / 16),
+          .handoff_descriptors = std::max<uint64_t>(1, shared / 16 * 3),
+          .in_flight = std::max<uint64_t>(1, shared),
+          .step_channels = std::max<uint64_t>(1, shared / 32),
+          .block_store_offers = std::max<uint64_t>(1, shared / 32)};
 }
 
 absl::Status ApplyOverride(DaemonConfig& config, std::string_view key_view,

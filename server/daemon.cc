@@ -50,25 +50,55 @@ std::pair<uint64_t, std::string> BudgetFor(const DaemonConfig& config, DeviceBac
   return {bytes, absl::StrCat("host: budget_bytes ", bytes)};
 }
 
-// Caps max_arenas and max_connections by the daemon's own RLIMIT_NOFILE (ShareDescriptors) and
-// says so.
-void LimitByDescriptors(DaemonConfig& config) {
+// The daemon's own RLIMIT_NOFILE (soft; unlimited or unreadable: no cap), shared out.
+DescriptorShares OwnDescriptorShares() {
   rlimit open_files{};
   uint64_t limit = UINT64_MAX;
   if (getrlimit(RLIMIT_NOFILE, &open_files) == 0 && open_files.rlim_cur != RLIM_INFINITY) {
     limit = open_files.rlim_cur;
   }
-  const DescriptorShares shares = ShareDescriptors(limit);
+  return ShareDescriptors(limit);
+}
+
+// Handoff connections the descriptor shares hold, each at its most (open: socket and pending
+// descriptors; in flight: unread answers).
+uint64_t HandoffConnectionsFor(const DescriptorShares& shares) {
+  return std::max<uint64_t>(
+      1, std::min(shares.handoff_descriptors / ArenaHandoff::kOpenDescriptorsPerConnection,
+                  shares.in_flight / ArenaHandoff::kInFlightDescriptorsPerConnection));
+}
+
+// How the handoff connection limit was derived, for its refusal and the start-up log.
+std::string HandoffConnectionsSource(const DaemonConfig& config, const DescriptorShares& shares) {
+  return absl::StrCat("max_attached_engines ", config.max_attached_engines, " or RLIMIT_NOFILE ",
+                      shares.open_files, "'s shares: ", shares.handoff_descriptors,
+                      " descriptors open, ", ArenaHandoff::kOpenDescriptorsPerConnection,
+                      " per connection; ", shares.in_flight, " in flight, ",
+                      ArenaHandoff::kInFlightDescriptorsPerConnection, " per connection");
+}
+
+// Caps max_arenas, max_connections and block_store_max_offers by the daemon's own RLIMIT_NOFILE
+// (ShareDescriptors), and says so with the caps the daemon applies to its handoff connections
+// and step channels (Daemon::HandoffOptions, StepChannelOptions).
+void LimitByDescriptors(DaemonConfig& config) {
+  const DescriptorShares shares = OwnDescriptorShares();
   const uint64_t arenas = EffectiveMaxArenas(config);
   config.max_arenas = std::min(arenas, shares.arenas);
   config.max_connections = std::min(config.max_connections, shares.connections);
   config.max_connections_per_uid = std::min(config.max_connections_per_uid, config.max_connections);
+  config.block_store_max_offers = std::min(config.block_store_max_offers, shares.block_store_offers);
   spdlog::info(
       "descriptors: RLIMIT_NOFILE {} ({} kept for the daemon): at most {} arenas (max_arenas or "
       "vm.max_map_count: {}; descriptors: {}), {} gRPC connections per socket and {} per uid "
-      "(max_connections or descriptors: {})",
-      limit, kReservedDescriptors, config.max_arenas, arenas, shares.arenas,
-      config.max_connections, config.max_connections_per_uid, shares.connections);
+      "(max_connections or descriptors: {}), {} handoff connections ({}), {} step channels "
+      "(max_attached_engines or descriptors: {}), {} block store offers (block_store_max_offers "
+      "or descriptors: {})",
+      shares.open_files, kReservedDescriptors, config.max_arenas, arenas, shares.arenas,
+      config.max_connections, config.max_connections_per_uid, shares.connections,
+      std::min(config.max_attached_engines, HandoffConnectionsFor(shares)),
+      HandoffConnectionsSource(config, shares),
+      std::min(config.max_attached_engines, shares.step_channels), shares.step_channels,
+      config.block_store_max_offers, shares.block_store_offers);
 }
 
 // SubscribeEvents streams of one socket: per engine on the engine socket, and all together.
@@ -438,6 +468,7 @@ Daemon::Daemon(DaemonConfig config, std::unique_ptr<DeviceBackend> backend, Cloc
       socket_path_(config.SocketPath()),
       admin_socket_path_(config.AdminSocketPath()),
       start_config_(std::move(config)),
+      descriptor_shares_(OwnDescriptorShares()),
       budget_(std::move(budget)),
       epoch_(epoch),
       scopes_(std::move(scopes)),
@@ -458,7 +489,7 @@ Daemon::Daemon(DaemonConfig config, std::unique_ptr<DeviceBackend> backend, Cloc
                      return handoff_.ServesEngine(connection, engine);
                    },
                    epoch_),
-      step_channels_(&sessions_, &leases_, StepChannels::Options{}),
+      step_channels_(&sessions_, &leases_, StepChannelOptions()),
       handoff_(HandoffOptions(), LookupArena(),
                [this](uint64_t engine, uint64_t connection, uint64_t bytes, ScopedFd fd) {
                  return block_store_.OfferBuffer(engine, connection, bytes, std::move(fd));
@@ -508,8 +539,25 @@ ArenaHandoff::Options Daemon::HandoffOptions() const {
   options.path = start_config_.HandoffSocketPath();
   options.group = start_config_.socket_group;
   options.mode = start_config_.socket_mode;
-  options.max_connections = static_cast<size_t>(start_config_.max_attached_engines);
+  const uint64_t by_descriptors = HandoffConnectionsFor(descriptor_shares_);
+  options.max_connections =
+      static_cast<size_t>(std::min(start_config_.max_attached_engines, by_descriptors));
+  options.max_connections_source = HandoffConnectionsSource(start_config_, descriptor_shares_);
+  // Connections with no engine yet: one uid may hold at most half of them.
+  options.max_unbound_per_uid =
+      std::min(options.max_unbound_per_uid, std::max<size_t>(1, options.max_connections / 2));
   options.instance = epoch_;
+  return options;
+}
+
+StepChannels::Options Daemon::StepChannelOptions() const {
+  StepChannels::Options options;
+  options.max_channels = static_cast<size_t>(
+      std::min(start_config_.max_attached_engines, descriptor_shares_.step_channels));
+  options.max_channels_source =
+      absl::StrCat("max_attached_engines ", start_config_.max_attached_engines, " or RLIMIT_NOFILE ",
+                   descriptor_shares_.open_files, "'s share: ", descriptor_shares_.step_channels,
+                   ", an eventfd each");
   return options;
 }
 

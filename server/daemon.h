@@ -179,6 +179,7 @@ class Daemon {
   // The handoff socket's options and its arena lookup: a session of the connection's engine,
   // named with its token, and one of its arenas.
   ArenaHandoff::Options HandoffOptions() const;
+  StepChannels::Options StepChannelOptions() const;
   ArenaHandoff::ArenaLookup LookupArena();
   // The handoff socket's step channel opener; null without step_channel.
   ArenaHandoff::StepChannelOpener OpenStepChannel();
@@ -215,6 +216,9 @@ class Daemon {
   const std::string socket_path_;
   const std::string admin_socket_path_;
   const DaemonConfig start_config_;
+  // The daemon's RLIMIT_NOFILE as read at construction, shared out (server/config.h): caps
+  // handoff connections and step channels (the other shares cap start_config_'s keys).
+  const DescriptorShares descriptor_shares_;
   const std::unique_ptr<DeviceBudget> budget_;
   const uint64_t epoch_;  // random per start; the previous epoch + 1 after a re-adoption
   const CacheScopes scopes_;  // cache_scope_allow

@@ -335,16 +335,13 @@ class DescriptorBudgetTest : public DaemonTest {
   void ConfigureDaemon(DaemonConfig& config) override {
     // One engine floods to the daemon-wide limit here; the per-engine share is tested below.
     config.max_engine_arenas = kOpenFiles;
-    ASSERT_EQ(getrlimit(RLIMIT_NOFILE, &saved_), 0);
-    rlimit lowered = saved_;
-    lowered.rlim_cur = std::min<rlim_t>(kOpenFiles, saved_.rlim_max);
-    ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &lowered), 0);
+    open_files_.Lower(kOpenFiles);
   }
   void TearDown() override {
     DaemonTest::TearDown();
-    setrlimit(RLIMIT_NOFILE, &saved_);
+    open_files_.Restore();
   }
-  rlimit saved_{};
+  LoweredOpenFileLimit open_files_;
 };
 
 // With 2,048 descriptors an engine's ~2,000 sessions ended in INTERNAL EMFILE for every engine.
@@ -376,6 +373,93 @@ TEST_F(DescriptorBudgetTest, ArenasAreBoundedByTheDescriptorsTheDaemonHas) {
   ASSERT_THAT(flood.back()->Release().status(), IsOk());
   flood.pop_back();
   EXPECT_THAT(honest->CreateSession(plan_, Options(64, false)).status(), IsOk());
+}
+
+// The handoff socket took max_attached_engines (256) connections whatever the daemon's
+// descriptors, each able to hold 37 of them open or in flight. Now its limit is derived from
+// RLIMIT_NOFILE: (512 - 128) = 384 in flight at 32 a connection is 12 (the open share, 72 at 5 a
+// connection, allows 14). The 13th engine's connection is refused with the numbers; the engines
+// attached are served, and a new one attaches once one leaves.
+TEST_F(DescriptorBudgetTest, HandoffConnectionsAreBoundedByTheDescriptorsTheDaemonHas) {
+  constexpr size_t kConnections = 12;
+  std::vector<std::unique_ptr<KvClient>> hostile;
+  absl::Status refused;
+  for (int i = 0; i < 20 && refused.ok(); ++i) {
+    absl::StatusOr<std::unique_ptr<KvClient>> engine = KvClient::Connect(daemon_->socket_path());
+    ASSERT_THAT(engine.status(), IsOk());
+    refused = (*engine)->Attach(absl::StrCat("hostile-", i));
+    if (refused.ok()) hostile.push_back(*std::move(engine));
+  }
+  EXPECT_THAT(refused, StatusIs(kExhausted,
+                                HasSubstrs("the handoff socket serves 12 connections",
+                                           "the limit is 12", "RLIMIT_NOFILE 512",
+                                           "384 in flight, 32 per connection")));
+  EXPECT_EQ(hostile.size() + 1, kConnections);
+  // The attached engine is served: a new session and its arena's descriptor.
+  std::unique_ptr<Session> mine = NewSession(*client_, 64, /*spec_snapshot=*/false);
+  ASSERT_NE(mine, nullptr);
+  EXPECT_THAT(ClientInternals::FetchArenaFd(*client_, mine->id(),
+                                            ClientInternals::Ref(*mine).session_token(),
+                                            mine->layout().arenas[0].handle)
+                  .status(),
+              IsOk());
+  // One hostile engine leaves; once the daemon has closed its connection a new engine attaches.
+  hostile.pop_back();
+  for (int i = 0; i < 2000 && daemon_->handoff().connection_count() >= kConnections; ++i) {
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  ASSERT_LT(daemon_->handoff().connection_count(), kConnections);
+  std::unique_ptr<KvClient> honest = NewClient("honest");
+  ASSERT_NE(honest, nullptr);
+  EXPECT_NE(NewSession(*honest, 64, /*spec_snapshot=*/false), nullptr);
+}
+
+// A step channel held an eventfd with no daemon-wide count: engines that let their handoff
+// connections go kept their channels. Now (512 - 128) / 32 = 12 channels are open at most: the
+// next engine is refused its channel with the numbers and steps over gRPC, while an engine with
+// a channel keeps stepping over it.
+TEST_F(DescriptorBudgetTest, StepChannelsAreBoundedByTheDescriptorsTheDaemonHas) {
+  constexpr size_t kChannels = 12;
+  constexpr size_t kConnections = 12;
+  ASSERT_THAT(client_->step_channel_status(), IsOk());
+  std::unique_ptr<KvClient> honest = NewClient("honest");
+  ASSERT_NE(honest, nullptr);
+  ASSERT_THAT(honest->step_channel_status(), IsOk());
+  std::vector<std::unique_ptr<KvClient>> hostile;
+  absl::Status refused;
+  while (refused.ok() && hostile.size() < 2 * kChannels) {
+    // Each hostile engine keeps its lease and its channel and lets its handoff connection go,
+    // so the connections' own limit does not stop it first.
+    for (int i = 0; i < 2000 && daemon_->handoff().connection_count() >= kConnections; ++i) {
+      absl::SleepFor(absl::Milliseconds(5));
+    }
+    std::unique_ptr<KvClient> engine = NewClient(absl::StrCat("hostile-", hostile.size()));
+    ASSERT_NE(engine, nullptr);
+    refused = engine->step_channel_status();
+    if (refused.ok()) shutdown(ClientInternals::HandoffSocket(*engine), SHUT_RDWR);
+    hostile.push_back(std::move(engine));
+  }
+  EXPECT_THAT(refused, StatusIs(kExhausted, HasSubstrs("the daemon serves 12 step channels",
+                                                       "the limit is 12", "RLIMIT_NOFILE 512",
+                                                       "an eventfd each", "step over gRPC")));
+  EXPECT_EQ(hostile.size(), kChannels - 2 + 1);
+  EXPECT_EQ(daemon_->step_channel_stats().open, kChannels);
+  // The refused engine steps over gRPC; the honest one over its channel.
+  auto step = [&](KvClient& engine) -> absl::Status {
+    absl::StatusOr<std::unique_ptr<Session>> session =
+        engine.CreateSession(plan_, Options(64, /*spec_snapshot=*/false));
+    if (!session.ok()) return session.status();
+    StepBatch batch(StepAddressing::kSlot);
+    batch.Advance(**session, 0, 0, 1);
+    std::vector<StepOutcome> outcomes;
+    if (absl::Status stepped = engine.Step(batch, outcomes); !stepped.ok()) return stepped;
+    return outcomes.at(0).status;
+  };
+  const uint64_t records = daemon_->step_channel_stats().records;
+  EXPECT_THAT(step(*hostile.back()), IsOk());
+  EXPECT_EQ(daemon_->step_channel_stats().records, records);
+  EXPECT_THAT(step(*honest), IsOk());
+  EXPECT_EQ(daemon_->step_channel_stats().records, records + 1);
 }
 
 // ---- 7. A daemon-wide cap split fairly: one engine's share of max_arenas ----
