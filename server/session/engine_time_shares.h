@@ -6,8 +6,9 @@
 // Step entry, every step channel record, CreateSession) is charged to that engine's
 // TimeShareBucket (core/time_share.h), and an engine whose bucket is in debt is refused
 // RESOURCE_EXHAUSTED, with the numbers and when it is admitted again, before any work. Measured
-// as wall time inside the operation (a steady clock read twice, ~50 ns): an upper bound of its
-// CPU time that also counts the operation's copies and lock waits, and cheap enough for every
+// as wall time inside the operation (the daemon's clock read twice, ~0.1 us each, where a
+// thread's CPU clock costs ~3 us a read): an upper bound of its CPU time that also counts the
+// operation's copies, lock waits and time spent waiting for a core, and cheap enough for every
 // step. A single-threaded engine cannot keep the daemon busy for longer than it runs, so the
 // default (100% of one core, 2 s banked) bites only an engine that keeps the daemon working on
 // its behalf on several threads at once for seconds.

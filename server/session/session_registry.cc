@@ -350,7 +350,7 @@ absl::Status SessionRegistry::Run(const SessionCredentials& credentials,
                                   absl::Span<const SessionOp> ops,
                                   absl::FunctionRef<absl::Status()> before) {
   ASSIGN_OR_RETURN(std::shared_ptr<DaemonSession> session, Find(credentials));
-  RETURN_IF_ERROR(AdmitWork(session->owner()));
+  if (!ops.empty()) RETURN_IF_ERROR(AdmitWork(session->owner(), ops.front()));
   RETURN_IF_ERROR(before());  // waiting for the engine's device event is not the daemon's work
   TimeCharge charge(time_shares_, session->owner());
   absl::Status status;
@@ -392,8 +392,17 @@ absl::Status SessionRegistry::AdmitWork(EngineId engine) {
   return time_shares_ == nullptr ? absl::OkStatus() : time_shares_->Admit(engine);
 }
 
+absl::Status SessionRegistry::AdmitWork(EngineId engine, const SessionOp& op) {
+  // An engine can always end what it started: an abort, and the acknowledgement that frees a
+  // grown session's old arena, are charged but never refused.
+  if (std::holds_alternative<AbortOp>(op) || std::holds_alternative<AcknowledgeGrowOp>(op)) {
+    return absl::OkStatus();
+  }
+  return AdmitWork(engine);
+}
+
 absl::Status SessionRegistry::ApplyAndJournal(DaemonSession& session, const SessionOp& op) {
-  RETURN_IF_ERROR(AdmitWork(session.owner()));
+  RETURN_IF_ERROR(AdmitWork(session.owner(), op));
   TimeCharge charge(time_shares_, session.owner());
   absl::Status status = Apply(session, op);
   // Before the reply: what the engine is told happened is what a restart brings back.

@@ -271,6 +271,9 @@ class SessionRegistry {
   absl::Status ApplyAndJournal(DaemonSession& session, const SessionOp& op);
   // OK, or `engine`'s refusal for its share of the daemon's time (EngineTimeShares::Admit).
   absl::Status AdmitWork(EngineId engine);
+  // The same for `op`, except that what ends the engine's own work (Abort, AcknowledgeGrow) is
+  // always admitted.
+  absl::Status AdmitWork(EngineId engine, const SessionOp& op);
   // Removes `ids` (and their index entries) from the map; the sessions removed.
   std::vector<std::shared_ptr<DaemonSession>> RemoveLocked(const std::vector<uint64_t>& ids)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

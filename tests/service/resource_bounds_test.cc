@@ -720,6 +720,10 @@ TEST_F(EngineTimeShareTest, AnEngineBeyondItsShareOfTheDaemonsTimeIsRefusedUntil
   ASSERT_NE(honest, nullptr);
   std::unique_ptr<Session> theirs = NewSession(*honest, 64, /*spec_snapshot=*/false);
   ASSERT_NE(theirs, nullptr);
+  std::unique_ptr<Session> open = NewSession(*client_, 64, /*spec_snapshot=*/false);
+  ASSERT_NE(open, nullptr);
+  absl::StatusOr<Transaction> begun = open->Begin();
+  ASSERT_THAT(begun.status(), IsOk());
   // Engine a's CreateSession, its arena's creation held while the clock moves.
   faults_->Hold(BackendOp::kCreateArena);
   absl::StatusOr<std::unique_ptr<Session>> created = absl::UnknownError("not run");
@@ -744,6 +748,8 @@ TEST_F(EngineTimeShareTest, AnEngineBeyondItsShareOfTheDaemonsTimeIsRefusedUntil
   std::vector<StepOutcome> outcomes;
   ASSERT_THAT(client_->Step(batch, outcomes), IsOk());
   EXPECT_THAT(outcomes.at(0).status, StatusIs(kExhausted, numbers));
+  // It can still end what it started.
+  EXPECT_THAT(open->Abort(begun->generation).status(), IsOk());
   // The other engine is served meanwhile, over gRPC and over its step channel.
   EXPECT_THAT(theirs->State().status(), IsOk());
   StepBatch honest_batch(StepAddressing::kSlot);
