@@ -23,6 +23,7 @@
 #include "bench/kvd.h"
 #include "bench/redis_peer.h"
 #include "bench/sections.h"
+#include "client/block_store_client.h"
 #include "client/client.h"
 #include "server/base/streaming_checksum.h"
 #include "core/status_macros.h"
@@ -126,6 +127,7 @@ absl::StatusOr<SequenceResult> MeasureSequence(KvClient& client, const Registere
   // The pool's pieces: one K or V plane of one layer per block (tests/test_block_pool.h).
   PairedBaselines baselines(result.bytes, shape.block_bytes(),
                             shape.block_bytes() / (2 * shape.layers));
+  const BlockStoreClient blocks = client.block_store();
   BlockStoreCall call;
   call.registration_id = pool.registration_id;
   for (uint64_t b = 0; b < result.blocks; ++b) call.block_ids.push_back(static_cast<uint32_t>(b));
@@ -135,7 +137,7 @@ absl::StatusOr<SequenceResult> MeasureSequence(KvClient& client, const Registere
   for (int rep = -warm_up; rep < reps; ++rep) {
     call.keys.hashes = SequenceHashes(size.tokens, rep, result.blocks);
     const int64_t start = NowNs();
-    ASSIGN_OR_RETURN(BlockStoreTransfer stored, client.StoreBlocks(call));
+    ASSIGN_OR_RETURN(BlockStoreTransfer stored, blocks.Store(call));
     const int64_t store_ns = NowNs() - start;
     RETURN_IF_ERROR(CheckAll(stored, "store"));
     if (rep >= 0) {
@@ -154,7 +156,7 @@ absl::StatusOr<SequenceResult> MeasureSequence(KvClient& client, const Registere
   }
   for (int rep = 0; rep < reps; ++rep) {
     const int64_t start = NowNs();
-    ASSIGN_OR_RETURN(BlockStoreTransfer loaded, client.LoadBlocks(call));
+    ASSIGN_OR_RETURN(BlockStoreTransfer loaded, blocks.Load(call));
     const int64_t load_ns = NowNs() - start;
     result.load.Add(load_ns);
     RETURN_IF_ERROR(CheckAll(loaded, "load"));
@@ -230,9 +232,10 @@ absl::StatusOr<Json> RunBlockStore(const BenchOptions& options) {
   ASSIGN_OR_RETURN(std::unique_ptr<KvClient> client, kvd->Attach("bench-block-store"));
   ASSIGN_OR_RETURN(TestBlockPool memory, TestBlockPool::Create(shape));
   for (uint64_t b = 0; b < shape.num_blocks; ++b) memory.Fill(b, b);
-  ASSIGN_OR_RETURN(uint64_t buffer, client->OfferPoolBuffer(memory.fd(), memory.bytes()));
+  const BlockStoreClient blocks = client->block_store();
+  ASSIGN_OR_RETURN(uint64_t buffer, blocks.OfferPoolBuffer(memory.fd(), memory.bytes()));
   const PoolBufferRef ref{.handoff_buffer_id = buffer, .bytes = memory.bytes()};
-  ASSIGN_OR_RETURN(RegisteredPool pool, client->RegisterPool(shape.Spec(), {&ref, 1}));
+  ASSIGN_OR_RETURN(RegisteredPool pool, blocks.RegisterPool(shape.Spec(), {&ref, 1}));
 
   Json rows = Json::array();
   Table table({"sequence", "bytes", "store GB/s", "load GB/s", "memcpy GB/s", "Redis SET GB/s",
@@ -272,7 +275,7 @@ absl::StatusOr<Json> RunBlockStore(const BenchOptions& options) {
                Ratio(r.load_vs_memcpy.P50()), Ratio(r.store_vs_hashed.P50()),
                Ratio(r.load_vs_hashed.P50())});
   }
-  RETURN_IF_ERROR(client->UnregisterPool(pool.registration_id));
+  RETURN_IF_ERROR(client->block_store().UnregisterPool(pool.registration_id));
   client->Detach();
   table.Print(absl::StrCat("8. Block store: an engine pool's 16-token blocks (",
                            shape.block_bytes() / 1024,

@@ -32,6 +32,7 @@
 #include "absl/time/clock.h"
 #include "bench/harness.h"
 #include "bench/kvd.h"
+#include "client/block_store_client.h"
 #include "client/client.h"
 #include "common/mapped_region.h"
 #include "core/status_macros.h"
@@ -275,7 +276,7 @@ absl::Status OfferHog() {
   uint64_t offered = 0;
   absl::Status refused;
   while (!stop.load() && refused.ok() && offered < 100000) {
-    absl::StatusOr<uint64_t> offer = client->OfferPoolBuffer(buffer.get(), 4096);
+    absl::StatusOr<uint64_t> offer = client->block_store().OfferPoolBuffer(buffer.get(), 4096);
     if (offer.ok()) {
       ++offered;
     } else {
@@ -285,7 +286,7 @@ absl::Status OfferHog() {
   RETURN_IF_ERROR(WriteReady(absl::StrCat(offered, " offers held; the next: ",
                                           refused.ToString())));
   while (!stop.load()) {
-    (void)client->OfferPoolBuffer(buffer.get(), 4096);
+    (void)client->block_store().OfferPoolBuffer(buffer.get(), 4096);
     Pause();
   }
   return absl::OkStatus();

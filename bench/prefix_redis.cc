@@ -38,6 +38,7 @@
 #include "bench/redis_peer.h"
 #include "bench/sections.h"
 #include "client/internal.h"
+#include "client/prefix_client.h"
 #include "common/grpc_status.h"
 #include "core/admission.h"
 #include "core/status_macros.h"
@@ -252,7 +253,7 @@ absl::StatusOr<PrefixResult> MeasurePrefix(KvClient& client, KvClient& operator_
         RETURN_IF_ERROR(FromGrpcStatus(prefix.EvictPrefix(PrefixContext().get(), evict, &evicted)));
       }
       const int64_t start = NowNs();
-      ASSIGN_OR_RETURN(PrefixCaptured captured, client.CapturePrefix(*source, ids, tokens));
+      ASSIGN_OR_RETURN(PrefixCaptured captured, client.prefixes().Capture(*source, ids, tokens));
       (rep == 0 ? result.capture_first : result.capture).Add(NowNs() - start);
       if (captured.already_present) {
         return absl::InternalError(absl::StrCat("capture of ", tokens, " tokens copied nothing"));
@@ -274,9 +275,10 @@ absl::StatusOr<PrefixResult> MeasurePrefix(KvClient& client, KvClient& operator_
   auto restore_into = [&](Session& session, Samples& restore,
                           Samples& ready) -> absl::StatusOr<int64_t> {
     const int64_t start = NowNs();
-    ASSIGN_OR_RETURN(PrefixMatch found, client.LookupPrefix(plan, session_options, ids));
+    ASSIGN_OR_RETURN(PrefixMatch found, client.prefixes().Lookup(plan, session_options, ids));
     const int64_t looked_up = NowNs();
-    ASSIGN_OR_RETURN(PrefixRestored restored, client.RestorePrefix(session, ids, found.entry_id));
+    ASSIGN_OR_RETURN(PrefixRestored restored,
+                     client.prefixes().Restore(session, ids, found.entry_id));
     const int64_t done = NowNs();
     if (found.outcome != LookupOutcome::kHit || found.matched_tokens != tokens ||
         restored.restored_tokens != tokens || restored.state.committed_len != tokens) {

@@ -38,6 +38,7 @@
 #include "bench/prefix_session.h"
 #include "bench/sections.h"
 #include "client/internal.h"
+#include "client/prefix_client.h"
 #include "common/grpc_status.h"
 #include "core/admission.h"
 #include "core/status_macros.h"
@@ -229,7 +230,7 @@ absl::StatusOr<uint64_t> CaptureEntry(Daemon& daemon, const std::vector<int32_t>
     }
     const int64_t start = NowNs();
     ASSIGN_OR_RETURN(PrefixCaptured captured,
-                     daemon.client->CapturePrefix(*source, ids, ids.size()));
+                     daemon.client->prefixes().Capture(*source, ids, ids.size()));
     if (rep > 0 && recycled != nullptr) recycled->Add(NowNs() - start);
     entry_id = captured.entry_id;
   }
@@ -248,7 +249,7 @@ absl::Status TimeRestores(Daemon& daemon, const std::vector<int32_t>& ids, Stora
                    daemon.client->CreateSession(daemon.plan, session_options));
   for (int rep = 0; rep < warmups + reps; ++rep) {
     ASSIGN_OR_RETURN(PrefixMatch found,
-                     daemon.client->LookupPrefix(daemon.plan, session_options, ids));
+                     daemon.client->prefixes().Lookup(daemon.plan, session_options, ids));
     if (found.outcome != LookupOutcome::kHit || found.medium != medium) {
       return absl::InternalError(absl::StrCat(
           "lookup of ", ids.size(), " tokens: outcome ", static_cast<int>(found.outcome),
@@ -257,7 +258,7 @@ absl::Status TimeRestores(Daemon& daemon, const std::vector<int32_t>& ids, Stora
     }
     const int64_t start = NowNs();
     ASSIGN_OR_RETURN(PrefixRestored restored,
-                     daemon.client->RestorePrefix(*slot, ids, found.entry_id));
+                     daemon.client->prefixes().Restore(*slot, ids, found.entry_id));
     const int64_t elapsed = NowNs() - start;
     if (restored.restored_tokens != ids.size()) {
       return absl::InternalError(absl::StrCat("restored ", restored.restored_tokens, " of ",

@@ -9,66 +9,27 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
-#include "absl/time/clock.h"
+#include "client/block_store_client.h"
+#include "client/connection.h"
 #include "client/internal.h"
+#include "client/prefix_client.h"
 #include "client/step_channel_client.h"
 #include "common/step_channel.h"
 #include "common/codec.h"
 #include "common/grpc_status.h"
 #include "core/status_macros.h"
 #include "google/protobuf/arena.h"
-#include "grpcpp/channel.h"
-#include "grpcpp/create_channel.h"
-#include "grpcpp/support/channel_arguments.h"
-#include "grpcpp/security/credentials.h"
 
 namespace memra {
 namespace {
 
 namespace pb = ::memra::kv::v1;
 
-StorageMedium MediumFromProto(pb::PrefixMedium medium) {
-  switch (medium) {
-    case pb::PREFIX_MEDIUM_PINNED_HOST:
-      return StorageMedium::kPinnedHost;
-    case pb::PREFIX_MEDIUM_DISK:
-      return StorageMedium::kDisk;
-    case pb::PREFIX_MEDIUM_REMOTE:
-      return StorageMedium::kRemote;
-    default:
-      return StorageMedium::kDevice;
-  }
-}
-
-// The session calls all follow one shape: fill a request with the session (and the engine's
-// interprocess event, for calls that order device work), call, convert.
-template <typename Request>
-Request ForSession(const Session& session) {
-  Request request;
-  *request.mutable_session() = ClientInternals::Ref(session);
-  if constexpr (requires { request.mutable_ordering(); }) {
-    if (!session.wait_event().empty()) {
-      request.mutable_ordering()->set_wait_event(session.wait_event());
-    }
-  }
-  return request;
-}
-
 bool NamesArena(const SessionLayout& layout, const std::string& handle) {
   for (const SessionArena& arena : layout.arenas) {
     if (arena.handle == handle) return true;
   }
   return false;
-}
-
-absl::StatusOr<BlockKey> BlockKeyFromBytes(const std::string& bytes, absl::string_view field) {
-  BlockKey key;
-  if (bytes.size() != key.size()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(field, " is ", bytes.size(), " bytes, not ", key.size()));
-  }
-  std::copy(bytes.begin(), bytes.end(), key.begin());
-  return key;
 }
 
 // Fills `out`, reusing its per-layer vector's capacity.
@@ -94,6 +55,19 @@ void UnmapFreedPoolArenas(ArenaMapper& mapper,
 }  // namespace
 
 // ---- Wire types <-> client.h types ----
+
+StorageMedium MediumFromProto(pb::PrefixMedium medium) {
+  switch (medium) {
+    case pb::PREFIX_MEDIUM_PINNED_HOST:
+      return StorageMedium::kPinnedHost;
+    case pb::PREFIX_MEDIUM_DISK:
+      return StorageMedium::kDisk;
+    case pb::PREFIX_MEDIUM_REMOTE:
+      return StorageMedium::kRemote;
+    default:
+      return StorageMedium::kDevice;
+  }
+}
 
 absl::StatusOr<SessionLayout> SessionLayoutFromProto(const pb::SessionLayout& proto) {
   SessionLayout layout;
@@ -215,28 +189,6 @@ void StepBatch::Wire::RecycleReply() {
 
 // ---- KvClient ----
 
-struct KvClient::Rpc {
-  explicit Rpc(std::shared_ptr<grpc::Channel> channel_in)
-      : channel(std::move(channel_in)),
-        cache(pb::KvCache::NewStub(channel)),
-        admin(pb::KvAdmin::NewStub(channel)),
-        prefix(pb::KvPrefixCache::NewStub(channel)),
-        blocks(pb::KvBlockStore::NewStub(channel)) {}
-  const std::shared_ptr<grpc::Channel> channel;
-  const std::unique_ptr<pb::KvCache::Stub> cache;
-  const std::unique_ptr<pb::KvAdmin::Stub> admin;
-  const std::unique_ptr<pb::KvPrefixCache::Stub> prefix;
-  const std::unique_ptr<pb::KvBlockStore::Stub> blocks;
-};
-
-struct KvClient::LeaseStream {
-  grpc::ClientContext context;
-  std::unique_ptr<grpc::ClientReaderWriter<pb::AttachRequest, pb::AttachResponse>> stream;
-  bool finished = false;  // Finish() was called (it may be called once)
-  pb::AttachRequest hello;
-  pb::Attached attached;  // the daemon's answer to `hello`
-};
-
 std::string DefaultHandoffSocketPath(absl::string_view socket_path) {
   absl::ConsumeSuffix(&socket_path, ".sock");
   return absl::StrCat(socket_path, ".handoff.sock");
@@ -248,404 +200,79 @@ absl::StatusOr<std::unique_ptr<KvClient>> KvClient::Connect(const std::string& s
   if (options.handoff_socket_path.empty()) {
     options.handoff_socket_path = DefaultHandoffSocketPath(socket_path);
   }
-  // A local socket: reconnect within 100 ms-1 s of the daemon coming back (gRPC's default
-  // backoff waits up to minutes, longer than a lease outlives a daemon restart).
-  grpc::ChannelArguments arguments;
-  arguments.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
-  // (Not GRPC_ARG_MIN_RECONNECT_BACKOFF_MS: gRPC also takes it as the connect timeout, and a
-  // busy daemon's HTTP/2 handshake can take longer than a short one.)
-  arguments.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
-  std::shared_ptr<grpc::Channel> channel = grpc::CreateCustomChannel(
-      absl::StrCat("unix:", socket_path), grpc::InsecureChannelCredentials(), arguments);
-  const auto deadline =
-      std::chrono::system_clock::now() + absl::ToChronoMilliseconds(options.deadline);
-  if (!channel->WaitForConnected(deadline)) {
-    return absl::UnavailableError(absl::StrCat("memra-kvd is not answering on unix:", socket_path,
-                                               " within ", absl::FormatDuration(options.deadline)));
-  }
-  return std::unique_ptr<KvClient>(
-      new KvClient(std::move(options), std::make_unique<Rpc>(std::move(channel))));
+  ASSIGN_OR_RETURN(std::shared_ptr<ClientConnection> connection,
+                   ClientConnection::Connect(socket_path, std::move(options)));
+  return std::unique_ptr<KvClient>(new KvClient(std::move(connection)));
 }
 
-KvClient::KvClient(ClientOptions options, std::unique_ptr<Rpc> rpc)
-    : options_(std::move(options)), rpc_(std::move(rpc)) {}
+KvClient::KvClient(std::shared_ptr<ClientConnection> connection)
+    : connection_(std::move(connection)) {}
 
+// Ends the lease now; a view's call still in flight keeps the channel until it returns.
 KvClient::~KvClient() { Detach(); }
 
-absl::Status KvClient::OpenLease(LeaseStream& lease) {
-  // The lease stream lives as long as the engine: no deadline (the heartbeats are its clock).
-  lease.stream = rpc_->cache->Attach(&lease.context);
-  pb::AttachResponse response;
-  const bool answered = lease.stream->Write(lease.hello) && lease.stream->Read(&response);
-  if (!answered || !response.has_attached()) {
-    // Not answered: the stream is over and Finish() has the daemon's reason. Answered wrongly:
-    // end it ourselves so Finish() does not wait.
-    if (answered) lease.context.TryCancel();
-    absl::Status status = FromGrpcStatus(lease.stream->Finish());
-    lease.finished = true;
-    if (status.ok()) status = absl::InternalError("Attach ended without an answer");
-    return status;
-  }
-  lease.attached = response.attached();
-  return absl::OkStatus();
-}
-
 absl::Status KvClient::Attach(const std::string& engine_name) {
-  absl::MutexLock lock(&mu_);
-  if (lease_stream_ != nullptr) {
-    return absl::FailedPreconditionError(absl::StrCat("already attached as engine ", engine_id_));
-  }
-  // The handoff connection first: its ticket proves to the daemon who this engine is.
-  ASSIGN_OR_RETURN(std::unique_ptr<HandoffChannel> handoff,
-                   HandoffChannel::Connect(options_.handoff_socket_path, options_.deadline));
-  auto lease = std::make_unique<LeaseStream>();
-  lease->hello.mutable_hello()->set_engine_name(engine_name);
-  lease->hello.mutable_hello()->set_pid(getpid());
-  lease->hello.mutable_hello()->set_handoff_ticket(handoff->ticket());
-  lease->hello.mutable_hello()->set_cache_scope(options_.cache_scope);
-  RETURN_IF_ERROR(OpenLease(*lease));
-  const pb::Attached attached = lease->attached;
-  std::tie(step_channel_, step_channel_status_) =
-      OpenStepChannel(*handoff, attached.step_channel());
-  lease_stream_ = std::move(lease);
-  handoff_ = std::move(handoff);
-  engine_id_ = attached.engine().engine_id();
-  engine_token_ = attached.engine().engine_token();
-  cache_scope_ = attached.cache_scope();
-  lease_timeout_ = absl::Milliseconds(attached.lease_timeout_ms());
-  epoch_ = attached.epoch();
-  lease_lost_ = absl::OkStatus();
-  stop_ = false;
-  lease_alive_.store(true);
-  lease_thread_ = std::thread([this] { KeepLease(); });
-  heartbeat_thread_ = std::thread([this] { SendHeartbeats(); });
-  return absl::OkStatus();
+  return connection_->Attach(engine_name);
 }
-
-void KvClient::KeepLease() {
-  pb::AttachResponse ack;
-  while (true) {
-    grpc::ClientReaderWriter<pb::AttachRequest, pb::AttachResponse>* stream;
-    {
-      absl::MutexLock lock(&mu_);
-      if (stop_) break;
-      stream = lease_stream_->stream.get();
-    }
-    // Only this thread reads the stream after Attach() returned; the stream stays while it
-    // reads (only this thread's Reattach() and Detach(), after joining it, replace it).
-    while (stream->Read(&ack)) {
-    }
-    lease_alive_.store(false);
-    AbandonStepChannel();  // its daemon end is gone with the lease: Steps fail now, not at deadline
-    if (!Reattach()) break;
-  }
-  lease_alive_.store(false);
-}
-
-void KvClient::SendHeartbeats() {
-  pb::AttachRequest heartbeat;
-  for (uint64_t sequence = 1;; ++sequence) {
-    {
-      absl::MutexLock lock(&mu_);
-      const absl::Duration period = std::max(lease_timeout_ / 3, absl::Milliseconds(1));
-      if (mu_.AwaitWithTimeout(absl::Condition(&stop_), period)) return;
-    }
-    absl::MutexLock write_lock(&write_mu_);
-    grpc::ClientReaderWriter<pb::AttachRequest, pb::AttachResponse>* stream;
-    {
-      absl::MutexLock lock(&mu_);
-      if (stop_) return;
-      if (lease_stream_->finished) continue;  // broken: the lease thread is re-attaching
-      stream = lease_stream_->stream.get();
-    }
-    heartbeat.mutable_heartbeat()->set_sequence(sequence);
-    // A failed write needs nothing here: the lease thread's Read sees the stream end.
-    (void)stream->Write(heartbeat);
-  }
-}
-
-bool KvClient::Reattach() {
-  constexpr absl::Duration kRetry = absl::Milliseconds(100);
-  pb::AttachRequest hello;
-  {
-    // Unblocks a heartbeat being written before waiting for it to end.
-    absl::MutexLock lock(&mu_);
-    lease_stream_->context.TryCancel();
-  }
-  {
-    absl::MutexLock write_lock(&write_mu_);
-    absl::MutexLock lock(&mu_);
-    // The broken stream's status is not needed (the daemon is gone or ended the lease).
-    if (!lease_stream_->finished) {
-      (void)lease_stream_->stream->Finish();
-      lease_stream_->finished = true;
-    }
-    hello.mutable_hello()->mutable_resume()->set_engine_id(engine_id_);
-    hello.mutable_hello()->mutable_resume()->set_engine_token(engine_token_);
-    hello.mutable_hello()->set_resume_epoch(epoch_);
-    hello.mutable_hello()->set_pid(getpid());
-    // The scope the engine attached in: a re-attach keeps it.
-    hello.mutable_hello()->set_cache_scope(cache_scope_);
-  }
-  while (true) {
-    auto lease = std::make_unique<LeaseStream>();
-    lease->hello = hello;
-    // Waits for the daemon to listen again instead of failing fast while the channel
-    // reconnects; Detach() cancels the wait (reattaching_).
-    lease->context.set_wait_for_ready(true);
-    {
-      absl::MutexLock lock(&mu_);
-      if (mu_.AwaitWithTimeout(absl::Condition(&stop_), kRetry)) return false;
-      reattaching_ = lease.get();
-    }
-    // Every Attach presents a fresh handoff ticket: the old handoff connection broke with the
-    // daemon (or is another connection's), and the daemon binds this one's peer credentials
-    // again, checking them against the engine's. Not answering yet: the daemon is not back.
-    absl::StatusOr<std::unique_ptr<HandoffChannel>> handoff =
-        HandoffChannel::Connect(options_.handoff_socket_path, options_.deadline);
-    absl::Status opened = handoff.status();
-    std::pair<std::shared_ptr<StepChannelClient>, absl::Status> step_channel;
-    if (handoff.ok()) {
-      lease->hello.mutable_hello()->set_handoff_ticket((*handoff)->ticket());
-      opened = OpenLease(*lease);
-      // A fresh channel with the fresh lease: the earlier one belonged to the daemon (or the
-      // handoff connection) that broke, and a new one replaces it in the daemon.
-      if (opened.ok()) {
-        step_channel = OpenStepChannel(**handoff, lease->attached.step_channel());
-      }
-    }
-    absl::MutexLock write_lock(&write_mu_);  // the old stream goes: no heartbeat is on it
-    absl::MutexLock lock(&mu_);
-    reattaching_ = nullptr;
-    if (stop_) {
-      if (opened.ok()) {
-        lease->context.TryCancel();
-        (void)lease->stream->Finish();
-      }
-      return false;
-    }
-    if (opened.ok()) {
-      epoch_ = lease->attached.epoch();
-      lease_timeout_ = absl::Milliseconds(lease->attached.lease_timeout_ms());
-      lease_stream_ = std::move(lease);
-      handoff_ = *std::move(handoff);
-      std::tie(step_channel_, step_channel_status_) = std::move(step_channel);
-      reattaches_.fetch_add(1);
-      lease_alive_.store(true);
-      return true;
-    }
-    const absl::StatusCode code = opened.code();
-    if (IsDaemonRestarted(opened) || code == absl::StatusCode::kNotFound ||
-        code == absl::StatusCode::kPermissionDenied) {
-      lease_lost_ = opened;  // the daemon will never know this engine again
-      return false;
-    }
-    // UNAVAILABLE: no daemon yet, or the ticket came from a daemon that died before this Attach
-    // reached the next one (a crash loop; the daemon names both instances): try again with a
-    // fresh ticket, until the daemon answering accepts the engine or says it will not.
-  }
-}
-
-absl::Status KvClient::lease_lost() const {
-  absl::MutexLock lock(&mu_);
-  return lease_lost_;
-}
-
-uint64_t KvClient::epoch() const {
-  absl::MutexLock lock(&mu_);
-  return epoch_;
-}
-
-absl::Status KvClient::Explain(absl::Status status) {
-  const absl::StatusCode code = status.code();
-  if (status.ok() || IsDaemonRestarted(status) ||
-      (code != absl::StatusCode::kNotFound && code != absl::StatusCode::kPermissionDenied)) {
-    return status;
-  }
-  uint64_t attached_epoch;
-  {
-    absl::MutexLock lock(&mu_);
-    attached_epoch = epoch_;
-  }
-  if (attached_epoch == 0) return status;
-  absl::StatusOr<pb::GetStatusResponse> daemon = ClientInternals::GetStatus(*this);
-  if (!daemon.ok() || daemon->epoch() == attached_epoch) return status;
-  return DaemonRestartedError(
-      DaemonRestart{attached_epoch, daemon->epoch()},
-      absl::StrCat("this engine attached to epoch ", attached_epoch,
-                   " and the daemon answering does not have it: ", status.message()));
-}
-
-void KvClient::Detach() {
-  std::thread lease_thread;
-  std::thread heartbeat_thread;
-  {
-    absl::MutexLock lock(&mu_);
-    if (lease_stream_ == nullptr) return;
-    stop_ = true;
-    lease_stream_->context.TryCancel();  // unblocks a Read waiting for an ack, and a Write
-    if (reattaching_ != nullptr) reattaching_->context.TryCancel();  // and a re-attach
-    lease_thread = std::move(lease_thread_);
-    heartbeat_thread = std::move(heartbeat_thread_);
-  }
-  if (heartbeat_thread.joinable()) heartbeat_thread.join();
-  if (lease_thread.joinable()) lease_thread.join();
-  absl::MutexLock lock(&mu_);
-  if (!lease_stream_->finished) (void)lease_stream_->stream->Finish();
-  lease_stream_.reset();
-  handoff_.reset();
-  if (step_channel_ != nullptr) step_channel_->Abandon();
-  step_channel_.reset();
-  step_channel_status_ = absl::FailedPreconditionError("detached");
-  lease_alive_.store(false);
-}
-
-std::pair<std::shared_ptr<StepChannelClient>, absl::Status> KvClient::OpenStepChannel(
-    HandoffChannel& handoff, bool offered) {
-  if (options_.force_grpc_step) {
-    return {nullptr, absl::FailedPreconditionError("ClientOptions::force_grpc_step is set")};
-  }
-  if (!offered) {
-    return {nullptr, absl::FailedPreconditionError(
-                         "the daemon offers no step channel (Attached.step_channel)")};
-  }
-  absl::StatusOr<handoff::StepChannelFds> fds = handoff.OpenStepChannel();
-  if (!fds.ok()) return {nullptr, fds.status()};
-  absl::StatusOr<std::unique_ptr<StepChannelClient>> channel =
-      StepChannelClient::Map(*std::move(fds));
-  if (!channel.ok()) return {nullptr, channel.status()};
-  return {std::shared_ptr<StepChannelClient>(*std::move(channel)), absl::OkStatus()};
-}
-
-void KvClient::AbandonStepChannel() {
-  absl::MutexLock lock(&mu_);
-  if (step_channel_ == nullptr) return;
-  step_channel_->Abandon();
-  step_channel_status_ = absl::UnavailableError(
-      "the lease stream broke: the step channel was abandoned (a re-attach opens a new one)");
-  step_channel_.reset();
-}
-
-bool KvClient::step_channel_active() const {
-  absl::MutexLock lock(&mu_);  // broken() takes no lock: no wait for a Run in progress
-  return step_channel_ != nullptr && !step_channel_->broken();
-}
-
-absl::Status KvClient::step_channel_status() const {
-  absl::MutexLock lock(&mu_);
-  return step_channel_status_;
-}
-
-absl::StatusOr<ArenaFd> KvClient::FetchArenaFd(uint64_t session_id,
-                                               absl::string_view session_token,
-                                               absl::string_view handle) {
-  std::shared_ptr<HandoffChannel> handoff;
-  {
-    absl::MutexLock lock(&mu_);
-    handoff = handoff_;
-  }
-  if (handoff == nullptr) {
-    return absl::FailedPreconditionError(
-        "mapping a host arena before Attach: its descriptor comes over the engine's handoff "
-        "connection");
-  }
-  return handoff->FetchArena(handoff::ArenaRequest{.session_id = session_id,
-                                                   .session_token = std::string(session_token),
-                                                   .handle = std::string(handle)});
-}
-
-uint64_t KvClient::engine_id() const {
-  absl::MutexLock lock(&mu_);
-  return engine_id_;
-}
-
-std::string KvClient::cache_scope() const {
-  absl::MutexLock lock(&mu_);
-  return cache_scope_;
-}
-
-absl::Duration KvClient::lease_timeout() const {
-  absl::MutexLock lock(&mu_);
-  return lease_timeout_;
-}
-
-absl::StatusOr<std::pair<uint64_t, std::string>> KvClient::AttachedEngine(
-    absl::string_view what) const {
-  absl::MutexLock lock(&mu_);
-  if (lease_stream_ == nullptr) {
-    return absl::FailedPreconditionError(
-        absl::StrCat(what, " before Attach: sessions need a lease"));
-  }
-  return std::make_pair(engine_id_, engine_token_);
-}
-
-namespace {
-
-// The shape fields CreateSession, Reserve and LookupPrefix share.
-template <typename Shape>
-void SetShape(const PlanFingerprint& plan, const SessionOptions& options, Shape& shape) {
-  shape.set_plan_fingerprint(FingerprintToBytes(plan));
-  shape.set_layer_lo(options.layer_lo);
-  if (options.layer_hi.has_value()) shape.set_layer_hi(*options.layer_hi);
-  shape.set_tp_ranks(options.tp_ranks);
-  if constexpr (requires { shape.set_capacity(0); }) shape.set_capacity(options.capacity);
-  if constexpr (requires { shape.set_spec_snapshot(false); }) {
-    shape.set_spec_snapshot(options.spec_snapshot);
-  }
-}
-
-void SetEngine(const std::pair<uint64_t, std::string>& engine, pb::EngineRef& ref) {
-  ref.set_engine_id(engine.first);
-  ref.set_engine_token(engine.second);
-}
-
-}  // namespace
+void KvClient::Detach() { connection_->Detach(); }
+bool KvClient::lease_alive() const { return connection_->lease_alive(); }
+absl::Status KvClient::lease_lost() const { return connection_->lease_lost(); }
+uint64_t KvClient::reattaches() const { return connection_->reattaches(); }
+uint64_t KvClient::engine_id() const { return connection_->engine_id(); }
+uint64_t KvClient::epoch() const { return connection_->epoch(); }
+absl::Duration KvClient::lease_timeout() const { return connection_->lease_timeout(); }
+std::string KvClient::cache_scope() const { return connection_->cache_scope(); }
+ArenaMapper& KvClient::mapper() { return connection_->mapper(); }
+bool KvClient::step_channel_active() const { return connection_->step_channel_active(); }
+absl::Status KvClient::step_channel_status() const { return connection_->step_channel_status(); }
+PrefixClient KvClient::prefixes() const { return PrefixClient(connection_); }
+BlockStoreClient KvClient::block_store() const { return BlockStoreClient(connection_); }
 
 absl::StatusOr<PlanFingerprint> KvClient::RegisterPlan(const ModelPlan& plan) {
-  ASSIGN_OR_RETURN(auto engine, AttachedEngine("RegisterPlan"));
+  ASSIGN_OR_RETURN(pb::EngineRef engine, connection_->AttachedEngine("RegisterPlan"));
   pb::RegisterPlanRequest request;
-  SetEngine(engine, *request.mutable_engine());
+  *request.mutable_engine() = std::move(engine);
   *request.mutable_plan() = ModelPlanToProto(plan);
   pb::RegisterPlanResponse response;
   RETURN_IF_ERROR(FromGrpcStatus(
-      rpc_->cache->RegisterPlan(ClientInternals::NewContext(*this).get(), request, &response)));
+      connection_->cache().RegisterPlan(connection_->NewContext().get(), request, &response)));
   return FingerprintFromBytes(response.fingerprint());
 }
 
 absl::StatusOr<SessionReservation> KvClient::Reserve(const PlanFingerprint& plan,
                                               const SessionOptions& options) {
   pb::ReserveRequest request;
-  ASSIGN_OR_RETURN(auto engine, AttachedEngine("Reserve"));
-  SetEngine(engine, *request.mutable_engine());
-  SetShape(plan, options, request);
+  ASSIGN_OR_RETURN(pb::EngineRef engine, connection_->AttachedEngine("Reserve"));
+  *request.mutable_engine() = std::move(engine);
+  SetSessionShape(plan, options, request);
   pb::ReserveResponse response;
   RETURN_IF_ERROR(FromGrpcStatus(
-      rpc_->cache->Reserve(ClientInternals::NewContext(*this).get(), request, &response)));
+      connection_->cache().Reserve(connection_->NewContext().get(), request, &response)));
   return SessionReservation{response.reservation_id(), response.bytes(),
                      absl::Milliseconds(response.ttl_ms())};
 }
 
 absl::StatusOr<uint64_t> KvClient::CancelReservation(uint64_t reservation_id) {
   pb::CancelReservationRequest request;
-  ASSIGN_OR_RETURN(auto engine, AttachedEngine("CancelReservation"));
-  SetEngine(engine, *request.mutable_engine());
+  ASSIGN_OR_RETURN(pb::EngineRef engine, connection_->AttachedEngine("CancelReservation"));
+  *request.mutable_engine() = std::move(engine);
   request.set_reservation_id(reservation_id);
   pb::CancelReservationResponse response;
-  RETURN_IF_ERROR(FromGrpcStatus(rpc_->cache->CancelReservation(
-      ClientInternals::NewContext(*this).get(), request, &response)));
+  RETURN_IF_ERROR(FromGrpcStatus(connection_->cache().CancelReservation(
+      connection_->NewContext().get(), request, &response)));
   return response.freed_bytes();
 }
 
 absl::StatusOr<std::unique_ptr<Session>> KvClient::CreateSession(const PlanFingerprint& plan,
                                                                  const SessionOptions& options) {
   pb::CreateSessionRequest request;
-  ASSIGN_OR_RETURN(auto engine, AttachedEngine("CreateSession"));
-  SetEngine(engine, *request.mutable_engine());
-  SetShape(plan, options, request);
+  ASSIGN_OR_RETURN(pb::EngineRef engine, connection_->AttachedEngine("CreateSession"));
+  *request.mutable_engine() = std::move(engine);
+  SetSessionShape(plan, options, request);
   request.set_reservation_id(options.reservation_id);
   pb::CreateSessionResponse response;
   RETURN_IF_ERROR(FromGrpcStatus(
-      rpc_->cache->CreateSession(ClientInternals::NewContext(*this).get(), request, &response)));
+      connection_->cache().CreateSession(connection_->NewContext().get(), request, &response)));
   UnmapFreedPoolArenas(mapper(), response.unmap_handles());
   std::unique_ptr<Session> session(
       new Session(this, response.session().session_id(), response.session().session_token(),
@@ -663,31 +290,24 @@ absl::StatusOr<std::unique_ptr<Session>> KvClient::CreateSession(const PlanFinge
 
 absl::Status KvClient::Step(StepBatch& batch, std::vector<StepOutcome>& outcomes) {
   if (batch.wire_->addressing == StepAddressing::kSlot) {
-    ASSIGN_OR_RETURN(auto engine, AttachedEngine("Step by slot"));
-    SetEngine(engine, *batch.wire_->request.mutable_engine());
+    ASSIGN_OR_RETURN(pb::EngineRef engine, connection_->AttachedEngine("Step by slot"));
+    *batch.wire_->request.mutable_engine() = std::move(engine);
   }
   pb::StepResponse* response = batch.wire_->NewReply();
   const pb::StepRequest& request = batch.wire_->request;
   std::shared_ptr<StepChannelClient> channel;
-  if (batch.ChannelEligible()) {
-    absl::MutexLock lock(&mu_);
-    channel = step_channel_;
-  }
+  if (batch.ChannelEligible()) channel = connection_->step_channel();
   // nullopt: no channel, or one broken before this step could start (nothing submitted).
   std::optional<absl::Status> over_channel;
-  if (channel != nullptr) over_channel = channel->Run(request, response, options_.deadline);
+  if (channel != nullptr) {
+    over_channel = channel->Run(request, response, connection_->options().deadline);
+  }
   absl::Status status =
       over_channel.has_value()
           ? *std::move(over_channel)
           : FromGrpcStatus(
-                rpc_->cache->Step(ClientInternals::NewContext(*this).get(), request, response));
-  if (!status.ok() && channel != nullptr) {
-    absl::MutexLock lock(&mu_);
-    if (step_channel_ == channel) {
-      step_channel_status_ = status;
-      step_channel_.reset();
-    }
-  }
+                connection_->cache().Step(connection_->NewContext().get(), request, response));
+  if (!status.ok() && channel != nullptr) connection_->DropStepChannel(channel, status);
   if (status.ok() && response->results_size() != request.entries_size()) {
     status = absl::InternalError(absl::StrCat("Step answered ", response->results_size(),
                                               " results for ", request.entries_size(), " entries"));
@@ -707,7 +327,7 @@ absl::Status KvClient::Step(StepBatch& batch, std::vector<StepOutcome>& outcomes
       AttachDaemonRestart(out.status, DaemonRestart{result.daemon_restart().previous_epoch(),
                                                     result.daemon_restart().epoch()});
     } else if (!out.status.ok()) {
-      out.status = Explain(std::move(out.status));
+      out.status = connection_->Explain(std::move(out.status));
     }
     out.begun = {};
     out.staged_len = 0;
@@ -759,169 +379,23 @@ absl::StatusOr<std::vector<StepOutcome>> KvClient::Step(StepBatch& batch) {
   return outcomes;
 }
 
-// ---- Prefix cache ----
-
-absl::StatusOr<PrefixCaptured> KvClient::CapturePrefix(const Session& session,
-                                                       absl::Span<const int32_t> token_ids,
-                                                       uint64_t boundary_tokens) {
-  pb::CapturePrefixRequest request = ForSession<pb::CapturePrefixRequest>(session);
-  request.mutable_token_ids()->Add(token_ids.begin(), token_ids.end());
-  request.set_boundary_tokens(boundary_tokens);
-  pb::CapturePrefixResponse response;
-  RETURN_IF_ERROR(FromGrpcStatus(
-      rpc_->prefix->Capture(ClientInternals::NewContext(*this).get(), request, &response)));
-  PrefixCaptured captured{response.entry_id(),        response.boundary_tokens(),
-                          response.already_present(), response.added_bytes(),
-                          response.stored_bytes(),    {}};
-  ASSIGN_OR_RETURN(captured.shape_fingerprint, FingerprintFromBytes(response.shape_fingerprint()));
-  return captured;
-}
-
-absl::StatusOr<PrefixMatch> KvClient::LookupPrefix(const PlanFingerprint& plan,
-                                                   const SessionOptions& shape,
-                                                   absl::Span<const int32_t> token_ids) {
-  pb::LookupPrefixRequest request;
-  ASSIGN_OR_RETURN(auto engine, AttachedEngine("LookupPrefix"));  // its cache scope is read
-  request.mutable_engine()->set_engine_id(engine.first);
-  request.mutable_engine()->set_engine_token(engine.second);
-  SetShape(plan, shape, *request.mutable_shape());
-  request.mutable_token_ids()->Add(token_ids.begin(), token_ids.end());
-  pb::LookupPrefixResponse response;
-  RETURN_IF_ERROR(FromGrpcStatus(
-      rpc_->prefix->Lookup(ClientInternals::NewContext(*this).get(), request, &response)));
-  PrefixMatch match;
-  switch (response.outcome()) {
-    case pb::LOOKUP_OUTCOME_HIT:
-      match.outcome = LookupOutcome::kHit;
-      break;
-    case pb::LOOKUP_OUTCOME_PARTIAL:
-      match.outcome = LookupOutcome::kPartial;
-      break;
-    default:
-      match.outcome = LookupOutcome::kMiss;
-      break;
-  }
-  match.entry_id = response.entry_id();
-  match.matched_tokens = response.matched_tokens();
-  match.block_tokens = response.block_tokens();
-  match.medium = MediumFromProto(response.medium());
-  return match;
-}
-
-absl::StatusOr<PrefixRestored> KvClient::RestorePrefix(const Session& session,
-                                                       absl::Span<const int32_t> token_ids,
-                                                       uint64_t entry_id) {
-  pb::RestorePrefixRequest request = ForSession<pb::RestorePrefixRequest>(session);
-  request.set_entry_id(entry_id);
-  request.mutable_token_ids()->Add(token_ids.begin(), token_ids.end());
-  pb::RestorePrefixResponse response;
-  RETURN_IF_ERROR(FromGrpcStatus(
-      rpc_->prefix->Restore(ClientInternals::NewContext(*this).get(), request, &response)));
-  return PrefixRestored{response.entry_id(), response.restored_tokens(),
-                        SessionSnapshotFromProto(response.state())};
-}
-
-struct PrefixEventStream::Call {
-  grpc::ClientContext context;
-  std::unique_ptr<grpc::ClientReader<pb::PrefixEvent>> reader;
-  bool finished = false;  // Finish() was called (it may be called once)
-  pb::AttachRequest hello;
-  pb::Attached attached;  // the daemon's answer to `hello`
-};
-
-PrefixEventStream::PrefixEventStream(std::unique_ptr<Call> call) : call_(std::move(call)) {}
-
-PrefixEventStream::~PrefixEventStream() {
-  Cancel();
-  if (!call_->finished) (void)call_->reader->Finish();
-}
-
-void PrefixEventStream::Cancel() { call_->context.TryCancel(); }
-
-absl::StatusOr<std::optional<PrefixCacheEvent>> PrefixEventStream::Next() {
-  if (call_->finished) return std::nullopt;
-  pb::PrefixEvent event;
-  if (!call_->reader->Read(&event)) {
-    call_->finished = true;
-    absl::Status ended = FromGrpcStatus(call_->reader->Finish());
-    // Cancelling is how a subscriber ends the stream: not an error.
-    if (ended.ok() || absl::IsCancelled(ended)) return std::nullopt;
-    return ended;
-  }
-  PrefixCacheEvent out;
-  out.gap = event.kind() == pb::PrefixEvent::GAP;
-  out.sequence = event.sequence();
-  out.epoch = event.epoch();
-  if (out.gap) return out;
-  switch (event.kind()) {
-    case pb::PrefixEvent::EVICTED:
-      out.kind = PrefixEventKind::kEvicted;
-      break;
-    case pb::PrefixEvent::DROPPED:
-      out.kind = PrefixEventKind::kDropped;
-      break;
-    case pb::PrefixEvent::MOVED:
-      out.kind = PrefixEventKind::kMoved;
-      break;
-    default:
-      out.kind = PrefixEventKind::kStored;
-      break;
-  }
-  ASSIGN_OR_RETURN(out.shape_fingerprint, FingerprintFromBytes(event.shape_fingerprint()));
-  for (const std::string& key : event.block_keys()) {
-    ASSIGN_OR_RETURN(out.block_keys.emplace_back(), BlockKeyFromBytes(key, "event block key"));
-  }
-  if (!event.boundary_key().empty()) {
-    ASSIGN_OR_RETURN(out.boundary_key, BlockKeyFromBytes(event.boundary_key(), "boundary key"));
-  }
-  out.reason = event.reason();
-  out.cache_scope = event.cache_scope();
-  out.medium = MediumFromProto(event.medium());
-  out.origin.block_hashes.assign(event.block_hashes().begin(), event.block_hashes().end());
-  out.origin.parent_block_hash = event.parent_block_hash();
-  out.origin.token_ids.assign(event.token_ids().begin(), event.token_ids().end());
-  out.origin.block_tokens = event.block_tokens();
-  out.origin.engine_id = event.engine_id();
-  out.origin.from_engine_pool = event.from_engine_pool();
-  return out;
-}
-
-std::unique_ptr<PrefixEventStream> KvClient::SubscribePrefixEvents(uint64_t epoch,
-                                                                   uint64_t last_sequence) {
-  auto call = std::make_unique<PrefixEventStream::Call>();
-  pb::SubscribePrefixEventsRequest request;
-  request.set_epoch(epoch);
-  request.set_last_sequence(last_sequence);
-  // The engine's scope's events (an unattached client is refused by the engine socket).
-  {
-    absl::MutexLock lock(&mu_);
-    if (lease_stream_ != nullptr) {
-      request.mutable_engine()->set_engine_id(engine_id_);
-      request.mutable_engine()->set_engine_token(engine_token_);
-    }
-  }
-  call->reader = rpc_->prefix->SubscribeEvents(&call->context, request);
-  return std::unique_ptr<PrefixEventStream>(new PrefixEventStream(std::move(call)));
-}
-
 // ---- ClientInternals ----
 
-pb::KvCache::Stub& ClientInternals::Cache(KvClient& client) { return *client.rpc_->cache; }
-pb::KvAdmin::Stub& ClientInternals::Admin(KvClient& client) { return *client.rpc_->admin; }
-pb::KvPrefixCache::Stub& ClientInternals::Prefix(KvClient& client) { return *client.rpc_->prefix; }
+pb::KvCache::Stub& ClientInternals::Cache(KvClient& client) { return client.connection_->cache(); }
+pb::KvAdmin::Stub& ClientInternals::Admin(KvClient& client) { return client.connection_->admin(); }
+pb::KvPrefixCache::Stub& ClientInternals::Prefix(KvClient& client) {
+  return client.connection_->prefix();
+}
+pb::KvBlockStore::Stub& ClientInternals::Blocks(KvClient& client) {
+  return client.connection_->blocks();
+}
 
 std::unique_ptr<grpc::ClientContext> ClientInternals::NewContext(const KvClient& client) {
-  auto context = std::make_unique<grpc::ClientContext>();
-  context->set_deadline(std::chrono::system_clock::now() +
-                        absl::ToChronoMilliseconds(client.options_.deadline));
-  return context;
+  return client.connection_->NewContext();
 }
 
 absl::StatusOr<pb::EngineRef> ClientInternals::Engine(const KvClient& client) {
-  ASSIGN_OR_RETURN(auto engine, client.AttachedEngine("ClientInternals::Engine"));
-  pb::EngineRef ref;
-  SetEngine(engine, ref);
-  return ref;
+  return client.connection_->AttachedEngine("ClientInternals::Engine");
 }
 
 pb::SessionRef ClientInternals::Ref(const Session& session) {
@@ -937,39 +411,31 @@ const pb::StepRequest& ClientInternals::Request(const StepBatch& batch) {
 
 absl::Status ClientInternals::SessionCallStatus(KvClient& client, const grpc::Status& status) {
   if (status.ok()) return absl::OkStatus();
-  return client.Explain(FromGrpcStatus(status));
+  return client.connection_->Explain(FromGrpcStatus(status));
 }
 
 absl::StatusOr<pb::GetStatusResponse> ClientInternals::GetStatus(KvClient& client) {
-  pb::GetStatusResponse response;
-  RETURN_IF_ERROR(FromGrpcStatus(
-      client.rpc_->admin->GetStatus(NewContext(client).get(), pb::GetStatusRequest(), &response)));
-  return response;
+  return client.connection_->GetStatus();
 }
 
 absl::StatusOr<ArenaFd> ClientInternals::FetchArenaFd(KvClient& client, uint64_t session_id,
                                                       absl::string_view session_token,
                                                       absl::string_view handle) {
-  return client.FetchArenaFd(session_id, session_token, handle);
+  return client.connection_->FetchArenaFd(session_id, session_token, handle);
 }
 
 int ClientInternals::HandoffSocket(KvClient& client) {
-  absl::MutexLock lock(&client.mu_);
-  return client.handoff_ == nullptr ? -1 : client.handoff_->socket_.get();
+  std::shared_ptr<HandoffChannel> handoff = client.connection_->handoff();
+  return handoff == nullptr ? -1 : handoff->socket_.get();
 }
 
 std::shared_ptr<StepChannelClient> ClientInternals::StepChannel(KvClient& client) {
-  absl::MutexLock lock(&client.mu_);
-  return client.step_channel_;
+  return client.connection_->step_channel();
 }
 
 absl::StatusOr<handoff::StepChannelFds> ClientInternals::OpenAnotherStepChannel(
     KvClient& client) {
-  std::shared_ptr<HandoffChannel> handoff;
-  {
-    absl::MutexLock lock(&client.mu_);
-    handoff = client.handoff_;
-  }
+  std::shared_ptr<HandoffChannel> handoff = client.connection_->handoff();
   if (handoff == nullptr) return absl::FailedPreconditionError("no handoff connection");
   return handoff->OpenStepChannel();
 }
@@ -1043,7 +509,7 @@ absl::Status Session::Adopt(SessionLayout layout) {
     const SessionArena& arena = layout.arenas[i];
     absl::StatusOr<void*> base =
         client_->mapper().Map(arena.backend, arena.handle, arena.bytes, [&] {
-          return client_->FetchArenaFd(id_, token_, arena.handle);
+          return ClientInternals::FetchArenaFd(*client_, id_, token_, arena.handle);
         });
     if (!base.ok()) {
       // Leave nothing mapped that no layout names (arenas already ours stay mapped).
@@ -1338,172 +804,5 @@ absl::StatusOr<uint64_t> Session::Release() {
   UnmapFreedPoolArenas(client_->mapper(), response.unmap_handles());
   return response.freed_bytes();
 }
-
-
-// ---- Block store ----
-
-namespace {
-
-void SetBlockKeys(const BlockStoreKeys& keys, pb::BlockKeys& out) {
-  for (const std::string& hash : keys.hashes) out.add_hashes(hash);
-  out.mutable_token_ids()->Add(keys.token_ids.begin(), keys.token_ids.end());
-}
-
-// The fields StoreBlocksRequest and LoadBlocksRequest share.
-template <typename Request>
-void SetTransfer(const std::pair<uint64_t, std::string>& engine, const BlockStoreCall& call,
-                 Request& request) {
-  SetEngine(engine, *request.mutable_engine());
-  request.set_registration_id(call.registration_id);
-  request.set_kv_group(call.kv_group);
-  SetBlockKeys(call.keys, *request.mutable_keys());
-  request.mutable_block_ids()->Add(call.block_ids.begin(), call.block_ids.end());
-  request.set_skip_blocks(call.skip_blocks);
-  if (!call.wait_event.empty()) request.mutable_ordering()->set_wait_event(call.wait_event);
-}
-
-BlockStoreTransfer TransferFromProto(const pb::TransferBlocksResponse& response) {
-  BlockStoreTransfer out;
-  for (const pb::BlockResult& block : response.blocks()) {
-    const bool known = block.code() <= static_cast<uint32_t>(absl::StatusCode::kUnauthenticated);
-    out.blocks.push_back(
-        {.status = absl::Status(known ? static_cast<absl::StatusCode>(block.code())
-                                      : absl::StatusCode::kUnknown,
-                                block.message()),
-         .already_present = block.already_present()});
-  }
-  out.copied_bytes = response.copied_bytes();
-  out.completion_event = response.completion_event();
-  return out;
-}
-
-}  // namespace
-
-absl::StatusOr<uint64_t> KvClient::OfferPoolBuffer(int fd, uint64_t bytes) {
-  std::shared_ptr<HandoffChannel> handoff;
-  {
-    absl::MutexLock lock(&mu_);
-    handoff = handoff_;
-  }
-  if (handoff == nullptr) {
-    return absl::FailedPreconditionError(
-        "offering a pool buffer before Attach: it goes over the engine's handoff connection");
-  }
-  return handoff->OfferBuffer(fd, bytes);
-}
-
-absl::StatusOr<RegisteredPool> KvClient::RegisterPool(const BlockPoolSpec& spec,
-                                                      absl::Span<const PoolBufferRef> buffers) {
-  ASSIGN_OR_RETURN(auto engine, AttachedEngine("RegisterPool"));
-  pb::RegisterEngineBuffersRequest request;
-  SetEngine(engine, *request.mutable_engine());
-  for (const PoolBufferRef& buffer : buffers) {
-    pb::EngineBufferRef* out = request.add_buffers();
-    if (buffer.cuda_ipc_handle.empty()) {
-      out->set_handoff_buffer_id(buffer.handoff_buffer_id);
-    } else {
-      out->set_cuda_ipc_handle(buffer.cuda_ipc_handle);
-    }
-    out->set_bytes(buffer.bytes);
-    out->set_offset_in_allocation(buffer.offset_in_allocation);
-  }
-  request.set_num_blocks(spec.num_blocks);
-  request.set_tokens_per_block(spec.tokens_per_block);
-  request.set_element_type(static_cast<pb::BlockElementType>(spec.element));
-  request.set_order(static_cast<pb::BlockOrder>(spec.order));
-  request.set_num_kv_heads(spec.num_kv_heads);
-  request.set_head_dim(spec.head_dim);
-  request.set_tp_rank(spec.tp_rank);
-  request.set_tp_size(spec.tp_size);
-  request.set_model(spec.model);
-  for (const BlockTensorSpec& tensor : spec.tensors) {
-    pb::BlockTensor* out = request.add_tensors();
-    out->set_layer(tensor.layer);
-    out->set_kind(static_cast<pb::BlockTensorKind>(tensor.role));
-    out->set_kv_group(tensor.kv_group);
-    out->set_buffer(tensor.buffer);
-    out->set_offset(tensor.offset);
-    out->set_block_stride(tensor.block_stride);
-    out->set_block_bytes(tensor.block_bytes);
-  }
-  pb::RegisterEngineBuffersResponse response;
-  RETURN_IF_ERROR(FromGrpcStatus(rpc_->blocks->RegisterEngineBuffers(
-      ClientInternals::NewContext(*this).get(), request, &response)));
-  RegisteredPool pool;
-  pool.registration_id = response.registration_id();
-  for (const pb::KvGroupLayout& group : response.groups()) {
-    RegisteredPoolGroup out;
-    out.kv_group = group.kv_group();
-    ASSIGN_OR_RETURN(out.layout_fingerprint, FingerprintFromBytes(group.layout_fingerprint()));
-    out.block_bytes = group.block_bytes();
-    out.state_bytes = group.state_bytes();
-    pool.groups.push_back(out);
-  }
-  return pool;
-}
-
-absl::Status KvClient::UnregisterPool(uint64_t registration_id) {
-  ASSIGN_OR_RETURN(auto engine, AttachedEngine("UnregisterPool"));
-  pb::UnregisterEngineBuffersRequest request;
-  SetEngine(engine, *request.mutable_engine());
-  request.set_registration_id(registration_id);
-  pb::UnregisterEngineBuffersResponse response;
-  return FromGrpcStatus(rpc_->blocks->UnregisterEngineBuffers(
-      ClientInternals::NewContext(*this).get(), request, &response));
-}
-
-absl::StatusOr<BlockStoreMatch> KvClient::LookupBlocks(const BlockStoreCall& call) {
-  ASSIGN_OR_RETURN(auto engine, AttachedEngine("LookupBlocks"));
-  pb::LookupBlocksRequest request;
-  SetEngine(engine, *request.mutable_engine());
-  request.set_registration_id(call.registration_id);
-  request.set_kv_group(call.kv_group);
-  SetBlockKeys(call.keys, *request.mutable_keys());
-  request.set_pin_ttl_ms(call.pin_ttl_ms);
-  pb::LookupBlocksResponse response;
-  RETURN_IF_ERROR(FromGrpcStatus(
-      rpc_->blocks->LookupBlocks(ClientInternals::NewContext(*this).get(), request, &response)));
-  return BlockStoreMatch{.matched_blocks = response.matched_blocks(),
-                         .pin_id = response.pin_id(),
-                         .medium = MediumFromProto(response.medium())};
-}
-
-absl::StatusOr<BlockStoreTransfer> KvClient::StoreBlocks(const BlockStoreCall& call) {
-  ASSIGN_OR_RETURN(auto engine, AttachedEngine("StoreBlocks"));
-  pb::StoreBlocksRequest request;
-  SetTransfer(engine, call, request);
-  request.set_parent_hash(call.parent_hash);
-  request.mutable_event_token_ids()->Add(call.event_token_ids.begin(),
-                                         call.event_token_ids.end());
-  request.mutable_event_block_hashes()->Add(call.event_block_hashes.begin(),
-                                            call.event_block_hashes.end());
-  pb::TransferBlocksResponse response;
-  RETURN_IF_ERROR(FromGrpcStatus(
-      rpc_->blocks->StoreBlocks(ClientInternals::NewContext(*this).get(), request, &response)));
-  return TransferFromProto(response);
-}
-
-absl::StatusOr<BlockStoreTransfer> KvClient::LoadBlocks(const BlockStoreCall& call) {
-  ASSIGN_OR_RETURN(auto engine, AttachedEngine("LoadBlocks"));
-  pb::LoadBlocksRequest request;
-  SetTransfer(engine, call, request);
-  request.set_pin_id(call.pin_id);
-  pb::TransferBlocksResponse response;
-  RETURN_IF_ERROR(FromGrpcStatus(
-      rpc_->blocks->LoadBlocks(ClientInternals::NewContext(*this).get(), request, &response)));
-  return TransferFromProto(response);
-}
-
-absl::Status KvClient::UnpinBlocks(uint64_t pin_id) {
-  ASSIGN_OR_RETURN(auto engine, AttachedEngine("UnpinBlocks"));
-  pb::UnpinBlocksRequest request;
-  SetEngine(engine, *request.mutable_engine());
-  request.set_pin_id(pin_id);
-  pb::UnpinBlocksResponse response;
-  return FromGrpcStatus(
-      rpc_->blocks->UnpinBlocks(ClientInternals::NewContext(*this).get(), request, &response));
-}
-
-pb::KvBlockStore::Stub& ClientInternals::Blocks(KvClient& client) { return *client.rpc_->blocks; }
 
 }  // namespace memra

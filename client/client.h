@@ -33,14 +33,12 @@
 // generated protobuf / gRPC types stay inside client/ and common/. Bad-input tests and operator
 // tools that need the raw calls use client/internal.h.
 //
-// The prefix cache (proto/memra/kv/v1/prefix.proto) is KvClient::CapturePrefix / LookupPrefix /
-// RestorePrefix / SubscribePrefixEvents:
-//
-//   ASSIGN_OR_RETURN(memra::PrefixMatch match, client->LookupPrefix(plan, options, token_ids));
-//   if (match.outcome != memra::LookupOutcome::kMiss) {
-//     ASSIGN_OR_RETURN(memra::PrefixRestored restored,
-//                      client->RestorePrefix(*session, token_ids, match.entry_id));
-//   }
+// One KvClient is one connection: the gRPC channel, the lease and the handoff connection. The
+// session calls are here; the prefix cache and the block store are views over the same
+// connection, each in its own header: client->prefixes() (client/prefix_client.h: Capture /
+// Lookup / Restore / SubscribeEvents) and client->block_store() (client/block_store_client.h:
+// OfferPoolBuffer / RegisterPool / Lookup / Store / Load / Unpin ...). A view is cheap and
+// valid while its KvClient lives; after that its calls are refused (FAILED_PRECONDITION).
 //
 // A batched engine sends one Step() for all its sessions per decode step (StepBatch), reusing
 // one batch and one outcomes vector across steps. Which entries to send:
@@ -100,28 +98,21 @@
 // the host backend the call order is the order.
 
 #include <array>
-#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <optional>
 #include <string>
-#include <thread>
 #include <utility>
 #include <vector>
 
-#include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
-#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
-#include "client/handoff_channel.h"
 #include "client/mapper.h"
 #include "common/daemon_restart.h"
 #include "core/model_plan.h"
-#include "core/block_layout.h"
-#include "core/prefix_index.h"
 #include "core/sizing.h"
 #include "core/transaction.h"
 
@@ -298,53 +289,6 @@ absl::StatusOr<TypedPlaneView> ResolveTypedPlane(const SessionLayout& layout,
                                                  const std::vector<uint8_t*>& bases,
                                                  uint32_t layer, PlaneKind kind);
 
-// ---- Prefix cache results (proto prefix.proto) ----
-
-struct PrefixCaptured {
-  uint64_t entry_id = 0;
-  uint64_t boundary_tokens = 0;
-  bool already_present = false;  // the boundary was stored before: nothing was copied
-  uint64_t added_bytes = 0;      // bytes this capture added (shared blocks not counted again)
-  uint64_t stored_bytes = 0;     // the whole cache after the capture
-  PlanFingerprint shape_fingerprint{};  // what the entry is keyed by (prefix.proto "Keys")
-};
-
-struct PrefixMatch {
-  LookupOutcome outcome = LookupOutcome::kMiss;
-  uint64_t entry_id = 0;        // 0 on a miss
-  uint64_t matched_tokens = 0;  // tokens RestorePrefix would restore (whole blocks)
-  uint32_t block_tokens = 0;
-  // The slowest tier a matched piece is in (kDisk: the restore reads it back first).
-  StorageMedium medium = StorageMedium::kDevice;
-};
-
-struct PrefixRestored {
-  uint64_t entry_id = 0;
-  uint64_t restored_tokens = 0;  // == state.committed_len
-  SessionSnapshot state;
-};
-
-// One message of KvClient::SubscribePrefixEvents. `gap`: the subscriber missed events the
-// daemon no longer buffers; drop what is known of this daemon and resync (only sequence and
-// epoch are set then: the newest sequence).
-struct PrefixCacheEvent {
-  bool gap = false;
-  uint64_t sequence = 0;
-  uint64_t epoch = 0;
-  PrefixEventKind kind = PrefixEventKind::kStored;
-  PlanFingerprint shape_fingerprint{};
-  std::vector<BlockKey> block_keys;      // chain order
-  std::optional<BlockKey> boundary_key;  // set when a boundary state was stored or freed
-  std::string reason;
-  std::string cache_scope;  // the entry's scope (the subscriber's own on the engine socket)
-  StorageMedium medium = StorageMedium::kDevice;  // kMoved: where the bytes are now
-  // What routers index (prefix.proto PrefixEvent 20-25): the origin of the blocks, their
-  // identities as their engine knows them (block store hashes, else the block keys), the
-  // parent's, their token ids when known.
-  PrefixEventOrigin origin;
-  bool operator==(const PrefixCacheEvent&) const = default;
-};
-
 // True when `status` is the error for "memra-kvd restarted and this did not come back"
 // (common/daemon_restart.h: FAILED_PRECONDITION naming both epochs; GetDaemonRestart reads
 // them). The engine must create that session (or attach) again: its old memory is not served.
@@ -363,93 +307,11 @@ struct StepOutcome {
   bool published = false;                  // Advance: it published the finished append
 };
 
-// ---- Block store (proto block_store.proto, docs/block-store.md) ----
-// An engine with its own paged KV pool registers it (memory offered over the handoff socket,
-// layout as core/block_layout.h's BlockPoolSpec) and stores and loads whole blocks by key:
-//   ASSIGN_OR_RETURN(uint64_t buffer, client->OfferPoolBuffer(memfd, bytes));  // sealed memfd
-//   ASSIGN_OR_RETURN(memra::RegisteredPool pool, client->RegisterPool(spec, {{buffer, bytes}}));
-//   ASSIGN_OR_RETURN(memra::BlockStoreMatch match, client->LookupBlocks(call));
-//   ASSIGN_OR_RETURN(memra::BlockStoreTransfer loaded, client->LoadBlocks(call));
-
-// One buffer of RegisterPool: an id OfferPoolBuffer answered (host) or, when
-// `cuda_ipc_handle` is set, the cudaIpcMemHandle_t of a GPU allocation (cuda); `bytes` from
-// offset_in_allocation of it.
-struct PoolBufferRef {
-  uint64_t handoff_buffer_id = 0;
-  uint64_t bytes = 0;
-  uint64_t offset_in_allocation = 0;
-  std::string cuda_ipc_handle = {};
-};
-struct RegisteredPoolGroup {
-  uint32_t kv_group = 0;
-  PlanFingerprint layout_fingerprint{};
-  uint64_t block_bytes = 0;
-  uint64_t state_bytes = 0;
-};
-struct RegisteredPool {
-  uint64_t registration_id = 0;
-  std::vector<RegisteredPoolGroup> groups;  // ascending kv_group
-};
-// What a block store call names blocks by: the engine's own block hashes, or token ids from
-// position 0 (whole blocks).
-struct BlockStoreKeys {
-  std::vector<std::string> hashes;
-  std::vector<int32_t> token_ids;
-};
-// One LookupBlocks / StoreBlocks / LoadBlocks call (block_store.proto documents each field).
-struct BlockStoreCall {
-  uint64_t registration_id = 0;
-  uint32_t kv_group = 0;
-  BlockStoreKeys keys;
-  std::vector<uint32_t> block_ids;  // store / load
-  uint32_t skip_blocks = 0;         // store / load with token ids
-  uint32_t pin_ttl_ms = 0;          // lookup
-  uint64_t pin_id = 0;              // load: the lookup's pin it releases
-  std::string parent_hash;          // store: routers' event fields
-  std::vector<int32_t> event_token_ids;
-  std::vector<std::string> event_block_hashes;  // store: routers' hashes (none: keys.hashes)
-  // store / load on cuda: the engine's interprocess event the daemon waits on first.
-  std::string wait_event;
-};
-struct BlockStoreMatch {
-  uint64_t matched_blocks = 0;
-  uint64_t pin_id = 0;
-  StorageMedium medium = StorageMedium::kDevice;
-};
-struct BlockStoreOutcome {
-  absl::Status status;  // OK, NOT_FOUND, DATA_LOSS... with the daemon's message
-  bool already_present = false;
-};
-struct BlockStoreTransfer {
-  std::vector<BlockStoreOutcome> blocks;  // one per block id
-  uint64_t copied_bytes = 0;
-  // cuda: cudaIpcEventHandle_t to wait on before using the blocks; empty on host.
-  std::string completion_event;
-};
-
-class KvClient;
+class BlockStoreClient;
+class ClientConnection;
 class ClientInternals;
-class StepChannelClient;
-
-// Cache events as they come (KvClient::SubscribePrefixEvents). Thread-compatible; Cancel() may
-// be called from another thread to end a Next() that is waiting.
-class PrefixEventStream {
- public:
-  ~PrefixEventStream();  // cancels
-  PrefixEventStream(const PrefixEventStream&) = delete;
-  PrefixEventStream& operator=(const PrefixEventStream&) = delete;
-
-  // The next event, waiting for it; nullopt once the stream ended (cancelled, the daemon
-  // stopping), with the reason in the status when it ended with an error.
-  absl::StatusOr<std::optional<PrefixCacheEvent>> Next();
-  void Cancel();
-
- private:
-  friend class KvClient;
-  struct Call;
-  explicit PrefixEventStream(std::unique_ptr<Call> call);
-  std::unique_ptr<Call> call_;
-};
+class KvClient;
+class PrefixClient;
 
 // Thread-compatible (one engine thread drives a session; calls on different sessions may run
 // concurrently). REQUIRES: the KvClient outlives its sessions.
@@ -469,7 +331,7 @@ class Session {
   // here once, and records it on its stream after its last kernel on this session before each
   // call: every later call that makes the daemon touch the session's device memory (publish,
   // commit, abort, rewind, hydrate, reset, spec snapshot/rollback, grow, release, and
-  // KvClient::CapturePrefix / RestorePrefix on this session) carries it, and the daemon waits
+  // PrefixClient::Capture / Restore of this session) carries it, and the daemon waits
   // for it first. Replies come after the daemon's own device work is complete. Empty (the
   // default): the engine synchronizes its stream before such calls itself. Host backend: leave
   // it empty (the daemon refuses events there).
@@ -613,36 +475,35 @@ class KvClient {
   // answers with the restart error, which lease_lost() then holds, and re-attaching stops.
   // UNAVAILABLE goes on: no daemon yet, or (a crash loop) a ticket of a daemon that died before
   // the Attach reached the next one, which refuses another instance's ticket so.
-  absl::Status Attach(const std::string& engine_name) ABSL_LOCKS_EXCLUDED(mu_);
+  absl::Status Attach(const std::string& engine_name);
   // Ends the lease: the daemon frees this engine's sessions after its grace period.
-  void Detach() ABSL_LOCKS_EXCLUDED(mu_);
+  void Detach();
   // False once the daemon ended the lease (or the connection broke), until a re-attach.
-  bool lease_alive() const { return lease_alive_.load(); }
+  bool lease_alive() const;
   // Why re-attaching stopped (the daemon no longer knows this engine: IsDaemonRestarted, or
   // NOT_FOUND when it reclaimed it); OK while the lease is live or being re-attached.
-  absl::Status lease_lost() const ABSL_LOCKS_EXCLUDED(mu_);
+  absl::Status lease_lost() const;
   // Re-attaches done after the lease stream broke (each kept the engine and its sessions).
-  uint64_t reattaches() const { return reattaches_.load(); }
-  uint64_t engine_id() const ABSL_LOCKS_EXCLUDED(mu_);
+  uint64_t reattaches() const;
+  uint64_t engine_id() const;
   // The epoch of the daemon the lease is held with (Attached.epoch); 0 before Attach.
-  uint64_t epoch() const ABSL_LOCKS_EXCLUDED(mu_);
+  uint64_t epoch() const;
   // The lease timeout the daemon announced.
-  absl::Duration lease_timeout() const ABSL_LOCKS_EXCLUDED(mu_);
+  absl::Duration lease_timeout() const;
   // The prefix-cache scope the daemon attached this engine in (empty before Attach).
-  std::string cache_scope() const ABSL_LOCKS_EXCLUDED(mu_);
+  std::string cache_scope() const;
 
   // REQUIRES: Attach() succeeded (the plan counts against this engine's max_engine_plans).
   absl::StatusOr<PlanFingerprint> RegisterPlan(const ModelPlan& plan);
   // REQUIRES: Attach() succeeded.
   absl::StatusOr<std::unique_ptr<Session>> CreateSession(const PlanFingerprint& plan,
-                                                         const SessionOptions& options)
-      ABSL_LOCKS_EXCLUDED(mu_);
+                                                         const SessionOptions& options);
   // Admission ahead of creation: RESOURCE_EXHAUSTED carries the AdmissionRefusal numbers
   // (core/admission.h GetAdmissionRefusal). options.reservation_id is ignored.
-  absl::StatusOr<SessionReservation> Reserve(const PlanFingerprint& plan, const SessionOptions& options)
-      ABSL_LOCKS_EXCLUDED(mu_);
+  absl::StatusOr<SessionReservation> Reserve(const PlanFingerprint& plan,
+                                             const SessionOptions& options);
   // Returns the reservation's bytes to the budget.
-  absl::StatusOr<uint64_t> CancelReservation(uint64_t reservation_id) ABSL_LOCKS_EXCLUDED(mu_);
+  absl::StatusOr<uint64_t> CancelReservation(uint64_t reservation_id);
   // Runs a batch; one outcome per entry, in order, into `outcomes` (resized). The RPC's own
   // failure is the returned status. A batch the step channel can carry (StepBatch::
   // ChannelEligible) goes over it when the daemon offered one and force_grpc_step is off: the
@@ -655,121 +516,29 @@ class KvClient {
   // The same, returning fresh outcomes.
   absl::StatusOr<std::vector<StepOutcome>> Step(StepBatch& batch);
 
-  // ---- Prefix cache (proto prefix.proto; refusals keep its codes and messages) ----
-  // Copies `session`'s committed state at `boundary_tokens` into the cache; `token_ids` are the
-  // session's committed token ids from position 0 (at least boundary_tokens of them). Carries
-  // the session's wait event.
-  absl::StatusOr<PrefixCaptured> CapturePrefix(const Session& session,
-                                               absl::Span<const int32_t> token_ids,
-                                               uint64_t boundary_tokens);
-  // The longest restorable prefix of `token_ids`, in this engine's cache scope, for sessions of
-  // `plan` with `shape`'s layer range and ranks (its capacity and the rest are ignored).
-  // REQUIRES: Attach() succeeded.
-  absl::StatusOr<PrefixMatch> LookupPrefix(const PlanFingerprint& plan, const SessionOptions& shape,
-                                           absl::Span<const int32_t> token_ids);
-  // Restores entry `entry_id` (0: the longest match) into the FRESH `session`; `token_ids` the
-  // conversation's from position 0. Carries the session's wait event.
-  absl::StatusOr<PrefixRestored> RestorePrefix(const Session& session,
-                                               absl::Span<const int32_t> token_ids,
-                                               uint64_t entry_id = 0);
-  // The cache's events after (epoch, last_sequence) (0, 0: from the start of the daemon's
-  // buffer), then live ones until the stream is cancelled. No deadline. On the engine socket
-  // an attached engine's, of its cache scope only; on the admin socket every scope's.
-  std::unique_ptr<PrefixEventStream> SubscribePrefixEvents(uint64_t epoch = 0,
-                                                           uint64_t last_sequence = 0);
+  // The prefix cache and the block store, as views over this client's one connection and
+  // lease (client/prefix_client.h, client/block_store_client.h; include the view's header to
+  // use it). Cheap, copyable, usable before Attach (calls that need the lease say so); valid
+  // while this KvClient lives, and refused with FAILED_PRECONDITION (never undefined
+  // behaviour) once it is destroyed.
+  PrefixClient prefixes() const;
+  BlockStoreClient block_store() const;
 
-  // ---- Block store (proto block_store.proto; refusals keep its codes and messages) ----
-  // REQUIRES: Attach() succeeded. Offers `fd` (a memfd sealed with F_SEAL_SHRINK, at least
-  // `bytes` long; the caller keeps it) over this engine's handoff connection; the buffer id
-  // RegisterPool names it by (single use, valid while the connection is).
-  absl::StatusOr<uint64_t> OfferPoolBuffer(int fd, uint64_t bytes) ABSL_LOCKS_EXCLUDED(mu_);
-  // RegisterEngineBuffers: `spec` without its buffer_bytes (`buffers` give them).
-  absl::StatusOr<RegisteredPool> RegisterPool(const BlockPoolSpec& spec,
-                                              absl::Span<const PoolBufferRef> buffers);
-  absl::Status UnregisterPool(uint64_t registration_id);
-  absl::StatusOr<BlockStoreMatch> LookupBlocks(const BlockStoreCall& call);
-  // The host backend's copies are done when these return.
-  absl::StatusOr<BlockStoreTransfer> StoreBlocks(const BlockStoreCall& call);
-  absl::StatusOr<BlockStoreTransfer> LoadBlocks(const BlockStoreCall& call);
-  absl::Status UnpinBlocks(uint64_t pin_id);
-
-  ArenaMapper& mapper() { return *options_.mapper; }
+  ArenaMapper& mapper();
 
   // Whether Step uses the step channel now (offered, opened, not broken, not forced off).
-  bool step_channel_active() const ABSL_LOCKS_EXCLUDED(mu_);
+  bool step_channel_active() const;
   // Why no channel is in use: OK when one is, or the refusal that kept it closed (not offered,
   // forced off, the open failed, it broke).
-  absl::Status step_channel_status() const ABSL_LOCKS_EXCLUDED(mu_);
+  absl::Status step_channel_status() const;
 
  private:
-  friend class Session;
   friend class ClientInternals;
-  // The channel and its stubs: constant after construction (client.cc).
-  struct Rpc;
-  // The lease's Attach stream.
-  struct LeaseStream;
-  KvClient(ClientOptions options, std::unique_ptr<Rpc> rpc);
-  // The lease thread: reads the daemon's acks as they come, so a broken stream is noticed when
-  // it breaks (not at the next heartbeat), and re-attaches.
-  void KeepLease() ABSL_LOCKS_EXCLUDED(mu_, write_mu_);
-  // The heartbeat thread: a heartbeat every third of the lease timeout on the current stream.
-  void SendHeartbeats() ABSL_LOCKS_EXCLUDED(mu_, write_mu_);
-  // Opens `lease`'s Attach stream and sends its hello; OK with the daemon's answer in `lease`,
-  // or the daemon's refusal (the stream is finished then).
-  absl::Status OpenLease(LeaseStream& lease);
-  // After a broken lease stream: re-attaches as the same engine until it works (true), the
-  // daemon refuses for good (false, lease_lost_ set) or Detach() (false).
-  bool Reattach() ABSL_LOCKS_EXCLUDED(mu_, write_mu_);
-  // A session call's refusal, made the restart error when the daemon answering is not the one
-  // this engine attached to (a NOT_FOUND / PERMISSION_DENIED for a session the new daemon never
-  // had), so the engine never mistakes it for its own mistake.
-  absl::Status Explain(absl::Status status) ABSL_LOCKS_EXCLUDED(mu_);
-  // The descriptor of arena `handle` of a session of this engine, over the handoff connection
-  // Attach opened (FAILED_PRECONDITION before Attach; the daemon's refusal as it sent it).
-  absl::StatusOr<ArenaFd> FetchArenaFd(uint64_t session_id, absl::string_view session_token,
-                                       absl::string_view handle) ABSL_LOCKS_EXCLUDED(mu_);
-  // The lease stream broke: the step channel is abandoned (StepChannelClient::Abandon) and
-  // dropped; Steps go over gRPC until a re-attach opens a new one.
-  void AbandonStepChannel() ABSL_LOCKS_EXCLUDED(mu_);
-  // The step channel over `handoff` when the daemon `offered` it and the options allow it, or
-  // null and why not. Takes no lock of this class.
-  std::pair<std::shared_ptr<StepChannelClient>, absl::Status> OpenStepChannel(
-      HandoffChannel& handoff, bool offered);
-  // The engine's identity (id, token); FAILED_PRECONDITION before Attach (`what` names the call).
-  absl::StatusOr<std::pair<uint64_t, std::string>> AttachedEngine(absl::string_view what) const
-      ABSL_LOCKS_EXCLUDED(mu_);
+  explicit KvClient(std::shared_ptr<ClientConnection> connection);
 
-  // Constant after construction.
-  const ClientOptions options_;
-  const std::unique_ptr<Rpc> rpc_;
-
-  std::atomic<bool> lease_alive_{false};
-  std::atomic<uint64_t> reattaches_{0};
-
-  // Held while a heartbeat is written, and while the stream is finished or replaced, so neither
-  // happens under a write (gRPC allows one Read and one Write at a time, nothing with Finish).
-  // Never held while waiting on the daemon otherwise; taken before mu_.
-  absl::Mutex write_mu_ ABSL_ACQUIRED_BEFORE(mu_);
-  mutable absl::Mutex mu_;
-  uint64_t engine_id_ ABSL_GUARDED_BY(mu_) = 0;
-  std::string engine_token_ ABSL_GUARDED_BY(mu_);
-  std::string cache_scope_ ABSL_GUARDED_BY(mu_);
-  absl::Duration lease_timeout_ ABSL_GUARDED_BY(mu_);
-  uint64_t epoch_ ABSL_GUARDED_BY(mu_) = 0;
-  absl::Status lease_lost_ ABSL_GUARDED_BY(mu_);
-  bool stop_ ABSL_GUARDED_BY(mu_) = false;
-  std::unique_ptr<LeaseStream> lease_stream_ ABSL_GUARDED_BY(mu_);
-  // The stream a re-attach is opening (Detach cancels it); null otherwise.
-  LeaseStream* reattaching_ ABSL_GUARDED_BY(mu_) = nullptr;
-  // Opened by Attach (and by each re-attach), closed by Detach; shared so a fetch in flight
-  // outlives a Detach.
-  std::shared_ptr<HandoffChannel> handoff_ ABSL_GUARDED_BY(mu_);
-  // Opened with each attach when offered (null otherwise); shared so a Step in flight outlives
-  // a re-attach that replaces it.
-  std::shared_ptr<StepChannelClient> step_channel_ ABSL_GUARDED_BY(mu_);
-  absl::Status step_channel_status_ ABSL_GUARDED_BY(mu_);
-  std::thread lease_thread_ ABSL_GUARDED_BY(mu_);
-  std::thread heartbeat_thread_ ABSL_GUARDED_BY(mu_);
+  // The channel, lease, handoff connection and step channel (client/connection.h); the views
+  // hold weak references to it. Constant after construction.
+  const std::shared_ptr<ClientConnection> connection_;
 };
 
 }  // namespace memra

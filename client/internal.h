@@ -12,6 +12,8 @@
 #include "absl/status/statusor.h"
 #include "client/client.h"
 #include "client/step_channel_client.h"
+#include "common/codec.h"
+#include "core/prefix_index.h"
 #include "grpcpp/client_context.h"
 #include "proto/memra/kv/v1/admin.grpc.pb.h"
 #include "proto/memra/kv/v1/block_store.grpc.pb.h"
@@ -61,6 +63,35 @@ class ClientInternals {
 // of range or a fingerprint / key of the wrong length.
 absl::StatusOr<SessionLayout> SessionLayoutFromProto(const memra::kv::v1::SessionLayout& proto);
 SessionSnapshot SessionSnapshotFromProto(const memra::kv::v1::SessionState& proto);
+// Where a prefix piece or a stored block is (an unknown value: the device).
+StorageMedium MediumFromProto(memra::kv::v1::PrefixMedium medium);
+
+// The session calls (Session's, PrefixClient's) all follow one shape: fill a request with the
+// session (and the engine's interprocess event, for calls that order device work), call, convert.
+template <typename Request>
+Request ForSession(const Session& session) {
+  Request request;
+  *request.mutable_session() = ClientInternals::Ref(session);
+  if constexpr (requires { request.mutable_ordering(); }) {
+    if (!session.wait_event().empty()) {
+      request.mutable_ordering()->set_wait_event(session.wait_event());
+    }
+  }
+  return request;
+}
+
+// The shape fields CreateSession, Reserve and PrefixClient::Lookup share.
+template <typename Shape>
+void SetSessionShape(const PlanFingerprint& plan, const SessionOptions& options, Shape& shape) {
+  shape.set_plan_fingerprint(FingerprintToBytes(plan));
+  shape.set_layer_lo(options.layer_lo);
+  if (options.layer_hi.has_value()) shape.set_layer_hi(*options.layer_hi);
+  shape.set_tp_ranks(options.tp_ranks);
+  if constexpr (requires { shape.set_capacity(0); }) shape.set_capacity(options.capacity);
+  if constexpr (requires { shape.set_spec_snapshot(false); }) {
+    shape.set_spec_snapshot(options.spec_snapshot);
+  }
+}
 
 }  // namespace memra
 

@@ -204,6 +204,9 @@ class BlockStore {
     DeviceBackend* backend = nullptr;
     ~Registration();  // unmaps
   };
+  // A policy over the cache's pins (PrefixCache::LookupPoolBlocks with pin: the index's entry
+  // pins and the pieces' kRestore holds in its PieceLedger): who may hold them, how many bytes,
+  // and for how long (expires).
   struct Pin {
     uint64_t engine = 0;
     std::vector<EntryId> entries;

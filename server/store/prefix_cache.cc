@@ -1,23 +1,18 @@
 #include "server/store/prefix_cache.h"
 
 #include <algorithm>
-#include <atomic>
 #include <cstring>
 #include <memory>
 #include <string_view>
-#include <system_error>
-#include <thread>
 #include <utility>
 #include <vector>
-
-#include <xxhash.h>
 
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "core/checked_math.h"
-#include "core/sha256.h"
 #include "core/status_macros.h"
+#include "server/store/remote/read_through.h"
 #include "spdlog/spdlog.h"
 
 namespace memra {
@@ -53,89 +48,6 @@ absl::StatusOr<absl::Span<const int32_t>> CommittedTokensMatching(
   return absl::MakeConstSpan(*committed).subspan(0, requested.size());
 }
 
-constexpr std::string_view kShapeDomain = "memra-kv/prefix-shape/v1";
-constexpr std::string_view kScopeDomain = "memra-kv/cache-scope/v1";
-constexpr uint64_t kF32 = sizeof(float);
-
-void HashU32(Sha256& hash, uint32_t value) {
-  char bytes[4];
-  for (int i = 0; i < 4; ++i) bytes[i] = static_cast<char>((value >> (8 * i)) & 0xff);
-  hash.Update(std::string_view(bytes, sizeof(bytes)));
-}
-
-// The copy ranges of `pieces` of block `block_index`: each piece's range in the session's arena
-// and, back to back from offset 0, in the stored piece; `toward_storage` says which side is
-// written. Every range is checked (overflow, plane bounds) before any copy is issued.
-absl::StatusOr<std::vector<CopyRange>> PieceRanges(const SessionLayoutVersion& layout,
-                                                   const std::vector<StoredPiece>& pieces,
-                                                   uint64_t block_index, bool toward_storage) {
-  std::vector<CopyRange> ranges;
-  ranges.reserve(pieces.size());
-  uint64_t stored_at = 0;
-  for (const StoredPiece& piece : pieces) {
-    ASSIGN_OR_RETURN(uint64_t shift, CheckedMul(block_index, piece.bytes, "block offset"));
-    ASSIGN_OR_RETURN(uint64_t offset, CheckedAdd(piece.plane_offset, shift, "block offset"));
-    ASSIGN_OR_RETURN(uint64_t session_at,
-                     PlaneRangeOffset(layout, piece.plane, offset, piece.bytes));
-    ranges.push_back(toward_storage
-                         ? CopyRange{.dst_offset = stored_at, .src_offset = session_at,
-                                     .bytes = piece.bytes}
-                         : CopyRange{.dst_offset = session_at, .src_offset = stored_at,
-                                     .bytes = piece.bytes});
-    stored_at += piece.bytes;
-  }
-  return ranges;
-}
-
-// The part of `ranges` (as PieceRanges made them) that copies stored bytes [begin, end), the
-// stored side moved to `stored_offset` (where the piece's span starts in its slab).
-std::vector<CopyRange> SliceRanges(const std::vector<CopyRange>& ranges, bool toward_storage,
-                                   uint64_t stored_offset, uint64_t begin, uint64_t end) {
-  std::vector<CopyRange> slice;
-  uint64_t at = 0;
-  for (const CopyRange& range : ranges) {
-    const uint64_t lo = std::max(at, begin);
-    const uint64_t hi = std::min(at + range.bytes, end);
-    if (lo < hi) {
-      const uint64_t skip = lo - at;
-      CopyRange part{.dst_offset = range.dst_offset + skip,
-                     .src_offset = range.src_offset + skip,
-                     .bytes = hi - lo};
-      (toward_storage ? part.dst_offset : part.src_offset) += stored_offset;
-      slice.push_back(part);
-    }
-    at += range.bytes;
-  }
-  return slice;
-}
-
-uint64_t SliceCount(uint64_t bytes, uint64_t slice_bytes) {
-  return bytes == 0 ? 1 : (bytes - 1) / slice_bytes + 1;
-}
-
-// Appends a piece, adding its bytes to `total` (overflow-checked).
-absl::Status AddPiece(std::vector<StoredPiece>& pieces, uint64_t& total, PlaneRef plane,
-                      uint64_t plane_offset, uint64_t bytes) {
-  ASSIGN_OR_RETURN(total, CheckedAdd(total, bytes, "prefix stored bytes"));
-  pieces.push_back({plane, plane_offset, bytes});
-  return absl::OkStatus();
-}
-
-absl::StatusOr<size_t> KvLayerIndex(const SessionState& state, uint32_t layer) {
-  for (size_t i = 0; i < state.kv().layer_count(); ++i) {
-    if (state.kv().shapes()[i].layer == layer) return i;
-  }
-  return absl::InternalError(absl::StrCat("layer ", layer, " has no K/V state"));
-}
-
-absl::StatusOr<const LatentLayerState*> LatentLayer(const SessionState& state, uint32_t layer) {
-  for (const LatentLayerState& latent : state.latent()) {
-    if (latent.layer == layer) return &latent;
-  }
-  return absl::InternalError(absl::StrCat("layer ", layer, " has no latent state"));
-}
-
-// The session's shape in its owner's cache scope.
 // What routers index (prefix.proto PrefixEvent 20-25) of the blocks `plan` adds, whether a
 // capture or a remote pull adds them: their token ids, parent and the engine that stored them;
 // their hashes are the block keys themselves. `tokens` covers at least plan.boundary_tokens.
@@ -152,6 +64,20 @@ void FillOrigin(CapturePlan& plan, absl::Span<const int32_t> tokens, uint64_t bl
   }
 }
 
+// The store's local tiers: the device's slabs, then the host tier and the disk where there are.
+TierChain ChainOf(const PrefixCacheOptions& options, DeviceBackend* backend, SlabAllocator* slabs,
+                  SlabAllocator* host_slabs, HostTierMemory* host_memory, DiskTier* disk,
+                  std::function<void(const SlabSpan&)> free_device_span) {
+  TierChain chain;
+  chain.Add(DeviceStoreTier(backend, slabs, options.budget_bytes, std::move(free_device_span)));
+  if (host_slabs != nullptr) {
+    chain.Add(HostStoreTier(host_slabs, host_memory, options.host_tier_bytes));
+  }
+  if (disk != nullptr) chain.Add(DiskStoreTier(disk));
+  return chain;
+}
+
+// The session's shape in its owner's cache scope.
 absl::StatusOr<ScopedShape> ShapeOf(const PrefixSession& session) {
   ASSIGN_OR_RETURN(PlanFingerprint model,
                    FingerprintModelPlan(session.model_plan(), session.format_defaults()));
@@ -163,32 +89,6 @@ absl::StatusOr<ScopedShape> ShapeOf(const PrefixSession& session) {
   return out;
 }
 
-// Whether every layer of `plan` is position-addressed (no per-boundary state: SWA ring,
-// recurrent state, latent indexer), so any block boundary of a stored chain restores.
-bool PositionAddressedPlan(const SessionPlan& plan) {
-  return std::all_of(plan.layers.begin(), plan.layers.end(), [](const LayerGeometry& g) {
-    return !(g.ring || g.kind == StateKind::kRecurrent ||
-             (g.kind == StateKind::kLatent && g.index_width > 0));
-  });
-}
-
-// xxHash3-64 of what a stored piece's bytes mean: the rows per block and, per piece in order, its
-// layer, plane kind and bytes (the remote tier's values carry it; another plan or build that
-// lays the same number of bytes out differently reads as a shape mismatch, never as KV).
-uint64_t LayoutDigest(const std::vector<StoredPiece>& pieces, uint64_t block_rows) {
-  std::vector<uint8_t> bytes;
-  auto put = [&](uint64_t value, int size) {
-    for (int i = 0; i < size; ++i) bytes.push_back(static_cast<uint8_t>(value >> (8 * i)));
-  };
-  put(block_rows, 8);
-  for (const StoredPiece& piece : pieces) {
-    put(piece.plane.layer, 4);
-    put(static_cast<uint8_t>(piece.plane.kind), 1);
-    put(piece.bytes, 8);
-  }
-  return XXH3_64bits(bytes.data(), bytes.size());
-}
-
 bool IsFresh(const SessionState& state) {
   if (!state.kv().state().IsFresh() || state.position() != 0) return false;
   return std::all_of(state.latent().begin(), state.latent().end(),
@@ -196,112 +96,6 @@ bool IsFresh(const SessionState& state) {
 }
 
 }  // namespace
-
-PlanFingerprint ScopedShapeFingerprint(absl::string_view scope, const PlanFingerprint& shape) {
-  Sha256 hash;
-  hash.Update(kScopeDomain);
-  HashU32(hash, static_cast<uint32_t>(scope.size()));
-  hash.Update(std::string_view(scope.data(), scope.size()));
-  hash.Update(std::string_view(reinterpret_cast<const char*>(shape.data()), shape.size()));
-  return hash.Finish();
-}
-
-PlanFingerprint PrefixShapeFingerprint(const PlanFingerprint& model, const SessionShape& shape) {
-  if (shape.layer_lo == 0 && !shape.layer_hi.has_value() && shape.tp_ranks == 1) return model;
-  Sha256 hash;
-  hash.Update(kShapeDomain);
-  hash.Update(std::string_view(reinterpret_cast<const char*>(model.data()), model.size()));
-  HashU32(hash, shape.layer_lo);
-  HashU32(hash, shape.layer_hi.value_or(0xffffffffu));
-  HashU32(hash, shape.tp_ranks);
-  return hash.Finish();
-}
-
-absl::StatusOr<StoredLayout> PlanStoredLayout(const SessionPlan& plan, const SessionState& state,
-                                              uint64_t boundary, uint64_t block_rows) {
-  StoredLayout out;
-  out.block_rows = block_rows;
-  for (const LayerGeometry& layer : plan.layers) {
-    const uint32_t il = layer.layer;
-    switch (layer.kind) {
-      case StateKind::kKv:
-      case StateKind::kSlidingKv: {
-        if (!layer.ring) {
-          ASSIGN_OR_RETURN(uint64_t k, CheckedMul(block_rows, layer.k_token_bytes, "block K"));
-          ASSIGN_OR_RETURN(uint64_t v, CheckedMul(block_rows, layer.v_token_bytes, "block V"));
-          RETURN_IF_ERROR(AddPiece(out.block_pieces, out.block_bytes, {il, PlaneKind::kKeys}, 0, k));
-          RETURN_IF_ERROR(
-              AddPiece(out.block_pieces, out.block_bytes, {il, PlaneKind::kValues}, 0, v));
-          break;
-        }
-        out.position_addressed_only = false;
-        ASSIGN_OR_RETURN(size_t index, KvLayerIndex(state, il));
-        absl::StatusOr<std::pair<uint64_t, RowRange>> window =
-            state.kv().ring(index)->RestorePlan(boundary);
-        if (!window.ok()) {
-          return absl::FailedPreconditionError(absl::StrCat(
-              "layer ", il, ": the SWA window ending at ", boundary,
-              " is no longer resident (ring base ", state.kv().ring(index)->base(), ", ",
-              state.kv().ring(index)->rows(), " rows; lapped): ", window.status().message()));
-        }
-        const RowRange rows = window->second;
-        RETURN_IF_ERROR(AddPiece(out.boundary_pieces, out.boundary_bytes, {il, PlaneKind::kKeys},
-                                 rows.start * layer.k_token_bytes,
-                                 rows.size() * layer.k_token_bytes));
-        RETURN_IF_ERROR(AddPiece(out.boundary_pieces, out.boundary_bytes,
-                                 {il, PlaneKind::kValues}, rows.start * layer.v_token_bytes,
-                                 rows.size() * layer.v_token_bytes));
-        break;
-      }
-      case StateKind::kLatent: {
-        ASSIGN_OR_RETURN(uint64_t row_bytes, FormatBytes(LayoutOf(layer.latent_format),
-                                                         layer.latent_width, "latent row"));
-        ASSIGN_OR_RETURN(uint64_t bytes, CheckedMul(block_rows, row_bytes, "block latent rows"));
-        RETURN_IF_ERROR(
-            AddPiece(out.block_pieces, out.block_bytes, {il, PlaneKind::kLatentRows}, 0, bytes));
-        if (layer.index_width == 0) break;
-        out.position_addressed_only = false;
-        ASSIGN_OR_RETURN(const LatentLayerState* latent, LatentLayer(state, il));
-        if (latent->len != boundary) {
-          return absl::FailedPreconditionError(absl::StrCat(
-              "layer ", il, ": the indexer's tail and pool keys exist only at the latent length ",
-              latent->len, ", not at boundary ", boundary));
-        }
-        // snapshot_plane's rules: a drained boundary (index_pools_ready == len / pool).
-        ASSIGN_OR_RETURN(LatentCapturePlan capture, PlanLatentCapture(*latent));
-        for (const LatentCopy& copy : capture.copies) {
-          if (copy.plane == LatentPlane::kRows) continue;  // stored per block
-          const PlaneKind kind =
-              copy.plane == LatentPlane::kPoolKeys ? PlaneKind::kPoolKeys : PlaneKind::kIndexRows;
-          RETURN_IF_ERROR(AddPiece(out.boundary_pieces, out.boundary_bytes, {il, kind},
-                                   copy.plane_offset_elems * kF32, copy.elems * kF32));
-        }
-        break;
-      }
-      case StateKind::kRecurrent:
-        out.position_addressed_only = false;
-        if (boundary != state.committed_len() || state.position() != state.committed_len()) {
-          return absl::FailedPreconditionError(absl::StrCat(
-              "layer ", il, ": recurrent state exists only at the position ", state.position(),
-              " (committed ", state.committed_len(), "), not at boundary ", boundary));
-        }
-        RETURN_IF_ERROR(AddPiece(out.boundary_pieces, out.boundary_bytes,
-                                 {il, PlaneKind::kConvState}, 0, layer.conv_elems * kF32));
-        RETURN_IF_ERROR(AddPiece(out.boundary_pieces, out.boundary_bytes,
-                                 {il, PlaneKind::kSsmState}, 0, layer.ssm_elems * kF32));
-        break;
-      case StateKind::kNone:
-      case StateKind::kSharedKv:
-        break;
-    }
-  }
-  if (out.block_bytes == 0) {
-    return absl::InvalidArgumentError(
-        "prefix cache: the session has no position-addressed layer (flat K/V or latent rows) "
-        "to store blocks of");
-  }
-  return out;
-}
 
 absl::StatusOr<std::unique_ptr<PrefixCache>> PrefixCache::Create(
     const PrefixCacheOptions& options, DeviceBackend* backend, DeviceBudget* budget,
@@ -393,10 +187,16 @@ PrefixCache::PrefixCache(const PrefixCacheOptions& options, PrefixIndex index,
     : options_(options),
       backend_(backend),
       budget_(budget),
+      copier_(backend, SliceCopierOptions{.copy_threads = options.copy_threads,
+                                          .parallel_copy_bytes = options.parallel_copy_bytes,
+                                          .slice_bytes = options.checksum_slice_bytes}),
       slabs_(std::move(slabs)),
       disk_(std::move(disk)),
       host_memory_(std::move(host_memory)),
       host_slabs_(std::move(host_slabs)),
+      tiers_(ChainOf(options, backend, slabs_.get(), host_slabs_.get(), host_memory_.get(),
+                     disk_.get(), [this](const SlabSpan& span) { ledger_.FreeSpan(span); })),
+      ledger_(slabs_.get()),
       remote_(std::move(remote)),
       index_(std::move(index)) {}
 
@@ -404,41 +204,14 @@ PrefixCache::PrefixCache(const PrefixCacheOptions& options, PrefixIndex index,
 // host_slabs_ every host-tier slab (before host_memory_ goes).
 PrefixCache::~PrefixCache() = default;
 
-void PrefixCache::FreeStorage(const SlabSpan& span) {
-  absl::MutexLock lock(&remote_holds_mu_);
-  if (auto held = remote_holds_.find({span.slab.value, span.offset}); held != remote_holds_.end()) {
-    // A queued remote write still reads it: freed when the writer releases it.
-    if (!held->second) {
-      held->second = true;
-      ++remote_deferred_spans_;
-      remote_deferred_bytes_ += span.bytes;
-    }
+void PrefixCache::FreeInTier(uint64_t handle, const Storage& storage) {
+  StoreTier* tier = tiers_.tier(storage.medium);
+  if (tier == nullptr) {  // kRemote: never a stored piece's medium (pulled into DEVICE first)
+    spdlog::error("prefix cache: piece {} claims the {} tier, which this store has not", handle,
+                  StorageMediumName(storage.medium));
     return;
   }
-  if (absl::Status freed = slabs_->Free(span); !freed.ok()) {
-    spdlog::error("prefix cache: freeing its storage failed: {}", freed.ToString());
-  }
-}
-
-void PrefixCache::FreeInTier(uint64_t handle, const Storage& storage) {
-  switch (storage.medium) {
-    case StorageMedium::kDevice:
-      FreeStorage(storage.span);
-      break;
-    case StorageMedium::kPinnedHost:
-      if (absl::Status freed = host_slabs_->Free(storage.span); !freed.ok()) {
-        spdlog::error("prefix cache: freeing host-tier storage failed: {}", freed.ToString());
-      }
-      break;
-    case StorageMedium::kDisk:
-      if (absl::Status removed = disk_->Remove(handle); !removed.ok()) {
-        spdlog::error("prefix cache: {}", removed.ToString());
-      }
-      break;
-    case StorageMedium::kRemote:  // never a stored piece's medium (pulled into DEVICE first)
-      spdlog::error("prefix cache: piece {} claims the remote tier", handle);
-      break;
-  }
+  tier->Erase(handle, storage);
 }
 
 void PrefixCache::FreeHandles(const std::vector<uint64_t>& handles) {
@@ -474,68 +247,31 @@ std::vector<uint64_t> EntryHandles(const EntryView& entry) {
 
 }  // namespace
 
-std::vector<ArenaId> PrefixCache::HoldEntry(const EntryView& entry) {
-  std::vector<ArenaId> held;
+std::vector<PieceLedger::Hold> PrefixCache::HoldPieces(const EntryView& entry) {
+  std::vector<PieceLedger::Hold> holds;
   for (uint64_t handle : EntryHandles(entry)) {
-    auto it = storage_.find(handle);
-    if (it == storage_.end() || it->second.medium != StorageMedium::kDevice) continue;
-    const ArenaId slab = it->second.span.slab;
-    if (absl::Status status = slabs_->Hold(slab); !status.ok()) {
-      spdlog::error("prefix cache: {}", status.ToString());
+    absl::StatusOr<PieceLedger::Hold> hold =
+        ledger_.Take(HoldKind::kRestore, handle, std::nullopt);  // a handle-only hold never fails
+    if (hold.ok()) holds.push_back(*std::move(hold));
+  }
+  return holds;
+}
+
+void PrefixCache::HoldSlabs(std::vector<PieceLedger::Hold>& holds) {
+  for (PieceLedger::Hold& hold : holds) {
+    auto it = storage_.find(hold.handle());
+    if (it == storage_.end() || it->second.medium != StorageMedium::kDevice ||
+        hold.span().has_value()) {
       continue;
     }
-    held.push_back(slab);
-  }
-  return held;
-}
-
-void PrefixCache::ReleaseSlabs(const std::vector<ArenaId>& slabs) {
-  for (ArenaId slab : slabs) {
-    if (absl::Status status = slabs_->Release(slab); !status.ok()) {
+    if (absl::Status status = ledger_.AttachSpan(hold, it->second.span); !status.ok()) {
       spdlog::error("prefix cache: {}", status.ToString());
     }
   }
 }
 
-void PrefixCache::MarkPinned(const EntryView& entry, int delta) {
-  for (uint64_t handle : EntryHandles(entry)) {
-    uint32_t& pins = pinned_handles_[handle];
-    pins += delta;
-    if (pins == 0) pinned_handles_.erase(handle);
-  }
-}
-
-std::optional<StorageMedium> PrefixCache::TierBelow(StorageMedium medium) const {
-  switch (medium) {
-    case StorageMedium::kDevice:
-      if (host_slabs_ != nullptr) return StorageMedium::kPinnedHost;
-      [[fallthrough]];
-    case StorageMedium::kPinnedHost:
-      if (disk_ != nullptr) return StorageMedium::kDisk;
-      return std::nullopt;
-    case StorageMedium::kDisk:
-    case StorageMedium::kRemote:  // a replica beside the local tiers, never below them
-      return std::nullopt;
-  }
-  return std::nullopt;
-}
-
-uint64_t PrefixCache::IncomingBytes(const Move& move) {
-  return move.to == StorageMedium::kDisk ? move.source.piece_bytes : move.source.span.bytes;
-}
-
-uint64_t PrefixCache::TierBudget(StorageMedium medium) const {
-  switch (medium) {
-    case StorageMedium::kDevice:
-      return options_.budget_bytes;
-    case StorageMedium::kPinnedHost:
-      return host_slabs_ == nullptr ? 0 : options_.host_tier_bytes;
-    case StorageMedium::kDisk:
-      return disk_ == nullptr ? 0 : disk_->budget_bytes();
-    case StorageMedium::kRemote:  // the cluster's, not this daemon's
-      return 0;
-  }
-  return 0;
+uint64_t PrefixCache::IncomingBytes(const Move& move) const {
+  return tiers_.tier(move.to)->IncomingBytes(move.source);
 }
 
 void PrefixCache::RebalanceTiers() {
@@ -547,9 +283,9 @@ void PrefixCache::Rebalance() {
   // Top down: what the device tier pushes out lands in the tier below, which makes room first
   // (the host tier demotes its own LRU pieces, the disk tier evicts LRU entries); then the
   // host tier is brought within its budget in case room could not be made before.
-  DemoteDownTo(StorageMedium::kDevice, TierBudget(StorageMedium::kDevice));
+  DemoteDownTo(StorageMedium::kDevice, tiers_.Budget(StorageMedium::kDevice));
   if (host_slabs_ != nullptr) {
-    DemoteDownTo(StorageMedium::kPinnedHost, TierBudget(StorageMedium::kPinnedHost));
+    DemoteDownTo(StorageMedium::kPinnedHost, tiers_.Budget(StorageMedium::kPinnedHost));
   }
 }
 
@@ -563,13 +299,13 @@ void PrefixCache::MakeHostRoom() {
 size_t PrefixCache::EvictForRoomIn(StorageMedium medium, absl::FunctionRef<bool()> has_room) {
   const auto in_medium = [&](uint64_t handle) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     auto it = storage_.find(handle);
-    return it != storage_.end() && it->second.medium == medium && !moving_.contains(handle);
+    return it != storage_.end() && it->second.medium == medium &&
+           !ledger_.HeldAs(handle, HoldKind::kDemotion);
   };
   // A piece there that evictions can free: not one a pinned entry uses (nor being promoted
   // for one), whose holders would be evicted for nothing.
   const auto freeable_in_medium = [&](uint64_t handle) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    return in_medium(handle) && !pinned_handles_.contains(handle) &&
-           !promoting_.contains(handle);
+    return in_medium(handle) && ledger_.MayGo(handle);
   };
   // One pass over the LRU order, evicting the entries `qualifies` accepts.
   const auto pass = [&](auto qualifies) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
@@ -631,8 +367,7 @@ std::vector<uint64_t> PrefixCache::PlanMoves(StorageMedium from, StorageMedium t
     for (size_t i = 0; i < handles.size() && planned_bytes < bytes; ++i) {
       const uint64_t handle = handles[i];
       auto it = storage_.find(handle);
-      if (it == storage_.end() || it->second.medium != from || pinned_handles_.contains(handle) ||
-          promoting_.contains(handle) || moving_.contains(handle)) {
+      if (it == storage_.end() || it->second.medium != from || !ledger_.MayGo(handle)) {
         continue;
       }
       Move move;
@@ -642,13 +377,15 @@ std::vector<uint64_t> PrefixCache::PlanMoves(StorageMedium from, StorageMedium t
       move.fingerprint = view->fingerprint;
       move.boundary = i >= view->blocks.size();
       move.key = move.boundary ? view->blocks.back().key : view->blocks[i].key;
-      if (from == StorageMedium::kDevice) {
-        // Held while it is read, as a capture's spans are: not evictable device memory.
-        if (absl::Status held = slabs_->Hold(move.source.span.slab); !held.ok()) {
-          spdlog::error("prefix cache: {}", held.ToString());
-          continue;
-        }
+      // Held while it is read (a device span as a capture's: not evictable device memory).
+      absl::StatusOr<PieceLedger::Hold> hold = ledger_.Take(
+          HoldKind::kDemotion, handle,
+          from == StorageMedium::kDevice ? std::optional<SlabSpan>(move.source.span) : std::nullopt);
+      if (!hold.ok()) {
+        spdlog::error("prefix cache: {}", hold.status().ToString());
+        continue;
       }
+      move.hold = *std::move(hold);
       tier_leaving_bytes_[static_cast<size_t>(from)] += move.source.span.bytes;
       tier_incoming_bytes_[static_cast<size_t>(to)] += IncomingBytes(move);
       planned_bytes += move.source.span.bytes;
@@ -662,50 +399,26 @@ std::vector<uint64_t> PrefixCache::PlanMoves(StorageMedium from, StorageMedium t
 absl::StatusOr<PrefixCache::Storage> PrefixCache::CopyDown(uint64_t handle, const Storage& source,
                                                            StorageMedium to) {
   if (options_.before_demotion_copy) options_.before_demotion_copy(handle, to);
-  Storage moved = source;
-  moved.medium = to;
-  if (to == StorageMedium::kPinnedHost) {
-    // Device -> host: straight into the host span (on cuda a DMA copy into pinned memory).
-    ASSIGN_OR_RETURN(moved.span, host_slabs_->Allocate(source.piece_bytes));
-    (void)host_slabs_->Release(moved.span.slab);  // holds mean nothing without a budget
-    absl::Status copied = [&]() -> absl::Status {
-      ASSIGN_OR_RETURN(absl::Span<uint8_t> host,
-                       host_memory_->Bytes(moved.span.slab, moved.span.offset, source.piece_bytes));
-      return backend_->Read(source.span.slab, source.span.offset, host);
-    }();
-    if (!copied.ok()) {
-      FreeInTier(handle, moved);
-      return copied;
-    }
-    return moved;
-  }
-  // -> disk, from the host tier's memory as it is, or read out of the device first.
-  std::vector<uint8_t> buffer;
-  absl::Span<const uint8_t> bytes;
-  if (source.medium == StorageMedium::kPinnedHost) {
-    ASSIGN_OR_RETURN(bytes, host_memory_->Bytes(source.span.slab, source.span.offset,
-                                                source.piece_bytes));
-  } else {
-    buffer.resize(source.piece_bytes);
-    RETURN_IF_ERROR(backend_->Read(source.span.slab, source.span.offset, absl::MakeSpan(buffer)));
-    bytes = buffer;
-  }
-  RETURN_IF_ERROR(disk_->Write(handle, bytes));
-  moved.span.slab = ArenaId{};
-  moved.span.offset = 0;  // span.bytes stays: the rounded size the index counts
-  return moved;
+  const StoreTier& from = *tiers_.tier(source.medium);
+  // The host tier's memory is read in place; a device piece is read into the tier below's memory
+  // (host) or a buffer (disk).
+  ASSIGN_OR_RETURN(std::optional<absl::Span<const uint8_t>> view, from.View(handle, source));
+  return tiers_.tier(to)->Insert(
+      handle, source,
+      PieceSource{.view = view, .read_into = [&](absl::Span<uint8_t> out) {
+                    return from.ReadInto(handle, source, out);
+                  }});
 }
 
 size_t PrefixCache::RunMoves(const std::vector<uint64_t>& handles) {
   // Committed a chunk at a time: a restore waiting for a moving piece (PromotePinned) waits
   // for that piece's chunk, about demotion_chunk_bytes of copying, not the whole batch.
   size_t committed = 0;
-  std::vector<std::pair<uint64_t, Move>> chunk;
+  std::vector<uint64_t> chunk;
   uint64_t chunk_bytes = 0;
   for (size_t i = 0; i < handles.size(); ++i) {
-    const Move& move = moving_.at(handles[i]);
-    chunk_bytes += move.source.piece_bytes;
-    chunk.emplace_back(handles[i], move);
+    chunk_bytes += moving_.at(handles[i]).source.piece_bytes;
+    chunk.push_back(handles[i]);
     if (chunk_bytes >= options_.demotion_chunk_bytes || i + 1 == handles.size()) {
       committed += MoveChunk(chunk);
       chunk.clear();
@@ -715,7 +428,7 @@ size_t PrefixCache::RunMoves(const std::vector<uint64_t>& handles) {
   return committed;
 }
 
-size_t PrefixCache::MoveChunk(const std::vector<std::pair<uint64_t, Move>>& planned) {
+size_t PrefixCache::MoveChunk(const std::vector<uint64_t>& handles) {
   // The bytes move without mu_: lookups, captures and restores of other pieces go on. The
   // sources stay put meanwhile: FreeHandles leaves a moving piece to us, a restore that pins
   // one waits for us (PromotePinned) or reads it where it is, and no other demotion plans it.
@@ -723,32 +436,35 @@ size_t PrefixCache::MoveChunk(const std::vector<std::pair<uint64_t, Move>>& plan
   // a committed piece before its event.
   // A piece evicted since it was planned (FreeHandles marked it released) is not copied: the
   // commit below frees its source either way.
-  std::vector<bool> released;
-  released.reserve(planned.size());
-  for (const auto& [handle, move] : planned) released.push_back(moving_.at(handle).released);
+  struct Planned {
+    Storage source;
+    StorageMedium to;
+    bool released;
+  };
+  std::vector<Planned> planned;
+  planned.reserve(handles.size());
+  for (uint64_t handle : handles) {
+    const Move& move = moving_.at(handle);
+    planned.push_back({move.source, move.to, move.released});
+  }
   std::vector<absl::StatusOr<Storage>> copies;
   mu_.Unlock();
   for (size_t i = 0; i < planned.size(); ++i) {
-    const auto& [handle, move] = planned[i];
-    copies.push_back(released[i] ? absl::StatusOr<Storage>(absl::CancelledError(
-                                       "evicted before its copy"))
-                                 : CopyDown(handle, move.source, move.to));
+    copies.push_back(planned[i].released
+                         ? absl::StatusOr<Storage>(absl::CancelledError("evicted before its copy"))
+                         : CopyDown(handles[i], planned[i].source, planned[i].to));
   }
   mu_.Lock();
   size_t committed = 0;
   // Per entry fingerprint: the keys that moved (one kMoved event each).
   std::vector<std::tuple<PlanFingerprint, std::vector<BlockKey>, std::optional<BlockKey>>> events;
   for (size_t i = 0; i < planned.size(); ++i) {
-    const uint64_t handle = planned[i].first;
+    const uint64_t handle = handles[i];
     auto node = moving_.extract(handle);
-    const Move& move = node.mapped();
+    Move& move = node.mapped();
     const size_t from = static_cast<size_t>(move.source.medium);
     const size_t to = static_cast<size_t>(move.to);
-    if (move.source.medium == StorageMedium::kDevice) {
-      if (absl::Status released = slabs_->Release(move.source.span.slab); !released.ok()) {
-        spdlog::error("prefix cache: {}", released.ToString());
-      }
-    }
+    move.hold.Release();  // before its source may be freed below
     const absl::StatusOr<Storage>& copy = copies[i];
     if (move.released) {
       // Evicted or dropped while it moved: gone from the index, so from both tiers.
@@ -763,7 +479,7 @@ size_t PrefixCache::MoveChunk(const std::vector<std::pair<uint64_t, Move>>& plan
                     StorageMediumName(move.to), copy.status().ToString());
       continue;
     }
-    if (pinned_handles_.contains(handle)) {
+    if (ledger_.HeldAs(handle, HoldKind::kRestore)) {
       // A restore pinned it meanwhile (and may be reading it): it stays where it was.
       FreeInTier(handle, *copy);
       continue;
@@ -787,14 +503,14 @@ size_t PrefixCache::MoveChunk(const std::vector<std::pair<uint64_t, Move>>& plan
     }
   }
   for (auto& [fingerprint, blocks, boundary] : events) {
-    index_.RecordMoved(fingerprint, std::move(blocks), boundary, planned.front().second.to);
+    index_.RecordMoved(fingerprint, std::move(blocks), boundary, planned.front().to);
   }
   return committed;
 }
 
 size_t PrefixCache::DemoteDownTo(StorageMedium from, uint64_t target) {
   const size_t tier = static_cast<size_t>(from);
-  const std::optional<StorageMedium> to = TierBelow(from);
+  const std::optional<StorageMedium> to = tiers_.Below(from);
   size_t moved = 0;
   // Each round demotes or evicts something, else it stops.
   while (tier_stored_bytes_[tier] - tier_leaving_bytes_[tier] > target) {
@@ -824,46 +540,41 @@ size_t PrefixCache::DemoteDownTo(StorageMedium from, uint64_t target) {
 absl::Status PrefixCache::PromotePinned(const EntryView& entry) {
   const std::vector<uint64_t> handles = EntryHandles(entry);
   std::vector<std::pair<uint64_t, Storage>> claimed;
+  // Released under mu_ (as demotions release theirs), which wakes the restores waiting below.
+  std::vector<PieceLedger::Hold> promoting;
   {
     absl::MutexLock lock(&mu_);
     auto none_moving = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
       return std::none_of(handles.begin(), handles.end(), [&](uint64_t handle) {
-        return promoting_.contains(handle) || moving_.contains(handle);
+        return ledger_.HeldAs(handle, HoldKind::kPromotion) ||
+               ledger_.HeldAs(handle, HoldKind::kDemotion);
       });
     };
     mu_.Await(absl::Condition(&none_moving));
     for (uint64_t handle : handles) {
       auto it = storage_.find(handle);
       if (it == storage_.end() || it->second.medium == StorageMedium::kDevice) continue;
-      promoting_.insert(handle);
+      absl::StatusOr<PieceLedger::Hold> hold =
+          ledger_.Take(HoldKind::kPromotion, handle, std::nullopt);  // handle-only: never fails
+      if (!hold.ok()) continue;
+      promoting.push_back(*std::move(hold));
       claimed.emplace_back(handle, it->second);
     }
   }
   if (claimed.empty()) return absl::OkStatus();
   absl::Status status = absl::OkStatus();
-  std::vector<std::pair<uint64_t, SlabSpan>> promoted;
+  // Each new span under Allocate's hold, adopted by the ledger until the piece is recorded.
+  std::vector<std::pair<uint64_t, PieceLedger::Hold>> promoted;
   for (const auto& [handle, storage] : claimed) {
     // The piece's bytes: the host tier's memory as it is (claimed: nothing frees it), or the
     // disk file read back.
+    const StoreTier& from = *tiers_.tier(storage.medium);
     std::vector<uint8_t> buffer;
-    absl::Span<const uint8_t> bytes;
-    std::string where;
-    if (storage.medium == StorageMedium::kPinnedHost) {
-      absl::StatusOr<absl::Span<uint8_t>> host =
-          host_memory_->Bytes(storage.span.slab, storage.span.offset, storage.piece_bytes);
-      status = host.status();
-      if (!status.ok()) break;
-      bytes = *host;
-      where = absl::StrFormat("host-tier piece (%s memory, slab %d, offset %d)",
-                              host_memory_->provider_name(), storage.span.slab.value,
-                              storage.span.offset);
-    } else {
-      buffer.resize(storage.piece_bytes);
-      status = disk_->Read(handle, absl::MakeSpan(buffer));
-      if (!status.ok()) break;
-      bytes = buffer;
-      where = absl::StrCat("disk file ", disk_->PathOf(handle));
-    }
+    absl::StatusOr<absl::Span<const uint8_t>> read = from.Read(handle, storage, buffer);
+    status = read.status();
+    if (!status.ok()) break;
+    const absl::Span<const uint8_t> bytes = *read;
+    const std::string where = from.Describe(handle, storage);
     const std::vector<uint64_t> slices = SliceChecksums(bytes, options_.checksum_slice_bytes);
     const std::vector<uint64_t>& sealed =
         storage.slice_checksums.empty() ? std::vector<uint64_t>{storage.checksum}
@@ -880,23 +591,24 @@ absl::Status PrefixCache::PromotePinned(const EntryView& entry) {
           slice < slices.size() ? slices[slice] : 0, slice < sealed.size() ? sealed[slice] : 0));
       break;
     }
-    absl::StatusOr<SlabSpan> span = slabs_->Allocate(storage.piece_bytes);
-    if (!span.ok()) {
-      status = span.status();
+    const auto read_again = [&](absl::Span<uint8_t> out) {
+      return from.ReadInto(handle, storage, out);
+    };
+    absl::StatusOr<Storage> home = tiers_.tier(StorageMedium::kDevice)
+                                       ->Insert(handle, storage,
+                                                PieceSource{.view = bytes, .read_into = read_again});
+    if (!home.ok()) {
+      status = home.status();
       break;
     }
-    status = backend_->Write(span->slab, span->offset, bytes);
-    if (!status.ok()) {
-      (void)slabs_->Release(span->slab);
-      FreeStorage(*span);
-      break;
-    }
-    promoted.emplace_back(handle, *span);
+    promoted.emplace_back(handle,
+                          ledger_.AdoptAllocation(HoldKind::kPromotion, handle, home->span));
   }
   absl::MutexLock lock(&mu_);
   std::vector<BlockKey> moved_blocks;
   std::optional<BlockKey> moved_boundary;
-  for (const auto& [handle, span] : promoted) {
+  for (auto& [handle, fresh] : promoted) {
+    const SlabSpan span = *fresh.span();
     Storage& storage = storage_[handle];  // pinned: still referenced
     const size_t from = static_cast<size_t>(storage.medium);
     FreeInTier(handle, storage);
@@ -904,7 +616,7 @@ absl::Status PrefixCache::PromotePinned(const EntryView& entry) {
     storage.medium = StorageMedium::kDevice;
     storage.span = span;
     tier_stored_bytes_[static_cast<size_t>(StorageMedium::kDevice)] += span.bytes;
-    (void)slabs_->Release(span.slab);  // Allocate's hold; the restore holds it again
+    fresh.Release();  // Allocate's hold; the restore holds the slab again (HoldSlabs)
     ++tier_promotions_[from];
     const auto at = std::find(handles.begin(), handles.end(), handle) - handles.begin();
     if (static_cast<size_t>(at) < entry.blocks.size()) {
@@ -913,7 +625,7 @@ absl::Status PrefixCache::PromotePinned(const EntryView& entry) {
       moved_boundary = entry.blocks.back().key;
     }
   }
-  for (const auto& [handle, storage] : claimed) promoting_.erase(handle);
+  promoting.clear();
   if (!promoted.empty()) {
     index_.RecordMoved(entry.fingerprint, std::move(moved_blocks), moved_boundary,
                        StorageMedium::kDevice);
@@ -940,24 +652,25 @@ StorageMedium PrefixCache::MediumOf(const EntryView& entry) const {
 
 absl::StatusOr<std::vector<PrefixCache::Stored>> PrefixCache::SealCopies(
     ArenaId source, std::vector<PieceCopy>& pieces) {
-  size_t allocated = 0;
+  std::vector<PieceLedger::Hold> holds;  // each span's, a capture hold until adopted
   auto free_copies = [&] {
-    for (size_t i = 0; i < allocated; ++i) {
-      (void)slabs_->Release(pieces[i].storage.span.slab);
-      FreeStorage(pieces[i].storage.span);
+    for (size_t i = 0; i < holds.size(); ++i) {
+      holds[i].Release();
+      ledger_.FreeSpan(pieces[i].span);
     }
   };
-  for (; allocated < pieces.size(); ++allocated) {
-    absl::StatusOr<SlabSpan> span = slabs_->Allocate(pieces[allocated].bytes);
+  for (PieceCopy& piece : pieces) {
+    absl::StatusOr<SlabSpan> span = slabs_->Allocate(piece.bytes);
     if (!span.ok()) {
       free_copies();
       return span.status();
     }
-    pieces[allocated].storage.span = *span;
+    piece.span = *span;
+    holds.push_back(ledger_.AdoptAllocation(HoldKind::kCapture, 0, *span));
   }
   // Sealed as they are copied: the checksums come from the bytes the copy read.
   absl::StatusOr<std::vector<std::vector<uint64_t>>> slices =
-      CopySlices(Direction::kCapture, source, pieces, /*checksum=*/true, EntryId{});
+      copier_.Copy(CopyDirection::kToStorage, source, pieces, /*checksum=*/true, EntryId{});
   if (!slices.ok()) {
     free_copies();
     return slices.status();
@@ -965,10 +678,11 @@ absl::StatusOr<std::vector<PrefixCache::Stored>> PrefixCache::SealCopies(
   std::vector<Stored> copies(pieces.size());
   for (size_t i = 0; i < pieces.size(); ++i) {
     copies[i].ref.checksum = PieceChecksum((*slices)[i]);
-    copies[i].storage.span = pieces[i].storage.span;
+    copies[i].storage.span = pieces[i].span;
     copies[i].storage.piece_bytes = pieces[i].bytes;
     copies[i].storage.checksum = copies[i].ref.checksum;
     if ((*slices)[i].size() > 1) copies[i].storage.slice_checksums = std::move((*slices)[i]);
+    copies[i].hold = std::move(holds[i]);
   }
   return copies;
 }
@@ -1027,15 +741,23 @@ absl::StatusOr<PrefixCaptureResult> PrefixCache::CaptureLocked(
   // Held before the index adopts the spans, so that whatever frees one from here on (an
   // eviction, a concurrent capture's dedup) leaves it readable until its write is read.
   std::vector<RemoteWrite> remote_writes = RemoteWritesOf(shape, plan, stored, copies);
-  for (const RemoteWrite& write : remote_writes) HoldForRemote(write.span);
+  for (RemoteWrite& write : remote_writes) {
+    // The capture holds the slab already (its kCapture hold), so this cannot fail.
+    absl::StatusOr<PieceLedger::Hold> hold =
+        ledger_.Take(HoldKind::kRemoteWrite, 0, write.span);
+    if (hold.ok()) {
+      write.hold = *std::move(hold);
+    } else {
+      spdlog::error("prefix cache: {}", hold.status().ToString());
+    }
+  }
   PrefixCaptureResult result;
   {
     absl::MutexLock lock(&mu_);
     absl::StatusOr<CommitResult> committed =
         AdoptLocked(shape, plan, std::move(copies), stored.position_addressed_only);
     if (!committed.ok() || committed->already_present) {
-      for (const RemoteWrite& write : remote_writes) ReleaseRemoteHold(write.span);
-      remote_writes.clear();
+      remote_writes.clear();  // their holds released
     }
     RETURN_IF_ERROR(committed.status());
     if (!committed->already_present) ++captures_;
@@ -1061,13 +783,13 @@ absl::StatusOr<CommitResult> PrefixCache::AdoptLocked(const ScopedShape& shape,
   if (copies.size() > new_blocks) commit.boundary = copies.back().ref;
   absl::StatusOr<CommitResult> committed =
       index_.CommitCapture(plan, commit, tick_.fetch_add(1) + 1);
-  for (const Stored& copy : copies) {
-    (void)slabs_->Release(copy.storage.span.slab);
+  for (Stored& copy : copies) {
+    copy.hold.Release();
     if (committed.ok()) {
       storage_[copy.ref.storage_handle] = copy.storage;
       tier_stored_bytes_[static_cast<size_t>(StorageMedium::kDevice)] += copy.storage.span.bytes;
     } else {
-      FreeStorage(copy.storage.span);
+      ledger_.FreeSpan(copy.storage.span);
     }
   }
   if (!committed.ok()) return committed.status();
@@ -1084,7 +806,7 @@ class PrefixCache::RemotePieceSource : public RemoteValueSource {
  public:
   RemotePieceSource(PrefixCache* cache, RemoteWrite write)
       : cache_(cache), write_(std::move(write)) {}
-  ~RemotePieceSource() override { cache_->ReleaseRemoteHold(write_.span); }
+  // Destroyed by the tier once the write left the queue: write_.hold goes with it.
   uint64_t bytes() const override { return kRemoteHeaderBytes + write_.payload_bytes; }
   absl::Status Read(absl::Span<char> value) override {
     std::memcpy(value.data(), write_.header.data(), kRemoteHeaderBytes);
@@ -1128,37 +850,6 @@ std::vector<PrefixCache::RemoteWrite> PrefixCache::RemoteWritesOf(
     write.payload_bytes = header.payload_bytes;
   }
   return writes;
-}
-
-void PrefixCache::HoldForRemote(const SlabSpan& span) {
-  absl::MutexLock lock(&remote_holds_mu_);
-  // The capture holds the slab already (Allocate's hold), so this cannot fail.
-  if (absl::Status held = slabs_->Hold(span.slab); !held.ok()) {
-    spdlog::error("prefix cache: {}", held.ToString());
-  }
-  remote_holds_.emplace(std::make_pair(span.slab.value, span.offset), false);
-}
-
-void PrefixCache::ReleaseRemoteHold(const SlabSpan& span) {
-  absl::MutexLock lock(&remote_holds_mu_);
-  auto held = remote_holds_.find({span.slab.value, span.offset});
-  if (held == remote_holds_.end()) {
-    spdlog::error("prefix cache: no remote hold on slab {} offset {}", span.slab.value,
-                  span.offset);
-    return;
-  }
-  const bool deferred = held->second;
-  remote_holds_.erase(held);
-  // The slab's hold goes first, so that an emptied slab is returned or kept as any other.
-  if (absl::Status released = slabs_->Release(span.slab); !released.ok()) {
-    spdlog::error("prefix cache: {}", released.ToString());
-  }
-  if (!deferred) return;
-  --remote_deferred_spans_;
-  remote_deferred_bytes_ -= span.bytes;
-  if (absl::Status freed = slabs_->Free(span); !freed.ok()) {
-    spdlog::error("prefix cache: freeing its storage failed: {}", freed.ToString());
-  }
 }
 
 void PrefixCache::QueueRemoteWrites(std::vector<RemoteWrite> writes) {
@@ -1211,7 +902,7 @@ void PrefixCache::PullFromRemote(const ScopedShape& shape, const SessionState& s
       absl::StatusOr<uint64_t> block_bytes = slabs_->RoundedBytes(stored->block_bytes);
       if (!block_bytes.ok()) return skip(block_bytes.status());
       if (*block_bytes != 0) {
-        limit = std::min(limit, TierBudget(StorageMedium::kDevice) / *block_bytes);
+        limit = std::min(limit, tiers_.Budget(StorageMedium::kDevice) / *block_bytes);
       }
       if (limit == 0) return;
     }
@@ -1274,22 +965,34 @@ void PrefixCache::PullFromRemote(const ScopedShape& shape, const SessionState& s
   if (plan->needs_boundary_state) {
     fetch.push_back(RemoteBoundaryKey(shape.scope, plan->chain.back()));
   }
-  RemoteTier::PullCounts counts;
   std::vector<Stored> copies;
   auto free_copies = [&] {
-    for (const Stored& copy : copies) {
-      (void)slabs_->Release(copy.storage.span.slab);
-      FreeStorage(copy.storage.span);
+    for (Stored& copy : copies) {
+      copy.hold.Release();
+      ledger_.FreeSpan(copy.storage.span);
     }
     copies.clear();
   };
+  auto expected = [&](size_t i) {
+    const bool is_block = !plan->needs_boundary_state || i + 1 < fetch.size();
+    RemoteValueHeader header;
+    header.kind = is_block ? RemoteValueKind::kBlock : RemoteValueKind::kBoundary;
+    header.payload_bytes = is_block ? stored->block_bytes : stored->boundary_bytes;
+    header.shape_prefix = ShapePrefix(shape.key);
+    header.block_tokens = options_.block_tokens;
+    header.boundary_tokens = is_block ? 0 : plan->boundary_tokens;
+    header.layout_digest = is_block ? LayoutDigest(stored->block_pieces, stored->block_rows)
+                                    : LayoutDigest(stored->boundary_pieces, stored->block_rows);
+    return header;
+  };
   // Copies one verified payload into a new slab span, checksummed as this daemon slices.
-  auto copy_in = [&](VerifiedRemoteValue& value) -> absl::Status {
+  auto copy_in = [&](size_t, VerifiedRemoteValue& value) -> absl::Status {
     const absl::Span<const uint8_t> payload(
         reinterpret_cast<const uint8_t*>(value.payload.data()), value.payload.size());
     ASSIGN_OR_RETURN(SlabSpan span, slabs_->Allocate(payload.size()));
     Stored& copy = copies.emplace_back();
     copy.storage.span = span;
+    copy.hold = ledger_.AdoptAllocation(HoldKind::kCapture, 0, span);
     RETURN_IF_ERROR(backend_->Write(span.slab, span.offset, payload));
     std::vector<uint64_t> slices = value.slice_bytes == options_.checksum_slice_bytes
                                        ? std::move(value.slice_checksums)
@@ -1298,58 +1001,15 @@ void PrefixCache::PullFromRemote(const ScopedShape& shape, const SessionState& s
     copy.storage.piece_bytes = payload.size();
     copy.storage.checksum = copy.ref.checksum;
     if (slices.size() > 1) copy.storage.slice_checksums = std::move(slices);
-    ++counts.pieces;
-    counts.bytes += payload.size();
     return absl::OkStatus();
   };
-  const absl::Time fetch_deadline = absl::Now() + options_.remote_fetch_timeout;
-  bool ended = false;  // a piece was missing or refused: the pull ends before it
-  for (size_t start = 0; start < fetch.size() && !ended; start += kPullWindowValues) {
-    const size_t end = std::min(fetch.size(), start + kPullWindowValues);
-    const absl::Duration left = fetch_deadline - absl::Now();
-    if (left <= absl::ZeroDuration()) break;
-    absl::StatusOr<std::vector<std::optional<std::string>>> values = remote_->GetEach(
-        std::vector<std::string>(fetch.begin() + start, fetch.begin() + end), left);
-    if (!values.ok()) {
-      skip(values.status());
-      break;
-    }
-    for (size_t i = start; i < end && !ended; ++i) {
-      std::optional<std::string>& fetched = (*values)[i - start];
-      const bool is_block = !plan->needs_boundary_state || i + 1 < fetch.size();
-      RemoteValueHeader expected;
-      expected.kind = is_block ? RemoteValueKind::kBlock : RemoteValueKind::kBoundary;
-      expected.payload_bytes = is_block ? stored->block_bytes : stored->boundary_bytes;
-      expected.shape_prefix = ShapePrefix(shape.key);
-      expected.block_tokens = options_.block_tokens;
-      expected.boundary_tokens = is_block ? 0 : plan->boundary_tokens;
-      expected.layout_digest = is_block ? LayoutDigest(stored->block_pieces, stored->block_rows)
-                                        : LayoutDigest(stored->boundary_pieces, stored->block_rows);
-      if (!fetched.has_value()) {  // evicted or expired since EXISTS
-        ended = true;
-        break;
-      }
-      absl::StatusOr<VerifiedRemoteValue> value = VerifyRemoteValue(fetch[i], *fetched, expected);
-      if (!value.ok()) {
-        if (absl::IsDataLoss(value.status())) {
-          ++counts.corrupt;
-          remote_->Discard(fetch[i]);
-          spdlog::error("prefix remote tier: {}; deleted, the restore goes on without it",
-                        value.status().ToString());
-        } else {
-          ++counts.shape_mismatches;
-          spdlog::warn("prefix remote tier: {}", value.status().ToString());
-        }
-        ended = true;
-        break;
-      }
-      if (absl::Status copied = copy_in(*value); !copied.ok()) {
-        free_copies();
-        remote_->RecordPull(counts);
-        return skip(copied);
-      }
-      fetched.reset();
-    }
+  ReadThroughResult pulled =
+      ReadThrough(*remote_, fetch, expected, options_.remote_fetch_timeout, copy_in);
+  RemoteTier::PullCounts& counts = pulled.counts;
+  if (!pulled.adopt_failure.ok()) {
+    free_copies();
+    remote_->RecordPull(counts);
+    return skip(pulled.adopt_failure);
   }
   if (copies.size() < fetch.size()) {
     const uint64_t good_blocks = plan->first_new_block + copies.size();
@@ -1521,6 +1181,7 @@ absl::StatusOr<PrefixRestoreResult> PrefixCache::Restore(PrefixSession& session,
           PullFromRemote(shape, state, layout, tokens, keys, session.owner().value);
         }
         EntryView entry;
+        std::vector<PieceLedger::Hold> pieces_held;  // the entry's pieces, while it is pinned
         uint64_t matched = 0;
         StorageMedium served_from = StorageMedium::kDevice;
         {
@@ -1571,7 +1232,7 @@ absl::StatusOr<PrefixRestoreResult> PrefixCache::Restore(PrefixSession& session,
                 " of them"));
           }
           RETURN_IF_ERROR(index_.Pin(*id, tick_.fetch_add(1) + 1));
-          MarkPinned(entry, +1);
+          pieces_held = HoldPieces(entry);
           served_from = MediumLocked(entry.blocks, entry.boundary);
         }
         // Pinned: nothing below can free or demote the entry's pieces. Every path unpins. A
@@ -1579,15 +1240,13 @@ absl::StatusOr<PrefixRestoreResult> PrefixCache::Restore(PrefixSession& session,
         absl::StatusOr<RestoreTarget> target =
             PlanRestore(session.id(), state, layout, entry, matched);
         absl::Status promoted = target.ok() ? PromotePinned(entry) : target.status();
-        std::vector<ArenaId> held;
         if (promoted.ok()) {
           absl::MutexLock lock(&mu_);
-          held = HoldEntry(entry);
+          HoldSlabs(pieces_held);
         }
         auto unpin = [&] {
-          ReleaseSlabs(held);
           absl::MutexLock lock(&mu_);
-          MarkPinned(entry, -1);
+          pieces_held.clear();  // the slabs, then the pieces
           (void)index_.Unpin(entry.id);
           FreeHandles(index_.EnforceBudget().freed_handles);
         };
@@ -1696,13 +1355,14 @@ absl::StatusOr<SessionState> PrefixCache::RestorePinned(const SessionLayoutVersi
                                                 ": pinned storage handle ",
                                                 refs[i]->storage_handle, " is not in a slab"));
       }
-      pieces[i].storage = it->second;
+      pieces[i].span = it->second.span;
+      pieces[i].slice_checksums = it->second.slice_checksums;
       pieces[i].checksum = refs[i]->checksum;
     }
   }
   for (size_t i = 0; i < pieces.size(); ++i) {
     // The slice checksums must be the ones the piece was sealed with.
-    const std::vector<uint64_t>& slices = pieces[i].storage.slice_checksums;
+    const std::vector<uint64_t>& slices = pieces[i].slice_checksums;
     if (!slices.empty() && PieceChecksum(slices) != pieces[i].checksum) {
       return absl::DataLossError(absl::StrFormat(
           "prefix entry %d: the %d slice checksums of stored piece %d hash to %016x, sealed as "
@@ -1726,118 +1386,11 @@ absl::StatusOr<SessionState> PrefixCache::RestorePinned(const SessionLayoutVersi
   // much as the copy). A mismatch or device failure leaves the session's state fresh (it adopts
   // `hydrated` only on success); the bytes already copied are unspecified content of a fresh
   // session, as any fresh session's bytes are.
-  RETURN_IF_ERROR(CopySlices(Direction::kRestore, layout.arena, pieces, options_.verify_checksums,
-                             entry.id)
+  RETURN_IF_ERROR(copier_
+                      .Copy(CopyDirection::kFromStorage, layout.arena, pieces,
+                            options_.verify_checksums, entry.id)
                       .status());
   return std::move(hydrated);
-}
-
-absl::StatusOr<std::vector<std::vector<uint64_t>>> PrefixCache::CopySlices(
-    Direction direction, ArenaId session_arena, const std::vector<PieceCopy>& pieces,
-    bool checksum, EntryId entry, std::vector<absl::Status>* piece_failures) const {
-  const uint64_t slice_bytes = options_.checksum_slice_bytes;
-  const bool toward_storage = direction == Direction::kCapture;
-  // Every slice of every piece is an independent range of the destination, so slices are copied
-  // concurrently (DeviceBackend is thread-safe). Workers take the next job in piece order as
-  // they finish one: on a loaded machine a thread that gets less CPU takes fewer slices instead
-  // of holding up the copy.
-  struct Job {
-    uint32_t piece;
-    uint32_t slice;
-  };
-  std::vector<Job> jobs;
-  std::vector<std::vector<uint64_t>> checksums(pieces.size());
-  uint64_t total = 0;
-  if (piece_failures != nullptr) piece_failures->assign(pieces.size(), absl::OkStatus());
-  for (size_t p = 0; p < pieces.size(); ++p) {
-    const uint64_t slices = SliceCount(pieces[p].bytes, slice_bytes);
-    checksums[p].resize(slices);
-    if (direction == Direction::kRestore) {
-      const size_t stored = pieces[p].storage.slice_checksums.size();
-      if (stored != (slices == 1 ? 0 : slices)) {
-        return absl::DataLossError(absl::StrCat(
-            "prefix entry ", entry.value, ": stored piece ", p, " of ", pieces[p].bytes,
-            " bytes carries ", stored, " slice checksums; ", slice_bytes,
-            "-byte slices make ", slices, "; the entry is dropped, never served"));
-      }
-    }
-    for (uint64_t s = 0; s < slices; ++s) {
-      jobs.push_back({static_cast<uint32_t>(p), static_cast<uint32_t>(s)});
-    }
-    total += pieces[p].bytes;
-  }
-  auto run_job = [&](const Job& job) -> absl::Status {
-    const PieceCopy& piece = pieces[job.piece];
-    const uint64_t begin = uint64_t{job.slice} * slice_bytes;
-    const uint64_t end = std::min(begin + slice_bytes, piece.bytes);
-    const std::vector<CopyRange> ranges =
-        SliceRanges(piece.ranges, toward_storage, piece.storage.span.offset, begin, end);
-    const ArenaId stored = piece.storage.span.slab;
-    const ArenaId dst = toward_storage ? stored : session_arena;
-    const ArenaId src = toward_storage ? session_arena : stored;
-    if (!checksum) {
-      for (const CopyRange& range : ranges) {
-        RETURN_IF_ERROR(backend_->Copy(dst, range.dst_offset, src, range.src_offset, range.bytes));
-      }
-      return absl::OkStatus();
-    }
-    ASSIGN_OR_RETURN(const uint64_t digest, backend_->CopyRangesChecksummed(dst, src, ranges));
-    checksums[job.piece][job.slice] = digest;
-    if (direction == Direction::kCapture) return absl::OkStatus();
-    const std::vector<uint64_t>& sealed = piece.storage.slice_checksums;
-    const uint64_t expected = sealed.empty() ? piece.checksum : sealed[job.slice];
-    if (digest != expected) {
-      return absl::DataLossError(absl::StrFormat(
-          "prefix entry %d: stored piece %d (slab %d, offset %d), slice %d of %d (%d bytes), "
-          "has xxHash3 %016x, captured as %016x; the entry is dropped, never served",
-          piece.entry.value != 0 ? piece.entry.value : entry.value, job.piece, stored.value, piece.storage.span.offset, job.slice,
-          checksums[job.piece].size(), end - begin, digest, expected));
-    }
-    return absl::OkStatus();
-  };
-  uint64_t workers = 1;
-  if (jobs.size() > 1 && total >= options_.parallel_copy_bytes) {
-    workers = std::min<uint64_t>({options_.copy_threads, jobs.size(),
-                                  std::max(1u, std::thread::hardware_concurrency())});
-  }
-  // Each worker's first failure and its job; the first failure in job order is returned.
-  std::vector<std::pair<size_t, absl::Status>> failures(workers, {jobs.size(), absl::OkStatus()});
-  std::atomic<size_t> next_job{0};
-  std::atomic<bool> failed{false};
-  absl::Mutex failures_mu;  // piece_failures: slices of one piece may fail at once
-  auto run = [&](uint64_t worker) {
-    while (!failed.load(std::memory_order_relaxed)) {
-      const size_t i = next_job.fetch_add(1, std::memory_order_relaxed);
-      if (i >= jobs.size()) return;
-      absl::Status status = run_job(jobs[i]);
-      if (!status.ok() && piece_failures != nullptr) {
-        absl::MutexLock lock(&failures_mu);
-        absl::Status& first = (*piece_failures)[jobs[i].piece];
-        if (first.ok()) first = std::move(status);
-        continue;
-      }
-      if (!status.ok()) {
-        failures[worker] = {i, std::move(status)};
-        failed.store(true, std::memory_order_relaxed);
-      }
-    }
-  };
-  std::vector<std::thread> threads;
-  threads.reserve(workers - 1);
-  for (uint64_t worker = 1; worker < workers; ++worker) {
-    try {
-      threads.emplace_back(run, worker);
-    } catch (const std::system_error&) {
-      run(worker);  // no thread to be had: this one does the run itself
-    }
-  }
-  run(0);
-  for (std::thread& thread : threads) thread.join();
-  const auto first = std::min_element(
-      failures.begin(), failures.end(),
-      [](const auto& a, const auto& b) { return a.first < b.first; });
-  RETURN_IF_ERROR(first->second);
-  return checksums;
 }
 
 ScopedEntry PrefixCache::Unscoped(EntryView view) const {
@@ -1887,7 +1440,7 @@ uint64_t PrefixCache::EvictForAdmission(uint64_t bytes) {
   // With a tier below, LRU pieces move down before any entry leaves the cache (the copies run
   // without mu_; the admission waits for them).
   constexpr size_t kDevice = static_cast<size_t>(StorageMedium::kDevice);
-  while (TierBelow(StorageMedium::kDevice).has_value() && returned() < bytes) {
+  while (tiers_.Below(StorageMedium::kDevice).has_value() && returned() < bytes) {
     const uint64_t staying = tier_stored_bytes_[kDevice] - tier_leaving_bytes_[kDevice];
     if (staying == 0) break;
     const uint64_t short_by = bytes - returned();
@@ -1948,11 +1501,11 @@ PrefixCacheStats PrefixCache::Stats() const {
   stats.block_tokens = index_.block_tokens();
   stats.slabs = slabs_->Stats();
   for (std::optional<StorageMedium> medium = StorageMedium::kDevice; medium.has_value();
-       medium = TierBelow(*medium)) {
+       medium = tiers_.Below(*medium)) {
     const size_t tier = static_cast<size_t>(*medium);
     stats.tiers.push_back({.medium = *medium,
                            .stored_bytes = tier_stored_bytes_[tier],
-                           .budget_bytes = TierBudget(*medium),
+                           .budget_bytes = tiers_.Budget(*medium),
                            .hits = tier_hits_[tier],
                            .promotions = tier_promotions_[tier],
                            .demotions = tier_demotions_[tier]});
@@ -2041,6 +1594,7 @@ absl::StatusOr<std::string> PrefixCache::StorageFile(uint64_t storage_handle) co
 absl::Status PrefixCache::CheckInvariants() const {
   absl::MutexLock lock(&mu_);
   RETURN_IF_ERROR(index_.CheckInvariants());
+  RETURN_IF_ERROR(ledger_.CheckInvariants());
   RETURN_IF_ERROR(slabs_->CheckInvariants());
   // (1): the handles the index references are exactly the spans held (no capture in flight
   // when tests call this).
@@ -2091,13 +1645,9 @@ absl::Status PrefixCache::CheckInvariants() const {
   constexpr size_t kDevice = static_cast<size_t>(StorageMedium::kDevice);
   const SlabStats slabs = slabs_->Stats();
   // Spans the index let go of while a remote write was queued are freed when it is read.
-  uint64_t deferred_spans = 0;
-  uint64_t deferred_bytes = 0;
-  {
-    absl::MutexLock holds(&remote_holds_mu_);
-    deferred_spans = remote_deferred_spans_;
-    deferred_bytes = remote_deferred_bytes_;
-  }
+  const PieceLedgerStats held = ledger_.Stats();
+  const uint64_t deferred_spans = held.deferred_spans;
+  const uint64_t deferred_bytes = held.deferred_bytes;
   if (slabs.used_bytes != bytes[kDevice] + deferred_bytes ||
       slabs.spans != pieces[kDevice] + deferred_spans) {
     return absl::InternalError(absl::StrCat(

@@ -13,7 +13,8 @@
 // holds (rounded to the slab alignment); the device budget is charged per slab, whole, so
 // admission counts what the device holds, slab free space included (reported as fragmentation).
 //
-// Tiers, fastest first (StorageMedium): the device's slabs; the host tier (host_tier_bytes:
+// Tiers, fastest first (StorageMedium; server/store/store_tier.h: one StoreTier per medium, in a
+// TierChain; this class decides what moves where and when): the device's slabs; the host tier (host_tier_bytes:
 // spans of host_slabs_, a SlabAllocator over HostTierMemory, whose memory a HostMemoryProvider
 // gives: pinned memory on cuda, plain memory in tests and on request on the host backend, where
 // the device tier already is host memory and the tier is off by default); the disk tier
@@ -38,21 +39,20 @@
 // deleted, a mismatched one skipped) and stores them as a local entry (DEVICE, a kStored event)
 // before the normal restore. Any remote failure leaves the local answer.
 //
-// What is stored (StoredLayout):
-//  * per BLOCK of block_tokens rows, shared between entries: for every position-addressed layer
-//    in layer order, flat K rows then V rows, latent rows;
-//  * per BOUNDARY: for every layer in layer order, the SWA ring's aligned live window (K then V;
-//    KvRing::RestorePlan), recurrent conv then ssm state, the latent indexer's final pool keys
-//    then its live tail rows (PlanLatentCapture).
-// Restore replays the same layout into a fresh session: core decides (SessionState::Hydrate
-// sets lengths, ring bases and latent pools; ValidateLatentRestore / PlanLatentRestore place the
-// indexer state), this class only moves bytes.
+// What is stored, per block and per boundary: server/store/stored_layout.h. Restore replays the
+// same layout into a fresh session: core decides (SessionState::Hydrate sets lengths, ring bases
+// and latent pools; ValidateLatentRestore / PlanLatentRestore place the indexer state), this
+// class only moves bytes.
+//
+// Holds: every reason a stored piece may not be freed or moved now is a scoped hold in ledger_
+// (server/store/piece_ledger.h: restore, capture, demotion, promotion, remote write), which
+// alone answers "may this piece go now?"; the index keeps its own entry pins (its eviction rule).
 //
 // Thread-safety: thread-safe. Lock order: a session's own mutex (PrefixSession) -> mu_ ->
-// SlabAllocator's mutex -> DeviceBudget's mutex. mu_ is never held while a session mutex is
+// PieceLedger's mutex -> SlabAllocator's mutex -> DeviceBudget's mutex. mu_ is never held while a session mutex is
 // taken, nor across any copy: a capture or restore (PlanCapture / Pin under mu_; spans
 // allocated and copied without it; CommitCapture / Unpin under mu_ again), a promotion
-// (PromotePinned) or a demotion (planned under mu_, its pieces marked in moving_; copied down
+// (PromotePinned) or a demotion (planned under mu_, its pieces held in moving_; copied down
 // without mu_; committed under mu_, where a piece pinned meanwhile stays put and one the index
 // let go of meanwhile is freed in both tiers). Demotions run after a capture or restore has
 // left the session's mutex, and in EvictForAdmission, the DeviceBudget evictor (the budget
@@ -64,10 +64,11 @@
 // tiers; the device pieces are live spans of slabs_ (so slabs_'s used bytes equal the device
 // tier's when no capture, promotion or demotion is in flight), the disk pieces files of disk_;
 // tier_leaving_bytes_[m] is the bytes of moving_'s unreleased pieces from tier m; (3) the slabs
-// of a pinned entry's spans, of a capture in flight, of a piece being demoted and of a piece a
-// queued remote write will read are held (SlabAllocator::Hold), so the budget's evictable bytes
-// (the slabs no hold keeps) are exactly what evicting every unpinned entry returns; (4) slabs_'s
-// used bytes beyond the device tier's (2) are the spans remote_holds_ deferred the free of.
+// of a restoring entry's spans, of a capture in flight, of a piece being demoted and of a piece
+// a queued remote write will read are held by ledger_ holds (the only SlabAllocator holds on
+// slabs_), so the budget's evictable bytes (the slabs no hold keeps) are exactly what evicting
+// every unpinned entry returns; (4) slabs_'s used bytes beyond the device tier's (2) are the
+// spans ledger_ deferred the free of (PieceLedger::FreeSpan).
 
 #include <array>
 #include <atomic>
@@ -98,8 +99,12 @@
 #include "server/store/host_tier_memory.h"
 #include "server/device/placement.h"
 #include "server/store/prefix_session.h"
+#include "server/store/piece_ledger.h"
 #include "server/store/remote/remote_tier.h"
 #include "server/store/slab_allocator.h"
+#include "server/store/slice_copier.h"
+#include "server/store/store_tier.h"
+#include "server/store/stored_layout.h"
 #include "server/base/streaming_checksum.h"
 
 namespace memra {
@@ -142,18 +147,6 @@ struct PrefixCacheOptions {
   std::function<void(uint64_t handle, StorageMedium to)> before_demotion_copy;
 };
 
-// The shape a session's entries are keyed by: the model fingerprint for an unsharded session
-// over every layer, else SHA-256 of the domain, the fingerprint, layer_lo, layer_hi (0xffffffff
-// = all) and tp_ranks (prefix.proto documents the encoding). `shape` as decoded by
-// SessionShapeFromProto (common/codec.h): tp_ranks >= 1, the wire's 0 already made 1.
-PlanFingerprint PrefixShapeFingerprint(const PlanFingerprint& model, const SessionShape& shape);
-
-// Cache scopes (server/session/cache_scopes.h) are part of the key namespace: an entry of `shape`
-// captured in `scope` is stored under SHA-256("memra-kv/cache-scope/v1" || u32 scope bytes ||
-// scope || shape) (little-endian), and its block keys chain from that. So there is one store,
-// one LRU and one budget, and an entry of another scope never matches.
-PlanFingerprint ScopedShapeFingerprint(absl::string_view scope, const PlanFingerprint& shape);
-
 // A shape in a scope, and the key its entries are stored under.
 struct ScopedShape {
   std::string scope;
@@ -183,32 +176,6 @@ struct ScopedEventReplay {
   std::vector<ScopedPrefixEvent> events;
   uint64_t last_sequence = 0;
 };
-
-// One contiguous range of one plane, in the order it sits in a stored buffer.
-struct StoredPiece {
-  PlaneRef plane;
-  uint64_t plane_offset = 0;  // bytes into the plane
-  uint64_t bytes = 0;
-};
-
-// What a session stores for one block and at one boundary (StoredLayout in the class comment).
-struct StoredLayout {
-  bool position_addressed_only = true;
-  uint64_t block_rows = 0;
-  // Block i's pieces are block_pieces with plane_offset += i * piece.bytes (rows are
-  // position-addressed: block i's rows start at i * block_rows).
-  std::vector<StoredPiece> block_pieces;
-  uint64_t block_bytes = 0;
-  std::vector<StoredPiece> boundary_pieces;  // source ranges at the capture boundary
-  uint64_t boundary_bytes = 0;
-};
-
-// The capture side: what `state` (quiescent at `boundary` rows, see Capture) stores.
-// INVALID_ARGUMENT: no position-addressed layer; FAILED_PRECONDITION: a lapped SWA window, an
-// undrained latent boundary (PlanLatentCapture's message), recurrent or indexer state asked
-// for at a boundary other than the committed length.
-absl::StatusOr<StoredLayout> PlanStoredLayout(const SessionPlan& plan, const SessionState& state,
-                                              uint64_t boundary, uint64_t block_rows);
 
 struct PrefixCaptureResult {
   EntryId entry;
@@ -432,31 +399,13 @@ class PrefixCache {
   absl::Status CheckInvariants() const ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
-  struct Storage {
-    StorageMedium medium = StorageMedium::kDevice;
-    SlabSpan span;             // kDevice: in slabs_; kPinnedHost: in host_slabs_; kDisk: bytes only
-    uint64_t piece_bytes = 0;  // the piece's own bytes (a disk file's size)
-    uint64_t checksum = 0;     // the StoredRef's (verified when a disk file is read back)
-    // One xxHash3 per checksum_slice_bytes slice of a piece of several slices (the StoredRef's
-    // checksum is then the xxHash3 of these); empty for a piece of one slice.
-    std::vector<uint64_t> slice_checksums;
-  };
+  using Storage = PieceStorage;
   // A capture's fresh copy, its span held until the index adopts it or it is freed.
   struct Stored {
     StoredRef ref;
     Storage storage;
+    PieceLedger::Hold hold;  // kCapture on its span (SlabAllocator::Allocate's, adopted)
   };
-  // One stored piece a capture or restore copies: `ranges` in piece order, the stored side at
-  // offsets from 0 (SliceRanges moves them into `storage.span`).
-  struct PieceCopy {
-    std::vector<CopyRange> ranges;
-    uint64_t bytes = 0;  // sum of the ranges' bytes
-    Storage storage;
-    uint64_t checksum = 0;  // restore: the StoredRef's
-    EntryId entry;          // pool loads: the piece's own entry (messages)
-  };
-  enum class Direction { kCapture, kRestore };
-
   PrefixCache(const PrefixCacheOptions& options, PrefixIndex index, DeviceBackend* backend,
               DeviceBudget* budget, std::unique_ptr<SlabAllocator> slabs,
               std::unique_ptr<DiskTier> disk, std::unique_ptr<HostTierMemory> host_memory,
@@ -482,9 +431,9 @@ class PrefixCache {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Write-behind (docs/remote-tier.md): a queued write reads its piece from the capture's
   // device span on the remote tier's writer thread. The span is held from before the index
-  // adopts it until the writer has read it or dropped the write: a SlabAllocator hold on its
-  // slab (not evictable device memory, as a capture's spans) and a record in remote_holds_, by
-  // which FreeStorage defers the span's free (an eviction, a drop, a demotion's commit) to
+  // adopts it until the writer has read it or dropped the write: a kRemoteWrite hold in ledger_
+  // (its slab is not evictable device memory, as a capture's spans), by which
+  // PieceLedger::FreeSpan defers the span's free (an eviction, a drop, a demotion's commit) to
   // the release. So a piece evicted or demoted while its write is queued is still written, from
   // the bytes the capture sealed, and its device memory returns once they are read. What is
   // held is bounded by the tier's queue (bytes and entries), as the copies were.
@@ -494,6 +443,7 @@ class PrefixCache {
     std::string header;  // EncodeRemoteHeader of the piece
     SlabSpan span;
     uint64_t payload_bytes = 0;
+    PieceLedger::Hold hold;  // kRemoteWrite on `span`, released with the write's source
   };
   // The remote tier's writes for each of a capture's `copies` (spans held by the capture);
   // empty without a remote tier or when its queue would not take them all (one drop counted).
@@ -501,20 +451,14 @@ class PrefixCache {
                                           const StoredLayout& stored,
                                           const std::vector<Stored>& copies) const
       ABSL_LOCKS_EXCLUDED(mu_);
-  // Holds `span` for a queued write (above); ReleaseRemoteHold frees it when its free was
-  // deferred meanwhile.
-  void HoldForRemote(const SlabSpan& span) ABSL_LOCKS_EXCLUDED(remote_holds_mu_);
-  void ReleaseRemoteHold(const SlabSpan& span) ABSL_LOCKS_EXCLUDED(remote_holds_mu_);
-  // Queues `writes` (held by HoldForRemote): each hold passes to its source, which the tier
+  // Queues `writes` (each under its kRemoteWrite hold): each hold passes to its source, which the tier
   // destroys, releasing it, once the write leaves the queue.
   void QueueRemoteWrites(std::vector<RemoteWrite> writes) ABSL_LOCKS_EXCLUDED(mu_);
-  // Values a pull fetches per round (each copied into its slab and dropped before the next).
-  static constexpr size_t kPullWindowValues = 8;
   // Read-through before a restore by tokens (REQUIRES the fresh destination's mutex, not mu_):
   // pulls what the remote tier holds beyond the local match of `keys` into a local entry.
   // Failures are logged and counted, never returned: the restore then serves the local match.
-  // Bounded: it pulls at most what the device tier's budget holds, fetching kPullWindowValues
-  // values at a time; the new entry's events name `engine_id` (the restoring engine).
+  // Bounded: it pulls at most what the device tier's budget holds, fetching values a window at a
+  // time (server/store/remote/read_through.h); the new entry's events name `engine_id` (the restoring engine).
   void PullFromRemote(const ScopedShape& shape, const SessionState& state,
                       const SessionLayoutVersion& layout, absl::Span<const int32_t> tokens,
                       const std::vector<BlockKey>& keys, uint64_t engine_id)
@@ -540,30 +484,19 @@ class PrefixCache {
                                              RestoreTarget target) ABSL_LOCKS_EXCLUDED(mu_);
   LookupResult LookupLocked(const PlanFingerprint& shape, absl::Span<const int32_t> tokens)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Copies every slice of every piece between the session arena and the pieces' spans, over
-  // several threads for a large copy (copy_threads, parallel_copy_bytes), checksumming each
-  // slice as it goes unless `checksum` is false. Returns each piece's slice checksums. Capture:
-  // fills nothing else; restore: compares each slice with the stored checksums (DATA_LOSS for
-  // the first mismatch, naming `entry`). A worker stops at its first failure; with
-  // `piece_failures`, each piece's first failure goes there instead and the other pieces are
-  // still copied (the block store's per-block results).
-  absl::StatusOr<std::vector<std::vector<uint64_t>>> CopySlices(
-      Direction direction, ArenaId session_arena, const std::vector<PieceCopy>& pieces,
-      bool checksum, EntryId entry, std::vector<absl::Status>* piece_failures = nullptr) const;
-  void FreeStorage(const SlabSpan& span);
   // Frees handles the index let go of (eviction, drop, unused), in whichever tier they are.
   void FreeHandles(const std::vector<uint64_t>& handles) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // `view` with its scope and plain shape.
   ScopedEntry Unscoped(EntryView view) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Holds the slab of every piece of `entry` in a slab (pinned for a restore); returns them
-  // for ReleaseSlabs.
-  std::vector<ArenaId> HoldEntry(const EntryView& entry) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void ReleaseSlabs(const std::vector<ArenaId>& slabs);
+  // A restore's (or pool load's, or pool lookup's) holds on every piece of the pinned `entry`,
+  // released (with the index's pin) when the pin ends.
+  std::vector<PieceLedger::Hold> HoldPieces(const EntryView& entry)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Once the entry is promoted: each hold of a piece now in a slab holds that slab too.
+  void HoldSlabs(std::vector<PieceLedger::Hold>& holds) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // UnpinPoolEntries' unpinning without its budget enforcement.
   void UnpinPoolEntriesLocked(absl::Span<const EntryId> entries)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Marks (+1) or unmarks (-1) the pieces of a pinned entry: they are never demoted.
-  void MarkPinned(const EntryView& entry, int delta) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   // --- The tier chain (device -> disk). Demotion plans under mu_, copies without it, commits
   // under mu_ again; these functions are entered and left with mu_ held but release it while
@@ -581,13 +514,10 @@ class PrefixCache {
     PlanFingerprint fingerprint{};
     BlockKey key{};
     bool boundary = false;
+    PieceLedger::Hold hold;  // kDemotion (a device source's slab too) until the commit
   };
-  // The tier a piece of `medium` is demoted to (nullopt: the last tier, which evicts instead).
-  std::optional<StorageMedium> TierBelow(StorageMedium medium) const;
-  uint64_t TierBudget(StorageMedium medium) const;
-  // What `move` adds to its destination tier's budget: a disk file's own bytes, a span's
-  // rounded bytes in a memory tier.
-  static uint64_t IncomingBytes(const Move& move);
+  // What `move` adds to its destination tier's budget (StoreTier::IncomingBytes).
+  uint64_t IncomingBytes(const Move& move) const;
   // Demotes LRU host-tier pieces until the bytes on their way into it fit its budget too.
   void MakeHostRoom() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Every tier within its budget: each tier's LRU pieces move down (the last one's entries are
@@ -620,15 +550,14 @@ class PrefixCache {
   // options_.demotion_chunk_bytes at a time (a piece pinned meanwhile stays where it was; one
   // released meanwhile is freed in both tiers). Returns how many moved.
   size_t RunMoves(const std::vector<uint64_t>& handles) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // One chunk of RunMoves: `planned` (handle, its moving_ entry as planned) copied without mu_,
-  // then committed with its kMoved events in one hold of mu_.
-  size_t MoveChunk(const std::vector<std::pair<uint64_t, Move>>& planned)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // The copy itself (no lock held): `source`'s bytes into a new home in tier `to`. Returns the
-  // new storage (a span in that tier's slabs, or the disk file's ledger size).
+  // One chunk of RunMoves: the moving_ pieces `handles`, copied without mu_, then committed
+  // with their kMoved events in one hold of mu_.
+  size_t MoveChunk(const std::vector<uint64_t>& handles) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The copy itself (no lock held): `source`'s bytes into a new home in tier `to`
+  // (StoreTier::Insert). Returns the new storage.
   absl::StatusOr<Storage> CopyDown(uint64_t handle, const Storage& source, StorageMedium to)
       ABSL_LOCKS_EXCLUDED(mu_);
-  // Frees `storage` in its tier (a slab span, a disk file) without touching the ledger.
+  // Frees `storage` in its tier (StoreTier::Erase) without touching the ledger.
   void FreeInTier(uint64_t handle, const Storage& storage);
   // Moves the disk pieces of the PINNED `entry` into slabs, reading and verifying them without
   // mu_ (a piece another restore is promoting, or a demotion is moving, is waited for).
@@ -647,23 +576,21 @@ class PrefixCache {
   const PrefixCacheOptions options_;
   DeviceBackend* const backend_;
   DeviceBudget* const budget_;
+  const SliceCopier copier_;
   const std::unique_ptr<SlabAllocator> slabs_;  // thread-safe itself
   const std::unique_ptr<DiskTier> disk_;         // null: no disk tier; thread-safe itself
   // The host tier (null: none): its memory, and the allocator over it (destroyed first).
   const std::unique_ptr<HostTierMemory> host_memory_;
   const std::unique_ptr<SlabAllocator> host_slabs_;
-  // Device spans queued remote writes will read (RemoteWritesOf), by (slab, offset) -> whether
-  // their free was deferred (FreeStorage) until the writer releases them. Its own mutex: the
-  // writer thread releases holds without mu_. Lock order: mu_ -> remote_holds_mu_ ->
-  // SlabAllocator's mutex. Declared before remote_, whose queued sources release into it.
-  mutable absl::Mutex remote_holds_mu_;
-  absl::flat_hash_map<std::pair<uint64_t, uint64_t>, bool> remote_holds_
-      ABSL_GUARDED_BY(remote_holds_mu_);
-  uint64_t remote_deferred_spans_ ABSL_GUARDED_BY(remote_holds_mu_) = 0;
-  uint64_t remote_deferred_bytes_ ABSL_GUARDED_BY(remote_holds_mu_) = 0;
+  // The local tiers over the above, fastest first (the device tier frees through ledger_).
+  const TierChain tiers_;
+  // Every hold on a stored piece (PieceLedger's kinds); thread-safe itself. Declared before
+  // remote_, whose queued sources release their holds into it, and before mu_'s members
+  // (moving_, pool_pins_), which hold holds.
+  PieceLedger ledger_;
   // null: no remote tier; thread-safe itself. Members are destroyed in reverse order: this one
   // (its threads joined, its queued sources released) after mu_ and the index below, before
-  // remote_holds_ and the tiers' memory above, which those sources release their holds into.
+  // ledger_ and the tiers' memory above, which those sources release their holds into.
   const std::unique_ptr<RemoteTier> remote_;
 
   std::atomic<uint64_t> tick_{0};  // LRU clock
@@ -688,12 +615,12 @@ class PrefixCache {
   static constexpr size_t kMedia = 3;
   std::array<uint64_t, kMedia> tier_stored_bytes_ ABSL_GUARDED_BY(mu_) = {};
   std::array<uint64_t, kMedia> tier_leaving_bytes_ ABSL_GUARDED_BY(mu_) = {};
-  // Pieces pinned entries use (count of pins), pieces a restore is promoting, pieces a
-  // demotion is moving down (by handle), and per tier the bytes on their way into it, in the
-  // unit its budget counts (IncomingBytes).
-  absl::flat_hash_map<uint64_t, uint32_t> pinned_handles_ ABSL_GUARDED_BY(mu_);
-  absl::flat_hash_set<uint64_t> promoting_ ABSL_GUARDED_BY(mu_);
+  // Pieces a demotion is moving down (by handle; each under its kDemotion hold), the holds of
+  // the pieces of entries LookupPoolBlocks pinned (per pin, released by UnpinPoolEntries), and
+  // per tier the bytes on their way into it, in the unit its budget counts (IncomingBytes).
   absl::flat_hash_map<uint64_t, Move> moving_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<EntryId, std::vector<std::vector<PieceLedger::Hold>>> pool_pins_
+      ABSL_GUARDED_BY(mu_);
   std::array<uint64_t, kMedia> tier_incoming_bytes_ ABSL_GUARDED_BY(mu_) = {};
   std::array<uint64_t, kMedia> tier_hits_ ABSL_GUARDED_BY(mu_) = {};
   std::array<uint64_t, kMedia> tier_promotions_ ABSL_GUARDED_BY(mu_) = {};

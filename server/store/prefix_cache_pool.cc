@@ -112,7 +112,7 @@ std::vector<PoolBlockResult> PrefixCache::StorePoolBlocks(const ScopedShape& spa
     uint64_t incoming = 0;
     for (size_t i : to_copy) incoming += plans[i].new_bytes;
     const uint64_t target = options_.budget_bytes > incoming ? options_.budget_bytes - incoming : 0;
-    if (TierBelow(StorageMedium::kDevice).has_value()) {
+    if (tiers_.Below(StorageMedium::kDevice).has_value()) {
       DemoteDownTo(StorageMedium::kDevice, target);
     } else if (index_.StoredBytes() > target) {
       const uint64_t excess = std::min(index_.StoredBytes() - target, index_.EvictableBytes());
@@ -209,7 +209,7 @@ PoolLookupResult PrefixCache::LookupPoolBlocks(const ScopedShape& space,
     result.medium = std::max(result.medium, MediumLocked(view->blocks, view->boundary));
     if (!pin) continue;
     if (index_.Pin(id, tick_.fetch_add(1) + 1).ok()) {
-      MarkPinned(*view, +1);
+      pool_pins_[id].push_back(HoldPieces(*view));
       result.pinned.push_back(id);
     }
   }
@@ -221,7 +221,10 @@ void PrefixCache::UnpinPoolEntriesLocked(absl::Span<const EntryId> entries) {
   for (EntryId id : entries) {
     absl::StatusOr<EntryView> view = index_.GetEntry(id);
     if (!view.ok() || view->pins == 0) continue;
-    MarkPinned(*view, -1);
+    if (auto pins = pool_pins_.find(id); pins != pool_pins_.end()) {
+      pins->second.pop_back();  // one lookup's holds
+      if (pins->second.empty()) pool_pins_.erase(pins);
+    }
     (void)index_.Unpin(id);
   }
 }
@@ -240,6 +243,7 @@ std::vector<PoolBlockResult> PrefixCache::LoadPoolBlocks(const ScopedShape& spac
   const std::vector<const PoolBlock*> all = WithState(blocks, state);
   std::vector<PoolBlockResult> results(all.size());
   std::vector<std::optional<EntryView>> pinned(all.size());
+  std::vector<std::vector<PieceLedger::Hold>> pieces_held(all.size());  // pinned[i]'s pieces
   // 1. Pin what is stored: nothing below can free or demote it.
   {
     absl::MutexLock lock(&mu_);
@@ -267,12 +271,11 @@ std::vector<PoolBlockResult> PrefixCache::LoadPoolBlocks(const ScopedShape& spac
         results[i].status = pinned_now;
         continue;
       }
-      MarkPinned(*view, +1);
+      pieces_held[i] = HoldPieces(*view);
       pinned[i] = *std::move(view);
     }
   }
   // 2. Disk pieces back into slabs (verified), then hold the slabs and gather the sources.
-  std::vector<ArenaId> held;
   std::vector<PieceCopy> pieces;
   std::vector<size_t> piece_of;  // pieces[k] loads all[piece_of[k]]
   for (size_t i = 0; i < all.size(); ++i) {
@@ -293,12 +296,12 @@ std::vector<PoolBlockResult> PrefixCache::LoadPoolBlocks(const ScopedShape& spac
             " is not in a slab"));
         continue;
       }
-      std::vector<ArenaId> slabs = HoldEntry(*pinned[i]);
-      held.insert(held.end(), slabs.begin(), slabs.end());
+      HoldSlabs(pieces_held[i]);
       PieceCopy piece;
       piece.ranges = PoolRanges(*all[i], /*toward_storage=*/false);
       piece.bytes = all[i]->bytes;
-      piece.storage = it->second;
+      piece.span = it->second.span;
+      piece.slice_checksums = it->second.slice_checksums;
       piece.checksum = ref.checksum;
       piece.entry = pinned[i]->id;
       pieces.push_back(std::move(piece));
@@ -307,8 +310,9 @@ std::vector<PoolBlockResult> PrefixCache::LoadPoolBlocks(const ScopedShape& spac
   }
   // 3. Copy and verify in one pass; each piece fails alone.
   std::vector<absl::Status> failures;
-  absl::Status copied = CopySlices(Direction::kRestore, pool, pieces, options_.verify_checksums,
-                                   EntryId{}, &failures)
+  absl::Status copied = copier_
+                            .Copy(CopyDirection::kFromStorage, pool, pieces,
+                                  options_.verify_checksums, EntryId{}, &failures)
                             .status();
   for (size_t k = 0; k < pieces.size(); ++k) {
     absl::Status& status = results[piece_of[k]].status;
@@ -316,13 +320,12 @@ std::vector<PoolBlockResult> PrefixCache::LoadPoolBlocks(const ScopedShape& spac
     if (status.ok()) results[piece_of[k]].copied_bytes = pieces[k].bytes;
   }
   // 4. Unpin (the lookup's pin too, first); a corrupt entry is dropped (never served again).
-  ReleaseSlabs(held);
   {
     absl::MutexLock lock(&mu_);
     UnpinPoolEntriesLocked(release_pins);
     for (size_t i = 0; i < all.size(); ++i) {
       if (!pinned[i].has_value()) continue;
-      MarkPinned(*pinned[i], -1);
+      pieces_held[i].clear();  // the slabs, then the pieces
       (void)index_.Unpin(pinned[i]->id);
       if (results[i].status.code() == absl::StatusCode::kDataLoss) {
         absl::StatusOr<EvictionResult> dropped =

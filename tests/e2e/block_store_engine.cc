@@ -17,6 +17,7 @@
 #include "absl/flags/parse.h"
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "client/block_store_client.h"
 #include "client/client.h"
 #include "core/status_macros.h"
 #include "tests/e2e/facts.h"
@@ -42,9 +43,10 @@ absl::Status Run() {
   RETURN_IF_ERROR(client->Attach(absl::StrCat("block-engine-", absl::GetFlag(FLAGS_mode))));
   const TestPoolShape shape;
   ASSIGN_OR_RETURN(TestBlockPool pool, TestBlockPool::Create(shape));
-  ASSIGN_OR_RETURN(uint64_t buffer, client->OfferPoolBuffer(pool.fd(), pool.bytes()));
+  ASSIGN_OR_RETURN(uint64_t buffer, client->block_store().OfferPoolBuffer(pool.fd(), pool.bytes()));
   const PoolBufferRef ref{.handoff_buffer_id = buffer, .bytes = pool.bytes()};
-  ASSIGN_OR_RETURN(RegisteredPool registered, client->RegisterPool(shape.Spec(), {&ref, 1}));
+  ASSIGN_OR_RETURN(RegisteredPool registered,
+                   client->block_store().RegisterPool(shape.Spec(), {&ref, 1}));
   const uint64_t blocks = absl::GetFlag(FLAGS_blocks);
   const uint64_t seed = absl::GetFlag(FLAGS_seed);
   BlockStoreCall call;
@@ -55,7 +57,7 @@ absl::Status Run() {
       pool.Fill(b, seed + b);
       call.block_ids.push_back(static_cast<uint32_t>(b));
     }
-    ASSIGN_OR_RETURN(BlockStoreTransfer stored, client->StoreBlocks(call));
+    ASSIGN_OR_RETURN(BlockStoreTransfer stored, client->block_store().Store(call));
     for (size_t i = 0; i < stored.blocks.size(); ++i) {
       if (!stored.blocks[i].status.ok()) {
         return absl::Status(stored.blocks[i].status.code(),
@@ -67,7 +69,7 @@ absl::Status Run() {
                                    "\ncopied_bytes=", stored.copied_bytes, "\n"));
   }
   call.pin_ttl_ms = 10'000;
-  ASSIGN_OR_RETURN(BlockStoreMatch match, client->LookupBlocks(call));
+  ASSIGN_OR_RETURN(BlockStoreMatch match, client->block_store().Lookup(call));
   if (match.matched_blocks != absl::GetFlag(FLAGS_expect_matched)) {
     return absl::FailedPreconditionError(absl::StrCat(
         "the lookup matched ", match.matched_blocks, " blocks; expected ",
@@ -79,7 +81,7 @@ absl::Status Run() {
     for (uint64_t b = 0; b < match.matched_blocks; ++b) {
       call.block_ids.push_back(static_cast<uint32_t>(shape.num_blocks - 1 - b));
     }
-    ASSIGN_OR_RETURN(BlockStoreTransfer loaded, client->LoadBlocks(call));
+    ASSIGN_OR_RETURN(BlockStoreTransfer loaded, client->block_store().Load(call));
     for (uint64_t b = 0; b < match.matched_blocks; ++b) {
       if (!loaded.blocks[b].status.ok()) return loaded.blocks[b].status;
       if (!pool.Holds(shape.num_blocks - 1 - b, seed + b)) {

@@ -18,6 +18,7 @@
 #include "absl/time/clock.h"
 #include "client/client.h"
 #include "client/internal.h"
+#include "client/prefix_client.h"
 #include "common/grpc_status.h"
 #include "core/test_model_plans.h"
 #include "gmock/gmock.h"
@@ -144,7 +145,7 @@ TEST_F(PrefixE2eTest, HostBackendRefusesEngineEventsOnCaptureAndRestore) {
   const std::string event(64, '\x03');
   (*source)->SetWaitEvent(event);
   EXPECT_THAT(
-      (*client)->CapturePrefix(**source, tokens, kTokens),
+      (*client)->prefixes().Capture(**source, tokens, kTokens),
       StatusIs(absl::StatusCode::kInvalidArgument,
                HasSubstrs("host backend: a 64-byte interprocess event handle", "RPC order")));
   EXPECT_EQ(List().entries_size(), 0);
@@ -163,12 +164,13 @@ TEST_F(PrefixE2eTest, HostBackendRefusesEngineEventsOnCaptureAndRestore) {
                        ::testing::HasSubstr(
                            absl::StrCat("wrong session token for session ", (*source)->id()))));
   (*source)->SetWaitEvent("");
-  absl::StatusOr<PrefixCaptured> captured = (*client)->CapturePrefix(**source, tokens, kTokens);
+  absl::StatusOr<PrefixCaptured> captured =
+      (*client)->prefixes().Capture(**source, tokens, kTokens);
   ASSERT_THAT(captured, IsOk());
   EXPECT_EQ(List().entries_size(), 1);
   EXPECT_EQ(captured->shape_fingerprint, *plan) << "all layers, unsharded: the plan's own";
   // A router subscribing from the start hears the store: both 16-token blocks.
-  std::unique_ptr<PrefixEventStream> events = (*client)->SubscribePrefixEvents();
+  std::unique_ptr<PrefixEventStream> events = (*client)->prefixes().SubscribeEvents();
   absl::StatusOr<std::optional<PrefixCacheEvent>> stored = events->Next();
   ASSERT_THAT(stored, IsOk());
   ASSERT_TRUE(stored->has_value());
@@ -184,7 +186,7 @@ TEST_F(PrefixE2eTest, HostBackendRefusesEngineEventsOnCaptureAndRestore) {
 
   (*fresh)->SetWaitEvent(event);
   EXPECT_THAT(
-      (*client)->RestorePrefix(**fresh, tokens, captured->entry_id),
+      (*client)->prefixes().Restore(**fresh, tokens, captured->entry_id),
       StatusIs(absl::StatusCode::kInvalidArgument,
                HasSubstrs("host backend: a 64-byte interprocess event handle", "RPC order")));
   absl::StatusOr<SessionSnapshot> untouched = (*fresh)->State();
@@ -193,7 +195,7 @@ TEST_F(PrefixE2eTest, HostBackendRefusesEngineEventsOnCaptureAndRestore) {
   EXPECT_EQ(List().stats().restores(), 0u);
   (*fresh)->SetWaitEvent("");
   absl::StatusOr<PrefixRestored> restored =
-      (*client)->RestorePrefix(**fresh, tokens, captured->entry_id);
+      (*client)->prefixes().Restore(**fresh, tokens, captured->entry_id);
   ASSERT_THAT(restored, IsOk());
   EXPECT_EQ(restored->restored_tokens, kTokens);
   EXPECT_EQ(List().stats().restores(), 1u);

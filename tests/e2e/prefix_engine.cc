@@ -31,6 +31,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "client/client.h"
+#include "client/prefix_client.h"
 #include "core/index_ring.h"
 #include "core/kv_ring.h"
 #include "core/status_macros.h"
@@ -227,7 +228,7 @@ absl::Status Run() {
     ASSIGN_OR_RETURN(SessionSnapshot state, session->State());
     RETURN_IF_ERROR(WritePattern(*session, memory, state));
     if (mode == "capture") {
-      ASSIGN_OR_RETURN(PrefixCaptured captured, client->CapturePrefix(*session, tokens, n));
+      ASSIGN_OR_RETURN(PrefixCaptured captured, client->prefixes().Capture(*session, tokens, n));
       RETURN_IF_ERROR(
           WriteFacts(absl::GetFlag(FLAGS_out), absl::StrCat("entry_id=", captured.entry_id, "\n")));
       return session->Release().status();
@@ -246,7 +247,7 @@ absl::Status Run() {
 
   // restore, restore_any
   const bool any = absl::GetFlag(FLAGS_mode) == "restore_any";
-  ASSIGN_OR_RETURN(PrefixMatch found, client->LookupPrefix(plan, options, tokens));
+  ASSIGN_OR_RETURN(PrefixMatch found, client->prefixes().Lookup(plan, options, tokens));
   const std::string looked_up =
       absl::StrCat("lookup_medium=", static_cast<int>(found.medium),
                    "\nlookup_matched=", found.matched_tokens, "\n");
@@ -256,7 +257,7 @@ absl::Status Run() {
                                             found.matched_tokens));
   }
   absl::StatusOr<PrefixRestored> restore =
-      client->RestorePrefix(*session, tokens, any ? 0 : found.entry_id);
+      client->prefixes().Restore(*session, tokens, any ? 0 : found.entry_id);
   if (any && absl::IsNotFound(restore.status())) {
     RETURN_IF_ERROR(WriteFacts(absl::GetFlag(FLAGS_out), absl::StrCat(looked_up, "restored=0\n")));
     return session->Release().status();

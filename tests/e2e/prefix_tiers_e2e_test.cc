@@ -22,6 +22,7 @@
 #include "absl/strings/str_cat.h"
 #include "client/client.h"
 #include "client/internal.h"
+#include "client/prefix_client.h"
 #include "common/grpc_status.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -125,7 +126,7 @@ TEST_F(PrefixTiersE2eTest, EntriesPushedToDiskRestoreBitExactlyInAnotherProcess)
   // The oldest entry went to disk first.
   EXPECT_EQ(Media()[96], pb::PREFIX_MEDIUM_DISK);
   // A router hears the move (client.h's event, replayed from the start: all buffered).
-  std::unique_ptr<PrefixEventStream> events = checker_->SubscribePrefixEvents();
+  std::unique_ptr<PrefixEventStream> events = checker_->prefixes().SubscribeEvents();
   uint64_t moved_to_disk = 0;
   for (uint64_t i = 0; i < listed.stats().last_sequence(); ++i) {
     absl::StatusOr<std::optional<PrefixCacheEvent>> event = events->Next();

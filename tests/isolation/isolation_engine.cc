@@ -37,6 +37,7 @@
 #include "absl/time/clock.h"
 #include "client/client.h"
 #include "client/internal.h"
+#include "client/prefix_client.h"
 #include "common/grpc_status.h"
 #include "core/status_macros.h"
 #include "core/test_model_plans.h"
@@ -105,8 +106,9 @@ absl::Status Run() {
   RETURN_IF_ERROR(session->PrepareAppend(transaction.generation, kPromptTokens).status());
   RETURN_IF_ERROR(session->PublishAppend(transaction.generation).status());
   RETURN_IF_ERROR(session->Commit(transaction.generation, kPromptTokens, prompt).status());
-  ASSIGN_OR_RETURN(PrefixCaptured captured, client->CapturePrefix(*session, prompt, kPromptTokens));
-  std::unique_ptr<PrefixEventStream> events = client->SubscribePrefixEvents();
+  ASSIGN_OR_RETURN(PrefixCaptured captured,
+                   client->prefixes().Capture(*session, prompt, kPromptTokens));
+  std::unique_ptr<PrefixEventStream> events = client->prefixes().SubscribeEvents();
 
   const std::string token = ClientInternals::Ref(*session).session_token();
   RETURN_IF_ERROR(WriteFacts(
@@ -145,12 +147,13 @@ absl::Status Run() {
                   "shm_naming_peer=", naming_peer, "\n");
 
   // The peer's prompt and entry, from this engine's scope.
-  absl::StatusOr<PrefixMatch> match = client->LookupPrefix(plan, options, Split(peer.at("prompt")));
+  absl::StatusOr<PrefixMatch> match =
+      client->prefixes().Lookup(plan, options, Split(peer.at("prompt")));
   absl::StrAppend(&results, "lookup_code=", static_cast<int>(match.status().code()), "\n",
                   "lookup_matched=", match.ok() ? match->matched_tokens : 999999, "\n");
   ASSIGN_OR_RETURN(std::unique_ptr<Session> fresh, client->CreateSession(plan, options));
   absl::StatusOr<PrefixRestored> restored =
-      client->RestorePrefix(*fresh, Split(peer.at("prompt")), Number(peer, "entry_id"));
+      client->prefixes().Restore(*fresh, Split(peer.at("prompt")), Number(peer, "entry_id"));
   absl::StrAppend(&results, "restore_code=", static_cast<int>(restored.status().code()), "\n");
 
   // The events this engine hears (its subscription is from the start): its scope's only.

@@ -15,7 +15,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "client/block_store_client.h"
 #include "client/client.h"
+#include "client/prefix_client.h"
 #include "core/block_layout.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -68,10 +70,10 @@ class BlockStoreTest : public DaemonTest {
   // Offers `pool` and registers it with `spec`.
   absl::StatusOr<RegisteredPool> Register(KvClient& client, const TestBlockPool& pool,
                                           const BlockPoolSpec& spec) {
-    absl::StatusOr<uint64_t> buffer = client.OfferPoolBuffer(pool.fd(), pool.bytes());
+    absl::StatusOr<uint64_t> buffer = client.block_store().OfferPoolBuffer(pool.fd(), pool.bytes());
     if (!buffer.ok()) return buffer.status();
     const PoolBufferRef ref{.handoff_buffer_id = *buffer, .bytes = pool.bytes()};
-    return client.RegisterPool(spec, {&ref, 1});
+    return client.block_store().RegisterPool(spec, {&ref, 1});
   }
 
   RegisteredPool MustRegister(KvClient& client, const TestBlockPool& pool,
@@ -132,13 +134,13 @@ TEST_F(BlockStoreTest, BlocksStoredFromOneEnginesPoolLoadIntoAnothersByteForByte
 
   BlockStoreCall store = ByHashes(registered_a, Hashes(0, 4), {0, 1, 2, 3});
   store.event_token_ids.assign(4 * kTokensPerBlock, 5);
-  absl::StatusOr<BlockStoreTransfer> stored = a->StoreBlocks(store);
+  absl::StatusOr<BlockStoreTransfer> stored = a->block_store().Store(store);
   ASSERT_THAT(stored, IsOk());
   EXPECT_THAT(Codes(*stored), ElementsAre(absl::StatusCode::kOk, absl::StatusCode::kOk,
                                           absl::StatusCode::kOk, absl::StatusCode::kOk));
   EXPECT_EQ(stored->copied_bytes, 4 * kShape.block_bytes());
   // Stored again: nothing copied.
-  absl::StatusOr<BlockStoreTransfer> again = a->StoreBlocks(store);
+  absl::StatusOr<BlockStoreTransfer> again = a->block_store().Store(store);
   ASSERT_THAT(again, IsOk());
   EXPECT_EQ(again->copied_bytes, 0u);
   EXPECT_TRUE(again->blocks[0].already_present);
@@ -146,19 +148,19 @@ TEST_F(BlockStoreTest, BlocksStoredFromOneEnginesPoolLoadIntoAnothersByteForByte
   // Engine B: a lookup of five hashes finds the four stored, pinned for its load.
   BlockStoreCall lookup = ByHashes(registered_b, Hashes(0, 5));
   lookup.pin_ttl_ms = 10'000;
-  absl::StatusOr<BlockStoreMatch> match = b->LookupBlocks(lookup);
+  absl::StatusOr<BlockStoreMatch> match = b->block_store().Lookup(lookup);
   ASSERT_THAT(match, IsOk());
   EXPECT_EQ(match->matched_blocks, 4u);
   EXPECT_NE(match->pin_id, 0u);
   BlockStoreCall load = ByHashes(registered_b, Hashes(0, 4), {7, 6, 5, 4});
   load.pin_id = match->pin_id;
-  absl::StatusOr<BlockStoreTransfer> loaded = b->LoadBlocks(load);
+  absl::StatusOr<BlockStoreTransfer> loaded = b->block_store().Load(load);
   ASSERT_THAT(loaded, IsOk());
   EXPECT_THAT(Codes(*loaded), ElementsAre(absl::StatusCode::kOk, absl::StatusCode::kOk,
                                           absl::StatusCode::kOk, absl::StatusCode::kOk));
   for (uint32_t i = 0; i < 4; ++i) EXPECT_TRUE(pool_a.SameBlock(i, pool_b, 7 - i)) << i;
   EXPECT_EQ(daemon_->block_store().counts().pins, 0u);  // the load released the lookup's pin
-  EXPECT_THAT(b->UnpinBlocks(match->pin_id),
+  EXPECT_THAT(b->block_store().Unpin(match->pin_id),
               StatusIs(absl::StatusCode::kNotFound, HasSubstr(absl::StrCat("no pin ", match->pin_id))));
 
   // The operator's view and the events tell engine-pool entries apart and carry the hashes.
@@ -189,7 +191,7 @@ TEST_F(BlockStoreTest, BlocksStoredFromOneEnginesPoolLoadIntoAnothersByteForByte
   EXPECT_EQ(first.token_ids.size(), 4 * kTokensPerBlock);
   EXPECT_THAT(daemon_->prefix_cache()->CheckInvariants(), IsOk());
   // And on the wire, as a router subscribed on the engine socket sees them.
-  std::unique_ptr<PrefixEventStream> stream = b->SubscribePrefixEvents();
+  std::unique_ptr<PrefixEventStream> stream = b->prefixes().SubscribeEvents();
   absl::StatusOr<std::optional<PrefixCacheEvent>> wire = stream->Next();
   ASSERT_THAT(wire, IsOk());
   ASSERT_TRUE(wire->has_value());
@@ -204,20 +206,21 @@ TEST_F(BlockStoreTest, EventBlockHashesNameTheBlocksInEventsNotInKeys) {
   BlockStoreCall store = ByHashes(registered, Hashes(0, 3), {0, 1, 2});
   store.parent_hash = "vllm-parent";
   store.event_block_hashes = {"vllm-0", "vllm-1", "vllm-2"};
-  ASSERT_THAT(a->StoreBlocks(store), IsOk());
+  ASSERT_THAT(a->block_store().Store(store), IsOk());
   const ScopedEventReplay events = daemon_->prefix_cache()->EventsSince(0, 0, std::nullopt);
   ASSERT_EQ(events.events.size(), 1u);
   const PrefixEventOrigin& origin = events.events[0].event.origin;
   EXPECT_THAT(origin.block_hashes, ElementsAre("vllm-0", "vllm-1", "vllm-2"));
   EXPECT_EQ(origin.parent_block_hash, "vllm-parent");
   // The keys are still the engine's: a lookup by them finds the blocks, vLLM's name nothing.
-  absl::StatusOr<BlockStoreMatch> by_keys = a->LookupBlocks(ByHashes(registered, Hashes(0, 3)));
+  absl::StatusOr<BlockStoreMatch> by_keys =
+      a->block_store().Lookup(ByHashes(registered, Hashes(0, 3)));
   ASSERT_THAT(by_keys, IsOk());
   EXPECT_EQ(by_keys->matched_blocks, 3u);
   BlockStoreCall by_routed;
   by_routed.registration_id = registered.registration_id;
   by_routed.keys.hashes = store.event_block_hashes;
-  absl::StatusOr<BlockStoreMatch> by_event_hashes = a->LookupBlocks(by_routed);
+  absl::StatusOr<BlockStoreMatch> by_event_hashes = a->block_store().Lookup(by_routed);
   ASSERT_THAT(by_event_hashes, IsOk());
   EXPECT_EQ(by_event_hashes->matched_blocks, 0u);
 }
@@ -232,22 +235,22 @@ TEST_F(BlockStoreTest, TokenIdKeysChainFromTheStartAndSkipWhatIsStored) {
   store.registration_id = registered.registration_id;
   store.keys.token_ids.assign(tokens.begin(), tokens.begin() + 2 * kTokensPerBlock);
   store.block_ids = {0, 1};
-  ASSERT_THAT(a->StoreBlocks(store), IsOk());
+  ASSERT_THAT(a->block_store().Store(store), IsOk());
   // The third block, after the two stored ones.
   store.keys.token_ids = tokens;
   store.skip_blocks = 2;
   store.block_ids = {2};
-  absl::StatusOr<BlockStoreTransfer> third = a->StoreBlocks(store);
+  absl::StatusOr<BlockStoreTransfer> third = a->block_store().Store(store);
   ASSERT_THAT(third, IsOk());
   EXPECT_EQ(third->copied_bytes, kShape.block_bytes());
   BlockStoreCall lookup;
   lookup.registration_id = registered.registration_id;
   lookup.keys.token_ids = tokens;
-  EXPECT_THAT(a->LookupBlocks(lookup), IsOkAndHolds(::testing::Field(
+  EXPECT_THAT(a->block_store().Lookup(lookup), IsOkAndHolds(::testing::Field(
                                            &BlockStoreMatch::matched_blocks, 3u)));
   // Another first block changes every key after it.
   lookup.keys.token_ids[0] = 7;
-  EXPECT_THAT(a->LookupBlocks(lookup), IsOkAndHolds(::testing::Field(
+  EXPECT_THAT(a->block_store().Lookup(lookup), IsOkAndHolds(::testing::Field(
                                            &BlockStoreMatch::matched_blocks, 0u)));
 }
 
@@ -264,8 +267,8 @@ TEST_F(BlockStoreTest, AnotherScopeOrLayoutSeesNothing) {
   TestBlockPool pool_other = MustPool();
   const RegisteredPool registered_a = MustRegister(*a, pool_a);
   const RegisteredPool registered_other = MustRegister(**other, pool_other);
-  ASSERT_THAT(a->StoreBlocks(ByHashes(registered_a, Hashes(0, 2), {0, 1})), IsOk());
-  EXPECT_THAT((*other)->LookupBlocks(ByHashes(registered_other, Hashes(0, 2))),
+  ASSERT_THAT(a->block_store().Store(ByHashes(registered_a, Hashes(0, 2), {0, 1})), IsOk());
+  EXPECT_THAT((*other)->block_store().Lookup(ByHashes(registered_other, Hashes(0, 2))),
               IsOkAndHolds(::testing::Field(&BlockStoreMatch::matched_blocks, 0u)));
   // Same scope, another model: another layout fingerprint, other keys.
   BlockPoolSpec spec = kShape.Spec();
@@ -275,9 +278,9 @@ TEST_F(BlockStoreTest, AnotherScopeOrLayoutSeesNothing) {
   ASSERT_THAT(registered_model, IsOk());
   EXPECT_NE(registered_model->groups[0].layout_fingerprint,
             registered_a.groups[0].layout_fingerprint);
-  EXPECT_THAT(a->LookupBlocks(ByHashes(*registered_model, Hashes(0, 2))),
+  EXPECT_THAT(a->block_store().Lookup(ByHashes(*registered_model, Hashes(0, 2))),
               IsOkAndHolds(::testing::Field(&BlockStoreMatch::matched_blocks, 0u)));
-  EXPECT_THAT(a->LookupBlocks(ByHashes(registered_a, Hashes(0, 2))),
+  EXPECT_THAT(a->block_store().Lookup(ByHashes(registered_a, Hashes(0, 2))),
               IsOkAndHolds(::testing::Field(&BlockStoreMatch::matched_blocks, 2u)));
 }
 
@@ -288,89 +291,91 @@ TEST_F(BlockStoreTest, BadOffersRegistrationsAndCallsAreRefusedWithTheirNumbersC
   ASSERT_NE(b, nullptr);
   // Offers: not sealed against shrinking; larger than the file.
   TestBlockPool unsealed = MustPool(kShape, /*seal=*/false);
-  EXPECT_THAT(a->OfferPoolBuffer(unsealed.fd(), kShape.pool_bytes()),
+  EXPECT_THAT(a->block_store().OfferPoolBuffer(unsealed.fd(), kShape.pool_bytes()),
               StatusIs(absl::StatusCode::kFailedPrecondition,
                        HasSubstrs("seals are 0x0", "F_SEAL_SHRINK")));
   TestBlockPool pool = MustPool();
-  EXPECT_THAT(a->OfferPoolBuffer(pool.fd(), kShape.pool_bytes() + 1),
+  EXPECT_THAT(a->block_store().OfferPoolBuffer(pool.fd(), kShape.pool_bytes() + 1),
               StatusIs(absl::StatusCode::kFailedPrecondition,
                        HasSubstrs(absl::StrCat("holds ", kShape.pool_bytes(), " bytes; the offer says ",
                                                kShape.pool_bytes() + 1))));
   // Registrations: a layout outside the buffer, an unknown id, another engine's id.
-  absl::StatusOr<uint64_t> buffer = a->OfferPoolBuffer(pool.fd(), kShape.pool_bytes());
+  absl::StatusOr<uint64_t> buffer =
+      a->block_store().OfferPoolBuffer(pool.fd(), kShape.pool_bytes());
   ASSERT_THAT(buffer, IsOk());
   BlockPoolSpec outside = kShape.Spec();
   outside.tensors[3].offset = kShape.pool_bytes() - kShape.tensor_bytes() + 1;
   const PoolBufferRef ref{.handoff_buffer_id = *buffer, .bytes = kShape.pool_bytes()};
-  EXPECT_THAT(a->RegisterPool(outside, {&ref, 1}),
+  EXPECT_THAT(a->block_store().RegisterPool(outside, {&ref, 1}),
               StatusIs(absl::StatusCode::kInvalidArgument,
                        HasSubstrs("tensor 3", absl::StrCat("holds ", kShape.pool_bytes(), " bytes"))));
   const PoolBufferRef unknown{.handoff_buffer_id = 999, .bytes = kShape.pool_bytes()};
-  EXPECT_THAT(a->RegisterPool(kShape.Spec(), {&unknown, 1}),
+  EXPECT_THAT(a->block_store().RegisterPool(kShape.Spec(), {&unknown, 1}),
               StatusIs(absl::StatusCode::kNotFound, HasSubstrs("no offered buffer 999")));
-  EXPECT_THAT(b->RegisterPool(kShape.Spec(), {&ref, 1}),
+  EXPECT_THAT(b->block_store().RegisterPool(kShape.Spec(), {&ref, 1}),
               StatusIs(absl::StatusCode::kPermissionDenied,
                        HasSubstrs(absl::StrCat("offered buffer ", *buffer, " is not engine ",
                                                b->engine_id()))));
   const PoolBufferRef too_long{.handoff_buffer_id = *buffer,
                                .bytes = kShape.pool_bytes(),
                                .offset_in_allocation = 4096};
-  EXPECT_THAT(a->RegisterPool(kShape.Spec(), {&too_long, 1}),
+  EXPECT_THAT(a->block_store().RegisterPool(kShape.Spec(), {&too_long, 1}),
               StatusIs(absl::StatusCode::kFailedPrecondition,
                        HasSubstrs("at offset 4096", absl::StrCat("holds ", kShape.pool_bytes()))));
   // CUDA IPC handles: the host backend opens none; mixed with handoff buffers in one
   // registration they are refused before that.
   const PoolBufferRef ipc{.bytes = kShape.pool_bytes(), .cuda_ipc_handle = std::string(64, 'h')};
-  EXPECT_THAT(a->RegisterPool(kShape.Spec(), {&ipc, 1}),
+  EXPECT_THAT(a->block_store().RegisterPool(kShape.Spec(), {&ipc, 1}),
               StatusIs(absl::StatusCode::kFailedPrecondition,
                        HasSubstrs("host backend: cannot map 1 engine buffers from CUDA IPC")));
   BlockPoolSpec two_buffers = kShape.Spec();
   const PoolBufferRef mixed[] = {ref, ipc};
-  EXPECT_THAT(a->RegisterPool(two_buffers, mixed),
+  EXPECT_THAT(a->block_store().RegisterPool(two_buffers, mixed),
               StatusIs(absl::StatusCode::kInvalidArgument,
                        HasSubstrs("buffer 0 is a handoff buffer but buffer 1 is not")));
   EXPECT_EQ(daemon_->block_store().counts().registrations, 0u);
   // The refusals used nothing up: the offer still registers.
-  absl::StatusOr<RegisteredPool> registered = a->RegisterPool(kShape.Spec(), {&ref, 1});
+  absl::StatusOr<RegisteredPool> registered =
+      a->block_store().RegisterPool(kShape.Spec(), {&ref, 1});
   ASSERT_THAT(registered, IsOk());
-  EXPECT_THAT(a->RegisterPool(kShape.Spec(), {&ref, 1}),
+  EXPECT_THAT(a->block_store().RegisterPool(kShape.Spec(), {&ref, 1}),
               StatusIs(absl::StatusCode::kNotFound, HasSubstrs("used up by one registration")));
 
   // Calls: a block id past the pool, counts that differ, a duplicate id in a load, an unknown
   // group, another engine's registration. Nothing is stored.
   const PrefixCacheStats before = daemon_->prefix_cache()->Stats();
-  EXPECT_THAT(a->StoreBlocks(ByHashes(*registered, Hashes(0, 2), {0, 16})),
+  EXPECT_THAT(a->block_store().Store(ByHashes(*registered, Hashes(0, 2), {0, 16})),
               StatusIs(absl::StatusCode::kInvalidArgument,
                        HasSubstrs("block id 16 (index 1) of a pool of 16 blocks")));
-  EXPECT_THAT(a->StoreBlocks(ByHashes(*registered, Hashes(0, 3), {0, 1})),
+  EXPECT_THAT(a->block_store().Store(ByHashes(*registered, Hashes(0, 3), {0, 1})),
               StatusIs(absl::StatusCode::kInvalidArgument,
                        HasSubstrs("2 block ids for 3 blocks")));
-  EXPECT_THAT(a->LoadBlocks(ByHashes(*registered, Hashes(0, 2), {4, 4})),
+  EXPECT_THAT(a->block_store().Load(ByHashes(*registered, Hashes(0, 2), {4, 4})),
               StatusIs(absl::StatusCode::kInvalidArgument,
                        HasSubstrs("block id 4 (index 1) appears twice")));
-  EXPECT_THAT(a->StoreBlocks(ByHashes(*registered, Hashes(0, 1), {0}, /*kv_group=*/3)),
+  EXPECT_THAT(a->block_store().Store(ByHashes(*registered, Hashes(0, 1), {0}, /*kv_group=*/3)),
               StatusIs(absl::StatusCode::kInvalidArgument,
                        HasSubstrs("kv_group 3 is not registered", "groups 0")));
-  EXPECT_THAT(a->StoreBlocks(ByHashes(*registered, {std::string(65, 'h')}, {0})),
+  EXPECT_THAT(a->block_store().Store(ByHashes(*registered, {std::string(65, 'h')}, {0})),
               StatusIs(absl::StatusCode::kInvalidArgument,
                        HasSubstrs("block hash 0 is 65 bytes; 1 to 64")));
-  EXPECT_THAT(b->StoreBlocks(ByHashes(*registered, Hashes(0, 1), {0})),
+  EXPECT_THAT(b->block_store().Store(ByHashes(*registered, Hashes(0, 1), {0})),
               StatusIs(absl::StatusCode::kPermissionDenied,
                        HasSubstrs(absl::StrCat("registration ", registered->registration_id,
                                                " is not engine ", b->engine_id()))));
-  EXPECT_THAT(b->UnregisterPool(registered->registration_id),
+  EXPECT_THAT(b->block_store().UnregisterPool(registered->registration_id),
               StatusIs(absl::StatusCode::kPermissionDenied, HasSubstr("is not engine")));
   const PrefixCacheStats after = daemon_->prefix_cache()->Stats();
   EXPECT_EQ(after.entries, before.entries);
   EXPECT_EQ(after.stored_bytes, before.stored_bytes);
   // Loading what was never stored is a per-block NOT_FOUND, not a refusal.
   absl::StatusOr<BlockStoreTransfer> missing =
-      a->LoadBlocks(ByHashes(*registered, Hashes(40, 1), {0}));
+      a->block_store().Load(ByHashes(*registered, Hashes(40, 1), {0}));
   ASSERT_THAT(missing, IsOk());
   EXPECT_THAT(Codes(*missing), ElementsAre(absl::StatusCode::kNotFound));
   EXPECT_THAT(missing->blocks[0].status.message(), HasSubstr("is not stored"));
-  ASSERT_THAT(a->UnregisterPool(registered->registration_id), IsOk());
-  EXPECT_THAT(a->UnregisterPool(registered->registration_id),
+  ASSERT_THAT(a->block_store().UnregisterPool(registered->registration_id), IsOk());
+  EXPECT_THAT(a->block_store().UnregisterPool(registered->registration_id),
               StatusIs(absl::StatusCode::kNotFound,
                        HasSubstr(absl::StrCat("no registration ", registered->registration_id))));
 }
@@ -383,7 +388,7 @@ TEST_F(BlockStoreTest, OffersAreCheckedSealsFirstThenTheirFileSystem) {
   ASSERT_EQ(pipe(pipe_fds), 0);
   const ScopedFd read_end(pipe_fds[0]);
   const ScopedFd write_end(pipe_fds[1]);
-  EXPECT_THAT(a->OfferPoolBuffer(read_end.get(), 4096),
+  EXPECT_THAT(a->block_store().OfferPoolBuffer(read_end.get(), 4096),
               StatusIs(absl::StatusCode::kFailedPrecondition,
                        HasSubstrs("seals are unavailable", "F_SEAL_SHRINK")));
   // A sealed memfd on hugetlbfs: its pages can run out under the mapping.
@@ -392,7 +397,7 @@ TEST_F(BlockStoreTest, OffersAreCheckedSealsFirstThenTheirFileSystem) {
   const ScopedFd huge_fd(huge);
   ASSERT_EQ(ftruncate(huge_fd.get(), 2 << 20), 0) << strerror(errno);
   ASSERT_EQ(fcntl(huge_fd.get(), F_ADD_SEALS, F_SEAL_SHRINK), 0) << strerror(errno);
-  EXPECT_THAT(a->OfferPoolBuffer(huge_fd.get(), 4096),
+  EXPECT_THAT(a->block_store().OfferPoolBuffer(huge_fd.get(), 4096),
               StatusIs(absl::StatusCode::kFailedPrecondition,
                        HasSubstrs(absl::StrFormat("file system 0x%x, not tmpfs (0x%x)",
                                                   HUGETLBFS_MAGIC, TMPFS_MAGIC))));
@@ -403,7 +408,7 @@ TEST_F(BlockStoreTest, ACorruptStoredBlockIsDataLossForThatBlockAndDropped) {
   auto [a, pool, registered] = MustEngineWithPool("engine-a");
   ASSERT_NE(a, nullptr);
   for (uint32_t block = 0; block < 3; ++block) pool.Fill(block, static_cast<uint8_t>(block + 40));
-  ASSERT_THAT(a->StoreBlocks(ByHashes(registered, Hashes(0, 3), {0, 1, 2})), IsOk());
+  ASSERT_THAT(a->block_store().Store(ByHashes(registered, Hashes(0, 3), {0, 1, 2})), IsOk());
   // Flip a byte of block 1's stored copy.
   const PlanFingerprint space =
       ScopedShapeFingerprint(a->cache_scope(), registered.groups[0].layout_fingerprint);
@@ -421,12 +426,12 @@ TEST_F(BlockStoreTest, ACorruptStoredBlockIsDataLossForThatBlockAndDropped) {
   // Loaded with its lookup's pin: the pin is released before the corrupt entry drops.
   BlockStoreCall lookup = ByHashes(registered, Hashes(0, 3));
   lookup.pin_ttl_ms = 10'000;
-  absl::StatusOr<BlockStoreMatch> match = a->LookupBlocks(lookup);
+  absl::StatusOr<BlockStoreMatch> match = a->block_store().Lookup(lookup);
   ASSERT_THAT(match, IsOk());
   ASSERT_EQ(match->matched_blocks, 3u);
   BlockStoreCall load = ByHashes(registered, Hashes(0, 3), {10, 11, 12});
   load.pin_id = match->pin_id;
-  absl::StatusOr<BlockStoreTransfer> loaded = a->LoadBlocks(load);
+  absl::StatusOr<BlockStoreTransfer> loaded = a->block_store().Load(load);
   ASSERT_THAT(loaded, IsOk());
   EXPECT_EQ(daemon_->prefix_cache()->Stats().pinned_bytes, 0u);
   EXPECT_THAT(Codes(*loaded), ElementsAre(absl::StatusCode::kOk, absl::StatusCode::kDataLoss,
@@ -435,7 +440,7 @@ TEST_F(BlockStoreTest, ACorruptStoredBlockIsDataLossForThatBlockAndDropped) {
   EXPECT_TRUE(pool.SameBlock(0, pool, 10));
   EXPECT_TRUE(pool.SameBlock(2, pool, 12));
   // Dropped: a lookup stops before it now.
-  EXPECT_THAT(a->LookupBlocks(ByHashes(registered, Hashes(0, 3))),
+  EXPECT_THAT(a->block_store().Lookup(ByHashes(registered, Hashes(0, 3))),
               IsOkAndHolds(::testing::Field(&BlockStoreMatch::matched_blocks, 1u)));
   EXPECT_THAT(daemon_->prefix_cache()->CheckInvariants(), IsOk());
 }
@@ -448,21 +453,21 @@ TEST_F(BlockStoreTest, HybridStateGoesWithTheLastBlockAndLookupsStopAtAStoredSta
   ASSERT_EQ(registered.groups.size(), 2u);
   EXPECT_EQ(registered.groups[1].state_bytes, kHybrid.state_bytes);
   std::memset(pool.StateSlot(2), 0x5a, kHybrid.state_bytes);
-  ASSERT_THAT(a->StoreBlocks(ByHashes(registered, Hashes(0, 3), {0, 1, 2}, 1)), IsOk());
-  EXPECT_THAT(a->LookupBlocks(ByHashes(registered, Hashes(0, 4), {}, 1)),
+  ASSERT_THAT(a->block_store().Store(ByHashes(registered, Hashes(0, 3), {0, 1, 2}, 1)), IsOk());
+  EXPECT_THAT(a->block_store().Lookup(ByHashes(registered, Hashes(0, 4), {}, 1)),
               IsOkAndHolds(::testing::Field(&BlockStoreMatch::matched_blocks, 3u)));
   // No state at the second block's boundary: nothing of the two is usable.
-  EXPECT_THAT(a->LookupBlocks(ByHashes(registered, Hashes(0, 2), {}, 1)),
+  EXPECT_THAT(a->block_store().Lookup(ByHashes(registered, Hashes(0, 2), {}, 1)),
               IsOkAndHolds(::testing::Field(&BlockStoreMatch::matched_blocks, 0u)));
   absl::StatusOr<BlockStoreTransfer> loaded =
-      a->LoadBlocks(ByHashes(registered, Hashes(0, 3), {5, 6, 7}, 1));
+      a->block_store().Load(ByHashes(registered, Hashes(0, 3), {5, 6, 7}, 1));
   ASSERT_THAT(loaded, IsOk());
   EXPECT_THAT(Codes(*loaded), ElementsAre(absl::StatusCode::kOk, absl::StatusCode::kOk,
                                           absl::StatusCode::kOk));
   EXPECT_EQ(std::memcmp(pool.StateSlot(7), pool.StateSlot(2), kHybrid.state_bytes), 0);
   // A load ending where no state is stored: the last block is NOT_FOUND.
   absl::StatusOr<BlockStoreTransfer> short_load =
-      a->LoadBlocks(ByHashes(registered, Hashes(0, 2), {5, 6}, 1));
+      a->block_store().Load(ByHashes(registered, Hashes(0, 2), {5, 6}, 1));
   ASSERT_THAT(short_load, IsOk());
   EXPECT_THAT(Codes(*short_load), ElementsAre(absl::StatusCode::kOk, absl::StatusCode::kNotFound));
 }
@@ -472,19 +477,19 @@ TEST_F(BlockStoreTest, PinsAreCappedExpireAndBelongToTheirEngine) {
   std::unique_ptr<KvClient> b = NewClient("engine-b");
   ASSERT_NE(a, nullptr);
   ASSERT_NE(b, nullptr);
-  ASSERT_THAT(a->StoreBlocks(ByHashes(registered, Hashes(0, 1), {0})), IsOk());
+  ASSERT_THAT(a->block_store().Store(ByHashes(registered, Hashes(0, 1), {0})), IsOk());
   BlockStoreCall lookup = ByHashes(registered, Hashes(0, 1));
   lookup.pin_ttl_ms = 1000;
   std::vector<uint64_t> pins;
   for (int i = 0; i < 4; ++i) {
-    absl::StatusOr<BlockStoreMatch> match = a->LookupBlocks(lookup);
+    absl::StatusOr<BlockStoreMatch> match = a->block_store().Lookup(lookup);
     ASSERT_THAT(match, IsOk());
     pins.push_back(match->pin_id);
   }
-  EXPECT_THAT(a->LookupBlocks(lookup),
+  EXPECT_THAT(a->block_store().Lookup(lookup),
               StatusIs(absl::StatusCode::kResourceExhausted,
                        HasSubstrs("holds 4 pins; the limit is 4")));
-  EXPECT_THAT(b->UnpinBlocks(pins[0]),
+  EXPECT_THAT(b->block_store().Unpin(pins[0]),
               StatusIs(absl::StatusCode::kPermissionDenied,
                        HasSubstrs(absl::StrCat("pin ", pins[0], " is not engine ", b->engine_id()))));
   // A pinned block is not evicted.
@@ -496,7 +501,7 @@ TEST_F(BlockStoreTest, PinsAreCappedExpireAndBelongToTheirEngine) {
   ASSERT_TRUE(entry.has_value());
   EXPECT_THAT(daemon_->prefix_cache()->EvictEntry(*entry),
               StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("pinned")));
-  ASSERT_THAT(a->UnpinBlocks(pins[0]), IsOk());
+  ASSERT_THAT(a->block_store().Unpin(pins[0]), IsOk());
   clock_.Advance(absl::Milliseconds(1001));
   daemon_->CheckLeases();
   EXPECT_EQ(daemon_->block_store().counts().pins, 0u);
@@ -517,20 +522,20 @@ TEST_F(BlockStoreSmallCacheTest, AnEnginesPinnedBytesAreCapped) {
   ASSERT_EQ(registered.groups[0].block_bytes, 2048u);
   std::vector<uint32_t> ids(12);
   for (uint32_t i = 0; i < 12; ++i) ids[i] = i;
-  ASSERT_THAT(a->StoreBlocks(ByHashes(registered, Hashes(0, 12), ids)), IsOk());
+  ASSERT_THAT(a->block_store().Store(ByHashes(registered, Hashes(0, 12), ids)), IsOk());
   BlockStoreCall all = ByHashes(registered, Hashes(0, 12));
   all.pin_ttl_ms = 10'000;
-  EXPECT_THAT(a->LookupBlocks(all),
+  EXPECT_THAT(a->block_store().Lookup(all),
               StatusIs(absl::StatusCode::kResourceExhausted,
                        HasSubstrs("holds 0 pinned bytes and this lookup would pin 24576 more",
                                   "the limit is 16384")));
   EXPECT_EQ(daemon_->block_store().counts().pins, 0u);
   BlockStoreCall first = ByHashes(registered, Hashes(0, 6));
   first.pin_ttl_ms = 10'000;
-  ASSERT_THAT(a->LookupBlocks(first), IsOk());
+  ASSERT_THAT(a->block_store().Lookup(first), IsOk());
   BlockStoreCall more = ByHashes(registered, Hashes(6, 3));
   more.pin_ttl_ms = 10'000;
-  EXPECT_THAT(a->LookupBlocks(more),
+  EXPECT_THAT(a->block_store().Lookup(more),
               StatusIs(absl::StatusCode::kResourceExhausted,
                        HasSubstrs("holds 12288 pinned bytes and this lookup would pin 6144 more",
                                   "the limit is 16384")));
@@ -551,11 +556,11 @@ TEST_F(BlockStoreTest, RegistrationsAndPinsDieWithTheEnginesLease) {
   ASSERT_NE(a, nullptr);
   TestBlockPool pool = MustPool();
   const RegisteredPool registered = MustRegister(*a, pool);
-  ASSERT_THAT(a->StoreBlocks(ByHashes(registered, Hashes(0, 2), {0, 1})), IsOk());
+  ASSERT_THAT(a->block_store().Store(ByHashes(registered, Hashes(0, 2), {0, 1})), IsOk());
   BlockStoreCall lookup = ByHashes(registered, Hashes(0, 2));
   lookup.pin_ttl_ms = 60'000;
-  ASSERT_THAT(a->LookupBlocks(lookup), IsOk());
-  ASSERT_THAT(a->OfferPoolBuffer(pool.fd(), 4096), IsOk());
+  ASSERT_THAT(a->block_store().Lookup(lookup), IsOk());
+  ASSERT_THAT(a->block_store().OfferPoolBuffer(pool.fd(), 4096), IsOk());
   EXPECT_EQ(daemon_->block_store().counts().registrations, 1u);
   KillEngine(*a);
   const BlockStore::Counts counts = daemon_->block_store().counts();
@@ -570,8 +575,9 @@ TEST_F(BlockStoreTest, RegistrationsAndPinsDieWithTheEnginesLease) {
 TEST_F(BlockStoreTest, AnEngineThatReattachesWithinItsGraceKeepsItsRegistration) {
   auto [a, pool, registered] = MustEngineWithPool("engine-a");
   ASSERT_NE(a, nullptr);
-  ASSERT_THAT(a->StoreBlocks(ByHashes(registered, Hashes(0, 1), {0})), IsOk());
-  ASSERT_THAT(a->OfferPoolBuffer(pool.fd(), 4096), IsOk());  // its connection is replaced below
+  ASSERT_THAT(a->block_store().Store(ByHashes(registered, Hashes(0, 1), {0})), IsOk());
+  // Its connection is replaced below.
+  ASSERT_THAT(a->block_store().OfferPoolBuffer(pool.fd(), 4096), IsOk());
   // The lease lapses (its stream is cancelled); the client re-attaches as the same engine
   // within the grace while the daemon checks its leases.
   clock_.Advance(absl::Milliseconds(kLeaseTimeoutMs + 1));
@@ -586,7 +592,7 @@ TEST_F(BlockStoreTest, AnEngineThatReattachesWithinItsGraceKeepsItsRegistration)
   // could never register, and holds no descriptor or bytes any more.
   EXPECT_EQ(daemon_->block_store().counts().offers, 0u);
   absl::StatusOr<BlockStoreTransfer> stored =
-      a->StoreBlocks(ByHashes(registered, Hashes(1, 1), {1}));
+      a->block_store().Store(ByHashes(registered, Hashes(1, 1), {1}));
   ASSERT_THAT(stored, IsOk());
   EXPECT_THAT(Codes(*stored), ElementsAre(absl::StatusCode::kOk));
 }
@@ -597,16 +603,16 @@ TEST_F(BlockStoreTest, ARegistrationNamingOneOfferTwiceIsRefused) {
   std::unique_ptr<KvClient> a = NewClient("engine-a");
   ASSERT_NE(a, nullptr);
   TestBlockPool pool = MustPool();
-  absl::StatusOr<uint64_t> offer = a->OfferPoolBuffer(pool.fd(), pool.bytes());
+  absl::StatusOr<uint64_t> offer = a->block_store().OfferPoolBuffer(pool.fd(), pool.bytes());
   ASSERT_THAT(offer, IsOk());
   const PoolBufferRef ref{.handoff_buffer_id = *offer, .bytes = pool.bytes()};
   const PoolBufferRef twice[] = {ref, ref};
-  EXPECT_THAT(a->RegisterPool(kShape.Spec(), twice),
+  EXPECT_THAT(a->block_store().RegisterPool(kShape.Spec(), twice),
               StatusIs(absl::StatusCode::kInvalidArgument,
                        HasSubstrs(absl::StrCat("buffers 0 and 1 name the same offered buffer ",
                                                *offer))));
   EXPECT_EQ(daemon_->block_store().counts().registrations, 0u);
-  EXPECT_THAT(a->RegisterPool(kShape.Spec(), {&ref, 1}), IsOk());
+  EXPECT_THAT(a->block_store().RegisterPool(kShape.Spec(), {&ref, 1}), IsOk());
 }
 
 TEST_F(BlockStoreTest, MalformedKeysAndEventFieldsAreRefusedWithTheirNumbers) {
@@ -616,41 +622,41 @@ TEST_F(BlockStoreTest, MalformedKeysAndEventFieldsAreRefusedWithTheirNumbers) {
   ASSERT_NE(b, nullptr);
   BlockStoreCall both = ByHashes(registered, Hashes(0, 1), {0});
   both.keys.token_ids.assign(kTokensPerBlock, 1);
-  EXPECT_THAT(a->StoreBlocks(both),
+  EXPECT_THAT(a->block_store().Store(both),
               StatusIs(absl::StatusCode::kInvalidArgument,
                        HasSubstrs("keys give both 1 block hashes and 16 token ids")));
   BlockStoreCall many = ByHashes(registered, Hashes(0, 65537));
-  EXPECT_THAT(a->LookupBlocks(many),
+  EXPECT_THAT(a->block_store().Lookup(many),
               StatusIs(absl::StatusCode::kInvalidArgument,
                        HasSubstrs("keys name 65537 blocks; a call names at most 65536")));
   BlockStoreCall parent = ByHashes(registered, Hashes(0, 1), {0});
   parent.parent_hash = std::string(65, 'p');
-  EXPECT_THAT(a->StoreBlocks(parent),
+  EXPECT_THAT(a->block_store().Store(parent),
               StatusIs(absl::StatusCode::kInvalidArgument,
                        HasSubstrs("parent_hash is 65 bytes; at most 64")));
   BlockStoreCall tokens = ByHashes(registered, Hashes(0, 2), {0, 1});
   tokens.event_token_ids.assign(3, 7);
-  EXPECT_THAT(a->StoreBlocks(tokens),
+  EXPECT_THAT(a->block_store().Store(tokens),
               StatusIs(absl::StatusCode::kInvalidArgument,
                        HasSubstrs("3 event token ids for 2 blocks of 16 tokens (give none or 32)")));
   BlockStoreCall skip_hashes = ByHashes(registered, Hashes(0, 2), {1});
   skip_hashes.skip_blocks = 1;
-  EXPECT_THAT(a->StoreBlocks(skip_hashes),
+  EXPECT_THAT(a->block_store().Store(skip_hashes),
               StatusIs(absl::StatusCode::kInvalidArgument,
                        HasSubstrs("skip_blocks 1 with block hashes")));
   BlockStoreCall skip_past;
   skip_past.registration_id = registered.registration_id;
   skip_past.keys.token_ids.assign(2 * kTokensPerBlock, 3);
   skip_past.skip_blocks = 3;
-  EXPECT_THAT(a->StoreBlocks(skip_past),
+  EXPECT_THAT(a->block_store().Store(skip_past),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstrs("skip_blocks 3 exceeds the 2 whole blocks")));
   BlockStoreCall routed = ByHashes(registered, Hashes(0, 2), {0, 1});
   routed.event_block_hashes = {"vllm-0"};
-  EXPECT_THAT(a->StoreBlocks(routed),
+  EXPECT_THAT(a->block_store().Store(routed),
               StatusIs(absl::StatusCode::kInvalidArgument,
                        HasSubstrs("1 event block hashes for 2 blocks (give none or 2)")));
   routed.event_block_hashes = {"vllm-0", std::string(65, 'v')};
-  EXPECT_THAT(a->StoreBlocks(routed),
+  EXPECT_THAT(a->block_store().Store(routed),
               StatusIs(absl::StatusCode::kInvalidArgument,
                        HasSubstrs("event block hash 1 is 65 bytes; 1 to 64")));
   BlockStoreCall routed_tokens;
@@ -658,21 +664,21 @@ TEST_F(BlockStoreTest, MalformedKeysAndEventFieldsAreRefusedWithTheirNumbers) {
   routed_tokens.keys.token_ids.assign(kTokensPerBlock, 3);
   routed_tokens.block_ids = {0};
   routed_tokens.event_block_hashes = {"vllm-0"};
-  EXPECT_THAT(a->StoreBlocks(routed_tokens),
+  EXPECT_THAT(a->block_store().Store(routed_tokens),
               StatusIs(absl::StatusCode::kInvalidArgument,
                        HasSubstrs("1 event block hashes for 1 blocks named by token ids")));
   EXPECT_EQ(daemon_->prefix_cache()->Stats().entries, 0u);
   // Another engine's pin is not a load's to release.
-  ASSERT_THAT(a->StoreBlocks(ByHashes(registered, Hashes(0, 1), {0})), IsOk());
+  ASSERT_THAT(a->block_store().Store(ByHashes(registered, Hashes(0, 1), {0})), IsOk());
   BlockStoreCall lookup = ByHashes(registered, Hashes(0, 1));
   lookup.pin_ttl_ms = 10'000;
-  absl::StatusOr<BlockStoreMatch> match = a->LookupBlocks(lookup);
+  absl::StatusOr<BlockStoreMatch> match = a->block_store().Lookup(lookup);
   ASSERT_THAT(match, IsOk());
   TestBlockPool pool_b = MustPool();
   const RegisteredPool registered_b = MustRegister(*b, pool_b);
   BlockStoreCall load = ByHashes(registered_b, Hashes(0, 1), {3});
   load.pin_id = match->pin_id;
-  EXPECT_THAT(b->LoadBlocks(load),
+  EXPECT_THAT(b->block_store().Load(load),
               StatusIs(absl::StatusCode::kPermissionDenied,
                        HasSubstrs(absl::StrCat("pin ", match->pin_id, " is not engine ",
                                                b->engine_id()))));
@@ -693,8 +699,10 @@ TEST_F(BlockStoreTest, PerEngineOfferAndRegistrationCountsAreCapped) {
                        HasSubstrs(absl::StrCat("engine ", a->engine_id(),
                                                " holds 16 registrations; the limit is 16"))));
   // The refused registration left its offer: 255 more fill the engine's 256.
-  for (int i = 0; i < 255; ++i) ASSERT_THAT(a->OfferPoolBuffer(extra.fd(), 4096), IsOk()) << i;
-  EXPECT_THAT(a->OfferPoolBuffer(extra.fd(), 4096),
+  for (int i = 0; i < 255; ++i) {
+    ASSERT_THAT(a->block_store().OfferPoolBuffer(extra.fd(), 4096), IsOk()) << i;
+  }
+  EXPECT_THAT(a->block_store().OfferPoolBuffer(extra.fd(), 4096),
               StatusIs(absl::StatusCode::kResourceExhausted,
                        HasSubstrs(absl::StrCat("engine ", a->engine_id(), " holds 256 unregistered "
                                                "buffer offers; the limit is 256"))));
@@ -712,16 +720,16 @@ TEST_F(BlockStoreEngineBytesTest, OffersAndRegistrationsAreCappedByTheEnginesByt
   std::unique_ptr<KvClient> a = NewClient("engine-a");
   ASSERT_NE(a, nullptr);
   TestBlockPool pool = MustPool();
-  absl::StatusOr<uint64_t> offer = a->OfferPoolBuffer(pool.fd(), 4096);
+  absl::StatusOr<uint64_t> offer = a->block_store().OfferPoolBuffer(pool.fd(), 4096);
   ASSERT_THAT(offer, IsOk());
-  EXPECT_THAT(a->OfferPoolBuffer(pool.fd(), 8192),
+  EXPECT_THAT(a->block_store().OfferPoolBuffer(pool.fd(), 8192),
               StatusIs(absl::StatusCode::kResourceExhausted,
                        HasSubstrs(absl::StrCat("engine ", a->engine_id(), " offers 8192 bytes and "
                                                "holds 4096 offered or registered; the limit is "
                                                "8192 (block_store_engine_bytes)"))));
   // Registering the whole file over a 4096-byte offer: the registration's bytes count.
   const PoolBufferRef ref{.handoff_buffer_id = *offer, .bytes = pool.bytes()};
-  EXPECT_THAT(a->RegisterPool(kShape.Spec(), {&ref, 1}),
+  EXPECT_THAT(a->block_store().RegisterPool(kShape.Spec(), {&ref, 1}),
               StatusIs(absl::StatusCode::kResourceExhausted,
                        HasSubstrs(absl::StrCat("engine ", a->engine_id(), " registers ",
                                                pool.bytes(), " bytes and holds 0; the limit is "
@@ -745,19 +753,19 @@ TEST_F(BlockStoreDaemonWideTest, OffersAndMappedBuffersAreCappedAcrossEngines) {
   ASSERT_NE(b, nullptr);
   TestBlockPool pool_a = MustPool();
   TestBlockPool pool_b = MustPool();
-  absl::StatusOr<uint64_t> offer_a = a->OfferPoolBuffer(pool_a.fd(), pool_a.bytes());
-  absl::StatusOr<uint64_t> offer_b = b->OfferPoolBuffer(pool_b.fd(), pool_b.bytes());
+  absl::StatusOr<uint64_t> offer_a = a->block_store().OfferPoolBuffer(pool_a.fd(), pool_a.bytes());
+  absl::StatusOr<uint64_t> offer_b = b->block_store().OfferPoolBuffer(pool_b.fd(), pool_b.bytes());
   ASSERT_THAT(offer_a, IsOk());
   ASSERT_THAT(offer_b, IsOk());
   // Each engine is far below its own limits; the daemon's descriptors are not.
-  EXPECT_THAT(a->OfferPoolBuffer(pool_a.fd(), 4096),
+  EXPECT_THAT(a->block_store().OfferPoolBuffer(pool_a.fd(), 4096),
               StatusIs(absl::StatusCode::kResourceExhausted,
                        HasSubstrs("the daemon holds 2 unregistered buffer offers of all engines; "
                                   "the limit is 2 (block_store_max_offers)")));
   const PoolBufferRef ref_a{.handoff_buffer_id = *offer_a, .bytes = pool_a.bytes()};
   const PoolBufferRef ref_b{.handoff_buffer_id = *offer_b, .bytes = pool_b.bytes()};
-  ASSERT_THAT(a->RegisterPool(kShape.Spec(), {&ref_a, 1}), IsOk());
-  EXPECT_THAT(b->RegisterPool(kShape.Spec(), {&ref_b, 1}),
+  ASSERT_THAT(a->block_store().RegisterPool(kShape.Spec(), {&ref_a, 1}), IsOk());
+  EXPECT_THAT(b->block_store().RegisterPool(kShape.Spec(), {&ref_b, 1}),
               StatusIs(absl::StatusCode::kResourceExhausted,
                        HasSubstrs("registering 1 buffers: the daemon maps 1 of all engines; the "
                                   "limit is 1 (block_store_max_mapped_buffers)")));
@@ -793,8 +801,10 @@ TEST_F(BlockStoreEngineShareTest, OneEngineTakesOnlyItsShareOfTheDaemonWideCaps)
                                   "may map at most 2",
                                   "share of block_store_max_mapped_buffers 8")));
   // The refused registration left its offer: two more fill the engine's 3 of the daemon's 6.
-  for (int i = 0; i < 2; ++i) ASSERT_THAT(hostile->OfferPoolBuffer(extra.fd(), 4096), IsOk());
-  EXPECT_THAT(hostile->OfferPoolBuffer(extra.fd(), 4096),
+  for (int i = 0; i < 2; ++i) {
+    ASSERT_THAT(hostile->block_store().OfferPoolBuffer(extra.fd(), 4096), IsOk());
+  }
+  EXPECT_THAT(hostile->block_store().OfferPoolBuffer(extra.fd(), 4096),
               StatusIs(absl::StatusCode::kResourceExhausted,
                        HasSubstrs(absl::StrCat("engine ", hostile->engine_id(),
                                                " holds 3 unregistered buffer offers"),
@@ -805,7 +815,7 @@ TEST_F(BlockStoreEngineShareTest, OneEngineTakesOnlyItsShareOfTheDaemonWideCaps)
   EXPECT_GT(honest.registered.registration_id, 0u);
   BlockStoreCall store = ByHashes(honest.registered, Hashes(0, 1), {0});
   store.event_token_ids.assign(kTokensPerBlock, 5);
-  EXPECT_THAT(honest.client->StoreBlocks(store), IsOk());
+  EXPECT_THAT(honest.client->block_store().Store(store), IsOk());
   EXPECT_EQ(daemon_->block_store().counts().registrations, 3u);
 }
 
@@ -854,7 +864,7 @@ TEST_F(BlockStoreBudgetTest, StoresPastTheBudgetEvictTheLeastRecentlyUsedBlocks)
   ASSERT_NE(a, nullptr);
   for (int i = 0; i < 10; ++i) {
     absl::StatusOr<BlockStoreTransfer> stored =
-        a->StoreBlocks(ByHashes(registered, Hashes(i, 1), {static_cast<uint32_t>(i)}));
+        a->block_store().Store(ByHashes(registered, Hashes(i, 1), {static_cast<uint32_t>(i)}));
     ASSERT_THAT(stored, IsOk());
     EXPECT_THAT(Codes(*stored), ElementsAre(absl::StatusCode::kOk)) << i;
   }
@@ -862,9 +872,9 @@ TEST_F(BlockStoreBudgetTest, StoresPastTheBudgetEvictTheLeastRecentlyUsedBlocks)
   EXPECT_EQ(stats.entries, 6u);
   EXPECT_LE(stats.stored_bytes, stats.budget_bytes);
   EXPECT_GE(stats.evicted_entries, 4u);
-  EXPECT_THAT(a->LookupBlocks(ByHashes(registered, Hashes(0, 1))),
+  EXPECT_THAT(a->block_store().Lookup(ByHashes(registered, Hashes(0, 1))),
               IsOkAndHolds(::testing::Field(&BlockStoreMatch::matched_blocks, 0u)));
-  EXPECT_THAT(a->LookupBlocks(ByHashes(registered, Hashes(4, 6))),
+  EXPECT_THAT(a->block_store().Lookup(ByHashes(registered, Hashes(4, 6))),
               IsOkAndHolds(::testing::Field(&BlockStoreMatch::matched_blocks, 6u)));
   EXPECT_THAT(daemon_->prefix_cache()->CheckInvariants(), IsOk());
 }

@@ -11,6 +11,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "client/client.h"
+#include "client/prefix_client.h"
 #include "core/model_plan.h"
 #include "core/test_model_plans.h"
 #include "gmock/gmock.h"
@@ -172,7 +173,7 @@ TEST_F(ElementFormatsTest, Bf16RowsCaptureAndRestoreIntoAnotherEnginesSession) {
   }
   ASSERT_THAT(writer->PublishAppend(transaction->generation).status(), IsOk());
   ASSERT_THAT(writer->Commit(transaction->generation, tokens.size(), tokens).status(), IsOk());
-  absl::StatusOr<PrefixCaptured> captured = client_->CapturePrefix(*writer, tokens, 8);
+  absl::StatusOr<PrefixCaptured> captured = client_->prefixes().Capture(*writer, tokens, 8);
   ASSERT_THAT(captured.status(), IsOk());
 
   std::unique_ptr<KvClient> reader_engine = NewClient("engine-b");
@@ -182,11 +183,11 @@ TEST_F(ElementFormatsTest, Bf16RowsCaptureAndRestoreIntoAnotherEnginesSession) {
   std::unique_ptr<Session> reader = Create(*reader_engine, same);
   ASSERT_NE(reader, nullptr);
   absl::StatusOr<PrefixMatch> match =
-      reader_engine->LookupPrefix(same, Options(kCapacity, false), tokens);
+      reader_engine->prefixes().Lookup(same, Options(kCapacity, false), tokens);
   ASSERT_THAT(match.status(), IsOk());
   EXPECT_EQ(match->matched_tokens, 8u);
   absl::StatusOr<PrefixRestored> restored =
-      reader_engine->RestorePrefix(*reader, tokens, match->entry_id);
+      reader_engine->prefixes().Restore(*reader, tokens, match->entry_id);
   ASSERT_THAT(restored.status(), IsOk());
   EXPECT_EQ(restored->restored_tokens, 8u);
   for (const auto& [layer, kind] : planes) {
@@ -208,10 +209,10 @@ TEST_F(ElementFormatsTest, Bf16RowsCaptureAndRestoreIntoAnotherEnginesSession) {
   std::unique_ptr<Session> other = Create(*reader_engine, fp8);
   ASSERT_NE(other, nullptr);
   absl::StatusOr<PrefixMatch> miss =
-      reader_engine->LookupPrefix(fp8, Options(kCapacity, false), tokens);
+      reader_engine->prefixes().Lookup(fp8, Options(kCapacity, false), tokens);
   ASSERT_THAT(miss.status(), IsOk());
   EXPECT_EQ(miss->outcome, LookupOutcome::kMiss);
-  EXPECT_THAT(reader_engine->RestorePrefix(*other, tokens, captured->entry_id).status(),
+  EXPECT_THAT(reader_engine->prefixes().Restore(*other, tokens, captured->entry_id).status(),
               StatusIs(absl::StatusCode::kInvalidArgument,
                        HasSubstrs(absl::StrCat("prefix entry ", captured->entry_id,
                                                " was captured for shape"),

@@ -14,6 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "client/client.h"
 #include "client/internal.h"
+#include "client/prefix_client.h"
 #include "common/codec.h"
 #include "common/grpc_status.h"
 #include "gmock/gmock.h"
@@ -72,15 +73,7 @@ class OperatorSocketTest : public DaemonTest {
     return Committed(*client_, tokens);
   }
   std::unique_ptr<Session> Committed(KvClient& client, const std::vector<int32_t>& tokens) {
-    std::unique_ptr<Session> session = NewSession(client, kCapacity, /*spec_snapshot=*/false);
-    if (session == nullptr) return nullptr;
-    absl::StatusOr<Transaction> transaction = session->Begin();
-    EXPECT_THAT(transaction.status(), IsOk());
-    if (!transaction.ok()) return nullptr;
-    EXPECT_THAT(session->PrepareAppend(transaction->generation, tokens.size()).status(), IsOk());
-    EXPECT_THAT(session->PublishAppend(transaction->generation).status(), IsOk());
-    EXPECT_THAT(session->Commit(transaction->generation, tokens.size(), tokens).status(), IsOk());
-    return session;
+    return CommittedSession(client, kCapacity, tokens);
   }
 
   // A refusal of the engine socket: PERMISSION_DENIED naming the call and the admin socket.
@@ -102,7 +95,7 @@ TEST_F(OperatorSocketTest, AdminSocketIsBesideTheEngineSocketWithMode0600) {
 TEST_F(OperatorSocketTest, EngineSocketRefusesEveryOperatorCallAndChangesNothing) {
   std::unique_ptr<Session> session = Committed({1, 2, 3, 4});
   ASSERT_NE(session, nullptr);
-  ASSERT_THAT(client_->CapturePrefix(*session, std::vector<int32_t>{1, 2, 3, 4}, 4).status(),
+  ASSERT_THAT(client_->prefixes().Capture(*session, std::vector<int32_t>{1, 2, 3, 4}, 4).status(),
               IsOk());
   KvClient& engine = *client_;
 
@@ -151,7 +144,7 @@ TEST_F(OperatorSocketTest, AdminSocketServesTheOperatorCalls) {
   std::unique_ptr<Session> session = Committed({1, 2, 3, 4});
   ASSERT_NE(session, nullptr);
   absl::StatusOr<PrefixCaptured> captured =
-      client_->CapturePrefix(*session, std::vector<int32_t>{1, 2, 3, 4}, 4);
+      client_->prefixes().Capture(*session, std::vector<int32_t>{1, 2, 3, 4}, 4);
   ASSERT_THAT(captured.status(), IsOk());
   std::unique_ptr<KvClient> operator_client = NewOperator();
   ASSERT_NE(operator_client, nullptr);
@@ -251,19 +244,19 @@ TEST_F(OperatorSocketTest, CaptureIsKeyedByTheCommittedTokenIds) {
   const std::vector<int32_t> forged_ids = {11, 12, 13, 14, 15, 99, 17, 18};
   std::unique_ptr<Session> forger = Committed(honest_ids);
   ASSERT_NE(forger, nullptr);
-  EXPECT_THAT(client_->CapturePrefix(*forger, forged_ids, 8).status(),
+  EXPECT_THAT(client_->prefixes().Capture(*forger, forged_ids, 8).status(),
               StatusIs(absl::StatusCode::kInvalidArgument,
                        HasSubstrs("token id at position 5 is 99 in the request",
                                   absl::StrCat("session ", forger->id(), " committed 16"))));
   EXPECT_EQ(daemon_->prefix_cache()->Stats().entries, 0u);
   SessionOptions shape = Options(kCapacity, false);
-  absl::StatusOr<PrefixMatch> match = client_->LookupPrefix(plan_, shape, forged_ids);
+  absl::StatusOr<PrefixMatch> match = client_->prefixes().Lookup(plan_, shape, forged_ids);
   ASSERT_THAT(match.status(), IsOk());
   EXPECT_EQ(match->matched_tokens, 0u);
 
   std::unique_ptr<Session> honest = Committed(forged_ids);
   ASSERT_NE(honest, nullptr);
-  absl::StatusOr<PrefixCaptured> captured = client_->CapturePrefix(*honest, forged_ids, 8);
+  absl::StatusOr<PrefixCaptured> captured = client_->prefixes().Capture(*honest, forged_ids, 8);
   ASSERT_THAT(captured.status(), IsOk());
   EXPECT_FALSE(captured->already_present);
   EXPECT_EQ(daemon_->prefix_cache()->Stats().entries, 1u);
@@ -276,7 +269,7 @@ TEST_F(OperatorSocketTest, CaptureIsKeyedByTheCommittedTokenIds) {
   ASSERT_THAT(unknown->PrepareAppend(transaction->generation, 8).status(), IsOk());
   ASSERT_THAT(unknown->PublishAppend(transaction->generation).status(), IsOk());
   ASSERT_THAT(unknown->Commit(transaction->generation, 8).status(), IsOk());
-  EXPECT_THAT(client_->CapturePrefix(*unknown, honest_ids, 8).status(),
+  EXPECT_THAT(client_->prefixes().Capture(*unknown, honest_ids, 8).status(),
               StatusIs(absl::StatusCode::kFailedPrecondition,
                        HasSubstr("commit with token ids to capture")));
   EXPECT_EQ(daemon_->prefix_cache()->Stats().entries, 1u);
@@ -290,7 +283,7 @@ TEST_F(OperatorSocketTest, PrefixEntriesStayInTheirCacheScope) {
   EXPECT_EQ(client_->cache_scope(), own_scope);
   std::unique_ptr<Session> mine = Committed(ids);
   ASSERT_NE(mine, nullptr);
-  absl::StatusOr<PrefixCaptured> captured = client_->CapturePrefix(*mine, ids, 8);
+  absl::StatusOr<PrefixCaptured> captured = client_->prefixes().Capture(*mine, ids, 8);
   ASSERT_THAT(captured.status(), IsOk());
 
   ClientOptions options;
@@ -311,23 +304,23 @@ TEST_F(OperatorSocketTest, PrefixEntriesStayInTheirCacheScope) {
 
   // The other scope finds and restores nothing, by match or by entry id.
   const SessionOptions shape = Options(kCapacity, false);
-  absl::StatusOr<PrefixMatch> match = (*shared)->LookupPrefix(plan_, shape, ids);
+  absl::StatusOr<PrefixMatch> match = (*shared)->prefixes().Lookup(plan_, shape, ids);
   ASSERT_THAT(match.status(), IsOk());
   EXPECT_EQ(match->matched_tokens, 0u);
   std::unique_ptr<Session> fresh = NewSession(**shared, kCapacity, /*spec_snapshot=*/false);
   ASSERT_NE(fresh, nullptr);
-  EXPECT_THAT((*shared)->RestorePrefix(*fresh, ids, captured->entry_id).status(),
+  EXPECT_THAT((*shared)->prefixes().Restore(*fresh, ids, captured->entry_id).status(),
               StatusIs(absl::StatusCode::kNotFound, HasSubstr("is not in cache scope shared")));
-  EXPECT_THAT((*shared)->RestorePrefix(*fresh, ids).status(),
+  EXPECT_THAT((*shared)->prefixes().Restore(*fresh, ids).status(),
               StatusIs(absl::StatusCode::kNotFound, HasSubstr("no stored prefix matches")));
 
   // Its own capture of the same prompt is its own entry; its subscription hears only that.
   std::unique_ptr<Session> theirs = Committed(**shared, ids);
   ASSERT_NE(theirs, nullptr);
-  absl::StatusOr<PrefixCaptured> their_capture = (*shared)->CapturePrefix(*theirs, ids, 8);
+  absl::StatusOr<PrefixCaptured> their_capture = (*shared)->prefixes().Capture(*theirs, ids, 8);
   ASSERT_THAT(their_capture.status(), IsOk());
   EXPECT_FALSE(their_capture->already_present);
-  std::unique_ptr<PrefixEventStream> events = (*shared)->SubscribePrefixEvents();
+  std::unique_ptr<PrefixEventStream> events = (*shared)->prefixes().SubscribeEvents();
   absl::StatusOr<std::optional<PrefixCacheEvent>> heard = events->Next();
   ASSERT_THAT(heard.status(), IsOk());
   ASSERT_TRUE(heard->has_value());

@@ -24,6 +24,7 @@
 #include "absl/strings/str_join.h"
 #include "client/client.h"
 #include "client/internal.h"
+#include "client/prefix_client.h"
 #include "core/index_ring.h"
 #include "core/kv_ring.h"
 #include "core/test_model_plans.h"
@@ -737,7 +738,7 @@ class Sequence {
     const SessionSnapshot state = State();
     const uint64_t boundary = state.committed_len;
     if (!ok_ || boundary == 0) return;
-    absl::StatusOr<PrefixCaptured> captured = client_.CapturePrefix(
+    absl::StatusOr<PrefixCaptured> captured = client_.prefixes().Capture(
         *session_, absl::MakeConstSpan(conversation_.tokens).subspan(0, boundary), boundary);
     // Rows hydrated, or published by a rewind or rollback, were never committed with their
     // token ids: nothing to key a capture by.
@@ -762,7 +763,7 @@ class Sequence {
     const Captured entry = captured_[random_.Below(captured_.size())];
     if (entry.boundary > case_.capacity || !ReplaceSession()) return;
     const SessionSnapshot before = State();
-    absl::StatusOr<PrefixRestored> restored = client_.RestorePrefix(
+    absl::StatusOr<PrefixRestored> restored = client_.prefixes().Restore(
         *session_, absl::MakeConstSpan(entry.conversation.tokens).subspan(0, entry.boundary));
     const absl::Status status = restored.status();
     if (status.ok()) {

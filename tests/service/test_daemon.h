@@ -14,6 +14,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "absl/time/clock.h"
 #include "client/client.h"
@@ -191,6 +192,27 @@ class DaemonTest : public ::testing::Test {
         client.CreateSession(plan_, Options(capacity, spec_snapshot));
     EXPECT_TRUE(session.ok()) << session.status();
     return session.ok() ? *std::move(session) : nullptr;
+  }
+
+  // A fresh session of `capacity` (no spec snapshot) with `tokens` committed, one row each,
+  // with their token ids (what a prefix capture keys by); null (and a failure) on error.
+  std::unique_ptr<Session> CommittedSession(KvClient& client, uint64_t capacity,
+                                            const std::vector<int32_t>& tokens) {
+    std::unique_ptr<Session> session = NewSession(client, capacity, /*spec_snapshot=*/false);
+    if (session == nullptr) return nullptr;
+    absl::StatusOr<Transaction> transaction = session->Begin();
+    EXPECT_TRUE(transaction.ok()) << transaction.status();
+    if (!transaction.ok()) return nullptr;
+    absl::Status done = session->PrepareAppend(transaction->generation, tokens.size()).status();
+    if (done.ok()) done = session->PublishAppend(transaction->generation).status();
+    if (done.ok()) done = session->Commit(transaction->generation, tokens.size(), tokens).status();
+    EXPECT_TRUE(done.ok()) << done;
+    return done.ok() ? std::move(session) : nullptr;
+  }
+
+  // Engines the daemon knows (attached, or within their grace).
+  size_t EngineCount() const {
+    return static_cast<size_t>(daemon_->GetStatus().engine_status_size());
   }
 
   // Admin calls through the client's KvAdmin stub.
