@@ -841,8 +841,10 @@ TEST_F(BlockStoreDescriptorShareTest, OffersAreBoundedByTheDescriptorsTheDaemonH
   std::unique_ptr<KvClient> hostile = NewClient("hostile");
   ASSERT_NE(hostile, nullptr);
   TestBlockPool pool = MustPool();
-  for (int i = 0; i < 6; ++i) ASSERT_THAT(hostile->OfferPoolBuffer(pool.fd(), 4096), IsOk());
-  EXPECT_THAT(hostile->OfferPoolBuffer(pool.fd(), 4096),
+  for (int i = 0; i < 6; ++i) {
+    ASSERT_THAT(hostile->block_store().OfferPoolBuffer(pool.fd(), 4096), IsOk());
+  }
+  EXPECT_THAT(hostile->block_store().OfferPoolBuffer(pool.fd(), 4096),
               StatusIs(absl::StatusCode::kResourceExhausted,
                        HasSubstrs(absl::StrCat("engine ", hostile->engine_id(),
                                                " holds 6 unregistered buffer offers"),
