@@ -38,6 +38,7 @@ constexpr Hostile kHostiles[] = {
     {"grow", "the handoff thread vs a Grow (128 -> 2048 rows) + Attach churn"},
     {"offer_hog", "block store offers"},
     {"kept_mappings", "host memory kept mapped after release (29 MiB arenas)"},
+    {"cpu_hog", "the daemon's time (4 threads creating and releasing 29 MiB sessions)"},
 };
 constexpr int kHonestEngines = 2;
 constexpr char kEventStreamsPerEngine[] = "4";
@@ -178,7 +179,9 @@ absl::StatusOr<Json> RunHostileLoad(const BenchOptions& options) {
   };
   std::vector<std::string> all_hostile;
   for (const Hostile& hostile : kHostiles) all_hostile.push_back(hostile.behaviour);
-  std::vector<Phase> phases = {{"quiet", {}}, {"all 7 hostile", all_hostile}, {"quiet again", {}}};
+  std::vector<Phase> phases = {{"quiet", {}},
+                               {absl::StrCat("all ", all_hostile.size(), " hostile"), all_hostile},
+                               {"quiet again", {}}};
   for (const Hostile& hostile : kHostiles) {
     phases.push_back({absl::StrCat("only ", hostile.behaviour), {hostile.behaviour}});
   }

@@ -94,6 +94,11 @@ bool IsArenaRefusal(const absl::Status& status) {
          status.GetPayload(kArenaRefusalTypeUrl).has_value();
 }
 
+bool IsOwnerShareRefusal(const absl::Status& status) {
+  return status.code() == absl::StatusCode::kResourceExhausted &&
+         status.GetPayload(kOwnerShareRefusalTypeUrl).has_value();
+}
+
 std::optional<AdmissionRefusal> GetAdmissionRefusal(const absl::Status& status) {
   if (status.code() != absl::StatusCode::kResourceExhausted) return std::nullopt;
   auto payload = status.GetPayload(kAdmissionRefusalTypeUrl);
@@ -147,10 +152,12 @@ absl::Status AdmissionLedger::CheckOwnerArenas(uint64_t owner, absl::string_view
   const uint64_t held = owner_arenas(owner);
   if (held < limits_.max_owner_arenas) return absl::OkStatus();
   // No arena-refusal payload: evicting prefix storage frees none of this engine's arenas.
-  return absl::ResourceExhaustedError(absl::StrCat(
+  absl::Status status = absl::ResourceExhaustedError(absl::StrCat(
       what, " refused: engine ", owner, " holds ", held, " arenas and the limit is ",
       limits_.max_owner_arenas, " per engine (max_engine_arenas, a share of the ",
       limits_.max_arenas, " max_arenas); release one first"));
+  status.SetPayload(kOwnerShareRefusalTypeUrl, absl::Cord());
+  return status;
 }
 
 void AdmissionLedger::RemoveOwnerArena(uint64_t owner) {
@@ -178,10 +185,12 @@ absl::Status AdmissionLedger::CheckOwnerShare(uint64_t owner, uint64_t extra,
   const uint64_t cap = budget_ / 100 * percent + budget_ % 100 * percent / 100;
   const uint64_t held = owner_bytes(owner);
   if (extra <= cap && held <= cap - extra) return absl::OkStatus();
-  return absl::ResourceExhaustedError(absl::StrCat(
+  absl::Status status = absl::ResourceExhaustedError(absl::StrCat(
       what, " of ", extra, " bytes refused: engine ", owner, " holds ", held,
       " bytes and may hold at most ", cap, " (", percent, "% of the ", budget_,
       " byte budget, max_engine_budget_share)"));
+  status.SetPayload(kOwnerShareRefusalTypeUrl, absl::Cord());
+  return status;
 }
 
 void AdmissionLedger::AddOwnerBytes(uint64_t owner, uint64_t bytes) {

@@ -89,6 +89,10 @@ inline constexpr char kAdmissionRefusalTypeUrl[] = "type.memra.dev/memra.kv.Admi
 inline constexpr char kArenaRefusalTypeUrl[] = "type.memra.dev/memra.kv.ArenaRefusal";
 // Whether `status` is the ledger's refusal for max_arenas.
 bool IsArenaRefusal(const absl::Status& status);
+// Marks a refusal for one owner's share (max_owner_arenas, owner_share_percent; no payload
+// bytes): only what that owner holds can make room, e.g. its own pooled arenas.
+inline constexpr char kOwnerShareRefusalTypeUrl[] = "type.memra.dev/memra.kv.OwnerShareRefusal";
+bool IsOwnerShareRefusal(const absl::Status& status);
 
 // The refusal carried by `status`, or nullopt when it carries none (any other status).
 std::optional<AdmissionRefusal> GetAdmissionRefusal(const absl::Status& status);
@@ -177,7 +181,8 @@ inline constexpr uint64_t kUncappedOwner = 0;
 //      and the admitted owner (unless kUncappedOwner) holds at most owner_share_percent of the
 //      budget and at most max_owner_arenas arenas. Lowering the limits revokes nothing.
 //      Refusals for these are RESOURCE_EXHAUSTED without an AdmissionRefusal payload; the
-//      arena refusal carries kArenaRefusalTypeUrl (evicting any prefix entry frees arenas).
+//      arena refusal carries kArenaRefusalTypeUrl (evicting any prefix entry frees arenas), the
+//      owner's share refusals kOwnerShareRefusalTypeUrl (only the owner's own release helps).
 //
 // Evictable bytes are memory already charged to this budget (the prefix cache allocates its
 // storage through Allocate like any owner) that the prefix cache could free on demand. The

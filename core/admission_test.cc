@@ -480,6 +480,7 @@ TEST(AdmissionLedgerTest, OwnerArenaShareStopsOneEngineOnly) {
                                            "limit is 3 per engine", "max_engine_arenas",
                                            "10 max_arenas")));
   EXPECT_FALSE(IsArenaRefusal(refused));  // evicting prefix storage frees none of engine 7's
+  EXPECT_TRUE(IsOwnerShareRefusal(refused));  // only engine 7's own arenas make room
   EXPECT_THAT(ledger.Reserve(7, 100, kT0, absl::Seconds(5)).status(),
               StatusIs(absl::StatusCode::kResourceExhausted,
                        HasSubstrs("reservation refused: engine 7 holds 3 arenas")));
@@ -515,6 +516,7 @@ TEST(AdmissionLedgerTest, ArenaLimitCountsReservationsAndAllocations) {
                                            "limit is 2", "max_arenas")));
   EXPECT_EQ(GetAdmissionRefusal(refused), std::nullopt);  // not a matter of bytes
   EXPECT_TRUE(IsArenaRefusal(refused));
+  EXPECT_FALSE(IsOwnerShareRefusal(refused));
   EXPECT_THAT(ledger.Reserve(3, 100, kT0, absl::Seconds(5)).status(),
               StatusIs(absl::StatusCode::kResourceExhausted, HasSubstrs("reservation refused")));
   EXPECT_EQ(ledger.used(), 200u);  // the refusals changed nothing
@@ -542,6 +544,7 @@ TEST(AdmissionLedgerTest, OwnerShareCapsReservationsAllocationsAndGrowth) {
   ASSERT_THAT(allocation, IsOk());
   EXPECT_EQ(ledger.owner_bytes(1), 400u);
   EXPECT_FALSE(IsArenaRefusal(ledger.Reserve(1, 101, kT0, absl::Seconds(5)).status()));
+  EXPECT_TRUE(IsOwnerShareRefusal(ledger.Reserve(1, 101, kT0, absl::Seconds(5)).status()));
   EXPECT_THAT(ledger.Grow(*allocation, 101),
               StatusIs(absl::StatusCode::kResourceExhausted,
                        HasSubstrs("grow of 1 bytes refused", "engine 1 holds 400")));

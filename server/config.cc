@@ -510,6 +510,13 @@ const std::vector<KeySpec>& Keys() {
        .help = "Arenas (sessions, reservations) one engine may hold at once (RESOURCE_EXHAUSTED "
                "past it); 0 = half of the arena limit in force.",
        .min = 0, .max = 100'000'000},
+      {.name = "max_engine_cpu_percent",
+       .field = &At<&C::admission, &AdmissionConfig::max_engine_cpu_percent>,
+       .syntax = Syntax::kInteger, .reloadable = false,
+       .help = "Percent of one core's time the daemon may spend in one engine's session "
+               "operations, 2 s of it banked for bursts (RESOURCE_EXHAUSTED past it, until the "
+               "engine has earned time back); 0 = no bound.",
+       .min = 0, .max = 6'400},
       {.name = "admin_socket_path",
        .field = &At<&C::sockets, &SocketsConfig::admin_socket_path>,
        .syntax = Syntax::kText,
@@ -993,7 +1000,11 @@ DescriptorShares ShareDescriptors(uint64_t open_files) {
   const uint64_t shared = open_files > kReservedDescriptors ? open_files - kReservedDescriptors : 0;
   return {.open_files = open_files,
           .arenas = std::max<uint64_t>(1, shared / 2),
-          .connections = std::max<uint64_t>(1, shared / 16)};
+          .connections = std::max<uint64_t>(1, shared / 16),
+          .handoff_descriptors = std::max<uint64_t>(1, shared / 16 * 3),
+          .in_flight = std::max<uint64_t>(1, shared),
+          .step_channels = std::max<uint64_t>(1, shared / 32),
+          .block_store_offers = std::max<uint64_t>(1, shared / 32)};
 }
 
 absl::Status ApplyOverride(DaemonConfig& config, std::string_view key_view,

@@ -62,6 +62,10 @@ struct AdmissionConfig {
   // Arenas one engine may hold of those (sessions, its reservations), so that no engine takes
   // every arena. 0 = half of the arena limit in force (EffectiveMaxEngineArenas).
   uint64_t max_engine_arenas = 0;
+  // Percent of one core's time the daemon may spend in one engine's session operations
+  // (server/session/engine_time_shares.h), with 2 s of it banked for bursts; past it the
+  // engine's calls are RESOURCE_EXHAUSTED until it has earned time back. 0 = no bound.
+  uint32_t max_engine_cpu_percent = 100;
 };
 
 // The three Unix sockets (server/edge/served_socket.h, server/edge/arena_handoff.h) and what one
@@ -231,14 +235,22 @@ uint64_t EffectiveMaxEngineArenas(const DaemonConfig& config, uint64_t max_arena
 // it shares out its RLIMIT_NOFILE.
 inline constexpr uint64_t kReservedDescriptors = 128;
 // What the daemon's own RLIMIT_NOFILE (read at start) allows, so that running out of
-// descriptors is a limit's clean refusal, not EMFILE somewhere: of what is left after
-// kReservedDescriptors, half for arenas (a memfd each on the host backend), a sixteenth for each
-// socket's gRPC connections (two sockets, two descriptors each: a quarter in all); the last
-// quarter is for handoff connections, step channels and block store offers.
+// descriptors is a limit's clean refusal, not EMFILE somewhere. Of what is left after
+// kReservedDescriptors: half for arenas (a memfd each on the host backend), a sixteenth for each
+// socket's gRPC connections (two sockets, two descriptors each: a quarter in all), three
+// sixteenths for handoff connections (each its socket and the descriptors it sent ahead of its
+// offers), a thirty-second for step channels (an eventfd each) and a thirty-second for block
+// store offers (a memfd each until registered). Descriptors in flight (answers an engine has not
+// read) count against the daemon's uid in a pool of their own, as large as RLIMIT_NOFILE: all of
+// it less the reserve is the handoff connections'.
 struct DescriptorShares {
-  uint64_t open_files = 0;       // RLIMIT_NOFILE (soft)
-  uint64_t arenas = 0;           // caps max_arenas
-  uint64_t connections = 0;      // caps max_connections (per socket)
+  uint64_t open_files = 0;           // RLIMIT_NOFILE (soft)
+  uint64_t arenas = 0;               // caps max_arenas
+  uint64_t connections = 0;          // caps max_connections (per socket)
+  uint64_t handoff_descriptors = 0;  // open: handoff connections x what each may hold open
+  uint64_t in_flight = 0;            // in flight: handoff connections x unread answers
+  uint64_t step_channels = 0;        // open step channels, daemon-wide
+  uint64_t block_store_offers = 0;   // caps block_store_max_offers
 };
 DescriptorShares ShareDescriptors(uint64_t open_files);
 

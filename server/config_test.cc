@@ -69,7 +69,7 @@ TEST(ConfigTest, KeyListIsTheDocumentedOne) {
                           "arena_pool_engine_bytes", "block_store_engine_bytes",
                           "block_store_max_registrations", "block_store_max_pins",
                           "block_store_max_offers", "block_store_max_mapped_buffers", "max_arenas",
-                          "max_engine_arenas",
+                          "max_engine_arenas", "max_engine_cpu_percent",
                           "admin_socket_path", "admin_socket_mode", "admin_socket_group",
                           "handoff_socket_path", "cache_scope_allow"));
   EXPECT_THAT(reloadable, ElementsAre("budget_bytes", "cuda_memory_fraction", "cuda_reserve_bytes",
@@ -134,6 +134,7 @@ TEST(ConfigTest, Defaults) {
   EXPECT_EQ(config.sockets.connection_idle_timeout_ms, 300'000u);
   EXPECT_EQ(config.admission.max_arenas, 0u);
   EXPECT_EQ(config.admission.max_engine_arenas, 0u);
+  EXPECT_EQ(config.admission.max_engine_cpu_percent, 100u);
   EXPECT_EQ(config.AdminSocketPath(), "/run/memra-kv/gpu0.admin.sock");
   EXPECT_EQ(config.sockets.admin_socket_mode, 0600u);
   EXPECT_EQ(config.sockets.admin_socket_group, "");
@@ -431,6 +432,8 @@ INSTANTIATE_TEST_SUITE_P(
         BadValueCase{"max_arenas = -1", {"max_arenas = -1", "from 0 to 100000000"}},
         BadValueCase{"max_engine_arenas = -1",
                      {"max_engine_arenas = -1", "from 0 to 100000000"}},
+        BadValueCase{"max_engine_cpu_percent = 6401",
+                     {"max_engine_cpu_percent = 6401", "from 0 to 6400"}},
         BadValueCase{"drain_grace_ms = [1, 2]",
                      {"drain_grace_ms is a TOML array", "from 0 to 3600000"}}));
 

@@ -109,6 +109,7 @@ Daemon::Daemon(DaemonConfig config, std::unique_ptr<DeviceBackend> backend, Cloc
       socket_path_(config.SocketPath()),
       admin_socket_path_(config.AdminSocketPath()),
       start_config_(std::move(config)),
+      descriptor_shares_(OwnDescriptorShares()),
       budget_(std::move(budget)),
       epoch_(epoch),
       scopes_(std::move(scopes)),
@@ -119,16 +120,19 @@ Daemon::Daemon(DaemonConfig config, std::unique_ptr<DeviceBackend> backend, Cloc
       leases_(clock_, budget_.get(), start_config_.leases, restart_state_.get()),
       prefix_cache_(std::move(prefix_cache)),
       arena_pool_(backend_.get(), budget_.get(), start_config_.sessions.arena_pool_engine_bytes),
+      time_shares_(EngineTimeShares::LimitsFor(start_config_.admission.max_engine_cpu_percent),
+                   clock_),
       sessions_(backend_.get(), budget_.get(), &leases_, &plans_, FormatDefaults(),
                 start_config_.sessions.prefix_capture_on_engine_death ? prefix_cache_.get()
                                                                       : nullptr,
-                start_config_.sessions.max_engine_sessions, &arena_pool_, restart_state_.get()),
+                start_config_.sessions.max_engine_sessions, &arena_pool_, restart_state_.get(),
+                &time_shares_),
       block_store_(prefix_cache_.get(), backend_.get(), clock_, BlockStoreLimitsOf(start_config_),
                    [this](uint64_t connection, uint64_t engine) {
                      return handoff_.ServesEngine(connection, engine);
                    },
                    epoch_),
-      step_channels_(&sessions_, &leases_, StepChannels::Options{}),
+      step_channels_(&sessions_, &leases_, StepChannelOptions()),
       handoff_(HandoffOptions(), LookupArena(),
                [this](uint64_t engine, uint64_t connection, uint64_t bytes, ScopedFd fd) {
                  return block_store_.OfferBuffer(engine, connection, bytes, std::move(fd));
@@ -184,8 +188,25 @@ ArenaHandoff::Options Daemon::HandoffOptions() const {
   options.path = start_config_.HandoffSocketPath();
   options.group = start_config_.sockets.socket_group;
   options.mode = start_config_.sockets.socket_mode;
-  options.max_connections = start_config_.leases.max_engines;
+  const uint64_t by_descriptors = HandoffConnectionsFor(descriptor_shares_);
+  options.max_connections =
+      static_cast<size_t>(std::min<uint64_t>(start_config_.leases.max_engines, by_descriptors));
+  options.max_connections_source = HandoffConnectionsSource(start_config_, descriptor_shares_);
+  // Connections with no engine yet: one uid may hold at most half of them.
+  options.max_unbound_per_uid =
+      std::min(options.max_unbound_per_uid, std::max<size_t>(1, options.max_connections / 2));
   options.instance = epoch_;
+  return options;
+}
+
+StepChannels::Options Daemon::StepChannelOptions() const {
+  StepChannels::Options options;
+  options.max_channels = static_cast<size_t>(
+      std::min<uint64_t>(start_config_.leases.max_engines, descriptor_shares_.step_channels));
+  options.max_channels_source =
+      absl::StrCat("max_attached_engines ", start_config_.leases.max_engines, " or RLIMIT_NOFILE ",
+                   descriptor_shares_.open_files, "'s share: ", descriptor_shares_.step_channels,
+                   ", an eventfd each");
   return options;
 }
 

@@ -70,6 +70,7 @@
 #include "server/restart/restart_state.h"
 #include "server/base/sd_notify.h"
 #include "server/edge/served_socket.h"
+#include "server/session/engine_time_shares.h"
 #include "server/session/session_registry.h"
 #include "server/edge/step_channel.h"
 
@@ -163,6 +164,7 @@ class Daemon {
   // The handoff socket's options and its arena lookup: a session of the connection's engine,
   // named with its token, and one of its arenas.
   ArenaHandoff::Options HandoffOptions() const;
+  StepChannels::Options StepChannelOptions() const;
   ArenaHandoff::ArenaLookup LookupArena();
   // The handoff socket's step channel opener; null without step_channel.
   ArenaHandoff::StepChannelOpener OpenStepChannel();
@@ -188,6 +190,9 @@ class Daemon {
   const std::string socket_path_;
   const std::string admin_socket_path_;
   const DaemonConfig start_config_;
+  // The daemon's RLIMIT_NOFILE as read at construction, shared out (server/config.h): caps
+  // handoff connections and step channels (the other shares cap start_config_'s keys).
+  const DescriptorShares descriptor_shares_;
   const std::unique_ptr<DeviceBudget> budget_;
   const uint64_t epoch_;  // random per start; the previous epoch + 1 after a re-adoption
   const CacheScopes scopes_;  // cache_scope_allow
@@ -207,6 +212,8 @@ class Daemon {
   const std::unique_ptr<PrefixCache> prefix_cache_;
   // Released session arenas per engine (arena_pool_engine_bytes); evicted before prefix entries.
   ArenaPool arena_pool_;
+  // Each engine's share of the daemon's time (max_engine_cpu_percent), charged by sessions_.
+  EngineTimeShares time_shares_;
   SessionRegistry sessions_;
   // Engines' own pools (block_store.proto); its offers come over handoff_, its bytes live in
   // prefix_cache_.

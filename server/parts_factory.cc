@@ -9,6 +9,7 @@
 #include "core/admission.h"
 #include "core/status_macros.h"
 #include "server/device/pinned_host_memory.h"
+#include "server/edge/arena_handoff.h"
 #include "spdlog/spdlog.h"
 
 namespace memra {
@@ -45,25 +46,51 @@ std::unique_ptr<DeviceBudget> MakeDeviceBudget(const DaemonConfig& config,
   return budget;
 }
 
-void LimitByDescriptors(DaemonConfig& config) {
+DescriptorShares OwnDescriptorShares() {
   rlimit open_files{};
   uint64_t limit = UINT64_MAX;
   if (getrlimit(RLIMIT_NOFILE, &open_files) == 0 && open_files.rlim_cur != RLIM_INFINITY) {
     limit = open_files.rlim_cur;
   }
-  const DescriptorShares shares = ShareDescriptors(limit);
+  return ShareDescriptors(limit);
+}
+
+uint64_t HandoffConnectionsFor(const DescriptorShares& shares) {
+  return std::max<uint64_t>(
+      1, std::min(shares.handoff_descriptors / ArenaHandoff::kOpenDescriptorsPerConnection,
+                  shares.in_flight / ArenaHandoff::kInFlightDescriptorsPerConnection));
+}
+
+std::string HandoffConnectionsSource(const DaemonConfig& config, const DescriptorShares& shares) {
+  return absl::StrCat("max_attached_engines ", config.leases.max_engines, " or RLIMIT_NOFILE ",
+                      shares.open_files, "'s shares: ", shares.handoff_descriptors,
+                      " descriptors open, ", ArenaHandoff::kOpenDescriptorsPerConnection,
+                      " per connection; ", shares.in_flight, " in flight, ",
+                      ArenaHandoff::kInFlightDescriptorsPerConnection, " per connection");
+}
+
+void LimitByDescriptors(DaemonConfig& config) {
+  const DescriptorShares shares = OwnDescriptorShares();
   const uint64_t arenas = EffectiveMaxArenas(config);
   config.admission.max_arenas = std::min(arenas, shares.arenas);
   ConnectionGate::Limits& connections = config.connections;
   connections.max_connections = std::min(connections.max_connections, shares.connections);
   connections.max_connections_per_uid =
       std::min(connections.max_connections_per_uid, connections.max_connections);
+  config.block_store.max_offers =
+      std::min<size_t>(config.block_store.max_offers, shares.block_store_offers);
+  const uint64_t engines = config.leases.max_engines;
   spdlog::info(
       "descriptors: RLIMIT_NOFILE {} ({} kept for the daemon): at most {} arenas (max_arenas or "
       "vm.max_map_count: {}; descriptors: {}), {} gRPC connections per socket and {} per uid "
-      "(max_connections or descriptors: {})",
-      limit, kReservedDescriptors, config.admission.max_arenas, arenas, shares.arenas,
-      connections.max_connections, connections.max_connections_per_uid, shares.connections);
+      "(max_connections or descriptors: {}), {} handoff connections ({}), {} step channels "
+      "(max_attached_engines or descriptors: {}), {} block store offers (block_store_max_offers "
+      "or descriptors: {})",
+      shares.open_files, kReservedDescriptors, config.admission.max_arenas, arenas, shares.arenas,
+      connections.max_connections, connections.max_connections_per_uid, shares.connections,
+      std::min(engines, HandoffConnectionsFor(shares)), HandoffConnectionsSource(config, shares),
+      std::min(engines, shares.step_channels), shares.step_channels,
+      config.block_store.max_offers, shares.block_store_offers);
 }
 
 ConcurrencyLimit::Limits EventStreamLimits(const DaemonConfig& config, bool per_engine) {

@@ -30,8 +30,19 @@ std::pair<uint64_t, std::string> BudgetFor(const DaemonConfig& config, DeviceBac
 // EffectiveMaxEngineArenas) and max_engine_budget_share; logs what it admits.
 std::unique_ptr<DeviceBudget> MakeDeviceBudget(const DaemonConfig& config, DeviceBackend& backend);
 
-// Caps max_arenas and max_connections by the daemon's own RLIMIT_NOFILE (ShareDescriptors) and
-// says so.
+// The daemon's own RLIMIT_NOFILE (soft; unlimited or unreadable: no cap), shared out.
+DescriptorShares OwnDescriptorShares();
+
+// Handoff connections the descriptor shares hold, each at its most (open: socket and pending
+// descriptors; in flight: unread answers).
+uint64_t HandoffConnectionsFor(const DescriptorShares& shares);
+
+// How the handoff connection limit was derived, for its refusal and the start-up log.
+std::string HandoffConnectionsSource(const DaemonConfig& config, const DescriptorShares& shares);
+
+// Caps max_arenas, max_connections and block_store_max_offers by the daemon's own RLIMIT_NOFILE
+// (ShareDescriptors), and says so with the caps the daemon applies to its handoff connections
+// and step channels (Daemon::HandoffOptions, StepChannelOptions).
 void LimitByDescriptors(DaemonConfig& config);
 
 // SubscribeEvents streams of one socket: per engine on the engine socket, and all together.

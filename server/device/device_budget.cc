@@ -28,10 +28,34 @@ void DeviceBudget::SetEvictor(EvictableSource source, Evictor evictor) {
   evictors_[static_cast<size_t>(source)] = std::move(evictor);
 }
 
+void DeviceBudget::SetOwnerEvictor(OwnerEvictor evictor) {
+  absl::MutexLock lock(&mu_);
+  owner_evictor_ = std::move(evictor);
+}
+
 template <typename T, typename Admit>
-absl::StatusOr<T> DeviceBudget::AdmitEvicting(Admit admit) {
+absl::StatusOr<T> DeviceBudget::AdmitEvicting(uint64_t owner, Admit admit) {
   absl::StatusOr<T> admitted = AdmitOnce<T>(admit);
   if (admitted.ok()) return admitted;
+  // The owner's own evictable storage first: it counts toward the owner's share and the budget,
+  // and freeing it costs no one else anything.
+  OwnerEvictor owner_evictor;
+  {
+    absl::MutexLock lock(&mu_);
+    std::optional<AdmissionRefusal> refusal = GetAdmissionRefusal(admitted.status());
+    const bool own_storage_helps = IsOwnerShareRefusal(admitted.status()) ||
+                                   IsArenaRefusal(admitted.status()) ||
+                                   (refusal.has_value() && refusal->bytes_to_evict > 0);
+    if (owner != kUncappedOwner && own_storage_helps) owner_evictor = owner_evictor_;
+  }
+  if (owner_evictor) {
+    if (const uint64_t freed = owner_evictor(owner); freed > 0) {
+      spdlog::info("admission freed {} bytes of engine {}'s own pooled arenas for it", freed,
+                   owner);
+      admitted = AdmitOnce<T>(admit);
+      if (admitted.ok()) return admitted;
+    }
+  }
   std::vector<Evictor> evictors;  // those of the sources holding evictable bytes, in order
   uint64_t short_bytes = 0;
   {
@@ -80,7 +104,7 @@ void DeviceBudget::CountRefusal(const absl::Status& status) {
 absl::StatusOr<ReservationId> DeviceBudget::Reserve(uint64_t owner, uint64_t bytes,
                                                     absl::Time now, absl::Duration ttl) {
   return AdmitEvicting<ReservationId>(
-      [&](AdmissionLedger& ledger) { return ledger.Reserve(owner, bytes, now, ttl); });
+      owner, [&](AdmissionLedger& ledger) { return ledger.Reserve(owner, bytes, now, ttl); });
 }
 
 absl::StatusOr<ReservationId> DeviceBudget::ReserveGroupRank(uint64_t owner, uint64_t bytes,
@@ -127,7 +151,7 @@ absl::StatusOr<uint64_t> DeviceBudget::ReservedBytes(ReservationId reservation,
 
 absl::StatusOr<AllocationId> DeviceBudget::Allocate(uint64_t owner, uint64_t bytes) {
   return AdmitEvicting<AllocationId>(
-      [&](AdmissionLedger& ledger) { return ledger.Allocate(owner, bytes); });
+      owner, [&](AdmissionLedger& ledger) { return ledger.Allocate(owner, bytes); });
 }
 
 absl::StatusOr<AllocationId> DeviceBudget::AllocateWithoutEviction(uint64_t owner,

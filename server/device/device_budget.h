@@ -4,7 +4,11 @@
 // The GPU's one admission budget as the daemon shares it between threads: core's AdmissionLedger
 // (every rule) behind a mutex, plus admission-driven eviction of the prefix cache.
 //
-// Eviction protocol: when an admission is refused and the refusal says eviction could make room
+// Eviction protocol: when an engine's admission is refused for anything its own pooled arenas
+// could fix (its share of arenas or bytes, the daemon's arenas, or bytes eviction can free), the
+// owner evictor frees that engine's pooled arenas first, unlocked, and the admission is retried
+// once: an engine is never refused because of its own idle pool, and its pool goes before any
+// other engine's. Then, when the refusal says eviction could make room
 // (AdmissionRefusal::bytes_to_evict > 0, or an arena refusal while anything is evictable: every
 // evictable byte is in arenas), the budget calls the evictors WITHOUT its own lock held, in
 // EvictableSource order until the shortfall is freed, then retries once. Each evictor releases
@@ -43,6 +47,8 @@ class DeviceBudget {
  public:
   // Frees evictable storage for an admission that is `bytes` short; returns the bytes freed.
   using Evictor = std::function<uint64_t(uint64_t bytes)>;
+  // Frees what `owner` keeps evictable (its pooled arenas); returns the bytes freed.
+  using OwnerEvictor = std::function<uint64_t(uint64_t owner)>;
 
   // `rule` says how the budget was derived, for status and logs; `limits` are the ledger's
   // arena and per-engine share limits (core/admission.h AdmissionLimits).
@@ -50,6 +56,9 @@ class DeviceBudget {
 
   // Set once per source, before serving. Without any, refusals are returned as they are.
   void SetEvictor(EvictableSource source, Evictor evictor) ABSL_LOCKS_EXCLUDED(mu_);
+  // Set once, before serving (the arena pool's DrainEngine). Without it no owner's own storage
+  // is freed first.
+  void SetOwnerEvictor(OwnerEvictor evictor) ABSL_LOCKS_EXCLUDED(mu_);
 
   // AdmissionLedger::Reserve, evicting for room first when that helps.
   absl::StatusOr<ReservationId> Reserve(uint64_t owner, uint64_t bytes, absl::Time now,
@@ -97,9 +106,10 @@ class DeviceBudget {
   std::string rule() const ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
-  // Runs `admit` under the lock; on a refusal eviction could fix, evicts (unlocked) and retries.
+  // Runs `admit` (for `owner`) under the lock; on a refusal eviction could fix, evicts
+  // (unlocked: the owner's own storage first, then the sources) and retries.
   template <typename T, typename Admit>
-  absl::StatusOr<T> AdmitEvicting(Admit admit) ABSL_LOCKS_EXCLUDED(mu_);
+  absl::StatusOr<T> AdmitEvicting(uint64_t owner, Admit admit) ABSL_LOCKS_EXCLUDED(mu_);
   template <typename T, typename Admit>
   absl::StatusOr<T> AdmitOnce(Admit& admit) ABSL_LOCKS_EXCLUDED(mu_);
   // Counts `status` when it is an admission refusal.
@@ -110,6 +120,7 @@ class DeviceBudget {
   AdmissionLedger ledger_ ABSL_GUARDED_BY(mu_);
   std::string rule_ ABSL_GUARDED_BY(mu_);
   Evictor evictors_[kEvictableSources] ABSL_GUARDED_BY(mu_);
+  OwnerEvictor owner_evictor_ ABSL_GUARDED_BY(mu_);
   uint64_t evictable_[kEvictableSources] ABSL_GUARDED_BY(mu_) = {};
 };
 

@@ -28,16 +28,12 @@ constexpr size_t kReadChunkBytes = 4096;
 // one busy engine cannot keep the thread from the others.
 constexpr size_t kMaxReadPerRound = 16 * 1024;
 constexpr int kMaxPollMs = 1000;
-// Answers with descriptors one connection may leave unread (a step channel answer counts once).
-constexpr size_t kMaxUnreadDescriptorAnswers = 16;
 // How long the listener rests after accept ran out of descriptors.
 constexpr int kAcceptBackoffMs = 100;
 constexpr size_t kTicketWordBytes = 8;
 // The secret's offset in a ticket: after the instance and the connection number.
 constexpr size_t kTicketSecretAt = 2 * kTicketWordBytes;
 static_assert(handoff::kTicketBytes > kTicketSecretAt);
-// Descriptors a connection may have received ahead of the offers that take them.
-constexpr size_t kMaxPendingDescriptors = 4;
 
 // A ticket: u64 instance | u64 connection | the connection's secret (handoff_wire.h).
 std::string TicketFor(uint64_t instance, uint64_t connection, absl::string_view secret) {
@@ -328,7 +324,7 @@ void ArenaHandoff::AcceptAll() {
           socket.get(), handoff::EncodeRefusal(absl::ResourceExhaustedError(absl::StrCat(
                             "the handoff socket serves ", connections_.size(),
                             " connections and the limit is ", options_.max_connections,
-                            " (max_attached_engines)"))));
+                            " (", options_.max_connections_source, ")"))));
       continue;
     }
     const size_t unbound = static_cast<size_t>(

@@ -78,13 +78,27 @@ class ArenaHandoff {
   // Connections accepted per poll round at most (the rest wait for the next round): a client
   // connecting as fast as it can cannot keep the serving thread from open connections.
   static constexpr int kAcceptsPerRound = 32;
+  // Answers with descriptors one connection may leave unread (a step channel answer, two
+  // descriptors, counts once).
+  static constexpr size_t kMaxUnreadDescriptorAnswers = 16;
+  // Descriptors a connection may have sent ahead of the offers that take them.
+  static constexpr size_t kMaxPendingDescriptors = 4;
+  // What one connection can make the daemon hold at most: open, its socket and its pending
+  // descriptors; in flight, its unread answers' descriptors (two at most each), which count
+  // against the daemon's uid in a separate pool as large as its RLIMIT_NOFILE. The daemon
+  // derives max_connections from its RLIMIT_NOFILE with these.
+  static constexpr size_t kOpenDescriptorsPerConnection = 1 + kMaxPendingDescriptors;
+  static constexpr size_t kInFlightDescriptorsPerConnection = 2 * kMaxUnreadDescriptorAnswers;
 
   struct Options {
     std::string path;
     // chown/chmod of the socket file (the engine socket's socket_group / socket_mode).
     std::string group;
     uint32_t mode = 0660;
-    size_t max_connections = 256;  // max_attached_engines
+    // max_attached_engines, capped by the daemon's RLIMIT_NOFILE (kOpenDescriptorsPerConnection,
+    // kInFlightDescriptorsPerConnection); `max_connections_source` says so in the refusal.
+    size_t max_connections = 256;
+    std::string max_connections_source = "max_attached_engines";
     // Connections of one uid with no engine bound yet: one user cannot fill the socket with
     // connections that never attach (room for a few engines starting at once).
     size_t max_unbound_per_uid = 8;

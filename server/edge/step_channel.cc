@@ -151,11 +151,20 @@ void StepChannels::MarkClosed(Channel& channel, CloseReason reason) {
 
 absl::Status StepChannels::CheckMayOpenLocked(EngineId engine) const {
   auto it = opens_.find(engine.value);
-  if (it == opens_.end() || it->second < kMaxOpensPerEngine) return absl::OkStatus();
-  return absl::FailedPreconditionError(absl::StrCat(
-      "engine ", engine.value, " opened a step channel ", it->second,
-      " times, the most one engine lease may (each pins ",
-      step_channel::LayoutFor(kSlots).region_bytes, " bytes of shared memory): step over gRPC"));
+  if (it != opens_.end() && it->second >= kMaxOpensPerEngine) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "engine ", engine.value, " opened a step channel ", it->second,
+        " times, the most one engine lease may (each pins ",
+        step_channel::LayoutFor(kSlots).region_bytes, " bytes of shared memory): step over gRPC"));
+  }
+  // One channel per engine: replacing its own adds none; a new one needs room daemon-wide.
+  if (!channels_.contains(engine.value) && channels_.size() >= options_.max_channels) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "engine ", engine.value, ": the daemon serves ", channels_.size(),
+        " step channels and the limit is ", options_.max_channels, " (",
+        options_.max_channels_source, "): step over gRPC"));
+  }
+  return absl::OkStatus();
 }
 
 absl::StatusOr<handoff::StepChannelFds> StepChannels::Open(EngineId engine) {

@@ -37,8 +37,10 @@
 // to pick up changes (a generation counter says when), never while serving records.
 
 #include <atomic>
+#include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -73,6 +75,10 @@ class StepChannels {
     uint32_t max_records_per_round = 64;
     // How long the serving thread keeps polling after its last work before it sleeps.
     absl::Duration spin = absl::Microseconds(50);
+    // Channels open at once, daemon-wide (each holds an eventfd; the daemon derives it from its
+    // RLIMIT_NOFILE); `max_channels_source` says so in the refusal.
+    size_t max_channels = SIZE_MAX;
+    std::string max_channels_source = "the daemon's limit";
   };
 
   // REQUIRES: `sessions` and `leases` outlive this.
@@ -90,7 +96,8 @@ class StepChannels {
   // its own). An earlier channel of the engine is closed (kReplaced): one per engine at a time.
   // At most kMaxOpensPerEngine (4) per engine lease: then FAILED_PRECONDITION naming the engine
   // and the count (each region is 4.8 MB of shared memory the engine may keep mapped, so
-  // unbounded replacements would let one engine pin unbounded memory).
+  // unbounded replacements would let one engine pin unbounded memory). At most
+  // Options::max_channels open daemon-wide: then RESOURCE_EXHAUSTED with both numbers.
   // The engine's refusal (EngineLeases::CheckBound) when it is not attached with a live lease;
   // UNAVAILABLE before Start or after Stop.
   absl::StatusOr<handoff::StepChannelFds> Open(EngineId engine) ABSL_LOCKS_EXCLUDED(mu_);
@@ -127,7 +134,8 @@ class StepChannels {
                           step_channel::CompletionRecord& completion);
   // Closes `channel` for `reason` (and wakes its engine). Serving thread or under mu_.
   static void MarkClosed(Channel& channel, step_channel::CloseReason reason);
-  // FAILED_PRECONDITION when `engine` opened the most channels a lease may.
+  // FAILED_PRECONDITION when `engine` opened the most channels a lease may; RESOURCE_EXHAUSTED
+  // when it has none open and max_channels are.
   absl::Status CheckMayOpenLocked(EngineId engine) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Wake();
   // Logs a refusal of `channel`'s record at info, at most kRefusalsLoggedPerSecond a second

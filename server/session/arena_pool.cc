@@ -162,6 +162,8 @@ uint64_t ArenaPool::Evict(uint64_t bytes) {
 
 void ArenaPool::InstallEvictor(DeviceBudget& budget) {
   budget.SetEvictor(EvictableSource::kArenaPool, [this](uint64_t bytes) { return Evict(bytes); });
+  budget.SetOwnerEvictor(
+      [this](uint64_t engine) { return DrainEngine(engine, /*forget=*/false); });
 }
 
 void ArenaPool::PublishEvictableLocked() {

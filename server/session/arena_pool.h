@@ -11,8 +11,10 @@
 //    charges exactly an arena's bytes, so only an arena of exactly the new session's bytes can
 //    serve it). An arena never moves to another engine: that engine may still have it mapped.
 //  * A pooled arena keeps its admission charge (it still holds device memory, under its
-//    engine's name); the pool's bytes are evictable in the admission ledger, so an admission
-//    short of room frees pooled arenas (any engine's, oldest first) before refusing.
+//    engine's name: it counts toward that engine's max_engine_arenas and budget share); the
+//    pool's bytes are evictable in the admission ledger, so an admission short of room frees
+//    the asking engine's own pooled arenas first, then any engine's (oldest first), before
+//    refusing (DeviceBudget's eviction protocol).
 //  * Freed (evicted, drained, over the bound) pooled arenas are remembered per engine until
 //    the engine is told (TakeUnmapped) so its client can drop their mappings.
 //  * An engine's pool is freed when its lease ends or it is reclaimed, and at shutdown.
@@ -85,7 +87,8 @@ class ArenaPool {
   // DeviceBudget evictor: frees pooled arenas, oldest first, until `bytes` are freed or none is
   // left. Returns the bytes freed.
   uint64_t Evict(uint64_t bytes) ABSL_LOCKS_EXCLUDED(mu_);
-  // Installs Evict as `budget`'s arena-pool evictor (the budget must not outlive this pool).
+  // Installs Evict as `budget`'s arena-pool evictor and DrainEngine as its owner evictor (the
+  // budget must not outlive this pool).
   void InstallEvictor(DeviceBudget& budget);
 
   uint64_t pooled_bytes() const ABSL_LOCKS_EXCLUDED(mu_);

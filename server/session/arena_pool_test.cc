@@ -5,6 +5,7 @@
 #include <string>
 #include <vector>
 
+#include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "server/device/device_budget.h"
 #include "server/device/host_backend.h"
@@ -14,7 +15,9 @@
 namespace memra {
 namespace {
 
+using ::memra::testing::HasSubstrs;
 using ::memra::testing::IsOk;
+using ::memra::testing::StatusIs;
 
 constexpr uint64_t kPage = 4096;
 constexpr uint64_t kEngineA = 1;
@@ -124,6 +127,53 @@ TEST_F(ArenaPoolTest, AdmissionEvictsTheOldestPooledArenasBeforeRefusing) {
   ASSERT_THAT(budget.Release(*admitted), IsOk());
   pool.DrainAll();
   EXPECT_EQ(budget.Snapshot().allocated(), 0u);
+  EXPECT_EQ(backend_->ArenaCount(), 0u);
+}
+
+// An engine's pooled arenas count toward its share of the arenas (they keep their charge), and
+// a refusal for that share frees the engine's own pooled arenas and admits it: an engine is
+// never refused because of its own idle pool. Another engine's pool is not touched for it, and
+// an engine with no pool of its own is refused with its numbers.
+TEST_F(ArenaPoolTest, AShareRefusalFreesTheEnginesOwnPoolFirst) {
+  DeviceBudget budget(64 * kPage, "test", AdmissionLimits{.max_arenas = 6, .max_owner_arenas = 3});
+  ArenaPool pool(backend_.get(), &budget, 16 * kPage);
+  pool.InstallEvictor(budget);
+  const PooledArena other = NewArena(kEngineB, kPage, &budget);
+  ASSERT_TRUE(pool.Put(kEngineB, other));
+  absl::StatusOr<AllocationId> live = budget.Allocate(kEngineA, kPage);
+  ASSERT_THAT(live, IsOk());
+  const PooledArena idle_small = NewArena(kEngineA, kPage, &budget);
+  const PooledArena idle_large = NewArena(kEngineA, 2 * kPage, &budget);
+  ASSERT_TRUE(pool.Put(kEngineA, idle_small));
+  ASSERT_TRUE(pool.Put(kEngineA, idle_large));
+  EXPECT_EQ(budget.Snapshot().owner_arenas(kEngineA), 3u) << "pooled arenas count";
+
+  // A reservation and an allocation of other sizes: the engine's own pool makes the room.
+  absl::StatusOr<ReservationId> reserved =
+      budget.Reserve(kEngineA, 4 * kPage, absl::UnixEpoch(), absl::Seconds(5));
+  ASSERT_THAT(reserved, IsOk());
+  EXPECT_EQ(pool.pooled_bytes(kEngineA), 0u);
+  EXPECT_EQ(pool.pooled_bytes(kEngineB), kPage) << "another engine's pool is not evicted for it";
+  std::vector<std::string> unmapped = pool.TakeUnmapped(kEngineA);
+  EXPECT_EQ(unmapped.size(), 2u);
+  absl::StatusOr<AllocationId> second = budget.Allocate(kEngineA, 5 * kPage);
+  ASSERT_THAT(second, IsOk());
+  EXPECT_EQ(budget.Snapshot().owner_arenas(kEngineA), 3u);
+
+  // At its share with nothing pooled: refused, naming the numbers; engine B is still served.
+  EXPECT_THAT(budget.Allocate(kEngineA, kPage).status(),
+              StatusIs(absl::StatusCode::kResourceExhausted,
+                       HasSubstrs("engine 1 holds 3 arenas", "limit is 3 per engine")));
+  EXPECT_EQ(pool.pooled_bytes(kEngineB), kPage);
+  absl::StatusOr<AllocationId> served = budget.Allocate(kEngineB, kPage);
+  ASSERT_THAT(served, IsOk());
+
+  ASSERT_THAT(budget.Release(*live), IsOk());
+  ASSERT_THAT(budget.Release(*second), IsOk());
+  ASSERT_THAT(budget.Release(*served), IsOk());
+  ASSERT_THAT(budget.Cancel(*reserved, kEngineA).status(), IsOk());
+  pool.DrainAll();
+  EXPECT_EQ(budget.Snapshot().used(), 0u);
   EXPECT_EQ(backend_->ArenaCount(), 0u);
 }
 

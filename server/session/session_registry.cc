@@ -27,7 +27,7 @@ SessionRegistry::SessionRegistry(DeviceBackend* backend, DeviceBudget* budget,
                                  EngineLeases* leases, PlanRegistry* plans,
                                  FormatDefaults defaults, PrefixCache* capture_on_reclaim,
                                  uint64_t max_sessions_per_engine, ArenaPool* pool,
-                                 StateJournal* journal)
+                                 StateJournal* journal, EngineTimeShares* time_shares)
     : backend_(backend),
       budget_(budget),
       leases_(leases),
@@ -36,7 +36,8 @@ SessionRegistry::SessionRegistry(DeviceBackend* backend, DeviceBudget* budget,
       capture_on_reclaim_(capture_on_reclaim),
       max_sessions_per_engine_(max_sessions_per_engine),
       pool_(pool),
-      journal_(journal) {}
+      journal_(journal),
+      time_shares_(time_shares) {}
 
 DaemonSession::Params SessionRegistry::BaseParams() const {
   DaemonSession::Params params;
@@ -141,6 +142,8 @@ absl::StatusOr<std::shared_ptr<DaemonSession>> SessionRegistry::Create(
     const EngineCredentials& engine, const PlanFingerprint& plan, const SessionShape& shape,
     std::optional<ReservationId> reservation) {
   RETURN_IF_ERROR(leases_->Admit(engine, "the daemon is draining; no new sessions"));
+  RETURN_IF_ERROR(AdmitWork(engine.id));
+  TimeCharge charge(time_shares_, engine.id);
   ASSIGN_OR_RETURN(const uint32_t slot, BeginCreating(engine.id));
   absl::StatusOr<std::shared_ptr<DaemonSession>> session =
       AllocateSession(engine, slot, plan, shape, reservation);
@@ -185,9 +188,9 @@ absl::StatusOr<std::shared_ptr<DaemonSession>> SessionRegistry::AllocateSession(
   params.shape = shape;
   absl::StatusOr<std::unique_ptr<DaemonSession>> session =
       DaemonSession::Create(params, backend_, budget_, reservation, pool_);
-  // Refused for room (bytes, arenas or the engine's share) while the engine's own pool holds
-  // arenas of other sizes: those go first (other engines' pooled bytes are evicted by
-  // admission itself), then one retry.
+  // Admission already frees the engine's own pooled arenas before refusing it (DeviceBudget);
+  // this covers the backend's own refusal (no memory for the new arena) while the engine's pool
+  // holds arenas of other sizes: those go, then one retry.
   if (session.status().code() == absl::StatusCode::kResourceExhausted && pool_ != nullptr &&
       pool_->pooled_bytes(engine.id.value) > 0) {
     const uint64_t drained = pool_->DrainEngine(engine.id.value, /*forget=*/false);
@@ -392,7 +395,9 @@ absl::StatusOr<std::vector<SessionResult>> SessionRegistry::Run(
     const SessionCredentials& credentials, absl::Span<const SessionOp> ops,
     absl::FunctionRef<absl::Status()> before) {
   ASSIGN_OR_RETURN(std::shared_ptr<DaemonSession> session, Find(credentials));
-  RETURN_IF_ERROR(before());
+  if (!ops.empty()) RETURN_IF_ERROR(AdmitWork(session->owner(), ops.front()));
+  RETURN_IF_ERROR(before());  // waiting for the engine's device event is not the daemon's work
+  TimeCharge charge(time_shares_, session->owner());
   std::vector<SessionResult> results;
   results.reserve(ops.size());
   absl::Status status;
@@ -441,8 +446,23 @@ std::optional<absl::StatusOr<SessionResult>> SessionRegistry::TryApply(DaemonSes
   return ran;
 }
 
+absl::Status SessionRegistry::AdmitWork(EngineId engine) {
+  return time_shares_ == nullptr ? absl::OkStatus() : time_shares_->Admit(engine);
+}
+
+absl::Status SessionRegistry::AdmitWork(EngineId engine, const SessionOp& op) {
+  // An engine can always end what it started: an abort, and the acknowledgement that frees a
+  // grown session's old arena, are charged but never refused.
+  if (std::holds_alternative<AbortOp>(op) || std::holds_alternative<AcknowledgeGrowOp>(op)) {
+    return absl::OkStatus();
+  }
+  return AdmitWork(engine);
+}
+
 absl::StatusOr<SessionResult> SessionRegistry::ApplyAndJournal(DaemonSession& session,
                                                                const SessionOp& op) {
+  RETURN_IF_ERROR(AdmitWork(session.owner(), op));
+  TimeCharge charge(time_shares_, session.owner());
   absl::StatusOr<SessionResult> result = Apply(session, op);
   // Before the reply: what the engine is told happened is what a restart brings back.
   session.JournalNow();
@@ -478,6 +498,7 @@ ReleasedSessions SessionRegistry::ReleaseOwnedBy(EngineId engine) {
   }
   // After the sessions: their arenas went to the pool, which now goes back to the device.
   if (pool_ != nullptr) pool_->DrainEngine(engine.value, /*forget=*/true);
+  if (time_shares_ != nullptr) time_shares_->Forget(engine);
   return released;
 }
 

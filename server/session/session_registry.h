@@ -43,6 +43,7 @@
 #include "server/session/daemon_session.h"
 #include "server/device/device_budget.h"
 #include "server/session/engine_leases.h"
+#include "server/session/engine_time_shares.h"
 #include "server/session/plan_registry.h"
 #include "server/session/session_ops.h"
 #include "server/store/prefix_cache.h"
@@ -96,11 +97,14 @@ class SessionRegistry {
   // max_engine_sessions. `pool`: when set, released arenas are pooled per engine and reused
   // (server/session/arena_pool.h); an engine's pool is freed with its sessions at reclaim.
   // `journal`: where sessions' committed state is recorded for a restart (null: nowhere).
+  // `time_shares`: when set, every session operation and CreateSession runs within its
+  // engine's share of the daemon's time (server/session/engine_time_shares.h) and is refused
+  // RESOURCE_EXHAUSTED past it, before anything runs.
   // REQUIRES: every pointer outlives the registry.
   SessionRegistry(DeviceBackend* backend, DeviceBudget* budget, EngineLeases* leases,
                   PlanRegistry* plans, FormatDefaults defaults, PrefixCache* capture_on_reclaim,
                   uint64_t max_sessions_per_engine = UINT64_MAX, ArenaPool* pool = nullptr,
-                  StateJournal* journal = nullptr);
+                  StateJournal* journal = nullptr, EngineTimeShares* time_shares = nullptr);
 
   // Plans, charges (from `reservation` when given) and allocates a session of `shape` for the
   // engine; UNAVAILABLE while draining, the engine's refusals (EngineLeases::Check),
@@ -222,8 +226,13 @@ class SessionRegistry {
  private:
   // Apply, then the session's journal record: every Run (by credentials or by slot) ends here
   // or journals the same way, so what an engine is told happened is what a restart restores.
-  static absl::StatusOr<SessionResult> ApplyAndJournal(DaemonSession& session,
-                                                       const SessionOp& op);
+  // Runs within the owner's share of the daemon's time (AdmitWork, then charged).
+  absl::StatusOr<SessionResult> ApplyAndJournal(DaemonSession& session, const SessionOp& op);
+  // OK, or `engine`'s refusal for its share of the daemon's time (EngineTimeShares::Admit).
+  absl::Status AdmitWork(EngineId engine);
+  // The same for `op`, except that what ends the engine's own work (Abort, AcknowledgeGrow) is
+  // always admitted.
+  absl::Status AdmitWork(EngineId engine, const SessionOp& op);
   // Removes `ids` (and their index entries) from the map; the sessions removed.
   std::vector<std::shared_ptr<DaemonSession>> RemoveLocked(const std::vector<uint64_t>& ids)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -252,6 +261,7 @@ class SessionRegistry {
   const uint64_t max_sessions_per_engine_;
   ArenaPool* const pool_;
   StateJournal* const journal_;
+  EngineTimeShares* const time_shares_;
 
   std::atomic<uint64_t> next_session_id_{1};
 

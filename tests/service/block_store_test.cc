@@ -819,6 +819,42 @@ TEST_F(BlockStoreEngineShareTest, OneEngineTakesOnlyItsShareOfTheDaemonWideCaps)
   EXPECT_EQ(daemon_->block_store().counts().registrations, 3u);
 }
 
+// Offers hold a descriptor each, and block_store_max_offers (512) was its own key whatever the
+// daemon's RLIMIT_NOFILE. Now the daemon caps it by its descriptors: (512 - 128) / 32 = 12
+// offers, 6 per engine; the hostile engine is refused past its 6 with the numbers, and another
+// engine offers and registers its pool.
+class BlockStoreDescriptorShareTest : public BlockStoreTest {
+ protected:
+  static constexpr rlim_t kOpenFiles = 512;
+  void ConfigureDaemon(DaemonConfig& config) override {
+    BlockStoreTest::ConfigureDaemon(config);
+    open_files_.Lower(kOpenFiles);
+  }
+  void TearDown() override {
+    BlockStoreTest::TearDown();
+    open_files_.Restore();
+  }
+  LoweredOpenFileLimit open_files_;
+};
+
+TEST_F(BlockStoreDescriptorShareTest, OffersAreBoundedByTheDescriptorsTheDaemonHas) {
+  std::unique_ptr<KvClient> hostile = NewClient("hostile");
+  ASSERT_NE(hostile, nullptr);
+  TestBlockPool pool = MustPool();
+  for (int i = 0; i < 6; ++i) {
+    ASSERT_THAT(hostile->block_store().OfferPoolBuffer(pool.fd(), 4096), IsOk());
+  }
+  EXPECT_THAT(hostile->block_store().OfferPoolBuffer(pool.fd(), 4096),
+              StatusIs(absl::StatusCode::kResourceExhausted,
+                       HasSubstrs(absl::StrCat("engine ", hostile->engine_id(),
+                                               " holds 6 unregistered buffer offers"),
+                                  "limit is 6 per engine", "share of block_store_max_offers 12")));
+  EngineWithPool honest = MustEngineWithPool("honest");
+  ASSERT_NE(honest.client, nullptr);
+  EXPECT_GT(honest.registered.registration_id, 0u);
+  EXPECT_EQ(daemon_->block_store().counts().offers, 6u);
+}
+
 class BlockStoreBudgetTest : public BlockStoreTest {
  protected:
   // Room for six blocks of 2 KiB (rounded to the slabs' 256-byte alignment: exactly).

@@ -335,16 +335,13 @@ class DescriptorBudgetTest : public DaemonTest {
   void ConfigureDaemon(DaemonConfig& config) override {
     // One engine floods to the daemon-wide limit here; the per-engine share is tested below.
     config.admission.max_engine_arenas = kOpenFiles;
-    ASSERT_EQ(getrlimit(RLIMIT_NOFILE, &saved_), 0);
-    rlimit lowered = saved_;
-    lowered.rlim_cur = std::min<rlim_t>(kOpenFiles, saved_.rlim_max);
-    ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &lowered), 0);
+    open_files_.Lower(kOpenFiles);
   }
   void TearDown() override {
     DaemonTest::TearDown();
-    setrlimit(RLIMIT_NOFILE, &saved_);
+    open_files_.Restore();
   }
-  rlimit saved_{};
+  LoweredOpenFileLimit open_files_;
 };
 
 // With 2,048 descriptors an engine's ~2,000 sessions ended in INTERNAL EMFILE for every engine.
@@ -376,6 +373,93 @@ TEST_F(DescriptorBudgetTest, ArenasAreBoundedByTheDescriptorsTheDaemonHas) {
   ASSERT_THAT(flood.back()->Release().status(), IsOk());
   flood.pop_back();
   EXPECT_THAT(honest->CreateSession(plan_, Options(64, false)).status(), IsOk());
+}
+
+// The handoff socket took max_attached_engines (256) connections whatever the daemon's
+// descriptors, each able to hold 37 of them open or in flight. Now its limit is derived from
+// RLIMIT_NOFILE: (512 - 128) = 384 in flight at 32 a connection is 12 (the open share, 72 at 5 a
+// connection, allows 14). The 13th engine's connection is refused with the numbers; the engines
+// attached are served, and a new one attaches once one leaves.
+TEST_F(DescriptorBudgetTest, HandoffConnectionsAreBoundedByTheDescriptorsTheDaemonHas) {
+  constexpr size_t kConnections = 12;
+  std::vector<std::unique_ptr<KvClient>> hostile;
+  absl::Status refused;
+  for (int i = 0; i < 20 && refused.ok(); ++i) {
+    absl::StatusOr<std::unique_ptr<KvClient>> engine = KvClient::Connect(daemon_->socket_path());
+    ASSERT_THAT(engine.status(), IsOk());
+    refused = (*engine)->Attach(absl::StrCat("hostile-", i));
+    if (refused.ok()) hostile.push_back(*std::move(engine));
+  }
+  EXPECT_THAT(refused, StatusIs(kExhausted,
+                                HasSubstrs("the handoff socket serves 12 connections",
+                                           "the limit is 12", "RLIMIT_NOFILE 512",
+                                           "384 in flight, 32 per connection")));
+  EXPECT_EQ(hostile.size() + 1, kConnections);
+  // The attached engine is served: a new session and its arena's descriptor.
+  std::unique_ptr<Session> mine = NewSession(*client_, 64, /*spec_snapshot=*/false);
+  ASSERT_NE(mine, nullptr);
+  EXPECT_THAT(ClientInternals::FetchArenaFd(*client_, mine->id(),
+                                            ClientInternals::Ref(*mine).session_token(),
+                                            mine->layout().arenas[0].handle)
+                  .status(),
+              IsOk());
+  // One hostile engine leaves; once the daemon has closed its connection a new engine attaches.
+  hostile.pop_back();
+  for (int i = 0; i < 2000 && daemon_->handoff().connection_count() >= kConnections; ++i) {
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  ASSERT_LT(daemon_->handoff().connection_count(), kConnections);
+  std::unique_ptr<KvClient> honest = NewClient("honest");
+  ASSERT_NE(honest, nullptr);
+  EXPECT_NE(NewSession(*honest, 64, /*spec_snapshot=*/false), nullptr);
+}
+
+// A step channel held an eventfd with no daemon-wide count: engines that let their handoff
+// connections go kept their channels. Now (512 - 128) / 32 = 12 channels are open at most: the
+// next engine is refused its channel with the numbers and steps over gRPC, while an engine with
+// a channel keeps stepping over it.
+TEST_F(DescriptorBudgetTest, StepChannelsAreBoundedByTheDescriptorsTheDaemonHas) {
+  constexpr size_t kChannels = 12;
+  constexpr size_t kConnections = 12;
+  ASSERT_THAT(client_->step_channel_status(), IsOk());
+  std::unique_ptr<KvClient> honest = NewClient("honest");
+  ASSERT_NE(honest, nullptr);
+  ASSERT_THAT(honest->step_channel_status(), IsOk());
+  std::vector<std::unique_ptr<KvClient>> hostile;
+  absl::Status refused;
+  while (refused.ok() && hostile.size() < 2 * kChannels) {
+    // Each hostile engine keeps its lease and its channel and lets its handoff connection go,
+    // so the connections' own limit does not stop it first.
+    for (int i = 0; i < 2000 && daemon_->handoff().connection_count() >= kConnections; ++i) {
+      absl::SleepFor(absl::Milliseconds(5));
+    }
+    std::unique_ptr<KvClient> engine = NewClient(absl::StrCat("hostile-", hostile.size()));
+    ASSERT_NE(engine, nullptr);
+    refused = engine->step_channel_status();
+    if (refused.ok()) shutdown(ClientInternals::HandoffSocket(*engine), SHUT_RDWR);
+    hostile.push_back(std::move(engine));
+  }
+  EXPECT_THAT(refused, StatusIs(kExhausted, HasSubstrs("the daemon serves 12 step channels",
+                                                       "the limit is 12", "RLIMIT_NOFILE 512",
+                                                       "an eventfd each", "step over gRPC")));
+  EXPECT_EQ(hostile.size(), kChannels - 2 + 1);
+  EXPECT_EQ(daemon_->step_channel_stats().open, kChannels);
+  // The refused engine steps over gRPC; the honest one over its channel.
+  auto step = [&](KvClient& engine) -> absl::Status {
+    absl::StatusOr<std::unique_ptr<Session>> session =
+        engine.CreateSession(plan_, Options(64, /*spec_snapshot=*/false));
+    if (!session.ok()) return session.status();
+    StepBatch batch(StepAddressing::kSlot);
+    batch.Advance(**session, 0, 0, 1);
+    std::vector<StepOutcome> outcomes;
+    if (absl::Status stepped = engine.Step(batch, outcomes); !stepped.ok()) return stepped;
+    return outcomes.at(0).status;
+  };
+  const uint64_t records = daemon_->step_channel_stats().records;
+  EXPECT_THAT(step(*hostile.back()), IsOk());
+  EXPECT_EQ(daemon_->step_channel_stats().records, records);
+  EXPECT_THAT(step(*honest), IsOk());
+  EXPECT_EQ(daemon_->step_channel_stats().records, records + 1);
 }
 
 // ---- 7. A daemon-wide cap split fairly: one engine's share of max_arenas ----
@@ -416,6 +500,39 @@ TEST_F(EngineArenaShareTest, OneEngineHoldsAtMostItsShareOfTheArenas) {
   flood.pop_back();
   EXPECT_THAT(client_->CreateSession(plan_, Options(64, false)).status(), IsOk())
       << "a released arena makes room again";
+}
+
+// An engine's pooled (released, kept for reuse) arenas count toward its share, and it was
+// refused a reservation at its share although every arena it held was its own idle pool. Now a
+// refusal for its share frees its own pooled arenas first and admits it; the other engine is
+// refused at its own share only, and served up to it.
+TEST_F(EngineArenaShareTest, AnEnginesOwnPooledArenasGoFirstAtItsShare) {
+  std::unique_ptr<KvClient> honest = NewClient("honest");
+  ASSERT_NE(honest, nullptr);
+  for (int i = 0; i < 4; ++i) {
+    std::unique_ptr<Session> session = NewSession(*client_, 64, /*spec_snapshot=*/false);
+    ASSERT_NE(session, nullptr);
+    ASSERT_THAT(session->Release().status(), IsOk());
+  }
+  // Engine a's four pooled arenas still hold its share and half of max_arenas: the other
+  // engine has its own four, and no more.
+  std::vector<std::unique_ptr<Session>> served;
+  for (int i = 0; i < 4; ++i) {
+    served.push_back(NewSession(*honest, 64, /*spec_snapshot=*/false));
+    ASSERT_NE(served.back(), nullptr) << "honest session " << i;
+  }
+  EXPECT_THAT(honest->CreateSession(plan_, Options(64, false)).status(),
+              StatusIs(kExhausted, HasSubstrs(absl::StrCat("engine ", honest->engine_id(),
+                                                           " holds 4 arenas"),
+                                              "limit is 4 per engine")));
+  // Engine a, at its share with nothing but its idle pool: a reservation and a session of
+  // another size are admitted, its pool freed for them.
+  absl::StatusOr<SessionReservation> reserved = client_->Reserve(plan_, Options(128, false));
+  EXPECT_THAT(reserved.status(), IsOk());
+  EXPECT_THAT(client_->CreateSession(plan_, Options(256, false)).status(), IsOk());
+  for (const std::unique_ptr<Session>& session : served) {
+    EXPECT_THAT(session->State().status(), IsOk());
+  }
 }
 
 // ---- 8. Host memory an engine keeps mapped after release ----
@@ -566,6 +683,85 @@ TEST_F(HandoffBoundsTest, AGrowHoldingItsSessionDoesNotStallTheHandoffThread) {
   faults_->Unhold(BackendOp::kCreateArena);
   grow.join();
   EXPECT_THAT(grown.status(), IsOk());
+}
+
+// ---- 9. The daemon's time: each engine's share ----
+
+// No client's call rate or CPU was bounded: an engine calling from many threads took as much of
+// the daemon as it asked for. Now the time the daemon spends in an engine's operations is
+// charged to it (max_engine_cpu_percent of one core, 2 s of it banked): past its share the
+// engine's calls, gRPC and step channel alike, are refused with the numbers until it has earned
+// time back, and another engine is served meanwhile. The daemon's clock is the test's: a
+// CreateSession held in the backend while the clock moves 450 ms is 450 ms of the daemon's time,
+// no sleeping.
+class EngineTimeShareTest : public DaemonTest {
+ protected:
+  void ConfigureDaemon(DaemonConfig& config) override { config.max_engine_cpu_percent = 10; }
+
+  // Moves the daemon's clock by `by` (at most the lease grace), then waits until every engine
+  // has heartbeated since, so that the next move cannot expire a lease.
+  void AdvanceKeepingLeases(absl::Duration by) {
+    clock_.Advance(by);
+    for (int i = 0; i < 500; ++i) {
+      bool fresh = true;
+      const pb::GetStatusResponse status = daemon_->GetStatus();
+      for (const pb::EngineStatus& engine : status.engine_status()) {
+        fresh = fresh && engine.last_heartbeat_age_ms() == 0;
+      }
+      if (fresh) return;
+      absl::SleepFor(absl::Milliseconds(10));
+    }
+    ADD_FAILURE() << "the engines did not heartbeat after the clock moved";
+  }
+};
+
+TEST_F(EngineTimeShareTest, AnEngineBeyondItsShareOfTheDaemonsTimeIsRefusedUntilItEarnsItBack) {
+  std::unique_ptr<KvClient> honest = NewClient("honest");
+  ASSERT_NE(honest, nullptr);
+  std::unique_ptr<Session> theirs = NewSession(*honest, 64, /*spec_snapshot=*/false);
+  ASSERT_NE(theirs, nullptr);
+  std::unique_ptr<Session> open = NewSession(*client_, 64, /*spec_snapshot=*/false);
+  ASSERT_NE(open, nullptr);
+  absl::StatusOr<Transaction> begun = open->Begin();
+  ASSERT_THAT(begun.status(), IsOk());
+  // Engine a's CreateSession, its arena's creation held while the clock moves.
+  faults_->Hold(BackendOp::kCreateArena);
+  absl::StatusOr<std::unique_ptr<Session>> created = absl::UnknownError("not run");
+  std::thread create([&] { created = client_->CreateSession(plan_, Options(64, false)); });
+  while (faults_->HeldCalls(BackendOp::kCreateArena) == 0) absl::SleepFor(absl::Milliseconds(1));
+  clock_.Advance(absl::Milliseconds(450));
+  faults_->Unhold(BackendOp::kCreateArena);
+  create.join();
+  ASSERT_THAT(created.status(), IsOk());
+  Session& mine = **created;
+
+  // 200 ms banked (2 s at 10%) less 450 ms: 250 ms of debt, 2.5 s of the clock to earn back.
+  const auto numbers = HasSubstrs(
+      absl::StrCat("engine ", client_->engine_id(), " has used its share of the daemon's time"),
+      "250 ms more than it has earned", "10% of one core", "max_engine_cpu_percent",
+      "200 ms banked", "served again in 2500 ms");
+  EXPECT_THAT(client_->CreateSession(plan_, Options(64, false)).status(),
+              StatusIs(kExhausted, numbers));
+  EXPECT_THAT(mine.State().status(), StatusIs(kExhausted, numbers));
+  StepBatch batch(StepAddressing::kSlot);
+  batch.Advance(mine, 0, 0, 1);
+  std::vector<StepOutcome> outcomes;
+  ASSERT_THAT(client_->Step(batch, outcomes), IsOk());
+  EXPECT_THAT(outcomes.at(0).status, StatusIs(kExhausted, numbers));
+  // It can still end what it started.
+  EXPECT_THAT(open->Abort(begun->generation).status(), IsOk());
+  // The other engine is served meanwhile, over gRPC and over its step channel.
+  EXPECT_THAT(theirs->State().status(), IsOk());
+  StepBatch honest_batch(StepAddressing::kSlot);
+  honest_batch.Advance(*theirs, 0, 0, 1);
+  ASSERT_THAT(honest->Step(honest_batch, outcomes), IsOk());
+  EXPECT_THAT(outcomes.at(0).status, IsOk());
+  EXPECT_THAT(honest->CreateSession(plan_, Options(64, false)).status(), IsOk());
+
+  // Earned back on the daemon's clock: served again.
+  for (int i = 0; i < 5; ++i) AdvanceKeepingLeases(absl::Milliseconds(500));
+  EXPECT_THAT(mine.State().status(), IsOk());
+  EXPECT_THAT(client_->CreateSession(plan_, Options(64, false)).status(), IsOk());
 }
 
 }  // namespace

@@ -5,8 +5,10 @@
 // real Unix socket in a fresh temporary directory, and a real KvClient attached to it.
 
 #include <stdlib.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <filesystem>
 #include <memory>
@@ -56,6 +58,33 @@ inline SessionOptions Options(uint64_t capacity, bool spec_snapshot = true) {
   options.spec_snapshot = spec_snapshot;
   return options;
 }
+
+// Lowers this process's RLIMIT_NOFILE (so the in-process daemon's, which derives its descriptor
+// limits from it at start) until Restore() or destruction: the descriptor budgets at scaled-down
+// limits.
+class LoweredOpenFileLimit {
+ public:
+  LoweredOpenFileLimit() = default;
+  LoweredOpenFileLimit(const LoweredOpenFileLimit&) = delete;
+  LoweredOpenFileLimit& operator=(const LoweredOpenFileLimit&) = delete;
+  ~LoweredOpenFileLimit() { Restore(); }
+
+  void Lower(rlim_t open_files) {
+    ASSERT_EQ(getrlimit(RLIMIT_NOFILE, &saved_), 0);
+    rlimit lowered = saved_;
+    lowered.rlim_cur = std::min<rlim_t>(open_files, saved_.rlim_max);
+    ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &lowered), 0);
+    lowered_ = true;
+  }
+  void Restore() {
+    if (lowered_) setrlimit(RLIMIT_NOFILE, &saved_);
+    lowered_ = false;
+  }
+
+ private:
+  rlimit saved_{};
+  bool lowered_ = false;
+};
 
 class DaemonTest : public ::testing::Test {
  protected:
