@@ -696,7 +696,7 @@ TEST_F(HandoffBoundsTest, AGrowHoldingItsSessionDoesNotStallTheHandoffThread) {
 // no sleeping.
 class EngineTimeShareTest : public DaemonTest {
  protected:
-  void ConfigureDaemon(DaemonConfig& config) override { config.max_engine_cpu_percent = 10; }
+  void ConfigureDaemon(DaemonConfig& config) override { config.admission.max_engine_cpu_percent = 10; }
 
   // Moves the daemon's clock by `by` (at most the lease grace), then waits until every engine
   // has heartbeated since, so that the next move cannot expire a lease.
