@@ -34,6 +34,7 @@
 #include "bench/prefix_session.h"
 #include "bench/sections.h"
 #include "client/internal.h"
+#include "client/prefix_client.h"
 #include "common/grpc_status.h"
 #include "core/admission.h"
 #include "core/status_macros.h"
@@ -210,7 +211,7 @@ absl::Status CaptureAndRestore(DaemonUnderTest& daemon, const std::vector<int32_
   if (daemon.entry_id != 0) RETURN_IF_ERROR(Evict(daemon));
   int64_t start = NowNs();
   ASSIGN_OR_RETURN(PrefixCaptured captured,
-                   daemon.client->CapturePrefix(*daemon.source, ids, kEntryTokens));
+                   daemon.client->prefixes().Capture(*daemon.source, ids, kEntryTokens));
   const int64_t capture_ns = NowNs() - start;
   int64_t paired = memcpy_of.Run();
   if (captured.already_present) return absl::InternalError("a capture copied nothing");
@@ -221,7 +222,7 @@ absl::Status CaptureAndRestore(DaemonUnderTest& daemon, const std::vector<int32_
   }
   start = NowNs();
   ASSIGN_OR_RETURN(PrefixRestored restored,
-                   daemon.client->RestorePrefix(*daemon.slot, ids, daemon.entry_id));
+                   daemon.client->prefixes().Restore(*daemon.slot, ids, daemon.entry_id));
   const int64_t restore_ns = NowNs() - start;
   paired = memcpy_of.Run();
   if (restored.restored_tokens != kEntryTokens) {

@@ -110,7 +110,7 @@ absl::StatusOr<ReservationId> DeviceBudget::Reserve(uint64_t owner, uint64_t byt
 absl::StatusOr<ReservationId> DeviceBudget::ReserveGroupRank(uint64_t owner, uint64_t bytes,
                                                              GroupRankKey group, absl::Time now,
                                                              absl::Duration deadline) {
-  return AdmitEvicting<ReservationId>([&](AdmissionLedger& ledger) {
+  return AdmitEvicting<ReservationId>(owner, [&](AdmissionLedger& ledger) {
     return ledger.ReserveGroupRank(owner, bytes, group, now, deadline);
   });
 }

@@ -190,8 +190,8 @@ class SessionRegistry {
   // As Run on a session found already, but never waits for a long operation holding it
   // (DaemonSession::RunUnlessBusy): nullopt, with nothing run, when one does. For short
   // operations: INVALID_ARGUMENT for a GrowOp (itself a long one).
-  static std::optional<absl::StatusOr<SessionResult>> TryApply(DaemonSession& session,
-                                                               const SessionOp& op);
+  std::optional<absl::StatusOr<SessionResult>> TryApply(DaemonSession& session,
+                                                        const SessionOp& op);
   // As Run(slot, op), but never waits for a session a long operation holds
   // (DaemonSession::RunUnlessBusy): nullopt, with nothing run, when one does. For short
   // operations: INVALID_ARGUMENT for a GrowOp (itself a long one).
