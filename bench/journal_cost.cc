@@ -24,7 +24,6 @@
 #include "absl/synchronization/mutex.h"
 #include "bench/harness.h"
 #include "core/test_model_plans.h"
-#include "proto/memra/kv/v1/cache.pb.h"
 #include "server/base/clock.h"
 #include "server/device/device_budget.h"
 #include "server/session/engine_leases.h"
@@ -37,7 +36,6 @@
 namespace memra::bench {
 namespace {
 
-namespace pb = ::memra::kv::v1;
 
 constexpr uint64_t kCapacity = 128;
 constexpr int kStepsPerRound = 100;
@@ -107,18 +105,14 @@ struct Daemon {
       (void)registry->Run({session->id(), session->params().token}, ResetOp{});
     }
     const int64_t start = NowNs();
-    pb::BeginResponse begun;
-    pb::PrepareAppendResponse prepared;
-    pb::PublishAppendResponse published;
-    pb::CommitResponse committed;
     for (int step = 0; step < kStepsPerRound; ++step) {
       for (const auto& session : sessions) {
         const SessionCredentials credentials{session->id(), session->params().token};
-        (void)registry->Run(credentials, BeginOp{&begun});
-        const uint64_t generation = begun.generation();
-        const SessionOp ops[] = {PrepareAppendOp{generation, 1, &prepared},
-                                 PublishAppendOp{generation, &published},
-                                 CommitOp{generation, 1, {}, &committed}};
+        absl::StatusOr<SessionResult> begun = registry->Run(credentials, BeginOp{});
+        const uint64_t generation =
+            begun.ok() ? std::get<TransactionId>(*begun).generation : 0;
+        const SessionOp ops[] = {PrepareAppendOp{generation, 1}, PublishAppendOp{generation},
+                                 CommitOp{generation, 1, {}}};
         (void)registry->Run(credentials, ops, [] { return absl::OkStatus(); });
       }
     }

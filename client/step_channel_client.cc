@@ -9,6 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "common/codec.h"
 #include "core/status_macros.h"
 
 namespace memra {
@@ -20,6 +21,7 @@ using step_channel::CompletionSide;
 using step_channel::kCompletionSideBytes;
 using step_channel::kSlots;
 using step_channel::kSubmissionSideBytes;
+using step_channel::LayerAppendRecord;
 using step_channel::Op;
 using step_channel::SubmissionRecord;
 
@@ -222,30 +224,33 @@ absl::Status StepChannelClient::Complete(pb::StepResponse* response, int entries
     return absl::OkStatus();
   }
   pb::PrepareAppendResponse* prepared = nullptr;
-  switch (static_cast<pb::StepResult::PayloadCase>(completion.payload)) {
-    case pb::StepResult::kBegin:
+  switch (static_cast<Op>(completion.op)) {
+    case Op::kBegin:
       result->mutable_begin()->set_generation(completion.generation);
       result->mutable_begin()->set_base_len(completion.base_len);
       break;
-    case pb::StepResult::kPrepare:
+    case Op::kPrepare:
       prepared = result->mutable_prepare();
       break;
-    case pb::StepResult::kPublish:
+    case Op::kPublish:
       result->mutable_publish()->set_staged_len(completion.staged_len);
       break;
-    case pb::StepResult::kCommit:
+    case Op::kCommit:
       result->mutable_commit()->set_committed_len(completion.committed_len);
       break;
-    case pb::StepResult::kAbort:
+    case Op::kAbort:
       result->mutable_abort()->set_committed_len(completion.committed_len);
       break;
-    case pb::StepResult::kAdvance:
+    case Op::kAdvance:
       result->mutable_advance()->set_committed_len(completion.committed_len);
       result->mutable_advance()->set_published(completion.published != 0);
       if (completion.has_prepared != 0) prepared = result->mutable_advance()->mutable_prepared();
       break;
     default:
-      break;
+      return absl::InternalError(absl::StrCat("step channel completion for entry ",
+                                              completion.user_data, ": operation ",
+                                              completion.op, " is not one of 1 to ",
+                                              step_channel::kMaxOp));
   }
   if (prepared == nullptr) return absl::OkStatus();
   const auto kind = static_cast<CompletionSide>(completion.side_kind);
@@ -260,12 +265,22 @@ absl::Status StepChannelClient::Complete(pb::StepResponse* response, int entries
     return absl::OkStatus();
   }
   if (kind != CompletionSide::kLayers || !side_in_span ||
-      !prepared->ParseFromArray(side.data(), static_cast<int>(side.size()))) {
+      side.size() % sizeof(LayerAppendRecord) != 0) {
     return absl::InternalError(absl::StrCat(
         "step channel completion for entry ", completion.user_data,
         ": its prepared plan is not in its side span (kind ", completion.side_kind, ", offset ",
         completion.side_offset, ", ", completion.side_length, " bytes)"));
   }
+  prepared->set_generation(completion.generation);
+  prepared->set_target(completion.target);
+  layers_.clear();
+  for (size_t offset = 0; offset < side.size(); offset += sizeof(LayerAppendRecord)) {
+    LayerAppendRecord record;
+    std::memcpy(&record, side.data() + offset, sizeof(record));
+    layers_.push_back(step_channel::FromRecord(record));
+  }
+  // The client's Step outcomes read the Step RPC's message (KvClient decodes it once).
+  LayerAppendsToProto(layers_, prepared->mutable_layers());
   return absl::OkStatus();
 }
 

@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <memory>
 #include <optional>
+#include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
@@ -24,6 +25,7 @@
 #include "common/handoff_wire.h"
 #include "common/mapped_region.h"
 #include "common/step_channel.h"
+#include "core/transaction.h"
 #include "proto/memra/kv/v1/cache.pb.h"
 
 namespace memra {
@@ -86,6 +88,8 @@ class StepChannelClient {
   // This side's own counters (never read back from the region).
   uint32_t sq_tail_ ABSL_GUARDED_BY(mu_) = 0;
   uint32_t cq_head_ ABSL_GUARDED_BY(mu_) = 0;
+  // Complete's working storage for a plan's layers, reused (contents meaningless outside it).
+  std::vector<LayerAppend> layers_ ABSL_GUARDED_BY(mu_);
   std::atomic<bool> broken_{false};
   std::atomic<bool> abandoned_{false};
 };

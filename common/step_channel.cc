@@ -33,6 +33,36 @@ Layout LayoutFor(uint32_t slots) {
   return layout;
 }
 
+LayerAppendRecord ToRecord(const LayerAppend& layer) {
+  LayerAppendRecord record;
+  record.layer = layer.layer;
+  record.write_row = layer.write_row;
+  if (layer.ring_append.has_value()) {
+    const RingAppend& ring = *layer.ring_append;
+    record.flags = kLayerRing;
+    if (ring.kind == RingAppend::Kind::kRebase) {
+      record.flags |= kLayerRebase;
+      record.src_row = ring.src_row;
+      record.keep_rows = ring.keep_rows;
+      record.new_base = ring.new_base;
+    }
+  }
+  return record;
+}
+
+LayerAppend FromRecord(const LayerAppendRecord& record) {
+  LayerAppend layer;
+  layer.layer = record.layer;
+  layer.write_row = record.write_row;
+  if ((record.flags & kLayerRing) != 0) {
+    layer.ring_append = (record.flags & kLayerRebase) != 0
+                            ? RingAppend::Rebase(record.src_row, record.keep_rows,
+                                                 record.new_base, record.write_row)
+                            : RingAppend::Contiguous(record.write_row);
+  }
+  return layer;
+}
+
 void InitializeHeader(void* region) {
   const Layout layout = LayoutFor(kSlots);
   auto* header = new (region) StepChannelHeader();

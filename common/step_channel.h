@@ -25,11 +25,16 @@
 
 #include "absl/status/status.h"
 #include "absl/time/time.h"
+#include "core/transaction.h"
 
 namespace memra::step_channel {
 
 inline constexpr uint32_t kMagic = 0x4d4b5343;  // "CSKM" little-endian: memra kv step channel
-inline constexpr uint32_t kVersion = 1;
+// Version 2: records carry plain numbers only (version 1's completions named protobuf's
+// StepResult payload field and carried a plan as PrepareAppendResponse wire bytes). The header
+// and every submission record carry it; the daemon refuses a record of another version.
+inline constexpr uint32_t kVersion = 2;
+inline constexpr uint32_t kPreviousVersion = 1;  // refused: named in the refusal
 inline constexpr uint32_t kSlots = 512;  // records in flight per ring; a power of two
 inline constexpr uint32_t kSubmissionSideBytes = 1024;  // per slot: 256 token ids
 inline constexpr uint32_t kCompletionSideBytes = 8192;  // per slot: a message or layer plans
@@ -39,14 +44,23 @@ inline constexpr size_t kHeaderBytes = 4096;
 // refusal.
 inline constexpr int kMaxStepEntries = 65536;
 
-// Submission record operations: one per StepEntry op (proto StepEntry.op).
+// Submission record operations: the session operations a record may carry (the daemon decodes
+// each straight into its SessionOp, server/session/session_ops.h). A completion echoes its
+// record's operation (CompletionRecord::op), which says which of its fields are set.
+//
+// Room to grow: 7 to 15 are reserved for session lifecycle records (issue 32 item 2: create
+// and release of pooled sessions); a new kind takes the next free value, raises kMaxOp, and
+// documents its fields in docs/step-channel.md. A daemon refuses operations above its kMaxOp
+// (INVALID_ARGUMENT naming the range), so an engine library learns at its first record that
+// the daemon is older. An operation that changes which session a slot names (a release, a
+// create) must also end the daemon's batch of slot lookups (server/edge/step_channel.h).
 enum class Op : uint8_t {
-  kBegin = 1,
-  kPrepare = 2,
-  kPublish = 3,
-  kCommit = 4,
-  kAbort = 5,
-  kAdvance = 6,
+  kBegin = 1,    // -> generation, base_len
+  kPrepare = 2,  // -> generation, target, the plan (LayerAppendRecord[] in the side span)
+  kPublish = 3,  // -> staged_len
+  kCommit = 4,   // -> committed_len
+  kAbort = 5,    // -> committed_len
+  kAdvance = 6,  // -> committed_len, published; with next rows: generation, target, the plan
 };
 inline constexpr uint8_t kMaxOp = 6;
 
@@ -54,23 +68,40 @@ inline constexpr uint8_t kMaxOp = 6;
 enum class CompletionSide : uint8_t {
   kNone = 0,
   kMessage = 1,  // the refusal message (UTF-8)
-  kLayers = 2,   // the prepared append: its proto PrepareAppendResponse (wire bytes)
+  kLayers = 2,   // the prepared append's plan: LayerAppendRecord[side_length / 40], layer order
   // The append was prepared but its plan (side_length bytes) does not fit the side span: only
   // for a session over kMaxKvLayers, which engines step over gRPC instead.
   kLayersTooLarge = 3,
 };
 
-// Sessions of at most this many K/V layers are stepped over the channel: their prepared plan
-// always fits a completion side span (a LayerAppendPlan encodes in at most 56 bytes, so
-// 128 x 56 + 22 < kCompletionSideBytes).
-inline constexpr uint32_t kMaxKvLayers = 128;
+// One K/V layer of a prepared append (core's LayerAppend): where its rows go.
+struct LayerAppendRecord {
+  uint32_t layer = 0;
+  uint8_t flags = 0;  // kLayerRing | kLayerRebase
+  uint8_t reserved[3] = {};
+  uint64_t write_row = 0;  // physical row of the first appended row
+  uint64_t src_row = 0;    // a rebase: move keep_rows rows from src_row to row 0 first
+  uint64_t keep_rows = 0;
+  uint64_t new_base = 0;  // a rebase: the ring's base after publish
+};
+static_assert(sizeof(LayerAppendRecord) == 40);
+inline constexpr uint8_t kLayerRing = 1;    // a ring layer (core: ring_append is set)
+inline constexpr uint8_t kLayerRebase = 2;  // its append rebases the ring first
 
-// Engine -> daemon: one Step entry addressed by slot.
+// Sessions of at most this many K/V layers are stepped over the channel: their prepared plan
+// always fits a completion side span (128 x 40 bytes < kCompletionSideBytes).
+inline constexpr uint32_t kMaxKvLayers = 128;
+static_assert(kMaxKvLayers * sizeof(LayerAppendRecord) <= kCompletionSideBytes);
+
+// Engine -> daemon: one session operation addressed by slot.
 struct SubmissionRecord {
   uint64_t user_data = 0;  // echoed in the completion
   uint32_t slot = 0;
   uint8_t op = 0;  // Op
-  uint8_t reserved[3] = {};
+  // kVersion. Version 1 had no such field (its reserved bytes were zero): a version-1 record
+  // reads as version 0 and is refused naming both versions.
+  uint8_t version = kVersion;
+  uint8_t reserved[2] = {};
   uint64_t generation = 0;
   uint64_t rows = 0;            // Prepare rows; Commit / Advance accepted_rows
   uint64_t next_rows = 0;       // Advance
@@ -81,11 +112,11 @@ struct SubmissionRecord {
 };
 static_assert(sizeof(SubmissionRecord) == 64);
 
-// Daemon -> engine: one StepResult.
+// Daemon -> engine: one record's outcome.
 struct CompletionRecord {
   uint64_t user_data = 0;
   int32_t code = 0;       // google.rpc.Code (0 = OK)
-  uint8_t payload = 0;    // proto StepResult.payload_case (0: none)
+  uint8_t op = 0;         // OK: the record's Op, saying which fields below are set; else 0
   uint8_t published = 0;  // Advance
   uint8_t has_prepared = 0;  // Prepare, or Advance with next rows: the plan is in the side span
   uint8_t side_kind = 0;     // CompletionSide
@@ -94,7 +125,7 @@ struct CompletionRecord {
   uint64_t target = 0;       // Prepare / Advance's prepared
   uint64_t staged_len = 0;   // Publish
   uint64_t committed_len = 0;  // Commit, Abort, Advance
-  uint64_t restart_previous_epoch = 0;  // the restart error's epochs (StepResult.daemon_restart)
+  uint64_t restart_previous_epoch = 0;  // the restart error's epochs (common/daemon_restart.h)
   uint64_t restart_epoch = 0;
   uint64_t side_offset = 0;  // in the completion side area
   uint32_t side_length = 0;
@@ -152,6 +183,10 @@ struct Layout {
 };
 // The layout of a channel of `slots` ring slots (every part page-aligned).
 Layout LayoutFor(uint32_t slots);
+
+// Core's LayerAppend as a record and back (the one conversion, for the daemon and the client).
+LayerAppendRecord ToRecord(const LayerAppend& layer);
+LayerAppend FromRecord(const LayerAppendRecord& record);
 
 // Writes the constant fields and zeroes the counters. REQUIRES: `region` holds
 // LayoutFor(kSlots).region_bytes zeroed bytes.

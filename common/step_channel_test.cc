@@ -58,10 +58,11 @@ TEST(StepChannelLayoutTest, EveryConstantFieldIsCheckedWithBothValues) {
   std::vector<uint8_t> region(layout.region_bytes, 0);
   InitializeHeader(region.data());
   auto& header = *reinterpret_cast<StepChannelHeader*>(region.data());
-  header.version = 2;
+  // A version-1 daemon's region, met by this (version 2) library.
+  header.version = kPreviousVersion;
   EXPECT_THAT(CheckHeader(header, layout.region_bytes),
               StatusIs(absl::StatusCode::kInvalidArgument,
-                       HasSubstrs("version is 2", "speaks 1")));
+                       HasSubstrs("version is 1", "speaks 2")));
   header.version = kVersion;
   header.magic = 0;
   EXPECT_THAT(CheckHeader(header, layout.region_bytes),
@@ -99,6 +100,34 @@ TEST(StepChannelFutexTest, AWaitEndsAtItsTimeoutOrAtAWake) {
   EXPECT_TRUE(woke);
   EXPECT_LT(absl::Now() - start, absl::Seconds(10));
   munmap(memory, 4096);
+}
+
+// A prepared plan's layers go through the completion side span as LayerAppendRecords: every
+// kind of core LayerAppend comes back equal, with its flags and numbers where the layout says.
+TEST(StepChannelLayoutTest, LayerAppendRecordsCarryEveryKindOfLayerAppend) {
+  const std::vector<LayerAppend> layers = {
+      LayerAppend{.layer = 0, .write_row = 17, .ring_append = std::nullopt},
+      LayerAppend{.layer = 3, .write_row = 9, .ring_append = RingAppend::Contiguous(9)},
+      LayerAppend{.layer = 7,
+                  .write_row = 2,
+                  .ring_append = RingAppend::Rebase(4096, 511, 8192, 2)},
+  };
+  const LayerAppendRecord rebase = ToRecord(layers[2]);
+  EXPECT_EQ(rebase.layer, 7u);
+  EXPECT_EQ(rebase.flags, kLayerRing | kLayerRebase);
+  EXPECT_EQ(rebase.write_row, 2u);
+  EXPECT_EQ(rebase.src_row, 4096u);
+  EXPECT_EQ(rebase.keep_rows, 511u);
+  EXPECT_EQ(rebase.new_base, 8192u);
+  EXPECT_EQ(ToRecord(layers[0]).flags, 0u);
+  EXPECT_EQ(ToRecord(layers[1]).flags, kLayerRing);
+  for (const LayerAppend& layer : layers) {
+    LayerAppendRecord record = ToRecord(layer);
+    uint8_t bytes[sizeof(LayerAppendRecord)];
+    std::memcpy(bytes, &record, sizeof(record));  // as the side span carries it
+    std::memcpy(&record, bytes, sizeof(record));
+    EXPECT_EQ(FromRecord(record), layer) << "layer " << layer.layer;
+  }
 }
 
 }  // namespace

@@ -26,11 +26,9 @@ declare -A ALLOWED=(
 readonly PROTO_DOORS=" edge root "
 
 # Today's protobuf includes below the doors, each with why it is still there. This list only
-# shrinks: issue 27 item 4 (session operations return their own result types) removes the first
-# two; a new entry needs a reason a reviewer accepts.
+# shrinks (server/session/ left it with issue 27 item 4: session operations return their own
+# result types); a new entry needs a reason a reviewer accepts.
 declare -A PROTO_ALLOWLIST=(
-  [session/daemon_session.h]="every session operation still writes its pb::*Response (issue 27 item 4)"
-  [session/session_registry.h]="SessionOp carries pb::*Response pointers to the session (issue 27 item 4)"
   [restart/restart_state.h]="restart_journal.proto is the journal's own on-disk record format, not the wire API"
   [restart/restart_state.cc]="journals a session's model plan as the wire's ModelPlan message (model_plan.proto)"
 )

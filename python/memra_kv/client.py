@@ -344,19 +344,19 @@ class _ChannelStepOutcome(StepOutcome):
 
     def _has_plan(self) -> bool:
         record = self._record
-        payload = record[step_channel.C_PAYLOAD]
-        return payload == step_channel.PAYLOAD_PREPARE or (
-            payload == step_channel.PAYLOAD_ADVANCE and record[step_channel.C_HAS_PREPARED] != 0)
+        op = record[step_channel.C_OP]
+        return op == step_channel.OP_PREPARE or (
+            op == step_channel.OP_ADVANCE and record[step_channel.C_HAS_PREPARED] != 0)
 
     @property
     def begun(self) -> Optional[Transaction]:
         """begin, advance with next rows: the Transaction."""
         record = self._record
-        payload = record[step_channel.C_PAYLOAD]
-        if payload == step_channel.PAYLOAD_ADVANCE and record[step_channel.C_HAS_PREPARED]:
+        op = record[step_channel.C_OP]
+        if op == step_channel.OP_ADVANCE and record[step_channel.C_HAS_PREPARED]:
             return Transaction(record[step_channel.C_GENERATION],
                                record[step_channel.C_COMMITTED_LEN])
-        if payload != step_channel.PAYLOAD_BEGIN:
+        if op != step_channel.OP_BEGIN:
             return None
         return Transaction(record[step_channel.C_GENERATION], record[step_channel.C_BASE_LEN])
 
@@ -364,37 +364,38 @@ class _ChannelStepOutcome(StepOutcome):
     def prepared(self) -> Optional[PreparedAppend]:
         """prepare, advance with next rows: the PreparedAppend (its plan parsed when asked)."""
         if self._prepared is None and self._has_plan():
-            try:
-                plan = pb.PrepareAppendResponse.FromString(self._side)
-            except Exception:  # the daemon's bytes, checked as the C++ client's parse does
-                raise KvError(ErrorCode.INTERNAL, "step channel completion: its prepared plan "
-                              "of %d bytes does not parse" % len(self._side)) from None
-            self._prepared = _prepared_from_proto(plan)
+            record = self._record
+            self._prepared = PreparedAppend(
+                record[step_channel.C_GENERATION], record[step_channel.C_TARGET],
+                [LayerAppend(layer, write_row, bool(flags & step_channel.LAYER_RING),
+                             bool(flags & step_channel.LAYER_REBASE), src_row, keep_rows,
+                             new_base)
+                 for layer, flags, write_row, src_row, keep_rows, new_base
+                 in step_channel.plan_layers(self._side)])
         return self._prepared
 
     @property
     def published(self) -> bool:
         """advance: whether it published the finished transaction's append."""
-        return (self._record[step_channel.C_PAYLOAD] == step_channel.PAYLOAD_ADVANCE
+        return (self._record[step_channel.C_OP] == step_channel.OP_ADVANCE
                 and self._record[step_channel.C_PUBLISHED] != 0)
 
     @property
     def staged_len(self) -> int:
         """publish: the staged length."""
-        if self._record[step_channel.C_PAYLOAD] != step_channel.PAYLOAD_PUBLISH:
+        if self._record[step_channel.C_OP] != step_channel.OP_PUBLISH:
             return 0
         return self._record[step_channel.C_STAGED_LEN]
 
     @property
     def committed_len(self) -> int:
         """commit, abort, advance: the committed length."""
-        if self._record[step_channel.C_PAYLOAD] not in _COMMITTING_PAYLOADS:
+        if self._record[step_channel.C_OP] not in _COMMITTING_OPS:
             return 0
         return self._record[step_channel.C_COMMITTED_LEN]
 
 
-_COMMITTING_PAYLOADS = (step_channel.PAYLOAD_COMMIT, step_channel.PAYLOAD_ABORT,
-                        step_channel.PAYLOAD_ADVANCE)
+_COMMITTING_OPS = (step_channel.OP_COMMIT, step_channel.OP_ABORT, step_channel.OP_ADVANCE)
 
 
 # ---- the client ----

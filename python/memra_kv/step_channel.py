@@ -34,10 +34,10 @@ import grpc
 
 from .errors import KvError
 
-# ---- common/step_channel.h, version 1 ----
+# ---- common/step_channel.h, version 2 ----
 
 MAGIC = 0x4D4B5343  # "CSKM" little-endian
-VERSION = 1
+VERSION = 2  # in the header and in every submission record
 SLOTS = 512
 SUBMISSION_SIDE_BYTES = 1024  # per ring slot: 256 token ids
 COMPLETION_SIDE_BYTES = 8192  # per ring slot: a message or a plan
@@ -46,13 +46,13 @@ MAX_STEP_ENTRIES = 65536  # the Step RPC's limit; a bigger batch goes over gRPC 
 MAX_KV_LAYERS = 128  # sessions with more K/V layers are stepped over gRPC
 MAX_TOKEN_IDS = SUBMISSION_SIDE_BYTES // 4
 
-# Submission record operations (proto StepEntry.op).
+# Submission record operations (step_channel::Op); a completion echoes its record's (0 when
+# refused). 7 to 15 are reserved for session lifecycle records.
 OP_BEGIN, OP_PREPARE, OP_PUBLISH, OP_COMMIT, OP_ABORT, OP_ADVANCE = 1, 2, 3, 4, 5, 6
-# Completion payloads: proto StepResult.payload_case (its field numbers).
-PAYLOAD_BEGIN, PAYLOAD_PREPARE, PAYLOAD_PUBLISH = 3, 4, 5
-PAYLOAD_COMMIT, PAYLOAD_ABORT, PAYLOAD_ADVANCE = 6, 7, 8
 # CompletionSide: what a completion's side span holds.
 SIDE_NONE, SIDE_MESSAGE, SIDE_LAYERS, SIDE_LAYERS_TOO_LARGE = 0, 1, 2, 3
+# LayerAppendRecord flags.
+LAYER_RING, LAYER_REBASE = 1, 2
 
 _CLOSE_REASONS = {0: "open", 1: "the engine was reclaimed", 2: "the engine opened another channel",
                   3: "the engine broke the ring protocol", 4: "the daemon is shutting down"}
@@ -70,14 +70,17 @@ SQ_TAIL, SQ_HEAD, CQ_TAIL, ENGINE_WAITING, CQ_HEAD, DAEMON_SLEEPING, CLOSED = (
 _U32 = struct.Struct("<I")
 _DOORBELL = struct.pack("<Q", 1)  # one eventfd write
 
-# SubmissionRecord (64 bytes): user_data, slot, op, reserved[3], generation, rows, next_rows,
-# side_offset, side_length, reserved2, reserved3.
-SUBMISSION = struct.Struct("<QIB3xQQQQI12x")
-# CompletionRecord (96 bytes): user_data, code, payload, published, has_prepared, side_kind,
+# SubmissionRecord (64 bytes): user_data, slot, op, version, reserved[2], generation, rows,
+# next_rows, side_offset, side_length, reserved2, reserved3.
+SUBMISSION = struct.Struct("<QIBB2xQQQQI12x")
+# CompletionRecord (96 bytes): user_data, code, op, published, has_prepared, side_kind,
 # generation, base_len, target, staged_len, committed_len, restart_previous_epoch,
 # restart_epoch, side_offset, side_length, reserved, reserved2.
 COMPLETION = struct.Struct("<QiBBBBQQQQQQQQI12x")
-assert SUBMISSION.size == 64 and COMPLETION.size == 96
+# LayerAppendRecord (40 bytes), a prepared plan's layers in the side span: layer, flags
+# (LAYER_RING | LAYER_REBASE), reserved[3], write_row, src_row, keep_rows, new_base.
+LAYER_APPEND = struct.Struct("<IB3xQQQQ")
+assert SUBMISSION.size == 64 and COMPLETION.size == 96 and LAYER_APPEND.size == 40
 
 # How long a send polls cq_tail before FUTEX_WAIT, and for how many records in flight at most
 # (client/step_channel_client.cc's kSpin and kMaxRecordsToSpinFor, for the same reasons); one
@@ -93,7 +96,7 @@ Record = Tuple[int, ...]
 Result = TypeVar("Result")
 
 # Indexes into a completion tuple (COMPLETION.unpack_from): what ChannelResult reads.
-(C_USER_DATA, C_CODE, C_PAYLOAD, C_PUBLISHED, C_HAS_PREPARED, C_SIDE_KIND, C_GENERATION,
+(C_USER_DATA, C_CODE, C_OP, C_PUBLISHED, C_HAS_PREPARED, C_SIDE_KIND, C_GENERATION,
  C_BASE_LEN, C_TARGET, C_STAGED_LEN, C_COMMITTED_LEN, C_RESTART_PREVIOUS_EPOCH, C_RESTART_EPOCH,
  C_SIDE_OFFSET, C_SIDE_LENGTH) = range(15)
 
@@ -179,6 +182,15 @@ class _Futex:
                       ctypes.c_int(0))
 
 
+def plan_layers(side: bytes) -> List[Tuple[int, int, int, int, int, int]]:
+    """A prepared plan's side span as (layer, flags, write_row, src_row, keep_rows, new_base)
+    tuples, in layer order. REQUIRES: len(side) is a multiple of LAYER_APPEND.size (the
+    completion reader checked it)."""
+    return [(layer, flags, write_row, src_row, keep_rows, new_base)
+            for layer, flags, write_row, src_row, keep_rows, new_base
+            in LAYER_APPEND.iter_unpack(side)]
+
+
 def _too_large(record: Record) -> Tuple[Record, bytes]:
     """A prepared append whose plan did not fit the side span (only sessions over
     MAX_KV_LAYERS, which the client steps over gRPC): DATA_LOSS, as the C++ client reports it.
@@ -189,14 +201,14 @@ def _too_large(record: Record) -> Tuple[Record, bytes]:
                          MAX_KV_LAYERS))
     changed = list(record)
     changed[C_CODE] = grpc.StatusCode.DATA_LOSS.value[0]
-    changed[C_PAYLOAD] = 0
+    changed[C_OP] = 0
     return tuple(changed), message.encode()
 
 
 class ChannelResult:
     """One entry's completion as the daemon wrote it: `record` is the CompletionRecord tuple
     (index it with the C_* constants), `side` its side span's bytes (the refusal message, or
-    the prepared append's PrepareAppendResponse wire bytes), copied out of the ring."""
+    the prepared append's LayerAppendRecords: plan_layers), copied out of the ring."""
 
     __slots__ = ("record", "side")
 
@@ -358,8 +370,8 @@ class StepChannel:
         number the record cannot hold."""
         op, slot, generation, rows, next_rows, token_ids = entries[index]
         try:
-            SUBMISSION.pack_into(region, offset, index, slot, op, generation, rows, next_rows,
-                                 side_offset, 4 * len(token_ids))
+            SUBMISSION.pack_into(region, offset, index, slot, op, VERSION, generation, rows,
+                                 next_rows, side_offset, 4 * len(token_ids))
         except struct.error:
             raise ValueError("step entry %d: slot %r, generation %r, rows %r, next rows %r: a "
                              "number out of range (slot u32, the others u64)"
@@ -383,11 +395,11 @@ class StepChannel:
                     side_offset = ring * SUBMISSION_SIDE_BYTES
                     struct.pack_into("<%di" % len(token_ids), region,
                                      self._submission_side + side_offset, *token_ids)
-                    pack_into(region, submissions + ring * 64, index, slot, op, generation, rows,
-                              next_rows, side_offset, 4 * len(token_ids))
+                    pack_into(region, submissions + ring * 64, index, slot, op, VERSION,
+                              generation, rows, next_rows, side_offset, 4 * len(token_ids))
                 else:
-                    pack_into(region, submissions + ring * 64, index, slot, op, generation, rows,
-                              next_rows, 0, 0)
+                    pack_into(region, submissions + ring * 64, index, slot, op, VERSION,
+                              generation, rows, next_rows, 0, 0)
                 index += 1
                 ring = (ring + 1) % SLOTS
         except struct.error:
@@ -472,7 +484,8 @@ class StepChannel:
                 if record[1] != 0 or record[4]:  # C_CODE, C_HAS_PREPARED
                     own = ring * COMPLETION_SIDE_BYTES
                     if (record[1] == 0 and record[5] == SIDE_LAYERS and record[13] == own
-                            and record[14] <= COMPLETION_SIDE_BYTES):
+                            and record[14] <= COMPLETION_SIDE_BYTES
+                            and record[14] % 40 == 0):  # LAYER_APPEND.size
                         # A plan where it belongs (the common case): its bytes.
                         side = region[completion_side + own:
                                       completion_side + own + record[14]]
@@ -490,12 +503,13 @@ class StepChannel:
         own = ring * COMPLETION_SIDE_BYTES
         length = record[C_SIDE_LENGTH]
         in_span = record[C_SIDE_OFFSET] == own and length <= COMPLETION_SIDE_BYTES
-        payload = record[C_PAYLOAD]
+        op = record[C_OP]
         planned = record[C_CODE] == 0 and (
-            payload == PAYLOAD_PREPARE or (payload == PAYLOAD_ADVANCE and record[C_HAS_PREPARED]))
+            op == OP_PREPARE or (op == OP_ADVANCE and record[C_HAS_PREPARED]))
         if planned and record[C_SIDE_KIND] == SIDE_LAYERS_TOO_LARGE:
             return _too_large(record)
-        if planned and (record[C_SIDE_KIND] != SIDE_LAYERS or not in_span):
+        if planned and (record[C_SIDE_KIND] != SIDE_LAYERS or not in_span
+                        or length % LAYER_APPEND.size != 0):
             raise KvError(grpc.StatusCode.INTERNAL, "step channel completion for entry %d: its "
                           "prepared plan is not in its side span (kind %d, offset %d, %d bytes)"
                           % (record[C_USER_DATA], record[C_SIDE_KIND], record[C_SIDE_OFFSET],

@@ -338,13 +338,14 @@ def test_abandoning_the_channel_wakes_a_waiting_step_at_once(kvd):
 def test_a_region_of_another_layout_is_refused_with_both_numbers():
     _, _, _, _, region_bytes = step_channel.layout()
     region = bytearray(4096)
-    step_channel._HEADER.pack_into(region, 0, step_channel.MAGIC, 2, 512, 64, 96, 1024, 8192, 0,
+    # A version-1 daemon's region (its records embedded protobuf), met by this version-2 library.
+    step_channel._HEADER.pack_into(region, 0, step_channel.MAGIC, 1, 512, 64, 96, 1024, 8192, 0,
                                    region_bytes, 4096, 36864, 86016, 610304)
     with pytest.raises(KvError) as version:
         step_channel.check_header(region, region_bytes)
     assert version.value.code == grpc.StatusCode.INVALID_ARGUMENT
-    assert "step channel header: version is 2; this library speaks 1" in version.value.message
-    step_channel._HEADER.pack_into(region, 0, step_channel.MAGIC, 1, 512, 64, 96, 1024, 8192, 0,
+    assert "step channel header: version is 1; this library speaks 2" in version.value.message
+    step_channel._HEADER.pack_into(region, 0, step_channel.MAGIC, 2, 512, 64, 96, 1024, 8192, 0,
                                    region_bytes, 4096, 36864, 86016, 610304)
     step_channel.check_header(region, region_bytes)  # the daemon's layout, docs/step-channel.md
     with pytest.raises(KvError) as small:

@@ -127,21 +127,22 @@ grpc::Status AdminService::ListSessions(grpc::ServerContext*,
   std::optional<EngineId> engine;
   if (request->engine_id() != 0) engine = EngineId{request->engine_id()};
   for (const std::shared_ptr<DaemonSession>& session : parts_.sessions->List(engine)) {
-    pb::SessionState state;
     // A session released meanwhile is simply not listed.
-    if (!SessionRegistry::Apply(*session, GetStateOp{&state}).ok()) continue;
+    absl::StatusOr<SessionReport> report = session->GetState();
+    if (!report.ok()) continue;
+    const SessionStatus& state = report->state;
     pb::SessionSummary* summary = response->add_sessions();
     const DaemonSession::Params& params = session->params();
     summary->set_session_id(params.id.value);
     summary->set_engine_id(params.owner.value);
     summary->set_model_name(params.model->name);
     summary->set_plan_fingerprint(params.fingerprint);
-    summary->set_capacity(state.capacity());
-    summary->set_logical_len(state.committed_len());
+    summary->set_capacity(state.capacity);
+    summary->set_logical_len(state.committed_len);
     summary->set_arena_bytes(session->arena_bytes());
-    summary->set_layout_version(state.layout_version());
-    summary->set_in_transaction(state.active_generation() != 0);
-    summary->set_tainted(state.tainted());
+    summary->set_layout_version(state.layout_version);
+    summary->set_in_transaction(state.active_generation != 0);
+    summary->set_tainted(state.tainted);
   }
   return grpc::Status::OK;
 }

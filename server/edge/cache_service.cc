@@ -11,6 +11,7 @@
 #include "common/daemon_restart.h"
 #include "core/status_macros.h"
 #include "server/edge/rpc_reply.h"
+#include "server/edge/session_wire.h"
 #include "server/edge/step_entry.h"
 #include "spdlog/spdlog.h"
 
@@ -228,8 +229,11 @@ grpc::Status CacheService::CreateSession(grpc::ServerContext*,
     for (std::string& handle : sessions_->TakeUnmapped(session->owner())) {
       response->add_unmap_handles(std::move(handle));
     }
-    return SessionRegistry::Apply(
-        *session, GetStateOp{response->mutable_state(), response->mutable_layout()});
+    ASSIGN_OR_RETURN(SessionResult report,
+                     SessionRegistry::Apply(*session, GetStateOp{.with_layout = true}));
+    SessionReportToProto(std::get<SessionReport>(report), response->mutable_state(),
+                         response->mutable_layout());
+    return absl::OkStatus();
   }();
   return Reply("CreateSession", status);
 }
@@ -263,43 +267,59 @@ grpc::Status CacheService::ResetSession(grpc::ServerContext*, const pb::SessionR
 grpc::Status CacheService::GetSessionState(grpc::ServerContext*,
                                            const pb::GetSessionStateRequest* request,
                                            pb::SessionStateResponse* response) {
-  return Reply("GetSessionState",
-               sessions_->Run(SessionCredentialsOf(request->session()),
-                              GetStateOp{response->mutable_state(),
-                                         request->include_layout() ? response->mutable_layout()
-                                                                   : nullptr}));
+  absl::StatusOr<SessionResult> report =
+      sessions_->Run(SessionCredentialsOf(request->session()),
+                     GetStateOp{.with_layout = request->include_layout()});
+  if (report.ok()) {
+    SessionReportToProto(std::get<SessionReport>(*report), response->mutable_state(),
+                         response->mutable_layout());
+  }
+  return Reply("GetSessionState", report.status());
 }
 
 grpc::Status CacheService::Begin(grpc::ServerContext*, const pb::SessionRequest* request,
                                  pb::BeginResponse* response) {
-  return RunOrdered("Begin", request->session(), request->ordering(), BeginOp{response});
+  return RunOrdered("Begin", request->session(), request->ordering(), BeginOp{},
+                    [&](const SessionResult& result) {
+                      TransactionToProto(std::get<TransactionId>(result), response);
+                    });
 }
 
 grpc::Status CacheService::PrepareAppend(grpc::ServerContext*,
                                          const pb::PrepareAppendRequest* request,
                                          pb::PrepareAppendResponse* response) {
   return RunOrdered("PrepareAppend", request->session(), pb::DeviceOrdering::default_instance(),
-                    PrepareAppendOp{request->generation(), request->rows(), response});
+                    PrepareAppendOp{request->generation(), request->rows()},
+                    [&](const SessionResult& result) {
+                      AppendPlanToProto(std::get<AppendPlan>(result), response);
+                    });
 }
 
 grpc::Status CacheService::PublishAppend(grpc::ServerContext*,
                                          const pb::GenerationRequest* request,
                                          pb::PublishAppendResponse* response) {
   return RunOrdered("PublishAppend", request->session(), request->ordering(),
-                    PublishAppendOp{request->generation(), response});
+                    PublishAppendOp{request->generation()}, [&](const SessionResult& result) {
+                      response->set_staged_len(std::get<PublishedAppend>(result).staged_len);
+                    });
 }
 
 grpc::Status CacheService::Commit(grpc::ServerContext*, const pb::CommitRequest* request,
                                   pb::CommitResponse* response) {
   return RunOrdered("Commit", request->session(), request->ordering(),
                     CommitOp{request->generation(), request->accepted_rows(),
-                             SpanOf(request->token_ids()), response});
+                             SpanOf(request->token_ids())},
+                    [&](const SessionResult& result) {
+                      response->set_committed_len(std::get<CommittedLength>(result).committed_len);
+                    });
 }
 
 grpc::Status CacheService::Abort(grpc::ServerContext*, const pb::GenerationRequest* request,
                                  pb::AbortResponse* response) {
   return RunOrdered("Abort", request->session(), request->ordering(),
-                    AbortOp{request->generation(), response});
+                    AbortOp{request->generation()}, [&](const SessionResult& result) {
+                      response->set_committed_len(std::get<CommittedLength>(result).committed_len);
+                    });
 }
 
 grpc::Status CacheService::Step(grpc::ServerContext*, const pb::StepRequest* request,
@@ -356,11 +376,10 @@ grpc::Status CacheService::Hydrate(grpc::ServerContext*, const pb::HydrateReques
 
 grpc::Status CacheService::CanRewind(grpc::ServerContext*, const pb::RewindRequest* request,
                                      pb::CanRewindResponse* response) {
-  bool can = false;
-  absl::Status status =
-      sessions_->Run(SessionCredentialsOf(request->session()), CanRewindOp{request->target(), &can});
-  if (status.ok()) response->set_can_rewind(can);
-  return Reply("CanRewind", status);
+  absl::StatusOr<SessionResult> can =
+      sessions_->Run(SessionCredentialsOf(request->session()), CanRewindOp{request->target()});
+  if (can.ok()) response->set_can_rewind(std::get<RewindPossible>(*can).possible);
+  return Reply("CanRewind", can.status());
 }
 
 grpc::Status CacheService::SpecSnapshot(grpc::ServerContext*, const pb::SessionRequest* request,
@@ -379,7 +398,10 @@ grpc::Status CacheService::SpecRollback(grpc::ServerContext*,
 grpc::Status CacheService::Grow(grpc::ServerContext*, const pb::GrowRequest* request,
                                 pb::GrowResponse* response) {
   return RunOrdered("Grow", request->session(), request->ordering(),
-                    GrowOp{request->target_capacity(), response});
+                    GrowOp{request->target_capacity()}, [&](const SessionResult& result) {
+                      SessionReportToProto(std::get<SessionReport>(result),
+                                           response->mutable_state(), response->mutable_layout());
+                    });
 }
 
 grpc::Status CacheService::AcknowledgeGrow(grpc::ServerContext*,
@@ -399,15 +421,23 @@ grpc::Status CacheService::Taint(grpc::ServerContext*, const pb::TaintRequest* r
 grpc::Status CacheService::RunThenState(absl::string_view rpc, const pb::SessionRef& ref,
                                         const pb::DeviceOrdering& ordering, const SessionOp& op,
                                         pb::SessionStateResponse* response) {
-  return Reply(rpc, sessions_->Run(SessionCredentialsOf(ref),
-                                   {op, GetStateOp{response->mutable_state()}},
-                                   [&] { return WaitForEngine(ordering); }));
+  absl::StatusOr<std::vector<SessionResult>> results =
+      sessions_->Run(SessionCredentialsOf(ref), {op, GetStateOp{}},
+                     [&] { return WaitForEngine(ordering); });
+  if (results.ok()) {
+    SessionStatusToProto(std::get<SessionReport>(results->back()).state,
+                         response->mutable_state());
+  }
+  return Reply(rpc, results.status());
 }
 
 grpc::Status CacheService::RunOrdered(absl::string_view rpc, const pb::SessionRef& ref,
-                                      const pb::DeviceOrdering& ordering, const SessionOp& op) {
-  return Reply(rpc, sessions_->Run(SessionCredentialsOf(ref), {op},
-                                   [&] { return WaitForEngine(ordering); }));
+                                      const pb::DeviceOrdering& ordering, const SessionOp& op,
+                                      absl::FunctionRef<void(const SessionResult&)> reply) {
+  absl::StatusOr<std::vector<SessionResult>> results =
+      sessions_->Run(SessionCredentialsOf(ref), {op}, [&] { return WaitForEngine(ordering); });
+  if (results.ok()) reply(results->front());
+  return Reply(rpc, results.status());
 }
 
 absl::Status CacheService::WaitForEngine(const pb::DeviceOrdering& ordering) {

@@ -107,9 +107,11 @@ class CacheService final
   grpc::Status RunThenState(absl::string_view rpc, const memra::kv::v1::SessionRef& ref,
                             const memra::kv::v1::DeviceOrdering& ordering, const SessionOp& op,
                             memra::kv::v1::SessionStateResponse* response);
-  // Runs `op` on the session once the engine's device work is complete (`ordering`).
+  // Runs `op` on the session once the engine's device work is complete (`ordering`), and
+  // answers with its result (`reply` encodes it; called only when the op succeeded).
   grpc::Status RunOrdered(absl::string_view rpc, const memra::kv::v1::SessionRef& ref,
-                          const memra::kv::v1::DeviceOrdering& ordering, const SessionOp& op);
+                          const memra::kv::v1::DeviceOrdering& ordering, const SessionOp& op,
+                          absl::FunctionRef<void(const SessionResult&)> reply);
   // The engine's work on the memory this call touches is complete (DeviceOrdering).
   absl::Status WaitForEngine(const memra::kv::v1::DeviceOrdering& ordering);
 

@@ -9,6 +9,7 @@
 #include "common/codec.h"
 #include "core/status_macros.h"
 #include "server/edge/rpc_reply.h"
+#include "server/edge/session_wire.h"
 #include "spdlog/spdlog.h"
 
 namespace memra {
@@ -282,7 +283,9 @@ grpc::Status PrefixService::Restore(grpc::ServerContext*, const pb::RestorePrefi
                      cache_->Restore(*session, entry, SpanOf(request->token_ids())));
     response->set_entry_id(restored.entry.value);
     response->set_restored_tokens(restored.restored_tokens);
-    return session->GetState(response->mutable_state(), nullptr);
+    ASSIGN_OR_RETURN(SessionReport report, session->GetState());
+    SessionStatusToProto(report.state, response->mutable_state());
+    return absl::OkStatus();
   }();
   return Reply("prefix Restore", status);
 }

@@ -15,18 +15,18 @@
 #include "absl/strings/str_cat.h"
 #include "common/errors.h"
 #include "core/status_macros.h"
-#include "server/edge/step_entry.h"
+#include "common/daemon_restart.h"
 #include "spdlog/spdlog.h"
 
 namespace memra {
 
-namespace pb = ::memra::kv::v1;
 using step_channel::CloseReason;
 using step_channel::CompletionRecord;
 using step_channel::CompletionSide;
 using step_channel::kCompletionSideBytes;
 using step_channel::kSlots;
 using step_channel::kSubmissionSideBytes;
+using step_channel::LayerAppendRecord;
 using step_channel::Op;
 using step_channel::StepChannelHeader;
 using step_channel::SubmissionRecord;
@@ -83,16 +83,20 @@ struct StepChannels::Channel {
   uint8_t* completion_side;
 
   std::atomic<bool> closed{false};
-  // Serving thread only: the daemon's own ring counters (never read back from the region) and
-  // the entry / result every record is decoded into and answered from, reused.
+  // Serving thread only: the daemon's own ring counters (never read back from the region).
   uint32_t sq_head = 0;
   uint32_t cq_tail = 0;
   // The last round stopped at a record whose session was busy (a long operation): the
   // thread retries it every kParkedRetryMilliseconds instead of sleeping until a doorbell.
   bool parked = false;
   RefusalLog refusal_log;
-  pb::StepEntry entry;
-  pb::StepResult result;
+  // Serving thread only, reused every round (no allocation in steady state): the round's
+  // records as copied out of the ring, their slots, the sessions those name, and the token ids
+  // of the record being run.
+  std::vector<SubmissionRecord> records;
+  std::vector<uint32_t> slots;
+  std::vector<std::shared_ptr<DaemonSession>> sessions;
+  std::vector<int32_t> token_ids;
 };
 
 StepChannels::StepChannels(SessionRegistry* sessions, const EngineLeases* leases, Options options)
@@ -334,15 +338,29 @@ bool StepChannels::ServeRound(Channel& channel) {
   if (count == 0) return false;  // the engine has not read its completions yet
   // Authenticated once per round, as the Step RPC does once per call.
   const absl::Status engine_check = leases_->CheckBound(channel.engine);
+  // The one read of each record: everything below uses these copies.
+  channel.records.resize(count);
+  channel.slots.resize(count);
+  for (uint32_t i = 0; i < count; ++i) {
+    const uint32_t sq_index = (channel.sq_head + i) % kSlots;
+    std::memcpy(&channel.records[i],
+                channel.submissions + uint64_t{sq_index} * sizeof(SubmissionRecord),
+                sizeof(SubmissionRecord));
+    channel.slots[i] = channel.records[i].slot;
+  }
+  // Every record's session, under one acquisition of the registry's lock (not one per record).
+  // Valid for the whole round: no channel operation changes which session a slot names (an
+  // operation kind that does, a release, must end the batch there).
+  channel.sessions.assign(count, nullptr);
+  if (engine_check.ok()) {
+    sessions_->FindSlots(channel.engine, channel.slots, absl::MakeSpan(channel.sessions));
+  }
   uint32_t served = 0;
   for (; served < count; ++served) {
     const uint32_t sq_index = channel.sq_head % kSlots;
-    // The one read of the record: everything below uses this copy.
-    SubmissionRecord record;
-    std::memcpy(&record, channel.submissions + uint64_t{sq_index} * sizeof(SubmissionRecord),
-                sizeof(record));
     CompletionRecord completion;
-    if (!RunRecord(channel, record, sq_index, engine_check, completion)) {
+    if (!RunRecord(channel, channel.records[served], channel.sessions[served].get(), sq_index,
+                   engine_check, completion)) {
       // Its session is busy in a long operation: the record stays unconsumed (read again,
       // as the engine left it, next time) and the others' channels are served meanwhile.
       channel.parked = true;
@@ -354,6 +372,7 @@ bool StepChannels::ServeRound(Channel& channel) {
     ++channel.sq_head;
     ++channel.cq_tail;
   }
+  channel.sessions.clear();  // no session outlives its round here (capacity kept)
   if (served == 0) return false;
   // Counted before the engine can see the completions (stats() is exact once it does).
   records_.fetch_add(served, std::memory_order_relaxed);
@@ -383,164 +402,164 @@ void StepChannels::LogRefusal(Channel& channel, absl::string_view message) {
   spdlog::info("engine {}: {}", channel.engine.value, std::string(message));
 }
 
-bool StepChannels::RunRecord(Channel& channel, const SubmissionRecord& record, uint32_t sq_index,
+absl::StatusOr<SessionOp> StepChannels::DecodeRecord(Channel& channel,
+                                                     const SubmissionRecord& record,
+                                                     uint32_t sq_index) {
+  const std::string which =
+      absl::StrCat("step channel record ", channel.sq_head, " (ring slot ", sq_index, ")");
+  if (record.version != step_channel::kVersion) {
+    if (record.version == 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          which, ": a step channel version ", step_channel::kPreviousVersion,
+          " record (no version byte); this daemon speaks version ", step_channel::kVersion,
+          ": update the engine library"));
+    }
+    return absl::InvalidArgumentError(absl::StrCat(which, ": record version ", record.version,
+                                                   "; this daemon speaks version ",
+                                                   step_channel::kVersion));
+  }
+  if (record.op < 1 || record.op > step_channel::kMaxOp) {
+    return absl::InvalidArgumentError(absl::StrCat(which, ": operation ", record.op,
+                                                   " is not one of 1 to ", step_channel::kMaxOp));
+  }
+  if (!AllZero(record.reserved, sizeof(record.reserved)) || record.reserved2 != 0 ||
+      record.reserved3 != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(which, ": reserved fields are not zero"));
+  }
+  const Op op = static_cast<Op>(record.op);
+  channel.token_ids.clear();
+  if (record.side_length != 0) {
+    if (op != Op::kCommit && op != Op::kAdvance) {
+      return absl::InvalidArgumentError(absl::StrCat(which, ": operation ", record.op,
+                                                     " carries no token ids, but side_length is ",
+                                                     record.side_length));
+    }
+    if (record.side_length % sizeof(int32_t) != 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          which, ": side_length ", record.side_length, " is not a multiple of 4 (int32 ids)"));
+    }
+    const uint64_t area = uint64_t{kSlots} * kSubmissionSideBytes;
+    if (record.side_offset > area || record.side_length > area - record.side_offset) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          which, ": side span at offset ", record.side_offset, " of ", record.side_length,
+          " bytes lies beyond the submission side area of ", area, " bytes"));
+    }
+    const uint64_t own = uint64_t{sq_index} * kSubmissionSideBytes;
+    if (record.side_offset < own ||
+        record.side_offset + record.side_length > own + kSubmissionSideBytes) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          which, ": side span [", record.side_offset, ", ",
+          record.side_offset + record.side_length, ") is outside its ring slot's span [", own,
+          ", ", own + kSubmissionSideBytes, ")"));
+    }
+    // Copied once out of shared memory, after the bounds checks above.
+    channel.token_ids.resize(record.side_length / sizeof(int32_t));
+    std::memcpy(channel.token_ids.data(), channel.submission_side + record.side_offset,
+                record.side_length);
+  }
+  const absl::Span<const int32_t> token_ids = channel.token_ids;
+  switch (op) {
+    case Op::kBegin:
+      return BeginOp{};
+    case Op::kPrepare:
+      return PrepareAppendOp{.generation = record.generation, .rows = record.rows};
+    case Op::kPublish:
+      return PublishAppendOp{.generation = record.generation};
+    case Op::kCommit:
+      return CommitOp{.generation = record.generation,
+                      .accepted_rows = record.rows,
+                      .token_ids = token_ids};
+    case Op::kAbort:
+      return AbortOp{.generation = record.generation};
+    case Op::kAdvance:
+      return AdvanceOp{.request = {.generation = record.generation,
+                                   .accepted_rows = record.rows,
+                                   .next_rows = record.next_rows},
+                       .token_ids = token_ids};
+  }
+  return absl::InternalError(absl::StrCat(which, ": operation ", record.op, " has no decoding"));
+}
+
+void StepChannels::WriteResult(Channel& channel, uint32_t cq_index, const SessionResult& result,
+                               CompletionRecord& completion) {
+  const AppendPlan* prepared = nullptr;
+  if (const auto* begun = std::get_if<TransactionId>(&result)) {
+    completion.generation = begun->generation;
+    completion.base_len = begun->base_len;
+  } else if (const auto* plan = std::get_if<AppendPlan>(&result)) {
+    prepared = plan;
+  } else if (const auto* published = std::get_if<PublishedAppend>(&result)) {
+    completion.staged_len = published->staged_len;
+  } else if (const auto* committed = std::get_if<CommittedLength>(&result)) {
+    completion.committed_len = committed->committed_len;
+  } else if (const auto* advanced = std::get_if<SessionAdvanced>(&result)) {
+    completion.committed_len = advanced->committed_len;
+    completion.published = advanced->step.published ? 1 : 0;
+    if (advanced->step.prepared.has_value()) prepared = &*advanced->step.prepared;
+  }
+  if (prepared == nullptr) return;
+  completion.has_prepared = 1;
+  completion.generation = prepared->transaction.generation;
+  completion.target = prepared->target;
+  const uint64_t bytes = uint64_t{prepared->layers.size()} * sizeof(LayerAppendRecord);
+  if (bytes > kCompletionSideBytes) {
+    // Applied, but the plan does not fit: only an engine that ignored the channel's layer
+    // limit (docs/step-channel.md) gets here, and it alone loses the plan.
+    completion.side_kind = static_cast<uint8_t>(CompletionSide::kLayersTooLarge);
+    completion.side_length = static_cast<uint32_t>(bytes);
+    return;
+  }
+  const uint64_t offset = uint64_t{cq_index} * kCompletionSideBytes;
+  uint8_t* side = channel.completion_side + offset;
+  for (const LayerAppend& layer : prepared->layers) {
+    const LayerAppendRecord record = step_channel::ToRecord(layer);
+    std::memcpy(side, &record, sizeof(record));
+    side += sizeof(record);
+  }
+  completion.side_kind = static_cast<uint8_t>(CompletionSide::kLayers);
+  completion.side_offset = offset;
+  completion.side_length = static_cast<uint32_t>(bytes);
+}
+
+bool StepChannels::RunRecord(Channel& channel, const SubmissionRecord& record,
+                             DaemonSession* session, uint32_t sq_index,
                              const absl::Status& engine_check, CompletionRecord& completion) {
   const uint32_t cq_index = channel.cq_tail % kSlots;
   completion.user_data = record.user_data;
-  pb::StepEntry& entry = channel.entry;
-  pb::StepResult& result = channel.result;
-  // The record, bounds-checked, into the Step RPC's entry type.
-  absl::Status decoded = [&]() -> absl::Status {
-    const std::string which = absl::StrCat("step channel record ", channel.sq_head, " (ring slot ",
-                                           sq_index, ")");
-    if (record.op < 1 || record.op > step_channel::kMaxOp) {
-      return absl::InvalidArgumentError(absl::StrCat(which, ": operation ", record.op,
-                                                     " is not one of 1 to ",
-                                                     step_channel::kMaxOp));
-    }
-    if (!AllZero(record.reserved, sizeof(record.reserved)) || record.reserved2 != 0 ||
-        record.reserved3 != 0) {
-      return absl::InvalidArgumentError(absl::StrCat(which, ": reserved fields are not zero"));
-    }
-    const Op op = static_cast<Op>(record.op);
-    if (record.side_length != 0) {
-      if (op != Op::kCommit && op != Op::kAdvance) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            which, ": operation ", record.op, " carries no token ids, but side_length is ",
-            record.side_length));
-      }
-      if (record.side_length % sizeof(int32_t) != 0) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            which, ": side_length ", record.side_length, " is not a multiple of 4 (int32 ids)"));
-      }
-      const uint64_t area = uint64_t{kSlots} * kSubmissionSideBytes;
-      if (record.side_offset > area || record.side_length > area - record.side_offset) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            which, ": side span at offset ", record.side_offset, " of ", record.side_length,
-            " bytes lies beyond the submission side area of ", area, " bytes"));
-      }
-      const uint64_t own = uint64_t{sq_index} * kSubmissionSideBytes;
-      if (record.side_offset < own ||
-          record.side_offset + record.side_length > own + kSubmissionSideBytes) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            which, ": side span [", record.side_offset, ", ",
-            record.side_offset + record.side_length, ") is outside its ring slot's span [", own,
-            ", ", own + kSubmissionSideBytes, ")"));
-      }
-    }
-    entry.Clear();
-    entry.set_slot(record.slot);
-    google::protobuf::RepeatedField<int32_t>* token_ids = nullptr;
-    switch (op) {
-      case Op::kBegin:
-        entry.mutable_begin();
-        break;
-      case Op::kPrepare:
-        entry.mutable_prepare()->set_generation(record.generation);
-        entry.mutable_prepare()->set_rows(record.rows);
-        break;
-      case Op::kPublish:
-        entry.mutable_publish()->set_generation(record.generation);
-        break;
-      case Op::kCommit:
-        entry.mutable_commit()->set_generation(record.generation);
-        entry.mutable_commit()->set_accepted_rows(record.rows);
-        token_ids = entry.mutable_commit()->mutable_token_ids();
-        break;
-      case Op::kAbort:
-        entry.mutable_abort()->set_generation(record.generation);
-        break;
-      case Op::kAdvance:
-        entry.mutable_advance()->set_generation(record.generation);
-        entry.mutable_advance()->set_accepted_rows(record.rows);
-        entry.mutable_advance()->set_next_rows(record.next_rows);
-        token_ids = entry.mutable_advance()->mutable_token_ids();
-        break;
-    }
-    if (token_ids != nullptr && record.side_length != 0) {
-      // Copied once out of shared memory, after the bounds checks above.
-      const int count = static_cast<int>(record.side_length / sizeof(int32_t));
-      token_ids->Resize(count, 0);
-      std::memcpy(token_ids->mutable_data(), channel.submission_side + record.side_offset,
-                  record.side_length);
-    }
-    return absl::OkStatus();
-  }();
-  if (!decoded.ok()) {
-    completion.code = static_cast<int32_t>(decoded.code());
-    PutSide(channel.completion_side, cq_index, decoded.message(), CompletionSide::kMessage,
+  // The record, bounds-checked, straight into its session operation.
+  absl::StatusOr<SessionOp> op = DecodeRecord(channel, record, sq_index);
+  if (!op.ok()) {
+    completion.code = static_cast<int32_t>(op.status().code());
+    PutSide(channel.completion_side, cq_index, op.status().message(), CompletionSide::kMessage,
             completion);
-    LogRefusal(channel, decoded.message());
+    LogRefusal(channel, op.status().message());
     return true;
   }
-  result.Clear();
-  if (!RunStepEntry(
-          *sessions_, entry,
-          [&]() -> absl::StatusOr<EngineId> {
-            RETURN_IF_ERROR(engine_check);
-            return channel.engine;
-          },
-          &result, {.busy = BusySession::kSkip, .log_refusal = false})) {
-    return false;
+  // The Step RPC's refusals in its order: the engine, then the slot, then the operation.
+  std::optional<absl::StatusOr<SessionResult>> outcome;
+  if (!engine_check.ok()) {
+    outcome = engine_check;
+  } else if (session == nullptr) {
+    outcome = SessionRegistry::SlotRefusal(SessionSlot{channel.engine, record.slot});
+  } else {
+    outcome = SessionRegistry::TryApply(*session, *op);
+    if (!outcome.has_value()) return false;  // busy in a long operation: nothing ran
   }
-  completion.code = result.code();
-  if (result.code() != 0) {
-    LogRefusal(channel, absl::StrCat("step channel record for slot ", record.slot, " refused: ",
-                                     absl::StatusCodeToString(
-                                         static_cast<absl::StatusCode>(result.code())),
-                                     " ", result.message()));
-    PutSide(channel.completion_side, cq_index, result.message(), CompletionSide::kMessage,
-            completion);
-    if (result.has_daemon_restart()) {
-      completion.restart_previous_epoch = result.daemon_restart().previous_epoch();
-      completion.restart_epoch = result.daemon_restart().epoch();
-    }
+  if (outcome->ok()) {
+    completion.op = record.op;
+    WriteResult(channel, cq_index, **outcome, completion);
     return true;
   }
-  completion.payload = static_cast<uint8_t>(result.payload_case());
-  const pb::PrepareAppendResponse* prepared = nullptr;
-  switch (result.payload_case()) {
-    case pb::StepResult::kBegin:
-      completion.generation = result.begin().generation();
-      completion.base_len = result.begin().base_len();
-      break;
-    case pb::StepResult::kPrepare:
-      prepared = &result.prepare();
-      break;
-    case pb::StepResult::kPublish:
-      completion.staged_len = result.publish().staged_len();
-      break;
-    case pb::StepResult::kCommit:
-      completion.committed_len = result.commit().committed_len();
-      break;
-    case pb::StepResult::kAbort:
-      completion.committed_len = result.abort().committed_len();
-      break;
-    case pb::StepResult::kAdvance:
-      completion.committed_len = result.advance().committed_len();
-      completion.published = result.advance().published() ? 1 : 0;
-      if (result.advance().has_prepared()) prepared = &result.advance().prepared();
-      break;
-    case pb::StepResult::PAYLOAD_NOT_SET:
-      break;
-  }
-  if (prepared != nullptr) {
-    completion.has_prepared = 1;
-    completion.generation = prepared->generation();
-    completion.target = prepared->target();
-    const size_t bytes = prepared->ByteSizeLong();
-    if (bytes > kCompletionSideBytes) {
-      // Applied, but the plan does not fit: only an engine that ignored the channel's layer
-      // limit (docs/step-channel.md) gets here, and it alone loses the plan.
-      completion.side_kind = static_cast<uint8_t>(CompletionSide::kLayersTooLarge);
-      completion.side_length = static_cast<uint32_t>(bytes);
-      return true;
-    }
-    const uint64_t offset = uint64_t{cq_index} * kCompletionSideBytes;
-    prepared->SerializeWithCachedSizesToArray(channel.completion_side + offset);
-    completion.side_kind = static_cast<uint8_t>(CompletionSide::kLayers);
-    completion.side_offset = offset;
-    completion.side_length = static_cast<uint32_t>(bytes);
+  const absl::Status& status = outcome->status();
+  completion.code = static_cast<int32_t>(status.code());
+  LogRefusal(channel, absl::StrCat("step channel record for slot ", record.slot, " refused: ",
+                                   absl::StatusCodeToString(status.code()), " ",
+                                   status.message()));
+  PutSide(channel.completion_side, cq_index, status.message(), CompletionSide::kMessage,
+          completion);
+  if (std::optional<DaemonRestart> restart = GetDaemonRestart(status); restart.has_value()) {
+    completion.restart_previous_epoch = restart->previous_epoch;
+    completion.restart_epoch = restart->epoch;
   }
   return true;
 }

@@ -4,11 +4,20 @@
 // The daemon's end of the engines' step channels (docs/step-channel.md; the layout is
 // common/step_channel.h): per attached engine at most one shared-memory region, created here (a
 // sealed memfd, handed over the handoff socket to that engine alone), whose submission ring
-// carries slot-addressed Step entries as fixed-size records and whose completion ring carries
-// their results. A record is copied out of shared memory once, into a local struct, before
-// anything reads it; it is decoded into the same pb::StepEntry the Step RPC decodes protobuf
-// into, and run by the same RunStepEntry (server/edge/step_entry.h), so rules, codes and messages
-// are identical. gRPC stays the control plane and the fallback.
+// carries slot-addressed session operations as fixed-size records and whose completion ring
+// carries their results. A record is copied out of shared memory once, into a local struct,
+// before anything reads it; it is decoded straight into its SessionOp
+// (server/session/session_ops.h) and run by the one dispatcher the Step RPC also ends in
+// (SessionRegistry), whose result is written straight into the completion record: no protobuf
+// on the way. Rules, codes and messages are the Step RPC's (tests/e2e/step_channel_e2e_test.cc
+// proves the outcomes identical). gRPC stays the control plane and the fallback.
+//
+// A round of one channel resolves all its records' slots under one acquisition of the
+// registry's lock (SessionRegistry::FindSlots), then runs each record under its own session's
+// lock: records of different sessions cannot share a session lock, and one session's records
+// are run one by one, in order, each with its journal record before the next (what an engine
+// is told happened is what a restart restores). A record parks the round (below) when its
+// session is busy.
 //
 // Threads: ONE serving thread for every channel. It serves each open channel a round of at most
 // `max_records_per_round` records (so one engine cannot starve the others), spins for
@@ -43,9 +52,9 @@
 #include "common/handoff_wire.h"
 #include "common/mapped_region.h"
 #include "common/step_channel.h"
-#include "proto/memra/kv/v1/cache.pb.h"
 #include "server/session/daemon_session.h"
 #include "server/session/engine_leases.h"
+#include "server/session/session_ops.h"
 #include "server/session/session_registry.h"
 
 namespace memra {
@@ -101,10 +110,21 @@ class StepChannels {
   // Whether a round of `channel` would find work: records submitted and room for their
   // completions (an engine that frees room while records wait rings the doorbell).
   static bool Servable(const Channel& channel);
-  // The result of the record copied into `record` (ring index `index`), into `completion`;
-  // false (nothing run) when its session is busy in a long operation.
-  bool RunRecord(Channel& channel, const step_channel::SubmissionRecord& record, uint32_t index,
-                 const absl::Status& engine_check, step_channel::CompletionRecord& completion);
+  // The outcome of the record copied into `record` (ring index `index`; `session` the one its
+  // slot names, null when none of the engine's), into `completion`; false (nothing run) when
+  // its session is busy in a long operation.
+  bool RunRecord(Channel& channel, const step_channel::SubmissionRecord& record,
+                 DaemonSession* session, uint32_t index, const absl::Status& engine_check,
+                 step_channel::CompletionRecord& completion);
+  // The record's session operation (its token ids copied into the channel's buffer, which the
+  // operation's span points into until the next record), or the INVALID_ARGUMENT naming what
+  // is wrong with it: another version, operation, reserved bytes, side span.
+  static absl::StatusOr<SessionOp> DecodeRecord(Channel& channel,
+                                                const step_channel::SubmissionRecord& record,
+                                                uint32_t index);
+  // An applied operation's result into `completion` (and a plan into its side span).
+  static void WriteResult(Channel& channel, uint32_t cq_index, const SessionResult& result,
+                          step_channel::CompletionRecord& completion);
   // Closes `channel` for `reason` (and wakes its engine). Serving thread or under mu_.
   static void MarkClosed(Channel& channel, step_channel::CloseReason reason);
   // FAILED_PRECONDITION when `engine` opened the most channels a lease may.

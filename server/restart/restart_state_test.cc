@@ -254,9 +254,10 @@ TEST_F(RestartStateTest, ThePoolsArenasAreNeverKept) {
   SessionShape shape;
   shape.capacity = 256;
   auto handle_of = [](DaemonSession& session) {
-    kv::v1::SessionLayout layout;
-    EXPECT_THAT(session.GetState(nullptr, &layout), IsOk());
-    return layout.arenas_size() == 1 ? layout.arenas(0).handle() : std::string();
+    absl::StatusOr<SessionReport> report = session.GetState(/*with_layout=*/true);
+    EXPECT_THAT(report, IsOk());
+    return report.ok() && report->layout.has_value() ? report->layout->arena.handle
+                                                     : std::string();
   };
   auto arenas_kept = [&] {
     size_t count = 0;

@@ -8,13 +8,10 @@
 #include "core/arena_layout.h"
 #include "core/checked_math.h"
 #include "core/status_macros.h"
-#include "common/codec.h"
 #include "spdlog/spdlog.h"
 
 namespace memra {
 namespace {
-
-namespace pb = ::memra::kv::v1;
 
 // cache_id binds core transactions to one session and layout version, daemon-wide.
 uint64_t NextCacheId() {
@@ -378,37 +375,29 @@ absl::Status DaemonSession::TaintAfter(absl::string_view op, absl::Status status
   return status;
 }
 
-absl::Status DaemonSession::Begin(pb::BeginResponse* out) {
+absl::StatusOr<TransactionId> DaemonSession::Begin() {
   absl::MutexLock lock(&mu_);
   RETURN_IF_ERROR(CheckLive());
-  ASSIGN_OR_RETURN(TransactionId transaction, state_.Begin());
-  out->set_generation(transaction.generation);
-  out->set_base_len(transaction.base_len);
-  return absl::OkStatus();
+  return state_.Begin();
 }
 
-absl::Status DaemonSession::PrepareAppend(uint64_t generation, uint64_t rows,
-                                          pb::PrepareAppendResponse* out) {
+absl::StatusOr<AppendPlan> DaemonSession::PrepareAppend(uint64_t generation, uint64_t rows) {
   absl::MutexLock lock(&mu_);
   RETURN_IF_ERROR(CheckLive());
-  ASSIGN_OR_RETURN(AppendPlan plan, state_.PrepareAppend(generation, rows));
-  out->set_generation(plan.transaction.generation);
-  out->set_target(plan.target);
-  LayerAppendsToProto(plan.layers, out->mutable_layers());
-  return absl::OkStatus();
+  return state_.PrepareAppend(generation, rows);
 }
 
-absl::Status DaemonSession::PublishAppend(uint64_t generation, pb::PublishAppendResponse* out) {
+absl::StatusOr<PublishedAppend> DaemonSession::PublishAppend(uint64_t generation) {
   absl::MutexLock lock(&mu_);
   RETURN_IF_ERROR(CheckLive());
   RETURN_IF_ERROR(state_.PublishAppend(generation));
   RETURN_IF_ERROR(TaintAfter("PublishAppend", SyncMirrors()));
-  out->set_staged_len(state_.staged_len());
-  return absl::OkStatus();
+  return PublishedAppend{.staged_len = state_.staged_len()};
 }
 
-absl::Status DaemonSession::Commit(uint64_t generation, uint64_t accepted_rows,
-                                   pb::CommitResponse* out, absl::Span<const int32_t> token_ids) {
+absl::StatusOr<CommittedLength> DaemonSession::Commit(uint64_t generation,
+                                                      uint64_t accepted_rows,
+                                                      absl::Span<const int32_t> token_ids) {
   absl::MutexLock lock(&mu_);
   RETURN_IF_ERROR(CheckLive());
   RETURN_IF_ERROR(CheckCommitTokenIds(accepted_rows, token_ids));
@@ -416,8 +405,7 @@ absl::Status DaemonSession::Commit(uint64_t generation, uint64_t accepted_rows,
   ASSIGN_OR_RETURN(uint64_t committed, state_.Commit(generation, accepted_rows));
   RecordCommittedTokens(base, committed, token_ids);
   RETURN_IF_ERROR(TaintAfter("Commit", SyncMirrors()));
-  out->set_committed_len(committed);
-  return absl::OkStatus();
+  return CommittedLength{.committed_len = committed};
 }
 
 absl::Status DaemonSession::CheckCommitTokenIds(uint64_t accepted_rows,
@@ -440,9 +428,8 @@ void DaemonSession::RecordCommittedTokens(uint64_t base, uint64_t committed,
   }
 }
 
-absl::Status DaemonSession::Advance(const AdvanceRequest& request,
-                                    absl::Span<const int32_t> token_ids,
-                                    pb::AdvanceResponse* out) {
+absl::StatusOr<SessionAdvanced> DaemonSession::Advance(const AdvanceRequest& request,
+                                                       absl::Span<const int32_t> token_ids) {
   absl::MutexLock lock(&mu_);
   RETURN_IF_ERROR(CheckLive());
   if (request.generation == 0 && !token_ids.empty()) {
@@ -456,24 +443,15 @@ absl::Status DaemonSession::Advance(const AdvanceRequest& request,
                    }));
   if (result.committed.has_value()) RecordCommittedTokens(base, *result.committed, token_ids);
   RETURN_IF_ERROR(TaintAfter("Advance", SyncMirrors()));
-  out->set_committed_len(state_.committed_len());
-  out->set_published(result.published);
-  if (result.prepared.has_value()) {
-    pb::PrepareAppendResponse* prepared = out->mutable_prepared();
-    prepared->set_generation(result.prepared->transaction.generation);
-    prepared->set_target(result.prepared->target);
-    LayerAppendsToProto(result.prepared->layers, prepared->mutable_layers());
-  }
-  return absl::OkStatus();
+  return SessionAdvanced{.committed_len = state_.committed_len(), .step = std::move(result)};
 }
 
-absl::Status DaemonSession::Abort(uint64_t generation, pb::AbortResponse* out) {
+absl::StatusOr<CommittedLength> DaemonSession::Abort(uint64_t generation) {
   absl::MutexLock lock(&mu_);
   RETURN_IF_ERROR(CheckLive());
   RETURN_IF_ERROR(state_.Abort(generation));
   RETURN_IF_ERROR(TaintAfter("Abort", SyncMirrors()));
-  out->set_committed_len(state_.committed_len());
-  return absl::OkStatus();
+  return CommittedLength{.committed_len = state_.committed_len()};
 }
 
 absl::Status DaemonSession::Rewind(uint64_t target) {
@@ -536,7 +514,7 @@ absl::Status DaemonSession::Taint(absl::string_view reason) {
   return absl::OkStatus();
 }
 
-absl::Status DaemonSession::Grow(uint64_t target_capacity, pb::GrowResponse* out) {
+absl::StatusOr<SessionReport> DaemonSession::Grow(uint64_t target_capacity) {
   absl::MutexLock long_op(&long_op_mu_);
   absl::MutexLock lock(&mu_);
   RETURN_IF_ERROR(CheckLive());
@@ -578,9 +556,7 @@ absl::Status DaemonSession::Grow(uint64_t target_capacity, pb::GrowResponse* out
   RETURN_IF_ERROR(TaintAfter("Grow", SyncMirrors()));
   spdlog::info("session {}: grown to capacity {} (layout version {}, {} rows copied)",
                params_.id.value, target_capacity, current_.version, rows);
-  FillLayout(current_, out->mutable_layout());
-  FillState(out->mutable_state());
-  return absl::OkStatus();
+  return SessionReport{.state = StatusLocked(), .layout = PlacedLocked(current_)};
 }
 
 absl::Status DaemonSession::AcknowledgeGrow(uint64_t layout_version) {
@@ -602,12 +578,13 @@ absl::Status DaemonSession::AcknowledgeGrow(uint64_t layout_version) {
   return absl::OkStatus();
 }
 
-absl::Status DaemonSession::GetState(pb::SessionState* state, pb::SessionLayout* layout) {
+absl::StatusOr<SessionReport> DaemonSession::GetState(bool with_layout) {
   absl::MutexLock lock(&mu_);
   RETURN_IF_ERROR(CheckLive());
-  if (state != nullptr) FillState(state);
-  if (layout != nullptr) FillLayout(current_, layout);
-  return absl::OkStatus();
+  SessionReport report;
+  report.state = StatusLocked();
+  if (with_layout) report.layout = PlacedLocked(current_);
+  return report;
 }
 
 bool DaemonSession::RunUnlessBusy(absl::FunctionRef<void()> run) {
@@ -699,88 +676,49 @@ absl::Status DaemonSession::RestoreLocked(Restorer restore, absl::Span<const int
   return mirrors;
 }
 
-void DaemonSession::FillState(pb::SessionState* out) const {
-  out->set_layout_version(current_.version);
-  out->set_capacity(state_.capacity());
-  out->set_committed_len(state_.committed_len());
-  out->set_staged_len(state_.staged_len());
-  out->set_position(state_.position());
+SessionStatus DaemonSession::StatusLocked() const {
+  SessionStatus out{.layout_version = current_.version,
+                    .capacity = state_.capacity(),
+                    .committed_len = state_.committed_len(),
+                    .staged_len = state_.staged_len(),
+                    .position = state_.position(),
+                    .next_generation = state_.kv().state().next_generation(),
+                    .tainted = state_.tainted(),
+                    .spec_snapshot_valid = state_.spec_snapshot_valid(),
+                    .grow_pending = previous_.has_value(),
+                    .layers = {}};
   const auto& active = state_.kv().state().active();
-  out->set_active_generation(active.has_value() ? active->generation : 0);
-  out->set_next_generation(state_.kv().state().next_generation());
-  out->set_tainted(state_.tainted());
-  out->set_spec_snapshot_valid(state_.spec_snapshot_valid());
-  out->set_grow_pending(previous_.has_value());
-  absl::flat_hash_map<uint32_t, pb::LayerState*> by_layer;
-  auto layer_state = [&](uint32_t layer) {
-    pb::LayerState*& entry = by_layer[layer];
-    if (entry == nullptr) {
-      entry = out->add_layers();
-      entry->set_layer(layer);
-    }
-    return entry;
+  out.active_generation = active.has_value() ? active->generation : 0;
+  // Layer -> its index in out.layers: each layer once, where it first appears.
+  absl::flat_hash_map<uint32_t, size_t> by_layer;
+  auto layer_status = [&](uint32_t layer) -> LayerStatus& {
+    auto [it, added] = by_layer.try_emplace(layer, out.layers.size());
+    if (added) out.layers.push_back(LayerStatus{.layer = layer});
+    return out.layers[it->second];
   };
   for (const MirrorValue& mirror : state_.Mirrors()) {
-    pb::LayerState* entry = layer_state(mirror.plane.layer);
+    LayerStatus& entry = layer_status(mirror.plane.layer);
     if (mirror.plane.kind == PlaneKind::kBaseMirror) {
-      entry->set_ring(true);
-      entry->set_ring_base(static_cast<uint64_t>(mirror.value));
+      entry.ring = true;
+      entry.ring_base = static_cast<uint64_t>(mirror.value);
     } else {
-      entry->set_length(mirror.value);
+      entry.length = mirror.value;
     }
   }
   for (const LatentLayerState& latent : state_.latent()) {
-    pb::LayerState* entry = layer_state(latent.layer);
-    entry->set_index_pools_ready(latent.index_pools_ready);
-    entry->set_index_resident_from(latent.index_resident_from);
+    LayerStatus& entry = layer_status(latent.layer);
+    entry.index_pools_ready = latent.index_pools_ready;
+    entry.index_resident_from = latent.index_resident_from;
   }
+  return out;
 }
 
-void DaemonSession::FillLayout(const SessionLayoutVersion& layout, pb::SessionLayout* out) const {
-  out->set_layout_version(layout.version);
-  out->set_capacity(state_.capacity());
-  pb::Arena* arena = out->add_arenas();
-  arena->set_backend(layout.exported.backend);
-  arena->set_handle(layout.exported.handle);
-  arena->set_bytes(layout.exported.bytes);
-  absl::flat_hash_map<uint32_t, pb::LayerLayout*> by_layer;
-  for (const LayerGeometry& geometry : layout.plan.layers) {
-    pb::LayerLayout* layer = out->add_layers();
-    by_layer[geometry.layer] = layer;
-    layer->set_layer(geometry.layer);
-    layer->set_kind(StateKindToProto(geometry.kind));
-    *layer->mutable_formats() = KvFormatsToProto(geometry.formats);
-    layer->set_k_token_bytes(geometry.k_token_bytes);
-    layer->set_v_token_bytes(geometry.v_token_bytes);
-    layer->set_window(geometry.window);
-    layer->set_physical_rows(geometry.physical_rows);
-    layer->set_ring(geometry.ring);
-    layer->set_latent_width(geometry.latent_width);
-    layer->set_index_width(geometry.index_width);
-    layer->set_index_pool(geometry.index_pool);
-    layer->set_index_physical_rows(geometry.index_physical_rows);
-    layer->set_index_ring(geometry.index_ring);
-    layer->set_head_dim_k(geometry.head_dim_k);
-    layer->set_head_dim_v(geometry.head_dim_v);
-    layer->set_n_head_kv(geometry.n_head_kv);
-    layer->mutable_k_scale()->Add(geometry.k_scale.begin(), geometry.k_scale.end());
-    layer->mutable_v_scale()->Add(geometry.v_scale.begin(), geometry.v_scale.end());
-    if (geometry.kind == StateKind::kLatent) {
-      layer->set_latent_format(ElementFormatToProto(geometry.latent_format));
-    }
-  }
-  for (size_t i = 0; i < layout.plan.planes.size(); ++i) {
-    const PlaneSpec& spec = layout.plan.planes[i];
-    auto it = by_layer.find(spec.layer);
-    if (it == by_layer.end()) continue;  // core lists planes only for layers it lists
-    pb::Plane* plane = it->second->add_planes();
-    plane->set_kind(PlaneKindToProto(spec.kind));
-    plane->set_arena(0);
-    plane->set_offset(layout.offsets[i]);
-    plane->set_bytes(spec.bytes);
-    plane->set_rows(spec.rows);
-    plane->set_row_bytes(spec.row_bytes);
-  }
+PlacedLayout DaemonSession::PlacedLocked(const SessionLayoutVersion& layout) const {
+  return PlacedLayout{.layout_version = layout.version,
+                      .capacity = state_.capacity(),
+                      .arena = layout.exported,
+                      .plan = layout.plan,
+                      .offsets = layout.offsets};
 }
 
 }  // namespace memra

@@ -32,9 +32,9 @@
 #include "core/model_plan.h"
 #include "core/session.h"
 #include "core/sizing.h"
-#include "proto/memra/kv/v1/cache.pb.h"
 #include "common/mapped_region.h"
 #include "server/session/arena_pool.h"
+#include "server/session/session_ops.h"
 #include "server/device/backend.h"
 #include "server/device/device_budget.h"
 #include "server/base/ids.h"
@@ -108,23 +108,22 @@ class DaemonSession final : public PrefixSession {
   // Bytes of the arenas held now (0 after Release).
   uint64_t arena_bytes() const { return arena_bytes_.load(std::memory_order_relaxed); }
 
-  // Transactions (core/session.h rules).
-  absl::Status Begin(memra::kv::v1::BeginResponse* out) ABSL_LOCKS_EXCLUDED(mu_);
-  absl::Status PrepareAppend(uint64_t generation, uint64_t rows,
-                             memra::kv::v1::PrepareAppendResponse* out) ABSL_LOCKS_EXCLUDED(mu_);
-  absl::Status PublishAppend(uint64_t generation, memra::kv::v1::PublishAppendResponse* out)
+  // Transactions (core/session.h rules). Each returns its result (server/session/session_ops.h).
+  absl::StatusOr<TransactionId> Begin() ABSL_LOCKS_EXCLUDED(mu_);
+  absl::StatusOr<AppendPlan> PrepareAppend(uint64_t generation, uint64_t rows)
       ABSL_LOCKS_EXCLUDED(mu_);
+  absl::StatusOr<PublishedAppend> PublishAppend(uint64_t generation) ABSL_LOCKS_EXCLUDED(mu_);
   // `token_ids`: none, or exactly `accepted_rows` (the committed rows' tokens; INVALID_ARGUMENT
   // otherwise, before anything changes).
-  absl::Status Commit(uint64_t generation, uint64_t accepted_rows,
-                      memra::kv::v1::CommitResponse* out,
-                      absl::Span<const int32_t> token_ids = {}) ABSL_LOCKS_EXCLUDED(mu_);
-  absl::Status Abort(uint64_t generation, memra::kv::v1::AbortResponse* out)
+  absl::StatusOr<CommittedLength> Commit(uint64_t generation, uint64_t accepted_rows,
+                                         absl::Span<const int32_t> token_ids = {})
       ABSL_LOCKS_EXCLUDED(mu_);
+  absl::StatusOr<CommittedLength> Abort(uint64_t generation) ABSL_LOCKS_EXCLUDED(mu_);
   // One decode step (SessionState::Advance): all or nothing, mirrors written once at the end.
   // `token_ids` as Commit's, for the finished transaction's accepted rows.
-  absl::Status Advance(const AdvanceRequest& request, absl::Span<const int32_t> token_ids,
-                       memra::kv::v1::AdvanceResponse* out) ABSL_LOCKS_EXCLUDED(mu_);
+  absl::StatusOr<SessionAdvanced> Advance(const AdvanceRequest& request,
+                                          absl::Span<const int32_t> token_ids)
+      ABSL_LOCKS_EXCLUDED(mu_);
 
   absl::Status Rewind(uint64_t target) ABSL_LOCKS_EXCLUDED(mu_);
   absl::StatusOr<bool> CanRewind(uint64_t target) ABSL_LOCKS_EXCLUDED(mu_);
@@ -137,12 +136,12 @@ class DaemonSession final : public PrefixSession {
   // New arena of `target_capacity`, committed rows copied by the daemon, layout version + 1.
   // The old arena stays allocated (engines may still be reading it) until AcknowledgeGrow;
   // both are charged to the budget meanwhile (RESOURCE_EXHAUSTED reports the new arena's bytes).
-  absl::Status Grow(uint64_t target_capacity, memra::kv::v1::GrowResponse* out)
-      ABSL_LOCKS_EXCLUDED(mu_);
+  // Returns the state and the new layout.
+  absl::StatusOr<SessionReport> Grow(uint64_t target_capacity) ABSL_LOCKS_EXCLUDED(mu_);
   absl::Status AcknowledgeGrow(uint64_t layout_version) ABSL_LOCKS_EXCLUDED(mu_);
 
-  absl::Status GetState(memra::kv::v1::SessionState* state, memra::kv::v1::SessionLayout* layout)
-      ABSL_LOCKS_EXCLUDED(mu_);
+  // The state now, and the current layout when `with_layout`.
+  absl::StatusOr<SessionReport> GetState(bool with_layout = false) ABSL_LOCKS_EXCLUDED(mu_);
 
   // Runs `run` (operations of this session) unless a long operation (Grow, a prefix view or
   // restore, Release: allocation and copies, seconds on a device) holds the session now; false,
@@ -191,8 +190,8 @@ class DaemonSession final : public PrefixSession {
   // Device work after a core state change failed: taint, log, return `status`.
   absl::Status TaintAfter(absl::string_view op, absl::Status status)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void FillState(memra::kv::v1::SessionState* out) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void FillLayout(const SessionLayoutVersion& layout, memra::kv::v1::SessionLayout* out) const
+  SessionStatus StatusLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  PlacedLayout PlacedLocked(const SessionLayoutVersion& layout) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void UpdateArenaBytes() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // After a length moved down: committed_tokens_ follows it (unknown if it grew).

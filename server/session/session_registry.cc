@@ -5,7 +5,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "common/codec.h"
+#include "common/codec.h"  // FingerprintToBytes
 #include "core/status_macros.h"
 #include "server/base/secret_token.h"
 #include "spdlog/spdlog.h"
@@ -254,10 +254,25 @@ absl::StatusOr<std::shared_ptr<DaemonSession>> SessionRegistry::Find(
   // learn which slots other engines' sessions hold.
   if (slot.slot >= slots_.size() || slots_[slot.slot] == nullptr ||
       !(slots_[slot.slot]->owner() == slot.engine)) {
-    return absl::NotFoundError(absl::StrCat("slot ", slot.slot, " holds no session of engine ",
-                                            slot.engine.value));
+    return SlotRefusal(slot);
   }
   return slots_[slot.slot];
+}
+
+absl::Status SessionRegistry::SlotRefusal(const SessionSlot& slot) {
+  return absl::NotFoundError(
+      absl::StrCat("slot ", slot.slot, " holds no session of engine ", slot.engine.value));
+}
+
+void SessionRegistry::FindSlots(EngineId engine, absl::Span<const uint32_t> slots,
+                                absl::Span<std::shared_ptr<DaemonSession>> out) const {
+  absl::MutexLock lock(&mu_);
+  for (size_t i = 0; i < slots.size() && i < out.size(); ++i) {
+    const uint32_t slot = slots[i];
+    const bool owned = slot < slots_.size() && slots_[slot] != nullptr &&
+                       slots_[slot]->owner() == engine;
+    out[i] = owned ? slots_[slot] : nullptr;
+  }
 }
 
 absl::StatusOr<SessionRelease> SessionRegistry::Release(const SessionCredentials& credentials) {
@@ -302,92 +317,116 @@ std::vector<std::shared_ptr<DaemonSession>> SessionRegistry::RemoveLocked(
   return removed;
 }
 
-absl::Status SessionRegistry::Apply(DaemonSession& session, const SessionOp& op) {
+absl::StatusOr<SessionResult> SessionRegistry::Apply(DaemonSession& session,
+                                                     const SessionOp& op) {
+  // Each operation's result as the variant; operations without one answer std::monostate.
+  auto none = [](absl::Status status) -> absl::StatusOr<SessionResult> {
+    if (!status.ok()) return status;
+    return SessionResult();
+  };
+  auto result = [](auto value) -> absl::StatusOr<SessionResult> {
+    if (!value.ok()) return value.status();
+    return SessionResult(*std::move(value));
+  };
   return std::visit(
       Overloaded{
-          [&](const BeginOp& begin) { return session.Begin(begin.reply); },
+          [&](const BeginOp&) { return result(session.Begin()); },
           [&](const PrepareAppendOp& prepare) {
-            return session.PrepareAppend(prepare.generation, prepare.rows, prepare.reply);
+            return result(session.PrepareAppend(prepare.generation, prepare.rows));
           },
           [&](const PublishAppendOp& publish) {
-            return session.PublishAppend(publish.generation, publish.reply);
+            return result(session.PublishAppend(publish.generation));
           },
           [&](const CommitOp& commit) {
-            return session.Commit(commit.generation, commit.accepted_rows, commit.reply,
-                                  commit.token_ids);
+            return result(session.Commit(commit.generation, commit.accepted_rows,
+                                         commit.token_ids));
           },
-          [&](const AbortOp& abort) { return session.Abort(abort.generation, abort.reply); },
+          [&](const AbortOp& abort) { return result(session.Abort(abort.generation)); },
           [&](const AdvanceOp& advance) {
-            return session.Advance(advance.request, advance.token_ids, advance.reply);
+            return result(session.Advance(advance.request, advance.token_ids));
           },
-          [&](const ResetOp&) { return session.Reset(); },
-          [&](const RewindOp& rewind) { return session.Rewind(rewind.target); },
-          [&](const CanRewindOp& can) -> absl::Status {
-            ASSIGN_OR_RETURN(*can.reply, session.CanRewind(can.target));
-            return absl::OkStatus();
+          [&](const ResetOp&) { return none(session.Reset()); },
+          [&](const RewindOp& rewind) { return none(session.Rewind(rewind.target)); },
+          [&](const CanRewindOp& can) -> absl::StatusOr<SessionResult> {
+            ASSIGN_OR_RETURN(bool possible, session.CanRewind(can.target));
+            return RewindPossible{.possible = possible};
           },
           [&](const HydrateOp& hydrate) {
-            return session.Hydrate(hydrate.logical_len, hydrate.resident_starts);
+            return none(session.Hydrate(hydrate.logical_len, hydrate.resident_starts));
           },
-          [&](const SpecSnapshotOp&) { return session.SpecSnapshot(); },
+          [&](const SpecSnapshotOp&) { return none(session.SpecSnapshot()); },
           [&](const SpecRollbackOp& rollback) {
-            return session.SpecRollback(rollback.accept_len);
+            return none(session.SpecRollback(rollback.accept_len));
           },
-          [&](const GrowOp& grow) { return session.Grow(grow.target_capacity, grow.reply); },
+          [&](const GrowOp& grow) { return result(session.Grow(grow.target_capacity)); },
           [&](const AcknowledgeGrowOp& acknowledge) {
-            return session.AcknowledgeGrow(acknowledge.layout_version);
+            return none(session.AcknowledgeGrow(acknowledge.layout_version));
           },
-          [&](const TaintOp& taint) { return session.Taint(taint.reason); },
-          [&](const GetStateOp& get) { return session.GetState(get.state, get.layout); },
+          [&](const TaintOp& taint) { return none(session.Taint(taint.reason)); },
+          [&](const GetStateOp& get) { return result(session.GetState(get.with_layout)); },
       },
       op);
 }
 
-absl::Status SessionRegistry::Run(const SessionCredentials& credentials,
-                                  absl::Span<const SessionOp> ops,
-                                  absl::FunctionRef<absl::Status()> before) {
+absl::StatusOr<std::vector<SessionResult>> SessionRegistry::Run(
+    const SessionCredentials& credentials, absl::Span<const SessionOp> ops,
+    absl::FunctionRef<absl::Status()> before) {
   ASSIGN_OR_RETURN(std::shared_ptr<DaemonSession> session, Find(credentials));
   RETURN_IF_ERROR(before());
+  std::vector<SessionResult> results;
+  results.reserve(ops.size());
   absl::Status status;
   for (const SessionOp& op : ops) {
-    status = Apply(*session, op);
-    if (!status.ok()) break;
+    absl::StatusOr<SessionResult> result = Apply(*session, op);
+    if (!result.ok()) {
+      status = result.status();
+      break;
+    }
+    results.push_back(*std::move(result));
   }
   // Before the reply: what the engine is told happened is what a restart brings back.
   session->JournalNow();
-  return status;
+  if (!status.ok()) return status;
+  return results;
 }
 
-absl::Status SessionRegistry::Run(const SessionCredentials& credentials, const SessionOp& op) {
+absl::StatusOr<SessionResult> SessionRegistry::Run(const SessionCredentials& credentials,
+                                                   const SessionOp& op) {
   ASSIGN_OR_RETURN(std::shared_ptr<DaemonSession> session, Find(credentials));
   return ApplyAndJournal(*session, op);
 }
 
-absl::Status SessionRegistry::Run(const SessionSlot& slot, const SessionOp& op) {
+absl::StatusOr<SessionResult> SessionRegistry::Run(const SessionSlot& slot,
+                                                   const SessionOp& op) {
   ASSIGN_OR_RETURN(std::shared_ptr<DaemonSession> session, Find(slot));
   return ApplyAndJournal(*session, op);
 }
 
-std::optional<absl::Status> SessionRegistry::TryRun(const SessionSlot& slot,
-                                                    const SessionOp& op) {
-  if (std::holds_alternative<GrowOp>(op)) {
-    // Grow takes the lock RunUnlessBusy holds: refused, never a self-deadlock.
-    return absl::InvalidArgumentError("TryRun runs short operations only; Grow is a long one");
-  }
+std::optional<absl::StatusOr<SessionResult>> SessionRegistry::TryRun(const SessionSlot& slot,
+                                                                     const SessionOp& op) {
   absl::StatusOr<std::shared_ptr<DaemonSession>> session = Find(slot);
-  if (!session.ok()) return session.status();
-  absl::Status status;
-  if (!(*session)->RunUnlessBusy([&] { status = ApplyAndJournal(**session, op); })) {
-    return std::nullopt;
-  }
-  return status;
+  if (!session.ok()) return absl::StatusOr<SessionResult>(session.status());
+  return TryApply(**session, op);
 }
 
-absl::Status SessionRegistry::ApplyAndJournal(DaemonSession& session, const SessionOp& op) {
-  absl::Status status = Apply(session, op);
+std::optional<absl::StatusOr<SessionResult>> SessionRegistry::TryApply(DaemonSession& session,
+                                                                       const SessionOp& op) {
+  if (std::holds_alternative<GrowOp>(op)) {
+    // Grow takes the lock RunUnlessBusy holds: refused, never a self-deadlock.
+    return absl::StatusOr<SessionResult>(
+        absl::InvalidArgumentError("TryRun runs short operations only; Grow is a long one"));
+  }
+  std::optional<absl::StatusOr<SessionResult>> ran;
+  if (!session.RunUnlessBusy([&] { ran = ApplyAndJournal(session, op); })) return std::nullopt;
+  return ran;
+}
+
+absl::StatusOr<SessionResult> SessionRegistry::ApplyAndJournal(DaemonSession& session,
+                                                               const SessionOp& op) {
+  absl::StatusOr<SessionResult> result = Apply(session, op);
   // Before the reply: what the engine is told happened is what a restart brings back.
   session.JournalNow();
-  return status;
+  return result;
 }
 
 void SessionRegistry::CaptureBeforeRelease(DaemonSession& session) {

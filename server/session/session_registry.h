@@ -38,86 +38,18 @@
 #include "core/formats.h"
 #include "core/model_plan.h"
 #include "core/sizing.h"
-#include "proto/memra/kv/v1/cache.pb.h"
 #include "server/session/arena_pool.h"
 #include "server/device/backend.h"
 #include "server/session/daemon_session.h"
 #include "server/device/device_budget.h"
 #include "server/session/engine_leases.h"
 #include "server/session/plan_registry.h"
+#include "server/session/session_ops.h"
 #include "server/store/prefix_cache.h"
 #include "server/session/state_journal.h"
 #include "common/daemon_restart.h"
 
 namespace memra {
-
-// ---- Session operations (DaemonSession has the rules; replies are written where `reply`
-// points, and only when the operation succeeded) ----
-struct BeginOp {
-  memra::kv::v1::BeginResponse* reply;
-};
-struct PrepareAppendOp {
-  uint64_t generation = 0;
-  uint64_t rows = 0;
-  memra::kv::v1::PrepareAppendResponse* reply;
-};
-struct PublishAppendOp {
-  uint64_t generation = 0;
-  memra::kv::v1::PublishAppendResponse* reply;
-};
-struct CommitOp {
-  uint64_t generation = 0;
-  uint64_t accepted_rows = 0;
-  absl::Span<const int32_t> token_ids;  // none, or exactly accepted_rows
-  memra::kv::v1::CommitResponse* reply;
-};
-struct AbortOp {
-  uint64_t generation = 0;
-  memra::kv::v1::AbortResponse* reply;
-};
-// One decode step: PublishAppend (when pending) + Commit, then Begin + PrepareAppend, all or
-// nothing (SessionState::Advance).
-struct AdvanceOp {
-  AdvanceRequest request;
-  absl::Span<const int32_t> token_ids;  // as CommitOp's
-  memra::kv::v1::AdvanceResponse* reply;
-};
-struct ResetOp {};
-struct RewindOp {
-  uint64_t target = 0;
-};
-struct CanRewindOp {
-  uint64_t target = 0;
-  bool* reply;
-};
-struct HydrateOp {
-  uint64_t logical_len = 0;
-  absl::Span<const uint64_t> resident_starts;
-};
-struct SpecSnapshotOp {};
-struct SpecRollbackOp {
-  uint64_t accept_len = 0;
-};
-struct GrowOp {
-  uint64_t target_capacity = 0;
-  memra::kv::v1::GrowResponse* reply;
-};
-struct AcknowledgeGrowOp {
-  uint64_t layout_version = 0;
-};
-struct TaintOp {
-  absl::string_view reason;
-};
-// The session's state (and, when `layout` is set, its layout) now.
-struct GetStateOp {
-  memra::kv::v1::SessionState* state;
-  memra::kv::v1::SessionLayout* layout = nullptr;
-};
-using SessionOp =
-    std::variant<BeginOp, PrepareAppendOp, PublishAppendOp, CommitOp, AbortOp, AdvanceOp, ResetOp,
-                 RewindOp,
-                 CanRewindOp, HydrateOp, SpecSnapshotOp, SpecRollbackOp, GrowOp,
-                 AcknowledgeGrowOp, TaintOp, GetStateOp>;
 
 // What a session is named by on every call: its id and the token CreateSession handed out.
 struct SessionCredentials {
@@ -220,20 +152,38 @@ class SessionRegistry {
   // reply carries them), emptied.
   std::vector<std::string> TakeUnmapped(EngineId engine);
 
-  // THE operation dispatcher: runs `op` on `session`.
-  static absl::Status Apply(DaemonSession& session, const SessionOp& op);
+  // THE operation dispatcher: runs `op` on `session` and returns its result
+  // (server/session/session_ops.h names each operation's).
+  static absl::StatusOr<SessionResult> Apply(DaemonSession& session, const SessionOp& op);
   // Authenticates the session, runs `before` (the engine's device ordering: after the
   // authentication, so nobody makes the daemon wait for a session not theirs), then applies
-  // `ops` in order, stopping at the first refusal.
-  absl::Status Run(const SessionCredentials& session, absl::Span<const SessionOp> ops,
-                   absl::FunctionRef<absl::Status()> before) ABSL_LOCKS_EXCLUDED(mu_);
-  absl::Status Run(const SessionCredentials& session, const SessionOp& op)
+  // `ops` in order, stopping at the first refusal; their results, in order.
+  absl::StatusOr<std::vector<SessionResult>> Run(const SessionCredentials& session,
+                                                 absl::Span<const SessionOp> ops,
+                                                 absl::FunctionRef<absl::Status()> before)
       ABSL_LOCKS_EXCLUDED(mu_);
-  absl::Status Run(const SessionSlot& slot, const SessionOp& op) ABSL_LOCKS_EXCLUDED(mu_);
+  absl::StatusOr<SessionResult> Run(const SessionCredentials& session, const SessionOp& op)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  absl::StatusOr<SessionResult> Run(const SessionSlot& slot, const SessionOp& op)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // The sessions in `slots` (of engine `engine`), each in the same place of `out` (null where
+  // Find(slot) would refuse: SlotRefusal says how), under ONE acquisition of the registry's
+  // lock: the step channel resolves a round of records with it. REQUIRES: out.size() ==
+  // slots.size().
+  void FindSlots(EngineId engine, absl::Span<const uint32_t> slots,
+                 absl::Span<std::shared_ptr<DaemonSession>> out) const ABSL_LOCKS_EXCLUDED(mu_);
+  // Find(slot)'s refusal for a slot that holds no session of the engine.
+  static absl::Status SlotRefusal(const SessionSlot& slot);
+  // As Run on a session found already, but never waits for a long operation holding it
+  // (DaemonSession::RunUnlessBusy): nullopt, with nothing run, when one does. For short
+  // operations: INVALID_ARGUMENT for a GrowOp (itself a long one).
+  static std::optional<absl::StatusOr<SessionResult>> TryApply(DaemonSession& session,
+                                                               const SessionOp& op);
   // As Run(slot, op), but never waits for a session a long operation holds
   // (DaemonSession::RunUnlessBusy): nullopt, with nothing run, when one does. For short
   // operations: INVALID_ARGUMENT for a GrowOp (itself a long one).
-  std::optional<absl::Status> TryRun(const SessionSlot& slot, const SessionOp& op)
+  std::optional<absl::StatusOr<SessionResult>> TryRun(const SessionSlot& slot,
+                                                      const SessionOp& op)
       ABSL_LOCKS_EXCLUDED(mu_);
 
   // Removes and releases every session of `engine` (its lease was reclaimed), each exactly
@@ -263,7 +213,8 @@ class SessionRegistry {
  private:
   // Apply, then the session's journal record: every Run (by credentials or by slot) ends here
   // or journals the same way, so what an engine is told happened is what a restart restores.
-  static absl::Status ApplyAndJournal(DaemonSession& session, const SessionOp& op);
+  static absl::StatusOr<SessionResult> ApplyAndJournal(DaemonSession& session,
+                                                       const SessionOp& op);
   // Removes `ids` (and their index entries) from the map; the sessions removed.
   std::vector<std::shared_ptr<DaemonSession>> RemoveLocked(const std::vector<uint64_t>& ids)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

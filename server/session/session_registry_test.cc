@@ -30,7 +30,6 @@
 namespace memra {
 namespace {
 
-namespace pb = ::memra::kv::v1;
 using ::memra::testing::IsOk;
 using ::memra::testing::StatusIs;
 using ::testing::HasSubstr;
@@ -123,17 +122,16 @@ TEST_F(SessionRegistryTest, SlotsAreDenseReusedAfterReleaseAndOnlyTheirEnginesTo
 
   // Engine a naming b's slot: refused exactly as an empty slot is (a learns nothing of b's
   // slots), and the session is untouched.
-  pb::BeginResponse begun;
-  const absl::Status foreign_slot = registry_->Run(SessionSlot{a.id, 1}, BeginOp{&begun});
+  const absl::Status foreign_slot = registry_->Run(SessionSlot{a.id, 1}, BeginOp{}).status();
   EXPECT_THAT(foreign_slot,
               StatusIs(absl::StatusCode::kNotFound,
                        HasSubstr(absl::StrCat("slot 1 holds no session of engine ", a.id.value))));
-  const absl::Status empty_slot = registry_->Run(SessionSlot{a.id, 1000}, BeginOp{&begun});
+  const absl::Status empty_slot = registry_->Run(SessionSlot{a.id, 1000}, BeginOp{}).status();
   EXPECT_EQ(empty_slot.code(), foreign_slot.code());
   EXPECT_EQ(absl::StrReplaceAll(empty_slot.message(), {{"1000", "1"}}), foreign_slot.message());
-  pb::SessionState state;
-  ASSERT_THAT(SessionRegistry::Apply(*sessions[1], GetStateOp{&state}), IsOk());
-  EXPECT_EQ(state.next_generation(), 1u) << "the refused Begin began nothing";
+  absl::StatusOr<SessionReport> report = sessions[1]->GetState();
+  ASSERT_THAT(report, IsOk());
+  EXPECT_EQ(report->state.next_generation, 1u) << "the refused Begin began nothing";
   EXPECT_THAT(registry_->Find(SessionSlot{a.id, 3}),
               StatusIs(absl::StatusCode::kNotFound, HasSubstr("slot 3 holds no session")));
 
@@ -229,16 +227,15 @@ TEST_F(SessionRegistryTest, OperationsBySlotAreJournaledBeforeTheReply) {
       registry.Create(Engine(engine), plan_, Shape(256), std::nullopt);
   ASSERT_THAT(session, IsOk());
   const SessionSlot slot{engine.id, (*session)->slot()};
-  pb::BeginResponse begin;
-  pb::PrepareAppendResponse prepare;
-  pb::PublishAppendResponse publish;
-  pb::CommitResponse commit;
-  ASSERT_THAT(registry.Run(slot, BeginOp{&begin}), IsOk());
-  ASSERT_THAT(registry.Run(slot, PrepareAppendOp{begin.generation(), 5, &prepare}), IsOk());
-  ASSERT_THAT(registry.Run(slot, PublishAppendOp{begin.generation(), &publish}), IsOk());
+  absl::StatusOr<SessionResult> begin = registry.Run(slot, BeginOp{});
+  ASSERT_THAT(begin, IsOk());
+  const uint64_t generation = std::get<TransactionId>(*begin).generation;
+  ASSERT_THAT(registry.Run(slot, PrepareAppendOp{generation, 5}), IsOk());
+  ASSERT_THAT(registry.Run(slot, PublishAppendOp{generation}), IsOk());
   const std::vector<int32_t> tokens = {1, 2, 3, 4, 5};
-  ASSERT_THAT(registry.Run(slot, CommitOp{begin.generation(), 5, tokens, &commit}), IsOk());
-  EXPECT_EQ(commit.committed_len(), 5u);
+  absl::StatusOr<SessionResult> commit = registry.Run(slot, CommitOp{generation, 5, tokens});
+  ASSERT_THAT(commit, IsOk());
+  EXPECT_EQ(std::get<CommittedLength>(*commit).committed_len, 5u);
   EXPECT_EQ(journal.Committed((*session)->id().value), std::optional<uint64_t>(5));
   registry.ReleaseAll();
 }
@@ -263,29 +260,28 @@ TEST_F(SessionRegistryTest, TryRunRunsNothingWhileALongOperationHoldsTheSession)
                 IsOk());
   });
   viewing.WaitForNotification();
-  pb::BeginResponse begun;
-  EXPECT_FALSE(registry_->TryRun(slot, BeginOp{&begun}).has_value());
+  EXPECT_FALSE(registry_->TryRun(slot, BeginOp{}).has_value());
   // Refusals before the session is reached are answered as Run's.
-  std::optional<absl::Status> foreign =
-      registry_->TryRun(SessionSlot{a.id, theirs->slot()}, BeginOp{&begun});
+  std::optional<absl::StatusOr<SessionResult>> foreign =
+      registry_->TryRun(SessionSlot{a.id, theirs->slot()}, BeginOp{});
   ASSERT_TRUE(foreign.has_value());
-  EXPECT_THAT(*foreign, StatusIs(absl::StatusCode::kNotFound,
+  EXPECT_THAT(foreign->status(), StatusIs(absl::StatusCode::kNotFound,
                                  HasSubstr(absl::StrCat("slot ", theirs->slot(),
                                                         " holds no session of engine ",
                                                         a.id.value))));
-  pb::GrowResponse grown;
-  std::optional<absl::Status> grow = registry_->TryRun(slot, GrowOp{512, &grown});
+  std::optional<absl::StatusOr<SessionResult>> grow = registry_->TryRun(slot, GrowOp{512});
   ASSERT_TRUE(grow.has_value());
-  EXPECT_THAT(*grow, StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("Grow is a long one")));
+  EXPECT_THAT(grow->status(), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("Grow is a long one")));
   done.Notify();
   view.join();
-  pb::SessionState state;
-  ASSERT_THAT(SessionRegistry::Apply(*session, GetStateOp{&state}), IsOk());
-  EXPECT_EQ(state.next_generation(), 1u) << "the busy Begin began nothing";
-  std::optional<absl::Status> ran = registry_->TryRun(slot, BeginOp{&begun});
+  absl::StatusOr<SessionResult> state = SessionRegistry::Apply(*session, GetStateOp{});
+  ASSERT_THAT(state, IsOk());
+  EXPECT_EQ(std::get<SessionReport>(*state).state.next_generation, 1u)
+      << "the busy Begin began nothing";
+  std::optional<absl::StatusOr<SessionResult>> ran = registry_->TryRun(slot, BeginOp{});
   ASSERT_TRUE(ran.has_value());
-  EXPECT_THAT(*ran, IsOk());
-  EXPECT_EQ(begun.generation(), 1u);
+  ASSERT_THAT(*ran, IsOk());
+  EXPECT_EQ(std::get<TransactionId>(**ran).generation, 1u);
 }
 
 TEST_F(SessionRegistryTest, CreateRefusalsAllocateNothing) {
@@ -329,33 +325,26 @@ TEST_F(SessionRegistryTest, TheDispatcherRunsTypedOperationsInOrderAndStopsAtARe
   const SessionCredentials credentials = Credentials(*session);
   auto no_wait = [] { return absl::OkStatus(); };
 
-  pb::BeginResponse begin;
-  ASSERT_THAT(registry_->Run(credentials, BeginOp{&begin}), IsOk());
-  pb::PrepareAppendResponse prepare;
-  pb::PublishAppendResponse publish;
-  pb::CommitResponse commit;
-  pb::SessionState state;
+  absl::StatusOr<SessionResult> begin = registry_->Run(credentials, BeginOp{});
+  ASSERT_THAT(begin, IsOk());
+  const uint64_t generation = std::get<TransactionId>(*begin).generation;
   const std::vector<int32_t> tokens = {7, 8, 9};
-  ASSERT_THAT(registry_->Run(credentials,
-                             {PrepareAppendOp{begin.generation(), 3, &prepare},
-                              PublishAppendOp{begin.generation(), &publish},
-                              CommitOp{begin.generation(), 3, tokens, &commit},
-                              GetStateOp{&state}},
-                             no_wait),
-              IsOk());
-  EXPECT_EQ(publish.staged_len(), 3u);
-  EXPECT_EQ(commit.committed_len(), 3u);
-  EXPECT_EQ(state.committed_len(), 3u);
+  absl::StatusOr<std::vector<SessionResult>> results =
+      registry_->Run(credentials,
+                     {PrepareAppendOp{generation, 3}, PublishAppendOp{generation},
+                      CommitOp{generation, 3, tokens}, GetStateOp{}},
+                     no_wait);
+  ASSERT_THAT(results, IsOk());
+  ASSERT_EQ(results->size(), 4u);
+  EXPECT_EQ(std::get<AppendPlan>((*results)[0]).target, 3u);
+  EXPECT_EQ(std::get<PublishedAppend>((*results)[1]).staged_len, 3u);
+  EXPECT_EQ(std::get<CommittedLength>((*results)[2]).committed_len, 3u);
+  EXPECT_EQ(std::get<SessionReport>((*results)[3]).state.committed_len, 3u);
 
-  // A refused operation stops the sequence: the state after it is not read.
-  pb::AbortResponse abort;
-  pb::SessionState untouched;
-  EXPECT_THAT(registry_->Run(credentials, {AbortOp{begin.generation(), &abort},
-                                           GetStateOp{&untouched}},
-                             no_wait),
+  // A refused operation stops the sequence: the state after it is not read, and no result
+  // comes back.
+  EXPECT_THAT(registry_->Run(credentials, {AbortOp{generation}, GetStateOp{}}, no_wait).status(),
               StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("")));
-  EXPECT_EQ(untouched.capacity(), 0u);
-  EXPECT_EQ(abort.committed_len(), 0u);
 
   // `before` runs after authentication and before any operation; its refusal is the answer.
   bool waited = false;
@@ -363,15 +352,17 @@ TEST_F(SessionRegistryTest, TheDispatcherRunsTypedOperationsInOrderAndStopsAtARe
                              [&] {
                                waited = true;
                                return absl::OkStatus();
-                             }),
+                             })
+                  .status(),
               StatusIs(absl::StatusCode::kPermissionDenied, HasSubstr("wrong session token")));
   EXPECT_FALSE(waited);
   EXPECT_THAT(registry_->Run(credentials, {ResetOp{}},
-                             [] { return absl::DeadlineExceededError("event never fired"); }),
+                             [] { return absl::DeadlineExceededError("event never fired"); })
+                  .status(),
               StatusIs(absl::StatusCode::kDeadlineExceeded, HasSubstr("event never fired")));
-  bool can = true;
-  ASSERT_THAT(registry_->Run(credentials, CanRewindOp{1, &can}), IsOk());
-  EXPECT_TRUE(can);  // not reset: the refused wait came first
+  absl::StatusOr<SessionResult> can = registry_->Run(credentials, CanRewindOp{1});
+  ASSERT_THAT(can, IsOk());
+  EXPECT_TRUE(std::get<RewindPossible>(*can).possible);  // not reset: the refused wait came first
 }
 
 TEST_F(SessionRegistryTest, ReleaseFreesTheArenaOnce) {
@@ -440,20 +431,16 @@ TEST_F(SessionRegistryTest, AReadoptedSessionIsFoundAtItsCommittedLength) {
   ASSERT_NE(session, nullptr);
   const std::string token = session->params().token;  // outlives the session object
   const SessionCredentials credentials{session->id(), token};
-  pb::BeginResponse begun;
-  ASSERT_THAT(registry_->Run(credentials, BeginOp{&begun}), IsOk());
-  pb::PrepareAppendResponse prepared;
-  ASSERT_THAT(registry_->Run(credentials, PrepareAppendOp{begun.generation(), 10, &prepared}),
-              IsOk());
-  pb::PublishAppendResponse published;
-  ASSERT_THAT(registry_->Run(credentials, PublishAppendOp{begun.generation(), &published}), IsOk());
-  pb::CommitResponse committed;
-  ASSERT_THAT(registry_->Run(credentials, CommitOp{begun.generation(), 10, {}, &committed}),
-              IsOk());
-  pb::SessionLayout layout;
-  pb::SessionState state;
-  ASSERT_THAT(registry_->Run(credentials, GetStateOp{&state, &layout}), IsOk());
-  const uint64_t arena_bytes = layout.arenas(0).bytes();
+  absl::StatusOr<SessionResult> begun = registry_->Run(credentials, BeginOp{});
+  ASSERT_THAT(begun, IsOk());
+  const uint64_t generation = std::get<TransactionId>(*begun).generation;
+  ASSERT_THAT(registry_->Run(credentials, PrepareAppendOp{generation, 10}), IsOk());
+  ASSERT_THAT(registry_->Run(credentials, PublishAppendOp{generation}), IsOk());
+  ASSERT_THAT(registry_->Run(credentials, CommitOp{generation, 10, {}}), IsOk());
+  absl::StatusOr<SessionResult> report = registry_->Run(credentials, GetStateOp{true});
+  ASSERT_THAT(report, IsOk());
+  ASSERT_TRUE(std::get<SessionReport>(*report).layout.has_value());
+  const uint64_t arena_bytes = std::get<SessionReport>(*report).layout->arena.bytes;
   // What the previous daemon kept, and then it is gone.
   ArenaId current;
   ASSERT_THAT(session->ViewLocked([&](const SessionState&, const SessionLayoutVersion& at,
@@ -487,9 +474,10 @@ TEST_F(SessionRegistryTest, AReadoptedSessionIsFoundAtItsCommittedLength) {
   ASSERT_THAT(adopted, IsOk());
   ASSERT_THAT(registry_->Readopt(*std::move(adopted), /*slot_limit=*/3), IsOk());
   EXPECT_EQ(budget_.Snapshot().allocated(), arena_bytes);
-  ASSERT_THAT(registry_->Run(credentials, GetStateOp{&state, nullptr}), IsOk());
-  EXPECT_EQ(state.committed_len(), 10u);
-  EXPECT_EQ(state.next_generation(), 2u);
+  report = registry_->Run(credentials, GetStateOp{});
+  ASSERT_THAT(report, IsOk());
+  EXPECT_EQ(std::get<SessionReport>(*report).state.committed_len, 10u);
+  EXPECT_EQ(std::get<SessionReport>(*report).state.next_generation, 2u);
   absl::StatusOr<std::shared_ptr<DaemonSession>> by_slot =
       registry_->Find(SessionSlot{engine.id, 2});
   ASSERT_THAT(by_slot, IsOk());

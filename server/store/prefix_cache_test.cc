@@ -46,7 +46,6 @@ using ::memra::testing::IsOk;
 using ::memra::testing::StatusIs;
 using ::testing::HasSubstr;
 namespace tp = ::memra::test_plans;
-namespace pb = ::memra::kv::v1;
 
 constexpr uint32_t kBlock = 16;
 constexpr char kScope[] = "uid:1000";  // the test sessions' cache scope unless one is given
@@ -235,15 +234,12 @@ class PrefixCacheTest : public ::testing::Test {
     uint64_t done = 0;
     while (done < rows) {
       const uint64_t chunk = std::min<uint64_t>(rows - done, 512);
-      pb::BeginResponse begin;
-      ASSERT_THAT(session.Begin(&begin), IsOk());
-      pb::PrepareAppendResponse prepare;
-      ASSERT_THAT(session.PrepareAppend(begin.generation(), chunk, &prepare), IsOk());
-      pb::PublishAppendResponse publish;
-      ASSERT_THAT(session.PublishAppend(begin.generation(), &publish), IsOk());
-      const uint64_t at = begin.base_len();
-      pb::CommitResponse commit;
-      ASSERT_THAT(session.Commit(begin.generation(), chunk, &commit,
+      absl::StatusOr<TransactionId> begin = session.Begin();
+      ASSERT_THAT(begin, IsOk());
+      ASSERT_THAT(session.PrepareAppend(begin->generation, chunk), IsOk());
+      ASSERT_THAT(session.PublishAppend(begin->generation), IsOk());
+      const uint64_t at = begin->base_len;
+      ASSERT_THAT(session.Commit(begin->generation, chunk,
                                  absl::MakeConstSpan(all_tokens).subspan(at, chunk)),
                   IsOk());
       done += chunk;
@@ -443,9 +439,10 @@ class PrefixCacheTest : public ::testing::Test {
   }
 
   uint64_t Committed(DaemonSession& session) {
-    pb::SessionState state;
-    EXPECT_THAT(session.GetState(&state, nullptr), IsOk());
-    return state.committed_len();
+    absl::StatusOr<SessionReport> report = session.GetState();
+    EXPECT_THAT(report, IsOk());
+    const SessionStatus state = report.ok() ? report->state : SessionStatus{};
+    return state.committed_len;
   }
 
   PlanFingerprint Shape(const ModelPlan& plan) {
@@ -618,14 +615,11 @@ TEST_F(PrefixCacheTest, CaptureStoresOnlyUnderTheCommittedTokenIds) {
 
   // Committed without token ids: the session's ids are unknown, nothing can be captured.
   auto unknown = NewSession(FlatPlan(), 128);
-  pb::BeginResponse begin;
-  ASSERT_THAT(unknown->Begin(&begin), IsOk());
-  pb::PrepareAppendResponse prepare;
-  ASSERT_THAT(unknown->PrepareAppend(begin.generation(), 32, &prepare), IsOk());
-  pb::PublishAppendResponse publish;
-  ASSERT_THAT(unknown->PublishAppend(begin.generation(), &publish), IsOk());
-  pb::CommitResponse commit;
-  ASSERT_THAT(unknown->Commit(begin.generation(), 32, &commit), IsOk());
+  absl::StatusOr<TransactionId> begin = unknown->Begin();
+  ASSERT_THAT(begin, IsOk());
+  ASSERT_THAT(unknown->PrepareAppend(begin->generation, 32), IsOk());
+  ASSERT_THAT(unknown->PublishAppend(begin->generation), IsOk());
+  ASSERT_THAT(unknown->Commit(begin->generation, 32), IsOk());
   EXPECT_THAT(cache_->Capture(*unknown, Tokens(32), 32).status(),
               StatusIs(absl::StatusCode::kFailedPrecondition,
                        HasSubstrs(absl::StrCat("session ", unknown->id().value,
@@ -661,9 +655,10 @@ TEST_F(PrefixCacheTest, RecurrentStateRestoresOnlyAtTheCapturedBoundary) {
   auto dest = NewSession(HybridPlan(), 256);
   ASSERT_THAT(cache_->Restore(*dest, hit.entry, Tokens(70)).status(), IsOk());
   ExpectRestored(*dest, 64, 64);
-  pb::SessionState state;
-  ASSERT_THAT(dest->GetState(&state, nullptr), IsOk());
-  EXPECT_EQ(state.position(), 64u);
+  absl::StatusOr<SessionReport> report = dest->GetState();
+  ASSERT_THAT(report, IsOk());
+  const SessionStatus state = report.ok() ? report->state : SessionStatus{};
+  EXPECT_EQ(state.position, 64u);
 }
 
 TEST_F(PrefixCacheTest, SwaRingAfterAWrapRestoresTheAlignedWindow) {
@@ -680,10 +675,11 @@ TEST_F(PrefixCacheTest, SwaRingAfterAWrapRestoresTheAlignedWindow) {
   auto dest = NewSession(SwaPlan(), 6000);
   ASSERT_THAT(cache_->Restore(*dest, captured->entry, tokens).status(), IsOk());
   ExpectRestored(*dest, len, 0);
-  pb::SessionState state;
-  ASSERT_THAT(dest->GetState(&state, nullptr), IsOk());
-  ASSERT_GE(state.layers_size(), 1);
-  EXPECT_EQ(state.layers(0).ring_base(), AlignedWindowStart(len, 64));
+  absl::StatusOr<SessionReport> report = dest->GetState();
+  ASSERT_THAT(report, IsOk());
+  const SessionStatus state = report.ok() ? report->state : SessionStatus{};
+  ASSERT_GE(state.layers.size(), 1u);
+  EXPECT_EQ(state.layers[0].ring_base, AlignedWindowStart(len, 64));
   // A destination too small for the restored length.
   auto small = NewSession(SwaPlan(), 4096);
   const std::vector<uint8_t> before = ArenaBytes(*small);
@@ -712,9 +708,10 @@ TEST_F(PrefixCacheTest, LatentWithIndexerTailAndPoolKeys) {
   auto dest = NewSession(LatentPlan(), 128);
   ASSERT_THAT(cache_->Restore(*dest, captured->entry, tokens).status(), IsOk());
   ExpectRestored(*dest, len, 0);
-  pb::SessionState state;
-  ASSERT_THAT(dest->GetState(&state, nullptr), IsOk());
-  EXPECT_EQ(state.layers(0).index_pools_ready(), 20u);
+  absl::StatusOr<SessionReport> report = dest->GetState();
+  ASSERT_THAT(report, IsOk());
+  const SessionStatus state = report.ok() ? report->state : SessionStatus{};
+  EXPECT_EQ(state.layers[0].index_pools_ready, 20u);
 }
 
 TEST_F(PrefixCacheTest, RefusalsLeaveTheDestinationUntouched) {
@@ -758,13 +755,12 @@ TEST_F(PrefixCacheTest, RefusalsLeaveTheDestinationUntouched) {
   EXPECT_EQ(Committed(*fresh), 0u);
 
   // Capture refusals: an open transaction, a boundary off the block grid or past the rows.
-  pb::BeginResponse begin;
-  ASSERT_THAT(source->Begin(&begin), IsOk());
+  absl::StatusOr<TransactionId> begin = source->Begin();
+  ASSERT_THAT(begin, IsOk());
   EXPECT_THAT(cache_->Capture(*source, tokens, 64).status(),
               StatusIs(absl::StatusCode::kFailedPrecondition,
                        HasSubstr("transaction generation 2 is open (committed 64, staged 64)")));
-  pb::AbortResponse abort;
-  ASSERT_THAT(source->Abort(begin.generation(), &abort), IsOk());
+  ASSERT_THAT(source->Abort(begin->generation), IsOk());
   EXPECT_THAT(cache_->Capture(*source, tokens, 40).status(),
               StatusIs(absl::StatusCode::kInvalidArgument,
                        HasSubstr("boundary 40 is not a positive multiple of the 16-token block")));
@@ -961,12 +957,10 @@ TEST_F(PrefixCacheTest, DeathCaptureTakesCommittedRowsNeverStagedOnes) {
   const std::vector<int32_t> tokens = Tokens(64);
   auto session = NewSession(FlatPlan(), 128);
   Append(*session, tokens, 40);  // 40 committed: blocks 0-1 (32 tokens) are capturable
-  pb::BeginResponse begin;
-  ASSERT_THAT(session->Begin(&begin), IsOk());
-  pb::PrepareAppendResponse prepare;
-  ASSERT_THAT(session->PrepareAppend(begin.generation(), 24, &prepare), IsOk());
-  pb::PublishAppendResponse publish;
-  ASSERT_THAT(session->PublishAppend(begin.generation(), &publish), IsOk());  // staged 64
+  absl::StatusOr<TransactionId> begin = session->Begin();
+  ASSERT_THAT(begin, IsOk());
+  ASSERT_THAT(session->PrepareAppend(begin->generation, 24), IsOk());
+  ASSERT_THAT(session->PublishAppend(begin->generation), IsOk());  // staged 64
   absl::StatusOr<std::optional<PrefixCaptureResult>> captured = cache_->CaptureCommitted(*session);
   ASSERT_THAT(captured.status(), IsOk());
   ASSERT_TRUE(captured->has_value());
@@ -976,17 +970,18 @@ TEST_F(PrefixCacheTest, DeathCaptureTakesCommittedRowsNeverStagedOnes) {
 
   // A commit without token ids makes the session's tokens unknown: nothing to capture.
   auto unknown = NewSession(FlatPlan(), 128);
-  ASSERT_THAT(unknown->Begin(&begin), IsOk());
-  ASSERT_THAT(unknown->PrepareAppend(begin.generation(), 32, &prepare), IsOk());
-  ASSERT_THAT(unknown->PublishAppend(begin.generation(), &publish), IsOk());
-  pb::CommitResponse commit;
-  ASSERT_THAT(unknown->Commit(begin.generation(), 32, &commit), IsOk());
+  begin = unknown->Begin();
+  ASSERT_THAT(begin, IsOk());
+  ASSERT_THAT(unknown->PrepareAppend(begin->generation, 32), IsOk());
+  ASSERT_THAT(unknown->PublishAppend(begin->generation), IsOk());
+  ASSERT_THAT(unknown->Commit(begin->generation, 32), IsOk());
   captured = cache_->CaptureCommitted(*unknown);
   ASSERT_THAT(captured.status(), IsOk());
   EXPECT_FALSE(captured->has_value());
   // A mismatched token count is refused before anything changes.
-  ASSERT_THAT(unknown->Begin(&begin), IsOk());
-  EXPECT_THAT(unknown->Commit(begin.generation(), 0, &commit, tokens),
+  begin = unknown->Begin();
+  ASSERT_THAT(begin, IsOk());
+  EXPECT_THAT(unknown->Commit(begin->generation, 0, tokens),
               StatusIs(absl::StatusCode::kInvalidArgument,
                        HasSubstr("commit carries 64 token ids for 0 accepted rows")));
 }

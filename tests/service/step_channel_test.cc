@@ -258,6 +258,25 @@ TEST_F(StepChannelTest, CorruptRecordsAreRefusedWithTheirNumbersAndChangeNothing
   EXPECT_EQ(done->code, static_cast<int32_t>(absl::StatusCode::kInvalidArgument));
   EXPECT_THAT(ring.Message(*done), HasSubstr("record 1 (ring slot 1): reserved fields"));
 
+  // A record of another version: version 1's had no version byte (it reads as 0), and both
+  // versions are named; any other version is named against this daemon's.
+  SubmissionRecord version_one = Record(step_channel::Op::kBegin, session->slot());
+  version_one.version = 0;
+  done = ring.Run(version_one);
+  ASSERT_THAT(done, IsOk());
+  EXPECT_EQ(done->code, static_cast<int32_t>(absl::StatusCode::kInvalidArgument));
+  EXPECT_EQ(done->op, 0u);
+  EXPECT_THAT(ring.Message(*done),
+              HasSubstr("record 2 (ring slot 2): a step channel version 1 record (no version "
+                        "byte); this daemon speaks version 2"));
+  SubmissionRecord version_three = Record(step_channel::Op::kBegin, session->slot());
+  version_three.version = 3;
+  done = ring.Run(version_three);
+  ASSERT_THAT(done, IsOk());
+  EXPECT_EQ(done->code, static_cast<int32_t>(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(ring.Message(*done), HasSubstr("record 3 (ring slot 3): record version 3; this "
+                                             "daemon speaks version 2"));
+
   // Token ids on an operation that has none.
   SubmissionRecord begin_with_ids = Record(step_channel::Op::kBegin, session->slot());
   begin_with_ids.side_offset = uint64_t{ring.next_index()} * kSubmissionSideBytes;
@@ -311,7 +330,7 @@ TEST_F(StepChannelTest, CorruptRecordsAreRefusedWithTheirNumbersAndChangeNothing
   done = ring.Run(Record(step_channel::Op::kBegin, session->slot()));
   ASSERT_THAT(done, IsOk());
   EXPECT_EQ(done->code, 0);
-  EXPECT_EQ(done->payload, static_cast<uint8_t>(pb::StepResult::kBegin));
+  EXPECT_EQ(done->op, static_cast<uint8_t>(step_channel::Op::kBegin));
   EXPECT_EQ(done->base_len, 0u);
   EXPECT_EQ(StateOf(*session).active_generation, done->generation);
 }
@@ -467,7 +486,7 @@ TEST_F(StepChannelTest, ASessionBusyInAGrowStallsOnlyItsOwnEnginesRecords) {
   EXPECT_EQ(grown->capacity, kCapacity * 2);
   ASSERT_THAT(begun, IsOk());
   EXPECT_EQ(begun->code, 0) << ring.Message(*begun);
-  EXPECT_EQ(begun->payload, static_cast<uint8_t>(pb::StepResult::kBegin));
+  EXPECT_EQ(begun->op, static_cast<uint8_t>(step_channel::Op::kBegin));
 }
 
 TEST_F(StepChannelTest, ReclaimClosesTheChannelAndNoRecordReachesTheSessionsAfter) {
