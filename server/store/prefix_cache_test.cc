@@ -9,10 +9,10 @@
 #include <cstdlib>
 #include <fstream>
 #include <functional>
-#include <string>
-#include <thread>
 #include <memory>
 #include <optional>
+#include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -28,14 +28,14 @@
 #include "core/test_model_plans.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "server/device/device_budget.h"
 #include "server/session/daemon_session.h"
 #include "server/session/session_prefix.h"
-#include "server/device/device_budget.h"
 #include "server/store/host_tier_memory.h"
 #include "server/store/remote/redis_cluster.h"
 #include "server/store/remote/remote_tier.h"
-#include "server/testing/test_redis_cluster.h"
 #include "server/testing/test_host_backend.h"
+#include "server/testing/test_redis_cluster.h"
 #include "tests/seeded_random.h"
 #include "tests/status_matchers.h"
 
@@ -379,7 +379,8 @@ class PrefixCacheTest : public ::testing::Test {
     auto session = NewSession(FlatPlan(), 256);
     Append(*session, tokens, len);
     FillRandom(*session, fill_seed, 0);
-    absl::StatusOr<PrefixCaptureResult> captured = CaptureSessionPrefix(*cache_, *session, tokens, len);
+    absl::StatusOr<PrefixCaptureResult> captured =
+        CaptureSessionPrefix(*cache_, *session, tokens, len);
     ASSERT_THAT(captured.status(), IsOk());
     sources[captured->entry.value] = ChurnSource{std::move(session), tokens, len};
   }
@@ -434,7 +435,8 @@ class PrefixCacheTest : public ::testing::Test {
     for (const ScopedEntry& scoped : cache_->ListEntries()) {
       const ChurnSource& source = sources.at(scoped.view.id.value);
       auto dest = NewSession(FlatPlan(), 256);
-      ASSERT_THAT(RestoreSessionPrefix(*cache_, *dest, scoped.view.id, source.tokens).status(), IsOk());
+      ASSERT_THAT(RestoreSessionPrefix(*cache_, *dest, scoped.view.id, source.tokens).status(),
+                  IsOk());
       EXPECT_EQ(KvRows(*dest, source.len), KvRows(*source.session, source.len));
     }
   }
@@ -483,7 +485,8 @@ TEST_F(PrefixCacheTest, ScopesShareNothingButTheStore) {
   // The same prompt captured in the other scope is its own entry (keys chain from the scope).
   auto their_source = NewSession(FlatPlan(), 128, "uid:1002");
   Append(*their_source, tokens, 64);
-  absl::StatusOr<PrefixCaptureResult> again = CaptureSessionPrefix(*cache_, *their_source, tokens, 64);
+  absl::StatusOr<PrefixCaptureResult> again =
+      CaptureSessionPrefix(*cache_, *their_source, tokens, 64);
   ASSERT_THAT(again.status(), IsOk());
   EXPECT_FALSE(again->already_present);
   EXPECT_NE(again->entry, captured->entry);
@@ -541,7 +544,8 @@ TEST_F(PrefixCacheTest, FlatKvCaptureLookupRestoreAnyBlockBoundary) {
   EXPECT_EQ(cache_->Lookup(kScope, Shape(FlatPlan()), Tokens(40, 5)).outcome, LookupOutcome::kMiss);
 
   auto full = NewSession(FlatPlan(), 128);
-  absl::StatusOr<PrefixRestoreResult> restored = RestoreSessionPrefix(*cache_, *full, captured->entry, tokens);
+  absl::StatusOr<PrefixRestoreResult> restored =
+      RestoreSessionPrefix(*cache_, *full, captured->entry, tokens);
   ASSERT_THAT(restored.status(), IsOk());
   EXPECT_EQ(restored->restored_tokens, 96u);
   ExpectRestored(*full, 96, 0);
@@ -588,48 +592,6 @@ TEST_F(PrefixCacheTest, CommonPrefixBlocksAreStoredOnce) {
   EXPECT_THAT(cache_->CheckInvariants(), IsOk());
 }
 
-// A capture is keyed by the ids the session committed: a request naming other ids (or more of
-// them) is refused and stores nothing, and the honest capture afterwards is a new entry.
-TEST_F(PrefixCacheTest, CaptureStoresOnlyUnderTheCommittedTokenIds) {
-  const std::vector<int32_t> committed = Tokens(64);
-  std::vector<int32_t> other = committed;
-  other[40] = -7;  // another prompt sharing the first 40 ids
-  auto session = NewSession(FlatPlan(), 128);
-  Append(*session, committed, 64);
-  const uint64_t id = session->id().value;
-  EXPECT_THAT(CaptureSessionPrefix(*cache_, *session, other, 64).status(),
-              StatusIs(absl::StatusCode::kInvalidArgument,
-                       HasSubstrs("token id at position 40 is -7 in the request",
-                                  absl::StrCat("session ", id, " committed ", committed[40]))));
-  EXPECT_THAT(CaptureSessionPrefix(*cache_, *session, Tokens(80), 64).status(),
-              StatusIs(absl::StatusCode::kInvalidArgument,
-                       HasSubstrs("the request gives 80 token ids",
-                                  absl::StrCat("session ", id, " committed 64"))));
-  EXPECT_EQ(cache_->Stats().entries, 0u);
-  EXPECT_EQ(cache_->Lookup(kScope, Shape(FlatPlan()), other).outcome, LookupOutcome::kMiss);
-
-  absl::StatusOr<PrefixCaptureResult> honest = CaptureSessionPrefix(*cache_, *session, committed, 64);
-  ASSERT_THAT(honest.status(), IsOk());
-  EXPECT_FALSE(honest->already_present);
-  EXPECT_EQ(cache_->Lookup(kScope, Shape(FlatPlan()), committed).matched_tokens, 64u);
-  EXPECT_EQ(cache_->Lookup(kScope, Shape(FlatPlan()), other).matched_tokens, 32u);  // the shared block
-
-  // Committed without token ids: the session's ids are unknown, nothing can be captured.
-  auto unknown = NewSession(FlatPlan(), 128);
-  absl::StatusOr<TransactionId> begin = unknown->Begin();
-  ASSERT_THAT(begin, IsOk());
-  ASSERT_THAT(unknown->PrepareAppend(begin->generation, 32), IsOk());
-  ASSERT_THAT(unknown->PublishAppend(begin->generation), IsOk());
-  ASSERT_THAT(unknown->Commit(begin->generation, 32), IsOk());
-  EXPECT_THAT(CaptureSessionPrefix(*cache_, *unknown, Tokens(32), 32).status(),
-              StatusIs(absl::StatusCode::kFailedPrecondition,
-                       HasSubstrs(absl::StrCat("session ", unknown->id().value,
-                                               "'s committed token ids are unknown (32 rows"),
-                                  "commit with token ids to capture")));
-  EXPECT_EQ(cache_->Stats().entries, 1u);
-  EXPECT_THAT(cache_->CheckInvariants(), IsOk());
-}
-
 TEST_F(PrefixCacheTest, RecurrentStateRestoresOnlyAtTheCapturedBoundary) {
   const std::vector<int32_t> tokens = Tokens(64);
   auto source = NewSession(HybridPlan(), 128);
@@ -667,7 +629,8 @@ TEST_F(PrefixCacheTest, SwaRingAfterAWrapRestoresTheAlignedWindow) {
   const std::vector<int32_t> tokens = Tokens(len);
   auto source = NewSession(SwaPlan(), 6000);
   Append(*source, tokens, len);
-  absl::StatusOr<PrefixCaptureResult> captured = CaptureSessionPrefix(*cache_, *source, tokens, len);
+  absl::StatusOr<PrefixCaptureResult> captured =
+      CaptureSessionPrefix(*cache_, *source, tokens, len);
   ASSERT_THAT(captured.status(), IsOk());
   // A boundary whose window was lapped by the wrap is refused.
   EXPECT_THAT(CaptureSessionPrefix(*cache_, *source, tokens, 64).status(),
@@ -824,10 +787,12 @@ TEST_F(PrefixCacheTest, ParallelRestoreCopiesEveryBlockAndFailsOnAnyCorruptOne) 
   const std::vector<int32_t> tokens = Tokens(112);
   auto source = NewSession(FlatPlan(), 256);
   Append(*source, tokens, 112);
-  absl::StatusOr<PrefixCaptureResult> captured = CaptureSessionPrefix(*cache_, *source, tokens, 112);
+  absl::StatusOr<PrefixCaptureResult> captured =
+      CaptureSessionPrefix(*cache_, *source, tokens, 112);
   ASSERT_THAT(captured.status(), IsOk());
   auto dest = NewSession(FlatPlan(), 128);
-  absl::StatusOr<PrefixRestoreResult> restored = RestoreSessionPrefix(*cache_, *dest, captured->entry, tokens);
+  absl::StatusOr<PrefixRestoreResult> restored =
+      RestoreSessionPrefix(*cache_, *dest, captured->entry, tokens);
   ASSERT_THAT(restored.status(), IsOk());
   EXPECT_EQ(restored->restored_tokens, 112u);
   ExpectRestored(*dest, 112, 0);
@@ -881,7 +846,8 @@ TEST_F(PrefixCacheTest, LruEvictionUnderTheBudget) {
     const std::vector<int32_t> tokens = Tokens(32, 1000 * (i + 1));
     auto session = NewSession(FlatPlan(), 64);
     Append(*session, tokens, 32);
-    absl::StatusOr<PrefixCaptureResult> captured = CaptureSessionPrefix(*cache_, *session, tokens, 32);
+    absl::StatusOr<PrefixCaptureResult> captured =
+        CaptureSessionPrefix(*cache_, *session, tokens, 32);
     ASSERT_THAT(captured.status(), IsOk());
     ids.push_back(captured->entry);
   }
@@ -903,7 +869,8 @@ TEST_F(PrefixCacheTest, AdmissionEvictsThroughTheDeviceBudget) {
   DeviceBudget budget(total, "test");
   cache_ = MakeCache(uint64_t{64} << 20, &budget);
   cache_->InstallEvictor(budget);
-  absl::StatusOr<PrefixCaptureResult> captured = CaptureSessionPrefix(*cache_, *session, tokens, 32);
+  absl::StatusOr<PrefixCaptureResult> captured =
+      CaptureSessionPrefix(*cache_, *session, tokens, 32);
   ASSERT_THAT(captured.status(), IsOk());
   EXPECT_EQ(captured->added_bytes, 2 * kFlatSpanBytes);
   // The device is charged the whole slab (one arena), all of it evictable.
@@ -933,7 +900,8 @@ TEST_F(PrefixCacheTest, EventsReplayAndGap) {
     const std::vector<int32_t> tokens = Tokens(16, 100 * i);
     auto session = NewSession(FlatPlan(), 64);
     Append(*session, tokens, 16);
-    absl::StatusOr<PrefixCaptureResult> captured = CaptureSessionPrefix(*cache_, *session, tokens, 16);
+    absl::StatusOr<PrefixCaptureResult> captured =
+        CaptureSessionPrefix(*cache_, *session, tokens, 16);
     ASSERT_THAT(captured.status(), IsOk());
     ids.push_back(captured->entry);
   }
@@ -962,7 +930,8 @@ TEST_F(PrefixCacheTest, DeathCaptureTakesCommittedRowsNeverStagedOnes) {
   ASSERT_THAT(begin, IsOk());
   ASSERT_THAT(session->PrepareAppend(begin->generation, 24), IsOk());
   ASSERT_THAT(session->PublishAppend(begin->generation), IsOk());  // staged 64
-  absl::StatusOr<std::optional<PrefixCaptureResult>> captured = CaptureCommittedPrefix(*cache_, *session);
+  absl::StatusOr<std::optional<PrefixCaptureResult>> captured =
+      CaptureCommittedPrefix(*cache_, *session);
   ASSERT_THAT(captured.status(), IsOk());
   ASSERT_TRUE(captured->has_value());
   EXPECT_EQ((*captured)->boundary_tokens, 32u);
@@ -1007,7 +976,8 @@ TEST_F(PrefixCacheTest, TwoHundredThousandBlocksLiveInAFewSlabs) {
   const std::vector<int32_t> tokens = Tokens(kBlocks);
   auto source = NewSession(plan, kBlocks);
   Append(*source, tokens, kBlocks);
-  absl::StatusOr<PrefixCaptureResult> captured = CaptureSessionPrefix(*cache_, *source, tokens, kBlocks);
+  absl::StatusOr<PrefixCaptureResult> captured =
+      CaptureSessionPrefix(*cache_, *source, tokens, kBlocks);
   ASSERT_THAT(captured.status(), IsOk());
   PrefixCacheStats stats = cache_->Stats();
   EXPECT_EQ(stats.blocks, kBlocks);
@@ -1020,7 +990,8 @@ TEST_F(PrefixCacheTest, TwoHundredThousandBlocksLiveInAFewSlabs) {
   EXPECT_THAT(cache_->CheckInvariants(), IsOk());
 
   auto dest = NewSession(plan, kBlocks);
-  absl::StatusOr<PrefixRestoreResult> restored = RestoreSessionPrefix(*cache_, *dest, std::nullopt, tokens);
+  absl::StatusOr<PrefixRestoreResult> restored =
+      RestoreSessionPrefix(*cache_, *dest, std::nullopt, tokens);
   ASSERT_THAT(restored.status(), IsOk());
   EXPECT_EQ(restored->restored_tokens, kBlocks);
   EXPECT_EQ(KvRows(*dest, kBlocks), KvRows(*source, kBlocks));
@@ -1072,7 +1043,8 @@ TEST_F(PrefixCacheTest, RestoreAfterHeavyChurnIsBitExact) {
     // (the same bytes in every session), the rest is this session's own.
     FillRandom(*session, static_cast<uint64_t>(round) + 1,
                shared ? std::min<uint64_t>(len, 2 * kBlock) : 0);
-    absl::StatusOr<PrefixCaptureResult> captured = CaptureSessionPrefix(*cache_, *session, tokens, len);
+    absl::StatusOr<PrefixCaptureResult> captured =
+        CaptureSessionPrefix(*cache_, *session, tokens, len);
     ASSERT_THAT(captured.status(), IsOk());
     if (!captured->already_present) {
       sources[captured->entry.value] = Source{std::move(session), tokens, len};
@@ -1160,7 +1132,8 @@ TEST_F(PrefixCacheTest, AnEntryDemotedToDiskRestoresBitExactly) {
   auto old_source = NewSession(FlatPlan(), 128);
   Append(*old_source, old_tokens, 4 * kBlock);
   FillRandom(*old_source, 11, 0);
-  absl::StatusOr<PrefixCaptureResult> old_entry = CaptureSessionPrefix(*cache_, *old_source, old_tokens, 64);
+  absl::StatusOr<PrefixCaptureResult> old_entry =
+      CaptureSessionPrefix(*cache_, *old_source, old_tokens, 64);
   ASSERT_THAT(old_entry.status(), IsOk());
   EXPECT_EQ(cache_->Lookup(kScope, Shape(FlatPlan()), old_tokens).medium, StorageMedium::kDevice);
   const std::vector<int32_t> new_tokens = Tokens(6 * kBlock, 2);
@@ -1248,7 +1221,8 @@ TEST_F(PrefixCacheTest, ADemotedBoundaryStateRestoresBitExactly) {
     const std::vector<int32_t> tokens = Tokens(32);
     auto source = NewSession(HybridPlan(), 64);
     Append(*source, tokens, 32);
-    absl::StatusOr<PrefixCaptureResult> captured = CaptureSessionPrefix(*cache_, *source, tokens, 32);
+    absl::StatusOr<PrefixCaptureResult> captured =
+        CaptureSessionPrefix(*cache_, *source, tokens, 32);
     ASSERT_THAT(captured.status(), IsOk());
     const std::vector<int32_t> flat_tokens = Tokens(4 * kBlock, 9);
     auto flat = NewSession(FlatPlan(), 128);
@@ -1281,7 +1255,8 @@ TEST_F(PrefixCacheTest, CorruptedBytesInATierBelowAreDataLossAndTheEntryIsDroppe
     const std::vector<int32_t> tokens = Tokens(3 * kBlock);
     auto source = NewSession(FlatPlan(), 128);
     Append(*source, tokens, 3 * kBlock);
-    absl::StatusOr<PrefixCaptureResult> captured = CaptureSessionPrefix(*cache_, *source, tokens, 48);
+    absl::StatusOr<PrefixCaptureResult> captured =
+        CaptureSessionPrefix(*cache_, *source, tokens, 48);
     ASSERT_THAT(captured.status(), IsOk());
     absl::StatusOr<EntryView> view = ViewOf(cache_->Inspect(captured->entry));
     ASSERT_THAT(view.status(), IsOk());
@@ -1309,12 +1284,12 @@ TEST_F(PrefixCacheTest, CorruptedBytesInATierBelowAreDataLossAndTheEntryIsDroppe
       where = absl::StrCat("disk file ", *file, " (", kFlatBlockBytes, " bytes)");
     }
     auto dest = NewSession(FlatPlan(), 128);
-    EXPECT_THAT(RestoreSessionPrefix(*cache_, *dest, captured->entry, tokens).status(),
-                StatusIs(absl::StatusCode::kDataLoss,
-                         HasSubstrs(absl::StrCat("prefix entry ", captured->entry.value, ": ",
-                                                 where),
-                                    absl::StrCat("(", kFlatBlockBytes, " bytes)"),
-                                    "at slice 1 of 4", "dropped")));
+    EXPECT_THAT(
+        RestoreSessionPrefix(*cache_, *dest, captured->entry, tokens).status(),
+        StatusIs(absl::StatusCode::kDataLoss,
+                 HasSubstrs(absl::StrCat("prefix entry ", captured->entry.value, ": ", where),
+                            absl::StrCat("(", kFlatBlockBytes, " bytes)"), "at slice 1 of 4",
+                            "dropped")));
     EXPECT_EQ(Committed(*dest), 0u);
     EXPECT_THAT(cache_->Inspect(captured->entry).status(),
                 StatusIs(absl::StatusCode::kNotFound, HasSubstr("")));
@@ -1378,7 +1353,8 @@ TEST_F(PrefixCacheTest, AdmissionDemotesToTheTierBelowBeforeEvicting) {
     ASSERT_THAT(tiered.status(), IsOk());
     cache_ = *std::move(tiered);
     cache_->InstallEvictor(budget);
-    absl::StatusOr<PrefixCaptureResult> captured = CaptureSessionPrefix(*cache_, *session, tokens, 32);
+    absl::StatusOr<PrefixCaptureResult> captured =
+        CaptureSessionPrefix(*cache_, *session, tokens, 32);
     ASSERT_THAT(captured.status(), IsOk());
     EXPECT_EQ(budget.Snapshot().allocated(), 16u << 10);  // one slab
     absl::StatusOr<AllocationId> admitted = budget.Allocate(/*owner=*/1, total);
@@ -1441,7 +1417,8 @@ TEST_F(PrefixCacheTest, ConcurrentRestoresPromoteSharedDiskPiecesOnce) {
     std::vector<std::thread> threads;
     for (size_t i = 0; i < sources.size(); ++i) {
       threads.emplace_back([&, i] {
-        results[i] = RestoreSessionPrefix(*cache_, *dests[i], std::nullopt, sources[i].tokens).status();
+        results[i] =
+            RestoreSessionPrefix(*cache_, *dests[i], std::nullopt, sources[i].tokens).status();
       });
     }
     for (std::thread& thread : threads) thread.join();
@@ -1519,7 +1496,8 @@ TEST_F(PrefixCacheTest, ADemotionCopiesWithoutHoldingTheCacheLock) {
   auto old_source = NewSession(FlatPlan(), 128);
   Append(*old_source, old_tokens, 4 * kBlock);
   FillRandom(*old_source, 21, 0);
-  absl::StatusOr<PrefixCaptureResult> old_entry = CaptureSessionPrefix(*cache_, *old_source, old_tokens, 64);
+  absl::StatusOr<PrefixCaptureResult> old_entry =
+      CaptureSessionPrefix(*cache_, *old_source, old_tokens, 64);
   ASSERT_THAT(old_entry.status(), IsOk());
   const std::vector<int32_t> new_tokens = Tokens(6 * kBlock, 2);
   auto new_source = NewSession(FlatPlan(), 128);
@@ -1553,7 +1531,8 @@ TEST_F(PrefixCacheTest, ADemotionCopiesWithoutHoldingTheCacheLock) {
   EXPECT_EQ(cache_->Lookup(kScope, Shape(FlatPlan()), old_tokens).medium, StorageMedium::kDisk);
   EXPECT_THAT(cache_->CheckInvariants(), IsOk());
   auto old_dest = NewSession(FlatPlan(), 128);
-  ASSERT_THAT(RestoreSessionPrefix(*cache_, *old_dest, old_entry->entry, old_tokens).status(), IsOk());
+  ASSERT_THAT(RestoreSessionPrefix(*cache_, *old_dest, old_entry->entry, old_tokens).status(),
+              IsOk());
   EXPECT_EQ(KvRows(*old_dest, 64), KvRows(*old_source, 64));
   EXPECT_THAT(cache_->CheckInvariants(), IsOk());
 }
@@ -1580,7 +1559,9 @@ TEST_F(PrefixCacheTest, ADemotionBatchCommitsChunkByChunk) {
     entry.source = NewSession(FlatPlan(), 128);
     Append(*entry.source, entry.tokens, blocks * kBlock);
     FillRandom(*entry.source, 40 + salt, 0);
-    ASSERT_THAT(CaptureSessionPrefix(*cache_, *entry.source, entry.tokens, blocks * kBlock).status(), IsOk());
+    ASSERT_THAT(
+        CaptureSessionPrefix(*cache_, *entry.source, entry.tokens, blocks * kBlock).status(),
+        IsOk());
   }
   const Captured& a = entries[0];
   const Captured& b = entries[1];
@@ -1591,7 +1572,8 @@ TEST_F(PrefixCacheTest, ADemotionBatchCommitsChunkByChunk) {
   Append(*d_source, d_tokens, 4 * kBlock);
   FillRandom(*d_source, 44, 0);
   absl::Status captured;
-  std::thread capture([&] { captured = CaptureSessionPrefix(*cache_, *d_source, d_tokens, 4 * kBlock).status(); });
+  std::thread capture(
+      [&] { captured = CaptureSessionPrefix(*cache_, *d_source, d_tokens, 4 * kBlock).status(); });
   gate.AwaitEntered();
   EXPECT_EQ(cache_->Lookup(kScope, Shape(FlatPlan()), a.tokens).medium, StorageMedium::kDisk);
   EXPECT_EQ(cache_->Lookup(kScope, Shape(FlatPlan()), b.tokens).medium, StorageMedium::kDevice);
@@ -1634,7 +1616,8 @@ TEST_F(PrefixCacheTest, PiecesPinnedOrEvictedWhileTheyMoveStayConsistent) {
     auto old_source = NewSession(FlatPlan(), 128);
     Append(*old_source, old_tokens, 4 * kBlock);
     FillRandom(*old_source, 31, 0);
-    absl::StatusOr<PrefixCaptureResult> old_entry = CaptureSessionPrefix(*cache_, *old_source, old_tokens, 64);
+    absl::StatusOr<PrefixCaptureResult> old_entry =
+        CaptureSessionPrefix(*cache_, *old_source, old_tokens, 64);
     ASSERT_THAT(old_entry.status(), IsOk());
     absl::StatusOr<EntryView> old_view = ViewOf(cache_->Inspect(old_entry->entry));
     ASSERT_THAT(old_view.status(), IsOk());
@@ -1653,8 +1636,9 @@ TEST_F(PrefixCacheTest, PiecesPinnedOrEvictedWhileTheyMoveStayConsistent) {
       ASSERT_THAT(cache_->EvictEntry(old_entry->entry).status(), IsOk());
       EXPECT_EQ(cache_->Stats().tiers[0].stored_bytes, 6 * kFlatSpanBytes);
     } else {
-      restore = std::thread(
-          [&] { restored = RestoreSessionPrefix(*cache_, *dest, old_entry->entry, old_tokens).status(); });
+      restore = std::thread([&] {
+        restored = RestoreSessionPrefix(*cache_, *dest, old_entry->entry, old_tokens).status();
+      });
       // Bounded: the restore pins the entry before it waits for the moving pieces.
       for (int i = 0; i < 10000 && cache_->Stats().pinned_bytes == 0; ++i) {
         absl::SleepFor(absl::Milliseconds(1));
@@ -1850,7 +1834,8 @@ TEST_F(PrefixCacheTest, AnEntryDemotedThroughTheHostTierToDiskRestoresBitExactly
 
   // A (disk + host) restores bit-exactly; its pieces are promoted to the device.
   auto dest_a = NewSession(FlatPlan(), 128);
-  ASSERT_THAT(RestoreSessionPrefix(*cache_, *dest_a, sources[0].entry, sources[0].tokens).status(), IsOk());
+  ASSERT_THAT(RestoreSessionPrefix(*cache_, *dest_a, sources[0].entry, sources[0].tokens).status(),
+              IsOk());
   EXPECT_EQ(KvRows(*dest_a, 64), KvRows(*sources[0].session, 64));
   for (const LookupBlock& block : a->blocks) {
     EXPECT_EQ(PieceMedium(*cache_, block.stored.storage_handle), StorageMedium::kDevice);
@@ -1867,7 +1852,8 @@ TEST_F(PrefixCacheTest, AnEntryDemotedThroughTheHostTierToDiskRestoresBitExactly
   for (size_t i = 1; i < 3; ++i) {
     const uint64_t rows = sources[i].tokens.size();
     auto dest = NewSession(FlatPlan(), 128);
-    ASSERT_THAT(RestoreSessionPrefix(*cache_, *dest, sources[i].entry, sources[i].tokens).status(), IsOk());
+    ASSERT_THAT(RestoreSessionPrefix(*cache_, *dest, sources[i].entry, sources[i].tokens).status(),
+                IsOk());
     EXPECT_EQ(KvRows(*dest, rows), KvRows(*sources[i].session, rows));
     EXPECT_THAT(cache_->CheckInvariants(), IsOk());
   }
@@ -1927,7 +1913,8 @@ TEST_F(PrefixCacheTest, AFullTierEvictsOnlyEntriesThatFreeRoomThere) {
     EXPECT_EQ(KvRows(*dest, 2 * kBlock), KvRows(*long_source.session, 2 * kBlock));
     EXPECT_EQ(cache_->Stats().tiers[1].hits, 1u);
     auto dest_long = NewSession(FlatPlan(), 128);
-    ASSERT_THAT(RestoreSessionPrefix(*cache_, *dest_long, longer, long_source.tokens).status(), IsOk());
+    ASSERT_THAT(RestoreSessionPrefix(*cache_, *dest_long, longer, long_source.tokens).status(),
+                IsOk());
     EXPECT_EQ(KvRows(*dest_long, 4 * kBlock), KvRows(*long_source.session, 4 * kBlock));
     EXPECT_THAT(cache_->CheckInvariants(), IsOk());
     cache_.reset();
@@ -2232,7 +2219,8 @@ TEST_F(PrefixCacheRemoteTest, CapturedOnOneCacheRestoresBitExactlyOnAnother) {
     EXPECT_EQ(found.medium, StorageMedium::kRemote);
     EXPECT_EQ(found.entry, std::nullopt);  // a restore by tokens pulls it
     auto dest = NewSession(plan, 256);
-    absl::StatusOr<PrefixRestoreResult> restored = RestoreSessionPrefix(*b, *dest, std::nullopt, tokens);
+    absl::StatusOr<PrefixRestoreResult> restored =
+        RestoreSessionPrefix(*b, *dest, std::nullopt, tokens);
     ASSERT_THAT(restored.status(), IsOk());
     EXPECT_EQ(restored->restored_tokens, tokens.size());
     ExpectRestored(*dest, tokens.size(), tokens.size());
@@ -2266,7 +2254,8 @@ TEST_F(PrefixCacheRemoteTest, APulledEntrysEventNamesItsTokensParentAndEngine) {
   ASSERT_NO_FATAL_FAILURE(CapturedOnA(tokens, 6, a, b));
   CaptureAndFlush(*b, FlatPlan(), tokens, 2);  // B holds blocks 0 and 1 itself
   auto dest = NewSession(FlatPlan(), 256);     // owned by engine 1
-  absl::StatusOr<PrefixRestoreResult> restored = RestoreSessionPrefix(*b, *dest, std::nullopt, tokens);
+  absl::StatusOr<PrefixRestoreResult> restored =
+      RestoreSessionPrefix(*b, *dest, std::nullopt, tokens);
   ASSERT_THAT(restored.status(), IsOk());
   EXPECT_EQ(restored->restored_tokens, 6 * kBlock);
   EXPECT_EQ(b->Stats().remote->pulled_pieces, 4u);
@@ -2296,7 +2285,8 @@ TEST_F(PrefixCacheRemoteTest, APullLargerThanTheDeviceBudgetPullsWhatFits) {
   const std::vector<int32_t> tokens = Tokens(6 * kBlock);
   CaptureAndFlush(*a, FlatPlan(), tokens, 6);
   auto dest = NewSession(FlatPlan(), 256);
-  absl::StatusOr<PrefixRestoreResult> restored = RestoreSessionPrefix(*b, *dest, std::nullopt, tokens);
+  absl::StatusOr<PrefixRestoreResult> restored =
+      RestoreSessionPrefix(*b, *dest, std::nullopt, tokens);
   ASSERT_THAT(restored.status(), IsOk());
   EXPECT_EQ(restored->restored_tokens, 3 * kBlock);
   ExpectRestored(*dest, 3 * kBlock, 0);
@@ -2315,7 +2305,8 @@ TEST_F(PrefixCacheRemoteTest, AWhollyLocalBoundaryEntryRestoresWithoutAskingTheC
   CaptureAndFlush(*b, HybridPlan(), tokens, 4);
   const RemoteTierStats before = *b->Stats().remote;
   auto dest = NewSession(HybridPlan(), 256);
-  absl::StatusOr<PrefixRestoreResult> restored = RestoreSessionPrefix(*b, *dest, std::nullopt, tokens);
+  absl::StatusOr<PrefixRestoreResult> restored =
+      RestoreSessionPrefix(*b, *dest, std::nullopt, tokens);
   ASSERT_THAT(restored.status(), IsOk());
   EXPECT_EQ(restored->restored_tokens, 4 * kBlock);
   const RemoteTierStats after = *b->Stats().remote;
@@ -2348,7 +2339,8 @@ TEST_F(PrefixCacheRemoteTest, ACorruptValueIsDeletedAndAnotherShapesIsSkipped) {
 
   // The restore pulls blocks 0 and 1, refuses block 2 (another shape: skipped, kept).
   auto first = NewSession(FlatPlan(), 256);
-  absl::StatusOr<PrefixRestoreResult> restored = RestoreSessionPrefix(*b, *first, std::nullopt, tokens);
+  absl::StatusOr<PrefixRestoreResult> restored =
+      RestoreSessionPrefix(*b, *first, std::nullopt, tokens);
   ASSERT_THAT(restored.status(), IsOk());
   EXPECT_EQ(restored->restored_tokens, 2 * kBlock);
   ExpectRestored(*first, 2 * kBlock, 0);
@@ -2409,7 +2401,8 @@ TEST_F(PrefixCacheRemoteTest, AStalledClusterCostsALookupItsDeadlineAndServesLoc
   const PrefixLookupResult found = (*cache)->Lookup(kScope, Shape(FlatPlan()), tokens);
   const absl::Duration took = absl::Now() - start;
   auto dest = NewSession(FlatPlan(), 256);
-  absl::StatusOr<PrefixRestoreResult> restored = RestoreSessionPrefix(**cache, *dest, std::nullopt, tokens);
+  absl::StatusOr<PrefixRestoreResult> restored =
+      RestoreSessionPrefix(**cache, *dest, std::nullopt, tokens);
   for (const int master : *masters) cluster_->Signal(master, SIGCONT);
   EXPECT_EQ(found.outcome, LookupOutcome::kPartial);
   EXPECT_EQ(found.matched_tokens, 2 * kBlock);
@@ -2482,7 +2475,8 @@ TEST_F(PrefixCacheRemoteTest, AnEntryEvictedWhileItsWritesAreQueuedIsWrittenFrom
   for (const auto& [tokens, source] :
        {std::pair{&evicted_tokens, evicted_source.get()}, std::pair{&next_tokens, next_source.get()}}) {
     auto dest = NewSession(FlatPlan(), 256);
-    absl::StatusOr<PrefixRestoreResult> restored = RestoreSessionPrefix(*b, *dest, std::nullopt, *tokens);
+    absl::StatusOr<PrefixRestoreResult> restored =
+        RestoreSessionPrefix(*b, *dest, std::nullopt, *tokens);
     ASSERT_THAT(restored.status(), IsOk());
     EXPECT_EQ(restored->restored_tokens, 4 * kBlock);
     EXPECT_EQ(KvRows(*dest, 4 * kBlock), KvRows(*source, 4 * kBlock));
@@ -2504,7 +2498,8 @@ TEST_F(PrefixCacheRemoteTest, PiecesDemotedWhileTheirWritesAreQueuedAreWrittenAn
   ASSERT_NE(b, nullptr);
   const std::vector<int32_t> old_tokens = Tokens(3 * kBlock, 23);
   auto old_source = RandomSource(old_tokens, 33);
-  absl::StatusOr<PrefixCaptureResult> old_entry = CaptureSessionPrefix(*a, *old_source, old_tokens, 3 * kBlock);
+  absl::StatusOr<PrefixCaptureResult> old_entry =
+      CaptureSessionPrefix(*a, *old_source, old_tokens, 3 * kBlock);
   ASSERT_THAT(old_entry.status(), IsOk());
   ASSERT_TRUE(gate.WriterWaits());
   const std::vector<int32_t> new_tokens = Tokens(3 * kBlock, 24);
@@ -2530,7 +2525,8 @@ TEST_F(PrefixCacheRemoteTest, PiecesDemotedWhileTheirWritesAreQueuedAreWrittenAn
   ASSERT_THAT(RestoreSessionPrefix(*a, *local, old_entry->entry, old_tokens).status(), IsOk());
   EXPECT_EQ(KvRows(*local, 3 * kBlock), KvRows(*old_source, 3 * kBlock));
   auto remote = NewSession(FlatPlan(), 256);
-  absl::StatusOr<PrefixRestoreResult> restored = RestoreSessionPrefix(*b, *remote, std::nullopt, old_tokens);
+  absl::StatusOr<PrefixRestoreResult> restored =
+      RestoreSessionPrefix(*b, *remote, std::nullopt, old_tokens);
   ASSERT_THAT(restored.status(), IsOk());
   EXPECT_EQ(restored->restored_tokens, 3 * kBlock);
   EXPECT_EQ(KvRows(*remote, 3 * kBlock), KvRows(*old_source, 3 * kBlock));
@@ -2546,7 +2542,8 @@ TEST_F(PrefixCacheRemoteTest, ACacheDestroyedWithWritesQueuedReleasesThem) {
   const std::vector<int32_t> tokens = Tokens(2 * kBlock, 24);
   auto source = NewSession(FlatPlan(), 256);
   Append(*source, tokens, 2 * kBlock);
-  absl::StatusOr<PrefixCaptureResult> captured = CaptureSessionPrefix(*a, *source, tokens, 2 * kBlock);
+  absl::StatusOr<PrefixCaptureResult> captured =
+      CaptureSessionPrefix(*a, *source, tokens, 2 * kBlock);
   ASSERT_THAT(captured.status(), IsOk());
   ASSERT_TRUE(gate.WriterWaits());
   ASSERT_THAT(a->EvictEntry(captured->entry), IsOk());
