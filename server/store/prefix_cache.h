@@ -50,9 +50,9 @@
 //
 // Thread-safety: thread-safe. Lock order: a session's own mutex (held by whoever calls
 // CaptureState, CaptureCommittedState or RestoreInto) -> mu_ ->
-// PieceLedger's mutex -> SlabAllocator's mutex -> DeviceBudget's mutex. mu_ is never held while a session mutex is
-// taken, nor across any copy: a capture or restore (PlanCapture / Pin under mu_; spans
-// allocated and copied without it; CommitCapture / Unpin under mu_ again), a promotion
+// PieceLedger's mutex -> SlabAllocator's mutex -> DeviceBudget's mutex. mu_ is never held while a
+// session mutex is taken, nor across any copy: a capture or restore (PlanCapture / Pin under mu_;
+// spans allocated and copied without it; CommitCapture / Unpin under mu_ again), a promotion
 // (PromotePinned) or a demotion (planned under mu_, its pieces held in moving_; copied down
 // without mu_; committed under mu_, where a piece pinned meanwhile stays put and one the index
 // let go of meanwhile is freed in both tiers). Demotions run after a capture or restore has
@@ -330,8 +330,8 @@ class PrefixCache {
   // scope into the FRESH `state` of session `session` (named in refusals; `engine_id` names the
   // restoring engine in a remote pull's events); returns the state the session adopts. Refusals
   // change nothing: NOT_FOUND unknown entry, an entry of another scope (told apart from an
-  // unknown one by nothing) / no match; INVALID_ARGUMENT another shape, tokens that match none of the
-  // entry's blocks, a capacity below the restored length (or a ring too small for the window);
+  // unknown one by nothing) / no match; INVALID_ARGUMENT another shape, tokens that match none of
+  // the entry's blocks, a capacity below the restored length (or a ring too small for the window);
   // FAILED_PRECONDITION non-fresh or tainted destination, an entry of a boundary-state plan
   // whose boundary the tokens do not reach. DATA_LOSS: a stored checksum mismatch; the entry
   // is dropped (unless another restore still pins it) and the destination stays fresh.
