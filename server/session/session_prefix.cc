@@ -99,7 +99,7 @@ absl::StatusOr<PrefixRestoreResult> RestoreSessionPrefix(PrefixCache& cache, Dae
   const absl::Status status = session.RestoreLocked(
       [&](const SessionState& state,
           const SessionLayoutVersion& layout) -> absl::StatusOr<SessionState> {
-        ASSIGN_OR_RETURN(PrefixRestored restored,
+        ASSIGN_OR_RETURN(PrefixRestoreOutcome restored,
                          cache.RestoreInto(shape, session.id(), session.owner().value, state,
                                            layout, entry, tokens));
         result = restored.result;

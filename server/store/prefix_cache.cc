@@ -1099,12 +1099,10 @@ PrefixLookupResult PrefixCache::Lookup(absl::string_view scope, const PlanFinger
   return result;
 }
 
-absl::StatusOr<PrefixRestored> PrefixCache::RestoreInto(const ScopedShape& shape, SessionId session,
-                                                        uint64_t engine_id,
-                                                        const SessionState& state,
-                                                        const SessionLayoutVersion& layout,
-                                                        std::optional<EntryId> requested,
-                                                        absl::Span<const int32_t> tokens) {
+absl::StatusOr<PrefixRestoreOutcome> PrefixCache::RestoreInto(
+    const ScopedShape& shape, SessionId session, uint64_t engine_id, const SessionState& state,
+    const SessionLayoutVersion& layout, std::optional<EntryId> requested,
+    absl::Span<const int32_t> tokens) {
   const uint64_t block = options_.block_tokens;
   RETURN_IF_ERROR(state.EnsureUsable("prefix restore"));
   if (!IsFresh(state)) {
@@ -1199,8 +1197,9 @@ absl::StatusOr<PrefixRestored> PrefixCache::RestoreInto(const ScopedShape& shape
     spdlog::error("{}", restored.status().ToString());
   }
   RETURN_IF_ERROR(restored.status());
-  return PrefixRestored{.state = *std::move(restored),
-                        .result = {.entry = entry.id, .restored_tokens = matched * block}};
+  return PrefixRestoreOutcome{
+      .state = *std::move(restored),
+      .result = {.entry = entry.id, .restored_tokens = matched * block}};
 }
 
 absl::StatusOr<PrefixCache::RestoreTarget> PrefixCache::PlanRestore(

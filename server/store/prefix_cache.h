@@ -212,7 +212,7 @@ struct PrefixRestoreResult {
 };
 
 // A restore's outcome for the session: the state it adopts, and what was restored.
-struct PrefixRestored {
+struct PrefixRestoreOutcome {
   SessionState state;
   PrefixRestoreResult result;
 };
@@ -335,11 +335,11 @@ class PrefixCache {
   // FAILED_PRECONDITION non-fresh or tainted destination, an entry of a boundary-state plan
   // whose boundary the tokens do not reach. DATA_LOSS: a stored checksum mismatch; the entry
   // is dropped (unless another restore still pins it) and the destination stays fresh.
-  absl::StatusOr<PrefixRestored> RestoreInto(const ScopedShape& shape, SessionId session,
-                                             uint64_t engine_id, const SessionState& state,
-                                             const SessionLayoutVersion& layout,
-                                             std::optional<EntryId> requested,
-                                             absl::Span<const int32_t> tokens)
+  absl::StatusOr<PrefixRestoreOutcome> RestoreInto(const ScopedShape& shape, SessionId session,
+                                                   uint64_t engine_id, const SessionState& state,
+                                                   const SessionLayoutVersion& layout,
+                                                   std::optional<EntryId> requested,
+                                                   absl::Span<const int32_t> tokens)
       ABSL_LOCKS_EXCLUDED(mu_);
 
   // Every tier within its budget: each tier's LRU pieces move down (the last one's entries are
