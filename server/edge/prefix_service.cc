@@ -10,6 +10,7 @@
 #include "core/status_macros.h"
 #include "server/edge/rpc_reply.h"
 #include "server/edge/session_wire.h"
+#include "server/session/session_prefix.h"
 #include "spdlog/spdlog.h"
 
 namespace memra {
@@ -223,8 +224,8 @@ grpc::Status PrefixService::Capture(grpc::ServerContext*, const pb::CapturePrefi
                      OrderedSession(request->session(), request->ordering()));
     // The backend's copies are complete when they return (DeviceBackend invariant (4)).
     ASSIGN_OR_RETURN(PrefixCaptureResult captured,
-                     cache_->Capture(*session, SpanOf(request->token_ids()),
-                                     request->boundary_tokens()));
+                     CaptureSessionPrefix(*cache_, *session, SpanOf(request->token_ids()),
+                                          request->boundary_tokens()));
     response->set_entry_id(captured.entry.value);
     response->set_boundary_tokens(captured.boundary_tokens);
     response->set_already_present(captured.already_present);
@@ -280,7 +281,7 @@ grpc::Status PrefixService::Restore(grpc::ServerContext*, const pb::RestorePrefi
     std::optional<EntryId> entry;
     if (request->entry_id() != 0) entry = EntryId{request->entry_id()};
     ASSIGN_OR_RETURN(PrefixRestoreResult restored,
-                     cache_->Restore(*session, entry, SpanOf(request->token_ids())));
+                     RestoreSessionPrefix(*cache_, *session, entry, SpanOf(request->token_ids())));
     response->set_entry_id(restored.entry.value);
     response->set_restored_tokens(restored.restored_tokens);
     ASSIGN_OR_RETURN(SessionReport report, session->GetState());

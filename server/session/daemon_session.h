@@ -39,13 +39,12 @@
 #include "server/device/device_budget.h"
 #include "server/base/ids.h"
 #include "server/device/placement.h"
-#include "server/store/prefix_session.h"
 #include "server/base/secret_token.h"
 #include "server/session/state_journal.h"
 
 namespace memra {
 
-class DaemonSession final : public PrefixSession {
+class DaemonSession final {
  public:
   struct Params {
     SessionId id;
@@ -95,13 +94,13 @@ class DaemonSession final : public PrefixSession {
   // RestoreLocked). No-op without a journal or after Release.
   void JournalNow() ABSL_LOCKS_EXCLUDED(mu_);
 
-  SessionId id() const override { return params_.id; }
+  SessionId id() const { return params_.id; }
   const Params& params() const { return params_; }
-  EngineId owner() const override { return params_.owner; }
-  absl::string_view cache_scope() const override { return params_.cache_scope; }
-  const ModelPlan& model_plan() const override { return *params_.model; }
-  const FormatDefaults& format_defaults() const override { return params_.defaults; }
-  const SessionShape& session_shape() const override { return params_.shape; }
+  EngineId owner() const { return params_.owner; }
+  absl::string_view cache_scope() const { return params_.cache_scope; }
+  const ModelPlan& model_plan() const { return *params_.model; }
+  const FormatDefaults& format_defaults() const { return params_.defaults; }
+  const SessionShape& session_shape() const { return params_.shape; }
   uint32_t slot() const { return params_.slot; }
   // Constant-time comparison (the token is a secret).
   bool TokenMatches(absl::string_view token) const;
@@ -164,9 +163,21 @@ class DaemonSession final : public PrefixSession {
   // The export handles of the arenas Release() pooled (the engine may keep them mapped).
   std::vector<std::string> pooled_handles() const ABSL_LOCKS_EXCLUDED(mu_);
 
-  // ---- Prefix cache hooks (PrefixSession; server/store/prefix_cache.h holds the rules) ----
-  absl::Status ViewLocked(LockedView view) override ABSL_LOCKS_EXCLUDED(mu_);
-  absl::Status RestoreLocked(Restorer restore, absl::Span<const int32_t> token_ids) override
+  // ---- Prefix cache hooks (server/session/session_prefix.h; the rules are the store's) ----
+  // `committed_tokens`: the token ids of rows [0, committed_len) as commits reported them, or
+  // nullopt when unknown (a commit without token ids, a hydration).
+  using LockedView = absl::FunctionRef<absl::Status(
+      const SessionState& state, const SessionLayoutVersion& layout,
+      const std::optional<std::vector<int32_t>>& committed_tokens)>;
+  // Runs `view` under the session's mutex (no state change interleaves with its reads).
+  absl::Status ViewLocked(LockedView view) ABSL_LOCKS_EXCLUDED(mu_);
+  // `restore` validates against the state, performs the device copies and returns the state the
+  // session adopts; then the mirrors are written and the committed tokens become
+  // token_ids[0, committed_len). Refused while a grow awaits acknowledgement; a refusal of
+  // `restore` changes nothing.
+  using Restorer = absl::FunctionRef<absl::StatusOr<SessionState>(
+      const SessionState& state, const SessionLayoutVersion& layout)>;
+  absl::Status RestoreLocked(Restorer restore, absl::Span<const int32_t> token_ids)
       ABSL_LOCKS_EXCLUDED(mu_);
 
  private:

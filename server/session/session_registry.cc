@@ -8,6 +8,7 @@
 #include "common/codec.h"  // FingerprintToBytes
 #include "core/status_macros.h"
 #include "server/base/secret_token.h"
+#include "server/session/session_prefix.h"
 #include "spdlog/spdlog.h"
 
 namespace memra {
@@ -472,7 +473,7 @@ absl::StatusOr<SessionResult> SessionRegistry::ApplyAndJournal(DaemonSession& se
 void SessionRegistry::CaptureBeforeRelease(DaemonSession& session) {
   if (capture_on_reclaim_ == nullptr) return;
   absl::StatusOr<std::optional<PrefixCaptureResult>> captured =
-      capture_on_reclaim_->CaptureCommitted(session);
+      CaptureCommittedPrefix(*capture_on_reclaim_, session);
   if (!captured.ok()) {
     spdlog::info("session {}: committed state not kept in the prefix cache: {}",
                  session.id().value, captured.status().ToString());

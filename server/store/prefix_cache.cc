@@ -18,36 +18,6 @@
 namespace memra {
 namespace {
 
-// The session's committed token ids [0, requested.size()) when `requested` agrees with them
-// position by position (and names no position the session has not committed). FAILED_PRECONDITION when the committed ids
-// are unknown (a commit without token ids, a hydration); INVALID_ARGUMENT naming the first
-// differing position and both ids, or both counts.
-absl::StatusOr<absl::Span<const int32_t>> CommittedTokensMatching(
-    SessionId session, const SessionState& state,
-    const std::optional<std::vector<int32_t>>& committed, absl::Span<const int32_t> requested) {
-  if (!committed.has_value() || committed->size() != state.committed_len()) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "prefix capture: session ", session.value, "'s committed token ids are unknown (",
-        state.committed_len(),
-        " rows committed, some without token ids); commit with token ids to capture"));
-  }
-  const size_t common = std::min(requested.size(), committed->size());
-  for (size_t i = 0; i < common; ++i) {
-    if (requested[i] != (*committed)[i]) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "prefix capture: token id at position ", i, " is ", requested[i],
-          " in the request but session ", session.value, " committed ", (*committed)[i],
-          "; a capture stores the ids the session committed"));
-    }
-  }
-  if (requested.size() > committed->size()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "prefix capture: the request gives ", requested.size(), " token ids but session ",
-        session.value, " committed ", committed->size()));
-  }
-  return absl::MakeConstSpan(*committed).subspan(0, requested.size());
-}
-
 // What routers index (prefix.proto PrefixEvent 20-25) of the blocks `plan` adds, whether a
 // capture or a remote pull adds them: their token ids, parent and the engine that stored them;
 // their hashes are the block keys themselves. `tokens` covers at least plan.boundary_tokens.
@@ -75,18 +45,6 @@ TierChain ChainOf(const PrefixCacheOptions& options, DeviceBackend* backend, Sla
   }
   if (disk != nullptr) chain.Add(DiskStoreTier(disk));
   return chain;
-}
-
-// The session's shape in its owner's cache scope.
-absl::StatusOr<ScopedShape> ShapeOf(const PrefixSession& session) {
-  ASSIGN_OR_RETURN(PlanFingerprint model,
-                   FingerprintModelPlan(session.model_plan(), session.format_defaults()));
-  ScopedShape out;
-  out.scope = std::string(session.cache_scope());
-  out.shape = PrefixShapeFingerprint(model, session.session_shape());
-  out.key = ScopedShapeFingerprint(out.scope, out.shape);
-  out.formats = PlanFormatsSummary(session.model_plan(), session.format_defaults());
-  return out;
 }
 
 bool IsFresh(const SessionState& state) {
@@ -1041,57 +999,38 @@ void PrefixCache::PullFromRemote(const ScopedShape& shape, const SessionState& s
   remote_->RecordPull(counts);
 }
 
-absl::StatusOr<PrefixCaptureResult> PrefixCache::Capture(PrefixSession& session,
-                                                         absl::Span<const int32_t> tokens,
-                                                         uint64_t boundary_tokens) {
-  ASSIGN_OR_RETURN(ScopedShape shape, ShapeOf(session));
-  absl::StatusOr<PrefixCaptureResult> result = absl::InternalError("capture did not run");
-  RETURN_IF_ERROR(session.ViewLocked(
-      [&](const SessionState& state, const SessionLayoutVersion& layout,
-          const std::optional<std::vector<int32_t>>& committed) {
-        absl::StatusOr<absl::Span<const int32_t>> committed_tokens =
-            CommittedTokensMatching(session.id(), state, committed, tokens);
-        if (!committed_tokens.ok()) return committed_tokens.status();
-        // Stored under what the session committed, never under the caller's word.
-        result = CaptureLocked(shape, state, layout, *committed_tokens, boundary_tokens,
-                               /*allow_open_transaction=*/false, session.owner().value);
-        return result.status();
-      }));
-  RebalanceTiers();
-  return result;
+absl::StatusOr<PrefixCaptureResult> PrefixCache::CaptureState(
+    const ScopedShape& shape, const SessionState& state, const SessionLayoutVersion& layout,
+    absl::Span<const int32_t> committed_tokens, uint64_t boundary_tokens, uint64_t engine_id) {
+  return CaptureLocked(shape, state, layout, committed_tokens, boundary_tokens,
+                       /*allow_open_transaction=*/false, engine_id);
 }
 
-absl::StatusOr<std::optional<PrefixCaptureResult>> PrefixCache::CaptureCommitted(
-    PrefixSession& session) {
-  ASSIGN_OR_RETURN(ScopedShape shape, ShapeOf(session));
-  std::optional<PrefixCaptureResult> result;
-  RETURN_IF_ERROR(session.ViewLocked(
-      [&](const SessionState& state, const SessionLayoutVersion& layout,
-          const std::optional<std::vector<int32_t>>& tokens) -> absl::Status {
-        if (!tokens.has_value() || tokens->size() != state.committed_len()) return absl::OkStatus();
-        const uint64_t block = options_.block_tokens;
-        const uint64_t committed = state.committed_len();
-        const bool position_addressed = PositionAddressedPlan(layout.plan);
-        uint64_t boundary = committed / block * block;
-        if (!position_addressed) {
-          // Boundary state is only what the committed length left, and only when no staged
-          // append has moved it (rings rebased, recurrent state advanced).
-          if (committed % block != 0 || state.kv().state().active().has_value()) {
-            return absl::OkStatus();
-          }
-        }
-        if (boundary == 0) return absl::OkStatus();
-        ASSIGN_OR_RETURN(PrefixCaptureResult captured,
-                         CaptureLocked(shape, state, layout, *tokens, boundary,
-                                       /*allow_open_transaction=*/position_addressed,
-                                       /*engine_id=*/0));
-        result = captured;
-        return absl::OkStatus();
-      }));
-  absl::MutexLock lock(&mu_);
-  if (result.has_value() && !result->already_present) ++death_captures_;
-  Rebalance();
-  return result;
+absl::StatusOr<std::optional<PrefixCaptureResult>> PrefixCache::CaptureCommittedState(
+    const ScopedShape& shape, const SessionState& state, const SessionLayoutVersion& layout,
+    const std::optional<std::vector<int32_t>>& committed_tokens) {
+  if (!committed_tokens.has_value() || committed_tokens->size() != state.committed_len()) {
+    return std::nullopt;
+  }
+  const uint64_t block = options_.block_tokens;
+  const uint64_t committed = state.committed_len();
+  const bool position_addressed = PositionAddressedPlan(layout.plan);
+  uint64_t boundary = committed / block * block;
+  if (!position_addressed) {
+    // Boundary state is only what the committed length left, and only when no staged
+    // append has moved it (rings rebased, recurrent state advanced).
+    if (committed % block != 0 || state.kv().state().active().has_value()) return std::nullopt;
+  }
+  if (boundary == 0) return std::nullopt;
+  ASSIGN_OR_RETURN(PrefixCaptureResult captured,
+                   CaptureLocked(shape, state, layout, *committed_tokens, boundary,
+                                 /*allow_open_transaction=*/position_addressed,
+                                 /*engine_id=*/0));
+  if (!captured.already_present) {
+    absl::MutexLock lock(&mu_);
+    ++death_captures_;
+  }
+  return captured;
 }
 
 LookupResult PrefixCache::LookupLocked(const PlanFingerprint& shape,
@@ -1160,121 +1099,107 @@ PrefixLookupResult PrefixCache::Lookup(absl::string_view scope, const PlanFinger
   return result;
 }
 
-absl::StatusOr<PrefixRestoreResult> PrefixCache::Restore(PrefixSession& session,
-                                                         std::optional<EntryId> requested,
-                                                         absl::Span<const int32_t> tokens) {
-  ASSIGN_OR_RETURN(ScopedShape shape, ShapeOf(session));
+absl::StatusOr<PrefixRestoreOutcome> PrefixCache::RestoreInto(
+    const ScopedShape& shape, SessionId session, uint64_t engine_id, const SessionState& state,
+    const SessionLayoutVersion& layout, std::optional<EntryId> requested,
+    absl::Span<const int32_t> tokens) {
   const uint64_t block = options_.block_tokens;
-  PrefixRestoreResult result;
-  const absl::Status status = session.RestoreLocked(
-      [&](const SessionState& state,
-          const SessionLayoutVersion& layout) -> absl::StatusOr<SessionState> {
-        RETURN_IF_ERROR(state.EnsureUsable("prefix restore"));
-        if (!IsFresh(state)) {
-          return absl::FailedPreconditionError(absl::StrCat(
-              "prefix restore needs a fresh destination: session ",
-              session.id().value, " has committed ", state.committed_len(), ", staged ",
-              state.staged_len(), " rows"));
-        }
-        ASSIGN_OR_RETURN(std::vector<BlockKey> keys, ChainBlockKeys(shape.key, tokens, block));
-        if (!requested.has_value() && remote_ != nullptr) {
-          PullFromRemote(shape, state, layout, tokens, keys, session.owner().value);
-        }
-        EntryView entry;
-        std::vector<PieceLedger::Hold> pieces_held;  // the entry's pieces, while it is pinned
-        uint64_t matched = 0;
-        StorageMedium served_from = StorageMedium::kDevice;
-        {
-          absl::MutexLock lock(&mu_);
-          std::optional<EntryId> id = requested;
-          if (!id.has_value()) {
-            id = LookupLocked(shape.key, tokens).entry;
-            if (!id.has_value()) {
-              return absl::NotFoundError(absl::StrCat("no stored prefix matches the ",
-                                                      tokens.size(), " token ids (",
-                                                      keys.size(), " whole blocks)"));
-            }
-          }
-          ASSIGN_OR_RETURN(entry, index_.GetEntry(*id));
-          if (entry.fingerprint != shape.key) {
-            const ScopedEntry stored = Unscoped(entry);
-            if (stored.cache_scope != shape.scope) {
-              // Another scope's entry is not there for this session (as an unknown one).
-              return absl::NotFoundError(absl::StrCat("prefix entry ", id->value,
-                                                      " is not in cache scope ", shape.scope));
-            }
-            // A shape differs by its formats as by any layout field; name them, since a
-            // format mismatch is the one an engine most often makes.
-            const auto known = scoped_shapes_.find(entry.fingerprint);
-            const std::string stored_formats =
-                known == scoped_shapes_.end() || known->second.formats.empty()
-                    ? "formats unknown"
-                    : known->second.formats;
-            return absl::InvalidArgumentError(absl::StrCat(
-                "prefix entry ", id->value, " was captured for shape ",
-                FingerprintHex(stored.view.fingerprint), " (", stored_formats, "); session ",
-                session.id().value, " has shape ", FingerprintHex(shape.shape), " (",
-                shape.formats, ")"));
-          }
-          while (matched < entry.blocks.size() && matched < keys.size() &&
-                 entry.blocks[matched].key == keys[matched]) {
-            ++matched;
-          }
-          if (matched == 0) {
-            return absl::InvalidArgumentError(
-                absl::StrCat("the ", tokens.size(), " token ids match none of prefix entry ",
-                             id->value, "'s ", entry.blocks.size(), " blocks"));
-          }
-          if (entry.boundary.has_value() && matched < entry.blocks.size()) {
-            return absl::FailedPreconditionError(absl::StrCat(
-                "prefix entry ", id->value, " holds recurrent/SWA/indexer state only at its ",
-                entry.boundary_tokens, "-token boundary; the token ids match ", matched * block,
-                " of them"));
-          }
-          RETURN_IF_ERROR(index_.Pin(*id, tick_.fetch_add(1) + 1));
-          pieces_held = HoldPieces(entry);
-          served_from = MediumLocked(entry.blocks, entry.boundary);
-        }
-        // Pinned: nothing below can free or demote the entry's pieces. Every path unpins. A
-        // restore that cannot go refuses before any piece is promoted.
-        absl::StatusOr<RestoreTarget> target =
-            PlanRestore(session.id(), state, layout, entry, matched);
-        absl::Status promoted = target.ok() ? PromotePinned(entry) : target.status();
-        if (promoted.ok()) {
-          absl::MutexLock lock(&mu_);
-          HoldSlabs(pieces_held);
-        }
-        auto unpin = [&] {
-          absl::MutexLock lock(&mu_);
-          pieces_held.clear();  // the slabs, then the pieces
-          (void)index_.Unpin(entry.id);
-          FreeHandles(index_.EnforceBudget().freed_handles);
-        };
-        absl::StatusOr<SessionState> restored =
-            promoted.ok() ? RestorePinned(layout, entry, matched, *std::move(target))
-                          : absl::StatusOr<SessionState>(promoted);
-        unpin();
-        if (restored.ok()) {
-          absl::MutexLock lock(&mu_);
-          ++restores_;
-          ++tier_hits_[static_cast<size_t>(served_from)];
-          tokens_restored_ += matched * block;
-          result.entry = entry.id;
-          result.restored_tokens = matched * block;
-        } else if (restored.status().code() == absl::StatusCode::kDataLoss) {
-          absl::MutexLock lock(&mu_);
-          absl::StatusOr<EvictionResult> dropped =
-              index_.DropEntry(entry.id, std::string(restored.status().message()));
-          if (dropped.ok()) FreeHandles(dropped->freed_handles);
-          spdlog::error("{}", restored.status().ToString());
-        }
-        return restored;
-      },
-      tokens);
-  // Promoted pieces may have pushed the device tier over its budget, on failure too.
-  RebalanceTiers();
-  RETURN_IF_ERROR(status);
-  return result;
+  RETURN_IF_ERROR(state.EnsureUsable("prefix restore"));
+  if (!IsFresh(state)) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "prefix restore needs a fresh destination: session ", session.value, " has committed ",
+        state.committed_len(), ", staged ", state.staged_len(), " rows"));
+  }
+  ASSIGN_OR_RETURN(std::vector<BlockKey> keys, ChainBlockKeys(shape.key, tokens, block));
+  if (!requested.has_value() && remote_ != nullptr) {
+    PullFromRemote(shape, state, layout, tokens, keys, engine_id);
+  }
+  EntryView entry;
+  std::vector<PieceLedger::Hold> pieces_held;  // the entry's pieces, while it is pinned
+  uint64_t matched = 0;
+  StorageMedium served_from = StorageMedium::kDevice;
+  {
+    absl::MutexLock lock(&mu_);
+    std::optional<EntryId> id = requested;
+    if (!id.has_value()) {
+      id = LookupLocked(shape.key, tokens).entry;
+      if (!id.has_value()) {
+        return absl::NotFoundError(absl::StrCat("no stored prefix matches the ", tokens.size(),
+                                                " token ids (", keys.size(), " whole blocks)"));
+      }
+    }
+    ASSIGN_OR_RETURN(entry, index_.GetEntry(*id));
+    if (entry.fingerprint != shape.key) {
+      const ScopedEntry stored = Unscoped(entry);
+      if (stored.cache_scope != shape.scope) {
+        // Another scope's entry is not there for this session (as an unknown one).
+        return absl::NotFoundError(
+            absl::StrCat("prefix entry ", id->value, " is not in cache scope ", shape.scope));
+      }
+      // A shape differs by its formats as by any layout field; name them, since a
+      // format mismatch is the one an engine most often makes.
+      const auto known = scoped_shapes_.find(entry.fingerprint);
+      const std::string stored_formats =
+          known == scoped_shapes_.end() || known->second.formats.empty() ? "formats unknown"
+                                                                         : known->second.formats;
+      return absl::InvalidArgumentError(absl::StrCat(
+          "prefix entry ", id->value, " was captured for shape ",
+          FingerprintHex(stored.view.fingerprint), " (", stored_formats, "); session ",
+          session.value, " has shape ", FingerprintHex(shape.shape), " (", shape.formats, ")"));
+    }
+    while (matched < entry.blocks.size() && matched < keys.size() &&
+           entry.blocks[matched].key == keys[matched]) {
+      ++matched;
+    }
+    if (matched == 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("the ", tokens.size(), " token ids match none of prefix entry ", id->value,
+                       "'s ", entry.blocks.size(), " blocks"));
+    }
+    if (entry.boundary.has_value() && matched < entry.blocks.size()) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("prefix entry ", id->value,
+                       " holds recurrent/SWA/indexer state only at its ", entry.boundary_tokens,
+                       "-token boundary; the token ids match ", matched * block, " of them"));
+    }
+    RETURN_IF_ERROR(index_.Pin(*id, tick_.fetch_add(1) + 1));
+    pieces_held = HoldPieces(entry);
+    served_from = MediumLocked(entry.blocks, entry.boundary);
+  }
+  // Pinned: nothing below can free or demote the entry's pieces. Every path unpins. A
+  // restore that cannot go refuses before any piece is promoted.
+  absl::StatusOr<RestoreTarget> target = PlanRestore(session, state, layout, entry, matched);
+  absl::Status promoted = target.ok() ? PromotePinned(entry) : target.status();
+  if (promoted.ok()) {
+    absl::MutexLock lock(&mu_);
+    HoldSlabs(pieces_held);
+  }
+  auto unpin = [&] {
+    absl::MutexLock lock(&mu_);
+    pieces_held.clear();  // the slabs, then the pieces
+    (void)index_.Unpin(entry.id);
+    FreeHandles(index_.EnforceBudget().freed_handles);
+  };
+  absl::StatusOr<SessionState> restored =
+      promoted.ok() ? RestorePinned(layout, entry, matched, *std::move(target))
+                    : absl::StatusOr<SessionState>(promoted);
+  unpin();
+  if (restored.ok()) {
+    absl::MutexLock lock(&mu_);
+    ++restores_;
+    ++tier_hits_[static_cast<size_t>(served_from)];
+    tokens_restored_ += matched * block;
+  } else if (restored.status().code() == absl::StatusCode::kDataLoss) {
+    absl::MutexLock lock(&mu_);
+    absl::StatusOr<EvictionResult> dropped =
+        index_.DropEntry(entry.id, std::string(restored.status().message()));
+    if (dropped.ok()) FreeHandles(dropped->freed_handles);
+    spdlog::error("{}", restored.status().ToString());
+  }
+  RETURN_IF_ERROR(restored.status());
+  return PrefixRestoreOutcome{
+      .state = *std::move(restored),
+      .result = {.entry = entry.id, .restored_tokens = matched * block}};
 }
 
 absl::StatusOr<PrefixCache::RestoreTarget> PrefixCache::PlanRestore(

@@ -48,10 +48,11 @@
 // (server/store/piece_ledger.h: restore, capture, demotion, promotion, remote write), which
 // alone answers "may this piece go now?"; the index keeps its own entry pins (its eviction rule).
 //
-// Thread-safety: thread-safe. Lock order: a session's own mutex (PrefixSession) -> mu_ ->
-// PieceLedger's mutex -> SlabAllocator's mutex -> DeviceBudget's mutex. mu_ is never held while a session mutex is
-// taken, nor across any copy: a capture or restore (PlanCapture / Pin under mu_; spans
-// allocated and copied without it; CommitCapture / Unpin under mu_ again), a promotion
+// Thread-safety: thread-safe. Lock order: a session's own mutex (held by whoever calls
+// CaptureState, CaptureCommittedState or RestoreInto) -> mu_ ->
+// PieceLedger's mutex -> SlabAllocator's mutex -> DeviceBudget's mutex. mu_ is never held while a
+// session mutex is taken, nor across any copy: a capture or restore (PlanCapture / Pin under mu_;
+// spans allocated and copied without it; CommitCapture / Unpin under mu_ again), a promotion
 // (PromotePinned) or a demotion (planned under mu_, its pieces held in moving_; copied down
 // without mu_; committed under mu_, where a piece pinned meanwhile stays put and one the index
 // let go of meanwhile is freed in both tiers). Demotions run after a capture or restore has
@@ -93,12 +94,12 @@
 #include "core/prefix_index.h"
 #include "core/session.h"
 #include "core/sizing.h"
+#include "server/base/ids.h"
 #include "server/device/backend.h"
 #include "server/device/device_budget.h"
 #include "server/store/disk_tier.h"
 #include "server/store/host_tier_memory.h"
 #include "server/device/placement.h"
-#include "server/store/prefix_session.h"
 #include "server/store/piece_ledger.h"
 #include "server/store/remote/remote_tier.h"
 #include "server/store/slab_allocator.h"
@@ -210,6 +211,12 @@ struct PrefixRestoreResult {
   uint64_t restored_tokens = 0;
 };
 
+// A restore's outcome for the session: the state it adopts, and what was restored.
+struct PrefixRestoreOutcome {
+  SessionState state;
+  PrefixRestoreResult result;
+};
+
 // Counters for metrics (monotonic unless said otherwise) and gauges of the ledger.
 // Identity: stored_bytes == pinned_bytes + evictable_bytes.
 struct PrefixCacheStats {
@@ -288,44 +295,61 @@ class PrefixCache {
   uint32_t block_tokens() const { return options_.block_tokens; }
   uint64_t epoch() const { return options_.epoch; }
 
-  // Captures tokens[0, boundary_tokens) of `session`'s committed state, in the session's cache
-  // scope (PrefixSession::cache_scope), keyed by the token ids
-  // the session's commits carried (never by `tokens`, which must agree with them). REQUIRES
-  // (else refused, nothing stored): the session's committed ids known (every commit carried its
-  // ids: FAILED_PRECONDITION), `tokens` equal to them position by position and no longer
-  // (INVALID_ARGUMENT naming the first difference or both counts); session usable (not
-  // tainted), no open transaction, recurrent position == committed length; boundary_tokens > 0,
-  // a multiple of block_tokens, <= committed length and <= tokens.size(); plans with recurrent
-  // or indexer layers: boundary == committed length.
-  absl::StatusOr<PrefixCaptureResult> Capture(PrefixSession& session,
-                                              absl::Span<const int32_t> tokens,
-                                              uint64_t boundary_tokens) ABSL_LOCKS_EXCLUDED(mu_);
+  // ---- Live sessions (server/session/session_prefix.h holds the session side) ----
+  // A live session's state is read and replaced only under the session's own mutex, which the
+  // caller holds across these calls (lock order: the session's mutex -> mu_); `shape` is the
+  // session's shape in its owner's cache scope. Tiers are not rebalanced inside: the caller runs
+  // RebalanceTiers once it has left the session's mutex (the session is not held up by the
+  // demotion's I/O), after a restore's refusal too (its promotions may have filled the device).
 
-  // Engine death: captures the COMMITTED state of `session` from the token ids its commits
-  // carried: the largest block boundary <= committed length for position-addressed plans (even
-  // with a transaction open: staged rows lie above it and are never read); exactly the
-  // committed length, with no transaction open, otherwise. nullopt when there is nothing to
-  // capture (tokens unknown, under one block, not at a capturable boundary).
-  absl::StatusOr<std::optional<PrefixCaptureResult>> CaptureCommitted(PrefixSession& session)
+  // Captures rows [0, boundary_tokens) of the session's committed `state`, keyed by
+  // `committed_tokens` (the token ids the session's commits carried, at least boundary_tokens
+  // of them); its events name `engine_id`. REQUIRES (else refused, nothing stored): state usable
+  // (not tainted), no open transaction, recurrent position == committed length;
+  // boundary_tokens > 0, a multiple of block_tokens, <= committed length and <=
+  // committed_tokens.size(); plans with recurrent or indexer layers: boundary == committed
+  // length.
+  absl::StatusOr<PrefixCaptureResult> CaptureState(const ScopedShape& shape,
+                                                   const SessionState& state,
+                                                   const SessionLayoutVersion& layout,
+                                                   absl::Span<const int32_t> committed_tokens,
+                                                   uint64_t boundary_tokens, uint64_t engine_id)
       ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Engine death: captures the COMMITTED `state` from `committed_tokens` (the ids its commits
+  // carried; nullopt when unknown): the largest block boundary <= committed length for
+  // position-addressed plans (even with a transaction open: staged rows lie above it and are
+  // never read); exactly the committed length, with no transaction open, otherwise. nullopt
+  // when there is nothing to capture (tokens unknown, under one block, not at a capturable
+  // boundary). Counted as a death capture when stored.
+  absl::StatusOr<std::optional<PrefixCaptureResult>> CaptureCommittedState(
+      const ScopedShape& shape, const SessionState& state, const SessionLayoutVersion& layout,
+      const std::optional<std::vector<int32_t>>& committed_tokens) ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Restores entry `requested` (nullopt: the longest match for `tokens`) from `shape`'s cache
+  // scope into the FRESH `state` of session `session` (named in refusals; `engine_id` names the
+  // restoring engine in a remote pull's events); returns the state the session adopts. Refusals
+  // change nothing: NOT_FOUND unknown entry, an entry of another scope (told apart from an
+  // unknown one by nothing) / no match; INVALID_ARGUMENT another shape, tokens that match none of
+  // the entry's blocks, a capacity below the restored length (or a ring too small for the window);
+  // FAILED_PRECONDITION non-fresh or tainted destination, an entry of a boundary-state plan
+  // whose boundary the tokens do not reach. DATA_LOSS: a stored checksum mismatch; the entry
+  // is dropped (unless another restore still pins it) and the destination stays fresh.
+  absl::StatusOr<PrefixRestoreOutcome> RestoreInto(const ScopedShape& shape, SessionId session,
+                                                   uint64_t engine_id, const SessionState& state,
+                                                   const SessionLayoutVersion& layout,
+                                                   std::optional<EntryId> requested,
+                                                   absl::Span<const int32_t> tokens)
+      ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Every tier within its budget: each tier's LRU pieces move down (the last one's entries are
+  // evicted). Run after a capture or restore, outside the session's mutex.
+  void RebalanceTiers() ABSL_LOCKS_EXCLUDED(mu_);
 
   // Longest restorable prefix in cache scope `scope` for sessions of `shape`
   // (PrefixShapeFingerprint).
   PrefixLookupResult Lookup(absl::string_view scope, const PlanFingerprint& shape,
                             absl::Span<const int32_t> tokens) ABSL_LOCKS_EXCLUDED(mu_);
-
-  // Restores `entry` (nullopt: the longest match for `tokens`) from the session's cache scope
-  // into the FRESH `session`. Refusals change nothing: NOT_FOUND unknown entry, an entry of
-  // another scope (told apart from an unknown one by nothing) / no match; INVALID_ARGUMENT another shape,
-  // tokens that match none of the entry's blocks, a capacity below the restored length (or a
-  // ring too small for the window); FAILED_PRECONDITION non-fresh or tainted destination, an
-  // entry of a boundary-state plan whose boundary the tokens do not reach. DATA_LOSS: a stored
-  // checksum mismatch; the entry is dropped (unless another restore still pins it) and the
-  // destination stays fresh.
-  absl::StatusOr<PrefixRestoreResult> Restore(PrefixSession& session,
-                                              std::optional<EntryId> entry,
-                                              absl::Span<const int32_t> tokens)
-      ABSL_LOCKS_EXCLUDED(mu_);
 
   // ---- Engine-pool blocks (the block-store API above) ----
   // Copies `blocks` from the pool arena `pool` into the store under `space` (`space.key` is
@@ -411,7 +435,8 @@ class PrefixCache {
               std::unique_ptr<DiskTier> disk, std::unique_ptr<HostTierMemory> host_memory,
               std::unique_ptr<SlabAllocator> host_slabs, std::unique_ptr<RemoteTier> remote);
 
-  // REQUIRES the session's mutex (runs inside PrefixSession::ViewLocked).
+  // CaptureState, and CaptureCommittedState's capture (`allow_open_transaction`: staged rows
+  // lie above the boundary). REQUIRES the session's mutex.
   absl::StatusOr<PrefixCaptureResult> CaptureLocked(const ScopedShape& shape,
                                                     const SessionState& state,
                                                     const SessionLayoutVersion& layout,
@@ -478,7 +503,7 @@ class PrefixCache {
                                             uint64_t matched_blocks) const;
   // Verifies and copies a pinned, promoted entry's first `matched_blocks` blocks (and its
   // boundary state) into the fresh session as `target` (PlanRestore's) says; returns the state
-  // it must adopt. REQUIRES the destination's mutex (inside PrefixSession::RestoreLocked).
+  // it must adopt. REQUIRES the destination's mutex (held by RestoreInto's caller).
   absl::StatusOr<SessionState> RestorePinned(const SessionLayoutVersion& layout,
                                              const EntryView& entry, uint64_t matched_blocks,
                                              RestoreTarget target) ABSL_LOCKS_EXCLUDED(mu_);
@@ -520,11 +545,8 @@ class PrefixCache {
   uint64_t IncomingBytes(const Move& move) const;
   // Demotes LRU host-tier pieces until the bytes on their way into it fit its budget too.
   void MakeHostRoom() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Every tier within its budget: each tier's LRU pieces move down (the last one's entries are
-  // evicted). Run after a capture and a restore, outside the session's mutex (the session is
-  // not held up by the demotion's I/O).
+  // RebalanceTiers under mu_ (held).
   void Rebalance() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void RebalanceTiers() ABSL_LOCKS_EXCLUDED(mu_);
   // Demotes LRU pieces of tier `from` (of unpinned entries, none being promoted or moved) until
   // it holds at most `target` bytes not already leaving, or nothing is left to demote; the last
   // tier evicts LRU entries instead. A full disk tier evicts LRU entries for room first.

@@ -9,10 +9,10 @@
 #include <cstdlib>
 #include <fstream>
 #include <functional>
-#include <string>
-#include <thread>
 #include <memory>
 #include <optional>
+#include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -28,13 +28,14 @@
 #include "core/test_model_plans.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "server/session/daemon_session.h"
 #include "server/device/device_budget.h"
+#include "server/session/daemon_session.h"
+#include "server/session/session_prefix.h"
 #include "server/store/host_tier_memory.h"
 #include "server/store/remote/redis_cluster.h"
 #include "server/store/remote/remote_tier.h"
-#include "server/testing/test_redis_cluster.h"
 #include "server/testing/test_host_backend.h"
+#include "server/testing/test_redis_cluster.h"
 #include "tests/seeded_random.h"
 #include "tests/status_matchers.h"
 
@@ -369,7 +370,7 @@ class PrefixCacheTest : public ::testing::Test {
       const EntryView& entry = entries[random.Below(entries.size())].view;
       const ChurnSource& source = sources.at(entry.id.value);
       auto dest = NewSession(FlatPlan(), 256);
-      ASSERT_THAT(cache_->Restore(*dest, entry.id, source.tokens).status(), IsOk());
+      ASSERT_THAT(RestoreSessionPrefix(*cache_, *dest, entry.id, source.tokens).status(), IsOk());
       ASSERT_EQ(KvRows(*dest, source.len), KvRows(*source.session, source.len));
       return;
     }
@@ -378,7 +379,8 @@ class PrefixCacheTest : public ::testing::Test {
     auto session = NewSession(FlatPlan(), 256);
     Append(*session, tokens, len);
     FillRandom(*session, fill_seed, 0);
-    absl::StatusOr<PrefixCaptureResult> captured = cache_->Capture(*session, tokens, len);
+    absl::StatusOr<PrefixCaptureResult> captured =
+        CaptureSessionPrefix(*cache_, *session, tokens, len);
     ASSERT_THAT(captured.status(), IsOk());
     sources[captured->entry.value] = ChurnSource{std::move(session), tokens, len};
   }
@@ -408,7 +410,7 @@ class PrefixCacheTest : public ::testing::Test {
   // Captures `source`'s tokens [0, rows); the ledgers agree after.
   EntryId CaptureChecked(const ChurnSource& source, uint64_t rows) {
     absl::StatusOr<PrefixCaptureResult> captured =
-        cache_->Capture(*source.session, source.tokens, rows);
+        CaptureSessionPrefix(*cache_, *source.session, source.tokens, rows);
     EXPECT_THAT(captured.status(), IsOk());
     EXPECT_THAT(cache_->CheckInvariants(), IsOk());
     return captured.ok() ? captured->entry : EntryId{};
@@ -433,7 +435,8 @@ class PrefixCacheTest : public ::testing::Test {
     for (const ScopedEntry& scoped : cache_->ListEntries()) {
       const ChurnSource& source = sources.at(scoped.view.id.value);
       auto dest = NewSession(FlatPlan(), 256);
-      ASSERT_THAT(cache_->Restore(*dest, scoped.view.id, source.tokens).status(), IsOk());
+      ASSERT_THAT(RestoreSessionPrefix(*cache_, *dest, scoped.view.id, source.tokens).status(),
+                  IsOk());
       EXPECT_EQ(KvRows(*dest, source.len), KvRows(*source.session, source.len));
     }
   }
@@ -463,7 +466,7 @@ TEST_F(PrefixCacheTest, ScopesShareNothingButTheStore) {
   const std::vector<int32_t> tokens = Tokens(64);
   auto mine = NewSession(FlatPlan(), 128, "uid:1001");
   Append(*mine, tokens, 64);
-  absl::StatusOr<PrefixCaptureResult> captured = cache_->Capture(*mine, tokens, 64);
+  absl::StatusOr<PrefixCaptureResult> captured = CaptureSessionPrefix(*cache_, *mine, tokens, 64);
   ASSERT_THAT(captured.status(), IsOk());
   EXPECT_EQ(captured->shape, Shape(FlatPlan()));  // the plain shape, the scope apart
   EXPECT_EQ(cache_->Lookup("uid:1001", Shape(FlatPlan()), tokens).outcome, LookupOutcome::kHit);
@@ -471,9 +474,9 @@ TEST_F(PrefixCacheTest, ScopesShareNothingButTheStore) {
 
   // Another scope's session restores nothing of it, by match or by id (as if unknown).
   auto theirs = NewSession(FlatPlan(), 128, "uid:1002");
-  EXPECT_THAT(cache_->Restore(*theirs, std::nullopt, tokens).status(),
+  EXPECT_THAT(RestoreSessionPrefix(*cache_, *theirs, std::nullopt, tokens).status(),
               StatusIs(absl::StatusCode::kNotFound, HasSubstr("no stored prefix matches")));
-  EXPECT_THAT(cache_->Restore(*theirs, captured->entry, tokens).status(),
+  EXPECT_THAT(RestoreSessionPrefix(*cache_, *theirs, captured->entry, tokens).status(),
               StatusIs(absl::StatusCode::kNotFound,
                        HasSubstrs(absl::StrCat("prefix entry ", captured->entry.value),
                                   "is not in cache scope uid:1002")));
@@ -482,7 +485,8 @@ TEST_F(PrefixCacheTest, ScopesShareNothingButTheStore) {
   // The same prompt captured in the other scope is its own entry (keys chain from the scope).
   auto their_source = NewSession(FlatPlan(), 128, "uid:1002");
   Append(*their_source, tokens, 64);
-  absl::StatusOr<PrefixCaptureResult> again = cache_->Capture(*their_source, tokens, 64);
+  absl::StatusOr<PrefixCaptureResult> again =
+      CaptureSessionPrefix(*cache_, *their_source, tokens, 64);
   ASSERT_THAT(again.status(), IsOk());
   EXPECT_FALSE(again->already_present);
   EXPECT_NE(again->entry, captured->entry);
@@ -522,7 +526,7 @@ TEST_F(PrefixCacheTest, FlatKvCaptureLookupRestoreAnyBlockBoundary) {
   const std::vector<int32_t> tokens = Tokens(100);
   auto source = NewSession(FlatPlan(), 256);
   Append(*source, tokens, 100);
-  absl::StatusOr<PrefixCaptureResult> captured = cache_->Capture(*source, tokens, 96);
+  absl::StatusOr<PrefixCaptureResult> captured = CaptureSessionPrefix(*cache_, *source, tokens, 96);
   ASSERT_THAT(captured.status(), IsOk());
   EXPECT_EQ(captured->boundary_tokens, 96u);
   EXPECT_FALSE(captured->already_present);
@@ -540,13 +544,14 @@ TEST_F(PrefixCacheTest, FlatKvCaptureLookupRestoreAnyBlockBoundary) {
   EXPECT_EQ(cache_->Lookup(kScope, Shape(FlatPlan()), Tokens(40, 5)).outcome, LookupOutcome::kMiss);
 
   auto full = NewSession(FlatPlan(), 128);
-  absl::StatusOr<PrefixRestoreResult> restored = cache_->Restore(*full, captured->entry, tokens);
+  absl::StatusOr<PrefixRestoreResult> restored =
+      RestoreSessionPrefix(*cache_, *full, captured->entry, tokens);
   ASSERT_THAT(restored.status(), IsOk());
   EXPECT_EQ(restored->restored_tokens, 96u);
   ExpectRestored(*full, 96, 0);
 
   auto shorter = NewSession(FlatPlan(), 128);
-  restored = cache_->Restore(*shorter, std::nullopt, other);
+  restored = RestoreSessionPrefix(*cache_, *shorter, std::nullopt, other);
   ASSERT_THAT(restored.status(), IsOk());
   EXPECT_EQ(restored->restored_tokens, 48u);
   ExpectRestored(*shorter, 48, 0);
@@ -567,10 +572,10 @@ TEST_F(PrefixCacheTest, CommonPrefixBlocksAreStoredOnce) {
   auto second = NewSession(FlatPlan(), 128);
   Append(*first, a, 64);
   Append(*second, b, 64);
-  absl::StatusOr<PrefixCaptureResult> one = cache_->Capture(*first, a, 64);
+  absl::StatusOr<PrefixCaptureResult> one = CaptureSessionPrefix(*cache_, *first, a, 64);
   ASSERT_THAT(one.status(), IsOk());
   const uint64_t block_bytes = one->added_bytes / 4;
-  absl::StatusOr<PrefixCaptureResult> two = cache_->Capture(*second, b, 64);
+  absl::StatusOr<PrefixCaptureResult> two = CaptureSessionPrefix(*cache_, *second, b, 64);
   ASSERT_THAT(two.status(), IsOk());
   EXPECT_EQ(two->added_bytes, 2 * block_bytes);  // the system prompt's 2 blocks are shared
   EXPECT_EQ(cache_->Stats().blocks, 6u);
@@ -580,52 +585,10 @@ TEST_F(PrefixCacheTest, CommonPrefixBlocksAreStoredOnce) {
   EXPECT_EQ(cache_->Stats().slabs.slabs, 1u);
   EXPECT_EQ(cache_->Stats().slabs.used_bytes, 6 * kFlatSpanBytes);
   EXPECT_EQ(backend_->ArenaCount(), 2u + 1u);
-  absl::StatusOr<PrefixCaptureResult> again = cache_->Capture(*second, b, 64);
+  absl::StatusOr<PrefixCaptureResult> again = CaptureSessionPrefix(*cache_, *second, b, 64);
   ASSERT_THAT(again.status(), IsOk());
   EXPECT_TRUE(again->already_present);
   EXPECT_EQ(again->added_bytes, 0u);
-  EXPECT_THAT(cache_->CheckInvariants(), IsOk());
-}
-
-// A capture is keyed by the ids the session committed: a request naming other ids (or more of
-// them) is refused and stores nothing, and the honest capture afterwards is a new entry.
-TEST_F(PrefixCacheTest, CaptureStoresOnlyUnderTheCommittedTokenIds) {
-  const std::vector<int32_t> committed = Tokens(64);
-  std::vector<int32_t> other = committed;
-  other[40] = -7;  // another prompt sharing the first 40 ids
-  auto session = NewSession(FlatPlan(), 128);
-  Append(*session, committed, 64);
-  const uint64_t id = session->id().value;
-  EXPECT_THAT(cache_->Capture(*session, other, 64).status(),
-              StatusIs(absl::StatusCode::kInvalidArgument,
-                       HasSubstrs("token id at position 40 is -7 in the request",
-                                  absl::StrCat("session ", id, " committed ", committed[40]))));
-  EXPECT_THAT(cache_->Capture(*session, Tokens(80), 64).status(),
-              StatusIs(absl::StatusCode::kInvalidArgument,
-                       HasSubstrs("the request gives 80 token ids",
-                                  absl::StrCat("session ", id, " committed 64"))));
-  EXPECT_EQ(cache_->Stats().entries, 0u);
-  EXPECT_EQ(cache_->Lookup(kScope, Shape(FlatPlan()), other).outcome, LookupOutcome::kMiss);
-
-  absl::StatusOr<PrefixCaptureResult> honest = cache_->Capture(*session, committed, 64);
-  ASSERT_THAT(honest.status(), IsOk());
-  EXPECT_FALSE(honest->already_present);
-  EXPECT_EQ(cache_->Lookup(kScope, Shape(FlatPlan()), committed).matched_tokens, 64u);
-  EXPECT_EQ(cache_->Lookup(kScope, Shape(FlatPlan()), other).matched_tokens, 32u);  // the shared block
-
-  // Committed without token ids: the session's ids are unknown, nothing can be captured.
-  auto unknown = NewSession(FlatPlan(), 128);
-  absl::StatusOr<TransactionId> begin = unknown->Begin();
-  ASSERT_THAT(begin, IsOk());
-  ASSERT_THAT(unknown->PrepareAppend(begin->generation, 32), IsOk());
-  ASSERT_THAT(unknown->PublishAppend(begin->generation), IsOk());
-  ASSERT_THAT(unknown->Commit(begin->generation, 32), IsOk());
-  EXPECT_THAT(cache_->Capture(*unknown, Tokens(32), 32).status(),
-              StatusIs(absl::StatusCode::kFailedPrecondition,
-                       HasSubstrs(absl::StrCat("session ", unknown->id().value,
-                                               "'s committed token ids are unknown (32 rows"),
-                                  "commit with token ids to capture")));
-  EXPECT_EQ(cache_->Stats().entries, 1u);
   EXPECT_THAT(cache_->CheckInvariants(), IsOk());
 }
 
@@ -633,10 +596,10 @@ TEST_F(PrefixCacheTest, RecurrentStateRestoresOnlyAtTheCapturedBoundary) {
   const std::vector<int32_t> tokens = Tokens(64);
   auto source = NewSession(HybridPlan(), 128);
   Append(*source, tokens, 64);
-  absl::StatusOr<PrefixCaptureResult> captured = cache_->Capture(*source, tokens, 64);
+  absl::StatusOr<PrefixCaptureResult> captured = CaptureSessionPrefix(*cache_, *source, tokens, 64);
   ASSERT_THAT(captured.status(), IsOk());
   // Recurrent state exists only at the committed length.
-  EXPECT_THAT(cache_->Capture(*source, tokens, 32).status(),
+  EXPECT_THAT(CaptureSessionPrefix(*cache_, *source, tokens, 32).status(),
               StatusIs(absl::StatusCode::kFailedPrecondition,
                        HasSubstr("recurrent state exists only at the position 64 (committed 64), "
                                  "not at boundary 32")));
@@ -644,7 +607,7 @@ TEST_F(PrefixCacheTest, RecurrentStateRestoresOnlyAtTheCapturedBoundary) {
   EXPECT_EQ(cache_->Lookup(kScope, Shape(HybridPlan()), Tokens(48)).outcome, LookupOutcome::kMiss);
   auto short_dest = NewSession(HybridPlan(), 128);
   const std::vector<uint8_t> before = ArenaBytes(*short_dest);
-  EXPECT_THAT(cache_->Restore(*short_dest, captured->entry, Tokens(48)).status(),
+  EXPECT_THAT(RestoreSessionPrefix(*cache_, *short_dest, captured->entry, Tokens(48)).status(),
               StatusIs(absl::StatusCode::kFailedPrecondition,
                        HasSubstr("only at its 64-token boundary; the token ids match 48")));
   EXPECT_EQ(ArenaBytes(*short_dest), before);
@@ -653,7 +616,7 @@ TEST_F(PrefixCacheTest, RecurrentStateRestoresOnlyAtTheCapturedBoundary) {
   EXPECT_EQ(hit.outcome, LookupOutcome::kHit);
   EXPECT_EQ(hit.matched_tokens, 64u);
   auto dest = NewSession(HybridPlan(), 256);
-  ASSERT_THAT(cache_->Restore(*dest, hit.entry, Tokens(70)).status(), IsOk());
+  ASSERT_THAT(RestoreSessionPrefix(*cache_, *dest, hit.entry, Tokens(70)).status(), IsOk());
   ExpectRestored(*dest, 64, 64);
   absl::StatusOr<SessionReport> report = dest->GetState();
   ASSERT_THAT(report, IsOk());
@@ -666,14 +629,15 @@ TEST_F(PrefixCacheTest, SwaRingAfterAWrapRestoresTheAlignedWindow) {
   const std::vector<int32_t> tokens = Tokens(len);
   auto source = NewSession(SwaPlan(), 6000);
   Append(*source, tokens, len);
-  absl::StatusOr<PrefixCaptureResult> captured = cache_->Capture(*source, tokens, len);
+  absl::StatusOr<PrefixCaptureResult> captured =
+      CaptureSessionPrefix(*cache_, *source, tokens, len);
   ASSERT_THAT(captured.status(), IsOk());
   // A boundary whose window was lapped by the wrap is refused.
-  EXPECT_THAT(cache_->Capture(*source, tokens, 64).status(),
+  EXPECT_THAT(CaptureSessionPrefix(*cache_, *source, tokens, 64).status(),
               StatusIs(absl::StatusCode::kFailedPrecondition,
                        HasSubstr("layer 0: the SWA window ending at 64 is no longer resident")));
   auto dest = NewSession(SwaPlan(), 6000);
-  ASSERT_THAT(cache_->Restore(*dest, captured->entry, tokens).status(), IsOk());
+  ASSERT_THAT(RestoreSessionPrefix(*cache_, *dest, captured->entry, tokens).status(), IsOk());
   ExpectRestored(*dest, len, 0);
   absl::StatusOr<SessionReport> report = dest->GetState();
   ASSERT_THAT(report, IsOk());
@@ -683,7 +647,7 @@ TEST_F(PrefixCacheTest, SwaRingAfterAWrapRestoresTheAlignedWindow) {
   // A destination too small for the restored length.
   auto small = NewSession(SwaPlan(), 4096);
   const std::vector<uint8_t> before = ArenaBytes(*small);
-  EXPECT_THAT(cache_->Restore(*small, captured->entry, tokens).status(),
+  EXPECT_THAT(RestoreSessionPrefix(*cache_, *small, captured->entry, tokens).status(),
               StatusIs(absl::StatusCode::kInvalidArgument,
                        HasSubstr("needs capacity 4800; session 3 has 4096")));
   EXPECT_EQ(ArenaBytes(*small), before);
@@ -696,17 +660,17 @@ TEST_F(PrefixCacheTest, LatentWithIndexerTailAndPoolKeys) {
   auto source = NewSession(LatentPlan(), 256);
   Append(*source, tokens, len + 2);  // 82: a two-row live tail
   // The indexer's state exists at the latent length only.
-  EXPECT_THAT(cache_->Capture(*source, tokens, 80).status(),
+  EXPECT_THAT(CaptureSessionPrefix(*cache_, *source, tokens, 80).status(),
               StatusIs(absl::StatusCode::kFailedPrecondition,
                        HasSubstr("layer 0: the indexer's tail and pool keys exist only at the "
                                  "latent length 82, not at boundary 80")));
   ASSERT_THAT(source->Rewind(len), IsOk());
   // After the rewind the session has committed `len` of the ids (a capture names no more).
   absl::StatusOr<PrefixCaptureResult> captured =
-      cache_->Capture(*source, absl::MakeConstSpan(tokens).subspan(0, len), len);
+      CaptureSessionPrefix(*cache_, *source, absl::MakeConstSpan(tokens).subspan(0, len), len);
   ASSERT_THAT(captured.status(), IsOk());
   auto dest = NewSession(LatentPlan(), 128);
-  ASSERT_THAT(cache_->Restore(*dest, captured->entry, tokens).status(), IsOk());
+  ASSERT_THAT(RestoreSessionPrefix(*cache_, *dest, captured->entry, tokens).status(), IsOk());
   ExpectRestored(*dest, len, 0);
   absl::StatusOr<SessionReport> report = dest->GetState();
   ASSERT_THAT(report, IsOk());
@@ -718,12 +682,12 @@ TEST_F(PrefixCacheTest, RefusalsLeaveTheDestinationUntouched) {
   const std::vector<int32_t> tokens = Tokens(64);
   auto source = NewSession(FlatPlan(), 128);
   Append(*source, tokens, 64);
-  absl::StatusOr<PrefixCaptureResult> captured = cache_->Capture(*source, tokens, 64);
+  absl::StatusOr<PrefixCaptureResult> captured = CaptureSessionPrefix(*cache_, *source, tokens, 64);
   ASSERT_THAT(captured.status(), IsOk());
 
   auto other_model = NewSession(tp::DenseModel(3, 32, 1), 128);
   std::vector<uint8_t> before = ArenaBytes(*other_model);
-  EXPECT_THAT(cache_->Restore(*other_model, captured->entry, tokens).status(),
+  EXPECT_THAT(RestoreSessionPrefix(*cache_, *other_model, captured->entry, tokens).status(),
               StatusIs(absl::StatusCode::kInvalidArgument,
                        HasSubstr(absl::StrCat("prefix entry ", captured->entry.value,
                                               " was captured for shape"))));
@@ -731,7 +695,7 @@ TEST_F(PrefixCacheTest, RefusalsLeaveTheDestinationUntouched) {
 
   auto small = NewSession(FlatPlan(), 32);
   before = ArenaBytes(*small);
-  EXPECT_THAT(cache_->Restore(*small, captured->entry, tokens).status(),
+  EXPECT_THAT(RestoreSessionPrefix(*cache_, *small, captured->entry, tokens).status(),
               StatusIs(absl::StatusCode::kInvalidArgument,
                        HasSubstr("restoring 64 tokens of prefix entry 1 needs capacity 64; "
                                  "session 3 has 32")));
@@ -741,30 +705,30 @@ TEST_F(PrefixCacheTest, RefusalsLeaveTheDestinationUntouched) {
   auto used = NewSession(FlatPlan(), 128);
   Append(*used, Tokens(16, 9), 16);
   before = ArenaBytes(*used);
-  EXPECT_THAT(cache_->Restore(*used, captured->entry, tokens).status(),
+  EXPECT_THAT(RestoreSessionPrefix(*cache_, *used, captured->entry, tokens).status(),
               StatusIs(absl::StatusCode::kFailedPrecondition,
                        HasSubstr("session 4 has committed 16, staged 16 rows")));
   EXPECT_EQ(ArenaBytes(*used), before);
 
   auto fresh = NewSession(FlatPlan(), 128);
-  EXPECT_THAT(cache_->Restore(*fresh, captured->entry, Tokens(64, 1)).status(),
+  EXPECT_THAT(RestoreSessionPrefix(*cache_, *fresh, captured->entry, Tokens(64, 1)).status(),
               StatusIs(absl::StatusCode::kInvalidArgument,
                        HasSubstr("the 64 token ids match none of prefix entry 1's 4 blocks")));
-  EXPECT_THAT(cache_->Restore(*fresh, EntryId{99}, tokens).status(),
+  EXPECT_THAT(RestoreSessionPrefix(*cache_, *fresh, EntryId{99}, tokens).status(),
               StatusIs(absl::StatusCode::kNotFound, HasSubstr("99")));
   EXPECT_EQ(Committed(*fresh), 0u);
 
   // Capture refusals: an open transaction, a boundary off the block grid or past the rows.
   absl::StatusOr<TransactionId> begin = source->Begin();
   ASSERT_THAT(begin, IsOk());
-  EXPECT_THAT(cache_->Capture(*source, tokens, 64).status(),
+  EXPECT_THAT(CaptureSessionPrefix(*cache_, *source, tokens, 64).status(),
               StatusIs(absl::StatusCode::kFailedPrecondition,
                        HasSubstr("transaction generation 2 is open (committed 64, staged 64)")));
   ASSERT_THAT(source->Abort(begin->generation), IsOk());
-  EXPECT_THAT(cache_->Capture(*source, tokens, 40).status(),
+  EXPECT_THAT(CaptureSessionPrefix(*cache_, *source, tokens, 40).status(),
               StatusIs(absl::StatusCode::kInvalidArgument,
                        HasSubstr("boundary 40 is not a positive multiple of the 16-token block")));
-  EXPECT_THAT(cache_->Capture(*source, tokens, 80).status(),
+  EXPECT_THAT(CaptureSessionPrefix(*cache_, *source, tokens, 80).status(),
               StatusIs(absl::StatusCode::kInvalidArgument,
                        HasSubstr("boundary 80 exceeds the committed length 64")));
   EXPECT_EQ(cache_->Stats().entries, 1u);
@@ -775,7 +739,7 @@ TEST_F(PrefixCacheTest, CorruptBlockIsDataLossAndTheEntryIsDropped) {
   const std::vector<int32_t> tokens = Tokens(48);
   auto source = NewSession(FlatPlan(), 128);
   Append(*source, tokens, 48);
-  absl::StatusOr<PrefixCaptureResult> captured = cache_->Capture(*source, tokens, 48);
+  absl::StatusOr<PrefixCaptureResult> captured = CaptureSessionPrefix(*cache_, *source, tokens, 48);
   ASSERT_THAT(captured.status(), IsOk());
   absl::StatusOr<ScopedEntry> scoped = cache_->Inspect(captured->entry);
   ASSERT_THAT(scoped, IsOk());
@@ -790,7 +754,7 @@ TEST_F(PrefixCacheTest, CorruptBlockIsDataLossAndTheEntryIsDropped) {
   ASSERT_THAT(backend_->Write(span->slab, span->offset + 7, byte), IsOk());
 
   auto dest = NewSession(FlatPlan(), 128);
-  EXPECT_THAT(cache_->Restore(*dest, captured->entry, tokens).status(),
+  EXPECT_THAT(RestoreSessionPrefix(*cache_, *dest, captured->entry, tokens).status(),
               StatusIs(absl::StatusCode::kDataLoss,
                        HasSubstrs(absl::StrCat("prefix entry ", captured->entry.value,
                                                ": stored piece 1 (slab ", span->slab.value,
@@ -823,10 +787,12 @@ TEST_F(PrefixCacheTest, ParallelRestoreCopiesEveryBlockAndFailsOnAnyCorruptOne) 
   const std::vector<int32_t> tokens = Tokens(112);
   auto source = NewSession(FlatPlan(), 256);
   Append(*source, tokens, 112);
-  absl::StatusOr<PrefixCaptureResult> captured = cache_->Capture(*source, tokens, 112);
+  absl::StatusOr<PrefixCaptureResult> captured =
+      CaptureSessionPrefix(*cache_, *source, tokens, 112);
   ASSERT_THAT(captured.status(), IsOk());
   auto dest = NewSession(FlatPlan(), 128);
-  absl::StatusOr<PrefixRestoreResult> restored = cache_->Restore(*dest, captured->entry, tokens);
+  absl::StatusOr<PrefixRestoreResult> restored =
+      RestoreSessionPrefix(*cache_, *dest, captured->entry, tokens);
   ASSERT_THAT(restored.status(), IsOk());
   EXPECT_EQ(restored->restored_tokens, 112u);
   ExpectRestored(*dest, 112, 0);
@@ -840,7 +806,7 @@ TEST_F(PrefixCacheTest, ParallelRestoreCopiesEveryBlockAndFailsOnAnyCorruptOne) 
   ASSERT_THAT(span.status(), IsOk());
   ASSERT_THAT(backend_->Memset(span->slab, span->offset + 3, 0xEE, 1), IsOk());
   auto again = NewSession(FlatPlan(), 128);
-  EXPECT_THAT(cache_->Restore(*again, captured->entry, tokens).status(),
+  EXPECT_THAT(RestoreSessionPrefix(*cache_, *again, captured->entry, tokens).status(),
               StatusIs(absl::StatusCode::kDataLoss,
                        HasSubstr(absl::StrCat("stored piece 4 (slab ", span->slab.value,
                                               ", offset ", span->offset, "), slice 0 of 1 (",
@@ -871,7 +837,7 @@ TEST_F(PrefixCacheTest, LruEvictionUnderTheBudget) {
   const std::vector<int32_t> probe = Tokens(32, 500);
   auto s0 = NewSession(FlatPlan(), 64);
   Append(*s0, probe, 32);
-  absl::StatusOr<PrefixCaptureResult> first = cache_->Capture(*s0, probe, 32);
+  absl::StatusOr<PrefixCaptureResult> first = CaptureSessionPrefix(*cache_, *s0, probe, 32);
   ASSERT_THAT(first.status(), IsOk());
   const uint64_t entry_bytes = first->added_bytes;
   cache_ = MakeCache(entry_bytes * 5 / 2);
@@ -880,7 +846,8 @@ TEST_F(PrefixCacheTest, LruEvictionUnderTheBudget) {
     const std::vector<int32_t> tokens = Tokens(32, 1000 * (i + 1));
     auto session = NewSession(FlatPlan(), 64);
     Append(*session, tokens, 32);
-    absl::StatusOr<PrefixCaptureResult> captured = cache_->Capture(*session, tokens, 32);
+    absl::StatusOr<PrefixCaptureResult> captured =
+        CaptureSessionPrefix(*cache_, *session, tokens, 32);
     ASSERT_THAT(captured.status(), IsOk());
     ids.push_back(captured->entry);
   }
@@ -902,7 +869,8 @@ TEST_F(PrefixCacheTest, AdmissionEvictsThroughTheDeviceBudget) {
   DeviceBudget budget(total, "test");
   cache_ = MakeCache(uint64_t{64} << 20, &budget);
   cache_->InstallEvictor(budget);
-  absl::StatusOr<PrefixCaptureResult> captured = cache_->Capture(*session, tokens, 32);
+  absl::StatusOr<PrefixCaptureResult> captured =
+      CaptureSessionPrefix(*cache_, *session, tokens, 32);
   ASSERT_THAT(captured.status(), IsOk());
   EXPECT_EQ(captured->added_bytes, 2 * kFlatSpanBytes);
   // The device is charged the whole slab (one arena), all of it evictable.
@@ -918,7 +886,7 @@ TEST_F(PrefixCacheTest, AdmissionEvictsThroughTheDeviceBudget) {
   EXPECT_EQ(budget.Snapshot().evictable(), 0u);
   EXPECT_EQ(budget.Snapshot().allocated(), total);  // the slab's charge was released
   // Now the device is full: a capture is refused by the budget and stores nothing.
-  EXPECT_THAT(cache_->Capture(*session, tokens, 32).status(),
+  EXPECT_THAT(CaptureSessionPrefix(*cache_, *session, tokens, 32).status(),
               StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("")));
   EXPECT_EQ(backend_->ArenaCount(), 1u);
   EXPECT_THAT(cache_->CheckInvariants(), IsOk());
@@ -932,7 +900,8 @@ TEST_F(PrefixCacheTest, EventsReplayAndGap) {
     const std::vector<int32_t> tokens = Tokens(16, 100 * i);
     auto session = NewSession(FlatPlan(), 64);
     Append(*session, tokens, 16);
-    absl::StatusOr<PrefixCaptureResult> captured = cache_->Capture(*session, tokens, 16);
+    absl::StatusOr<PrefixCaptureResult> captured =
+        CaptureSessionPrefix(*cache_, *session, tokens, 16);
     ASSERT_THAT(captured.status(), IsOk());
     ids.push_back(captured->entry);
   }
@@ -961,7 +930,8 @@ TEST_F(PrefixCacheTest, DeathCaptureTakesCommittedRowsNeverStagedOnes) {
   ASSERT_THAT(begin, IsOk());
   ASSERT_THAT(session->PrepareAppend(begin->generation, 24), IsOk());
   ASSERT_THAT(session->PublishAppend(begin->generation), IsOk());  // staged 64
-  absl::StatusOr<std::optional<PrefixCaptureResult>> captured = cache_->CaptureCommitted(*session);
+  absl::StatusOr<std::optional<PrefixCaptureResult>> captured =
+      CaptureCommittedPrefix(*cache_, *session);
   ASSERT_THAT(captured.status(), IsOk());
   ASSERT_TRUE(captured->has_value());
   EXPECT_EQ((*captured)->boundary_tokens, 32u);
@@ -975,7 +945,7 @@ TEST_F(PrefixCacheTest, DeathCaptureTakesCommittedRowsNeverStagedOnes) {
   ASSERT_THAT(unknown->PrepareAppend(begin->generation, 32), IsOk());
   ASSERT_THAT(unknown->PublishAppend(begin->generation), IsOk());
   ASSERT_THAT(unknown->Commit(begin->generation, 32), IsOk());
-  captured = cache_->CaptureCommitted(*unknown);
+  captured = CaptureCommittedPrefix(*cache_, *unknown);
   ASSERT_THAT(captured.status(), IsOk());
   EXPECT_FALSE(captured->has_value());
   // A mismatched token count is refused before anything changes.
@@ -1006,7 +976,8 @@ TEST_F(PrefixCacheTest, TwoHundredThousandBlocksLiveInAFewSlabs) {
   const std::vector<int32_t> tokens = Tokens(kBlocks);
   auto source = NewSession(plan, kBlocks);
   Append(*source, tokens, kBlocks);
-  absl::StatusOr<PrefixCaptureResult> captured = cache_->Capture(*source, tokens, kBlocks);
+  absl::StatusOr<PrefixCaptureResult> captured =
+      CaptureSessionPrefix(*cache_, *source, tokens, kBlocks);
   ASSERT_THAT(captured.status(), IsOk());
   PrefixCacheStats stats = cache_->Stats();
   EXPECT_EQ(stats.blocks, kBlocks);
@@ -1019,7 +990,8 @@ TEST_F(PrefixCacheTest, TwoHundredThousandBlocksLiveInAFewSlabs) {
   EXPECT_THAT(cache_->CheckInvariants(), IsOk());
 
   auto dest = NewSession(plan, kBlocks);
-  absl::StatusOr<PrefixRestoreResult> restored = cache_->Restore(*dest, std::nullopt, tokens);
+  absl::StatusOr<PrefixRestoreResult> restored =
+      RestoreSessionPrefix(*cache_, *dest, std::nullopt, tokens);
   ASSERT_THAT(restored.status(), IsOk());
   EXPECT_EQ(restored->restored_tokens, kBlocks);
   EXPECT_EQ(KvRows(*dest, kBlocks), KvRows(*source, kBlocks));
@@ -1071,7 +1043,8 @@ TEST_F(PrefixCacheTest, RestoreAfterHeavyChurnIsBitExact) {
     // (the same bytes in every session), the rest is this session's own.
     FillRandom(*session, static_cast<uint64_t>(round) + 1,
                shared ? std::min<uint64_t>(len, 2 * kBlock) : 0);
-    absl::StatusOr<PrefixCaptureResult> captured = cache_->Capture(*session, tokens, len);
+    absl::StatusOr<PrefixCaptureResult> captured =
+        CaptureSessionPrefix(*cache_, *session, tokens, len);
     ASSERT_THAT(captured.status(), IsOk());
     if (!captured->already_present) {
       sources[captured->entry.value] = Source{std::move(session), tokens, len};
@@ -1097,7 +1070,7 @@ TEST_F(PrefixCacheTest, RestoreAfterHeavyChurnIsBitExact) {
     const Source& source = it->second;
     auto dest = NewSession(FlatPlan(), 256);
     absl::StatusOr<PrefixRestoreResult> restored =
-        cache_->Restore(*dest, entry.id, source.tokens);
+        RestoreSessionPrefix(*cache_, *dest, entry.id, source.tokens);
     ASSERT_THAT(restored.status(), IsOk());
     ASSERT_EQ(restored->restored_tokens, source.len);
     EXPECT_EQ(KvRows(*dest, source.len), KvRows(*source.session, source.len))
@@ -1115,10 +1088,10 @@ TEST_F(PrefixCacheTest, LargePiecesAreVerifiedPerSlice) {
   const std::vector<int32_t> tokens = Tokens(64);
   auto source = NewSession(HybridPlan(), 128);
   Append(*source, tokens, 64);
-  absl::StatusOr<PrefixCaptureResult> captured = cache_->Capture(*source, tokens, 64);
+  absl::StatusOr<PrefixCaptureResult> captured = CaptureSessionPrefix(*cache_, *source, tokens, 64);
   ASSERT_THAT(captured.status(), IsOk());
   auto dest = NewSession(HybridPlan(), 128);
-  ASSERT_THAT(cache_->Restore(*dest, captured->entry, tokens).status(), IsOk());
+  ASSERT_THAT(RestoreSessionPrefix(*cache_, *dest, captured->entry, tokens).status(), IsOk());
   ExpectRestored(*dest, 64, 64);
 
   absl::StatusOr<ScopedEntry> scoped = cache_->Inspect(captured->entry);
@@ -1130,7 +1103,7 @@ TEST_F(PrefixCacheTest, LargePiecesAreVerifiedPerSlice) {
   ASSERT_THAT(span.status(), IsOk());
   ASSERT_THAT(backend_->Memset(span->slab, span->offset + 2 * 64 + 5, 0x5A, 1), IsOk());
   auto again = NewSession(HybridPlan(), 128);
-  EXPECT_THAT(cache_->Restore(*again, captured->entry, tokens).status(),
+  EXPECT_THAT(RestoreSessionPrefix(*cache_, *again, captured->entry, tokens).status(),
               StatusIs(absl::StatusCode::kDataLoss,
                        HasSubstrs(absl::StrCat("prefix entry ", captured->entry.value,
                                                ": stored piece 4 (slab ", span->slab.value),
@@ -1159,14 +1132,15 @@ TEST_F(PrefixCacheTest, AnEntryDemotedToDiskRestoresBitExactly) {
   auto old_source = NewSession(FlatPlan(), 128);
   Append(*old_source, old_tokens, 4 * kBlock);
   FillRandom(*old_source, 11, 0);
-  absl::StatusOr<PrefixCaptureResult> old_entry = cache_->Capture(*old_source, old_tokens, 64);
+  absl::StatusOr<PrefixCaptureResult> old_entry =
+      CaptureSessionPrefix(*cache_, *old_source, old_tokens, 64);
   ASSERT_THAT(old_entry.status(), IsOk());
   EXPECT_EQ(cache_->Lookup(kScope, Shape(FlatPlan()), old_tokens).medium, StorageMedium::kDevice);
   const std::vector<int32_t> new_tokens = Tokens(6 * kBlock, 2);
   auto new_source = NewSession(FlatPlan(), 128);
   Append(*new_source, new_tokens, 6 * kBlock);
   FillRandom(*new_source, 12, 0);
-  ASSERT_THAT(cache_->Capture(*new_source, new_tokens, 96).status(), IsOk());
+  ASSERT_THAT(CaptureSessionPrefix(*cache_, *new_source, new_tokens, 96).status(), IsOk());
 
   // 10 blocks for 8 spans: two of the older entry's blocks went to disk, the newer stayed.
   PrefixCacheStats stats = cache_->Stats();
@@ -1202,7 +1176,7 @@ TEST_F(PrefixCacheTest, AnEntryDemotedToDiskRestoresBitExactly) {
   // A restore the destination cannot take is refused before anything is promoted: the pieces
   // stay on disk and no event is sent.
   auto small = NewSession(FlatPlan(), 32);
-  EXPECT_THAT(cache_->Restore(*small, old_entry->entry, old_tokens).status(),
+  EXPECT_THAT(RestoreSessionPrefix(*cache_, *small, old_entry->entry, old_tokens).status(),
               StatusIs(absl::StatusCode::kInvalidArgument,
                        HasSubstr("restoring 64 tokens of prefix entry 1 needs capacity 64")));
   EXPECT_EQ(PieceMedium(*cache_, demoted), StorageMedium::kDisk);
@@ -1211,7 +1185,7 @@ TEST_F(PrefixCacheTest, AnEntryDemotedToDiskRestoresBitExactly) {
 
   auto dest = NewSession(FlatPlan(), 128);
   absl::StatusOr<PrefixRestoreResult> restored =
-      cache_->Restore(*dest, old_entry->entry, old_tokens);
+      RestoreSessionPrefix(*cache_, *dest, old_entry->entry, old_tokens);
   ASSERT_THAT(restored.status(), IsOk());
   EXPECT_EQ(restored->restored_tokens, 64u);
   EXPECT_EQ(KvRows(*dest, 64), KvRows(*old_source, 64));
@@ -1229,7 +1203,7 @@ TEST_F(PrefixCacheTest, AnEntryDemotedToDiskRestoresBitExactly) {
   EXPECT_THAT(cache_->CheckInvariants(), IsOk());
   // And the newer entry, now partly on disk, restores bit-exactly too.
   auto second = NewSession(FlatPlan(), 128);
-  ASSERT_THAT(cache_->Restore(*second, std::nullopt, new_tokens).status(), IsOk());
+  ASSERT_THAT(RestoreSessionPrefix(*cache_, *second, std::nullopt, new_tokens).status(), IsOk());
   EXPECT_EQ(KvRows(*second, 96), KvRows(*new_source, 96));
   EXPECT_THAT(cache_->CheckInvariants(), IsOk());
 }
@@ -1247,19 +1221,20 @@ TEST_F(PrefixCacheTest, ADemotedBoundaryStateRestoresBitExactly) {
     const std::vector<int32_t> tokens = Tokens(32);
     auto source = NewSession(HybridPlan(), 64);
     Append(*source, tokens, 32);
-    absl::StatusOr<PrefixCaptureResult> captured = cache_->Capture(*source, tokens, 32);
+    absl::StatusOr<PrefixCaptureResult> captured =
+        CaptureSessionPrefix(*cache_, *source, tokens, 32);
     ASSERT_THAT(captured.status(), IsOk());
     const std::vector<int32_t> flat_tokens = Tokens(4 * kBlock, 9);
     auto flat = NewSession(FlatPlan(), 128);
     Append(*flat, flat_tokens, 4 * kBlock);
-    ASSERT_THAT(cache_->Capture(*flat, flat_tokens, 64).status(), IsOk());
+    ASSERT_THAT(CaptureSessionPrefix(*cache_, *flat, flat_tokens, 64).status(), IsOk());
     absl::StatusOr<EntryView> view = ViewOf(cache_->Inspect(captured->entry));
     ASSERT_THAT(view.status(), IsOk());
     ASSERT_TRUE(view->boundary.has_value());
     EXPECT_EQ(PieceMedium(*cache_, view->boundary->storage_handle), below);
     EXPECT_EQ(PieceMedium(*cache_, view->blocks[0].stored.storage_handle), below);
     auto dest = NewSession(HybridPlan(), 64);
-    ASSERT_THAT(cache_->Restore(*dest, captured->entry, tokens).status(), IsOk());
+    ASSERT_THAT(RestoreSessionPrefix(*cache_, *dest, captured->entry, tokens).status(), IsOk());
     ExpectRestored(*dest, 32, 32);
     EXPECT_EQ(PieceMedium(*cache_, view->boundary->storage_handle), StorageMedium::kDevice);
     EXPECT_THAT(cache_->CheckInvariants(), IsOk());
@@ -1280,7 +1255,8 @@ TEST_F(PrefixCacheTest, CorruptedBytesInATierBelowAreDataLossAndTheEntryIsDroppe
     const std::vector<int32_t> tokens = Tokens(3 * kBlock);
     auto source = NewSession(FlatPlan(), 128);
     Append(*source, tokens, 3 * kBlock);
-    absl::StatusOr<PrefixCaptureResult> captured = cache_->Capture(*source, tokens, 48);
+    absl::StatusOr<PrefixCaptureResult> captured =
+        CaptureSessionPrefix(*cache_, *source, tokens, 48);
     ASSERT_THAT(captured.status(), IsOk());
     absl::StatusOr<EntryView> view = ViewOf(cache_->Inspect(captured->entry));
     ASSERT_THAT(view.status(), IsOk());
@@ -1308,12 +1284,12 @@ TEST_F(PrefixCacheTest, CorruptedBytesInATierBelowAreDataLossAndTheEntryIsDroppe
       where = absl::StrCat("disk file ", *file, " (", kFlatBlockBytes, " bytes)");
     }
     auto dest = NewSession(FlatPlan(), 128);
-    EXPECT_THAT(cache_->Restore(*dest, captured->entry, tokens).status(),
-                StatusIs(absl::StatusCode::kDataLoss,
-                         HasSubstrs(absl::StrCat("prefix entry ", captured->entry.value, ": ",
-                                                 where),
-                                    absl::StrCat("(", kFlatBlockBytes, " bytes)"),
-                                    "at slice 1 of 4", "dropped")));
+    EXPECT_THAT(
+        RestoreSessionPrefix(*cache_, *dest, captured->entry, tokens).status(),
+        StatusIs(absl::StatusCode::kDataLoss,
+                 HasSubstrs(absl::StrCat("prefix entry ", captured->entry.value, ": ", where),
+                            absl::StrCat("(", kFlatBlockBytes, " bytes)"), "at slice 1 of 4",
+                            "dropped")));
     EXPECT_EQ(Committed(*dest), 0u);
     EXPECT_THAT(cache_->Inspect(captured->entry).status(),
                 StatusIs(absl::StatusCode::kNotFound, HasSubstr("")));
@@ -1377,7 +1353,8 @@ TEST_F(PrefixCacheTest, AdmissionDemotesToTheTierBelowBeforeEvicting) {
     ASSERT_THAT(tiered.status(), IsOk());
     cache_ = *std::move(tiered);
     cache_->InstallEvictor(budget);
-    absl::StatusOr<PrefixCaptureResult> captured = cache_->Capture(*session, tokens, 32);
+    absl::StatusOr<PrefixCaptureResult> captured =
+        CaptureSessionPrefix(*cache_, *session, tokens, 32);
     ASSERT_THAT(captured.status(), IsOk());
     EXPECT_EQ(budget.Snapshot().allocated(), 16u << 10);  // one slab
     absl::StatusOr<AllocationId> admitted = budget.Allocate(/*owner=*/1, total);
@@ -1394,11 +1371,11 @@ TEST_F(PrefixCacheTest, AdmissionDemotesToTheTierBelowBeforeEvicting) {
     EXPECT_THAT(cache_->CheckInvariants(), IsOk());
     // With the device full the entry cannot come back: RESOURCE_EXHAUSTED, the entry stays.
     auto dest = NewSession(FlatPlan(), 64);
-    EXPECT_THAT(cache_->Restore(*dest, captured->entry, tokens).status(),
+    EXPECT_THAT(RestoreSessionPrefix(*cache_, *dest, captured->entry, tokens).status(),
                 StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("")));
     EXPECT_EQ(cache_->Stats().entries, 1u);
     ASSERT_THAT(budget.Release(*admitted), IsOk());
-    ASSERT_THAT(cache_->Restore(*dest, captured->entry, tokens).status(), IsOk());
+    ASSERT_THAT(RestoreSessionPrefix(*cache_, *dest, captured->entry, tokens).status(), IsOk());
     ExpectRestored(*dest, 32, 0);
     stats = cache_->Stats();
     EXPECT_EQ(stats.tiers[1].hits, 1u);
@@ -1428,7 +1405,7 @@ TEST_F(PrefixCacheTest, ConcurrentRestoresPromoteSharedDiskPiecesOnce) {
     auto session = NewSession(FlatPlan(), 128);
     Append(*session, tokens, 4 * kBlock);
     FillRandom(*session, 40 + i, 2 * kBlock);
-    ASSERT_THAT(cache_->Capture(*session, tokens, 4 * kBlock).status(), IsOk());
+    ASSERT_THAT(CaptureSessionPrefix(*cache_, *session, tokens, 4 * kBlock).status(), IsOk());
     sources.push_back({std::move(session), tokens});
   }
   // 2 shared + 4 x 2 own = 10 blocks for 8 spans: the oldest pieces are on disk.
@@ -1440,7 +1417,8 @@ TEST_F(PrefixCacheTest, ConcurrentRestoresPromoteSharedDiskPiecesOnce) {
     std::vector<std::thread> threads;
     for (size_t i = 0; i < sources.size(); ++i) {
       threads.emplace_back([&, i] {
-        results[i] = cache_->Restore(*dests[i], std::nullopt, sources[i].tokens).status();
+        results[i] =
+            RestoreSessionPrefix(*cache_, *dests[i], std::nullopt, sources[i].tokens).status();
       });
     }
     for (std::thread& thread : threads) thread.join();
@@ -1518,7 +1496,8 @@ TEST_F(PrefixCacheTest, ADemotionCopiesWithoutHoldingTheCacheLock) {
   auto old_source = NewSession(FlatPlan(), 128);
   Append(*old_source, old_tokens, 4 * kBlock);
   FillRandom(*old_source, 21, 0);
-  absl::StatusOr<PrefixCaptureResult> old_entry = cache_->Capture(*old_source, old_tokens, 64);
+  absl::StatusOr<PrefixCaptureResult> old_entry =
+      CaptureSessionPrefix(*cache_, *old_source, old_tokens, 64);
   ASSERT_THAT(old_entry.status(), IsOk());
   const std::vector<int32_t> new_tokens = Tokens(6 * kBlock, 2);
   auto new_source = NewSession(FlatPlan(), 128);
@@ -1527,7 +1506,7 @@ TEST_F(PrefixCacheTest, ADemotionCopiesWithoutHoldingTheCacheLock) {
   auto dest = NewSession(FlatPlan(), 128);
   absl::Status captured;
   std::thread capture(
-      [&] { captured = cache_->Capture(*new_source, new_tokens, 96).status(); });
+      [&] { captured = CaptureSessionPrefix(*cache_, *new_source, new_tokens, 96).status(); });
   gate.AwaitEntered();
   EXPECT_EQ(gate.last_to(), StorageMedium::kDisk);
   // The demotion is mid-copy: lookups, stats, listings and a restore of the new entry (none of
@@ -1540,7 +1519,7 @@ TEST_F(PrefixCacheTest, ADemotionCopiesWithoutHoldingTheCacheLock) {
   PrefixCacheStats stats = cache_->Stats();
   EXPECT_EQ(stats.tiers[0].stored_bytes, 10 * kFlatSpanBytes);  // nothing committed yet
   EXPECT_EQ(stats.tiers[1].demotions, 0u);
-  ASSERT_THAT(cache_->Restore(*dest, std::nullopt, new_tokens).status(), IsOk());
+  ASSERT_THAT(RestoreSessionPrefix(*cache_, *dest, std::nullopt, new_tokens).status(), IsOk());
   EXPECT_EQ(KvRows(*dest, 96), KvRows(*new_source, 96));
   gate.Open();
   capture.join();
@@ -1552,7 +1531,8 @@ TEST_F(PrefixCacheTest, ADemotionCopiesWithoutHoldingTheCacheLock) {
   EXPECT_EQ(cache_->Lookup(kScope, Shape(FlatPlan()), old_tokens).medium, StorageMedium::kDisk);
   EXPECT_THAT(cache_->CheckInvariants(), IsOk());
   auto old_dest = NewSession(FlatPlan(), 128);
-  ASSERT_THAT(cache_->Restore(*old_dest, old_entry->entry, old_tokens).status(), IsOk());
+  ASSERT_THAT(RestoreSessionPrefix(*cache_, *old_dest, old_entry->entry, old_tokens).status(),
+              IsOk());
   EXPECT_EQ(KvRows(*old_dest, 64), KvRows(*old_source, 64));
   EXPECT_THAT(cache_->CheckInvariants(), IsOk());
 }
@@ -1579,7 +1559,9 @@ TEST_F(PrefixCacheTest, ADemotionBatchCommitsChunkByChunk) {
     entry.source = NewSession(FlatPlan(), 128);
     Append(*entry.source, entry.tokens, blocks * kBlock);
     FillRandom(*entry.source, 40 + salt, 0);
-    ASSERT_THAT(cache_->Capture(*entry.source, entry.tokens, blocks * kBlock).status(), IsOk());
+    ASSERT_THAT(
+        CaptureSessionPrefix(*cache_, *entry.source, entry.tokens, blocks * kBlock).status(),
+        IsOk());
   }
   const Captured& a = entries[0];
   const Captured& b = entries[1];
@@ -1590,7 +1572,8 @@ TEST_F(PrefixCacheTest, ADemotionBatchCommitsChunkByChunk) {
   Append(*d_source, d_tokens, 4 * kBlock);
   FillRandom(*d_source, 44, 0);
   absl::Status captured;
-  std::thread capture([&] { captured = cache_->Capture(*d_source, d_tokens, 4 * kBlock).status(); });
+  std::thread capture(
+      [&] { captured = CaptureSessionPrefix(*cache_, *d_source, d_tokens, 4 * kBlock).status(); });
   gate.AwaitEntered();
   EXPECT_EQ(cache_->Lookup(kScope, Shape(FlatPlan()), a.tokens).medium, StorageMedium::kDisk);
   EXPECT_EQ(cache_->Lookup(kScope, Shape(FlatPlan()), b.tokens).medium, StorageMedium::kDevice);
@@ -1603,7 +1586,7 @@ TEST_F(PrefixCacheTest, ADemotionBatchCommitsChunkByChunk) {
   absl::Status restore_status;
   auto a_dest = NewSession(FlatPlan(), 128);
   std::thread restore([&] {
-    restore_status = cache_->Restore(*a_dest, std::nullopt, a.tokens).status();
+    restore_status = RestoreSessionPrefix(*cache_, *a_dest, std::nullopt, a.tokens).status();
     restored.Notify();
   });
   const bool restored_while_held = restored.WaitForNotificationWithTimeout(absl::Seconds(30));
@@ -1633,7 +1616,8 @@ TEST_F(PrefixCacheTest, PiecesPinnedOrEvictedWhileTheyMoveStayConsistent) {
     auto old_source = NewSession(FlatPlan(), 128);
     Append(*old_source, old_tokens, 4 * kBlock);
     FillRandom(*old_source, 31, 0);
-    absl::StatusOr<PrefixCaptureResult> old_entry = cache_->Capture(*old_source, old_tokens, 64);
+    absl::StatusOr<PrefixCaptureResult> old_entry =
+        CaptureSessionPrefix(*cache_, *old_source, old_tokens, 64);
     ASSERT_THAT(old_entry.status(), IsOk());
     absl::StatusOr<EntryView> old_view = ViewOf(cache_->Inspect(old_entry->entry));
     ASSERT_THAT(old_view.status(), IsOk());
@@ -1643,7 +1627,7 @@ TEST_F(PrefixCacheTest, PiecesPinnedOrEvictedWhileTheyMoveStayConsistent) {
     Append(*new_source, new_tokens, 6 * kBlock);
     absl::Status captured;
     std::thread capture(
-        [&] { captured = cache_->Capture(*new_source, new_tokens, 96).status(); });
+        [&] { captured = CaptureSessionPrefix(*cache_, *new_source, new_tokens, 96).status(); });
     gate.AwaitEntered();
     auto dest = NewSession(FlatPlan(), 128);
     absl::Status restored;
@@ -1652,8 +1636,9 @@ TEST_F(PrefixCacheTest, PiecesPinnedOrEvictedWhileTheyMoveStayConsistent) {
       ASSERT_THAT(cache_->EvictEntry(old_entry->entry).status(), IsOk());
       EXPECT_EQ(cache_->Stats().tiers[0].stored_bytes, 6 * kFlatSpanBytes);
     } else {
-      restore = std::thread(
-          [&] { restored = cache_->Restore(*dest, old_entry->entry, old_tokens).status(); });
+      restore = std::thread([&] {
+        restored = RestoreSessionPrefix(*cache_, *dest, old_entry->entry, old_tokens).status();
+      });
       // Bounded: the restore pins the entry before it waits for the moving pieces.
       for (int i = 0; i < 10000 && cache_->Stats().pinned_bytes == 0; ++i) {
         absl::SleepFor(absl::Milliseconds(1));
@@ -1728,7 +1713,7 @@ TEST_F(PrefixCacheTest, ConcurrentTrafficKeepsTheTierInvariants) {
               Append(*source.session, source.tokens, len);
               FillRandom(*source.session, random.Below(1 << 30), 0);
               absl::StatusOr<PrefixCaptureResult> captured =
-                  cache_->Capture(*source.session, source.tokens, len);
+                  CaptureSessionPrefix(*cache_, *source.session, source.tokens, len);
               ASSERT_THAT(captured.status(), IsOk());
               source.entry = captured->entry;
               sources.push_back(std::move(source));
@@ -1736,7 +1721,7 @@ TEST_F(PrefixCacheTest, ConcurrentTrafficKeepsTheTierInvariants) {
               const Source& source = sources[random.Below(sources.size())];
               auto dest = new_session();
               const absl::Status restored =
-                  cache_->Restore(*dest, source.entry, source.tokens).status();
+                  RestoreSessionPrefix(*cache_, *dest, source.entry, source.tokens).status();
               if (restored.ok()) {
                 ASSERT_EQ(KvRows(*dest, source.len), KvRows(*source.session, source.len));
                 restores.fetch_add(1);
@@ -1793,7 +1778,7 @@ TEST_F(PrefixCacheTest, AnEntryDemotedThroughTheHostTierToDiskRestoresBitExactly
     Append(*source.session, source.tokens, blocks * kBlock);
     FillRandom(*source.session, 50 + i, 0);
     absl::StatusOr<PrefixCaptureResult> captured =
-        cache_->Capture(*source.session, source.tokens, blocks * kBlock);
+        CaptureSessionPrefix(*cache_, *source.session, source.tokens, blocks * kBlock);
     ASSERT_THAT(captured.status(), IsOk());
     source.entry = captured->entry;
     sources.push_back(std::move(source));
@@ -1849,7 +1834,8 @@ TEST_F(PrefixCacheTest, AnEntryDemotedThroughTheHostTierToDiskRestoresBitExactly
 
   // A (disk + host) restores bit-exactly; its pieces are promoted to the device.
   auto dest_a = NewSession(FlatPlan(), 128);
-  ASSERT_THAT(cache_->Restore(*dest_a, sources[0].entry, sources[0].tokens).status(), IsOk());
+  ASSERT_THAT(RestoreSessionPrefix(*cache_, *dest_a, sources[0].entry, sources[0].tokens).status(),
+              IsOk());
   EXPECT_EQ(KvRows(*dest_a, 64), KvRows(*sources[0].session, 64));
   for (const LookupBlock& block : a->blocks) {
     EXPECT_EQ(PieceMedium(*cache_, block.stored.storage_handle), StorageMedium::kDevice);
@@ -1866,7 +1852,8 @@ TEST_F(PrefixCacheTest, AnEntryDemotedThroughTheHostTierToDiskRestoresBitExactly
   for (size_t i = 1; i < 3; ++i) {
     const uint64_t rows = sources[i].tokens.size();
     auto dest = NewSession(FlatPlan(), 128);
-    ASSERT_THAT(cache_->Restore(*dest, sources[i].entry, sources[i].tokens).status(), IsOk());
+    ASSERT_THAT(RestoreSessionPrefix(*cache_, *dest, sources[i].entry, sources[i].tokens).status(),
+                IsOk());
     EXPECT_EQ(KvRows(*dest, rows), KvRows(*sources[i].session, rows));
     EXPECT_THAT(cache_->CheckInvariants(), IsOk());
   }
@@ -1920,13 +1907,14 @@ TEST_F(PrefixCacheTest, AFullTierEvictsOnlyEntriesThatFreeRoomThere) {
     // The kept prefix restores bit-exactly from the tier below, and so does its extension.
     auto dest = NewSession(FlatPlan(), 128);
     absl::StatusOr<PrefixRestoreResult> restored =
-        cache_->Restore(*dest, shorter, long_source.tokens);
+        RestoreSessionPrefix(*cache_, *dest, shorter, long_source.tokens);
     ASSERT_THAT(restored.status(), IsOk());
     EXPECT_EQ(restored->restored_tokens, 2 * kBlock);
     EXPECT_EQ(KvRows(*dest, 2 * kBlock), KvRows(*long_source.session, 2 * kBlock));
     EXPECT_EQ(cache_->Stats().tiers[1].hits, 1u);
     auto dest_long = NewSession(FlatPlan(), 128);
-    ASSERT_THAT(cache_->Restore(*dest_long, longer, long_source.tokens).status(), IsOk());
+    ASSERT_THAT(RestoreSessionPrefix(*cache_, *dest_long, longer, long_source.tokens).status(),
+                IsOk());
     EXPECT_EQ(KvRows(*dest_long, 4 * kBlock), KvRows(*long_source.session, 4 * kBlock));
     EXPECT_THAT(cache_->CheckInvariants(), IsOk());
     cache_.reset();
@@ -1966,7 +1954,7 @@ TEST_F(PrefixCacheTest, ATierFullOfSharedPiecesStillMakesRoom) {
     EXPECT_THAT(cache_->CheckInvariants(), IsOk());
     // The newest entry is whole and restores bit-exactly.
     auto dest = NewSession(FlatPlan(), 128);
-    ASSERT_THAT(cache_->Restore(*dest, second_whole, second.tokens).status(), IsOk());
+    ASSERT_THAT(RestoreSessionPrefix(*cache_, *dest, second_whole, second.tokens).status(), IsOk());
     EXPECT_EQ(KvRows(*dest, 4 * kBlock), KvRows(*second.session, 4 * kBlock));
     EXPECT_THAT(cache_->CheckInvariants(), IsOk());
     cache_.reset();
@@ -2173,9 +2161,9 @@ class PrefixCacheRemoteTest : public testing::WithRedisCluster<PrefixCacheTest> 
                        const std::vector<int32_t>& tokens, uint64_t blocks) {
     auto source = NewSession(plan, 256);
     Append(*source, tokens, blocks * kBlock);
-    ASSERT_THAT(cache
-                    .Capture(*source, absl::MakeConstSpan(tokens).subspan(0, blocks * kBlock),
-                             blocks * kBlock)
+    ASSERT_THAT(CaptureSessionPrefix(cache, *source,
+                                     absl::MakeConstSpan(tokens).subspan(0, blocks * kBlock),
+                                     blocks * kBlock)
                     .status(),
                 IsOk());
     ASSERT_TRUE(cache.remote_tier()->Flush(absl::Seconds(30)));
@@ -2231,7 +2219,8 @@ TEST_F(PrefixCacheRemoteTest, CapturedOnOneCacheRestoresBitExactlyOnAnother) {
     EXPECT_EQ(found.medium, StorageMedium::kRemote);
     EXPECT_EQ(found.entry, std::nullopt);  // a restore by tokens pulls it
     auto dest = NewSession(plan, 256);
-    absl::StatusOr<PrefixRestoreResult> restored = b->Restore(*dest, std::nullopt, tokens);
+    absl::StatusOr<PrefixRestoreResult> restored =
+        RestoreSessionPrefix(*b, *dest, std::nullopt, tokens);
     ASSERT_THAT(restored.status(), IsOk());
     EXPECT_EQ(restored->restored_tokens, tokens.size());
     ExpectRestored(*dest, tokens.size(), tokens.size());
@@ -2265,7 +2254,8 @@ TEST_F(PrefixCacheRemoteTest, APulledEntrysEventNamesItsTokensParentAndEngine) {
   ASSERT_NO_FATAL_FAILURE(CapturedOnA(tokens, 6, a, b));
   CaptureAndFlush(*b, FlatPlan(), tokens, 2);  // B holds blocks 0 and 1 itself
   auto dest = NewSession(FlatPlan(), 256);     // owned by engine 1
-  absl::StatusOr<PrefixRestoreResult> restored = b->Restore(*dest, std::nullopt, tokens);
+  absl::StatusOr<PrefixRestoreResult> restored =
+      RestoreSessionPrefix(*b, *dest, std::nullopt, tokens);
   ASSERT_THAT(restored.status(), IsOk());
   EXPECT_EQ(restored->restored_tokens, 6 * kBlock);
   EXPECT_EQ(b->Stats().remote->pulled_pieces, 4u);
@@ -2295,7 +2285,8 @@ TEST_F(PrefixCacheRemoteTest, APullLargerThanTheDeviceBudgetPullsWhatFits) {
   const std::vector<int32_t> tokens = Tokens(6 * kBlock);
   CaptureAndFlush(*a, FlatPlan(), tokens, 6);
   auto dest = NewSession(FlatPlan(), 256);
-  absl::StatusOr<PrefixRestoreResult> restored = b->Restore(*dest, std::nullopt, tokens);
+  absl::StatusOr<PrefixRestoreResult> restored =
+      RestoreSessionPrefix(*b, *dest, std::nullopt, tokens);
   ASSERT_THAT(restored.status(), IsOk());
   EXPECT_EQ(restored->restored_tokens, 3 * kBlock);
   ExpectRestored(*dest, 3 * kBlock, 0);
@@ -2314,7 +2305,8 @@ TEST_F(PrefixCacheRemoteTest, AWhollyLocalBoundaryEntryRestoresWithoutAskingTheC
   CaptureAndFlush(*b, HybridPlan(), tokens, 4);
   const RemoteTierStats before = *b->Stats().remote;
   auto dest = NewSession(HybridPlan(), 256);
-  absl::StatusOr<PrefixRestoreResult> restored = b->Restore(*dest, std::nullopt, tokens);
+  absl::StatusOr<PrefixRestoreResult> restored =
+      RestoreSessionPrefix(*b, *dest, std::nullopt, tokens);
   ASSERT_THAT(restored.status(), IsOk());
   EXPECT_EQ(restored->restored_tokens, 4 * kBlock);
   const RemoteTierStats after = *b->Stats().remote;
@@ -2347,7 +2339,8 @@ TEST_F(PrefixCacheRemoteTest, ACorruptValueIsDeletedAndAnotherShapesIsSkipped) {
 
   // The restore pulls blocks 0 and 1, refuses block 2 (another shape: skipped, kept).
   auto first = NewSession(FlatPlan(), 256);
-  absl::StatusOr<PrefixRestoreResult> restored = b->Restore(*first, std::nullopt, tokens);
+  absl::StatusOr<PrefixRestoreResult> restored =
+      RestoreSessionPrefix(*b, *first, std::nullopt, tokens);
   ASSERT_THAT(restored.status(), IsOk());
   EXPECT_EQ(restored->restored_tokens, 2 * kBlock);
   ExpectRestored(*first, 2 * kBlock, 0);
@@ -2360,7 +2353,7 @@ TEST_F(PrefixCacheRemoteTest, ACorruptValueIsDeletedAndAnotherShapesIsSkipped) {
   // deleted from the cluster.
   ASSERT_THAT(redis_->Set(foreign_key, **original), IsOk());
   auto second = NewSession(FlatPlan(), 256);
-  restored = b->Restore(*second, std::nullopt, tokens);
+  restored = RestoreSessionPrefix(*b, *second, std::nullopt, tokens);
   ASSERT_THAT(restored.status(), IsOk());
   EXPECT_EQ(restored->restored_tokens, 4 * kBlock);
   ExpectRestored(*second, 4 * kBlock, 0);
@@ -2408,7 +2401,8 @@ TEST_F(PrefixCacheRemoteTest, AStalledClusterCostsALookupItsDeadlineAndServesLoc
   const PrefixLookupResult found = (*cache)->Lookup(kScope, Shape(FlatPlan()), tokens);
   const absl::Duration took = absl::Now() - start;
   auto dest = NewSession(FlatPlan(), 256);
-  absl::StatusOr<PrefixRestoreResult> restored = (*cache)->Restore(*dest, std::nullopt, tokens);
+  absl::StatusOr<PrefixRestoreResult> restored =
+      RestoreSessionPrefix(**cache, *dest, std::nullopt, tokens);
   for (const int master : *masters) cluster_->Signal(master, SIGCONT);
   EXPECT_EQ(found.outcome, LookupOutcome::kPartial);
   EXPECT_EQ(found.matched_tokens, 2 * kBlock);
@@ -2455,7 +2449,7 @@ TEST_F(PrefixCacheRemoteTest, AnEntryEvictedWhileItsWritesAreQueuedIsWrittenFrom
   const std::vector<int32_t> evicted_tokens = Tokens(4 * kBlock, 21);
   auto evicted_source = RandomSource(evicted_tokens, 31);
   absl::StatusOr<PrefixCaptureResult> evicted =
-      a->Capture(*evicted_source, evicted_tokens, 4 * kBlock);
+      CaptureSessionPrefix(*a, *evicted_source, evicted_tokens, 4 * kBlock);
   ASSERT_THAT(evicted.status(), IsOk());
   ASSERT_TRUE(gate.WriterWaits());
   const uint64_t used_with_entry = a->Stats().slabs.used_bytes;
@@ -2467,7 +2461,7 @@ TEST_F(PrefixCacheRemoteTest, AnEntryEvictedWhileItsWritesAreQueuedIsWrittenFrom
   // The next capture cannot land in those spans.
   const std::vector<int32_t> next_tokens = Tokens(4 * kBlock, 22);
   auto next_source = RandomSource(next_tokens, 32);
-  ASSERT_THAT(a->Capture(*next_source, next_tokens, 4 * kBlock).status(), IsOk());
+  ASSERT_THAT(CaptureSessionPrefix(*a, *next_source, next_tokens, 4 * kBlock).status(), IsOk());
   EXPECT_EQ(a->Stats().slabs.used_bytes, 2 * used_with_entry);
   gate.Release();
   ASSERT_TRUE(a->remote_tier()->Flush(absl::Seconds(30)));
@@ -2481,7 +2475,8 @@ TEST_F(PrefixCacheRemoteTest, AnEntryEvictedWhileItsWritesAreQueuedIsWrittenFrom
   for (const auto& [tokens, source] :
        {std::pair{&evicted_tokens, evicted_source.get()}, std::pair{&next_tokens, next_source.get()}}) {
     auto dest = NewSession(FlatPlan(), 256);
-    absl::StatusOr<PrefixRestoreResult> restored = b->Restore(*dest, std::nullopt, *tokens);
+    absl::StatusOr<PrefixRestoreResult> restored =
+        RestoreSessionPrefix(*b, *dest, std::nullopt, *tokens);
     ASSERT_THAT(restored.status(), IsOk());
     EXPECT_EQ(restored->restored_tokens, 4 * kBlock);
     EXPECT_EQ(KvRows(*dest, 4 * kBlock), KvRows(*source, 4 * kBlock));
@@ -2503,12 +2498,13 @@ TEST_F(PrefixCacheRemoteTest, PiecesDemotedWhileTheirWritesAreQueuedAreWrittenAn
   ASSERT_NE(b, nullptr);
   const std::vector<int32_t> old_tokens = Tokens(3 * kBlock, 23);
   auto old_source = RandomSource(old_tokens, 33);
-  absl::StatusOr<PrefixCaptureResult> old_entry = a->Capture(*old_source, old_tokens, 3 * kBlock);
+  absl::StatusOr<PrefixCaptureResult> old_entry =
+      CaptureSessionPrefix(*a, *old_source, old_tokens, 3 * kBlock);
   ASSERT_THAT(old_entry.status(), IsOk());
   ASSERT_TRUE(gate.WriterWaits());
   const std::vector<int32_t> new_tokens = Tokens(3 * kBlock, 24);
   auto new_source = RandomSource(new_tokens, 34);
-  ASSERT_THAT(a->Capture(*new_source, new_tokens, 3 * kBlock).status(), IsOk());
+  ASSERT_THAT(CaptureSessionPrefix(*a, *new_source, new_tokens, 3 * kBlock).status(), IsOk());
   absl::StatusOr<EntryView> view = ViewOf(a->Inspect(old_entry->entry));
   ASSERT_THAT(view.status(), IsOk());
   EXPECT_EQ(PieceMedium(*a, view->blocks[0].stored.storage_handle), StorageMedium::kDisk);
@@ -2526,10 +2522,11 @@ TEST_F(PrefixCacheRemoteTest, PiecesDemotedWhileTheirWritesAreQueuedAreWrittenAn
   EXPECT_EQ(stats.slabs.used_bytes, 4 * kFlatSpanBytes);
   EXPECT_THAT(a->CheckInvariants(), IsOk());
   auto local = NewSession(FlatPlan(), 256);
-  ASSERT_THAT(a->Restore(*local, old_entry->entry, old_tokens).status(), IsOk());
+  ASSERT_THAT(RestoreSessionPrefix(*a, *local, old_entry->entry, old_tokens).status(), IsOk());
   EXPECT_EQ(KvRows(*local, 3 * kBlock), KvRows(*old_source, 3 * kBlock));
   auto remote = NewSession(FlatPlan(), 256);
-  absl::StatusOr<PrefixRestoreResult> restored = b->Restore(*remote, std::nullopt, old_tokens);
+  absl::StatusOr<PrefixRestoreResult> restored =
+      RestoreSessionPrefix(*b, *remote, std::nullopt, old_tokens);
   ASSERT_THAT(restored.status(), IsOk());
   EXPECT_EQ(restored->restored_tokens, 3 * kBlock);
   EXPECT_EQ(KvRows(*remote, 3 * kBlock), KvRows(*old_source, 3 * kBlock));
@@ -2545,7 +2542,8 @@ TEST_F(PrefixCacheRemoteTest, ACacheDestroyedWithWritesQueuedReleasesThem) {
   const std::vector<int32_t> tokens = Tokens(2 * kBlock, 24);
   auto source = NewSession(FlatPlan(), 256);
   Append(*source, tokens, 2 * kBlock);
-  absl::StatusOr<PrefixCaptureResult> captured = a->Capture(*source, tokens, 2 * kBlock);
+  absl::StatusOr<PrefixCaptureResult> captured =
+      CaptureSessionPrefix(*a, *source, tokens, 2 * kBlock);
   ASSERT_THAT(captured.status(), IsOk());
   ASSERT_TRUE(gate.WriterWaits());
   ASSERT_THAT(a->EvictEntry(captured->entry), IsOk());
