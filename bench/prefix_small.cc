@@ -247,7 +247,7 @@ absl::StatusOr<Json> MeasureDaemons(const BenchOptions& options, int reps, Table
                                     uint64_t& entry_bytes) {
   const std::vector<int32_t> ids = TokenIds(kEntryTokens, kEntryTokens);
   std::vector<std::unique_ptr<DaemonUnderTest>> daemons;
-  for (uint32_t threads : {static_cast<uint32_t>(DaemonConfig{}.prefix_copy_threads), 1u}) {
+  for (uint32_t threads : {static_cast<uint32_t>(DaemonConfig{}.prefix.copy_threads), 1u}) {
     ASSIGN_OR_RETURN(daemons.emplace_back(),
                      StartDaemon(options, threads == 1 ? "prefix_copy_threads=1" : "default",
                                  threads, ids));
@@ -255,7 +255,7 @@ absl::StatusOr<Json> MeasureDaemons(const BenchOptions& options, int reps, Table
   {
     DaemonUnderTest& first = *daemons.front();
     ASSIGN_OR_RETURN(PrefixCaptured captured,
-                     first.client->CapturePrefix(*first.source, ids, kEntryTokens));
+                     first.client->prefixes().Capture(*first.source, ids, kEntryTokens));
     first.entry_id = captured.entry_id;
     pb::InspectPrefixRequest inspect;
     inspect.set_entry_id(first.entry_id);

@@ -132,8 +132,8 @@ Daemon::Daemon(DaemonConfig config, std::unique_ptr<DeviceBackend> backend, Cloc
                      return handoff_.ServesEngine(connection, engine);
                    },
                    epoch_),
-      step_channels_(&sessions_, &leases_, StepChannelOptions()),
-      handoff_(HandoffOptions(), LookupArena(),
+      step_channels_(&sessions_, &leases_, StepChannelOptionsOf(start_config_, descriptor_shares_)),
+      handoff_(HandoffOptionsOf(start_config_, descriptor_shares_, epoch_), LookupArena(),
                [this](uint64_t engine, uint64_t connection, uint64_t bytes, ScopedFd fd) {
                  return block_store_.OfferBuffer(engine, connection, bytes, std::move(fd));
                },
@@ -181,33 +181,6 @@ PrefixService::SessionFinder Daemon::FindSession() {
 
 PrefixService::ScopeFinder Daemon::FindScope() {
   return [this](const pb::EngineRef& ref) { return leases_.CacheScope(EngineCredentialsOf(ref)); };
-}
-
-ArenaHandoff::Options Daemon::HandoffOptions() const {
-  ArenaHandoff::Options options;
-  options.path = start_config_.HandoffSocketPath();
-  options.group = start_config_.sockets.socket_group;
-  options.mode = start_config_.sockets.socket_mode;
-  const uint64_t by_descriptors = HandoffConnectionsFor(descriptor_shares_);
-  options.max_connections =
-      static_cast<size_t>(std::min<uint64_t>(start_config_.leases.max_engines, by_descriptors));
-  options.max_connections_source = HandoffConnectionsSource(start_config_, descriptor_shares_);
-  // Connections with no engine yet: one uid may hold at most half of them.
-  options.max_unbound_per_uid =
-      std::min(options.max_unbound_per_uid, std::max<size_t>(1, options.max_connections / 2));
-  options.instance = epoch_;
-  return options;
-}
-
-StepChannels::Options Daemon::StepChannelOptions() const {
-  StepChannels::Options options;
-  options.max_channels = static_cast<size_t>(
-      std::min<uint64_t>(start_config_.leases.max_engines, descriptor_shares_.step_channels));
-  options.max_channels_source =
-      absl::StrCat("max_attached_engines ", start_config_.leases.max_engines, " or RLIMIT_NOFILE ",
-                   descriptor_shares_.open_files, "'s share: ", descriptor_shares_.step_channels,
-                   ", an eventfd each");
-  return options;
 }
 
 ArenaHandoff::ArenaLookup Daemon::LookupArena() {

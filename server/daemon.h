@@ -163,8 +163,6 @@ class Daemon {
   PrefixService::ScopeFinder FindScope();
   // The handoff socket's options and its arena lookup: a session of the connection's engine,
   // named with its token, and one of its arenas.
-  ArenaHandoff::Options HandoffOptions() const;
-  StepChannels::Options StepChannelOptions() const;
   ArenaHandoff::ArenaLookup LookupArena();
   // The handoff socket's step channel opener; null without step_channel.
   ArenaHandoff::StepChannelOpener OpenStepChannel();

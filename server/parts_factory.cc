@@ -9,7 +9,6 @@
 #include "core/admission.h"
 #include "core/status_macros.h"
 #include "server/device/pinned_host_memory.h"
-#include "server/edge/arena_handoff.h"
 #include "spdlog/spdlog.h"
 
 namespace memra {
@@ -46,6 +45,27 @@ std::unique_ptr<DeviceBudget> MakeDeviceBudget(const DaemonConfig& config,
   return budget;
 }
 
+namespace {
+
+// Handoff connections the descriptor shares hold, each at its most (open: socket and pending
+// descriptors; in flight: unread answers).
+uint64_t HandoffConnectionsFor(const DescriptorShares& shares) {
+  return std::max<uint64_t>(
+      1, std::min(shares.handoff_descriptors / ArenaHandoff::kOpenDescriptorsPerConnection,
+                  shares.in_flight / ArenaHandoff::kInFlightDescriptorsPerConnection));
+}
+
+// How the handoff connection limit was derived, for its refusal and the start-up log.
+std::string HandoffConnectionsSource(const DaemonConfig& config, const DescriptorShares& shares) {
+  return absl::StrCat("max_attached_engines ", config.leases.max_engines, " or RLIMIT_NOFILE ",
+                      shares.open_files, "'s shares: ", shares.handoff_descriptors,
+                      " descriptors open, ", ArenaHandoff::kOpenDescriptorsPerConnection,
+                      " per connection; ", shares.in_flight, " in flight, ",
+                      ArenaHandoff::kInFlightDescriptorsPerConnection, " per connection");
+}
+
+}  // namespace
+
 DescriptorShares OwnDescriptorShares() {
   rlimit open_files{};
   uint64_t limit = UINT64_MAX;
@@ -53,20 +73,6 @@ DescriptorShares OwnDescriptorShares() {
     limit = open_files.rlim_cur;
   }
   return ShareDescriptors(limit);
-}
-
-uint64_t HandoffConnectionsFor(const DescriptorShares& shares) {
-  return std::max<uint64_t>(
-      1, std::min(shares.handoff_descriptors / ArenaHandoff::kOpenDescriptorsPerConnection,
-                  shares.in_flight / ArenaHandoff::kInFlightDescriptorsPerConnection));
-}
-
-std::string HandoffConnectionsSource(const DaemonConfig& config, const DescriptorShares& shares) {
-  return absl::StrCat("max_attached_engines ", config.leases.max_engines, " or RLIMIT_NOFILE ",
-                      shares.open_files, "'s shares: ", shares.handoff_descriptors,
-                      " descriptors open, ", ArenaHandoff::kOpenDescriptorsPerConnection,
-                      " per connection; ", shares.in_flight, " in flight, ",
-                      ArenaHandoff::kInFlightDescriptorsPerConnection, " per connection");
 }
 
 void LimitByDescriptors(DaemonConfig& config) {
@@ -91,6 +97,33 @@ void LimitByDescriptors(DaemonConfig& config) {
       std::min(engines, HandoffConnectionsFor(shares)), HandoffConnectionsSource(config, shares),
       std::min(engines, shares.step_channels), shares.step_channels,
       config.block_store.max_offers, shares.block_store_offers);
+}
+
+ArenaHandoff::Options HandoffOptionsOf(const DaemonConfig& config, const DescriptorShares& shares,
+                                       uint64_t instance) {
+  ArenaHandoff::Options options;
+  options.path = config.HandoffSocketPath();
+  options.group = config.sockets.socket_group;
+  options.mode = config.sockets.socket_mode;
+  options.max_connections = static_cast<size_t>(
+      std::min<uint64_t>(config.leases.max_engines, HandoffConnectionsFor(shares)));
+  options.max_connections_source = HandoffConnectionsSource(config, shares);
+  // Connections with no engine yet: one uid may hold at most half of them.
+  options.max_unbound_per_uid =
+      std::min(options.max_unbound_per_uid, std::max<size_t>(1, options.max_connections / 2));
+  options.instance = instance;
+  return options;
+}
+
+StepChannels::Options StepChannelOptionsOf(const DaemonConfig& config,
+                                           const DescriptorShares& shares) {
+  StepChannels::Options options;
+  options.max_channels =
+      static_cast<size_t>(std::min<uint64_t>(config.leases.max_engines, shares.step_channels));
+  options.max_channels_source =
+      absl::StrCat("max_attached_engines ", config.leases.max_engines, " or RLIMIT_NOFILE ",
+                   shares.open_files, "'s share: ", shares.step_channels, ", an eventfd each");
+  return options;
 }
 
 ConcurrencyLimit::Limits EventStreamLimits(const DaemonConfig& config, bool per_engine) {

@@ -16,6 +16,8 @@
 #include "server/config.h"
 #include "server/device/backend.h"
 #include "server/device/device_budget.h"
+#include "server/edge/arena_handoff.h"
+#include "server/edge/step_channel.h"
 #include "server/store/block_store.h"
 #include "server/store/prefix_cache.h"
 
@@ -33,17 +35,19 @@ std::unique_ptr<DeviceBudget> MakeDeviceBudget(const DaemonConfig& config, Devic
 // The daemon's own RLIMIT_NOFILE (soft; unlimited or unreadable: no cap), shared out.
 DescriptorShares OwnDescriptorShares();
 
-// Handoff connections the descriptor shares hold, each at its most (open: socket and pending
-// descriptors; in flight: unread answers).
-uint64_t HandoffConnectionsFor(const DescriptorShares& shares);
-
-// How the handoff connection limit was derived, for its refusal and the start-up log.
-std::string HandoffConnectionsSource(const DaemonConfig& config, const DescriptorShares& shares);
-
 // Caps max_arenas, max_connections and block_store_max_offers by the daemon's own RLIMIT_NOFILE
 // (ShareDescriptors), and says so with the caps the daemon applies to its handoff connections
 // and step channels (Daemon::HandoffOptions, StepChannelOptions).
 void LimitByDescriptors(DaemonConfig& config);
+
+// The handoff socket's options: its path and mode, and its connection limits (max_attached_engines
+// or the descriptor shares, whichever allows fewer; a uid's unbound connections at most half).
+ArenaHandoff::Options HandoffOptionsOf(const DaemonConfig& config, const DescriptorShares& shares,
+                                       uint64_t instance);
+
+// The step channels' options: at most one channel per attached engine, capped by the shares.
+StepChannels::Options StepChannelOptionsOf(const DaemonConfig& config,
+                                           const DescriptorShares& shares);
 
 // SubscribeEvents streams of one socket: per engine on the engine socket, and all together.
 ConcurrencyLimit::Limits EventStreamLimits(const DaemonConfig& config, bool per_engine);

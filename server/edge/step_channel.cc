@@ -550,7 +550,7 @@ bool StepChannels::RunRecord(Channel& channel, const SubmissionRecord& record,
   } else if (session == nullptr) {
     outcome = SessionRegistry::SlotRefusal(SessionSlot{channel.engine, record.slot});
   } else {
-    outcome = SessionRegistry::TryApply(*session, *op);
+    outcome = sessions_->TryApply(*session, *op);
     if (!outcome.has_value()) return false;  // busy in a long operation: nothing ran
   }
   if (outcome->ok()) {
