@@ -9,6 +9,7 @@
 #include <cerrno>
 #include <chrono>
 #include <cstring>
+#include <optional>
 #include <string>
 #include <utility>
 
@@ -365,12 +366,18 @@ bool StepChannels::ServeRound(Channel& channel) {
   if (engine_check.ok()) {
     sessions_->FindSlots(channel.engine, channel.slots, absl::MakeSpan(channel.sessions));
   }
+  // The engine's share of the daemon's time, admitted and charged once per round (two clock
+  // reads and two lock round trips per record were a tenth of a record's cost). An engine in
+  // debt gets each record admitted on its own instead: refused, except what ends its own work.
+  const bool round_admitted = engine_check.ok() && sessions_->AdmitWork(channel.engine).ok();
+  std::optional<TimeCharge> round_charge;
+  if (round_admitted) round_charge.emplace(sessions_->time_shares(), channel.engine);
   uint32_t served = 0;
   for (; served < count; ++served) {
     const uint32_t sq_index = channel.sq_head % kSlots;
     CompletionRecord completion;
     if (!RunRecord(channel, channel.records[served], channel.sessions[served].get(), sq_index,
-                   engine_check, completion)) {
+                   engine_check, round_admitted, completion)) {
       // Its session is busy in a long operation: the record stays unconsumed (read again,
       // as the engine left it, next time) and the others' channels are served meanwhile.
       channel.parked = true;
@@ -531,7 +538,8 @@ void StepChannels::WriteResult(Channel& channel, uint32_t cq_index, const Sessio
 
 bool StepChannels::RunRecord(Channel& channel, const SubmissionRecord& record,
                              DaemonSession* session, uint32_t sq_index,
-                             const absl::Status& engine_check, CompletionRecord& completion) {
+                             const absl::Status& engine_check, bool round_admitted,
+                             CompletionRecord& completion) {
   const uint32_t cq_index = channel.cq_tail % kSlots;
   completion.user_data = record.user_data;
   // The record, bounds-checked, straight into its session operation.
@@ -550,7 +558,7 @@ bool StepChannels::RunRecord(Channel& channel, const SubmissionRecord& record,
   } else if (session == nullptr) {
     outcome = SessionRegistry::SlotRefusal(SessionSlot{channel.engine, record.slot});
   } else {
-    outcome = sessions_->TryApply(*session, *op);
+    outcome = sessions_->TryApply(*session, *op, /*charged_by_caller=*/round_admitted);
     if (!outcome.has_value()) return false;  // busy in a long operation: nothing ran
   }
   if (outcome->ok()) {

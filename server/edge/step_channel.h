@@ -119,10 +119,11 @@ class StepChannels {
   static bool Servable(const Channel& channel);
   // The outcome of the record copied into `record` (ring index `index`; `session` the one its
   // slot names, null when none of the engine's), into `completion`; false (nothing run) when
-  // its session is busy in a long operation.
+  // its session is busy in a long operation. `round_admitted`: the round admitted the engine
+  // and charges its time (the record is not admitted or charged on its own).
   bool RunRecord(Channel& channel, const step_channel::SubmissionRecord& record,
                  DaemonSession* session, uint32_t index, const absl::Status& engine_check,
-                 step_channel::CompletionRecord& completion);
+                 bool round_admitted, step_channel::CompletionRecord& completion);
   // The record's session operation (its token ids copied into the channel's buffer, which the
   // operation's span points into until the next record), or the INVALID_ARGUMENT naming what
   // is wrong with it: another version, operation, reserved bytes, side span.

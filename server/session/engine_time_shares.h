@@ -3,7 +3,7 @@
 
 // Each engine's share of the daemon's time (docs/security-model.md#resources, issue 31): the
 // time the daemon spends in an engine's session operations (every gRPC session call, every
-// Step entry, every step channel record, CreateSession) is charged to that engine's
+// Step entry, every step channel round of records, CreateSession) is charged to that engine's
 // TimeShareBucket (core/time_share.h), and an engine whose bucket is in debt is refused
 // RESOURCE_EXHAUSTED, with the numbers and when it is admitted again, before any work. Measured
 // as wall time inside the operation (the daemon's clock read twice, ~0.1 us each, where a

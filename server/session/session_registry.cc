@@ -436,14 +436,20 @@ std::optional<absl::StatusOr<SessionResult>> SessionRegistry::TryRun(const Sessi
 }
 
 std::optional<absl::StatusOr<SessionResult>> SessionRegistry::TryApply(DaemonSession& session,
-                                                                       const SessionOp& op) {
+                                                                       const SessionOp& op,
+                                                                       bool charged_by_caller) {
   if (std::holds_alternative<GrowOp>(op)) {
     // Grow takes the lock RunUnlessBusy holds: refused, never a self-deadlock.
     return absl::StatusOr<SessionResult>(
         absl::InvalidArgumentError("TryRun runs short operations only; Grow is a long one"));
   }
   std::optional<absl::StatusOr<SessionResult>> ran;
-  if (!session.RunUnlessBusy([&] { ran = ApplyAndJournal(session, op); })) return std::nullopt;
+  if (!session.RunUnlessBusy([&] {
+        ran = charged_by_caller ? ApplyAndJournalUncharged(session, op)
+                                : ApplyAndJournal(session, op);
+      })) {
+    return std::nullopt;
+  }
   return ran;
 }
 
@@ -464,6 +470,11 @@ absl::StatusOr<SessionResult> SessionRegistry::ApplyAndJournal(DaemonSession& se
                                                                const SessionOp& op) {
   RETURN_IF_ERROR(AdmitWork(session.owner(), op));
   TimeCharge charge(time_shares_, session.owner());
+  return ApplyAndJournalUncharged(session, op);
+}
+
+absl::StatusOr<SessionResult> SessionRegistry::ApplyAndJournalUncharged(DaemonSession& session,
+                                                                        const SessionOp& op) {
   absl::StatusOr<SessionResult> result = Apply(session, op);
   // Before the reply: what the engine is told happened is what a restart brings back.
   session.JournalNow();

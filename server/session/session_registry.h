@@ -190,8 +190,16 @@ class SessionRegistry {
   // As Run on a session found already, but never waits for a long operation holding it
   // (DaemonSession::RunUnlessBusy): nullopt, with nothing run, when one does. For short
   // operations: INVALID_ARGUMENT for a GrowOp (itself a long one).
+  // `charged_by_caller`: the caller admitted the owner and charges its time for a batch of
+  // operations (the step channel, once per round); otherwise each operation is admitted and
+  // charged here.
   std::optional<absl::StatusOr<SessionResult>> TryApply(DaemonSession& session,
-                                                        const SessionOp& op);
+                                                        const SessionOp& op,
+                                                        bool charged_by_caller = false);
+  // OK, or `engine`'s refusal for its share of the daemon's time (EngineTimeShares::Admit).
+  absl::Status AdmitWork(EngineId engine);
+  // The shares charged (null: none), for a caller that charges a batch itself.
+  EngineTimeShares* time_shares() const { return time_shares_; }
   // As Run(slot, op), but never waits for a session a long operation holds
   // (DaemonSession::RunUnlessBusy): nullopt, with nothing run, when one does. For short
   // operations: INVALID_ARGUMENT for a GrowOp (itself a long one).
@@ -228,8 +236,9 @@ class SessionRegistry {
   // or journals the same way, so what an engine is told happened is what a restart restores.
   // Runs within the owner's share of the daemon's time (AdmitWork, then charged).
   absl::StatusOr<SessionResult> ApplyAndJournal(DaemonSession& session, const SessionOp& op);
-  // OK, or `engine`'s refusal for its share of the daemon's time (EngineTimeShares::Admit).
-  absl::Status AdmitWork(EngineId engine);
+  // ApplyAndJournal without the time share (its caller admitted and charges).
+  static absl::StatusOr<SessionResult> ApplyAndJournalUncharged(DaemonSession& session,
+                                                                const SessionOp& op);
   // The same for `op`, except that what ends the engine's own work (Abort, AcknowledgeGrow) is
   // always admitted.
   absl::Status AdmitWork(EngineId engine, const SessionOp& op);
